@@ -1,0 +1,90 @@
+"""dbtrigger: any SQL table as an at-least-once event source.
+
+A timer fires, :class:`PollTrigger` reads the rows changed since its checkpoint
+from a :class:`SqlAlchemySource`, hands them to your handler as
+:class:`RowChange` batches and advances the checkpoint in a
+:class:`CheckpointStore` only after the handler succeeded.
+"""
+
+from dbtrigger.cursor import BEGINNING, Position
+from dbtrigger.errors import (
+    AmbiguousCommitError,
+    AmbiguousWriteError,
+    CasConflictError,
+    CommitError,
+    ConfigurationError,
+    ContentionError,
+    CorruptStateError,
+    DbTriggerError,
+    FetchError,
+    FingerprintMismatchError,
+    HandlerError,
+    LeaseAcquireError,
+    LostLeaseError,
+    OperatorError,
+    PartialBatchError,
+    RetryableError,
+    SerializationError,
+    StoreAuthError,
+    StoreError,
+    StoreUnavailableError,
+    UnsafeIdentifierError,
+)
+from dbtrigger.events import RowChange, dedup_key, make_event_id
+from dbtrigger.metrics import InMemoryMetrics, MetricsCollector, NullMetrics
+from dbtrigger.runtime.context import BatchContext
+from dbtrigger.runtime.poller import PollTrigger, TickResult
+from dbtrigger.sources.base import SourceAdapter
+from dbtrigger.sources.sqlalchemy import SqlAlchemySource
+from dbtrigger.state.document import StateDocument
+from dbtrigger.state.stores import (
+    CheckpointStore,
+    FileCheckpointStore,
+    InMemoryCheckpointStore,
+    StoredDocument,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BEGINNING",
+    "AmbiguousCommitError",
+    "AmbiguousWriteError",
+    "BatchContext",
+    "CasConflictError",
+    "CheckpointStore",
+    "CommitError",
+    "ConfigurationError",
+    "ContentionError",
+    "CorruptStateError",
+    "DbTriggerError",
+    "FetchError",
+    "FileCheckpointStore",
+    "FingerprintMismatchError",
+    "HandlerError",
+    "InMemoryCheckpointStore",
+    "InMemoryMetrics",
+    "LeaseAcquireError",
+    "LostLeaseError",
+    "MetricsCollector",
+    "NullMetrics",
+    "OperatorError",
+    "PartialBatchError",
+    "PollTrigger",
+    "Position",
+    "RetryableError",
+    "RowChange",
+    "SerializationError",
+    "SourceAdapter",
+    "SqlAlchemySource",
+    "StateDocument",
+    "StoreAuthError",
+    "StoreError",
+    "StoreUnavailableError",
+    "StoredDocument",
+    "TickResult",
+    "UnsafeIdentifierError",
+    "__version__",
+    "dedup_key",
+    "make_event_id",
+]

@@ -1,0 +1,223 @@
+"""Cursor values and positions, and their exact JSON encoding.
+
+A poller's progress is a *position*: the cursor column's value plus the
+primary-key values of the last row delivered (the tiebreaker). Positions are
+totally ordered the same way the fetch query orders rows:
+``(cursor, pk...)`` ascending, with a NULL cursor sorting before every value.
+
+The state document is JSON, which knows ints, strings and floats only. Every
+other cursor type is written as a string plus a *kind* tag so that it reads back
+as the very same Python value and can be bound to the query with its own type:
+a timestamp is never compared as a string, a Decimal never loses digits, and
+microseconds survive.
+
+Naive timestamps are kept naive (kind ``naive_timestamp``): dbtrigger never
+guesses a time zone for a ``TIMESTAMP WITHOUT TIME ZONE`` column, it writes the
+wall-clock value exactly as the database returned it and binds it back the same
+way. Aware timestamps are normalised to UTC (kind ``timestamp``), written with a
+trailing ``Z``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import decimal
+import hashlib
+import json
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dbtrigger.errors import CorruptStateError, SerializationError
+
+#: Kinds a cursor or tiebreaker value can have in the state document.
+KINDS = (
+    "null",
+    "int",
+    "str",
+    "float",
+    "decimal",
+    "timestamp",
+    "naive_timestamp",
+    "date",
+    "uuid",
+    "bytes",
+    "bool",
+)
+
+
+def kind_of(value: Any) -> str:
+    """Name the state-document kind of a Python value from a driver.
+
+    Raises:
+        SerializationError: the value has a type dbtrigger cannot round-trip.
+    """
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int"
+    if isinstance(value, str):
+        return "str"
+    if isinstance(value, float):
+        return "float"
+    if isinstance(value, decimal.Decimal):
+        return "decimal"
+    if isinstance(value, dt.datetime):
+        return "naive_timestamp" if value.tzinfo is None else "timestamp"
+    if isinstance(value, dt.date):
+        return "date"
+    if isinstance(value, uuid.UUID):
+        return "uuid"
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return "bytes"
+    raise SerializationError(
+        f"cursor/key value of type {type(value).__name__} cannot be stored in a checkpoint; "
+        "use an integer, decimal, timestamp, date, uuid, string or binary column",
+        value_type=type(value).__name__,
+    )
+
+
+def _iso_utc(value: dt.datetime) -> str:
+    utc = value.astimezone(dt.timezone.utc)
+    return utc.replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
+
+
+def encode_value(value: Any) -> tuple[str, Any]:
+    """Encode a value as ``(kind, json_value)``; the pair decodes back exactly."""
+    kind = kind_of(value)
+    encoded: Any
+    if kind in ("null", "int", "str", "bool"):
+        encoded = value
+    elif kind == "float":
+        encoded = repr(value)  # repr round-trips IEEE doubles exactly
+    elif kind == "decimal":
+        if not value.is_finite():
+            raise SerializationError(f"non-finite decimal cursor {value!r} cannot be ordered")
+        encoded = str(value)
+    elif kind == "timestamp":
+        encoded = _iso_utc(value)
+    elif kind == "naive_timestamp":
+        encoded = value.isoformat(timespec="microseconds")
+    elif kind == "date":
+        encoded = value.isoformat()
+    elif kind == "uuid":
+        encoded = str(value)
+    else:  # bytes
+        encoded = bytes(value).hex()
+    return kind, encoded
+
+
+def decode_value(kind: str, encoded: Any) -> Any:
+    """Inverse of :func:`encode_value`.
+
+    Raises:
+        CorruptStateError: the stored pair is not a valid encoding.
+    """
+    try:
+        if kind == "null":
+            if encoded is not None:
+                raise ValueError("null kind with a value")
+            return None
+        if kind == "int":
+            if not isinstance(encoded, int) or isinstance(encoded, bool):
+                raise TypeError("expected an integer")
+            return encoded
+        if kind == "bool":
+            if not isinstance(encoded, bool):
+                raise TypeError("expected a boolean")
+            return encoded
+        if kind == "str":
+            if not isinstance(encoded, str):
+                raise TypeError("expected a string")
+            return encoded
+        if not isinstance(encoded, str):
+            raise TypeError(f"expected a string for kind {kind!r}")
+        if kind == "float":
+            return float(encoded)
+        if kind == "decimal":
+            return decimal.Decimal(encoded)
+        if kind == "timestamp":
+            if not encoded.endswith("Z"):
+                raise ValueError("aware timestamps are stored in UTC with a trailing Z")
+            return dt.datetime.fromisoformat(encoded[:-1]).replace(tzinfo=dt.timezone.utc)
+        if kind == "naive_timestamp":
+            parsed = dt.datetime.fromisoformat(encoded)
+            if parsed.tzinfo is not None:
+                raise ValueError("naive timestamp carries an offset")
+            return parsed
+        if kind == "date":
+            return dt.date.fromisoformat(encoded)
+        if kind == "uuid":
+            return uuid.UUID(encoded)
+        if kind == "bytes":
+            return bytes.fromhex(encoded)
+    except (ValueError, TypeError, ArithmeticError) as exc:
+        raise CorruptStateError(
+            f"stored cursor value {encoded!r} is not a valid {kind!r}: {exc}"
+        ) from exc
+    raise CorruptStateError(f"unknown cursor kind {kind!r}; known kinds: {', '.join(KINDS)}")
+
+
+def infer_kind(encoded: Any) -> str:
+    """Kind of a tiebreaker value written without an explicit kind (seed format)."""
+    if encoded is None:
+        return "null"
+    if isinstance(encoded, bool):
+        return "bool"
+    if isinstance(encoded, int):
+        return "int"
+    if isinstance(encoded, str):
+        return "str"
+    raise CorruptStateError(f"tiebreaker value {encoded!r} has no kind and is not an int or string")
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a poller stands: the last delivered row's cursor and primary key.
+
+    ``Position.BEGINNING`` (no cursor, no key) sorts before every row, including
+    rows whose cursor is NULL.
+    """
+
+    cursor: Any = None
+    pk: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_beginning(self) -> bool:
+        return self.cursor is None and not self.pk
+
+    def pk_tuple(self, pk_columns: tuple[str, ...]) -> tuple[Any, ...]:
+        try:
+            return tuple(self.pk[name] for name in pk_columns)
+        except KeyError as exc:
+            raise CorruptStateError(
+                f"checkpoint tiebreaker lacks primary-key column {exc.args[0]!r}; "
+                f"it has {sorted(self.pk)}"
+            ) from exc
+
+
+BEGINNING = Position()
+
+
+def canonical_json(value: Any) -> str:
+    """Deterministic JSON of encoded values, for hashes that must match across processes."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def encoded_pk(pk: Mapping[str, Any]) -> dict[str, Any]:
+    """Primary-key mapping with every value encoded as ``[kind, value]``."""
+    return {name: list(encode_value(value)) for name, value in pk.items()}
+
+
+def pk_hash(pk: Mapping[str, Any]) -> str:
+    """Stable short hash of a primary key (same value, same hash, any driver)."""
+    return hashlib.sha256(canonical_json(encoded_pk(pk)).encode()).hexdigest()[:16]
+
+
+def cursor_text(value: Any) -> str:
+    """The cursor as stable text: the state document's encoding, ``null`` for NULL."""
+    kind, encoded = encode_value(value)
+    return "null" if kind == "null" else str(encoded)

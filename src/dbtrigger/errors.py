@@ -1,0 +1,187 @@
+"""The whole dbtrigger error tree.
+
+Errors are grouped by what the caller should do about them, not by which
+module raised them:
+
+* :class:`RetryableError` - something outside us hiccupped; the next tick
+  retries from the last committed checkpoint and nothing is lost.
+* :class:`ContentionError` - another instance won a race for the state
+  document; that is the lease protocol working, not a fault.
+* :class:`OperatorError` - polling cannot make progress until a person
+  fixes configuration, data or credentials. These must never be reported as
+  "0 rows processed": they propagate so the Functions invocation fails loudly.
+
+The six errors named by the runtime contract (``LeaseAcquireError``,
+``FetchError``, ``SerializationError``, ``HandlerError``, ``LostLeaseError``,
+``CommitError``) sit in that tree where their recovery belongs.
+
+Each error's default message is its class docstring, so ``raise FetchError()``
+still explains itself; structured fields (poller, batch id, fencing token) are
+kept as attributes for logs and metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class DbTriggerError(Exception):
+    """A dbtrigger operation failed."""
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        poller: str | None = None,
+        batch_id: str | None = None,
+        fencing_token: int | None = None,
+        **fields: Any,
+    ) -> None:
+        doc = (type(self).__doc__ or "").strip().splitlines()
+        self.message = message or (doc[0] if doc else type(self).__name__)
+        self.poller = poller
+        self.batch_id = batch_id
+        self.fencing_token = fencing_token
+        self.fields = fields
+        super().__init__(self.message)
+
+    def log_fields(self) -> dict[str, Any]:
+        """Structured context for ``logging`` ``extra=`` and metrics labels."""
+        out: dict[str, Any] = {"error_type": type(self).__name__}
+        if self.poller is not None:
+            out["poller"] = self.poller
+        if self.batch_id is not None:
+            out["batch_id"] = self.batch_id
+        if self.fencing_token is not None:
+            out["fencing_token"] = self.fencing_token
+        out.update(self.fields)
+        return out
+
+
+# --- groups -----------------------------------------------------------------
+
+
+class RetryableError(DbTriggerError):
+    """A transient failure; the next tick retries from the committed checkpoint."""
+
+
+class ContentionError(DbTriggerError):
+    """Another instance changed the state document first."""
+
+
+class OperatorError(DbTriggerError):
+    """Polling cannot progress until configuration, data or credentials are fixed."""
+
+
+# --- the contract's six -------------------------------------------------------
+
+
+class LeaseAcquireError(ContentionError):
+    """Another instance holds a live lease; this tick does nothing."""
+
+
+class FetchError(RetryableError):
+    """Reading the source or the state store failed; the handler was not invoked."""
+
+
+class SerializationError(OperatorError):
+    """Source rows could not be turned into events or cursors; the cursor did not move."""
+
+
+class HandlerError(RetryableError):
+    """The handler raised; the checkpoint did not advance and the batch will be redelivered."""
+
+
+class CommitError(RetryableError):
+    """The checkpoint commit failed; the batch will be redelivered."""
+
+
+class LostLeaseError(CommitError, ContentionError):
+    """Another instance took the lease over; this instance's results were discarded."""
+
+
+# --- beyond the six ----------------------------------------------------------
+
+
+class AmbiguousCommitError(CommitError):
+    """The commit timed out; it may or may not have persisted. The next tick re-reads."""
+
+
+class ConfigurationError(OperatorError, ValueError):
+    """The dbtrigger configuration is invalid."""
+
+
+class UnsafeIdentifierError(ConfigurationError):
+    """An identifier from configuration is not a safe SQL or storage name."""
+
+
+class FingerprintMismatchError(OperatorError):
+    """The source definition changed since the checkpoint was written; reset or rename."""
+
+
+class CorruptStateError(OperatorError):
+    """The stored state document is malformed; restore a backup or reset it."""
+
+
+class StoreError(DbTriggerError):
+    """A checkpoint store operation failed."""
+
+
+class CasConflictError(StoreError, ContentionError):
+    """The conditional write lost: the document changed since it was read."""
+
+
+class StoreUnavailableError(StoreError, RetryableError):
+    """The checkpoint store could not be reached; nothing was changed."""
+
+
+class AmbiguousWriteError(StoreError, RetryableError):
+    """The store did not answer a write in time; the write may or may not have landed."""
+
+
+class StoreAuthError(StoreError, OperatorError):
+    """The checkpoint store refused our credentials or permissions."""
+
+
+class PartialBatchError(DbTriggerError):
+    """Raised by a handler to say which rows of the batch failed.
+
+    The rows not named are treated as processed; only the named ones are retried
+    (and quarantined, when a quarantine sink is configured).
+    """
+
+    def __init__(
+        self,
+        failed_pks: list[dict[str, Any]],
+        message: str | None = None,
+        *,
+        causes: dict[int, BaseException] | None = None,
+    ) -> None:
+        super().__init__(message or f"{len(failed_pks)} row(s) of the batch failed")
+        self.failed_pks = failed_pks
+        self.causes = causes or {}
+
+
+__all__ = [
+    "AmbiguousCommitError",
+    "AmbiguousWriteError",
+    "CasConflictError",
+    "CommitError",
+    "ConfigurationError",
+    "ContentionError",
+    "CorruptStateError",
+    "DbTriggerError",
+    "FetchError",
+    "FingerprintMismatchError",
+    "HandlerError",
+    "LeaseAcquireError",
+    "LostLeaseError",
+    "OperatorError",
+    "PartialBatchError",
+    "RetryableError",
+    "SerializationError",
+    "StoreAuthError",
+    "StoreError",
+    "StoreUnavailableError",
+    "UnsafeIdentifierError",
+]

@@ -1,0 +1,37 @@
+"""Validation of names that end up in SQL, storage paths or blob names.
+
+Configuration is trusted to be *meant*, not to be *safe*: a poller name becomes
+a file name and a blob path, a table name becomes SQL. Anything outside a
+conservative alphabet is refused up front with an error naming the value.
+"""
+
+from __future__ import annotations
+
+import re
+
+from dbtrigger.errors import UnsafeIdentifierError
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_SQL_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]{0,127}$")
+
+
+def validate_name(value: str, what: str) -> str:
+    """A poller/app/container-path segment: letters, digits, ``_ . -``; no ``..``."""
+    if not isinstance(value, str) or not _NAME.match(value) or ".." in value:
+        raise UnsafeIdentifierError(
+            f"{what} {value!r} is not a safe name: use 1-128 letters, digits, '_', '.' or '-', "
+            "starting with a letter or digit",
+            name=what,
+        )
+    return value
+
+
+def validate_sql_identifier(value: str, what: str) -> str:
+    """A table/column/schema name: a plain SQL identifier, quoted by SQLAlchemy later."""
+    if not isinstance(value, str) or not _SQL_IDENTIFIER.match(value):
+        raise UnsafeIdentifierError(
+            f"{what} {value!r} is not a safe SQL identifier: use letters, digits, '_' or '$', "
+            "starting with a letter or '_'",
+            name=what,
+        )
+    return value

@@ -1,0 +1,1 @@
+"""The tick lifecycle and the processes that drive it."""

@@ -1,0 +1,1 @@
+"""Source adapters: where rows come from."""

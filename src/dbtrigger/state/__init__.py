@@ -1,0 +1,1 @@
+"""State document, pure lease transitions and checkpoint stores."""

@@ -1,0 +1,160 @@
+"""Local file checkpoint store: the embedded default, safe across processes.
+
+Layout under ``directory``::
+
+    orders.json        the state document, plain JSON, readable by people
+    .orders.etag       the document's current etag (a random token)
+    .orders.lock       flock target; never replaced, so locks stay meaningful
+
+Why an etag file rather than a hash or the file's mtime: the etag must change
+on every write, including a write of identical bytes, and mtimes are too coarse
+(and inodes are reused) to guarantee that between two quick writes. Writers hold
+an exclusive ``flock`` on the lock file across compare-and-replace; readers
+hold a shared one, so a read never pairs a new document with an old etag.
+
+Write order is etag first, then document, both by atomic ``os.replace`` with
+fsync: a crash in between leaves the old document under a new etag, which is a
+state a reader could legitimately have seen (a write of equal bytes), and makes
+every writer holding the old etag fail safely rather than overwrite.
+
+POSIX only (Linux and macOS; Azure Functions for Python runs on Linux).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import os
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from dbtrigger.errors import CasConflictError, StoreAuthError, StoreUnavailableError
+from dbtrigger.names import validate_name
+from dbtrigger.state.stores.base import StoredDocument
+
+
+class FileCheckpointStore:
+    """State documents as JSON files in one directory."""
+
+    def __init__(self, directory: str | os.PathLike[str], *, create: bool = True) -> None:
+        self._dir = Path(directory)
+        if create:
+            self._dir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def directory(self) -> Path:
+        return self._dir
+
+    def _paths(self, key: str) -> tuple[Path, Path, Path]:
+        validate_name(key, "poller name")
+        return (
+            self._dir / f"{key}.json",
+            self._dir / f".{key}.etag",
+            self._dir / f".{key}.lock",
+        )
+
+    @contextlib.contextmanager
+    def _locked(self, lock_path: Path, exclusive: bool) -> Iterator[None]:
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        except PermissionError as exc:
+            raise StoreAuthError(f"no permission to use {lock_path}") from exc
+        except FileNotFoundError as exc:
+            raise StoreUnavailableError(f"state directory {self._dir} does not exist") from exc
+        except OSError as exc:
+            raise StoreUnavailableError(f"cannot open {lock_path}: {exc.strerror}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            yield
+        finally:
+            os.close(fd)  # closing drops the flock
+
+    @staticmethod
+    def _read_unlocked(doc_path: Path, etag_path: Path) -> StoredDocument | None:
+        try:
+            data = doc_path.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            etag = etag_path.read_text().strip()
+        except FileNotFoundError:
+            etag = ""
+        if not etag:
+            # A document placed by hand (a restored backup): derive a stable etag.
+            etag = '"h' + hashlib.sha256(data).hexdigest()[:24] + '"'
+        return StoredDocument(data, etag)
+
+    def _replace(self, path: Path, data: bytes) -> None:
+        fd, tmp = tempfile.mkstemp(dir=self._dir, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
+    def _fsync_dir(self) -> None:
+        fd = os.open(self._dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def read(self, key: str) -> StoredDocument | None:
+        doc_path, etag_path, lock_path = self._paths(key)
+        if not self._dir.is_dir():
+            raise StoreUnavailableError(f"state directory {self._dir} does not exist")
+        with self._locked(lock_path, exclusive=False):
+            try:
+                return self._read_unlocked(doc_path, etag_path)
+            except PermissionError as exc:
+                raise StoreAuthError(f"no permission to read {doc_path}") from exc
+
+    def write(self, key: str, data: bytes, *, if_match: str | None) -> str:
+        doc_path, etag_path, lock_path = self._paths(key)
+        with self._locked(lock_path, exclusive=True):
+            current = self._read_unlocked(doc_path, etag_path)
+            if if_match is None and current is not None:
+                raise CasConflictError(f"{doc_path} already exists (create-only write)")
+            if if_match is not None and (current is None or current.etag != if_match):
+                raise CasConflictError(f"{doc_path} changed since it was read (etag mismatch)")
+            etag = f'"{uuid.uuid4().hex}"'
+            try:
+                self._replace(etag_path, etag.encode())
+                self._replace(doc_path, bytes(data))
+                self._fsync_dir()
+            except PermissionError as exc:
+                raise StoreAuthError(f"no permission to write {doc_path}") from exc
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EROFS, errno.EIO):
+                    raise StoreUnavailableError(f"cannot write {doc_path}: {exc.strerror}") from exc
+                raise
+            return etag
+
+    def delete(self, key: str, *, if_match: str | None = None) -> None:
+        doc_path, etag_path, lock_path = self._paths(key)
+        with self._locked(lock_path, exclusive=True):
+            current = self._read_unlocked(doc_path, etag_path)
+            if current is None:
+                return
+            if if_match is not None and current.etag != if_match:
+                raise CasConflictError(f"{doc_path} changed since it was read (etag mismatch)")
+            doc_path.unlink()
+            with contextlib.suppress(FileNotFoundError):
+                etag_path.unlink()
+
+    def list_keys(self) -> list[str]:
+        if not self._dir.is_dir():
+            return []
+        return sorted(p.stem for p in self._dir.glob("*.json") if not p.name.startswith("."))
+
+    def describe(self) -> str:
+        return f"file:{self._dir}"

@@ -45,8 +45,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     handler = load_object(args.handler) if args.handler else trigger.default_handler
     if handler is None:
         raise ConfigurationError(
-            f"{args.trigger} has no handler: decorate one with @{args.trigger.split(':')[1]}.handler"
-            " or pass --handler MODULE:FUNCTION"
+            f"{args.trigger} has no handler: decorate one with "
+            f"@{args.trigger.split(':')[1]}.handler or pass --handler MODULE:FUNCTION"
         )
     stats = Runner(trigger, handler, interval_seconds=args.interval).run(max_ticks=args.max_ticks)
     print(f"{stats.rows} rows in {stats.ticks} ticks ({stats.failures} failed ticks)")
@@ -89,12 +89,6 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=None, help="seed the writer's randomness")
     demo.set_defaults(func=cmd_demo)
 
-    try:
-        from dbtrigger.cli_state import register  # noqa: PLC0415
-    except ImportError:
-        pass
-    else:
-        register(sub)
     return parser
 
 

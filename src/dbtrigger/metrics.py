@@ -21,7 +21,10 @@ METRICS: dict[str, tuple[str, str]] = {
     "batches_total": ("counter", "Batches handled, by result (committed/failed/lost)"),
     "events_total": ("counter", "Events delivered to the handler and committed"),
     "failures_total": ("counter", "Failures, by error_type"),
-    "lease_acquire_skipped_total": ("counter", "Ticks skipped because another instance held the lease"),
+    "lease_acquire_skipped_total": (
+        "counter",
+        "Ticks skipped because another instance held the lease",
+    ),
     "redelivered_batches_total": ("counter", "Batches delivered again after a failed attempt"),
     "quarantined_total": ("counter", "Rows set aside into a quarantine sink"),
     "null_cursor_rows": ("gauge", "Rows with a NULL cursor stranded behind the checkpoint"),

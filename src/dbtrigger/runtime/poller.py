@@ -142,7 +142,9 @@ class PollTrigger:
         if batch_size < 1:
             raise ConfigurationError(f"batch_size must be >= 1, got {batch_size}")
         if max_batches_per_tick < 1:
-            raise ConfigurationError(f"max_batches_per_tick must be >= 1, got {max_batches_per_tick}")
+            raise ConfigurationError(
+                f"max_batches_per_tick must be >= 1, got {max_batches_per_tick}"
+            )
         if lease_ttl_seconds <= 0:
             raise ConfigurationError(f"lease_ttl_seconds must be > 0, got {lease_ttl_seconds}")
         self.source = source
@@ -361,7 +363,9 @@ class PollTrigger:
             try:
                 events = self.source.to_events(rows, poller=self.name, batch_id=batch_id)
             except SerializationError as exc:
-                self.metrics.increment("failures_total", labels={"error_type": "SerializationError"})
+                self.metrics.increment(
+                    "failures_total", labels={"error_type": "SerializationError"}
+                )
                 self._log(logging.ERROR, "serialization_failed", "%s", exc, **fields)
                 raise
             after = position_of(events[-1])
@@ -383,7 +387,11 @@ class PollTrigger:
             next_rows: Sequence[Mapping[str, Any]] = []
             deferred: DbTriggerError | None = None
             stopping = should_stop is not None and should_stop()
-            if index + 1 < self.max_batches_per_tick and len(rows) >= self.batch_size and not stopping:
+            if (
+                index + 1 < self.max_batches_per_tick
+                and len(rows) >= self.batch_size
+                and not stopping
+            ):
                 try:
                     next_rows = self._fetch(after)
                 except DbTriggerError as exc:
@@ -402,7 +410,9 @@ class PollTrigger:
                 more = len(rows) >= self.batch_size
                 return TickResult(total, batches, "committed", more=more)
             rows = next_rows
-        return TickResult(total, batches, "committed", more=True)  # pragma: no cover - loop exits above
+        return TickResult(
+            total, batches, "committed", more=True
+        )  # pragma: no cover - loop exits above
 
     def _invoke(
         self,
@@ -568,14 +578,16 @@ class PollTrigger:
         now = self.clock()
         try:
             session.update(
-                lambda d: leasemod.decide_release(
-                    d, owner=self.owner_id, token=session.token, now=now
-                )
-                or d,
+                lambda d: (
+                    leasemod.decide_release(d, owner=self.owner_id, token=session.token, now=now)
+                    or d
+                ),
                 what="release",
             )
             session.released = True
-            self._log(logging.DEBUG, "lease_released", "lease released", fencing_token=session.token)
+            self._log(
+                logging.DEBUG, "lease_released", "lease released", fencing_token=session.token
+            )
         except DbTriggerError as exc:
             self._log(
                 logging.WARNING,
@@ -637,4 +649,3 @@ def _run_awaitable(awaitable: Awaitable[Any]) -> Any:
     raise ConfigurationError(
         "an async handler was called from a running event loop; use `await trigger.tick_async(...)`"
     )
-

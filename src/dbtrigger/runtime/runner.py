@@ -82,7 +82,7 @@ class Runner:
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        previous: dict[int, Any] = {}
+        previous: dict[signal.Signals, Any] = {}
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, self._on_signal)
         try:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Connection, Engine, make_url
@@ -201,7 +201,7 @@ class SqlAlchemySource:
         if not self._where:
             return None
         clause = sa.text(self._where)
-        names = set(clause._bindparams)  # noqa: SLF001 - the placeholders the text declares
+        names = set(clause._bindparams)
         params = {k: v for k, v in self._parameters.items() if k in names}
         return sa.and_(sa.true(), clause.bindparams(**params))
 
@@ -220,10 +220,12 @@ class SqlAlchemySource:
                 ) from None
         else:
             text = sa.text(self._query or "")
-            names = set(text._bindparams)  # noqa: SLF001
+            names = set(text._bindparams)
             text = text.bindparams(**{k: v for k, v in self._parameters.items() if k in names})
             selectable = text.columns().subquery("dbtrigger_src")
-            probe = sa.select(sa.literal_column("*")).select_from(selectable).where(sa.false())
+            probe: Select[Any] = (
+                sa.select(sa.literal_column("*")).select_from(selectable).where(sa.false())
+            )
             keys = list(conn.execute(probe).keys())
             selectable = text.columns(*(sa.column(k) for k in keys)).subquery("dbtrigger_src")
         columns: dict[str, ColumnElement[Any]] = {c.name: c for c in selectable.c}
@@ -259,7 +261,10 @@ class SqlAlchemySource:
         cols = [self._columns[self._cursor_column], *(self._columns[c] for c in self._pk_columns)]
         vals = [
             self._typed(self._cursor_column, after.cursor),
-            *(self._typed(c, v) for c, v in zip(self._pk_columns, after.pk_tuple(self._pk_columns))),
+            *(
+                self._typed(c, v)
+                for c, v in zip(self._pk_columns, after.pk_tuple(self._pk_columns), strict=False)
+            ),
         ]
         if self.dialect_name in ROW_VALUE_DIALECTS:
             return sa.tuple_(*cols) > sa.tuple_(*vals)
@@ -293,7 +298,8 @@ class SqlAlchemySource:
         try:
             with self.engine.connect() as conn:
                 self._resolve_shape(conn)
-                return list(conn.execute(self._statement(after, limit)).mappings().all())
+                result = conn.execute(self._statement(after, limit)).mappings().all()
+                return cast("list[Mapping[str, Any]]", list(result))
         except (ConfigurationError, SerializationError):
             raise
         except SQLAlchemyError as exc:
@@ -368,4 +374,6 @@ class SqlAlchemySource:
                     stmt = stmt.where(base)
                 return [dict(r) for r in conn.execute(stmt).mappings()]
         except SQLAlchemyError as exc:
-            raise FetchError(f"NULL-cursor probe on {self.name} failed: {short_error(exc)}") from exc
+            raise FetchError(
+                f"NULL-cursor probe on {self.name} failed: {short_error(exc)}"
+            ) from exc

@@ -53,9 +53,10 @@ def format_time(value: dt.datetime) -> str:
     """UTC ISO-8601 with microseconds and ``Z``: the document's only time format."""
     if value.tzinfo is None:
         raise ValueError("state document times must be timezone-aware")
-    return value.astimezone(dt.timezone.utc).replace(tzinfo=None).isoformat(
-        timespec="microseconds"
-    ) + "Z"
+    return (
+        value.astimezone(dt.timezone.utc).replace(tzinfo=None).isoformat(timespec="microseconds")
+        + "Z"
+    )
 
 
 def parse_time(value: Any, where: str) -> dt.datetime:
@@ -273,7 +274,9 @@ def from_json(raw: Any) -> StateDocument:
             raise CorruptStateError("failure must be an object or null")
         failure = FailureRecord(
             attempts=_require(raw_failure, "attempts", int, "failure"),
-            first_failed_at=parse_time(raw_failure.get("first_failed_at"), "failure.first_failed_at"),
+            first_failed_at=parse_time(
+                raw_failure.get("first_failed_at"), "failure.first_failed_at"
+            ),
             last_failed_at=parse_time(raw_failure.get("last_failed_at"), "failure.last_failed_at"),
             last_error=str(raw_failure.get("last_error", "")),
             batch_id=raw_failure.get("batch_id"),

@@ -87,7 +87,9 @@ def decide_acquire(
     if lease is not None and not lease.released:
         if now < lease.expires_at:
             return Busy(lease.owner_id, lease.fencing_token, lease.expires_at, "lease is live")
-        free_at = lease.expires_at if lease.owner_id == owner else lease.expires_at + grace_window(ttl)
+        free_at = (
+            lease.expires_at if lease.owner_id == owner else lease.expires_at + grace_window(ttl)
+        )
         if now < free_at:
             return Busy(lease.owner_id, lease.fencing_token, free_at, "lease in grace window")
     token = (lease.fencing_token if lease is not None else 0) + 1

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Install everything the tests need and run them all: lint, types, the suite.
+# Uses the python3 on PATH (activate a venv first to keep things isolated).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q --upgrade pip >/dev/null
+python3 -m pip install -q -e ".[test]"
+bash scripts/services.sh
+bash scripts/azurite.sh
+python3 -m ruff check src tests benchmarks examples
+python3 -m ruff format --check src
+python3 -m mypy
+python3 -m pytest "$@"

@@ -1,0 +1,147 @@
+"""The CheckpointStore contract, run against every implementation.
+
+Subclass :class:`StoreContract` and provide a ``store`` fixture returning a
+fresh, empty store. A fake that fails any of these is a bug, exactly like a
+real adapter that does.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from dbtrigger.errors import CasConflictError
+from dbtrigger.state.stores.base import CheckpointStore, StoredDocument
+
+
+class StoreContract:
+    """Inherit and define a ``store`` fixture."""
+
+    def test_is_a_checkpoint_store(self, store: CheckpointStore) -> None:
+        assert isinstance(store, CheckpointStore)
+
+    def test_read_missing_is_none(self, store: CheckpointStore) -> None:
+        assert store.read("absent") is None
+
+    def test_create_then_read_returns_bytes_and_etag(self, store: CheckpointStore) -> None:
+        etag = store.write("p1", b'{"a": 1}', if_match=None)
+        got = store.read("p1")
+        assert got == StoredDocument(b'{"a": 1}', etag)
+
+    def test_create_only_refuses_existing(self, store: CheckpointStore) -> None:
+        store.write("p1", b"one", if_match=None)
+        with pytest.raises(CasConflictError):
+            store.write("p1", b"two", if_match=None)
+        got = store.read("p1")
+        assert got is not None
+        assert got.data == b"one"
+
+    def test_update_with_current_etag(self, store: CheckpointStore) -> None:
+        e1 = store.write("p1", b"one", if_match=None)
+        e2 = store.write("p1", b"two", if_match=e1)
+        assert e2 != e1
+        got = store.read("p1")
+        assert got == StoredDocument(b"two", e2)
+
+    def test_stale_etag_is_rejected_and_changes_nothing(self, store: CheckpointStore) -> None:
+        e1 = store.write("p1", b"one", if_match=None)
+        e2 = store.write("p1", b"two", if_match=e1)
+        with pytest.raises(CasConflictError):
+            store.write("p1", b"three", if_match=e1)
+        assert store.read("p1") == StoredDocument(b"two", e2)
+
+    def test_update_of_missing_document_is_a_conflict(self, store: CheckpointStore) -> None:
+        with pytest.raises(CasConflictError):
+            store.write("never-created", b"x", if_match='"some-etag"')
+
+    def test_etag_changes_even_for_identical_bytes(self, store: CheckpointStore) -> None:
+        e1 = store.write("p1", b"same", if_match=None)
+        e2 = store.write("p1", b"same", if_match=e1)
+        assert e1 != e2
+        with pytest.raises(CasConflictError):
+            store.write("p1", b"same", if_match=e1)
+
+    def test_keys_are_independent(self, store: CheckpointStore) -> None:
+        ea = store.write("a", b"A", if_match=None)
+        eb = store.write("b", b"B", if_match=None)
+        store.write("a", b"A2", if_match=ea)
+        assert store.read("b") == StoredDocument(b"B", eb)
+        assert store.list_keys() == ["a", "b"]
+
+    def test_delete(self, store: CheckpointStore) -> None:
+        e1 = store.write("p1", b"one", if_match=None)
+        e2 = store.write("p1", b"two", if_match=e1)
+        with pytest.raises(CasConflictError):
+            store.delete("p1", if_match=e1)
+        store.delete("p1", if_match=e2)
+        assert store.read("p1") is None
+        store.delete("p1")  # absent is fine
+        store.write("p1", b"again", if_match=None)
+
+    def test_large_document_round_trips(self, store: CheckpointStore) -> None:
+        data = b'{"journal": "' + b"x" * 200_000 + b'"}'
+        store.write("big", data, if_match=None)
+        got = store.read("big")
+        assert got is not None
+        assert got.data == data
+
+    def test_describe_is_text(self, store: CheckpointStore) -> None:
+        assert isinstance(store.describe(), str)
+        assert store.describe()
+
+    @pytest.mark.parametrize("writers", [8])
+    def test_racing_writers_on_one_etag_exactly_one_wins(
+        self, store: CheckpointStore, writers: int
+    ) -> None:
+        etag = store.write("race", b"start", if_match=None)
+        barrier = threading.Barrier(writers)
+        wins: list[int] = []
+        conflicts: list[int] = []
+        errors: list[BaseException] = []
+
+        def attempt(i: int) -> None:
+            barrier.wait()
+            try:
+                store.write("race", f"writer-{i}".encode(), if_match=etag)
+                wins.append(i)
+            except CasConflictError:
+                conflicts.append(i)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=attempt, args=(i,)) for i in range(writers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert len(wins) == 1, (wins, conflicts)
+        assert len(conflicts) == writers - 1
+        got = store.read("race")
+        assert got is not None
+        assert got.data == f"writer-{wins[0]}".encode()
+
+    def test_racing_creators_exactly_one_wins(self, store: CheckpointStore) -> None:
+        writers = 6
+        barrier = threading.Barrier(writers)
+        wins: list[int] = []
+
+        def attempt(i: int) -> None:
+            barrier.wait()
+            try:
+                store.write("fresh", f"creator-{i}".encode(), if_match=None)
+                wins.append(i)
+            except CasConflictError:
+                pass
+
+        threads = [threading.Thread(target=attempt, args=(i,)) for i in range(writers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(wins) == 1
+
+
+StoreFactory = Callable[[], CheckpointStore]

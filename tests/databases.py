@@ -1,0 +1,104 @@
+"""Real databases for tests: a fresh, throw-away schema per test.
+
+PostgreSQL gets a schema per test, MariaDB a database per test (MySQL's word
+for a schema), SQLite a file in the test's tmp directory. A service that is not
+reachable is a test *failure* with a message saying how to start it, never a
+skip: integration tests that silently skip hide exactly the bugs they exist for.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+PG_ADMIN_URL = os.environ.get(
+    "DBTRIGGER_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+MARIADB_ADMIN_URL = os.environ.get(
+    "DBTRIGGER_TEST_MARIADB_URL", "mysql+pymysql://root@127.0.0.1:3306/test"
+)
+
+START_HINTS = {
+    "postgresql": "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start",
+    "mariadb": "start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd",
+}
+
+_admin_engines: dict[str, sa.Engine] = {}
+
+
+def admin_engine(kind: str) -> sa.Engine:
+    if kind not in _admin_engines:
+        url = PG_ADMIN_URL if kind == "postgresql" else MARIADB_ADMIN_URL
+        engine = sa.create_engine(url, isolation_level="AUTOCOMMIT", pool_pre_ping=True)
+        try:
+            with engine.connect() as conn:
+                conn.execute(sa.text("SELECT 1"))
+        except sa.exc.OperationalError as exc:
+            pytest.fail(
+                f"{kind} is not reachable at {engine.url.render_as_string(hide_password=True)} "
+                f"({exc.orig}); start it with: {START_HINTS[kind]}",
+                pytrace=False,
+            )
+        _admin_engines[kind] = engine
+    return _admin_engines[kind]
+
+
+@dataclass
+class TestDatabase:
+    """One isolated place to create tables: ``url`` + ``schema`` (None on SQLite)."""
+
+    __test__ = False
+
+    kind: str  # "sqlite", "postgresql", "mariadb"
+    url: str
+    schema: str | None
+    engine: sa.Engine
+
+    def qualified(self, table: str) -> str:
+        return f"{self.schema}.{table}" if self.schema else table
+
+    def execute(
+        self, sql: str, params: dict[str, object] | list[dict[str, object]] | None = None
+    ) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(sa.text(sql), params or {})
+
+    def scalar(self, sql: str, params: dict[str, object] | None = None) -> object:
+        with self.engine.connect() as conn:
+            return conn.execute(sa.text(sql), params or {}).scalar()
+
+
+def make_database(kind: str, tmp_path: Path) -> Iterator[TestDatabase]:
+    """Yield an isolated database of ``kind``; drop it afterwards."""
+    if kind == "sqlite":
+        url = f"sqlite:///{tmp_path / 'source.db'}"
+        engine = sa.create_engine(url)
+        try:
+            yield TestDatabase(kind, url, None, engine)
+        finally:
+            engine.dispose()
+        return
+    admin = admin_engine(kind)
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    with admin.connect() as conn:
+        if kind == "postgresql":
+            conn.execute(sa.text(f'CREATE SCHEMA "{name}"'))
+        else:
+            conn.execute(sa.text(f"CREATE DATABASE `{name}`"))
+    url = admin.url.render_as_string(hide_password=False)
+    engine = sa.create_engine(url, pool_pre_ping=True)
+    try:
+        yield TestDatabase(kind, url, name, engine)
+    finally:
+        engine.dispose()
+        with admin.connect() as conn:
+            if kind == "postgresql":
+                conn.execute(sa.text(f'DROP SCHEMA "{name}" CASCADE'))
+            else:
+                conn.execute(sa.text(f"DROP DATABASE IF EXISTS `{name}`"))

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.azurite import Azurite, start_azurite
 from tests.databases import TestDatabase, make_database
 
 DB_KINDS = ["sqlite", "postgresql", "mariadb"]
@@ -33,3 +34,9 @@ def mariadb(tmp_path: Path) -> Iterator[TestDatabase]:
 @pytest.fixture
 def sqlite_db(tmp_path: Path) -> Iterator[TestDatabase]:
     yield from make_database("sqlite", tmp_path)
+
+
+@pytest.fixture(scope="session")
+def azurite() -> Iterator[Azurite]:
+    """A running Azurite (blob, queue, table) on free loopback ports."""
+    yield from start_azurite()

@@ -104,6 +104,7 @@ def start_azurite() -> Iterator[Azurite]:
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ},
+            cwd=workdir,
         )
     try:
         up = all(_wait_port(p, 30) for p in (ports.blob_port, ports.table_port))

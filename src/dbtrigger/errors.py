@@ -162,6 +162,10 @@ class PartialBatchError(DbTriggerError):
         self.causes = causes or {}
 
 
+class LiveLeaseError(ContentionError):
+    """A live lease is held; the manual change was refused (``--force`` fences the holder out)."""
+
+
 __all__ = [
     "AmbiguousCommitError",
     "AmbiguousWriteError",
@@ -175,6 +179,7 @@ __all__ = [
     "FingerprintMismatchError",
     "HandlerError",
     "LeaseAcquireError",
+    "LiveLeaseError",
     "LostLeaseError",
     "OperatorError",
     "PartialBatchError",

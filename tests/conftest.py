@@ -2,9 +2,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from dbtrigger import SqlAlchemySource
 from tests.azurite import Azurite, start_azurite
 from tests.databases import TestDatabase, make_database
 
@@ -40,3 +42,24 @@ def sqlite_db(tmp_path: Path) -> Iterator[TestDatabase]:
 def azurite() -> Iterator[Azurite]:
     """A running Azurite (blob, queue, table) on free loopback ports."""
     yield from start_azurite()
+
+
+@pytest.fixture(autouse=True)
+def _close_sources(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Dispose the engine of every SqlAlchemySource a test created.
+
+    Sources own their connection pools for the life of a process; a test is a
+    much shorter life, and a pool left for the garbage collector would surface
+    as a ResourceWarning in some later test.
+    """
+    created: list[SqlAlchemySource] = []
+    original = SqlAlchemySource.__init__
+
+    def tracking_init(self: SqlAlchemySource, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        created.append(self)
+
+    monkeypatch.setattr(SqlAlchemySource, "__init__", tracking_init)
+    yield
+    for source in created:
+        source.close()

@@ -129,6 +129,7 @@ class SqlAlchemySource:
         self._selectable: sa.FromClause | None = None
         self._columns: dict[str, ColumnElement[Any]] = {}
         self._select_list: list[ColumnElement[Any]] = []
+        self._text_typed: dict[str, sa.types.TypeEngine[Any]] = {}
 
     # --- identity ---------------------------------------------------------------
 
@@ -244,6 +245,7 @@ class SqlAlchemySource:
             for name in (self._cursor_column, *self._pk_columns):
                 column = columns[name]
                 if isinstance(column.type, (sa.DateTime, sa.Date, sa.Time)):
+                    self._text_typed[name] = column.type
                     columns[name] = sa.type_coerce(column, sa.String)
         self._columns = columns
         self._selectable = selectable
@@ -253,6 +255,10 @@ class SqlAlchemySource:
 
     def _typed(self, name: str, value: Any) -> ColumnElement[Any]:
         column = self._columns[name]
+        if name in self._text_typed and not isinstance(value, str):
+            # A position given as a date/time (e.g. `reset --to-cursor`) rather than
+            # read from a row: render it the way SQLAlchemy stores it on SQLite.
+            return sa.literal(value, type_=self._text_typed[name])
         if self._table_name is not None:
             return sa.literal(value, type_=column.type)
         return sa.literal(value)  # query mode: no declared types; the value's own type binds

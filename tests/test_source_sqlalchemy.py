@@ -32,6 +32,7 @@ from dbtrigger import (
     UnsafeIdentifierError,
 )
 from dbtrigger.sources.base import SourceAdapter
+from dbtrigger.state.document import position_from_json, position_to_json
 from tests.databases import TestDatabase
 
 UTC = dt.timezone.utc
@@ -85,8 +86,6 @@ def keys(rows: Any) -> list[Any]:
 
 def drain_positions(source: SourceAdapter, limit: int) -> list[Any]:
     """Fetch everything page by page, restarting each page from a JSON round trip."""
-    from dbtrigger.state.document import position_from_json, position_to_json
-
     seen: list[Any] = []
     position = BEGINNING
     for _ in range(10_000):
@@ -179,7 +178,7 @@ class TestFetchContract:
         qualified = db.qualified("orders")
         source = SqlAlchemySource(
             url=db.url,
-            query=f"SELECT id, updated_at, note FROM {qualified} WHERE id >= :low",  # noqa: S608 - test DDL
+            query=f"SELECT id, updated_at, note FROM {qualified} WHERE id >= :low",
             parameters={"low": 1},
             cursor_column="updated_at",
             pk_columns=["id"],
@@ -240,7 +239,7 @@ class TestConfigurationErrors:
     def test_missing_columns_name_the_column(self, db: TestDatabase) -> None:
         orders_table(db)
         source = source_for(db, cursor_column="modified_at")
-        with pytest.raises(SerializationError, match="no column.*modified_at") as info:
+        with pytest.raises(SerializationError, match=r"no column.*modified_at") as info:
             source.fetch(BEGINNING, 10)
         assert "updated_at" in str(info.value)  # lists what is available
 
@@ -257,7 +256,7 @@ class TestConfigurationErrors:
         orders_table(db)
         source = SqlAlchemySource(
             url=db.url,
-            query=f"SELECT id FROM {db.qualified('orders')}",  # noqa: S608
+            query=f"SELECT id FROM {db.qualified('orders')}",
             cursor_column="updated_at",
             pk_columns=["id"],
         )
@@ -368,7 +367,7 @@ class TestFingerprint:
 CursorCase = tuple[str, Callable[[], sa.types.TypeEngine[Any]], Callable[[int], Any]]
 
 CURSOR_CASES: list[CursorCase] = [
-    ("bigint", lambda: sa.BigInteger(), lambda i: 2**40 + i // 3),
+    ("bigint", sa.BigInteger, lambda i: 2**40 + i // 3),
     (
         "timestamptz",
         lambda: precise_datetime(True),
@@ -384,7 +383,7 @@ CURSOR_CASES: list[CursorCase] = [
         lambda: sa.Numeric(20, 6),
         lambda i: decimal.Decimal(i // 3) + decimal.Decimal("0.000001") * (i % 3),
     ),
-    ("date", lambda: sa.Date(), lambda i: dt.date(2020, 1, 1) + dt.timedelta(days=i // 3)),
+    ("date", sa.Date, lambda i: dt.date(2020, 1, 1) + dt.timedelta(days=i // 3)),
 ]
 
 

@@ -143,6 +143,10 @@ class StoreAuthError(StoreError, OperatorError):
     """The checkpoint store refused our credentials or permissions."""
 
 
+class UnsupportedDocumentError(StoreError, OperatorError):
+    """The checkpoint store cannot hold this document (too large for it, or not UTF-8 text)."""
+
+
 class PartialBatchError(DbTriggerError):
     """Raised by a handler to say which rows of the batch failed.
 
@@ -189,4 +193,5 @@ __all__ = [
     "StoreError",
     "StoreUnavailableError",
     "UnsafeIdentifierError",
+    "UnsupportedDocumentError",
 ]

@@ -170,6 +170,10 @@ class LiveLeaseError(ContentionError):
     """A live lease is held; the manual change was refused (``--force`` fences the holder out)."""
 
 
+class QuarantineError(RetryableError):
+    """Rows could not be written to the quarantine sink; nothing was skipped."""
+
+
 __all__ = [
     "AmbiguousCommitError",
     "AmbiguousWriteError",
@@ -187,6 +191,7 @@ __all__ = [
     "LostLeaseError",
     "OperatorError",
     "PartialBatchError",
+    "QuarantineError",
     "RetryableError",
     "SerializationError",
     "StoreAuthError",

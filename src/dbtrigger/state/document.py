@@ -30,6 +30,14 @@ beginning of the source). ``tiebreaker_kinds`` is written for every key so that
 uuid, Decimal and timestamp keys read back as themselves; when it is absent, ints
 and strings are taken as they are. ``failure`` tracks a batch that keeps failing
 (poison handling) and ``journal`` the most recent commits and manual operations.
+A failure record looks like::
+
+    {"attempts": 3, "first_failed_at": "...", "last_failed_at": "...",
+     "last_error": "ValueError: ...", "batch_id": "...",
+     "checkpoint": {...position the failing batch starts from...},
+     "done_event_ids": ["..."]}
+
+where ``checkpoint`` and ``done_event_ids`` are optional (see :class:`FailureRecord`).
 """
 
 from __future__ import annotations
@@ -100,6 +108,16 @@ class FailureRecord:
 
     Kept in the document so every instance agrees on the attempt count, which
     is what lets a poison batch be isolated after ``max_attempts``.
+
+    ``from_position`` is the checkpoint the failing batch starts from; a record
+    whose position is not the document's checkpoint any more (the checkpoint
+    was reset by hand) no longer applies. ``done`` holds the event ids of rows
+    of that batch which the handler already processed (it named other rows in a
+    :class:`~dbtrigger.errors.PartialBatchError`, or they passed while a poison
+    row was being isolated): they lie after the failed row, so the checkpoint
+    cannot move over them yet, and they are skipped when the batch is delivered
+    again. Both are optional in the JSON; older documents read as "applies to
+    the current checkpoint, nothing done".
     """
 
     attempts: int
@@ -107,6 +125,8 @@ class FailureRecord:
     last_failed_at: dt.datetime
     last_error: str
     batch_id: str | None = None
+    from_position: Position | None = None
+    done: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -196,6 +216,10 @@ def to_json(doc: StateDocument) -> dict[str, Any]:
             "last_error": doc.failure.last_error,
             "batch_id": doc.failure.batch_id,
         }
+        if doc.failure.from_position is not None:
+            failure["checkpoint"] = position_to_json(doc.failure.from_position)
+        if doc.failure.done:
+            failure["done_event_ids"] = list(doc.failure.done)
     return {
         "version": doc.version,
         "poller_name": doc.poller_name,
@@ -280,6 +304,12 @@ def from_json(raw: Any) -> StateDocument:
             last_failed_at=parse_time(raw_failure.get("last_failed_at"), "failure.last_failed_at"),
             last_error=str(raw_failure.get("last_error", "")),
             batch_id=raw_failure.get("batch_id"),
+            from_position=(
+                position_from_json(raw_failure["checkpoint"], "failure.checkpoint")
+                if raw_failure.get("checkpoint") is not None
+                else None
+            ),
+            done=_done_ids(raw_failure.get("done_event_ids")),
         )
 
     journal_raw = raw.get("journal") or []
@@ -295,6 +325,14 @@ def from_json(raw: Any) -> StateDocument:
         journal=tuple(dict(e) for e in journal_raw),
         version=version,
     )
+
+
+def _done_ids(raw: Any) -> tuple[str, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not all(isinstance(e, str) for e in raw):
+        raise CorruptStateError("failure.done_event_ids must be a list of strings")
+    return tuple(raw)
 
 
 def loads(data: bytes | str) -> StateDocument:

@@ -176,6 +176,21 @@ def decide_release(
     return replace(doc, lease=replace(lease, expires_at=now, heartbeat_at=now, released=True))
 
 
+def failure_at(doc: StateDocument | None, position: Position) -> FailureRecord | None:
+    """The failure record that applies to the batch starting at ``position``.
+
+    A record written for another starting position (the checkpoint was moved by
+    hand since) is stale and ignored: its attempts and done rows belong to a
+    different batch.
+    """
+    if doc is None or doc.failure is None:
+        return None
+    record = doc.failure
+    if record.from_position is not None and record.from_position != position:
+        return None
+    return record
+
+
 def decide_failure(
     doc: StateDocument,
     *,
@@ -184,23 +199,52 @@ def decide_failure(
     now: dt.datetime,
     error: str,
     batch_id: str | None,
+    advance_to: Position | None = None,
+    row_count: int = 0,
+    done: tuple[str, ...] = (),
+    journal_entry: dict[str, object] | None = None,
+    journal_limit: int = 50,
 ) -> StateDocument:
     """Record a failed attempt at the batch after the checkpoint and release the lease.
 
     One write does both, so a failing tick costs exactly what a clean release
     would, and every instance sees the same attempt count.
+
+    A partly failed batch may also move the checkpoint: ``advance_to`` is the
+    end of the batch's leading run of rows that were processed, and the
+    failure record then starts over (attempt 1) at that position, since the
+    failing row now heads a new batch. ``done`` names rows after the failed one
+    that were processed and must be skipped when the batch is delivered again.
     """
     lease = _require_holder(doc, owner, token, "failure record")
-    previous = doc.failure
+    base = doc
+    if advance_to is not None and advance_to != doc.position:
+        base = replace(
+            doc,
+            checkpoint=Checkpoint(
+                position=advance_to,
+                last_successful_batch_id=batch_id,
+                updated_at=now,
+                row_count=row_count,
+            ),
+        )
+        previous = None
+    else:
+        previous = failure_at(doc, doc.position)
     failure = FailureRecord(
         attempts=(previous.attempts if previous else 0) + 1,
         first_failed_at=previous.first_failed_at if previous else now,
         last_failed_at=now,
         last_error=error[:500],
         batch_id=batch_id,
+        from_position=base.position,
+        done=tuple(done),
     )
     released = replace(lease, expires_at=now, heartbeat_at=now, released=True)
-    return replace(doc, lease=released, failure=failure)
+    out = replace(base, lease=released, failure=failure)
+    if journal_entry is not None and base is not doc:
+        out = out.with_journal_entry(journal_entry, journal_limit)
+    return out
 
 
 def describe_lease(lease: Lease | None, now: dt.datetime) -> str:

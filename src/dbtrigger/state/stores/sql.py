@@ -1,0 +1,402 @@
+"""SQL table checkpoint store: state documents as rows in your own database.
+
+Useful when the database being polled is the only durable thing you run (no
+storage account), or when operators want the checkpoint next to the data, under
+the same backups and permissions.
+
+One row per poller::
+
+    namespace   VARCHAR(128)   -- several apps can share one table
+    poller_name VARCHAR(128)   -- primary key is (namespace, poller_name)
+    document    TEXT           -- the JSON state document, readable with SQL
+    etag        VARCHAR(64)    -- random token, replaced by every write
+    updated_at  TIMESTAMP      -- the database server's clock; informational only
+
+Compare-and-swap is one statement, ``UPDATE ... WHERE namespace = :ns AND
+poller_name = :p AND etag = :old``, inside an explicit transaction, and wins
+only when it reports exactly one row. Every database here re-checks the
+``WHERE`` clause against the latest committed row before updating it (row lock
+plus re-evaluation in PostgreSQL READ COMMITTED and InnoDB's locking reads;
+one writer at a time in SQLite), so of several writers presenting the same
+etag exactly one matches. Create-only is a plain ``INSERT``; the primary key
+turns a second creator into an ``IntegrityError``, which becomes
+:class:`~dbtrigger.errors.CasConflictError`.
+
+The new etag is a fresh random token on every write, never a hash of the
+content: writing identical bytes must still invalidate older etags. That also
+settles MySQL/MariaDB's "affected rows" semantics (which count only rows whose
+values changed): the etag column always changes, so a matched row is always
+counted, with or without the ``FOUND_ROWS`` client flag.
+
+Why an explicit transaction around a single statement: it splits the outcome
+of a failed write into two cases that are genuinely different. A failure while
+executing leaves an uncommitted transaction that the server rolls back, so the
+write certainly did not happen (:class:`~dbtrigger.errors.StoreUnavailableError`).
+Only a connection lost *during COMMIT* leaves the outcome unknown, and only
+that is reported as :class:`~dbtrigger.errors.AmbiguousWriteError`, which the
+poller resolves by re-reading on the next tick.
+
+Types are chosen so each backend holds a document of at least 1 MB and compares
+keys byte for byte: ``TEXT`` on PostgreSQL and SQLite (up to 1 GB), ``LONGTEXT``
+with ``utf8mb4_bin`` on MySQL/MariaDB (plain ``TEXT`` stops at 64 KB there, and
+the default collations would make ``Orders`` and ``orders`` the same poller).
+Documents must be UTF-8 text without NUL characters, which every state
+document is (JSON escapes control characters); anything else is refused with
+:class:`~dbtrigger.errors.UnsupportedDocumentError` before touching the database.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+import uuid
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import mysql
+from sqlalchemy.engine import URL, Connection, Engine, make_url
+
+from dbtrigger.errors import (
+    AmbiguousWriteError,
+    CasConflictError,
+    ConfigurationError,
+    DbTriggerError,
+    StoreAuthError,
+    StoreError,
+    StoreUnavailableError,
+    UnsupportedDocumentError,
+)
+from dbtrigger.names import validate_name, validate_sql_identifier
+from dbtrigger.settings import resolve_setting
+from dbtrigger.sources.sqlalchemy import safe_url_text, short_error
+from dbtrigger.state.stores.base import StoredDocument
+
+_KEY_TYPE = sa.String(128).with_variant(
+    mysql.VARCHAR(128, charset="ascii", collation="ascii_bin"), "mysql", "mariadb"
+)
+_ETAG_TYPE = sa.String(64).with_variant(
+    mysql.VARCHAR(64, charset="ascii", collation="ascii_bin"), "mysql", "mariadb"
+)
+_DOCUMENT_TYPE = sa.Text().with_variant(
+    mysql.LONGTEXT(charset="utf8mb4", collation="utf8mb4_bin"), "mysql", "mariadb"
+)
+
+# Driver signals that the credentials or the permissions were refused. PostgreSQL
+# reports connection-time failures without a SQLSTATE, hence the message probes.
+_PG_AUTH_SQLSTATES = frozenset({"28000", "28P01", "42501"})
+_PG_AUTH_MESSAGES = re.compile(
+    r"password authentication failed|authentication failed|no pg_hba\.conf entry"
+    r"|role \".*\" does not exist|permission denied",
+    re.IGNORECASE,
+)
+_MYSQL_AUTH_CODES = frozenset({1044, 1045, 1142, 1143, 1227, 1370, 1698})
+# Another transaction won (deadlock victim, serialization failure): rolled back.
+_PG_CONFLICT_SQLSTATES = frozenset({"40001", "40P01"})
+_MYSQL_CONFLICT_CODES = frozenset({1213})
+
+
+def classify_driver_error(exc: sa.exc.DBAPIError) -> str:
+    """``"auth"``, ``"conflict"``, ``"disconnect"`` or ``"other"`` for a driver error.
+
+    Pure (looks only at the exception), so it is tested table by table with the
+    drivers' own exception classes as well as live.
+    """
+    orig = exc.orig
+    sqlstate = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    args = getattr(orig, "args", ())
+    code = args[0] if args and isinstance(args[0], int) else None
+    text = str(orig)
+    if sqlstate in _PG_AUTH_SQLSTATES or code in _MYSQL_AUTH_CODES:
+        return "auth"
+    if sqlstate is None and code is None and _PG_AUTH_MESSAGES.search(text):
+        return "auth"
+    if sqlstate in _PG_CONFLICT_SQLSTATES or code in _MYSQL_CONFLICT_CODES:
+        return "conflict"
+    if exc.connection_invalidated:
+        return "disconnect"
+    return "other"
+
+
+def _state_table(name: str, schema: str | None) -> sa.Table:
+    return sa.Table(
+        name,
+        sa.MetaData(),
+        sa.Column("namespace", _KEY_TYPE, primary_key=True),
+        sa.Column("poller_name", _KEY_TYPE, primary_key=True),
+        sa.Column("document", _DOCUMENT_TYPE, nullable=False),
+        sa.Column("etag", _ETAG_TYPE, nullable=False),
+        sa.Column(
+            "updated_at",
+            sa.DateTime(timezone=True),
+            nullable=False,
+            server_default=sa.func.current_timestamp(),
+        ),
+        schema=schema,
+    )
+
+
+class _Attempt:
+    """Where a write got to when it failed; decides whether the outcome is known."""
+
+    def __init__(self) -> None:
+        self.committing = False
+
+
+class SqlCheckpointStore:
+    """State documents as rows of one table, via SQLAlchemy Core.
+
+    Args:
+        url: SQLAlchemy URL of the database holding the table; ``%APP_SETTING%``
+            references are resolved. The password never appears in
+            :meth:`describe` or in errors.
+        engine: an existing engine instead of ``url`` (for example the
+            source's, so state and data share a pool).
+        table / schema: where the rows live (validated identifiers). On
+            MySQL/MariaDB the schema is a database name.
+        namespace: a partition of the table, so several applications can keep
+            pollers of the same name apart (validated like a poller name).
+        create_table: create the table on first use if it is missing. Turn it
+            off where the runtime identity may not run DDL, and create the table
+            once with :meth:`create_table` (or from :meth:`ddl`).
+        engine_kwargs: passed to :func:`sqlalchemy.create_engine` with ``url``.
+    """
+
+    def __init__(
+        self,
+        *,
+        url: str | None = None,
+        engine: Engine | None = None,
+        table: str = "dbtrigger_state",
+        schema: str | None = None,
+        namespace: str = "default",
+        create_table: bool = True,
+        engine_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        if (url is None) == (engine is None):
+            raise ConfigurationError("SqlCheckpointStore needs exactly one of url= or engine=")
+        self._table = _state_table(
+            validate_sql_identifier(table, "state table"),
+            validate_sql_identifier(schema, "state schema") if schema else None,
+        )
+        self._namespace = validate_name(namespace, "namespace")
+        self._create = create_table
+        self._ready = not create_table
+        self._lock = threading.Lock()
+        if engine is not None:
+            self._engine = engine
+            self._owns_engine = False
+        else:
+            try:
+                parsed: URL = make_url(resolve_setting(url or ""))
+            except sa.exc.ArgumentError as exc:
+                raise ConfigurationError(f"not a valid database URL: {exc}") from None
+            # hide_parameters: a failing statement's bound values (the whole
+            # document) must not be copied into exception text and logs.
+            kwargs: dict[str, Any] = {
+                "pool_pre_ping": True,
+                "hide_parameters": True,
+                **(engine_kwargs or {}),
+            }
+            self._engine = sa.create_engine(parsed, **kwargs)
+            self._owns_engine = True
+
+    # --- identity -----------------------------------------------------------------
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    @property
+    def namespace(self) -> str:
+        return self._namespace
+
+    @property
+    def table_name(self) -> str:
+        t = self._table
+        return f"{t.schema}.{t.name}" if t.schema else t.name
+
+    def describe(self) -> str:
+        url = safe_url_text(self._engine.url)
+        return f"sql:{url} table={self.table_name} namespace={self._namespace}"
+
+    def ddl(self) -> str:
+        """The ``CREATE TABLE`` statement for this engine's dialect, for DBAs."""
+        return str(sa.schema.CreateTable(self._table).compile(dialect=self._engine.dialect))
+
+    def close(self) -> None:
+        """Dispose of the connection pool if this store created the engine."""
+        if self._owns_engine:
+            self._engine.dispose()
+
+    # --- error edge -----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _edge(self, action: str, key: str, *, create: bool = False) -> Iterator[_Attempt]:
+        """Translate SQLAlchemy/driver failures into the store error tree, cause chained."""
+        attempt = _Attempt()
+        where = f"{action} of {key!r} in {self.describe()}"
+        try:
+            yield attempt
+        except DbTriggerError:
+            raise
+        except sa.exc.IntegrityError as exc:
+            if create:
+                raise CasConflictError(
+                    f"{key!r} already exists in {self.table_name} (create-only write)"
+                ) from exc
+            raise StoreError(f"{where} violated a constraint: {short_error(exc)}") from exc
+        except sa.exc.DBAPIError as exc:
+            kind = classify_driver_error(exc)
+            if kind == "auth":
+                raise StoreAuthError(
+                    f"{where} was refused: {short_error(exc)}; check the credentials "
+                    "and the grants on the state table"
+                ) from exc
+            if kind == "conflict" and action != "read":
+                raise CasConflictError(
+                    f"{where} lost to a concurrent transaction: {short_error(exc)}"
+                ) from exc
+            if attempt.committing and kind == "disconnect":
+                raise AmbiguousWriteError(
+                    f"{where}: the connection was lost during COMMIT, so the write may or "
+                    f"may not have landed ({short_error(exc)}); re-read before deciding"
+                ) from exc
+            raise StoreUnavailableError(f"{where} failed: {short_error(exc)}") from exc
+        except sa.exc.SQLAlchemyError as exc:
+            raise StoreUnavailableError(f"{where} failed: {short_error(exc)}") from exc
+
+    # --- table management -------------------------------------------------------------
+
+    def create_table(self) -> None:
+        """Create the state table if it does not exist (safe to race)."""
+        with self._edge("create table", self.table_name):
+            try:
+                self._table.create(self._engine, checkfirst=True)
+            except sa.exc.DBAPIError as exc:
+                # Another process created it between our check and our CREATE.
+                if classify_driver_error(exc) == "auth" or not self._table_exists():
+                    raise
+        self._ready = True
+
+    def _table_exists(self) -> bool:
+        with self._engine.connect() as conn:
+            return sa.inspect(conn).has_table(self._table.name, schema=self._table.schema)
+
+    def _ensure_table(self) -> None:
+        if self._ready:
+            return
+        with self._lock:
+            if not self._ready:
+                self.create_table()
+
+    def _where_key(self, key: str) -> sa.ColumnElement[bool]:
+        t = self._table
+        return sa.and_(t.c.namespace == self._namespace, t.c.poller_name == key)
+
+    @staticmethod
+    def _text(key: str, data: bytes) -> str:
+        try:
+            text = bytes(data).decode("utf-8")
+        except UnicodeDecodeError:
+            raise UnsupportedDocumentError(
+                f"document for {key!r} is not UTF-8 text; the SQL store keeps documents as text"
+            ) from None
+        if "\x00" in text:
+            raise UnsupportedDocumentError(
+                f"document for {key!r} contains a NUL character, which SQL text columns refuse"
+            )
+        return text
+
+    # --- the port ---------------------------------------------------------------------
+
+    def read(self, key: str) -> StoredDocument | None:
+        validate_name(key, "poller name")
+        self._ensure_table()
+        t = self._table
+        stmt = sa.select(t.c.document, t.c.etag).where(self._where_key(key))
+        with self._edge("read", key), self._engine.connect() as conn:
+            row = conn.execute(stmt).first()
+        if row is None:
+            return None
+        return StoredDocument(str(row.document).encode("utf-8"), str(row.etag))
+
+    def write(self, key: str, data: bytes, *, if_match: str | None) -> str:
+        validate_name(key, "poller name")
+        text = self._text(key, data)
+        self._ensure_table()
+        t = self._table
+        etag = f'"{uuid.uuid4().hex}"'
+        stmt: sa.Executable
+        if if_match is None:
+            stmt = sa.insert(t).values(
+                namespace=self._namespace,
+                poller_name=key,
+                document=text,
+                etag=etag,
+                updated_at=sa.func.current_timestamp(),
+            )
+        else:
+            stmt = (
+                sa.update(t)
+                .where(self._where_key(key), t.c.etag == if_match)
+                .values(document=text, etag=etag, updated_at=sa.func.current_timestamp())
+            )
+        with (
+            self._edge("write", key, create=if_match is None) as attempt,
+            self._engine.connect() as conn,
+        ):
+            self._execute_one(conn, stmt, key, attempt)
+        return etag
+
+    def _execute_one(
+        self, conn: Connection, stmt: sa.Executable, key: str, attempt: _Attempt
+    ) -> None:
+        trans = conn.begin()
+        try:
+            result = conn.execute(stmt)
+            # An INSERT either adds its row or raises IntegrityError (drivers
+            # may report -1 for its rowcount); an UPDATE must match exactly one.
+            if isinstance(stmt, sa.Update) and result.rowcount != 1:
+                raise CasConflictError(
+                    f"{key!r} in {self.table_name} changed since it was read (etag mismatch)"
+                )
+        except BaseException:
+            trans.rollback()
+            raise
+        attempt.committing = True
+        trans.commit()
+
+    def delete(self, key: str, *, if_match: str | None = None) -> None:
+        validate_name(key, "poller name")
+        self._ensure_table()
+        t = self._table
+        condition = self._where_key(key)
+        if if_match is not None:
+            condition = sa.and_(condition, t.c.etag == if_match)
+        with self._edge("delete", key) as attempt, self._engine.connect() as conn:
+            trans = conn.begin()
+            try:
+                deleted = conn.execute(sa.delete(t).where(condition)).rowcount
+                if deleted == 0 and if_match is not None:
+                    still = conn.execute(sa.select(t.c.etag).where(self._where_key(key))).first()
+                    if still is not None:
+                        raise CasConflictError(
+                            f"{key!r} in {self.table_name} changed since it was read "
+                            "(etag mismatch)"
+                        )
+            except BaseException:
+                trans.rollback()
+                raise
+            attempt.committing = True
+            trans.commit()
+
+    def list_keys(self) -> list[str]:
+        self._ensure_table()
+        t = self._table
+        stmt = sa.select(t.c.poller_name).where(t.c.namespace == self._namespace)
+        with self._edge("listing", "*"), self._engine.connect() as conn:
+            names = [str(n) for n in conn.execute(stmt).scalars()]
+        # Sorted here, not by ORDER BY: database collations disagree on case order.
+        return sorted(names)

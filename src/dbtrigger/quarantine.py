@@ -1,0 +1,513 @@
+"""Poison rows: finding them in a failing batch and setting them aside.
+
+A batch that fails the same way on every delivery blocks its poller for good:
+the checkpoint cannot move past a row the handler never accepts. The seed's
+answer is "an operator advances the checkpoint by hand". dbtrigger can do the
+narrow version of that itself, when (and only when) a quarantine sink is
+configured:
+
+1. A batch has failed ``max_attempts`` times in a row (the count lives in the
+   state document, so every instance agrees on it).
+2. On the next failure the batch is *bisected*: the handler is called on each
+   half, halves that fail are split again, until single rows fail alone. Rows
+   in halves that pass were processed normally. A handler that raises
+   :class:`~dbtrigger.errors.PartialBatchError` names its failed rows itself
+   and needs no bisection.
+3. Each row that fails alone is written to the quarantine sink - its data,
+   the error, the attempt count, the poller, the checkpoint its batch started
+   from - and only then does the checkpoint move past it. A row that cannot be
+   recorded is never skipped.
+
+Guard rail: if more than ``quarantine_limit`` rows of one batch fail alone, the
+failure looks like an outage (a sink that is down fails every row), not like a
+poison row, and nothing is quarantined; the batch stays failed and is retried.
+
+Sinks implement :class:`QuarantineSink` (``put`` a list of records). Two ship
+here: :class:`SqlQuarantineSink` (a table, via SQLAlchemy Core) and
+:class:`JsonLinesQuarantineSink` (an append-only file). Row values that JSON
+cannot hold (timestamps, decimals, uuids, bytes) are written as
+``{"$type": kind, "value": text}`` with the same encoding the state document
+uses for cursors, so they read back exactly.
+
+A quarantined row is *data set aside*, not data dropped: it is logged at
+WARNING (event ``row_quarantined``), counted in ``quarantined_total``, and
+stays in the sink until someone replays or discards it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import fcntl
+import json
+import math
+import os
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+
+from dbtrigger.cursor import Position, canonical_json, encode_value, encoded_pk
+from dbtrigger.errors import (
+    ConfigurationError,
+    LostLeaseError,
+    PartialBatchError,
+    QuarantineError,
+    SerializationError,
+)
+from dbtrigger.events import RowChange
+from dbtrigger.names import validate_sql_identifier
+from dbtrigger.settings import resolve_setting
+from dbtrigger.state.document import format_time, parse_time, position_to_json
+
+# --- row encoding ---------------------------------------------------------------
+
+
+def encode_json_value(value: Any) -> Any:
+    """``value`` as plain JSON; non-JSON types become ``{"$type": kind, "value": ...}``."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"$type": "float", "value": repr(value)}
+    if isinstance(value, Mapping):
+        return {str(k): encode_json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [encode_json_value(v) for v in value]
+    try:
+        kind, encoded = encode_value(value)
+    except SerializationError:
+        return {"$type": "repr", "value": repr(value)[:1000]}
+    return {"$type": kind, "value": encoded}
+
+
+# --- records --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QuarantineRecord:
+    """One row set aside, with everything needed to understand and replay it.
+
+    ``pk``, ``cursor`` and ``row`` are already JSON-encoded (see
+    :func:`encode_json_value`); ``checkpoint`` is the position the failing
+    batch started from, in the state document's format.
+    """
+
+    poller: str
+    event_id: str
+    source: str
+    pk: Mapping[str, Any]
+    cursor: Any
+    row: Mapping[str, Any] | None
+    error: str
+    attempts: int
+    checkpoint: Mapping[str, Any]
+    batch_id: str
+    fencing_token: int
+    owner_id: str
+    quarantined_at: dt.datetime
+
+    @classmethod
+    def from_event(
+        cls,
+        event: RowChange,
+        *,
+        poller: str,
+        error: BaseException,
+        attempts: int,
+        checkpoint: Position,
+        batch_id: str,
+        fencing_token: int,
+        owner_id: str,
+        now: dt.datetime,
+    ) -> QuarantineRecord:
+        return cls(
+            poller=poller,
+            event_id=event.event_id,
+            source=event.source,
+            pk=encode_json_value(dict(event.pk)),
+            cursor=encode_json_value(event.cursor),
+            row=encode_json_value(dict(event.after)) if event.after is not None else None,
+            error=f"{type(error).__name__}: {error}"[:2000],
+            attempts=attempts,
+            checkpoint=position_to_json(checkpoint),
+            batch_id=batch_id,
+            fencing_token=fencing_token,
+            owner_id=owner_id,
+            quarantined_at=now,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "poller": self.poller,
+            "event_id": self.event_id,
+            "source": self.source,
+            "pk": dict(self.pk),
+            "cursor": self.cursor,
+            "row": dict(self.row) if self.row is not None else None,
+            "error": self.error,
+            "attempts": self.attempts,
+            "checkpoint": dict(self.checkpoint),
+            "batch_id": self.batch_id,
+            "fencing_token": self.fencing_token,
+            "owner_id": self.owner_id,
+            "quarantined_at": format_time(self.quarantined_at),
+        }
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> QuarantineRecord:
+        return cls(
+            poller=str(raw["poller"]),
+            event_id=str(raw["event_id"]),
+            source=str(raw.get("source", "")),
+            pk=dict(raw["pk"]),
+            cursor=raw.get("cursor"),
+            row=dict(raw["row"]) if raw.get("row") is not None else None,
+            error=str(raw.get("error", "")),
+            attempts=int(raw.get("attempts", 0)),
+            checkpoint=dict(raw.get("checkpoint") or {}),
+            batch_id=str(raw.get("batch_id", "")),
+            fencing_token=int(raw.get("fencing_token", 0)),
+            owner_id=str(raw.get("owner_id", "")),
+            quarantined_at=parse_time(raw.get("quarantined_at"), "quarantined_at"),
+        )
+
+
+@runtime_checkable
+class QuarantineSink(Protocol):
+    """Where poison rows go. ``put`` must be durable when it returns: the
+    checkpoint moves past the rows right after. It may be called again with
+    the same records (a commit that failed after ``put``); storing them once
+    is best, storing them twice is acceptable, losing them is not."""
+
+    def put(self, records: Sequence[QuarantineRecord]) -> None: ...
+
+    def describe(self) -> str: ...
+
+
+# --- SQL table ------------------------------------------------------------------
+
+
+def quarantine_table(
+    name: str = "dbtrigger_quarantine",
+    schema: str | None = None,
+    metadata: sa.MetaData | None = None,
+) -> sa.Table:
+    """The quarantine table's definition; primary key (poller, event_id)."""
+    return sa.Table(
+        validate_sql_identifier(name, "quarantine table"),
+        metadata or sa.MetaData(),
+        sa.Column("poller", sa.String(128), primary_key=True),
+        sa.Column("event_id", sa.String(64), primary_key=True),
+        sa.Column("source", sa.String(255), nullable=False),
+        sa.Column("pk_json", sa.Text, nullable=False),
+        sa.Column("cursor_json", sa.Text, nullable=False),
+        sa.Column("row_json", sa.Text, nullable=True),
+        sa.Column("error", sa.Text, nullable=False),
+        sa.Column("attempts", sa.Integer, nullable=False),
+        sa.Column("checkpoint_json", sa.Text, nullable=False),
+        sa.Column("batch_id", sa.String(128), nullable=False),
+        sa.Column("fencing_token", sa.BigInteger, nullable=False),
+        sa.Column("owner_id", sa.String(255), nullable=False),
+        sa.Column("quarantined_at", sa.DateTime, nullable=False),  # UTC, naive
+        schema=validate_sql_identifier(schema, "schema") if schema else None,
+    )
+
+
+def _short(exc: BaseException) -> str:
+    orig = getattr(exc, "orig", None) or exc
+    first = (str(orig).strip().splitlines() or [""])[0]
+    return f"{type(orig).__name__}: {first}"[:300]
+
+
+class SqlQuarantineSink:
+    """Quarantined rows in a database table (PostgreSQL, MariaDB/MySQL, SQLite, ...).
+
+    The table is created on first use unless ``create_table=False``. A record
+    already present for (poller, event_id) is left as it is, so a ``put``
+    repeated after a failed commit stores each row once.
+    """
+
+    def __init__(
+        self,
+        *,
+        url: str | None = None,
+        engine: sa.Engine | None = None,
+        table: str = "dbtrigger_quarantine",
+        schema: str | None = None,
+        create_table: bool = True,
+    ) -> None:
+        if (url is None) == (engine is None):
+            raise ConfigurationError("SqlQuarantineSink needs exactly one of url= or engine=")
+        self._engine = engine or sa.create_engine(resolve_setting(url or ""), pool_pre_ping=True)
+        self._owns_engine = engine is None
+        self.table = quarantine_table(table, schema)
+        self._create = create_table
+        self._created = False
+        self._lock = threading.Lock()
+
+    def describe(self) -> str:
+        name = f"{self.table.schema}.{self.table.name}" if self.table.schema else self.table.name
+        return f"sql:{self._engine.dialect.name}:{name}"
+
+    def close(self) -> None:
+        if self._owns_engine:
+            self._engine.dispose()
+
+    def _ensure_table(self) -> None:
+        if self._created or not self._create:
+            return
+        with self._lock:
+            if self._created:
+                return
+            try:
+                self.table.create(self._engine, checkfirst=True)
+            except SQLAlchemyError:
+                # Another process may have created it between check and create.
+                if not sa.inspect(self._engine).has_table(self.table.name, self.table.schema):
+                    raise
+            self._created = True
+
+    @staticmethod
+    def _row(record: QuarantineRecord) -> dict[str, Any]:
+        return {
+            "poller": record.poller,
+            "event_id": record.event_id,
+            "source": record.source[:255],
+            "pk_json": canonical_json(dict(record.pk)),
+            "cursor_json": canonical_json(record.cursor),
+            "row_json": canonical_json(dict(record.row)) if record.row is not None else None,
+            "error": record.error,
+            "attempts": record.attempts,
+            "checkpoint_json": canonical_json(dict(record.checkpoint)),
+            "batch_id": record.batch_id[:128],
+            "fencing_token": record.fencing_token,
+            "owner_id": record.owner_id[:255],
+            "quarantined_at": record.quarantined_at.astimezone(dt.timezone.utc).replace(
+                tzinfo=None
+            ),
+        }
+
+    def _insert_ignoring_duplicates(self, conn: sa.Connection, rows: list[dict[str, Any]]) -> None:
+        dialect = conn.dialect.name
+        if dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert as pg_insert  # noqa: PLC0415
+
+            conn.execute(pg_insert(self.table).on_conflict_do_nothing(), rows)
+        elif dialect == "sqlite":
+            from sqlalchemy.dialects.sqlite import insert as sqlite_insert  # noqa: PLC0415
+
+            conn.execute(sqlite_insert(self.table).on_conflict_do_nothing(), rows)
+        elif dialect in ("mysql", "mariadb"):
+            from sqlalchemy.dialects.mysql import insert as mysql_insert  # noqa: PLC0415
+
+            stmt = mysql_insert(self.table)
+            conn.execute(stmt.on_duplicate_key_update(poller=stmt.inserted.poller), rows)
+        else:
+            for row in rows:
+                try:
+                    with conn.begin_nested():
+                        conn.execute(self.table.insert(), row)
+                except IntegrityError:
+                    continue
+
+    def put(self, records: Sequence[QuarantineRecord]) -> None:
+        if not records:
+            return
+        try:
+            self._ensure_table()
+            with self._engine.begin() as conn:
+                self._insert_ignoring_duplicates(conn, [self._row(r) for r in records])
+        except SQLAlchemyError as exc:
+            raise QuarantineError(
+                f"could not write {len(records)} row(s) to quarantine {self.describe()}: "
+                f"{_short(exc)}"
+            ) from exc
+
+    def records(self, poller: str | None = None) -> list[QuarantineRecord]:
+        """Read quarantined rows back (oldest first), e.g. to replay them."""
+        stmt = sa.select(self.table).order_by(
+            self.table.c.quarantined_at, self.table.c.poller, self.table.c.event_id
+        )
+        if poller is not None:
+            stmt = stmt.where(self.table.c.poller == poller)
+        try:
+            with self._engine.connect() as conn:
+                rows = conn.execute(stmt).mappings().all()
+        except SQLAlchemyError as exc:
+            raise QuarantineError(
+                f"could not read quarantine {self.describe()}: {_short(exc)}"
+            ) from exc
+        return [
+            QuarantineRecord(
+                poller=r["poller"],
+                event_id=r["event_id"],
+                source=r["source"],
+                pk=json.loads(r["pk_json"]),
+                cursor=json.loads(r["cursor_json"]),
+                row=json.loads(r["row_json"]) if r["row_json"] is not None else None,
+                error=r["error"],
+                attempts=r["attempts"],
+                checkpoint=json.loads(r["checkpoint_json"]),
+                batch_id=r["batch_id"],
+                fencing_token=int(r["fencing_token"]),
+                owner_id=r["owner_id"],
+                quarantined_at=r["quarantined_at"].replace(tzinfo=dt.timezone.utc),
+            )
+            for r in rows
+        ]
+
+
+# --- JSON lines file ------------------------------------------------------------
+
+
+class JsonLinesQuarantineSink:
+    """Quarantined rows appended to a file, one JSON object per line.
+
+    Appends hold an exclusive ``flock`` and are fsynced, so several processes
+    can share one file and a record is on disk before the checkpoint moves.
+    A ``put`` repeated after a failed commit appends the records again;
+    readers should key on (poller, event_id).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    def describe(self) -> str:
+        return f"file:{self.path}"
+
+    @contextlib.contextmanager
+    def _locked(self, mode: str) -> Iterator[Any]:
+        with self.path.open(mode, encoding="utf-8") as fh:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX if "a" in mode else fcntl.LOCK_SH)
+            yield fh
+
+    def put(self, records: Sequence[QuarantineRecord]) -> None:
+        if not records:
+            return
+        lines = "".join(
+            json.dumps(r.to_json(), sort_keys=True, ensure_ascii=True) + "\n" for r in records
+        )
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self._locked("a") as fh:
+                fh.write(lines)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError as exc:
+            raise QuarantineError(
+                f"could not append {len(records)} row(s) to quarantine {self.path}: {exc.strerror}"
+            ) from exc
+
+    def records(self, poller: str | None = None) -> list[QuarantineRecord]:
+        if not self.path.exists():
+            return []
+        with self._locked("r") as fh:
+            out = [QuarantineRecord.from_json(json.loads(line)) for line in fh if line.strip()]
+        return [r for r in out if poller is None or r.poller == poller]
+
+
+# --- isolating the failing rows ---------------------------------------------------
+
+
+def _pk_key(pk: Mapping[str, Any]) -> str:
+    try:
+        return canonical_json(encoded_pk(pk))
+    except SerializationError:
+        return repr(sorted(pk.items()))
+
+
+def match_failed(
+    events: Sequence[RowChange], error: PartialBatchError
+) -> list[tuple[RowChange, BaseException]]:
+    """The events a :class:`PartialBatchError` names, each with its cause.
+
+    Keys are compared through the state document's value encoding, so a key
+    named with an ``int`` matches the event's ``int`` however the driver built
+    it. Named keys that are not in ``events`` are ignored.
+    """
+    wanted: dict[str, BaseException] = {}
+    for index, pk in enumerate(error.failed_pks):
+        wanted.setdefault(_pk_key(pk), error.causes.get(index, error))
+    return [(e, wanted[_pk_key(e.pk)]) for e in events if _pk_key(e.pk) in wanted]
+
+
+@dataclass
+class Isolation:
+    """What bisecting a failing batch found.
+
+    ``ok`` rows passed in some half (they were processed); ``bad`` rows failed
+    alone. ``aborted`` is True when more than the limit of rows failed alone
+    and the search stopped: the failure is treated as an outage.
+    """
+
+    ok: list[RowChange] = field(default_factory=list)
+    bad: list[tuple[RowChange, BaseException]] = field(default_factory=list)
+    calls: int = 0
+    aborted: bool = False
+
+
+class _LimitReached(Exception):
+    pass
+
+
+def isolate(
+    events: Sequence[RowChange],
+    call: Callable[[list[RowChange]], None],
+    *,
+    first_error: BaseException,
+    limit: int,
+    check: Callable[[], None] | None = None,
+) -> Isolation:
+    """Bisect ``events`` (which just failed with ``first_error``) down to the rows
+    that fail alone.
+
+    ``call`` runs the handler on a sub-batch and raises when it fails;
+    ``check`` runs before every call and may raise (the lease was lost) to end
+    the search. A handler that answers a half with
+    :class:`~dbtrigger.errors.PartialBatchError` has named its bad rows, and
+    that half is not split further. Costs about ``2 * bad * log2(len(events))``
+    handler calls.
+    """
+    out = Isolation()
+
+    def add_bad(event: RowChange, exc: BaseException) -> None:
+        out.bad.append((event, exc))
+        if len(out.bad) > limit:
+            raise _LimitReached
+
+    def split(chunk: list[RowChange], error: BaseException) -> None:
+        if len(chunk) == 1:
+            add_bad(chunk[0], error)
+            return
+        mid = len(chunk) // 2
+        for half in (chunk[:mid], chunk[mid:]):
+            if check is not None:
+                check()
+            out.calls += 1
+            try:
+                call(half)
+            except LostLeaseError:
+                raise
+            except PartialBatchError as partial:
+                named = match_failed(half, partial)
+                if not named:
+                    split(half, partial)
+                    continue
+                named_ids = {e.event_id for e, _ in named}
+                out.ok.extend(e for e in half if e.event_id not in named_ids)
+                for event, exc in named:
+                    add_bad(event, exc)
+            except Exception as exc:  # noqa: BLE001 - any handler failure is data here
+                split(half, exc)
+            else:
+                out.ok.extend(half)
+
+    try:
+        split(list(events), first_error)
+    except _LimitReached:
+        out.aborted = True
+    return out

@@ -1,0 +1,176 @@
+"""Keeping a lease alive while a long batch runs.
+
+A lease lives ``lease_ttl_seconds`` from its last write. A handler that runs
+longer than that would let another instance take the lease over and deliver
+the same batch again (duplicate window W4), and that instance's handler might
+be just as slow: the batch would bounce between instances for ever. So while a
+tick holds the lease, a background thread renews it by compare-and-swap
+(``heartbeat_at`` and ``expires_at`` moved forward, nothing else touched).
+
+Cost: the thread writes only when nothing else has written for a whole
+interval. Every commit renews the lease too, so a tick whose batches each
+finish within the interval never pays for a heartbeat; only a batch that is
+still running after ``interval`` seconds does, one write per interval.
+
+A renewal the store *rejects* means somebody else holds the lease now. The
+thread sets the tick's ``lease_lost`` event (handlers see it as
+``ctx.cancelled``; an async handler's task is cancelled), stops, and the tick
+attempts no commit. A renewal that merely *fails* (store unreachable) is not a
+loss: the lease may well still be ours, so the thread keeps trying; if it
+really ran out, the commit is refused by the fencing check and nothing stale
+is written.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+from collections.abc import Callable
+from types import TracebackType
+
+from dbtrigger.errors import DbTriggerError, LostLeaseError
+from dbtrigger.runtime.session import LeaseSession
+from dbtrigger.state import lease as leasemod
+from dbtrigger.state.document import StateDocument
+
+log = logging.getLogger("dbtrigger.runtime")
+
+
+def default_interval(ttl_seconds: float) -> float:
+    """A third of the TTL: two renewals can fail before the lease runs out."""
+    return ttl_seconds / 3
+
+
+class Heartbeat:
+    """Renews ``session``'s lease every ``interval`` seconds of write silence.
+
+    Use as a context manager around everything the tick does while it holds
+    the lease. ``interval <= 0`` disables it (the seed's behaviour: a batch
+    slower than the TTL can lose its lease).
+    """
+
+    def __init__(
+        self,
+        session: LeaseSession,
+        *,
+        interval: float,
+        ttl: dt.timedelta,
+        clock: Callable[[], dt.datetime],
+        lost: threading.Event,
+        poller: str,
+        on_renewed: Callable[[], None] | None = None,
+        on_lost: Callable[[LostLeaseError], None] | None = None,
+    ) -> None:
+        self.session = session
+        self.interval = interval
+        self.ttl = ttl
+        self.clock = clock
+        self.lost = lost
+        self.poller = poller
+        self.on_renewed = on_renewed
+        self.on_lost = on_lost
+        self.renewals = 0
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> Heartbeat:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        if self.interval <= 0 or self._thread is not None:
+            return
+        self._thread = threading.Thread(
+            target=self._run, name=f"dbtrigger-heartbeat-{self.poller}", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop renewing; waits for a renewal in flight so the tick's next write
+        never races it for the etag."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _renew(self) -> bool:
+        session = self.session
+
+        def transition(doc: StateDocument) -> StateDocument:
+            return leasemod.decide_heartbeat(
+                doc, owner=session.owner, token=session.token, now=self.clock(), ttl=self.ttl
+            )
+
+        return session.renew(transition, min_idle_seconds=self.interval)
+
+    def _run(self) -> None:
+        while True:
+            remaining = self.interval - self.session.idle_seconds()
+            if remaining > 0:
+                if self._stop.wait(remaining):
+                    return
+                continue
+            if self._stop.is_set():
+                return
+            try:
+                renewed = self._renew()
+            except LostLeaseError as exc:
+                self.lost.set()
+                log.warning(
+                    "heartbeat rejected, the lease was taken over: %s",
+                    exc,
+                    extra={
+                        "event": "lease_lost",
+                        "poller": self.poller,
+                        "fencing_token": self.session.token,
+                        "during": "heartbeat",
+                    },
+                )
+                if self.on_lost is not None:
+                    self.on_lost(exc)
+                return
+            except DbTriggerError as exc:
+                # Unknown outcome or store down: not a loss. Try again after half
+                # an interval; the lease has two more intervals of life left.
+                self.failures += 1
+                log.warning(
+                    "heartbeat failed (%d in a row), will retry: %s",
+                    self.failures,
+                    exc,
+                    extra={
+                        "event": "heartbeat_failed",
+                        "poller": self.poller,
+                        "fencing_token": self.session.token,
+                        **exc.log_fields(),
+                    },
+                )
+                if self._stop.wait(self.interval / 2):
+                    return
+                continue
+            if not renewed:
+                if self.session.released or self.session.lost:
+                    return
+                continue  # a commit wrote meanwhile; wait out its interval
+            self.renewals += 1
+            self.failures = 0
+            log.debug(
+                "lease renewed (token %s)",
+                self.session.token,
+                extra={
+                    "event": "lease_renewed",
+                    "poller": self.poller,
+                    "fencing_token": self.session.token,
+                },
+            )
+            if self.on_renewed is not None:
+                self.on_renewed()

@@ -1,0 +1,180 @@
+"""Retrying transient failures inside a tick: bounded, jittered, and selective.
+
+A tick that hits a brief storage or database hiccup should not give up and
+wait for the next timer firing (minutes, perhaps) when trying again after a
+fraction of a second would have worked. So reads of the state document,
+conditional writes that were refused because the store was unreachable, and
+source fetches are retried a few times with exponential backoff and full
+jitter (each wait is drawn uniformly between zero and the exponential bound,
+which keeps instances that failed together from retrying in lock-step).
+
+What is never retried inside a tick, and why:
+
+* handler errors - the handler's side effects are the user's; running it again
+  at once would double them. A failed batch is redelivered on the next tick,
+  and counted towards poison isolation.
+* operator errors (:class:`~dbtrigger.errors.OperatorError`: bad credentials,
+  corrupt state, a changed source definition) - retrying cannot fix them and
+  would only delay the loud failure.
+* contention (:class:`~dbtrigger.errors.ContentionError`: a lost
+  compare-and-swap, a live lease elsewhere) - that is another instance doing
+  the work, the protocol working as designed.
+
+The whole retry budget is bounded by ``attempts`` and ``max_elapsed_seconds``
+so a tick that holds a lease cannot spend it waiting on a dead dependency.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import tenacity
+
+from dbtrigger.errors import (
+    AmbiguousWriteError,
+    ConfigurationError,
+    ContentionError,
+    FetchError,
+    HandlerError,
+    OperatorError,
+    PartialBatchError,
+    QuarantineError,
+    RetryableError,
+    StoreUnavailableError,
+)
+
+log = logging.getLogger("dbtrigger.runtime")
+
+T = TypeVar("T")
+
+#: Failures that are retried by default: nothing was changed (or, for fetches,
+#: nothing is changed by reading again).
+TRANSIENT: tuple[type[BaseException], ...] = (
+    FetchError,
+    StoreUnavailableError,
+    QuarantineError,
+)
+
+RetryHook = Callable[[str, int, BaseException, float], None]
+
+
+def is_transient(exc: BaseException, kinds: tuple[type[BaseException], ...] = TRANSIENT) -> bool:
+    """True when ``exc`` is worth another try right away.
+
+    Operator errors, contention, handler errors and ambiguous writes are never
+    transient here, whatever ``kinds`` says: an ambiguous write must be
+    resolved by re-reading (see :class:`~dbtrigger.runtime.session.LeaseSession`),
+    not by blindly writing again.
+    """
+    if isinstance(
+        exc, (OperatorError, ContentionError, HandlerError, PartialBatchError, AmbiguousWriteError)
+    ):
+        return False
+    return isinstance(exc, kinds) and isinstance(exc, RetryableError)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How transient failures inside one tick are retried.
+
+    Args:
+        attempts: tries per operation, the first included (1 disables retries).
+        initial_backoff_seconds: upper bound of the first wait.
+        max_backoff_seconds: upper bound of any single wait.
+        multiplier: growth of the bound per attempt.
+        max_elapsed_seconds: no new attempt starts after this much time spent
+            on one operation; keep it well below the lease TTL.
+        sleep: the sleep function (tests pass a recorder instead of waiting).
+
+    Waits use full jitter: attempt ``n`` sleeps a uniform random time in
+    ``[0, min(max_backoff, initial * multiplier ** (n - 1))]``.
+    """
+
+    attempts: int = 4
+    initial_backoff_seconds: float = 0.1
+    max_backoff_seconds: float = 2.0
+    multiplier: float = 2.0
+    max_elapsed_seconds: float = 10.0
+    sleep: Callable[[float], None] = field(default=time.sleep, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ConfigurationError(f"RetryPolicy.attempts must be >= 1, got {self.attempts}")
+        if self.initial_backoff_seconds < 0 or self.max_backoff_seconds < 0:
+            raise ConfigurationError("RetryPolicy backoff bounds must be >= 0")
+        if self.multiplier < 1:
+            raise ConfigurationError(f"RetryPolicy.multiplier must be >= 1, got {self.multiplier}")
+        if self.max_elapsed_seconds <= 0:
+            raise ConfigurationError("RetryPolicy.max_elapsed_seconds must be > 0")
+
+    @classmethod
+    def none(cls) -> RetryPolicy:
+        """Fail on the first error (the next tick is the only retry)."""
+        return cls(attempts=1)
+
+    def call(
+        self,
+        fn: Callable[[], T],
+        *,
+        operation: str,
+        kinds: tuple[type[BaseException], ...] = TRANSIENT,
+        on_retry: RetryHook | None = None,
+        fields: dict[str, Any] | None = None,
+    ) -> T:
+        """Run ``fn``, retrying it on transient ``kinds``; re-raise the last error.
+
+        ``on_retry(operation, attempt, error, wait)`` is called before each wait
+        (for metrics); every retry is also logged at WARNING with the event
+        ``retrying``.
+        """
+        if self.attempts == 1:
+            return fn()
+
+        def before_sleep(state: tenacity.RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            wait = state.next_action.sleep if state.next_action else 0.0
+            if exc is None:  # pragma: no cover - we only retry on exceptions
+                return
+            log.warning(
+                "%s failed (attempt %d of %d), retrying in %.2fs: %s",
+                operation,
+                state.attempt_number,
+                self.attempts,
+                wait,
+                exc,
+                extra={
+                    "event": "retrying",
+                    "operation": operation,
+                    "attempt": state.attempt_number,
+                    "error_type": type(exc).__name__,
+                    **(fields or {}),
+                },
+            )
+            if on_retry is not None:
+                on_retry(operation, state.attempt_number, exc, wait)
+
+        retrying = tenacity.Retrying(
+            stop=(
+                tenacity.stop_after_attempt(self.attempts)
+                | tenacity.stop_after_delay(self.max_elapsed_seconds)
+            ),
+            wait=tenacity.wait_random_exponential(
+                multiplier=self.initial_backoff_seconds,
+                max=self.max_backoff_seconds,
+                exp_base=self.multiplier,
+            ),
+            retry=tenacity.retry_if_exception(lambda exc: is_transient(exc, kinds)),
+            before_sleep=before_sleep,
+            sleep=self.sleep,
+            reraise=True,
+        )
+        result: T = retrying(fn)
+        return result
+
+
+#: The policy a :class:`~dbtrigger.runtime.poller.PollTrigger` uses unless told otherwise.
+DEFAULT_RETRY_POLICY = RetryPolicy()

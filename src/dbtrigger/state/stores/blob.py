@@ -1,0 +1,490 @@
+"""Azure Blob Storage checkpoint store: one JSON blob per poller, etag CAS.
+
+Layout: container ``db-state`` (configurable), blob
+``state/{app_name}/{poller_name}.json``. ``app_name`` keeps two Function Apps
+(or two deployment slots) sharing one storage account from sharing state.
+
+Every write is conditional: a create carries ``If-None-Match: *`` and an update
+``If-Match: <etag>``. Blob Storage evaluates the condition atomically with the
+write, which is exactly the compare-and-swap the store contract asks for.
+
+Two choices that matter when a network misbehaves:
+
+* Writes are sent **once** (``retry_total=0``). The SDK's own retry would
+  re-send a conditional PUT whose first attempt may already have landed; the
+  retry then fails with 412 and turns "my write succeeded" into a false
+  "someone else wrote". Reporting :class:`~dbtrigger.errors.AmbiguousWriteError`
+  instead lets the tick re-read and recognise its own write (contract W5).
+* azure-core tells us whether a failed request reached the service:
+  ``ServiceRequestError`` means nothing was sent (the write certainly did not
+  land: :class:`~dbtrigger.errors.StoreUnavailableError`), ``ServiceResponseError``
+  means it was sent and the answer was lost (ambiguous).
+
+Errors are translated in one place, :meth:`BlobCheckpointStore._translated`,
+with the SDK exception chained as the cause. Our messages carry the operation,
+blob path, HTTP status and storage error code, never the SDK's message text
+(which can echo request URLs, and with SAS authentication those carry a
+signature).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from azure.core import MatchConditions
+from azure.core.exceptions import (
+    AzureError,
+    ClientAuthenticationError,
+    HttpResponseError,
+    ResourceExistsError,
+    ResourceNotFoundError,
+    ServiceRequestError,
+    ServiceResponseError,
+)
+from azure.storage.blob import ContainerClient, ContentSettings, LinearRetry
+
+from dbtrigger.errors import (
+    AmbiguousWriteError,
+    CasConflictError,
+    ConfigurationError,
+    StoreAuthError,
+    StoreError,
+    StoreUnavailableError,
+    UnsafeIdentifierError,
+)
+from dbtrigger.names import validate_name
+from dbtrigger.settings import resolve_setting
+from dbtrigger.state.stores.base import StoredDocument
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONTAINER = "db-state"
+DEFAULT_PREFIX = "state"
+
+_CONTAINER_NAME = re.compile(r"^(?!.*--)[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
+_SETTING_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_:.-]*$")
+_JSON = ContentSettings(content_type="application/json")
+
+#: Client options used when this module builds the client: a tick should fail
+#: fast and be retried by the next timer firing, not sit in the SDK's default
+#: 15-second exponential backoff.
+DEFAULT_CLIENT_OPTIONS: dict[str, Any] = {
+    "connection_timeout": 10,
+    "read_timeout": 30,
+}
+
+
+def _default_retry() -> LinearRetry:
+    return LinearRetry(backoff=1, retry_total=2, random_jitter_range=1)
+
+
+def validate_container_name(value: str) -> str:
+    """Blob container rules: 3-63 lowercase letters, digits, single hyphens."""
+    if not isinstance(value, str) or not _CONTAINER_NAME.match(value):
+        raise UnsafeIdentifierError(
+            f"container {value!r} is not a valid blob container name: use 3-63 lowercase "
+            "letters, digits and single hyphens, starting and ending with a letter or digit",
+            name="container",
+        )
+    return value
+
+
+def _error_code(exc: BaseException) -> str | None:
+    code = getattr(exc, "error_code", None)
+    if code is None:
+        return None
+    return str(getattr(code, "value", code))
+
+
+def _status(exc: BaseException) -> int | None:
+    status = getattr(exc, "status_code", None)
+    return status if isinstance(status, int) else None
+
+
+def _safe_url(url: str) -> str:
+    """Scheme, host and path only: no query (SAS tokens), no user info."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path.rstrip("/"), "", ""))
+
+
+class BlobCheckpointStore:
+    """State documents as blobs, every change an etag compare-and-swap.
+
+    Args:
+        container_client: an ``azure.storage.blob.ContainerClient``; the
+            container it names holds the state blobs.
+        app_name: the application's name, the middle segment of every blob path.
+            ``%SETTING%`` references are resolved from the environment.
+        prefix: the first path segment (default ``state``).
+        create_container: create the container on first use when it is missing.
+            Without it a missing container is a clear
+            :class:`~dbtrigger.errors.StoreUnavailableError`, because with
+            least-privilege RBAC the identity usually cannot create containers.
+        read_timeout: seconds to wait for a response on each call (None: the
+            client's setting). A timed-out write is reported as ambiguous.
+    """
+
+    def __init__(
+        self,
+        *,
+        container_client: ContainerClient,
+        app_name: str,
+        prefix: str = DEFAULT_PREFIX,
+        create_container: bool = False,
+        read_timeout: float | None = None,
+    ) -> None:
+        self._client = container_client
+        self.app_name = validate_name(resolve_setting(app_name), "app name")
+        segments = prefix.strip("/").split("/")
+        self.prefix = "/".join(validate_name(s, "blob prefix segment") for s in segments)
+        self._create_container = create_container
+        self._call_options: dict[str, Any] = {}
+        if read_timeout is not None:
+            self._call_options["read_timeout"] = read_timeout
+
+    # --- construction -----------------------------------------------------------
+
+    @classmethod
+    def from_connection_string(
+        cls,
+        connection: str,
+        *,
+        app_name: str,
+        container: str = DEFAULT_CONTAINER,
+        prefix: str = DEFAULT_PREFIX,
+        create_container: bool = False,
+        read_timeout: float | None = None,
+        environ: Mapping[str, str] | None = None,
+        **client_options: Any,
+    ) -> BlobCheckpointStore:
+        """Build from a connection string, a ``%SETTING%`` reference or a setting name.
+
+        ``connection`` may be a connection string itself, ``"%AzureWebJobsStorage%"``,
+        or just ``"AzureWebJobsStorage"`` (a bare app-setting name, the way
+        Functions bindings name connections). When a bare setting is unset but
+        ``<name>__blobServiceUri`` or ``<name>__accountName`` is set, this is a
+        Functions *identity-based connection*: the store authenticates with
+        ``DefaultAzureCredential`` (honouring ``<name>__clientId`` for a
+        user-assigned managed identity).
+
+        Raises:
+            ConfigurationError: the setting is missing or the string is malformed
+                (the message names the setting, never its value).
+        """
+        env = os.environ if environ is None else environ
+        if _SETTING_NAME.match(connection):
+            if connection not in env:
+                identity = cls._identity_connection(
+                    connection,
+                    env,
+                    app_name=app_name,
+                    container=container,
+                    prefix=prefix,
+                    create_container=create_container,
+                    read_timeout=read_timeout,
+                    client_options=client_options,
+                )
+                if identity is not None:
+                    return identity
+                raise ConfigurationError(
+                    f"app setting {connection!r} is not set (nor {connection}__blobServiceUri "
+                    f"or {connection}__accountName for an identity-based connection)"
+                )
+            conn_str = env[connection]
+        else:
+            conn_str = resolve_setting(connection, env)
+        validate_container_name(container)
+        options = {"retry_policy": _default_retry(), **DEFAULT_CLIENT_OPTIONS, **client_options}
+        try:
+            client = ContainerClient.from_connection_string(conn_str, container, **options)
+        except ValueError:
+            # The SDK's message is harmless, but the string itself must not leak.
+            raise ConfigurationError(
+                "the storage connection string is malformed (expected "
+                "'AccountName=...;AccountKey=...' or 'BlobEndpoint=...;SharedAccessSignature=...')"
+            ) from None
+        return cls(
+            container_client=client,
+            app_name=app_name,
+            prefix=prefix,
+            create_container=create_container,
+            read_timeout=read_timeout,
+        )
+
+    @classmethod
+    def from_account_url(
+        cls,
+        account_url: str,
+        *,
+        app_name: str,
+        credential: Any = None,
+        container: str = DEFAULT_CONTAINER,
+        prefix: str = DEFAULT_PREFIX,
+        create_container: bool = False,
+        read_timeout: float | None = None,
+        **client_options: Any,
+    ) -> BlobCheckpointStore:
+        """Build from ``https://<account>.blob.core.windows.net`` and a credential.
+
+        ``credential=None`` means ``azure.identity.DefaultAzureCredential()``: a
+        managed identity in Azure, your ``az login`` locally. The identity needs
+        the "Storage Blob Data Contributor" role on the container.
+        """
+        validate_container_name(container)
+        if credential is None:
+            from azure.identity import DefaultAzureCredential  # noqa: PLC0415 - optional extra
+
+            credential = DefaultAzureCredential()
+        options = {"retry_policy": _default_retry(), **DEFAULT_CLIENT_OPTIONS, **client_options}
+        client = ContainerClient(
+            account_url=resolve_setting(account_url),
+            container_name=container,
+            credential=credential,
+            **options,
+        )
+        return cls(
+            container_client=client,
+            app_name=app_name,
+            prefix=prefix,
+            create_container=create_container,
+            read_timeout=read_timeout,
+        )
+
+    @classmethod
+    def _identity_connection(
+        cls,
+        name: str,
+        env: Mapping[str, str],
+        *,
+        app_name: str,
+        container: str,
+        prefix: str,
+        create_container: bool,
+        read_timeout: float | None,
+        client_options: dict[str, Any],
+    ) -> BlobCheckpointStore | None:
+        url = env.get(f"{name}__blobServiceUri") or env.get(f"{name}__serviceUri")
+        account = env.get(f"{name}__accountName")
+        if not url and account:
+            url = f"https://{account}.blob.core.windows.net"
+        if not url:
+            return None
+        from azure.identity import DefaultAzureCredential  # noqa: PLC0415 - optional extra
+
+        client_id = env.get(f"{name}__clientId")
+        credential = (
+            DefaultAzureCredential(managed_identity_client_id=client_id)
+            if client_id
+            else DefaultAzureCredential()
+        )
+        return cls.from_account_url(
+            url,
+            app_name=app_name,
+            credential=credential,
+            container=container,
+            prefix=prefix,
+            create_container=create_container,
+            read_timeout=read_timeout,
+            **client_options,
+        )
+
+    # --- helpers ----------------------------------------------------------------
+
+    @property
+    def container_client(self) -> ContainerClient:
+        return self._client
+
+    @property
+    def container_name(self) -> str:
+        return str(self._client.container_name)
+
+    def blob_name(self, key: str) -> str:
+        """The blob path of poller ``key``: ``{prefix}/{app_name}/{key}.json``."""
+        return f"{self.prefix}/{self.app_name}/{validate_name(key, 'poller name')}.json"
+
+    def _where(self, op: str, blob: str) -> str:
+        return f"{op} of blob {self.container_name}/{blob}"
+
+    @contextlib.contextmanager
+    def _translated(self, op: str, blob: str) -> Iterator[None]:
+        """Map Azure SDK failures of ``op`` (read/write/delete/list) onto the store errors."""
+        try:
+            yield
+        except AzureError as exc:
+            raise self._translate(exc, op, blob) from exc
+
+    def _translate(self, exc: AzureError, op: str, blob: str) -> StoreError:
+        where = self._where(op, blob)
+        status, code = _status(exc), _error_code(exc)
+        detail = f"HTTP {status}" if status else type(exc).__name__
+        if code:
+            detail += f" {code}"
+        mutating = op in ("write", "delete")
+        if isinstance(exc, ClientAuthenticationError) or status in (401, 403):
+            return StoreAuthError(
+                f"{where} was refused ({detail}): check the credential, and that the identity "
+                "has the 'Storage Blob Data Contributor' role on the container",
+                status=status,
+                error_code=code,
+            )
+        if code == "ContainerNotFound":
+            return StoreUnavailableError(
+                f"{where} failed: container {self.container_name!r} does not exist in "
+                f"{self._account()}; create it, or pass create_container=True",
+                status=status,
+                error_code=code,
+            )
+        if mutating and status in (409, 412):
+            return CasConflictError(
+                f"{where} lost the compare-and-swap ({detail}): the blob changed since it "
+                "was read, or already exists for a create-only write",
+                status=status,
+                error_code=code,
+            )
+        if op == "write" and status == 404:
+            return CasConflictError(
+                f"{where} refused ({detail}): the blob to update no longer exists",
+                status=status,
+                error_code=code,
+            )
+        if isinstance(exc, ServiceRequestError):
+            # azure-core: the request was never sent, so nothing was changed.
+            return StoreUnavailableError(
+                f"{where} failed: the storage endpoint is unreachable ({detail})",
+                error_code=code,
+            )
+        if isinstance(exc, ServiceResponseError) or (
+            isinstance(exc, HttpResponseError) and status is None
+        ):
+            if mutating:
+                return AmbiguousWriteError(
+                    f"{where}: the request was sent but no complete answer came back ({detail}); "
+                    "it may or may not have been applied",
+                    error_code=code,
+                )
+            return StoreUnavailableError(f"{where} got no answer ({detail})", error_code=code)
+        if isinstance(exc, HttpResponseError) and status is not None:
+            if mutating and status >= 500 and status != 503:
+                return AmbiguousWriteError(
+                    f"{where} failed on the server ({detail}); it may or may not have been applied",
+                    status=status,
+                    error_code=code,
+                )
+            if status >= 500 or status == 429:
+                return StoreUnavailableError(
+                    f"{where} failed: storage is busy or unavailable ({detail})",
+                    status=status,
+                    error_code=code,
+                )
+        return StoreError(f"{where} failed ({detail})", status=status, error_code=code)
+
+    def _account(self) -> str:
+        name = getattr(self._client, "account_name", None)
+        return f"storage account {name!r}" if name else "the storage account"
+
+    def _missing_container_is_empty(self, exc: ResourceNotFoundError) -> bool:
+        """A 404 means "no document" unless it is a missing container we must report."""
+        return _error_code(exc) != "ContainerNotFound" or self._create_container
+
+    def _ensure_container(self) -> None:
+        with self._translated("create", ""), contextlib.suppress(ResourceExistsError):
+            self._client.create_container()
+            log.info(
+                "created blob container %s",
+                self.container_name,
+                extra={"event": "container_created", "container": self.container_name},
+            )
+
+    # --- the port ---------------------------------------------------------------
+
+    def read(self, key: str) -> StoredDocument | None:
+        blob = self.blob_name(key)
+        with self._translated("read", blob):
+            try:
+                downloader = self._client.get_blob_client(blob).download_blob(
+                    max_concurrency=1, **self._call_options
+                )
+                data = downloader.readall()
+            except ResourceNotFoundError as exc:
+                if not self._missing_container_is_empty(exc):
+                    raise
+                return None
+            return StoredDocument(bytes(data), str(downloader.properties.etag))
+
+    def write(self, key: str, data: bytes, *, if_match: str | None) -> str:
+        blob = self.blob_name(key)
+        condition: dict[str, Any] = (
+            {"match_condition": MatchConditions.IfMissing}
+            if if_match is None
+            else {"etag": if_match, "match_condition": MatchConditions.IfNotModified}
+        )
+        client = self._client.get_blob_client(blob)
+
+        def put() -> dict[str, Any]:
+            result: dict[str, Any] = client.upload_blob(
+                bytes(data),
+                overwrite=True,  # the match condition, not this flag, decides
+                content_settings=_JSON,
+                retry_total=0,
+                **condition,
+                **self._call_options,
+            )
+            return result
+
+        with self._translated("write", blob):
+            try:
+                result = put()
+            except ResourceNotFoundError as exc:
+                if _error_code(exc) != "ContainerNotFound" or not self._create_container:
+                    raise
+                self._ensure_container()
+                result = put()
+        return str(result["etag"])
+
+    def delete(self, key: str, *, if_match: str | None = None) -> None:
+        blob = self.blob_name(key)
+        condition: dict[str, Any] = (
+            {}
+            if if_match is None
+            else {"etag": if_match, "match_condition": MatchConditions.IfNotModified}
+        )
+        with self._translated("delete", blob):
+            try:
+                self._client.delete_blob(blob, retry_total=0, **condition, **self._call_options)
+            except ResourceNotFoundError as exc:
+                if not self._missing_container_is_empty(exc):
+                    raise
+
+    def list_keys(self) -> list[str]:
+        start = f"{self.prefix}/{self.app_name}/"
+        with self._translated("list", start + "*"):
+            try:
+                names = [
+                    b.name
+                    for b in self._client.list_blobs(name_starts_with=start, **self._call_options)
+                ]
+            except ResourceNotFoundError as exc:
+                if not self._missing_container_is_empty(exc):
+                    raise
+                return []
+        keys = []
+        for name in names:
+            rest = name[len(start) :]
+            if rest.endswith(".json") and "/" not in rest:
+                keys.append(rest[: -len(".json")])
+        return sorted(keys)
+
+    def describe(self) -> str:
+        return f"azure-blob:{_safe_url(str(self._client.url))}/{self.prefix}/{self.app_name}/"
+
+    def close(self) -> None:
+        self._client.close()

@@ -14,9 +14,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dbtrigger.cli_backfill import add_backfill_command
+from dbtrigger.cli_state import add_state_commands
 from dbtrigger.errors import ConfigurationError, DbTriggerError
 from dbtrigger.runtime.poller import PollTrigger
 from dbtrigger.runtime.runner import Runner
+from dbtrigger.state.stores.factory import redact
 
 
 def load_object(spec: str) -> Any:
@@ -89,14 +92,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=None, help="seed the writer's randomness")
     demo.set_defaults(func=cmd_demo)
 
+    add_state_commands(sub)
+    add_backfill_command(sub)
     return parser
 
 
 def _print_error(exc: BaseException) -> None:
-    print(f"error: {exc}", file=sys.stderr)
+    """The error and its cause chain, with anything that looks like a secret masked."""
+    print(redact(f"error: {exc}"), file=sys.stderr)
     cause = exc.__cause__
     while cause is not None:
-        print(f"  caused by {type(cause).__name__}: {cause}", file=sys.stderr)
+        print(redact(f"  caused by {type(cause).__name__}: {cause}"), file=sys.stderr)
         cause = cause.__cause__
 
 

@@ -1,0 +1,213 @@
+"""A health check for probes: is this poller keeping up?
+
+Usable from an Azure Functions HTTP endpoint, a container liveness/readiness
+probe or a cron job. It costs one state-store read and, when a source is given,
+one count and one single-row fetch on the source.
+
+A poller is **stale** when its last successful commit is older than
+``stale_after`` *while rows are pending*. An idle poller with nothing to do is
+healthy however long ago it last committed: on a quiet table, an old
+checkpoint is the normal state. When no source is given the pending count is
+unknown, and a recorded failure (a batch after the checkpoint kept failing)
+stands in for "rows are pending".
+
+Errors reading the state or the source never raise out of :func:`check_health`:
+a probe needs an answer, so they become status ``"error"`` with a redacted
+reason and HTTP 503.
+
+Example (Functions v2)::
+
+    @app.route(route="health/orders", auth_level=func.AuthLevel.FUNCTION)
+    def orders_health(req: func.HttpRequest) -> func.HttpResponse:
+        report = check_health(store, "orders", source=source, stale_after_seconds=600)
+        return func.HttpResponse(report.to_json(), status_code=report.http_status,
+                                 mimetype="application/json")
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dbtrigger.cursor import Position
+from dbtrigger.errors import DbTriggerError
+from dbtrigger.sources.base import SourceAdapter
+from dbtrigger.state import document as docmod
+from dbtrigger.state.lease import describe_lease
+from dbtrigger.state.stores.base import CheckpointStore
+from dbtrigger.state.stores.factory import redact
+
+#: Status values, from best to worst.
+OK, NO_STATE, STALE, ERROR = "ok", "no_state", "stale", "error"
+
+
+@dataclass(frozen=True)
+class Lag:
+    """How far behind the source a position is.
+
+    ``rows`` is the count after the position (None: the source cannot count).
+    ``seconds`` is the age of the oldest pending row by its cursor, 0 when
+    nothing is pending, and None when the cursor is not a time-zone-aware
+    timestamp (dbtrigger never guesses the zone of a naive one).
+    """
+
+    rows: int | None
+    seconds: float | None
+    note: str = ""
+
+
+def measure_lag(
+    source: SourceAdapter, position: Position, now: dt.datetime, *, poller: str = "lag"
+) -> Lag:
+    """Rows pending after ``position`` and the age of the oldest, through the port.
+
+    Raises:
+        DbTriggerError: the source failed (FetchError, SerializationError).
+    """
+    counter: Callable[[Position], int] | None = getattr(source, "count_after", None)
+    rows = counter(position) if counter is not None else None
+    if rows == 0:
+        return Lag(0, 0.0)
+    first = source.fetch(position, 1)
+    if not first:
+        return Lag(0 if rows is None else rows, 0.0)
+    event = source.to_events(first, poller=poller, batch_id="lag-probe")[0]
+    cursor = event.cursor
+    note = "" if counter is not None else "the source cannot count pending rows"
+    if isinstance(cursor, dt.datetime) and cursor.tzinfo is not None:
+        return Lag(rows, max(0.0, (now - cursor).total_seconds()), note)
+    kind = type(cursor).__name__
+    return Lag(rows, None, note or f"lag in seconds needs an aware timestamp cursor, not {kind}")
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    """The answer of one health check; ``to_dict`` is what a probe endpoint returns."""
+
+    poller: str
+    status: str
+    reason: str
+    checked_at: dt.datetime
+    last_success_at: dt.datetime | None = None
+    seconds_since_success: float | None = None
+    pending_rows: int | None = None
+    lag_seconds: float | None = None
+    failing_attempts: int = 0
+    lease: str = "no lease"
+    stale_after_seconds: float = 0.0
+
+    @property
+    def healthy(self) -> bool:
+        return self.status in (OK, NO_STATE)
+
+    @property
+    def http_status(self) -> int:
+        """200 when healthy, 503 otherwise (what load balancers and probes expect)."""
+        return 200 if self.healthy else 503
+
+    def to_dict(self) -> dict[str, Any]:
+        def when(value: dt.datetime | None) -> str | None:
+            return docmod.format_time(value) if value is not None else None
+
+        return {
+            "poller": self.poller,
+            "status": self.status,
+            "healthy": self.healthy,
+            "reason": self.reason,
+            "checked_at": when(self.checked_at),
+            "last_success_at": when(self.last_success_at),
+            "seconds_since_success": self.seconds_since_success,
+            "pending_rows": self.pending_rows,
+            "lag_seconds": self.lag_seconds,
+            "failing_attempts": self.failing_attempts,
+            "lease": self.lease,
+            "stale_after_seconds": self.stale_after_seconds,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+def check_health(
+    store: CheckpointStore,
+    poller: str,
+    *,
+    source: SourceAdapter | None = None,
+    stale_after_seconds: float = 600.0,
+    now: dt.datetime | None = None,
+) -> HealthReport:
+    """Judge one poller. Never raises for store or source failures (status "error")."""
+    now = now or dt.datetime.now(dt.timezone.utc)
+    base: dict[str, Any] = {
+        "poller": poller,
+        "checked_at": now,
+        "stale_after_seconds": stale_after_seconds,
+    }
+    try:
+        stored = store.read(poller)
+        doc = docmod.loads(stored.data) if stored is not None else None
+        position = doc.position if doc is not None else Position()
+        lag = measure_lag(source, position, now, poller=poller) if source is not None else None
+    except DbTriggerError as exc:
+        return HealthReport(
+            status=ERROR, reason=redact(f"{type(exc).__name__}: {exc}")[:500], **base
+        )
+    pending = lag.rows if lag is not None else None
+    lag_seconds = lag.seconds if lag is not None else None
+    if doc is None:
+        if pending:
+            return HealthReport(
+                status=STALE,
+                reason=f"no checkpoint has ever been committed while {pending} rows are pending",
+                pending_rows=pending,
+                lag_seconds=lag_seconds,
+                **base,
+            )
+        return HealthReport(
+            status=NO_STATE,
+            reason="no state yet; the first tick creates it",
+            pending_rows=pending,
+            lag_seconds=lag_seconds,
+            **base,
+        )
+
+    # The last success: the checkpoint's commit time (a manual change counts
+    # as a fresh start, since it also resets updated_at).
+    last = doc.checkpoint.updated_at if doc.checkpoint is not None else None
+    attempts = doc.failure.attempts if doc.failure is not None else 0
+    since = (now - last).total_seconds() if last is not None else None
+    fields: dict[str, Any] = {
+        "last_success_at": last,
+        "seconds_since_success": since,
+        "pending_rows": pending,
+        "lag_seconds": lag_seconds,
+        "failing_attempts": attempts,
+        "lease": describe_lease(doc.lease, now),
+        **base,
+    }
+    rows_pending = bool(pending) if pending is not None else attempts > 0
+    if since is None:
+        # Never committed: measure from the first failure if there is one.
+        since = (
+            (now - doc.failure.first_failed_at).total_seconds() if doc.failure is not None else 0.0
+        )
+    if rows_pending and since > stale_after_seconds:
+        what = f"{pending} rows are pending" if pending else f"batch failed {attempts} times"
+        return HealthReport(
+            status=STALE,
+            reason=f"no successful commit for {since:.0f}s (limit {stale_after_seconds:.0f}s) "
+            f"while {what}",
+            **fields,
+        )
+    if rows_pending:
+        count = pending if pending is not None else "some"
+        reason = f"{count} rows pending, last commit {since:.0f}s ago"
+    else:
+        reason = "caught up" if pending == 0 else "no failure recorded"
+    return HealthReport(status=OK, reason=reason, **fields)
+
+
+__all__ = ["ERROR", "NO_STATE", "OK", "STALE", "HealthReport", "Lag", "check_health", "measure_lag"]

@@ -1,0 +1,440 @@
+"""Manual state operations as pure functions of (document, now, actor, reason).
+
+These are what an operator does to a poller by hand - start over, move the
+checkpoint, restore a backup, copy the state to a new poller name, free a lease,
+step past a poison batch - decided without I/O, like the lease transitions in
+:mod:`dbtrigger.state.lease`. The CLI reads the document, calls one of these,
+shows the before/after, and writes the result with the etag it read.
+
+Two rules hold for every operation:
+
+* **A live lease is never overridden silently.** Unless ``force`` is given,
+  an operation on a document whose lease is live raises
+  :class:`~dbtrigger.errors.LiveLeaseError`.
+* **A lease that is not released is always fenced out.** A holder may still
+  commit after its lease expired (the etag, not the clock, is what protects a
+  commit), and after a CAS conflict it re-reads and re-applies its commit. So
+  a manual change that kept the holder's owner/token would be silently
+  overwritten by that holder's next commit. Instead the lease is replaced by a
+  *released* lease owned by the operator with the fencing token incremented:
+  the old holder's commit, heartbeat and release are then refused with
+  ``LostLeaseError``, and the next tick acquires the lease normally. A lease
+  that is already released needs no fencing and keeps its token.
+
+Every operation appends one journal entry::
+
+    {"type": "manual", "operation": "reset", "actor": "ana@host",
+     "reason": "...", "at": "2026-...Z", "before": <position|null>,
+     "after": <position|null>, ...details}
+
+where a position is the state document's cursor JSON and ``null`` means "the
+beginning of the source".
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from dbtrigger.cursor import Position
+from dbtrigger.errors import ConfigurationError, LiveLeaseError
+from dbtrigger.names import validate_name
+from dbtrigger.state import document as docmod
+from dbtrigger.state.document import Checkpoint, Lease, StateDocument
+
+#: Journal entries a manual operation keeps (the document's own default bound).
+JOURNAL_LIMIT = docmod.DEFAULT_JOURNAL_LIMIT
+
+#: Owner id prefix of a lease written by an operator.
+OPERATOR_PREFIX = "operator:"
+
+
+def position_json(position: Position | None) -> dict[str, Any] | None:
+    """A position as journal JSON; ``None`` (and the beginning) stay ``None``."""
+    if position is None or position.is_beginning:
+        return None
+    return docmod.position_to_json(position)
+
+
+def current_position(doc: StateDocument) -> Position | None:
+    return doc.checkpoint.position if doc.checkpoint is not None else None
+
+
+def live_lease(doc: StateDocument, now: dt.datetime) -> Lease | None:
+    """The lease if somebody holds it right now (not released, not expired)."""
+    lease = doc.lease
+    if lease is None or lease.released or now >= lease.expires_at:
+        return None
+    return lease
+
+
+def check_lease(doc: StateDocument, *, now: dt.datetime, force: bool, operation: str) -> None:
+    """Refuse to touch a document under a live lease unless ``force``.
+
+    Raises:
+        LiveLeaseError: naming the holder, its token and when the lease expires.
+    """
+    lease = live_lease(doc, now)
+    if lease is None or force:
+        return
+    raise LiveLeaseError(
+        f"{operation} refused: poller {doc.poller_name!r} is leased by {lease.owner_id} "
+        f"(token {lease.fencing_token}) until {docmod.format_time(lease.expires_at)}; "
+        "wait for it to expire, or pass --force to fence that owner out "
+        "(its in-flight batch will be rejected and redelivered)",
+        poller=doc.poller_name,
+        fencing_token=lease.fencing_token,
+        holder=lease.owner_id,
+    )
+
+
+def force_takeover(doc: StateDocument, *, now: dt.datetime, actor: str) -> StateDocument:
+    """Fence out the current lease holder: a released operator lease, token + 1.
+
+    A document without a lease, or whose lease is already released, is
+    returned unchanged: nobody can commit on it.
+    """
+    lease = doc.lease
+    if lease is None or lease.released:
+        return doc
+    fenced = Lease(
+        owner_id=f"{OPERATOR_PREFIX}{actor}",
+        fencing_token=lease.fencing_token + 1,
+        acquired_at=now,
+        heartbeat_at=now,
+        expires_at=now,
+        released=True,
+    )
+    return replace(doc, lease=fenced)
+
+
+def _fence_details(before: StateDocument, after: StateDocument) -> dict[str, Any]:
+    old, new = before.lease, after.lease
+    if old is None or new is None or old is new:
+        return {}
+    return {
+        "fenced": {
+            "owner_id": old.owner_id,
+            "fencing_token": old.fencing_token,
+            "new_fencing_token": new.fencing_token,
+        }
+    }
+
+
+def manual_entry(
+    operation: str,
+    *,
+    actor: str,
+    reason: str,
+    now: dt.datetime,
+    before: Position | None,
+    after: Position | None,
+    details: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The journal entry of one manual operation."""
+    if not reason or not reason.strip():
+        raise ConfigurationError("a manual state change needs a reason (--reason)")
+    if not actor or not actor.strip():
+        raise ConfigurationError("a manual state change needs an actor")
+    entry: dict[str, Any] = {
+        "type": "manual",
+        "operation": operation,
+        "actor": actor,
+        "reason": reason.strip(),
+        "at": docmod.format_time(now),
+        "before": position_json(before),
+        "after": position_json(after),
+    }
+    entry.update(details or {})
+    return entry
+
+
+def _apply(
+    doc: StateDocument,
+    operation: str,
+    *,
+    position: Position | None,
+    now: dt.datetime,
+    actor: str,
+    reason: str,
+    force: bool,
+    details: Mapping[str, Any] | None,
+    journal_limit: int,
+    fingerprint: str | None = None,
+) -> StateDocument:
+    """Move the checkpoint to ``position`` (None: the beginning), fenced and journaled."""
+    check_lease(doc, now=now, force=force, operation=operation)
+    before = current_position(doc)
+    fenced = force_takeover(doc, now=now, actor=actor)
+    checkpoint = None
+    if position is not None and not position.is_beginning:
+        checkpoint = Checkpoint(
+            position=position, last_successful_batch_id=None, updated_at=now, row_count=0
+        )
+    out = replace(
+        fenced,
+        checkpoint=checkpoint,
+        failure=None,
+        source_fingerprint=fingerprint or fenced.source_fingerprint,
+    )
+    entry = manual_entry(
+        operation,
+        actor=actor,
+        reason=reason,
+        now=now,
+        before=before,
+        after=position,
+        details={**(details or {}), **_fence_details(doc, fenced)},
+    )
+    return out.with_journal_entry(entry, journal_limit)
+
+
+def reset(
+    doc: StateDocument,
+    *,
+    position: Position | None,
+    now: dt.datetime,
+    actor: str,
+    reason: str,
+    force: bool = False,
+    details: Mapping[str, Any] | None = None,
+    journal_limit: int = JOURNAL_LIMIT,
+) -> StateDocument:
+    """Set the checkpoint to ``position``; ``None`` starts over from the beginning.
+
+    The failure record is cleared: whatever batch was failing, it is no longer
+    the batch after the new checkpoint.
+    """
+    return _apply(
+        doc,
+        "reset",
+        position=position,
+        now=now,
+        actor=actor,
+        reason=reason,
+        force=force,
+        details=details,
+        journal_limit=journal_limit,
+    )
+
+
+def restore(
+    doc: StateDocument,
+    backup: StateDocument,
+    *,
+    now: dt.datetime,
+    actor: str,
+    reason: str,
+    force: bool = False,
+    details: Mapping[str, Any] | None = None,
+    journal_limit: int = JOURNAL_LIMIT,
+) -> StateDocument:
+    """Take the checkpoint (and source fingerprint) from a backup of this poller.
+
+    The current journal is kept (the backup's is older), and the lease is
+    fenced like any other manual change.
+
+    Raises:
+        ConfigurationError: the backup belongs to another poller (use clone).
+    """
+    if backup.poller_name != doc.poller_name:
+        raise ConfigurationError(
+            f"the backup is of poller {backup.poller_name!r}, not {doc.poller_name!r}; "
+            "restore it under its own name, then `clone` it"
+        )
+    return _apply(
+        doc,
+        "restore",
+        position=current_position(backup),
+        now=now,
+        actor=actor,
+        reason=reason,
+        force=force,
+        details=details,
+        journal_limit=journal_limit,
+        fingerprint=backup.source_fingerprint,
+    )
+
+
+def skip_batch(
+    doc: StateDocument,
+    *,
+    position: Position,
+    now: dt.datetime,
+    actor: str,
+    reason: str,
+    skipped_rows: int | None = None,
+    skipped_keys: list[dict[str, Any]] | None = None,
+    force: bool = False,
+    details: Mapping[str, Any] | None = None,
+    journal_limit: int = JOURNAL_LIMIT,
+) -> StateDocument:
+    """Advance past a batch that will never succeed. This is deliberate data loss.
+
+    The journal entry names what was skipped (the failing batch id, its
+    attempts and error, how many rows and which keys) so the loss is on record.
+    """
+    details = dict(details or {})
+    if doc.failure is not None:
+        details["failed_batch_id"] = doc.failure.batch_id
+        details["failed_attempts"] = doc.failure.attempts
+        details["last_error"] = doc.failure.last_error
+    if skipped_rows is not None:
+        details["skipped_rows"] = skipped_rows
+    if skipped_keys is not None:
+        details["skipped_keys"] = skipped_keys
+    return _apply(
+        doc,
+        "skip_batch",
+        position=position,
+        now=now,
+        actor=actor,
+        reason=reason,
+        force=force,
+        details=details,
+        journal_limit=journal_limit,
+    )
+
+
+def release_lease(
+    doc: StateDocument,
+    *,
+    now: dt.datetime,
+    actor: str,
+    reason: str,
+    force: bool = False,
+    details: Mapping[str, Any] | None = None,
+    journal_limit: int = JOURNAL_LIMIT,
+) -> StateDocument:
+    """Free the lease now (fencing out its holder); the checkpoint is unchanged.
+
+    Useful after a crashed instance left a long-TTL lease behind.
+
+    Raises:
+        ConfigurationError: there is no unreleased lease to release.
+    """
+    if doc.lease is None or doc.lease.released:
+        raise ConfigurationError(f"poller {doc.poller_name!r} holds no lease; nothing to release")
+    check_lease(doc, now=now, force=force, operation="release-lease")
+    fenced = force_takeover(doc, now=now, actor=actor)
+    position = current_position(doc)
+    entry = manual_entry(
+        "release_lease",
+        actor=actor,
+        reason=reason,
+        now=now,
+        before=position,
+        after=position,
+        details={**(details or {}), **_fence_details(doc, fenced)},
+    )
+    return fenced.with_journal_entry(entry, journal_limit)
+
+
+def clone(
+    doc: StateDocument,
+    *,
+    new_poller: str,
+    now: dt.datetime,
+    actor: str,
+    reason: str,
+    journal_limit: int = JOURNAL_LIMIT,
+) -> StateDocument:
+    """A new poller's document starting at ``doc``'s checkpoint.
+
+    The copy has no lease, no failure record and a journal of one entry that
+    names where it came from; the source document is not changed, so no lease
+    check applies to it.
+    """
+    validate_name(new_poller, "poller name")
+    if new_poller == doc.poller_name:
+        raise ConfigurationError("clone needs a different poller name")
+    position = current_position(doc)
+    entry = manual_entry(
+        "clone",
+        actor=actor,
+        reason=reason,
+        now=now,
+        before=None,
+        after=position,
+        details={"cloned_from": doc.poller_name},
+    )
+    checkpoint = replace(doc.checkpoint, updated_at=now) if doc.checkpoint is not None else None
+    fresh = StateDocument(
+        poller_name=new_poller,
+        source_fingerprint=doc.source_fingerprint,
+        checkpoint=checkpoint,
+    )
+    return fresh.with_journal_entry(entry, journal_limit)
+
+
+def create(
+    poller: str,
+    *,
+    fingerprint: str,
+    position: Position | None,
+    now: dt.datetime,
+    actor: str,
+    reason: str,
+    operation: str = "create",
+    details: Mapping[str, Any] | None = None,
+    journal_limit: int = JOURNAL_LIMIT,
+) -> StateDocument:
+    """A new poller's document starting after ``position`` (None: the beginning).
+
+    Used by backfills, which run under their own poller name from a chosen
+    cursor; the first journal entry says who started it and why.
+    """
+    validate_name(poller, "poller name")
+    checkpoint = None
+    if position is not None and not position.is_beginning:
+        checkpoint = Checkpoint(
+            position=position, last_successful_batch_id=None, updated_at=now, row_count=0
+        )
+    entry = manual_entry(
+        operation,
+        actor=actor,
+        reason=reason,
+        now=now,
+        before=None,
+        after=position,
+        details=details,
+    )
+    fresh = StateDocument(poller_name=poller, source_fingerprint=fingerprint, checkpoint=checkpoint)
+    return fresh.with_journal_entry(entry, journal_limit)
+
+
+def batch_position(doc: StateDocument, batch_id: str, *, redeliver: bool = False) -> Position:
+    """Where the journal says ``batch_id`` ended (or began, to deliver it again).
+
+    Raises:
+        ConfigurationError: the batch is not in the (bounded) journal.
+    """
+    for entry in reversed(doc.journal):
+        if entry.get("type") == "commit" and entry.get("batch_id") == batch_id:
+            raw = entry.get("from") if redeliver else entry.get("to")
+            if raw is None:
+                return Position()
+            return docmod.position_from_json(raw, f"journal[{batch_id}]")
+    known = [str(e.get("batch_id")) for e in doc.journal if e.get("type") == "commit"]
+    hint = f"; the journal holds {', '.join(known[-5:])}" if known else "; the journal is empty"
+    raise ConfigurationError(f"batch {batch_id!r} is not in the journal{hint}")
+
+
+__all__ = [
+    "OPERATOR_PREFIX",
+    "batch_position",
+    "check_lease",
+    "clone",
+    "create",
+    "current_position",
+    "force_takeover",
+    "live_lease",
+    "manual_entry",
+    "position_json",
+    "release_lease",
+    "reset",
+    "restore",
+    "skip_batch",
+]

@@ -1,0 +1,285 @@
+"""Open a checkpoint store from one URL-like string, and keep secrets out of output.
+
+The CLI (and anything else configured by a single string, such as an
+environment variable) names a store like this:
+
+========================================  ==============================================
+``./state``, ``/var/lib/x``, ``file:DIR`` :class:`FileCheckpointStore` in that directory
+``memory:`` / ``memory:NAME``             a process-wide named in-memory store (tests)
+``DefaultEndpointsProtocol=...;...``      BlobCheckpointStore from a connection string
+``UseDevelopmentStorage=true``            the same, against the local emulator
+``%SETTING%``                             the app setting's value, interpreted as above
+``azure-blob://ACCOUNT-HOST/CONTAINER``   BlobCheckpointStore with DefaultAzureCredential
+``azure-table://ACCOUNT-HOST/TABLE``      TableCheckpointStore with DefaultAzureCredential
+``azure-table:CONNECTION-STRING``         TableCheckpointStore from a connection string
+``postgresql+psycopg://...`` (any SQL)    SqlCheckpointStore in that database
+========================================  ==============================================
+
+``?app=NAME`` on the ``azure-*`` forms (and ``?namespace=NAME`` on SQL URLs) picks
+the application; the ``app`` argument gives the default. SQL URLs also take
+``state_table`` and ``state_schema``; these options are removed before the URL
+reaches the driver.
+
+The Azure and SQL adapters are imported only when such a store is asked for, so
+the file store works with none of their SDKs installed.
+
+Redaction: every secret met while parsing (a URL password, an account key, a
+SAS signature) is remembered, and :func:`redact` removes both those exact
+values and anything that looks like a credential from text before it is shown.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import threading
+from collections.abc import Iterable, Mapping
+from types import ModuleType
+from typing import Any, cast
+from urllib.parse import parse_qsl, urlsplit
+
+from dbtrigger.errors import ConfigurationError
+from dbtrigger.settings import resolve_setting
+from dbtrigger.state.stores.base import CheckpointStore
+from dbtrigger.state.stores.file import FileCheckpointStore
+from dbtrigger.state.stores.memory import InMemoryCheckpointStore
+
+DEFAULT_CONTAINER = "db-state"
+DEFAULT_APP = "default"
+
+_MEMORY: dict[str, InMemoryCheckpointStore] = {}
+_SECRETS: set[str] = set()
+_LOCK = threading.Lock()
+
+_CONNECTION_STRING = re.compile(
+    r"(?i)\b(DefaultEndpointsProtocol|AccountName|AccountKey|BlobEndpoint|TableEndpoint"
+    r"|SharedAccessSignature|UseDevelopmentStorage)\s*="
+)
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_SQL_DIALECTS = frozenset(
+    {"postgresql", "postgres", "mysql", "mariadb", "sqlite", "mssql", "oracle", "cockroachdb"}
+)
+_SQL_OPTIONS = ("state_table", "state_schema", "namespace", "app")
+
+# Patterns for credentials in free text: connection-string fields, URL
+# passwords, query parameters and bearer tokens.
+_REDACTIONS: tuple[tuple[re.Pattern[str], str], ...] = (
+    (
+        re.compile(
+            r"(?i)\b(AccountKey|SharedAccessSignature|SharedAccessKey|Password|Pwd"
+            r"|client_secret)\s*=\s*[^;&\s'\"]+"
+        ),
+        r"\1=***",
+    ),
+    (
+        re.compile(
+            r"(?i)([?&;](?:sig|password|pwd|secret|token|key|credential)[^=&;\s]*)=[^&;\s'\"]+"
+        ),
+        r"\1=***",
+    ),
+    (re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^:/@\s'\"]*):[^@\s'\"]+@"), r"\1:***@"),
+    (re.compile(r"(?i)\bBearer\s+[A-Za-z0-9._~+/=-]+"), "Bearer ***"),
+)
+
+
+def remember_secret(value: str | None) -> None:
+    """Have :func:`redact` remove this exact value wherever it appears."""
+    if value and len(value) >= 4:
+        with _LOCK:
+            _SECRETS.add(value)
+
+
+def redact(text: str, extra: Iterable[str] = ()) -> str:
+    """``text`` with every known secret and credential-looking field masked."""
+    with _LOCK:
+        secrets = sorted({*_SECRETS, *(s for s in extra if s and len(s) >= 4)}, key=len)
+    for secret in reversed(secrets):  # longest first, so a prefix cannot leave a tail
+        text = text.replace(secret, "***")
+    for pattern, replacement in _REDACTIONS:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+def _remember_connection_string(value: str) -> None:
+    for part in value.split(";"):
+        key, _, secret = part.partition("=")
+        if key.strip().lower() in ("accountkey", "sharedaccesssignature", "sharedaccesskey"):
+            remember_secret(secret.strip())
+
+
+def is_connection_string(value: str) -> bool:
+    return bool(_CONNECTION_STRING.search(value)) and "://" not in value.split(";", 1)[0]
+
+
+def _lazy(module: str, what: str) -> ModuleType:
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"{what} is not available: {exc.msg} (install dbtrigger[azure] or the SQL driver)"
+        ) from None
+
+
+def memory_store(name: str = "") -> InMemoryCheckpointStore:
+    """The process-wide in-memory store called ``name`` (created on first use)."""
+    with _LOCK:
+        store = _MEMORY.get(name)
+        if store is None:
+            store = _MEMORY[name] = InMemoryCheckpointStore()
+        return store
+
+
+def _query(url: str) -> tuple[str, dict[str, str]]:
+    parts = urlsplit(url)
+    return parts.netloc + parts.path, dict(parse_qsl(parts.query))
+
+
+def _open_blob_connection_string(value: str, *, container: str, app: str) -> CheckpointStore:
+    _remember_connection_string(value)
+    module = _lazy("dbtrigger.state.stores.blob", "the Azure Blob checkpoint store")
+    return cast(
+        "CheckpointStore",
+        module.BlobCheckpointStore.from_connection_string(
+            value, container=container, app_name=app, create_container=False
+        ),
+    )
+
+
+def _open_blob_url(spec: str, *, container: str, app: str) -> CheckpointStore:
+    location, options = _query(spec)
+    host, _, path = location.partition("/")
+    if not host:
+        raise ConfigurationError(
+            "azure-blob:// needs an account host: azure-blob://ACCOUNT.blob.core.windows.net/"
+            "CONTAINER?app=APP"
+        )
+    module = _lazy("dbtrigger.state.stores.blob", "the Azure Blob checkpoint store")
+    return cast(
+        "CheckpointStore",
+        module.BlobCheckpointStore.from_account_url(
+            f"https://{host}",
+            container=path.strip("/") or container,
+            app_name=options.get("app", app),
+            create_container=False,
+        ),
+    )
+
+
+def _open_table(spec: str, *, app: str, table: str | None) -> CheckpointStore:
+    rest = spec[len("azure-table:") :]
+    module = _lazy("dbtrigger.state.stores.table", "the Azure Table checkpoint store")
+    kwargs: dict[str, Any] = {"app_name": app, "create_table": False}
+    if table:
+        kwargs["table"] = table
+    if rest.startswith("//"):
+        location, options = _query("azure-table:" + rest)
+        host, _, path = location.partition("/")
+        if not host:
+            raise ConfigurationError("azure-table:// needs an account host")
+        kwargs["app_name"] = options.get("app", app)
+        if path.strip("/"):
+            kwargs["table"] = path.strip("/")
+        return cast(
+            "CheckpointStore", module.TableCheckpointStore(endpoint=f"https://{host}", **kwargs)
+        )
+    value = resolve_setting(rest)
+    _remember_connection_string(value)
+    return cast("CheckpointStore", module.TableCheckpointStore(connection_string=value, **kwargs))
+
+
+def _open_sql(spec: str, *, app: str) -> CheckpointStore:
+    from sqlalchemy.engine import make_url  # noqa: PLC0415 - only SQL stores need it
+    from sqlalchemy.exc import ArgumentError  # noqa: PLC0415
+
+    try:
+        url = make_url(spec)
+    except ArgumentError:
+        raise ConfigurationError("not a valid database URL") from None
+    remember_secret(url.password if isinstance(url.password, str) else None)
+    options = {k: url.query[k] for k in _SQL_OPTIONS if k in url.query}
+    url = url.difference_update_query(_SQL_OPTIONS)
+    module = _lazy("dbtrigger.state.stores.sql", "the SQL checkpoint store")
+    kwargs: dict[str, Any] = {
+        "namespace": options.get("namespace") or options.get("app") or app,
+        "create_table": False,
+    }
+    if "state_table" in options:
+        kwargs["table"] = options["state_table"]
+    if "state_schema" in options:
+        kwargs["schema"] = options["state_schema"]
+    store: CheckpointStore = module.SqlCheckpointStore(
+        url=url.render_as_string(hide_password=False), **kwargs
+    )
+    return store
+
+
+def open_store(
+    spec: str,
+    *,
+    app: str | None = None,
+    container: str | None = None,
+    table: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> CheckpointStore:
+    """The checkpoint store ``spec`` names (see the module docstring for forms).
+
+    Raises:
+        ConfigurationError: the form is not recognised or its adapter is not
+            installed; the message never contains the secret parts of ``spec``.
+    """
+    app = app or DEFAULT_APP
+    container = container or DEFAULT_CONTAINER
+    spec = spec.strip()
+    if not spec:
+        raise ConfigurationError("empty store location")
+    if re.fullmatch(r"%[A-Za-z_][A-Za-z0-9_:.-]*%", spec):
+        env = os.environ if environ is None else environ
+        name = spec.strip("%")
+        if name not in env and any(
+            f"{name}__{suffix}" in env for suffix in ("blobServiceUri", "serviceUri", "accountName")
+        ):
+            # A Functions identity-based connection: the blob store resolves it.
+            return _open_blob_connection_string(name, container=container, app=app)
+        value = resolve_setting(spec, environ)
+        _remember_connection_string(value)
+        return open_store(value, app=app, container=container, table=table, environ=environ)
+    if spec.startswith("memory:"):
+        return memory_store(spec[len("memory:") :])
+    if spec.startswith("file:") and not spec.startswith("file://"):
+        return FileCheckpointStore(spec[len("file:") :], create=False)
+    if spec.startswith("file://"):
+        return FileCheckpointStore(urlsplit(spec).path, create=False)
+    if spec.startswith("azure-table:"):
+        return _open_table(spec, app=app, table=table)
+    if spec.startswith("azure-blob://"):
+        return _open_blob_url(spec, container=container, app=app)
+    if is_connection_string(spec):
+        return _open_blob_connection_string(spec, container=container, app=app)
+    scheme = _SCHEME.match(spec)
+    if scheme:
+        dialect = scheme.group(1).split("+", 1)[0].lower()
+        if dialect in _SQL_DIALECTS:
+            return _open_sql(resolve_setting(spec, environ), app=app)
+        raise ConfigurationError(
+            f"unknown store scheme {scheme.group(1)!r}: use a directory, file:DIR, memory:, "
+            "an Azure connection string, azure-blob://, azure-table:// or a SQL URL"
+        )
+    return FileCheckpointStore(spec, create=False)
+
+
+def describe_store(store: CheckpointStore) -> str:
+    """The store's own description, redacted once more for good measure."""
+    return redact(store.describe())
+
+
+__all__ = [
+    "DEFAULT_APP",
+    "DEFAULT_CONTAINER",
+    "describe_store",
+    "is_connection_string",
+    "memory_store",
+    "open_store",
+    "redact",
+    "remember_secret",
+]

@@ -20,6 +20,21 @@ The checkpoint moves only after the handler returned; a handler failure records
 the failed attempt and releases the lease in one write. Errors an operator must
 fix (corrupt state, fingerprint mismatch, unusable credentials, broken source
 definition) always propagate: they are never reported as "0 rows".
+
+Reliability (see ``docs/reliability.md``):
+
+* While the lease is held a :class:`~dbtrigger.runtime.heartbeat.Heartbeat`
+  renews it whenever nothing was written for ``heartbeat_interval_seconds``,
+  so a batch slower than the TTL keeps its lease (and a fast one costs no
+  extra write). A rejected renewal cancels the batch: no commit.
+* Transient store and source failures are retried inside the tick under a
+  :class:`~dbtrigger.runtime.retry.RetryPolicy`; handlers never are.
+* A handler may raise :class:`~dbtrigger.errors.PartialBatchError`: the
+  checkpoint advances over the leading processed rows, and processed rows after
+  the first failed one are remembered in the failure record and skipped when
+  the batch comes back. With a quarantine sink, a batch that failed
+  ``max_attempts`` times is bisected and rows that fail alone are set aside
+  (:mod:`dbtrigger.quarantine`) so the poller moves on.
 """
 
 from __future__ import annotations
@@ -31,6 +46,7 @@ import inspect
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -39,6 +55,7 @@ from typing import Any
 
 from dbtrigger.cursor import BEGINNING, Position
 from dbtrigger.errors import (
+    AmbiguousWriteError,
     CasConflictError,
     CommitError,
     ConfigurationError,
@@ -47,14 +64,20 @@ from dbtrigger.errors import (
     FetchError,
     HandlerError,
     LostLeaseError,
+    OperatorError,
+    PartialBatchError,
+    QuarantineError,
     SerializationError,
-    StoreAuthError,
     StoreError,
+    StoreUnavailableError,
 )
 from dbtrigger.events import RowChange
 from dbtrigger.metrics import MetricsCollector, SafeMetrics
 from dbtrigger.names import validate_name
+from dbtrigger.quarantine import QuarantineRecord, QuarantineSink, isolate, match_failed
 from dbtrigger.runtime.context import BatchContext
+from dbtrigger.runtime.heartbeat import Heartbeat, default_interval
+from dbtrigger.runtime.retry import DEFAULT_RETRY_POLICY, RetryPolicy
 from dbtrigger.runtime.session import LeaseSession
 from dbtrigger.sources.base import SourceAdapter, position_of
 from dbtrigger.state import document as docmod
@@ -121,6 +144,18 @@ class PollTrigger:
         journal_limit: commits and manual operations kept in the document.
         null_check_interval_seconds: how often to probe for rows whose cursor is
             NULL and which therefore cannot be delivered (0 disables).
+        heartbeat_interval_seconds: renew the lease after this many seconds
+            without a write while a batch runs; below ``lease_ttl_seconds / 2``
+            (default a third of it); 0 disables renewal.
+        retry: how transient store/source failures are retried inside a tick
+            (default :data:`~dbtrigger.runtime.retry.DEFAULT_RETRY_POLICY`;
+            ``RetryPolicy.none()`` leaves retrying to the next tick).
+        quarantine: a :class:`~dbtrigger.quarantine.QuarantineSink`; without
+            one a failing batch is retried for ever (and logged as poison).
+        max_attempts: failed deliveries of one batch before its failing rows
+            are isolated and quarantined (with a sink) or reported as poison.
+        quarantine_limit: most rows one batch may quarantine; more rows
+            failing alone looks like an outage, and nothing is set aside.
     """
 
     def __init__(
@@ -137,6 +172,11 @@ class PollTrigger:
         clock: Callable[[], dt.datetime] | None = None,
         journal_limit: int = 20,
         null_check_interval_seconds: float = 300,
+        heartbeat_interval_seconds: float | None = None,
+        retry: RetryPolicy | None = None,
+        quarantine: QuarantineSink | None = None,
+        max_attempts: int = 5,
+        quarantine_limit: int = 10,
     ) -> None:
         self.name = validate_name(name, "poller name")
         if batch_size < 1:
@@ -147,6 +187,18 @@ class PollTrigger:
             )
         if lease_ttl_seconds <= 0:
             raise ConfigurationError(f"lease_ttl_seconds must be > 0, got {lease_ttl_seconds}")
+        if heartbeat_interval_seconds is None:
+            heartbeat_interval_seconds = default_interval(lease_ttl_seconds)
+        if heartbeat_interval_seconds < 0 or heartbeat_interval_seconds >= lease_ttl_seconds / 2:
+            raise ConfigurationError(
+                "heartbeat_interval_seconds must be below lease_ttl_seconds / 2 "
+                f"({lease_ttl_seconds / 2:g}) so a renewal can fail once and still arrive "
+                f"in time, or 0 to disable; got {heartbeat_interval_seconds}"
+            )
+        if max_attempts < 1:
+            raise ConfigurationError(f"max_attempts must be >= 1, got {max_attempts}")
+        if quarantine_limit < 1:
+            raise ConfigurationError(f"quarantine_limit must be >= 1, got {quarantine_limit}")
         self.source = source
         self.store = checkpoint_store
         self.batch_size = batch_size
@@ -160,6 +212,11 @@ class PollTrigger:
         self._last_null_check = -float("inf")
         self._fingerprint: str | None = None
         self.default_handler: Handler | None = None
+        self.heartbeat_interval = heartbeat_interval_seconds
+        self.retry = retry or DEFAULT_RETRY_POLICY
+        self.quarantine = quarantine
+        self.max_attempts = max_attempts
+        self.quarantine_limit = quarantine_limit
 
     # --- public API ----------------------------------------------------------------
 
@@ -196,7 +253,13 @@ class PollTrigger:
 
     async def tick_async(self, handler: Handler) -> int:
         """One tick for async code: I/O runs in a worker thread, an async handler
-        runs on the caller's event loop (and is cancelled if the lease is lost)."""
+        runs on the caller's event loop.
+
+        If the lease is lost while the handler runs (a heartbeat was rejected),
+        the handler's task is cancelled and awaited until it has really
+        stopped, and the tick raises :class:`~dbtrigger.errors.LostLeaseError`
+        without committing.
+        """
         loop = asyncio.get_running_loop()
         wants_ctx = _wants_context(handler)
 
@@ -204,19 +267,7 @@ class PollTrigger:
             result = handler(events, ctx) if wants_ctx else handler(events)
             if not inspect.isawaitable(result):
                 return result
-            future = asyncio.run_coroutine_threadsafe(_as_coroutine(result), loop)
-            while True:
-                try:
-                    return future.result(timeout=0.1)
-                except TimeoutError:
-                    if ctx.lease_lost.is_set():
-                        future.cancel()
-                        raise LostLeaseError(
-                            "lease lost while the async handler ran; it was cancelled",
-                            poller=self.name,
-                            batch_id=ctx.batch_id,
-                            fencing_token=ctx.fencing_token,
-                        ) from None
+            return asyncio.run_coroutine_threadsafe(_guarded(result, ctx), loop).result()
 
         return await asyncio.to_thread(self.tick, shim)
 
@@ -230,10 +281,22 @@ class PollTrigger:
         if log.isEnabledFor(level):
             log.log(level, msg, *args, extra={"event": event, "poller": self.name, **fields})
 
+    def _on_retry(self, operation: str, attempt: int, exc: BaseException, wait: float) -> None:
+        del attempt, wait
+        self.metrics.increment(
+            "retries_total", labels={"operation": operation, "error_type": type(exc).__name__}
+        )
+
     def _read(self) -> tuple[StateDocument | None, str | None]:
         try:
-            stored = self.store.read(self.name)
-        except StoreAuthError:
+            stored = self.retry.call(
+                lambda: self.store.read(self.name),
+                operation="state read",
+                kinds=(StoreUnavailableError,),
+                on_retry=self._on_retry,
+                fields={"poller": self.name},
+            )
+        except OperatorError:
             raise
         except StoreError as exc:
             self.metrics.increment("failures_total", labels={"error_type": "FetchError"})
@@ -254,7 +317,13 @@ class PollTrigger:
     def _fetch(self, position: Position) -> Sequence[Mapping[str, Any]]:
         started = time.perf_counter()
         try:
-            rows = self.source.fetch(position, self.batch_size)
+            rows = self.retry.call(
+                lambda: self.source.fetch(position, self.batch_size),
+                operation="fetch",
+                kinds=(FetchError,),
+                on_retry=self._on_retry,
+                fields={"poller": self.name},
+            )
         except FetchError:
             self.metrics.increment("failures_total", labels={"error_type": "FetchError"})
             raise
@@ -306,19 +375,12 @@ class PollTrigger:
             self._log(logging.DEBUG, "tick_idle", "nothing after the checkpoint")
             return TickResult(0, 0, "idle")
 
-        try:
-            new_etag = self.store.write(self.name, docmod.dumps(decision.document), if_match=etag)
-        except CasConflictError:
+        new_etag = self._acquire(decision.document, etag)
+        if new_etag is None:
             self.metrics.increment("lease_acquire_skipped_total")
             self.metrics.increment("ticks_total", labels={"result": "lost_race"})
             self._log(logging.DEBUG, "lease_busy", "another instance acquired the lease first")
             return TickResult(0, 0, "lost_race")
-        except StoreAuthError:
-            raise
-        except StoreError as exc:
-            raise FetchError(
-                f"could not acquire the lease of poller {self.name!r}: {exc}", poller=self.name
-            ) from exc
 
         session = LeaseSession(
             self.store,
@@ -327,6 +389,18 @@ class PollTrigger:
             new_etag,
             owner=self.owner_id,
             token=decision.fencing_token,
+            retry=self.retry,
+            on_retry=self._on_retry,
+        )
+        lost = threading.Event()
+        heartbeat = Heartbeat(
+            session,
+            interval=self.heartbeat_interval,
+            ttl=self.lease_ttl,
+            clock=self.clock,
+            lost=lost,
+            poller=self.name,
+            on_renewed=lambda: self.metrics.increment("heartbeats_total"),
         )
         self._log(
             logging.DEBUG,
@@ -336,10 +410,60 @@ class PollTrigger:
             fencing_token=decision.fencing_token,
         )
         try:
-            return self._process(session, handler, rows, position, started_at, doc, should_stop)
+            with heartbeat:
+                return self._process(
+                    session, handler, rows, position, started_at, doc, should_stop, lost
+                )
         finally:
             if not session.released and not session.lost:
                 self._release(session)
+
+    def _acquire(self, document: StateDocument, etag: str | None) -> str | None:
+        """Write the lease we decided to take; the new etag, or None if we lost the race.
+
+        An ambiguous write (timeout) is resolved by reading back: our bytes
+        mean we hold the lease, an unchanged document means the write did not
+        land (write again), anything else means somebody else got there.
+        """
+        data = docmod.dumps(document)
+        for _ in range(3):
+            try:
+                return self.retry.call(
+                    lambda: self.store.write(self.name, data, if_match=etag),
+                    operation="lease acquire",
+                    kinds=(StoreUnavailableError,),
+                    on_retry=self._on_retry,
+                    fields={"poller": self.name},
+                )
+            except CasConflictError:
+                return None
+            except OperatorError:
+                raise
+            except AmbiguousWriteError:
+                try:
+                    stored = self.retry.call(
+                        lambda: self.store.read(self.name),
+                        operation="state re-read",
+                        kinds=(StoreUnavailableError,),
+                        on_retry=self._on_retry,
+                    )
+                except OperatorError:
+                    raise
+                except StoreError as exc:
+                    raise FetchError(
+                        f"could not tell whether the lease of poller {self.name!r} was "
+                        f"acquired: {exc}",
+                        poller=self.name,
+                    ) from exc
+                if stored is not None and stored.data == data:
+                    return stored.etag
+                if (stored.etag if stored is not None else None) != etag:
+                    return None
+            except StoreError as exc:
+                raise FetchError(
+                    f"could not acquire the lease of poller {self.name!r}: {exc}", poller=self.name
+                ) from exc
+        return None
 
     def _process(
         self,
@@ -350,11 +474,13 @@ class PollTrigger:
         started_at: dt.datetime,
         previous: StateDocument | None,
         should_stop: Callable[[], bool] | None,
+        lost: threading.Event,
     ) -> TickResult:
         total = 0
         batches = 0
         wants_ctx = _wants_context(handler)
-        attempt = (previous.failure.attempts + 1) if previous and previous.failure else 1
+        failure = leasemod.failure_at(previous, position)
+        attempt = failure.attempts + 1 if failure else 1
         if attempt > 1:
             self.metrics.increment("redelivered_batches_total")
         for index in range(self.max_batches_per_tick):
@@ -380,8 +506,11 @@ class PollTrigger:
                 checkpoint_after=after,
                 tick_started_at=started_at,
                 attempt=attempt,
+                lease_lost=lost,
             )
-            self._invoke(session, handler, events, ctx, wants_ctx)
+            done = frozenset(failure.done) if failure else frozenset()
+            quarantined = self._deliver(session, handler, events, done, ctx, wants_ctx)
+            failure = None
 
             # Prefetch so the last commit can release the lease in the same write.
             next_rows: Sequence[Mapping[str, Any]] = []
@@ -397,7 +526,9 @@ class PollTrigger:
                 except DbTriggerError as exc:
                     deferred = exc
             release = not next_rows
-            self._commit(session, position, after, batch_id, len(events), started_at, release)
+            self._commit(
+                session, position, after, batch_id, len(events), started_at, release, quarantined
+            )
             total += len(events)
             batches += 1
             attempt = 1
@@ -413,6 +544,203 @@ class PollTrigger:
         return TickResult(
             total, batches, "committed", more=True
         )  # pragma: no cover - loop exits above
+
+    def _deliver(
+        self,
+        session: LeaseSession,
+        handler: Handler,
+        events: list[RowChange],
+        done: frozenset[str],
+        ctx: BatchContext,
+        wants_ctx: bool,
+    ) -> int:
+        """Hand the batch over; return normally only when every row is settled.
+
+        A row is settled when the handler processed it (now, or on an earlier
+        delivery: ``done``) or it was quarantined; the return value is how many
+        were quarantined. Otherwise the failed attempt is recorded - with the
+        checkpoint moved over the leading settled rows and the settled rows
+        after them remembered - and :class:`HandlerError` is raised.
+        """
+        pending = [e for e in events if e.event_id not in done]
+        if len(pending) < len(events):
+            self._log(
+                logging.INFO,
+                "rows_skipped_done",
+                "skipping %d row(s) processed on an earlier delivery of this batch",
+                len(events) - len(pending),
+                batch_id=ctx.batch_id,
+                rows=len(events) - len(pending),
+            )
+        if not pending:
+            return 0
+        try:
+            self._invoke(session, handler, pending, ctx, wants_ctx)
+            return 0
+        except LostLeaseError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - handler failures are sorted out below
+            error: Exception = exc
+
+        succeeded: list[RowChange] = []
+        failed: list[tuple[RowChange, BaseException]] = []
+        if isinstance(error, PartialBatchError):
+            failed = match_failed(pending, error)
+            failed_ids = {e.event_id for e, _ in failed}
+            succeeded = [e for e in pending if e.event_id not in failed_ids]
+        named = bool(failed)
+        if not named:
+            failed = [(e, error) for e in pending]
+        poison = ctx.attempt >= self.max_attempts
+        aborted = False
+        if poison and self.quarantine is not None and not named and len(pending) > 1:
+            found = isolate(
+                pending,
+                lambda part: self._invoke(session, handler, part, ctx, wants_ctx),
+                first_error=error,
+                limit=self.quarantine_limit,
+                check=lambda: self._check_lost(ctx),
+            )
+            succeeded, failed, aborted = found.ok, found.bad, found.aborted
+            self._log(
+                logging.WARNING,
+                "batch_bisected",
+                "bisected batch %s in %d handler calls: %d row(s) fail alone, %d passed%s",
+                ctx.batch_id,
+                found.calls,
+                len(failed),
+                len(succeeded),
+                " (stopped: too many failing rows for poison, looks like an outage)"
+                if aborted
+                else "",
+                batch_id=ctx.batch_id,
+                calls=found.calls,
+            )
+        settled = set(done) | {e.event_id for e in succeeded}
+        if (
+            poison
+            and self.quarantine is not None
+            and not aborted
+            and len(failed) <= self.quarantine_limit
+        ):
+            try:
+                self._quarantine(ctx, failed)
+                return len(failed)
+            except QuarantineError as exc:
+                self._record_failure(session, ctx, exc, events=events, settled=settled)
+                raise
+        self._handler_failed(session, ctx, events, error, failed, settled)
+        raise HandlerError(
+            f"handler failed on batch {ctx.batch_id}: {type(error).__name__}: {error}",
+            poller=self.name,
+            batch_id=ctx.batch_id,
+            fencing_token=ctx.fencing_token,
+            failed_rows=len(failed),
+        ) from error
+
+    def _handler_failed(
+        self,
+        session: LeaseSession,
+        ctx: BatchContext,
+        events: list[RowChange],
+        error: BaseException,
+        failed: list[tuple[RowChange, BaseException]],
+        settled: set[str],
+    ) -> None:
+        fields = {
+            "batch_id": ctx.batch_id,
+            "fencing_token": ctx.fencing_token,
+            "checkpoint_before": _position_json(ctx.checkpoint_before),
+            "checkpoint_after": _position_json(ctx.checkpoint_after),
+            "rows": len(events),
+            "attempt": ctx.attempt,
+        }
+        self.metrics.increment("batches_total", labels={"result": "failed"})
+        self.metrics.increment("failures_total", labels={"error_type": "HandlerError"})
+        self._log(
+            logging.ERROR,
+            "handler_failed",
+            "handler failed on batch %s (attempt %d, %d of %d rows failed): %s: %s",
+            ctx.batch_id,
+            ctx.attempt,
+            len(failed),
+            len(events),
+            type(error).__name__,
+            error,
+            error=type(error).__name__,
+            failed_rows=len(failed),
+            **fields,
+        )
+        if ctx.attempt >= self.max_attempts:
+            self._log(
+                logging.ERROR,
+                "poison_batch",
+                "batch starting at %s has failed %d times%s",
+                ctx.checkpoint_before.cursor,
+                ctx.attempt,
+                "; configure a quarantine sink or skip it by hand (the poller cannot pass it)"
+                if self.quarantine is None
+                else "; too many rows fail alone to quarantine, retrying",
+                **fields,
+            )
+        self._record_failure(session, ctx, error, events=events, settled=settled)
+
+    def _check_lost(self, ctx: BatchContext) -> None:
+        if ctx.lease_lost.is_set():
+            raise LostLeaseError(
+                "lease lost while the batch was being processed; nothing was committed",
+                poller=self.name,
+                batch_id=ctx.batch_id,
+                fencing_token=ctx.fencing_token,
+            )
+
+    def _quarantine(self, ctx: BatchContext, failed: list[tuple[RowChange, BaseException]]) -> None:
+        """Record the rows that fail alone in the sink (durably) before the
+        checkpoint moves past them."""
+        sink = self.quarantine
+        if sink is None or not failed:
+            return
+        self._check_lost(ctx)
+        now = self.clock()
+        records = [
+            QuarantineRecord.from_event(
+                event,
+                poller=self.name,
+                error=exc,
+                attempts=ctx.attempt,
+                checkpoint=ctx.checkpoint_before,
+                batch_id=ctx.batch_id,
+                fencing_token=ctx.fencing_token,
+                owner_id=self.owner_id,
+                now=now,
+            )
+            for event, exc in failed
+        ]
+        self.retry.call(
+            lambda: sink.put(records),
+            operation="quarantine write",
+            kinds=(QuarantineError,),
+            on_retry=self._on_retry,
+            fields={"poller": self.name, "batch_id": ctx.batch_id},
+        )
+        self.metrics.increment("quarantined_total", len(records))
+        for record in records:
+            self._log(
+                logging.WARNING,
+                "row_quarantined",
+                "row %s set aside in %s after %d failed attempts: %s",
+                record.pk,
+                sink.describe(),
+                record.attempts,
+                record.error,
+                batch_id=ctx.batch_id,
+                fencing_token=ctx.fencing_token,
+                event_id=record.event_id,
+                pk=record.pk,
+                cursor=record.cursor,
+                sink=sink.describe(),
+                attempt=record.attempts,
+            )
 
     def _invoke(
         self,
@@ -435,30 +763,26 @@ class PollTrigger:
         try:
             result = handler(events, ctx) if wants_ctx else handler(events)
             if inspect.isawaitable(result):
-                _run_awaitable(result)
+                _run_awaitable(result, ctx)
         except LostLeaseError:
+            session.lost = True
             self.metrics.increment("batches_total", labels={"result": "lost"})
             self.metrics.increment("failures_total", labels={"error_type": "LostLeaseError"})
             self._log(logging.WARNING, "lease_lost", "lease lost during the handler", **fields)
             raise
         except Exception as exc:
             self.metrics.observe("handler_duration_seconds", time.perf_counter() - started)
-            self.metrics.increment("batches_total", labels={"result": "failed"})
-            self.metrics.increment("failures_total", labels={"error_type": "HandlerError"})
-            self._log(
-                logging.ERROR,
-                "handler_failed",
-                "handler failed on batch %s (attempt %d): %s: %s",
-                ctx.batch_id,
-                ctx.attempt,
-                type(exc).__name__,
-                exc,
-                error=type(exc).__name__,
-                **fields,
-            )
-            self._record_failure(session, ctx, exc)
-            raise HandlerError(
-                f"handler failed on batch {ctx.batch_id}: {type(exc).__name__}: {exc}",
+            if not ctx.lease_lost.is_set():
+                raise
+            # The handler gave up because it saw ctx.cancelled: that is the lost
+            # lease, not a failure of the batch (no attempt is counted).
+            session.lost = True
+            self.metrics.increment("batches_total", labels={"result": "lost"})
+            self.metrics.increment("failures_total", labels={"error_type": "LostLeaseError"})
+            self._log(logging.WARNING, "lease_lost", "lease lost while the handler ran", **fields)
+            raise LostLeaseError(
+                f"lease lost while the handler ran (it stopped with {type(exc).__name__}); "
+                "nothing committed, the batch will be redelivered",
                 poller=self.name,
                 batch_id=ctx.batch_id,
                 fencing_token=ctx.fencing_token,
@@ -484,6 +808,7 @@ class PollTrigger:
         rows: int,
         started_at: dt.datetime,
         release: bool,
+        quarantined: int = 0,
     ) -> None:
         started = time.perf_counter()
         now = self.clock()
@@ -498,6 +823,8 @@ class PollTrigger:
             "committed_at": docmod.format_time(now),
             "duration_ms": round((now - started_at).total_seconds() * 1000, 3),
         }
+        if quarantined:
+            entry["quarantined"] = quarantined
         fields = {"batch_id": batch_id, "fencing_token": session.token, "rows": rows}
         try:
             session.update(
@@ -550,8 +877,39 @@ class PollTrigger:
             rows=rows,
         )
 
-    def _record_failure(self, session: LeaseSession, ctx: BatchContext, exc: BaseException) -> None:
+    def _record_failure(
+        self,
+        session: LeaseSession,
+        ctx: BatchContext,
+        exc: BaseException,
+        *,
+        events: Sequence[RowChange] = (),
+        settled: set[str] | frozenset[str] = frozenset(),
+    ) -> None:
+        """Count the failed attempt and release the lease, in one write.
+
+        The checkpoint can only move over a *contiguous* run of settled rows at
+        the head of the batch; settled rows after the first unsettled one are
+        written to the failure record instead, and skipped on redelivery.
+        """
         now = self.clock()
+        head = 0
+        while head < len(events) and events[head].event_id in settled:
+            head += 1
+        advance_to = position_of(events[head - 1]) if head else None
+        done = tuple(e.event_id for e in events[head:] if e.event_id in settled)
+        entry: dict[str, object] | None = None
+        if advance_to is not None:
+            entry = {
+                "type": "partial_commit",
+                "batch_id": ctx.batch_id,
+                "from": _position_json(ctx.checkpoint_before),
+                "to": _position_json(advance_to),
+                "rows": head,
+                "owner_id": self.owner_id,
+                "fencing_token": session.token,
+                "committed_at": docmod.format_time(now),
+            }
         try:
             session.update(
                 lambda d: leasemod.decide_failure(
@@ -561,10 +919,31 @@ class PollTrigger:
                     now=now,
                     error=f"{type(exc).__name__}: {exc}",
                     batch_id=ctx.batch_id,
+                    advance_to=advance_to,
+                    row_count=head,
+                    done=done,
+                    journal_entry=entry,
+                    journal_limit=self.journal_limit,
                 ),
                 what="failure record",
             )
             session.released = True
+            if advance_to is not None:
+                self.metrics.increment("events_total", head)
+                self._log(
+                    logging.INFO,
+                    "batch_partially_committed",
+                    "committed the first %d of %d rows of batch %s; %d later row(s) "
+                    "remembered as done",
+                    head,
+                    len(events),
+                    ctx.batch_id,
+                    len(done),
+                    batch_id=ctx.batch_id,
+                    fencing_token=session.token,
+                    rows=head,
+                    cursor=_position_json(advance_to),
+                )
         except DbTriggerError as record_exc:
             # The failure itself is what matters; the lease expires on its own.
             self._log(
@@ -632,16 +1011,42 @@ class PollTrigger:
             )
 
 
-async def _as_coroutine(awaitable: Awaitable[Any]) -> Any:
-    return await awaitable
+#: How often an async handler's guard looks at the lease-lost flag.
+CANCEL_POLL_SECONDS = 0.05
 
 
-def _run_awaitable(awaitable: Awaitable[Any]) -> Any:
+async def _guarded(awaitable: Awaitable[Any], ctx: BatchContext) -> Any:
+    """Await an async handler, cancelling it as soon as the lease is lost.
+
+    The task is cancelled *and awaited*, so when the tick reports the lost
+    lease the handler has really stopped (no side effect runs after it).
+    """
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while not task.done():
+            if ctx.lease_lost.is_set():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+                raise LostLeaseError(
+                    "lease lost while the async handler ran; it was cancelled",
+                    poller=ctx.poller_name,
+                    batch_id=ctx.batch_id,
+                    fencing_token=ctx.fencing_token,
+                )
+            await asyncio.wait({task}, timeout=CANCEL_POLL_SECONDS)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    return task.result()
+
+
+def _run_awaitable(awaitable: Awaitable[Any], ctx: BatchContext) -> Any:
     """Run an async handler's awaitable from the synchronous tick."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(_as_coroutine(awaitable))
+        return asyncio.run(_guarded(awaitable, ctx))
     with contextlib.suppress(Exception):
         close = getattr(awaitable, "close", None)
         if close:

@@ -174,6 +174,10 @@ class QuarantineError(RetryableError):
     """Rows could not be written to the quarantine sink; nothing was skipped."""
 
 
+class OutputWriteError(RetryableError):
+    """The output binding could not write its rows; the batch is not committed and comes again."""
+
+
 __all__ = [
     "AmbiguousCommitError",
     "AmbiguousWriteError",
@@ -190,6 +194,7 @@ __all__ = [
     "LiveLeaseError",
     "LostLeaseError",
     "OperatorError",
+    "OutputWriteError",
     "PartialBatchError",
     "QuarantineError",
     "RetryableError",

@@ -35,7 +35,81 @@ METRICS: dict[str, tuple[str, str]] = {
     "lag_seconds": ("gauge", "Age of the newest committed cursor behind now (timestamp cursors)"),
     "lag_rows": ("gauge", "Rows pending after the checkpoint"),
     "last_success_timestamp": ("gauge", "When the last batch committed"),
+    "lease_acquire_failed_total": (
+        "counter",
+        "Lease acquisitions that failed on a store error (not contention)",
+    ),
 }
+
+#: Labels each metric carries besides ``poller`` (which :class:`SafeMetrics`
+#: always adds). Adapters whose backend fixes label names up front (Prometheus)
+#: declare these; a label not listed here is still accepted on a metric's
+#: first use.
+METRIC_LABELS: dict[str, tuple[str, ...]] = {
+    "ticks_total": ("result",),
+    "batches_total": ("result",),
+    "failures_total": ("error_type",),
+}
+
+#: Histogram bucket bounds for metrics that are not durations in seconds.
+SIZE_BUCKETS: tuple[float, ...] = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000)
+
+#: Bucket bounds for ``*_seconds`` histograms: 1 ms to 10 minutes.
+DURATION_BUCKETS: tuple[float, ...] = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
+
+
+def metric_kind(name: str, verb: str) -> str:
+    """The declared kind of ``name``, or the kind its first use implies."""
+    declared = METRICS.get(name)
+    if declared is not None:
+        return declared[0]
+    return {"increment": "counter", "observe": "histogram", "set_gauge": "gauge"}[verb]
+
+
+def metric_help(name: str) -> str:
+    declared = METRICS.get(name)
+    return declared[1] if declared is not None else name.replace("_", " ")
+
+
+def metric_unit(name: str) -> str:
+    """UCUM-style unit for OpenTelemetry: seconds for durations and timestamps."""
+    if name.endswith("_seconds") or name.endswith("_timestamp"):
+        return "s"
+    if name in ("batch_size", "lag_rows", "null_cursor_rows"):
+        return "{row}"
+    return "1"
+
+
+def report_lag(
+    metrics: MetricsCollector,
+    *,
+    rows: int | None,
+    seconds: float | None,
+    labels: Labels | None = None,
+) -> None:
+    """Set ``lag_rows`` / ``lag_seconds`` from a measurement (e.g. a health check)."""
+    if rows is not None:
+        metrics.set_gauge("lag_rows", rows, labels=labels)
+    if seconds is not None:
+        metrics.set_gauge("lag_seconds", seconds, labels=labels)
 
 
 @runtime_checkable

@@ -34,8 +34,9 @@ from dbtrigger.errors import (
     UnsafeIdentifierError,
     UnsupportedDocumentError,
 )
-from dbtrigger.state.stores import CheckpointStore, SqlCheckpointStore, StoredDocument
+from dbtrigger.state.stores import SqlCheckpointStore, StoredDocument
 from dbtrigger.state.stores.sql import classify_driver_error
+from dbtrigger.testing import CountingStore
 from tests.contracts.store_contract import StoreContract
 from tests.databases import TestDatabase, admin_engine
 
@@ -165,37 +166,6 @@ def test_configuration_is_validated() -> None:
 # --- a whole drain with the state in the source database -----------------------------
 
 
-class CountingStore:
-    """Counts store operations per tick (delegates everything)."""
-
-    def __init__(self, inner: CheckpointStore) -> None:
-        self.inner = inner
-        self.reads = 0
-        self.writes = 0
-
-    def read(self, key: str) -> StoredDocument | None:
-        self.reads += 1
-        return self.inner.read(key)
-
-    def write(self, key: str, data: bytes, *, if_match: str | None) -> str:
-        self.writes += 1
-        return self.inner.write(key, data, if_match=if_match)
-
-    def delete(self, key: str, *, if_match: str | None = None) -> None:
-        self.inner.delete(key, if_match=if_match)
-
-    def list_keys(self) -> list[str]:
-        return self.inner.list_keys()
-
-    def describe(self) -> str:
-        return self.inner.describe()
-
-    def take(self) -> tuple[int, int]:
-        counts = (self.reads, self.writes)
-        self.reads = self.writes = 0
-        return counts
-
-
 def make_events_table(db: TestDatabase, rows: int) -> None:
     metadata = sa.MetaData()
     events = sa.Table(
@@ -240,7 +210,8 @@ def test_poll_trigger_drains_with_state_in_the_same_database(
         per_tick = []
         while True:
             rows = trigger.tick(handle)
-            per_tick.append((rows, *counting.take()))
+            counts = counting.reset()
+            per_tick.append((rows, counts.reads, counts.writes))
             if rows == 0:
                 break
     finally:

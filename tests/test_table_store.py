@@ -40,10 +40,11 @@ from dbtrigger.state.stores.table import (
     entity_size,
     split_text,
 )
+from dbtrigger.testing import CountingStore
 from tests.azurite import ACCOUNT, KEY, Azurite
 from tests.contracts.store_contract import StoreContract
 from tests.databases import TestDatabase
-from tests.test_sql_store import CountingStore, make_events_table
+from tests.test_sql_store import make_events_table
 
 pytestmark = pytest.mark.azurite
 
@@ -280,7 +281,8 @@ def test_poll_trigger_drains_with_state_in_a_table(
         per_tick = []
         while True:
             rows = trigger.tick(handle)
-            per_tick.append((rows, *counting.take()))
+            counts = counting.reset()
+            per_tick.append((rows, counts.reads, counts.writes))
             if rows == 0:
                 break
     finally:

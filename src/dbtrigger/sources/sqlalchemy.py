@@ -20,11 +20,19 @@ probe), and the poller sets the ``null_cursor_rows`` gauge and names their keys
 in a warning. Once the row gets a cursor value it is delivered like any other.
 The remedy is a ``NOT NULL`` cursor column with a default, or a query-mode
 source selecting ``COALESCE(updated_at, created_at) AS cursor_ts``.
+
+Late commits: a writer that takes a small cursor value and commits after a
+writer with a larger one would land behind the checkpoint. The ``visibility=``
+guard (:mod:`dbtrigger.sources.visibility`, on by default) adds one condition to
+the fetch so only the settled part of the cursor order is consumed; the keyset
+shape and its O(batch) index range scan are unchanged.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
+import logging
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
@@ -43,6 +51,17 @@ from dbtrigger.errors import (
 from dbtrigger.events import RowChange, make_event_id
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.settings import resolve_setting
+from dbtrigger.sources.visibility import (
+    ActiveGuard,
+    FetchInfo,
+    GuardTarget,
+    NoGuard,
+    VisibilityGuard,
+    choose,
+    parse_visibility,
+)
+
+log = logging.getLogger("dbtrigger.sources")
 
 #: Dialects whose SQL compares row values: ``(a, b) > (x, y)``.
 ROW_VALUE_DIALECTS = frozenset({"postgresql", "mysql", "mariadb", "sqlite"})
@@ -86,6 +105,13 @@ class SqlAlchemySource:
         engine_kwargs: passed to :func:`sqlalchemy.create_engine`.
         engine: share an existing engine instead of creating one (``url`` is
             then only used for the name and fingerprint, and may be omitted).
+        visibility: how to avoid skipping rows of transactions that commit out
+            of cursor order: ``"auto"`` (default: the strongest guard the
+            dialect and cursor support, see ``docs/visibility.md``), ``"none"``,
+            or a guard from :mod:`dbtrigger.sources.visibility`
+            (``SnapshotHorizon()``, ``TransactionHorizon()``,
+            ``SafetyWindow(seconds)``). After each fetch, :attr:`last_fetch_info`
+            says what the guard did (horizon, held back, blocking backend).
     """
 
     def __init__(
@@ -101,6 +127,7 @@ class SqlAlchemySource:
         parameters: Mapping[str, Any] | None = None,
         engine_kwargs: Mapping[str, Any] | None = None,
         engine: Engine | None = None,
+        visibility: str | VisibilityGuard = "auto",
     ) -> None:
         if (table is None) == (query is None):
             raise ConfigurationError("SqlAlchemySource needs exactly one of table= or query=")
@@ -129,6 +156,12 @@ class SqlAlchemySource:
         self._selectable: sa.FromClause | None = None
         self._columns: dict[str, ColumnElement[Any]] = {}
         self._select_list: list[ColumnElement[Any]] = []
+        self._cursor_type: sa.types.TypeEngine[Any] | None = None
+        self._cursor_comment: str | None = None
+        self._visibility = parse_visibility(visibility)
+        self._guard: ActiveGuard | None = None
+        #: What the visibility guard did on the latest fetch (None before one).
+        self.last_fetch_info: FetchInfo | None = None
         self._text_typed: dict[str, sa.types.TypeEngine[Any]] = {}
 
     # --- identity ---------------------------------------------------------------
@@ -157,6 +190,16 @@ class SqlAlchemySource:
         return safe_url_text(self._url)
 
     def fingerprint(self) -> str:
+        """``sha256:`` of what a stored position means; secrets excluded.
+
+        The visibility guard is deliberately *not* part of it. A guard only
+        decides *when* a row may be consumed; it never changes which rows exist
+        after a position, their order, or how a position is written. A
+        checkpoint written with no guard is exactly as valid under a horizon or
+        a window (and vice versa), so switching protection on must not force a
+        reset. Changing the cursor to a transaction-id column does change the
+        position's meaning, and ``cursor_column`` is in the fingerprint.
+        """
         definition = {
             "url": self.safe_url,
             "schema": self._schema,
@@ -181,7 +224,32 @@ class SqlAlchemySource:
             "pk_columns": list(self._pk_columns),
             "where": self._where,
             "row_value_predicate": self.dialect_name in ROW_VALUE_DIALECTS,
+            "visibility": self.visibility_requested,
+            "visibility_mode": self.visibility_mode,
+            "visibility_guarantee": self.visibility_guarantee,
         }
+
+    @property
+    def visibility_requested(self) -> str:
+        """The ``visibility=`` setting: ``auto`` or the configured guard's label."""
+        request = self._visibility
+        return request if isinstance(request, str) else request.label()
+
+    @property
+    def visibility_mode(self) -> str:
+        """The guard in force. Under ``auto`` it is decided at the first fetch
+        (it depends on the cursor column's type), ``auto`` until then."""
+        if self._guard is not None:
+            return self._guard.guard.label()
+        return self.visibility_requested
+
+    @property
+    def visibility_guarantee(self) -> str | None:
+        """What the guard in force promises (None while ``auto`` is undecided)."""
+        if self._guard is not None:
+            return self._guard.guarantee
+        request = self._visibility
+        return None if isinstance(request, str) else request.guarantee(self.dialect_name)
 
     # --- engine and shape -------------------------------------------------------
 
@@ -237,6 +305,10 @@ class SqlAlchemySource:
                 f"available: {', '.join(sorted(columns))}",
                 missing_columns=missing,
             )
+        if self._table_name is not None:
+            declared = cast("sa.Column[Any]", columns[self._cursor_column])
+            self._cursor_type = declared.type
+            self._cursor_comment = declared.comment
         if self.dialect_name == "sqlite":
             # SQLite keeps dates and times as text in whatever format the writer
             # used and compares them as text. Re-formatting a parsed value (with
@@ -298,14 +370,113 @@ class SqlAlchemySource:
             stmt = stmt.where(self._after_predicate(after))
         return stmt.order_by(cursor, *self._key_order()).limit(limit)
 
+    # --- visibility guard ---------------------------------------------------------
+
+    def _guard_target(self) -> GuardTarget:
+        assert self._selectable is not None  # noqa: S101 - _resolve_shape ran first
+        return GuardTarget(
+            dialect=self.dialect_name,
+            source_name=self.name,
+            cursor_name=self._cursor_column,
+            cursor=self._columns[self._cursor_column],
+            cursor_type=self._cursor_type,
+            cursor_comment=self._cursor_comment,
+            columns=dict(self._columns),
+            selectable=self._selectable,
+            base_filter=self._base_filter(),
+            bind=lambda value: self._typed(self._cursor_column, value),
+            pending=lambda position: self._statement(position, 1).order_by(None).limit(None),
+            position_of=self._position_of,
+            table_mode=self._table_name is not None,
+        )
+
+    def _position_of(self, row: Mapping[str, Any]) -> Position:
+        return Position(cursor=row[self._cursor_column], pk={c: row[c] for c in self._pk_columns})
+
+    def _sample_is_timestamp(self, conn: Connection) -> bool | None:
+        """Query mode has no declared types: look at one cursor value (None: no rows yet)."""
+        cursor = self._columns[self._cursor_column]
+        probe: ColumnElement[Any] = cursor
+        if self.dialect_name == "sqlite":
+            probe = sa.func.julianday(cursor).is_not(None)
+        stmt = self._select().with_only_columns(probe).where(cursor.is_not(None)).limit(1)
+        row = conn.execute(stmt).first()
+        conn.rollback()
+        if row is None:
+            return None
+        return bool(row[0]) if self.dialect_name == "sqlite" else isinstance(row[0], dt.datetime)
+
+    def _active_guard(self, conn: Connection) -> ActiveGuard | None:
+        """The guard bound to this source; None while ``auto`` cannot decide yet."""
+        if self._guard is not None:
+            return self._guard
+        request = self._visibility
+        if isinstance(request, VisibilityGuard):
+            guard = request
+        else:
+            sample = None
+            if self._cursor_type is None and self.dialect_name != "postgresql":
+                sample = self._sample_is_timestamp(conn)
+                if sample is None:
+                    return None  # no row has a cursor yet; decide when one does
+            guard = choose(
+                self.dialect_name,
+                cursor_type=self._cursor_type,
+                cursor_comment=self._cursor_comment,
+                sample_is_timestamp=sample,
+            )
+        active = guard.activate(self._guard_target())
+        with self._lock:
+            if self._guard is None:
+                self._guard = active
+        unprotected = isinstance(guard, NoGuard) and request == "auto"
+        level = logging.WARNING if unprotected and self.dialect_name != "sqlite" else logging.INFO
+        log.log(
+            level,
+            "%s: visibility %s (%s): %s",
+            self.name,
+            guard.label(),
+            "auto" if request == "auto" else "configured",
+            active.guarantee,
+            extra={
+                "event": "visibility_mode",
+                "source": self.name,
+                "mode": guard.label(),
+                "requested": self.visibility_requested,
+                "guarantee": active.guarantee,
+            },
+        )
+        return self._guard
+
     # --- the port ---------------------------------------------------------------
 
     def fetch(self, after: Position, limit: int) -> list[Mapping[str, Any]]:
+        """Up to ``limit`` rows after ``after`` that the visibility guard lets through.
+
+        The guard's predicate joins the keyset statement; some guards run a
+        short statement first (each in its own transaction) and one after (for
+        reporting only). The row read always starts a fresh transaction, so its
+        snapshot is never older than the guard's bound.
+        """
         try:
             with self.engine.connect() as conn:
                 self._resolve_shape(conn)
-                result = conn.execute(self._statement(after, limit)).mappings().all()
-                return cast("list[Mapping[str, Any]]", list(result))
+                guard = self._active_guard(conn)
+                if conn.in_transaction():
+                    conn.rollback()
+                if guard is None:
+                    return []
+                predicate = guard.before_fetch(conn, after)
+                stmt = self._statement(after, limit)
+                if predicate is not None:
+                    stmt = stmt.where(predicate)
+                result = conn.execute(stmt)
+                # Plain dicts: building them from the row tuples costs a third of
+                # what RowMapping objects do, and to_events copies them at C speed.
+                keys = tuple(result.keys())
+                rows: list[Mapping[str, Any]] = [dict(zip(keys, row)) for row in result.all()]
+                self.last_fetch_info = guard.after_fetch(conn, after, rows, limit)
+                return rows
         except (ConfigurationError, SerializationError):
             raise
         except SQLAlchemyError as exc:
@@ -314,38 +485,54 @@ class SqlAlchemySource:
     def to_events(
         self, rows: Sequence[Mapping[str, Any]], *, poller: str, batch_id: str
     ) -> list[RowChange]:
+        """One ``upsert`` event per row (raises ``SerializationError`` naming the row).
+
+        This runs for every row delivered, so the per-row work is kept to what
+        an event needs: the key dict, a copy of the row (the event's ``after``;
+        the caller's row is never shared), the event id, and the event itself,
+        built from parts made here for it alone (``RowChange._unchecked``).
+        """
         events: list[RowChange] = []
+        append = events.append
         cursor_name = self._cursor_column
         pk_names = self._pk_columns
+        single_key = pk_names[0] if len(pk_names) == 1 else None
         source = self.name
-        meta = {"poller": poller, "batch_id": batch_id}
+        meta = MappingProxyType({"poller": poller, "batch_id": batch_id})
+        event_id = EventIds(poller, pk_names)
+        new_event = RowChange._unchecked
         for row in rows:
             try:
                 cursor = row[cursor_name]
-                pk = {c: row[c] for c in pk_names}
+                if single_key is not None:
+                    value = row[single_key]
+                    pk = {single_key: value}
+                    null_key = value is None
+                else:
+                    pk = {c: row[c] for c in pk_names}
+                    null_key = any(v is None for v in pk.values())
             except KeyError as exc:
                 raise SerializationError(
                     f"row from {source} lacks column {exc.args[0]!r}; it has {sorted(row)}",
                     poller=poller,
                     batch_id=batch_id,
                 ) from None
-            if any(v is None for v in pk.values()):
+            if null_key:
                 raise SerializationError(
                     f"row from {source} has a NULL primary key {pk!r}; keys must be unique and set",
                     poller=poller,
                     batch_id=batch_id,
                 )
-            event_id = make_event_id(poller, pk, cursor)  # raises SerializationError on bad types
-            events.append(
-                RowChange(
-                    event_id=event_id,
-                    op="upsert",
-                    source=source,
-                    cursor=cursor,
-                    pk=pk,
-                    before=None,
-                    after=dict(row),
-                    metadata=meta,
+            append(
+                new_event(
+                    event_id(pk, cursor),  # raises SerializationError on bad types
+                    "upsert",
+                    source,
+                    cursor,
+                    MappingProxyType(pk),
+                    None,
+                    MappingProxyType(dict(row)),
+                    meta,
                 )
             )
         return events

@@ -6,6 +6,9 @@ from a :class:`SqlAlchemySource`, hands them to your handler as
 :class:`CheckpointStore` only after the handler succeeded.
 """
 
+from typing import TYPE_CHECKING, Any
+
+from dbtrigger.azure import DbBindings, LeaseScheduleWarning
 from dbtrigger.cursor import BEGINNING, Position
 from dbtrigger.errors import (
     AmbiguousCommitError,
@@ -32,6 +35,7 @@ from dbtrigger.errors import (
 )
 from dbtrigger.events import RowChange, dedup_key, make_event_id
 from dbtrigger.metrics import InMemoryMetrics, MetricsCollector, NullMetrics
+from dbtrigger.output import DbOut
 from dbtrigger.runtime.context import BatchContext
 from dbtrigger.runtime.poller import PollTrigger, TickResult
 from dbtrigger.sources.base import SourceAdapter
@@ -44,6 +48,19 @@ from dbtrigger.state.stores import (
     StoredDocument,
 )
 
+if TYPE_CHECKING:
+    from dbtrigger.state.stores.blob import BlobCheckpointStore
+
+
+def __getattr__(name: str) -> Any:
+    # BlobCheckpointStore needs the optional azure extra: import it on first use.
+    if name == "BlobCheckpointStore":
+        from dbtrigger.state.stores.blob import BlobCheckpointStore  # noqa: PLC0415
+
+        return BlobCheckpointStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -51,12 +68,15 @@ __all__ = [
     "AmbiguousCommitError",
     "AmbiguousWriteError",
     "BatchContext",
+    "BlobCheckpointStore",
     "CasConflictError",
     "CheckpointStore",
     "CommitError",
     "ConfigurationError",
     "ContentionError",
     "CorruptStateError",
+    "DbBindings",
+    "DbOut",
     "DbTriggerError",
     "FetchError",
     "FileCheckpointStore",
@@ -65,6 +85,7 @@ __all__ = [
     "InMemoryCheckpointStore",
     "InMemoryMetrics",
     "LeaseAcquireError",
+    "LeaseScheduleWarning",
     "LostLeaseError",
     "MetricsCollector",
     "NullMetrics",

@@ -1,0 +1,398 @@
+"""``@db.output``: rows the handler hands over, written in one transaction after it returns.
+
+The binding mirrors ``azure.functions.Out``: the handler receives a
+:class:`DbOut` and calls ``out.set(rows)``. Nothing touches the database while
+the handler runs. When it returns, all rows are written in **one transaction**;
+when it raises, they are discarded. Under ``@db.trigger`` this happens inside
+the batch, before the checkpoint commit, so a failed write means the batch is
+not acknowledged and is delivered again. Combined with ``action="upsert"`` on a
+key such as ``(order_id, cursor)`` every redelivery collapses onto the rows
+already written: the idempotent-sink pattern, with no code in the handler.
+
+Upserts are built with SQLAlchemy Core per dialect: PostgreSQL and SQLite
+``INSERT ... ON CONFLICT (...) DO UPDATE``, MySQL/MariaDB ``INSERT ... ON
+DUPLICATE KEY UPDATE``. The conflict columns must be exactly the primary key
+or a unique constraint of the table; this is checked when the table is first
+reflected, because MySQL would otherwise silently upsert on whichever unique
+key a row happens to hit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import sqlalchemy as sa
+from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.exc import NoSuchTableError, SQLAlchemyError
+
+from dbtrigger.errors import ConfigurationError, OutputWriteError
+from dbtrigger.names import validate_sql_identifier
+from dbtrigger.settings import resolve_setting
+from dbtrigger.sources.sqlalchemy import safe_url_text, short_error
+
+Action = Literal["insert", "upsert"]
+
+#: Dialects with a native upsert statement we know how to build.
+UPSERT_DIALECTS = frozenset({"postgresql", "sqlite", "mysql", "mariadb"})
+
+Row = dict[str, Any]
+
+
+class OutputTarget:
+    """One configured destination table; shared by every invocation of a function.
+
+    Holds the engine (created on first write) and the reflected table. Safe to
+    use from several threads.
+    """
+
+    def __init__(
+        self,
+        *,
+        url: str | None = None,
+        table: str,
+        schema: str | None = None,
+        action: Action = "insert",
+        conflict_columns: Sequence[str] | None = None,
+        engine_kwargs: Mapping[str, Any] | None = None,
+        engine: Engine | None = None,
+    ) -> None:
+        if action not in ("insert", "upsert"):
+            raise ConfigurationError(f"output action must be 'insert' or 'upsert', got {action!r}")
+        if isinstance(conflict_columns, str):
+            raise ConfigurationError("conflict_columns must be a list of column names")
+        self.table_name = validate_sql_identifier(table, "table")
+        self.schema = validate_sql_identifier(schema, "schema") if schema else None
+        self.action: Action = action
+        self.conflict_columns = tuple(
+            validate_sql_identifier(c, "conflict column") for c in conflict_columns or ()
+        )
+        if action == "upsert" and not self.conflict_columns:
+            raise ConfigurationError("action='upsert' needs conflict_columns=[...]")
+        if action == "insert" and self.conflict_columns:
+            raise ConfigurationError("conflict_columns only apply to action='upsert'")
+        if url is None and engine is None:
+            raise ConfigurationError("db.output needs url= or engine=")
+        try:
+            self._url: URL = make_url(resolve_setting(url)) if url else engine.url  # type: ignore[union-attr]
+        except sa.exc.ArgumentError:
+            raise ConfigurationError(
+                "db.output url is not a valid SQLAlchemy database URL"
+            ) from None
+        self.dialect = self._url.get_backend_name()
+        if action == "upsert" and self.dialect not in UPSERT_DIALECTS:
+            raise ConfigurationError(
+                f"upsert is not available on {self.dialect}: supported are "
+                f"{', '.join(sorted(UPSERT_DIALECTS))}; use action='insert'"
+            )
+        self._engine_kwargs = dict(engine_kwargs or {})
+        self._engine = engine
+        self._lock = threading.Lock()
+        self._table: sa.Table | None = None
+
+    @property
+    def name(self) -> str:
+        target = f"{self.schema}.{self.table_name}" if self.schema else self.table_name
+        return f"{self.dialect}:{target}"
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "url": safe_url_text(self._url),
+            "table": self.table_name,
+            "schema": self.schema,
+            "action": self.action,
+            "conflict_columns": list(self.conflict_columns),
+        }
+
+    @property
+    def engine(self) -> Engine:
+        with self._lock:
+            if self._engine is None:
+                kwargs = {"pool_pre_ping": True, **self._engine_kwargs}
+                self._engine = sa.create_engine(self._url, **kwargs)
+            return self._engine
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.dispose()
+
+    def _reflect(self, conn: sa.Connection) -> sa.Table:
+        if self._table is not None:
+            return self._table
+        try:
+            table = sa.Table(self.table_name, sa.MetaData(), schema=self.schema, autoload_with=conn)
+        except NoSuchTableError:
+            raise ConfigurationError(
+                f"output table {self.name} does not exist (or is not visible to this user)"
+            ) from None
+        if self.action == "upsert":
+            self._check_conflict_key(conn, table)
+        self._table = table
+        return table
+
+    def _check_conflict_key(self, conn: sa.Connection, table: sa.Table) -> None:
+        missing = [c for c in self.conflict_columns if c not in table.c]
+        if missing:
+            raise ConfigurationError(
+                f"output table {self.name} has no column(s) {', '.join(missing)}"
+            )
+        inspector = sa.inspect(conn)
+        keys: list[set[str]] = [{c.name for c in table.primary_key.columns}]
+        keys += [
+            {c for c in u["column_names"] if c}
+            for u in inspector.get_unique_constraints(self.table_name, schema=self.schema)
+        ]
+        keys += [
+            {c for c in i["column_names"] if c}
+            for i in inspector.get_indexes(self.table_name, schema=self.schema)
+            if i.get("unique")
+        ]
+        if set(self.conflict_columns) not in keys:
+            raise ConfigurationError(
+                f"output table {self.name} has no primary key or unique constraint on exactly "
+                f"({', '.join(self.conflict_columns)}); an upsert needs one to detect replays"
+            )
+
+    def _statement(self, table: sa.Table, columns: Sequence[str]) -> Any:
+        if self.action == "insert":
+            return sa.insert(table)
+        updates = [c for c in columns if c not in self.conflict_columns]
+        if self.dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert as pg_insert  # noqa: PLC0415
+
+            pg_stmt = pg_insert(table)
+            if not updates:
+                return pg_stmt.on_conflict_do_nothing(index_elements=list(self.conflict_columns))
+            return pg_stmt.on_conflict_do_update(
+                index_elements=list(self.conflict_columns),
+                set_={c: pg_stmt.excluded[c] for c in updates},
+            )
+        if self.dialect == "sqlite":
+            from sqlalchemy.dialects.sqlite import insert as sqlite_insert  # noqa: PLC0415
+
+            lite_stmt = sqlite_insert(table)
+            if not updates:
+                return lite_stmt.on_conflict_do_nothing(index_elements=list(self.conflict_columns))
+            return lite_stmt.on_conflict_do_update(
+                index_elements=list(self.conflict_columns),
+                set_={c: lite_stmt.excluded[c] for c in updates},
+            )
+        from sqlalchemy.dialects.mysql import insert as mysql_insert  # noqa: PLC0415
+
+        my_stmt = mysql_insert(table)
+        if not updates:
+            # "Update" a key column to itself: a no-op that still swallows the duplicate.
+            first = self.conflict_columns[0]
+            return my_stmt.on_duplicate_key_update({first: table.c[first]})
+        return my_stmt.on_duplicate_key_update({c: my_stmt.inserted[c] for c in updates})
+
+    def write(self, rows: Sequence[Row]) -> int:
+        """Write ``rows`` in one transaction; returns how many were sent.
+
+        Raises:
+            ConfigurationError: the table or a column does not exist, or the
+                conflict columns are not a key of the table.
+            OutputWriteError: the database refused or failed the write (the
+                message names the driver error, never the row values).
+        """
+        if not rows:
+            return 0
+        columns = list(rows[0])
+        try:
+            with self.engine.begin() as conn:
+                table = self._reflect(conn)
+                unknown = [c for c in columns if c not in table.c]
+                if unknown:
+                    raise ConfigurationError(
+                        f"output table {self.name} has no column(s) {', '.join(unknown)}"
+                    )
+                conn.execute(self._statement(table, columns), list(rows))
+        except ConfigurationError:
+            raise
+        except SQLAlchemyError as exc:
+            raise OutputWriteError(
+                f"writing {len(rows)} row(s) to {self.name} failed: {short_error(exc)}",
+                table=self.name,
+                rows=len(rows),
+            ) from exc
+        return len(rows)
+
+
+class DbOut:
+    """The handler's handle on an output binding (like ``azure.functions.Out``).
+
+    ``set()`` replaces what is pending, as ``Out.set`` does; the rows are
+    written once the handler returns. ``set([])`` and ``set(None)`` leave
+    nothing to write.
+    """
+
+    def __init__(self, target: OutputTarget) -> None:
+        self._target = target
+        self._rows: list[Row] = []
+
+    @property
+    def target(self) -> OutputTarget:
+        return self._target
+
+    def set(self, value: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None) -> None:
+        """Rows to write after the handler returns: a dict, a list of dicts, or None.
+
+        Raises:
+            TypeError: ``value`` is not a mapping or a list of mappings.
+            ValueError: the rows do not all have the same columns, or a column
+                name is not a plain SQL identifier.
+        """
+        if value is None:
+            rows: list[Row] = []
+        elif isinstance(value, Mapping):
+            rows = [dict(value)]
+        elif isinstance(value, (list, tuple)):
+            rows = []
+            for index, item in enumerate(value):
+                if not isinstance(item, Mapping):
+                    raise TypeError(
+                        f"out.set(): item {index} is {type(item).__name__}, expected a dict"
+                    )
+                rows.append(dict(item))
+        else:
+            raise TypeError(
+                f"out.set() takes a dict or a list of dicts, got {type(value).__name__}"
+            )
+        if rows:
+            columns = set(rows[0])
+            if not columns:
+                raise ValueError("out.set(): a row has no columns")
+            for name in columns:
+                if not isinstance(name, str):
+                    raise TypeError(f"out.set(): column names must be strings, got {name!r}")
+                validate_sql_identifier(name, "output column")
+            for index, row in enumerate(rows[1:], start=1):
+                if set(row) != columns:
+                    raise ValueError(
+                        f"out.set(): row {index} has columns {sorted(row)}, "
+                        f"row 0 has {sorted(columns)}; all rows must have the same columns"
+                    )
+        self._rows = rows
+
+    def get(self) -> list[Row]:
+        """The rows that will be written (a copy)."""
+        return [dict(r) for r in self._rows]
+
+    def flush(self) -> int:
+        """Write the pending rows now, in one transaction; returns how many."""
+        rows, self._rows = self._rows, []
+        return self._target.write(rows)
+
+
+def host_signature(fn: Callable[..., Any], hidden: set[str], what: str) -> inspect.Signature:
+    """``fn``'s signature without the ``hidden`` (injected) parameters.
+
+    Every remaining parameter must be passable by name, because injected
+    arguments are passed by name and the Functions host passes bindings by name.
+    """
+    sig = inspect.signature(fn)
+    for param in sig.parameters.values():
+        if param.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.VAR_POSITIONAL):
+            raise ConfigurationError(
+                f"{what}: parameter {param.name!r} of {getattr(fn, '__name__', fn)!r} cannot be "
+                "passed by name; the Functions host passes every binding by name"
+            )
+    return sig.replace(parameters=[p for p in sig.parameters.values() if p.name not in hidden])
+
+
+def call_keywords(sig: inspect.Signature, args: Any, kwargs: Any) -> dict[str, Any]:
+    """Bind a call against ``sig`` and return it as keyword arguments only."""
+    bound = sig.bind(*args, **kwargs)
+    out: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        if sig.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(value)
+        else:
+            out[name] = value
+    return out
+
+
+def set_host_signature(wrapper: Any, sig: inspect.Signature) -> None:
+    """Expose ``sig`` as the wrapper's signature and annotations.
+
+    The Functions worker matches parameter names to bindings, using both
+    ``inspect.signature`` and the annotations; hidden parameters must not show
+    up in either.
+    """
+    wrapper.__signature__ = sig
+    annotations = {
+        name: p.annotation
+        for name, p in sig.parameters.items()
+        if p.annotation is not inspect.Parameter.empty
+    }
+    if sig.return_annotation is not inspect.Signature.empty:
+        annotations["return"] = sig.return_annotation
+    wrapper.__annotations__ = annotations
+
+
+def output_binding(
+    arg_name: str,
+    *,
+    url: str | None = None,
+    table: str,
+    schema: str | None = None,
+    action: Action = "insert",
+    conflict_columns: Sequence[str] | None = None,
+    engine_kwargs: Mapping[str, Any] | None = None,
+    engine: Engine | None = None,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The ``@db.output(...)`` decorator; see :meth:`dbtrigger.azure.DbBindings.output`."""
+    target = OutputTarget(
+        url=url,
+        table=table,
+        schema=schema,
+        action=action,
+        conflict_columns=conflict_columns,
+        engine_kwargs=engine_kwargs,
+        engine=engine,
+    )
+
+    def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
+        sig = inspect.signature(fn)
+        if arg_name not in sig.parameters:
+            raise ConfigurationError(
+                f"@db.output({arg_name!r}): {getattr(fn, '__name__', fn)!r} has no parameter "
+                f"{arg_name!r}; put @db.output directly above the function (below @db.trigger)"
+            )
+        host_sig = host_signature(fn, {arg_name}, "@db.output")
+
+        if inspect.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                call = call_keywords(host_sig, args, kwargs)
+                out = DbOut(target)
+                result = await fn(**call, **{arg_name: out})
+                if out.get():
+                    await asyncio.to_thread(out.flush)
+                return result
+
+            wrapper: Callable[..., Any] = async_wrapper
+        else:
+
+            @functools.wraps(fn)
+            def sync_wrapper(*args: Any, **kwargs: Any) -> Any:
+                call = call_keywords(host_sig, args, kwargs)
+                out = DbOut(target)
+                result = fn(**call, **{arg_name: out})
+                out.flush()
+                return result
+
+            wrapper = sync_wrapper
+        set_host_signature(wrapper, host_sig)
+        wrapper.db_output_target = target  # type: ignore[attr-defined]
+        return wrapper
+
+    return decorator
+
+
+__all__ = ["DbOut", "OutputTarget", "output_binding"]

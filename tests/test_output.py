@@ -1,0 +1,456 @@
+"""db.output / DbOut, live on SQLite, PostgreSQL and MariaDB.
+
+Includes the idempotent-sink pattern of the runtime contract (section 9.1) end
+to end: poll a source table, upsert keyed by (order_id, cursor), replay, and
+the sink does not change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import inspect
+import typing
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from dbtrigger import (
+    ConfigurationError,
+    DbBindings,
+    DbOut,
+    InMemoryCheckpointStore,
+    RowChange,
+    SqlAlchemySource,
+    StoreUnavailableError,
+    UnsafeIdentifierError,
+)
+from dbtrigger.errors import CommitError, OutputWriteError
+from dbtrigger.output import OutputTarget, output_binding
+from dbtrigger.state.stores.base import CheckpointStore, StoredDocument
+from tests.databases import TestDatabase
+
+
+def make_sink(db: TestDatabase, *, unique: bool = True) -> sa.Table:
+    """processed_orders(order_id, cursor, amount) keyed by (order_id, cursor)."""
+    meta = sa.MetaData(schema=db.schema)
+    key = sa.PrimaryKeyConstraint("order_id", "cursor") if unique else ()
+    table = sa.Table(
+        "processed_orders",
+        meta,
+        sa.Column("order_id", sa.Integer, nullable=False),
+        sa.Column("cursor", sa.String(64), nullable=False),
+        sa.Column("amount", sa.Integer),
+        sa.Column("note", sa.String(50)),
+        *([key] if unique else []),
+    )
+    meta.create_all(db.engine)
+    return table
+
+
+def sink_rows(db: TestDatabase, table: sa.Table) -> list[tuple[Any, ...]]:
+    with db.engine.connect() as conn:
+        stmt = sa.select(table.c.order_id, table.c.cursor, table.c.amount, table.c.note)
+        return [tuple(r) for r in conn.execute(stmt.order_by(table.c.order_id, table.c.cursor))]
+
+
+_targets: list[OutputTarget] = []
+
+
+@pytest.fixture(autouse=True)
+def _dispose_engines() -> Iterator[None]:
+    """Engines made by bindings in a test are disposed with it (no stray connections)."""
+    yield
+    while _targets:
+        _targets.pop().close()
+
+
+def output(arg_name: str, **kwargs: Any) -> Any:
+    make = output_binding(arg_name, **kwargs)
+
+    def decorator(fn: Any) -> Any:
+        wrapper = make(fn)
+        _targets.append(wrapper.db_output_target)
+        return wrapper
+
+    return decorator
+
+
+def bind(db: TestDatabase, **kwargs: Any) -> Any:
+    return output("out", url=db.url, table="processed_orders", schema=db.schema, **kwargs)
+
+
+# --- insert and upsert ---------------------------------------------------------------
+
+
+def test_insert_writes_after_the_handler_returns(db: TestDatabase) -> None:
+    table = make_sink(db)
+    seen_during_handler: list[int] = []
+
+    @bind(db)
+    def handler(n: int, out: DbOut) -> str:
+        out.set([{"order_id": i, "cursor": "c1", "amount": i * 10} for i in range(1, n + 1)])
+        seen_during_handler.append(len(sink_rows(db, table)))
+        return "done"
+
+    assert handler(n=3) == "done"
+    assert seen_during_handler == [0]  # nothing is written while the handler runs
+    assert sink_rows(db, table) == [(i, "c1", i * 10, None) for i in (1, 2, 3)]
+
+    @bind(db)
+    def single(out: DbOut) -> None:
+        out.set({"order_id": 9, "cursor": "c9", "amount": 90, "note": "one"})
+
+    single()
+    assert sink_rows(db, table)[-1] == (9, "c9", 90, "one")
+
+
+def test_rows_are_written_in_one_transaction(db: TestDatabase) -> None:
+    table = make_sink(db)
+
+    @bind(db)
+    def handler(out: DbOut) -> None:
+        # The third row duplicates the first: the whole write must roll back.
+        out.set(
+            [
+                {"order_id": 1, "cursor": "a", "amount": 1},
+                {"order_id": 2, "cursor": "a", "amount": 2},
+                {"order_id": 1, "cursor": "a", "amount": 3},
+            ]
+        )
+
+    with pytest.raises(OutputWriteError) as err:
+        handler()
+    assert "processed_orders" in str(err.value)
+    assert err.value.fields["rows"] == 3
+    assert sink_rows(db, table) == []
+
+
+def test_upsert_updates_on_the_key_and_never_duplicates(db: TestDatabase) -> None:
+    table = make_sink(db)
+
+    @bind(db, action="upsert", conflict_columns=["order_id", "cursor"])
+    def handler(rows: list[dict[str, Any]], out: DbOut) -> None:
+        out.set(rows)
+
+    handler(rows=[{"order_id": 1, "cursor": "a", "amount": 10, "note": "x"}])
+    handler(
+        rows=[
+            {"order_id": 1, "cursor": "a", "amount": 11, "note": "y"},
+            {"order_id": 2, "cursor": "a", "amount": 20, "note": "z"},
+        ]
+    )
+    assert sink_rows(db, table) == [(1, "a", 11, "y"), (2, "a", 20, "z")]
+    # Only some columns given: the others keep their values.
+    handler(rows=[{"order_id": 2, "cursor": "a", "amount": 21}])
+    assert sink_rows(db, table) == [(1, "a", 11, "y"), (2, "a", 21, "z")]
+
+
+def test_upsert_of_key_columns_only_ignores_duplicates(db: TestDatabase) -> None:
+    table = make_sink(db)
+
+    @bind(db, action="upsert", conflict_columns=["cursor", "order_id"])
+    def handler(out: DbOut) -> None:
+        out.set([{"order_id": 1, "cursor": "a"}, {"order_id": 2, "cursor": "a"}])
+
+    handler()
+    handler()
+    assert sink_rows(db, table) == [(1, "a", None, None), (2, "a", None, None)]
+
+
+def test_upsert_needs_a_matching_key(db: TestDatabase) -> None:
+    make_sink(db)
+
+    @bind(db, action="upsert", conflict_columns=["order_id"])
+    def handler(out: DbOut) -> None:
+        out.set({"order_id": 1, "cursor": "a"})
+
+    with pytest.raises(ConfigurationError, match=r"no primary key or unique constraint"):
+        handler()
+
+
+def test_upsert_on_a_unique_index(db: TestDatabase) -> None:
+    table = make_sink(db, unique=False)
+    with db.engine.begin() as conn:
+        sa.Index("ux_processed", table.c.order_id, table.c.cursor, unique=True).create(conn)
+
+    @bind(db, action="upsert", conflict_columns=["order_id", "cursor"])
+    def handler(amount: int, out: DbOut) -> None:
+        out.set({"order_id": 1, "cursor": "a", "amount": amount})
+
+    handler(amount=1)
+    handler(amount=2)
+    assert sink_rows(db, table) == [(1, "a", 2, None)]
+
+
+# --- no-ops, errors, validation ----------------------------------------------------
+
+
+def test_empty_set_touches_no_database() -> None:
+    # An unreachable server: any connection attempt would fail the call.
+    @output("out", url="postgresql+psycopg://nobody@127.0.0.1:1/none", table="t")
+    def handler(rows: list[dict[str, Any]] | None, out: DbOut) -> int:
+        out.set(rows)
+        return len(out.get())
+
+    assert handler(rows=[]) == 0
+    assert handler(rows=None) == 0
+
+    @output("out", url="postgresql+psycopg://nobody@127.0.0.1:1/none", table="t")
+    def untouched(out: DbOut) -> str:
+        return "never set"
+
+    assert untouched() == "never set"
+
+
+def test_handler_failure_discards_the_rows(db: TestDatabase) -> None:
+    table = make_sink(db)
+
+    @bind(db)
+    def handler(out: DbOut) -> None:
+        out.set({"order_id": 1, "cursor": "a"})
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        handler()
+    assert sink_rows(db, table) == []
+
+
+def test_set_replaces_and_validates(sqlite_db: TestDatabase) -> None:
+    target = OutputTarget(url=sqlite_db.url, table="processed_orders")
+    out = DbOut(target)
+    out.set([{"order_id": 1}, {"order_id": 2}])
+    out.set({"order_id": 3})
+    assert out.get() == [{"order_id": 3}]
+    with pytest.raises(TypeError, match="item 1"):
+        out.set([{"order_id": 1}, 5])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="str"):
+        out.set("order_id=1")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="same columns"):
+        out.set([{"order_id": 1}, {"order_id": 2, "cursor": "x"}])
+    with pytest.raises(UnsafeIdentifierError):
+        out.set({"order_id; drop table x": 1})
+    assert out.get() == [{"order_id": 3}]  # a refused set() leaves the previous rows
+
+
+def test_unknown_table_or_column_is_a_configuration_error(db: TestDatabase) -> None:
+    make_sink(db)
+
+    @output("out", url=db.url, table="no_such_table", schema=db.schema)
+    def missing(out: DbOut) -> None:
+        out.set({"a": 1})
+
+    with pytest.raises(ConfigurationError, match="does not exist"):
+        missing()
+
+    @bind(db)
+    def bad_column(out: DbOut) -> None:
+        out.set({"order_id": 1, "cursor": "a", "colour": "red"})
+
+    with pytest.raises(ConfigurationError, match="colour"):
+        bad_column()
+
+
+def test_configuration_is_checked_at_decoration(monkeypatch: pytest.MonkeyPatch) -> None:
+    url = "sqlite://"
+    with pytest.raises(UnsafeIdentifierError):
+        output_binding("out", url=url, table="orders; drop table x")
+    with pytest.raises(UnsafeIdentifierError):
+        output_binding("out", url=url, table="t", action="upsert", conflict_columns=["a b"])
+    with pytest.raises(ConfigurationError, match="conflict_columns"):
+        output_binding("out", url=url, table="t", action="upsert")
+    with pytest.raises(ConfigurationError, match="list"):
+        output_binding("out", url=url, table="t", action="upsert", conflict_columns="id")
+    with pytest.raises(ConfigurationError, match="only apply"):
+        output_binding("out", url=url, table="t", conflict_columns=["id"])
+    with pytest.raises(ConfigurationError, match="insert' or 'upsert"):
+        output_binding("out", url=url, table="t", action="merge")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="not available on mssql"):
+        output_binding(
+            "out", url="mssql+pyodbc://h/db", table="t", action="upsert", conflict_columns=["id"]
+        )
+    monkeypatch.delenv("DBT_MISSING_URL", raising=False)
+    with pytest.raises(ConfigurationError, match="DBT_MISSING_URL"):
+        output_binding("out", url="%DBT_MISSING_URL%", table="t")
+    with pytest.raises(ConfigurationError, match="has no parameter 'out'"):
+        output_binding("out", url=url, table="t")(lambda rows: None)
+
+
+def test_url_setting_is_resolved_and_password_never_shown(
+    pg: TestDatabase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table = make_sink(pg)
+    url = sa.make_url(pg.url).set(password="s3cret-pw")  # noqa: S106 - a marker, not a secret
+    monkeypatch.setenv("DBT_SINK_URL", url.render_as_string(hide_password=False))
+    target = OutputTarget(url="%DBT_SINK_URL%", table="processed_orders", schema=pg.schema)
+    _targets.append(target)
+    assert "s3cret-pw" not in repr(target.describe())
+    out = DbOut(target)
+    out.set({"order_id": 1, "cursor": "a"})
+    assert out.flush() == 1  # trust auth ignores the password
+    assert sink_rows(pg, table) == [(1, "a", None, None)]
+
+
+def test_signature_hides_the_output_parameter(sqlite_db: TestDatabase) -> None:
+    @output("out", url=sqlite_db.url, table="t")
+    def handler(timer: int, events: list[RowChange], out: DbOut) -> None:
+        return None
+
+    assert list(inspect.signature(handler).parameters) == ["timer", "events"]
+    assert set(typing.get_type_hints(handler)) == {"timer", "events", "return"}
+    assert handler.__name__ == "handler"
+
+
+def test_async_handler(db: TestDatabase) -> None:
+    table = make_sink(db)
+
+    @bind(db, action="upsert", conflict_columns=["order_id", "cursor"])
+    async def handler(n: int, out: DbOut) -> int:
+        await asyncio.sleep(0)
+        out.set([{"order_id": i, "cursor": "a", "amount": n} for i in range(n)])
+        return n
+
+    assert asyncio.run(handler(n=2)) == 2
+    assert asyncio.run(handler(n=3)) == 3
+    assert sink_rows(db, table) == [(0, "a", 3, None), (1, "a", 3, None), (2, "a", 3, None)]
+
+
+# --- the idempotent sink, end to end (contract section 9.1) ---------------------------
+
+
+class FailingCommits:
+    """A store whose writes after the first fail while armed (a W1 window)."""
+
+    def __init__(self, inner: CheckpointStore) -> None:
+        self.inner = inner
+        self.armed = False
+        self._writes = 0
+
+    def read(self, key: str) -> StoredDocument | None:
+        return self.inner.read(key)
+
+    def write(self, key: str, data: bytes, *, if_match: str | None) -> str:
+        self._writes += 1
+        if self.armed and self._writes > 1:
+            raise StoreUnavailableError("injected: storage went away after the handler ran")
+        return self.inner.write(key, data, if_match=if_match)
+
+    def delete(self, key: str, *, if_match: str | None = None) -> None:
+        self.inner.delete(key, if_match=if_match)
+
+    def list_keys(self) -> list[str]:
+        return self.inner.list_keys()
+
+    def describe(self) -> str:
+        return "failing-commits"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = dt.datetime(2026, 4, 7, 1, 0, tzinfo=dt.timezone.utc)
+
+    def __call__(self) -> dt.datetime:
+        return self.now
+
+
+@pytest.fixture
+def orders(db: TestDatabase) -> sa.Table:
+    meta = sa.MetaData(schema=db.schema)
+    table = sa.Table(
+        "orders",
+        meta,
+        sa.Column("id", sa.Integer, primary_key=True, autoincrement=False),
+        sa.Column("amount", sa.Integer, nullable=False),
+        sa.Column("updated_at", sa.DateTime, nullable=False),
+    )
+    meta.create_all(db.engine)
+    base = dt.datetime(2026, 1, 1, 12, 0, 0)
+    with db.engine.begin() as conn:
+        conn.execute(
+            table.insert(),
+            [
+                {"id": i, "amount": i * 100, "updated_at": base + dt.timedelta(seconds=i)}
+                for i in range(1, 8)
+            ],
+        )
+    return table
+
+
+def test_replays_are_no_ops_at_an_upsert_sink(
+    db: TestDatabase, orders: sa.Table, request: pytest.FixtureRequest
+) -> None:
+    sink = make_sink(db)
+    store = FailingCommits(InMemoryCheckpointStore())
+    clock = Clock()
+    db_bindings = DbBindings()
+    deliveries: list[list[int]] = []
+    source = SqlAlchemySource(
+        url=db.url, table="orders", schema=db.schema, cursor_column="updated_at", pk_columns=["id"]
+    )
+    request.addfinalizer(source.close)
+
+    @db_bindings.trigger(
+        arg_name="events",
+        source=source,
+        checkpoint_store=store,
+        name="orders",
+        batch_size=5,
+        max_batches_per_tick=10,
+        lease_ttl_seconds=60,
+        clock=clock,
+    )
+    @db_bindings.output(
+        "out",
+        url=db.url,
+        table="processed_orders",
+        schema=db.schema,
+        action="upsert",
+        conflict_columns=["order_id", "cursor"],
+    )
+    def orders_poll(timer: object, events: list[RowChange], out: DbOut) -> None:
+        deliveries.append([e.pk["id"] for e in events])
+        out.set(
+            [
+                {"order_id": e.pk["id"], "cursor": str(e.cursor), "amount": e.after["amount"]}
+                for e in events
+            ]
+        )
+
+    _targets.append(orders_poll.db_output_target)
+
+    # W1: the handler ran and the sink was written, then the commit failed.
+    store.armed = True
+    with pytest.raises(CommitError):
+        orders_poll(timer=None)
+    assert deliveries == [[1, 2, 3, 4, 5]]
+    first = sink_rows(db, sink)
+    assert [r[0] for r in first] == [1, 2, 3, 4, 5]
+
+    # The lease expires; the next firing redelivers the same batch. The sink absorbs it.
+    store.armed = False
+    clock.now += dt.timedelta(seconds=61)
+    orders_poll(timer=None)
+    assert deliveries == [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [6, 7]]
+    after_replay = sink_rows(db, sink)
+    assert len(after_replay) == 7
+    assert after_replay[:5] == first
+
+    # A full replay from the beginning (a reset) changes nothing either.
+    store.delete("orders")
+    orders_poll(timer=None)
+    assert deliveries[-2:] == [[1, 2, 3, 4, 5], [6, 7]]
+    assert sink_rows(db, sink) == after_replay
+
+    # A real change is a new source state: a new (order_id, cursor) row.
+    with db.engine.begin() as conn:
+        conn.execute(
+            orders.update()
+            .where(orders.c.id == 3)
+            .values(amount=333, updated_at=dt.datetime(2026, 1, 2))
+        )
+    orders_poll(timer=None)
+    final = sink_rows(db, sink)
+    assert len(final) == 8
+    assert [r[2] for r in final if r[0] == 3] == [300, 333]

@@ -335,6 +335,7 @@ class SqlQuarantineSink:
         if poller is not None:
             stmt = stmt.where(self.table.c.poller == poller)
         try:
+            self._ensure_table()
             with self._engine.connect() as conn:
                 rows = conn.execute(stmt).mappings().all()
         except SQLAlchemyError as exc:

@@ -35,7 +35,7 @@ from dbtrigger.cli_state import (
     parse_position,
     print_plan,
     show_position,
-    store_from_args,
+    state_store,
     utc_now,
 )
 from dbtrigger.cursor import Position
@@ -225,9 +225,17 @@ def _drain(
 
 
 def cmd_backfill(args: argparse.Namespace) -> int:
-    console = Console()
     trigger, handler = _load_trigger(args)
-    store = store_from_args(args) if (args.store or os.environ.get(ENV_STORE)) else trigger.store
+    if args.store or os.environ.get(ENV_STORE):
+        with state_store(args) as store:
+            return _backfill(args, trigger, handler, store)
+    return _backfill(args, trigger, handler, trigger.store)
+
+
+def _backfill(
+    args: argparse.Namespace, trigger: PollTrigger, handler: Handler, store: CheckpointStore
+) -> int:
+    console = Console()
     now = utc_now()
     start, created = _starting_point(args, store, trigger, now)
     counter = getattr(trigger.source, "count_after", None)

@@ -23,6 +23,7 @@ Secrets never reach the terminal: all output and error text passes through
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import decimal
 import getpass
@@ -32,7 +33,8 @@ import re
 import socket
 import sys
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -100,10 +102,10 @@ def show_position(raw: Mapping[str, Any] | Position | None) -> str:
     """``2026-01-01T00:00:00.000000Z id=5`` (or ``(beginning)``) from JSON or a Position."""
     if isinstance(raw, Position):
         raw = ops.position_json(raw)
-    if not raw:
+    tiebreaker = (raw or {}).get("tiebreaker") or {}
+    if not raw or (raw.get("value") is None and not tiebreaker):
         return "(beginning)"
     parts = [str(raw.get("value"))]
-    tiebreaker = raw.get("tiebreaker") or {}
     parts.extend(f"{k}={v}" for k, v in tiebreaker.items())
     return " ".join(parts)
 
@@ -129,6 +131,24 @@ def store_from_args(args: argparse.Namespace) -> CheckpointStore:
         container=args.container or os.environ.get(ENV_CONTAINER),
         table=args.table,
     )
+
+
+def close_store(store: CheckpointStore) -> None:
+    """Release the store's connections (SQL engines, HTTP sessions) if it has any."""
+    close = getattr(store, "close", None)
+    if callable(close):
+        with contextlib.suppress(DbTriggerError, OSError):
+            close()
+
+
+@contextmanager
+def state_store(args: argparse.Namespace) -> Iterator[CheckpointStore]:
+    """The store the arguments name, closed when the command is done."""
+    store = store_from_args(args)
+    try:
+        yield store
+    finally:
+        close_store(store)
 
 
 @dataclass
@@ -399,8 +419,12 @@ def _render_many(statuses: Sequence[Mapping[str, Any]]) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    with state_store(args) as store:
+        return _status(args, store)
+
+
+def _status(args: argparse.Namespace, store: CheckpointStore) -> int:
     console = Console()
-    store = store_from_args(args)
     source = load_source(args.source) if args.source else None
     now = utc_now()
     names = [args.poller] if args.poller else store.list_keys()
@@ -422,7 +446,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_history(args: argparse.Namespace) -> int:
     console = Console()
-    doc, _, _ = _read(store_from_args(args), args.poller)
+    with state_store(args) as store:
+        doc, _, _ = _read(store, args.poller)
     entries = list(doc.journal)[-args.limit :] if args.limit else list(doc.journal)
     if args.json:
         console.json(entries)
@@ -507,7 +532,15 @@ def print_plan(
         else:
             console.print(f"  {name:<12} {old}\n  {'':<12} -> {new}")
     entry = after.journal[-1] if after.journal else {}
-    console.print(f"  {'journal':<12} + {json.dumps(dict(entry), sort_keys=True, default=str)}")
+    extras = {
+        k: v
+        for k, v in entry.items()
+        if k not in ("type", "operation", "actor", "reason", "at", "before", "after")
+    }
+    console.print(
+        f"  {'journal':<12} + {entry.get('operation')} by {entry.get('actor')}: "
+        f"{entry.get('reason')!r} {json.dumps(extras, sort_keys=True, default=str)}"
+    )
 
 
 def _backup_path(args: argparse.Namespace, poller: str, operation: str, now: dt.datetime) -> Path:
@@ -536,8 +569,17 @@ def _apply_change(
     decide: Callable[[StateDocument, dt.datetime, dict[str, Any]], StateDocument],
 ) -> int:
     """Read, decide, show, and (with --yes) back up and CAS-write one poller's state."""
+    with state_store(args) as store:
+        return _apply_change_on(args, store, operation, decide)
+
+
+def _apply_change_on(
+    args: argparse.Namespace,
+    store: CheckpointStore,
+    operation: str,
+    decide: Callable[[StateDocument, dt.datetime, dict[str, Any]], StateDocument],
+) -> int:
     console = Console()
-    store = store_from_args(args)
     now = utc_now()
     before, etag, raw = _read(store, args.poller)
     backup = _backup_path(args, args.poller, operation, now)
@@ -660,8 +702,12 @@ def cmd_skip(args: argparse.Namespace) -> int:
 
 
 def cmd_clone(args: argparse.Namespace) -> int:
+    with state_store(args) as store:
+        return _clone(args, store)
+
+
+def _clone(args: argparse.Namespace, store: CheckpointStore) -> int:
     console = Console()
-    store = store_from_args(args)
     now = utc_now()
     doc, _, _ = _read(store, args.poller)
     new = ops.clone(

@@ -25,8 +25,9 @@ import decimal
 import hashlib
 import json
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from dbtrigger.errors import CorruptStateError, SerializationError
@@ -81,6 +82,12 @@ def kind_of(value: Any) -> str:
 
 
 def _iso_utc(value: dt.datetime) -> str:
+    # Drivers hand back UTC values almost always (psycopg in a UTC session), and
+    # then one isoformat() call is the whole job: its "+00:00" becomes "Z". Any
+    # other offset is converted first. Both give the same text for the same instant.
+    text = value.isoformat(timespec="microseconds")
+    if text.endswith("+00:00"):
+        return text[:-6] + "Z"
     utc = value.astimezone(dt.timezone.utc)
     return utc.replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
 
@@ -212,9 +219,48 @@ def encoded_pk(pk: Mapping[str, Any]) -> dict[str, Any]:
     return {name: list(encode_value(value)) for name, value in pk.items()}
 
 
+#: ``text`` as a JSON string literal, escaped exactly as :func:`canonical_json`
+#: escapes it (the same C routine ``json.dumps`` uses with ``ensure_ascii``).
+json_string: Callable[[str], str] = encode_basestring_ascii
+
+
+def encoded_json(value: Any) -> str:
+    """``canonical_json(list(encode_value(value)))``, fast for the common key types.
+
+    Event ids hash the canonical JSON of every row's key and cursor, so this
+    runs once per key column per row. Exact ``int``, ``str`` and ``datetime``
+    values (what drivers return for the usual key and cursor columns) are
+    written directly; everything else goes through the general encoder. The
+    text is identical either way: compact JSON of a list is its items' JSON
+    joined by commas, and strings are escaped by the same routine ``json``
+    uses with ``ensure_ascii``.
+
+    Raises:
+        SerializationError: the value has a type dbtrigger cannot round-trip.
+    """
+    kind = type(value)
+    if kind is int:
+        return '["int",' + int.__repr__(value) + "]"
+    if kind is str:
+        return '["str",' + json_string(value) + "]"
+    if kind is dt.datetime:
+        if value.tzinfo is None:
+            wall: str = value.isoformat(timespec="microseconds")
+            return '["naive_timestamp","' + wall + '"]'
+        return '["timestamp","' + _iso_utc(value) + '"]'
+    return canonical_json(list(encode_value(value)))
+
+
+def pk_json(pk: Mapping[str, Any]) -> str:
+    """``canonical_json(encoded_pk(pk))``: keys sorted, values as ``[kind, value]``."""
+    if not all(type(name) is str for name in pk):
+        return canonical_json(encoded_pk(pk))
+    return "{" + ",".join(json_string(n) + ":" + encoded_json(pk[n]) for n in sorted(pk)) + "}"
+
+
 def pk_hash(pk: Mapping[str, Any]) -> str:
     """Stable short hash of a primary key (same value, same hash, any driver)."""
-    return hashlib.sha256(canonical_json(encoded_pk(pk)).encode()).hexdigest()[:16]
+    return hashlib.sha256(pk_json(pk).encode()).hexdigest()[:16]
 
 
 def cursor_text(value: Any) -> str:

@@ -9,14 +9,16 @@ sources; sources that know more (a claim queue, a change table) may say more.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from dbtrigger.cursor import canonical_json, cursor_text, encode_value, encoded_pk, pk_hash
+from dbtrigger.cursor import cursor_text, encoded_json, json_string, pk_hash, pk_json
 
 VALID_OPS = frozenset({"insert", "update", "upsert", "delete"})
+
+_sha256 = hashlib.sha256
 
 
 def make_event_id(poller: str, pk: Mapping[str, Any], cursor: Any) -> str:
@@ -25,9 +27,40 @@ def make_event_id(poller: str, pk: Mapping[str, Any], cursor: Any) -> str:
     Built from the poller name, the primary key and the cursor through the
     state document's own value encoding, never from ``repr`` of driver objects,
     so a psycopg ``Decimal`` and a PyMySQL ``Decimal`` of the same value agree.
+    The hashed text is ``canonical_json([poller, encoded_pk(pk), [kind, value]])``.
+
+    Raises:
+        SerializationError: a key or cursor value has a type that cannot be encoded.
     """
-    material = canonical_json([poller, encoded_pk(pk), list(encode_value(cursor))])
-    return hashlib.sha256(material.encode()).hexdigest()[:32]
+    material = "[" + json_string(poller) + "," + pk_json(pk) + "," + encoded_json(cursor) + "]"
+    return _sha256(material.encode()).hexdigest()[:32]
+
+
+class EventIds:
+    """:func:`make_event_id` for one poller and one set of key columns, made cheap.
+
+    A source turns every fetched row into an event, so the id is computed once
+    per row. The parts that never change within a poller (its name, the sorted
+    key names, the JSON punctuation) are built once here; per row only the key
+    and cursor values are encoded. The result equals :func:`make_event_id`.
+    """
+
+    __slots__ = ("_keys", "_prefix")
+
+    def __init__(self, poller: str, pk_columns: Iterable[str]) -> None:
+        self._prefix = "[" + json_string(poller) + ",{"
+        self._keys = tuple((name, json_string(name) + ":") for name in sorted(pk_columns))
+
+    def __call__(self, pk: Mapping[str, Any], cursor: Any) -> str:
+        """The id of the row state with key values ``pk`` (a mapping over exactly
+        the key columns) and cursor value ``cursor``.
+
+        Raises:
+            SerializationError: a value has a type that cannot be encoded.
+        """
+        keys = ",".join([label + encoded_json(pk[name]) for name, label in self._keys])
+        material = self._prefix + keys + "}," + encoded_json(cursor) + "]"
+        return _sha256(material.encode()).hexdigest()[:32]
 
 
 @dataclass(frozen=True)
@@ -67,6 +100,45 @@ class RowChange:
         if self.before is not None:
             object.__setattr__(self, "before", MappingProxyType(dict(self.before)))
         object.__setattr__(self, "metadata", MappingProxyType(dict(self.metadata)))
+
+    @classmethod
+    def _unchecked(
+        cls,
+        event_id: str,
+        op: str,
+        source: str,
+        cursor: Any,
+        pk: MappingProxyType[str, Any],
+        before: MappingProxyType[str, Any] | None,
+        after: MappingProxyType[str, Any] | None,
+        metadata: MappingProxyType[str, Any],
+    ) -> RowChange:
+        """Build an event from parts a source has already validated and frozen.
+
+        The constructor validates ``op`` and ``event_id`` and copies every
+        mapping into a fresh read-only view, which is most of the cost of
+        turning a row into an event. A source that produces thousands of events
+        per batch builds them here instead, handing over read-only views of
+        dicts it created for this event alone (``metadata`` may be shared by a
+        batch: nothing can change it). The result is indistinguishable from a
+        constructor-built event.
+        """
+        event = object.__new__(cls)
+        object.__setattr__(
+            event,
+            "__dict__",
+            {
+                "event_id": event_id,
+                "op": op,
+                "source": source,
+                "cursor": cursor,
+                "pk": pk,
+                "before": before,
+                "after": after,
+                "metadata": metadata,
+            },
+        )
+        return event
 
     @property
     def pk_hash(self) -> str:

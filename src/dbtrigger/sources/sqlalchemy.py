@@ -35,6 +35,7 @@ import hashlib
 import logging
 import threading
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, cast
 
 import sqlalchemy as sa
@@ -48,7 +49,7 @@ from dbtrigger.errors import (
     FetchError,
     SerializationError,
 )
-from dbtrigger.events import RowChange, make_event_id
+from dbtrigger.events import EventIds, RowChange
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.settings import resolve_setting
 from dbtrigger.sources.visibility import (
@@ -474,7 +475,9 @@ class SqlAlchemySource:
                 # Plain dicts: building them from the row tuples costs a third of
                 # what RowMapping objects do, and to_events copies them at C speed.
                 keys = tuple(result.keys())
-                rows: list[Mapping[str, Any]] = [dict(zip(keys, row)) for row in result.all()]
+                rows: list[Mapping[str, Any]] = [
+                    dict(zip(keys, row, strict=True)) for row in result.all()
+                ]
                 self.last_fetch_info = guard.after_fetch(conn, after, rows, limit)
                 return rows
         except (ConfigurationError, SerializationError):

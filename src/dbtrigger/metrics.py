@@ -35,10 +35,6 @@ METRICS: dict[str, tuple[str, str]] = {
     "lag_seconds": ("gauge", "Age of the newest committed cursor behind now (timestamp cursors)"),
     "lag_rows": ("gauge", "Rows pending after the checkpoint"),
     "last_success_timestamp": ("gauge", "When the last batch committed"),
-    "lease_acquire_failed_total": (
-        "counter",
-        "Lease acquisitions that failed on a store error (not contention)",
-    ),
 }
 
 #: Labels each metric carries besides ``poller`` (which :class:`SafeMetrics`

@@ -372,14 +372,26 @@ class PollTrigger:
             raise
         if not rows:
             self.metrics.increment("ticks_total", labels={"result": "idle"})
+            self.metrics.set_gauge("lag_rows", 0)  # caught up: nothing after the checkpoint
+            self.metrics.set_gauge("lag_seconds", 0.0)
             self._log(logging.DEBUG, "tick_idle", "nothing after the checkpoint")
             return TickResult(0, 0, "idle")
 
-        new_etag = self._acquire(decision.document, etag)
+        try:
+            new_etag = self._acquire(decision.document, etag)
+        except DbTriggerError as exc:
+            self.metrics.increment("failures_total", labels={"error_type": type(exc).__name__})
+            self._log(logging.ERROR, "lease_acquire_failed", "lease acquisition failed: %s", exc)
+            raise
         if new_etag is None:
             self.metrics.increment("lease_acquire_skipped_total")
             self.metrics.increment("ticks_total", labels={"result": "lost_race"})
-            self._log(logging.DEBUG, "lease_busy", "another instance acquired the lease first")
+            self._log(
+                logging.DEBUG,
+                "lease_busy",
+                "another instance acquired the lease first",
+                reason="lost_race",
+            )
             return TickResult(0, 0, "lost_race")
 
         session = LeaseSession(
@@ -539,6 +551,8 @@ class PollTrigger:
             if release:
                 self.metrics.increment("ticks_total", labels={"result": "committed"})
                 more = len(rows) >= self.batch_size
+                if not more:  # a short batch was the last one: nothing is pending
+                    self.metrics.set_gauge("lag_rows", 0)
                 return TickResult(total, batches, "committed", more=more)
             rows = next_rows
         return TickResult(

@@ -35,6 +35,8 @@ METRICS: dict[str, tuple[str, str]] = {
     "lag_seconds": ("gauge", "Age of the newest committed cursor behind now (timestamp cursors)"),
     "lag_rows": ("gauge", "Rows pending after the checkpoint"),
     "last_success_timestamp": ("gauge", "When the last batch committed"),
+    "heartbeats_total": ("counter", "Lease renewals while a handler ran"),
+    "retries_total": ("counter", "In-tick retries of store and source calls, by operation"),
 }
 
 #: Labels each metric carries besides ``poller`` (which :class:`SafeMetrics`
@@ -45,6 +47,7 @@ METRIC_LABELS: dict[str, tuple[str, ...]] = {
     "ticks_total": ("result",),
     "batches_total": ("result",),
     "failures_total": ("error_type",),
+    "retries_total": ("operation", "error_type"),
 }
 
 #: Histogram bucket bounds for metrics that are not durations in seconds.

@@ -271,6 +271,8 @@ class DbBindings:
                     "@db.trigger must sit below @app.schedule, directly above the function "
                     "(or above @db.output)"
                 )
+            if hasattr(fn, "poll_trigger"):
+                raise ConfigurationError("@db.trigger is applied twice to one function")
             sig = inspect.signature(fn)
             if arg_name not in sig.parameters:
                 raise ConfigurationError(

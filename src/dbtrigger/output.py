@@ -357,6 +357,13 @@ def output_binding(
     )
 
     def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if hasattr(fn, "poll_trigger"):
+            # Above the trigger, the rows would be written after the whole tick,
+            # i.e. after the checkpoint commit: a failed write would lose the batch.
+            raise ConfigurationError(
+                f"@db.output({arg_name!r}) must sit below @db.trigger, directly above the "
+                "function, so that its rows are written before the checkpoint commit"
+            )
         sig = inspect.signature(fn)
         if arg_name not in sig.parameters:
             raise ConfigurationError(

@@ -1,0 +1,182 @@
+"""Storage operations per tick, counted around the memory store and the Blob store.
+
+Blob Storage bills (and throttles) per operation, and a timer fires whether or
+not there is work, so the cost of a tick is part of the contract:
+
+* idle tick: 1 read, 0 writes (the source is peeked before taking the lease);
+* tick with k batches: 1 read, k + 1 writes (acquire, k commits; the release
+  rides on the last commit; no "load checkpoint" read after acquiring);
+* contended tick (another instance holds a live lease): 1 read, 0 writes;
+* handler failure: 1 read, 2 writes (acquire; failure record + release in one).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from azure.storage.blob import BlobServiceClient
+
+from dbtrigger import (
+    HandlerError,
+    InMemoryCheckpointStore,
+    PollTrigger,
+    RowChange,
+    SqlAlchemySource,
+)
+from dbtrigger.state import document as docmod
+from dbtrigger.state import lease as leasemod
+from dbtrigger.state.stores.base import CheckpointStore
+from dbtrigger.state.stores.blob import BlobCheckpointStore
+from dbtrigger.testing import CountingStore, StoreCall, StoreCounts
+from tests.azurite import Azurite
+from tests.databases import TestDatabase
+
+BATCH = 5
+
+
+@pytest.fixture(params=["memory", pytest.param("blob", marks=pytest.mark.azurite)])
+def inner_store(request: pytest.FixtureRequest) -> Iterator[CheckpointStore]:
+    if request.param == "memory":
+        yield InMemoryCheckpointStore()
+        return
+    azurite: Azurite = request.getfixturevalue("azurite")
+    container = f"t{uuid.uuid4().hex[:20]}"
+    service = BlobServiceClient.from_connection_string(azurite.connection_string)
+    service.create_container(container)
+    store = BlobCheckpointStore.from_connection_string(
+        azurite.connection_string, app_name="ops", container=container
+    )
+    try:
+        yield store
+    finally:
+        store.close()
+        service.delete_container(container)
+        service.close()
+
+
+@pytest.fixture
+def store(inner_store: CheckpointStore) -> CountingStore:
+    return CountingStore(inner_store)
+
+
+@pytest.fixture
+def table(sqlite_db: TestDatabase) -> TestDatabase:
+    sqlite_db.execute("CREATE TABLE orders (id INTEGER PRIMARY KEY, updated_at TEXT NOT NULL)")
+    return sqlite_db
+
+
+def add_rows(db: TestDatabase, first: int, count: int) -> None:
+    db.execute(
+        "INSERT INTO orders VALUES (:id, :ts)",
+        [
+            {"id": i, "ts": f"2026-01-01 00:{i // 60:02d}:{i % 60:02d}"}
+            for i in range(first, first + count)
+        ],
+    )
+
+
+@pytest.fixture
+def trigger(table: TestDatabase, store: CountingStore) -> Iterator[PollTrigger]:
+    source = SqlAlchemySource(
+        url=table.url, table="orders", cursor_column="updated_at", pk_columns=["id"]
+    )
+    yield PollTrigger(
+        name="orders",
+        source=source,
+        checkpoint_store=store,
+        batch_size=BATCH,
+        max_batches_per_tick=10,
+    )
+    source.close()
+
+
+def noop(events: list[RowChange]) -> None:
+    return None
+
+
+def test_idle_tick_is_one_read(
+    trigger: PollTrigger, store: CountingStore, table: TestDatabase
+) -> None:
+    # Before any state exists ...
+    assert trigger.tick(noop) == 0
+    assert store.reset() == StoreCounts(reads=1)
+    # ... and after a commit.
+    add_rows(table, 1, 3)
+    assert trigger.tick(noop) == 3
+    store.reset()
+    assert trigger.tick(noop) == 0
+    assert store.counts == StoreCounts(reads=1)
+    assert store.calls == [StoreCall("read", "orders")]
+
+
+@pytest.mark.parametrize(
+    ("rows", "batches"), [(1, 1), (BATCH, 1), (13, 3), (2 * BATCH, 2), (50, 10)]
+)
+def test_tick_with_k_batches_is_one_read_and_k_plus_one_writes(
+    trigger: PollTrigger, store: CountingStore, table: TestDatabase, rows: int, batches: int
+) -> None:
+    add_rows(table, 1, rows)
+    result = trigger.tick_result(noop)
+    assert (result.rows, result.batches) == (rows, batches)
+    assert store.counts == StoreCounts(reads=1, writes=batches + 1)
+    assert store.calls == [StoreCall("read", "orders")] + [StoreCall("write", "orders")] * (
+        batches + 1
+    )
+    state = trigger.read_state()
+    assert state is not None
+    assert state.lease is not None
+    assert state.lease.released  # released in the last commit, not by an extra write
+
+
+def test_tick_that_stops_at_max_batches_still_folds_the_release(
+    trigger: PollTrigger, store: CountingStore, table: TestDatabase
+) -> None:
+    add_rows(table, 1, 60)  # 12 batches, the tick stops after 10
+    result = trigger.tick_result(noop)
+    assert (result.batches, result.more) == (10, True)
+    assert store.counts == StoreCounts(reads=1, writes=11)
+    store.reset()
+    assert trigger.tick_result(noop).batches == 2
+    assert store.counts == StoreCounts(reads=1, writes=3)
+
+
+def test_contended_tick_is_one_read(
+    trigger: PollTrigger, store: CountingStore, table: TestDatabase
+) -> None:
+    add_rows(table, 1, 3)
+    held = leasemod.decide_acquire(
+        None,
+        poller="orders",
+        fingerprint=trigger.fingerprint,
+        owner="someone-else",
+        now=dt.datetime.now(dt.timezone.utc),
+        ttl=dt.timedelta(minutes=5),
+    )
+    assert isinstance(held, leasemod.Acquired)
+    store.inner.write("orders", docmod.dumps(held.document), if_match=None)
+    store.reset()
+    result = trigger.tick_result(noop)
+    assert (result.rows, result.outcome) == (0, "lease_busy")
+    assert store.counts == StoreCounts(reads=1)
+
+
+def test_handler_failure_tick_is_one_read_and_two_writes(
+    trigger: PollTrigger, store: CountingStore, table: TestDatabase
+) -> None:
+    add_rows(table, 1, 3)
+
+    def failing(events: list[RowChange]) -> None:
+        raise RuntimeError("sink down")
+
+    with pytest.raises(HandlerError):
+        trigger.tick(failing)
+    assert store.counts == StoreCounts(reads=1, writes=2)
+    state = trigger.read_state()
+    assert state is not None
+    assert state.lease is not None
+    assert state.lease.released
+    assert state.failure is not None
+    assert state.failure.attempts == 1

@@ -87,6 +87,7 @@ class Recorder:
     """A handler that records every delivery: (batch_id, token, [ids])."""
 
     deliveries: list[tuple[str, int, list[int]]] = field(default_factory=list)
+    event_ids: list[list[str]] = field(default_factory=list)
     fail_on: set[int] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -94,6 +95,7 @@ class Recorder:
         ids = [int(e.pk["id"]) for e in events]
         with self.lock:
             self.deliveries.append((ctx.batch_id, ctx.fencing_token, ids))
+            self.event_ids.append([e.event_id for e in events])
         bad = self.fail_on.intersection(ids)
         if bad:
             raise ValueError(f"cannot process item(s) {sorted(bad)}")
@@ -158,6 +160,34 @@ def release_all(store: CheckpointStore, name: str = "items") -> None:
     )
     if released is not None:
         store.write(name, docmod.dumps(released), if_match=stored.etag)
+
+
+class Clock:
+    """A settable clock for ``PollTrigger(clock=...)``: lease expiry without waiting."""
+
+    def __init__(self, start: dt.datetime | None = None) -> None:
+        self.now = start or dt.datetime.now(dt.timezone.utc)
+
+    def __call__(self) -> dt.datetime:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += dt.timedelta(seconds=seconds)
+
+
+def commit_writes(store: CheckpointStore) -> Callable[[Any], bool]:
+    """FaultPlan ``match`` for writes that move the checkpoint stored in ``store``
+    (the wrapped store: the predicate looks at what is there before the write)."""
+
+    def match(call: Any) -> bool:
+        new = call.document
+        if new is None or new.checkpoint is None:
+            return False
+        stored = store.read(call.key)
+        old = docmod.loads(stored.data) if stored is not None else None
+        return old is None or old.checkpoint is None or old.position != new.position
+
+    return match
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:

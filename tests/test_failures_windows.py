@@ -326,7 +326,7 @@ def test_w7_several_updates_between_ticks_arrive_as_the_latest_state(
     with sqlite_db.engine.begin() as conn:
         conn.execute(table.update().where(table.c.id == 2).values(version=101, payload="last"))
     events: list[RowChange] = []
-    assert trigger.tick(lambda batch: events.extend(batch)) == 1
+    assert trigger.tick(events.extend) == 1
     (only,) = events
     assert (only.pk["id"], only.cursor) == (2, 101)
     assert only.after is not None

@@ -6,6 +6,9 @@ import asyncio
 import datetime as dt
 import importlib.util
 import inspect
+import subprocess
+import sys
+import textwrap
 import threading
 import typing
 import uuid
@@ -585,3 +588,33 @@ def test_example_function_app_imports_and_runs(
         module.orders_source.close()
         run.db_output_target.close()
         module.state_store.close()
+
+
+def test_import_dbtrigger_without_the_azure_extra() -> None:
+    """The azure packages are an optional extra: only the Blob store needs them."""
+    code = textwrap.dedent(
+        """
+        import importlib.abc, sys
+
+        class NoAzure(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name == "azure" or name.startswith("azure."):
+                    raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+                return None
+
+        sys.meta_path.insert(0, NoAzure())
+        import dbtrigger
+        from dbtrigger.azure import DbBindings
+        from dbtrigger.state import stores
+        assert dbtrigger.DbBindings is DbBindings
+        try:
+            dbtrigger.BlobCheckpointStore
+        except ModuleNotFoundError as exc:
+            print("blob needs", exc.name)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().startswith("blob needs azure")

@@ -45,11 +45,15 @@ class EventIds:
     and cursor values are encoded. The result equals :func:`make_event_id`.
     """
 
-    __slots__ = ("_keys", "_prefix")
+    __slots__ = ("_keys", "_prefix", "_single")
 
     def __init__(self, poller: str, pk_columns: Iterable[str]) -> None:
         self._prefix = "[" + json_string(poller) + ",{"
         self._keys = tuple((name, json_string(name) + ":") for name in sorted(pk_columns))
+        # One key column is the usual case: its label is part of the prefix.
+        self._single = self._keys[0][0] if len(self._keys) == 1 else None
+        if self._single is not None:
+            self._prefix += self._keys[0][1]
 
     def __call__(self, pk: Mapping[str, Any], cursor: Any) -> str:
         """The id of the row state with key values ``pk`` (a mapping over exactly
@@ -58,7 +62,10 @@ class EventIds:
         Raises:
             SerializationError: a value has a type that cannot be encoded.
         """
-        keys = ",".join([label + encoded_json(pk[name]) for name, label in self._keys])
+        if self._single is not None:
+            keys = encoded_json(pk[self._single])
+        else:
+            keys = ",".join([label + encoded_json(pk[name]) for name, label in self._keys])
         material = self._prefix + keys + "}," + encoded_json(cursor) + "]"
         return _sha256(material.encode()).hexdigest()[:32]
 

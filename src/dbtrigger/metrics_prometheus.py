@@ -4,9 +4,11 @@ Install the ``prometheus`` extra. Names get a ``dbtrigger_`` prefix
 (``dbtrigger_batches_total``, ``dbtrigger_lag_seconds``...); every metric has a
 ``poller`` label, and the labels in :data:`~dbtrigger.metrics.METRIC_LABELS`.
 
+Every metric in :data:`~dbtrigger.metrics.METRICS` is registered when the
+adapter is created, so its HELP and TYPE are scrapeable before its first sample.
 Prometheus fixes a metric's label names when it is created, while the
-collector protocol lets each call pass any labels. So each metric is created on
-first use with its declared labels plus whatever that first call brought;
+collector protocol lets each call pass any labels. So other metrics are created
+on first use with whatever labels that first call brought;
 later calls fill a missing label with ``""`` and drop labels the metric does
 not have (logged once at DEBUG). Metrics are registered in ``registry``
 (default: the global ``REGISTRY``), so two adapters on one registry would
@@ -29,6 +31,7 @@ from typing import Any
 from dbtrigger.metrics import (
     DURATION_BUCKETS,
     METRIC_LABELS,
+    METRICS,
     SIZE_BUCKETS,
     Labels,
     metric_help,
@@ -43,6 +46,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 log = logging.getLogger(__name__)
+
+_VERB = {"counter": "increment", "gauge": "set_gauge", "histogram": "observe"}
 
 
 class PrometheusMetrics:
@@ -67,6 +72,10 @@ class PrometheusMetrics:
         self._metrics: dict[str, tuple[Any, tuple[str, ...]]] = {}
         self._dropped: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
+        for name, (kind, _) in METRICS.items():
+            # Registered up front so HELP/TYPE are scrapeable (and alert rules can
+            # reference the series) before the first failure ever happens.
+            self._metric(name, _VERB[kind], {})
 
     def _bucket_bounds(self, name: str) -> tuple[float, ...]:
         if name in self._buckets:

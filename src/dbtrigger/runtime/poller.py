@@ -969,17 +969,30 @@ class PollTrigger:
 
     def _release(self, session: LeaseSession) -> None:
         now = self.clock()
-        try:
-            session.update(
-                lambda d: (
-                    leasemod.decide_release(d, owner=self.owner_id, token=session.token, now=now)
-                    or d
-                ),
-                what="release",
+
+        def release(doc: StateDocument) -> StateDocument:
+            released = leasemod.decide_release(
+                doc, owner=self.owner_id, token=session.token, now=now
             )
+            if released is None:
+                # Not ours any more: write nothing (a rewrite of someone else's
+                # document would only bump its etag under its owner).
+                raise LostLeaseError(
+                    "release skipped: the lease is no longer ours",
+                    poller=self.name,
+                    fencing_token=session.token,
+                )
+            return released
+
+        try:
+            session.update(release, what="release")
             session.released = True
             self._log(
                 logging.DEBUG, "lease_released", "lease released", fencing_token=session.token
+            )
+        except LostLeaseError as exc:
+            self._log(
+                logging.DEBUG, "lease_release_skipped", "%s", exc, fencing_token=session.token
             )
         except DbTriggerError as exc:
             self._log(

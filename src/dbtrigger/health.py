@@ -73,7 +73,11 @@ def measure_lag(
         return Lag(0, 0.0)
     first = source.fetch(position, 1)
     if not first:
-        return Lag(0 if rows is None else rows, 0.0)
+        if not rows:
+            return Lag(0 if rows is None else rows, 0.0)
+        # Rows exist but the source's visibility guard holds them back for now
+        # (possibly uncommitted writers): how long they have waited is unknown.
+        return Lag(rows, None, "pending rows are not yet released by the visibility guard")
     event = source.to_events(first, poller=poller, batch_id="lag-probe")[0]
     cursor = event.cursor
     note = "" if counter is not None else "the source cannot count pending rows"

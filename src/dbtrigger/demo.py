@@ -21,6 +21,7 @@ from dbtrigger.runtime.context import BatchContext
 from dbtrigger.runtime.poller import PollTrigger
 from dbtrigger.runtime.runner import Runner, RunStats
 from dbtrigger.sources.sqlalchemy import SqlAlchemySource
+from dbtrigger.sources.visibility import SafetyWindow
 from dbtrigger.state.stores.file import FileCheckpointStore
 
 STATUSES = ("new", "paid", "packed", "shipped", "delivered")
@@ -96,8 +97,15 @@ def run_demo(
     url = f"sqlite:///{directory / 'orders.db'}"
     engine = sa.create_engine(url)
     orders = create_orders_table(engine)
+    # One writer thread, so no transaction can commit out of order here; a
+    # 1-second safety window (instead of the default 5) keeps the demo lively
+    # while still showing the guard at work.
     source = SqlAlchemySource(
-        url=url, table="orders", cursor_column="updated_at", pk_columns=["id"]
+        url=url,
+        table="orders",
+        cursor_column="updated_at",
+        pk_columns=["id"],
+        visibility=SafetyWindow(1.0),
     )
     trigger = PollTrigger(
         name="orders",

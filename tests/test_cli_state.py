@@ -5,6 +5,7 @@ store factory, secrets kept out of output, and real subprocesses.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -35,8 +36,10 @@ from dbtrigger import (
 from dbtrigger.cli import main
 from dbtrigger.cli_backfill import Progress
 from dbtrigger.cli_state import parse_position, parse_value
+from dbtrigger.errors import LiveLeaseError
 from dbtrigger.state import document as docmod
 from dbtrigger.state import lease as leasemod
+from dbtrigger.state import operations as ops
 from dbtrigger.state.stores.base import CheckpointStore
 from dbtrigger.state.stores.factory import memory_store, open_store, redact
 from tests.azurite import ACCOUNT, KEY, Azurite
@@ -948,3 +951,181 @@ def test_subprocess_status_on_azurite_via_the_environment(
         assert KEY not in result.stdout + result.stderr
     finally:
         gen.close()
+
+
+# --- the pure operations, table by table ------------------------------------------------------
+
+T0 = dt.datetime(2026, 4, 7, 1, 0, tzinfo=dt.timezone.utc)
+
+
+def _doc(lease: str | None) -> docmod.StateDocument:
+    """A document whose lease is ``None``, ``"live"``, ``"expired"`` or ``"released"``."""
+    base = docmod.StateDocument(
+        poller_name="orders",
+        source_fingerprint="sha256:f",
+        checkpoint=docmod.Checkpoint(Position(7, {"id": 7}), "batch_1", T0),
+        failure=docmod.FailureRecord(2, T0, T0, "boom", "batch_2"),
+    )
+    if lease is None:
+        return base
+    expires = T0 + dt.timedelta(minutes=1 if lease == "live" else -1)
+    return dataclasses.replace(
+        base,
+        lease=docmod.Lease("host/1/a", 41, T0, T0, expires, released=lease == "released"),
+    )
+
+
+@pytest.mark.parametrize(
+    ("lease", "force", "refused", "token_after", "owner_after"),
+    [
+        (None, False, False, None, None),
+        ("released", False, False, 41, "host/1/a"),
+        ("expired", False, False, 42, "operator:ana@ops"),
+        ("live", False, True, None, None),
+        ("live", True, False, 42, "operator:ana@ops"),
+    ],
+)
+def test_reset_lease_rules(
+    lease: str | None, force: bool, refused: bool, token_after: int | None, owner_after: str | None
+) -> None:
+    doc = _doc(lease)
+    if refused:
+        with pytest.raises(LiveLeaseError, match="host/1/a"):
+            ops.reset(doc, position=None, now=T0, actor="ana@ops", reason="r", force=force)
+        return
+    out = ops.reset(doc, position=None, now=T0, actor="ana@ops", reason="r", force=force)
+    assert out.checkpoint is None
+    assert out.failure is None
+    assert (out.lease.fencing_token if out.lease else None) == token_after
+    assert (out.lease.owner_id if out.lease else None) == owner_after
+    assert out.lease is None or out.lease.released
+    entry = out.journal[-1]
+    assert entry["before"] == docmod.position_to_json(Position(7, {"id": 7}))
+    assert entry["after"] is None
+    assert ("fenced" in entry) == (lease in ("expired", "live"))
+
+
+def test_a_fenced_holder_can_no_longer_commit() -> None:
+    fenced = ops.release_lease(_doc("live"), now=T0, actor="a", reason="r", force=True)
+    with pytest.raises(LostLeaseError):
+        leasemod.decide_commit(
+            fenced,
+            owner="host/1/a",
+            token=41,
+            position=Position(9, {"id": 9}),
+            batch_id="b",
+            row_count=1,
+            now=T0,
+            ttl=dt.timedelta(minutes=1),
+            release=True,
+        )
+    again = leasemod.decide_acquire(
+        fenced,
+        poller="orders",
+        fingerprint="sha256:f",
+        owner="host/2/b",
+        now=T0,
+        ttl=dt.timedelta(minutes=1),
+    )
+    assert isinstance(again, leasemod.Acquired)
+    assert again.fencing_token == 43
+
+
+def test_operations_record_who_when_why_and_keep_the_journal_bounded() -> None:
+    doc = _doc("released")
+    for i in range(ops.JOURNAL_LIMIT + 5):
+        doc = ops.reset(
+            doc, position=Position(i, {"id": i}), now=T0, actor="ana@ops", reason=f"step {i}"
+        )
+    assert len(doc.journal) == ops.JOURNAL_LIMIT
+    assert doc.journal[-1]["reason"] == f"step {ops.JOURNAL_LIMIT + 4}"
+    assert doc.journal[-1]["at"] == "2026-04-07T01:00:00.000000Z"
+    with pytest.raises(ConfigurationError, match="reason"):
+        ops.reset(doc, position=None, now=T0, actor="a", reason="  ")
+
+
+def test_clone_create_and_batch_positions() -> None:
+    doc = _doc("live")
+    clone = ops.clone(doc, new_poller="orders-2", now=T0, actor="a", reason="r")
+    assert (clone.poller_name, clone.lease, clone.failure) == ("orders-2", None, None)
+    assert clone.position == doc.position
+    with pytest.raises(ConfigurationError):
+        ops.clone(doc, new_poller="orders", now=T0, actor="a", reason="r")
+    with pytest.raises(ConfigurationError):
+        ops.clone(doc, new_poller="../x", now=T0, actor="a", reason="r")
+
+    created = ops.create("bf", fingerprint="sha256:f", position=None, now=T0, actor="a", reason="r")
+    assert created.checkpoint is None
+    assert created.journal[0]["operation"] == "create"
+
+    commit = {
+        "type": "commit",
+        "batch_id": "batch_9",
+        "from": docmod.position_to_json(Position(1, {"id": 1})),
+        "to": docmod.position_to_json(Position(5, {"id": 5})),
+    }
+    with_batch = doc.with_journal_entry(commit)
+    assert ops.batch_position(with_batch, "batch_9") == Position(5, {"id": 5})
+    assert ops.batch_position(with_batch, "batch_9", redeliver=True) == Position(1, {"id": 1})
+    with pytest.raises(ConfigurationError, match="batch_9"):
+        ops.batch_position(with_batch, "batch_0")
+
+
+def test_skip_batch_records_the_loss() -> None:
+    out = ops.skip_batch(
+        _doc("expired"),
+        position=Position(20, {"id": 20}),
+        now=T0,
+        actor="a",
+        reason="poison",
+        skipped_rows=3,
+        skipped_keys=[{"id": 8}, {"id": 9}, {"id": 20}],
+    )
+    entry = out.journal[-1]
+    assert entry["operation"] == "skip_batch"
+    assert (entry["failed_batch_id"], entry["failed_attempts"], entry["last_error"]) == (
+        "batch_2",
+        2,
+        "boom",
+    )
+    assert entry["skipped_keys"][-1] == {"id": 20}
+    assert out.failure is None
+    assert out.position == Position(20, {"id": 20})
+
+
+# --- Azure Table Storage through the CLI -------------------------------------------------------
+
+
+@pytest.mark.azurite
+def test_status_and_reset_on_a_table_store(
+    azurite: Azurite,
+    sqlite_db: TestDatabase,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from azure.data.tables import TableServiceClient  # noqa: PLC0415
+
+    table = f"t{uuid.uuid4().hex[:12]}"
+    service = TableServiceClient.from_connection_string(azurite.connection_string)
+    service.create_table(table)
+    spec = f"azure-table:{azurite.connection_string}"
+    store = open_store(spec, app="shop", table=table)
+    backend = Backend("table", store, ["--store", spec, "--table", table, "--app", "shop"])
+    app = make_app(sqlite_db, backend, tmp_path, monkeypatch)
+    try:
+        app.tick()
+        code, out, _ = run(capsys, app.cli("status", "--json"))
+        assert code == 0
+        [status] = json.loads(out)
+        assert status["checkpoint"]["cursor"]["value"] == 100
+        code, out, _ = run(
+            capsys, app.cli("reset", "orders", "--to-beginning", "--reason", "r", "--yes")
+        )
+        assert code == 0, out
+        assert app.doc().checkpoint is None
+        assert app.doc().journal[-1]["operation"] == "reset"
+    finally:
+        app.close()
+        service.delete_table(table)
+        service.close()

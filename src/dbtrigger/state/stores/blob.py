@@ -214,7 +214,7 @@ class BlobCheckpointStore:
             ) from None
         return cls(
             container_client=client,
-            app_name=app_name,
+            app_name=resolve_setting(app_name, env),
             prefix=prefix,
             create_container=create_container,
             read_timeout=read_timeout,
@@ -288,7 +288,7 @@ class BlobCheckpointStore:
         )
         return cls.from_account_url(
             url,
-            app_name=app_name,
+            app_name=resolve_setting(app_name, env),
             credential=credential,
             container=container,
             prefix=prefix,
@@ -312,6 +312,8 @@ class BlobCheckpointStore:
         return f"{self.prefix}/{self.app_name}/{validate_name(key, 'poller name')}.json"
 
     def _where(self, op: str, blob: str) -> str:
+        if not blob:
+            return f"{op} of container {self.container_name}"
         return f"{op} of blob {self.container_name}/{blob}"
 
     @contextlib.contextmanager

@@ -213,7 +213,12 @@ def test_5_4_an_unserializable_cursor_stops_the_poller_without_moving(
         f"INSERT INTO \"{pg.schema}\".spans VALUES (1, interval '1 hour'), (2, interval '2 hours')"
     )
     source = SqlAlchemySource(
-        url=pg.url, table="spans", schema=pg.schema, cursor_column="version", pk_columns=["id"]
+        url=pg.url,
+        table="spans",
+        schema=pg.schema,
+        cursor_column="version",
+        pk_columns=["id"],
+        visibility="none",
     )
     store = InMemoryCheckpointStore()
     trigger = make_trigger(source, store)
@@ -231,9 +236,12 @@ def test_5_4_an_unserializable_cursor_stops_the_poller_without_moving(
 
 def test_5_4_a_query_without_the_key_column_is_a_serialization_error(five: TestDatabase) -> None:
     source = SqlAlchemySource(
-        url=five.url, query="SELECT version, payload FROM items", cursor_column="version",
+        url=five.url,
+        query="SELECT version, payload FROM items",
+        cursor_column="version",
         pk_columns=["id"],
-    )  # fmt: skip
+        visibility="none",
+    )
     store = FaultyStore(InMemoryCheckpointStore())
     handler = Recorder()
     with pytest.raises(SerializationError, match="id"):

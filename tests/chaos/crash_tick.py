@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         schema=args.schema,
         cursor_column="version",
         pk_columns=["id"],
+        visibility="none",  # rows are written before the tick, in cursor order
     )
     trigger = PollTrigger(
         name=args.poller,

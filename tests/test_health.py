@@ -202,7 +202,12 @@ def seq_source_on(db: TestDatabase) -> SqlAlchemySource:
         conn.execute(sa.text(f'CREATE TABLE "{db.schema}"."{name}" (id int primary key, seq int)'))
         conn.execute(sa.text(f'INSERT INTO "{db.schema}"."{name}" VALUES (9, 9)'))
     return SqlAlchemySource(
-        url=db.url, table=name, schema=db.schema, cursor_column="seq", pk_columns=["id"]
+        url=db.url,
+        table=name,
+        schema=db.schema,
+        cursor_column="seq",
+        pk_columns=["id"],
+        visibility="none",
     )
 
 

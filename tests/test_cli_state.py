@@ -42,7 +42,7 @@ from dbtrigger.state import lease as leasemod
 from dbtrigger.state import operations as ops
 from dbtrigger.state.stores.base import CheckpointStore
 from dbtrigger.state.stores.factory import memory_store, open_store, redact
-from tests.azurite import ACCOUNT, KEY, Azurite
+from tests.azurite import KEY, Azurite
 from tests.databases import TestDatabase
 
 ROWS = 50
@@ -149,7 +149,14 @@ def make_app(
 ) -> App:
     make_events_table(db)
     source = SqlAlchemySource(
-        url=db.url, table="events", schema=db.schema, cursor_column="seq", pk_columns=["id"]
+        url=db.url,
+        table="events",
+        schema=db.schema,
+        cursor_column="seq",
+        pk_columns=["id"],
+        # PostgreSQL's default guard waits out every open transaction on the server,
+        # other tests' included; these tests are about the CLI, not visibility.
+        visibility="none",
     )
     trigger = PollTrigger(
         name="orders", source=source, checkpoint_store=backend.store, batch_size=10
@@ -826,35 +833,41 @@ def _check_no_secret_in_output(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    app.tick()
+    assert app.tick() == 10
 
     outputs: list[str] = []
-    for argv in (
-        app.cli("status"),
-        app.cli("status", "orders", "--json"),
-        app.cli("history", "orders"),
-        app.cli("reset", "orders", "--to-beginning", "--reason", "r", "--yes"),
-        ["status", "--store", state_url.replace(pg.schema or "", "no_such_schema")],
-        ["status", "--store", url.replace("/test", "/no_such_database")],
+    for argv, expected in (
+        (app.cli("status"), 0),
+        (app.cli("status", "orders", "--json"), 0),
+        (app.cli("history", "orders"), 0),
+        (app.cli("reset", "orders", "--to-beginning", "--reason", "r", "--yes"), 0),
+        (["status", "--store", state_url.replace(pg.schema or "", "no_such_schema")], 2),
+        (["status", "--store", url.replace("/test", "/no_such_database")], 2),
     ):
         code, out, err = run(capsys, argv)
         outputs.append(out + err)
-        assert code in (0, 1, 2)
+        assert code == expected, out + err
     assert any("error" in o for o in outputs[-2:])
     wrong_key = "V3JvbmdLZXlXcm9uZ0tleVdyb25nS2V5V3JvbmdLZXk="
     bad_conn = azurite.connection_string.replace(KEY, wrong_key)
-    for conn in (azurite.connection_string, bad_conn):
+    for conn, problem in (
+        (azurite.connection_string, "does not exist"),  # a missing container
+        (bad_conn, "refused"),  # the account key is wrong
+    ):
         monkeypatch.setenv("DBTRIGGER_STORE", conn)
         code, out, err = run(capsys, ["status", "--container", "nosuchcontainer"])
-        assert code in (0, 1, 2)
+        assert code == 2
+        assert problem in err
         outputs.append(out + err)
     monkeypatch.setenv("SECRET_STORE", bad_conn)
-    outputs.append("".join(run(capsys, ["status", "--store", "%SECRET_STORE%"])[1:]))
+    code, out, err = run(capsys, ["status", "--store", "%SECRET_STORE%"])
+    assert code == 2
+    assert "refused (HTTP 403" in err
+    outputs.append(out + err)
     everything = "\n".join(outputs)
     assert "orders" in everything
     for secret in (password, KEY, wrong_key, "Wrong"):
         assert secret not in everything
-    assert ACCOUNT in everything or "no pollers" in everything or "error" in everything
 
 
 # --- subprocesses ----------------------------------------------------------------------------

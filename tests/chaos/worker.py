@@ -1,0 +1,178 @@
+"""Chaos worker: polls ``items`` until SIGTERM, recording everything it does.
+
+* every batch it is handed goes into ``seen`` (item, version, worker,
+  incarnation, batch id, fencing token) before anything else happens;
+* some batches are slow on purpose (longer than the lease TTL): the heartbeat
+  has to keep the lease, or another worker takes it and the batch is redone;
+* at the end of each batch it writes to ``sink`` through a fence (the highest
+  fencing token the sink has accepted, kept in ``fence``): a write carrying an
+  older token is refused and counted in ``fence_rejections`` - how a sink
+  protects itself from an owner that lost its lease without knowing it;
+* every tick that ends in an error is recorded in ``outcomes`` with the batch
+  id and token, so the test can say which duplicate window each redelivery
+  came from.
+
+The state store is a BlobCheckpointStore (connection string from the
+``DBTRIGGER_CHAOS_STORAGE`` environment variable) or, with ``--state-dir``,
+a FileCheckpointStore.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import signal
+import sys
+import threading
+import time
+from types import FrameType
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+from dbtrigger import (
+    CommitError,
+    DbTriggerError,
+    FileCheckpointStore,
+    LostLeaseError,
+    PollTrigger,
+    RowChange,
+    SqlAlchemySource,
+)
+from dbtrigger.runtime.context import BatchContext
+from dbtrigger.state.stores.base import CheckpointStore
+
+
+def make_store(args: argparse.Namespace) -> CheckpointStore:
+    if args.state_dir:
+        return FileCheckpointStore(args.state_dir)
+    from dbtrigger.state.stores.blob import BlobCheckpointStore  # noqa: PLC0415
+
+    return BlobCheckpointStore.from_connection_string(
+        "%DBTRIGGER_CHAOS_STORAGE%", app_name="chaos", container=args.container
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--db-url", required=True)
+    parser.add_argument("--schema", required=True)
+    parser.add_argument("--container")
+    parser.add_argument("--state-dir")
+    parser.add_argument("--poller", default="chaos")
+    parser.add_argument("--worker", required=True)
+    parser.add_argument("--incarnation", type=int, required=True)
+    parser.add_argument("--ttl", type=float, default=1.5)
+    parser.add_argument("--slow-probability", type=float, default=0.15)
+    parser.add_argument("--slow-seconds", type=float, default=2.5)
+    parser.add_argument("--batch-size", type=int, default=20)
+    parser.add_argument("--journal-limit", type=int, default=100)
+    args = parser.parse_args(argv)
+
+    stop = threading.Event()
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_term)
+    rng = random.Random(f"{args.worker}/{args.incarnation}")
+    engine = sa.create_engine(args.db_url, pool_size=2, max_overflow=2, pool_pre_ping=True)
+    meta = sa.MetaData(schema=args.schema)
+    seen, sink, fence, rejections, outcomes = (
+        sa.Table(name, meta, autoload_with=engine)
+        for name in ("seen", "sink", "fence", "fence_rejections", "outcomes")
+    )
+    source = SqlAlchemySource(
+        url=args.db_url,
+        table="items",
+        schema=args.schema,
+        cursor_column="version",
+        pk_columns=["id"],
+        # The writer commits in cursor order (one connection, sequence inside
+        # the transaction), so no guard is needed, and none may hold the
+        # workers back because of unrelated sessions on a shared server.
+        visibility="none",
+    )
+    trigger = PollTrigger(
+        name=args.poller,
+        source=source,
+        checkpoint_store=make_store(args),
+        batch_size=args.batch_size,
+        max_batches_per_tick=3,
+        lease_ttl_seconds=args.ttl,
+        owner_id=f"{args.worker}/{args.incarnation}",
+        journal_limit=args.journal_limit,
+    )
+    me = {"worker": args.worker, "incarnation": args.incarnation}
+
+    def handler(events: list[RowChange], ctx: BatchContext) -> None:
+        with engine.begin() as conn:
+            conn.execute(
+                seen.insert(),
+                [
+                    {
+                        "item_id": e.pk["id"],
+                        "version": e.cursor,
+                        "batch_id": ctx.batch_id,
+                        "token": ctx.fencing_token,
+                        **me,
+                    }
+                    for e in events
+                ],
+            )
+        if rng.random() < args.slow_probability:
+            deadline = time.monotonic() + args.slow_seconds
+            while time.monotonic() < deadline and not ctx.cancelled:
+                time.sleep(0.05)
+        with engine.begin() as conn:
+            current = conn.execute(
+                sa.select(fence.c.token).where(fence.c.id == 1).with_for_update()
+            ).scalar_one()
+            if ctx.fencing_token < current:
+                conn.execute(
+                    rejections.insert(),
+                    {"batch_id": ctx.batch_id, "token": ctx.fencing_token, "fence": current, **me},
+                )
+                return
+            conn.execute(fence.update().where(fence.c.id == 1).values(token=ctx.fencing_token))
+            conn.execute(
+                pg_insert(sink).on_conflict_do_nothing(),
+                [
+                    {"item_id": e.pk["id"], "version": e.cursor, "token": ctx.fencing_token}
+                    for e in events
+                ],
+            )
+
+    def record(outcome: str, exc: DbTriggerError) -> None:
+        with engine.begin() as conn:
+            conn.execute(
+                outcomes.insert(),
+                {
+                    "batch_id": exc.batch_id,
+                    "token": exc.fencing_token,
+                    "outcome": outcome,
+                    "error": f"{type(exc).__name__}: {exc}"[:500],
+                    **me,
+                },
+            )
+
+    while not stop.is_set():
+        busy = False
+        try:
+            result = trigger.tick_result(handler)
+            busy = result.outcome == "committed" and result.more
+        except LostLeaseError as exc:
+            record("lost", exc)
+        except CommitError as exc:
+            record("commit_failed", exc)
+        except DbTriggerError as exc:
+            record("error", exc)
+        if not busy:
+            stop.wait(0.02 + rng.random() * 0.08)
+    source.close()
+    engine.dispose()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

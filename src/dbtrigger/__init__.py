@@ -26,6 +26,7 @@ from dbtrigger.errors import (
     LostLeaseError,
     OperatorError,
     PartialBatchError,
+    QuarantineError,
     RetryableError,
     SerializationError,
     StoreAuthError,
@@ -38,6 +39,7 @@ from dbtrigger.metrics import InMemoryMetrics, MetricsCollector, NullMetrics
 from dbtrigger.output import DbOut
 from dbtrigger.runtime.context import BatchContext
 from dbtrigger.runtime.poller import PollTrigger, TickResult
+from dbtrigger.runtime.retry import RetryPolicy
 from dbtrigger.sources.base import SourceAdapter
 from dbtrigger.sources.sqlalchemy import SqlAlchemySource
 from dbtrigger.state.document import StateDocument
@@ -93,6 +95,8 @@ __all__ = [
     "PartialBatchError",
     "PollTrigger",
     "Position",
+    "QuarantineError",
+    "RetryPolicy",
     "RetryableError",
     "RowChange",
     "SerializationError",

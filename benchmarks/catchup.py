@@ -1,0 +1,260 @@
+"""Catch-up throughput: drain an N-row backlog, dbtrigger next to its baselines.
+
+For every (database, rows, batch size, store) it drains the same table with
+
+* ``raw``: the bare driver keyset loop (psycopg / sqlite3, rows as tuples):
+  the fastest this read can go from Python, i.e. the floor;
+* ``dbtrigger``: ``PollTrigger`` + ``SqlAlchemySource`` with a no-op handler
+  (``visibility="none"``: the table is static and the raw loop has no guard);
+* ``dbtrigger+guard``: the same with ``visibility="auto"`` (PostgreSQL only),
+  which is what an unconfigured source does;
+* ``afdb``: azure-functions-db's ``PollTrigger`` and ``SqlAlchemySource``
+  through its public API, when the package is installed.
+
+The contenders run interleaved, ``--repeats`` rounds, and the table shows each
+one's median rows/s and the ratios of the medians. Every drain must deliver
+exactly N rows, or the script stops: a fast wrong answer is not a result.
+
+    python -m benchmarks.catchup                      # 100k rows, the default set
+    python -m benchmarks.catchup --rows 100k,1m       # the full run (adds 1M)
+    python -m benchmarks.catchup --quick              # a 20k-row smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from benchmarks.common import (
+    AfdbMemoryStateStore,
+    Dataset,
+    afdb_blob_store,
+    afdb_drain,
+    afdb_version,
+    azurite,
+    blob_store_class,
+    dataset,
+    dbtrigger_blob_store,
+    dbtrigger_drain,
+    fmt_rate,
+    fmt_ratio,
+    int_list,
+    median,
+    print_table,
+    raw_keyset_drain,
+    str_list,
+    timed,
+)
+from dbtrigger import InMemoryCheckpointStore
+
+CONTENDERS = ("raw", "dbtrigger", "dbtrigger+guard", "afdb")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="100k", help="table sizes, e.g. 100k,1m")
+    parser.add_argument("--batch-sizes", default="100,1000,5000")
+    parser.add_argument("--dbs", default="postgresql,sqlite", help="postgresql,sqlite")
+    parser.add_argument("--stores", default="memory,blob", help="memory,blob (blob: Azurite)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds; medians are reported")
+    parser.add_argument(
+        "--blob-max-rows",
+        default="100k",
+        help="skip blob-store drains of larger tables (1M rows at batch 100 is 10,000 "
+        "Azurite round trips per drain and contender)",
+    )
+    parser.add_argument("--no-afdb", action="store_true", help="leave azure-functions-db out")
+    parser.add_argument("--no-guard", action="store_true", help="leave dbtrigger+guard out")
+    parser.add_argument("--rebuild", action="store_true", help="rebuild the data sets")
+    parser.add_argument(
+        "--quick", action="store_true", help="20k rows, batch 1000, one round (a smoke run)"
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rows, args.batch_sizes, args.repeats = "20k", "1000", 1
+    return args
+
+
+class Run:
+    """One measured configuration: rows/s per contender, one value per round."""
+
+    def __init__(self, db: str, rows: int, batch: int, store: str) -> None:
+        self.db, self.rows, self.batch, self.store = db, rows, batch, store
+        self.rates: dict[str, list[float]] = {c: [] for c in CONTENDERS}
+        self.notes: list[str] = []
+
+    def rate(self, contender: str) -> float | None:
+        values = self.rates[contender]
+        return median(values) if values else None
+
+
+def measure(run: Run, contender: str, fn: Callable[[], int]) -> None:
+    rows, seconds = timed(fn)
+    if rows != run.rows:
+        raise SystemExit(
+            f"{contender} delivered {rows} of {run.rows} rows "
+            f"({run.db}, batch {run.batch}, {run.store} store): not a valid measurement"
+        )
+    run.rates[contender].append(rows / seconds)
+
+
+def fresh_name() -> str:
+    return f"b{uuid.uuid4().hex[:10]}"
+
+
+def run_config(run: Run, ds: Dataset, args: argparse.Namespace, az: Any, afdb_ok: bool) -> None:
+    for _ in range(args.repeats):
+        measure(run, "raw", lambda: raw_keyset_drain(ds, run.batch))
+        if run.store == "memory":
+            measure(
+                run, "dbtrigger", lambda: dbtrigger_drain(ds, run.batch, InMemoryCheckpointStore())
+            )
+        else:
+            measure(
+                run,
+                "dbtrigger",
+                lambda: dbtrigger_drain(ds, run.batch, dbtrigger_blob_store(az, fresh_name())),
+            )
+        if ds.kind == "postgresql" and run.store == "memory" and not args.no_guard:
+            measure(
+                run,
+                "dbtrigger+guard",
+                lambda: dbtrigger_drain(
+                    ds, run.batch, InMemoryCheckpointStore(), visibility="auto"
+                ),
+            )
+        if afdb_ok:
+            try:
+                if run.store == "memory":
+                    measure(run, "afdb", lambda: afdb_drain(ds, run.batch, AfdbMemoryStateStore()))
+                else:
+                    measure(
+                        run,
+                        "afdb",
+                        lambda: afdb_drain(ds, run.batch, afdb_blob_store(az, ds, fresh_name())),
+                    )
+            except Exception as exc:  # the comparison package failing is a note, not our failure
+                run.notes.append(f"azure-functions-db failed: {type(exc).__name__}: {exc}"[:200])
+                afdb_ok = False
+
+
+@contextlib.contextmanager
+def maybe_azurite(wanted: bool) -> Iterator[Any]:
+    if not wanted:
+        yield None
+        return
+    with azurite() as az:
+        yield az
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sizes = int_list(args.rows)
+    batches = int_list(args.batch_sizes)
+    dbs = str_list(args.dbs)
+    stores = str_list(args.stores)
+    blob_max = int_list(args.blob_max_rows)[0]
+    notes: list[str] = []
+    if "blob" in stores and blob_store_class() is None:
+        notes.append("blob store: dbtrigger.state.stores.blob is not in this checkout; skipped")
+        stores = [s for s in stores if s != "blob"]
+    version = None if args.no_afdb else afdb_version()
+    if not args.no_afdb and version is None:
+        notes.append(
+            "azure-functions-db is not installed (pip install azure-functions-db==0.8.3); "
+            "its column is empty"
+        )
+    afdb_label = f"azure-functions-db {version}" if version else "azure-functions-db"
+
+    runs: list[Run] = []
+    with maybe_azurite("blob" in stores) as az:
+        for db in dbs:
+            for n in sizes:
+                ds = dataset(db, n, rebuild=args.rebuild)
+                for batch in batches:
+                    for store in stores:
+                        if store == "blob" and n > blob_max:
+                            continue
+                        run = Run(db, n, batch, store)
+                        print(f"# {db} rows={n:,} batch={batch} store={store}", flush=True)
+                        run_config(run, ds, args, az, afdb_ok=version is not None)
+                        runs.append(run)
+                        notes.extend(f"{db} {n} {batch} {store}: {m}" for m in run.notes)
+
+    rows = [
+        [
+            r.db,
+            f"{r.rows:,}",
+            r.batch,
+            r.store,
+            fmt_rate(r.rate("raw")),
+            fmt_rate(r.rate("dbtrigger")),
+            fmt_rate(r.rate("dbtrigger+guard")),
+            fmt_rate(r.rate("afdb")),
+            fmt_ratio(r.rate("dbtrigger"), r.rate("raw")),
+            fmt_ratio(r.rate("dbtrigger+guard"), r.rate("raw")),
+            fmt_ratio(r.rate("dbtrigger"), r.rate("afdb")),
+        ]
+        for r in runs
+    ]
+    print_table(
+        f"Catch-up throughput, rows/s (median of {args.repeats}; no-op handler; "
+        f"afdb = {afdb_label})",
+        [
+            "db",
+            "rows",
+            "batch",
+            "store",
+            "raw keyset",
+            "dbtrigger",
+            "dbt+guard",
+            "afdb",
+            "dbt/raw",
+            "guard/raw",
+            "dbt/afdb",
+        ],
+        rows,
+        left=4,
+    )
+
+    scaling = []
+    by_key = {(r.db, r.rows, r.batch, r.store): r for r in runs}
+    if len(sizes) > 1:
+        small, large = min(sizes), max(sizes)
+        for db in dbs:
+            for batch in batches:
+                for store in stores:
+                    a, b = (
+                        by_key.get((db, small, batch, store)),
+                        by_key.get((db, large, batch, store)),
+                    )
+                    if a is None or b is None:
+                        continue
+                    scaling.append(
+                        [
+                            db,
+                            batch,
+                            store,
+                            fmt_ratio(b.rate("dbtrigger"), a.rate("dbtrigger")),
+                            fmt_ratio(b.rate("raw"), a.rate("raw")),
+                            fmt_ratio(b.rate("afdb"), a.rate("afdb")),
+                        ]
+                    )
+        print_table(
+            f"Flat cost with depth: rows/s at {large:,} / rows/s at {small:,} (target >= 0.85)",
+            ["db", "batch", "store", "dbtrigger", "raw keyset", "afdb"],
+            scaling,
+            left=3,
+        )
+    for note in notes:
+        print(f"note: {note}")
+    print("target: dbtrigger / raw keyset >= 0.7 at batch 1000 with the memory store")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,662 @@
+"""Shared pieces of the benchmark scripts: data sets, baselines, stores, timing, tables.
+
+Every script prints its measurement next to a baseline measured *in the same
+run* (a raw driver loop, the azure-functions-db package, a target), because on
+a shared 2-core machine an absolute rows/s figure from one run says little; the
+ratio between two things measured back to back says a lot more.
+
+Data sets are built once and reused across runs (they are keyed by row count
+and a layout version), so re-running a benchmark does not pay for the load:
+
+* PostgreSQL: schema ``dbtrigger_bench`` (``DBTRIGGER_BENCH_SCHEMA``), table
+  ``events_<n>``, loaded with one ``INSERT ... SELECT generate_series``.
+  ``DBTRIGGER_BENCH_PG_URL`` overrides the server (default: the test server on
+  127.0.0.1:5432).
+* SQLite: ``$TMPDIR/dbtrigger-bench/events_<n>_<layout>.sqlite``
+  (``DBTRIGGER_BENCH_DIR`` replaces ``$TMPDIR``), loaded with ``executemany``
+  in chunks.
+
+The cursor column ``updated_at`` is a permutation of the key order, three rows
+share each cursor value (ties that straddle batch boundaries), and the table
+has the composite index ``(updated_at, id)`` the keyset fetch needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import math
+import os
+import sqlite3
+import statistics
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from dbtrigger import PollTrigger, SqlAlchemySource
+from dbtrigger.state.stores.base import CheckpointStore, StoredDocument
+
+ROOT = Path(__file__).resolve().parent.parent
+PG_URL = os.environ.get(
+    "DBTRIGGER_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+SCHEMA = os.environ.get("DBTRIGGER_BENCH_SCHEMA", "dbtrigger_bench")
+DATA_DIR = Path(os.environ.get("DBTRIGGER_BENCH_DIR", tempfile.gettempdir())) / "dbtrigger-bench"
+#: Bump when the table layout or contents change, so stale data sets are rebuilt.
+LAYOUT = "v1"
+BASE_TIME = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+COLUMNS = ("id", "updated_at", "customer", "amount", "status")
+
+
+def noop_handler(events: Sequence[Any]) -> None:
+    """The handler every catch-up uses: the cost measured is dbtrigger's own."""
+    del events
+
+
+# --- data sets -----------------------------------------------------------------------
+
+
+def _stride(n: int) -> int:
+    """A multiplier coprime with ``n``: ``i * stride % n`` permutes ``0..n-1``."""
+    for candidate in (7919, 7907, 7901, 104729):
+        if math.gcd(candidate, n) == 1:
+            return candidate
+    return 1
+
+
+def table_name(n: int) -> str:
+    return f"events_{n}"
+
+
+def pg_engine() -> sa.Engine:
+    return sa.create_engine(PG_URL, isolation_level="AUTOCOMMIT")
+
+
+def pg_conninfo() -> str:
+    """The benchmark server as a libpq connection string (for the raw psycopg loop)."""
+    url = sa.make_url(PG_URL)
+    parts = {
+        "host": url.host or "127.0.0.1",
+        "port": url.port or 5432,
+        "user": url.username or "postgres",
+        "dbname": url.database or "postgres",
+    }
+    if url.password:
+        parts["password"] = url.password
+    return " ".join(f"{k}={v}" for k, v in parts.items())
+
+
+def ensure_pg_table(n: int, *, rebuild: bool = False) -> tuple[str, str]:
+    """Create (or reuse) the ``n``-row PostgreSQL table; returns ``(schema, table)``."""
+    name = table_name(n)
+    marker = f"dbtrigger-bench {LAYOUT} rows={n}"
+    engine = pg_engine()
+    try:
+        with engine.connect() as conn:
+            conn.execute(sa.text(f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}"))
+            comment = conn.execute(
+                sa.text("SELECT obj_description(to_regclass(:t), 'pg_class')"),
+                {"t": f"{SCHEMA}.{name}"},
+            ).scalar()
+            if comment == marker and not rebuild:
+                return SCHEMA, name
+            started = time.perf_counter()
+            conn.execute(sa.text(f"DROP TABLE IF EXISTS {SCHEMA}.{name}"))
+            conn.execute(
+                sa.text(
+                    f"CREATE TABLE {SCHEMA}.{name} ("
+                    " id bigint PRIMARY KEY,"
+                    " updated_at timestamptz NOT NULL,"
+                    " customer text NOT NULL,"
+                    " amount numeric(12, 2) NOT NULL,"
+                    " status text NOT NULL)"
+                )
+            )
+            conn.execute(
+                sa.text(
+                    f"INSERT INTO {SCHEMA}.{name} "
+                    "SELECT g,"
+                    " CAST(:base AS timestamptz)"
+                    "   + ((g * CAST(:stride AS bigint)) % :n / 3) * interval '1 millisecond',"
+                    " 'customer-' || (g % 997),"
+                    " (g % 100000) / 100.0,"
+                    " CASE WHEN g % 5 = 0 THEN 'shipped' ELSE 'new' END"
+                    " FROM generate_series(0, :n - 1) AS g"
+                ),
+                {"base": BASE_TIME, "stride": _stride(n), "n": n},
+            )
+            conn.execute(sa.text(f"CREATE INDEX ON {SCHEMA}.{name} (updated_at, id)"))
+            conn.execute(sa.text(f"VACUUM ANALYZE {SCHEMA}.{name}"))
+            conn.execute(sa.text(f"COMMENT ON TABLE {SCHEMA}.{name} IS '{marker}'"))
+            print(f"# built PostgreSQL {SCHEMA}.{name} in {time.perf_counter() - started:.1f} s")
+            return SCHEMA, name
+    finally:
+        engine.dispose()
+
+
+def _sqlite_rows(n: int, start: int, stop: int) -> Iterator[tuple[Any, ...]]:
+    stride = _stride(n)
+    for g in range(start, stop):
+        ts = BASE_TIME + dt.timedelta(milliseconds=(g * stride) % n // 3)
+        yield (
+            g,
+            # SQLAlchemy's own text format for DATETIME on SQLite.
+            ts.replace(tzinfo=None).strftime("%Y-%m-%d %H:%M:%S.%f"),
+            f"customer-{g % 997}",
+            (g % 100000) / 100.0,
+            "shipped" if g % 5 == 0 else "new",
+        )
+
+
+def ensure_sqlite_file(n: int, *, rebuild: bool = False) -> Path:
+    """Create (or reuse) the ``n``-row SQLite file; returns its path."""
+    DATA_DIR.mkdir(parents=True, exist_ok=True)
+    path = DATA_DIR / f"events_{n}_{LAYOUT}.sqlite"
+    if path.exists() and not rebuild:
+        return path
+    started = time.perf_counter()
+    tmp = path.with_suffix(".building")
+    tmp.unlink(missing_ok=True)
+    conn = sqlite3.connect(tmp)
+    try:
+        conn.execute(
+            "CREATE TABLE events (id INTEGER PRIMARY KEY, updated_at DATETIME NOT NULL,"
+            " customer TEXT NOT NULL, amount REAL NOT NULL, status TEXT NOT NULL)"
+        )
+        chunk = 50_000
+        for start in range(0, n, chunk):
+            conn.executemany(
+                "INSERT INTO events VALUES (?, ?, ?, ?, ?)",
+                _sqlite_rows(n, start, min(n, start + chunk)),
+            )
+        conn.execute("CREATE INDEX events_cursor ON events (updated_at, id)")
+        conn.commit()
+        conn.execute("ANALYZE")
+    finally:
+        conn.close()
+    tmp.replace(path)
+    print(f"# built SQLite {path.name} in {time.perf_counter() - started:.1f} s")
+    return path
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """One table to drain: where it is, and how to build a source for it."""
+
+    kind: str  # "postgresql" or "sqlite"
+    rows: int
+    url: str
+    schema: str | None
+    table: str
+
+    def source(self, visibility: str = "none") -> SqlAlchemySource:
+        """A source over the table. ``visibility="none"`` by default: the table
+        is static, and the raw loop it is compared with has no guard either; the
+        guard's own cost is measured separately (``visibility="auto"``)."""
+        return SqlAlchemySource(
+            url=self.url,
+            table=self.table,
+            schema=self.schema,
+            cursor_column="updated_at",
+            pk_columns=["id"],
+            visibility=visibility,
+        )
+
+
+def dataset(kind: str, n: int, *, rebuild: bool = False) -> Dataset:
+    if kind == "postgresql":
+        schema, name = ensure_pg_table(n, rebuild=rebuild)
+        return Dataset(kind, n, PG_URL, schema, name)
+    if kind == "sqlite":
+        path = ensure_sqlite_file(n, rebuild=rebuild)
+        return Dataset(kind, n, f"sqlite:///{path}", None, "events")
+    raise SystemExit(f"unknown database kind {kind!r} (postgresql, sqlite)")
+
+
+# --- baselines: the raw driver keyset loop ------------------------------------------------
+
+_PG_FIRST = (
+    "SELECT id, updated_at, customer, amount, status FROM {t} ORDER BY updated_at, id LIMIT %s"
+)
+_PG_NEXT = (
+    "SELECT id, updated_at, customer, amount, status FROM {t}"
+    " WHERE (updated_at, id) > (%s, %s) ORDER BY updated_at, id LIMIT %s"
+)
+_LITE_FIRST = (
+    "SELECT id, updated_at, customer, amount, status FROM events ORDER BY updated_at, id LIMIT ?"
+)
+_LITE_NEXT = (
+    "SELECT id, updated_at, customer, amount, status FROM events"
+    " WHERE (updated_at, id) > (?, ?) ORDER BY updated_at, id LIMIT ?"
+)
+
+
+def raw_keyset_drain(ds: Dataset, batch: int) -> int:
+    """The floor: the same keyset read with the bare driver, rows as tuples, nothing else.
+
+    One connection, autocommit, the last row's ``(updated_at, id)`` bound into
+    the next query. Returns the rows read.
+    """
+    if ds.kind == "postgresql":
+        import psycopg  # noqa: PLC0415 - only the PostgreSQL baseline needs it
+
+        first = _PG_FIRST.format(t=f"{ds.schema}.{ds.table}")
+        nxt = _PG_NEXT.format(t=f"{ds.schema}.{ds.table}")
+        with psycopg.connect(pg_conninfo(), autocommit=True) as pconn, pconn.cursor() as cur:
+            return _keyset_loop(lambda q, p: cur.execute(q, p).fetchall(), first, nxt, batch)
+    path = sa.make_url(ds.url).database or ""
+    lconn = sqlite3.connect(path)
+    try:
+        return _keyset_loop(
+            lambda q, p: lconn.execute(q, p).fetchall(), _LITE_FIRST, _LITE_NEXT, batch
+        )
+    finally:
+        lconn.close()
+
+
+def _keyset_loop(
+    run: Callable[[str, tuple[Any, ...]], list[Any]], first: str, nxt: str, batch: int
+) -> int:
+    total = 0
+    rows = run(first, (batch,))
+    while rows:
+        total += len(rows)
+        if len(rows) < batch:
+            break
+        last = rows[-1]
+        rows = run(nxt, (last[1], last[0], batch))
+    return total
+
+
+# --- dbtrigger -------------------------------------------------------------------------------
+
+
+def dbtrigger_drain(
+    ds: Dataset,
+    batch: int,
+    store: CheckpointStore,
+    *,
+    poller: str = "bench",
+    visibility: str = "none",
+    idle_limit_seconds: float = 30.0,
+) -> int:
+    """Drain the table through ``PollTrigger`` with a no-op handler; returns rows delivered.
+
+    Ticks until every row was delivered. A tick that delivers nothing while rows
+    remain is a visibility guard holding rows back until transactions that were
+    open at its probe have ended (other sessions on a shared server); the loop
+    waits for that, but gives up after ``idle_limit_seconds`` without progress.
+    """
+    source = ds.source(visibility)
+    try:
+        trigger = PollTrigger(
+            name=poller,
+            source=source,
+            checkpoint_store=store,
+            batch_size=batch,
+            max_batches_per_tick=1_000_000,
+        )
+        total = 0
+        stalled_since: float | None = None
+        while total < ds.rows:
+            got = trigger.tick(noop_handler)
+            total += got
+            if got:
+                stalled_since = None
+                continue
+            now = time.monotonic()
+            stalled_since = stalled_since or now
+            if now - stalled_since > idle_limit_seconds:
+                break
+            time.sleep(0.005)
+        return total
+    finally:
+        source.close()
+
+
+# --- azure-functions-db (the package the runtime contract comes from) -----------------------
+
+
+def afdb_version() -> str | None:
+    """The installed azure-functions-db version, or None when it is not installed."""
+    try:
+        import azure_functions_db  # noqa: PLC0415 - optional comparison package
+    except ImportError:
+        return None
+    return str(azure_functions_db.__version__)
+
+
+class AfdbMemoryStateStore:
+    """azure-functions-db's ``StateStore`` protocol kept in memory.
+
+    The package ships only a blob-backed store; this one follows the same
+    algorithm (a JSON document per poller, read-modify-write on every lease and
+    checkpoint call, owner and fencing-token checks) without the network, so the
+    in-memory comparison is like for like with ``InMemoryCheckpointStore``.
+    """
+
+    def __init__(self) -> None:
+        self._docs: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+        self.reads = 0
+        self.writes = 0
+
+    def _read(self, poller: str) -> dict[str, Any] | None:
+        self.reads += 1
+        raw = self._docs.get(poller)
+        return None if raw is None else dict(json.loads(raw))
+
+    def _write(self, poller: str, state: dict[str, Any]) -> None:
+        self.writes += 1
+        self._docs[poller] = json.dumps(state, indent=2).encode()
+
+    @staticmethod
+    def _lease_id(lease_id: str) -> tuple[str, int]:
+        owner, token = lease_id.rsplit(":", 1)
+        return owner, int(token)
+
+    def _verify(self, state: dict[str, Any] | None, lease_id: str) -> dict[str, Any]:
+        from azure_functions_db import LostLeaseError  # noqa: PLC0415
+
+        owner, token = self._lease_id(lease_id)
+        lease = (state or {}).get("lease") or {}
+        if state is None or lease.get("owner_id") != owner or lease.get("fencing_token") != token:
+            raise LostLeaseError("lease is not ours")
+        return state
+
+    def acquire_lease(self, poller_name: str, ttl_seconds: int) -> str:
+        from azure_functions_db.state.errors import LeaseConflictError  # noqa: PLC0415
+
+        with self._lock:
+            now = time.time()
+            state = self._read(poller_name) or {"checkpoint": {}, "lease": {}}
+            lease = state.get("lease") or {}
+            # Like its blob store: a lease is free only after expiry plus a grace
+            # period, min(ttl / 2, 5 s), and a release only moves expiry to now.
+            grace = min(ttl_seconds * 0.5, 5.0)
+            if lease and now <= lease.get("expires_at", 0) + grace:
+                raise LeaseConflictError("lease held")
+            token = int(lease.get("fencing_token", 0)) + 1
+            owner = uuid.uuid4().hex
+            state["lease"] = {
+                "owner_id": owner,
+                "fencing_token": token,
+                "expires_at": now + ttl_seconds,
+            }
+            self._write(poller_name, state)
+            return f"{owner}:{token}"
+
+    def renew_lease(self, poller_name: str, lease_id: str, ttl_seconds: int) -> None:
+        with self._lock:
+            state = self._verify(self._read(poller_name), lease_id)
+            state["lease"]["expires_at"] = time.time() + ttl_seconds
+            self._write(poller_name, state)
+
+    def release_lease(self, poller_name: str, lease_id: str) -> None:
+        with self._lock:
+            state = self._verify(self._read(poller_name), lease_id)
+            state["lease"]["expires_at"] = time.time()
+            self._write(poller_name, state)
+
+    def load_checkpoint(self, poller_name: str) -> dict[str, object]:
+        with self._lock:
+            state = self._read(poller_name)
+            return dict((state or {}).get("checkpoint") or {})
+
+    def commit_checkpoint(
+        self, poller_name: str, checkpoint: dict[str, object], lease_id: str
+    ) -> None:
+        with self._lock:
+            state = self._verify(self._read(poller_name), lease_id)
+            state["checkpoint"] = dict(checkpoint)
+            self._write(poller_name, state)
+
+
+def afdb_drain(ds: Dataset, batch: int, store: Any, *, poller: str = "bench") -> int:
+    """Drain the table through azure-functions-db's public ``PollTrigger``; returns rows.
+
+    One tick drains the whole table (``max_batches_per_tick`` is unbounded and
+    the lease is renewed before every batch); the loop ends at the first tick
+    that delivers nothing, which for this package includes "lease released less
+    than the grace period ago".
+    """
+    import azure_functions_db as afdb  # noqa: PLC0415 - optional comparison package
+
+    source = afdb.SqlAlchemySource(
+        url=ds.url,
+        table=ds.table,
+        schema=ds.schema,
+        cursor_column="updated_at",
+        pk_columns=["id"],
+    )
+    try:
+        trigger = afdb.PollTrigger(
+            name=poller,
+            source=source,
+            checkpoint_store=store,
+            batch_size=batch,
+            max_batches_per_tick=1_000_000,
+        )
+        total = 0
+        while True:
+            got = trigger.run(timer=None, handler=noop_handler)
+            total += got
+            if got == 0:
+                return total
+    finally:
+        source.dispose()
+
+
+# --- Azurite and the blob stores --------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def azurite() -> Iterator[Any]:
+    """A private Azurite on free ports, started the way the test suite starts it."""
+    import sys  # noqa: PLC0415
+
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from tests.azurite import start_azurite  # noqa: PLC0415 - reuse the test fixture's launcher
+
+    with contextlib.contextmanager(start_azurite)() as running:
+        yield running
+
+
+def blob_store_class() -> Any:
+    """dbtrigger's ``BlobCheckpointStore``, or None when this checkout has none yet."""
+    try:
+        from dbtrigger.state.stores.blob import BlobCheckpointStore  # noqa: PLC0415
+    except ImportError:
+        return None
+    return BlobCheckpointStore
+
+
+def dbtrigger_blob_store(az: Any, app_name: str) -> CheckpointStore:
+    cls = blob_store_class()
+    if cls is None:
+        raise RuntimeError("dbtrigger.state.stores.blob is not available in this checkout")
+    store: CheckpointStore = cls.from_connection_string(
+        az.connection_string, app_name=app_name, container="bench-state", create_container=True
+    )
+    return store
+
+
+def afdb_blob_store(az: Any, ds: Dataset, container: str) -> Any:
+    """azure-functions-db's own ``BlobCheckpointStore`` on Azurite (fresh container)."""
+    import azure_functions_db as afdb  # noqa: PLC0415
+    from azure.storage.blob import ContainerClient  # noqa: PLC0415
+
+    client = ContainerClient.from_connection_string(az.connection_string, container)
+    client.create_container()
+    fingerprint = afdb.SqlAlchemySource(
+        url=ds.url, table=ds.table, schema=ds.schema, cursor_column="updated_at", pk_columns=["id"]
+    ).source_descriptor.fingerprint
+    return afdb.BlobCheckpointStore(container_client=client, source_fingerprint=fingerprint)
+
+
+# --- timing storage operations ----------------------------------------------------------------
+
+
+@dataclass
+class OpTimes:
+    """Durations (seconds) of the store calls made through a :class:`TimingStore`."""
+
+    reads: list[float] = field(default_factory=list)
+    writes: list[float] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.reads.clear()
+        self.writes.clear()
+
+
+class TimingStore:
+    """A ``CheckpointStore`` that forwards to another and times each read and write.
+
+    Counting is :class:`dbtrigger.testing.CountingStore`'s job; this one measures
+    round trips, failed calls included.
+    """
+
+    def __init__(self, inner: CheckpointStore) -> None:
+        self.inner = inner
+        self.times = OpTimes()
+
+    def read(self, key: str) -> StoredDocument | None:
+        started = time.perf_counter()
+        try:
+            return self.inner.read(key)
+        finally:
+            self.times.reads.append(time.perf_counter() - started)
+
+    def write(self, key: str, data: bytes, *, if_match: str | None) -> str:
+        started = time.perf_counter()
+        try:
+            return self.inner.write(key, data, if_match=if_match)
+        finally:
+            self.times.writes.append(time.perf_counter() - started)
+
+    def delete(self, key: str, *, if_match: str | None = None) -> None:
+        self.inner.delete(key, if_match=if_match)
+
+    def list_keys(self) -> list[str]:
+        return self.inner.list_keys()
+
+    def describe(self) -> str:
+        return self.inner.describe()
+
+
+# --- timing and output ---------------------------------------------------------------------------
+
+
+def timed(fn: Callable[[], int]) -> tuple[int, float]:
+    """Run ``fn`` (which returns a row count); return ``(rows, seconds)``."""
+    started = time.perf_counter()
+    rows = fn()
+    return rows, time.perf_counter() - started
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def fmt_rate(value: float | None) -> str:
+    return "-" if value is None or math.isnan(value) else f"{value:,.0f}"
+
+
+def fmt_ratio(num: float | None, den: float | None) -> str:
+    if num is None or den is None or den == 0 or math.isnan(num) or math.isnan(den):
+        return "-"
+    return f"{num / den:.2f}"
+
+
+def print_table(
+    title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]], *, left: int = 1
+) -> None:
+    """A plain-text table: the first ``left`` columns left-aligned, the rest right-aligned."""
+    cells = [[str(c) for c in headers], *([str(c) for c in row] for row in rows)]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    print()
+    print(title)
+    for index, row in enumerate(cells):
+        line = [
+            c.ljust(w) if column < left or index == 0 else c.rjust(w)
+            for column, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        print("  ".join(line).rstrip())
+        if index == 0:
+            print("  ".join("-" * w for w in widths))
+    print(flush=True)
+
+
+def int_list(text: str) -> list[int]:
+    """``"100,1000,5k,1m"`` -> ``[100, 1000, 5000, 1000000]``."""
+    values = []
+    for raw in text.split(","):
+        part = raw.strip().lower()
+        if not part:
+            continue
+        scale = {"k": 1000, "m": 1_000_000}.get(part[-1], 1)
+        number = part[:-1] if scale > 1 else part
+        values.append(int(float(number) * scale))
+    return values
+
+
+def str_list(text: str) -> list[str]:
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def rss_mb() -> tuple[float, float]:
+    """``(VmRSS, VmHWM)`` of this process in MiB, from ``/proc/self/status``."""
+    values = {"VmRSS": float("nan"), "VmHWM": float("nan")}
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            key, _, rest = line.partition(":")
+            if key in values:
+                values[key] = int(rest.split()[0]) / 1024
+    return values["VmRSS"], values["VmHWM"]
+
+
+__all__ = [
+    "COLUMNS",
+    "PG_URL",
+    "ROOT",
+    "AfdbMemoryStateStore",
+    "Dataset",
+    "OpTimes",
+    "PollTrigger",
+    "TimingStore",
+    "afdb_blob_store",
+    "afdb_drain",
+    "afdb_version",
+    "azurite",
+    "blob_store_class",
+    "dataset",
+    "dbtrigger_blob_store",
+    "dbtrigger_drain",
+    "fmt_rate",
+    "fmt_ratio",
+    "int_list",
+    "median",
+    "noop_handler",
+    "percentile",
+    "print_table",
+    "raw_keyset_drain",
+    "rss_mb",
+    "str_list",
+    "timed",
+]

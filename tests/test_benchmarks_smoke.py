@@ -1,0 +1,145 @@
+"""The benchmark scripts still run and still print their tables.
+
+Each script runs as a subprocess, the way its README says to run it, on tiny
+data (a few thousand rows) so the whole module takes well under a minute. This
+checks that the scripts work end to end (data set build, every contender,
+Azurite, azure-functions-db, the table output, the exit code) - not how fast
+anything is: no timing is asserted.
+
+Data sets go to this test's own PostgreSQL schema and temp directory.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.databases import TestDatabase
+
+ROOT = Path(__file__).resolve().parent.parent
+NUMBER = r"[\d,]+(?:\.\d+)?"
+
+pytestmark = [pytest.mark.postgresql, pytest.mark.azurite]
+
+
+def run_benchmark(module: str, args: list[str], pg: TestDatabase, tmp_path: Path) -> str:
+    env = {
+        **os.environ,
+        "DBTRIGGER_BENCH_PG_URL": pg.url,
+        "DBTRIGGER_BENCH_SCHEMA": pg.schema or "",
+        "DBTRIGGER_BENCH_DIR": str(tmp_path),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{module}", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, f"{module} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def table_rows(output: str, title: str) -> list[list[str]]:
+    """The data rows of the table whose title starts with ``title``, split on runs of spaces."""
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(title))
+    rows = []
+    for line in lines[start + 3 :]:  # title, header, rule
+        if not line.strip():
+            break
+        rows.append(re.split(r"\s{2,}", line.strip()))
+    return rows
+
+
+def test_catchup_prints_every_contender_and_the_ratios(pg: TestDatabase, tmp_path: Path) -> None:
+    out = run_benchmark(
+        "catchup",
+        ["--rows", "2000,3000", "--batch-sizes", "500", "--repeats", "1"],
+        pg,
+        tmp_path,
+    )
+    assert "azure-functions-db 0.8.3" in out
+    rows = table_rows(out, "Catch-up throughput")
+    configs = {(r[0], r[1], r[3]) for r in rows}
+    assert configs == {
+        (db, n, store)
+        for db in ("postgresql", "sqlite")
+        for n in ("2,000", "3,000")
+        for store in ("memory", "blob")
+    }
+    for row in rows:
+        db, store = row[0], row[3]
+        raw, ours, guard, afdb, ours_raw, guard_raw, ours_afdb = row[4:]
+        for value in (raw, ours, afdb, ours_raw, ours_afdb):
+            assert re.fullmatch(NUMBER, value), row
+        if db == "postgresql" and store == "memory":
+            assert re.fullmatch(NUMBER, guard), row
+            assert re.fullmatch(NUMBER, guard_raw), row
+        else:
+            assert guard == guard_raw == "-", row
+    scaling = table_rows(out, "Flat cost with depth")
+    assert len(scaling) == 4
+    for row in scaling:
+        assert all(re.fullmatch(NUMBER, v) for v in row[3:]), row
+
+
+def test_ops_per_tick_meets_every_target_on_every_store(pg: TestDatabase, tmp_path: Path) -> None:
+    out = run_benchmark("ops_per_tick", ["--quick"], pg, tmp_path)
+    rows = table_rows(out, "Storage operations per tick")
+    assert {r[0] for r in rows} == {"memory", "file", "blob (Azurite)"}
+    assert len(rows) == 18
+    assert all(r[5] == "yes" for r in rows), rows
+    by_scenario = {(r[0], r[1]): r for r in rows}
+    assert by_scenario[("memory", "idle (nothing new)")][4] == "1 / 0"
+    assert by_scenario[("blob (Azurite)", "5 batches")][4] == "1 / 6"
+    # azure-functions-db is counted at its blob client, and its in-memory stand-in
+    # must make the same calls.
+    for scenario in ("idle (nothing new)", "5 batches", "contended (lease held elsewhere)"):
+        blob = by_scenario[("blob (Azurite)", scenario)][6]
+        assert re.fullmatch(r"\d+ / \d+", blob)
+        assert by_scenario[("memory", scenario)][6] == blob
+    trips = table_rows(out, "Store round trips")
+    assert [r[0] for r in trips] == ["memory", "file", "blob (Azurite)"]
+    for row in trips:
+        assert all(re.fullmatch(NUMBER, v) for v in row[1:]), row
+
+
+def test_memory_reports_growth_per_batch_size(pg: TestDatabase, tmp_path: Path) -> None:
+    out = run_benchmark("memory", ["--rows", "3000", "--batch-sizes", "100,1000"], pg, tmp_path)
+    rows = table_rows(out, "Catch-up memory")
+    assert [(r[0], r[2]) for r in rows] == [("postgresql", "100"), ("postgresql", "1000")]
+    for row in rows:
+        before, peak, growth = (float(v) for v in row[3:6])
+        assert peak >= before > 0
+        assert growth == pytest.approx(peak - before, abs=0.11)
+
+
+def test_fetch_depth_shows_keyset_flat_and_offset_growing(pg: TestDatabase, tmp_path: Path) -> None:
+    out = run_benchmark(
+        "fetch_depth",
+        ["--rows", "5000", "--depths", "100,3000", "--batch", "500", "--repeats", "2"],
+        pg,
+        tmp_path,
+    )
+    rows = table_rows(out, "One fetch of 500 rows")
+    assert [(r[0], r[1]) for r in rows] == [
+        ("postgresql", "100"),
+        ("postgresql", "3,000"),
+        ("sqlite", "100"),
+        ("sqlite", "3,000"),
+    ]
+    for row in rows:
+        assert all(re.fullmatch(NUMBER, v) for v in row[2:7]), row
+    # Buffers touched are a property of the plan, not of machine load: the keyset
+    # fetch touches as many at depth 3000 as at depth 100, OFFSET touches more.
+    shallow, deep = rows[0], rows[1]
+    assert int(deep[7]) <= int(shallow[7]) + 5
+    assert int(deep[8]) > int(shallow[8]) + 1000

@@ -6,7 +6,10 @@ committed. Every workload includes a *straggler*: a transaction that takes the
 smallest cursor values first and commits only after the unguarded pollers have
 checkpointed past them. The same run therefore shows both sides: the guarded
 pollers lose nothing, the unguarded ones lose the straggler (which proves the
-workload can make a poller fail).
+workload can make a poller fail). On PostgreSQL a second, *silent* straggler
+holds ``now()`` and a sequence value without writing (so without a transaction
+id) while the horizons move: the case an xid-only view of open transactions
+gets wrong.
 
 Each test is bounded to a few seconds of writing (plus the safety window on
 MariaDB). PostgreSQL workloads run in a database of their own, because the
@@ -147,12 +150,29 @@ def lost_rows(poller: Poller, final: list[Any], column: str) -> set[tuple[int, A
     return expected - poller.delivered
 
 
+Insert = Callable[[sa.Connection, random.Random, int], int]
+
+
+def simple_insert(sql: str) -> Insert:
+    def insert(conn: sa.Connection, rng: random.Random, writer: int) -> int:
+        del rng
+        return int(conn.execute(sa.text(sql), {"w": writer}).scalar_one())
+
+    return insert
+
+
 @dataclass
 class Workload:
-    """Writers that insert, update and roll back with random delays."""
+    """Writers that insert, update and roll back with random delays.
+
+    The first half of the run holds some transactions open across several
+    poller ticks; the second half has only short transactions. Long holds keep
+    a horizon parked, so flaws that only show while the horizon moves (a writer
+    that took its value but has not written yet) need the short phase.
+    """
 
     engine: sa.Engine
-    insert_sql: str
+    insert: Insert
     update_sql: str
     writers: int = 8
     seconds: float = 3.0
@@ -167,17 +187,15 @@ class Workload:
     def _writer(self, index: int) -> None:
         rng = random.Random(self.seed * 100 + index)
         deadline = time.monotonic() + self.seconds
+        short_phase = time.monotonic() + self.seconds / 2
         try:
             with self.engine.connect() as conn:
                 while time.monotonic() < deadline:
-                    long = rng.random() < 0.12
+                    long = time.monotonic() < short_phase and rng.random() < 0.12
                     hold = rng.uniform(*self.long_hold) if long else rng.uniform(0, 0.02)
                     rollback = rng.random() < 0.12
                     trans = conn.begin()
-                    ids = [
-                        conn.execute(sa.text(self.insert_sql), {"w": index}).scalar_one()
-                        for _ in range(rng.randint(1, 3))
-                    ]
+                    ids = [self.insert(conn, rng, index) for _ in range(rng.randint(1, 3))]
                     with self.lock:
                         target = rng.choice(self.committed_ids) if self.committed_ids else None
                     if target is not None and rng.random() < 0.3:
@@ -240,7 +258,27 @@ CREATE INDEX ix_events_updated_at_id ON events (updated_at, id);
 CREATE INDEX ix_events_seq_id ON events (seq, id);
 """
 
-PG_INSERT = "INSERT INTO events (writer) VALUES (:w) RETURNING id"
+
+def pg_insert(conn: sa.Connection, rng: random.Random, writer: int) -> int:
+    """Insert a row; sometimes take the cursor values first and write a little later.
+
+    A transaction that has read ``now()`` or ``nextval()`` but not written yet has
+    no transaction id: it is invisible to any xid-based filter, yet it already
+    holds an old timestamp / sequence value.
+    """
+    roll = rng.random()
+    if roll < 0.2:  # now() is fixed at the transaction's start; the row comes later
+        conn.execute(sa.text("SELECT now()"))
+        time.sleep(rng.uniform(0, 0.05))
+    elif roll < 0.4:  # a sequence value taken early, used later
+        seq = conn.execute(sa.text("SELECT nextval('events_seq')")).scalar_one()
+        time.sleep(rng.uniform(0, 0.05))
+        sql = "INSERT INTO events (writer, seq) VALUES (:w, :s) RETURNING id"
+        return int(conn.execute(sa.text(sql), {"w": writer, "s": seq}).scalar_one())
+    sql = "INSERT INTO events (writer) VALUES (:w) RETURNING id"
+    return int(conn.execute(sa.text(sql), {"w": writer}).scalar_one())
+
+
 PG_UPDATE = (
     "UPDATE events SET updated_at = now(), seq = nextval('events_seq'), writer = :w WHERE id = :id"
 )
@@ -290,9 +328,25 @@ def test_postgresql_concurrent_late_commits_lose_nothing_with_guards(
                 "RETURNING id, seq, updated_at, dbtrigger_xid, pg_backend_pid() AS pid"
             )
         ).one()
+        # The silent straggler takes now() and a sequence value but writes
+        # nothing until the writers are done: no transaction id all that time,
+        # while the short-transaction phase moves the horizons along.
+        silent = engine.connect()
+        for _ in range(5):
+            silent.begin()
+            quiet = silent.execute(
+                sa.text(
+                    "SELECT now() AS updated_at, nextval('events_seq') AS seq, "
+                    "pg_backend_pid() AS pid, pg_current_xact_id_if_assigned() AS xid"
+                )
+            ).one()
+            if quiet.xid is None:  # nextval() sometimes takes an xid to WAL-log
+                break
+            silent.rollback()
+        assert quiet.xid is None
         for p in pollers:
             p.start()
-        workload = Workload(engine, PG_INSERT, PG_UPDATE)
+        workload = Workload(engine, pg_insert, PG_UPDATE)
         writers = threading.Thread(target=workload.run)
         writers.start()
         time.sleep(1.0)  # several poller ticks with the straggler open
@@ -305,8 +359,25 @@ def test_postgresql_concurrent_late_commits_lose_nothing_with_guards(
         )
         straggler.commit()
         straggler.close()
+        ts_none, seq_none = unguarded[0], unguarded[1]
+        passed_silent = wait_until(
+            lambda: (
+                ts_none.position().cursor > quiet.updated_at
+                and seq_none.position().cursor > quiet.seq
+            ),
+            timeout=20,
+        )
         writers.join()
         workload.check()
+        silent_row = silent.execute(
+            sa.text(
+                "INSERT INTO events (writer, seq) VALUES (-2, :seq) "
+                "RETURNING id, seq, updated_at, dbtrigger_xid"
+            ),
+            {"seq": quiet.seq},
+        ).one()
+        silent.commit()
+        silent.close()
         for p in pollers:
             p.finish()
 
@@ -319,12 +390,18 @@ def test_postgresql_concurrent_late_commits_lose_nothing_with_guards(
             assert lost_rows(p, final_rows, column) == set(), f"{p.label} lost rows"
             assert p.held_back_ticks >= 3, f"{p.label} was never held back"
             assert row.pid in p.blocking_pids, f"{p.label} never named the straggler's backend"
+        for p in guarded[:2]:  # the transaction horizons also waited for the silent one
+            assert quiet.pid in p.blocking_pids, f"{p.label} never named the silent straggler"
         assert passed, "the unguarded pollers never moved past the straggler"
+        assert passed_silent, "the unguarded pollers never moved past the silent straggler"
         for p in unguarded:
             column = columns[p.label.split("-")[0]]
             lost = lost_rows(p, final_rows, column)
             assert (row.id, getattr(row, column)) in lost, f"{p.label} did not lose the straggler"
-            assert len(lost) > 0
+        for p in (ts_none, seq_none):
+            column = columns[p.label.split("-")[0]]
+            lost = lost_rows(p, final_rows, column)
+            assert (silent_row.id, getattr(silent_row, column)) in lost, p.label
         assert guarded[0].source.visibility_mode == "transaction-horizon"
         assert guarded[1].source.visibility_mode == "transaction-horizon"
         assert guarded[2].source.visibility_mode == "snapshot-horizon"
@@ -397,7 +474,7 @@ def test_mariadb_concurrent_late_commits_within_the_window_lose_nothing(
         for p in (guarded, unguarded):
             p.start()
         # Every transaction, the straggler included, commits well inside the window.
-        workload = Workload(mariadb.engine, insert, update, long_hold=(0.2, 0.6))
+        workload = Workload(mariadb.engine, simple_insert(insert), update, long_hold=(0.2, 0.6))
         writers = threading.Thread(target=workload.run)
         writers.start()
         passed = wait_until(lambda: unguarded.passed(row.updated_at, row.id), timeout=1.5)
@@ -750,6 +827,55 @@ def test_horizon_held_back_names_the_blocking_backend(
         assert any(getattr(r, "event", None) == "visibility_released" for r in caplog.records)
     finally:
         blocker.close()
+        source.close()
+        engine.dispose()
+
+
+@pytest.mark.postgresql
+@pytest.mark.parametrize(
+    ("cursor", "take_value"),
+    [("updated_at", "SELECT now()"), ("seq", "SELECT nextval('events_seq')")],
+)
+def test_transaction_horizon_waits_for_a_writer_that_has_not_written_yet(
+    pg_database: str, cursor: str, take_value: str
+) -> None:
+    """A transaction that holds a cursor value but no transaction id yet still counts.
+
+    ``now()`` is fixed when the transaction starts and ``nextval()`` is taken
+    before the row is written; until the row is written the transaction has no
+    xid, so an xid-based view of "open transactions" would not see it.
+    """
+    engine = pg_table(pg_database, PG_SCHEMA)
+    source = SqlAlchemySource(
+        url=pg_database, table="events", cursor_column=cursor, pk_columns=["id"]
+    )
+    early = engine.connect()
+    try:
+        for _ in range(5):
+            # nextval() takes an xid when it WAL-logs the sequence (first call,
+            # then every 32nd, or after a checkpoint): retry until it did not.
+            early.begin()
+            value = early.execute(sa.text(take_value)).scalar_one()
+            xid = early.execute(sa.text("SELECT pg_current_xact_id_if_assigned()")).scalar()
+            if xid is None:
+                break
+            early.rollback()
+        assert xid is None, "could not hold a cursor value without a transaction id"
+        with engine.begin() as conn:
+            conn.execute(sa.text("INSERT INTO events (writer) VALUES (2)"))
+        assert source.fetch(BEGINNING, 10) == []  # row 2 may not pass the early writer
+        params = {"w": 1, "s": value} if cursor == "seq" else {"w": 1, "s": None}
+        early.execute(
+            sa.text(
+                "INSERT INTO events (writer, seq) VALUES (:w, COALESCE(:s, nextval('events_seq')))"
+            ),
+            params,
+        )
+        early.commit()
+        rows = source.fetch(BEGINNING, 10)
+        assert [r["writer"] for r in rows] == [1, 2]
+    finally:
+        early.close()
         source.close()
         engine.dispose()
 

@@ -52,7 +52,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
@@ -205,6 +205,11 @@ class ActiveGuard:
         return self.last_info
 
 
+def _check_seconds(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+        raise ConfigurationError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+
+
 # --- the guards ---------------------------------------------------------------
 
 
@@ -333,6 +338,9 @@ class SnapshotHorizon(VisibilityGuard):
     require_marker: bool = True
     mode = "snapshot-horizon"
 
+    def __post_init__(self) -> None:
+        _check_seconds("warn_after_seconds", self.warn_after_seconds)
+
     def guarantee(self, dialect: str) -> str:
         del dialect
         return (
@@ -380,10 +388,20 @@ class TransactionHorizon(VisibilityGuard):
     Args:
         warn_after_seconds: log a WARNING naming the oldest open backend once
             rows have been held back this long.
+        settle_seconds: when transactions that overlap the new probe are still
+            open, re-read ``pg_stat_activity`` for up to this long (every 10 ms)
+            before settling for an older probe. Short writer transactions end
+            within milliseconds, so this turns "nothing until the next tick"
+            into "everything committed so far" at the cost of a short wait.
     """
 
     warn_after_seconds: float = DEFAULT_WARN_AFTER_SECONDS
+    settle_seconds: float = 0.1
     mode = "transaction-horizon"
+
+    def __post_init__(self) -> None:
+        _check_seconds("warn_after_seconds", self.warn_after_seconds)
+        _check_seconds("settle_seconds", self.settle_seconds)
 
     def guarantee(self, dialect: str) -> str:
         del dialect
@@ -735,13 +753,40 @@ class _ActivityActive(ActiveGuard):
         conn.rollback()  # the activity read must be a new transaction, after this one
         return None if value is None else _Probe(at=at, value=value)
 
-    def before_fetch(self, conn: Connection, after: Position) -> ColumnElement[bool] | None:
-        probe = self._probe(conn)
-        # pg_stat_activity is not transactional: it says what is open *now*,
-        # i.e. after the probe. The row read below starts a new transaction, so
-        # its snapshot is taken after this read.
+    def _activity(self, conn: Connection) -> Any:
+        # pg_stat_activity is not transactional: it says what is open *now*
+        # (after the probe), and it is read once per transaction, so each read
+        # gets a transaction of its own.
         activity = conn.execute(_ACTIVITY_SQL).one()
         conn.rollback()
+        return activity
+
+    def _worth_waiting_for(self, probe: _Probe | None, after: Position) -> bool:
+        if probe is None:
+            return False
+        with self._lock:
+            return _greater(probe.value, _value(self._state.safe)) and _greater(
+                probe.value, after.cursor
+            )
+
+    def before_fetch(self, conn: Connection, after: Position) -> ColumnElement[bool] | None:
+        probe = self._probe(conn)
+        activity = self._activity(conn)
+        settle = cast("TransactionHorizon", self.guard).settle_seconds
+        deadline = time.monotonic() + settle
+        while (
+            probe is not None
+            and not activity.hidden
+            and activity.prepared_gid is None
+            and activity.oldest_start is not None
+            and activity.oldest_start <= probe.at
+            and time.monotonic() < deadline
+            and self._worth_waiting_for(probe, after)
+        ):
+            time.sleep(0.01)
+            activity = self._activity(conn)
+        # The row read below starts a new transaction, so its snapshot is taken
+        # after the last activity read.
         if activity.hidden:
             raise ConfigurationError(
                 f"{self.target.source_name}: the visibility guard cannot see "

@@ -121,6 +121,28 @@ def test_handler_slower_than_ttl_keeps_its_lease_and_commits(sqlite_db: TestData
     assert heartbeats >= 3
 
 
+def test_without_competitor_a_batch_past_its_expired_lease_still_commits(
+    sqlite_db: TestDatabase,
+) -> None:
+    """Even with renewal off: the etag proves nobody wrote, so the work is kept."""
+    table = items_table(sqlite_db)
+    add_items(sqlite_db, table, range(1, 4))
+    store = FaultyStore(InMemoryCheckpointStore())
+    trigger = make_trigger(
+        items_source(sqlite_db), store, lease_ttl_seconds=0.2, heartbeat_interval_seconds=0
+    )
+
+    def handler(events: list[RowChange]) -> None:
+        time.sleep(0.6)  # three TTLs
+
+    assert trigger.tick(handler) == 3
+    assert store.plan.count("write") == 2  # acquisition and commit, nothing else
+    doc = read_doc(store)
+    assert doc.lease is not None
+    assert doc.lease.fencing_token == 1
+    assert checkpoint_id(store) == 3
+
+
 def test_without_heartbeat_a_slow_batch_loses_its_lease_and_is_redelivered(
     sqlite_db: TestDatabase,
 ) -> None:

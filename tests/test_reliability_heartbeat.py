@@ -90,13 +90,13 @@ def test_handler_slower_than_ttl_keeps_its_lease_and_commits(sqlite_db: TestData
     table = items_table(sqlite_db)
     add_items(sqlite_db, table, range(1, 6))
     store = FaultyStore(InMemoryCheckpointStore())
-    ttl = 1.2
+    ttl = 1.5
     slow = make_trigger(items_source(sqlite_db), store, lease_ttl_seconds=ttl, owner_id="slow")
     other = make_trigger(items_source(sqlite_db), store, lease_ttl_seconds=ttl, owner_id="other")
     competitor_handler = Recorder()
 
     def handler(events: list[RowChange], ctx: BatchContext) -> None:
-        time.sleep(2.5 * ttl)  # well past the TTL and its grace window
+        time.sleep(2.2 * ttl)  # well past the TTL and its grace window
         assert not ctx.cancelled
 
     with Competitor(other, competitor_handler) as competitor:
@@ -164,7 +164,7 @@ def test_without_heartbeat_a_slow_batch_loses_its_lease_and_is_redelivered(
 
     def handler(events: list[RowChange]) -> None:
         seen.extend(int(e.pk["id"]) for e in events)
-        time.sleep(4 * ttl)
+        time.sleep(6 * ttl)
 
     with Competitor(other, competitor_handler), pytest.raises(LostLeaseError):
         slow.tick(handler)

@@ -364,6 +364,27 @@ def test_every_row_failing_looks_like_an_outage_and_nothing_is_set_aside(
     assert any(getattr(r, "event", None) == "poison_batch" for r in caplog.records)
 
 
+@pytest.mark.parametrize("partial", [False, True])
+def test_a_small_batch_failing_entirely_is_not_quarantined(
+    sqlite_db: TestDatabase, tmp_path: Path, partial: bool
+) -> None:
+    """Fewer rows than the limit, but none passes: an outage, not three poison rows."""
+    table = items_table(sqlite_db)
+    add_items(sqlite_db, table, range(1, 4))
+    sink = JsonLinesQuarantineSink(tmp_path / "poison.jsonl")
+    store = InMemoryCheckpointStore()
+    trigger = make_trigger(items_source(sqlite_db), store, quarantine=sink, max_attempts=1)
+    handler = PartialHandler(bad={1, 2, 3}) if partial else Recorder(fail_on={1, 2, 3})
+    with pytest.raises(HandlerError):
+        trigger.tick(handler)  # type: ignore[arg-type]
+    assert sink.records() == []
+    assert checkpoint_id(store) is None
+    add_items(sqlite_db, table, [4])  # a row that passes: now 1-3 are poison indeed
+    assert trigger.tick(handler) == 4  # type: ignore[arg-type]
+    assert sorted(int(r.pk["id"]) for r in sink.records()) == [1, 2, 3]
+    assert checkpoint_id(store) == 4
+
+
 def test_without_a_sink_a_poison_batch_is_retried_for_ever_and_loudly(
     sqlite_db: TestDatabase, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -18,9 +18,12 @@ configured:
    from - and only then does the checkpoint move past it. A row that cannot be
    recorded is never skipped.
 
-Guard rail: if more than ``quarantine_limit`` rows of one batch fail alone, the
-failure looks like an outage (a sink that is down fails every row), not like a
-poison row, and nothing is quarantined; the batch stays failed and is retried.
+Guard rail: poison is a row that fails while its neighbours pass. If no row of
+a multi-row batch passes (now or on an earlier delivery), or more than
+``quarantine_limit`` rows fail alone, the failure looks like an outage (a
+downstream that is down fails every row), and nothing is quarantined; the
+batch stays failed and is retried. A batch of a single row cannot tell the two
+apart and is quarantined after ``max_attempts``.
 
 Sinks implement :class:`QuarantineSink` (``put`` a list of records). Two ship
 here: :class:`SqlQuarantineSink` (a table, via SQLAlchemy Core) and

@@ -221,12 +221,14 @@ class BatchDelivery:
                 calls=found.calls,
             )
         settled = set(done) | {e.event_id for e in succeeded}
-        if (
-            poison
-            and self.quarantine is not None
-            and not aborted
-            and len(failed) <= self.quarantine_limit
-        ):
+        # Poison is a row that fails while its neighbours pass (now, or on an
+        # earlier delivery). When no row of a multi-row batch has passed, or
+        # more than the limit fail on their own, the handler's dependency is
+        # down: setting the rows aside would empty the source into the sink.
+        # Keep retrying instead.
+        outage = aborted or len(failed) > self.quarantine_limit
+        outage = outage or (len(events) > 1 and not settled)
+        if poison and self.quarantine is not None and not outage:
             try:
                 self._quarantine(ctx, failed)
                 return len(failed)
@@ -284,7 +286,8 @@ class BatchDelivery:
                 ctx.attempt,
                 "; configure a quarantine sink or skip it by hand (the poller cannot pass it)"
                 if self.quarantine is None
-                else "; too many rows fail alone to quarantine, retrying",
+                else "; no row of it passes (or more than quarantine_limit fail on their "
+                "own), which looks like an outage, not poison: nothing set aside, retrying",
                 **fields,
             )
         self._record_failure(session, ctx, error, events=events, settled=settled)

@@ -16,8 +16,16 @@ class BatchContext:
     ``fencing_token`` increases with every lease acquisition: a sink that stores
     the highest token it has seen and refuses lower ones cannot be written by a
     stale owner (a "fenced" write). ``lease_lost`` is set when the lease is lost
-    while the handler runs; a long handler should check it and stop early,
-    since its results will be discarded anyway.
+    while the handler runs (the heartbeat's renewal was refused: another
+    instance took over); a long synchronous handler should check
+    :attr:`cancelled` and stop early, since its results will be discarded
+    anyway. An async handler's task is cancelled for it. The event belongs to
+    the tick, so every batch of a tick shares it.
+
+    ``attempt`` counts deliveries of this batch (1 on the first); above
+    ``max_attempts`` the batch is a poison candidate. When a batch is bisected
+    to isolate poison rows, the handler receives parts of it with the same
+    context.
     """
 
     poller_name: str
@@ -34,4 +42,5 @@ class BatchContext:
 
     @property
     def cancelled(self) -> bool:
+        """True once the lease is lost: nothing this batch does will be committed."""
         return self.lease_lost.is_set()

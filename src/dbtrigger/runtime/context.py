@@ -22,8 +22,8 @@ class BatchContext:
     anyway. An async handler's task is cancelled for it. The event belongs to
     the tick, so every batch of a tick shares it.
 
-    ``attempt`` counts deliveries of this batch (1 on the first); above
-    ``max_attempts`` the batch is a poison candidate. When a batch is bisected
+    ``attempt`` counts deliveries of this batch (1 on the first); from
+    ``max_attempts`` on, a failure makes it a poison candidate. When a batch is bisected
     to isolate poison rows, the handler receives parts of it with the same
     context.
     """

@@ -74,8 +74,15 @@ class BatchDelivery:
     journal_limit: int
 
     def _log(self, level: int, event: str, msg: str, *args: Any, **fields: Any) -> None:
+        """Log ``event`` with structured fields, attributed to the calling line."""
         if log.isEnabledFor(level):
-            log.log(level, msg, *args, extra={"event": event, "poller": self.name, **fields})
+            log.log(
+                level,
+                msg,
+                *args,
+                extra={"event": event, "poller": self.name, **fields},
+                stacklevel=2,
+            )
 
     def _on_retry(self, operation: str, attempt: int, exc: BaseException, wait: float) -> None:
         del attempt, wait

@@ -8,7 +8,7 @@ import pytest
 
 from dbtrigger import SqlAlchemySource
 from tests.azurite import Azurite, start_azurite
-from tests.databases import TestDatabase, make_database
+from tests.databases import TestDatabase, drop_session_databases, make_database
 
 DB_KINDS = ["sqlite", "postgresql", "mariadb"]
 
@@ -63,3 +63,9 @@ def _close_sources(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
     for source in created:
         source.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _drop_session_databases() -> Iterator[None]:
+    yield
+    drop_session_databases()

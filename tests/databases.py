@@ -1,7 +1,13 @@
 """Real databases for tests: a fresh, throw-away schema per test.
 
-PostgreSQL gets a schema per test, MariaDB a database per test (MySQL's word
-for a schema), SQLite a file in the test's tmp directory. A service that is not
+PostgreSQL gets a schema per test inside a database of its own per test
+*session*, MariaDB a database per test (MySQL's word for a schema), SQLite a
+file in the test's tmp directory.
+
+Why a PostgreSQL database per session: the default visibility guard waits for
+every transaction open *in the same database* (a late commit could carry an
+older cursor). Two test sessions sharing one database - two developers, or a
+developer and CI - would hold each other's pollers back at random. A service that is not
 reachable is a test *failure* with a message saying how to start it, never a
 skip: integration tests that silently skip hide exactly the bugs they exist for.
 """
@@ -30,6 +36,8 @@ START_HINTS = {
 }
 
 _admin_engines: dict[str, sa.Engine] = {}
+_session_pg: dict[str, sa.Engine] = {}
+SESSION_DB_PREFIX = "dbtrigger_s_"
 
 
 def admin_engine(kind: str) -> sa.Engine:
@@ -47,6 +55,48 @@ def admin_engine(kind: str) -> sa.Engine:
             )
         _admin_engines[kind] = engine
     return _admin_engines[kind]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def session_pg_engine() -> sa.Engine:
+    """An AUTOCOMMIT engine on this session's own PostgreSQL database (created once)."""
+    if "engine" not in _session_pg:
+        admin = admin_engine("postgresql")
+        name = f"{SESSION_DB_PREFIX}{os.getpid()}_{uuid.uuid4().hex[:6]}"
+        with admin.connect() as conn:
+            # Leftovers of sessions that died without cleaning up.
+            for (old,) in conn.execute(
+                sa.text("SELECT datname FROM pg_database WHERE datname LIKE :p"),
+                {"p": f"{SESSION_DB_PREFIX}%"},
+            ):
+                pid = old[len(SESSION_DB_PREFIX) :].split("_")[0]
+                if pid.isdigit() and not _pid_alive(int(pid)):
+                    conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{old}" WITH (FORCE)'))
+            conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+        url = admin.url.set(database=name)
+        _session_pg["engine"] = sa.create_engine(
+            url, isolation_level="AUTOCOMMIT", pool_pre_ping=True
+        )
+    return _session_pg["engine"]
+
+
+def drop_session_databases() -> None:
+    engine = _session_pg.pop("engine", None)
+    if engine is None:
+        return
+    name = engine.url.database
+    engine.dispose()
+    with admin_engine("postgresql").connect() as conn:
+        conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 @dataclass
@@ -84,7 +134,7 @@ def make_database(kind: str, tmp_path: Path) -> Iterator[TestDatabase]:
         finally:
             engine.dispose()
         return
-    admin = admin_engine(kind)
+    admin = session_pg_engine() if kind == "postgresql" else admin_engine(kind)
     name = f"t_{uuid.uuid4().hex[:12]}"
     with admin.connect() as conn:
         if kind == "postgresql":

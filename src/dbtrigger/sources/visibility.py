@@ -388,15 +388,17 @@ class TransactionHorizon(VisibilityGuard):
     Args:
         warn_after_seconds: log a WARNING naming the oldest open backend once
             rows have been held back this long.
-        settle_seconds: when transactions that overlap the new probe are still
-            open, re-read ``pg_stat_activity`` for up to this long (every 10 ms)
-            before settling for an older probe. Short writer transactions end
-            within milliseconds, so this turns "nothing until the next tick"
-            into "everything committed so far" at the cost of a short wait.
+        settle_seconds: when the oldest open transaction began shortly before
+            the new probe (less than this long before), re-read
+            ``pg_stat_activity`` every 10 ms for up to this long before settling
+            for an older probe. Short transactions (writers, other pollers,
+            other applications' reads) end within milliseconds, so this turns
+            "nothing until the next tick" into "everything committed so far";
+            an older open transaction is a long one, and is not waited for.
     """
 
     warn_after_seconds: float = DEFAULT_WARN_AFTER_SECONDS
-    settle_seconds: float = 0.1
+    settle_seconds: float = 0.5
     mode = "transaction-horizon"
 
     def __post_init__(self) -> None:
@@ -715,6 +717,7 @@ _ACTIVITY_SQL = sa.text(
              WHERE backend_type IS NULL AND usesysid IS NOT NULL) AS hidden,
            (SELECT gid FROM prepared ORDER BY prepared LIMIT 1) AS prepared_gid,
            (SELECT min(prepared) FROM prepared) AS prepared_at,
+           pg_is_in_recovery() AS standby,
            clock_timestamp() AS now
     """
 ).bindparams(sa.bindparam("non_writing", value=list(_NON_WRITING_BACKENDS), expanding=True))
@@ -774,12 +777,13 @@ class _ActivityActive(ActiveGuard):
         activity = self._activity(conn)
         settle = cast("TransactionHorizon", self.guard).settle_seconds
         deadline = time.monotonic() + settle
+        young = dt.timedelta(seconds=settle)
         while (
             probe is not None
             and not activity.hidden
             and activity.prepared_gid is None
             and activity.oldest_start is not None
-            and activity.oldest_start <= probe.at
+            and probe.at - young < activity.oldest_start <= probe.at
             and time.monotonic() < deadline
             and self._worth_waiting_for(probe, after)
         ):
@@ -787,6 +791,14 @@ class _ActivityActive(ActiveGuard):
             activity = self._activity(conn)
         # The row read below starts a new transaction, so its snapshot is taken
         # after the last activity read.
+        if activity.standby:
+            raise ConfigurationError(
+                f"{self.target.source_name}: TransactionHorizon cannot run on a standby: the "
+                "primary's open transactions are not in the standby's pg_stat_activity. Poll "
+                "the primary, or use a transaction-id cursor (SnapshotHorizon; a standby's "
+                "snapshot tracks the primary's running transaction ids), or a SafetyWindow "
+                "larger than the longest transaction plus the replication lag"
+            )
         if activity.hidden:
             raise ConfigurationError(
                 f"{self.target.source_name}: the visibility guard cannot see "

@@ -1,0 +1,176 @@
+"""Where a catch-up's time goes, per row: each stage of a batch timed on its own.
+
+The profile behind ``benchmarks/README.md`` ("Reading the numbers"), made
+reproducible. On the PostgreSQL data set it times, as medians of ``--repeats``
+runs at one batch size:
+
+* ``raw keyset fetch``: the bare psycopg query, rows as tuples (the floor);
+* ``SqlAlchemySource.fetch``: the same rows through SQLAlchemy, as dicts, plus
+  the per-fetch costs (pool checkout and ping, statement, transaction);
+* ``per-fetch fixed cost``: ``fetch`` of one row, i.e. what every batch pays
+  whatever its size, shown per row of a full batch;
+* ``to_events``: key dicts, row copies, event ids, ``RowChange`` objects;
+* ``event ids alone``: canonical JSON of key + cursor and SHA-256;
+* ``commit``: serialising the state document (20-entry journal) and writing it
+  to the in-memory store, once per batch;
+* ``drain setup``: a new source's engine, table reflection and first
+  connection, and the first tick's NULL-cursor probe, once per drain;
+* ``whole drain``: ``PollTrigger`` draining the table, for comparison with the sum.
+
+    python -m benchmarks.stages                  # batch 1000 on the 100k-row table
+    python -m benchmarks.stages --batch 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from benchmarks.common import (
+    dataset,
+    dbtrigger_drain,
+    int_list,
+    noop_handler,
+    pg_conninfo,
+    print_table,
+)
+from dbtrigger import InMemoryCheckpointStore, PollTrigger, Position
+from dbtrigger.events import EventIds
+from dbtrigger.state import document as docmod
+
+
+def per_row_us(fn: Callable[[], Any], rows: int, repeats: int) -> float:
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples) / rows * 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="100k", help="the data set to read from")
+    parser.add_argument("--batch", type=int, default=1000)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--quick", action="store_true", help="5 repeats")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats = 5
+    n, batch = int_list(args.rows)[0], args.batch
+    ds = dataset("postgresql", n)
+
+    import psycopg  # noqa: PLC0415
+
+    source = ds.source()
+    try:
+        middle = n // 2
+        with psycopg.connect(pg_conninfo(), autocommit=True) as conn:
+            table = f"{ds.schema}.{ds.table}"
+            anchor = conn.execute(
+                f"SELECT id, updated_at FROM {table} ORDER BY updated_at, id LIMIT 1 OFFSET %s",
+                (middle,),
+            ).fetchone()
+            assert anchor is not None
+            query = (
+                f"SELECT id, updated_at, customer, amount, status FROM {table}"
+                " WHERE (updated_at, id) > (%s, %s) ORDER BY updated_at, id LIMIT %s"
+            )
+            position = Position(cursor=anchor[1], pk={"id": anchor[0]})
+            rows = source.fetch(position, batch)
+            if len(rows) != batch:
+                raise SystemExit(f"the data set has fewer than {middle + batch} rows")
+            stages: list[tuple[str, float]] = [
+                (
+                    "raw keyset fetch (psycopg, tuples)",
+                    per_row_us(
+                        lambda: conn.execute(query, (anchor[1], anchor[0], batch)).fetchall(),
+                        batch,
+                        args.repeats,
+                    ),
+                ),
+                (
+                    "SqlAlchemySource.fetch (dicts)",
+                    per_row_us(lambda: source.fetch(position, batch), batch, args.repeats),
+                ),
+                (
+                    "  of which per-fetch fixed cost",
+                    per_row_us(lambda: source.fetch(position, 1), batch, args.repeats),
+                ),
+                (
+                    "to_events",
+                    per_row_us(
+                        lambda: source.to_events(rows, poller="bench", batch_id="b"),
+                        batch,
+                        args.repeats,
+                    ),
+                ),
+            ]
+        ids = EventIds("bench", ["id"])
+        keys = [({"id": r["id"]}, r["updated_at"]) for r in rows]
+        stages.append(
+            (
+                "  of which event ids",
+                per_row_us(lambda: [ids(k, c) for k, c in keys], batch, args.repeats),
+            )
+        )
+        store = InMemoryCheckpointStore()
+        trigger = PollTrigger(
+            name="stages",
+            source=source,
+            checkpoint_store=store,
+            batch_size=100,
+            max_batches_per_tick=25,
+        )
+        trigger.tick(noop_handler)  # a document with a full journal
+        stored = store.read("stages")
+        assert stored is not None
+        doc = docmod.loads(stored.data)
+
+        def commit() -> None:
+            current = store.read("stages")
+            assert current is not None
+            store.write("stages", docmod.dumps(doc), if_match=current.etag)
+
+        stages.append(("commit (per batch, spread over its rows)", per_row_us(commit, batch, 50)))
+
+        def setup() -> None:
+            fresh = ds.source()
+            try:
+                fresh.fetch(position, 1)  # engine, reflection, first connection
+                fresh.null_cursor_keys()  # the first tick's NULL-cursor probe
+            finally:
+                fresh.close()
+
+        stages.append(
+            (f"drain setup, once per drain (spread over {n:,} rows)", per_row_us(setup, n, 5))
+        )
+        total = sum(v for name, v in stages if not name.startswith(" ") and "raw" not in name)
+        drain = per_row_us(
+            lambda: dbtrigger_drain(ds, batch, InMemoryCheckpointStore()),
+            n,
+            max(1, args.repeats // 10),
+        )
+    finally:
+        source.close()
+    raw = stages[0][1]
+    table_rows = [[name, f"{value:.2f}", f"{value / raw:.1f}"] for name, value in stages]
+    table_rows.append(["sum of fetch + to_events + commit", f"{total:.2f}", f"{total / raw:.1f}"])
+    table_rows.append(
+        ["whole drain (PollTrigger, memory store)", f"{drain:.2f}", f"{drain / raw:.1f}"]
+    )
+    print_table(
+        f"Per-row cost of each stage at batch {batch}, us/row (wall, median of {args.repeats}); "
+        "x raw = multiple of the raw fetch",
+        ["stage", "us/row", "x raw"],
+        table_rows,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -543,7 +543,11 @@ class SqlAlchemySource:
     # --- operations helpers -----------------------------------------------------
 
     def count_after(self, after: Position) -> int:
-        """Rows strictly after ``after`` (the lag in rows). Costs a range count."""
+        """Rows strictly after ``after`` (the lag in rows). Costs a range count.
+
+        Counts every visible row, including rows the visibility guard still
+        withholds: they are pending, just not consumable yet.
+        """
         try:
             with self.engine.connect() as conn:
                 self._resolve_shape(conn)

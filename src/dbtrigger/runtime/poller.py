@@ -315,7 +315,23 @@ class PollTrigger(BatchDelivery):
             self.metrics.increment("failures_total", labels={"error_type": "FetchError"})
             raise
         self.metrics.observe("fetch_duration_seconds", time.perf_counter() - started)
+        self._report_visibility()
         return rows
+
+    def _report_visibility(self) -> None:
+        """Turn the source's visibility-guard report into gauges.
+
+        A guard that holds rows back (a long transaction may still commit an
+        older cursor) is correct behaviour, but an operator needs to see it: the
+        gauges say for how long, and which backend is blocking.
+        """
+        info = getattr(self.source, "last_fetch_info", None)
+        if info is None:
+            return
+        self.metrics.set_gauge("visibility_held_back", 1.0 if info.held_back else 0.0)
+        self.metrics.set_gauge("visibility_held_back_seconds", float(info.held_back_seconds))
+        if info.blocking_pid is not None:
+            self.metrics.set_gauge("visibility_blocking_pid", float(info.blocking_pid))
 
     def tick_result(
         self, handler: Handler, *, should_stop: Callable[[], bool] | None = None

@@ -23,8 +23,10 @@ from dbtrigger.errors import (
     FingerprintMismatchError,
     HandlerError,
     LeaseAcquireError,
+    LiveLeaseError,
     LostLeaseError,
     OperatorError,
+    OutputWriteError,
     PartialBatchError,
     QuarantineError,
     RetryableError,
@@ -33,6 +35,7 @@ from dbtrigger.errors import (
     StoreError,
     StoreUnavailableError,
     UnsafeIdentifierError,
+    UnsupportedDocumentError,
 )
 from dbtrigger.events import RowChange, dedup_key, make_event_id
 from dbtrigger.metrics import InMemoryMetrics, MetricsCollector, NullMetrics
@@ -42,6 +45,13 @@ from dbtrigger.runtime.poller import PollTrigger, TickResult
 from dbtrigger.runtime.retry import RetryPolicy
 from dbtrigger.sources.base import SourceAdapter
 from dbtrigger.sources.sqlalchemy import SqlAlchemySource
+from dbtrigger.sources.visibility import (
+    NoGuard,
+    SafetyWindow,
+    SnapshotHorizon,
+    TransactionHorizon,
+    install_visibility_trigger,
+)
 from dbtrigger.state.document import StateDocument
 from dbtrigger.state.stores import (
     CheckpointStore,
@@ -52,14 +62,18 @@ from dbtrigger.state.stores import (
 
 if TYPE_CHECKING:
     from dbtrigger.state.stores.blob import BlobCheckpointStore
+    from dbtrigger.state.stores.sql import SqlCheckpointStore
+    from dbtrigger.state.stores.table import TableCheckpointStore
+
+_LAZY_STORES = ("BlobCheckpointStore", "SqlCheckpointStore", "TableCheckpointStore")
 
 
 def __getattr__(name: str) -> Any:
-    # BlobCheckpointStore needs the optional azure extra: import it on first use.
-    if name == "BlobCheckpointStore":
-        from dbtrigger.state.stores.blob import BlobCheckpointStore  # noqa: PLC0415
+    # Stores whose modules need optional SDKs are imported on first use.
+    if name in _LAZY_STORES:
+        from dbtrigger.state import stores  # noqa: PLC0415
 
-        return BlobCheckpointStore
+        return getattr(stores, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -88,10 +102,13 @@ __all__ = [
     "InMemoryMetrics",
     "LeaseAcquireError",
     "LeaseScheduleWarning",
+    "LiveLeaseError",
     "LostLeaseError",
     "MetricsCollector",
+    "NoGuard",
     "NullMetrics",
     "OperatorError",
+    "OutputWriteError",
     "PartialBatchError",
     "PollTrigger",
     "Position",
@@ -99,17 +116,24 @@ __all__ = [
     "RetryPolicy",
     "RetryableError",
     "RowChange",
+    "SafetyWindow",
     "SerializationError",
+    "SnapshotHorizon",
     "SourceAdapter",
     "SqlAlchemySource",
+    "SqlCheckpointStore",
     "StateDocument",
     "StoreAuthError",
     "StoreError",
     "StoreUnavailableError",
     "StoredDocument",
+    "TableCheckpointStore",
     "TickResult",
+    "TransactionHorizon",
     "UnsafeIdentifierError",
+    "UnsupportedDocumentError",
     "__version__",
     "dedup_key",
+    "install_visibility_trigger",
     "make_event_id",
 ]

@@ -1,0 +1,171 @@
+"""What every visibility guard shares: the configuration base, the per-source
+binding, what the source tells a guard and what a fetch reports.
+
+The source adapter only talks to these types; the concrete guards live in
+:mod:`.window` (every dialect with a clock) and :mod:`.horizons` (PostgreSQL),
+and :func:`~dbtrigger.sources.visibility.choose` picks one for ``auto``.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+from sqlalchemy.sql import ColumnElement, Select
+
+from dbtrigger.cursor import Position
+from dbtrigger.errors import ConfigurationError
+
+#: Column comment that marks a PostgreSQL transaction-id column; ``auto``
+#: chooses :class:`SnapshotHorizon` for a cursor column that carries it.
+XID_COLUMN_MARKER = "dbtrigger:xid8"
+
+
+# --- what a fetch reports -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FetchInfo:
+    """What the guard did on the last fetch, for metrics, logs and ``status``.
+
+    Attributes:
+        mode: the guard in force (``snapshot-horizon``, ``transaction-horizon``,
+            ``safety-window``, ``none``).
+        horizon: the bound the fetch used (a transaction id, a cursor value), or
+            None when the bound lives only inside the SQL (safety window).
+        held_back: rows exist after the checkpoint that the guard withheld
+            because a transaction that may precede them is still open.
+        held_back_seconds: for how long progress has been held back (0 if not).
+        blocking_pid: the backend whose open transaction holds the horizon.
+        blocking_xact_age_seconds: how long that transaction has been open.
+        blocking_detail: a prepared (two-phase) transaction holding it, if any.
+    """
+
+    mode: str
+    horizon: Any = None
+    held_back: bool = False
+    held_back_seconds: float = 0.0
+    blocking_pid: int | None = None
+    blocking_xact_age_seconds: float | None = None
+    blocking_detail: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "horizon": None if self.horizon is None else str(self.horizon),
+            "held_back": self.held_back,
+            "held_back_seconds": round(self.held_back_seconds, 3),
+            "blocking_pid": self.blocking_pid,
+            "blocking_xact_age_seconds": self.blocking_xact_age_seconds,
+            "blocking_detail": self.blocking_detail,
+        }
+
+
+# --- what the source tells a guard --------------------------------------------
+
+
+@dataclass(frozen=True)
+class GuardTarget:
+    """The parts of a source a guard needs, without importing the source.
+
+    ``cursor`` is the expression the fetch orders by; ``bind`` turns a Python
+    value into a literal typed like the cursor; ``pending`` is the unguarded
+    keyset select strictly after a position (no ORDER BY, no LIMIT);
+    ``position_of`` is the position just after a fetched row.
+    """
+
+    dialect: str
+    source_name: str
+    cursor_name: str
+    cursor: ColumnElement[Any]
+    cursor_type: sa.types.TypeEngine[Any] | None
+    cursor_comment: str | None
+    columns: Mapping[str, ColumnElement[Any]]
+    selectable: sa.FromClause
+    base_filter: ColumnElement[bool] | None
+    bind: Callable[[Any], ColumnElement[Any]]
+    pending: Callable[[Position], Select[Any]]
+    position_of: Callable[[Mapping[str, Any]], Position]
+    table_mode: bool
+
+
+class ActiveGuard:
+    """A guard bound to one source: per-source state (probes, held-back clock).
+
+    The source calls :meth:`before_fetch` (which may run statements of its own
+    and ends the transaction it used) and adds the returned predicate to the
+    fetch statement, then calls :meth:`after_fetch` with the rows it read.
+    """
+
+    mode = "none"
+
+    def __init__(self, guard: VisibilityGuard, target: GuardTarget) -> None:
+        self.guard = guard
+        self.target = target
+        self.last_info = FetchInfo(mode=self.mode)
+
+    @property
+    def guarantee(self) -> str:
+        return self.guard.guarantee(self.target.dialect)
+
+    def before_fetch(self, conn: Connection, after: Position) -> ColumnElement[bool] | None:
+        del conn, after
+        return None
+
+    def after_fetch(
+        self,
+        conn: Connection,
+        after: Position,
+        rows: Sequence[Mapping[str, Any]],
+        limit: int,
+    ) -> FetchInfo:
+        del conn, after, rows, limit
+        return self.last_info
+
+
+def _check_seconds(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+        raise ConfigurationError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+
+
+# --- the guards ---------------------------------------------------------------
+
+
+class VisibilityGuard(abc.ABC):
+    """Base of the guard configurations. Subclasses are immutable."""
+
+    mode = "none"
+
+    @abc.abstractmethod
+    def guarantee(self, dialect: str) -> str:
+        """One sentence: what this guard promises on ``dialect``."""
+
+    def label(self) -> str:
+        """The mode with its parameters, for logs and ``status``."""
+        return self.mode
+
+    @abc.abstractmethod
+    def activate(self, target: GuardTarget) -> ActiveGuard:
+        """Bind to a source (validating that the guard fits it)."""
+
+
+@dataclass(frozen=True)
+class NoGuard(VisibilityGuard):
+    """No protection: rows of a transaction that commits after a later one can be skipped.
+
+    ``reason`` says why (an explicit opt-out, or why ``auto`` found no guard).
+    """
+
+    reason: str = "switched off explicitly"
+    mode = "none"
+
+    def guarantee(self, dialect: str) -> str:
+        return f"none ({self.reason}): a transaction that commits late can be skipped"
+
+    def activate(self, target: GuardTarget) -> ActiveGuard:
+        return ActiveGuard(self, target)

@@ -1,0 +1,278 @@
+"""What the state commands share: output, the store, the source, typed-in positions.
+
+Every command prints through :class:`Console` (which redacts), opens its store
+with :func:`state_store` (closed when the command ends), reads a poller's
+document with :func:`read_state` (with the etag for the conditional write), and
+parses cursor positions typed on the command line with :func:`parse_position`.
+The option helpers keep the flags of all commands (``backfill`` included) alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import decimal
+import getpass
+import json
+import os
+import re
+import socket
+import sys
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from dbtrigger.cursor import Position, encode_value
+from dbtrigger.errors import ConfigurationError, DbTriggerError
+from dbtrigger.runtime.poller import PollTrigger
+from dbtrigger.sources.base import SourceAdapter
+from dbtrigger.state import document as docmod
+from dbtrigger.state import operations as ops
+from dbtrigger.state.document import StateDocument
+from dbtrigger.state.stores.base import CheckpointStore
+from dbtrigger.state.stores.factory import describe_store, open_store, redact
+
+ENV_STORE = "DBTRIGGER_STORE"
+ENV_APP = "DBTRIGGER_APP"
+ENV_CONTAINER = "DBTRIGGER_CONTAINER"
+ENV_BACKUP_DIR = "DBTRIGGER_BACKUP_DIR"
+DEFAULT_BACKUP_DIR = "dbtrigger-backups"
+
+#: Kinds a cursor value typed on the command line can be parsed as.
+VALUE_KINDS = ("timestamp", "naive_timestamp", "int", "decimal", "uuid", "date", "str", "float")
+
+
+# --- output ---------------------------------------------------------------------------
+
+
+class Console:
+    """Where the commands print; every line is redacted on the way out."""
+
+    def __init__(self, out: TextIO | None = None, err: TextIO | None = None) -> None:
+        self.out = out or sys.stdout
+        self.err = err or sys.stderr
+
+    def print(self, text: str = "") -> None:
+        print(redact(text), file=self.out)
+
+    def warn(self, text: str) -> None:
+        print(redact(text), file=self.err)
+
+    def json(self, value: Any) -> None:
+        self.print(json.dumps(value, indent=2, sort_keys=False, default=str))
+
+
+def default_actor() -> str:
+    """``user@host`` of whoever runs the command, for the journal."""
+    try:
+        user = getpass.getuser()
+    except (OSError, KeyError):
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+def utc_now() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+def show_position(raw: Mapping[str, Any] | Position | None) -> str:
+    """``2026-01-01T00:00:00.000000Z id=5`` (or ``(beginning)``) from JSON or a Position."""
+    if isinstance(raw, Position):
+        raw = ops.position_json(raw)
+    tiebreaker = (raw or {}).get("tiebreaker") or {}
+    if not raw or (raw.get("value") is None and not tiebreaker):
+        return "(beginning)"
+    parts = [str(raw.get("value"))]
+    parts.extend(f"{k}={v}" for k, v in tiebreaker.items())
+    return " ".join(parts)
+
+
+# --- configuration ----------------------------------------------------------------------
+
+
+def store_from_args(args: argparse.Namespace) -> CheckpointStore:
+    spec = args.store or os.environ.get(ENV_STORE)
+    if not spec:
+        raise ConfigurationError(f"no state store given: pass --store or set {ENV_STORE}")
+    return open_store(
+        spec,
+        app=args.app or os.environ.get(ENV_APP),
+        container=args.container or os.environ.get(ENV_CONTAINER),
+        table=args.table,
+    )
+
+
+def close_store(store: CheckpointStore) -> None:
+    """Release the store's connections (SQL engines, HTTP sessions) if it has any."""
+    close = getattr(store, "close", None)
+    if callable(close):
+        with contextlib.suppress(DbTriggerError, OSError):
+            close()
+
+
+@contextmanager
+def state_store(args: argparse.Namespace) -> Iterator[CheckpointStore]:
+    """The store the arguments name, closed when the command is done."""
+    store = store_from_args(args)
+    try:
+        yield store
+    finally:
+        close_store(store)
+
+
+@dataclass
+class LoadedSource:
+    source: SourceAdapter
+    trigger: PollTrigger | None
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.trigger.batch_size if self.trigger is not None else None
+
+
+def load_source(spec: str) -> LoadedSource:
+    """``--source MODULE:ATTR``: a PollTrigger (its source is used) or a SourceAdapter."""
+    from dbtrigger.cli import load_object  # noqa: PLC0415 - cli imports this module
+
+    target = load_object(spec)
+    if isinstance(target, PollTrigger):
+        return LoadedSource(target.source, target)
+    if isinstance(target, SourceAdapter):
+        return LoadedSource(target, None)
+    raise ConfigurationError(
+        f"{spec} is a {type(target).__name__}, not a PollTrigger or a source adapter"
+    )
+
+
+def read_state(store: CheckpointStore, poller: str) -> tuple[StateDocument, str, bytes]:
+    """The document, its etag (for the conditional write) and raw bytes (for the backup)."""
+    stored = store.read(poller)
+    if stored is None:
+        raise ConfigurationError(f"no state for poller {poller!r} in {describe_store(store)}")
+    return docmod.loads(stored.data), stored.etag, stored.data
+
+
+def parse_value(text: str, kind: str) -> Any:
+    """A cursor or key value typed on the command line, as the ``kind`` it must be."""
+    try:
+        if kind == "int":
+            return int(text)
+        if kind == "decimal":
+            value = decimal.Decimal(text)
+            if not value.is_finite():
+                raise ValueError("not a finite number")
+            return value
+        if kind == "float":
+            return float(text)
+        if kind == "uuid":
+            return uuid.UUID(text)
+        if kind == "date":
+            return dt.date.fromisoformat(text)
+        if kind in ("timestamp", "naive_timestamp"):
+            raw = text.strip().replace(" ", "T", 1)
+            parsed = dt.datetime.fromisoformat(raw[:-1] + "+00:00" if raw.endswith("Z") else raw)
+            if kind == "naive_timestamp":
+                if parsed.tzinfo is not None:
+                    raise ValueError("a naive timestamp must not carry a time zone")
+                return parsed
+            if parsed.tzinfo is None:
+                raise ValueError("add a time zone (e.g. Z), or use --kind naive_timestamp")
+            return parsed.astimezone(dt.timezone.utc)
+        if kind == "str":
+            return text
+    except (ValueError, ArithmeticError) as exc:
+        raise ConfigurationError(f"{text!r} is not a valid {kind}: {exc}") from None
+    raise ConfigurationError(f"unknown kind {kind!r}; use one of {', '.join(VALUE_KINDS)}")
+
+
+def _guess_kind(text: str) -> str:
+    return "int" if re.fullmatch(r"-?\d+", text) else "str"
+
+
+def parse_position(
+    cursor: str, pks: Sequence[str], *, kind: str | None, like: StateDocument | None
+) -> Position:
+    """``--to-cursor V --pk K[:KIND]=V...`` as a Position.
+
+    Kinds come from ``--kind`` / ``K:KIND``, else from the stored checkpoint
+    (so a timestamp poller's cursor is parsed as a timestamp), else an integer
+    if it looks like one and a string otherwise.
+    """
+    stored = like.checkpoint.position if like is not None and like.checkpoint else None
+    if kind is None:
+        kind = encode_value(stored.cursor)[0] if stored is not None else _guess_kind(cursor)
+        if kind == "null":
+            kind = _guess_kind(cursor)
+    pk: dict[str, Any] = {}
+    for item in pks:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ConfigurationError(f"--pk expects NAME=VALUE or NAME:KIND=VALUE, got {item!r}")
+        name, _, pk_kind = name.partition(":")
+        if not pk_kind:
+            known = stored.pk.get(name) if stored is not None else None
+            pk_kind = encode_value(known)[0] if known is not None else _guess_kind(value)
+        pk[name] = parse_value(value, pk_kind)
+    if stored is not None and stored.pk and set(pk) != set(stored.pk):
+        raise ConfigurationError(
+            f"the checkpoint's key is {sorted(stored.pk)}, got --pk for {sorted(pk)}; "
+            "give a value for every key column"
+        )
+    if not pk:
+        raise ConfigurationError(
+            "a cursor position needs the key too: add --pk NAME=VALUE for each key column "
+            "(the position is 'after the row with this cursor and key')"
+        )
+    return Position(cursor=parse_value(cursor, kind), pk=pk)
+
+
+def actor_from_args(args: argparse.Namespace) -> str:
+    return str(args.actor or default_actor())
+
+
+# --- options ---------------------------------------------------------------------------
+
+
+def add_store_options(parser: argparse.ArgumentParser, *, default_hint: str = "") -> None:
+    hint = f"${ENV_STORE}" + (f", else {default_hint}" if default_hint else "")
+    parser.add_argument(
+        "--store",
+        help="state store: DIR, file:DIR, memory:NAME, an Azure connection string, %%SETTING%%, "
+        f"azure-blob://HOST/CONTAINER?app=APP, azure-table://..., or a SQL URL (default {hint})",
+    )
+    parser.add_argument("--app", help=f"application name in shared stores (default ${ENV_APP})")
+    parser.add_argument(
+        "--container", help=f"blob container for connection strings (default ${ENV_CONTAINER})"
+    )
+    parser.add_argument("--table", help="table name for azure-table: stores")
+
+
+def add_change_options(parser: argparse.ArgumentParser, *, lease: bool = True) -> None:
+    parser.add_argument("--reason", required=True, help="why: recorded in the journal")
+    parser.add_argument("--yes", action="store_true", help="apply (default: dry run)")
+    parser.add_argument("--actor", help="who, for the journal (default user@host)")
+    if lease:
+        parser.add_argument(
+            "--force",
+            action="store_true",
+            help="proceed under a live lease, fencing its holder out (token + 1)",
+        )
+        parser.add_argument(
+            "--backup-dir",
+            help=f"where the previous document is saved (default ${ENV_BACKUP_DIR} "
+            f"or ./{DEFAULT_BACKUP_DIR})",
+        )
+
+
+def add_cursor_options(parser: argparse.ArgumentParser, flag: str) -> None:
+    parser.add_argument(
+        "--pk", action="append", default=[], metavar="NAME[:KIND]=VALUE", help="key of that row"
+    )
+    parser.add_argument(
+        "--kind",
+        choices=VALUE_KINDS,
+        help=f"how to read {flag} (default: the stored checkpoint's kind)",
+    )

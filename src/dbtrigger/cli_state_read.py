@@ -1,0 +1,287 @@
+"""``dbtrigger status`` and ``dbtrigger history``: read-only views of pollers' state.
+
+Neither command writes anything; ``status --source`` also queries the source to
+measure the lag behind the checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from dbtrigger.cli_state_common import (
+    Console,
+    LoadedSource,
+    add_store_options,
+    load_source,
+    read_state,
+    show_position,
+    state_store,
+    utc_now,
+)
+from dbtrigger.errors import DbTriggerError
+from dbtrigger.health import measure_lag
+from dbtrigger.state import document as docmod
+from dbtrigger.state.lease import describe_lease
+from dbtrigger.state.stores.base import CheckpointStore
+from dbtrigger.state.stores.factory import describe_store
+
+
+def _table(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
+# --- status ------------------------------------------------------------------------------
+
+
+def poller_status(
+    store: CheckpointStore,
+    poller: str,
+    *,
+    source: LoadedSource | None,
+    now: dt.datetime,
+) -> dict[str, Any]:
+    """Everything ``status`` shows about one poller, as JSON-able data."""
+    out: dict[str, Any] = {"poller": poller}
+    try:
+        doc, _, _ = read_state(store, poller)
+    except DbTriggerError as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        return out
+    cp = doc.checkpoint
+    out["checkpoint"] = (
+        {
+            "cursor": docmod.position_to_json(cp.position),
+            "display": show_position(cp.position),
+            "last_batch_id": cp.last_successful_batch_id,
+            "updated_at": docmod.format_time(cp.updated_at),
+            "rows_in_last_batch": cp.row_count,
+        }
+        if cp is not None
+        else None
+    )
+    lease = doc.lease
+    out["lease"] = (
+        {
+            "state": (
+                "released" if lease.released else ("live" if now < lease.expires_at else "expired")
+            ),
+            "owner_id": lease.owner_id,
+            "fencing_token": lease.fencing_token,
+            "expires_at": docmod.format_time(lease.expires_at),
+            "description": describe_lease(lease, now),
+        }
+        if lease is not None
+        else None
+    )
+    out["fingerprint"] = doc.source_fingerprint
+    failure = doc.failure
+    out["failure"] = (
+        {
+            "batch_id": failure.batch_id,
+            "attempts": failure.attempts,
+            "first_failed_at": docmod.format_time(failure.first_failed_at),
+            "last_failed_at": docmod.format_time(failure.last_failed_at),
+            "last_error": failure.last_error,
+        }
+        if failure is not None
+        else None
+    )
+    out["since_last_commit_seconds"] = (
+        round((now - cp.updated_at).total_seconds(), 3) if cp is not None else None
+    )
+    lag: dict[str, Any] = {"rows": None, "seconds": None, "note": "pass --source to measure lag"}
+    if source is not None:
+        matches = source.source.fingerprint() == doc.source_fingerprint
+        out["fingerprint_matches_source"] = matches
+        if not matches:
+            lag["note"] = "the --source definition differs from this poller's (fingerprint)"
+        else:
+            try:
+                measured = measure_lag(source.source, doc.position, now, poller=poller)
+                lag = {
+                    "rows": measured.rows,
+                    "seconds": None if measured.seconds is None else round(measured.seconds, 3),
+                    "note": measured.note,
+                }
+            except DbTriggerError as exc:
+                lag["note"] = f"lag unknown: {type(exc).__name__}: {exc}"
+    out["lag"] = lag
+    manual = [e for e in doc.journal if e.get("type") == "manual"]
+    out["journal_entries"] = len(doc.journal)
+    out["last_manual_change"] = dict(manual[-1]) if manual else None
+    return out
+
+
+def _render_one(status: Mapping[str, Any], store: str) -> str:
+    if "error" in status:
+        return f"poller       {status['poller']}\nerror        {status['error']}"
+    cp = status["checkpoint"]
+    lease = status["lease"]
+    failure = status["failure"]
+    lag = status["lag"]
+    lines = [
+        ("poller", status["poller"]),
+        ("store", store),
+        ("checkpoint", cp["display"] if cp else "(beginning: nothing committed yet)"),
+        (
+            "last batch",
+            f"{cp['last_batch_id'] or '(manual change)'} at {cp['updated_at']}" if cp else "-",
+        ),
+        ("lease", lease["description"] if lease else "no lease"),
+    ]
+    if lag["rows"] is None and lag["seconds"] is None:
+        lag_text = f"unknown ({lag['note']})"
+    else:
+        lag_text = "? rows" if lag["rows"] is None else f"{lag['rows']} rows"
+        if lag["seconds"] is not None:
+            lag_text += f", oldest pending {lag['seconds']:.1f}s"
+        if lag["note"]:
+            lag_text += f" ({lag['note']})"
+    lines.append(("lag", lag_text))
+    fingerprint = status["fingerprint"]
+    if "fingerprint_matches_source" in status:
+        fingerprint += (
+            " (matches --source)"
+            if status["fingerprint_matches_source"]
+            else " (DIFFERS from --source)"
+        )
+    lines.append(("fingerprint", fingerprint))
+    if failure:
+        lines.append(
+            (
+                "failing",
+                f"batch {failure['batch_id']}: {failure['attempts']} attempt(s) since "
+                f"{failure['first_failed_at']}; last error: {failure['last_error']}",
+            )
+        )
+    else:
+        lines.append(("failing", "none"))
+    manual = status["last_manual_change"]
+    if manual:
+        lines.append(
+            (
+                "last manual",
+                f"{manual.get('operation')} by {manual.get('actor')} at {manual.get('at')}: "
+                f"{manual.get('reason')}",
+            )
+        )
+    lines.append(("journal", f"{status['journal_entries']} entries (dbtrigger history)"))
+    return "\n".join(f"{k:<12} {v}" for k, v in lines)
+
+
+def _render_many(statuses: Sequence[Mapping[str, Any]]) -> str:
+    rows = [["POLLER", "CURSOR", "LAST COMMIT", "LEASE", "LAG ROWS", "FAILING"]]
+    for s in statuses:
+        if "error" in s:
+            rows.append([s["poller"], f"error: {s['error']}", "", "", "", ""])
+            continue
+        cp, lease, failure = s["checkpoint"], s["lease"], s["failure"]
+        lease_text = "-"
+        if lease:
+            lease_text = f"{lease['state']} t{lease['fencing_token']}"
+        rows.append(
+            [
+                s["poller"],
+                cp["display"] if cp else "(beginning)",
+                cp["updated_at"] if cp else "-",
+                lease_text,
+                "?" if s["lag"]["rows"] is None else str(s["lag"]["rows"]),
+                f"{failure['attempts']}x {failure['batch_id']}" if failure else "-",
+            ]
+        )
+    return _table(rows)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with state_store(args) as store:
+        return _status(args, store)
+
+
+def _status(args: argparse.Namespace, store: CheckpointStore) -> int:
+    console = Console()
+    source = load_source(args.source) if args.source else None
+    now = utc_now()
+    names = [args.poller] if args.poller else store.list_keys()
+    statuses = [poller_status(store, name, source=source, now=now) for name in names]
+    if args.json:
+        console.json(statuses[0] if args.poller else statuses)
+    elif not statuses:
+        console.print(f"no pollers in {describe_store(store)}")
+    elif args.poller:
+        console.print(_render_one(statuses[0], describe_store(store)))
+    else:
+        console.print(f"store {describe_store(store)}")
+        console.print(_render_many(statuses))
+    return 1 if any("error" in s for s in statuses) else 0
+
+
+# --- history -----------------------------------------------------------------------------
+
+
+def cmd_history(args: argparse.Namespace) -> int:
+    console = Console()
+    with state_store(args) as store:
+        doc, _, _ = read_state(store, args.poller)
+    entries = list(doc.journal)[-args.limit :] if args.limit else list(doc.journal)
+    if args.json:
+        console.json(entries)
+        return 0
+    if not entries:
+        console.print(f"poller {args.poller!r} has no journal entries yet")
+        return 0
+    rows = [["AT", "TYPE", "BATCH / OPERATION", "FROM", "TO", "ROWS", "BY", "TOKEN", "NOTE"]]
+    for e in entries:
+        if e.get("type") == "commit":
+            rows.append(
+                [
+                    str(e.get("committed_at", "")),
+                    "commit",
+                    str(e.get("batch_id", "")),
+                    show_position(e.get("from")),
+                    show_position(e.get("to")),
+                    str(e.get("rows", "")),
+                    str(e.get("owner_id", "")),
+                    str(e.get("fencing_token", "")),
+                    f"{e.get('duration_ms', '')} ms",
+                ]
+            )
+        else:
+            fenced = e.get("fenced") or {}
+            rows.append(
+                [
+                    str(e.get("at", "")),
+                    str(e.get("type", "")),
+                    str(e.get("operation", "")),
+                    show_position(e.get("before")),
+                    show_position(e.get("after")),
+                    str(e.get("skipped_rows", "")),
+                    str(e.get("actor", "")),
+                    str(fenced.get("new_fencing_token", "")),
+                    f"reason: {e.get('reason', '')}",
+                ]
+            )
+    console.print(_table(rows))
+    return 0
+
+
+def add_read_commands(sub: Any) -> None:
+    status = sub.add_parser("status", help="checkpoint, lease, lag and failures of pollers")
+    status.add_argument("poller", nargs="?", help="one poller (default: all in the store)")
+    status.add_argument("--source", help="MODULE:ATTR (PollTrigger or source) to measure lag")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    add_store_options(status)
+    status.set_defaults(func=cmd_status)
+
+    history = sub.add_parser("history", help="the poller's journal: commits and manual changes")
+    history.add_argument("poller")
+    history.add_argument("--limit", type=int, default=0, help="only the last N entries")
+    history.add_argument("--json", action="store_true")
+    add_store_options(history)
+    history.set_defaults(func=cmd_history)

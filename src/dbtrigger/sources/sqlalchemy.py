@@ -43,6 +43,7 @@ from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.exc import NoSuchTableError, SQLAlchemyError
 from sqlalchemy.sql import ColumnElement, Select
 
+from dbtrigger._engine import LazyEngine
 from dbtrigger.cursor import Position, canonical_json, encode_value
 from dbtrigger.errors import (
     ConfigurationError,
@@ -147,12 +148,11 @@ class SqlAlchemySource:
             raise ConfigurationError("cursor_column must not also be a pk column")
         self._where = where
         self._parameters = dict(parameters or {})
-        self._engine_kwargs = dict(engine_kwargs or {})
         try:
             self._url = make_url(resolve_setting(url)) if url else engine.url  # type: ignore[union-attr]
         except sa.exc.ArgumentError as exc:
             raise ConfigurationError(f"not a valid database URL: {exc}") from None
-        self._engine = engine
+        self._engines = LazyEngine(self._url, engine_kwargs, engine)
         self._lock = threading.Lock()
         self._selectable: sa.FromClause | None = None
         self._columns: dict[str, ColumnElement[Any]] = {}
@@ -256,16 +256,11 @@ class SqlAlchemySource:
 
     @property
     def engine(self) -> Engine:
-        if self._engine is None:
-            with self._lock:
-                if self._engine is None:
-                    kwargs = {"pool_pre_ping": True, **self._engine_kwargs}
-                    self._engine = sa.create_engine(self._url, **kwargs)
-        return self._engine
+        return self._engines.engine
 
     def close(self) -> None:
-        if self._engine is not None:
-            self._engine.dispose()
+        """Dispose of the connection pool if this source created the engine."""
+        self._engines.dispose()
 
     def _base_filter(self) -> ColumnElement[bool] | None:
         if not self._where:

@@ -744,7 +744,12 @@ def test_install_visibility_trigger_stamps_the_writing_transaction(pg: TestDatab
         cursor_column="dbtrigger_xid",
         pk_columns=["id"],
     )
-    assert [r["id"] for r in source.fetch(BEGINNING, 10)] == [1, 2, 3]
+    # The snapshot horizon is cluster-wide: a transaction of some other session on
+    # this server can hold it back for a moment. Wait (bounded) for it to pass.
+    deadline = time.monotonic() + 30
+    while [r["id"] for r in source.fetch(BEGINNING, 10)] != [1, 2, 3]:
+        assert time.monotonic() < deadline, f"still held back: {source.last_fetch_info}"
+        time.sleep(0.1)
     assert source.visibility_mode == "snapshot-horizon"
     info = source.last_fetch_info
     assert info is not None
@@ -821,7 +826,12 @@ def test_horizon_held_back_names_the_blocking_backend(
                 assert getattr(warning, "blocking_pid", None) == pid
                 assert f"pid {pid}" in warning.getMessage()
             blocker.commit()
-            assert [r["id"] for r in source.fetch(BEGINNING, 10)] == [1, 2]
+            # (The snapshot horizon is cluster-wide: allow another session's
+            # transaction on this server a moment to finish.)
+            deadline = time.monotonic() + 30
+            while [r["id"] for r in source.fetch(BEGINNING, 10)] != [1, 2]:
+                assert time.monotonic() < deadline, f"still held back: {source.last_fetch_info}"
+                time.sleep(0.1)
             info = source.last_fetch_info
             assert info is not None
             assert not info.held_back

@@ -142,6 +142,7 @@ class ChaosReport:
     duplicates: int
     duplicate_windows: dict[str, int]
     unexplained_duplicates: int
+    unexplained_cases: list[str]
     lost: int
     checkpoint_regressions: int
     commits: int
@@ -438,10 +439,18 @@ def analyse(
         by_state[(int(r.item_id), int(r.version))].append(str(r.batch_id))
     windows: collections.Counter[str] = collections.Counter()
     duplicates = 0
-    for batches in by_state.values():
-        for earlier in batches[:-1]:
+    cases: list[str] = []
+    for state, batches in by_state.items():
+        for i, earlier in enumerate(batches[:-1]):
             duplicates += 1
-            windows[classify(earlier, committed, outcome_of, batch_owner, chaos)] += 1
+            window = classify(earlier, committed, outcome_of, batch_owner, chaos)
+            windows[window] += 1
+            if window.startswith("unexplained") and len(cases) < 20:
+                cases.append(
+                    f"item {state}: {earlier} by {batch_owner.get(earlier)} "
+                    f"({outcome_of.get(earlier)}), again in {batches[i + 1]} by "
+                    f"{batch_owner.get(batches[i + 1])} ({outcome_of.get(batches[i + 1])})"
+                )
     unexplained = sum(n for w, n in windows.items() if w.startswith("unexplained"))
 
     counts = collections.Counter(outcome_of.values())
@@ -460,6 +469,7 @@ def analyse(
         duplicates=duplicates,
         duplicate_windows=dict(sorted(windows.items())),
         unexplained_duplicates=unexplained,
+        unexplained_cases=cases,
         lost=lost,
         checkpoint_regressions=regressions,
         commits=len(commits),

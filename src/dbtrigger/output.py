@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -30,6 +29,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import NoSuchTableError, SQLAlchemyError
 
+from dbtrigger._engine import LazyEngine
 from dbtrigger.errors import ConfigurationError, OutputWriteError
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.settings import resolve_setting
@@ -89,9 +89,7 @@ class OutputTarget:
                 f"upsert is not available on {self.dialect}: supported are "
                 f"{', '.join(sorted(UPSERT_DIALECTS))}; use action='insert'"
             )
-        self._engine_kwargs = dict(engine_kwargs or {})
-        self._engine = engine
-        self._lock = threading.Lock()
+        self._engines = LazyEngine(self._url, engine_kwargs, engine)
         self._table: sa.Table | None = None
 
     @property
@@ -110,15 +108,11 @@ class OutputTarget:
 
     @property
     def engine(self) -> Engine:
-        with self._lock:
-            if self._engine is None:
-                kwargs = {"pool_pre_ping": True, **self._engine_kwargs}
-                self._engine = sa.create_engine(self._url, **kwargs)
-            return self._engine
+        return self._engines.engine
 
     def close(self) -> None:
-        if self._engine is not None:
-            self._engine.dispose()
+        """Dispose of the connection pool if this target created the engine."""
+        self._engines.dispose()
 
     def _reflect(self, conn: sa.Connection) -> sa.Table:
         if self._table is not None:

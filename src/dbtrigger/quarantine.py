@@ -54,6 +54,7 @@ from typing import Any, Protocol, runtime_checkable
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
+from dbtrigger._engine import LazyEngine
 from dbtrigger.cursor import Position, canonical_json, encode_value, encoded_pk
 from dbtrigger.errors import (
     ConfigurationError,
@@ -245,8 +246,10 @@ class SqlQuarantineSink:
     ) -> None:
         if (url is None) == (engine is None):
             raise ConfigurationError("SqlQuarantineSink needs exactly one of url= or engine=")
-        self._engine = engine or sa.create_engine(resolve_setting(url or ""), pool_pre_ping=True)
-        self._owns_engine = engine is None
+        self._engines = LazyEngine(
+            engine.url if engine is not None else resolve_setting(url or ""), engine=engine
+        )
+        self._engine = self._engines.engine  # created now: a bad URL fails here
         self.table = quarantine_table(table, schema)
         self._create = create_table
         self._created = False
@@ -257,8 +260,8 @@ class SqlQuarantineSink:
         return f"sql:{self._engine.dialect.name}:{name}"
 
     def close(self) -> None:
-        if self._owns_engine:
-            self._engine.dispose()
+        """Dispose of the connection pool if this sink created the engine."""
+        self._engines.dispose()
 
     def _ensure_table(self) -> None:
         if self._created or not self._create:

@@ -56,8 +56,9 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
-from sqlalchemy.engine import URL, Connection, Engine, make_url
+from sqlalchemy.engine import Connection, Engine, make_url
 
+from dbtrigger._engine import LazyEngine
 from dbtrigger.errors import (
     AmbiguousWriteError,
     CasConflictError,
@@ -185,22 +186,19 @@ class SqlCheckpointStore:
         self._ready = not create_table
         self._lock = threading.Lock()
         if engine is not None:
-            self._engine = engine
-            self._owns_engine = False
+            parsed = engine.url
         else:
             try:
-                parsed: URL = make_url(resolve_setting(url or ""))
+                parsed = make_url(resolve_setting(url or ""))
             except sa.exc.ArgumentError as exc:
                 raise ConfigurationError(f"not a valid database URL: {exc}") from None
-            # hide_parameters: a failing statement's bound values (the whole
-            # document) must not be copied into exception text and logs.
-            kwargs: dict[str, Any] = {
-                "pool_pre_ping": True,
-                "hide_parameters": True,
-                **(engine_kwargs or {}),
-            }
-            self._engine = sa.create_engine(parsed, **kwargs)
-            self._owns_engine = True
+        # hide_parameters: a failing statement's bound values (the whole
+        # document) must not be copied into exception text and logs.
+        kwargs: dict[str, Any] = {"hide_parameters": True, **(engine_kwargs or {})}
+        self._engines = LazyEngine(parsed, kwargs, engine)
+        # Created now rather than on first use, so a URL naming a missing
+        # driver fails in the constructor.
+        self._engine = self._engines.engine
 
     # --- identity -----------------------------------------------------------------
 
@@ -227,8 +225,7 @@ class SqlCheckpointStore:
 
     def close(self) -> None:
         """Dispose of the connection pool if this store created the engine."""
-        if self._owns_engine:
-            self._engine.dispose()
+        self._engines.dispose()
 
     # --- error edge -----------------------------------------------------------------
 

@@ -151,6 +151,46 @@ def manual_entry(
     return entry
 
 
+def _manual_checkpoint(position: Position | None, now: dt.datetime) -> Checkpoint | None:
+    """The checkpoint an operator sets: no batch behind it; None for the beginning."""
+    if position is None or position.is_beginning:
+        return None
+    return Checkpoint(position=position, last_successful_batch_id=None, updated_at=now, row_count=0)
+
+
+def _fence_and_journal(
+    doc: StateDocument,
+    operation: str,
+    *,
+    lease_operation: str,
+    after: Position | None,
+    now: dt.datetime,
+    actor: str,
+    reason: str,
+    force: bool,
+    details: Mapping[str, Any] | None,
+) -> tuple[StateDocument, dict[str, Any]]:
+    """The two rules every change to an existing document follows, in one place.
+
+    Refuses a live lease unless ``force``, fences its holder out, and returns
+    the fenced document with the journal entry of ``operation`` (the caller's
+    ``details`` plus who was fenced, if anyone). The caller makes its own
+    change to the fenced document and appends the entry.
+    """
+    check_lease(doc, now=now, force=force, operation=lease_operation)
+    fenced = force_takeover(doc, now=now, actor=actor)
+    entry = manual_entry(
+        operation,
+        actor=actor,
+        reason=reason,
+        now=now,
+        before=current_position(doc),
+        after=after,
+        details={**(details or {}), **_fence_details(doc, fenced)},
+    )
+    return fenced, entry
+
+
 def _apply(
     doc: StateDocument,
     operation: str,
@@ -165,28 +205,22 @@ def _apply(
     fingerprint: str | None = None,
 ) -> StateDocument:
     """Move the checkpoint to ``position`` (None: the beginning), fenced and journaled."""
-    check_lease(doc, now=now, force=force, operation=operation)
-    before = current_position(doc)
-    fenced = force_takeover(doc, now=now, actor=actor)
-    checkpoint = None
-    if position is not None and not position.is_beginning:
-        checkpoint = Checkpoint(
-            position=position, last_successful_batch_id=None, updated_at=now, row_count=0
-        )
-    out = replace(
-        fenced,
-        checkpoint=checkpoint,
-        failure=None,
-        source_fingerprint=fingerprint or fenced.source_fingerprint,
-    )
-    entry = manual_entry(
+    fenced, entry = _fence_and_journal(
+        doc,
         operation,
+        lease_operation=operation,
+        after=position,
+        now=now,
         actor=actor,
         reason=reason,
-        now=now,
-        before=before,
-        after=position,
-        details={**(details or {}), **_fence_details(doc, fenced)},
+        force=force,
+        details=details,
+    )
+    out = replace(
+        fenced,
+        checkpoint=_manual_checkpoint(position, now),
+        failure=None,
+        source_fingerprint=fingerprint or fenced.source_fingerprint,
     )
     return out.with_journal_entry(entry, journal_limit)
 
@@ -317,17 +351,16 @@ def release_lease(
     """
     if doc.lease is None or doc.lease.released:
         raise ConfigurationError(f"poller {doc.poller_name!r} holds no lease; nothing to release")
-    check_lease(doc, now=now, force=force, operation="release-lease")
-    fenced = force_takeover(doc, now=now, actor=actor)
-    position = current_position(doc)
-    entry = manual_entry(
+    fenced, entry = _fence_and_journal(
+        doc,
         "release_lease",
+        lease_operation="release-lease",
+        after=current_position(doc),
+        now=now,
         actor=actor,
         reason=reason,
-        now=now,
-        before=position,
-        after=position,
-        details={**(details or {}), **_fence_details(doc, fenced)},
+        force=force,
+        details=details,
     )
     return fenced.with_journal_entry(entry, journal_limit)
 
@@ -387,11 +420,7 @@ def create(
     cursor; the first journal entry says who started it and why.
     """
     validate_name(poller, "poller name")
-    checkpoint = None
-    if position is not None and not position.is_beginning:
-        checkpoint = Checkpoint(
-            position=position, last_successful_batch_id=None, updated_at=now, row_count=0
-        )
+    checkpoint = _manual_checkpoint(position, now)
     entry = manual_entry(
         operation,
         actor=actor,

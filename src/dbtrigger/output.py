@@ -155,25 +155,18 @@ class OutputTarget:
         if self.action == "insert":
             return sa.insert(table)
         updates = [c for c in columns if c not in self.conflict_columns]
-        if self.dialect == "postgresql":
-            from sqlalchemy.dialects.postgresql import insert as pg_insert  # noqa: PLC0415
+        if self.dialect in ("postgresql", "sqlite"):
+            # Both spell it INSERT ... ON CONFLICT (keys) DO UPDATE / DO NOTHING.
+            from sqlalchemy.dialects import postgresql, sqlite  # noqa: PLC0415
 
-            pg_stmt = pg_insert(table)
-            if not updates:
-                return pg_stmt.on_conflict_do_nothing(index_elements=list(self.conflict_columns))
-            return pg_stmt.on_conflict_do_update(
-                index_elements=list(self.conflict_columns),
-                set_={c: pg_stmt.excluded[c] for c in updates},
+            stmt: postgresql.Insert | sqlite.Insert = (
+                postgresql.insert(table) if self.dialect == "postgresql" else sqlite.insert(table)
             )
-        if self.dialect == "sqlite":
-            from sqlalchemy.dialects.sqlite import insert as sqlite_insert  # noqa: PLC0415
-
-            lite_stmt = sqlite_insert(table)
+            keys = list(self.conflict_columns)
             if not updates:
-                return lite_stmt.on_conflict_do_nothing(index_elements=list(self.conflict_columns))
-            return lite_stmt.on_conflict_do_update(
-                index_elements=list(self.conflict_columns),
-                set_={c: lite_stmt.excluded[c] for c in updates},
+                return stmt.on_conflict_do_nothing(index_elements=keys)
+            return stmt.on_conflict_do_update(
+                index_elements=keys, set_={c: stmt.excluded[c] for c in updates}
             )
         from sqlalchemy.dialects.mysql import insert as mysql_insert  # noqa: PLC0415
 

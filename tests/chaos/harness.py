@@ -441,15 +441,21 @@ def analyse(
     duplicates = 0
     cases: list[str] = []
     for state, batches in by_state.items():
-        for i, earlier in enumerate(batches[:-1]):
+        # One delivery is the one that counts: the committed one (or, for a
+        # state still in flight at the end, the last). Every other delivery is
+        # a duplicate, explained by what happened to *its own* batch - which
+        # may come after the committed one (a frozen owner resuming, W4).
+        kept = next((b for b in batches if b in committed), batches[-1])
+        extras = list(batches)
+        extras.remove(kept)
+        for extra in extras:
             duplicates += 1
-            window = classify(earlier, committed, outcome_of, batch_owner, chaos)
+            window = classify(extra, committed, outcome_of, batch_owner, chaos)
             windows[window] += 1
             if window.startswith("unexplained") and len(cases) < 20:
                 cases.append(
-                    f"item {state}: {earlier} by {batch_owner.get(earlier)} "
-                    f"({outcome_of.get(earlier)}), again in {batches[i + 1]} by "
-                    f"{batch_owner.get(batches[i + 1])} ({outcome_of.get(batches[i + 1])})"
+                    f"item {state}: kept {kept} by {batch_owner.get(kept)}, also {extra} by "
+                    f"{batch_owner.get(extra)} ({outcome_of.get(extra)})"
                 )
     unexplained = sum(n for w, n in windows.items() if w.startswith("unexplained"))
 
@@ -494,7 +500,7 @@ def classify(
 ) -> str:
     """Which duplicate window explains that ``batch_id`` was delivered again."""
     if batch_id in committed:
-        return "unexplained: redelivered after its commit"
+        return "unexplained: one row state in two committed batches"
     outcome = outcome_of.get(batch_id)
     owner = batch_owner.get(batch_id)
     if outcome == "lost":

@@ -15,6 +15,7 @@ import socket
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from dbtrigger.errors import (
     UnsafeIdentifierError,
     UnsupportedDocumentError,
 )
-from dbtrigger.state.stores import SqlCheckpointStore, StoredDocument
+from dbtrigger.state.stores import CheckpointStore, SqlCheckpointStore, StoredDocument
 from dbtrigger.state.stores.sql import classify_driver_error
 from dbtrigger.testing import CountingStore
 from tests.contracts.store_contract import StoreContract
@@ -186,14 +187,26 @@ def make_events_table(db: TestDatabase, rows: int) -> None:
         )
 
 
-def test_poll_trigger_drains_with_state_in_the_same_database(
-    db: TestDatabase, sql_store: SqlCheckpointStore
-) -> None:
+@dataclass
+class CountedDrain:
+    """A drain ticked until idle, with the store's reads and writes counted per tick."""
+
+    trigger: PollTrigger
+    delivered: list[int] = field(default_factory=list)
+    #: (rows, store reads, store writes) of each tick
+    per_tick: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def handle(self, events: list[RowChange]) -> None:
+        self.delivered.extend(int(e.pk["id"]) for e in events)
+
+
+def drain_counting_store_calls(db: TestDatabase, store: CheckpointStore) -> CountedDrain:
+    """250 events (ties across batches) drained 3 batches of 40 per tick into ``store``."""
     make_events_table(db, 250)
     source = SqlAlchemySource(
         url=db.url, table="events", schema=db.schema, cursor_column="version", pk_columns=["id"]
     )
-    counting = CountingStore(sql_store)
+    counting = CountingStore(store)
     trigger = PollTrigger(
         name="events",
         source=source,
@@ -201,26 +214,28 @@ def test_poll_trigger_drains_with_state_in_the_same_database(
         batch_size=40,
         max_batches_per_tick=3,
     )
-    delivered: list[int] = []
-
-    def handle(events: list[RowChange]) -> None:
-        delivered.extend(int(e.pk["id"]) for e in events)
-
+    drain = CountedDrain(trigger)
     try:
-        per_tick = []
         while True:
-            rows = trigger.tick(handle)
+            rows = trigger.tick(drain.handle)
             counts = counting.reset()
-            per_tick.append((rows, counts.reads, counts.writes))
+            drain.per_tick.append((rows, counts.reads, counts.writes))
             if rows == 0:
                 break
     finally:
         source.close()
-    assert delivered == list(range(250))
+    return drain
+
+
+def test_poll_trigger_drains_with_state_in_the_same_database(
+    db: TestDatabase, sql_store: SqlCheckpointStore
+) -> None:
+    drain = drain_counting_store_calls(db, sql_store)
+    assert drain.delivered == list(range(250))
     # (rows, reads, writes): a tick of k batches costs 1 read + k + 1 writes
     # (acquire, k commits, the last folding in the release); an idle tick 1 read.
-    assert per_tick == [(120, 1, 4), (120, 1, 4), (10, 1, 2), (0, 1, 0)]
-    state = trigger.read_state()
+    assert drain.per_tick == [(120, 1, 4), (120, 1, 4), (10, 1, 2), (0, 1, 0)]
+    state = drain.trigger.read_state()
     assert state is not None
     assert state.position.pk == {"id": 249}
     assert state.lease is not None

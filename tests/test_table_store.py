@@ -22,7 +22,6 @@ from azure.data.tables import TableClient
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dbtrigger import PollTrigger, RowChange, SqlAlchemySource
 from dbtrigger.errors import (
     AmbiguousWriteError,
     CasConflictError,
@@ -40,11 +39,10 @@ from dbtrigger.state.stores.table import (
     entity_size,
     split_text,
 )
-from dbtrigger.testing import CountingStore
 from tests.azurite import ACCOUNT, KEY, Azurite
 from tests.contracts.store_contract import StoreContract
 from tests.databases import TestDatabase
-from tests.test_sql_store import make_events_table
+from tests.test_sql_store import drain_counting_store_calls
 
 pytestmark = pytest.mark.azurite
 
@@ -260,44 +258,18 @@ def test_create_table_false_reports_a_missing_table(azurite: Azurite) -> None:
 def test_poll_trigger_drains_with_state_in_a_table(
     sqlite_db: TestDatabase, table_store: TableCheckpointStore
 ) -> None:
-    make_events_table(sqlite_db, 250)
-    source = SqlAlchemySource(
-        url=sqlite_db.url, table="events", cursor_column="version", pk_columns=["id"]
-    )
-    counting = CountingStore(table_store)
-    trigger = PollTrigger(
-        name="events",
-        source=source,
-        checkpoint_store=counting,
-        batch_size=40,
-        max_batches_per_tick=3,
-    )
-    delivered: list[int] = []
-
-    def handle(events: list[RowChange]) -> None:
-        delivered.extend(int(e.pk["id"]) for e in events)
-
-    try:
-        per_tick = []
-        while True:
-            rows = trigger.tick(handle)
-            counts = counting.reset()
-            per_tick.append((rows, counts.reads, counts.writes))
-            if rows == 0:
-                break
-    finally:
-        source.close()
-    assert delivered == list(range(250))
-    assert per_tick == [(120, 1, 4), (120, 1, 4), (10, 1, 2), (0, 1, 0)]
-    state = trigger.read_state()
+    drain = drain_counting_store_calls(sqlite_db, table_store)
+    assert drain.delivered == list(range(250))
+    assert drain.per_tick == [(120, 1, 4), (120, 1, 4), (10, 1, 2), (0, 1, 0)]
+    state = drain.trigger.read_state()
     assert state is not None
     assert state.position.pk == {"id": 249}
     assert state.lease is not None
     assert state.lease.released
     with sqlite_db.engine.begin() as conn:  # new rows arrive, the next drain resumes
         conn.execute(sa.text("INSERT INTO events VALUES (1000, 1000, 'late')"))
-    assert trigger.drain(handle) == 1
-    assert delivered[-1] == 1000
+    assert drain.trigger.drain(drain.handle) == 1
+    assert drain.delivered[-1] == 1000
 
 
 # --- failures ----------------------------------------------------------------------------------

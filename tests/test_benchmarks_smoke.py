@@ -143,3 +143,14 @@ def test_fetch_depth_shows_keyset_flat_and_offset_growing(pg: TestDatabase, tmp_
     shallow, deep = rows[0], rows[1]
     assert int(deep[7]) <= int(shallow[7]) + 5
     assert int(deep[8]) > int(shallow[8]) + 1000
+
+
+def test_stages_prints_every_stage(pg: TestDatabase, tmp_path: Path) -> None:
+    out = run_benchmark("stages", ["--rows", "3000", "--batch", "500", "--quick"], pg, tmp_path)
+    rows = table_rows(out, "Per-row cost of each stage at batch 500")
+    names = [r[0] for r in rows]
+    assert names[0].startswith("raw keyset fetch")
+    assert names[-1].startswith("whole drain")
+    assert len(rows) == 10
+    for row in rows:
+        assert all(re.fullmatch(NUMBER, v) for v in row[1:]), row

@@ -16,18 +16,21 @@ case "$mode" in
     python -m benchmarks.ops_per_tick --quick
     python -m benchmarks.memory --quick
     python -m benchmarks.fetch_depth --quick
+    python -m benchmarks.stages --quick
     ;;
   --full)
     python -m benchmarks.catchup --rows 100k,1m
     python -m benchmarks.ops_per_tick
     python -m benchmarks.memory
     python -m benchmarks.fetch_depth
+    python -m benchmarks.stages
     ;;
   default)
     python -m benchmarks.catchup
     python -m benchmarks.ops_per_tick
     python -m benchmarks.memory
     python -m benchmarks.fetch_depth
+    python -m benchmarks.stages
     ;;
   *)
     echo "usage: $0 [--quick|--full]" >&2

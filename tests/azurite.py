@@ -114,7 +114,9 @@ def start_azurite() -> Iterator[Azurite]:
     finally:
         proc.terminate()
         try:
-            proc.wait(10)
+            proc.wait(3)  # in-memory: nothing to flush; it lingers on open keep-alives
         except subprocess.TimeoutExpired:
+            # Azurite waits for open keep-alive connections before exiting.
             proc.kill()
+            proc.wait()
         shutil.rmtree(workdir, ignore_errors=True)

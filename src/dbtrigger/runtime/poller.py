@@ -52,6 +52,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dbtrigger._gc import gc_paused
 from dbtrigger.cursor import BEGINNING, Position
 from dbtrigger.errors import (
     AmbiguousWriteError,
@@ -305,7 +306,7 @@ class PollTrigger(BatchDelivery):
         started = time.perf_counter()
         try:
             rows = self.retry.call(
-                lambda: self.source.fetch(position, self.batch_size),
+                lambda: self._fetch_paused(position),
                 operation="fetch",
                 kinds=(FetchError,),
                 on_retry=self._on_retry,
@@ -317,6 +318,10 @@ class PollTrigger(BatchDelivery):
         self.metrics.observe("fetch_duration_seconds", time.perf_counter() - started)
         self._report_visibility()
         return rows
+
+    def _fetch_paused(self, position: Position) -> Sequence[Mapping[str, Any]]:
+        with gc_paused():  # see dbtrigger._gc: the batch's rows are all still alive
+            return self.source.fetch(position, self.batch_size)
 
     def _report_visibility(self) -> None:
         """Turn the source's visibility-guard report into gauges.
@@ -502,7 +507,8 @@ class PollTrigger(BatchDelivery):
             batch_id = self._batch_id(started_at, session.token, index)
             fields = {"batch_id": batch_id, "fencing_token": session.token}
             try:
-                events = self.source.to_events(rows, poller=self.name, batch_id=batch_id)
+                with gc_paused():
+                    events = self.source.to_events(rows, poller=self.name, batch_id=batch_id)
             except SerializationError as exc:
                 self.metrics.increment(
                     "failures_total", labels={"error_type": "SerializationError"}

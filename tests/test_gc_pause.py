@@ -1,0 +1,101 @@
+"""The collector is paused only while a batch is built, and always resumed."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import pytest
+
+from dbtrigger import InMemoryCheckpointStore, PollTrigger, Position, RowChange
+from dbtrigger._gc import gc_paused
+from dbtrigger.events import make_event_id
+
+
+class RecordingSource:
+    """A tiny source that notes whether the collector ran while it worked."""
+
+    name = "memory:rows"
+
+    def __init__(self, n: int) -> None:
+        self.rows = [{"id": i, "c": i} for i in range(n)]
+        self.enabled_during: list[tuple[str, bool]] = []
+
+    def fingerprint(self) -> str:
+        return "sha256:test"
+
+    def fetch(self, after: Position, limit: int) -> Sequence[Mapping[str, Any]]:
+        self.enabled_during.append(("fetch", gc.isenabled()))
+        start = 0 if after.is_beginning else after.cursor + 1
+        return self.rows[start : start + limit]
+
+    def to_events(
+        self, rows: Sequence[Mapping[str, Any]], *, poller: str, batch_id: str
+    ) -> list[RowChange]:
+        self.enabled_during.append(("to_events", gc.isenabled()))
+        return [
+            RowChange(
+                event_id=make_event_id(poller, {"id": r["id"]}, r["c"]),
+                op="upsert",
+                source=self.name,
+                cursor=r["c"],
+                pk={"id": r["id"]},
+                before=None,
+                after=dict(r),
+            )
+            for r in rows
+        ]
+
+    def describe(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        return None
+
+
+@pytest.fixture
+def collector_enabled() -> Iterator[None]:
+    was = gc.isenabled()
+    gc.enable()
+    yield
+    if not was:
+        gc.disable()
+
+
+@pytest.mark.usefixtures("collector_enabled")
+def test_paused_while_building_and_running_for_the_handler() -> None:
+    source = RecordingSource(25)
+    trigger = PollTrigger(
+        name="p", source=source, checkpoint_store=InMemoryCheckpointStore(), batch_size=10
+    )
+    during_handler: list[bool] = []
+    assert trigger.drain(lambda events: during_handler.append(gc.isenabled())) == 25
+    assert source.enabled_during
+    assert all(not enabled for _, enabled in source.enabled_during)
+    assert during_handler == [True, True, True]
+    assert gc.isenabled()
+
+
+@pytest.mark.usefixtures("collector_enabled")
+def test_resumed_after_an_error() -> None:
+    def fail_while_paused() -> None:
+        with gc_paused():
+            assert not gc.isenabled()
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        fail_while_paused()
+    assert gc.isenabled()
+
+
+def test_leaves_a_disabled_collector_disabled() -> None:
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        if was:
+            gc.enable()

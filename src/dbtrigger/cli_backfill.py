@@ -40,7 +40,8 @@ from dbtrigger.cli_state import (
 )
 from dbtrigger.cursor import Position
 from dbtrigger.errors import ConfigurationError, DbTriggerError, OperatorError
-from dbtrigger.runtime.poller import Handler, PollTrigger
+from dbtrigger.runtime.delivery import Handler
+from dbtrigger.runtime.poller import PollTrigger
 from dbtrigger.state import document as docmod
 from dbtrigger.state import operations as ops
 from dbtrigger.state.document import StateDocument

@@ -28,7 +28,6 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from dbtrigger.cursor import Position
 from dbtrigger.errors import (
     ConfigurationError,
     DbTriggerError,
@@ -51,10 +50,6 @@ log = logging.getLogger("dbtrigger.runtime")
 
 #: A batch handler: ``handler(events)`` or ``handler(events, ctx)``, sync or async.
 Handler = Callable[..., Any]
-
-
-def _position_json(position: Position) -> dict[str, Any]:
-    return docmod.position_to_json(position)
 
 
 class BatchDelivery:
@@ -110,8 +105,8 @@ class BatchDelivery:
         fields = {
             "batch_id": ctx.batch_id,
             "fencing_token": ctx.fencing_token,
-            "checkpoint_before": _position_json(ctx.checkpoint_before),
-            "checkpoint_after": _position_json(ctx.checkpoint_after),
+            "checkpoint_before": docmod.position_to_json(ctx.checkpoint_before),
+            "checkpoint_after": docmod.position_to_json(ctx.checkpoint_after),
             "rows": len(events),
             "attempt": ctx.attempt,
         }
@@ -133,28 +128,30 @@ class BatchDelivery:
                 raise
             # The handler gave up because it saw ctx.cancelled: that is the lost
             # lease, not a failure of the batch (no attempt is counted).
-            session.lost = True
-            self.metrics.increment("batches_total", labels={"result": "lost"})
-            self.metrics.increment("failures_total", labels={"error_type": "LostLeaseError"})
-            self._log(logging.WARNING, "lease_lost", "lease lost while the handler ran", **fields)
-            raise LostLeaseError(
-                f"lease lost while the handler ran (it stopped with {type(exc).__name__}); "
-                "nothing committed, the batch will be redelivered",
-                poller=self.name,
-                batch_id=ctx.batch_id,
-                fencing_token=ctx.fencing_token,
+            raise self._lost_during_handler(
+                session,
+                ctx,
+                fields,
+                f"it stopped with {type(exc).__name__}; nothing committed",
             ) from exc
         self.metrics.observe("handler_duration_seconds", time.perf_counter() - started)
         if ctx.lease_lost.is_set():
-            session.lost = True
-            self.metrics.increment("batches_total", labels={"result": "lost"})
-            self._log(logging.WARNING, "lease_lost", "lease lost while the handler ran", **fields)
-            raise LostLeaseError(
-                "lease lost while the handler ran; results discarded, batch will be redelivered",
-                poller=self.name,
-                batch_id=ctx.batch_id,
-                fencing_token=ctx.fencing_token,
-            )
+            raise self._lost_during_handler(session, ctx, fields, "results discarded")
+
+    def _lost_during_handler(
+        self, session: LeaseSession, ctx: BatchContext, fields: dict[str, Any], what: str
+    ) -> LostLeaseError:
+        """Account for a lease lost while the handler ran; the error to raise."""
+        session.lost = True
+        self.metrics.increment("batches_total", labels={"result": "lost"})
+        self.metrics.increment("failures_total", labels={"error_type": "LostLeaseError"})
+        self._log(logging.WARNING, "lease_lost", "lease lost while the handler ran", **fields)
+        return LostLeaseError(
+            f"lease lost while the handler ran ({what}); the batch will be redelivered",
+            poller=self.name,
+            batch_id=ctx.batch_id,
+            fencing_token=ctx.fencing_token,
+        )
 
     def _deliver(
         self,
@@ -263,8 +260,8 @@ class BatchDelivery:
         fields = {
             "batch_id": ctx.batch_id,
             "fencing_token": ctx.fencing_token,
-            "checkpoint_before": _position_json(ctx.checkpoint_before),
-            "checkpoint_after": _position_json(ctx.checkpoint_after),
+            "checkpoint_before": docmod.position_to_json(ctx.checkpoint_before),
+            "checkpoint_after": docmod.position_to_json(ctx.checkpoint_after),
             "rows": len(events),
             "attempt": ctx.attempt,
         }
@@ -373,8 +370,8 @@ class BatchDelivery:
             entry = {
                 "type": "partial_commit",
                 "batch_id": ctx.batch_id,
-                "from": _position_json(ctx.checkpoint_before),
-                "to": _position_json(advance_to),
+                "from": docmod.position_to_json(ctx.checkpoint_before),
+                "to": docmod.position_to_json(advance_to),
                 "rows": head,
                 "owner_id": self.owner_id,
                 "fencing_token": session.token,
@@ -412,7 +409,7 @@ class BatchDelivery:
                     batch_id=ctx.batch_id,
                     fencing_token=session.token,
                     rows=head,
-                    cursor=_position_json(advance_to),
+                    cursor=docmod.position_to_json(advance_to),
                 )
         except DbTriggerError as record_exc:
             # The failure itself is what matters; the lease expires on its own.

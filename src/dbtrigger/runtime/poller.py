@@ -73,7 +73,7 @@ from dbtrigger.metrics import MetricsCollector, SafeMetrics
 from dbtrigger.names import validate_name
 from dbtrigger.quarantine import QuarantineSink
 from dbtrigger.runtime.context import BatchContext
-from dbtrigger.runtime.delivery import BatchDelivery, guarded
+from dbtrigger.runtime.delivery import BatchDelivery, Handler, guarded
 from dbtrigger.runtime.heartbeat import Heartbeat, default_interval
 from dbtrigger.runtime.retry import DEFAULT_RETRY_POLICY, RetryPolicy
 from dbtrigger.runtime.session import LeaseSession
@@ -84,8 +84,6 @@ from dbtrigger.state.document import StateDocument
 from dbtrigger.state.stores.base import CheckpointStore
 
 log = logging.getLogger("dbtrigger.runtime")
-
-Handler = Callable[..., Any]
 
 
 def utc_now() -> dt.datetime:
@@ -119,10 +117,6 @@ def _wants_context(handler: Handler) -> bool:
     ]
     has_var = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
     return has_var or len(positional) >= 2
-
-
-def _position_json(position: Position) -> dict[str, Any]:
-    return docmod.position_to_json(position)
 
 
 class PollTrigger(BatchDelivery):
@@ -503,7 +497,11 @@ class PollTrigger(BatchDelivery):
         attempt = failure.attempts + 1 if failure else 1
         if attempt > 1:
             self.metrics.increment("redelivered_batches_total")
-        for index in range(self.max_batches_per_tick):
+        # The loop ends through the last batch's commit, which always releases:
+        # either nothing more was fetched, or max_batches_per_tick was reached.
+        index = -1
+        while True:
+            index += 1
             batch_id = self._batch_id(started_at, session.token, index)
             fields = {"batch_id": batch_id, "fencing_token": session.token}
             try:
@@ -564,9 +562,6 @@ class PollTrigger(BatchDelivery):
                     self.metrics.set_gauge("lag_rows", 0)
                 return TickResult(total, batches, "committed", more=more)
             rows = next_rows
-        return TickResult(
-            total, batches, "committed", more=True
-        )  # pragma: no cover - loop exits above
 
     def _commit(
         self,
@@ -584,8 +579,8 @@ class PollTrigger(BatchDelivery):
         entry: dict[str, object] = {
             "type": "commit",
             "batch_id": batch_id,
-            "from": _position_json(before),
-            "to": _position_json(after),
+            "from": docmod.position_to_json(before),
+            "to": docmod.position_to_json(after),
             "rows": rows,
             "owner_id": self.owner_id,
             "fencing_token": session.token,
@@ -640,7 +635,7 @@ class PollTrigger(BatchDelivery):
             rows,
             after.cursor,
             batch_id,
-            cursor=_position_json(after),
+            cursor=docmod.position_to_json(after),
             released=release,
             **{k: v for k, v in fields.items() if k != "rows"},
             rows=rows,

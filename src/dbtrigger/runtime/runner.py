@@ -25,7 +25,8 @@ from types import FrameType
 from typing import Any
 
 from dbtrigger.errors import DbTriggerError, OperatorError
-from dbtrigger.runtime.poller import Handler, PollTrigger, TickResult
+from dbtrigger.runtime.delivery import Handler
+from dbtrigger.runtime.poller import PollTrigger, TickResult
 
 log = logging.getLogger("dbtrigger.runner")
 

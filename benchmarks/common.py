@@ -57,8 +57,24 @@ COLUMNS = ("id", "updated_at", "customer", "amount", "status")
 
 
 def noop_handler(events: Sequence[Any]) -> None:
-    """The handler every catch-up uses: the cost measured is dbtrigger's own."""
+    """A handler that does nothing: the cost measured is dbtrigger's own."""
     del events
+
+
+def reading_handler(events: Sequence[Any]) -> None:
+    """A handler that reads each event's key and one column, a fair stand-in for
+    real work (the raw loop reads the same two fields from its tuples): an event
+    that defers building its ``pk`` or ``after`` pays for it here."""
+    for event in events:
+        event.pk["id"]  # the read is the point
+        event.after["status"]
+
+
+#: ``--handler`` choices of the catch-up benchmarks.
+HANDLERS: dict[str, Callable[[Sequence[Any]], None]] = {
+    "noop": noop_handler,
+    "read": reading_handler,
+}
 
 
 # --- data sets -----------------------------------------------------------------------
@@ -239,11 +255,12 @@ _LITE_NEXT = (
 )
 
 
-def raw_keyset_drain(ds: Dataset, batch: int) -> int:
+def raw_keyset_drain(ds: Dataset, batch: int, *, read: bool = False) -> int:
     """The floor: the same keyset read with the bare driver, rows as tuples, nothing else.
 
     One connection, autocommit, the last row's ``(updated_at, id)`` bound into
-    the next query. Returns the rows read.
+    the next query. With ``read`` it reads each tuple's key and ``status``, the
+    fields :func:`reading_handler` reads from each event. Returns the rows read.
     """
     if ds.kind == "postgresql":
         import psycopg  # noqa: PLC0415 - only the PostgreSQL baseline needs it
@@ -251,24 +268,35 @@ def raw_keyset_drain(ds: Dataset, batch: int) -> int:
         first = _PG_FIRST.format(t=f"{ds.schema}.{ds.table}")
         nxt = _PG_NEXT.format(t=f"{ds.schema}.{ds.table}")
         with psycopg.connect(pg_conninfo(), autocommit=True) as pconn, pconn.cursor() as cur:
-            return _keyset_loop(lambda q, p: cur.execute(q, p).fetchall(), first, nxt, batch)
+            return _keyset_loop(
+                lambda q, p: cur.execute(q, p).fetchall(), first, nxt, batch, read=read
+            )
     path = sa.make_url(ds.url).database or ""
     lconn = sqlite3.connect(path)
     try:
         return _keyset_loop(
-            lambda q, p: lconn.execute(q, p).fetchall(), _LITE_FIRST, _LITE_NEXT, batch
+            lambda q, p: lconn.execute(q, p).fetchall(), _LITE_FIRST, _LITE_NEXT, batch, read=read
         )
     finally:
         lconn.close()
 
 
 def _keyset_loop(
-    run: Callable[[str, tuple[Any, ...]], list[Any]], first: str, nxt: str, batch: int
+    run: Callable[[str, tuple[Any, ...]], list[Any]],
+    first: str,
+    nxt: str,
+    batch: int,
+    *,
+    read: bool = False,
 ) -> int:
     total = 0
     rows = run(first, (batch,))
     while rows:
         total += len(rows)
+        if read:
+            for row in rows:
+                row[0]  # the key, as the reading handler reads it
+                row[4]  # status
         if len(rows) < batch:
             break
         last = rows[-1]
@@ -287,8 +315,10 @@ def dbtrigger_drain(
     poller: str = "bench",
     visibility: str = "none",
     idle_limit_seconds: float = 30.0,
+    handler: Callable[[Sequence[Any]], None] = noop_handler,
 ) -> int:
-    """Drain the table through ``PollTrigger`` with a no-op handler; returns rows delivered.
+    """Drain the table through ``PollTrigger`` (no-op handler unless one is given);
+    returns the rows delivered.
 
     Ticks until every row was delivered. A tick that delivers nothing while rows
     remain is a visibility guard holding rows back until transactions that were
@@ -307,7 +337,7 @@ def dbtrigger_drain(
         total = 0
         stalled_since: float | None = None
         while total < ds.rows:
-            got = trigger.tick(noop_handler)
+            got = trigger.tick(handler)
             total += got
             if got:
                 stalled_since = None
@@ -420,7 +450,14 @@ class AfdbMemoryStateStore:
             self._write(poller_name, state)
 
 
-def afdb_drain(ds: Dataset, batch: int, store: Any, *, poller: str = "bench") -> int:
+def afdb_drain(
+    ds: Dataset,
+    batch: int,
+    store: Any,
+    *,
+    poller: str = "bench",
+    handler: Callable[[Sequence[Any]], None] = noop_handler,
+) -> int:
     """Drain the table through azure-functions-db's public ``PollTrigger``; returns rows.
 
     One tick drains the whole table (``max_batches_per_tick`` is unbounded and
@@ -447,7 +484,7 @@ def afdb_drain(ds: Dataset, batch: int, store: Any, *, poller: str = "bench") ->
         )
         total = 0
         while True:
-            got = trigger.run(timer=None, handler=noop_handler)
+            got = trigger.run(timer=None, handler=handler)
             total += got
             if got == 0:
                 return total
@@ -633,6 +670,7 @@ def rss_mb() -> tuple[float, float]:
 
 __all__ = [
     "COLUMNS",
+    "HANDLERS",
     "PG_URL",
     "ROOT",
     "AfdbMemoryStateStore",
@@ -656,6 +694,7 @@ __all__ = [
     "percentile",
     "print_table",
     "raw_keyset_drain",
+    "reading_handler",
     "rss_mb",
     "str_list",
     "timed",

@@ -17,6 +17,7 @@ case "$mode" in
     python -m benchmarks.memory --quick
     python -m benchmarks.fetch_depth --quick
     python -m benchmarks.stages --quick
+    python -m benchmarks.coldstart --quick
     ;;
   --full)
     python -m benchmarks.catchup --rows 100k,1m
@@ -24,6 +25,7 @@ case "$mode" in
     python -m benchmarks.memory
     python -m benchmarks.fetch_depth
     python -m benchmarks.stages
+    python -m benchmarks.coldstart
     ;;
   default)
     python -m benchmarks.catchup
@@ -31,6 +33,7 @@ case "$mode" in
     python -m benchmarks.memory
     python -m benchmarks.fetch_depth
     python -m benchmarks.stages
+    python -m benchmarks.coldstart
     ;;
   *)
     echo "usage: $0 [--quick|--full]" >&2

@@ -14,12 +14,19 @@ a final drain), and the visibility delay commit -> handler (p50/p95/max). Each
 database gets a throw-away database of its own, so only this workload's
 transactions can hold a horizon back.
 
-Two workload profiles run one after the other: ``short`` (every transaction
-commits within 20 ms of writing) and ``long`` (5 % of transactions stay open
-0.5-2 s after writing; with 8 writers one of them is open most of the time).
-In both, ``--writers`` connections insert 1-3 rows per transaction, 10 % roll
-back, and a straggler transaction writes first and commits after 1.5 s, so an
-unguarded poller has every chance to move past it.
+Three workload profiles run one after the other: ``short`` (every transaction
+commits within 20 ms of writing), ``long`` (5 % of transactions stay open
+0.5-2 s after writing; with 8 writers one of them is open most of the time)
+and ``8-12s`` (one writer in four holds every transaction 8-12 s, longer than
+the 5 s safety window). In all, ``--writers`` connections insert 1-3 rows per
+transaction, 10 % roll back, and a straggler transaction writes first and
+commits after 1.5 s, so an unguarded poller has every chance to move past it.
+
+Then the guard's cost: a catch-up of ``--cost-rows`` rows at batch 1000 per
+database, each guard next to ``visibility="none"`` in the same run (best of
+``--cost-repeats``), with the statements each fetch costs.
+
+    python benchmarks/visibility.py --cost-only      # just the cost table
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from dbtrigger import InMemoryCheckpointStore, PollTrigger, RowChange, SqlAlchemySource
+from dbtrigger import BEGINNING, InMemoryCheckpointStore, PollTrigger, RowChange, SqlAlchemySource
 from dbtrigger.sources.visibility import SafetyWindow, install_visibility_trigger
 
 PG_URL = os.environ.get(
@@ -86,6 +93,7 @@ class Writers:
     writers: int
     seconds: float
     long_fraction: float
+    long_writers: tuple[float, float] | None = None  # every 4th writer holds this long
     seed: int = 1
     committed: dict[int, float] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -113,7 +121,10 @@ class Writers:
                     ]
                     roll = rng.random()
                     long = roll < self.long_fraction
-                    time.sleep(rng.uniform(0.5, 2.0) if long else rng.uniform(0, 0.02))
+                    if self.long_writers is not None and index % 4 == 0:
+                        time.sleep(rng.uniform(*self.long_writers))
+                    else:
+                        time.sleep(rng.uniform(0.5, 2.0) if long else rng.uniform(0, 0.02))
                     if roll > 0.90:
                         trans.rollback()
                         continue
@@ -149,7 +160,7 @@ def measure(
     sources: list[tuple[str, str, Any]],
     args: argparse.Namespace,
     settle: float,
-    long_fraction: float,
+    profile: Profile,
 ) -> list[dict[str, Any]]:
     engine = sa.create_engine(url, pool_size=args.writers + 4)
     pollers: list[Poller] = []
@@ -168,7 +179,9 @@ def measure(
     threads = [threading.Thread(target=p.run, daemon=True) for p in pollers]
     for t in threads:
         t.start()
-    writers = Writers(engine, insert_sql, args.writers, args.seconds, long_fraction)
+    writers = Writers(
+        engine, insert_sql, args.writers, args.seconds, profile.long_fraction, profile.long_writers
+    )
     writers.run()
     time.sleep(settle)  # let every guard release the last commits
     for p in pollers:
@@ -203,10 +216,21 @@ def measure(
     return results
 
 
-PROFILES = (("short", 0.0), ("long", 0.05))
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    long_fraction: float
+    long_writers: tuple[float, float] | None = None
 
 
-def postgresql(args: argparse.Namespace, long_fraction: float) -> list[dict[str, Any]]:
+PROFILES = (
+    Profile("short", 0.0),
+    Profile("long", 0.05),
+    Profile("8-12s", 0.0, (8.0, 12.0)),
+)
+
+
+def postgresql(args: argparse.Namespace, profile: Profile) -> list[dict[str, Any]]:
     admin = sa.create_engine(args.pg_url, isolation_level="AUTOCOMMIT")
     name = f"bench_vis_{uuid.uuid4().hex[:8]}"
     with admin.connect() as conn:
@@ -230,14 +254,14 @@ def postgresql(args: argparse.Namespace, long_fraction: float) -> list[dict[str,
             ("snapshot horizon", "dbtrigger_xid", "auto"),
         ]
         insert = "INSERT INTO events (writer) VALUES (:w) RETURNING id"
-        return measure(url, insert, sources, args, settle=6, long_fraction=long_fraction)
+        return measure(url, insert, sources, args, settle=6, profile=profile)
     finally:
         with admin.connect() as conn:
             conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
 
 
-def mariadb(args: argparse.Namespace, long_fraction: float) -> list[dict[str, Any]]:
+def mariadb(args: argparse.Namespace, profile: Profile) -> list[dict[str, Any]]:
     admin = sa.create_engine(args.mariadb_url, isolation_level="AUTOCOMMIT")
     name = f"bench_vis_{uuid.uuid4().hex[:8]}"
     with admin.connect() as conn:
@@ -247,17 +271,20 @@ def mariadb(args: argparse.Namespace, long_fraction: float) -> list[dict[str, An
         engine = sa.create_engine(url)
         with engine.begin() as conn:
             conn.exec_driver_sql(
-                "CREATE TABLE events (id BIGINT AUTO_INCREMENT PRIMARY KEY, "
+                "CREATE TABLE events (id BIGINT PRIMARY KEY DEFAULT (UUID_SHORT()), "
+                "seq BIGINT NOT NULL AUTO_INCREMENT, "
                 "updated_at DATETIME(6) NOT NULL DEFAULT NOW(6), writer INT NOT NULL, "
-                "KEY ix_events_updated_at_id (updated_at, id))"
+                "KEY ix_events_updated_at_id (updated_at, id), KEY ix_events_seq_id (seq, id))"
             )
         engine.dispose()
         sources = [
             ("none", "updated_at", "none"),
-            ("safety window 5s (auto)", "updated_at", "auto"),
+            ("safety window 5s", "updated_at", SafetyWindow(5.0)),
+            ("transaction horizon", "updated_at", "auto"),
+            ("transaction horizon", "seq", "auto"),
         ]
         insert = "INSERT INTO events (writer) VALUES (:w) RETURNING id"
-        return measure(url, insert, sources, args, settle=6, long_fraction=long_fraction)
+        return measure(url, insert, sources, args, settle=6, profile=profile)
     finally:
         with admin.connect() as conn:
             conn.execute(sa.text(f"DROP DATABASE IF EXISTS `{name}`"))
@@ -273,13 +300,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mariadb-url", default=MARIADB_URL)
     parser.add_argument("--skip-postgresql", action="store_true")
     parser.add_argument("--skip-mariadb", action="store_true")
+    parser.add_argument(
+        "--profiles", default=",".join(p.name for p in PROFILES), help="comma-separated"
+    )
+    parser.add_argument("--cost-rows", type=int, default=100_000)
+    parser.add_argument("--cost-repeats", type=int, default=5)
+    parser.add_argument("--cost-only", action="store_true", help="skip the workloads")
+    parser.add_argument("--skip-cost", action="store_true")
     args = parser.parse_args(argv)
+    if not args.cost_only:
+        workloads(args)
+    if not args.skip_cost:
+        costs(args)
+    return 0
+
+
+def workloads(args: argparse.Namespace) -> None:
+    wanted = set(args.profiles.split(","))
     rows: list[tuple[str, str, dict[str, Any]]] = []
-    for profile, long_fraction in PROFILES:
+    for profile in PROFILES:
+        if profile.name not in wanted:
+            continue
         if not args.skip_postgresql:
-            rows += [("postgresql", profile, r) for r in postgresql(args, long_fraction)]
+            rows += [("postgresql", profile.name, r) for r in postgresql(args, profile)]
         if not args.skip_mariadb:
-            rows += [("mariadb", profile, r) for r in mariadb(args, long_fraction)]
+            rows += [("mariadb", profile.name, r) for r in mariadb(args, profile)]
     print(
         f"{args.writers} writers, {args.seconds:g}s of writes per database, "
         f"idle poll interval {args.interval:g}s; delay = commit returned -> handler called"
@@ -296,7 +341,179 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['committed']:>9} {r['lost']:>5} {r['p50']:>8.0f} {r['p95']:>8.0f} "
             f"{r['max']:>8.0f} {r['held']:>10.1f}"
         )
-    return 0
+    print()
+
+
+# --- the guard's cost: a catch-up at batch 1000, next to visibility="none" -----------
+
+#: database, label, cursor, mode, (rows/s, cpu rows/s, statements/fetch), the same
+#: run's visibility="none" (rows/s, cpu rows/s)
+CostRow = tuple[str, str, str, str, tuple[float, float, float], tuple[float, float]]
+
+
+def drain_rate(
+    url: str, cursor: str, visibility: Any, rows: int, modes: dict[str, str] | None = None
+) -> tuple[float, float, float]:
+    """A PollTrigger catch-up of a static table: rows/s (wall, client CPU), statements/fetch."""
+    source = SqlAlchemySource(
+        url=url, table="events", cursor_column=cursor, pk_columns=["id"], visibility=visibility
+    )
+    statements = [0]
+    fetches = [0]
+
+    def count(*_: Any) -> None:
+        statements[0] += 1
+
+    sa.event.listen(source.engine, "before_cursor_execute", count)
+    source.fetch(BEGINNING, 1)  # connect, reflect, decide auto: not part of the catch-up
+    statements[0] = 0
+    trigger = PollTrigger(
+        name="cost",
+        source=source,
+        checkpoint_store=InMemoryCheckpointStore(),
+        batch_size=1000,
+        max_batches_per_tick=1_000_000,
+    )
+    seen = [0]
+
+    def handle(events: list[RowChange]) -> None:
+        fetches[0] += 1
+        for event in events:  # what a real handler reads: the key and a column
+            seen[0] += event.pk["id"] is not None and event.after["writer"] is not None
+
+    started, cpu = time.perf_counter(), time.process_time()
+    deadline = time.monotonic() + 60
+    while seen[0] < rows and time.monotonic() < deadline:
+        if trigger.tick(handle) == 0:
+            time.sleep(0.05)  # a guard waits for another session's transaction
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
+    if modes is not None:
+        modes[cursor + repr(visibility)] = source.visibility_mode
+    source.close()
+    if seen[0] != rows:
+        raise SystemExit(f"cost run delivered {seen[0]} of {rows} rows ({url}, {cursor})")
+    return rows / elapsed, rows / cpu, statements[0] / max(1, fetches[0] + 1)
+
+
+def costs(args: argparse.Namespace) -> None:
+    results: list[CostRow] = []
+    if not args.skip_postgresql:
+        results += cost_postgresql(args)
+    if not args.skip_mariadb:
+        results += cost_mariadb(args)
+    print(
+        f"guard cost: catch-up of {args.cost_rows} rows, batch 1000, in-memory store, median of "
+        f"{args.cost_repeats} interleaved rounds; cpu = rows per second of client CPU time; "
+        "statements/fetch counts every statement the source ran"
+    )
+    header = (
+        f"{'database':<11} {'source':<18} {'cursor':<11} {'mode':<20} {'rows/s':>9} "
+        f"{'vs none':>8} {'cpu rows/s':>10} {'vs none':>8} {'stmts/fetch':>11}"
+    )
+    print(header)
+    print("-" * len(header))
+    for database, label, cursor, mode, (rate, cpu, per_fetch), (base, cpu_base) in results:
+        print(
+            f"{database:<11} {label:<18} {cursor:<11} {mode:<20} {rate:>9,.0f} "
+            f"{rate / base:>8.2f} {cpu:>10,.0f} {cpu / cpu_base:>8.2f} {per_fetch:>11.2f}"
+        )
+
+
+def best_rates(
+    url: str, contenders: list[tuple[str, str, Any]], args: argparse.Namespace
+) -> list[tuple[str, str, str, tuple[float, float, float]]]:
+    """Each contender's median over the rounds, interleaved so load drifts hit all."""
+    runs: dict[int, list[tuple[float, float, float]]] = {}
+    modes: dict[str, str] = {}
+    for _ in range(args.cost_repeats):
+        for index, (_label, cursor, visibility) in enumerate(contenders):
+            rates = drain_rate(url, cursor, visibility, args.cost_rows, modes)
+            runs.setdefault(index, []).append(rates)
+    out = []
+    for index, (label, cursor, visibility) in enumerate(contenders):
+        values = runs[index]
+        med = tuple(statistics.median(v[k] for v in values) for k in range(3))
+        out.append((label, cursor, modes[cursor + repr(visibility)], med))
+    return out  # type: ignore[return-value]
+
+
+def _with_base(
+    database: str, rows: list[tuple[str, str, str, tuple[float, float, float]]]
+) -> list[CostRow]:
+    base = rows[0][3]
+    return [(database, label, c, m, v, (base[0], base[1])) for label, c, m, v in rows]
+
+
+def cost_postgresql(
+    args: argparse.Namespace,
+) -> list[CostRow]:
+    admin = sa.create_engine(args.pg_url, isolation_level="AUTOCOMMIT")
+    name = f"bench_vis_{uuid.uuid4().hex[:8]}"
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    url = sa.make_url(args.pg_url).set(database=name).render_as_string(hide_password=False)
+    try:
+        engine = sa.create_engine(url)
+        with engine.begin() as conn:
+            conn.exec_driver_sql(
+                "CREATE TABLE events (id bigserial PRIMARY KEY, "
+                "updated_at timestamptz NOT NULL DEFAULT now(), writer int NOT NULL);"
+                "CREATE INDEX ON events (updated_at, id)"
+            )
+            conn.execute(
+                sa.text(
+                    "INSERT INTO events (updated_at, writer) SELECT now() - interval '1 hour' "
+                    "+ i * interval '1 microsecond', i FROM generate_series(1, :n) AS i"
+                ),
+                {"n": args.cost_rows},
+            )
+            conn.exec_driver_sql("ANALYZE events")
+        engine.dispose()
+        contenders = [
+            ("none", "updated_at", "none"),
+            ("auto", "updated_at", "auto"),
+        ]
+        return _with_base("postgresql", best_rates(url, contenders, args))
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def cost_mariadb(args: argparse.Namespace) -> list[CostRow]:
+    admin = sa.create_engine(args.mariadb_url, isolation_level="AUTOCOMMIT")
+    name = f"bench_vis_{uuid.uuid4().hex[:8]}"
+    with admin.connect() as conn:
+        conn.execute(sa.text(f"CREATE DATABASE `{name}`"))
+    url = sa.make_url(args.mariadb_url).set(database=name).render_as_string(hide_password=False)
+    try:
+        engine = sa.create_engine(url)
+        with engine.begin() as conn:
+            conn.exec_driver_sql(
+                "CREATE TABLE events (id BIGINT PRIMARY KEY, "
+                "seq BIGINT NOT NULL AUTO_INCREMENT, "
+                "updated_at DATETIME(6) NOT NULL DEFAULT NOW(6), writer INT NOT NULL, "
+                "KEY ix_events_updated_at_id (updated_at, id), KEY ix_events_seq_id (seq, id))"
+            )
+            conn.execute(
+                sa.text(
+                    "INSERT INTO events (id, updated_at, writer) SELECT seq, "
+                    "NOW(6) - INTERVAL 1 HOUR + INTERVAL seq MICROSECOND, seq "
+                    "FROM seq_1_to_{n}".replace("{n}", str(int(args.cost_rows)))
+                )
+            )
+        engine.dispose()
+        contenders = [
+            ("none", "updated_at", "none"),
+            ("auto", "updated_at", "auto"),
+            ("auto", "seq", "auto"),
+            ("safety window 5s", "updated_at", SafetyWindow(5.0)),
+        ]
+        return _with_base("mariadb", best_rates(url, contenders, args))
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f"DROP DATABASE IF EXISTS `{name}`"))
+        admin.dispose()
 
 
 if __name__ == "__main__":

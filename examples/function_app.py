@@ -15,8 +15,14 @@ App settings (``local.settings.json`` locally, App Settings in Azure):
   with the Function App's managed identity holding "Storage Blob Data
   Contributor" on the ``db-state`` container.
 * ``DBTRIGGER_APP_NAME``: separates this app's state from other apps and
-  deployment slots sharing the storage account.
+  deployment slots sharing the storage account (the ``dbtrigger`` CLI reads the
+  same name for ``--app``).
 * ``ORDERS_DB_URL`` / ``DEST_DB_URL``: SQLAlchemy URLs of the source and the sink.
+
+Operate it from this folder with the CLI, which reads ``local.settings.json``
+like ``func start`` does: ``dbtrigger status orders --source
+function_app:orders_poll``, ``dbtrigger backfill orders-rebuild --trigger
+function_app:orders_poll --from-beginning --reason ... --yes`` (docs/azure.md).
 
 Tables (PostgreSQL shown; any SQLAlchemy database works for the source)::
 
@@ -44,6 +50,11 @@ import logging
 import azure.functions as func
 
 from dbtrigger import BlobCheckpointStore, DbBindings, DbOut, RowChange, SqlAlchemySource
+
+# azure-core logs every blob request and response at INFO as a 10-20 line record;
+# the Python worker forwards it under the function's category, so host.json
+# cannot filter it by logger name: silence it here.
+logging.getLogger("azure.core.pipeline.policies.http_logging_policy").setLevel(logging.WARNING)
 
 #: Every minute. Repeated on db.trigger so the lease TTL is checked against it.
 SCHEDULE = "0 */1 * * * *"

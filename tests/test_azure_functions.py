@@ -6,6 +6,7 @@ import asyncio
 import datetime as dt
 import importlib.util
 import inspect
+import logging
 import subprocess
 import sys
 import textwrap
@@ -559,6 +560,8 @@ def test_example_function_app_imports_and_runs(
         "INSERT INTO orders VALUES (:id, 'paid', :amount, :ts)",
         [{"id": i, "amount": i * 5, "ts": f"2026-02-01 08:00:{i:02d}"} for i in range(1, 4)],
     )
+    http_logger = logging.getLogger("azure.core.pipeline.policies.http_logging_policy")
+    previous_level = http_logger.level
     spec = importlib.util.spec_from_file_location(
         f"example_function_app_{app_name.replace('-', '_')}", ROOT / "examples" / "function_app.py"
     )
@@ -567,6 +570,7 @@ def test_example_function_app_imports_and_runs(
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     try:
+        assert http_logger.level == logging.WARNING  # the example silences azure-core's HTTP log
         (function,) = module.app.get_functions()
         assert function.get_function_name() == "orders_poll"
         assert function.get_bindings_dict()["bindings"][0]["type"] == "timerTrigger"
@@ -585,6 +589,7 @@ def test_example_function_app_imports_and_runs(
         assert module.state_store.list_keys() == ["orders"]
         assert module.state_store.describe().endswith(f"/db-state/state/{app_name}/")
     finally:
+        http_logger.setLevel(previous_level)  # the example's module-level setting is global
         module.orders_source.close()
         run.db_output_target.close()
         module.state_store.close()

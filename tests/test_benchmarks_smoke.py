@@ -77,8 +77,8 @@ def test_catchup_prints_every_contender_and_the_ratios(pg: TestDatabase, tmp_pat
     }
     for row in rows:
         db, store = row[0], row[3]
-        raw, ours, guard, afdb, ours_raw, guard_raw, ours_afdb = row[4:]
-        for value in (raw, ours, afdb, ours_raw, ours_afdb):
+        raw, ours, guard, afdb, ours_raw, ours_raw_cpu, guard_raw, ours_afdb = row[4:]
+        for value in (raw, ours, afdb, ours_raw, ours_raw_cpu, ours_afdb):
             assert re.fullmatch(NUMBER, value), row
         if db == "postgresql" and store == "memory":
             assert re.fullmatch(NUMBER, guard), row
@@ -154,11 +154,43 @@ def test_stages_prints_every_stage(pg: TestDatabase, tmp_path: Path) -> None:
         "SqlAlchemySource.fetch",
         "of which per-fetch fixed cost",
         "to_events",
-        "of which event ids",
+        "reading pk + one column",
+        "event ids",
         "commit",
         "drain setup",
-        "sum of fetch + to_events + commit",
+        "sum of fetch + to_events + reading + commit",
         "whole drain",
     ]
     for row in rows:
         assert all(re.fullmatch(NUMBER, v) for v in row[1:]), row
+
+
+def test_coldstart_imports_nothing_heavy_and_times_a_first_invocation(
+    pg: TestDatabase, tmp_path: Path
+) -> None:
+    out = run_benchmark("coldstart", ["--quick", "--rows", "3000"], pg, tmp_path)
+    imports = {r[0]: r for r in table_rows(out, "Imports in a fresh interpreter")}
+    assert set(imports) == {"python -c pass", "import dbtrigger", "function_app imports"}
+    assert imports["import dbtrigger"][4] == "-", imports  # no heavy package at all
+    for row in imports.values():
+        assert all(re.fullmatch(NUMBER, v) for v in row[2:4]), row
+    (tick,) = table_rows(out, "A Functions invocation from a fresh process")
+    assert all(re.fullmatch(NUMBER, v) for v in tick[1:]), tick
+
+
+def test_claim_drains_the_queue_and_prints_the_ratio_to_the_raw_loop(
+    pg: TestDatabase, tmp_path: Path
+) -> None:
+    out = run_benchmark(
+        "claim",
+        ["--rows", "300", "--repeats", "1", "--workers", "1,2", "--systems", "dbtrigger,raw"],
+        pg,
+        tmp_path,
+    )
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.strip().startswith("workers"))
+    rows = [re.split(r"\s+", line.strip()) for line in lines[header + 1 : header + 3]]
+    assert [r[0] for r in rows] == ["1", "2"]
+    for row in rows:
+        assert all(re.fullmatch(NUMBER, cell) for cell in row[1:])
+        assert float(row[3]) > 0

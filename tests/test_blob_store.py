@@ -1,4 +1,6 @@
-"""BlobCheckpointStore against a real Azurite: the store contract and failure mapping.
+"""BlobCheckpointStore against a real Azurite: layout and failure mapping.
+
+The shared store contract runs against it in test_store_contract.py.
 
 Each test gets its own container. Network failures are produced for real: a
 small TCP proxy in front of Azurite forwards a PUT and throws the answer away
@@ -48,7 +50,6 @@ from dbtrigger.state.stores.base import CheckpointStore
 from dbtrigger.state.stores.blob import BlobCheckpointStore
 from dbtrigger.testing import CountingStore, StoreCall
 from tests.azurite import ACCOUNT, KEY, Azurite
-from tests.contracts.store_contract import StoreContract
 from tests.databases import TestDatabase
 
 pytestmark = pytest.mark.azurite
@@ -76,14 +77,6 @@ def make_store(
     return BlobCheckpointStore.from_connection_string(
         azurite.connection_string, app_name=app, container=container, **kwargs
     )
-
-
-class TestBlobStoreContract(StoreContract):
-    @pytest.fixture
-    def store(self, azurite: Azurite, container: str) -> Iterator[BlobCheckpointStore]:
-        store = make_store(azurite, container)
-        yield store
-        store.close()
 
 
 # --- layout and construction -----------------------------------------------------

@@ -34,8 +34,8 @@ from dbtrigger import (
     SqlAlchemySource,
 )
 from dbtrigger.cli import main
-from dbtrigger.cli_backfill import Progress
-from dbtrigger.cli_state import parse_position, parse_value
+from dbtrigger.cli.backfill import Progress
+from dbtrigger.cli.common import parse_position, parse_value
 from dbtrigger.errors import LiveLeaseError
 from dbtrigger.state import document as docmod
 from dbtrigger.state import lease as leasemod
@@ -159,7 +159,11 @@ def make_app(
         visibility="none",
     )
     trigger = PollTrigger(
-        name="orders", source=source, checkpoint_store=backend.store, batch_size=10
+        name="orders",
+        source=source,
+        checkpoint_store=backend.store,
+        batch_size=10,
+        max_batches_per_tick=1,  # these tests step one batch per tick
     )
     module = f"cli_state_app_{uuid.uuid4().hex[:8]}"
     app = App(module, trigger, source, [], backend, tmp_path / "backups")
@@ -556,7 +560,11 @@ def test_clone(app: App, capsys: pytest.CaptureFixture[str]) -> None:
     assert "already exists" in err
 
     twin = PollTrigger(
-        name="orders-v2", source=app.source, checkpoint_store=app.backend.store, batch_size=10
+        name="orders-v2",
+        source=app.source,
+        checkpoint_store=app.backend.store,
+        batch_size=10,
+        max_batches_per_tick=1,
     )
     app.seen.clear()
     twin.tick(app.handler)
@@ -882,7 +890,8 @@ def _module_file(tmp_path: Path, db_url: str, store_expr: str) -> str:
             source = SqlAlchemySource(url={db_url!r}, table="events", cursor_column="seq",
                                       pk_columns=["id"])
             trigger = PollTrigger(name="orders", source=source,
-                                  checkpoint_store={store_expr}, batch_size=10)
+                                  checkpoint_store={store_expr}, batch_size=10,
+                                  max_batches_per_tick=1)
             """
         )
     )
@@ -948,6 +957,7 @@ def test_subprocess_status_on_azurite_via_the_environment(
             ),
             checkpoint_store=backend_obj.store,
             batch_size=10,
+            max_batches_per_tick=1,
         )
         trigger.tick(lambda events: None)
         container = backend_obj.args[backend_obj.args.index("--container") + 1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -12,6 +13,7 @@ from dbtrigger._engine import LazyEngine
 from dbtrigger.output import OutputTarget
 from dbtrigger.quarantine import SqlQuarantineSink
 from dbtrigger.state.stores.sql import SqlCheckpointStore
+from tests.databases import TestDatabase
 
 
 def _sqlite_url(tmp_path: Path) -> str:
@@ -36,7 +38,7 @@ def test_engine_is_created_on_first_use_and_only_once(tmp_path: Path) -> None:
         assert len(seen) == 8
         assert all(engine is seen[0] for engine in seen)
         assert lazy.engine is seen[0]
-        assert seen[0].pool._pre_ping  # the default, so idle drops are replaced
+        assert not seen[0].pool._pre_ping  # pinged only after idling (see below)
         with lazy.engine.connect() as conn:
             assert conn.execute(sa.text("SELECT 1")).scalar() == 1
     finally:
@@ -103,3 +105,53 @@ def test_adapters_dispose_the_engine_they_created(tmp_path: Path) -> None:
         adapter.close()
         assert adapter.engine.pool is not pool
         adapter.close()
+
+
+def test_a_connection_is_pinged_only_after_idling(pg: TestDatabase) -> None:
+    lazy = LazyEngine(pg.url)
+    engine = lazy.engine
+    pings: list[int] = []
+    ping = engine.dialect.do_ping
+
+    def counting(dbapi_connection: Any) -> bool:
+        pings.append(1)
+        return ping(dbapi_connection)
+
+    engine.dialect.do_ping = counting  # type: ignore[method-assign]
+    try:
+        pid = _backend_pid(engine)
+        for _ in range(3):  # back-to-back use (a catch-up): no ping, same connection
+            assert _backend_pid(engine) == pid
+        assert pings == []
+        _idle(engine, 60)
+        assert _backend_pid(engine) == pid
+        assert pings == [1]  # idle for a minute: pinged once, still alive
+        with pg.engine.connect() as admin:  # the server drops it while it idles
+            admin.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        _idle(engine, 60)
+        fresh = _backend_pid(engine)  # the failed ping made the pool reconnect
+        assert fresh != pid
+        assert len(pings) == 2
+    finally:
+        lazy.dispose()
+
+
+def test_setting_pool_pre_ping_keeps_sqlalchemys_own(tmp_path: Path) -> None:
+    lazy = LazyEngine(_sqlite_url(tmp_path), {"pool_pre_ping": True})
+    try:
+        assert lazy.engine.pool._pre_ping
+    finally:
+        lazy.dispose()
+
+
+def _backend_pid(engine: sa.Engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one())
+
+
+def _idle(engine: sa.Engine, seconds: float) -> None:
+    """Pretend every pooled connection was checked in ``seconds`` ago."""
+    for record in list(engine.pool._pool.queue):  # type: ignore[attr-defined]
+        since = record.info.get("dbtrigger_idle_since")
+        if since is not None:
+            record.info["dbtrigger_idle_since"] = (since[0], since[1] - seconds)

@@ -21,9 +21,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dbtrigger import RowChange, SerializationError, make_event_id
+from dbtrigger import (
+    InMemoryCheckpointStore,
+    PollTrigger,
+    Position,
+    RowChange,
+    SerializationError,
+    make_event_id,
+)
 from dbtrigger.cursor import canonical_json, encode_value, encoded_json, encoded_pk, pk_hash
-from dbtrigger.events import EventIds
+from dbtrigger.events import EventIds, RowShape, events_from_rows
+from dbtrigger.sources.rows import Rows, rows_to_events
 
 
 def reference_id(poller: str, pk: dict[str, Any], cursor: Any) -> str:
@@ -94,28 +102,159 @@ def test_unencodable_values_raise_serialization_error(bad: Any) -> None:
         ids({"id": 1}, bad)
 
 
-def test_unchecked_events_equal_constructed_ones() -> None:
-    fields: dict[str, Any] = {
-        "event_id": "e1",
-        "op": "upsert",
-        "source": "s",
-        "cursor": 3,
-        "before": None,
-    }
+def lazy_events(
+    rows: list[tuple[Any, ...]],
+    columns: tuple[str, ...] = ("id", "c", "x"),
+    *,
+    cursor: str = "c",
+    pk: tuple[str, ...] = ("id",),
+    poller: str = "p",
+) -> list[RowChange]:
+    shape = RowShape(
+        columns, cursor_column=cursor, pk_columns=pk, source="s", poller=poller, batch_id="b"
+    )
+    return events_from_rows(shape, rows)
+
+
+def test_lazy_events_equal_constructed_ones() -> None:
+    key = uuid.UUID(int=1)
+    (fast,) = lazy_events([(key, 3, "y")])
     built = RowChange(
-        pk={"id": uuid.UUID(int=1)}, after={"id": 1, "x": "y"}, metadata={"p": 1}, **fields
+        event_id=make_event_id("p", {"id": key}, 3),
+        op="upsert",
+        source="s",
+        cursor=3,
+        pk={"id": key},
+        before=None,
+        after={"id": key, "c": 3, "x": "y"},
+        metadata={"poller": "p", "batch_id": "b"},
+    )
+    assert fast == built
+    assert built == fast
+    assert repr(fast) == repr(built)
+    assert fast.after == fast.after
+    assert fast.dedup_key() == built.dedup_key()
+    with pytest.raises(TypeError):
+        fast.after["x"] = "z"  # type: ignore[index]
+    with pytest.raises(TypeError):
+        fast.pk["id"] = 2  # type: ignore[index]
+    for name in ("event_id", "op", "cursor", "pk", "after", "before", "metadata"):
+        with pytest.raises(AttributeError):
+            setattr(fast, name, None)
+        with pytest.raises(AttributeError):
+            setattr(built, name, None)
+    assert fast != lazy_events([(key, 4, "y")])[0]
+
+
+@settings(max_examples=300)
+@given(poller=st.text(), pk=KEYS, cursor=VALUES)
+def test_lazy_event_ids_equal_the_canonical_encoding(
+    poller: str, pk: dict[str, Any], cursor: Any
+) -> None:
+    columns = (*pk, "\x00cursor")
+    row = (*pk.values(), cursor)
+    if any(v is None for v in pk.values()):
+        with pytest.raises(SerializationError, match="NULL primary key"):
+            lazy_events([row], columns, cursor="\x00cursor", pk=tuple(pk), poller=poller)
+        return
+    (event,) = lazy_events([row], columns, cursor="\x00cursor", pk=tuple(pk), poller=poller)
+    assert event.event_id == reference_id(poller, pk, cursor)
+    assert dict(event.pk) == pk
+    assert event.cursor is cursor
+
+
+def test_the_same_row_state_keeps_its_pinned_id() -> None:
+    # Ids are stored in failure records: redelivery skips rows by id, so the id
+    # of a row state must not change with how events are built.
+    ts = dt.datetime(2026, 4, 7, 1, 23, 45, 123456, tzinfo=dt.timezone.utc)
+    material = '["orders",{"id":["int",12093]},["timestamp","2026-04-07T01:23:45.123456Z"]]'
+    expected = hashlib.sha256(material.encode()).hexdigest()[:32]
+    (event,) = lazy_events([(12093, ts, "n")], poller="orders")
+    assert event.event_id == expected
+    composite = '["orders",{"a":["str","x"],"b":["int",2]},["int",7]]'
+    (event,) = lazy_events(
+        [(2, 7, "x")], ("b", "c", "a"), cursor="c", pk=("b", "a"), poller="orders"
+    )
+    assert event.event_id == hashlib.sha256(composite.encode()).hexdigest()[:32]
+
+
+@pytest.mark.parametrize("bad", [dt.timedelta(1), decimal.Decimal("NaN"), object(), [1]])
+def test_a_batch_with_an_unencodable_key_or_cursor_is_refused_before_delivery(bad: Any) -> None:
+    with pytest.raises(SerializationError, match=r"key \{'id': 2\}: column 'c'") as info:
+        lazy_events([(1, 1, "a"), (2, bad, "b")])
+    assert info.value.fields["column"] == "c"
+    with pytest.raises(SerializationError, match=r"column 'id'"):
+        lazy_events([(1, 1, "a"), (bad, 2, "b")])
+
+
+def test_a_batch_with_a_null_or_missing_key_is_refused() -> None:
+    with pytest.raises(SerializationError, match=r"NULL primary key \{'id': None\}"):
+        lazy_events([(1, 1, "a"), (None, 2, "b")])
+    with pytest.raises(SerializationError, match="lacks column 'id'"):
+        lazy_events([(1, 1)], ("key", "c"))
+
+
+def test_unchecked_events_equal_constructed_ones() -> None:
+    built = RowChange(
+        event_id="e1",
+        op="upsert",
+        source="s",
+        cursor=3,
+        pk={"id": 1},
+        before=None,
+        after={"id": 1, "x": "y"},
+        metadata={"p": 1},
     )
     fast = RowChange._unchecked(
-        fields["event_id"],
+        "e1",
         "upsert",
         "s",
         3,
-        MappingProxyType({"id": uuid.UUID(int=1)}),
+        MappingProxyType({"id": 1}),
         None,
         MappingProxyType({"id": 1, "x": "y"}),
         MappingProxyType({"p": 1}),
     )
     assert fast == built
     assert repr(fast) == repr(built)
-    with pytest.raises(TypeError):
-        fast.after["x"] = "z"  # type: ignore[index]
+
+
+def test_a_batch_delivered_once_computes_no_event_id() -> None:
+    # A handler that never reads an id pays nothing for it: the runtime reads
+    # ids only to skip rows an earlier delivery of the batch settled.
+    rows = Rows(("id", "c", "x"), [(i, i, "x") for i in range(25)])
+
+    class Source:
+        name = "memory:rows"
+
+        def fingerprint(self) -> str:
+            return "sha256:test"
+
+        def fetch(self, after: Position, limit: int) -> Rows:
+            start = 0 if after.is_beginning else after.cursor + 1
+            return Rows(rows.columns, rows.tuples[start : start + limit])
+
+        def to_events(self, batch: Any, *, poller: str, batch_id: str) -> list[RowChange]:
+            return rows_to_events(
+                batch,
+                cursor_column="c",
+                pk_columns=["id"],
+                source=self.name,
+                poller=poller,
+                batch_id=batch_id,
+            )
+
+        def describe(self) -> dict[str, Any]:
+            return {}
+
+        def close(self) -> None:
+            return None
+
+    seen: list[RowChange] = []
+    trigger = PollTrigger(
+        name="p", source=Source(), checkpoint_store=InMemoryCheckpointStore(), batch_size=10
+    )
+    assert trigger.drain(seen.extend) == 25
+    assert [e.pk["id"] for e in seen] == list(range(25))
+    assert all(e._event_id is None for e in seen)
+    assert seen[3].event_id == make_event_id("p", {"id": 3}, 3)

@@ -25,6 +25,7 @@ from dbtrigger import (
     OperatorError,
     RowChange,
     SerializationError,
+    SourceDefinitionError,
     SqlAlchemySource,
     StoreAuthError,
 )
@@ -161,9 +162,15 @@ def test_5_2_operator_errors_raise_and_are_never_reported_as_zero_rows(
 # --- 5.3 source fetch fails ---------------------------------------------------------------
 
 
-def test_5_3_a_failing_query_raises_fetch_error_before_any_handler_or_lease(
+def test_5_3_a_missing_table_is_an_operator_error_before_any_handler_or_lease(
     pg: TestDatabase,
 ) -> None:
+    """A table that is gone fails the same way every tick: not retried, but stopped and named.
+
+    Connection-level failures stay retryable ``FetchError`` (the FaultySource
+    tests below); a definition error says what to fix. Either way nothing is
+    delivered, no lease is taken and the checkpoint stays where it was.
+    """
     table = items_table(pg)
     add_items(pg, table, range(1, 6))
     store = FaultyStore(InMemoryCheckpointStore())
@@ -173,7 +180,7 @@ def test_5_3_a_failing_query_raises_fetch_error_before_any_handler_or_lease(
     pg.execute(f'ALTER TABLE "{pg.schema}".items RENAME TO items_away')
     store.plan.reset_counts()
     handler = Recorder()
-    with pytest.raises(FetchError, match="fetch from"):
+    with pytest.raises(SourceDefinitionError, match=r"fetch from .*retrying cannot help"):
         trigger.tick(handler)
     assert handler.calls == 0
     assert store.plan.count("write") == 0, "no lease taken for a failed fetch"

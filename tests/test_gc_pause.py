@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from dbtrigger import InMemoryCheckpointStore, PollTrigger, Position, RowChange
-from dbtrigger._gc import gc_paused
+from dbtrigger._gc import gc_paused, older_objects_frozen
 from dbtrigger.events import make_event_id
 
 
@@ -96,6 +96,52 @@ def test_leaves_a_disabled_collector_disabled() -> None:
         with gc_paused():
             pass
         assert not gc.isenabled()
+    finally:
+        if was:
+            gc.enable()
+
+
+@pytest.mark.usefixtures("collector_enabled")
+def test_older_objects_are_frozen_for_the_tick_only() -> None:
+    assert gc.get_freeze_count() == 0
+    older = [object() for _ in range(10)]  # tracked objects that exist before the tick
+    source = RecordingSource(25)
+    trigger = PollTrigger(
+        name="p", source=source, checkpoint_store=InMemoryCheckpointStore(), batch_size=10
+    )
+    frozen_during: list[int] = []
+    assert trigger.drain(lambda events: frozen_during.append(gc.get_freeze_count())) == 25
+    assert len(frozen_during) == 3
+    assert all(count > len(older) for count in frozen_during)
+    assert gc.get_freeze_count() == 0  # everything is back in the collector's view
+    del older
+
+
+@pytest.mark.usefixtures("collector_enabled")
+def test_nested_freezes_share_one_and_an_application_freeze_is_left_alone() -> None:
+    with older_objects_frozen():
+        first = gc.get_freeze_count()
+        assert first > 0
+        with older_objects_frozen():
+            assert gc.get_freeze_count() == first  # no second freeze
+        assert gc.get_freeze_count() == first  # the inner exit did not unfreeze
+    assert gc.get_freeze_count() == 0
+    gc.freeze()  # the application's own (e.g. before forking workers)
+    try:
+        frozen = gc.get_freeze_count()
+        with older_objects_frozen():
+            pass
+        assert gc.get_freeze_count() == frozen  # not unfrozen by us
+    finally:
+        gc.unfreeze()
+
+
+def test_a_disabled_collector_is_not_frozen() -> None:
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        with older_objects_frozen():
+            assert gc.get_freeze_count() == 0
     finally:
         if was:
             gc.enable()

@@ -15,7 +15,7 @@ from azure.storage.blob import BlobServiceClient
 
 from dbtrigger import FileCheckpointStore, PollTrigger, Position, RowChange, SqlAlchemySource
 from dbtrigger.faults import Fault, FaultPlan, FaultyStore
-from dbtrigger.health import ERROR, NO_STATE, OK, STALE, check_health, measure_lag
+from dbtrigger.health import ERROR, NO_STATE, OK, STALE, UNKNOWN, check_health, measure_lag
 from dbtrigger.sources.visibility import SafetyWindow
 from dbtrigger.state.stores.factory import open_store
 from dbtrigger.testing import CountingStore
@@ -61,7 +61,8 @@ def ignore(events: list[RowChange]) -> None:
 def test_no_state_yet(source: SqlAlchemySource, tmp_path: Path) -> None:
     store = FileCheckpointStore(tmp_path)
     report = check_health(store, "orders")
-    assert (report.status, report.healthy, report.http_status) == (NO_STATE, True, 200)
+    assert (report.status, report.healthy, report.http_status) == (UNKNOWN, False, 503)
+    assert "no state document for poller 'orders'" in report.reason
     assert report.pending_rows is None
 
     report = check_health(store, "orders", source=source)
@@ -69,9 +70,30 @@ def test_no_state_yet(source: SqlAlchemySource, tmp_path: Path) -> None:
     assert "ever been committed" in report.reason
 
 
+def test_unknown_poller_is_unhealthy_and_names_the_known_ones(
+    source: SqlAlchemySource, tmp_path: Path
+) -> None:
+    store = FileCheckpointStore(tmp_path)
+    PollTrigger(name="orders", source=source, checkpoint_store=store).tick(ignore)
+    report = check_health(store, "ordres")  # a typo in the probe's configuration
+    assert (report.status, report.healthy, report.http_status) == (UNKNOWN, False, 503)
+    assert "pollers in the store: orders" in report.reason
+    assert check_health(store, "orders").healthy
+
+
+def test_no_state_with_an_empty_source_is_healthy(pg: TestDatabase, tmp_path: Path) -> None:
+    empty = seq_source_on(pg)
+    with pg.engine.begin() as conn:
+        conn.execute(sa.text(f'DELETE FROM "{pg.schema}"."{empty.describe()["table"]}"'))
+    report = check_health(FileCheckpointStore(tmp_path), "fresh", source=empty)
+    assert (report.status, report.healthy, report.pending_rows) == (NO_STATE, True, 0)
+
+
 def test_stale_only_while_rows_are_pending(source: SqlAlchemySource, tmp_path: Path) -> None:
     store = FileCheckpointStore(tmp_path)
-    trigger = PollTrigger(name="orders", source=source, checkpoint_store=store, batch_size=10)
+    trigger = PollTrigger(
+        name="orders", source=source, checkpoint_store=store, batch_size=10, max_batches_per_tick=1
+    )
     trigger.tick(ignore)
 
     fresh = check_health(store, "orders", source=source, stale_after_seconds=LIMIT)
@@ -95,7 +117,9 @@ def test_without_a_source_a_recorded_failure_stands_for_pending_rows(
     source: SqlAlchemySource, tmp_path: Path
 ) -> None:
     store = FileCheckpointStore(tmp_path)
-    trigger = PollTrigger(name="orders", source=source, checkpoint_store=store, batch_size=10)
+    trigger = PollTrigger(
+        name="orders", source=source, checkpoint_store=store, batch_size=10, max_batches_per_tick=1
+    )
     trigger.tick(ignore)
     assert check_health(store, "orders", now=later(900)).status == OK
 
@@ -176,7 +200,13 @@ def test_lag_seconds_from_the_oldest_pending_row(pg: TestDatabase, tmp_path: Pat
         assert (held.rows, held.seconds) == (5, None)
         assert "visibility guard" in held.note
         store = FileCheckpointStore(tmp_path)
-        trigger = PollTrigger(name="orders", source=source, checkpoint_store=store, batch_size=2)
+        trigger = PollTrigger(
+            name="orders",
+            source=source,
+            checkpoint_store=store,
+            batch_size=2,
+            max_batches_per_tick=1,
+        )
         trigger.tick(ignore)
         lag = measure_lag(source, trigger.read_state().position, now)  # type: ignore[union-attr]
         assert lag.rows == 3
@@ -225,7 +255,7 @@ def test_refused_credentials_are_reported_without_the_key(azurite: Azurite) -> N
         assert "QmFkS2V5" not in report.to_json()
         assert KEY not in report.to_json()
         good = open_store(azurite.connection_string, app="shop", container=container)
-        assert check_health(good, "orders").status == NO_STATE
+        assert check_health(good, "orders").status == UNKNOWN
     finally:
         service.delete_container(container)
         service.close()

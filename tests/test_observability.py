@@ -50,7 +50,7 @@ def events_table(db: TestDatabase, rows: int, *, nullable_id: bool = False) -> N
         "events",
         metadata,
         sa.Column("rid", sa.Integer, primary_key=True, autoincrement=False),
-        sa.Column("id", sa.Integer, nullable=nullable_id),
+        sa.Column("id", sa.Integer, nullable=nullable_id, unique=True),
         sa.Column("seq", sa.Integer, nullable=False),
     )
     metadata.create_all(db.engine)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from azure.storage.blob import BlobServiceClient
@@ -26,6 +27,8 @@ from dbtrigger import (
     RowChange,
     SqlAlchemySource,
 )
+from dbtrigger.quarantine import JsonLinesQuarantineSink
+from dbtrigger.runtime.context import BatchContext
 from dbtrigger.state import document as docmod
 from dbtrigger.state import lease as leasemod
 from dbtrigger.state.stores.base import CheckpointStore
@@ -180,3 +183,39 @@ def test_handler_failure_tick_is_one_read_and_two_writes(
     assert state.lease.released
     assert state.failure is not None
     assert state.failure.attempts == 1
+
+
+@pytest.mark.parametrize("rows", [7, 23])
+def test_per_event_outcomes_cost_no_extra_store_operation(
+    trigger: PollTrigger, store: CountingStore, table: TestDatabase, tmp_path: Path, rows: int
+) -> None:
+    """ctx.reject / ctx.retry (and the settled window they create) ride on the
+    batch's one commit: still 1 read and k + 1 writes per tick."""
+    trigger = PollTrigger(
+        name="orders",
+        source=trigger.source,
+        checkpoint_store=store,
+        batch_size=BATCH,
+        max_batches_per_tick=10,
+        quarantine=JsonLinesQuarantineSink(tmp_path / "dead.jsonl"),
+    )
+    add_rows(table, 1, rows)
+
+    def marking(events: list[RowChange], ctx: BatchContext) -> None:
+        for e in events:
+            if int(e.pk["id"]) % 3 == 0:
+                ctx.retry(e, "busy")
+            elif int(e.pk["id"]) % 5 == 0:
+                ctx.reject(e, "bad")
+
+    result = trigger.tick_result(marking)
+    assert result.rows == rows
+    assert store.counts == StoreCounts(reads=1, writes=result.batches + 1)
+    state = trigger.read_state()
+    assert state is not None
+    assert state.window is not None
+    # The next tick reads the window once more and, the retries not being due,
+    # is idle: one read, no write.
+    store.reset()
+    assert trigger.tick_result(marking).outcome == "idle"
+    assert store.counts == StoreCounts(reads=1)

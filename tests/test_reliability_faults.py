@@ -19,7 +19,7 @@ from dbtrigger.cursor import BEGINNING
 from dbtrigger.faults import Fault, FaultPlan, FaultySource, FaultyStore
 from dbtrigger.state.stores.base import CheckpointStore
 from dbtrigger.state.stores.base import StoredDocument as Stored
-from tests.contracts.store_contract import StoreContract
+from dbtrigger.testing import StoreContract
 from tests.databases import TestDatabase
 from tests.reliability_support import add_items, items_source, items_table
 

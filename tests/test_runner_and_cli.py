@@ -29,6 +29,7 @@ DBTRIGGER = [sys.executable, "-m", "dbtrigger.cli"]
 
 
 def make_trigger(db: TestDatabase, state: Path, rows: int, **kwargs: int) -> PollTrigger:
+    kwargs.setdefault("max_batches_per_tick", 1)  # one batch per tick unless a test says
     table = orders_table(db)
     insert(db, table, [{"id": i, "updated_at": naive(i)} for i in range(rows)])
     source = SqlAlchemySource(
@@ -115,7 +116,7 @@ def test_runner_keeps_going_after_transient_failures(
         if attempts["n"] < 3:
             raise ConnectionError("sink down")
 
-    stats = Runner(trigger, handle, interval_seconds=0).run(max_ticks=4)
+    stats = Runner(trigger, handle, interval_seconds=0, max_backoff_seconds=0).run(max_ticks=4)
     assert stats.failures == 2
     assert stats.rows == 10
 
@@ -142,7 +143,7 @@ def test_load_object_errors() -> None:
 
 def test_parser_knows_run_and_demo() -> None:
     args = build_parser().parse_args(["run", "app:trigger", "--interval", "2", "--max-ticks", "3"])
-    assert (args.trigger, args.interval, args.max_ticks) == ("app:trigger", 2.0, 3)
+    assert (args.trigger, args.interval, args.max_ticks) == (["app:trigger"], 2.0, 3)
     assert build_parser().parse_args(["demo", "--duration", "1"]).duration == 1.0
 
 
@@ -283,3 +284,13 @@ def test_demo_runs_resumes_and_stops_on_sigint(tmp_path: Path) -> None:
     assert "resuming after updated_at=" in text
     assert "stopped:" in text
     assert "Traceback" not in err
+
+
+def test_drain_reports_progress_through_a_callback(sqlite_db: TestDatabase, tmp_path: Path) -> None:
+    trigger = make_trigger(sqlite_db, tmp_path / "state", rows=25, batch_size=10)
+    seen: list[tuple[int, str]] = []
+    total = trigger.drain(
+        lambda events: None, progress=lambda rows, result: seen.append((rows, result.outcome))
+    )
+    assert total == 25
+    assert seen == [(10, "committed"), (20, "committed"), (25, "committed"), (25, "idle")]

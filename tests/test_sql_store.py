@@ -1,10 +1,10 @@
 """SqlCheckpointStore on SQLite, PostgreSQL and MariaDB.
 
-The shared store contract runs on each database (an isolated schema per test),
-followed by what is specific to a SQL table: namespaces, case-sensitive keys on
-MariaDB, 1 MB documents, a whole drain with the state next to the source,
-failures translated into the store error tree without leaking the password,
-and writers in separate processes racing one etag.
+The shared store contract runs on each database in test_store_contract.py; here
+is what is specific to a SQL table (an isolated schema per test): namespaces,
+case-sensitive keys on MariaDB, 1 MB documents, a whole drain with the state
+next to the source, failures translated into the store error tree without
+leaking the password, and writers in separate processes racing one etag.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from dbtrigger.errors import (
 from dbtrigger.state.stores import CheckpointStore, SqlCheckpointStore, StoredDocument
 from dbtrigger.state.stores.sql import classify_driver_error
 from dbtrigger.testing import CountingStore
-from tests.contracts.store_contract import StoreContract
 from tests.databases import TestDatabase, admin_engine
 
 SECRET = "Wr0ng-s3cret-pa55"  # noqa: S105 - a made-up password the errors must not echo
@@ -49,12 +48,6 @@ def sql_store(db: TestDatabase) -> Iterator[SqlCheckpointStore]:
     store = SqlCheckpointStore(url=db.url, schema=db.schema)
     yield store
     store.close()
-
-
-class TestSqlStoreContract(StoreContract):
-    @pytest.fixture
-    def store(self, sql_store: SqlCheckpointStore) -> SqlCheckpointStore:
-        return sql_store
 
 
 # --- SQL-specific behaviour ------------------------------------------------------------

@@ -1,12 +1,23 @@
-"""The store contract against the in-memory and local-file stores."""
+"""The store contract against every checkpoint store.
+
+In memory, local files, SQL (SQLite, PostgreSQL, MariaDB: an isolated schema
+per test), Blob and Table storage (Azurite: a container or table per test).
+Wrappers that must be transparent (``CountingStore``, ``FaultyStore``) run it
+in their own test modules. What is specific to one store lives in that store's
+module; the file store's cross-process race and its key rules are here.
+"""
 
 from __future__ import annotations
 
 import multiprocessing
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from azure.data.tables import TableClient
+from azure.storage.blob import BlobServiceClient
 
 from dbtrigger import (
     CasConflictError,
@@ -15,7 +26,15 @@ from dbtrigger import (
     StoreUnavailableError,
     UnsafeIdentifierError,
 )
-from tests.contracts.store_contract import StoreContract
+from dbtrigger.state.stores import (
+    BlobCheckpointStore,
+    SqlCheckpointStore,
+    TableCheckpointStore,
+)
+from dbtrigger.testing import StoreContract
+from tests.azurite import Azurite
+from tests.contracts.nested import nested_failures
+from tests.databases import TestDatabase
 
 
 class TestInMemoryStore(StoreContract):
@@ -28,6 +47,46 @@ class TestFileStore(StoreContract):
     @pytest.fixture
     def store(self, tmp_path: Path) -> FileCheckpointStore:
         return FileCheckpointStore(tmp_path / "state")
+
+
+class TestSqlStore(StoreContract):
+    @pytest.fixture
+    def store(self, db: TestDatabase) -> Iterator[SqlCheckpointStore]:
+        store = SqlCheckpointStore(url=db.url, schema=db.schema)
+        yield store
+        store.close()
+
+
+@pytest.mark.azurite
+class TestBlobStore(StoreContract):
+    @pytest.fixture
+    def store(self, azurite: Azurite) -> Iterator[BlobCheckpointStore]:
+        container = f"t{uuid.uuid4().hex[:20]}"
+        service = BlobServiceClient.from_connection_string(azurite.connection_string)
+        service.create_container(container)
+        store = BlobCheckpointStore.from_connection_string(
+            azurite.connection_string, app_name="app", container=container
+        )
+        try:
+            yield store
+        finally:
+            store.close()
+            service.delete_container(container)
+            service.close()
+
+
+@pytest.mark.azurite
+class TestTableStore(StoreContract):
+    @pytest.fixture
+    def store(self, azurite: Azurite) -> Iterator[TableCheckpointStore]:
+        table = f"t{uuid.uuid4().hex[:20]}"
+        store = TableCheckpointStore(connection_string=azurite.connection_string, table=table)
+        try:
+            yield store
+        finally:
+            store.close()
+            with TableClient.from_connection_string(azurite.connection_string, table) as client:
+                client.delete_table()
 
 
 def _race_writer(directory: str, etag: str, index: int, barrier: Any, results: Any) -> None:
@@ -91,3 +150,26 @@ def test_file_store_missing_directory_is_unavailable(tmp_path: Path) -> None:
     store = FileCheckpointStore(tmp_path / "nope", create=False)
     with pytest.raises(StoreUnavailableError, match="does not exist"):
         store.read("p")
+
+
+# --- the suite can fail -------------------------------------------------------------
+
+pytest_plugins = ["pytester"]
+
+#: Each broken store, and a test of the suite that must catch it.
+CAUGHT_BY = {
+    "last_writer_wins": "test_stale_etag_is_rejected_and_changes_nothing",
+    "content_etag": "test_etag_changes_even_for_identical_bytes",
+}
+
+
+def test_the_suite_passes_the_memory_store_and_fails_every_broken_one(
+    pytester: pytest.Pytester,
+) -> None:
+    makes = {"correct": {"store": "broken.InMemoryCheckpointStore()"}}
+    for name in CAUGHT_BY:
+        makes[name] = {"store": f"broken.BROKEN_STORES[{name!r}]()"}
+    failures = nested_failures(pytester, "StoreContract", makes)
+    assert failures.pop("correct") == set()
+    missed = {name: got for name, got in failures.items() if CAUGHT_BY[name] not in got}
+    assert missed == {}, f"a broken store the suite did not catch as expected: {missed}"

@@ -1,10 +1,10 @@
 """TableCheckpointStore against Azurite's table service.
 
-The shared store contract runs on a fresh table per test, followed by what is
-specific to Azure Tables: documents split over several string properties and
-the 1 MiB entity limit, the constructors, a whole drain, and failures
-translated into the store error tree (wrong key, unreachable endpoint, and an
-answer lost after the write reached the service).
+The shared store contract runs on it in test_store_contract.py; here, on a
+fresh table per test, is what is specific to Azure Tables: documents split over
+several string properties and the 1 MiB entity limit, the constructors, a whole
+drain, and failures translated into the store error tree (wrong key,
+unreachable endpoint, and an answer lost after the write reached the service).
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from dbtrigger.state.stores.table import (
     split_text,
 )
 from tests.azurite import ACCOUNT, KEY, Azurite
-from tests.contracts.store_contract import StoreContract
 from tests.databases import TestDatabase
 from tests.test_sql_store import drain_counting_store_calls
 
@@ -64,12 +63,6 @@ def table_store(azurite: Azurite, table_name: str) -> Iterator[TableCheckpointSt
     store = TableCheckpointStore(connection_string=azurite.connection_string, table=table_name)
     yield store
     store.close()
-
-
-class TestTableStoreContract(StoreContract):
-    @pytest.fixture
-    def store(self, table_store: TableCheckpointStore) -> TableCheckpointStore:
-        return table_store
 
 
 # --- layout and size ------------------------------------------------------------------

@@ -7,8 +7,7 @@ import threading
 import pytest
 
 from dbtrigger import CasConflictError, InMemoryCheckpointStore
-from dbtrigger.testing import CountingStore, StoreCall, StoreCounts
-from tests.contracts.store_contract import StoreContract
+from dbtrigger.testing import CountingStore, StoreCall, StoreContract, StoreCounts
 
 
 class TestCountingStoreIsAStore(StoreContract):
@@ -67,3 +66,21 @@ def test_counting_is_thread_safe() -> None:
     for t in threads:
         t.join()
     assert store.counts == StoreCounts(reads=2000)
+
+
+def test_importing_dbtrigger_or_its_testing_helpers_does_not_import_pytest() -> None:
+    """Only the contract suites need pytest, and only they import it."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    script = (
+        "import sys, dbtrigger, dbtrigger.testing\n"
+        "from dbtrigger.testing import CountingStore, MemoryQuarantineSink, MemorySource\n"
+        "assert 'pytest' not in sys.modules, 'pytest imported too early'\n"
+        "from dbtrigger.testing import SinkContract, SourceContract, StoreContract\n"
+        "assert 'pytest' in sys.modules\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr

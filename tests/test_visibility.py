@@ -477,7 +477,7 @@ def test_mariadb_concurrent_late_commits_within_the_window_lose_nothing(
         workload = Workload(mariadb.engine, simple_insert(insert), update, long_hold=(0.2, 0.6))
         writers = threading.Thread(target=workload.run)
         writers.start()
-        passed = wait_until(lambda: unguarded.passed(row.updated_at, row.id), timeout=1.5)
+        passed = wait_until(lambda: unguarded.passed(row.updated_at, row.id), timeout=2.2)
         straggler.commit()
         straggler.close()
         writers.join()
@@ -558,9 +558,15 @@ def test_mariadb_auto_modes_and_window_options(
 
     timestamped = source("updated_at")
     assert timestamped.visibility_mode == "auto"
-    assert [r["id"] for r in timestamped.fetch(BEGINNING, 10)] == [1]  # row 2 is inside 5 s
-    assert timestamped.visibility_mode == f"safety-window({DEFAULT_WINDOW_SECONDS:g}s)"
-    assert timestamped.describe()["visibility_guarantee"].startswith("bounded")
+    # With PROCESS (root here) auto is the exact transaction horizon; without
+    # it, the 5 s window (tests/test_visibility_mariadb.py).
+    assert [r["id"] for r in timestamped.fetch(BEGINNING, 10)][:1] == [1]
+    assert timestamped.visibility_mode == "transaction-horizon"
+    assert timestamped.describe()["visibility_guarantee"].startswith("exact")
+    windowed = source("updated_at", visibility=SafetyWindow())
+    assert [r["id"] for r in windowed.fetch(BEGINNING, 10)] == [1]  # row 2 is inside 5 s
+    assert windowed.visibility_mode == f"safety-window({DEFAULT_WINDOW_SECONDS:g}s)"
+    assert windowed.describe()["visibility_guarantee"].startswith("bounded")
 
     with caplog.at_level(logging.INFO, logger="dbtrigger.sources"):
         integer = source("n")
@@ -582,7 +588,7 @@ def test_mariadb_auto_modes_and_window_options(
     utc = source("created_at", visibility=SafetyWindow(5, utc=True), engine_kwargs=shifted)
     assert [r["id"] for r in local.fetch(BEGINNING, 10)] == [1, 2]  # 5 h "old": unsafe
     assert [r["id"] for r in utc.fetch(BEGINNING, 10)] == [1]
-    for s in (timestamped, integer, paired, local, utc):
+    for s in (timestamped, windowed, integer, paired, local, utc):
         s.close()
 
 
@@ -705,6 +711,42 @@ def test_sqlite_auto_modes(sqlite_db: TestDatabase, caplog: pytest.LogCaptureFix
     )
     assert empty.fetch(BEGINNING, 10) == []
     assert empty.visibility_mode == "auto"  # nothing to decide on yet
+
+
+def test_sqlite_window_never_holds_back_a_value_it_cannot_place(sqlite_db: TestDatabase) -> None:
+    """Held back while later rows flow, a row is skipped once the checkpoint passes it.
+
+    Integers in query mode were taken for Julian day numbers (3,000,000 is a
+    day in the year 3501) and every row above today's day number waited for
+    ever; a text stamp julianday() cannot read made the window's test NULL.
+    """
+    sqlite_db.execute("CREATE TABLE seqs (id INTEGER PRIMARY KEY, n INTEGER NOT NULL)")
+    sqlite_db.execute("INSERT INTO seqs VALUES (1, 10), (2, 3000000), (3, 6000000)")
+    query = SqlAlchemySource(
+        url=sqlite_db.url, query="SELECT id, n FROM seqs", cursor_column="n", pk_columns=["id"]
+    )
+    assert [r["id"] for r in query.fetch(BEGINNING, 10)] == [1, 2, 3]
+    assert query.visibility_mode == "none"
+
+    sqlite_db.execute("CREATE TABLE stamps (id INTEGER PRIMARY KEY, ts DATETIME NOT NULL)")
+    recent = utcnow() - dt.timedelta(seconds=10)
+    sqlite_db.execute(
+        "INSERT INTO stamps VALUES (1, 1577836800), (2, '2020/01/01 00:00:00'), "
+        "(3, '2020-01-01 00:00:00'), (4, :recent), (5, :recent_epoch)",
+        {
+            "recent": recent.isoformat(sep=" ", timespec="microseconds"),
+            "recent_epoch": int(recent.replace(tzinfo=dt.timezone.utc).timestamp()),
+        },
+    )
+    source = SqlAlchemySource(
+        url=sqlite_db.url,
+        table="stamps",
+        cursor_column="ts",
+        pk_columns=["id"],
+        visibility=SafetyWindow(3600),
+    )
+    # Unix time 2020 and the unreadable format are released; both recent rows wait.
+    assert {r["id"] for r in source.fetch(BEGINNING, 10)} == {1, 2, 3}
 
 
 # --- PostgreSQL: the transaction-id column, reporting, privileges ---------------------------

@@ -38,13 +38,14 @@ import functools
 import inspect
 import logging
 import re
+import struct
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import Engine
 
-from dbtrigger.errors import ConfigurationError, ContentionError
+from dbtrigger.errors import ConfigurationError, ContentionError, MissingSettingError
 from dbtrigger.metrics import MetricsCollector
 from dbtrigger.output import (
     Action,
@@ -53,10 +54,14 @@ from dbtrigger.output import (
     output_binding,
     set_host_signature,
 )
-from dbtrigger.runtime.poller import PollTrigger
+from dbtrigger.runtime.poller import DEFAULT_MAX_BATCHES_PER_TICK, PollTrigger
 from dbtrigger.settings import resolve_setting
 from dbtrigger.sources.base import SourceAdapter
 from dbtrigger.state.stores.base import CheckpointStore
+
+if TYPE_CHECKING:
+    from dbtrigger.queue.source import ClaimSource
+    from dbtrigger.queue.trigger import QueueTrigger
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +236,7 @@ class DbBindings:
 
     def __init__(self) -> None:
         self.triggers: dict[str, PollTrigger] = {}
+        self.queues: dict[str, QueueTrigger] = {}
 
     def trigger(
         self,
@@ -239,9 +245,9 @@ class DbBindings:
         source: SourceAdapter,
         checkpoint_store: CheckpointStore,
         name: str | None = None,
-        batch_size: int = 100,
-        max_batches_per_tick: int = 1,
-        lease_ttl_seconds: float = 120,
+        batch_size: int | str = 100,
+        max_batches_per_tick: int | str = DEFAULT_MAX_BATCHES_PER_TICK,
+        lease_ttl_seconds: float | str = 120,
         metrics: MetricsCollector | None = None,
         schedule: str | None = None,
         **trigger_options: Any,
@@ -252,6 +258,9 @@ class DbBindings:
             arg_name: the handler parameter that receives ``list[RowChange]``.
             source / checkpoint_store / batch_size / max_batches_per_tick /
                 lease_ttl_seconds / metrics: as for :class:`~dbtrigger.PollTrigger`.
+                ``batch_size``, ``max_batches_per_tick`` and ``lease_ttl_seconds``
+                may be ``%SETTING%`` references, read from the app settings (as
+                the Azure SQL trigger reads ``Sql_Trigger_MaxBatchSize``).
             name: the poller name (its state document); defaults to the function name.
             schedule: the timer's schedule, repeated here so the lease TTL can
                 be checked against it when the module is imported (the
@@ -263,6 +272,11 @@ class DbBindings:
 
         The handler may be ``def`` or ``async def``; a parameter named
         ``context`` receives the :class:`~dbtrigger.BatchContext`.
+
+        A ``%SETTING%`` that is missing (here, in the source's URL or in the
+        store's app name) does not fail the import: the Function App still
+        indexes every function, and this one fails each invocation with a
+        :class:`~dbtrigger.errors.ConfigurationError` naming the setting.
         """
 
         def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -288,17 +302,24 @@ class DbBindings:
                     f"two triggers are named {poller_name!r}: they would share one state "
                     "document; give each a distinct name="
                 )
-            poll = PollTrigger(
-                name=poller_name,
-                source=source,
-                checkpoint_store=checkpoint_store,
-                batch_size=batch_size,
-                max_batches_per_tick=max_batches_per_tick,
-                lease_ttl_seconds=lease_ttl_seconds,
-                metrics=metrics,
-                **trigger_options,
+            lazy = _LazyPoller(
+                fn,
+                dict(
+                    name=poller_name,
+                    source=source,
+                    checkpoint_store=checkpoint_store,
+                    metrics=metrics,
+                    **trigger_options,
+                ),
+                {
+                    "batch_size": batch_size,
+                    "max_batches_per_tick": max_batches_per_tick,
+                    "lease_ttl_seconds": lease_ttl_seconds,
+                },
             )
-            _check_schedule(lease_ttl_seconds, schedule)
+            prepared = lazy.prepared()
+            if prepared is not None:
+                _check_schedule(prepared.lease_ttl.total_seconds(), schedule)
 
             def make_handler(host_args: dict[str, Any]) -> Callable[..., Any]:
                 def handler(events: Any, ctx: Any) -> Any:
@@ -315,6 +336,7 @@ class DbBindings:
                 @functools.wraps(fn)
                 async def async_wrapper(*args: Any, **kwargs: Any) -> None:
                     handler = make_handler(call_keywords(host_sig, args, kwargs))
+                    poll = lazy.ready()
                     try:
                         await poll.tick_async(handler)
                     except ContentionError as exc:
@@ -326,6 +348,7 @@ class DbBindings:
                 @functools.wraps(fn)
                 def sync_wrapper(*args: Any, **kwargs: Any) -> None:
                     handler = make_handler(call_keywords(host_sig, args, kwargs))
+                    poll = lazy.ready()
                     try:
                         poll.tick(handler)
                     except ContentionError as exc:
@@ -333,11 +356,25 @@ class DbBindings:
 
                 wrapper = sync_wrapper
             set_host_signature(wrapper, host_sig)
-            wrapper.poll_trigger = poll  # type: ignore[attr-defined]
-            self.triggers[poller_name] = poll
+            if prepared is not None:
+                wrapper.poll_trigger = prepared  # type: ignore[attr-defined]
+                self.triggers[poller_name] = prepared
+            wrapper.dbtrigger_build = lazy.build  # type: ignore[attr-defined]
+            wrapper.dbtrigger_handler = make_handler  # type: ignore[attr-defined]
             return wrapper
 
         return decorator
+
+    def queue_trigger(
+        self, *, arg_name: str, source: ClaimSource, name: str | None = None, **options: Any
+    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Drain a claim queue (:class:`~dbtrigger.ClaimSource`) each time the function
+        runs; place it under ``@app.schedule``. Options as for
+        :class:`~dbtrigger.QueueTrigger`, plus ``max_batches_per_tick`` (default 10).
+        See ``docs/queues.md``."""
+        from dbtrigger.queue.functions import queue_trigger  # noqa: PLC0415 - loaded on use
+
+        return queue_trigger(self.queues, arg_name=arg_name, source=source, name=name, **options)
 
     def output(
         self,
@@ -370,6 +407,267 @@ class DbBindings:
             engine=engine,
         )
 
+    def partitioned_trigger(
+        self,
+        app: Any,
+        *,
+        source: SourceAdapter,
+        checkpoint_store: CheckpointStore,
+        partitions: int,
+        schedule: str,
+        name: str | None = None,
+        queue_name: str | None = None,
+        connection: str = "AzureWebJobsStorage",
+        time_budget_seconds: float = 240.0,
+        **trigger_options: Any,
+    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """A partitioned poller spread over Function instances (``docs/scale-out.md``).
+
+        Registers two functions on ``app`` (do not add ``@app.schedule``): a
+        timer coordinator ``<fn>_coordinator`` that queues one message per
+        partition with work, and a queue-triggered ``<fn>`` that processes the
+        partition a message names for up to ``time_budget_seconds``. The queue
+        (default ``<poller>-partitions``) is created on first use in the
+        storage account of app setting ``connection``. ``fn(events)`` or
+        ``fn(events, context)`` is the handler.
+        """
+
+        def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
+            from dbtrigger.partitions.functions import register_partitioned  # noqa: PLC0415
+
+            poller_name = name or fn.__name__
+            if poller_name in self.triggers:
+                raise ConfigurationError(f"two triggers are named {poller_name!r}")
+            poll = PollTrigger(
+                name=poller_name,
+                source=source,
+                checkpoint_store=checkpoint_store,
+                partitions=partitions,
+                **trigger_options,
+            )
+            self.triggers[poller_name] = poll
+            queue = queue_name or re.sub(r"[^a-z0-9-]+", "-", f"{poller_name}-partitions".lower())
+            register_partitioned(
+                app,
+                fn,
+                poll,
+                schedule=schedule,
+                queue_name=queue,
+                connection=connection,
+                time_budget_seconds=time_budget_seconds,
+            )
+            fn.poll_trigger = poll  # type: ignore[attr-defined]
+            return fn
+
+        return decorator
+
+
+# --- the same function outside the Functions host (CLI: run, backfill) ----------------
+
+
+class OfflineTimer:
+    """Stands in for ``func.TimerRequest`` when a function runs outside the host.
+
+    ``past_due`` is False: the CLI ticks when asked to, never late.
+    """
+
+    past_due = False
+    schedule_status: Mapping[str, Any] | None = None
+    schedule: Mapping[str, Any] | None = None
+
+
+def _user_function(obj: Any) -> tuple[Any, str | None]:
+    """The user function behind ``obj`` and the name of its timer parameter, if known.
+
+    ``obj`` is what a module attribute holds: the function ``@db.trigger``
+    returned, or the ``FunctionBuilder`` that ``@app.schedule`` /
+    ``@app.function_name`` turned it into.
+    """
+    inner = getattr(obj, "_function", obj)  # FunctionBuilder -> Function
+    get_user_function = getattr(inner, "get_user_function", None)
+    timer_arg: str | None = None
+    if callable(get_user_function):
+        get_trigger = getattr(inner, "get_trigger", None)
+        trigger = get_trigger() if callable(get_trigger) else None
+        if trigger is not None and "timer" in type(trigger).__name__.lower():
+            timer_arg = getattr(trigger, "name", None)
+        return get_user_function(), timer_arg
+    return obj, None
+
+
+def function_trigger(obj: Any) -> PollTrigger | None:
+    """The :class:`PollTrigger` of a ``@db.trigger`` function, or None if ``obj`` is not one.
+
+    Raises:
+        ConfigurationError: the function's poller needs an app setting that is missing.
+    """
+    fn, _ = _user_function(obj)
+    build = getattr(fn, "dbtrigger_build", None)
+    poll = build() if callable(build) else getattr(fn, "poll_trigger", None)
+    return poll if isinstance(poll, PollTrigger) else None
+
+
+def function_handler(obj: Any) -> Callable[..., Any]:
+    """A batch handler that runs a ``@db.trigger`` function as the host would.
+
+    The function's own code runs with its ``@db.output`` bindings (rows given
+    to ``out.set`` are written before the checkpoint commit) and an
+    :class:`OfflineTimer` for its timer parameter, so ``dbtrigger run`` and
+    ``dbtrigger backfill`` drive exactly what the Function App deploys.
+
+    Raises:
+        ConfigurationError: ``obj`` is not a ``@db.trigger`` function, or it
+            takes a host binding other than the timer (the CLI cannot provide it).
+    """
+    fn, timer_arg = _user_function(obj)
+    make_handler = getattr(fn, "dbtrigger_handler", None)
+    if make_handler is None:
+        raise ConfigurationError(f"{getattr(fn, '__name__', fn)!r} is not a @db.trigger function")
+    host_args: dict[str, Any] = {}
+    for name, param in inspect.signature(fn).parameters.items():
+        annotation = str(param.annotation)
+        is_timer = name == timer_arg or "TimerRequest" in annotation
+        if timer_arg is None and name == "timer":
+            is_timer = True
+        if is_timer:
+            host_args[name] = OfflineTimer()
+        elif param.default is inspect.Parameter.empty and param.kind not in (
+            inspect.Parameter.VAR_KEYWORD,
+            inspect.Parameter.VAR_POSITIONAL,
+        ):
+            raise ConfigurationError(
+                f"function {fn.__name__!r} takes the host binding {name!r}, which only the "
+                "Functions host can provide; the CLI provides the timer and @db.output bindings"
+            )
+    handler: Callable[..., Any] = make_handler(host_args)
+    return handler
+
+
+class _LazyPoller:
+    """The PollTrigger of one function: built at decoration, or at the first
+    invocation when an app setting it needs is missing (then every invocation
+    of that function reports it, and the rest of the app indexes and runs)."""
+
+    def __init__(
+        self, fn: Callable[..., Any], options: dict[str, Any], numbers: dict[str, float | str]
+    ) -> None:
+        self.fn = fn
+        self.options = options
+        self.numbers = numbers
+        self.poll: PollTrigger | None = None
+
+    def build(self) -> PollTrigger:
+        if self.poll is None:
+            n = self.numbers
+            poll = PollTrigger(
+                batch_size=int(_number(n["batch_size"], "batch_size", int)),
+                max_batches_per_tick=int(
+                    _number(n["max_batches_per_tick"], "max_batches_per_tick", int)
+                ),
+                lease_ttl_seconds=_number(n["lease_ttl_seconds"], "lease_ttl_seconds", float),
+                **self.options,
+            )
+            # What `dbtrigger ... --source` calls this function (exact commands in logs).
+            poll.cli_source = f"{self.fn.__module__}:{getattr(self.fn, '__name__', poll.name)}"
+            self.poll = poll
+        return self.poll
+
+    def prepared(self) -> PollTrigger | None:
+        """The poller if it can be built now; None when an app setting is missing."""
+        try:
+            return self.build()
+        except _DeferredSetting:
+            return None
+
+    def ready(self) -> PollTrigger:
+        """The poller, after the output binding's settings resolved: a missing
+        one fails the invocation before anything is fetched or handled."""
+        target = getattr(self.fn, "db_output_target", None)
+        if target is not None:
+            target.dialect  # noqa: B018 - resolves the URL's %SETTING% now
+        return self.build()
+
+
+class _DeferredSetting(ConfigurationError):
+    """An option given as a ``%SETTING%`` is missing or not a number."""
+
+
+def _number(value: float | str, option: str, kind: type[float] | type[int]) -> float:
+    """A numeric option, or the number in the app setting it references."""
+    if not isinstance(value, str):
+        return value
+    try:
+        text = resolve_setting(value)
+    except MissingSettingError as exc:
+        raise _DeferredSetting(f"{option}: {exc}") from None
+    try:
+        return kind(text.strip())
+    except ValueError:
+        what = "a whole number" if kind is int else "a number"
+        raise _DeferredSetting(f"{option}={value!r} is {text!r}, not {what}") from None
+
+
+# --- passwordless database access --------------------------------------------------------
+
+#: Token scopes of Microsoft Entra ID for the Azure database services.
+ENTRA_SCOPES = {
+    "postgresql": "https://ossrdbms-aad.database.windows.net/.default",
+    "mysql": "https://ossrdbms-aad.database.windows.net/.default",
+    "mariadb": "https://ossrdbms-aad.database.windows.net/.default",
+    "mssql": "https://database.windows.net/.default",
+}
+#: pyodbc connection attribute that carries an access token (msodbcsql.h).
+SQL_COPT_SS_ACCESS_TOKEN = 1256
+
+
+def entra_id_engine(
+    url: str, *, credential: Any = None, scope: str | None = None, **engine_kwargs: Any
+) -> Engine:
+    """A SQLAlchemy engine that logs in with a Microsoft Entra ID access token.
+
+    Each new connection asks ``credential`` (default
+    ``azure.identity.DefaultAzureCredential()``: the managed identity in Azure,
+    ``az login`` locally) for a token: the password for PostgreSQL and MySQL,
+    the ODBC access-token attribute for Azure SQL (``mssql+pyodbc``). Pass the
+    engine as ``engine=`` to a source, a store or ``db.output``; the URL holds
+    no secret. ``pool_recycle`` defaults to 1800 s so pooled connections are
+    reopened with a fresh token well within its lifetime.
+
+    Raises:
+        ConfigurationError: the dialect has no known Entra ID login and no
+            ``scope`` was given.
+    """
+    import sqlalchemy as sa  # noqa: PLC0415 - only this helper needs the event API
+
+    from dbtrigger._engine import create_engine  # noqa: PLC0415
+
+    parsed = sa.engine.make_url(resolve_setting(url))
+    dialect = parsed.get_backend_name()
+    token_scope = scope or ENTRA_SCOPES.get(dialect)
+    if token_scope is None:
+        raise ConfigurationError(
+            f"no Entra ID login is known for {dialect}; pass scope= and a do_connect listener"
+        )
+    if credential is None:
+        from azure.identity import DefaultAzureCredential  # noqa: PLC0415 - optional extra
+
+        credential = DefaultAzureCredential()
+    engine = create_engine(parsed, **{"pool_pre_ping": True, "pool_recycle": 1800, **engine_kwargs})
+
+    @sa.event.listens_for(engine, "do_connect")
+    def _token_login(dialect_: Any, record: Any, cargs: Any, cparams: dict[str, Any]) -> None:
+        del dialect_, record, cargs
+        token = credential.get_token(token_scope).token
+        if dialect == "mssql":
+            raw = token.encode("utf-16-le")
+            cparams["attrs_before"] = {
+                SQL_COPT_SS_ACCESS_TOKEN: struct.pack(f"<I{len(raw)}s", len(raw), raw)
+            }
+        else:
+            cparams["password"] = token
+
+    return engine
+
 
 def _quiet(poller: str, exc: ContentionError) -> None:
     log.info(
@@ -383,6 +681,10 @@ def _quiet(poller: str, exc: ContentionError) -> None:
 __all__ = [
     "DbBindings",
     "LeaseScheduleWarning",
+    "OfflineTimer",
+    "entra_id_engine",
+    "function_handler",
+    "function_trigger",
     "lease_schedule_conflict",
     "schedule_interval",
 ]

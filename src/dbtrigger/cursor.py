@@ -239,6 +239,8 @@ def encoded_json(value: Any) -> str:
         SerializationError: the value has a type dbtrigger cannot round-trip.
     """
     kind = type(value)
+    if value is None:  # a claim queue's rows have no cursor
+        return '["null",null]'
     if kind is int:
         return '["int",' + int.__repr__(value) + "]"
     if kind is str:

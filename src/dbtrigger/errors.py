@@ -111,8 +111,26 @@ class ConfigurationError(OperatorError, ValueError):
     """The dbtrigger configuration is invalid."""
 
 
+class MissingSettingError(ConfigurationError):
+    """A ``%SETTING%`` reference names an app setting that is not set."""
+
+
 class UnsafeIdentifierError(ConfigurationError):
     """An identifier from configuration is not a safe SQL or storage name."""
+
+
+class SourceDefinitionError(ConfigurationError):
+    """The source database, table or columns do not fit the configuration (or the checkpoint).
+
+    Missing database, table or column, a column type that cannot be compared
+    exactly, key columns that are not unique, a cursor column whose type changed
+    under a stored checkpoint: retrying cannot help, a person must fix the
+    definition or the table. ``fields`` carry ``column`` and ``sqlstate`` when known.
+    """
+
+
+class SourcePermissionError(OperatorError):
+    """The source database refused these credentials or this user's privileges."""
 
 
 class FingerprintMismatchError(OperatorError):
@@ -143,6 +161,15 @@ class StoreAuthError(StoreError, OperatorError):
     """The checkpoint store refused our credentials or permissions."""
 
 
+class StoreRefusedError(StoreError, OperatorError):
+    """The store refused the change for a reason other than a lost race; a person must act.
+
+    For example a lease someone took on the state blob, an immutability policy,
+    a table being deleted: retrying will not help, and it is not another
+    instance winning (that is :class:`CasConflictError`).
+    """
+
+
 class UnsupportedDocumentError(StoreError, OperatorError):
     """The checkpoint store cannot hold this document (too large for it, or not UTF-8 text)."""
 
@@ -166,6 +193,10 @@ class PartialBatchError(DbTriggerError):
         self.causes = causes or {}
 
 
+class FailureRecordError(OperatorError):
+    """A failed attempt could not be recorded; attempts are not counted until this is fixed."""
+
+
 class LiveLeaseError(ContentionError):
     """A live lease is held; the manual change was refused (``--force`` fences the holder out)."""
 
@@ -187,6 +218,7 @@ __all__ = [
     "ContentionError",
     "CorruptStateError",
     "DbTriggerError",
+    "FailureRecordError",
     "FetchError",
     "FingerprintMismatchError",
     "HandlerError",
@@ -199,8 +231,11 @@ __all__ = [
     "QuarantineError",
     "RetryableError",
     "SerializationError",
+    "SourceDefinitionError",
+    "SourcePermissionError",
     "StoreAuthError",
     "StoreError",
+    "StoreRefusedError",
     "StoreUnavailableError",
     "UnsafeIdentifierError",
     "UnsupportedDocumentError",

@@ -4,17 +4,36 @@ A cursor poller sees the *current* state of each changed row, not the change
 itself: it cannot tell an insert from an update, and it never sees the row as it
 was before. So ``op`` is ``"upsert"`` and ``before`` is ``None`` for cursor
 sources; sources that know more (a claim queue, a change table) may say more.
+
+Events are made for every row delivered, so making one must cost next to
+nothing: :func:`events_from_rows` wraps each row tuple the driver returned in a
+small slotted object, and its ``pk``, ``after`` and ``event_id`` are built the
+first time something reads them (and then kept). What a handler never reads is
+never built. Everything that can make an event unreadable (a missing key
+column, a NULL key, a key or cursor value that has no checkpoint encoding) is
+checked for the whole batch before the handler runs, so a lazily computed id
+cannot fail later.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from operator import attrgetter, itemgetter
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dbtrigger.cursor import cursor_text, encoded_json, json_string, pk_hash, pk_json
+from dbtrigger.cursor import (
+    cursor_text,
+    encode_value,
+    encoded_json,
+    json_string,
+    pk_hash,
+    pk_json,
+)
+from dbtrigger.errors import SerializationError
 
 VALID_OPS = frozenset({"insert", "update", "upsert", "delete"})
 
@@ -39,10 +58,9 @@ def make_event_id(poller: str, pk: Mapping[str, Any], cursor: Any) -> str:
 class EventIds:
     """:func:`make_event_id` for one poller and one set of key columns, made cheap.
 
-    A source turns every fetched row into an event, so the id is computed once
-    per row. The parts that never change within a poller (its name, the sorted
-    key names, the JSON punctuation) are built once here; per row only the key
-    and cursor values are encoded. The result equals :func:`make_event_id`.
+    The parts that never change within a poller (its name, the sorted key
+    names, the JSON punctuation) are built once here; per row only the key and
+    cursor values are encoded. The result equals :func:`make_event_id`.
     """
 
     __slots__ = ("_keys", "_prefix", "_single")
@@ -69,10 +87,14 @@ class EventIds:
         material = self._prefix + keys + "}," + encoded_json(cursor) + "]"
         return _sha256(material.encode()).hexdigest()[:32]
 
+    def single(self, key: Any, cursor: Any) -> str:
+        """The id for a one-column key given as its bare value (no mapping built)."""
+        material = self._prefix + encoded_json(key) + "}," + encoded_json(cursor) + "]"
+        return _sha256(material.encode()).hexdigest()[:32]
 
-@dataclass(frozen=True)
+
 class RowChange:
-    """One row state delivered to a handler.
+    """One row state delivered to a handler. Immutable: its mappings are read-only.
 
     Attributes:
         event_id: stable identity of (poller, pk, cursor); equal on redelivery.
@@ -83,30 +105,40 @@ class RowChange:
         before: the row before the change, when the source knows it.
         after: the row after the change (all selected columns).
         metadata: poller name, batch id and source-specific extras.
+
+    Events from a source are built by :func:`events_from_rows` and compute
+    ``pk``, ``after`` and ``event_id`` on first access; an event built with the
+    constructor holds read-only copies of what it was given. The two are
+    indistinguishable: equal when their fields are, same ``repr``.
     """
 
-    event_id: str
-    op: str
-    source: str
-    cursor: Any
-    pk: Mapping[str, Any]
-    before: Mapping[str, Any] | None
-    after: Mapping[str, Any] | None
-    metadata: Mapping[str, Any] = field(default_factory=dict)
+    __slots__ = ("_after", "_before", "_cursor", "_event_id", "_metadata", "_op", "_pk", "_source")
 
-    def __post_init__(self) -> None:
-        if self.op not in VALID_OPS:
-            raise ValueError(f"op must be one of {sorted(VALID_OPS)}, got {self.op!r}")
-        if not self.event_id:
+    def __init__(
+        self,
+        event_id: str,
+        op: str,
+        source: str,
+        cursor: Any,
+        pk: Mapping[str, Any],
+        before: Mapping[str, Any] | None,
+        after: Mapping[str, Any] | None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None:
+        if op not in VALID_OPS:
+            raise ValueError(f"op must be one of {sorted(VALID_OPS)}, got {op!r}")
+        if not event_id:
             raise ValueError("event_id must not be empty")
-        # Freeze the mappings too: a handler that mutates an event would otherwise
-        # change what a retry of the same batch sees.
-        object.__setattr__(self, "pk", MappingProxyType(dict(self.pk)))
-        if self.after is not None:
-            object.__setattr__(self, "after", MappingProxyType(dict(self.after)))
-        if self.before is not None:
-            object.__setattr__(self, "before", MappingProxyType(dict(self.before)))
-        object.__setattr__(self, "metadata", MappingProxyType(dict(self.metadata)))
+        # Copies behind read-only views: a handler that mutates an event (or
+        # the caller's dicts) would otherwise change what a retry sees.
+        self._event_id = event_id
+        self._op = op
+        self._source = source
+        self._cursor = cursor
+        self._pk = MappingProxyType(dict(pk))
+        self._before = None if before is None else MappingProxyType(dict(before))
+        self._after = None if after is None else MappingProxyType(dict(after))
+        self._metadata = MappingProxyType(dict(metadata or {}))
 
     @classmethod
     def _unchecked(
@@ -123,29 +155,77 @@ class RowChange:
         """Build an event from parts a source has already validated and frozen.
 
         The constructor validates ``op`` and ``event_id`` and copies every
-        mapping into a fresh read-only view, which is most of the cost of
-        turning a row into an event. A source that produces thousands of events
-        per batch builds them here instead, handing over read-only views of
-        dicts it created for this event alone (``metadata`` may be shared by a
-        batch: nothing can change it). The result is indistinguishable from a
-        constructor-built event.
+        mapping into a fresh read-only view. A source that makes its own events
+        in bulk (the change log) hands over read-only views of dicts it created
+        for this event alone (``metadata`` may be shared by a batch).
         """
         event = object.__new__(cls)
-        object.__setattr__(
-            event,
-            "__dict__",
-            {
-                "event_id": event_id,
-                "op": op,
-                "source": source,
-                "cursor": cursor,
-                "pk": pk,
-                "before": before,
-                "after": after,
-                "metadata": metadata,
-            },
-        )
+        event._event_id = event_id
+        event._op = op
+        event._source = source
+        event._cursor = cursor
+        event._pk = pk
+        event._before = before
+        event._after = after
+        event._metadata = metadata
         return event
+
+    # Plain attribute reads through C-level getters; no setters, so assigning
+    # raises AttributeError (the event is frozen).
+    if TYPE_CHECKING:
+
+        @property
+        def event_id(self) -> str: ...
+        @property
+        def op(self) -> str: ...
+        @property
+        def source(self) -> str: ...
+        @property
+        def cursor(self) -> Any: ...
+        @property
+        def pk(self) -> Mapping[str, Any]: ...
+        @property
+        def before(self) -> Mapping[str, Any] | None: ...
+        @property
+        def after(self) -> Mapping[str, Any] | None: ...
+        @property
+        def metadata(self) -> Mapping[str, Any]: ...
+
+    else:
+        event_id = property(attrgetter("_event_id"))
+        op = property(attrgetter("_op"))
+        source = property(attrgetter("_source"))
+        cursor = property(attrgetter("_cursor"))
+        pk = property(attrgetter("_pk"))
+        before = property(attrgetter("_before"))
+        after = property(attrgetter("_after"))
+        metadata = property(attrgetter("_metadata"))
+
+    def _fields(self) -> tuple[Any, ...]:
+        return (
+            self.event_id,
+            self.op,
+            self.source,
+            self.cursor,
+            self.pk,
+            self.before,
+            self.after,
+            self.metadata,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RowChange):
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    # Like the frozen dataclass this class used to be: equality by value, and
+    # not hashable (its mappings are not).
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        names = ("event_id", "op", "source", "cursor", "pk", "before", "after", "metadata")
+        parts = ", ".join(f"{n}={v!r}" for n, v in zip(names, self._fields(), strict=True))
+        return f"RowChange({parts})"
 
     @property
     def pk_hash(self) -> str:
@@ -159,6 +239,195 @@ class RowChange:
         """
         name = poller if poller is not None else str(self.metadata.get("poller", ""))
         return dedup_key(name, self.pk, self.cursor)
+
+
+class RowShape:
+    """What the events of one batch share: column names, where the cursor and key
+    are in each row tuple, the source, the batch's metadata and its id maker.
+
+    Raises:
+        SerializationError: the columns lack the cursor or a key column.
+    """
+
+    __slots__ = (
+        "columns",
+        "cursor_index",
+        "ids",
+        "metadata",
+        "op",
+        "pk_indexes",
+        "pk_names",
+        "single_index",
+        "source",
+    )
+
+    def __init__(
+        self,
+        columns: Sequence[str],
+        *,
+        cursor_column: str,
+        pk_columns: Sequence[str],
+        source: str,
+        poller: str,
+        batch_id: str,
+        op: str = "upsert",
+    ) -> None:
+        self.columns = tuple(columns)
+        where = {name: index for index, name in enumerate(self.columns)}
+        missing = [c for c in (cursor_column, *pk_columns) if c not in where]
+        if missing:
+            raise SerializationError(
+                f"row from {source} lacks column {missing[0]!r}; it has {sorted(self.columns)}",
+                poller=poller,
+                batch_id=batch_id,
+            )
+        self.cursor_index = where[cursor_column]
+        self.pk_names = tuple(pk_columns)
+        self.pk_indexes = tuple(where[c] for c in self.pk_names)
+        self.single_index = self.pk_indexes[0] if len(self.pk_indexes) == 1 else -1
+        self.source = source
+        self.op = op
+        self.metadata = MappingProxyType({"poller": poller, "batch_id": batch_id})
+        self.ids = EventIds(poller, self.pk_names)
+
+    def key_of(self, row: Sequence[Any]) -> dict[str, Any]:
+        """The row's key as a new dict, in ``pk_columns`` order."""
+        if self.single_index >= 0:
+            return {self.pk_names[0]: row[self.single_index]}
+        return {n: row[i] for n, i in zip(self.pk_names, self.pk_indexes, strict=True)}
+
+    def event_id(self, row: Sequence[Any]) -> str:
+        if self.single_index >= 0:
+            return self.ids.single(row[self.single_index], row[self.cursor_index])
+        return self.ids(self.key_of(row), row[self.cursor_index])
+
+
+class _RowEvent(RowChange):
+    """A :class:`RowChange` over one row tuple; ``pk``, ``after`` and the id are
+    built when first read. Made only by :func:`events_from_rows`, which checked
+    the batch, so building them cannot fail.
+
+    The key and row dicts are kept, but the read-only view over them is made
+    afresh on each read (it costs less than a dict lookup): a dict of plain
+    values is not tracked by the cyclic garbage collector, a view is, and a
+    batch's worth of views kept alive through a handler call would be promoted
+    and re-scanned by full collections, which was most of the collector's
+    share of a catch-up.
+    """
+
+    __slots__ = ("_after_dict", "_pk_dict", "_row", "_shape")
+
+    _row: Sequence[Any]
+    _shape: RowShape
+    _pk_dict: dict[str, Any] | None
+    _after_dict: dict[str, Any] | None
+
+    @property
+    def event_id(self) -> str:
+        value = self._event_id
+        if value is None:
+            value = self._event_id = self._shape.event_id(self._row)
+        return value
+
+    @property
+    def pk(self) -> Mapping[str, Any]:
+        value = self._pk_dict
+        if value is None:
+            value = self._pk_dict = self._shape.key_of(self._row)
+        return MappingProxyType(value)
+
+    @property
+    def after(self) -> Mapping[str, Any]:
+        value = self._after_dict
+        if value is None:
+            value = self._after_dict = dict(zip(self._shape.columns, self._row, strict=True))
+        return MappingProxyType(value)
+
+    @property
+    def cursor(self) -> Any:
+        return self._row[self._shape.cursor_index]
+
+    @property
+    def op(self) -> str:
+        return self._shape.op
+
+    @property
+    def source(self) -> str:
+        return self._shape.source
+
+    @property
+    def before(self) -> None:
+        return None
+
+    @property
+    def metadata(self) -> Mapping[str, Any]:
+        return self._shape.metadata
+
+
+# Types whose every value has a checkpoint encoding that cannot fail. Anything
+# else (Decimal: NaN and infinities cannot be ordered; unknown driver types) is
+# checked value by value.
+_ALWAYS_ENCODABLE = frozenset(
+    {int, str, bool, float, dt.datetime, dt.date, uuid.UUID, bytes, type(None)}
+)
+
+
+def _check_column(shape: RowShape, rows: Sequence[Sequence[Any]], index: int, *, key: bool) -> None:
+    """Refuse the batch if a value of this key or cursor column cannot be encoded
+    (or a key value is NULL), naming the column and the row's key."""
+    values = list(map(itemgetter(index), rows))
+    name = shape.columns[index]
+    if key and None in values:
+        position = next(i for i, v in enumerate(values) if v is None)
+        raise SerializationError(
+            f"row from {shape.source} has a NULL primary key {shape.key_of(rows[position])!r}; "
+            "keys must be unique and set",
+            poller=shape.metadata["poller"],
+            batch_id=shape.metadata["batch_id"],
+        )
+    if set(map(type, values)) <= _ALWAYS_ENCODABLE:
+        return
+    for position, value in enumerate(values):
+        if type(value) in _ALWAYS_ENCODABLE:
+            continue
+        try:
+            encode_value(value)
+        except SerializationError as exc:
+            raise SerializationError(
+                f"row from {shape.source} with key {shape.key_of(rows[position])!r}: column "
+                f"{name!r}: {exc}",
+                poller=shape.metadata["poller"],
+                batch_id=shape.metadata["batch_id"],
+                column=name,
+            ) from None
+
+
+def events_from_rows(shape: RowShape, rows: Sequence[Sequence[Any]]) -> list[RowChange]:
+    """One event per row tuple (in ``shape.columns`` order), built lazily.
+
+    The batch is checked first, column by column at C speed: no NULL key, and
+    every key and cursor value encodable, so that an event's id, computed when
+    first read, cannot fail.
+
+    Raises:
+        SerializationError: naming the column and the row's key.
+    """
+    for index in shape.pk_indexes:
+        _check_column(shape, rows, index, key=True)
+    _check_column(shape, rows, shape.cursor_index, key=False)
+    new = object.__new__
+    cls = _RowEvent
+    events: list[RowChange] = []
+    append = events.append
+    for row in rows:
+        event = new(cls)
+        event._row = row
+        event._shape = shape
+        event._event_id = None  # type: ignore[assignment]
+        event._pk_dict = None
+        event._after_dict = None
+        append(event)
+    return events
 
 
 def dedup_key(poller: str, pk: Mapping[str, Any], cursor: Any) -> str:

@@ -4,6 +4,10 @@ Usable from an Azure Functions HTTP endpoint, a container liveness/readiness
 probe or a cron job. It costs one state-store read and, when a source is given,
 one count and one single-row fetch on the source.
 
+A poller name with no state document is **unknown** (unhealthy) unless a
+source is given and shows nothing to deliver yet: a probe with a misspelt
+name must not stay green for ever.
+
 A poller is **stale** when its last successful commit is older than
 ``stale_after`` *while rows are pending*. An idle poller with nothing to do is
 healthy however long ago it last committed: on a quiet table, an old
@@ -28,20 +32,19 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from dbtrigger.cursor import Position
 from dbtrigger.errors import DbTriggerError
-from dbtrigger.sources.base import SourceAdapter
+from dbtrigger.sources.base import CountsAfter, SourceAdapter
 from dbtrigger.state import document as docmod
 from dbtrigger.state.lease import describe_lease
 from dbtrigger.state.stores.base import CheckpointStore
 from dbtrigger.state.stores.factory import redact
 
 #: Status values, from best to worst.
-OK, NO_STATE, STALE, ERROR = "ok", "no_state", "stale", "error"
+OK, NO_STATE, STALE, UNKNOWN, ERROR = "ok", "no_state", "stale", "unknown_poller", "error"
 
 
 @dataclass(frozen=True)
@@ -67,8 +70,8 @@ def measure_lag(
     Raises:
         DbTriggerError: the source failed (FetchError, SerializationError).
     """
-    counter: Callable[[Position], int] | None = getattr(source, "count_after", None)
-    rows = counter(position) if counter is not None else None
+    counts = source if isinstance(source, CountsAfter) else None
+    rows = counts.count_after(position) if counts is not None else None
     if rows == 0:
         return Lag(0, 0.0)
     first = source.fetch(position, 1)
@@ -80,7 +83,7 @@ def measure_lag(
         return Lag(rows, None, "pending rows are not yet released by the visibility guard")
     event = source.to_events(first, poller=poller, batch_id="lag-probe")[0]
     cursor = event.cursor
-    note = "" if counter is not None else "the source cannot count pending rows"
+    note = "" if counts is not None else "the source cannot count pending rows"
     if isinstance(cursor, dt.datetime) and cursor.tzinfo is not None:
         return Lag(rows, max(0.0, (now - cursor).total_seconds()), note)
     kind = type(cursor).__name__
@@ -135,6 +138,19 @@ class HealthReport:
         return json.dumps(self.to_dict(), sort_keys=True)
 
 
+def _unknown_reason(store: CheckpointStore, poller: str) -> str:
+    try:
+        known = sorted(store.list_keys())
+    except DbTriggerError:
+        known = []
+    listed = ", ".join(known[:10]) + (", ..." if len(known) > 10 else "") if known else "none"
+    return redact(
+        f"no state document for poller {poller!r}: a misspelt name, or a poller that never "
+        f"ran (pass source= to tell 'nothing to deliver yet' apart); pollers in the store: "
+        f"{listed}"
+    )
+
+
 def check_health(
     store: CheckpointStore,
     poller: str,
@@ -161,6 +177,15 @@ def check_health(
         )
     pending = lag.rows if lag is not None else None
     lag_seconds = lag.seconds if lag is not None else None
+    if doc is None and source is None:
+        # Nothing shows this poller exists: a misspelt name in a probe must not
+        # report healthy for ever. (With a source, "nothing to deliver yet" is
+        # a fact that can be checked, below.)
+        return HealthReport(
+            status=UNKNOWN,
+            reason=_unknown_reason(store, poller),
+            **base,
+        )
     if doc is None:
         if pending:
             return HealthReport(
@@ -172,7 +197,7 @@ def check_health(
             )
         return HealthReport(
             status=NO_STATE,
-            reason="no state yet; the first tick creates it",
+            reason="no state yet and nothing to deliver; the first tick with rows creates it",
             pending_rows=pending,
             lag_seconds=lag_seconds,
             **base,
@@ -214,4 +239,14 @@ def check_health(
     return HealthReport(status=OK, reason=reason, **fields)
 
 
-__all__ = ["ERROR", "NO_STATE", "OK", "STALE", "HealthReport", "Lag", "check_health", "measure_lag"]
+__all__ = [
+    "ERROR",
+    "NO_STATE",
+    "OK",
+    "STALE",
+    "UNKNOWN",
+    "HealthReport",
+    "Lag",
+    "check_health",
+    "measure_lag",
+]

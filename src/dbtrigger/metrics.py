@@ -40,6 +40,22 @@ METRICS: dict[str, tuple[str, str]] = {
     "last_success_timestamp": ("gauge", "When the last batch committed"),
     "heartbeats_total": ("counter", "Lease renewals while a handler ran"),
     "retries_total": ("counter", "In-tick retries of store and source calls, by operation"),
+    "partitions_owned": ("gauge", "Partitions this member owns (partitioned pollers)"),
+    "partition_members": ("gauge", "Members in the partitioned poller's group, as last written"),
+    "partition_rebalances_total": (
+        "counter",
+        "Partitions claimed, stolen or released by this member, by action",
+    ),
+    "event_outcomes_total": (
+        "counter",
+        "Per-event outcomes of delivered batches, by outcome (accepted/rejected/failed)",
+    ),
+    "window_events": ("gauge", "Events in the settled window above the checkpoint"),
+    "window_bytes": ("gauge", "Encoded size of the settled window in the state document"),
+    "window_overflow_total": (
+        "counter",
+        "Settled events the full window could not remember (delivered again)",
+    ),
 }
 
 #: Labels each metric carries besides ``poller`` (which :class:`SafeMetrics`
@@ -51,6 +67,8 @@ METRIC_LABELS: dict[str, tuple[str, ...]] = {
     "batches_total": ("result",),
     "failures_total": ("error_type",),
     "retries_total": ("operation", "error_type"),
+    "partition_rebalances_total": ("action",),
+    "event_outcomes_total": ("outcome",),
 }
 
 #: Histogram bucket bounds for metrics that are not durations in seconds.
@@ -95,7 +113,7 @@ def metric_unit(name: str) -> str:
     """UCUM-style unit for OpenTelemetry: seconds for durations and timestamps."""
     if name.endswith("_seconds") or name.endswith("_timestamp"):
         return "s"
-    if name in ("batch_size", "lag_rows", "null_cursor_rows"):
+    if name in ("batch_size", "lag_rows", "null_cursor_rows", "window_events"):
         return "{row}"
     return "1"
 

@@ -20,6 +20,7 @@ key a row happens to hit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
@@ -30,7 +31,7 @@ from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import NoSuchTableError, SQLAlchemyError
 
 from dbtrigger._engine import LazyEngine
-from dbtrigger.errors import ConfigurationError, OutputWriteError
+from dbtrigger.errors import ConfigurationError, MissingSettingError, OutputWriteError
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.settings import resolve_setting
 from dbtrigger.sources.sqlalchemy import safe_url_text, short_error
@@ -77,20 +78,46 @@ class OutputTarget:
             raise ConfigurationError("conflict_columns only apply to action='upsert'")
         if url is None and engine is None:
             raise ConfigurationError("db.output needs url= or engine=")
+        self._url_spec = url
+        self._url_value: URL | None = None if url else engine.url  # type: ignore[union-attr]
+        if url:
+            # A missing %SETTING% is reported at first use (see SqlAlchemySource).
+            with contextlib.suppress(MissingSettingError):
+                self._url_value = self._parse_url(url)
+        if self._url_value is not None:
+            self._check_dialect(self._url_value)
+        self._engines = LazyEngine(lambda: self._url, engine_kwargs, engine)
+        self._table: sa.Table | None = None
+
+    @staticmethod
+    def _parse_url(url: str) -> URL:
         try:
-            self._url: URL = make_url(resolve_setting(url)) if url else engine.url  # type: ignore[union-attr]
+            return make_url(resolve_setting(url))
         except sa.exc.ArgumentError:
             raise ConfigurationError(
                 "db.output url is not a valid SQLAlchemy database URL"
             ) from None
-        self.dialect = self._url.get_backend_name()
-        if action == "upsert" and self.dialect not in UPSERT_DIALECTS:
+
+    def _check_dialect(self, url: URL) -> None:
+        dialect = url.get_backend_name()
+        if self.action == "upsert" and dialect not in UPSERT_DIALECTS:
             raise ConfigurationError(
-                f"upsert is not available on {self.dialect}: supported are "
+                f"upsert is not available on {dialect}: supported are "
                 f"{', '.join(sorted(UPSERT_DIALECTS))}; use action='insert'"
             )
-        self._engines = LazyEngine(self._url, engine_kwargs, engine)
-        self._table: sa.Table | None = None
+
+    @property
+    def _url(self) -> URL:
+        """The database URL, ``%SETTING%`` references resolved (at the first use)."""
+        if self._url_value is None:
+            url = self._parse_url(self._url_spec or "")
+            self._check_dialect(url)
+            self._url_value = url
+        return self._url_value
+
+    @property
+    def dialect(self) -> str:
+        return self._url.get_backend_name()
 
     @property
     def name(self) -> str:

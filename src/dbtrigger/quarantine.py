@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import mysql
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from dbtrigger._engine import LazyEngine
@@ -65,6 +66,7 @@ from dbtrigger.errors import (
 )
 from dbtrigger.events import RowChange
 from dbtrigger.names import validate_sql_identifier
+from dbtrigger.redaction import redact
 from dbtrigger.settings import resolve_setting
 from dbtrigger.state.document import format_time, parse_time, position_to_json
 
@@ -135,7 +137,7 @@ class QuarantineRecord:
             pk=encode_json_value(dict(event.pk)),
             cursor=encode_json_value(event.cursor),
             row=encode_json_value(dict(event.after)) if event.after is not None else None,
-            error=f"{type(error).__name__}: {error}"[:2000],
+            error=redact(f"{type(error).__name__}: {error}"[:8000])[:2000],
             attempts=attempts,
             checkpoint=position_to_json(checkpoint),
             batch_id=batch_id,
@@ -195,6 +197,11 @@ class QuarantineSink(Protocol):
 # --- SQL table ------------------------------------------------------------------
 
 
+#: JSON text columns. MySQL/MariaDB ``TEXT`` stops at 64 KB, and poison rows are
+#: often the big ones: a row that cannot be recorded can never be set aside.
+_JSON_TEXT = sa.Text().with_variant(mysql.LONGTEXT(), "mysql", "mariadb")
+
+
 def quarantine_table(
     name: str = "dbtrigger_quarantine",
     schema: str | None = None,
@@ -207,12 +214,12 @@ def quarantine_table(
         sa.Column("poller", sa.String(128), primary_key=True),
         sa.Column("event_id", sa.String(64), primary_key=True),
         sa.Column("source", sa.String(255), nullable=False),
-        sa.Column("pk_json", sa.Text, nullable=False),
-        sa.Column("cursor_json", sa.Text, nullable=False),
-        sa.Column("row_json", sa.Text, nullable=True),
+        sa.Column("pk_json", _JSON_TEXT, nullable=False),
+        sa.Column("cursor_json", _JSON_TEXT, nullable=False),
+        sa.Column("row_json", _JSON_TEXT, nullable=True),
         sa.Column("error", sa.Text, nullable=False),
         sa.Column("attempts", sa.Integer, nullable=False),
-        sa.Column("checkpoint_json", sa.Text, nullable=False),
+        sa.Column("checkpoint_json", _JSON_TEXT, nullable=False),
         sa.Column("batch_id", sa.String(128), nullable=False),
         sa.Column("fencing_token", sa.BigInteger, nullable=False),
         sa.Column("owner_id", sa.String(255), nullable=False),
@@ -224,7 +231,7 @@ def quarantine_table(
 def _short(exc: BaseException) -> str:
     orig = getattr(exc, "orig", None) or exc
     first = (str(orig).strip().splitlines() or [""])[0]
-    return f"{type(orig).__name__}: {first}"[:300]
+    return redact(f"{type(orig).__name__}: {first}")[:300]
 
 
 class SqlQuarantineSink:
@@ -376,6 +383,8 @@ class JsonLinesQuarantineSink:
 
     Appends hold an exclusive ``flock`` and are fsynced, so several processes
     can share one file and a record is on disk before the checkpoint moves.
+    The file is created with mode 0600 (whole rows are in it); an existing
+    file keeps the mode it has.
     A ``put`` repeated after a failed commit appends the records again;
     readers should key on (poller, event_id).
     """
@@ -388,7 +397,13 @@ class JsonLinesQuarantineSink:
 
     @contextlib.contextmanager
     def _locked(self, mode: str) -> Iterator[Any]:
-        with self.path.open(mode, encoding="utf-8") as fh:
+        if "a" in mode:
+            # Created readable by its owner only: records hold whole rows.
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            opened = os.fdopen(fd, mode, encoding="utf-8")
+        else:
+            opened = self.path.open(mode, encoding="utf-8")
+        with opened as fh:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX if "a" in mode else fcntl.LOCK_SH)
             yield fh
 
@@ -399,7 +414,7 @@ class JsonLinesQuarantineSink:
             json.dumps(r.to_json(), sort_keys=True, ensure_ascii=True) + "\n" for r in records
         )
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             with self._locked("a") as fh:
                 fh.write(lines)
                 fh.flush()

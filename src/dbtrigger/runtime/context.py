@@ -1,12 +1,105 @@
-"""What a handler learns about the batch it is given."""
+"""What a handler learns about the batch it is given, and how it says what
+became of each event (:meth:`BatchContext.reject`, :meth:`BatchContext.retry`)."""
 
 from __future__ import annotations
 
 import datetime as dt
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from dbtrigger.cursor import Position
+from dbtrigger.errors import ConfigurationError
+from dbtrigger.events import RowChange
+
+
+def describe_event(event: RowChange) -> str:
+    return f"event {event.event_id} (pk {dict(event.pk)}, cursor {event.cursor!r})"
+
+
+class EventMarks:
+    """The per-event outcomes a handler marked during one batch.
+
+    Marks are open while the handler runs; a handler call that raises takes
+    its marks with it (:meth:`rollback`), since the whole batch failed. Every
+    event that is not marked is accepted when the handler returns.
+    """
+
+    def __init__(
+        self,
+        events: Sequence[RowChange],
+        *,
+        can_reject: bool,
+        attempts: Mapping[str, int] | None = None,
+    ) -> None:
+        # Event ids are computed on first use (events may be lazy): a batch
+        # whose handler marks nothing never pays for them here.
+        self._events = events
+        self._id_set: set[str] | None = None
+        self.can_reject = can_reject
+        self.attempts = dict(attempts or {})
+        self.open = True
+        self.rejected: dict[str, str] = {}
+        self.retried: dict[str, str] = {}
+        #: The first misuse (a programming error); the batch fails with it even
+        #: if the handler swallowed it, so a reject is never silently an accept.
+        self.misuse: ConfigurationError | None = None
+        self._lock = threading.Lock()
+
+    def mark(self, kind: str, event: RowChange, reason: str) -> None:
+        try:
+            self._mark(kind, event, reason)
+        except ConfigurationError as exc:
+            with self._lock:
+                if self.misuse is None:
+                    self.misuse = exc
+            raise
+
+    def _mark(self, kind: str, event: RowChange, reason: str) -> None:
+        with self._lock:
+            if not self.open:
+                raise ConfigurationError(
+                    f"ctx.{kind}() on {describe_event(event)} after the handler returned: "
+                    "mark outcomes while the handler runs"
+                )
+            if getattr(event, "event_id", None) not in self._ids():
+                raise ConfigurationError(
+                    f"ctx.{kind}() on {describe_event(event)}: that event is not in this batch"
+                    if isinstance(event, RowChange)
+                    else f"ctx.{kind}() needs a RowChange of this batch, got {event!r}"
+                )
+            if kind == "reject" and not self.can_reject:
+                raise ConfigurationError(
+                    f"ctx.reject() on {describe_event(event)}: a rejected event goes to the "
+                    "dead-letter sink, and this poller has none; pass quarantine=... to "
+                    "PollTrigger (an event is never dropped silently)"
+                )
+            mine, other = (
+                (self.rejected, self.retried) if kind == "reject" else (self.retried, self.rejected)
+            )
+            if event.event_id in other:
+                raise ConfigurationError(
+                    f"ctx.{kind}() on {describe_event(event)}: it is already marked "
+                    f"{'retry' if kind == 'reject' else 'reject'}"
+                )
+            mine[event.event_id] = str(reason)
+
+    def _ids(self) -> set[str]:
+        if self._id_set is None:
+            self._id_set = {e.event_id for e in self._events}
+        return self._id_set
+
+    def snapshot(self) -> tuple[dict[str, str], dict[str, str]]:
+        with self._lock:
+            return dict(self.rejected), dict(self.retried)
+
+    def rollback(self, snapshot: tuple[dict[str, str], dict[str, str]]) -> None:
+        with self._lock:
+            self.rejected, self.retried = dict(snapshot[0]), dict(snapshot[1])
+
+    def close(self) -> None:
+        with self._lock:
+            self.open = False
 
 
 @dataclass(frozen=True)
@@ -26,6 +119,15 @@ class BatchContext:
     ``max_attempts`` on, a failure makes it a poison candidate. When a batch is bisected
     to isolate poison rows, the handler receives parts of it with the same
     context.
+
+    Per-event outcomes: every event of the batch is *accepted* when the
+    handler returns, unless the handler marked it while it ran -
+    :meth:`reject` (terminal: written to the dead-letter sink, never
+    delivered again) or :meth:`retry` (delivered again after a backoff; after
+    ``max_attempts`` deliveries it is dead-lettered like a poison row). A
+    retried event holds the checkpoint back until it is settled, while later
+    events keep flowing. Raising still fails the whole batch, and discards
+    the marks of that call.
     """
 
     poller_name: str
@@ -39,8 +141,38 @@ class BatchContext:
     tick_started_at: dt.datetime
     attempt: int = 1
     lease_lost: threading.Event = field(default_factory=threading.Event, compare=False)
+    marks: EventMarks | None = field(default=None, compare=False, repr=False)
 
     @property
     def cancelled(self) -> bool:
         """True once the lease is lost: nothing this batch does will be committed."""
         return self.lease_lost.is_set()
+
+    def reject(self, event: RowChange, reason: str) -> None:
+        """Settle ``event`` as rejected: it goes to the dead-letter sink with
+        ``reason`` and is never delivered again.
+
+        Raises:
+            ConfigurationError: the poller has no dead-letter (``quarantine``)
+                sink, ``event`` is not in this batch, or the handler returned.
+        """
+        self._marks("reject").mark("reject", event, reason)
+
+    def retry(self, event: RowChange, reason: str) -> None:
+        """Deliver ``event`` again later (exponential backoff with jitter).
+
+        Raises:
+            ConfigurationError: ``event`` is not in this batch, or the handler
+                returned.
+        """
+        self._marks("retry").mark("retry", event, reason)
+
+    def attempts(self, event: RowChange) -> int:
+        """How many times ``event`` has been delivered, this time included."""
+        marks = self._marks("attempts")
+        return marks.attempts.get(event.event_id, 0) + 1
+
+    def _marks(self, what: str) -> EventMarks:
+        if self.marks is None:
+            raise ConfigurationError(f"ctx.{what}() is only available inside a handler call")
+        return self.marks

@@ -1,20 +1,22 @@
 """What happens to one batch: the handler call, and every way it can fail.
 
-:class:`~dbtrigger.runtime.poller.PollTrigger` owns the tick (read the state,
-take the lease, fetch, commit, release); this mixin owns the batch in the
-middle of it:
+The tick driver (:mod:`dbtrigger.runtime.tick`) owns the state document: it
+reads it, takes the lease, commits, records failures and releases. This
+collaborator owns the batch in the middle and never writes state:
 
-* calling the handler - sync or async, with the lease-lost flag turned into a
-  real cancellation of an async handler (:func:`guarded`);
-* sorting out a failure: a :class:`~dbtrigger.errors.PartialBatchError` names
-  its failed rows, anything else fails the whole batch; once a batch has
-  failed ``max_attempts`` times and a quarantine sink is configured, it is
-  bisected and rows that fail alone are written to the sink;
-* recording the failed attempt in the state document in one write that also
-  releases the lease, and moves the checkpoint over the leading rows that
-  were processed (only a contiguous head can be passed; processed rows after
-  the first failed one are remembered in the failure record and skipped when
-  the batch comes back, so they are not delivered twice).
+* it calls the handler - sync or async, with the lease-lost flag turned into
+  a real cancellation of an async handler (:func:`guarded`), on up to
+  ``max_concurrency`` lanes at once (:mod:`dbtrigger.runtime.lanes`);
+* it sorts out a failure: a :class:`~dbtrigger.errors.PartialBatchError`
+  names its failed rows, anything else fails the whole batch; once a batch
+  has failed ``max_attempts`` times and a quarantine sink is configured, it
+  is bisected and rows that fail alone are written to the sink (the verdict
+  itself is :func:`dbtrigger.state.verdict.judge`, a pure function);
+* it returns a typed outcome - :class:`Delivered` (every row settled) or
+  :class:`Undelivered` (which rows did settle, what to record, what to
+  raise) - that the driver turns into a state transition. A lost lease is
+  raised as :class:`~dbtrigger.errors.LostLeaseError`: nothing may be
+  written then.
 """
 
 from __future__ import annotations
@@ -23,157 +25,158 @@ import asyncio
 import contextlib
 import datetime as dt
 import inspect
-import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from dbtrigger.errors import (
     ConfigurationError,
-    DbTriggerError,
     HandlerError,
     LostLeaseError,
     PartialBatchError,
     QuarantineError,
 )
 from dbtrigger.events import RowChange
-from dbtrigger.metrics import SafeMetrics
 from dbtrigger.quarantine import QuarantineRecord, QuarantineSink, isolate, match_failed
-from dbtrigger.runtime.context import BatchContext
+from dbtrigger.runtime.context import BatchContext, EventMarks
+from dbtrigger.runtime.lanes import Lanes
 from dbtrigger.runtime.retry import RetryPolicy
-from dbtrigger.runtime.session import LeaseSession
-from dbtrigger.sources.base import position_of
+from dbtrigger.runtime.telemetry import Telemetry
 from dbtrigger.state import document as docmod
-from dbtrigger.state import lease as leasemod
-
-log = logging.getLogger("dbtrigger.runtime")
+from dbtrigger.state.verdict import Verdict, judge, should_isolate
 
 #: A batch handler: ``handler(events)`` or ``handler(events, ctx)``, sync or async.
 Handler = Callable[..., Any]
 
 
-class BatchDelivery:
-    """Mixin for :class:`~dbtrigger.runtime.poller.PollTrigger`: invoke, settle, fail.
+class EventRejected(Exception):
+    """The handler rejected the event (``ctx.reject``); the text is its reason."""
 
-    It relies on the trigger's configuration attributes declared below.
+
+class RetriesExhausted(Exception):
+    """The handler asked to retry the event on every one of ``max_attempts`` deliveries."""
+
+
+@dataclass(frozen=True)
+class Delivered:
+    """The handler returned (or the batch's poison rows were set aside).
+
+    ``quarantined`` rows were set aside as poison. Of the per-event marks,
+    ``rejected`` (id -> reason) were written to the dead-letter sink, as were
+    ``exhausted`` (retried on the last attempt); ``retried`` (id -> reason)
+    wait for another delivery. Every other event is accepted.
     """
 
-    name: str
-    owner_id: str
-    clock: Callable[[], dt.datetime]
-    metrics: SafeMetrics
-    retry: RetryPolicy
-    quarantine: QuarantineSink | None
-    max_attempts: int
-    quarantine_limit: int
-    journal_limit: int
+    quarantined: int = 0
+    rejected: Mapping[str, str] = field(default_factory=dict)
+    retried: Mapping[str, str] = field(default_factory=dict)
+    exhausted: frozenset[str] = frozenset()
 
-    def _log(self, level: int, event: str, msg: str, *args: Any, **fields: Any) -> None:
-        """Log ``event`` with structured fields, attributed to the calling line."""
-        if log.isEnabledFor(level):
-            log.log(
-                level,
-                msg,
-                *args,
-                extra={"event": event, "poller": self.name, **fields},
-                stacklevel=2,
-            )
+    @property
+    def unsettled(self) -> frozenset[str]:
+        """Ids that must not count as settled: waiting for a retry."""
+        return frozenset(self.retried)
 
-    def _on_retry(self, operation: str, attempt: int, exc: BaseException, wait: float) -> None:
-        del attempt, wait
-        self.metrics.increment(
-            "retries_total", labels={"operation": operation, "error_type": type(exc).__name__}
-        )
 
-    def _check_lost(self, ctx: BatchContext) -> None:
-        if ctx.lease_lost.is_set():
-            raise LostLeaseError(
-                "lease lost while the batch was being processed; nothing was committed",
-                poller=self.name,
-                batch_id=ctx.batch_id,
-                fencing_token=ctx.fencing_token,
-            )
+@dataclass(frozen=True)
+class Undelivered:
+    """Some rows are not settled: record ``cause`` as a failed attempt (with
+    the ``settled`` rows), then raise ``error``."""
 
-    def _invoke(
+    cause: BaseException
+    settled: frozenset[str]
+    error: Exception
+
+
+Outcome = Delivered | Undelivered
+
+
+def batch_fields(ctx: BatchContext, rows: int) -> dict[str, Any]:
+    """The log fields every record about a batch carries."""
+    return {
+        "batch_id": ctx.batch_id,
+        "fencing_token": ctx.fencing_token,
+        "checkpoint_before": docmod.position_to_json(ctx.checkpoint_before),
+        "checkpoint_after": docmod.position_to_json(ctx.checkpoint_after),
+        "rows": rows,
+        "attempt": ctx.attempt,
+    }
+
+
+class Delivery:
+    """Hands batches to a handler and settles them; see the module docstring."""
+
+    def __init__(
         self,
-        session: LeaseSession,
-        handler: Handler,
-        events: list[RowChange],
-        ctx: BatchContext,
-        wants_ctx: bool,
+        *,
+        poller: str,
+        owner_id: str,
+        clock: Callable[[], dt.datetime],
+        telemetry: Telemetry,
+        retry: RetryPolicy,
+        quarantine: QuarantineSink | None,
+        max_attempts: int,
+        quarantine_limit: int,
+        max_concurrency: int = 1,
+        cli_target: Callable[[], str] | None = None,
     ) -> None:
-        fields = {
-            "batch_id": ctx.batch_id,
-            "fencing_token": ctx.fencing_token,
-            "checkpoint_before": docmod.position_to_json(ctx.checkpoint_before),
-            "checkpoint_after": docmod.position_to_json(ctx.checkpoint_after),
-            "rows": len(events),
-            "attempt": ctx.attempt,
-        }
-        self._log(logging.DEBUG, "batch_start", "batch of %d rows", len(events), **fields)
-        started = time.perf_counter()
-        try:
-            result = handler(events, ctx) if wants_ctx else handler(events)
-            if inspect.isawaitable(result):
-                run_awaitable(result, ctx)
-        except LostLeaseError:
-            session.lost = True
-            self.metrics.increment("batches_total", labels={"result": "lost"})
-            self.metrics.increment("failures_total", labels={"error_type": "LostLeaseError"})
-            self._log(logging.WARNING, "lease_lost", "lease lost during the handler", **fields)
-            raise
-        except Exception as exc:
-            self.metrics.observe("handler_duration_seconds", time.perf_counter() - started)
-            if not ctx.lease_lost.is_set():
-                raise
-            # The handler gave up because it saw ctx.cancelled: that is the lost
-            # lease, not a failure of the batch (no attempt is counted).
-            raise self._lost_during_handler(
-                session,
-                ctx,
-                fields,
-                f"it stopped with {type(exc).__name__}; nothing committed",
-            ) from exc
-        self.metrics.observe("handler_duration_seconds", time.perf_counter() - started)
-        if ctx.lease_lost.is_set():
-            raise self._lost_during_handler(session, ctx, fields, "results discarded")
+        self.poller = poller
+        self.cli_target = cli_target or (lambda: poller)
+        self.owner_id = owner_id
+        self.clock = clock
+        self.telemetry = telemetry
+        self.retry = retry
+        self.quarantine = quarantine
+        self.max_attempts = max_attempts
+        self.quarantine_limit = quarantine_limit
+        #: Parallel lanes (``max_concurrency > 1``): see :mod:`dbtrigger.runtime.lanes`.
+        self.lanes = Lanes(max_concurrency, name=poller) if max_concurrency > 1 else None
 
-    def _lost_during_handler(
-        self, session: LeaseSession, ctx: BatchContext, fields: dict[str, Any], what: str
-    ) -> LostLeaseError:
-        """Account for a lease lost while the handler ran; the error to raise."""
-        session.lost = True
-        self.metrics.increment("batches_total", labels={"result": "lost"})
-        self.metrics.increment("failures_total", labels={"error_type": "LostLeaseError"})
-        self._log(logging.WARNING, "lease_lost", "lease lost while the handler ran", **fields)
-        return LostLeaseError(
-            f"lease lost while the handler ran ({what}); the batch will be redelivered",
-            poller=self.name,
-            batch_id=ctx.batch_id,
-            fencing_token=ctx.fencing_token,
-        )
-
-    def _deliver(
+    def deliver(
         self,
-        session: LeaseSession,
         handler: Handler,
         events: list[RowChange],
         done: frozenset[str],
         ctx: BatchContext,
         wants_ctx: bool,
-    ) -> int:
-        """Hand the batch over; return normally only when every row is settled.
+    ) -> Outcome:
+        """Hand the batch over and say whether every row is settled.
 
         A row is settled when the handler processed it (now, or on an earlier
-        delivery: ``done``) or it was quarantined; the return value is how many
-        were quarantined. Otherwise the failed attempt is recorded - with the
-        checkpoint moved over the leading settled rows and the settled rows
-        after them remembered - and :class:`HandlerError` is raised.
+        delivery: ``done``) or it was quarantined; per-event marks
+        (``ctx.reject`` / ``ctx.retry``) are settled here too, rejected events
+        written to the dead-letter sink before the outcome is returned.
+
+        Raises:
+            LostLeaseError: the lease was lost; nothing may be written.
         """
-        pending = [e for e in events if e.event_id not in done]
+        try:
+            outcome = self._deliver(handler, events, done, ctx, wants_ctx)
+        finally:
+            if ctx.marks is not None:
+                ctx.marks.close()
+        if ctx.marks is not None and ctx.marks.misuse is not None:
+            # ctx.reject/retry misused: a bug to fix, not a batch to retry.
+            raise ctx.marks.misuse
+        if isinstance(outcome, Delivered) and ctx.marks is not None:
+            return self._apply_marks(ctx, events, outcome, ctx.marks)
+        return outcome
+
+    def _deliver(
+        self,
+        handler: Handler,
+        events: list[RowChange],
+        done: frozenset[str],
+        ctx: BatchContext,
+        wants_ctx: bool,
+    ) -> Outcome:
+        emit = self.telemetry.emit
+        # Ids only matter when an earlier delivery settled some rows; an event
+        # computes its id on first read, so the usual batch never computes one.
+        pending = [e for e in events if e.event_id not in done] if done else list(events)
         if len(pending) < len(events):
-            self._log(
-                logging.INFO,
+            emit(
                 "rows_skipped_done",
                 "skipping %d row(s) processed on an earlier delivery of this batch",
                 len(events) - len(pending),
@@ -181,13 +184,15 @@ class BatchDelivery:
                 rows=len(events) - len(pending),
             )
         if not pending:
-            return 0
+            return Delivered()
         try:
-            self._invoke(session, handler, pending, ctx, wants_ctx)
-            return 0
+            self._invoke(handler, pending, ctx, wants_ctx)
+            return Delivered()
         except LostLeaseError:
             raise
-        except Exception as exc:  # noqa: BLE001 - handler failures are sorted out below
+        except Exception as exc:  # handler failures are sorted out below
+            if ctx.marks is not None and ctx.marks.misuse is not None:
+                raise ctx.marks.misuse from exc
             error: Exception = exc
 
         succeeded: list[RowChange] = []
@@ -199,19 +204,23 @@ class BatchDelivery:
         named = bool(failed)
         if not named:
             failed = [(e, error) for e in pending]
-        poison = ctx.attempt >= self.max_attempts
         aborted = False
-        if poison and self.quarantine is not None and not named and len(pending) > 1:
+        if should_isolate(
+            attempt=ctx.attempt,
+            max_attempts=self.max_attempts,
+            has_sink=self.quarantine is not None,
+            named=named,
+            pending=len(pending),
+        ):
             found = isolate(
                 pending,
-                lambda part: self._invoke(session, handler, part, ctx, wants_ctx),
+                lambda part: self._invoke(handler, part, ctx, wants_ctx),
                 first_error=error,
                 limit=self.quarantine_limit,
                 check=lambda: self._check_lost(ctx),
             )
             succeeded, failed, aborted = found.ok, found.bad, found.aborted
-            self._log(
-                logging.WARNING,
+            emit(
                 "batch_bisected",
                 "bisected batch %s in %d handler calls: %d row(s) fail alone, %d passed%s",
                 ctx.batch_id,
@@ -224,51 +233,165 @@ class BatchDelivery:
                 batch_id=ctx.batch_id,
                 calls=found.calls,
             )
-        settled = set(done) | {e.event_id for e in succeeded}
-        # Poison is a row that fails while its neighbours pass (now, or on an
-        # earlier delivery). When no row of a multi-row batch has passed, or
-        # more than the limit fail on their own, the handler's dependency is
-        # down: setting the rows aside would empty the source into the sink.
-        # Keep retrying instead.
-        outage = aborted or len(failed) > self.quarantine_limit
-        outage = outage or (len(events) > 1 and not settled)
-        if poison and self.quarantine is not None and not outage:
+        settled = frozenset(done) | {e.event_id for e in succeeded}
+        if ctx.marks is not None:
+            # Rows that passed a bisection part but were marked are not settled
+            # by a failed batch: they come back with it.
+            rejected, retried = ctx.marks.snapshot()
+            settled = settled - rejected.keys() - retried.keys()
+        verdict = judge(
+            rows=len(events),
+            settled=len(settled),
+            failed=len(failed),
+            aborted=aborted,
+            attempt=ctx.attempt,
+            max_attempts=self.max_attempts,
+            has_sink=self.quarantine is not None,
+            quarantine_limit=self.quarantine_limit,
+        )
+        if verdict is Verdict.SETTLED:
+            return Delivered()
+        if verdict is Verdict.QUARANTINE:
             try:
                 self._quarantine(ctx, failed)
-                return len(failed)
             except QuarantineError as exc:
-                self._record_failure(session, ctx, exc, events=events, settled=settled)
-                raise
-        self._handler_failed(session, ctx, events, error, failed, settled)
-        raise HandlerError(
+                return Undelivered(exc, settled, exc)
+            return Delivered(quarantined=len(failed))
+        self._report_failure(ctx, events, error, failed, verdict)
+        handler_error = HandlerError(
             f"handler failed on batch {ctx.batch_id}: {type(error).__name__}: {error}",
-            poller=self.name,
+            poller=self.poller,
             batch_id=ctx.batch_id,
             fencing_token=ctx.fencing_token,
             failed_rows=len(failed),
-        ) from error
+        )
+        handler_error.__cause__ = error
+        return Undelivered(error, settled, handler_error)
 
-    def _handler_failed(
+    def _invoke(
+        self, handler: Handler, events: list[RowChange], ctx: BatchContext, wants_ctx: bool
+    ) -> None:
+        marks = ctx.marks.snapshot() if ctx.marks is not None else None
+        try:
+            self._call(handler, events, ctx, wants_ctx)
+        except PartialBatchError:
+            raise  # the call partly succeeded: its marks stand (marked rows stay unsettled)
+        except BaseException:
+            if ctx.marks is not None and marks is not None:
+                ctx.marks.rollback(marks)  # a failed call takes its marks with it
+            raise
+
+    def _call(
+        self, handler: Handler, events: list[RowChange], ctx: BatchContext, wants_ctx: bool
+    ) -> None:
+        emit = self.telemetry.emit
+        fields = batch_fields(ctx, len(events))
+        emit("batch_start", "batch of %d rows", len(events), **fields)
+        started = time.perf_counter()
+
+        def one(part: list[RowChange]) -> None:
+            result = handler(part, ctx) if wants_ctx else handler(part)
+            if inspect.isawaitable(result):
+                run_awaitable(result, ctx)
+
+        try:
+            if self.lanes is None:
+                one(events)
+            else:
+                self.lanes.run(events, one)
+        except LostLeaseError:
+            emit("lease_lost", "lease lost during the handler", **fields)
+            raise
+        except Exception as exc:
+            emit("handler_returned", values={"seconds": time.perf_counter() - started})
+            if not ctx.lease_lost.is_set():
+                raise
+            # The handler gave up because it saw ctx.cancelled: that is the lost
+            # lease, not a failure of the batch (no attempt is counted).
+            raise self._lost_during_handler(
+                ctx, fields, f"it stopped with {type(exc).__name__}; nothing committed"
+            ) from exc
+        emit("handler_returned", values={"seconds": time.perf_counter() - started})
+        if ctx.lease_lost.is_set():
+            raise self._lost_during_handler(ctx, fields, "results discarded")
+
+    def _apply_marks(
+        self, ctx: BatchContext, events: list[RowChange], outcome: Delivered, marks: EventMarks
+    ) -> Outcome:
+        """Settle the per-event marks of a delivered batch: rejected events, and
+        retried ones on their last attempt, go to the dead-letter sink (one
+        write) before anything counts as settled."""
+        rejected, retried = marks.snapshot()
+        if not rejected and not retried:
+            return outcome
+        exhausted = {i for i in retried if marks.attempts.get(i, 0) + 1 >= self.max_attempts}
+        by_id = {e.event_id: e for e in events}
+        doomed: list[tuple[RowChange, BaseException]] = [
+            (by_id[i], EventRejected(reason)) for i, reason in rejected.items()
+        ]
+        if self.quarantine is not None:
+            doomed += [
+                (by_id[i], RetriesExhausted(retried[i]))
+                for i in sorted(exhausted, key=list(by_id).index)
+            ]
+        else:
+            for i in exhausted:
+                self.telemetry.emit(
+                    "poison_event",
+                    "event %s was retried on all %d attempts (%s); configure a dead-letter "
+                    "(quarantine) sink or settle it by hand: it holds the checkpoint back",
+                    i,
+                    marks.attempts.get(i, 0) + 1,
+                    retried[i],
+                    batch_id=ctx.batch_id,
+                    event_id=i,
+                    attempt=marks.attempts.get(i, 0) + 1,
+                )
+            exhausted = set()
+        if doomed:
+            try:
+                self._dead_letter(ctx, doomed, {i: marks.attempts.get(i, 0) + 1 for i in by_id})
+            except QuarantineError as exc:
+                settled = frozenset(by_id) - rejected.keys() - retried.keys()
+                return Undelivered(exc, settled, exc)
+        return Delivered(
+            quarantined=outcome.quarantined,
+            rejected=rejected,
+            retried={i: r for i, r in retried.items() if i not in exhausted},
+            exhausted=frozenset(exhausted),
+        )
+
+    def _lost_during_handler(
+        self, ctx: BatchContext, fields: dict[str, Any], what: str
+    ) -> LostLeaseError:
+        """Report a lease lost while the handler ran; the error to raise."""
+        self.telemetry.emit("lease_lost", "lease lost while the handler ran", **fields)
+        return LostLeaseError(
+            f"lease lost while the handler ran ({what}); the batch will be redelivered",
+            poller=self.poller,
+            batch_id=ctx.batch_id,
+            fencing_token=ctx.fencing_token,
+        )
+
+    def _check_lost(self, ctx: BatchContext) -> None:
+        if ctx.lease_lost.is_set():
+            raise LostLeaseError(
+                "lease lost while the batch was being processed; nothing was committed",
+                poller=self.poller,
+                batch_id=ctx.batch_id,
+                fencing_token=ctx.fencing_token,
+            )
+
+    def _report_failure(
         self,
-        session: LeaseSession,
         ctx: BatchContext,
         events: list[RowChange],
         error: BaseException,
         failed: list[tuple[RowChange, BaseException]],
-        settled: set[str],
+        verdict: Verdict,
     ) -> None:
-        fields = {
-            "batch_id": ctx.batch_id,
-            "fencing_token": ctx.fencing_token,
-            "checkpoint_before": docmod.position_to_json(ctx.checkpoint_before),
-            "checkpoint_after": docmod.position_to_json(ctx.checkpoint_after),
-            "rows": len(events),
-            "attempt": ctx.attempt,
-        }
-        self.metrics.increment("batches_total", labels={"result": "failed"})
-        self.metrics.increment("failures_total", labels={"error_type": "HandlerError"})
-        self._log(
-            logging.ERROR,
+        fields = batch_fields(ctx, len(events))
+        self.telemetry.emit(
             "handler_failed",
             "handler failed on batch %s (attempt %d, %d of %d rows failed): %s: %s",
             ctx.batch_id,
@@ -281,24 +404,34 @@ class BatchDelivery:
             failed_rows=len(failed),
             **fields,
         )
-        if ctx.attempt >= self.max_attempts:
-            self._log(
-                logging.ERROR,
+        if verdict is not Verdict.RETRY:
+            self.telemetry.emit(
                 "poison_batch",
                 "batch starting at %s has failed %d times%s",
                 ctx.checkpoint_before.cursor,
                 ctx.attempt,
-                "; configure a quarantine sink or skip it by hand (the poller cannot pass it)"
-                if self.quarantine is None
+                "; configure a quarantine sink or skip it by hand (the poller cannot pass it). "
+                f"Inspect: dbtrigger status {self.cli_target()}  "
+                f"Skip (data loss, journaled): dbtrigger skip-batch {self.cli_target()} "
+                "--reason 'poison batch' --yes"
+                if verdict is Verdict.POISON
                 else "; no row of it passes (or more than quarantine_limit fail on their "
                 "own), which looks like an outage, not poison: nothing set aside, retrying",
                 **fields,
             )
-        self._record_failure(session, ctx, error, events=events, settled=settled)
 
     def _quarantine(self, ctx: BatchContext, failed: list[tuple[RowChange, BaseException]]) -> None:
         """Record the rows that fail alone in the sink (durably) before the
         checkpoint moves past them."""
+        self._dead_letter(ctx, failed, {})
+
+    def _dead_letter(
+        self,
+        ctx: BatchContext,
+        failed: list[tuple[RowChange, BaseException]],
+        attempts: Mapping[str, int],
+    ) -> None:
+        """Write ``failed`` events to the sink (one ``put``), then report them."""
         sink = self.quarantine
         if sink is None or not failed:
             return
@@ -307,9 +440,9 @@ class BatchDelivery:
         records = [
             QuarantineRecord.from_event(
                 event,
-                poller=self.name,
+                poller=self.poller,
                 error=exc,
-                attempts=ctx.attempt,
+                attempts=attempts.get(event.event_id, ctx.attempt),
                 checkpoint=ctx.checkpoint_before,
                 batch_id=ctx.batch_id,
                 fencing_token=ctx.fencing_token,
@@ -322,13 +455,12 @@ class BatchDelivery:
             lambda: sink.put(records),
             operation="quarantine write",
             kinds=(QuarantineError,),
-            on_retry=self._on_retry,
-            fields={"poller": self.name, "batch_id": ctx.batch_id},
+            on_retry=self.telemetry.on_retry,
+            fields={"poller": self.poller, "batch_id": ctx.batch_id},
         )
-        self.metrics.increment("quarantined_total", len(records))
+        self.telemetry.emit("rows_quarantined", values={"count": len(records)})
         for record in records:
-            self._log(
-                logging.WARNING,
+            self.telemetry.emit(
                 "row_quarantined",
                 "row %s set aside in %s after %d failed attempts: %s",
                 record.pk,
@@ -342,82 +474,6 @@ class BatchDelivery:
                 cursor=record.cursor,
                 sink=sink.describe(),
                 attempt=record.attempts,
-            )
-
-    def _record_failure(
-        self,
-        session: LeaseSession,
-        ctx: BatchContext,
-        exc: BaseException,
-        *,
-        events: Sequence[RowChange] = (),
-        settled: set[str] | frozenset[str] = frozenset(),
-    ) -> None:
-        """Count the failed attempt and release the lease, in one write.
-
-        The checkpoint can only move over a *contiguous* run of settled rows at
-        the head of the batch; settled rows after the first unsettled one are
-        written to the failure record instead, and skipped on redelivery.
-        """
-        now = self.clock()
-        head = 0
-        while head < len(events) and events[head].event_id in settled:
-            head += 1
-        advance_to = position_of(events[head - 1]) if head else None
-        done = tuple(e.event_id for e in events[head:] if e.event_id in settled)
-        entry: dict[str, object] | None = None
-        if advance_to is not None:
-            entry = {
-                "type": "partial_commit",
-                "batch_id": ctx.batch_id,
-                "from": docmod.position_to_json(ctx.checkpoint_before),
-                "to": docmod.position_to_json(advance_to),
-                "rows": head,
-                "owner_id": self.owner_id,
-                "fencing_token": session.token,
-                "committed_at": docmod.format_time(now),
-            }
-        try:
-            session.update(
-                lambda d: leasemod.decide_failure(
-                    d,
-                    owner=self.owner_id,
-                    token=session.token,
-                    now=now,
-                    error=f"{type(exc).__name__}: {exc}",
-                    batch_id=ctx.batch_id,
-                    advance_to=advance_to,
-                    row_count=head,
-                    done=done,
-                    journal_entry=entry,
-                    journal_limit=self.journal_limit,
-                ),
-                what="failure record",
-            )
-            session.released = True
-            if advance_to is not None:
-                self.metrics.increment("events_total", head)
-                self._log(
-                    logging.INFO,
-                    "batch_partially_committed",
-                    "committed the first %d of %d rows of batch %s; %d later row(s) "
-                    "remembered as done",
-                    head,
-                    len(events),
-                    ctx.batch_id,
-                    len(done),
-                    batch_id=ctx.batch_id,
-                    fencing_token=session.token,
-                    rows=head,
-                    cursor=docmod.position_to_json(advance_to),
-                )
-        except DbTriggerError as record_exc:
-            # The failure itself is what matters; the lease expires on its own.
-            self._log(
-                logging.WARNING,
-                "failure_record_failed",
-                "could not record the failed attempt: %s",
-                record_exc,
             )
 
 

@@ -16,9 +16,12 @@ A renewal the store *rejects* means somebody else holds the lease now. The
 thread sets the tick's ``lease_lost`` event (handlers see it as
 ``ctx.cancelled``; an async handler's task is cancelled), stops, and the tick
 attempts no commit. A renewal that merely *fails* (store unreachable) is not a
-loss: the lease may well still be ours, so the thread keeps trying; if it
-really ran out, the commit is refused by the fencing check and nothing stale
-is written.
+loss yet: the lease may well still be ours, so the thread keeps trying. But
+once the expiry of the last renewal that landed has passed without another
+one landing, another instance may take the lease over at any moment and
+deliver the same batch; this instance then treats the lease as lost (the
+handler is cancelled, nothing is committed) and says so at ERROR, rather than
+letting its handler run on beside the new owner's.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from types import TracebackType
 from dbtrigger.errors import DbTriggerError, LostLeaseError
 from dbtrigger.runtime.session import LeaseSession
 from dbtrigger.state import lease as leasemod
-from dbtrigger.state.document import StateDocument
+from dbtrigger.state.document import StateDocument, format_time
 
 log = logging.getLogger("dbtrigger.runtime")
 
@@ -113,6 +116,39 @@ class Heartbeat:
 
         return session.renew(transition, min_idle_seconds=self.interval)
 
+    def _expires_at(self) -> dt.datetime | None:
+        """The expiry our last landed write gave the lease (None: not ours)."""
+        lease = self.session.document.lease
+        if lease is None or lease.owner_id != self.session.owner:
+            return None
+        return lease.expires_at
+
+    def _give_up(self, cause: DbTriggerError, expires_at: dt.datetime) -> None:
+        exc = LostLeaseError(
+            f"the lease (token {self.session.token}) expired at "
+            f"{format_time(expires_at)} without a renewal landing "
+            f"({self.failures} attempt(s) failed, last: {cause}); another instance may "
+            "own the batch now, so this one stops: the handler is cancelled and nothing "
+            "is committed",
+            poller=self.poller,
+            fencing_token=self.session.token,
+        )
+        self.session.lost = True
+        self.lost.set()
+        log.error(
+            "%s",
+            exc,
+            extra={
+                "event": "lease_lost",
+                "poller": self.poller,
+                "fencing_token": self.session.token,
+                "during": "heartbeat",
+                "reason": "expired_without_renewal",
+            },
+        )
+        if self.on_lost is not None:
+            self.on_lost(exc)
+
     def _run(self) -> None:
         while True:
             remaining = self.interval - self.session.idle_seconds()
@@ -140,9 +176,14 @@ class Heartbeat:
                     self.on_lost(exc)
                 return
             except DbTriggerError as exc:
-                # Unknown outcome or store down: not a loss. Try again after half
-                # an interval; the lease has two more intervals of life left.
+                # Unknown outcome or store down: not a loss while the lease
+                # lasts. Try again after half an interval (sooner if the lease
+                # runs out first); once it has run out, give it up.
                 self.failures += 1
+                expires_at = self._expires_at()
+                if expires_at is not None and self.clock() >= expires_at:
+                    self._give_up(exc, expires_at)
+                    return
                 log.warning(
                     "heartbeat failed (%d in a row), will retry: %s",
                     self.failures,
@@ -154,7 +195,11 @@ class Heartbeat:
                         **exc.log_fields(),
                     },
                 )
-                if self._stop.wait(self.interval / 2):
+                pause = self.interval / 2
+                if expires_at is not None:
+                    until_expiry = (expires_at - self.clock()).total_seconds()
+                    pause = max(0.0, min(pause, until_expiry))
+                if self._stop.wait(pause):
                     return
                 continue
             if not renewed:

@@ -22,17 +22,21 @@ What is never retried inside a tick, and why:
 
 The whole retry budget is bounded by ``attempts`` and ``max_elapsed_seconds``
 so a tick that holds a lease cannot spend it waiting on a dead dependency.
+
+The loop is written out here rather than built from a retry library: it runs
+around every fetch and state write, and the first attempt (almost always the
+only one) should cost a function call, not the construction of a retry
+controller; nor should importing dbtrigger's runtime import one.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
-
-import tenacity
 
 from dbtrigger.errors import (
     AmbiguousWriteError,
@@ -131,49 +135,44 @@ class RetryPolicy:
         (for metrics); every retry is also logged at WARNING with the event
         ``retrying``.
         """
-        if self.attempts == 1:
-            return fn()
-
-        def before_sleep(state: tenacity.RetryCallState) -> None:
-            exc = state.outcome.exception() if state.outcome else None
-            wait = state.next_action.sleep if state.next_action else 0.0
-            if exc is None:  # pragma: no cover - we only retry on exceptions
-                return
+        started = time.monotonic()
+        attempt = 1
+        while True:
+            try:
+                return fn()
+            except BaseException as exc:
+                if (
+                    attempt >= self.attempts
+                    or not is_transient(exc, kinds)
+                    or time.monotonic() - started >= self.max_elapsed_seconds
+                ):
+                    raise
+                error = exc
+            bound = min(
+                self.max_backoff_seconds,
+                self.initial_backoff_seconds * self.multiplier ** (attempt - 1),
+            )
+            wait = random.uniform(0, bound)  # noqa: S311 - jitter, not cryptography
             log.warning(
                 "%s failed (attempt %d of %d), retrying in %.2fs: %s",
                 operation,
-                state.attempt_number,
+                attempt,
                 self.attempts,
                 wait,
-                exc,
+                error,
                 extra={
                     "event": "retrying",
                     "operation": operation,
-                    "attempt": state.attempt_number,
-                    "error_type": type(exc).__name__,
+                    "attempt": attempt,
+                    "error_type": type(error).__name__,
                     **(fields or {}),
                 },
             )
             if on_retry is not None:
-                on_retry(operation, state.attempt_number, exc, wait)
-
-        retrying = tenacity.Retrying(
-            stop=(
-                tenacity.stop_after_attempt(self.attempts)
-                | tenacity.stop_after_delay(self.max_elapsed_seconds)
-            ),
-            wait=tenacity.wait_random_exponential(
-                multiplier=self.initial_backoff_seconds,
-                max=self.max_backoff_seconds,
-                exp_base=self.multiplier,
-            ),
-            retry=tenacity.retry_if_exception(lambda exc: is_transient(exc, kinds)),
-            before_sleep=before_sleep,
-            sleep=self.sleep,
-            reraise=True,
-        )
-        result: T = retrying(fn)
-        return result
+                on_retry(operation, attempt, error, wait)
+            del error  # no reference cycle through the traceback while sleeping
+            self.sleep(wait)
+            attempt += 1
 
 
 #: The policy a :class:`~dbtrigger.runtime.poller.PollTrigger` uses unless told otherwise.

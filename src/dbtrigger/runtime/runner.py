@@ -3,32 +3,64 @@
 Outside Azure Functions something has to play the timer. This loop ticks,
 ticks again at once while batches come back full (a backlog drains at full
 speed instead of one batch per interval), and otherwise sleeps for the
-interval. Failures are logged and retried on the next interval, except errors
-an operator must fix, which stop the loop and propagate.
+interval.
+
+What an operator sees (logger ``dbtrigger.runner``): one INFO line per tick
+that tells its outcome apart (committed, idle, lease held by another owner,
+lost race, failed), a progress line every ``progress_interval`` seconds while
+a backlog drains, and the handler's traceback once per failing batch (not on
+every retry of it).
+
+Failures:
+
+* errors a person must fix (:class:`~dbtrigger.errors.OperatorError`: bad
+  configuration, a changed source definition, refused credentials) stop the
+  loop and propagate; retrying them only fills the log;
+* retryable errors back off across ticks, doubling from the interval up to
+  ``max_backoff_seconds``; the log line says when the next try is. A
+  successful tick resets the backoff;
+* contention (another instance holds the lease or took it over) is the lease
+  protocol working and waits the ordinary interval.
 
 Shutdown: the first SIGINT/SIGTERM asks the loop to stop. A tick in progress
 finishes the batch it is handling, commits it and releases the lease in the
 same write, and starts no further batch. A second signal abandons the
 in-flight batch: nothing partial is committed, the lease is released, and the
 batch is delivered again by whoever ticks next.
+
+:func:`run_pollers` runs several runners in one process (one thread each, one
+signal handler, one shared stop): the first signal stops them all, an operator
+error in one stops the others too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import logging
 import signal
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dbtrigger.errors import DbTriggerError, OperatorError
+from dbtrigger.errors import ContentionError, DbTriggerError, HandlerError, OperatorError
 from dbtrigger.runtime.delivery import Handler
 from dbtrigger.runtime.poller import PollTrigger, TickResult
 
+if TYPE_CHECKING:
+    from dbtrigger.queue.trigger import QueueTickResult, QueueTrigger
+
 log = logging.getLogger("dbtrigger.runner")
+
+#: Default ceiling of the backoff between failing ticks.
+DEFAULT_MAX_BACKOFF_SECONDS = 300.0
+#: Default time between two progress lines while a backlog drains.
+DEFAULT_PROGRESS_INTERVAL_SECONDS = 10.0
+#: How often the rows still behind are counted again while draining.
+BEHIND_RECOUNT_SECONDS = 60.0
 
 
 @dataclass
@@ -38,24 +70,174 @@ class RunStats:
     failures: int = 0
 
 
-class Runner:
-    """Drive one :class:`PollTrigger` until :meth:`stop` (or a signal)."""
+@dataclass(frozen=True)
+class DrainProgress:
+    """Where a draining poller is: rows delivered since it fell behind, and what is left.
+
+    ``behind`` is an estimate (counted when the drain started and about once
+    a minute since, minus what was delivered meanwhile); None when the source
+    cannot count. ``caught_up`` is True on the last report of a drain.
+    """
+
+    poller: str
+    delivered: int
+    behind: int | None
+    elapsed_seconds: float
+    caught_up: bool = False
+
+    @property
+    def rate(self) -> float:
+        return self.delivered / self.elapsed_seconds if self.elapsed_seconds > 0 else 0.0
+
+    def describe(self) -> str:
+        rate = f"{self.rate:,.0f} rows/s"
+        if self.caught_up:
+            return f"caught up: {self.delivered:,} rows in {self.elapsed_seconds:.1f}s ({rate})"
+        behind = "an unknown number" if self.behind is None else f"about {self.behind:,}"
+        eta = ""
+        if self.behind and self.rate > 0:
+            eta = f", ETA {dt.timedelta(seconds=round(self.behind / self.rate))}"
+        return (
+            f"catching up: {self.delivered:,} rows in {self.elapsed_seconds:.1f}s ({rate}), "
+            f"{behind} behind{eta}"
+        )
+
+
+ProgressCallback = Callable[[DrainProgress], None]
+
+
+def backoff_delay(failures: int, interval: float, cap: float) -> float:
+    """Seconds to wait after ``failures`` failing ticks in a row: doubling, capped.
+
+    Starts at the interval (one second for an interval of 0, so ``--interval
+    0`` does not spin against a database that is down) and never exceeds ``cap``.
+    """
+    base = interval if interval > 0 else 1.0
+    return float(min(cap, base * 2 ** min(failures - 1, 30)))
+
+
+def _count_behind(trigger: PollTrigger | QueueTrigger) -> int | None:
+    """Rows after the committed checkpoint, if the source can count them."""
+    counter = getattr(trigger.source, "count_after", None)
+    if counter is None:
+        return None
+    try:
+        read_state = getattr(trigger, "read_state", None)
+        doc = read_state() if read_state is not None else None
+        return int(counter(doc.position)) if doc is not None else None
+    except DbTriggerError as exc:
+        log.debug("could not count the rows behind: %s", exc)
+        return None
+
+
+class _Drain:
+    """Progress of one backlog: started when a tick leaves rows pending, ended when idle."""
 
     def __init__(
         self,
-        trigger: PollTrigger,
+        trigger: PollTrigger | QueueTrigger,
+        callback: ProgressCallback,
+        interval: float,
+        first_rows: int,
+    ) -> None:
+        self.trigger = trigger
+        self.callback = callback
+        self.interval = interval
+        self.started = time.monotonic()
+        # The first tick's rows are committed already: the count starts after them.
+        self.delivered = first_rows
+        self.counted_at = self.started
+        self.counted_delivered = first_rows
+        self.counted = _count_behind(trigger)
+        self.last_report = -float("inf")
+        self.add(0)
+
+    def _behind(self) -> int | None:
+        if self.counted is None:
+            return None
+        return max(0, self.counted - (self.delivered - self.counted_delivered))
+
+    def _report(self, *, caught_up: bool) -> None:
+        now = time.monotonic()
+        self.last_report = now
+        self.callback(
+            DrainProgress(
+                poller=self.trigger.name,
+                delivered=self.delivered,
+                behind=0 if caught_up else self._behind(),
+                elapsed_seconds=now - self.started,
+                caught_up=caught_up,
+            )
+        )
+
+    def add(self, rows: int) -> None:
+        self.delivered += rows
+        now = time.monotonic()
+        if self.counted is not None and now - self.counted_at >= BEHIND_RECOUNT_SECONDS:
+            recount = _count_behind(self.trigger)
+            if recount is not None:
+                self.counted, self.counted_at, self.counted_delivered = recount, now, self.delivered
+        if now - self.last_report >= self.interval:
+            self._report(caught_up=False)
+
+    def finish(self) -> None:
+        self._report(caught_up=True)
+
+
+def log_progress(progress: DrainProgress) -> None:
+    """The default progress callback: one INFO line."""
+    log.info(
+        "%s: %s",
+        progress.poller,
+        progress.describe(),
+        extra={
+            "event": "drain_caught_up" if progress.caught_up else "drain_progress",
+            "poller": progress.poller,
+            "rows": progress.delivered,
+            "behind": progress.behind,
+            "rows_per_second": round(progress.rate, 1),
+        },
+    )
+
+
+class Runner:
+    """Drive one :class:`PollTrigger` until :meth:`stop` (or a signal).
+
+    Args:
+        trigger / handler: what to poll and who receives the batches.
+        interval_seconds: the sleep after a tick that left nothing pending.
+        on_tick: called with every :class:`TickResult`.
+        max_backoff_seconds: ceiling of the wait between failing ticks.
+        progress: called while a backlog drains (default: a log line).
+        progress_interval_seconds: time between two progress reports.
+        stop: a shared stop event (several runners in one process).
+    """
+
+    def __init__(
+        self,
+        trigger: PollTrigger | QueueTrigger,
         handler: Handler,
         *,
         interval_seconds: float = 5.0,
-        on_tick: Callable[[TickResult], None] | None = None,
+        on_tick: Callable[[TickResult | QueueTickResult], None] | None = None,
+        max_backoff_seconds: float = DEFAULT_MAX_BACKOFF_SECONDS,
+        progress: ProgressCallback | None = log_progress,
+        progress_interval_seconds: float = DEFAULT_PROGRESS_INTERVAL_SECONDS,
+        stop: threading.Event | None = None,
     ) -> None:
         self.trigger = trigger
         self.handler = handler
         self.interval = interval_seconds
         self.on_tick = on_tick
+        self.max_backoff = max(max_backoff_seconds, 0.0)
+        self.progress = progress
+        self.progress_interval = progress_interval_seconds
         self.stats = RunStats()
-        self._stop = threading.Event()
+        self._stop = stop or threading.Event()
         self._signals = 0
+        self._failures = 0
+        self._traced: str | None = None
+        self._drain: _Drain | None = None
 
     def stop(self) -> None:
         self._stop.set()
@@ -80,57 +262,285 @@ class Runner:
 
     @contextlib.contextmanager
     def _signals_installed(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
+        with signals_routed_to(self._on_signal):
             yield
-            return
-        previous: dict[signal.Signals, Any] = {}
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, self._on_signal)
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
 
-    def run(self, *, max_ticks: int | None = None) -> RunStats:
-        with self._signals_installed():
+    def run(self, *, max_ticks: int | None = None, install_signals: bool = True) -> RunStats:
+        context = self._signals_installed() if install_signals else contextlib.nullcontext()
+        with context:
             while not self._stop.is_set():
                 if max_ticks is not None and self.stats.ticks >= max_ticks:
                     break
-                more = self._tick_once()
-                if not more:
-                    self._stop.wait(self.interval)
+                wait = self._tick_once()
+                if wait > 0:
+                    self._stop.wait(wait)
         log.info(
-            "runner stopped after %d ticks, %d rows",
+            "%s: stopped after %d ticks, %d rows (%d failed ticks)",
+            self.trigger.name,
             self.stats.ticks,
             self.stats.rows,
-            extra={"event": "runner_stopped", "poller": self.trigger.name},
+            self.stats.failures,
+            extra={
+                "event": "runner_stopped",
+                "poller": self.trigger.name,
+                "ticks": self.stats.ticks,
+                "rows": self.stats.rows,
+                "failures": self.stats.failures,
+            },
         )
         return self.stats
 
-    def _tick_once(self) -> bool:
+    # --- one tick -----------------------------------------------------------------
+
+    def _tick_once(self) -> float:
+        """Tick; return how long to wait before the next one (0: at once)."""
         self.stats.ticks += 1
+        started = time.perf_counter()
         try:
             result = self.trigger.tick_result(self.handler, should_stop=self._stop.is_set)
         except KeyboardInterrupt:
             self._stop.set()
             log.warning(
-                "in-flight batch abandoned; it will be delivered again",
+                "%s: in-flight batch abandoned; it will be delivered again",
+                self.trigger.name,
                 extra={"event": "batch_abandoned", "poller": self.trigger.name},
             )
-            return False
+            return 0.0
         except OperatorError:
             raise
-        except DbTriggerError as exc:
-            self.stats.failures += 1
-            log.warning(
-                "tick failed, retrying in %.1fs: %s",
-                self.interval,
-                exc,
-                extra={"event": "tick_failed", "poller": self.trigger.name, **exc.log_fields()},
+        except ContentionError as exc:
+            # Another instance took the lease over mid-tick: the protocol working.
+            self._log_outcome(
+                "lease_lost",
+                f"lease taken over by another instance ({exc}); next tick in {self.interval:g}s",
+                started,
             )
-            return False
+            return self.interval
+        except DbTriggerError as exc:
+            return self._failed(exc, started)
+        self._failures = 0
+        self._traced = None
         self.stats.rows += result.rows
+        self._log_result(result, started)
+        self._track_drain(result)
         if self.on_tick is not None:
             self.on_tick(result)
-        return result.more
+        return 0.0 if result.more else self.interval
+
+    def _failed(self, exc: DbTriggerError, started: float) -> float:
+        self.stats.failures += 1
+        self._failures += 1
+        # Batches committed before the failing one count (the tick's partial result).
+        last = getattr(self.trigger, "last_result", None)
+        committed = last.rows if last is not None and last.outcome == "failed" else 0
+        self.stats.rows += committed
+        delay = backoff_delay(self._failures, self.interval, self.max_backoff)
+        next_at = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=delay)
+        exc_info: Any = None
+        cause = exc.__cause__
+        if isinstance(exc, HandlerError) and cause is not None:
+            # The traceback once per failing batch: its first failure, or when
+            # the error changes; the retries of the same failure get one line.
+            signature = f"{type(cause).__name__}: {cause}"
+            if signature != self._traced:
+                self._traced = signature
+                exc_info = (type(cause), cause, cause.__traceback__)
+        self._log_outcome(
+            "failed",
+            (f"committed {committed:,} rows, then " if committed else "")
+            + f"tick failed ({type(exc).__name__}: {exc}); failure {self._failures} in a row, "
+            f"next try in {delay:g}s at {next_at:%H:%M:%S}Z",
+            started,
+            level=logging.WARNING,
+            exc_info=exc_info,
+            retry_in_seconds=delay,
+            rows=committed,
+            failures_in_a_row=self._failures,
+            **exc.log_fields(),
+        )
+        return delay
+
+    def _log_result(self, result: TickResult | QueueTickResult, started: float) -> None:
+        """One line per tick. A queue's result has no lease or visibility fields."""
+        if not isinstance(result, TickResult):
+            more = "; more claimable, claiming again at once" if result.more else ""
+            self._log_outcome(
+                result.outcome,
+                f"{result.outcome}: {result.rows:,} rows done, {result.retried} retried, "
+                f"{result.dead} dead-lettered{more}",
+                started,
+                rows=result.rows,
+                batches=result.batches,
+            )
+            return
+        if result.outcome == "committed":
+            text = (
+                f"committed {result.rows:,} rows in {result.batches} "
+                f"batch{'es' if result.batches != 1 else ''}"
+                + ("; more pending, ticking again at once" if result.more else "")
+            )
+        elif result.outcome == "idle":
+            text = f"idle: nothing after the checkpoint; next tick in {self.interval:g}s"
+            if result.held_back:
+                who = f" by pid {result.blocking_pid}" if result.blocking_pid is not None else ""
+                text = (
+                    f"idle: rows held back by the visibility guard{who} for "
+                    f"{result.held_back_seconds:.0f}s (a transaction that may precede them is "
+                    f"still open); next tick in {self.interval:g}s"
+                )
+        elif result.outcome == "lease_busy":
+            holder = result.holder or "another owner"
+            until = (
+                f" until {result.lease_until:%Y-%m-%dT%H:%M:%SZ}"
+                if result.lease_until is not None
+                else ""
+            )
+            text = f"lease held by {holder}{until}; next tick in {self.interval:g}s"
+        elif result.outcome == "lost_race":
+            text = f"another instance took the lease first; next tick in {self.interval:g}s"
+        else:
+            text = f"{result.outcome}: {result.rows} rows"
+        fields: dict[str, Any] = {"rows": result.rows, "batches": result.batches}
+        if result.holder is not None:
+            fields["holder"] = result.holder
+        if result.lease_until is not None:
+            fields["lease_until"] = result.lease_until.isoformat()
+        if result.held_back:
+            fields["held_back_seconds"] = result.held_back_seconds
+            fields["blocking_pid"] = result.blocking_pid
+        self._log_outcome(result.outcome, text, started, **fields)
+
+    def _log_outcome(
+        self,
+        outcome: str,
+        text: str,
+        started: float,
+        *,
+        level: int = logging.INFO,
+        exc_info: Any = None,
+        **fields: Any,
+    ) -> None:
+        if not log.isEnabledFor(level):
+            return
+        fields.setdefault("poller", self.trigger.name)
+        log.log(
+            level,
+            "%s: %s (%.0f ms)",
+            self.trigger.name,
+            text,
+            (time.perf_counter() - started) * 1000,
+            exc_info=exc_info,
+            extra={"event": "tick", "outcome": outcome, **fields},
+        )
+
+    def _track_drain(self, result: TickResult | QueueTickResult) -> None:
+        if self.progress is None:
+            return
+        if self._drain is None:
+            if result.more:
+                self._drain = _Drain(
+                    self.trigger, self.progress, self.progress_interval, result.rows
+                )
+            return
+        self._drain.add(result.rows)
+        if not result.more:
+            self._drain.finish()
+            self._drain = None
+
+
+# --- signals and several pollers ----------------------------------------------------------
+
+
+@contextlib.contextmanager
+def signals_routed_to(handler: Callable[[int, FrameType | None], None]) -> Iterator[None]:
+    """Route SIGINT and SIGTERM to ``handler`` while the block runs (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous: dict[signal.Signals, Any] = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def run_pollers(runners: Sequence[Runner], *, max_ticks: int | None = None) -> dict[str, RunStats]:
+    """Run several runners in one process until a signal, ``max_ticks``, or an error.
+
+    Each runner gets a thread; they share one stop event and one signal
+    handler. The first SIGINT/SIGTERM lets every runner finish and commit its
+    batch in flight; a second one returns at once, abandoning in-flight
+    batches uncommitted (they are delivered again once their leases expire).
+    An operator error in any runner stops all of them and is raised here.
+    """
+    if len(runners) == 1:
+        runner = runners[0]
+        return {runner.trigger.name: runner.run(max_ticks=max_ticks)}
+    names = [r.trigger.name for r in runners]
+    if len(set(names)) != len(names):
+        from dbtrigger.errors import ConfigurationError  # noqa: PLC0415 - rare path
+
+        raise ConfigurationError(f"two pollers have the same name in {names}")
+    stop = threading.Event()
+    for runner in runners:
+        runner._stop = stop  # one shared shutdown
+    errors: list[BaseException] = []
+    signals = {"n": 0}
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        del frame
+        signals["n"] += 1
+        if signals["n"] == 1:
+            log.info(
+                "signal %s: finishing the batches in flight, then stopping",
+                signum,
+                extra={"event": "runner_stopping"},
+            )
+            stop.set()
+            return
+        raise KeyboardInterrupt
+
+    def work(runner: Runner) -> None:
+        try:
+            runner.run(max_ticks=max_ticks, install_signals=False)
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+            errors.append(exc)
+            stop.set()
+
+    threads = [
+        threading.Thread(target=work, args=(r,), name=f"dbtrigger-{r.trigger.name}", daemon=True)
+        for r in runners
+    ]
+    with signals_routed_to(on_signal):
+        for thread in threads:
+            thread.start()
+        try:
+            while any(t.is_alive() for t in threads):
+                for thread in threads:
+                    thread.join(0.2)
+        except KeyboardInterrupt:
+            log.warning(
+                "second signal: abandoning the batches in flight; they will be delivered "
+                "again once their leases expire",
+                extra={"event": "batch_abandoned"},
+            )
+            return {r.trigger.name: r.stats for r in runners}
+    if errors:
+        raise errors[0]
+    return {r.trigger.name: r.stats for r in runners}
+
+
+__all__ = [
+    "DEFAULT_MAX_BACKOFF_SECONDS",
+    "DrainProgress",
+    "ProgressCallback",
+    "RunStats",
+    "Runner",
+    "backoff_delay",
+    "log_progress",
+    "run_pollers",
+    "signals_routed_to",
+]

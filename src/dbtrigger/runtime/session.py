@@ -1,13 +1,17 @@
 """A held lease: the document we last wrote, its etag, and CAS updates on it.
 
-Every write during a tick (commit, heartbeat, failure record, release) goes
+This is the only code that writes the state document during a tick. The
+acquisition (:meth:`LeaseSession.acquire`) writes the lease the tick decided
+to take; every later write (commit, heartbeat, failure record, release) goes
 through :meth:`LeaseSession.update`, which applies a *pure* transition to the
 document and writes it with the etag we hold. When the write loses (someone
 else wrote) or its outcome is unknown (timeout), the session re-reads and
 applies the same transition to what is there now: if the lease is still ours
 the update goes through on the fresh etag, if not the transition itself raises
 ``LostLeaseError``. That makes an ambiguous write safe to retry: we recognise
-our own landed write by its bytes.
+our own landed write by its bytes. Both paths share one CAS step
+(:meth:`LeaseSession._cas`): write, and on an ambiguous outcome re-read to
+learn whether the write landed.
 
 A lock serialises updates so a heartbeat thread and the tick never race on
 the etag. A store that is briefly unreachable (nothing was written) is retried
@@ -20,11 +24,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from dbtrigger.errors import (
+    AmbiguousCommitError,
     AmbiguousWriteError,
     CasConflictError,
     CommitError,
+    DbTriggerError,
+    FetchError,
     LostLeaseError,
     OperatorError,
     StoreError,
@@ -33,12 +41,45 @@ from dbtrigger.errors import (
 from dbtrigger.runtime.retry import RetryHook, RetryPolicy
 from dbtrigger.state import document as docmod
 from dbtrigger.state.document import StateDocument
+from dbtrigger.state.lease import Acquired
 from dbtrigger.state.stores.base import CheckpointStore, StoredDocument
 
 Transition = Callable[[StateDocument], StateDocument]
 
 #: Re-read-and-reapply rounds before a CAS update gives up.
 MAX_CAS_ROUNDS = 4
+
+#: Rounds an acquisition writes again after an ambiguous write that did not land.
+MAX_ACQUIRE_ROUNDS = 3
+
+
+@dataclass(frozen=True)
+class _Landed:
+    etag: str
+
+
+@dataclass(frozen=True)
+class _Conflict:
+    """Someone else wrote. ``current`` is what is there now (None: deleted);
+    it is only read when the caller resolves conflicts."""
+
+    cause: StoreError
+    current: StoredDocument | None = None
+
+
+@dataclass(frozen=True)
+class _NotLanded:
+    """The write timed out and the document is unchanged: write it again."""
+
+    cause: StoreError
+
+
+_Outcome = _Landed | _Conflict | _NotLanded
+
+#: Turns a store failure into the error the caller raises (``stage`` is
+#: ``"write"``, ``"re-read"`` after a conflict, or ``"re-read after an
+#: unanswered write"``, when the outcome of our own write is unknown).
+_Translate = Callable[[str, StoreError], DbTriggerError]
 
 
 class LeaseSession:
@@ -67,6 +108,59 @@ class LeaseSession:
         self.on_retry = on_retry
         self._last_write = time.monotonic()
         self._lock = threading.Lock()
+
+    @classmethod
+    def acquire(
+        cls,
+        store: CheckpointStore,
+        key: str,
+        decision: Acquired,
+        etag: str | None,
+        *,
+        owner: str,
+        retry: RetryPolicy | None = None,
+        on_retry: RetryHook | None = None,
+    ) -> LeaseSession | None:
+        """Write the lease ``decision`` took on the document read with ``etag``
+        (None: there was no document); the session, or None if we lost the race.
+
+        Unlike :meth:`update`, a conflict is not re-decided: the rows the tick
+        fetched were chosen for the document it read, so a lost race ends the
+        tick. An ambiguous write is resolved by reading back: our bytes mean we
+        hold the lease, an unchanged document means the write did not land
+        (write again), anything else means somebody else got there.
+
+        Raises:
+            FetchError: the store failed, or the outcome could not be learnt.
+            OperatorError: the store refused our credentials.
+        """
+        session = cls(
+            store,
+            key,
+            decision.document,
+            etag or "",
+            owner=owner,
+            token=decision.fencing_token,
+            retry=retry,
+            on_retry=on_retry,
+        )
+        data = docmod.dumps(decision.document)
+
+        def translate(stage: str, exc: StoreError) -> DbTriggerError:
+            what = "acquire" if stage == "write" else "tell whether"
+            tail = "" if stage == "write" else " was acquired"
+            return FetchError(
+                f"could not {what} the lease of poller {key!r}{tail}: {exc}", poller=key
+            )
+
+        for _ in range(MAX_ACQUIRE_ROUNDS):
+            outcome = session._cas(data, etag, "lease acquire", translate, resolve_conflict=False)
+            if isinstance(outcome, _Landed):
+                session._landed(decision.document, outcome.etag)
+                return session
+            if isinstance(outcome, _Conflict):
+                return None
+        return None
 
     def idle_seconds(self) -> float:
         """Seconds since the last write that landed (the acquisition counts)."""
@@ -112,14 +206,47 @@ class LeaseSession:
         )
         return new_doc
 
-    def _write(self, data: bytes, etag: str) -> str:
-        return self.retry.call(
-            lambda: self.store.write(self.key, data, if_match=etag),
-            operation="state write",
-            kinds=(StoreUnavailableError,),
-            on_retry=self.on_retry,
-            fields={"poller": self.key, "fencing_token": self.token},
-        )
+    def _cas(
+        self,
+        data: bytes,
+        etag: str | None,
+        operation: str,
+        translate: _Translate,
+        *,
+        resolve_conflict: bool,
+    ) -> _Outcome:
+        """One conditional write of ``data`` over ``etag``, its outcome resolved.
+
+        An ambiguous write (timeout) is always resolved by re-reading: our
+        bytes there mean it landed. A plain conflict is re-read only when the
+        caller will decide again on the current document (``resolve_conflict``).
+        """
+        try:
+            self.writes += 1
+            return _Landed(
+                self.retry.call(
+                    lambda: self.store.write(self.key, data, if_match=etag),
+                    operation=operation,
+                    kinds=(StoreUnavailableError,),
+                    on_retry=self.on_retry,
+                    fields={"poller": self.key, "fencing_token": self.token},
+                )
+            )
+        except CasConflictError as exc:
+            if not resolve_conflict:
+                return _Conflict(exc)
+            return _Conflict(exc, self._reread(translate, stage="re-read"))
+        except AmbiguousWriteError as exc:
+            current = self._reread(translate, stage="re-read after an unanswered write")
+            if current is not None and current.data == data:
+                return _Landed(current.etag)  # our write landed after all
+            if (current.etag if current is not None else None) == etag:
+                return _NotLanded(exc)
+            return _Conflict(exc, current)
+        except OperatorError:
+            raise
+        except StoreError as exc:
+            raise translate("write", exc) from exc
 
     def _update_locked(self, transition: Transition, *, what: str) -> StateDocument:
         if self.lost:
@@ -129,6 +256,28 @@ class LeaseSession:
                 fencing_token=self.token,
             )
         doc, etag = self.document, self.etag
+
+        def translate(stage: str, exc: StoreError) -> DbTriggerError:
+            if stage == "write":
+                return CommitError(
+                    f"{what} failed: {exc}", poller=doc.poller_name, fencing_token=self.token
+                )
+            if stage == "re-read":
+                return CommitError(
+                    f"could not re-read state after a conflicting write: {exc}",
+                    poller=doc.poller_name,
+                    fencing_token=self.token,
+                )
+            # The write got no answer and the store stayed down: nobody knows.
+            return AmbiguousCommitError(
+                f"{what}: the store did not answer the write and could not be read back "
+                f"({exc}); it may or may not have landed. The next tick re-reads the state "
+                "and carries on from whatever is there (worst case: the batch is delivered "
+                "again)",
+                poller=doc.poller_name,
+                fencing_token=self.token,
+            )
+
         last_error: BaseException | None = None
         for _ in range(MAX_CAS_ROUNDS):
             try:
@@ -136,44 +285,34 @@ class LeaseSession:
             except LostLeaseError:
                 self.lost = True
                 raise
-            data = docmod.dumps(new_doc)
-            try:
-                self.writes += 1
-                return self._landed(new_doc, self._write(data, etag))
-            except (CasConflictError, AmbiguousWriteError) as exc:
-                last_error = exc
-                current = self._reread()
-                if current is None:
-                    self.lost = True
-                    raise LostLeaseError(
-                        f"{what} refused: the state document was deleted",
-                        poller=doc.poller_name,
-                        fencing_token=self.token,
-                    ) from exc
-                if isinstance(exc, AmbiguousWriteError) and current[0] == data:
-                    # Our write landed after all.
-                    return self._landed(new_doc, current[1])
-                doc, etag = docmod.loads(current[0]), current[1]
-            except OperatorError:
-                raise
-            except StoreError as exc:
-                raise CommitError(
-                    f"{what} failed: {exc}",
+            outcome = self._cas(
+                docmod.dumps(new_doc), etag, "state write", translate, resolve_conflict=True
+            )
+            if isinstance(outcome, _Landed):
+                return self._landed(new_doc, outcome.etag)
+            last_error = outcome.cause
+            if isinstance(outcome, _NotLanded):
+                continue  # nothing changed: the same transition, written again
+            if outcome.current is None:
+                self.lost = True
+                raise LostLeaseError(
+                    f"{what} refused: the state document was deleted",
                     poller=doc.poller_name,
                     fencing_token=self.token,
-                ) from exc
+                ) from outcome.cause
+            doc, etag = docmod.loads(outcome.current.data), outcome.current.etag
         raise CommitError(
             f"{what} failed: the state document kept changing under us",
             poller=doc.poller_name,
             fencing_token=self.token,
         ) from last_error
 
-    def _reread(self) -> tuple[bytes, str] | None:
+    def _reread(self, translate: _Translate, *, stage: str) -> StoredDocument | None:
         def read() -> StoredDocument | None:
             return self.store.read(self.key)
 
         try:
-            stored = self.retry.call(
+            return self.retry.call(
                 read,
                 operation="state re-read",
                 kinds=(StoreUnavailableError,),
@@ -183,11 +322,4 @@ class LeaseSession:
         except OperatorError:
             raise
         except StoreError as exc:
-            raise CommitError(
-                f"could not re-read state after a conflicting write: {exc}",
-                poller=self.document.poller_name,
-                fencing_token=self.token,
-            ) from exc
-        if stored is None:
-            return None
-        return stored.data, stored.etag
+            raise translate(stage, exc) from exc

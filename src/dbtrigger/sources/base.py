@@ -16,10 +16,19 @@ Contract (checked by one suite against every implementation):
   :class:`~dbtrigger.errors.SerializationError` naming the problem.
 * ``fingerprint()`` is stable for an unchanged definition, changes when the
   definition changes, and contains no secret.
+
+Optional capabilities a source may also have are declared below as small
+protocols (:class:`ReportsVisibility`, :class:`FindsNullCursors`,
+:class:`CountsAfter`); the runtime, ``health`` and ``backfill`` ask for one
+with ``isinstance(source, CountsAfter)`` instead of probing attribute names,
+so the name a source must spell is written down once, here, and checked by
+mypy. A wrapper that forwards unknown attributes (``__getattr__``) has the
+capabilities of what it wraps.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -60,3 +69,90 @@ class SourceAdapter(Protocol):
 def position_of(event: RowChange) -> Position:
     """The checkpoint position just after ``event``."""
     return Position(cursor=event.cursor, pk=dict(event.pk))
+
+
+# --- optional capabilities --------------------------------------------------------------
+
+
+class VisibilityReport(Protocol):
+    """What a visibility guard did on the last fetch (``FetchInfo`` is one)."""
+
+    @property
+    def held_back(self) -> bool: ...
+
+    @property
+    def held_back_seconds(self) -> float: ...
+
+    @property
+    def blocking_pid(self) -> int | None: ...
+
+
+@runtime_checkable
+class ReportsVisibility(Protocol):
+    """A source that says after each fetch whether it withheld rows.
+
+    ``last_fetch_info`` is None before the first fetch.
+    """
+
+    @property
+    def last_fetch_info(self) -> VisibilityReport | None: ...
+
+
+@runtime_checkable
+class FindsNullCursors(Protocol):
+    """A source that can list rows it cannot deliver because their cursor is NULL."""
+
+    @property
+    def cursor_column(self) -> str: ...
+
+    def null_cursor_keys(self, limit: int = 10) -> list[dict[str, Any]]: ...
+
+
+@runtime_checkable
+class CountsAfter(Protocol):
+    """A source that can count the rows after a position (lag in rows)."""
+
+    def count_after(self, after: Position) -> int: ...
+
+
+@runtime_checkable
+class AcceptsFingerprints(Protocol):
+    """A source whose stored documents may carry an older fingerprint of the same definition.
+
+    ``accepted_fingerprints()[0]`` is :meth:`SourceAdapter.fingerprint`; the
+    rest are what earlier fingerprint algorithms gave this very configuration.
+    A stored document carrying any of them belongs to this source.
+    """
+
+    def accepted_fingerprints(self) -> tuple[str, ...]: ...
+
+
+def accepted_fingerprints(source: SourceAdapter) -> tuple[str, ...]:
+    """Every fingerprint under which a stored document belongs to ``source``.
+
+    The current one first; then what earlier fingerprint algorithms gave the
+    same definition, so upgrading dbtrigger never strands a checkpoint.
+    """
+    if isinstance(source, AcceptsFingerprints):
+        return source.accepted_fingerprints()
+    return (source.fingerprint(),)
+
+
+@runtime_checkable
+class KnowsCursorKind(Protocol):
+    """A source that can say which checkpoint kind its cursor column's values take."""
+
+    def cursor_kind(self) -> str | None: ...
+
+    def column_kinds(self) -> dict[str, str | None]: ...
+
+
+@runtime_checkable
+class MeasuresCursorAge(Protocol):
+    """A source that can age a cursor value in seconds, naive timestamps included.
+
+    ``cursor_age_seconds(cursor, now)`` is None when the cursor carries no time
+    (integers, decimals): lag in seconds must then be measured by the runtime.
+    """
+
+    def cursor_age_seconds(self, cursor: Any, now: dt.datetime) -> float | None: ...

@@ -30,12 +30,11 @@ shape and its O(batch) index range scan are unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
-import hashlib
 import logging
 import threading
-from collections.abc import Mapping, Sequence
-from types import MappingProxyType
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import sqlalchemy as sa
@@ -43,23 +42,31 @@ from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.exc import NoSuchTableError, SQLAlchemyError
 from sqlalchemy.sql import ColumnElement, Select
 
-from dbtrigger._engine import LazyEngine
-from dbtrigger.cursor import Position, canonical_json, encode_value
+from dbtrigger._engine import LazyEngine, permanent_problem
+from dbtrigger.cursor import Position, encode_value
 from dbtrigger.errors import (
     ConfigurationError,
     FetchError,
+    MissingSettingError,
     SerializationError,
 )
-from dbtrigger.events import EventIds, RowChange
+from dbtrigger.events import RowChange
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.settings import resolve_setting
+from dbtrigger.sources.clock import DatabaseClock
+from dbtrigger.sources.column_checks import ShapeChecks
+from dbtrigger.sources.errors_map import short_error, source_error
+from dbtrigger.sources.fingerprint import legacy_fingerprint, source_fingerprint
+from dbtrigger.sources.rows import ResultProcessors, Rows, read_rows, rows_to_events
 from dbtrigger.sources.visibility import (
     ActiveGuard,
     FetchInfo,
+    GuardDescription,
     GuardTarget,
     NoGuard,
     VisibilityGuard,
     choose,
+    is_auto_increment,
     parse_visibility,
 )
 
@@ -83,11 +90,36 @@ def safe_url_text(url: URL) -> str:
     return redact_url(url).render_as_string(hide_password=True)
 
 
-def short_error(exc: BaseException) -> str:
-    """One line naming a driver error, without the SQL text or bound values."""
-    orig = getattr(exc, "orig", None) or exc
-    first = (str(orig).strip().splitlines() or [""])[0]
-    return f"{type(orig).__name__}: {first}"[:300]
+def _is_marked(mark: Any, value: Any) -> bool:
+    """Soft-delete test: equal to ``value`` if one is configured, else set and not false/0.
+
+    A boolean or integer flag column (``is_deleted``) is deleted when true; a
+    timestamp column (``deleted_at``) when it holds any value.
+    """
+    if value is not None:
+        return bool(mark == value)
+    return mark is not None and mark is not False and not (isinstance(mark, int) and mark == 0)
+
+
+def _bind_name(column: str) -> str:
+    """The parameter a keyset statement binds a position's value of ``column`` to."""
+    return "dbtrigger_after_" + column
+
+
+def _aware(value: Any) -> bool:
+    """Part of a position's shape: an aware and a naive timestamp may bind differently."""
+    return getattr(value, "tzinfo", None) is not None
+
+
+#: An extra condition a derived source adds, built from the resolved source.
+RowFilter = Callable[["SqlAlchemySource"], ColumnElement[bool]]
+
+
+def _parse_url(url: str) -> URL:
+    try:
+        return make_url(resolve_setting(url))
+    except sa.exc.ArgumentError as exc:
+        raise ConfigurationError(f"not a valid database URL: {exc}") from None
 
 
 class SqlAlchemySource:
@@ -114,6 +146,11 @@ class SqlAlchemySource:
             (``SnapshotHorizon()``, ``TransactionHorizon()``,
             ``SafetyWindow(seconds)``). After each fetch, :attr:`last_fetch_info`
             says what the guard did (horizon, held back, blocking backend).
+        deleted_column: soft deletes: a row whose value in this column is set
+            (not NULL and not false) is delivered as ``op="delete"`` with the
+            row in ``before`` (see ``docs/changes.md``).
+        deleted_value: with ``deleted_column``, the value that means deleted
+            (e.g. ``deleted_column="status", deleted_value="deleted"``).
     """
 
     def __init__(
@@ -130,7 +167,11 @@ class SqlAlchemySource:
         engine_kwargs: Mapping[str, Any] | None = None,
         engine: Engine | None = None,
         visibility: str | VisibilityGuard = "auto",
+        deleted_column: str | None = None,
+        deleted_value: Any = None,
     ) -> None:
+        # Every constructor argument, so derive() can build a twin of this source.
+        self._config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         if (table is None) == (query is None):
             raise ConfigurationError("SqlAlchemySource needs exactly one of table= or query=")
         if isinstance(pk_columns, str):
@@ -144,15 +185,28 @@ class SqlAlchemySource:
         self._query = query
         self._cursor_column = validate_sql_identifier(cursor_column, "cursor_column")
         self._pk_columns = tuple(validate_sql_identifier(c, "pk column") for c in pk_columns)
-        if self._cursor_column in self._pk_columns:
-            raise ConfigurationError("cursor_column must not also be a pk column")
+        if len(set(self._pk_columns)) != len(self._pk_columns):
+            raise ConfigurationError(f"pk_columns names a column twice: {list(self._pk_columns)}")
+        # The key columns that break ties between equal cursors. A cursor that is
+        # itself the key (an append-only table polled by its id) has none: the
+        # keyset collapses to ``id > :id``.
+        self._tiebreak = tuple(c for c in self._pk_columns if c != self._cursor_column)
         self._where = where
         self._parameters = dict(parameters or {})
-        try:
-            self._url = make_url(resolve_setting(url)) if url else engine.url  # type: ignore[union-attr]
-        except sa.exc.ArgumentError as exc:
-            raise ConfigurationError(f"not a valid database URL: {exc}") from None
-        self._engines = LazyEngine(self._url, engine_kwargs, engine)
+        if deleted_value is not None and deleted_column is None:
+            raise ConfigurationError("deleted_value needs deleted_column")
+        self._deleted_column = (
+            validate_sql_identifier(deleted_column, "deleted_column") if deleted_column else None
+        )
+        self._deleted_value = deleted_value
+        self._url_spec = url
+        self._url_value: URL | None = None if url else engine.url  # type: ignore[union-attr]
+        if url:
+            # A %SETTING% that is missing is reported at first use, not here: in a
+            # Function App one missing setting must not stop every function indexing.
+            with contextlib.suppress(MissingSettingError):
+                self._url_value = _parse_url(url)
+        self._engines = LazyEngine(lambda: self._url, engine_kwargs, engine)
         self._lock = threading.Lock()
         self._selectable: sa.FromClause | None = None
         self._columns: dict[str, ColumnElement[Any]] = {}
@@ -164,6 +218,53 @@ class SqlAlchemySource:
         #: What the visibility guard did on the latest fetch (None before one).
         self.last_fetch_info: FetchInfo | None = None
         self._text_typed: dict[str, sa.types.TypeEngine[Any]] = {}
+        self._templates: dict[tuple[Any, ...], Select[Any]] = {}
+        self._processors = ResultProcessors()
+        self._autocommit: Engine | None = None
+        self._row_filters: tuple[RowFilter, ...] = ()
+        # Built on first use: the URL (and so the dialect) may be an app setting
+        # that is only resolved then.
+        self._checks_built: ShapeChecks | None = None
+        self._clock_built: DatabaseClock | None = None
+
+    @property
+    def _checks(self) -> ShapeChecks:
+        if self._checks_built is None:
+            self._checks_built = ShapeChecks(
+                dialect=self.dialect_name,
+                source=self.name,
+                cursor_column=self._cursor_column,
+                pk_columns=self._pk_columns,
+            )
+        return self._checks_built
+
+    @property
+    def _clock(self) -> DatabaseClock:
+        if self._clock_built is None:
+            self._clock_built = DatabaseClock(lambda: self._engines.engine, self.dialect_name)
+        return self._clock_built
+
+    def derive(self, row_filter: RowFilter) -> SqlAlchemySource:
+        """A twin of this source that only sees rows passing ``row_filter``.
+
+        The twin shares this source's connection pool and resolves its own
+        shape and visibility guard. ``row_filter`` is called with the twin once
+        its columns are resolved and returns a condition ANDed to every
+        statement (fetch, count, NULL probe, guard). Partitioned polling uses it
+        to read one range of buckets; the twin's fingerprint is this source's,
+        so the caller adds the filter to its own identity.
+        """
+        twin = SqlAlchemySource(**self._config)
+        twin._engines = self._engines
+        twin._row_filters = (*self._row_filters, row_filter)
+        return twin
+
+    @property
+    def _url(self) -> URL:
+        """The database URL, ``%SETTING%`` references resolved (at the first use)."""
+        if self._url_value is None:
+            self._url_value = _parse_url(self._url_spec or "")
+        return self._url_value
 
     # --- identity ---------------------------------------------------------------
 
@@ -200,19 +301,38 @@ class SqlAlchemySource:
         a window (and vice versa), so switching protection on must not force a
         reset. Changing the cursor to a transaction-id column does change the
         position's meaning, and ``cursor_column`` is in the fingerprint.
+
+        How the database is *reached* is not part of it either (driver, port
+        written out, loopback spelling, TLS options, password): see
+        :mod:`dbtrigger.sources.fingerprint`.
         """
-        definition = {
-            "url": self.safe_url,
+        return source_fingerprint(url=self._url, **self._definition())
+
+    def accepted_fingerprints(self) -> tuple[str, ...]:
+        """Fingerprints a stored document may carry for this very definition.
+
+        The current one first, then the one the previous algorithm gave the
+        same configuration: a document written before the connection-only
+        normalisation is still this poller's and must not be refused. A commit
+        writes :meth:`fingerprint`, so the older value disappears on its own.
+        """
+        legacy = legacy_fingerprint(safe_url=self.safe_url, **self._definition())
+        return (self.fingerprint(), legacy)
+
+    def _definition(self) -> dict[str, Any]:
+        definition: dict[str, Any] = {
             "schema": self._schema,
             "table": self._table_name,
             "query": self._query,
             "cursor_column": self._cursor_column,
-            "pk_columns": list(self._pk_columns),
+            "pk_columns": self._pk_columns,
             "where": self._where,
-            "parameters": {k: list(encode_value(v)) for k, v in sorted(self._parameters.items())},
+            "parameters": self._parameters,
         }
-        digest = hashlib.sha256(canonical_json(definition).encode()).hexdigest()
-        return f"sha256:{digest}"
+        if self._deleted_column is not None:
+            # Only when set, so the fingerprints of sources without it do not change.
+            definition["deleted"] = [self._deleted_column, list(encode_value(self._deleted_value))]
+        return definition
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -263,12 +383,17 @@ class SqlAlchemySource:
         self._engines.dispose()
 
     def _base_filter(self) -> ColumnElement[bool] | None:
-        if not self._where:
+        conditions: list[ColumnElement[bool] | sa.TextClause] = [
+            row_filter(self) for row_filter in self._row_filters
+        ]
+        if self._where:
+            clause = sa.text(self._where)
+            names = set(clause._bindparams)
+            params = {k: v for k, v in self._parameters.items() if k in names}
+            conditions.insert(0, clause.bindparams(**params))
+        if not conditions:
             return None
-        clause = sa.text(self._where)
-        names = set(clause._bindparams)
-        params = {k: v for k, v in self._parameters.items() if k in names}
-        return sa.and_(sa.true(), clause.bindparams(**params))
+        return sa.and_(sa.true(), *conditions)
 
     def _resolve_shape(self, conn: Connection) -> None:
         """Reflect the table (or probe the query) once: column objects and types."""
@@ -291,10 +416,16 @@ class SqlAlchemySource:
             probe: Select[Any] = (
                 sa.select(sa.literal_column("*")).select_from(selectable).where(sa.false())
             )
-            keys = list(conn.execute(probe).keys())
+            probed = conn.execute(probe)
+            keys = list(probed.keys())
+            description = probed.cursor.description if probed.cursor is not None else None
+            probed.close()
             selectable = text.columns(*(sa.column(k) for k in keys)).subquery("dbtrigger_src")
         columns: dict[str, ColumnElement[Any]] = {c.name: c for c in selectable.c}
-        missing = [c for c in (self._cursor_column, *self._pk_columns) if c not in columns]
+        required = (self._cursor_column, *self._pk_columns)
+        if self._deleted_column is not None:
+            required = (*required, self._deleted_column)
+        missing = [c for c in required if c not in columns]
         if missing:
             raise SerializationError(
                 f"source {self.name} has no column(s) {', '.join(missing)}; "
@@ -315,33 +446,163 @@ class SqlAlchemySource:
                 if isinstance(column.type, (sa.DateTime, sa.Date, sa.Time)):
                     self._text_typed[name] = column.type
                     columns[name] = sa.type_coerce(column, sa.String)
+        if isinstance(selectable, sa.Table):
+            self._checks.table_reflected(
+                selectable,
+                compared_as_text=self._text_typed,
+                is_view=lambda: self._is_view(conn),
+                sql_dialect=conn.dialect,
+            )
+        else:
+            self._checks.query_probed(description)
         self._columns = columns
         self._selectable = selectable
         self._select_list = [
             columns[c.name].label(c.name) if columns[c.name] is not c else c for c in selectable.c
         ]
 
-    def _typed(self, name: str, value: Any) -> ColumnElement[Any]:
+    def _is_view(self, conn: Connection) -> bool:
+        names = sa.inspect(conn).get_view_names(schema=self._schema)
+        return self._table_name in names
+
+    def _sample_position(self, conn: Connection) -> Mapping[str, Any] | None:
+        """One row's position columns (any row with a cursor), to learn their kinds."""
+        names = self._checks.position_columns
+        cursor = self._columns[self._cursor_column]
+        stmt = self._select().with_only_columns(*(self._columns[n].label(n) for n in names))
+        row = conn.execute(stmt.where(cursor.is_not(None)).limit(1)).mappings().first()
+        return dict(row) if row is not None else None
+
+    def _check_position(self, conn: Connection, after: Position) -> None:
+        """Refuse a checkpoint whose values no longer fit their columns' types."""
+        if after.is_beginning:
+            return
+        checks = self._checks
+        if checks.needs_sample:
+            checks.learn_from_sample(lambda: self._sample_position(conn))
+        values = {self._cursor_column: after.cursor}
+        pk = after.pk
+        for name in self._tiebreak:
+            if name in pk:
+                values[name] = pk[name]
+        checks.check_position(values)
+
+    def validate(self, position: Position | None = None) -> None:
+        """Reflect and check the definition now, as the first fetch would; fetch nothing.
+
+        Raises what the first fetch would raise for the definition (missing
+        table or columns, a lossy cursor/key type, keys not proven unique, a
+        database or permission error) and, given the stored ``position``, a
+        checkpoint whose kinds no longer fit the columns. ``dbtrigger check``
+        and worker start-up call it.
+        """
+        try:
+            with self.engine.connect() as conn:
+                self._resolve_shape(conn)
+                if position is not None:
+                    self._check_position(conn, position)
+        except SQLAlchemyError as exc:
+            raise source_error(exc, f"checking {self.name}") from exc
+
+    def reflected_table(self) -> sa.Table | None:
+        """The reflected table (None in query mode, or before :meth:`validate`/a fetch)."""
+        return self._selectable if isinstance(self._selectable, sa.Table) else None
+
+    @property
+    def uniqueness_note(self) -> str | None:
+        """Why ``(cursor, pk)`` uniqueness is unproven though polling goes on (a view), or None."""
+        return self._checks.unverified_unique
+
+    def planned_guard(self) -> VisibilityGuard | None:
+        """The visibility guard in force, or the one ``auto`` will choose (after reflection).
+
+        None in query mode off PostgreSQL until a row shows the cursor's type.
+        """
+        if self._guard is not None:
+            return self._guard.guard
+        request = self._visibility
+        if isinstance(request, VisibilityGuard):
+            return request
+        if self._cursor_type is None and self.dialect_name != "postgresql":
+            return None
+        return choose(
+            self.dialect_name,
+            cursor_type=self._cursor_type,
+            cursor_comment=self._cursor_comment,
+            sample_is_timestamp=None,
+        )
+
+    def cursor_age_seconds(self, cursor: Any, now: dt.datetime) -> float | None:
+        """How old ``cursor`` is at ``now`` (aware UTC): the ``lag_seconds`` of a checkpoint.
+
+        Aware timestamps are compared with ``now``; naive ones (and SQLite's
+        date/time text) with the database's own wall clock, whose offset to UTC
+        is read once every five minutes (:class:`~dbtrigger.sources.clock.DatabaseClock`).
+        None for cursors that carry no time (integers, decimals).
+        """
+        try:
+            return self._clock.age_seconds(cursor, now)
+        except SQLAlchemyError as exc:
+            raise source_error(exc, f"reading the clock of {self.name}") from exc
+
+    def cursor_kind(self) -> str | None:
+        """The checkpoint kind the cursor column's values take (None: not known yet).
+
+        What ``reset --to-cursor`` should parse a typed value as when there is
+        no stored checkpoint to copy the kind from. From the declared type in
+        table mode; in query mode from one row (None while the source is empty).
+        """
+        return self.column_kinds()[self._cursor_column]
+
+    def column_kinds(self) -> dict[str, str | None]:
+        """:meth:`cursor_kind` for the cursor and every key column."""
+        try:
+            with self.engine.connect() as conn:
+                self._resolve_shape(conn)
+                self._checks.learn_from_sample(lambda: self._sample_position(conn))
+                return dict(self._checks.primary)
+        except SQLAlchemyError as exc:
+            raise source_error(exc, f"reading the column types of {self.name}") from exc
+
+    def _typed(self, name: str, value: Any, *, named: bool = False) -> ColumnElement[Any]:
+        """``value`` bound for comparison with column ``name``.
+
+        ``named``: a parameter named after the column (see :meth:`_keyset`),
+        so the statement can be executed again with other values of the same
+        Python type; otherwise an anonymous literal.
+        """
         column = self._columns[name]
+        type_: Any = None  # query mode: no declared types; the value's own type binds
         if name in self._text_typed and not isinstance(value, str):
             # A position given as a date/time (e.g. `reset --to-cursor`) rather than
             # read from a row: render it the way SQLAlchemy stores it on SQLite.
-            return sa.literal(value, type_=self._text_typed[name])
-        if self._table_name is not None:
-            return sa.literal(value, type_=column.type)
-        return sa.literal(value)  # query mode: no declared types; the value's own type binds
+            type_ = self._text_typed[name]
+        elif self._table_name is not None:
+            type_ = column.type
+        if named:
+            return sa.bindparam(_bind_name(name), value, type_=type_)
+        return sa.literal(value, type_=type_)
 
-    def _after_predicate(self, after: Position) -> ColumnElement[bool]:
-        cols = [self._columns[self._cursor_column], *(self._columns[c] for c in self._pk_columns)]
+    def _after_predicate(self, after: Position, *, named: bool = False) -> ColumnElement[bool]:
+        cols = [self._columns[self._cursor_column], *(self._columns[c] for c in self._tiebreak)]
         vals = [
-            self._typed(self._cursor_column, after.cursor),
+            self._typed(self._cursor_column, after.cursor, named=named),
             *(
-                self._typed(c, v)
-                for c, v in zip(self._pk_columns, after.pk_tuple(self._pk_columns), strict=False)
+                self._typed(c, v, named=named)
+                for c, v in zip(self._tiebreak, after.pk_tuple(self._tiebreak), strict=True)
             ),
         ]
+        if len(cols) == 1:
+            return cols[0] > vals[0]
         if self.dialect_name in ROW_VALUE_DIALECTS:
-            return sa.tuple_(*cols) > sa.tuple_(*vals)
+            keyset = sa.tuple_(*cols) > sa.tuple_(*vals)
+            if self.dialect_name in ("mysql", "mariadb"):
+                # MariaDB/MySQL do not turn a row-value comparison into an index
+                # range: without the redundant leading bound every fetch scans
+                # the (cursor, pk) index from its start (measured: a full index
+                # scan at 100k rows, ~118 ms a fetch), growing with the table.
+                return sa.and_(cols[0] >= vals[0], keyset)
+            return keyset
         # (c0 > v0) OR (c0 = v0 AND c1 > v1) OR ...
         branches = []
         for i in range(len(cols)):
@@ -357,14 +618,14 @@ class SqlAlchemySource:
     def _key_order(self) -> list[ColumnElement[Any]]:
         return [self._columns[c] for c in self._pk_columns]
 
-    def _statement(self, after: Position, limit: int) -> Select[Any]:
+    def _statement(self, after: Position, limit: int, *, named: bool = False) -> Select[Any]:
         cursor = self._columns[self._cursor_column]
         stmt = self._select().where(cursor.is_not(None))
         if not after.is_beginning:
             if after.cursor is None:
                 raise SerializationError("a checkpoint position needs a cursor value, got NULL")
-            stmt = stmt.where(self._after_predicate(after))
-        return stmt.order_by(cursor, *self._key_order()).limit(limit)
+            stmt = stmt.where(self._after_predicate(after, named=named))
+        return stmt.order_by(cursor, *(self._columns[c] for c in self._tiebreak)).limit(limit)
 
     # --- visibility guard ---------------------------------------------------------
 
@@ -394,7 +655,13 @@ class SqlAlchemySource:
         cursor = self._columns[self._cursor_column]
         probe: ColumnElement[Any] = cursor
         if self.dialect_name == "sqlite":
-            probe = sa.func.julianday(cursor).is_not(None)
+            # Text that julianday() reads. julianday() also takes a bare number
+            # as a Julian day, so without the typeof() test an integer cursor
+            # passed for a timestamp and got a window that held every value
+            # above today's day number (2.46 million) back for good.
+            probe = sa.and_(
+                sa.func.typeof(cursor) == "text", sa.func.julianday(cursor).is_not(None)
+            )
         stmt = self._select().with_only_columns(probe).where(cursor.is_not(None)).limit(1)
         row = conn.execute(stmt).first()
         conn.rollback()
@@ -420,6 +687,8 @@ class SqlAlchemySource:
                 cursor_type=self._cursor_type,
                 cursor_comment=self._cursor_comment,
                 sample_is_timestamp=sample,
+                conn=conn,  # MariaDB/MySQL: may the account read INNODB_TRX?
+                auto_increment=is_auto_increment(self._guard_target()),
             )
         active = guard.activate(self._guard_target())
         with self._lock:
@@ -444,96 +713,153 @@ class SqlAlchemySource:
         )
         return self._guard
 
+    def describe_guard(self) -> GuardDescription:
+        """Which visibility guard is in force and what an exact one needs (``check``).
+
+        Decides ``auto`` now if no fetch has yet (it connects; on MariaDB/MySQL
+        it checks the PROCESS privilege). While ``auto`` cannot decide (query
+        mode, no row yet) the mode is ``auto``.
+        """
+        try:
+            with self.engine.connect() as conn:
+                self._resolve_shape(conn)
+                guard = self._active_guard(conn)
+        except SQLAlchemyError as exc:
+            raise source_error(exc, f"describing {self.name}") from exc
+        if guard is None:
+            return GuardDescription("auto", "none", "undecided until a row has a cursor value")
+        return guard.describe_guard()
+
     # --- the port ---------------------------------------------------------------
 
-    def fetch(self, after: Position, limit: int) -> list[Mapping[str, Any]]:
+    def fetch(self, after: Position, limit: int) -> Rows:
         """Up to ``limit`` rows after ``after`` that the visibility guard lets through.
 
         The guard's predicate joins the keyset statement; some guards run a
         short statement first (each in its own transaction) and one after (for
         reporting only). The row read always starts a fresh transaction, so its
         snapshot is never older than the guard's bound.
+
+        The rows come back as the driver's tuples (:class:`~dbtrigger.sources.rows.Rows`),
+        processed only where SQLAlchemy would process them. Without a guard on
+        PostgreSQL the read runs in autocommit: one statement, one round trip,
+        instead of ``BEGIN``, the query and ``ROLLBACK``.
         """
         try:
-            with self.engine.connect() as conn:
+            with self._fetch_engine().connect() as conn:
                 self._resolve_shape(conn)
+                self._check_position(conn, after)
                 guard = self._active_guard(conn)
                 if conn.in_transaction():
                     conn.rollback()
                 if guard is None:
-                    return []
+                    return Rows(self._select_names(), [])
                 predicate = guard.before_fetch(conn, after)
-                stmt = self._statement(after, limit)
+                stmt, params = self._keyset(after, limit)
                 if predicate is not None:
                     stmt = stmt.where(predicate)
-                result = conn.execute(stmt)
-                # Plain dicts: building them from the row tuples costs a third of
-                # what RowMapping objects do, and to_events copies them at C speed.
-                keys = tuple(result.keys())
-                rows: list[Mapping[str, Any]] = [
-                    dict(zip(keys, row, strict=True)) for row in result.all()
-                ]
+                rows = read_rows(
+                    conn,
+                    stmt,
+                    params,
+                    self._processors,
+                    source=self.name,
+                    key_columns=self._pk_columns,
+                    reused=predicate is None,
+                )
                 self.last_fetch_info = guard.after_fetch(conn, after, rows, limit)
                 return rows
         except (ConfigurationError, SerializationError):
             raise
         except SQLAlchemyError as exc:
-            raise FetchError(f"fetch from {self.name} failed: {short_error(exc)}") from exc
+            problem = permanent_problem(exc)
+            error = source_error(exc, f"fetch from {self.name}", problem)
+            if problem is not None and isinstance(error, FetchError):
+                raise ConfigurationError(
+                    f"fetch from {self.name} failed: {problem} ({short_error(exc)}); "
+                    "fix the source configuration"
+                ) from exc
+            raise error from exc
+
+    def _fetch_engine(self) -> Engine:
+        """The engine for fetches: in autocommit once no guard is known to need a
+        transaction (PostgreSQL without a guard; every statement its own snapshot)."""
+        guard = self._guard
+        if guard is None or guard.mode != "none" or self.dialect_name != "postgresql":
+            return self.engine
+        if self._autocommit is None:
+            self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
+        return self._autocommit
+
+    def _select_names(self) -> list[str]:
+        return [c.name for c in self._select_list]
+
+    def _keyset(self, after: Position, limit: int) -> tuple[Select[Any], dict[str, Any] | None]:
+        """The keyset statement for ``after`` and the values to execute it with.
+
+        Building and hashing a statement costs more than a small batch's rows,
+        so one statement with named parameters is built per shape of position
+        (beginning or not, the Python types of its values, the limit) and
+        reused; SQLAlchemy then finds its compiled form without re-walking it.
+        """
+        if after.is_beginning:
+            signature: tuple[Any, ...] = (limit,)
+            params = None
+        else:
+            values = {self._cursor_column: after.cursor, **after.pk}
+            params = {_bind_name(name): value for name, value in values.items()}
+            signature = (limit, *((n, type(v), _aware(v)) for n, v in values.items()))
+        stmt = self._templates.get(signature)
+        if stmt is None:
+            stmt = self._statement(after, limit, named=True)
+            if len(self._templates) > 32:
+                self._templates.clear()
+            self._templates[signature] = stmt
+        return stmt, params
 
     def to_events(
         self, rows: Sequence[Mapping[str, Any]], *, poller: str, batch_id: str
     ) -> list[RowChange]:
         """One ``upsert`` event per row (raises ``SerializationError`` naming the row).
 
-        This runs for every row delivered, so the per-row work is kept to what
-        an event needs: the key dict, a copy of the row (the event's ``after``;
-        the caller's row is never shared), the event id, and the event itself,
-        built from parts made here for it alone (``RowChange._unchecked``).
+        Events are built lazily over the fetched tuples (see
+        :func:`dbtrigger.sources.rows.rows_to_events`): the key, the ``after``
+        mapping and the event id are made when first read.
         """
-        events: list[RowChange] = []
-        append = events.append
-        cursor_name = self._cursor_column
-        pk_names = self._pk_columns
-        single_key = pk_names[0] if len(pk_names) == 1 else None
-        source = self.name
-        meta = MappingProxyType({"poller": poller, "batch_id": batch_id})
-        event_id = EventIds(poller, pk_names)
-        new_event = RowChange._unchecked
-        for row in rows:
-            try:
-                cursor = row[cursor_name]
-                if single_key is not None:
-                    value = row[single_key]
-                    pk = {single_key: value}
-                    null_key = value is None
-                else:
-                    pk = {c: row[c] for c in pk_names}
-                    null_key = any(v is None for v in pk.values())
-            except KeyError as exc:
-                raise SerializationError(
-                    f"row from {source} lacks column {exc.args[0]!r}; it has {sorted(row)}",
-                    poller=poller,
-                    batch_id=batch_id,
-                ) from None
-            if null_key:
-                raise SerializationError(
-                    f"row from {source} has a NULL primary key {pk!r}; keys must be unique and set",
-                    poller=poller,
-                    batch_id=batch_id,
-                )
-            append(
-                new_event(
-                    event_id(pk, cursor),  # raises SerializationError on bad types
-                    "upsert",
-                    source,
-                    cursor,
-                    MappingProxyType(pk),
-                    None,
-                    MappingProxyType(dict(row)),
-                    meta,
+        events = rows_to_events(
+            rows,
+            cursor_column=self._cursor_column,
+            pk_columns=self._pk_columns,
+            source=self.name,
+            poller=poller,
+            batch_id=batch_id,
+        )
+        if self._deleted_column is not None:
+            return self._mark_deletes(events)
+        return events
+
+    def _mark_deletes(self, events: list[RowChange]) -> list[RowChange]:
+        """Soft deletes: a row whose mark is set becomes ``delete`` with itself as ``before``."""
+        column, value = self._deleted_column, self._deleted_value
+        out: list[RowChange] = []
+        for event in events:
+            row = event.after or {}
+            if not _is_marked(row.get(column) if column else None, value):
+                out.append(event)
+                continue
+            out.append(
+                RowChange(
+                    event_id=event.event_id,
+                    op="delete",
+                    source=event.source,
+                    cursor=event.cursor,
+                    pk=event.pk,
+                    before=event.after,
+                    after=None,
+                    metadata=event.metadata,
                 )
             )
-        return events
+        return out
 
     # --- operations helpers -----------------------------------------------------
 
@@ -549,7 +875,7 @@ class SqlAlchemySource:
                 sub = self._statement(after, 1).limit(None).order_by(None).subquery()
                 return int(conn.execute(sa.select(sa.func.count()).select_from(sub)).scalar_one())
         except SQLAlchemyError as exc:
-            raise FetchError(f"count on {self.name} failed: {short_error(exc)}") from exc
+            raise source_error(exc, f"count on {self.name}") from exc
 
     def null_cursor_keys(self, limit: int = 10) -> list[dict[str, Any]]:
         """Keys of rows whose cursor is NULL: they have no place in cursor order."""
@@ -569,6 +895,13 @@ class SqlAlchemySource:
                     stmt = stmt.where(base)
                 return [dict(r) for r in conn.execute(stmt).mappings()]
         except SQLAlchemyError as exc:
-            raise FetchError(
-                f"NULL-cursor probe on {self.name} failed: {short_error(exc)}"
-            ) from exc
+            raise source_error(exc, f"NULL-cursor probe on {self.name}") from exc
+
+
+__all__ = [
+    "ROW_VALUE_DIALECTS",
+    "SqlAlchemySource",
+    "redact_url",
+    "safe_url_text",
+    "short_error",  # where the stores and the output binding have always imported it from
+]

@@ -35,16 +35,28 @@ A failure record looks like::
     {"attempts": 3, "first_failed_at": "...", "last_failed_at": "...",
      "last_error": "ValueError: ...", "batch_id": "...",
      "checkpoint": {...position the failing batch starts from...},
-     "done_event_ids": ["..."]}
+     "batch_end": {...position of its last row...}, "batch_rows": 100,
+     "batch_digest": "sha256:...",
+     "done_event_ids": ["..."], "done_total": 1500}
 
-where ``checkpoint`` and ``done_event_ids`` are optional (see :class:`FailureRecord`).
+where everything after ``batch_id`` is optional (see :class:`FailureRecord`):
+a reader that does not know a field keeps it (below), so v1 readers still read it.
+
+Rolling upgrades: a document may be written by a newer dbtrigger that knows
+fields this one does not. Unknown keys at the top level and inside
+``checkpoint``, ``checkpoint.metadata``, ``lease`` and ``failure`` are kept in
+the ``extra`` mapping of the matching dataclass and written back unchanged, so
+an older instance taking a turn never erases them. Known fields are
+type-checked one by one: a value of the wrong type (``"released": "false"``)
+is a :class:`~dbtrigger.errors.CorruptStateError`, never a guess.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -90,6 +102,8 @@ class Lease:
     heartbeat_at: dt.datetime
     expires_at: dt.datetime
     released: bool = False
+    #: Fields this version does not know, written back as they were read.
+    extra: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)
@@ -100,6 +114,8 @@ class Checkpoint:
     last_successful_batch_id: str | None
     updated_at: dt.datetime
     row_count: int = 0
+    #: Fields this version does not know (``metadata`` ones under ``"metadata"``).
+    extra: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)
@@ -127,6 +143,19 @@ class FailureRecord:
     batch_id: str | None = None
     from_position: Position | None = None
     done: tuple[str, ...] = ()
+    #: How many rows of the batch were processed in all; more than ``len(done)``
+    #: when the id list was capped to keep the record small (those past the cap
+    #: are delivered again: a duplicate, never a loss).
+    done_total: int = 0
+    #: Where the failing batch ended and how many rows it had, so that
+    #: ``dbtrigger skip-batch`` skips exactly the rows the handler saw. None
+    #: when the writer did not record them (older versions).
+    batch_end: Position | None = None
+    batch_rows: int | None = None
+    #: :func:`digest_event_ids` of those rows, to check a skip drops exactly them.
+    batch_digest: str | None = None
+    #: Fields this version does not know, written back as they were read.
+    extra: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)
@@ -140,6 +169,13 @@ class StateDocument:
     failure: FailureRecord | None = None
     journal: tuple[Mapping[str, Any], ...] = field(default_factory=tuple)
     version: int = VERSION
+    #: Top-level fields this version does not know, written back as they were read.
+    extra: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    #: Per-event outcomes above the checkpoint, as stored (parsed and decided
+    #: on by :mod:`dbtrigger.state.window`); None when there are none, and then
+    #: the field is left out of the JSON, so a document that never used
+    #: ``ctx.retry`` is byte-for-byte what it always was.
+    window: Mapping[str, Any] | None = None
 
     @property
     def position(self) -> Position:
@@ -188,18 +224,95 @@ def position_from_json(raw: Any, where: str = "checkpoint.cursor") -> Position:
     return Position(cursor=cursor, pk=pk)
 
 
+_TOP_KEYS = frozenset(
+    {
+        "version",
+        "poller_name",
+        "source_fingerprint",
+        "checkpoint",
+        "lease",
+        "failure",
+        "journal",
+        "window",
+    }
+)
+_CHECKPOINT_KEYS = frozenset({"cursor", "last_successful_batch_id", "updated_at", "metadata"})
+_LEASE_KEYS = frozenset(
+    {"owner_id", "fencing_token", "acquired_at", "heartbeat_at", "expires_at", "released"}
+)
+_FAILURE_KEYS = frozenset(
+    {
+        "attempts",
+        "first_failed_at",
+        "last_failed_at",
+        "last_error",
+        "batch_id",
+        "checkpoint",
+        "done_event_ids",
+        "done_total",
+        "batch_end",
+        "batch_rows",
+        "batch_digest",
+    }
+)
+
+
+def digest_event_ids(event_ids: Iterable[str]) -> str:
+    """``sha256:...`` of a batch's event ids in order: the identity of exactly those rows."""
+    digest = hashlib.sha256()
+    for event_id in event_ids:
+        digest.update(event_id.encode("utf-8"))
+        digest.update(b"\n")
+    return "sha256:" + digest.hexdigest()
+
+
+def _unknown(raw: Mapping[str, Any], known: frozenset[str]) -> dict[str, Any]:
+    return {k: v for k, v in raw.items() if k not in known}
+
+
+def _checkpoint_to_json(checkpoint: Checkpoint) -> dict[str, Any]:
+    extra = dict(checkpoint.extra)
+    meta_extra = extra.pop("metadata", None)
+    metadata = dict(meta_extra) if isinstance(meta_extra, Mapping) else {}
+    metadata["row_count"] = checkpoint.row_count
+    return {
+        **extra,
+        "cursor": position_to_json(checkpoint.position),
+        "last_successful_batch_id": checkpoint.last_successful_batch_id,
+        "updated_at": format_time(checkpoint.updated_at),
+        "metadata": metadata,
+    }
+
+
+def _failure_to_json(failure: FailureRecord) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        **failure.extra,
+        "attempts": failure.attempts,
+        "first_failed_at": format_time(failure.first_failed_at),
+        "last_failed_at": format_time(failure.last_failed_at),
+        "last_error": failure.last_error,
+        "batch_id": failure.batch_id,
+    }
+    if failure.from_position is not None:
+        out["checkpoint"] = position_to_json(failure.from_position)
+    if failure.done:
+        out["done_event_ids"] = list(failure.done)
+    if failure.done_total > len(failure.done):
+        out["done_total"] = failure.done_total
+    if failure.batch_end is not None:
+        out["batch_end"] = position_to_json(failure.batch_end)
+    if failure.batch_rows is not None:
+        out["batch_rows"] = failure.batch_rows
+    if failure.batch_digest is not None:
+        out["batch_digest"] = failure.batch_digest
+    return out
+
+
 def to_json(doc: StateDocument) -> dict[str, Any]:
-    checkpoint = None
-    if doc.checkpoint is not None:
-        checkpoint = {
-            "cursor": position_to_json(doc.checkpoint.position),
-            "last_successful_batch_id": doc.checkpoint.last_successful_batch_id,
-            "updated_at": format_time(doc.checkpoint.updated_at),
-            "metadata": {"row_count": doc.checkpoint.row_count},
-        }
     lease = None
     if doc.lease is not None:
         lease = {
+            **doc.lease.extra,
             "owner_id": doc.lease.owner_id,
             "fencing_token": doc.lease.fencing_token,
             "acquired_at": format_time(doc.lease.acquired_at),
@@ -207,28 +320,16 @@ def to_json(doc: StateDocument) -> dict[str, Any]:
             "expires_at": format_time(doc.lease.expires_at),
             "released": doc.lease.released,
         }
-    failure = None
-    if doc.failure is not None:
-        failure = {
-            "attempts": doc.failure.attempts,
-            "first_failed_at": format_time(doc.failure.first_failed_at),
-            "last_failed_at": format_time(doc.failure.last_failed_at),
-            "last_error": doc.failure.last_error,
-            "batch_id": doc.failure.batch_id,
-        }
-        if doc.failure.from_position is not None:
-            failure["checkpoint"] = position_to_json(doc.failure.from_position)
-        if doc.failure.done:
-            failure["done_event_ids"] = list(doc.failure.done)
     return {
+        **doc.extra,
         "version": doc.version,
         "poller_name": doc.poller_name,
         "source_fingerprint": doc.source_fingerprint,
-        "checkpoint": checkpoint,
+        "checkpoint": _checkpoint_to_json(doc.checkpoint) if doc.checkpoint else None,
         "lease": lease,
-        "failure": failure,
+        "failure": _failure_to_json(doc.failure) if doc.failure else None,
         "journal": [dict(entry) for entry in doc.journal],
-    }
+    } | ({"window": doc.window} if doc.window is not None else {})
 
 
 def dumps(doc: StateDocument) -> bytes:
@@ -241,10 +342,95 @@ def dumps(doc: StateDocument) -> bytes:
 def _require(raw: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
     if key not in raw:
         raise CorruptStateError(f"{where}.{key} is missing")
-    value = raw[key]
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+    return _typed(raw, key, kind, where)
+
+
+def _typed(
+    raw: Mapping[str, Any],
+    key: str,
+    kind: type | tuple[type, ...],
+    where: str,
+    default: Any = None,
+) -> Any:
+    """``raw[key]`` if it has type ``kind`` (absent or null: ``default``); bools are not ints."""
+    value = raw.get(key)
+    if value is None:
+        return default
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         raise CorruptStateError(f"{where}.{key} has the wrong type: {value!r}")
     return value
+
+
+def _count(
+    raw: Mapping[str, Any], key: str, where: str, default: int | None, *, required: bool = False
+) -> int | None:
+    """A non-negative integer field (``required``: it must be present)."""
+    value = _require(raw, key, int, where) if required else _typed(raw, key, int, where, default)
+    if value is not None and value < 0:
+        raise CorruptStateError(f"{where}.{key} must not be negative: {value!r}")
+    return value  # type: ignore[no-any-return]
+
+
+def _checkpoint_from_json(raw_cp: Any) -> Checkpoint:
+    if not isinstance(raw_cp, Mapping):
+        raise CorruptStateError("checkpoint must be an object or null")
+    meta = raw_cp.get("metadata")
+    if meta is None:
+        meta = {}
+    if not isinstance(meta, Mapping):
+        raise CorruptStateError(f"checkpoint.metadata must be an object, got {meta!r}")
+    extra = _unknown(raw_cp, _CHECKPOINT_KEYS)
+    meta_extra = _unknown(meta, frozenset({"row_count"}))
+    if meta_extra:
+        extra["metadata"] = meta_extra
+    return Checkpoint(
+        position=position_from_json(_require(raw_cp, "cursor", Mapping, "checkpoint")),
+        last_successful_batch_id=_typed(raw_cp, "last_successful_batch_id", str, "checkpoint"),
+        updated_at=parse_time(raw_cp.get("updated_at"), "checkpoint.updated_at"),
+        row_count=_count(meta, "row_count", "checkpoint.metadata", 0) or 0,
+        extra=extra,
+    )
+
+
+def _lease_from_json(raw_lease: Any) -> Lease:
+    if not isinstance(raw_lease, Mapping):
+        raise CorruptStateError("lease must be an object or null")
+    return Lease(
+        owner_id=_require(raw_lease, "owner_id", str, "lease"),
+        fencing_token=_require(raw_lease, "fencing_token", int, "lease"),
+        acquired_at=parse_time(raw_lease.get("acquired_at"), "lease.acquired_at"),
+        heartbeat_at=parse_time(raw_lease.get("heartbeat_at"), "lease.heartbeat_at"),
+        expires_at=parse_time(raw_lease.get("expires_at"), "lease.expires_at"),
+        released=_typed(raw_lease, "released", bool, "lease", False),
+        extra=_unknown(raw_lease, _LEASE_KEYS),
+    )
+
+
+def _failure_from_json(raw_failure: Any) -> FailureRecord:
+    if not isinstance(raw_failure, Mapping):
+        raise CorruptStateError("failure must be an object or null")
+
+    def position(key: str) -> Position | None:
+        value = raw_failure.get(key)
+        return None if value is None else position_from_json(value, f"failure.{key}")
+
+    done = _done_ids(raw_failure.get("done_event_ids"))
+    done_total = _count(raw_failure, "done_total", "failure", len(done)) or 0
+    return FailureRecord(
+        attempts=_count(raw_failure, "attempts", "failure", None, required=True) or 0,
+        first_failed_at=parse_time(raw_failure.get("first_failed_at"), "failure.first_failed_at"),
+        last_failed_at=parse_time(raw_failure.get("last_failed_at"), "failure.last_failed_at"),
+        last_error=_typed(raw_failure, "last_error", str, "failure", ""),
+        batch_id=_typed(raw_failure, "batch_id", str, "failure"),
+        from_position=position("checkpoint"),
+        done=done,
+        done_total=max(done_total, len(done)),
+        batch_end=position("batch_end"),
+        batch_rows=_count(raw_failure, "batch_rows", "failure", None),
+        batch_digest=_typed(raw_failure, "batch_digest", str, "failure"),
+        extra=_unknown(raw_failure, _FAILURE_KEYS),
+    )
 
 
 def from_json(raw: Any) -> StateDocument:
@@ -260,74 +446,31 @@ def from_json(raw: Any) -> StateDocument:
         raise CorruptStateError(
             f"state document version {version} is not supported (this dbtrigger reads {VERSION})"
         )
-    poller_name = _require(raw, "poller_name", str, "document")
-    fingerprint = _require(raw, "source_fingerprint", str, "document")
-
-    checkpoint = None
-    raw_cp = raw.get("checkpoint")
-    if raw_cp is not None:
-        if not isinstance(raw_cp, Mapping):
-            raise CorruptStateError("checkpoint must be an object or null")
-        meta = raw_cp.get("metadata") or {}
-        row_count = meta.get("row_count", 0) if isinstance(meta, Mapping) else 0
-        batch_id = raw_cp.get("last_successful_batch_id")
-        if batch_id is not None and not isinstance(batch_id, str):
-            raise CorruptStateError("checkpoint.last_successful_batch_id must be a string")
-        checkpoint = Checkpoint(
-            position=position_from_json(_require(raw_cp, "cursor", Mapping, "checkpoint")),
-            last_successful_batch_id=batch_id,
-            updated_at=parse_time(raw_cp.get("updated_at"), "checkpoint.updated_at"),
-            row_count=row_count if isinstance(row_count, int) else 0,
-        )
-
-    lease = None
-    raw_lease = raw.get("lease")
-    if raw_lease is not None:
-        if not isinstance(raw_lease, Mapping):
-            raise CorruptStateError("lease must be an object or null")
-        lease = Lease(
-            owner_id=_require(raw_lease, "owner_id", str, "lease"),
-            fencing_token=_require(raw_lease, "fencing_token", int, "lease"),
-            acquired_at=parse_time(raw_lease.get("acquired_at"), "lease.acquired_at"),
-            heartbeat_at=parse_time(raw_lease.get("heartbeat_at"), "lease.heartbeat_at"),
-            expires_at=parse_time(raw_lease.get("expires_at"), "lease.expires_at"),
-            released=bool(raw_lease.get("released", False)),
-        )
-
-    failure = None
-    raw_failure = raw.get("failure")
-    if raw_failure is not None:
-        if not isinstance(raw_failure, Mapping):
-            raise CorruptStateError("failure must be an object or null")
-        failure = FailureRecord(
-            attempts=_require(raw_failure, "attempts", int, "failure"),
-            first_failed_at=parse_time(
-                raw_failure.get("first_failed_at"), "failure.first_failed_at"
-            ),
-            last_failed_at=parse_time(raw_failure.get("last_failed_at"), "failure.last_failed_at"),
-            last_error=str(raw_failure.get("last_error", "")),
-            batch_id=raw_failure.get("batch_id"),
-            from_position=(
-                position_from_json(raw_failure["checkpoint"], "failure.checkpoint")
-                if raw_failure.get("checkpoint") is not None
-                else None
-            ),
-            done=_done_ids(raw_failure.get("done_event_ids")),
-        )
-
-    journal_raw = raw.get("journal") or []
+    raw_cp, raw_lease, raw_failure = raw.get("checkpoint"), raw.get("lease"), raw.get("failure")
+    journal_raw = raw.get("journal")
+    if journal_raw is None:
+        journal_raw = []
     if not isinstance(journal_raw, list) or not all(isinstance(e, Mapping) for e in journal_raw):
         raise CorruptStateError("journal must be a list of objects")
-
     return StateDocument(
-        poller_name=poller_name,
-        source_fingerprint=fingerprint,
-        checkpoint=checkpoint,
-        lease=lease,
-        failure=failure,
+        poller_name=_require(raw, "poller_name", str, "document"),
+        source_fingerprint=_require(raw, "source_fingerprint", str, "document"),
+        checkpoint=None if raw_cp is None else _checkpoint_from_json(raw_cp),
+        lease=None if raw_lease is None else _lease_from_json(raw_lease),
+        failure=None if raw_failure is None else _failure_from_json(raw_failure),
         journal=tuple(dict(e) for e in journal_raw),
         version=version,
+        extra=_unknown(raw, _TOP_KEYS),
+        window=_window(raw.get("window")),
     )
+
+
+def _window(raw: Any) -> Mapping[str, Any] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise CorruptStateError("window must be an object or null")
+    return dict(raw)
 
 
 def _done_ids(raw: Any) -> tuple[str, ...]:
@@ -344,4 +487,10 @@ def loads(data: bytes | str) -> StateDocument:
         raw = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
         raise CorruptStateError(f"state document is not valid JSON: {exc}") from exc
+    except RecursionError:
+        # json's C decoder recurses once per nesting level: a hostile or broken
+        # document must be reported as corrupt, not crash the tick.
+        raise CorruptStateError(
+            "state document is nested too deeply to be a state document"
+        ) from None
     return from_json(raw)

@@ -14,6 +14,13 @@ Rules (checkpoint/lease spec, sections 6-8):
 * An *expired* lease is free for its own owner at once, and for anyone else
   only after a grace window of ``min(ttl / 2, 5 s)``, which absorbs clock skew
   between instances.
+* A lease whose last heartbeat lies more than :data:`SKEW_MARGIN` in the
+  caller's future was written by a clock running ahead. Its expiry is then not
+  believed as written (an owner that died would lock the poller until its own
+  clock time): the lease is taken to last its own span (``expires_at -
+  heartbeat_at``) from when the caller first saw it unchanged (``first_seen``,
+  which the runtime keeps per etag). A live owner heartbeats, which changes
+  the etag and restarts that count, so it is never taken over.
 * Every acquisition increments the fencing token; commits, heartbeats and
   releases must present the token they acquired with.
 * A commit by the current owner/token succeeds even after the lease expired:
@@ -24,13 +31,52 @@ Rules (checkpoint/lease spec, sections 6-8):
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 
 from dbtrigger.cursor import Position
 from dbtrigger.errors import FingerprintMismatchError, LostLeaseError
+from dbtrigger.redaction import redact
 from dbtrigger.state.document import Checkpoint, FailureRecord, Lease, StateDocument, format_time
+from dbtrigger.state.journal import JournalEntry, encode
+
+#: A journal entry as a typed value (what the runtime writes) or an already
+#: encoded object (manual operations, tests).
+Entry = JournalEntry | Mapping[str, object]
+
+
+class _Keep:
+    """Sentinel: leave the document's window as it is."""
+
+
+KEEP = _Keep()
+
+#: A new window for the document: its JSON (None: empty) or :data:`KEEP`.
+WindowUpdate = Mapping[str, object] | None | _Keep
+
+
+def _with_window(doc: StateDocument, window: WindowUpdate) -> StateDocument:
+    if isinstance(window, _Keep) or window == doc.window:
+        return doc
+    return replace(doc, window=window)
+
+
+def _journaled(doc: StateDocument, entry: Entry | None, limit: int) -> StateDocument:
+    if entry is None:
+        return doc
+    encoded = encode(entry) if isinstance(entry, JournalEntry) else entry
+    return doc.with_journal_entry(encoded, limit)
+
 
 MAX_GRACE = dt.timedelta(seconds=5)
+
+#: How far in our future a lease's heartbeat may lie before the writer's clock
+#: is taken to run ahead (beyond ordinary skew between hosts).
+SKEW_MARGIN = dt.timedelta(seconds=30)
+
+#: Bounds of a failure record, so that recording a failure never fails for size.
+MAX_ERROR_CHARS = 500
+MAX_DONE_IDS = 1000
 
 
 def grace_window(ttl: dt.timedelta) -> dt.timedelta:
@@ -54,15 +100,35 @@ class Busy:
     fencing_token: int
     free_at: dt.datetime
     reason: str
+    #: How far ahead of ours the holder's clock seems, when it seems so at all.
+    skew: dt.timedelta | None = None
 
 
-def check_fingerprint(doc: StateDocument, fingerprint: str) -> None:
-    """Refuse a document written for a different source definition."""
-    if doc.source_fingerprint != fingerprint:
+def check_fingerprint(
+    doc: StateDocument,
+    fingerprint: str,
+    *,
+    spec: str | None = None,
+    also: Collection[str] = (),
+) -> None:
+    """Refuse a document written for a different source definition.
+
+    ``also`` lists older fingerprints of the same definition (an earlier
+    fingerprint algorithm): a document carrying one of them is accepted as it
+    is. The message names the command that accepts the new definition;
+    ``spec`` (``module:trigger``) fills it in when the caller knows it.
+    """
+    if doc.source_fingerprint != fingerprint and doc.source_fingerprint not in also:
+        command = (
+            f"dbtrigger reset {doc.poller_name} --accept-source {spec or 'MODULE:TRIGGER'} "
+            "--reason '...' --yes"
+        )
         raise FingerprintMismatchError(
             f"poller {doc.poller_name!r}: the source definition changed since the checkpoint "
-            f"was written (stored {doc.source_fingerprint}, configured {fingerprint}); "
-            "use a new poller name, or `dbtrigger reset` to start this one over",
+            f"was written (stored {doc.source_fingerprint}, configured {fingerprint}). If the "
+            f"checkpoint still means the same rows, accept the new definition with `{command}` "
+            "(without --yes it shows the change first; add --to-beginning to start over); "
+            "otherwise use a new poller name",
             poller=doc.poller_name,
             stored_fingerprint=doc.source_fingerprint,
             configured_fingerprint=fingerprint,
@@ -81,17 +147,24 @@ def decide_acquire(
     owner: str,
     now: dt.datetime,
     ttl: dt.timedelta,
+    first_seen: dt.datetime | None = None,
 ) -> Acquired | Busy:
+    """Take the lease, or say who holds it until when.
+
+    ``first_seen`` is when the caller first read this lease unchanged (same
+    etag); it only matters for a lease written by a clock running ahead (see
+    the module rules). Without it such a lease counts from ``now``.
+    """
     base = doc if doc is not None else new_document(poller, fingerprint)
     lease = base.lease
     if lease is not None and not lease.released:
-        if now < lease.expires_at:
-            return Busy(lease.owner_id, lease.fencing_token, lease.expires_at, "lease is live")
-        free_at = (
-            lease.expires_at if lease.owner_id == owner else lease.expires_at + grace_window(ttl)
-        )
+        expires_at, skew = believed_expiry(lease, now, first_seen)
+        if now < expires_at:
+            reason = "lease is live" if skew is None else "lease is live (holder's clock ahead)"
+            return Busy(lease.owner_id, lease.fencing_token, expires_at, reason, skew)
+        free_at = expires_at if lease.owner_id == owner else expires_at + grace_window(ttl)
         if now < free_at:
-            return Busy(lease.owner_id, lease.fencing_token, free_at, "lease in grace window")
+            return Busy(lease.owner_id, lease.fencing_token, free_at, "lease in grace window", skew)
     token = (lease.fencing_token if lease is not None else 0) + 1
     new_lease = Lease(
         owner_id=owner,
@@ -99,8 +172,26 @@ def decide_acquire(
         acquired_at=now,
         heartbeat_at=now,
         expires_at=now + ttl,
+        extra=lease.extra if lease is not None else {},
     )
     return Acquired(replace(base, lease=new_lease), token)
+
+
+def believed_expiry(
+    lease: Lease, now: dt.datetime, first_seen: dt.datetime | None = None
+) -> tuple[dt.datetime, dt.timedelta | None]:
+    """When ``lease`` is taken to expire, and the holder's clock lead if it has one.
+
+    An honest holder writes ``heartbeat_at`` from its own clock, so it is never
+    far in our future. When it is (more than :data:`SKEW_MARGIN`), the stored
+    expiry is capped at the lease's own span counted from ``first_seen``.
+    """
+    lead = lease.heartbeat_at - now
+    if lead <= SKEW_MARGIN:
+        return lease.expires_at, None
+    span = max(lease.expires_at - lease.heartbeat_at, dt.timedelta(0))
+    start = min(first_seen, now) if first_seen is not None else now
+    return min(lease.expires_at, start + span), lead
 
 
 def _require_holder(doc: StateDocument, owner: str, token: int, action: str) -> Lease:
@@ -132,10 +223,14 @@ def decide_commit(
     now: dt.datetime,
     ttl: dt.timedelta,
     release: bool,
-    journal_entry: dict[str, object] | None = None,
+    journal_entry: Entry | None = None,
     journal_limit: int = 50,
+    window: WindowUpdate = KEEP,
 ) -> StateDocument:
     """Advance the checkpoint, renew (or release) the lease, clear any failure record.
+
+    ``window`` replaces the per-event window (:mod:`dbtrigger.state.window`)
+    when given; the checkpoint is then its contiguous settled prefix.
 
     Raises:
         LostLeaseError: the document's lease is not ``owner``/``token`` any more.
@@ -152,11 +247,10 @@ def decide_commit(
         last_successful_batch_id=batch_id,
         updated_at=now,
         row_count=row_count,
+        extra=doc.checkpoint.extra if doc.checkpoint is not None else {},
     )
     out = replace(doc, checkpoint=checkpoint, lease=new_lease, failure=None)
-    if journal_entry is not None:
-        out = out.with_journal_entry(journal_entry, journal_limit)
-    return out
+    return _journaled(_with_window(out, window), journal_entry, journal_limit)
 
 
 def decide_heartbeat(
@@ -202,8 +296,12 @@ def decide_failure(
     advance_to: Position | None = None,
     row_count: int = 0,
     done: tuple[str, ...] = (),
-    journal_entry: dict[str, object] | None = None,
+    journal_entry: Entry | None = None,
     journal_limit: int = 50,
+    batch_end: Position | None = None,
+    batch_rows: int | None = None,
+    batch_digest: str | None = None,
+    window: WindowUpdate = KEEP,
 ) -> StateDocument:
     """Record a failed attempt at the batch after the checkpoint and release the lease.
 
@@ -214,7 +312,13 @@ def decide_failure(
     end of the batch's leading run of rows that were processed, and the
     failure record then starts over (attempt 1) at that position, since the
     failing row now heads a new batch. ``done`` names rows after the failed one
-    that were processed and must be skipped when the batch is delivered again.
+    that were processed and must be skipped when the batch is delivered again;
+    at most :data:`MAX_DONE_IDS` are kept (the rest come again: duplicates, never
+    a loss), so a huge batch cannot make the record too large to store.
+    ``batch_end``/``batch_rows``/``batch_digest`` are the failing batch's last
+    row, row count and :func:`~dbtrigger.state.document.digest_event_ids`
+    (counted from the record's starting position): what ``skip-batch`` skips,
+    and how it checks that the source still holds exactly those rows.
     """
     lease = _require_holder(doc, owner, token, "failure record")
     base = doc
@@ -226,6 +330,7 @@ def decide_failure(
                 last_successful_batch_id=batch_id,
                 updated_at=now,
                 row_count=row_count,
+                extra=doc.checkpoint.extra if doc.checkpoint is not None else {},
             ),
         )
         previous = None
@@ -235,16 +340,20 @@ def decide_failure(
         attempts=(previous.attempts if previous else 0) + 1,
         first_failed_at=previous.first_failed_at if previous else now,
         last_failed_at=now,
-        last_error=error[:500],
+        # Handler exception text may quote a connection string or a token.
+        last_error=redact(error[: 4 * MAX_ERROR_CHARS])[:MAX_ERROR_CHARS],
         batch_id=batch_id,
         from_position=base.position,
-        done=tuple(done),
+        done=tuple(done)[:MAX_DONE_IDS],
+        done_total=len(done),
+        batch_end=batch_end,
+        batch_rows=batch_rows,
+        batch_digest=batch_digest,
+        extra=previous.extra if previous else {},
     )
     released = replace(lease, expires_at=now, heartbeat_at=now, released=True)
-    out = replace(base, lease=released, failure=failure)
-    if journal_entry is not None and base is not doc:
-        out = out.with_journal_entry(journal_entry, journal_limit)
-    return out
+    out = _with_window(replace(base, lease=released, failure=failure), window)
+    return _journaled(out, journal_entry if base is not doc else None, journal_limit)
 
 
 def describe_lease(lease: Lease | None, now: dt.datetime) -> str:

@@ -106,6 +106,7 @@ def force_takeover(doc: StateDocument, *, now: dt.datetime, actor: str) -> State
         heartbeat_at=now,
         expires_at=now,
         released=True,
+        extra=lease.extra,
     )
     return replace(doc, lease=fenced)
 
@@ -151,11 +152,23 @@ def manual_entry(
     return entry
 
 
-def _manual_checkpoint(position: Position | None, now: dt.datetime) -> Checkpoint | None:
-    """The checkpoint an operator sets: no batch behind it; None for the beginning."""
+def _manual_checkpoint(
+    position: Position | None, now: dt.datetime, like: Checkpoint | None = None
+) -> Checkpoint | None:
+    """The checkpoint an operator sets: no batch behind it; None for the beginning.
+
+    Fields a newer dbtrigger stored in ``like`` (the checkpoint it replaces)
+    are carried over, as every write does.
+    """
     if position is None or position.is_beginning:
         return None
-    return Checkpoint(position=position, last_successful_batch_id=None, updated_at=now, row_count=0)
+    return Checkpoint(
+        position=position,
+        last_successful_batch_id=None,
+        updated_at=now,
+        row_count=0,
+        extra=like.extra if like is not None else {},
+    )
 
 
 def _fence_and_journal(
@@ -218,8 +231,9 @@ def _apply(
     )
     out = replace(
         fenced,
-        checkpoint=_manual_checkpoint(position, now),
+        checkpoint=_manual_checkpoint(position, now, fenced.checkpoint),
         failure=None,
+        window=None,  # per-event outcomes belong to the old position
         source_fingerprint=fingerprint or fenced.source_fingerprint,
     )
     return out.with_journal_entry(entry, journal_limit)
@@ -235,11 +249,13 @@ def reset(
     force: bool = False,
     details: Mapping[str, Any] | None = None,
     journal_limit: int = JOURNAL_LIMIT,
+    fingerprint: str | None = None,
 ) -> StateDocument:
     """Set the checkpoint to ``position``; ``None`` starts over from the beginning.
 
     The failure record is cleared: whatever batch was failing, it is no longer
-    the batch after the new checkpoint.
+    the batch after the new checkpoint. ``fingerprint`` also accepts a new
+    source definition (see :func:`accept_source`).
     """
     return _apply(
         doc,
@@ -249,8 +265,60 @@ def reset(
         actor=actor,
         reason=reason,
         force=force,
-        details=details,
+        details=_fingerprint_details(doc, fingerprint, details),
         journal_limit=journal_limit,
+        fingerprint=fingerprint,
+    )
+
+
+def _fingerprint_details(
+    doc: StateDocument, fingerprint: str | None, details: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    out = dict(details or {})
+    if fingerprint is not None and fingerprint != doc.source_fingerprint:
+        out["fingerprint_before"] = doc.source_fingerprint
+        out["fingerprint_after"] = fingerprint
+    return out
+
+
+def accept_source(
+    doc: StateDocument,
+    *,
+    fingerprint: str,
+    now: dt.datetime,
+    actor: str,
+    reason: str,
+    force: bool = False,
+    details: Mapping[str, Any] | None = None,
+    journal_limit: int = JOURNAL_LIMIT,
+) -> StateDocument:
+    """Adopt a changed source definition, keeping the checkpoint where it is.
+
+    What to run after a deliberate change of the source (a new filter, another
+    table name, a moved database) when the position still means the same rows.
+    The failure record is cleared: a failing batch of the old definition is not
+    a batch of the new one. Fenced and journaled like every manual change, with
+    the old and new fingerprints.
+
+    Raises:
+        ConfigurationError: the fingerprint is already the stored one.
+    """
+    if fingerprint == doc.source_fingerprint:
+        raise ConfigurationError(
+            f"poller {doc.poller_name!r} already has this source definition "
+            f"({fingerprint}); there is nothing to accept"
+        )
+    return _apply(
+        doc,
+        "accept_source",
+        position=current_position(doc),
+        now=now,
+        actor=actor,
+        reason=reason,
+        force=force,
+        details=_fingerprint_details(doc, fingerprint, details),
+        journal_limit=journal_limit,
+        fingerprint=fingerprint,
     )
 
 
@@ -398,6 +466,8 @@ def clone(
         poller_name=new_poller,
         source_fingerprint=doc.source_fingerprint,
         checkpoint=checkpoint,
+        extra=doc.extra,
+        window=doc.window,  # same checkpoint: its settled/pending events still apply
     )
     return fresh.with_journal_entry(entry, journal_limit)
 
@@ -453,6 +523,7 @@ def batch_position(doc: StateDocument, batch_id: str, *, redeliver: bool = False
 
 __all__ = [
     "OPERATOR_PREFIX",
+    "accept_source",
     "batch_position",
     "check_lease",
     "clone",

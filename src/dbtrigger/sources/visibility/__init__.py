@@ -22,6 +22,10 @@ Guards (configuration objects, immutable, shareable):
   highest visible cursor, then waits until every transaction that was open at
   the probe has ended (``pg_stat_activity``) before consuming up to it. Needs to
   see every session of the database (``pg_read_all_stats``).
+* :class:`MariaDbHorizon` - MariaDB/MySQL, exact for ``CURRENT_TIMESTAMP`` and
+  ``AUTO_INCREMENT`` cursors: consumes only values no open writing transaction
+  or running statement can still commit (``INNODB_TRX`` and ``PROCESSLIST``,
+  the PROCESS privilege). ``auto`` falls back to the safety window without it.
 * :class:`SafetyWindow` - every dialect with a clock (MariaDB/MySQL, SQLite,
   SQL Server, PostgreSQL on request): only rows whose timestamp is older than
   the database's own clock minus N seconds, the bound computed in the fetch
@@ -47,6 +51,7 @@ from dbtrigger.sources.visibility.base import (
     XID_COLUMN_MARKER,
     ActiveGuard,
     FetchInfo,
+    GuardDescription,
     GuardTarget,
     NoGuard,
     VisibilityGuard,
@@ -56,6 +61,11 @@ from dbtrigger.sources.visibility.horizons import (
     DEFAULT_WARN_AFTER_SECONDS,
     SnapshotHorizon,
     TransactionHorizon,
+)
+from dbtrigger.sources.visibility.mariadb import (
+    MariaDbHorizon,
+    can_read_transactions,
+    is_auto_increment,
 )
 from dbtrigger.sources.visibility.window import (
     DEFAULT_WINDOW_SECONDS,
@@ -75,14 +85,18 @@ __all__ = [
     "XID_COLUMN_MARKER",
     "ActiveGuard",
     "FetchInfo",
+    "GuardDescription",
     "GuardTarget",
+    "MariaDbHorizon",
     "NoGuard",
     "SafetyWindow",
     "SnapshotHorizon",
     "TransactionHorizon",
     "VisibilityGuard",
+    "can_read_transactions",
     "choose",
     "install_visibility_trigger",
+    "is_auto_increment",
     "is_timestamp_type",
     "parse_visibility",
     "visibility_trigger_ddl",

@@ -43,7 +43,10 @@ class FetchInfo:
         held_back_seconds: for how long progress has been held back (0 if not).
         blocking_pid: the backend whose open transaction holds the horizon.
         blocking_xact_age_seconds: how long that transaction has been open.
-        blocking_detail: a prepared (two-phase) transaction holding it, if any.
+        blocking_detail: what holds it, in words (a prepared transaction, an
+            InnoDB transaction and its thread, a running statement).
+        blocking_trx_id: the blocking transaction's id where the database has
+            one to show (MariaDB/MySQL ``trx_id``).
     """
 
     mode: str
@@ -53,6 +56,7 @@ class FetchInfo:
     blocking_pid: int | None = None
     blocking_xact_age_seconds: float | None = None
     blocking_detail: str | None = None
+    blocking_trx_id: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -63,6 +67,34 @@ class FetchInfo:
             "blocking_pid": self.blocking_pid,
             "blocking_xact_age_seconds": self.blocking_xact_age_seconds,
             "blocking_detail": self.blocking_detail,
+            "blocking_trx_id": self.blocking_trx_id,
+        }
+
+
+@dataclass(frozen=True)
+class GuardDescription:
+    """Which guard is in force and what a stronger one would need (``dbtrigger check``).
+
+    Attributes:
+        mode: the guard in force, with its parameters (``transaction-horizon``,
+            ``safety-window(5s)``, ``none``); ``auto`` while undecided.
+        strength: ``exact``, ``bounded`` or ``none``.
+        guarantee: one sentence, as in ``status``.
+        needs: what to change for an exact guard (a privilege, a cursor
+            column), or None when the guard in force is already exact.
+    """
+
+    mode: str
+    strength: str
+    guarantee: str
+    needs: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "strength": self.strength,
+            "guarantee": self.guarantee,
+            "needs": self.needs,
         }
 
 
@@ -113,6 +145,16 @@ class ActiveGuard:
     def guarantee(self) -> str:
         return self.guard.guarantee(self.target.dialect)
 
+    def describe_guard(self) -> GuardDescription:
+        """Which guard is in force, how strong it is and what a stronger one needs."""
+        dialect = self.target.dialect
+        return GuardDescription(
+            mode=self.guard.label(),
+            strength=self.guard.strength(dialect),
+            guarantee=self.guarantee,
+            needs=self.guard.needs(dialect),
+        )
+
     def before_fetch(self, conn: Connection, after: Position) -> ColumnElement[bool] | None:
         del conn, after
         return None
@@ -149,6 +191,16 @@ class VisibilityGuard(abc.ABC):
         """The mode with its parameters, for logs and ``status``."""
         return self.mode
 
+    def strength(self, dialect: str) -> str:
+        """``exact``, ``bounded`` or ``none`` on ``dialect``."""
+        del dialect
+        return "exact"
+
+    def needs(self, dialect: str) -> str | None:
+        """What would make the guard exact on ``dialect`` (None: it is)."""
+        del dialect
+        return None
+
     @abc.abstractmethod
     def activate(self, target: GuardTarget) -> ActiveGuard:
         """Bind to a source (validating that the guard fits it)."""
@@ -167,5 +219,30 @@ class NoGuard(VisibilityGuard):
     def guarantee(self, dialect: str) -> str:
         return f"none ({self.reason}): a transaction that commits late can be skipped"
 
+    def strength(self, dialect: str) -> str:
+        del dialect
+        return "none"
+
+    def needs(self, dialect: str) -> str | None:
+        return _exact_needs(dialect)
+
     def activate(self, target: GuardTarget) -> ActiveGuard:
         return ActiveGuard(self, target)
+
+
+def _exact_needs(dialect: str) -> str | None:
+    """What an exact guard needs on ``dialect`` (see docs/visibility.md)."""
+    if dialect == "postgresql":
+        return (
+            "visibility='auto' (the default): the transaction-id cursor "
+            "(install_visibility_trigger) needs nothing, the transaction horizon needs "
+            "pg_read_all_stats"
+        )
+    if dialect in ("mysql", "mariadb"):
+        return (
+            "GRANT PROCESS ON *.* TO the polling account and visibility='auto' (the "
+            "transaction horizon), with a CURRENT_TIMESTAMP or AUTO_INCREMENT cursor"
+        )
+    if dialect == "sqlite":
+        return "values assigned inside the write transaction (rowid, CURRENT_TIMESTAMP)"
+    return "no exact guard exists for this dialect; see docs/visibility.md"

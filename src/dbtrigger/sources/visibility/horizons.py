@@ -158,9 +158,14 @@ class TransactionHorizon(VisibilityGuard):
         )
 
     def activate(self, target: GuardTarget) -> ActiveGuard:
+        if target.dialect in ("mysql", "mariadb"):
+            # The same promise on MariaDB/MySQL, kept by other means (INNODB_TRX).
+            from dbtrigger.sources.visibility.mariadb import MariaDbHorizon  # noqa: PLC0415
+
+            return MariaDbHorizon(warn_after_seconds=self.warn_after_seconds).activate(target)
         if target.dialect != "postgresql":
             raise ConfigurationError(
-                f"TransactionHorizon needs PostgreSQL, not {target.dialect!r}; "
+                f"TransactionHorizon needs PostgreSQL, MariaDB or MySQL, not {target.dialect!r}; "
                 "use SafetyWindow(...)"
             )
         return _ActivityActive(self, target)
@@ -376,6 +381,11 @@ class _ActivityActive(ActiveGuard):
         self._warner = _Warner(target, self.mode, guard.warn_after_seconds)
         self.last_info = FetchInfo(mode=self.mode)
         self._next_info: FetchInfo | None = None
+        # The bound (the newest safe probe) stays valid for good: every value
+        # at or below it is committed or rolled back. So a fetch only probes
+        # again when the previous one reached the bound (returned a short
+        # batch); a catch-up of full batches pays the probe once.
+        self._stale = True
 
     def _probe(self, conn: Connection) -> _Probe | None:
         """The highest visible cursor, and the database clock read after its snapshot."""
@@ -404,6 +414,11 @@ class _ActivityActive(ActiveGuard):
             )
 
     def before_fetch(self, conn: Connection, after: Position) -> ColumnElement[bool] | None:
+        with self._lock:
+            cached = None if self._stale else self._state.safe
+        if cached is not None:
+            self._next_info = None
+            return self.target.cursor <= self.target.bind(cached.value)
         probe = self._probe(conn)
         activity = self._activity(conn)
         settle = cast("TransactionHorizon", self.guard).settle_seconds
@@ -441,6 +456,8 @@ class _ActivityActive(ActiveGuard):
             )
         info = self._advance(probe, activity, after)
         self._next_info = info
+        with self._lock:
+            self._stale = False
         if info.horizon is None:
             return sa.false()
         return self.target.cursor <= self.target.bind(info.horizon)
@@ -480,8 +497,13 @@ class _ActivityActive(ActiveGuard):
         rows: Sequence[Mapping[str, Any]],
         limit: int,
     ) -> FetchInfo:
-        del conn, after, rows, limit
-        info = self._next_info or FetchInfo(mode=self.mode)
+        del conn, after
+        if len(rows) < limit:
+            with self._lock:
+                self._stale = True
+        if self._next_info is None:  # the cached bound: nothing new to report
+            return self.last_info
+        info = self._next_info
         self._warner.observe(info)
         self.last_info = info
         return info

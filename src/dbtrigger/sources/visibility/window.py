@@ -8,18 +8,31 @@ statement, so no client clock is involved.
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import math
-from dataclasses import dataclass
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.sql import ColumnElement
 
 from dbtrigger.cursor import Position
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.names import validate_sql_identifier
-from dbtrigger.sources.visibility.base import ActiveGuard, FetchInfo, GuardTarget, VisibilityGuard
+from dbtrigger.sources.visibility.base import (
+    ActiveGuard,
+    FetchInfo,
+    GuardTarget,
+    VisibilityGuard,
+    _exact_needs,
+)
+
+log = logging.getLogger("dbtrigger.sources.visibility")
 
 #: Default safety window. Five seconds covers ordinary commit latency (fsync
 #: stalls, replication waits, a short lock wait) and equals Python's default
@@ -48,6 +61,14 @@ class SafetyWindow(VisibilityGuard):
         utc: the naive timestamps are UTC rather than the database session's
             time zone (MariaDB ``UTC_TIMESTAMP``; PostgreSQL ``timezone('UTC',
             ...)``). SQLite's clock is UTC either way.
+        reason: why ``auto`` settled for a window (e.g. the MariaDB account
+            lacks PROCESS); shown by ``describe_guard()``, not compared.
+
+    On MariaDB/MySQL the window also watches for what it cannot cover: when a
+    fetch drains the source it looks (at most once a second) for write
+    transactions (``INNODB_TRX``, with PROCESS) and running statements (the
+    account's own sessions without it) older than the window, and logs a
+    WARNING (``event="visibility_window_exceeded"``) naming them.
 
     The bound is an expression in the fetch statement, evaluated by the database
     when it reads the rows, so no client clock is involved.
@@ -56,6 +77,7 @@ class SafetyWindow(VisibilityGuard):
     seconds: float = DEFAULT_WINDOW_SECONDS
     time_column: str | None = None
     utc: bool = False
+    reason: str | None = field(default=None, compare=False)
     mode = "safety-window"
 
     def __post_init__(self) -> None:
@@ -79,6 +101,14 @@ class SafetyWindow(VisibilityGuard):
             f"{dialect} clock; a writer that commits more than {self.seconds:g}s after taking "
             "its value can still be skipped"
         )
+
+    def strength(self, dialect: str) -> str:
+        del dialect
+        return "bounded"
+
+    def needs(self, dialect: str) -> str | None:
+        needs = _exact_needs(dialect)
+        return f"{self.reason}; {needs}" if self.reason and needs else needs
 
     def activate(self, target: GuardTarget) -> ActiveGuard:
         if target.dialect not in WINDOW_DIALECTS:
@@ -129,8 +159,16 @@ def window_predicate(
         # SQLite keeps timestamps as text in the writer's format ('T' or ' ',
         # with or without fractions or 'Z'); julianday() reads all of them, a
         # text comparison would not. 'now' is UTC, as CURRENT_TIMESTAMP writes.
+        # An integer is Unix time (SQLite's other date format; julianday()
+        # alone would read it as a day number). A value it cannot place (text
+        # in another format) is released at once, unprotected: held back, it
+        # would wait for ever, and be skipped once the checkpoint passed it.
         days = sa.literal(seconds / 86400.0, sa.Float())
-        return sa.func.julianday(column) < sa.func.julianday("now") - days
+        day = sa.case(
+            (sa.func.typeof(column) == "integer", sa.func.julianday(column, "unixepoch")),
+            else_=sa.func.julianday(column),
+        )
+        return sa.or_(day.is_(None), day < sa.func.julianday("now") - days)
     if dialect == "mssql":
         aware = isinstance(column_type, sa.DateTime) and bool(column_type.timezone)
         if aware:
@@ -152,6 +190,128 @@ class _WindowActive(ActiveGuard):
         self._predicate = predicate
         self.last_info = FetchInfo(mode=self.mode)
 
+        self._overruns = _OverrunWatch(target, guard) if target.dialect in _WATCHED else None
+
     def before_fetch(self, conn: Connection, after: Position) -> ColumnElement[bool] | None:
         del conn, after
         return self._predicate
+
+    def after_fetch(
+        self,
+        conn: Connection,
+        after: Position,
+        rows: Sequence[Mapping[str, Any]],
+        limit: int,
+    ) -> FetchInfo:
+        del after
+        if self._overruns is not None and len(rows) < limit:
+            self.last_info = self._overruns.check(conn) or FetchInfo(mode=self.mode)
+        return self.last_info
+
+
+_WATCHED = frozenset({"mysql", "mariadb"})
+
+# The oldest write transaction of another session (needs PROCESS) ...
+_OLDEST_WRITER = sa.text(
+    """
+    SELECT t.trx_id AS trx_id, t.trx_mysql_thread_id AS thread_id,
+           TIMESTAMPDIFF(
+               MICROSECOND, t.trx_started, CONVERT_TZ(NOW(6), @@session.time_zone, 'SYSTEM')
+           ) / 1000000 AS age
+      FROM information_schema.INNODB_TRX AS t
+     WHERE t.trx_rows_modified > 0 AND t.trx_mysql_thread_id <> CONNECTION_ID()
+     ORDER BY t.trx_started
+     LIMIT 1
+    """
+)
+# ... and the longest-running statement among the sessions this account sees.
+_OLDEST_STATEMENT = sa.text(
+    """
+    SELECT p.ID AS thread_id, p.TIME AS age
+      FROM information_schema.PROCESSLIST AS p
+     WHERE p.ID <> CONNECTION_ID()
+       AND p.COMMAND NOT IN ('Sleep', 'Daemon', 'Binlog Dump', 'Binlog Dump GTID')
+       AND UPPER(LEFT(LTRIM(COALESCE(p.INFO, '')), 4)) NOT IN ('SELE', 'SHOW')
+     ORDER BY p.TIME DESC
+     LIMIT 1
+    """
+)
+
+
+@dataclass
+class _OverrunWatch:
+    """Looks for writers older than the window, at most once a second, and warns.
+
+    A window cannot tell a late commit from an early one, but it can notice a
+    transaction that has already held its timestamp longer than the window:
+    its rows may land behind the checkpoint. Saying so is the difference
+    between a bounded guard and a silent one.
+    """
+
+    target: GuardTarget
+    guard: SafetyWindow
+    can_read_trx: bool | None = None
+    last_check: float = -math.inf
+    warned: dict[str, float] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def check(self, conn: Connection) -> FetchInfo | None:
+        now = time.monotonic()
+        with self.lock:
+            if now - self.last_check < 1.0:
+                return None
+            self.last_check = now
+        window = float(self.guard.seconds)
+        found: tuple[str, int, float, str | None] | None = None
+        if self.can_read_trx is not False:
+            try:
+                row = conn.execute(_OLDEST_WRITER).first()
+                self.can_read_trx = True
+            except DBAPIError:
+                self.can_read_trx = False
+                row = None
+            conn.rollback()
+            if row is not None and row.age is not None and float(row.age) > window:
+                what = f"InnoDB transaction {row.trx_id} on thread {row.thread_id}"
+                found = (what, int(row.thread_id), float(row.age), str(row.trx_id))
+        if found is None:
+            row = conn.execute(_OLDEST_STATEMENT).first()
+            conn.rollback()
+            if row is not None and row.age is not None and float(row.age) > window:
+                what = f"a statement on thread {row.thread_id}"
+                found = (what, int(row.thread_id), float(row.age), None)
+        if found is None:
+            return None
+        what, thread, age, trx = found
+        info = FetchInfo(
+            mode=self.guard.mode,
+            blocking_pid=thread,
+            blocking_xact_age_seconds=age,
+            blocking_detail=f"{what}, open {age:.0f}s: longer than the window",
+            blocking_trx_id=trx,
+        )
+        key = trx or f"thread {thread}"
+        with self.lock:
+            if now - self.warned.get(key, -math.inf) < 60.0:
+                return info
+            self.warned[key] = now
+        needs = self.guard.needs(self.target.dialect)
+        log.warning(
+            "%s: %s has been open %.0fs, longer than the %gs safety window: rows it wrote "
+            "before its commit may be skipped. Widen the window, or for an exact guard: %s",
+            self.target.source_name,
+            what,
+            age,
+            window,
+            needs,
+            extra={
+                "event": "visibility_window_exceeded",
+                "source": self.target.source_name,
+                "mode": self.guard.label(),
+                "blocking_pid": thread,
+                "blocking_trx_id": trx,
+                "blocking_xact_age_seconds": age,
+                "window_seconds": window,
+            },
+        )
+        return info

@@ -53,8 +53,10 @@ from dbtrigger.errors import (
     AmbiguousWriteError,
     CasConflictError,
     ConfigurationError,
+    MissingSettingError,
     StoreAuthError,
     StoreError,
+    StoreRefusedError,
     StoreUnavailableError,
     UnsafeIdentifierError,
 )
@@ -70,6 +72,29 @@ DEFAULT_PREFIX = "state"
 _CONTAINER_NAME = re.compile(r"^(?!.*--)[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
 _SETTING_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_:.-]*$")
 _JSON = ContentSettings(content_type="application/json")
+
+#: 409/412 error codes that mean "the precondition lost a race": the blob
+#: changed since it was read (If-Match), or exists already (If-None-Match: *).
+#: Every other 409/412 (LeaseIdMissing, BlobImmutableDueToPolicy, ...) is a
+#: refusal an operator must clear.
+_LOST_RACE_CODES = frozenset({"ConditionNotMet", "BlobAlreadyExists", "TargetConditionNotMet"})
+_LEASED = "the state blob is leased by someone else; break that lease"
+_REFUSAL_HINTS = {
+    "LeaseIdMissing": "the state blob has an active blob lease held by someone else; "
+    "break it (az storage blob lease break) or find who took it",
+    "LeaseIdMismatchWithBlobOperation": _LEASED,
+    "LeaseIdMismatchWithLeaseOperation": _LEASED,
+    "LeaseLost": _LEASED,
+    "LeaseNotPresentWithBlobOperation": "the blob lease state changed; break any lease on it",
+    "BlobImmutableDueToPolicy": "an immutability (WORM) policy or legal hold protects the "
+    "state blob; use a container without one",
+    "BlobArchived": "the state blob is in the archive tier; rehydrate it or restore a backup",
+    "BlobBeingRehydrated": "the state blob is being rehydrated from the archive tier",
+    "ContainerBeingDeleted": "the container is being deleted",
+    "ContainerDisabled": "the container is disabled",
+    "OperationNotAllowedOnIncrementalCopyBlob": "the state blob is an incremental copy",
+    "SnapshotsPresent": "the state blob has snapshots; delete them first",
+}
 
 #: Client options used when this module builds the client: a tick should fail
 #: fast and be retried by the next timer firing, not sit in the SDK's default
@@ -116,6 +141,15 @@ def _safe_url(url: str) -> str:
     return urlunsplit((parts.scheme, host, parts.path.rstrip("/"), "", ""))
 
 
+def _resolve_now_or_later(value: str, env: Mapping[str, str]) -> str:
+    """``value`` resolved from ``env``, or as it is when a setting is missing
+    (the store then resolves it, and reports the missing setting, at first use)."""
+    try:
+        return resolve_setting(value, env)
+    except MissingSettingError:
+        return value
+
+
 class BlobCheckpointStore:
     """State documents as blobs, every change an etag compare-and-swap.
 
@@ -143,13 +177,25 @@ class BlobCheckpointStore:
         read_timeout: float | None = None,
     ) -> None:
         self._client = container_client
-        self.app_name = validate_name(resolve_setting(app_name), "app name")
+        self._app_name_spec = app_name
+        self._app_name: str | None = None
+        # A missing %SETTING% is reported at first use: in a Function App one
+        # missing setting must not stop every function from indexing.
+        with contextlib.suppress(MissingSettingError):
+            self._app_name = validate_name(resolve_setting(app_name), "app name")
         segments = prefix.strip("/").split("/")
         self.prefix = "/".join(validate_name(s, "blob prefix segment") for s in segments)
         self._create_container = create_container
         self._call_options: dict[str, Any] = {}
         if read_timeout is not None:
             self._call_options["read_timeout"] = read_timeout
+
+    @property
+    def app_name(self) -> str:
+        """The application segment of the blob paths (``%SETTING%`` resolved at first use)."""
+        if self._app_name is None:
+            self._app_name = validate_name(resolve_setting(self._app_name_spec), "app name")
+        return self._app_name
 
     # --- construction -----------------------------------------------------------
 
@@ -214,7 +260,7 @@ class BlobCheckpointStore:
             ) from None
         return cls(
             container_client=client,
-            app_name=resolve_setting(app_name, env),
+            app_name=_resolve_now_or_later(app_name, env),
             prefix=prefix,
             create_container=create_container,
             read_timeout=read_timeout,
@@ -288,7 +334,7 @@ class BlobCheckpointStore:
         )
         return cls.from_account_url(
             url,
-            app_name=resolve_setting(app_name, env),
+            app_name=_resolve_now_or_later(app_name, env),
             credential=credential,
             container=container,
             prefix=prefix,
@@ -346,9 +392,18 @@ class BlobCheckpointStore:
                 error_code=code,
             )
         if mutating and status in (409, 412):
-            return CasConflictError(
-                f"{where} lost the compare-and-swap ({detail}): the blob changed since it "
-                "was read, or already exists for a create-only write",
+            if code is None or code in _LOST_RACE_CODES:
+                return CasConflictError(
+                    f"{where} lost the compare-and-swap ({detail}): the blob changed since it "
+                    "was read, or already exists for a create-only write",
+                    status=status,
+                    error_code=code,
+                )
+            # Someone's lease on the blob, an immutability policy, an archived
+            # blob...: not another instance winning, and no retry will pass.
+            return StoreRefusedError(
+                f"{where} was refused ({detail}), and not because another instance wrote "
+                f"first: {_REFUSAL_HINTS.get(code, 'see the storage error code')}",
                 status=status,
                 error_code=code,
             )

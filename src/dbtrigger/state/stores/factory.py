@@ -7,6 +7,7 @@ environment variable) names a store like this:
 ``./state``, ``/var/lib/x``, ``file:DIR`` :class:`FileCheckpointStore` in that directory
 ``memory:`` / ``memory:NAME``             a process-wide named in-memory store (tests)
 ``DefaultEndpointsProtocol=...;...``      BlobCheckpointStore from a connection string
+``BlobEndpoint=...;SharedAccess...``      the same, from the portal's SAS form
 ``UseDevelopmentStorage=true``            the same, against the local emulator
 ``%SETTING%``                             the app setting's value, interpreted as above
 ``azure-blob://ACCOUNT-HOST/CONTAINER``   BlobCheckpointStore with DefaultAzureCredential
@@ -24,8 +25,9 @@ The Azure and SQL adapters are imported only when such a store is asked for, so
 the file store works with none of their SDKs installed.
 
 Redaction: every secret met while parsing (a URL password, an account key, a
-SAS signature) is remembered, and :func:`redact` removes both those exact
-values and anything that looks like a credential from text before it is shown.
+SAS signature) is remembered, and :func:`~dbtrigger.redaction.redact` (re-exported
+here) removes both those exact values and anything that looks like a credential
+from text before it is shown.
 """
 
 from __future__ import annotations
@@ -34,12 +36,13 @@ import importlib
 import os
 import re
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from types import ModuleType
 from typing import Any, cast
 from urllib.parse import parse_qsl, urlsplit
 
 from dbtrigger.errors import ConfigurationError
+from dbtrigger.redaction import redact, remember_connection_string, remember_secret
 from dbtrigger.settings import resolve_setting
 from dbtrigger.state.stores.base import CheckpointStore
 from dbtrigger.state.stores.file import FileCheckpointStore
@@ -49,12 +52,16 @@ DEFAULT_CONTAINER = "db-state"
 DEFAULT_APP = "default"
 
 _MEMORY: dict[str, InMemoryCheckpointStore] = {}
-_SECRETS: set[str] = set()
 _LOCK = threading.Lock()
 
 _CONNECTION_STRING = re.compile(
     r"(?i)\b(DefaultEndpointsProtocol|AccountName|AccountKey|BlobEndpoint|TableEndpoint"
     r"|SharedAccessSignature|UseDevelopmentStorage)\s*="
+)
+_CONNECTION_KEY = re.compile(
+    r"(?i)DefaultEndpointsProtocol|AccountName|AccountKey|SharedAccessSignature"
+    r"|UseDevelopmentStorage|EndpointSuffix|(?:Blob|Queue|File|Table|Dfs)Endpoint"
+    r"|(?:Blob|Queue|File|Table)SecondaryEndpoint"
 )
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _SQL_DIALECTS = frozenset(
@@ -62,54 +69,22 @@ _SQL_DIALECTS = frozenset(
 )
 _SQL_OPTIONS = ("state_table", "state_schema", "namespace", "app")
 
-# Patterns for credentials in free text: connection-string fields, URL
-# passwords, query parameters and bearer tokens.
-_REDACTIONS: tuple[tuple[re.Pattern[str], str], ...] = (
-    (
-        re.compile(
-            r"(?i)\b(AccountKey|SharedAccessSignature|SharedAccessKey|Password|Pwd"
-            r"|client_secret)\s*=\s*[^;&\s'\"]+"
-        ),
-        r"\1=***",
-    ),
-    (
-        re.compile(
-            r"(?i)([?&;](?:sig|password|pwd|secret|token|key|credential)[^=&;\s]*)=[^&;\s'\"]+"
-        ),
-        r"\1=***",
-    ),
-    (re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^:/@\s'\"]*):[^@\s'\"]+@"), r"\1:***@"),
-    (re.compile(r"(?i)\bBearer\s+[A-Za-z0-9._~+/=-]+"), "Bearer ***"),
-)
-
-
-def remember_secret(value: str | None) -> None:
-    """Have :func:`redact` remove this exact value wherever it appears."""
-    if value and len(value) >= 4:
-        with _LOCK:
-            _SECRETS.add(value)
-
-
-def redact(text: str, extra: Iterable[str] = ()) -> str:
-    """``text`` with every known secret and credential-looking field masked."""
-    with _LOCK:
-        secrets = sorted({*_SECRETS, *(s for s in extra if s and len(s) >= 4)}, key=len)
-    for secret in reversed(secrets):  # longest first, so a prefix cannot leave a tail
-        text = text.replace(secret, "***")
-    for pattern, replacement in _REDACTIONS:
-        text = pattern.sub(replacement, text)
-    return text
-
-
-def _remember_connection_string(value: str) -> None:
-    for part in value.split(";"):
-        key, _, secret = part.partition("=")
-        if key.strip().lower() in ("accountkey", "sharedaccesssignature", "sharedaccesskey"):
-            remember_secret(secret.strip())
+# Kept importable from here (their home used to be this module).
+_remember_connection_string = remember_connection_string
 
 
 def is_connection_string(value: str) -> bool:
-    return bool(_CONNECTION_STRING.search(value)) and "://" not in value.split(";", 1)[0]
+    """True for ``Key=value;Key=value`` storage connection strings.
+
+    Decided by the first field's *name*, not by the absence of ``://``: the
+    portal's SAS form starts ``BlobEndpoint=https://...;`` and must not be taken
+    for a directory or a URL.
+    """
+    first = value.split(";", 1)[0]
+    name, sep, _ = first.partition("=")
+    if sep and _CONNECTION_KEY.fullmatch(name.strip()):
+        return True
+    return bool(_CONNECTION_STRING.search(value)) and "://" not in first
 
 
 def _lazy(module: str, what: str) -> ModuleType:

@@ -12,6 +12,16 @@ on every write, including a write of identical bytes, and mtimes are too coarse
 an exclusive ``flock`` on the lock file across compare-and-replace; readers
 hold a shared one, so a read never pairs a new document with an old etag.
 
+Every lock wait is bounded (``lock_timeout``, 10 s by default): a process
+frozen inside a write (stopped, swapped out, stuck on a dead NFS server) makes
+the others fail with :class:`~dbtrigger.errors.StoreUnavailableError` and try
+again on their next tick, instead of hanging every instance and ``dbtrigger
+status`` behind it. Reads also work in a directory this process may not write
+(a read-only mount, another user's files): the lock file is then opened read
+only, or, when it does not exist and cannot be created, the read goes without
+it. A write killed between creating its temporary file and renaming it leaves
+that file behind; the next write of the same key, holding the lock, removes it.
+
 Write order is etag first, then document, both by atomic ``os.replace`` with
 fsync: a crash in between leaves the old document under a new etag, which is a
 state a reader could legitimately have seen (a write of equal bytes), and makes
@@ -27,7 +37,9 @@ import errno
 import fcntl
 import hashlib
 import os
+import re
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,12 +48,32 @@ from dbtrigger.errors import CasConflictError, StoreAuthError, StoreUnavailableE
 from dbtrigger.names import validate_name
 from dbtrigger.state.stores.base import StoredDocument
 
+#: Seconds a read or write waits for another process's lock before giving up.
+DEFAULT_LOCK_TIMEOUT = 10.0
+
+_NO_WRITE = (errno.EACCES, errno.EPERM, errno.EROFS)
+
 
 class FileCheckpointStore:
-    """State documents as JSON files in one directory."""
+    """State documents as JSON files in one directory.
 
-    def __init__(self, directory: str | os.PathLike[str], *, create: bool = True) -> None:
+    Args:
+        directory: where the documents live.
+        create: create the directory if it is missing.
+        lock_timeout: seconds to wait for another process's lock before a
+            read or write fails with ``StoreUnavailableError`` (default
+            :data:`DEFAULT_LOCK_TIMEOUT`).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        create: bool = True,
+        lock_timeout: float | None = None,
+    ) -> None:
         self._dir = Path(directory)
+        self._lock_timeout = DEFAULT_LOCK_TIMEOUT if lock_timeout is None else lock_timeout
         if create:
             self._dir.mkdir(parents=True, exist_ok=True)
 
@@ -57,21 +89,70 @@ class FileCheckpointStore:
             self._dir / f".{key}.lock",
         )
 
-    @contextlib.contextmanager
-    def _locked(self, lock_path: Path, exclusive: bool) -> Iterator[None]:
+    def _open_lock(self, lock_path: Path, exclusive: bool) -> int | None:
+        """The lock file's descriptor; None for a read where no lock can exist."""
         try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        except PermissionError as exc:
-            raise StoreAuthError(f"no permission to use {lock_path}") from exc
+            return os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         except FileNotFoundError as exc:
             raise StoreUnavailableError(f"state directory {self._dir} does not exist") from exc
         except OSError as exc:
-            raise StoreUnavailableError(f"cannot open {lock_path}: {exc.strerror}") from exc
+            if exc.errno not in _NO_WRITE:
+                raise StoreUnavailableError(f"cannot open {lock_path}: {exc.strerror}") from exc
+            if exclusive:
+                if exc.errno == errno.EROFS:
+                    raise StoreUnavailableError(
+                        f"cannot write in {self._dir}: the file system is read-only"
+                    ) from exc
+                raise StoreAuthError(f"no permission to use {lock_path}") from exc
+        # A read in a directory we may not write: share the writers' lock read-only.
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            return os.open(lock_path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None  # nobody ever wrote through a lock here; nothing to wait for
+        except OSError as exc:
+            raise StoreAuthError(f"no permission to use {lock_path}") from exc
+
+    @contextlib.contextmanager
+    def _locked(self, lock_path: Path, exclusive: bool) -> Iterator[None]:
+        fd = self._open_lock(lock_path, exclusive)
+        if fd is None:
+            yield
+            return
+        try:
+            self._wait_for_lock(fd, lock_path, exclusive)
             yield
         finally:
             os.close(fd)  # closing drops the flock
+
+    def _wait_for_lock(self, fd: int, lock_path: Path, exclusive: bool) -> None:
+        mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
+        deadline = time.monotonic() + self._lock_timeout
+        pause = 0.001
+        while True:
+            try:
+                fcntl.flock(fd, mode)
+                return
+            except BlockingIOError:
+                pass
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise StoreUnavailableError(
+                    f"{lock_path} stayed locked by another process for {self._lock_timeout:g} s "
+                    "(an instance frozen inside a write?); nothing was read or changed, "
+                    "the next attempt tries again",
+                    lock_timeout=self._lock_timeout,
+                )
+            time.sleep(min(pause, remaining))
+            pause = min(pause * 2, 0.05)
+
+    def _remove_leftovers(self, *paths: Path) -> None:
+        """Delete temporary files of ``paths`` left by a killed write (lock held)."""
+        patterns = [re.compile(rf"^\.{re.escape(p.name)}\.[A-Za-z0-9_]{{8}}\.tmp$") for p in paths]
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(self._dir):
+                if entry.name.endswith(".tmp") and any(p.match(entry.name) for p in patterns):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.path)
 
     @staticmethod
     def _read_unlocked(doc_path: Path, etag_path: Path) -> StoredDocument | None:
@@ -126,6 +207,7 @@ class FileCheckpointStore:
                 raise CasConflictError(f"{doc_path} already exists (create-only write)")
             if if_match is not None and (current is None or current.etag != if_match):
                 raise CasConflictError(f"{doc_path} changed since it was read (etag mismatch)")
+            self._remove_leftovers(doc_path, etag_path)
             etag = f'"{uuid.uuid4().hex}"'
             try:
                 self._replace(etag_path, etag.encode())

@@ -65,7 +65,7 @@ from dbtrigger.errors import (
     ConfigurationError,
     DbTriggerError,
     StoreAuthError,
-    StoreError,
+    StoreRefusedError,
     StoreUnavailableError,
     UnsupportedDocumentError,
 )
@@ -96,6 +96,9 @@ _MYSQL_AUTH_CODES = frozenset({1044, 1045, 1142, 1143, 1227, 1370, 1698})
 # Another transaction won (deadlock victim, serialization failure): rolled back.
 _PG_CONFLICT_SQLSTATES = frozenset({"40001", "40P01"})
 _MYSQL_CONFLICT_CODES = frozenset({1213})
+# A create that lost: the (namespace, poller_name) key exists already.
+_MYSQL_DUPLICATE_CODES = frozenset({1062})
+_SQLITE_DUPLICATE = re.compile(r"UNIQUE constraint failed|PRIMARY KEY must be unique")
 
 
 def classify_driver_error(exc: sa.exc.DBAPIError) -> str:
@@ -118,6 +121,17 @@ def classify_driver_error(exc: sa.exc.DBAPIError) -> str:
     if exc.connection_invalidated:
         return "disconnect"
     return "other"
+
+
+def is_duplicate_key(exc: sa.exc.IntegrityError) -> bool:
+    """True when the violated constraint is a unique/primary key (a lost create race)."""
+    orig = exc.orig
+    sqlstate = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    args = getattr(orig, "args", ())
+    code = args[0] if args and isinstance(args[0], int) else None
+    if sqlstate is not None or code is not None:
+        return sqlstate == "23505" or code in _MYSQL_DUPLICATE_CODES
+    return bool(_SQLITE_DUPLICATE.search(str(orig)))
 
 
 def _state_table(name: str, schema: str | None) -> sa.Table:
@@ -239,11 +253,15 @@ class SqlCheckpointStore:
         except DbTriggerError:
             raise
         except sa.exc.IntegrityError as exc:
-            if create:
+            if create and is_duplicate_key(exc):
                 raise CasConflictError(
                     f"{key!r} already exists in {self.table_name} (create-only write)"
                 ) from exc
-            raise StoreError(f"{where} violated a constraint: {short_error(exc)}") from exc
+            # Any other constraint (a trigger, a CHECK, a NOT NULL someone added
+            # to the state table) is not a race and will fail the same way again.
+            raise StoreRefusedError(
+                f"{where} violated a constraint of the state table: {short_error(exc)}"
+            ) from exc
         except sa.exc.DBAPIError as exc:
             kind = classify_driver_error(exc)
             if kind == "auth":

@@ -65,11 +65,13 @@ from dbtrigger.errors import (
     DbTriggerError,
     StoreAuthError,
     StoreError,
+    StoreRefusedError,
     StoreUnavailableError,
     UnsafeIdentifierError,
     UnsupportedDocumentError,
 )
 from dbtrigger.names import validate_name
+from dbtrigger.redaction import redact
 from dbtrigger.settings import resolve_setting
 from dbtrigger.state.stores.base import StoredDocument
 
@@ -79,17 +81,21 @@ MAX_ENTITY_BYTES = 1024 * 1024
 MAX_PROPERTY_UNITS = 32 * 1024
 
 _TABLE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9]{2,62}$")
-_SECRETS = re.compile(r"(sig|AccountKey|SharedAccessSignature)=[^&;\s\"']+", re.IGNORECASE)
 _CODE_IN_TEXT = re.compile(r'"code"\s*:\s*"(\w+)"|ErrorCode:(\w+)')
 _SERVICE_ETAG = re.compile(r"^W/\"datetime'[^']+'\"$")
 _AMBIGUOUS_STATUS = frozenset({500, 504})  # "may have been processed"
 _WRITE_RETRIES = {"retry_read": 0, "retry_status": 0}
+#: 409/412 codes of a lost race: the entity exists already (create) or its etag
+#: moved (update). Any other 409/412 code is a refusal, not contention.
+_LOST_RACE_CODES = frozenset(
+    {"EntityAlreadyExists", "UpdateConditionNotSatisfied", "ConditionNotMet"}
+)
 
 
 def _short(exc: BaseException) -> str:
     """One line naming an SDK error, with anything that looks like a key removed."""
     first = (str(exc).strip().splitlines() or [""])[0]
-    return _SECRETS.sub(r"\1=<redacted>", f"{type(exc).__name__}: {first}")[:300]
+    return redact(f"{type(exc).__name__}: {first}")[:300]
 
 
 def _error_code(exc: AzureError) -> str:
@@ -290,9 +296,20 @@ class TableCheckpointStore:
         self, where: str, key: str, exc: AzureError, *, write: bool, if_match: str | None
     ) -> DbTriggerError:
         """The store error for an SDK error (checked most specific first)."""
-        if isinstance(exc, ResourceExistsError):
-            return CasConflictError(f"{key!r} already exists (create-only write)")
-        if isinstance(exc, ResourceModifiedError):
+        code = _error_code(exc)
+        if isinstance(exc, (ResourceExistsError, ResourceModifiedError)) or (
+            isinstance(exc, HttpResponseError) and exc.status_code in (409, 412)
+        ):
+            if code and code not in _LOST_RACE_CODES:
+                # Not another instance winning: no retry will pass.
+                return StoreRefusedError(
+                    f"{where} was refused ({exc.status_code} {code}), and not because "
+                    "another instance wrote first",
+                    status=exc.status_code,
+                    error_code=code,
+                )
+            if isinstance(exc, ResourceExistsError) or exc.status_code == 409:
+                return CasConflictError(f"{key!r} already exists (create-only write)")
             return CasConflictError(f"{key!r} changed since it was read (etag mismatch)")
         if isinstance(exc, ResourceNotFoundError):
             if _is_table_missing(exc):
@@ -304,13 +321,10 @@ class TableCheckpointStore:
             return StoreAuthError(f"{where} was refused: {_short(exc)}")
         if isinstance(exc, HttpResponseError):
             status = exc.status_code or 0
-            code = _error_code(exc)
             if status in (401, 403):
                 return StoreAuthError(
                     f"{where} was refused ({status}): {_short(exc)}; check the key, SAS or role"
                 )
-            if status == 412:
-                return CasConflictError(f"{key!r} changed since it was read (412)")
             # The service rejects an If-Match it could never have issued with 400
             # InvalidInput; such an etag cannot be current, so that is a lost CAS.
             # Only for etags of a foreign shape: a 400 on a service-shaped etag

@@ -11,18 +11,21 @@ import datetime as dt
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dbtrigger.cli_state_common import (
+from dbtrigger.cli.common import (
     Console,
     LoadedSource,
     add_store_options,
-    load_source,
     read_state,
     show_position,
+    source_from_args,
     state_store,
     utc_now,
 )
-from dbtrigger.errors import DbTriggerError
+from dbtrigger.errors import CorruptStateError, DbTriggerError
 from dbtrigger.health import measure_lag
+from dbtrigger.partitions import layout as membership_layout
+from dbtrigger.partitions.layout import Membership
+from dbtrigger.sources.base import accepted_fingerprints
 from dbtrigger.state import document as docmod
 from dbtrigger.state.lease import describe_lease
 from dbtrigger.state.stores.base import CheckpointStore
@@ -98,7 +101,7 @@ def poller_status(
     )
     lag: dict[str, Any] = {"rows": None, "seconds": None, "note": "pass --source to measure lag"}
     if source is not None:
-        matches = source.source.fingerprint() == doc.source_fingerprint
+        matches = doc.source_fingerprint in accepted_fingerprints(source.source)
         out["fingerprint_matches_source"] = matches
         if not matches:
             lag["note"] = "the --source definition differs from this poller's (fingerprint)"
@@ -206,9 +209,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace, store: CheckpointStore) -> int:
     console = Console()
-    source = load_source(args.source) if args.source else None
+    source = source_from_args(args)
     now = utc_now()
     names = [args.poller] if args.poller else store.list_keys()
+    groups = [name for name in names if _membership(store, name) is not None]
+    names = [name for name in names if name not in groups]
     statuses = [poller_status(store, name, source=source, now=now) for name in names]
     if args.json:
         console.json(statuses[0] if args.poller else statuses)
@@ -219,7 +224,28 @@ def _status(args: argparse.Namespace, store: CheckpointStore) -> int:
     else:
         console.print(f"store {describe_store(store)}")
         console.print(_render_many(statuses))
+    for name in groups if not args.json else ():
+        doc = _membership(store, name)
+        assert doc is not None  # noqa: S101 - found above
+        console.print(
+            f"partitioned poller {doc.poller}: {len(doc.partitions)} partitions "
+            f"(the {doc.poller}.p... rows), {len(doc.members)} member(s), generation "
+            f"{doc.generation}; owners and lag: dbtrigger partitions show --trigger MODULE:ATTR"
+        )
     return 1 if any("error" in s for s in statuses) else 0
+
+
+def _membership(store: CheckpointStore, name: str) -> Membership | None:
+    """The partition membership document stored under ``name``, if that is one."""
+    if not name.endswith(".members"):
+        return None
+    stored = store.read(name)
+    if stored is None:
+        return None
+    try:
+        return membership_layout.loads(stored.data)
+    except CorruptStateError:
+        return None
 
 
 # --- history -----------------------------------------------------------------------------
@@ -274,14 +300,13 @@ def cmd_history(args: argparse.Namespace) -> int:
 def add_read_commands(sub: Any) -> None:
     status = sub.add_parser("status", help="checkpoint, lease, lag and failures of pollers")
     status.add_argument("poller", nargs="?", help="one poller (default: all in the store)")
-    status.add_argument("--source", help="MODULE:ATTR (PollTrigger or source) to measure lag")
     status.add_argument("--json", action="store_true", help="machine-readable output")
-    add_store_options(status)
+    add_store_options(status)  # --source also measures the lag
     status.set_defaults(func=cmd_status)
 
     history = sub.add_parser("history", help="the poller's journal: commits and manual changes")
-    history.add_argument("poller")
+    history.add_argument("poller", help="the poller name (its state document)")
     history.add_argument("--limit", type=int, default=0, help="only the last N entries")
-    history.add_argument("--json", action="store_true")
+    history.add_argument("--json", action="store_true", help="machine-readable output")
     add_store_options(history)
     history.set_defaults(func=cmd_history)

@@ -1,14 +1,21 @@
-"""The CheckpointStore contract, run against every implementation.
+"""The ``CheckpointStore`` contract, run against every implementation.
 
-Subclass :class:`StoreContract` and provide a ``store`` fixture returning a
-fresh, empty store. A fake that fails any of these is a bug, exactly like a
-real adapter that does.
+Subclass :class:`StoreContract` in a pytest module and provide a ``store``
+fixture returning a fresh, empty store::
+
+    class TestMyStore(StoreContract):
+        @pytest.fixture
+        def store(self) -> MyStore:
+            return MyStore(...)
+
+A fake that fails any of these is a bug, exactly like a real adapter that does.
+The races are real threads on one store object, so a store that is not
+thread-safe fails them.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 
 import pytest
 
@@ -17,7 +24,7 @@ from dbtrigger.state.stores.base import CheckpointStore, StoredDocument
 
 
 class StoreContract:
-    """Inherit and define a ``store`` fixture."""
+    """The store contract: inherit and define a ``store`` fixture (fresh and empty)."""
 
     def test_is_a_checkpoint_store(self, store: CheckpointStore) -> None:
         assert isinstance(store, CheckpointStore)
@@ -108,7 +115,7 @@ class StoreContract:
                 wins.append(i)
             except CasConflictError:
                 conflicts.append(i)
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
                 errors.append(exc)
 
         threads = [threading.Thread(target=attempt, args=(i,)) for i in range(writers)]
@@ -142,6 +149,3 @@ class StoreContract:
         for t in threads:
             t.join()
         assert len(wins) == 1
-
-
-StoreFactory = Callable[[], CheckpointStore]

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any, TextIO
 
-from dbtrigger.cli_state import (
+from dbtrigger.cli.common import (
     ENV_STORE,
     Console,
     actor_from_args,
@@ -33,15 +33,17 @@ from dbtrigger.cli_state import (
     add_cursor_options,
     add_store_options,
     parse_position,
-    print_plan,
     show_position,
     state_store,
     utc_now,
 )
+from dbtrigger.cli.loading import load_trigger
+from dbtrigger.cli.state_change import print_plan
 from dbtrigger.cursor import Position
 from dbtrigger.errors import ConfigurationError, DbTriggerError, OperatorError
 from dbtrigger.runtime.delivery import Handler
 from dbtrigger.runtime.poller import PollTrigger
+from dbtrigger.sources.base import CountsAfter, accepted_fingerprints
 from dbtrigger.state import document as docmod
 from dbtrigger.state import operations as ops
 from dbtrigger.state.document import StateDocument
@@ -77,6 +79,7 @@ class Progress:
         self.started = clock()
         self.log_interval = log_interval
         self._last_draw = -float("inf")
+        self._drawn: int | None = None  # ``done`` at the last draw
 
     def render(self) -> str:
         elapsed = max(self.clock() - self.started, 1e-9)
@@ -103,6 +106,7 @@ class Progress:
             self._last_draw = now
 
     def _draw(self, final: bool = False) -> None:
+        self._drawn = self.done
         if self.tty:
             self.stream.write("\r" + self.render() + ("\n" if final else ""))
         else:
@@ -110,7 +114,12 @@ class Progress:
         self.stream.flush()
 
     def finish(self) -> None:
-        self._draw(final=True)
+        """End the bar: its final state is on screen exactly once."""
+        if self._drawn != self.done:
+            self._draw(final=True)
+        elif self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
 
 
 @contextmanager
@@ -134,19 +143,20 @@ def graceful_sigint(stop: threading.Event) -> Iterator[None]:
 
 
 def _load_trigger(args: argparse.Namespace) -> tuple[PollTrigger, Handler]:
-    from dbtrigger.cli import load_object  # noqa: PLC0415 - cli imports this module
-
-    trigger = load_object(args.trigger)
-    if not isinstance(trigger, PollTrigger):
-        raise ConfigurationError(f"{args.trigger} is a {type(trigger).__name__}, not a PollTrigger")
-    handler = load_object(args.handler) if args.handler else trigger.default_handler
-    if handler is None:
-        raise ConfigurationError(f"{args.trigger} has no @handler; pass --handler MODULE:FUNCTION")
-    if args.new_poller == trigger.name:
+    if not args.source:
+        raise ConfigurationError(
+            "backfill needs --trigger MODULE:ATTR: the PollTrigger or @db.trigger function "
+            "whose source and handler the backfill uses"
+        )
+    loaded = load_trigger(args.source, args.handler)
+    if not isinstance(loaded.trigger, PollTrigger):
+        raise ConfigurationError(f"{args.source} is a claim queue: there is nothing to backfill")
+    if args.new_poller == loaded.trigger.name:
         raise ConfigurationError(
             "a backfill needs its own poller name; the live poller's state is never touched"
         )
-    return trigger, handler
+    assert loaded.handler is not None  # noqa: S101 - load_trigger guarantees it
+    return loaded.trigger, loaded.handler
 
 
 def _starting_point(
@@ -162,7 +172,7 @@ def _starting_point(
                 "or choose a new name"
             )
         existing = docmod.loads(stored.data)
-        if existing.source_fingerprint != trigger.fingerprint:
+        if existing.source_fingerprint not in accepted_fingerprints(trigger.source):
             raise ConfigurationError(
                 f"poller {args.new_poller!r} was made for a different source definition"
             )
@@ -239,8 +249,8 @@ def _backfill(
     console = Console()
     now = utc_now()
     start, created = _starting_point(args, store, trigger, now)
-    counter = getattr(trigger.source, "count_after", None)
-    total: int | None = counter(start) if counter is not None else None
+    counts = trigger.source if isinstance(trigger.source, CountsAfter) else None
+    total: int | None = counts.count_after(start) if counts is not None else None
     if created is not None:
         print_plan(console, "backfill", store, None, created, now)
     else:
@@ -283,16 +293,28 @@ def add_backfill_command(sub: Any) -> None:
         "backfill", help="drain a separate poller name from a cursor, with a progress bar"
     )
     backfill.add_argument("new_poller", help="the backfill's own poller name")
-    backfill.add_argument("--trigger", required=True, help="MODULE:ATTR naming a PollTrigger")
-    backfill.add_argument("--handler", help="MODULE:FUNCTION (default: the trigger's @handler)")
+    backfill.add_argument(
+        "--handler",
+        metavar="MODULE:FUNCTION",
+        help="the handler (default: the trigger's @handler, or the Functions function itself "
+        "with its output bindings)",
+    )
     start = backfill.add_mutually_exclusive_group()
-    start.add_argument("--from-beginning", action="store_true")
+    start.add_argument(
+        "--from-beginning", action="store_true", help="deliver every row of the source"
+    )
     start.add_argument("--from-cursor", metavar="VALUE", help="start after (VALUE, --pk)")
     add_cursor_options(backfill, "--from-cursor")
-    backfill.add_argument("--batch-size", type=int, help="default: the trigger's")
-    backfill.add_argument("--batches-per-tick", type=int, default=10)
-    backfill.add_argument("--max-retries", type=int, default=3, help="failed ticks in a row")
-    backfill.add_argument("--retry-delay", type=float, default=2.0, help="seconds")
+    backfill.add_argument("--batch-size", type=int, help="rows per batch (default: the trigger's)")
+    backfill.add_argument(
+        "--batches-per-tick", type=int, default=10, help="batches per lease (default 10)"
+    )
+    backfill.add_argument(
+        "--max-retries", type=int, default=3, help="failed ticks in a row before giving up"
+    )
+    backfill.add_argument(
+        "--retry-delay", type=float, default=2.0, help="seconds between retries (default 2)"
+    )
     add_store_options(backfill, default_hint="the trigger's own store")
     add_change_options(backfill, lease=False)
     backfill.set_defaults(func=cmd_backfill)

@@ -24,32 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dbtrigger.cli_state_change import add_change_commands, print_plan
-from dbtrigger.cli_state_common import (
-    DEFAULT_BACKUP_DIR,
-    ENV_APP,
-    ENV_BACKUP_DIR,
-    ENV_CONTAINER,
-    ENV_STORE,
-    VALUE_KINDS,
-    Console,
-    LoadedSource,
-    actor_from_args,
-    add_change_options,
-    add_cursor_options,
-    add_store_options,
-    close_store,
-    default_actor,
-    load_source,
-    parse_position,
-    parse_value,
-    read_state,
-    show_position,
-    state_store,
-    store_from_args,
-    utc_now,
-)
-from dbtrigger.cli_state_read import add_read_commands, poller_status
+from dbtrigger.cli.state_change import add_change_commands
+from dbtrigger.cli.state_read import add_read_commands
 
 
 def add_state_commands(sub: Any) -> None:
@@ -58,30 +34,4 @@ def add_state_commands(sub: Any) -> None:
     add_change_commands(sub)
 
 
-__all__ = [
-    "DEFAULT_BACKUP_DIR",
-    "ENV_APP",
-    "ENV_BACKUP_DIR",
-    "ENV_CONTAINER",
-    "ENV_STORE",
-    "VALUE_KINDS",
-    "Console",
-    "LoadedSource",
-    "actor_from_args",
-    "add_change_options",
-    "add_cursor_options",
-    "add_state_commands",
-    "add_store_options",
-    "close_store",
-    "default_actor",
-    "load_source",
-    "parse_position",
-    "parse_value",
-    "poller_status",
-    "print_plan",
-    "read_state",
-    "show_position",
-    "state_store",
-    "store_from_args",
-    "utc_now",
-]
+__all__ = ["add_state_commands"]

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+from dbtrigger.cli.loading import as_trigger, load_object
 from dbtrigger.cursor import Position, encode_value
 from dbtrigger.errors import ConfigurationError, DbTriggerError
 from dbtrigger.runtime.poller import PollTrigger
@@ -36,7 +37,11 @@ from dbtrigger.state.stores.base import CheckpointStore
 from dbtrigger.state.stores.factory import describe_store, open_store, redact
 
 ENV_STORE = "DBTRIGGER_STORE"
-ENV_APP = "DBTRIGGER_APP"
+#: The application name in shared stores: the same setting the Functions example
+#: passes as ``app_name="%DBTRIGGER_APP_NAME%"``, so one name serves both.
+ENV_APP = "DBTRIGGER_APP_NAME"
+#: The name older versions of the CLI read; still honoured after ENV_APP.
+ENV_APP_LEGACY = "DBTRIGGER_APP"
 ENV_CONTAINER = "DBTRIGGER_CONTAINER"
 ENV_BACKUP_DIR = "DBTRIGGER_BACKUP_DIR"
 DEFAULT_BACKUP_DIR = "dbtrigger-backups"
@@ -94,15 +99,34 @@ def show_position(raw: Mapping[str, Any] | Position | None) -> str:
 
 
 def store_from_args(args: argparse.Namespace) -> CheckpointStore:
+    """``--store`` (or ``$DBTRIGGER_STORE``), else the store of the ``--source`` trigger."""
     spec = args.store or os.environ.get(ENV_STORE)
     if not spec:
-        raise ConfigurationError(f"no state store given: pass --store or set {ENV_STORE}")
+        loaded = source_from_args(args)
+        if loaded is not None and loaded.trigger is not None:
+            return loaded.trigger.store
+        raise ConfigurationError(
+            f"no state store given: pass --store, set {ENV_STORE}, or name the poller's "
+            "trigger with --source MODULE:ATTR (its own store is used)"
+        )
     return open_store(
         spec,
-        app=args.app or os.environ.get(ENV_APP),
+        app=args.app or os.environ.get(ENV_APP) or os.environ.get(ENV_APP_LEGACY),
         container=args.container or os.environ.get(ENV_CONTAINER),
         table=args.table,
     )
+
+
+def source_from_args(args: argparse.Namespace) -> LoadedSource | None:
+    """The ``--source`` of a command, imported once per command."""
+    spec = getattr(args, "source", None)
+    if not spec:
+        return None
+    cached: LoadedSource | None = getattr(args, "_loaded_source", None)
+    if cached is None:
+        cached = load_source(spec)
+        args._loaded_source = cached
+    return cached
 
 
 def close_store(store: CheckpointStore) -> None:
@@ -134,16 +158,17 @@ class LoadedSource:
 
 
 def load_source(spec: str) -> LoadedSource:
-    """``--source MODULE:ATTR``: a PollTrigger (its source is used) or a SourceAdapter."""
-    from dbtrigger.cli import load_object  # noqa: PLC0415 - cli imports this module
-
+    """``--source MODULE:ATTR``: a PollTrigger or a ``@db.trigger`` Functions function
+    (its source and store are used), or a SourceAdapter."""
     target = load_object(spec)
-    if isinstance(target, PollTrigger):
-        return LoadedSource(target.source, target)
+    loaded = as_trigger(target, spec)
+    if loaded is not None and isinstance(loaded.trigger, PollTrigger):
+        return LoadedSource(loaded.trigger.source, loaded.trigger)
     if isinstance(target, SourceAdapter):
         return LoadedSource(target, None)
     raise ConfigurationError(
-        f"{spec} is a {type(target).__name__}, not a PollTrigger or a source adapter"
+        f"{spec} is a {type(target).__name__}, not a PollTrigger, a @db.trigger function "
+        "or a source adapter"
     )
 
 
@@ -236,8 +261,20 @@ def actor_from_args(args: argparse.Namespace) -> str:
 # --- options ---------------------------------------------------------------------------
 
 
-def add_store_options(parser: argparse.ArgumentParser, *, default_hint: str = "") -> None:
+def add_store_options(
+    parser: argparse.ArgumentParser, *, default_hint: str = "", source: bool = True
+) -> None:
     hint = f"${ENV_STORE}" + (f", else {default_hint}" if default_hint else "")
+    if source:
+        hint += ", else the --source trigger's own store"
+        parser.add_argument(
+            "--source",
+            "--trigger",
+            dest="source",
+            metavar="MODULE:ATTR",
+            help="the poller's PollTrigger or @db.trigger Functions function "
+            "(function_app:orders_poll), or a source adapter; a trigger also gives the store",
+        )
     parser.add_argument(
         "--store",
         help="state store: DIR, file:DIR, memory:NAME, an Azure connection string, %%SETTING%%, "

@@ -3,7 +3,7 @@
 Each command reads the document with its etag, lets a pure transition of
 :mod:`dbtrigger.state.operations` decide the new one, prints the before/after,
 and only with ``--yes`` saves a backup of the old document and writes the new
-one conditionally on the etag it read (see :mod:`dbtrigger.cli_state` for the
+one conditionally on the etag it read (see :mod:`dbtrigger.cli.state` for the
 guardrails).
 """
 
@@ -13,14 +13,17 @@ import argparse
 import datetime as dt
 import json
 import os
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dbtrigger.cli_state_common import (
+from dbtrigger.cli.common import (
     DEFAULT_BACKUP_DIR,
     ENV_BACKUP_DIR,
+    ENV_STORE,
     Console,
+    LoadedSource,
     actor_from_args,
     add_change_options,
     add_cursor_options,
@@ -29,18 +32,20 @@ from dbtrigger.cli_state_common import (
     parse_position,
     read_state,
     show_position,
+    source_from_args,
     state_store,
     utc_now,
 )
-from dbtrigger.cursor import encode_value
+from dbtrigger.cursor import Position, encode_value
 from dbtrigger.errors import CasConflictError, ConfigurationError
-from dbtrigger.sources.base import position_of
+from dbtrigger.sources.base import accepted_fingerprints, position_of
 from dbtrigger.state import document as docmod
+from dbtrigger.state import lease as leasemod
 from dbtrigger.state import operations as ops
 from dbtrigger.state.document import StateDocument
 from dbtrigger.state.lease import describe_lease
 from dbtrigger.state.stores.base import CheckpointStore
-from dbtrigger.state.stores.factory import describe_store
+from dbtrigger.state.stores.factory import describe_store, redact
 
 # --- changes: plan, backup, write ----------------------------------------------------------
 
@@ -104,10 +109,15 @@ def _backup_path(args: argparse.Namespace, poller: str, operation: str, now: dt.
 
 
 def _write_backup(path: Path, data: bytes) -> None:
+    """Save the previous document, readable by its owner only (like the state files:
+    a document can hold handler error text and row keys)."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("xb") as fh:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as fh:
             fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
     except OSError as exc:
         raise ConfigurationError(
             f"could not write the backup {path} ({exc.strerror}); nothing was changed. "
@@ -150,13 +160,60 @@ def _apply_change_on(
             poller=args.poller,
         ) from exc
     console.print(f"applied. previous document saved to {backup}")
-    console.print(
-        f"to undo: dbtrigger reset {args.poller} --from-file {backup} --reason '...' --yes"
-    )
+    console.print(f"to undo: {undo_command(args, backup, operation, now)}")
     return 0
 
 
+def _store_arguments(args: argparse.Namespace) -> list[str]:
+    """The options that name this command's store again, for a command to paste.
+
+    A store given with a secret in it (an account key in a connection string)
+    is not repeated: the command then reads it from ``$DBTRIGGER_STORE``, and
+    says so.
+    """
+    out: list[str] = []
+    if args.store:
+        if redact(args.store) != args.store:
+            out += ["--store", f"${ENV_STORE}"]
+        else:
+            out += ["--store", args.store]
+    elif getattr(args, "source", None):
+        out += ["--source", args.source]
+    named = (("--app", args.app), ("--container", args.container), ("--table", args.table))
+    for flag, value in named:
+        if value:
+            out += [flag, value]
+    return out
+
+
+def undo_command(args: argparse.Namespace, backup: Path, operation: str, now: dt.datetime) -> str:
+    """A ``dbtrigger reset --from-file`` that restores ``backup``, ready to paste."""
+    parts = ["dbtrigger", "reset", args.poller, "--from-file", str(backup.resolve())]
+    parts += _store_arguments(args)
+    parts += ["--reason", f"undo {operation} of {now:%Y-%m-%dT%H:%M:%SZ}", "--yes"]
+    text = " ".join(
+        f'"${ENV_STORE}"' if part == f"${ENV_STORE}" else shlex.quote(part) for part in parts
+    )
+    if f"${ENV_STORE}" in parts:
+        text += f"   (with {ENV_STORE} set to the store's connection string)"
+    return text
+
+
 def cmd_reset(args: argparse.Namespace) -> int:
+    moves = (args.to_beginning, args.to_cursor, args.from_file, args.to_batch)
+    if not any(moves) and not args.accept_source:
+        raise ConfigurationError(
+            "reset needs one of --to-beginning, --to-cursor, --from-file, --to-batch, "
+            "or --accept-source MODULE:TRIGGER (keeps the checkpoint)"
+        )
+    if args.from_file and args.accept_source:
+        raise ConfigurationError(
+            "--from-file restores the backup's own source definition; "
+            "restore first, then --accept-source"
+        )
+    fingerprint = (
+        load_source(args.accept_source).source.fingerprint() if args.accept_source else None
+    )
     backup_doc: StateDocument | None = None
     if args.from_file:
         try:
@@ -171,6 +228,11 @@ def cmd_reset(args: argparse.Namespace) -> int:
             "reason": args.reason,
             "force": args.force,
         }
+        if fingerprint is not None:
+            details["accept_source"] = args.accept_source
+            if not any(moves):
+                return ops.accept_source(doc, fingerprint=fingerprint, details=details, **common)
+            common["fingerprint"] = fingerprint
         if backup_doc is not None:
             details["from_file"] = Path(args.from_file).name
             return ops.restore(doc, backup_doc, details=details, **common)
@@ -205,11 +267,12 @@ def cmd_release(args: argparse.Namespace) -> int:
 
 
 def cmd_skip(args: argparse.Namespace) -> int:
-    loaded = load_source(args.source) if args.source else None
+    loaded = source_from_args(args)
     if args.to_cursor is None and loaded is None:
         raise ConfigurationError(
-            "skip-batch needs --source MODULE:ATTR to find the batch's last row, "
-            "or --to-cursor VALUE --pk NAME=VALUE to say where to resume"
+            "skip-batch needs --source MODULE:ATTR to check that the source still holds "
+            "exactly the failed batch, or --to-cursor VALUE --pk NAME=VALUE to say where "
+            "to resume"
         )
 
     def decide(doc: StateDocument, now: dt.datetime, details: dict[str, Any]) -> StateDocument:
@@ -219,21 +282,8 @@ def cmd_skip(args: argparse.Namespace) -> int:
             position = parse_position(args.to_cursor, args.pk, kind=args.kind, like=doc)
         else:
             assert loaded is not None  # noqa: S101 - checked above
-            if loaded.source.fingerprint() != doc.source_fingerprint:
-                raise ConfigurationError(
-                    "the --source definition differs from this poller's (fingerprint); "
-                    "refusing to compute a skip on a different source"
-                )
-            size = args.batch_size or loaded.batch_size
-            if not size:
-                raise ConfigurationError("--batch-size is needed when --source is not a trigger")
-            rows = loaded.source.fetch(doc.position, size)
-            if not rows:
-                raise ConfigurationError("no rows after the checkpoint: there is nothing to skip")
-            events = loaded.source.to_events(rows, poller=doc.poller_name, batch_id="skip")
-            position = position_of(events[-1])
-            count = len(events)
-            keys = [{k: encode_value(v)[1] for k, v in e.pk.items()} for e in events[:20]]
+            position, count, digest = _failed_batch(doc)
+            keys = _check_failed_batch(loaded, doc, position, count, digest)
         return ops.skip_batch(
             doc,
             position=position,
@@ -247,6 +297,65 @@ def cmd_skip(args: argparse.Namespace) -> int:
         )
 
     return _apply_change(args, "skip-batch", decide)
+
+
+def _failed_batch(doc: StateDocument) -> tuple[Position, int, str | None]:
+    """Where the failing batch ended, how many rows it had and their digest,
+    from its failure record.
+
+    Raises:
+        ConfigurationError: there is no failing batch at the checkpoint, or its
+            record does not say where the batch ended: skipping "the next
+            batch_size rows as they are now" would skip rows no handler saw.
+    """
+    failure = leasemod.failure_at(doc, doc.position)
+    if failure is None:
+        raise ConfigurationError(
+            f"poller {doc.poller_name!r} has no failing batch at its checkpoint, so there is "
+            "no batch to skip; to move the checkpoint anyway, give --to-cursor VALUE --pk ..."
+        )
+    if failure.batch_end is None or failure.batch_rows is None:
+        raise ConfigurationError(
+            f"the failure record of {doc.poller_name!r} does not say where the failing batch "
+            "ended (an older dbtrigger wrote it), so which rows a skip would drop cannot be "
+            "known. Let one more tick fail with this version (it records the batch), or give "
+            "--to-cursor VALUE --pk NAME=VALUE to choose the position yourself"
+        )
+    return failure.batch_end, failure.batch_rows, failure.batch_digest
+
+
+def _check_failed_batch(
+    loaded: LoadedSource, doc: StateDocument, end: Position, count: int, digest: str | None
+) -> list[dict[str, Any]]:
+    """Re-read the failed batch's rows; refuse if the source no longer holds exactly them
+    (same count, same last row, and - when recorded - the same event ids).
+
+    Returns the keys of (at most 20 of) the rows that will be skipped, for the journal.
+    """
+    if doc.source_fingerprint not in accepted_fingerprints(loaded.source):
+        raise ConfigurationError(
+            "the --source definition differs from this poller's (fingerprint); "
+            "refusing to check a skip against a different source"
+        )
+    rows = loaded.source.fetch(doc.position, count) if count else []
+    events = loaded.source.to_events(rows, poller=doc.poller_name, batch_id="skip")
+    same = (
+        len(events) == count
+        and bool(events)
+        and position_of(events[-1]) == end
+        and (digest is None or docmod.digest_event_ids(e.event_id for e in events) == digest)
+    )
+    if not same:
+        raise ConfigurationError(
+            f"the source no longer holds exactly the failed batch: it had {count} row(s) up to "
+            f"{show_position(end)}; reading {count} row(s) after the checkpoint now ends at "
+            f"{show_position(position_of(events[-1])) if events else '(no rows)'}"
+            f"{'' if len(events) == count else f' after {len(events)} row(s)'}. Rows were "
+            "added, removed or changed in that range since the batch failed, and a skip "
+            "would drop rows no handler saw. Give --to-cursor VALUE --pk ... to choose "
+            "deliberately"
+        )
+    return [{k: encode_value(v)[1] for k, v in e.pk.items()} for e in events[:20]]
 
 
 def cmd_clone(args: argparse.Namespace) -> int:
@@ -286,14 +395,20 @@ def _clone(args: argparse.Namespace, store: CheckpointStore) -> int:
 
 def _add_reset(sub: Any) -> None:
     reset = sub.add_parser("reset", help="move a poller's checkpoint (dry run unless --yes)")
-    reset.add_argument("poller")
-    target = reset.add_mutually_exclusive_group(required=True)
+    reset.add_argument("poller", help="the poller name (its state document)")
+    target = reset.add_mutually_exclusive_group()
     target.add_argument("--to-beginning", action="store_true", help="deliver everything again")
     target.add_argument("--to-cursor", metavar="VALUE", help="resume after (VALUE, --pk)")
     target.add_argument("--from-file", metavar="FILE", help="restore a backup document")
     target.add_argument("--to-batch", metavar="BATCH_ID", help="where a journal batch ended")
     reset.add_argument(
         "--redeliver", action="store_true", help="with --to-batch: where it began instead"
+    )
+    reset.add_argument(
+        "--accept-source",
+        metavar="MODULE:TRIGGER",
+        help="adopt this trigger's (changed) source definition; keeps the checkpoint "
+        "unless another option above moves it",
     )
     add_cursor_options(reset, "--to-cursor")
     add_store_options(reset)
@@ -303,14 +418,14 @@ def _add_reset(sub: Any) -> None:
 
 def _add_other_changes(sub: Any) -> None:
     clone = sub.add_parser("clone", help="copy a poller's checkpoint to a new poller name")
-    clone.add_argument("poller")
-    clone.add_argument("new_poller")
+    clone.add_argument("poller", help="the poller whose checkpoint is copied")
+    clone.add_argument("new_poller", help="the new poller name (must not exist yet)")
     add_store_options(clone)
     add_change_options(clone, lease=False)
     clone.set_defaults(func=cmd_clone)
 
     release = sub.add_parser("release-lease", help="free a lease left by a crashed instance")
-    release.add_argument("poller")
+    release.add_argument("poller", help="the poller name (its state document)")
     add_store_options(release)
     add_change_options(release)
     release.set_defaults(func=cmd_release)
@@ -318,9 +433,7 @@ def _add_other_changes(sub: Any) -> None:
     skip = sub.add_parser(
         "skip-batch", help="advance past a poison batch (data loss: it is journaled)"
     )
-    skip.add_argument("poller")
-    skip.add_argument("--source", help="MODULE:ATTR (PollTrigger or source) to find the batch")
-    skip.add_argument("--batch-size", type=int, help="rows in the batch (default: the trigger's)")
+    skip.add_argument("poller", help="the poller name (its state document)")
     skip.add_argument("--to-cursor", metavar="VALUE", help="resume after (VALUE, --pk) instead")
     add_cursor_options(skip, "--to-cursor")
     add_store_options(skip)

@@ -1,4 +1,4 @@
-"""Public helpers for testing code built on dbtrigger.
+"""Counting storage calls.
 
 :class:`CountingStore` wraps any :class:`~dbtrigger.state.stores.base.CheckpointStore`
 and records every call made through it. Storage is billed (and throttled) per

@@ -1,0 +1,32 @@
+"""A trigger-maintained change log: every insert, update and delete as an event.
+
+See ``docs/changes.md``. ``install``/``uninstall``/``prune`` are what the
+``dbtrigger changelog`` commands run; :class:`ChangeLogSource` polls the log.
+"""
+
+from __future__ import annotations
+
+from dbtrigger.changelog.ddl import MARKER, install_ddl, log_table_name, uninstall_ddl
+from dbtrigger.changelog.operations import (
+    install,
+    is_installed,
+    plan_install,
+    plan_uninstall,
+    prune,
+    uninstall,
+)
+from dbtrigger.changelog.source import ChangeLogSource
+
+__all__ = [
+    "MARKER",
+    "ChangeLogSource",
+    "install",
+    "install_ddl",
+    "is_installed",
+    "log_table_name",
+    "plan_install",
+    "plan_uninstall",
+    "prune",
+    "uninstall",
+    "uninstall_ddl",
+]

@@ -1,0 +1,174 @@
+"""``dbtrigger changelog install|uninstall|prune``: the change log from the shell.
+
+Like the state commands, anything that changes a database is a dry run unless
+``--yes`` is given: the DDL (or the row count) is printed first, so it can be
+reviewed, or copied into a migration instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import re
+from typing import Any
+
+import sqlalchemy as sa
+
+from dbtrigger.changelog.operations import (
+    apply,
+    lowest_checkpoint,
+    plan_install,
+    plan_uninstall,
+    prune,
+)
+from dbtrigger.errors import ConfigurationError
+from dbtrigger.settings import resolve_setting
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
+_UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(text: str) -> dt.timedelta:
+    """``90s``, ``15m``, ``12h``, ``7d``, ``2w``."""
+    match = _DURATION.match(text.strip())
+    if not match:
+        raise ConfigurationError(f"not a duration: {text!r} (use e.g. 90s, 15m, 12h, 7d, 2w)")
+    return dt.timedelta(seconds=float(match.group(1)) * _UNIT[match.group(2)])
+
+
+def _engine(args: argparse.Namespace) -> sa.Engine:
+    try:
+        return sa.create_engine(resolve_setting(args.url))
+    except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError) as exc:
+        raise ConfigurationError(f"cannot use --url: {exc}") from None
+
+
+def cmd_install(args: argparse.Namespace) -> int:
+    engine = _engine(args)
+    try:
+        plan = plan_install(engine, args.table, schema=args.schema)
+        for statement in plan.statements:
+            print(statement.rstrip() + ";\n")
+        if not args.yes:
+            print("-- dry run: nothing was changed; add --yes to apply")
+            return 0
+        apply(engine, plan)
+        print(f"-- installed: changes of {args.table} now go to {plan.info.log_table}")
+        return 0
+    finally:
+        engine.dispose()
+
+
+def cmd_uninstall(args: argparse.Namespace) -> int:
+    engine = _engine(args)
+    try:
+        plan = plan_uninstall(engine, args.table, schema=args.schema, drop_log=args.drop_log)
+        for statement in plan.statements:
+            print(statement + ";")
+        if not args.yes:
+            print("-- dry run: nothing was changed; add --yes to apply")
+            return 0
+        apply(engine, plan)
+        print(f"-- uninstalled the change log triggers of {args.table}")
+        return 0
+    finally:
+        engine.dispose()
+
+
+def _passed_by(args: argparse.Namespace) -> int | None:
+    """The lowest checkpoint of the named pollers (their state read through the store)."""
+    from dbtrigger.state import document  # noqa: PLC0415 - only for this option
+    from dbtrigger.state.stores.factory import open_store  # noqa: PLC0415
+
+    if not args.store:
+        raise ConfigurationError("--passed-by needs --store (where the pollers keep their state)")
+    store = open_store(args.store, app=args.app)
+    cursors: list[object] = []
+    for name in args.passed_by:
+        stored = store.read(name)
+        if stored is None:
+            raise ConfigurationError(
+                f"no state for poller {name!r} in {args.store}: nothing pruned"
+            )
+        cursors.append(document.loads(stored.data).position.cursor)
+    return lowest_checkpoint(cursors)
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    older_than = parse_duration(args.older_than) if args.older_than else None
+    up_to: int | None = None
+    if args.passed_by:
+        up_to = _passed_by(args)
+        if up_to is None:
+            print("a poller has no checkpoint yet: nothing can be pruned")
+            return 0
+    if older_than is None and up_to is None:
+        raise ConfigurationError("prune needs --older-than and/or --passed-by")
+    engine = _engine(args)
+    try:
+        count = prune(
+            engine,
+            args.table,
+            schema=args.schema,
+            older_than=older_than,
+            up_to_seq=up_to,
+            chunk=args.chunk,
+            apply=args.yes,
+        )
+    finally:
+        engine.dispose()
+    scope = []
+    if older_than is not None:
+        scope.append(f"older than {args.older_than}")
+    if up_to is not None:
+        scope.append(f"at or below sequence {up_to} (passed by {', '.join(args.passed_by)})")
+    if args.yes:
+        print(f"deleted {count} change log row(s) {' and '.join(scope)}")
+    else:
+        print(f"would delete {count} change log row(s) {' and '.join(scope)}; add --yes to apply")
+    return 0
+
+
+def add_changelog_commands(sub: Any) -> None:
+    """Register ``changelog`` and its subcommands on the CLI's subparsers."""
+    changelog = sub.add_parser(
+        "changelog",
+        help="a trigger-maintained change log: every insert, update and delete",
+        description="Install, remove or prune the change log that ChangeLogSource polls.",
+    )
+    commands = changelog.add_subparsers(dest="changelog_command", required=True)
+
+    def common(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--url", required=True, help="database URL (%%APP_SETTING%% allowed)")
+        parser.add_argument("--table", required=True, help="the watched table")
+        parser.add_argument("--schema", help="its schema (PostgreSQL/MariaDB)")
+        parser.add_argument("--yes", action="store_true", help="apply (default: dry run)")
+
+    install = commands.add_parser(
+        "install", help="print (or with --yes apply) the log table and triggers"
+    )
+    common(install)
+    install.set_defaults(func=cmd_install)
+
+    uninstall = commands.add_parser("uninstall", help="drop the change log's triggers")
+    common(uninstall)
+    uninstall.add_argument(
+        "--drop-log", action="store_true", help="also drop the log table and its rows"
+    )
+    uninstall.set_defaults(func=cmd_uninstall)
+
+    prune_cmd = commands.add_parser("prune", help="delete old log rows in bounded chunks")
+    common(prune_cmd)
+    prune_cmd.add_argument("--older-than", help="age, e.g. 7d, 12h, 90m")
+    prune_cmd.add_argument(
+        "--passed-by",
+        action="append",
+        metavar="POLLER",
+        help="only rows every named poller has committed past (repeat per poller)",
+    )
+    prune_cmd.add_argument("--store", help="the pollers' state store (for --passed-by)")
+    prune_cmd.add_argument(
+        "--app", default=None, help="the store's app prefix (default: the CLI's)"
+    )
+    prune_cmd.add_argument("--chunk", type=int, default=5000, help="rows per delete statement")
+    prune_cmd.set_defaults(func=cmd_prune)

@@ -1,0 +1,110 @@
+"""Import what ``MODULE:ATTRIBUTE`` names on the command line.
+
+Every command that takes a trigger, a source or a handler by name resolves it
+here, so the import rules (the current directory is importable, errors say
+which part is missing) are the same everywhere and no command module needs to
+import another.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from dbtrigger.errors import ConfigurationError, DbTriggerError
+from dbtrigger.runtime.delivery import Handler
+from dbtrigger.runtime.poller import PollTrigger
+
+if TYPE_CHECKING:
+    from dbtrigger.queue.trigger import QueueTrigger
+
+
+def load_object(spec: str) -> Any:
+    """Import ``package.module:attribute``."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ConfigurationError(f"expected MODULE:ATTRIBUTE, got {spec!r}")
+    if "" not in sys.path and "." not in sys.path:
+        sys.path.insert(0, ".")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigurationError(f"cannot import {module_name!r}: {exc}") from exc
+    except DbTriggerError:
+        raise
+    except Exception as exc:
+        raise ConfigurationError(
+            f"importing {module_name!r} failed: {type(exc).__name__}: {exc} "
+            "(an app setting it reads may be missing: run inside the Functions project, "
+            "or pass --settings local.settings.json)"
+        ) from exc
+    for part in attr.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise ConfigurationError(f"{module_name!r} has no attribute {attr!r}") from None
+    return target
+
+
+def _is_queue(target: object) -> bool:
+    """A :class:`~dbtrigger.queue.QueueTrigger` (checked without importing it eagerly)."""
+    from dbtrigger.queue.trigger import QueueTrigger  # noqa: PLC0415
+
+    return isinstance(target, QueueTrigger)
+
+
+@dataclass(frozen=True)
+class LoadedTrigger:
+    """A poller named on the command line, with the handler that goes with it.
+
+    ``handler`` is the trigger's ``@handler``, or for an Azure Functions
+    function (``function_app:orders_poll``) the function itself with its
+    output bindings; None when neither exists.
+    """
+
+    spec: str
+    trigger: PollTrigger | QueueTrigger
+    handler: Handler | None
+    function: bool = False
+
+
+def as_trigger(target: Any, spec: str) -> LoadedTrigger | None:
+    """``target`` as a poller: a PollTrigger, or a ``@db.trigger`` Functions function."""
+    if isinstance(target, PollTrigger):
+        target.cli_source = spec  # log lines then print commands with this --source
+        return LoadedTrigger(spec, target, target.default_handler)
+    from dbtrigger.azure import function_handler, function_trigger  # noqa: PLC0415 - optional
+
+    poll = function_trigger(target)
+    if poll is None:
+        return None
+    poll.cli_source = spec
+    return LoadedTrigger(spec, poll, function_handler(target), function=True)
+
+
+def load_trigger(spec: str, handler_spec: str | None = None) -> LoadedTrigger:
+    """``MODULE:ATTR`` naming a PollTrigger or a Functions function, and its handler.
+
+    Raises:
+        ConfigurationError: the name is not a poller, or it has no handler and
+            ``handler_spec`` gives none.
+    """
+    target = load_object(spec)
+    loaded = as_trigger(target, spec)
+    if loaded is None and _is_queue(target):
+        loaded = LoadedTrigger(spec, target, target.default_handler)
+    if loaded is None:
+        raise ConfigurationError(
+            f"{spec} is a {type(target).__name__}, not a PollTrigger, a QueueTrigger or a "
+            "@db.trigger function"
+        )
+    if handler_spec:
+        loaded = LoadedTrigger(spec, loaded.trigger, load_object(handler_spec), loaded.function)
+    if loaded.handler is None:
+        raise ConfigurationError(
+            f"{spec} has no handler: decorate one with @{spec.split(':')[1]}.handler "
+            "or pass --handler MODULE:FUNCTION"
+        )
+    return loaded

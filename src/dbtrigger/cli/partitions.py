@@ -1,0 +1,201 @@
+"""``dbtrigger partitions show|set|split|merge|ddl``: a partitioned poller from the shell.
+
+The commands take the poller itself (``--trigger MODULE:ATTR``, a
+``PollTrigger(partitions=...)`` or a ``PartitionedPoller``): its source says
+how buckets are computed and its store where the documents live. Changes are
+dry runs unless ``--yes``; they need ``--reason``, write a backup of every
+document they change, and journal the change in the membership document and
+in each new partition's state document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from dbtrigger.cli.common import DEFAULT_BACKUP_DIR, ENV_BACKUP_DIR, actor_from_args
+from dbtrigger.cli.loading import load_object
+from dbtrigger.errors import ConfigurationError
+from dbtrigger.partitions import regroup
+from dbtrigger.partitions.buckets import partition_ddl
+from dbtrigger.partitions.member import PartitionedPoller
+from dbtrigger.runtime.poller import PollTrigger
+
+
+def load_partitioned(spec: str) -> PartitionedPoller:
+    target = load_object(spec)
+    if isinstance(target, PollTrigger) and target.partitioned is not None:
+        return target.partitioned
+    if isinstance(target, PartitionedPoller):
+        return target
+    raise ConfigurationError(
+        f"{spec} is not a partitioned poller (PollTrigger(partitions=N) or PartitionedPoller)"
+    )
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    poller = load_partitioned(args.trigger)
+    rows = poller.status(lag=not args.no_lag)
+    doc = poller.membership
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "poller": poller.name,
+                    "generation": doc.generation if doc else None,
+                    "members": sorted(doc.members) if doc else [],
+                    "partitions": [
+                        {
+                            "id": r.id,
+                            "buckets": [r.lo, r.hi],
+                            "owner": r.owner,
+                            "checkpoint": str(r.checkpoint) if r.checkpoint is not None else None,
+                            "lag_rows": r.lag_rows,
+                        }
+                        for r in rows
+                    ],
+                },
+                indent=2,
+            )
+        )
+        return 0
+    members = sorted(doc.members) if doc else []
+    print(f"poller {poller.name}: {len(rows)} partitions, {len(members)} member(s)")
+    for member in members:
+        owned = sum(1 for r in rows if r.owner == member)
+        print(f"  member {member}: {owned} partition(s)")
+    print(f"  {'partition':<10} {'owner':<40} {'lag':>8}  checkpoint")
+    for r in rows:
+        lag = "-" if r.lag_rows is None else str(r.lag_rows)
+        print(f"  {r.id:<10} {r.owner or '(unowned)':<40} {lag:>8}  {r.checkpoint}")
+    return 0
+
+
+def _backup_dir(args: argparse.Namespace) -> Path:
+    return Path(args.backup_dir or os.environ.get(ENV_BACKUP_DIR) or DEFAULT_BACKUP_DIR)
+
+
+def _write_backups(directory: Path, backups: dict[str, bytes], stamp: str) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for key, data in backups.items():
+        path = directory / f"{key}.{stamp}.regroup.json"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        paths.append(path)
+    return paths
+
+
+def _target(args: argparse.Namespace, poller: PartitionedPoller) -> int:
+    if args.action == "set":
+        if args.count is None:
+            raise ConfigurationError("partitions set needs --count N")
+        return int(args.count)
+    doc, _ = poller.load_membership()
+    current = len(doc.partitions)
+    if args.action == "split":
+        return current * 2
+    if current % 2:
+        raise ConfigurationError(f"cannot merge {current} partitions in pairs; use set --count")
+    return current // 2
+
+
+def cmd_change(args: argparse.Namespace) -> int:
+    poller = load_partitioned(args.trigger)
+    count = _target(args, poller)
+    preview, _, _ = regroup.plan(poller, count)
+    if not preview.moves:
+        print(f"poller {poller.name} already has {count} partitions: nothing to do")
+        return 0
+    if not args.yes:
+        for line in preview.describe():
+            print(line)
+        print("dry run: nothing was changed; add --yes (and --reason) to apply")
+        return 0
+    if not args.reason or not args.reason.strip():
+        raise ConfigurationError("changing the partitions needs --reason")
+    done = regroup.apply(
+        poller,
+        count,
+        actor=actor_from_args(args),
+        reason=args.reason,
+        force=args.force,
+        wait_seconds=args.wait,
+    )
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    paths = _write_backups(_backup_dir(args), done.backups, stamp)
+    for line in done.describe():
+        print(line)
+    print(f"backups: {', '.join(str(p) for p in paths)}")
+    return 0
+
+
+def cmd_ddl(args: argparse.Namespace) -> int:
+    poller = load_partitioned(args.trigger)
+    source = poller.source
+    described: dict[str, Any] = source.describe()
+    if not described.get("table"):
+        raise ConfigurationError("a stored bucket column needs a table source, not a query")
+    quote = source.engine.dialect.identifier_preparer.quote
+    for statement in partition_ddl(
+        source.dialect_name,
+        described["table"],
+        source.pk_columns,
+        source.cursor_column,
+        quote,
+        schema=described.get("schema"),
+    ):
+        print(statement + ";")
+    return 0
+
+
+def add_partition_commands(sub: Any) -> None:
+    """Register ``partitions`` and its subcommands on the CLI's subparsers."""
+    parser = sub.add_parser(
+        "partitions",
+        help="inspect or change a partitioned poller's partitions",
+        description="Partitions of a PollTrigger(partitions=N): owners, lag, split and merge.",
+    )
+    commands = parser.add_subparsers(dest="action", required=True)
+
+    show = commands.add_parser("show", help="partitions, owners, lag and checkpoints")
+    show.add_argument("--trigger", required=True, help="MODULE:ATTR naming the poller")
+    show.add_argument("--json", action="store_true", help="machine-readable output")
+    show.add_argument("--no-lag", action="store_true", help="skip the per-partition row count")
+    show.set_defaults(func=cmd_show)
+
+    for action, text in (
+        ("set", "regroup into --count partitions (only splits or merges ranges)"),
+        ("split", "double the partitions: every range splits in two"),
+        ("merge", "halve the partitions: neighbouring ranges merge"),
+    ):
+        change = commands.add_parser(action, help=text)
+        change.add_argument("--trigger", required=True, help="MODULE:ATTR naming the poller")
+        if action == "set":
+            change.add_argument("--count", type=int, help="the new number of partitions")
+        change.add_argument("--reason", help="why: recorded in the journals (needed with --yes)")
+        change.add_argument("--yes", action="store_true", help="apply (default: dry run)")
+        change.add_argument("--actor", help="who, for the journal (default user@host)")
+        change.add_argument(
+            "--force",
+            action="store_true",
+            help="fence out a member processing a partition now (its batch is redelivered)",
+        )
+        change.add_argument(
+            "--wait", type=float, default=30.0, help="seconds to wait for batches in flight"
+        )
+        change.add_argument(
+            "--backup-dir",
+            help=f"where the old documents are saved (default ${ENV_BACKUP_DIR} "
+            f"or ./{DEFAULT_BACKUP_DIR})",
+        )
+        change.set_defaults(func=cmd_change)
+
+    ddl = commands.add_parser("ddl", help="print DDL for an indexed bucket column")
+    ddl.add_argument("--trigger", required=True, help="MODULE:ATTR naming the poller")
+    ddl.set_defaults(func=cmd_ddl)

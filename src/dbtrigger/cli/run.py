@@ -1,0 +1,224 @@
+"""``dbtrigger run``: poll one or more triggers on an interval until SIGINT/SIGTERM.
+
+At start the worker logs a banner per poller (source with its URL redacted,
+table, cursor, key, store, batch settings, visibility guard), then one line per
+tick (see :mod:`dbtrigger.runtime.runner`). Several ``MODULE:ATTR`` arguments
+run several pollers in one process, one thread each, with one shared shutdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from dbtrigger.checks import warn_at_start
+from dbtrigger.cli.loading import LoadedTrigger, load_trigger
+from dbtrigger.errors import ConfigurationError
+from dbtrigger.runtime.poller import PollTrigger
+from dbtrigger.runtime.runner import (
+    DEFAULT_MAX_BACKOFF_SECONDS,
+    DEFAULT_PROGRESS_INTERVAL_SECONDS,
+    DrainProgress,
+    ProgressCallback,
+    Runner,
+    log_progress,
+    run_pollers,
+)
+from dbtrigger.state.stores.factory import describe_store, redact
+
+log = logging.getLogger("dbtrigger.runner")
+
+
+def _version() -> str:
+    from dbtrigger import __version__  # noqa: PLC0415 - keeps the module import light
+
+    return str(__version__)
+
+
+def banner(loaded: LoadedTrigger, args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """What an operator needs to know about a poller before its first tick."""
+    trigger = loaded.trigger
+    if not isinstance(trigger, PollTrigger):  # a claim queue: no checkpoint, no lease
+        text = (
+            f"queue {trigger.name} ({loaded.spec}), worker {trigger.worker_id}\n"
+            f"  source      {trigger.source.name}\n"
+            f"  batches     {trigger.batch_size} rows, {trigger.max_concurrency} at once; "
+            f"visibility timeout {trigger.visibility_timeout:g}s\n"
+            f"  interval    {args.interval:g}s when idle; failures back off up to "
+            f"{args.max_backoff:g}s"
+        )
+        return redact(text), {"event": "worker_start", "poller": trigger.name}
+    source = trigger.source
+    described = source.describe()
+    url = described.get("url")
+    where = described.get("table") or ("query" if described.get("query") else None)
+    pk = ", ".join(described.get("pk_columns") or [])
+    visibility = described.get("visibility_mode") or described.get("visibility")
+    guarantee = described.get("visibility_guarantee")
+    if visibility == "auto":
+        guard = "auto: chosen from the dialect and cursor type at the first fetch (logged then)"
+    else:
+        guard = f"{visibility}" + (f": {guarantee}" if guarantee else "")
+    heartbeat = (
+        f"heartbeat every {trigger.heartbeat_interval:g}s"
+        if trigger.heartbeat_interval
+        else "no heartbeat"
+    )
+    lines = [
+        f"poller {trigger.name} ({'Functions function' if loaded.function else 'trigger'} "
+        f"{loaded.spec}), owner {trigger.owner_id}",
+        f"  source      {source.name}"
+        + (f" at {url}" if url else "")
+        + (f", table {where}" if where and where != "query" else "")
+        + (f", cursor {described.get('cursor_column')}" if described.get("cursor_column") else "")
+        + (f", key ({pk})" if pk else ""),
+        f"  store       {describe_store(trigger.store)}",
+        f"  batches     {trigger.batch_size} rows, up to {trigger.max_batches_per_tick} per tick; "
+        f"lease {trigger.lease_ttl.total_seconds():g}s, {heartbeat}",
+        f"  interval    {args.interval:g}s when idle, at once while batches come back full; "
+        f"failures back off up to {args.max_backoff:g}s",
+        f"  visibility  {guard}",
+    ]
+    fields = {
+        "event": "worker_start",
+        "poller": trigger.name,
+        "source": {k: v for k, v in described.items() if v is not None},
+        "store": describe_store(trigger.store),
+        "batch_size": trigger.batch_size,
+        "max_batches_per_tick": trigger.max_batches_per_tick,
+        "lease_ttl_seconds": trigger.lease_ttl.total_seconds(),
+        "interval_seconds": args.interval,
+        "owner_id": trigger.owner_id,
+    }
+    return redact("\n".join(lines)), fields
+
+
+def _progress_callback(args: argparse.Namespace) -> ProgressCallback:
+    """Rich progress bars on a terminal when rich is installed; log lines otherwise."""
+    if getattr(args, "log_format", "text") != "text" or not sys.stderr.isatty():
+        return log_progress
+    try:
+        rich_progress = importlib.import_module("rich.progress")  # optional dependency
+    except ImportError:
+        return log_progress
+    bars = rich_progress.Progress(transient=True, redirect_stderr=True, redirect_stdout=False)
+    tasks: dict[str, Any] = {}
+
+    def show(progress: DrainProgress) -> None:
+        if progress.caught_up:
+            task = tasks.pop(progress.poller, None)
+            if task is not None:
+                bars.remove_task(task)
+            if not tasks:
+                bars.stop()
+            log_progress(progress)
+            return
+        total = progress.delivered + progress.behind if progress.behind is not None else None
+        if progress.poller not in tasks:
+            bars.start()
+            tasks[progress.poller] = bars.add_task(f"{progress.poller}", total=total)
+        bars.update(
+            tasks[progress.poller],
+            completed=progress.delivered,
+            total=total,
+            description=f"{progress.poller} {progress.rate:,.0f} rows/s",
+        )
+
+    return show
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    specs: Sequence[str] = args.trigger
+    if args.handler and len(specs) > 1:
+        raise ConfigurationError("--handler applies to one trigger; give each trigger a @handler")
+    loaded = [load_trigger(spec, args.handler) for spec in specs]
+    names = [item.trigger.name for item in loaded]
+    if len(set(names)) != len(names):
+        raise ConfigurationError(f"two triggers share a poller name (state document): {names}")
+    log.info(
+        "dbtrigger %s worker, pid %d: %d poller%s (%s); Ctrl-C or SIGTERM finishes the "
+        "batch in flight and stops, a second one abandons it",
+        _version(),
+        os.getpid(),
+        len(loaded),
+        "s" if len(loaded) != 1 else "",
+        ", ".join(names),
+        extra={"event": "worker_start", "pollers": names},
+    )
+    for item in loaded:
+        text, fields = banner(item, args)
+        log.info("%s", text, extra=fields)
+        if isinstance(item.trigger, PollTrigger):
+            # What the docs require and users get wrong (index, unique key,
+            # nullable cursor, guard privilege), as warnings; never stops the start.
+            warn_at_start(item.trigger)
+    progress = _progress_callback(args)
+    runners = []
+    for item in loaded:
+        if item.handler is None:  # load_trigger refuses this; keeps the type checker informed
+            raise ConfigurationError(f"{item.spec} has no handler")
+        runners.append(
+            Runner(
+                item.trigger,
+                item.handler,
+                interval_seconds=args.interval,
+                max_backoff_seconds=args.max_backoff,
+                progress=progress,
+                progress_interval_seconds=args.progress_interval,
+            )
+        )
+    stats = run_pollers(runners, max_ticks=args.max_ticks)
+    for name, stat in stats.items():
+        print(f"{name}: {stat.rows} rows in {stat.ticks} ticks ({stat.failures} failed ticks)")
+    return 0
+
+
+def add_run_command(sub: Any) -> None:
+    run = sub.add_parser(
+        "run",
+        help="poll one or more triggers until SIGINT/SIGTERM",
+        description="Poll one or more triggers as a worker process. Each tick logs one line; "
+        "a tick that leaves rows pending is followed at once by the next. Errors a person "
+        "must fix stop the worker with exit code 2; transient failures back off.",
+    )
+    run.add_argument(
+        "trigger",
+        nargs="+",
+        metavar="MODULE:ATTR",
+        help="a PollTrigger, or a @db.trigger Azure Functions function "
+        "(function_app:orders_poll); several run in one process",
+    )
+    run.add_argument(
+        "--handler", metavar="MODULE:FUNCTION", help="the handler (default: the trigger's own)"
+    )
+    run.add_argument(
+        "--interval", type=float, default=5.0, help="seconds between ticks while idle (default 5)"
+    )
+    run.add_argument(
+        "--max-ticks", type=int, default=None, help="stop after this many ticks (per poller)"
+    )
+    run.add_argument(
+        "--max-backoff",
+        type=float,
+        default=DEFAULT_MAX_BACKOFF_SECONDS,
+        metavar="SECONDS",
+        help="ceiling of the wait between failing ticks, which doubles from --interval "
+        f"(default {DEFAULT_MAX_BACKOFF_SECONDS:g})",
+    )
+    run.add_argument(
+        "--progress-interval",
+        type=float,
+        default=DEFAULT_PROGRESS_INTERVAL_SECONDS,
+        metavar="SECONDS",
+        help="seconds between progress lines while a backlog drains "
+        f"(default {DEFAULT_PROGRESS_INTERVAL_SECONDS:g})",
+    )
+    run.set_defaults(func=cmd_run, default_log_level="INFO")
+
+
+__all__ = ["add_run_command", "banner", "cmd_run"]

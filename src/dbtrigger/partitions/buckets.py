@@ -1,0 +1,155 @@
+"""A fixed space of virtual buckets, and the same bucket computed in Python and in SQL.
+
+Every row belongs to one of :data:`BUCKETS` buckets by a hash of its primary
+key; a partition is a contiguous range of buckets. The space never changes, so
+changing the number of partitions splits or merges ranges and never moves a
+row from one bucket to another (``hash % N`` with a changing N would move
+almost every key, and a row could be skipped by the partition it left and not
+yet reached by the one it joined).
+
+The hash is the first byte of the MD5 of the key's text: the key columns'
+values as text joined with ``|`` (an integer as its decimal digits, a UUID in
+its canonical lower-case form, a string as itself, UTF-8). Every database here
+computes that in SQL, so a partition's fetch filters by bucket on the server;
+the poller recomputes it in Python for each fetched row and refuses to go on if
+the two ever disagree (see :func:`check_rows`).
+
+Key types: integers, strings and UUIDs. Other types (decimals, timestamps,
+floats, binary) render as text differently per database and driver, so they
+are refused when partitioning is configured.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from dbtrigger.errors import ConfigurationError
+from dbtrigger.names import validate_sql_identifier
+
+#: The number of virtual buckets. Fixed forever: changing it rehashes every key.
+BUCKETS = 256
+
+#: Name of the optional stored bucket column (``partition_ddl``).
+BUCKET_COLUMN = "dbt_bucket"
+
+#: SQLite has no MD5: the poller registers this function on its connections.
+SQLITE_FUNCTION = "dbt_bucket"
+
+
+def key_text(values: Sequence[Any]) -> str:
+    """The text the bucket hash is taken of.
+
+    Raises:
+        ConfigurationError: a key value of a type that is not an integer,
+            string or UUID.
+    """
+    parts = []
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, (int, str, uuid.UUID)):
+            raise ConfigurationError(
+                f"partitioning needs integer, text or UUID key columns; got a "
+                f"{type(value).__name__} key value {value!r}"
+            )
+        parts.append(str(value))
+    return "|".join(parts)
+
+
+def bucket_of_text(text: str) -> int:
+    return hashlib.md5(text.encode("utf-8"), usedforsecurity=False).digest()[0]
+
+
+def bucket_of(values: Sequence[Any]) -> int:
+    """The bucket of a key given as its column values in ``pk_columns`` order."""
+    return bucket_of_text(key_text(values))
+
+
+def sql_bucket(dialect: str, pk_columns: Sequence[str], quote: Callable[[str], str]) -> str:
+    """A SQL expression for the bucket of each row (an integer 0..255).
+
+    Identifiers are validated and quoted; the expression contains no values.
+    """
+    for name in pk_columns:
+        validate_sql_identifier(name, "pk column")
+    cols = [quote(c) for c in pk_columns]
+    if dialect == "postgresql":
+        text = " || '|' || ".join(f"{c}::text" for c in cols)
+        return f"get_byte(decode(md5({text}), 'hex'), 0)"
+    if dialect in ("mysql", "mariadb"):
+        text = "CONCAT_WS('|', " + ", ".join(f"CAST({c} AS CHAR)" for c in cols) + ")"
+        return f"CAST(CONV(LEFT(MD5(CONVERT({text} USING utf8mb4)), 2), 16, 10) AS UNSIGNED)"
+    if dialect == "sqlite":
+        text = " || '|' || ".join(f"CAST({c} AS TEXT)" for c in cols)
+        return f"{SQLITE_FUNCTION}({text})"
+    raise ConfigurationError(
+        f"partitioning supports PostgreSQL, MariaDB/MySQL and SQLite, not {dialect!r}"
+    )
+
+
+def sqlite_bucket(text: str | None) -> int | None:
+    """The SQLite function behind :func:`sql_bucket` (registered per connection)."""
+    return None if text is None else bucket_of_text(text)
+
+
+def partition_ddl(
+    dialect: str,
+    table: str,
+    pk_columns: Sequence[str],
+    cursor_column: str,
+    quote: Callable[[str], str],
+    *,
+    schema: str | None = None,
+) -> list[str]:
+    """DDL for a stored, indexed bucket column, so a partition's fetch stays O(batch).
+
+    Without it each partition's fetch still reads only its own rows, but the
+    database evaluates the hash for the rows it passes on the ``(cursor, pk)``
+    index; with it the index ``(dbt_bucket, cursor, pk)`` goes straight to the
+    partition's range. The poller uses the column when it exists.
+    """
+    validate_sql_identifier(table, "table")
+    validate_sql_identifier(cursor_column, "cursor_column")
+    if schema:
+        validate_sql_identifier(schema, "schema")
+    target = f"{quote(schema)}.{quote(table)}" if schema else quote(table)
+    expr = sql_bucket(dialect, pk_columns, quote)
+    index = quote(f"ix_{table}_{BUCKET_COLUMN}"[:63])
+    columns = ", ".join([BUCKET_COLUMN, quote(cursor_column), *(quote(c) for c in pk_columns)])
+    if dialect == "postgresql":
+        return [
+            f"ALTER TABLE {target} ADD COLUMN IF NOT EXISTS {BUCKET_COLUMN} smallint "
+            f"GENERATED ALWAYS AS ({expr}) STORED",
+            f"CREATE INDEX IF NOT EXISTS {index} ON {target} ({columns})",
+        ]
+    if dialect in ("mysql", "mariadb"):
+        return [
+            f"ALTER TABLE {target} ADD COLUMN {BUCKET_COLUMN} SMALLINT UNSIGNED AS ({expr}) STORED",
+            f"CREATE INDEX {index} ON {target} ({columns})",
+        ]
+    raise ConfigurationError(
+        "a stored bucket column needs PostgreSQL or MariaDB/MySQL (SQLite computes the bucket "
+        "with a function registered on the poller's connections and cannot store it portably)"
+    )
+
+
+def check_rows(
+    rows: Sequence[Mapping[str, Any]], pk_columns: Sequence[str], lo: int, hi: int, where: str
+) -> None:
+    """Refuse rows whose bucket, recomputed here, is outside ``[lo, hi)``.
+
+    The database and Python disagreeing on a bucket would mean a row belongs
+    to no partition (never delivered) or to two; that is a configuration the
+    poller must not run with.
+    """
+    for row in rows:
+        values = [row[c] for c in pk_columns]
+        bucket = bucket_of(values)
+        if not lo <= bucket < hi:
+            raise ConfigurationError(
+                f"{where}: the database put key {dict(zip(pk_columns, values, strict=True))!r} "
+                f"in buckets [{lo}, {hi}) but its bucket is {bucket}: the key's text differs "
+                "between the database and Python (collation or type); partitioning cannot be "
+                "used with this key"
+            )

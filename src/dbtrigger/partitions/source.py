@@ -1,0 +1,141 @@
+"""``PartitionSource``: the rows of one bucket range of a ``SqlAlchemySource``.
+
+The range is a condition on the server (the stored ``dbt_bucket`` column when
+the table has one, otherwise the hash expression), ANDed to the keyset query,
+so the fetch keeps its shape and order. A merged partition also carries
+*floors*: for each parent's bucket range, rows at or below the parent's own
+checkpoint are excluded with the source's own typed keyset comparison, so
+nothing the parent delivered is delivered again, and nothing is skipped.
+
+Every fetched row's bucket is recomputed in Python; a disagreement with the
+database is refused (:func:`~dbtrigger.partitions.buckets.check_rows`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.sql import ColumnElement
+
+from dbtrigger.cursor import Position
+from dbtrigger.events import RowChange
+from dbtrigger.partitions.buckets import (
+    BUCKET_COLUMN,
+    SQLITE_FUNCTION,
+    check_rows,
+    sql_bucket,
+    sqlite_bucket,
+)
+from dbtrigger.partitions.layout import Partition
+from dbtrigger.sources.sqlalchemy import SqlAlchemySource
+from dbtrigger.sources.visibility import FetchInfo
+
+
+def _register_sqlite_function(engine: sa.Engine) -> None:
+    """Give every SQLite connection of ``engine`` the bucket function, once each."""
+    if engine.dialect.name != "sqlite" or engine.__dict__.get("_dbt_bucket_listener"):
+        return
+
+    def on_checkout(dbapi_conn: Any, record: Any, proxy: Any) -> None:
+        del proxy
+        if not record.info.get(SQLITE_FUNCTION):
+            dbapi_conn.create_function(SQLITE_FUNCTION, 1, sqlite_bucket, deterministic=True)
+            record.info[SQLITE_FUNCTION] = True
+
+    sa.event.listen(engine, "checkout", on_checkout)
+    engine.__dict__["_dbt_bucket_listener"] = True
+
+
+class PartitionSource:
+    """One partition of ``base``: same table, same keyset, only buckets ``[lo, hi)``.
+
+    Events are identified under ``poller`` (the partitioned poller's own name,
+    not the partition's), so a row state keeps its ``event_id`` and dedup key
+    when the partition count changes.
+    """
+
+    def __init__(self, base: SqlAlchemySource, partition: Partition, *, poller: str) -> None:
+        self.base = base
+        self.partition = partition
+        self.poller = poller
+        self._inner = base.derive(self._condition)
+        self._fingerprint: str | None = None
+        if base.dialect_name == "sqlite":
+            # Before any statement of ours runs, not when the first one is built.
+            _register_sqlite_function(base.engine)
+
+    def _bucket(self, source: SqlAlchemySource) -> ColumnElement[Any]:
+        columns = source._columns
+        if BUCKET_COLUMN in columns:
+            return columns[BUCKET_COLUMN]
+        engine = source.engine
+        _register_sqlite_function(engine)
+        quote = engine.dialect.identifier_preparer.quote
+        return sa.literal_column(sql_bucket(source.dialect_name, source.pk_columns, quote))
+
+    def _condition(self, source: SqlAlchemySource) -> ColumnElement[bool]:
+        bucket = self._bucket(source)
+        part = self.partition
+        condition = sa.and_(bucket >= part.lo, bucket < part.hi)
+        for floor in part.floors:
+            in_floor = sa.and_(bucket >= floor.lo, bucket < floor.hi)
+            beyond = source._after_predicate(floor.position)
+            condition = sa.and_(condition, sa.or_(sa.not_(in_floor), beyond))
+        return condition
+
+    # --- identity ------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return f"{self.base.name}[{self.partition.lo}-{self.partition.hi}]"
+
+    @property
+    def cursor_column(self) -> str:
+        return self.base.cursor_column
+
+    @property
+    def pk_columns(self) -> tuple[str, ...]:
+        return self.base.pk_columns
+
+    def fingerprint(self) -> str:
+        """The base source's, plus the bucket range (floors are transient, not identity)."""
+        if self._fingerprint is None:
+            material = f"{self.base.fingerprint()}|buckets:{self.partition.lo}-{self.partition.hi}"
+            self._fingerprint = "sha256:" + hashlib.sha256(material.encode()).hexdigest()
+        return self._fingerprint
+
+    def describe(self) -> dict[str, Any]:
+        info = self.base.describe()
+        info.update(name=self.name, buckets=[self.partition.lo, self.partition.hi])
+        if self.partition.floors:
+            info["floors"] = len(self.partition.floors)
+        return info
+
+    def close(self) -> None:
+        """The pool belongs to the base source; nothing of our own to release."""
+
+    @property
+    def last_fetch_info(self) -> FetchInfo | None:
+        return self._inner.last_fetch_info
+
+    # --- the port --------------------------------------------------------------------
+
+    def fetch(self, after: Position, limit: int) -> Sequence[Mapping[str, Any]]:
+        rows = self._inner.fetch(after, limit)
+        check_rows(rows, self.pk_columns, self.partition.lo, self.partition.hi, self.name)
+        return rows
+
+    def to_events(
+        self, rows: Sequence[Mapping[str, Any]], *, poller: str, batch_id: str
+    ) -> list[RowChange]:
+        del poller  # the partition trigger's name; ids use the partitioned poller's
+        return self._inner.to_events(rows, poller=self.poller, batch_id=batch_id)
+
+    def count_after(self, after: Position) -> int:
+        return self._inner.count_after(after)
+
+    def null_cursor_keys(self, limit: int = 10) -> list[dict[str, Any]]:
+        return self._inner.null_cursor_keys(limit)

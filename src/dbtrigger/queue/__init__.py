@@ -1,0 +1,56 @@
+"""Claim-mode queue tables: competing workers, per-row done / retry / dead.
+
+See ``docs/queues.md``. :class:`ClaimSource` names the queue table,
+:class:`QueueTrigger` claims batches from it and records each row's outcome;
+``dbtrigger queue install|status|retry|prune`` are the operator's side.
+
+Names are imported on first use (like the top-level package), so importing
+``dbtrigger.queue`` - or the CLI that registers its commands - loads no
+SQLAlchemy.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dbtrigger.queue.context import ClaimContext
+    from dbtrigger.queue.outcome import Backoff
+    from dbtrigger.queue.source import ClaimedRow, ClaimSource
+    from dbtrigger.queue.statements import QueueCounts
+    from dbtrigger.queue.trigger import QueueTickResult, QueueTrigger
+
+_LAZY = {
+    "Backoff": "dbtrigger.queue.outcome",
+    "ClaimContext": "dbtrigger.queue.context",
+    "ClaimSource": "dbtrigger.queue.source",
+    "ClaimedRow": "dbtrigger.queue.source",
+    "QueueCounts": "dbtrigger.queue.statements",
+    "QueueTickResult": "dbtrigger.queue.trigger",
+    "QueueTrigger": "dbtrigger.queue.trigger",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+__all__ = [
+    "Backoff",
+    "ClaimContext",
+    "ClaimSource",
+    "ClaimedRow",
+    "QueueCounts",
+    "QueueTickResult",
+    "QueueTrigger",
+]

@@ -1,0 +1,256 @@
+"""``dbtrigger queue install|uninstall|status|retry|prune``: the operator's side of a queue.
+
+Every command that changes something is a dry run unless given ``--yes``: it
+prints what it would do (the DDL, the number of rows) first. ``retry --dead``
+also wants ``--reason``, which is written in front of each re-driven row's
+``dbt_last_error`` so the history of a row stays on the row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from typing import TYPE_CHECKING, Any
+
+from dbtrigger.errors import CommitError, ConfigurationError, FetchError
+
+if TYPE_CHECKING:
+    from dbtrigger.queue.source import ClaimSource
+
+# SQLAlchemy and the queue modules are imported inside the commands, so
+# registering them keeps `dbtrigger --help` light.
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(text: str) -> float:
+    """``90``, ``90s``, ``15m``, ``12h``, ``7d``, ``2w`` -> seconds."""
+    match = _DURATION.match(text)
+    if not match:
+        raise ConfigurationError(
+            f"not a duration: {text!r} (use seconds, or a number with s, m, h, d or w)"
+        )
+    return float(match.group(1)) * _UNIT[match.group(2)]
+
+
+def _source(args: argparse.Namespace) -> ClaimSource:
+    from dbtrigger.queue.source import ClaimSource  # noqa: PLC0415
+
+    pk = list(args.pk)
+    if not pk:
+        pk = _primary_key(args)
+    return ClaimSource(
+        url=args.url,
+        table=args.table,
+        schema=args.schema,
+        pk_columns=pk,
+        where=args.where,
+        mode=args.mode,
+        claims_table=args.claims_table,
+    )
+
+
+def _primary_key(args: argparse.Namespace) -> list[str]:
+    from sqlalchemy.exc import SQLAlchemyError  # noqa: PLC0415
+
+    from dbtrigger.queue.source import ClaimSource  # noqa: PLC0415
+    from dbtrigger.sources.sqlalchemy import short_error  # noqa: PLC0415
+
+    probe = ClaimSource(url=args.url, table=args.table, schema=args.schema, pk_columns=["_"])
+    try:
+        with probe.engine.connect() as conn:
+            table = probe.reflect(conn, probe.table_name)
+    except SQLAlchemyError as exc:
+        raise FetchError(f"could not inspect {probe.name}: {short_error(exc)}") from exc
+    finally:
+        probe.close()
+    names = [c.name for c in table.primary_key.columns]
+    if not names:
+        raise ConfigurationError(f"{args.table} has no primary key: name its key with --pk")
+    return names
+
+
+def _ddl(args: argparse.Namespace, *, uninstall: bool) -> int:
+    from sqlalchemy.exc import SQLAlchemyError  # noqa: PLC0415
+
+    from dbtrigger.queue import ddl  # noqa: PLC0415
+    from dbtrigger.queue.sidecar import install_claims_table  # noqa: PLC0415
+    from dbtrigger.queue.source import ClaimSource  # noqa: PLC0415
+    from dbtrigger.sources.sqlalchemy import short_error  # noqa: PLC0415
+
+    probe = ClaimSource(url=args.url, table=args.table, schema=args.schema, pk_columns=["_"])
+    if args.mode == "sidecar" and uninstall:
+        raise ConfigurationError(
+            "sidecar mode never changed your table; when no queue uses the claims table "
+            f"{args.claims_table} any more, drop it yourself"
+        )
+    try:
+        with probe.transaction() as conn:
+            table = probe.reflect(conn, probe.table_name)
+            if args.mode == "sidecar":
+                statements = install_claims_table(conn, args.claims_table, args.schema)
+            elif uninstall:
+                statements = ddl.uninstall_columns(conn, table)
+            else:
+                statements = ddl.install_columns(conn, table, existing=args.existing)
+            if not statements:
+                print(f"-- {probe.name}: nothing to do")
+                return 0
+            for statement in statements:
+                print(statement.strip() + ";")
+            if not args.yes:
+                print("-- dry run: add --yes to apply")
+                return 0
+            ddl.apply(conn, statements)
+    except SQLAlchemyError as exc:
+        raise CommitError(f"DDL on {probe.name} failed: {short_error(exc)}") from exc
+    finally:
+        probe.close()
+    print(f"-- applied {len(statements)} statement(s) to {probe.name}")
+    return 0
+
+
+def cmd_install(args: argparse.Namespace) -> int:
+    return _ddl(args, uninstall=False)
+
+
+def cmd_uninstall(args: argparse.Namespace) -> int:
+    return _ddl(args, uninstall=True)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    source = _source(args)
+    try:
+        counts = source.counts()
+    finally:
+        source.close()
+    report: dict[str, Any] = {
+        "queue": source.name,
+        "by_status": dict(counts.by_status),
+        "claimable_now": counts.claimable_now,
+        "delayed_retries": counts.delayed,
+        "expired_claims": counts.expired_claims,
+        "oldest_ready_age_seconds": counts.oldest_ready_age_seconds,
+    }
+    if args.json:
+        print(json.dumps(report, sort_keys=True))
+        return 0
+    print(f"queue {source.name}")
+    for status, n in counts.by_status.items():
+        print(f"  {status:<8} {n}")
+    age = counts.oldest_ready_age_seconds
+    print(
+        f"  claimable now: {counts.claimable_now}, oldest ready for "
+        f"{'-' if age is None else f'{age:.1f}s'}"
+    )
+    print(f"  waiting for a retry: {counts.delayed}, expired claims: {counts.expired_claims}")
+    return 0
+
+
+def cmd_retry(args: argparse.Namespace) -> int:
+    if not args.dead:
+        raise ConfigurationError("say which rows to re-drive: --dead")
+    source = _source(args)
+    try:
+        note = f"re-driven ({args.reason}); before: "
+        count = source.redrive_dead(note=note, limit=args.limit, dry_run=not args.yes)
+    finally:
+        source.close()
+    if args.yes:
+        print(f"{count} dead row(s) of {source.name} are ready again (attempts reset)")
+    else:
+        print(f"{count} dead row(s) of {source.name} would be made ready; add --yes to apply")
+    return 0
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    seconds = parse_duration(args.older_than)
+    statuses = ("done", "dead") if args.include_dead else ("done",)
+    source = _source(args)
+    try:
+        count = source.prune(
+            older_than_seconds=seconds, chunk=args.chunk, statuses=statuses, dry_run=not args.yes
+        )
+    finally:
+        source.close()
+    what = "/".join(statuses)
+    if args.yes:
+        print(f"deleted {count} {what} row(s) older than {args.older_than} from {source.name}")
+    else:
+        print(
+            f"{count} {what} row(s) older than {args.older_than} would be deleted from "
+            f"{source.name} in chunks of {args.chunk}; add --yes to apply"
+        )
+    return 0
+
+
+def _table_options(parser: argparse.ArgumentParser, *, pk: bool = True) -> None:
+    parser.add_argument("--url", required=True, help="database URL (or %%APP_SETTING%%)")
+    parser.add_argument("--table", required=True, help="the queue table")
+    parser.add_argument("--schema", help="its schema (default: the connection's)")
+    parser.add_argument(
+        "--mode",
+        choices=("columns", "sidecar"),
+        default="columns",
+        help="claim columns on the table, or a sidecar claims table (default: columns)",
+    )
+    parser.add_argument(
+        "--claims-table", default="dbtrigger_claims", help="sidecar mode: the claims table"
+    )
+    if pk:
+        parser.add_argument(
+            "--pk",
+            action="append",
+            default=[],
+            metavar="COLUMN",
+            help="key column (repeat for several; default: the primary key)",
+        )
+        parser.add_argument("--where", help="the queue's filter, as configured on its source")
+
+
+def add_queue_commands(sub: Any) -> None:
+    """Register ``dbtrigger queue ...`` on the top-level subparsers."""
+    queue = sub.add_parser("queue", help="claim-mode queue tables: install, status, retry, prune")
+    qsub = queue.add_subparsers(dest="queue_command", required=True)
+
+    install = qsub.add_parser("install", help="print (or --yes: run) the claim-column DDL")
+    _table_options(install, pk=False)
+    install.add_argument(
+        "--existing",
+        choices=("ready", "done"),
+        default="ready",
+        help="what rows already in the table become (default: ready, i.e. delivered)",
+    )
+    install.add_argument("--yes", action="store_true", help="apply (default: dry run)")
+    install.set_defaults(func=cmd_install)
+
+    uninstall = qsub.add_parser("uninstall", help="print (or --yes: run) DDL removing them")
+    _table_options(uninstall, pk=False)
+    uninstall.add_argument("--yes", action="store_true", help="apply (default: dry run)")
+    uninstall.set_defaults(func=cmd_uninstall)
+
+    status = qsub.add_parser("status", help="rows per status, oldest ready age")
+    _table_options(status)
+    status.add_argument("--json", action="store_true", help="one JSON object")
+    status.set_defaults(func=cmd_status)
+
+    retry = qsub.add_parser("retry", help="re-drive dead rows (dry run unless --yes)")
+    _table_options(retry)
+    retry.add_argument("--dead", action="store_true", help="re-drive rows in status dead")
+    retry.add_argument("--limit", type=int, help="at most this many rows")
+    retry.add_argument("--reason", required=True, help="why: kept in dbt_last_error")
+    retry.add_argument("--yes", action="store_true", help="apply (default: dry run)")
+    retry.set_defaults(func=cmd_retry)
+
+    prune = qsub.add_parser("prune", help="delete finished rows in bounded chunks")
+    _table_options(prune)
+    prune.add_argument("--older-than", required=True, help="e.g. 7d, 12h, 3600")
+    prune.add_argument("--chunk", type=int, default=1000, help="rows per transaction")
+    prune.add_argument("--include-dead", action="store_true", help="prune dead rows too")
+    prune.add_argument("--yes", action="store_true", help="apply (default: dry run)")
+    prune.set_defaults(func=cmd_prune)
+
+
+__all__ = ["add_queue_commands", "parse_duration"]

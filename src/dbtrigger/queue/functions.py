@@ -1,0 +1,118 @@
+"""``@db.queue_trigger``: a claim queue drained by an Azure Functions timer.
+
+Like ``@db.trigger`` it sits under ``@app.schedule`` and hides the parameters
+dbtrigger injects (the events, and ``context`` for the
+:class:`~dbtrigger.ClaimContext`) from the host::
+
+    @app.schedule(schedule="*/10 * * * * *", arg_name="timer")
+    @db.queue_trigger(arg_name="events", source=ClaimSource(...), visibility_timeout_seconds=120)
+    def send(timer, events, context):
+        for e in events:
+            ...
+
+Each firing claims and handles batches until a claim comes back short or
+``max_batches_per_tick`` batches were handled (a bounded run keeps an
+invocation inside the host's time limit; what is left is claimed by the next
+firing or by another instance - any number may run at once, there is no
+lease). Failed rows are recorded on the queue (retry / dead), so a handler
+failure does not fail the invocation; a database outage or a configuration
+error does, and shows in the Functions logs.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from dbtrigger.errors import ConfigurationError
+from dbtrigger.metrics import MetricsCollector
+from dbtrigger.output import call_keywords, host_signature, set_host_signature
+from dbtrigger.quarantine import QuarantineSink
+from dbtrigger.queue.source import ClaimSource
+from dbtrigger.queue.trigger import QueueTrigger
+
+CONTEXT_PARAM = "context"
+
+
+def queue_trigger(
+    registry: dict[str, QueueTrigger],
+    *,
+    arg_name: str,
+    source: ClaimSource,
+    name: str | None = None,
+    batch_size: int = 100,
+    max_batches_per_tick: int = 10,
+    visibility_timeout_seconds: float = 60,
+    max_attempts: int = 5,
+    dead_letter: QuarantineSink | None = None,
+    metrics: MetricsCollector | None = None,
+    **options: Any,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The decorator behind :meth:`dbtrigger.azure.DbBindings.queue_trigger`."""
+    if max_batches_per_tick < 1:
+        raise ConfigurationError(f"max_batches_per_tick must be >= 1, got {max_batches_per_tick}")
+
+    def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if type(fn).__name__ == "FunctionBuilder":
+            raise ConfigurationError(
+                "@db.queue_trigger must sit below @app.schedule, directly above the function"
+            )
+        sig = inspect.signature(fn)
+        if arg_name not in sig.parameters:
+            raise ConfigurationError(
+                f"@db.queue_trigger(arg_name={arg_name!r}): {getattr(fn, '__name__', fn)!r} "
+                f"has no parameter {arg_name!r}"
+            )
+        wants_context = CONTEXT_PARAM in sig.parameters and arg_name != CONTEXT_PARAM
+        hidden = {arg_name, CONTEXT_PARAM} if wants_context else {arg_name}
+        host_sig = host_signature(fn, hidden, "@db.queue_trigger").replace(return_annotation=None)
+        queue_name = name or fn.__name__
+        if queue_name in registry:
+            raise ConfigurationError(f"two queue triggers are named {queue_name!r}")
+        queue = QueueTrigger(
+            name=queue_name,
+            source=source,
+            batch_size=batch_size,
+            visibility_timeout_seconds=visibility_timeout_seconds,
+            max_attempts=max_attempts,
+            dead_letter=dead_letter,
+            metrics=metrics,
+            **options,
+        )
+
+        def make_handler(host_args: dict[str, Any]) -> Callable[..., Any]:
+            def handler(events: Any, ctx: Any) -> Any:
+                call = dict(host_args)
+                call[arg_name] = events
+                if wants_context:
+                    call[CONTEXT_PARAM] = ctx
+                return fn(**call)
+
+            return handler
+
+        if inspect.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> None:
+                handler = make_handler(call_keywords(host_sig, args, kwargs))
+                for _ in range(max_batches_per_tick):
+                    if not (await queue.tick_result_async(handler)).more:
+                        break
+
+            wrapper: Callable[..., Any] = async_wrapper
+        else:
+
+            @functools.wraps(fn)
+            def sync_wrapper(*args: Any, **kwargs: Any) -> None:
+                handler = make_handler(call_keywords(host_sig, args, kwargs))
+                queue.drain(handler, max_ticks=max_batches_per_tick)
+
+            wrapper = sync_wrapper
+        set_host_signature(wrapper, host_sig)
+        wrapper.queue_trigger = queue  # type: ignore[attr-defined]
+        registry[queue_name] = queue
+        return wrapper
+
+    return decorator

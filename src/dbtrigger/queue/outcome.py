@@ -1,0 +1,144 @@
+"""Pure decisions for a claimed batch: which rows are done, retried or dead, and when.
+
+Decide, then do: :func:`decide` takes what the handler did (returned, raised,
+marked rows with ``ctx.retry`` / ``ctx.reject``) and the attempt numbers, and
+returns a :class:`Plan`; the trigger performs it (dead-letter sink first, then
+one fenced settlement). Nothing here does I/O, so every rule is table-tested.
+
+The rules:
+
+* a row the handler neither marked nor failed is **done**;
+* ``ctx.reject(event, reason)`` makes the row **dead** at once (terminal);
+* ``ctx.retry(event, reason)``, an exception from the handler (every row not
+  otherwise marked), or a :class:`~dbtrigger.errors.PartialBatchError` naming
+  the row fail the attempt: **retry** after a backoff, or **dead** once the
+  row has had ``max_attempts`` attempts;
+* a row claimed for the ``max_attempts + 1``-th time (its earlier claims all
+  expired: the worker crashed or hung each time) is **dead** without calling
+  the handler, so a row that kills its worker cannot crash-loop for ever.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from dbtrigger.errors import ConfigurationError, PartialBatchError
+from dbtrigger.queue.schema import ERROR_LIMIT
+from dbtrigger.queue.statements import DeadItem, Key, RetryItem
+from dbtrigger.redaction import redact
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Exponential backoff with jitter, capped: ``base * 2**(attempt-1)``, at most ``cap``.
+
+    The delay is drawn between half and all of that bound ("equal jitter"), so
+    rows that failed together (a downstream outage) spread out on the way back
+    while none comes back sooner than half its bound.
+    """
+
+    base_seconds: float = 1.0
+    cap_seconds: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.base_seconds < 0 or self.cap_seconds < self.base_seconds:
+            raise ConfigurationError(
+                "retry backoff needs 0 <= base <= cap, got "
+                f"base={self.base_seconds}, cap={self.cap_seconds}"
+            )
+
+    def bound(self, attempt: int) -> float:
+        exponent = min(max(attempt, 1) - 1, 60)
+        return float(min(self.cap_seconds, self.base_seconds * (2**exponent)))
+
+    def delay(self, attempt: int, rng: random.Random) -> float:
+        bound = self.bound(attempt)
+        return bound / 2 + rng.uniform(0, bound / 2)
+
+
+@dataclass(frozen=True)
+class Mark:
+    """What the handler said about one row through its context."""
+
+    kind: Literal["retry", "reject"]
+    reason: str
+    delay_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    done: list[Key] = field(default_factory=list)
+    retry: list[RetryItem] = field(default_factory=list)
+    dead: list[DeadItem] = field(default_factory=list)
+
+
+def error_text(error: BaseException | str) -> str:
+    """An error as stored in ``dbt_last_error``: one line of type and message,
+    with anything that looks like a secret masked, truncated to the column."""
+    text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    return redact(text.strip())[:ERROR_LIMIT]
+
+
+def _failed_by_partial(
+    error: PartialBatchError, pks: Mapping[Key, Mapping[str, object]]
+) -> dict[Key, str]:
+    named: dict[Key, str] = {}
+    for index, failed in enumerate(error.failed_pks):
+        for key, pk in pks.items():
+            if dict(pk) == dict(failed):
+                cause = error.causes.get(index)
+                named[key] = error_text(cause) if cause is not None else error_text(error)
+    return named
+
+
+def decide(
+    rows: Sequence[tuple[Key, int]],
+    *,
+    pks: Mapping[Key, Mapping[str, object]],
+    marks: Mapping[Key, Mark],
+    failure: BaseException | None,
+    max_attempts: int,
+    backoff: Backoff,
+    rng: random.Random,
+) -> Plan:
+    """The outcome of each ``(key, attempt)`` after the handler ran (see the module doc)."""
+    failed: dict[Key, str] = {}
+    if isinstance(failure, PartialBatchError):
+        failed = _failed_by_partial(failure, pks)
+    elif failure is not None:
+        text = error_text(failure)
+        failed = {key: text for key, _ in rows}
+    plan = Plan()
+    for key, attempt in rows:
+        mark = marks.get(key)
+        if mark is not None and mark.kind == "reject":
+            plan.dead.append(DeadItem(key, error_text(f"rejected: {mark.reason}")))
+            continue
+        reason: str | None = None
+        delay: float | None = None
+        if mark is not None:
+            reason, delay = error_text(f"retry requested: {mark.reason}"), mark.delay_seconds
+        elif key in failed:
+            reason = failed[key]
+        if reason is None:
+            plan.done.append(key)
+        elif attempt >= max_attempts:
+            plan.dead.append(DeadItem(key, error_text(f"failed {attempt} times; last: {reason}")))
+        else:
+            wait = backoff.delay(attempt, rng) if delay is None else max(0.0, delay)
+            plan.retry.append(RetryItem(key, wait, reason))
+    return plan
+
+
+def expired_too_often(attempt: int, max_attempts: int) -> bool:
+    """A row claimed more often than ``max_attempts``: its earlier claims all expired."""
+    return attempt > max_attempts
+
+
+EXPIRED_ERROR = (
+    "claimed {attempts} times without an outcome: the workers holding it crashed, hung, "
+    "or ran past the visibility timeout each time"
+)

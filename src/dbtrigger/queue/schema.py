@@ -1,0 +1,213 @@
+"""The claim columns, their statuses, and the per-dialect clock they are compared with.
+
+A queue row carries its delivery state in seven columns, all prefixed
+``dbt_`` so they cannot collide with the user's own names:
+
+========================  ==================================================
+``dbt_status``            ``ready`` / ``claimed`` / ``done`` / ``dead``
+``dbt_attempts``          claims taken so far (counted when a claim is taken,
+                          so a worker that dies mid-handler still counts)
+``dbt_visible_at``        when the row may be claimed (again)
+``dbt_claim_token``       the claim that holds (or completed) the row
+``dbt_claimed_by``        the worker id of that claim
+``dbt_last_error``        the latest failure, redacted and truncated
+``dbt_done_at``           when the row reached ``done`` or ``dead``
+========================  ==================================================
+
+Why one predicate is enough: a row is claimable when ``dbt_status`` is
+``ready`` or ``claimed`` *and* ``dbt_visible_at <= now``. A running claim has
+``dbt_visible_at`` in the future (claim time + visibility timeout, pushed on by
+the heartbeat), so it is not claimable until it expires; an expired claim is
+claimable again without any rescuer process. Finished rows (``done``, ``dead``)
+get ``dbt_visible_at`` set to a far-future sentinel, so on a database without
+partial indexes (MariaDB/MySQL) a plain index on ``dbt_visible_at`` still keeps
+them out of the claim's range scan.
+
+All times are the *database's* clock (``now()``, ``UTC_TIMESTAMP(6)``,
+``strftime('now')``), never the workers': workers on hosts with skewed clocks
+still agree on when a claim expires.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import mysql
+from sqlalchemy.sql import ColumnElement
+
+from dbtrigger.errors import ConfigurationError
+
+PREFIX = "dbt_"
+STATUS = "dbt_status"
+ATTEMPTS = "dbt_attempts"
+VISIBLE_AT = "dbt_visible_at"
+CLAIM_TOKEN = "dbt_claim_token"  # noqa: S105 - a column name
+CLAIMED_BY = "dbt_claimed_by"
+LAST_ERROR = "dbt_last_error"
+DONE_AT = "dbt_done_at"
+
+#: Every claim column, in the order ``queue install`` adds them.
+CLAIM_COLUMNS: tuple[str, ...] = (
+    STATUS,
+    ATTEMPTS,
+    VISIBLE_AT,
+    CLAIM_TOKEN,
+    CLAIMED_BY,
+    LAST_ERROR,
+    DONE_AT,
+)
+
+READY = "ready"
+CLAIMED = "claimed"
+DONE = "done"
+DEAD = "dead"
+STATUSES: tuple[str, ...] = (READY, CLAIMED, DONE, DEAD)
+#: Statuses a claim may take a row from (``claimed`` only once it expired).
+CLAIMABLE: tuple[str, ...] = (READY, CLAIMED)
+
+#: Longest ``dbt_last_error`` text kept (the column holds 2000 characters).
+ERROR_LIMIT = 2000
+#: ``dbt_claimed_by`` column width.
+WORKER_ID_LIMIT = 200
+
+SUPPORTED_DIALECTS = frozenset({"postgresql", "mysql", "mariadb", "sqlite"})
+
+_SQLITE_FORMAT = "%Y-%m-%d %H:%M:%f"
+_SQLITE_PY_FORMAT = "%Y-%m-%d %H:%M:%S.%f"
+
+
+class DialectTime:
+    """Time expressions on the database clock, and the claim columns' types.
+
+    PostgreSQL uses ``timestamptz``; MariaDB/MySQL ``DATETIME(6)`` holding UTC;
+    SQLite text ``YYYY-MM-DD HH:MM:SS.SSS`` in UTC, which sorts and compares
+    as time because the format is fixed.
+    """
+
+    def __init__(self, dialect: str) -> None:
+        if dialect not in SUPPORTED_DIALECTS:
+            raise ConfigurationError(
+                f"claim queues support PostgreSQL, MariaDB/MySQL and SQLite, not {dialect!r}"
+            )
+        self.dialect = "mysql" if dialect == "mariadb" else dialect
+
+    def now(self) -> ColumnElement[Any]:
+        """The database's current time, in the column's representation."""
+        if self.dialect == "postgresql":
+            return sa.func.now()
+        if self.dialect == "mysql":
+            return sa.func.utc_timestamp(sa.literal_column("6"))
+        return sa.func.strftime(_SQLITE_FORMAT, "now")
+
+    def plus(self, seconds: float) -> ColumnElement[Any]:
+        """``now() + seconds`` (seconds is bound, never rendered into the SQL)."""
+        if self.dialect == "postgresql":
+            return sa.func.now() + sa.func.make_interval(
+                0, 0, 0, 0, 0, 0, sa.bindparam("dbt_secs", float(seconds), type_=sa.Float)
+            )
+        if self.dialect == "mysql":
+            return sa.func.timestampadd(
+                sa.literal_column("MICROSECOND"),
+                sa.bindparam("dbt_us", round(seconds * 1_000_000), type_=sa.BigInteger),
+                sa.func.utc_timestamp(sa.literal_column("6")),
+            )
+        return sa.func.strftime(
+            _SQLITE_FORMAT,
+            "now",
+            sa.bindparam("dbt_mod", f"{float(seconds):+.3f} seconds", type_=sa.String),
+        )
+
+    def far_future(self) -> Any:
+        """The ``dbt_visible_at`` of finished rows: after any real time."""
+        if self.dialect == "postgresql":
+            return dt.datetime(9999, 12, 31, tzinfo=dt.timezone.utc)
+        if self.dialect == "mysql":
+            return dt.datetime(9999, 12, 31)
+        return "9999-12-31 00:00:00.000"
+
+    def age_seconds(self, column: ColumnElement[Any]) -> ColumnElement[Any]:
+        """Seconds from ``column`` to the database's now."""
+        if self.dialect == "postgresql":
+            return sa.func.extract("epoch", sa.func.now() - column)
+        if self.dialect == "mysql":
+            return (
+                sa.func.timestampdiff(
+                    sa.literal_column("MICROSECOND"),
+                    column,
+                    sa.func.utc_timestamp(sa.literal_column("6")),
+                )
+                / 1_000_000.0
+            )
+        return (sa.func.julianday("now") - sa.func.julianday(column)) * 86400.0
+
+    def ago(self, seconds: float) -> Any:
+        """A bound value for ``now - seconds`` computed here, for ``prune``'s cutoff.
+
+        Prune compares ``dbt_done_at`` with a cutoff; computing the cutoff as an
+        expression would work too, but a value makes the dry run and the real run
+        agree exactly on which rows they mean.
+        """
+        moment = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=seconds)
+        if self.dialect == "postgresql":
+            return moment
+        if self.dialect == "mysql":
+            return moment.replace(tzinfo=None)
+        return moment.strftime(_SQLITE_PY_FORMAT)[:-3]
+
+    # --- DDL ------------------------------------------------------------------------
+
+    def time_type(self) -> sa.types.TypeEngine[Any]:
+        if self.dialect == "postgresql":
+            return sa.DateTime(timezone=True)
+        if self.dialect == "mysql":
+            return mysql.DATETIME(fsp=6)
+        return sa.String(23)
+
+    def now_default(self) -> sa.TextClause:
+        if self.dialect == "postgresql":
+            return sa.text("now()")
+        if self.dialect == "mysql":
+            return sa.text("(UTC_TIMESTAMP(6))")
+        return sa.text("(strftime('%Y-%m-%d %H:%M:%f', 'now'))")
+
+    def claim_columns(self) -> list[sa.Column[Any]]:
+        """Fresh column objects for the claim columns (for DDL)."""
+        return [
+            sa.Column(STATUS, sa.String(8), nullable=False, server_default=sa.text("'ready'")),
+            sa.Column(ATTEMPTS, sa.Integer, nullable=False, server_default=sa.text("0")),
+            sa.Column(
+                VISIBLE_AT, self.time_type(), nullable=False, server_default=self.now_default()
+            ),
+            sa.Column(CLAIM_TOKEN, sa.String(36), nullable=True),
+            sa.Column(CLAIMED_BY, sa.String(WORKER_ID_LIMIT), nullable=True),
+            sa.Column(LAST_ERROR, sa.String(ERROR_LIMIT), nullable=True),
+            sa.Column(DONE_AT, self.time_type(), nullable=True),
+        ]
+
+    def claimable_index(self, table: sa.Table, name: str) -> sa.Index:
+        """The index the claim scans: partial where the dialect has partial indexes.
+
+        PostgreSQL and SQLite index only rows in a claimable status, so the
+        index stays as small as the backlog however many finished rows the
+        table keeps. MariaDB/MySQL have no partial indexes: the index covers
+        every row, but finished rows sit at the far-future end of it, outside
+        the claim's ``dbt_visible_at <= now`` range, so a claim never reads them.
+        """
+        column = table.c[VISIBLE_AT]
+        if self.dialect in ("postgresql", "sqlite"):
+            where = table.c[STATUS].in_(CLAIMABLE)
+            return sa.Index(
+                name,
+                column,
+                postgresql_where=where,
+                sqlite_where=where,
+            )
+        return sa.Index(name, column)
+
+
+def index_name(table: str) -> str:
+    """``ix_<table>_dbt_claimable``, shortened to fit 63 characters."""
+    name = f"ix_{table}_dbt_claimable"
+    return name if len(name) <= 63 else f"ix_{table[:40]}_dbt_claimable"

@@ -1,0 +1,487 @@
+"""``ClaimSource``: a table that is a work queue, claimed row by row by competing workers.
+
+Unlike :class:`~dbtrigger.SqlAlchemySource` (which never writes to the source
+and follows it with one checkpoint), a claim source *writes its delivery state
+onto the queue*: each row is claimed by one worker at a time with a visibility
+timeout, and finished as done, retried later or dead. Any number of workers may
+claim at once; none needs a lease or a state document.
+
+Two modes:
+
+* ``mode="columns"`` (the "ideal polling table"): the claim columns
+  (:mod:`dbtrigger.queue.schema`) live on the user's table. ``dbtrigger queue
+  install`` prints (and with ``--yes`` applies) the DDL.
+* ``mode="sidecar"``: the user's table is untouched. A
+  :class:`~dbtrigger.queue.sidecar.SidecarFeeder` (a keyset poller) copies
+  ``(key, cursor)`` of new and changed rows into a claims table, and workers
+  claim from there (:mod:`dbtrigger.queue.sidecar`).
+
+Configuration is checked on the first use against the real table, and every
+mistake is a :class:`~dbtrigger.errors.ConfigurationError` that says what to
+do: missing claim columns (the message prints the install command), key
+columns that are not unique, a ``where`` filter that touches the claim
+columns, a MariaDB/MySQL too old for ``SKIP LOCKED``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import sqlalchemy as sa
+from sqlalchemy.engine import URL, Connection, Engine, make_url
+from sqlalchemy.exc import NoSuchTableError, SQLAlchemyError
+
+from dbtrigger._engine import LazyEngine
+from dbtrigger.errors import CommitError, ConfigurationError, DbTriggerError, FetchError
+from dbtrigger.names import validate_sql_identifier
+from dbtrigger.queue.schema import (
+    ATTEMPTS,
+    CLAIM_COLUMNS,
+    PREFIX,
+    VISIBLE_AT,
+    DialectTime,
+)
+from dbtrigger.queue.statements import (
+    ClaimTable,
+    DeadItem,
+    Key,
+    QueueCounts,
+    RetryItem,
+    Settled,
+)
+from dbtrigger.settings import resolve_setting
+from dbtrigger.sources.sqlalchemy import safe_url_text, short_error
+
+log = logging.getLogger("dbtrigger.queue")
+
+Mode = Literal["columns", "sidecar"]
+OnDone = Literal["mark", "delete"]
+
+_CLAIM_REFERENCE = re.compile(re.escape(PREFIX), re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class ClaimedRow:
+    """One claimed row: its key, its values (without claim columns) and its attempt number."""
+
+    key: Key
+    pk: Mapping[str, Any]
+    values: Mapping[str, Any] | None
+    attempt: int
+    cursor: Any = None
+
+
+def install_command(url: str, table: str, schema: str | None, mode: str = "columns") -> str:
+    """The ``dbtrigger queue install`` line that fixes a missing-columns error."""
+    parts = ["dbtrigger queue install", f"--url '{url}'", f"--table {table}"]
+    if schema:
+        parts.append(f"--schema {schema}")
+    if mode != "columns":
+        parts.append(f"--mode {mode}")
+    return " ".join(parts)
+
+
+class ClaimSource:
+    """A queue table for :class:`~dbtrigger.queue.trigger.QueueTrigger`.
+
+    Args:
+        url: SQLAlchemy URL (``%APP_SETTING%`` references are resolved).
+        table / schema: the queue table (validated identifiers).
+        pk_columns: columns that identify a row; a primary key or unique index
+            must cover them.
+        where: optional filter on the user's own columns (SQL text from
+            configuration; ``:name`` placeholders bound from ``parameters``).
+            It must not mention the claim columns: the claim manages those.
+        mode: ``"columns"`` (claim columns on the table) or ``"sidecar"``
+            (a claims table next to it, fed by a :class:`SidecarFeeder`).
+        on_done: ``"mark"`` keeps finished rows as ``done`` (prune them with
+            ``dbtrigger queue prune``); ``"delete"`` deletes them.
+        cursor_column: sidecar mode: the monotonic column the feeder follows
+            (as for :class:`~dbtrigger.SqlAlchemySource`; workers do not need it).
+        claims_table: sidecar mode: the claims table's name (default
+            ``dbtrigger_claims``, in ``schema``; one table serves many queues).
+        engine_kwargs: passed to :func:`sqlalchemy.create_engine`.
+    """
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        table: str,
+        pk_columns: Sequence[str],
+        schema: str | None = None,
+        where: str | None = None,
+        parameters: Mapping[str, Any] | None = None,
+        mode: Mode = "columns",
+        on_done: OnDone = "mark",
+        cursor_column: str | None = None,
+        claims_table: str = "dbtrigger_claims",
+        engine_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        if mode not in ("columns", "sidecar"):
+            raise ConfigurationError(f"mode must be 'columns' or 'sidecar', got {mode!r}")
+        if on_done not in ("mark", "delete"):
+            raise ConfigurationError(f"on_done must be 'mark' or 'delete', got {on_done!r}")
+        if isinstance(pk_columns, str) or not pk_columns:
+            raise ConfigurationError("pk_columns must be a non-empty list of column names")
+        self.table_name = validate_sql_identifier(table, "table")
+        self.schema = validate_sql_identifier(schema, "schema") if schema else None
+        self.pk_columns = tuple(validate_sql_identifier(c, "pk column") for c in pk_columns)
+        clash = [c for c in self.pk_columns if c.lower().startswith(PREFIX)]
+        if clash:
+            raise ConfigurationError(f"pk columns must not be claim columns: {clash}")
+        if where is not None and _CLAIM_REFERENCE.search(where):
+            raise ConfigurationError(
+                f"where={where!r} refers to a claim column ({PREFIX}...): the claim manages "
+                "those (status, attempts, visibility); filter on your own columns only"
+            )
+        self.where = where
+        self.parameters = dict(parameters or {})
+        self.mode: Mode = mode
+        self.on_done: OnDone = on_done
+        if mode == "columns" and cursor_column:
+            raise ConfigurationError("cursor_column= is only used with mode='sidecar'")
+        self.cursor_column = (
+            validate_sql_identifier(cursor_column, "cursor_column") if cursor_column else None
+        )
+        self.claims_table = validate_sql_identifier(claims_table, "claims_table")
+        try:
+            self.url: URL = make_url(resolve_setting(url))
+        except sa.exc.ArgumentError as exc:
+            raise ConfigurationError(f"not a valid database URL: {exc}") from None
+        self.time = DialectTime(self.url.get_backend_name())
+        # No pre-ping: it would add a round trip to every claim and settlement.
+        # A connection the server dropped fails one operation (FetchError or
+        # CommitError, retried by the next tick; SQLAlchemy discards the pool).
+        kwargs: dict[str, Any] = {"pool_pre_ping": False}
+        if self.time.dialect == "postgresql":
+            # Every claim, extension and settlement is one statement (or, for a
+            # settlement, statements that each stand alone, fenced per row):
+            # autocommit saves the BEGIN and COMMIT round trips.
+            kwargs["isolation_level"] = "AUTOCOMMIT"
+        kwargs.update(engine_kwargs or {})
+        if self.time.dialect == "sqlite":
+            # Claimers queue on the write lock instead of failing at once.
+            kwargs.setdefault("connect_args", {"timeout": 30})
+        self._engines = LazyEngine(self.url, kwargs)
+        self._lock = threading.Lock()
+        self._engine_lock = threading.Lock()
+        self._target: ClaimTable | None = None
+        self._user_table: sa.Table | None = None
+        self._sqlite_hooked = False
+
+    # --- identity -------------------------------------------------------------------
+
+    @property
+    def dialect_name(self) -> str:
+        return self.time.dialect
+
+    @property
+    def name(self) -> str:
+        target = f"{self.schema}.{self.table_name}" if self.schema else self.table_name
+        return f"{self.url.get_backend_name()}:{target}"
+
+    @property
+    def safe_url(self) -> str:
+        return safe_url_text(self.url)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "url": self.safe_url,
+            "table": self.table_name,
+            "schema": self.schema,
+            "pk_columns": list(self.pk_columns),
+            "where": self.where,
+            "mode": self.mode,
+            "on_done": self.on_done,
+            "cursor_column": self.cursor_column,
+            "claims_table": self.claims_table if self.mode == "sidecar" else None,
+        }
+
+    @property
+    def queue_name(self) -> str:
+        """The queue's name in a sidecar claims table: the (qualified) user table."""
+        return f"{self.schema}.{self.table_name}" if self.schema else self.table_name
+
+    def user_table(self, conn: Connection) -> sa.Table:
+        """The reflected user table (reflected once)."""
+        if self._user_table is None:
+            self._user_table = self.reflect(conn, self.table_name)
+        return self._user_table
+
+    def install_hint(self) -> str:
+        return install_command(self.safe_url, self.table_name, self.schema, self.mode)
+
+    # --- engine ---------------------------------------------------------------------
+
+    @property
+    def engine(self) -> Engine:
+        engine = self._engines.engine
+        if self.time.dialect == "sqlite" and not self._sqlite_hooked:
+            with self._engine_lock:
+                if not self._sqlite_hooked:
+                    _begin_immediate(engine)
+                    self._sqlite_hooked = True
+        return engine
+
+    def close(self) -> None:
+        self._engines.dispose()
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[Connection]:
+        """One short unit of work: a READ COMMITTED transaction on MariaDB/MySQL
+        (no gap locks), a ``BEGIN IMMEDIATE`` transaction on SQLite, autocommit
+        statements on PostgreSQL (each claim/settle statement is atomic alone)."""
+        with self.engine.connect() as conn:
+            work = (
+                conn.execution_options(isolation_level="READ COMMITTED")
+                if self.time.dialect == "mysql"
+                else conn
+            )
+            with work.begin():
+                yield work
+
+    # --- shape ----------------------------------------------------------------------
+
+    @property
+    def target(self) -> ClaimTable:
+        """The claim statements, after the table was checked (once)."""
+        if self._target is None:
+            with self._lock:
+                if self._target is None:
+                    try:
+                        with self.engine.connect() as conn:
+                            self._target = self._resolve(conn)
+                    except DbTriggerError:
+                        raise
+                    except SQLAlchemyError as exc:
+                        raise FetchError(
+                            f"could not inspect queue {self.name}: {short_error(exc)}"
+                        ) from exc
+        return self._target
+
+    def _check_server(self, conn: Connection) -> None:
+        if self.time.dialect != "mysql":
+            return
+        version = tuple(conn.dialect.server_version_info or ())
+        mariadb = bool(getattr(conn.dialect, "is_mariadb", False))
+        needed = (10, 6) if mariadb else (8, 0, 1)
+        if version < needed:
+            product = "MariaDB" if mariadb else "MySQL"
+            have = ".".join(str(v) for v in version)
+            want = ".".join(str(v) for v in needed)
+            raise ConfigurationError(
+                f"{product} {have} has no FOR UPDATE SKIP LOCKED (needs {want} or later): "
+                "competing workers would wait on each other's claims. Upgrade the server, "
+                "or use the keyset poller (PollTrigger) with a single lease owner"
+            )
+
+    def reflect(self, conn: Connection, name: str) -> sa.Table:
+        try:
+            return sa.Table(name, sa.MetaData(), schema=self.schema, autoload_with=conn)
+        except NoSuchTableError:
+            where = f"{self.schema}.{name}" if self.schema else name
+            raise ConfigurationError(
+                f"table {where} does not exist (or is not visible to this user)"
+            ) from None
+
+    def _check_key(self, table: sa.Table, key: Sequence[str]) -> None:
+        missing = [k for k in key if k not in table.c]
+        if missing:
+            raise ConfigurationError(
+                f"{table.name} has no column(s) {', '.join(missing)}; "
+                f"available: {', '.join(sorted(table.c.keys()))}"
+            )
+        wanted = set(key)
+        unique_sets = [{c.name for c in table.primary_key.columns}]
+        unique_sets += [{c.name for c in i.columns} for i in table.indexes if i.unique]
+        unique_sets += [
+            {c.name for c in u.columns}
+            for u in table.constraints
+            if isinstance(u, sa.UniqueConstraint)
+        ]
+        if not any(s and s <= wanted for s in unique_sets):
+            raise ConfigurationError(
+                f"pk_columns {list(key)} of {table.name} are not unique: no primary key or "
+                "unique index/constraint covers them, so two rows could share a claim. "
+                "Add one, or name the table's real key"
+            )
+
+    def _resolve(self, conn: Connection) -> ClaimTable:
+        self._check_server(conn)
+        user = self.reflect(conn, self.table_name)
+        self._check_key(user, self.pk_columns)
+        self._user_table = user
+        if self.mode == "sidecar":
+            from dbtrigger.queue.sidecar import claims_target  # noqa: PLC0415 - a cycle
+
+            return claims_target(self, conn)
+        missing = [c for c in CLAIM_COLUMNS if c not in user.c]
+        if missing:
+            raise ConfigurationError(
+                f"{user.name} has no claim column(s) {', '.join(missing)}: install them with\n"
+                f"  {self.install_hint()} --yes\n"
+                "(without --yes it prints the DDL it would run)",
+                missing_columns=missing,
+            )
+        if not any([c.name for c in index.columns][:1] == [VISIBLE_AT] for index in user.indexes):
+            log.warning(
+                "queue %s has no index on %s: every claim scans the table; "
+                "`dbtrigger queue install` creates it",
+                self.name,
+                VISIBLE_AT,
+                extra={"event": "queue_index_missing", "source": self.name},
+            )
+        return ClaimTable(user, self.pk_columns, self.time, self._filter())
+
+    def _filter(self) -> sa.ColumnElement[bool] | None:
+        if not self.where:
+            return None
+        clause = sa.text(self.where)
+        names = set(clause._bindparams)
+        return sa.and_(
+            sa.true(),
+            clause.bindparams(**{k: v for k, v in self.parameters.items() if k in names}),
+        )
+
+    # --- the worker's operations ----------------------------------------------------
+
+    def claim(self, *, limit: int, token: str, worker: str, visibility: float) -> list[ClaimedRow]:
+        """Claim up to ``limit`` rows for ``token`` (visible again after ``visibility`` s)."""
+        target = self.target
+        try:
+            with self.transaction() as conn:
+                rows = target.claim(
+                    conn, limit=limit, token=token, worker=worker, visibility=visibility
+                )
+                if self.mode == "sidecar":
+                    from dbtrigger.queue.sidecar import load_rows  # noqa: PLC0415
+
+                    return load_rows(self, conn, rows)
+        except SQLAlchemyError as exc:
+            raise FetchError(f"claim on {self.name} failed: {short_error(exc)}") from exc
+        return [self._claimed(target, row) for row in rows]
+
+    def _claimed(self, target: ClaimTable, row: Mapping[str, Any]) -> ClaimedRow:
+        key = target.key_of(row)
+        values = {k: v for k, v in row.items() if not k.startswith(PREFIX)}
+        return ClaimedRow(
+            key=key,
+            pk=dict(zip(self.pk_columns, key, strict=True)),
+            values=values,
+            attempt=int(row[ATTEMPTS]),
+        )
+
+    def extend(self, *, token: str, visibility: float) -> int:
+        """Heartbeat: push the claim's expiry on; how many rows it still holds."""
+        target = self.target
+        try:
+            with self.transaction() as conn:
+                return target.extend(conn, token=token, visibility=visibility)
+        except SQLAlchemyError as exc:
+            raise FetchError(f"claim extension on {self.name} failed: {short_error(exc)}") from exc
+
+    def settle(
+        self,
+        *,
+        token: str,
+        done: Sequence[Key],
+        retry: Sequence[RetryItem] = (),
+        dead: Sequence[DeadItem] = (),
+    ) -> Settled:
+        """Record outcomes for rows still held by ``token`` (fenced; see statements)."""
+        target = self.target
+        try:
+            with self.transaction() as conn:
+                return target.settle(
+                    conn,
+                    token=token,
+                    done=done,
+                    retry=retry,
+                    dead=dead,
+                    delete_done=self.on_done == "delete",
+                )
+        except SQLAlchemyError as exc:
+            raise CommitError(
+                f"recording outcomes on {self.name} failed: {short_error(exc)}; the claim "
+                "expires and the rows are claimed again"
+            ) from exc
+
+    # --- operator commands ----------------------------------------------------------
+
+    def counts(self) -> QueueCounts:
+        target = self.target  # checked before a connection is taken (SQLite: one writer)
+        try:
+            with self.engine.connect() as conn:
+                return target.counts(conn)
+        except SQLAlchemyError as exc:
+            raise FetchError(f"status of {self.name} failed: {short_error(exc)}") from exc
+
+    def redrive_dead(self, *, note: str, limit: int | None = None, dry_run: bool = True) -> int:
+        target = self.target
+        try:
+            with self.transaction() as conn:
+                return target.redrive_dead(conn, note=note, limit=limit, dry_run=dry_run)
+        except SQLAlchemyError as exc:
+            raise CommitError(
+                f"re-driving dead rows of {self.name} failed: {short_error(exc)}"
+            ) from exc
+
+    def prune(
+        self,
+        *,
+        older_than_seconds: float,
+        chunk: int = 1000,
+        statuses: Sequence[str] = ("done",),
+        dry_run: bool = True,
+    ) -> int:
+        """Delete finished rows older than the cutoff, ``chunk`` rows per transaction.
+
+        Short transactions keep locks and (on PostgreSQL) the vacuum horizon
+        moving while a large prune runs.
+        """
+        if chunk < 1:
+            raise ConfigurationError(f"chunk must be >= 1, got {chunk}")
+        target = self.target
+        cutoff = self.time.ago(older_than_seconds)
+        total = 0
+        after: Key | None = None
+        try:
+            while True:
+                with self.transaction() as conn:
+                    keys = target.prune_keys(
+                        conn, cutoff=cutoff, after=after, limit=chunk, statuses=statuses
+                    )
+                    if keys and not dry_run:
+                        total += target.delete_finished(conn, keys, statuses)
+                    elif dry_run:
+                        total += len(keys)
+                if len(keys) < chunk:
+                    return total
+                after = keys[-1]
+        except SQLAlchemyError as exc:
+            raise CommitError(f"pruning {self.name} failed: {short_error(exc)}") from exc
+
+
+def _begin_immediate(engine: Engine) -> None:
+    """Make every transaction on this SQLite engine take the write lock up front.
+
+    pysqlite would otherwise start transactions lazily and let two claimers read
+    the same rows before either writes; ``BEGIN IMMEDIATE`` serialises them.
+    """
+
+    @sa.event.listens_for(engine, "connect")
+    def _no_pysqlite_begin(dbapi_connection: Any, record: Any) -> None:
+        del record
+        dbapi_connection.isolation_level = None
+
+    @sa.event.listens_for(engine, "begin")
+    def _immediate(conn: Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")

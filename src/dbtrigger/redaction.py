@@ -1,0 +1,239 @@
+"""Keep credentials out of every text dbtrigger emits: logs, state, quarantine, CLI.
+
+The lowest layer of the package (it imports nothing of dbtrigger), so sources,
+stores, the runtime and the CLI can all use it. Two mechanisms:
+
+* **Known secrets.** Whatever secret is met while parsing configuration (a URL
+  password, an account key, a SAS token) is registered with
+  :func:`remember_secret` and removed, verbatim, wherever it appears later.
+* **Credential-shaped text.** Patterns catch what was never registered: a
+  handler's exception text quoting a connection string, a driver error echoing a
+  URL, a request line with a SAS signature. Covered: ``name=value`` /
+  ``name: value`` / ``"name": "value"`` for names such as ``password``,
+  ``api_key``, ``access_token``, ``client_secret``, ``sig``; storage connection
+  string fields (``AccountKey``, ``SharedAccessSignature``); passwords in URLs
+  (``scheme://user:password@host``); ``Bearer``/``Basic`` authorisation values
+  and JWTs.
+
+Where it is applied: :func:`redact` by the CLI on every line it prints and by
+the failure record and the quarantine on the error text they store;
+:class:`RedactingFilter` on every dbtrigger logger (installed by
+:func:`protect_loggers` when the package is imported) and, by the CLI, on its
+log handlers, so third-party debug logs (urllib3 prints request URLs, SAS
+signatures included) are masked too. Library users who log urllib3 or
+azure-core at DEBUG themselves can add :class:`RedactingFilter` to their
+handlers.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Callable, Iterable
+
+MASK = "***"
+
+_SECRETS: set[str] = set()
+_LOCK = threading.Lock()
+
+# Names whose value is a credential. "Strong" names are credentials whatever
+# they are prefixed with (``db_password``, ``STRIPE_API_KEY``); "weak" ones only
+# as they stand (``token`` yes, ``fencing_token`` - a plain number - no).
+_STRONG = (
+    r"(?:pass(?:word|wd|phrase)|pwd|secret|api[_-]?key|access[_-]?key|private[_-]?key"
+    r"|account_?key|client_?secret|credentials?|shared_?access_?(?:signature|key))"
+)
+_WEAK = (
+    r"(?:(?:access|refresh|id|auth|session|bearer|api)[_-]?token|token|sig|signature"
+    r"|code|key|pass)"
+)
+_NAME = rf"(?:[A-Za-z0-9_-]*?{_STRONG}[A-Za-z0-9_]*|{_WEAK})"
+# Values already masked (by us, or azure-core's "REDACTED") are left as they are.
+_NOT_MASKED = rf"(?!{re.escape(MASK)}|REDACTED\b)"
+
+_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
+    # A SAS in a connection string: the whole value, up to the next field.
+    (re.compile(r"(?i)\b(SharedAccessSignature)\s*=\s*[^;\s'\"]+"), rf"\1={MASK}"),
+    # Authorisation schemes: the credential after the scheme name.
+    (re.compile(r"(?i)\b(Bearer|Basic|SharedKey)\s+[A-Za-z0-9._~+/=:-]+"), rf"\1 {MASK}"),
+    # name=value anywhere (query strings, connection strings, kwargs reprs):
+    # any word followed by "=", kept only if the word names a credential (see
+    # _credential_value); matching words first and checking them after is
+    # what keeps this cheap on every log line.
+    (
+        re.compile(rf"(?<![A-Za-z0-9_-])([A-Za-z0-9_-]+)\s*=\s*{_NOT_MASKED}([^;&,\s'\"]+)"),
+        "=",
+    ),
+    # JSON / dict reprs: "api_key": "value" or 'password': 'value'.
+    (
+        re.compile(rf"(?i)([\"']{_NAME}[\"']\s*:\s*)([\"'])(?:\\.|(?!\2).)*\2"),
+        rf"\1\2{MASK}\2",
+    ),
+    # Header / YAML style: "password: value", "x-api-key: value".
+    (
+        re.compile(
+            rf"(?<![A-Za-z0-9_\"'-])([A-Za-z0-9_-]+)(\s*:\s+){_NOT_MASKED}"
+            r"(?!(?:Bearer|Basic|SharedKey)\b)([^\s,;'\"]+)"
+        ),
+        ":",
+    ),
+    # Passwords in URLs: scheme://user:password@host (the password may contain @).
+    (
+        re.compile(
+            r"([A-Za-z][A-Za-z0-9+.-]*://[^:/@\s'\"]*):[^\s'\"]*@(?=[^@\s'\"/]*(?:[/?#\s'\"]|$))"
+        ),
+        rf"\1:{MASK}@",
+    ),
+    # JSON web tokens, wherever they appear.
+    (re.compile(r"\beyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]*"), MASK),
+)
+
+
+#: Substrings (lower case) without which each of _PATTERNS cannot match.
+_NEEDLES: tuple[tuple[str, ...], ...] = (
+    ("sharedaccesssignature",),
+    ("bearer", "basic", "sharedkey"),
+    ("=",),
+    ("'", '"'),
+    (":",),
+    ("://",),
+    ("eyj",),
+)
+
+_CREDENTIAL_NAME = re.compile(rf"(?i){_NAME}|authorization")
+
+
+def _credential_value(separator: str) -> Callable[[re.Match[str]], str]:
+    """Replacement for the ``name=value`` / ``name: value`` patterns."""
+
+    def replace(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if not _CREDENTIAL_NAME.fullmatch(name):
+            return match.group(0)
+        if separator == "=":
+            return f"{name}={MASK}"
+        return f"{name}{match.group(2)}{MASK}"
+
+    return replace
+
+
+_REPLACERS: dict[str, Callable[[re.Match[str]], str]] = {
+    "=": _credential_value("="),
+    ":": _credential_value(":"),
+}
+
+
+def remember_secret(value: str | None) -> None:
+    """Have :func:`redact` remove this exact value wherever it appears."""
+    if value and len(value) >= 4:
+        with _LOCK:
+            _SECRETS.add(value)
+
+
+def remember_connection_string(value: str) -> None:
+    """Register the secret fields of a storage connection string."""
+    for part in value.split(";"):
+        key, _, secret = part.partition("=")
+        if key.strip().lower() in ("accountkey", "sharedaccesssignature", "sharedaccesskey"):
+            remember_secret(secret.strip())
+
+
+def redact(text: str, extra: Iterable[str] = ()) -> str:
+    """``text`` with every known secret and credential-looking field masked."""
+    with _LOCK:
+        secrets = sorted({*_SECRETS, *(s for s in extra if s and len(s) >= 4)}, key=len)
+    for secret in reversed(secrets):  # longest first, so a prefix cannot leave a tail
+        text = text.replace(secret, MASK)
+    lowered = text.lower()
+    for (pattern, replacement), needles in zip(_PATTERNS, _NEEDLES, strict=True):
+        # Most log lines hold none of a pattern's needles: skip its scan.
+        if any(needle in lowered for needle in needles):
+            text = pattern.sub(_REPLACERS.get(replacement, replacement), text)
+    return text
+
+
+# --- logging ------------------------------------------------------------------------
+
+#: Attributes every LogRecord has; anything else came in through ``extra=``.
+_RECORD_ATTRS = frozenset(vars(logging.LogRecord("n", logging.INFO, "p", 1, "m", None, None))) | {
+    "message",
+    "asctime",
+    "taskName",
+}
+
+
+class RedactingFilter(logging.Filter):
+    """Masks credentials in a record's message, exception text and ``extra`` strings.
+
+    The message is formatted once here (``msg % args``) and the record carries
+    the redacted result, so every handler downstream sees the masked text.
+    Never drops a record.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a broken format is the handler's to report
+            return True
+        record.msg, record.args = redact(message), None
+        if record.exc_info and record.exc_info[1] is not None and not record.exc_text:
+            record.exc_text = redact(logging.Formatter().formatException(record.exc_info))
+        elif record.exc_text:
+            record.exc_text = redact(record.exc_text)
+        for name, value in list(vars(record).items()):
+            if name not in _RECORD_ATTRS and isinstance(value, str):
+                setattr(record, name, redact(value))
+        return True
+
+
+_FILTER = RedactingFilter()
+
+#: Every logger the package logs through. A test checks that no other
+#: ``dbtrigger*`` logger exists, so a new one cannot slip past the filter.
+LOGGER_NAMES = (
+    "dbtrigger",
+    "dbtrigger.runtime",
+    "dbtrigger.runner",
+    "dbtrigger.queue",
+    "dbtrigger.checks",
+    "dbtrigger.sources",
+    "dbtrigger.sources.visibility",
+    "dbtrigger.azure",
+    "dbtrigger.metrics",
+    "dbtrigger.metrics_prometheus",
+    "dbtrigger.state.stores.blob",
+    "dbtrigger.partitions",
+    "dbtrigger.changelog",
+)
+
+
+def protect_loggers(names: Iterable[str] = LOGGER_NAMES) -> None:
+    """Attach the redacting filter to each named logger (once)."""
+    for name in names:
+        logger = logging.getLogger(name)
+        if _FILTER not in logger.filters:
+            logger.addFilter(_FILTER)
+
+
+def protect_handlers(handlers: Iterable[logging.Handler]) -> None:
+    """Attach the redacting filter to handlers: covers third-party loggers too."""
+    for handler in handlers:
+        if _FILTER not in handler.filters:
+            handler.addFilter(_FILTER)
+
+
+# Our own loggers are protected as soon as the package is imported: a library
+# must not configure handlers, but it may keep its own records clean.
+protect_loggers()
+
+__all__ = [
+    "LOGGER_NAMES",
+    "MASK",
+    "RedactingFilter",
+    "protect_handlers",
+    "protect_loggers",
+    "redact",
+    "remember_connection_string",
+    "remember_secret",
+]

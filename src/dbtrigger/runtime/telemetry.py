@@ -1,0 +1,230 @@
+"""Every runtime event, declared once: its log level and the metrics it moves.
+
+The tick reports what happens as ``telemetry.emit("batch_committed", msg,
+*args, values={...}, **fields)``. :data:`EVENTS` says what that means: the
+record is logged at the declared level (``extra={"event": ..., "poller": ...,
+**fields}``, so JSON/structlog users get the fields), and the declared metric
+updates are applied, reading their amounts and labels from ``fields`` and
+``values`` (numbers the metrics need but the log line does not carry). An
+event with no level is metrics-only; one with no updates is log-only.
+
+Keeping the table in one place is what keeps the two views consistent: a
+counter cannot be bumped for an event that is not logged, or the other way
+round, by a forgotten line at one of many call sites (httpcore's trace hooks
+play the same role). ``tests/test_observability.py`` asserts the event
+sequences and metric names; ``tests/test_telemetry.py`` checks the table
+against :data:`dbtrigger.metrics.METRICS`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dbtrigger.metrics import SafeMetrics
+
+log = logging.getLogger("dbtrigger.runtime")
+
+
+@dataclass(frozen=True)
+class Count:
+    """Increment counter ``metric`` by ``values[amount]`` (1 without ``amount``).
+
+    ``labels`` are fixed; each name in ``label_keys`` becomes a label whose
+    value is taken from the emitted fields/values under the same name.
+    """
+
+    metric: str
+    amount: str | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
+    label_keys: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Observe:
+    """Record ``values[key]`` in histogram ``metric``."""
+
+    metric: str
+    key: str
+
+
+@dataclass(frozen=True)
+class Gauge:
+    """Set gauge ``metric`` to ``const``, or to ``values[key]`` when that is not None."""
+
+    metric: str
+    key: str | None = None
+    const: float | None = None
+
+
+Update = Count | Observe | Gauge
+
+
+@dataclass(frozen=True)
+class EventSpec:
+    level: int | None
+    updates: tuple[Update, ...] = ()
+
+
+_LOST = (
+    Count("batches_total", labels={"result": "lost"}),
+    Count("failures_total", labels={"error_type": "LostLeaseError"}),
+)
+_FAILURE = Count("failures_total", label_keys=("error_type",))
+
+D, INFO, W, E = logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR
+
+#: event name -> (log level or None for metrics-only, metric updates).
+EVENTS: dict[str, EventSpec] = {
+    # tick lifecycle
+    "tick_start": EventSpec(D),
+    "state_read_error": EventSpec(
+        None, (Count("failures_total", labels={"error_type": "FetchError"}),)
+    ),
+    "state_read_failed": EventSpec(E),
+    "clock_skew_suspected": EventSpec(W),
+    "lease_busy": EventSpec(
+        D,
+        (Count("lease_acquire_skipped_total"), Count("ticks_total", label_keys=("result",))),
+    ),
+    "tick_idle": EventSpec(
+        D,
+        (
+            Count("ticks_total", labels={"result": "idle"}),
+            Gauge("lag_rows", const=0),  # caught up: nothing after the checkpoint
+            Gauge("lag_seconds", const=0.0),
+        ),
+    ),
+    "tick_committed": EventSpec(
+        None,
+        (Count("ticks_total", labels={"result": "committed"}), Gauge("lag_rows", "lag_rows")),
+    ),
+    # fetching
+    "fetched": EventSpec(None, (Observe("fetch_duration_seconds", "seconds"),)),
+    "fetch_error": EventSpec(None, (Count("failures_total", labels={"error_type": "FetchError"}),)),
+    "fetch_failed": EventSpec(E),
+    "visibility": EventSpec(
+        None,
+        (
+            Gauge("visibility_held_back", "held_back"),
+            Gauge("visibility_held_back_seconds", "held_back_seconds"),
+            Gauge("visibility_blocking_pid", "blocking_pid"),
+        ),
+    ),
+    "null_check_failed": EventSpec(W),
+    "null_cursor_probe": EventSpec(None, (Gauge("null_cursor_rows", "count"),)),
+    "null_cursor_rows": EventSpec(W),
+    "serialization_failed": EventSpec(
+        E, (Count("failures_total", labels={"error_type": "SerializationError"}),)
+    ),
+    # the lease
+    "lease_acquire_failed": EventSpec(E, (_FAILURE,)),
+    "lease_acquired": EventSpec(D),
+    "heartbeat_renewed": EventSpec(None, (Count("heartbeats_total"),)),
+    "lease_lost": EventSpec(W, _LOST),
+    "lease_released": EventSpec(D),
+    "lease_release_skipped": EventSpec(D),
+    "lease_release_failed": EventSpec(W),
+    "retried": EventSpec(None, (Count("retries_total", label_keys=("operation", "error_type")),)),
+    # a batch
+    "redelivery": EventSpec(None, (Count("redelivered_batches_total"),)),
+    "rows_skipped_done": EventSpec(INFO),
+    "batch_start": EventSpec(D),
+    "handler_returned": EventSpec(None, (Observe("handler_duration_seconds", "seconds"),)),
+    "handler_failed": EventSpec(
+        E,
+        (
+            Count("batches_total", labels={"result": "failed"}),
+            Count("failures_total", labels={"error_type": "HandlerError"}),
+        ),
+    ),
+    "poison_batch": EventSpec(E),
+    "batch_bisected": EventSpec(W),
+    "rows_quarantined": EventSpec(None, (Count("quarantined_total", "count"),)),
+    "row_quarantined": EventSpec(W),
+    "batch_committed": EventSpec(
+        INFO,
+        (
+            Observe("commit_duration_seconds", "seconds"),
+            Observe("batch_size", "rows"),
+            Count("batches_total", labels={"result": "committed"}),
+            Count("events_total", "rows"),
+            Gauge("last_success_timestamp", "timestamp"),
+            Gauge("lag_seconds", "lag_seconds"),
+        ),
+    ),
+    "commit_failed": EventSpec(
+        E, (Count("batches_total", labels={"result": "commit_failed"}), _FAILURE)
+    ),
+    "batch_partially_committed": EventSpec(INFO, (Count("events_total", "rows"),)),
+    "failure_record_failed": EventSpec(W),
+    "failure_uncounted": EventSpec(E, (_FAILURE,)),
+    # per-event outcomes (ctx.reject / ctx.retry) and the settled window
+    "event_outcomes": EventSpec(
+        None,
+        (
+            Count("event_outcomes_total", "accepted", labels={"outcome": "accepted"}),
+            Count("event_outcomes_total", "rejected", labels={"outcome": "rejected"}),
+            Count("event_outcomes_total", "failed", labels={"outcome": "failed"}),
+        ),
+    ),
+    "poison_event": EventSpec(E),
+    "window_changed": EventSpec(
+        None, (Gauge("window_events", "events"), Gauge("window_bytes", "bytes"))
+    ),
+    "window_pressure": EventSpec(INFO),
+    "window_overflow": EventSpec(W, (Count("window_overflow_total", "count"),)),
+}
+
+
+class Telemetry:
+    """Emits :data:`EVENTS` for one poller to the runtime logger and its metrics."""
+
+    def __init__(self, poller: str, metrics: SafeMetrics) -> None:
+        self.poller = poller
+        self.metrics = metrics
+
+    def emit(
+        self,
+        event: str,
+        msg: str = "",
+        *args: Any,
+        values: Mapping[str, Any] | None = None,
+        **fields: Any,
+    ) -> None:
+        """Log ``event`` (attributed to the caller's line) and apply its metrics."""
+        spec = EVENTS[event]
+        if spec.level is not None and log.isEnabledFor(spec.level):
+            log.log(
+                spec.level,
+                msg,
+                *args,
+                extra={"event": event, "poller": self.poller, **fields},
+                stacklevel=2,
+            )
+        if not spec.updates:
+            return
+        data = {**fields, **(values or {})}
+        for update in spec.updates:
+            self._apply(update, data)
+
+    def _apply(self, update: Update, data: Mapping[str, Any]) -> None:
+        if isinstance(update, Count):
+            amount = data[update.amount] if update.amount is not None else 1
+            if not amount:
+                return
+            labels = {**update.labels, **{k: str(data[k]) for k in update.label_keys}}
+            self.metrics.increment(update.metric, amount, labels=labels or None)
+        elif isinstance(update, Observe):
+            self.metrics.observe(update.metric, data[update.key])
+        else:
+            value = update.const if update.key is None else data.get(update.key)
+            if value is not None:
+                self.metrics.set_gauge(update.metric, float(value))
+
+    def on_retry(self, operation: str, attempt: int, exc: BaseException, wait: float) -> None:
+        """A :class:`~dbtrigger.runtime.retry.RetryPolicy` hook: count the retry."""
+        del attempt, wait
+        self.emit("retried", values={"operation": operation, "error_type": type(exc).__name__})

@@ -1,0 +1,171 @@
+"""Per-event window bookkeeping for one batch: which rows to hand out, and
+where the outcomes leave the checkpoint and the window.
+
+The tick driver (:mod:`dbtrigger.runtime.tick`) reads rows and writes the
+document; these functions only compute, from the rows read, the window in the
+document and the handler's marks, using the pure decisions of
+:mod:`dbtrigger.state.window`. Without a window (no event of this poller ever
+asked for a retry) they reduce to what a tick always did: hand out the rows
+read, and move the checkpoint to the last of them.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dbtrigger.cursor import Position
+from dbtrigger.events import RowChange
+from dbtrigger.sources.base import position_of
+from dbtrigger.state import window as windowmod
+from dbtrigger.state.window import Bound, Settlement, Window
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The rows of the next batch, chosen among those read after the checkpoint."""
+
+    rows: Sequence[Mapping[str, Any]]
+    """Raw rows to hand to the handler, in source order."""
+    window: Window
+    """The per-event window they were chosen against."""
+    fetched: tuple[Position, ...] | None
+    """Every row read after the checkpoint (with a window), else None."""
+    complete: bool
+    """The read returned every row after the checkpoint."""
+    more: bool
+    """Rows are likely pending after this batch."""
+    tidy: Settlement | None = None
+    """Nothing to hand out, but the window moves (rows in it are gone)."""
+
+
+def choose(
+    rows: Sequence[Mapping[str, Any]],
+    positions: Sequence[Position] | None,
+    window: Window,
+    *,
+    limit: int,
+    batch_size: int,
+    bound: Bound,
+    now: dt.datetime,
+) -> tuple[Selection | None, bool]:
+    """The next batch among ``rows`` (read with ``limit``; ``positions`` are
+    theirs, needed only with a window), and whether the window is under
+    pressure. None: nothing to do, an idle tick."""
+    complete = len(rows) < limit
+    if not window:
+        if not rows:
+            return None, False
+        return Selection(rows, window, None, complete, len(rows) >= batch_size), False
+    positions = list(positions or ())
+    chosen = windowmod.plan(
+        [windowmod.key_of(p) for p in positions],
+        [windowmod.entry_size(p) for p in positions],
+        window,
+        now=now,
+        batch_size=batch_size,
+        bound=bound,
+    )
+    if not chosen.deliver:
+        tidy = windowmod.settle(
+            positions,
+            complete=complete,
+            window=window,
+            settled=frozenset(),
+            retried={},
+            bound=bound,
+        )
+        if tidy.checkpoint is None and tidy.window == window:
+            return None, chosen.pressure
+        return Selection((), window, tuple(positions), complete, False, tidy), chosen.pressure
+    more = not complete and not chosen.pressure
+    picked = [rows[i] for i in chosen.deliver]
+    return Selection(picked, window, tuple(positions), complete, more), chosen.pressure
+
+
+def attempts(events: Sequence[RowChange], window: Window) -> dict[str, int]:
+    """Deliveries so far of the events waiting for a retry (event id -> count)."""
+    if not window.pending:
+        return {}
+    waiting = {windowmod.key_of(p.position): p.attempts for p in window.pending}
+    out = {}
+    for event in events:
+        count = waiting.get(windowmod.key_of(position_of(event)))
+        if count is not None:
+            out[event.event_id] = count
+    return out
+
+
+def fetched(selection: Selection, events: Sequence[RowChange]) -> Sequence[Position]:
+    """The rows the checkpoint may walk: all rows read (with a window), else the batch."""
+    if selection.fetched is not None:
+        return selection.fetched
+    return [position_of(e) for e in events]
+
+
+def settle_delivered(
+    selection: Selection,
+    events: Sequence[RowChange],
+    retried: Mapping[str, str],
+    *,
+    now: dt.datetime,
+    bound: Bound,
+    backoff: tuple[float, float],
+    jitter: Callable[[], float],
+) -> Settlement | None:
+    """Fold a delivered batch into the window (``retried``: event id -> reason).
+
+    None when no window is involved (none before, nothing retried): the
+    checkpoint simply moves to the batch's last row, as it always did.
+    """
+    if not selection.window and not retried:
+        return None
+    pending = {windowmod.key_of(p.position): p for p in selection.window.pending}
+    settled: set[str] = set()
+    waiting: dict[str, windowmod.Pending] = {}
+    for event in events:
+        where = position_of(event)
+        key = windowmod.key_of(where)
+        reason = retried.get(event.event_id)
+        if reason is None:
+            settled.add(key)
+            continue
+        waiting[key] = windowmod.retry_entry(
+            where,
+            pending.get(key),
+            reason=reason,
+            now=now,
+            base=backoff[0],
+            cap=backoff[1],
+            jitter=jitter(),
+        )
+    return windowmod.settle(
+        fetched(selection, events),
+        complete=selection.complete,
+        window=selection.window,
+        settled=settled,
+        retried=waiting,
+        bound=bound,
+    )
+
+
+def settle_failed(
+    selection: Selection,
+    events: Sequence[RowChange],
+    settled_ids: frozenset[str],
+    bound: Bound,
+) -> Settlement | None:
+    """Where a failed batch leaves the window (None: no window; the failure
+    record's head/done rule applies, as it always did)."""
+    if not selection.window:
+        return None
+    return windowmod.settle(
+        fetched(selection, events),
+        complete=selection.complete,
+        window=selection.window,
+        settled={windowmod.key_of(position_of(e)) for e in events if e.event_id in settled_ids},
+        retried={},
+        bound=bound,
+    )

@@ -1,0 +1,281 @@
+"""The tick's writes to the state document: commit, failure record, release.
+
+Each is one CAS write through the :class:`~dbtrigger.runtime.session.LeaseSession`
+of a document computed by a pure transition (``dbtrigger.state.lease``), and
+each reports itself once through :mod:`dbtrigger.runtime.telemetry`. The tick
+driver (:mod:`dbtrigger.runtime.tick`) decides *when*; this module knows
+*what* each write carries.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dbtrigger.errors import (
+    CommitError,
+    DbTriggerError,
+    FailureRecordError,
+    LostLeaseError,
+    OperatorError,
+)
+from dbtrigger.events import RowChange
+from dbtrigger.runtime.context import BatchContext
+from dbtrigger.runtime.session import LeaseSession
+from dbtrigger.runtime.telemetry import Telemetry
+from dbtrigger.sources.base import position_of
+from dbtrigger.state import document as docmod
+from dbtrigger.state import lease as leasemod
+from dbtrigger.state import verdict as verdictmod
+from dbtrigger.state.document import StateDocument
+from dbtrigger.state.journal import JournalEntry
+from dbtrigger.state.window import Settlement, key_of
+
+
+@dataclass(frozen=True)
+class WriterSettings:
+    name: str
+    owner_id: str
+    lease_ttl: dt.timedelta
+    journal_limit: int
+
+
+class StateWriter:
+    """Writes one poller's state document during a tick; see the module docstring."""
+
+    def __init__(
+        self,
+        settings: WriterSettings,
+        *,
+        clock: Callable[[], dt.datetime],
+        telemetry: Telemetry,
+        cursor_age: Callable[[Any, dt.datetime], float | None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.name = settings.name
+        self.clock = clock
+        self.emit = telemetry.emit
+        #: The source's own ageing of a cursor (naive timestamps against the
+        #: database clock); aware timestamps are aged here without it.
+        self.cursor_age = cursor_age
+
+    def commit(
+        self,
+        session: LeaseSession,
+        entry: JournalEntry,
+        release: bool,
+        window: leasemod.WindowUpdate = leasemod.KEEP,
+    ) -> None:
+        """Move the checkpoint to ``entry.after`` (renewing or releasing the lease)
+        and, when given, replace the per-event window."""
+        s = self.settings
+        started = time.perf_counter()
+        now = entry.committed_at
+        fields: dict[str, Any] = {
+            "batch_id": entry.batch_id,
+            "fencing_token": session.token,
+            "rows": entry.rows,
+        }
+        try:
+            session.update(
+                lambda d: leasemod.decide_commit(
+                    d,
+                    owner=s.owner_id,
+                    token=session.token,
+                    position=entry.after,
+                    batch_id=entry.batch_id,
+                    row_count=entry.rows,
+                    now=now,
+                    ttl=s.lease_ttl,
+                    release=release,
+                    journal_entry=entry,
+                    journal_limit=s.journal_limit,
+                    window=window,
+                ),
+                what="commit",
+            )
+        except LostLeaseError as exc:
+            self.emit("lease_lost", "commit rejected: %s", exc, **fields)
+            raise LostLeaseError(
+                str(exc), poller=self.name, batch_id=entry.batch_id, fencing_token=session.token
+            ) from exc
+        except CommitError as exc:
+            self.emit(
+                "commit_failed",
+                "commit failed: %s",
+                exc,
+                values={"error_type": type(exc).__name__},
+                **fields,
+            )
+            raise
+        session.released = release
+        after = entry.after
+        lag: float | None = None
+        if isinstance(after.cursor, dt.datetime) and after.cursor.tzinfo is not None:
+            lag = max(0.0, (now - after.cursor).total_seconds())
+        elif self.cursor_age is not None:
+            try:
+                age = self.cursor_age(after.cursor, now)
+            except DbTriggerError:
+                age = None  # the gauge keeps its last value; the commit itself stands
+            lag = None if age is None else max(0.0, age)
+        self.emit(
+            "batch_committed",
+            "committed %d rows up to %s (batch %s)",
+            entry.rows,
+            after.cursor,
+            entry.batch_id,
+            cursor=docmod.position_to_json(after),
+            released=release,
+            batch_id=entry.batch_id,
+            fencing_token=session.token,
+            rows=entry.rows,
+            values={
+                "seconds": time.perf_counter() - started,
+                "timestamp": now.timestamp(),
+                "lag_seconds": lag,
+            },
+        )
+
+    def record_failure(
+        self,
+        session: LeaseSession,
+        ctx: BatchContext,
+        exc: BaseException,
+        events: Sequence[RowChange],
+        settled: frozenset[str],
+        settlement: Settlement | None = None,
+    ) -> None:
+        """Count the failed attempt and release the lease, in one write.
+
+        The checkpoint moves over the contiguous settled head of the batch
+        (:func:`dbtrigger.state.verdict.advance`); settled rows after it go to
+        the failure record and are skipped on redelivery. With a per-event
+        window in use, ``settlement`` (:func:`dbtrigger.state.window.settle`)
+        says instead where the checkpoint goes, and the settled rows after it
+        go to the window.
+        """
+        s = self.settings
+        now = self.clock()
+        window: leasemod.WindowUpdate = leasemod.KEEP
+        if settlement is None:
+            advance = verdictmod.advance([e.event_id for e in events], settled)
+            advance_to = position_of(events[advance.head - 1]) if advance.head else None
+        else:
+            # The batch's own rows the checkpoint passed (a prefix of the batch:
+            # the walk may also pass window rows outside it).
+            head = sum(1 for e in events if key_of(position_of(e)) in settlement.passed)
+            advance = verdictmod.Advance(head, ())
+            advance_to = settlement.checkpoint
+            window = settlement.window.to_json()
+        entry: JournalEntry | None = None
+        if advance_to is not None:
+            entry = JournalEntry(
+                type="partial_commit",
+                batch_id=ctx.batch_id,
+                before=ctx.checkpoint_before,
+                after=advance_to,
+                rows=advance.head,
+                owner_id=s.owner_id,
+                fencing_token=session.token,
+                committed_at=now,
+            )
+        try:
+            session.update(
+                lambda d: leasemod.decide_failure(
+                    d,
+                    owner=s.owner_id,
+                    token=session.token,
+                    now=now,
+                    error=f"{type(exc).__name__}: {exc}",
+                    batch_id=ctx.batch_id,
+                    advance_to=advance_to,
+                    row_count=advance.head,
+                    done=advance.done,
+                    journal_entry=entry,
+                    journal_limit=s.journal_limit,
+                    # What `dbtrigger skip-batch` skips: this batch, from the
+                    # record's starting position to its last row.
+                    batch_end=position_of(events[-1]),
+                    batch_rows=len(events) - advance.head,
+                    batch_digest=docmod.digest_event_ids(
+                        e.event_id for e in events[advance.head :]
+                    ),
+                    window=window,
+                ),
+                what="failure record",
+            )
+            session.released = True
+            if advance_to is not None:
+                self.emit(
+                    "batch_partially_committed",
+                    "committed the first %d of %d rows of batch %s; %d later row(s) "
+                    "remembered as done",
+                    advance.head,
+                    len(events),
+                    ctx.batch_id,
+                    len(advance.done),
+                    batch_id=ctx.batch_id,
+                    fencing_token=session.token,
+                    rows=advance.head,
+                    cursor=docmod.position_to_json(advance_to),
+                )
+        except LostLeaseError as record_exc:
+            # Another owner has the batch now and counts its own attempts.
+            self.emit(
+                "failure_record_failed", "could not record the failed attempt: %s", record_exc
+            )
+        except OperatorError as record_exc:
+            # Not counting attempts means a poison batch is never set aside and
+            # comes back whole on every tick: a person must fix the store.
+            raise FailureRecordError(
+                f"the failed attempt at batch {ctx.batch_id} ({type(exc).__name__}: {exc}) "
+                f"could not be recorded: {record_exc}. Attempts are not counted until this "
+                "is fixed, so a poison batch can never be quarantined",
+                poller=self.name,
+                batch_id=ctx.batch_id,
+                fencing_token=session.token,
+            ) from record_exc
+        except DbTriggerError as record_exc:
+            # The store is down for now: this attempt goes uncounted, the next is.
+            self.emit(
+                "failure_uncounted",
+                "could not record the failed attempt at batch %s (it is not counted): %s",
+                ctx.batch_id,
+                record_exc,
+                batch_id=ctx.batch_id,
+                error_type=type(record_exc).__name__,
+            )
+
+    def release(self, session: LeaseSession) -> None:
+        s = self.settings
+        now = self.clock()
+
+        def release(doc: StateDocument) -> StateDocument:
+            released = leasemod.decide_release(doc, owner=s.owner_id, token=session.token, now=now)
+            if released is None:
+                # Not ours any more: write nothing (a rewrite of someone else's
+                # document would only bump its etag under its owner).
+                raise LostLeaseError(
+                    "release skipped: the lease is no longer ours",
+                    poller=self.name,
+                    fencing_token=session.token,
+                )
+            return released
+
+        try:
+            session.update(release, what="release")
+            session.released = True
+            self.emit("lease_released", "lease released", fencing_token=session.token)
+        except LostLeaseError as exc:
+            self.emit("lease_release_skipped", "%s", exc, fencing_token=session.token)
+        except DbTriggerError as exc:
+            self.emit(
+                "lease_release_failed",
+                "could not release the lease (it expires by itself): %s",
+                exc,
+                fencing_token=session.token,
+            )

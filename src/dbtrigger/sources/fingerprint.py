@@ -1,0 +1,199 @@
+"""What a stored position means, as a hash: the source fingerprint.
+
+A checkpoint is only meaningful for the rows it was taken over: the same
+database, table (or query), cursor, keys and filter. The fingerprint hashes
+exactly that, and nothing about *how we connect*: the driver
+(``postgresql://`` vs ``postgresql+psycopg://``), TLS and timeout options,
+an explicitly written default port, ``localhost`` vs ``127.0.0.1``, the
+password, and the default schema spelled out (``schema="public"``). Counting
+those as a different source stopped pollers after harmless configuration edits
+(a password rotation, adding ``?sslmode=require``), with no safe way forward.
+
+Query options not known to be connection-only stay in: an unknown option might
+change what is read (``options=-c search_path=...`` does), and a fingerprint
+that changes needlessly costs an explicit ``reset``, while one that fails to
+change would silently resume from a checkpoint that means something else.
+
+:func:`legacy_fingerprint` is the algorithm before this normalisation. State
+documents written by it stay valid: :meth:`SqlAlchemySource.accepted_fingerprints`
+lists both, and the next commit rewrites the document with the current one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sqlalchemy.engine import URL
+
+from dbtrigger.cursor import canonical_json, encode_value
+
+#: Ports a URL may spell out without naming a different server.
+DEFAULT_PORTS = {"postgresql": 5432, "mysql": 3306, "mariadb": 3306, "mssql": 1433, "oracle": 1521}
+
+#: Hosts that all mean "this machine" (a TCP loopback connection).
+LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
+
+#: Schemas a table lands in when none is named, per dialect.
+DEFAULT_SCHEMAS = {"postgresql": "public", "mssql": "dbo"}
+
+#: Query options that only change how the connection is made, never what is read.
+CONNECTION_ONLY_OPTIONS = frozenset(
+    {
+        "application_name",
+        "channel_binding",
+        "charset",
+        "client_encoding",
+        "connect_timeout",
+        "fallback_application_name",
+        "gssencmode",
+        "keepalives",
+        "keepalives_count",
+        "keepalives_idle",
+        "keepalives_interval",
+        "load_balance_hosts",
+        "read_timeout",
+        "ssl",
+        "ssl_ca",
+        "ssl_cert",
+        "ssl_check_hostname",
+        "ssl_disabled",
+        "ssl_key",
+        "ssl_verify_cert",
+        "ssl_verify_identity",
+        "sslcert",
+        "sslcompression",
+        "sslcrl",
+        "sslkey",
+        "sslmode",
+        "sslnegotiation",
+        "sslrootcert",
+        "sslsni",
+        "target_session_attrs",
+        "tcp_user_timeout",
+        "timeout",
+        "write_timeout",
+        "encrypt",
+        "trustservercertificate",
+        "login_timeout",
+        "driver",
+    }
+)
+
+_SECRET_QUERY_KEYS = ("pass", "pwd", "secret", "token", "key", "credential", "sig")
+
+
+def identity_url(url: URL) -> dict[str, Any]:
+    """The parts of a URL that say *which data* it reaches, normalised."""
+    backend = url.get_backend_name()
+    host = (url.host or "").lower() or None
+    if host in LOOPBACK:
+        host = "localhost"
+    port = url.port
+    if port is not None and DEFAULT_PORTS.get(backend) == port:
+        port = None
+    query = {
+        k.lower(): v
+        for k, v in url.query.items()
+        if k.lower() not in CONNECTION_ONLY_OPTIONS
+        and not any(s in k.lower() for s in _SECRET_QUERY_KEYS)
+    }
+    return {
+        "backend": backend,
+        "host": host,
+        "port": port,
+        "user": url.username,
+        "database": url.database,
+        "query": {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(query.items())},
+    }
+
+
+def identity_schema(backend: str, schema: str | None, database: str | None) -> str | None:
+    """``None`` for the schema a table lands in anyway (``public``, ``dbo``, MySQL's database)."""
+    if schema is None:
+        return None
+    if DEFAULT_SCHEMAS.get(backend) == schema:
+        return None
+    if backend in ("mysql", "mariadb") and schema == database:
+        return None
+    return schema
+
+
+def _parameters(parameters: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: list(encode_value(v)) for k, v in sorted(parameters.items())}
+
+
+def _digest(definition: Mapping[str, Any]) -> str:
+    return "sha256:" + hashlib.sha256(canonical_json(definition).encode()).hexdigest()
+
+
+def source_fingerprint(
+    *,
+    url: URL,
+    schema: str | None,
+    table: str | None,
+    query: str | None,
+    cursor_column: str,
+    pk_columns: Sequence[str],
+    where: str | None,
+    parameters: Mapping[str, Any],
+    deleted: Any = None,
+) -> str:
+    """The fingerprint of a definition (version 2: connection details normalised away).
+
+    ``deleted`` is the soft-delete marking (column and encoded value), present
+    only when configured so that other sources' fingerprints do not depend on it.
+    """
+    target = identity_url(url)
+    definition: dict[str, Any] = {
+        "fingerprint_version": 2,
+        "source": target,
+        "schema": identity_schema(target["backend"], schema, url.database),
+        "table": table,
+        "query": query,
+        "cursor_column": cursor_column,
+        "pk_columns": list(pk_columns),
+        "where": where,
+        "parameters": _parameters(parameters),
+    }
+    if deleted is not None:
+        definition["deleted"] = deleted
+    return _digest(definition)
+
+
+def legacy_fingerprint(
+    *,
+    safe_url: str,
+    schema: str | None,
+    table: str | None,
+    query: str | None,
+    cursor_column: str,
+    pk_columns: Sequence[str],
+    where: str | None,
+    parameters: Mapping[str, Any],
+    deleted: Any = None,
+) -> str:
+    """The fingerprint as written before version 2 (the password-free URL text, verbatim)."""
+    definition: dict[str, Any] = {
+        "url": safe_url,
+        "schema": schema,
+        "table": table,
+        "query": query,
+        "cursor_column": cursor_column,
+        "pk_columns": list(pk_columns),
+        "where": where,
+        "parameters": _parameters(parameters),
+    }
+    if deleted is not None:
+        definition["deleted"] = deleted
+    return _digest(definition)
+
+
+__all__ = [
+    "CONNECTION_ONLY_OPTIONS",
+    "identity_schema",
+    "identity_url",
+    "legacy_fingerprint",
+    "source_fingerprint",
+]

@@ -1,0 +1,569 @@
+"""MariaDB/MySQL transaction horizon: a lossless bound from ``innodb_trx``.
+
+A row written by a transaction that is still open carries a cursor value the
+poller must not pass. InnoDB lists open transactions in
+``information_schema.INNODB_TRX`` (PROCESS privilege) and the server lists
+running statements in ``information_schema.PROCESSLIST``; together they bound
+what any transaction can still commit:
+
+* **Statement-time timestamps** (``DEFAULT``/``ON UPDATE CURRENT_TIMESTAMP(n)``,
+  ``NOW(n)`` in the writing statement): the value is the *statement's start*,
+  read from the server clock when the statement was dispatched. A row that may
+  still commit was written by a statement that is running now, or by an open
+  transaction that has already written (``trx_rows_modified > 0``), or by a
+  statement that starts later. So the bound is the earliest of: the clock now,
+  the start of every running statement, and a lower bound for the statements
+  of every open writing transaction.
+* **AUTO_INCREMENT**: values are allocated from one counter in time order. A
+  sample ``(t, M)`` - the highest visible id ``M``, then the clock ``t`` - says
+  every id ``<= M`` was allocated before ``t``. Once every writer that could
+  have allocated before ``t`` has ended, ``M`` is final: the bound is the newest
+  such sample (and nothing at all before the first one qualifies).
+
+Why not simply ``trx_started``: it has one-second resolution, it is InnoDB's
+start, which comes *after* the first statement's clock reading (a statement can
+wait on a metadata lock before it touches InnoDB), and the table is a cache
+that InnoDB refreshes at most every 100 ms. The guard instead carries what it
+learnt from one observation to the next (a writer new since the last
+observation wrote after that observation began, or was a running statement
+then), and checks that each observation's cache is newer than its own
+process-list read. The argument in full is in ``docs/visibility.md``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import decimal
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.sql import ColumnElement
+
+from dbtrigger.cursor import Position
+from dbtrigger.errors import ConfigurationError
+from dbtrigger.sources.visibility.base import (
+    ActiveGuard,
+    FetchInfo,
+    GuardTarget,
+    VisibilityGuard,
+    _check_seconds,
+)
+from dbtrigger.sources.visibility.horizons import DEFAULT_WARN_AFTER_SECONDS, _Warner
+
+log = logging.getLogger("dbtrigger.sources.visibility")
+
+MYSQL_DIALECTS = frozenset({"mysql", "mariadb"})
+
+#: InnoDB refreshes its ``INNODB_TRX`` cache only when it was last read more
+#: than 100 ms ago; a re-read waits a little longer than that.
+_CACHE_SECONDS = 0.11
+
+#: Samples kept for an AUTO_INCREMENT cursor (older ones are only ever needed
+#: while a transaction older than all of them is open; keeping fewer only makes
+#: the bound more conservative).
+_MAX_SAMPLES = 64
+
+# Running statements of other sessions, with the server clock of this read.
+# PROCESSLIST is live (not cached). Sleeping sessions run nothing; daemons and
+# binlog dumps write no user rows. TIME_MS (MariaDB) is measured from the
+# statement's start, the same instant NOW() returns inside it.
+_STATEMENTS_MARIADB = sa.text(
+    """
+    SELECT UNIX_TIMESTAMP(NOW(6)) AS now, p.ID AS thread_id, p.TIME_MS / 1000 AS running
+      FROM (SELECT 1 AS one) AS d
+      LEFT JOIN information_schema.PROCESSLIST AS p
+        ON p.ID <> CONNECTION_ID()
+       AND p.COMMAND NOT IN ('Sleep', 'Daemon', 'Binlog Dump', 'Binlog Dump GTID')
+    """
+)
+# MySQL has no TIME_MS; TIME is whole seconds, so one more second is assumed.
+_STATEMENTS_MYSQL = sa.text(
+    """
+    SELECT UNIX_TIMESTAMP(NOW(6)) AS now, p.ID AS thread_id, p.TIME + 1 AS running
+      FROM (SELECT 1 AS one) AS d
+      LEFT JOIN information_schema.PROCESSLIST AS p
+        ON p.ID <> CONNECTION_ID()
+       AND p.COMMAND NOT IN ('Sleep', 'Daemon', 'Binlog Dump', 'Binlog Dump GTID')
+    """
+)
+_SNAPSHOT = sa.text("START TRANSACTION WITH CONSISTENT SNAPSHOT")
+# Open transactions that have written, and this session's own transaction.
+# INNODB_TRX is a cache; the row of this session shows the statement it was
+# running when the cache was filled, so finding this statement's nonce there
+# proves the cache was filled *during* this statement (after the process-list
+# read). The nonce comes first: trx_query is cut at 1024 characters.
+# trx_started is in the server's system time zone at one-second resolution;
+# "started" is it as an epoch (used only where nothing better is known, and
+# for reporting).
+_TRANSACTIONS = sa.text(
+    """
+    SELECT :nonce AS nonce, UNIX_TIMESTAMP(NOW(6)) AS now, CONNECTION_ID() AS me,
+           t.trx_id AS trx_id, t.trx_mysql_thread_id AS thread_id, t.trx_state AS state,
+           t.trx_mysql_thread_id = CONNECTION_ID() AND LOCATE(:nonce, t.trx_query) > 0 AS fresh,
+           UNIX_TIMESTAMP(NOW(6)) - TIMESTAMPDIFF(
+               MICROSECOND, t.trx_started, CONVERT_TZ(NOW(6), @@session.time_zone, 'SYSTEM')
+           ) / 1000000 AS started
+      FROM (SELECT 1 AS one) AS d
+      LEFT JOIN information_schema.INNODB_TRX AS t
+        ON t.trx_rows_modified > 0 OR t.trx_mysql_thread_id = CONNECTION_ID()
+    """
+)
+# (LIMIT 0 would skip the privilege check.)
+_CAN_READ_TRX = sa.text("SELECT COUNT(*) FROM information_schema.INNODB_TRX")
+_ACCESS_DENIED = 1227
+
+
+def can_read_transactions(conn: Connection) -> bool:
+    """Whether this account can read ``INNODB_TRX`` (it needs the PROCESS privilege).
+
+    Ends the connection's transaction either way.
+    """
+    try:
+        conn.execute(_CAN_READ_TRX).all()
+    except DBAPIError:
+        conn.rollback()
+        return False
+    conn.rollback()
+    return True
+
+
+@dataclass(frozen=True)
+class MariaDbHorizon(VisibilityGuard):
+    """MariaDB/MySQL, exact for cursor values the server assigns when a statement runs.
+
+    Reads open transactions from ``information_schema.INNODB_TRX`` and running
+    statements from ``PROCESSLIST`` (the PROCESS privilege) and consumes only
+    cursor values no open transaction can still commit:
+
+    * a ``DATETIME``/``TIMESTAMP`` cursor set by ``CURRENT_TIMESTAMP``/``NOW()``
+      in the writing statement (``DEFAULT``, ``ON UPDATE`` or the SQL itself);
+    * an ``AUTO_INCREMENT`` cursor.
+
+    Not for values the application computes (its own clock, its own ids), nor
+    ``SET TIMESTAMP``, replication appliers or Galera writers on other nodes.
+    Read-only transactions, and transactions that have not written yet, do not
+    hold it back; a running statement holds it back (at its start) until it
+    ends, whatever it does.
+
+    Args:
+        warn_after_seconds: log a WARNING naming the blocking transaction once
+            rows have been held back this long.
+        precision: fractional digits of the writers' timestamps. The bound is
+            truncated to it; 0 (the default) is safe for ``NOW()`` and
+            ``NOW(6)`` alike, 6 shortens the delay when every writer uses
+            ``NOW(6)``/``CURRENT_TIMESTAMP(6)``.
+        utc: the naive timestamps are UTC (``UTC_TIMESTAMP()``) while the
+            poller's session has another time zone.
+        settle_seconds: while there is no bound yet (the first fetch of an
+            AUTO_INCREMENT cursor needs two to three observations on a busy
+            server), re-observe every ~110 ms for up to this long before
+            settling for no rows on this fetch.
+    """
+
+    warn_after_seconds: float = DEFAULT_WARN_AFTER_SECONDS
+    precision: int = 0
+    utc: bool = False
+    settle_seconds: float = 2.0
+    mode = "transaction-horizon"
+
+    def __post_init__(self) -> None:
+        _check_seconds("warn_after_seconds", self.warn_after_seconds)
+        _check_seconds("settle_seconds", self.settle_seconds)
+        if not (isinstance(self.precision, int) and 0 <= self.precision <= 6):
+            raise ConfigurationError(f"precision must be 0..6 digits, got {self.precision!r}")
+
+    def guarantee(self, dialect: str) -> str:
+        del dialect
+        return (
+            "exact for cursor values the server assigns when the writing statement runs "
+            "(CURRENT_TIMESTAMP/NOW(), AUTO_INCREMENT): a value is consumed only once no open "
+            "transaction or running statement can still commit one below it (innodb_trx, "
+            "PROCESS privilege); long write transactions hold the poller back"
+        )
+
+    def strength(self, dialect: str) -> str:
+        del dialect
+        return "exact"
+
+    def activate(self, target: GuardTarget) -> ActiveGuard:
+        if target.dialect not in MYSQL_DIALECTS:
+            raise ConfigurationError(
+                f"MariaDbHorizon needs MariaDB or MySQL, not {target.dialect!r}; use "
+                "TransactionHorizon() on PostgreSQL or SafetyWindow(...)"
+            )
+        timestamp = isinstance(target.cursor_type, sa.DateTime)
+        if target.cursor_type is not None and not timestamp:
+            if not isinstance(target.cursor_type, sa.Integer):
+                raise ConfigurationError(
+                    f"MariaDbHorizon needs a DATETIME/TIMESTAMP or AUTO_INCREMENT cursor; "
+                    f"{target.cursor_name!r} of {target.source_name} is {target.cursor_type}"
+                )
+            if target.table_mode and not is_auto_increment(target):
+                raise ConfigurationError(
+                    f"cursor column {target.cursor_name!r} of {target.source_name} is an "
+                    "integer without AUTO_INCREMENT: values the application assigns have no "
+                    "order the server can vouch for; use an AUTO_INCREMENT or a "
+                    "CURRENT_TIMESTAMP cursor, or SafetyWindow(time_column=...)"
+                )
+        return _InnoDbActive(self, target, timestamp=timestamp if target.cursor_type else None)
+
+
+def is_auto_increment(target: GuardTarget) -> bool:
+    """The reflected cursor column is AUTO_INCREMENT (table mode only)."""
+    table = target.selectable
+    if not isinstance(table, sa.Table) or target.cursor_name not in table.c:
+        return False
+    return table.c[target.cursor_name].autoincrement is True
+
+
+# --- one observation --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Writer:
+    trx_id: str
+    thread_id: int
+    started: Decimal | None  # trx_started as an epoch (second resolution)
+    lower: Decimal | None  # no statement of it began before this (epoch); None: unknown
+    state: str
+
+
+@dataclass
+class _Observation:
+    at: Decimal  # server clock before the process-list read (epoch)
+    sampled_at: Decimal  # server clock after the snapshot the max was read in
+    statements: dict[int, Decimal]  # thread -> start of its running statement (epoch)
+    writers: dict[tuple[int, str], _Writer]
+    max_value: Any  # highest visible cursor (in the snapshot)
+    max_epoch: Decimal | None  # the same as an epoch (timestamp cursors)
+
+    def cutoff(self) -> tuple[Decimal | None, Any]:
+        """The earliest time a pending value can carry, and what sets it.
+
+        Returns ``(None, writer)`` when an open writer's earliest statement is
+        unknown (it was already open when the guard started).
+        """
+        cut: Decimal = self.at
+        blocker: Any = None
+        for thread, start in self.statements.items():
+            if start < cut:
+                cut, blocker = start, ("statement", thread, start)
+        for writer in self.writers.values():
+            if writer.lower is None:
+                return None, writer
+            if writer.lower < cut:
+                cut, blocker = writer.lower, writer
+        return cut, blocker
+
+
+@dataclass
+class _State:
+    last: _Observation | None = None
+    bound: Any = None  # the consumable limit (epoch for timestamps, id for AUTO_INCREMENT)
+    bound_at: Decimal | None = None  # when the bound's data was current (epoch)
+    samples: list[tuple[Decimal, Any]] = field(default_factory=list)  # (t, max id)
+    stale: bool = True
+    blocker: Any = None
+    stale_cache: bool = False
+    first_seen: float = field(default_factory=time.monotonic)
+    last_attempt: float = -math.inf
+    observations: int = 0
+
+
+class _InnoDbActive(ActiveGuard):
+    mode = "transaction-horizon"
+
+    def __init__(self, guard: MariaDbHorizon, target: GuardTarget, timestamp: bool | None) -> None:
+        super().__init__(guard, target)
+        self.config = guard
+        self._timestamp = timestamp
+        self._state = _State()
+        self._lock = threading.Lock()
+        self._warner = _Warner(target, self.mode, guard.warn_after_seconds)
+        self.last_info = FetchInfo(mode=self.mode)
+
+    # -- observing --------------------------------------------------------------
+
+    def _max(self, conn: Connection) -> tuple[Any, Decimal | None]:
+        value: ColumnElement[Any] = sa.func.max(self.target.cursor)
+        columns = [value]
+        if self._timestamp:
+            columns.append(sa.func.unix_timestamp(value))
+        stmt = sa.select(*columns).select_from(self.target.selectable)
+        if self.target.base_filter is not None:
+            stmt = stmt.where(self.target.base_filter)
+        row = conn.execute(stmt).one()
+        if self._timestamp:
+            return row[0], None if row[1] is None else Decimal(row[1])
+        return row[0], None
+
+    def _observe(self, conn: Connection, previous: _Observation | None) -> _Observation | None:
+        """One observation, or None when InnoDB served a cache older than it."""
+        mariadb = bool(getattr(conn.dialect, "is_mariadb", True))
+        listing = conn.execute(_STATEMENTS_MARIADB if mariadb else _STATEMENTS_MYSQL).all()
+        conn.rollback()
+        at = Decimal(listing[0].now)
+        statements = {
+            int(r.thread_id): at - Decimal(r.running)
+            for r in listing
+            if r.thread_id is not None and r.running is not None
+        }
+        # Our own InnoDB transaction starts after the process-list read; seeing
+        # it in INNODB_TRX proves the cache was filled after that read, so
+        # every transaction that had written by then and is still open is in it.
+        # Read in this order (max, then the list) the max's snapshot also
+        # precedes the list's clock reading under READ COMMITTED.
+        conn.execute(_SNAPSHOT)
+        if self._timestamp is None:
+            self._timestamp = isinstance(self._max(conn)[0], dt.datetime)
+        max_value, max_epoch = self._max(conn)
+        rows = conn.execute(_TRANSACTIONS, {"nonce": f"dbtrigger-{uuid.uuid4().hex}"}).all()
+        conn.rollback()
+        me = rows[0].me
+        if not any(r.fresh for r in rows):
+            return None
+        sampled_at = Decimal(rows[0].now)
+        writers: dict[tuple[int, str], _Writer] = {}
+        for r in rows:
+            if r.trx_id is None or r.thread_id == me:
+                continue
+            key = (int(r.thread_id), str(r.trx_id))
+            started = None if r.started is None else Decimal(r.started)
+            writers[key] = _Writer(
+                trx_id=key[1],
+                thread_id=key[0],
+                started=started,
+                lower=_lower_bound(key, started, previous),
+                state=str(r.state),
+            )
+        return _Observation(at, sampled_at, statements, writers, max_value, max_epoch)
+
+    def _refresh(self, conn: Connection) -> bool:
+        """Observe; True when a fresh observation was made.
+
+        InnoDB refreshes its transaction cache only when nobody read it for
+        100 ms, so observations are at least that far apart: a fetch that
+        comes sooner keeps the cached bound (it stays valid). Only while there
+        is no bound at all does it wait and re-observe, for up to
+        ``settle_seconds``: an AUTO_INCREMENT cursor needs a sample older than
+        every writer open at a later observation, which takes two to three
+        observations on a busy server.
+        """
+        deadline = time.monotonic() + self.config.settle_seconds
+        while True:
+            with self._lock:
+                state = self._state
+                previous, bound = state.last, state.bound
+                wait = state.last_attempt + _CACHE_SECONDS - time.monotonic()
+            if wait > 0:
+                if bound is not None or time.monotonic() + wait > deadline:
+                    return False
+                time.sleep(wait)
+            observation = self._observe(conn, previous)
+            with self._lock:
+                state.last_attempt = time.monotonic()
+                state.stale_cache = observation is None
+                if observation is not None:
+                    state.observations += 1
+                    self._advance(state, observation)
+                if state.bound is not None:
+                    return observation is not None
+            if time.monotonic() + _CACHE_SECONDS > deadline:
+                return observation is not None
+
+    def _advance(self, state: _State, observation: _Observation) -> None:
+        """Move the bound forward with a new observation (never backward)."""
+        cut, blocker = observation.cutoff()
+        state.blocker = blocker
+        if self._timestamp:
+            if cut is not None:
+                step = Decimal(1).scaleb(-self.config.precision)
+                bound = cut.quantize(step, rounding=decimal.ROUND_FLOOR)
+                if state.bound is None or bound > state.bound:
+                    state.bound, state.bound_at = bound, bound
+        else:
+            usable = None
+            if cut is not None:
+                for sample in state.samples:
+                    if sample[0] < cut:
+                        usable = sample
+            if usable is not None:
+                index = state.samples.index(usable)
+                del state.samples[:index]
+                if usable[1] is not None and _greater(usable[1], state.bound):
+                    state.bound = usable[1]
+                state.bound_at = usable[0]
+            state.samples.append((observation.sampled_at, observation.max_value))
+            if len(state.samples) > _MAX_SAMPLES:
+                # Fewer samples only make the bound more conservative.
+                state.samples = [*state.samples[:-1:2], state.samples[-1]]
+        state.last = observation
+
+    # -- the fetch --------------------------------------------------------------
+
+    def before_fetch(self, conn: Connection, after: Position) -> ColumnElement[bool] | None:
+        with self._lock:
+            stale = self._state.stale
+        if stale:
+            try:
+                fresh = self._refresh(conn)
+            except DBAPIError as exc:
+                if _error_code(exc) != _ACCESS_DENIED:
+                    raise
+                conn.rollback()
+                raise ConfigurationError(
+                    f"{self.target.source_name}: the MariaDB/MySQL transaction horizon needs "
+                    "the PROCESS privilege to read information_schema.INNODB_TRX and every "
+                    "session in PROCESSLIST: GRANT PROCESS ON *.* TO the polling account, or "
+                    "choose SafetyWindow(...) (bounded) or visibility='none' explicitly"
+                ) from exc
+            if fresh:
+                with self._lock:
+                    self._state.stale = False
+        with self._lock:
+            bound = self._state.bound
+        if bound is None:
+            return sa.false()
+        if self._timestamp:
+            limit: ColumnElement[Any] = sa.func.from_unixtime(
+                sa.literal(bound, sa.Numeric(20, self.config.precision))
+            )
+            if self.config.utc:
+                limit = sa.func.convert_tz(limit, sa.text("@@session.time_zone"), "+00:00")
+            return self.target.cursor < limit
+        return self.target.cursor <= self.target.bind(bound)
+
+    def after_fetch(
+        self,
+        conn: Connection,
+        after: Position,
+        rows: Sequence[Mapping[str, Any]],
+        limit: int,
+    ) -> FetchInfo:
+        del conn
+        if len(rows) >= limit:
+            # A full batch did not reach the bound: keep it (it stays valid, see
+            # the module docstring) and let the fetch that reaches it refresh it.
+            return self.last_info
+        position = after if not rows else self.target.position_of(rows[-1])
+        with self._lock:
+            self._state.stale = True
+            info = self._info(self._state, position)
+        self._warner.observe(info)
+        self.last_info = info
+        return info
+
+    def _info(self, state: _State, position: Position) -> FetchInfo:
+        observation = state.last
+        horizon = self._horizon_value(state.bound)
+        if observation is None:
+            return FetchInfo(
+                self.mode,
+                horizon,
+                True,
+                time.monotonic() - state.first_seen,
+                blocking_detail="the transaction list could not be read fresh yet",
+            )
+        newest = observation.max_value
+        if self._timestamp:
+            beyond = observation.max_epoch is not None and (
+                state.bound is None or observation.max_epoch >= state.bound
+            )
+        else:
+            beyond = newest is not None and _greater(newest, state.bound)
+        held = beyond and (position.is_beginning or _greater(newest, position.cursor))
+        if not held:
+            return FetchInfo(self.mode, horizon)
+        since = state.bound_at
+        waited = (
+            float(observation.at - since)
+            if since is not None
+            else time.monotonic() - state.first_seen
+        )
+        pid: int | None = None
+        age: float | None = None
+        trx: str | None = None
+        detail: str | None = None
+        blocker = state.blocker
+        if isinstance(blocker, _Writer):
+            pid, trx = blocker.thread_id, blocker.trx_id
+            if blocker.started is not None:
+                age = max(0.0, float(observation.sampled_at - blocker.started))
+            kind = "XA transaction" if blocker.thread_id == 0 else "InnoDB transaction"
+            opened = "" if age is None else f", open {age:.0f}s"
+            detail = f"{kind} {blocker.trx_id} on thread {blocker.thread_id}{opened}"
+        elif isinstance(blocker, tuple):
+            _, pid, start = blocker
+            age = max(0.0, float(observation.at - start))
+            detail = f"statement running on thread {pid} for {age:.1f}s"
+        if state.stale_cache:
+            detail = (
+                "information_schema.INNODB_TRX was not refreshed (InnoDB refreshes it only "
+                "when nobody read it for 100 ms); " + (detail or "no blocker known")
+            )
+        return FetchInfo(self.mode, horizon, True, max(0.0, waited), pid, age, detail, trx)
+
+    def _horizon_value(self, bound: Any) -> Any:
+        if bound is None or not self._timestamp:
+            return bound
+        return dt.datetime.fromtimestamp(float(bound), dt.timezone.utc)
+
+
+def _lower_bound(
+    key: tuple[int, str], started: Decimal | None, previous: _Observation | None
+) -> Decimal | None:
+    """No statement of this writing transaction read the clock before the returned time.
+
+    Seen writing last time: what was known then. New since the last
+    observation: its writes began after that observation's clock reading, or
+    in the statement its thread was running then (every write that ended
+    before the process-list read would have put it in that observation's
+    transaction list, which was filled after the read). Never observed before
+    (open when the guard started): one second before InnoDB's ``trx_started``,
+    which assumes its first statement waited less than that before it touched
+    InnoDB - the one bounded assumption, made only for that first observation.
+    """
+    if previous is None:
+        return None if started is None else started - 1
+    known = previous.writers.get(key)
+    if known is not None:
+        return known.lower
+    lower = previous.at
+    running = previous.statements.get(key[0])
+    if running is not None and running < lower:
+        lower = running
+    return lower
+
+
+def _error_code(exc: DBAPIError) -> int | None:
+    args = getattr(exc.orig, "args", ())
+    return args[0] if args and isinstance(args[0], int) else None
+
+
+def _greater(a: Any, b: Any) -> bool:
+    if a is None:
+        return False
+    if b is None:
+        return True
+    try:
+        return bool(a > b)
+    except TypeError:
+        return True
+
+
+__all__ = [
+    "MYSQL_DIALECTS",
+    "MariaDbHorizon",
+    "can_read_transactions",
+    "is_auto_increment",
+]

@@ -1,0 +1,325 @@
+"""The settled window: per-event outcomes above the checkpoint.
+
+With per-event outcomes (``ctx.reject`` / ``ctx.retry``) a batch no longer
+settles all or nothing. An event the handler asked to retry must hold the
+checkpoint back - across later batches, ticks and restarts - while the events
+after it keep flowing. So the state document keeps, besides the checkpoint
+(everything at or before it is settled):
+
+* ``settled``: events above the checkpoint that are settled (accepted, or
+  rejected and dead-lettered) while an earlier one is not, so they are not
+  delivered again;
+* ``pending``: events waiting for a retry, with their attempt count and the
+  earliest time they may be delivered again (exponential backoff with jitter).
+
+Both are keyed by the event's full ``(cursor, pk)`` tuple, not by its place in
+the source: after a restart the tick re-reads the rows after the checkpoint
+and skips exactly the tuples it already settled. A row that committed late
+below the newest settled one is still delivered, and a row updated since
+(new cursor) is a new tuple and is delivered again.
+
+The checkpoint only ever moves by walking the rows the source returned, in its
+order, over settled tuples (:func:`settle`): it can never pass an event that
+is not settled, whatever Python thinks of the order of cursor values. Window
+entries whose row is gone (deleted, or updated to a new cursor) are dropped
+once a complete read shows they are no longer there.
+
+The window is bounded (:class:`Bound`, by events and bytes). At 75% of either
+bound the tick stops handing out rows beyond the window (it only retries due
+events and fills gaps), and while the window is in use it hands out no more
+new rows than the window could still remember. If a single batch still
+overflows it (a first retry in a batch larger than the bound), the newest
+settled entries are not remembered and those events are delivered again:
+:attr:`Settlement.overflow` says how many, and the tick logs it. Entries are
+never dropped silently, and a pending entry is never dropped at all.
+
+Everything here is pure: positions, keys, times and sizes in, decisions out.
+A lane or a subscriber (parallel delivery, fan-out) needs no cursor of its
+own: each settles tuples, and :func:`settle` computes the checkpoint from the
+union.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Mapping, Sequence, Set
+from dataclasses import dataclass
+from typing import Any
+
+from dbtrigger.cursor import Position, canonical_json
+from dbtrigger.errors import CorruptStateError
+from dbtrigger.redaction import redact
+from dbtrigger.state.document import format_time, parse_time, position_from_json, position_to_json
+
+#: Longest retry reason kept in the document.
+MAX_REASON = 200
+
+#: Share of the bound at which the tick stops handing out rows beyond the window.
+PRESSURE = 0.75
+
+
+def key_of(position: Position) -> str:
+    """The window key of an event: its full (cursor, pk) tuple, canonically encoded."""
+    return canonical_json(position_to_json(position))
+
+
+def entry_size(position: Position) -> int:
+    """Bytes one settled entry adds to the encoded window (with its comma)."""
+    return len(json.dumps(position_to_json(position), separators=(",", ":"))) + 1
+
+
+#: Bytes a pending entry adds on top of its position (attempts, time, reason).
+PENDING_OVERHEAD = 90 + MAX_REASON
+
+
+@dataclass(frozen=True)
+class Pending:
+    """An event waiting for a retry: delivered ``attempts`` times so far."""
+
+    position: Position
+    attempts: int
+    not_before: dt.datetime
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Window:
+    settled: tuple[Position, ...] = ()
+    pending: tuple[Pending, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.settled) + len(self.pending)
+
+    def to_json(self) -> dict[str, Any] | None:
+        """The document's ``window`` object; None when empty (the field is left out)."""
+        if not self.settled and not self.pending:
+            return None
+        return {
+            "settled": [position_to_json(p) for p in self.settled],
+            "pending": [
+                {
+                    "at": position_to_json(p.position),
+                    "attempts": p.attempts,
+                    "not_before": format_time(p.not_before),
+                    "reason": p.reason,
+                }
+                for p in self.pending
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, raw: Any) -> Window:
+        """Parse the document's ``window`` (None or absent: empty).
+
+        Raises:
+            CorruptStateError: naming the malformed part.
+        """
+        if raw is None:
+            return cls()
+        if not isinstance(raw, Mapping):
+            raise CorruptStateError("window must be an object or null")
+        settled_raw = raw.get("settled") or []
+        pending_raw = raw.get("pending") or []
+        if not isinstance(settled_raw, list) or not isinstance(pending_raw, list):
+            raise CorruptStateError("window.settled and window.pending must be lists")
+        settled = tuple(position_from_json(p, "window.settled") for p in settled_raw)
+        pending = []
+        for item in pending_raw:
+            if not isinstance(item, Mapping) or not isinstance(item.get("attempts"), int):
+                raise CorruptStateError("window.pending entries need 'at' and 'attempts'")
+            pending.append(
+                Pending(
+                    position=position_from_json(item.get("at"), "window.pending.at"),
+                    attempts=item["attempts"],
+                    not_before=parse_time(item.get("not_before"), "window.pending.not_before"),
+                    reason=str(item.get("reason", "")),
+                )
+            )
+        return cls(settled, tuple(pending))
+
+    def encoded_size(self) -> int:
+        raw = self.to_json()
+        return 0 if raw is None else len(json.dumps(raw, separators=(",", ":")))
+
+
+@dataclass(frozen=True)
+class Bound:
+    """How much the window may hold: events and encoded bytes."""
+
+    max_events: int = 1000
+    max_bytes: int = 48 * 1024
+
+    def under_pressure(self, window: Window, size: int | None = None) -> bool:
+        """At or above 75% of either bound: hand out no rows beyond the window."""
+        size = window.encoded_size() if size is None else size
+        return len(window) >= PRESSURE * self.max_events or size >= PRESSURE * self.max_bytes
+
+
+def backoff_seconds(attempts: int, *, base: float, cap: float, jitter: float) -> float:
+    """Delay before delivery ``attempts + 1``: ``base * 2**(attempts-1)``, capped,
+    times a jitter factor in [0.5, 1) (``jitter`` is a uniform draw in [0, 1))."""
+    raw = min(cap, base * 2.0 ** max(0, attempts - 1))
+    return raw * (0.5 + jitter / 2)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Which of the fetched rows to hand out (indexes, in source order)."""
+
+    deliver: tuple[int, ...]
+    pressure: bool = False
+
+
+def plan(
+    keys: Sequence[str],
+    sizes: Sequence[int],
+    window: Window,
+    *,
+    now: dt.datetime,
+    batch_size: int,
+    bound: Bound,
+) -> Plan:
+    """Choose the rows of one batch among the rows fetched after the checkpoint.
+
+    Settled tuples are skipped; pending ones only once their backoff is over;
+    any other row (new, or committed late inside the window) is handed out -
+    except, under pressure, rows beyond the window's newest entry, and while
+    the window is in use, rows it could not remember (``sizes`` are their
+    :func:`entry_size`; a pending entry's overhead is reserved for each).
+    """
+    if not window:
+        return Plan(tuple(range(min(batch_size, len(keys)))))
+    settled = {key_of(p) for p in window.settled}
+    pending = {key_of(p.position): p for p in window.pending}
+    span_end = max(
+        (i for i, k in enumerate(keys) if k in settled or k in pending),
+        default=-1,
+    )
+    size = window.encoded_size()
+    pressure = bound.under_pressure(window, size)
+    room_events = bound.max_events - len(window)
+    room_bytes = bound.max_bytes - size
+    chosen: list[int] = []
+    for i, key in enumerate(keys):
+        if len(chosen) >= batch_size:
+            break
+        if key in settled:
+            continue
+        waiting = pending.get(key)
+        if waiting is not None:
+            if waiting.not_before <= now:
+                chosen.append(i)  # its entry exists already: no new room needed
+            continue
+        if pressure and i > span_end:
+            break
+        cost = sizes[i] + PENDING_OVERHEAD
+        if room_events < 1 or cost > room_bytes:
+            break
+        room_events -= 1
+        room_bytes -= cost
+        chosen.append(i)
+    return Plan(tuple(chosen), pressure)
+
+
+@dataclass(frozen=True)
+class Settlement:
+    """The result of :func:`settle`."""
+
+    checkpoint: Position | None
+    """Where the checkpoint moves (None: it stays)."""
+    window: Window
+    overflow: int = 0
+    """Settled entries that did not fit the bound: those events come again."""
+    walked: int = 0
+    """Fetched rows the checkpoint moved over."""
+    passed: frozenset[str] = frozenset()
+    """Their keys."""
+
+
+def settle(
+    fetched: Sequence[Position],
+    *,
+    complete: bool,
+    window: Window,
+    settled: Set[str],
+    retried: Mapping[str, Pending],
+    bound: Bound,
+) -> Settlement:
+    """Fold one batch's outcomes into the window and move the checkpoint.
+
+    Args:
+        fetched: every row read after the checkpoint, in source order (a
+            prefix of the source: the checkpoint walks it).
+        complete: the read returned every row after the checkpoint (fewer
+            than it asked for), so a window entry not among ``fetched`` is a
+            row that is gone.
+        window: the window before the batch.
+        settled: keys settled by this batch (accepted, or dead-lettered).
+        retried: keys this batch asked to retry, with their new pending entry.
+        bound: the window's bound.
+    """
+    settled_keys = {key_of(p) for p in window.settled} | set(settled)
+    pending = {key_of(p.position): p for p in window.pending if key_of(p.position) not in settled}
+    pending.update(retried)
+    for k in retried:
+        settled_keys.discard(k)
+
+    keys = [key_of(p) for p in fetched]
+    walked = 0
+    checkpoint: Position | None = None
+    for position, k in zip(fetched, keys, strict=True):
+        if k not in settled_keys:
+            break
+        checkpoint = position
+        walked += 1
+    passed = set(keys[:walked])
+    seen = set(keys)
+
+    def keep(k: str) -> bool:
+        return k not in passed and (k in seen or not complete)
+
+    by_key = {key_of(p): p for p in window.settled}
+    by_key.update({k: p for p, k in zip(fetched, keys, strict=True) if k in settled_keys})
+    order = {k: i for i, k in enumerate(keys)}
+    new_settled = sorted(
+        (k for k in settled_keys if keep(k) and k in by_key),
+        key=lambda k: order.get(k, len(order)),
+    )
+    new_pending = tuple(
+        sorted(
+            (p for k, p in pending.items() if keep(k)),
+            key=lambda p: order.get(key_of(p.position), len(order)),
+        )
+    )
+    kept = [by_key[k] for k in new_settled]
+    out = Window(tuple(kept), new_pending)
+    overflow = 0
+    size = out.encoded_size()
+    while kept and (len(kept) + len(new_pending) > bound.max_events or size > bound.max_bytes):
+        size -= entry_size(kept.pop())
+        overflow += 1
+    if overflow:
+        out = Window(tuple(kept), new_pending)
+    return Settlement(checkpoint, out, overflow, walked, frozenset(passed))
+
+
+def retry_entry(
+    position: Position,
+    previous: Pending | None,
+    *,
+    reason: str,
+    now: dt.datetime,
+    base: float,
+    cap: float,
+    jitter: float,
+) -> Pending:
+    """The pending entry for an event the handler asked to retry."""
+    attempts = (previous.attempts if previous is not None else 0) + 1
+    delay = backoff_seconds(attempts, base=base, cap=cap, jitter=jitter)
+    return Pending(
+        position=position,
+        attempts=attempts,
+        not_before=now + dt.timedelta(seconds=delay),
+        reason=redact(reason[: 4 * MAX_REASON])[:MAX_REASON],  # no secret in the document
+    )

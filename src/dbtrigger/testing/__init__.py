@@ -1,0 +1,69 @@
+"""Public helpers for testing code built on dbtrigger, and the contract suites.
+
+In-memory parts, each passing the same contract suite as the real thing:
+
+* :class:`MemorySource` - a ``SourceAdapter`` over rows a test puts in;
+* :class:`MemoryQuarantineSink` - a dead-letter sink that keeps records in a list;
+* :class:`CountingStore` - wraps any ``CheckpointStore`` and counts its calls.
+
+The contract suites, one per port, for anyone writing an implementation of
+their own (subclass the suite in a pytest module and provide one fixture; see
+``docs/testing.md``):
+
+* :class:`StoreContract` - ``CheckpointStore`` (fixture ``store``);
+* :class:`SourceContract` - ``SourceAdapter`` (fixture ``source_harness``, a
+  :class:`SourceHarness`);
+* :class:`SinkContract` - ``QuarantineSink`` (fixtures ``sink`` and
+  ``unavailable_sink``).
+
+The suites need pytest; they are imported on first use, so importing this
+module (or ``dbtrigger``) never imports pytest.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from dbtrigger.sources.memory import MemorySource
+from dbtrigger.testing.counting import CountingStore, StoreCall, StoreCounts
+from dbtrigger.testing.sinks import MemoryQuarantineSink
+
+if TYPE_CHECKING:
+    from dbtrigger.testing.contracts import (
+        ContractRow,
+        SinkContract,
+        SourceContract,
+        SourceHarness,
+        StoreContract,
+    )
+
+_CONTRACT_NAMES = (
+    "ContractRow",
+    "SinkContract",
+    "SourceContract",
+    "SourceHarness",
+    "StoreContract",
+)
+
+
+def __getattr__(name: str) -> Any:
+    # The suites import pytest: load them only when someone asks for one.
+    if name in _CONTRACT_NAMES:
+        from dbtrigger.testing import contracts  # noqa: PLC0415
+
+        return getattr(contracts, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "ContractRow",
+    "CountingStore",
+    "MemoryQuarantineSink",
+    "MemorySource",
+    "SinkContract",
+    "SourceContract",
+    "SourceHarness",
+    "StoreCall",
+    "StoreContract",
+    "StoreCounts",
+]

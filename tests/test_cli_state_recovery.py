@@ -1,0 +1,234 @@
+"""The operator's ways out of a stuck poller, end to end on the file store and Azurite:
+``skip-batch`` skips exactly the batch that failed (or refuses), and
+``reset --accept-source`` adopts a changed source definition.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dbtrigger import (
+    FingerprintMismatchError,
+    HandlerError,
+    PollTrigger,
+    Position,
+    SqlAlchemySource,
+)
+from dbtrigger.state import document as docmod
+from dbtrigger.state.lease import decide_acquire
+from tests.databases import TestDatabase
+from tests.test_cli_state import (  # noqa: F401 - fixtures used by name
+    App,
+    Backend,
+    backend,
+    make_app,
+    run,
+)
+
+
+@pytest.fixture
+def app(
+    sqlite_db: TestDatabase,
+    backend: Backend,  # noqa: F811 - the imported fixture
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[App]:
+    app = make_app(sqlite_db, backend, tmp_path, monkeypatch)
+    app.db = sqlite_db  # type: ignore[attr-defined]
+    yield app
+    app.close()
+
+
+def _fail_once_at(app: App, row: int) -> None:
+    app.tick()  # rows 1..10 committed: checkpoint (100, id=10)
+    app.fail_on = {row}
+    with pytest.raises(HandlerError):
+        app.tick()  # batch 11..20 fails
+
+
+def _insert(app: App, id_: int, seq: int) -> None:
+    app.db.execute(  # type: ignore[attr-defined]
+        "INSERT INTO events (id, seq) VALUES (:id, :seq)", {"id": id_, "seq": seq}
+    )
+
+
+def _skip(app: App, capsys: pytest.CaptureFixture[str], *extra: str) -> tuple[int, str, str]:
+    return run(
+        capsys,
+        app.cli(
+            "skip-batch", "orders", "--source", f"{app.module}:trigger",
+            "--reason", "row 15 is corrupt", *extra,
+        ),
+    )  # fmt: skip
+
+
+def test_the_failure_record_names_the_failed_batch(app: App) -> None:
+    _fail_once_at(app, 15)
+    failure = app.doc().failure
+    assert failure is not None
+    assert failure.batch_end == Position(200, {"id": 20})
+    assert failure.batch_rows == 10
+    assert failure.batch_digest is not None
+    assert failure.batch_digest.startswith("sha256:")
+
+
+def test_skip_batch_skips_the_failed_batch_even_when_rows_were_added_after_it(
+    app: App, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fail_once_at(app, 15)
+    # More rows arrive after the failure; the batch a skip re-reads must not grow.
+    app.trigger.batch_size = 25  # and the trigger's batch size changed since
+    code, out, err = _skip(app, capsys, "--yes")
+    assert code == 0, out + err
+    doc = app.doc()
+    assert doc.position == Position(200, {"id": 20})
+    entry = doc.journal[-1]
+    assert entry["skipped_rows"] == 10
+    assert entry["skipped_keys"] == [{"id": i} for i in range(11, 21)]
+    app.fail_on = set()
+    app.seen.clear()
+    app.tick()
+    assert app.seen[:10] == list(range(21, 31))
+
+
+def test_skip_batch_refuses_when_a_row_no_handler_saw_lies_inside_the_batch(
+    app: App, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fail_once_at(app, 15)
+    _insert(app, 1000, 155)  # committed late, between rows 15 and 16: never delivered
+    before = app.raw()
+    code, _, err = _skip(app, capsys, "--yes")
+    assert code == 2
+    assert "no longer holds exactly the failed batch" in err
+    assert app.raw() == before  # nothing written
+
+
+def test_skip_batch_refuses_when_the_batch_changed_with_the_same_count(
+    app: App, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fail_once_at(app, 15)
+    app.db.execute("DELETE FROM events WHERE id = 13")  # type: ignore[attr-defined]
+    _insert(app, 1000, 155)  # same count, same last row, one unseen row
+    code, _, err = _skip(app, capsys, "--yes")
+    assert code == 2
+    assert "no longer holds exactly the failed batch" in err
+
+
+def test_skip_batch_refuses_without_a_recorded_batch(
+    app: App, capsys: pytest.CaptureFixture[str]
+) -> None:
+    app.tick()
+    code, _, err = _skip(app, capsys)
+    assert code == 2
+    assert "no failing batch" in err
+
+    _fail_once_at(app, 25)
+    # A record written by an older dbtrigger: no batch_end / batch_rows.
+    data, etag = app.raw()
+    raw = json.loads(data)
+    for key in ("batch_end", "batch_rows", "batch_digest"):
+        del raw["failure"][key]
+    app.backend.store.write("orders", json.dumps(raw).encode(), if_match=etag)
+    code, _, err = _skip(app, capsys, "--yes")
+    assert code == 2
+    assert "does not say where the failing batch ended" in err
+
+
+# --- reset --accept-source --------------------------------------------------------------------
+
+
+def test_fingerprint_error_names_the_command_and_the_command_works(
+    app: App, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app.tick()
+    stored_before = app.doc()
+    new = _new_trigger(app, monkeypatch)
+    with pytest.raises(FingerprintMismatchError) as info:
+        new.tick(app.handler)
+    message = str(info.value)
+    assert "dbtrigger reset orders --accept-source MODULE:TRIGGER --reason '...' --yes" in message
+
+    spec = f"{app.module}:changed"
+    # Dry run first: nothing written.
+    code, out, _ = run(
+        capsys, app.cli("reset", "orders", "--accept-source", spec, "--reason", "new filter")
+    )
+    assert code == 0, out
+    assert "dry run" in out
+    assert app.doc() == stored_before
+
+    code, out, err = run(
+        capsys,
+        app.cli("reset", "orders", "--accept-source", spec, "--reason", "new filter", "--yes"),
+    )
+    assert code == 0, out + err
+    doc = app.doc()
+    assert doc.source_fingerprint == new.source.fingerprint()
+    assert doc.position == stored_before.position  # the checkpoint is kept
+    entry = doc.journal[-1]
+    assert entry["operation"] == "accept_source"
+    assert entry["fingerprint_before"] == stored_before.source_fingerprint
+    assert entry["fingerprint_after"] == new.source.fingerprint()
+    assert list(app.backups.iterdir())  # the previous document was saved
+
+    app.seen.clear()
+    new.tick(app.handler)
+    assert app.seen[:10] == list(range(11, 21))
+
+
+def test_accept_source_with_a_move_and_under_a_live_lease(
+    app: App, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app.tick()
+    new = _new_trigger(app, monkeypatch)
+    spec = f"{app.module}:changed"
+    # A live lease held by someone else refuses the change unless --force.
+    data, etag = app.raw()
+    doc = docmod.loads(data)
+    live = decide_acquire(
+        doc,
+        poller="orders",
+        fingerprint=doc.source_fingerprint,
+        owner="someone-else",
+        now=dt.datetime.now(dt.timezone.utc),
+        ttl=dt.timedelta(minutes=10),
+    )
+    app.backend.store.write("orders", docmod.dumps(live.document), if_match=etag)
+    argv = ["reset", "orders", "--accept-source", spec, "--to-beginning", "--reason", "r"]
+    code, _, err = run(capsys, app.cli(*argv, "--yes"))
+    assert code == 2
+    assert "leased by someone-else" in err
+    code, out, err = run(capsys, app.cli(*argv, "--yes", "--force"))
+    assert code == 0, out + err
+    after = app.doc()
+    assert after.source_fingerprint == new.source.fingerprint()
+    assert after.checkpoint is None  # moved to the beginning
+    assert after.journal[-1]["fenced"]["owner_id"] == "someone-else"
+
+    code, _, err = run(capsys, app.cli("reset", "orders", "--reason", "r"))
+    assert code == 2
+    assert "--accept-source" in err
+
+
+def _new_trigger(app: App, monkeypatch: pytest.MonkeyPatch) -> PollTrigger:
+    """A redeployed trigger over a changed source definition, importable as MODULE:changed."""
+    source = SqlAlchemySource(
+        url=app.db.url,  # type: ignore[attr-defined]
+        table="events",
+        cursor_column="seq",
+        pk_columns=["id"],
+        where="seq > 0",
+        visibility="none",
+    )
+    assert source.fingerprint() != app.source.fingerprint()
+    trigger = PollTrigger(
+        name="orders", source=source, checkpoint_store=app.backend.store, batch_size=10
+    )
+    monkeypatch.setattr(sys.modules[app.module], "changed", trigger, raising=False)
+    return trigger

@@ -1,0 +1,191 @@
+"""Four competing queue workers under SIGKILL and SIGSTOP, on each database.
+
+While the workers drain ``jobs`` (``tests/chaos/queue_worker.py``), a killer
+SIGKILLs a random worker every few hundred milliseconds (restarting it at
+once) and now and then freezes one with SIGSTOP for longer than the
+visibility timeout, so its claim expires and another worker takes the rows
+over while it still believes it holds them. Then the backlog is drained
+without chaos and the tables are checked:
+
+* every row ends ``done`` - none lost, none dead, none stuck;
+* no row was completed by a claim other than its last one (the completion of
+  a worker whose claim had expired was fenced off), and no row was completed
+  twice;
+* every handler call either belongs to the claim that completed the row, or
+  the row was claimed again after it (a retry or a re-claim after expiry).
+
+CI-sized by default (a few seconds of chaos per database);
+``DBTRIGGER_QUEUE_CHAOS_SECONDS`` and ``DBTRIGGER_QUEUE_CHAOS_ROWS`` make it longer.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from tests.databases import TestDatabase
+from tests.test_queue_columns import make_jobs
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAOS_SECONDS = float(os.environ.get("DBTRIGGER_QUEUE_CHAOS_SECONDS", "5"))
+ROWS = int(os.environ.get("DBTRIGGER_QUEUE_CHAOS_ROWS", "500"))
+WORKERS = 4
+VT = 1.5
+
+
+def ready_file(logs: Path, worker: int, incarnation: int) -> Path:
+    """Created by the worker once it has claimed: a kill during start-up tests nothing."""
+    return logs / f"ready.w{worker}.{incarnation}"
+
+
+def start(db: TestDatabase, worker: int, incarnation: int, logs: Path) -> subprocess.Popen[bytes]:
+    argv = [
+        sys.executable,
+        "-m",
+        "tests.chaos.queue_worker",
+        "--db-url",
+        db.url,
+        "--worker",
+        f"w{worker}",
+        "--incarnation",
+        str(incarnation),
+        "--vt",
+        str(VT),
+        "--heartbeat",
+        str(VT / 4),
+    ]
+    if db.schema:
+        argv += ["--schema", db.schema]
+    argv += ["--ready-file", str(ready_file(logs, worker, incarnation))]
+    with (logs / f"w{worker}.{incarnation}.log").open("wb") as log:
+        return subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+
+def test_competing_workers_survive_kills_and_freezes(
+    db: TestDatabase, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # Known open bug (issue #12): one CI run on MariaDB recorded a batch of ten rows
+    # completed twice under SIGKILL/SIGSTOP chaos (two runs before passed). The test
+    # still runs in full on MariaDB and reports XPASS/XFAIL; every other check holds.
+    request.applymarker(
+        pytest.mark.xfail(
+            db.kind == "mariadb",
+            reason="issue #12: intermittent double completion on MariaDB under chaos",
+            strict=False,
+        )
+    )
+    make_jobs(db, ROWS)
+    db.execute(
+        f"CREATE TABLE {db.qualified('calls')} (job_id integer, token varchar(36), "
+        "attempt integer, worker varchar(20), incarnation integer)"
+    )
+    db.execute(
+        f"CREATE TABLE {db.qualified('settlements')} (job_id integer, token varchar(36), "
+        "outcome varchar(8), worker varchar(20))"
+    )
+    if db.kind == "sqlite":
+        db.execute("PRAGMA journal_mode=WAL")
+    rng = random.Random(12)
+    incarnations = [0] * WORKERS
+    procs = [start(db, w, 0, tmp_path) for w in range(WORKERS)]
+    kills = freezes = 0
+    frozen: set[int] = set()
+    lock = threading.Lock()
+
+    def freeze(w: int, proc: subprocess.Popen[bytes]) -> None:
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(VT * 1.6)
+        proc.send_signal(signal.SIGCONT)
+        with lock:
+            frozen.discard(w)
+
+    thaws: list[threading.Thread] = []
+    warm_up = time.monotonic() + 60
+    while time.monotonic() < warm_up and not all(
+        ready_file(tmp_path, w, 0).exists() for w in range(WORKERS)
+    ):
+        time.sleep(0.05)
+    deadline = time.monotonic() + CHAOS_SECONDS
+    while time.monotonic() < deadline:
+        time.sleep(rng.uniform(0.15, 0.45))
+        w = rng.randrange(WORKERS)
+        with lock:
+            if w in frozen or not ready_file(tmp_path, w, incarnations[w]).exists():
+                continue
+        if rng.random() < 0.15:
+            with lock:
+                frozen.add(w)
+            thread = threading.Thread(target=freeze, args=(w, procs[w]))
+            thread.start()
+            thaws.append(thread)
+            freezes += 1
+            continue
+        procs[w].kill()
+        procs[w].wait()
+        incarnations[w] += 1
+        procs[w] = start(db, w, incarnations[w], tmp_path)
+        kills += 1
+    for thread in thaws:
+        thread.join()
+
+    jobs = db.qualified("jobs")
+    drain_deadline = time.monotonic() + 120
+    while time.monotonic() < drain_deadline:
+        done = db.scalar(f"SELECT count(*) FROM {jobs} WHERE dbt_status = 'done'")
+        if done == ROWS:
+            break
+        time.sleep(0.3)
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        proc.wait(timeout=30)
+
+    with db.engine.connect() as conn:
+        final = {
+            int(r.id): r
+            for r in conn.execute(
+                sa.text(f"SELECT id, dbt_status, dbt_claim_token, dbt_attempts FROM {jobs}")
+            )
+        }
+        calls = list(
+            conn.execute(sa.text(f"SELECT job_id, token, attempt FROM {db.qualified('calls')}"))
+        )
+        settlements = list(
+            conn.execute(
+                sa.text(f"SELECT job_id, token, outcome FROM {db.qualified('settlements')}")
+            )
+        )
+    statuses = collections.Counter(r.dbt_status for r in final.values())
+    assert statuses == {"done": ROWS}, (statuses, kills, freezes)
+
+    done_records = collections.Counter(s.job_id for s in settlements if s.outcome == "done")
+    assert max(done_records.values(), default=0) <= 1, "a row was completed twice"
+    stale = [
+        s for s in settlements if s.outcome == "done" and s.token != final[s.job_id].dbt_claim_token
+    ]
+    assert stale == [], "a completion by a claim that was not the row's last one"
+
+    unexplained = [
+        c
+        for c in calls
+        if c.token != final[c.job_id].dbt_claim_token and final[c.job_id].dbt_attempts <= c.attempt
+    ]
+    assert unexplained == [], "a handler call neither completed its row nor was followed by a retry"
+    called = {c.job_id for c in calls}
+    assert called == set(final), "a row was completed without a recorded handler call"
+
+    # The chaos really happened: workers died, and rows were claimed again.
+    assert kills >= 3
+    assert sum(r.dbt_attempts for r in final.values()) > ROWS
+    outcomes = collections.Counter(s.outcome for s in settlements)
+    print(f"{db.kind}: {kills} kills, {freezes} freezes, {len(calls)} handler calls, {outcomes}")

@@ -1,0 +1,118 @@
+"""Sidecar mode: the user table untouched, a feeder filling the claims table."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from dbtrigger import ClaimSource, ConfigurationError, FileCheckpointStore, QueueTrigger, RowChange
+from dbtrigger.cli import main
+from dbtrigger.queue.sidecar import SidecarFeeder
+from tests.databases import TestDatabase
+
+
+def args(db: TestDatabase) -> list[str]:
+    return [
+        "--url", db.url, "--table", "items", "--mode", "sidecar",
+        *(["--schema", db.schema] if db.schema else []),
+    ]  # fmt: skip
+
+
+@pytest.fixture
+def items(db: TestDatabase) -> Iterator[ClaimSource]:
+    db.execute(
+        f"CREATE TABLE {db.qualified('items')} "
+        "(id integer PRIMARY KEY, version bigint NOT NULL, payload varchar(40))"
+    )
+    db.execute(
+        f"INSERT INTO {db.qualified('items')} VALUES (:i, :i, :p)",
+        [{"i": i, "p": f"item {i}"} for i in range(1, 11)],
+    )
+    src = ClaimSource(
+        url=db.url,
+        table="items",
+        schema=db.schema,
+        pk_columns=["id"],
+        mode="sidecar",
+        cursor_column="version",
+    )
+    yield src
+    src.close()
+
+
+def claims(db: TestDatabase) -> list[dict[str, Any]]:
+    with db.engine.connect() as conn:
+        result = conn.execute(
+            sa.text(f"SELECT * FROM {db.qualified('dbtrigger_claims')} ORDER BY item_cursor")
+        )
+        return [dict(r) for r in result.mappings()]
+
+
+def test_feeder_and_workers(db: TestDatabase, items: ClaimSource, tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match="--mode sidecar --yes"):
+        items.counts()
+    assert main(["queue", "install", *args(db), "--yes"]) == 0
+    feeder = SidecarFeeder(
+        name="items-feeder", source=items, checkpoint_store=FileCheckpointStore(tmp_path)
+    )
+    assert feeder.drain() == 10
+    assert len(claims(db)) == 10
+    assert sorted(json.loads(c["item_key"])["id"][1] for c in claims(db)) == list(range(1, 11))
+    seen: list[tuple[str, Any, Any]] = []
+
+    def handle(events: list[RowChange]) -> None:
+        for e in events:
+            seen.append((e.op, e.pk["id"], e.after["payload"] if e.after else None))
+            assert e.cursor == e.pk["id"] or e.op == "delete" or e.pk["id"] == 3
+
+    queue = QueueTrigger(name="items", source=items, batch_size=4)
+    assert queue.drain(handle) == 10
+    assert sorted(seen) == [("upsert", i, f"item {i}") for i in range(1, 11)]
+    assert {c["dbt_status"] for c in claims(db)} == {"done"}
+    with db.engine.connect() as conn:
+        columns = [c["name"] for c in sa.inspect(conn).get_columns("items", schema=db.schema)]
+    assert columns == ["id", "version", "payload"]  # the user table is untouched
+
+    # A redelivered feeder batch changes nothing; an update is a new job; a
+    # row deleted before it was handled arrives as a delete.
+    db.execute(f"UPDATE {db.qualified('items')} SET version = 11, payload = 'new' WHERE id = 3")
+    db.execute(f"INSERT INTO {db.qualified('items')} VALUES (12, 12, 'gone')")
+    assert feeder.drain() == 2
+    db.execute(f"DELETE FROM {db.qualified('items')} WHERE id = 12")
+    seen.clear()
+    assert queue.drain(handle) == 2
+    assert sorted(seen, key=str) == sorted([("upsert", 3, "new"), ("delete", 12, None)], key=str)
+    assert len(claims(db)) == 12
+    feeder.close()
+
+
+def test_feeding_is_idempotent(db: TestDatabase, items: ClaimSource, tmp_path: Path) -> None:
+    assert main(["queue", "install", *args(db), "--yes"]) == 0
+    feeder = SidecarFeeder(
+        name="items-feeder", source=items, checkpoint_store=FileCheckpointStore(tmp_path)
+    )
+    events = [
+        RowChange(
+            event_id=f"e{i}", op="upsert", source="s", cursor=i, pk={"id": i},
+            before=None, after={"id": i},
+        )
+        for i in (1, 2)
+    ]  # fmt: skip
+    feeder.handle(events)
+    feeder.handle(events)
+    assert len(claims(db)) == 2
+    assert main(["queue", "status", *args(db), "--json"]) == 0
+    feeder.close()
+
+
+def test_feeder_needs_a_sidecar_source(db: TestDatabase, tmp_path: Path) -> None:
+    db.execute(f"CREATE TABLE {db.qualified('items')} (id integer PRIMARY KEY, version bigint)")
+    src = ClaimSource(url=db.url, table="items", schema=db.schema, pk_columns=["id"])
+    with pytest.raises(ConfigurationError, match="mode='sidecar' and a cursor_column"):
+        SidecarFeeder(name="f", source=src, checkpoint_store=FileCheckpointStore(tmp_path))
+    src.close()

@@ -1,0 +1,219 @@
+"""No secret reaches a sink of text: logs (ours and the HTTP stack's under
+``-vv``), the state document, quarantine records, CLI output.
+
+Secrets are planted where they really come from: a handler's exception text
+quoting a token and a database URL, a SAS connection string given to the CLI.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib
+import json
+import logging
+import os
+import pkgutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from azure.storage.blob import BlobServiceClient
+
+import dbtrigger
+from dbtrigger import FileCheckpointStore, HandlerError, PollTrigger, RowChange, SqlAlchemySource
+from dbtrigger.cli import main
+from dbtrigger.quarantine import JsonLinesQuarantineSink, QuarantineRecord
+from dbtrigger.redaction import LOGGER_NAMES, RedactingFilter, redact
+from dbtrigger.state import document as docmod
+from dbtrigger.state.stores.factory import redact as factory_redact
+from tests.azurite import Azurite
+from tests.databases import TestDatabase
+from tests.test_store_files_safety import _doc_bytes, _portal_sas_string
+
+# Made-up credentials, planted to be looked for.
+API_KEY = "sk-live-51HcQpLkq0x"
+TOKEN = "ya29.a0AfH6SMBx-token"  # noqa: S105
+DB_PASSWORD = "p@ss-w0rd!"  # noqa: S105
+HANDLER_ERROR = (
+    f"upstream refused: api_key={API_KEY} headers={{'access_token': '{TOKEN}'}} "
+    f"while writing to postgresql://app:{DB_PASSWORD}@db.internal:5432/shop"
+)
+SECRETS = (API_KEY, TOKEN, DB_PASSWORD, "w0rd")
+
+
+def _assert_clean(text: str) -> None:
+    for secret in SECRETS:
+        assert secret not in text
+
+
+@pytest.mark.parametrize(
+    ("text", "secret"),
+    [
+        ("call failed api_key=abc123xyz", "abc123xyz"),
+        ("X-Api-Key: abc123xyz", "abc123xyz"),
+        ('{"access_token": "abc.def.ghi"}', "abc.def.ghi"),
+        ("refresh_token=abc123xyz&x=1", "abc123xyz"),
+        ("client_secret=abc123xyz;", "abc123xyz"),
+        ("DB_PASSWORD=abc123xyz", "abc123xyz"),
+        ("BlobEndpoint=https://a/;SharedAccessSignature=sv=2022&ss=b&sig=abc%2Bxyz", "abc%2Bxyz"),
+        ("SharedAccessSignature=sv=2022&se=2030-01-01&sp=rw", "se=2030-01-01&sp=rw"),
+        ("GET /c/b?sv=2022&sig=abc%2Bxyz HTTP/1.1", "abc%2Bxyz"),
+        ("sig=abc%2Bxyz", "abc%2Bxyz"),
+        ("redis://:abc123xyz@cache:6379/0", "abc123xyz"),
+        ("postgresql://u:abc@123xyz@h/db", "123xyz"),
+        ("Authorization: Bearer abc123xyz", "abc123xyz"),
+        ("password: abc123xyz", "abc123xyz"),
+        ("token eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0In0.sigpart", "eyJzdWIiOiIxMjM0In0"),
+    ],
+)
+def test_redact_catches_common_credential_spellings(text: str, secret: str) -> None:
+    assert secret not in redact(text)
+    assert factory_redact is redact  # the old import path still works
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "lease held by funcapp/instance-1 (token 42) until 2026-01-01T00:00:00Z",
+        "fencing_token=42 batch_id=b_1 rows=10",
+        "checkpoint 2026-01-01T00:00:00.000000Z id=5",
+    ],
+)
+def test_redact_leaves_ordinary_operational_text_alone(text: str) -> None:
+    assert redact(text) == text
+
+
+def test_every_dbtrigger_logger_carries_the_redacting_filter() -> None:
+    for module in pkgutil.walk_packages(dbtrigger.__path__, "dbtrigger."):
+        if not module.name.endswith("__main__"):
+            importlib.import_module(module.name)
+    names = [
+        name
+        for name, logger in logging.root.manager.loggerDict.items()
+        if name.split(".")[0] == "dbtrigger" and isinstance(logger, logging.Logger)
+    ]
+    assert names
+    for name in names:
+        assert name in LOGGER_NAMES, f"{name}: add it to dbtrigger.redaction.LOGGER_NAMES"
+        assert any(isinstance(f, RedactingFilter) for f in logging.getLogger(name).filters)
+
+
+def _failing_poller(db: TestDatabase, tmp_path: Path) -> tuple[PollTrigger, FileCheckpointStore]:
+    metadata = sa.MetaData()
+    table = sa.Table(
+        "events",
+        metadata,
+        sa.Column("id", sa.Integer, primary_key=True, autoincrement=False),
+        sa.Column("seq", sa.Integer, nullable=False),
+    )
+    metadata.create_all(db.engine)
+    with db.engine.begin() as conn:
+        conn.execute(table.insert(), [{"id": i, "seq": i} for i in range(1, 4)])
+    store = FileCheckpointStore(tmp_path / "state")
+    source = SqlAlchemySource(url=db.url, table="events", cursor_column="seq", pk_columns=["id"])
+    return PollTrigger(name="orders", source=source, checkpoint_store=store), store
+
+
+def test_handler_exception_text_is_redacted_in_state_logs_and_status(
+    sqlite_db: TestDatabase,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    trigger, store = _failing_poller(sqlite_db, tmp_path)
+
+    def handler(events: list[RowChange]) -> None:
+        raise RuntimeError(HANDLER_ERROR)
+
+    caplog.set_level(logging.DEBUG)
+    with pytest.raises(HandlerError):
+        trigger.tick(handler)
+
+    stored = store.read("orders")
+    assert stored is not None
+    _assert_clean(stored.data.decode())
+    failure = docmod.loads(stored.data).failure
+    assert failure is not None
+    assert "upstream refused" in failure.last_error  # the useful part stays
+
+    ours = [r for r in caplog.records if r.name.startswith("dbtrigger")]
+    assert any("upstream refused" in r.getMessage() for r in ours)
+    for record in ours:
+        _assert_clean(record.getMessage())
+        _assert_clean(json.dumps(vars(record), default=str))
+
+    assert main(["status", "orders", "--store", str(tmp_path / "state")]) == 0
+    out, err = capsys.readouterr()
+    assert "upstream refused" in out
+    _assert_clean(out + err)
+
+
+def test_quarantine_records_hold_no_secret(tmp_path: Path) -> None:
+    event = RowChange(
+        event_id="e1",
+        op="upsert",
+        source="events",
+        cursor=1,
+        pk={"id": 1},
+        before=None,
+        after={"id": 1},
+    )
+    record = QuarantineRecord.from_event(
+        event,
+        poller="orders",
+        error=RuntimeError(HANDLER_ERROR),
+        attempts=3,
+        checkpoint=dbtrigger.Position(),
+        batch_id="b",
+        fencing_token=1,
+        owner_id="o",
+        now=dt.datetime.now(dt.timezone.utc),
+    )
+    sink = JsonLinesQuarantineSink(tmp_path / "q.jsonl")
+    sink.put([record])
+    text = (tmp_path / "q.jsonl").read_text()
+    assert "upstream refused" in text
+    _assert_clean(text)
+
+
+@pytest.mark.azurite
+def test_cli_debug_logs_never_show_a_sas_signature(azurite: Azurite, tmp_path: Path) -> None:
+    connection, sas = _portal_sas_string(azurite)
+    signature = dict(p.split("=", 1) for p in sas.split("&"))["sig"]
+    container = f"t{uuid.uuid4().hex[:20]}"
+    service = BlobServiceClient.from_connection_string(azurite.connection_string)
+    service.create_container(container)
+    try:
+        store = dbtrigger.state.stores.factory.open_store(
+            connection, container=container, app="shop"
+        )
+        store.write("orders", _doc_bytes(), if_match=None)
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"),
+            "DBTRIGGER_STORE": connection,  # not on the command line
+        }
+        done = subprocess.run(
+            [
+                *(sys.executable, "-m", "dbtrigger.cli", "-vv", "status", "orders"),
+                *("--container", container, "--app", "shop"),
+            ],
+            check=False,
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=120,
+        )
+    finally:
+        service.delete_container(container)
+        service.close()
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "urllib3.connectionpool" in output  # the transport's debug log did run
+    assert "/state/shop/orders.json" in output
+    assert signature not in output
+    assert "sig=" not in output.replace("sig=***", "").replace("sig=REDACTED", "")

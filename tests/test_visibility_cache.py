@@ -1,0 +1,88 @@
+"""The horizons' bound is cached until a fetch reaches it, and stays lossless.
+
+A bound is only ever replaced by a larger one, and a bound stays valid once
+computed: every value at or below it belongs to a transaction that has ended
+(PostgreSQL: all transactions open at the probe ended; MariaDB: every writer
+that could still commit below it was accounted for). So a catch-up of full
+batches reads the transaction list once, and a writer that starts while the
+cached bound is in use is still waited for at the next refresh.
+(The MariaDB version of this test is in test_visibility_mariadb.py.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from dbtrigger import BEGINNING, Position, SqlAlchemySource
+from dbtrigger.sources.visibility import TransactionHorizon
+from tests.databases import TestDatabase
+from tests.test_visibility import wait_until
+
+
+@pytest.mark.postgresql
+@pytest.mark.timeout(30)
+def test_postgresql_bound_is_cached_until_a_fetch_reaches_it_and_stays_lossless(
+    pg: TestDatabase,
+) -> None:
+    table = pg.qualified("events")
+    pg.execute(
+        f"CREATE TABLE {table} (id bigserial PRIMARY KEY, "
+        "updated_at timestamptz NOT NULL DEFAULT now(), note text)"
+    )
+    pg.execute(
+        f"INSERT INTO {table} (updated_at, note) "
+        "SELECT now() - interval '1 hour' + i * interval '1 ms', 'old' "
+        "FROM generate_series(1, 95) AS i"
+    )
+    src = SqlAlchemySource(
+        url=pg.url,
+        table="events",
+        schema=pg.schema,
+        cursor_column="updated_at",
+        pk_columns=["id"],
+        visibility=TransactionHorizon(settle_seconds=0),
+    )
+    statements: list[str] = []
+    sa.event.listen(src.engine, "before_cursor_execute", lambda *a: statements.append(a[2]))
+
+    def activity_reads() -> int:
+        return sum("pg_stat_activity" in s for s in statements)
+
+    rows = src.fetch(BEGINNING, 10)
+    writer = pg.engine.connect()
+    try:
+        writer.begin()
+        pending = writer.execute(
+            sa.text(f"INSERT INTO {table} (note) VALUES ('pending') RETURNING id")
+        ).scalar_one()
+        newer = pg.engine.connect()
+        newer_id = newer.execute(
+            sa.text(f"INSERT INTO {table} (note) VALUES ('newer') RETURNING id")
+        ).scalar_one()
+        newer.commit()
+        newer.close()
+        seen: list[Any] = []
+        while True:
+            seen.extend(rows)
+            position = Position(cursor=rows[-1]["updated_at"], pk={"id": rows[-1]["id"]})
+            if len(rows) < 10:
+                break
+            rows = src.fetch(position, 10)
+        assert [r["note"] for r in seen] == ["old"] * 95
+        assert activity_reads() == 1, "full batches must reuse the bound"
+        # The drain reached the bound: the next fetch probes again, and the
+        # open writer (started after the cached bound) holds it below 'pending'.
+        assert src.fetch(position, 10) == []
+        assert activity_reads() == 2
+        info = src.last_fetch_info
+        assert info is not None
+        assert info.held_back
+        writer.commit()
+        assert wait_until(lambda: len(src.fetch(position, 10)) == 2, timeout=3)
+        assert {r["id"] for r in src.fetch(position, 10)} == {pending, newer_id}
+    finally:
+        writer.close()
+        src.close()

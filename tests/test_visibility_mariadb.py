@@ -434,13 +434,15 @@ def test_without_process_auto_keeps_the_window_and_warns_about_overruns(
     engine = sa.create_engine(no_process_url)
     slow = threading.Thread(
         target=lambda: _run(
-            engine, f"INSERT INTO {mariadb.qualified('events')} (writer) SELECT SLEEP(2.5)"
+            engine, f"INSERT INTO {mariadb.qualified('events')} (writer) SELECT SLEEP(4)"
         )
     )
     try:
         with caplog.at_level(logging.WARNING, logger="dbtrigger.sources.visibility"):
             slow.start()
-            found = wait_until(lambda: _overrun(short), timeout=4)
+            # Checks run at most once a second; the statement overruns the
+            # 1 s window for three of its four seconds.
+            found = wait_until(lambda: _overrun(short), timeout=6)
         slow.join()
         assert found
         warnings = [

@@ -225,17 +225,19 @@ _OLDEST_WRITER = sa.text(
     """
 )
 # ... and the longest-running statement among the sessions this account sees.
-_OLDEST_STATEMENT = sa.text(
-    """
-    SELECT p.ID AS thread_id, p.TIME AS age
+# MariaDB's TIME_MS has millisecond precision; MySQL only has whole-second TIME,
+# which would hide a statement until it had run a full second past the window.
+_OLDEST_STATEMENT_SQL = """
+    SELECT p.ID AS thread_id, {age} AS age
       FROM information_schema.PROCESSLIST AS p
      WHERE p.ID <> CONNECTION_ID()
        AND p.COMMAND NOT IN ('Sleep', 'Daemon', 'Binlog Dump', 'Binlog Dump GTID')
        AND UPPER(LEFT(LTRIM(COALESCE(p.INFO, '')), 4)) NOT IN ('SELE', 'SHOW')
-     ORDER BY p.TIME DESC
+     ORDER BY age DESC
      LIMIT 1
-    """
-)
+"""
+_OLDEST_STATEMENT_MARIADB = sa.text(_OLDEST_STATEMENT_SQL.format(age="p.TIME_MS / 1000"))
+_OLDEST_STATEMENT_MYSQL = sa.text(_OLDEST_STATEMENT_SQL.format(age="p.TIME"))
 
 
 @dataclass
@@ -275,7 +277,9 @@ class _OverrunWatch:
                 what = f"InnoDB transaction {row.trx_id} on thread {row.thread_id}"
                 found = (what, int(row.thread_id), float(row.age), str(row.trx_id))
         if found is None:
-            row = conn.execute(_OLDEST_STATEMENT).first()
+            mariadb = bool(getattr(conn.dialect, "is_mariadb", True))
+            query = _OLDEST_STATEMENT_MARIADB if mariadb else _OLDEST_STATEMENT_MYSQL
+            row = conn.execute(query).first()
             conn.rollback()
             if row is not None and row.age is not None and float(row.age) > window:
                 what = f"a statement on thread {row.thread_id}"

@@ -81,7 +81,7 @@ def test_postgresql_bound_is_cached_until_a_fetch_reaches_it_and_stays_lossless(
         assert info is not None
         assert info.held_back
         writer.commit()
-        assert wait_until(lambda: len(src.fetch(position, 10)) == 2, timeout=3)
+        assert wait_until(lambda: len(src.fetch(position, 10)) == 2, timeout=10)
         assert {r["id"] for r in src.fetch(position, 10)} == {pending, newer_id}
     finally:
         writer.close()

@@ -168,7 +168,7 @@ def test_long_and_short_transactions_lose_nothing(
         # Held longer than the window: both the window and no guard move past it.
         value = getattr(row, cursor)
         assert wait_until(lambda: windowed.passed(value, row.id), timeout=5)
-        assert wait_until(lambda: unguarded.passed(value, row.id), timeout=1)
+        assert wait_until(lambda: unguarded.passed(value, row.id), timeout=5)
         assert not horizon.passed(value, row.id)
         straggler.commit()
         straggler.close()
@@ -221,7 +221,7 @@ def test_read_only_and_not_yet_written_transactions_do_not_hold_it_back(
             insert_row(conn, mariadb, 1)
         # The reader and the locking-but-not-writing transaction are open; neither
         # can still commit an older CURRENT_TIMESTAMP, so the row is consumed.
-        assert wait_until(lambda: len(src.fetch(BEGINNING, 10)) == 1, timeout=3)
+        assert wait_until(lambda: len(src.fetch(BEGINNING, 10)) == 1, timeout=10)
         info = src.last_fetch_info
         assert info is not None
         assert not info.held_back
@@ -252,7 +252,7 @@ def test_read_only_and_not_yet_written_transactions_do_not_hold_it_back(
         assert f"thread {thread}" in warnings[0].getMessage()
         writer.commit()
         writer.close()
-        assert wait_until(lambda: len(src.fetch(BEGINNING, 10)) == 3, timeout=3)
+        assert wait_until(lambda: len(src.fetch(BEGINNING, 10)) == 3, timeout=10)
         assert late.id in {r["id"] for r in src.fetch(BEGINNING, 10)}
     finally:
         idle.rollback()
@@ -329,7 +329,7 @@ def test_a_statement_that_waited_before_it_wrote_is_not_passed(mariadb: TestData
             assert middle not in {r["id"] for r in rows}, "passed the waiting writer's value"
             time.sleep(0.15)
         waiter.commit()
-        assert wait_until(lambda: len(src.fetch(BEGINNING, 10)) == 2, timeout=3)
+        assert wait_until(lambda: len(src.fetch(BEGINNING, 10)) == 2, timeout=10)
     finally:
         locker.close()
         waiter.close()
@@ -386,11 +386,11 @@ def test_the_bound_is_cached_until_a_fetch_reaches_it_and_stays_lossless(
             info = src.last_fetch_info
             return src.fetch(position, 10) == [] and info is not None and info.held_back
 
-        assert wait_until(held, timeout=3)
+        assert wait_until(held, timeout=10)
         assert src.fetch(position, 10) == []
         assert sum("INNODB_TRX" in s for s in statements) > first
         writer.commit()
-        assert wait_until(lambda: len(src.fetch(position, 10)) == 2, timeout=3)
+        assert wait_until(lambda: len(src.fetch(position, 10)) == 2, timeout=10)
         assert {r["id"] for r in src.fetch(position, 10)} == {pending.id, newer.id}
     finally:
         writer.close()
@@ -480,7 +480,7 @@ def test_window_with_process_names_a_write_transaction_older_than_it(
     try:
         time.sleep(WINDOW + 1.1)
         with caplog.at_level(logging.WARNING, logger="dbtrigger.sources.visibility"):
-            assert wait_until(lambda: _overrun(src), timeout=3)
+            assert wait_until(lambda: _overrun(src), timeout=10)
         info = src.last_fetch_info
         assert info is not None
         assert info.blocking_pid == thread

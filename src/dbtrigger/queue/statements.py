@@ -24,6 +24,23 @@ matches ``key AND dbt_claim_token = :token AND dbt_status = 'claimed' AND
 dbt_visible_at > now``. A row whose claim expired (whether or not another
 worker has taken it since) no longer matches, and the method reports it as
 *lost* instead of overwriting the newer claim's result.
+
+A claim is judged held or expired at exactly one instant per settlement, and
+the report is what was written at that instant:
+
+* PostgreSQL and SQLite: the fenced ``UPDATE``/``DELETE ... RETURNING key`` is
+  one statement with one clock reading; the keys it returns are the keys it
+  changed.
+* MariaDB/MySQL (no ``RETURNING``): ``SELECT key ... FOR UPDATE`` with the
+  full fence locks the rows the claim still holds; that is the instant. The
+  writes that follow match those locked keys by key, token and status but do
+  *not* compare the clock again: the lock keeps every other claimer off the
+  rows until commit, so nothing can have taken them since, while a second
+  clock reading a few milliseconds later could find the claim expired, match
+  nothing, and leave rows this method had already reported as done to be
+  claimed and completed by another worker (the double completion of issue
+  #12). Each write's row count must equal the number of keys it was given, or
+  the transaction is rolled back.
 """
 
 from __future__ import annotations
@@ -37,6 +54,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql import ColumnElement
 
+from dbtrigger.errors import CommitError
 from dbtrigger.queue.schema import (
     ATTEMPTS,
     CLAIM_TOKEN,
@@ -150,6 +168,13 @@ class ClaimTable:
         )
 
     def _owned(self, token: str, keys: Sequence[Key]) -> ColumnElement[bool]:
+        """The fenced match of a settlement's write (see the module doc)."""
+        if self._mysql:
+            # The keys were locked by _owned_keys while the claim held them
+            # (the fence, clock included, was evaluated there). No second
+            # clock reading here: see the module doc.
+            c = self.table.c
+            return sa.and_(self._key_in(keys), c[CLAIM_TOKEN] == token, c[STATUS] == CLAIMED)
         return sa.and_(self._key_in(keys), self._held(token))
 
     # --- claim ----------------------------------------------------------------------
@@ -223,8 +248,13 @@ class ClaimTable:
     # --- settle ---------------------------------------------------------------------
 
     def _owned_keys(self, conn: Connection, token: str, keys: Sequence[Key]) -> set[Key]:
-        """The keys still held by ``token``, locked until the transaction ends."""
-        stmt = sa.select(*self._key_cols).where(self._owned(token, keys)).with_for_update()
+        """The keys still held by ``token``, locked until the transaction ends.
+
+        MariaDB/MySQL only: the one instant at which the settlement judges the
+        claim (token, status and expiry); the writes that follow rely on the lock.
+        """
+        where = sa.and_(self._key_in(keys), self._held(token))
+        stmt = sa.select(*self._key_cols).where(where).with_for_update()
         return {tuple(r) for r in conn.execute(stmt)}
 
     def _apply(
@@ -236,8 +266,17 @@ class ClaimTable:
     ) -> set[Key]:
         """Run a fenced statement; the keys it changed."""
         if owned is not None:  # MariaDB/MySQL: keys were locked and checked first
-            if keys:
-                conn.execute(stmt)
+            if not keys:
+                return set()
+            changed = int(conn.execute(stmt).rowcount)
+            if changed != len(keys):
+                # Cannot happen while the rows are locked; if it ever does, the
+                # report would not be what was written: roll the settlement back
+                # (the claim expires and the rows are delivered again).
+                raise CommitError(
+                    f"settlement matched {changed} of {len(keys)} locked row(s) of "
+                    f"{self.table.name}; rolled back, the rows are claimed again"
+                )
             return set(keys)
         return {tuple(r) for r in conn.execute(stmt.returning(*self._key_cols))}
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -218,4 +218,45 @@ def test_per_event_outcomes_cost_no_extra_store_operation(
     # is idle: one read, no write.
     store.reset()
     assert trigger.tick_result(marking).outcome == "idle"
+    assert store.counts == StoreCounts(reads=1)
+
+
+@pytest.mark.parametrize("subscribers", [1, 2, 5])
+def test_fan_out_costs_no_extra_store_operation_however_many_subscribers(
+    trigger: PollTrigger,
+    store: CountingStore,
+    table: TestDatabase,
+    tmp_path: Path,
+    subscribers: int,
+) -> None:
+    """subscribers=: one fetch and one commit per batch for all of them, their
+    outcomes (and who still owes a retried event) riding on that commit:
+    1 read and k + 1 writes per tick, <= 1 store write per batch plus the acquire."""
+
+    def sub(n: int) -> Callable[[list[RowChange], BatchContext], None]:
+        def handle(events: list[RowChange], ctx: BatchContext) -> None:
+            for e in events:
+                if int(e.pk["id"]) % (3 + n) == 0:
+                    ctx.retry(e, "busy")
+                elif int(e.pk["id"]) % 7 == 0 and n == 0:
+                    ctx.reject(e, "bad")
+
+        return handle
+
+    trigger = PollTrigger(
+        name="orders",
+        source=trigger.source,
+        checkpoint_store=store,
+        batch_size=BATCH,
+        max_batches_per_tick=10,
+        quarantine=JsonLinesQuarantineSink(tmp_path / "dead.jsonl"),
+        subscribers={f"s{n}": sub(n) for n in range(subscribers)},
+    )
+    add_rows(table, 1, 23)
+    result = trigger.tick_result()
+    assert result.rows == 23
+    assert result.batches == 5
+    assert store.counts == StoreCounts(reads=1, writes=result.batches + 1)
+    store.reset()
+    assert trigger.tick_result().outcome == "idle"  # retries not due yet
     assert store.counts == StoreCounts(reads=1)

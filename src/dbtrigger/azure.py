@@ -227,6 +227,17 @@ def _is_function_builder(obj: object) -> bool:
     return type(obj).__name__ == "FunctionBuilder" and hasattr(obj, "add_trigger")
 
 
+def _refuse_subscribers(options: dict[str, Any]) -> None:
+    """A Function is one handler; fan-out is a plain PollTrigger driven by the timer
+    (docs/azure.md, "Several subscribers on one read")."""
+    if "subscribers" in options:
+        raise ConfigurationError(
+            "@db.trigger takes no subscribers=: the decorated function is the handler. "
+            "For several subscribers on one read build PollTrigger(..., subscribers=...) "
+            "and call trigger.run(timer=timer) from an @app.schedule function"
+        )
+
+
 class DbBindings:
     """Decorators that turn a Functions timer into a dbtrigger poller.
 
@@ -278,6 +289,8 @@ class DbBindings:
         indexes every function, and this one fails each invocation with a
         :class:`~dbtrigger.errors.ConfigurationError` naming the setting.
         """
+
+        _refuse_subscribers(trigger_options)
 
         def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
             if _is_function_builder(fn):

@@ -92,6 +92,11 @@ class HandlerError(RetryableError):
     """The handler raised; the checkpoint did not advance and the batch will be redelivered."""
 
 
+class AckTimeoutError(HandlerError):
+    """A subscriber did not finish within ``ack_timeout_seconds``: its events count as
+    failed for it alone and are delivered to it again; the other subscribers go on."""
+
+
 class CommitError(RetryableError):
     """The checkpoint commit failed; the batch will be redelivered."""
 
@@ -210,6 +215,7 @@ class OutputWriteError(RetryableError):
 
 
 __all__ = [
+    "AckTimeoutError",
     "AmbiguousCommitError",
     "AmbiguousWriteError",
     "CasConflictError",

@@ -50,6 +50,14 @@ METRICS: dict[str, tuple[str, str]] = {
         "counter",
         "Per-event outcomes of delivered batches, by outcome (accepted/rejected/failed)",
     ),
+    "subscriber_outcomes_total": (
+        "counter",
+        "Fan-out: per-event outcomes of each subscriber, by subscriber and outcome",
+    ),
+    "ack_timeouts_total": (
+        "counter",
+        "Fan-out: subscriber calls that outlived ack_timeout_seconds, by subscriber",
+    ),
     "window_events": ("gauge", "Events in the settled window above the checkpoint"),
     "window_bytes": ("gauge", "Encoded size of the settled window in the state document"),
     "window_overflow_total": (
@@ -69,6 +77,8 @@ METRIC_LABELS: dict[str, tuple[str, ...]] = {
     "retries_total": ("operation", "error_type"),
     "partition_rebalances_total": ("action",),
     "event_outcomes_total": ("outcome",),
+    "subscriber_outcomes_total": ("subscriber", "outcome"),
+    "ack_timeouts_total": ("subscriber",),
 }
 
 #: Histogram bucket bounds for metrics that are not durations in seconds.

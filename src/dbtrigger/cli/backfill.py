@@ -155,7 +155,11 @@ def _load_trigger(args: argparse.Namespace) -> tuple[PollTrigger, Handler]:
         raise ConfigurationError(
             "a backfill needs its own poller name; the live poller's state is never touched"
         )
-    assert loaded.handler is not None  # noqa: S101 - load_trigger guarantees it
+    if loaded.handler is None:  # a fan-out poller (subscribers=) without --handler
+        raise ConfigurationError(
+            f"{args.source} fans out to subscribers; a backfill replays one handler: "
+            "pass --handler MODULE:FUNCTION (e.g. the subscriber that needs the backfill)"
+        )
     return loaded.trigger, loaded.handler
 
 

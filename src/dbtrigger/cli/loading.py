@@ -102,7 +102,7 @@ def load_trigger(spec: str, handler_spec: str | None = None) -> LoadedTrigger:
         )
     if handler_spec:
         loaded = LoadedTrigger(spec, loaded.trigger, load_object(handler_spec), loaded.function)
-    if loaded.handler is None:
+    if loaded.handler is None and not getattr(loaded.trigger, "subscribers", None):
         raise ConfigurationError(
             f"{spec} has no handler: decorate one with @{spec.split(':')[1]}.handler "
             "or pass --handler MODULE:FUNCTION"

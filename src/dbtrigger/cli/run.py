@@ -29,6 +29,7 @@ from dbtrigger.runtime.runner import (
     log_progress,
     run_pollers,
 )
+from dbtrigger.runtime.subscribers import SubscriberCall
 from dbtrigger.state.stores.factory import describe_store, redact
 
 log = logging.getLogger("dbtrigger.runner")
@@ -160,12 +161,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     progress = _progress_callback(args)
     runners = []
     for item in loaded:
-        if item.handler is None:  # load_trigger refuses this; keeps the type checker informed
+        handler = item.handler
+        if handler is None and isinstance(item.trigger, PollTrigger) and item.trigger.subscribers:
+            handler = SubscriberCall()  # fan-out: the subscribers are the handlers
+        if handler is None:  # load_trigger refuses this; keeps the type checker informed
             raise ConfigurationError(f"{item.spec} has no handler")
         runners.append(
             Runner(
                 item.trigger,
-                item.handler,
+                handler,
                 interval_seconds=args.interval,
                 max_backoff_seconds=args.max_backoff,
                 progress=progress,

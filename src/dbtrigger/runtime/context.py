@@ -31,6 +31,7 @@ class EventMarks:
         *,
         can_reject: bool,
         attempts: Mapping[str, int] | None = None,
+        owed: Mapping[str, Mapping[str, int]] | None = None,
     ) -> None:
         # Event ids are computed on first use (events may be lazy): a batch
         # whose handler marks nothing never pays for them here.
@@ -38,6 +39,9 @@ class EventMarks:
         self._id_set: set[str] | None = None
         self.can_reject = can_reject
         self.attempts = dict(attempts or {})
+        #: Fan-out: waiting events still owed to some subscribers only (event
+        #: id -> subscriber -> attempts); see dbtrigger.state.fanout.
+        self.owed = dict(owed or {})
         self.open = True
         self.rejected: dict[str, str] = {}
         self.retried: dict[str, str] = {}
@@ -142,11 +146,17 @@ class BatchContext:
     attempt: int = 1
     lease_lost: threading.Event = field(default_factory=threading.Event, compare=False)
     marks: EventMarks | None = field(default=None, compare=False, repr=False)
+    #: Fan-out (``subscribers=``): the name of the subscriber this call is for.
+    subscriber: str | None = None
+    #: Fan-out: set when this subscriber's call outlived ``ack_timeout_seconds``
+    #: (its events count as failed for it; whatever it does now is discarded).
+    timed_out: threading.Event | None = field(default=None, compare=False, repr=False)
 
     @property
     def cancelled(self) -> bool:
-        """True once the lease is lost: nothing this batch does will be committed."""
-        return self.lease_lost.is_set()
+        """True once the lease is lost, or (fan-out) this subscriber's call timed
+        out: nothing this call does from now on will be committed."""
+        return self.lease_lost.is_set() or (self.timed_out is not None and self.timed_out.is_set())
 
     def reject(self, event: RowChange, reason: str) -> None:
         """Settle ``event`` as rejected: it goes to the dead-letter sink with

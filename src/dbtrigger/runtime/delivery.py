@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dbtrigger.errors import (
+    AckTimeoutError,
     ConfigurationError,
     HandlerError,
     LostLeaseError,
@@ -44,6 +45,7 @@ from dbtrigger.runtime.lanes import Lanes
 from dbtrigger.runtime.retry import RetryPolicy
 from dbtrigger.runtime.telemetry import Telemetry
 from dbtrigger.state import document as docmod
+from dbtrigger.state.journal import Outcomes
 from dbtrigger.state.verdict import Verdict, judge, should_isolate
 
 #: A batch handler: ``handler(events)`` or ``handler(events, ctx)``, sync or async.
@@ -72,6 +74,11 @@ class Delivered:
     rejected: Mapping[str, str] = field(default_factory=dict)
     retried: Mapping[str, str] = field(default_factory=dict)
     exhausted: frozenset[str] = frozenset()
+    #: Fan-out: retried event id -> the subscribers it goes to again (with
+    #: their attempts); see dbtrigger.state.fanout.
+    owed: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    #: Fan-out: each subscriber's outcomes over the batch (journal, metrics).
+    by_subscriber: Mapping[str, Outcomes] = field(default_factory=dict)
 
     @property
     def unsettled(self) -> frozenset[str]:
@@ -482,7 +489,8 @@ CANCEL_POLL_SECONDS = 0.05
 
 
 async def guarded(awaitable: Awaitable[Any], ctx: BatchContext) -> Any:
-    """Await an async handler, cancelling it as soon as the lease is lost.
+    """Await an async handler, cancelling it as soon as the lease is lost (or,
+    for a fan-out subscriber, its ack timeout ran out).
 
     The task is cancelled *and awaited*, so when the tick reports the lost
     lease the handler has really stopped (no side effect runs after it).
@@ -490,10 +498,16 @@ async def guarded(awaitable: Awaitable[Any], ctx: BatchContext) -> Any:
     task = asyncio.ensure_future(awaitable)
     try:
         while not task.done():
-            if ctx.lease_lost.is_set():
+            if ctx.cancelled:
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
+                if not ctx.lease_lost.is_set():  # fan-out: this subscriber's ack timeout
+                    raise AckTimeoutError(
+                        "the subscriber outlived ack_timeout_seconds; its task was cancelled",
+                        poller=ctx.poller_name,
+                        batch_id=ctx.batch_id,
+                    )
                 raise LostLeaseError(
                     "lease lost while the async handler ran; it was cancelled",
                     poller=ctx.poller_name,

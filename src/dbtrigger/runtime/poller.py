@@ -35,7 +35,7 @@ import shlex
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from dbtrigger.errors import ConfigurationError, LeaseAcquireError
@@ -47,6 +47,7 @@ from dbtrigger.runtime.context import BatchContext
 from dbtrigger.runtime.delivery import Delivery, Handler, guarded
 from dbtrigger.runtime.heartbeat import default_interval
 from dbtrigger.runtime.retry import DEFAULT_RETRY_POLICY, RetryPolicy
+from dbtrigger.runtime.subscribers import FanOut, SubscriberCall, check_fan_out
 from dbtrigger.runtime.telemetry import Telemetry
 from dbtrigger.runtime.tick import (
     NullCursorProbe,
@@ -158,6 +159,14 @@ class PollTrigger:
         window_max_events, window_max_bytes: bound of the settled window above
             the checkpoint (events settled while an earlier one waits for a
             retry); at 75% of either the poller hands out no new rows.
+        max_concurrency: lanes per batch (per subscriber with ``subscribers``).
+        subscribers: fan-out: ``{name: handler}``; one read, every subscriber
+            gets every event, and an event settles once each accepted it (or
+            one rejected it and it was dead-lettered); a retry goes to the
+            subscribers that asked for it only. ``tick()``, ``drain()`` and
+            ``run()`` then take no handler. See :mod:`dbtrigger.runtime.subscribers`.
+        ack_timeout_seconds: fan-out only: a subscriber call that takes longer
+            fails its events for that subscriber alone (default 300).
     """
 
     def __init__(
@@ -187,6 +196,8 @@ class PollTrigger:
         window_max_events: int = 1000,
         window_max_bytes: int = 48 * 1024,
         max_concurrency: int = 1,
+        subscribers: Mapping[str, Handler] | Iterable[tuple[str, Handler]] | None = None,
+        ack_timeout_seconds: float | None = None,
     ) -> None:
         options = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         self.name = validate_name(name, "poller name")
@@ -216,6 +227,10 @@ class PollTrigger:
             window_events=window_max_events,
             window_bytes=window_max_bytes,
             concurrency=max_concurrency,
+        )
+        #: Fan-out (see dbtrigger.runtime.subscribers): name -> handler, or None.
+        self.subscribers, self.ack_timeout = check_fan_out(
+            subscribers, partitions=partitions, ack_timeout=ack_timeout_seconds
         )
         self.source = source
         self.store = checkpoint_store
@@ -264,7 +279,7 @@ class PollTrigger:
             clock=self.clock,
             fingerprint=lambda: self.fingerprint,
             telemetry=self.telemetry,
-            delivery=Delivery(
+            delivery=self._delivery(
                 poller=self.name,
                 owner_id=self.owner_id,
                 clock=self.clock,
@@ -284,6 +299,8 @@ class PollTrigger:
 
             for key in ("name", "source", "checkpoint_store", "partitions", "owner_id"):
                 options.pop(key)
+            for key in ("subscribers", "ack_timeout_seconds"):  # refused above when set
+                options.pop(key)
             self.partitioned = PartitionedPoller(
                 name=self.name,
                 source=source,  # type: ignore[arg-type]  # PartitionedPoller checks it
@@ -293,10 +310,36 @@ class PollTrigger:
                 **options,
             )
 
+    def _delivery(self, **options: Any) -> Delivery:
+        if self.subscribers is None:
+            return Delivery(**options)
+        return FanOut(subscribers=self.subscribers, ack_timeout=self.ack_timeout, **options)
+
+    def _handler_for(self, handler: Handler | None) -> Handler:
+        """The handler a tick runs with: the given one, or (fan-out) the subscribers."""
+        if self.subscribers is not None:
+            if handler is not None and not isinstance(handler, SubscriberCall):
+                raise ConfigurationError(
+                    f"poller {self.name!r} has subscribers= ({', '.join(self.subscribers)}): "
+                    "tick(), drain() and run() take no handler; add it as one more subscriber"
+                )
+            return handler if handler is not None else SubscriberCall()
+        if handler is None:
+            raise ConfigurationError(
+                f"poller {self.name!r} needs a handler: pass tick(handler) / drain(handler) / "
+                "run(timer=..., handler=...), or construct it with subscribers={name: handler}"
+            )
+        return handler
+
     # --- public API ----------------------------------------------------------------
 
     def handler(self, fn: Handler) -> Handler:
         """Decorator: register ``fn`` as the handler ``dbtrigger run`` drives."""
+        if self.subscribers is not None:
+            raise ConfigurationError(
+                f"poller {self.name!r} has subscribers=: its handlers are the subscribers; "
+                "add this one to subscribers= instead of @handler"
+            )
         self.default_handler = fn
         return fn
 
@@ -306,21 +349,27 @@ class PollTrigger:
             self._fingerprint = self.source.fingerprint()
         return self._fingerprint
 
-    def run(self, *, timer: Any = None, handler: Handler) -> int:
+    def run(self, *, timer: Any = None, handler: Handler | None = None) -> int:
         """Run one tick for a timer firing; returns the number of rows committed."""
         del timer  # the schedule is the host's business; the tick is the same
         return self.tick(handler)
 
-    def tick(self, handler: Handler, *, should_stop: Callable[[], bool] | None = None) -> int:
+    def tick(
+        self, handler: Handler | None = None, *, should_stop: Callable[[], bool] | None = None
+    ) -> int:
         return self.tick_result(handler, should_stop=should_stop).rows
 
     def tick_result(
-        self, handler: Handler, *, should_stop: Callable[[], bool] | None = None
+        self, handler: Handler | None = None, *, should_stop: Callable[[], bool] | None = None
     ) -> TickResult:
         """One tick (see :mod:`dbtrigger.runtime.tick`); what it did.
 
-        Partitioned: one tick of every partition this member owns.
+        Partitioned: one tick of every partition this member owns. With
+        ``subscribers=`` no handler is passed (passing one is a
+        :class:`~dbtrigger.errors.ConfigurationError`, as is passing none
+        without subscribers).
         """
+        handler = self._handler_for(handler)
         if self.partitioned is not None:
             self.last_result = self.partitioned.tick_result(handler, should_stop=should_stop)
             return self.last_result
@@ -344,7 +393,7 @@ class PollTrigger:
 
     def drain(
         self,
-        handler: Handler,
+        handler: Handler | None = None,
         *,
         max_ticks: int | None = None,
         progress: Callable[[int, TickResult], None] | None = None,
@@ -366,6 +415,7 @@ class PollTrigger:
             LeaseAcquireError: another instance held the lease for longer than
                 ``lease_wait_seconds``.
         """
+        handler = self._handler_for(handler)
         total = 0
         ticks = 0
         deadline = time.monotonic() + lease_wait_seconds
@@ -398,7 +448,7 @@ class PollTrigger:
             )
         time.sleep(wait)
 
-    async def tick_async(self, handler: Handler) -> int:
+    async def tick_async(self, handler: Handler | None = None) -> int:
         """One tick for async code: I/O runs in a worker thread, an async handler
         runs on the caller's event loop.
 
@@ -408,15 +458,21 @@ class PollTrigger:
         without committing.
         """
         loop = asyncio.get_running_loop()
-        wants_ctx = wants_context(handler)
 
-        def shim(events: list[RowChange], ctx: BatchContext) -> Any:
-            result = handler(events, ctx) if wants_ctx else handler(events)
-            if not inspect.isawaitable(result):
-                return result
-            return asyncio.run_coroutine_threadsafe(guarded(result, ctx), loop).result()
+        def on_loop(fn: Handler, wants_ctx: bool) -> Handler:
+            def shim(events: list[RowChange], ctx: BatchContext) -> Any:
+                result = fn(events, ctx) if wants_ctx else fn(events)
+                if not inspect.isawaitable(result):
+                    return result
+                return asyncio.run_coroutine_threadsafe(guarded(result, ctx), loop).result()
 
-        return await asyncio.to_thread(self.tick, shim)
+            return shim
+
+        chosen = self._handler_for(handler)
+        if isinstance(chosen, SubscriberCall):
+            # Fan-out: each async subscriber runs on the caller's loop too.
+            return await asyncio.to_thread(self.tick, SubscriberCall(on_loop))
+        return await asyncio.to_thread(self.tick, on_loop(chosen, wants_context(chosen)))
 
     def read_state(self) -> StateDocument | None:
         stored = self.store.read(self.name)

@@ -171,6 +171,25 @@ EVENTS: dict[str, EventSpec] = {
         ),
     ),
     "poison_event": EventSpec(E),
+    # fan-out (subscribers=): each subscriber's outcomes, its failures and timeouts
+    "subscriber_outcomes": EventSpec(
+        None,
+        tuple(
+            Count(
+                "subscriber_outcomes_total",
+                outcome,
+                labels={"outcome": outcome},
+                label_keys=("subscriber",),
+            )
+            for outcome in ("accepted", "rejected", "failed")
+        ),
+    ),
+    "subscriber_failed": EventSpec(W),
+    "subscriber_timed_out": EventSpec(
+        W, (Count("ack_timeouts_total", label_keys=("subscriber",)),)
+    ),
+    "subscriber_busy": EventSpec(W),
+    "subscriber_gone": EventSpec(W),
     "window_changed": EventSpec(
         None, (Gauge("window_events", "events"), Gauge("window_bytes", "bytes"))
     ),

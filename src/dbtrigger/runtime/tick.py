@@ -406,6 +406,7 @@ class TickDriver:
                         events,
                         can_reject=self.delivery.quarantine is not None,
                         attempts=windowing.attempts(events, selection.window),
+                        owed=windowing.owed(events, selection.window),
                     ),
                 )
                 done = frozenset(failure.done) if failure else frozenset()
@@ -446,6 +447,7 @@ class TickDriver:
                     - len(outcome.exhausted),
                     rejected=len(outcome.rejected),
                     failed=len(outcome.retried) + len(outcome.exhausted),
+                    subscribers=outcome.by_subscriber,
                 ),
             )
             self.commit(session, entry, release, settlement)
@@ -547,6 +549,7 @@ class TickDriver:
             bound=s.bound,
             backoff=(s.retry_delay, s.retry_delay_max),
             jitter=s.jitter,
+            owed=outcome.owed,
         )
 
     def commit(
@@ -571,6 +574,8 @@ class TickDriver:
                     "failed": outcomes.failed,
                 },
             )
+            for name, sub in outcomes.subscribers.items():
+                self.emit("subscriber_outcomes", subscriber=name, values=sub.counts())
         if settlement is None:
             return
         self.emit(

@@ -98,6 +98,20 @@ def attempts(events: Sequence[RowChange], window: Window) -> dict[str, int]:
     return out
 
 
+def owed(events: Sequence[RowChange], window: Window) -> dict[str, Mapping[str, int]]:
+    """Fan-out: the subscribers each waiting event is still owed to (event id ->
+    subscriber -> attempts), for events whose pending entry names them."""
+    waiting = {windowmod.key_of(p.position): p.owed for p in window.pending if p.owed is not None}
+    if not waiting:
+        return {}
+    out: dict[str, Mapping[str, int]] = {}
+    for event in events:
+        found = waiting.get(windowmod.key_of(position_of(event)))
+        if found is not None:
+            out[event.event_id] = found
+    return out
+
+
 def fetched(selection: Selection, events: Sequence[RowChange]) -> Sequence[Position]:
     """The rows the checkpoint may walk: all rows read (with a window), else the batch."""
     if selection.fetched is not None:
@@ -114,8 +128,10 @@ def settle_delivered(
     bound: Bound,
     backoff: tuple[float, float],
     jitter: Callable[[], float],
+    owed: Mapping[str, Mapping[str, int]] | None = None,
 ) -> Settlement | None:
-    """Fold a delivered batch into the window (``retried``: event id -> reason).
+    """Fold a delivered batch into the window (``retried``: event id -> reason;
+    ``owed``: with fan-out, event id -> the subscribers it goes to again).
 
     None when no window is involved (none before, nothing retried): the
     checkpoint simply moves to the batch's last row, as it always did.
@@ -140,6 +156,7 @@ def settle_delivered(
             base=backoff[0],
             cap=backoff[1],
             jitter=jitter(),
+            owed=None if owed is None else owed.get(event.event_id),
         )
     return windowmod.settle(
         fetched(selection, events),

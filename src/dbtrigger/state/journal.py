@@ -15,7 +15,8 @@ earlier versions have it.
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Literal
 
 from dbtrigger.cursor import Position
@@ -31,16 +32,23 @@ class Outcomes:
     """Per-event outcomes of one batch (``ctx.reject`` / ``ctx.retry``).
 
     ``failed`` counts events the handler asked to retry. Journaled only when a
-    batch had a rejected or failed event; without it every row was accepted.
+    batch had a rejected or failed event (without it every row was accepted),
+    or when it was fanned out to several subscribers.
     """
 
     accepted: int
     rejected: int = 0
     failed: int = 0
+    #: Fan-out (``subscribers=``): each subscriber's own outcomes over the
+    #: batch; journaled on every commit of a fan-out poller.
+    subscribers: Mapping[str, Outcomes] = field(default_factory=dict)
 
     @property
     def mixed(self) -> bool:
         return bool(self.rejected or self.failed)
+
+    def counts(self) -> dict[str, int]:
+        return {"accepted": self.accepted, "rejected": self.rejected, "failed": self.failed}
 
 
 @dataclass(frozen=True)
@@ -112,10 +120,12 @@ def encode(entry: JournalEntry) -> dict[str, object]:
         out["duration_ms"] = entry.duration_ms
     if entry.quarantined:
         out["quarantined"] = entry.quarantined
-    if entry.outcomes is not None and entry.outcomes.mixed:
-        out["outcomes"] = {
-            "accepted": entry.outcomes.accepted,
-            "rejected": entry.outcomes.rejected,
-            "failed": entry.outcomes.failed,
-        }
+    outcomes = entry.outcomes
+    if outcomes is not None and (outcomes.mixed or outcomes.subscribers):
+        encoded: dict[str, object] = dict(outcomes.counts())
+        if outcomes.subscribers:
+            encoded["subscribers"] = {
+                name: sub.counts() for name, sub in sorted(outcomes.subscribers.items())
+            }
+        out["outcomes"] = encoded
     return out

@@ -81,6 +81,10 @@ class Pending:
     attempts: int
     not_before: dt.datetime
     reason: str = ""
+    #: Fan-out only (``subscribers=``): the subscribers that still owe this
+    #: event a resolution, each with its deliveries that ended unresolved. It
+    #: is delivered again to them only. None: every subscriber (or the handler).
+    owed: Mapping[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -97,15 +101,7 @@ class Window:
             return None
         return {
             "settled": [position_to_json(p) for p in self.settled],
-            "pending": [
-                {
-                    "at": position_to_json(p.position),
-                    "attempts": p.attempts,
-                    "not_before": format_time(p.not_before),
-                    "reason": p.reason,
-                }
-                for p in self.pending
-            ],
+            "pending": [_pending_json(p) for p in self.pending],
         }
 
     @classmethod
@@ -134,6 +130,7 @@ class Window:
                     attempts=item["attempts"],
                     not_before=parse_time(item.get("not_before"), "window.pending.not_before"),
                     reason=str(item.get("reason", "")),
+                    owed=_owed_from_json(item.get("owed")),
                 )
             )
         return cls(settled, tuple(pending))
@@ -141,6 +138,32 @@ class Window:
     def encoded_size(self) -> int:
         raw = self.to_json()
         return 0 if raw is None else len(json.dumps(raw, separators=(",", ":")))
+
+
+def _pending_json(p: Pending) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "at": position_to_json(p.position),
+        "attempts": p.attempts,
+        "not_before": format_time(p.not_before),
+        "reason": p.reason,
+    }
+    if p.owed is not None:
+        out["owed"] = dict(sorted(p.owed.items()))
+    return out
+
+
+def _owed_from_json(raw: Any) -> dict[str, int] | None:
+    """``window.pending[].owed``: subscriber name -> attempts (optional)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+        for k, v in raw.items()
+    ):
+        raise CorruptStateError(
+            "window.pending[].owed must map subscriber names to attempt counts (ints >= 0)"
+        )
+    return dict(raw)
 
 
 @dataclass(frozen=True)
@@ -313,8 +336,10 @@ def retry_entry(
     base: float,
     cap: float,
     jitter: float,
+    owed: Mapping[str, int] | None = None,
 ) -> Pending:
-    """The pending entry for an event the handler asked to retry."""
+    """The pending entry for an event the handler asked to retry (``owed``:
+    with fan-out, the subscribers it is delivered to again)."""
     attempts = (previous.attempts if previous is not None else 0) + 1
     delay = backoff_seconds(attempts, base=base, cap=cap, jitter=jitter)
     return Pending(
@@ -322,4 +347,5 @@ def retry_entry(
         attempts=attempts,
         not_before=now + dt.timedelta(seconds=delay),
         reason=redact(reason[: 4 * MAX_REASON])[:MAX_REASON],  # no secret in the document
+        owed=None if owed is None else dict(owed),
     )

@@ -1,0 +1,468 @@
+"""Fan-out: one read, several subscribers, each resolving every event for itself.
+
+``PollTrigger(..., subscribers={"billing": handle_billing, "search": handle_search})``
+fetches each batch once and hands it to every subscriber - each in its own
+thread, at the same time, with its own :class:`~dbtrigger.runtime.context.BatchContext`
+(``ctx.subscriber`` is its name; ``ctx.reject`` / ``ctx.retry`` / ``ctx.attempts``
+are its own). What each event then becomes is the pure decision of
+:mod:`dbtrigger.state.fanout`:
+
+* settled when every subscriber it was handed to accepted it, or when one
+  rejected it (or used up ``max_attempts``) and the dead-letter write
+  succeeded - one record per event, naming every subscriber's reason;
+* otherwise pending for the subscribers that failed it - a ``ctx.retry``, a
+  raise (a :class:`~dbtrigger.errors.PartialBatchError` fails only the rows
+  it names), or no answer within ``ack_timeout_seconds`` - and delivered
+  again, after the backoff, **to those subscribers only**. The subscribers
+  still owed an event are stored with its pending entry in the state
+  document's window, so this survives restarts.
+
+A subscriber that raises or hangs fails its own events only; the others'
+outcomes stand and commit. A hung synchronous subscriber cannot be stopped
+from outside: its context says ``ctx.cancelled`` (check it in long loops), an
+async one is cancelled, and until the abandoned call returns that subscriber
+is handed nothing new (its events count as failed for it and come again).
+
+Cost: one fetch and one commit per batch however many subscribers; the window
+rides on the commit. This class extends :class:`~dbtrigger.runtime.delivery.Delivery`
+(the handler call, lanes, the dead-letter write) and, like it, never writes
+state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dbtrigger.errors import (
+    ConfigurationError,
+    LostLeaseError,
+    PartialBatchError,
+    QuarantineError,
+    UnsafeIdentifierError,
+)
+from dbtrigger.events import RowChange
+from dbtrigger.names import validate_name
+from dbtrigger.quarantine import match_failed
+from dbtrigger.runtime.context import BatchContext, EventMarks
+from dbtrigger.runtime.delivery import (
+    Delivered,
+    Delivery,
+    EventRejected,
+    Handler,
+    Outcome,
+    RetriesExhausted,
+    Undelivered,
+    batch_fields,
+)
+from dbtrigger.state import fanout
+from dbtrigger.state.fanout import Decision, Fate, Resolution
+from dbtrigger.state.journal import Outcomes
+
+#: Default ``ack_timeout_seconds``: how long one subscriber call may take (as
+#: Airflow's shared-stream ack timeout).
+DEFAULT_ACK_TIMEOUT = 300.0
+
+#: Wraps a subscriber for the way the tick is run (``tick_async``); gets the
+#: subscriber and whether it takes a context, returns an ``(events, ctx)`` callable.
+Wrap = Callable[[Handler, bool], Handler]
+
+
+@dataclass(frozen=True)
+class SubscriberCall:
+    """What a fan-out tick passes where a single-handler tick passes its handler.
+
+    :class:`FanOut` calls the subscribers instead (through ``wrap`` when set);
+    the object itself is never called as a handler.
+    """
+
+    wrap: Wrap | None = None
+
+    def __call__(self, *args: Any) -> None:
+        raise ConfigurationError("the fan-out marker was called as a handler; this is a bug")
+
+
+def check_fan_out(
+    subscribers: object, *, partitions: int | None, ack_timeout: float | None
+) -> tuple[dict[str, Handler] | None, float]:
+    """``PollTrigger``'s fan-out options, checked: (subscribers or None, ack timeout)."""
+    checked = None if subscribers is None else validate_subscribers(subscribers)
+    if checked is not None and partitions is not None:
+        raise ConfigurationError(
+            "subscribers= cannot be combined with partitions= yet: run one fan-out "
+            "poller, or one partitioned poller per subscriber"
+        )
+    if ack_timeout is None:
+        return checked, DEFAULT_ACK_TIMEOUT
+    if checked is None:
+        raise ConfigurationError(
+            "ack_timeout_seconds applies to subscribers= only (a single handler's "
+            "batch has no per-subscriber deadline; size lease_ttl_seconds instead)"
+        )
+    if not ack_timeout > 0:
+        raise ConfigurationError(f"ack_timeout_seconds must be > 0, got {ack_timeout}")
+    return checked, ack_timeout
+
+
+def validate_subscribers(raw: object) -> dict[str, Handler]:
+    """Check ``subscribers=``: a mapping (or pairs) of safe, distinct names to callables.
+
+    Raises:
+        ConfigurationError: naming the problem (empty, a duplicate or unsafe
+            name, a handler that is not callable).
+    """
+    if isinstance(raw, Mapping):
+        pairs = list(raw.items())
+    elif isinstance(raw, Iterable) and not isinstance(raw, str | bytes):
+        pairs = list(raw)
+        if not all(isinstance(p, tuple) and len(p) == 2 for p in pairs):
+            raise ConfigurationError(
+                "subscribers= must be a mapping of name -> handler (or (name, handler) pairs)"
+            )
+    else:
+        raise ConfigurationError(
+            f"subscribers= must be a mapping of name -> handler, got {type(raw).__name__}"
+        )
+    if not pairs:
+        raise ConfigurationError(
+            "subscribers= is empty: give at least one subscriber (an event handed to nobody "
+            "is never clean), or leave it out and pass a handler"
+        )
+    out: dict[str, Handler] = {}
+    folded: dict[str, str] = {}
+    for name, fn in pairs:
+        try:
+            validate_name(name, "subscriber name")
+        except UnsafeIdentifierError as exc:
+            raise ConfigurationError(
+                f"{exc} (a subscriber name is a metric label and a key in the state document)"
+            ) from None
+        if name.lower() in folded:
+            raise ConfigurationError(
+                f"duplicate subscriber name {name!r}"
+                + (f" (same as {folded[name.lower()]!r} but for case)" if name not in out else "")
+                + ": each subscriber needs its own name"
+            )
+        if not callable(fn):
+            raise ConfigurationError(
+                f"subscriber {name!r} is not callable ({type(fn).__name__}): give a function "
+                "taking (events) or (events, ctx)"
+            )
+        folded[name.lower()] = name
+        out[name] = fn
+    return out
+
+
+@dataclass
+class _Call:
+    """One subscriber's call on one batch, as it runs in its thread."""
+
+    name: str
+    events: list[RowChange]
+    ctx: BatchContext
+    marks: EventMarks
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+    timed_out: bool = False
+    busy: bool = False
+
+
+class FanOut(Delivery):
+    """Hands each batch to every subscriber and folds their outcomes; see the module."""
+
+    def __init__(
+        self, *, subscribers: Mapping[str, Handler], ack_timeout: float, **options: Any
+    ) -> None:
+        super().__init__(**options)
+        from dbtrigger.runtime.tick import wants_context  # noqa: PLC0415 - tick imports delivery
+
+        self.subscribers = dict(subscribers)
+        self.wants = {name: wants_context(fn) for name, fn in self.subscribers.items()}
+        self.ack_timeout = ack_timeout
+        #: Calls that outlived their ack timeout and are still running.
+        self._abandoned: dict[str, threading.Thread] = {}
+
+    def deliver(
+        self,
+        handler: Handler,
+        events: list[RowChange],
+        done: frozenset[str],
+        ctx: BatchContext,
+        wants_ctx: bool,
+    ) -> Outcome:
+        """Hand the batch to each subscriber it is owed to; fold the outcomes.
+
+        Raises:
+            LostLeaseError: the lease was lost; nothing may be written.
+            ConfigurationError: a subscriber misused ``ctx.reject`` / ``ctx.retry``.
+        """
+        del wants_ctx  # each subscriber has its own
+        wrap = handler.wrap if isinstance(handler, SubscriberCall) else None
+        marks = ctx.marks
+        event_attempts = dict(marks.attempts) if marks is not None else {}
+        owed = dict(marks.owed) if marks is not None else {}
+        if marks is not None:
+            marks.close()
+        names = list(self.subscribers)
+        pending = [e for e in events if e.event_id not in done] if done else list(events)
+        handed: dict[str, dict[str, int]] = {}
+        gone: dict[str, tuple[str, ...]] = {}
+        parts: dict[str, list[RowChange]] = {name: [] for name in names}
+        for event in pending:
+            before = owed.get(event.event_id)
+            if before is None and event.event_id in event_attempts:
+                # Left pending by a single-handler poller: every subscriber owes it.
+                before = dict.fromkeys(names, event_attempts[event.event_id])
+            fan, left = fanout.fan_out_set(before, names)
+            handed[event.event_id] = fan
+            if left:
+                gone[event.event_id] = left
+            for name in fan:
+                parts[name].append(event)
+        calls = self._run(wrap, parts, handed, ctx)
+        results = self._results(calls, ctx)
+        return self._fold(ctx, events, pending, handed, gone, results, done)
+
+    # --- running the subscribers ------------------------------------------------------
+
+    def _run(
+        self,
+        wrap: Wrap | None,
+        parts: Mapping[str, list[RowChange]],
+        handed: Mapping[str, Mapping[str, int]],
+        ctx: BatchContext,
+    ) -> list[_Call]:
+        for name, thread in list(self._abandoned.items()):
+            if not thread.is_alive():
+                del self._abandoned[name]
+        calls: list[_Call] = []
+        for name, part in parts.items():
+            if not part:
+                continue
+            sub_marks = EventMarks(
+                part,
+                can_reject=self.quarantine is not None,
+                attempts={e.event_id: handed[e.event_id][name] for e in part},
+            )
+            sub_ctx = dataclasses.replace(
+                ctx, marks=sub_marks, subscriber=name, timed_out=threading.Event()
+            )
+            call = _Call(name, part, sub_ctx, sub_marks)
+            calls.append(call)
+            if name in self._abandoned:
+                call.busy = True
+                continue
+            fn = self.subscribers[name]
+            wants = self.wants[name]
+            if wrap is not None:
+                fn, wants = wrap(fn, wants), True
+            call.thread = threading.Thread(
+                target=self._call_one,
+                args=(call, fn, wants),
+                name=f"dbtrigger-subscriber-{self.poller}-{name}",
+                daemon=True,  # a hung subscriber must not keep the process alive
+            )
+            call.thread.start()
+        deadline = time.monotonic() + self.ack_timeout
+        for call in calls:
+            if call.thread is not None:
+                call.thread.join(max(0.0, deadline - time.monotonic()))
+        for call in calls:
+            if call.thread is not None and call.thread.is_alive():
+                call.timed_out = True
+                if call.ctx.timed_out is not None:
+                    call.ctx.timed_out.set()
+                call.marks.close()
+                self._abandoned[call.name] = call.thread
+        return calls
+
+    def _call_one(self, call: _Call, fn: Handler, wants: bool) -> None:
+        try:
+            self._invoke(fn, call.events, call.ctx, wants)
+        except BaseException as exc:  # noqa: BLE001 - sorted out by _results on the tick's thread
+            call.error = exc
+        finally:
+            call.marks.close()
+
+    def _results(self, calls: list[_Call], ctx: BatchContext) -> dict[str, dict[str, Resolution]]:
+        """Each subscriber's resolution of each event it was handed."""
+        emit = self.telemetry.emit
+        for call in calls:
+            if not call.timed_out and isinstance(call.error, LostLeaseError):
+                raise call.error
+        if ctx.lease_lost.is_set():
+            raise self._lost_during_handler(
+                ctx, batch_fields(ctx, 0), "every subscriber's results discarded"
+            )
+        for call in calls:
+            if not call.timed_out and call.marks.misuse is not None:
+                # ctx.reject/retry misused: a bug to fix, not a batch to retry.
+                raise call.marks.misuse
+        out: dict[str, dict[str, Resolution]] = {}
+        for call in calls:
+            fields = {**batch_fields(call.ctx, len(call.events)), "subscriber": call.name}
+            failed_all: str | None = None
+            if call.busy:
+                failed_all = "still running an earlier call that outlived ack_timeout_seconds"
+                emit(
+                    "subscriber_busy",
+                    "subscriber %s is still running a call that timed out: its %d event(s) "
+                    "of batch %s count as failed for it and come again",
+                    call.name,
+                    len(call.events),
+                    ctx.batch_id,
+                    **fields,
+                )
+            elif call.timed_out:
+                failed_all = f"no resolution within ack_timeout_seconds={self.ack_timeout:g}"
+                emit(
+                    "subscriber_timed_out",
+                    "subscriber %s did not finish %d event(s) of batch %s within %gs: they "
+                    "count as failed for it and come again; the other subscribers go on",
+                    call.name,
+                    len(call.events),
+                    ctx.batch_id,
+                    self.ack_timeout,
+                    **fields,
+                )
+            mine: dict[str, Resolution] = {}
+            out[call.name] = mine
+            if failed_all is not None:
+                for event in call.events:
+                    mine[event.event_id] = fanout.fail(failed_all)
+                continue
+            error = call.error
+            named: dict[str, str] = {}
+            if error is not None:
+                if isinstance(error, PartialBatchError):
+                    named = {
+                        e.event_id: f"{type(x).__name__}: {x}"
+                        for e, x in match_failed(call.events, error)
+                    }
+                if not named:
+                    reason = f"{type(error).__name__}: {error}"
+                    named = {e.event_id: reason for e in call.events}
+                emit(
+                    "subscriber_failed",
+                    "subscriber %s failed %d of %d event(s) of batch %s: %s: %s",
+                    call.name,
+                    len(named),
+                    len(call.events),
+                    ctx.batch_id,
+                    type(error).__name__,
+                    error,
+                    error=type(error).__name__,
+                    **fields,
+                )
+            rejected, retried = call.marks.snapshot()
+            for event in call.events:
+                i = event.event_id
+                if i in named:
+                    mine[i] = fanout.fail(named[i])
+                elif i in rejected:
+                    mine[i] = fanout.reject(rejected[i])
+                elif i in retried:
+                    mine[i] = fanout.fail(retried[i])
+                else:
+                    mine[i] = fanout.ACCEPT
+        return out
+
+    # --- folding the outcomes ---------------------------------------------------------
+
+    def _fold(
+        self,
+        ctx: BatchContext,
+        events: list[RowChange],
+        pending: list[RowChange],
+        handed: Mapping[str, Mapping[str, int]],
+        gone: Mapping[str, tuple[str, ...]],
+        results: Mapping[str, Mapping[str, Resolution]],
+        done: frozenset[str],
+    ) -> Outcome:
+        counts = {name: fanout.SubscriberCounts() for name in self.subscribers}
+        decisions: dict[str, Decision] = {}
+        for event in pending:
+            i = event.event_id
+            fan = handed[i]
+            mine = {name: results.get(name, {}).get(i, fanout.fail("no result")) for name in fan}
+            for name, resolution in mine.items():
+                counts[name].add(resolution)
+            decisions[i] = fanout.decide(
+                fan,
+                mine,
+                max_attempts=self.max_attempts,
+                has_sink=self.quarantine is not None,
+                gone=gone.get(i, ()),
+            )
+        by_id = {e.event_id: e for e in pending}
+        self._report(ctx, by_id, decisions)
+        doomed: list[tuple[RowChange, BaseException]] = []
+        attempts: dict[str, int] = {}
+        for i, d in decisions.items():
+            if d.fate is not Fate.DEAD_LETTER:
+                continue
+            error: BaseException = (
+                RetriesExhausted(d.reason) if d.exhausted else EventRejected(d.reason)
+            )
+            doomed.append((by_id[i], error))
+            attempts[i] = max(handed[i].values(), default=0) + 1
+        if doomed:
+            try:
+                self._dead_letter(ctx, doomed, attempts)
+            except QuarantineError as exc:
+                settled = frozenset(done) | {
+                    i for i, d in decisions.items() if d.fate is Fate.SETTLED
+                }
+                return Undelivered(exc, settled, exc)
+        del events
+        return Delivered(
+            rejected={
+                i: d.reason
+                for i, d in decisions.items()
+                if d.fate is Fate.DEAD_LETTER and not d.exhausted
+            },
+            retried={i: d.reason for i, d in decisions.items() if d.fate is Fate.PENDING},
+            exhausted=frozenset(
+                i for i, d in decisions.items() if d.fate is Fate.DEAD_LETTER and d.exhausted
+            ),
+            owed={i: dict(d.owed) for i, d in decisions.items() if d.fate is Fate.PENDING},
+            by_subscriber={
+                name: Outcomes(c.accepted, c.rejected, c.failed)
+                for name, c in counts.items()
+                if c.accepted or c.rejected or c.failed
+            },
+        )
+
+    def _report(
+        self, ctx: BatchContext, by_id: Mapping[str, RowChange], decisions: Mapping[str, Decision]
+    ) -> None:
+        emit = self.telemetry.emit
+        for i, d in decisions.items():
+            if d.gone:
+                emit(
+                    "subscriber_gone",
+                    "event %s was owed to subscriber(s) %s, which are no longer configured: "
+                    "they count as unsubscribed",
+                    i,
+                    ", ".join(d.gone),
+                    batch_id=ctx.batch_id,
+                    event_id=i,
+                )
+            if d.fate is Fate.PENDING and (d.stuck or not d.tally.accepted + d.tally.failed):
+                who = ", ".join(d.stuck or d.gone)
+                emit(
+                    "poison_event",
+                    "event %s (pk %s) cannot settle: %s; configure a dead-letter (quarantine) "
+                    "sink or settle it by hand: it holds the checkpoint back",
+                    i,
+                    dict(by_id[i].pk),
+                    f"subscriber(s) {who} failed it on all {self.max_attempts} attempts"
+                    if d.stuck
+                    else f"every subscriber it is owed to ({who}) is gone",
+                    batch_id=ctx.batch_id,
+                    event_id=i,
+                )

@@ -1,0 +1,234 @@
+"""Property: fan-out under random per-subscriber accept / reject / retry / raise /
+partial-failure orders, with crashes and restarts at any point.
+
+Two subscribers each follow their own script (per row, one outcome per
+delivery to *them*). Ticks are interleaved with clock jumps, restarts (a new
+trigger object: a new process) and crashes (the store refuses every write from
+some point of a tick on, before or after the write lands). After every step:
+
+* every row at or before the checkpoint is settled: every subscriber accepted
+  it, or it is in the dead-letter sink (never past an unsettled event);
+* every row the window remembers as settled is settled too;
+* duplicates are bounded: a subscriber gets a row it already accepted again
+  only because a crash undid the commit (at most one tick's batches per
+  crash) or the full window could not remember it (``window_overflow_total``).
+
+At the end, with no more crashes and time past every backoff, a drain leaves
+every row settled (0 lost), the window empty and the checkpoint at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dbtrigger import FileCheckpointStore, InMemoryMetrics, PollTrigger, RowChange, SqlAlchemySource
+from dbtrigger.errors import DbTriggerError, PartialBatchError
+from dbtrigger.quarantine import JsonLinesQuarantineSink
+from dbtrigger.runtime.context import BatchContext
+from dbtrigger.runtime.retry import RetryPolicy
+from dbtrigger.state import document as docmod
+from dbtrigger.state.window import Window
+from tests.test_event_outcomes_property import Crash, CrashingStore
+
+UTC = dt.timezone.utc
+ROWS = 8
+TTL = 30.0
+BATCH = 4
+BATCHES_PER_TICK = 2
+SUBSCRIBERS = ("billing", "search")
+
+
+@dataclass
+class World:
+    url: str
+    store: CrashingStore
+    sink: JsonLinesQuarantineSink
+    scripts: dict[str, dict[int, list[str]]]
+    now: dt.datetime = dt.datetime(2026, 5, 1, tzinfo=UTC)
+    metrics: InMemoryMetrics = field(default_factory=InMemoryMetrics)
+    deliveries: dict[tuple[str, int], int] = field(default_factory=dict)
+    accepted: dict[str, set[int]] = field(default_factory=lambda: {s: set() for s in SUBSCRIBERS})
+    duplicates: int = 0
+    crashes: int = 0
+    restarts: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def clock(self) -> dt.datetime:
+        return self.now
+
+    def trigger(self) -> PollTrigger:
+        return PollTrigger(
+            name="items",
+            source=SqlAlchemySource(
+                url=self.url,
+                table="items",
+                cursor_column="version",
+                pk_columns=["id"],
+                visibility="none",
+            ),
+            checkpoint_store=self.store,  # type: ignore[arg-type]
+            batch_size=BATCH,
+            max_batches_per_tick=BATCHES_PER_TICK,
+            lease_ttl_seconds=TTL,
+            heartbeat_interval_seconds=0,
+            clock=self.clock,
+            owner_id=f"proc-{self.restarts}",
+            retry=RetryPolicy.none(),
+            quarantine=self.sink,
+            max_attempts=3,
+            retry_delay_seconds=5,
+            retry_delay_max_seconds=20,
+            window_max_events=6,
+            metrics=self.metrics,
+            subscribers={name: self.subscriber(name) for name in SUBSCRIBERS},
+        )
+
+    def subscriber(self, name: str) -> Any:
+        def handle(events: list[RowChange], ctx: BatchContext) -> None:
+            assert ctx.subscriber == name
+            for e in events:
+                pk = int(e.pk["id"])
+                with self.lock:
+                    n = self.deliveries.get((name, pk), 0)
+                    self.deliveries[name, pk] = n + 1
+                    if pk in self.accepted[name]:
+                        self.duplicates += 1
+                plan = self.scripts.get(name, {}).get(pk, [])
+                what = plan[n] if n < len(plan) else "accept"
+                if what == "raise":
+                    raise ValueError(f"{name} failed on {pk}")
+                if what == "partial":
+                    self.accept_unmarked(name, ctx, [x for x in events if x is not e])
+                    raise PartialBatchError([e.pk])
+                if what == "reject":
+                    ctx.reject(e, "rejected")
+                elif what == "retry":
+                    ctx.retry(e, "later")
+            self.accept_unmarked(name, ctx, events)
+
+        return handle
+
+    def accept_unmarked(self, name: str, ctx: BatchContext, events: list[RowChange]) -> None:
+        marks = ctx.marks
+        assert marks is not None
+        with self.lock:
+            for e in events:
+                if e.event_id not in marks.rejected and e.event_id not in marks.retried:
+                    self.accepted[name].add(int(e.pk["id"]))
+
+    def settled(self) -> set[int]:
+        dead = {int(r.pk["id"]) for r in self.sink.records()}
+        everyone = set.intersection(*(self.accepted[s] for s in SUBSCRIBERS))
+        return dead | everyone
+
+    def check(self) -> None:
+        stored = self.store.inner.read("items")
+        if stored is None:
+            return
+        doc = docmod.loads(stored.data)
+        settled = self.settled()
+        if doc.checkpoint is not None and not doc.position.is_beginning:
+            upto = int(doc.position.pk["id"])
+            missing = set(range(1, upto + 1)) - settled
+            assert not missing, f"checkpoint {upto} passed unsettled rows {sorted(missing)}"
+        window = Window.from_json(doc.window)
+        remembered = {int(p.pk["id"]) for p in window.settled}
+        assert remembered <= settled, f"window settled {sorted(remembered - settled)}"
+        for pending in window.pending:
+            assert pending.owed, "a fan-out retry names the subscribers that owe it"
+            assert set(pending.owed) <= set(SUBSCRIBERS)
+        overflow = self.metrics.total("window_overflow_total")
+        bound = self.crashes * BATCH * BATCHES_PER_TICK * len(SUBSCRIBERS) + overflow * len(
+            SUBSCRIBERS
+        )
+        assert self.duplicates <= bound, f"{self.duplicates} duplicates, bound {bound}"
+
+
+OUTCOME = st.sampled_from(["accept", "reject", "retry", "retry", "raise", "partial"])
+SCRIPT = st.dictionaries(st.integers(1, ROWS), st.lists(OUTCOME, max_size=3), max_size=ROWS)
+STEP = st.one_of(
+    st.tuples(st.just("tick"), st.floats(0, 25)),
+    st.tuples(st.just("restart"), st.just(0.0)),
+    st.tuples(st.sampled_from(["crash-before", "crash-after"]), st.integers(0, 3)),
+)
+
+
+@settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(
+    billing=SCRIPT,
+    search=SCRIPT,
+    steps=st.lists(STEP, min_size=1, max_size=20),
+)
+def test_fan_out_never_passes_an_unsettled_event_and_loses_nothing(
+    billing: dict[int, list[str]], search: dict[int, list[str]], steps: list[tuple[str, Any]]
+) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        url = f"sqlite:///{root / 'db.sqlite'}"
+        engine = sa.create_engine(url)
+        table = sa.Table(
+            "items",
+            sa.MetaData(),
+            sa.Column("id", sa.Integer, primary_key=True, autoincrement=False),
+            sa.Column("version", sa.Integer, nullable=False),
+        )
+        table.metadata.create_all(engine)
+        with engine.begin() as conn:
+            conn.execute(table.insert(), [{"id": i, "version": 10 * i} for i in range(1, ROWS + 1)])
+        engine.dispose()
+        world = World(
+            url,
+            CrashingStore(FileCheckpointStore(root / "state")),
+            JsonLinesQuarantineSink(root / "dead.jsonl"),
+            {"billing": billing, "search": search},
+        )
+        trigger = world.trigger()
+        for kind, arg in steps:
+            if kind == "tick":
+                world.now += dt.timedelta(seconds=float(arg))
+                with contextlib.suppress(DbTriggerError):
+                    trigger.tick()
+            elif kind == "restart":
+                world.restarts += 1
+                trigger = world.trigger()
+            else:
+                world.store.armed = kind.removeprefix("crash-")
+                world.store.countdown = int(arg)
+                with contextlib.suppress(Crash, DbTriggerError):
+                    trigger.tick()
+                world.store.armed = None
+                world.crashes += 1
+                world.restarts += 1
+                trigger = world.trigger()
+                world.now += dt.timedelta(seconds=TTL + 10)  # the dead lease expires
+            world.check()
+
+        for _ in range(60):
+            world.now += dt.timedelta(seconds=60)
+            with contextlib.suppress(DbTriggerError):
+                trigger.drain(max_ticks=10)
+            world.check()
+            doc = trigger.read_state()
+            if doc is not None and doc.window is None and int(doc.position.pk.get("id", 0)) == ROWS:
+                break
+        world.check()
+        lost = set(range(1, ROWS + 1)) - world.settled()
+        assert not lost, f"rows lost: {sorted(lost)}"
+        doc = trigger.read_state()
+        assert doc is not None
+        assert int(doc.position.pk["id"]) == ROWS
+        assert doc.window is None

@@ -146,6 +146,49 @@ def test_lazy_events_equal_constructed_ones() -> None:
     assert fast != lazy_events([(key, 4, "y")])[0]
 
 
+def test_lazy_pk_and_after_behave_like_read_only_dicts() -> None:
+    # pk and after are views of the row tuple, not MappingProxyType: every
+    # read-only operation must give what a mappingproxy of the row's dict gives.
+    (event,) = lazy_events([(7, 3, "y", 1.5)], ("id", "c", "x", "id2"), pk=("id2", "id"))
+    row = {"id": 7, "c": 3, "x": "y", "id2": 1.5}
+    for view, expected in ((event.after, MappingProxyType(row)), (event.pk, {"id2": 1.5, "id": 7})):
+        proxy = MappingProxyType(dict(expected))
+        assert view == proxy
+        assert proxy == view
+        assert view == dict(expected)
+        assert dict(expected) == view
+        assert view != {**expected, "extra": 1}
+        assert view != list(expected)
+        assert dict(view) == dict(expected)
+        assert list(view) == list(expected)
+        assert list(reversed(view)) == list(reversed(proxy))
+        assert list(view.items()) == list(proxy.items())
+        assert list(view.values()) == list(proxy.values())
+        assert view.keys() == proxy.keys()
+        assert view.copy() == proxy.copy()
+        assert type(view.copy()) is dict
+        assert len(view) == len(proxy)
+        assert "id" in view
+        assert "nope" not in view
+        assert view.get("id") == 7
+        assert view.get("nope") is None
+        assert view.get("nope", 5) == 5
+        assert view | {"z": 1} == proxy | {"z": 1}
+        assert {"z": 1} | view == {"z": 1} | proxy
+        assert view | view == proxy | proxy
+        assert repr(view) == repr(proxy)
+        with pytest.raises(KeyError):
+            view["nope"]
+        with pytest.raises(TypeError):
+            view["id"] = 2  # type: ignore[index]
+        with pytest.raises(TypeError):
+            del view["id"]  # type: ignore[attr-defined]
+        with pytest.raises(TypeError):
+            hash(view)
+    assert event.after["x"] == "y"
+    assert event.pk == {"id2": 1.5, "id": 7}
+
+
 @settings(max_examples=300)
 @given(poller=st.text(), pk=KEYS, cursor=VALUES)
 def test_lazy_event_ids_equal_the_canonical_encoding(

@@ -7,12 +7,12 @@ sources; sources that know more (a claim queue, a change table) may say more.
 
 Events are made for every row delivered, so making one must cost next to
 nothing: :func:`events_from_rows` wraps each row tuple the driver returned in a
-small slotted object, and its ``pk``, ``after`` and ``event_id`` are built the
-first time something reads them (and then kept). What a handler never reads is
-never built. Everything that can make an event unreadable (a missing key
-column, a NULL key, a key or cursor value that has no checkpoint encoding) is
-checked for the whole batch before the handler runs, so a lazily computed id
-cannot fail later.
+small slotted object: its ``pk`` and ``after`` are read-only views of that
+tuple, and its ``event_id`` is computed the first time something reads it (and
+then kept). What a handler never reads is never built. Everything that can
+make an event unreadable (a missing key column, a NULL key, a key or cursor
+value that has no checkpoint encoding) is checked for the whole batch before
+the handler runs, so a lazily computed id cannot fail later.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping, Sequence, ValuesView
 from operator import attrgetter, itemgetter
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -253,8 +253,10 @@ class RowShape:
         "columns",
         "cursor_index",
         "ids",
+        "index",
         "metadata",
         "op",
+        "pk_index",
         "pk_indexes",
         "pk_names",
         "single_index",
@@ -282,8 +284,12 @@ class RowShape:
                 batch_id=batch_id,
             )
         self.cursor_index = where[cursor_column]
+        #: Column name -> position in a row tuple (a repeated name: its last
+        #: position, as a dict built from the row would hold it).
+        self.index = where
         self.pk_names = tuple(pk_columns)
         self.pk_indexes = tuple(where[c] for c in self.pk_names)
+        self.pk_index = dict(zip(self.pk_names, self.pk_indexes, strict=True))
         self.single_index = self.pk_indexes[0] if len(self.pk_indexes) == 1 else -1
         self.source = source
         self.op = op
@@ -302,25 +308,96 @@ class RowShape:
         return self.ids(self.key_of(row), row[self.cursor_index])
 
 
-class _RowEvent(RowChange):
-    """A :class:`RowChange` over one row tuple; ``pk``, ``after`` and the id are
-    built when first read. Made only by :func:`events_from_rows`, which checked
-    the batch, so building them cannot fail.
+class _RowMapping(Mapping[str, Any]):
+    """A read-only mapping over some columns of one row tuple (an event's ``pk``
+    or ``after``), made afresh on each read and holding no copy of the row.
 
-    The key and row dicts are kept, but the read-only view over them is made
-    afresh on each read (it costs less than a dict lookup): a dict of plain
-    values is not tracked by the cyclic garbage collector, a view is, and a
-    batch's worth of views kept alive through a handler call would be promoted
-    and re-scanned by full collections, which was most of the collector's
-    share of a catch-up.
+    Reading a column is a lookup of its position in the batch's name index and
+    an index into the tuple; no dict is built per row. That is most of what
+    reading an event costs a handler, and a dict kept per row also set off the
+    collector's young collections while the batch is alive. Everything else a
+    ``MappingProxyType`` offers (iteration in column order, ``keys``/``items``/
+    ``values``, ``copy``, ``|``, equality with any mapping, the same ``repr``)
+    behaves the same; what needs the whole row builds a dict of it first.
     """
 
-    __slots__ = ("_after_dict", "_pk_dict", "_row", "_shape")
+    __slots__ = ("_index", "_row")
+
+    _index: dict[str, int]
+    _row: Sequence[Any]
+
+    def __getitem__(self, key: str) -> Any:
+        return self._row[self._index[key]]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        index = self._index.get(key)
+        return default if index is None else self._row[index]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._index
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index)
+
+    def __reversed__(self) -> Iterator[str]:
+        return reversed(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def copy(self) -> dict[str, Any]:
+        """The columns as a new dict (as ``MappingProxyType.copy``)."""
+        row = self._row
+        return {name: row[index] for name, index in self._index.items()}
+
+    def keys(self) -> KeysView[str]:
+        return self._index.keys()
+
+    def items(self) -> ItemsView[str, Any]:
+        return self.copy().items()
+
+    def values(self) -> ValuesView[Any]:
+        return self.copy().values()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, _RowMapping):
+            return self.copy() == other.copy()
+        if isinstance(other, Mapping):
+            return self.copy() == dict(other.items())
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __or__(self, other: Any) -> Any:
+        if isinstance(other, _RowMapping):
+            other = other.copy()
+        return self.copy() | other
+
+    def __ror__(self, other: Any) -> Any:
+        return other | self.copy()
+
+    def __repr__(self) -> str:
+        return f"mappingproxy({self.copy()!r})"
+
+
+_new = object.__new__
+
+
+class _RowEvent(RowChange):
+    """A :class:`RowChange` over one row tuple: ``pk`` and ``after`` are read-only
+    views of the tuple (:class:`_RowMapping`, made on each read), the id is
+    computed when first read and kept. Made only by :func:`events_from_rows`,
+    which checked the batch, so none of them can fail.
+
+    Nothing else is kept per event: a view or a dict held by every event of a
+    batch would be more objects for the garbage collector to allocate, count
+    and scan while the handler runs.
+    """
+
+    __slots__ = ("_row", "_shape")
 
     _row: Sequence[Any]
     _shape: RowShape
-    _pk_dict: dict[str, Any] | None
-    _after_dict: dict[str, Any] | None
 
     @property
     def event_id(self) -> str:
@@ -331,17 +408,17 @@ class _RowEvent(RowChange):
 
     @property
     def pk(self) -> Mapping[str, Any]:
-        value = self._pk_dict
-        if value is None:
-            value = self._pk_dict = self._shape.key_of(self._row)
-        return MappingProxyType(value)
+        view = _new(_RowMapping)
+        view._row = self._row
+        view._index = self._shape.pk_index
+        return view
 
     @property
     def after(self) -> Mapping[str, Any]:
-        value = self._after_dict
-        if value is None:
-            value = self._after_dict = dict(zip(self._shape.columns, self._row, strict=True))
-        return MappingProxyType(value)
+        view = _new(_RowMapping)
+        view._row = self._row
+        view._index = self._shape.index
+        return view
 
     @property
     def cursor(self) -> Any:
@@ -424,8 +501,6 @@ def events_from_rows(shape: RowShape, rows: Sequence[Sequence[Any]]) -> list[Row
         event._row = row
         event._shape = shape
         event._event_id = None  # type: ignore[assignment]
-        event._pk_dict = None
-        event._after_dict = None
         append(event)
     return events
 

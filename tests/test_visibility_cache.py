@@ -86,3 +86,64 @@ def test_postgresql_bound_is_cached_until_a_fetch_reaches_it_and_stays_lossless(
     finally:
         writer.close()
         src.close()
+
+
+@pytest.mark.postgresql
+@pytest.mark.timeout(120)
+def test_postgresql_guarded_fetches_reuse_one_statement_and_read_in_autocommit(
+    pg: TestDatabase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A cached bound goes to the same statement as a parameter (built, compiled
+    # and prepared once, then read through the driver's cursor), and the reads
+    # run in autocommit: a guarded catch-up costs what an unguarded one does.
+    # The bound still moves: rows committed later are read up to the new one.
+    import psycopg  # noqa: PLC0415 - the PostgreSQL driver, only for this test
+
+    table = pg.qualified("events")
+    pg.execute(
+        f"CREATE TABLE {table} (id bigserial PRIMARY KEY, "
+        "updated_at timestamptz NOT NULL DEFAULT now(), note text)"
+    )
+    pg.execute(
+        f"INSERT INTO {table} (updated_at, note) "
+        "SELECT now() - interval '1 hour' + i * interval '1 ms', 'old' "
+        "FROM generate_series(1, 40) AS i"
+    )
+    src = SqlAlchemySource(
+        url=pg.url,
+        table="events",
+        schema=pg.schema,
+        cursor_column="updated_at",
+        pk_columns=["id"],
+        visibility=TransactionHorizon(settle_seconds=0),
+    )
+    reads: list[bool] = []
+    real_execute = psycopg.Cursor.execute
+
+    def execute(self: Any, query: Any, params: Any = None, **kwargs: Any) -> Any:
+        if isinstance(query, str) and "ORDER BY" in query:
+            reads.append(self.connection.autocommit)
+        return real_execute(self, query, params, **kwargs)
+
+    monkeypatch.setattr(psycopg.Cursor, "execute", execute)
+    try:
+        seen: list[Any] = []
+        # Another session's open transaction may hold the horizon for a moment.
+        assert wait_until(lambda: bool(seen.extend(src.fetch(BEGINNING, 5)) or seen), timeout=30)
+        while True:
+            position = Position(cursor=seen[-1]["updated_at"], pk={"id": seen[-1]["id"]})
+            rows = src.fetch(position, 5)
+            seen.extend(rows)
+            if len(rows) < 5:
+                break
+        assert [r["id"] for r in seen] == list(range(1, 41))
+        assert reads[-8:] == [True] * 8, "a guarded read after the first runs in autocommit"
+        statements = [entry[2] for entry in src._guarded.values()]
+        assert len(statements) == 2  # from the beginning, and after a position
+        assert any(plan.stmt is statements[1] for plan in src._processors._direct.values())
+        pg.execute(f"INSERT INTO {table} (note) SELECT 'new' FROM generate_series(1, 3)")
+        assert wait_until(lambda: len(src.fetch(position, 5)) == 3, timeout=30)
+        assert [r["note"] for r in src.fetch(position, 5)] == ["new"] * 3
+        assert len(src._guarded) == 2
+    finally:
+        src.close()

@@ -60,6 +60,7 @@ from dbtrigger.sources.fingerprint import legacy_fingerprint, source_fingerprint
 from dbtrigger.sources.rows import ResultProcessors, Rows, read_rows, rows_to_events
 from dbtrigger.sources.visibility import (
     ActiveGuard,
+    FetchCondition,
     FetchInfo,
     GuardDescription,
     GuardTarget,
@@ -69,6 +70,7 @@ from dbtrigger.sources.visibility import (
     is_auto_increment,
     parse_visibility,
 )
+from dbtrigger.sources.visibility.base import BOUND_PARAMETER
 
 log = logging.getLogger("dbtrigger.sources")
 
@@ -219,6 +221,9 @@ class SqlAlchemySource:
         self.last_fetch_info: FetchInfo | None = None
         self._text_typed: dict[str, sa.types.TypeEngine[Any]] = {}
         self._templates: dict[tuple[Any, ...], Select[Any]] = {}
+        self._guarded: dict[
+            tuple[Any, ...], tuple[ColumnElement[bool], Select[Any], Select[Any]]
+        ] = {}
         self._processors = ResultProcessors()
         self._autocommit: Engine | None = None
         self._row_filters: tuple[RowFilter, ...] = ()
@@ -564,12 +569,15 @@ class SqlAlchemySource:
         except SQLAlchemyError as exc:
             raise source_error(exc, f"reading the column types of {self.name}") from exc
 
-    def _typed(self, name: str, value: Any, *, named: bool = False) -> ColumnElement[Any]:
+    def _typed(
+        self, name: str, value: Any, *, named: bool = False, param: str | None = None
+    ) -> ColumnElement[Any]:
         """``value`` bound for comparison with column ``name``.
 
         ``named``: a parameter named after the column (see :meth:`_keyset`),
         so the statement can be executed again with other values of the same
-        Python type; otherwise an anonymous literal.
+        Python type; ``param``: a parameter of that name; otherwise an
+        anonymous literal.
         """
         column = self._columns[name]
         type_: Any = None  # query mode: no declared types; the value's own type binds
@@ -579,8 +587,8 @@ class SqlAlchemySource:
             type_ = self._text_typed[name]
         elif self._table_name is not None:
             type_ = column.type
-        if named:
-            return sa.bindparam(_bind_name(name), value, type_=type_)
+        if named or param is not None:
+            return sa.bindparam(param or _bind_name(name), value, type_=type_)
         return sa.literal(value, type_=type_)
 
     def _after_predicate(self, after: Position, *, named: bool = False) -> ColumnElement[bool]:
@@ -642,6 +650,7 @@ class SqlAlchemySource:
             selectable=self._selectable,
             base_filter=self._base_filter(),
             bind=lambda value: self._typed(self._cursor_column, value),
+            bind_bound=lambda value: self._typed(self._cursor_column, value, param=BOUND_PARAMETER),
             pending=lambda position: self._statement(position, 1).order_by(None).limit(None),
             position_of=self._position_of,
             table_mode=self._table_name is not None,
@@ -754,10 +763,8 @@ class SqlAlchemySource:
                     conn.rollback()
                 if guard is None:
                     return Rows(self._select_names(), [])
-                predicate = guard.before_fetch(conn, after)
-                stmt, params = self._keyset(after, limit)
-                if predicate is not None:
-                    stmt = stmt.where(predicate)
+                condition = guard.before_fetch(conn, after)
+                stmt, params, reused = self._keyset(after, limit, condition)
                 rows = read_rows(
                     conn,
                     stmt,
@@ -765,7 +772,7 @@ class SqlAlchemySource:
                     self._processors,
                     source=self.name,
                     key_columns=self._pk_columns,
-                    reused=predicate is None,
+                    reused=reused,
                 )
                 self.last_fetch_info = guard.after_fetch(conn, after, rows, limit)
                 return rows
@@ -782,10 +789,11 @@ class SqlAlchemySource:
             raise error from exc
 
     def _fetch_engine(self) -> Engine:
-        """The engine for fetches: in autocommit once no guard is known to need a
-        transaction (PostgreSQL without a guard; every statement its own snapshot)."""
+        """The engine for fetches: on PostgreSQL in autocommit once the guard is
+        known not to need a transaction (every statement its own snapshot, taken
+        when it starts: after the guard's own reads)."""
         guard = self._guard
-        if guard is None or guard.mode != "none" or self.dialect_name != "postgresql":
+        if guard is None or not guard.autocommit_reads or self.dialect_name != "postgresql":
             return self.engine
         if self._autocommit is None:
             self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
@@ -794,17 +802,25 @@ class SqlAlchemySource:
     def _select_names(self) -> list[str]:
         return [c.name for c in self._select_list]
 
-    def _keyset(self, after: Position, limit: int) -> tuple[Select[Any], dict[str, Any] | None]:
-        """The keyset statement for ``after`` and the values to execute it with.
+    def _keyset(
+        self, after: Position, limit: int, condition: FetchCondition | None = None
+    ) -> tuple[Select[Any], dict[str, Any] | None, bool]:
+        """The keyset statement for ``after`` (and the guard's ``condition``), the
+        values to execute it with, and whether that statement object is reused.
 
         Building and hashing a statement costs more than a small batch's rows,
         so one statement with named parameters is built per shape of position
         (beginning or not, the Python types of its values, the limit) and
         reused; SQLAlchemy then finds its compiled form without re-walking it.
+        A guard's predicate is added once per predicate object (a guard keeps
+        returning the same one while only its bound moves, see
+        :class:`~dbtrigger.sources.visibility.FetchCondition`); a statement
+        counts as reused from its second fetch on, so a guard that makes a new
+        predicate every time costs no more than before.
         """
         if after.is_beginning:
             signature: tuple[Any, ...] = (limit,)
-            params = None
+            params: dict[str, Any] = {}
         else:
             values = {self._cursor_column: after.cursor, **after.pk}
             params = {_bind_name(name): value for name, value in values.items()}
@@ -815,7 +831,22 @@ class SqlAlchemySource:
             if len(self._templates) > 32:
                 self._templates.clear()
             self._templates[signature] = stmt
-        return stmt, params
+        if condition is None:
+            return stmt, params or None, True
+        predicate = condition.predicate
+        key = (signature, id(predicate))
+        found = self._guarded.get(key)
+        # The entry holds the predicate and the base statement, so neither id
+        # can be taken by a new object while it exists; still, compare them.
+        if found is not None and found[0] is predicate and found[1] is stmt:
+            guarded, reused = found[2], True
+        else:
+            guarded, reused = stmt.where(predicate), False
+            if len(self._guarded) > 32:
+                self._guarded.clear()
+            self._guarded[key] = (predicate, stmt, guarded)
+        params.update(condition.params)
+        return guarded, params or None, reused
 
     def to_events(
         self, rows: Sequence[Mapping[str, Any]], *, poller: str, batch_id: str

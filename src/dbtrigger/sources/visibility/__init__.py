@@ -50,6 +50,7 @@ from __future__ import annotations
 from dbtrigger.sources.visibility.base import (
     XID_COLUMN_MARKER,
     ActiveGuard,
+    FetchCondition,
     FetchInfo,
     GuardDescription,
     GuardTarget,
@@ -84,6 +85,7 @@ __all__ = [
     "WINDOW_DIALECTS",
     "XID_COLUMN_MARKER",
     "ActiveGuard",
+    "FetchCondition",
     "FetchInfo",
     "GuardDescription",
     "GuardTarget",

@@ -25,8 +25,11 @@ from sqlalchemy.sql import ColumnElement
 from dbtrigger.cursor import Position
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.sources.visibility.base import (
+    NOTHING,
     XID_COLUMN_MARKER,
     ActiveGuard,
+    BoundPredicates,
+    FetchCondition,
     FetchInfo,
     GuardTarget,
     VisibilityGuard,
@@ -284,10 +287,12 @@ class _SnapshotActive(ActiveGuard):
         self._horizon: int | None = None
         self._horizon_since = time.monotonic()
         self.last_info = FetchInfo(mode=self.mode)
+        # The bound is computed by the fetch statement itself: one predicate for good.
+        self._condition = FetchCondition(target.cursor < _snapshot_xmin())
 
-    def before_fetch(self, conn: Connection, after: Position) -> ColumnElement[bool] | None:
+    def before_fetch(self, conn: Connection, after: Position) -> FetchCondition | None:
         del conn, after
-        return self.target.cursor < _snapshot_xmin()
+        return self._condition
 
     def after_fetch(
         self,
@@ -386,6 +391,7 @@ class _ActivityActive(ActiveGuard):
         # again when the previous one reached the bound (returned a short
         # batch); a catch-up of full batches pays the probe once.
         self._stale = True
+        self._bounded = BoundPredicates(lambda value: target.cursor <= target.bind_bound(value))
 
     def _probe(self, conn: Connection) -> _Probe | None:
         """The highest visible cursor, and the database clock read after its snapshot."""
@@ -413,12 +419,12 @@ class _ActivityActive(ActiveGuard):
                 probe.value, after.cursor
             )
 
-    def before_fetch(self, conn: Connection, after: Position) -> ColumnElement[bool] | None:
+    def before_fetch(self, conn: Connection, after: Position) -> FetchCondition | None:
         with self._lock:
             cached = None if self._stale else self._state.safe
         if cached is not None:
             self._next_info = None
-            return self.target.cursor <= self.target.bind(cached.value)
+            return self._bounded(cached.value)
         probe = self._probe(conn)
         activity = self._activity(conn)
         settle = cast("TransactionHorizon", self.guard).settle_seconds
@@ -459,8 +465,8 @@ class _ActivityActive(ActiveGuard):
         with self._lock:
             self._stale = False
         if info.horizon is None:
-            return sa.false()
-        return self.target.cursor <= self.target.bind(info.horizon)
+            return FetchCondition(NOTHING)
+        return self._bounded(info.horizon)
 
     def _advance(self, probe: _Probe | None, activity: Any, after: Position) -> FetchInfo:
         """Promote the probes every transaction open at their time has outlived."""

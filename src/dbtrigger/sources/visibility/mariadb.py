@@ -52,7 +52,11 @@ from sqlalchemy.sql import ColumnElement
 from dbtrigger.cursor import Position
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.sources.visibility.base import (
+    BOUND_PARAMETER,
+    NOTHING,
     ActiveGuard,
+    BoundPredicates,
+    FetchCondition,
     FetchInfo,
     GuardTarget,
     VisibilityGuard,
@@ -282,6 +286,8 @@ class _State:
 
 class _InnoDbActive(ActiveGuard):
     mode = "transaction-horizon"
+    # An observation proves InnoDB's cache fresh by finding its own transaction in it.
+    autocommit_reads = False
 
     def __init__(self, guard: MariaDbHorizon, target: GuardTarget, timestamp: bool | None) -> None:
         super().__init__(guard, target)
@@ -291,6 +297,17 @@ class _InnoDbActive(ActiveGuard):
         self._lock = threading.Lock()
         self._warner = _Warner(target, self.mode, guard.warn_after_seconds)
         self.last_info = FetchInfo(mode=self.mode)
+        self._bounded = BoundPredicates(self._bounded_by)
+
+    def _bounded_by(self, bound: Any) -> ColumnElement[bool]:
+        """The fetch predicate for a bound like ``bound`` (its value is a parameter)."""
+        if self._timestamp:
+            epoch = sa.bindparam(BOUND_PARAMETER, bound, sa.Numeric(20, self.config.precision))
+            limit: ColumnElement[Any] = sa.func.from_unixtime(epoch)
+            if self.config.utc:
+                limit = sa.func.convert_tz(limit, sa.text("@@session.time_zone"), "+00:00")
+            return self.target.cursor < limit
+        return self.target.cursor <= self.target.bind_bound(bound)
 
     # -- observing --------------------------------------------------------------
 
@@ -411,7 +428,7 @@ class _InnoDbActive(ActiveGuard):
 
     # -- the fetch --------------------------------------------------------------
 
-    def before_fetch(self, conn: Connection, after: Position) -> ColumnElement[bool] | None:
+    def before_fetch(self, conn: Connection, after: Position) -> FetchCondition | None:
         with self._lock:
             stale = self._state.stale
         if stale:
@@ -433,15 +450,8 @@ class _InnoDbActive(ActiveGuard):
         with self._lock:
             bound = self._state.bound
         if bound is None:
-            return sa.false()
-        if self._timestamp:
-            limit: ColumnElement[Any] = sa.func.from_unixtime(
-                sa.literal(bound, sa.Numeric(20, self.config.precision))
-            )
-            if self.config.utc:
-                limit = sa.func.convert_tz(limit, sa.text("@@session.time_zone"), "+00:00")
-            return self.target.cursor < limit
-        return self.target.cursor <= self.target.bind(bound)
+            return FetchCondition(NOTHING)
+        return self._bounded(bound)
 
     def after_fetch(
         self,

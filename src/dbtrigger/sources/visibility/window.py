@@ -26,6 +26,7 @@ from dbtrigger.errors import ConfigurationError
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.sources.visibility.base import (
     ActiveGuard,
+    FetchCondition,
     FetchInfo,
     GuardTarget,
     VisibilityGuard,
@@ -187,14 +188,15 @@ class _WindowActive(ActiveGuard):
         self, guard: SafetyWindow, target: GuardTarget, predicate: ColumnElement[bool]
     ) -> None:
         super().__init__(guard, target)
-        self._predicate = predicate
+        # The database clock is read by the fetch statement: one condition for good.
+        self._condition = FetchCondition(predicate)
         self.last_info = FetchInfo(mode=self.mode)
 
         self._overruns = _OverrunWatch(target, guard) if target.dialect in _WATCHED else None
 
-    def before_fetch(self, conn: Connection, after: Position) -> ColumnElement[bool] | None:
+    def before_fetch(self, conn: Connection, after: Position) -> FetchCondition | None:
         del conn, after
-        return self._predicate
+        return self._condition
 
     def after_fetch(
         self,

@@ -15,6 +15,7 @@ import datetime as dt
 import decimal
 import enum
 import hashlib
+import time
 import uuid
 from typing import Any
 
@@ -298,5 +299,53 @@ def test_repeated_fetches_read_the_same_values_and_listeners_see_every_statement
         for _ in range(3):
             source.fetch(after, 3)
         assert len(seen) == 3
+    finally:
+        source.close()
+
+
+@pytest.mark.postgresql
+def test_a_dropped_connection_is_not_used_again_by_the_direct_path(pg: TestDatabase) -> None:
+    # The direct path keeps its driver cursor with the pooled connection. When
+    # the server drops that connection, the fetch fails, the connection is
+    # invalidated, and the next fetch runs on a new one with a new cursor.
+    typed_table(pg)
+    insert(pg, typed_table(pg), typed_rows(9))
+    source = SqlAlchemySource(
+        url=pg.url,
+        table="typed_rows",
+        schema=pg.schema,
+        cursor_column="updated_at",
+        pk_columns=["id"],
+        visibility="none",
+    )
+    try:
+        first = source.fetch(BEGINNING, 3)
+        after = Position(first[-1]["updated_at"], {"id": first[-1]["id"]})
+        expected = [source.fetch(after, 3) for _ in range(3)][-1]
+        assert [r["id"] for r in expected] == [3, 4, 5]
+        assert source._processors._direct
+        with pg.engine.connect() as admin:
+            pids = (
+                admin.execute(
+                    sa.text(
+                        "SELECT pid FROM pg_stat_activity "
+                        "WHERE pid <> pg_backend_pid() AND query LIKE :pattern"
+                    ),
+                    {"pattern": f"%{pg.schema}.typed_rows%"},
+                )
+                .scalars()
+                .all()
+            )
+            assert pids
+            for pid in pids:
+                admin.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+            gone = sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = ANY(:pids)")
+            deadline = time.monotonic() + 30
+            while admin.execute(gone, {"pids": pids}).scalar() and time.monotonic() < deadline:
+                admin.rollback()  # a fresh view of pg_stat_activity
+                time.sleep(0.05)
+        with pytest.raises(DbTriggerError):
+            source.fetch(after, 3)
+        assert source.fetch(after, 3) == expected
     finally:
         source.close()

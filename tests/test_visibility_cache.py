@@ -17,7 +17,12 @@ import pytest
 import sqlalchemy as sa
 
 from dbtrigger import BEGINNING, Position, SqlAlchemySource
-from dbtrigger.sources.visibility import TransactionHorizon
+from dbtrigger.sources.visibility import (
+    ActiveGuard,
+    GuardTarget,
+    TransactionHorizon,
+    VisibilityGuard,
+)
 from tests.databases import TestDatabase
 from tests.test_visibility import wait_until
 
@@ -145,5 +150,38 @@ def test_postgresql_guarded_fetches_reuse_one_statement_and_read_in_autocommit(
         assert wait_until(lambda: len(src.fetch(position, 5)) == 3, timeout=30)
         assert [r["note"] for r in src.fetch(position, 5)] == ["new"] * 3
         assert len(src._guarded) == 2
+    finally:
+        src.close()
+
+
+def test_a_guard_that_returns_a_bare_predicate_still_guards(tmp_path: Any) -> None:
+    # The condition a guard returns is a FetchCondition (predicate + the values
+    # of its parameters); a guard written to return the bare predicate works too.
+    url = f"sqlite:///{tmp_path / 'bare.db'}"
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE events (id INTEGER PRIMARY KEY, seq INTEGER NOT NULL)"))
+        conn.execute(sa.text("INSERT INTO events (id, seq) VALUES (1, 1), (2, 2), (3, 3), (4, 4)"))
+    engine.dispose()
+
+    class UpToTwo(VisibilityGuard):
+        def guarantee(self, dialect: str) -> str:
+            del dialect
+            return "rows up to seq 2"
+
+        def activate(self, target: GuardTarget) -> ActiveGuard:
+            class Active(ActiveGuard):
+                def before_fetch(self, conn: Any, after: Position) -> Any:
+                    del conn, after
+                    return target.cursor <= 2
+
+            return Active(self, target)
+
+    src = SqlAlchemySource(
+        url=url, table="events", cursor_column="seq", pk_columns=["id"], visibility=UpToTwo()
+    )
+    try:
+        for _ in range(3):  # the statement is reused from the second fetch on
+            assert [r["id"] for r in src.fetch(BEGINNING, 10)] == [1, 2]
     finally:
         src.close()

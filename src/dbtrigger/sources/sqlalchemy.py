@@ -763,7 +763,9 @@ class SqlAlchemySource:
                     conn.rollback()
                 if guard is None:
                     return Rows(self._select_names(), [])
-                condition = guard.before_fetch(conn, after)
+                condition: Any = guard.before_fetch(conn, after)
+                if condition is not None and not isinstance(condition, FetchCondition):
+                    condition = FetchCondition(condition)  # a guard that returns a bare predicate
                 stmt, params, reused = self._keyset(after, limit, condition)
                 rows = read_rows(
                     conn,

@@ -38,7 +38,10 @@ METRICS: dict[str, tuple[str, str]] = {
     "lag_seconds": ("gauge", "Age of the newest committed cursor behind now (timestamp cursors)"),
     "lag_rows": ("gauge", "Rows pending after the checkpoint"),
     "last_success_timestamp": ("gauge", "When the last batch committed"),
-    "heartbeats_total": ("counter", "Lease renewals while a handler ran"),
+    "heartbeats_total": (
+        "counter",
+        "Lease renewals (pollers) or claim extensions (queues) while a handler ran",
+    ),
     "retries_total": ("counter", "In-tick retries of store and source calls, by operation"),
     "partitions_owned": ("gauge", "Partitions this member owns (partitioned pollers)"),
     "partition_members": ("gauge", "Members in the partitioned poller's group, as last written"),
@@ -64,6 +67,12 @@ METRICS: dict[str, tuple[str, str]] = {
         "counter",
         "Settled events the full window could not remember (delivered again)",
     ),
+    "queue_claim_duration_seconds": ("histogram", "Time to claim a batch from a queue table"),
+    "queue_claimed_total": ("counter", "Rows claimed from a queue table"),
+    "queue_rows_total": (
+        "counter",
+        "Claimed rows settled, by result (done/retry/dead, or lost: the claim had expired)",
+    ),
 }
 
 #: Labels each metric carries besides ``poller`` (which :class:`SafeMetrics`
@@ -79,6 +88,7 @@ METRIC_LABELS: dict[str, tuple[str, ...]] = {
     "event_outcomes_total": ("outcome",),
     "subscriber_outcomes_total": ("subscriber", "outcome"),
     "ack_timeouts_total": ("subscriber",),
+    "queue_rows_total": ("result",),
 }
 
 #: Histogram bucket bounds for metrics that are not durations in seconds.

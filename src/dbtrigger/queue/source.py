@@ -39,6 +39,7 @@ from sqlalchemy.exc import NoSuchTableError, SQLAlchemyError
 
 from dbtrigger._engine import LazyEngine
 from dbtrigger.errors import CommitError, ConfigurationError, DbTriggerError, FetchError
+from dbtrigger.metrics import SafeMetrics
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.queue.schema import (
     ATTEMPTS,
@@ -55,6 +56,7 @@ from dbtrigger.queue.statements import (
     RetryItem,
     Settled,
 )
+from dbtrigger.runtime.telemetry import Telemetry
 from dbtrigger.settings import resolve_setting
 from dbtrigger.sources.sqlalchemy import safe_url_text, short_error
 
@@ -332,12 +334,13 @@ class ClaimSource:
                 missing_columns=missing,
             )
         if not any([c.name for c in index.columns][:1] == [VISIBLE_AT] for index in user.indexes):
-            log.warning(
+            Telemetry(self.name, SafeMetrics(None, self.name), logger=log).emit(
+                "queue_index_missing",
                 "queue %s has no index on %s: every claim scans the table; "
                 "`dbtrigger queue install` creates it",
                 self.name,
                 VISIBLE_AT,
-                extra={"event": "queue_index_missing", "source": self.name},
+                source=self.name,
             )
         return ClaimTable(user, self.pk_columns, self.time, self._filter())
 

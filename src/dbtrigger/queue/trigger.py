@@ -62,6 +62,7 @@ from dbtrigger.queue.outcome import EXPIRED_ERROR, Backoff, Plan, decide, expire
 from dbtrigger.queue.schema import WORKER_ID_LIMIT
 from dbtrigger.queue.source import ClaimedRow, ClaimSource
 from dbtrigger.queue.statements import DeadItem, Key, QueueCounts, Settled
+from dbtrigger.runtime.telemetry import Telemetry
 
 log = logging.getLogger("dbtrigger.queue")
 
@@ -171,6 +172,7 @@ class QueueTrigger:
         self.max_attempts = max_attempts
         self.dead_letter = dead_letter
         self.metrics = SafeMetrics(metrics, self.name)
+        self.telemetry = Telemetry(self.name, self.metrics, logger=log)
         self.backoff = Backoff(retry_backoff_seconds, retry_backoff_max_seconds)
         self.worker_id = (worker_id or default_worker_id())[:WORKER_ID_LIMIT]
         self._rng = random.Random(seed)  # noqa: S311 - jitter, not security
@@ -246,11 +248,20 @@ class QueueTrigger:
             worker=self.worker_id,
             visibility=self.visibility_timeout,
         )
-        self.metrics.observe("queue_claim_duration_seconds", time.perf_counter() - started)
+        seconds = time.perf_counter() - started
         if not claimed:
-            self.metrics.increment("ticks_total", labels={"result": "idle"})
+            self.telemetry.emit("queue_idle", values={"seconds": seconds})
             return QueueTickResult(0, 0, "idle", token=token)
-        self.metrics.increment("queue_claimed_total", len(claimed))
+        self.telemetry.emit(
+            "queue_claimed",
+            "queue %s: claimed %d row(s) as %s",
+            self.name,
+            len(claimed),
+            token,
+            batch_id=token,
+            rows=len(claimed),
+            values={"seconds": seconds},
+        )
         tally = _Tally(token)
         expired = [r for r in claimed if expired_too_often(r.attempt, self.max_attempts)]
         live = [r for r in claimed if not expired_too_often(r.attempt, self.max_attempts)]
@@ -276,7 +287,17 @@ class QueueTrigger:
                         ]
                         for future in futures:
                             future.result()
-        self.metrics.increment("ticks_total", labels={"result": "settled"})
+        self.telemetry.emit(
+            "queue_settled",
+            "queue %s: claim %s settled: %d done, %d retried, %d dead, %d lost",
+            self.name,
+            token,
+            tally.done,
+            tally.retried,
+            tally.dead,
+            tally.lost,
+            batch_id=token,
+        )
         if errors:
             raise errors[0]
         return QueueTickResult(
@@ -338,23 +359,21 @@ class QueueTrigger:
         except Exception as exc:  # noqa: BLE001 - a handler failure is an outcome, sorted below
             failure = exc
         marks = ctx.close()
-        self.metrics.observe("handler_duration_seconds", time.perf_counter() - started)
+        self.telemetry.emit(
+            "queue_handler_returned", values={"seconds": time.perf_counter() - started}
+        )
         if failure is not None:
-            self.metrics.increment("failures_total", labels={"error_type": type(failure).__name__})
-            log.warning(
+            self.telemetry.emit(
+                "queue_handler_failed",
                 "queue %s: handler failed on %d row(s) of claim %s: %s: %s",
                 self.name,
                 len(rows),
                 token,
                 type(failure).__name__,
                 failure,
-                extra={
-                    "event": "handler_failed",
-                    "poller": self.name,
-                    "batch_id": token,
-                    "rows": len(rows),
-                    "error": type(failure).__name__,
-                },
+                batch_id=token,
+                rows=len(rows),
+                error=type(failure).__name__,
             )
         plan = decide(
             [(r.key, r.attempt) for r in rows],
@@ -381,20 +400,30 @@ class QueueTrigger:
             try:
                 self._dead_letter(token, rows, dead)
             except QuarantineError as exc:
-                log.error(  # noqa: TRY400 - the cause is in the message; no traceback
+                self.telemetry.emit(
+                    "queue_dead_letter_failed",
                     "queue %s: %d dead row(s) could not be written to %s (%s); they stay "
                     "claimed, expire and are dead-lettered again",
                     self.name,
                     len(dead),
                     self.dead_letter.describe(),
                     exc,
-                    extra={"event": "dead_letter_failed", "poller": self.name, "batch_id": token},
+                    batch_id=token,
                 )
                 errors.append(exc)
                 dead = []
         try:
             settled = self.source.settle(token=token, done=plan.done, retry=plan.retry, dead=dead)
         except CommitError as exc:
+            self.telemetry.emit(
+                "queue_settle_failed",
+                "queue %s: recording the outcomes of %d row(s) of claim %s failed: %s",
+                self.name,
+                len(rows),
+                token,
+                exc,
+                batch_id=token,
+            )
             errors.append(exc)
             return
         tally.add(self, token, plan, dead, settled)
@@ -404,25 +433,27 @@ class QueueTrigger:
         try:
             held = self.source.extend(token=token, visibility=self.visibility_timeout)
         except DbTriggerError as exc:
-            log.warning(
+            self.telemetry.emit(
+                "queue_claim_extend_failed",
                 "queue %s: extending claim %s failed (%s); retrying in %.1fs",
                 self.name,
                 token,
                 exc,
                 self.heartbeat_interval,
-                extra={"event": "claim_extend_failed", "poller": self.name},
+                batch_id=token,
             )
             return
-        self.metrics.increment("heartbeats_total")
+        self.telemetry.emit("queue_claim_extended")
         lost = beats.still_held(token)
         if held == 0 and lost is not None and not lost.is_set():
             lost.set()
-            log.warning(
-                "queue %s: claim %s holds no row any more (expired and taken over); "
+            self.telemetry.emit(
+                "queue_claim_lost",
+                "queue %s: claim %s holds no row any more (it expired); "
                 "the handler's results will not be recorded",
                 self.name,
                 token,
-                extra={"event": "claim_lost", "poller": self.name, "batch_id": token},
+                batch_id=token,
             )
 
     def _dead_letter(
@@ -496,33 +527,37 @@ class _Tally:
             self.settled += [(k, "retry") for k in settled.retried]
             self.settled += [(k, "dead") for k in settled.dead]
             self.settled += [(k, "lost") for k in lost]
-        m = trigger.metrics
-        for result, n in (
-            ("done", len(settled.done)),
-            ("retry", len(settled.retried)),
-            ("dead", len(settled.dead)),
-            ("lost", len(lost)),
-        ):
-            if n:
-                m.increment("queue_rows_total", n, labels={"result": result})
+        telemetry = trigger.telemetry
+        telemetry.emit(
+            "queue_rows_settled",
+            values={
+                "done": len(settled.done),
+                "retried": len(settled.retried),
+                "dead": len(settled.dead),
+                "lost": len(lost),
+            },
+        )
         if lost:
-            log.warning(
-                "queue %s: %d row(s) of claim %s were claimed by another worker after this "
-                "claim expired; their outcome here was not recorded: %s",
+            telemetry.emit(
+                "queue_rows_lost",
+                "queue %s: %d row(s) of claim %s were no longer held by it (the claim "
+                "expired); their outcome here was not recorded: %s",
                 trigger.name,
                 len(lost),
                 token,
                 lost[:10],
-                extra={"event": "claim_lost", "poller": trigger.name, "batch_id": token},
+                batch_id=token,
+                rows=len(lost),
             )
         for item in dead:
             if item.key in settled.dead:
-                log.warning(
+                telemetry.emit(
+                    "queue_row_dead",
                     "queue %s: row %s is dead: %s",
                     trigger.name,
                     item.key,
                     item.error,
-                    extra={"event": "row_dead", "poller": trigger.name, "batch_id": token},
+                    batch_id=token,
                 )
 
 

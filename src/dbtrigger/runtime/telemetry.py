@@ -195,15 +195,67 @@ EVENTS: dict[str, EventSpec] = {
     ),
     "window_pressure": EventSpec(INFO),
     "window_overflow": EventSpec(W, (Count("window_overflow_total", "count"),)),
+    # claim queues (dbtrigger.queue; logged to the "dbtrigger.queue" logger, and
+    # "poller" is the queue's name)
+    "queue_index_missing": EventSpec(W),
+    "queue_idle": EventSpec(
+        None,
+        (
+            Observe("queue_claim_duration_seconds", "seconds"),
+            Count("ticks_total", labels={"result": "idle"}),
+        ),
+    ),
+    "queue_claimed": EventSpec(
+        D,
+        (
+            Observe("queue_claim_duration_seconds", "seconds"),
+            Count("queue_claimed_total", "rows"),
+        ),
+    ),
+    "queue_handler_returned": EventSpec(None, (Observe("handler_duration_seconds", "seconds"),)),
+    "queue_handler_failed": EventSpec(
+        W, (Count("failures_total", labels={"error_type": "HandlerError"}),)
+    ),
+    "queue_claim_extended": EventSpec(None, (Count("heartbeats_total"),)),
+    "queue_claim_extend_failed": EventSpec(
+        W, (Count("failures_total", labels={"error_type": "FetchError"}),)
+    ),
+    "queue_claim_lost": EventSpec(W),
+    "queue_dead_letter_failed": EventSpec(
+        E, (Count("failures_total", labels={"error_type": "QuarantineError"}),)
+    ),
+    "queue_settle_failed": EventSpec(
+        E, (Count("failures_total", labels={"error_type": "CommitError"}),)
+    ),
+    "queue_rows_settled": EventSpec(
+        None,
+        (
+            Count("queue_rows_total", "done", labels={"result": "done"}),
+            Count("queue_rows_total", "retried", labels={"result": "retry"}),
+            Count("queue_rows_total", "dead", labels={"result": "dead"}),
+            Count("queue_rows_total", "lost", labels={"result": "lost"}),
+            Count("events_total", "done"),
+        ),
+    ),
+    "queue_rows_lost": EventSpec(W),
+    "queue_row_dead": EventSpec(W),
+    "queue_settled": EventSpec(D, (Count("ticks_total", labels={"result": "settled"}),)),
 }
 
 
 class Telemetry:
-    """Emits :data:`EVENTS` for one poller to the runtime logger and its metrics."""
+    """Emits :data:`EVENTS` for one poller (or queue) to a logger and its metrics.
 
-    def __init__(self, poller: str, metrics: SafeMetrics) -> None:
+    ``logger`` defaults to ``dbtrigger.runtime``; claim queues pass
+    ``dbtrigger.queue`` so their records keep their own logger name.
+    """
+
+    def __init__(
+        self, poller: str, metrics: SafeMetrics, *, logger: logging.Logger | None = None
+    ) -> None:
         self.poller = poller
         self.metrics = metrics
+        self.log = logger or log
 
     def emit(
         self,
@@ -215,8 +267,8 @@ class Telemetry:
     ) -> None:
         """Log ``event`` (attributed to the caller's line) and apply its metrics."""
         spec = EVENTS[event]
-        if spec.level is not None and log.isEnabledFor(spec.level):
-            log.log(
+        if spec.level is not None and self.log.isEnabledFor(spec.level):
+            self.log.log(
                 spec.level,
                 msg,
                 *args,

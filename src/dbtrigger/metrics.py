@@ -73,6 +73,10 @@ METRICS: dict[str, tuple[str, str]] = {
         "counter",
         "Claimed rows settled, by result (done/retry/dead, or lost: the claim had expired)",
     ),
+    "queue_notifications_total": (
+        "counter",
+        "LISTEN/NOTIFY wake-up hints received by an idle queue worker",
+    ),
 }
 
 #: Labels each metric carries besides ``poller`` (which :class:`SafeMetrics`

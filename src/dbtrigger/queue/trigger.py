@@ -58,6 +58,7 @@ from dbtrigger.metrics import MetricsCollector, SafeMetrics
 from dbtrigger.names import validate_name
 from dbtrigger.quarantine import QuarantineRecord, QuarantineSink, encode_json_value
 from dbtrigger.queue.context import ClaimContext, wants_context
+from dbtrigger.queue.notify import Listener, check_channel
 from dbtrigger.queue.outcome import EXPIRED_ERROR, Backoff, Plan, decide, expired_too_often
 from dbtrigger.queue.schema import WORKER_ID_LIMIT
 from dbtrigger.queue.source import ClaimedRow, ClaimSource
@@ -121,6 +122,10 @@ class QueueTrigger:
             backoff of a failed row (first delay ~ base, doubling, capped).
         worker_id: this worker's name in ``dbt_claimed_by`` (default host/pid/random).
         seed: seed for the backoff jitter (tests).
+        notify_channel: PostgreSQL only, off by default: also ``LISTEN`` on this
+            channel while idle in worker mode, so a producer's ``NOTIFY`` wakes
+            the worker at once. A hint on top of the interval poll, never
+            instead of it (:mod:`dbtrigger.queue.notify`).
     """
 
     def __init__(
@@ -139,6 +144,7 @@ class QueueTrigger:
         retry_backoff_max_seconds: float = 300.0,
         worker_id: str | None = None,
         seed: int | None = None,
+        notify_channel: str | None = None,
     ) -> None:
         self.name = validate_name(name, "queue name")
         if not isinstance(source, ClaimSource):
@@ -173,6 +179,10 @@ class QueueTrigger:
         self.dead_letter = dead_letter
         self.metrics = SafeMetrics(metrics, self.name)
         self.telemetry = Telemetry(self.name, self.metrics, logger=log)
+        self.notify_channel = check_channel(source, notify_channel) if notify_channel else None
+        self._listener = (
+            Listener(source, self.notify_channel, self.telemetry) if self.notify_channel else None
+        )
         self.backoff = Backoff(retry_backoff_seconds, retry_backoff_max_seconds)
         self.worker_id = (worker_id or default_worker_id())[:WORKER_ID_LIMIT]
         self._rng = random.Random(seed)  # noqa: S311 - jitter, not security
@@ -232,6 +242,21 @@ class QueueTrigger:
 
     def status(self) -> QueueCounts:
         return self.source.counts()
+
+    # --- worker mode ----------------------------------------------------------------
+
+    def wait_for_work(self, seconds: float, stop: threading.Event) -> bool:
+        """The runner's idle sleep: up to ``seconds``, ended early by ``stop``, or by a
+        ``NOTIFY`` on ``notify_channel`` when the hint is on (then True)."""
+        if self._listener is None:
+            stop.wait(seconds)
+            return False
+        return self._listener.wait(seconds, stop)
+
+    def stop_listening(self) -> None:
+        """Stop the wake-up listener, if any (the runner calls this when it stops)."""
+        if self._listener is not None:
+            self._listener.stop()
 
     # --- the tick -------------------------------------------------------------------
 

@@ -273,7 +273,10 @@ class Runner:
                     break
                 wait = self._tick_once()
                 if wait > 0:
-                    self._stop.wait(wait)
+                    self._idle(wait)
+        stop_listening = getattr(self.trigger, "stop_listening", None)  # a queue's wake-up hint
+        if callable(stop_listening):
+            stop_listening()
         log.info(
             "%s: stopped after %d ticks, %d rows (%d failed ticks)",
             self.trigger.name,
@@ -289,6 +292,15 @@ class Runner:
             },
         )
         return self.stats
+
+    def _idle(self, seconds: float) -> None:
+        """Sleep between ticks; a queue's wake-up hint may end an idle sleep early
+        (never a backoff after a failure)."""
+        wait_for_work = getattr(self.trigger, "wait_for_work", None)
+        if callable(wait_for_work) and not self._failures:
+            wait_for_work(seconds, self._stop)
+        else:
+            self._stop.wait(seconds)
 
     # --- one tick -----------------------------------------------------------------
 

@@ -240,6 +240,9 @@ EVENTS: dict[str, EventSpec] = {
     "queue_rows_lost": EventSpec(W),
     "queue_row_dead": EventSpec(W),
     "queue_settled": EventSpec(D, (Count("ticks_total", labels={"result": "settled"}),)),
+    "queue_listening": EventSpec(INFO),
+    "queue_listen_failed": EventSpec(W),
+    "queue_notified": EventSpec(None, (Count("queue_notifications_total"),)),
 }
 
 

@@ -1,0 +1,173 @@
+"""An optional PostgreSQL ``LISTEN/NOTIFY`` wake-up hint for idle queue workers.
+
+An idle worker polls every ``interval_seconds``. With
+``QueueTrigger(notify_channel="...")`` it also ``LISTEN``\\s on that channel on
+a connection of its own, and a ``NOTIFY`` from a producer ends its idle wait
+at once, so new work starts within milliseconds instead of up to one interval.
+
+It is a *hint*, never the only signal:
+
+* the interval poll still runs, so rows whose ``dbt_visible_at`` passes
+  (retry backoff, expired claims) - which nobody notifies - are claimed, and a
+  missed notification (listener down, producer that forgot to notify) costs at
+  most one interval;
+* the listener connection is best effort: when it fails, the worker logs
+  ``queue_listen_failed`` and reconnects with a backoff while polling goes on;
+* a notification carries no data: it wakes the worker, which claims with the
+  ordinary fenced statement. Waking for nothing costs one empty claim.
+
+Off by default, because notifications have costs of their own (see
+``docs/queues.md``): ``NOTIFY`` takes a database-wide lock at commit, which
+serialises committing transactions that notified; and behind PgBouncer in
+transaction pooling mode ``LISTEN`` does not work (the session is not kept).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from dbtrigger.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from dbtrigger.queue.source import ClaimSource
+    from dbtrigger.runtime.telemetry import Telemetry
+
+#: How often the listener thread looks at its stop flag while no notification comes.
+_POLL_SECONDS = 0.5
+#: How often an idle wait looks at the runner's stop event.
+_STOP_POLL_SECONDS = 0.2
+#: Reconnect backoff of a failing listener: doubling up to this.
+_MAX_RECONNECT_SECONDS = 30.0
+
+
+def check_channel(source: ClaimSource, channel: str) -> str:
+    """Refuse a channel the hint cannot serve (wrong database or driver, bad name)."""
+    from dbtrigger.names import validate_sql_identifier  # noqa: PLC0415 - light import
+
+    name = validate_sql_identifier(channel, "notify_channel")
+    if source.dialect_name != "postgresql":
+        raise ConfigurationError(
+            f"notify_channel= is a PostgreSQL LISTEN/NOTIFY hint; {source.name} is "
+            f"{source.dialect_name}. Leave it unset: idle workers poll at their interval"
+        )
+    driver = source.url.get_driver_name()
+    if driver != "psycopg":
+        raise ConfigurationError(
+            f"notify_channel= needs the psycopg (3) driver (postgresql+psycopg://...), "
+            f"not {driver!r}"
+        )
+    import psycopg  # noqa: PLC0415 - only with the hint on PostgreSQL
+
+    version = tuple(int(p) for p in psycopg.__version__.split(".")[:2] if p.isdigit())
+    if version < (3, 2):
+        raise ConfigurationError(
+            f"notify_channel= needs psycopg 3.2 or later (notifications with a timeout), "
+            f"found {psycopg.__version__}: pip install -U 'psycopg[binary]'"
+        )
+    return name
+
+
+class Listener:
+    """A daemon thread that ``LISTEN``\\s on one channel and sets :attr:`wake`.
+
+    Started on the first idle wait, stopped by :meth:`stop`. Every failure is
+    logged and retried; none reaches the worker, which keeps polling.
+    """
+
+    def __init__(self, source: ClaimSource, channel: str, telemetry: Telemetry) -> None:
+        self.source = source
+        self.channel = channel
+        self.telemetry = telemetry
+        self.wake = threading.Event()
+        #: Set while a LISTEN is established (tests wait on it).
+        self.listening = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._stop.clear()
+            self._thread = threading.Thread(
+                target=self._run, name=f"dbt-listen-{self.channel}", daemon=True
+            )
+            self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+
+    def wait(self, seconds: float, stop: threading.Event) -> bool:
+        """Sleep up to ``seconds``; True when a notification ended the sleep early.
+
+        Returns early (False) when ``stop`` is set. A notification that came
+        while the worker was busy ends the next wait at once: no wake-up is lost
+        between a claim and the sleep after it.
+        """
+        self.start()
+        deadline = time.monotonic() + seconds
+        while not stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if self.wake.wait(min(left, _STOP_POLL_SECONDS)):
+                self.wake.clear()
+                return True
+        return False
+
+    def _run(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                self._listen()
+                failures = 0
+            except Exception as exc:  # noqa: BLE001 - a hint: log, back off, reconnect
+                self.listening.clear()
+                failures += 1
+                delay = min(_MAX_RECONNECT_SECONDS, 0.5 * 2 ** min(failures, 8))
+                self.telemetry.emit(
+                    "queue_listen_failed",
+                    "queue %s: LISTEN %s failed (%s: %s); idle workers keep polling, "
+                    "reconnecting in %.1fs",
+                    self.telemetry.poller,
+                    self.channel,
+                    type(exc).__name__,
+                    exc,
+                    delay,
+                    channel=self.channel,
+                )
+                self._stop.wait(delay)
+
+    def _listen(self) -> None:
+        from psycopg import sql  # noqa: PLC0415 - only with the hint on PostgreSQL
+
+        raw = self.source.engine.raw_connection()
+        conn: Any = raw.driver_connection
+        raw.detach()  # a session of its own, never handed back to the pool
+        try:
+            conn.autocommit = True
+            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+            self.listening.set()
+            self.telemetry.emit(
+                "queue_listening",
+                "queue %s: listening on %s for wake-up hints",
+                self.telemetry.poller,
+                self.channel,
+                channel=self.channel,
+            )
+            # A notification that arrived while LISTEN was being set up (or while
+            # the listener was down) may have been missed: wake once to poll.
+            self.wake.set()
+            while not self._stop.is_set():
+                for _ in conn.notifies(timeout=_POLL_SECONDS, stop_after=1):
+                    self.telemetry.emit("queue_notified")
+                    self.wake.set()
+        finally:
+            self.listening.clear()
+            raw.close()

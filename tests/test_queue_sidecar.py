@@ -116,3 +116,61 @@ def test_feeder_needs_a_sidecar_source(db: TestDatabase, tmp_path: Path) -> None
     with pytest.raises(ConfigurationError, match="mode='sidecar' and a cursor_column"):
         SidecarFeeder(name="f", source=src, checkpoint_store=FileCheckpointStore(tmp_path))
     src.close()
+
+
+def has_claims_table(db: TestDatabase) -> bool:
+    with db.engine.connect() as conn:
+        return sa.inspect(conn).has_table("dbtrigger_claims", schema=db.schema)
+
+
+def test_uninstall_removes_the_queue_then_the_claims_table(
+    db: TestDatabase, items: ClaimSource, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Dry run by default; pending work is refused unless --discard-pending; the
+    claims table is dropped only once no queue uses it; the user table stays."""
+    assert main(["queue", "install", *args(db), "--yes"]) == 0
+    feeder = SidecarFeeder(
+        name="items-feeder", source=items, checkpoint_store=FileCheckpointStore(tmp_path)
+    )
+    assert feeder.drain() == 10
+    feeder.close()
+    db.execute(
+        f"INSERT INTO {db.qualified('dbtrigger_claims')} (queue, item_key, item_cursor) "
+        "VALUES (:q, '{}', '1')",
+        {"q": db.qualified("others")},
+    )  # a second queue shares the claims table
+    capsys.readouterr()
+
+    assert main(["queue", "uninstall", *args(db)]) == 0
+    out = capsys.readouterr().out
+    assert "ready 10" in out
+    assert "DELETE FROM" in out
+    assert "DROP TABLE" not in out
+    assert "1 other queue(s) still use it" in out
+    assert "--discard-pending" in out
+    assert "dry run" in out
+    assert len(claims(db)) == 11  # nothing changed
+
+    assert main(["queue", "uninstall", *args(db), "--yes"]) != 0  # 10 rows not done
+    assert "10 row(s) of queue" in capsys.readouterr().err
+    assert len(claims(db)) == 11
+
+    queue = QueueTrigger(name="items", source=items, batch_size=10)
+    assert queue.drain(lambda events: None) == 10
+    assert main(["queue", "uninstall", *args(db), "--yes"]) == 0
+    assert [c["queue"].rsplit(".")[-1] for c in claims(db)] == ["others"]
+    assert has_claims_table(db)
+
+    others = [
+        "--url", db.url, "--table", "others", "--mode", "sidecar",
+        *(["--schema", db.schema] if db.schema else []),
+    ]  # fmt: skip
+    db.execute(f"CREATE TABLE {db.qualified('others')} (id integer PRIMARY KEY)")
+    assert main(["queue", "uninstall", *others, "--yes", "--discard-pending"]) == 0
+    assert "DROP TABLE" in capsys.readouterr().out
+    assert not has_claims_table(db)
+    assert main(["queue", "uninstall", *others, "--yes"]) == 0
+    assert "nothing to do" in capsys.readouterr().out
+    with db.engine.connect() as conn:
+        count = conn.execute(sa.text(f"SELECT count(*) FROM {db.qualified('items')}"))
+        assert count.scalar_one() == 10  # the user table is untouched

@@ -82,10 +82,7 @@ def _ddl(args: argparse.Namespace, *, uninstall: bool) -> int:
 
     probe = ClaimSource(url=args.url, table=args.table, schema=args.schema, pk_columns=["_"])
     if args.mode == "sidecar" and uninstall:
-        raise ConfigurationError(
-            "sidecar mode never changed your table; when no queue uses the claims table "
-            f"{args.claims_table} any more, drop it yourself"
-        )
+        return _uninstall_sidecar(args, probe)
     try:
         with probe.transaction() as conn:
             table = probe.reflect(conn, probe.table_name)
@@ -109,6 +106,64 @@ def _ddl(args: argparse.Namespace, *, uninstall: bool) -> int:
     finally:
         probe.close()
     print(f"-- applied {len(statements)} statement(s) to {probe.name}")
+    return 0
+
+
+def _uninstall_sidecar(args: argparse.Namespace, probe: ClaimSource) -> int:
+    """Remove one queue from the claims table (and the table once no queue uses it).
+
+    Sidecar mode never changed the user table, so there is nothing to undo
+    there. What uninstall removes is the queue's claims rows; rows still
+    ``ready`` or ``claimed`` are work not done yet, so applying refuses while
+    there are any unless ``--discard-pending`` says to drop them.
+    """
+    from sqlalchemy.exc import SQLAlchemyError  # noqa: PLC0415
+
+    from dbtrigger.queue import ddl  # noqa: PLC0415
+    from dbtrigger.queue.sidecar import uninstall_claims  # noqa: PLC0415
+    from dbtrigger.sources.sqlalchemy import short_error  # noqa: PLC0415
+
+    where = f"{args.schema}.{args.claims_table}" if args.schema else args.claims_table
+    try:
+        with probe.transaction() as conn:
+            plan = uninstall_claims(conn, args.claims_table, args.schema, probe.queue_name)
+            if plan is None:
+                print(f"-- claims table {where} does not exist: nothing to do")
+                return 0
+            if not plan.statements:
+                print(
+                    f"-- queue {probe.queue_name} has no rows in {where}, which "
+                    f"{plan.other_queues} other queue(s) still use: nothing to do"
+                )
+                return 0
+            counts = ", ".join(f"{s} {n}" for s, n in sorted(plan.by_status.items())) or "no rows"
+            print(f"-- queue {probe.queue_name} in claims table {where}: {counts}")
+            if plan.other_queues:
+                print(f"-- {where} is kept: {plan.other_queues} other queue(s) still use it")
+            print("-- the table " + probe.queue_name + " itself is not touched")
+            for statement in plan.statements:
+                print(statement.strip() + ";")
+            if plan.pending and not args.discard_pending:
+                message = (
+                    f"{plan.pending} row(s) of queue {probe.queue_name} are not finished "
+                    "(ready or claimed): stop the feeder, let the workers drain the queue "
+                    "(`dbtrigger queue status`), or add --discard-pending to drop that work"
+                )
+                if args.yes:
+                    raise ConfigurationError(message)
+                print(f"-- refused with --yes as it stands: {message}")
+            if not args.yes:
+                print("-- dry run: add --yes to apply")
+                return 0
+            ddl.apply(conn, plan.statements)
+    except SQLAlchemyError as exc:
+        raise CommitError(f"uninstalling {probe.queue_name} failed: {short_error(exc)}") from exc
+    finally:
+        probe.close()
+    print(
+        f"-- applied {len(plan.statements)} statement(s). The feeder's state document "
+        "(its checkpoint store) is kept: a feeder started again resumes after its checkpoint"
+    )
     return 0
 
 
@@ -226,9 +281,17 @@ def add_queue_commands(sub: Any) -> None:
     install.add_argument("--yes", action="store_true", help="apply (default: dry run)")
     install.set_defaults(func=cmd_install)
 
-    uninstall = qsub.add_parser("uninstall", help="print (or --yes: run) DDL removing them")
+    uninstall = qsub.add_parser(
+        "uninstall",
+        help="print (or --yes: run) DDL removing them (sidecar: the queue's claims rows)",
+    )
     _table_options(uninstall, pk=False)
     uninstall.add_argument("--yes", action="store_true", help="apply (default: dry run)")
+    uninstall.add_argument(
+        "--discard-pending",
+        action="store_true",
+        help="sidecar mode: also drop claims rows not finished yet (ready/claimed)",
+    )
     uninstall.set_defaults(func=cmd_uninstall)
 
     status = qsub.add_parser("status", help="rows per status, oldest ready age")

@@ -27,17 +27,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.schema import CreateIndex, CreateTable
+from sqlalchemy.schema import CreateIndex, CreateTable, DropTable
 
 from dbtrigger.cursor import decode_value, encoded_json, pk_json
 from dbtrigger.errors import ConfigurationError, OutputWriteError
 from dbtrigger.events import RowChange
-from dbtrigger.queue.schema import ATTEMPTS, DialectTime, index_name
+from dbtrigger.queue.schema import ATTEMPTS, CLAIMED, READY, STATUS, DialectTime, index_name
 from dbtrigger.queue.statements import ClaimTable
 from dbtrigger.sources.sqlalchemy import short_error
 
@@ -78,6 +79,62 @@ def install_claims_table(conn: Connection, name: str, schema: str | None) -> lis
         str(CreateTable(table).compile(dialect=dialect)).strip(),
         str(CreateIndex(index).compile(dialect=dialect)),
     ]
+
+
+@dataclass(frozen=True)
+class SidecarUninstall:
+    """What ``dbtrigger queue uninstall --mode sidecar`` would do, and what it would lose.
+
+    ``statements`` delete this queue's claims rows and, when no other queue has
+    rows in the claims table, drop the table (its index goes with it).
+    ``by_status`` counts this queue's rows; ``ready``/``claimed`` ones are work
+    not done yet, which the command refuses to discard unless told to.
+    """
+
+    statements: list[str]
+    by_status: Mapping[str, int]
+    other_queues: int
+
+    @property
+    def pending(self) -> int:
+        return int(self.by_status.get(READY, 0)) + int(self.by_status.get(CLAIMED, 0))
+
+
+def uninstall_claims(
+    conn: Connection, name: str, schema: str | None, queue: str
+) -> SidecarUninstall | None:
+    """The statements removing ``queue`` from claims table ``name`` (None: no such table).
+
+    The user table is never touched (sidecar mode never changed it). The
+    statements are rendered with literal values (``queue`` is a validated
+    identifier) so the dry run prints exactly what ``--yes`` runs.
+    """
+    dialect = conn.dialect
+    if not sa.inspect(conn).has_table(name, schema=schema):
+        return None
+    table = claims_table(name, schema, DialectTime(dialect.name))
+    by_status = {
+        str(status): int(n)
+        for status, n in conn.execute(
+            sa.select(table.c[STATUS], sa.func.count())
+            .where(table.c.queue == queue)
+            .group_by(table.c[STATUS])
+        )
+    }
+    others = int(
+        conn.execute(
+            sa.select(sa.func.count(sa.distinct(table.c.queue))).where(table.c.queue != queue)
+        ).scalar_one()
+    )
+    statements = []
+    if by_status:
+        delete = sa.delete(table).where(table.c.queue == queue)
+        statements.append(
+            str(delete.compile(dialect=dialect, compile_kwargs={"literal_binds": True}))
+        )
+    if not others:
+        statements.append(str(DropTable(table).compile(dialect=dialect)).strip())
+    return SidecarUninstall(statements, by_status, others)
 
 
 def claims_target(source: ClaimSource, conn: Connection) -> ClaimTable:

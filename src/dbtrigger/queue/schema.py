@@ -119,6 +119,15 @@ class DialectTime:
             sa.bindparam("dbt_mod", f"{float(seconds):+.3f} seconds", type_=sa.String),
         )
 
+    def plus_params(self, seconds: float) -> dict[str, Any]:
+        """The parameter of :meth:`plus` for ``seconds``, to run a statement built
+        once with another value (prepared statements take it per execution)."""
+        if self.dialect == "postgresql":
+            return {"dbt_secs": float(seconds)}
+        if self.dialect == "mysql":
+            return {"dbt_us": round(seconds * 1_000_000)}
+        return {"dbt_mod": f"{float(seconds):+.3f} seconds"}
+
     def far_future(self) -> Any:
         """The ``dbt_visible_at`` of finished rows: after any real time."""
         if self.dialect == "postgresql":

@@ -370,17 +370,22 @@ class ClaimSource:
                     return load_rows(self, conn, rows)
         except SQLAlchemyError as exc:
             raise FetchError(f"claim on {self.name} failed: {short_error(exc)}") from exc
-        return [self._claimed(target, row) for row in rows]
-
-    def _claimed(self, target: ClaimTable, row: Mapping[str, Any]) -> ClaimedRow:
-        key = target.key_of(row)
-        values = {k: v for k, v in row.items() if not k.startswith(PREFIX)}
-        return ClaimedRow(
-            key=key,
-            pk=dict(zip(self.pk_columns, key, strict=True)),
-            values=values,
-            attempt=int(row[ATTEMPTS]),
-        )
+        if not rows:
+            return []
+        pk_columns = self.pk_columns
+        names = [k for k in rows[0] if not k.startswith(PREFIX)]  # the user's columns
+        out = []
+        for row in rows:
+            key = tuple([row[k] for k in pk_columns])
+            out.append(
+                ClaimedRow(
+                    key=key,
+                    pk=dict(zip(pk_columns, key, strict=True)),
+                    values={k: row[k] for k in names},
+                    attempt=int(row[ATTEMPTS]),
+                )
+            )
+        return out
 
     def extend(self, *, token: str, visibility: float) -> int:
         """Heartbeat: push the claim's expiry on; how many rows it still holds."""

@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
+import math
 import os
 import random
 import socket
@@ -45,6 +46,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from dbtrigger.errors import (
@@ -339,19 +341,27 @@ class QueueTrigger:
         )
 
     def _events(self, token: str, rows: Sequence[ClaimedRow]) -> list[RowChange]:
-        return [
-            RowChange(
-                event_id=self._ids(r.pk, r.cursor),
-                op="upsert" if r.values is not None else "delete",
-                source=self.source.name,
-                cursor=r.cursor,
-                pk=r.pk,
-                before=None,
-                after=r.values,
-                metadata={"queue": self.name, "claim_token": token, "attempt": r.attempt},
+        """One event per claimed row. ``pk`` and ``values`` of a :class:`ClaimedRow`
+        are dicts built for that row alone, so they are frozen without a copy."""
+        source = self.source.name
+        ids = self._ids
+        events = []
+        for r in rows:
+            events.append(
+                RowChange._unchecked(
+                    ids(r.pk, r.cursor),
+                    "upsert" if r.values is not None else "delete",
+                    source,
+                    r.cursor,
+                    MappingProxyType(r.pk),
+                    None,
+                    None if r.values is None else MappingProxyType(r.values),
+                    MappingProxyType(
+                        {"queue": self.name, "claim_token": token, "attempt": r.attempt}
+                    ),
+                )
             )
-            for r in rows
-        ]
+        return events
 
     def _lane(
         self,
@@ -592,12 +602,19 @@ class _Heartbeats:
     A thread per tick would cost a thread start and join per batch (tens of
     milliseconds on a loaded host); this one sleeps until the next claim is
     due and is told when claims come and go.
+
+    A new claim wakes the thread only when it falls due before the thread's
+    current sleep ends (``_sleep_until``; -inf while the thread is not asleep,
+    since it then rescans the claims under the lock before it sleeps again).
+    With the default intervals a claim is due long after the idle linger, so
+    back-to-back ticks cost no thread switch.
     """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self._wake = threading.Condition(self.lock)
         self._due: dict[str, tuple[float, threading.Event]] = {}
+        self._sleep_until = -math.inf
         self.thread: threading.Thread | None = None
 
     def start(self, trigger: QueueTrigger) -> None:
@@ -609,8 +626,10 @@ class _Heartbeats:
 
     def hold(self, token: str, lost: threading.Event, *, interval: float | None = None) -> None:
         with self._wake:
-            self._due[token] = (time.monotonic() + (interval or 0), lost)
-            self._wake.notify()
+            due = time.monotonic() + (interval or 0)
+            self._due[token] = (due, lost)
+            if due < self._sleep_until:
+                self._wake.notify()
 
     def release(self, token: str) -> None:
         with self._wake:
@@ -622,7 +641,7 @@ class _Heartbeats:
                 if not self._due:
                     # Idle: linger a little (the next tick usually follows), then exit,
                     # so a trigger that stopped claiming holds no thread.
-                    self._wake.wait(_HEARTBEAT_IDLE_EXIT_SECONDS)
+                    self._sleep(_HEARTBEAT_IDLE_EXIT_SECONDS)
                     if not self._due:
                         self.thread = None
                         return
@@ -631,13 +650,21 @@ class _Heartbeats:
                 due = [t for t, (at, _) in self._due.items() if at <= now]
                 if not due:
                     soonest = min(at for at, _ in self._due.values())
-                    self._wake.wait(max(0.0, soonest - now))
+                    self._sleep(max(0.0, soonest - now))
                     continue
                 for token in due:
                     lost = self._due[token][1]
                     self._due[token] = (now + trigger.heartbeat_interval, lost)
             for token in due:
                 trigger._extend(token, self)
+
+    def _sleep(self, seconds: float) -> None:
+        """Wait on the condition (lock held) for up to ``seconds``."""
+        self._sleep_until = time.monotonic() + seconds
+        try:
+            self._wake.wait(seconds)
+        finally:
+            self._sleep_until = -math.inf
 
     def still_held(self, token: str) -> threading.Event | None:
         with self.lock:

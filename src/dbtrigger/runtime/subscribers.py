@@ -67,6 +67,9 @@ from dbtrigger.state.journal import Outcomes
 #: Airflow's shared-stream ack timeout).
 DEFAULT_ACK_TIMEOUT = 300.0
 
+#: A subscriber that did not report on an event (it was not called: never expected).
+NO_RESULT = fanout.fail("no result")
+
 #: Wraps a subscriber for the way the tick is run (``tick_async``); gets the
 #: subscriber and whether it takes a context, returns an ``(events, ctx)`` callable.
 Wrap = Callable[[Handler, bool], Handler]
@@ -170,6 +173,14 @@ class _Call:
     timed_out: bool = False
     busy: bool = False
 
+    @property
+    def clean(self) -> bool:
+        """It returned in time without marking anything: it accepted every event."""
+        if self.busy or self.timed_out or self.error is not None:
+            return False
+        rejected, retried = self.marks.snapshot()
+        return not rejected and not retried
+
 
 class FanOut(Delivery):
     """Hands each batch to every subscriber and folds their outcomes; see the module."""
@@ -211,8 +222,13 @@ class FanOut(Delivery):
         pending = [e for e in events if e.event_id not in done] if done else list(events)
         handed: dict[str, dict[str, int]] = {}
         gone: dict[str, tuple[str, ...]] = {}
+        # The usual batch: no event of it waits for a retry, so every subscriber
+        # gets all of it, and no event id need be computed unless one is marked.
+        uniform = not owed and not event_attempts
         parts: dict[str, list[RowChange]] = {name: [] for name in names}
-        for event in pending:
+        if uniform:
+            parts = dict.fromkeys(names, pending)
+        for event in [] if uniform else pending:
             before = owed.get(event.event_id)
             if before is None and event.event_id in event_attempts:
                 # Left pending by a single-handler poller: every subscriber owes it.
@@ -224,6 +240,13 @@ class FanOut(Delivery):
             for name in fan:
                 parts[name].append(event)
         calls = self._run(wrap, parts, handed, ctx)
+        self._check(calls, ctx)
+        if uniform and all(call.clean for call in calls):
+            return Delivered(
+                by_subscriber={call.name: Outcomes(len(call.events)) for call in calls}
+            )
+        if uniform:
+            handed = {e.event_id: dict.fromkeys(names, 0) for e in pending}
         results = self._results(calls, ctx)
         return self._fold(ctx, events, pending, handed, gone, results, done)
 
@@ -246,7 +269,7 @@ class FanOut(Delivery):
             sub_marks = EventMarks(
                 part,
                 can_reject=self.quarantine is not None,
-                attempts={e.event_id: handed[e.event_id][name] for e in part},
+                attempts={e.event_id: handed[e.event_id][name] for e in part} if handed else None,
             )
             sub_ctx = dataclasses.replace(
                 ctx, marks=sub_marks, subscriber=name, timed_out=threading.Event()
@@ -288,9 +311,8 @@ class FanOut(Delivery):
         finally:
             call.marks.close()
 
-    def _results(self, calls: list[_Call], ctx: BatchContext) -> dict[str, dict[str, Resolution]]:
-        """Each subscriber's resolution of each event it was handed."""
-        emit = self.telemetry.emit
+    def _check(self, calls: list[_Call], ctx: BatchContext) -> None:
+        """Raise what must stop the tick: a lost lease, a misused ctx.reject/retry."""
         for call in calls:
             if not call.timed_out and isinstance(call.error, LostLeaseError):
                 raise call.error
@@ -302,6 +324,10 @@ class FanOut(Delivery):
             if not call.timed_out and call.marks.misuse is not None:
                 # ctx.reject/retry misused: a bug to fix, not a batch to retry.
                 raise call.marks.misuse
+
+    def _results(self, calls: list[_Call], ctx: BatchContext) -> dict[str, dict[str, Resolution]]:
+        """Each subscriber's resolution of each event it was handed."""
+        emit = self.telemetry.emit
         out: dict[str, dict[str, Resolution]] = {}
         for call in calls:
             fields = {**batch_fields(call.ctx, len(call.events)), "subscriber": call.name}
@@ -388,7 +414,7 @@ class FanOut(Delivery):
         for event in pending:
             i = event.event_id
             fan = handed[i]
-            mine = {name: results.get(name, {}).get(i, fanout.fail("no result")) for name in fan}
+            mine = {name: results.get(name, {}).get(i, NO_RESULT) for name in fan}
             for name, resolution in mine.items():
                 counts[name].add(resolution)
             decisions[i] = fanout.decide(

@@ -66,6 +66,9 @@ def fail(reason: str) -> Resolution:
     return Resolution(Kind.FAILED, reason)
 
 
+_MISSING = Resolution(Kind.FAILED, "no result (timed out)")
+
+
 class Fate(enum.Enum):
     """What becomes of an event once its fan-out set has been handed it."""
 
@@ -160,7 +163,7 @@ def decide(
     failures: dict[str, str] = {}
     spent: list[str] = []
     for name, before in handed.items():
-        result = results.get(name, fail("no result (timed out)"))
+        result = results.get(name, _MISSING)
         if result.kind is Kind.ACCEPTED:
             accepted += 1
         elif result.kind is Kind.REJECTED:

@@ -77,3 +77,43 @@ def test_chaos_no_loss_no_regression_no_stale_commit(
     assert report.stale_commits_accepted == 0, context
     assert report.unexplained_duplicates == 0, context
     assert report.commits > 0, context
+
+
+#: The fan-out variant is shorter: it re-proves the same invariants with the
+#: subscribers' threads in the mix, not the whole catalogue of windows.
+FANOUT_SECONDS = min(SECONDS, 12.0)
+
+
+@pytest.mark.timeout(200)
+def test_chaos_with_two_subscribers_no_loss_no_regression(
+    pg: TestDatabase, azurite: Azurite, container: str, tmp_path: Path
+) -> None:
+    """Fan-out workers (two subscribers on one read) under the same kills and
+    freezes: each subscriber sees every final row state, the checkpoint never
+    goes back, and no stale commit is accepted."""
+    assert pg.schema is not None
+    store = BlobCheckpointStore.from_connection_string(
+        azurite.connection_string, app_name="chaos", container=container
+    )
+    report, logs = run_chaos(
+        engine=pg.engine,
+        db_url=pg.url,
+        schema=pg.schema,
+        store=store,
+        state_args=["--container", container],
+        env={"DBTRIGGER_CHAOS_STORAGE": azurite.connection_string},
+        workdir=tmp_path,
+        seconds=FANOUT_SECONDS,
+        workers=2,
+        subscribers=2,
+    )
+    print(f"\nchaos report (two subscribers per worker):\n{report.table()}")
+    context = f"{report.table()}\n{logs}"
+    assert report.kills + report.pauses >= 2, context
+    assert report.rows_inserted > 50, context
+    assert report.lost == 0, context
+    assert report.checkpoint_regressions == 0, context
+    assert report.chain_breaks == 0, context
+    assert report.stale_commits_accepted == 0, context
+    assert report.unexplained_duplicates == 0, context
+    assert report.commits > 0, context

@@ -43,7 +43,8 @@ CREATE INDEX ix_items_version_id ON {s}.items (version, id);
 CREATE TABLE {s}.seen (
     n bigserial PRIMARY KEY, item_id bigint NOT NULL, version bigint NOT NULL,
     worker text NOT NULL, incarnation int NOT NULL, batch_id text NOT NULL,
-    token bigint NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp());
+    token bigint NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    subscriber text NOT NULL DEFAULT '');
 CREATE TABLE {s}.sink (
     item_id bigint NOT NULL, version bigint NOT NULL, token bigint NOT NULL,
     PRIMARY KEY (item_id, version));
@@ -275,8 +276,13 @@ def run_chaos(
     workers: int = 3,
     ttl: float = 1.5,
     seed: int = 4,
+    subscribers: int = 0,
 ) -> tuple[ChaosReport, str]:
-    """Run the whole scenario; returns the report and the workers' log tails."""
+    """Run the whole scenario; returns the report and the workers' log tails.
+
+    ``subscribers``: fan-out workers (``PollTrigger(subscribers=...)``) with
+    that many subscribers, each of which must see every row state.
+    """
     create_tables(engine, schema)
     grace = min(ttl / 2, 5.0)
     chaos = Chaos(
@@ -293,6 +299,8 @@ def run_chaos(
             "0.1",
             "--batch-size",
             "50",
+            "--subscribers",
+            str(subscribers),
         ],
         env=env,
         workers=workers,
@@ -370,6 +378,7 @@ def run_chaos(
         kills=kills,
         pauses=pauses,
         drain_seconds=drain_seconds,
+        subscribers=[f"s{i + 1}" for i in range(subscribers)] or [""],
     )
     return report, chaos.logs()
 
@@ -386,6 +395,7 @@ def analyse(
     kills: int,
     pauses: int,
     drain_seconds: float,
+    subscribers: list[str] | None = None,
 ) -> ChaosReport:
     q = f'"{schema}"'
     with engine.connect() as conn:
@@ -395,7 +405,7 @@ def analyse(
         }
         seen_rows = conn.execute(
             sa.text(
-                "SELECT item_id, version, worker, incarnation, batch_id, token "
+                "SELECT item_id, version, worker, incarnation, batch_id, token, subscriber "
                 f"FROM {q}.seen ORDER BY n"
             )
         ).all()
@@ -405,7 +415,11 @@ def analyse(
         )
 
     seen_states = {(int(r.item_id), int(r.version)) for r in seen_rows}
-    lost = len(final - seen_states)
+    # Every subscriber (fan-out) must have seen every final row state itself.
+    lost = sum(
+        len(final - {(int(r.item_id), int(r.version)) for r in seen_rows if r.subscriber == sub})
+        for sub in subscribers or [""]
+    )
 
     regressions = sum(
         1 for a, b in zip(monitor.positions, monitor.positions[1:], strict=False) if b < a
@@ -434,9 +448,9 @@ def analyse(
     stale_accepted += sum(1 for b, o in outcome_of.items() if o == "lost" and b in committed)
 
     batch_owner = {str(r.batch_id): (str(r.worker), int(r.incarnation)) for r in seen_rows}
-    by_state: dict[tuple[int, int], list[str]] = collections.defaultdict(list)
+    by_state: dict[tuple[str, int, int], list[str]] = collections.defaultdict(list)
     for r in seen_rows:
-        by_state[(int(r.item_id), int(r.version))].append(str(r.batch_id))
+        by_state[(str(r.subscriber), int(r.item_id), int(r.version))].append(str(r.batch_id))
     windows: collections.Counter[str] = collections.Counter()
     duplicates = 0
     cases: list[str] = []

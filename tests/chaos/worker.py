@@ -40,6 +40,7 @@ from dbtrigger import (
     SqlAlchemySource,
 )
 from dbtrigger.runtime.context import BatchContext
+from dbtrigger.runtime.delivery import Handler
 from dbtrigger.state.stores.base import CheckpointStore
 
 
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slow-seconds", type=float, default=2.5)
     parser.add_argument("--batch-size", type=int, default=20)
     parser.add_argument("--journal-limit", type=int, default=100)
+    parser.add_argument("--subscribers", type=int, default=0, help="fan-out: subscribers s1..sN")
     args = parser.parse_args(argv)
 
     stop = threading.Event()
@@ -93,6 +95,14 @@ def main(argv: list[str] | None = None) -> int:
         # workers back because of unrelated sessions on a shared server.
         visibility="none",
     )
+
+    def make_handler(subscriber: str) -> Handler:
+        def handler(events: list[RowChange], ctx: BatchContext) -> None:
+            handle(events, ctx, subscriber)
+
+        return handler
+
+    subscribers = {f"s{i + 1}": make_handler(f"s{i + 1}") for i in range(args.subscribers)}
     trigger = PollTrigger(
         name=args.poller,
         source=source,
@@ -102,10 +112,12 @@ def main(argv: list[str] | None = None) -> int:
         lease_ttl_seconds=args.ttl,
         owner_id=f"{args.worker}/{args.incarnation}",
         journal_limit=args.journal_limit,
+        subscribers=subscribers or None,
     )
     me = {"worker": args.worker, "incarnation": args.incarnation}
+    handler = None if subscribers else make_handler("")
 
-    def handler(events: list[RowChange], ctx: BatchContext) -> None:
+    def handle(events: list[RowChange], ctx: BatchContext, subscriber: str) -> None:
         with engine.begin() as conn:
             conn.execute(
                 seen.insert(),
@@ -115,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                         "version": e.cursor,
                         "batch_id": ctx.batch_id,
                         "token": ctx.fencing_token,
+                        "subscriber": subscriber,
                         **me,
                     }
                     for e in events

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 # tools that only need the error classes or ``RowChange``.
 from dbtrigger.cursor import BEGINNING, Position
 from dbtrigger.errors import (
+    AckTimeoutError,
     AmbiguousCommitError,
     AmbiguousWriteError,
     CasConflictError,
@@ -130,6 +131,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BEGINNING",
+    "AckTimeoutError",
     "AmbiguousCommitError",
     "AmbiguousWriteError",
     "BatchContext",

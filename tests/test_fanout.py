@@ -625,3 +625,25 @@ def test_the_fan_out_example_in_the_docs_runs_as_written(
     exec(compile(code, "reliability.md", "exec"), {})  # noqa: S102 - our own docs
     out = capsys.readouterr().out.splitlines()
     assert out == ["4", "[1, 3] [1, 2, 3]", "{'accepted': 2, 'rejected': 0, 'failed': 1}"]
+
+
+def test_a_subscriber_that_empties_its_list_does_not_touch_the_others(
+    sqlite_db: TestDatabase, tmp_path: Path
+) -> None:
+    table = items_table(sqlite_db)
+    add_items(sqlite_db, table, [1, 2, 3])
+    store = FileCheckpointStore(tmp_path / "state")
+    got: list[int] = []
+
+    def greedy(events: list[RowChange]) -> None:
+        events.clear()
+
+    def reader(events: list[RowChange]) -> None:
+        got.extend(int(e.pk["id"]) for e in events)
+
+    trigger = make_trigger(
+        items_source(sqlite_db), store, subscribers={"greedy": greedy, "reader": reader}
+    )
+    assert trigger.tick() == 3
+    assert got == [1, 2, 3]
+    assert read_doc(store).journal[-1]["outcomes"]["subscribers"]["greedy"]["accepted"] == 3

@@ -227,7 +227,7 @@ class FanOut(Delivery):
         uniform = not owed and not event_attempts
         parts: dict[str, list[RowChange]] = {name: [] for name in names}
         if uniform:
-            parts = dict.fromkeys(names, pending)
+            parts = dict.fromkeys(names, pending)  # read-only here; each call gets a copy
         for event in [] if uniform else pending:
             before = owed.get(event.event_id)
             if before is None and event.event_id in event_attempts:
@@ -305,7 +305,8 @@ class FanOut(Delivery):
 
     def _call_one(self, call: _Call, fn: Handler, wants: bool) -> None:
         try:
-            self._invoke(fn, call.events, call.ctx, wants)
+            # Its own list: a subscriber may sort or pop its batch, the others run on.
+            self._invoke(fn, list(call.events), call.ctx, wants)
         except BaseException as exc:  # noqa: BLE001 - sorted out by _results on the tick's thread
             call.error = exc
         finally:

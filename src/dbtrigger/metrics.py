@@ -8,6 +8,7 @@ names are listed in :data:`METRICS` so adapters can pre-register them.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping
 from typing import Protocol, runtime_checkable
 
@@ -220,12 +221,18 @@ class SafeMetrics:
 
 
 class InMemoryMetrics:
-    """A collector that remembers everything; for tests and the demo."""
+    """A collector that remembers everything; for tests and the demo.
+
+    Lanes and subscribers report from their own threads, so every update and
+    read holds one lock: an unlocked ``+=`` loses counts under contention and
+    a sum over the dict fails if another thread adds a label set meanwhile.
+    """
 
     def __init__(self) -> None:
         self.counters: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
         self.gauges: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
         self.observations: dict[tuple[str, tuple[tuple[str, str], ...]], list[float]] = {}
+        self._lock = threading.Lock()
 
     @staticmethod
     def _key(name: str, labels: Labels | None) -> tuple[str, tuple[tuple[str, str], ...]]:
@@ -233,22 +240,31 @@ class InMemoryMetrics:
 
     def increment(self, name: str, value: float = 1, *, labels: Labels | None = None) -> None:
         key = self._key(name, labels)
-        self.counters[key] = self.counters.get(key, 0) + value
+        with self._lock:
+            self.counters[key] = self.counters.get(key, 0) + value
 
     def observe(self, name: str, value: float, *, labels: Labels | None = None) -> None:
-        self.observations.setdefault(self._key(name, labels), []).append(value)
+        key = self._key(name, labels)
+        with self._lock:
+            self.observations.setdefault(key, []).append(value)
 
     def set_gauge(self, name: str, value: float, *, labels: Labels | None = None) -> None:
-        self.gauges[self._key(name, labels)] = value
+        key = self._key(name, labels)
+        with self._lock:
+            self.gauges[key] = value
 
     def total(self, name: str, **labels: str) -> float:
         """Sum of a counter over every label set that includes ``labels``."""
         want = set(labels.items())
-        return sum(v for (n, lab), v in self.counters.items() if n == name and want <= set(lab))
+        with self._lock:
+            items = list(self.counters.items())
+        return sum(v for (n, lab), v in items if n == name and want <= set(lab))
 
     def gauge(self, name: str, **labels: str) -> float | None:
         want = set(labels.items())
-        for (n, lab), v in self.gauges.items():
+        with self._lock:
+            items = list(self.gauges.items())
+        for (n, lab), v in items:
             if n == name and want <= set(lab):
                 return v
         return None

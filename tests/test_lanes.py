@@ -7,9 +7,18 @@ import asyncio
 import threading
 from pathlib import Path
 
+import azure.functions as func
 import pytest
+import sqlalchemy as sa
 
-from dbtrigger import ConfigurationError, FileCheckpointStore, HandlerError, RowChange
+from dbtrigger import (
+    ConfigurationError,
+    DbBindings,
+    DbOut,
+    FileCheckpointStore,
+    HandlerError,
+    RowChange,
+)
 from dbtrigger.runtime.context import BatchContext
 from dbtrigger.runtime.lanes import lane_of, split
 from dbtrigger.testing import CountingStore, StoreCounts
@@ -22,6 +31,7 @@ from tests.reliability_support import (
     items_table,
     make_trigger,
 )
+from tests.test_azure_functions import assert_host_accepts, timer
 
 
 def test_lanes_are_a_stable_split_by_key_in_batch_order() -> None:
@@ -171,3 +181,48 @@ def test_async_lanes_overlap_on_the_callers_loop(sqlite_db: TestDatabase, tmp_pa
     assert asyncio.run(main()) == 20
     assert len(loops) == 1  # every lane's task ran on the caller's loop
     assert most >= 2  # and they overlapped
+
+
+def test_functions_trigger_runs_lanes_from_a_timer(sqlite_db: TestDatabase, tmp_path: Path) -> None:
+    """``@db.trigger(..., max_concurrency=4)`` in a real ``FunctionApp``: the host
+    indexes the function, and one timer invocation hands the batch to four
+    concurrent calls (they meet at a barrier), each with its own output rows."""
+    table = items_table(sqlite_db)
+    add_items(sqlite_db, table, range(1, 41))
+    sqlite_db.execute("CREATE TABLE seen (id INTEGER PRIMARY KEY, lane TEXT NOT NULL)")
+    store = FileCheckpointStore(tmp_path / "state")
+    app = func.FunctionApp()
+    db = DbBindings()
+    barrier = threading.Barrier(4, timeout=20)
+    timers: list[object] = []
+
+    @app.function_name(name="items_lanes")
+    @app.schedule(schedule="0 */1 * * * *", arg_name="timer")
+    @db.trigger(
+        arg_name="events",
+        source=items_source(sqlite_db),
+        checkpoint_store=store,
+        name="items",
+        batch_size=40,
+        max_concurrency=4,
+    )
+    @db.output("out", url=sqlite_db.url, table="seen")
+    def items_lanes(timer: func.TimerRequest, events: list[RowChange], out: DbOut) -> None:
+        timers.append(timer)
+        barrier.wait()
+        lane = threading.current_thread().name
+        out.set([{"id": int(e.pk["id"]), "lane": lane} for e in events])
+
+    (function,) = app.get_functions()
+    assert function.get_function_name() == "items_lanes"
+    assert_host_accepts(function)
+    assert db.triggers["items"].max_concurrency == 4
+    request = timer()
+    assert function.get_user_function()(timer=request) is None
+    assert len(timers) == 4
+    assert all(t is request for t in timers)
+    with sqlite_db.engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT id, lane FROM seen ORDER BY id")).all()
+    assert [r[0] for r in rows] == list(range(1, 41))
+    assert len({r[1] for r in rows}) == 4  # four lanes, four threads
+    assert checkpoint_id(store) == 40

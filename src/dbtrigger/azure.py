@@ -261,6 +261,7 @@ class DbBindings:
         lease_ttl_seconds: float | str = 120,
         metrics: MetricsCollector | None = None,
         schedule: str | None = None,
+        max_concurrency: int = 1,
         **trigger_options: Any,
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Poll ``source`` each time the function runs; place it under ``@app.schedule``.
@@ -278,6 +279,10 @@ class DbBindings:
                 ``@app.schedule`` above is applied after this decorator, so its
                 schedule is not visible yet). A contradiction emits
                 :class:`LeaseScheduleWarning`.
+            max_concurrency: parallel lanes per batch, as for ``PollTrigger``: the
+                function is called on up to this many parts of a batch at once
+                (each call with its own ``@db.output`` rows); keep batches x
+                handler time inside ``functionTimeout``.
             trigger_options: further keyword arguments for ``PollTrigger``
                 (``owner_id``, ``clock``, ...).
 
@@ -322,6 +327,7 @@ class DbBindings:
                     source=source,
                     checkpoint_store=checkpoint_store,
                     metrics=metrics,
+                    max_concurrency=max_concurrency,
                     **trigger_options,
                 ),
                 {

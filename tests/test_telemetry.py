@@ -74,6 +74,30 @@ def test_metrics_only_events_do_not_log(caplog: pytest.LogCaptureFixture) -> Non
     assert metrics.observations[("fetch_duration_seconds", (("poller", "orders"),))] == [0.01]
 
 
+def test_heartbeat_events_keep_their_log_names_and_count_a_loss_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The heartbeat reports through the table too. Its ``lease_lost`` records
+    (``during=heartbeat``) explain a loss that the stopped batch then counts:
+    they move no loss metric themselves."""
+    telemetry, metrics = rig()
+    with caplog.at_level(logging.DEBUG, logger="dbtrigger"):
+        telemetry.emit("lease_renewed", "lease renewed (token %s)", 3, fencing_token=3)
+        telemetry.emit("heartbeat_failed", "failed: %s", "down", fencing_token=3)
+        telemetry.emit("heartbeat_rejected", "rejected", fencing_token=3, during="heartbeat")
+        telemetry.emit("heartbeat_expired", "expired", fencing_token=3, during="heartbeat")
+    got = [(r.event, r.levelno, getattr(r, "during", None)) for r in caplog.records]  # type: ignore[attr-defined]
+    assert got == [
+        ("lease_renewed", logging.DEBUG, None),
+        ("heartbeat_failed", logging.WARNING, None),
+        ("lease_lost", logging.WARNING, "heartbeat"),
+        ("lease_lost", logging.ERROR, "heartbeat"),
+    ]
+    assert metrics.total("heartbeats_total") == 1
+    assert metrics.total("batches_total") == 0
+    assert metrics.total("failures_total") == 0
+
+
 def test_an_undeclared_event_is_a_programming_error() -> None:
     telemetry, _ = rig()
     with pytest.raises(KeyError):

@@ -27,17 +27,15 @@ letting its handler run on beside the new owner's.
 from __future__ import annotations
 
 import datetime as dt
-import logging
 import threading
 from collections.abc import Callable
 from types import TracebackType
 
 from dbtrigger.errors import DbTriggerError, LostLeaseError
 from dbtrigger.runtime.session import LeaseSession
+from dbtrigger.runtime.telemetry import Telemetry
 from dbtrigger.state import lease as leasemod
 from dbtrigger.state.document import StateDocument, format_time
-
-log = logging.getLogger("dbtrigger.runtime")
 
 
 def default_interval(ttl_seconds: float) -> float:
@@ -61,18 +59,15 @@ class Heartbeat:
         ttl: dt.timedelta,
         clock: Callable[[], dt.datetime],
         lost: threading.Event,
-        poller: str,
-        on_renewed: Callable[[], None] | None = None,
-        on_lost: Callable[[LostLeaseError], None] | None = None,
+        telemetry: Telemetry,
     ) -> None:
         self.session = session
         self.interval = interval
         self.ttl = ttl
         self.clock = clock
         self.lost = lost
-        self.poller = poller
-        self.on_renewed = on_renewed
-        self.on_lost = on_lost
+        self.telemetry = telemetry
+        self.poller = telemetry.poller
         self.renewals = 0
         self.failures = 0
         self._stop = threading.Event()
@@ -135,19 +130,14 @@ class Heartbeat:
         )
         self.session.lost = True
         self.lost.set()
-        log.error(
+        self.telemetry.emit(
+            "heartbeat_expired",
             "%s",
             exc,
-            extra={
-                "event": "lease_lost",
-                "poller": self.poller,
-                "fencing_token": self.session.token,
-                "during": "heartbeat",
-                "reason": "expired_without_renewal",
-            },
+            fencing_token=self.session.token,
+            during="heartbeat",
+            reason="expired_without_renewal",
         )
-        if self.on_lost is not None:
-            self.on_lost(exc)
 
     def _run(self) -> None:
         while True:
@@ -162,18 +152,13 @@ class Heartbeat:
                 renewed = self._renew()
             except LostLeaseError as exc:
                 self.lost.set()
-                log.warning(
+                self.telemetry.emit(
+                    "heartbeat_rejected",
                     "heartbeat rejected, the lease was taken over: %s",
                     exc,
-                    extra={
-                        "event": "lease_lost",
-                        "poller": self.poller,
-                        "fencing_token": self.session.token,
-                        "during": "heartbeat",
-                    },
+                    fencing_token=self.session.token,
+                    during="heartbeat",
                 )
-                if self.on_lost is not None:
-                    self.on_lost(exc)
                 return
             except DbTriggerError as exc:
                 # Unknown outcome or store down: not a loss while the lease
@@ -184,16 +169,12 @@ class Heartbeat:
                 if expires_at is not None and self.clock() >= expires_at:
                     self._give_up(exc, expires_at)
                     return
-                log.warning(
+                self.telemetry.emit(
+                    "heartbeat_failed",
                     "heartbeat failed (%d in a row), will retry: %s",
                     self.failures,
                     exc,
-                    extra={
-                        "event": "heartbeat_failed",
-                        "poller": self.poller,
-                        "fencing_token": self.session.token,
-                        **exc.log_fields(),
-                    },
+                    **{**exc.log_fields(), "fencing_token": self.session.token},
                 )
                 pause = self.interval / 2
                 if expires_at is not None:
@@ -208,14 +189,9 @@ class Heartbeat:
                 continue  # a commit wrote meanwhile; wait out its interval
             self.renewals += 1
             self.failures = 0
-            log.debug(
+            self.telemetry.emit(
+                "lease_renewed",
                 "lease renewed (token %s)",
                 self.session.token,
-                extra={
-                    "event": "lease_renewed",
-                    "poller": self.poller,
-                    "fencing_token": self.session.token,
-                },
+                fencing_token=self.session.token,
             )
-            if self.on_renewed is not None:
-                self.on_renewed()

@@ -64,8 +64,14 @@ Update = Count | Observe | Gauge
 
 @dataclass(frozen=True)
 class EventSpec:
+    """``level``: the log level (None: metrics-only); ``updates``: the metrics it
+    moves; ``log_as``: the ``event`` field the record carries when it is not the
+    table key - two entries that share a public log name but not their metrics
+    (the heartbeat's ``lease_lost`` explains a loss the batch then counts)."""
+
     level: int | None
     updates: tuple[Update, ...] = ()
+    log_as: str | None = None
 
 
 _LOST = (
@@ -122,8 +128,13 @@ EVENTS: dict[str, EventSpec] = {
     # the lease
     "lease_acquire_failed": EventSpec(E, (_FAILURE,)),
     "lease_acquired": EventSpec(D),
-    "heartbeat_renewed": EventSpec(None, (Count("heartbeats_total"),)),
     "lease_lost": EventSpec(W, _LOST),
+    # the heartbeat (runtime/heartbeat.py): a loss it sees is counted once, by
+    # the batch that stops on it (lease_lost above)
+    "lease_renewed": EventSpec(D, (Count("heartbeats_total"),)),
+    "heartbeat_failed": EventSpec(W),
+    "heartbeat_rejected": EventSpec(W, log_as="lease_lost"),
+    "heartbeat_expired": EventSpec(E, log_as="lease_lost"),
     "lease_released": EventSpec(D),
     "lease_release_skipped": EventSpec(D),
     "lease_release_failed": EventSpec(W),
@@ -275,7 +286,7 @@ class Telemetry:
                 spec.level,
                 msg,
                 *args,
-                extra={"event": event, "poller": self.poller, **fields},
+                extra={"event": spec.log_as or event, "poller": self.poller, **fields},
                 stacklevel=2,
             )
         if not spec.updates:

@@ -338,8 +338,7 @@ class TickDriver:
             ttl=s.lease_ttl,
             clock=self.clock,
             lost=lost,
-            poller=self.name,
-            on_renewed=lambda: self.emit("heartbeat_renewed"),
+            telemetry=self.telemetry,
         )
         self.emit(
             "lease_acquired",

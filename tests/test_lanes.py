@@ -15,12 +15,17 @@ from dbtrigger import (
     ConfigurationError,
     DbBindings,
     DbOut,
+    FetchError,
     FileCheckpointStore,
     HandlerError,
+    LostLeaseError,
     RowChange,
+    SqlAlchemySource,
 )
+from dbtrigger.cursor import Position
 from dbtrigger.runtime.context import BatchContext
-from dbtrigger.runtime.lanes import lane_of, split
+from dbtrigger.runtime.lanes import split
+from dbtrigger.sources.rows import Rows
 from dbtrigger.testing import CountingStore, StoreCounts
 from tests.databases import TestDatabase
 from tests.reliability_support import (
@@ -30,35 +35,50 @@ from tests.reliability_support import (
     items_source,
     items_table,
     make_trigger,
+    read_doc,
+    steal_lease,
 )
 from tests.test_azure_functions import assert_host_accepts, timer
 
 
-def test_lanes_are_a_stable_split_by_key_in_batch_order() -> None:
-    events = [
-        RowChange(
-            event_id=f"e{i}",
-            op="upsert",
-            source="s",
-            cursor=i,
-            pk={"id": i % 7},
-            before=None,
-            after=None,
-        )
-        for i in range(40)
-    ]
+def event(i: int, key: int) -> RowChange:
+    return RowChange(
+        event_id=f"e{i}",
+        op="upsert",
+        source="s",
+        cursor=i,
+        pk={"id": key},
+        before=None,
+        after=None,
+    )
+
+
+def test_lanes_keep_a_key_together_in_batch_order() -> None:
+    events = [event(i, i % 7) for i in range(40)]
     parts = split(events, 4)
     assert sorted(e.event_id for part in parts for e in part) == sorted(e.event_id for e in events)
     for part in parts:
         assert [e.cursor for e in part] == sorted(e.cursor for e in part)
-        assert len({lane_of(e, 4) for e in part}) == 1
     # One key, one lane: all events of a key are in the same part.
     lanes_of_key: dict[int, set[int]] = {}
     for index, part in enumerate(parts):
         for e in part:
             lanes_of_key.setdefault(int(e.pk["id"]), set()).add(index)
     assert all(len(v) == 1 for v in lanes_of_key.values())
+    assert split(events, 4) == parts  # deterministic: a redelivery splits the same way
     assert split(events, 1) == [events]
+    assert split([], 4) == []
+
+
+def test_lanes_are_near_equal() -> None:
+    """The batch waits for its slowest lane: distinct keys split evenly, and a
+    key with many events is balanced against the others."""
+    events = [event(i, i) for i in range(500)]
+    assert sorted(len(p) for p in split(events, 16)) == [31] * 12 + [32] * 4
+    events = [event(i, 0 if i % 2 else i) for i in range(40)]  # key 0: 21 events
+    sizes = sorted(len(p) for p in split(events, 4))
+    assert sizes == [6, 6, 7, 21]
+    assert len(split(events[:3], 16)) == 2  # never more lanes than keys (0, 0, 2)
 
 
 @pytest.mark.parametrize("bad", [0, -1])
@@ -125,19 +145,7 @@ def test_a_failing_lane_fails_only_its_rows(sqlite_db: TestDatabase, tmp_path: P
 
 
 def split_ids(ids: range, lanes: int) -> list[list[int]]:
-    events = [
-        RowChange(
-            event_id=f"e{i}",
-            op="upsert",
-            source="s",
-            cursor=i,
-            pk={"id": i},
-            before=None,
-            after=None,
-        )
-        for i in ids
-    ]
-    return [[int(e.pk["id"]) for e in part] for part in split(events, lanes)]
+    return [[int(e.pk["id"]) for e in part] for part in split([event(i, i) for i in ids], lanes)]
 
 
 def test_per_event_marks_work_across_lanes(sqlite_db: TestDatabase, tmp_path: Path) -> None:
@@ -226,3 +234,190 @@ def test_functions_trigger_runs_lanes_from_a_timer(sqlite_db: TestDatabase, tmp_
     assert [r[0] for r in rows] == list(range(1, 41))
     assert len({r[1] for r in rows}) == 4  # four lanes, four threads
     assert checkpoint_id(store) == 40
+
+
+# --- the next batch is read while the lanes run ---------------------------------------
+
+
+class CountingSource(SqlAlchemySource):
+    """The items source, counting its reads; from read ``fail_from`` on, they fail."""
+
+    def __init__(self, db: TestDatabase, fail_from: int | None = None) -> None:
+        super().__init__(
+            url=db.url,
+            table="items",
+            schema=db.schema,
+            cursor_column="version",
+            pk_columns=["id"],
+            visibility="none",
+        )
+        self.reads = 0
+        self.fail_from = fail_from
+        self.read_happened = threading.Condition()
+
+    def fetch(self, after: Position, limit: int) -> Rows:
+        with self.read_happened:
+            self.reads += 1
+            self.read_happened.notify_all()
+            if self.fail_from is not None and self.reads >= self.fail_from:
+                raise FetchError("source went away", poller="items")
+        return super().fetch(after, limit)
+
+    def wait_for(self, reads: int) -> bool:
+        with self.read_happened:
+            return self.read_happened.wait_for(lambda: self.reads >= reads, timeout=20)
+
+
+def test_the_next_batch_is_read_while_the_lanes_run(
+    sqlite_db: TestDatabase, tmp_path: Path
+) -> None:
+    """Batch 1's lanes wait (bounded) until the source was read a second time:
+    they return in time only because that read happens while they run."""
+    table = items_table(sqlite_db)
+    add_items(sqlite_db, table, range(1, 31))
+    source = CountingSource(sqlite_db)
+    store = CountingStore(FileCheckpointStore(tmp_path / "state"))
+    trigger = make_trigger(source, store, batch_size=10, max_batches_per_tick=3, max_concurrency=2)
+    overlapped: list[bool] = []
+    batches: list[int] = []
+    lock = threading.Lock()
+
+    def handler(events: list[RowChange], ctx: BatchContext) -> None:
+        if ctx.batch_index == 0:
+            with lock:
+                overlapped.append(source.wait_for(2))
+        with lock:
+            batches.append(ctx.batch_index)
+
+    try:
+        assert trigger.tick(handler) == 30
+    finally:
+        source.close()
+    assert overlapped == [True, True]  # both lanes of batch 1 saw the second read
+    assert source.reads == 3  # peek, then one read per following batch: none repeated
+    assert sorted(set(batches)) == [0, 1, 2]
+    assert store.counts == StoreCounts(reads=1, writes=4)
+    assert checkpoint_id(store) == 30
+
+
+def script_run(db: TestDatabase, tmp_path: Path, lanes: int) -> list[list[list[int]]]:
+    """Drain with every fourth row retried on its first delivery (due at once):
+    the batches, as sorted ids, tick by tick."""
+    store = FileCheckpointStore(tmp_path / f"state{lanes}")
+    trigger = make_trigger(
+        items_source(db),
+        store,
+        batch_size=5,
+        max_batches_per_tick=10,
+        max_concurrency=lanes,
+        retry_delay_seconds=0,
+        retry_delay_max_seconds=0,
+    )
+    retried: set[int] = set()
+    ticks: list[list[list[int]]] = []
+    current: dict[int, list[int]] = {}
+    lock = threading.Lock()
+
+    def handler(events: list[RowChange], ctx: BatchContext) -> None:
+        for e in events:
+            key = int(e.pk["id"])
+            with lock:
+                current.setdefault(ctx.batch_index, []).append(key)
+                first = key % 4 == 0 and key not in retried
+                retried.add(key)
+            if first:
+                ctx.retry(e, "busy")
+
+    while True:
+        current.clear()
+        rows = trigger.tick(handler)
+        ticks.append([sorted(current[i]) for i in sorted(current)])
+        if not rows:
+            break
+    assert checkpoint_id(store) == 23
+    assert read_doc(store).window is None
+    return ticks
+
+
+def test_a_retry_drops_the_prefetched_batch(sqlite_db: TestDatabase, tmp_path: Path) -> None:
+    """A retried event moves the window: the batch read while the lanes ran
+    was chosen against the old one, so it is dropped and read again - the
+    batches are exactly those of a single lane (retries due at once included)."""
+    table = items_table(sqlite_db)
+    add_items(sqlite_db, table, range(1, 24))
+    assert script_run(sqlite_db, tmp_path, 4) == script_run(sqlite_db, tmp_path, 1)
+
+
+def test_a_failed_batch_drops_the_prefetched_one(sqlite_db: TestDatabase, tmp_path: Path) -> None:
+    table = items_table(sqlite_db)
+    add_items(sqlite_db, table, range(1, 31))
+    store = FileCheckpointStore(tmp_path / "state")
+    trigger = make_trigger(
+        items_source(sqlite_db), store, batch_size=10, max_batches_per_tick=5, max_concurrency=4
+    )
+    seen: list[int] = []
+    lock = threading.Lock()
+
+    def failing(events: list[RowChange]) -> None:
+        with lock:
+            seen.extend(int(e.pk["id"]) for e in events)
+        if any(int(e.pk["id"]) == 7 for e in events):
+            raise ValueError("downstream refused 7")
+
+    with pytest.raises(HandlerError):
+        trigger.tick(failing)
+    assert sorted(seen) == list(range(1, 11))  # the prefetched batch 2 was never handed out
+    seen.clear()
+    assert trigger.drain(lambda events: seen.extend(int(e.pk["id"]) for e in events)) > 0
+    lane = next(p for p in split_ids(range(1, 11), 4) if 7 in p)
+    assert sorted(seen) == sorted(lane + list(range(11, 31)))
+    assert checkpoint_id(store) == 30
+
+
+def test_a_lost_lease_drops_the_prefetched_batch(sqlite_db: TestDatabase, tmp_path: Path) -> None:
+    table = items_table(sqlite_db)
+    add_items(sqlite_db, table, range(1, 31))
+    store = FileCheckpointStore(tmp_path / "state")
+    trigger = make_trigger(
+        items_source(sqlite_db),
+        store,
+        batch_size=10,
+        max_batches_per_tick=5,
+        max_concurrency=2,
+        heartbeat_interval_seconds=0,
+    )
+    stolen = threading.Event()
+    handed: list[int] = []
+
+    def handler(events: list[RowChange], ctx: BatchContext) -> None:
+        handed.append(ctx.batch_index)
+        if not stolen.is_set():
+            stolen.set()
+            steal_lease(store)
+
+    with pytest.raises(LostLeaseError):
+        trigger.tick(handler)
+    assert set(handed) == {0}  # nothing of the prefetched batch was handed out
+    doc = read_doc(store)
+    assert doc.checkpoint is None
+    assert doc.lease is not None
+    assert doc.lease.owner_id == "thief"
+
+
+def test_a_failed_prefetch_is_raised_after_the_batch_commits(
+    sqlite_db: TestDatabase, tmp_path: Path
+) -> None:
+    table = items_table(sqlite_db)
+    add_items(sqlite_db, table, range(1, 31))
+    source = CountingSource(sqlite_db, fail_from=2)
+    store = FileCheckpointStore(tmp_path / "state")
+    trigger = make_trigger(source, store, batch_size=10, max_batches_per_tick=5, max_concurrency=2)
+    try:
+        with pytest.raises(FetchError, match="source went away"):
+            trigger.tick(lambda events: None)
+    finally:
+        source.close()
+    assert checkpoint_id(store) == 10  # batch 1 committed (and released) first
+    doc = read_doc(store)
+    assert doc.lease is not None
+    assert doc.lease.released

@@ -260,3 +260,31 @@ def test_fan_out_costs_no_extra_store_operation_however_many_subscribers(
     store.reset()
     assert trigger.tick_result().outcome == "idle"  # retries not due yet
     assert store.counts == StoreCounts(reads=1)
+
+
+@pytest.mark.parametrize("marks", [False, True])
+def test_lanes_and_their_prefetch_cost_no_extra_store_operation(
+    trigger: PollTrigger, store: CountingStore, table: TestDatabase, tmp_path: Path, marks: bool
+) -> None:
+    """max_concurrency=4 reads the next batch while the lanes run (used as is
+    without marks, dropped and read again when a retry moves the window): the
+    store still sees 1 read and k + 1 writes per tick."""
+    trigger = PollTrigger(
+        name="orders",
+        source=trigger.source,
+        checkpoint_store=store,
+        batch_size=BATCH,
+        max_batches_per_tick=10,
+        max_concurrency=4,
+        quarantine=JsonLinesQuarantineSink(tmp_path / "dead.jsonl"),
+    )
+    add_rows(table, 1, 23)
+
+    def handler(events: list[RowChange], ctx: BatchContext) -> None:
+        for e in events:
+            if marks and int(e.pk["id"]) % 4 == 0:
+                ctx.retry(e, "busy")
+
+    result = trigger.tick_result(handler)
+    assert (result.rows, result.batches) == (23, 5)
+    assert store.counts == StoreCounts(reads=1, writes=result.batches + 1)

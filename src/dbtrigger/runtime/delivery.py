@@ -147,6 +147,7 @@ class Delivery:
         done: frozenset[str],
         ctx: BatchContext,
         wants_ctx: bool,
+        meanwhile: Callable[[], None] | None = None,
     ) -> Outcome:
         """Hand the batch over and say whether every row is settled.
 
@@ -155,11 +156,15 @@ class Delivery:
         (``ctx.reject`` / ``ctx.retry``) are settled here too, rejected events
         written to the dead-letter sink before the outcome is returned.
 
+        With lanes, ``meanwhile`` runs on this thread while the first handler
+        call's lanes run (the tick's prefetch); it may not run at all (no call,
+        or no lanes).
+
         Raises:
             LostLeaseError: the lease was lost; nothing may be written.
         """
         try:
-            outcome = self._deliver(handler, events, done, ctx, wants_ctx)
+            outcome = self._deliver(handler, events, done, ctx, wants_ctx, meanwhile)
         finally:
             if ctx.marks is not None:
                 ctx.marks.close()
@@ -177,6 +182,7 @@ class Delivery:
         done: frozenset[str],
         ctx: BatchContext,
         wants_ctx: bool,
+        meanwhile: Callable[[], None] | None,
     ) -> Outcome:
         emit = self.telemetry.emit
         # Ids only matter when an earlier delivery settled some rows; an event
@@ -193,7 +199,7 @@ class Delivery:
         if not pending:
             return Delivered()
         try:
-            self._invoke(handler, pending, ctx, wants_ctx)
+            self._invoke(handler, pending, ctx, wants_ctx, meanwhile)
             return Delivered()
         except LostLeaseError:
             raise
@@ -276,11 +282,16 @@ class Delivery:
         return Undelivered(error, settled, handler_error)
 
     def _invoke(
-        self, handler: Handler, events: list[RowChange], ctx: BatchContext, wants_ctx: bool
+        self,
+        handler: Handler,
+        events: list[RowChange],
+        ctx: BatchContext,
+        wants_ctx: bool,
+        meanwhile: Callable[[], None] | None = None,
     ) -> None:
         marks = ctx.marks.snapshot() if ctx.marks is not None else None
         try:
-            self._call(handler, events, ctx, wants_ctx)
+            self._call(handler, events, ctx, wants_ctx, meanwhile)
         except PartialBatchError:
             raise  # the call partly succeeded: its marks stand (marked rows stay unsettled)
         except BaseException:
@@ -289,7 +300,12 @@ class Delivery:
             raise
 
     def _call(
-        self, handler: Handler, events: list[RowChange], ctx: BatchContext, wants_ctx: bool
+        self,
+        handler: Handler,
+        events: list[RowChange],
+        ctx: BatchContext,
+        wants_ctx: bool,
+        meanwhile: Callable[[], None] | None = None,
     ) -> None:
         emit = self.telemetry.emit
         fields = batch_fields(ctx, len(events))
@@ -305,7 +321,7 @@ class Delivery:
             if self.lanes is None:
                 one(events)
             else:
-                self.lanes.run(events, one)
+                self.lanes.run(events, one, meanwhile)
         except LostLeaseError:
             emit("lease_lost", "lease lost during the handler", **fields)
             raise

@@ -1,13 +1,23 @@
 """Parallel lanes: one batch handed to the handler as several concurrent calls.
 
 ``PollTrigger(..., max_concurrency=N)`` splits each batch into at most ``N``
-lanes by a stable hash of the primary key (:func:`lane_of`), so the same key
-is never handled by two calls at once and one key's events reach the handler
-in cursor order (a lane keeps the batch's order). The lanes run at the same
-time in worker threads: a synchronous handler blocks its own thread only, an
-async one runs as a task on its lane's loop (or, through ``tick_async``, on
-the caller's loop). An I/O-bound handler therefore handles ``N`` rows at a
-time.
+lanes (:func:`split`): every event of one primary key goes to the same lane,
+so the same key is never handled by two calls at once and one key's events
+reach the handler in cursor order (a lane keeps the batch's order). Keys are
+dealt to lanes by size, largest group first, each to the lane with the fewest
+events so far: the lanes come out near-equal, which matters because the batch
+waits for its slowest lane (a hash of the key modulo ``N`` leaves the largest
+of 16 lanes of a 500-row batch some 30% above the mean, and the whole batch
+pays for it). The split is deterministic: the same batch is split the same way
+on every delivery. Batches never overlap (a batch's lanes all finish before
+the next batch starts), so nothing needs a key to keep its lane across batches.
+
+The lanes run at the same time in worker threads of a pool that lives as long
+as the trigger: a synchronous handler blocks its own thread only, an async one
+runs as a task on its lane's loop (or, through ``tick_async``, on the caller's
+loop). An I/O-bound handler therefore handles ``N`` rows at a time. While they
+run, the calling thread may do one more thing (``meanwhile``): the tick driver
+fetches the next batch there (see :mod:`dbtrigger.runtime.tick`).
 
 The lanes share the batch's context: one fencing token, one lease-lost flag
 (a lost lease cancels every lane), one set of per-event marks. They have no
@@ -20,25 +30,39 @@ one commit per batch, however many lanes.
 
 from __future__ import annotations
 
+import heapq
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
-from dbtrigger.cursor import pk_hash
+from dbtrigger.cursor import pk_json
 from dbtrigger.errors import LostLeaseError, PartialBatchError
 from dbtrigger.events import RowChange
 
 
-def lane_of(event: RowChange, lanes: int) -> int:
-    """The lane of ``event``: a stable hash of its primary key, modulo ``lanes``."""
-    return int(pk_hash(event.pk), 16) % lanes
-
-
 def split(events: Sequence[RowChange], lanes: int) -> list[list[RowChange]]:
-    """The non-empty lanes of a batch, each in batch (cursor) order."""
-    parts: list[list[RowChange]] = [[] for _ in range(lanes)]
-    for event in events:
-        parts[lane_of(event, lanes)].append(event)
+    """The non-empty lanes of a batch, each in batch (cursor) order.
+
+    All events of one key land in one lane; keys are dealt largest group
+    first to the least-loaded lane (ties: the lower lane), so lane sizes
+    differ by at most the largest key's event count.
+    """
+    if lanes <= 1 or len(events) <= 1:
+        return [list(events)] if events else []
+    keys = [pk_json(e.pk) for e in events]
+    counts: dict[str, int] = {}
+    for key in keys:
+        counts[key] = counts.get(key, 0) + 1
+    loads = [(0, lane) for lane in range(min(lanes, len(counts)))]
+    lane_of: dict[str, int] = {}
+    # sorted() is stable: equal groups keep their order of first appearance.
+    for key, count in sorted(counts.items(), key=lambda item: -item[1]):
+        load, lane = heapq.heappop(loads)
+        lane_of[key] = lane
+        heapq.heappush(loads, (load + count, lane))
+    parts: list[list[RowChange]] = [[] for _ in range(len(loads))]
+    for event, key in zip(events, keys, strict=True):
+        parts[lane_of[key]].append(event)
     return [part for part in parts if part]
 
 
@@ -59,8 +83,16 @@ class Lanes:
                 )
             return self._pool
 
-    def run(self, events: list[RowChange], call: Callable[[list[RowChange]], None]) -> None:
+    def run(
+        self,
+        events: list[RowChange],
+        call: Callable[[list[RowChange]], None],
+        meanwhile: Callable[[], None] | None = None,
+    ) -> None:
         """Call ``call`` on each lane of ``events`` concurrently; wait for all.
+
+        ``meanwhile`` runs on the calling thread while the lanes run; the lanes
+        are waited for even if it raises (no handler call outlives this).
 
         Raises:
             LostLeaseError: a lane saw the lease lost.
@@ -68,10 +100,15 @@ class Lanes:
             Exception: every lane failed: the first lane's error.
         """
         parts = split(events, self.size)
-        if len(parts) <= 1:
+        if len(parts) <= 1 and meanwhile is None:
             call(events)
             return
         futures = [self._executor().submit(call, part) for part in parts]
+        try:
+            if meanwhile is not None:
+                meanwhile()
+        finally:
+            wait(futures)
         failures: list[tuple[list[RowChange], BaseException]] = []
         for part, future in zip(parts, futures, strict=True):
             error = future.exception()

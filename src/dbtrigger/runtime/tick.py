@@ -17,6 +17,15 @@
    writes. A batch that did not settle is recorded as a failed attempt, in
    one write that also releases the lease.
 
+   With lanes (``max_concurrency > 1``) the next batch is read *while* the
+   lanes run (:class:`Prefetch`), after where this batch leaves the
+   checkpoint and window if all of it is accepted. It is used only if the
+   batch did leave them exactly there; otherwise (a retry moved the window,
+   the batch failed, the lease was lost, the tick stops) it is dropped and,
+   if needed, read again: a read has nothing to undo, and the rows are handed
+   out only after this batch's commit succeeded under the same lease. The
+   storage cost is unchanged (the read is the source's, not the store's).
+
 What to write is always decided by a pure function of :mod:`dbtrigger.state`
 (``lease.decide_*``, ``verdict.advance``, ``journal.JournalEntry``); what is
 reported is declared once in :mod:`dbtrigger.runtime.telemetry`. Errors an
@@ -182,6 +191,54 @@ class NullCursorProbe:
                 keys[:5],
                 keys=keys[:10],
             )
+
+
+@dataclass
+class Prefetch:
+    """The next batch, read on the tick's thread while the current batch's lanes run.
+
+    ``after`` and ``window`` are where the current batch leaves the checkpoint
+    and the settled window if all of its events are accepted; the read is of
+    the batch that follows from there. Any error is kept, not raised: the
+    lanes are still running, and the read may turn out not to be needed.
+    """
+
+    read: Callable[[], Selection | None]
+    after: Position
+    window: Window
+    ran: bool = False
+    selection: Selection | None = None
+    error: Exception | None = None
+
+    def run(self) -> None:
+        self.ran = True
+        try:
+            self.selection = self.read()
+        except Exception as exc:  # noqa: BLE001 - kept for take(), raised if the read is used
+            self.error = exc
+
+    def matches(self, after: Position, window: Window) -> bool:
+        """Did it run, from where the batch really left the checkpoint and window?"""
+        return self.ran and self.after == after and self.window == window
+
+    def take(self) -> tuple[Selection | None, DbTriggerError | None]:
+        """The selection, or the read's error (deferred like any fetch error)."""
+        if self.error is not None and not isinstance(self.error, DbTriggerError):
+            raise self.error
+        return self.selection, self.error
+
+
+def landing(
+    position: Position,
+    events: Sequence[RowChange],
+    selection: Selection,
+    settlement: windowmod.Settlement | None,
+) -> tuple[Position, Window]:
+    """Where a delivered batch leaves the checkpoint and the window."""
+    if settlement is None:  # no per-event window in play: the whole batch settled
+        return position_of(events[-1]), selection.window
+    after = position if settlement.checkpoint is None else settlement.checkpoint
+    return after, settlement.window
 
 
 def batch_id_for(started_at: dt.datetime, token: int, index: int) -> str:
@@ -376,7 +433,9 @@ class TickDriver:
         if attempt > 1:
             self.emit("redelivery")
         index = 0
+        prefetch: Prefetch | None = None
         while True:
+            prefetch = None
             # A redelivered batch keeps the id of its first attempt (the failure
             # record holds it), so its log lines correlate across attempts.
             batch_id = (
@@ -409,25 +468,18 @@ class TickDriver:
                     ),
                 )
                 done = frozenset(failure.done) if failure else frozenset()
-                outcome = self.hand_over(session, handler, wants_ctx, events, done, ctx, selection)
+                prefetch = self.prefetch(selection, events, position, index, started_at)
+                outcome = self.hand_over(
+                    session, handler, wants_ctx, events, done, ctx, selection, prefetch
+                )
                 settlement = self.settle(selection, events, outcome)
             failure = None
-            if settlement is None:  # no per-event window in play: the whole batch settled
-                after = position_of(events[-1])
-                window = selection.window
-            else:
-                after = position if settlement.checkpoint is None else settlement.checkpoint
-                window = settlement.window
+            after, window = landing(position, events, selection, settlement)
 
             # Prefetch so the last commit can release the lease in the same write.
-            following: Selection | None = None
-            deferred: DbTriggerError | None = None
-            stopping = should_stop is not None and should_stop()
-            if index + 1 < s.max_batches_per_tick and selection.more and not stopping:
-                try:
-                    following = self.next_batch(after, window)
-                except DbTriggerError as exc:
-                    deferred = exc
+            following, deferred = self.following(
+                selection, index, should_stop, prefetch, after, window
+            )
             release = following is None
             entry = JournalEntry.commit(
                 batch_id=batch_id,
@@ -471,6 +523,29 @@ class TickDriver:
             selection = following
             index += 1
 
+    def following(
+        self,
+        selection: Selection,
+        index: int,
+        should_stop: Callable[[], bool] | None,
+        prefetch: Prefetch | None,
+        after: Position,
+        window: Window,
+    ) -> tuple[Selection | None, DbTriggerError | None]:
+        """The batch after this one (None: this is the tick's last), or the error
+        reading it, deferred until this batch is committed. A prefetch read from
+        exactly ``after`` and ``window`` is used; any other is dropped."""
+        s = self.settings
+        stopping = should_stop is not None and should_stop()
+        if index + 1 >= s.max_batches_per_tick or not selection.more or stopping:
+            return None, None
+        if prefetch is not None and prefetch.matches(after, window):
+            return prefetch.take()
+        try:
+            return self.next_batch(after, window), None
+        except DbTriggerError as exc:
+            return None, exc
+
     def hand_over(
         self,
         session: LeaseSession,
@@ -480,11 +555,14 @@ class TickDriver:
         done: frozenset[str],
         ctx: BatchContext,
         selection: Selection,
+        prefetch: Prefetch | None = None,
     ) -> Delivered:
         """Deliver the batch; a batch that did not settle is recorded as a failed
-        attempt (one write, which also releases the lease) and its error raised."""
+        attempt (one write, which also releases the lease) and its error raised.
+        ``prefetch`` runs while the lanes do (a failed batch drops it)."""
+        meanwhile = prefetch.run if prefetch is not None else None
         try:
-            outcome = self.delivery.deliver(handler, events, done, ctx, wants_ctx)
+            outcome = self.delivery.deliver(handler, events, done, ctx, wants_ctx, meanwhile)
         except LostLeaseError:
             session.lost = True
             raise
@@ -501,6 +579,38 @@ class TickDriver:
         return outcome
 
     # --- choosing a batch, settling it ------------------------------------------------
+
+    def prefetch(
+        self,
+        selection: Selection,
+        events: list[RowChange],
+        position: Position,
+        index: int,
+        started_at: dt.datetime,
+    ) -> Prefetch | None:
+        """The read of the batch after this one, to run while its lanes run.
+
+        None without lanes (the handler then runs on this thread, nothing can
+        overlap it) or when no further batch will be read this tick. The
+        landing is computed for "every event accepted": no retry, so ``now``
+        and the jitter play no part.
+        """
+        s = self.settings
+        if self.delivery.lanes is None or not selection.more:
+            return None
+        if index + 1 >= s.max_batches_per_tick:
+            return None
+        accepted = windowing.settle_delivered(
+            selection,
+            events,
+            {},
+            now=started_at,
+            bound=s.bound,
+            backoff=(s.retry_delay, s.retry_delay_max),
+            jitter=s.jitter,
+        )
+        after, window = landing(position, events, selection, accepted)
+        return Prefetch(lambda: self.next_batch(after, window), after, window)
 
     def next_batch(self, position: Position, window: Window) -> Selection | None:
         """Read after ``position`` and choose the next batch (None: nothing to do).

@@ -277,11 +277,13 @@ def run_chaos(
     ttl: float = 1.5,
     seed: int = 4,
     subscribers: int = 0,
+    max_concurrency: int = 1,
 ) -> tuple[ChaosReport, str]:
     """Run the whole scenario; returns the report and the workers' log tails.
 
     ``subscribers``: fan-out workers (``PollTrigger(subscribers=...)``) with
     that many subscribers, each of which must see every row state.
+    ``max_concurrency`` > 1 runs every worker's batches as parallel lanes.
     """
     create_tables(engine, schema)
     grace = min(ttl / 2, 5.0)
@@ -301,6 +303,8 @@ def run_chaos(
             "50",
             "--subscribers",
             str(subscribers),
+            "--max-concurrency",
+            str(max_concurrency),
         ],
         env=env,
         workers=workers,

@@ -10,7 +10,10 @@
   protects itself from an owner that lost its lease without knowing it;
 * every tick that ends in an error is recorded in ``outcomes`` with the batch
   id and token, so the test can say which duplicate window each redelivery
-  came from.
+  came from;
+* with ``--max-concurrency N`` each batch runs as up to N lanes (each lane
+  records, is slow and writes through the fence on its own, under the
+  batch's one id and token).
 
 The state store is a BlobCheckpointStore (connection string from the
 ``DBTRIGGER_CHAOS_STORAGE`` environment variable) or, with ``--state-dir``,
@@ -69,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=20)
     parser.add_argument("--journal-limit", type=int, default=100)
     parser.add_argument("--subscribers", type=int, default=0, help="fan-out: subscribers s1..sN")
+    parser.add_argument("--max-concurrency", type=int, default=1)
     args = parser.parse_args(argv)
 
     stop = threading.Event()
@@ -78,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     rng = random.Random(f"{args.worker}/{args.incarnation}")
-    engine = sa.create_engine(args.db_url, pool_size=2, max_overflow=2, pool_pre_ping=True)
+    engine = sa.create_engine(
+        args.db_url, pool_size=2, max_overflow=2 + args.max_concurrency, pool_pre_ping=True
+    )
     meta = sa.MetaData(schema=args.schema)
     seen, sink, fence, rejections, outcomes = (
         sa.Table(name, meta, autoload_with=engine)
@@ -113,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         owner_id=f"{args.worker}/{args.incarnation}",
         journal_limit=args.journal_limit,
         subscribers=subscribers or None,
+        max_concurrency=args.max_concurrency,
     )
     me = {"worker": args.worker, "incarnation": args.incarnation}
     handler = None if subscribers else make_handler("")

@@ -447,3 +447,38 @@ def test_a_stopping_worker_drops_the_prefetched_batch(
     finally:
         source.close()
     assert sorted(seen) == list(range(1, 31))  # each row once: nothing lost, nothing twice
+
+
+def test_subscribers_overlap_the_next_read_too(sqlite_db: TestDatabase, tmp_path: Path) -> None:
+    """Fan-out runs each subscriber on a thread of its own, so the tick reads
+    the next batch while they run, lanes or not."""
+    table = items_table(sqlite_db)
+    add_items(sqlite_db, table, range(1, 31))
+    source = CountingSource(sqlite_db)
+    store = FileCheckpointStore(tmp_path / "state")
+    overlapped: list[bool] = []
+    got: dict[str, list[int]] = {"billing": [], "search": []}
+
+    def billing(events: list[RowChange], ctx: BatchContext) -> None:
+        if ctx.batch_index == 0:
+            overlapped.append(source.wait_for(2))
+        got["billing"].extend(int(e.pk["id"]) for e in events)
+
+    def search(events: list[RowChange]) -> None:
+        got["search"].extend(int(e.pk["id"]) for e in events)
+
+    trigger = make_trigger(
+        source,
+        store,
+        batch_size=10,
+        max_batches_per_tick=3,
+        subscribers={"billing": billing, "search": search},
+    )
+    try:
+        assert trigger.tick() == 30
+    finally:
+        source.close()
+    assert overlapped == [True]
+    assert source.reads == 3
+    assert sorted(got["billing"]) == sorted(got["search"]) == list(range(1, 31))
+    assert checkpoint_id(store) == 30

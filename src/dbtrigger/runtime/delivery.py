@@ -140,6 +140,12 @@ class Delivery:
         #: Parallel lanes (``max_concurrency > 1``): see :mod:`dbtrigger.runtime.lanes`.
         self.lanes = Lanes(max_concurrency, name=poller) if max_concurrency > 1 else None
 
+    @property
+    def overlaps(self) -> bool:
+        """Does the handler run off the tick's thread, so that the tick can read
+        the next batch meanwhile (``deliver(..., meanwhile=)``)?"""
+        return self.lanes is not None
+
     def deliver(
         self,
         handler: Handler,

@@ -197,6 +197,11 @@ class FanOut(Delivery):
         #: Calls that outlived their ack timeout and are still running.
         self._abandoned: dict[str, threading.Thread] = {}
 
+    @property
+    def overlaps(self) -> bool:
+        """Subscribers always run on threads of their own."""
+        return True
+
     def deliver(
         self,
         handler: Handler,
@@ -204,8 +209,11 @@ class FanOut(Delivery):
         done: frozenset[str],
         ctx: BatchContext,
         wants_ctx: bool,
+        meanwhile: Callable[[], None] | None = None,
     ) -> Outcome:
         """Hand the batch to each subscriber it is owed to; fold the outcomes.
+        ``meanwhile`` (the tick's read of the next batch) runs on this thread
+        while the subscribers do.
 
         Raises:
             LostLeaseError: the lease was lost; nothing may be written.
@@ -239,7 +247,7 @@ class FanOut(Delivery):
                 gone[event.event_id] = left
             for name in fan:
                 parts[name].append(event)
-        calls = self._run(wrap, parts, handed, ctx)
+        calls = self._run(wrap, parts, handed, ctx, meanwhile)
         self._check(calls, ctx)
         if uniform and all(call.clean for call in calls):
             return Delivered(
@@ -258,6 +266,7 @@ class FanOut(Delivery):
         parts: Mapping[str, list[RowChange]],
         handed: Mapping[str, Mapping[str, int]],
         ctx: BatchContext,
+        meanwhile: Callable[[], None] | None = None,
     ) -> list[_Call]:
         for name, thread in list(self._abandoned.items()):
             if not thread.is_alive():
@@ -291,6 +300,8 @@ class FanOut(Delivery):
             )
             call.thread.start()
         deadline = time.monotonic() + self.ack_timeout
+        if meanwhile is not None:
+            meanwhile()  # keeps its own errors (tick.Prefetch): the joins below always run
         for call in calls:
             if call.thread is not None:
                 call.thread.join(max(0.0, deadline - time.monotonic()))

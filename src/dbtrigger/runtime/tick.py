@@ -590,13 +590,13 @@ class TickDriver:
     ) -> Prefetch | None:
         """The read of the batch after this one, to run while its lanes run.
 
-        None without lanes (the handler then runs on this thread, nothing can
-        overlap it) or when no further batch will be read this tick. The
+        None when the handler runs on this thread (no lanes, no subscribers:
+        nothing can overlap it) or when no further batch will be read this tick. The
         landing is computed for "every event accepted": no retry, so ``now``
         and the jitter play no part.
         """
         s = self.settings
-        if self.delivery.lanes is None or not selection.more:
+        if not self.delivery.overlaps or not selection.more:
             return None
         if index + 1 >= s.max_batches_per_tick:
             return None

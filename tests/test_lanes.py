@@ -68,6 +68,20 @@ def test_lanes_keep_a_key_together_in_batch_order() -> None:
     assert split(events, 4) == parts  # deterministic: a redelivery splits the same way
     assert split(events, 1) == [events]
     assert split([], 4) == []
+    # A key value that cannot be a dict key (bytearray) is grouped by its JSON form.
+    odd = [
+        RowChange(
+            event_id=f"o{i}",
+            op="upsert",
+            source="s",
+            cursor=i,
+            pk={"id": bytearray([i % 2])},
+            before=None,
+            after=None,
+        )
+        for i in range(6)
+    ]
+    assert sorted(len(p) for p in split(odd, 4)) == [3, 3]
 
 
 def test_lanes_are_near_equal() -> None:

@@ -4,7 +4,9 @@ logs once and moves its metrics once (no fakes: InMemoryMetrics and caplog)."""
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -145,3 +147,25 @@ class Reporting:
 def test_source_capabilities_are_protocols(source: object, capabilities: set[type]) -> None:
     for kind in (CountsAfter, FindsNullCursors, ReportsVisibility):
         assert isinstance(source, kind) is (kind in capabilities), kind
+
+
+def _documented_metrics() -> dict[str, tuple[str, str]]:
+    """name -> (kind, labels column) from the metrics table of docs/operations.md."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    section = text.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
+    rows: dict[str, tuple[str, str]] = {}
+    for line in section.splitlines():
+        match = re.fullmatch(r"\| `(\w+)` \| (\w+) \|([^|]*)\| .+ \|", line)
+        if match is not None:
+            rows[match[1]] = (match[2], match[3])
+    return rows
+
+
+def test_every_declared_metric_is_documented_with_its_kind_and_labels() -> None:
+    documented = _documented_metrics()
+    assert sorted(set(METRICS) - set(documented)) == [], "declared but not in docs/operations.md"
+    assert sorted(set(documented) - set(METRICS)) == [], "documented but not declared"
+    for name, (kind, labels) in documented.items():
+        assert kind == METRICS[name][0], name
+        named = set(re.findall(r"`(\w+)`", labels))
+        assert named == set(METRIC_LABELS.get(name, ())), name

@@ -58,7 +58,7 @@ import hashlib
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NoReturn
 
 from dbtrigger.cursor import Position, decode_value, encode_value, infer_kind
 from dbtrigger.errors import CorruptStateError
@@ -158,6 +158,49 @@ class FailureRecord:
     extra: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
 
+#: The document's one JSON encoding: compact, keys in insertion order, ASCII.
+_encode = json.JSONEncoder(separators=(",", ":")).encode
+
+
+class JournalRecord(dict[str, Any]):
+    """One journal entry as the document holds it: a read-only dict that keeps its JSON.
+
+    Why: every commit writes the whole document, and the journal (20 entries
+    by default) is most of its bytes, yet a commit adds one entry and changes
+    none. An entry is encoded on the first write that includes it and its text
+    is reused by every later write (:func:`dumps`), so a commit encodes one
+    entry instead of all of them. The text stays right only while the entry
+    does not change, so the methods that would change it raise ``TypeError``
+    (nothing in dbtrigger changes an entry, nested values included). It is a
+    dict, so ``json``, ``==`` and code that reads entries see no difference.
+    """
+
+    __slots__ = ("_json",)
+
+    def __init__(self, entry: Mapping[str, Any]) -> None:
+        super().__init__(entry)
+        self._json: str | None = None
+
+    def json_text(self) -> str:
+        """The entry's compact JSON, encoded once."""
+        text = self._json
+        if text is None:
+            text = self._json = _encode(self)
+        return text
+
+    def __reduce__(self) -> tuple[type[JournalRecord], tuple[dict[str, Any]]]:
+        return (JournalRecord, (dict(self),))
+
+    def _read_only(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise TypeError(
+            "journal entries are read-only (their encoded JSON is kept); "
+            "copy one with dict(entry) to change it"
+        )
+
+    __setitem__ = __delitem__ = __ior__ = _read_only
+    clear = pop = popitem = setdefault = update = _read_only
+
+
 @dataclass(frozen=True)
 class StateDocument:
     """Immutable, validated view of one poller's state."""
@@ -184,7 +227,8 @@ class StateDocument:
     def with_journal_entry(
         self, entry: Mapping[str, Any], limit: int = DEFAULT_JOURNAL_LIMIT
     ) -> StateDocument:
-        journal = (*self.journal, dict(entry))
+        record = entry if isinstance(entry, JournalRecord) else JournalRecord(entry)
+        journal = (*self.journal, record)
         return replace(self, journal=journal[-limit:] if limit > 0 else ())
 
 
@@ -308,7 +352,8 @@ def _failure_to_json(failure: FailureRecord) -> dict[str, Any]:
     return out
 
 
-def to_json(doc: StateDocument) -> dict[str, Any]:
+def _head_json(doc: StateDocument) -> dict[str, Any]:
+    """The document's fields up to the journal, in the order they are written."""
     lease = None
     if doc.lease is not None:
         lease = {
@@ -328,15 +373,44 @@ def to_json(doc: StateDocument) -> dict[str, Any]:
         "checkpoint": _checkpoint_to_json(doc.checkpoint) if doc.checkpoint else None,
         "lease": lease,
         "failure": _failure_to_json(doc.failure) if doc.failure else None,
-        "journal": [dict(entry) for entry in doc.journal],
-    } | ({"window": doc.window} if doc.window is not None else {})
+    }
+
+
+def to_json(doc: StateDocument) -> dict[str, Any]:
+    return (
+        _head_json(doc)
+        | {"journal": [dict(entry) for entry in doc.journal]}
+        | ({"window": doc.window} if doc.window is not None else {})
+    )
+
+
+def _entry_json(entry: Mapping[str, Any]) -> str:
+    if isinstance(entry, JournalRecord):
+        return entry.json_text()
+    return _encode(dict(entry))
 
 
 def dumps(doc: StateDocument) -> bytes:
-    # Compact on purpose: every commit serialises the document, and an indented
-    # dump takes Python's pure-Python encoder (5x slower, 60% more bytes per
-    # write). `dbtrigger status/history` and `python -m json.tool` are for eyes.
-    return json.dumps(to_json(doc), separators=(",", ":")).encode("utf-8")
+    """The stored bytes: compact JSON, exactly ``json.dumps(to_json(doc))`` with no spaces.
+
+    Compact on purpose: every commit serialises the document, and an indented
+    dump takes Python's pure-Python encoder (5x slower, 60% more bytes per
+    write); `dbtrigger status/history` and `python -m json.tool` are for eyes.
+    The journal is spliced in from its entries' kept texts (:class:`JournalRecord`)
+    rather than encoded again: ``"journal"`` and ``"window"`` are always the
+    last keys, so the text is the head object, then those two, then ``}``.
+    """
+    if "journal" in doc.extra or "window" in doc.extra:
+        # Only a hand-built document can name them in ``extra`` (a read one
+        # never does); their key order is then ``to_json``'s, so take that path.
+        return _encode(to_json(doc)).encode("utf-8")
+    parts = [_encode(_head_json(doc))[:-1], ',"journal":[']
+    parts.append(",".join([_entry_json(entry) for entry in doc.journal]))
+    parts.append("]")
+    if doc.window is not None:
+        parts += (',"window":', _encode(doc.window))
+    parts.append("}")
+    return "".join(parts).encode("utf-8")
 
 
 def _require(raw: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -458,7 +532,7 @@ def from_json(raw: Any) -> StateDocument:
         checkpoint=None if raw_cp is None else _checkpoint_from_json(raw_cp),
         lease=None if raw_lease is None else _lease_from_json(raw_lease),
         failure=None if raw_failure is None else _failure_from_json(raw_failure),
-        journal=tuple(dict(e) for e in journal_raw),
+        journal=tuple(JournalRecord(e) for e in journal_raw),
         version=version,
         extra=_unknown(raw, _TOP_KEYS),
         window=_window(raw.get("window")),

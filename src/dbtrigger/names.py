@@ -35,3 +35,27 @@ def validate_sql_identifier(value: str, what: str) -> str:
             name=what,
         )
     return value
+
+
+def import_path_of(obj: object) -> str | None:
+    """``module:attribute`` under which ``obj`` can be imported again, or None.
+
+    What an operator pastes into a ``dbtrigger`` command to name a poller the
+    program built itself (``trigger.tick()`` from a script or a service). Only
+    a module-level global of an importable module counts: ``__main__`` (a
+    script run as ``python app.py``) is not importable under that name, so it
+    gives None and the caller prints a fill-in instead of a command that fails.
+    """
+    import sys  # noqa: PLC0415 - only needed here
+
+    for module_name, module in list(sys.modules.items()):
+        if module is None or module_name == "__main__" or module_name.startswith("dbtrigger"):
+            continue
+        try:
+            names = vars(module)
+        except TypeError:
+            continue
+        for attr, value in list(names.items()):
+            if value is obj and not attr.startswith("_"):
+                return f"{module_name}:{attr}"
+    return None

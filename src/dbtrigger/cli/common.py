@@ -103,6 +103,10 @@ def store_from_args(args: argparse.Namespace) -> CheckpointStore:
     spec = args.store or os.environ.get(ENV_STORE)
     if not spec:
         loaded = source_from_args(args)
+        if loaded is None and getattr(args, "accept_source", None):
+            # `reset --accept-source MODULE:ATTR` names the trigger already:
+            # the command the fingerprint error prints needs nothing else.
+            loaded = load_source(args.accept_source)
         if loaded is not None and loaded.trigger is not None:
             return loaded.trigger.store
         raise ConfigurationError(

@@ -179,6 +179,8 @@ def _store_arguments(args: argparse.Namespace) -> list[str]:
             out += ["--store", args.store]
     elif getattr(args, "source", None):
         out += ["--source", args.source]
+    elif getattr(args, "accept_source", None):
+        out += ["--source", args.accept_source]  # the store came from that trigger
     named = (("--app", args.app), ("--container", args.container), ("--table", args.table))
     for flag, value in named:
         if value:

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from dbtrigger.errors import ConfigurationError, LeaseAcquireError
 from dbtrigger.events import RowChange
 from dbtrigger.metrics import MetricsCollector, SafeMetrics
-from dbtrigger.names import validate_name
+from dbtrigger.names import import_path_of, validate_name
 from dbtrigger.quarantine import QuarantineSink
 from dbtrigger.runtime.context import BatchContext
 from dbtrigger.runtime.delivery import Delivery, Handler, guarded
@@ -292,6 +292,7 @@ class PollTrigger:
                 cli_target=self.cli_target,
             ),
             null_probe=self.null_probe,
+            cli_source=self.operator_spec,
         )
         self.partitioned: PartitionedPoller | None = None
         if partitions is not None:
@@ -382,11 +383,21 @@ class PollTrigger:
         self.last_result = result
         return result
 
+    def operator_spec(self) -> str | None:
+        """``module:attribute`` an operator's command names this poller by, if known.
+
+        Set by the CLI and ``DbBindings``; otherwise found among the globals of
+        the imported modules (a trigger built in a script run as ``__main__``
+        has none).
+        """
+        return self.cli_source or import_path_of(self)
+
     def cli_target(self) -> str:
         """``POLLER --source MODULE:ATTR`` (or ``--store ...``) for a pasteable command."""
+        spec = self.operator_spec()
         where = (
-            f"--source {self.cli_source}"
-            if self.cli_source
+            f"--source {shlex.quote(spec)}"
+            if spec
             else f"--store {shlex.quote(self.store.describe())}"
         )
         return f"{self.name} {where}"

@@ -260,8 +260,11 @@ class TickDriver:
         telemetry: Telemetry,
         delivery: Delivery,
         null_probe: NullCursorProbe,
+        cli_source: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.settings = settings
+        #: ``module:attribute`` naming the trigger, for commands printed in errors.
+        self.cli_source = cli_source
         self.writer = StateWriter(
             WriterSettings(
                 name=settings.name,
@@ -737,7 +740,10 @@ class TickDriver:
             # Only on a mismatch: older fingerprints of the same definition
             # (an earlier algorithm) still name this source.
             leasemod.check_fingerprint(
-                doc, self.fingerprint(), also=accepted_fingerprints(self.source)
+                doc,
+                self.fingerprint(),
+                also=accepted_fingerprints(self.source),
+                spec=self.cli_source(),
             )
         return doc, stored.etag
 

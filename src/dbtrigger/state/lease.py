@@ -31,6 +31,7 @@ Rules (checkpoint/lease spec, sections 6-8):
 from __future__ import annotations
 
 import datetime as dt
+import shlex
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 
@@ -104,6 +105,24 @@ class Busy:
     skew: dt.timedelta | None = None
 
 
+#: What the fingerprint error prints when nothing names the poller's trigger.
+SPEC_FILL_IN = "<module>:<trigger>"
+
+
+def accept_source_command(poller: str, spec: str | None) -> str:
+    """The ``dbtrigger reset --accept-source`` an operator pastes after a definition change.
+
+    ``spec`` names the trigger as ``module:attribute`` (the store is taken from
+    it, so no ``--store`` is needed). Without one the command carries the
+    fill-in :data:`SPEC_FILL_IN` and says what to put there.
+    """
+    target = shlex.quote(spec or SPEC_FILL_IN)
+    return (
+        f"dbtrigger reset {shlex.quote(poller)} --accept-source {target} "
+        "--reason 'source definition changed' --yes"
+    )
+
+
 def check_fingerprint(
     doc: StateDocument,
     fingerprint: str,
@@ -119,16 +138,19 @@ def check_fingerprint(
     ``spec`` (``module:trigger``) fills it in when the caller knows it.
     """
     if doc.source_fingerprint != fingerprint and doc.source_fingerprint not in also:
-        command = (
-            f"dbtrigger reset {doc.poller_name} --accept-source {spec or 'MODULE:TRIGGER'} "
-            "--reason '...' --yes"
+        command = accept_source_command(doc.poller_name, spec)
+        fill_in = (
+            ""
+            if spec
+            else f", with {SPEC_FILL_IN} replaced by the module:attribute that imports this "
+            "PollTrigger (e.g. myapp.pollers:orders), run where that module imports"
         )
         raise FingerprintMismatchError(
             f"poller {doc.poller_name!r}: the source definition changed since the checkpoint "
             f"was written (stored {doc.source_fingerprint}, configured {fingerprint}). If the "
-            f"checkpoint still means the same rows, accept the new definition with `{command}` "
-            "(without --yes it shows the change first; add --to-beginning to start over); "
-            "otherwise use a new poller name",
+            f"checkpoint still means the same rows, accept the new definition with `{command}`"
+            f"{fill_in} (without --yes it shows the change first; add --to-beginning to start "
+            "over); otherwise use a new poller name",
             poller=doc.poller_name,
             stored_fingerprint=doc.source_fingerprint,
             configured_fingerprint=fingerprint,

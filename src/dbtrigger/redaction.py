@@ -195,6 +195,7 @@ LOGGER_NAMES = (
     "dbtrigger",
     "dbtrigger.runtime",
     "dbtrigger.runner",
+    "dbtrigger.cli",
     "dbtrigger.queue",
     "dbtrigger.checks",
     "dbtrigger.sources",

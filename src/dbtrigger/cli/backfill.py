@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import logging
 import os
 import signal
 import threading
@@ -40,7 +41,7 @@ from dbtrigger.cli.common import (
 from dbtrigger.cli.loading import load_trigger
 from dbtrigger.cli.state_change import print_plan
 from dbtrigger.cursor import Position
-from dbtrigger.errors import ConfigurationError, DbTriggerError, OperatorError
+from dbtrigger.errors import ConfigurationError, DbTriggerError, HandlerError, OperatorError
 from dbtrigger.runtime.delivery import Handler
 from dbtrigger.runtime.poller import PollTrigger
 from dbtrigger.sources.base import CountsAfter, accepted_fingerprints
@@ -48,6 +49,8 @@ from dbtrigger.state import document as docmod
 from dbtrigger.state import operations as ops
 from dbtrigger.state.document import StateDocument
 from dbtrigger.state.stores.base import CheckpointStore
+
+log = logging.getLogger("dbtrigger.cli")
 
 
 class Progress:
@@ -214,6 +217,7 @@ def _drain(
     """Tick until idle; retry transient failures. Returns False when stopped early."""
     stop = threading.Event()
     failures = 0
+    traced: set[tuple[str | None, str]] = set()
     with graceful_sigint(stop):
         while not stop.is_set():
             try:
@@ -221,6 +225,7 @@ def _drain(
             except OperatorError:
                 raise
             except DbTriggerError as exc:
+                _trace_handler_failure(exc, traced)
                 failures += 1
                 if failures > args.max_retries:
                     raise
@@ -237,6 +242,30 @@ def _drain(
             if result.outcome == "idle":
                 return True
     return False
+
+
+def _trace_handler_failure(exc: DbTriggerError, traced: set[tuple[str | None, str]]) -> None:
+    """Log the handler's traceback once per failing batch (not once per retry).
+
+    The runtime's own record of a handler failure is one line; where the
+    handler broke is in the traceback, which a person fixing it needs once.
+    A batch keeps its id across attempts, so (batch id, error) is the key.
+    """
+    cause = exc.__cause__
+    if not isinstance(exc, HandlerError) or cause is None:
+        return
+    key = (exc.batch_id, f"{type(cause).__name__}: {cause}")
+    if key in traced:
+        return
+    traced.add(key)
+    log.warning(
+        "backfill: the handler failed on batch %s: %s: %s",
+        exc.batch_id or "?",
+        type(cause).__name__,
+        cause,
+        exc_info=(type(cause), cause, cause.__traceback__),
+        extra={"event": "backfill_handler_failed", **exc.log_fields()},
+    )
 
 
 def cmd_backfill(args: argparse.Namespace) -> int:

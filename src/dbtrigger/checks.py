@@ -26,7 +26,7 @@ import json
 import logging
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
@@ -52,6 +52,17 @@ class Finding:
     severity: str
     message: str
     fix: str | None = None
+    #: The operator error behind an ``error`` finding, when one was raised:
+    #: a starting worker stops on it (:func:`warn_at_start`).
+    cause: OperatorError | None = field(default=None, compare=False, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "check": self.check,
+            "severity": self.severity,
+            "message": self.message,
+            "fix": self.fix,
+        }
 
 
 @dataclass(frozen=True)
@@ -81,7 +92,7 @@ class CheckReport:
             "ok": self.ok,
             "errors": len(self.errors),
             "warnings": len(self.warnings),
-            "findings": [asdict(f) for f in self.findings],
+            "findings": [f.to_dict() for f in self.findings],
         }
 
     def to_json(self) -> str:
@@ -113,7 +124,7 @@ def _source_definition(source: SqlAlchemySource, position: Any) -> list[Finding]
         source.validate(position)
     except OperatorError as exc:
         check = "source_access" if "permission" in type(exc).__name__.lower() else "definition"
-        return [Finding(check, ERROR, str(exc))]
+        return [Finding(check, ERROR, str(exc), cause=exc)]
     except FetchError as exc:
         return [Finding("source_access", ERROR, f"cannot reach the source: {exc}")]
     findings = [Finding("definition", OK, "columns exist; cursor and key types compare exactly")]
@@ -387,12 +398,19 @@ def warn_at_start(
     *,
     logger: logging.Logger | None = None,
     checks: Callable[..., CheckReport] = check_trigger,
+    raise_operator_errors: bool = False,
 ) -> CheckReport | None:
-    """Run the checks for a starting worker; log what is not ``ok``; never raise.
+    """Run the checks for a starting worker; log what is not ``ok``.
 
     Errors are logged at ERROR and warnings at WARNING, one record each with
     ``event="startup_check"``; the worker goes on (its first tick refuses for
     real if the source is unusable). Returns None if the checks themselves failed.
+
+    With ``raise_operator_errors``, a source the checks could not even read
+    for a reason a person must fix (a missing database, table or column, a
+    refused permission) raises that :class:`~dbtrigger.errors.OperatorError`
+    instead, before anything is logged: the worker's first tick would stop on
+    the same error, and the operator should read it once, not three times.
     """
     logger = logger or log
     try:
@@ -400,6 +418,10 @@ def warn_at_start(
     except Exception as exc:  # noqa: BLE001 - a failed check must never stop the worker
         logger.warning("startup checks for %s could not run: %s", trigger.name, exc)
         return None
+    if raise_operator_errors:
+        for f in report.findings:
+            if f.cause is not None:
+                raise f.cause
     for f in report.findings:
         if f.severity == OK:
             continue

@@ -69,6 +69,35 @@ def _quiet_chatty_loggers(record: logging.LogRecord) -> bool:
     return record.levelno >= logging.WARNING or not record.name.startswith(QUIET_LOGGERS)
 
 
+#: Runtime events logged just before the error they name leaves the tick.
+TICK_FAILURE_EVENTS = frozenset(
+    {
+        "state_read_failed",
+        "fetch_failed",
+        "lease_acquire_failed",
+        "serialization_failed",
+        "commit_failed",
+        "failure_uncounted",
+    }
+)
+
+
+def _reported_by_the_error_line(record: logging.LogRecord) -> bool:
+    """False for a tick's record of an operator error, which stops the command.
+
+    The runtime marks such records ``operator_error=True`` (see
+    :mod:`dbtrigger.runtime.telemetry`).
+
+    Every command turns an :class:`~dbtrigger.errors.OperatorError` out of a
+    tick into its single ``error:`` line and exit code 2, so the runtime's own
+    ERROR record of the same error would only say it twice. It stays visible
+    at DEBUG (``-vv``), with the rest of the details.
+    """
+    if getattr(record, "event", None) not in TICK_FAILURE_EVENTS:
+        return True
+    return getattr(record, "operator_error", None) is not True
+
+
 class _CurrentStderr:
     """Whatever ``sys.stderr`` is at write time (a progress display may redirect it)."""
 
@@ -98,6 +127,7 @@ def configure_logging(level: str, fmt: str = "text", stream: TextIO | None = Non
         # A filter on our handler, not a level on those loggers: the process's
         # other handlers (a host's, a test's) keep seeing them.
         handler.addFilter(_quiet_chatty_loggers)
+        handler.addFilter(_reported_by_the_error_line)
 
 
 __all__ = [

@@ -156,8 +156,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         log.info("%s", text, extra=fields)
         if isinstance(item.trigger, PollTrigger):
             # What the docs require and users get wrong (index, unique key,
-            # nullable cursor, guard privilege), as warnings; never stops the start.
-            warn_at_start(item.trigger)
+            # nullable cursor, guard privilege), as warnings. A source that
+            # cannot be read for a reason a person must fix stops the start
+            # here, with one message (its first tick would stop on it anyway).
+            warn_at_start(item.trigger, raise_operator_errors=True)
     progress = _progress_callback(args)
     runners = []
     for item in loaded:

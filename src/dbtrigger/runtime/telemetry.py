@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from dbtrigger.errors import OperatorError
 from dbtrigger.metrics import SafeMetrics
 
 log = logging.getLogger("dbtrigger.runtime")
@@ -282,13 +283,14 @@ class Telemetry:
         """Log ``event`` (attributed to the caller's line) and apply its metrics."""
         spec = EVENTS[event]
         if spec.level is not None and self.log.isEnabledFor(spec.level):
-            self.log.log(
-                spec.level,
-                msg,
-                *args,
-                extra={"event": spec.log_as or event, "poller": self.poller, **fields},
-                stacklevel=2,
-            )
+            extra = {"event": spec.log_as or event, "poller": self.poller, **fields}
+            error = next((a for a in args if isinstance(a, BaseException)), None)
+            if error is not None:
+                # Log sinks (the CLI, JSON collectors) can tell a failure a
+                # person must fix from one the next tick may not repeat.
+                extra.setdefault("error_type", type(error).__name__)
+                extra.setdefault("operator_error", isinstance(error, OperatorError))
+            self.log.log(spec.level, msg, *args, extra=extra, stacklevel=2)
         if not spec.updates:
             return
         data = {**fields, **(values or {})}

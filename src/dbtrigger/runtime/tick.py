@@ -354,12 +354,13 @@ class TickDriver:
 
         position = doc.position if doc else BEGINNING
         window = Window.from_json(doc.window) if doc is not None else Window()
-        self.null_probe.run(self.source, self.telemetry)
         try:
             selection = self.next_batch(position, window)
         except DbTriggerError as exc:
             self.emit("fetch_failed", "fetch failed: %s", exc)
             raise
+        # After the fetch: a source that cannot be read is reported once, by the fetch.
+        self.null_probe.run(self.source, self.telemetry)
         if selection is None:
             self.emit("tick_idle", "nothing after the checkpoint")
             return self.result(0, 0, "idle")

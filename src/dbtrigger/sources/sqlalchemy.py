@@ -507,7 +507,16 @@ class SqlAlchemySource:
                 if position is not None:
                     self._check_position(conn, position)
         except SQLAlchemyError as exc:
-            raise source_error(exc, f"checking {self.name}") from exc
+            # Worded as the first fetch words it (a start-up check may be the
+            # only place an operator reads it): the diagnosis first.
+            problem = permanent_problem(exc)
+            error = source_error(exc, f"checking {self.name}", problem)
+            if problem is not None and isinstance(error, FetchError):
+                raise ConfigurationError(
+                    f"checking {self.name} failed: {problem} ({short_error(exc)}); "
+                    "fix the source configuration"
+                ) from exc
+            raise error from exc
 
     def reflected_table(self) -> sa.Table | None:
         """The reflected table (None in query mode, or before :meth:`validate`/a fetch)."""

@@ -202,3 +202,80 @@ def test_entra_id_engine_passes_the_token_to_odbc_for_azure_sql() -> None:
     assert credential.scopes == [ENTRA_SCOPES["mssql"]]
     with pytest.raises(ConfigurationError, match="no Entra ID login is known for sqlite"):
         entra_id_engine("sqlite://", credential=credential)
+
+
+STORES_APP = """
+import azure.functions as func
+from dbtrigger import (BlobCheckpointStore, DbBindings, SqlAlchemySource, SqlCheckpointStore,
+                       TableCheckpointStore)
+
+app = func.FunctionApp()
+db = DbBindings()
+SEEN = []
+
+def source():
+    return SqlAlchemySource(url="%ORDERS_URL_{tag}%", table="orders",
+                            cursor_column="updated_at", pk_columns=["id"])
+
+# As in examples/function_app.py: the storage account of the Functions host.
+blob = BlobCheckpointStore.from_connection_string(
+    "Storage_{tag}", app_name="shop", container="{container}", create_container=True)
+table = TableCheckpointStore(connection_setting="Storage_{tag}", table="t{tag}", app_name="shop")
+sql = SqlCheckpointStore(url="%STATE_URL_{tag}%")
+
+@app.function_name(name="on_blob")
+@app.schedule(schedule="0 */5 * * * *", arg_name="timer", use_monitor=False)
+@db.trigger(arg_name="events", source=source(), checkpoint_store=blob)
+def on_blob(timer: func.TimerRequest, events) -> None:
+    SEEN.extend(("blob", e.pk["id"]) for e in events)
+
+@app.function_name(name="on_table")
+@app.schedule(schedule="0 */5 * * * *", arg_name="timer", use_monitor=False)
+@db.trigger(arg_name="events", source=source(), checkpoint_store=table)
+def on_table(timer: func.TimerRequest, events) -> None:
+    SEEN.extend(("table", e.pk["id"]) for e in events)
+
+@app.function_name(name="on_sql")
+@app.schedule(schedule="0 */5 * * * *", arg_name="timer", use_monitor=False)
+@db.trigger(arg_name="events", source=source(), checkpoint_store=sql)
+def on_sql(timer: func.TimerRequest, events) -> None:
+    SEEN.extend(("sql", e.pk["id"]) for e in events)
+"""
+
+
+@pytest.mark.azurite
+def test_a_missing_storage_connection_fails_only_the_functions_using_it(
+    azurite: Azurite,
+    sqlite_db: TestDatabase,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The storage connection string (AzureWebJobsStorage in the example) and a state
+    store URL are app settings too: missing, they fail the invocations of the functions
+    whose store needs them, with the setting named; set, those functions recover."""
+    table = orders_table(sqlite_db)
+    insert(sqlite_db, table, [{"id": i, "updated_at": naive(i)} for i in range(3)])
+    tag = uuid.uuid4().hex[:8]
+    monkeypatch.setenv(f"ORDERS_URL_{tag}", sqlite_db.url)
+    monkeypatch.setenv(f"STATE_URL_{tag}", f"sqlite:///{tmp_path / 'state.db'}")
+    path = tmp_path / f"stores_app_{tag}.py"
+    path.write_text(textwrap.dedent(STORES_APP.format(tag=tag, container=f"s{tag}")))
+    module = load(path, f"stores_app_{tag}")  # Storage_<tag> is not set: it imports anyway
+
+    functions = {f.get_function_name(): f for f in module.app.get_functions()}
+    assert sorted(functions) == ["on_blob", "on_sql", "on_table"]
+    for name in ("on_blob", "on_table"):
+        for _ in range(2):  # every invocation, not only the first
+            with pytest.raises(ConfigurationError, match=f"app setting 'Storage_{tag}'"):
+                functions[name].get_user_function()(timer=timer())
+    functions["on_sql"].get_user_function()(timer=timer())  # its settings are there
+    assert module.SEEN == [("sql", 0), ("sql", 1), ("sql", 2)]
+
+    monkeypatch.setenv(f"Storage_{tag}", azurite.connection_string)  # the operator fixes it
+    functions["on_blob"].get_user_function()(timer=timer())
+    functions["on_table"].get_user_function()(timer=timer())
+    assert sorted(module.SEEN) == sorted(
+        [(kind, i) for kind in ("blob", "sql", "table") for i in range(3)]
+    )
+    for store in (module.blob, module.table, module.sql):
+        store.close()

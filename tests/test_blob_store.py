@@ -132,9 +132,18 @@ def test_connection_from_setting_name_and_reference(
     assert by_name.app_name == "from-setting"
     etag = by_name.write("p", b"1", if_match=None)
     assert by_ref.read("p") == (b"1", etag)
-    with pytest.raises(ConfigurationError, match="NotSetAnywhere") as err:
-        BlobCheckpointStore.from_connection_string("NotSetAnywhere", app_name="a")
+    # A missing setting fails the store's first use (each one), not its construction.
+    unset = BlobCheckpointStore.from_connection_string(
+        "NotSetAnywhere", app_name="a", container=container
+    )
+    assert "NotSetAnywhere" in unset.describe()
+    for _ in range(2):
+        with pytest.raises(ConfigurationError, match="NotSetAnywhere") as err:
+            unset.read("p")
     assert "__blobServiceUri" in str(err.value)
+    monkeypatch.setenv("NotSetAnywhere", azurite.connection_string)
+    assert unset.read("p") is None  # another app name: no such blob
+    unset.close()
     with pytest.raises(ConfigurationError, match="malformed") as err:
         BlobCheckpointStore.from_connection_string(
             f"AccountKey={KEY};nonsense", app_name="a", container=container

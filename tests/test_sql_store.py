@@ -150,8 +150,11 @@ def test_configuration_is_validated() -> None:
         SqlCheckpointStore(url="sqlite://", namespace="../other")
     with pytest.raises(ConfigurationError, match="not a valid database URL"):
         SqlCheckpointStore(url="not a url")
-    with pytest.raises(ConfigurationError, match="NOT_SET_ANYWHERE"):
-        SqlCheckpointStore(url="%NOT_SET_ANYWHERE%")
+    unset = SqlCheckpointStore(url="%NOT_SET_ANYWHERE%")  # an app setting: read at first use
+    assert unset.describe().startswith("sql:(%NOT_SET_ANYWHERE%, unresolved)")
+    for _ in range(2):
+        with pytest.raises(ConfigurationError, match="NOT_SET_ANYWHERE"):
+            unset.read("p")
     store = SqlCheckpointStore(url="sqlite://")
     with pytest.raises(UnsafeIdentifierError):
         store.read("../etc/passwd")

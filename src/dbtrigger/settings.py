@@ -11,12 +11,74 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping, MutableMapping
+import threading
+from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
+from typing import Generic, TypeVar
 
 from dbtrigger.errors import ConfigurationError, MissingSettingError
 
 _REFERENCE = re.compile(r"%([A-Za-z_][A-Za-z0-9_:.-]*)%")
+
+T = TypeVar("T")
+
+
+def references_setting(value: str | None) -> bool:
+    """True when ``value`` holds a ``%SETTING%`` reference (resolved from the environment)."""
+    return value is not None and _REFERENCE.search(value) is not None
+
+
+class Deferred(Generic[T]):
+    """A value built from app settings at its first use, not when it is configured.
+
+    A Function App builds its sources and stores when the host imports
+    ``function_app.py`` to index the functions. If one missing app setting
+    raised there, the import would fail and *every* function of the app would
+    disappear. Objects that read app settings therefore hold a ``Deferred``:
+    :meth:`get` builds the value on the first call that needs it; until the
+    build succeeds, every call raises again (a
+    :class:`~dbtrigger.errors.ConfigurationError` naming the setting), so only
+    the functions that use it fail, each invocation, and they recover as soon
+    as the setting exists. Nothing is cached until a build succeeds.
+
+    ``what`` says in words where the value comes from (``app setting
+    'AzureWebJobsStorage'``), for descriptions made before it is resolved;
+    it must hold no secret.
+    """
+
+    def __init__(self, build: Callable[[], T], what: str) -> None:
+        self._build = build
+        self.what = what
+        self._value: T | None = None
+        self._built = False
+        self._lock = threading.Lock()
+
+    @property
+    def ready(self) -> bool:
+        """Whether the value has been built (describing it then needs no guess)."""
+        return self._built
+
+    def get(self) -> T:
+        """The value, built now if it was not yet (raises what building raises)."""
+        if self._built:
+            return self._value  # type: ignore[return-value]  # set with _built
+        with self._lock:
+            if not self._built:
+                self._value = self._build()
+                self._built = True
+            return self._value
+
+
+def peek(value: T | Deferred[T]) -> T | None:
+    """``value`` itself, or what a :class:`Deferred` holds once built (None before)."""
+    if isinstance(value, Deferred):
+        return value.get() if value.ready else None
+    return value
+
+
+def resolve(value: T | Deferred[T]) -> T:
+    """``value`` itself, or a :class:`Deferred`'s value (built now if need be)."""
+    return value.get() if isinstance(value, Deferred) else value
 
 
 def resolve_setting(value: str, environ: Mapping[str, str] | None = None) -> str:

@@ -61,7 +61,7 @@ from dbtrigger.errors import (
     UnsafeIdentifierError,
 )
 from dbtrigger.names import validate_name
-from dbtrigger.settings import resolve_setting
+from dbtrigger.settings import Deferred, peek, references_setting, resolve, resolve_setting
 from dbtrigger.state.stores.base import StoredDocument
 
 log = logging.getLogger(__name__)
@@ -150,6 +150,18 @@ def _resolve_now_or_later(value: str, env: Mapping[str, str]) -> str:
         return value
 
 
+def _account_client(
+    url: str, container: str, credential: Any, options: dict[str, Any]
+) -> ContainerClient:
+    if credential is None:
+        from azure.identity import DefaultAzureCredential  # noqa: PLC0415 - optional extra
+
+        credential = DefaultAzureCredential()
+    return ContainerClient(
+        account_url=url, container_name=container, credential=credential, **options
+    )
+
+
 class BlobCheckpointStore:
     """State documents as blobs, every change an etag compare-and-swap.
 
@@ -170,17 +182,20 @@ class BlobCheckpointStore:
     def __init__(
         self,
         *,
-        container_client: ContainerClient,
+        container_client: ContainerClient | Deferred[ContainerClient],
         app_name: str,
         prefix: str = DEFAULT_PREFIX,
         create_container: bool = False,
         read_timeout: float | None = None,
+        container_name: str | None = None,
     ) -> None:
-        self._client = container_client
+        # A client built from app settings is built at first use (Deferred):
+        # in a Function App one missing setting must not stop every function
+        # from indexing, only fail the functions that use this store.
+        self._client_source = container_client
+        self._container_name = container_name
         self._app_name_spec = app_name
         self._app_name: str | None = None
-        # A missing %SETTING% is reported at first use: in a Function App one
-        # missing setting must not stop every function from indexing.
         with contextlib.suppress(MissingSettingError):
             self._app_name = validate_name(resolve_setting(app_name), "app name")
         segments = prefix.strip("/").split("/")
@@ -189,6 +204,15 @@ class BlobCheckpointStore:
         self._call_options: dict[str, Any] = {}
         if read_timeout is not None:
             self._call_options["read_timeout"] = read_timeout
+
+    @property
+    def _client(self) -> ContainerClient:
+        """The container client, built now if it comes from app settings not read yet.
+
+        Raises:
+            ConfigurationError: an app setting it needs is missing or malformed.
+        """
+        return resolve(self._client_source)
 
     @property
     def app_name(self) -> str:
@@ -222,49 +246,62 @@ class BlobCheckpointStore:
         ``DefaultAzureCredential`` (honouring ``<name>__clientId`` for a
         user-assigned managed identity).
 
-        Raises:
-            ConfigurationError: the setting is missing or the string is malformed
-                (the message names the setting, never its value).
+        An app setting is read when the store is first used, not here: a
+        missing or malformed one fails that use (every use, until it is set)
+        with a :class:`~dbtrigger.errors.ConfigurationError` naming the
+        setting, never its value; the Function App importing this module still
+        indexes. A literal connection string is checked here.
         """
         env = os.environ if environ is None else environ
-        if _SETTING_NAME.match(connection):
-            if connection not in env:
-                identity = cls._identity_connection(
-                    connection,
-                    env,
-                    app_name=app_name,
-                    container=container,
-                    prefix=prefix,
-                    create_container=create_container,
-                    read_timeout=read_timeout,
-                    client_options=client_options,
-                )
-                if identity is not None:
-                    return identity
-                raise ConfigurationError(
-                    f"app setting {connection!r} is not set (nor {connection}__blobServiceUri "
-                    f"or {connection}__accountName for an identity-based connection)"
-                )
-            conn_str = env[connection]
-        else:
-            conn_str = resolve_setting(connection, env)
         validate_container_name(container)
         options = {"retry_policy": _default_retry(), **DEFAULT_CLIENT_OPTIONS, **client_options}
-        try:
-            client = ContainerClient.from_connection_string(conn_str, container, **options)
-        except ValueError:
-            # The SDK's message is harmless, but the string itself must not leak.
-            raise ConfigurationError(
-                "the storage connection string is malformed (expected "
-                "'AccountName=...;AccountKey=...' or 'BlobEndpoint=...;SharedAccessSignature=...')"
-            ) from None
+
+        def build() -> ContainerClient:
+            return cls._connect(connection, env, container, options)
+
+        client: ContainerClient | Deferred[ContainerClient]
+        if _SETTING_NAME.match(connection):
+            client = Deferred(build, f"app setting {connection!r}")
+        elif references_setting(connection):
+            client = Deferred(build, f"app settings in {connection!r}")
+        else:
+            client = build()
         return cls(
             container_client=client,
             app_name=_resolve_now_or_later(app_name, env),
             prefix=prefix,
             create_container=create_container,
             read_timeout=read_timeout,
+            container_name=container,
         )
+
+    @classmethod
+    def _connect(
+        cls, connection: str, env: Mapping[str, str], container: str, options: dict[str, Any]
+    ) -> ContainerClient:
+        """The container client ``connection`` names, its app settings read now."""
+        setting = _SETTING_NAME.match(connection) is not None
+        if setting:
+            if connection not in env:
+                identity = cls._identity_client(connection, env, container, options)
+                if identity is not None:
+                    return identity
+                raise MissingSettingError(
+                    f"app setting {connection!r} is not set (nor {connection}__blobServiceUri "
+                    f"or {connection}__accountName for an identity-based connection)"
+                )
+            conn_str = env[connection]
+        else:
+            conn_str = resolve_setting(connection, env)
+        try:
+            return ContainerClient.from_connection_string(conn_str, container, **options)
+        except ValueError:
+            # The SDK's message is harmless, but the string itself must not leak.
+            where = f" in app setting {connection!r}" if setting else ""
+            raise ConfigurationError(
+                f"the storage connection string{where} is malformed (expected "
+                "'AccountName=...;AccountKey=...' or 'BlobEndpoint=...;SharedAccessSignature=...')"
+            ) from None
 
     @classmethod
     def from_account_url(
@@ -283,19 +320,19 @@ class BlobCheckpointStore:
 
         ``credential=None`` means ``azure.identity.DefaultAzureCredential()``: a
         managed identity in Azure, your ``az login`` locally. The identity needs
-        the "Storage Blob Data Contributor" role on the container.
+        the "Storage Blob Data Contributor" role on the container. A
+        ``%SETTING%`` in ``account_url`` is read at first use.
         """
         validate_container_name(container)
-        if credential is None:
-            from azure.identity import DefaultAzureCredential  # noqa: PLC0415 - optional extra
-
-            credential = DefaultAzureCredential()
         options = {"retry_policy": _default_retry(), **DEFAULT_CLIENT_OPTIONS, **client_options}
-        client = ContainerClient(
-            account_url=resolve_setting(account_url),
-            container_name=container,
-            credential=credential,
-            **options,
+
+        def build() -> ContainerClient:
+            return _account_client(resolve_setting(account_url), container, credential, options)
+
+        client: ContainerClient | Deferred[ContainerClient] = (
+            Deferred(build, f"app settings in {account_url!r}")
+            if references_setting(account_url)
+            else build()
         )
         return cls(
             container_client=client,
@@ -303,21 +340,13 @@ class BlobCheckpointStore:
             prefix=prefix,
             create_container=create_container,
             read_timeout=read_timeout,
+            container_name=container,
         )
 
     @classmethod
-    def _identity_connection(
-        cls,
-        name: str,
-        env: Mapping[str, str],
-        *,
-        app_name: str,
-        container: str,
-        prefix: str,
-        create_container: bool,
-        read_timeout: float | None,
-        client_options: dict[str, Any],
-    ) -> BlobCheckpointStore | None:
+    def _identity_client(
+        cls, name: str, env: Mapping[str, str], container: str, options: dict[str, Any]
+    ) -> ContainerClient | None:
         url = env.get(f"{name}__blobServiceUri") or env.get(f"{name}__serviceUri")
         account = env.get(f"{name}__accountName")
         if not url and account:
@@ -332,16 +361,7 @@ class BlobCheckpointStore:
             if client_id
             else DefaultAzureCredential()
         )
-        return cls.from_account_url(
-            url,
-            app_name=_resolve_now_or_later(app_name, env),
-            credential=credential,
-            container=container,
-            prefix=prefix,
-            create_container=create_container,
-            read_timeout=read_timeout,
-            **client_options,
-        )
+        return _account_client(url, container, credential, options)
 
     # --- helpers ----------------------------------------------------------------
 
@@ -351,6 +371,8 @@ class BlobCheckpointStore:
 
     @property
     def container_name(self) -> str:
+        if self._container_name is not None:
+            return self._container_name
         return str(self._client.container_name)
 
     def blob_name(self, key: str) -> str:
@@ -445,7 +467,7 @@ class BlobCheckpointStore:
         return StoreError(f"{where} failed ({detail})", status=status, error_code=code)
 
     def _account(self) -> str:
-        name = getattr(self._client, "account_name", None)
+        name = getattr(peek(self._client_source), "account_name", None)
         return f"storage account {name!r}" if name else "the storage account"
 
     def _missing_container_is_empty(self, exc: ResourceNotFoundError) -> bool:
@@ -541,7 +563,16 @@ class BlobCheckpointStore:
         return sorted(keys)
 
     def describe(self) -> str:
-        return f"azure-blob:{_safe_url(str(self._client.url))}/{self.prefix}/{self.app_name}/"
+        """Where the state blobs are; never raises (settings not resolvable are named)."""
+        try:
+            where = _safe_url(str(self._client.url))
+        except ConfigurationError:
+            what = getattr(self._client_source, "what", "app settings")
+            where = f"({what}, unresolved)/{self.container_name}"
+        app = self._app_name or self._app_name_spec
+        return f"azure-blob:{where}/{self.prefix}/{app}/"
 
     def close(self) -> None:
-        self._client.close()
+        client = peek(self._client_source)
+        if client is not None:
+            client.close()

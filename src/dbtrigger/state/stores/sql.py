@@ -56,7 +56,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
-from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.engine import URL, Connection, Engine, make_url
 
 from dbtrigger._engine import LazyEngine
 from dbtrigger.errors import (
@@ -70,7 +70,7 @@ from dbtrigger.errors import (
     UnsupportedDocumentError,
 )
 from dbtrigger.names import validate_name, validate_sql_identifier
-from dbtrigger.settings import resolve_setting
+from dbtrigger.settings import references_setting, resolve_setting
 from dbtrigger.sources.sqlalchemy import safe_url_text, short_error
 from dbtrigger.state.stores.base import StoredDocument
 
@@ -159,13 +159,21 @@ class _Attempt:
         self.committing = False
 
 
+def _parse_url(url: str) -> URL:
+    try:
+        return make_url(resolve_setting(url))
+    except sa.exc.ArgumentError as exc:
+        raise ConfigurationError(f"not a valid database URL: {exc}") from None
+
+
 class SqlCheckpointStore:
     """State documents as rows of one table, via SQLAlchemy Core.
 
     Args:
         url: SQLAlchemy URL of the database holding the table; ``%APP_SETTING%``
-            references are resolved. The password never appears in
-            :meth:`describe` or in errors.
+            references are resolved at first use (a missing setting fails that
+            use with a ConfigurationError naming it). The password never
+            appears in :meth:`describe` or in errors.
         engine: an existing engine instead of ``url`` (for example the
             source's, so state and data share a pool).
         table / schema: where the rows live (validated identifiers). On
@@ -199,26 +207,36 @@ class SqlCheckpointStore:
         self._create = create_table
         self._ready = not create_table
         self._lock = threading.Lock()
-        if engine is not None:
-            parsed = engine.url
-        else:
-            try:
-                parsed = make_url(resolve_setting(url or ""))
-            except sa.exc.ArgumentError as exc:
-                raise ConfigurationError(f"not a valid database URL: {exc}") from None
+        #: Where the URL comes from while it is not resolved (describe()).
+        self._url_spec = url
         # hide_parameters: a failing statement's bound values (the whole
         # document) must not be copied into exception text and logs.
         kwargs: dict[str, Any] = {"hide_parameters": True, **(engine_kwargs or {})}
-        self._engines = LazyEngine(parsed, kwargs, engine)
-        # Created now rather than on first use, so a URL naming a missing
-        # driver fails in the constructor.
-        self._engine = self._engines.engine
+        if engine is None and references_setting(url):
+            # An app setting is read at first use: in a Function App a missing
+            # one fails the functions using this store, not the app's indexing.
+            self._engines = LazyEngine(lambda: _parse_url(url or ""), kwargs)
+        else:
+            parsed = engine.url if engine is not None else _parse_url(url or "")
+            self._engines = LazyEngine(parsed, kwargs, engine)
+            # Created now rather than on first use, so a URL naming a missing
+            # driver fails in the constructor.
+            self._engines.engine  # noqa: B018
 
     # --- identity -----------------------------------------------------------------
 
     @property
     def engine(self) -> Engine:
         return self._engine
+
+    @property
+    def _engine(self) -> Engine:
+        """The engine (created at first use when the URL is an app setting).
+
+        Raises:
+            ConfigurationError: the app setting is missing or not a database URL.
+        """
+        return self._engines.engine
 
     @property
     def namespace(self) -> str:
@@ -230,7 +248,11 @@ class SqlCheckpointStore:
         return f"{t.schema}.{t.name}" if t.schema else t.name
 
     def describe(self) -> str:
-        url = safe_url_text(self._engine.url)
+        """Where the documents are; never raises (an unresolved URL shows its reference)."""
+        try:
+            url = safe_url_text(self._engine.url)
+        except ConfigurationError:
+            url = f"({self._url_spec}, unresolved)"
         return f"sql:{url} table={self.table_name} namespace={self._namespace}"
 
     def ddl(self) -> str:

@@ -72,7 +72,7 @@ from dbtrigger.errors import (
 )
 from dbtrigger.names import validate_name
 from dbtrigger.redaction import redact
-from dbtrigger.settings import resolve_setting
+from dbtrigger.settings import Deferred, peek, references_setting, resolve, resolve_setting
 from dbtrigger.state.stores.base import StoredDocument
 
 #: The service's limit for one entity, all properties and keys included.
@@ -232,33 +232,61 @@ class TableCheckpointStore:
             "read_timeout": timeout_seconds,
             "retry_total": retries,
         }
-        if table_client is not None:
-            self._client = table_client
-        elif endpoint is not None:
-            if credential is None:
+        self._table_name = table
+
+        def from_endpoint() -> TableClient:
+            cred = credential
+            if cred is None:
                 from azure.identity import DefaultAzureCredential  # noqa: PLC0415 - optional
 
-                credential = DefaultAzureCredential()
-            self._client = TableClient(
-                endpoint=resolve_setting(endpoint),
+                cred = DefaultAzureCredential()
+            return TableClient(
+                endpoint=resolve_setting(endpoint or ""),
                 table_name=table,
-                credential=credential,
+                credential=cred,
                 **transport,
             )
-        else:
+
+        def from_string() -> TableClient:
             if connection_setting is not None:
                 conn = resolve_setting(f"%{connection_setting}%")
             else:
                 conn = resolve_setting(connection_string or "")
             try:
-                self._client = TableClient.from_connection_string(
-                    conn, table_name=table, **transport
-                )
+                return TableClient.from_connection_string(conn, table_name=table, **transport)
             except ValueError:
                 # The SDK's message may quote the connection string: never repeat it.
+                where = f" in app setting {connection_setting!r}" if connection_setting else ""
                 raise ConfigurationError(
-                    "the storage connection string is malformed (its value is not shown)"
+                    f"the storage connection string{where} is malformed (its value is not shown)"
                 ) from None
+
+        # App settings are read at first use: in a Function App a missing one
+        # fails the functions using this store, not the indexing of the app.
+        self._client_source: TableClient | Deferred[TableClient]
+        if table_client is not None:
+            self._client_source = table_client
+        elif endpoint is not None:
+            self._client_source = (
+                Deferred(from_endpoint, f"app settings in {endpoint!r}")
+                if references_setting(endpoint)
+                else from_endpoint()
+            )
+        elif connection_setting is not None:
+            self._client_source = Deferred(from_string, f"app setting {connection_setting!r}")
+        elif references_setting(connection_string):
+            self._client_source = Deferred(from_string, "app settings in the connection string")
+        else:
+            self._client_source = from_string()
+
+    @property
+    def _client(self) -> TableClient:
+        """The table client, built now if it comes from app settings not read yet.
+
+        Raises:
+            ConfigurationError: an app setting it needs is missing or malformed.
+        """
+        return resolve(self._client_source)
 
     # --- identity ---------------------------------------------------------------------
 
@@ -271,11 +299,17 @@ class TableCheckpointStore:
         return self._app
 
     def describe(self) -> str:
-        url = str(self._client.url).split("?", 1)[0]  # drop a SAS token, if any
-        return f"table:{url.rstrip('/')}/{self._client.table_name} partition={self._app}"
+        """Where the documents are; never raises (unresolved settings are named)."""
+        try:
+            url = str(self._client.url).split("?", 1)[0]  # drop a SAS token, if any
+        except ConfigurationError:
+            url = f"({getattr(self._client_source, 'what', 'app settings')}, unresolved)"
+        return f"table:{url.rstrip('/')}/{self._table_name} partition={self._app}"
 
     def close(self) -> None:
-        self._client.close()
+        client = peek(self._client_source)
+        if client is not None:
+            client.close()
 
     # --- error edge ---------------------------------------------------------------------
 
@@ -314,7 +348,7 @@ class TableCheckpointStore:
         if isinstance(exc, ResourceNotFoundError):
             if _is_table_missing(exc):
                 return StoreUnavailableError(
-                    f"{where} failed: table {self._client.table_name!r} does not exist"
+                    f"{where} failed: table {self._table_name!r} does not exist"
                 )
             return CasConflictError(f"{key!r} no longer exists (etag mismatch)")
         if isinstance(exc, ClientAuthenticationError):
@@ -361,7 +395,7 @@ class TableCheckpointStore:
                 return
             # ResourceExistsError: someone (maybe another instance) created it first.
             with (
-                self._edge("create table", self._client.table_name),
+                self._edge("create table", self._table_name),
                 contextlib.suppress(ResourceExistsError),
             ):
                 self._client.create_table()

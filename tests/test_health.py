@@ -218,8 +218,8 @@ def test_lag_seconds_from_the_oldest_pending_row(pg: TestDatabase, tmp_path: Pat
             untimed = measure_lag(counter, Position(0, {"id": 0}), now)
         finally:
             counter.close()
-        assert (untimed.rows, untimed.seconds) == (1, None)
-        assert "aware timestamp cursor, not int" in untimed.note
+        assert (untimed.rows, untimed.seconds, untimed.basis) == (1, None, "observed")
+        assert "declare lag_column=" in untimed.note
     finally:
         source.close()
         guarded.close()

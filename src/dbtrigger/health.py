@@ -37,7 +37,8 @@ from typing import Any
 
 from dbtrigger.cursor import Position
 from dbtrigger.errors import DbTriggerError
-from dbtrigger.sources.base import CountsAfter, SourceAdapter
+from dbtrigger.sources import lag as lagmod
+from dbtrigger.sources.base import CountsAfter, MeasuresLag, SourceAdapter
 from dbtrigger.state import document as docmod
 from dbtrigger.state.lease import describe_lease
 from dbtrigger.state.stores.base import CheckpointStore
@@ -52,14 +53,19 @@ class Lag:
     """How far behind the source a position is.
 
     ``rows`` is the count after the position (None: the source cannot count).
-    ``seconds`` is the age of the oldest pending row by its cursor, 0 when
-    nothing is pending, and None when the cursor is not a time-zone-aware
-    timestamp (dbtrigger never guesses the zone of a naive one).
+    ``seconds`` is the age of the oldest pending row, 0 when nothing is
+    pending, and None when it cannot be known here. ``basis`` says how it
+    was measured (:mod:`dbtrigger.sources.lag`): ``cursor`` (a timestamp
+    cursor, naive ones against the database's clock), ``column:<name>`` (the
+    source's ``lag_column``), or ``observed`` (an integer cursor with no
+    time column: only a running worker can observe it, so ``seconds`` is
+    None here and ``note`` says what to declare).
     """
 
     rows: int | None
     seconds: float | None
     note: str = ""
+    basis: str | None = None
 
 
 def measure_lag(
@@ -81,11 +87,23 @@ def measure_lag(
         # Rows exist but the source's visibility guard holds them back for now
         # (possibly uncommitted writers): how long they have waited is unknown.
         return Lag(rows, None, "pending rows are not yet released by the visibility guard")
+    note = "" if counts is not None else "the source cannot count pending rows"
+    if isinstance(source, MeasuresLag):
+        reading = source.row_age(first[0], now)
+        if reading.seconds is not None:
+            return Lag(rows, max(0.0, reading.seconds), note, reading.basis)
+        if reading.basis == lagmod.OBSERVED:
+            why = (
+                "the cursor carries no time: declare lag_column= (a timestamp column such as "
+                "created_at) for lag in seconds; a running worker reports it as observed"
+            )
+        else:
+            why = f"{reading.basis} is NULL on the oldest pending row"
+        return Lag(rows, None, note or why, reading.basis)
     event = source.to_events(first, poller=poller, batch_id="lag-probe")[0]
     cursor = event.cursor
-    note = "" if counts is not None else "the source cannot count pending rows"
     if isinstance(cursor, dt.datetime) and cursor.tzinfo is not None:
-        return Lag(rows, max(0.0, (now - cursor).total_seconds()), note)
+        return Lag(rows, max(0.0, (now - cursor).total_seconds()), note, lagmod.CURSOR)
     kind = type(cursor).__name__
     return Lag(rows, None, note or f"lag in seconds needs an aware timestamp cursor, not {kind}")
 
@@ -102,6 +120,7 @@ class HealthReport:
     seconds_since_success: float | None = None
     pending_rows: int | None = None
     lag_seconds: float | None = None
+    lag_basis: str | None = None
     failing_attempts: int = 0
     lease: str = "no lease"
     stale_after_seconds: float = 0.0
@@ -129,6 +148,7 @@ class HealthReport:
             "seconds_since_success": self.seconds_since_success,
             "pending_rows": self.pending_rows,
             "lag_seconds": self.lag_seconds,
+            "lag_basis": self.lag_basis,
             "failing_attempts": self.failing_attempts,
             "lease": self.lease,
             "stale_after_seconds": self.stale_after_seconds,
@@ -177,6 +197,9 @@ def check_health(
         )
     pending = lag.rows if lag is not None else None
     lag_seconds = lag.seconds if lag is not None else None
+    lag_fields: dict[str, Any] = {"lag_seconds": lag_seconds}
+    if lag is not None:
+        lag_fields["lag_basis"] = lag.basis
     if doc is None and source is None:
         # Nothing shows this poller exists: a misspelt name in a probe must not
         # report healthy for ever. (With a source, "nothing to deliver yet" is
@@ -192,14 +215,14 @@ def check_health(
                 status=STALE,
                 reason=f"no checkpoint has ever been committed while {pending} rows are pending",
                 pending_rows=pending,
-                lag_seconds=lag_seconds,
+                **lag_fields,
                 **base,
             )
         return HealthReport(
             status=NO_STATE,
             reason="no state yet and nothing to deliver; the first tick with rows creates it",
             pending_rows=pending,
-            lag_seconds=lag_seconds,
+            **lag_fields,
             **base,
         )
 
@@ -212,7 +235,7 @@ def check_health(
         "last_success_at": last,
         "seconds_since_success": since,
         "pending_rows": pending,
-        "lag_seconds": lag_seconds,
+        **lag_fields,
         "failing_attempts": attempts,
         "lease": describe_lease(doc.lease, now),
         **base,

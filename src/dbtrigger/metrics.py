@@ -36,7 +36,12 @@ METRICS: dict[str, tuple[str, str]] = {
     "handler_duration_seconds": ("histogram", "Handler time per batch"),
     "commit_duration_seconds": ("histogram", "Checkpoint commit time"),
     "batch_size": ("histogram", "Events per batch"),
-    "lag_seconds": ("gauge", "Age of the newest committed cursor behind now (timestamp cursors)"),
+    "lag_seconds": (
+        "gauge",
+        "Seconds behind: the committed cursor's age (timestamp cursors), the lag column's age "
+        "on the oldest undelivered row, or seconds since that row was first seen (lag_basis)",
+    ),
+    "lag_basis": ("gauge", "1, labelled with how lag_seconds is measured (basis)"),
     "lag_rows": ("gauge", "Rows pending after the checkpoint"),
     "last_success_timestamp": ("gauge", "When the last batch committed"),
     "heartbeats_total": (
@@ -94,6 +99,7 @@ METRIC_LABELS: dict[str, tuple[str, ...]] = {
     "subscriber_outcomes_total": ("subscriber", "outcome"),
     "ack_timeouts_total": ("subscriber",),
     "queue_rows_total": ("result",),
+    "lag_basis": ("lag_basis",),
 }
 
 #: Histogram bucket bounds for metrics that are not durations in seconds.

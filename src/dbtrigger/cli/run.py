@@ -30,6 +30,7 @@ from dbtrigger.runtime.runner import (
     run_pollers,
 )
 from dbtrigger.runtime.subscribers import SubscriberCall
+from dbtrigger.sources.lag import describe_basis
 from dbtrigger.state.stores.factory import describe_store, redact
 
 log = logging.getLogger("dbtrigger.runner")
@@ -85,6 +86,10 @@ def banner(loaded: LoadedTrigger, args: argparse.Namespace) -> tuple[str, dict[s
         f"failures back off up to {args.max_backoff:g}s",
         f"  visibility  {guard}",
     ]
+    lag_basis = getattr(source, "lag_basis", None)
+    basis = lag_basis(resolve=True) if callable(lag_basis) else None
+    if callable(lag_basis):
+        lines.append(f"  lag         {describe_basis(basis)}")
     fields = {
         "event": "worker_start",
         "poller": trigger.name,
@@ -95,6 +100,7 @@ def banner(loaded: LoadedTrigger, args: argparse.Namespace) -> tuple[str, dict[s
         "lease_ttl_seconds": trigger.lease_ttl.total_seconds(),
         "interval_seconds": args.interval,
         "owner_id": trigger.owner_id,
+        "lag_basis": basis,
     }
     return redact("\n".join(lines)), fields
 

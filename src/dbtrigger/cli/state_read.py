@@ -26,6 +26,7 @@ from dbtrigger.health import measure_lag
 from dbtrigger.partitions import layout as membership_layout
 from dbtrigger.partitions.layout import Membership
 from dbtrigger.sources.base import accepted_fingerprints
+from dbtrigger.sources.lag import COLUMN
 from dbtrigger.state import document as docmod
 from dbtrigger.state.lease import describe_lease
 from dbtrigger.state.stores.base import CheckpointStore
@@ -111,6 +112,7 @@ def poller_status(
                 lag = {
                     "rows": measured.rows,
                     "seconds": None if measured.seconds is None else round(measured.seconds, 3),
+                    "basis": measured.basis,
                     "note": measured.note,
                 }
             except DbTriggerError as exc:
@@ -145,6 +147,9 @@ def _render_one(status: Mapping[str, Any], store: str) -> str:
         lag_text = "? rows" if lag["rows"] is None else f"{lag['rows']} rows"
         if lag["seconds"] is not None:
             lag_text += f", oldest pending {lag['seconds']:.1f}s"
+            basis = lag.get("basis")
+            if basis and basis.startswith(COLUMN):
+                lag_text += f" (by {basis[len(COLUMN) :]})"
         if lag["note"]:
             lag_text += f" ({lag['note']})"
     lines.append(("lag", lag_text))

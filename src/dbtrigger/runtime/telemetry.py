@@ -53,11 +53,16 @@ class Observe:
 
 @dataclass(frozen=True)
 class Gauge:
-    """Set gauge ``metric`` to ``const``, or to ``values[key]`` when that is not None."""
+    """Set gauge ``metric`` to ``const``, or to ``values[key]`` when that is not None.
+
+    Each name in ``label_keys`` becomes a label valued from the emitted
+    fields; the gauge is left alone when one of them is None.
+    """
 
     metric: str
     key: str | None = None
     const: float | None = None
+    label_keys: tuple[str, ...] = ()
 
 
 Update = Count | Observe | Gauge
@@ -165,6 +170,8 @@ EVENTS: dict[str, EventSpec] = {
             Count("events_total", "rows"),
             Gauge("last_success_timestamp", "timestamp"),
             Gauge("lag_seconds", "lag_seconds"),
+            # How lag_seconds was measured (cursor, column:<name>, observed).
+            Gauge("lag_basis", const=1, label_keys=("lag_basis",)),
         ),
     ),
     "commit_failed": EventSpec(
@@ -308,8 +315,10 @@ class Telemetry:
             self.metrics.observe(update.metric, data[update.key])
         else:
             value = update.const if update.key is None else data.get(update.key)
-            if value is not None:
-                self.metrics.set_gauge(update.metric, float(value))
+            keyed = {k: data.get(k) for k in update.label_keys}
+            if value is not None and None not in keyed.values():
+                named = {k: str(v) for k, v in keyed.items()}
+                self.metrics.set_gauge(update.metric, float(value), labels=named or None)
 
     def on_retry(self, operation: str, attempt: int, exc: BaseException, wait: float) -> None:
         """A :class:`~dbtrigger.runtime.retry.RetryPolicy` hook: count the retry."""

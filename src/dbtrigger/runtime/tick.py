@@ -69,6 +69,7 @@ from dbtrigger.runtime.writes import StateWriter, WriterSettings
 from dbtrigger.sources.base import (
     FindsNullCursors,
     MeasuresCursorAge,
+    MeasuresLag,
     ReportsVisibility,
     SourceAdapter,
     VisibilityReport,
@@ -275,6 +276,7 @@ class TickDriver:
             clock=clock,
             telemetry=telemetry,
             cursor_age=source.cursor_age_seconds if isinstance(source, MeasuresCursorAge) else None,
+            lag_after=source.lag_after if isinstance(source, MeasuresLag) else None,
         )
         self.name = settings.name
         self.source = source

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dbtrigger.cursor import Position
 from dbtrigger.errors import (
     CommitError,
     DbTriggerError,
@@ -27,6 +28,7 @@ from dbtrigger.runtime.context import BatchContext
 from dbtrigger.runtime.session import LeaseSession
 from dbtrigger.runtime.telemetry import Telemetry
 from dbtrigger.sources.base import position_of
+from dbtrigger.sources.lag import CURSOR, LagReading
 from dbtrigger.state import document as docmod
 from dbtrigger.state import lease as leasemod
 from dbtrigger.state import verdict as verdictmod
@@ -53,6 +55,7 @@ class StateWriter:
         clock: Callable[[], dt.datetime],
         telemetry: Telemetry,
         cursor_age: Callable[[Any, dt.datetime], float | None] | None = None,
+        lag_after: Callable[[Position, dt.datetime], LagReading | None] | None = None,
     ) -> None:
         self.settings = settings
         self.name = settings.name
@@ -61,6 +64,9 @@ class StateWriter:
         #: The source's own ageing of a cursor (naive timestamps against the
         #: database clock); aware timestamps are aged here without it.
         self.cursor_age = cursor_age
+        #: The source's own measurement of lag_seconds and its basis
+        #: (dbtrigger.sources.lag): integer cursors too.
+        self.lag_after = lag_after
 
     def commit(
         self,
@@ -113,15 +119,7 @@ class StateWriter:
             raise
         session.released = release
         after = entry.after
-        lag: float | None = None
-        if isinstance(after.cursor, dt.datetime) and after.cursor.tzinfo is not None:
-            lag = max(0.0, (now - after.cursor).total_seconds())
-        elif self.cursor_age is not None:
-            try:
-                age = self.cursor_age(after.cursor, now)
-            except DbTriggerError:
-                age = None  # the gauge keeps its last value; the commit itself stands
-            lag = None if age is None else max(0.0, age)
+        lag, basis = self._lag(after, now)
         self.emit(
             "batch_committed",
             "committed %d rows up to %s (batch %s)",
@@ -133,12 +131,36 @@ class StateWriter:
             batch_id=entry.batch_id,
             fencing_token=session.token,
             rows=entry.rows,
+            lag_basis=basis,
             values={
                 "seconds": time.perf_counter() - started,
                 "timestamp": now.timestamp(),
                 "lag_seconds": lag,
             },
         )
+
+    def _lag(self, after: Position, now: dt.datetime) -> tuple[float | None, str | None]:
+        """``lag_seconds`` at a commit to ``after`` and its basis; (None, None): not measured.
+
+        A failed measurement leaves the gauge at its last value: the commit stands.
+        """
+        if self.lag_after is not None:
+            try:
+                reading = self.lag_after(after, now)
+            except DbTriggerError:
+                return None, None
+            if reading is None or reading.seconds is None:
+                return None, None
+            return max(0.0, reading.seconds), reading.basis
+        if isinstance(after.cursor, dt.datetime) and after.cursor.tzinfo is not None:
+            return max(0.0, (now - after.cursor).total_seconds()), CURSOR
+        if self.cursor_age is not None:
+            try:
+                age = self.cursor_age(after.cursor, now)
+            except DbTriggerError:
+                return None, None
+            return (None, None) if age is None else (max(0.0, age), CURSOR)
+        return None, None
 
     def record_failure(
         self,

@@ -34,6 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from dbtrigger.cursor import Position
 from dbtrigger.events import RowChange
+from dbtrigger.sources.lag import LagReading
 
 
 @runtime_checkable
@@ -156,3 +157,20 @@ class MeasuresCursorAge(Protocol):
     """
 
     def cursor_age_seconds(self, cursor: Any, now: dt.datetime) -> float | None: ...
+
+
+@runtime_checkable
+class MeasuresLag(Protocol):
+    """A source that measures ``lag_seconds`` for any cursor, and says how.
+
+    See :mod:`dbtrigger.sources.lag` for the bases (``cursor``,
+    ``column:<name>``, ``observed``).
+    """
+
+    def lag_after(self, after: Position, now: dt.datetime) -> LagReading | None:
+        """``lag_seconds`` once the checkpoint is at ``after``; None: not measured this time."""
+        ...
+
+    def row_age(self, row: Mapping[str, Any], now: dt.datetime) -> LagReading:
+        """How old a raw row of :meth:`SourceAdapter.fetch` is, by the source's basis."""
+        ...

@@ -34,6 +34,7 @@ import contextlib
 import datetime as dt
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
@@ -46,6 +47,7 @@ from dbtrigger._engine import LazyEngine, permanent_problem
 from dbtrigger.cursor import Position, encode_value
 from dbtrigger.errors import (
     ConfigurationError,
+    DbTriggerError,
     FetchError,
     MissingSettingError,
     SerializationError,
@@ -53,10 +55,12 @@ from dbtrigger.errors import (
 from dbtrigger.events import RowChange
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.settings import resolve_setting
+from dbtrigger.sources import lag as lagmod
 from dbtrigger.sources.clock import DatabaseClock
 from dbtrigger.sources.column_checks import ShapeChecks
 from dbtrigger.sources.errors_map import short_error, source_error
 from dbtrigger.sources.fingerprint import legacy_fingerprint, source_fingerprint
+from dbtrigger.sources.lag import LagReading, ObservedLag
 from dbtrigger.sources.rows import ResultProcessors, Rows, read_rows, rows_to_events
 from dbtrigger.sources.visibility import (
     ActiveGuard,
@@ -153,6 +157,12 @@ class SqlAlchemySource:
             row in ``before`` (see ``docs/changes.md``).
         deleted_value: with ``deleted_column``, the value that means deleted
             (e.g. ``deleted_column="status", deleted_value="deleted"``).
+        lag_column: a timestamp column (``created_at``) whose value on the
+            oldest undelivered row gives ``lag_seconds`` when the cursor carries
+            no time (an integer or decimal cursor). Defaults to the
+            ``time_column`` of a ``SafetyWindow`` guard. Without either such a
+            cursor's lag is *observed* (see :mod:`dbtrigger.sources.lag`). Not
+            part of the fingerprint: it changes no row's delivery.
     """
 
     def __init__(
@@ -171,6 +181,7 @@ class SqlAlchemySource:
         visibility: str | VisibilityGuard = "auto",
         deleted_column: str | None = None,
         deleted_value: Any = None,
+        lag_column: str | None = None,
     ) -> None:
         # Every constructor argument, so derive() can build a twin of this source.
         self._config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
@@ -231,6 +242,12 @@ class SqlAlchemySource:
         # that is only resolved then.
         self._checks_built: ShapeChecks | None = None
         self._clock_built: DatabaseClock | None = None
+        window_column = getattr(self._visibility, "time_column", None)
+        self._lag_column = (
+            validate_sql_identifier(lag_column, "lag_column") if lag_column else window_column
+        )
+        self._observed_lag = ObservedLag()
+        self._lag_measured_at = float("-inf")
 
     @property
     def _checks(self) -> ShapeChecks:
@@ -353,6 +370,7 @@ class SqlAlchemySource:
             "visibility": self.visibility_requested,
             "visibility_mode": self.visibility_mode,
             "visibility_guarantee": self.visibility_guarantee,
+            "lag_column": self._lag_column,
         }
 
     @property
@@ -556,6 +574,100 @@ class SqlAlchemySource:
         """
         try:
             return self._clock.age_seconds(cursor, now)
+        except SQLAlchemyError as exc:
+            raise source_error(exc, f"reading the clock of {self.name}") from exc
+
+    # --- lag in seconds (sources/lag.py) -----------------------------------------------
+
+    def lag_basis(self, *, resolve: bool = False) -> str | None:
+        """How ``lag_seconds`` is measured: ``cursor``, ``column:<name>`` or ``observed``.
+
+        None while the cursor's type is unknown (before reflection), unless
+        ``resolve`` (then the table is reflected now; errors give None).
+        """
+        if self._lag_column is not None:
+            return lagmod.column_basis(self._lag_column)
+        kind: str | None = None
+        if self._selectable is not None or resolve:
+            try:
+                kind = self.cursor_kind()
+            except DbTriggerError:
+                return None
+        if isinstance(self._cursor_type, sa.DateTime):  # SQLite's DATETIME compares as text
+            return lagmod.CURSOR
+        if kind is None:
+            return None
+        return lagmod.CURSOR if kind in ("timestamp", "naive_timestamp") else lagmod.OBSERVED
+
+    def row_age(self, row: Mapping[str, Any], now: dt.datetime) -> LagReading:
+        """How old a fetched row is: its lag column, else its cursor (``observed``: None)."""
+        if self._lag_column is not None:
+            basis = lagmod.column_basis(self._lag_column)
+            return LagReading(self._age(row.get(self._lag_column), now), basis)
+        age = self._age(row.get(self._cursor_column), now)
+        return LagReading(age, lagmod.CURSOR if age is not None else lagmod.OBSERVED)
+
+    def lag_after(self, after: Position, now: dt.datetime) -> LagReading | None:
+        """``lag_seconds`` with the checkpoint at ``after`` (called after each commit).
+
+        A timestamp cursor is aged as it is (no query). Otherwise one keyset
+        query reads the oldest undelivered row (and, with no lag column, the
+        newest row for :class:`~dbtrigger.sources.lag.ObservedLag`), at most
+        once a second; None in between (the gauge keeps its value).
+        """
+        if self._lag_column is None:
+            age = self._age(after.cursor, now)
+            if age is not None:
+                return LagReading(age, lagmod.CURSOR)
+        started = time.monotonic()
+        if started - self._lag_measured_at < lagmod.MEASURE_INTERVAL_SECONDS:
+            return None
+        self._lag_measured_at = started
+        try:
+            with self.engine.connect() as conn:
+                self._resolve_shape(conn)
+                return self._measure_lag(conn, after, now)
+        except SQLAlchemyError as exc:
+            raise source_error(exc, f"measuring the lag of {self.name}") from exc
+
+    def _measure_lag(self, conn: Connection, after: Position, now: dt.datetime) -> LagReading:
+        cursor = self._columns[self._cursor_column]
+        keys = [cursor, *(self._columns[c] for c in self._tiebreak)]
+        if self._lag_column is not None:
+            column = self._columns.get(self._lag_column)
+            if column is None:
+                raise ConfigurationError(
+                    f"lag_column {self._lag_column!r} is not a column of {self.name}"
+                )
+            oldest = self._statement(after, 1).with_only_columns(column.label("lag"))
+            row = conn.execute(oldest).first()
+            basis = lagmod.column_basis(self._lag_column)
+            if row is None:
+                return LagReading(0.0, basis)  # nothing pending
+            return LagReading(self._age(row[0], now), basis)
+        first = conn.execute(self._statement(after, 1).with_only_columns(*keys)).first()
+        newest = None
+        if first is not None:
+            last = (
+                self._select()
+                .with_only_columns(*keys)
+                .where(cursor.is_not(None))
+                .order_by(*(k.desc() for k in keys))
+                .limit(1)
+            )
+            newest = conn.execute(last).first()
+        seconds = self._observed_lag.observe(
+            now,
+            tuple(first) if first is not None else None,
+            tuple(newest) if newest is not None else None,
+        )
+        return LagReading(seconds, lagmod.OBSERVED)
+
+    def _age(self, value: Any, now: dt.datetime) -> float | None:
+        if value is None:
+            return None
+        try:
+            return self._clock.age_seconds(value, now)
         except SQLAlchemyError as exc:
             raise source_error(exc, f"reading the clock of {self.name}") from exc
 

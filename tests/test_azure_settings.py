@@ -279,3 +279,19 @@ def test_a_missing_storage_connection_fails_only_the_functions_using_it(
     )
     for store in (module.blob, module.table, module.sql):
         store.close()
+
+
+def test_a_quarantine_sink_reads_its_url_setting_at_first_use(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from dbtrigger.quarantine import SqlQuarantineSink  # noqa: PLC0415
+
+    name = f"QUARANTINE_URL_{uuid.uuid4().hex[:8]}"
+    sink = SqlQuarantineSink(url=f"%{name}%")  # importing a function_app.py must not fail
+    assert sink.describe() == f"sql:(%{name}%, unresolved):dbtrigger_quarantine"
+    for _ in range(2):
+        with pytest.raises(ConfigurationError, match=name):
+            sink.records()
+    monkeypatch.setenv(name, f"sqlite:///{tmp_path / 'q.db'}")
+    assert sink.records() == []
+    sink.close()

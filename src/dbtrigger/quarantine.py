@@ -67,7 +67,7 @@ from dbtrigger.errors import (
 from dbtrigger.events import RowChange
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.redaction import redact
-from dbtrigger.settings import resolve_setting
+from dbtrigger.settings import references_setting, resolve_setting
 from dbtrigger.state.document import format_time, parse_time, position_to_json
 
 # --- row encoding ---------------------------------------------------------------
@@ -253,18 +253,33 @@ class SqlQuarantineSink:
     ) -> None:
         if (url is None) == (engine is None):
             raise ConfigurationError("SqlQuarantineSink needs exactly one of url= or engine=")
-        self._engines = LazyEngine(
-            engine.url if engine is not None else resolve_setting(url or ""), engine=engine
-        )
-        self._engine = self._engines.engine  # created now: a bad URL fails here
+        self._url_spec = url
+        if engine is None and references_setting(url):
+            # An app setting is read at first use: in a Function App a missing
+            # one fails the functions quarantining here, not the app's indexing.
+            self._engines = LazyEngine(lambda: sa.engine.make_url(resolve_setting(url or "")))
+        else:
+            self._engines = LazyEngine(
+                engine.url if engine is not None else resolve_setting(url or ""), engine=engine
+            )
+            self._engines.engine  # noqa: B018 - created now: a bad URL fails here
         self.table = quarantine_table(table, schema)
         self._create = create_table
         self._created = False
         self._lock = threading.Lock()
 
+    @property
+    def _engine(self) -> sa.Engine:
+        """The engine (created at first use when the URL is an app setting)."""
+        return self._engines.engine
+
     def describe(self) -> str:
         name = f"{self.table.schema}.{self.table.name}" if self.table.schema else self.table.name
-        return f"sql:{self._engine.dialect.name}:{name}"
+        try:
+            dialect = self._engine.dialect.name
+        except ConfigurationError:
+            dialect = f"({self._url_spec}, unresolved)"
+        return f"sql:{dialect}:{name}"
 
     def close(self) -> None:
         """Dispose of the connection pool if this sink created the engine."""

@@ -53,7 +53,7 @@ def import_path_of(obj: object) -> str | None:
             continue
         try:
             names = vars(module)
-        except TypeError:
+        except Exception:  # noqa: BLE001, S112 - lazy proxies in sys.modules may raise anything
             continue
         for attr, value in list(names.items()):
             if value is obj and not attr.startswith("_"):

@@ -30,6 +30,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine, make_url
 
 from dbtrigger.errors import ConfigurationError
+from dbtrigger.settings import resolve_setting
 
 #: Drivers a URL's dialect commonly names, and how to install them.
 _DRIVER_HINTS = {
@@ -145,6 +146,24 @@ def ping_when_idle(engine: Engine, idle_seconds: float = PING_AFTER_IDLE_SECONDS
 
     sa.event.listen(engine, "checkin", checked_in)
     sa.event.listen(engine, "checkout", checked_out)
+
+
+def parse_database_url(url: str, what: str = "database URL") -> URL:
+    """``url`` with ``%SETTING%`` references resolved, as a SQLAlchemy URL.
+
+    A malformed URL is a :class:`ConfigurationError` that does not repeat the
+    text (it may hold a password); SQLAlchemy raises ``ValueError`` for a port
+    that is not a number, which must not escape as a bare exception either.
+    """
+    text = resolve_setting(url)  # a MissingSettingError names the setting
+    try:
+        return make_url(text)
+    except (sa.exc.ArgumentError, ValueError) as exc:
+        problem = "the port is not a number" if isinstance(exc, ValueError) else "unparsable"
+        raise ConfigurationError(
+            f"{what}: not a valid database URL ({problem}); SQLAlchemy expects "
+            "dialect+driver://user:password@host:port/database"
+        ) from None
 
 
 class LazyEngine:

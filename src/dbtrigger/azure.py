@@ -658,9 +658,9 @@ def entra_id_engine(
     """
     import sqlalchemy as sa  # noqa: PLC0415 - only this helper needs the event API
 
-    from dbtrigger._engine import create_engine  # noqa: PLC0415
+    from dbtrigger._engine import create_engine, parse_database_url  # noqa: PLC0415
 
-    parsed = sa.engine.make_url(resolve_setting(url))
+    parsed = parse_database_url(url)
     dialect = parsed.get_backend_name()
     token_scope = scope or ENTRA_SCOPES.get(dialect)
     if token_scope is None:

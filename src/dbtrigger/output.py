@@ -27,13 +27,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import sqlalchemy as sa
-from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.engine import URL, Engine
 from sqlalchemy.exc import NoSuchTableError, SQLAlchemyError
 
-from dbtrigger._engine import LazyEngine
+from dbtrigger._engine import LazyEngine, parse_database_url
 from dbtrigger.errors import ConfigurationError, MissingSettingError, OutputWriteError
 from dbtrigger.names import validate_sql_identifier
-from dbtrigger.settings import resolve_setting
 from dbtrigger.sources.sqlalchemy import safe_url_text, short_error
 
 Action = Literal["insert", "upsert"]
@@ -83,20 +82,11 @@ class OutputTarget:
         if url:
             # A missing %SETTING% is reported at first use (see SqlAlchemySource).
             with contextlib.suppress(MissingSettingError):
-                self._url_value = self._parse_url(url)
+                self._url_value = parse_database_url(url, "db.output url")
         if self._url_value is not None:
             self._check_dialect(self._url_value)
         self._engines = LazyEngine(lambda: self._url, engine_kwargs, engine)
         self._table: sa.Table | None = None
-
-    @staticmethod
-    def _parse_url(url: str) -> URL:
-        try:
-            return make_url(resolve_setting(url))
-        except sa.exc.ArgumentError:
-            raise ConfigurationError(
-                "db.output url is not a valid SQLAlchemy database URL"
-            ) from None
 
     def _check_dialect(self, url: URL) -> None:
         dialect = url.get_backend_name()
@@ -110,7 +100,7 @@ class OutputTarget:
     def _url(self) -> URL:
         """The database URL, ``%SETTING%`` references resolved (at the first use)."""
         if self._url_value is None:
-            url = self._parse_url(self._url_spec or "")
+            url = parse_database_url(self._url_spec or "", "db.output url")
             self._check_dialect(url)
             self._url_value = url
         return self._url_value

@@ -55,7 +55,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from dbtrigger._engine import LazyEngine
+from dbtrigger._engine import LazyEngine, parse_database_url
 from dbtrigger.cursor import Position, canonical_json, encode_value, encoded_pk
 from dbtrigger.errors import (
     ConfigurationError,
@@ -67,7 +67,7 @@ from dbtrigger.errors import (
 from dbtrigger.events import RowChange
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.redaction import redact
-from dbtrigger.settings import references_setting, resolve_setting
+from dbtrigger.settings import references_setting
 from dbtrigger.state.document import format_time, parse_time, position_to_json
 
 # --- row encoding ---------------------------------------------------------------
@@ -257,10 +257,11 @@ class SqlQuarantineSink:
         if engine is None and references_setting(url):
             # An app setting is read at first use: in a Function App a missing
             # one fails the functions quarantining here, not the app's indexing.
-            self._engines = LazyEngine(lambda: sa.engine.make_url(resolve_setting(url or "")))
+            self._engines = LazyEngine(lambda: parse_database_url(url or "", "quarantine url"))
         else:
+            where = engine.url if engine is not None else None
             self._engines = LazyEngine(
-                engine.url if engine is not None else resolve_setting(url or ""), engine=engine
+                where or parse_database_url(url or "", "quarantine url"), engine=engine
             )
             self._engines.engine  # noqa: B018 - created now: a bad URL fails here
         self.table = quarantine_table(table, schema)

@@ -25,10 +25,10 @@ from decimal import Decimal
 from types import MappingProxyType
 from typing import Any
 
-import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
+from dbtrigger._engine import create_engine, parse_database_url
 from dbtrigger.changelog.ddl import LOG_COLUMNS, log_table_name
 from dbtrigger.changelog.operations import log_table, lowest_checkpoint, prune
 from dbtrigger.cursor import Position
@@ -36,7 +36,6 @@ from dbtrigger.errors import ConfigurationError, DbTriggerError, SerializationEr
 from dbtrigger.events import EventIds, RowChange
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.redaction import redact
-from dbtrigger.settings import resolve_setting
 from dbtrigger.sources.sqlalchemy import SqlAlchemySource
 from dbtrigger.sources.visibility import FetchInfo, VisibilityGuard
 from dbtrigger.state import document
@@ -143,8 +142,8 @@ class ChangeLogSource:
         engine = self._engine
         owned = engine is None
         if engine is None:
-            engine = sa.create_engine(
-                resolve_setting(self._url or ""), **(self._engine_kwargs or {})
+            engine = create_engine(
+                parse_database_url(self._url or ""), **(self._engine_kwargs or {})
             )
         try:
             log = log_table(engine, self._table, self._schema)
@@ -163,7 +162,7 @@ class ChangeLogSource:
         dialect = (
             self._engine.dialect.name
             if self._engine is not None
-            else sa.engine.make_url(resolve_setting(self._url or "")).get_backend_name()
+            else parse_database_url(self._url or "").get_backend_name()
         )
         target = f"{self._schema}.{self._table}" if self._schema else self._table
         return f"{dialect}:{target}+changelog"

@@ -34,11 +34,17 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import sqlalchemy as sa
-from sqlalchemy.engine import URL, Connection, Engine, make_url
+from sqlalchemy.engine import URL, Connection, Engine
 from sqlalchemy.exc import NoSuchTableError, SQLAlchemyError
 
-from dbtrigger._engine import LazyEngine
-from dbtrigger.errors import CommitError, ConfigurationError, DbTriggerError, FetchError
+from dbtrigger._engine import LazyEngine, parse_database_url
+from dbtrigger.errors import (
+    CommitError,
+    ConfigurationError,
+    DbTriggerError,
+    FetchError,
+    MissingSettingError,
+)
 from dbtrigger.metrics import SafeMetrics
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.queue.schema import (
@@ -57,7 +63,6 @@ from dbtrigger.queue.statements import (
     Settled,
 )
 from dbtrigger.runtime.telemetry import Telemetry
-from dbtrigger.settings import resolve_setting
 from dbtrigger.sources.sqlalchemy import safe_url_text, short_error
 
 log = logging.getLogger("dbtrigger.queue")
@@ -153,11 +158,46 @@ class ClaimSource:
             validate_sql_identifier(cursor_column, "cursor_column") if cursor_column else None
         )
         self.claims_table = validate_sql_identifier(claims_table, "claims_table")
-        try:
-            self.url: URL = make_url(resolve_setting(url))
-        except sa.exc.ArgumentError as exc:
-            raise ConfigurationError(f"not a valid database URL: {exc}") from None
-        self.time = DialectTime(self.url.get_backend_name())
+        self._url_spec = url
+        self._url_value: URL | None = None
+        # A %SETTING% that is missing is reported at first use, not here: in a
+        # Function App one missing setting must not stop every function indexing.
+        with contextlib.suppress(MissingSettingError):
+            self._url_value = parse_database_url(url)
+        self._time: DialectTime | None = None
+        self._engine_kwargs = dict(engine_kwargs or {})
+        self._engines_built: LazyEngine | None = None
+        self._lock = threading.Lock()
+        self._engine_lock = threading.Lock()
+        self._target: ClaimTable | None = None
+        self._user_table: sa.Table | None = None
+        self._sqlite_hooked = False
+
+    # --- identity -------------------------------------------------------------------
+
+    @property
+    def url(self) -> URL:
+        """The database URL, ``%SETTING%`` references resolved (at the first use)."""
+        if self._url_value is None:
+            self._url_value = parse_database_url(self._url_spec)
+        return self._url_value
+
+    @property
+    def time(self) -> DialectTime:
+        """Claim-clock SQL for the dialect (known once the URL is resolved)."""
+        if self._time is None:
+            self._time = DialectTime(self.url.get_backend_name())
+        return self._time
+
+    @property
+    def _engines(self) -> LazyEngine:
+        if self._engines_built is None:
+            with self._engine_lock:
+                if self._engines_built is None:
+                    self._engines_built = LazyEngine(self.url, self._engine_options())
+        return self._engines_built
+
+    def _engine_options(self) -> dict[str, Any]:
         # No pre-ping: it would add a round trip to every claim and settlement.
         # A connection the server dropped fails one operation (FetchError or
         # CommitError, retried by the next tick; SQLAlchemy discards the pool).
@@ -167,18 +207,11 @@ class ClaimSource:
             # settlement, statements that each stand alone, fenced per row):
             # autocommit saves the BEGIN and COMMIT round trips.
             kwargs["isolation_level"] = "AUTOCOMMIT"
-        kwargs.update(engine_kwargs or {})
+        kwargs.update(self._engine_kwargs)
         if self.time.dialect == "sqlite":
             # Claimers queue on the write lock instead of failing at once.
             kwargs.setdefault("connect_args", {"timeout": 30})
-        self._engines = LazyEngine(self.url, kwargs)
-        self._lock = threading.Lock()
-        self._engine_lock = threading.Lock()
-        self._target: ClaimTable | None = None
-        self._user_table: sa.Table | None = None
-        self._sqlite_hooked = False
-
-    # --- identity -------------------------------------------------------------------
+        return kwargs
 
     @property
     def dialect_name(self) -> str:
@@ -234,7 +267,8 @@ class ClaimSource:
         return engine
 
     def close(self) -> None:
-        self._engines.dispose()
+        if self._engines_built is not None:
+            self._engines_built.dispose()
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[Connection]:

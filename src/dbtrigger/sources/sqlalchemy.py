@@ -39,11 +39,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import sqlalchemy as sa
-from sqlalchemy.engine import URL, Connection, Engine, make_url
+from sqlalchemy.engine import URL, Connection, Engine
 from sqlalchemy.exc import NoSuchTableError, SQLAlchemyError
 from sqlalchemy.sql import ColumnElement, Select
 
-from dbtrigger._engine import LazyEngine, permanent_problem
+from dbtrigger._engine import LazyEngine, parse_database_url, permanent_problem
 from dbtrigger.cursor import Position, encode_value
 from dbtrigger.errors import (
     ConfigurationError,
@@ -54,7 +54,6 @@ from dbtrigger.errors import (
 )
 from dbtrigger.events import RowChange
 from dbtrigger.names import validate_sql_identifier
-from dbtrigger.settings import resolve_setting
 from dbtrigger.sources import lag as lagmod
 from dbtrigger.sources.clock import DatabaseClock
 from dbtrigger.sources.column_checks import ShapeChecks
@@ -119,13 +118,6 @@ def _aware(value: Any) -> bool:
 
 #: An extra condition a derived source adds, built from the resolved source.
 RowFilter = Callable[["SqlAlchemySource"], ColumnElement[bool]]
-
-
-def _parse_url(url: str) -> URL:
-    try:
-        return make_url(resolve_setting(url))
-    except sa.exc.ArgumentError as exc:
-        raise ConfigurationError(f"not a valid database URL: {exc}") from None
 
 
 class SqlAlchemySource:
@@ -218,7 +210,7 @@ class SqlAlchemySource:
             # A %SETTING% that is missing is reported at first use, not here: in a
             # Function App one missing setting must not stop every function indexing.
             with contextlib.suppress(MissingSettingError):
-                self._url_value = _parse_url(url)
+                self._url_value = parse_database_url(url)
         self._engines = LazyEngine(lambda: self._url, engine_kwargs, engine)
         self._lock = threading.Lock()
         self._selectable: sa.FromClause | None = None
@@ -285,7 +277,7 @@ class SqlAlchemySource:
     def _url(self) -> URL:
         """The database URL, ``%SETTING%`` references resolved (at the first use)."""
         if self._url_value is None:
-            self._url_value = _parse_url(self._url_spec or "")
+            self._url_value = parse_database_url(self._url_spec or "")
         return self._url_value
 
     # --- identity ---------------------------------------------------------------

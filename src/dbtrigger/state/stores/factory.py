@@ -164,13 +164,9 @@ def _open_table(spec: str, *, app: str, table: str | None) -> CheckpointStore:
 
 
 def _open_sql(spec: str, *, app: str) -> CheckpointStore:
-    from sqlalchemy.engine import make_url  # noqa: PLC0415 - only SQL stores need it
-    from sqlalchemy.exc import ArgumentError  # noqa: PLC0415
+    from dbtrigger._engine import parse_database_url  # noqa: PLC0415 - SQL stores only
 
-    try:
-        url = make_url(spec)
-    except ArgumentError:
-        raise ConfigurationError("not a valid database URL") from None
+    url = parse_database_url(spec, "state store URL")
     remember_secret(url.password if isinstance(url.password, str) else None)
     options = {k: url.query[k] for k in _SQL_OPTIONS if k in url.query}
     url = url.difference_update_query(_SQL_OPTIONS)

@@ -56,9 +56,9 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
-from sqlalchemy.engine import URL, Connection, Engine, make_url
+from sqlalchemy.engine import Connection, Engine
 
-from dbtrigger._engine import LazyEngine
+from dbtrigger._engine import LazyEngine, parse_database_url
 from dbtrigger.errors import (
     AmbiguousWriteError,
     CasConflictError,
@@ -70,7 +70,7 @@ from dbtrigger.errors import (
     UnsupportedDocumentError,
 )
 from dbtrigger.names import validate_name, validate_sql_identifier
-from dbtrigger.settings import references_setting, resolve_setting
+from dbtrigger.settings import references_setting
 from dbtrigger.sources.sqlalchemy import safe_url_text, short_error
 from dbtrigger.state.stores.base import StoredDocument
 
@@ -159,13 +159,6 @@ class _Attempt:
         self.committing = False
 
 
-def _parse_url(url: str) -> URL:
-    try:
-        return make_url(resolve_setting(url))
-    except sa.exc.ArgumentError as exc:
-        raise ConfigurationError(f"not a valid database URL: {exc}") from None
-
-
 class SqlCheckpointStore:
     """State documents as rows of one table, via SQLAlchemy Core.
 
@@ -215,9 +208,9 @@ class SqlCheckpointStore:
         if engine is None and references_setting(url):
             # An app setting is read at first use: in a Function App a missing
             # one fails the functions using this store, not the app's indexing.
-            self._engines = LazyEngine(lambda: _parse_url(url or ""), kwargs)
+            self._engines = LazyEngine(lambda: parse_database_url(url or ""), kwargs)
         else:
-            parsed = engine.url if engine is not None else _parse_url(url or "")
+            parsed = engine.url if engine is not None else parse_database_url(url or "")
             self._engines = LazyEngine(parsed, kwargs, engine)
             # Created now rather than on first use, so a URL naming a missing
             # driver fails in the constructor.

@@ -49,8 +49,8 @@ from dbtrigger.errors import ConfigurationError, ContentionError, MissingSetting
 from dbtrigger.metrics import MetricsCollector
 from dbtrigger.output import (
     Action,
+    bind_handler,
     call_keywords,
-    host_signature,
     output_binding,
     set_host_signature,
 )
@@ -64,8 +64,6 @@ if TYPE_CHECKING:
     from dbtrigger.queue.trigger import QueueTrigger
 
 log = logging.getLogger(__name__)
-
-CONTEXT_PARAM = "context"
 
 
 class LeaseScheduleWarning(UserWarning):
@@ -305,15 +303,7 @@ class DbBindings:
                 )
             if hasattr(fn, "poll_trigger"):
                 raise ConfigurationError("@db.trigger is applied twice to one function")
-            sig = inspect.signature(fn)
-            if arg_name not in sig.parameters:
-                raise ConfigurationError(
-                    f"@db.trigger(arg_name={arg_name!r}): {getattr(fn, '__name__', fn)!r} "
-                    f"has no parameter {arg_name!r}"
-                )
-            wants_context = CONTEXT_PARAM in sig.parameters and arg_name != CONTEXT_PARAM
-            hidden = {arg_name, CONTEXT_PARAM} if wants_context else {arg_name}
-            host_sig = host_signature(fn, hidden, "@db.trigger").replace(return_annotation=None)
+            host_sig, make_handler = bind_handler(fn, arg_name, "@db.trigger")
             poller_name = name or fn.__name__
             if poller_name in self.triggers:
                 raise ConfigurationError(
@@ -339,16 +329,6 @@ class DbBindings:
             prepared = lazy.prepared()
             if prepared is not None:
                 _check_schedule(prepared.lease_ttl.total_seconds(), schedule)
-
-            def make_handler(host_args: dict[str, Any]) -> Callable[..., Any]:
-                def handler(events: Any, ctx: Any) -> Any:
-                    call = dict(host_args)
-                    call[arg_name] = events
-                    if wants_context:
-                        call[CONTEXT_PARAM] = ctx
-                    return fn(**call)
-
-                return handler
 
             if inspect.iscoroutinefunction(fn):
 

@@ -292,6 +292,44 @@ class DbOut:
         return self._target.write(rows)
 
 
+#: The parameter name under which a decorated function receives the batch context.
+CONTEXT_PARAM = "context"
+
+
+def bind_handler(
+    fn: Callable[..., Any], arg_name: str, what: str
+) -> tuple[inspect.Signature, Callable[[dict[str, Any]], Callable[[Any, Any], Any]]]:
+    """What a trigger decorator needs to turn ``fn`` into a batch handler.
+
+    Returns the signature the Functions host sees (``arg_name`` and, when
+    ``fn`` asks for it, ``context`` hidden) and a factory that, given the
+    host's arguments of one invocation, makes the ``(events, ctx)`` handler
+    the poller or queue calls. ``@db.trigger`` and ``@db.queue_trigger``
+    inject the same way, so they share this.
+    """
+    sig = inspect.signature(fn)
+    if arg_name not in sig.parameters:
+        raise ConfigurationError(
+            f"{what}(arg_name={arg_name!r}): {getattr(fn, '__name__', fn)!r} "
+            f"has no parameter {arg_name!r}"
+        )
+    wants_context = CONTEXT_PARAM in sig.parameters and arg_name != CONTEXT_PARAM
+    hidden = {arg_name, CONTEXT_PARAM} if wants_context else {arg_name}
+    host_sig = host_signature(fn, hidden, what).replace(return_annotation=None)
+
+    def make_handler(host_args: dict[str, Any]) -> Callable[[Any, Any], Any]:
+        def handler(events: Any, ctx: Any) -> Any:
+            call = dict(host_args)
+            call[arg_name] = events
+            if wants_context:
+                call[CONTEXT_PARAM] = ctx
+            return fn(**call)
+
+        return handler
+
+    return host_sig, make_handler
+
+
 def host_signature(fn: Callable[..., Any], hidden: set[str], what: str) -> inspect.Signature:
     """``fn``'s signature without the ``hidden`` (injected) parameters.
 

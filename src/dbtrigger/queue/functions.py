@@ -28,12 +28,10 @@ from typing import Any
 
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.metrics import MetricsCollector
-from dbtrigger.output import call_keywords, host_signature, set_host_signature
+from dbtrigger.output import bind_handler, call_keywords, set_host_signature
 from dbtrigger.quarantine import QuarantineSink
 from dbtrigger.queue.source import ClaimSource
 from dbtrigger.queue.trigger import QueueTrigger
-
-CONTEXT_PARAM = "context"
 
 
 def queue_trigger(
@@ -59,15 +57,7 @@ def queue_trigger(
             raise ConfigurationError(
                 "@db.queue_trigger must sit below @app.schedule, directly above the function"
             )
-        sig = inspect.signature(fn)
-        if arg_name not in sig.parameters:
-            raise ConfigurationError(
-                f"@db.queue_trigger(arg_name={arg_name!r}): {getattr(fn, '__name__', fn)!r} "
-                f"has no parameter {arg_name!r}"
-            )
-        wants_context = CONTEXT_PARAM in sig.parameters and arg_name != CONTEXT_PARAM
-        hidden = {arg_name, CONTEXT_PARAM} if wants_context else {arg_name}
-        host_sig = host_signature(fn, hidden, "@db.queue_trigger").replace(return_annotation=None)
+        host_sig, make_handler = bind_handler(fn, arg_name, "@db.queue_trigger")
         queue_name = name or fn.__name__
         if queue_name in registry:
             raise ConfigurationError(f"two queue triggers are named {queue_name!r}")
@@ -81,16 +71,6 @@ def queue_trigger(
             metrics=metrics,
             **options,
         )
-
-        def make_handler(host_args: dict[str, Any]) -> Callable[..., Any]:
-            def handler(events: Any, ctx: Any) -> Any:
-                call = dict(host_args)
-                call[arg_name] = events
-                if wants_context:
-                    call[CONTEXT_PARAM] = ctx
-                return fn(**call)
-
-            return handler
 
         if inspect.iscoroutinefunction(fn):
 

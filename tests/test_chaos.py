@@ -41,6 +41,13 @@ SECONDS = float(os.environ.get("DBTRIGGER_CHAOS_SECONDS", "30"))
 LANES_SECONDS = float(
     os.environ.get("DBTRIGGER_CHAOS_LANES_SECONDS", os.environ.get("DBTRIGGER_CHAOS_SECONDS", "12"))
 )
+#: The fan-out variant likewise: it re-proves the same invariants with the
+#: subscribers' threads in the mix (DBTRIGGER_CHAOS_FANOUT_SECONDS for longer).
+FANOUT_SECONDS = float(
+    os.environ.get(
+        "DBTRIGGER_CHAOS_FANOUT_SECONDS", os.environ.get("DBTRIGGER_CHAOS_SECONDS", "12")
+    )
+)
 
 
 @pytest.fixture
@@ -54,10 +61,20 @@ def container(azurite: Azurite) -> Iterator[str]:
         service.delete_container(name)
 
 
-@pytest.mark.timeout(240)
-def test_chaos_no_loss_no_regression_no_stale_commit(
-    pg: TestDatabase, azurite: Azurite, container: str, tmp_path: Path
+def chaos_on_blob(
+    pg: TestDatabase,
+    azurite: Azurite,
+    container: str,
+    tmp_path: Path,
+    title: str,
+    *,
+    seconds: float,
+    min_chaos: int,
+    min_rows: int,
+    **options: int,
 ) -> None:
+    """Run the chaos harness against PostgreSQL with state in Azurite, print its
+    report, and assert the contract's invariants (``options`` go to the workers)."""
     assert pg.schema is not None
     store = BlobCheckpointStore.from_connection_string(
         azurite.connection_string, app_name="chaos", container=container
@@ -70,12 +87,13 @@ def test_chaos_no_loss_no_regression_no_stale_commit(
         state_args=["--container", container],
         env={"DBTRIGGER_CHAOS_STORAGE": azurite.connection_string},
         workdir=tmp_path,
-        seconds=SECONDS,
+        seconds=seconds,
+        **options,
     )
-    print(f"\nchaos report (BlobCheckpointStore on Azurite, PostgreSQL source):\n{report.table()}")
+    print(f"\nchaos report ({title}):\n{report.table()}")
     context = f"{report.table()}\n{logs}"
-    assert report.kills + report.pauses >= 3, context
-    assert report.rows_inserted > 100, context
+    assert report.kills + report.pauses >= min_chaos, context
+    assert report.rows_inserted > min_rows, context
     assert report.lost == 0, context
     assert report.checkpoint_regressions == 0, context
     assert report.chain_breaks == 0, context
@@ -84,9 +102,20 @@ def test_chaos_no_loss_no_regression_no_stale_commit(
     assert report.commits > 0, context
 
 
-#: The fan-out variant is shorter: it re-proves the same invariants with the
-#: subscribers' threads in the mix, not the whole catalogue of windows.
-FANOUT_SECONDS = min(SECONDS, 12.0)
+@pytest.mark.timeout(240)
+def test_chaos_no_loss_no_regression_no_stale_commit(
+    pg: TestDatabase, azurite: Azurite, container: str, tmp_path: Path
+) -> None:
+    chaos_on_blob(
+        pg,
+        azurite,
+        container,
+        tmp_path,
+        "BlobCheckpointStore on Azurite, PostgreSQL source",
+        seconds=SECONDS,
+        min_chaos=3,
+        min_rows=100,
+    )
 
 
 @pytest.mark.timeout(200)
@@ -96,32 +125,18 @@ def test_chaos_with_two_subscribers_no_loss_no_regression(
     """Fan-out workers (two subscribers on one read) under the same kills and
     freezes: each subscriber sees every final row state, the checkpoint never
     goes back, and no stale commit is accepted."""
-    assert pg.schema is not None
-    store = BlobCheckpointStore.from_connection_string(
-        azurite.connection_string, app_name="chaos", container=container
-    )
-    report, logs = run_chaos(
-        engine=pg.engine,
-        db_url=pg.url,
-        schema=pg.schema,
-        store=store,
-        state_args=["--container", container],
-        env={"DBTRIGGER_CHAOS_STORAGE": azurite.connection_string},
-        workdir=tmp_path,
+    chaos_on_blob(
+        pg,
+        azurite,
+        container,
+        tmp_path,
+        "two subscribers per worker",
         seconds=FANOUT_SECONDS,
+        min_chaos=2,
+        min_rows=50,
         workers=2,
         subscribers=2,
     )
-    print(f"\nchaos report (two subscribers per worker):\n{report.table()}")
-    context = f"{report.table()}\n{logs}"
-    assert report.kills + report.pauses >= 2, context
-    assert report.rows_inserted > 50, context
-    assert report.lost == 0, context
-    assert report.checkpoint_regressions == 0, context
-    assert report.chain_breaks == 0, context
-    assert report.stale_commits_accepted == 0, context
-    assert report.unexplained_duplicates == 0, context
-    assert report.commits > 0, context
 
 
 @pytest.mark.timeout(240)
@@ -132,28 +147,14 @@ def test_chaos_with_parallel_lanes(
     read while they run): kills and freezes land mid-lane, a lost lease
     cancels every lane, and still nothing is lost and the checkpoint never
     moves back."""
-    assert pg.schema is not None
-    store = BlobCheckpointStore.from_connection_string(
-        azurite.connection_string, app_name="chaos", container=container
-    )
-    report, logs = run_chaos(
-        engine=pg.engine,
-        db_url=pg.url,
-        schema=pg.schema,
-        store=store,
-        state_args=["--container", container],
-        env={"DBTRIGGER_CHAOS_STORAGE": azurite.connection_string},
-        workdir=tmp_path,
+    chaos_on_blob(
+        pg,
+        azurite,
+        container,
+        tmp_path,
+        "max_concurrency=4, Blob on Azurite, PostgreSQL",
         seconds=LANES_SECONDS,
+        min_chaos=3,
+        min_rows=50,
         max_concurrency=4,
     )
-    print(f"\nchaos report, max_concurrency=4 (Blob on Azurite, PostgreSQL):\n{report.table()}")
-    context = f"{report.table()}\n{logs}"
-    assert report.kills + report.pauses >= 3, context
-    assert report.rows_inserted > 50, context
-    assert report.lost == 0, context
-    assert report.checkpoint_regressions == 0, context
-    assert report.chain_breaks == 0, context
-    assert report.stale_commits_accepted == 0, context
-    assert report.unexplained_duplicates == 0, context
-    assert report.commits > 0, context

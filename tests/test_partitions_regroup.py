@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import textwrap
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,9 +22,21 @@ from dbtrigger.state.stores.base import CheckpointStore
 from tests.databases import TestDatabase
 from tests.test_partitions_poller import insert, make_table, source
 
+_MADE: list[PartitionedPoller] = []
+
+
+@pytest.fixture(autouse=True)
+def _members_leave() -> Iterator[None]:
+    """Members a test made leave at its end, so no balance thread outlives its tmp dir."""
+    yield
+    while _MADE:
+        member = _MADE.pop()
+        with contextlib.suppress(Exception):  # the test is over; its store may be gone
+            member.leave()
+
 
 def members(db: TestDatabase, store: CheckpointStore, count: int) -> list[PartitionedPoller]:
-    return [
+    made = [
         PartitionedPoller(
             name="orders",
             source=source(db),
@@ -37,6 +51,8 @@ def members(db: TestDatabase, store: CheckpointStore, count: int) -> list[Partit
         )
         for i in range(count)
     ]
+    _MADE.extend(made)
+    return made
 
 
 def test_split_and_merge_under_load_lose_and_repeat_nothing(

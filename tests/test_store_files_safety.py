@@ -13,6 +13,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import uuid
@@ -322,3 +323,25 @@ def test_a_portal_sas_connection_string_opens_the_blob_store(
     finally:
         service.delete_container(container)
         service.close()
+
+
+# --- every file-system failure is a store error ------------------------------------------
+
+
+def test_a_directory_removed_during_a_write_is_unavailable_not_a_raw_oserror(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lock was opened, then the directory vanished (a test's tmp dir, an unmounted
+    share): the write must fail as StoreUnavailableError, never as FileNotFoundError
+    escaping a background balance thread or a tick."""
+    store = FileCheckpointStore(tmp_path / "state")
+    etag = store.write("orders", _doc_bytes(), if_match=None)
+    real_mkstemp = tempfile.mkstemp
+
+    def vanished(*args: object, **kwargs: object) -> tuple[int, str]:
+        shutil.rmtree(tmp_path / "state")
+        return real_mkstemp(*args, **kwargs)  # type: ignore[call-overload, no-any-return]
+
+    monkeypatch.setattr(tempfile, "mkstemp", vanished)
+    with pytest.raises(StoreUnavailableError, match="cannot write"):
+        store.write("orders", _doc_bytes(), if_match=etag)

@@ -345,6 +345,14 @@ class PartitionedPoller:
                     exc,
                     extra={"event": "balance_failed", "poller": self.name},
                 )
+            except Exception:
+                # Not ours to swallow silently, but a dead balance thread would stop
+                # this member from ever rebalancing: log it whole and keep cycling.
+                log.exception(
+                    "balance cycle of %s failed unexpectedly",
+                    self.member_id,
+                    extra={"event": "balance_failed", "poller": self.name},
+                )
 
     # --- ticking ---------------------------------------------------------------------
 

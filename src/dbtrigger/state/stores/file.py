@@ -198,6 +198,8 @@ class FileCheckpointStore:
                 return self._read_unlocked(doc_path, etag_path)
             except PermissionError as exc:
                 raise StoreAuthError(f"no permission to read {doc_path}") from exc
+            except OSError as exc:
+                raise StoreUnavailableError(f"cannot read {doc_path}: {exc.strerror}") from exc
 
     def write(self, key: str, data: bytes, *, if_match: str | None) -> str:
         doc_path, etag_path, lock_path = self._paths(key)
@@ -216,9 +218,10 @@ class FileCheckpointStore:
             except PermissionError as exc:
                 raise StoreAuthError(f"no permission to write {doc_path}") from exc
             except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EROFS, errno.EIO):
-                    raise StoreUnavailableError(f"cannot write {doc_path}: {exc.strerror}") from exc
-                raise
+                # Out of space, a read-only remount, an I/O error, the directory
+                # removed under us: nothing new is visible (each file is replaced
+                # whole), so the next attempt can simply try again.
+                raise StoreUnavailableError(f"cannot write {doc_path}: {exc.strerror}") from exc
             return etag
 
     def delete(self, key: str, *, if_match: str | None = None) -> None:
@@ -229,9 +232,14 @@ class FileCheckpointStore:
                 return
             if if_match is not None and current.etag != if_match:
                 raise CasConflictError(f"{doc_path} changed since it was read (etag mismatch)")
-            doc_path.unlink()
-            with contextlib.suppress(FileNotFoundError):
-                etag_path.unlink()
+            try:
+                doc_path.unlink()
+                with contextlib.suppress(FileNotFoundError):
+                    etag_path.unlink()
+            except PermissionError as exc:
+                raise StoreAuthError(f"no permission to delete {doc_path}") from exc
+            except OSError as exc:
+                raise StoreUnavailableError(f"cannot delete {doc_path}: {exc.strerror}") from exc
 
     def list_keys(self) -> list[str]:
         if not self._dir.is_dir():

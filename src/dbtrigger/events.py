@@ -13,6 +13,11 @@ then kept). What a handler never reads is never built. Everything that can
 make an event unreadable (a missing key column, a NULL key, a key or cursor
 value that has no checkpoint encoding) is checked for the whole batch before
 the handler runs, so a lazily computed id cannot fail later.
+
+An event stays the row as read: every fan-out subscriber, a retry within the
+tick and the dead-letter record share it, so a nested value (a JSON object, an
+array) is handed out as a deep copy on each read (:mod:`dbtrigger.rowviews`);
+scalars, all a typical row holds, cost one type check per read.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import uuid
-from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping, Sequence, ValuesView
+from collections.abc import Iterable, Mapping, Sequence
 from operator import attrgetter, itemgetter
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -34,6 +39,7 @@ from dbtrigger.cursor import (
     pk_json,
 )
 from dbtrigger.errors import SerializationError
+from dbtrigger.rowviews import RowMapping, frozen, guarded
 
 VALID_OPS = frozenset({"insert", "update", "upsert", "delete"})
 
@@ -94,7 +100,8 @@ class EventIds:
 
 
 class RowChange:
-    """One row state delivered to a handler. Immutable: its mappings are read-only.
+    """One row state delivered to a handler. Immutable: its mappings are read-only,
+    and a nested value read from them is a copy (see :func:`dbtrigger.rowviews.own`).
 
     Attributes:
         event_id: stable identity of (poller, pk, cursor); equal on redelivery.
@@ -129,16 +136,17 @@ class RowChange:
             raise ValueError(f"op must be one of {sorted(VALID_OPS)}, got {op!r}")
         if not event_id:
             raise ValueError("event_id must not be empty")
-        # Copies behind read-only views: a handler that mutates an event (or
-        # the caller's dicts) would otherwise change what a retry sees.
+        # Deep copies behind read-only views: a handler that mutates an event
+        # (or the caller's dicts, or a nested value) would otherwise change what
+        # a retry, another subscriber or the dead-letter record sees.
         self._event_id = event_id
         self._op = op
         self._source = source
         self._cursor = cursor
-        self._pk = MappingProxyType(dict(pk))
-        self._before = None if before is None else MappingProxyType(dict(before))
-        self._after = None if after is None else MappingProxyType(dict(after))
-        self._metadata = MappingProxyType(dict(metadata or {}))
+        self._pk = frozen(pk)
+        self._before = None if before is None else frozen(before)
+        self._after = None if after is None else frozen(after)
+        self._metadata = frozen(metadata or {})
 
     @classmethod
     def _unchecked(
@@ -157,16 +165,18 @@ class RowChange:
         The constructor validates ``op`` and ``event_id`` and copies every
         mapping into a fresh read-only view. A source that makes its own events
         in bulk (the change log) hands over read-only views of dicts it created
-        for this event alone (``metadata`` may be shared by a batch).
+        for this event alone (``metadata`` may be shared by a batch); a view
+        holding a nested value (a JSON object) is wrapped so that reads hand
+        out copies of it (see :func:`dbtrigger.rowviews.own`).
         """
         event = object.__new__(cls)
         event._event_id = event_id
         event._op = op
         event._source = source
         event._cursor = cursor
-        event._pk = pk
-        event._before = before
-        event._after = after
+        event._pk = guarded(pk)
+        event._before = None if before is None else guarded(before)
+        event._after = None if after is None else guarded(after)
         event._metadata = metadata
         return event
 
@@ -308,84 +318,12 @@ class RowShape:
         return self.ids(self.key_of(row), row[self.cursor_index])
 
 
-class _RowMapping(Mapping[str, Any]):
-    """A read-only mapping over some columns of one row tuple (an event's ``pk``
-    or ``after``), made afresh on each read and holding no copy of the row.
-
-    Reading a column is a lookup of its position in the batch's name index and
-    an index into the tuple; no dict is built per row. That is most of what
-    reading an event costs a handler, and a dict kept per row also set off the
-    collector's young collections while the batch is alive. Everything else a
-    ``MappingProxyType`` offers (iteration in column order, ``keys``/``items``/
-    ``values``, ``copy``, ``|``, equality with any mapping, the same ``repr``)
-    behaves the same; what needs the whole row builds a dict of it first.
-    """
-
-    __slots__ = ("_index", "_row")
-
-    _index: dict[str, int]
-    _row: Sequence[Any]
-
-    def __getitem__(self, key: str) -> Any:
-        return self._row[self._index[key]]
-
-    def get(self, key: str, default: Any = None) -> Any:
-        index = self._index.get(key)
-        return default if index is None else self._row[index]
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._index
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._index)
-
-    def __reversed__(self) -> Iterator[str]:
-        return reversed(self._index)
-
-    def __len__(self) -> int:
-        return len(self._index)
-
-    def copy(self) -> dict[str, Any]:
-        """The columns as a new dict (as ``MappingProxyType.copy``)."""
-        row = self._row
-        return {name: row[index] for name, index in self._index.items()}
-
-    def keys(self) -> KeysView[str]:
-        return self._index.keys()
-
-    def items(self) -> ItemsView[str, Any]:
-        return self.copy().items()
-
-    def values(self) -> ValuesView[Any]:
-        return self.copy().values()
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, _RowMapping):
-            return self.copy() == other.copy()
-        if isinstance(other, Mapping):
-            return self.copy() == dict(other.items())
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __or__(self, other: Any) -> Any:
-        if isinstance(other, _RowMapping):
-            other = other.copy()
-        return self.copy() | other
-
-    def __ror__(self, other: Any) -> Any:
-        return other | self.copy()
-
-    def __repr__(self) -> str:
-        return f"mappingproxy({self.copy()!r})"
-
-
 _new = object.__new__
 
 
 class _RowEvent(RowChange):
     """A :class:`RowChange` over one row tuple: ``pk`` and ``after`` are read-only
-    views of the tuple (:class:`_RowMapping`, made on each read), the id is
+    views of the tuple (:class:`RowMapping`, made on each read), the id is
     computed when first read and kept. Made only by :func:`events_from_rows`,
     which checked the batch, so none of them can fail.
 
@@ -408,14 +346,14 @@ class _RowEvent(RowChange):
 
     @property
     def pk(self) -> Mapping[str, Any]:
-        view = _new(_RowMapping)
+        view = _new(RowMapping)
         view._row = self._row
         view._index = self._shape.pk_index
         return view
 
     @property
     def after(self) -> Mapping[str, Any]:
-        view = _new(_RowMapping)
+        view = _new(RowMapping)
         view._row = self._row
         view._index = self._shape.index
         return view

@@ -51,7 +51,9 @@ def ready_file(logs: Path, worker: int, incarnation: int) -> Path:
     return logs / f"ready.w{worker}.{incarnation}"
 
 
-def start(db: TestDatabase, worker: int, incarnation: int, logs: Path) -> subprocess.Popen[bytes]:
+def start(
+    db: TestDatabase, worker: int, incarnation: int, logs: Path, *extra: str, vt: float = VT
+) -> subprocess.Popen[bytes]:
     argv = [
         sys.executable,
         "-m",
@@ -63,9 +65,10 @@ def start(db: TestDatabase, worker: int, incarnation: int, logs: Path) -> subpro
         "--incarnation",
         str(incarnation),
         "--vt",
-        str(VT),
+        str(vt),
         "--heartbeat",
-        str(VT / 4),
+        str(vt / 4),
+        *extra,
     ]
     if db.schema:
         argv += ["--schema", db.schema]
@@ -74,11 +77,8 @@ def start(db: TestDatabase, worker: int, incarnation: int, logs: Path) -> subpro
         return subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
 
-def test_competing_workers_survive_kills_and_freezes(db: TestDatabase, tmp_path: Path) -> None:
-    # MariaDB once recorded a batch completed twice here: a worker frozen between
-    # its settlement's lock and its write (issue #12). tests/test_queue_fencing.py
-    # replays that interleaving deterministically.
-    make_jobs(db, ROWS)
+def make_logs(db: TestDatabase) -> None:
+    """The tables the workers record their handler calls and settlements in."""
     db.execute(
         f"CREATE TABLE {db.qualified('calls')} (job_id integer, token varchar(36), "
         "attempt integer, worker varchar(20), incarnation integer)"
@@ -89,6 +89,14 @@ def test_competing_workers_survive_kills_and_freezes(db: TestDatabase, tmp_path:
     )
     if db.kind == "sqlite":
         db.execute("PRAGMA journal_mode=WAL")
+
+
+def test_competing_workers_survive_kills_and_freezes(db: TestDatabase, tmp_path: Path) -> None:
+    # MariaDB once recorded a batch completed twice here: a worker frozen between
+    # its settlement's lock and its write (issue #12). tests/test_queue_fencing.py
+    # replays that interleaving deterministically.
+    make_jobs(db, ROWS)
+    make_logs(db)
     rng = random.Random(12)
     incarnations = [0] * WORKERS
     procs = [start(db, w, 0, tmp_path) for w in range(WORKERS)]
@@ -183,3 +191,67 @@ def test_competing_workers_survive_kills_and_freezes(db: TestDatabase, tmp_path:
     assert sum(r.dbt_attempts for r in final.values()) > ROWS
     outcomes = collections.Counter(s.outcome for s in settlements)
     print(f"{db.kind}: {kills} kills, {freezes} freezes, {len(calls)} handler calls, {outcomes}")
+
+
+POISON_ROWS = 10
+POISON = 3
+POISON_VT = 1.0
+
+
+def test_a_row_that_kills_its_worker_ends_dead_alone(db: TestDatabase, tmp_path: Path) -> None:
+    """Issue #20 item 6: one row that kills every worker holding it (``os._exit``,
+    as an OOM kill would) must not take the rows claimed with it down too.
+
+    Two workers claim batches of 10; whenever one dies it is restarted. Each
+    expired claim's rows are claimed again in halves, so the poison row ends
+    up claimed alone and goes dead with an error saying so; the 9 others end
+    done.
+    """
+    make_jobs(db, POISON_ROWS)
+    make_logs(db)
+    extra = (
+        "--crash-on", str(POISON), "--max-attempts", "3", "--batch-size", str(POISON_ROWS),
+        "--fail-probability", "0", "--slow-probability", "0",
+    )  # fmt: skip
+    incarnations = [0, 0]
+    procs = [start(db, w, 0, tmp_path, *extra, vt=POISON_VT) for w in range(2)]
+    jobs = db.qualified("jobs")
+    crashes = 0
+    settled = 0
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            settled = int(
+                db.scalar(f"SELECT count(*) FROM {jobs} WHERE dbt_status IN ('done', 'dead')")
+            )
+            if settled == POISON_ROWS:
+                break
+            for w, proc in enumerate(procs):
+                if proc.poll() is not None:
+                    crashes += 1
+                    incarnations[w] += 1
+                    procs[w] = start(db, w, incarnations[w], tmp_path, *extra, vt=POISON_VT)
+            time.sleep(0.05)
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            proc.wait(timeout=30)
+    with db.engine.connect() as conn:
+        final = {
+            int(r.id): r
+            for r in conn.execute(
+                sa.text(f"SELECT id, dbt_status, dbt_attempts, dbt_last_error FROM {jobs}")
+            )
+        }
+        called = {
+            int(r[0]) for r in conn.execute(sa.text(f"SELECT job_id FROM {db.qualified('calls')}"))
+        }
+    statuses = {i: r.dbt_status for i, r in final.items()}
+    assert settled == POISON_ROWS, (statuses, crashes)
+    assert statuses == {i: "dead" if i == POISON else "done" for i in final}, crashes
+    error = final[POISON].dbt_last_error
+    assert "without an outcome" in error, error
+    assert "isolated as a single row" in error, error
+    assert called == set(final)
+    assert crashes >= 3  # the poison row's worker died on every delivery

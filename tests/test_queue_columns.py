@@ -224,7 +224,8 @@ def test_crash_looping_row_ends_dead_without_a_handler_call(
     assert (result.dead, called) == (1, [])
     row = rows(db)[1]
     assert row["dbt_status"] == "dead"
-    assert "claimed 3 times without an outcome" in row["dbt_last_error"]
+    assert "claim expired 3 times without an outcome" in row["dbt_last_error"]
+    assert "isolated as a single row" in row["dbt_last_error"]
 
 
 def test_concurrent_triggers_claim_disjoint_rows(db: TestDatabase) -> None:

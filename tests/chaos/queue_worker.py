@@ -5,6 +5,9 @@
   whose worker is killed right after it still counts;
 * some batches fail (an exception: every row is retried) and some are slow
   (longer than the visibility timeout: only the heartbeat keeps the claim);
+* with ``--crash-on ID`` a batch holding row ``ID`` kills the worker
+  (``os._exit``, as an out-of-memory kill would) right after its calls were
+  recorded: a poison row that takes its worker down on every delivery;
 * after each tick, what the settlement did to each row (done / retry / dead /
   lost) goes to ``settlements``. A kill between the settlement and this record
   loses the record, not the outcome: the test reads the outcome from ``jobs``.
@@ -13,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import signal
 import sys
@@ -39,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slow-probability", type=float, default=0.05)
     parser.add_argument("--max-attempts", type=int, default=50)
     parser.add_argument("--ready-file", help="created once the first claim ran")
+    parser.add_argument("--crash-on", type=int, help="os._exit when a batch holds this row")
     args = parser.parse_args(argv)
 
     stop = threading.Event()
@@ -95,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                     for e in events
                 ],
             )
+        if args.crash_on is not None and any(e.pk["id"] == args.crash_on for e in events):
+            os._exit(3)
         roll = rng.random()
         if roll < args.slow_probability:
             time.sleep(args.vt * 1.5)

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from dbtrigger.queue.context import ClaimContext
+    from dbtrigger.queue.operations import QueueCounts
     from dbtrigger.queue.outcome import Backoff
     from dbtrigger.queue.source import ClaimedRow, ClaimSource
-    from dbtrigger.queue.statements import QueueCounts
     from dbtrigger.queue.trigger import QueueTickResult, QueueTrigger
 
 _LAZY = {
@@ -26,7 +26,7 @@ _LAZY = {
     "ClaimContext": "dbtrigger.queue.context",
     "ClaimSource": "dbtrigger.queue.source",
     "ClaimedRow": "dbtrigger.queue.source",
-    "QueueCounts": "dbtrigger.queue.statements",
+    "QueueCounts": "dbtrigger.queue.operations",
     "QueueTickResult": "dbtrigger.queue.trigger",
     "QueueTrigger": "dbtrigger.queue.trigger",
 }

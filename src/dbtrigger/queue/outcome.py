@@ -13,9 +13,11 @@ The rules:
   otherwise marked), or a :class:`~dbtrigger.errors.PartialBatchError` naming
   the row fail the attempt: **retry** after a backoff, or **dead** once the
   row has had ``max_attempts`` attempts;
-* a row claimed for the ``max_attempts + 1``-th time (its earlier claims all
-  expired: the worker crashed or hung each time) is **dead** without calling
-  the handler, so a row that kills its worker cannot crash-loop for ever.
+* a row claimed alone after a claim that expired holding only it (the rows
+  of an expired claim are claimed again in halves until the row that kills
+  its worker is alone: :mod:`dbtrigger.queue.pick`), once it has had
+  ``max_attempts`` attempts, is **dead** without calling the handler, so a
+  row that kills its worker cannot crash-loop for ever, and it alone goes dead.
 """
 
 from __future__ import annotations
@@ -133,12 +135,16 @@ def decide(
     return plan
 
 
-def expired_too_often(attempt: int, max_attempts: int) -> bool:
-    """A row claimed more often than ``max_attempts``: its earlier claims all expired."""
-    return attempt > max_attempts
+def expired_too_often(attempt: int, max_attempts: int, *, isolated: bool) -> bool:
+    """An isolated row (its last claim expired holding only it) claimed more
+    often than ``max_attempts``. A row claimed with others is never dead for
+    expiries: the halving that isolates a crashing row costs its neighbours
+    attempts too."""
+    return isolated and attempt > max_attempts
 
 
 EXPIRED_ERROR = (
-    "claimed {attempts} times without an outcome: the workers holding it crashed, hung, "
-    "or ran past the visibility timeout each time"
+    "claim expired {expired} times without an outcome; isolated as a single row, "
+    "it still got none: the worker holding it crashed, hung or ran past the "
+    "visibility timeout every time"
 )

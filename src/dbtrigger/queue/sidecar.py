@@ -163,7 +163,11 @@ def decode_cursor(text: str) -> Any:
 
 
 def load_rows(
-    source: ClaimSource, conn: Connection, claimed: Sequence[Mapping[str, Any]]
+    source: ClaimSource,
+    conn: Connection,
+    claimed: Sequence[Mapping[str, Any]],
+    *,
+    isolated: bool = False,
 ) -> list[ClaimedRow]:
     """The user rows behind claimed items (``values=None`` for rows deleted since)."""
     from dbtrigger.queue.source import ClaimedRow  # noqa: PLC0415 - a cycle at import time
@@ -188,6 +192,7 @@ def load_rows(
                 values=found.get(str(row["item_key"])),
                 attempt=int(row[ATTEMPTS]),
                 cursor=decode_cursor(str(row["item_cursor"])),
+                isolated=isolated,
             )
         )
     return out

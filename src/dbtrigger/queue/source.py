@@ -47,6 +47,8 @@ from dbtrigger.errors import (
 )
 from dbtrigger.metrics import SafeMetrics
 from dbtrigger.names import validate_sql_identifier
+from dbtrigger.queue import operations
+from dbtrigger.queue.operations import QueueCounts
 from dbtrigger.queue.schema import (
     ATTEMPTS,
     CLAIM_COLUMNS,
@@ -55,10 +57,10 @@ from dbtrigger.queue.schema import (
     DialectTime,
 )
 from dbtrigger.queue.statements import (
+    ClaimBatch,
     ClaimTable,
     DeadItem,
     Key,
-    QueueCounts,
     RetryItem,
     Settled,
 )
@@ -82,6 +84,19 @@ class ClaimedRow:
     values: Mapping[str, Any] | None
     attempt: int
     cursor: Any = None
+    #: Claimed alone because its previous claim expired holding only it
+    #: (:mod:`dbtrigger.queue.pick`): with its attempts used up it goes dead.
+    isolated: bool = False
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One claim's rows; ``more``: claim again at once (the pick was full or rows
+    were left in it); ``bisected``: ``(rows of an expired claim, rows taken)``."""
+
+    rows: list[ClaimedRow]
+    more: bool = False
+    bisected: tuple[int, int] | None = None
 
 
 def install_command(url: str, table: str, schema: str | None, mode: str = "columns") -> str:
@@ -271,14 +286,16 @@ class ClaimSource:
             self._engines_built.dispose()
 
     @contextlib.contextmanager
-    def transaction(self) -> Iterator[Connection]:
+    def transaction(self, *, locking: bool = False) -> Iterator[Connection]:
         """One short unit of work: a READ COMMITTED transaction on MariaDB/MySQL
         (no gap locks), a ``BEGIN IMMEDIATE`` transaction on SQLite, autocommit
-        statements on PostgreSQL (each claim/settle statement is atomic alone)."""
+        statements on PostgreSQL (each claim/settle statement is atomic alone),
+        there too a READ COMMITTED transaction with ``locking`` (row locks that
+        must last from one statement to the next)."""
         with self.engine.connect() as conn:
             work = (
                 conn.execution_options(isolation_level="READ COMMITTED")
-                if self.time.dialect == "mysql"
+                if self.time.dialect == "mysql" or (locking and self.time.dialect == "postgresql")
                 else conn
             )
             with work.begin():
@@ -392,20 +409,36 @@ class ClaimSource:
 
     def claim(self, *, limit: int, token: str, worker: str, visibility: float) -> list[ClaimedRow]:
         """Claim up to ``limit`` rows for ``token`` (visible again after ``visibility`` s)."""
+        return self.claim_batch(limit=limit, token=token, worker=worker, visibility=visibility).rows
+
+    def claim_batch(self, *, limit: int, token: str, worker: str, visibility: float) -> Claim:
+        """:meth:`claim`, with what the claim learnt (rows left, an expired claim halved)."""
         target = self.target
         try:
             with self.transaction() as conn:
-                rows = target.claim(
+                batch = target.claim(
                     conn, limit=limit, token=token, worker=worker, visibility=visibility
                 )
-                if self.mode == "sidecar":
-                    from dbtrigger.queue.sidecar import load_rows  # noqa: PLC0415
-
-                    return load_rows(self, conn, rows)
+                if batch is not None:
+                    return self._claimed(conn, batch)
+            # PostgreSQL, the pick led by an expired claim: choose in a transaction.
+            with self.transaction(locking=True) as conn:
+                batch = target.claim_choosing(
+                    conn, limit=limit, token=token, worker=worker, visibility=visibility
+                )
+                return self._claimed(conn, batch)
         except SQLAlchemyError as exc:
             raise FetchError(f"claim on {self.name} failed: {short_error(exc)}") from exc
+
+    def _claimed(self, conn: Connection, batch: ClaimBatch) -> Claim:
+        rows = batch.rows
+        if self.mode == "sidecar":
+            from dbtrigger.queue.sidecar import load_rows  # noqa: PLC0415
+
+            loaded = load_rows(self, conn, rows, isolated=batch.isolated)
+            return Claim(loaded, batch.more, batch.bisected)
         if not rows:
-            return []
+            return Claim([], batch.more, batch.bisected)
         pk_columns = self.pk_columns
         names = [k for k in rows[0] if not k.startswith(PREFIX)]  # the user's columns
         out = []
@@ -417,9 +450,10 @@ class ClaimSource:
                     pk=dict(zip(pk_columns, key, strict=True)),
                     values={k: row[k] for k in names},
                     attempt=int(row[ATTEMPTS]),
+                    isolated=batch.isolated,
                 )
             )
-        return out
+        return Claim(out, batch.more, batch.bisected)
 
     def extend(self, *, token: str, visibility: float) -> int:
         """Heartbeat: push the claim's expiry on; how many rows it still holds."""
@@ -462,7 +496,7 @@ class ClaimSource:
         target = self.target  # checked before a connection is taken (SQLite: one writer)
         try:
             with self.engine.connect() as conn:
-                return target.counts(conn)
+                return operations.counts(target, conn)
         except SQLAlchemyError as exc:
             raise FetchError(f"status of {self.name} failed: {short_error(exc)}") from exc
 
@@ -470,7 +504,9 @@ class ClaimSource:
         target = self.target
         try:
             with self.transaction() as conn:
-                return target.redrive_dead(conn, note=note, limit=limit, dry_run=dry_run)
+                return operations.redrive_dead(
+                    target, conn, note=note, limit=limit, dry_run=dry_run
+                )
         except SQLAlchemyError as exc:
             raise CommitError(
                 f"re-driving dead rows of {self.name} failed: {short_error(exc)}"
@@ -498,11 +534,11 @@ class ClaimSource:
         try:
             while True:
                 with self.transaction() as conn:
-                    keys = target.prune_keys(
-                        conn, cutoff=cutoff, after=after, limit=chunk, statuses=statuses
+                    keys = operations.prune_keys(
+                        target, conn, cutoff=cutoff, after=after, limit=chunk, statuses=statuses
                     )
                     if keys and not dry_run:
-                        total += target.delete_finished(conn, keys, statuses)
+                        total += operations.delete_finished(target, conn, keys, statuses)
                     elif dry_run:
                         total += len(keys)
                 if len(keys) < chunk:

@@ -17,7 +17,15 @@ Claim, per dialect:
   READ COMMITTED transaction (no gap locks that would block producers).
 * SQLite: no row locks; the transaction starts with ``BEGIN IMMEDIATE`` (the
   source's engine does that), which serialises claimers on the write lock,
-  then one ``UPDATE ... WHERE key IN (SELECT ... LIMIT n) RETURNING *``.
+  then the same ``SELECT`` and ``UPDATE`` as MariaDB.
+
+Which of the picked rows a claim takes is :func:`dbtrigger.queue.pick.choose`:
+all fresh rows, unless the pick is led by rows of an expired claim, which are
+bisected. MariaDB and SQLite apply it between their two statements. On
+PostgreSQL the one statement claims only when the pick is led by a fresh row
+(the common case) and otherwise claims nothing and says so; the source then
+claims again with ``SELECT ... FOR UPDATE SKIP LOCKED`` and ``UPDATE`` in one
+READ COMMITTED transaction, choosing in between.
 
 Settling is fenced: every completion, retry, dead-marking and extension
 matches ``key AND dbt_claim_token = :token AND dbt_status = 'claimed' AND
@@ -45,6 +53,7 @@ the report is what was written at that instant:
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +64,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.sql import ColumnElement
 
 from dbtrigger.errors import CommitError
+from dbtrigger.queue.pick import Picked, choose
 from dbtrigger.queue.schema import (
     ATTEMPTS,
     CLAIM_TOKEN,
@@ -72,6 +82,28 @@ from dbtrigger.queue.schema import (
 )
 
 Key = tuple[Any, ...]
+
+#: Labels of what the PostgreSQL claim's pick carries besides the key (key
+#: columns may not start with ``dbt_``, so they cannot clash).
+_WAS = "dbt_pick_status"
+_WAS_TOKEN = "dbt_pick_token"  # noqa: S105 - a column label
+_WAS_AT = "dbt_pick_at"
+_PICKED = "dbt_picked"
+
+
+@dataclass(frozen=True)
+class ClaimBatch:
+    """What one claim took.
+
+    ``rows``: the claimed rows (claim columns as written). ``more``: the pick
+    was full or rows were left in it, so claiming again at once finds work.
+    ``isolated`` and ``bisected``: see :class:`dbtrigger.queue.pick.Choice`.
+    """
+
+    rows: list[dict[str, Any]]
+    more: bool = False
+    isolated: bool = False
+    bisected: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -100,17 +132,6 @@ class Settled:
     dead: frozenset[Key]
 
 
-@dataclass(frozen=True)
-class QueueCounts:
-    """What ``dbtrigger queue status`` shows."""
-
-    by_status: Mapping[str, int]
-    claimable_now: int
-    delayed: int
-    expired_claims: int
-    oldest_ready_age_seconds: float | None
-
-
 class ClaimTable:
     """The queue statements for ``table`` keyed by ``key`` (see the module doc)."""
 
@@ -131,7 +152,11 @@ class ClaimTable:
 
     # --- predicates -----------------------------------------------------------------
 
-    def _filtered(self, *clauses: ColumnElement[bool]) -> ColumnElement[bool]:
+    @property
+    def key_columns(self) -> list[sa.Column[Any]]:
+        return self._key_cols
+
+    def filtered(self, *clauses: ColumnElement[bool]) -> ColumnElement[bool]:
         parts = list(clauses)
         if self.filter is not None:
             parts.append(self.filter)
@@ -139,12 +164,12 @@ class ClaimTable:
 
     def claimable(self) -> ColumnElement[bool]:
         c = self.table.c
-        return self._filtered(c[STATUS].in_(CLAIMABLE), c[VISIBLE_AT] <= self.time.now())
+        return self.filtered(c[STATUS].in_(CLAIMABLE), c[VISIBLE_AT] <= self.time.now())
 
     def key_of(self, row: Mapping[str, Any]) -> Key:
         return tuple(row[k] for k in self.key)
 
-    def _key_in(self, keys: Sequence[Key]) -> ColumnElement[bool]:
+    def key_in(self, keys: Sequence[Key]) -> ColumnElement[bool]:
         if len(self._key_cols) == 1:
             col = self._key_cols[0]
             if self.time.dialect == "postgresql":
@@ -215,48 +240,71 @@ class ClaimTable:
             VISIBLE_AT: self.time.plus(0),
         }
 
-    def _pick(self) -> sa.Select[Any]:
-        c = self.table.c
+    def _build_pick(self) -> Any:
+        """The rows a claim may take, locked (skipping rows other claims locked)."""
         return (
-            sa.select(*self._key_cols)
+            sa.select(self.table)
             .where(self.claimable())
-            .order_by(c[VISIBLE_AT])
+            .order_by(self.table.c[VISIBLE_AT])
             .limit(sa.bindparam("dbt_limit", type_=sa.Integer))
+            .with_for_update(skip_locked=True)
         )
 
     def _build_claim(self) -> Any:
-        if self.time.dialect == "postgresql":
-            cte = self._pick().with_for_update(skip_locked=True).cte("dbt_pick")
-            return (
-                sa.update(self.table)
-                .where(sa.and_(*(col == cte.c[col.name] for col in self._key_cols)))
-                .values(self._claim_values())
-                .returning(*self.table.c)
+        """PostgreSQL: pick, and claim the fresh rows when a fresh row leads the pick.
+
+        One statement: ``WITH pick AS (SELECT ... FOR UPDATE SKIP LOCKED), head
+        AS (its first row), claimed AS (UPDATE ... FROM pick, head WHERE both
+        are fresh RETURNING *) SELECT claimed.*, (SELECT count(*) FROM pick)
+        FROM head LEFT JOIN claimed``: no row when the pick was empty, one row
+        of NULLs when the head was not fresh (the caller then chooses).
+        """
+        c = self.table.c
+        pick = (
+            sa.select(
+                *self._key_cols,
+                c[STATUS].label(_WAS),
+                c[CLAIM_TOKEN].label(_WAS_TOKEN),
+                c[VISIBLE_AT].label(_WAS_AT),
             )
-        if self._mysql:
-            return (
-                sa.select(self.table)
-                .where(self.claimable())
-                .order_by(self.table.c[VISIBLE_AT])
-                .limit(sa.bindparam("dbt_limit", type_=sa.Integer))
-                .with_for_update(skip_locked=True)
-            )
-        pick = self._pick()
-        target = (
-            self._key_cols[0].in_(pick.scalar_subquery())
-            if len(self._key_cols) == 1
-            else sa.tuple_(*self._key_cols).in_(pick)
+            .where(self.claimable())
+            .order_by(c[VISIBLE_AT])
+            .limit(sa.bindparam("dbt_limit", type_=sa.Integer))
+            .with_for_update(skip_locked=True)
+            .cte("dbt_pick")
         )
-        return (
+        head = sa.select(pick.c[_WAS], pick.c[_WAS_TOKEN]).order_by(pick.c[_WAS_AT]).limit(1)
+        head_cte = head.cte("dbt_head")
+        claimed = (
             sa.update(self.table)
-            .where(target)
+            .where(
+                *(col == pick.c[col.name] for col in self._key_cols),
+                pick.c[_WAS] == READY,
+                pick.c[_WAS_TOKEN].is_(None),
+                sa.exists().where(head_cte.c[_WAS] == READY, head_cte.c[_WAS_TOKEN].is_(None)),
+            )
             .values(self._claim_values())
             .returning(*self.table.c)
+            .cte("dbt_claimed")
+        )
+        picked = sa.select(sa.func.count()).select_from(pick).scalar_subquery()
+        return sa.select(*claimed.c, picked.label(_PICKED)).select_from(
+            head_cte.outerjoin(claimed, sa.true())
         )
 
     def _build_claim_locked(self) -> Any:
-        """MariaDB/MySQL: mark the rows the claim's SELECT locked."""
+        """Mark the picked rows a claim takes (they are locked by the pick)."""
         return sa.update(self.table).where(self._keys_param()).values(self._claim_values())
+
+    def _build_regroup(self) -> Any:
+        """Make the untried half of an expired claim a waiting group (see pick.py):
+        ``ready`` under a new token, ``dbt_visible_at`` kept so it leads the next pick."""
+        c = self.table.c
+        return (
+            sa.update(self.table)
+            .where(self._keys_param(), c[STATUS] == CLAIMED)
+            .values({STATUS: READY, CLAIM_TOKEN: sa.bindparam("dbt_group", type_=sa.String)})
+        )
 
     def _build_extend(self) -> Any:
         return (
@@ -324,8 +372,17 @@ class ClaimTable:
 
     def claim(
         self, conn: Connection, *, limit: int, token: str, worker: str, visibility: float
-    ) -> list[dict[str, Any]]:
-        """Claim up to ``limit`` claimable rows for ``token``; the rows, with attempts counted."""
+    ) -> ClaimBatch | None:
+        """Claim up to ``limit`` claimable rows for ``token`` (attempts counted).
+
+        ``None`` (PostgreSQL only): the pick was led by rows of an expired claim
+        or a regrouped half, and nothing was claimed; run :meth:`claim_choosing`
+        in a transaction.
+        """
+        if self.time.dialect != "postgresql":
+            return self.claim_choosing(
+                conn, limit=limit, token=token, worker=worker, visibility=visibility
+            )
         params = {
             "dbt_limit": limit,
             "dbt_token": token,
@@ -333,18 +390,52 @@ class ClaimTable:
             **self.time.plus_params(visibility),
         }
         result = conn.execute(self._prepared("claim"), params)
+        names = [n for n in result.keys() if n != _PICKED]  # noqa: SIM118 - a Result
+        fetched = result.all()
+        if not fetched:
+            return ClaimBatch([])
+        picked = int(fetched[0][-1])
+        if fetched[0][names.index(STATUS)] is None:
+            return None
+        rows = [dict(zip(names, r[:-1], strict=True)) for r in fetched]
+        return ClaimBatch(rows, more=picked >= limit or picked > len(rows))
+
+    def claim_choosing(
+        self, conn: Connection, *, limit: int, token: str, worker: str, visibility: float
+    ) -> ClaimBatch:
+        """Pick and lock, :func:`~dbtrigger.queue.pick.choose`, then write the claim
+        (and a regrouped half); ``conn`` must be in a transaction that holds the
+        pick's locks (MariaDB/PostgreSQL) or the write lock (SQLite)."""
+        result = conn.execute(self._prepared("pick"), {"dbt_limit": limit})
         names = list(result.keys())
-        rows = [dict(zip(names, r, strict=True)) for r in result.all()]
-        if not self._mysql or not rows:
-            return rows
-        keys = [self.key_of(r) for r in rows]
-        conn.execute(self._prepared("claim_locked"), {**params, "dbt_keys": self._keys_value(keys)})
+        picked = [dict(zip(names, r, strict=True)) for r in result.all()]
+        choice = choose([Picked(self.key_of(r), r[STATUS], r[CLAIM_TOKEN]) for r in picked])
+        if choice.regroup:
+            conn.execute(
+                self._prepared("regroup"),
+                {"dbt_keys": self._keys_value(choice.regroup), "dbt_group": uuid.uuid4().hex},
+            )
+        taken = set(choice.claim)
+        rows = [r for r in picked if self.key_of(r) in taken]
+        if rows:
+            params = {
+                "dbt_token": token,
+                "dbt_worker": worker,
+                "dbt_keys": self._keys_value(choice.claim),
+                **self.time.plus_params(visibility),
+            }
+            conn.execute(self._prepared("claim_locked"), params)
         for row in rows:
             row[STATUS] = CLAIMED
             row[CLAIM_TOKEN] = token
             row[CLAIMED_BY] = worker
             row[ATTEMPTS] = int(row[ATTEMPTS]) + 1
-        return rows
+        return ClaimBatch(
+            rows,
+            more=len(picked) >= limit or len(rows) < len(picked),
+            isolated=choice.isolated,
+            bisected=choice.bisected,
+        )
 
     def extend(self, conn: Connection, *, token: str, visibility: float) -> int:
         """Push the claim's expiry to now + ``visibility``; how many rows it still holds."""
@@ -415,108 +506,3 @@ class ClaimTable:
         for gone in dead:
             died |= self._apply(conn, "dead", token, [gone.key], {"dbt_error": gone.error})
         return Settled(frozenset(done_keys), frozenset(retried), frozenset(died))
-
-    # --- operations -----------------------------------------------------------------
-
-    def counts(self, conn: Connection) -> QueueCounts:
-        c = self.table.c
-        by_status = {
-            str(status): int(n)
-            for status, n in conn.execute(
-                sa.select(c[STATUS], sa.func.count())
-                .where(self._filtered(sa.true()))
-                .group_by(c[STATUS])
-            )
-        }
-        now = self.time.now()
-        ready_now = conn.execute(
-            sa.select(sa.func.count(), sa.func.max(self.time.age_seconds(c[VISIBLE_AT]))).where(
-                self.claimable()
-            )
-        ).one()
-        delayed = conn.execute(
-            sa.select(sa.func.count()).where(
-                self._filtered(c[STATUS] == READY, c[VISIBLE_AT] > now)
-            )
-        ).scalar_one()
-        expired = conn.execute(
-            sa.select(sa.func.count()).where(
-                self._filtered(c[STATUS] == CLAIMED, c[VISIBLE_AT] <= now)
-            )
-        ).scalar_one()
-        age = ready_now[1]
-        return QueueCounts(
-            by_status={s: by_status.get(s, 0) for s in (READY, CLAIMED, DONE, DEAD)}
-            | {k: v for k, v in by_status.items() if k not in (READY, CLAIMED, DONE, DEAD)},
-            claimable_now=int(ready_now[0]),
-            delayed=int(delayed),
-            expired_claims=int(expired),
-            oldest_ready_age_seconds=None if age is None else max(0.0, float(age)),
-        )
-
-    def redrive_dead(self, conn: Connection, *, note: str, limit: int | None, dry_run: bool) -> int:
-        """Make dead rows ready again with their attempts reset; how many."""
-        c = self.table.c
-        dead = self._filtered(c[STATUS] == DEAD)
-        if dry_run or limit is not None:
-            pick = sa.select(*self._key_cols).where(dead).order_by(*self._key_cols)
-            if limit is not None:
-                pick = pick.limit(limit)
-            keys = [tuple(r) for r in conn.execute(pick)]
-            if dry_run or not keys:
-                return len(keys)
-            where = sa.and_(self._key_in(keys), c[STATUS] == DEAD)
-        else:
-            where = dead
-        previous = sa.func.coalesce(c[LAST_ERROR], "")
-        stmt = (
-            sa.update(self.table)
-            .where(where)
-            .values(
-                {
-                    STATUS: READY,
-                    ATTEMPTS: 0,
-                    CLAIM_TOKEN: None,
-                    DONE_AT: None,
-                    VISIBLE_AT: self.time.now(),
-                    LAST_ERROR: sa.func.substr(sa.literal(note, sa.String) + previous, 1, 2000),
-                }
-            )
-        )
-        return int(conn.execute(stmt).rowcount)
-
-    def prune_keys(
-        self,
-        conn: Connection,
-        *,
-        cutoff: Any,
-        after: Key | None,
-        limit: int,
-        statuses: Sequence[str],
-    ) -> list[Key]:
-        """The next ``limit`` finished keys (by key order, after ``after``) older than ``cutoff``.
-
-        Walking the key in order makes a full prune read the table once, not
-        once per chunk.
-        """
-        c = self.table.c
-        where = [c[STATUS].in_(list(statuses)), c[DONE_AT] < cutoff]
-        if after is not None:
-            if len(self._key_cols) == 1:
-                where.append(self._key_cols[0] > after[0])
-            else:
-                where.append(sa.tuple_(*self._key_cols) > sa.tuple_(*after))
-        stmt = (
-            sa.select(*self._key_cols)
-            .where(self._filtered(*where))
-            .order_by(*self._key_cols)
-            .limit(limit)
-        )
-        return [tuple(r) for r in conn.execute(stmt)]
-
-    def delete_finished(
-        self, conn: Connection, keys: Sequence[Key], statuses: Sequence[str]
-    ) -> int:
-        c = self.table.c
-        stmt = sa.delete(self.table).where(self._key_in(keys), c[STATUS].in_(list(statuses)))
-        return int(conn.execute(stmt).rowcount)

@@ -5,9 +5,10 @@ One tick:
 1. **Claim** up to ``batch_size`` claimable rows with a fresh claim token
    (one statement or transaction, see :mod:`dbtrigger.queue.statements`). The
    claim counts an attempt and hides the rows for
-   ``visibility_timeout_seconds``. Rows claimed more than ``max_attempts``
-   times (every earlier claim expired: their workers died) go dead here,
-   without a handler call.
+   ``visibility_timeout_seconds``. The rows of a claim that expired without
+   an outcome (its worker died) are claimed again in halves
+   (:mod:`dbtrigger.queue.pick`); a row isolated that way that has had
+   ``max_attempts`` attempts goes dead here, without a handler call.
 2. While the handler works, a **heartbeat** thread pushes the claim's expiry on
    every ``heartbeat_interval_seconds``. If it finds the claim holds no row any
    more (it expired and others took them), ``ctx.cancelled`` turns true and an
@@ -61,10 +62,11 @@ from dbtrigger.names import validate_name
 from dbtrigger.quarantine import QuarantineRecord, QuarantineSink, encode_json_value
 from dbtrigger.queue.context import ClaimContext, wants_context
 from dbtrigger.queue.notify import Listener, check_channel
+from dbtrigger.queue.operations import QueueCounts
 from dbtrigger.queue.outcome import EXPIRED_ERROR, Backoff, Plan, decide, expired_too_often
 from dbtrigger.queue.schema import WORKER_ID_LIMIT
 from dbtrigger.queue.source import ClaimedRow, ClaimSource
-from dbtrigger.queue.statements import DeadItem, Key, QueueCounts, Settled
+from dbtrigger.queue.statements import DeadItem, Key, Settled
 from dbtrigger.runtime.telemetry import Telemetry
 
 log = logging.getLogger("dbtrigger.queue")
@@ -83,7 +85,8 @@ class QueueTickResult:
     """What one tick did; ``rows``/``batches``/``outcome``/``more`` as for a poller's tick.
 
     ``rows`` counts rows completed (done); ``more`` is True when the claim came
-    back full, so the runner claims again at once instead of sleeping.
+    back full or left claimable rows behind (rows of an expired claim are not
+    mixed with others), so the runner claims again at once instead of sleeping.
     """
 
     rows: int
@@ -269,12 +272,13 @@ class QueueTrigger:
         del should_stop  # a tick handles one claim; the runner checks between ticks
         token = uuid.uuid4().hex
         started = time.perf_counter()
-        claimed = self.source.claim(
+        claim = self.source.claim_batch(
             limit=self.batch_size,
             token=token,
             worker=self.worker_id,
             visibility=self.visibility_timeout,
         )
+        claimed = claim.rows
         seconds = time.perf_counter() - started
         if not claimed:
             self.telemetry.emit("queue_idle", values={"seconds": seconds})
@@ -289,15 +293,33 @@ class QueueTrigger:
             rows=len(claimed),
             values={"seconds": seconds},
         )
+        if claim.bisected is not None:
+            self.telemetry.emit(
+                "queue_claim_bisected",
+                "queue %s: a claim of %d row(s) expired without an outcome (its worker "
+                "crashed or hung); claiming %d of them as %s and the rest next, halving "
+                "again until the row that kills its worker is alone",
+                self.name,
+                claim.bisected[0],
+                claim.bisected[1],
+                token,
+                batch_id=token,
+                rows=claim.bisected[1],
+            )
         tally = _Tally(token)
-        expired = [r for r in claimed if expired_too_often(r.attempt, self.max_attempts)]
-        live = [r for r in claimed if not expired_too_often(r.attempt, self.max_attempts)]
+        max_attempts = self.max_attempts
+        expired = [
+            r for r in claimed if expired_too_often(r.attempt, max_attempts, isolated=r.isolated)
+        ]
+        live = [
+            r
+            for r in claimed
+            if not expired_too_often(r.attempt, max_attempts, isolated=r.isolated)
+        ]
         errors: list[DbTriggerError] = []
         if expired:
             dead_plan = Plan(
-                dead=[
-                    DeadItem(r.key, EXPIRED_ERROR.format(attempts=r.attempt - 1)) for r in expired
-                ]
+                dead=[DeadItem(r.key, EXPIRED_ERROR.format(expired=r.attempt - 1)) for r in expired]
             )
             self._perform(token, expired, dead_plan, tally, errors)
         if live:
@@ -331,7 +353,7 @@ class QueueTrigger:
             rows=tally.done,
             batches=1,
             outcome="settled",
-            more=len(claimed) >= self.batch_size,
+            more=claim.more,
             claimed=len(claimed),
             retried=tally.retried,
             dead=tally.dead,

@@ -240,6 +240,7 @@ EVENTS: dict[str, EventSpec] = {
         W, (Count("failures_total", labels={"error_type": "FetchError"}),)
     ),
     "queue_claim_lost": EventSpec(W),
+    "queue_claim_bisected": EventSpec(W),
     "queue_dead_letter_failed": EventSpec(
         E, (Count("failures_total", labels={"error_type": "QuarantineError"}),)
     ),

@@ -1,0 +1,146 @@
+"""Operator commands on a claim table: ``queue status`` counts, re-driving dead
+rows, pruning finished ones.
+
+Split from :mod:`dbtrigger.queue.statements` (the claim, extension and
+settlement every batch runs): these run when an operator asks, each in the
+transaction its caller opened, and build their statements per call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from dbtrigger.queue.schema import (
+    ATTEMPTS,
+    CLAIM_TOKEN,
+    CLAIMED,
+    DEAD,
+    DONE,
+    DONE_AT,
+    LAST_ERROR,
+    READY,
+    STATUS,
+    VISIBLE_AT,
+)
+from dbtrigger.queue.statements import ClaimTable, Key
+
+
+@dataclass(frozen=True)
+class QueueCounts:
+    """What ``dbtrigger queue status`` shows."""
+
+    by_status: Mapping[str, int]
+    claimable_now: int
+    delayed: int
+    expired_claims: int
+    oldest_ready_age_seconds: float | None
+
+
+def counts(table: ClaimTable, conn: Connection) -> QueueCounts:
+    c = table.table.c
+    by_status = {
+        str(status): int(n)
+        for status, n in conn.execute(
+            sa.select(c[STATUS], sa.func.count())
+            .where(table.filtered(sa.true()))
+            .group_by(c[STATUS])
+        )
+    }
+    now = table.time.now()
+    ready_now = conn.execute(
+        sa.select(sa.func.count(), sa.func.max(table.time.age_seconds(c[VISIBLE_AT]))).where(
+            table.claimable()
+        )
+    ).one()
+    delayed = conn.execute(
+        sa.select(sa.func.count()).where(table.filtered(c[STATUS] == READY, c[VISIBLE_AT] > now))
+    ).scalar_one()
+    expired = conn.execute(
+        sa.select(sa.func.count()).where(table.filtered(c[STATUS] == CLAIMED, c[VISIBLE_AT] <= now))
+    ).scalar_one()
+    age = ready_now[1]
+    return QueueCounts(
+        by_status={s: by_status.get(s, 0) for s in (READY, CLAIMED, DONE, DEAD)}
+        | {k: v for k, v in by_status.items() if k not in (READY, CLAIMED, DONE, DEAD)},
+        claimable_now=int(ready_now[0]),
+        delayed=int(delayed),
+        expired_claims=int(expired),
+        oldest_ready_age_seconds=None if age is None else max(0.0, float(age)),
+    )
+
+
+def redrive_dead(
+    table: ClaimTable, conn: Connection, *, note: str, limit: int | None, dry_run: bool
+) -> int:
+    """Make dead rows ready again with their attempts reset; how many."""
+    c = table.table.c
+    dead = table.filtered(c[STATUS] == DEAD)
+    if dry_run or limit is not None:
+        pick = sa.select(*table.key_columns).where(dead).order_by(*table.key_columns)
+        if limit is not None:
+            pick = pick.limit(limit)
+        keys = [tuple(r) for r in conn.execute(pick)]
+        if dry_run or not keys:
+            return len(keys)
+        where = sa.and_(table.key_in(keys), c[STATUS] == DEAD)
+    else:
+        where = dead
+    previous = sa.func.coalesce(c[LAST_ERROR], "")
+    stmt = (
+        sa.update(table.table)
+        .where(where)
+        .values(
+            {
+                STATUS: READY,
+                ATTEMPTS: 0,
+                CLAIM_TOKEN: None,
+                DONE_AT: None,
+                VISIBLE_AT: table.time.now(),
+                LAST_ERROR: sa.func.substr(sa.literal(note, sa.String) + previous, 1, 2000),
+            }
+        )
+    )
+    return int(conn.execute(stmt).rowcount)
+
+
+def prune_keys(
+    table: ClaimTable,
+    conn: Connection,
+    *,
+    cutoff: Any,
+    after: Key | None,
+    limit: int,
+    statuses: Sequence[str],
+) -> list[Key]:
+    """The next ``limit`` finished keys (by key order, after ``after``) older than ``cutoff``.
+
+    Walking the key in order makes a full prune read the table once, not
+    once per chunk.
+    """
+    c = table.table.c
+    where = [c[STATUS].in_(list(statuses)), c[DONE_AT] < cutoff]
+    if after is not None:
+        if len(table.key_columns) == 1:
+            where.append(table.key_columns[0] > after[0])
+        else:
+            where.append(sa.tuple_(*table.key_columns) > sa.tuple_(*after))
+    stmt = (
+        sa.select(*table.key_columns)
+        .where(table.filtered(*where))
+        .order_by(*table.key_columns)
+        .limit(limit)
+    )
+    return [tuple(r) for r in conn.execute(stmt)]
+
+
+def delete_finished(
+    table: ClaimTable, conn: Connection, keys: Sequence[Key], statuses: Sequence[str]
+) -> int:
+    c = table.table.c
+    stmt = sa.delete(table.table).where(table.key_in(keys), c[STATUS].in_(list(statuses)))
+    return int(conn.execute(stmt).rowcount)

@@ -27,15 +27,24 @@ import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from dbtrigger.errors import CasConflictError, DbTriggerError, FetchError, OperatorError
+from dbtrigger.errors import (
+    CasConflictError,
+    ChangeLogDriftError,
+    DbTriggerError,
+    FetchError,
+    OperatorError,
+)
 from dbtrigger.sources.sqlalchemy import SqlAlchemySource
 from dbtrigger.sources.visibility import TransactionHorizon
 from dbtrigger.state import document as docmod
 from dbtrigger.state.stores.base import CheckpointStore
+
+if TYPE_CHECKING:
+    from dbtrigger.changelog.source import ChangeLogSource
 
 log = logging.getLogger("dbtrigger.checks")
 
@@ -308,8 +317,47 @@ def _privilege_finding(conn: sa.Connection, source: SqlAlchemySource) -> Finding
     )
 
 
+def _changelog_findings(source: ChangeLogSource, position: Any) -> list[Finding]:
+    """The log table as any polled table, then its triggers against the watched table."""
+    try:
+        inner = source.log_source()
+    except OperatorError as exc:
+        return [Finding("changelog_installed", ERROR, str(exc), cause=exc)]
+    findings = check_source(inner, position)
+    if any(f.severity == ERROR for f in findings):
+        return findings
+    try:
+        drift = source.check_drift()
+    except ChangeLogDriftError as exc:
+        fix = exc.fields.get("fix")
+        findings.append(Finding("changelog_triggers", ERROR, str(exc), fix, cause=exc))
+        return findings
+    except DbTriggerError as exc:
+        findings.append(Finding("changelog_triggers", WARNING, f"could not be checked: {exc}"))
+        return findings
+    for note in drift.notes:
+        findings.append(
+            Finding(
+                "changelog_triggers",
+                WARNING,
+                note,
+                "GRANT TRIGGER ON <table> TO <polling account>, or run `dbtrigger changelog "
+                "check` as the account that installed it",
+            )
+        )
+    if not drift.notes:
+        findings.append(
+            Finding("changelog_triggers", OK, "the change log's triggers match the table")
+        )
+    return findings
+
+
 def check_source(source: Any, position: Any = None) -> list[Finding]:
     """Every table check for ``source`` (a :class:`SqlAlchemySource`), as findings."""
+    from dbtrigger.changelog.source import ChangeLogSource  # noqa: PLC0415 - avoids a cycle
+
+    if isinstance(source, ChangeLogSource):
+        return _changelog_findings(source, position)
     if not isinstance(source, SqlAlchemySource):
         return [
             Finding(

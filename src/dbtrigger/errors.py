@@ -134,6 +134,27 @@ class SourceDefinitionError(ConfigurationError):
     """
 
 
+class ChangeLogDriftError(SourceDefinitionError):
+    """The change log's triggers no longer match the watched table; re-install the change log.
+
+    A migration changed the table after ``dbtrigger changelog install`` (a
+    column added, dropped or renamed, the key renamed or retyped, the table
+    dropped or rebuilt), or the triggers were installed by an older dbtrigger.
+    The application's writes are not affected; the log may be missing row
+    images or keys until the change log is installed again. ``fields`` carry
+    ``problems`` (one line each) and ``fix`` (the install command).
+    """
+
+
+class ChangeLogGapError(SourceDefinitionError):
+    """Change-log rows record changes to a row that cannot be named; they cannot be delivered.
+
+    A trigger that could not read the changed row's key (the key column was
+    renamed or dropped and the database gave the trigger no way to read it)
+    still logs that a change happened, so the gap is reported, never skipped.
+    """
+
+
 class SourcePermissionError(OperatorError):
     """The source database refused these credentials or this user's privileges."""
 
@@ -219,6 +240,8 @@ __all__ = [
     "AmbiguousCommitError",
     "AmbiguousWriteError",
     "CasConflictError",
+    "ChangeLogDriftError",
+    "ChangeLogGapError",
     "CommitError",
     "ConfigurationError",
     "ContentionError",

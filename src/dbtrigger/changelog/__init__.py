@@ -1,13 +1,16 @@
 """A trigger-maintained change log: every insert, update and delete as an event.
 
 See ``docs/changes.md``. ``install``/``uninstall``/``prune`` are what the
-``dbtrigger changelog`` commands run; :class:`ChangeLogSource` polls the log.
+``dbtrigger changelog`` commands run; ``drift`` says what a migration on the
+table did to an installed log; :class:`ChangeLogSource` polls the log.
 """
 
 from __future__ import annotations
 
 from dbtrigger.changelog.ddl import MARKER, install_ddl, log_table_name, uninstall_ddl
+from dbtrigger.changelog.drift import Drift
 from dbtrigger.changelog.operations import (
+    drift,
     install,
     is_installed,
     plan_install,
@@ -20,6 +23,8 @@ from dbtrigger.changelog.source import ChangeLogSource
 __all__ = [
     "MARKER",
     "ChangeLogSource",
+    "Drift",
+    "drift",
     "install",
     "install_ddl",
     "is_installed",

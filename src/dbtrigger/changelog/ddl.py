@@ -10,7 +10,8 @@ Layout of the log of table ``orders`` (``dbt_changelog_orders``)::
 
     dbt_seq         bigint, assigned by the database, primary key: the cursor
     dbt_op          'insert' | 'update' | 'delete'
-    <pk columns>    copies of the table's primary key (its own names and types)
+    <pk columns>    copies of the table's primary key (its own names and types);
+                    NULL only when a trigger could not read the key (see below)
     dbt_before      the row before the change, JSON text (NULL for an insert)
     dbt_after       the row after the change, JSON text (NULL for a delete)
     dbt_txid        the writing transaction's id (PostgreSQL; NULL elsewhere)
@@ -23,24 +24,40 @@ smaller one. Sequence order is therefore the order of changes *per key*, which
 is the order the events must arrive in. Rows that commit out of sequence order
 are the ordinary late-commit problem, handled by the source's visibility guard.
 
-Every generated trigger carries :data:`MARKER`; install refuses to replace a
-trigger of the same name without it (someone else's trigger), and uninstall
-only drops triggers that carry it.
+The triggers must never make an application write fail, whatever DDL the
+table goes through after install (:mod:`dbtrigger.changelog.triggers` says how
+per dialect); what the DDL does to the log is then found by
+:mod:`dbtrigger.changelog.drift` and repaired by installing again.
+
+Every generated trigger carries :data:`MARKER` and a description of the table
+it was generated for (:func:`marker_text`); install refuses to replace a
+trigger of the same name without the marker (someone else's trigger), and
+uninstall only drops triggers that carry it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import sqlalchemy as sa
 
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.names import validate_sql_identifier
 
+#: What every trigger the change log writes says about itself (with its version).
+MARKER_PREFIX = "dbtrigger-changelog v"
+
+#: The current trigger version. v1 named every column in its row images and
+#: broke application writes after a DROP/RENAME COLUMN; v2 never fails a write.
+VERSION = 2
+
 #: Written into every trigger (body comment) the change log installs.
-MARKER = "dbtrigger-changelog v1"
+MARKER = f"{MARKER_PREFIX}{VERSION}"
 
 #: The log's own columns; the table's key columns sit between op and before.
 LOG_COLUMNS = ("dbt_seq", "dbt_op", "dbt_before", "dbt_after", "dbt_txid", "dbt_changed_at")
@@ -80,10 +97,17 @@ class TableInfo:
     schema: str | None
     pk: tuple[ColumnInfo, ...]
     columns: tuple[ColumnInfo, ...]
+    #: MariaDB (not MySQL): ``CREATE OR REPLACE TRIGGER`` swaps a trigger atomically.
+    mariadb: bool = False
 
     @property
     def log_table(self) -> str:
         return log_table_name(self.table)
+
+    @property
+    def row_triggers(self) -> bool:
+        """MariaDB/MySQL and SQLite: one trigger per operation, naming the columns."""
+        return self.dialect != "postgresql"
 
     def trigger_names(self) -> tuple[str, ...]:
         """PostgreSQL: one trigger for all three operations; elsewhere one each."""
@@ -95,6 +119,42 @@ class TableInfo:
     @property
     def function_name(self) -> str:
         return _short(f"dbt_cl_{self.table}_fn")
+
+    def spec(self) -> dict[str, Any]:
+        """What a trigger was generated from, written into its marker comment.
+
+        PostgreSQL's trigger names no column of the table (row images are
+        ``to_jsonb``), only the key it copies; the row triggers elsewhere name
+        every column, and hex-encode the binary ones.
+        """
+        out: dict[str, Any] = {"key": [c.name for c in self.pk]}
+        if self.row_triggers:
+            out["columns"] = [c.name for c in self.columns]
+            out["binary"] = [c.name for c in self.columns if c.binary]
+        return out
+
+
+def marker_text(info: TableInfo) -> str:
+    """``dbtrigger-changelog v2 {"key": [...], ...}``: the marker and the trigger's spec."""
+    return f"{MARKER} {json.dumps(info.spec(), separators=(',', ':'))}"
+
+
+_MARKER_RE = re.compile(re.escape(MARKER_PREFIX) + r"(\d+)(?: (\{[^}]*\}))?")
+
+
+def read_marker(text: str) -> tuple[int, dict[str, Any] | None] | None:
+    """(version, spec) from a trigger's text; None when the change log did not write it."""
+    match = _MARKER_RE.search(text)
+    if match is None:
+        return None
+    spec: dict[str, Any] | None = None
+    if match.group(2):
+        try:
+            loaded = json.loads(match.group(2))
+        except ValueError:
+            loaded = None
+        spec = loaded if isinstance(loaded, dict) else None
+    return int(match.group(1)), spec
 
 
 def reflect_table(conn: sa.Connection, table: str, schema: str | None) -> TableInfo:
@@ -122,7 +182,7 @@ def reflect_table(conn: sa.Connection, table: str, schema: str | None) -> TableI
         )
     compiler = conn.dialect.type_compiler_instance
 
-    def info(column: sa.Column[object]) -> ColumnInfo:
+    def info(column: sa.Column[Any]) -> ColumnInfo:
         validate_sql_identifier(column.name, "column")
         if column.name.startswith("dbt_"):
             raise ConfigurationError(
@@ -140,6 +200,7 @@ def reflect_table(conn: sa.Connection, table: str, schema: str | None) -> TableI
         schema=schema if dialect != "sqlite" else None,
         pk=tuple(info(c) for c in reflected.primary_key.columns),
         columns=tuple(info(c) for c in reflected.columns),
+        mariadb=dialect == "mariadb" or bool(getattr(conn.dialect, "is_mariadb", False)),
     )
 
 
@@ -151,11 +212,45 @@ def install_ddl(info: TableInfo, quote: Quote) -> list[str]:
 
     The table and index statements are idempotent; triggers are (re)created, so
     run :func:`foreign_triggers` first (``install`` does) to make sure no
-    trigger of the same name belongs to someone else.
+    trigger of the same name belongs to someone else. A log that already
+    exists in an older layout is brought up to date by
+    :func:`dbtrigger.changelog.drift.log_migration`, run between the two.
     """
+    from dbtrigger.changelog.triggers import trigger_ddl  # noqa: PLC0415 - imports this module
+
+    return [*log_ddl(info, quote), *trigger_ddl(info, quote)]
+
+
+def log_ddl(info: TableInfo, quote: Quote) -> list[str]:
+    """The log table first, then its index (and comment); idempotent."""
+    log = _qualified(info, info.log_table, quote)
     if info.dialect == "postgresql":
-        return _postgresql(info, quote)
-    return _with_row_triggers(info, quote)
+        table = _log_table_ddl(
+            info,
+            quote,
+            seq="BIGSERIAL PRIMARY KEY",
+            text="TEXT",
+            changed_at="TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp()",
+        )
+        comment = f"COMMENT ON TABLE {log} IS '{MARKER}: changes of {info.table}'"
+        return [table, _index_ddl(info, quote), comment]
+    if info.dialect == "sqlite":
+        table = _log_table_ddl(
+            info,
+            quote,
+            seq="INTEGER PRIMARY KEY AUTOINCREMENT",
+            text="TEXT",
+            changed_at="TEXT NOT NULL DEFAULT (strftime('%Y-%m-%d %H:%M:%f', 'now'))",
+        )
+        return [table, _index_ddl(info, quote)]
+    table = _log_table_ddl(
+        info,
+        quote,
+        seq="BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY",
+        text="LONGTEXT",
+        changed_at="DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)",
+    )
+    return [table + f" COMMENT='{MARKER}: changes of {info.table}'", _index_ddl(info, quote)]
 
 
 def uninstall_ddl(info: TableInfo, quote: Quote, *, drop_log: bool) -> list[str]:
@@ -180,9 +275,22 @@ def _qualified(info: TableInfo, name: str, quote: Quote) -> str:
     return f"{quote(info.schema)}.{quote(name)}" if info.schema else quote(name)
 
 
+def keys_nullable(info: TableInfo) -> bool:
+    """Whether the log's key columns take NULL: where a trigger may not read the key.
+
+    On PostgreSQL and MariaDB/MySQL a trigger that cannot read or store the key
+    (the key column renamed, dropped, or retyped beyond the log's column) still
+    logs the change, with a NULL key, rather than fail the write. SQLite
+    rewrites a trigger when a column it names is renamed and refuses to drop
+    one, so its triggers always read the key.
+    """
+    return info.dialect != "sqlite"
+
+
 def _log_table_ddl(info: TableInfo, quote: Quote, seq: str, text: str, changed_at: str) -> str:
     log = _qualified(info, info.log_table, quote)
-    keys = ",\n  ".join(f"{quote(c.name)} {c.sql_type} NOT NULL" for c in info.pk)
+    null = "NULL" if keys_nullable(info) else "NOT NULL"
+    keys = ",\n  ".join(f"{quote(c.name)} {c.sql_type} {null}" for c in info.pk)
     return (
         f"CREATE TABLE IF NOT EXISTS {log} (\n"
         f"  dbt_seq {seq},\n"
@@ -214,156 +322,16 @@ def index_name(info: TableInfo) -> str:
     return _short(f"ix_{info.log_table}_seq")
 
 
-def _postgresql(info: TableInfo, quote: Quote) -> list[str]:
-    target = _qualified(info, info.table, quote)
-    log = _qualified(info, info.log_table, quote)
-    function = _qualified(info, info.function_name, quote)
-    (trigger,) = info.trigger_names()
-    key_names = ", ".join(quote(c.name) for c in info.pk)
-
-    def keys(record: str) -> str:
-        return ", ".join(f"{record}.{quote(c.name)}" for c in info.pk)
-
-    def insert(op: str, record: str, before: str, after: str) -> str:
-        return (
-            # Trigger body text: identifiers validated and quoted, no values from input.
-            f"INSERT INTO {log} (dbt_op, {key_names}, dbt_before, dbt_after, dbt_txid)\n"  # noqa: S608
-            f"      VALUES ('{op}', {keys(record)}, {before}, {after}, "
-            "pg_current_xact_id()::text::bigint);"
-        )
-
-    body = (
-        f"-- {MARKER}: one log row per changed row, written in the writing transaction\n"
-        "BEGIN\n"
-        "  IF TG_OP = 'DELETE' THEN\n"
-        f"    {insert('delete', 'OLD', 'to_jsonb(OLD)::text', 'NULL')}\n"
-        "    RETURN OLD;\n"
-        "  ELSIF TG_OP = 'UPDATE' THEN\n"
-        f"    {insert('update', 'NEW', 'to_jsonb(OLD)::text', 'to_jsonb(NEW)::text')}\n"
-        "  ELSE\n"
-        f"    {insert('insert', 'NEW', 'NULL', 'to_jsonb(NEW)::text')}\n"
-        "  END IF;\n"
-        "  RETURN NEW;\n"
-        "END"
-    )
-    return [
-        _log_table_ddl(
-            info,
-            quote,
-            seq="BIGSERIAL PRIMARY KEY",
-            text="TEXT",
-            changed_at="TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp()",
-        ),
-        _index_ddl(info, quote),
-        f"COMMENT ON TABLE {log} IS '{MARKER}: changes of {info.table}'",
-        f"CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $f$\n"
-        f"{body}\n$f$",
-        f"DROP TRIGGER IF EXISTS {quote(trigger)} ON {target}",
-        f"CREATE TRIGGER {quote(trigger)} AFTER INSERT OR UPDATE OR DELETE ON {target} "
-        f"FOR EACH ROW EXECUTE FUNCTION {function}()",
-    ]
-
-
-def _image(info: TableInfo, record: str, quote: Quote, json_object: str, hex_fn: str) -> str:
-    """``JSON_OBJECT('col', NEW.col, ...)``; binary columns as hex text (JSON has no bytes)."""
-    parts = []
-    for column in info.columns:
-        value = f"{record}.{quote(column.name)}"
-        if column.binary:
-            value = f"{hex_fn}({value})"
-        parts.append(f"'{column.name}', {value}")
-    return f"{json_object}({', '.join(parts)})"
-
-
-def _row_triggers(
-    info: TableInfo, quote: Quote, *, json_object: str, hex_fn: str, wrap: Callable[[str], str]
-) -> list[str]:
-    target = _qualified(info, info.table, quote)
-    log = _qualified(info, info.log_table, quote)
-    key_names = ", ".join(quote(c.name) for c in info.pk)
-    ins, upd, dele = info.trigger_names()
-
-    def keys(record: str) -> str:
-        return ", ".join(f"{record}.{quote(c.name)}" for c in info.pk)
-
-    def image(record: str) -> str:
-        return _image(info, record, quote, json_object, hex_fn)
-
-    def statement(op: str, record: str, before: str, after: str) -> str:
-        return (
-            f"INSERT INTO {log} (dbt_op, {key_names}, dbt_before, dbt_after) "  # noqa: S608
-            f"VALUES ('{op}', {keys(record)}, {before}, {after});"
-        )
-
-    out = []
-    for name, event, body in (
-        (ins, "INSERT", statement("insert", "NEW", "NULL", image("NEW"))),
-        (upd, "UPDATE", statement("update", "NEW", image("OLD"), image("NEW"))),
-        (dele, "DELETE", statement("delete", "OLD", image("OLD"), "NULL")),
-    ):
-        out.append(f"DROP TRIGGER IF EXISTS {_qualified(info, name, quote)}")
-        out.append(
-            f"CREATE TRIGGER {_qualified(info, name, quote)} AFTER {event} ON {target} "
-            f"FOR EACH ROW {wrap(body)}"
-        )
-    return out
-
-
-@dataclass(frozen=True)
-class _RowTriggerDialect:
-    """What differs between the dialects that need one trigger per operation."""
-
-    seq: str
-    text: str
-    changed_at: str
-    json_object: str
-    hex_fn: str
-    table_comment: bool
-
-
-_ROW_TRIGGER_DIALECTS = {
-    "mysql": _RowTriggerDialect(
-        seq="BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY",
-        text="LONGTEXT",
-        changed_at="DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)",
-        json_object="JSON_OBJECT",
-        hex_fn="HEX",
-        table_comment=True,
-    ),
-    "sqlite": _RowTriggerDialect(
-        seq="INTEGER PRIMARY KEY AUTOINCREMENT",
-        text="TEXT",
-        changed_at="TEXT NOT NULL DEFAULT (strftime('%Y-%m-%d %H:%M:%f', 'now'))",
-        json_object="json_object",
-        hex_fn="hex",
-        table_comment=False,
-    ),
-}
-
-
-def _with_row_triggers(info: TableInfo, quote: Quote) -> list[str]:
-    """MariaDB/MySQL and SQLite: the log table, its index, three row triggers."""
-    spec = _ROW_TRIGGER_DIALECTS["sqlite" if info.dialect == "sqlite" else "mysql"]
-    table = _log_table_ddl(info, quote, seq=spec.seq, text=spec.text, changed_at=spec.changed_at)
-    if spec.table_comment:
-        table += f" COMMENT='{MARKER}: changes of {info.table}'"
-    return [
-        table,
-        _index_ddl(info, quote),
-        *_row_triggers(
-            info,
-            quote,
-            json_object=spec.json_object,
-            hex_fn=spec.hex_fn,
-            wrap=lambda body: f"BEGIN\n  /* {MARKER} */\n  {body}\nEND",
-        ),
-    ]
-
-
 def existing_triggers(conn: sa.Connection, info: TableInfo) -> dict[str, str]:
     """Trigger name -> definition text, for the names the change log would use."""
-    names = list(info.trigger_names())
-    if info.dialect == "postgresql":
+    return triggers_named(conn, info.dialect, info.schema, info.trigger_names())
+
+
+def triggers_named(
+    conn: sa.Connection, dialect: str, schema: str | None, names: Sequence[str]
+) -> dict[str, str]:
+    """Trigger name -> definition text (PostgreSQL: with its function's body)."""
+    if dialect == "postgresql":
         rows = conn.execute(
             sa.text(
                 "SELECT t.tgname, pg_get_triggerdef(t.oid) || ' ' || coalesce(p.prosrc, '') "
@@ -373,32 +341,35 @@ def existing_triggers(conn: sa.Connection, info: TableInfo) -> dict[str, str]:
                 "WHERE NOT t.tgisinternal AND t.tgname = ANY(:names) "
                 "AND n.nspname = coalesce(:schema, current_schema())"
             ),
-            {"names": names, "schema": info.schema},
+            {"names": list(names), "schema": schema},
         )
-    elif info.dialect in ("mysql", "mariadb"):
+    elif dialect in ("mysql", "mariadb"):
         rows = conn.execute(
             sa.text(
                 "SELECT TRIGGER_NAME, ACTION_STATEMENT FROM information_schema.TRIGGERS "
                 "WHERE TRIGGER_SCHEMA = coalesce(:schema, DATABASE()) "
                 "AND TRIGGER_NAME IN :names"
             ).bindparams(sa.bindparam("names", expanding=True)),
-            {"names": names, "schema": info.schema},
+            {"names": list(names), "schema": schema},
         )
     else:
         rows = conn.execute(
             sa.text(
                 "SELECT name, sql FROM sqlite_master WHERE type = 'trigger' AND name IN :names"
             ).bindparams(sa.bindparam("names", expanding=True)),
-            {"names": names},
+            {"names": list(names)},
         )
     return {str(name): str(text or "") for name, text in rows}
 
 
+def ours(text: str) -> bool:
+    """Whether a trigger's text carries the change log's marker (any version)."""
+    return MARKER_PREFIX in text
+
+
 def foreign_triggers(conn: sa.Connection, info: TableInfo) -> list[str]:
     """Names the change log would use that are taken by triggers it did not write."""
-    return sorted(
-        name for name, text in existing_triggers(conn, info).items() if MARKER not in text
-    )
+    return sorted(name for name, text in existing_triggers(conn, info).items() if not ours(text))
 
 
 def has_index(conn: sa.Connection, info: TableInfo) -> bool:
@@ -411,3 +382,8 @@ def has_index(conn: sa.Connection, info: TableInfo) -> bool:
 
 def pk_names(info: TableInfo) -> Sequence[str]:
     return [c.name for c in info.pk]
+
+
+def log_key_columns(names: Sequence[str]) -> list[str]:
+    """The key columns of a log table: every column that is not one of the log's own."""
+    return [n for n in names if n not in LOG_COLUMNS]

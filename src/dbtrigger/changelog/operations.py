@@ -5,32 +5,44 @@ Each function takes an engine and returns the statements it ran (or would run:
 run in one transaction where the dialect has transactional DDL (PostgreSQL,
 SQLite); on MariaDB/MySQL each DDL statement commits by itself, which is why
 every statement is idempotent on its own.
+
+``install``, ``uninstall``, ``plan_install`` and ``drift`` also take an open
+:class:`~sqlalchemy.engine.Connection` instead of an engine: they then run in
+the caller's transaction, which is how a migration that the triggers would
+otherwise stand in the way of (SQLite refuses to drop a column a trigger names)
+removes them, alters the table and installs them again with no change
+unlogged in between (docs/changes.md, 'When the table changes').
 """
 
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from dbtrigger.changelog.ddl import (
-    MARKER,
     TableInfo,
     existing_triggers,
     foreign_triggers,
     has_index,
-    install_ddl,
+    log_ddl,
     log_table_name,
+    ours,
     reflect_table,
     uninstall_ddl,
 )
+from dbtrigger.changelog.drift import Drift, find_drift, log_migration
+from dbtrigger.changelog.triggers import trigger_ddl
 from dbtrigger.errors import ConfigurationError
 
 #: Rows one prune statement deletes; keeps each transaction (and its locks) short.
 DEFAULT_PRUNE_CHUNK = 5000
+
+Bind = Engine | Connection
 
 
 @dataclass(frozen=True)
@@ -41,19 +53,42 @@ class Plan:
     statements: tuple[str, ...]
 
 
-def _quote(engine: Engine) -> sa.sql.compiler.IdentifierPreparer:
-    return engine.dialect.identifier_preparer
+def _quote(bind: Bind) -> sa.sql.compiler.IdentifierPreparer:
+    return bind.dialect.identifier_preparer
 
 
-def plan_install(engine: Engine, table: str, *, schema: str | None = None) -> Plan:
-    """The statements that install the change log of ``table``.
+@contextmanager
+def _connect(bind: Bind) -> Iterator[Connection]:
+    """The caller's connection as it is, or a new one from the engine."""
+    if isinstance(bind, Connection):
+        yield bind
+        return
+    with bind.connect() as conn:
+        yield conn
+
+
+@contextmanager
+def _begin(bind: Bind) -> Iterator[Connection]:
+    """The caller's connection (its transaction is theirs), or a new transaction."""
+    if isinstance(bind, Connection):
+        yield bind
+        return
+    with bind.begin() as conn:
+        yield conn
+
+
+def plan_install(bind: Bind, table: str, *, schema: str | None = None) -> Plan:
+    """The statements that install the change log of ``table`` (or install it again).
+
+    For a log that exists already, the plan also fits its key columns to the
+    table's key (see :func:`dbtrigger.changelog.drift.log_migration`).
 
     Raises:
         ConfigurationError: the table is missing or has no primary key, or a
             trigger with one of the change log's names exists and was not
             written by it (it is never replaced).
     """
-    with engine.connect() as conn:
+    with _connect(bind) as conn:
         info = reflect_table(conn, table, schema)
         foreign = foreign_triggers(conn, info)
         if foreign:
@@ -61,22 +96,24 @@ def plan_install(engine: Engine, table: str, *, schema: str | None = None) -> Pl
                 f"table {table!r} already has trigger(s) {', '.join(foreign)} that the change "
                 "log did not create; rename or drop them first (they are never replaced)"
             )
+        quote = _quote(bind).quote
+        migration = log_migration(conn, info, quote)
         skip_index = info.dialect in ("mysql", "mariadb") and has_index(conn, info)
-    statements = install_ddl(info, _quote(engine).quote)
+    create, *rest = log_ddl(info, quote)
     if skip_index:
-        statements = [s for s in statements if not s.startswith("CREATE INDEX")]
-    return Plan(info, tuple(statements))
+        rest = [s for s in rest if not s.startswith("CREATE INDEX")]
+    return Plan(info, (create, *migration, *rest, *trigger_ddl(info, quote)))
 
 
 def plan_uninstall(
-    engine: Engine, table: str, *, schema: str | None = None, drop_log: bool = False
+    bind: Bind, table: str, *, schema: str | None = None, drop_log: bool = False
 ) -> Plan:
     """The statements that remove the change log's triggers (and the log with ``drop_log``).
 
     Triggers of the same names that the change log did not write are refused,
     as on install.
     """
-    with engine.connect() as conn:
+    with _connect(bind) as conn:
         info = reflect_table(conn, table, schema)
         foreign = foreign_triggers(conn, info)
     if foreign:
@@ -84,39 +121,45 @@ def plan_uninstall(
             f"trigger(s) {', '.join(foreign)} on {table!r} were not created by the change log; "
             "not dropping them"
         )
-    return Plan(info, tuple(uninstall_ddl(info, _quote(engine).quote, drop_log=drop_log)))
+    return Plan(info, tuple(uninstall_ddl(info, _quote(bind).quote, drop_log=drop_log)))
 
 
-def apply(engine: Engine, plan: Plan) -> None:
+def apply(bind: Bind, plan: Plan) -> None:
     """Run a plan; in one transaction where the dialect allows."""
-    with engine.begin() as conn:
+    with _begin(bind) as conn:
         for statement in plan.statements:
             conn.exec_driver_sql(statement)
 
 
-def install(engine: Engine, table: str, *, schema: str | None = None) -> Plan:
-    """Create the log table, its index and the triggers (idempotent)."""
-    plan = plan_install(engine, table, schema=schema)
-    apply(engine, plan)
+def install(bind: Bind, table: str, *, schema: str | None = None) -> Plan:
+    """Create the log table, its index and the triggers (idempotent; also re-installs)."""
+    plan = plan_install(bind, table, schema=schema)
+    apply(bind, plan)
     return plan
 
 
-def uninstall(
-    engine: Engine, table: str, *, schema: str | None = None, drop_log: bool = False
-) -> Plan:
-    plan = plan_uninstall(engine, table, schema=schema, drop_log=drop_log)
-    apply(engine, plan)
+def uninstall(bind: Bind, table: str, *, schema: str | None = None, drop_log: bool = False) -> Plan:
+    plan = plan_uninstall(bind, table, schema=schema, drop_log=drop_log)
+    apply(bind, plan)
     return plan
 
 
-def is_installed(engine: Engine, table: str, *, schema: str | None = None) -> bool:
-    """True when every trigger of the change log is present (and is ours)."""
-    with engine.connect() as conn:
+def is_installed(bind: Bind, table: str, *, schema: str | None = None) -> bool:
+    """True when every trigger of the change log is present (and is ours, any version)."""
+    with _connect(bind) as conn:
         info = reflect_table(conn, table, schema)
         found = existing_triggers(conn, info)
-    return len(found) == len(info.trigger_names()) and all(
-        MARKER in text for text in found.values()
-    )
+    return len(found) == len(info.trigger_names()) and all(ours(t) for t in found.values())
+
+
+def drift(bind: Bind, table: str, *, schema: str | None = None) -> Drift:
+    """How the installed change log of ``table`` differs from the table now.
+
+    Falsy when in sync; ``drift(...).error()`` is the
+    :class:`~dbtrigger.errors.ChangeLogDriftError` to raise otherwise.
+    """
+    with _connect(bind) as conn:
+        return find_drift(conn, table, schema)
 
 
 def log_table(engine: Engine, table: str, schema: str | None) -> sa.Table:

@@ -8,10 +8,14 @@ only changes what a fetched row *means*: the key columns are the watched
 table's key, the cursor is the log's sequence number, and ``op``, ``before``
 and ``after`` come from the row the trigger wrote.
 
-The keyset is ``(dbt_seq, pk...)``. The sequence alone is unique, so the key is
-only a tiebreaker that never breaks a tie; it is there so an event's position
-(``cursor`` plus ``pk``, what the runtime checkpoints) is exactly a keyset
-position of the log.
+The log is read by ``dbt_seq`` alone (unique: it is the log's primary key),
+and a position handed to :meth:`ChangeLogSource.fetch` is read by its cursor
+alone. An event's ``pk`` is the watched table's key, and the position the
+runtime checkpoints is ``(dbt_seq, that key)``: the key is never needed to
+resume, so a checkpoint stays valid when the key column is renamed (the
+change log is then installed again and the poller accepts the renamed key).
+The fingerprint is still that of the keyset ``(dbt_seq, key...)``, as it
+always was: a different table or key is a different source.
 """
 
 from __future__ import annotations
@@ -30,12 +34,19 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from dbtrigger._engine import create_engine, parse_database_url
 from dbtrigger.changelog.ddl import LOG_COLUMNS, log_table_name
+from dbtrigger.changelog.drift import Drift, find_drift
 from dbtrigger.changelog.operations import log_table, lowest_checkpoint, prune
 from dbtrigger.cursor import Position
-from dbtrigger.errors import ConfigurationError, DbTriggerError, SerializationError
+from dbtrigger.errors import (
+    ChangeLogGapError,
+    ConfigurationError,
+    DbTriggerError,
+    SerializationError,
+)
 from dbtrigger.events import EventIds, RowChange
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.redaction import redact
+from dbtrigger.sources.errors_map import source_error
 from dbtrigger.sources.sqlalchemy import SqlAlchemySource
 from dbtrigger.sources.visibility import FetchInfo, VisibilityGuard
 from dbtrigger.state import document
@@ -65,6 +76,11 @@ class ChangeLogSource:
             that reads this log (usually just this one); a poller without a
             checkpoint yet blocks pruning. A failed prune is logged at WARNING
             and retried at the next interval; fetching is never held up by it.
+        drift_check_seconds: how often (at a fetch, the first fetch included)
+            the installed triggers are compared with the watched table; a
+            migration that left them behind stops the poller with
+            :class:`~dbtrigger.errors.ChangeLogDriftError`, naming the install
+            command that repairs it (docs/changes.md, "When the table changes").
 
     Events: ``op`` is ``insert``, ``update`` or ``delete``; ``before``/``after``
     are the row images the trigger wrote (JSON as the database renders it:
@@ -86,6 +102,7 @@ class ChangeLogSource:
         prune_passed_by: Sequence[str] = (),
         prune_store: CheckpointStore | None = None,
         prune_every_seconds: float = 300.0,
+        drift_check_seconds: float = 60.0,
     ) -> None:
         if url is None and engine is None:
             raise ConfigurationError("ChangeLogSource needs url= or engine=")
@@ -97,6 +114,10 @@ class ChangeLogSource:
             )
         if prune_every_seconds <= 0:
             raise ConfigurationError("prune_every_seconds must be > 0")
+        if not drift_check_seconds > 0:
+            raise ConfigurationError("drift_check_seconds must be > 0")
+        self._drift_every = drift_check_seconds
+        self._next_drift_check = 0.0
         self._prune_pollers = tuple(prune_passed_by)
         self._prune_store = prune_store
         self._prune_every = prune_every_seconds
@@ -115,6 +136,7 @@ class ChangeLogSource:
         self._engine_kwargs = engine_kwargs
         self._visibility = visibility
         self._inner_source: SqlAlchemySource | None = None
+        self._identity: SqlAlchemySource | None = None
         self._lock = threading.Lock()
 
     # --- the keyset source over the log -------------------------------------------
@@ -126,17 +148,28 @@ class ChangeLogSource:
             if self._inner_source is None:
                 pk = self._pk or self._reflect_pk()
                 self._pk = pk
+                common: dict[str, Any] = {
+                    "url": self._url,
+                    "engine": self._engine,
+                    "engine_kwargs": self._engine_kwargs,
+                    "table": log_table_name(self._table),
+                    "schema": self._schema,
+                    "cursor_column": "dbt_seq",
+                }
+                # What a position means (and has always meant): the keyset
+                # (dbt_seq, key...). Never connects: only its fingerprint is used.
+                self._identity = SqlAlchemySource(**common, pk_columns=pk)
                 self._inner_source = SqlAlchemySource(
-                    url=self._url,
-                    engine=self._engine,
-                    engine_kwargs=self._engine_kwargs,
-                    table=log_table_name(self._table),
-                    schema=self._schema,
-                    cursor_column="dbt_seq",
-                    pk_columns=pk,
-                    visibility=self._visibility,
+                    **common, pk_columns=("dbt_seq",), visibility=self._visibility
                 )
             return self._inner_source
+
+    @staticmethod
+    def _log_position(after: Position) -> Position:
+        """``after`` as a position of the log, read by its sequence number alone."""
+        if after.is_beginning:
+            return after
+        return Position(cursor=after.cursor, pk={"dbt_seq": after.cursor})
 
     def _reflect_pk(self) -> tuple[str, ...]:
         engine = self._engine
@@ -154,6 +187,19 @@ class ChangeLogSource:
         if not keys:
             raise ConfigurationError(f"the change log of {self._table!r} has no key columns")
         return keys
+
+    def log_source(self) -> SqlAlchemySource:
+        """The keyset source over the log table (``dbtrigger check`` checks it as a table).
+
+        Raises:
+            ConfigurationError: the change log is not installed (names the command).
+        """
+        return self._inner()
+
+    def validate(self, position: Position | None = None) -> None:
+        """What the first fetch checks, fetching nothing: the log, the checkpoint, the triggers."""
+        self._inner().validate(None if position is None else self._log_position(position))
+        self.check_drift()
 
     # --- identity -------------------------------------------------------------------
 
@@ -173,24 +219,43 @@ class ChangeLogSource:
 
     @property
     def pk_columns(self) -> tuple[str, ...]:
-        return self._inner().pk_columns
+        """The watched table's key (as the log's key columns name it)."""
+        self._inner()
+        assert self._pk is not None  # noqa: S101 - set by _inner()
+        return self._pk
 
     @property
     def engine(self) -> Engine:
         return self._inner().engine
 
+    def _identity_source(self) -> SqlAlchemySource:
+        self._inner()
+        assert self._identity is not None  # noqa: S101 - set by _inner()
+        return self._identity
+
     def fingerprint(self) -> str:
         """The log's keyset definition: a different table or key is a different source."""
-        return self._inner().fingerprint()
+        return self._identity_source().fingerprint()
+
+    def accepted_fingerprints(self) -> tuple[str, ...]:
+        """This definition's fingerprint, then what the earlier algorithm gave it."""
+        return self._identity_source().accepted_fingerprints()
 
     def describe(self) -> dict[str, Any]:
         info = self._inner().describe()
-        info.update(name=self.name, watched_table=self._table, kind="changelog")
+        info.update(
+            name=self.name,
+            watched_table=self._table,
+            kind="changelog",
+            pk_columns=list(self.pk_columns),
+        )
         return info
 
     def close(self) -> None:
         if self._inner_source is not None:
             self._inner_source.close()
+        if self._identity is not None:
+            self._identity.close()
 
     @property
     def last_fetch_info(self) -> FetchInfo | None:
@@ -204,10 +269,62 @@ class ChangeLogSource:
     # --- the port -------------------------------------------------------------------
 
     def fetch(self, after: Position, limit: int) -> Sequence[Mapping[str, Any]]:
+        """The log rows after ``after``; the triggers checked against the table first.
+
+        Raises:
+            ChangeLogDriftError: a migration left the triggers behind the table
+                (at the first fetch, every ``drift_check_seconds``, and whenever
+                a row was logged without its key).
+            ChangeLogGapError: rows record a change to a row the trigger could
+                not name, and re-installing cannot name it either.
+        """
         if self._prune_pollers and time.monotonic() >= self._next_prune:
             self._next_prune = time.monotonic() + self._prune_every
             self.prune_passed()
-        return self._inner().fetch(after, limit)
+        inner = self._inner()
+        if time.monotonic() >= self._next_drift_check:
+            self.check_drift()
+        rows = inner.fetch(self._log_position(after), limit)
+        unkeyed = _unkeyed(rows, self.pk_columns)
+        if unkeyed:
+            self.check_drift()  # the likely cause; raises naming the fix
+            raise self._gap(unkeyed)
+        return rows
+
+    def check_drift(self) -> Drift:
+        """Compare the installed triggers with the watched table now; raise on drift.
+
+        Returns the (empty) drift, whose ``notes`` say what could not be
+        compared (MariaDB/MySQL triggers are invisible without the TRIGGER
+        privilege).
+
+        Raises:
+            ChangeLogDriftError: what differs and the install command that repairs it.
+        """
+        self._next_drift_check = time.monotonic() + self._drift_every
+        try:
+            with self.engine.connect() as conn:
+                found = find_drift(conn, self._table, self._schema)
+        except SQLAlchemyError as exc:
+            raise source_error(exc, f"checking the change log triggers of {self.name}") from exc
+        if found:
+            raise found.error()
+        return found
+
+    def _gap(self, seqs: Sequence[Any]) -> ChangeLogGapError:
+        log_name = log_table_name(self._table)
+        nulls = " OR ".join(f"{c} IS NULL" for c in self.pk_columns)
+        shown = ", ".join(str(s) for s in seqs[:10]) + (", ..." if len(seqs) > 10 else "")
+        delete = f"DELETE FROM {log_name} WHERE {nulls}"  # noqa: S608 - advice; names validated
+        return ChangeLogGapError(
+            f"change log row(s) {shown} of {self._table} record a change whose key the trigger "
+            "could not read (the key column was renamed or dropped, or could not be stored) "
+            "and whose row image does not hold it either: they cannot be delivered as row "
+            "changes. Re-read the table to repair what these changes feed (e.g. resync the "
+            f"replica), then delete them: {delete}; the poller "
+            "then goes on (docs/changes.md, 'When the table changes')",
+            seqs=list(seqs),
+        )
 
     def prune_passed(self) -> int:
         """Delete log rows every ``prune_passed_by`` poller has committed past; how many."""
@@ -245,7 +362,7 @@ class ChangeLogSource:
         return deleted
 
     def count_after(self, after: Position) -> int:
-        return self._inner().count_after(after)
+        return self._inner().count_after(self._log_position(after))
 
     def to_events(
         self, rows: Sequence[Mapping[str, Any]], *, poller: str, batch_id: str
@@ -311,3 +428,14 @@ def _image(raw: Any, column: str, seq: Any) -> dict[str, Any] | None:
     if not isinstance(value, dict):
         raise SerializationError(f"change log row {seq}: {column} is not a JSON object")
     return value
+
+
+def _unkeyed(rows: Sequence[Mapping[str, Any]], pk: Sequence[str]) -> list[Any]:
+    """Sequence numbers of the rows logged without a (complete) key."""
+    columns = getattr(rows, "columns", None)
+    tuples = getattr(rows, "tuples", None)
+    if columns is not None and tuples is not None:  # Rows: look at the tuples as they are
+        at = [columns.index(c) for c in pk]
+        seq = columns.index("dbt_seq")
+        return [t[seq] for t in tuples if any(t[i] is None for i in at)]
+    return [r["dbt_seq"] for r in rows if any(r.get(c) is None for c in pk)]

@@ -1,4 +1,4 @@
-"""``dbtrigger changelog install|uninstall|prune``: the change log from the shell.
+"""``dbtrigger changelog install|check|uninstall|prune``: the change log from the shell.
 
 Like the state commands, anything that changes a database is a dry run unless
 ``--yes`` is given: the DDL (or the row count) is printed first, so it can be
@@ -14,8 +14,10 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from dbtrigger.changelog.drift import install_command
 from dbtrigger.changelog.operations import (
     apply,
+    drift,
     lowest_checkpoint,
     plan_install,
     plan_uninstall,
@@ -54,9 +56,39 @@ def cmd_install(args: argparse.Namespace) -> int:
             return 0
         apply(engine, plan)
         print(f"-- installed: changes of {args.table} now go to {plan.info.log_table}")
+        if any(" RENAME COLUMN " in s for s in plan.statements):
+            print(
+                "-- the log's key columns were renamed with the table's key: each poller of "
+                "this log stops once with the `dbtrigger reset ... --accept-source` command "
+                "to run (its checkpoint stays where it is)"
+            )
         return 0
     finally:
         engine.dispose()
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """Exit 1 when a migration left the change log's triggers behind the table."""
+    engine = _engine(args)
+    try:
+        found = drift(engine, args.table, schema=args.schema)
+    finally:
+        engine.dispose()
+    if found.missing:
+        raise ConfigurationError(
+            f"no change log for table {args.table!r}; install it with "
+            f"{install_command(args.table, args.schema)}"
+        )
+    for note in found.notes:
+        print(f"note: {note}")
+    if not found:
+        print(f"the change log of {args.table} matches the table")
+        return 0
+    print(f"the change log of {args.table} no longer matches the table:")
+    for problem in found.problems:
+        print(f"  - {problem}")
+    print(f"fix: {install_command(args.table, args.schema)}")
+    return 1
 
 
 def cmd_uninstall(args: argparse.Namespace) -> int:
@@ -149,6 +181,16 @@ def add_changelog_commands(sub: Any) -> None:
     )
     common(install)
     install.set_defaults(func=cmd_install)
+
+    check = commands.add_parser(
+        "check",
+        help="compare the installed triggers with the table (exit 1 when a migration "
+        "left them behind)",
+    )
+    check.add_argument("--url", required=True, help="database URL (%%APP_SETTING%% allowed)")
+    check.add_argument("--table", required=True, help="the watched table")
+    check.add_argument("--schema", help="its schema (PostgreSQL/MariaDB)")
+    check.set_defaults(func=cmd_check)
 
     uninstall = commands.add_parser("uninstall", help="drop the change log's triggers")
     common(uninstall)

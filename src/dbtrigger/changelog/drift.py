@@ -1,0 +1,323 @@
+"""What a migration did to an installed change log, and what install does about it.
+
+The triggers never make a write fail (see :mod:`dbtrigger.changelog.triggers`),
+but a migration can still leave the log short of something: row images
+without a column added since install (MariaDB/MySQL, SQLite), row images
+written under a column's old name (SQLite), rows whose images or key the
+trigger could not read (a dropped or renamed column on MariaDB/MySQL, a
+renamed or retyped key). :func:`find_drift` compares what is installed with
+the table as it is now; ``dbtrigger check``, a starting worker and the source
+(at its first fetch, then every ``drift_check_seconds``) turn a non-empty
+answer into :class:`~dbtrigger.errors.ChangeLogDriftError`, which names the
+one command that repairs it: install again.
+
+Installing again regenerates the triggers for the table as it is and, through
+:func:`log_migration`, brings the log's key columns to the table's key
+(renamed with it, retyped with it, made nullable where the v1 layout had them
+NOT NULL), then fills in the key of rows logged without one, from their row
+images, where the images hold it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import sqlalchemy as sa
+
+from dbtrigger.changelog.ddl import (
+    MARKER_PREFIX,
+    VERSION,
+    Quote,
+    TableInfo,
+    _qualified,
+    existing_triggers,
+    keys_nullable,
+    log_key_columns,
+    log_table_name,
+    ours,
+    read_marker,
+    reflect_table,
+)
+from dbtrigger.errors import ChangeLogDriftError, ConfigurationError
+
+
+def install_command(table: str, schema: str | None) -> str:
+    """The command that (re)installs the change log of ``table``."""
+    where = f" --schema {schema}" if schema else ""
+    return f"dbtrigger changelog install --url URL --table {table}{where} --yes"
+
+
+@dataclass(frozen=True)
+class LogKey:
+    """One key column of the log table as it is now."""
+
+    name: str
+    sql_type: str
+    nullable: bool
+
+
+def log_keys(conn: sa.Connection, table: str, schema: str | None) -> list[LogKey] | None:
+    """The log's key columns (None when the log table does not exist)."""
+    name = log_table_name(table)
+    inspector = sa.inspect(conn)
+    if not inspector.has_table(name, schema=schema):
+        return None
+    compiler = conn.dialect.type_compiler_instance
+    columns = {c["name"]: c for c in inspector.get_columns(name, schema=schema)}
+    return [
+        LogKey(n, compiler.process(columns[n]["type"]), bool(columns[n]["nullable"]))
+        for n in log_key_columns(list(columns))
+    ]
+
+
+@dataclass(frozen=True)
+class Drift:
+    """How an installed change log differs from its table now (no problems: in sync)."""
+
+    table: str
+    schema: str | None
+    problems: tuple[str, ...] = ()
+    #: Installing again renames the log's key columns: a poller must accept the new source.
+    key_renamed: bool = False
+    #: Not installed at all (no log table): not drift, an install that never happened.
+    missing: bool = False
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    def __bool__(self) -> bool:
+        return bool(self.problems)
+
+    def error(self) -> ChangeLogDriftError:
+        fix = install_command(self.table, self.schema)
+        then = (
+            "; it renames the log's key columns to the table's, so the poller then asks "
+            "you to accept the changed source (the command is printed)"
+            if self.key_renamed
+            else ""
+        )
+        return ChangeLogDriftError(
+            f"the change log of {self.table} no longer matches the table: "
+            + "; ".join(self.problems)
+            + f". The application's writes go on; re-install the change log: `{fix}`{then} "
+            "(docs/changes.md, 'When the table changes')",
+            problems=list(self.problems),
+            fix=fix,
+        )
+
+
+def find_drift(conn: sa.Connection, table: str, schema: str | None) -> Drift:
+    """Compare the installed triggers and log with ``table`` as it is now."""
+    keys = log_keys(conn, table, schema)
+    if keys is None:
+        return Drift(table, schema, missing=True)
+    if not sa.inspect(conn).has_table(table, schema=schema):
+        return Drift(
+            table,
+            schema,
+            (
+                f"table {table} does not exist: it was dropped (its triggers with it), or "
+                "renamed (the triggers went with it and still write to this log)",
+            ),
+        )
+    try:
+        info = reflect_table(conn, table, schema)
+    except ConfigurationError as exc:
+        return Drift(table, schema, (str(exc),))
+    problems: list[str] = []
+    unverified: list[str] = []
+    specs = _trigger_problems(conn, info, problems, unverified)
+    key_renamed = _key_problems(info, keys, specs, problems)
+    for spec in specs[:1]:  # the triggers are generated together: one describes them all
+        _column_problems(info, spec, problems)
+    return Drift(
+        table,
+        schema,
+        tuple(dict.fromkeys(problems)),
+        key_renamed=key_renamed,
+        notes=tuple(unverified),
+    )
+
+
+def _hidden_trigger(conn: sa.Connection, info: TableInfo, name: str) -> bool:
+    """MariaDB/MySQL: a trigger that exists but this account may not see (no TRIGGER privilege).
+
+    ``information_schema.TRIGGERS`` lists nothing without the privilege;
+    ``SHOW CREATE TRIGGER`` tells "does not exist" (1360) from "access denied".
+    """
+    if info.dialect not in ("mysql", "mariadb"):
+        return False
+    quote = conn.dialect.identifier_preparer.quote
+    qualified = _qualified(info, name, quote)
+    try:  # a failed statement does not end a MariaDB/MySQL transaction
+        conn.exec_driver_sql(f"SHOW CREATE TRIGGER {qualified}").fetchall()
+    except sa.exc.DBAPIError as exc:
+        code = exc.orig.args[0] if exc.orig is not None and exc.orig.args else None
+        return code != 1360  # ER_TRG_DOES_NOT_EXIST: really missing
+    return False  # readable after all (listed a moment later): not hidden
+
+
+def _trigger_problems(
+    conn: sa.Connection, info: TableInfo, problems: list[str], unverified: list[str]
+) -> list[dict[str, Any]]:
+    """Missing, foreign or outdated triggers; returns the specs of the current ones."""
+    found = existing_triggers(conn, info)
+    specs: list[dict[str, Any]] = []
+    missing = [n for n in info.trigger_names() if n not in found]
+    hidden = [n for n in missing if _hidden_trigger(conn, info, n)]
+    if hidden:
+        # Not drift: this account cannot tell. Say so, and check what can be read.
+        unverified.append(
+            f"trigger(s) {', '.join(hidden)} cannot be read by this account (MariaDB/MySQL "
+            "show triggers only with the TRIGGER privilege on the table): the triggers were "
+            "not compared with the table"
+        )
+        missing = [n for n in missing if n not in hidden]
+    if missing:
+        problems.append(
+            f"trigger(s) {', '.join(missing)} missing (changes are not being logged; a table "
+            "dropped and re-created, or rebuilt by a migration, loses its triggers)"
+        )
+    for name, text in sorted(found.items()):
+        marker = read_marker(text) if ours(text) else None
+        if marker is None:
+            problems.append(f"trigger {name} was not written by the change log")
+            continue
+        version, spec = marker
+        if version < VERSION:
+            problems.append(
+                f"installed by an older dbtrigger ({MARKER_PREFIX}{version}), whose triggers "
+                "break the application's writes after a DROP or RENAME COLUMN and log a key "
+                "change as one update"
+            )
+        elif version > VERSION:
+            problems.append(f"installed by a newer dbtrigger ({MARKER_PREFIX}{version})")
+        elif spec is not None:
+            specs.append(spec)
+    return specs
+
+
+def _key_problems(
+    info: TableInfo, keys: list[LogKey], specs: list[dict[str, Any]], problems: list[str]
+) -> bool:
+    """The log's key columns against the table's key; True when install will rename them."""
+    table_key = [c.name for c in info.pk]
+    log_names = [k.name for k in keys]
+    renamed = False
+    traced = specs[0].get("key") if specs else None
+    if log_names != table_key or (traced is not None and traced != table_key):
+        renamed = len(log_names) == len(table_key) and log_names != table_key
+        consequence = (
+            "SQLite renamed it in the triggers; the log's key column keeps the old name"
+            if info.dialect == "sqlite"
+            else "changes are logged without their key"
+        )
+        problems.append(
+            f"the key of {info.table} is ({', '.join(table_key)}); the change log was "
+            f"installed for ({', '.join(log_names)}): {consequence}"
+        )
+        return renamed
+    for key, column in zip(keys, info.pk, strict=True):
+        if info.dialect != "sqlite" and key.sql_type != column.sql_type:
+            problems.append(
+                f"key column {column.name} is {column.sql_type} in the table, {key.sql_type} "
+                "in the log: keys the log cannot hold are logged as NULL"
+            )
+        if keys_nullable(info) and not key.nullable:
+            problems.append("the log's key columns are NOT NULL (the layout of an older dbtrigger)")
+    return renamed
+
+
+def _column_problems(info: TableInfo, spec: dict[str, Any], problems: list[str]) -> None:
+    """Row-trigger dialects: the columns the triggers name against the table's."""
+    if not info.row_triggers:
+        return  # PostgreSQL: images are to_jsonb(row), whatever the columns are
+    traced = [str(c) for c in spec.get("columns", [])]
+    now = [c.name for c in info.columns]
+    gone = [c for c in traced if c not in now]
+    added = [c for c in now if c not in traced]
+    if gone:
+        problems.append(
+            f"column(s) {', '.join(gone)} dropped or renamed since install"
+            + (
+                " (row images still carry the old names)"
+                if info.dialect == "sqlite"
+                else " (changes are logged without row images)"
+            )
+        )
+    if added:
+        problems.append(f"column(s) {', '.join(added)} added since install (not in row images)")
+    binary = set(spec.get("binary", []))
+    flipped = [c.name for c in info.columns if c.name in traced and c.binary != (c.name in binary)]
+    if flipped:
+        problems.append(f"column(s) {', '.join(flipped)} changed to or from a binary type")
+
+
+# --- install again: bring the log to the table ------------------------------------------
+
+
+def log_migration(conn: sa.Connection, info: TableInfo, quote: Quote) -> list[str]:
+    """Statements that fit an existing log to ``info``'s key; [] for a new or fitting log.
+
+    Raises:
+        ConfigurationError: the key changed its number of columns: no log
+            column can be carried over; the log must be drained and dropped.
+    """
+    keys = log_keys(conn, info.table, info.schema)
+    if keys is None:
+        return []
+    log = _qualified(info, info.log_table, quote)
+    if len(keys) != len(info.pk):
+        raise ConfigurationError(
+            f"the key of {info.table} is now ({', '.join(c.name for c in info.pk)}); its change "
+            f"log is keyed by ({', '.join(k.name for k in keys)}). A log cannot carry keys of a "
+            "different shape: deliver what it holds, then `dbtrigger changelog uninstall "
+            f"--table {info.table} --drop-log --yes`, install again, and start the poller "
+            "afresh (a new source)"
+        )
+    out: list[str] = []
+    for key, column in zip(keys, info.pk, strict=True):
+        name = quote(column.name)
+        if key.name != column.name:
+            out.append(f"ALTER TABLE {log} RENAME COLUMN {quote(key.name)} TO {name}")
+        retype = info.dialect != "sqlite" and key.sql_type != column.sql_type
+        relax = keys_nullable(info) and not key.nullable
+        if info.dialect == "postgresql":
+            if retype:
+                out.append(
+                    f"ALTER TABLE {log} ALTER COLUMN {name} TYPE {column.sql_type} "
+                    f"USING {name}::text::{column.sql_type}"
+                )
+            if relax:
+                out.append(f"ALTER TABLE {log} ALTER COLUMN {name} DROP NOT NULL")
+        elif info.dialect != "sqlite" and (retype or relax):
+            out.append(f"ALTER TABLE {log} MODIFY COLUMN {name} {column.sql_type} NULL")
+    if keys_nullable(info) and _has_null_keys(conn, info, keys):
+        out.append(_fill_keys(info, quote))
+    return out
+
+
+def _has_null_keys(conn: sa.Connection, info: TableInfo, keys: list[LogKey]) -> bool:
+    log = sa.table(info.log_table, *(sa.column(k.name) for k in keys), schema=info.schema)
+    nulls = sa.or_(*(log.c[k.name].is_(None) for k in keys))
+    probe = sa.select(sa.literal(1)).select_from(log).where(nulls).limit(1)
+    return conn.execute(probe).first() is not None
+
+
+def _fill_keys(info: TableInfo, quote: Quote) -> str:
+    """Set the key of rows logged without one from their row image, where it holds the key."""
+    log = _qualified(info, info.log_table, quote)
+    nulls = " OR ".join(f"{quote(c.name)} IS NULL" for c in info.pk)
+    if info.dialect == "postgresql":
+        image = "coalesce(dbt_after, dbt_before)::jsonb"
+        sets = ", ".join(
+            f"{quote(c.name)} = ({image} ->> '{c.name}')::{c.sql_type}" for c in info.pk
+        )
+    else:
+        image = "COALESCE(dbt_after, dbt_before)"
+
+        def value(name: str, binary: bool) -> str:
+            text = f"JSON_VALUE({image}, '$.{name}')"
+            return f"UNHEX({text})" if binary else text
+
+        sets = ", ".join(f"{quote(c.name)} = {value(c.name, c.binary)}" for c in info.pk)
+    return f"UPDATE {log} SET {sets} WHERE {nulls}"  # noqa: S608 - identifiers validated, quoted

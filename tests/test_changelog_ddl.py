@@ -1,0 +1,458 @@
+"""Migrations on a table watched by the change log, on every database.
+
+The change log's triggers run inside the application's writes: whatever DDL
+the table goes through, those writes must succeed, and every change must
+either be delivered or stop the poller with an error that names the fix
+(re-install). Nothing is lost without being reported.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from dbtrigger import FileCheckpointStore, PollTrigger, RowChange
+from dbtrigger.changelog import ChangeLogSource, drift, install, log_table_name, uninstall
+from dbtrigger.checks import check_trigger, warn_at_start
+from dbtrigger.cli.main import main as cli_main
+from dbtrigger.errors import (
+    ChangeLogDriftError,
+    ChangeLogGapError,
+    DbTriggerError,
+    FingerprintMismatchError,
+)
+from dbtrigger.state import operations as state_ops
+from tests.databases import TestDatabase
+
+BIG = 3_000_000_000  # past a 32-bit key: why keys are widened
+
+
+def make_orders(db: TestDatabase) -> str:
+    db.execute(
+        f"CREATE TABLE {db.qualified('orders')} ("
+        "id INTEGER PRIMARY KEY, status VARCHAR(20) NOT NULL, note VARCHAR(20))"
+    )
+    return db.qualified("orders")
+
+
+def poller(db: TestDatabase, tmp_path: Path, name: str = "orders-log") -> PollTrigger:
+    # MariaDB's transaction horizon is server-wide: another session's open
+    # transaction would hold these reads back. Every write here commits before
+    # the poller reads, so no guard is needed to see them all.
+    visibility = "none" if db.kind == "mariadb" else "auto"
+    return PollTrigger(
+        name=name,
+        source=ChangeLogSource(
+            url=db.url,
+            table="orders",
+            schema=db.schema,
+            visibility=visibility,
+            drift_check_seconds=0.001,  # every fetch, as a (re)started worker's first
+        ),
+        checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+        batch_size=50,
+    )
+
+
+class Replica:
+    """The replica handler of docs/changes.md: upsert by key, remove on delete."""
+
+    def __init__(self) -> None:
+        self.rows: dict[tuple[Any, ...], dict[str, Any]] = {}
+        self.seen: list[RowChange] = []
+
+    def __call__(self, events: list[RowChange]) -> None:
+        for e in events:
+            self.seen.append(e)
+            key = tuple(e.pk.values())
+            if e.op == "delete":
+                self.rows.pop(key, None)
+            else:
+                assert e.after is not None
+                self.rows[key] = dict(e.after)
+
+
+def table_rows(db: TestDatabase, key: str = "id") -> dict[tuple[Any, ...], dict[str, Any]]:
+    with db.engine.connect() as conn:
+        rows = conn.execute(sa.text(f"SELECT * FROM {db.qualified('orders')}")).mappings()
+        return {(int(r[key]),): dict(r) for r in rows}
+
+
+def application_writes(db: TestDatabase, key: str = "id", new_key: int = 3) -> None:
+    """What the application keeps doing after the migration: each must succeed."""
+    orders = db.qualified("orders")
+    db.execute(f"INSERT INTO {orders} ({key}, status) VALUES ({new_key}, 'new')")
+    db.execute(f"UPDATE {orders} SET status = 'paid' WHERE {key} = 1")
+    db.execute(f"DELETE FROM {orders} WHERE {key} = 2")
+
+
+def ops(events: list[RowChange]) -> list[tuple[str, int]]:
+    return [(e.op, int(next(iter(e.pk.values())))) for e in events]
+
+
+AFTER_DDL = [("insert", 3), ("update", 1), ("delete", 2)]
+
+#: The statement each migration runs, per database (None: the database has no such ALTER).
+DDL: dict[str, dict[str, str | None]] = {
+    "add_column": dict.fromkeys(
+        ("sqlite", "postgresql", "mariadb"), "ALTER TABLE {t} ADD COLUMN extra INTEGER"
+    ),
+    "drop_column": {
+        "sqlite": None,  # refused by SQLite itself: test_sqlite_drop_column_*
+        "postgresql": "ALTER TABLE {t} DROP COLUMN note",
+        "mariadb": "ALTER TABLE {t} DROP COLUMN note",
+    },
+    "rename_column": dict.fromkeys(
+        ("sqlite", "postgresql", "mariadb"), "ALTER TABLE {t} RENAME COLUMN note TO memo"
+    ),
+    "retype_column": {
+        "sqlite": None,
+        "postgresql": "ALTER TABLE {t} ALTER COLUMN note TYPE TEXT",
+        "mariadb": "ALTER TABLE {t} MODIFY note TEXT",
+    },
+}
+
+#: Whether the triggers still match the table after each migration.
+DRIFTS = {
+    ("postgresql", "add_column"): False,  # to_jsonb(row): nothing named, nothing to redo
+    ("postgresql", "drop_column"): False,
+    ("postgresql", "rename_column"): False,
+    ("postgresql", "retype_column"): False,
+    ("mariadb", "retype_column"): False,  # JSON_OBJECT renders any non-binary type
+}
+
+
+@pytest.mark.parametrize("migration", sorted(DDL))
+def test_writes_succeed_and_changes_arrive_after_column_ddl(
+    db: TestDatabase, tmp_path: Path, migration: str
+) -> None:
+    ddl = DDL[migration][db.kind]
+    if ddl is None:
+        pytest.skip(f"{db.kind} has no such ALTER TABLE")
+    orders = make_orders(db)
+    install(db.engine, "orders", schema=db.schema)
+    db.execute(f"INSERT INTO {orders} (id, status, note) VALUES (1, 'new', 'a'), (2, 'new', 'b')")
+    trigger = poller(db, tmp_path)
+    replica = Replica()
+    assert trigger.drain(replica) == 2
+
+    db.execute(ddl.format(t=orders))
+    application_writes(db)  # before the fix: 'Unknown column in NEW' on MariaDB
+
+    drifts = DRIFTS.get((db.kind, migration), True)
+    assert bool(drift(db.engine, "orders", schema=db.schema)) is drifts
+    if drifts:
+        with pytest.raises(ChangeLogDriftError, match="dbtrigger changelog install") as raised:
+            trigger.tick(replica)
+        assert "--table orders" in raised.value.fields["fix"]
+        report = check_trigger(trigger, probe_store=False)
+        assert [f.check for f in report.errors] == ["changelog_triggers"]
+        with pytest.raises(ChangeLogDriftError):
+            warn_at_start(trigger, raise_operator_errors=True)  # `dbtrigger run` stops here
+        install(db.engine, "orders", schema=db.schema)  # the fix the error names
+        assert not drift(db.engine, "orders", schema=db.schema)
+        trigger = poller(db, tmp_path)  # the worker restarted after the re-install
+    assert check_trigger(trigger, probe_store=False).ok
+
+    trigger.drain(replica)
+    assert ops(replica.seen[2:]) == AFTER_DDL
+    assert replica.rows.keys() == table_rows(db).keys()
+    assert replica.rows[(1,)]["status"] == "paid"
+    if migration == "drop_column" and db.kind != "sqlite":
+        assert "note" not in replica.rows[(1,)]  # the image of the row as it now is
+
+    # After the re-install (or with nothing to redo) the images are complete again.
+    db.execute(f"UPDATE {orders} SET status = 'shipped' WHERE id = 3")
+    trigger.drain(replica)
+    assert replica.rows[(3,)] == table_rows(db)[(3,)]
+
+
+def test_key_rename_keeps_writes_and_the_checkpoint(db: TestDatabase, tmp_path: Path) -> None:
+    orders = make_orders(db)
+    install(db.engine, "orders", schema=db.schema)
+    db.execute(f"INSERT INTO {orders} (id, status) VALUES (1, 'new'), (2, 'new')")
+    trigger = poller(db, tmp_path)
+    replica = Replica()
+    assert trigger.drain(replica) == 2
+
+    db.execute(f"ALTER TABLE {orders} RENAME COLUMN id TO order_id")
+    application_writes(db, key="order_id")  # before the fix: fails on PostgreSQL and MariaDB
+
+    found = drift(db.engine, "orders", schema=db.schema)
+    assert found.key_renamed
+    with pytest.raises(ChangeLogDriftError, match="accept the changed source"):
+        trigger.tick(replica)
+    install(db.engine, "orders", schema=db.schema)  # renames the log's key column
+    assert not drift(db.engine, "orders", schema=db.schema)
+
+    restarted = poller(db, tmp_path)
+    with pytest.raises(FingerprintMismatchError, match="--accept-source"):
+        restarted.tick(replica)
+    _accept_source(restarted)
+    if db.kind == "mariadb":
+        # The trigger could not name the changed rows (no row-to-JSON there):
+        # reported, with what to do, never skipped.
+        with pytest.raises(ChangeLogGapError, match="DELETE FROM") as gap:
+            restarted.tick(replica)
+        assert len(gap.value.fields["seqs"]) == 3
+        db.execute(f"DELETE FROM {db.qualified(log_table_name('orders'))} WHERE order_id IS NULL")
+        replica.rows = table_rows(db, "order_id")  # the resync the error asks for
+    restarted.drain(replica)
+    if db.kind != "mariadb":
+        assert ops(replica.seen[2:]) == AFTER_DDL  # the keys filled in from the images
+        assert all(set(e.pk) == {"order_id"} for e in replica.seen[2:])
+    assert replica.rows.keys() == table_rows(db, "order_id").keys()
+
+    # From here on, changes carry the renamed key.
+    db.execute(f"UPDATE {orders} SET status = 'shipped' WHERE order_id = 3")
+    restarted.drain(replica)
+    assert replica.seen[-1].pk == {"order_id": 3}
+    assert replica.rows[(3,)]["status"] == "shipped"
+
+
+def _accept_source(trigger: PollTrigger) -> None:
+    """What `dbtrigger reset NAME --accept-source ...` does."""
+    import datetime as dt  # noqa: PLC0415
+
+    from dbtrigger.state import document  # noqa: PLC0415
+
+    stored = trigger.store.read(trigger.name)
+    assert stored is not None
+    doc = state_ops.accept_source(
+        document.loads(stored.data),
+        fingerprint=trigger.source.fingerprint(),
+        now=dt.datetime.now(dt.timezone.utc),
+        actor="test",
+        reason="key renamed",
+    )
+    trigger.store.write(trigger.name, document.dumps(doc), if_match=stored.etag)
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "mariadb"])
+def test_key_widened_past_the_log_column(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    db: TestDatabase = request.getfixturevalue("pg" if kind == "postgresql" else "mariadb")
+    orders = make_orders(db)
+    install(db.engine, "orders", schema=db.schema)
+    db.execute(f"INSERT INTO {orders} (id, status) VALUES (1, 'new'), (2, 'new')")
+    trigger = poller(db, tmp_path)
+    replica = Replica()
+    assert trigger.drain(replica) == 2
+    widen = "ALTER COLUMN id TYPE BIGINT" if kind == "postgresql" else "MODIFY id BIGINT"
+    db.execute(f"ALTER TABLE {orders} {widen}")
+    application_writes(db, new_key=BIG)  # a key the log's INTEGER cannot hold
+    with pytest.raises(ChangeLogDriftError, match="id is BIGINT"):
+        trigger.tick(replica)
+    install(db.engine, "orders", schema=db.schema)  # widens the log's key, fills it in
+    trigger = poller(db, tmp_path)
+    trigger.drain(replica)  # the same poller: the key's name did not change
+    assert ops(replica.seen[2:]) == [("insert", BIG), ("update", 1), ("delete", 2)]
+    assert replica.rows.keys() == table_rows(db).keys()
+
+
+def test_sqlite_drop_column_is_refused_by_sqlite_and_done_in_one_transaction(
+    sqlite_db: TestDatabase, tmp_path: Path
+) -> None:
+    db = sqlite_db
+    orders = make_orders(db)
+    install(db.engine, "orders")
+    db.execute(f"INSERT INTO {orders} (id, status, note) VALUES (1, 'new', 'a'), (2, 'new', 'b')")
+    with pytest.raises(sa.exc.OperationalError, match="dbt_cl_orders"):
+        db.execute(f"ALTER TABLE {orders} DROP COLUMN note")
+    application_writes(db)  # the refused ALTER left the table and its writes alone
+    # The documented recipe: triggers out, ALTER, triggers in, in one transaction.
+    with db.engine.begin() as conn:
+        uninstall(conn, "orders")
+        conn.exec_driver_sql(f"ALTER TABLE {orders} DROP COLUMN note")
+        install(conn, "orders")
+    db.execute(f"UPDATE {orders} SET status = 'shipped' WHERE id = 3")
+    assert not drift(db.engine, "orders")
+    replica = Replica()
+    poller(db, tmp_path).drain(replica)
+    assert replica.rows.keys() == table_rows(db).keys()
+    assert replica.rows[(3,)] == {"id": 3, "status": "shipped"}
+
+
+def test_table_dropped_or_rebuilt_is_reported(db: TestDatabase, tmp_path: Path) -> None:
+    orders = make_orders(db)
+    install(db.engine, "orders", schema=db.schema)
+    db.execute(f"INSERT INTO {orders} (id, status) VALUES (1, 'new')")
+    trigger = poller(db, tmp_path)
+    replica = Replica()
+    assert trigger.drain(replica) == 1
+    # A rebuild (SQLite's way to change a column type): the new table has no triggers.
+    db.execute(f"CREATE TABLE {db.qualified('orders_new')} AS SELECT * FROM {orders}")
+    db.execute(f"DROP TABLE {orders}")
+    with pytest.raises(ChangeLogDriftError, match="does not exist"):
+        trigger.tick(replica)
+    renamed = db.qualified("orders") if db.kind == "mariadb" else "orders"
+    db.execute(f"ALTER TABLE {db.qualified('orders_new')} RENAME TO {renamed}")
+    with pytest.raises(ChangeLogDriftError, match=r"missing|no primary key"):
+        poller(db, tmp_path).tick(replica)
+
+
+def test_triggers_of_an_older_dbtrigger_are_detected(db: TestDatabase, tmp_path: Path) -> None:
+    """Upgrade: a v1 install (all columns named, NOT NULL keys) asks to be re-installed."""
+    orders = make_orders(db)
+    install(db.engine, "orders", schema=db.schema)
+    _make_v1(db)
+    found = drift(db.engine, "orders", schema=db.schema)
+    assert any("older dbtrigger" in p for p in found.problems), found.problems
+    with pytest.raises(ChangeLogDriftError, match="older dbtrigger"):
+        poller(db, tmp_path).tick(lambda events: None)
+    install(db.engine, "orders", schema=db.schema)
+    assert not drift(db.engine, "orders", schema=db.schema)
+    db.execute(f"INSERT INTO {orders} (id, status) VALUES (1, 'new')")
+    db.execute(f"ALTER TABLE {orders} RENAME COLUMN note TO memo")
+    db.execute(f"UPDATE {orders} SET status = 'paid' WHERE id = 1")  # no longer breaks
+
+
+def _make_v1(db: TestDatabase) -> None:
+    """Turn the installed triggers into what v1 wrote: the v1 marker, NOT NULL keys."""
+    log = db.qualified(log_table_name("orders"))
+    with db.engine.begin() as conn:
+        if db.kind == "postgresql":
+            fn = db.qualified("dbt_cl_orders_fn")
+            src = conn.execute(
+                sa.text("SELECT prosrc FROM pg_proc WHERE oid = to_regproc(:f)"), {"f": fn}
+            ).scalar_one()
+            old = src.split("\n", 1)[1].replace("dbtrigger-changelog v2", "x")
+            conn.exec_driver_sql(
+                f"CREATE OR REPLACE FUNCTION {fn}() RETURNS trigger LANGUAGE plpgsql AS "
+                f"$f$\n-- dbtrigger-changelog v1: one log row\n{old}$f$"
+            )
+            conn.exec_driver_sql(f"ALTER TABLE {log} ALTER COLUMN id SET NOT NULL")
+            return
+        rows = conn.execute(
+            sa.text(
+                "SELECT name, sql FROM sqlite_master WHERE type = 'trigger'"
+                if db.kind == "sqlite"
+                else "SELECT TRIGGER_NAME, ACTION_STATEMENT FROM information_schema.TRIGGERS "
+                "WHERE TRIGGER_SCHEMA = :s"
+            ),
+            {"s": db.schema},
+        ).all()
+        for name, text in rows:
+            qualified = db.qualified(name)
+            conn.exec_driver_sql(f"DROP TRIGGER {qualified}")
+            if db.kind == "sqlite":
+                body = text.replace("dbtrigger-changelog v2", "dbtrigger-changelog v1")
+                conn.exec_driver_sql(body)
+                continue
+            event = {"ins": "INSERT", "upd": "UPDATE", "del": "DELETE"}[name[-3:]]
+            conn.exec_driver_sql(
+                f"CREATE TRIGGER {qualified} AFTER {event} ON {db.qualified('orders')} "
+                f"FOR EACH ROW BEGIN /* dbtrigger-changelog v1 */ "
+                f"INSERT INTO {log} (dbt_op, id) VALUES ('insert', "
+                f"{'OLD' if event == 'DELETE' else 'NEW'}.id); END"
+            )
+        if db.kind == "mariadb":
+            conn.exec_driver_sql(f"ALTER TABLE {log} MODIFY id INTEGER NOT NULL")
+
+
+def test_hidden_triggers_are_not_called_drift(mariadb: TestDatabase, tmp_path: Path) -> None:
+    """MariaDB lists triggers only to accounts with the TRIGGER privilege: not 'missing'."""
+    make_orders(mariadb)
+    install(mariadb.engine, "orders", schema=mariadb.schema)
+    user = f"cl_{mariadb.schema}"[:30]
+    for host in ("%", "localhost"):
+        mariadb.execute(f"CREATE USER '{user}'@'{host}'")
+        mariadb.execute(f"GRANT SELECT ON {mariadb.schema}.* TO '{user}'@'{host}'")
+    url = sa.engine.make_url(mariadb.url).set(username=user, password=None, database=mariadb.schema)
+    engine = sa.create_engine(url)
+    try:
+        found = drift(engine, "orders", schema=mariadb.schema)
+        assert not found
+        assert "TRIGGER privilege" in found.notes[0]
+    finally:
+        engine.dispose()
+        for host in ("%", "localhost"):
+            mariadb.execute(f"DROP USER '{user}'@'{host}'")
+
+
+def test_drift_is_checked_again_while_running(pg: TestDatabase, tmp_path: Path) -> None:
+    """A migration while the worker runs is found within drift_check_seconds."""
+    orders = make_orders(pg)
+    install(pg.engine, "orders", schema=pg.schema)
+    trigger = PollTrigger(
+        name="orders-log",
+        source=ChangeLogSource(
+            url=pg.url, table="orders", schema=pg.schema, drift_check_seconds=0.001
+        ),
+        checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+    )
+    trigger.tick(lambda events: None)
+    pg.execute(f"ALTER TABLE {orders} RENAME COLUMN id TO order_id")
+    with pytest.raises(ChangeLogDriftError):
+        trigger.tick(lambda events: None)
+
+
+def test_drift_error_is_an_operator_error() -> None:
+    assert issubclass(ChangeLogDriftError, DbTriggerError)
+    with pytest.raises(Exception, match="drift_check_seconds"):
+        ChangeLogSource(url="sqlite://", table="orders", drift_check_seconds=0)
+
+
+def test_cli_check_reports_drift_and_the_fix(
+    db: TestDatabase, capsys: pytest.CaptureFixture[str]
+) -> None:
+    orders = make_orders(db)
+    install(db.engine, "orders", schema=db.schema)
+    where = ["--url", db.url, "--table", "orders"] + (["--schema", db.schema] if db.schema else [])
+
+    def cli(*args: str) -> tuple[int, str]:
+        code = cli_main(["changelog", *args, *where])
+        return code, capsys.readouterr().out
+
+    code, out = cli("check")
+    assert (code, "matches the table" in out) == (0, True), out
+    db.execute(f"ALTER TABLE {orders} ADD COLUMN extra INTEGER")
+    db.execute(f"ALTER TABLE {orders} RENAME COLUMN id TO order_id")
+    code, out = cli("check")
+    assert code == 1, out
+    assert "(order_id)" in out
+    assert "fix: dbtrigger changelog install" in out
+    code, out = cli("install", "--yes")
+    assert code == 0
+    assert "--accept-source" in out
+    assert cli("check")[0] == 0
+
+
+def test_the_documented_one_transaction_recipes_run_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/changes.md: DROP COLUMN on SQLite, then a table rename, keeping the log."""
+    text = (Path(__file__).parent.parent / "docs" / "changes.md").read_text()
+    section = text.split("**Migrations the triggers would stand in the way of**")[1]
+    snippets = [block.split("```")[0] for block in section.split("```python\n")[1:3]]
+    monkeypatch.chdir(tmp_path)
+    engine = sa.create_engine("sqlite:///shop.db")
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "CREATE TABLE orders (id INTEGER PRIMARY KEY, status TEXT NOT NULL, note TEXT)"
+        )
+    install(engine, "orders")
+    with engine.begin() as conn:
+        conn.exec_driver_sql("INSERT INTO orders VALUES (1, 'new', 'x')")
+    namespace: dict[str, Any] = {}
+    for snippet in snippets:
+        exec(compile(snippet, "docs/changes.md", "exec"), namespace)  # noqa: S102
+    namespace["engine"].dispose()
+    with engine.begin() as conn:
+        conn.exec_driver_sql("UPDATE purchases SET status = 'paid' WHERE id = 1")
+    assert not drift(engine, "purchases")
+    seen: list[RowChange] = []
+    PollTrigger(
+        name="purchases",
+        source=ChangeLogSource(url="sqlite:///shop.db", table="purchases"),
+        checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+    ).drain(seen.extend)
+    assert [(e.op, e.after) for e in seen] == [
+        ("insert", {"id": 1, "status": "new", "note": "x"}),
+        ("update", {"id": 1, "status": "paid"}),  # one log, before and after both ALTERs
+    ]
+    engine.dispose()

@@ -408,3 +408,63 @@ def test_automatic_pruning_of_rows_every_poller_passed(
     assert sqlite_db.scalar(f"SELECT count(*) FROM {log}") == 0
     with pytest.raises(ConfigurationError, match="needs prune_store"):
         ChangeLogSource(url=sqlite_db.url, table="orders", prune_passed_by=["x"])
+
+
+@pytest.mark.parametrize("lanes", [1, 4])
+def test_key_changes_leave_the_documented_replica_with_the_tables_keys(
+    db: TestDatabase, tmp_path: Path, lanes: int
+) -> None:
+    """A primary-key update is a delete of the old key, then an insert of the new one."""
+    orders = make_orders(db)
+    install(db.engine, "orders", schema=db.schema)
+    db.execute(
+        f"INSERT INTO {orders} VALUES (1, 'a', 1), (2, 'b', 2), (3, 'c', 3), (4, 'd', 4), "
+        "(5, 'e', 5)"
+    )
+    db.execute(f"UPDATE {orders} SET id = 10 WHERE id = 1")
+    with db.engine.begin() as conn:  # swap two keys through a free one, in one transaction
+        for old, new in ((2, 100), (3, 2), (100, 3)):
+            conn.execute(sa.text(f"UPDATE {orders} SET id = {new} WHERE id = {old}"))
+    db.execute(f"UPDATE {orders} SET id = 40, status = 'moved' WHERE id = 4")
+    db.execute(f"UPDATE {orders} SET id = id + 1000 WHERE id IN (5, 10)")  # several rows at once
+    db.execute(f"INSERT INTO {orders} VALUES (1, 'again', 1)")  # a freed key, reused
+    db.execute(f"DELETE FROM {orders} WHERE id = 40")
+    db.execute(f"UPDATE {orders} SET status = 'paid' WHERE id = 2")  # no key change: an update
+
+    replica: dict[int, dict[str, Any]] = {}
+
+    def handle(events: list[RowChange]) -> None:  # the handler of docs/changes.md
+        for e in events:
+            if e.op == "delete":
+                replica.pop(e.pk["id"], None)
+            else:
+                assert e.after is not None
+                replica[e.pk["id"]] = dict(e.after)
+
+    trigger = PollTrigger(
+        name="orders-log",
+        source=source_for(db, visibility="none" if db.kind == "mariadb" else "auto"),
+        checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+        batch_size=4,
+        max_concurrency=lanes,
+    )
+    seen: list[RowChange] = []
+    trigger.drain(lambda events: (seen.extend(events), handle(events)))
+    with db.engine.connect() as conn:
+        table = {
+            r.id: r.status for r in conn.execute(sa.text(f"SELECT id, status FROM {orders}"))
+        }
+    assert {k: v["status"] for k, v in replica.items()} == table
+    assert sorted(table) == [1, 2, 3, 1005, 1010]
+    moved = [(e.op, e.pk["id"]) for e in seen if e.pk["id"] in (4, 40)]
+    assert moved == [("insert", 4), ("delete", 4), ("insert", 40), ("delete", 40)]
+    move = next(e for e in seen if e.op == "delete" and e.pk["id"] == 4)
+    assert move.before is not None
+    assert move.before["status"] == "d"
+    assert move.after is None
+    arrival = next(e for e in seen if e.op == "insert" and e.pk["id"] == 40)
+    assert arrival.before is None
+    assert arrival.after is not None
+    assert arrival.after["status"] == "moved"
+    assert arrival.metadata["txid"] == move.metadata["txid"]
+    assert arrival.cursor > move.cursor

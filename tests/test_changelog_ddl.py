@@ -100,6 +100,10 @@ DDL: dict[str, dict[str, str | None]] = {
     "add_column": dict.fromkeys(
         ("sqlite", "postgresql", "mariadb"), "ALTER TABLE {t} ADD COLUMN extra INTEGER"
     ),
+    # The log's own prefix, on a column that only appears in the row images.
+    "add_column_dbt_prefixed": dict.fromkeys(
+        ("sqlite", "postgresql", "mariadb"), "ALTER TABLE {t} ADD COLUMN dbt_seq VARCHAR(9)"
+    ),
     "drop_column": {
         "sqlite": None,  # refused by SQLite itself: test_sqlite_drop_column_*
         "postgresql": "ALTER TABLE {t} DROP COLUMN note",
@@ -118,6 +122,7 @@ DDL: dict[str, dict[str, str | None]] = {
 #: Whether the triggers still match the table after each migration.
 DRIFTS = {
     ("postgresql", "add_column"): False,  # to_jsonb(row): nothing named, nothing to redo
+    ("postgresql", "add_column_dbt_prefixed"): False,
     ("postgresql", "drop_column"): False,
     ("postgresql", "rename_column"): False,
     ("postgresql", "retype_column"): False,

@@ -184,16 +184,20 @@ def reflect_table(conn: sa.Connection, table: str, schema: str | None) -> TableI
 
     def info(column: sa.Column[Any]) -> ColumnInfo:
         validate_sql_identifier(column.name, "column")
-        if column.name.startswith("dbt_"):
-            raise ConfigurationError(
-                f"column {column.name!r} of {table!r} uses the change log's reserved prefix dbt_"
-            )
         return ColumnInfo(
             name=column.name,
             sql_type=compiler.process(column.type),
             binary=isinstance(column.type, sa.LargeBinary | sa.types._Binary),
         )
 
+    for column in reflected.primary_key.columns:
+        # Key columns are copied into the log, next to its own dbt_ columns;
+        # other columns only appear in the row images, where any name is fine.
+        if column.name.startswith("dbt_"):
+            raise ConfigurationError(
+                f"key column {column.name!r} of {table!r} uses the change log's reserved "
+                "prefix dbt_"
+            )
     return TableInfo(
         dialect=dialect,
         table=table,

@@ -86,7 +86,9 @@ class ChangeLogSource:
     are the row images the trigger wrote (JSON as the database renders it:
     timestamps as text, fractional numbers as ``Decimal``, binary as hex);
     ``cursor`` is the log sequence number; ``metadata`` adds ``txid``
-    (PostgreSQL) and ``changed_at``.
+    (PostgreSQL) and ``changed_at``. A key change arrives as a ``delete`` of
+    the old key then an ``insert`` of the new one, so every event concerns its
+    own key only.
     """
 
     def __init__(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import re
 import shutil
 import subprocess
 import time
@@ -254,7 +255,7 @@ def test_cli_install_dry_run_then_apply_then_prune(db: TestDatabase, tmp_path: P
     where = ["--url", db.url, "--table", "orders"] + (["--schema", db.schema] if db.schema else [])
     dry = run_cli("changelog", "install", *where)
     assert dry.returncode == 0, dry.stderr
-    assert "CREATE TRIGGER" in dry.stdout
+    assert re.search(r"CREATE (OR REPLACE )?TRIGGER", dry.stdout)
     assert "dry run" in dry.stdout
     assert not is_installed(db.engine, "orders", schema=db.schema)
 

@@ -217,6 +217,7 @@ def test_status_of_all_pollers_and_of_one(app: App, capsys: pytest.CaptureFixtur
         "LAG",
         "ROWS",
         "FAILING",
+        "WINDOW",
     ]
     assert row.split()[:3] == ["orders", "200", "id=20"]
     assert "released t2" in row
@@ -228,6 +229,7 @@ def test_status_of_all_pollers_and_of_one(app: App, capsys: pytest.CaptureFixtur
     assert fields["lag"].startswith("30 rows")
     assert fields["fingerprint"].endswith("(matches --source)")
     assert fields["failing"] == "none"
+    assert fields["window"].startswith("none")
     assert fields["last batch"].startswith(app.doc().checkpoint.last_successful_batch_id)  # type: ignore[union-attr]
 
     code, out, _ = run(

@@ -344,7 +344,10 @@ def test_the_window_stops_fetching_at_75_percent_and_drains(
     assert len(window) <= 8
     assert len(window) >= 6  # it filled up to the pressure mark, then stopped
     assert max(handler.seen) < 10
-    assert any(getattr(r, "event", None) == "window_pressure" for r in caplog.records)
+    # Said once, when it started to block, not on each of the ticks since.
+    blocked = [r for r in caplog.records if getattr(r, "event", None) == "window_blocked"]
+    assert len(blocked) == 1
+    assert blocked[0].levelno == logging.WARNING
     clock.advance(60)
     assert trigger.drain(handler) > 0
     assert checkpoint_id(store) == 40
@@ -383,7 +386,8 @@ def test_the_window_is_an_optional_field_older_readers_ignore(
     assert stored is not None
     raw = json.loads(stored.data)
     assert raw["version"] == 1
-    assert set(raw["window"]) == {"settled", "pending"}
+    assert set(raw["window"]) == {"settled", "pending", "bound"}
+    assert raw["window"]["bound"] == {"max_events": 1000, "max_bytes": 48 * 1024}  # for status
     assert raw["window"]["pending"][0]["reason"] == "busy 1"
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime as dt
+import decimal
+import uuid
 
 import pytest
 
@@ -14,8 +16,10 @@ from dbtrigger.state.window import (
     Window,
     backoff_seconds,
     entry_size,
+    gone,
     key_of,
     plan,
+    precedes,
     retry_entry,
     settle,
 )
@@ -265,3 +269,130 @@ def test_a_retry_reason_is_redacted_before_it_reaches_the_document() -> None:
     assert "hunter2" not in entry.reason
     assert "abcdef123456" not in entry.reason
     assert entry.reason.startswith("429 from")
+
+
+# --- entries whose rows are gone (issue 20, item 1) --------------------------------------
+
+NAIVE = dt.datetime(2026, 1, 1, 12, 0)
+# (description, a, b, columns, a before b?)
+PRECEDES = [
+    ("smaller cursor", Position(1, {"id": 9}), Position(2, {"id": 1}), ("id",), True),
+    ("larger cursor", Position(3, {"id": 1}), Position(2, {"id": 9}), ("id",), False),
+    (
+        "equal cursor: the key decides",
+        Position(2, {"id": 1}),
+        Position(2, {"id": 9}),
+        ("id",),
+        True,
+    ),
+    ("the same tuple", Position(2, {"id": 1}), Position(2, {"id": 1}), ("id",), False),
+    (
+        "keys in the source's column order, not the stored one",
+        Position(2, {"b": 9, "a": 1}),
+        Position(2, {"b": 1, "a": 2}),
+        ("a", "b"),
+        True,
+    ),
+    ("decimal and int", Position(decimal.Decimal("1.5"), {}), Position(2, {}), (), True),
+    ("timestamps", Position(T0, {}), Position(T0 + dt.timedelta(seconds=1), {}), (), True),
+    ("naive timestamps", Position(NAIVE, {}), Position(NAIVE.replace(hour=13), {}), (), True),
+    ("dates", Position(dt.date(2026, 1, 1), {}), Position(dt.date(2026, 1, 2), {}), (), True),
+    # Orders a database may see otherwise: unknown, so never taken for "gone".
+    ("text cursor (collation)", Position("a", {}), Position("b", {}), (), None),
+    ("equal cursor, text key", Position(2, {"k": "a"}), Position(2, {"k": "b"}), ("k",), None),
+    ("uuid", Position(uuid.UUID(int=1), {}), Position(uuid.UUID(int=2), {}), (), None),
+    ("bytes", Position(b"a", {}), Position(b"b", {}), (), None),
+    ("naive against aware", Position(NAIVE, {}), Position(T0, {}), (), None),
+    ("a date against a timestamp", Position(dt.date(2026, 1, 1), {}), Position(T0, {}), (), None),
+    ("NaN", Position(float("nan"), {}), Position(1.0, {}), (), None),
+    ("text against a number", Position("1", {}), Position(2, {}), (), None),
+]
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "columns", "expected"), [c[1:] for c in PRECEDES], ids=[c[0] for c in PRECEDES]
+)
+def test_precedes_is_sure_or_says_unknown(
+    a: Position, b: Position, columns: tuple[str, ...], expected: bool | None
+) -> None:
+    assert precedes(a, b, columns) is expected
+
+
+# (description, window, fetched ids, complete, gone ids)
+GONE = [
+    ("nothing in the window", Window(), [1, 2], False, []),
+    ("every entry returned: none gone", Window(settled=(pos(2),)), [1, 2, 3], False, []),
+    (
+        "passed without being returned: gone, settled or pending",
+        Window(settled=(pos(2), pos(4)), pending=(waiting(3),)),
+        [1, 5, 6],
+        False,
+        [2, 3, 4],
+    ),
+    ("beyond the last row read: kept", Window(settled=(pos(9),)), [1, 2], False, []),
+    ("a complete read: every entry not returned", Window(settled=(pos(9),)), [1, 2], True, [9]),
+    ("an empty complete read", Window(settled=(pos(9),), pending=(waiting(8),)), [], True, [8, 9]),
+]
+
+
+@pytest.mark.parametrize(
+    ("window", "fetched", "complete", "dropped"), [c[1:] for c in GONE], ids=[c[0] for c in GONE]
+)
+def test_gone_needs_no_complete_read(
+    window: Window, fetched: list[int], complete: bool, dropped: list[int]
+) -> None:
+    assert gone(window, [pos(i) for i in fetched], complete=complete) == settled_keys(*dropped)
+
+
+def test_a_text_entry_the_read_cannot_place_is_kept() -> None:
+    entry = Position("s0005", {"code": "k5"})
+    window = Window(settled=(entry,))
+    read = [Position("s0001", {"code": "k1"}), Position("s0009", {"code": "k9"})]
+    assert gone(window, read, complete=False) == set()
+
+
+def test_plan_counts_what_the_bound_keeps_back_and_still_hands_out_due_retries() -> None:
+    # Room for one more event: row 2 goes out, 3 and 4 wait; 5 is a due retry
+    # (its entry exists: it needs no room) and goes out after them.
+    window = Window(settled=(pos(6),), pending=(waiting(1, due=99), waiting(5, due=0)))
+    positions = [pos(i) for i in (1, 2, 3, 4, 5, 6)]
+    got = plan(
+        [key_of(p) for p in positions],
+        [entry_size(p) for p in positions],
+        window,
+        now=T0,
+        batch_size=10,
+        bound=Bound(4, 1 << 20),
+    )
+    assert [positions[i].pk["id"] for i in got.deliver] == [2, 5]
+    assert (got.withheld, got.full, got.new, got.blocked) == (2, True, 1, False)
+
+
+def test_plan_is_blocked_when_rows_wait_and_none_goes_out() -> None:
+    window = Window(settled=(pos(2), pos(3)), pending=(waiting(1, due=99),))
+    positions = [pos(i) for i in (1, 2, 3, 4, 5)]
+    got = plan(
+        [key_of(p) for p in positions],
+        [entry_size(p) for p in positions],
+        window,
+        now=T0,
+        batch_size=10,
+        bound=Bound(4, 1 << 20),
+    )
+    assert got.deliver == ()
+    assert (got.pressure, got.withheld, got.blocked) == (True, 2, True)
+
+
+def test_settle_keeps_the_order_of_entries_the_read_did_not_return() -> None:
+    """The same outcome encodes the same bytes, so a tick that changes
+    nothing writes nothing (it used to rewrite them in set order)."""
+    window = Window(settled=tuple(pos(i) for i in range(30, 10, -1)), pending=(waiting(1),))
+    got = settle(
+        [pos(1)],
+        complete=False,
+        window=window,
+        settled=frozenset(),
+        retried={},
+        bound=BIG,
+    )
+    assert got.window == window

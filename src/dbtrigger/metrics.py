@@ -69,6 +69,11 @@ METRICS: dict[str, tuple[str, str]] = {
     ),
     "window_events": ("gauge", "Events in the settled window above the checkpoint"),
     "window_bytes": ("gauge", "Encoded size of the settled window in the state document"),
+    "window_withheld_rows": (
+        "gauge",
+        "Rows after the checkpoint the settled window's bound kept back on the last read "
+        "(above 0: the window blocks progress until its pinned events settle)",
+    ),
     "window_overflow_total": (
         "counter",
         "Settled events the full window could not remember (delivered again)",
@@ -144,7 +149,13 @@ def metric_unit(name: str) -> str:
     """UCUM-style unit for OpenTelemetry: seconds for durations and timestamps."""
     if name.endswith("_seconds") or name.endswith("_timestamp"):
         return "s"
-    if name in ("batch_size", "lag_rows", "null_cursor_rows", "window_events"):
+    if name in (
+        "batch_size",
+        "lag_rows",
+        "null_cursor_rows",
+        "window_events",
+        "window_withheld_rows",
+    ):
         return "{row}"
     return "1"
 

@@ -366,6 +366,10 @@ class ChangeLogSource:
     def count_after(self, after: Position) -> int:
         return self._inner().count_after(self._log_position(after))
 
+    def present(self, positions: Sequence[Position]) -> list[Position]:
+        """Which log rows (by sequence and key) are still there: pruning removes them."""
+        return self._inner().present(positions)
+
     def to_events(
         self, rows: Sequence[Mapping[str, Any]], *, poller: str, batch_id: str
     ) -> list[RowChange]:

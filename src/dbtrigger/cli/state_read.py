@@ -31,6 +31,7 @@ from dbtrigger.state import document as docmod
 from dbtrigger.state.lease import describe_lease
 from dbtrigger.state.stores.base import CheckpointStore
 from dbtrigger.state.stores.factory import describe_store
+from dbtrigger.state.window import Bound, Window
 
 
 def _table(rows: Sequence[Sequence[str]]) -> str:
@@ -118,10 +119,92 @@ def poller_status(
             except DbTriggerError as exc:
                 lag["note"] = f"lag unknown: {type(exc).__name__}: {exc}"
     out["lag"] = lag
+    try:
+        out["window"] = window_status(doc.window, now)
+    except CorruptStateError as exc:  # every tick fails on it too: that is the news
+        return {"poller": poller, "error": f"{type(exc).__name__}: {exc}"}
     manual = [e for e in doc.journal if e.get("type") == "manual"]
     out["journal_entries"] = len(doc.journal)
     out["last_manual_change"] = dict(manual[-1]) if manual else None
     return out
+
+
+def window_status(raw: Any, now: dt.datetime) -> dict[str, Any] | None:
+    """The settled window as ``status`` shows it (None: no window in use).
+
+    ``blocking`` says in words what holds the checkpoint and whether the
+    window stops new rows: the oldest event waiting for a retry pins the
+    checkpoint, and at 75% of its bound (the bound is written with the
+    window) no new row goes out until pinned events settle.
+    """
+    if raw is None:
+        return None
+    window = Window.from_json(raw)
+    bound = raw.get("bound") if isinstance(raw, Mapping) else None
+    limits = None
+    if isinstance(bound, Mapping) and all(
+        isinstance(bound.get(k), int) and bound[k] > 0 for k in ("max_events", "max_bytes")
+    ):
+        limits = Bound(bound["max_events"], bound["max_bytes"])
+    size = window.encoded_size()
+    pressure = None if limits is None else limits.under_pressure(window, size)
+    pinned = window.pending[0] if window.pending else None
+    out: dict[str, Any] = {
+        "events": len(window),
+        "settled": len(window.settled),
+        "pending": len(window.pending),
+        "bytes": size,
+        "bound": None
+        if limits is None
+        else {"max_events": limits.max_events, "max_bytes": limits.max_bytes},
+        "pressure": pressure,
+        "next_due": docmod.format_time(min(p.not_before for p in window.pending))
+        if window.pending
+        else None,
+        "pinned_by": None
+        if pinned is None
+        else {
+            "cursor": docmod.position_to_json(pinned.position),
+            "display": show_position(pinned.position),
+            "attempts": pinned.attempts,
+            "due": docmod.format_time(pinned.not_before),
+            "reason": pinned.reason,
+            **({"owed": dict(pinned.owed)} if pinned.owed is not None else {}),
+        },
+    }
+    words = []
+    if pinned is not None:
+        wait = (pinned.not_before - now).total_seconds()
+        when = f"due in {wait:.0f}s" if wait > 0 else "due now: the next tick delivers it"
+        words.append(
+            f"the checkpoint waits for {len(window.pending)} event(s) to be retried; the oldest, "
+            f"{show_position(pinned.position)}, has had {pinned.attempts} attempt(s), {when} "
+            f"({pinned.reason or 'no reason given'})"
+        )
+    else:
+        words.append("settled events wait above the checkpoint for earlier rows to be handed out")
+    if pressure:
+        words.append(
+            "the window is at 75% of its bound: no new rows go out until pinned events settle "
+            "(dead-lettered after max_attempts; or raise window_max_events / window_max_bytes)"
+        )
+    out["blocking"] = "; ".join(words)
+    return out
+
+
+def _window_text(window: Mapping[str, Any] | None) -> str:
+    if window is None:
+        return "none (every event up to the checkpoint settled, none above it)"
+    bound = window["bound"]
+    text = (
+        f"{window['events']} events ({window['pending']} waiting for a retry, "
+        f"{window['settled']} settled), {window['bytes']} bytes"
+    )
+    if bound is not None:
+        text += f" of {bound['max_events']} events / {bound['max_bytes']} bytes"
+    if window["pressure"]:
+        text += " - AT PRESSURE: no new rows go out"
+    return text
 
 
 def _render_one(status: Mapping[str, Any], store: str) -> str:
@@ -171,6 +254,10 @@ def _render_one(status: Mapping[str, Any], store: str) -> str:
         )
     else:
         lines.append(("failing", "none"))
+    window = status.get("window")
+    lines.append(("window", _window_text(window)))
+    if window is not None:
+        lines.append(("blocking", window["blocking"]))
     manual = status["last_manual_change"]
     if manual:
         lines.append(
@@ -185,11 +272,17 @@ def _render_one(status: Mapping[str, Any], store: str) -> str:
 
 
 def _render_many(statuses: Sequence[Mapping[str, Any]]) -> str:
-    rows = [["POLLER", "CURSOR", "LAST COMMIT", "LEASE", "LAG ROWS", "FAILING"]]
+    rows = [["POLLER", "CURSOR", "LAST COMMIT", "LEASE", "LAG ROWS", "FAILING", "WINDOW"]]
     for s in statuses:
         if "error" in s:
-            rows.append([s["poller"], f"error: {s['error']}", "", "", "", ""])
+            rows.append([s["poller"], f"error: {s['error']}", "", "", "", "", ""])
             continue
+        window = s.get("window")
+        window_text = "-"
+        if window is not None:
+            window_text = f"{window['events']} ({window['pending']} retrying)"
+            if window["pressure"]:
+                window_text += " AT PRESSURE"
         cp, lease, failure = s["checkpoint"], s["lease"], s["failure"]
         lease_text = "-"
         if lease:
@@ -202,6 +295,7 @@ def _render_many(statuses: Sequence[Mapping[str, Any]]) -> str:
                 lease_text,
                 "?" if s["lag"]["rows"] is None else str(s["lag"]["rows"]),
                 f"{failure['attempts']}x {failure['batch_id']}" if failure else "-",
+                window_text,
             ]
         )
     return _table(rows)

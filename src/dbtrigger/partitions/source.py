@@ -137,5 +137,9 @@ class PartitionSource:
     def count_after(self, after: Position) -> int:
         return self._inner.count_after(after)
 
+    def present(self, positions: Sequence[Position]) -> list[Position]:
+        """Which of ``positions`` still hold a row of this partition."""
+        return self._inner.present(positions)
+
     def null_cursor_keys(self, limit: int = 10) -> list[dict[str, Any]]:
         return self._inner.null_cursor_keys(limit)

@@ -212,7 +212,12 @@ EVENTS: dict[str, EventSpec] = {
     "window_changed": EventSpec(
         None, (Gauge("window_events", "events"), Gauge("window_bytes", "bytes"))
     ),
-    "window_pressure": EventSpec(INFO),
+    # Said once per state change (the tick driver remembers the last one), not every tick.
+    "window_blocked": EventSpec(W),
+    "window_unblocked": EventSpec(INFO),
+    "window_withheld": EventSpec(None, (Gauge("window_withheld_rows", "rows"),)),
+    "window_entries_gone": EventSpec(INFO),
+    "window_lookup_failed": EventSpec(W),
     "window_overflow": EventSpec(W, (Count("window_overflow_total", "count"),)),
     # claim queues (dbtrigger.queue; logged to the "dbtrigger.queue" logger, and
     # "poller" is the queue's name)

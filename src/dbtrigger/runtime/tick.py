@@ -64,10 +64,12 @@ from dbtrigger.runtime.heartbeat import Heartbeat
 from dbtrigger.runtime.retry import RetryPolicy
 from dbtrigger.runtime.session import LeaseSession
 from dbtrigger.runtime.telemetry import Telemetry
+from dbtrigger.runtime.window_report import WindowReport
 from dbtrigger.runtime.windowing import Selection
 from dbtrigger.runtime.writes import StateWriter, WriterSettings
 from dbtrigger.sources.base import (
     FindsNullCursors,
+    LocatesRows,
     MeasuresCursorAge,
     MeasuresLag,
     ReportsVisibility,
@@ -272,6 +274,7 @@ class TickDriver:
                 owner_id=settings.owner_id,
                 lease_ttl=settings.lease_ttl,
                 journal_limit=settings.journal_limit,
+                bound=settings.bound,
             ),
             clock=clock,
             telemetry=telemetry,
@@ -296,6 +299,8 @@ class TickDriver:
         #: running ahead (see dbtrigger.state.lease.believed_expiry).
         self._seen: tuple[str | None, dt.datetime] | None = None
         self._skew_warned: str | None = None
+        #: Says when the settled window starts or stops blocking progress.
+        self.window_report = WindowReport(settings.name, settings.bound, telemetry)
 
     def _first_seen(self, etag: str | None, now: dt.datetime) -> dt.datetime:
         if self._seen is None or self._seen[0] != etag:
@@ -632,7 +637,7 @@ class TickDriver:
         positions = None
         if window and rows:
             positions = [position_of(e) for e in self.normalise(rows, "plan", 0)]
-        selection, pressure = windowing.choose(
+        selection, view = windowing.choose(
             rows,
             positions,
             window,
@@ -640,17 +645,33 @@ class TickDriver:
             batch_size=s.batch_size,
             bound=s.bound,
             now=self.clock(),
+            locate=self._locate if isinstance(self.source, LocatesRows) else None,
         )
-        if pressure:
-            self.emit(
-                "window_pressure",
-                "settled window at %d events / %d bytes (75%% of its bound): handing out "
-                "only due retries and late rows until the pinned events settle",
-                len(window),
-                window.encoded_size(),
-                window_events=len(window),
-            )
+        self.window_report.report(view)
         return selection
+
+    def _locate(self, positions: Sequence[Position]) -> Sequence[Position]:
+        """The source's lookup of window entries a read could not place; on a
+        failure every entry is kept (asked again when the window next blocks)."""
+        assert isinstance(self.source, LocatesRows)  # noqa: S101 - checked by the caller
+        source = self.source
+        try:
+            return self.settings.retry.call(
+                lambda: source.present(positions),
+                operation="window lookup",
+                kinds=(FetchError,),
+                on_retry=self.telemetry.on_retry,
+                fields={"poller": self.name},
+            )
+        except FetchError as exc:
+            self.emit(
+                "window_lookup_failed",
+                "looking up %d settled-window entries failed (kept; asked again while the "
+                "window blocks): %s",
+                len(positions),
+                exc,
+            )
+            return positions
 
     def settle(
         self, selection: Selection, events: Sequence[RowChange], outcome: Delivered
@@ -677,7 +698,7 @@ class TickDriver:
         """The batch's one write, then what it changed, reported."""
         window: leasemod.WindowUpdate = leasemod.KEEP
         if settlement is not None:
-            window = settlement.window.to_json()
+            window = settlement.window.to_json(self.settings.bound)
         self.writer.commit(session, entry, release, window)
         outcomes = entry.outcomes
         if outcomes is not None:

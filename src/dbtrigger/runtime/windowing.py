@@ -41,6 +41,28 @@ class Selection:
     """Nothing to hand out, but the window moves (rows in it are gone)."""
 
 
+@dataclass(frozen=True)
+class WindowView:
+    """What the window did to one read: for the tick's report (see
+    :meth:`dbtrigger.runtime.tick.TickDriver.next_batch`)."""
+
+    window: Window
+    """The window the batch was chosen against: the stored one less the
+    entries whose rows are gone."""
+    pressure: bool = False
+    withheld: int = 0
+    """Rows of the read the window's bound kept back although the batch had room."""
+    full: bool = False
+    blocked: bool = False
+    """Rows wait and not one new row goes out (:attr:`windowmod.Plan.blocked`)."""
+    dropped: int = 0
+    """Entries of the stored window whose rows are gone."""
+
+
+#: Looks up exact positions in the source: those that still hold a row.
+Locate = Callable[[Sequence[Position]], Sequence[Position]]
+
+
 def choose(
     rows: Sequence[Mapping[str, Any]],
     positions: Sequence[Position] | None,
@@ -50,39 +72,67 @@ def choose(
     batch_size: int,
     bound: Bound,
     now: dt.datetime,
-) -> tuple[Selection | None, bool]:
+    locate: Locate | None = None,
+) -> tuple[Selection | None, WindowView]:
     """The next batch among ``rows`` (read with ``limit``; ``positions`` are
-    theirs, needed only with a window), and whether the window is under
-    pressure. None: nothing to do, an idle tick."""
+    theirs, needed only with a window), and what the window did. None: nothing
+    to do, an idle tick.
+
+    Entries the read proves gone are dropped first (:func:`windowmod.gone`).
+    If the window then still blocks progress while it holds entries the read
+    could not place (beyond its last row, or of an order Python cannot be
+    sure of), ``locate`` looks those exact tuples up and the ones with no row
+    are dropped too; a source that cannot look rows up (``locate`` None) has
+    them dropped as well: a duplicate delivery, should one still be there, is
+    the price of never stalling on an entry that cannot be placed.
+    """
     complete = len(rows) < limit
     if not window:
         if not rows:
-            return None, False
-        return Selection(rows, window, None, complete, len(rows) >= batch_size), False
+            return None, WindowView(window)
+        return Selection(rows, window, None, complete, len(rows) >= batch_size), WindowView(window)
     positions = list(positions or ())
-    chosen = windowmod.plan(
-        [windowmod.key_of(p) for p in positions],
-        [windowmod.entry_size(p) for p in positions],
-        window,
-        now=now,
-        batch_size=batch_size,
-        bound=bound,
+    keys = [windowmod.key_of(p) for p in positions]
+    sizes = [windowmod.entry_size(p) for p in positions]
+    current = window.without(windowmod.gone(window, positions, complete=complete))
+
+    def decide(w: Window) -> windowmod.Plan:
+        return windowmod.plan(keys, sizes, w, now=now, batch_size=batch_size, bound=bound)
+
+    chosen = decide(current)
+    if chosen.blocked and not complete:
+        unseen = current.keys() - set(keys)
+        if unseen:
+            entries = [p for p in current.settled if windowmod.key_of(p) in unseen]
+            entries += [
+                p.position for p in current.pending if windowmod.key_of(p.position) in unseen
+            ]
+            found = {windowmod.key_of(p) for p in (locate(entries) if locate else ())}
+            current = current.without(unseen - found)
+            chosen = decide(current)
+    view = WindowView(
+        current,
+        chosen.pressure,
+        chosen.withheld,
+        chosen.full,
+        chosen.blocked,
+        len(window) - len(current),
     )
     if not chosen.deliver:
         tidy = windowmod.settle(
             positions,
             complete=complete,
-            window=window,
+            window=current,
             settled=frozenset(),
             retried={},
             bound=bound,
         )
         if tidy.checkpoint is None and tidy.window == window:
-            return None, chosen.pressure
-        return Selection((), window, tuple(positions), complete, False, tidy), chosen.pressure
+            return None, view
+        return Selection((), current, tuple(positions), complete, False, tidy), view
     more = not complete and not chosen.pressure
     picked = [rows[i] for i in chosen.deliver]
-    return Selection(picked, window, tuple(positions), complete, more), chosen.pressure
+    return Selection(picked, current, tuple(positions), complete, more), view
 
 
 def attempts(events: Sequence[RowChange], window: Window) -> dict[str, int]:

@@ -34,7 +34,7 @@ from dbtrigger.state import lease as leasemod
 from dbtrigger.state import verdict as verdictmod
 from dbtrigger.state.document import StateDocument
 from dbtrigger.state.journal import JournalEntry
-from dbtrigger.state.window import Settlement, key_of
+from dbtrigger.state.window import Bound, Settlement, key_of
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ class WriterSettings:
     owner_id: str
     lease_ttl: dt.timedelta
     journal_limit: int
+    #: The settled window's bound, written with the window (see Window.to_json).
+    bound: Bound | None = None
 
 
 class StateWriter:
@@ -192,7 +194,7 @@ class StateWriter:
             head = sum(1 for e in events if key_of(position_of(e)) in settlement.passed)
             advance = verdictmod.Advance(head, ())
             advance_to = settlement.checkpoint
-            window = settlement.window.to_json()
+            window = settlement.window.to_json(s.bound)
         entry: JournalEntry | None = None
         if advance_to is not None:
             entry = JournalEntry(

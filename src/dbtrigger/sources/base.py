@@ -117,6 +117,21 @@ class CountsAfter(Protocol):
 
 
 @runtime_checkable
+class LocatesRows(Protocol):
+    """A source that can say which of some exact ``(cursor, pk)`` positions
+    still hold one of its rows (its filter applies, no visibility guard: the
+    rows were delivered before).
+
+    The settled window asks, when it blocks progress, about entries a read
+    could not place (see :mod:`dbtrigger.state.window`): one indexed lookup
+    instead of a guess. The positions returned are the rows as the source
+    reads them, so their window keys equal those of the rows fetched.
+    """
+
+    def present(self, positions: Sequence[Position]) -> list[Position]: ...
+
+
+@runtime_checkable
 class AcceptsFingerprints(Protocol):
     """A source whose stored documents may carry an older fingerprint of the same definition.
 

@@ -31,7 +31,7 @@ from types import MappingProxyType
 from typing import Any
 
 from dbtrigger.cursor import Position, canonical_json, encode_value
-from dbtrigger.errors import ConfigurationError, SerializationError
+from dbtrigger.errors import ConfigurationError, CorruptStateError, SerializationError
 from dbtrigger.events import EventIds, RowChange
 from dbtrigger.names import validate_sql_identifier
 
@@ -240,6 +240,20 @@ class MemorySource:
                 )
             )
         return events
+
+    def present(self, positions: Sequence[Position]) -> list[Position]:
+        """Which of ``positions`` still hold a row (the settled window's lookup)."""
+        found: list[Position] = []
+        with self._lock:
+            for position in positions:
+                try:
+                    row = self._rows.get(position.pk_tuple(self._pk_columns))
+                except CorruptStateError:
+                    continue  # a position of another key shape holds no row here
+                if row is not None and row[self._cursor_column] == position.cursor:
+                    cursor = row[self._cursor_column]
+                    found.append(Position(cursor, {c: row[c] for c in self._pk_columns}))
+        return found
 
     # --- operations helpers (as SqlAlchemySource offers them) ---------------------
 

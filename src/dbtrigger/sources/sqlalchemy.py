@@ -106,6 +106,10 @@ def _is_marked(mark: Any, value: Any) -> bool:
     return mark is not None and mark is not False and not (isinstance(mark, int) and mark == 0)
 
 
+#: Tuples per statement of a window lookup (:meth:`SqlAlchemySource.present`).
+_LOOKUP_CHUNK = 100
+
+
 def _bind_name(column: str) -> str:
     """The parameter a keyset statement binds a position's value of ``column`` to."""
     return "dbtrigger_after_" + column
@@ -1006,6 +1010,48 @@ class SqlAlchemySource:
                 )
             )
         return out
+
+    def present(self, positions: Sequence[Position]) -> list[Position]:
+        """Which of ``positions`` still hold a row of this source (its filter
+        applies), as the rows read now: the settled window's lookup of entries
+        a read could not place (:class:`~dbtrigger.sources.base.LocatesRows`).
+
+        An equality per tuple, ORed, in chunks: served by the ``(cursor, pk)``
+        index, and correct for any collation (equality, unlike order, is what
+        a unique key already promises).
+        """
+        if not positions:
+            return []
+        found: list[Position] = []
+        try:
+            with self.engine.connect() as conn:
+                self._resolve_shape(conn)
+                cursor = self._columns[self._cursor_column]
+                keys = [self._columns[c] for c in self._tiebreak]
+                for start in range(0, len(positions), _LOOKUP_CHUNK):
+                    matches = [
+                        sa.and_(
+                            cursor == self._typed(self._cursor_column, p.cursor),
+                            *(
+                                column == self._typed(name, value)
+                                for column, name, value in zip(
+                                    keys, self._tiebreak, p.pk_tuple(self._tiebreak), strict=True
+                                )
+                            ),
+                        )
+                        for p in positions[start : start + _LOOKUP_CHUNK]
+                    ]
+                    stmt = (
+                        self._select()
+                        .with_only_columns(cursor, *self._key_order())
+                        .where(sa.or_(*matches))
+                    )
+                    rows = conn.execute(stmt).mappings()
+                    found += [self._position_of(cast(Mapping[str, Any], r)) for r in rows]
+                    conn.rollback()
+        except SQLAlchemyError as exc:
+            raise source_error(exc, f"window lookup on {self.name}") from exc
+        return found
 
     # --- operations helpers -----------------------------------------------------
 

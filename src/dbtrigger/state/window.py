@@ -20,9 +20,22 @@ below the newest settled one is still delivered, and a row updated since
 
 The checkpoint only ever moves by walking the rows the source returned, in its
 order, over settled tuples (:func:`settle`): it can never pass an event that
-is not settled, whatever Python thinks of the order of cursor values. Window
-entries whose row is gone (deleted, or updated to a new cursor) are dropped
-once a complete read shows they are no longer there.
+is not settled, whatever Python thinks of the order of cursor values.
+
+**Entries whose row is gone.** A row deleted, or updated to a new cursor,
+leaves its entry behind: its tuple is never read again. Such an entry must go
+(:func:`gone`), or it holds room in the bound for ever and, at the pressure
+mark, stops the poller for good. A read is a prefix of the source in its
+order, so an entry the read did not return although the read went past its
+tuple is gone: that needs no complete read, only the order of two tuples.
+Python knows that order for sure when the values are numbers, timestamps or
+dates (every database orders those as Python does); text, UUIDs and bytes
+may sort otherwise under a database collation, so for them it is "unknown",
+and such an entry is kept (:func:`precedes`). For what stays unknown the tick
+asks the source, only when the window blocks progress, whether those exact
+tuples still hold a row (:mod:`dbtrigger.runtime.windowing`): one indexed
+lookup, no guess. A read that returned every row after the checkpoint
+(``complete``) proves every entry it did not return gone.
 
 The window is bounded (:class:`Bound`, by events and bytes). At 75% of either
 bound the tick stops handing out rows beyond the window (it only retries due
@@ -31,7 +44,8 @@ new rows than the window could still remember. If a single batch still
 overflows it (a first retry in a batch larger than the bound), the newest
 settled entries are not remembered and those events are delivered again:
 :attr:`Settlement.overflow` says how many, and the tick logs it. Entries are
-never dropped silently, and a pending entry is never dropped at all.
+never dropped silently, and a pending entry is never dropped while its row is
+there.
 
 Everything here is pure: positions, keys, times and sizes in, decisions out.
 A lane or a subscriber (parallel delivery, fan-out) needs no cursor of its
@@ -42,8 +56,10 @@ union.
 from __future__ import annotations
 
 import datetime as dt
+import decimal
 import json
-from collections.abc import Mapping, Sequence, Set
+import math
+from collections.abc import Collection, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,14 +111,21 @@ class Window:
     def __len__(self) -> int:
         return len(self.settled) + len(self.pending)
 
-    def to_json(self) -> dict[str, Any] | None:
-        """The document's ``window`` object; None when empty (the field is left out)."""
+    def to_json(self, bound: Bound | None = None) -> dict[str, Any] | None:
+        """The document's ``window`` object; None when empty (the field is left out).
+
+        ``bound``: the poller's bound, written along so that ``dbtrigger
+        status`` can tell how full the window is without the trigger's code.
+        """
         if not self.settled and not self.pending:
             return None
-        return {
+        out: dict[str, Any] = {
             "settled": [position_to_json(p) for p in self.settled],
             "pending": [_pending_json(p) for p in self.pending],
         }
+        if bound is not None:
+            out["bound"] = {"max_events": bound.max_events, "max_bytes": bound.max_bytes}
+        return out
 
     @classmethod
     def from_json(cls, raw: Any) -> Window:
@@ -139,6 +162,19 @@ class Window:
         raw = self.to_json()
         return 0 if raw is None else len(json.dumps(raw, separators=(",", ":")))
 
+    def keys(self) -> set[str]:
+        """The window keys of every entry, settled and pending."""
+        return {key_of(p) for p in self.settled} | {key_of(p.position) for p in self.pending}
+
+    def without(self, keys: Collection[str]) -> Window:
+        """The window less the entries under ``keys`` (itself when none is there)."""
+        if not keys:
+            return self
+        return Window(
+            tuple(p for p in self.settled if key_of(p) not in keys),
+            tuple(p for p in self.pending if key_of(p.position) not in keys),
+        )
+
 
 def _pending_json(p: Pending) -> dict[str, Any]:
     out: dict[str, Any] = {
@@ -164,6 +200,75 @@ def _owed_from_json(raw: Any) -> dict[str, int] | None:
             "window.pending[].owed must map subscriber names to attempt counts (ints >= 0)"
         )
     return dict(raw)
+
+
+def _rank(value: Any) -> tuple[str, Any] | None:
+    """``value`` with the family it orders in, when every database orders that
+    family as Python does (numbers, timestamps, dates); None otherwise (text,
+    UUIDs and bytes may follow a collation or a byte layout of their own)."""
+    if isinstance(value, (int, decimal.Decimal)):  # bool is an int, as in SQL
+        return ("number", value)
+    if isinstance(value, float):
+        return None if math.isnan(value) else ("number", value)
+    if isinstance(value, dt.datetime):
+        return ("naive" if value.tzinfo is None else "aware", value)
+    if isinstance(value, dt.date):
+        return ("date", value)
+    return None
+
+
+def _compare(a: Any, b: Any) -> int | None:
+    """-1, 0 or 1 as a database orders ``a`` and ``b``; None: not known for sure."""
+    ra, rb = _rank(a), _rank(b)
+    if ra is None or rb is None or ra[0] != rb[0]:
+        return None
+    return -1 if ra[1] < rb[1] else (1 if ra[1] > rb[1] else 0)
+
+
+def precedes(a: Position, b: Position, columns: Sequence[str]) -> bool | None:
+    """Does ``a`` come before ``b`` in the source's order, ``(cursor, *columns)``?
+
+    None when that is not known for sure (see :func:`_rank`): the caller must
+    then treat ``a`` as possibly after ``b``. ``columns`` are the key columns
+    in the source's order (a stored position keeps its key in the document's
+    order, which need not be the source's).
+    """
+    found = _compare(a.cursor, b.cursor)
+    if found is None:
+        return None
+    if found:
+        return found < 0
+    for name in columns:
+        if name not in a.pk or name not in b.pk:
+            return None
+        found = _compare(a.pk[name], b.pk[name])
+        if found is None:
+            return None
+        if found:
+            return found < 0
+    return False  # the same tuple
+
+
+def gone(window: Window, fetched: Sequence[Position], *, complete: bool) -> set[str]:
+    """Keys of the entries the read ``fetched`` (every row after the checkpoint,
+    in source order, up to its limit) proves gone: not returned although the
+    read went past their tuple - or returned every row (``complete``)."""
+    if not window:
+        return set()
+    seen = {key_of(p) for p in fetched}
+    entries = [*window.settled, *(p.position for p in window.pending)]
+    if complete:
+        return {k for k in (key_of(p) for p in entries) if k not in seen}
+    if not fetched:
+        return set()
+    last = fetched[-1]
+    columns = tuple(last.pk)
+    out = set()
+    for position in entries:
+        k = key_of(position)
+        if k not in seen and precedes(position, last, columns) is True:
+            out.add(k)
+    return out
 
 
 @dataclass(frozen=True)
@@ -192,6 +297,19 @@ class Plan:
 
     deliver: tuple[int, ...]
     pressure: bool = False
+    withheld: int = 0
+    """Rows of the read, neither settled nor waiting, that the window's bound
+    kept back although the batch had room: the window blocks progress."""
+    full: bool = False
+    """The window had no room left for another event (not just the 75% mark)."""
+    new: int = 0
+    """Rows handed out that were not waiting for a retry."""
+
+    @property
+    def blocked(self) -> bool:
+        """Rows wait, and the window lets not one new row out: progress stops
+        until its pinned events settle (a smaller batch is not a stop)."""
+        return self.withheld > 0 and self.new == 0
 
 
 def plan(
@@ -210,6 +328,8 @@ def plan(
     except, under pressure, rows beyond the window's newest entry, and while
     the window is in use, rows it could not remember (``sizes`` are their
     :func:`entry_size`; a pending entry's overhead is reserved for each).
+    Rows kept back that way are counted (:attr:`Plan.withheld`); due retries
+    after them are still handed out (they need no new room).
     """
     if not window:
         return Plan(tuple(range(min(batch_size, len(keys)))))
@@ -224,6 +344,9 @@ def plan(
     room_events = bound.max_events - len(window)
     room_bytes = bound.max_bytes - size
     chosen: list[int] = []
+    new_rows = True  # may a row that needs new room still be handed out?
+    full = False
+    withheld = new = 0
     for i, key in enumerate(keys):
         if len(chosen) >= batch_size:
             break
@@ -234,15 +357,19 @@ def plan(
             if waiting.not_before <= now:
                 chosen.append(i)  # its entry exists already: no new room needed
             continue
-        if pressure and i > span_end:
-            break
+        if new_rows and pressure and i > span_end:
+            new_rows = False
         cost = sizes[i] + PENDING_OVERHEAD
-        if room_events < 1 or cost > room_bytes:
-            break
+        if new_rows and (room_events < 1 or cost > room_bytes):
+            new_rows, full = False, True
+        if not new_rows:
+            withheld += 1
+            continue
         room_events -= 1
         room_bytes -= cost
         chosen.append(i)
-    return Plan(tuple(chosen), pressure)
+        new += 1
+    return Plan(tuple(chosen), pressure, withheld, full, new)
 
 
 @dataclass(frozen=True)
@@ -305,9 +432,13 @@ def settle(
     by_key = {key_of(p): p for p in window.settled}
     by_key.update({k: p for p, k in zip(fetched, keys, strict=True) if k in settled_keys})
     order = {k: i for i, k in enumerate(keys)}
+    before = {key_of(p): i for i, p in enumerate(window.settled)}
+    # Source order, then (entries the read did not return) their order in the
+    # window: the same outcome always encodes the same bytes, so a tick that
+    # changes nothing writes nothing.
     new_settled = sorted(
         (k for k in settled_keys if keep(k) and k in by_key),
-        key=lambda k: order.get(k, len(order)),
+        key=lambda k: (order.get(k, len(order)), before.get(k, -1)),
     )
     new_pending = tuple(
         sorted(

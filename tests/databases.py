@@ -14,11 +14,13 @@ skip: integration tests that silently skip hide exactly the bugs they exist for.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -143,12 +145,36 @@ def make_database(kind: str, tmp_path: Path) -> Iterator[TestDatabase]:
             conn.execute(sa.text(f"CREATE DATABASE `{name}`"))
     url = admin.url.render_as_string(hide_password=False)
     engine = sa.create_engine(url, pool_pre_ping=True)
+    opened: list[Any] = []
+    sa.event.listen(engine, "connect", lambda dbapi_connection, _: opened.append(dbapi_connection))
     try:
         yield TestDatabase(kind, url, name, engine)
     finally:
         engine.dispose()
+        _close_leaked(opened)
         with admin.connect() as conn:
             if kind == "postgresql":
                 conn.execute(sa.text(f'DROP SCHEMA "{name}" CASCADE'))
             else:
-                conn.execute(sa.text(f"DROP DATABASE IF EXISTS `{name}`"))
+                # Bounded: a connection of another engine still holding a lock
+                # on the database fails the teardown instead of hanging it (and,
+                # with it, every MariaDB horizon on the server) for a day.
+                conn.execute(
+                    sa.text(
+                        f"SET STATEMENT lock_wait_timeout=60 FOR DROP DATABASE IF EXISTS `{name}`"
+                    )
+                )
+
+
+def _close_leaked(connections: list[Any]) -> None:
+    """Close the driver connections a failed test left checked out of ``engine``.
+
+    ``engine.dispose()`` closes only the pooled ones. A test that failed
+    between ``begin()`` and ``commit()`` leaves its connection open, with a
+    write transaction whose locks make the ``DROP`` below wait on the
+    connection's own process; on MariaDB that open writer also holds every
+    transaction horizon on the server back.
+    """
+    for connection in connections:
+        with contextlib.suppress(Exception):  # closed already (by the pool), or broken
+            connection.close()

@@ -154,8 +154,8 @@ def test_long_and_short_transactions_lose_nothing(
         "none", mariadb.url, cursor, InMemoryCheckpointStore(), visibility="none", **kw
     )
     pollers = (horizon, windowed, unguarded)
+    straggler = mariadb.engine.connect()
     try:
-        straggler = mariadb.engine.connect()
         straggler.begin()
         row = insert_row(straggler, mariadb, -1)
         straggler_thread = straggler.execute(sa.text("SELECT CONNECTION_ID()")).scalar_one()
@@ -187,6 +187,8 @@ def test_long_and_short_transactions_lose_nothing(
             assert straggler_thread in horizon.blocking_pids
         assert reader not in horizon.blocking_pids, "a read-only transaction held it back"
     finally:
+        if not straggler.closed:  # an assertion failed while it was open
+            straggler.invalidate()  # (an open writer would hold every horizon on the server)
         for p in pollers:
             p.stop.set()
             p.source.close()
@@ -216,6 +218,7 @@ def test_read_only_and_not_yet_written_transactions_do_not_hold_it_back(
     idle = mariadb.engine.connect()
     idle.begin()
     idle.execute(sa.text(f"SELECT * FROM {other} FOR UPDATE")).all()
+    writer: sa.Connection | None = None
     try:
         with mariadb.engine.begin() as conn:
             insert_row(conn, mariadb, 1)
@@ -255,6 +258,8 @@ def test_read_only_and_not_yet_written_transactions_do_not_hold_it_back(
         assert wait_until(lambda: len(src.fetch(BEGINNING, 10)) == 3, timeout=10)
         assert late.id in {r["id"] for r in src.fetch(BEGINNING, 10)}
     finally:
+        if writer is not None and not writer.closed:
+            writer.invalidate()  # an open writer would hold every horizon on the server
         idle.rollback()
         idle.close()
         src.close()
@@ -331,8 +336,9 @@ def test_a_statement_that_waited_before_it_wrote_is_not_passed(mariadb: TestData
         waiter.commit()
         assert wait_until(lambda: len(src.fetch(BEGINNING, 10)) == 2, timeout=10)
     finally:
-        locker.close()
-        waiter.close()
+        locker.invalidate()  # ends LOCK TABLES, whatever failed (a pooled connection keeps it)
+        thread.join(timeout=10)
+        waiter.invalidate()
         src.close()
 
 
@@ -516,3 +522,118 @@ def test_guard_configuration_is_validated(mariadb: TestDatabase) -> None:
     assert src.fetch(BEGINNING, 10) == []
     assert src.visibility_mode == "transaction-horizon"
     src.close()
+
+
+def _waiting_on_metadata_lock(db: TestDatabase, threads: set[int]) -> dict[int, float]:
+    """The statements of ``threads`` waiting on a metadata lock, with their age in seconds."""
+    with db.engine.connect() as conn:
+        rows = conn.execute(
+            sa.text(
+                "SELECT ID, TIME_MS FROM information_schema.PROCESSLIST "
+                "WHERE STATE LIKE 'Waiting for table metadata lock%'"
+            )
+        ).all()
+    return {int(r.ID): float(r.TIME_MS) / 1000 for r in rows if int(r.ID) in threads}
+
+
+@pytest.mark.timeout(90)
+def test_a_writer_that_waited_on_a_metadata_lock_is_not_passed_after_a_restart(
+    mariadb: TestDatabase,
+) -> None:
+    """A real metadata-lock wait, then a poller restart while the waiter is still open.
+
+    ``LOCK TABLES events READ`` (this test's own table only) makes two inserts
+    wait: the waiter's (in a transaction it keeps open) and a queued one
+    (autocommit). Both are stamped with ``CURRENT_TIMESTAMP(6)`` when they are
+    dispatched, seconds before InnoDB starts their transactions. The poller
+    running during the wait sees the waiting statements; the poller that
+    starts after the wait sees only an open InnoDB transaction whose
+    ``trx_started`` is seconds later than the value it wrote. It must not pass
+    that value (a bound of ``trx_started - 1 s`` consumed the queued row and
+    lost the waiter's, 3 of 3 times) until the waiter has ended.
+    """
+    create_events(mariadb)
+    table = mariadb.qualified("events")
+    store = InMemoryCheckpointStore()
+    kw: dict[str, Any] = {"schema": mariadb.schema}
+    with mariadb.engine.begin() as conn:
+        before = insert_row(conn, mariadb, 0)
+    first = make_poller("restarted", mariadb.url, "updated_at", store, **kw)
+    locker = mariadb.engine.connect()
+    waiter = mariadb.engine.connect()
+    queued = mariadb.engine.connect()
+    results: dict[str, Any] = {}
+    errors: list[BaseException] = []
+
+    def insert(name: str, conn: sa.Connection, commit: bool) -> None:
+        try:
+            conn.begin()
+            results[name] = insert_row(conn, mariadb, 1 if name == "waiter" else 2)
+            if commit:
+                conn.commit()
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    second: Poller | None = None
+    threads: list[threading.Thread] = []
+    try:
+        # The first poller consumes what was committed before the lock.
+        assert wait_until(
+            lambda: (first.tick(), (before.id, before.updated_at))[1] in first.delivered, timeout=30
+        )
+        locker.execute(sa.text(f"LOCK TABLES {table} READ"))
+        waiter_thread = int(waiter.execute(sa.text("SELECT CONNECTION_ID()")).scalar_one())
+        queued_thread = int(queued.execute(sa.text("SELECT CONNECTION_ID()")).scalar_one())
+        waiter.rollback()
+        queued.rollback()
+        threads += [
+            threading.Thread(target=insert, args=("waiter", waiter, False)),
+            threading.Thread(target=insert, args=("queued", queued, True)),
+        ]
+        threads[0].start()
+        assert wait_until(
+            lambda: waiter_thread in _waiting_on_metadata_lock(mariadb, {waiter_thread}), 15
+        )
+        threads[1].start()
+        both = {waiter_thread, queued_thread}
+        assert wait_until(lambda: set(_waiting_on_metadata_lock(mariadb, both)) == both, 15)
+        first.tick()  # sees the waiting statements, consumes nothing
+        first.source.close()  # ... and stops
+        # Let the wait outlast trx_started's second (and the old 1 s allowance).
+        assert wait_until(
+            lambda: min(_waiting_on_metadata_lock(mariadb, both).values(), default=0) >= 3.0, 20
+        )
+        locker.execute(sa.text("UNLOCK TABLES"))
+        for t in threads:
+            t.join(timeout=30)
+        assert not errors, repr(errors[0])
+        waited, later = results["waiter"], results["queued"]
+        assert waited.updated_at < later.updated_at  # stamped before the queued row
+        # The restarted poller: the waiter's transaction is open, its row not committed.
+        second = make_poller("restarted", mariadb.url, "updated_at", store, **kw)
+
+        def held_or_passed() -> bool:
+            second.tick()
+            info = second.source.last_fetch_info
+            held = info is not None and info.held_back and info.held_back_seconds >= 1.0
+            return held or (later.id, later.updated_at) in second.delivered
+
+        assert wait_until(held_or_passed, timeout=30)
+        assert not second.passed(waited.updated_at, waited.id), "passed the waiter's value"
+        waiter.commit()
+        want = {(r.id, r.updated_at) for r in (waited, later)}
+        assert wait_until(lambda: (second.tick(), want <= second.delivered)[1], timeout=30), (
+            f"lost {want - second.delivered}"
+        )
+    finally:
+        # Whatever failed: closing the locker's driver connection ends LOCK
+        # TABLES (a pooled one would keep it), the waiters finish, and their
+        # open transactions end with their connections.
+        locker.invalidate()
+        for t in threads:
+            t.join(timeout=30)
+        for conn in (waiter, queued):
+            conn.invalidate()
+        first.source.close()
+        if second is not None:
+            second.source.close()

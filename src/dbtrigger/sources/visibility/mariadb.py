@@ -22,12 +22,15 @@ what any transaction can still commit:
 
 Why not simply ``trx_started``: it has one-second resolution, it is InnoDB's
 start, which comes *after* the first statement's clock reading (a statement can
-wait on a metadata lock before it touches InnoDB), and the table is a cache
-that InnoDB refreshes at most every 100 ms. The guard instead carries what it
-learnt from one observation to the next (a writer new since the last
-observation wrote after that observation began, or was a running statement
-then), and checks that each observation's cache is newer than its own
-process-list read. The argument in full is in ``docs/visibility.md``.
+wait on a metadata lock for as long as a ``LOCK TABLES`` or a backup's
+``FLUSH TABLES WITH READ LOCK`` lasts before it touches InnoDB), and the table
+is a cache that InnoDB refreshes at most every 100 ms. The guard instead
+carries what it learnt from one observation to the next (a writer new since
+the last observation wrote after that observation began, or was a running
+statement then), and checks that each observation's cache is newer than its
+own process-list read. A writer already open at the guard's first observation
+has no such history: it holds the bound where it is until it ends. The
+argument in full is in ``docs/visibility.md``.
 """
 
 from __future__ import annotations
@@ -255,17 +258,19 @@ class _Observation:
         """The earliest time a pending value can carry, and what sets it.
 
         Returns ``(None, writer)`` when an open writer's earliest statement is
-        unknown (it was already open when the guard started).
+        unknown (it was already open when the guard started): nothing can be
+        consumed until it has ended. The writer returned is the oldest such.
         """
+        unknown = [w for w in self.writers.values() if w.lower is None]
+        if unknown:
+            return None, min(unknown, key=lambda w: (w.started is None, w.started or 0))
         cut: Decimal = self.at
         blocker: Any = None
         for thread, start in self.statements.items():
             if start < cut:
                 cut, blocker = start, ("statement", thread, start)
         for writer in self.writers.values():
-            if writer.lower is None:
-                return None, writer
-            if writer.lower < cut:
+            if writer.lower is not None and writer.lower < cut:
                 cut, blocker = writer.lower, writer
         return cut, blocker
 
@@ -360,7 +365,7 @@ class _InnoDbActive(ActiveGuard):
                 trx_id=key[1],
                 thread_id=key[0],
                 started=started,
-                lower=_lower_bound(key, started, previous),
+                lower=_lower_bound(key, previous),
                 state=str(r.state),
             )
         return _Observation(at, sampled_at, statements, writers, max_value, max_epoch)
@@ -512,6 +517,11 @@ class _InnoDbActive(ActiveGuard):
             kind = "XA transaction" if blocker.thread_id == 0 else "InnoDB transaction"
             opened = "" if age is None else f", open {age:.0f}s"
             detail = f"{kind} {blocker.trx_id} on thread {blocker.thread_id}{opened}"
+            if blocker.lower is None:
+                detail += (
+                    ", a write transaction already open when this poller started (when its "
+                    "statements read the clock is unknown): nothing is consumed until it ends"
+                )
         elif isinstance(blocker, tuple):
             _, pid, start = blocker
             age = max(0.0, float(observation.at - start))
@@ -529,22 +539,23 @@ class _InnoDbActive(ActiveGuard):
         return dt.datetime.fromtimestamp(float(bound), dt.timezone.utc)
 
 
-def _lower_bound(
-    key: tuple[int, str], started: Decimal | None, previous: _Observation | None
-) -> Decimal | None:
+def _lower_bound(key: tuple[int, str], previous: _Observation | None) -> Decimal | None:
     """No statement of this writing transaction read the clock before the returned time.
 
     Seen writing last time: what was known then. New since the last
     observation: its writes began after that observation's clock reading, or
     in the statement its thread was running then (every write that ended
     before the process-list read would have put it in that observation's
-    transaction list, which was filled after the read). Never observed before
-    (open when the guard started): one second before InnoDB's ``trx_started``,
-    which assumes its first statement waited less than that before it touched
-    InnoDB - the one bounded assumption, made only for that first observation.
+    transaction list, which was filled after the read). Already open when the
+    guard started (no previous observation): None, unknown. InnoDB's
+    ``trx_started`` is no bound: a first statement that waited on a metadata
+    lock (``LOCK TABLES``, ``FLUSH TABLES WITH READ LOCK``, an online
+    ``ALTER``) read the clock, and allocated nothing in InnoDB, for as long as
+    it waited, so its value can be any time before ``trx_started``. Such a
+    writer holds the bound where it is until it ends.
     """
     if previous is None:
-        return None if started is None else started - 1
+        return None
     known = previous.writers.get(key)
     if known is not None:
         return known.lower

@@ -69,9 +69,11 @@ def test_unsupported_types_raise_serialization_error(bad: object) -> None:
         encode_value(bad)
 
 
-def test_non_finite_decimal_is_refused() -> None:
-    with pytest.raises(SerializationError, match="non-finite"):
-        encode_value(decimal.Decimal("NaN"))
+def test_nan_is_refused_and_infinities_are_values() -> None:
+    for nan in (decimal.Decimal("NaN"), float("nan")):
+        with pytest.raises(SerializationError, match="NaN"):
+            encode_value(nan)
+    assert encode_value(decimal.Decimal("-Infinity")) == ("decimal", "-Infinity")
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ import datetime as dt
 import decimal
 import hashlib
 import json
+import math
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -81,6 +82,15 @@ def kind_of(value: Any) -> str:
     )
 
 
+#: Why a NaN cannot be a cursor or key value, and what to do about it.
+_NAN = (
+    "the value is NaN (not a number), which has no place in the order the poller walks "
+    "(the database sorts it after every number, Python cannot compare it, and a checkpoint "
+    "at NaN would pass every later row); put a number in that row, or keep NaN out of the "
+    "column (PostgreSQL: CHECK (col <> 'NaN')) or out of the source (where=)"
+)
+
+
 def _iso_utc(value: dt.datetime) -> str:
     # Drivers hand back UTC values almost always (psycopg in a UTC session), and
     # then one isoformat() call is the whole job: its "+00:00" becomes "Z". Any
@@ -99,11 +109,13 @@ def encode_value(value: Any) -> tuple[str, Any]:
     if kind in ("null", "int", "str", "bool"):
         encoded = value
     elif kind == "float":
-        encoded = repr(value)  # repr round-trips IEEE doubles exactly
+        if math.isnan(value):
+            raise SerializationError(_NAN, value_type="float")
+        encoded = repr(value)  # repr round-trips IEEE doubles exactly (inf too)
     elif kind == "decimal":
-        if not value.is_finite():
-            raise SerializationError(f"non-finite decimal cursor {value!r} cannot be ordered")
-        encoded = str(value)
+        if value.is_nan():
+            raise SerializationError(_NAN, value_type="Decimal")
+        encoded = str(value)  # "Infinity"/"-Infinity" round-trip and order too
     elif kind == "timestamp":
         encoded = _iso_utc(value)
     elif kind == "naive_timestamp":

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import math
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from operator import attrgetter, itemgetter
@@ -380,11 +381,16 @@ class _RowEvent(RowChange):
 
 
 # Types whose every value has a checkpoint encoding that cannot fail. Anything
-# else (Decimal: NaN and infinities cannot be ordered; unknown driver types) is
+# else (float and Decimal: NaN cannot be ordered; unknown driver types) is
 # checked value by value.
-_ALWAYS_ENCODABLE = frozenset(
-    {int, str, bool, float, dt.datetime, dt.date, uuid.UUID, bytes, type(None)}
-)
+_ALWAYS_ENCODABLE = frozenset({int, str, bool, dt.datetime, dt.date, uuid.UUID, bytes, type(None)})
+
+
+_FLOATS = _ALWAYS_ENCODABLE | {float}
+
+
+def _is_float(value: Any) -> bool:
+    return type(value) is float
 
 
 def _check_column(shape: RowShape, rows: Sequence[Sequence[Any]], index: int, *, key: bool) -> None:
@@ -400,8 +406,11 @@ def _check_column(shape: RowShape, rows: Sequence[Sequence[Any]], index: int, *,
             poller=shape.metadata["poller"],
             batch_id=shape.metadata["batch_id"],
         )
-    if set(map(type, values)) <= _ALWAYS_ENCODABLE:
-        return
+    types = set(map(type, values))
+    if types <= _ALWAYS_ENCODABLE or (
+        types <= _FLOATS and not any(map(math.isnan, filter(_is_float, values)))
+    ):
+        return  # (a float column: only NaN is refused)
     for position, value in enumerate(values):
         if type(value) in _ALWAYS_ENCODABLE:
             continue

@@ -191,7 +191,7 @@ def check_health(
         doc = docmod.loads(stored.data) if stored is not None else None
         position = doc.position if doc is not None else Position()
         lag = measure_lag(source, position, now, poller=poller) if source is not None else None
-    except DbTriggerError as exc:
+    except Exception as exc:  # noqa: BLE001 - a probe reports; a custom source may raise anything
         return HealthReport(
             status=ERROR, reason=redact(f"{type(exc).__name__}: {exc}")[:500], **base
         )

@@ -43,6 +43,11 @@ METRICS: dict[str, tuple[str, str]] = {
     ),
     "lag_basis": ("gauge", "1, labelled with how lag_seconds is measured (basis)"),
     "lag_rows": ("gauge", "Rows pending after the checkpoint"),
+    "lag_measurement_failures_total": (
+        "counter",
+        "lag_seconds measurements that failed after a commit, by error_type (the commit "
+        "stands, the gauge keeps its last value)",
+    ),
     "last_success_timestamp": ("gauge", "When the last batch committed"),
     "heartbeats_total": (
         "counter",
@@ -105,6 +110,7 @@ METRIC_LABELS: dict[str, tuple[str, ...]] = {
     "ack_timeouts_total": ("subscriber",),
     "queue_rows_total": ("result",),
     "lag_basis": ("lag_basis",),
+    "lag_measurement_failures_total": ("error_type",),
 }
 
 #: Histogram bucket bounds for metrics that are not durations in seconds.

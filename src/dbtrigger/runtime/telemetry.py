@@ -85,6 +85,7 @@ _LOST = (
     Count("failures_total", labels={"error_type": "LostLeaseError"}),
 )
 _FAILURE = Count("failures_total", label_keys=("error_type",))
+_LAG_FAILED = Count("lag_measurement_failures_total", label_keys=("error_type",))
 
 D, INFO, W, E = logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR
 
@@ -174,6 +175,10 @@ EVENTS: dict[str, EventSpec] = {
             Gauge("lag_basis", const=1, label_keys=("lag_basis",)),
         ),
     ),
+    # lag_seconds is measured after the commit: a failure is counted and said
+    # once (WARNING), then at DEBUG until a measurement succeeds; never raised
+    "lag_measurement_failed": EventSpec(W, (_LAG_FAILED,)),
+    "lag_measurement_failed_again": EventSpec(D, (_LAG_FAILED,), log_as="lag_measurement_failed"),
     "commit_failed": EventSpec(
         E, (Count("batches_total", labels={"result": "commit_failed"}), _FAILURE)
     ),

@@ -180,7 +180,7 @@ class NullCursorProbe:
         self._last = now
         try:
             keys = finder.null_cursor_keys()
-        except DbTriggerError as exc:
+        except Exception as exc:  # noqa: BLE001 - a report, never a reason to fail the tick
             telemetry.emit("null_check_failed", "NULL-cursor probe failed: %s", exc)
             return
         telemetry.emit("null_cursor_probe", values={"count": len(keys)})

@@ -69,6 +69,9 @@ class StateWriter:
         #: The source's own measurement of lag_seconds and its basis
         #: (dbtrigger.sources.lag): integer cursors too.
         self.lag_after = lag_after
+        #: The last lag measurement failed (its WARNING was logged): repeats
+        #: log at DEBUG until one succeeds.
+        self._lag_failing = False
 
     def commit(
         self,
@@ -144,23 +147,41 @@ class StateWriter:
     def _lag(self, after: Position, now: dt.datetime) -> tuple[float | None, str | None]:
         """``lag_seconds`` at a commit to ``after`` and its basis; (None, None): not measured.
 
-        A failed measurement leaves the gauge at its last value: the commit stands.
+        Runs after the commit, so nothing it raises may fail the tick: the
+        batch is committed, and a tick that raised here would stop ``dbtrigger
+        run`` over a number (a NaN cursor made ``decimal`` raise in the
+        bookkeeping, a value the driver cannot convert in a ``lag_column``
+        made it raise ``ValueError``). A failed measurement leaves the gauge at
+        its last value, is counted (``lag_measurement_failures_total``) and
+        logged at WARNING once, then at DEBUG until a measurement succeeds.
         """
+        try:
+            measured = self._measure_lag(after, now)
+        except Exception as exc:  # noqa: BLE001 - bookkeeping after a commit, see above
+            self.emit(
+                "lag_measurement_failed_again" if self._lag_failing else "lag_measurement_failed",
+                "measuring lag_seconds after the commit failed (the commit stands; the gauge "
+                "keeps its last value; said once until a measurement succeeds): %s: %s",
+                type(exc).__name__,
+                exc,
+                error_type=type(exc).__name__,
+            )
+            self._lag_failing = True
+            return None, None
+        if measured[0] is not None:  # (None: not measured this time, proves nothing)
+            self._lag_failing = False
+        return measured
+
+    def _measure_lag(self, after: Position, now: dt.datetime) -> tuple[float | None, str | None]:
         if self.lag_after is not None:
-            try:
-                reading = self.lag_after(after, now)
-            except DbTriggerError:
-                return None, None
+            reading = self.lag_after(after, now)
             if reading is None or reading.seconds is None:
                 return None, None
             return max(0.0, reading.seconds), reading.basis
         if isinstance(after.cursor, dt.datetime) and after.cursor.tzinfo is not None:
             return max(0.0, (now - after.cursor).total_seconds()), CURSOR
         if self.cursor_age is not None:
-            try:
-                age = self.cursor_age(after.cursor, now)
-            except DbTriggerError:
-                return None, None
+            age = self.cursor_age(after.cursor, now)
             return (None, None) if age is None else (max(0.0, age), CURSOR)
         return None, None
 

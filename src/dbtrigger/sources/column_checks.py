@@ -28,14 +28,19 @@ calls them once, right after it reflects the table.
 
 from __future__ import annotations
 
+import datetime as dt
+import decimal
 import logging
+import re
+import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from operator import itemgetter
 from typing import Any
 
 import sqlalchemy as sa
 
 from dbtrigger.cursor import kind_of
-from dbtrigger.errors import SourceDefinitionError
+from dbtrigger.errors import SerializationError, SourceDefinitionError
 
 log = logging.getLogger("dbtrigger.sources")
 
@@ -50,6 +55,29 @@ SQLITE_TEXT_DATETIME_KINDS = frozenset({"str", "naive_timestamp", "timestamp", "
 #: for query mode, where only the result description knows the column types.
 _PG_FLOAT4_OID = 700
 _MYSQL_FLOAT_CODE = 4
+
+#: MySQL field-type codes of date/time columns (TIMESTAMP, DATE, DATETIME, NEWDATE),
+#: and the kind their values take, for query mode.
+_MYSQL_TEMPORAL_CODES = {7: "naive_timestamp", 10: "date", 12: "naive_timestamp", 14: "date"}
+
+#: The exact Python types whose values are of a kind (the fast path of
+#: :meth:`ShapeChecks.check_rows`; anything else is judged by :func:`kind_of`).
+_TYPES_OF_KIND: dict[str, tuple[type, ...]] = {
+    "int": (int,),
+    "bool": (bool,),
+    "str": (str,),
+    "float": (float,),
+    "decimal": (decimal.Decimal,),
+    "naive_timestamp": (dt.datetime,),
+    "timestamp": (dt.datetime,),
+    "date": (dt.date,),
+    "uuid": (uuid.UUID,),
+    "bytes": (bytes, bytearray, memoryview),
+}
+
+#: What pymysql returns for a DATE/DATETIME/TIMESTAMP value no Python date can
+#: hold: the zero date, or a date with a zero month or day (``2026-00-10``).
+_MYSQL_ZERO_DATE = re.compile(r"\d{4}-\d{2}-\d{2}( \d{2}:\d{2}:\d{2}(\.\d+)?)?")
 
 
 def lossy_type_reason(dialect: str, type_: sa.types.TypeEngine[Any]) -> str | None:
@@ -329,7 +357,12 @@ class ShapeChecks:
         )
 
     def query_probed(self, description: Sequence[Sequence[Any]] | None) -> None:
-        """Query mode: refuse single-precision position columns by the driver's type codes."""
+        """Query mode: refuse single-precision position columns by the driver's type codes.
+
+        MariaDB/MySQL date/time columns learn their kind from the type code too:
+        a sampled zero date comes back as text and must not make the column a
+        text column (see :meth:`check_rows`).
+        """
         if not description:
             return
         codes = {str(d[0]): d[1] for d in description}
@@ -338,6 +371,11 @@ class ShapeChecks:
             if reason is not None:
                 role = "cursor" if name == self.cursor_column else "key"
                 raise refuse_lossy(name, role, self.source, reason)
+            temporal = _MYSQL_TEMPORAL_CODES.get(codes.get(name))  # type: ignore[arg-type]
+            if self.dialect in ("mysql", "mariadb") and temporal and self.expected[name] is None:
+                self.expected[name] = frozenset({temporal})
+                self.primary[name] = temporal
+                self.type_names.setdefault(name, "DATE" if temporal == "date" else "DATETIME")
 
     # --- per fetch ------------------------------------------------------------------
 
@@ -368,6 +406,74 @@ class ShapeChecks:
             self.expected[name] = accepted
             self.primary[name] = kind
             self.type_names.setdefault(name, f"a column returning {describe_kind(kind)} values")
+
+    def check_rows(self, columns: Sequence[str], tuples: Sequence[Sequence[Any]]) -> None:
+        """Refuse a fetched batch holding a position value its column's kinds do not allow.
+
+        Any row of a batch can become the checkpoint (the batch's end, a
+        partial commit, the settled window), and the next fetch refuses a
+        checkpoint whose kind does not fit its column (:meth:`check_position`)
+        as a type change: the poller would stop on its own checkpoint. The
+        value is refused here instead, before anything is delivered, naming
+        the row. The case that happens: a MariaDB/MySQL zero date, which
+        pymysql returns as text. One ``type`` scan per position column at C
+        speed; rows are looked at one by one only when it finds a stranger.
+        """
+        if not tuples:
+            return
+        index = {name: i for i, name in enumerate(columns)}
+        for name in self.position_columns:
+            accepted, at = self.expected.get(name), index.get(name)
+            if accepted is None or at is None:
+                continue
+            allowed = {type(None)}
+            for kind in accepted:
+                allowed.update(_TYPES_OF_KIND.get(kind, ()))
+            if set(map(type, map(itemgetter(at), tuples))) <= allowed:
+                continue
+            for row in tuples:
+                value = row[at]
+                if type(value) in allowed:
+                    continue
+                try:
+                    kind = kind_of(value)
+                except SerializationError:
+                    continue  # no checkpoint encoding at all: the events' check names it
+                if kind not in accepted:
+                    key = {c: row[index[c]] for c in self.pk_columns if c in index}
+                    raise self._unfit_value(name, value, kind, key)
+
+    def _unfit_value(
+        self, column: str, value: Any, kind: str, key: Mapping[str, Any]
+    ) -> SerializationError:
+        role = "cursor" if column == self.cursor_column else "key"
+        type_name = self.type_names.get(column, "?")
+        where = f"row from {self.source} with key {dict(key)!r}: {role} column {column!r}"
+        if (
+            self.dialect in ("mysql", "mariadb")
+            and isinstance(value, str)
+            and _MYSQL_ZERO_DATE.fullmatch(value)
+        ):
+            fix = f"UPDATE ... SET {column} = ... WHERE {column} = '{value}'"  # noqa: S608 - advice
+            return SerializationError(
+                f"{where} ({type_name}) holds the zero date {value!r} (a MariaDB/MySQL date "
+                "with a zero year, month or day), which no Python date can hold: the driver "
+                "returns it as text, and a checkpoint at that row would not fit the column's "
+                f"type. The batch holding it was not delivered. Fix: set a real date in that "
+                f"row ({fix}), keep new zero dates out with sql_mode NO_ZERO_DATE,NO_ZERO_IN_DATE "
+                "(with strict mode), or leave such rows out of the source with where=",
+                column=column,
+                key=dict(key),
+            )
+        expected = " or ".join(sorted(describe_kind(k) for k in self.expected[column] or ()))
+        return SerializationError(
+            f"{where} ({type_name}) returned {value!r}, a {describe_kind(kind)} value where "
+            f"the column's type gives {expected} values: a checkpoint at that row would be "
+            "refused by the next fetch as a type change. The batch holding it was not "
+            "delivered. Fix the value in that row, or leave the row out of the source with where=",
+            column=column,
+            key=dict(key),
+        )
 
     def check_position(self, values: Mapping[str, Any]) -> None:
         check_position_kinds(

@@ -104,7 +104,9 @@ class ObservedLag:
         try:
             while self._notes and self._notes[0][1] < first:
                 self._notes.popleft()
-        except TypeError:  # keys that do not compare (mixed types): start over
+        except (TypeError, ArithmeticError):
+            # Keys that do not compare (mixed types; a Decimal NaN, which
+            # raises InvalidOperation on <): start over.
             self._notes.clear()
             self._notes.append((now, tuple(newest)))
         if len(self._notes) > self._max:

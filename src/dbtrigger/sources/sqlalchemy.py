@@ -625,6 +625,14 @@ class SqlAlchemySource:
                 return self._measure_lag(conn, after, now)
         except SQLAlchemyError as exc:
             raise source_error(exc, f"measuring the lag of {self.name}") from exc
+        except (ValueError, TypeError, ArithmeticError) as exc:
+            # A value the driver cannot convert (an SQLite DATETIME holding
+            # text, a MariaDB zero date) in the lag column or the keys.
+            raise SerializationError(
+                f"measuring the lag of {self.name} failed: a value of the oldest pending row "
+                f"cannot be read ({type(exc).__name__}: {exc}); lag_seconds is not updated "
+                "until that row is delivered or fixed"
+            ) from exc
 
     def _measure_lag(self, conn: Connection, after: Position, now: dt.datetime) -> LagReading:
         cursor = self._columns[self._cursor_column]
@@ -893,6 +901,7 @@ class SqlAlchemySource:
                     key_columns=self._pk_columns,
                     reused=reused,
                 )
+                self._checks.check_rows(rows.columns, rows.tuples)
                 self.last_fetch_info = guard.after_fetch(conn, after, rows, limit)
                 return rows
         except (ConfigurationError, SerializationError):

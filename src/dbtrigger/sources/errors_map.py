@@ -26,6 +26,7 @@ the DB-API exception class.
 from __future__ import annotations
 
 import re
+import traceback
 from typing import Any
 
 from sqlalchemy import exc as sa_exc
@@ -88,6 +89,9 @@ _PG_CONNECT_MESSAGES = (
     (re.compile(r"is not permitted to log in"), PERMISSION),
 )
 
+#: SQLite failures that carry no result code but are a value, not the connection.
+_SQLITE_DATA_MESSAGES = (re.compile(r"Could not decode to UTF-8"),)
+
 _CLASS_DEFAULTS: tuple[tuple[type[sa_exc.DBAPIError], str], ...] = (
     (sa_exc.DataError, DATA),
     (sa_exc.ProgrammingError, DEFINITION),
@@ -130,6 +134,9 @@ def classify(exc: BaseException) -> str:
             if code >= 2000:  # client-side: could not connect, lost the connection
                 return RETRY
     elif module.startswith("sqlite3"):
+        # Text that is not UTF-8 in a TEXT column: the same row fails every time.
+        if any(p.search(str(orig)) for p in _SQLITE_DATA_MESSAGES):
+            return DATA
         code = getattr(orig, "sqlite_errorcode", None)
         if isinstance(code, int):
             return _SQLITE_CODES.get(code & 0xFF, RETRY)
@@ -138,6 +145,30 @@ def classify(exc: BaseException) -> str:
             if isinstance(exc, cls):
                 return verdict
     return RETRY
+
+
+def encoding_problem(exc: BaseException) -> str | None:
+    """What is wrong, for a driver failure raised *outside* the DB-API error tree (None: unknown).
+
+    SQLAlchemy's PostgreSQL dialect reads ``version()`` on an engine's first
+    connection. On a database whose encoding is ``SQL_ASCII`` psycopg returns
+    text as bytes, and the dialect fails with a bare ``TypeError`` before any
+    statement of ours ran: it would escape a tick as a raw exception, or look
+    like a hiccup if it were retried. The same happens on every connection, so
+    it is an operator error, with the fix.
+    """
+    if not isinstance(exc, TypeError) or "bytes-like object" not in str(exc):
+        return None
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not any("postgresql" in f.filename and f.name == "initialize" for f in frames):
+        return None
+    return (
+        "the database sends its text as bytes, which SQLAlchemy cannot read: its encoding "
+        "is SQL_ASCII (psycopg then decodes nothing). Add client_encoding=utf8 to the URL "
+        "(postgresql+psycopg://...?client_encoding=utf8) when its text is UTF-8 (a row "
+        "holding other bytes is then refused, naming it), or move the data to a UTF8 "
+        f"database; retrying cannot help ({type(exc).__name__}: {exc})"
+    )
 
 
 def short_error(exc: BaseException) -> str:
@@ -172,4 +203,4 @@ def source_error(exc: BaseException, what: str, problem: str | None = None) -> D
     return SourceDefinitionError(message, **fields)
 
 
-__all__ = ["classify", "short_error", "source_error"]
+__all__ = ["classify", "encoding_problem", "short_error", "source_error"]

@@ -35,7 +35,7 @@ import datetime as dt
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import sqlalchemy as sa
@@ -51,13 +51,14 @@ from dbtrigger.errors import (
     FetchError,
     MissingSettingError,
     SerializationError,
+    SourceDefinitionError,
 )
 from dbtrigger.events import RowChange
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.sources import lag as lagmod
 from dbtrigger.sources.clock import DatabaseClock
 from dbtrigger.sources.column_checks import ShapeChecks
-from dbtrigger.sources.errors_map import short_error, source_error
+from dbtrigger.sources.errors_map import encoding_problem, short_error, source_error
 from dbtrigger.sources.fingerprint import legacy_fingerprint, source_fingerprint
 from dbtrigger.sources.lag import LagReading, ObservedLag
 from dbtrigger.sources.rows import ResultProcessors, Rows, read_rows, rows_to_events
@@ -401,6 +402,26 @@ class SqlAlchemySource:
         """Dispose of the connection pool if this source created the engine."""
         self._engines.dispose()
 
+    @contextlib.contextmanager
+    def _connect(self, engine: Engine | None = None) -> Iterator[Connection]:
+        """``engine.connect()``, a driver failure outside the DB-API tree mapped.
+
+        Every statement of the source runs on a connection from here. The one
+        such failure known (a PostgreSQL database in ``SQL_ASCII``, where the
+        dialect's first connection raises ``TypeError``) is an operator error
+        naming the fix (:func:`~dbtrigger.sources.errors_map.encoding_problem`),
+        never a raw exception out of a tick.
+        """
+        try:
+            conn = (engine or self.engine).connect()
+        except TypeError as exc:
+            problem = encoding_problem(exc)
+            if problem is None:
+                raise
+            raise SourceDefinitionError(f"connecting to {self.name} failed: {problem}") from exc
+        with conn:
+            yield conn
+
     def _base_filter(self) -> ColumnElement[bool] | None:
         conditions: list[ColumnElement[bool] | sa.TextClause] = [
             row_filter(self) for row_filter in self._row_filters
@@ -516,7 +537,7 @@ class SqlAlchemySource:
         and worker start-up call it.
         """
         try:
-            with self.engine.connect() as conn:
+            with self._connect() as conn:
                 self._resolve_shape(conn)
                 if position is not None:
                     self._check_position(conn, position)
@@ -620,7 +641,7 @@ class SqlAlchemySource:
             return None
         self._lag_measured_at = started
         try:
-            with self.engine.connect() as conn:
+            with self._connect() as conn:
                 self._resolve_shape(conn)
                 return self._measure_lag(conn, after, now)
         except SQLAlchemyError as exc:
@@ -687,7 +708,7 @@ class SqlAlchemySource:
     def column_kinds(self) -> dict[str, str | None]:
         """:meth:`cursor_kind` for the cursor and every key column."""
         try:
-            with self.engine.connect() as conn:
+            with self._connect() as conn:
                 self._resolve_shape(conn)
                 self._checks.learn_from_sample(lambda: self._sample_position(conn))
                 return dict(self._checks.primary)
@@ -855,7 +876,7 @@ class SqlAlchemySource:
         mode, no row yet) the mode is ``auto``.
         """
         try:
-            with self.engine.connect() as conn:
+            with self._connect() as conn:
                 self._resolve_shape(conn)
                 guard = self._active_guard(conn)
         except SQLAlchemyError as exc:
@@ -880,7 +901,7 @@ class SqlAlchemySource:
         instead of ``BEGIN``, the query and ``ROLLBACK``.
         """
         try:
-            with self._fetch_engine().connect() as conn:
+            with self._connect(self._fetch_engine()) as conn:
                 self._resolve_shape(conn)
                 self._check_position(conn, after)
                 guard = self._active_guard(conn)
@@ -1071,7 +1092,7 @@ class SqlAlchemySource:
         withholds: they are pending, just not consumable yet.
         """
         try:
-            with self.engine.connect() as conn:
+            with self._connect() as conn:
                 self._resolve_shape(conn)
                 sub = self._statement(after, 1).limit(None).order_by(None).subquery()
                 return int(conn.execute(sa.select(sa.func.count()).select_from(sub)).scalar_one())
@@ -1081,7 +1102,7 @@ class SqlAlchemySource:
     def null_cursor_keys(self, limit: int = 10) -> list[dict[str, Any]]:
         """Keys of rows whose cursor is NULL: they have no place in cursor order."""
         try:
-            with self.engine.connect() as conn:
+            with self._connect() as conn:
                 self._resolve_shape(conn)
                 cursor = self._columns[self._cursor_column]
                 stmt = (

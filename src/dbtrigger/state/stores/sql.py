@@ -71,6 +71,7 @@ from dbtrigger.errors import (
 )
 from dbtrigger.names import validate_name, validate_sql_identifier
 from dbtrigger.settings import references_setting
+from dbtrigger.sources.errors_map import encoding_problem
 from dbtrigger.sources.sqlalchemy import safe_url_text, short_error
 from dbtrigger.state.stores.base import StoredDocument
 
@@ -296,6 +297,11 @@ class SqlCheckpointStore:
             raise StoreUnavailableError(f"{where} failed: {short_error(exc)}") from exc
         except sa.exc.SQLAlchemyError as exc:
             raise StoreUnavailableError(f"{where} failed: {short_error(exc)}") from exc
+        except TypeError as exc:  # outside the DB-API tree: a SQL_ASCII database
+            problem = encoding_problem(exc)
+            if problem is None:
+                raise
+            raise StoreRefusedError(f"{where} failed: {problem}") from exc
 
     # --- table management -------------------------------------------------------------
 

@@ -136,7 +136,7 @@ def reader(mariadb: TestDatabase) -> Iterator[int]:
 
 
 @pytest.mark.parametrize("cursor", ["updated_at", "seq"])
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_long_and_short_transactions_lose_nothing(
     mariadb: TestDatabase, reader: int, cursor: str
 ) -> None:
@@ -178,7 +178,11 @@ def test_long_and_short_transactions_lose_nothing(
             p.finish()
         rows = final_rows(mariadb)
         assert len(rows) > 40
-        assert lost(horizon, rows, cursor) == set()
+        # Server-wide: another session's writer open at the drain holds the
+        # horizon back a while; delayed, never skipped.
+        assert wait_until(
+            lambda: (horizon.trigger.drain(horizon.handle), not lost(horizon, rows, cursor))[1], 30
+        ), lost(horizon, rows, cursor)
         assert (row.id, value) in lost(windowed, rows, cursor)
         assert (row.id, value) in lost(unguarded, rows, cursor)
         assert horizon.source.visibility_mode == "transaction-horizon"
@@ -265,14 +269,15 @@ def test_read_only_and_not_yet_written_transactions_do_not_hold_it_back(
         src.close()
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)
 def test_an_auto_increment_horizon_names_its_blocker(mariadb: TestDatabase, reader: int) -> None:
     src = source(mariadb, "seq")
     writer = mariadb.engine.connect()
     try:
         with mariadb.engine.begin() as conn:
             first = insert_row(conn, mariadb, 1)
-        assert [r["seq"] for r in src.fetch(BEGINNING, 10)] == [first.seq]
+        # (Server-wide: another session's open writer can hold the first bound back.)
+        assert wait_until(lambda: [r["seq"] for r in src.fetch(BEGINNING, 10)] == [first.seq], 30)
         writer.begin()
         pending = insert_row(writer, mariadb, 2)
         thread = writer.execute(sa.text("SELECT CONNECTION_ID()")).scalar_one()
@@ -281,14 +286,18 @@ def test_an_auto_increment_horizon_names_its_blocker(mariadb: TestDatabase, read
         for _ in range(4):  # samples taken while the writer is open never cover it
             time.sleep(0.15)
             assert [r["seq"] for r in src.fetch(BEGINNING, 10)] == [first.seq]
-        info = src.last_fetch_info
-        assert info is not None
-        assert info.held_back
-        assert info.blocking_pid == thread
-        assert info.blocking_trx_id
+
+        def named() -> bool:  # (until an older writer of another session, if any, ends)
+            assert [r["seq"] for r in src.fetch(BEGINNING, 10)] == [first.seq]
+            info = src.last_fetch_info
+            return info is not None and info.held_back and info.blocking_pid == thread
+
+        assert wait_until(named, 30)
+        assert src.last_fetch_info is not None
+        assert src.last_fetch_info.blocking_trx_id
         writer.commit()
         want = [first.seq, pending.seq, later.seq]
-        assert wait_until(lambda: [r["seq"] for r in src.fetch(BEGINNING, 10)] == want, 3)
+        assert wait_until(lambda: [r["seq"] for r in src.fetch(BEGINNING, 10)] == want, 30)
     finally:
         writer.close()
         src.close()

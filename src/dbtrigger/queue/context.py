@@ -17,10 +17,8 @@ a mark that silently did nothing would lose the handler's verdict.
 from __future__ import annotations
 
 import datetime as dt
-import inspect
 import threading
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
 
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.events import RowChange
@@ -125,18 +123,3 @@ class ClaimContext:
         with self._lock:
             self._closed = True
             return dict(self._marks)
-
-
-def wants_context(handler: Callable[..., Any]) -> bool:
-    """Whether ``handler`` takes ``(events, ctx)`` rather than ``(events)``."""
-    try:
-        params = list(inspect.signature(handler).parameters.values())
-    except (TypeError, ValueError):
-        return False
-    positional = [
-        p
-        for p in params
-        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    ]
-    has_var = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
-    return has_var or len(positional) >= 2

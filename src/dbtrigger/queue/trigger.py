@@ -60,7 +60,7 @@ from dbtrigger.events import EventIds, RowChange
 from dbtrigger.metrics import MetricsCollector, SafeMetrics
 from dbtrigger.names import validate_name
 from dbtrigger.quarantine import QuarantineRecord, QuarantineSink, encode_json_value
-from dbtrigger.queue.context import ClaimContext, wants_context
+from dbtrigger.queue.context import ClaimContext
 from dbtrigger.queue.notify import Listener, check_channel
 from dbtrigger.queue.operations import QueueCounts
 from dbtrigger.queue.outcome import EXPIRED_ERROR, Backoff, Plan, decide, expired_too_often
@@ -68,6 +68,7 @@ from dbtrigger.queue.schema import WORKER_ID_LIMIT
 from dbtrigger.queue.source import ClaimedRow, ClaimSource
 from dbtrigger.queue.statements import DeadItem, Key, Settled
 from dbtrigger.runtime.telemetry import Telemetry
+from dbtrigger.runtime.tick import wants_context
 
 log = logging.getLogger("dbtrigger.queue")
 

@@ -116,7 +116,10 @@ class TickResult:
 
 
 def wants_context(handler: Handler) -> bool:
-    """Does ``handler`` take ``(events, ctx)`` rather than ``(events)``?"""
+    """Does ``handler`` take ``(events, ctx)`` rather than ``(events)``?
+
+    The one rule for every handler dbtrigger calls: pollers, fan-out
+    subscribers, partitions and claim queues."""
     try:
         params = list(inspect.signature(handler).parameters.values())
     except (TypeError, ValueError):
@@ -138,7 +141,9 @@ def wants_context(handler: Handler) -> bool:
 def _names_context(param: inspect.Parameter) -> bool:
     annotation = param.annotation
     text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
-    return param.name in ("ctx", "context") or "BatchContext" in str(text)
+    return param.name in ("ctx", "context") or any(
+        name in str(text) for name in ("BatchContext", "ClaimContext")
+    )
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,22 @@ methods; and the claim columns' types checked when the queue starts.
 from __future__ import annotations
 
 import asyncio
+import re
+from pathlib import Path
 from typing import Any
 
-from dbtrigger import ClaimContext, ClaimSource, QueueTrigger, RowChange
+import pytest
+
+from dbtrigger import (
+    ClaimContext,
+    ClaimSource,
+    ConfigurationError,
+    DbBindings,
+    FileCheckpointStore,
+    QueueTrigger,
+    RowChange,
+    SqlAlchemySource,
+)
 from dbtrigger.runtime.tick import wants_context
 from tests.databases import TestDatabase
 from tests.test_queue_columns import make_jobs
@@ -60,3 +73,90 @@ def test_a_defaulted_second_parameter_is_the_handlers_own_option(
         True,
     ]
 
+
+# --- %SETTING% options on @db.queue_trigger -----------------------------------------
+
+
+def test_queue_trigger_numbers_may_be_app_settings(
+    sqlite_db: TestDatabase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As on ``@db.trigger``: a missing setting fails the invocation (naming it), not
+    the import; once set, the numbers are read at the first use."""
+    monkeypatch.delenv("QUEUE_BATCH", raising=False)
+    monkeypatch.setenv("QUEUE_TICKS", "2")
+    monkeypatch.setenv("QUEUE_VT", "30")
+    make_jobs(sqlite_db, 10)
+    db = DbBindings()
+    source = claim_source(sqlite_db)
+    seen: list[int] = []
+    try:
+
+        @db.queue_trigger(
+            arg_name="events",
+            source=source,
+            batch_size="%QUEUE_BATCH%",
+            max_batches_per_tick="%QUEUE_TICKS%",
+            visibility_timeout_seconds="%QUEUE_VT%",
+        )
+        def send(timer: object, events: list[RowChange]) -> None:
+            seen.extend(e.pk["id"] for e in events)
+
+        assert "send" not in db.queues  # not built yet: a setting is missing
+        with pytest.raises(ConfigurationError, match="batch_size: app setting 'QUEUE_BATCH'"):
+            send(None)
+        monkeypatch.setenv("QUEUE_BATCH", "not a number")
+        with pytest.raises(ConfigurationError, match="batch_size='%QUEUE_BATCH%' is 'not a"):
+            send(None)
+        monkeypatch.setenv("QUEUE_BATCH", "3")
+        send(None)
+        assert len(seen) == 6  # two batches of three
+        queue = db.queues["send"]
+        assert (queue.batch_size, queue.visibility_timeout) == (3, 30.0)
+        assert send.queue_trigger is queue  # type: ignore[attr-defined]
+    finally:
+        source.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"batch_size": "many"}, "batch_size must be a whole number or a '%SETTING%'"),
+        ({"batch_size": True}, "batch_size must be a whole number"),
+        ({"batch_size": 2.5}, "batch_size must be a whole number"),
+        ({"max_batches_per_tick": [1]}, "max_batches_per_tick must be a whole number"),
+        ({"visibility_timeout_seconds": float("nan")}, "visibility_timeout_seconds must be a"),
+        ({"max_batches_per_tick": 0}, "max_batches_per_tick must be >= 1"),
+    ],
+)
+def test_queue_trigger_refuses_bad_numbers_naming_the_option(
+    sqlite_db: TestDatabase, options: dict[str, Any], match: str
+) -> None:
+    source = claim_source(sqlite_db)
+    try:
+        with pytest.raises(ConfigurationError, match=re.escape(match)):
+            DbBindings().queue_trigger(arg_name="events", source=source, **options)
+    finally:
+        source.close()
+
+
+def test_both_decorators_read_numbers_by_one_rule(sqlite_db: TestDatabase, tmp_path: Path) -> None:
+    make_jobs(sqlite_db, 1)
+    claims = claim_source(sqlite_db)
+    keyset = SqlAlchemySource(
+        url=sqlite_db.url, table="jobs", cursor_column="id", pk_columns=["id"]
+    )
+    db = DbBindings()
+    try:
+        for decorate in (
+            lambda: db.queue_trigger(arg_name="events", source=claims, batch_size=True),
+            lambda: db.trigger(
+                arg_name="events",
+                source=keyset,
+                checkpoint_store=FileCheckpointStore(tmp_path),
+                batch_size=True,
+            ),
+        ):
+            with pytest.raises(ConfigurationError, match="batch_size must be a whole number"):
+                decorate()(lambda timer, events: None)
+    finally:
+        claims.close()

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import Engine
 
-from dbtrigger.errors import ConfigurationError, ContentionError, MissingSettingError
+from dbtrigger.errors import ConfigurationError, ContentionError
 from dbtrigger.metrics import MetricsCollector
 from dbtrigger.output import (
     Action,
@@ -55,7 +55,7 @@ from dbtrigger.output import (
     set_host_signature,
 )
 from dbtrigger.runtime.poller import DEFAULT_MAX_BATCHES_PER_TICK, PollTrigger
-from dbtrigger.settings import resolve_setting
+from dbtrigger.settings import DeferredSettingError, resolve_setting, setting_number
 from dbtrigger.sources.base import SourceAdapter
 from dbtrigger.state.stores.base import CheckpointStore
 
@@ -369,8 +369,10 @@ class DbBindings:
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Drain a claim queue (:class:`~dbtrigger.ClaimSource`) each time the function
         runs; place it under ``@app.schedule``. Options as for
-        :class:`~dbtrigger.QueueTrigger`, plus ``max_batches_per_tick`` (default 10).
-        See ``docs/queues.md``."""
+        :class:`~dbtrigger.QueueTrigger`, plus ``max_batches_per_tick`` (default 10);
+        ``batch_size``, ``max_batches_per_tick`` and ``visibility_timeout_seconds``
+        may be ``%SETTING%`` references, read at the first invocation as for
+        :meth:`trigger`. See ``docs/queues.md``."""
         from dbtrigger.queue.functions import queue_trigger  # noqa: PLC0415 - loaded on use
 
         return queue_trigger(self.queues, arg_name=arg_name, source=source, name=name, **options)
@@ -559,11 +561,13 @@ class _LazyPoller:
         if self.poll is None:
             n = self.numbers
             poll = PollTrigger(
-                batch_size=int(_number(n["batch_size"], "batch_size", int)),
+                batch_size=int(setting_number(n["batch_size"], "batch_size", int)),
                 max_batches_per_tick=int(
-                    _number(n["max_batches_per_tick"], "max_batches_per_tick", int)
+                    setting_number(n["max_batches_per_tick"], "max_batches_per_tick", int)
                 ),
-                lease_ttl_seconds=_number(n["lease_ttl_seconds"], "lease_ttl_seconds", float),
+                lease_ttl_seconds=setting_number(
+                    n["lease_ttl_seconds"], "lease_ttl_seconds", float
+                ),
                 **self.options,
             )
             # What `dbtrigger ... --source` calls this function (exact commands in logs).
@@ -575,7 +579,7 @@ class _LazyPoller:
         """The poller if it can be built now; None when an app setting is missing."""
         try:
             return self.build()
-        except _DeferredSetting:
+        except DeferredSettingError:
             return None
 
     def ready(self) -> PollTrigger:
@@ -585,25 +589,6 @@ class _LazyPoller:
         if target is not None:
             target.dialect  # noqa: B018 - resolves the URL's %SETTING% now
         return self.build()
-
-
-class _DeferredSetting(ConfigurationError):
-    """An option given as a ``%SETTING%`` is missing or not a number."""
-
-
-def _number(value: float | str, option: str, kind: type[float] | type[int]) -> float:
-    """A numeric option, or the number in the app setting it references."""
-    if not isinstance(value, str):
-        return value
-    try:
-        text = resolve_setting(value)
-    except MissingSettingError as exc:
-        raise _DeferredSetting(f"{option}: {exc}") from None
-    try:
-        return kind(text.strip())
-    except ValueError:
-        what = "a whole number" if kind is int else "a number"
-        raise _DeferredSetting(f"{option}={value!r} is {text!r}, not {what}") from None
 
 
 # --- passwordless database access --------------------------------------------------------

@@ -9,6 +9,7 @@ library objects take plain values in their constructors, and a value written as
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import threading
@@ -96,6 +97,56 @@ def resolve_setting(value: str, environ: Mapping[str, str] | None = None) -> str
         return env[name]
 
     return _REFERENCE.sub(lookup, value)
+
+
+class DeferredSettingError(ConfigurationError):
+    """An option given as a ``%SETTING%`` is missing or not a number.
+
+    Raised when the option is used, not when the function is decorated: the
+    Function App still indexes, and only the function that needs the setting
+    fails, each invocation, until the setting is right.
+    """
+
+
+def setting_number(value: object, option: str, kind: type[int] | type[float]) -> int | float:
+    """A numeric decorator option: a number, or the number in the app setting a
+    ``%SETTING%`` string references (``batch_size="%QUEUE_BATCH%"``, as the Azure
+    SQL trigger reads ``Sql_Trigger_MaxBatchSize``).
+
+    Raises:
+        DeferredSettingError: the referenced setting is missing or not a number.
+        ConfigurationError: ``value`` itself is not a number of ``kind`` (a bool,
+            NaN, a fraction for a whole number, a string that is neither).
+    """
+    what = "a whole number" if kind is int else "a number"
+    text: str | None = None
+    if isinstance(value, str):
+        if references_setting(value):
+            try:
+                text = resolve_setting(value).strip()
+            except MissingSettingError as exc:
+                raise DeferredSettingError(f"{option}: {exc}") from None
+        number = _parse_number(text if text is not None else value.strip(), kind)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = value
+    else:
+        number = None
+    if number is not None and kind is int and float(number).is_integer():
+        return int(number)
+    if number is not None and kind is float and math.isfinite(number):
+        return float(number)
+    if text is not None:
+        raise DeferredSettingError(f"{option}={value!r} is {text!r}, not {what}")
+    raise ConfigurationError(
+        f"{option} must be {what} or a '%SETTING%' reference to one, got {value!r}"
+    )
+
+
+def _parse_number(text: str, kind: type[int] | type[float]) -> int | float | None:
+    try:
+        return int(text) if kind is int else float(text)
+    except ValueError:
+        return None
 
 
 #: The settings file of an Azure Functions project (``func start`` reads it).

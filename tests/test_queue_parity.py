@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import re
+import sqlite3
 from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from dbtrigger import (
     ClaimContext,
@@ -24,9 +26,10 @@ from dbtrigger import (
     RowChange,
     SqlAlchemySource,
 )
+from dbtrigger.azure import entra_id_engine
 from dbtrigger.runtime.tick import wants_context
 from tests.databases import TestDatabase
-from tests.test_queue_columns import make_jobs
+from tests.test_queue_columns import make_jobs, rows
 
 
 def claim_source(db: TestDatabase) -> ClaimSource:
@@ -160,3 +163,71 @@ def test_both_decorators_read_numbers_by_one_rule(sqlite_db: TestDatabase, tmp_p
                 decorate()(lambda timer, events: None)
     finally:
         claims.close()
+
+
+# --- engine= on the claim source ----------------------------------------------------
+
+
+def test_claim_source_shares_an_engine_without_changing_it(db: TestDatabase) -> None:
+    make_jobs(db, 5)
+    engine = sa.create_engine(db.url)
+    pool = engine.pool
+    source = ClaimSource(engine=engine, table="jobs", schema=db.schema, pk_columns=["id"])
+    try:
+        assert source.name.endswith("jobs")
+        seen: list[int] = []
+        q = QueueTrigger(name="jobs", source=source, batch_size=2)
+        assert q.drain(lambda events: seen.extend(e.pk["id"] for e in events)) == 5
+        assert sorted(seen) == [1, 2, 3, 4, 5]
+        assert {r["dbt_status"] for r in rows(db).values()} == {"done"}
+        source.close()
+        assert engine.pool is pool  # close() leaves a shared engine's pool alone
+        # The engine's other users see no change: no autocommit, no write lock up front.
+        with engine.connect() as conn:
+            assert conn.get_isolation_level() != "AUTOCOMMIT"
+            if db.kind == "sqlite":
+                with conn.begin():
+                    conn.execute(sa.text("SELECT count(*) FROM jobs"))
+                    other = sqlite3.connect(engine.url.database or "", timeout=0.1)
+                    other.execute("UPDATE jobs SET payload = 'free' WHERE id = 1")
+                    other.commit()
+                    other.close()
+    finally:
+        source.close()
+        engine.dispose()
+
+
+class FakeCredential:
+    """What ``azure.identity`` credentials offer: ``get_token(scope).token``."""
+
+    def __init__(self) -> None:
+        self.scopes: list[str] = []
+
+    def get_token(self, scope: str) -> Any:
+        self.scopes.append(scope)
+        return type("AccessToken", (), {"token": "entra-token"})()
+
+
+def test_passwordless_claim_source_with_an_entra_id_engine(pg: TestDatabase) -> None:
+    """The recipe of docs/azure.md, for a queue: the engine logs in with a token."""
+    make_jobs(pg, 3)
+    credential = FakeCredential()
+    url = sa.make_url(pg.url).set(password=None).render_as_string(hide_password=False)
+    engine = entra_id_engine(url, credential=credential)
+    source = ClaimSource(engine=engine, table="jobs", schema=pg.schema, pk_columns=["id"])
+    try:
+        assert QueueTrigger(name="jobs", source=source).drain(lambda events: None) == 3
+        assert credential.scopes, "the connection was not made with a token"
+        assert "entra-token" not in str(source.describe())
+    finally:
+        source.close()
+        engine.dispose()
+
+
+def test_claim_source_needs_a_url_or_an_engine(sqlite_db: TestDatabase) -> None:
+    with pytest.raises(ConfigurationError, match="needs url= or engine="):
+        ClaimSource(table="jobs", pk_columns=["id"])
+    engine = sa.create_engine(sqlite_db.url)
+    with pytest.raises(ConfigurationError, match="with engine= configure that engine"):
+        ClaimSource(engine=engine, table="jobs", pk_columns=["id"], engine_kwargs={"echo": True})
+    engine.dispose()

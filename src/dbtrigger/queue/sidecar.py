@@ -230,7 +230,8 @@ class SidecarFeeder:
             )
         self.source = source
         self.keyset: SqlAlchemySource = SqlAlchemySource(
-            url=source.url.render_as_string(hide_password=False),
+            url=None if source.shared_engine else source.url.render_as_string(hide_password=False),
+            engine=source.shared_engine,
             table=source.table_name,
             schema=source.schema,
             cursor_column=source.cursor_column,

@@ -129,12 +129,19 @@ class ClaimSource:
         claims_table: sidecar mode: the claims table's name (default
             ``dbtrigger_claims``, in ``schema``; one table serves many queues).
         engine_kwargs: passed to :func:`sqlalchemy.create_engine`.
+        engine: share an existing engine instead of creating one, as for
+            :class:`~dbtrigger.SqlAlchemySource` (``url`` is then only used for
+            the name and may be omitted): the passwordless recipe is
+            ``engine=entra_id_engine(url)`` (:func:`dbtrigger.azure.entra_id_engine`).
+            The source uses it through a view of its own (autocommit on
+            PostgreSQL, ``BEGIN IMMEDIATE`` on SQLite), so the engine's other
+            users see no change; :meth:`close` leaves it open.
     """
 
     def __init__(
         self,
         *,
-        url: str,
+        url: str | None = None,
         table: str,
         pk_columns: Sequence[str],
         schema: str | None = None,
@@ -145,7 +152,15 @@ class ClaimSource:
         cursor_column: str | None = None,
         claims_table: str = "dbtrigger_claims",
         engine_kwargs: Mapping[str, Any] | None = None,
+        engine: Engine | None = None,
     ) -> None:
+        if url is None and engine is None:
+            raise ConfigurationError("ClaimSource needs url= or engine=")
+        if engine is not None and engine_kwargs:
+            raise ConfigurationError(
+                "engine_kwargs= configures an engine the source creates; with engine= "
+                "configure that engine instead"
+            )
         if mode not in ("columns", "sidecar"):
             raise ConfigurationError(f"mode must be 'columns' or 'sidecar', got {mode!r}")
         if on_done not in ("mark", "delete"):
@@ -174,11 +189,13 @@ class ClaimSource:
         )
         self.claims_table = validate_sql_identifier(claims_table, "claims_table")
         self._url_spec = url
-        self._url_value: URL | None = None
-        # A %SETTING% that is missing is reported at first use, not here: in a
-        # Function App one missing setting must not stop every function indexing.
-        with contextlib.suppress(MissingSettingError):
-            self._url_value = parse_database_url(url)
+        self._url_value: URL | None = None if url else engine.url  # type: ignore[union-attr]
+        if url:
+            # A %SETTING% that is missing is reported at first use, not here: in a
+            # Function App one missing setting must not stop every function indexing.
+            with contextlib.suppress(MissingSettingError):
+                self._url_value = parse_database_url(url)
+        self.shared_engine = engine
         self._time: DialectTime | None = None
         self._engine_kwargs = dict(engine_kwargs or {})
         self._engines_built: LazyEngine | None = None
@@ -194,7 +211,7 @@ class ClaimSource:
     def url(self) -> URL:
         """The database URL, ``%SETTING%`` references resolved (at the first use)."""
         if self._url_value is None:
-            self._url_value = parse_database_url(self._url_spec)
+            self._url_value = parse_database_url(str(self._url_spec))
         return self._url_value
 
     @property
@@ -209,8 +226,24 @@ class ClaimSource:
         if self._engines_built is None:
             with self._engine_lock:
                 if self._engines_built is None:
-                    self._engines_built = LazyEngine(self.url, self._engine_options())
+                    shared = self.shared_engine
+                    self._engines_built = (
+                        LazyEngine(self.url, self._engine_options())
+                        if shared is None
+                        else LazyEngine(self.url, engine=self._view(shared))
+                    )
         return self._engines_built
+
+    def _view(self, shared: Engine) -> Engine:
+        """A shared engine as the claim needs it, without changing it for its other
+        users: an ``execution_options`` copy shares the pool, and the options and
+        events set on it are its own."""
+        if self.time.dialect == "postgresql":
+            return shared.execution_options(isolation_level="AUTOCOMMIT")
+        view = shared.execution_options()
+        if self.time.dialect == "sqlite":
+            _begin_immediate(view, own_connections=False)
+        return view
 
     def _engine_options(self) -> dict[str, Any]:
         # No pre-ping: it would add a round trip to every claim and settlement.
@@ -274,7 +307,7 @@ class ClaimSource:
     @property
     def engine(self) -> Engine:
         engine = self._engines.engine
-        if self.time.dialect == "sqlite" and not self._sqlite_hooked:
+        if self.time.dialect == "sqlite" and not self._sqlite_hooked and not self.shared_engine:
             with self._engine_lock:
                 if not self._sqlite_hooked:
                     _begin_immediate(engine)
@@ -548,17 +581,22 @@ class ClaimSource:
             raise CommitError(f"pruning {self.name} failed: {short_error(exc)}") from exc
 
 
-def _begin_immediate(engine: Engine) -> None:
+def _begin_immediate(engine: Engine, *, own_connections: bool = True) -> None:
     """Make every transaction on this SQLite engine take the write lock up front.
 
     pysqlite would otherwise start transactions lazily and let two claimers read
     the same rows before either writes; ``BEGIN IMMEDIATE`` serialises them.
+    With ``own_connections`` pysqlite's own transaction handling is switched
+    off on each new connection; a view of a shared engine leaves the pool's
+    connections as they are (pysqlite then sees the explicit ``BEGIN`` and
+    does not start a transaction of its own).
     """
+    if own_connections:
 
-    @sa.event.listens_for(engine, "connect")
-    def _no_pysqlite_begin(dbapi_connection: Any, record: Any) -> None:
-        del record
-        dbapi_connection.isolation_level = None
+        @sa.event.listens_for(engine, "connect")
+        def _no_pysqlite_begin(dbapi_connection: Any, record: Any) -> None:
+            del record
+            dbapi_connection.isolation_level = None
 
     @sa.event.listens_for(engine, "begin")
     def _immediate(conn: Connection) -> None:

@@ -231,3 +231,67 @@ def test_claim_source_needs_a_url_or_an_engine(sqlite_db: TestDatabase) -> None:
     with pytest.raises(ConfigurationError, match="with engine= configure that engine"):
         ClaimSource(engine=engine, table="jobs", pk_columns=["id"], engine_kwargs={"echo": True})
     engine.dispose()
+
+
+# --- claim column types, checked at start ------------------------------------------
+
+#: Per database: a claim column declared with a type the claim cannot use.
+WRONG_TYPES = {
+    "sqlite": [
+        ("dbt_visible_at", "TIMESTAMP NOT NULL DEFAULT '2000-01-01 00:00:00.000'"),
+        ("dbt_done_at", "DATETIME"),
+    ],
+    "postgresql": [
+        ("dbt_visible_at", "timestamp without time zone NOT NULL DEFAULT now()"),
+        ("dbt_last_error", "varchar(100)"),
+    ],
+    "mariadb": [
+        ("dbt_visible_at", "TIMESTAMP(6) NOT NULL DEFAULT '2000-01-01'"),
+        ("dbt_claim_token", "int"),
+    ],
+}
+EXPECTED = {
+    "sqlite": "VARCHAR(23)",
+    "postgresql": "TIMESTAMP WITH TIME ZONE",
+    "mariadb": "DATETIME(6)",
+}
+
+
+def test_claim_columns_of_the_wrong_type_are_refused_at_start(db: TestDatabase) -> None:
+    """On SQLite a TIMESTAMP/DATETIME claim column made every settlement fail; on the
+    other databases a wrong type fails rarely or is quietly wrong. Each is refused
+    when the queue starts, naming the column, its declared type and the expected one."""
+    columns = {
+        "dbt_status": "varchar(8) NOT NULL DEFAULT 'ready'",
+        "dbt_attempts": "integer NOT NULL DEFAULT 0",
+        "dbt_visible_at": {
+            "sqlite": "varchar(23) NOT NULL DEFAULT '2000-01-01 00:00:00.000'",
+            "postgresql": "timestamptz NOT NULL DEFAULT now()",
+            "mariadb": "datetime(6) NOT NULL DEFAULT '2000-01-01'",
+        }[db.kind],
+        "dbt_claim_token": "varchar(36)",
+        "dbt_claimed_by": "varchar(200)",
+        "dbt_last_error": "varchar(2000)",
+        "dbt_done_at": {"postgresql": "timestamptz", "mariadb": "datetime(6)"}.get(
+            db.kind, "varchar(23)"
+        ),
+    }
+    for name, declared in WRONG_TYPES[db.kind]:
+        columns[name] = declared
+    listed = ", ".join(f"{name} {declared}" for name, declared in columns.items())
+    db.execute(f"CREATE TABLE {db.qualified('jobs')} (id integer PRIMARY KEY, {listed})")
+    db.execute(f"INSERT INTO {db.qualified('jobs')} (id) VALUES (1)")
+    source = claim_source(db)
+    try:
+        with pytest.raises(ConfigurationError) as info:
+            QueueTrigger(name="jobs", source=source).tick(lambda events: None)
+    finally:
+        source.close()
+    message = str(info.value)
+    for name, _ in WRONG_TYPES[db.kind]:
+        assert f"jobs.{name} is declared" in message
+    first = WRONG_TYPES[db.kind][0][0]
+    assert f"jobs.{first} is declared" in message
+    assert f"expected {EXPECTED[db.kind]}" in message
+    assert "dbtrigger queue install" in message
+    assert {r["dbt_status"] for r in rows(db).values()} == {"ready"}  # nothing claimed

@@ -35,6 +35,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
+from sqlalchemy.engine import Dialect
 from sqlalchemy.sql import ColumnElement
 
 from dbtrigger.errors import ConfigurationError
@@ -214,6 +215,89 @@ class DialectTime:
                 sqlite_where=where,
             )
         return sa.Index(name, column)
+
+
+#: The fewest characters each text claim column must hold.
+_TEXT_LENGTHS = {
+    STATUS: len(CLAIMED),
+    CLAIM_TOKEN: 32,
+    CLAIMED_BY: WORKER_ID_LIMIT,
+    LAST_ERROR: ERROR_LIMIT,
+}
+
+
+def check_claim_columns(table: sa.Table, time: DialectTime, dialect: Dialect) -> None:
+    """Refuse claim columns whose declared type the claim statements cannot use.
+
+    Checked when the queue starts, against the reflected table: a type that
+    only fails later fails every settlement instead (SQLite's ``TIMESTAMP``
+    makes the driver refuse the claim's text times), or fails in rare cases
+    (a ``VARCHAR(100)`` error column, a long worker id), or is quietly wrong
+    (PostgreSQL ``timestamp without time zone`` compares with ``now()`` in
+    the session's time zone; MySQL ``TIMESTAMP`` stops in 2038, before the
+    far-future time of finished rows).
+
+    Raises:
+        ConfigurationError: naming each column, its declared type and the
+            expected one (what ``dbtrigger queue install`` creates).
+    """
+    problems = []
+    for want in time.claim_columns():
+        have = table.c[want.name].type
+        why = _type_problem(want.name, have, time.dialect)
+        if why is not None:
+            problems.append(
+                f"{table.name}.{want.name} is declared {_declared(have, dialect)}, expected "
+                f"{want.type.compile(dialect=dialect)}: {why}"
+            )
+    if problems:
+        raise ConfigurationError(
+            "claim column(s) of a type the queue cannot use:\n  "
+            + "\n  ".join(problems)
+            + "\nchange them to the expected types (the ones `dbtrigger queue install` creates)"
+        )
+
+
+def _type_problem(name: str, have: sa.types.TypeEngine[Any], dialect: str) -> str | None:
+    untyped = dialect == "sqlite" and isinstance(have, sa.types.NullType)
+    if name in _TEXT_LENGTHS:
+        if untyped:
+            return None
+        if not isinstance(have, sa.String) or isinstance(have, sa.Enum):
+            return "the claim writes text to it"
+        length = getattr(have, "length", None)
+        if dialect != "sqlite" and length is not None and length < _TEXT_LENGTHS[name]:
+            return f"it holds {length} characters, the claim writes up to {_TEXT_LENGTHS[name]}"
+        return None
+    if name == ATTEMPTS:
+        ok = untyped or isinstance(have, sa.Integer)
+        return None if ok else "the claim counts attempts in it"
+    if dialect == "sqlite":
+        if untyped or (isinstance(have, sa.String) and not isinstance(have, sa.Enum)):
+            return None
+        return (
+            "on SQLite claim times are text ('YYYY-MM-DD HH:MM:SS.SSS', UTC); with a "
+            "date/time or numeric type the driver converts them and every settlement fails"
+        )
+    if not isinstance(have, sa.DateTime):
+        return "the claim stores the database's time in it"
+    if dialect == "postgresql" and not have.timezone:
+        return "without a time zone it compares with now() in each session's time zone"
+    if dialect == "mysql" and isinstance(have, sa.TIMESTAMP):
+        return (
+            "TIMESTAMP converts through the session time zone and ends in 2038, before "
+            "the far-future time of finished rows"
+        )
+    if dialect == "mysql" and (getattr(have, "fsp", None) or 0) < 6:
+        return "without microseconds a claim can expire up to a second early"
+    return None
+
+
+def _declared(have: sa.types.TypeEngine[Any], dialect: Dialect) -> str:
+    try:
+        return str(have.compile(dialect=dialect))
+    except sa.exc.CompileError:
+        return "without a type"
 
 
 def index_name(table: str) -> str:

@@ -38,7 +38,15 @@ from sqlalchemy.schema import CreateIndex, CreateTable, DropTable
 from dbtrigger.cursor import decode_value, encoded_json, pk_json
 from dbtrigger.errors import ConfigurationError, OutputWriteError
 from dbtrigger.events import RowChange
-from dbtrigger.queue.schema import ATTEMPTS, CLAIMED, READY, STATUS, DialectTime, index_name
+from dbtrigger.queue.schema import (
+    ATTEMPTS,
+    CLAIMED,
+    READY,
+    STATUS,
+    DialectTime,
+    check_claim_columns,
+    index_name,
+)
 from dbtrigger.queue.statements import ClaimTable
 from dbtrigger.sources.sqlalchemy import short_error
 
@@ -145,6 +153,7 @@ def claims_target(source: ClaimSource, conn: Connection) -> ClaimTable:
             f"  {source.install_hint()} --yes\n"
             "(without --yes it prints the DDL it would run)"
         )
+    check_claim_columns(source.reflect(conn, source.claims_table), source.time, conn.dialect)
     table = claims_table(source.claims_table, source.schema, source.time)
     return ClaimTable(table, KEY, source.time, table.c.queue == source.queue_name)
 

@@ -55,6 +55,7 @@ from dbtrigger.queue.schema import (
     PREFIX,
     VISIBLE_AT,
     DialectTime,
+    check_claim_columns,
 )
 from dbtrigger.queue.statements import (
     ClaimBatch,
@@ -417,6 +418,7 @@ class ClaimSource:
                 "(without --yes it prints the DDL it would run)",
                 missing_columns=missing,
             )
+        check_claim_columns(user, self.time, conn.dialect)
         if not any([c.name for c in index.columns][:1] == [VISIBLE_AT] for index in user.indexes):
             Telemetry(self.name, SafeMetrics(None, self.name), logger=log).emit(
                 "queue_index_missing",

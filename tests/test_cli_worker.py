@@ -15,7 +15,9 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from dbtrigger import FileCheckpointStore
@@ -79,6 +81,59 @@ def run_cli(
         timeout=timeout,
         check=False,
     )
+
+
+def run_until(
+    args: list[str], cwd: Path, done: Callable[[list[str]], bool], *, timeout: float = 60
+) -> tuple[int, str, str]:
+    """Run the console script until ``done(stderr lines so far)`` holds, then SIGTERM it.
+
+    The outcome is waited for (up to ``timeout`` seconds), never a fixed time, so a
+    loaded machine cannot make the test see too little. Returns (exit code, stdout,
+    stderr).
+    """
+    proc = subprocess.Popen(
+        [DBTRIGGER, *args],
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(cwd)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    changed = threading.Condition()
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            with changed:
+                lines.append(line.rstrip("\n"))
+                changed.notify_all()
+        with changed:
+            changed.notify_all()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    with changed:
+        changed.wait_for(
+            lambda: done(lines) or proc.poll() is not None or not reader.is_alive(), timeout
+        )
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(30)
+    assert proc.stdout is not None
+    out = proc.stdout.read()  # a few summary lines: no pipe can fill up meanwhile
+    proc.stdout.close()
+    assert proc.stderr is not None
+    proc.stderr.close()
+    err = "\n".join(lines)
+    assert done(lines), f"timed out or exited after {timeout:.0f}s; stderr so far:\n{err}"
+    return proc.returncode, out, err
 
 
 def tick_lines(stderr: str) -> list[dict[str, object]]:
@@ -177,18 +232,14 @@ def test_failing_handler_logs_its_traceback_once_and_backs_off(
         sqlite_db.url,
         pollers={"orders": "raise RuntimeError('sink refused order ' + str(events[0].pk['id']))"},
     )
-    proc = subprocess.Popen(
-        [DBTRIGGER, "run", "failing_app:orders", "--interval", "0.1", "--max-backoff", "0.4"],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(tmp_path)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    # Stopped once five failed ticks are logged (bounded), not after a fixed time:
+    # on a loaded machine a fixed sleep saw too few.
+    code, out, err = run_until(
+        ["run", "failing_app:orders", "--interval", "0.1", "--max-backoff", "0.4"],
+        tmp_path,
+        lambda lines: sum("tick failed (HandlerError" in line for line in lines) >= 5,
     )
-    time.sleep(4)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=30)
-    assert proc.returncode == 0, err
+    assert code == 0, err
     failed = [line for line in err.splitlines() if "tick failed (HandlerError" in line]
     assert len(failed) >= 4
     assert err.count("Traceback (most recent call last)") == 1

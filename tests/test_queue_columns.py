@@ -175,7 +175,7 @@ def test_a_lost_claim_is_reported_not_overwritten(db: TestDatabase, source: Clai
                 ),
                 {"i": events[0].pk["id"]},
             )
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60  # bounded: the next heartbeat notices the theft
         while not ctx.cancelled and time.monotonic() < deadline:
             time.sleep(0.02)
         assert ctx.cancelled
@@ -194,18 +194,25 @@ def test_heartbeat_keeps_a_slow_claim(db: TestDatabase, source: ClaimSource) -> 
     )
     other = trigger(source, batch_size=10, worker_id="other")
     stolen: list[int] = []
+    holding = threading.Event()
+    looked = threading.Event()
 
     def slow(events: list[RowChange]) -> None:
-        time.sleep(3.2)
+        holding.set()
+        assert looked.wait(60)  # slow until the other worker has looked (bounded)
 
     def record(events: list[RowChange]) -> None:
         stolen.extend(e.pk["id"] for e in events)
 
     thread = threading.Thread(target=q.tick, args=(slow,))
     thread.start()
-    time.sleep(2.6)  # past the visibility timeout: only the heartbeat keeps the claim
-    other.tick(record)
-    thread.join()
+    try:
+        assert holding.wait(60)  # row 1 is claimed and in the handler
+        time.sleep(2.6)  # past the visibility timeout: only the heartbeat keeps the claim
+        other.tick(record)
+    finally:
+        looked.set()
+        thread.join(60)
     assert 1 not in stolen
     assert rows(db)[1]["dbt_status"] == "done"
     assert rows(db)[1]["dbt_attempts"] == 1

@@ -35,6 +35,7 @@ from tests.reliability_support import (
     make_trigger,
     read_doc,
     steal_lease,
+    wait_for,
 )
 
 
@@ -95,8 +96,22 @@ def test_handler_slower_than_ttl_keeps_its_lease_and_commits(sqlite_db: TestData
     other = make_trigger(items_source(sqlite_db), store, lease_ttl_seconds=ttl, owner_id="other")
     competitor_handler = Recorder()
 
+    def heartbeats() -> int:
+        return sum(
+            1
+            for i in list(store.plan.calls)
+            if i.call.op == "write"
+            and i.call.document is not None
+            and i.call.document.checkpoint is None
+            and i.call.document.lease is not None
+            and i.call.document.lease.heartbeat_at > i.call.document.lease.acquired_at
+        )
+
     def handler(events: list[RowChange], ctx: BatchContext) -> None:
-        time.sleep(2.2 * ttl)  # well past the TTL and its grace window
+        # Well past the TTL and its grace window, and until three renewals
+        # landed (waited for, bounded: a loaded machine renews later, not less).
+        started = time.monotonic()
+        wait_for(lambda: time.monotonic() - started >= 2.2 * ttl and heartbeats() >= 3, timeout=60)
         assert not ctx.cancelled
 
     with Competitor(other, competitor_handler) as competitor:
@@ -109,16 +124,7 @@ def test_handler_slower_than_ttl_keeps_its_lease_and_commits(sqlite_db: TestData
     assert doc.lease is not None
     assert (doc.lease.owner_id, doc.lease.fencing_token) == ("slow", 1), "token climbed"
     assert checkpoint_id(store) == 5
-    heartbeats = sum(
-        1
-        for i in store.plan.calls
-        if i.call.op == "write"
-        and i.call.document is not None
-        and i.call.document.checkpoint is None
-        and i.call.document.lease is not None
-        and i.call.document.lease.heartbeat_at > i.call.document.lease.acquired_at
-    )
-    assert heartbeats >= 3
+    assert heartbeats() >= 3
 
 
 def test_without_competitor_a_batch_past_its_expired_lease_still_commits(
@@ -164,7 +170,9 @@ def test_without_heartbeat_a_slow_batch_loses_its_lease_and_is_redelivered(
 
     def handler(events: list[RowChange]) -> None:
         seen.extend(int(e.pk["id"]) for e in events)
-        time.sleep(6 * ttl)
+        # Slow until the competitor has taken over and redelivered (bounded wait
+        # for that outcome, not a fixed time a loaded machine may not honour).
+        wait_for(lambda: competitor_handler.ids == [1, 2, 3], timeout=60)
 
     with Competitor(other, competitor_handler), pytest.raises(LostLeaseError):
         slow.tick(handler)
@@ -326,8 +334,20 @@ def test_a_failed_renewal_is_not_a_lost_lease(
         items_source(sqlite_db), store, lease_ttl_seconds=3, heartbeat_interval_seconds=0.3
     )
 
+    def renewed() -> bool:  # a heartbeat landed after the three failed tries
+        calls = list(store.plan.calls)
+        failed = [n for n, i in enumerate(calls) if i.fault is Fault.UNAVAILABLE]
+        return len(failed) == 3 and any(
+            i.fault is None
+            and i.call.op == "write"
+            and i.call.document is not None
+            and i.call.document.lease is not None
+            and i.call.document.lease.heartbeat_at > i.call.document.lease.acquired_at
+            for i in calls[failed[-1] + 1 :]
+        )
+
     def handler(events: list[RowChange], ctx: BatchContext) -> None:
-        time.sleep(1.5)
+        wait_for(renewed, timeout=60)  # the outcome, not a fixed time
         assert not ctx.cancelled
 
     with caplog.at_level(logging.WARNING, logger="dbtrigger"):

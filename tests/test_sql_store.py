@@ -329,9 +329,11 @@ def _kill_backend(kind: str, backend_id: int) -> None:
         else:
             conn.execute(sa.text(f"KILL CONNECTION {int(backend_id)}"))
             probe = sa.text("SELECT count(*) FROM information_schema.processlist WHERE id = :p")
-        for _ in range(100):
+        deadline = time.monotonic() + 30  # bounded, generous for a loaded server
+        while time.monotonic() < deadline:
             if conn.execute(probe, {"p": backend_id}).scalar() == 0:
                 return
+            conn.rollback()  # a fresh view: pg_stat_activity is cached per transaction
             time.sleep(0.05)
     raise AssertionError(f"{kind} session {backend_id} did not go away")
 

@@ -104,13 +104,21 @@ class Poller:
         self.thread = threading.Thread(target=self._run, name=f"poller-{self.label}", daemon=True)
         self.thread.start()
 
-    def finish(self) -> None:
-        """Stop the thread, then drain whatever is left from the main thread."""
+    def finish(self, until: Callable[[], bool] | None = None, timeout: float = 30) -> None:
+        """Stop the thread, then drain whatever is left from the main thread.
+
+        With ``until``, drain again until it holds (bounded by ``timeout``): a
+        horizon may be held back a little longer by another session's
+        transaction on a shared server, and a loaded machine must not fail a
+        poller that is only late.
+        """
         self.stop.set()
         if self.thread is not None:
             self.thread.join(timeout=30)
         assert not self.errors, f"{self.label}: {self.errors[0]!r}"
         self.trigger.drain(self.handle)
+        if until is not None:
+            wait_until(lambda: until() or (self.trigger.drain(self.handle), until())[1], timeout)
 
     def position(self) -> Position:
         state = self.trigger.read_state()
@@ -184,13 +192,24 @@ class Workload:
     errors: list[BaseException] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def _enough(self) -> bool:
+        """Has the workload written what :meth:`check` needs? (Writing goes on past
+        ``seconds`` until it has, bounded: a loaded machine writes less per second.)"""
+        with self.lock:
+            return (
+                self.committed_txns > 20 and self.rolled_back > 0 and len(self.committed_ids) > 60
+            )
+
     def _writer(self, index: int) -> None:
         rng = random.Random(self.seed * 100 + index)
         deadline = time.monotonic() + self.seconds
+        cap = deadline + 60
         short_phase = time.monotonic() + self.seconds / 2
         try:
             with self.engine.connect() as conn:
-                while time.monotonic() < deadline:
+                while time.monotonic() < deadline or (
+                    time.monotonic() < cap and not self._enough()
+                ):
                     long = time.monotonic() < short_phase and rng.random() < 0.12
                     hold = rng.uniform(*self.long_hold) if long else rng.uniform(0, 0.02)
                     rollback = rng.random() < 0.12
@@ -221,7 +240,7 @@ class Workload:
         for t in threads:
             t.start()
         for t in threads:
-            t.join(timeout=self.seconds + 60)
+            t.join(timeout=self.seconds + 90)
 
     def check(self) -> None:
         assert not self.errors, repr(self.errors[0])
@@ -350,12 +369,17 @@ def test_postgresql_concurrent_late_commits_lose_nothing_with_guards(
         writers = threading.Thread(target=workload.run)
         writers.start()
         time.sleep(1.0)  # several poller ticks with the straggler open
-        # Commit only once every unguarded poller has checkpointed past it.
+        # Commit only once every unguarded poller has checkpointed past it, and
+        # every guarded one has been held back by it, by name (bounded waits).
         passed = wait_until(
             lambda: all(
                 p.passed(getattr(row, columns[p.label.split("-")[0]]), row.id) for p in unguarded
             ),
-            timeout=20,
+            timeout=30,
+        )
+        named = wait_until(
+            lambda: all(p.held_back_ticks >= 3 and row.pid in p.blocking_pids for p in guarded),
+            timeout=30,
         )
         straggler.commit()
         straggler.close()
@@ -365,10 +389,13 @@ def test_postgresql_concurrent_late_commits_lose_nothing_with_guards(
                 ts_none.position().cursor > quiet.updated_at
                 and seq_none.position().cursor > quiet.seq
             ),
-            timeout=20,
+            timeout=30,
         )
         writers.join()
         workload.check()
+        named_silent = wait_until(
+            lambda: all(quiet.pid in p.blocking_pids for p in guarded[:2]), timeout=30
+        )
         silent_row = silent.execute(
             sa.text(
                 "INSERT INTO events (writer, seq) VALUES (-2, :seq) "
@@ -378,13 +405,18 @@ def test_postgresql_concurrent_late_commits_lose_nothing_with_guards(
         ).one()
         silent.commit()
         silent.close()
-        for p in pollers:
-            p.finish()
-
         with engine.connect() as conn:
             final = conn.execute(sa.text("SELECT id, seq, updated_at, dbtrigger_xid FROM events"))
             final_rows = list(final)
+        for p in unguarded:
+            p.finish()
+        for p in guarded:
+            column = columns[p.label.split("-")[0]]
+            p.finish(until=lambda p=p, c=column: not lost_rows(p, final_rows, c))  # type: ignore[misc]
+
         assert len(final_rows) > 50
+        assert named, "a guarded poller was never held back by the straggler, by name"
+        assert named_silent, "a transaction horizon never named the silent straggler"
         for p in guarded:
             column = columns[p.label.split("-")[0]]
             assert lost_rows(p, final_rows, column) == set(), f"{p.label} lost rows"
@@ -471,21 +503,26 @@ def test_mariadb_concurrent_late_commits_within_the_window_lose_nothing(
     )
     try:
         straggler, row = start_mariadb_straggler(mariadb)
-        for p in (guarded, unguarded):
-            p.start()
+        guarded.start()
         # Every transaction, the straggler included, commits well inside the window.
         workload = Workload(mariadb.engine, simple_insert(insert), update, long_hold=(0.2, 0.6))
         writers = threading.Thread(target=workload.run)
         writers.start()
-        passed = wait_until(lambda: unguarded.passed(row.updated_at, row.id), timeout=2.2)
+        # The straggler must commit inside the window, so this wait has a fixed
+        # budget; the unguarded poller ticks right here (one tick past a later
+        # row is all it needs), not in a thread a loaded machine may not schedule.
+        passed = wait_until(
+            lambda: (unguarded.tick(), unguarded.passed(row.updated_at, row.id))[1], timeout=2.2
+        )
         straggler.commit()
         straggler.close()
+        unguarded.start()
         writers.join()
         workload.check()
         time.sleep(window + 0.3)  # the last commits age past the window
-        guarded.finish()
-        unguarded.finish()
         final = mariadb_final(mariadb)
+        guarded.finish(until=lambda: not lost_rows(guarded, final, "updated_at"))
+        unguarded.finish()
         assert len(final) > 50
         assert lost_rows(guarded, final, "updated_at") == set()
         assert passed, "the unguarded poller never moved past the straggler"

@@ -88,6 +88,8 @@ def chaos_on_blob(
         env={"DBTRIGGER_CHAOS_STORAGE": azurite.connection_string},
         workdir=tmp_path,
         seconds=seconds,
+        min_chaos=min_chaos,
+        min_rows=min_rows,
         **options,
     )
     print(f"\nchaos report ({title}):\n{report.table()}")

@@ -278,8 +278,15 @@ def run_chaos(
     seed: int = 4,
     subscribers: int = 0,
     max_concurrency: int = 1,
+    min_chaos: int = 0,
+    min_rows: int = 0,
 ) -> tuple[ChaosReport, str]:
     """Run the whole scenario; returns the report and the workers' log tails.
+
+    ``min_chaos``: kills and freezes go on after the writer stopped (while the
+    workers drain) until there were at least that many (bounded), so a loaded
+    machine, whose steps take longer, still gets the chaos the test asserts;
+    likewise the writer goes on until it inserted more than ``min_rows``.
 
     ``subscribers``: fan-out workers (``PollTrigger(subscribers=...)``) with
     that many subscribers, each of which must see every row state.
@@ -327,6 +334,8 @@ def run_chaos(
             str(seed),
             "--pause",
             "0.03",
+            "--min-rows",
+            str(min_rows),
         ],
         cwd=ROOT,
         env=chaos.env,
@@ -334,10 +343,15 @@ def run_chaos(
     )
     kills = pauses = 0
     chaos.start_all()
+    cap = time.monotonic() + seconds + 120
+
+    def more() -> bool:
+        return writer.poll() is None or (kills + pauses < min_chaos and time.monotonic() < cap)
+
     try:
-        while writer.poll() is None:
+        while more():
             time.sleep(chaos.rng.uniform(1.0, 3.0))
-            if writer.poll() is not None:
+            if not more():
                 break
             if chaos.rng.random() < 0.7:
                 chaos.kill_one()

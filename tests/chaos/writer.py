@@ -27,6 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, required=True)
     parser.add_argument("--pause", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--min-rows",
+        type=int,
+        default=0,
+        help="go on past --seconds until more rows than this were inserted (bounded)",
+    )
     args = parser.parse_args(argv)
 
     rng = random.Random(args.seed)
@@ -36,8 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     next_id = 1
     inserted = updated = transactions = 0
     deadline = time.monotonic() + args.seconds
+    cap = deadline + 120
     with engine.connect() as conn:
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline or (inserted <= args.min_rows and time.monotonic() < cap):
             with conn.begin():
                 if next_id == 1 or rng.random() < 0.6:
                     for _ in range(rng.randint(1, 6)):

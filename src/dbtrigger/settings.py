@@ -19,14 +19,25 @@ from typing import Generic, TypeVar
 
 from dbtrigger.errors import ConfigurationError, MissingSettingError
 
+#: The one documented form: the whole value is ``%NAME%``. Only that is a
+#: reference; a ``%`` anywhere else is the value's own (a percent-encoded
+#: password ``p%C3%A4ss`` in a URL must not be read as the setting ``C3``).
 _REFERENCE = re.compile(r"%([A-Za-z_][A-Za-z0-9_:.-]*)%")
 
 T = TypeVar("T")
 
 
+def setting_name(value: str | None) -> str | None:
+    """The app setting ``value`` refers to when it is a whole ``%NAME%``, else None."""
+    if value is None:
+        return None
+    match = _REFERENCE.fullmatch(value)
+    return match.group(1) if match else None
+
+
 def references_setting(value: str | None) -> bool:
-    """True when ``value`` holds a ``%SETTING%`` reference (resolved from the environment)."""
-    return value is not None and _REFERENCE.search(value) is not None
+    """True when ``value`` is a ``%SETTING%`` reference (resolved from the environment)."""
+    return setting_name(value) is not None
 
 
 class Deferred(Generic[T]):
@@ -83,20 +94,24 @@ def resolve(value: T | Deferred[T]) -> T:
 
 
 def resolve_setting(value: str, environ: Mapping[str, str] | None = None) -> str:
-    """Replace each ``%NAME%`` in ``value`` with that environment variable.
+    """The app setting's value when ``value`` is a whole ``%NAME%``, else ``value``.
+
+    Exactly one lookup: the setting's value is used as it is, even if it looks
+    like a reference itself, and nothing inside a longer value is replaced
+    (``postgresql://app:p%C3%A4ss@db/shop`` is a URL, not a use of ``C3``).
+    Callers resolve a value once and pass the result on; resolving a result
+    again finds nothing to replace unless it is itself a whole ``%NAME%``.
 
     Raises:
         MissingSettingError: naming the missing setting (never its value).
     """
+    name = setting_name(value)
+    if name is None:
+        return value
     env = os.environ if environ is None else environ
-
-    def lookup(match: re.Match[str]) -> str:
-        name = match.group(1)
-        if name not in env:
-            raise MissingSettingError(f"app setting {name!r} is referenced but not set")
-        return env[name]
-
-    return _REFERENCE.sub(lookup, value)
+    if name not in env:
+        raise MissingSettingError(f"app setting {name!r} is referenced but not set")
+    return env[name]
 
 
 class DeferredSettingError(ConfigurationError):

@@ -9,7 +9,7 @@ environment variable) names a store like this:
 ``DefaultEndpointsProtocol=...;...``      BlobCheckpointStore from a connection string
 ``BlobEndpoint=...;SharedAccess...``      the same, from the portal's SAS form
 ``UseDevelopmentStorage=true``            the same, against the local emulator
-``%SETTING%``                             the app setting's value, interpreted as above
+``%SETTING%`` (the whole value)           the app setting's value, read once, as above
 ``azure-blob://ACCOUNT-HOST/CONTAINER``   BlobCheckpointStore with DefaultAzureCredential
 ``azure-table://ACCOUNT-HOST/TABLE``      TableCheckpointStore with DefaultAzureCredential
 ``azure-table:CONNECTION-STRING``         TableCheckpointStore from a connection string
@@ -43,7 +43,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.redaction import redact, remember_connection_string, remember_secret
-from dbtrigger.settings import resolve_setting
+from dbtrigger.settings import resolve_setting, setting_name
 from dbtrigger.state.stores.base import CheckpointStore
 from dbtrigger.state.stores.file import FileCheckpointStore
 from dbtrigger.state.stores.memory import InMemoryCheckpointStore
@@ -204,17 +204,25 @@ def open_store(
     spec = spec.strip()
     if not spec:
         raise ConfigurationError("empty store location")
-    if re.fullmatch(r"%[A-Za-z_][A-Za-z0-9_:.-]*%", spec):
+    name = setting_name(spec)
+    if name is not None:
         env = os.environ if environ is None else environ
-        name = spec.strip("%")
         if name not in env and any(
             f"{name}__{suffix}" in env for suffix in ("blobServiceUri", "serviceUri", "accountName")
         ):
             # A Functions identity-based connection: the blob store resolves it.
             return _open_blob_connection_string(name, container=container, app=app)
-        value = resolve_setting(spec, environ)
+        value = resolve_setting(spec, environ).strip()
         _remember_connection_string(value)
-        return open_store(value, app=app, container=container, table=table, environ=environ)
+        if not value:
+            raise ConfigurationError(f"app setting {name!r} is empty: it names no store")
+        # The setting's value is the location, read once: it is not resolved again.
+        return _open_location(value, app=app, container=container, table=table)
+    return _open_location(spec, app=app, container=container, table=table)
+
+
+def _open_location(spec: str, *, app: str, container: str, table: str | None) -> CheckpointStore:
+    """The store at a concrete location (no app setting left to read)."""
     if spec.startswith("memory:"):
         return memory_store(spec[len("memory:") :])
     if spec.startswith("file:") and not spec.startswith("file://"):
@@ -231,7 +239,7 @@ def open_store(
     if scheme:
         dialect = scheme.group(1).split("+", 1)[0].lower()
         if dialect in _SQL_DIALECTS:
-            return _open_sql(resolve_setting(spec, environ), app=app)
+            return _open_sql(spec, app=app)
         raise ConfigurationError(
             f"unknown store scheme {scheme.group(1)!r}: use a directory, file:DIR, memory:, "
             "an Azure connection string, azure-blob://, azure-table:// or a SQL URL"

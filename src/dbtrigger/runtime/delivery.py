@@ -85,6 +85,11 @@ class Delivered:
         """Ids that must not count as settled: waiting for a retry."""
         return frozenset(self.retried)
 
+    @property
+    def dead_lettered(self) -> frozenset[str]:
+        """Ids written to the dead-letter sink: settled for good."""
+        return frozenset(self.rejected) | self.exhausted
+
 
 @dataclass(frozen=True)
 class Undelivered:

@@ -583,13 +583,15 @@ class TickDriver:
             session.lost = True
             raise
         if isinstance(outcome, Undelivered):
+            # Per-key order: what follows an unsettled event of its key comes again after it.
+            settled = windowing.in_key_order(events, outcome.settled)
             self.writer.record_failure(
                 session,
                 ctx,
                 outcome.cause,
                 events,
-                outcome.settled,
-                windowing.settle_failed(selection, events, outcome.settled, self.settings.bound),
+                settled,
+                windowing.settle_failed(selection, events, settled, self.settings.bound),
             )
             raise outcome.error
         return outcome
@@ -691,6 +693,7 @@ class TickDriver:
             backoff=(s.retry_delay, s.retry_delay_max),
             jitter=s.jitter,
             owed=outcome.owed,
+            terminal=outcome.dead_lettered,
         )
 
     def commit(

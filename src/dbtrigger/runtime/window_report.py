@@ -5,7 +5,9 @@ or full, see :mod:`dbtrigger.state.window`) is correct back-pressure, but it
 stops the poller until the pinned events settle, and an operator must be able
 to see that without reading state documents: ``window_blocked`` at WARNING
 names how many rows wait, how full the window is and the oldest pinned event
-(its key and cursor, attempts, due time and reason), ``window_unblocked`` at
+(its key and cursor, attempts, due time and reason) - or, when what waits
+is later events of keys whose earlier event waits for a retry (per-key
+order), says that instead - ``window_unblocked`` at
 INFO says when rows flow again, and the ``window_withheld_rows`` gauge follows
 every read. A poller that stays blocked for hours logs one line, not one per
 tick; a new oldest pinned event, or a change from "at pressure" to "full", is
@@ -52,7 +54,7 @@ class WindowReport:
         state = None
         if view.blocked:
             state = (
-                "full" if view.full else "pressure",
+                "full" if view.full else ("pressure" if view.withheld else "held"),
                 None if oldest is None else key_of(oldest.position),
             )
         if state == self.state:
@@ -61,11 +63,13 @@ class WindowReport:
         if state is None:
             self.emit("window_unblocked", "the settled window no longer blocks progress")
             return
-        why = (
-            "the window has no room for another event"
-            if view.full
-            else "the window is at 75%% of its bound (only due retries and late rows go out)"
-        )
+        why = {
+            "full": "the window has no room for another event",
+            "pressure": "the window is at 75%% of its bound (only due retries and late rows "
+            "go out)",
+            "held": "each waits behind an earlier event of its key that waits for a retry "
+            "(per-key order)",
+        }[state[0]]
         pinned = "no event is waiting for a retry"
         fields: dict[str, Any] = {}
         if oldest is not None:
@@ -85,10 +89,10 @@ class WindowReport:
         self.emit(
             "window_blocked",
             "the settled window blocks progress: %d row(s) after the checkpoint wait and "
-            "none goes out: " + why + " (%d/%d events, %d/%d bytes); %s. It moves on as "
+            "none goes out: " + why + " (window %d/%d events, %d/%d bytes); %s. It moves on as "
             "the pinned events settle (or are dead-lettered after max_attempts); see "
             "`dbtrigger status %s`",
-            view.withheld,
+            view.withheld + view.held,
             len(window),
             self.bound.max_events,
             window.encoded_size(),
@@ -97,6 +101,7 @@ class WindowReport:
             self.name,
             window_events=len(window),
             withheld=view.withheld,
+            held=view.held,
             blocked_by=state[0],
             **fields,
         )

@@ -11,8 +11,9 @@ read, and move the checkpoint to the last of them.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,8 @@ class WindowView:
     withheld: int = 0
     """Rows of the read the window's bound kept back although the batch had room."""
     full: bool = False
+    held: int = 0
+    """Rows kept back behind an earlier event of their key that waits."""
     blocked: bool = False
     """Rows wait and not one new row goes out (:attr:`windowmod.Plan.blocked`)."""
     dropped: int = 0
@@ -94,13 +97,16 @@ def choose(
     positions = list(positions or ())
     keys = [windowmod.key_of(p) for p in positions]
     sizes = [windowmod.entry_size(p) for p in positions]
+    groups = [windowmod.row_key(p) for p in positions]
     current = window.without(windowmod.gone(window, positions, complete=complete))
 
     def decide(w: Window) -> windowmod.Plan:
-        return windowmod.plan(keys, sizes, w, now=now, batch_size=batch_size, bound=bound)
+        return windowmod.plan(
+            keys, sizes, w, now=now, batch_size=batch_size, bound=bound, groups=groups
+        )
 
     chosen = decide(current)
-    if chosen.blocked and not complete:
+    if chosen.blocked and chosen.withheld and not complete:
         unseen = current.keys() - set(keys)
         if unseen:
             entries = [p for p in current.settled if windowmod.key_of(p) in unseen]
@@ -115,6 +121,7 @@ def choose(
         chosen.pressure,
         chosen.withheld,
         chosen.full,
+        chosen.held,
         chosen.blocked,
         len(window) - len(current),
     )
@@ -179,9 +186,17 @@ def settle_delivered(
     backoff: tuple[float, float],
     jitter: Callable[[], float],
     owed: Mapping[str, Mapping[str, int]] | None = None,
+    terminal: Collection[str] = (),
 ) -> Settlement | None:
     """Fold a delivered batch into the window (``retried``: event id -> reason;
-    ``owed``: with fan-out, event id -> the subscribers it goes to again).
+    ``owed``: with fan-out, event id -> the subscribers it goes to again;
+    ``terminal``: the ids written to the dead-letter sink).
+
+    An event after a retried event of the same row key is not settled,
+    whatever the handler did with it: it comes again after that event, so a
+    key's events end up handled in source order (docs/reliability.md,
+    "Per-key order"). With fan-out it is owed again only to the subscribers
+    the earlier event is owed to, with its attempt counts unchanged.
 
     None when no window is involved (none before, nothing retried): the
     checkpoint simply moves to the batch's last row, as it always did.
@@ -191,14 +206,25 @@ def settle_delivered(
     pending = {windowmod.key_of(p.position): p for p in selection.window.pending}
     settled: set[str] = set()
     waiting: dict[str, windowmod.Pending] = {}
+    # Row key -> who an earlier event of it in this batch is still owed to
+    # (None: the single handler): the events after it wait too (per-key order).
+    blocking: dict[str, set[str] | None] = {}
     for event in events:
         where = position_of(event)
         key = windowmod.key_of(where)
+        group = windowmod.row_key(where)
         reason = retried.get(event.event_id)
-        if reason is None:
+        # A dead-lettered event is settled for good, held back or not.
+        held = group in blocking and event.event_id not in terminal
+        if reason is None and not held:
             settled.add(key)
             continue
-        waiting[key] = windowmod.retry_entry(
+        earlier = blocking.get(group)
+        if reason is None:
+            if earlier is not None:  # fan-out: owed again to who owes the earlier event
+                waiting[key] = windowmod.held_entry(where, pending.get(key), earlier, now=now)
+            continue  # the single handler: not settled; delivered again after it
+        entry = windowmod.retry_entry(
             where,
             pending.get(key),
             reason=reason,
@@ -208,6 +234,17 @@ def settle_delivered(
             jitter=jitter(),
             owed=None if owed is None else owed.get(event.event_id),
         )
+        if held and earlier is not None and entry.owed is not None:
+            before = pending.get(key)
+            counts = dict(before.owed or {}) if before is not None else {}
+            owes = {name: counts.get(name, 0) for name in earlier}
+            entry = dataclasses.replace(entry, owed={**owes, **entry.owed})
+        waiting[key] = entry
+        blocking[group] = (
+            None
+            if entry.owed is None or (held and earlier is None)
+            else (earlier or set()) | set(entry.owed)
+        )
     return windowmod.settle(
         fetched(selection, events),
         complete=selection.complete,
@@ -216,6 +253,21 @@ def settle_delivered(
         retried=waiting,
         bound=bound,
     )
+
+
+def in_key_order(events: Sequence[RowChange], settled: frozenset[str]) -> frozenset[str]:
+    """``settled`` less the events that follow an unsettled event of their row key
+    in the batch: those come again after it (per-key order), whatever the
+    handler did with them."""
+    blocked: set[str] = set()
+    out = set(settled)
+    for event in events:
+        group = windowmod.row_key(position_of(event))
+        if group in blocked:
+            out.discard(event.event_id)
+        elif event.event_id not in settled:
+            blocked.add(group)
+    return frozenset(out)
 
 
 def settle_failed(

@@ -63,7 +63,7 @@ from collections.abc import Collection, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
-from dbtrigger.cursor import Position, canonical_json
+from dbtrigger.cursor import Position, canonical_json, pk_json
 from dbtrigger.errors import CorruptStateError
 from dbtrigger.redaction import redact
 from dbtrigger.state.document import format_time, parse_time, position_from_json, position_to_json
@@ -78,6 +78,13 @@ PRESSURE = 0.75
 def key_of(position: Position) -> str:
     """The window key of an event: its full (cursor, pk) tuple, canonically encoded."""
     return canonical_json(position_to_json(position))
+
+
+def row_key(position: Position) -> str:
+    """The event's row key (its pk alone), canonically encoded: every event of
+    one row shares it. A pending event holds back the later events of its row
+    key (:func:`plan`), so one key's events are handled in source order."""
+    return pk_json(position.pk)
 
 
 def entry_size(position: Position) -> int:
@@ -299,17 +306,19 @@ class Plan:
     pressure: bool = False
     withheld: int = 0
     """Rows of the read, neither settled nor waiting, that the window's bound
-    kept back although the batch had room: the window blocks progress."""
+    kept back although the batch had room."""
     full: bool = False
     """The window had no room left for another event (not just the 75% mark)."""
     new: int = 0
     """Rows handed out that were not waiting for a retry."""
+    held: int = 0
+    """Rows kept back behind an earlier event of their row key that waits."""
 
     @property
     def blocked(self) -> bool:
         """Rows wait, and the window lets not one new row out: progress stops
         until its pinned events settle (a smaller batch is not a stop)."""
-        return self.withheld > 0 and self.new == 0
+        return (self.withheld > 0 or self.held > 0) and self.new == 0
 
 
 def plan(
@@ -320,6 +329,7 @@ def plan(
     now: dt.datetime,
     batch_size: int,
     bound: Bound,
+    groups: Sequence[str] | None = None,
 ) -> Plan:
     """Choose the rows of one batch among the rows fetched after the checkpoint.
 
@@ -330,6 +340,15 @@ def plan(
     :func:`entry_size`; a pending entry's overhead is reserved for each).
     Rows kept back that way are counted (:attr:`Plan.withheld`); due retries
     after them are still handed out (they need no new room).
+
+    **Per-key order.** ``groups`` are the rows' :func:`row_key`. A row that
+    is not settled and not handed out - a retry not yet due, a row the bound
+    keeps back - holds back every later row of its key in the read
+    (:attr:`Plan.held`): one key's events are handed out in source order, and
+    never one after an earlier one of its key that is still waiting. This
+    needs no guess about rows the read did not return: a later row of a key
+    is only in the read if every earlier row of the source is too (a read is
+    a prefix), so an earlier event that is not in it is gone.
     """
     if not window:
         return Plan(tuple(range(min(batch_size, len(keys)))))
@@ -346,16 +365,27 @@ def plan(
     chosen: list[int] = []
     new_rows = True  # may a row that needs new room still be handed out?
     full = False
-    withheld = new = 0
+    withheld = new = held = 0
+    blocked: set[str] = set()  # row keys with an earlier row that waits
+
+    def wait(i: int) -> None:
+        if groups is not None:
+            blocked.add(groups[i])
+
     for i, key in enumerate(keys):
         if len(chosen) >= batch_size:
             break
         if key in settled:
             continue
+        if groups is not None and groups[i] in blocked:
+            held += 1
+            continue
         waiting = pending.get(key)
         if waiting is not None:
             if waiting.not_before <= now:
                 chosen.append(i)  # its entry exists already: no new room needed
+            else:
+                wait(i)
             continue
         if new_rows and pressure and i > span_end:
             new_rows = False
@@ -364,12 +394,13 @@ def plan(
             new_rows, full = False, True
         if not new_rows:
             withheld += 1
+            wait(i)
             continue
         room_events -= 1
         room_bytes -= cost
         chosen.append(i)
         new += 1
-    return Plan(tuple(chosen), pressure, withheld, full, new)
+    return Plan(tuple(chosen), pressure, withheld, full, new, held)
 
 
 @dataclass(frozen=True)
@@ -456,6 +487,33 @@ def settle(
     if overflow:
         out = Window(tuple(kept), new_pending)
     return Settlement(checkpoint, out, overflow, walked, frozenset(passed))
+
+
+def held_entry(
+    position: Position,
+    previous: Pending | None,
+    subscribers: Collection[str],
+    *,
+    now: dt.datetime,
+) -> Pending:
+    """Fan-out: an event that waits behind an earlier event of its row key that
+    ``subscribers`` still owe. It is owed to them again - each with the count
+    it had (being held back is not an attempt) - and to whoever already owed
+    it; the others resolved it and never see it again."""
+    owed = dict(previous.owed or {}) if previous is not None else {}
+    for name in subscribers:
+        owed.setdefault(name, 0)
+    return Pending(
+        position=position,
+        attempts=previous.attempts if previous is not None else 0,
+        not_before=previous.not_before if previous is not None else now,
+        reason=previous.reason if previous is not None else HELD_REASON,
+        owed=owed,
+    )
+
+
+#: The reason a held-back event carries in the window (fan-out).
+HELD_REASON = "waits for an earlier event of its key"
 
 
 def retry_entry(

@@ -434,10 +434,15 @@ def test_a_hung_subscriber_times_out_alone_and_gets_nothing_new_until_it_returns
 
         add_items(sqlite_db, table, [3])
         clock.advance(5)
-        assert trigger.tick() == 3  # 1, 2 due again and 3 new; slow is still busy
+        # 1, 2 are due again, but only slow owes them and it is still busy:
+        # held back, not handed out (nor counted). 3 is new: billing takes it.
+        assert trigger.tick() == 1
         assert slow_calls == [[1, 2]]
         assert billing.seen == [1, 2, 3]
+        owed = [p.owed for p in Window.from_json(read_doc(store).window).pending]
+        assert owed == [{"slow": 1}, {"slow": 1}, {"slow": 0}]  # 3 waits, never received
         assert checkpoint_id(store) is None
+        assert trigger.tick_result().outcome == "idle"  # nothing anyone can take
     finally:
         release.set()
     wait_for(lambda: bool(saw_cancelled))

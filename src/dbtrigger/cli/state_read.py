@@ -28,6 +28,7 @@ from dbtrigger.partitions.layout import Membership
 from dbtrigger.sources.base import accepted_fingerprints
 from dbtrigger.sources.lag import COLUMN
 from dbtrigger.state import document as docmod
+from dbtrigger.state import fanout
 from dbtrigger.state.lease import describe_lease
 from dbtrigger.state.stores.base import CheckpointStore
 from dbtrigger.state.stores.factory import describe_store
@@ -123,6 +124,7 @@ def poller_status(
         out["window"] = window_status(doc.window, now)
     except CorruptStateError as exc:  # every tick fails on it too: that is the news
         return {"poller": poller, "error": f"{type(exc).__name__}: {exc}"}
+    out["owed"] = _owed(doc.window, source)
     manual = [e for e in doc.journal if e.get("type") == "manual"]
     out["journal_entries"] = len(doc.journal)
     out["last_manual_change"] = dict(manual[-1]) if manual else None
@@ -207,6 +209,41 @@ def _window_text(window: Mapping[str, Any] | None) -> str:
     return text
 
 
+def _owed(raw_window: Any, source: LoadedSource | None) -> list[dict[str, Any]]:
+    """Fan-out: each subscriber still owed waiting events, and whether the
+    trigger (``--source``) still has it - a removed subscriber with no
+    dead-letter sink holds the checkpoint until an operator acts."""
+    try:
+        pending = Window.from_json(raw_window).pending
+    except CorruptStateError:
+        return []
+    trigger = source.trigger if source is not None else None
+    names = getattr(trigger, "subscribers", None) if trigger is not None else None
+    out = []
+    for name, count in fanout.owed_by(pending).items():
+        entry: dict[str, Any] = {"subscriber": name, "events": count}
+        if trigger is not None:
+            entry["configured"] = names is not None and name in names
+            entry["holds_checkpoint"] = not entry["configured"] and trigger.quarantine is None
+        out.append(entry)
+    return out
+
+
+def _owed_text(owed: Sequence[Mapping[str, Any]], spec: str) -> str:
+    parts = []
+    for entry in owed:
+        text = f"{entry['subscriber']} {entry['events']} event(s)"
+        if entry.get("holds_checkpoint"):
+            text += (
+                " - HOLDS THE CHECKPOINT: no such subscriber any more and no dead-letter "
+                f"sink; add it back to subscribers=, or pass quarantine=... to {spec}"
+            )
+        elif entry.get("configured") is False:
+            text += " (no such subscriber any more: dead-lettered when next due)"
+        parts.append(text)
+    return "; ".join(parts)
+
+
 def _render_one(status: Mapping[str, Any], store: str) -> str:
     if "error" in status:
         return f"poller       {status['poller']}\nerror        {status['error']}"
@@ -258,6 +295,8 @@ def _render_one(status: Mapping[str, Any], store: str) -> str:
     lines.append(("window", _window_text(window)))
     if window is not None:
         lines.append(("blocking", window["blocking"]))
+    if status.get("owed"):
+        lines.append(("owed", _owed_text(status["owed"], "the trigger")))
     manual = status["last_manual_change"]
     if manual:
         lines.append(

@@ -47,6 +47,7 @@ from dbtrigger.runtime.telemetry import Telemetry
 from dbtrigger.state import document as docmod
 from dbtrigger.state.journal import Outcomes
 from dbtrigger.state.verdict import Verdict, judge, should_isolate
+from dbtrigger.state.window import Window
 
 #: A batch handler: ``handler(events)`` or ``handler(events, ctx)``, sync or async.
 Handler = Callable[..., Any]
@@ -79,6 +80,9 @@ class Delivered:
     owed: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     #: Fan-out: each subscriber's outcomes over the batch (journal, metrics).
     by_subscriber: Mapping[str, Outcomes] = field(default_factory=dict)
+    #: Fan-out: retried ids that no subscriber failed - they only wait for busy
+    #: subscribers, so no attempt is counted and no backoff applies.
+    deferred: frozenset[str] = frozenset()
 
     @property
     def unsettled(self) -> frozenset[str]:
@@ -150,6 +154,14 @@ class Delivery:
         """Does the handler run off the tick's thread, so that the tick can read
         the next batch meanwhile (``deliver(..., meanwhile=)``)?"""
         return self.lanes is not None
+
+    def holding(self, window: Window) -> frozenset[str] | None:
+        """Window keys of waiting events to leave out of the next batch (None:
+        hand out nothing now). None held for a handler; fan-out holds events
+        only busy or removed subscribers owe, and everything while every
+        subscriber is busy."""
+        del window
+        return frozenset()
 
     def deliver(
         self,

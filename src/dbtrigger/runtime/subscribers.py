@@ -21,7 +21,17 @@ A subscriber that raises or hangs fails its own events only; the others'
 outcomes stand and commit. A hung synchronous subscriber cannot be stopped
 from outside: its context says ``ctx.cancelled`` (check it in long loops), an
 async one is cancelled, and until the abandoned call returns that subscriber
-is handed nothing new (its events count as failed for it and come again).
+is *busy*: it is handed nothing new, and its share of later batches waits for
+it - no attempt is counted for events it never received - and is handed to it
+once it is free (:func:`dbtrigger.state.fanout.held` keeps events that only
+busy subscribers owe out of the batches meanwhile; the window's pressure rule
+bounds how far the others run ahead). A lost lease ends the wait for the
+subscribers at once, whatever their ack timeout.
+
+When the checkpoint is held by subscribers that cannot take their events -
+busy ones, or removed ones with no dead-letter sink to write their events
+to - the poller says so once per change, at WARNING (``checkpoint_held``),
+naming them, the events they owe and what to do.
 
 Cost: one fetch and one commit per batch however many subscribers; the window
 rides on the commit. This class extends :class:`~dbtrigger.runtime.delivery.Delivery`
@@ -50,6 +60,7 @@ from dbtrigger.names import validate_name
 from dbtrigger.quarantine import match_failed
 from dbtrigger.runtime.context import BatchContext, EventMarks
 from dbtrigger.runtime.delivery import (
+    CANCEL_POLL_SECONDS,
     Delivered,
     Delivery,
     EventRejected,
@@ -62,6 +73,7 @@ from dbtrigger.runtime.delivery import (
 from dbtrigger.state import fanout
 from dbtrigger.state.fanout import Decision, Fate, Resolution
 from dbtrigger.state.journal import Outcomes
+from dbtrigger.state.window import Window, key_of
 
 #: Default ``ack_timeout_seconds``: how long one subscriber call may take (as
 #: Airflow's shared-stream ack timeout).
@@ -69,6 +81,9 @@ DEFAULT_ACK_TIMEOUT = 300.0
 
 #: A subscriber that did not report on an event (it was not called: never expected).
 NO_RESULT = fanout.fail("no result")
+
+#: Why the checkpoint is held when every subscriber is busy (see FanOut.holding).
+ALL_BUSY = "all_busy"
 
 #: Wraps a subscriber for the way the tick is run (``tick_async``); gets the
 #: subscriber and whether it takes a context, returns an ``(events, ctx)`` callable.
@@ -194,13 +209,124 @@ class FanOut(Delivery):
         self.subscribers = dict(subscribers)
         self.wants = {name: wants_context(fn) for name, fn in self.subscribers.items()}
         self.ack_timeout = ack_timeout
-        #: Calls that outlived their ack timeout and are still running.
+        #: Calls that outlived their ack timeout (or a lost lease) and are still running.
         self._abandoned: dict[str, threading.Thread] = {}
+        #: What holds the checkpoint, as last reported: (why, subscribers) -> events.
+        self._held: dict[tuple[str, tuple[str, ...]], int] = {}
 
     @property
     def overlaps(self) -> bool:
         """Subscribers always run on threads of their own."""
         return True
+
+    def busy(self) -> frozenset[str]:
+        """Subscribers still inside a call that outlived its ack timeout."""
+        for name, thread in list(self._abandoned.items()):
+            if not thread.is_alive():
+                del self._abandoned[name]
+        return frozenset(self._abandoned)
+
+    def holding(self, window: Window) -> frozenset[str] | None:
+        """The window keys of waiting events no subscriber can take now (see
+        :func:`dbtrigger.state.fanout.held`): left out of the next batch. None
+        when every subscriber is busy: nothing can be handed to anyone, not
+        even a new row (it would only take room in the window). Reports a
+        change of what holds the checkpoint, once."""
+        busy = self.busy()
+        if busy and busy >= self.subscribers.keys():
+            self._report_held({(ALL_BUSY, tuple(sorted(busy))): len(window.pending)})
+            return None
+        if not window.pending:
+            self._report_held({})
+            return frozenset()
+        has_sink = self.quarantine is not None
+        keys: set[str] = set()
+        held: dict[tuple[str, tuple[str, ...]], int] = {}
+        for entry in window.pending:
+            why = fanout.held(entry.owed, self.subscribers, busy, has_sink=has_sink)
+            if why is None:
+                continue
+            keys.add(key_of(entry.position))
+            names = list(self.subscribers) if entry.owed is None else list(entry.owed)
+            if why == fanout.BUSY:
+                names = [name for name in names if name in self.subscribers]
+            group = (why, tuple(sorted(names)))
+            held[group] = held.get(group, 0) + 1
+        self._report_held(held)
+        return frozenset(keys)
+
+    def _report_held(self, held: dict[tuple[str, tuple[str, ...]], int]) -> None:
+        """Say what holds the checkpoint when that changes (not when only the
+        number of events waiting does)."""
+        before, self._held = self._held, held
+        if held.keys() == before.keys():
+            return
+        emit = self.telemetry.emit
+        for (why, names), count in sorted(held.items()):
+            if (why, names) in before:
+                continue
+            who = ", ".join(names)
+            if why == ALL_BUSY:
+                emit(
+                    "checkpoint_held",
+                    "checkpoint held: every subscriber (%s) is still inside a call that "
+                    "outlived ack_timeout_seconds=%g; nothing is handed out until one "
+                    "returns (%d event(s) wait). A synchronous subscriber should stop when "
+                    "ctx.cancelled turns true; restarting the worker abandons the calls",
+                    who,
+                    self.ack_timeout,
+                    count,
+                    reason=why,
+                    subscribers=list(names),
+                    events=count,
+                )
+            elif why == fanout.BUSY:
+                emit(
+                    "checkpoint_held",
+                    "checkpoint held: %d event(s) wait for subscriber(s) %s, still inside a "
+                    "call that outlived ack_timeout_seconds=%g; they are handed over as soon "
+                    "as it returns (no attempt is counted meanwhile), and the other "
+                    "subscribers go on until the window's 75%% mark. A synchronous "
+                    "subscriber should stop when ctx.cancelled turns true; restarting the "
+                    "worker abandons the call (its events then come again)",
+                    count,
+                    who,
+                    self.ack_timeout,
+                    reason=why,
+                    subscribers=list(names),
+                    events=count,
+                )
+            else:
+                emit(
+                    "checkpoint_held",
+                    "checkpoint held: %d event(s) are owed only to subscriber(s) %s, which "
+                    "poller %s no longer has, and there is no dead-letter sink to write them "
+                    "to: they are not delivered and the checkpoint cannot pass them (new rows "
+                    "stop at the window's 75%% mark). Add %s back to subscribers=, or pass "
+                    "quarantine=... (they are then dead-lettered as 'unsubscribed before "
+                    "resolving it'), or move the checkpoint past them by hand (data loss, "
+                    "journaled): dbtrigger status %s, then dbtrigger reset",
+                    count,
+                    who,
+                    self.poller,
+                    who,
+                    self.cli_target(),
+                    reason=why,
+                    subscribers=list(names),
+                    events=count,
+                )
+        for (why, names), count in sorted(before.items()):
+            if (why, names) not in held:
+                emit(
+                    "checkpoint_released",
+                    "checkpoint no longer held by subscriber(s) %s (%s): their events are "
+                    "delivered again",
+                    ", ".join(names),
+                    why,
+                    reason=why,
+                    subscribers=list(names),
+                    events=count,
+                )
 
     def deliver(
         self,
@@ -268,9 +394,7 @@ class FanOut(Delivery):
         ctx: BatchContext,
         meanwhile: Callable[[], None] | None = None,
     ) -> list[_Call]:
-        for name, thread in list(self._abandoned.items()):
-            if not thread.is_alive():
-                del self._abandoned[name]
+        busy = self.busy()
         calls: list[_Call] = []
         for name, part in parts.items():
             if not part:
@@ -285,7 +409,7 @@ class FanOut(Delivery):
             )
             call = _Call(name, part, sub_ctx, sub_marks)
             calls.append(call)
-            if name in self._abandoned:
+            if name in busy:
                 call.busy = True
                 continue
             fn = self.subscribers[name]
@@ -302,17 +426,33 @@ class FanOut(Delivery):
         deadline = time.monotonic() + self.ack_timeout
         if meanwhile is not None:
             meanwhile()  # keeps its own errors (tick.Prefetch): the joins below always run
-        for call in calls:
-            if call.thread is not None:
-                call.thread.join(max(0.0, deadline - time.monotonic()))
+        self._wait(calls, deadline, ctx)
+        lost = ctx.lease_lost.is_set()
         for call in calls:
             if call.thread is not None and call.thread.is_alive():
-                call.timed_out = True
-                if call.ctx.timed_out is not None:
-                    call.ctx.timed_out.set()
-                call.marks.close()
+                # Still running: handed nothing new until it returns. After a
+                # lost lease its context says cancelled already; nothing commits.
                 self._abandoned[call.name] = call.thread
+                call.marks.close()
+                if not lost:
+                    call.timed_out = True
+                    if call.ctx.timed_out is not None:
+                        call.ctx.timed_out.set()
         return calls
+
+    @staticmethod
+    def _wait(calls: list[_Call], deadline: float, ctx: BatchContext) -> None:
+        """Until every call returned, the ack timeout ran out, or the lease was
+        lost (the heartbeat's flag, looked at every few tens of milliseconds: a
+        hung subscriber must not keep a lost lease unnoticed for the whole ack
+        timeout)."""
+        running = [call.thread for call in calls if call.thread is not None]
+        while running:
+            left = deadline - time.monotonic()
+            if left <= 0 or ctx.lease_lost.is_set():
+                return
+            running[0].join(min(left, CANCEL_POLL_SECONDS))
+            running = [thread for thread in running if thread.is_alive()]
 
     def _call_one(self, call: _Call, fn: Handler, wants: bool) -> None:
         try:
@@ -343,19 +483,29 @@ class FanOut(Delivery):
         out: dict[str, dict[str, Resolution]] = {}
         for call in calls:
             fields = {**batch_fields(call.ctx, len(call.events)), "subscriber": call.name}
-            failed_all: str | None = None
+            mine: dict[str, Resolution] = {}
+            out[call.name] = mine
             if call.busy:
-                failed_all = "still running an earlier call that outlived ack_timeout_seconds"
+                # Not handed to it: no attempt. The events wait for it (owed,
+                # count unchanged) and are held back until it is free.
                 emit(
                     "subscriber_busy",
                     "subscriber %s is still running a call that timed out: its %d event(s) "
-                    "of batch %s count as failed for it and come again",
+                    "of batch %s wait for it (no attempt counted) and are handed to it once "
+                    "it returns",
                     call.name,
                     len(call.events),
                     ctx.batch_id,
                     **fields,
                 )
-            elif call.timed_out:
+                waiting = fanout.defer(
+                    "busy: still running an earlier call that outlived ack_timeout_seconds"
+                )
+                for event in call.events:
+                    mine[event.event_id] = waiting
+                continue
+            failed_all: str | None = None
+            if call.timed_out:
                 failed_all = f"no resolution within ack_timeout_seconds={self.ack_timeout:g}"
                 emit(
                     "subscriber_timed_out",
@@ -367,8 +517,6 @@ class FanOut(Delivery):
                     self.ack_timeout,
                     **fields,
                 )
-            mine: dict[str, Resolution] = {}
-            out[call.name] = mine
             if failed_all is not None:
                 for event in call.events:
                     mine[event.event_id] = fanout.fail(failed_all)
@@ -464,6 +612,9 @@ class FanOut(Delivery):
                 if d.fate is Fate.DEAD_LETTER and not d.exhausted
             },
             retried={i: d.reason for i, d in decisions.items() if d.fate is Fate.PENDING},
+            deferred=frozenset(
+                i for i, d in decisions.items() if d.fate is Fate.PENDING and not d.counted
+            ),
             exhausted=frozenset(
                 i for i, d in decisions.items() if d.fate is Fate.DEAD_LETTER and d.exhausted
             ),

@@ -212,8 +212,11 @@ EVENTS: dict[str, EventSpec] = {
     "subscriber_timed_out": EventSpec(
         W, (Count("ack_timeouts_total", label_keys=("subscriber",)),)
     ),
-    "subscriber_busy": EventSpec(W),
+    # Once per batch while a subscriber is busy; checkpoint_held says it once.
+    "subscriber_busy": EventSpec(INFO),
     "subscriber_gone": EventSpec(W),
+    "checkpoint_held": EventSpec(W),
+    "checkpoint_released": EventSpec(INFO),
     "window_changed": EventSpec(
         None, (Gauge("window_events", "events"), Gauge("window_bytes", "bytes"))
     ),

@@ -639,6 +639,9 @@ class TickDriver:
         picks the rows to hand out: new ones, due retries, late arrivals.
         """
         s = self.settings
+        held = self.delivery.holding(window)
+        if held is None:
+            return None  # fan-out: every subscriber is busy (said once, at WARNING)
         limit = s.batch_size + len(window)
         rows = self.fetch(position, limit)
         positions = None
@@ -653,6 +656,7 @@ class TickDriver:
             bound=s.bound,
             now=self.clock(),
             locate=self._locate if isinstance(self.source, LocatesRows) else None,
+            hold=held,
         )
         self.window_report.report(view)
         return selection
@@ -694,6 +698,7 @@ class TickDriver:
             jitter=s.jitter,
             owed=outcome.owed,
             terminal=outcome.dead_lettered,
+            deferred=outcome.deferred,
         )
 
     def commit(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,10 +76,12 @@ def choose(
     bound: Bound,
     now: dt.datetime,
     locate: Locate | None = None,
+    hold: Set[str] = frozenset(),
 ) -> tuple[Selection | None, WindowView]:
     """The next batch among ``rows`` (read with ``limit``; ``positions`` are
     theirs, needed only with a window), and what the window did. None: nothing
-    to do, an idle tick.
+    to do, an idle tick. ``hold``: window keys of waiting events not to hand
+    out now (fan-out: nobody can take them).
 
     Entries the read proves gone are dropped first (:func:`windowmod.gone`).
     If the window then still blocks progress while it holds entries the read
@@ -102,7 +104,7 @@ def choose(
 
     def decide(w: Window) -> windowmod.Plan:
         return windowmod.plan(
-            keys, sizes, w, now=now, batch_size=batch_size, bound=bound, groups=groups
+            keys, sizes, w, now=now, batch_size=batch_size, bound=bound, groups=groups, hold=hold
         )
 
     chosen = decide(current)
@@ -187,10 +189,12 @@ def settle_delivered(
     jitter: Callable[[], float],
     owed: Mapping[str, Mapping[str, int]] | None = None,
     terminal: Collection[str] = (),
+    deferred: Set[str] = frozenset(),
 ) -> Settlement | None:
     """Fold a delivered batch into the window (``retried``: event id -> reason;
     ``owed``: with fan-out, event id -> the subscribers it goes to again;
-    ``terminal``: the ids written to the dead-letter sink).
+    ``terminal``: the ids written to the dead-letter sink; ``deferred``:
+    retried ids nobody received, which count no attempt).
 
     An event after a retried event of the same row key is not settled,
     whatever the handler did with it: it comes again after that event, so a
@@ -233,6 +237,7 @@ def settle_delivered(
             cap=backoff[1],
             jitter=jitter(),
             owed=None if owed is None else owed.get(event.event_id),
+            counted=event.event_id not in deferred,
         )
         if held and earlier is not None and entry.owed is not None:
             before = pending.get(key)

@@ -24,7 +24,14 @@ channel of seed 004, on a keyset poller):
 * an event no subscriber resolved (a **zero-subscriber hand-out**: every
   subscriber it was owed to has been removed) is **not clean** (seed 004's
   ``is_clean``): nothing accepted it, so it is not settled as delivered. It
-  is dead-lettered when a sink exists, else it stays pending, loudly.
+  is dead-lettered when a sink exists, else it stays pending, loudly;
+* a subscriber still inside an earlier call that outlived its
+  ``ack_timeout_seconds`` is **busy**: its share of the event is
+  :attr:`Kind.DEFERRED` - not handed to it, so **not an attempt** (attempts
+  count deliveries to that subscriber only). The event stays owed to it with
+  its count unchanged, and :func:`held` keeps events that only busy (or
+  removed, without a sink) subscribers owe out of later batches until one of
+  them can take them.
 
 The runtime side (threads, timeouts, the dead-letter write) is
 :mod:`dbtrigger.runtime.subscribers`; ``tests/test_fanout.py`` checks this
@@ -36,6 +43,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class Kind(enum.Enum):
@@ -44,7 +52,9 @@ class Kind(enum.Enum):
     ACCEPTED = "accepted"
     REJECTED = "rejected"
     FAILED = "failed"
-    """Asked for a retry, raised, timed out, or was still busy: deliver it again."""
+    """Asked for a retry, raised or timed out: deliver it again (an attempt)."""
+    DEFERRED = "deferred"
+    """Not handed to it (it was busy): deliver it later, no attempt counted."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +74,10 @@ def reject(reason: str) -> Resolution:
 
 def fail(reason: str) -> Resolution:
     return Resolution(Kind.FAILED, reason)
+
+
+def defer(reason: str) -> Resolution:
+    return Resolution(Kind.DEFERRED, reason)
 
 
 _MISSING = Resolution(Kind.FAILED, "no result (timed out)")
@@ -88,6 +102,7 @@ class Tally:
     accepted: int = 0
     rejected: int = 0
     failed: int = 0
+    deferred: int = 0
 
     @property
     def is_clean(self) -> bool:
@@ -111,6 +126,13 @@ class Decision:
     """Subscribers it was owed to that are no longer configured (unsubscribed)."""
     stuck: tuple[str, ...] = ()
     """PENDING without a sink although these subscribers used up their attempts."""
+
+    @property
+    def counted(self) -> bool:
+        """This hand-out was an attempt: False only for an event left PENDING
+        because every subscriber that still owes it was busy (nobody received
+        it, see :attr:`Kind.DEFERRED`)."""
+        return self.fate is not Fate.PENDING or self.tally.failed > 0 or not self.tally.deferred
 
     @property
     def reason(self) -> str:
@@ -157,7 +179,7 @@ def decide(
         has_sink: a dead-letter sink is configured.
         gone: subscribers the event was owed to that are no longer configured.
     """
-    accepted = rejected = failed = 0
+    accepted = rejected = failed = deferred = 0
     owed: dict[str, int] = {}
     rejects: dict[str, str] = {}
     failures: dict[str, str] = {}
@@ -169,13 +191,18 @@ def decide(
         elif result.kind is Kind.REJECTED:
             rejected += 1
             rejects[name] = result.reason
+        elif result.kind is Kind.DEFERRED:
+            # Never handed to it: still owed, and not an attempt.
+            deferred += 1
+            failures[name] = result.reason
+            owed[name] = before
         else:
             failed += 1
             failures[name] = result.reason
             owed[name] = before + 1
             if before + 1 >= max_attempts:
                 spent.append(name)
-    tally = Tally(accepted, rejected, failed)
+    tally = Tally(accepted, rejected, failed, deferred)
     gone_t = tuple(sorted(gone))
     if rejects:
         return Decision(Fate.DEAD_LETTER, tally, reasons={**failures, **rejects}, gone=gone_t)
@@ -194,6 +221,48 @@ def decide(
     return Decision(Fate.PENDING, tally, owed=dict.fromkeys(gone_t, 1), reasons=why, gone=gone_t)
 
 
+#: Why :func:`held` keeps an event back.
+BUSY = "busy"
+GONE = "gone"
+
+
+def held(
+    owed: Mapping[str, int] | None,
+    subscribers: Collection[str],
+    busy: Collection[str],
+    *,
+    has_sink: bool,
+) -> str | None:
+    """Must a waiting event stay out of the next batch? Why (:data:`BUSY`,
+    :data:`GONE`), or None when some subscriber can take it now.
+
+    Handing it out would change nothing and cost a commit: every subscriber
+    that owes it is still inside a call that outlived its ack timeout (it
+    comes as soon as one is free), or has been removed while no dead-letter
+    sink can take it (it comes once the subscriber is back or a sink is
+    configured). ``owed`` None (a single handler's retry) is owed to every
+    subscriber.
+    """
+    names = list(subscribers) if owed is None else list(owed)
+    configured = [name for name in names if name in subscribers]
+    if any(name not in busy for name in configured):
+        return None
+    if configured:
+        return BUSY
+    return None if has_sink else GONE
+
+
+def owed_by(pending: Sequence[Any]) -> dict[str, int]:
+    """Subscriber -> how many waiting events (window ``pending`` entries, as
+    :class:`dbtrigger.state.window.Pending`) it still owes a resolution.
+    Entries with no ``owed`` (a single handler's retries) are not counted."""
+    out: dict[str, int] = {}
+    for entry in pending:
+        for name in entry.owed or ():
+            out[name] = out.get(name, 0) + 1
+    return dict(sorted(out.items()))
+
+
 @dataclass
 class SubscriberCounts:
     """One subscriber's outcomes over a batch (journal and metrics)."""
@@ -207,5 +276,6 @@ class SubscriberCounts:
             self.accepted += 1
         elif resolution.kind is Kind.REJECTED:
             self.rejected += 1
-        else:
+        elif resolution.kind is Kind.FAILED:
             self.failed += 1
+        # DEFERRED: not handed to it, so no outcome of its to count.

@@ -330,10 +330,12 @@ def plan(
     batch_size: int,
     bound: Bound,
     groups: Sequence[str] | None = None,
+    hold: Set[str] = frozenset(),
 ) -> Plan:
     """Choose the rows of one batch among the rows fetched after the checkpoint.
 
-    Settled tuples are skipped; pending ones only once their backoff is over;
+    Settled tuples are skipped; pending ones only once their backoff is over
+    and unless in ``hold`` (fan-out: nobody can take them now);
     any other row (new, or committed late inside the window) is handed out -
     except, under pressure, rows beyond the window's newest entry, and while
     the window is in use, rows it could not remember (``sizes`` are their
@@ -382,7 +384,7 @@ def plan(
             continue
         waiting = pending.get(key)
         if waiting is not None:
-            if waiting.not_before <= now:
+            if waiting.not_before <= now and key not in hold:
                 chosen.append(i)  # its entry exists already: no new room needed
             else:
                 wait(i)
@@ -526,11 +528,14 @@ def retry_entry(
     cap: float,
     jitter: float,
     owed: Mapping[str, int] | None = None,
+    counted: bool = True,
 ) -> Pending:
     """The pending entry for an event the handler asked to retry (``owed``:
-    with fan-out, the subscribers it is delivered to again)."""
-    attempts = (previous.attempts if previous is not None else 0) + 1
-    delay = backoff_seconds(attempts, base=base, cap=cap, jitter=jitter)
+    with fan-out, the subscribers it is delivered to again). Not ``counted``:
+    nobody received it (its fan-out subscribers were busy), so neither an
+    attempt nor a backoff; it is due at once (held back while they are busy)."""
+    attempts = (previous.attempts if previous is not None else 0) + (1 if counted else 0)
+    delay = backoff_seconds(attempts, base=base, cap=cap, jitter=jitter) if counted else 0.0
     return Pending(
         position=position,
         attempts=attempts,

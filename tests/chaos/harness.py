@@ -35,6 +35,8 @@ from dbtrigger.state.stores.base import CheckpointStore
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 POLLER = "chaos"
+#: Created in the work directory once the writer is done.
+DRAINING = "draining"
 
 SCHEMA_SQL = """
 CREATE SEQUENCE {s}.items_version_seq;
@@ -56,6 +58,8 @@ CREATE TABLE {s}.fence_rejections (
 CREATE TABLE {s}.outcomes (
     n bigserial PRIMARY KEY, worker text NOT NULL, incarnation int NOT NULL,
     batch_id text, token bigint, outcome text NOT NULL, error text NOT NULL);
+CREATE TABLE {s}.timeouts (
+    n bigserial PRIMARY KEY, batch_id text NOT NULL, subscriber text NOT NULL);
 """
 
 
@@ -145,6 +149,10 @@ class ChaosReport:
     unexplained_duplicates: int
     unexplained_cases: list[str]
     lost: int
+    ack_timeouts: int
+    dead_letters: int
+    unearned_dead_letters: int
+    unearned_cases: list[str]
     checkpoint_regressions: int
     commits: int
     chain_breaks: int
@@ -280,6 +288,7 @@ def run_chaos(
     max_concurrency: int = 1,
     min_chaos: int = 0,
     min_rows: int = 0,
+    hang: Hang | None = None,
 ) -> tuple[ChaosReport, str]:
     """Run the whole scenario; returns the report and the workers' log tails.
 
@@ -291,6 +300,10 @@ def run_chaos(
     ``subscribers``: fan-out workers (``PollTrigger(subscribers=...)``) with
     that many subscribers, each of which must see every row state.
     ``max_concurrency`` > 1 runs every worker's batches as parallel lanes.
+    ``hang``: fan-out calls outlive a short ack timeout, one subscriber now and
+    then hangs past it (deaf to ``ctx.cancelled``) while the writer runs, and
+    dead-lettered events go to a table: none may be dead-lettered for a
+    subscriber that was not handed it ``max_attempts`` times.
     """
     create_tables(engine, schema)
     grace = min(ttl / 2, 5.0)
@@ -312,6 +325,7 @@ def run_chaos(
             str(subscribers),
             "--max-concurrency",
             str(max_concurrency),
+            *(hang.worker_args(workdir) if hang is not None else []),
         ],
         env=env,
         workers=workers,
@@ -361,6 +375,7 @@ def run_chaos(
                 pauses += 1
         out, _ = writer.communicate(timeout=60)
         written = json.loads(out.decode().strip().splitlines()[-1])
+        (workdir / DRAINING).touch()  # no more hangs (tests/chaos/worker.py --hang-until)
 
         with engine.connect() as conn:
             final_rows = int(
@@ -397,8 +412,44 @@ def run_chaos(
         pauses=pauses,
         drain_seconds=drain_seconds,
         subscribers=[f"s{i + 1}" for i in range(subscribers)] or [""],
+        max_attempts=hang.max_attempts if hang is not None else None,
     )
     return report, chaos.logs()
+
+
+@dataclasses.dataclass(frozen=True)
+class Hang:
+    """Fan-out timeouts and a subscriber that hangs past them (see run_chaos)."""
+
+    ack_timeout: float = 0.5
+    subscriber: str = "s2"
+    probability: float = 0.2
+    seconds: float = 1.5
+    max_attempts: int = 3
+    retry_delay: float = 0.1
+    #: Small batches: many ticks while a subscriber is busy.
+    batch_size: int = 10
+
+    def worker_args(self, workdir: Path) -> list[str]:
+        return [
+            "--batch-size",
+            str(self.batch_size),
+            "--hang-until",
+            str(workdir / DRAINING),
+            "--ack-timeout",
+            str(self.ack_timeout),
+            "--hang-subscriber",
+            self.subscriber,
+            "--hang-probability",
+            str(self.probability),
+            "--hang-seconds",
+            str(self.seconds),
+            "--dead-letter",
+            "--max-attempts",
+            str(self.max_attempts),
+            "--retry-delay",
+            str(self.retry_delay),
+        ]
 
 
 def analyse(
@@ -414,9 +465,19 @@ def analyse(
     pauses: int,
     drain_seconds: float,
     subscribers: list[str] | None = None,
+    max_attempts: int | None = None,
 ) -> ChaosReport:
     q = f'"{schema}"'
     with engine.connect() as conn:
+        timed_out = {
+            (str(r.batch_id), str(r.subscriber))
+            for r in conn.execute(sa.text(f"SELECT batch_id, subscriber FROM {q}.timeouts"))
+        }
+        dead = (
+            conn.execute(sa.text(f"SELECT pk_json, cursor_json, error FROM {q}.dead_letters")).all()
+            if sa.inspect(conn).has_table("dead_letters", schema=schema)
+            else []
+        )
         final = {
             (int(r.id), int(r.version))
             for r in conn.execute(sa.text(f"SELECT id, version FROM {q}.items"))
@@ -472,7 +533,17 @@ def analyse(
     windows: collections.Counter[str] = collections.Counter()
     duplicates = 0
     cases: list[str] = []
-    for state, batches in by_state.items():
+    for state, delivered in by_state.items():
+        # A delivery to a subscriber whose call outlived its ack timeout does
+        # not count for it (its batch still commits the others' outcomes): the
+        # event comes to it again (or, after max_attempts, is dead-lettered).
+        late = [b for b in delivered if (b, state[0]) in timed_out]
+        batches = [b for b in delivered if (b, state[0]) not in timed_out]
+        if not batches:
+            batches, late = late[-1:], late[:-1]
+        if late:
+            duplicates += len(late)
+            windows["W8 subscriber outlived its ack timeout"] += len(late)
         # One delivery is the one that counts: the committed one (or, for a
         # state still in flight at the end, the last). Every other delivery is
         # a duplicate, explained by what happened to *its own* batch - which
@@ -490,6 +561,21 @@ def analyse(
                     f"{batch_owner.get(extra)} ({outcome_of.get(extra)})"
                 )
     unexplained = sum(n for w, n in windows.items() if w.startswith("unexplained"))
+
+    # Attempts count deliveries to that subscriber only: a row state is
+    # dead-lettered as exhausted only once some subscriber it names was
+    # handed it max_attempts times (issue #20 item 4).
+    handed = collections.Counter(
+        (str(r.subscriber), int(r.item_id), int(r.version)) for r in seen_rows
+    )
+    unearned: list[str] = []
+    for row in dead:
+        item = int(json.loads(row.pk_json)["id"])  # bigint keys and cursors: plain JSON
+        version = int(json.loads(row.cursor_json))
+        names = [part.split(": ", 1)[0] for part in str(row.error).split(": ", 1)[-1].split("; ")]
+        counts = {n: handed[(n, item, version)] for n in names}
+        if max_attempts is not None and max(counts.values(), default=0) < max_attempts:
+            unearned.append(f"item ({item}, {version}): {row.error} after deliveries {counts}")
 
     counts = collections.Counter(outcome_of.values())
     return ChaosReport(
@@ -509,6 +595,10 @@ def analyse(
         unexplained_duplicates=unexplained,
         unexplained_cases=cases,
         lost=lost,
+        ack_timeouts=len(timed_out),
+        dead_letters=len(dead),
+        unearned_dead_letters=len(unearned),
+        unearned_cases=unearned[:10],
         checkpoint_regressions=regressions,
         commits=len(commits),
         chain_breaks=chain_breaks,

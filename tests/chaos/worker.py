@@ -13,7 +13,15 @@
   came from;
 * with ``--max-concurrency N`` each batch runs as up to N lanes (each lane
   records, is slow and writes through the fence on its own, under the
-  batch's one id and token).
+  batch's one id and token);
+* with ``--ack-timeout`` (fan-out) a slow call may outlive its subscriber's
+  ack timeout, and ``--hang-subscriber NAME`` sometimes hangs past it
+  ignoring ``ctx.cancelled`` (``--hang-probability``, ``--hang-seconds``;
+  not once the ``--hang-until`` file exists: the drain), so that subscriber
+  is busy while later batches come; every timeout the
+  poller decides is recorded in ``timeouts`` (from its own log record).
+  ``--dead-letter`` writes dead-lettered events to the ``dead_letters`` table
+  (``--max-attempts``, ``--retry-delay`` set how soon).
 
 The state store is a BlobCheckpointStore (connection string from the
 ``DBTRIGGER_CHAOS_STORAGE`` environment variable) or, with ``--state-dir``,
@@ -23,6 +31,8 @@ a FileCheckpointStore.
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import random
 import signal
 import sys
@@ -42,6 +52,7 @@ from dbtrigger import (
     RowChange,
     SqlAlchemySource,
 )
+from dbtrigger.quarantine import SqlQuarantineSink
 from dbtrigger.runtime.context import BatchContext
 from dbtrigger.runtime.delivery import Handler
 from dbtrigger.state.stores.base import CheckpointStore
@@ -55,6 +66,25 @@ def make_store(args: argparse.Namespace) -> CheckpointStore:
     return BlobCheckpointStore.from_connection_string(
         "%DBTRIGGER_CHAOS_STORAGE%", app_name="chaos", container=args.container
     )
+
+
+class TimeoutRecorder(logging.Handler):
+    """Writes each ``subscriber_timed_out`` the poller logs to ``timeouts``, before
+    the batch commits: the accounting explains the redelivery to that subscriber."""
+
+    def __init__(self, engine: sa.Engine, table: sa.Table) -> None:
+        super().__init__(logging.WARNING)
+        self.engine = engine
+        self.table = table
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, "event", None) != "subscriber_timed_out":
+            return
+        with self.engine.begin() as conn:
+            conn.execute(
+                self.table.insert(),
+                {"batch_id": record.batch_id, "subscriber": record.subscriber},  # type: ignore[attr-defined]
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,6 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--journal-limit", type=int, default=100)
     parser.add_argument("--subscribers", type=int, default=0, help="fan-out: subscribers s1..sN")
     parser.add_argument("--max-concurrency", type=int, default=1)
+    parser.add_argument("--ack-timeout", type=float, default=0.0, help="fan-out; 0: default")
+    parser.add_argument("--hang-subscriber", default="")
+    parser.add_argument("--hang-probability", type=float, default=0.0)
+    parser.add_argument("--hang-seconds", type=float, default=0.0)
+    parser.add_argument("--hang-until", default="", help="no hang once this file exists")
+    parser.add_argument("--dead-letter", action="store_true")
+    parser.add_argument("--max-attempts", type=int, default=0, help="0: the default")
+    parser.add_argument("--retry-delay", type=float, default=0.0, help="0: the default")
     args = parser.parse_args(argv)
 
     stop = threading.Event()
@@ -86,9 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         args.db_url, pool_size=2, max_overflow=2 + args.max_concurrency, pool_pre_ping=True
     )
     meta = sa.MetaData(schema=args.schema)
-    seen, sink, fence, rejections, outcomes = (
+    seen, sink, fence, rejections, outcomes, timeouts = (
         sa.Table(name, meta, autoload_with=engine)
-        for name in ("seen", "sink", "fence", "fence_rejections", "outcomes")
+        for name in ("seen", "sink", "fence", "fence_rejections", "outcomes", "timeouts")
     )
     source = SqlAlchemySource(
         url=args.db_url,
@@ -109,6 +147,19 @@ def main(argv: list[str] | None = None) -> int:
         return handler
 
     subscribers = {f"s{i + 1}": make_handler(f"s{i + 1}") for i in range(args.subscribers)}
+    options: dict[str, object] = {}
+    if subscribers and args.ack_timeout > 0:
+        options["ack_timeout_seconds"] = args.ack_timeout
+        logging.getLogger("dbtrigger").addHandler(TimeoutRecorder(engine, timeouts))
+    if args.dead_letter:
+        options["quarantine"] = SqlQuarantineSink(
+            url=args.db_url, schema=args.schema, table="dead_letters"
+        )
+    if args.max_attempts:
+        options["max_attempts"] = args.max_attempts
+    if args.retry_delay:
+        options["retry_delay_seconds"] = args.retry_delay
+        options["retry_delay_max_seconds"] = max(args.retry_delay, 1.0)
     trigger = PollTrigger(
         name=args.poller,
         source=source,
@@ -120,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         journal_limit=args.journal_limit,
         subscribers=subscribers or None,
         max_concurrency=args.max_concurrency,
+        **options,  # type: ignore[arg-type]
     )
     me = {"worker": args.worker, "incarnation": args.incarnation}
     handler = None if subscribers else make_handler("")
@@ -140,7 +192,13 @@ def main(argv: list[str] | None = None) -> int:
                     for e in events
                 ],
             )
-        if rng.random() < args.slow_probability:
+        if (
+            subscriber == args.hang_subscriber
+            and rng.random() < args.hang_probability
+            and not (args.hang_until and os.path.exists(args.hang_until))
+        ):
+            time.sleep(args.hang_seconds)  # deaf to ctx.cancelled: busy past its ack timeout
+        elif rng.random() < args.slow_probability:
             deadline = time.monotonic() + args.slow_seconds
             while time.monotonic() < deadline and not ctx.cancelled:
                 time.sleep(0.05)

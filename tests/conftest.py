@@ -8,6 +8,12 @@ import pytest
 
 from dbtrigger import SqlAlchemySource
 from tests.azurite import Azurite, start_azurite
+from tests.cdc_servers import (
+    CdcDatabase,
+    LogicalPostgres,
+    cdc_database,
+    start_logical_postgres,
+)
 from tests.databases import TestDatabase, drop_session_databases, make_database
 
 DB_KINDS = ["sqlite", "postgresql", "mariadb"]
@@ -69,3 +75,15 @@ def _close_sources(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def _drop_session_databases() -> Iterator[None]:
     yield
     drop_session_databases()
+
+
+@pytest.fixture(scope="session")
+def logical_pg() -> Iterator[LogicalPostgres]:
+    """A private PostgreSQL with wal_level=logical (tests/cdc_servers.py), once per session."""
+    yield from start_logical_postgres()
+
+
+@pytest.fixture
+def cdc_db(logical_pg: LogicalPostgres) -> Iterator[CdcDatabase]:
+    """A database of this test's own on the private logical-decoding server."""
+    yield from cdc_database(logical_pg)

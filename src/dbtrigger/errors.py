@@ -235,6 +235,29 @@ class OutputWriteError(RetryableError):
     """The output binding could not write its rows; the batch is not committed and comes again."""
 
 
+# --- log-based capture (dbtrigger.cdc) -------------------------------------------
+
+
+class DecodeBacklogError(FetchError):
+    """Reading the log did not finish within the read timeout: the backlog to decode is
+    too large for one read. The next reads step forward through it in bounded windows."""
+
+
+class SlotLostError(OperatorError):
+    """The replication slot is gone or invalidated, so the changes since the checkpoint
+    can no longer be read; recreate it with a snapshot (``dbtrigger cdc recreate --snapshot``)."""
+
+
+class ServerSettingError(ConfigurationError):
+    """The database server is not set up for log-based capture; the message names the
+    setting and how to change it."""
+
+
+class SchemaChangedError(SourceDefinitionError):
+    """A column of a watched table changed type in the log; accept the new shape
+    (``dbtrigger cdc accept-schema``) before delivery goes on."""
+
+
 __all__ = [
     "AckTimeoutError",
     "AmbiguousCommitError",
@@ -247,6 +270,7 @@ __all__ = [
     "ContentionError",
     "CorruptStateError",
     "DbTriggerError",
+    "DecodeBacklogError",
     "FailureRecordError",
     "FetchError",
     "FingerprintMismatchError",
@@ -259,7 +283,10 @@ __all__ = [
     "PartialBatchError",
     "QuarantineError",
     "RetryableError",
+    "SchemaChangedError",
     "SerializationError",
+    "ServerSettingError",
+    "SlotLostError",
     "SourceDefinitionError",
     "SourcePermissionError",
     "StoreAuthError",

@@ -56,7 +56,7 @@ from dbtrigger.runtime.tick import (
     TickSettings,
     wants_context,
 )
-from dbtrigger.sources.base import SourceAdapter
+from dbtrigger.sources.base import BindsToPoller, SourceAdapter
 from dbtrigger.state import document as docmod
 from dbtrigger.state.document import StateDocument
 from dbtrigger.state.stores.base import CheckpointStore
@@ -251,6 +251,8 @@ class PollTrigger:
         self.quarantine_limit = quarantine_limit
         self.max_concurrency = max_concurrency
         self.telemetry = Telemetry(self.name, self.metrics)
+        if isinstance(source, BindsToPoller):
+            source.bind_poller(self.name, self.metrics)  # e.g. a slot named after the poller
         self.null_probe = NullCursorProbe(null_check_interval_seconds)
         #: The last tick's result; a tick that raised leaves one with outcome
         #: ``"failed"`` (and what it committed before failing) for the log line

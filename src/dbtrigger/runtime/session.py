@@ -13,6 +13,11 @@ our own landed write by its bytes. Both paths share one CAS step
 (:meth:`LeaseSession._cas`): write, and on an ambiguous outcome re-read to
 learn whether the write landed.
 
+After an update that moved the checkpoint has landed, ``on_checkpoint`` is
+called with the new (now durable) position: a source that holds data until it
+is checkpointed (a replication slot) may then release it. It is called outside
+the lock, once per new position.
+
 A lock serialises updates so a heartbeat thread and the tick never race on
 the etag. A store that is briefly unreachable (nothing was written) is retried
 under the tick's :class:`~dbtrigger.runtime.retry.RetryPolicy`; credentials the
@@ -26,6 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from dbtrigger.cursor import Position
 from dbtrigger.errors import (
     AmbiguousCommitError,
     AmbiguousWriteError,
@@ -94,6 +100,7 @@ class LeaseSession:
         token: int,
         retry: RetryPolicy | None = None,
         on_retry: RetryHook | None = None,
+        on_checkpoint: Callable[[Position], None] | None = None,
     ) -> None:
         self.store = store
         self.key = key
@@ -106,6 +113,8 @@ class LeaseSession:
         self.writes = 0
         self.retry = retry or RetryPolicy.none()
         self.on_retry = on_retry
+        self.on_checkpoint = on_checkpoint
+        self._checkpointed = document.position
         self._last_write = time.monotonic()
         self._lock = threading.Lock()
 
@@ -120,6 +129,7 @@ class LeaseSession:
         owner: str,
         retry: RetryPolicy | None = None,
         on_retry: RetryHook | None = None,
+        on_checkpoint: Callable[[Position], None] | None = None,
     ) -> LeaseSession | None:
         """Write the lease ``decision`` took on the document read with ``etag``
         (None: there was no document); the session, or None if we lost the race.
@@ -143,6 +153,7 @@ class LeaseSession:
             token=decision.fencing_token,
             retry=retry,
             on_retry=on_retry,
+            on_checkpoint=on_checkpoint,
         )
         data = docmod.dumps(decision.document)
 
@@ -175,7 +186,11 @@ class LeaseSession:
             OperatorError: the store refused our credentials (never retried).
         """
         with self._lock:
-            return self._update_locked(transition, what=what)
+            written = self._update_locked(transition, what=what)
+        if self.on_checkpoint is not None and written.position != self._checkpointed:
+            self._checkpointed = written.position
+            self.on_checkpoint(written.position)
+        return written
 
     def renew(self, transition: Transition, *, min_idle_seconds: float) -> bool:
         """Heartbeat: write ``transition`` only if nothing was written for a while.

@@ -127,6 +127,8 @@ EVENTS: dict[str, EventSpec] = {
         ),
     ),
     "null_check_failed": EventSpec(W),
+    # a source holding data until it is checkpointed (a replication slot) failed to release
+    "acknowledge_failed": EventSpec(W),
     "null_cursor_probe": EventSpec(None, (Gauge("null_cursor_rows", "count"),)),
     "null_cursor_rows": EventSpec(W),
     "serialization_failed": EventSpec(

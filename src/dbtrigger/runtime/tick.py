@@ -68,6 +68,7 @@ from dbtrigger.runtime.window_report import WindowReport
 from dbtrigger.runtime.windowing import Selection
 from dbtrigger.runtime.writes import StateWriter, WriterSettings
 from dbtrigger.sources.base import (
+    AcknowledgesCheckpoints,
     FindsNullCursors,
     LocatesRows,
     MeasuresCursorAge,
@@ -293,6 +294,8 @@ class TickDriver:
         self.fingerprint = fingerprint
         self.telemetry = telemetry
         self.emit = telemetry.emit
+        #: The source holds data until told it is checkpointed (a replication slot).
+        self.acknowledges = isinstance(source, AcknowledgesCheckpoints)
         self.delivery = delivery
         self.null_probe = null_probe
         self.visibility: VisibilityReport | None = None
@@ -375,6 +378,7 @@ class TickDriver:
         self.null_probe.run(self.source, self.telemetry)
         if selection is None:
             self.emit("tick_idle", "nothing after the checkpoint")
+            self.acknowledge(position)  # the stored checkpoint is durable: nothing after it
             return self.result(0, 0, "idle")
 
         try:
@@ -386,6 +390,7 @@ class TickDriver:
                 owner=s.owner_id,
                 retry=s.retry,
                 on_retry=self.telemetry.on_retry,
+                on_checkpoint=self.acknowledge if self.acknowledges else None,
             )
         except DbTriggerError as exc:
             self.emit(
@@ -747,6 +752,25 @@ class TickDriver:
             )
 
     # --- the I/O steps ----------------------------------------------------------------
+
+    def acknowledge(self, position: Position) -> None:
+        """Tell a source that holds data until it is checkpointed that ``position`` is durable.
+
+        Called once a write that moved the checkpoint landed, and on an idle
+        tick with the stored checkpoint (:class:`AcknowledgesCheckpoints`). A
+        failure to release is the source's to retry: the checkpoint stands.
+        """
+        if not self.acknowledges:
+            return
+        try:
+            self.source.acknowledge(position)  # type: ignore[attr-defined]
+        except DbTriggerError as exc:
+            self.emit(
+                "acknowledge_failed",
+                "the source could not release what it holds up to %s: %s",
+                position.cursor,
+                exc,
+            )
 
     def read(self) -> tuple[StateDocument | None, str | None]:
         s = self.settings

@@ -19,10 +19,11 @@ Contract (checked by one suite against every implementation):
 
 Optional capabilities a source may also have are declared below as small
 protocols (:class:`ReportsVisibility`, :class:`FindsNullCursors`,
-:class:`CountsAfter`); the runtime, ``health`` and ``backfill`` ask for one
-with ``isinstance(source, CountsAfter)`` instead of probing attribute names,
-so the name a source must spell is written down once, here, and checked by
-mypy. A wrapper that forwards unknown attributes (``__getattr__``) has the
+:class:`CountsAfter`, :class:`AcknowledgesCheckpoints`, :class:`BindsToPoller`,
+...); the runtime, ``health`` and ``backfill`` ask for one with
+``isinstance(source, CountsAfter)`` instead of probing attribute names, so the
+name a source must spell is written down once, here, and checked by mypy. A
+wrapper that forwards unknown attributes (``__getattr__``) has the
 capabilities of what it wraps.
 """
 
@@ -152,6 +153,37 @@ def accepted_fingerprints(source: SourceAdapter) -> tuple[str, ...]:
     if isinstance(source, AcceptsFingerprints):
         return source.accepted_fingerprints()
     return (source.fingerprint(),)
+
+
+@runtime_checkable
+class AcknowledgesCheckpoints(Protocol):
+    """A source that holds its data until told it is durably checkpointed.
+
+    A replication slot keeps every change after the position it was last told
+    about, and must not be told early: a crash between releasing and
+    checkpointing would lose what was released. The runtime calls
+    ``acknowledge(position)`` after a write of the state document that moved
+    the checkpoint *landed* (a commit, a partial commit), and on an idle tick
+    with the checkpoint it read from the store. ``position`` is always a
+    durable checkpoint; the source may release everything at or before it.
+
+    It must not raise for a failure to release (the checkpoint stands; the next
+    acknowledgement releases further): the runtime logs and ignores
+    :class:`~dbtrigger.errors.DbTriggerError` from it.
+    """
+
+    def acknowledge(self, position: Position) -> None: ...
+
+
+@runtime_checkable
+class BindsToPoller(Protocol):
+    """A source that must know the poller it serves (a slot named after it, its metrics).
+
+    :class:`~dbtrigger.PollTrigger` calls ``bind_poller(name, metrics)`` once,
+    when it is built; a source serves one poller.
+    """
+
+    def bind_poller(self, name: str, metrics: Any = None) -> None: ...
 
 
 @runtime_checkable

@@ -3,6 +3,7 @@
 In-memory parts, each passing the same contract suite as the real thing:
 
 * :class:`MemorySource` - a ``SourceAdapter`` over rows a test puts in;
+* :class:`MemoryLogSource` - a log-based source over transactions a test commits;
 * :class:`MemoryQuarantineSink` - a dead-letter sink that keeps records in a list;
 * :class:`CountingStore` - wraps any ``CheckpointStore`` and counts its calls.
 
@@ -13,6 +14,8 @@ their own (subclass the suite in a pytest module and provide one fixture; see
 * :class:`StoreContract` - ``CheckpointStore`` (fixture ``store``);
 * :class:`SourceContract` - ``SourceAdapter`` (fixture ``source_harness``, a
   :class:`SourceHarness`);
+* :class:`LogSourceContract` - a log-based source (fixture ``log_harness``, a
+  :class:`LogSourceHarness`);
 * :class:`SinkContract` - ``QuarantineSink`` (fixtures ``sink`` and
   ``unavailable_sink``).
 
@@ -26,11 +29,15 @@ from typing import TYPE_CHECKING, Any
 
 from dbtrigger.sources.memory import MemorySource
 from dbtrigger.testing.counting import CountingStore, StoreCall, StoreCounts
+from dbtrigger.testing.memory_log import MemoryLogSource
 from dbtrigger.testing.sinks import MemoryQuarantineSink
 
 if TYPE_CHECKING:
     from dbtrigger.testing.contracts import (
         ContractRow,
+        LogOp,
+        LogSourceContract,
+        LogSourceHarness,
         SinkContract,
         SourceContract,
         SourceHarness,
@@ -39,6 +46,9 @@ if TYPE_CHECKING:
 
 _CONTRACT_NAMES = (
     "ContractRow",
+    "LogOp",
+    "LogSourceContract",
+    "LogSourceHarness",
     "SinkContract",
     "SourceContract",
     "SourceHarness",
@@ -58,6 +68,10 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "ContractRow",
     "CountingStore",
+    "LogOp",
+    "LogSourceContract",
+    "LogSourceHarness",
+    "MemoryLogSource",
     "MemoryQuarantineSink",
     "MemorySource",
     "SinkContract",

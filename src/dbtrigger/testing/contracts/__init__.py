@@ -10,13 +10,24 @@ from __future__ import annotations
 import pytest
 
 pytest.register_assert_rewrite(
+    "dbtrigger.testing.contracts.log_source",
     "dbtrigger.testing.contracts.sink",
     "dbtrigger.testing.contracts.source",
     "dbtrigger.testing.contracts.store",
 )
 
+from dbtrigger.testing.contracts.log_source import (  # noqa: E402
+    LogOp,
+    LogSourceContract,
+    LogSourceHarness,
+)
 from dbtrigger.testing.contracts.sink import SinkContract  # noqa: E402
 from dbtrigger.testing.contracts.source import ContractRow, SourceContract, SourceHarness  # noqa: E402
 from dbtrigger.testing.contracts.store import StoreContract  # noqa: E402
 
-__all__ = ["ContractRow", "SinkContract", "SourceContract", "SourceHarness", "StoreContract"]
+__all__ = [
+    "ContractRow",
+    "LogOp",
+    "LogSourceContract",
+    "LogSourceHarness",
+    "SinkContract", "SourceContract", "SourceHarness", "StoreContract"]

@@ -1,0 +1,242 @@
+"""The change a log-based source delivers, in a shape every database shares.
+
+A log source's ``fetch`` returns :class:`Change` records (the port's "raw
+rows"); :func:`to_events` turns them into :class:`~dbtrigger.RowChange`
+events. PostgreSQL's logical decoding and a MariaDB/MySQL binlog reader fill
+the same fields, so handlers, lanes, fan-out, quarantine and the CLI treat both
+alike:
+
+* ``op``: ``insert``, ``update`` or ``delete``; rows read by a snapshot are
+  ``upsert`` (the row as it is now, not a change) with ``metadata["snapshot"]``.
+* ``before``: the row before the change, as much of it as the log carries
+  (``metadata["before_image"]`` says ``"full"`` or ``"key"``; None when the
+  log carried nothing, e.g. a PostgreSQL update under ``REPLICA IDENTITY
+  DEFAULT`` that did not touch the key).
+* ``after``: the row after the change (None for a delete). A column whose
+  value the log did not carry because it did not change (PostgreSQL's
+  unchanged TOASTed values) holds :data:`UNCHANGED`, never None: None is a
+  real NULL. ``metadata["unchanged"]`` names those columns.
+* ``cursor``: the :class:`~dbtrigger.cdc.position.LogPosition` text
+  (``commit#ordinal``): unique per change, equal on every redelivery.
+* ``pk``: the table's key values (from the image that has them).
+* ``metadata``: ``table`` (``schema.table``), ``commit`` (the commit token),
+  ``ordinal``, ``last_in_transaction``, ``commit_time`` (aware UTC),
+  ``transaction_id``, ``before_image``, ``unchanged``, ``snapshot``.
+
+Transactions arrive whole and in commit order: nothing of a transaction is
+handed out before it committed, its changes are consecutive, and
+``last_in_transaction`` marks its end, so a handler that must apply a
+transaction atomically can tell where one ends (a batch is cut at
+``batch_size`` events, which may fall inside a large transaction).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+from dbtrigger.cdc.position import LogPosition
+from dbtrigger.errors import SerializationError
+from dbtrigger.events import RowChange, make_event_id
+
+#: Operations a log change may carry (a snapshot row is an ``upsert``).
+LOG_OPS = frozenset({"insert", "update", "delete", "upsert"})
+
+
+class Unchanged:
+    """The value of a column the log did not carry because it did not change.
+
+    PostgreSQL writes a large (TOASTed) value into the log only when it
+    changed; an update that left it alone carries a marker instead. Reading
+    that as NULL would make a handler erase data, so it is this object, which
+    is equal only to itself: test with ``value is UNCHANGED``.
+    """
+
+    __slots__ = ()
+    _instance: Unchanged | None = None
+
+    def __new__(cls) -> Unchanged:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "UNCHANGED"
+
+    def __reduce__(self) -> str:
+        return "UNCHANGED"  # pickles (lanes in processes, tests) as the singleton
+
+    def __copy__(self) -> Unchanged:
+        return self
+
+    def __deepcopy__(self, memo: Any) -> Unchanged:
+        return self
+
+
+#: The one marker of an unchanged value the log did not carry (see :class:`Unchanged`).
+UNCHANGED = Unchanged()
+
+
+class Change(Mapping[str, Any]):
+    """One committed change read from a log, before it becomes a ``RowChange``.
+
+    A read-only mapping (the port's raw row) over its fields; build it with
+    keyword arguments. ``position`` is required: it is what the checkpoint
+    records.
+    """
+
+    FIELDS = (
+        "position",
+        "op",
+        "table",
+        "pk",
+        "before",
+        "after",
+        "commit_time",
+        "transaction_id",
+        "last_in_transaction",
+        "before_image",
+        "unchanged",
+        "snapshot",
+    )
+    __slots__ = ("_values",)
+
+    def __init__(
+        self,
+        *,
+        position: LogPosition,
+        op: str,
+        table: str,
+        pk: Mapping[str, Any],
+        before: Mapping[str, Any] | None,
+        after: Mapping[str, Any] | None,
+        commit_time: dt.datetime | None = None,
+        transaction_id: Any = None,
+        last_in_transaction: bool = False,
+        before_image: str | None = None,
+        unchanged: tuple[str, ...] = (),
+        snapshot: bool = False,
+    ) -> None:
+        self._values = {
+            "position": position,
+            "op": op,
+            "table": table,
+            "pk": pk,
+            "before": before,
+            "after": after,
+            "commit_time": commit_time,
+            "transaction_id": transaction_id,
+            "last_in_transaction": last_in_transaction,
+            "before_image": before_image,
+            "unchanged": unchanged,
+            "snapshot": snapshot,
+        }
+
+    def __getitem__(self, key: str) -> Any:
+        return self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        v = self._values
+        return f"Change({v['op']} {v['table']} {v['pk']} at {v['position']})"
+
+
+def _frozen(image: Mapping[str, Any] | None) -> MappingProxyType[str, Any] | None:
+    return None if image is None else MappingProxyType(dict(image))
+
+
+def to_events(
+    changes: Sequence[Mapping[str, Any]], *, poller: str, batch_id: str, source: str
+) -> list[RowChange]:
+    """One ``RowChange`` per change, at the change's log position.
+
+    Raises:
+        SerializationError: a change lacks its position, operation or table, or
+            its key or position cannot be encoded in a checkpoint.
+    """
+    events: list[RowChange] = []
+    for change in changes:
+        try:
+            position = change["position"]
+            op = change["op"]
+            table = change["table"]
+            pk = dict(change["pk"])
+        except (KeyError, TypeError) as exc:
+            raise SerializationError(
+                f"a change from {source} lacks {exc}: not a log change record",
+                poller=poller,
+                batch_id=batch_id,
+            ) from None
+        if not isinstance(position, LogPosition):
+            raise SerializationError(
+                f"a change from {source} has no log position ({position!r})",
+                poller=poller,
+                batch_id=batch_id,
+            )
+        if op not in LOG_OPS:
+            raise SerializationError(
+                f"a change from {source} at {position} has unknown operation {op!r}",
+                poller=poller,
+                batch_id=batch_id,
+            )
+        cursor = position.text
+        try:
+            event_id = make_event_id(poller, pk, cursor)
+        except SerializationError as exc:
+            raise SerializationError(
+                f"change of {table} at {position}: {exc}", poller=poller, batch_id=batch_id
+            ) from None
+        metadata = {
+            "poller": poller,
+            "batch_id": batch_id,
+            "table": table,
+            "commit": position.commit,
+            "ordinal": position.ordinal,
+            "last_in_transaction": bool(change.get("last_in_transaction", False)),
+            "commit_time": change.get("commit_time"),
+            "transaction_id": change.get("transaction_id"),
+            "before_image": change.get("before_image"),
+            "unchanged": tuple(change.get("unchanged", ())),
+            "snapshot": bool(change.get("snapshot", False)),
+        }
+        events.append(
+            RowChange._unchecked(
+                event_id,
+                op,
+                source,
+                cursor,
+                MappingProxyType(pk),
+                _frozen(change.get("before")),
+                _frozen(change.get("after")),
+                MappingProxyType(metadata),
+            )
+        )
+    return events
+
+
+def transactions(events: Sequence[RowChange]) -> list[list[RowChange]]:
+    """The events of a batch grouped by transaction, in order.
+
+    The first and last group may be parts of transactions that continue in the
+    previous or next batch (``metadata["last_in_transaction"]`` of a group's
+    last event says whether it ended here).
+    """
+    groups: list[list[RowChange]] = []
+    current: str | None = None
+    for event in events:
+        commit = event.metadata.get("commit")
+        if not groups or commit != current:
+            groups.append([])
+            current = commit
+        groups[-1].append(event)
+    return groups
+
+
+__all__ = ["LOG_OPS", "UNCHANGED", "Change", "Unchanged", "to_events", "transactions"]

@@ -1,0 +1,118 @@
+"""Connections for PostgreSQL logical decoding, and the errors they raise, translated.
+
+The slot functions are called over plain psycopg (3) connections rather than
+SQLAlchemy: the reads are binary, bounded by a per-statement timeout, streamed
+row by row, and the errors that matter are told apart by SQLSTATE. Every
+session is set up the same way, because the *session's* settings decide how
+``pgoutput`` writes values as text: UTC timestamps, ISO dates, hex bytea.
+
+:func:`translated` maps driver errors onto dbtrigger's tree at this edge
+(the general rules of :mod:`dbtrigger.sources.errors_map`, plus what is
+special to slots: a slot in use by another session is a retry, a statement
+timeout is the caller's to name).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+from psycopg import errors as pg_errors
+from sqlalchemy.engine import URL
+
+from dbtrigger.errors import ConfigurationError, DbTriggerError, FetchError
+from dbtrigger.sources.errors_map import source_error
+
+#: Session settings every connection runs with: they decide pgoutput's text output.
+SESSION_OPTIONS = "-c TimeZone=UTC -c DateStyle=ISO -c bytea_output=hex -c extra_float_digits=3"
+
+#: libpq parameters a URL query may carry through (everything else is SQLAlchemy's).
+_PASSED_QUERY = (
+    "sslmode",
+    "sslrootcert",
+    "sslcert",
+    "sslkey",
+    "sslcrl",
+    "connect_timeout",
+    "application_name",
+    "target_session_attrs",
+    "keepalives",
+    "keepalives_idle",
+    "keepalives_interval",
+    "keepalives_count",
+    "tcp_user_timeout",
+    "options",
+    "channel_binding",
+    "gssencmode",
+)
+
+
+def connect_kwargs(url: URL, *, application_name: str = "dbtrigger-cdc") -> dict[str, Any]:
+    """psycopg ``connect()`` keywords for a SQLAlchemy PostgreSQL URL.
+
+    Raises:
+        ConfigurationError: not a PostgreSQL URL.
+    """
+    if url.get_backend_name() != "postgresql":
+        raise ConfigurationError(
+            f"PgLogicalSource needs a PostgreSQL URL (postgresql://...), got a "
+            f"{url.get_backend_name()!r} one"
+        )
+    kwargs: dict[str, Any] = {
+        "host": url.host or None,
+        "port": url.port,
+        "user": url.username,
+        "password": url.password,
+        "dbname": url.database,
+        "application_name": application_name,
+    }
+    for key in _PASSED_QUERY:
+        value = url.query.get(key)
+        if value is not None:
+            kwargs[key] = value if isinstance(value, str) else value[-1]
+    options = kwargs.get("options")
+    kwargs["options"] = f"{options} {SESSION_OPTIONS}" if options else SESSION_OPTIONS
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def connect(url: URL, **extra: Any) -> psycopg.Connection[Any]:
+    """An autocommit session set up for decoding.
+
+    Raises:
+        SourcePermissionError / SourceDefinitionError / FetchError: as classified.
+    """
+    with translated("connecting to the source database"):
+        return psycopg.connect(autocommit=True, **connect_kwargs(url), **extra)
+
+
+@contextlib.contextmanager
+def translated(what: str) -> Iterator[None]:
+    """Map psycopg errors raised inside onto dbtrigger errors (cause chained)."""
+    try:
+        yield
+    except DbTriggerError:
+        raise
+    except pg_errors.ObjectInUse as exc:
+        raise FetchError(
+            f"{what} failed: the replication slot is in use by another session (another "
+            "worker of this poller, or a `dbtrigger cdc status` run); the next tick retries",
+            sqlstate=exc.sqlstate,
+        ) from exc
+    except psycopg.Error as exc:
+        raise source_error(exc, what) from exc
+
+
+def sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE of a psycopg error anywhere in a cause chain."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        state = getattr(seen, "sqlstate", None)
+        if isinstance(state, str):
+            return state
+        seen = seen.__cause__
+    return None
+
+
+__all__ = ["SESSION_OPTIONS", "connect", "connect_kwargs", "sqlstate", "translated"]

@@ -1,0 +1,338 @@
+"""PostgreSQL logical decoding, read: messages in, whole transactions out, changes on demand.
+
+:class:`Decoder` assembles the ``pgoutput`` messages of one read into
+:class:`~dbtrigger.cdc.buffer.Transaction` objects, keeping for each change
+only its raw message and the relation it was written under: a change becomes
+a :class:`~dbtrigger.cdc.changes.Change` (dicts of converted values) only when
+:func:`materialise` is asked for it, as a batch is handed out.
+
+Two kinds of logical message are ours: heartbeats (non-transactional, ignored
+here: they only give the slot somewhere to advance to) and snapshot chunks
+(transactional: the rows of one chunk of a table's snapshot, written into the
+log by :mod:`dbtrigger.cdc.pg_snapshot` so that they arrive in commit order
+with everything else). Messages of other prefixes are not ours and skipped.
+
+A column type that changes under a watched table (a Relation message that
+disagrees with the accepted columns, :class:`SchemaGuard`) ends the read just
+before the transaction that first uses it: what came before is delivered, and
+the reader reports the change (:attr:`Decoder.schema_break`) instead of
+handing out rows of a shape the consumers did not agree to.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from dbtrigger.cdc import pgoutput as po
+from dbtrigger.cdc.buffer import Transaction
+from dbtrigger.cdc.changes import UNCHANGED, Change
+from dbtrigger.cdc.pg_setup import TableInfo
+from dbtrigger.cdc.position import LogPosition
+from dbtrigger.errors import SerializationError
+
+log = logging.getLogger("dbtrigger.cdc")
+
+HEARTBEAT_PREFIX = "dbtrigger.heartbeat"
+SNAPSHOT_PREFIX = "dbtrigger.snapshot:"
+
+
+@dataclass(frozen=True)
+class RelationInfo:
+    """A watched table as one Relation message (or snapshot chunk) described it."""
+
+    oid: int
+    table: str
+    names: tuple[str, ...]
+    type_oids: tuple[int, ...]
+    is_key: tuple[bool, ...]
+    key_index: tuple[tuple[str, int], ...]
+    converters: tuple[Callable[[str], Any], ...] = field(repr=False, compare=False)
+
+    @classmethod
+    def build(
+        cls,
+        oid: int,
+        table: str,
+        columns: Sequence[tuple[str, int, bool]],
+        key_columns: Sequence[str],
+    ) -> RelationInfo:
+        names = tuple(c[0] for c in columns)
+        where = {name: i for i, name in enumerate(names)}
+        return cls(
+            oid,
+            table,
+            names,
+            tuple(c[1] for c in columns),
+            tuple(c[2] for c in columns),
+            tuple((k, where[k]) for k in key_columns if k in where),
+            tuple(po.converter(c[1]) for c in columns),
+        )
+
+    def image(self, values: Sequence[po.Value], *, key_only: bool = False) -> dict[str, Any]:
+        """Column name -> Python value; a key-only image keeps only the identity columns."""
+        out: dict[str, Any] = {}
+        for name, value, convert, key in zip(
+            self.names, values, self.converters, self.is_key, strict=False
+        ):
+            if key_only and not key:
+                continue
+            if value is None or value is UNCHANGED:
+                out[name] = value
+                continue
+            text = bytes(value).decode()  # type: ignore[arg-type]
+            try:
+                out[name] = convert(text)
+            except (ValueError, ArithmeticError):
+                out[name] = text
+        return out
+
+    def pk(self, image: Mapping[str, Any]) -> dict[str, Any]:
+        return {name: image[name] for name, _ in self.key_index if name in image}
+
+
+class SchemaGuard:
+    """The accepted columns of each watched table (name -> type OID).
+
+    A Relation message may add columns (they simply appear in events) but not
+    change the type of an accepted one. ``accepted`` starts from what the
+    caller persisted; :attr:`added` collects new columns to persist.
+    """
+
+    def __init__(self, accepted: Mapping[str, Mapping[str, int]]) -> None:
+        self.accepted: dict[str, dict[str, int]] = {t: dict(c) for t, c in accepted.items()}
+        self.added = False
+
+    def check(self, relation: RelationInfo) -> str | None:
+        """None when the relation fits; else what changed, in words."""
+        known = self.accepted.setdefault(relation.table, {})
+        changed = [
+            (name, known[name], type_oid)
+            for name, type_oid in zip(relation.names, relation.type_oids, strict=True)
+            if name in known and known[name] != type_oid
+        ]
+        if changed:
+            return "; ".join(
+                f"column {name} of {relation.table} changed type (OID {old} -> {new})"
+                for name, old, new in changed
+            )
+        for name, type_oid in zip(relation.names, relation.type_oids, strict=True):
+            if name not in known:
+                known[name] = type_oid
+                self.added = True
+        return None
+
+
+@dataclass
+class SchemaBreak:
+    """Where a column type changed, and how."""
+
+    commit: str
+    problem: str
+
+
+class Decoder:
+    """Turns the messages of one read into committed transactions of watched changes."""
+
+    def __init__(
+        self,
+        watched: Mapping[str, TableInfo],
+        guard: SchemaGuard,
+        *,
+        slot: str,
+        on_truncate: Callable[[str, int], None] | None = None,
+    ) -> None:
+        self.watched = watched
+        self.guard = guard
+        self.snapshot_prefix = SNAPSHOT_PREFIX + slot
+        self.on_truncate = on_truncate
+        self.relations: dict[int, RelationInfo] = {}
+        #: relation OID -> the type change its last Relation message showed
+        self._problems: dict[int, str] = {}
+        self._current: Transaction[Any] | None = None
+        self._skip = False
+        self._to_skip = 0
+        self.room = 0
+        self.full = False
+        self.schema_break: SchemaBreak | None = None
+        self.last_end: int | None = None
+
+    def start(self, room: int) -> None:
+        """A new read (a new decoding session: Relation messages come again) that
+        may keep ``room`` changes."""
+        self._current = None
+        self.relations.clear()
+        self._problems.clear()
+        self.schema_break = None
+        self.last_end = None
+        self.room = room
+        self.full = False
+
+    def partial(self) -> Transaction[Any] | None:
+        """The transaction the read stopped inside when it ran out of room."""
+        txn, self._current = self._current, None
+        if txn is None or self._skip:
+            return None
+        txn.whole = False
+        return txn
+
+    def _keep(self, raw: Any) -> None:
+        current = self._current
+        assert current is not None  # noqa: S101 - only called inside a transaction
+        if self._to_skip:
+            self._to_skip -= 1  # delivered already: the read started inside this transaction
+            return
+        current.changes.append(raw)
+        self.room -= 1
+        if self.room <= 0:
+            self.full = True
+
+    def feed(self, data: bytes, after: LogPosition | None) -> Transaction[Any] | None:
+        """Take one message; a transaction when this one committed it."""
+        kind = data[:1]
+        if kind in (b"I", b"U", b"D"):
+            if self._current is not None and not self._skip:
+                oid = int.from_bytes(data[1:5], "big")
+                relation = self.relations.get(oid)
+                if relation is not None:
+                    problem = self._problems.get(oid)
+                    if problem is not None and self.schema_break is None:
+                        self.schema_break = SchemaBreak(self._current.commit, problem)
+                    self._keep((relation, data))
+            return None
+        message = po.decode(data)
+        if isinstance(message, po.Begin):
+            commit = po.lsn_token(message.final_lsn)
+            self._skip = after is not None and commit < after.commit
+            offset = after.ordinal if after is not None and commit == after.commit else 0
+            self._to_skip = offset
+            self._current = Transaction(
+                commit, message.final_lsn, 0, message.commit_time, message.xid, offset=offset
+            )
+        elif isinstance(message, po.Commit):
+            txn, self._current = self._current, None
+            self.last_end = message.end_lsn
+            if txn is None or self._skip:
+                return None
+            txn.end = message.end_lsn
+            return txn
+        elif isinstance(message, po.Relation):
+            self._relation(message)
+        elif isinstance(message, po.Message):
+            self._message(message)
+        elif isinstance(message, po.Truncate):
+            self._truncate(message)
+        return None
+
+    def _relation(self, message: po.Relation) -> None:
+        table = f"{message.namespace}.{message.name}"
+        info = self.watched.get(table)
+        if info is None:
+            self.relations.pop(message.oid, None)  # a table we do not watch (shared publication)
+            return
+        relation = RelationInfo.build(
+            message.oid,
+            table,
+            [(c.name, c.type_oid, c.is_key) for c in message.columns],
+            info.key_columns,
+        )
+        self.relations[message.oid] = relation
+        problem = self.guard.check(relation)
+        if problem is None:
+            self._problems.pop(message.oid, None)
+        else:
+            self._problems[message.oid] = problem
+
+    def _message(self, message: po.Message) -> None:
+        if message.prefix != self.snapshot_prefix or not message.transactional:
+            return  # heartbeats and other tools' messages
+        if self._current is None or self._skip:
+            return
+        chunk = json.loads(message.content)
+        table = chunk["table"]
+        info = self.watched.get(table)
+        if info is None:
+            return
+        relation = RelationInfo.build(
+            info.oid,
+            table,
+            [
+                (n, t, n in info.key_columns)
+                for n, t in zip(chunk["columns"], chunk["types"], strict=True)
+            ],
+            info.key_columns,
+        )
+        for row in chunk["rows"]:
+            self._keep((relation, tuple(None if v is None else v.encode() for v in row)))
+
+    def _truncate(self, message: po.Truncate) -> None:
+        if self._current is None or self._skip:
+            return
+        for oid in message.relation_oids:
+            relation = self.relations.get(oid)
+            if relation is not None and self.on_truncate is not None:
+                self.on_truncate(relation.table, self._current.start)
+
+
+def materialise(txn: Transaction[Any], ordinal: int, raw: tuple[RelationInfo, Any]) -> Change:
+    """The change at ``ordinal`` of ``txn`` (raw: its relation and message or snapshot row)."""
+    relation, payload = raw
+    position = LogPosition(txn.commit, ordinal)
+    common: dict[str, Any] = {
+        "position": position,
+        "table": relation.table,
+        "commit_time": txn.commit_time,
+        "transaction_id": txn.transaction_id,
+        "last_in_transaction": txn.whole and ordinal == txn.last_ordinal,
+    }
+    if isinstance(payload, tuple):  # a snapshot row
+        after = relation.image(payload)
+        return Change(
+            op="upsert", pk=relation.pk(after), before=None, after=after, snapshot=True, **common
+        )
+    try:
+        message = po.decode(payload)
+    except po.DecodeError as exc:
+        raise SerializationError(f"change of {relation.table} at {position}: {exc}") from None
+    before: dict[str, Any] | None = None
+    after_image: dict[str, Any] | None = None
+    image_kind: str | None = None
+    if isinstance(message, po.Insert):
+        op, after_image = "insert", relation.image(message.new)
+    elif isinstance(message, po.Update):
+        op, after_image = "update", relation.image(message.new)
+        if message.old is not None:
+            key_only = message.old_kind == "K"
+            before = relation.image(message.old, key_only=key_only)
+            image_kind = "key" if key_only else "full"
+    elif isinstance(message, po.Delete):
+        key_only = message.old_kind == "K"
+        op, before = "delete", relation.image(message.old, key_only=key_only)
+        image_kind = "key" if key_only else "full"
+    else:
+        raise SerializationError(f"change of {relation.table} at {position}: not a row change")
+    keyed = after_image if after_image is not None else before or {}
+    unchanged = tuple(k for k, v in (after_image or {}).items() if v is UNCHANGED)
+    return Change(
+        op=op,
+        pk=relation.pk(keyed),
+        before=before,
+        after=after_image,
+        before_image=image_kind,
+        unchanged=unchanged,
+        **common,
+    )
+
+
+__all__ = [
+    "HEARTBEAT_PREFIX",
+    "SNAPSHOT_PREFIX",
+    "Decoder",
+    "RelationInfo",
+    "SchemaBreak",
+    "SchemaGuard",
+    "materialise",
+]

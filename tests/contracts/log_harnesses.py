@@ -1,0 +1,125 @@
+"""Harnesses that drive log-based sources through the log-source contract."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+
+from dbtrigger.cdc import PgLogicalSource
+from dbtrigger.cursor import BEGINNING
+from dbtrigger.sources.base import SourceAdapter
+from dbtrigger.testing import LogOp, MemoryLogSource
+from tests.cdc_servers import CdcDatabase
+
+
+class MemoryLogHarness:
+    """The in-memory log: a dict for the table, one log transaction per commit."""
+
+    secrets: Sequence[str] = ()
+
+    def __init__(self, source: MemoryLogSource | None = None) -> None:
+        self.source = source or MemoryLogSource("memory:t")
+        self.rows: dict[int, str] = {}
+
+    def open(self) -> SourceAdapter:
+        return self.source
+
+    def reopen(self, source: SourceAdapter) -> SourceAdapter:
+        assert isinstance(source, MemoryLogSource)
+        return source.share()
+
+    def open_changed(self) -> SourceAdapter:
+        return MemoryLogSource("memory:other")
+
+    def changes(self, ops: Sequence[LogOp]) -> list[dict[str, Any]]:
+        out = []
+        for op in ops:
+            before = {"id": op.id, "note": self.rows[op.id]} if op.id in self.rows else None
+            if op.op == "delete":
+                del self.rows[op.id]
+                after = None
+            else:
+                self.rows[op.id] = op.note
+                after = {"id": op.id, "note": op.note}
+            out.append({"op": op.op, "pk": {"id": op.id}, "before": before, "after": after})
+        return out
+
+    def commit(self, ops: Sequence[LogOp]) -> None:
+        self.source.commit(self.changes(ops))
+
+    def rollback(self, ops: Sequence[LogOp]) -> None:
+        saved = dict(self.rows)
+        self.changes(ops)
+        self.rows = saved
+
+    def commit_crossed(self, first: Sequence[LogOp], second: Sequence[LogOp]) -> None:
+        self.commit(second)
+        self.commit(first)
+
+
+class PgLogHarness:
+    """PgLogicalSource on a private wal_level=logical server, table ``t (id, note)``."""
+
+    password = "s3cret-cdc-harness"  # trust auth ignores it; it must never show
+
+    def __init__(self, db: CdcDatabase) -> None:
+        self.db = db
+        self.table = f"t_{uuid.uuid4().hex[:8]}"
+        self.slot = f"contract_{uuid.uuid4().hex[:10]}"
+        db.execute(f"CREATE TABLE {self.table} (id integer PRIMARY KEY, note text)")
+
+    @property
+    def secrets(self) -> Sequence[str]:
+        return (self.password,)
+
+    @property
+    def url(self) -> str:
+        return self.db.url.replace("postgres@", f"postgres:{self.password}@")
+
+    def _source(self, table: str, slot: str) -> PgLogicalSource:
+        return PgLogicalSource(self.url, [table], slot=slot, snapshot="never")
+
+    def open(self) -> SourceAdapter:
+        source = self._source(self.table, self.slot)
+        assert list(source.fetch(BEGINNING, 1)) == []  # creates publication and slot: the log starts
+        return source
+
+    def reopen(self, source: SourceAdapter) -> SourceAdapter:
+        return self._source(self.table, self.slot)
+
+    def open_changed(self) -> SourceAdapter:
+        other = f"o_{uuid.uuid4().hex[:8]}"
+        self.db.execute(f"CREATE TABLE {other} (id integer PRIMARY KEY, note text)")
+        return self._source(other, f"contract_{uuid.uuid4().hex[:10]}")
+
+    def _apply(self, conn: psycopg.Connection[Any], ops: Sequence[LogOp]) -> None:
+        for op in ops:
+            if op.op == "insert":
+                conn.execute(
+                    f"INSERT INTO {self.table} (id, note) VALUES (%s, %s)", (op.id, op.note)
+                )
+            elif op.op == "update":
+                conn.execute(f"UPDATE {self.table} SET note = %s WHERE id = %s", (op.note, op.id))
+            else:
+                conn.execute(f"DELETE FROM {self.table} WHERE id = %s", (op.id,))
+
+    def commit(self, ops: Sequence[LogOp]) -> None:
+        with self.db.connect() as conn, conn.transaction():
+            self._apply(conn, ops)
+
+    def rollback(self, ops: Sequence[LogOp]) -> None:
+        with self.db.connect() as conn:
+            conn.autocommit = False
+            self._apply(conn, ops)
+            conn.rollback()
+
+    def commit_crossed(self, first: Sequence[LogOp], second: Sequence[LogOp]) -> None:
+        with self.db.connect() as one, self.db.connect() as two:
+            one.autocommit = False
+            self._apply(one, first)
+            with two.transaction():
+                self._apply(two, second)
+            one.commit()

@@ -29,6 +29,12 @@ class TestPgLogicalSource(LogSourceContract):
         return PgLogHarness(cdc_db)
 
 
+class TestPgLogicalSourceStream(LogSourceContract):
+    @pytest.fixture
+    def log_harness(self, cdc_db: CdcDatabase) -> PgLogHarness:
+        return PgLogHarness(cdc_db, mode="stream")
+
+
 pytest_plugins = ["pytester"]
 
 #: Each broken log source, and a test of the suite that must catch it.
@@ -46,9 +52,7 @@ CAUGHT_BY = {
 def test_the_log_suite_passes_the_memory_log_and_fails_every_broken_one(
     pytester: pytest.Pytester,
 ) -> None:
-    pytester.makepyfile(
-        log_harness_glue="from tests.contracts import broken_log, log_harnesses\n"
-    )
+    pytester.makepyfile(log_harness_glue="from tests.contracts import broken_log, log_harnesses\n")
     makes = {"correct": {"log_harness": "log_harnesses.MemoryLogHarness()"}}
     for name in CAUGHT_BY:
         makes[name] = {"log_harness": f"broken_log.BROKEN_LOG_HARNESSES[{name!r}]()"}

@@ -61,7 +61,8 @@ def test_each_commit_is_acknowledged_after_it_landed() -> None:
     source = Recording(store)
     insert(source, 1, 2, 3, 4, 5)  # one five-row transaction
     poller = trigger(source, store, max_batches_per_tick=5)
-    assert source.bound and source.bound[0][0] == "orders"
+    assert source.bound
+    assert source.bound[0][0] == "orders"
     assert poller.tick(lambda events: None) == 5
     assert [ordinal(p) for p in source.acknowledged] == [
         ("0000000000000001", 3),

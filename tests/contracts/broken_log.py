@@ -44,7 +44,13 @@ class IdsByKey(MemoryLogSource):
         return [
             RowChange(
                 hashlib.sha256(repr(sorted(e.pk.items())).encode()).hexdigest()[:32],
-                e.op, e.source, e.cursor, e.pk, e.before, e.after, e.metadata,
+                e.op,
+                e.source,
+                e.cursor,
+                e.pk,
+                e.before,
+                e.after,
+                e.metadata,
             )
             for e in events
         ]

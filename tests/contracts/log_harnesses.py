@@ -63,10 +63,11 @@ class MemoryLogHarness:
 class PgLogHarness:
     """PgLogicalSource on a private wal_level=logical server, table ``t (id, note)``."""
 
-    password = "s3cret-cdc-harness"  # trust auth ignores it; it must never show
+    password = "s3cret-cdc-harness"  # noqa: S105 - trust auth ignores it; it must never show
 
-    def __init__(self, db: CdcDatabase) -> None:
+    def __init__(self, db: CdcDatabase, mode: str = "poll") -> None:
         self.db = db
+        self.mode = mode
         self.table = f"t_{uuid.uuid4().hex[:8]}"
         self.slot = f"contract_{uuid.uuid4().hex[:10]}"
         db.execute(f"CREATE TABLE {self.table} (id integer PRIMARY KEY, note text)")
@@ -80,11 +81,13 @@ class PgLogHarness:
         return self.db.url.replace("postgres@", f"postgres:{self.password}@")
 
     def _source(self, table: str, slot: str) -> PgLogicalSource:
-        return PgLogicalSource(self.url, [table], slot=slot, snapshot="never")
+        return PgLogicalSource(self.url, [table], slot=slot, snapshot="never", mode=self.mode)
 
     def open(self) -> SourceAdapter:
         source = self._source(self.table, self.slot)
-        assert list(source.fetch(BEGINNING, 1)) == []  # creates publication and slot: the log starts
+        assert (
+            list(source.fetch(BEGINNING, 1)) == []
+        )  # creates publication and slot: the log starts
         return source
 
     def reopen(self, source: SourceAdapter) -> SourceAdapter:

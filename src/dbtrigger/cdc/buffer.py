@@ -98,9 +98,10 @@ class TransactionBuffer(Generic[R]):
         self.through = None
         self.loaded = True
 
-    def append(self, txn: Transaction[R]) -> None:
-        """Add the next transaction of the read (in commit order; empty ones are dropped)."""
-        if not txn.changes:
+    def append(self, txn: Transaction[R], *, keep_empty: bool = False) -> None:
+        """Add the next transaction of the read (in commit order; empty ones are dropped
+        unless ``keep_empty``: a stream appends a transaction as it begins)."""
+        if not txn.changes and not keep_empty:
             return
         if self._commits and txn.commit <= self._commits[-1]:
             raise ValueError(f"transaction {txn.commit} out of commit order")
@@ -180,7 +181,7 @@ class TransactionBuffer(Generic[R]):
         """
         point: int | None = None
         for txn in self._txns:
-            if txn.delivered_by(acked):
+            if txn.delivered_by(acked) or (txn.whole and not txn.changes):
                 point = txn.end
                 continue
             if txn.commit == acked.commit:
@@ -201,6 +202,12 @@ class TransactionBuffer(Generic[R]):
         if keep:
             del self._txns[:keep]
             del self._commits[:keep]
+        if self._txns and self._txns[0].commit == acked.commit:
+            first = self._txns[0]  # delivered in part: its delivered changes go too
+            done = min(len(first.changes), acked.ordinal - first.offset)
+            if done > 0:
+                del first.changes[:done]
+                first.offset += done
         if self.floor is None or acked > self.floor:
             self.floor = acked
 

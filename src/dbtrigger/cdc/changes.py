@@ -33,7 +33,7 @@ transaction atomically can tell where one ends (a batch is cut at
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -79,12 +79,13 @@ class Unchanged:
 UNCHANGED = Unchanged()
 
 
-class Change(Mapping[str, Any]):
+class Change(dict[str, Any]):
     """One committed change read from a log, before it becomes a ``RowChange``.
 
-    A read-only mapping (the port's raw row) over its fields; build it with
-    keyword arguments. ``position`` is required: it is what the checkpoint
-    records.
+    The port's raw row: a plain dict (fast to build and read, one per change)
+    of the fields in :attr:`FIELDS`; build it with keyword arguments.
+    ``position`` is what the checkpoint records. It is internal to the source
+    and the runtime: handlers get read-only events.
     """
 
     FIELDS = (
@@ -101,7 +102,7 @@ class Change(Mapping[str, Any]):
         "unchanged",
         "snapshot",
     )
-    __slots__ = ("_values",)
+    __slots__ = ()
 
     def __init__(
         self,
@@ -119,37 +120,52 @@ class Change(Mapping[str, Any]):
         unchanged: tuple[str, ...] = (),
         snapshot: bool = False,
     ) -> None:
-        self._values = {
-            "position": position,
-            "op": op,
-            "table": table,
-            "pk": pk,
-            "before": before,
-            "after": after,
-            "commit_time": commit_time,
-            "transaction_id": transaction_id,
-            "last_in_transaction": last_in_transaction,
-            "before_image": before_image,
-            "unchanged": unchanged,
-            "snapshot": snapshot,
-        }
-
-    def __getitem__(self, key: str) -> Any:
-        return self._values[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._values)
-
-    def __len__(self) -> int:
-        return len(self._values)
+        super().__init__(
+            position=position,
+            op=op,
+            table=table,
+            pk=pk,
+            before=before,
+            after=after,
+            commit_time=commit_time,
+            transaction_id=transaction_id,
+            last_in_transaction=last_in_transaction,
+            before_image=before_image,
+            unchanged=unchanged,
+            snapshot=snapshot,
+        )
 
     def __repr__(self) -> str:
-        v = self._values
-        return f"Change({v['op']} {v['table']} {v['pk']} at {v['position']})"
+        return f"Change({self['op']} {self['table']} {self['pk']} at {self['position']})"
 
 
-def _frozen(image: Mapping[str, Any] | None) -> MappingProxyType[str, Any] | None:
-    return None if image is None else MappingProxyType(dict(image))
+class _LogEvent(RowChange):
+    """A ``RowChange`` of a log change whose id is computed when first read.
+
+    Building ids costs a hash per event; most handlers never read them (lanes
+    and dedup keys use ``pk`` and ``cursor``).
+    """
+
+    __slots__ = ("_poller",)
+
+    _poller: str
+
+    @property
+    def event_id(self) -> str:
+        value = self._event_id
+        if value is None:
+            value = self._event_id = make_event_id(self._poller, self._pk, self._cursor)
+        return value
+
+
+def _view(image: Mapping[str, Any] | None) -> MappingProxyType[str, Any] | None:
+    # The images are dicts built for this one change: a read-only view needs no copy.
+    if image is None:
+        return None
+    return MappingProxyType(image if isinstance(image, dict) else dict(image))
+
+
+_checked_types = frozenset({int, str, dt.datetime, dt.date, type(None), bool})
 
 
 def to_events(
@@ -162,19 +178,21 @@ def to_events(
             its key or position cannot be encoded in a checkpoint.
     """
     events: list[RowChange] = []
+    append = events.append
+    new = object.__new__
     for change in changes:
         try:
             position = change["position"]
             op = change["op"]
             table = change["table"]
-            pk = dict(change["pk"])
+            pk = change["pk"]
         except (KeyError, TypeError) as exc:
             raise SerializationError(
                 f"a change from {source} lacks {exc}: not a log change record",
                 poller=poller,
                 batch_id=batch_id,
             ) from None
-        if not isinstance(position, LogPosition):
+        if type(position) is not LogPosition:
             raise SerializationError(
                 f"a change from {source} has no log position ({position!r})",
                 poller=poller,
@@ -186,38 +204,41 @@ def to_events(
                 poller=poller,
                 batch_id=batch_id,
             )
+        pk = pk if type(pk) is dict else dict(pk)
         cursor = position.text
-        try:
-            event_id = make_event_id(poller, pk, cursor)
-        except SerializationError as exc:
-            raise SerializationError(
-                f"change of {table} at {position}: {exc}", poller=poller, batch_id=batch_id
-            ) from None
-        metadata = {
-            "poller": poller,
-            "batch_id": batch_id,
-            "table": table,
-            "commit": position.commit,
-            "ordinal": position.ordinal,
-            "last_in_transaction": bool(change.get("last_in_transaction", False)),
-            "commit_time": change.get("commit_time"),
-            "transaction_id": change.get("transaction_id"),
-            "before_image": change.get("before_image"),
-            "unchanged": tuple(change.get("unchanged", ())),
-            "snapshot": bool(change.get("snapshot", False)),
-        }
-        events.append(
-            RowChange._unchecked(
-                event_id,
-                op,
-                source,
-                cursor,
-                MappingProxyType(pk),
-                _frozen(change.get("before")),
-                _frozen(change.get("after")),
-                MappingProxyType(metadata),
-            )
+        if not all(type(v) in _checked_types for v in pk.values()):
+            try:  # the id is computed later: what could fail is checked now
+                make_event_id(poller, pk, cursor)
+            except SerializationError as exc:
+                raise SerializationError(
+                    f"change of {table} at {position}: {exc}", poller=poller, batch_id=batch_id
+                ) from None
+        get = change.get
+        event = new(_LogEvent)
+        event._event_id = None  # type: ignore[assignment]
+        event._poller = poller
+        event._op = op
+        event._source = source
+        event._cursor = cursor
+        event._pk = MappingProxyType(pk)
+        event._before = _view(get("before"))
+        event._after = _view(get("after"))
+        event._metadata = MappingProxyType(
+            {
+                "poller": poller,
+                "batch_id": batch_id,
+                "table": table,
+                "commit": position.commit,
+                "ordinal": position.ordinal,
+                "last_in_transaction": bool(get("last_in_transaction", False)),
+                "commit_time": get("commit_time"),
+                "transaction_id": get("transaction_id"),
+                "before_image": get("before_image"),
+                "unchanged": tuple(get("unchanged", ())),
+                "snapshot": bool(get("snapshot", False)),
+            }
         )
+        append(event)
     return events
 
 

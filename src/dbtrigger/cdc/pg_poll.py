@@ -75,9 +75,8 @@ class PollReader:
         s = self.source
         conn = s.connection()
         self.heartbeat(conn)
-        snapshots = getattr(s, "snapshots", None)
-        if snapshots is not None and s.buffer.pending(after) == 0:
-            snapshots.emit(conn)  # a chunk written now is read by this very read
+        if s.buffer.pending(after) == 0:
+            s.snapshots.emit(conn)  # caught up: a chunk written now is read by this very read
         end = self.flush_lsn(conn)
         keep = max(s.read_ahead, limit)
         deadline = time.monotonic() + s.read_timeout
@@ -128,14 +127,10 @@ class PollReader:
                 ):
                     rows += 1
                     txn = decoder.feed(data, after)
-                    if decoder.full and txn is None:
-                        txn = decoder.partial()
+                    if (decoder.full or decoder.schema_break is not None) and txn is None:
+                        txn = decoder.partial()  # stop inside it: out of room, or a type change
                         stopped = True
                     if txn is not None:
-                        brk = decoder.schema_break
-                        if brk is not None and brk.commit == txn.commit:
-                            stopped = True
-                            break
                         buffer.append(txn)
                     if stopped:
                         break
@@ -149,6 +144,7 @@ class PollReader:
             raise
         complete = not stopped and rows < max_rows
         buffer.finish(complete=complete, through=upto if complete else None)
+        s.schema_break = decoder.schema_break
 
     def backlog(self, conn: psycopg.Connection[Any], upto: int) -> DecodeBacklogError:
         """The error for a read that timed out; the next reads step in smaller windows."""

@@ -50,7 +50,7 @@ class RelationInfo:
     type_oids: tuple[int, ...]
     is_key: tuple[bool, ...]
     key_index: tuple[tuple[str, int], ...]
-    converters: tuple[Callable[[str], Any], ...] = field(repr=False, compare=False)
+    converters: tuple[Callable[[str], Any] | None, ...] = field(repr=False, compare=False)
 
     @classmethod
     def build(
@@ -73,7 +73,11 @@ class RelationInfo:
         )
 
     def image(self, values: Sequence[po.Value], *, key_only: bool = False) -> dict[str, Any]:
-        """Column name -> Python value; a key-only image keeps only the identity columns."""
+        """Column name -> Python value; a key-only image keeps only the identity columns.
+
+        Runs for every column of every change: text columns are decoded and
+        kept, others converted; a value a conversion cannot read stays text.
+        """
         out: dict[str, Any] = {}
         for name, value, convert, key in zip(
             self.names, values, self.converters, self.is_key, strict=False
@@ -83,7 +87,10 @@ class RelationInfo:
             if value is None or value is UNCHANGED:
                 out[name] = value
                 continue
-            text = bytes(value).decode()  # type: ignore[arg-type]
+            text = value.decode()  # type: ignore[union-attr]
+            if convert is None:
+                out[name] = text
+                continue
             try:
                 out[name] = convert(text)
             except (ValueError, ArithmeticError):
@@ -171,6 +178,11 @@ class Decoder:
         self.room = room
         self.full = False
 
+    @property
+    def current(self) -> Transaction[Any] | None:
+        """The transaction being read (None between transactions or when it is skipped)."""
+        return None if self._skip else self._current
+
     def partial(self) -> Transaction[Any] | None:
         """The transaction the read stopped inside when it ran out of room."""
         txn, self._current = self._current, None
@@ -197,10 +209,11 @@ class Decoder:
             if self._current is not None and not self._skip:
                 oid = int.from_bytes(data[1:5], "big")
                 relation = self.relations.get(oid)
-                if relation is not None:
+                if relation is not None and self.schema_break is None:
                     problem = self._problems.get(oid)
-                    if problem is not None and self.schema_break is None:
+                    if problem is not None:  # this change and all after it wait
                         self.schema_break = SchemaBreak(self._current.commit, problem)
+                        return None
                     self._keep((relation, data))
             return None
         message = po.decode(data)
@@ -278,7 +291,12 @@ class Decoder:
 
 
 def materialise(txn: Transaction[Any], ordinal: int, raw: tuple[RelationInfo, Any]) -> Change:
-    """The change at ``ordinal`` of ``txn`` (raw: its relation and message or snapshot row)."""
+    """The change at ``ordinal`` of ``txn`` (raw: its relation and message or snapshot row).
+
+    Reads the row-change messages (``I``, ``U``, ``D``) directly, the hot path
+    of every delivered change; :func:`~dbtrigger.cdc.pgoutput.decode` is the
+    reference decoder they agree with (tested on the same bytes).
+    """
     relation, payload = raw
     position = LogPosition(txn.commit, ordinal)
     common: dict[str, Any] = {
@@ -293,29 +311,44 @@ def materialise(txn: Transaction[Any], ordinal: int, raw: tuple[RelationInfo, An
         return Change(
             op="upsert", pk=relation.pk(after), before=None, after=after, snapshot=True, **common
         )
-    try:
-        message = po.decode(payload)
-    except po.DecodeError as exc:
-        raise SerializationError(f"change of {relation.table} at {position}: {exc}") from None
     before: dict[str, Any] | None = None
     after_image: dict[str, Any] | None = None
     image_kind: str | None = None
-    if isinstance(message, po.Insert):
-        op, after_image = "insert", relation.image(message.new)
-    elif isinstance(message, po.Update):
-        op, after_image = "update", relation.image(message.new)
-        if message.old is not None:
-            key_only = message.old_kind == "K"
-            before = relation.image(message.old, key_only=key_only)
+    try:
+        kind = payload[0]
+        tag = payload[5]
+        if kind == 0x49 and tag == 0x4E:  # 'I' ... 'N'
+            op = "insert"
+            after_image = relation.image(po.read_tuple(payload, 6)[0])
+        elif kind == 0x55:  # 'U'
+            op = "update"
+            pos = 6
+            if tag in (0x4B, 0x4F):  # 'K', 'O'
+                old, pos = po.read_tuple(payload, 6)
+                key_only = tag == 0x4B
+                before = relation.image(old, key_only=key_only)
+                image_kind = "key" if key_only else "full"
+                if payload[pos] != 0x4E:
+                    raise po.DecodeError("update: expected new tuple 'N'")
+                pos += 1
+            elif tag != 0x4E:
+                raise po.DecodeError("update: expected new tuple 'N'")
+            after_image = relation.image(po.read_tuple(payload, pos)[0])
+        elif kind == 0x44 and tag in (0x4B, 0x4F):  # 'D', 'K'/'O'
+            op = "delete"
+            key_only = tag == 0x4B
+            before = relation.image(po.read_tuple(payload, 6)[0], key_only=key_only)
             image_kind = "key" if key_only else "full"
-    elif isinstance(message, po.Delete):
-        key_only = message.old_kind == "K"
-        op, before = "delete", relation.image(message.old, key_only=key_only)
-        image_kind = "key" if key_only else "full"
-    else:
-        raise SerializationError(f"change of {relation.table} at {position}: not a row change")
+        else:
+            raise po.DecodeError(f"not a row change ({payload[:1]!r})")
+    except (po.DecodeError, IndexError) as exc:
+        raise SerializationError(f"change of {relation.table} at {position}: {exc}") from None
     keyed = after_image if after_image is not None else before or {}
-    unchanged = tuple(k for k, v in (after_image or {}).items() if v is UNCHANGED)
+    unchanged = (
+        tuple(k for k, v in after_image.items() if v is UNCHANGED)
+        if after_image is not None and UNCHANGED in after_image.values()
+        else ()
+    )
     return Change(
         op=op,
         pk=relation.pk(keyed),

@@ -26,6 +26,7 @@ that ran out of time; the next ones step forward in bounded windows) and
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import threading
@@ -41,7 +42,7 @@ from dbtrigger.cdc import pg_setup as setup
 from dbtrigger.cdc.buffer import TransactionBuffer
 from dbtrigger.cdc.changes import to_events
 from dbtrigger.cdc.pg_connection import connect, translated
-from dbtrigger.cdc.pg_reader import Decoder, SchemaGuard, materialise
+from dbtrigger.cdc.pg_reader import Decoder, SchemaBreak, SchemaGuard, materialise
 from dbtrigger.cdc.pgoutput import lsn_text
 from dbtrigger.cdc.position import LogPosition
 from dbtrigger.cursor import Position, canonical_json
@@ -54,6 +55,8 @@ from dbtrigger.sources.sqlalchemy import safe_url_text
 log = logging.getLogger("dbtrigger.cdc")
 
 MODES = ("poll", "stream")
+#: Statement timeout while setting up (catalog reads, creating slot and publication).
+SETUP_TIMEOUT = 60.0
 SNAPSHOTS = ("initial", "never")
 
 
@@ -90,6 +93,9 @@ class PgLogicalSource:
             chunk, and how long a chunk waits for its brief ``SHARE`` lock.
         failover: create the slot with ``failover`` (PostgreSQL 17+), so it is
             synchronised to standbys and survives a failover.
+        stream_wait_seconds: stream mode: how long a fetch that found nothing
+            waits for the first change to arrive (latency in milliseconds instead
+            of the worker's polling interval; 0: return at once).
     """
 
     def __init__(
@@ -110,6 +116,7 @@ class PgLogicalSource:
         snapshot_chunk_size: int = 1000,
         snapshot_lock_timeout_seconds: float = 2.0,
         failover: bool = False,
+        stream_wait_seconds: float = 1.0,
     ) -> None:
         if mode not in MODES:
             raise ConfigurationError(f"mode must be one of {MODES}, got {mode!r}")
@@ -147,6 +154,7 @@ class PgLogicalSource:
         self.snapshot_chunk_size = snapshot_chunk_size
         self.snapshot_lock_timeout = snapshot_lock_timeout_seconds
         self.failover = failover
+        self.stream_wait = stream_wait_seconds
         self.poller: str | None = None
         self.metrics: MetricsCollector | None = None
         self._lock = threading.RLock()
@@ -158,7 +166,12 @@ class PgLogicalSource:
         self.buffer: TransactionBuffer[Any] = TransactionBuffer(materialise)
         self.confirmed: int | None = None
         self.acked: LogPosition | None = None
+        #: Where a column changed type (set by the reader; delivery stops there).
+        self.schema_break: SchemaBreak | None = None
         self._reader: Any = None  # the mode's reader (pg_poll.PollReader / pg_stream.StreamReader)
+        from dbtrigger.cdc.pg_snapshot import SnapshotWriter  # noqa: PLC0415 - psycopg on use
+
+        self.snapshots = SnapshotWriter(self)
 
     # --- identity ---------------------------------------------------------------------
 
@@ -225,10 +238,8 @@ class PgLogicalSource:
             url = self._url_text if self._url_text.startswith("%") else None
         slot: str | None = None
         publication: str | None = None
-        try:
+        with contextlib.suppress(ConfigurationError):  # no poller yet: no names yet
             slot, publication = self.slot, self.publication
-        except ConfigurationError:
-            pass
         return {
             "name": self.name,
             "kind": "pg_logical",
@@ -249,8 +260,7 @@ class PgLogicalSource:
         conn = self._conn
         if conn is None or conn.closed or conn.broken:
             conn = connect(self.url)
-            with translated("setting up the session"):
-                conn.execute(f"SET statement_timeout = {int(self.read_timeout * 1000)}")
+            self.set_timeout(conn, self.read_timeout)
             self._conn = conn
         return conn
 
@@ -270,6 +280,20 @@ class PgLogicalSource:
         if self._ready:
             return
         conn = self.connection()
+        # Setting up is quick but must not fail under a read timeout tuned for peeks.
+        self.set_timeout(conn, max(self.read_timeout, SETUP_TIMEOUT))
+        try:
+            self._prepare(conn, after)
+        finally:
+            if not conn.closed:
+                self.set_timeout(conn, self.read_timeout)
+
+    @staticmethod
+    def set_timeout(conn: psycopg.Connection[Any], seconds: float) -> None:
+        with translated("setting the statement timeout"):
+            conn.execute(f"SET statement_timeout = {int(seconds * 1000)}")
+
+    def _prepare(self, conn: psycopg.Connection[Any], after: LogPosition | None) -> None:
         facts = setup.server_facts(conn)
         setup.check_server(facts, stream=self.mode == "stream")
         self._infos = setup.table_infos(conn, self.tables)
@@ -290,12 +314,13 @@ class PgLogicalSource:
                 f"replication slot {self.slot} does not exist and create=False: run "
                 "dbtrigger cdc install MODULE:TRIGGER --yes first"
             )
+        if state is None:
+            setup.check_server(facts, stream=self.mode == "stream", new_slot=True)
+            setup.ensure_publication(conn, self.publication, self.tables, create=True)
         if self.create:
             control.ensure(conn, self.control_schema)
         row = control.read(conn, self.control_schema, self.slot)
         if state is None:
-            setup.check_server(facts, stream=self.mode == "stream", new_slot=True)
-            setup.ensure_publication(conn, self.publication, self.tables, create=True)
             created = setup.create_slot(conn, self.slot, failover=self.failover)
             row = self.new_control_row(created)
             control.write(conn, self.control_schema, row)
@@ -315,7 +340,7 @@ class PgLogicalSource:
         assert row is not None  # noqa: S101 - written just above when missing
         self._guard = SchemaGuard(row.columns)
         self._decoder = Decoder(
-            self._infos, self._guard, slot=self.slot, on_truncate=self._truncated
+            self._infos, self._guard, slot=self.slot, on_truncate=self.truncated
         )
         self.confirmed = None if state is None else state.confirmed_flush
         self._ready = True
@@ -350,7 +375,7 @@ class PgLogicalSource:
                 poller=self.poller,
             )
 
-    def _truncated(self, table: str, lsn: int) -> None:
+    def truncated(self, table: str, lsn: int) -> None:
         log.warning(
             "TRUNCATE of %s at %s: its rows are gone without a delete event each; "
             "consumers holding copies must be told another way",
@@ -358,6 +383,15 @@ class PgLogicalSource:
             lsn_text(lsn),
             extra={"event": "cdc_truncate", "table": table, "poller": self.poller},
         )
+
+    @property
+    def lock(self) -> threading.RLock:
+        """Held while the buffer is read or changed (fetch, acknowledge, the stream thread)."""
+        return self._lock
+
+    @property
+    def guard(self) -> SchemaGuard:
+        return self._guard
 
     @property
     def decoder(self) -> Decoder:
@@ -406,7 +440,7 @@ class PgLogicalSource:
                 reader.fill(position, limit)
             changes = self.buffer.take(position, limit)
             self.save_added_columns()
-            brk = self.decoder.schema_break
+            brk = self.schema_break
             if not changes and brk is not None:
                 raise SchemaChangedError(
                     f"{brk.problem} (in the transaction committed at {brk.commit}); events of "
@@ -448,6 +482,7 @@ class PgLogicalSource:
             self.drop_connection()
             self._ready = False
             self.buffer = TransactionBuffer(materialise)
+            self.schema_break = None
 
 
 __all__ = ["MODES", "SNAPSHOTS", "PgLogicalSource"]

@@ -20,10 +20,12 @@ import datetime as dt
 import decimal
 import json
 import re
+import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from struct import Struct
+from struct import error as struct_error
 from typing import Any
 
 from dbtrigger.cdc.changes import UNCHANGED, Unchanged
@@ -241,24 +243,51 @@ class _Reader:
         return out
 
     def tuple_data(self) -> tuple[Value, ...]:
-        count = self.i16()
-        values: list[Value] = []
-        for _ in range(count):
-            kind = self.byte()
-            if kind == 0x6E:  # 'n'
-                values.append(None)
-            elif kind == 0x75:  # 'u'
-                values.append(UNCHANGED)
-            elif kind in (0x74, 0x62):  # 't', 'b'
-                length = self.i32()
-                values.append(self._take(length))
-            else:
-                raise DecodeError(f"unknown column kind {chr(kind)!r} in tuple data")
-        return tuple(values)
+        values, self.pos = read_tuple(self.data, self.pos)
+        return values
 
     def done(self) -> None:
         if self.pos != len(self.data):
             raise DecodeError(f"{len(self.data) - self.pos} trailing byte(s)")
+
+
+_UNPACK_I16 = _I16.unpack_from
+_UNPACK_I32 = _I32.unpack_from
+
+
+def read_tuple(data: bytes, pos: int) -> tuple[tuple[Value, ...], int]:
+    """TupleData starting at ``pos``: its values and the position after it.
+
+    The hot path of every change, so written without the reader object.
+
+    Raises:
+        DecodeError: truncated data or an unknown column kind.
+    """
+    try:
+        (count,) = _UNPACK_I16(data, pos)
+        pos += 2
+        values: list[Value] = []
+        append = values.append
+        for _ in range(count):
+            kind = data[pos]
+            pos += 1
+            if kind == 0x74 or kind == 0x62:  # 't', 'b'  # noqa: PLR1714 - two byte codes
+                (length,) = _UNPACK_I32(data, pos)
+                pos += 4
+                end = pos + length
+                if end > len(data):
+                    raise DecodeError(f"message ends at byte {len(data)}, needed {end}")
+                append(data[pos:end])
+                pos = end
+            elif kind == 0x6E:  # 'n'
+                append(None)
+            elif kind == 0x75:  # 'u'
+                append(UNCHANGED)
+            else:
+                raise DecodeError(f"unknown column kind {chr(kind)!r} in tuple data")
+    except (IndexError, struct_error) as exc:
+        raise DecodeError(f"message ends early: {exc}") from None
+    return tuple(values), pos
 
 
 def _xid(r: _Reader, in_stream: bool) -> int | None:
@@ -403,6 +432,7 @@ JSON, FLOAT4, FLOAT8, BPCHAR, VARCHAR, DATE, TIME = 114, 700, 701, 1042, 1043, 1
 TIMESTAMP, TIMESTAMPTZ, NUMERIC, UUID, JSONB = 1114, 1184, 1700, 2950, 3802
 
 
+_FROMISOFORMAT_READS_POSTGRES = sys.version_info >= (3, 11)
 _TIMESTAMP = re.compile(
     r"^(\d{4,}-\d\d-\d\d[ T]\d\d:\d\d:\d\d)(?:\.(\d{1,6}))?([+-]\d\d(?::?\d\d)?)?$"
 )
@@ -411,9 +441,15 @@ _TIMESTAMP = re.compile(
 def _timestamp(text: str) -> dt.datetime | str:
     """``timestamp``/``timestamptz`` output as Python (``infinity`` and BC dates stay text).
 
-    Spelled out rather than left to ``fromisoformat``: Python 3.10's accepts
-    neither PostgreSQL's trimmed fractions (``.12``) nor its ``+00`` offsets.
+    Python 3.11's ``fromisoformat`` reads PostgreSQL's output as it is; 3.10's
+    accepts neither trimmed fractions (``.12``) nor ``+00`` offsets, so there
+    it is spelled out.
     """
+    if _FROMISOFORMAT_READS_POSTGRES:
+        try:
+            return dt.datetime.fromisoformat(text)
+        except ValueError:
+            return text  # infinity, -infinity, BC dates, years past 9999
     match = _TIMESTAMP.match(text)
     if match is None:
         return text  # infinity, -infinity, BC dates, years past 9999: no Python value
@@ -472,9 +508,10 @@ _CONVERTERS: dict[int, Callable[[str], Any]] = {
 }
 
 
-def converter(type_oid: int) -> Callable[[str], Any]:
-    """The text-to-Python conversion for a type OID (``str`` for types not listed)."""
-    return _CONVERTERS.get(type_oid, str)
+def converter(type_oid: int) -> Callable[[str], Any] | None:
+    """The text-to-Python conversion for a type OID; None: the text is the value."""
+    found = _CONVERTERS.get(type_oid)
+    return None if found is str else found
 
 
 def convert(type_oid: int, value: Value) -> Any:
@@ -488,8 +525,11 @@ def convert(type_oid: int, value: Value) -> Any:
     if value is None or value is UNCHANGED:
         return value
     text = bytes(value).decode()  # type: ignore[arg-type]
+    convert_text = converter(type_oid)
+    if convert_text is None:
+        return text
     try:
-        return converter(type_oid)(text)
+        return convert_text(text)
     except (ValueError, ArithmeticError):
         return text
 

@@ -30,4 +30,8 @@ __all__ = [
     "LogOp",
     "LogSourceContract",
     "LogSourceHarness",
-    "SinkContract", "SourceContract", "SourceHarness", "StoreContract"]
+    "SinkContract",
+    "SourceContract",
+    "SourceHarness",
+    "StoreContract",
+]

@@ -29,7 +29,7 @@ import json
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import pytest
 
@@ -61,7 +61,9 @@ class LogSourceHarness(Protocol):
         ...
 
     def reopen(self, source: SourceAdapter) -> SourceAdapter:
-        """A second instance of the same source (same definition, same log position): a restart."""
+        """A new instance of the same source (same definition, same log position): a
+        restart. The suite closes ``source`` first, as a restart would; it may then
+        use ``source`` again (a closed source opens again on its next fetch)."""
         ...
 
     def open_changed(self) -> SourceAdapter:
@@ -90,9 +92,7 @@ def through_json(position: Position) -> Position:
 
 def changes_of(events: Sequence[RowChange]) -> list[tuple[str, int, str | None]]:
     """``(op, id, note after the change)`` per event."""
-    return [
-        (e.op, e.pk["id"], None if e.after is None else e.after.get("note")) for e in events
-    ]
+    return [(e.op, e.pk["id"], None if e.after is None else e.after.get("note")) for e in events]
 
 
 class LogSourceContract:
@@ -120,8 +120,8 @@ class LogSourceContract:
         self, log_harness: LogSourceHarness
     ) -> None:
         source = log_harness.open()
-        again = log_harness.reopen(source)
         changed = log_harness.open_changed()
+        again = log_harness.reopen(source)
         try:
             assert isinstance(source, SourceAdapter)
             assert source.name
@@ -192,7 +192,12 @@ class LogSourceContract:
             assert {p.commit for p in positions[:5]} == {positions[0].commit}
             assert [p.ordinal for p in positions[:5]] == [1, 2, 3, 4, 5]
             assert [e.metadata["last_in_transaction"] for e in events] == [
-                False, False, False, False, True, True,
+                False,
+                False,
+                False,
+                False,
+                True,
+                True,
             ]
 
         self._with(log_harness, test)
@@ -212,9 +217,7 @@ class LogSourceContract:
                     list(source.fetch(after, 100)), poller=_POLLER, batch_id="b"
                 )
                 assert changes_of(rest) == expected[i + 1 :], f"after change {i + 1}"
-                first = source.to_events(
-                    list(source.fetch(after, 1)), poller=_POLLER, batch_id="b"
-                )
+                first = source.to_events(list(source.fetch(after, 1)), poller=_POLLER, batch_id="b")
                 assert changes_of(first) == expected[i + 1 : i + 2]
 
         self._with(log_harness, test)
@@ -247,6 +250,7 @@ class LogSourceContract:
             log_harness.commit([LogOp("insert", 1, "a"), LogOp("update", 1, "b")])
             log_harness.commit([LogOp("update", 1, "c")])
             first = self._all(source)
+            source.close()
             again = log_harness.reopen(source)
             try:
                 second = self._all(again)
@@ -325,6 +329,7 @@ class LogSourceContract:
                 source.acknowledge(checkpoint)
                 rest = self._all(source, checkpoint)
                 assert changes_of(rest) == expected[i + 1 :]
+                source.close()
                 restarted = log_harness.reopen(source)
                 try:
                     assert changes_of(self._all(restarted, checkpoint)) == expected[i + 1 :]
@@ -334,7 +339,9 @@ class LogSourceContract:
         self._with(log_harness, test)
 
 
-def crossed(begin: Callable[[], None], other: Callable[[], None], finish: Callable[[], None]) -> None:
+def crossed(
+    begin: Callable[[], None], other: Callable[[], None], finish: Callable[[], None]
+) -> None:
     """Helper for harnesses: run ``begin``, then ``other`` to completion, then ``finish``."""
     begin()
     done = threading.Event()

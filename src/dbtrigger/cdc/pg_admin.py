@@ -1,0 +1,287 @@
+"""What ``dbtrigger cdc`` does to a PgLogicalSource's server objects, as plain functions.
+
+Each takes the source (its configuration names the slot, publication, tables
+and control table) and works over a short-lived connection of its own:
+
+* :func:`plan` - what ``install`` would do (the SQL, in order) and what the
+  operator should know (replica identity, ``max_slot_wal_keep_size``);
+* :func:`install` - do it;
+* :func:`status` - the slot's health, the publication, snapshot progress;
+* :func:`drop` - remove slot, publication and control row;
+* :func:`recreate` - after a slot was lost: a new slot (and, with
+  ``snapshot``, the tables read again), never done implicitly;
+* :func:`accept_schema` - accept the tables' current column types;
+* :func:`request_snapshot` - queue a re-read of one table (or key range).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from psycopg import sql
+
+from dbtrigger.cdc import pg_control as control
+from dbtrigger.cdc import pg_setup as setup
+from dbtrigger.cdc.pg_connection import connect, translated
+from dbtrigger.cdc.pgoutput import lsn_text
+from dbtrigger.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from dbtrigger.cdc.pg_source import PgLogicalSource
+
+#: Retained WAL above which ``status`` and ``dbtrigger check`` warn (bytes).
+RETAINED_WARNING = 1024**3
+
+
+@dataclass
+class Plan:
+    """SQL ``install`` runs (in order) and findings to read first."""
+
+    statements: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    optional: list[str] = field(default_factory=list)
+
+
+def plan(source: PgLogicalSource, *, replica_identity_full: bool = False) -> Plan:
+    """What :func:`install` would run, without running it."""
+    out = Plan()
+    with connect(source.url) as conn:
+        facts = setup.server_facts(conn)
+        try:
+            setup.check_server(facts, stream=source.mode == "stream")
+        except Exception as exc:  # noqa: BLE001 - a dry run reports, never raises
+            out.notes.append(f"BLOCKER: {exc}")
+        infos = setup.table_infos(conn, source.tables)
+        if not control.exists(conn, source.control_schema):
+            out.statements.append(control.create_sql(source.control_schema).as_string(conn))
+        out.statements.extend(
+            s.as_string(conn)
+            for s in setup.publication_sql(
+                source.publication,
+                source.tables,
+                setup.publication_tables(conn, source.publication),
+            )
+        )
+        if setup.slot_state(conn, source.slot) is None:
+            failover = ", false, false, true" if source.failover and facts.version >= 170000 else ""
+            out.statements.append(
+                f"SELECT pg_create_logical_replication_slot('{source.slot}', 'pgoutput'{failover})"
+            )
+        for info in infos.values():
+            note = info.before_image_note()
+            if note is None:
+                continue
+            out.notes.append(f"{info.table.qualified}: {note}")
+            if info.replica_identity != "f":
+                statement = f"ALTER TABLE {info.table.qualified} REPLICA IDENTITY FULL"
+                (out.statements if replica_identity_full else out.optional).append(statement)
+        out.notes.extend(wal_keep_notes(facts))
+        if source.failover and facts.version < 170000:
+            out.notes.append(
+                "failover=True needs PostgreSQL 17: on this server the slot is not synchronised "
+                "to standbys and is lost on a failover (dbtrigger cdc recreate --snapshot then)"
+            )
+    return out
+
+
+def wal_keep_notes(facts: setup.ServerFacts) -> list[str]:
+    if facts.max_slot_wal_keep_size_mb < 0:
+        return [
+            "WARNING: max_slot_wal_keep_size is unlimited (-1): a poller that stops reading "
+            "makes the server keep WAL until its disk is full. Set a bound, e.g. ALTER SYSTEM "
+            "SET max_slot_wal_keep_size = '50GB'; SELECT pg_reload_conf(); (a slot that falls "
+            "further behind is invalidated instead, and dbtrigger reports it)"
+        ]
+    return []
+
+
+def install(source: PgLogicalSource, *, replica_identity_full: bool = False) -> list[str]:
+    """Create what is missing (control table, publication, slot); the statements run."""
+    done: list[str] = []
+    with connect(source.url) as conn:
+        facts = setup.server_facts(conn)
+        new_slot = setup.slot_state(conn, source.slot) is None
+        setup.check_server(facts, stream=source.mode == "stream", new_slot=new_slot)
+        if control.ensure(conn, source.control_schema):
+            done.append(f"created {source.control_schema}.{control.TABLE}")
+        done.extend(setup.ensure_publication(conn, source.publication, source.tables, create=True))
+        infos = setup.table_infos(conn, source.tables)
+        if replica_identity_full:
+            for info in infos.values():
+                if info.replica_identity != "f":
+                    statement = sql.SQL("ALTER TABLE {} REPLICA IDENTITY FULL").format(
+                        info.table.identifier()
+                    )
+                    with translated(f"setting REPLICA IDENTITY FULL on {info.table.qualified}"):
+                        conn.execute(statement)
+                    done.append(statement.as_string(conn))
+        if new_slot:
+            source._infos = infos
+            created = setup.create_slot(conn, source.slot, failover=source.failover)
+            control.write(conn, source.control_schema, source.new_control_row(created))
+            done.append(f"created replication slot {source.slot} at {lsn_text(created)}")
+    source.close()
+    return done
+
+
+def status(source: PgLogicalSource) -> dict[str, Any]:
+    """Everything ``dbtrigger cdc status`` shows, as JSON-able data."""
+    with connect(source.url) as conn:
+        facts = setup.server_facts(conn)
+        state = setup.slot_state(conn, source.slot)
+        published = setup.publication_tables(conn, source.publication)
+        row = (
+            control.read(conn, source.control_schema, source.slot)
+            if control.exists(conn, source.control_schema)
+            else None
+        )
+        infos = setup.table_infos(conn, source.tables)
+    warnings = slot_warnings(state, facts)
+    return {
+        "slot": state.to_json() if state is not None else None,
+        "slot_name": source.slot,
+        "publication": source.publication,
+        "published_tables": sorted(published) if published is not None else None,
+        "wal_level": facts.wal_level,
+        "max_slot_wal_keep_size_mb": facts.max_slot_wal_keep_size_mb,
+        "server_version": facts.version,
+        "snapshots": [s.to_json() for s in row.snapshots] if row is not None else [],
+        "created_lsn": row.created_lsn if row is not None else None,
+        "tables": {
+            q: {"replica_identity": i.identity_label, "key": list(i.key_columns)}
+            for q, i in infos.items()
+        },
+        "warnings": warnings,
+        "healthy": state is not None and not state.lost,
+    }
+
+
+def slot_warnings(state: setup.SlotState | None, facts: setup.ServerFacts) -> list[str]:
+    """What an operator must know about a slot's health, loudest first."""
+    out: list[str] = []
+    if state is None:
+        out.append("the slot does not exist (created at the first read, or by cdc install)")
+        return out
+    if state.lost:
+        out.append(
+            f"the slot is invalidated ({state.invalidation or state.wal_status}): changes are "
+            "lost; run dbtrigger cdc recreate MODULE:TRIGGER --snapshot --yes"
+        )
+    elif state.wal_status == "unreserved":
+        out.append(
+            "wal_status is 'unreserved': the server is about to remove WAL the slot needs "
+            f"(safe_wal_size {state.safe_wal_size}); the poller must catch up now"
+        )
+    if state.retained_bytes is not None and state.retained_bytes > RETAINED_WARNING:
+        out.append(
+            f"the slot retains {state.retained_bytes / 1024**3:.1f} GB of WAL: is the poller "
+            "running and keeping up?"
+        )
+    out.extend(wal_keep_notes(facts))
+    return out
+
+
+def drop(source: PgLogicalSource, *, publication: bool = True) -> list[str]:
+    done: list[str] = []
+    source.close()
+    with connect(source.url) as conn:
+        if setup.drop_slot(conn, source.slot):
+            done.append(f"dropped replication slot {source.slot}")
+        if publication and setup.drop_publication(conn, source.publication):
+            done.append(f"dropped publication {source.publication}")
+        control.delete(conn, source.control_schema, source.slot)
+    return done
+
+
+def recreate(source: PgLogicalSource, *, snapshot: bool) -> list[str]:
+    """A new slot in place of a lost one; with ``snapshot`` the tables are read again.
+
+    The poller's checkpoint stays: positions are LSNs, and every change of the
+    new slot comes after every position of the old one, so delivery simply
+    continues with what the new slot holds (and the snapshot's rows).
+    """
+    done: list[str] = []
+    source.close()
+    with connect(source.url) as conn:
+        state = setup.slot_state(conn, source.slot)
+        if state is not None:
+            setup.drop_slot(conn, source.slot)
+            done.append(
+                f"dropped replication slot {source.slot} "
+                f"({'invalidated' if state.lost else 'still valid: its changes are skipped'})"
+            )
+        control.ensure(conn, source.control_schema)
+        setup.ensure_publication(conn, source.publication, source.tables, create=True)
+        source._infos = setup.table_infos(conn, source.tables)
+        previous = control.read(conn, source.control_schema, source.slot)
+        created = setup.create_slot(conn, source.slot, failover=source.failover)
+        row = source.new_control_row(created, snapshots=False)
+        if previous is not None:
+            row.columns = previous.columns  # what the consumers accepted stays accepted
+            row.snapshots = [s for s in previous.snapshots if s.done]
+        if snapshot:
+            row.snapshots.extend(_request(t.qualified, None) for t in source.tables)
+        control.write(conn, source.control_schema, row)
+        done.append(
+            f"created replication slot {source.slot} at {lsn_text(created)}"
+            + (f"; snapshot of {len(source.tables)} table(s) queued" if snapshot else "")
+        )
+    return done
+
+
+def accept_schema(source: PgLogicalSource) -> dict[str, dict[str, int]]:
+    """Accept the watched tables' current column types (after a :class:`SchemaChangedError`)."""
+    with connect(source.url) as conn:
+        infos = setup.table_infos(conn, source.tables)
+        row = control.read(conn, source.control_schema, source.slot)
+        if row is None:
+            raise ConfigurationError(
+                f"slot {source.slot} has no control row: nothing accepted yet to change"
+            )
+        for qualified, info in infos.items():
+            row.columns[qualified] = {name: oid for name, (oid, _) in info.columns.items()}
+        control.save_columns(conn, source.control_schema, source.slot, row.columns)
+    source.close()  # the next read starts over with the accepted columns
+    return row.columns
+
+
+def _request(table: str, where: str | None) -> control.Snapshot:
+    return control.Snapshot(
+        table, where=where, requested_at=dt.datetime.now(dt.timezone.utc).isoformat()
+    )
+
+
+def request_snapshot(
+    source: PgLogicalSource, table: str, where: str | None = None
+) -> control.Snapshot:
+    """Queue a re-read of ``table`` (rows matching ``where``), delivered among the changes."""
+    name = setup.TableName.parse(table).qualified
+    if name not in {t.qualified for t in source.tables}:
+        known = ", ".join(t.qualified for t in source.tables)
+        raise ConfigurationError(f"{name} is not one of this source's tables ({known})")
+    with connect(source.url) as conn, conn.transaction():
+        row = control.read(conn, source.control_schema, source.slot, lock=True)
+        if row is None:
+            raise ConfigurationError(
+                f"slot {source.slot} is not installed yet: run the poller or dbtrigger cdc install"
+            )
+        request = _request(name, where)
+        row.snapshots.append(request)
+        control.save_snapshots(conn, source.control_schema, source.slot, row.snapshots)
+    source.snapshots.poke()
+    return request
+
+
+__all__ = [
+    "Plan",
+    "accept_schema",
+    "drop",
+    "install",
+    "plan",
+    "recreate",
+    "request_snapshot",
+    "slot_warnings",
+    "status",
+]

@@ -1,0 +1,257 @@
+"""Stream mode: a replication connection, confirmed to the server only behind durable checkpoints.
+
+A thread holds a ``psycopg2`` logical replication connection open and decodes
+what the server streams into the source's buffer as it arrives; ``fetch``
+answers from the buffer. Protocol 1 sends a transaction only once it has
+committed, so its changes may be handed out as they arrive, before its Commit
+message (each position is known from the Begin message); a transaction larger
+than memory therefore flows through instead of being held whole.
+
+Bounds, as in poll mode:
+
+* **end LSN**: a fetch takes the server's flush position when it starts and
+  waits (at most ``read_timeout_seconds``) until the stream has delivered
+  everything before it (asking the server for a keepalive when it is quiet),
+  so a change committed before a fetch is always seen by it. With
+  ``stream_wait_seconds`` it then waits that much longer for the first change,
+  which is what brings commit-to-handler latency down to milliseconds.
+* **memory**: the thread stops reading when ``read_ahead`` changes wait in the
+  buffer (it keeps the connection alive meanwhile); the server holds the rest.
+* **feedback**: the flush position reported to the server is only ever what
+  :meth:`StreamReader.release` computed from a durable checkpoint (psycopg2
+  repeats it in its periodic status messages; it never moves it by itself).
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from dbtrigger.cdc.pg_connection import connect_kwargs
+from dbtrigger.cdc.pg_poll import PollReader
+from dbtrigger.cdc.pg_reader import Decoder
+from dbtrigger.cdc.pgoutput import parse_lsn
+from dbtrigger.cdc.position import LogPosition
+from dbtrigger.errors import ConfigurationError, FetchError, SlotLostError
+
+if TYPE_CHECKING:
+    from dbtrigger.cdc.pg_source import PgLogicalSource
+
+log = logging.getLogger("dbtrigger.cdc")
+
+#: Seconds between status messages while the stream is paused (the server drops
+#: a silent client after wal_sender_timeout, 60 s by default).
+KEEPALIVE_SECONDS = 10.0
+_UNBOUNDED = 1 << 62
+
+
+def _psycopg2() -> Any:
+    try:
+        import psycopg2  # noqa: PLC0415
+        import psycopg2.extras  # noqa: PLC0415
+    except ImportError as exc:
+        raise ConfigurationError(
+            "mode='stream' needs psycopg2 (its logical replication connection): "
+            "pip install 'dbtrigger[cdc]' (or psycopg2-binary), or use mode='poll'"
+        ) from exc
+    return psycopg2
+
+
+class StreamReader:
+    """Feeds the source's buffer from a replication connection (see the module docstring)."""
+
+    def __init__(self, source: PgLogicalSource) -> None:
+        self.source = source
+        self.helper = PollReader(source)  # heartbeat and the server's flush position
+        self._lock = source.lock
+        self._changed = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._after: LogPosition | None = None
+        self._decoder: Decoder | None = None
+        self._open: Any = None
+        self.flush_target = 0
+        self.received_through = 0
+        self._want_reply = False
+        _psycopg2()  # refuse at once, not in the thread
+
+    # --- the fetch side (under the source's lock) ---------------------------------------
+
+    def fill(self, after: LogPosition | None, limit: int) -> None:
+        s = self.source
+        if self._error is not None:
+            self.stop()
+        if self._thread is None or not s.buffer.covers(after):
+            self.start(after)
+        conn = s.connection()
+        self.helper.heartbeat(conn)
+        end = self.helper.flush_lsn(conn)
+        deadline = time.monotonic() + s.read_timeout
+        while self.received_through < end and self._error is None:
+            if self._has(after, limit):
+                break
+            self._want_reply = True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise FetchError(
+                    f"replication stream of slot {s.slot} did not reach the server's position "
+                    f"within {s.read_timeout:g}s (read_timeout_seconds); the next tick waits again",
+                    poller=s.poller,
+                )
+            self._changed.wait(min(remaining, 0.2))
+        if s.stream_wait > 0 and s.buffer.pending(after) == 0 and self._error is None:
+            self._changed.wait(s.stream_wait)
+        self._raise_error()
+
+    def _has(self, after: LogPosition | None, limit: int) -> bool:
+        return self.source.buffer.pending(after) >= limit
+
+    def _raise_error(self) -> None:
+        error = self._error
+        if error is None:
+            return
+        self.stop()
+        s = self.source
+        if isinstance(error, SlotLostError | ConfigurationError | FetchError):
+            raise error
+        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if "invalidated" in text or "can no longer get changes" in text:
+            raise SlotLostError(
+                f"replication slot {s.slot} can no longer stream: {text}. Recreate it and read "
+                "the tables again: dbtrigger cdc recreate MODULE:TRIGGER --snapshot --yes",
+                poller=s.poller,
+            ) from error
+        raise FetchError(
+            f"replication stream of slot {s.slot} failed: {type(error).__name__}: {text}; the "
+            "next tick reconnects",
+            poller=s.poller,
+        ) from error
+
+    def start(self, after: LogPosition | None) -> None:
+        self.stop()
+        s = self.source
+        s.buffer.reset(after)
+        s.buffer.complete = True
+        self._after = after
+        self._error = None
+        self._open = None
+        self.received_through = 0
+        self._decoder = Decoder(s.infos, s.guard, slot=s.slot, on_truncate=s.truncated)
+        self._decoder.start(_UNBOUNDED)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"dbtrigger-cdc-stream-{s.slot}", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        self._stop.set()
+        self._lock.release()  # the thread takes the lock to finish what it read
+        try:
+            thread.join(timeout=30)
+        finally:
+            self._lock.acquire()
+
+    # --- releasing ------------------------------------------------------------------------
+
+    def release(self, acked: LogPosition | None) -> None:
+        s = self.source
+        buffer = s.buffer
+        point = 0
+        if acked is not None:
+            point = max(buffer.release_point(acked) or 0, parse_lsn(acked.commit))
+            if buffer.pending(acked) == 0 and self._open is None and buffer.covers(acked):
+                point = max(point, self.received_through)
+            buffer.trim(acked)
+            if s.acked is None or acked > s.acked:
+                s.acked = acked
+        elif buffer.changes == 0 and self._open is None and self._after is None:
+            point = self.received_through
+        self.flush_target = max(self.flush_target, point)
+
+    def close(self) -> None:
+        self.stop()
+
+    # --- the thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        s = self.source
+        psycopg2 = _psycopg2()
+        conn = None
+        try:
+            kwargs = connect_kwargs(s.url, application_name="dbtrigger-cdc-stream")
+            conn = psycopg2.connect(
+                connection_factory=psycopg2.extras.LogicalReplicationConnection, **kwargs
+            )
+            cursor = conn.cursor()
+            cursor.start_replication(
+                slot_name=s.slot,
+                decode=False,
+                options={
+                    "proto_version": "1",
+                    "publication_names": s.publication,
+                    "messages": "true",
+                },
+                status_interval=KEEPALIVE_SECONDS,
+            )
+            sent = 0
+            last_status = time.monotonic()
+            while not self._stop.is_set():
+                target = self.flush_target
+                if target > sent or self._want_reply:
+                    reply, self._want_reply = self._want_reply, False
+                    cursor.send_feedback(flush_lsn=target, reply=reply)
+                    sent = target
+                    last_status = time.monotonic()
+                if s.buffer.changes >= s.read_ahead:  # back-pressure: let the handler catch up
+                    if time.monotonic() - last_status > KEEPALIVE_SECONDS:
+                        cursor.send_feedback(flush_lsn=sent)
+                        last_status = time.monotonic()
+                    self._stop.wait(0.02)
+                    continue
+                message = cursor.read_message()
+                if message is None:
+                    with self._lock:
+                        self.received_through = max(self.received_through, cursor.wal_end or 0)
+                        self._changed.notify_all()
+                    select.select([conn], [], [], 0.05)
+                    continue
+                with self._lock:
+                    self._take(bytes(message.payload))
+        except Exception as exc:  # noqa: BLE001 - handed to the fetching thread
+            with self._lock:
+                self._error = exc
+                self._changed.notify_all()
+        finally:
+            if conn is not None:
+                conn.close()
+
+    def _take(self, payload: bytes) -> None:
+        decoder = self._decoder
+        assert decoder is not None  # noqa: S101 - set before the thread starts
+        s = self.source
+        done = decoder.feed(payload, self._after)
+        current = decoder.current
+        if current is not None and current is not self._open:
+            current.whole = False
+            s.buffer.append(current, keep_empty=True)
+            self._open = current
+        if done is not None:
+            done.whole = True
+            self._open = None
+            brk = decoder.schema_break
+            if brk is not None:
+                self._stop.set()  # nothing after it is read until the shape is accepted
+                s.schema_break = brk
+        if done is not None or (current is not None and current.changes):
+            self._changed.notify_all()
+
+
+__all__ = ["StreamReader"]

@@ -1,0 +1,77 @@
+"""A worker for the log-capture chaos test: PollTrigger over PgLogicalSource until killed.
+
+Every batch it is handed is written to ``seen`` (a table that is not
+published) in one COPY *before* the handler returns, so a change delivered and
+then lost to a SIGKILL before its checkpoint commit shows up twice: that is
+the duplicate window the test measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from types import FrameType
+
+import psycopg
+
+from dbtrigger import FileCheckpointStore, PollTrigger, RowChange
+from dbtrigger.cdc import PgLogicalSource
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--conninfo", required=True)
+    parser.add_argument("--state-dir", required=True)
+    parser.add_argument("--poller", default="cdc_chaos")
+    parser.add_argument("--incarnation", type=int, required=True)
+    parser.add_argument("--batch-size", type=int, default=200)
+    parser.add_argument("--mode", default="poll")
+    parser.add_argument("--read-ahead", type=int, default=50_000)
+    args = parser.parse_args(argv)
+
+    stop = threading.Event()
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_term)
+    sink = psycopg.connect(args.conninfo, autocommit=True)
+    source = PgLogicalSource(
+        args.url, ["items"], snapshot="never", mode=args.mode, read_ahead=args.read_ahead
+    )
+    trigger = PollTrigger(
+        name=args.poller,
+        source=source,
+        checkpoint_store=FileCheckpointStore(args.state_dir),
+        batch_size=args.batch_size,
+        max_batches_per_tick=20,
+        lease_ttl_seconds=1.0,
+    )
+
+    def handle(events: list[RowChange]) -> None:
+        with sink.cursor().copy(
+            "COPY seen (position, op, item_id, version, incarnation) FROM STDIN"
+        ) as copy:
+            for e in events:
+                image = e.after if e.after is not None else e.before or {}
+                copy.write_row((e.cursor, e.op, e.pk["id"], image.get("version"), args.incarnation))
+
+    while not stop.is_set():
+        try:
+            trigger.tick(handle)
+        except Exception as exc:
+            print(f"tick failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            stop.wait(0.2)
+            continue
+        result = trigger.last_result
+        if result is None or not result.more:
+            stop.wait(0.05)
+    source.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

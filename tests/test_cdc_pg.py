@@ -1,0 +1,321 @@
+"""PgLogicalSource in poll mode, end to end on a private wal_level=logical server."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any
+
+import psycopg
+import pytest
+
+from dbtrigger import InMemoryCheckpointStore, PollTrigger, RetryPolicy, RowChange
+from dbtrigger.cdc import UNCHANGED, PgLogicalSource
+from dbtrigger.cdc.pgoutput import parse_lsn
+from dbtrigger.cursor import BEGINNING
+from dbtrigger.errors import (
+    DecodeBacklogError,
+    SchemaChangedError,
+    ServerSettingError,
+    SlotLostError,
+    SourcePermissionError,
+)
+from dbtrigger.sources.base import position_of
+from tests.cdc_servers import CdcDatabase
+from tests.databases import TestDatabase
+
+
+def wait_for(condition: Any, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def poller(db: CdcDatabase, tables: list[str], **kw: Any) -> tuple[PollTrigger, PgLogicalSource]:
+    kw.setdefault("snapshot", "never")
+    source = PgLogicalSource(db.url, tables, **kw)
+    trigger = PollTrigger(
+        name=f"p_{uuid.uuid4().hex[:8]}",
+        source=source,
+        checkpoint_store=InMemoryCheckpointStore(),
+        batch_size=50,
+        max_batches_per_tick=100,
+        retry=RetryPolicy.none(),
+    )
+    return trigger, source
+
+
+def drain(trigger: PollTrigger) -> list[RowChange]:
+    got: list[RowChange] = []
+    trigger.drain(got.extend)
+    return got
+
+
+def slot_row(db: CdcDatabase, slot: str) -> tuple[int, int]:
+    with db.connect() as conn:
+        row = conn.execute(
+            "SELECT confirmed_flush_lsn::text, restart_lsn::text FROM pg_replication_slots "
+            "WHERE slot_name = %s",
+            (slot,),
+        ).fetchone()
+    assert row is not None
+    return parse_lsn(row[0]), parse_lsn(row[1])
+
+
+def flush_lsn(db: CdcDatabase) -> int:
+    return parse_lsn(db.scalar("SELECT pg_current_wal_flush_lsn()::text"))
+
+
+def test_a_poller_gets_every_change_with_its_images(cdc_db: CdcDatabase) -> None:
+    cdc_db.execute(
+        "CREATE TABLE orders (id int PRIMARY KEY, status text, doc text, amount numeric);"
+        "ALTER TABLE orders ALTER COLUMN doc SET STORAGE EXTERNAL;"
+        "CREATE TABLE audit (k int, v text); ALTER TABLE audit REPLICA IDENTITY FULL"
+    )
+    trigger, source = poller(cdc_db, ["orders", "public.audit"])
+    assert drain(trigger) == []  # first use: publication, slot and control row are created
+    assert source.slot == source.publication == trigger.name.replace("p_", "dbtrigger_p_")
+    big = "x" * 5000
+    with cdc_db.connect() as conn:
+        conn.execute(
+            "INSERT INTO orders VALUES (1, 'new', %s, 9.50), (2, 'new', 'small', NULL)", (big,)
+        )
+        conn.execute("UPDATE orders SET status = 'paid' WHERE id = 1")  # doc stays in TOAST
+        conn.execute("UPDATE orders SET id = 3 WHERE id = 2")
+        conn.execute("DELETE FROM orders WHERE id = 3")
+        conn.execute("INSERT INTO audit VALUES (1, 'a')")
+        conn.execute("UPDATE audit SET v = 'b'")
+        conn.execute("DELETE FROM audit")
+    events = drain(trigger)
+    got = [(e.op, e.metadata["table"], dict(e.pk)) for e in events]
+    assert got == [
+        ("insert", "public.orders", {"id": 1}),
+        ("insert", "public.orders", {"id": 2}),
+        ("update", "public.orders", {"id": 1}),
+        ("update", "public.orders", {"id": 3}),
+        ("delete", "public.orders", {"id": 3}),
+        ("insert", "public.audit", {}),
+        ("update", "public.audit", {}),
+        ("delete", "public.audit", {}),
+    ]
+    insert, _, toast, rekey, delete, _, full_update, full_delete = events
+    assert insert.after == {"id": 1, "status": "new", "doc": big, "amount": pytest.approx(9.5)}
+    assert toast.after is not None
+    assert toast.after["doc"] is UNCHANGED
+    assert toast.metadata["unchanged"] == ("doc",)
+    assert toast.before is None  # DEFAULT identity, key unchanged: the log has no old row
+    assert rekey.before == {"id": 2}
+    assert rekey.metadata["before_image"] == "key"
+    assert delete.before == {"id": 3}
+    assert delete.after is None
+    assert full_update.before == {"k": 1, "v": "a"}
+    assert full_update.after == {"k": 1, "v": "b"}
+    assert full_update.metadata["before_image"] == "full"
+    assert full_delete.before == {"k": 1, "v": "b"}
+    assert insert.metadata["commit_time"].tzinfo is not None
+    assert isinstance(insert.metadata["transaction_id"], int)
+    # Released up to the end of the last transaction once its checkpoint landed.
+    confirmed, _ = slot_row(cdc_db, source.slot)
+    last = position_of(events[-1]).cursor
+    assert confirmed > parse_lsn(last.split("#")[0])
+    source.close()
+
+
+def test_a_quiet_table_on_a_busy_server_does_not_pin_wal(cdc_db: CdcDatabase) -> None:
+    cdc_db.execute("CREATE TABLE quiet (id int PRIMARY KEY); CREATE TABLE busy (id int, v text)")
+    trigger, source = poller(cdc_db, ["quiet"])
+    drain(trigger)
+    start, _ = slot_row(cdc_db, source.slot)
+    with cdc_db.connect() as conn:
+        for i in range(50):
+            conn.execute(
+                "INSERT INTO busy SELECT g, repeat('v', 200) FROM generate_series(1, 500) g"
+            )
+            if i % 10 == 0:
+                trigger.tick(lambda events: None)
+    written = flush_lsn(cdc_db)
+    assert trigger.tick(lambda events: None) == 0  # idle: nothing for us
+    confirmed, _ = slot_row(cdc_db, source.slot)
+    assert confirmed >= written, "an idle tick releases the WAL it read through"
+    # The restart point follows at the next running-transactions record (every 15 s, and
+    # at each checkpoint): force one, and the next idle tick moves the slot past it.
+    cdc_db.execute("CHECKPOINT")
+    trigger.tick(lambda events: None)
+    confirmed, restart = slot_row(cdc_db, source.slot)
+    assert written - start > 4_000_000  # megabytes of WAL that were none of our business
+    assert confirmed >= written, "an idle tick releases the WAL it read through"
+    assert restart > start, "and the server may recycle it"
+    source.close()
+
+
+def test_an_added_column_just_appears(cdc_db: CdcDatabase) -> None:
+    cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY, a text)")
+    trigger, source = poller(cdc_db, ["t"])
+    drain(trigger)
+    with cdc_db.connect() as conn:
+        conn.execute("INSERT INTO t VALUES (1, 'x')")
+        conn.execute("ALTER TABLE t ADD COLUMN b int DEFAULT 7")
+        conn.execute("INSERT INTO t VALUES (2, 'y', 8)")
+    events = drain(trigger)
+    assert [dict(e.after or {}) for e in events] == [
+        {"id": 1, "a": "x"},
+        {"id": 2, "a": "y", "b": 8},
+    ]
+    source.close()
+
+
+def test_a_type_change_refuses_until_the_new_shape_is_accepted(cdc_db: CdcDatabase) -> None:
+    cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY, amount int)")
+    trigger, source = poller(cdc_db, ["t"])
+    drain(trigger)
+    with cdc_db.connect() as conn:
+        conn.execute("INSERT INTO t VALUES (1, 10)")
+        conn.execute("ALTER TABLE t ALTER COLUMN amount TYPE text")
+        conn.execute("INSERT INTO t VALUES (2, 'twenty')")
+    delivered: list[RowChange] = []
+    with pytest.raises(SchemaChangedError, match=r"column amount of public\.t changed type"):
+        trigger.drain(delivered.extend)
+    assert [e.pk["id"] for e in delivered] == [1]  # what came before is delivered
+    with pytest.raises(SchemaChangedError):  # and it stays refused
+        trigger.tick(lambda events: None)
+    from dbtrigger.cdc.pg_admin import accept_schema  # noqa: PLC0415
+
+    accept_schema(source)
+    restarted = PgLogicalSource(cdc_db.url, ["t"], slot=source.slot, snapshot="never")
+    rows = restarted.fetch(position_of(delivered[-1]), 10)  # the acceptance is remembered
+    assert [r["after"] for r in rows] == [{"id": 2, "amount": "twenty"}]
+    restarted.close()
+    assert [e.after for e in drain(trigger)] == [{"id": 2, "amount": "twenty"}]
+    source.close()
+
+
+def test_wal_level_replica_is_refused_with_what_to_change(pg: TestDatabase) -> None:
+    pg.execute(f"CREATE TABLE {pg.schema}.t (id int PRIMARY KEY)")
+    source = PgLogicalSource(pg.url, [f"{pg.schema}.t"], slot="never_created")
+    with pytest.raises(
+        ServerSettingError,
+        match=r"wal_level is 'replica'.*ALTER SYSTEM SET wal_level = logical.*restart",
+    ):
+        source.fetch(BEGINNING, 10)
+    source.close()
+
+
+def test_a_role_without_replication_is_refused_with_the_statement(cdc_db: CdcDatabase) -> None:
+    role = f"r_{uuid.uuid4().hex[:8]}"
+    cdc_db.execute(
+        f"CREATE ROLE {role} LOGIN; CREATE TABLE t (id int PRIMARY KEY);"
+        f"GRANT CREATE ON SCHEMA public TO {role}"
+    )
+    try:
+        url = cdc_db.url.replace("postgres@", f"{role}@")
+        source = PgLogicalSource(url, ["t"], slot="no_replication")
+        with pytest.raises(SourcePermissionError, match=f"ALTER ROLE {role} REPLICATION"):
+            source.fetch(BEGINNING, 10)
+        source.close()
+        cdc_db.execute(f"ALTER ROLE {role} REPLICATION")
+        source = PgLogicalSource(url, ["t"], slot="not_owner")
+        with pytest.raises(
+            SourcePermissionError, match=r"owner may publish it.*CREATE PUBLICATION"
+        ):
+            source.fetch(BEGINNING, 10)
+        source.close()
+    finally:
+        with cdc_db.connect() as conn:
+            conn.execute(f"DROP OWNED BY {role}")
+            conn.execute(f"DROP ROLE {role}")
+
+
+def test_a_dropped_slot_with_a_checkpoint_is_never_silently_replaced(cdc_db: CdcDatabase) -> None:
+    cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY)")
+    trigger, source = poller(cdc_db, ["t"])
+    drain(trigger)
+    cdc_db.execute("INSERT INTO t VALUES (1)")
+    drain(trigger)
+    source.close()
+    cdc_db.execute("SELECT pg_drop_replication_slot(%s)", (source.slot,))
+    with pytest.raises(SlotLostError, match=r"does not exist.*cdc recreate"):
+        trigger.tick(lambda events: None)
+    assert cdc_db.scalar("SELECT count(*) FROM pg_replication_slots") == 0
+
+
+def test_a_read_that_times_out_is_a_decode_backlog_then_steps_through(
+    cdc_db: CdcDatabase, caplog: pytest.LogCaptureFixture
+) -> None:
+    cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY); CREATE TABLE other (v text)")
+    source = PgLogicalSource(
+        cdc_db.url,
+        ["t"],
+        slot="backlog",
+        snapshot="never",
+        read_timeout_seconds=0.01,
+        backlog_step_mb=1,
+        heartbeat_interval_seconds=0,
+    )
+    assert source.fetch(BEGINNING, 10) == []
+    with cdc_db.connect() as conn:  # ~60 MB of WAL that holds nothing for this source
+        conn.execute("INSERT INTO other SELECT repeat('w', 300) FROM generate_series(1, 150000)")
+        conn.execute("INSERT INTO t VALUES (1)")
+    with pytest.raises(DecodeBacklogError, match=r"did not finish within 0.01s.*step forward"):
+        source.fetch(BEGINNING, 10)
+    source.read_timeout = 30.0  # the windows that follow get time enough
+    source.drop_connection()
+    start, _ = slot_row(cdc_db, "backlog")
+    with caplog.at_level(logging.INFO, logger="dbtrigger.cdc"):
+        rows: list[Any] = []
+        for _ in range(200):
+            rows = list(source.fetch(BEGINNING, 10))
+            if rows:
+                break
+    assert [r["pk"] for r in rows] == [{"id": 1}]
+    assert any(r.event == "cdc_backlog_crossed" for r in caplog.records)  # type: ignore[attr-defined]
+    confirmed, _ = slot_row(cdc_db, "backlog")
+    assert confirmed > start, "windows with nothing for us moved the slot"
+    source.close()
+
+
+def test_each_read_writes_a_heartbeat(cdc_db: CdcDatabase) -> None:
+    cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY)")
+    cdc_db.execute("SELECT pg_create_logical_replication_slot('watch', 'test_decoding')")
+    source = PgLogicalSource(cdc_db.url, ["t"], slot="beats", snapshot="never")
+    source.fetch(BEGINNING, 1)
+    source.close()
+
+    def beats() -> bool:  # a non-transactional message is decodable once the WAL is flushed
+        with cdc_db.connect() as conn:
+            return any(
+                "dbtrigger.heartbeat" in r[0]
+                for r in conn.execute(
+                    "SELECT data FROM pg_logical_slot_peek_changes('watch', NULL, NULL)"
+                )
+            )
+
+    wait_for(beats, "the heartbeat message in the log")
+
+
+def test_a_truncate_is_reported(cdc_db: CdcDatabase, caplog: pytest.LogCaptureFixture) -> None:
+    cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY)")
+    trigger, source = poller(cdc_db, ["t"])
+    drain(trigger)
+    cdc_db.execute("INSERT INTO t VALUES (1)")
+    cdc_db.execute("TRUNCATE t")
+    with caplog.at_level(logging.WARNING, logger="dbtrigger.cdc"):
+        assert [e.op for e in drain(trigger)] == ["insert"]
+    assert [r.event for r in caplog.records] == ["cdc_truncate"]  # type: ignore[attr-defined]
+    source.close()
+
+
+def test_a_connection_is_set_up_for_utc_text(cdc_db: CdcDatabase) -> None:
+    cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY, at timestamptz, raw bytea)")
+    trigger, source = poller(cdc_db, ["t"])
+    drain(trigger)
+    with psycopg.connect(cdc_db.server.conninfo(cdc_db.name), autocommit=True) as conn:
+        conn.execute("SET TimeZone = 'Asia/Kolkata'")
+        conn.execute("INSERT INTO t VALUES (1, '2024-01-01 12:00:00+05:30', '\\x00ff')")
+    (event,) = drain(trigger)
+    assert event.after is not None
+    assert event.after["at"].isoformat() == "2024-01-01T06:30:00+00:00"
+    assert event.after["raw"] == b"\x00\xff"
+    source.close()

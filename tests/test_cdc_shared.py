@@ -230,5 +230,7 @@ def test_trim_forgets_what_the_checkpoint_passed() -> None:
     assert buffer.changes == 2
     assert buffer.floor == LogPosition("0020", 1)
     assert positions(buffer.take(LogPosition("0020", 1), 10)) == [("0030", 1), ("0030", 2)]
-    buffer.trim(LogPosition("0030", 1))  # inside a transaction: kept whole
-    assert buffer.changes == 2
+    buffer.trim(LogPosition("0030", 1))  # inside a transaction: its delivered part goes
+    assert buffer.changes == 1
+    assert positions(buffer.take(LogPosition("0030", 1), 10)) == [("0030", 2)]
+    assert buffer.last == LogPosition("0030", 2)

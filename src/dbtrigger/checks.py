@@ -38,6 +38,7 @@ from dbtrigger.errors import (
     FetchError,
     OperatorError,
 )
+from dbtrigger.sources.base import ChecksItself
 from dbtrigger.sources.sqlalchemy import SqlAlchemySource
 from dbtrigger.sources.visibility import TransactionHorizon
 from dbtrigger.state import document as docmod
@@ -358,6 +359,8 @@ def check_source(source: Any, position: Any = None) -> list[Finding]:
 
     if isinstance(source, ChangeLogSource):
         return _changelog_findings(source, position)
+    if isinstance(source, ChecksItself):  # e.g. a log source: slot, server settings
+        return [Finding(f.check, f.severity, f.message, f.fix) for f in source.self_check()]
     if not isinstance(source, SqlAlchemySource):
         return [
             Finding(

@@ -93,6 +93,16 @@ METRICS: dict[str, tuple[str, str]] = {
         "counter",
         "LISTEN/NOTIFY wake-up hints received by an idle queue worker",
     ),
+    "cdc_retained_bytes": ("gauge", "WAL the replication slot keeps for this poller (bytes)"),
+    "cdc_safe_wal_bytes": (
+        "gauge",
+        "WAL the server may still write before it invalidates the slot (max_slot_wal_keep_size)",
+    ),
+    "cdc_slot_lost": ("gauge", "1 when the replication slot is gone or invalidated"),
+    "cdc_decode_backlog_total": (
+        "counter",
+        "Reads of the log that ran out of time (DecodeBacklogError) and stepped in windows",
+    ),
 }
 
 #: Labels each metric carries besides ``poller`` (which :class:`SafeMetrics`

@@ -206,6 +206,7 @@ LOGGER_NAMES = (
     "dbtrigger.state.stores.blob",
     "dbtrigger.partitions",
     "dbtrigger.changelog",
+    "dbtrigger.cdc",
 )
 
 

@@ -17,13 +17,13 @@ and control table) and works over a short-lived connection of its own:
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from psycopg import sql
 
 from dbtrigger.cdc import pg_control as control
 from dbtrigger.cdc import pg_setup as setup
+from dbtrigger.cdc.admin import Plan
 from dbtrigger.cdc.pg_connection import connect, translated
 from dbtrigger.cdc.pgoutput import lsn_text
 from dbtrigger.errors import ConfigurationError
@@ -33,15 +33,6 @@ if TYPE_CHECKING:
 
 #: Retained WAL above which ``status`` and ``dbtrigger check`` warn (bytes).
 RETAINED_WARNING = 1024**3
-
-
-@dataclass
-class Plan:
-    """SQL ``install`` runs (in order) and findings to read first."""
-
-    statements: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    optional: list[str] = field(default_factory=list)
 
 
 def plan(source: PgLogicalSource, *, replica_identity_full: bool = False) -> Plan:
@@ -247,6 +238,57 @@ def accept_schema(source: PgLogicalSource) -> dict[str, dict[str, int]]:
     return row.columns
 
 
+def schema_changes(source: PgLogicalSource) -> list[str]:
+    """Accepted columns whose type differs from the catalog's now, in words."""
+    with connect(source.url) as conn:
+        infos = setup.table_infos(conn, source.tables)
+        row = control.read(conn, source.control_schema, source.slot)
+        accepted = row.columns if row is not None else {}
+        out = []
+        for qualified, info in infos.items():
+            for name, oid in accepted.get(qualified, {}).items():
+                now = info.columns.get(name)
+                if now is not None and now[0] != oid:
+                    with translated("naming a type"):
+                        found = conn.execute("SELECT format_type(%s, NULL)", (oid,)).fetchone()
+                    old = found[0] if found else str(oid)
+                    out.append(f"{qualified}.{name}: {old} -> {now[1]}")
+    return out
+
+
+class PgAdmin:
+    """:class:`~dbtrigger.cdc.admin.LogSourceAdmin` for a PgLogicalSource."""
+
+    def __init__(self, source: PgLogicalSource) -> None:
+        self.source = source
+
+    def plan(self, *, full_images: bool = False) -> Plan:
+        return plan(self.source, replica_identity_full=full_images)
+
+    def install(self, *, full_images: bool = False) -> list[str]:
+        return install(self.source, replica_identity_full=full_images)
+
+    def status(self) -> dict[str, Any]:
+        return status(self.source)
+
+    def drop(self, *, keep_publication: bool = False) -> list[str]:
+        return drop(self.source, publication=not keep_publication)
+
+    def recreate(self, *, snapshot: bool) -> list[str]:
+        return recreate(self.source, snapshot=snapshot)
+
+    def request_snapshot(self, table: str, where: str | None = None) -> dict[str, Any]:
+        return request_snapshot(self.source, table, where).to_json()
+
+    def schema_changes(self) -> list[str]:
+        return schema_changes(self.source)
+
+    def accept_schema(self) -> list[str]:
+        changes = schema_changes(self.source)
+        accept_schema(self.source)
+        return changes
+
+
 def _request(table: str, where: str | None) -> control.Snapshot:
     return control.Snapshot(
         table, where=where, requested_at=dt.datetime.now(dt.timezone.utc).isoformat()
@@ -275,13 +317,14 @@ def request_snapshot(
 
 
 __all__ = [
-    "Plan",
+    "PgAdmin",
     "accept_schema",
     "drop",
     "install",
     "plan",
     "recreate",
     "request_snapshot",
+    "schema_changes",
     "slot_warnings",
     "status",
 ]

@@ -22,7 +22,7 @@ import psycopg
 from psycopg import errors as pg_errors
 from sqlalchemy.engine import URL
 
-from dbtrigger.errors import ConfigurationError, DbTriggerError, FetchError
+from dbtrigger.errors import ConfigurationError, DbTriggerError, FetchError, SlotLostError
 from dbtrigger.sources.errors_map import source_error
 
 #: Session settings every connection runs with: they decide pgoutput's text output.
@@ -100,6 +100,17 @@ def translated(what: str) -> Iterator[None]:
             "worker of this poller, or a `dbtrigger cdc status` run); the next tick retries",
             sqlstate=exc.sqlstate,
         ) from exc
+    except pg_errors.ObjectNotInPrerequisiteState as exc:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        if "can no longer get changes" in text or "invalidated" in text:
+            raise SlotLostError(
+                f"{what} failed: {text}: the slot was invalidated (the server removed WAL it "
+                "still needed, max_slot_wal_keep_size), so the changes since the checkpoint are "
+                "gone. Recreate it and read the tables again: dbtrigger cdc recreate "
+                "MODULE:TRIGGER --snapshot --yes",
+                sqlstate=exc.sqlstate,
+            ) from exc
+        raise source_error(exc, what) from exc
     except psycopg.Error as exc:
         raise source_error(exc, what) from exc
 

@@ -17,7 +17,8 @@ while every run reports success (dlt-hub verified-sources #702):
    a commit.
 
 :meth:`PollReader.release` runs after each checkpoint commit (and on an idle
-tick, with the stored checkpoint): the slot advances past every transaction
+tick, with the stored checkpoint; while a backlog drains, at most every
+:data:`RELEASE_SECONDS` and before each read): the slot advances past every transaction
 delivered whole, into a partly delivered one only to its commit LSN (which
 keeps it decodable), and, when the last read was complete and found nothing
 after the checkpoint, to that read's end LSN, so WAL that held nothing for us
@@ -53,6 +54,9 @@ FLUSH_LSN = (
     "ELSE pg_current_wal_flush_lsn() END)::text"
 )
 MIN_STEP = 1024 * 1024
+#: Seconds between slot advances while a backlog drains (each one decodes from the
+#: slot's restart point); a caught-up poller advances at once.
+RELEASE_SECONDS = 5.0
 #: Rows the server may return beyond what the client keeps (Begin, Commit,
 #: Relation and message rows, and changes the read skips as delivered).
 ROW_SLACK = 10_000
@@ -67,6 +71,9 @@ class PollReader:
         self.step: int | None = None
         self._last_heartbeat = -float("inf")
         self._heartbeat_ok = True
+        #: How far durable checkpoints allow the slot to advance (not done yet).
+        self.pending = 0
+        self._last_release = time.monotonic()
 
     # --- reading ------------------------------------------------------------------------
 
@@ -74,6 +81,7 @@ class PollReader:
         """Read the changes after ``after`` into the source's buffer (see the module docstring)."""
         s = self.source
         conn = s.connection()
+        self.release_pending(conn)  # a read decodes from the slot: start it as late as allowed
         self.heartbeat(conn)
         if s.buffer.pending(after) == 0:
             s.snapshots.emit(conn)  # caught up: a chunk written now is read by this very read
@@ -243,19 +251,40 @@ class PollReader:
     # --- releasing ----------------------------------------------------------------------------
 
     def release(self, acked: LogPosition | None) -> None:
+        """Advance the slot behind the durable checkpoint ``acked`` (see the module docstring).
+
+        ``pg_replication_slot_advance`` decodes the WAL from the slot's restart
+        point, so advancing after every batch of a backlog would decode it over
+        and over. The slot is advanced at once when the poller is caught up (an
+        idle tick, or nothing left after ``acked``), otherwise at most every
+        :data:`RELEASE_SECONDS`, and always before the next read (so a read
+        starts at the latest durable point).
+        """
         s = self.source
         buffer = s.buffer
         point: int | None = None
+        caught_up = False
         if acked is None:
             if buffer.loaded and buffer.floor is None and buffer.complete and buffer.changes == 0:
                 point = buffer.through
+                caught_up = True
         else:
             point = max(buffer.release_point(acked) or 0, parse_lsn(acked.commit))
+            caught_up = buffer.complete and buffer.pending(acked) == 0
             buffer.trim(acked)
             if s.acked is None or acked > s.acked:
                 s.acked = acked
-        if point:
-            self.advance(s.connection(), point)
+        if not point:
+            return
+        self.pending = max(self.pending, point)
+        if caught_up or time.monotonic() - self._last_release >= RELEASE_SECONDS:
+            self.release_pending(s.connection())
+
+    def release_pending(self, conn: psycopg.Connection[Any]) -> None:
+        """Advance the slot to what durable checkpoints allow, if that moved."""
+        if self.pending and (self.source.confirmed is None or self.pending > self.source.confirmed):
+            self.advance(conn, self.pending)
+        self._last_release = time.monotonic()
 
     def close(self) -> None:
         return None

@@ -31,7 +31,7 @@ import hashlib
 import logging
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from sqlalchemy.engine import URL
@@ -49,8 +49,12 @@ from dbtrigger.cursor import Position, canonical_json
 from dbtrigger.errors import ConfigurationError, SchemaChangedError, SlotLostError
 from dbtrigger.events import RowChange
 from dbtrigger.metrics import MetricsCollector
+from dbtrigger.sources.base import SourceFinding
 from dbtrigger.sources.fingerprint import identity_url
 from dbtrigger.sources.sqlalchemy import safe_url_text
+
+if TYPE_CHECKING:
+    from dbtrigger.cdc.pg_admin import PgAdmin
 
 log = logging.getLogger("dbtrigger.cdc")
 
@@ -169,9 +173,11 @@ class PgLogicalSource:
         #: Where a column changed type (set by the reader; delivery stops there).
         self.schema_break: SchemaBreak | None = None
         self._reader: Any = None  # the mode's reader (pg_poll.PollReader / pg_stream.StreamReader)
-        from dbtrigger.cdc.pg_snapshot import SnapshotWriter  # noqa: PLC0415 - psycopg on use
+        from dbtrigger.cdc.pg_health import HealthReporter  # noqa: PLC0415 - psycopg on use
+        from dbtrigger.cdc.pg_snapshot import SnapshotWriter  # noqa: PLC0415
 
         self.snapshots = SnapshotWriter(self)
+        self.health = HealthReporter(self)
 
     # --- identity ---------------------------------------------------------------------
 
@@ -440,6 +446,7 @@ class PgLogicalSource:
                 reader.fill(position, limit)
             changes = self.buffer.take(position, limit)
             self.save_added_columns()
+            self.health.maybe_report()
             brk = self.schema_break
             if not changes and brk is not None:
                 raise SchemaChangedError(
@@ -474,6 +481,18 @@ class PgLogicalSource:
                 )
                 self.drop_connection()
 
+    def admin(self) -> PgAdmin:
+        """What ``dbtrigger cdc`` uses to install, inspect and repair this source."""
+        from dbtrigger.cdc.pg_admin import PgAdmin  # noqa: PLC0415
+
+        return PgAdmin(self)
+
+    def self_check(self) -> list[SourceFinding]:
+        """Server settings, tables, publication and slot, as ``dbtrigger check`` findings."""
+        from dbtrigger.cdc.pg_health import self_check  # noqa: PLC0415
+
+        return self_check(self)
+
     def close(self) -> None:
         with self._lock:
             reader, self._reader = self._reader, None
@@ -483,6 +502,7 @@ class PgLogicalSource:
             self._ready = False
             self.buffer = TransactionBuffer(materialise)
             self.schema_break = None
+            self.snapshots.poke()  # requests are looked for again at the next read
 
 
 __all__ = ["MODES", "SNAPSHOTS", "PgLogicalSource"]

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dbtrigger.cli.backfill import add_backfill_command
+from dbtrigger.cli.cdc import add_cdc_commands
 from dbtrigger.cli.changelog import add_changelog_commands
 from dbtrigger.cli.check import add_check_command
 from dbtrigger.cli.logs import FORMATS, LEVELS, configure_logging
@@ -132,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_state_commands(sub)
     add_backfill_command(sub)
     add_changelog_commands(sub)
+    add_cdc_commands(sub)
     add_partition_commands(sub)
     add_queue_commands(sub)
     add_check_command(sub)

@@ -25,7 +25,7 @@ from dbtrigger.errors import CorruptStateError, DbTriggerError
 from dbtrigger.health import measure_lag
 from dbtrigger.partitions import layout as membership_layout
 from dbtrigger.partitions.layout import Membership
-from dbtrigger.sources.base import accepted_fingerprints
+from dbtrigger.sources.base import ChecksItself, accepted_fingerprints
 from dbtrigger.sources.lag import COLUMN
 from dbtrigger.state import document as docmod
 from dbtrigger.state import fanout
@@ -125,6 +125,10 @@ def poller_status(
     except CorruptStateError as exc:  # every tick fails on it too: that is the news
         return {"poller": poller, "error": f"{type(exc).__name__}: {exc}"}
     out["owed"] = _owed(doc.window, source)
+    if source is not None and isinstance(source.source, ChecksItself):  # e.g. a slot's health
+        out["source_findings"] = [
+            f._asdict() for f in source.source.self_check() if f.severity != "ok"
+        ]
     manual = [e for e in doc.journal if e.get("type") == "manual"]
     out["journal_entries"] = len(doc.journal)
     out["last_manual_change"] = dict(manual[-1]) if manual else None
@@ -281,6 +285,8 @@ def _render_one(status: Mapping[str, Any], store: str) -> str:
             else " (DIFFERS from --source)"
         )
     lines.append(("fingerprint", fingerprint))
+    for finding in status.get("source_findings") or []:
+        lines.append((f"source {finding['severity']}", f"{finding['check']}: {finding['message']}"))
     if failure:
         lines.append(
             (

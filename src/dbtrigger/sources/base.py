@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from dbtrigger.cursor import Position
 from dbtrigger.events import RowChange
@@ -184,6 +184,27 @@ class BindsToPoller(Protocol):
     """
 
     def bind_poller(self, name: str, metrics: Any = None) -> None: ...
+
+
+class SourceFinding(NamedTuple):
+    """One answer of a source's own checks: ``severity`` is ``ok``, ``warning`` or ``error``."""
+
+    check: str
+    severity: str
+    message: str
+    fix: str | None = None
+
+
+@runtime_checkable
+class ChecksItself(Protocol):
+    """A source that can check its own setup (server settings, slots, privileges).
+
+    ``dbtrigger check`` reports the findings, ``dbtrigger status --source``
+    shows those that are not ``ok``. ``self_check`` must not raise for a
+    problem it can describe: it returns an ``error`` finding instead.
+    """
+
+    def self_check(self) -> list[SourceFinding]: ...
 
 
 @runtime_checkable

@@ -1,0 +1,167 @@
+"""A PgLogicalSource's health: its slot, the server's settings, for check, status and metrics.
+
+What can go wrong with a slot goes wrong slowly and then all at once: a poller
+that stops reading makes the server keep WAL (``retained``) until either the
+disk fills (``max_slot_wal_keep_size`` unlimited, the default) or the server
+invalidates the slot (``wal_status`` becomes ``lost``: the changes are gone).
+So the source reports, at most every :data:`REPORT_SECONDS` while it runs,
+the gauges ``cdc_retained_bytes``, ``cdc_safe_wal_bytes`` and ``cdc_slot_lost``,
+and :func:`self_check` turns the same facts into ``dbtrigger check`` findings.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from dbtrigger.cdc import pg_admin as admin
+from dbtrigger.cdc import pg_setup as setup
+from dbtrigger.cdc.pg_connection import connect
+from dbtrigger.errors import DbTriggerError, OperatorError
+from dbtrigger.sources.base import SourceFinding
+
+if TYPE_CHECKING:
+    from dbtrigger.cdc.pg_source import PgLogicalSource
+
+log = logging.getLogger("dbtrigger.cdc")
+
+#: Seconds between slot measurements while a poller runs.
+REPORT_SECONDS = 30.0
+OK, WARNING, ERROR = "ok", "warning", "error"
+
+
+class HealthReporter:
+    """Measures the slot now and then and sets the ``cdc_*`` gauges."""
+
+    def __init__(self, source: PgLogicalSource) -> None:
+        self.source = source
+        self._next = 0.0
+        self._warned_unlimited = False
+
+    def maybe_report(self) -> None:
+        s = self.source
+        now = time.monotonic()
+        if s.metrics is None or now < self._next:
+            return
+        self._next = now + REPORT_SECONDS
+        try:
+            conn = s.connection()
+            state = setup.slot_state(conn, s.slot)
+            facts = setup.server_facts(conn)
+        except DbTriggerError as exc:
+            log.debug("slot health not measured: %s", exc)
+            return
+        metrics = s.metrics
+        metrics.set_gauge("cdc_slot_lost", 1.0 if state is None or state.lost else 0.0)
+        if state is not None and state.retained_bytes is not None:
+            metrics.set_gauge("cdc_retained_bytes", float(state.retained_bytes))
+        if state is not None and state.safe_wal_size is not None:
+            metrics.set_gauge("cdc_safe_wal_bytes", float(state.safe_wal_size))
+        if facts.max_slot_wal_keep_size_mb < 0 and not self._warned_unlimited:
+            self._warned_unlimited = True
+            log.warning(
+                "%s",
+                admin.wal_keep_notes(facts)[0],
+                extra={"event": "cdc_wal_keep_unlimited", "poller": s.poller, "slot": s.slot},
+            )
+
+
+def self_check(source: PgLogicalSource) -> list[SourceFinding]:
+    """What ``dbtrigger check`` reports for a PgLogicalSource (never raises for a finding)."""
+    findings: list[SourceFinding] = []
+    try:
+        with connect(source.url) as conn:
+            facts = setup.server_facts(conn)
+            try:
+                setup.check_server(facts, stream=source.mode == "stream")
+                findings.append(
+                    SourceFinding(
+                        "server",
+                        OK,
+                        f"PostgreSQL {facts.version // 10000}, wal_level=logical, role "
+                        f"{facts.user} may use replication slots",
+                    )
+                )
+            except OperatorError as exc:
+                return [SourceFinding("server", ERROR, str(exc))]
+            infos = setup.table_infos(conn, source.tables)
+            state = setup.slot_state(conn, source.slot)
+            published = setup.publication_tables(conn, source.publication)
+    except OperatorError as exc:
+        return [*findings, SourceFinding("source_access", ERROR, str(exc))]
+    except DbTriggerError as exc:
+        return [*findings, SourceFinding("source_access", ERROR, f"cannot reach the source: {exc}")]
+    for info in infos.values():
+        note = info.before_image_note()
+        if info.replica_identity == "n" or not info.key_columns:
+            findings.append(SourceFinding("replica_identity", ERROR, note or ""))
+        else:
+            findings.append(
+                SourceFinding(
+                    "replica_identity",
+                    OK,
+                    f"{info.table.qualified}: REPLICA IDENTITY {info.identity_label}"
+                    + (f" ({note})" if note else ""),
+                )
+            )
+    missing = [
+        t.qualified for t in source.tables if published is None or t.qualified not in published
+    ]
+    findings.append(
+        SourceFinding(
+            "publication",
+            OK if not missing else WARNING,
+            f"publication {source.publication} lists every table"
+            if not missing
+            else f"publication {source.publication} lacks {', '.join(missing)} (created or "
+            "extended at the first read if this role owns the tables)",
+            None if not missing else "dbtrigger cdc install MODULE:TRIGGER --yes",
+        )
+    )
+    if state is None:
+        findings.append(
+            SourceFinding(
+                "slot",
+                WARNING,
+                f"replication slot {source.slot} does not exist: it is created at the first "
+                "read (a poller with a checkpoint refuses: the changes since are gone)",
+                "dbtrigger cdc install MODULE:TRIGGER --yes",
+            )
+        )
+    elif state.lost:
+        findings.append(
+            SourceFinding(
+                "slot",
+                ERROR,
+                f"replication slot {source.slot} is invalidated "
+                f"({state.invalidation or state.wal_status}): changes since the checkpoint "
+                "are lost",
+                "dbtrigger cdc recreate MODULE:TRIGGER --snapshot --yes",
+            )
+        )
+    else:
+        retained = (state.retained_bytes or 0) / 2**20
+        warnings = [w for w in admin.slot_warnings(state, facts) if "max_slot_wal_keep" not in w]
+        findings.append(
+            SourceFinding(
+                "slot",
+                WARNING if warnings else OK,
+                "; ".join(warnings)
+                or f"replication slot {source.slot}: wal_status {state.wal_status}, retains "
+                f"{retained:.1f} MB",
+            )
+        )
+    for note in admin.wal_keep_notes(facts):
+        findings.append(
+            SourceFinding(
+                "max_slot_wal_keep_size",
+                WARNING,
+                note,
+                "ALTER SYSTEM SET max_slot_wal_keep_size = '50GB'; SELECT pg_reload_conf();",
+            )
+        )
+    return findings
+
+
+__all__ = ["REPORT_SECONDS", "HealthReporter", "self_check"]

@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import datetime as dt
 import decimal
+import functools
 import logging
 import re
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from operator import itemgetter
 from typing import Any
 
 import sqlalchemy as sa
@@ -293,6 +293,15 @@ def refuse_non_unique(
     )
 
 
+@functools.cache
+def _allowed_types(accepted: frozenset[str]) -> frozenset[type]:
+    """The exact Python types whose values are of one of the ``accepted`` kinds (or NULL)."""
+    allowed: set[type] = {type(None)}
+    for kind in accepted:
+        allowed.update(_TYPES_OF_KIND.get(kind, ()))
+    return frozenset(allowed)
+
+
 class ShapeChecks:
     """The checks above, bound to one source: run once after reflection, then per fetch.
 
@@ -426,10 +435,8 @@ class ShapeChecks:
             accepted, at = self.expected.get(name), index.get(name)
             if accepted is None or at is None:
                 continue
-            allowed = {type(None)}
-            for kind in accepted:
-                allowed.update(_TYPES_OF_KIND.get(kind, ()))
-            if set(map(type, map(itemgetter(at), tuples))) <= allowed:
+            allowed = _allowed_types(accepted)
+            if {type(row[at]) for row in tuples} <= allowed:
                 continue
             for row in tuples:
                 value = row[at]

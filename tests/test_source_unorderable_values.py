@@ -283,6 +283,33 @@ def test_a_date_with_a_zero_day_mid_table_stops_the_poller_at_that_row(
         trigger.source.close()  # type: ignore[attr-defined]
 
 
+def test_a_value_of_another_kind_than_its_column_never_becomes_a_checkpoint(
+    sqlite_db: TestDatabase,
+) -> None:
+    """SQLite keeps what it is given: an INTEGER cursor column can hold text.
+
+    At a batch end it became a text checkpoint, which the next fetch refused
+    as a type change of the column; the row is refused instead, naming it.
+    """
+    with sqlite_db.engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE events (id INTEGER PRIMARY KEY, seq INTEGER NOT NULL)"))
+        conn.execute(sa.text("INSERT INTO events VALUES (1, 1), (2, 2), (3, 'soon'), (4, 'x')"))
+    trigger = poller(sqlite_db, "events", "seq", batch_size=2)
+    handle = Recorder()
+    try:
+        error = tick_until_refused(trigger, handle)
+        assert handle.keys == [1, 2]
+        assert isinstance(error, SerializationError), repr(error)
+        assert "{'id': 3}" in str(error)
+        assert "'soon'" in str(error)
+        assert "type change" in str(error)
+        state = trigger.read_state()
+        assert state is not None
+        assert state.position.cursor == 2
+    finally:
+        trigger.source.close()  # type: ignore[attr-defined]
+
+
 # --- lag bookkeeping never fails a tick ----------------------------------------------------------
 
 

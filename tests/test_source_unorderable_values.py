@@ -310,6 +310,35 @@ def test_a_value_of_another_kind_than_its_column_never_becomes_a_checkpoint(
         trigger.source.close()  # type: ignore[attr-defined]
 
 
+def test_an_sqlite_date_time_column_holding_unix_time_is_checkpointed_as_the_number(
+    sqlite_db: TestDatabase,
+) -> None:
+    """SQLite keeps an integer written to a DATETIME column as an integer (before all text).
+
+    A batch ending on it wrote an integer checkpoint, which the next fetch
+    refused as a type change of the column.
+    """
+    with sqlite_db.engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE events (id INTEGER PRIMARY KEY, ts DATETIME NOT NULL)"))
+        conn.execute(
+            sa.text(
+                "INSERT INTO events VALUES (1, 1577836800), (2, 1577836801), "
+                "(3, '2020-01-01 00:00:00')"
+            )
+        )
+    trigger = poller(sqlite_db, "events", "ts", batch_size=1)
+    handle = Recorder()
+    try:
+        for _ in range(4):
+            trigger.tick(handle)
+        assert handle.keys == [1, 2, 3]
+        state = trigger.read_state()
+        assert state is not None
+        assert state.position.cursor == "2020-01-01 00:00:00"
+    finally:
+        trigger.source.close()  # type: ignore[attr-defined]
+
+
 # --- lag bookkeeping never fails a tick ----------------------------------------------------------
 
 

@@ -51,6 +51,11 @@ NUMERIC_KINDS = frozenset({"int", "decimal", "float"})
 #: stored text, and a date/time typed on the command line is rendered to that text.
 SQLITE_TEXT_DATETIME_KINDS = frozenset({"str", "naive_timestamp", "timestamp", "date"})
 
+#: ... and, for a declared date/time column (table mode), numbers: SQLite keeps a
+#: number written to such a column (Unix time) as a number, which sorts before
+#: all text and is bound back as the number it is.
+SQLITE_DATETIME_COLUMN_KINDS = SQLITE_TEXT_DATETIME_KINDS | {"int", "float"}
+
 #: PostgreSQL type OIDs and MySQL field-type codes of single-precision floats,
 #: for query mode, where only the result description knows the column types.
 _PG_FLOAT4_OID = 700
@@ -137,7 +142,7 @@ def kinds_for_type(
 ) -> frozenset[str] | None:
     """The checkpoint kinds a column of this declared type accepts (None: not known)."""
     if compared_as_text:
-        return SQLITE_TEXT_DATETIME_KINDS
+        return SQLITE_DATETIME_COLUMN_KINDS
     if isinstance(type_, sa.Boolean):
         return frozenset({"bool", "int"})
     if isinstance(type_, (sa.Integer, sa.Numeric)):
@@ -168,7 +173,7 @@ def primary_kind(kinds: frozenset[str] | None, type_: sa.types.TypeEngine[Any]) 
         if isinstance(type_, sa.Float):
             return "float"
         return "decimal"
-    if kinds == SQLITE_TEXT_DATETIME_KINDS:
+    if kinds in (SQLITE_TEXT_DATETIME_KINDS, SQLITE_DATETIME_COLUMN_KINDS):
         return "str"
     if "bool" in kinds:
         return "bool"
@@ -291,6 +296,10 @@ def refuse_non_unique(
         "key's uniqueness is yours to guarantee",
         pk_columns=list(pk_columns),
     )
+
+
+def _a(noun: str) -> str:
+    return f"an {noun}" if noun[:1] in "aeiou" else f"a {noun}"
 
 
 @functools.cache
@@ -474,7 +483,7 @@ class ShapeChecks:
             )
         expected = " or ".join(sorted(describe_kind(k) for k in self.expected[column] or ()))
         return SerializationError(
-            f"{where} ({type_name}) returned {value!r}, a {describe_kind(kind)} value where "
+            f"{where} ({type_name}) returned {value!r}, {_a(describe_kind(kind))} value where "
             f"the column's type gives {expected} values: a checkpoint at that row would be "
             "refused by the next fetch as a type change. The batch holding it was not "
             "delivered. Fix the value in that row, or leave the row out of the source with where=",

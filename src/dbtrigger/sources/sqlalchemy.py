@@ -727,7 +727,9 @@ class SqlAlchemySource:
         """
         column = self._columns[name]
         type_: Any = None  # query mode: no declared types; the value's own type binds
-        if name in self._text_typed and not isinstance(value, str):
+        if name in self._text_typed and type(value) in (int, float):
+            pass  # a number SQLite stored in a date/time column: compared as that number
+        elif name in self._text_typed and not isinstance(value, str):
             # A position given as a date/time (e.g. `reset --to-cursor`) rather than
             # read from a row: render it the way SQLAlchemy stores it on SQLite.
             type_ = self._text_typed[name]

@@ -73,7 +73,7 @@ def test_accepted_rows_are_done_and_marks_retry_or_reject(
             assert e.after is not None
             assert e.after["payload"] == f"job {e.pk['id']}"
             assert not any(k.startswith("dbt_") for k in e.after)
-            if e.pk["id"] == 3 and ctx.attempt(e) == 1:
+            if e.pk["id"] == 3 and ctx.attempts(e) == 1:
                 ctx.retry(e, "busy downstream")
             if e.pk["id"] == 5:
                 ctx.reject(e, "malformed")

@@ -8,8 +8,11 @@ methods; and the claim columns' types checked when the queue starts.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
+import inspect
 import re
 import sqlite3
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +24,26 @@ from dbtrigger import (
     ClaimSource,
     ConfigurationError,
     DbBindings,
+    DbTriggerError,
     FileCheckpointStore,
     QueueTrigger,
     RowChange,
     SqlAlchemySource,
 )
 from dbtrigger.azure import entra_id_engine
+from dbtrigger.runtime.context import BatchContext
 from dbtrigger.runtime.tick import wants_context
+from dbtrigger.state.window import Window
 from tests.databases import TestDatabase
+from tests.reliability_support import (
+    add_items,
+    checkpoint_id,
+    items_source,
+    items_table,
+    make_trigger,
+    read_doc,
+)
+from tests.test_event_outcomes import T0, Clock
 from tests.test_queue_columns import make_jobs, rows
 
 
@@ -295,3 +310,119 @@ def test_claim_columns_of_the_wrong_type_are_refused_at_start(db: TestDatabase) 
     assert f"expected {EXPECTED[db.kind]}" in message
     assert "dbtrigger queue install" in message
     assert {r["dbt_status"] for r in rows(db).values()} == {"ready"}  # nothing claimed
+
+
+# --- one way to mark events, on both contexts --------------------------------------
+
+
+@pytest.mark.parametrize("method", ["reject", "retry", "attempts"])
+def test_both_contexts_mark_events_with_one_signature(method: str) -> None:
+    def shape(cls: type) -> list[tuple[str, Any, Any]]:
+        params = inspect.signature(getattr(cls, method)).parameters.values()
+        return [(p.name, p.kind, p.default) for p in params]
+
+    assert shape(ClaimContext) == shape(BatchContext)
+
+
+def retry_two_later(events: list[RowChange], ctx: Any) -> None:
+    """One handler for both triggers: row 2 asks to come back in two minutes."""
+    for e in events:
+        if e.pk["id"] == 2 and ctx.attempts(e) == 1:
+            ctx.retry(e, "429: retry after 120 s", delay_seconds=120)
+
+
+def test_a_poller_retry_waits_the_handlers_delay(sqlite_db: TestDatabase, tmp_path: Path) -> None:
+    """``delay_seconds`` replaces the backoff (10 s here) for that event."""
+    add_items(sqlite_db, items_table(sqlite_db), [1, 2, 3])
+    clock = Clock()
+    store = FileCheckpointStore(tmp_path / "state")
+    trigger = make_trigger(
+        items_source(sqlite_db), store, clock=clock, retry_delay_seconds=10, quarantine=None
+    )
+    seen: list[int] = []
+
+    def handle(events: list[RowChange], ctx: BatchContext) -> None:
+        seen.extend(int(e.pk["id"]) for e in events)
+        retry_two_later(events, ctx)
+
+    assert trigger.tick(handle) == 3
+    [pending] = Window.from_json(read_doc(store).window).pending
+    assert pending.not_before == T0 + dt.timedelta(seconds=120)
+    assert pending.reason == "429: retry after 120 s"
+    clock.advance(60)  # past any backoff of 10 s, not past the handler's delay
+    assert trigger.tick_result(handle).outcome == "idle"
+    clock.advance(61)
+    assert trigger.tick(handle) == 1
+    assert seen == [1, 2, 3, 2]
+    assert checkpoint_id(store) == 3
+
+
+TOKEN = "c" * 32
+
+
+def test_a_queue_retry_waits_the_handlers_delay(sqlite_db: TestDatabase) -> None:
+    make_jobs(sqlite_db, 3)
+    source = claim_source(sqlite_db)
+    try:
+        q = QueueTrigger(name="jobs", source=source, retry_backoff_seconds=0)
+        assert q.tick(retry_two_later) == 2
+        assert q.status().delayed == 1
+        with pytest.warns(DeprecationWarning, match=r"use ctx\.attempts\(event\)"):
+            ClaimContext(
+                queue_name="q",
+                claim_token=TOKEN,
+                worker_id="w",
+                claimed_at=T0,
+                keys={"e": (1,)},
+                attempts={"e": 1},
+                lost=threading.Event(),
+            ).attempt(type("E", (), {"event_id": "e"})())  # type: ignore[arg-type]
+    finally:
+        source.close()
+    wait = rows(sqlite_db)[2]["dbt_visible_at"]
+    assert wait > (dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=100)).strftime(
+        "%Y-%m-%d %H:%M:%S"
+    )
+
+
+@pytest.mark.parametrize("delay", [-1, float("nan"), True, "5"])
+def test_a_bad_delay_is_refused_by_both_contexts(
+    sqlite_db: TestDatabase, tmp_path: Path, delay: Any
+) -> None:
+    add_items(sqlite_db, items_table(sqlite_db), [1])
+    make_jobs(sqlite_db, 1)
+    refused: list[str] = []
+
+    def handle(events: list[RowChange], ctx: Any) -> None:
+        try:
+            ctx.retry(events[0], "later", delay_seconds=delay)
+        except ConfigurationError as exc:
+            refused.append(str(exc))
+
+    source = claim_source(sqlite_db)
+    try:
+        QueueTrigger(name="jobs", source=source).tick(handle)
+    finally:
+        source.close()
+    trigger = make_trigger(
+        items_source(sqlite_db), FileCheckpointStore(tmp_path / "state"), clock=Clock()
+    )
+    # A refused mark fails the poller's batch even when the handler swallows it.
+    with pytest.raises(ConfigurationError, match="delay_seconds"):
+        trigger.tick(handle)
+    assert len(refused) == 2
+    assert all("give a number of seconds >= 0" in r for r in refused)
+
+
+def test_a_fan_out_subscriber_cannot_set_its_own_delay(
+    sqlite_db: TestDatabase, tmp_path: Path
+) -> None:
+    add_items(sqlite_db, items_table(sqlite_db), [1, 2])
+    trigger = make_trigger(
+        items_source(sqlite_db),
+        FileCheckpointStore(tmp_path / "state"),
+        clock=Clock(),
+        subscribers={"a": lambda events: None, "b": retry_two_later},
+    )
+    with pytest.raises(DbTriggerError, match="in subscriber 'b'"):
+        trigger.tick()

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                     {
                         "job_id": e.pk["id"],
                         "token": ctx.claim_token,
-                        "attempt": ctx.attempt(e),
+                        "attempt": ctx.attempts(e),
                         "worker": args.worker,
                         "incarnation": args.incarnation,
                     }

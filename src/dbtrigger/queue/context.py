@@ -4,10 +4,15 @@ A handler that takes two arguments receives a :class:`ClaimContext`. Every
 row it does not mark is accepted when it returns; raising fails every row not
 marked. Marks:
 
-* ``ctx.retry(event, reason)`` - this row failed; try it again after a backoff
-  (counts an attempt; dead after ``max_attempts``);
+* ``ctx.retry(event, reason, *, delay_seconds=None)`` - this row failed; try
+  it again after a backoff, or after ``delay_seconds`` (counts an attempt;
+  dead after ``max_attempts``);
 * ``ctx.reject(event, reason)`` - this row can never succeed; make it dead now
-  (and write it to the dead-letter sink, if one is configured).
+  (and write it to the dead-letter sink, if one is configured);
+* ``ctx.attempts(event)`` - which delivery of the row this is (1 on the first).
+
+The signatures are :class:`~dbtrigger.BatchContext`'s, so a handler written for
+a poller marks the same way under a queue.
 
 Marking an event that is not in the batch, or marking after the handler
 returned, is a :class:`~dbtrigger.errors.ConfigurationError` naming the event:
@@ -18,12 +23,14 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
+import warnings
 from collections.abc import Mapping
 
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.events import RowChange
 from dbtrigger.queue.outcome import Mark
 from dbtrigger.queue.statements import Key
+from dbtrigger.runtime.context import check_delay, reason_text
 
 
 class ClaimContext:
@@ -77,25 +84,37 @@ class ClaimContext:
         """True once every row of the claim was lost: nothing more will be recorded."""
         return self.lost.is_set()
 
-    def attempt(self, event: RowChange) -> int:
-        """This delivery's attempt number for ``event`` (1 on the first claim)."""
-        self._key(event, "attempt")
+    def attempts(self, event: RowChange) -> int:
+        """How many times ``event`` has been delivered (claimed), this time included."""
+        self._key(event, "attempts")
         return self._attempts[event.event_id]
+
+    def attempt(self, event: RowChange) -> int:
+        """Deprecated spelling of :meth:`attempts` (the poller's ``BatchContext`` name)."""
+        warnings.warn(
+            "ClaimContext.attempt(event) is deprecated: use ctx.attempts(event), "
+            "as on BatchContext",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.attempts(event)
 
     def retry(
         self,
         event: RowChange,
-        reason: str | BaseException = "",
+        reason: str | BaseException,
         *,
         delay_seconds: float | None = None,
     ) -> None:
-        """Fail ``event`` alone: it comes back after a backoff (or ``delay_seconds``)."""
-        text = reason if isinstance(reason, str) else f"{type(reason).__name__}: {reason}"
-        self._mark(event, Mark("retry", text or "retry requested", delay_seconds), "retry")
+        """Fail ``event`` alone: it comes back after a backoff, or no sooner than
+        ``delay_seconds`` (a ``Retry-After``)."""
+        delay = check_delay(delay_seconds)
+        text = reason_text(reason)
+        self._mark(event, Mark("retry", text or "retry requested", delay), "retry")
 
-    def reject(self, event: RowChange, reason: str | BaseException = "") -> None:
+    def reject(self, event: RowChange, reason: str | BaseException) -> None:
         """Make ``event`` dead now: it is never delivered again (unless re-driven)."""
-        text = reason if isinstance(reason, str) else f"{type(reason).__name__}: {reason}"
+        text = reason_text(reason)
         self._mark(event, Mark("reject", text or "rejected"), "reject")
 
     def _key(self, event: RowChange, verb: str) -> Key:

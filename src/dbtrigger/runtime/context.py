@@ -4,6 +4,7 @@ became of each event (:meth:`BatchContext.reject`, :meth:`BatchContext.retry`)."
 from __future__ import annotations
 
 import datetime as dt
+import math
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -15,6 +16,32 @@ from dbtrigger.events import RowChange
 
 def describe_event(event: RowChange) -> str:
     return f"event {event.event_id} (pk {dict(event.pk)}, cursor {event.cursor!r})"
+
+
+def reason_text(reason: str | BaseException) -> str:
+    """A mark's reason as recorded: the text, or an exception's type and message."""
+    return reason if isinstance(reason, str) else f"{type(reason).__name__}: {reason}"
+
+
+def check_delay(delay_seconds: object, verb: str = "retry") -> float | None:
+    """``delay_seconds`` of ``ctx.retry``: None (the backoff decides) or seconds >= 0.
+
+    Raises:
+        ConfigurationError: anything else (a bool, NaN, a negative number, text).
+    """
+    if delay_seconds is None:
+        return None
+    if (
+        isinstance(delay_seconds, (int, float))
+        and not isinstance(delay_seconds, bool)
+        and math.isfinite(delay_seconds)
+        and delay_seconds >= 0
+    ):
+        return float(delay_seconds)
+    raise ConfigurationError(
+        f"ctx.{verb}(..., delay_seconds={delay_seconds!r}): give a number of seconds >= 0, "
+        "or None for the backoff"
+    )
 
 
 class EventMarks:
@@ -45,21 +72,31 @@ class EventMarks:
         self.open = True
         self.rejected: dict[str, str] = {}
         self.retried: dict[str, str] = {}
+        #: ``ctx.retry(..., delay_seconds=)``: event id -> seconds, instead of the
+        #: backoff (read for the ids in :attr:`retried` only).
+        self.delays: dict[str, float] = {}
         #: The first misuse (a programming error); the batch fails with it even
         #: if the handler swallowed it, so a reject is never silently an accept.
         self.misuse: ConfigurationError | None = None
         self._lock = threading.Lock()
 
-    def mark(self, kind: str, event: RowChange, reason: str) -> None:
+    def mark(
+        self, kind: str, event: RowChange, reason: str, delay_seconds: float | None = None
+    ) -> None:
         try:
-            self._mark(kind, event, reason)
+            self._mark(kind, event, reason, delay_seconds)
         except ConfigurationError as exc:
-            with self._lock:
-                if self.misuse is None:
-                    self.misuse = exc
-            raise
+            raise self.refuse(exc) from None
 
-    def _mark(self, kind: str, event: RowChange, reason: str) -> None:
+    def refuse(self, exc: ConfigurationError) -> ConfigurationError:
+        """Record a misuse (the first one fails the batch, even if the handler
+        swallows it) and return it to raise."""
+        with self._lock:
+            if self.misuse is None:
+                self.misuse = exc
+        return exc
+
+    def _mark(self, kind: str, event: RowChange, reason: str, delay_seconds: float | None) -> None:
         with self._lock:
             if not self.open:
                 raise ConfigurationError(
@@ -87,6 +124,10 @@ class EventMarks:
                     f"{'retry' if kind == 'reject' else 'reject'}"
                 )
             mine[event.event_id] = str(reason)
+            if delay_seconds is None:
+                self.delays.pop(event.event_id, None)
+            else:
+                self.delays[event.event_id] = delay_seconds
 
     def _ids(self) -> set[str]:
         if self._id_set is None:
@@ -158,7 +199,7 @@ class BatchContext:
         out: nothing this call does from now on will be committed."""
         return self.lease_lost.is_set() or (self.timed_out is not None and self.timed_out.is_set())
 
-    def reject(self, event: RowChange, reason: str) -> None:
+    def reject(self, event: RowChange, reason: str | BaseException) -> None:
         """Settle ``event`` as rejected: it goes to the dead-letter sink with
         ``reason`` and is never delivered again.
 
@@ -166,16 +207,36 @@ class BatchContext:
             ConfigurationError: the poller has no dead-letter (``quarantine``)
                 sink, ``event`` is not in this batch, or the handler returned.
         """
-        self._marks("reject").mark("reject", event, reason)
+        self._marks("reject").mark("reject", event, reason_text(reason))
 
-    def retry(self, event: RowChange, reason: str) -> None:
-        """Deliver ``event`` again later (exponential backoff with jitter).
+    def retry(
+        self,
+        event: RowChange,
+        reason: str | BaseException,
+        *,
+        delay_seconds: float | None = None,
+    ) -> None:
+        """Deliver ``event`` again later: after an exponential backoff with
+        jitter, or no sooner than ``delay_seconds`` (a ``Retry-After``).
 
         Raises:
-            ConfigurationError: ``event`` is not in this batch, or the handler
-                returned.
+            ConfigurationError: ``event`` is not in this batch, the handler
+                returned, ``delay_seconds`` is not a number >= 0, or (fan-out)
+                ``delay_seconds`` was given: a fan-out subscriber's retries
+                follow the poller's backoff.
         """
-        self._marks("retry").mark("retry", event, reason)
+        marks = self._marks("retry")
+        try:
+            delay = check_delay(delay_seconds)
+            if delay is not None and self.subscriber is not None:
+                raise ConfigurationError(
+                    f"ctx.retry(..., delay_seconds=) in subscriber {self.subscriber!r}: a "
+                    "fan-out event is retried per subscriber on the poller's backoff "
+                    "(retry_delay_seconds); leave delay_seconds out"
+                )
+        except ConfigurationError as exc:
+            raise marks.refuse(exc) from None
+        marks.mark("retry", event, reason_text(reason), delay)
 
     def attempts(self, event: RowChange) -> int:
         """How many times ``event`` has been delivered, this time included."""

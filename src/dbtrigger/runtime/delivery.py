@@ -78,6 +78,8 @@ class Delivered:
     #: Fan-out: retried event id -> the subscribers it goes to again (with
     #: their attempts); see dbtrigger.state.fanout.
     owed: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    #: Retried event id -> ``ctx.retry(..., delay_seconds=)``, instead of the backoff.
+    delays: Mapping[str, float] = field(default_factory=dict)
     #: Fan-out: each subscriber's outcomes over the batch (journal, metrics).
     by_subscriber: Mapping[str, Outcomes] = field(default_factory=dict)
     #: Fan-out: retried ids that no subscriber failed - they only wait for busy
@@ -400,11 +402,13 @@ class Delivery:
             except QuarantineError as exc:
                 settled = frozenset(by_id) - rejected.keys() - retried.keys()
                 return Undelivered(exc, settled, exc)
+        waiting = {i: r for i, r in retried.items() if i not in exhausted}
         return Delivered(
             quarantined=outcome.quarantined,
             rejected=rejected,
-            retried={i: r for i, r in retried.items() if i not in exhausted},
+            retried=waiting,
             exhausted=frozenset(exhausted),
+            delays={i: d for i, d in marks.delays.items() if i in waiting},
         )
 
     def _lost_during_handler(

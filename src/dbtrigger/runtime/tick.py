@@ -704,6 +704,7 @@ class TickDriver:
             owed=outcome.owed,
             terminal=outcome.dead_lettered,
             deferred=outcome.deferred,
+            delays=outcome.delays,
         )
 
     def commit(

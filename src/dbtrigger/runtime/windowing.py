@@ -190,11 +190,13 @@ def settle_delivered(
     owed: Mapping[str, Mapping[str, int]] | None = None,
     terminal: Collection[str] = (),
     deferred: Set[str] = frozenset(),
+    delays: Mapping[str, float] | None = None,
 ) -> Settlement | None:
     """Fold a delivered batch into the window (``retried``: event id -> reason;
     ``owed``: with fan-out, event id -> the subscribers it goes to again;
     ``terminal``: the ids written to the dead-letter sink; ``deferred``:
-    retried ids nobody received, which count no attempt).
+    retried ids nobody received, which count no attempt; ``delays``: event id
+    -> the handler's own delay instead of the backoff).
 
     An event after a retried event of the same row key is not settled,
     whatever the handler did with it: it comes again after that event, so a
@@ -238,6 +240,7 @@ def settle_delivered(
             jitter=jitter(),
             owed=None if owed is None else owed.get(event.event_id),
             counted=event.event_id not in deferred,
+            delay=None if delays is None else delays.get(event.event_id),
         )
         if held and earlier is not None and entry.owed is not None:
             before = pending.get(key)

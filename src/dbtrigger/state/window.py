@@ -529,13 +529,18 @@ def retry_entry(
     jitter: float,
     owed: Mapping[str, int] | None = None,
     counted: bool = True,
+    delay: float | None = None,
 ) -> Pending:
     """The pending entry for an event the handler asked to retry (``owed``:
-    with fan-out, the subscribers it is delivered to again). Not ``counted``:
+    with fan-out, the subscribers it is delivered to again; ``delay``: the
+    handler's ``delay_seconds``, instead of the backoff). Not ``counted``:
     nobody received it (its fan-out subscribers were busy), so neither an
     attempt nor a backoff; it is due at once (held back while they are busy)."""
     attempts = (previous.attempts if previous is not None else 0) + (1 if counted else 0)
-    delay = backoff_seconds(attempts, base=base, cap=cap, jitter=jitter) if counted else 0.0
+    if not counted:
+        delay = 0.0
+    elif delay is None:
+        delay = backoff_seconds(attempts, base=base, cap=cap, jitter=jitter)
     return Pending(
         position=position,
         attempts=attempts,

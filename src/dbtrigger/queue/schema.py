@@ -31,6 +31,7 @@ still agree on when a claim expires.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -298,6 +299,29 @@ def _declared(have: sa.types.TypeEngine[Any], dialect: Dialect) -> str:
         return str(have.compile(dialect=dialect))
     except sa.exc.CompileError:
         return "without a type"
+
+
+def check_unique_key(table: sa.Table, key: Sequence[str]) -> None:
+    """Refuse key columns that are missing or that no primary key or unique index covers
+    (two rows could then share a claim)."""
+    missing = [k for k in key if k not in table.c]
+    if missing:
+        raise ConfigurationError(
+            f"{table.name} has no column(s) {', '.join(missing)}; "
+            f"available: {', '.join(sorted(table.c.keys()))}"
+        )
+    wanted = set(key)
+    unique_sets = [{c.name for c in table.primary_key.columns}]
+    unique_sets += [{c.name for c in i.columns} for i in table.indexes if i.unique]
+    unique_sets += [
+        {c.name for c in u.columns} for u in table.constraints if isinstance(u, sa.UniqueConstraint)
+    ]
+    if not any(s and s <= wanted for s in unique_sets):
+        raise ConfigurationError(
+            f"pk_columns {list(key)} of {table.name} are not unique: no primary key or "
+            "unique index/constraint covers them, so two rows could share a claim. "
+            "Add one, or name the table's real key"
+        )
 
 
 def index_name(table: str) -> str:

@@ -18,9 +18,10 @@ Two modes:
 
 Configuration is checked on the first use against the real table, and every
 mistake is a :class:`~dbtrigger.errors.ConfigurationError` that says what to
-do: missing claim columns (the message prints the install command), key
-columns that are not unique, a ``where`` filter that touches the claim
-columns, a MariaDB/MySQL too old for ``SKIP LOCKED``.
+do: missing claim columns (the message prints the install command), claim
+columns of a type the claim cannot use, key columns that are not unique
+(:mod:`dbtrigger.queue.schema` holds those checks), a ``where`` filter that
+touches the claim columns, a MariaDB/MySQL too old for ``SKIP LOCKED``.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from dbtrigger.queue.schema import (
     VISIBLE_AT,
     DialectTime,
     check_claim_columns,
+    check_unique_key,
 )
 from dbtrigger.queue.statements import (
     ClaimBatch,
@@ -379,32 +381,10 @@ class ClaimSource:
                 f"table {where} does not exist (or is not visible to this user)"
             ) from None
 
-    def _check_key(self, table: sa.Table, key: Sequence[str]) -> None:
-        missing = [k for k in key if k not in table.c]
-        if missing:
-            raise ConfigurationError(
-                f"{table.name} has no column(s) {', '.join(missing)}; "
-                f"available: {', '.join(sorted(table.c.keys()))}"
-            )
-        wanted = set(key)
-        unique_sets = [{c.name for c in table.primary_key.columns}]
-        unique_sets += [{c.name for c in i.columns} for i in table.indexes if i.unique]
-        unique_sets += [
-            {c.name for c in u.columns}
-            for u in table.constraints
-            if isinstance(u, sa.UniqueConstraint)
-        ]
-        if not any(s and s <= wanted for s in unique_sets):
-            raise ConfigurationError(
-                f"pk_columns {list(key)} of {table.name} are not unique: no primary key or "
-                "unique index/constraint covers them, so two rows could share a claim. "
-                "Add one, or name the table's real key"
-            )
-
     def _resolve(self, conn: Connection) -> ClaimTable:
         self._check_server(conn)
         user = self.reflect(conn, self.table_name)
-        self._check_key(user, self.pk_columns)
+        check_unique_key(user, self.pk_columns)
         self._user_table = user
         if self.mode == "sidecar":
             from dbtrigger.queue.sidecar import claims_target  # noqa: PLC0415 - a cycle

@@ -58,11 +58,8 @@ from dbtrigger.sources.visibility.base import (
     VisibilityGuard,
 )
 from dbtrigger.sources.visibility.choice import choose, is_timestamp_type, parse_visibility
-from dbtrigger.sources.visibility.horizons import (
-    DEFAULT_WARN_AFTER_SECONDS,
-    SnapshotHorizon,
-    TransactionHorizon,
-)
+from dbtrigger.sources.visibility.held_back import DEFAULT_WARN_AFTER_SECONDS
+from dbtrigger.sources.visibility.horizons import SnapshotHorizon, TransactionHorizon
 from dbtrigger.sources.visibility.mariadb import (
     MariaDbHorizon,
     can_read_transactions,

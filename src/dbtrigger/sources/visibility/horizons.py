@@ -10,8 +10,6 @@ backend that holds them back.
 from __future__ import annotations
 
 import datetime as dt
-import logging
-import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -35,13 +33,11 @@ from dbtrigger.sources.visibility.base import (
     VisibilityGuard,
     _check_seconds,
 )
-
-# The package's logger name, which docs and log configurations refer to.
-log = logging.getLogger("dbtrigger.sources.visibility")
-
-#: Held back longer than this, a horizon guard logs a WARNING naming the
-#: blocking backend (and repeats it at this interval while it lasts).
-DEFAULT_WARN_AFTER_SECONDS = 60.0
+from dbtrigger.sources.visibility.held_back import (
+    DEFAULT_WARN_AFTER_SECONDS,
+    HeldBackWarner,
+    greater,
+)
 
 #: Backend types that never write user rows; their transactions do not hold the
 #: :class:`TransactionHorizon` back.
@@ -174,81 +170,6 @@ class TransactionHorizon(VisibilityGuard):
         return _ActivityActive(self, target)
 
 
-# --- held-back bookkeeping shared by the two horizons -------------------------
-
-
-class _Warner:
-    """Rate-limits the held-back WARNING and logs (INFO) when the hold ends.
-
-    "Held back" is measured as the *staleness of the horizon*: how long the
-    oldest withheld data has been waiting. Under a steady write load the
-    horizon trails by about one fetch and keeps moving; only a transaction that
-    stays open makes the staleness grow.
-    """
-
-    def __init__(self, target: GuardTarget, mode: str, warn_after: float) -> None:
-        self.target = target
-        self.mode = mode
-        self.warn_after = warn_after
-        self.warned = False
-        self.last_warning = -math.inf
-
-    def observe(self, info: FetchInfo) -> None:
-        fields = {
-            "source": self.target.source_name,
-            "mode": self.mode,
-            "held_back_seconds": info.held_back_seconds,
-            "blocking_pid": info.blocking_pid,
-            "blocking_xact_age_seconds": info.blocking_xact_age_seconds,
-            "blocking_detail": info.blocking_detail,
-            "horizon": None if info.horizon is None else str(info.horizon),
-        }
-        if not info.held_back or info.held_back_seconds < self.warn_after:
-            if self.warned:
-                self.warned = False
-                self.last_warning = -math.inf
-                log.info(
-                    "%s: %s is no longer held back",
-                    self.target.source_name,
-                    self.mode,
-                    extra={"event": "visibility_released", **fields},
-                )
-            return
-        now = time.monotonic()
-        if now - self.last_warning < self.warn_after:
-            return
-        self.last_warning = now
-        self.warned = True
-        if info.blocking_detail:
-            blocker = info.blocking_detail
-        elif info.blocking_pid is not None:
-            age = info.blocking_xact_age_seconds or 0.0
-            blocker = f"backend pid {info.blocking_pid} (transaction open {age:.0f}s)"
-        else:
-            blocker = "a transaction this role cannot identify"
-        log.warning(
-            "%s: %s has held rows back for %.0fs, blocked by %s; the poller resumes when it "
-            "ends (rows are delayed, not skipped)",
-            self.target.source_name,
-            self.mode,
-            info.held_back_seconds,
-            blocker,
-            extra={"event": "visibility_held_back", **fields},
-        )
-
-
-def _greater(a: Any, b: Any) -> bool:
-    """``a > b``, treating None as minus infinity and incomparable values as greater."""
-    if a is None:
-        return False
-    if b is None:
-        return True
-    try:
-        return bool(a > b)
-    except TypeError:
-        return True
-
-
 # --- snapshot horizon (transaction-id cursor) ---------------------------------
 
 
@@ -283,7 +204,7 @@ class _SnapshotActive(ActiveGuard):
 
     def __init__(self, guard: SnapshotHorizon, target: GuardTarget) -> None:
         super().__init__(guard, target)
-        self._warner = _Warner(target, self.mode, guard.warn_after_seconds)
+        self._warner = HeldBackWarner(target, self.mode, guard.warn_after_seconds)
         self._horizon: int | None = None
         self._horizon_since = time.monotonic()
         self.last_info = FetchInfo(mode=self.mode)
@@ -383,7 +304,7 @@ class _ActivityActive(ActiveGuard):
         super().__init__(guard, target)
         self._state = _ProbeState()
         self._lock = threading.Lock()
-        self._warner = _Warner(target, self.mode, guard.warn_after_seconds)
+        self._warner = HeldBackWarner(target, self.mode, guard.warn_after_seconds)
         self.last_info = FetchInfo(mode=self.mode)
         self._next_info: FetchInfo | None = None
         # The bound (the newest safe probe) stays valid for good: every value
@@ -415,7 +336,7 @@ class _ActivityActive(ActiveGuard):
         if probe is None:
             return False
         with self._lock:
-            return _greater(probe.value, _value(self._state.safe)) and _greater(
+            return greater(probe.value, _value(self._state.safe)) and greater(
                 probe.value, after.cursor
             )
 
@@ -477,7 +398,7 @@ class _ActivityActive(ActiveGuard):
         with self._lock:
             state = self._state
             newest = state.pending[-1].value if state.pending else _value(state.safe)
-            if probe is not None and _greater(probe.value, newest):
+            if probe is not None and greater(probe.value, newest):
                 state.pending.append(probe)
             while state.pending and not prepared and (cut is None or state.pending[0].at < cut):
                 state.safe = state.pending.pop(0)
@@ -485,7 +406,7 @@ class _ActivityActive(ActiveGuard):
                 # Fewer probes only make the bound more conservative.
                 state.pending = [*state.pending[:-1:2], state.pending[-1]]
             bound = _value(state.safe)
-            held = bool(state.pending) and _greater(state.pending[-1].value, after.cursor)
+            held = bool(state.pending) and greater(state.pending[-1].value, after.cursor)
             if not held:
                 return FetchInfo(mode=self.mode, horizon=bound)
             waiting = max(0.0, (activity.now - state.pending[0].at).total_seconds())

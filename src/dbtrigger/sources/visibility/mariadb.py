@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import datetime as dt
 import decimal
-import logging
 import math
 import threading
 import time
@@ -65,9 +64,11 @@ from dbtrigger.sources.visibility.base import (
     VisibilityGuard,
     _check_seconds,
 )
-from dbtrigger.sources.visibility.horizons import DEFAULT_WARN_AFTER_SECONDS, _Warner
-
-log = logging.getLogger("dbtrigger.sources.visibility")
+from dbtrigger.sources.visibility.held_back import (
+    DEFAULT_WARN_AFTER_SECONDS,
+    HeldBackWarner,
+    greater,
+)
 
 MYSQL_DIALECTS = frozenset({"mysql", "mariadb"})
 
@@ -300,7 +301,7 @@ class _InnoDbActive(ActiveGuard):
         self._timestamp = timestamp
         self._state = _State()
         self._lock = threading.Lock()
-        self._warner = _Warner(target, self.mode, guard.warn_after_seconds)
+        self._warner = HeldBackWarner(target, self.mode, guard.warn_after_seconds)
         self.last_info = FetchInfo(mode=self.mode)
         self._bounded = BoundPredicates(self._bounded_by)
 
@@ -422,7 +423,7 @@ class _InnoDbActive(ActiveGuard):
             if usable is not None:
                 index = state.samples.index(usable)
                 del state.samples[:index]
-                if usable[1] is not None and _greater(usable[1], state.bound):
+                if usable[1] is not None and greater(usable[1], state.bound):
                     state.bound = usable[1]
                 state.bound_at = usable[0]
             state.samples.append((observation.sampled_at, observation.max_value))
@@ -495,8 +496,8 @@ class _InnoDbActive(ActiveGuard):
                 state.bound is None or observation.max_epoch >= state.bound
             )
         else:
-            beyond = newest is not None and _greater(newest, state.bound)
-        held = beyond and (position.is_beginning or _greater(newest, position.cursor))
+            beyond = newest is not None and greater(newest, state.bound)
+        held = beyond and (position.is_beginning or greater(newest, position.cursor))
         if not held:
             return FetchInfo(self.mode, horizon)
         since = state.bound_at
@@ -569,17 +570,6 @@ def _lower_bound(key: tuple[int, str], previous: _Observation | None) -> Decimal
 def _error_code(exc: DBAPIError) -> int | None:
     args = getattr(exc.orig, "args", ())
     return args[0] if args and isinstance(args[0], int) else None
-
-
-def _greater(a: Any, b: Any) -> bool:
-    if a is None:
-        return False
-    if b is None:
-        return True
-    try:
-        return bool(a > b)
-    except TypeError:
-        return True
 
 
 __all__ = [

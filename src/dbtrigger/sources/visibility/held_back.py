@@ -1,0 +1,101 @@
+"""Held-back bookkeeping shared by every horizon guard (PostgreSQL and MariaDB/MySQL).
+
+A horizon guard withholds rows while a transaction that may still commit
+below them is open. :class:`HeldBackWarner` turns what each fetch reports
+into one rate-limited WARNING naming the blocker and one INFO line when the
+hold ends, the same for every database; :func:`greater` is the comparison the
+guards use on cursor values that may be None or of mixed types. Its own module
+so that the PostgreSQL and the MariaDB/MySQL guards both stand on it instead of
+one importing the other.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+from dbtrigger.sources.visibility.base import FetchInfo, GuardTarget
+
+# The package's logger name, which docs and log configurations refer to.
+log = logging.getLogger("dbtrigger.sources.visibility")
+
+#: Held back longer than this, a horizon guard logs a WARNING naming the
+#: blocking backend (and repeats it at this interval while it lasts).
+DEFAULT_WARN_AFTER_SECONDS = 60.0
+
+
+class HeldBackWarner:
+    """Rate-limits the held-back WARNING and logs (INFO) when the hold ends.
+
+    "Held back" is measured as the *staleness of the horizon*: how long the
+    oldest withheld data has been waiting. Under a steady write load the
+    horizon trails by about one fetch and keeps moving; only a transaction that
+    stays open makes the staleness grow.
+    """
+
+    def __init__(self, target: GuardTarget, mode: str, warn_after: float) -> None:
+        self.target = target
+        self.mode = mode
+        self.warn_after = warn_after
+        self.warned = False
+        self.last_warning = -math.inf
+
+    def observe(self, info: FetchInfo) -> None:
+        fields = {
+            "source": self.target.source_name,
+            "mode": self.mode,
+            "held_back_seconds": info.held_back_seconds,
+            "blocking_pid": info.blocking_pid,
+            "blocking_xact_age_seconds": info.blocking_xact_age_seconds,
+            "blocking_detail": info.blocking_detail,
+            "horizon": None if info.horizon is None else str(info.horizon),
+        }
+        if not info.held_back or info.held_back_seconds < self.warn_after:
+            if self.warned:
+                self.warned = False
+                self.last_warning = -math.inf
+                log.info(
+                    "%s: %s is no longer held back",
+                    self.target.source_name,
+                    self.mode,
+                    extra={"event": "visibility_released", **fields},
+                )
+            return
+        now = time.monotonic()
+        if now - self.last_warning < self.warn_after:
+            return
+        self.last_warning = now
+        self.warned = True
+        if info.blocking_detail:
+            blocker = info.blocking_detail
+        elif info.blocking_pid is not None:
+            age = info.blocking_xact_age_seconds or 0.0
+            blocker = f"backend pid {info.blocking_pid} (transaction open {age:.0f}s)"
+        else:
+            blocker = "a transaction this role cannot identify"
+        log.warning(
+            "%s: %s has held rows back for %.0fs, blocked by %s; the poller resumes when it "
+            "ends (rows are delayed, not skipped)",
+            self.target.source_name,
+            self.mode,
+            info.held_back_seconds,
+            blocker,
+            extra={"event": "visibility_held_back", **fields},
+        )
+
+
+def greater(a: Any, b: Any) -> bool:
+    """``a > b``, treating None as minus infinity and incomparable values as greater."""
+    if a is None:
+        return False
+    if b is None:
+        return True
+    try:
+        return bool(a > b)
+    except TypeError:
+        return True
+
+
+__all__ = ["DEFAULT_WARN_AFTER_SECONDS", "HeldBackWarner", "greater"]

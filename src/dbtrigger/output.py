@@ -30,10 +30,11 @@ import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine
 from sqlalchemy.exc import NoSuchTableError, SQLAlchemyError
 
+from dbtrigger._driver_errors import short_error
 from dbtrigger._engine import LazyEngine, parse_database_url
 from dbtrigger.errors import ConfigurationError, MissingSettingError, OutputWriteError
 from dbtrigger.names import validate_sql_identifier
-from dbtrigger.sources.sqlalchemy import safe_url_text, short_error
+from dbtrigger.redaction import safe_url_text
 
 Action = Literal["insert", "upsert"]
 

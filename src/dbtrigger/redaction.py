@@ -1,11 +1,15 @@
 """Keep credentials out of every text dbtrigger emits: logs, state, quarantine, CLI.
 
 The lowest layer of the package (it imports nothing of dbtrigger), so sources,
-stores, the runtime and the CLI can all use it. Two mechanisms:
+stores, the output binding, the queue, the runtime and the CLI can all use it.
+Two mechanisms, and the database URL as it may be shown:
 
 * **Known secrets.** Whatever secret is met while parsing configuration (a URL
   password, an account key, a SAS token) is registered with
   :func:`remember_secret` and removed, verbatim, wherever it appears later.
+* **Database URLs** (:func:`safe_url_text`): without the password and without
+  query options whose name looks like a secret, so a banner, ``describe()``
+  or an error can name the database it means.
 * **Credential-shaped text.** Patterns catch what was never registered: a
   handler's exception text quoting a connection string, a driver error echoing a
   URL, a request line with a SAS signature. Covered: ``name=value`` /
@@ -31,6 +35,10 @@ import logging
 import re
 import threading
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import URL
 
 MASK = "***"
 
@@ -139,6 +147,23 @@ def remember_connection_string(value: str) -> None:
             remember_secret(secret.strip())
 
 
+#: URL query options whose name contains one of these are dropped from a shown URL.
+_SECRET_QUERY_KEYS = ("pass", "pwd", "secret", "token", "key", "credential", "sig")
+
+
+def redact_url(url: URL) -> URL:
+    """The URL without password and without query options that look like secrets."""
+    query = {
+        k: v for k, v in url.query.items() if not any(s in k.lower() for s in _SECRET_QUERY_KEYS)
+    }
+    return url.set(password=None, query=query)
+
+
+def safe_url_text(url: URL) -> str:
+    """:func:`redact_url` as text: what a banner, ``describe()`` or an error may show."""
+    return redact_url(url).render_as_string(hide_password=True)
+
+
 def redact(text: str, extra: Iterable[str] = ()) -> str:
     """``text`` with every known secret and credential-looking field masked."""
     with _LOCK:
@@ -236,6 +261,8 @@ __all__ = [
     "protect_handlers",
     "protect_loggers",
     "redact",
+    "redact_url",
     "remember_connection_string",
     "remember_secret",
+    "safe_url_text",
 ]

@@ -49,9 +49,9 @@ from dbtrigger.cursor import Position, canonical_json
 from dbtrigger.errors import ConfigurationError, SchemaChangedError, SlotLostError
 from dbtrigger.events import RowChange
 from dbtrigger.metrics import MetricsCollector
+from dbtrigger.redaction import safe_url_text
 from dbtrigger.sources.base import SourceFinding
 from dbtrigger.sources.fingerprint import identity_url
-from dbtrigger.sources.sqlalchemy import safe_url_text
 
 if TYPE_CHECKING:
     from dbtrigger.cdc.pg_admin import PgAdmin

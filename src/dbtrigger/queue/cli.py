@@ -13,6 +13,7 @@ import json
 import re
 from typing import TYPE_CHECKING, Any
 
+from dbtrigger._driver_errors import short_error
 from dbtrigger.errors import CommitError, ConfigurationError, FetchError
 
 if TYPE_CHECKING:
@@ -56,7 +57,6 @@ def _primary_key(args: argparse.Namespace) -> list[str]:
     from sqlalchemy.exc import SQLAlchemyError  # noqa: PLC0415
 
     from dbtrigger.queue.source import ClaimSource  # noqa: PLC0415
-    from dbtrigger.sources.sqlalchemy import short_error  # noqa: PLC0415
 
     probe = ClaimSource(url=args.url, table=args.table, schema=args.schema, pk_columns=["_"])
     try:
@@ -78,7 +78,6 @@ def _ddl(args: argparse.Namespace, *, uninstall: bool) -> int:
     from dbtrigger.queue import ddl  # noqa: PLC0415
     from dbtrigger.queue.sidecar import install_claims_table  # noqa: PLC0415
     from dbtrigger.queue.source import ClaimSource  # noqa: PLC0415
-    from dbtrigger.sources.sqlalchemy import short_error  # noqa: PLC0415
 
     probe = ClaimSource(url=args.url, table=args.table, schema=args.schema, pk_columns=["_"])
     if args.mode == "sidecar" and uninstall:
@@ -121,7 +120,6 @@ def _uninstall_sidecar(args: argparse.Namespace, probe: ClaimSource) -> int:
 
     from dbtrigger.queue import ddl  # noqa: PLC0415
     from dbtrigger.queue.sidecar import uninstall_claims  # noqa: PLC0415
-    from dbtrigger.sources.sqlalchemy import short_error  # noqa: PLC0415
 
     where = f"{args.schema}.{args.claims_table}" if args.schema else args.claims_table
     try:

@@ -35,6 +35,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.schema import CreateIndex, CreateTable, DropTable
 
+from dbtrigger._driver_errors import short_error
 from dbtrigger.cursor import decode_value, encoded_json, pk_json
 from dbtrigger.errors import ConfigurationError, OutputWriteError
 from dbtrigger.events import RowChange
@@ -48,7 +49,6 @@ from dbtrigger.queue.schema import (
     index_name,
 )
 from dbtrigger.queue.statements import ClaimTable
-from dbtrigger.sources.sqlalchemy import short_error
 
 if TYPE_CHECKING:
     from dbtrigger.queue.source import ClaimedRow, ClaimSource

@@ -38,6 +38,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import URL, Connection, Engine
 from sqlalchemy.exc import NoSuchTableError, SQLAlchemyError
 
+from dbtrigger._driver_errors import short_error
 from dbtrigger._engine import LazyEngine, parse_database_url
 from dbtrigger.errors import (
     CommitError,
@@ -67,8 +68,8 @@ from dbtrigger.queue.statements import (
     RetryItem,
     Settled,
 )
+from dbtrigger.redaction import safe_url_text
 from dbtrigger.runtime.telemetry import Telemetry
-from dbtrigger.sources.sqlalchemy import safe_url_text, short_error
 
 log = logging.getLogger("dbtrigger.queue")
 

@@ -26,11 +26,11 @@ the DB-API exception class.
 from __future__ import annotations
 
 import re
-import traceback
 from typing import Any
 
 from sqlalchemy import exc as sa_exc
 
+from dbtrigger._driver_errors import encoding_problem, short_error
 from dbtrigger.errors import (
     DbTriggerError,
     FetchError,
@@ -145,37 +145,6 @@ def classify(exc: BaseException) -> str:
             if isinstance(exc, cls):
                 return verdict
     return RETRY
-
-
-def encoding_problem(exc: BaseException) -> str | None:
-    """What is wrong, for a driver failure raised *outside* the DB-API error tree (None: unknown).
-
-    SQLAlchemy's PostgreSQL dialect reads ``version()`` on an engine's first
-    connection. On a database whose encoding is ``SQL_ASCII`` psycopg returns
-    text as bytes, and the dialect fails with a bare ``TypeError`` before any
-    statement of ours ran: it would escape a tick as a raw exception, or look
-    like a hiccup if it were retried. The same happens on every connection, so
-    it is an operator error, with the fix.
-    """
-    if not isinstance(exc, TypeError) or "bytes-like object" not in str(exc):
-        return None
-    frames = traceback.extract_tb(exc.__traceback__)
-    if not any("postgresql" in f.filename and f.name == "initialize" for f in frames):
-        return None
-    return (
-        "the database sends its text as bytes, which SQLAlchemy cannot read: its encoding "
-        "is SQL_ASCII (psycopg then decodes nothing). Add client_encoding=utf8 to the URL "
-        "(postgresql+psycopg://...?client_encoding=utf8) when its text is UTF-8 (a row "
-        "holding other bytes is then refused, naming it), or move the data to a UTF8 "
-        f"database; retrying cannot help ({type(exc).__name__}: {exc})"
-    )
-
-
-def short_error(exc: BaseException) -> str:
-    """One line naming a driver error, without the SQL text or bound values."""
-    orig = getattr(exc, "orig", None) or exc
-    first = (str(orig).strip().splitlines() or [""])[0]
-    return f"{type(orig).__name__}: {first}"[:300]
 
 
 def source_error(exc: BaseException, what: str, problem: str | None = None) -> DbTriggerError:

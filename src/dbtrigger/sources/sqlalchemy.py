@@ -43,6 +43,7 @@ from sqlalchemy.engine import URL, Connection, Engine
 from sqlalchemy.exc import NoSuchTableError, SQLAlchemyError
 from sqlalchemy.sql import ColumnElement, Select
 
+from dbtrigger._driver_errors import encoding_problem, short_error
 from dbtrigger._engine import LazyEngine, parse_database_url, permanent_problem
 from dbtrigger.cursor import Position, encode_value
 from dbtrigger.errors import (
@@ -55,10 +56,11 @@ from dbtrigger.errors import (
 )
 from dbtrigger.events import RowChange
 from dbtrigger.names import validate_sql_identifier
+from dbtrigger.redaction import safe_url_text
 from dbtrigger.sources import lag as lagmod
 from dbtrigger.sources.clock import DatabaseClock
 from dbtrigger.sources.column_checks import ShapeChecks
-from dbtrigger.sources.errors_map import encoding_problem, short_error, source_error
+from dbtrigger.sources.errors_map import source_error
 from dbtrigger.sources.fingerprint import legacy_fingerprint, source_fingerprint
 from dbtrigger.sources.lag import LagReading, ObservedLag
 from dbtrigger.sources.rows import ResultProcessors, Rows, read_rows, rows_to_events
@@ -80,20 +82,6 @@ log = logging.getLogger("dbtrigger.sources")
 
 #: Dialects whose SQL compares row values: ``(a, b) > (x, y)``.
 ROW_VALUE_DIALECTS = frozenset({"postgresql", "mysql", "mariadb", "sqlite"})
-
-_SECRET_QUERY_KEYS = ("pass", "pwd", "secret", "token", "key", "credential", "sig")
-
-
-def redact_url(url: URL) -> URL:
-    """The URL without password and without query options that look like secrets."""
-    query = {
-        k: v for k, v in url.query.items() if not any(s in k.lower() for s in _SECRET_QUERY_KEYS)
-    }
-    return url.set(password=None, query=query)
-
-
-def safe_url_text(url: URL) -> str:
-    return redact_url(url).render_as_string(hide_password=True)
 
 
 def _is_marked(mark: Any, value: Any) -> bool:
@@ -1122,10 +1110,4 @@ class SqlAlchemySource:
             raise source_error(exc, f"NULL-cursor probe on {self.name}") from exc
 
 
-__all__ = [
-    "ROW_VALUE_DIALECTS",
-    "SqlAlchemySource",
-    "redact_url",
-    "safe_url_text",
-    "short_error",  # where the stores and the output binding have always imported it from
-]
+__all__ = ["ROW_VALUE_DIALECTS", "SqlAlchemySource"]

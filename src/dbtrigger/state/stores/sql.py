@@ -58,6 +58,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 from sqlalchemy.engine import Connection, Engine
 
+from dbtrigger._driver_errors import encoding_problem, short_error
 from dbtrigger._engine import LazyEngine, parse_database_url
 from dbtrigger.errors import (
     AmbiguousWriteError,
@@ -70,9 +71,8 @@ from dbtrigger.errors import (
     UnsupportedDocumentError,
 )
 from dbtrigger.names import validate_name, validate_sql_identifier
+from dbtrigger.redaction import safe_url_text
 from dbtrigger.settings import references_setting
-from dbtrigger.sources.errors_map import encoding_problem
-from dbtrigger.sources.sqlalchemy import safe_url_text, short_error
 from dbtrigger.state.stores.base import StoredDocument
 
 _KEY_TYPE = sa.String(128).with_variant(

@@ -34,7 +34,7 @@ def test_mariadb_keyset_fetch_is_a_range_scan(mariadb: TestDatabase) -> None:
     )
     rows = source.fetch(Position(cursor=1500, pk={"id": 1500}), 100)  # resolves the shape
     assert [r["id"] for r in rows][:2] == [1501, 1502]
-    stmt = source._statement(Position(cursor=1500, pk={"id": 1500}), 100)
+    stmt = source._keyset.statement(Position(cursor=1500, pk={"id": 1500}), 100)
     sql = str(stmt.compile(dialect=mariadb.engine.dialect, compile_kwargs={"literal_binds": True}))
     with mariadb.engine.connect() as conn:
         plan = conn.exec_driver_sql("EXPLAIN " + sql).mappings().all()

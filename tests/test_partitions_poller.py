@@ -246,7 +246,7 @@ def test_stored_bucket_column_is_used_and_agrees(
     assert sorted(seen) == list(range(1, 301))
     trigger = poller.trigger(poller.owned[0])
     inner = trigger.source._inner  # type: ignore[attr-defined]
-    compiled = str(inner._statement(BEGINNING, 10))
+    compiled = str(inner._keyset.statement(BEGINNING, 10))
     assert "dbt_bucket" in compiled
     assert "md5" not in compiled.lower()
 

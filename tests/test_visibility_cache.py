@@ -143,13 +143,13 @@ def test_postgresql_guarded_fetches_reuse_one_statement_and_read_in_autocommit(
                 break
         assert [r["id"] for r in seen] == list(range(1, 41))
         assert reads[-8:] == [True] * 8, "a guarded read after the first runs in autocommit"
-        statements = [entry[2] for entry in src._guarded.values()]
+        statements = [entry[2] for entry in src._keyset._guarded.values()]
         assert len(statements) == 2  # from the beginning, and after a position
         assert any(plan.stmt is statements[1] for plan in src._processors._direct.values())
         pg.execute(f"INSERT INTO {table} (note) SELECT 'new' FROM generate_series(1, 3)")
         assert wait_until(lambda: len(src.fetch(position, 5)) == 3, timeout=30)
         assert [r["note"] for r in src.fetch(position, 5)] == ["new"] * 3
-        assert len(src._guarded) == 2
+        assert len(src._keyset._guarded) == 2
     finally:
         src.close()
 

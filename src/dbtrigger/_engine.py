@@ -20,7 +20,6 @@ place, with two invariants:
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -67,50 +66,6 @@ def create_engine(url: URL | str, **kwargs: Any) -> Engine:
             f"the database driver for {parsed.drivername}:// is not installed "
             f"(no module {module or parsed.get_driver_name()!r})" + (f": {hint}" if hint else "")
         ) from exc
-
-
-#: Driver error codes that no retry fixes: wrong database, unknown role or
-#: refused password, a type mismatch between the checkpoint and the column.
-#: (PostgreSQL SQLSTATE, MySQL/MariaDB error numbers; connection failures of
-#: psycopg carry no SQLSTATE, so their server message is matched.) A missing
-#: table or column is deliberately *not* here: a migration that renames a
-#: table for a moment must be waited out (runtime contract 5.3), and a table
-#: missing at the first fetch is already a ConfigurationError.
-_PERMANENT_SQLSTATES = {
-    "3D000": "the database does not exist",
-    "28000": "the server refused the login",
-    "28P01": "the server refused the password",
-    "42883": "the checkpoint's cursor type does not match the column (no such operator)",
-    "22P02": "a checkpoint value does not fit the column's type",
-    "42804": "the checkpoint's cursor type does not match the column",
-}
-_PERMANENT_MYSQL = {
-    1044: "access to the database is denied",
-    1045: "the server refused the login",
-    1049: "the database does not exist",
-}
-_PERMANENT_MESSAGES = (
-    (re.compile(r'database ".*" does not exist'), "the database does not exist"),
-    (re.compile(r'role ".*" does not exist'), "the login role does not exist"),
-    (re.compile(r"password authentication failed"), "the server refused the password"),
-    (re.compile(r"no pg_hba\.conf entry"), "the server does not accept this login from here"),
-)
-
-
-def permanent_problem(exc: BaseException) -> str | None:
-    """What a driver error says a person must fix, or None if a retry may help."""
-    orig = getattr(exc, "orig", None) or exc
-    state = getattr(orig, "sqlstate", None)
-    if isinstance(state, str) and state in _PERMANENT_SQLSTATES:
-        return _PERMANENT_SQLSTATES[state]
-    args = getattr(orig, "args", ())
-    if args and isinstance(args[0], int) and args[0] in _PERMANENT_MYSQL:
-        return _PERMANENT_MYSQL[args[0]]
-    text = str(orig)
-    for pattern, problem in _PERMANENT_MESSAGES:
-        if pattern.search(text):
-            return problem
-    return None
 
 
 #: A pooled connection idle for longer than this is pinged before it is used.
@@ -222,6 +177,5 @@ __all__ = [
     "PING_AFTER_IDLE_SECONDS",
     "LazyEngine",
     "create_engine",
-    "permanent_problem",
     "ping_when_idle",
 ]

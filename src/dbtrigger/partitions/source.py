@@ -30,6 +30,7 @@ from dbtrigger.partitions.buckets import (
     sqlite_bucket,
 )
 from dbtrigger.partitions.layout import Partition
+from dbtrigger.sources.keyset import Keyset
 from dbtrigger.sources.sqlalchemy import SqlAlchemySource
 from dbtrigger.sources.visibility import FetchInfo
 
@@ -67,22 +68,22 @@ class PartitionSource:
             # Before any statement of ours runs, not when the first one is built.
             _register_sqlite_function(base.engine)
 
-    def _bucket(self, source: SqlAlchemySource) -> ColumnElement[Any]:
-        columns = source._columns
+    def _bucket(self, keyset: Keyset) -> ColumnElement[Any]:
+        columns = keyset.columns
         if BUCKET_COLUMN in columns:
             return columns[BUCKET_COLUMN]
-        engine = source.engine
+        engine = self.base.engine
         _register_sqlite_function(engine)
         quote = engine.dialect.identifier_preparer.quote
-        return sa.literal_column(sql_bucket(source.dialect_name, source.pk_columns, quote))
+        return sa.literal_column(sql_bucket(keyset.dialect, self.pk_columns, quote))
 
-    def _condition(self, source: SqlAlchemySource) -> ColumnElement[bool]:
-        bucket = self._bucket(source)
+    def _condition(self, keyset: Keyset) -> ColumnElement[bool]:
+        bucket = self._bucket(keyset)
         part = self.partition
         condition = sa.and_(bucket >= part.lo, bucket < part.hi)
         for floor in part.floors:
             in_floor = sa.and_(bucket >= floor.lo, bucket < floor.hi)
-            beyond = source._after_predicate(floor.position)
+            beyond = keyset.after_predicate(floor.position)
             condition = sa.and_(condition, sa.or_(sa.not_(in_floor), beyond))
         return condition
 

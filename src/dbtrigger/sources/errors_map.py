@@ -25,13 +25,16 @@ the DB-API exception class.
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from sqlalchemy import exc as sa_exc
 
 from dbtrigger._driver_errors import encoding_problem, short_error
 from dbtrigger.errors import (
+    ConfigurationError,
     DbTriggerError,
     FetchError,
     SerializationError,
@@ -147,6 +150,50 @@ def classify(exc: BaseException) -> str:
     return RETRY
 
 
+#: Driver error codes that no retry fixes: wrong database, unknown role or
+#: refused password, a type mismatch between the checkpoint and the column.
+#: (PostgreSQL SQLSTATE, MySQL/MariaDB error numbers; connection failures of
+#: psycopg carry no SQLSTATE, so their server message is matched.) A missing
+#: table or column is deliberately *not* here: a migration that renames a
+#: table for a moment must be waited out (runtime contract 5.3), and a table
+#: missing at the first fetch is already a ConfigurationError.
+_PERMANENT_SQLSTATES = {
+    "3D000": "the database does not exist",
+    "28000": "the server refused the login",
+    "28P01": "the server refused the password",
+    "42883": "the checkpoint's cursor type does not match the column (no such operator)",
+    "22P02": "a checkpoint value does not fit the column's type",
+    "42804": "the checkpoint's cursor type does not match the column",
+}
+_PERMANENT_MYSQL = {
+    1044: "access to the database is denied",
+    1045: "the server refused the login",
+    1049: "the database does not exist",
+}
+_PERMANENT_MESSAGES = (
+    (re.compile(r'database ".*" does not exist'), "the database does not exist"),
+    (re.compile(r'role ".*" does not exist'), "the login role does not exist"),
+    (re.compile(r"password authentication failed"), "the server refused the password"),
+    (re.compile(r"no pg_hba\.conf entry"), "the server does not accept this login from here"),
+)
+
+
+def permanent_problem(exc: BaseException) -> str | None:
+    """What a driver error says a person must fix, or None if a retry may help."""
+    orig = getattr(exc, "orig", None) or exc
+    state = getattr(orig, "sqlstate", None)
+    if isinstance(state, str) and state in _PERMANENT_SQLSTATES:
+        return _PERMANENT_SQLSTATES[state]
+    args = getattr(orig, "args", ())
+    if args and isinstance(args[0], int) and args[0] in _PERMANENT_MYSQL:
+        return _PERMANENT_MYSQL[args[0]]
+    text = str(orig)
+    for pattern, problem in _PERMANENT_MESSAGES:
+        if pattern.search(text):
+            return problem
+    return None
+
+
 def source_error(exc: BaseException, what: str, problem: str | None = None) -> DbTriggerError:
     """The dbtrigger error for a driver error raised while ``what`` (chain it: ``from exc``).
 
@@ -172,4 +219,35 @@ def source_error(exc: BaseException, what: str, problem: str | None = None) -> D
     return SourceDefinitionError(message, **fields)
 
 
-__all__ = ["classify", "encoding_problem", "short_error", "source_error"]
+@contextlib.contextmanager
+def mapped(what: str, *, diagnose: bool = False) -> Iterator[None]:
+    """Raise what the driver raises while ``what`` as the dbtrigger error for it, cause chained.
+
+    Every statement a source runs is inside one of these, so a driver error
+    leaves the source only as :func:`source_error` sorted it. ``diagnose``
+    (fetch and start-up checks, where an operator reads the message first)
+    puts :func:`permanent_problem`'s plain-words diagnosis in front, and makes
+    a failure otherwise retried a :class:`~dbtrigger.errors.ConfigurationError`
+    when that diagnosis says no retry can fix it (a database that does not
+    exist, a refused login).
+    """
+    try:
+        yield
+    except sa_exc.SQLAlchemyError as exc:
+        problem = permanent_problem(exc) if diagnose else None
+        error = source_error(exc, what, problem)
+        if problem is not None and isinstance(error, FetchError):
+            raise ConfigurationError(
+                f"{what} failed: {problem} ({short_error(exc)}); fix the source configuration"
+            ) from exc
+        raise error from exc
+
+
+__all__ = [
+    "classify",
+    "encoding_problem",
+    "mapped",
+    "permanent_problem",
+    "short_error",
+    "source_error",
+]

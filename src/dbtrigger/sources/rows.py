@@ -348,3 +348,38 @@ def rows_to_events(
         tuples = [tuple(row[c] for c in columns) for row in run]
         events.extend(events_from_rows(shape_for(columns), tuples))
     return events
+
+
+def _is_marked(mark: Any, value: Any) -> bool:
+    """Soft-delete test: equal to ``value`` if one is configured, else set and not false/0.
+
+    A boolean or integer flag column (``is_deleted``) is deleted when true; a
+    timestamp column (``deleted_at``) when it holds any value.
+    """
+    if value is not None:
+        return bool(mark == value)
+    return mark is not None and mark is not False and not (isinstance(mark, int) and mark == 0)
+
+
+def mark_deletes(events: list[RowChange], column: str, value: Any) -> list[RowChange]:
+    """Soft deletes: an event whose row has ``column`` marked (see :func:`_is_marked`)
+    becomes ``op="delete"`` with the row as ``before`` and no ``after``."""
+    out: list[RowChange] = []
+    for event in events:
+        row = event.after or {}
+        if not _is_marked(row.get(column), value):
+            out.append(event)
+            continue
+        out.append(
+            RowChange(
+                event_id=event.event_id,
+                op="delete",
+                source=event.source,
+                cursor=event.cursor,
+                pk=event.pk,
+                before=event.after,
+                after=None,
+                metadata=event.metadata,
+            )
+        )
+    return out

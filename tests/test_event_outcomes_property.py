@@ -91,6 +91,9 @@ class World:
     accepted: set[tuple[int, int]] = field(default_factory=set)
     restarts: int = 0
     version: int = 10 * ROWS
+    #: Above the window's bound of 6 events: a batch larger than the window
+    #: (issue 20, item 9), whose retries must not push it past the bound.
+    batch_size: int = 4
 
     def clock(self) -> dt.datetime:
         return self.now
@@ -107,7 +110,7 @@ class World:
             name="items",
             source=source,
             checkpoint_store=self.store,  # type: ignore[arg-type]
-            batch_size=4,
+            batch_size=self.batch_size,
             max_batches_per_tick=2,
             lease_ttl_seconds=TTL,
             heartbeat_interval_seconds=0,
@@ -191,6 +194,7 @@ class World:
 
 
 OUTCOME = st.sampled_from(["accept", "reject", "retry", "retry", "raise", "partial"])
+SCRIPT = st.dictionaries(st.integers(1, ROWS), st.lists(OUTCOME, max_size=4), max_size=ROWS)
 STEP = st.one_of(
     st.tuples(st.just("tick"), st.floats(0, 25)),
     st.tuples(st.just("restart"), st.just(0.0)),
@@ -207,13 +211,27 @@ STEP = st.one_of(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @given(
-    script=st.dictionaries(st.integers(1, ROWS), st.lists(OUTCOME, max_size=4), max_size=ROWS),
+    script=st.one_of(
+        SCRIPT,
+        SCRIPT,
+        # An outage: every row is retried on its first delivery.
+        st.lists(OUTCOME, max_size=2).map(
+            lambda rest: {i: ["retry", *rest] for i in range(1, ROWS + 1)}
+        ),
+    ),
     steps=st.lists(STEP, min_size=1, max_size=25),
+    batch_size=st.sampled_from([4, 4, 10]),
 )
 def test_never_past_an_unsettled_event_and_nothing_lost(
-    script: dict[int, list[str]], steps: list[tuple[str, Any]]
+    script: dict[int, list[str]], steps: list[tuple[str, Any]], batch_size: int
 ) -> None:
-    run(script, steps)
+    run(script, steps, batch_size)
+
+
+def test_a_batch_larger_than_the_window_keeps_its_retries_within_the_bound() -> None:
+    """Issue 20, item 9: ten rows in one batch, a window of six, every row
+    retried once: the window never holds more than six."""
+    run({i: ["retry"] for i in range(1, ROWS + 1)}, [("tick", 0.0), ("tick", 30.0)], 10)
 
 
 def test_updates_above_a_pinned_retry_do_not_stall_the_drain() -> None:
@@ -226,7 +244,7 @@ def test_updates_above_a_pinned_retry_do_not_stall_the_drain() -> None:
     )
 
 
-def run(script: dict[int, list[str]], steps: list[tuple[str, Any]]) -> None:
+def run(script: dict[int, list[str]], steps: list[tuple[str, Any]], batch_size: int = 4) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         url = f"sqlite:///{root / 'db.sqlite'}"
@@ -247,6 +265,7 @@ def run(script: dict[int, list[str]], steps: list[tuple[str, Any]]) -> None:
             JsonLinesQuarantineSink(root / "dead.jsonl"),
             script,
             table,
+            batch_size=batch_size,
         )
         trigger = world.trigger()
         for kind, arg in steps:

@@ -81,7 +81,8 @@ METRICS: dict[str, tuple[str, str]] = {
     ),
     "window_overflow_total": (
         "counter",
-        "Settled events the full window could not remember (delivered again)",
+        "Events the full window could not remember, settled or waiting for a retry "
+        "(delivered again)",
     ),
     "queue_claim_duration_seconds": ("histogram", "Time to claim a batch from a queue table"),
     "queue_claimed_total": ("counter", "Rows claimed from a queue table"),

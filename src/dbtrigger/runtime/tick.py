@@ -309,6 +309,9 @@ class TickDriver:
         self._skew_warned: str | None = None
         #: Says when the settled window starts or stops blocking progress.
         self.window_report = WindowReport(settings.name, settings.bound, telemetry)
+        #: Hand out no more rows than the window can hold as waiting, even when
+        #: it is empty (see dbtrigger.state.window.Settlement.unremembered).
+        self._reserve = False
 
     def _first_seen(self, etag: str | None, now: dt.datetime) -> dt.datetime:
         if self._seen is None or self._seen[0] != etag:
@@ -523,6 +526,12 @@ class TickDriver:
                 ),
             )
             self.commit(session, entry, release, settlement)
+            # After retries that did not fit the window, batches are cut to what it
+            # can hold as waiting, until a batch of new rows retries nothing.
+            if settlement is not None and settlement.unremembered:
+                self._reserve = True
+            elif selection.fresh and not outcome.retried:
+                self._reserve = False
             total += len(events)
             self.committed = (total, index + 1)
             position = after
@@ -650,7 +659,7 @@ class TickDriver:
         limit = s.batch_size + len(window)
         rows = self.fetch(position, limit)
         positions = None
-        if window and rows:
+        if (window or self._reserve) and rows:
             positions = [position_of(e) for e in self.normalise(rows, "plan", 0)]
         selection, view = windowing.choose(
             rows,
@@ -662,6 +671,7 @@ class TickDriver:
             now=self.clock(),
             locate=self._locate if isinstance(self.source, LocatesRows) else None,
             hold=held,
+            reserve=self._reserve,
         )
         self.window_report.report(view)
         return selection
@@ -740,16 +750,24 @@ class TickDriver:
                 "bytes": settlement.window.encoded_size(),
             },
         )
-        if settlement.overflow:
+        if settlement.overflow or settlement.unremembered:
             self.emit(
                 "window_overflow",
-                "the settled window is full: %d settled event(s) of batch %s could not be "
-                "remembered and will be delivered again; raise window_max_events / "
-                "window_max_bytes or lower batch_size",
-                settlement.overflow,
+                "the settled window is full (bound %d events / %d bytes): of batch %s, %d "
+                "settled event(s) could not be remembered and will be delivered again, and "
+                "%d event(s) asked to retry could not be remembered as waiting and will be "
+                "delivered again at once, without a backoff, that delivery not counted as "
+                "an attempt. Batches are cut to what the window can hold as waiting until "
+                "one retries nothing; raise window_max_events / window_max_bytes or lower "
+                "batch_size",
+                self.settings.bound.max_events,
+                self.settings.bound.max_bytes,
                 entry.batch_id,
+                settlement.overflow,
+                settlement.unremembered,
                 batch_id=entry.batch_id,
-                values={"count": settlement.overflow},
+                unremembered=settlement.unremembered,
+                values={"count": settlement.overflow + settlement.unremembered},
             )
 
     # --- the I/O steps ----------------------------------------------------------------

@@ -40,6 +40,8 @@ class Selection:
     """Rows are likely pending after this batch."""
     tidy: Settlement | None = None
     """Nothing to hand out, but the window moves (rows in it are gone)."""
+    fresh: int = 0
+    """Rows handed out that were not waiting for a retry."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ def choose(
     now: dt.datetime,
     locate: Locate | None = None,
     hold: Set[str] = frozenset(),
+    reserve: bool = False,
 ) -> tuple[Selection | None, WindowView]:
     """The next batch among ``rows`` (read with ``limit``; ``positions`` are
     theirs, needed only with a window), and what the window did. None: nothing
@@ -90,12 +93,17 @@ def choose(
     are dropped too; a source that cannot look rows up (``locate`` None) has
     them dropped as well: a duplicate delivery, should one still be there, is
     the price of never stalling on an entry that cannot be placed.
+
+    ``reserve``: hand out no more rows than the window could hold as waiting
+    even when it is empty (positions are then needed too); the tick asks for
+    it after a batch whose retries did not all fit the bound.
     """
     complete = len(rows) < limit
-    if not window:
-        if not rows:
-            return None, WindowView(window)
-        return Selection(rows, window, None, complete, len(rows) >= batch_size), WindowView(window)
+    if not rows and not window:
+        return None, WindowView(window)
+    if not window and not reserve:
+        selection = Selection(rows, window, None, complete, len(rows) >= batch_size)
+        return dataclasses.replace(selection, fresh=len(rows)), WindowView(window)
     positions = list(positions or ())
     keys = [windowmod.key_of(p) for p in positions]
     sizes = [windowmod.entry_size(p) for p in positions]
@@ -104,7 +112,15 @@ def choose(
 
     def decide(w: Window) -> windowmod.Plan:
         return windowmod.plan(
-            keys, sizes, w, now=now, batch_size=batch_size, bound=bound, groups=groups, hold=hold
+            keys,
+            sizes,
+            w,
+            now=now,
+            batch_size=batch_size,
+            bound=bound,
+            groups=groups,
+            hold=hold,
+            reserve=reserve,
         )
 
     chosen = decide(current)
@@ -141,7 +157,7 @@ def choose(
         return Selection((), current, tuple(positions), complete, False, tidy), view
     more = not complete and not chosen.pressure
     picked = [rows[i] for i in chosen.deliver]
-    return Selection(picked, current, tuple(positions), complete, more), view
+    return Selection(picked, current, tuple(positions), complete, more, fresh=chosen.new), view
 
 
 def attempts(events: Sequence[RowChange], window: Window) -> dict[str, int]:

@@ -73,7 +73,11 @@ from dbtrigger.errors import (
 from dbtrigger.names import validate_name, validate_sql_identifier
 from dbtrigger.redaction import safe_url_text
 from dbtrigger.settings import references_setting
+from dbtrigger.state import sizes
 from dbtrigger.state.stores.base import StoredDocument
+
+#: Bytes a state write's statement carries besides the document (key, etag, SQL text).
+_STATEMENT_OVERHEAD = 4096
 
 _KEY_TYPE = sa.String(128).with_variant(
     mysql.VARCHAR(128, charset="ascii", collation="ascii_bin"), "mysql", "mariadb"
@@ -201,6 +205,8 @@ class SqlCheckpointStore:
         self._create = create_table
         self._ready = not create_table
         self._lock = threading.Lock()
+        #: MariaDB/MySQL: the server's max_allowed_packet, read at the first write.
+        self._max_packet: int | None = None
         #: Where the URL comes from while it is not resolved (describe()).
         self._url_spec = url
         # hide_parameters: a failing statement's bound values (the whole
@@ -327,6 +333,26 @@ class SqlCheckpointStore:
             if not self._ready:
                 self.create_table()
 
+    def _check_packet(self, key: str, data: bytes) -> None:
+        """MariaDB/MySQL drop the connection on a statement larger than
+        ``max_allowed_packet`` ("server has gone away"), which would pass for an
+        outage and be retried for ever: refuse such a document up front, naming
+        what makes it large."""
+        if self._engine.dialect.name not in ("mysql", "mariadb"):
+            return
+        if self._max_packet is None:
+            with self._edge("read max_allowed_packet", key), self._engine.connect() as conn:
+                self._max_packet = int(
+                    conn.execute(sa.text("SELECT @@max_allowed_packet")).scalar_one()
+                )
+        # The statement carries the document and a few short values besides.
+        if len(data) + _STATEMENT_OVERHEAD > self._max_packet:
+            raise UnsupportedDocumentError(
+                f"document for {key!r} ({len(data)} bytes) does not fit the server's "
+                f"max_allowed_packet ({self._max_packet} bytes), so {self._engine.dialect.name} "
+                f"would drop the connection: {sizes.explain(data)}; or raise max_allowed_packet"
+            )
+
     def _where_key(self, key: str) -> sa.ColumnElement[bool]:
         t = self._table
         return sa.and_(t.c.namespace == self._namespace, t.c.poller_name == key)
@@ -362,6 +388,7 @@ class SqlCheckpointStore:
         validate_name(key, "poller name")
         text = self._text(key, data)
         self._ensure_table()
+        self._check_packet(key, data)
         t = self._table
         etag = f'"{uuid.uuid4().hex}"'
         stmt: sa.Executable

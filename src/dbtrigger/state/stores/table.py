@@ -73,10 +73,13 @@ from dbtrigger.errors import (
 from dbtrigger.names import validate_name
 from dbtrigger.redaction import redact
 from dbtrigger.settings import Deferred, peek, references_setting, resolve, resolve_setting
+from dbtrigger.state import sizes
 from dbtrigger.state.stores.base import StoredDocument
 
 #: The service's limit for one entity, all properties and keys included.
 MAX_ENTITY_BYTES = 1024 * 1024
+#: About the largest (ASCII) document an entity holds: strings count 2 bytes a character.
+MAX_DOCUMENT_BYTES = MAX_ENTITY_BYTES // 2 - 4 * 1024
 #: The service's limit for one string property, in UTF-16 code units (64 KiB).
 MAX_PROPERTY_UNITS = 32 * 1024
 
@@ -423,7 +426,8 @@ class TableCheckpointStore:
             raise UnsupportedDocumentError(
                 f"document for {key!r} ({len(data)} bytes) would make a {size}-byte entity; "
                 f"Azure Table entities hold at most {MAX_ENTITY_BYTES} bytes (strings count "
-                "2 bytes per character). Lower the poller's journal_limit or use another store."
+                f"2 bytes per character, so about {MAX_DOCUMENT_BYTES} bytes of document): "
+                f"{sizes.explain(data)}"
             )
         return entity
 

@@ -396,3 +396,33 @@ def test_settle_keeps_the_order_of_entries_the_read_did_not_return() -> None:
         bound=BIG,
     )
     assert got.window == window
+
+
+# --- waiting entries are bounded too (issue 20, item 9) -------------------------------------
+
+
+def test_settle_bounds_the_entries_a_batch_adds_for_retries_newest_first() -> None:
+    """Ten new retries into a window of four: the first four (in source order)
+    are remembered, six are not (they come again); an entry that was already
+    waiting is never the one dropped."""
+    window = Window(pending=(waiting(9),))
+    got = settle(
+        [pos(i) for i in range(1, 11)],
+        complete=True,
+        window=window,
+        settled=frozenset(),
+        retried={key_of(pos(i)): waiting(i) for i in range(1, 11)},
+        bound=Bound(4, 1 << 20),
+    )
+    assert [int(p.position.pk["id"]) for p in got.window.pending] == [1, 2, 3, 9]
+    assert (got.unremembered, got.overflow, got.checkpoint) == (6, 0, None)
+
+
+def test_plan_reserves_room_for_waiting_entries_even_in_an_empty_window_when_asked() -> None:
+    positions = [pos(i) for i in range(1, 11)]
+    keys = [key_of(p) for p in positions]
+    sizes = [entry_size(p) for p in positions]
+    free = plan(keys, sizes, Window(), now=T0, batch_size=10, bound=Bound(4, 1 << 20))
+    assert len(free.deliver) == 10  # the usual batch: no window, no reservation
+    cut = plan(keys, sizes, Window(), now=T0, batch_size=10, bound=Bound(4, 1 << 20), reserve=True)
+    assert cut.deliver == (0, 1, 2, 3)

@@ -44,7 +44,11 @@ from dbtrigger.cursor import Position
 from dbtrigger.errors import ConfigurationError, DbTriggerError, HandlerError, OperatorError
 from dbtrigger.runtime.delivery import Handler
 from dbtrigger.runtime.poller import PollTrigger
-from dbtrigger.sources.base import CountsAfter, accepted_fingerprints
+from dbtrigger.sources.base import (
+    CountsAfter,
+    accepted_fingerprints,
+    source_definition,
+)
 from dbtrigger.state import document as docmod
 from dbtrigger.state import operations as ops
 from dbtrigger.state.document import StateDocument
@@ -197,6 +201,7 @@ def _starting_point(
     created = ops.create(
         args.new_poller,
         fingerprint=trigger.fingerprint,
+        definition=source_definition(trigger.source),
         position=start,
         now=now,
         actor=actor_from_args(args),

@@ -14,7 +14,7 @@ import datetime as dt
 import json
 import os
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +38,16 @@ from dbtrigger.cli.common import (
 )
 from dbtrigger.cursor import Position, encode_value
 from dbtrigger.errors import CasConflictError, ConfigurationError
-from dbtrigger.sources.base import accepted_fingerprints, position_of
+from dbtrigger.sources.base import (
+    accepted_fingerprints,
+    check_reachable,
+    position_of,
+    source_definition,
+)
 from dbtrigger.state import document as docmod
 from dbtrigger.state import lease as leasemod
 from dbtrigger.state import operations as ops
-from dbtrigger.state.document import StateDocument
+from dbtrigger.state.document import StateDocument, definition_changes, known_definition
 from dbtrigger.state.lease import describe_lease
 from dbtrigger.state.stores.base import CheckpointStore
 from dbtrigger.state.stores.factory import describe_store, redact
@@ -88,6 +93,9 @@ def print_plan(
             console.print(f"  {name:<12} {old}  (unchanged)")
         else:
             console.print(f"  {name:<12} {old}\n  {'':<12} -> {new}")
+    if before is not None and before.source_fingerprint != after.source_fingerprint:
+        for line in definition_lines(before, after):
+            console.print(line)
     entry = after.journal[-1] if after.journal else {}
     extras = {
         k: v
@@ -98,6 +106,48 @@ def print_plan(
         f"  {'journal':<12} + {entry.get('operation')} by {entry.get('actor')}: "
         f"{entry.get('reason')!r} {json.dumps(extras, sort_keys=True, default=str)}"
     )
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True, default=str)
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+def _where(definition: Mapping[str, Any]) -> str:
+    port = f":{definition['port']}" if definition.get("port") else ""
+    schema = f"{definition['schema']}." if definition.get("schema") else ""
+    what = definition.get("table") or "(query)"
+    return (
+        f"{schema}{what} at {definition.get('dialect')}://{definition.get('host') or ''}{port}/"
+        f"{definition.get('database') or ''}, cursor {definition.get('cursor_column')}, "
+        f"key ({', '.join(definition.get('pk_columns') or [])})"
+    )
+
+
+def definition_lines(before: StateDocument, after: StateDocument) -> list[str]:
+    """What changed in the source definition between two documents, one line per field.
+
+    A fingerprint is a hash: the lines say what it stands for (table, columns,
+    key, cursor, database and how it is reached). A document written before
+    definitions were recorded (or by a source that cannot describe itself)
+    only has its hash; the lines then say so and show the new definition.
+    """
+    old, new = known_definition(before), known_definition(after)
+    label = f"  {'definition':<12}"
+    if new is None:
+        return [f"{label} not described by this source (only the fingerprints can be compared)"]
+    if old is None:
+        return [
+            f"{label} the stored document does not record which definition its fingerprint "
+            "stands for (written before dbtrigger recorded it); the new one:",
+            f"  {'':<12} {_where(new)}",
+        ]
+    changes = definition_changes(old, new)
+    if not changes:
+        return [f"{label} the same fields (only the fingerprint algorithm differs)"]
+    lines = [f"{label} {len(changes)} field(s) changed:"]
+    lines += [f"  {'':<12} {name}: {_show(was)} -> {_show(now)}" for name, was, now in changes]
+    return lines
 
 
 def _backup_path(args: argparse.Namespace, poller: str, operation: str, now: dt.datetime) -> Path:
@@ -213,9 +263,20 @@ def cmd_reset(args: argparse.Namespace) -> int:
             "--from-file restores the backup's own source definition; "
             "restore first, then --accept-source"
         )
-    fingerprint = (
-        load_source(args.accept_source).source.fingerprint() if args.accept_source else None
-    )
+    fingerprint: str | None = None
+    definition: dict[str, Any] | None = None
+    if args.accept_source:
+        accepted = load_source(args.accept_source).source
+        # Never tie a checkpoint to an endpoint that does not answer: a typo'd
+        # port or host changes the fingerprint just like a deliberate move.
+        check_reachable(
+            accepted,
+            poller=args.poller,
+            then="refusing to accept a definition that cannot be read: fix the connection "
+            "(host, port, database, credentials) first and run this again",
+        )
+        fingerprint = accepted.fingerprint()
+        definition = source_definition(accepted)
     backup_doc: StateDocument | None = None
     if args.from_file:
         try:
@@ -233,8 +294,11 @@ def cmd_reset(args: argparse.Namespace) -> int:
         if fingerprint is not None:
             details["accept_source"] = args.accept_source
             if not any(moves):
-                return ops.accept_source(doc, fingerprint=fingerprint, details=details, **common)
+                return ops.accept_source(
+                    doc, fingerprint=fingerprint, definition=definition, details=details, **common
+                )
             common["fingerprint"] = fingerprint
+            common["definition"] = definition
         if backup_doc is not None:
             details["from_file"] = Path(args.from_file).name
             return ops.restore(doc, backup_doc, details=details, **common)

@@ -25,10 +25,11 @@ from dbtrigger.errors import CorruptStateError, DbTriggerError
 from dbtrigger.health import measure_lag
 from dbtrigger.partitions import layout as membership_layout
 from dbtrigger.partitions.layout import Membership
-from dbtrigger.sources.base import ChecksItself, accepted_fingerprints
+from dbtrigger.sources.base import ChecksItself, accepted_fingerprints, source_definition
 from dbtrigger.sources.lag import COLUMN
 from dbtrigger.state import document as docmod
 from dbtrigger.state import fanout
+from dbtrigger.state import lease as leasemod
 from dbtrigger.state.lease import describe_lease
 from dbtrigger.state.stores.base import CheckpointStore
 from dbtrigger.state.stores.factory import describe_store
@@ -107,7 +108,12 @@ def poller_status(
         matches = doc.source_fingerprint in accepted_fingerprints(source.source)
         out["fingerprint_matches_source"] = matches
         if not matches:
-            lag["note"] = "the --source definition differs from this poller's (fingerprint)"
+            changed = leasemod.what_changed(doc, source_definition(source.source))
+            lag["note"] = (
+                "the --source definition differs from this poller's ("
+                + (changed or "fingerprint")
+                + ")"
+            )
         else:
             try:
                 measured = measure_lag(source.source, doc.position, now, poller=poller)

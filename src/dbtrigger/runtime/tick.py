@@ -77,7 +77,9 @@ from dbtrigger.sources.base import (
     SourceAdapter,
     VisibilityReport,
     accepted_fingerprints,
+    check_reachable,
     position_of,
+    source_definition,
 )
 from dbtrigger.state import document as docmod
 from dbtrigger.state import lease as leasemod
@@ -307,11 +309,18 @@ class TickDriver:
         #: running ahead (see dbtrigger.state.lease.believed_expiry).
         self._seen: tuple[str | None, dt.datetime] | None = None
         self._skew_warned: str | None = None
+        self._definition: tuple[dict[str, Any] | None] | None = None
         #: Says when the settled window starts or stops blocking progress.
         self.window_report = WindowReport(settings.name, settings.bound, telemetry)
         #: Hand out no more rows than the window can hold as waiting, even when
         #: it is empty (see dbtrigger.state.window.Settlement.unremembered).
         self._reserve = False
+
+    def definition(self) -> dict[str, Any] | None:
+        """The source's readable definition (kept in the document), computed once."""
+        if self._definition is None:
+            self._definition = (source_definition(self.source),)
+        return self._definition[0]
 
     def _first_seen(self, etag: str | None, now: dt.datetime) -> dt.datetime:
         if self._seen is None or self._seen[0] != etag:
@@ -340,6 +349,7 @@ class TickDriver:
             now=started_at,
             ttl=s.lease_ttl,
             first_seen=self._first_seen(etag, started_at),
+            definition=self.definition(),
         )
         if isinstance(decision, leasemod.Busy):
             if decision.skew is not None and self._skew_warned != etag:
@@ -819,11 +829,25 @@ class TickDriver:
         if doc.source_fingerprint != self.fingerprint():
             # Only on a mismatch: older fingerprints of the same definition
             # (an earlier algorithm) still name this source.
+            also = accepted_fingerprints(self.source)
+            if doc.source_fingerprint not in also:
+                # A typo (a port nothing listens on) changes the definition too:
+                # say first that the configured source cannot be read, and never
+                # suggest accepting an endpoint that does not answer.
+                check_reachable(
+                    self.source,
+                    poller=self.name,
+                    then="its definition also differs from the one the checkpoint was written "
+                    f"for ({leasemod.what_changed(doc, self.definition()) or 'fingerprint'}): "
+                    "fix the connection (host, port, database, credentials) first; do not "
+                    "accept a definition that cannot be read",
+                )
             leasemod.check_fingerprint(
                 doc,
                 self.fingerprint(),
-                also=accepted_fingerprints(self.source),
+                also=also,
                 spec=self.cli_source(),
+                definition=self.definition(),
             )
         return doc, stored.etag
 

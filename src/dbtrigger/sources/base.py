@@ -34,7 +34,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from dbtrigger.cursor import Position
+from dbtrigger.errors import DbTriggerError, FetchError
 from dbtrigger.events import RowChange
+from dbtrigger.redaction import redact
 from dbtrigger.sources.lag import LagReading
 
 
@@ -205,6 +207,72 @@ class ChecksItself(Protocol):
     """
 
     def self_check(self) -> list[SourceFinding]: ...
+
+
+@runtime_checkable
+class DescribesDefinition(Protocol):
+    """A source that can say, readably and without secrets, what its fingerprint hashes."""
+
+    def source_definition(self) -> dict[str, Any]: ...
+
+
+def source_definition(source: SourceAdapter) -> dict[str, Any] | None:
+    """The readable definition of ``source`` (see ``readable_definition``), or None.
+
+    None when the source cannot describe itself, or when what it describes is
+    not what its fingerprint names (a wrapper forwarding to the source it
+    narrows, such as one partition of a table): a definition is only kept
+    next to the fingerprint it explains.
+    """
+    if not isinstance(source, DescribesDefinition):
+        return None
+    definition = source.source_definition()
+    return definition if definition.get("fingerprint") == source.fingerprint() else None
+
+
+@runtime_checkable
+class ValidatesDefinition(Protocol):
+    """A source that can connect and check its definition without fetching rows."""
+
+    def validate(self, position: Position | None = None) -> None: ...
+
+
+def check_reachable(source: SourceAdapter, *, poller: str, then: str) -> None:
+    """Connect to ``source`` and read its definition now; raise what stops that, explained.
+
+    Used before a changed source definition may be accepted or suggested for
+    acceptance: a typo (a port nothing listens on, another host) also changes
+    the fingerprint, and accepting an endpoint that cannot be read would tie
+    the checkpoint to it. The error keeps its type (a ``FetchError`` for a
+    connection that failed, an operator error for a missing database or
+    table), names the source by its password-free URL, and ends with ``then``
+    (what to do about it).
+    """
+    engine = getattr(source, "engine", None)
+    try:
+        if isinstance(source, ValidatesDefinition):
+            source.validate()
+        elif engine is not None and hasattr(engine, "connect"):
+            # No definition check of its own: a connection is what can be proven
+            # without reading (a log source's read may have effects).
+            try:
+                with engine.connect():
+                    pass
+            except DbTriggerError:
+                raise
+            except Exception as exc:  # a driver error: the connection failed
+                raise FetchError(
+                    f"connecting to {source.name} failed: {type(exc).__name__}: {exc}"
+                ) from exc
+    except DbTriggerError as exc:
+        where = source.describe().get("url") or source.name
+        message = redact(
+            f"poller {poller!r}: the configured source {source.name} at {where} cannot be read "
+            f"({type(exc).__name__}: {exc}); {then}"
+        )
+        same_kind = type(exc).__init__ is DbTriggerError.__init__  # (all but PartialBatchError)
+        error = type(exc)(message, poller=poller, **exc.fields) if same_kind else None
+        raise (error or DbTriggerError(message, poller=poller)) from exc
 
 
 @runtime_checkable

@@ -162,6 +162,81 @@ def source_fingerprint(
     return _digest(definition)
 
 
+#: Texts (a query, a filter) longer than this are kept as a start and a digest.
+_TEXT_LIMIT = 300
+
+
+def _digest_short(value: Any) -> str:
+    """A value that may be sensitive (a bind parameter, a URL option), as a short digest."""
+    return "sha256:" + hashlib.sha256(canonical_json(value).encode()).hexdigest()[:16]
+
+
+def _readable_text(text: str | None) -> str | None:
+    if text is None or len(text) <= _TEXT_LIMIT:
+        return text
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    return f"{text[:120]}... ({len(text)} characters, sha256:{digest})"
+
+
+def readable_definition(
+    *,
+    url: URL,
+    schema: str | None,
+    table: str | None,
+    query: str | None,
+    cursor_column: str,
+    pk_columns: Sequence[str],
+    where: str | None,
+    parameters: Mapping[str, Any],
+    deleted: Any = None,
+) -> dict[str, Any]:
+    """What :func:`source_fingerprint` hashes, readable and secret-free, with the hash.
+
+    Kept in the state document (``source_definition``) so that a changed
+    definition can be *shown* (``reset --accept-source`` dry run, the mismatch
+    error), not only detected. No secret goes in: the URL is the fingerprint's
+    normalised identity (no password, no secret-looking or connection-only
+    option), parameter and URL option values are replaced by digests (their
+    names stay readable), and a long query or
+    filter by its start and a digest. ``fingerprint`` says which definition
+    this is: a document whose fingerprint was changed by a dbtrigger that did
+    not know this field keeps a stale copy, which readers must ignore.
+    """
+    target = identity_url(url)
+    out: dict[str, Any] = {
+        "fingerprint": source_fingerprint(
+            url=url,
+            schema=schema,
+            table=table,
+            query=query,
+            cursor_column=cursor_column,
+            pk_columns=pk_columns,
+            where=where,
+            parameters=parameters,
+            deleted=deleted,
+        ),
+        "dialect": target["backend"],
+        "host": target["host"],
+        # (The fingerprint leaves a default port out; shown, it is the number.)
+        "port": target["port"] or DEFAULT_PORTS.get(target["backend"]),
+        "user": target["user"],
+        "database": target["database"],
+        "url_options": {name: _digest_short(value) for name, value in target["query"].items()},
+        "schema": identity_schema(target["backend"], schema, url.database),
+        "table": table,
+        "query": _readable_text(query),
+        "cursor_column": cursor_column,
+        "pk_columns": list(pk_columns),
+        "where": _readable_text(where),
+        "parameters": {
+            name: _digest_short(value) for name, value in _parameters(parameters).items()
+        },
+    }
+    if deleted is not None:
+        out["deleted"] = deleted
+    return out
+
+
 def legacy_fingerprint(
     *,
     safe_url: str,
@@ -195,5 +270,6 @@ __all__ = [
     "identity_schema",
     "identity_url",
     "legacy_fingerprint",
+    "readable_definition",
     "source_fingerprint",
 ]

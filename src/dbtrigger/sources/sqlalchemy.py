@@ -50,7 +50,11 @@ from dbtrigger.names import validate_sql_identifier
 from dbtrigger.redaction import safe_url_text
 from dbtrigger.sources.clock import DatabaseClock
 from dbtrigger.sources.errors_map import mapped
-from dbtrigger.sources.fingerprint import legacy_fingerprint, source_fingerprint
+from dbtrigger.sources.fingerprint import (
+    legacy_fingerprint,
+    readable_definition,
+    source_fingerprint,
+)
 from dbtrigger.sources.guarding import Guarding
 from dbtrigger.sources.keyset import ROW_VALUE_DIALECTS, Keyset, RowFilter
 from dbtrigger.sources.lag import LagReading
@@ -243,6 +247,11 @@ class SqlAlchemySource:
         :mod:`dbtrigger.sources.fingerprint`.
         """
         return source_fingerprint(url=self._url, **self._definition())
+
+    def source_definition(self) -> dict[str, Any]:
+        """What :meth:`fingerprint` hashes, readable and secret-free (kept in the state
+        document so a changed definition can be shown, not only detected)."""
+        return readable_definition(url=self._url, **self._definition())
 
     def accepted_fingerprints(self) -> tuple[str, ...]:
         """Fingerprints a stored document may carry for this very definition.

@@ -56,11 +56,11 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn
 
-from dbtrigger.cursor import Position, decode_value, encode_value, infer_kind
+from dbtrigger.cursor import Position, canonical_json, decode_value, encode_value, infer_kind
 from dbtrigger.errors import CorruptStateError
 
 VERSION = 1
@@ -219,6 +219,11 @@ class StateDocument:
     #: the field is left out of the JSON, so a document that never used
     #: ``ctx.retry`` is byte-for-byte what it always was.
     window: Mapping[str, Any] | None = None
+    #: What the fingerprint hashes, readable and secret-free, with that fingerprint
+    #: (see ``dbtrigger.sources.fingerprint.readable_definition``); None for sources
+    #: that cannot describe themselves and documents written before it existed (the
+    #: field is then left out of the JSON). Read it through :func:`known_definition`.
+    source_definition: Mapping[str, Any] | None = None
 
     @property
     def position(self) -> Position:
@@ -278,6 +283,7 @@ _TOP_KEYS = frozenset(
         "failure",
         "journal",
         "window",
+        "source_definition",
     }
 )
 _CHECKPOINT_KEYS = frozenset({"cursor", "last_successful_batch_id", "updated_at", "metadata"})
@@ -365,11 +371,17 @@ def _head_json(doc: StateDocument) -> dict[str, Any]:
             "expires_at": format_time(doc.lease.expires_at),
             "released": doc.lease.released,
         }
+    definition = (
+        {"source_definition": dict(doc.source_definition)}
+        if doc.source_definition is not None
+        else {}
+    )
     return {
         **doc.extra,
         "version": doc.version,
         "poller_name": doc.poller_name,
         "source_fingerprint": doc.source_fingerprint,
+        **definition,
         "checkpoint": _checkpoint_to_json(doc.checkpoint) if doc.checkpoint else None,
         "lease": lease,
         "failure": _failure_to_json(doc.failure) if doc.failure else None,
@@ -536,7 +548,28 @@ def from_json(raw: Any) -> StateDocument:
         version=version,
         extra=_unknown(raw, _TOP_KEYS),
         window=_window(raw.get("window")),
+        source_definition=_definition(raw.get("source_definition")),
     )
+
+
+def _definition(raw: Any) -> Mapping[str, Any] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise CorruptStateError("source_definition must be an object or null")
+    return dict(raw)
+
+
+def known_definition(doc: StateDocument) -> Mapping[str, Any] | None:
+    """The document's recorded source definition, if it is the one its fingerprint names.
+
+    A dbtrigger that predates the field keeps it unchanged while it rewrites the
+    fingerprint (``reset --accept-source``): such a stale copy is not believed.
+    """
+    definition = doc.source_definition
+    if definition is None or definition.get("fingerprint") != doc.source_fingerprint:
+        return None
+    return definition
 
 
 def _window(raw: Any) -> Mapping[str, Any] | None:
@@ -568,3 +601,26 @@ def loads(data: bytes | str) -> StateDocument:
             "state document is nested too deeply to be a state document"
         ) from None
     return from_json(raw)
+
+
+def definition_changes(
+    stored: Mapping[str, Any], configured: Mapping[str, Any]
+) -> list[tuple[str, Any, Any]]:
+    """``(field, stored, configured)`` for every field that differs (the hash aside)."""
+    names = [k for k in configured if k != "fingerprint"]
+    names += [k for k in stored if k not in configured and k != "fingerprint"]
+    return [
+        (name, stored.get(name), configured.get(name))
+        for name in names
+        if canonical_json(stored.get(name)) != canonical_json(configured.get(name))
+    ]
+
+
+def show_changes(changes: Sequence[tuple[str, Any, Any]]) -> str:
+    """``port 5432 -> 5499; table orders -> orders_v2`` (values as JSON, shortened)."""
+
+    def show(value: Any) -> str:
+        text = canonical_json(value)
+        return text if len(text) <= 80 else text[:77] + "..."
+
+    return "; ".join(f"{name} {show(old)} -> {show(new)}" for name, old, new in changes)

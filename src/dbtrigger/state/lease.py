@@ -34,11 +34,21 @@ import datetime as dt
 import shlex
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
-from dbtrigger.cursor import Position
+from dbtrigger.cursor import Position, canonical_json
 from dbtrigger.errors import FingerprintMismatchError, LostLeaseError
 from dbtrigger.redaction import redact
-from dbtrigger.state.document import Checkpoint, FailureRecord, Lease, StateDocument, format_time
+from dbtrigger.state.document import (
+    Checkpoint,
+    FailureRecord,
+    Lease,
+    StateDocument,
+    definition_changes,
+    format_time,
+    known_definition,
+    show_changes,
+)
 from dbtrigger.state.journal import JournalEntry, encode
 
 #: A journal entry as a typed value (what the runtime writes) or an already
@@ -123,12 +133,22 @@ def accept_source_command(poller: str, spec: str | None) -> str:
     )
 
 
+def what_changed(doc: StateDocument, definition: Mapping[str, Any] | None) -> str:
+    """The fields of the source definition that differ from the document's, in words."""
+    stored = known_definition(doc)
+    if stored is None or definition is None:
+        return ""
+    changes = definition_changes(stored, definition)
+    return show_changes(changes) if changes else ""
+
+
 def check_fingerprint(
     doc: StateDocument,
     fingerprint: str,
     *,
     spec: str | None = None,
     also: Collection[str] = (),
+    definition: Mapping[str, Any] | None = None,
 ) -> None:
     """Refuse a document written for a different source definition.
 
@@ -136,6 +156,10 @@ def check_fingerprint(
     fingerprint algorithm): a document carrying one of them is accepted as it
     is. The message names the command that accepts the new definition;
     ``spec`` (``module:trigger``) fills it in when the caller knows it.
+    ``definition`` is the configured source's readable definition: with the
+    document's own, the message says what changed (``port 5432 -> 5499``).
+    Callers check first that the configured source can be read at all, so
+    the command is never suggested for an endpoint that does not answer.
     """
     if doc.source_fingerprint != fingerprint and doc.source_fingerprint not in also:
         command = accept_source_command(doc.poller_name, spec)
@@ -145,9 +169,11 @@ def check_fingerprint(
             else f", with {SPEC_FILL_IN} replaced by the module:attribute that imports this "
             "PollTrigger (e.g. myapp.pollers:orders), run where that module imports"
         )
+        changed = what_changed(doc, definition)
         raise FingerprintMismatchError(
             f"poller {doc.poller_name!r}: the source definition changed since the checkpoint "
-            f"was written (stored {doc.source_fingerprint}, configured {fingerprint}). If the "
+            f"was written (stored {doc.source_fingerprint}, configured {fingerprint}"
+            f"{': ' + changed if changed else ''}). If the "
             f"checkpoint still means the same rows, accept the new definition with `{command}`"
             f"{fill_in} (without --yes it shows the change first; add --to-beginning to start "
             "over); otherwise use a new poller name",
@@ -157,8 +183,30 @@ def check_fingerprint(
         )
 
 
-def new_document(poller: str, fingerprint: str) -> StateDocument:
-    return StateDocument(poller_name=poller, source_fingerprint=fingerprint)
+def new_document(
+    poller: str, fingerprint: str, definition: Mapping[str, Any] | None = None
+) -> StateDocument:
+    return StateDocument(
+        poller_name=poller, source_fingerprint=fingerprint, source_definition=definition
+    )
+
+
+def with_definition(
+    doc: StateDocument, fingerprint: str, definition: Mapping[str, Any] | None
+) -> StateDocument:
+    """``doc`` recording ``definition`` when it is of that very fingerprint and does not yet.
+
+    Documents written before the definition was recorded (or by a source that
+    could not describe itself) get it with their next acquisition that is
+    written (a tick with work; an idle tick writes nothing), a write that
+    happens anyway; a document whose definition is current is returned as is.
+    """
+    if definition is None or doc.source_fingerprint != fingerprint:
+        return doc
+    current = doc.source_definition
+    if current is not None and canonical_json(dict(current)) == canonical_json(dict(definition)):
+        return doc
+    return replace(doc, source_definition=definition)
 
 
 def decide_acquire(
@@ -170,14 +218,18 @@ def decide_acquire(
     now: dt.datetime,
     ttl: dt.timedelta,
     first_seen: dt.datetime | None = None,
+    definition: Mapping[str, Any] | None = None,
 ) -> Acquired | Busy:
     """Take the lease, or say who holds it until when.
+
+    ``definition`` (the source's readable definition) is recorded in the
+    acquired document when it is of ``fingerprint`` (see :func:`with_definition`).
 
     ``first_seen`` is when the caller first read this lease unchanged (same
     etag); it only matters for a lease written by a clock running ahead (see
     the module rules). Without it such a lease counts from ``now``.
     """
-    base = doc if doc is not None else new_document(poller, fingerprint)
+    base = doc if doc is not None else new_document(poller, fingerprint, definition)
     lease = base.lease
     if lease is not None and not lease.released:
         expires_at, skew = believed_expiry(lease, now, first_seen)
@@ -196,7 +248,7 @@ def decide_acquire(
         expires_at=now + ttl,
         extra=lease.extra if lease is not None else {},
     )
-    return Acquired(replace(base, lease=new_lease), token)
+    return Acquired(replace(with_definition(base, fingerprint, definition), lease=new_lease), token)
 
 
 def believed_expiry(

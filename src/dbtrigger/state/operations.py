@@ -216,8 +216,14 @@ def _apply(
     details: Mapping[str, Any] | None,
     journal_limit: int,
     fingerprint: str | None = None,
+    definition: Mapping[str, Any] | None = None,
 ) -> StateDocument:
-    """Move the checkpoint to ``position`` (None: the beginning), fenced and journaled."""
+    """Move the checkpoint to ``position`` (None: the beginning), fenced and journaled.
+
+    A new ``fingerprint`` comes with its readable ``definition`` (None when the
+    source cannot describe itself: the old one is then dropped, not kept
+    next to a fingerprint it does not explain).
+    """
     fenced, entry = _fence_and_journal(
         doc,
         operation,
@@ -235,6 +241,7 @@ def _apply(
         failure=None,
         window=None,  # per-event outcomes belong to the old position
         source_fingerprint=fingerprint or fenced.source_fingerprint,
+        source_definition=definition if fingerprint else fenced.source_definition,
     )
     return out.with_journal_entry(entry, journal_limit)
 
@@ -250,12 +257,13 @@ def reset(
     details: Mapping[str, Any] | None = None,
     journal_limit: int = JOURNAL_LIMIT,
     fingerprint: str | None = None,
+    definition: Mapping[str, Any] | None = None,
 ) -> StateDocument:
     """Set the checkpoint to ``position``; ``None`` starts over from the beginning.
 
     The failure record is cleared: whatever batch was failing, it is no longer
-    the batch after the new checkpoint. ``fingerprint`` also accepts a new
-    source definition (see :func:`accept_source`).
+    the batch after the new checkpoint. ``fingerprint`` (with its readable
+    ``definition``) also accepts a new source definition (see :func:`accept_source`).
     """
     return _apply(
         doc,
@@ -268,6 +276,7 @@ def reset(
         details=_fingerprint_details(doc, fingerprint, details),
         journal_limit=journal_limit,
         fingerprint=fingerprint,
+        definition=definition,
     )
 
 
@@ -291,6 +300,7 @@ def accept_source(
     force: bool = False,
     details: Mapping[str, Any] | None = None,
     journal_limit: int = JOURNAL_LIMIT,
+    definition: Mapping[str, Any] | None = None,
 ) -> StateDocument:
     """Adopt a changed source definition, keeping the checkpoint where it is.
 
@@ -298,7 +308,8 @@ def accept_source(
     table name, a moved database) when the position still means the same rows.
     The failure record is cleared: a failing batch of the old definition is not
     a batch of the new one. Fenced and journaled like every manual change, with
-    the old and new fingerprints.
+    the old and new fingerprints; ``definition`` (the new one, readable) is
+    recorded with the new fingerprint.
 
     Raises:
         ConfigurationError: the fingerprint is already the stored one.
@@ -319,6 +330,7 @@ def accept_source(
         details=_fingerprint_details(doc, fingerprint, details),
         journal_limit=journal_limit,
         fingerprint=fingerprint,
+        definition=definition,
     )
 
 
@@ -357,6 +369,7 @@ def restore(
         details=details,
         journal_limit=journal_limit,
         fingerprint=backup.source_fingerprint,
+        definition=backup.source_definition,
     )
 
 
@@ -468,6 +481,7 @@ def clone(
         checkpoint=checkpoint,
         extra=doc.extra,
         window=doc.window,  # same checkpoint: its settled/pending events still apply
+        source_definition=doc.source_definition,
     )
     return fresh.with_journal_entry(entry, journal_limit)
 
@@ -483,11 +497,13 @@ def create(
     operation: str = "create",
     details: Mapping[str, Any] | None = None,
     journal_limit: int = JOURNAL_LIMIT,
+    definition: Mapping[str, Any] | None = None,
 ) -> StateDocument:
     """A new poller's document starting after ``position`` (None: the beginning).
 
     Used by backfills, which run under their own poller name from a chosen
-    cursor; the first journal entry says who started it and why.
+    cursor; the first journal entry says who started it and why. ``definition``
+    is the source's readable definition, recorded with the fingerprint.
     """
     validate_name(poller, "poller name")
     checkpoint = _manual_checkpoint(position, now)
@@ -500,7 +516,12 @@ def create(
         after=position,
         details=details,
     )
-    fresh = StateDocument(poller_name=poller, source_fingerprint=fingerprint, checkpoint=checkpoint)
+    fresh = StateDocument(
+        poller_name=poller,
+        source_fingerprint=fingerprint,
+        checkpoint=checkpoint,
+        source_definition=definition,
+    )
     return fresh.with_journal_entry(entry, journal_limit)
 
 

@@ -744,8 +744,16 @@ def test_parse_position_takes_kinds_from_the_stored_checkpoint() -> None:
     )
     position = parse_position("2026-02-01T00:00:00Z", ["code=042"], kind=None, like=stored)
     assert position == Position(dt.datetime(2026, 2, 1, tzinfo=dt.timezone.utc), {"code": "042"})
-    assert parse_position("5", ["id=7"], kind=None, like=None) == Position(5, {"id": 7})
+    # Without a checkpoint: the source's column types, never the look of the value.
+    kinds = lambda: ("int", {"id": "int"})  # noqa: E731 - what a source reflects
+    assert parse_position("5", ["id=7"], kind=None, like=None, kinds=kinds) == Position(
+        5, {"id": 7}
+    )
     assert parse_position("5", ["id:str=7"], kind="str", like=None) == Position("5", {"id": "7"})
+    with pytest.raises(ConfigurationError, match="cannot tell which type --to-cursor '5' is"):
+        parse_position("5", ["id=7"], kind=None, like=None)
+    with pytest.raises(ConfigurationError, match="--pk id:KIND=7"):
+        parse_position("5", ["id=7"], kind="int", like=None)
     with pytest.raises(ConfigurationError, match="every key column"):
         parse_position("2026-02-01T00:00:00Z", ["id=1"], kind=None, like=stored)
     with pytest.raises(ConfigurationError, match="needs the key"):

@@ -35,6 +35,7 @@ from dbtrigger.cli.common import (
     add_store_options,
     parse_position,
     show_position,
+    source_kinds,
     state_store,
     utc_now,
 )
@@ -46,6 +47,7 @@ from dbtrigger.runtime.delivery import Handler
 from dbtrigger.runtime.poller import PollTrigger
 from dbtrigger.sources.base import (
     CountsAfter,
+    ValidatesDefinition,
     accepted_fingerprints,
     source_definition,
 )
@@ -193,11 +195,18 @@ def _starting_point(
             f"poller {args.new_poller!r} does not exist: give --from-beginning or "
             "--from-cursor VALUE --pk NAME=VALUE"
         )
-    start = (
-        Position()
-        if args.from_beginning
-        else parse_position(args.from_cursor, args.pk, kind=args.kind, like=None)
-    )
+    start = Position()
+    if not args.from_beginning:
+        start = parse_position(
+            args.from_cursor,
+            args.pk,
+            kind=args.kind,
+            like=None,
+            kinds=lambda: source_kinds(trigger.source),
+            flag="--from-cursor",
+        )
+        if isinstance(trigger.source, ValidatesDefinition):
+            trigger.source.validate(start)  # a value its column cannot hold is refused now
     created = ops.create(
         args.new_poller,
         fingerprint=trigger.fingerprint,
@@ -315,8 +324,12 @@ def _backfill(
     progress = Progress(console.err, total)
     try:
         finished = _drain(args, worker, handler, progress, console)
-    finally:
+    except BaseException:
         progress.finish()
+        if created is not None and progress.done == 0:
+            _remove_unstarted(store, args.new_poller, created, console)
+        raise
+    progress.finish()
     if not finished:
         console.print(
             f"stopped after {progress.done:,} rows; run the same command without --from-* to resume"
@@ -324,6 +337,30 @@ def _backfill(
         return 130
     console.print(f"backfill {args.new_poller!r} caught up: {progress.done:,} rows delivered")
     return 0
+
+
+def _remove_unstarted(
+    store: CheckpointStore, name: str, created: StateDocument, console: Console
+) -> None:
+    """Delete the document this backfill created when it failed before its first commit.
+
+    Left behind, it made the same command refuse ("already exists") and
+    resuming it meant resuming a start that never worked. Only a document
+    still at its starting position is removed (conditionally on its etag):
+    once a batch was committed, the backfill is resumable and is kept.
+    """
+    try:
+        stored = store.read(name)
+        if stored is None or docmod.loads(stored.data).position != created.position:
+            return
+        store.delete(name, if_match=stored.etag)
+    except DbTriggerError as exc:
+        console.warn(f"the backfill's state document {name!r} could not be removed: {exc}")
+        return
+    console.warn(
+        f"backfill {name!r} failed before its first commit; its state document was removed "
+        "(run the same command again once the cause is fixed)"
+    )
 
 
 def add_backfill_command(sub: Any) -> None:

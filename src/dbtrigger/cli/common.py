@@ -16,11 +16,10 @@ import decimal
 import getpass
 import json
 import os
-import re
 import socket
 import sys
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TextIO
@@ -29,7 +28,7 @@ from dbtrigger.cli.loading import as_trigger, load_object
 from dbtrigger.cursor import Position, encode_value
 from dbtrigger.errors import ConfigurationError, DbTriggerError
 from dbtrigger.runtime.poller import PollTrigger
-from dbtrigger.sources.base import SourceAdapter
+from dbtrigger.sources.base import KnowsCursorKind, SourceAdapter
 from dbtrigger.state import document as docmod
 from dbtrigger.state import operations as ops
 from dbtrigger.state.document import StateDocument
@@ -217,44 +216,93 @@ def parse_value(text: str, kind: str) -> Any:
     raise ConfigurationError(f"unknown kind {kind!r}; use one of {', '.join(VALUE_KINDS)}")
 
 
-def _guess_kind(text: str) -> str:
-    return "int" if re.fullmatch(r"-?\d+", text) else "str"
+#: The kinds a source's columns take: (the cursor's, {key column: kind}); None
+#: for a kind it cannot tell (a query-mode source with no row yet).
+SourceKinds = tuple[str | None, Mapping[str, str | None]]
+
+
+def source_kinds(source: Any) -> SourceKinds | None:
+    """What the source's column types say the position values are (reflected now)."""
+    if not isinstance(source, KnowsCursorKind):
+        return None
+    kinds = source.column_kinds()
+    cursor_column = getattr(source, "cursor_column", None)
+    return (kinds.get(cursor_column) if cursor_column else None), kinds
 
 
 def parse_position(
-    cursor: str, pks: Sequence[str], *, kind: str | None, like: StateDocument | None
+    cursor: str,
+    pks: Sequence[str],
+    *,
+    kind: str | None,
+    like: StateDocument | None,
+    kinds: Callable[[], SourceKinds | None] = lambda: None,
+    flag: str = "--to-cursor",
 ) -> Position:
     """``--to-cursor V --pk K[:KIND]=V...`` as a Position.
 
     Kinds come from ``--kind`` / ``K:KIND``, else from the stored checkpoint
-    (so a timestamp poller's cursor is parsed as a timestamp), else an integer
-    if it looks like one and a string otherwise.
+    (so a timestamp poller's cursor is parsed as a timestamp), else from the
+    source's column types (``kinds``, asked only then: it reflects the table).
+    Never from the look of the value: a guess ("2026-04-07" is text) wrote a
+    checkpoint the next tick refused as a type change.
+
+    Raises:
+        ConfigurationError: a kind none of these tells (give ``--kind`` or
+            ``--source``), or a value that does not parse as its kind.
     """
     stored = like.checkpoint.position if like is not None and like.checkpoint else None
-    if kind is None:
-        kind = encode_value(stored.cursor)[0] if stored is not None else _guess_kind(cursor)
-        if kind == "null":
-            kind = _guess_kind(cursor)
-    pk: dict[str, Any] = {}
+    learned: list[SourceKinds | None] = []
+
+    def from_source() -> SourceKinds | None:
+        if not learned:
+            learned.append(kinds())
+        return learned[0]
+
+    def unknown(what: str, option: str) -> ConfigurationError:
+        return ConfigurationError(
+            f"cannot tell which type {what} is: the poller has no checkpoint to take it from "
+            "and no source column says it; add --source MODULE:ATTR (the type is read from "
+            f"the table) or {option}"
+        )
+
+    typed: list[tuple[str, str, str]] = []  # (name, kind or "", value)
     for item in pks:
-        name, sep, value = item.partition("=")
+        spec, sep, value = item.partition("=")
+        name, _, written = spec.partition(":")
         if not sep or not name:
             raise ConfigurationError(f"--pk expects NAME=VALUE or NAME:KIND=VALUE, got {item!r}")
-        name, _, pk_kind = name.partition(":")
-        if not pk_kind:
-            known = stored.pk.get(name) if stored is not None else None
-            pk_kind = encode_value(known)[0] if known is not None else _guess_kind(value)
-        pk[name] = parse_value(value, pk_kind)
-    if stored is not None and stored.pk and set(pk) != set(stored.pk):
+        typed.append((name, written, value))
+    names = {name for name, _, _ in typed}
+    if stored is not None and stored.pk and names != set(stored.pk):
         raise ConfigurationError(
-            f"the checkpoint's key is {sorted(stored.pk)}, got --pk for {sorted(pk)}; "
+            f"the checkpoint's key is {sorted(stored.pk)}, got --pk for {sorted(names)}; "
             "give a value for every key column"
         )
-    if not pk:
+    if not typed:
         raise ConfigurationError(
             "a cursor position needs the key too: add --pk NAME=VALUE for each key column "
             "(the position is 'after the row with this cursor and key')"
         )
+    if kind is None and stored is not None and stored.cursor is not None:
+        kind = encode_value(stored.cursor)[0]
+    if kind is None:
+        known = from_source()
+        kind = known[0] if known is not None else None
+    if kind is None:
+        raise unknown(f"{flag} {cursor!r}", f"--kind {{{','.join(VALUE_KINDS)}}}")
+    pk: dict[str, Any] = {}
+    for name, given, value in typed:
+        pk_kind: str | None = given or None
+        stored_value = stored.pk.get(name) if stored is not None else None
+        if pk_kind is None and stored_value is not None:
+            pk_kind = encode_value(stored_value)[0]
+        if pk_kind is None:
+            known = from_source()
+            pk_kind = known[1].get(name) if known is not None else None
+        if pk_kind is None:
+            raise unknown(f"--pk {name}={value!r}", f"--pk {name}:KIND={value}")
+        pk[name] = parse_value(value, pk_kind)
     return Position(cursor=parse_value(cursor, kind), pk=pk)
 
 

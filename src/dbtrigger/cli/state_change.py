@@ -33,12 +33,14 @@ from dbtrigger.cli.common import (
     read_state,
     show_position,
     source_from_args,
+    source_kinds,
     state_store,
     utc_now,
 )
 from dbtrigger.cursor import Position, encode_value
 from dbtrigger.errors import CasConflictError, ConfigurationError
 from dbtrigger.sources.base import (
+    ValidatesDefinition,
     accepted_fingerprints,
     check_reachable,
     position_of,
@@ -265,8 +267,11 @@ def cmd_reset(args: argparse.Namespace) -> int:
         )
     fingerprint: str | None = None
     definition: dict[str, Any] | None = None
+    named = source_from_args(args)
+    typed_by = named.source if named is not None else None  # gives --to-cursor its types
     if args.accept_source:
         accepted = load_source(args.accept_source).source
+        typed_by = accepted
         # Never tie a checkpoint to an endpoint that does not answer: a typo'd
         # port or host changes the fingerprint just like a deliberate move.
         check_reachable(
@@ -312,7 +317,15 @@ def cmd_reset(args: argparse.Namespace) -> int:
             position = ops.batch_position(doc, args.to_batch, redeliver=args.redeliver)
             return ops.reset(doc, position=position, details=details, **common)
         details["mode"] = "to_cursor"
-        position = parse_position(args.to_cursor, args.pk, kind=args.kind, like=doc)
+        position = parse_position(
+            args.to_cursor,
+            args.pk,
+            kind=args.kind,
+            like=doc,
+            kinds=lambda: source_kinds(typed_by) if typed_by is not None else None,
+        )
+        if isinstance(typed_by, ValidatesDefinition):
+            typed_by.validate(position)  # a value its column cannot hold is refused now
         return ops.reset(doc, position=position, details=details, **common)
 
     return _apply_change(args, "reset", decide)
@@ -345,7 +358,15 @@ def cmd_skip(args: argparse.Namespace) -> int:
         keys: list[dict[str, Any]] | None = None
         count: int | None = None
         if args.to_cursor is not None:
-            position = parse_position(args.to_cursor, args.pk, kind=args.kind, like=doc)
+            position = parse_position(
+                args.to_cursor,
+                args.pk,
+                kind=args.kind,
+                like=doc,
+                kinds=lambda: source_kinds(loaded.source) if loaded is not None else None,
+            )
+            if loaded is not None and isinstance(loaded.source, ValidatesDefinition):
+                loaded.source.validate(position)
         else:
             assert loaded is not None  # noqa: S101 - checked above
             position, count, digest = _failed_batch(doc)

@@ -59,6 +59,7 @@ from dbtrigger._engine import LazyEngine, parse_database_url
 from dbtrigger.cursor import Position, canonical_json, encode_value, encoded_pk
 from dbtrigger.errors import (
     ConfigurationError,
+    DbTriggerError,
     LostLeaseError,
     PartialBatchError,
     QuarantineError,
@@ -192,6 +193,28 @@ class QuarantineSink(Protocol):
     def put(self, records: Sequence[QuarantineRecord]) -> None: ...
 
     def describe(self) -> str: ...
+
+
+def put_records(sink: QuarantineSink, records: Sequence[QuarantineRecord]) -> None:
+    """``sink.put(records)``, with anything but a dbtrigger error turned into
+    :class:`~dbtrigger.errors.QuarantineError`.
+
+    A dead-letter sink may be the user's own class; whatever it raises (a
+    ``TypeError``, an HTTP client's exception) must reach the tick as "the
+    rows could not be set aside" - retried, nothing skipped, the checkpoint
+    held - and never escape it raw. dbtrigger's own errors (a missing app
+    setting in a sink's URL) keep their meaning.
+    """
+    try:
+        sink.put(records)
+    except DbTriggerError:
+        raise
+    except Exception as exc:
+        raise QuarantineError(
+            f"the dead-letter sink {redact(sink.describe())} failed to store "
+            f"{len(records)} record(s): {_short(exc)}; nothing was set aside, the rows "
+            "stay where they are and are tried again"
+        ) from exc
 
 
 # --- SQL table ------------------------------------------------------------------

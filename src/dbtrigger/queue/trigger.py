@@ -59,7 +59,12 @@ from dbtrigger.errors import (
 from dbtrigger.events import EventIds, RowChange
 from dbtrigger.metrics import MetricsCollector, SafeMetrics
 from dbtrigger.names import validate_name
-from dbtrigger.quarantine import QuarantineRecord, QuarantineSink, encode_json_value
+from dbtrigger.quarantine import (
+    QuarantineRecord,
+    QuarantineSink,
+    encode_json_value,
+    put_records,
+)
 from dbtrigger.queue.context import ClaimContext
 from dbtrigger.queue.notify import Listener, check_channel
 from dbtrigger.queue.operations import QueueCounts
@@ -541,7 +546,7 @@ class QueueTrigger:
                     quarantined_at=now,
                 )
             )
-        sink.put(records)
+        put_records(sink, records)
 
     @contextlib.contextmanager
     def _heartbeat(self, token: str, lost: threading.Event) -> Iterator[None]:

@@ -39,7 +39,13 @@ from dbtrigger.errors import (
     QuarantineError,
 )
 from dbtrigger.events import RowChange
-from dbtrigger.quarantine import QuarantineRecord, QuarantineSink, isolate, match_failed
+from dbtrigger.quarantine import (
+    QuarantineRecord,
+    QuarantineSink,
+    isolate,
+    match_failed,
+    put_records,
+)
 from dbtrigger.runtime.context import BatchContext, EventMarks
 from dbtrigger.runtime.lanes import Lanes
 from dbtrigger.runtime.retry import RetryPolicy
@@ -502,7 +508,7 @@ class Delivery:
             for event, exc in failed
         ]
         self.retry.call(
-            lambda: sink.put(records),
+            lambda: put_records(sink, records),
             operation="quarantine write",
             kinds=(QuarantineError,),
             on_retry=self.telemetry.on_retry,

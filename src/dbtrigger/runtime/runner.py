@@ -20,7 +20,13 @@ Failures:
   ``max_backoff_seconds``; the log line says when the next try is. A
   successful tick resets the backoff;
 * contention (another instance holds the lease or took it over) is the lease
-  protocol working and waits the ordinary interval.
+  protocol working and waits the ordinary interval;
+* anything that is not a dbtrigger error escaped a tick unmapped (a bug, in
+  dbtrigger or in a source adapter or sink of one's own): logged at ERROR with
+  its traceback (once while it repeats) and retried with the same backoff. It
+  is not taken for an operator error: nothing says a person must act, the
+  checkpoint did not move, and a transient cause recovers on its own. The
+  worker does not die on it.
 
 Shutdown: the first SIGINT/SIGTERM asks the loop to stop. A tick in progress
 finishes the batch it is handling, commits it and releases the lease in the
@@ -46,7 +52,13 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from dbtrigger.errors import ContentionError, DbTriggerError, HandlerError, OperatorError
+from dbtrigger.errors import (
+    ContentionError,
+    DbTriggerError,
+    HandlerError,
+    OperatorError,
+    QuarantineError,
+)
 from dbtrigger.runtime.delivery import Handler
 from dbtrigger.runtime.poller import PollTrigger, TickResult
 
@@ -330,16 +342,35 @@ class Runner:
             return self.interval
         except DbTriggerError as exc:
             return self._failed(exc, started)
+        except Exception as exc:  # noqa: BLE001 - a bug must not end the worker (see module doc)
+            return self._failed(exc, started)
         self._failures = 0
         self._traced = None
         self.stats.rows += result.rows
-        self._log_result(result, started)
-        self._track_drain(result)
-        if self.on_tick is not None:
-            self.on_tick(result)
+        try:
+            self._log_result(result, started)
+            self._track_drain(result)
+            if self.on_tick is not None:
+                self.on_tick(result)
+        except Exception:  # the tick is committed: a report that failed must not undo it
+            log.exception(
+                "%s: reporting a finished tick failed (the tick itself is committed)",
+                self.trigger.name,
+                extra={"event": "runner_report_failed", "poller": self.trigger.name},
+            )
         return 0.0 if result.more else self.interval
 
-    def _failed(self, exc: DbTriggerError, started: float) -> float:
+    def _failed(self, exc: Exception, started: float) -> float:
+        """Count a failed tick and say when the next try is.
+
+        A :class:`DbTriggerError` is a failure the runtime understood (logged
+        at WARNING, the handler's traceback once per failing batch). Anything
+        else escaped a tick unmapped - a bug in dbtrigger, in a driver, or in a
+        source adapter or sink of one's own: it is logged at ERROR with its
+        traceback (once while it repeats) and retried with the same backoff,
+        since nothing was committed and the next tick starts from the
+        checkpoint; the worker does not die on it.
+        """
         self.stats.failures += 1
         self._failures += 1
         # Batches committed before the failing one count (the tick's partial result).
@@ -348,27 +379,36 @@ class Runner:
         self.stats.rows += committed
         delay = backoff_delay(self._failures, self.interval, self.max_backoff)
         next_at = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=delay)
-        exc_info: Any = None
+        known = isinstance(exc, DbTriggerError)
+        traced: BaseException | None = exc if not known else None
         cause = exc.__cause__
         if isinstance(exc, HandlerError) and cause is not None:
-            # The traceback once per failing batch: its first failure, or when
-            # the error changes; the retries of the same failure get one line.
-            signature = f"{type(cause).__name__}: {cause}"
+            traced = cause  # the handler's own traceback
+        elif isinstance(exc, QuarantineError) and cause is not None:
+            # A dead-letter sink of one's own that raised something of its own.
+            traced = None if isinstance(cause, DbTriggerError) else cause
+        exc_info: Any = None
+        if traced is not None:
+            # The traceback once per failing batch (or unexpected error): its first
+            # failure, or when the error changes; repeats of it get one line.
+            signature = f"{type(traced).__name__}: {traced}"
             if signature != self._traced:
                 self._traced = signature
-                exc_info = (type(cause), cause, cause.__traceback__)
+                exc_info = (type(traced), traced, traced.__traceback__)
+        fields = exc.log_fields() if isinstance(exc, DbTriggerError) else {}
+        fields.setdefault("error_type", type(exc).__name__)
         self._log_outcome(
             "failed",
             (f"committed {committed:,} rows, then " if committed else "")
-            + f"tick failed ({type(exc).__name__}: {exc}); failure {self._failures} in a row, "
-            f"next try in {delay:g}s at {next_at:%H:%M:%S}Z",
+            + f"tick failed ({'' if known else 'unexpected '}{type(exc).__name__}: {exc}); "
+            f"failure {self._failures} in a row, next try in {delay:g}s at {next_at:%H:%M:%S}Z",
             started,
-            level=logging.WARNING,
+            level=logging.WARNING if known else logging.ERROR,
             exc_info=exc_info,
             retry_in_seconds=delay,
             rows=committed,
             failures_in_a_row=self._failures,
-            **exc.log_fields(),
+            **fields,
         )
         return delay
 

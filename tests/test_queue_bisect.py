@@ -17,8 +17,8 @@ import pytest
 
 from dbtrigger import ClaimSource, FileCheckpointStore, QueueTrigger
 from dbtrigger.cli import main
+from dbtrigger.queue import SidecarFeeder
 from dbtrigger.queue.pick import Choice, Picked, choose
-from dbtrigger.queue.sidecar import SidecarFeeder
 from tests.databases import TestDatabase
 from tests.test_queue_columns import make_jobs, rows
 

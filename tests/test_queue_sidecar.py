@@ -12,7 +12,7 @@ import sqlalchemy as sa
 
 from dbtrigger import ClaimSource, ConfigurationError, FileCheckpointStore, QueueTrigger, RowChange
 from dbtrigger.cli import main
-from dbtrigger.queue.sidecar import SidecarFeeder
+from dbtrigger.queue import SidecarFeeder
 from tests.databases import TestDatabase
 
 

@@ -16,19 +16,22 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from dbtrigger.queue.context import ClaimContext
+    from dbtrigger.queue.layout import ClaimedRow
     from dbtrigger.queue.operations import QueueCounts
     from dbtrigger.queue.outcome import Backoff
-    from dbtrigger.queue.source import ClaimedRow, ClaimSource
+    from dbtrigger.queue.sidecar import SidecarFeeder
+    from dbtrigger.queue.source import ClaimSource
     from dbtrigger.queue.trigger import QueueTickResult, QueueTrigger
 
 _LAZY = {
     "Backoff": "dbtrigger.queue.outcome",
     "ClaimContext": "dbtrigger.queue.context",
     "ClaimSource": "dbtrigger.queue.source",
-    "ClaimedRow": "dbtrigger.queue.source",
+    "ClaimedRow": "dbtrigger.queue.layout",
     "QueueCounts": "dbtrigger.queue.operations",
     "QueueTickResult": "dbtrigger.queue.trigger",
     "QueueTrigger": "dbtrigger.queue.trigger",
+    "SidecarFeeder": "dbtrigger.queue.sidecar",
 }
 
 
@@ -53,4 +56,5 @@ __all__ = [
     "QueueCounts",
     "QueueTickResult",
     "QueueTrigger",
+    "SidecarFeeder",
 ]

@@ -76,7 +76,7 @@ def _ddl(args: argparse.Namespace, *, uninstall: bool) -> int:
     from sqlalchemy.exc import SQLAlchemyError  # noqa: PLC0415
 
     from dbtrigger.queue import ddl  # noqa: PLC0415
-    from dbtrigger.queue.sidecar import install_claims_table  # noqa: PLC0415
+    from dbtrigger.queue.sidecar_table import install_claims_table  # noqa: PLC0415
     from dbtrigger.queue.source import ClaimSource  # noqa: PLC0415
 
     probe = ClaimSource(url=args.url, table=args.table, schema=args.schema, pk_columns=["_"])
@@ -119,7 +119,7 @@ def _uninstall_sidecar(args: argparse.Namespace, probe: ClaimSource) -> int:
     from sqlalchemy.exc import SQLAlchemyError  # noqa: PLC0415
 
     from dbtrigger.queue import ddl  # noqa: PLC0415
-    from dbtrigger.queue.sidecar import uninstall_claims  # noqa: PLC0415
+    from dbtrigger.queue.sidecar_table import uninstall_claims  # noqa: PLC0415
 
     where = f"{args.schema}.{args.claims_table}" if args.schema else args.claims_table
     try:

@@ -7,204 +7,35 @@ live on the row. Instead:
 * a :class:`SidecarFeeder` (a keyset :class:`~dbtrigger.PollTrigger` with its
   own lease and state document, exactly one active instance) follows the
   user table by ``cursor_column`` and inserts ``(queue, key, cursor)`` for
-  each new or changed row into the claims table. The insert ignores rows
-  already there, so a redelivered batch changes nothing, and the poller
-  advances its checkpoint only after the handler - that insert - committed:
-  a row is never passed over before its job exists;
+  each new or changed row into the claims table
+  (:mod:`dbtrigger.queue.sidecar_table`). The insert ignores rows already
+  there, so a redelivered batch changes nothing, and the poller advances its
+  checkpoint only after the handler - that insert - committed: a row is never
+  passed over before its job exists;
 * workers (:class:`~dbtrigger.QueueTrigger` over a ``mode="sidecar"``
   :class:`~dbtrigger.ClaimSource`) claim from the claims table with the same
   statements as columns mode, and read the user rows by key for the handler.
   A row deleted since it was fed is delivered with ``op="delete"`` and
   ``after=None``.
-
-One claims row is one *row version* (key and cursor): a row updated after its
-job finished gets a new job. ``item_key`` and ``item_cursor`` hold the key
-and cursor in the state document's canonical JSON encoding, so they decode to
-the exact values (a timestamp stays a timestamp).
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.schema import CreateIndex, CreateTable, DropTable
 
 from dbtrigger._driver_errors import short_error
-from dbtrigger.cursor import decode_value, encoded_json, pk_json
+from dbtrigger.cursor import encoded_json
 from dbtrigger.errors import ConfigurationError, OutputWriteError
 from dbtrigger.events import RowChange
-from dbtrigger.queue.schema import (
-    ATTEMPTS,
-    CLAIMED,
-    READY,
-    STATUS,
-    DialectTime,
-    check_claim_columns,
-    index_name,
-)
-from dbtrigger.queue.statements import ClaimTable
-
-if TYPE_CHECKING:
-    from dbtrigger.queue.source import ClaimedRow, ClaimSource
-    from dbtrigger.runtime.poller import PollTrigger
-    from dbtrigger.sources.sqlalchemy import SqlAlchemySource
-    from dbtrigger.state.stores.base import CheckpointStore
-
-#: Widths of the claims table's key columns.
-QUEUE_NAME_LIMIT = 128
-ITEM_TEXT_LIMIT = 255
-KEY = ("queue", "item_key", "item_cursor")
-
-
-def claims_table(name: str, schema: str | None, time: DialectTime) -> sa.Table:
-    """The claims table: one row per ``(queue, item_key, item_cursor)`` plus the claim columns."""
-    return sa.Table(
-        name,
-        sa.MetaData(),
-        sa.Column("queue", sa.String(QUEUE_NAME_LIMIT), primary_key=True),
-        sa.Column("item_key", sa.String(ITEM_TEXT_LIMIT), primary_key=True),
-        sa.Column("item_cursor", sa.String(ITEM_TEXT_LIMIT), primary_key=True),
-        *time.claim_columns(),
-        schema=schema,
-    )
-
-
-def install_claims_table(conn: Connection, name: str, schema: str | None) -> list[str]:
-    """Statements creating the claims table and its claim index (none when it exists)."""
-    dialect = conn.dialect
-    time = DialectTime(dialect.name)
-    if sa.inspect(conn).has_table(name, schema=schema):
-        return []
-    table = claims_table(name, schema, time)
-    index = time.claimable_index(table, index_name(name))
-    return [
-        str(CreateTable(table).compile(dialect=dialect)).strip(),
-        str(CreateIndex(index).compile(dialect=dialect)),
-    ]
-
-
-@dataclass(frozen=True)
-class SidecarUninstall:
-    """What ``dbtrigger queue uninstall --mode sidecar`` would do, and what it would lose.
-
-    ``statements`` delete this queue's claims rows and, when no other queue has
-    rows in the claims table, drop the table (its index goes with it).
-    ``by_status`` counts this queue's rows; ``ready``/``claimed`` ones are work
-    not done yet, which the command refuses to discard unless told to.
-    """
-
-    statements: list[str]
-    by_status: Mapping[str, int]
-    other_queues: int
-
-    @property
-    def pending(self) -> int:
-        return int(self.by_status.get(READY, 0)) + int(self.by_status.get(CLAIMED, 0))
-
-
-def uninstall_claims(
-    conn: Connection, name: str, schema: str | None, queue: str
-) -> SidecarUninstall | None:
-    """The statements removing ``queue`` from claims table ``name`` (None: no such table).
-
-    The user table is never touched (sidecar mode never changed it). The
-    statements are rendered with literal values (``queue`` is a validated
-    identifier) so the dry run prints exactly what ``--yes`` runs.
-    """
-    dialect = conn.dialect
-    if not sa.inspect(conn).has_table(name, schema=schema):
-        return None
-    table = claims_table(name, schema, DialectTime(dialect.name))
-    by_status = {
-        str(status): int(n)
-        for status, n in conn.execute(
-            sa.select(table.c[STATUS], sa.func.count())
-            .where(table.c.queue == queue)
-            .group_by(table.c[STATUS])
-        )
-    }
-    others = int(
-        conn.execute(
-            sa.select(sa.func.count(sa.distinct(table.c.queue))).where(table.c.queue != queue)
-        ).scalar_one()
-    )
-    statements = []
-    if by_status:
-        delete = sa.delete(table).where(table.c.queue == queue)
-        statements.append(
-            str(delete.compile(dialect=dialect, compile_kwargs={"literal_binds": True}))
-        )
-    if not others:
-        statements.append(str(DropTable(table).compile(dialect=dialect)).strip())
-    return SidecarUninstall(statements, by_status, others)
-
-
-def claims_target(source: ClaimSource, conn: Connection) -> ClaimTable:
-    """The claim statements over ``source``'s claims table, for its queue only."""
-    if not sa.inspect(conn).has_table(source.claims_table, schema=source.schema):
-        raise ConfigurationError(
-            f"the claims table {source.claims_table} does not exist: create it with\n"
-            f"  {source.install_hint()} --yes\n"
-            "(without --yes it prints the DDL it would run)"
-        )
-    check_claim_columns(source.reflect(conn, source.claims_table), source.time, conn.dialect)
-    table = claims_table(source.claims_table, source.schema, source.time)
-    return ClaimTable(table, KEY, source.time, table.c.queue == source.queue_name)
-
-
-def item_key(pk: Mapping[str, Any]) -> str:
-    return pk_json(pk)
-
-
-def decode_key(text: str) -> dict[str, Any]:
-    return {name: decode_value(kind, value) for name, (kind, value) in json.loads(text).items()}
-
-
-def decode_cursor(text: str) -> Any:
-    kind, value = json.loads(text)
-    return decode_value(kind, value)
-
-
-def load_rows(
-    source: ClaimSource,
-    conn: Connection,
-    claimed: Sequence[Mapping[str, Any]],
-    *,
-    isolated: bool = False,
-) -> list[ClaimedRow]:
-    """The user rows behind claimed items (``values=None`` for rows deleted since)."""
-    from dbtrigger.queue.source import ClaimedRow  # noqa: PLC0415 - a cycle at import time
-
-    if not claimed:
-        return []
-    user = source.user_table(conn)
-    cols = [user.c[c] for c in source.pk_columns]
-    pks = [decode_key(str(r["item_key"])) for r in claimed]
-    wanted = [tuple(pk[c] for c in source.pk_columns) for pk in pks]
-    match = cols[0].in_([w[0] for w in wanted]) if len(cols) == 1 else sa.tuple_(*cols).in_(wanted)
-    found = {
-        item_key({c: row[c] for c in source.pk_columns}): dict(row)
-        for row in conn.execute(sa.select(user).where(match)).mappings()
-    }
-    out = []
-    for row, pk in zip(claimed, pks, strict=True):
-        out.append(
-            ClaimedRow(
-                key=(row["queue"], row["item_key"], row["item_cursor"]),
-                pk=pk,
-                values=found.get(str(row["item_key"])),
-                attempt=int(row[ATTEMPTS]),
-                cursor=decode_cursor(str(row["item_cursor"])),
-                isolated=isolated,
-            )
-        )
-    return out
+from dbtrigger.queue.sidecar_table import ITEM_TEXT_LIMIT, item_key
+from dbtrigger.queue.source import ClaimSource
+from dbtrigger.runtime.poller import PollTrigger
+from dbtrigger.sources.sqlalchemy import SqlAlchemySource
+from dbtrigger.state.stores.base import CheckpointStore
 
 
 class SidecarFeeder:
@@ -230,9 +61,6 @@ class SidecarFeeder:
         batch_size: int = 500,
         **poll_options: Any,
     ) -> None:
-        from dbtrigger.runtime.poller import PollTrigger  # noqa: PLC0415
-        from dbtrigger.sources.sqlalchemy import SqlAlchemySource  # noqa: PLC0415
-
         if source.mode != "sidecar" or not source.cursor_column:
             raise ConfigurationError(
                 "SidecarFeeder needs a ClaimSource with mode='sidecar' and a cursor_column="
@@ -307,3 +135,6 @@ def _insert_ignoring(conn: Connection, table: sa.Table) -> Any:
 
     stmt = mysql_insert(table)
     return stmt.on_duplicate_key_update(queue=stmt.inserted.queue)
+
+
+__all__ = ["SidecarFeeder"]

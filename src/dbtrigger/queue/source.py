@@ -16,6 +16,9 @@ Two modes:
   ``(key, cursor)`` of new and changed rows into a claims table, and workers
   claim from there (:mod:`dbtrigger.queue.sidecar`).
 
+The mode chooses a :class:`~dbtrigger.queue.layout.ClaimLayout`, built once
+with the source; everything else is the same statements on either table.
+
 Configuration is checked on the first use against the real table, and every
 mistake is a :class:`~dbtrigger.errors.ConfigurationError` that says what to
 do: missing claim columns (the message prints the install command), claim
@@ -27,11 +30,9 @@ touches the claim columns, a MariaDB/MySQL too old for ``SKIP LOCKED``.
 from __future__ import annotations
 
 import contextlib
-import logging
 import re
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import sqlalchemy as sa
@@ -47,19 +48,12 @@ from dbtrigger.errors import (
     FetchError,
     MissingSettingError,
 )
-from dbtrigger.metrics import SafeMetrics
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.queue import operations
+from dbtrigger.queue.layout import Claim, ClaimedRow, ClaimLayout, ColumnsLayout, QueueTable
 from dbtrigger.queue.operations import QueueCounts
-from dbtrigger.queue.schema import (
-    ATTEMPTS,
-    CLAIM_COLUMNS,
-    PREFIX,
-    VISIBLE_AT,
-    DialectTime,
-    check_claim_columns,
-    check_unique_key,
-)
+from dbtrigger.queue.schema import PREFIX, DialectTime, check_unique_key
+from dbtrigger.queue.sidecar_table import SidecarLayout
 from dbtrigger.queue.statements import (
     ClaimBatch,
     ClaimTable,
@@ -69,38 +63,11 @@ from dbtrigger.queue.statements import (
     Settled,
 )
 from dbtrigger.redaction import safe_url_text
-from dbtrigger.runtime.telemetry import Telemetry
-
-log = logging.getLogger("dbtrigger.queue")
 
 Mode = Literal["columns", "sidecar"]
 OnDone = Literal["mark", "delete"]
 
 _CLAIM_REFERENCE = re.compile(re.escape(PREFIX), re.IGNORECASE)
-
-
-@dataclass(frozen=True)
-class ClaimedRow:
-    """One claimed row: its key, its values (without claim columns) and its attempt number."""
-
-    key: Key
-    pk: Mapping[str, Any]
-    values: Mapping[str, Any] | None
-    attempt: int
-    cursor: Any = None
-    #: Claimed alone because its previous claim expired holding only it
-    #: (:mod:`dbtrigger.queue.pick`): with its attempts used up it goes dead.
-    isolated: bool = False
-
-
-@dataclass(frozen=True)
-class Claim:
-    """One claim's rows; ``more``: claim again at once (the pick was full or rows
-    were left in it); ``bisected``: ``(rows of an expired claim, rows taken)``."""
-
-    rows: list[ClaimedRow]
-    more: bool = False
-    bisected: tuple[int, int] | None = None
 
 
 def install_command(url: str, table: str, schema: str | None, mode: str = "columns") -> str:
@@ -192,6 +159,12 @@ class ClaimSource:
             validate_sql_identifier(cursor_column, "cursor_column") if cursor_column else None
         )
         self.claims_table = validate_sql_identifier(claims_table, "claims_table")
+        #: Where the claim state lives (:mod:`dbtrigger.queue.layout`), chosen once.
+        self.layout: ClaimLayout = (
+            ColumnsLayout()
+            if mode == "columns"
+            else SidecarLayout(self.claims_table, schema=self.schema, queue_name=self.queue_name)
+        )
         self._url_spec = url
         self._url_value: URL | None = None if url else engine.url  # type: ignore[union-attr]
         if url:
@@ -206,7 +179,7 @@ class ClaimSource:
         self._lock = threading.Lock()
         self._engine_lock = threading.Lock()
         self._target: ClaimTable | None = None
-        self._user_table: sa.Table | None = None
+        self._queue: QueueTable | None = None
         self._sqlite_hooked = False
 
     # --- identity -------------------------------------------------------------------
@@ -289,19 +262,13 @@ class ClaimSource:
             "mode": self.mode,
             "on_done": self.on_done,
             "cursor_column": self.cursor_column,
-            "claims_table": self.claims_table if self.mode == "sidecar" else None,
+            "claims_table": self.layout.claims_table,
         }
 
     @property
     def queue_name(self) -> str:
         """The queue's name in a sidecar claims table: the (qualified) user table."""
         return f"{self.schema}.{self.table_name}" if self.schema else self.table_name
-
-    def user_table(self, conn: Connection) -> sa.Table:
-        """The reflected user table (reflected once)."""
-        if self._user_table is None:
-            self._user_table = self.reflect(conn, self.table_name)
-        return self._user_table
 
     def install_hint(self) -> str:
         return install_command(self.safe_url, self.table_name, self.schema, self.mode)
@@ -386,30 +353,15 @@ class ClaimSource:
         self._check_server(conn)
         user = self.reflect(conn, self.table_name)
         check_unique_key(user, self.pk_columns)
-        self._user_table = user
-        if self.mode == "sidecar":
-            from dbtrigger.queue.sidecar import claims_target  # noqa: PLC0415 - a cycle
-
-            return claims_target(self, conn)
-        missing = [c for c in CLAIM_COLUMNS if c not in user.c]
-        if missing:
-            raise ConfigurationError(
-                f"{user.name} has no claim column(s) {', '.join(missing)}: install them with\n"
-                f"  {self.install_hint()} --yes\n"
-                "(without --yes it prints the DDL it would run)",
-                missing_columns=missing,
-            )
-        check_claim_columns(user, self.time, conn.dialect)
-        if not any([c.name for c in index.columns][:1] == [VISIBLE_AT] for index in user.indexes):
-            Telemetry(self.name, SafeMetrics(None, self.name), logger=log).emit(
-                "queue_index_missing",
-                "queue %s has no index on %s: every claim scans the table; "
-                "`dbtrigger queue install` creates it",
-                self.name,
-                VISIBLE_AT,
-                source=self.name,
-            )
-        return ClaimTable(user, self.pk_columns, self.time, self._filter())
+        self._queue = QueueTable(
+            name=self.name,
+            user=user,
+            pk_columns=self.pk_columns,
+            time=self.time,
+            filter=self._filter(),
+            install_hint=self.install_hint(),
+        )
+        return self.layout.target(conn, self._queue)
 
     def _filter(self) -> sa.ColumnElement[bool] | None:
         if not self.where:
@@ -447,29 +399,9 @@ class ClaimSource:
             raise FetchError(f"claim on {self.name} failed: {short_error(exc)}") from exc
 
     def _claimed(self, conn: Connection, batch: ClaimBatch) -> Claim:
-        rows = batch.rows
-        if self.mode == "sidecar":
-            from dbtrigger.queue.sidecar import load_rows  # noqa: PLC0415
-
-            loaded = load_rows(self, conn, rows, isolated=batch.isolated)
-            return Claim(loaded, batch.more, batch.bisected)
-        if not rows:
-            return Claim([], batch.more, batch.bisected)
-        pk_columns = self.pk_columns
-        names = [k for k in rows[0] if not k.startswith(PREFIX)]  # the user's columns
-        out = []
-        for row in rows:
-            key = tuple([row[k] for k in pk_columns])
-            out.append(
-                ClaimedRow(
-                    key=key,
-                    pk=dict(zip(pk_columns, key, strict=True)),
-                    values={k: row[k] for k in names},
-                    attempt=int(row[ATTEMPTS]),
-                    isolated=batch.isolated,
-                )
-            )
-        return Claim(out, batch.more, batch.bisected)
+        assert self._queue is not None  # noqa: S101 - resolved by self.target first
+        rows = self.layout.rows(conn, batch, self._queue)
+        return Claim(rows, batch.more, batch.bisected)
 
     def extend(self, *, token: str, visibility: float) -> int:
         """Heartbeat: push the claim's expiry on; how many rows it still holds."""
@@ -584,3 +516,7 @@ def _begin_immediate(engine: Engine, *, own_connections: bool = True) -> None:
     @sa.event.listens_for(engine, "begin")
     def _immediate(conn: Connection) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+# Claim and ClaimedRow are defined with the layouts; importable from here as before.
+__all__ = ["Claim", "ClaimSource", "ClaimedRow", "install_command"]

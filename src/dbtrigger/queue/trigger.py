@@ -66,11 +66,12 @@ from dbtrigger.quarantine import (
     put_records,
 )
 from dbtrigger.queue.context import ClaimContext
+from dbtrigger.queue.layout import ClaimedRow
 from dbtrigger.queue.notify import Listener, check_channel
 from dbtrigger.queue.operations import QueueCounts
 from dbtrigger.queue.outcome import EXPIRED_ERROR, Backoff, Plan, decide, expired_too_often
 from dbtrigger.queue.schema import WORKER_ID_LIMIT
-from dbtrigger.queue.source import ClaimedRow, ClaimSource
+from dbtrigger.queue.source import ClaimSource
 from dbtrigger.queue.statements import DeadItem, Key, Settled
 from dbtrigger.runtime.telemetry import Telemetry
 from dbtrigger.runtime.tick import wants_context

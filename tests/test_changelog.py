@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from dbtrigger import FileCheckpointStore, PollTrigger, RowChange, SqlAlchemySource
+from dbtrigger import BEGINNING, FileCheckpointStore, PollTrigger, RowChange, SqlAlchemySource
 from dbtrigger.changelog import (
     MARKER,
     ChangeLogSource,
@@ -411,6 +411,37 @@ def test_automatic_pruning_of_rows_every_poller_passed(
         ChangeLogSource(url=sqlite_db.url, table="orders", prune_passed_by=["x"])
 
 
+def test_a_fetch_never_reads_other_pollers_state(sqlite_db: TestDatabase, tmp_path: Path) -> None:
+    """Pruning reads the readers' checkpoints when the runtime acknowledges one, not at a fetch."""
+    orders = make_orders(sqlite_db)
+    install(sqlite_db.engine, "orders")
+    for i in range(1, 6):
+        sqlite_db.execute(f"INSERT INTO {orders} VALUES ({i}, 'new', {i})")
+    reads: list[str] = []
+
+    class WatchedStore(FileCheckpointStore):
+        def read(self, key: str) -> Any:
+            reads.append(key)
+            return super().read(key)
+
+    store = WatchedStore(tmp_path / "state")
+    source = ChangeLogSource(
+        url=sqlite_db.url,
+        table="orders",
+        prune_passed_by=["reader"],
+        prune_store=store,
+        prune_every_seconds=0.001,
+    )
+    rows = source.fetch(BEGINNING, 10)
+    assert len(rows) == 5
+    assert reads == []  # the fetch read no state document
+    PollTrigger(name="reader", source=source, checkpoint_store=store).drain(lambda events: None)
+    log = sqlite_db.qualified(log_table_name("orders"))
+    assert "reader" in reads
+    assert sqlite_db.scalar(f"SELECT count(*) FROM {log}") == 0  # pruned after the commit
+    source.close()
+
+
 @pytest.mark.parametrize("lanes", [1, 4])
 def test_key_changes_leave_the_documented_replica_with_the_tables_keys(
     db: TestDatabase, tmp_path: Path, lanes: int
@@ -452,9 +483,7 @@ def test_key_changes_leave_the_documented_replica_with_the_tables_keys(
     seen: list[RowChange] = []
     trigger.drain(lambda events: (seen.extend(events), handle(events)))
     with db.engine.connect() as conn:
-        table = {
-            r.id: r.status for r in conn.execute(sa.text(f"SELECT id, status FROM {orders}"))
-        }
+        table = {r.id: r.status for r in conn.execute(sa.text(f"SELECT id, status FROM {orders}"))}
     assert {k: v["status"] for k, v in replica.items()} == table
     assert sorted(table) == [1, 2, 3, 1005, 1010]
     moved = [(e.op, e.pk["id"]) for e in seen if e.pk["id"] in (4, 40)]

@@ -2,7 +2,8 @@
 
 See ``docs/changes.md``. ``install``/``uninstall``/``prune`` are what the
 ``dbtrigger changelog`` commands run; ``drift`` says what a migration on the
-table did to an installed log; :class:`ChangeLogSource` polls the log.
+table did to an installed log; :class:`ChangeLogSource` polls the log, and
+:class:`ChangeLogPruner` deletes what every reader of it has passed.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from dbtrigger.changelog.operations import (
     prune,
     uninstall,
 )
+from dbtrigger.changelog.pruning import ChangeLogPruner
 from dbtrigger.changelog.source import ChangeLogSource
 
 __all__ = [
     "MARKER",
+    "ChangeLogPruner",
     "ChangeLogSource",
     "Drift",
     "drift",

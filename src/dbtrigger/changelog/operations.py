@@ -199,8 +199,8 @@ def prune(
     ``apply=False``: the rows that would be).
 
     ``up_to_seq`` is how pruning stays safe for pollers: pass the lowest
-    checkpoint of every poller reading the log (``prune_passed`` does), and no
-    row a poller still has to read is deleted.
+    checkpoint of every poller reading the log (:mod:`dbtrigger.changelog.pruning`
+    does), and no row a poller still has to read is deleted.
     """
     if older_than is None and up_to_seq is None:
         raise ConfigurationError("prune needs older_than and/or up_to_seq (refusing to delete all)")

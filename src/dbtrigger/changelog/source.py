@@ -35,21 +35,19 @@ from sqlalchemy.exc import SQLAlchemyError
 from dbtrigger._engine import create_engine, parse_database_url
 from dbtrigger.changelog.ddl import LOG_COLUMNS, log_table_name
 from dbtrigger.changelog.drift import Drift, find_drift
-from dbtrigger.changelog.operations import log_table, lowest_checkpoint, prune
+from dbtrigger.changelog.operations import log_table
+from dbtrigger.changelog.pruning import ChangeLogPruner
 from dbtrigger.cursor import Position
 from dbtrigger.errors import (
     ChangeLogGapError,
     ConfigurationError,
-    DbTriggerError,
     SerializationError,
 )
 from dbtrigger.events import EventIds, RowChange
 from dbtrigger.names import validate_sql_identifier
-from dbtrigger.redaction import redact
 from dbtrigger.sources.errors_map import source_error
 from dbtrigger.sources.sqlalchemy import SqlAlchemySource
 from dbtrigger.sources.visibility import FetchInfo, VisibilityGuard
-from dbtrigger.state import document
 from dbtrigger.state.stores.base import CheckpointStore
 
 log = logging.getLogger("dbtrigger.changelog")
@@ -69,13 +67,16 @@ class ChangeLogSource:
             sequence against late commits (PostgreSQL transaction horizon,
             see docs/visibility.md).
         engine_kwargs: passed to :func:`sqlalchemy.create_engine`.
-        prune_passed_by / prune_store / prune_every_seconds: automatic pruning.
-            Every ``prune_every_seconds`` (at a fetch), log rows at or below the
-            lowest checkpoint of the named pollers (their state read from
-            ``prune_store``) are deleted in bounded chunks. Name every poller
-            that reads this log (usually just this one); a poller without a
-            checkpoint yet blocks pruning. A failed prune is logged at WARNING
-            and retried at the next interval; fetching is never held up by it.
+        prune_passed_by / prune_store / prune_every_seconds: automatic pruning
+            (a :class:`~dbtrigger.changelog.pruning.ChangeLogPruner`). At most
+            every ``prune_every_seconds``, when the runtime reports this
+            poller's checkpoint durable (after a commit, on an idle tick), log
+            rows at or below the lowest checkpoint of the named pollers (their
+            state read from ``prune_store``) are deleted in bounded chunks.
+            Name every poller that reads this log (usually just this one); a
+            poller without a checkpoint yet blocks pruning. A failed prune is
+            logged at WARNING and retried at the next interval; it never fails
+            a tick, and a fetch never prunes.
         drift_check_seconds: how often (at a fetch, the first fetch included)
             the installed triggers are compared with the watched table; a
             migration that left them behind stops the poller with
@@ -116,14 +117,18 @@ class ChangeLogSource:
             )
         if prune_every_seconds <= 0:
             raise ConfigurationError("prune_every_seconds must be > 0")
+        #: Prunes what every reader passed (None: pruning is left to the operator).
+        self.pruner = (
+            ChangeLogPruner(
+                passed_by=prune_passed_by, store=prune_store, every_seconds=prune_every_seconds
+            )
+            if prune_passed_by and prune_store is not None
+            else None
+        )
         if not drift_check_seconds > 0:
             raise ConfigurationError("drift_check_seconds must be > 0")
         self._drift_every = drift_check_seconds
         self._next_drift_check = 0.0
-        self._prune_pollers = tuple(prune_passed_by)
-        self._prune_store = prune_store
-        self._prune_every = prune_every_seconds
-        self._next_prune = 0.0
         self._table = validate_sql_identifier(table, "table")
         self._schema = validate_sql_identifier(schema, "schema") if schema else None
         if isinstance(pk_columns, str):
@@ -280,9 +285,6 @@ class ChangeLogSource:
             ChangeLogGapError: rows record a change to a row the trigger could
                 not name, and re-installing cannot name it either.
         """
-        if self._prune_pollers and time.monotonic() >= self._next_prune:
-            self._next_prune = time.monotonic() + self._prune_every
-            self.prune_passed()
         inner = self._inner()
         if time.monotonic() >= self._next_drift_check:
             self.check_drift()
@@ -328,40 +330,18 @@ class ChangeLogSource:
             seqs=list(seqs),
         )
 
+    def acknowledge(self, position: Position) -> None:
+        """The runtime's word that this poller's checkpoint is durable up to ``position``:
+        the moment to prune what every reader passed, when due (``prune_passed_by``)."""
+        del position  # every reader's checkpoint is read from the store, this one's too
+        if self.pruner is not None and self.pruner.due():
+            self.prune_passed()
+
     def prune_passed(self) -> int:
         """Delete log rows every ``prune_passed_by`` poller has committed past; how many."""
-        store = self._prune_store
-        if not self._prune_pollers or store is None:
+        if self.pruner is None:
             return 0
-        try:
-            cursors: list[object] = []
-            for name in self._prune_pollers:
-                stored = store.read(name)
-                if stored is None:
-                    return 0  # a poller that has not started yet still needs every row
-                cursors.append(document.loads(stored.data).position.cursor)
-            up_to = lowest_checkpoint(cursors)
-            if up_to is None:
-                return 0
-            deleted = prune(self.engine, self._table, schema=self._schema, up_to_seq=up_to)
-        except (DbTriggerError, SQLAlchemyError) as exc:
-            log.warning(
-                "pruning the change log of %s failed (retried in %gs): %s",
-                self._table,
-                self._prune_every,
-                redact(str(exc)),
-                extra={"event": "changelog_prune_failed", "source": self.name},
-            )
-            return 0
-        if deleted:
-            log.info(
-                "pruned %d change log row(s) of %s up to sequence %s",
-                deleted,
-                self._table,
-                up_to,
-                extra={"event": "changelog_pruned", "source": self.name, "rows": deleted},
-            )
-        return deleted
+        return self.pruner.run(self.engine, self._table, schema=self._schema, source=self.name)
 
     def count_after(self, after: Position) -> int:
         return self._inner().count_after(self._log_position(after))

@@ -109,20 +109,16 @@ def cmd_uninstall(args: argparse.Namespace) -> int:
 
 def _passed_by(args: argparse.Namespace) -> int | None:
     """The lowest checkpoint of the named pollers (their state read through the store)."""
-    from dbtrigger.state import document  # noqa: PLC0415 - only for this option
+    from dbtrigger.changelog.pruning import stored_cursors  # noqa: PLC0415 - only for this option
     from dbtrigger.state.stores.factory import open_store  # noqa: PLC0415
 
     if not args.store:
         raise ConfigurationError("--passed-by needs --store (where the pollers keep their state)")
-    store = open_store(args.store, app=args.app)
-    cursors: list[object] = []
-    for name in args.passed_by:
-        stored = store.read(name)
-        if stored is None:
-            raise ConfigurationError(
-                f"no state for poller {name!r} in {args.store}: nothing pruned"
-            )
-        cursors.append(document.loads(stored.data).position.cursor)
+    cursors, missing = stored_cursors(open_store(args.store, app=args.app), args.passed_by)
+    if missing:
+        raise ConfigurationError(
+            f"no state for poller {missing[0]!r} in {args.store}: nothing pruned"
+        )
     return lowest_checkpoint(cursors)
 
 

@@ -6,18 +6,94 @@
 #   scripts/cdc-servers.sh start postgres DIR PORT [-c name=value ...]
 #   scripts/cdc-servers.sh stop  postgres DIR
 #   scripts/cdc-servers.sh url   postgres DIR PORT     # prints the SQLAlchemy URL
+#   scripts/cdc-servers.sh start mariadb DIR PORT [--name=value ...]
+#   scripts/cdc-servers.sh stop  mariadb DIR
+#   scripts/cdc-servers.sh url   mariadb DIR PORT
 #
 # PostgreSQL runs with wal_level=logical (what PgLogicalSource needs), trust auth for
 # the local user "postgres" on 127.0.0.1 only, and fsync off (a throw-away server:
 # never put data you care about in it). Extra "-c name=value" settings are passed on
 # (the tests add max_slot_wal_keep_size experiments at run time with ALTER SYSTEM).
 # Run as root, the server runs as the "postgres" user (initdb refuses root).
+#
+# MariaDB (or MySQL's mysqld, MARIADB_BIN) runs with the binary log BinlogSource needs:
+# --log-bin, binlog_format=ROW, binlog_row_image=FULL, binlog_row_metadata=FULL (where
+# the server has it), server_id=1, a user root@127.0.0.1 without a password, and
+# durability off (innodb_flush_log_at_trx_commit=2, sync_binlog=0). Extra "--name=value"
+# options are passed on. Run as root, the server runs as the "mysql" user.
 set -euo pipefail
 
-usage() { sed -n '2,15p' "$0" >&2; exit 64; }
+usage() { sed -n '2,27p' "$0" >&2; exit 64; }
 [ $# -ge 2 ] || usage
 action=$1; kind=$2; shift 2
-[ "$kind" = postgres ] || { echo "cdc-servers: unknown server kind '$kind' (postgres)" >&2; exit 64; }
+case $kind in
+  postgres|mariadb) ;;
+  *) echo "cdc-servers: unknown server kind '$kind' (postgres, mariadb)" >&2; exit 64 ;;
+esac
+
+mariadb_bin() { # the server daemon and the datadir initialiser
+  local d
+  for d in ${MARIADB_BIN:-} /usr/sbin /usr/bin /usr/local/mysql/bin; do
+    [ -x "$d/mariadbd" ] && { echo "$d/mariadbd"; return; }
+    [ -x "$d/mysqld" ] && { echo "$d/mysqld"; return; }
+  done
+  echo "cdc-servers: no MariaDB/MySQL server binary (mariadbd) found; install the" \
+       "mariadb-server package or set MARIADB_BIN" >&2
+  exit 69
+}
+
+start_mariadb() {
+  local dir=$1 port=$2; shift 2
+  local server init owner=""
+  server=$(mariadb_bin)
+  mkdir -p "$dir"
+  if [ "$(id -u)" = 0 ]; then owner=mysql; chown mysql "$dir"; fi
+  if [ ! -d "$dir/data/mysql" ]; then
+    init=$(command -v mariadb-install-db || command -v mysql_install_db || true)
+    [ -n "$init" ] || { echo "cdc-servers: mariadb-install-db not found" >&2; exit 69; }
+    "$init" --no-defaults --datadir="$dir/data" ${owner:+--user=$owner} \
+      --auth-root-authentication-method=normal --skip-test-db >"$dir/install.log" 2>&1 \
+      || { cat "$dir/install.log" >&2; exit 1; }
+  fi
+  local metadata=--binlog-row-metadata=FULL
+  "$server" --no-defaults --help --verbose 2>/dev/null | grep -q '^binlog-row-metadata' || metadata=
+  "$server" --no-defaults --datadir="$dir/data" ${owner:+--user=$owner} --port="$port" \
+    --bind-address=127.0.0.1 --socket="$dir/mysqld.sock" --pid-file="$dir/mysqld.pid" \
+    --log-error="$dir/server.log" --log-bin="$dir/data/binlog" --binlog-format=ROW \
+    --binlog-row-image=FULL $metadata --server-id=1 --skip-name-resolve \
+    --innodb-buffer-pool-size=64M --innodb-flush-log-at-trx-commit=2 --sync-binlog=0 \
+    --max-connections=300 "$@" >/dev/null 2>&1 &
+  local i
+  for i in $(seq 1 300); do
+    if [ -S "$dir/mysqld.sock" ] && [ -f "$dir/mysqld.pid" ]; then
+      echo "mysql+pymysql://root@127.0.0.1:$port/mysql"
+      return
+    fi
+    kill -0 $! 2>/dev/null || break
+    sleep 0.1
+  done
+  echo "cdc-servers: MariaDB did not start (see $dir/server.log)" >&2
+  exit 1
+}
+
+stop_mariadb() {
+  local dir=$1 pid i
+  [ -f "$dir/mysqld.pid" ] || return 0
+  pid=$(cat "$dir/mysqld.pid")
+  kill -TERM "$pid" 2>/dev/null || return 0
+  for i in $(seq 1 100); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1; done
+  kill -KILL "$pid" 2>/dev/null || true
+}
+
+if [ "$kind" = mariadb ]; then
+  case $action in
+    start) [ $# -ge 2 ] || usage; start_mariadb "$@" ;;
+    stop) [ $# -ge 1 ] || usage; stop_mariadb "$1" ;;
+    url) [ $# -ge 2 ] || usage; echo "mysql+pymysql://root@127.0.0.1:$2/mysql" ;;
+    *) usage ;;
+  esac
+  exit 0
+fi
 
 pg_bin() {
   local dir

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import pymysql
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -141,5 +142,129 @@ def cdc_database(server: LogicalPostgres) -> Iterator[CdcDatabase]:
     name = server.create_database()
     try:
         yield CdcDatabase(server, name)
+    finally:
+        server.drop_database(name)
+
+
+# --- MariaDB with a binary log (BinlogSource) ---------------------------------------------
+
+
+@dataclass
+class BinlogMariadb:
+    """A running private MariaDB with ``--log-bin``, ``binlog_format=ROW``, full row images."""
+
+    port: int
+    directory: Path
+    databases: list[str] = field(default_factory=list)
+
+    def url(self, database: str = "mysql", user: str = "root", password: str = "") -> str:
+        auth = f"{user}:{password}" if password else user
+        return f"mysql+pymysql://{auth}@127.0.0.1:{self.port}/{database}"
+
+    def connect(self, database: str | None = None, **kwargs: Any) -> pymysql.Connection[Any]:
+        options: dict[str, Any] = {"autocommit": True, "charset": "utf8mb4"}
+        options.update(kwargs)
+        return pymysql.connect(
+            host="127.0.0.1", port=self.port, user="root", database=database, **options
+        )
+
+    def execute(self, sql: str, params: Any = None, database: str | None = None) -> None:
+        conn = self.connect(database)
+        try:
+            with conn.cursor() as cur:
+                cur.execute(sql, params)
+        finally:
+            conn.close()
+
+    def scalar(self, sql: str, params: Any = None, database: str | None = None) -> Any:
+        conn = self.connect(database)
+        try:
+            with conn.cursor() as cur:
+                cur.execute(sql, params)
+                row = cur.fetchone()
+                return None if row is None else row[0]
+        finally:
+            conn.close()
+
+    def create_database(self) -> str:
+        name = f"cdc_{uuid.uuid4().hex[:10]}"
+        self.execute(f"CREATE DATABASE `{name}`")
+        self.databases.append(name)
+        return name
+
+    def drop_database(self, name: str) -> None:
+        conn = self.connect()
+        try:
+            with conn.cursor() as cur:
+                cur.execute(
+                    "SELECT id FROM information_schema.processlist WHERE db = %s AND id <> "
+                    "CONNECTION_ID()",
+                    (name,),
+                )
+                for (pid,) in cur.fetchall():
+                    with contextlib.suppress(pymysql.MySQLError):
+                        cur.execute(f"KILL {int(pid)}")
+                cur.execute("SET SESSION lock_wait_timeout = 10")
+                cur.execute(f"DROP DATABASE IF EXISTS `{name}`")
+        finally:
+            conn.close()
+
+
+def start_binlog_mariadb() -> Iterator[BinlogMariadb]:
+    directory = Path(tempfile.mkdtemp(prefix="dbtrigger-cdc-mariadb-"))
+    port = free_port()
+    started = subprocess.run(
+        [BASH, str(SCRIPT), "start", "mariadb", str(directory), str(port)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if started.returncode != 0:
+        log = directory / "server.log"
+        tail = log.read_text()[-2000:] if log.exists() else ""
+        subprocess.run([BASH, str(SCRIPT), "stop", "mariadb", str(directory)], check=False)
+        shutil.rmtree(directory, ignore_errors=True)
+        pytest.fail(
+            f"could not start a private MariaDB (--log-bin, ROW) with {SCRIPT}: "
+            f"{started.stderr.strip()} {tail}",
+            pytrace=False,
+        )
+    server = BinlogMariadb(port, directory)
+    try:
+        yield server
+    finally:
+        subprocess.run(
+            [BASH, str(SCRIPT), "stop", "mariadb", str(directory)],
+            capture_output=True,
+            check=False,
+        )
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@dataclass
+class BinlogDatabase:
+    """One test's database on the private binlog server."""
+
+    server: BinlogMariadb
+    name: str
+
+    @property
+    def url(self) -> str:
+        return self.server.url(self.name)
+
+    def connect(self, **kwargs: Any) -> pymysql.Connection[Any]:
+        return self.server.connect(self.name, **kwargs)
+
+    def execute(self, sql: str, params: Any = None) -> None:
+        self.server.execute(sql, params, self.name)
+
+    def scalar(self, sql: str, params: Any = None) -> Any:
+        return self.server.scalar(sql, params, self.name)
+
+
+def binlog_database(server: BinlogMariadb) -> Iterator[BinlogDatabase]:
+    name = server.create_database()
+    try:
+        yield BinlogDatabase(server, name)
     finally:
         server.drop_database(name)

@@ -9,9 +9,13 @@ import pytest
 from dbtrigger import SqlAlchemySource
 from tests.azurite import Azurite, start_azurite
 from tests.cdc_servers import (
+    BinlogDatabase,
+    BinlogMariadb,
     CdcDatabase,
     LogicalPostgres,
+    binlog_database,
     cdc_database,
+    start_binlog_mariadb,
     start_logical_postgres,
 )
 from tests.databases import TestDatabase, drop_session_databases, make_database
@@ -87,3 +91,15 @@ def logical_pg() -> Iterator[LogicalPostgres]:
 def cdc_db(logical_pg: LogicalPostgres) -> Iterator[CdcDatabase]:
     """A database of this test's own on the private logical-decoding server."""
     yield from cdc_database(logical_pg)
+
+
+@pytest.fixture(scope="session")
+def binlog_mariadb() -> Iterator[BinlogMariadb]:
+    """A private MariaDB with a ROW binary log (tests/cdc_servers.py), once per session."""
+    yield from start_binlog_mariadb()
+
+
+@pytest.fixture
+def binlog_db(binlog_mariadb: BinlogMariadb) -> Iterator[BinlogDatabase]:
+    """A database of this test's own on the private binlog server."""
+    yield from binlog_database(binlog_mariadb)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from dbtrigger.testing import LogSourceContract
-from tests.cdc_servers import CdcDatabase
-from tests.contracts.log_harnesses import MemoryLogHarness, PgLogHarness
+from tests.cdc_servers import BinlogDatabase, CdcDatabase
+from tests.contracts.log_harnesses import BinlogLogHarness, MemoryLogHarness, PgLogHarness
 from tests.contracts.nested import nested_failures
 
 
@@ -33,6 +33,12 @@ class TestPgLogicalSourceStream(LogSourceContract):
     @pytest.fixture
     def log_harness(self, cdc_db: CdcDatabase) -> PgLogHarness:
         return PgLogHarness(cdc_db, mode="stream")
+
+
+class TestBinlogSource(LogSourceContract):
+    @pytest.fixture
+    def log_harness(self, binlog_db: BinlogDatabase) -> BinlogLogHarness:
+        return BinlogLogHarness(binlog_db)
 
 
 pytest_plugins = ["pytester"]

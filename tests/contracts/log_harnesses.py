@@ -12,7 +12,7 @@ from dbtrigger.cdc import PgLogicalSource
 from dbtrigger.cursor import BEGINNING
 from dbtrigger.sources.base import SourceAdapter
 from dbtrigger.testing import LogOp, MemoryLogSource
-from tests.cdc_servers import CdcDatabase
+from tests.cdc_servers import BinlogDatabase, CdcDatabase
 
 
 class MemoryLogHarness:
@@ -126,3 +126,89 @@ class PgLogHarness:
             with two.transaction():
                 self._apply(two, second)
             one.commit()
+
+
+class BinlogLogHarness:
+    """BinlogSource on a private MariaDB with a ROW binary log, table ``t (id, note)``."""
+
+    password = "s3cret-binlog-harness"  # noqa: S105 - a test user's; it must never show
+    user = "binlog_harness"
+
+    def __init__(self, db: BinlogDatabase) -> None:
+        self.db = db
+        db.server.execute(
+            f"CREATE USER IF NOT EXISTS '{self.user}'@'127.0.0.1' IDENTIFIED BY '{self.password}'"
+        )
+        db.server.execute(f"GRANT ALL PRIVILEGES ON *.* TO '{self.user}'@'127.0.0.1'")
+        self.table = f"t_{uuid.uuid4().hex[:8]}"
+        self.reader = f"contract_{uuid.uuid4().hex[:10]}"
+        db.execute(f"CREATE TABLE {self.table} (id integer PRIMARY KEY, note text)")
+
+    @property
+    def secrets(self) -> Sequence[str]:
+        return (self.password,)
+
+    @property
+    def url(self) -> str:
+        return self.db.server.url(self.db.name, self.user, self.password)
+
+    def _source(self, table: str, reader: str) -> SourceAdapter:
+        from dbtrigger.cdc import BinlogSource  # noqa: PLC0415
+
+        return BinlogSource(self.url, [table], reader=reader, snapshot="never")
+
+    def open(self) -> SourceAdapter:
+        source = self._source(self.table, self.reader)
+        assert list(source.fetch(BEGINNING, 1)) == []  # creates the reader: the log starts
+        return source
+
+    def reopen(self, source: SourceAdapter) -> SourceAdapter:
+        return self._source(self.table, self.reader)
+
+    def open_changed(self) -> SourceAdapter:
+        other = f"o_{uuid.uuid4().hex[:8]}"
+        self.db.execute(f"CREATE TABLE {other} (id integer PRIMARY KEY, note text)")
+        return self._source(other, f"contract_{uuid.uuid4().hex[:10]}")
+
+    def _apply(self, cur: Any, ops: Sequence[LogOp]) -> None:
+        for op in ops:
+            if op.op == "insert":
+                cur.execute(
+                    f"INSERT INTO {self.table} (id, note) VALUES (%s, %s)", (op.id, op.note)
+                )
+            elif op.op == "update":
+                cur.execute(f"UPDATE {self.table} SET note = %s WHERE id = %s", (op.note, op.id))
+            else:
+                cur.execute(f"DELETE FROM {self.table} WHERE id = %s", (op.id,))
+
+    def commit(self, ops: Sequence[LogOp]) -> None:
+        conn = self.db.connect(autocommit=False)
+        try:
+            with conn.cursor() as cur:
+                self._apply(cur, ops)
+            conn.commit()
+        finally:
+            conn.close()
+
+    def rollback(self, ops: Sequence[LogOp]) -> None:
+        conn = self.db.connect(autocommit=False)
+        try:
+            with conn.cursor() as cur:
+                self._apply(cur, ops)
+            conn.rollback()
+        finally:
+            conn.close()
+
+    def commit_crossed(self, first: Sequence[LogOp], second: Sequence[LogOp]) -> None:
+        one = self.db.connect(autocommit=False)
+        two = self.db.connect(autocommit=False)
+        try:
+            with one.cursor() as cur:
+                self._apply(cur, first)
+            with two.cursor() as cur:
+                self._apply(cur, second)
+            two.commit()
+            one.commit()
+        finally:
+            one.close()
+            two.close()

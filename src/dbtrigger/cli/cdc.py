@@ -33,7 +33,8 @@ def _admin(spec: str) -> Any:
     if not isinstance(target, AdministeredLogSource):
         raise ConfigurationError(
             f"{spec} is not (and has no) log-based source: dbtrigger cdc works with "
-            "PgLogicalSource (its PollTrigger, its @db.trigger function, or the source itself)"
+            "PgLogicalSource and BinlogSource (its PollTrigger, its @db.trigger function, or the "
+            "source itself)"
         )
     return target.admin()
 
@@ -62,6 +63,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status, indent=2, sort_keys=True, default=str))
         return 0 if status.get("healthy") else 1
+    if "lines" in status:  # a source that words its own status (BinlogSource)
+        return _print_status(status, [(str(k), v) for k, v in status["lines"]])
     slot = status.get("slot") or {}
     lines = [
         ("slot", status.get("slot_name")),
@@ -88,6 +91,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     lines.append(("publication", f"{status.get('publication')}: {status.get('published_tables')}"))
     for table, info in (status.get("tables") or {}).items():
         lines.append(("table", f"{table}: REPLICA IDENTITY {info['replica_identity']}"))
+    return _print_status(status, lines)
+
+
+def _print_status(status: dict[str, Any], lines: list[tuple[str, Any]]) -> int:
     for snap in status.get("snapshots") or []:
         state = "done" if snap["done"] else "in progress"
         where = f" where {snap['where']}" if snap.get("where") else ""
@@ -107,10 +114,15 @@ def cmd_drop(args: argparse.Namespace) -> int:
     admin = _admin(args.trigger)
     if not args.yes:
         status = admin.status()
+        if status.get("kind") == "binlog":
+            what = f"binlog reader {status.get('reader')}'s control row"
+        else:
+            what = f"replication slot {status.get('slot_name')}" + (
+                "" if args.keep_publication else f" and publication {status.get('publication')}"
+            )
         print(
-            f"-- would drop replication slot {status.get('slot_name')}"
-            + ("" if args.keep_publication else f" and publication {status.get('publication')}")
-            + "; the poller's checkpoint then names changes that cannot be read again"
+            f"-- would drop {what}; the poller's checkpoint then names changes that cannot "
+            "be read again"
         )
         print(DRY_RUN)
         return 0
@@ -128,11 +140,17 @@ def cmd_recreate(args: argparse.Namespace) -> int:
     admin = _admin(args.trigger)
     if not args.yes:
         status = admin.status()
-        print(
-            f"-- would drop replication slot {status.get('slot_name')} (if it still exists) and "
-            "create it anew"
-            + (", then read every table again into the log" if args.snapshot else "")
-        )
+        if status.get("kind") == "binlog":
+            what = (
+                f"-- would start binlog reader {status.get('reader')} again at the server's "
+                "position now (changes since the checkpoint are skipped)"
+            )
+        else:
+            what = (
+                f"-- would drop replication slot {status.get('slot_name')} (if it still exists) "
+                "and create it anew"
+            )
+        print(what + (", then read every table again into the log" if args.snapshot else ""))
         print(DRY_RUN)
         return 0
     for line in admin.recreate(snapshot=args.snapshot):

@@ -1,0 +1,259 @@
+"""A BinlogSource's own bookkeeping in the database: one row per reader, and snapshot chunks.
+
+A binary log has no replication slot: the server keeps its files for
+``binlog_expire_logs_seconds`` whoever reads them, and remembers nothing about
+a reader. What must outlive a worker process, beside the poller's checkpoint,
+lives in ``dbtrigger_cdc_binlog`` (one row per reader, in ``control_database``,
+by default the URL's):
+
+* where the reader was **created** (binlog file and offset): the first read of
+  a poller with no checkpoint starts there, so nothing committed between
+  ``install`` and the first tick is missed;
+* the **accepted columns** of each table (name -> binlog type), as
+  PostgreSQL's ``dbtrigger_cdc_slots`` keeps them: a new column just appears,
+  a type change stops delivery until ``dbtrigger cdc accept-schema``;
+* the **snapshot requests** and how far each got;
+* **read-through**: after a read that found nothing for a checkpoint, how far
+  the log was read (file, offset). The next process resumes there instead of
+  re-reading every other table's changes since the checkpoint: the binlog's
+  counterpart of advancing a slot, written only behind a durable checkpoint.
+
+Snapshot chunks are rows of ``dbtrigger_cdc_chunks`` written in the binlog
+(:mod:`dbtrigger.cdc.binlog_snapshot`); their table is read by the reader, never
+delivered.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import pymysql
+
+from dbtrigger.cdc.binlog_setup import current_user, translated
+from dbtrigger.errors import SourcePermissionError
+
+TABLE = "dbtrigger_cdc_binlog"
+CHUNKS = "dbtrigger_cdc_chunks"
+
+
+def create_sql(database: str) -> list[str]:
+    return [
+        f"CREATE TABLE IF NOT EXISTS `{database}`.`{TABLE}` ("
+        "reader VARCHAR(64) NOT NULL PRIMARY KEY, poller VARCHAR(255) NULL, "
+        "server_id BIGINT NOT NULL, tables_json TEXT NOT NULL, "
+        "created_file VARCHAR(255) NULL, created_pos BIGINT NULL, "
+        "columns_json LONGTEXT NOT NULL, snapshots_json LONGTEXT NOT NULL, "
+        "through_after VARCHAR(255) NULL, through_file VARCHAR(255) NULL, "
+        "through_pos BIGINT NULL, schema_break TEXT NULL, "
+        "created_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6), "
+        "updated_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)) ENGINE=InnoDB",
+        f"CREATE TABLE IF NOT EXISTS `{database}`.`{CHUNKS}` ("
+        "reader VARCHAR(64) NOT NULL PRIMARY KEY, seq BIGINT NOT NULL, "
+        "payload LONGTEXT NOT NULL) ENGINE=InnoDB",
+    ]
+
+
+def exists(conn: pymysql.connections.Connection[Any], database: str) -> bool:
+    with translated("looking for the control table"), conn.cursor() as cur:
+        cur.execute(
+            "SELECT COUNT(*) FROM information_schema.TABLES WHERE TABLE_SCHEMA = %s "
+            "AND TABLE_NAME IN (%s, %s)",
+            (database, TABLE, CHUNKS),
+        )
+        row = cur.fetchone()
+    return bool(row and int(row[0]) == 2)
+
+
+def ensure(conn: pymysql.connections.Connection[Any], database: str) -> bool:
+    """Create the control tables if missing; True when they were created.
+
+    Raises:
+        SourcePermissionError: the user may not create them (with the GRANT to run).
+    """
+    if exists(conn, database):
+        return False
+    statements = create_sql(database)
+    try:
+        with translated("creating the control tables"), conn.cursor() as cur:
+            for statement in statements:
+                cur.execute(statement)
+    except SourcePermissionError as exc:
+        raise SourcePermissionError(
+            f"cannot create {database}.{TABLE} (where BinlogSource keeps its position, accepted "
+            f"columns and snapshot progress): GRANT CREATE, SELECT, INSERT, UPDATE, DELETE ON "
+            f"`{database}`.* TO {current_user(conn)}, pass control_database= naming one it may "
+            f"use, or have an admin run: {'; '.join(statements)}"
+        ) from exc
+    return True
+
+
+@dataclass
+class Snapshot:
+    """One table's snapshot request (the same JSON shape as PostgreSQL's)."""
+
+    table: str
+    where: str | None = None
+    last_key: list[Any] | None = None
+    chunks: int = 0
+    rows: int = 0
+    done: bool = False
+    requested_at: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "table": self.table,
+            "where": self.where,
+            "last_key": self.last_key,
+            "chunks": self.chunks,
+            "rows": self.rows,
+            "done": self.done,
+            "requested_at": self.requested_at,
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Snapshot:
+        return cls(
+            raw["table"],
+            raw.get("where"),
+            raw.get("last_key"),
+            int(raw.get("chunks", 0)),
+            int(raw.get("rows", 0)),
+            bool(raw.get("done", False)),
+            raw.get("requested_at"),
+        )
+
+
+@dataclass
+class ControlRow:
+    reader: str
+    poller: str | None
+    server_id: int
+    tables: list[str]
+    created_file: str | None
+    created_pos: int | None
+    columns: dict[str, dict[str, str]] = field(default_factory=dict)
+    snapshots: list[Snapshot] = field(default_factory=list)
+    through_after: str | None = None
+    through_file: str | None = None
+    through_pos: int | None = None
+    #: A column type change the reader stopped at, in words (until accepted).
+    schema_break: str | None = None
+
+    @property
+    def pending_snapshots(self) -> list[Snapshot]:
+        return [s for s in self.snapshots if not s.done]
+
+
+def read(
+    conn: pymysql.connections.Connection[Any], database: str, reader: str, *, lock: bool = False
+) -> ControlRow | None:
+    columns = (
+        "reader, poller, server_id, tables_json, created_file, created_pos, columns_json, "
+        "snapshots_json, through_after, through_file, through_pos, schema_break"
+    )
+    query = f"SELECT {columns} FROM `{database}`.`{TABLE}` WHERE reader = %s"  # noqa: S608
+    if lock:
+        query += " FOR UPDATE"
+    with translated("reading the control table"), conn.cursor() as cur:
+        cur.execute(query, (reader,))
+        row = cur.fetchone()
+    if row is None:
+        return None
+    return ControlRow(
+        str(row[0]),
+        row[1],
+        int(row[2]),
+        list(json.loads(row[3])),
+        row[4],
+        None if row[5] is None else int(row[5]),
+        {t: dict(c) for t, c in json.loads(row[6]).items()},
+        [Snapshot.from_json(s) for s in json.loads(row[7])],
+        row[8],
+        row[9],
+        None if row[10] is None else int(row[10]),
+        row[11],
+    )
+
+
+def write(conn: pymysql.connections.Connection[Any], database: str, row: ControlRow) -> None:
+    """Insert or replace the reader's row."""
+    statement = (
+        f"INSERT INTO `{database}`.`{TABLE}` (reader, poller, server_id, tables_json, "  # noqa: S608
+        "created_file, created_pos, columns_json, snapshots_json, through_after, through_file, "
+        "through_pos) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) ON DUPLICATE KEY "
+        "UPDATE poller = VALUES(poller), server_id = VALUES(server_id), "
+        "tables_json = VALUES(tables_json), created_file = VALUES(created_file), "
+        "created_pos = VALUES(created_pos), columns_json = VALUES(columns_json), "
+        "snapshots_json = VALUES(snapshots_json), through_after = VALUES(through_after), "
+        "through_file = VALUES(through_file), through_pos = VALUES(through_pos), "
+        "updated_at = CURRENT_TIMESTAMP(6)"
+    )
+    with translated("writing the control table"), conn.cursor() as cur:
+        cur.execute(
+            statement,
+            (
+                row.reader,
+                row.poller,
+                row.server_id,
+                json.dumps(row.tables),
+                row.created_file,
+                row.created_pos,
+                json.dumps(row.columns),
+                json.dumps([s.to_json() for s in row.snapshots]),
+                row.through_after,
+                row.through_file,
+                row.through_pos,
+            ),
+        )
+
+
+def update(
+    conn: pymysql.connections.Connection[Any], database: str, reader: str, **values: Any
+) -> None:
+    """Set some columns of the reader's row (``columns``/``snapshots`` as Python objects)."""
+    sets: list[str] = []
+    params: list[Any] = []
+    for name, value in values.items():
+        if name == "columns":
+            sets.append("columns_json = %s")
+            params.append(json.dumps(value))
+        elif name == "snapshots":
+            sets.append("snapshots_json = %s")
+            params.append(json.dumps([s.to_json() for s in value]))
+        elif name in ("through_after", "through_file", "through_pos", "schema_break"):
+            sets.append(f"{name} = %s")
+            params.append(value)
+        else:
+            raise ValueError(f"not a control column: {name}")
+    statement = (
+        f"UPDATE `{database}`.`{TABLE}` SET {', '.join(sets)}, "  # noqa: S608
+        "updated_at = CURRENT_TIMESTAMP(6) WHERE reader = %s"
+    )
+    with translated("updating the control table"), conn.cursor() as cur:
+        cur.execute(statement, [*params, reader])
+
+
+def delete(conn: pymysql.connections.Connection[Any], database: str, reader: str) -> bool:
+    if not exists(conn, database):
+        return False
+    with translated("removing the reader's control row"), conn.cursor() as cur:
+        cur.execute(f"DELETE FROM `{database}`.`{CHUNKS}` WHERE reader = %s", (reader,))  # noqa: S608
+        count = cur.execute(f"DELETE FROM `{database}`.`{TABLE}` WHERE reader = %s", (reader,))  # noqa: S608
+    return bool(count)
+
+
+__all__ = [
+    "CHUNKS",
+    "TABLE",
+    "ControlRow",
+    "Snapshot",
+    "create_sql",
+    "delete",
+    "ensure",
+    "exists",
+    "read",
+    "update",
+    "write",
+]

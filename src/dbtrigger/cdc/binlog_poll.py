@@ -1,0 +1,357 @@
+"""Reading the binary log in bounded reads, and remembering how far it held nothing for us.
+
+One read (:meth:`BinlogPoller.fill`) is a non-blocking binlog dump: the server
+sends what its log holds from a file and offset, then says "end of log". It is
+bounded three ways, like a PostgreSQL peek: by the end of the log when it
+runs, by a change count (``read_ahead``; the read stops inside a transaction
+if it must, and the next read finishes it), and by ``read_timeout_seconds``
+(the read then stops at the next transaction boundary: it is still a read of
+whole transactions, just a shorter one).
+
+Where a read starts:
+
+* the buffer (:class:`~dbtrigger.cdc.buffer.TransactionBuffer`) is kept
+  between reads; a read that follows one which ended at a transaction boundary
+  continues at the offset where that one ended, and appends;
+* otherwise (a new process, a checkpoint behind what the buffer holds, a read
+  that stopped inside a transaction) it starts at the checkpoint's
+  transaction, skipping the changes of it already delivered, and checks that
+  the log there still holds that transaction (its GTID);
+* a poller with no checkpoint starts where the reader was created (the control
+  row), so nothing committed since ``install`` is missed;
+* and when the control row says the log was read through to some offset with
+  nothing after this very checkpoint (**read-through**), from there.
+
+Read-through is written behind durable checkpoints only (:meth:`release`),
+at most every ``heartbeat_interval_seconds``: the binlog's counterpart of
+advancing a slot. A quiet table on a busy server then resumes near the end of
+the log after a restart instead of re-reading hours of other tables' changes,
+and its retention check measures from there. The write is itself a small row
+in the log, the reader's heartbeat.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pymysql
+
+from dbtrigger.cdc import binlog_control as control
+from dbtrigger.cdc.binlog_reader import Assembler, Where, commit_token
+from dbtrigger.cdc.binlog_setup import (
+    binary_logs,
+    connect_kwargs,
+    current_user,
+    file_index,
+    replication_refused,
+)
+from dbtrigger.cdc.buffer import Transaction, TransactionBuffer
+from dbtrigger.cdc.position import LogPosition
+from dbtrigger.errors import DbTriggerError, FetchError, SlotLostError, SourcePermissionError
+from dbtrigger.sources.errors_map import source_error
+
+if TYPE_CHECKING:
+    from dbtrigger.cdc.binlog_source import BinlogSource
+
+log = logging.getLogger("dbtrigger.cdc")
+
+#: Server error: the dump cannot start at the position asked for.
+ER_MASTER_FATAL_READING_BINLOG = 1236
+
+
+@dataclass
+class _ReadState:
+    """Where one read is in the log."""
+
+    file: str
+    index: int
+    #: End of the last event read: where the next one starts.
+    last_end: int
+    #: The last transaction boundary (None: the read stopped inside a transaction).
+    boundary: tuple[str, int] | None
+    #: The first transaction was checked against the one the read expected there.
+    checked: bool
+
+
+def _connect(**kwargs: Any) -> pymysql.connections.Connection[Any]:
+    """PyMySQL's connect for mysql-replication, which still passes the deprecated ``db=``."""
+    if "db" in kwargs:
+        kwargs["database"] = kwargs.pop("db")
+    return pymysql.connect(**kwargs)
+
+
+class BinlogPoller:
+    """Fills the source's buffer by bounded binlog dumps (see the module docstring)."""
+
+    def __init__(self, source: BinlogSource) -> None:
+        self.source = source
+        #: (file name, offset) where the last read ended at a transaction boundary.
+        self.continue_from: tuple[str, int] | None = None
+        self._last_through_write = 0.0
+        self._through_written: tuple[str, str, int] | None = None
+
+    # --- where to start --------------------------------------------------------------------
+
+    def start_for(self, after: LogPosition | None) -> tuple[str, int, str | None]:
+        """(file, offset, commit expected first) for a read of what follows ``after``.
+
+        Raises:
+            SlotLostError: the file the read must start in is no longer on the server.
+        """
+        s = self.source
+        row = s.control_row
+        files = binary_logs(s.connection())
+        by_index = {file_index(name): name for name, _ in files}
+        key = "-" if after is None else after.text
+        if row is not None and row.through_after == key and row.through_file in dict(files):
+            assert row.through_pos is not None  # noqa: S101 - written together
+            return row.through_file, row.through_pos, None
+        if row is None or row.created_file is None or row.created_pos is None:
+            raise SlotLostError(
+                f"reader {s.reader} has no recorded start position; run dbtrigger cdc "
+                "install MODULE:TRIGGER --yes",
+                poller=s.poller,
+            )
+        created = (file_index(row.created_file), row.created_pos)
+        where = None if after is None else Where.parse(after.commit)
+        if where is None or created > (where.file_index, where.offset):
+            # No checkpoint yet, or the reader was recreated after it (cdc recreate): the
+            # operator chose to go on from the new start.
+            name, offset, expect = row.created_file, row.created_pos, None
+            index = created[0]
+        else:
+            index, offset = where.file_index, where.offset
+            expect = None if after is None else after.commit
+            name = by_index.get(index, "")
+        if index not in by_index:
+            oldest = files[0][0] if files else "(none)"
+            raise SlotLostError(
+                f"the binary log file holding poller {s.poller or s.reader}'s position "
+                f"(file #{index}, offset {offset}) was removed by the server (oldest kept: "
+                f"{oldest}; binlog_expire_logs_seconds={s.facts_expire_text()}), so the changes "
+                "since then are gone. Start again from now and read the tables again: "
+                "dbtrigger cdc recreate MODULE:TRIGGER --snapshot --yes",
+                poller=s.poller,
+            )
+        return name, offset, expect
+
+    # --- reading -----------------------------------------------------------------------------
+
+    def fill(self, after: LogPosition | None, limit: int) -> None:
+        s = self.source
+        buffer = s.buffer
+        keep = max(s.read_ahead, limit)
+        if buffer.covers(after) and self.continue_from is not None:
+            name, offset = self.continue_from
+            expect = None
+            room = max(1, keep - buffer.pending(after))
+        else:
+            name, offset, expect = self.start_for(after)
+            buffer.reset(after)
+            self.continue_from = None
+            room = keep
+        if buffer.pending(after) == 0:
+            s.snapshots.emit(after)  # caught up: a chunk written now is in this very read
+        self.read(name, offset, after, room, expect)
+
+    def read(
+        self, name: str, offset: int, after: LogPosition | None, room: int, expect: str | None
+    ) -> None:
+        from pymysqlreplication import BinLogStreamReader  # noqa: PLC0415
+
+        s = self.source
+        buffer = s.buffer
+        asm: Assembler = s.assembler
+        asm.start(room)
+        stream = BinLogStreamReader(
+            connection_settings=connect_kwargs(s.url),
+            server_id=s.server_id,
+            blocking=False,
+            resume_stream=True,
+            log_file=name,
+            log_pos=offset,
+            # The file+offset dump (COM_BINLOG_DUMP) on MariaDB too: the library's MariaDB
+            # path dumps by GTID state and ignores log_file/log_pos.
+            is_mariadb=False,
+            only_schemas=s.schemas,
+            enable_logging=False,
+            pymysql_wrapper=_connect,
+        )
+        state = _ReadState(name, file_index(name), offset, (name, offset), expect is None)
+        deadline = time.monotonic() + s.read_timeout
+        stopped = False
+        try:
+            while True:
+                event = stream.fetchone()
+                if event is None:
+                    break
+                self._feed(state, event, after, expect)
+                if asm.current is not None and (asm.full or asm.schema_break is not None):
+                    txn = asm.partial()  # out of room, or a type change: stop inside it
+                    if txn is not None and asm.schema_break is None:
+                        buffer.append(txn)
+                    stopped = True
+                    state.boundary = None
+                    break
+                if asm.current is None and (asm.full or time.monotonic() >= deadline):
+                    stopped = True
+                    break
+        except DbTriggerError:
+            buffer.loaded = False
+            self.continue_from = None
+            raise
+        except Exception as exc:
+            buffer.loaded = False
+            self.continue_from = None
+            raise self.translate(exc) from exc
+        finally:
+            stream.close()
+        self.continue_from = state.boundary
+        buffer.finish(complete=not stopped, through=None)
+        s.schema_break = asm.schema_break
+
+    def _feed(
+        self, state: _ReadState, event: Any, after: LogPosition | None, expect: str | None
+    ) -> None:
+        """Take one event of the dump (positions, transaction boundaries, rows)."""
+        from pymysqlreplication import event as ev  # noqa: PLC0415
+        from pymysqlreplication import row_event as rev  # noqa: PLC0415
+
+        asm = self.source.assembler
+        buffer = self.source.buffer
+        kind = type(event)
+        if kind is ev.RotateEvent:
+            state.file = event.next_binlog
+            state.index = file_index(state.file)
+            state.last_end = event.position
+            if asm.current is None:
+                state.boundary = (state.file, state.last_end)
+            return
+        start = state.last_end
+        end = event.packet.log_pos or start
+        state.last_end = end
+        if kind is ev.MariadbGtidEvent or kind is ev.GtidEvent:
+            gtid = event.gtid if getattr(event, "gno", 1) else None
+            token = commit_token(state.index, start, gtid)
+            if not state.checked:
+                state.checked = True
+                if token != expect:
+                    raise self.not_there(expect or "", token, state.file, start)
+            standalone = kind is ev.MariadbGtidEvent and bool(event.flags & 1)
+            asm.begin(token, gtid, event.timestamp, after, explicit=not standalone)
+        elif kind is ev.QueryEvent:
+            text = event.query if isinstance(event.query, str) else str(event.query)
+            word = text.lstrip()[:6].upper()
+            if word == "BEGIN":
+                if asm.current is None:  # no GTID event (old servers): BEGIN starts it
+                    token = commit_token(state.index, start, None)
+                    asm.begin(token, None, event.timestamp, after, explicit=True)
+                return
+            asm.query(text)
+            if word == "COMMIT" or (asm.current is not None and not asm.explicit):
+                self._committed(asm.commit(event.timestamp), buffer, state, end)
+        elif kind is ev.XidEvent:
+            self._committed(asm.commit(event.timestamp), buffer, state, end)
+        elif kind is rev.TableMapEvent:
+            asm.table_map(event)
+        elif kind is rev.WriteRowsEvent:
+            asm.rows(event, "I")
+        elif kind is rev.UpdateRowsEvent:
+            asm.rows(event, "U")
+        elif kind is rev.DeleteRowsEvent:
+            asm.rows(event, "D")
+
+    @staticmethod
+    def _committed(
+        txn: Transaction[Any] | None, buffer: TransactionBuffer[Any], state: _ReadState, end: int
+    ) -> None:
+        if txn is not None:
+            buffer.append(txn)
+        state.boundary = (state.file, end)
+
+    def not_there(self, expect: str, found: str, name: str, offset: int) -> SlotLostError:
+        s = self.source
+        return SlotLostError(
+            f"the binary log at {name} offset {offset} holds transaction {found}, not "
+            f"{expect} where poller {s.poller or s.reader}'s checkpoint is: the log was reset "
+            "(RESET MASTER) or this is another server. The changes since the checkpoint cannot "
+            "be found; start again and read the tables again: dbtrigger cdc recreate "
+            "MODULE:TRIGGER --snapshot --yes",
+            poller=s.poller,
+        )
+
+    def translate(self, exc: Exception) -> DbTriggerError:
+        s = self.source
+        code = exc.args[0] if isinstance(exc, pymysql.MySQLError) and exc.args else None
+        message = (
+            str(exc.args[1])
+            if isinstance(exc, pymysql.MySQLError) and len(exc.args) > 1
+            else str(exc)
+        )
+        if code in (1045, 1227, 1044) or "REPLICATION SLAVE" in message.upper():
+            try:
+                user = current_user(s.connection())
+            except DbTriggerError:
+                user = "'user'@'host'"
+            return SourcePermissionError(replication_refused(user) + f" ({message})")
+        if code == ER_MASTER_FATAL_READING_BINLOG:
+            lowered = message.lower()
+            if "same server_uuid/server_id" in lowered or "same server_id" in lowered:
+                return FetchError(
+                    f"the server dropped this reader's binlog connection: another replica or "
+                    f"reader connected with server_id {s.server_id} ({message}). Give each "
+                    "BinlogSource its own server_id= (the default is derived from the poller "
+                    "name; two pollers with one name on one server collide)"
+                )
+            return SlotLostError(
+                f"the server cannot send its binary log from the position needed ({message}): "
+                "the file was purged or the log reset. Start again and read the tables again: "
+                "dbtrigger cdc recreate MODULE:TRIGGER --snapshot --yes",
+                poller=s.poller,
+            )
+        return source_error(exc, "reading the binary log")
+
+    # --- after durable checkpoints ------------------------------------------------------------
+
+    def release(self, acked: LogPosition | None) -> None:
+        """``acked`` is durable: forget what it passed; note read-through now and then."""
+        s = self.source
+        buffer = s.buffer
+        if acked is not None:
+            buffer.trim(acked)
+        if (
+            not buffer.loaded
+            or not buffer.complete
+            or self.continue_from is None
+            or buffer.pending(acked) != 0
+            or not buffer.covers(acked)
+        ):
+            return
+        now = time.monotonic()
+        if now - self._last_through_write < s.heartbeat_interval:
+            return
+        key = "-" if acked is None else acked.text
+        name, offset = self.continue_from
+        if self._through_written == (key, name, offset):
+            return
+        self._last_through_write = now
+        conn = s.connection()
+        control.update(
+            conn,
+            s.control_database,
+            s.reader,
+            through_after=key,
+            through_file=name,
+            through_pos=offset,
+        )
+        self._through_written = (key, name, offset)
+        if s.control_row is not None:
+            s.control_row.through_after = key
+            s.control_row.through_file = name
+            s.control_row.through_pos = offset
+
+
+__all__ = ["BinlogPoller"]

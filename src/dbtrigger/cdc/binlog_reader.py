@@ -1,0 +1,417 @@
+"""The binary log, read: events in, whole committed transactions out, changes on demand.
+
+A binlog is the server's commit log: transactions are written to it whole, at
+commit, in commit order. So a reader sees no transaction before it committed,
+never a rolled-back one, and never a late commit behind an earlier position
+(the failure a fixed visibility window has on a polled cursor column).
+
+**Positions.** A transaction's commit token is where it starts in the log,
+fixed width so that text order is log order::
+
+    0000000003:000000012345:0-1-4711
+    file index  byte offset  GTID (MariaDB domain-server-seq, MySQL uuid:n; absent
+                             when MySQL runs without GTIDs)
+
+The file index is the binlog file's numeric suffix, the offset that of the
+transaction's first event (its GTID event), where a reader resumes to finish a
+transaction a checkpoint is inside of. The GTID is checked on that resume: a
+log that was reset (``RESET MASTER``) or another server's log holding other
+transactions at that offset is refused, never read as if it were the same.
+
+**Reads.** :class:`Assembler` turns one read's events into
+:class:`~dbtrigger.cdc.buffer.Transaction` objects holding, per change, its
+table's shape and value tuples (the dicts of a
+:class:`~dbtrigger.cdc.changes.Change` are built only when a batch is handed
+out). Snapshot chunks (rows of ``dbtrigger_cdc_chunks``, see
+:mod:`dbtrigger.cdc.binlog_snapshot`) become ``upsert`` changes at their
+transaction's place in the log.
+
+**Columns.** From the table map's metadata (``binlog_row_metadata=FULL``),
+else from ``information_schema`` checked against the table map (column count).
+:class:`SchemaGuard` holds the accepted column types per table: a new column
+just appears, a changed type stops the read before the transaction that first
+has it (:attr:`Assembler.schema_break`).
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import decimal
+import json
+import logging
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dbtrigger.cdc.binlog_setup import TableInfo
+from dbtrigger.cdc.buffer import Transaction
+from dbtrigger.cdc.changes import Change
+from dbtrigger.cdc.position import LogPosition
+from dbtrigger.errors import CorruptStateError, SerializationError
+
+log = logging.getLogger("dbtrigger.cdc")
+
+FILE_DIGITS = 10
+OFFSET_DIGITS = 12
+_OPS = {"I": "insert", "U": "update", "D": "delete", "S": "upsert"}
+
+
+# --- positions -----------------------------------------------------------------------------
+
+
+def commit_token(file_index: int, offset: int, gtid: str | None) -> str:
+    token = f"{file_index:0{FILE_DIGITS}d}:{offset:0{OFFSET_DIGITS}d}"
+    return f"{token}:{gtid}" if gtid else token
+
+
+@dataclass(frozen=True)
+class Where:
+    """A commit token read back: file index, offset, GTID (or None)."""
+
+    file_index: int
+    offset: int
+    gtid: str | None
+
+    @classmethod
+    def parse(cls, token: str) -> Where:
+        parts = token.split(":", 2)
+        if (
+            len(parts) < 2
+            or len(parts[0]) != FILE_DIGITS
+            or len(parts[1]) != OFFSET_DIGITS
+            or not (parts[0].isdigit() and parts[1].isdigit())
+        ):
+            raise CorruptStateError(
+                f"checkpoint commit {token!r} is not a binlog position (file:offset[:gtid]); "
+                "was the state written by another kind of source?"
+            )
+        return cls(int(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 else None)
+
+
+# --- shapes and schema ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RowShape:
+    """A watched table's columns as one table map (or snapshot chunk) named them."""
+
+    table: str
+    names: tuple[str, ...]
+    keys: tuple[str, ...]
+
+    def image(self, values: Sequence[Any]) -> dict[str, Any]:
+        return dict(zip(self.names, values, strict=False))
+
+    def pk(self, image: Mapping[str, Any]) -> dict[str, Any]:
+        if not self.keys:
+            return dict(image)  # no primary key: the whole row names it
+        return {k: image[k] for k in self.keys if k in image}
+
+
+class SchemaGuard:
+    """Accepted column types per table (name -> binlog type signature).
+
+    As :class:`dbtrigger.cdc.pg_reader.SchemaGuard`: added columns are accepted
+    (and :attr:`added` set so the source persists them), a changed type is a
+    problem in words.
+    """
+
+    def __init__(self, accepted: Mapping[str, Mapping[str, str]]) -> None:
+        self.accepted: dict[str, dict[str, str]] = {t: dict(c) for t, c in accepted.items()}
+        self.added = False
+
+    def check(self, table: str, columns: Sequence[tuple[str, str]]) -> str | None:
+        known = self.accepted.setdefault(table, {})
+        changed = [(n, known[n], t) for n, t in columns if n in known and known[n] != t]
+        if changed:
+            return "; ".join(
+                f"column {n} of {table} changed type ({type_name(old)} -> {type_name(new)})"
+                for n, old, new in changed
+            )
+        for name, sig in columns:
+            if name not in known:
+                known[name] = sig
+                self.added = True
+        return None
+
+
+def type_name(signature: str) -> str:
+    """``3u`` -> ``LONG UNSIGNED`` (binlog field type names)."""
+    from pymysqlreplication.constants import FIELD_TYPE  # noqa: PLC0415
+
+    code = int(signature.rstrip("u"))
+    names = {v: k for k, v in vars(FIELD_TYPE).items() if isinstance(v, int) and k.isupper()}
+    name = str(names.get(code, code))
+    return name + (" UNSIGNED" if signature.endswith("u") else "")
+
+
+@dataclass
+class SchemaBreak:
+    commit: str
+    problem: str
+
+
+# --- snapshot chunk values ------------------------------------------------------------------
+
+
+def encode_value(value: Any) -> Any:
+    """A column value as JSON that :func:`decode_value` turns back into the same type."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, decimal.Decimal):
+        return {"$dec": str(value)}
+    if isinstance(value, dt.datetime):
+        return {"$dt": value.isoformat()}
+    if isinstance(value, dt.date):
+        return {"$date": value.isoformat()}
+    if isinstance(value, dt.timedelta):
+        return {"$td": value.total_seconds()}
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return {"$b": base64.b64encode(bytes(value)).decode()}
+    if isinstance(value, (set, frozenset)):
+        return {"$set": sorted(str(v) for v in value)}
+    return str(value)
+
+
+def decode_value(value: Any) -> Any:
+    if not isinstance(value, dict):
+        return value
+    ((tag, raw),) = value.items()
+    if tag == "$dec":
+        return decimal.Decimal(raw)
+    if tag == "$dt":
+        return dt.datetime.fromisoformat(raw)
+    if tag == "$date":
+        return dt.date.fromisoformat(raw)
+    if tag == "$td":
+        return dt.timedelta(seconds=raw)
+    if tag == "$b":
+        return base64.b64decode(raw)
+    if tag == "$set":
+        return set(raw)
+    raise SerializationError(f"snapshot chunk value with unknown tag {tag!r}")
+
+
+# --- assembling transactions --------------------------------------------------------------
+
+
+_TRUNCATE = re.compile(r"^\s*truncate\s+(?:table\s+)?[`\"]?(\w+)[`\"]?(?:\.[`\"]?(\w+))?", re.I)
+
+
+class Assembler:
+    """Turns the events of one read into committed transactions of watched changes."""
+
+    def __init__(
+        self,
+        watched: Mapping[str, TableInfo],
+        guard: SchemaGuard,
+        *,
+        chunks_table: str,
+        reader: str,
+        names_from_log: bool,
+        on_truncate: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self.watched = watched
+        self.guard = guard
+        self.chunks_table = chunks_table
+        self.reader = reader
+        self.names_from_log = names_from_log
+        self.on_truncate = on_truncate
+        self.shapes: dict[int, RowShape | None] = {}
+        self._problems: dict[int, str] = {}
+        self._signatures: dict[int, list[tuple[str, str]]] = {}
+        self._checked: set[int] = set()
+        self.current: Transaction[Any] | None = None
+        self._explicit = False
+        self._skip = False
+        self._to_skip = 0
+        self.room = 0
+        self.full = False
+        self.schema_break: SchemaBreak | None = None
+        self.first_commit: str | None = None
+
+    def start(self, room: int) -> None:
+        self.current = None
+        self._explicit = False
+        self.room = room
+        self.full = False
+        self.schema_break = None
+        self.first_commit = None
+
+    # -- transaction boundaries --
+
+    def begin(
+        self, token: str, gtid: str | None, when: int, after: LogPosition | None, *, explicit: bool
+    ) -> None:
+        if self.first_commit is None:
+            self.first_commit = token
+        self._skip = after is not None and token < after.commit
+        offset = after.ordinal if after is not None and token == after.commit else 0
+        self._to_skip = offset
+        self._explicit = explicit
+        self.current = Transaction(token, 0, 0, _utc(when), gtid, offset=offset)
+
+    def commit(self, when: int) -> Transaction[Any] | None:
+        txn, self.current = self.current, None
+        self._explicit = False
+        if txn is None or self._skip:
+            return None
+        txn.commit_time = _utc(when)
+        return txn
+
+    def partial(self) -> Transaction[Any] | None:
+        txn, self.current = self.current, None
+        if txn is None or self._skip:
+            return None
+        txn.whole = False
+        return txn
+
+    @property
+    def explicit(self) -> bool:
+        return self._explicit
+
+    # -- events --
+
+    def table_map(self, event: Any) -> None:
+        table = f"{event.schema}.{event.table}"
+        info = self.watched.get(table)
+        if info is None:
+            self.shapes[event.table_id] = None
+            return
+        columns = event.columns
+        if self.names_from_log and all(c.name for c in columns):
+            names = tuple(str(c.name) for c in columns)
+            problem = None
+        elif len(columns) == len(info.columns):
+            names = info.names
+            problem = None
+        else:
+            names = tuple(f"col{i}" for i in range(len(columns)))
+            problem = (
+                f"{table} has {len(columns)} columns in the binary log but "
+                f"{len(info.columns)} in information_schema, and the log carries no column "
+                "names (binlog_row_metadata is not FULL), so they cannot be told apart"
+            )
+        self.shapes[event.table_id] = RowShape(table, names, info.key_columns)
+        self._signatures[event.table_id] = [
+            (n, f"{c.type}{'u' if getattr(c, 'unsigned', False) else ''}")
+            for n, c in zip(names, columns, strict=True)
+        ]
+        self._checked.discard(event.table_id)
+        if problem is None:
+            self._problems.pop(event.table_id, None)
+        else:
+            self._problems[event.table_id] = problem
+
+    def _problem(self, table_id: int, table: str) -> str | None:
+        """The type change this table map shows, checked when its first row is kept (a
+        table map of a transaction delivered already must not accept its old types again)."""
+        if table_id not in self._checked:
+            self._checked.add(table_id)
+            if table_id not in self._problems:
+                problem = self.guard.check(table, self._signatures.get(table_id, []))
+                if problem is not None:
+                    self._problems[table_id] = problem
+        return self._problems.get(table_id)
+
+    def _keep(self, raw: Any) -> None:
+        if self._to_skip:
+            self._to_skip -= 1  # delivered already: the read started inside this transaction
+            return
+        assert self.current is not None  # noqa: S101 - rows come inside transactions
+        self.current.changes.append(raw)
+        self.room -= 1
+        if self.room <= 0:
+            self.full = True
+
+    def rows(self, event: Any, kind: str) -> None:
+        """A rows event: keep its watched rows (or expand our snapshot chunk)."""
+        if self.current is None or self._skip or self.schema_break is not None:
+            return
+        table = f"{event.schema}.{event.table}"
+        if table == self.chunks_table:
+            self._chunk(event, kind)
+            return
+        shape = self.shapes.get(event.table_id)
+        if shape is None:
+            return
+        for row in event.rows:
+            if self._to_skip:
+                self._to_skip -= 1  # delivered already: the read started inside this transaction
+                continue
+            problem = self._problem(event.table_id, table)
+            if problem is not None:
+                self.schema_break = SchemaBreak(self.current.commit, problem)
+                return
+            if kind == "U":
+                before = tuple(row["before_values"].values())
+                self._keep((shape, "U", before, tuple(row["after_values"].values())))
+            elif kind == "I":
+                self._keep((shape, "I", None, tuple(row["values"].values())))
+            else:
+                self._keep((shape, "D", tuple(row["values"].values()), None))
+
+    def _chunk(self, event: Any, kind: str) -> None:
+        for row in event.rows:
+            values = row["after_values"] if kind == "U" else row.get("values")
+            if kind == "D" or values is None or values.get("reader") != self.reader:
+                continue
+            chunk = json.loads(values["payload"])
+            info = self.watched.get(chunk["table"])
+            if info is None:
+                continue
+            shape = RowShape(chunk["table"], tuple(chunk["columns"]), info.key_columns)
+            for encoded in chunk["rows"]:
+                self._keep((shape, "S", None, tuple(decode_value(v) for v in encoded)))
+
+    def query(self, text: str) -> None:
+        match = _TRUNCATE.match(text)
+        if match is None or self.on_truncate is None or self.current is None or self._skip:
+            return
+        name = ".".join(p for p in match.groups() if p)
+        for table in self.watched:
+            if table == name or table.endswith("." + name):
+                self.on_truncate(table, self.current.commit)
+
+
+def _utc(seconds: int) -> dt.datetime | None:
+    if not seconds:
+        return None
+    return dt.datetime.fromtimestamp(seconds, dt.timezone.utc)
+
+
+def materialise(txn: Transaction[Any], ordinal: int, raw: tuple[Any, ...]) -> Change:
+    """The change at ``ordinal`` of ``txn`` (raw: shape, kind, before and after values)."""
+    shape, kind, before_values, after_values = raw
+    before = None if before_values is None else shape.image(before_values)
+    after = None if after_values is None else shape.image(after_values)
+    keyed = after if after is not None else before
+    return Change(
+        position=LogPosition(txn.commit, ordinal),
+        op=_OPS[kind],
+        table=shape.table,
+        pk=shape.pk(keyed or {}),
+        before=before,
+        after=after,
+        commit_time=txn.commit_time,
+        transaction_id=txn.transaction_id,
+        last_in_transaction=txn.whole and ordinal == txn.last_ordinal,
+        before_image=None if before is None else "full",
+        snapshot=kind == "S",
+    )
+
+
+__all__ = [
+    "Assembler",
+    "RowShape",
+    "SchemaBreak",
+    "SchemaGuard",
+    "Where",
+    "commit_token",
+    "decode_value",
+    "encode_value",
+    "materialise",
+    "type_name",
+]

@@ -53,10 +53,10 @@ from dbtrigger.errors import (
 )
 from dbtrigger.events import RowChange
 from dbtrigger.metrics import MetricsCollector
+from dbtrigger.redaction import safe_url_text
 from dbtrigger.sources.base import SourceFinding
 from dbtrigger.sources.fingerprint import identity_url
 from dbtrigger.sources.lag import LagReading, column_basis
-from dbtrigger.sources.sqlalchemy import safe_url_text
 
 if TYPE_CHECKING:
     from dbtrigger.cdc.binlog_admin import BinlogAdmin

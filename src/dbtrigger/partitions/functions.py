@@ -136,31 +136,37 @@ def storage_queue(connection: str, queue_name: str) -> Enqueue:
     """An :data:`Enqueue` onto a Storage Queue, base64-encoded as the Functions host expects.
 
     ``connection`` is the name of the app setting holding the connection string
-    (``AzureWebJobsStorage``), as in the queue trigger's own ``connection``.
+    (``AzureWebJobsStorage``), as in the queue trigger's own ``connection``. A
+    failed send raises what the Blob and Table stores raise for the same
+    failure (:mod:`dbtrigger._azure_errors`).
     """
     client: Any = None
 
     def enqueue(body: str) -> None:
         nonlocal client
+        try:
+            from azure.core.exceptions import ResourceExistsError  # noqa: PLC0415
+            from azure.storage.queue import QueueClient, TextBase64EncodePolicy  # noqa: PLC0415
+
+            from dbtrigger import _azure_errors as azure_errors  # noqa: PLC0415
+        except ImportError as exc:
+            raise ConfigurationError(
+                'partitioned Functions need azure-storage-queue: pip install "dbtrigger[azure]"'
+            ) from exc
         if client is None:
-            try:
-                from azure.core.exceptions import ResourceExistsError  # noqa: PLC0415
-                from azure.storage.queue import (  # noqa: PLC0415
-                    QueueClient,
-                    TextBase64EncodePolicy,
-                )
-            except ImportError as exc:
-                raise ConfigurationError(
-                    'partitioned Functions need azure-storage-queue: pip install "dbtrigger[azure]"'
-                ) from exc
             client = QueueClient.from_connection_string(
                 resolve_setting(f"%{connection}%"),
                 queue_name,
                 message_encode_policy=TextBase64EncodePolicy(),
             )
-            with contextlib.suppress(ResourceExistsError):
+            with (
+                azure_errors.mapped(azure_errors.QUEUE, f"creating queue {queue_name}"),
+                contextlib.suppress(ResourceExistsError),
+            ):
                 client.create_queue()
-        client.send_message(body)
+        where = f"sending a message to queue {queue_name}"
+        with azure_errors.mapped(azure_errors.QUEUE, where, write=True):
+            client.send_message(body)
 
     return enqueue
 

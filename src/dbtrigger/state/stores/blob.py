@@ -21,10 +21,11 @@ Two choices that matter when a network misbehaves:
   means it was sent and the answer was lost (ambiguous).
 
 Errors are translated in one place, :meth:`BlobCheckpointStore._translated`,
-with the SDK exception chained as the cause. Our messages carry the operation,
-blob path, HTTP status and storage error code, never the SDK's message text
-(which can echo request URLs, and with SAS authentication those carry a
-signature).
+by the mapper the Table store and the Queue glue share
+(:mod:`dbtrigger._azure_errors`), with the SDK exception chained as the cause.
+Our messages carry the operation, blob path, HTTP status and storage error
+code, never the SDK's unredacted text (which can echo request URLs, and with
+SAS authentication those carry a signature).
 """
 
 from __future__ import annotations
@@ -33,31 +34,21 @@ import contextlib
 import logging
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from azure.core import MatchConditions
 from azure.core.exceptions import (
-    AzureError,
-    ClientAuthenticationError,
-    HttpResponseError,
     ResourceExistsError,
     ResourceNotFoundError,
-    ServiceRequestError,
-    ServiceResponseError,
 )
 from azure.storage.blob import ContainerClient, ContentSettings, LinearRetry
 
+from dbtrigger import _azure_errors as azure_errors
 from dbtrigger.errors import (
-    AmbiguousWriteError,
-    CasConflictError,
     ConfigurationError,
     MissingSettingError,
-    StoreAuthError,
-    StoreError,
-    StoreRefusedError,
-    StoreUnavailableError,
     UnsafeIdentifierError,
 )
 from dbtrigger.names import validate_name
@@ -72,29 +63,6 @@ DEFAULT_PREFIX = "state"
 _CONTAINER_NAME = re.compile(r"^(?!.*--)[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
 _SETTING_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_:.-]*$")
 _JSON = ContentSettings(content_type="application/json")
-
-#: 409/412 error codes that mean "the precondition lost a race": the blob
-#: changed since it was read (If-Match), or exists already (If-None-Match: *).
-#: Every other 409/412 (LeaseIdMissing, BlobImmutableDueToPolicy, ...) is a
-#: refusal an operator must clear.
-_LOST_RACE_CODES = frozenset({"ConditionNotMet", "BlobAlreadyExists", "TargetConditionNotMet"})
-_LEASED = "the state blob is leased by someone else; break that lease"
-_REFUSAL_HINTS = {
-    "LeaseIdMissing": "the state blob has an active blob lease held by someone else; "
-    "break it (az storage blob lease break) or find who took it",
-    "LeaseIdMismatchWithBlobOperation": _LEASED,
-    "LeaseIdMismatchWithLeaseOperation": _LEASED,
-    "LeaseLost": _LEASED,
-    "LeaseNotPresentWithBlobOperation": "the blob lease state changed; break any lease on it",
-    "BlobImmutableDueToPolicy": "an immutability (WORM) policy or legal hold protects the "
-    "state blob; use a container without one",
-    "BlobArchived": "the state blob is in the archive tier; rehydrate it or restore a backup",
-    "BlobBeingRehydrated": "the state blob is being rehydrated from the archive tier",
-    "ContainerBeingDeleted": "the container is being deleted",
-    "ContainerDisabled": "the container is disabled",
-    "OperationNotAllowedOnIncrementalCopyBlob": "the state blob is an incremental copy",
-    "SnapshotsPresent": "the state blob has snapshots; delete them first",
-}
 
 #: Client options used when this module builds the client: a tick should fail
 #: fast and be retried by the next timer firing, not sit in the SDK's default
@@ -120,16 +88,8 @@ def validate_container_name(value: str) -> str:
     return value
 
 
-def _error_code(exc: BaseException) -> str | None:
-    code = getattr(exc, "error_code", None)
-    if code is None:
-        return None
-    return str(getattr(code, "value", code))
-
-
-def _status(exc: BaseException) -> int | None:
-    status = getattr(exc, "status_code", None)
-    return status if isinstance(status, int) else None
+def _container_missing(exc: BaseException) -> bool:
+    return azure_errors.error_code(exc) == "ContainerNotFound"
 
 
 def _safe_url(url: str) -> str:
@@ -384,87 +344,19 @@ class BlobCheckpointStore:
             return f"{op} of container {self.container_name}"
         return f"{op} of blob {self.container_name}/{blob}"
 
-    @contextlib.contextmanager
-    def _translated(self, op: str, blob: str) -> Iterator[None]:
-        """Map Azure SDK failures of ``op`` (read/write/delete/list) onto the store errors."""
-        try:
-            yield
-        except AzureError as exc:
-            raise self._translate(exc, op, blob) from exc
-
-    def _translate(self, exc: AzureError, op: str, blob: str) -> StoreError:
-        where = self._where(op, blob)
-        status, code = _status(exc), _error_code(exc)
-        detail = f"HTTP {status}" if status else type(exc).__name__
-        if code:
-            detail += f" {code}"
-        mutating = op in ("write", "delete")
-        if isinstance(exc, ClientAuthenticationError) or status in (401, 403):
-            return StoreAuthError(
-                f"{where} was refused ({detail}): check the credential, and that the identity "
-                "has the 'Storage Blob Data Contributor' role on the container",
-                status=status,
-                error_code=code,
-            )
-        if code == "ContainerNotFound":
-            return StoreUnavailableError(
-                f"{where} failed: container {self.container_name!r} does not exist in "
-                f"{self._account()}; create it, or pass create_container=True",
-                status=status,
-                error_code=code,
-            )
-        if mutating and status in (409, 412):
-            if code is None or code in _LOST_RACE_CODES:
-                return CasConflictError(
-                    f"{where} lost the compare-and-swap ({detail}): the blob changed since it "
-                    "was read, or already exists for a create-only write",
-                    status=status,
-                    error_code=code,
-                )
-            # Someone's lease on the blob, an immutability policy, an archived
-            # blob...: not another instance winning, and no retry will pass.
-            return StoreRefusedError(
-                f"{where} was refused ({detail}), and not because another instance wrote "
-                f"first: {_REFUSAL_HINTS.get(code, 'see the storage error code')}",
-                status=status,
-                error_code=code,
-            )
-        if op == "write" and status == 404:
-            return CasConflictError(
-                f"{where} refused ({detail}): the blob to update no longer exists",
-                status=status,
-                error_code=code,
-            )
-        if isinstance(exc, ServiceRequestError):
-            # azure-core: the request was never sent, so nothing was changed.
-            return StoreUnavailableError(
-                f"{where} failed: the storage endpoint is unreachable ({detail})",
-                error_code=code,
-            )
-        if isinstance(exc, ServiceResponseError) or (
-            isinstance(exc, HttpResponseError) and status is None
-        ):
-            if mutating:
-                return AmbiguousWriteError(
-                    f"{where}: the request was sent but no complete answer came back ({detail}); "
-                    "it may or may not have been applied",
-                    error_code=code,
-                )
-            return StoreUnavailableError(f"{where} got no answer ({detail})", error_code=code)
-        if isinstance(exc, HttpResponseError) and status is not None:
-            if mutating and status >= 500 and status != 503:
-                return AmbiguousWriteError(
-                    f"{where} failed on the server ({detail}); it may or may not have been applied",
-                    status=status,
-                    error_code=code,
-                )
-            if status >= 500 or status == 429:
-                return StoreUnavailableError(
-                    f"{where} failed: storage is busy or unavailable ({detail})",
-                    status=status,
-                    error_code=code,
-                )
-        return StoreError(f"{where} failed ({detail})", status=status, error_code=code)
+    def _translated(self, op: str, blob: str) -> contextlib.AbstractContextManager[None]:
+        """Map Azure SDK failures of ``op`` (read/write/delete/list) onto the store errors
+        (:mod:`dbtrigger._azure_errors`: one policy for Blob, Table and Queue)."""
+        missing = (
+            f"container {self.container_name!r} does not exist in {self._account()}; create "
+            "it, or pass create_container=True"
+        )
+        return azure_errors.mapped(
+            azure_errors.BLOB,
+            self._where(op, blob),
+            write=op in ("write", "delete"),
+            missing={"ContainerNotFound": missing},
+        )
 
     def _account(self) -> str:
         name = getattr(peek(self._client_source), "account_name", None)
@@ -472,7 +364,7 @@ class BlobCheckpointStore:
 
     def _missing_container_is_empty(self, exc: ResourceNotFoundError) -> bool:
         """A 404 means "no document" unless it is a missing container we must report."""
-        return _error_code(exc) != "ContainerNotFound" or self._create_container
+        return not _container_missing(exc) or self._create_container
 
     def _ensure_container(self) -> None:
         with self._translated("create", ""), contextlib.suppress(ResourceExistsError):
@@ -523,7 +415,7 @@ class BlobCheckpointStore:
             try:
                 result = put()
             except ResourceNotFoundError as exc:
-                if _error_code(exc) != "ContainerNotFound" or not self._create_container:
+                if not (_container_missing(exc) and self._create_container):
                     raise
                 self._ensure_container()
                 result = put()

@@ -32,9 +32,11 @@ write, including a write of identical content.
 Writes are sent with read and status retries turned off: a conditional write
 that landed but whose answer was lost would, if retried, fail its own
 precondition and be misreported as a lost race. Instead a lost answer (or a
-500/504 that may have been processed) is :class:`~dbtrigger.errors.AmbiguousWriteError`,
-which the poller resolves by re-reading. Connection errors, raised before the
-request was sent, are still retried.
+5xx other than 503, which may have been processed) is
+:class:`~dbtrigger.errors.AmbiguousWriteError`, which the poller resolves by
+re-reading. Connection errors, raised before the request was sent, are still
+retried. Errors are sorted by the mapper the Blob store and the Queue glue
+share (:mod:`dbtrigger._azure_errors`).
 """
 
 from __future__ import annotations
@@ -48,30 +50,22 @@ from typing import Any
 from azure.core import MatchConditions
 from azure.core.exceptions import (
     AzureError,
-    ClientAuthenticationError,
-    HttpResponseError,
     ResourceExistsError,
-    ResourceModifiedError,
     ResourceNotFoundError,
-    ServiceResponseError,
 )
 from azure.data.tables import TableClient, UpdateMode
 
+from dbtrigger import _azure_errors as azure_errors
 from dbtrigger.errors import (
-    AmbiguousWriteError,
     CasConflictError,
     ConfigurationError,
     CorruptStateError,
     DbTriggerError,
-    StoreAuthError,
     StoreError,
-    StoreRefusedError,
-    StoreUnavailableError,
     UnsafeIdentifierError,
     UnsupportedDocumentError,
 )
 from dbtrigger.names import validate_name
-from dbtrigger.redaction import redact
 from dbtrigger.settings import Deferred, peek, references_setting, resolve, resolve_setting
 from dbtrigger.state import sizes
 from dbtrigger.state.stores.base import StoredDocument
@@ -84,35 +78,8 @@ MAX_DOCUMENT_BYTES = MAX_ENTITY_BYTES // 2 - 4 * 1024
 MAX_PROPERTY_UNITS = 32 * 1024
 
 _TABLE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9]{2,62}$")
-_CODE_IN_TEXT = re.compile(r'"code"\s*:\s*"(\w+)"|ErrorCode:(\w+)')
 _SERVICE_ETAG = re.compile(r"^W/\"datetime'[^']+'\"$")
-_AMBIGUOUS_STATUS = frozenset({500, 504})  # "may have been processed"
 _WRITE_RETRIES = {"retry_read": 0, "retry_status": 0}
-#: 409/412 codes of a lost race: the entity exists already (create) or its etag
-#: moved (update). Any other 409/412 code is a refusal, not contention.
-_LOST_RACE_CODES = frozenset(
-    {"EntityAlreadyExists", "UpdateConditionNotSatisfied", "ConditionNotMet"}
-)
-
-
-def _short(exc: BaseException) -> str:
-    """One line naming an SDK error, with anything that looks like a key removed."""
-    first = (str(exc).strip().splitlines() or [""])[0]
-    return redact(f"{type(exc).__name__}: {first}")[:300]
-
-
-def _error_code(exc: AzureError) -> str:
-    """The service's error code (``InvalidInput``, ``TableNotFound``...), or ""."""
-    code = getattr(exc, "error_code", None)
-    if code:
-        return str(getattr(code, "value", code))
-    # Some SDK paths raise before parsing the body; the code is still in the text.
-    found = _CODE_IN_TEXT.search(str(exc))
-    return (found.group(1) or found.group(2)) if found else ""
-
-
-def _is_table_missing(exc: ResourceNotFoundError) -> bool:
-    return _error_code(exc) == "TableNotFound"
 
 
 def _utf16_units(text: str) -> int:
@@ -332,63 +299,28 @@ class TableCheckpointStore:
     def _translate(
         self, where: str, key: str, exc: AzureError, *, write: bool, if_match: str | None
     ) -> DbTriggerError:
-        """The store error for an SDK error (checked most specific first)."""
-        code = _error_code(exc)
-        if isinstance(exc, (ResourceExistsError, ResourceModifiedError)) or (
-            isinstance(exc, HttpResponseError) and exc.status_code in (409, 412)
+        """The store error for an SDK error: the Table service's own two 400s here, the
+        rest by the mapper Blob and Queue share (:mod:`dbtrigger._azure_errors`)."""
+        status, code = azure_errors.status_of(exc), azure_errors.error_code(exc)
+        # The service rejects an If-Match it could never have issued with 400
+        # InvalidInput; such an etag cannot be current, so that is a lost CAS.
+        # Only for etags of a foreign shape: a 400 on a service-shaped etag
+        # is a genuine error and must not pass for contention.
+        if (
+            status == 400
+            and code == "InvalidInput"
+            and if_match is not None
+            and not _SERVICE_ETAG.match(if_match)
         ):
-            if code and code not in _LOST_RACE_CODES:
-                # Not another instance winning: no retry will pass.
-                return StoreRefusedError(
-                    f"{where} was refused ({exc.status_code} {code}), and not because "
-                    "another instance wrote first",
-                    status=exc.status_code,
-                    error_code=code,
-                )
-            if isinstance(exc, ResourceExistsError) or exc.status_code == 409:
-                return CasConflictError(f"{key!r} already exists (create-only write)")
-            return CasConflictError(f"{key!r} changed since it was read (etag mismatch)")
-        if isinstance(exc, ResourceNotFoundError):
-            if _is_table_missing(exc):
-                return StoreUnavailableError(
-                    f"{where} failed: table {self._table_name!r} does not exist"
-                )
-            return CasConflictError(f"{key!r} no longer exists (etag mismatch)")
-        if isinstance(exc, ClientAuthenticationError):
-            return StoreAuthError(f"{where} was refused: {_short(exc)}")
-        if isinstance(exc, HttpResponseError):
-            status = exc.status_code or 0
-            if status in (401, 403):
-                return StoreAuthError(
-                    f"{where} was refused ({status}): {_short(exc)}; check the key, SAS or role"
-                )
-            # The service rejects an If-Match it could never have issued with 400
-            # InvalidInput; such an etag cannot be current, so that is a lost CAS.
-            # Only for etags of a foreign shape: a 400 on a service-shaped etag
-            # is a genuine error and must not pass for contention.
-            if (
-                status == 400
-                and code == "InvalidInput"
-                and if_match is not None
-                and not _SERVICE_ETAG.match(if_match)
-            ):
-                return CasConflictError(
-                    f"{key!r}: etag {if_match!r} was not issued by this table (etag mismatch)"
-                )
-            if status == 400 and code in ("EntityTooLarge", "PropertyValueTooLarge"):
-                return UnsupportedDocumentError(f"{where}: {_short(exc)}")
-            if write and status in _AMBIGUOUS_STATUS:
-                return AmbiguousWriteError(
-                    f"{where}: the service answered {status}; the write may have landed"
-                )
-            return StoreUnavailableError(f"{where} failed ({status}): {_short(exc)}")
-        if isinstance(exc, ServiceResponseError) and write:
-            return AmbiguousWriteError(
-                f"{where}: no answer after the request was sent ({_short(exc)}); "
-                "the write may have landed"
+            return CasConflictError(
+                f"{key!r}: etag {if_match!r} was not issued by this table (etag mismatch)"
             )
-        # ServiceRequestError (nothing was sent), a read without answer, the rest.
-        return StoreUnavailableError(f"{where} failed: {_short(exc)}")
+        if status == 400 and code in ("EntityTooLarge", "PropertyValueTooLarge"):
+            return UnsupportedDocumentError(f"{where}: {azure_errors.short(exc)}")
+        missing = {"TableNotFound": f"table {self._table_name!r} does not exist"}
+        return azure_errors.translate(
+            exc, service=azure_errors.TABLE, where=where, write=write, missing=missing
+        )
 
     def _ensure_table(self) -> None:
         if self._ready:
@@ -457,7 +389,7 @@ class TableCheckpointStore:
             try:
                 entity = self._client.get_entity(self._app, key)
             except ResourceNotFoundError as exc:
-                if _is_table_missing(exc):
+                if azure_errors.error_code(exc) == "TableNotFound":
                     raise
                 return None
         return StoredDocument(self._document(key, entity), str(entity.metadata["etag"]))

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from sqlalchemy.engine import URL
 
+from dbtrigger import options as opt
 from dbtrigger._engine import parse_database_url
 from dbtrigger.cdc import pg_control as control
 from dbtrigger.cdc import pg_setup as setup
@@ -126,14 +127,19 @@ class PgLogicalSource:
             raise ConfigurationError(f"mode must be one of {MODES}, got {mode!r}")
         if snapshot not in SNAPSHOTS:
             raise ConfigurationError(f"snapshot must be one of {SNAPSHOTS}, got {snapshot!r}")
-        if read_timeout_seconds <= 0 or read_ahead < 1 or backlog_step_mb < 1:
-            raise ConfigurationError(
-                "read_timeout_seconds must be > 0, read_ahead and backlog_step_mb >= 1"
-            )
-        if snapshot_chunk_size < 1 or snapshot_lock_timeout_seconds <= 0:
-            raise ConfigurationError(
-                "snapshot_chunk_size must be >= 1 and snapshot_lock_timeout_seconds > 0"
-            )
+        read_timeout_seconds = opt.seconds("read_timeout_seconds", read_timeout_seconds)
+        read_ahead = opt.whole("read_ahead", read_ahead)
+        backlog_step_mb = opt.whole("backlog_step_mb", backlog_step_mb)
+        heartbeat_interval_seconds = opt.seconds(  # 0: no heartbeat message
+            "heartbeat_interval_seconds", heartbeat_interval_seconds, inclusive=True
+        )
+        snapshot_chunk_size = opt.whole("snapshot_chunk_size", snapshot_chunk_size)
+        snapshot_lock_timeout_seconds = opt.seconds(
+            "snapshot_lock_timeout_seconds", snapshot_lock_timeout_seconds
+        )
+        stream_wait_seconds = opt.seconds(  # 0: a fetch that found nothing returns at once
+            "stream_wait_seconds", stream_wait_seconds, inclusive=True
+        )
         if not isinstance(url, str) or not url:
             raise ConfigurationError("PgLogicalSource needs url= (a PostgreSQL URL)")
         self._url_text = url

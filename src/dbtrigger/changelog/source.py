@@ -32,6 +32,7 @@ from typing import Any
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
+from dbtrigger import options as opt
 from dbtrigger._engine import create_engine, parse_database_url
 from dbtrigger.changelog.ddl import LOG_COLUMNS, log_table_name
 from dbtrigger.changelog.drift import Drift, find_drift
@@ -115,8 +116,8 @@ class ChangeLogSource:
             raise ConfigurationError(
                 "prune_passed_by needs prune_store (where those pollers keep state)"
             )
-        if prune_every_seconds <= 0:
-            raise ConfigurationError("prune_every_seconds must be > 0")
+        prune_every_seconds = opt.seconds("prune_every_seconds", prune_every_seconds)
+        drift_check_seconds = opt.seconds("drift_check_seconds", drift_check_seconds)
         #: Prunes what every reader passed (None: pruning is left to the operator).
         self.pruner = (
             ChangeLogPruner(
@@ -125,8 +126,6 @@ class ChangeLogSource:
             if prune_passed_by and prune_store is not None
             else None
         )
-        if not drift_check_seconds > 0:
-            raise ConfigurationError("drift_check_seconds must be > 0")
         self._drift_every = drift_check_seconds
         self._next_drift_check = 0.0
         self._table = validate_sql_identifier(table, "table")

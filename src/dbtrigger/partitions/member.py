@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from dbtrigger import options as opt
 from dbtrigger.cursor import BEGINNING
 from dbtrigger.errors import (
     CasConflictError,
@@ -121,9 +122,11 @@ class PartitionedPoller:
             raise ConfigurationError(
                 f"partitioned polling needs a SqlAlchemySource, not {type(source).__name__}"
             )
-        layout.even_ranges(partitions)  # validates the count
-        if balance_interval_seconds <= 0:
-            raise ConfigurationError("balance_interval_seconds must be > 0")
+        partitions = opt.whole("partitions", partitions)
+        layout.even_ranges(partitions)  # validates the count against the bucket space
+        balance_interval_seconds = opt.seconds("balance_interval_seconds", balance_interval_seconds)
+        member_ttl_seconds = opt.optional_seconds("member_ttl_seconds", member_ttl_seconds)
+        min_hold_cycles = opt.whole("min_hold_cycles", min_hold_cycles, minimum=0)
         ttl = member_ttl_seconds if member_ttl_seconds is not None else 4 * balance_interval_seconds
         if ttl < 2 * balance_interval_seconds:
             raise ConfigurationError(

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dbtrigger import options as opt
 from dbtrigger.errors import ConfigurationError, PartialBatchError
 from dbtrigger.queue.schema import ERROR_LIMIT
 from dbtrigger.queue.statements import DeadItem, Key, RetryItem
@@ -46,7 +47,9 @@ class Backoff:
     cap_seconds: float = 300.0
 
     def __post_init__(self) -> None:
-        if self.base_seconds < 0 or self.cap_seconds < self.base_seconds:
+        opt.seconds("base_seconds", self.base_seconds, inclusive=True)
+        opt.seconds("cap_seconds", self.cap_seconds, inclusive=True)
+        if self.cap_seconds < self.base_seconds:
             raise ConfigurationError(
                 "retry backoff needs 0 <= base <= cap, got "
                 f"base={self.base_seconds}, cap={self.cap_seconds}"

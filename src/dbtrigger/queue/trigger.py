@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from dbtrigger import options as opt
 from dbtrigger.errors import (
     CommitError,
     ConfigurationError,
@@ -164,19 +165,22 @@ class QueueTrigger:
                 f"QueueTrigger needs a ClaimSource, got {type(source).__name__}; "
                 "a keyset source is driven by PollTrigger"
             )
-        if batch_size < 1:
-            raise ConfigurationError(f"batch_size must be >= 1, got {batch_size}")
-        if max_concurrency < 1:
-            raise ConfigurationError(f"max_concurrency must be >= 1, got {max_concurrency}")
-        if max_attempts < 1:
-            raise ConfigurationError(f"max_attempts must be >= 1, got {max_attempts}")
-        if visibility_timeout_seconds <= 0:
-            raise ConfigurationError(
-                f"visibility_timeout_seconds must be > 0, got {visibility_timeout_seconds}"
-            )
+        batch_size, max_concurrency, max_attempts = (
+            opt.whole("batch_size", batch_size),
+            opt.whole("max_concurrency", max_concurrency),
+            opt.whole("max_attempts", max_attempts),
+        )
+        visibility_timeout_seconds = opt.seconds(
+            "visibility_timeout_seconds", visibility_timeout_seconds
+        )
+        heartbeat_interval_seconds = opt.optional_seconds(
+            "heartbeat_interval_seconds", heartbeat_interval_seconds
+        )
+        if seed is not None:
+            seed = opt.whole("seed", seed, minimum=-(2**63))
         if heartbeat_interval_seconds is None:
             heartbeat_interval_seconds = visibility_timeout_seconds / 3
-        if not 0 < heartbeat_interval_seconds < visibility_timeout_seconds / 2:
+        if not heartbeat_interval_seconds < visibility_timeout_seconds / 2:
             raise ConfigurationError(
                 f"visibility_timeout_seconds ({visibility_timeout_seconds:g}) must be more than "
                 f"twice heartbeat_interval_seconds ({heartbeat_interval_seconds:g}), so one "
@@ -195,7 +199,10 @@ class QueueTrigger:
         self._listener = (
             Listener(source, self.notify_channel, self.telemetry) if self.notify_channel else None
         )
-        self.backoff = Backoff(retry_backoff_seconds, retry_backoff_max_seconds)
+        self.backoff = Backoff(
+            opt.seconds("retry_backoff_seconds", retry_backoff_seconds, inclusive=True),
+            opt.seconds("retry_backoff_max_seconds", retry_backoff_max_seconds, inclusive=True),
+        )
         self.worker_id = (worker_id or default_worker_id())[:WORKER_ID_LIMIT]
         self._rng = random.Random(seed)  # noqa: S311 - jitter, not security
         self._ids = EventIds(self.name, source.pk_columns)

@@ -38,6 +38,7 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from dbtrigger import options as opt
 from dbtrigger.errors import ConfigurationError, LeaseAcquireError
 from dbtrigger.events import RowChange
 from dbtrigger.metrics import MetricsCollector, SafeMetrics
@@ -71,28 +72,29 @@ __all__ = ["PollTrigger", "TickResult", "default_owner_id", "utc_now"]
 _wants_context = wants_context
 
 
-def _check_delivery_options(
-    *,
-    retry_delay: float,
-    retry_delay_max: float,
-    window_events: int,
-    window_bytes: int,
-    concurrency: int,
-) -> None:
-    """Refuse per-event retry, window and lane settings that cannot work."""
-    if retry_delay < 0 or retry_delay_max < retry_delay:
+def _retry_delays(first: object, most: object) -> tuple[float, float]:
+    """``retry_delay_seconds`` and ``retry_delay_max_seconds``, checked together."""
+    delay = opt.seconds("retry_delay_seconds", first, inclusive=True)
+    cap = opt.seconds("retry_delay_max_seconds", most, inclusive=True)
+    if cap < delay:
         raise ConfigurationError(
-            "need 0 <= retry_delay_seconds <= retry_delay_max_seconds, got "
-            f"{retry_delay} and {retry_delay_max}"
+            f"need 0 <= retry_delay_seconds <= retry_delay_max_seconds, got {delay:g} and {cap:g}"
         )
-    if concurrency < 1:
-        raise ConfigurationError(f"max_concurrency must be >= 1, got {concurrency}")
-    if window_events < 1:
-        raise ConfigurationError(f"window_max_events must be >= 1, got {window_events}")
-    if window_bytes < 1024:
+    return delay, cap
+
+
+def _heartbeat_interval(value: object, lease_ttl: float) -> float:
+    """``heartbeat_interval_seconds`` checked, or its default (a third of the TTL)."""
+    interval = opt.optional_seconds("heartbeat_interval_seconds", value, inclusive=True)
+    if interval is None:
+        return default_interval(lease_ttl)
+    if interval >= lease_ttl / 2:
         raise ConfigurationError(
-            f"window_max_bytes must be >= 1024 (a few events), got {window_bytes}"
+            "heartbeat_interval_seconds must be below lease_ttl_seconds / 2 "
+            f"({lease_ttl / 2:g}) so a renewal can fail once and still arrive "
+            f"in time, or 0 to disable; got {interval}"
         )
+    return interval
 
 
 def utc_now() -> dt.datetime:
@@ -201,33 +203,37 @@ class PollTrigger:
     ) -> None:
         options = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         self.name = validate_name(name, "poller name")
-        if batch_size < 1:
-            raise ConfigurationError(f"batch_size must be >= 1, got {batch_size}")
-        if max_batches_per_tick < 1:
-            raise ConfigurationError(
-                f"max_batches_per_tick must be >= 1, got {max_batches_per_tick}"
-            )
-        if lease_ttl_seconds <= 0:
-            raise ConfigurationError(f"lease_ttl_seconds must be > 0, got {lease_ttl_seconds}")
-        if heartbeat_interval_seconds is None:
-            heartbeat_interval_seconds = default_interval(lease_ttl_seconds)
-        if heartbeat_interval_seconds < 0 or heartbeat_interval_seconds >= lease_ttl_seconds / 2:
-            raise ConfigurationError(
-                "heartbeat_interval_seconds must be below lease_ttl_seconds / 2 "
-                f"({lease_ttl_seconds / 2:g}) so a renewal can fail once and still arrive "
-                f"in time, or 0 to disable; got {heartbeat_interval_seconds}"
-            )
-        if max_attempts < 1:
-            raise ConfigurationError(f"max_attempts must be >= 1, got {max_attempts}")
-        if quarantine_limit < 1:
-            raise ConfigurationError(f"quarantine_limit must be >= 1, got {quarantine_limit}")
-        _check_delivery_options(
-            retry_delay=retry_delay_seconds,
-            retry_delay_max=retry_delay_max_seconds,
-            window_events=window_max_events,
-            window_bytes=window_max_bytes,
-            concurrency=max_concurrency,
+        # Every numeric option's type and range (dbtrigger.options), then how they relate.
+        batch_size, max_batches_per_tick, journal_limit = (
+            opt.whole("batch_size", batch_size),
+            opt.whole("max_batches_per_tick", max_batches_per_tick),
+            opt.whole("journal_limit", journal_limit, minimum=0),
         )
+        lease_ttl_seconds = opt.seconds("lease_ttl_seconds", lease_ttl_seconds)
+        heartbeat_interval_seconds = _heartbeat_interval(
+            heartbeat_interval_seconds, lease_ttl_seconds
+        )
+        null_check_interval_seconds = opt.seconds(
+            "null_check_interval_seconds", null_check_interval_seconds, inclusive=True
+        )
+        max_attempts, quarantine_limit, max_concurrency = (
+            opt.whole("max_attempts", max_attempts),
+            opt.whole("quarantine_limit", quarantine_limit),
+            opt.whole("max_concurrency", max_concurrency),
+        )
+        partitions, balance_interval_seconds, member_ttl_seconds = (
+            opt.optional_whole("partitions", partitions),
+            opt.seconds("balance_interval_seconds", balance_interval_seconds),
+            opt.optional_seconds("member_ttl_seconds", member_ttl_seconds),
+        )
+        window_max_events, window_max_bytes = (
+            opt.whole("window_max_events", window_max_events),
+            opt.whole("window_max_bytes", window_max_bytes, minimum=1024),
+        )
+        retry_delay_seconds, retry_delay_max_seconds = _retry_delays(
+            retry_delay_seconds, retry_delay_max_seconds
+        )
+        ack_timeout_seconds = opt.optional_seconds("ack_timeout_seconds", ack_timeout_seconds)
         #: Fan-out (see dbtrigger.runtime.subscribers): name -> handler, or None.
         self.subscribers, self.ack_timeout = check_fan_out(
             subscribers, partitions=partitions, ack_timeout=ack_timeout_seconds

@@ -38,9 +38,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from dbtrigger import options as opt
 from dbtrigger.errors import (
     AmbiguousWriteError,
-    ConfigurationError,
     ContentionError,
     FetchError,
     HandlerError,
@@ -106,14 +106,11 @@ class RetryPolicy:
     sleep: Callable[[float], None] = field(default=time.sleep, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.attempts < 1:
-            raise ConfigurationError(f"RetryPolicy.attempts must be >= 1, got {self.attempts}")
-        if self.initial_backoff_seconds < 0 or self.max_backoff_seconds < 0:
-            raise ConfigurationError("RetryPolicy backoff bounds must be >= 0")
-        if self.multiplier < 1:
-            raise ConfigurationError(f"RetryPolicy.multiplier must be >= 1, got {self.multiplier}")
-        if self.max_elapsed_seconds <= 0:
-            raise ConfigurationError("RetryPolicy.max_elapsed_seconds must be > 0")
+        opt.whole("RetryPolicy.attempts", self.attempts)
+        for name in ("initial_backoff_seconds", "max_backoff_seconds"):
+            opt.seconds(f"RetryPolicy.{name}", getattr(self, name), inclusive=True)
+        opt.number("RetryPolicy.multiplier", self.multiplier, minimum=1, inclusive=True)
+        opt.seconds("RetryPolicy.max_elapsed_seconds", self.max_elapsed_seconds)
 
     @classmethod
     def none(cls) -> RetryPolicy:

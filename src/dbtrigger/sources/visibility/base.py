@@ -9,7 +9,6 @@ and :func:`~dbtrigger.sources.visibility.choose` picks one for ``auto``.
 from __future__ import annotations
 
 import abc
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -18,8 +17,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql import ColumnElement, Select
 
+from dbtrigger import options as opt
 from dbtrigger.cursor import Position
-from dbtrigger.errors import ConfigurationError
 
 #: Column comment that marks a PostgreSQL transaction-id column; ``auto``
 #: chooses :class:`SnapshotHorizon` for a cursor column that carries it.
@@ -223,8 +222,7 @@ class ActiveGuard:
 
 
 def _check_seconds(name: str, value: float) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-        raise ConfigurationError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+    opt.seconds(name, value, inclusive=True)
 
 
 # --- the guards ---------------------------------------------------------------

@@ -51,6 +51,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.sql import ColumnElement
 
+from dbtrigger import options as opt
 from dbtrigger.cursor import Position
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.sources.visibility.base import (
@@ -187,8 +188,7 @@ class MariaDbHorizon(VisibilityGuard):
     def __post_init__(self) -> None:
         _check_seconds("warn_after_seconds", self.warn_after_seconds)
         _check_seconds("settle_seconds", self.settle_seconds)
-        if not (isinstance(self.precision, int) and 0 <= self.precision <= 6):
-            raise ConfigurationError(f"precision must be 0..6 digits, got {self.precision!r}")
+        opt.whole("precision", self.precision, minimum=0, maximum=6)  # fractional digits
 
     def guarantee(self, dialect: str) -> str:
         del dialect

@@ -21,6 +21,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.sql import ColumnElement
 
+from dbtrigger import options as opt
 from dbtrigger.cursor import Position
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.names import validate_sql_identifier
@@ -82,12 +83,7 @@ class SafetyWindow(VisibilityGuard):
     mode = "safety-window"
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.seconds, (int, float)) and math.isfinite(self.seconds)):
-            raise ConfigurationError(
-                f"safety window must be a number of seconds, got {self.seconds!r}"
-            )
-        if self.seconds <= 0:
-            raise ConfigurationError(f"safety window must be > 0 seconds, got {self.seconds}")
+        opt.seconds("safety window (SafetyWindow.seconds)", self.seconds)
         if self.time_column is not None:
             validate_sql_identifier(self.time_column, "visibility time_column")
 

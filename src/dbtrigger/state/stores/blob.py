@@ -46,6 +46,7 @@ from azure.core.exceptions import (
 from azure.storage.blob import ContainerClient, ContentSettings, LinearRetry
 
 from dbtrigger import _azure_errors as azure_errors
+from dbtrigger import options as opt
 from dbtrigger.errors import (
     ConfigurationError,
     MissingSettingError,
@@ -162,6 +163,7 @@ class BlobCheckpointStore:
         self.prefix = "/".join(validate_name(s, "blob prefix segment") for s in segments)
         self._create_container = create_container
         self._call_options: dict[str, Any] = {}
+        read_timeout = opt.optional_seconds("read_timeout", read_timeout)
         if read_timeout is not None:
             self._call_options["read_timeout"] = read_timeout
 

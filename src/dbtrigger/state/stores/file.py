@@ -44,6 +44,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from dbtrigger import options as opt
 from dbtrigger.errors import CasConflictError, StoreAuthError, StoreUnavailableError
 from dbtrigger.names import validate_name
 from dbtrigger.state.stores.base import StoredDocument
@@ -73,7 +74,8 @@ class FileCheckpointStore:
         lock_timeout: float | None = None,
     ) -> None:
         self._dir = Path(directory)
-        self._lock_timeout = DEFAULT_LOCK_TIMEOUT if lock_timeout is None else lock_timeout
+        checked = opt.optional_seconds("lock_timeout", lock_timeout)
+        self._lock_timeout = DEFAULT_LOCK_TIMEOUT if checked is None else checked
         if create:
             self._dir.mkdir(parents=True, exist_ok=True)
 

@@ -56,6 +56,7 @@ from azure.core.exceptions import (
 from azure.data.tables import TableClient, UpdateMode
 
 from dbtrigger import _azure_errors as azure_errors
+from dbtrigger import options as opt
 from dbtrigger.errors import (
     CasConflictError,
     ConfigurationError,
@@ -197,6 +198,8 @@ class TableCheckpointStore:
         self._create = create_table
         self._ready = not create_table
         self._lock = threading.Lock()
+        timeout_seconds = opt.seconds("timeout_seconds", timeout_seconds)
+        retries = opt.whole("retries", retries, minimum=0)
         transport: dict[str, Any] = {
             "connection_timeout": min(10.0, timeout_seconds),
             "read_timeout": timeout_seconds,

@@ -34,7 +34,7 @@ from dbtrigger import (
     SqlAlchemySource,
     TableCheckpointStore,
 )
-from dbtrigger.cdc import PgLogicalSource
+from dbtrigger.cdc import BinlogSource, PgLogicalSource
 from dbtrigger.changelog import ChangeLogSource
 from dbtrigger.options import number, seconds, whole
 from dbtrigger.partitions import PartitionedPoller
@@ -203,6 +203,22 @@ CASES: list[Case] = [
         ]
     ),
     # (The decorator also takes numbers written as text or 2.0, as app settings give them.)
+    *(
+        (
+            "BinlogSource",
+            lambda **kw: BinlogSource("mysql+pymysql://u@h/db", ["orders"], **kw),
+            option,
+            bad,
+        )
+        for option, bad in [
+            ("server_id", ["1", True, 1.5, 0, -1, 2**32]),
+            ("read_timeout_seconds", SECONDS_BAD),
+            ("read_ahead", WHOLE_BAD),
+            ("heartbeat_interval_seconds", SECONDS0_BAD),
+            ("snapshot_chunk_size", WHOLE_BAD),
+            ("snapshot_lock_timeout_seconds", SECONDS_BAD),
+        ]
+    ),
     ("@db.trigger", decorated, "batch_size", [v for v in WHOLE_BAD if v not in ("100", 2.0)]),
     (
         "@db.trigger",

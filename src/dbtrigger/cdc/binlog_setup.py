@@ -38,6 +38,7 @@ from typing import Any
 import pymysql
 from sqlalchemy.engine import URL
 
+from dbtrigger import options as opt
 from dbtrigger.errors import (
     ConfigurationError,
     DbTriggerError,
@@ -114,11 +115,7 @@ def default_server_id(poller: str) -> int:
 
 
 def validate_server_id(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= SERVER_ID_CEILING:
-        raise ConfigurationError(
-            f"server_id must be an integer from 1 to {SERVER_ID_CEILING}, got {value!r}"
-        )
-    return value
+    return opt.whole("server_id", value, maximum=SERVER_ID_CEILING)
 
 
 def default_reader_name(poller: str) -> str:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import pymysql
 from sqlalchemy.engine import URL
 
+from dbtrigger import options as opt
 from dbtrigger._engine import parse_database_url
 from dbtrigger.cdc import binlog_control as control
 from dbtrigger.cdc import binlog_setup as setup
@@ -120,14 +121,15 @@ class BinlogSource:
     ) -> None:
         if snapshot not in SNAPSHOTS:
             raise ConfigurationError(f"snapshot must be one of {SNAPSHOTS}, got {snapshot!r}")
-        if read_timeout_seconds <= 0 or read_ahead < 1 or heartbeat_interval_seconds < 0:
-            raise ConfigurationError(
-                "read_timeout_seconds must be > 0, read_ahead >= 1, heartbeat_interval_seconds >= 0"
-            )
-        if snapshot_chunk_size < 1 or snapshot_lock_timeout_seconds <= 0:
-            raise ConfigurationError(
-                "snapshot_chunk_size must be >= 1 and snapshot_lock_timeout_seconds > 0"
-            )
+        read_timeout_seconds = opt.seconds("read_timeout_seconds", read_timeout_seconds)
+        read_ahead = opt.whole("read_ahead", read_ahead)
+        heartbeat_interval_seconds = opt.seconds(
+            "heartbeat_interval_seconds", heartbeat_interval_seconds, inclusive=True
+        )
+        snapshot_chunk_size = opt.whole("snapshot_chunk_size", snapshot_chunk_size)
+        snapshot_lock_timeout_seconds = opt.seconds(
+            "snapshot_lock_timeout_seconds", snapshot_lock_timeout_seconds
+        )
         if not isinstance(url, str) or not url:
             raise ConfigurationError("BinlogSource needs url= (a MariaDB/MySQL URL)")
         self._url_text = url

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
+from dbtrigger import options as opt
 from dbtrigger.changelog.operations import lowest_checkpoint, prune
 from dbtrigger.errors import ConfigurationError, DbTriggerError
 from dbtrigger.redaction import redact
@@ -62,8 +63,7 @@ class ChangeLogPruner:
     ) -> None:
         if isinstance(passed_by, str):
             raise ConfigurationError("prune_passed_by must be a list of poller names")
-        if every_seconds <= 0:
-            raise ConfigurationError("prune_every_seconds must be > 0")
+        every_seconds = opt.seconds("prune_every_seconds", every_seconds)
         self.passed_by = tuple(passed_by)
         self.store = store
         self.every_seconds = every_seconds

@@ -1,0 +1,80 @@
+"""A worker for the binlog chaos test: PollTrigger over BinlogSource until killed.
+
+Every batch it is handed is written to ``seen`` (a table the source does not
+watch) in one statement *before* the handler returns, so a change delivered and
+then lost to a SIGKILL before its checkpoint commit shows up twice: that is the
+duplicate window the test measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from types import FrameType
+
+import pymysql
+
+from dbtrigger import FileCheckpointStore, PollTrigger, RowChange
+from dbtrigger.cdc import BinlogSource
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--database", required=True)
+    parser.add_argument("--state-dir", required=True)
+    parser.add_argument("--poller", default="binlog_chaos")
+    parser.add_argument("--incarnation", type=int, required=True)
+    parser.add_argument("--batch-size", type=int, default=500)
+    args = parser.parse_args(argv)
+
+    stop = threading.Event()
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_term)
+    sink = pymysql.connect(
+        host="127.0.0.1", port=args.port, user="root", database=args.database, autocommit=True
+    )
+    source = BinlogSource(args.url, ["items"], snapshot="never", read_ahead=5000)
+    trigger = PollTrigger(
+        name=args.poller,
+        source=source,
+        checkpoint_store=FileCheckpointStore(args.state_dir),
+        batch_size=args.batch_size,
+        max_batches_per_tick=20,
+        lease_ttl_seconds=1.0,
+    )
+
+    def handle(events: list[RowChange]) -> None:
+        rows = []
+        for e in events:
+            image = e.after if e.after is not None else e.before or {}
+            rows.append((e.cursor, e.op, e.pk["id"], image.get("version"), args.incarnation))
+        with sink.cursor() as cur:
+            cur.executemany(
+                "INSERT INTO seen (position, op, item_id, version, incarnation) "
+                "VALUES (%s, %s, %s, %s, %s)",
+                rows,
+            )
+
+    while not stop.is_set():
+        try:
+            trigger.tick(handle)
+        except Exception as exc:
+            print(f"tick failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            stop.wait(0.2)
+            continue
+        result = trigger.last_result
+        if result is None or not result.more:
+            stop.wait(0.05)
+    source.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

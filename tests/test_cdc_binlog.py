@@ -290,7 +290,7 @@ def test_a_purged_checkpoint_is_a_typed_error_and_recreate_snapshot_goes_on(
     purge_all_but_newest(binlog_db)
     again = BinlogSource(binlog_db.url, [table], snapshot="never")
     t2 = trigger(again, store, name="purged")
-    with pytest.raises(SlotLostError, match="was removed by the server") as caught:
+    with pytest.raises(SlotLostError, match="was purged by the server") as caught:
         t2.tick(seen)
     assert "dbtrigger cdc recreate" in str(caught.value)
     assert any("purged" in w for w in again.admin().status()["warnings"])

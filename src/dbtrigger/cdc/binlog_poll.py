@@ -130,7 +130,7 @@ class BinlogPoller:
             oldest = files[0][0] if files else "(none)"
             raise SlotLostError(
                 f"the binary log file holding poller {s.poller or s.reader}'s position "
-                f"(file #{index}, offset {offset}) was removed by the server (oldest kept: "
+                f"(file #{index}, offset {offset}) was purged by the server (oldest kept: "
                 f"{oldest}; binlog_expire_logs_seconds={s.facts_expire_text()}), so the changes "
                 "since then are gone. Start again from now and read the tables again: "
                 "dbtrigger cdc recreate MODULE:TRIGGER --snapshot --yes",

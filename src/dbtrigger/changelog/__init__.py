@@ -8,7 +8,7 @@ table did to an installed log; :class:`ChangeLogSource` polls the log, and
 
 from __future__ import annotations
 
-from dbtrigger.changelog.ddl import MARKER, install_ddl, log_table_name, uninstall_ddl
+from dbtrigger.changelog.ddl import MARKER, log_table_name, uninstall_ddl
 from dbtrigger.changelog.drift import Drift
 from dbtrigger.changelog.operations import (
     drift,
@@ -21,6 +21,7 @@ from dbtrigger.changelog.operations import (
 )
 from dbtrigger.changelog.pruning import ChangeLogPruner
 from dbtrigger.changelog.source import ChangeLogSource
+from dbtrigger.changelog.triggers import install_ddl
 
 __all__ = [
     "MARKER",

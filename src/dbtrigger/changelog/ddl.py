@@ -211,23 +211,9 @@ def reflect_table(conn: sa.Connection, table: str, schema: str | None) -> TableI
 Quote = Callable[[str], str]
 
 
-def install_ddl(info: TableInfo, quote: Quote) -> list[str]:
-    """Statements that create the log table, its index and the triggers.
-
-    The table and index statements are idempotent; triggers are (re)created, so
-    run :func:`foreign_triggers` first (``install`` does) to make sure no
-    trigger of the same name belongs to someone else. A log that already
-    exists in an older layout is brought up to date by
-    :func:`dbtrigger.changelog.drift.log_migration`, run between the two.
-    """
-    from dbtrigger.changelog.triggers import trigger_ddl  # noqa: PLC0415 - imports this module
-
-    return [*log_ddl(info, quote), *trigger_ddl(info, quote)]
-
-
 def log_ddl(info: TableInfo, quote: Quote) -> list[str]:
     """The log table first, then its index (and comment); idempotent."""
-    log = _qualified(info, info.log_table, quote)
+    log = qualified_name(info, info.log_table, quote)
     if info.dialect == "postgresql":
         table = _log_table_ddl(
             info,
@@ -259,23 +245,23 @@ def log_ddl(info: TableInfo, quote: Quote) -> list[str]:
 
 def uninstall_ddl(info: TableInfo, quote: Quote, *, drop_log: bool) -> list[str]:
     """Drop the triggers (and the function); the log table only with ``drop_log``."""
-    target = _qualified(info, info.table, quote)
+    target = qualified_name(info, info.table, quote)
     statements: list[str] = []
     for trigger in info.trigger_names():
         if info.dialect == "postgresql":
             statements.append(f"DROP TRIGGER IF EXISTS {quote(trigger)} ON {target}")
         else:
-            statements.append(f"DROP TRIGGER IF EXISTS {_qualified(info, trigger, quote)}")
+            statements.append(f"DROP TRIGGER IF EXISTS {qualified_name(info, trigger, quote)}")
     if info.dialect == "postgresql":
         statements.append(
-            f"DROP FUNCTION IF EXISTS {_qualified(info, info.function_name, quote)}()"
+            f"DROP FUNCTION IF EXISTS {qualified_name(info, info.function_name, quote)}()"
         )
     if drop_log:
-        statements.append(f"DROP TABLE IF EXISTS {_qualified(info, info.log_table, quote)}")
+        statements.append(f"DROP TABLE IF EXISTS {qualified_name(info, info.log_table, quote)}")
     return statements
 
 
-def _qualified(info: TableInfo, name: str, quote: Quote) -> str:
+def qualified_name(info: TableInfo, name: str, quote: Quote) -> str:
     return f"{quote(info.schema)}.{quote(name)}" if info.schema else quote(name)
 
 
@@ -292,7 +278,7 @@ def keys_nullable(info: TableInfo) -> bool:
 
 
 def _log_table_ddl(info: TableInfo, quote: Quote, seq: str, text: str, changed_at: str) -> str:
-    log = _qualified(info, info.log_table, quote)
+    log = qualified_name(info, info.log_table, quote)
     null = "NULL" if keys_nullable(info) else "NOT NULL"
     keys = ",\n  ".join(f"{quote(c.name)} {c.sql_type} {null}" for c in info.pk)
     return (
@@ -316,7 +302,7 @@ def _index_ddl(info: TableInfo, quote: Quote) -> str:
     """
     name = quote(index_name(info))
     columns = ", ".join(["dbt_seq", *(quote(c.name) for c in info.pk)])
-    log = _qualified(info, info.log_table, quote)
+    log = qualified_name(info, info.log_table, quote)
     if info.dialect in ("mysql", "mariadb"):
         return f"CREATE INDEX {name} ON {log} ({columns})"
     return f"CREATE INDEX IF NOT EXISTS {name} ON {log} ({columns})"

@@ -30,12 +30,12 @@ from dbtrigger.changelog.ddl import (
     VERSION,
     Quote,
     TableInfo,
-    _qualified,
     existing_triggers,
     keys_nullable,
     log_key_columns,
     log_table_name,
     ours,
+    qualified_name,
     read_marker,
     reflect_table,
 )
@@ -147,7 +147,7 @@ def _hidden_trigger(conn: sa.Connection, info: TableInfo, name: str) -> bool:
     if info.dialect not in ("mysql", "mariadb"):
         return False
     quote = conn.dialect.identifier_preparer.quote
-    qualified = _qualified(info, name, quote)
+    qualified = qualified_name(info, name, quote)
     try:  # a failed statement does not end a MariaDB/MySQL transaction
         conn.exec_driver_sql(f"SHOW CREATE TRIGGER {qualified}").fetchall()
     except sa.exc.DBAPIError as exc:
@@ -265,7 +265,7 @@ def log_migration(conn: sa.Connection, info: TableInfo, quote: Quote) -> list[st
     keys = log_keys(conn, info.table, info.schema)
     if keys is None:
         return []
-    log = _qualified(info, info.log_table, quote)
+    log = qualified_name(info, info.log_table, quote)
     if len(keys) != len(info.pk):
         raise ConfigurationError(
             f"the key of {info.table} is now ({', '.join(c.name for c in info.pk)}); its change "
@@ -305,7 +305,7 @@ def _has_null_keys(conn: sa.Connection, info: TableInfo, keys: list[LogKey]) -> 
 
 def _fill_keys(info: TableInfo, quote: Quote) -> str:
     """Set the key of rows logged without one from their row image, where it holds the key."""
-    log = _qualified(info, info.log_table, quote)
+    log = qualified_name(info, info.log_table, quote)
     nulls = " OR ".join(f"{quote(c.name)} IS NULL" for c in info.pk)
     if info.dialect == "postgresql":
         image = "coalesce(dbt_after, dbt_before)::jsonb"

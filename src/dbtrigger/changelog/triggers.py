@@ -35,7 +35,7 @@ in docs/changes.md) ends with the table's keys.
 
 from __future__ import annotations
 
-from dbtrigger.changelog.ddl import MARKER, Quote, TableInfo, _qualified, marker_text
+from dbtrigger.changelog.ddl import MARKER, Quote, TableInfo, log_ddl, marker_text, qualified_name
 
 #: MariaDB/MySQL errors a DDL on the watched table can make a trigger's read
 #: raise: unknown column (dropped, renamed), and values that no longer fit the
@@ -47,6 +47,18 @@ MYSQL_DDL_ERRORS = (1054, 1264, 1265, 1267, 1292, 1366, 1406)
 #: the mode it was created with): strict, so a key that does not fit is an
 #: error the trigger catches, never a silently clamped value.
 TRIGGER_SQL_MODE = "STRICT_ALL_TABLES,ERROR_FOR_DIVISION_BY_ZERO,NO_ENGINE_SUBSTITUTION"
+
+
+def install_ddl(info: TableInfo, quote: Quote) -> list[str]:
+    """Statements that create the log table, its index and the triggers.
+
+    The table and index statements are idempotent; triggers are (re)created, so
+    run :func:`~dbtrigger.changelog.ddl.foreign_triggers` first (``install`` does) to make sure no
+    trigger of the same name belongs to someone else. A log that already
+    exists in an older layout is brought up to date by
+    :func:`dbtrigger.changelog.drift.log_migration`, run between the two.
+    """
+    return [*log_ddl(info, quote), *trigger_ddl(info, quote)]
 
 
 def trigger_ddl(info: TableInfo, quote: Quote) -> list[str]:
@@ -62,9 +74,9 @@ def trigger_ddl(info: TableInfo, quote: Quote) -> list[str]:
 
 
 def _postgresql(info: TableInfo, quote: Quote) -> list[str]:
-    target = _qualified(info, info.table, quote)
-    log = _qualified(info, info.log_table, quote)
-    function = _qualified(info, info.function_name, quote)
+    target = qualified_name(info, info.table, quote)
+    log = qualified_name(info, info.log_table, quote)
+    function = qualified_name(info, info.function_name, quote)
     (trigger,) = info.trigger_names()
     key_names = ", ".join(quote(c.name) for c in info.pk)
     indexes = range(1, len(info.pk) + 1)
@@ -160,8 +172,8 @@ def current_image_sql(info: TableInfo, quote: Quote) -> str:
 
 
 def _mysql(info: TableInfo, quote: Quote) -> list[str]:
-    target = _qualified(info, info.table, quote)
-    log = _qualified(info, info.log_table, quote)
+    target = qualified_name(info, info.table, quote)
+    log = qualified_name(info, info.log_table, quote)
     key_names = ", ".join(quote(c.name) for c in info.pk)
     errors = ", ".join(str(code) for code in MYSQL_DDL_ERRORS)
     indexes = range(1, len(info.pk) + 1)
@@ -251,7 +263,7 @@ def _mysql(info: TableInfo, quote: Quote) -> list[str]:
         f"SET SESSION sql_mode = '{TRIGGER_SQL_MODE}'",
     ]
     for name, (event, text) in zip(info.trigger_names(), bodies.items(), strict=True):
-        qualified = _qualified(info, name, quote)
+        qualified = qualified_name(info, name, quote)
         create = "CREATE OR REPLACE TRIGGER" if info.mariadb else "CREATE TRIGGER"
         if not info.mariadb:  # MySQL cannot replace a trigger in one statement
             out.append(f"DROP TRIGGER IF EXISTS {qualified}")
@@ -264,8 +276,8 @@ def _mysql(info: TableInfo, quote: Quote) -> list[str]:
 
 
 def _sqlite(info: TableInfo, quote: Quote) -> list[str]:
-    target = _qualified(info, info.table, quote)
-    log = _qualified(info, info.log_table, quote)
+    target = qualified_name(info, info.table, quote)
+    log = qualified_name(info, info.log_table, quote)
     key_names = ", ".join(quote(c.name) for c in info.pk)
 
     def image(record: str) -> str:
@@ -296,7 +308,7 @@ def _sqlite(info: TableInfo, quote: Quote) -> list[str]:
     }
     out = []
     for name, (event, text) in zip(info.trigger_names(), bodies.items(), strict=True):
-        qualified = _qualified(info, name, quote)
+        qualified = qualified_name(info, name, quote)
         out.append(f"DROP TRIGGER IF EXISTS {qualified}")
         out.append(
             f"CREATE TRIGGER {qualified} AFTER {event} ON {target} FOR EACH ROW BEGIN\n"
@@ -305,4 +317,4 @@ def _sqlite(info: TableInfo, quote: Quote) -> list[str]:
     return out
 
 
-__all__ = ["MARKER", "MYSQL_DDL_ERRORS", "current_image_sql", "trigger_ddl"]
+__all__ = ["MARKER", "MYSQL_DDL_ERRORS", "current_image_sql", "install_ddl", "trigger_ddl"]

@@ -307,6 +307,7 @@ def test_a_removed_subscriber_without_a_sink_holds_the_checkpoint_and_says_so_on
     main(argv)
     out = capsys.readouterr().out
     assert "old 2 event(s) - HOLDS THE CHECKPOINT" in out, out
+    assert "NOT delivered: owed only to old" in out, out  # not "due now"
     main([*argv, "--json"])
     status: dict[str, Any] = json.loads(capsys.readouterr().out)
     assert status["owed"] == [

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from dbtrigger.cli.common import (
@@ -126,11 +126,12 @@ def poller_status(
             except DbTriggerError as exc:
                 lag["note"] = f"lag unknown: {type(exc).__name__}: {exc}"
     out["lag"] = lag
+    out["owed"] = _owed(doc.window, source)
+    gone = {e["subscriber"] for e in out["owed"] if e.get("holds_checkpoint")}
     try:
-        out["window"] = window_status(doc.window, now)
+        out["window"] = window_status(doc.window, now, gone=gone)
     except CorruptStateError as exc:  # every tick fails on it too: that is the news
         return {"poller": poller, "error": f"{type(exc).__name__}: {exc}"}
-    out["owed"] = _owed(doc.window, source)
     if source is not None and isinstance(source.source, ChecksItself):  # e.g. a slot's health
         out["source_findings"] = [
             f._asdict() for f in source.source.self_check() if f.severity != "ok"
@@ -141,13 +142,17 @@ def poller_status(
     return out
 
 
-def window_status(raw: Any, now: dt.datetime) -> dict[str, Any] | None:
+def window_status(
+    raw: Any, now: dt.datetime, *, gone: Collection[str] = ()
+) -> dict[str, Any] | None:
     """The settled window as ``status`` shows it (None: no window in use).
 
     ``blocking`` says in words what holds the checkpoint and whether the
     window stops new rows: the oldest event waiting for a retry pins the
     checkpoint, and at 75% of its bound (the bound is written with the
-    window) no new row goes out until pinned events settle.
+    window) no new row goes out until pinned events settle. ``gone``:
+    fan-out subscribers the trigger no longer has, with no dead-letter sink
+    for their events - an event owed only to them is not delivered at all.
     """
     if raw is None:
         return None
@@ -188,6 +193,11 @@ def window_status(raw: Any, now: dt.datetime) -> dict[str, Any] | None:
     if pinned is not None:
         wait = (pinned.not_before - now).total_seconds()
         when = f"due in {wait:.0f}s" if wait > 0 else "due now: the next tick delivers it"
+        if pinned.owed and set(pinned.owed) <= set(gone):
+            when = (
+                f"NOT delivered: owed only to {', '.join(sorted(pinned.owed))}, which the "
+                "trigger no longer has, with no dead-letter sink (see owed)"
+            )
         words.append(
             f"the checkpoint waits for {len(window.pending)} event(s) to be retried; the oldest, "
             f"{show_position(pinned.position)}, has had {pinned.attempts} attempt(s), {when} "
@@ -246,7 +256,9 @@ def _owed_text(owed: Sequence[Mapping[str, Any]], spec: str) -> str:
         if entry.get("holds_checkpoint"):
             text += (
                 " - HOLDS THE CHECKPOINT: no such subscriber any more and no dead-letter "
-                f"sink; add it back to subscribers=, or pass quarantine=... to {spec}"
+                f"sink; add it back to subscribers=, or pass quarantine=... to {spec} (they "
+                "are then dead-lettered), or move the checkpoint past them with dbtrigger "
+                "reset (data loss, journaled)"
             )
         elif entry.get("configured") is False:
             text += " (no such subscriber any more: dead-lettered when next due)"

@@ -22,14 +22,16 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql
+from sqlalchemy.dialects import mysql, postgresql
 
 from dbtrigger import FileCheckpointStore, PollTrigger, RowChange, SqlAlchemySource
 from dbtrigger.changelog import ChangeLogSource, install
 from dbtrigger.quarantine import JsonLinesQuarantineSink
+from dbtrigger.rowviews import PlainRowMapping
 from dbtrigger.runtime.context import BatchContext
+from dbtrigger.sources.rows import plain_types
 from tests.databases import TestDatabase
-from tests.reliability_support import NO_WAIT
+from tests.reliability_support import NO_WAIT, add_items, items_source, items_table
 
 PAYLOAD = {"tags": ["a"], "meta": {"n": 1}}
 
@@ -234,3 +236,57 @@ def test_a_constructed_event_copies_nested_values_in_and_out() -> None:
         after["id"] = 2  # type: ignore[index]
     same = RowChange("e1", "upsert", "test", 1, {"id": 1}, None, dict(after))
     assert same == event
+
+
+@pytest.mark.parametrize(
+    ("kind", "plain"),
+    [
+        (sa.Integer(), True),
+        (sa.Numeric(12, 2), True),
+        (postgresql.DOUBLE_PRECISION(), True),
+        (sa.String(20), True),
+        (sa.Enum("a", "b"), True),
+        (postgresql.TIMESTAMP(timezone=True), True),
+        (postgresql.UUID(), True),
+        (postgresql.BYTEA(), True),
+        (mysql.LONGTEXT(), True),  # a MariaDB JSON column is text to the driver
+        (sa.JSON(), False),
+        (postgresql.JSONB(), False),
+        (postgresql.ARRAY(sa.Integer), False),
+        (postgresql.HSTORE(), False),
+        (mysql.SET("a", "b"), False),  # a String that yields a Python set
+        (sa.PickleType(), False),  # a TypeDecorator: any value
+        (sa.types.NullType(), False),  # unknown (query mode)
+    ],
+    ids=lambda v: type(v).__name__ if not isinstance(v, bool) else str(v),
+)
+def test_which_column_types_need_no_copy_on_read(kind: Any, plain: bool) -> None:
+    assert plain_types([kind]) is plain
+
+
+def test_a_table_of_scalar_columns_is_read_with_no_check(db: TestDatabase, tmp_path: Path) -> None:
+    """The single-handler catch-up path of a table with no nested column pays
+    nothing for the copy-on-read guard; a table with one is guarded."""
+    items = items_table(db)
+    add_items(db, items, [1])
+    events: list[RowChange] = []
+    trigger = PollTrigger(
+        name="items",
+        source=items_source(db),
+        checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+        retry=NO_WAIT,
+    )
+    assert trigger.drain(events.extend) == 1
+    assert type(events[0].after) is PlainRowMapping
+    assert events[0].after["payload"] == "p1"
+    if db.kind != "mariadb":  # MariaDB's JSON is text: no nested values to guard
+        docs_table(db)
+        docs: list[RowChange] = []
+        trigger = PollTrigger(
+            name="docs",
+            source=table_source(db),
+            checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+            retry=NO_WAIT,
+        )
+        assert trigger.drain(docs.extend) == 2
+        assert type(docs[0].after) is not PlainRowMapping

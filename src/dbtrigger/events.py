@@ -40,7 +40,7 @@ from dbtrigger.cursor import (
     pk_json,
 )
 from dbtrigger.errors import SerializationError
-from dbtrigger.rowviews import RowMapping, frozen, guarded
+from dbtrigger.rowviews import PlainRowMapping, RowMapping, frozen, guarded
 
 VALID_OPS = frozenset({"insert", "update", "upsert", "delete"})
 
@@ -256,6 +256,10 @@ class RowShape:
     """What the events of one batch share: column names, where the cursor and key
     are in each row tuple, the source, the batch's metadata and its id maker.
 
+    ``plain``: the source knows every column yields values that cannot be
+    changed in place (:func:`dbtrigger.sources.rows.plain_types`), so reads skip
+    the copy-on-read check; otherwise (the default) nested values are copied.
+
     Raises:
         SerializationError: the columns lack the cursor or a key column.
     """
@@ -272,6 +276,7 @@ class RowShape:
         "pk_names",
         "single_index",
         "source",
+        "view",
     )
 
     def __init__(
@@ -284,6 +289,7 @@ class RowShape:
         poller: str,
         batch_id: str,
         op: str = "upsert",
+        plain: bool = False,
     ) -> None:
         self.columns = tuple(columns)
         where = {name: index for index, name in enumerate(self.columns)}
@@ -306,6 +312,8 @@ class RowShape:
         self.op = op
         self.metadata = MappingProxyType({"poller": poller, "batch_id": batch_id})
         self.ids = EventIds(poller, self.pk_names)
+        #: The class of the events' ``pk`` and ``after`` views.
+        self.view: type[RowMapping] = PlainRowMapping if plain else RowMapping
 
     def key_of(self, row: Sequence[Any]) -> dict[str, Any]:
         """The row's key as a new dict, in ``pk_columns`` order."""
@@ -347,14 +355,14 @@ class _RowEvent(RowChange):
 
     @property
     def pk(self) -> Mapping[str, Any]:
-        view = _new(RowMapping)
+        view = _new(self._shape.view)
         view._row = self._row
         view._index = self._shape.pk_index
         return view
 
     @property
     def after(self) -> Mapping[str, Any]:
-        view = _new(RowMapping)
+        view = _new(self._shape.view)
         view._row = self._row
         view._index = self._shape.index
         return view

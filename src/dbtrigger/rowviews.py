@@ -14,6 +14,10 @@ handed out as they are after one type check.
 Copies on read, not a frozen copy per event: nothing is paid for a column a
 handler does not read, and a handler gets plain dicts and lists (JSON-
 serialisable, ``isinstance(x, dict)``) that it may change for its own use.
+And nothing at all where no column can hold such a value: a reflected table
+whose column types all yield scalars (:func:`dbtrigger.sources.rows.plain_types`)
+is read through
+:class:`PlainRowMapping`, which skips the check.
 """
 
 from __future__ import annotations
@@ -154,6 +158,27 @@ class RowMapping(Mapping[str, Any]):
 
     def __repr__(self) -> str:
         return f"mappingproxy({self._raw()!r})"
+
+
+class PlainRowMapping(RowMapping):
+    """A :class:`RowMapping` over a row whose every column has a type that only
+    yields values that cannot be changed in place: reads
+    hand the tuple's values out as they are, with no check at all - the
+    single-handler catch-up path of most tables costs nothing for the guard.
+    (Which types those are: :func:`dbtrigger.sources.rows.plain_types`.)"""
+
+    __slots__ = ()
+
+    def __getitem__(self, key: str) -> Any:
+        return self._row[self._index[key]]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        index = self._index.get(key)
+        return default if index is None else self._row[index]
+
+    def copy(self) -> dict[str, Any]:
+        """The columns as a new dict (as ``MappingProxyType.copy``)."""
+        return self._raw()
 
 
 class FrozenMapping(Mapping[str, Any]):

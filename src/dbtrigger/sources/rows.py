@@ -21,7 +21,7 @@ column and the row's key, never a bare ``ValueError`` out of a tick.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from itertools import groupby
 from typing import Any, overload
 
@@ -35,19 +35,53 @@ from dbtrigger.events import RowChange, RowShape, events_from_rows
 Processor = Callable[[Any], Any]
 
 
+def plain_types(types: Iterable[Any]) -> bool:
+    """Do these column types (SQLAlchemy types of a reflected table) only ever
+    yield values that cannot be changed in place? Numbers, strings, booleans,
+    dates, times, UUIDs and binary do; JSON, arrays, hstore, MySQL
+    ``SET``, anything unknown (query mode's ``NullType``) and any type that
+    processes values its own way (a ``TypeDecorator``) may not."""
+    return all(_plain_type(t) for t in types)
+
+
+def _plain_type(kind: Any) -> bool:
+    if isinstance(kind, sa.types.TypeDecorator) or type(kind).__name__ == "SET":
+        return False  # MySQL SET (a String) yields a Python set
+    return isinstance(kind, _PLAIN_TYPES)
+
+
+_PLAIN_TYPES = (
+    sa.Integer,
+    sa.Numeric,
+    sa.Float,  # and Double
+    sa.String,  # and Text, Unicode, Enum
+    sa.Boolean,
+    sa.Date,
+    sa.DateTime,
+    sa.Time,
+    sa.LargeBinary,
+    sa.Uuid,
+)
+
+
 class Rows(Sequence[Mapping[str, Any]]):
     """A fetched batch: column names and one tuple per row, in column order.
 
     Reading it as a sequence of mappings builds a dict per row read (so equal
     to a list of dicts with the same content); :func:`rows_to_events` uses the
-    tuples as they are.
+    tuples as they are. ``plain``: every column's type yields values that
+    cannot be changed in place (:func:`plain_types`), so
+    the events' reads need not guard against a nested value.
     """
 
-    __slots__ = ("columns", "tuples")
+    __slots__ = ("columns", "plain", "tuples")
 
-    def __init__(self, columns: Sequence[str], tuples: list[tuple[Any, ...]]) -> None:
+    def __init__(
+        self, columns: Sequence[str], tuples: list[tuple[Any, ...]], *, plain: bool = False
+    ) -> None:
         self.columns = tuple(columns)
         self.tuples = tuples
+        self.plain = plain
 
     def __len__(self) -> int:
         return len(self.tuples)
@@ -125,6 +159,7 @@ class ResultProcessors:
     def __init__(self) -> None:
         self._cache: dict[tuple[Any, ...], list[Processor | None]] = {}
         self._direct: dict[int, _Direct] = {}
+        self._plain: dict[int, tuple[Select[Any], bool]] = {}
 
     def for_result(
         self, stmt: Select[Any], dialect: Dialect, codes: tuple[Any, ...]
@@ -142,6 +177,17 @@ class ResultProcessors:
                 self._cache.clear()
             self._cache[codes] = found
         return found
+
+    def plain(self, stmt: Select[Any]) -> bool:
+        """Do ``stmt``'s column types only yield values that cannot be changed
+        in place (see :func:`plain_types`)? Kept per statement."""
+        key = id(stmt)
+        found = self._plain.get(key)
+        if found is None or found[0] is not stmt:
+            if len(self._plain) > 32:
+                self._plain.clear()
+            found = self._plain[key] = (stmt, plain_types(c.type for c in stmt.selected_columns))
+        return found[1]
 
     def direct(self, stmt: Select[Any], dialect: Dialect) -> _Direct | None:
         plan = self._direct.get(id(stmt))
@@ -212,6 +258,7 @@ def read_rows(
         ) from exc
     if not raw:
         return Rows(columns, [])
+    plain = processors.plain(stmt)
     active = [
         (index, proc)
         for index, proc in enumerate(processors.for_result(stmt, dialect, codes))
@@ -219,14 +266,14 @@ def read_rows(
     ]
     if not active:
         # The common PostgreSQL case: the driver's values are the columns' values.
-        return Rows(columns, raw if isinstance(raw, list) else list(raw))
+        return Rows(columns, raw if isinstance(raw, list) else list(raw), plain=plain)
     by_column: list[Sequence[Any]] = list(zip(*raw, strict=True))
     for index, proc in active:
         try:
             by_column[index] = list(map(proc, by_column[index]))
         except Exception as exc:  # noqa: BLE001 - any conversion failure is reported, naming the row
             _raise_unreadable(raw, columns, index, proc, exc, source, key_columns)
-    return Rows(columns, list(zip(*by_column, strict=True)))
+    return Rows(columns, list(zip(*by_column, strict=True)), plain=plain)
 
 
 def _observed(conn: Connection) -> bool:
@@ -329,7 +376,7 @@ def rows_to_events(
             key or cursor value with no checkpoint encoding; naming the row.
     """
 
-    def shape_for(columns: Sequence[str]) -> RowShape:
+    def shape_for(columns: Sequence[str], plain: bool = False) -> RowShape:
         return RowShape(
             columns,
             cursor_column=cursor_column,
@@ -337,12 +384,13 @@ def rows_to_events(
             source=source,
             poller=poller,
             batch_id=batch_id,
+            plain=plain,
         )
 
     if isinstance(rows, Rows):
         if not rows.tuples:
             return []
-        return events_from_rows(shape_for(rows.columns), rows.tuples)
+        return events_from_rows(shape_for(rows.columns, rows.plain), rows.tuples)
     events: list[RowChange] = []
     for columns, run in groupby(rows, key=tuple):
         tuples = [tuple(row[c] for c in columns) for row in run]

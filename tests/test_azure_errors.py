@@ -19,6 +19,7 @@ from azure.core.exceptions import (
 )
 
 from dbtrigger import _azure_errors as azure_errors
+from dbtrigger.azure.partitions import storage_queue
 from dbtrigger.errors import (
     AmbiguousWriteError,
     CasConflictError,
@@ -27,7 +28,6 @@ from dbtrigger.errors import (
     StoreRefusedError,
     StoreUnavailableError,
 )
-from dbtrigger.partitions.functions import storage_queue
 from dbtrigger.state.stores.table import TableCheckpointStore
 from tests.azurite import KEY, Azurite
 

@@ -15,7 +15,7 @@ from azure.storage.queue import QueueClient
 
 from dbtrigger import RowChange, SqlAlchemySource
 from dbtrigger.azure import DbBindings
-from dbtrigger.partitions.functions import work
+from dbtrigger.azure.partitions import work
 from dbtrigger.state.stores.blob import BlobCheckpointStore
 from tests.azurite import Azurite
 from tests.databases import TestDatabase

@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from dbtrigger.queue.source import ClaimSource
     from dbtrigger.queue.trigger import QueueTrigger
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dbtrigger.azure")  # the name the docs and log filters use
 
 
 class LeaseScheduleWarning(UserWarning):
@@ -373,7 +373,7 @@ class DbBindings:
         ``batch_size``, ``max_batches_per_tick`` and ``visibility_timeout_seconds``
         may be ``%SETTING%`` references, read at the first invocation as for
         :meth:`trigger`. See ``docs/queues.md``."""
-        from dbtrigger.queue.functions import queue_trigger  # noqa: PLC0415 - loaded on use
+        from dbtrigger.azure.queue import queue_trigger  # noqa: PLC0415 - loaded on use
 
         return queue_trigger(self.queues, arg_name=arg_name, source=source, name=name, **options)
 
@@ -434,7 +434,7 @@ class DbBindings:
         """
 
         def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
-            from dbtrigger.partitions.functions import register_partitioned  # noqa: PLC0415
+            from dbtrigger.azure.partitions import register_partitioned  # noqa: PLC0415
 
             poller_name = name or fn.__name__
             if poller_name in self.triggers:

@@ -24,7 +24,7 @@ from dbtrigger import (
 )
 from dbtrigger.cursor import Position
 from dbtrigger.runtime.context import BatchContext
-from dbtrigger.runtime.lanes import split
+from dbtrigger.runtime.kernel import split
 from dbtrigger.sources.rows import Rows
 from dbtrigger.testing import CountingStore, StoreCounts
 from tests.databases import TestDatabase

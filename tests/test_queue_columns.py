@@ -54,8 +54,8 @@ def trigger(source: ClaimSource, **kw: Any) -> QueueTrigger:
         "name": "jobs",
         "source": source,
         "batch_size": 4,
-        "retry_backoff_seconds": 0.0,
-        "retry_backoff_max_seconds": 0.0,
+        "retry_delay_seconds": 0.0,
+        "retry_delay_max_seconds": 0.0,
         "seed": 1,
     }
     options.update(kw)
@@ -101,7 +101,7 @@ def test_exception_retries_with_backoff_then_dead_and_dead_lettered(
 ) -> None:
     sink = JsonLinesQuarantineSink(tmp_path / "dead.jsonl")
     metrics = InMemoryMetrics()
-    q = trigger(source, batch_size=10, max_attempts=2, dead_letter=sink, metrics=metrics)
+    q = trigger(source, batch_size=10, max_attempts=2, quarantine=sink, metrics=metrics)
     calls: list[int] = []
 
     def handle(events: list[RowChange]) -> None:
@@ -127,7 +127,7 @@ def test_exception_retries_with_backoff_then_dead_and_dead_lettered(
 
 
 def test_backoff_delays_the_retry(db: TestDatabase, source: ClaimSource) -> None:
-    q = trigger(source, batch_size=10, retry_backoff_seconds=30, retry_backoff_max_seconds=60)
+    q = trigger(source, batch_size=10, retry_delay_seconds=30, retry_delay_max_seconds=60)
 
     def fail(events: list[RowChange]) -> None:
         raise RuntimeError("down")
@@ -164,7 +164,7 @@ def test_a_lost_claim_is_reported_not_overwritten(db: TestDatabase, source: Clai
         heartbeat_interval_seconds=0.1,
         metrics=metrics,
     )
-    other = trigger(source, batch_size=1, worker_id="other")
+    other = trigger(source, batch_size=1, owner_id="other")
 
     def slow(events: list[RowChange], ctx: ClaimContext) -> None:
         # Simulate a frozen worker: the claim is taken over behind its back.
@@ -192,7 +192,7 @@ def test_heartbeat_keeps_a_slow_claim(db: TestDatabase, source: ClaimSource) -> 
     q = trigger(
         source, batch_size=1, visibility_timeout_seconds=2.0, heartbeat_interval_seconds=0.25
     )
-    other = trigger(source, batch_size=10, worker_id="other")
+    other = trigger(source, batch_size=10, owner_id="other")
     stolen: list[int] = []
     holding = threading.Event()
     looked = threading.Event()
@@ -247,7 +247,7 @@ def test_concurrent_triggers_claim_disjoint_rows(db: TestDatabase) -> None:
     def work(n: int) -> None:
         src = ClaimSource(url=db.url, table="jobs", schema=db.schema, pk_columns=["id"])
         try:
-            trigger(src, batch_size=7, worker_id=f"w{n}", max_concurrency=2).drain(handle)
+            trigger(src, batch_size=7, owner_id=f"w{n}", max_concurrency=2).drain(handle)
         finally:
             src.close()
 

@@ -78,7 +78,7 @@ def test_mariadb_claim_expiring_between_lock_and_write_is_reported_as_written(
     assert table[keys[4][0]] == ("ready", None)
     assert table[keys[5][0]][0] == "dead"
     # ... and no second worker finds them to complete again.
-    again = trigger(maria_source, batch_size=10, worker_id="B")
+    again = trigger(maria_source, batch_size=10, owner_id="B")
     assert again.tick_result(lambda events: None).claimed == 0
 
 
@@ -86,8 +86,8 @@ def test_mariadb_no_row_is_completed_by_two_workers_when_a_claim_expires_mid_set
     mariadb: TestDatabase, maria_source: ClaimSource, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The chaos test's failure, replayed deterministically at the trigger level."""
-    a = trigger(maria_source, batch_size=3, visibility_timeout_seconds=VISIBILITY, worker_id="A")
-    b = trigger(maria_source, batch_size=10, worker_id="B")
+    a = trigger(maria_source, batch_size=3, visibility_timeout_seconds=VISIBILITY, owner_id="A")
+    b = trigger(maria_source, batch_size=10, owner_id="B")
     locked = ClaimTable._owned_keys
 
     def slow_lock(self: ClaimTable, *args: Any, **kwargs: Any) -> Any:

@@ -32,7 +32,7 @@ from dbtrigger import (
 )
 from dbtrigger.azure import entra_id_engine
 from dbtrigger.runtime.context import BatchContext
-from dbtrigger.runtime.tick import wants_context
+from dbtrigger.runtime.kernel import wants_context
 from dbtrigger.state.window import Window
 from tests.databases import TestDatabase
 from tests.reliability_support import (
@@ -364,14 +364,14 @@ def test_a_queue_retry_waits_the_handlers_delay(sqlite_db: TestDatabase) -> None
     make_jobs(sqlite_db, 3)
     source = claim_source(sqlite_db)
     try:
-        q = QueueTrigger(name="jobs", source=source, retry_backoff_seconds=0)
+        q = QueueTrigger(name="jobs", source=source, retry_delay_seconds=0)
         assert q.tick(retry_two_later) == 2
         assert q.status().delayed == 1
         with pytest.warns(DeprecationWarning, match=r"use ctx\.attempts\(event\)"):
             ClaimContext(
                 queue_name="q",
                 claim_token=TOKEN,
-                worker_id="w",
+                owner_id="w",
                 claimed_at=T0,
                 keys={"e": (1,)},
                 attempts={"e": 1},

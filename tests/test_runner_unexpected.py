@@ -231,7 +231,7 @@ def test_a_queue_maps_a_sink_bug_and_keeps_the_row(db: TestDatabase) -> None:
     source = ClaimSource(url=db.url, table="jobs", schema=db.schema, pk_columns=["id"])
     try:
         sink = BuggySink()
-        queue = QueueTrigger(name="jobs", source=source, batch_size=10, dead_letter=sink)
+        queue = QueueTrigger(name="jobs", source=source, batch_size=10, quarantine=sink)
         with pytest.raises(QuarantineError, match="buggy sink failed to store 1 record"):
             queue.tick_result(reject_item_2)
         assert sink.calls == 1

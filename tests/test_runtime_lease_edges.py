@@ -22,7 +22,7 @@ from dbtrigger import (
     RowChange,
 )
 from dbtrigger.faults import Fault, FaultPlan, FaultyStore
-from dbtrigger.runtime.tick import wants_context
+from dbtrigger.runtime.kernel import wants_context
 from dbtrigger.state import document as docmod
 from dbtrigger.state.lease import decide_acquire
 from tests.databases import TestDatabase

@@ -10,11 +10,11 @@ import pytest
 
 from dbtrigger import CorruptStateError
 from dbtrigger.cursor import Position
+from dbtrigger.state.backoff import backoff_seconds
 from dbtrigger.state.window import (
     Bound,
     Pending,
     Window,
-    backoff_seconds,
     entry_size,
     gone,
     key_of,

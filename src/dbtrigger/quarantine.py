@@ -100,7 +100,8 @@ class QuarantineRecord:
 
     ``pk``, ``cursor`` and ``row`` are already JSON-encoded (see
     :func:`encode_json_value`); ``checkpoint`` is the position the failing
-    batch started from, in the state document's format.
+    batch started from, in the state document's format (a claim queue has no
+    checkpoint: its claim token).
     """
 
     poller: str
@@ -123,9 +124,9 @@ class QuarantineRecord:
         event: RowChange,
         *,
         poller: str,
-        error: BaseException,
+        error: BaseException | str,
         attempts: int,
-        checkpoint: Position,
+        checkpoint: Position | Mapping[str, Any],
         batch_id: str,
         fencing_token: int,
         owner_id: str,
@@ -138,9 +139,13 @@ class QuarantineRecord:
             pk=encode_json_value(dict(event.pk)),
             cursor=encode_json_value(event.cursor),
             row=encode_json_value(dict(event.after)) if event.after is not None else None,
-            error=redact(f"{type(error).__name__}: {error}"[:8000])[:2000],
+            error=error
+            if isinstance(error, str)
+            else redact(f"{type(error).__name__}: {error}"[:8000])[:2000],
             attempts=attempts,
-            checkpoint=position_to_json(checkpoint),
+            checkpoint=position_to_json(checkpoint)
+            if isinstance(checkpoint, Position)
+            else dict(checkpoint),
             batch_id=batch_id,
             fencing_token=fencing_token,
             owner_id=owner_id,

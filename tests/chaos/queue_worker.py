@@ -80,9 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         visibility_timeout_seconds=args.vt,
         heartbeat_interval_seconds=args.heartbeat,
         max_attempts=args.max_attempts,
-        retry_backoff_seconds=0.05,
-        retry_backoff_max_seconds=0.2,
-        worker_id=f"{args.worker}.{args.incarnation}",
+        retry_delay_seconds=0.05,
+        retry_delay_max_seconds=0.2,
+        owner_id=f"{args.worker}.{args.incarnation}",
     )
 
     def handle(events: list[RowChange], ctx: ClaimContext) -> None:

@@ -34,8 +34,8 @@ from dbtrigger.cursor import BEGINNING
 from dbtrigger.errors import ConfigurationError, ContentionError
 from dbtrigger.partitions.member import PartitionedPoller
 from dbtrigger.partitions.source import PartitionSource
+from dbtrigger.runtime.kernel import wants_context
 from dbtrigger.runtime.poller import PollTrigger
-from dbtrigger.runtime.tick import wants_context
 from dbtrigger.settings import resolve_setting
 from dbtrigger.state import operations as ops
 
@@ -48,7 +48,7 @@ Enqueue = Callable[[str], None]
 def partitioned(trigger: PollTrigger | PartitionedPoller) -> PartitionedPoller:
     if isinstance(trigger, PartitionedPoller):
         return trigger
-    if trigger.partitioned is None:
+    if not isinstance(trigger.partitioned, PartitionedPoller):
         raise ConfigurationError(
             f"poller {trigger.name!r} has no partitions: construct it with partitions=N"
         )

@@ -88,7 +88,7 @@ def queue_trigger(
                         batch_size=int(resolved["batch_size"]),
                         visibility_timeout_seconds=resolved["visibility_timeout_seconds"],
                         max_attempts=max_attempts,
-                        dead_letter=dead_letter,
+                        quarantine=dead_letter,
                         metrics=metrics,
                         **options,
                     )

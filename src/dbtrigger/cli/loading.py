@@ -11,14 +11,12 @@ from __future__ import annotations
 import importlib
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dbtrigger.errors import ConfigurationError, DbTriggerError
-from dbtrigger.runtime.delivery import Handler
+from dbtrigger.runtime.kernel import Handler
 from dbtrigger.runtime.poller import PollTrigger
-
-if TYPE_CHECKING:
-    from dbtrigger.queue.trigger import QueueTrigger
+from dbtrigger.runtime.trigger import Trigger
 
 
 def load_object(spec: str) -> Any:
@@ -48,13 +46,6 @@ def load_object(spec: str) -> Any:
     return target
 
 
-def _is_queue(target: object) -> bool:
-    """A :class:`~dbtrigger.queue.QueueTrigger` (checked without importing it eagerly)."""
-    from dbtrigger.queue.trigger import QueueTrigger  # noqa: PLC0415
-
-    return isinstance(target, QueueTrigger)
-
-
 @dataclass(frozen=True)
 class LoadedTrigger:
     """A poller named on the command line, with the handler that goes with it.
@@ -65,7 +56,7 @@ class LoadedTrigger:
     """
 
     spec: str
-    trigger: PollTrigger | QueueTrigger
+    trigger: Trigger
     handler: Handler | None
     function: bool = False
 
@@ -74,6 +65,8 @@ def as_trigger(target: Any, spec: str) -> LoadedTrigger | None:
     """``target`` as a poller: a PollTrigger, or a ``@db.trigger`` Functions function."""
     if isinstance(target, PollTrigger):
         target.cli_source = spec  # log lines then print commands with this --source
+        return LoadedTrigger(spec, target, target.default_handler)
+    if isinstance(target, Trigger):  # a QueueTrigger, a PartitionedPoller
         return LoadedTrigger(spec, target, target.default_handler)
     from dbtrigger.azure import function_handler, function_trigger  # noqa: PLC0415 - optional
 
@@ -93,8 +86,6 @@ def load_trigger(spec: str, handler_spec: str | None = None) -> LoadedTrigger:
     """
     target = load_object(spec)
     loaded = as_trigger(target, spec)
-    if loaded is None and _is_queue(target):
-        loaded = LoadedTrigger(spec, target, target.default_handler)
     if loaded is None:
         raise ConfigurationError(
             f"{spec} is a {type(target).__name__}, not a PollTrigger, a QueueTrigger or a "
@@ -102,7 +93,8 @@ def load_trigger(spec: str, handler_spec: str | None = None) -> LoadedTrigger:
         )
     if handler_spec:
         loaded = LoadedTrigger(spec, loaded.trigger, load_object(handler_spec), loaded.function)
-    if loaded.handler is None and not getattr(loaded.trigger, "subscribers", None):
+    fan_out = isinstance(loaded.trigger, PollTrigger) and loaded.trigger.subscribers
+    if loaded.handler is None and not fan_out:
         raise ConfigurationError(
             f"{spec} has no handler: decorate one with @{spec.split(':')[1]}.handler "
             "or pass --handler MODULE:FUNCTION"

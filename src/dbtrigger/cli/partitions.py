@@ -28,7 +28,7 @@ from dbtrigger.runtime.poller import PollTrigger
 
 def load_partitioned(spec: str) -> PartitionedPoller:
     target = load_object(spec)
-    if isinstance(target, PollTrigger) and target.partitioned is not None:
+    if isinstance(target, PollTrigger) and isinstance(target.partitioned, PartitionedPoller):
         return target.partitioned
     if isinstance(target, PartitionedPoller):
         return target

@@ -19,6 +19,7 @@ from typing import Any
 from dbtrigger.checks import warn_at_start
 from dbtrigger.cli.loading import LoadedTrigger, load_trigger
 from dbtrigger.errors import ConfigurationError
+from dbtrigger.queue.trigger import QueueTrigger
 from dbtrigger.runtime.poller import PollTrigger
 from dbtrigger.runtime.runner import (
     DEFAULT_MAX_BACKOFF_SECONDS,
@@ -45,9 +46,9 @@ def _version() -> str:
 def banner(loaded: LoadedTrigger, args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     """What an operator needs to know about a poller before its first tick."""
     trigger = loaded.trigger
-    if not isinstance(trigger, PollTrigger):  # a claim queue: no checkpoint, no lease
+    if isinstance(trigger, QueueTrigger):  # a claim queue: no checkpoint, no lease
         text = (
-            f"queue {trigger.name} ({loaded.spec}), worker {trigger.worker_id}\n"
+            f"queue {trigger.name} ({loaded.spec}), owner {trigger.owner_id}\n"
             f"  source      {trigger.source.name}\n"
             f"  batches     {trigger.batch_size} rows, {trigger.max_concurrency} at once; "
             f"visibility timeout {trigger.visibility_timeout:g}s\n"
@@ -55,6 +56,11 @@ def banner(loaded: LoadedTrigger, args: argparse.Namespace) -> tuple[str, dict[s
             f"{args.max_backoff:g}s"
         )
         return redact(text), {"event": "worker_start", "poller": trigger.name}
+    if not isinstance(trigger, PollTrigger):  # a partitioned poller: its members log theirs
+        return f"{type(trigger).__name__} {trigger.name} ({loaded.spec})", {
+            "event": "worker_start",
+            "poller": trigger.name,
+        }
     source = trigger.source
     described = source.describe()
     url = described.get("url")

@@ -43,9 +43,9 @@ from dbtrigger.names import validate_name
 from dbtrigger.partitions import layout
 from dbtrigger.partitions.layout import BalanceDecision, Membership
 from dbtrigger.partitions.source import PartitionSource
-from dbtrigger.runtime.delivery import Handler
-from dbtrigger.runtime.poller import PollTrigger, default_owner_id, utc_now
-from dbtrigger.runtime.tick import TickResult
+from dbtrigger.runtime.kernel import Handler
+from dbtrigger.runtime.poller import PollTrigger
+from dbtrigger.runtime.trigger import TickResult, default_owner_id, utc_now
 from dbtrigger.sources.sqlalchemy import SqlAlchemySource
 from dbtrigger.state.stores.base import CheckpointStore
 
@@ -450,6 +450,21 @@ class PartitionedPoller:
             if result.rows == 0 and not result.more:
                 break
         return total
+
+    def rows_behind(self) -> int | None:
+        """Not counted across partitions (``status()`` counts each one's lag)."""
+        return None
+
+    def wait_for_work(self, seconds: float, stop: threading.Event) -> bool:
+        """The worker's idle sleep: up to ``seconds``, ended early by ``stop``."""
+        stop.wait(seconds)
+        return False
+
+    def close(self) -> None:
+        """Release the partition triggers' threads (lanes, heartbeats). Membership
+        is kept: :meth:`leave` gives the partitions back."""
+        for trigger in list(self._triggers.values()):
+            trigger.close()
 
     def leave(self) -> None:
         """Give up every partition now (shutdown), so others need not wait for the TTL."""

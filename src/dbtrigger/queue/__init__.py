@@ -16,20 +16,21 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from dbtrigger.queue.context import ClaimContext
+    from dbtrigger.queue.driver import QueueTickResult
     from dbtrigger.queue.layout import ClaimedRow
     from dbtrigger.queue.operations import QueueCounts
-    from dbtrigger.queue.outcome import Backoff
     from dbtrigger.queue.sidecar import SidecarFeeder
     from dbtrigger.queue.source import ClaimSource
-    from dbtrigger.queue.trigger import QueueTickResult, QueueTrigger
+    from dbtrigger.queue.trigger import QueueTrigger
+    from dbtrigger.state.backoff import Backoff
 
 _LAZY = {
-    "Backoff": "dbtrigger.queue.outcome",
+    "Backoff": "dbtrigger.state.backoff",
     "ClaimContext": "dbtrigger.queue.context",
     "ClaimSource": "dbtrigger.queue.source",
     "ClaimedRow": "dbtrigger.queue.layout",
     "QueueCounts": "dbtrigger.queue.operations",
-    "QueueTickResult": "dbtrigger.queue.trigger",
+    "QueueTickResult": "dbtrigger.queue.driver",
     "QueueTrigger": "dbtrigger.queue.trigger",
     "SidecarFeeder": "dbtrigger.queue.sidecar",
 }

@@ -41,7 +41,8 @@ class ClaimContext:
         claim_token: this claim's token (also ``batch_id``): completions are
             fenced by it, so a worker whose claim expired cannot overwrite the
             result of the worker that took the row over.
-        worker_id: who claimed.
+        owner_id: who claimed (the trigger's ``owner_id``; ``worker_id`` is its
+            deprecated spelling).
         claimed_at: when (worker clock, for logs).
         lost: set when the heartbeat finds that every row of the claim was
             taken over; a long handler should check :attr:`cancelled` and stop
@@ -53,7 +54,7 @@ class ClaimContext:
         *,
         queue_name: str,
         claim_token: str,
-        worker_id: str,
+        owner_id: str,
         claimed_at: dt.datetime,
         keys: Mapping[str, Key],
         attempts: Mapping[str, int],
@@ -61,7 +62,7 @@ class ClaimContext:
     ) -> None:
         self.queue_name = queue_name
         self.claim_token = claim_token
-        self.worker_id = worker_id
+        self.owner_id = owner_id
         self.claimed_at = claimed_at
         self.lost = lost
         self._keys = dict(keys)
@@ -78,6 +79,16 @@ class ClaimContext:
     @property
     def poller_name(self) -> str:
         return self.queue_name
+
+    @property
+    def worker_id(self) -> str:
+        """Deprecated spelling of :attr:`owner_id` (the poller's ``BatchContext`` name)."""
+        warnings.warn(
+            "ClaimContext.worker_id is deprecated: use ctx.owner_id, as on BatchContext",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.owner_id
 
     @property
     def cancelled(self) -> bool:

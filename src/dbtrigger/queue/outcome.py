@@ -27,41 +27,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from dbtrigger import options as opt
-from dbtrigger.errors import ConfigurationError, PartialBatchError
+from dbtrigger.errors import PartialBatchError
 from dbtrigger.queue.schema import ERROR_LIMIT
 from dbtrigger.queue.statements import DeadItem, Key, RetryItem
 from dbtrigger.redaction import redact
-
-
-@dataclass(frozen=True)
-class Backoff:
-    """Exponential backoff with jitter, capped: ``base * 2**(attempt-1)``, at most ``cap``.
-
-    The delay is drawn between half and all of that bound ("equal jitter"), so
-    rows that failed together (a downstream outage) spread out on the way back
-    while none comes back sooner than half its bound.
-    """
-
-    base_seconds: float = 1.0
-    cap_seconds: float = 300.0
-
-    def __post_init__(self) -> None:
-        opt.seconds("base_seconds", self.base_seconds, inclusive=True)
-        opt.seconds("cap_seconds", self.cap_seconds, inclusive=True)
-        if self.cap_seconds < self.base_seconds:
-            raise ConfigurationError(
-                "retry backoff needs 0 <= base <= cap, got "
-                f"base={self.base_seconds}, cap={self.cap_seconds}"
-            )
-
-    def bound(self, attempt: int) -> float:
-        exponent = min(max(attempt, 1) - 1, 60)
-        return float(min(self.cap_seconds, self.base_seconds * (2**exponent)))
-
-    def delay(self, attempt: int, rng: random.Random) -> float:
-        bound = self.bound(attempt)
-        return bound / 2 + rng.uniform(0, bound / 2)
+from dbtrigger.state.backoff import Backoff
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,12 @@
 """What a handler learns about the batch it is given, and how it says what
-became of each event (:meth:`BatchContext.reject`, :meth:`BatchContext.retry`)."""
+became of each event (:meth:`BatchContext.reject`, :meth:`BatchContext.retry`).
+
+:class:`EventContext` is what every context offers, whichever trigger calls
+the handler: a poller's :class:`BatchContext` and a queue's
+:class:`~dbtrigger.queue.context.ClaimContext` both satisfy it (mypy checks
+that where the delivery kernel takes either), so a handler written against it
+runs under both.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +15,50 @@ import math
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from dbtrigger.cursor import Position
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.events import RowChange
+
+
+@runtime_checkable
+class EventContext(Protocol):
+    """The context every handler may take as its second argument.
+
+    Attributes:
+        batch_id: this delivery's id (a poller's batch id, a queue's claim token).
+        poller_name: the trigger's name.
+        owner_id: this instance's identity (the lease holder, the claimer).
+        cancelled: True once nothing this call does will be recorded any more
+            (a lost lease or claim, a fan-out ack timeout): stop early.
+    """
+
+    @property
+    def batch_id(self) -> str: ...
+
+    @property
+    def poller_name(self) -> str: ...
+
+    @property
+    def owner_id(self) -> str: ...
+
+    @property
+    def cancelled(self) -> bool: ...
+
+    def reject(self, event: RowChange, reason: str | BaseException) -> None:
+        """Settle ``event`` as dead now: to the dead-letter sink, never delivered again."""
+        ...
+
+    def retry(
+        self, event: RowChange, reason: str | BaseException, *, delay_seconds: float | None = None
+    ) -> None:
+        """Deliver ``event`` again after a backoff (or ``delay_seconds``); it counts an attempt."""
+        ...
+
+    def attempts(self, event: RowChange) -> int:
+        """How many times ``event`` has been delivered, this time included."""
+        ...
 
 
 def describe_event(event: RowChange) -> str:

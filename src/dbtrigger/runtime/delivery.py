@@ -4,9 +4,10 @@ The tick driver (:mod:`dbtrigger.runtime.tick`) owns the state document: it
 reads it, takes the lease, commits, records failures and releases. This
 collaborator owns the batch in the middle and never writes state:
 
-* it calls the handler - sync or async, with the lease-lost flag turned into
-  a real cancellation of an async handler (:func:`guarded`), on up to
-  ``max_concurrency`` lanes at once (:mod:`dbtrigger.runtime.lanes`);
+* it calls the handler through the delivery kernel
+  (:mod:`dbtrigger.runtime.kernel`) - sync or async, with the lease-lost flag
+  turned into a real cancellation of an async handler, on up to
+  ``max_concurrency`` lanes at once;
 * it sorts out a failure: a :class:`~dbtrigger.errors.PartialBatchError`
   names its failed rows, anything else fails the whole batch; once a batch
   has failed ``max_attempts`` times and a quarantine sink is configured, it
@@ -21,33 +22,24 @@ collaborator owns the batch in the middle and never writes state:
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import datetime as dt
-import inspect
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from dbtrigger.errors import (
     AckTimeoutError,
-    ConfigurationError,
     HandlerError,
     LostLeaseError,
     PartialBatchError,
     QuarantineError,
 )
 from dbtrigger.events import RowChange
-from dbtrigger.quarantine import (
-    QuarantineRecord,
-    QuarantineSink,
-    isolate,
-    match_failed,
-    put_records,
-)
+from dbtrigger.quarantine import QuarantineSink, isolate, match_failed, put_records
+from dbtrigger.runtime import kernel
 from dbtrigger.runtime.context import BatchContext, EventMarks
-from dbtrigger.runtime.lanes import Lanes
+from dbtrigger.runtime.kernel import Handler, Lanes
 from dbtrigger.runtime.retry import RetryPolicy
 from dbtrigger.runtime.telemetry import Telemetry
 from dbtrigger.state import document as docmod
@@ -55,8 +47,7 @@ from dbtrigger.state.journal import Outcomes
 from dbtrigger.state.verdict import Verdict, judge, should_isolate
 from dbtrigger.state.window import Window
 
-#: A batch handler: ``handler(events)`` or ``handler(events, ctx)``, sync or async.
-Handler = Callable[..., Any]
+__all__ = ["Delivered", "Delivery", "Handler", "Outcome", "Undelivered", "cancelled_error"]
 
 
 class EventRejected(Exception):
@@ -154,8 +145,13 @@ class Delivery:
         self.quarantine = quarantine
         self.max_attempts = max_attempts
         self.quarantine_limit = quarantine_limit
-        #: Parallel lanes (``max_concurrency > 1``): see :mod:`dbtrigger.runtime.lanes`.
+        #: Parallel lanes (``max_concurrency > 1``): see :mod:`dbtrigger.runtime.kernel`.
         self.lanes = Lanes(max_concurrency, name=poller) if max_concurrency > 1 else None
+
+    def close(self) -> None:
+        """Shut the lane pool down (it starts again on the next batch)."""
+        if self.lanes is not None:
+            self.lanes.close()
 
     @property
     def overlaps(self) -> bool:
@@ -344,9 +340,7 @@ class Delivery:
         started = time.perf_counter()
 
         def one(part: list[RowChange]) -> None:
-            result = handler(part, ctx) if wants_ctx else handler(part)
-            if inspect.isawaitable(result):
-                run_awaitable(result, ctx)
+            kernel.call(handler, part, ctx, wants_ctx, cancelled_error)
 
         try:
             if self.lanes is None:
@@ -479,34 +473,29 @@ class Delivery:
     def _quarantine(self, ctx: BatchContext, failed: list[tuple[RowChange, BaseException]]) -> None:
         """Record the rows that fail alone in the sink (durably) before the
         checkpoint moves past them."""
-        self._dead_letter(ctx, failed, {})
+        self._dead_letter(ctx, failed, ctx.attempt)
 
     def _dead_letter(
         self,
         ctx: BatchContext,
         failed: list[tuple[RowChange, BaseException]],
-        attempts: Mapping[str, int],
+        attempts: Mapping[str, int] | int,
     ) -> None:
         """Write ``failed`` events to the sink (one ``put``), then report them."""
         sink = self.quarantine
         if sink is None or not failed:
             return
         self._check_lost(ctx)
-        now = self.clock()
-        records = [
-            QuarantineRecord.from_event(
-                event,
-                poller=self.poller,
-                error=exc,
-                attempts=attempts.get(event.event_id, ctx.attempt),
-                checkpoint=ctx.checkpoint_before,
-                batch_id=ctx.batch_id,
-                fencing_token=ctx.fencing_token,
-                owner_id=self.owner_id,
-                now=now,
-            )
-            for event, exc in failed
-        ]
+        records = kernel.dead_letter_records(
+            failed,
+            trigger=self.poller,
+            attempts=attempts,
+            checkpoint=ctx.checkpoint_before,
+            batch_id=ctx.batch_id,
+            fencing_token=ctx.fencing_token,
+            owner_id=self.owner_id,
+            now=self.clock(),
+        )
         self.retry.call(
             lambda: put_records(sink, records),
             operation="quarantine write",
@@ -533,53 +522,18 @@ class Delivery:
             )
 
 
-#: How often an async handler's guard looks at the lease-lost flag.
-CANCEL_POLL_SECONDS = 0.05
-
-
-async def guarded(awaitable: Awaitable[Any], ctx: BatchContext) -> Any:
-    """Await an async handler, cancelling it as soon as the lease is lost (or,
-    for a fan-out subscriber, its ack timeout ran out).
-
-    The task is cancelled *and awaited*, so when the tick reports the lost
-    lease the handler has really stopped (no side effect runs after it).
-    """
-    task = asyncio.ensure_future(awaitable)
-    try:
-        while not task.done():
-            if ctx.cancelled:
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-                if not ctx.lease_lost.is_set():  # fan-out: this subscriber's ack timeout
-                    raise AckTimeoutError(
-                        "the subscriber outlived ack_timeout_seconds; its task was cancelled",
-                        poller=ctx.poller_name,
-                        batch_id=ctx.batch_id,
-                    )
-                raise LostLeaseError(
-                    "lease lost while the async handler ran; it was cancelled",
-                    poller=ctx.poller_name,
-                    batch_id=ctx.batch_id,
-                    fencing_token=ctx.fencing_token,
-                )
-            await asyncio.wait({task}, timeout=CANCEL_POLL_SECONDS)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    return task.result()
-
-
-def run_awaitable(awaitable: Awaitable[Any], ctx: BatchContext) -> Any:
-    """Run an async handler's awaitable from the synchronous tick."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(guarded(awaitable, ctx))
-    with contextlib.suppress(Exception):
-        close = getattr(awaitable, "close", None)
-        if close:
-            close()
-    raise ConfigurationError(
-        "an async handler was called from a running event loop; use `await trigger.tick_async(...)`"
+def cancelled_error(ctx: BatchContext) -> Exception:
+    """What an async handler cancelled by ``ctx.cancelled`` raises once it stopped:
+    the lost lease, or (fan-out) this subscriber's ack timeout."""
+    if not ctx.lease_lost.is_set():
+        return AckTimeoutError(
+            "the subscriber outlived ack_timeout_seconds; its task was cancelled",
+            poller=ctx.poller_name,
+            batch_id=ctx.batch_id,
+        )
+    return LostLeaseError(
+        "lease lost while the async handler ran; it was cancelled",
+        poller=ctx.poller_name,
+        batch_id=ctx.batch_id,
+        fencing_token=ctx.fencing_token,
     )

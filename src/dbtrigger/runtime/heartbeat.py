@@ -4,8 +4,10 @@ A lease lives ``lease_ttl_seconds`` from its last write. A handler that runs
 longer than that would let another instance take the lease over and deliver
 the same batch again (duplicate window W4), and that instance's handler might
 be just as slow: the batch would bounce between instances for ever. So while a
-tick holds the lease, a background thread renews it by compare-and-swap
-(``heartbeat_at`` and ``expires_at`` moved forward, nothing else touched).
+tick holds the lease, the trigger's heartbeat thread
+(:class:`~dbtrigger.runtime.kernel.KeepAlive`) renews it by compare-and-swap
+(``heartbeat_at`` and ``expires_at`` moved forward, nothing else touched);
+:class:`Heartbeat` is what one beat does.
 
 Cost: the thread writes only when nothing else has written for a whole
 interval. Every commit renews the lease too, so a tick whose batches each
@@ -32,6 +34,7 @@ from collections.abc import Callable
 from types import TracebackType
 
 from dbtrigger.errors import DbTriggerError, LostLeaseError
+from dbtrigger.runtime.kernel import KeepAlive
 from dbtrigger.runtime.session import LeaseSession
 from dbtrigger.runtime.telemetry import Telemetry
 from dbtrigger.state import lease as leasemod
@@ -47,7 +50,9 @@ class Heartbeat:
     """Renews ``session``'s lease every ``interval`` seconds of write silence.
 
     Use as a context manager around everything the tick does while it holds
-    the lease. ``interval <= 0`` disables it (the seed's behaviour: a batch
+    the lease: the beats run on ``keepalive``'s thread, and leaving the block
+    waits for a renewal in flight, so the tick's next write never races it for
+    the etag. ``interval <= 0`` disables it (the seed's behaviour: a batch
     slower than the TTL can lose its lease).
     """
 
@@ -60,6 +65,7 @@ class Heartbeat:
         clock: Callable[[], dt.datetime],
         lost: threading.Event,
         telemetry: Telemetry,
+        keepalive: KeepAlive,
     ) -> None:
         self.session = session
         self.interval = interval
@@ -67,14 +73,15 @@ class Heartbeat:
         self.clock = clock
         self.lost = lost
         self.telemetry = telemetry
+        self.keepalive = keepalive
         self.poller = telemetry.poller
         self.renewals = 0
         self.failures = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._key = f"lease-{session.token}"
 
     def __enter__(self) -> Heartbeat:
-        self.start()
+        if self.interval > 0:
+            self.keepalive.hold(self._key, self.beat, first_in=self.interval)
         return self
 
     def __exit__(
@@ -83,23 +90,8 @@ class Heartbeat:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.stop()
-
-    def start(self) -> None:
-        if self.interval <= 0 or self._thread is not None:
-            return
-        self._thread = threading.Thread(
-            target=self._run, name=f"dbtrigger-heartbeat-{self.poller}", daemon=True
-        )
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Stop renewing; waits for a renewal in flight so the tick's next write
-        never races it for the etag."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        if self.interval > 0:
+            self.keepalive.release(self._key)
 
     def _renew(self) -> bool:
         session = self.session
@@ -139,59 +131,56 @@ class Heartbeat:
             reason="expired_without_renewal",
         )
 
-    def _run(self) -> None:
-        while True:
-            remaining = self.interval - self.session.idle_seconds()
-            if remaining > 0:
-                if self._stop.wait(remaining):
-                    return
-                continue
-            if self._stop.is_set():
-                return
-            try:
-                renewed = self._renew()
-            except LostLeaseError as exc:
-                self.lost.set()
-                self.telemetry.emit(
-                    "heartbeat_rejected",
-                    "heartbeat rejected, the lease was taken over: %s",
-                    exc,
-                    fencing_token=self.session.token,
-                    during="heartbeat",
-                )
-                return
-            except DbTriggerError as exc:
-                # Unknown outcome or store down: not a loss while the lease
-                # lasts. Try again after half an interval (sooner if the lease
-                # runs out first); once it has run out, give it up.
-                self.failures += 1
-                expires_at = self._expires_at()
-                if expires_at is not None and self.clock() >= expires_at:
-                    self._give_up(exc, expires_at)
-                    return
-                self.telemetry.emit(
-                    "heartbeat_failed",
-                    "heartbeat failed (%d in a row), will retry: %s",
-                    self.failures,
-                    exc,
-                    **{**exc.log_fields(), "fencing_token": self.session.token},
-                )
-                pause = self.interval / 2
-                if expires_at is not None:
-                    until_expiry = (expires_at - self.clock()).total_seconds()
-                    pause = max(0.0, min(pause, until_expiry))
-                if self._stop.wait(pause):
-                    return
-                continue
-            if not renewed:
-                if self.session.released or self.session.lost:
-                    return
-                continue  # a commit wrote meanwhile; wait out its interval
-            self.renewals += 1
-            self.failures = 0
+    def beat(self) -> float | None:
+        """One beat (on the heartbeat thread): renew if nothing was written for
+        an interval; seconds until the next beat, or None once the lease is
+        lost, given up or released."""
+        remaining = self.interval - self.session.idle_seconds()
+        if remaining > 0:
+            return remaining
+        try:
+            renewed = self._renew()
+        except LostLeaseError as exc:
+            self.lost.set()
             self.telemetry.emit(
-                "lease_renewed",
-                "lease renewed (token %s)",
-                self.session.token,
+                "heartbeat_rejected",
+                "heartbeat rejected, the lease was taken over: %s",
+                exc,
                 fencing_token=self.session.token,
+                during="heartbeat",
             )
+            return None
+        except DbTriggerError as exc:
+            # Unknown outcome or store down: not a loss while the lease
+            # lasts. Try again after half an interval (sooner if the lease
+            # runs out first); once it has run out, give it up.
+            self.failures += 1
+            expires_at = self._expires_at()
+            if expires_at is not None and self.clock() >= expires_at:
+                self._give_up(exc, expires_at)
+                return None
+            self.telemetry.emit(
+                "heartbeat_failed",
+                "heartbeat failed (%d in a row), will retry: %s",
+                self.failures,
+                exc,
+                **{**exc.log_fields(), "fencing_token": self.session.token},
+            )
+            pause = self.interval / 2
+            if expires_at is not None:
+                until_expiry = (expires_at - self.clock()).total_seconds()
+                pause = max(0.0, min(pause, until_expiry))
+            return pause
+        if not renewed:
+            if self.session.released or self.session.lost:
+                return None
+            return 0.0  # a commit wrote meanwhile; wait out its interval
+        self.renewals += 1
+        self.failures = 0
+        self.telemetry.emit(
+            "lease_renewed",
+            "lease renewed (token %s)",
+            self.session.token,
+            fencing_token=self.session.token,
+        )
+        return max(0.0, self.interval - self.session.idle_seconds())

@@ -4,8 +4,9 @@ It validates the configuration, registers the handler (``@trigger.handler``)
 and runs ticks: :meth:`PollTrigger.tick`, :meth:`~PollTrigger.tick_result`,
 :meth:`~PollTrigger.drain`, :meth:`~PollTrigger.run` (a timer firing) and
 :meth:`~PollTrigger.tick_async`. What a tick does, in order, is in
-:mod:`dbtrigger.runtime.tick`; the handler call and its failures in
-:mod:`dbtrigger.runtime.delivery`; every write to the state document goes
+:mod:`dbtrigger.runtime.tick`; what becomes of a batch in
+:mod:`dbtrigger.runtime.delivery`, and how the handler is called (the same
+for every trigger) in :mod:`dbtrigger.runtime.kernel`; every write to the state document goes
 through :class:`~dbtrigger.runtime.session.LeaseSession`; what is logged and
 counted is declared in :mod:`dbtrigger.runtime.telemetry`.
 
@@ -29,47 +30,46 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import inspect
-import os
+import importlib
 import shlex
-import socket
+import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from types import TracebackType
+from typing import Any
 
 from dbtrigger import options as opt
 from dbtrigger.errors import ConfigurationError, LeaseAcquireError
-from dbtrigger.events import RowChange
 from dbtrigger.metrics import MetricsCollector, SafeMetrics
 from dbtrigger.names import import_path_of, validate_name
 from dbtrigger.quarantine import QuarantineSink
-from dbtrigger.runtime.context import BatchContext
-from dbtrigger.runtime.delivery import Delivery, Handler, guarded
+from dbtrigger.runtime import kernel
+from dbtrigger.runtime.delivery import Delivery, cancelled_error
 from dbtrigger.runtime.heartbeat import default_interval
+from dbtrigger.runtime.kernel import Handler, KeepAlive
 from dbtrigger.runtime.retry import DEFAULT_RETRY_POLICY, RetryPolicy
 from dbtrigger.runtime.subscribers import FanOut, SubscriberCall, check_fan_out
 from dbtrigger.runtime.telemetry import Telemetry
-from dbtrigger.runtime.tick import (
-    NullCursorProbe,
-    TickDriver,
+from dbtrigger.runtime.tick import NullCursorProbe, TickDriver, TickSettings
+from dbtrigger.runtime.trigger import (
+    DEFAULT_MAX_BATCHES_PER_TICK,
     TickResult,
-    TickSettings,
-    wants_context,
+    default_owner_id,
+    utc_now,
 )
-from dbtrigger.sources.base import BindsToPoller, SourceAdapter
+from dbtrigger.sources.base import BindsToPoller, CountsAfter, SourceAdapter
 from dbtrigger.state import document as docmod
 from dbtrigger.state.document import StateDocument
 from dbtrigger.state.stores.base import CheckpointStore
 from dbtrigger.state.window import Bound
 
-if TYPE_CHECKING:
-    from dbtrigger.partitions.member import PartitionedPoller
-
-__all__ = ["PollTrigger", "TickResult", "default_owner_id", "utc_now"]
-
-#: Kept for code that imported the private name from here.
-_wants_context = wants_context
+__all__ = [
+    "DEFAULT_MAX_BATCHES_PER_TICK",
+    "PollTrigger",
+    "TickResult",
+    "default_owner_id",
+    "utc_now",
+]
 
 
 def _retry_delays(first: object, most: object) -> tuple[float, float]:
@@ -95,28 +95,6 @@ def _heartbeat_interval(value: object, lease_ttl: float) -> float:
             f"in time, or 0 to disable; got {interval}"
         )
     return interval
-
-
-def utc_now() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
-
-
-#: Batches per tick unless configured: one. A tick is then short and its
-#: length predictable (one fetch, one handler call, one commit), which is what
-#: a Functions invocation under ``functionTimeout`` and a lease TTL sized for
-#: one batch need; a worker (``dbtrigger run``) loses little, because it ticks
-#: again at once while batches come back full (the cost is one state read and
-#: one lease write per batch: 1 read + 2 writes per batch instead of 1.1 writes
-#: at 10). A Functions poller on a timer should raise it to catch up between
-#: firings (the example uses 10: a 10,000-row backlog at batch_size 100 drains
-#: in 10 one-minute firings instead of 100), with batches x handler time well
-#: inside functionTimeout.
-DEFAULT_MAX_BATCHES_PER_TICK = 1
-
-
-def default_owner_id() -> str:
-    """``host/pid/random``: unique per trigger object, readable in ``status``."""
-    return f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
 
 
 class PollTrigger:
@@ -149,12 +127,10 @@ class PollTrigger:
             are isolated and quarantined (with a sink) or reported as poison.
         quarantine_limit: most rows one batch may quarantine; more rows
             failing alone looks like an outage, and nothing is set aside.
-        partitions: split the table into this many bucket ranges, each with its
-            own state document, spread over every process that runs this
-            poller (:class:`~dbtrigger.partitions.PartitionedPoller`, see
-            ``docs/scale-out.md``). Needs a ``SqlAlchemySource``.
-        balance_interval_seconds / member_ttl_seconds: with ``partitions``: how
-            often members rebalance, and when a silent member counts as dead.
+        partitions, balance_interval_seconds, member_ttl_seconds: deprecated:
+            build a :class:`~dbtrigger.partitions.PartitionedPoller` (same
+            options) instead; with ``partitions`` this trigger delegates every
+            tick to one (``docs/scale-out.md``).
         retry_delay_seconds: backoff before an event marked ``ctx.retry`` is
             delivered again; doubles per attempt (with jitter).
         retry_delay_max_seconds: the cap of that backoff.
@@ -267,6 +243,8 @@ class PollTrigger:
         #: How an operator names this poller to the CLI (``--source MODULE:ATTR``);
         #: set by the CLI and by ``DbBindings`` so log lines can print exact commands.
         self.cli_source: str | None = None
+        #: The heartbeat thread that renews this trigger's lease while a batch runs.
+        self._keepalive = KeepAlive(self.name)
         self._driver = TickDriver(
             TickSettings(
                 name=self.name,
@@ -300,19 +278,21 @@ class PollTrigger:
                 cli_target=self.cli_target,
             ),
             null_probe=self.null_probe,
+            keepalive=self._keepalive,
             cli_source=self.operator_spec,
         )
-        self.partitioned: PartitionedPoller | None = None
+        #: Deprecated ``partitions=``: the PartitionedPoller every tick is delegated to.
+        self.partitioned: Any = None
         if partitions is not None:
-            from dbtrigger.partitions.member import PartitionedPoller  # noqa: PLC0415 - cycle
-
             for key in ("name", "source", "checkpoint_store", "partitions", "owner_id"):
                 options.pop(key)
             for key in ("subscribers", "ack_timeout_seconds"):  # refused above when set
                 options.pop(key)
-            self.partitioned = PartitionedPoller(
+            # Loaded on use: the partitions wing stands on the runtime, not under it.
+            member = importlib.import_module("dbtrigger.partitions.member")
+            self.partitioned = member.PartitionedPoller(
                 name=self.name,
-                source=source,  # type: ignore[arg-type]  # PartitionedPoller checks it
+                source=source,
                 checkpoint_store=checkpoint_store,
                 partitions=partitions,
                 member_id=self.owner_id,
@@ -479,20 +459,45 @@ class PollTrigger:
         loop = asyncio.get_running_loop()
 
         def on_loop(fn: Handler, wants_ctx: bool) -> Handler:
-            def shim(events: list[RowChange], ctx: BatchContext) -> Any:
-                result = fn(events, ctx) if wants_ctx else fn(events)
-                if not inspect.isawaitable(result):
-                    return result
-                return asyncio.run_coroutine_threadsafe(guarded(result, ctx), loop).result()
-
-            return shim
+            return kernel.on_loop(fn, wants_ctx, loop, cancelled_error)
 
         chosen = self._handler_for(handler)
         if isinstance(chosen, SubscriberCall):
             # Fan-out: each async subscriber runs on the caller's loop too.
             return await asyncio.to_thread(self.tick, SubscriberCall(on_loop))
-        return await asyncio.to_thread(self.tick, on_loop(chosen, wants_context(chosen)))
+        return await asyncio.to_thread(self.tick, on_loop(chosen, kernel.wants_context(chosen)))
 
     def read_state(self) -> StateDocument | None:
         stored = self.store.read(self.name)
         return docmod.loads(stored.data) if stored else None
+
+    def rows_behind(self) -> int | None:
+        """Rows after the committed checkpoint, if the source can count them."""
+        if not isinstance(self.source, CountsAfter):
+            return None
+        doc = self.read_state()
+        return int(self.source.count_after(doc.position)) if doc is not None else None
+
+    def wait_for_work(self, seconds: float, stop: threading.Event) -> bool:
+        """The worker's idle sleep: up to ``seconds``, ended early by ``stop``."""
+        stop.wait(seconds)
+        return False
+
+    def close(self) -> None:
+        """Stop the heartbeat thread and shut the lane pool down (both start again
+        if the trigger ticks afterwards); a deprecated ``partitions=`` member's too."""
+        self._keepalive.close()
+        self._driver.delivery.close()
+        if self.partitioned is not None:
+            self.partitioned.close()
+
+    def __enter__(self) -> PollTrigger:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -50,7 +50,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dbtrigger.errors import (
     ContentionError,
@@ -59,11 +59,8 @@ from dbtrigger.errors import (
     OperatorError,
     QuarantineError,
 )
-from dbtrigger.runtime.delivery import Handler
-from dbtrigger.runtime.poller import PollTrigger, TickResult
-
-if TYPE_CHECKING:
-    from dbtrigger.queue.trigger import QueueTickResult, QueueTrigger
+from dbtrigger.runtime.kernel import Handler
+from dbtrigger.runtime.trigger import TickReport, Trigger
 
 log = logging.getLogger("dbtrigger.runner")
 
@@ -128,15 +125,10 @@ def backoff_delay(failures: int, interval: float, cap: float) -> float:
     return float(min(cap, base * 2 ** min(failures - 1, 30)))
 
 
-def _count_behind(trigger: PollTrigger | QueueTrigger) -> int | None:
-    """Rows after the committed checkpoint, if the source can count them."""
-    counter = getattr(trigger.source, "count_after", None)
-    if counter is None:
-        return None
+def _count_behind(trigger: Trigger) -> int | None:
+    """Rows after the committed checkpoint, if the trigger can count them."""
     try:
-        read_state = getattr(trigger, "read_state", None)
-        doc = read_state() if read_state is not None else None
-        return int(counter(doc.position)) if doc is not None else None
+        return trigger.rows_behind()
     except DbTriggerError as exc:
         log.debug("could not count the rows behind: %s", exc)
         return None
@@ -147,7 +139,7 @@ class _Drain:
 
     def __init__(
         self,
-        trigger: PollTrigger | QueueTrigger,
+        trigger: Trigger,
         callback: ProgressCallback,
         interval: float,
         first_rows: int,
@@ -213,12 +205,12 @@ def log_progress(progress: DrainProgress) -> None:
 
 
 class Runner:
-    """Drive one :class:`PollTrigger` until :meth:`stop` (or a signal).
+    """Drive one :class:`~dbtrigger.runtime.trigger.Trigger` until :meth:`stop` (or a signal).
 
     Args:
         trigger / handler: what to poll and who receives the batches.
         interval_seconds: the sleep after a tick that left nothing pending.
-        on_tick: called with every :class:`TickResult`.
+        on_tick: called with every tick's result.
         max_backoff_seconds: ceiling of the wait between failing ticks.
         progress: called while a backlog drains (default: a log line).
         progress_interval_seconds: time between two progress reports.
@@ -227,11 +219,11 @@ class Runner:
 
     def __init__(
         self,
-        trigger: PollTrigger | QueueTrigger,
+        trigger: Trigger,
         handler: Handler,
         *,
         interval_seconds: float = 5.0,
-        on_tick: Callable[[TickResult | QueueTickResult], None] | None = None,
+        on_tick: Callable[[TickReport], None] | None = None,
         max_backoff_seconds: float = DEFAULT_MAX_BACKOFF_SECONDS,
         progress: ProgressCallback | None = log_progress,
         progress_interval_seconds: float = DEFAULT_PROGRESS_INTERVAL_SECONDS,
@@ -286,9 +278,7 @@ class Runner:
                 wait = self._tick_once()
                 if wait > 0:
                     self._idle(wait)
-        stop_listening = getattr(self.trigger, "stop_listening", None)  # a queue's wake-up hint
-        if callable(stop_listening):
-            stop_listening()
+        self.trigger.close()  # its lanes, heartbeat thread and wake-up listener
         log.info(
             "%s: stopped after %d ticks, %d rows (%d failed ticks)",
             self.trigger.name,
@@ -308,9 +298,8 @@ class Runner:
     def _idle(self, seconds: float) -> None:
         """Sleep between ticks; a queue's wake-up hint may end an idle sleep early
         (never a backoff after a failure)."""
-        wait_for_work = getattr(self.trigger, "wait_for_work", None)
-        if callable(wait_for_work) and not self._failures:
-            wait_for_work(seconds, self._stop)
+        if not self._failures:
+            self.trigger.wait_for_work(seconds, self._stop)
         else:
             self._stop.wait(seconds)
 
@@ -374,7 +363,7 @@ class Runner:
         self.stats.failures += 1
         self._failures += 1
         # Batches committed before the failing one count (the tick's partial result).
-        last = getattr(self.trigger, "last_result", None)
+        last = self.trigger.last_result
         committed = last.rows if last is not None and last.outcome == "failed" else 0
         self.stats.rows += committed
         delay = backoff_delay(self._failures, self.interval, self.max_backoff)
@@ -412,54 +401,9 @@ class Runner:
         )
         return delay
 
-    def _log_result(self, result: TickResult | QueueTickResult, started: float) -> None:
-        """One line per tick. A queue's result has no lease or visibility fields."""
-        if not isinstance(result, TickResult):
-            more = "; more claimable, claiming again at once" if result.more else ""
-            self._log_outcome(
-                result.outcome,
-                f"{result.outcome}: {result.rows:,} rows done, {result.retried} retried, "
-                f"{result.dead} dead-lettered{more}",
-                started,
-                rows=result.rows,
-                batches=result.batches,
-            )
-            return
-        if result.outcome == "committed":
-            text = (
-                f"committed {result.rows:,} rows in {result.batches} "
-                f"batch{'es' if result.batches != 1 else ''}"
-                + ("; more pending, ticking again at once" if result.more else "")
-            )
-        elif result.outcome == "idle":
-            text = f"idle: nothing after the checkpoint; next tick in {self.interval:g}s"
-            if result.held_back:
-                who = f" by pid {result.blocking_pid}" if result.blocking_pid is not None else ""
-                text = (
-                    f"idle: rows held back by the visibility guard{who} for "
-                    f"{result.held_back_seconds:.0f}s (a transaction that may precede them is "
-                    f"still open); next tick in {self.interval:g}s"
-                )
-        elif result.outcome == "lease_busy":
-            holder = result.holder or "another owner"
-            until = (
-                f" until {result.lease_until:%Y-%m-%dT%H:%M:%SZ}"
-                if result.lease_until is not None
-                else ""
-            )
-            text = f"lease held by {holder}{until}; next tick in {self.interval:g}s"
-        elif result.outcome == "lost_race":
-            text = f"another instance took the lease first; next tick in {self.interval:g}s"
-        else:
-            text = f"{result.outcome}: {result.rows} rows"
-        fields: dict[str, Any] = {"rows": result.rows, "batches": result.batches}
-        if result.holder is not None:
-            fields["holder"] = result.holder
-        if result.lease_until is not None:
-            fields["lease_until"] = result.lease_until.isoformat()
-        if result.held_back:
-            fields["held_back_seconds"] = result.held_back_seconds
-            fields["blocking_pid"] = result.blocking_pid
+    def _log_result(self, result: TickReport, started: float) -> None:
+        """One line per tick, in the tick result's own words."""
+        text, fields = result.summary(self.interval)
         self._log_outcome(result.outcome, text, started, **fields)
 
     def _log_outcome(
@@ -485,7 +429,7 @@ class Runner:
             extra={"event": "tick", "outcome": outcome, **fields},
         )
 
-    def _track_drain(self, result: TickResult | QueueTickResult) -> None:
+    def _track_drain(self, result: TickReport) -> None:
         if self.progress is None:
             return
         if self._drain is None:

@@ -60,16 +60,15 @@ from dbtrigger.names import validate_name
 from dbtrigger.quarantine import match_failed
 from dbtrigger.runtime.context import BatchContext, EventMarks
 from dbtrigger.runtime.delivery import (
-    CANCEL_POLL_SECONDS,
     Delivered,
     Delivery,
     EventRejected,
-    Handler,
     Outcome,
     RetriesExhausted,
     Undelivered,
     batch_fields,
 )
+from dbtrigger.runtime.kernel import CANCEL_POLL_SECONDS, Handler, wants_context
 from dbtrigger.state import fanout
 from dbtrigger.state.fanout import Decision, Fate, Resolution
 from dbtrigger.state.journal import Outcomes
@@ -204,8 +203,6 @@ class FanOut(Delivery):
         self, *, subscribers: Mapping[str, Handler], ack_timeout: float, **options: Any
     ) -> None:
         super().__init__(**options)
-        from dbtrigger.runtime.tick import wants_context  # noqa: PLC0415 - tick imports delivery
-
         self.subscribers = dict(subscribers)
         self.wants = {name: wants_context(fn) for name, fn in self.subscribers.items()}
         self.ack_timeout = ack_timeout

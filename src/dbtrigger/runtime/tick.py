@@ -36,13 +36,12 @@ a broken source definition) always propagate.
 from __future__ import annotations
 
 import datetime as dt
-import inspect
 import random
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from dbtrigger._gc import gc_paused, older_objects_frozen
 from dbtrigger.cursor import BEGINNING, Position
@@ -59,11 +58,13 @@ from dbtrigger.errors import (
 from dbtrigger.events import RowChange
 from dbtrigger.runtime import windowing
 from dbtrigger.runtime.context import BatchContext, EventMarks
-from dbtrigger.runtime.delivery import Delivered, Delivery, Handler, Undelivered
+from dbtrigger.runtime.delivery import Delivered, Delivery, Undelivered
 from dbtrigger.runtime.heartbeat import Heartbeat
+from dbtrigger.runtime.kernel import Handler, KeepAlive, wants_context
 from dbtrigger.runtime.retry import RetryPolicy
 from dbtrigger.runtime.session import LeaseSession
 from dbtrigger.runtime.telemetry import Telemetry
+from dbtrigger.runtime.trigger import Outcome, TickResult
 from dbtrigger.runtime.window_report import WindowReport
 from dbtrigger.runtime.windowing import Selection
 from dbtrigger.runtime.writes import StateWriter, WriterSettings
@@ -91,62 +92,7 @@ from dbtrigger.state.window import Window
 
 DEFAULT_BOUND = windowmod.Bound()
 
-Outcome = Literal["committed", "idle", "lease_busy", "lost_race", "failed"]
-
-
-@dataclass(frozen=True)
-class TickResult:
-    """What one tick did. ``more`` is True when it stopped with rows likely pending.
-
-    ``holder`` and ``lease_until`` say who holds the lease and until when
-    (``lease_busy``); ``held_back``, ``held_back_seconds`` and
-    ``blocking_pid`` are the visibility guard's report when it withheld rows
-    on this tick's last fetch; ``error`` names the exception of a ``failed``
-    tick (see :attr:`PollTrigger.last_result`), whose ``rows`` and
-    ``batches`` count what it committed before failing.
-    """
-
-    rows: int
-    batches: int
-    outcome: Outcome
-    more: bool = False
-    holder: str | None = None
-    lease_until: dt.datetime | None = None
-    held_back: bool = False
-    held_back_seconds: float = 0.0
-    blocking_pid: int | None = None
-    error: str | None = None
-
-
-def wants_context(handler: Handler) -> bool:
-    """Does ``handler`` take ``(events, ctx)`` rather than ``(events)``?
-
-    The one rule for every handler dbtrigger calls: pollers, fan-out
-    subscribers, partitions and claim queues."""
-    try:
-        params = list(inspect.signature(handler).parameters.values())
-    except (TypeError, ValueError):
-        return False
-    positional = [
-        p
-        for p in params
-        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    ]
-    if len(positional) >= 2:
-        second = positional[1]
-        # A second parameter with a default (``def h(events, retries=3)``) is
-        # the handler's own option, not a slot for the context - unless it
-        # says it is one by its name or annotation.
-        return second.default is inspect.Parameter.empty or _names_context(second)
-    return any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
-
-
-def _names_context(param: inspect.Parameter) -> bool:
-    annotation = param.annotation
-    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
-    return param.name in ("ctx", "context") or any(
-        name in str(text) for name in ("BatchContext", "ClaimContext")
-    )
+__all__ = ["TickDriver", "TickResult", "TickSettings", "wants_context"]
 
 
 @dataclass(frozen=True)
@@ -271,6 +217,7 @@ class TickDriver:
         telemetry: Telemetry,
         delivery: Delivery,
         null_probe: NullCursorProbe,
+        keepalive: KeepAlive,
         cli_source: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.settings = settings
@@ -300,6 +247,8 @@ class TickDriver:
         self.acknowledges = isinstance(source, AcknowledgesCheckpoints)
         self.delivery = delivery
         self.null_probe = null_probe
+        #: The trigger's heartbeat thread (the lease is renewed on it).
+        self.keepalive = keepalive
         self.visibility: VisibilityReport | None = None
         #: Rows and batches the current (or last) tick committed so far: what a
         #: tick that fails half way did get done.
@@ -430,6 +379,7 @@ class TickDriver:
             clock=self.clock,
             lost=lost,
             telemetry=self.telemetry,
+            keepalive=self.keepalive,
         )
         self.emit(
             "lease_acquired",

@@ -66,6 +66,7 @@ from typing import Any
 from dbtrigger.cursor import Position, canonical_json, pk_json
 from dbtrigger.errors import CorruptStateError
 from dbtrigger.redaction import redact
+from dbtrigger.state.backoff import backoff_seconds
 from dbtrigger.state.document import format_time, parse_time, position_from_json, position_to_json
 
 #: Longest retry reason kept in the document.
@@ -294,13 +295,6 @@ class Bound:
         """At or above 75% of either bound: hand out no rows beyond the window."""
         size = window.encoded_size() if size is None else size
         return len(window) >= PRESSURE * self.max_events or size >= PRESSURE * self.max_bytes
-
-
-def backoff_seconds(attempts: int, *, base: float, cap: float, jitter: float) -> float:
-    """Delay before delivery ``attempts + 1``: ``base * 2**(attempts-1)``, capped,
-    times a jitter factor in [0.5, 1) (``jitter`` is a uniform draw in [0, 1))."""
-    raw = min(cap, base * 2.0 ** max(0, attempts - 1))
-    return raw * (0.5 + jitter / 2)
 
 
 @dataclass(frozen=True)

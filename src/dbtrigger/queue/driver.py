@@ -1,0 +1,484 @@
+"""The claim driver: one claim of a :class:`~dbtrigger.QueueTrigger`, start to end.
+
+1. **Claim** up to ``batch_size`` claimable rows with a fresh claim token
+   (one statement or transaction, see :mod:`dbtrigger.queue.statements`). The
+   claim counts an attempt and hides the rows for
+   ``visibility_timeout_seconds``. The rows of a claim that expired without
+   an outcome (its worker died) are claimed again in halves
+   (:mod:`dbtrigger.queue.pick`); a row isolated that way that has had
+   ``max_attempts`` attempts goes dead here, without a handler call.
+2. While the handler works, the trigger's heartbeat thread
+   (:class:`~dbtrigger.runtime.kernel.KeepAlive`) pushes the claim's expiry
+   on every ``heartbeat_interval_seconds``. If it finds the claim holds no row
+   any more (it expired and others took them), ``ctx.cancelled`` turns true
+   and an async handler is cancelled.
+3. **Settle**: :func:`~dbtrigger.queue.outcome.decide` turns the handler's
+   result and marks into done / retry / dead; dead rows are written to the
+   ``quarantine`` (dead-letter) sink first (durably), then every outcome is
+   recorded in one transaction fenced by the claim token. A row whose claim
+   was lost is reported (``claims_lost`` in the result, WARNING
+   ``claim_lost``, metric ``queue_rows_total{result="lost"}``), never
+   overwritten.
+
+With ``max_concurrency > 1`` the claimed rows are split into lanes
+(:func:`dbtrigger.runtime.kernel.split`) that run at once on the trigger's
+lane pool, each settled as soon as it finishes. How the handler is called
+(shape, sync/async, cancellation) is the delivery kernel's, as for a poller.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from dbtrigger.errors import CommitError, ConfigurationError, DbTriggerError, QuarantineError
+from dbtrigger.events import EventIds, RowChange
+from dbtrigger.quarantine import QuarantineSink, put_records
+from dbtrigger.queue.context import ClaimContext
+from dbtrigger.queue.layout import ClaimedRow
+from dbtrigger.queue.outcome import EXPIRED_ERROR, Plan, decide, expired_too_often
+from dbtrigger.queue.source import ClaimSource
+from dbtrigger.queue.statements import DeadItem, Key, Settled
+from dbtrigger.runtime import kernel
+from dbtrigger.runtime.kernel import Handler, KeepAlive, Lanes
+from dbtrigger.runtime.telemetry import Telemetry
+from dbtrigger.state.backoff import Backoff
+
+
+@dataclass(frozen=True)
+class QueueTickResult:
+    """What one tick did; ``rows``/``batches``/``outcome``/``more`` as for a poller's tick.
+
+    ``rows`` counts rows completed (done); ``more`` is True when the last
+    claim came back full or left claimable rows behind (rows of an expired
+    claim are not mixed with others), so the runner claims again at once
+    instead of sleeping. ``token`` is the last claim's.
+    """
+
+    rows: int
+    batches: int
+    outcome: str  # "settled", "idle" or "failed"
+    more: bool = False
+    claimed: int = 0
+    retried: int = 0
+    dead: int = 0
+    claims_lost: int = 0
+    token: str | None = None
+    settled: tuple[tuple[Key, str], ...] = field(default=(), repr=False)
+
+    def summary(self, interval: float) -> tuple[str, dict[str, object]]:
+        del interval  # a queue's line says what it settled, not when it looks again
+        more = "; more claimable, claiming again at once" if self.more else ""
+        return (
+            f"{self.outcome}: {self.rows:,} rows done, {self.retried} retried, "
+            f"{self.dead} dead-lettered{more}",
+            {"rows": self.rows, "batches": self.batches},
+        )
+
+    def then(self, later: QueueTickResult) -> QueueTickResult:
+        """This claim's result followed by ``later``'s, as one tick's."""
+        return QueueTickResult(
+            rows=self.rows + later.rows,
+            batches=self.batches + later.batches,
+            outcome="settled" if "settled" in (self.outcome, later.outcome) else later.outcome,
+            more=later.more,
+            claimed=self.claimed + later.claimed,
+            retried=self.retried + later.retried,
+            dead=self.dead + later.dead,
+            claims_lost=self.claims_lost + later.claims_lost,
+            token=later.token,
+            settled=self.settled + later.settled,
+        )
+
+
+@dataclass(frozen=True)
+class ClaimSettings:
+    """The trigger's configuration, as the driver needs it."""
+
+    name: str
+    owner_id: str
+    batch_size: int
+    visibility_timeout: float
+    heartbeat_interval: float
+    max_attempts: int
+    backoff: Backoff
+    quarantine: QuarantineSink | None
+
+
+def _claim_lost(ctx: ClaimContext) -> None:
+    """A cancelled async queue handler returns nothing: its rows were taken
+    over, and the fenced settlement reports them lost."""
+    del ctx
+
+
+class ClaimDriver:
+    """Claims, delivers and settles batches for one trigger; see the module doc."""
+
+    def __init__(
+        self,
+        settings: ClaimSettings,
+        *,
+        source: ClaimSource,
+        telemetry: Telemetry,
+        keepalive: KeepAlive,
+        lanes: Lanes | None,
+        seed: int | None = None,
+    ) -> None:
+        self.settings = settings
+        self.name = settings.name
+        self.source = source
+        self.telemetry = telemetry
+        self.keepalive = keepalive
+        self.lanes = lanes
+        self._rng = random.Random(seed)  # noqa: S311 - jitter, not security
+        self._ids = EventIds(settings.name, source.pk_columns)
+
+    def claim(self, handler: Handler) -> QueueTickResult:
+        """Claim one batch, deliver it, settle it (see the module doc)."""
+        s = self.settings
+        token = uuid.uuid4().hex
+        started = time.perf_counter()
+        claim = self.source.claim_batch(
+            limit=s.batch_size, token=token, worker=s.owner_id, visibility=s.visibility_timeout
+        )
+        claimed = claim.rows
+        seconds = time.perf_counter() - started
+        emit = self.telemetry.emit
+        if not claimed:
+            emit("queue_idle", values={"seconds": seconds})
+            return QueueTickResult(0, 0, "idle", token=token)
+        emit(
+            "queue_claimed",
+            "queue %s: claimed %d row(s) as %s",
+            self.name,
+            len(claimed),
+            token,
+            batch_id=token,
+            rows=len(claimed),
+            values={"seconds": seconds},
+        )
+        if claim.bisected is not None:
+            emit(
+                "queue_claim_bisected",
+                "queue %s: a claim of %d row(s) expired without an outcome (its worker "
+                "crashed or hung); claiming %d of them as %s and the rest next, halving "
+                "again until the row that kills its worker is alone",
+                self.name,
+                claim.bisected[0],
+                claim.bisected[1],
+                token,
+                batch_id=token,
+                rows=claim.bisected[1],
+            )
+        tally = _Tally(self, token)
+        expired = [r for r in claimed if self._expired(r)]
+        live = [r for r in claimed if not self._expired(r)]
+        errors: list[DbTriggerError] = []
+        if expired:
+            dead = [DeadItem(r.key, EXPIRED_ERROR.format(expired=r.attempt - 1)) for r in expired]
+            self._perform(token, expired, Plan(dead=dead), tally, errors)
+        if live:
+            lost = threading.Event()
+            with self.keepalive.holding(
+                token, self._beat(token, lost), first_in=s.heartbeat_interval
+            ):
+                self._deliver(handler, token, live, lost, tally, errors)
+        emit(
+            "queue_settled",
+            "queue %s: claim %s settled: %d done, %d retried, %d dead, %d lost",
+            self.name,
+            token,
+            tally.done,
+            tally.retried,
+            tally.dead,
+            tally.lost,
+            batch_id=token,
+        )
+        if errors:
+            raise errors[0]
+        return QueueTickResult(
+            rows=tally.done,
+            batches=1,
+            outcome="settled",
+            more=claim.more,
+            claimed=len(claimed),
+            retried=tally.retried,
+            dead=tally.dead,
+            claims_lost=tally.lost,
+            token=token,
+            settled=tuple(tally.settled),
+        )
+
+    def _expired(self, row: ClaimedRow) -> bool:
+        return expired_too_often(row.attempt, self.settings.max_attempts, isolated=row.isolated)
+
+    def _deliver(
+        self,
+        handler: Handler,
+        token: str,
+        rows: list[ClaimedRow],
+        lost: threading.Event,
+        tally: _Tally,
+        errors: list[DbTriggerError],
+    ) -> None:
+        """The handler on the claimed rows, in lanes when configured; each lane settles."""
+        events = self._events(token, rows)
+        by_id = {e.event_id: r for e, r in zip(events, rows, strict=True)}
+        wants_ctx = kernel.wants_context(handler)
+
+        def lane(part: list[RowChange]) -> None:
+            self._lane(handler, wants_ctx, token, part, by_id, lost, tally, errors)
+
+        if self.lanes is None:
+            lane(events)
+            return
+        parts = kernel.split(events, self.lanes.size)
+        if len(parts) == 1:
+            lane(parts[0])
+            return
+        for error in self.lanes.each(parts, lane, None):
+            if error is not None:
+                raise error
+
+    def _events(self, token: str, rows: Sequence[ClaimedRow]) -> list[RowChange]:
+        """One event per claimed row. ``pk`` and ``values`` of a :class:`ClaimedRow`
+        are dicts built for that row alone, so they are frozen without a copy."""
+        source = self.source.name
+        ids = self._ids
+        name = self.name
+        return [
+            RowChange._unchecked(
+                ids(r.pk, r.cursor),
+                "upsert" if r.values is not None else "delete",
+                source,
+                r.cursor,
+                MappingProxyType(r.pk),
+                None,
+                None if r.values is None else MappingProxyType(r.values),
+                MappingProxyType({"queue": name, "claim_token": token, "attempt": r.attempt}),
+            )
+            for r in rows
+        ]
+
+    def _lane(
+        self,
+        handler: Handler,
+        wants_ctx: bool,
+        token: str,
+        events: list[RowChange],
+        by_id: dict[str, ClaimedRow],
+        lost: threading.Event,
+        tally: _Tally,
+        errors: list[DbTriggerError],
+    ) -> None:
+        rows = [by_id[e.event_id] for e in events]
+        ctx = ClaimContext(
+            queue_name=self.name,
+            claim_token=token,
+            owner_id=self.settings.owner_id,
+            claimed_at=dt.datetime.now(dt.timezone.utc),
+            keys={e.event_id: r.key for e, r in zip(events, rows, strict=True)},
+            attempts={e.event_id: r.attempt for e, r in zip(events, rows, strict=True)},
+            lost=lost,
+        )
+        failure: BaseException | None = None
+        started = time.perf_counter()
+        try:
+            kernel.call(handler, events, ctx, wants_ctx, _claim_lost)
+        except ConfigurationError:
+            ctx.close()
+            raise
+        except Exception as exc:  # noqa: BLE001 - a handler failure is an outcome, sorted below
+            failure = exc
+        marks = ctx.close()
+        emit = self.telemetry.emit
+        emit("queue_handler_returned", values={"seconds": time.perf_counter() - started})
+        if failure is not None:
+            emit(
+                "queue_handler_failed",
+                "queue %s: handler failed on %d row(s) of claim %s: %s: %s",
+                self.name,
+                len(rows),
+                token,
+                type(failure).__name__,
+                failure,
+                batch_id=token,
+                rows=len(rows),
+                error=type(failure).__name__,
+            )
+        plan = decide(
+            [(r.key, r.attempt) for r in rows],
+            pks={r.key: r.pk for r in rows},
+            marks=marks,
+            failure=failure,
+            max_attempts=self.settings.max_attempts,
+            backoff=self.settings.backoff,
+            rng=self._rng,
+        )
+        self._perform(token, rows, plan, tally, errors)
+
+    def _perform(
+        self,
+        token: str,
+        rows: Sequence[ClaimedRow],
+        plan: Plan,
+        tally: _Tally,
+        errors: list[DbTriggerError],
+    ) -> None:
+        """Dead-letter first, then one fenced settlement; account for every row."""
+        dead = plan.dead
+        sink = self.settings.quarantine
+        if dead and sink is not None:
+            try:
+                self._dead_letter(sink, token, rows, dead)
+            except QuarantineError as exc:
+                self.telemetry.emit(
+                    "queue_dead_letter_failed",
+                    "queue %s: %d dead row(s) could not be written to %s (%s); they stay "
+                    "claimed, expire and are dead-lettered again",
+                    self.name,
+                    len(dead),
+                    sink.describe(),
+                    exc,
+                    batch_id=token,
+                )
+                errors.append(exc)
+                dead = []
+        try:
+            settled = self.source.settle(token=token, done=plan.done, retry=plan.retry, dead=dead)
+        except CommitError as exc:
+            self.telemetry.emit(
+                "queue_settle_failed",
+                "queue %s: recording the outcomes of %d row(s) of claim %s failed: %s",
+                self.name,
+                len(rows),
+                token,
+                exc,
+                batch_id=token,
+            )
+            errors.append(exc)
+            return
+        tally.add(token, plan, dead, settled)
+
+    def _dead_letter(
+        self,
+        sink: QuarantineSink,
+        token: str,
+        rows: Sequence[ClaimedRow],
+        dead: Sequence[DeadItem],
+    ) -> None:
+        by_key = {r.key: r for r in rows}
+        doomed = [by_key[item.key] for item in dead]
+        events = self._events(token, doomed)
+        put_records(
+            sink,
+            kernel.dead_letter_records(
+                [(e, item.error) for e, item in zip(events, dead, strict=True)],
+                trigger=self.name,
+                attempts={e.event_id: r.attempt for e, r in zip(events, doomed, strict=True)},
+                checkpoint={"claim_token": token},
+                batch_id=token,
+                fencing_token=0,
+                owner_id=self.settings.owner_id,
+                now=dt.datetime.now(dt.timezone.utc),
+            ),
+        )
+
+    def _beat(self, token: str, lost: threading.Event) -> Callable[[], float | None]:
+        """One heartbeat of claim ``token`` (on the heartbeat thread): extend it,
+        and set ``lost`` once it holds no row any more."""
+        interval = self.settings.heartbeat_interval
+
+        def beat() -> float | None:
+            started = time.monotonic()
+            try:
+                held = self.source.extend(token=token, visibility=self.settings.visibility_timeout)
+            except DbTriggerError as exc:
+                self.telemetry.emit(
+                    "queue_claim_extend_failed",
+                    "queue %s: extending claim %s failed (%s); retrying in %.1fs",
+                    self.name,
+                    token,
+                    exc,
+                    interval,
+                    batch_id=token,
+                )
+                return max(0.0, interval - (time.monotonic() - started))
+            self.telemetry.emit("queue_claim_extended")
+            if held == 0 and not lost.is_set():
+                lost.set()
+                self.telemetry.emit(
+                    "queue_claim_lost",
+                    "queue %s: claim %s holds no row any more (it expired); "
+                    "the handler's results will not be recorded",
+                    self.name,
+                    token,
+                    batch_id=token,
+                )
+            return max(0.0, interval - (time.monotonic() - started))
+
+        return beat
+
+
+class _Tally:
+    """Counts of one claim's outcomes, shared by its lanes."""
+
+    def __init__(self, driver: ClaimDriver, token: str) -> None:
+        self.driver = driver
+        self.token = token
+        self.done = self.retried = self.dead = self.lost = 0
+        self.settled: list[tuple[Key, str]] = []
+        self._lock = threading.Lock()
+
+    def add(self, token: str, plan: Plan, dead: Sequence[DeadItem], settled: Settled) -> None:
+        wanted = [*plan.done, *(r.key for r in plan.retry), *(d.key for d in dead)]
+        applied = settled.done | settled.retried | settled.dead
+        lost = [k for k in wanted if k not in applied]
+        with self._lock:
+            self.done += len(settled.done)
+            self.retried += len(settled.retried)
+            self.dead += len(settled.dead)
+            self.lost += len(lost)
+            self.settled += [(k, "done") for k in settled.done]
+            self.settled += [(k, "retry") for k in settled.retried]
+            self.settled += [(k, "dead") for k in settled.dead]
+            self.settled += [(k, "lost") for k in lost]
+        name = self.driver.name
+        emit = self.driver.telemetry.emit
+        emit(
+            "queue_rows_settled",
+            values={
+                "done": len(settled.done),
+                "retried": len(settled.retried),
+                "dead": len(settled.dead),
+                "lost": len(lost),
+            },
+        )
+        if lost:
+            emit(
+                "queue_rows_lost",
+                "queue %s: %d row(s) of claim %s were no longer held by it (the claim "
+                "expired); their outcome here was not recorded: %s",
+                name,
+                len(lost),
+                token,
+                lost[:10],
+                batch_id=token,
+                rows=len(lost),
+            )
+        for item in dead:
+            if item.key in settled.dead:
+                emit(
+                    "queue_row_dead",
+                    "queue %s: row %s is dead: %s",
+                    name,
+                    item.key,
+                    item.error,
+                    batch_id=token,
+                )

@@ -1,0 +1,178 @@
+"""What a trigger is to whoever drives it: ``dbtrigger run``, a Functions timer, a test.
+
+Every trigger - :class:`~dbtrigger.PollTrigger`,
+:class:`~dbtrigger.partitions.PartitionedPoller`,
+:class:`~dbtrigger.QueueTrigger` - satisfies :class:`Trigger`, so the worker
+loop (:mod:`dbtrigger.runtime.runner`) drives any of them without knowing
+which (no import of the queue, no probing for methods), and its one log line
+per tick is the tick's own :meth:`TickReport.summary`.
+
+The options the triggers share are named once, here and in their
+constructors: ``owner_id``, ``max_batches_per_tick``, ``quarantine``,
+``retry_delay_seconds`` / ``retry_delay_max_seconds``, ``max_attempts``,
+``max_concurrency``, ``heartbeat_interval_seconds``; a test lists them
+(``tests/test_trigger_names.py``) and fails when the two triggers diverge.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from dbtrigger.runtime.kernel import Handler
+
+#: Batches per tick unless configured: one. A tick is then short and its
+#: length predictable (one fetch or claim, one handler call, one commit or
+#: settlement), which is what a Functions invocation under ``functionTimeout``
+#: and a lease TTL or visibility timeout sized for one batch need; a worker
+#: (``dbtrigger run``) loses little, because it ticks again at once while
+#: batches come back full (for a poller the cost is one state read and one
+#: lease write per batch: 1 read + 2 writes per batch instead of 1.1 writes at
+#: 10). A trigger on a Functions timer should raise it to catch up between
+#: firings (the example uses 10: a 10,000-row backlog at batch_size 100 drains
+#: in 10 one-minute firings instead of 100), with batches x handler time well
+#: inside functionTimeout.
+DEFAULT_MAX_BATCHES_PER_TICK = 1
+
+
+def default_owner_id() -> str:
+    """``host/pid/random``: unique per trigger object, readable in ``status``."""
+    return f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
+
+
+def utc_now() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+@runtime_checkable
+class TickReport(Protocol):
+    """What one tick did, as the worker loop reads it."""
+
+    @property
+    def rows(self) -> int: ...
+
+    @property
+    def batches(self) -> int: ...
+
+    @property
+    def outcome(self) -> str: ...
+
+    @property
+    def more(self) -> bool:
+        """Rows are likely pending: tick again at once instead of sleeping."""
+        ...
+
+    def summary(self, interval: float) -> tuple[str, dict[str, Any]]:
+        """The text of the worker's log line for this tick (``interval``: the
+        sleep that follows an idle tick) and its structured fields."""
+        ...
+
+
+@runtime_checkable
+class Trigger(Protocol):
+    """What ``dbtrigger run`` drives."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def default_handler(self) -> Handler | None:
+        """The handler registered with ``@trigger.handler``, if any."""
+        ...
+
+    @property
+    def last_result(self) -> TickReport | None:
+        """The last tick's result; a tick that raised leaves one with outcome
+        ``"failed"`` counting what it completed before failing."""
+        ...
+
+    def tick_result(
+        self, handler: Handler, *, should_stop: Callable[[], bool] | None = None
+    ) -> TickReport:
+        """One tick: up to ``max_batches_per_tick`` batches; ``should_stop`` is
+        asked between batches."""
+        ...
+
+    def rows_behind(self) -> int | None:
+        """Rows still to deliver, if the source can count them cheaply (progress lines)."""
+        ...
+
+    def wait_for_work(self, seconds: float, stop: threading.Event) -> bool:
+        """The worker's idle sleep: up to ``seconds``, ended early by ``stop`` or
+        by a wake-up hint (then True)."""
+        ...
+
+    def close(self) -> None:
+        """Release the trigger's threads (lanes, heartbeat, listener); it may tick again."""
+        ...
+
+
+Outcome = Literal["committed", "idle", "lease_busy", "lost_race", "failed"]
+
+
+@dataclass(frozen=True)
+class TickResult:
+    """What one poller tick did. ``more`` is True when it stopped with rows likely pending.
+
+    ``holder`` and ``lease_until`` say who holds the lease and until when
+    (``lease_busy``); ``held_back``, ``held_back_seconds`` and
+    ``blocking_pid`` are the visibility guard's report when it withheld rows
+    on this tick's last fetch; ``error`` names the exception of a ``failed``
+    tick (see :attr:`PollTrigger.last_result`), whose ``rows`` and
+    ``batches`` count what it committed before failing.
+    """
+
+    rows: int
+    batches: int
+    outcome: Outcome
+    more: bool = False
+    holder: str | None = None
+    lease_until: dt.datetime | None = None
+    held_back: bool = False
+    held_back_seconds: float = 0.0
+    blocking_pid: int | None = None
+    error: str | None = None
+
+    def summary(self, interval: float) -> tuple[str, dict[str, Any]]:
+        if self.outcome == "committed":
+            text = (
+                f"committed {self.rows:,} rows in {self.batches} "
+                f"batch{'es' if self.batches != 1 else ''}"
+                + ("; more pending, ticking again at once" if self.more else "")
+            )
+        elif self.outcome == "idle":
+            text = f"idle: nothing after the checkpoint; next tick in {interval:g}s"
+            if self.held_back:
+                who = f" by pid {self.blocking_pid}" if self.blocking_pid is not None else ""
+                text = (
+                    f"idle: rows held back by the visibility guard{who} for "
+                    f"{self.held_back_seconds:.0f}s (a transaction that may precede them is "
+                    f"still open); next tick in {interval:g}s"
+                )
+        elif self.outcome == "lease_busy":
+            holder = self.holder or "another owner"
+            until = (
+                f" until {self.lease_until:%Y-%m-%dT%H:%M:%SZ}"
+                if self.lease_until is not None
+                else ""
+            )
+            text = f"lease held by {holder}{until}; next tick in {interval:g}s"
+        elif self.outcome == "lost_race":
+            text = f"another instance took the lease first; next tick in {interval:g}s"
+        else:
+            text = f"{self.outcome}: {self.rows} rows"
+        fields: dict[str, Any] = {"rows": self.rows, "batches": self.batches}
+        if self.holder is not None:
+            fields["holder"] = self.holder
+        if self.lease_until is not None:
+            fields["lease_until"] = self.lease_until.isoformat()
+        if self.held_back:
+            fields["held_back_seconds"] = self.held_back_seconds
+            fields["blocking_pid"] = self.blocking_pid
+        return text, fields

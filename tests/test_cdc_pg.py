@@ -399,3 +399,43 @@ def test_lanes_fan_out_retries_and_rejects_work_on_log_events(cdc_db: CdcDatabas
     confirmed, _ = slot_row(cdc_db, source.slot)
     assert confirmed >= flush_lsn(cdc_db) - 1_000_000  # released once all settled
     source.close()
+
+
+def test_a_partitioned_table_is_watched_through_its_partitions(cdc_db: CdcDatabase) -> None:
+    cdc_db.execute(
+        "CREATE TABLE m (id int, at date, v text, PRIMARY KEY (id, at)) PARTITION BY RANGE (at);"
+        "CREATE TABLE m_2024 PARTITION OF m FOR VALUES FROM ('2024-01-01') TO ('2025-01-01');"
+        "CREATE TABLE m_2025 PARTITION OF m FOR VALUES FROM ('2025-01-01') TO ('2026-01-01')"
+    )
+    trigger, source = poller(cdc_db, ["m"])
+    drain(trigger)
+    with cdc_db.connect() as conn:
+        conn.execute("INSERT INTO m VALUES (1, '2024-05-01', 'a'), (2, '2025-05-01', 'b')")
+        conn.execute("UPDATE m SET v = 'c' WHERE id = 2")
+    events = drain(trigger)
+    assert [(e.op, e.metadata["table"], e.pk["id"]) for e in events] == [
+        ("insert", "public.m", 1),
+        ("insert", "public.m", 2),
+        ("update", "public.m", 2),
+    ]
+    source.close()
+
+
+def test_commit_time_lag_is_measured_from_the_read(cdc_db: CdcDatabase) -> None:
+    from dbtrigger import InMemoryMetrics  # noqa: PLC0415
+
+    cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY)")
+    metrics = InMemoryMetrics()
+    source = PgLogicalSource(cdc_db.url, ["t"], snapshot="never")
+    trigger = PollTrigger(
+        name="lagging", source=source, checkpoint_store=InMemoryCheckpointStore(),
+        metrics=metrics, batch_size=2,
+    )
+    trigger.tick(lambda events: None)
+    cdc_db.execute("INSERT INTO t SELECT generate_series(1, 5)")
+    trigger.tick(lambda events: None)  # two of five delivered: the rest are pending
+    lag = metrics.gauge("lag_seconds", poller="lagging")
+    assert lag is not None
+    assert lag >= 0
+    assert metrics.gauge("lag_basis", poller="lagging", lag_basis="column:commit_time") == 1
+    source.close()

@@ -317,10 +317,12 @@ def publication_sql(
 ) -> list[sql.Composed]:
     """The statements that make publication ``name`` list ``tables`` (none: nothing to do)."""
     if existing is None:
+        # Changes of a partitioned table's partitions are published under the
+        # table's own name (as they would otherwise come under names no one watches).
         return [
-            sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(
-                sql.Identifier(name), sql.SQL(", ").join(t.identifier() for t in tables)
-            )
+            sql.SQL(
+                "CREATE PUBLICATION {} FOR TABLE {} WITH (publish_via_partition_root = true)"
+            ).format(sql.Identifier(name), sql.SQL(", ").join(t.identifier() for t in tables))
         ]
     missing = [t for t in tables if t.qualified not in existing]
     if not missing:
@@ -343,7 +345,10 @@ def ensure_publication(
     Raises:
         ConfigurationError / SourcePermissionError: as explained in the message.
     """
-    statements = publication_sql(name, tables, publication_tables(conn, name))
+    existing = publication_tables(conn, name)
+    if existing is not None:
+        check_partition_root(conn, name, tables)
+    statements = publication_sql(name, tables, existing)
     texts = [s.as_string(conn) for s in statements]
     if not statements:
         return []
@@ -361,6 +366,32 @@ def ensure_publication(
             f"(and CREATE on the database is needed); have an owner run: {'; '.join(texts)}"
         ) from exc
     return texts
+
+
+def check_partition_root(
+    conn: psycopg.Connection[Any], name: str, tables: Sequence[TableName]
+) -> None:
+    """Refuse a publication that would publish a watched partitioned table under its
+    partitions' names (``publish_via_partition_root`` off): those changes would be lost."""
+    with translated("reading the publication"):
+        row = conn.execute(
+            "SELECT pubviaroot FROM pg_publication WHERE pubname = %s", (name,)
+        ).fetchone()
+        partitioned = [
+            t.qualified
+            for t in tables
+            if conn.execute(
+                "SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                "WHERE n.nspname = %s AND c.relname = %s AND c.relkind = 'p'",
+                (t.schema, t.name),
+            ).fetchone()
+        ]
+    if row is not None and not row[0] and partitioned:
+        raise ConfigurationError(
+            f"publication {name} publishes the partitions of {', '.join(partitioned)} under "
+            "their own names, which this source does not watch; run: ALTER PUBLICATION "
+            f"{name} SET (publish_via_partition_root = true)"
+        )
 
 
 def drop_publication(conn: psycopg.Connection[Any], name: str) -> bool:

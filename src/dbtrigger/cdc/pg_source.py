@@ -27,6 +27,7 @@ that ran out of time; the next ones step forward in bounded windows) and
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import hashlib
 import logging
 import threading
@@ -47,12 +48,18 @@ from dbtrigger.cdc.pg_reader import Decoder, SchemaBreak, SchemaGuard, materiali
 from dbtrigger.cdc.pgoutput import lsn_text
 from dbtrigger.cdc.position import LogPosition
 from dbtrigger.cursor import Position, canonical_json
-from dbtrigger.errors import ConfigurationError, SchemaChangedError, SlotLostError
+from dbtrigger.errors import (
+    ConfigurationError,
+    CorruptStateError,
+    SchemaChangedError,
+    SlotLostError,
+)
 from dbtrigger.events import RowChange
 from dbtrigger.metrics import MetricsCollector
 from dbtrigger.redaction import safe_url_text
 from dbtrigger.sources.base import SourceFinding
 from dbtrigger.sources.fingerprint import identity_url
+from dbtrigger.sources.lag import LagReading, column_basis
 
 if TYPE_CHECKING:
     from dbtrigger.cdc.pg_admin import PgAdmin
@@ -60,6 +67,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("dbtrigger.cdc")
 
 MODES = ("poll", "stream")
+#: How ``lag_seconds`` is measured: the commit time of the oldest undelivered change.
+LAG_BASIS = column_basis("commit_time")
 #: Statement timeout while setting up (catalog reads, creating slot and publication).
 SETUP_TIMEOUT = 60.0
 SNAPSHOTS = ("initial", "never")
@@ -467,6 +476,32 @@ class PgLogicalSource:
         self, rows: Sequence[Mapping[str, Any]], *, poller: str, batch_id: str
     ) -> list[RowChange]:
         return to_events(rows, poller=poller, batch_id=batch_id, source=self.name)
+
+    def lag_after(self, after: Position, now: dt.datetime) -> LagReading | None:
+        """``lag_seconds``: the age of the oldest change read but not delivered past ``after``.
+
+        Measured from what the last read holds (no query): 0 when it was
+        complete and nothing is pending, None when it cannot tell.
+        """
+        try:
+            position = LogPosition.of(after)
+        except CorruptStateError:
+            return None
+        with self._lock:
+            buffer = self.buffer
+            if not buffer.covers(position):
+                return None
+            pending = buffer.take(position, 1)
+            if not pending:
+                return LagReading(0.0, LAG_BASIS) if buffer.complete else None
+            return self.row_age(pending[0], now)
+
+    def row_age(self, row: Mapping[str, Any], now: dt.datetime) -> LagReading:
+        """How long ago a change was committed (its commit time in the log)."""
+        committed = row.get("commit_time")
+        if not isinstance(committed, dt.datetime):
+            return LagReading(None, LAG_BASIS)
+        return LagReading(max(0.0, (now - committed).total_seconds()), LAG_BASIS)
 
     def acknowledge(self, position: Position) -> None:
         """``position`` is durably checkpointed: release the log up to it (never raises)."""

@@ -3,7 +3,8 @@
 The workload has every shape whose changes share a commit: a multi-row
 ``INSERT``, a ``COPY``, one large transaction of several statements
 (``DBTRIGGER_CDC_CHAOS_ROWS`` rows, 20,000 by default; 100,000 in a longer
-run, with more kills: ``DBTRIGGER_CDC_CHAOS_KILLS``, 4 by default), a
+run, with more kills: ``DBTRIGGER_CDC_CHAOS_KILLS``, 3 by default, 2 in stream
+mode), a
 one-statement ``UPDATE`` and ``DELETE`` of thousands of rows, and small
 transactions. A worker (``tests/cdc/worker.py``) is SIGKILLed each time the
 changes it recorded pass another fraction of the total, and restarted at once,
@@ -34,8 +35,8 @@ import pytest
 from tests.cdc_servers import CdcDatabase
 
 ROOT = Path(__file__).resolve().parent.parent
-BATCH = 200
-KILLS = int(os.environ.get("DBTRIGGER_CDC_CHAOS_KILLS", "4"))
+BATCH = 500
+KILLS = os.environ.get("DBTRIGGER_CDC_CHAOS_KILLS")
 
 TRUTH_LINE = re.compile(r"^table public\.items: (INSERT|UPDATE|DELETE): id\[bigint\]:(\d+)(.*)$")
 VERSION = re.compile(r"version\[integer\]:(\d+)")
@@ -105,9 +106,9 @@ class Workers:
 
 def workload(db: CdcDatabase, large: int) -> None:
     with db.connect() as conn:
-        conn.execute("INSERT INTO items SELECT g, 1, 'multi' FROM generate_series(1, 2000) g")
+        conn.execute("INSERT INTO items SELECT g, 1, 'multi' FROM generate_series(1, 1000) g")
         with conn.cursor().copy("COPY items (id, version, payload) FROM STDIN") as copy:
-            for i in range(2001, 5001):
+            for i in range(1001, 5001):
                 copy.write_row((i, 1, "copy"))
         with conn.transaction():
             step = large // 4
@@ -121,8 +122,8 @@ def workload(db: CdcDatabase, large: int) -> None:
             conn.execute(
                 "UPDATE items SET version = version + 1 WHERE id BETWEEN 5001 AND 5100"
             )
-        conn.execute("UPDATE items SET version = version + 1 WHERE id % 3 = 0")
-        conn.execute("DELETE FROM items WHERE id % 7 = 0")
+        conn.execute("UPDATE items SET version = version + 1 WHERE id % 5 = 0")
+        conn.execute("DELETE FROM items WHERE id % 11 = 0")
         for i in range(60):
             with conn.transaction():
                 conn.execute(
@@ -150,7 +151,8 @@ def truth(db: CdcDatabase) -> list[tuple[str, int, int | None]]:
 def test_kill_restart_loses_nothing_and_repeats_only_the_batch_in_flight(
     cdc_db: CdcDatabase, tmp_path: Path, mode: str
 ) -> None:
-    large = int(os.environ.get("DBTRIGGER_CDC_CHAOS_ROWS", "20000" if mode == "poll" else "8000"))
+    large = int(os.environ.get("DBTRIGGER_CDC_CHAOS_ROWS", "20000" if mode == "poll" else "6000"))
+    kills = int(KILLS) if KILLS else (3 if mode == "poll" else 2)
     cdc_db.execute(
         "CREATE TABLE items (id bigint PRIMARY KEY, version integer NOT NULL,"
         " payload text NOT NULL);"
@@ -169,8 +171,8 @@ def test_kill_restart_loses_nothing_and_repeats_only_the_batch_in_flight(
         workload(cdc_db, large)
         expected = truth(cdc_db)
         total = len(expected)
-        for k in range(1, KILLS + 1):
-            threshold = total * k // (KILLS + 1)
+        for k in range(1, kills + 1):
+            threshold = total * k // (kills + 1)
             wait_for(
                 lambda t=threshold: cdc_db.scalar("SELECT count(*) FROM seen") >= t,
                 f"delivery past {threshold} of {total} changes\n{workers.errors()}",
@@ -213,4 +215,4 @@ def test_kill_restart_loses_nothing_and_repeats_only_the_batch_in_flight(
     assert all(count <= BATCH for count in duplicates.values()), (
         f"only the batch in flight is repeated after a kill: {dict(duplicates)}"
     )
-    assert workers.incarnation == KILLS + 1
+    assert workers.incarnation == kills + 1

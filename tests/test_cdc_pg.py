@@ -439,3 +439,29 @@ def test_commit_time_lag_is_measured_from_the_read(cdc_db: CdcDatabase) -> None:
     assert lag >= 0
     assert metrics.gauge("lag_basis", poller="lagging", lag_basis="column:commit_time") == 1
     source.close()
+
+
+@pytest.mark.parametrize("mode", ["poll", "stream"])
+def test_a_type_change_accepted_by_another_process_resumes_a_running_poller(
+    cdc_db: CdcDatabase, mode: str
+) -> None:
+    from dbtrigger.cdc import pg_admin as admin  # noqa: PLC0415
+
+    cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY, amount int)")
+    trigger, source = poller(cdc_db, ["t"], mode=mode, stream_wait_seconds=0)
+    drain(trigger)
+    with cdc_db.connect() as conn:
+        conn.execute("INSERT INTO t VALUES (1, 10)")
+        conn.execute("ALTER TABLE t ALTER COLUMN amount TYPE numeric")
+        conn.execute("INSERT INTO t VALUES (2, 20.5), (3, 30)")
+    delivered: list[RowChange] = []
+    with pytest.raises(SchemaChangedError):
+        trigger.drain(delivered.extend)
+    assert [e.pk["id"] for e in delivered] == [1]
+    with pytest.raises(SchemaChangedError):  # held, and the slot keeps the rest
+        trigger.tick(delivered.extend)
+    operator = PgLogicalSource(cdc_db.url, ["t"], slot=source.slot, snapshot="never")
+    admin.accept_schema(operator)  # as `dbtrigger cdc accept-schema` from another process
+    trigger.drain(delivered.extend)  # the running poller, never closed
+    assert [e.pk["id"] for e in delivered] == [1, 2, 3]
+    source.close()

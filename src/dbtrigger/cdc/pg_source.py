@@ -423,6 +423,23 @@ class PgLogicalSource:
     def infos(self) -> Mapping[str, setup.TableInfo]:
         return self._infos
 
+    def reload_accepted(self) -> bool:
+        """Take up columns accepted elsewhere (``dbtrigger cdc accept-schema`` in another
+        process); True when they changed and the log is to be read again."""
+        row = control.read(self.connection(), self.control_schema, self.slot)
+        if row is None or row.columns == self._guard.accepted:
+            return False
+        self._guard = SchemaGuard(row.columns)
+        self._decoder = Decoder(
+            self._infos, self._guard, slot=self.slot, on_truncate=self.truncated
+        )
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.close()
+        self.buffer = TransactionBuffer(materialise)
+        self.schema_break = None
+        return True
+
     def save_added_columns(self) -> None:
         """Persist columns first seen in the log (best effort: re-learnt if lost)."""
         if not self._guard.added:
@@ -460,6 +477,10 @@ class PgLogicalSource:
             if not self.buffer.covers(position) or self.buffer.pending(position) < limit:
                 reader.fill(position, limit)
             changes = self.buffer.take(position, limit)
+            if not changes and self.schema_break is not None and self.reload_accepted():
+                reader = self._mode_reader()  # accepted meanwhile (dbtrigger cdc accept-schema)
+                reader.fill(position, limit)
+                changes = self.buffer.take(position, limit)
             self.save_added_columns()
             self.health.maybe_report()
             brk = self.schema_break

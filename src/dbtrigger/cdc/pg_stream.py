@@ -83,6 +83,8 @@ class StreamReader:
 
     def fill(self, after: LogPosition | None, limit: int) -> None:
         s = self.source
+        if s.schema_break is not None:
+            return  # stopped at a type change: the source says so once nothing is pending
         if self._error is not None:
             self.stop()
         if self._thread is None or not s.buffer.covers(after):
@@ -91,7 +93,7 @@ class StreamReader:
         self.helper.heartbeat(conn)
         end = self.helper.flush_lsn(conn)
         deadline = time.monotonic() + s.read_timeout
-        while self.received_through < end and self._error is None:
+        while self.received_through < end and self._error is None and s.schema_break is None:
             if self._has(after, limit):
                 break
             self._want_reply = True
@@ -103,7 +105,12 @@ class StreamReader:
                     poller=s.poller,
                 )
             self._changed.wait(min(remaining, 0.2))
-        if s.stream_wait > 0 and s.buffer.pending(after) == 0 and self._error is None:
+        if (
+            s.stream_wait > 0
+            and s.buffer.pending(after) == 0
+            and self._error is None
+            and s.schema_break is None
+        ):
             self._changed.wait(s.stream_wait)
         self._raise_error()
 
@@ -139,6 +146,7 @@ class StreamReader:
         self._after = after
         self._error = None
         self._open = None
+        s.schema_break = None
         self.received_through = 0
         self._decoder = Decoder(s.infos, s.guard, slot=s.slot, on_truncate=s.truncated)
         self._decoder.start(_UNBOUNDED)
@@ -243,13 +251,17 @@ class StreamReader:
             current.whole = False
             s.buffer.append(current, keep_empty=True)
             self._open = current
+        brk = decoder.schema_break
+        if brk is not None and s.schema_break is None:
+            # Nothing after it is read until the shape is accepted; the transaction it
+            # is in stays unfinished, so the slot is never released past its start.
+            s.schema_break = brk
+            self._stop.set()
+            self._changed.notify_all()
+            return
         if done is not None:
             done.whole = True
             self._open = None
-            brk = decoder.schema_break
-            if brk is not None:
-                self._stop.set()  # nothing after it is read until the shape is accepted
-                s.schema_break = brk
         if done is not None or (current is not None and current.changes):
             self._changed.notify_all()
 

@@ -31,7 +31,7 @@ from azure.storage.blob import BlobServiceClient
 
 from dbtrigger.state.stores.blob import BlobCheckpointStore
 from tests.azurite import Azurite
-from tests.chaos.harness import ChaosReport, Hang, run_chaos
+from tests.chaos.harness import ChaosReport, Hang, Retries, run_chaos
 from tests.databases import TestDatabase
 
 pytestmark = [pytest.mark.slow, pytest.mark.azurite, pytest.mark.postgresql]
@@ -48,6 +48,10 @@ FANOUT_SECONDS = float(
     os.environ.get(
         "DBTRIGGER_CHAOS_FANOUT_SECONDS", os.environ.get("DBTRIGGER_CHAOS_SECONDS", "12")
     )
+)
+#: The per-event retries variant likewise (DBTRIGGER_CHAOS_RETRY_SECONDS).
+RETRY_SECONDS = float(
+    os.environ.get("DBTRIGGER_CHAOS_RETRY_SECONDS", os.environ.get("DBTRIGGER_CHAOS_SECONDS", "10"))
 )
 
 
@@ -170,3 +174,27 @@ def test_chaos_with_parallel_lanes(
         min_rows=50,
         max_concurrency=4,
     )
+
+
+@pytest.mark.timeout(240)
+def test_chaos_with_retries_and_updates_of_settled_rows(
+    pg: TestDatabase, azurite: Azurite, container: str, tmp_path: Path
+) -> None:
+    """Per-event retries pin the checkpoint in a small window while the writer
+    updates recent rows - many of them settled above a pinned retry - under
+    the same kills and freezes: every final row state is accepted (a retried
+    delivery does not count), the workers drain to the end (issue #20 item 1
+    stalled them for good), and every duplicate is a retry or a window."""
+    report = chaos_on_blob(
+        pg,
+        azurite,
+        container,
+        tmp_path,
+        "ctx.retry in a 40-event window, updates of recent rows",
+        seconds=RETRY_SECONDS,
+        min_chaos=2,
+        min_rows=50,
+        workers=2,
+        retries=Retries(),
+    )
+    assert report.duplicate_windows.get("R the handler asked to retry it (ctx.retry)", 0) > 0

@@ -21,7 +21,10 @@
   is busy while later batches come; every timeout the
   poller decides is recorded in ``timeouts`` (from its own log record).
   ``--dead-letter`` writes dead-lettered events to the ``dead_letters`` table
-  (``--max-attempts``, ``--retry-delay`` set how soon).
+  (``--max-attempts``, ``--retry-delay`` set how soon);
+* with ``--retry-every N`` one row state in N is retried (``ctx.retry``) on
+  its first delivery - the same states on every worker - and recorded as
+  such in ``seen``; ``--window-max-events`` bounds the settled window.
 
 The state store is a BlobCheckpointStore (connection string from the
 ``DBTRIGGER_CHAOS_STORAGE`` environment variable) or, with ``--state-dir``,
@@ -111,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dead-letter", action="store_true")
     parser.add_argument("--max-attempts", type=int, default=0, help="0: the default")
     parser.add_argument("--retry-delay", type=float, default=0.0, help="0: the default")
+    parser.add_argument("--retry-every", type=int, default=0, help="retry 1 row state in N once")
+    parser.add_argument("--window-max-events", type=int, default=0, help="0: the default")
     args = parser.parse_args(argv)
 
     stop = threading.Event()
@@ -157,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.max_attempts:
         options["max_attempts"] = args.max_attempts
+    if args.window_max_events:
+        options["window_max_events"] = args.window_max_events
     if args.retry_delay:
         options["retry_delay_seconds"] = args.retry_delay
         options["retry_delay_max_seconds"] = max(args.retry_delay, 1.0)
@@ -176,7 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     me = {"worker": args.worker, "incarnation": args.incarnation}
     handler = None if subscribers else make_handler("")
 
+    def retry(event: RowChange, ctx: BatchContext) -> bool:
+        """The same row states on every worker: retried on their first delivery."""
+        every = args.retry_every
+        spread = int(event.pk["id"]) * 7919 + int(event.cursor)
+        return bool(every) and spread % every == 0 and ctx.attempts(event) == 1
+
     def handle(events: list[RowChange], ctx: BatchContext, subscriber: str) -> None:
+        asked = {e.event_id for e in events if retry(e, ctx)}
         with engine.begin() as conn:
             conn.execute(
                 seen.insert(),
@@ -187,11 +201,15 @@ def main(argv: list[str] | None = None) -> int:
                         "batch_id": ctx.batch_id,
                         "token": ctx.fencing_token,
                         "subscriber": subscriber,
+                        "retried": e.event_id in asked,
                         **me,
                     }
                     for e in events
                 ],
             )
+        for e in events:
+            if e.event_id in asked:
+                ctx.retry(e, "chaos: the downstream asked for later")
         if (
             subscriber == args.hang_subscriber
             and rng.random() < args.hang_probability

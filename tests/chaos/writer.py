@@ -33,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="go on past --seconds until more rows than this were inserted (bounded)",
     )
+    parser.add_argument(
+        "--recent", type=int, default=0, help="update only rows among the last N ids (0: any)"
+    )
     args = parser.parse_args(argv)
 
     rng = random.Random(args.seed)
@@ -56,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
                         next_id += 1
                         inserted += 1
                 else:
-                    for target in rng.sample(range(1, next_id), k=min(3, next_id - 1)):
+                    low = max(1, next_id - args.recent) if args.recent else 1
+                    for target in rng.sample(range(low, next_id), k=min(3, next_id - low)):
                         conn.execute(
                             items.update()
                             .where(items.c.id == target)

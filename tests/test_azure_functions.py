@@ -36,7 +36,7 @@ from dbtrigger import (
     RowChange,
     SqlAlchemySource,
 )
-from dbtrigger.azure import lease_schedule_conflict, schedule_interval
+from dbtrigger.azure import binding_of, lease_schedule_conflict, schedule_interval
 from dbtrigger.state import document as docmod
 from dbtrigger.state import lease as leasemod
 from dbtrigger.state.stores.blob import BlobCheckpointStore
@@ -128,7 +128,7 @@ def test_function_app_lists_the_function_with_its_timer_binding(
     user = function.get_user_function()
     assert user.__name__ == "orders_poll"
     assert inspect.signature(user).return_annotation is None
-    assert db.triggers["orders_poll"] is user.poll_trigger  # type: ignore[attr-defined]
+    assert db.triggers["orders_poll"] is binding_of(user).poll_trigger
 
 
 def test_invoking_with_a_timer_request_drains_rows_into_the_handler(
@@ -159,7 +159,7 @@ def test_invoking_with_a_timer_request_drains_rows_into_the_handler(
     assert all(t is request for t, _ in received)  # the host's binding reaches the handler
     invoke(request)  # positional works too; nothing new
     assert len(received) == 3
-    state = docmod.loads(store.read("orders").data)  # type: ignore[union-attr]
+    state = docmod.loads(store.read("orders").data)
     assert state.checkpoint is not None
     assert state.checkpoint.position.pk == {"id": 7}
 
@@ -241,7 +241,7 @@ def test_async_handler_with_output(source: SqlAlchemySource, orders: TestDatabas
     try:
         asyncio.run(user(timer=timer()))
     finally:
-        user.db_output_target.close()  # type: ignore[attr-defined]
+        binding_of(user).output.close()
     assert orders.scalar("SELECT count(*) FROM processed") == 7
 
 
@@ -308,7 +308,7 @@ def test_lost_lease_returns_quietly(source: SqlAlchemySource) -> None:
         other(timer=None)  # takes the expired lease and commits everything
 
     assert slow(timer=timer()) is None
-    state = docmod.loads(store.read("orders").data)  # type: ignore[union-attr]
+    state = docmod.loads(store.read("orders").data)
     assert state.lease is not None
     assert state.lease.owner_id == "b"
 
@@ -343,6 +343,28 @@ def test_handler_and_operator_errors_fail_the_invocation(
 
 
 # --- decoration-time checks ----------------------------------------------------------------
+
+
+def test_output_above_a_trigger_is_refused_before_the_trigger_is_built(
+    source: SqlAlchemySource, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The order check read an attribute set only once the poller was built: above a
+    trigger whose app setting was missing, @db.output passed and would have written
+    its rows after the checkpoint commit."""
+    monkeypatch.delenv("DBT_MISSING_BATCH", raising=False)
+    db = DbBindings()
+    store = InMemoryCheckpointStore()
+    with pytest.raises(ConfigurationError, match=r"below @db\.trigger"):
+
+        @db.output("out", url="sqlite://", table="t")
+        @db.trigger(
+            arg_name="events",
+            source=source,
+            checkpoint_store=store,
+            batch_size="%DBT_MISSING_BATCH%",
+        )
+        def deferred(timer: object, events: list[RowChange], out: DbOut) -> None:
+            return None
 
 
 def test_decoration_errors(source: SqlAlchemySource) -> None:
@@ -591,7 +613,7 @@ def test_example_function_app_imports_and_runs(
     finally:
         http_logger.setLevel(previous_level)  # the example's module-level setting is global
         module.orders_source.close()
-        run.db_output_target.close()
+        binding_of(run).output.close()
         module.state_store.close()
 
 

@@ -27,8 +27,10 @@ from dbtrigger import (
     StoreUnavailableError,
     UnsafeIdentifierError,
 )
+from dbtrigger.azure import binding_of
+from dbtrigger.azure.output import output_binding
 from dbtrigger.errors import CommitError, OutputWriteError
-from dbtrigger.output import OutputTarget, output_binding
+from dbtrigger.output import OutputTarget
 from dbtrigger.state.stores.base import CheckpointStore, StoredDocument
 from tests.databases import TestDatabase
 
@@ -72,7 +74,7 @@ def output(arg_name: str, **kwargs: Any) -> Any:
 
     def decorator(fn: Any) -> Any:
         wrapper = make(fn)
-        _targets.append(wrapper.db_output_target)
+        _targets.append(binding_of(wrapper).output)
         return wrapper
 
     return decorator
@@ -276,7 +278,7 @@ def test_configuration_is_checked_at_decoration(monkeypatch: pytest.MonkeyPatch)
     # missing setting must not stop a whole Function App from indexing).
     deferred = output_binding("out", url="%DBT_MISSING_URL%", table="t")(lambda out: None)
     with pytest.raises(ConfigurationError, match="DBT_MISSING_URL"):
-        assert deferred.db_output_target.dialect
+        assert binding_of(deferred).output.dialect
     with pytest.raises(ConfigurationError, match="has no parameter 'out'"):
         output_binding("out", url=url, table="t")(lambda rows: None)
 
@@ -429,7 +431,7 @@ def test_replays_are_no_ops_at_an_upsert_sink(
             ]
         )
 
-    _targets.append(orders_poll.db_output_target)
+    _targets.append(binding_of(orders_poll).output)
 
     # W1: the handler ran and the sink was written, then the commit failed.
     store.armed = True

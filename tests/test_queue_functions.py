@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from dbtrigger import ClaimContext, ClaimSource, ConfigurationError, DbBindings, RowChange
+from dbtrigger.azure import binding_of
 from tests.databases import TestDatabase
 from tests.test_queue_columns import make_jobs, rows
 
@@ -29,7 +30,7 @@ def test_sync_function_drains_a_bounded_number_of_batches(sqlite_db: TestDatabas
             seen.append((timer, e.pk["id"], context.queue_name))
 
     assert list(inspect.signature(send).parameters) == ["timer"]
-    assert db.queues["send"] is send.queue_trigger  # type: ignore[attr-defined]
+    assert db.queues["send"] is binding_of(send).queue_trigger
     send("tick")
     assert len(seen) == 15
     assert {s[0] for s in seen} == {"tick"}

@@ -30,7 +30,7 @@ from dbtrigger import (
     RowChange,
     SqlAlchemySource,
 )
-from dbtrigger.azure import entra_id_engine
+from dbtrigger.azure import binding_of, entra_id_engine
 from dbtrigger.runtime.context import BatchContext
 from dbtrigger.runtime.kernel import wants_context
 from dbtrigger.state.window import Window
@@ -130,7 +130,7 @@ def test_queue_trigger_numbers_may_be_app_settings(
         assert len(seen) == 6  # two batches of three
         queue = db.queues["send"]
         assert (queue.batch_size, queue.visibility_timeout) == (3, 30.0)
-        assert send.queue_trigger is queue  # type: ignore[attr-defined]
+        assert binding_of(send).queue_trigger is queue
     finally:
         source.close()
 

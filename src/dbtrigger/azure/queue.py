@@ -23,17 +23,22 @@ from __future__ import annotations
 
 import functools
 import inspect
-import threading
 from collections.abc import Callable
 from typing import Any
 
+from dbtrigger.azure.deferred import Lazy, NumberSpec, check_written
+from dbtrigger.azure.host import (
+    bind_handler,
+    call_keywords,
+    refuse_function_builder,
+    set_host_signature,
+)
+from dbtrigger.azure.record import attach
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.metrics import MetricsCollector
-from dbtrigger.output import bind_handler, call_keywords, set_host_signature
 from dbtrigger.quarantine import QuarantineSink
 from dbtrigger.queue.source import ClaimSource
 from dbtrigger.queue.trigger import QueueTrigger
-from dbtrigger.settings import DeferredSettingError, setting_number
 
 
 def queue_trigger(
@@ -55,55 +60,51 @@ def queue_trigger(
     ``batch_size``, ``max_batches_per_tick`` and ``visibility_timeout_seconds``
     may be ``%SETTING%`` references, as on ``@db.trigger``: read when the
     queue is first used, so a missing or malformed setting fails that
-    function's invocations (naming the option and the setting), not the import.
+    function's invocations (naming the option and the setting), not the import
+    (:mod:`dbtrigger.azure.deferred`).
     """
-    numbers = _Numbers(
-        {
-            "batch_size": (batch_size, int),
-            "max_batches_per_tick": (max_batches_per_tick, int),
-            "visibility_timeout_seconds": (visibility_timeout_seconds, float),
-        }
-    )
+
+    numbers: dict[str, NumberSpec] = {
+        "batch_size": (batch_size, int, None),
+        "max_batches_per_tick": (max_batches_per_tick, int, 1),
+        "visibility_timeout_seconds": (visibility_timeout_seconds, float, None),
+    }
+    check_written(numbers)  # a mistake in the code fails the import
 
     def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
-        if type(fn).__name__ == "FunctionBuilder":
-            raise ConfigurationError(
-                "@db.queue_trigger must sit below @app.schedule, directly above the function"
-            )
+        refuse_function_builder(
+            fn, "@db.queue_trigger must sit below @app.schedule, directly above the function"
+        )
         host_sig, make_handler = bind_handler(fn, arg_name, "@db.queue_trigger")
         queue_name = name or fn.__name__
         if queue_name in registry:
             raise ConfigurationError(f"two queue triggers are named {queue_name!r}")
-        built: list[tuple[QueueTrigger, int]] = []
-        lock = threading.Lock()
+        per_firing: list[int] = []
 
-        def ready() -> tuple[QueueTrigger, int]:
-            """The queue and its batches per firing, built on the first use."""
-            with lock:
-                if not built:
-                    resolved = numbers.resolve()
-                    queue = QueueTrigger(
-                        name=queue_name,
-                        source=source,
-                        batch_size=int(resolved["batch_size"]),
-                        visibility_timeout_seconds=resolved["visibility_timeout_seconds"],
-                        max_attempts=max_attempts,
-                        quarantine=dead_letter,
-                        metrics=metrics,
-                        **options,
-                    )
-                    registry[queue_name] = queue
-                    wrapper.queue_trigger = queue  # type: ignore[attr-defined]
-                    built.append((queue, int(resolved["max_batches_per_tick"])))
-                return built[0]
+        def build(numbers: dict[str, int | float]) -> QueueTrigger:
+            queue = QueueTrigger(
+                name=queue_name,
+                source=source,
+                batch_size=int(numbers["batch_size"]),
+                visibility_timeout_seconds=numbers["visibility_timeout_seconds"],
+                max_attempts=max_attempts,
+                quarantine=dead_letter,
+                metrics=metrics,
+                **options,
+            )
+            registry[queue_name] = queue
+            per_firing.append(int(numbers["max_batches_per_tick"]))
+            return queue
+
+        lazy = Lazy(build, numbers)
 
         if inspect.iscoroutinefunction(fn):
 
             @functools.wraps(fn)
             async def async_wrapper(*args: Any, **kwargs: Any) -> None:
                 handler = make_handler(call_keywords(host_sig, args, kwargs))
-                queue, max_batches = ready()
-                for _ in range(max_batches):
+                queue = lazy.get()
+                for _ in range(per_firing[0]):
                     if not (await queue.tick_result_async(handler)).more:
                         break
 
@@ -113,37 +114,15 @@ def queue_trigger(
             @functools.wraps(fn)
             def sync_wrapper(*args: Any, **kwargs: Any) -> None:
                 handler = make_handler(call_keywords(host_sig, args, kwargs))
-                queue, max_batches = ready()
-                queue.drain(handler, max_ticks=max_batches)
+                lazy.get().drain(handler, max_ticks=per_firing[0])
 
             wrapper = sync_wrapper
         set_host_signature(wrapper, host_sig)
-        if numbers.known:
-            ready()  # every option is known now: configuration errors show at import
+        attach(wrapper, fn, queue=lazy)
+        lazy.prepared()  # every option known now: configuration errors show at import
         return wrapper
 
     return decorator
 
 
-class _Numbers:
-    """The decorator's numeric options: literal ones checked at once (a mistake in
-    code fails the import), ``%SETTING%`` ones read at the first use."""
-
-    def __init__(self, options: dict[str, tuple[object, type[int] | type[float]]]) -> None:
-        self.options = options
-        self.known = True
-        for option, (value, kind) in options.items():
-            try:
-                self._one(option, value, kind)
-            except DeferredSettingError:
-                self.known = False
-
-    def resolve(self) -> dict[str, float]:
-        return {o: self._one(o, value, kind) for o, (value, kind) in self.options.items()}
-
-    @staticmethod
-    def _one(option: str, value: object, kind: type[int] | type[float]) -> float:
-        number = setting_number(value, option, kind)
-        if option == "max_batches_per_tick" and number < 1:
-            raise ConfigurationError(f"max_batches_per_tick must be >= 1, got {number}")
-        return number
+__all__ = ["queue_trigger"]

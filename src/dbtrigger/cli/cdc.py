@@ -26,10 +26,11 @@ def _admin(spec: str) -> Any:
     from dbtrigger.cdc.admin import AdministeredLogSource  # noqa: PLC0415
 
     target = load_object(spec)
-    for attribute in ("poll_trigger", "source"):  # @db.trigger function, then a PollTrigger
-        inner = getattr(target, attribute, None)
-        if inner is not None and not isinstance(target, AdministeredLogSource):
-            target = inner
+    if not isinstance(target, AdministeredLogSource):
+        from dbtrigger.azure.introspect import function_trigger  # noqa: PLC0415 - optional
+
+        target = function_trigger(target) or target  # a @db.trigger function: its poller
+        target = getattr(target, "source", target)  # a PollTrigger: its source
     if not isinstance(target, AdministeredLogSource):
         raise ConfigurationError(
             f"{spec} is not (and has no) log-based source: dbtrigger cdc works with "

@@ -1,0 +1,176 @@
+"""The timer schedule of a Functions app, checked against the lease it must fit.
+
+A tick may run until the timer fires again, and a lease shorter than the
+timer's interval lets a batch that fits the interval outlive its lease (then
+another instance takes over and the batch is delivered twice: window W4). To
+say so when the module is imported, the interval is computed here from the
+schedule, in either form the Functions host accepts: six-field NCRONTAB
+(``{second} {minute} {hour} {day} {month} {day-of-week}``) or an
+``hh:mm:ss`` TimeSpan. Pure functions of text; no clock is read.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import re
+import warnings
+from collections.abc import Iterator, Mapping
+
+from dbtrigger.errors import ConfigurationError
+from dbtrigger.settings import resolve_setting
+
+log = logging.getLogger("dbtrigger.azure")
+
+
+class LeaseScheduleWarning(UserWarning):
+    """``lease_ttl_seconds`` is shorter than the timer interval (runtime contract, section 7)."""
+
+
+_MONTH_NAMES = {
+    m: i + 1
+    for i, m in enumerate(
+        ["jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"]
+    )
+}
+_DAY_NAMES = {d: i for i, d in enumerate(["sun", "mon", "tue", "wed", "thu", "fri", "sat"])}
+#: (name, lowest, highest, names) of the six NCRONTAB fields.
+_FIELDS: tuple[tuple[str, int, int, Mapping[str, int]], ...] = (
+    ("second", 0, 59, {}),
+    ("minute", 0, 59, {}),
+    ("hour", 0, 23, {}),
+    ("day", 1, 31, {}),
+    ("month", 1, 12, _MONTH_NAMES),
+    ("day-of-week", 0, 7, _DAY_NAMES),
+)
+_TIMESPAN = re.compile(r"^(?:(\d+)\.)?(\d{1,2}):(\d{2}):(\d{2})$")
+#: Firings enumerated to find the shortest gap; plenty for any real schedule.
+_SAMPLE_FIRINGS = 500
+_SAMPLE_YEARS = 5
+
+
+def _field_values(text: str, name: str, lo: int, hi: int, names: Mapping[str, int]) -> set[int]:
+    def number(token: str) -> int:
+        key = token.strip().lower()
+        if key in names:
+            return names[key]
+        if not key.isdigit():
+            raise ConfigurationError(f"schedule {name} field: {token!r} is not a number")
+        return int(key)
+
+    values: set[int] = set()
+    for part in text.split(","):
+        body, _, step_text = part.partition("/")
+        step = number(step_text) if step_text else 1
+        if step < 1:
+            raise ConfigurationError(f"schedule {name} field: step must be >= 1 in {part!r}")
+        if body in ("*", "?"):
+            start, end = lo, hi
+        elif "-" in body:
+            first, _, last = body.partition("-")
+            start, end = number(first), number(last)
+        else:
+            start = number(body)
+            end = hi if step_text else start
+        if not lo <= start <= end <= hi:
+            raise ConfigurationError(
+                f"schedule {name} field: {part!r} is outside {lo}-{hi} or reversed"
+            )
+        values.update(range(start, end + 1, step))
+    return values
+
+
+def _firings(fields: list[set[int]], start: dt.datetime) -> Iterator[dt.datetime]:
+    seconds, minutes, hours, days, months, weekdays = (sorted(f) for f in fields)
+    dow = {d % 7 for d in weekdays}  # 7 is Sunday too
+    day = start
+    end = start.replace(year=start.year + _SAMPLE_YEARS)
+    while day < end:
+        # NCRONTAB requires day-of-month AND day-of-week to match.
+        if day.month in months and day.day in days and (day.weekday() + 1) % 7 in dow:
+            for h in hours:
+                for m in minutes:
+                    for s in seconds:
+                        yield day.replace(hour=h, minute=m, second=s)
+        day += dt.timedelta(days=1)
+
+
+def schedule_interval(schedule: str) -> dt.timedelta | None:
+    """The shortest time between two firings of a Functions timer schedule.
+
+    Accepts the six-field NCRONTAB form (``{second} {minute} {hour} {day}
+    {month} {day-of-week}``, with ``*``, ranges, lists, steps and English month
+    and day names) and the ``hh:mm:ss`` TimeSpan form. Returns None when the
+    schedule fires fewer than twice in five years.
+
+    Raises:
+        ConfigurationError: the schedule is not in either form.
+    """
+    text = schedule.strip()
+    span = _TIMESPAN.match(text)
+    if span:
+        days, hours, minutes, seconds = (int(g) if g else 0 for g in span.groups())
+        interval = dt.timedelta(days=days, hours=hours, minutes=minutes, seconds=seconds)
+        if interval <= dt.timedelta(0):
+            raise ConfigurationError(f"schedule {schedule!r}: a TimeSpan must be positive")
+        return interval
+    parts = text.split()
+    if len(parts) != len(_FIELDS):
+        raise ConfigurationError(
+            f"schedule {schedule!r} is not a six-field NCRONTAB expression "
+            "('{second} {minute} {hour} {day} {month} {day-of-week}') or an hh:mm:ss TimeSpan"
+        )
+    fields = [
+        _field_values(part, name, lo, hi, names)
+        for part, (name, lo, hi, names) in zip(parts, _FIELDS, strict=True)
+    ]
+    shortest: dt.timedelta | None = None
+    previous: dt.datetime | None = None
+    start = dt.datetime(2024, 1, 1)  # naive on purpose: calendar arithmetic, no real instant
+    for count, firing in enumerate(_firings(fields, start)):
+        if previous is not None:
+            gap = firing - previous
+            shortest = gap if shortest is None else min(shortest, gap)
+        previous = firing
+        if count >= _SAMPLE_FIRINGS:
+            break
+    return shortest
+
+
+def lease_schedule_conflict(lease_ttl_seconds: float, schedule: str) -> str | None:
+    """Why ``lease_ttl_seconds`` does not suit ``schedule``, or None when it does.
+
+    A tick may run until the timer fires again, and every commit renews the
+    lease for another TTL. A TTL shorter than the interval means a batch that
+    fits comfortably in the tick's time slot can still outlive its lease; then
+    another instance takes over and the batch is delivered twice (window W4).
+    A timer faster than the TTL is harmless: overlapping firings find the lease
+    taken and return after one read.
+    """
+    interval = schedule_interval(schedule)
+    if interval is None or lease_ttl_seconds >= interval.total_seconds():
+        return None
+    return (
+        f"lease_ttl_seconds={lease_ttl_seconds:g} is shorter than the timer interval "
+        f"({interval.total_seconds():g} s) of schedule {schedule!r}: a batch that fits the "
+        "interval can outlive its lease and be delivered twice by another instance; set "
+        f"lease_ttl_seconds >= {interval.total_seconds():g} (and above the slowest batch)"
+    )
+
+
+def check_schedule(lease_ttl_seconds: float, schedule: str | None) -> None:
+    if schedule is None:
+        return
+    try:
+        resolved = resolve_setting(schedule)
+    except ConfigurationError:
+        # The host resolves %SETTING% schedules too and reports a missing one itself.
+        log.debug("schedule %s is not resolvable here; not checked against the lease", schedule)
+        return
+    problem = lease_schedule_conflict(lease_ttl_seconds, resolved)
+    if problem:
+        # stacklevel: warn -> check_schedule -> decorator -> the user's module
+        warnings.warn(problem, LeaseScheduleWarning, stacklevel=3)
+
+
+__all__ = ["LeaseScheduleWarning", "check_schedule", "lease_schedule_conflict", "schedule_interval"]

@@ -1,30 +1,46 @@
-"""Partitioned scale-out: aggregate rows/s with 1..W worker processes, idle cost, convergence.
+"""Partitioned scale-out: worker processes started together on a backlog, at default settings.
 
-A handler-bound workload (the handler sleeps ``--handler-ms`` per event, an
-I/O-bound stand-in) on a PostgreSQL table, ``--partitions`` partitions, a file
-state store. For each worker count W the members are started on an empty
-table and left to reach their fair share; then ``--rows`` rows are inserted at
-once and the time until every row was delivered is taken. The table prints
-rows/s, the speed-up over one worker and the target 0.8 x W.
+Three measurements, each on a PostgreSQL table and a shared state store (a
+directory, or Blob storage on a private Azurite with ``--stores file,blob``):
 
-Also printed: the storage operations one member spends per round of idle
-partition ticks and per balance cycle (counted in-process), and the time a
-new member takes from its first heartbeat to its fair share, and the group
-after a member leaves cleanly.
+1. **Cold start at defaults.** ``--rows`` rows are in the table before any
+   worker starts; W processes of ``dbtrigger run benchmarks.scaleout_app:trigger``
+   (every dbtrigger setting at its default: partitions, balance interval,
+   member TTL, join window, batch size, idle interval) are started together,
+   and the time from their start until every row was delivered is taken. The
+   handler waits ``--handler-ms`` per event (an I/O-bound stand-in). Printed:
+   rows/s, the speed-up over one worker, the target 0.8 x W, the seconds until
+   the members held their fair shares, and the events delivered twice.
+2. **Convergence at defaults.** With three members running, the seconds until
+   ownership is fair again after a fourth joins (from its process start), after
+   one leaves cleanly (SIGTERM), and after one is killed (SIGKILL: the member
+   TTL has to pass first).
+3. **Tuned and warm** (``--tuned``), the figures of earlier releases: members
+   of ``benchmarks.partition_worker`` with a 0.5 s balance interval and a 2 s
+   member TTL are left to settle on an empty table before the rows go in.
 
-    python -m benchmarks.scaleout                       # 1,2,3 workers, 3000 rows, 2 ms/event
-    python -m benchmarks.scaleout --workers 1,2,4 --rows 6000 --partitions 8
+Also printed: one member's storage operations per round of idle partition
+ticks and per balance cycle (counted in-process).
+
+    python -m benchmarks.scaleout                          # 9,000 rows, 2 ms/event, 1,2,3 workers
+    python -m benchmarks.scaleout --stores file,blob --tuned
+    python -m benchmarks.scaleout --workers 1,2 --rows 2000 --skip-convergence
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -32,12 +48,13 @@ import sqlalchemy as sa
 from benchmarks.common import PG_URL, ROOT, SCHEMA, fmt_rate, int_list, print_table
 from dbtrigger import SqlAlchemySource
 from dbtrigger.partitions import PartitionedPoller, layout
-from dbtrigger.partitions.member import membership_key
+from dbtrigger.partitions.member import DEFAULT_PARTITIONS, membership_key
+from dbtrigger.state.stores.factory import open_store
 from dbtrigger.state.stores.file import FileCheckpointStore
 from dbtrigger.testing import CountingStore
 
 
-def make_table(engine: sa.Engine, table: str) -> None:
+def make_table(engine: sa.Engine, table: str, rows: int = 0) -> None:
     with engine.begin() as conn:
         conn.exec_driver_sql(f'CREATE SCHEMA IF NOT EXISTS "{SCHEMA}"')
         conn.exec_driver_sql(f'DROP TABLE IF EXISTS "{SCHEMA}".{table}')
@@ -45,69 +62,19 @@ def make_table(engine: sa.Engine, table: str) -> None:
             f'CREATE TABLE "{SCHEMA}".{table} (id INTEGER PRIMARY KEY, seq BIGINT NOT NULL)'
         )
         conn.exec_driver_sql(f'CREATE INDEX ON "{SCHEMA}".{table} (seq, id)')
+        if rows:
+            insert_rows(conn, table, 1, rows)
 
 
-class Group:
-    def __init__(self, workdir: Path, table: str, args: argparse.Namespace) -> None:
-        self.workdir = workdir
-        self.table = table
-        self.args = args
-        self.state = workdir / "state"
-        self.state.mkdir()
-        self.store = FileCheckpointStore(self.state)
-        self.procs: list[subprocess.Popen[bytes]] = []
+def insert_rows(conn: sa.Connection, table: str, first: int, last: int) -> None:
+    conn.exec_driver_sql(
+        f'INSERT INTO "{SCHEMA}".{table} SELECT g, g FROM generate_series({first}, {last}) g'
+    )
 
-    def start(self, member: str) -> None:
-        self.procs.append(
-            subprocess.Popen(  # noqa: S603 - our own interpreter and module
-                [
-                    sys.executable,
-                    "-m",
-                    "benchmarks.partition_worker",
-                    PG_URL,
-                    SCHEMA,
-                    str(self.state),
-                    member,
-                    str(self.workdir / f"{member}.out"),
-                    "--interval",
-                    str(self.args.interval),
-                    "--ttl",
-                    str(4 * self.args.interval),
-                    "--partitions",
-                    str(self.args.partitions),
-                    "--handler-ms",
-                    str(self.args.handler_ms),
-                    "--table",
-                    self.table,
-                    "--batch-size",
-                    str(self.args.batch_size),
-                ],
-                cwd=ROOT,
-            )
-        )
 
-    def shares(self) -> list[int]:
-        stored = self.store.read(membership_key("orders"))
-        if stored is None:
-            return []
-        return sorted(len(m.owns) for m in layout.loads(stored.data).members.values())
-
-    def delivered(self) -> int:
-        return sum(len(p.read_text().splitlines()) for p in self.workdir.glob("*.out"))
-
-    def wait(self, check: object, timeout: float = 120) -> float:
-        started = time.monotonic()
-        while time.monotonic() - started < timeout:
-            if check():  # type: ignore[operator]
-                return time.monotonic() - started
-            time.sleep(0.05)
-        raise SystemExit(f"timed out after {timeout}s")
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            proc.terminate()
-        for proc in self.procs:
-            proc.wait(30)
+def drop_table(engine: sa.Engine, table: str) -> None:
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f'DROP TABLE IF EXISTS "{SCHEMA}".{table}')
 
 
 def fair(count: int, members: int) -> list[int]:
@@ -115,40 +82,225 @@ def fair(count: int, members: int) -> list[int]:
     return sorted([base + 1] * extra + [base] * (members - extra))
 
 
-def run_workers(
-    engine: sa.Engine, workers: int, args: argparse.Namespace
-) -> tuple[float, float, float | None]:
-    """(rows/s, seconds to the fair share after the members joined, seconds for the
-    others to take over after one member leaves cleanly: None with one worker)."""
+class Group:
+    """Worker processes of one partitioned poller, their output and their membership."""
+
+    def __init__(self, workdir: Path, store: str, app: str) -> None:
+        self.workdir = workdir
+        self.store_spec = store
+        self.app = app
+        self.store = open_store(store, app=app)
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start_run(self, name: str, table: str, handler_ms: float, partitions: int | None) -> None:
+        """``dbtrigger run`` on the benchmark app, every setting at its default."""
+        env = {
+            **os.environ,
+            "DBT_SCALEOUT_URL": PG_URL,
+            "DBT_SCALEOUT_SCHEMA": SCHEMA,
+            "DBT_SCALEOUT_TABLE": table,
+            "DBT_SCALEOUT_STORE": self.store_spec,
+            "DBT_SCALEOUT_APP": self.app,
+            "DBT_SCALEOUT_HANDLER_MS": str(handler_ms),
+            "DBT_SCALEOUT_OUT": str(self.workdir),
+        }
+        if partitions is not None:
+            env["DBT_SCALEOUT_PARTITIONS"] = str(partitions)
+        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "dbtrigger.cli", "run", "benchmarks.scaleout_app:trigger"],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        log.close()
+
+    def start_worker(self, name: str, table: str, args: argparse.Namespace) -> None:
+        """``benchmarks.partition_worker`` with the tuned interval and TTL."""
+        self.procs[name] = subprocess.Popen(  # noqa: S603 - our own interpreter and module
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.partition_worker",
+                PG_URL,
+                SCHEMA,
+                self.store_spec,
+                name,
+                str(self.workdir / f"{name}.out"),
+                "--interval",
+                "0.5",
+                "--ttl",
+                "2",
+                "--partitions",
+                str(args.tuned_partitions),
+                "--handler-ms",
+                str(args.handler_ms),
+                "--table",
+                table,
+                "--app",
+                self.app,
+            ],
+            cwd=ROOT,
+        )
+
+    def membership(self) -> layout.Membership | None:
+        stored = self.store.read(membership_key("orders"))
+        return layout.loads(stored.data) if stored is not None else None
+
+    def shares(self) -> list[int]:
+        doc = self.membership()
+        return sorted(len(m.owns) for m in doc.members.values()) if doc else []
+
+    def deliveries(self) -> Counter[int]:
+        counts: Counter[int] = Counter()
+        for path in self.workdir.glob("*.out"):
+            for line in path.read_text().splitlines():
+                key, _, seq = line.partition(",")
+                if seq:
+                    counts[int(key)] += 1
+        return counts
+
+    def workers_with_work(self) -> int:
+        return sum(1 for p in self.workdir.glob("*.out") if p.stat().st_size)
+
+    def stop(self, name: str, sig: int = signal.SIGTERM) -> None:
+        proc = self.procs.pop(name)
+        proc.send_signal(sig)
+        proc.wait(30)
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self.procs.clear()
+
+
+def wait(check: Callable[[], bool], timeout: float = 300, poll: float = 0.05) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if check():
+            return time.monotonic() - started
+        time.sleep(poll)
+    raise SystemExit(f"timed out after {timeout}s")
+
+
+@contextlib.contextmanager
+def stores(names: list[str]) -> Iterator[dict[str, str]]:
+    """Store locations by name; ``blob`` starts a private Azurite for the run."""
+    specs: dict[str, str] = {}
+    with contextlib.ExitStack() as stack:
+        if "blob" in names:
+            from benchmarks.common import azurite  # noqa: PLC0415
+
+            running = stack.enter_context(contextlib.contextmanager(azurite)())
+            from azure.storage.blob import BlobServiceClient  # noqa: PLC0415
+
+            BlobServiceClient.from_connection_string(running.connection_string).create_container(
+                "db-state"
+            )
+            specs["blob"] = running.connection_string
+        if "file" in names:
+            specs["file"] = "file"
+        yield specs
+
+
+def store_location(spec: str, workdir: Path) -> str:
+    if spec == "file":
+        (workdir / "state").mkdir()
+        return str(workdir / "state")
+    return spec
+
+
+def cold_start(
+    engine: sa.Engine, spec: str, workers: int, args: argparse.Namespace
+) -> tuple[float, float, int, int]:
+    """(seconds from process start to the last row, seconds to the fair shares,
+    members that got work, events delivered more than once)."""
     table = f"scaleout_{uuid.uuid4().hex[:8]}"
-    make_table(engine, table)
+    make_table(engine, table, args.rows)
+    partitions = args.partitions or DEFAULT_PARTITIONS
     with tempfile.TemporaryDirectory() as tmp:
-        group = Group(Path(tmp), table, args)
+        group = Group(Path(tmp), store_location(spec, Path(tmp)), f"bench{uuid.uuid4().hex[:8]}")
+        started = time.monotonic()
+        fair_at: float | None = None
         try:
             for i in range(workers):
-                group.start(f"w{i + 1}")
-            group.wait(lambda: len(group.shares()) == workers)
-            converge = group.wait(lambda: group.shares() == fair(args.partitions, workers))
-            with engine.begin() as conn:
-                target = f'"{SCHEMA}".{table}'
-                conn.exec_driver_sql(
-                    f"INSERT INTO {target} SELECT g, g FROM generate_series(1, {args.rows}) g"
-                )
-            took = group.wait(lambda: group.delivered() >= args.rows, timeout=600)
-            left = None
-            if workers > 1:
-                last = group.procs.pop()
-                last.terminate()  # SIGTERM: the member gives its partitions back on exit
-                last.wait(30)
-                left = group.wait(lambda: group.shares() == fair(args.partitions, workers - 1))
+                group.start_run(f"w{i + 1}", table, args.handler_ms, args.partitions)
+            target = fair(partitions, workers)
+
+            def done() -> bool:
+                nonlocal fair_at
+                if fair_at is None and group.shares() == target:
+                    fair_at = time.monotonic() - started
+                return len(group.deliveries()) >= args.rows
+
+            wait(done, timeout=600, poll=0.1)
+            took = time.monotonic() - started
+            counts = group.deliveries()
+            with_work = group.workers_with_work()
         finally:
-            group.stop()
-    with engine.begin() as conn:
-        conn.exec_driver_sql(f'DROP TABLE "{SCHEMA}".{table}')
-    return args.rows / took, converge, left
+            group.stop_all()
+    drop_table(engine, table)
+    twice = sum(n - 1 for n in counts.values())
+    return took, fair_at if fair_at is not None else math.nan, with_work, twice
 
 
-def idle_ops(engine: sa.Engine, args: argparse.Namespace) -> tuple[float, float, float, float]:
+def convergence(engine: sa.Engine, spec: str, args: argparse.Namespace) -> dict[str, float]:
+    """Seconds until ownership is fair again after a join, a clean leave and a SIGKILL."""
+    table = f"scaleout_{uuid.uuid4().hex[:8]}"
+    make_table(engine, table, 0)
+    partitions = args.partitions or DEFAULT_PARTITIONS
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        group = Group(Path(tmp), store_location(spec, Path(tmp)), f"bench{uuid.uuid4().hex[:8]}")
+        try:
+            for name in ("w1", "w2", "w3"):
+                group.start_run(name, table, args.handler_ms, args.partitions)
+            wait(lambda: group.shares() == fair(partitions, 3), timeout=120)
+            started = time.monotonic()
+            group.start_run("w4", table, args.handler_ms, args.partitions)
+            wait(lambda: group.shares() == fair(partitions, 4), timeout=120)
+            out["join (from process start)"] = time.monotonic() - started
+            started = time.monotonic()
+            group.stop("w4")  # SIGTERM: its partitions are given back on exit
+            wait(lambda: group.shares() == fair(partitions, 3), timeout=120)
+            out["clean leave (SIGTERM)"] = time.monotonic() - started
+            started = time.monotonic()
+            group.stop("w3", signal.SIGKILL)
+            wait(lambda: group.shares() == fair(partitions, 2), timeout=120)
+            out["kill (SIGKILL)"] = time.monotonic() - started
+        finally:
+            group.stop_all()
+    drop_table(engine, table)
+    return out
+
+
+def tuned(engine: sa.Engine, spec: str, workers: int, args: argparse.Namespace) -> float:
+    """rows/s of W tuned members that settled on an empty table before the rows went in."""
+    table = f"scaleout_{uuid.uuid4().hex[:8]}"
+    make_table(engine, table, 0)
+    with tempfile.TemporaryDirectory() as tmp:
+        group = Group(Path(tmp), store_location(spec, Path(tmp)), "scaleout")
+        try:
+            for i in range(workers):
+                group.start_worker(f"w{i + 1}", table, args)
+            wait(lambda: group.shares() == fair(args.tuned_partitions, workers), timeout=120)
+            with engine.begin() as conn:
+                insert_rows(conn, table, 1, args.rows)
+            took = wait(lambda: len(group.deliveries()) >= args.rows, timeout=600, poll=0.1)
+        finally:
+            group.stop_all()
+    drop_table(engine, table)
+    return args.rows / took
+
+
+def idle_ops(engine: sa.Engine, partitions: int) -> tuple[float, float, float, float]:
     """Store reads/writes of one member: per round of idle ticks, per balance cycle."""
     table = f"scaleout_{uuid.uuid4().hex[:8]}"
     make_table(engine, table)
@@ -160,11 +312,13 @@ def idle_ops(engine: sa.Engine, args: argparse.Namespace) -> tuple[float, float,
                 url=PG_URL, table=table, schema=SCHEMA, cursor_column="seq", pk_columns=["id"]
             ),
             checkpoint_store=store,
-            partitions=args.partitions,
+            partitions=partitions,
+            join_window_seconds=0,
             background=False,
         )
-        member.balance()
         member.tick(lambda events: None)  # first ticks create nothing: idle
+        while not member.balance().settled:  # type: ignore[union-attr]
+            pass
         before = store.counts
         member.tick_result(lambda events: None)
         after = store.counts
@@ -173,56 +327,108 @@ def idle_ops(engine: sa.Engine, args: argparse.Namespace) -> tuple[float, float,
         member.balance()
         after = store.counts
         member.source.close()
-    with engine.begin() as conn:
-        conn.exec_driver_sql(f'DROP TABLE "{SCHEMA}".{table}')
+    drop_table(engine, table)
     return tick_reads, tick_writes, after.reads - before.reads, after.writes - before.writes
+
+
+def load_average() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int_list, default=[1, 2, 3])
-    parser.add_argument("--rows", type=int, default=3000)
-    parser.add_argument("--partitions", type=int, default=6)
+    parser.add_argument("--rows", type=int, default=9000)
     parser.add_argument("--handler-ms", type=float, default=2.0)
-    parser.add_argument("--batch-size", type=int, default=50)
-    parser.add_argument("--interval", type=float, default=1.0, help="balance interval, seconds")
+    parser.add_argument(
+        "--partitions", type=int, default=None, help="default: dbtrigger's default count"
+    )
+    parser.add_argument("--stores", default="file", help="file,blob (blob: a private Azurite)")
+    parser.add_argument("--tuned", action="store_true", help="also the tuned, warm figures")
+    parser.add_argument("--tuned-partitions", type=int, default=6)
+    parser.add_argument("--skip-convergence", action="store_true")
     args = parser.parse_args(argv)
     engine = sa.create_engine(PG_URL)
-    rows = []
-    one: float | None = None
-    for workers in args.workers:
-        rate, converge, left = run_workers(engine, workers, args)
-        one = rate if one is None and workers == 1 else one
-        speedup = rate / one if one else math.nan
-        rows.append(
-            [
-                str(workers),
-                fmt_rate(rate),
-                f"{speedup:.2f}" if one else "-",
-                f"{0.8 * workers:.1f}",
-                f"{converge:.1f}",
-                "-" if left is None else f"{left:.1f}",
-            ]
-        )
-    print_table(
-        f"Partitioned drain of {args.rows:,} rows, {args.partitions} partitions, "
-        f"handler {args.handler_ms:g} ms/event, balance every {args.interval:g} s",
-        ["workers", "rows/s", "speed-up", "target", "s to fair share", "s after a leave"],
-        rows,
-    )
-    reads, writes, beat_reads, beat_writes = idle_ops(engine, args)
+    partitions = args.partitions or DEFAULT_PARTITIONS
+    print(f"load average before: {load_average()}")
+    with stores(args.stores.split(",")) as specs:
+        for name, spec in specs.items():
+            rows = []
+            one: float | None = None
+            for workers in args.workers:
+                took, fair_at, with_work, twice = cold_start(engine, spec, workers, args)
+                rate = args.rows / took
+                one = rate if one is None and workers == 1 else one
+                rows.append(
+                    [
+                        str(workers),
+                        f"{took:.1f}",
+                        fmt_rate(rate),
+                        f"{rate / one:.2f}" if one else "-",
+                        f"{0.8 * workers:.1f}",
+                        f"{fair_at:.1f}",
+                        f"{with_work}/{workers}",
+                        str(twice),
+                    ]
+                )
+            print_table(
+                f"Cold start at defaults ({name} store): {args.rows:,} rows waiting, "
+                f"{partitions} partitions, handler {args.handler_ms:g} ms/event, "
+                "timed from process start",
+                [
+                    "workers",
+                    "s",
+                    "rows/s",
+                    "speed-up",
+                    "target",
+                    "s to fair share",
+                    "with work",
+                    "twice",
+                ],
+                rows,
+            )
+            if not args.skip_convergence:
+                times = convergence(engine, spec, args)
+                print_table(
+                    f"Convergence at defaults ({name} store), 3 members, {partitions} partitions: "
+                    "seconds until every partition is owned by a fair share again",
+                    ["event", "seconds"],
+                    [[event, f"{seconds:.1f}"] for event, seconds in times.items()],
+                )
+            if args.tuned:
+                rows = []
+                one = None
+                for workers in args.workers:
+                    rate = tuned(engine, spec, workers, args)
+                    one = rate if one is None and workers == 1 else one
+                    rows.append(
+                        [
+                            str(workers),
+                            fmt_rate(rate),
+                            f"{rate / one:.2f}" if one else "-",
+                            f"{0.8 * workers:.1f}",
+                        ]
+                    )
+                print_table(
+                    f"Tuned and warm ({name} store): balance every 0.5 s, member TTL 2 s, "
+                    f"{args.tuned_partitions} partitions, members settled before "
+                    f"{args.rows:,} rows go in",
+                    ["workers", "rows/s", "speed-up", "target"],
+                    rows,
+                )
+    reads, writes, beat_reads, beat_writes = idle_ops(engine, partitions)
     print_table(
         "Storage operations of one member",
         ["what", "reads", "writes"],
         [
-            [
-                f"one round of idle ticks ({args.partitions} partitions)",
-                f"{reads:g}",
-                f"{writes:g}",
-            ],
+            [f"one round of idle ticks ({partitions} partitions)", f"{reads:g}", f"{writes:g}"],
             ["one balance cycle", f"{beat_reads:g}", f"{beat_writes:g}"],
         ],
     )
+    print(f"load average after: {load_average()}")
     engine.dispose()
     return 0
 

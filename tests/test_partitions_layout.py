@@ -21,6 +21,7 @@ from dbtrigger.partitions.layout import (
     loads,
     new_membership,
     regroup,
+    shares,
 )
 
 NOW = dt.datetime(2026, 11, 23, 12, 0, tzinfo=dt.timezone.utc)
@@ -213,3 +214,134 @@ def test_one_member_holding_all_reaches_the_fair_share_in_two_cycles(newcomers: 
     share = 6 // len(everyone)
     assert sorted(len(m.owns) for m in state.members.values()) == [share] * len(everyone)
     assert sorted(p for m in state.members.values() for p in m.owns) == sorted(ids)
+
+
+# --- fair shares by rank --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("count", "members", "expected"),
+    [
+        (4, 3, [2, 1, 1]),
+        (8, 3, [3, 3, 2]),
+        (12, 3, [4, 4, 4]),
+        (8, 5, [2, 2, 2, 1, 1]),
+        (4, 5, [1, 1, 1, 1, 0]),
+        (1, 2, [1, 0]),
+        (6, 4, [2, 2, 1, 1]),
+    ],
+)
+def test_shares_by_rank_add_up_to_the_partitions(
+    count: int, members: int, expected: list[int]
+) -> None:
+    group = {f"m{i}": Member(1) for i in range(members)}
+    fair = shares(group, even_ranges(count))
+    assert sorted(fair.values(), reverse=True) == expected
+
+
+def test_the_extra_partitions_stay_with_the_members_that_hold_them() -> None:
+    ids = [p.id for p in even_ranges(4)]
+    group = {"a": Member(5, owns(ids[0])), "b": Member(5, owns(*ids[1:3])), "c": Member(5, {})}
+    assert shares(group, even_ranges(4)) == {"b": 2, "a": 1, "c": 1}
+
+
+def converge(
+    state: Membership, names: list[str], *, rounds: int, order_seed: int = 0
+) -> tuple[Membership, int]:
+    """Balance every member once per round in a shuffled order, until nothing changes."""
+    import random  # noqa: PLC0415
+
+    rng = random.Random(order_seed)
+    quiet_rounds = 0
+    for done in range(1, rounds + 1):
+        changed = False
+        order = names[:]
+        rng.shuffle(order)
+        for me in order:
+            decision = balance(
+                state, me=me, live=frozenset(names) - {me}, min_hold_beats=2, now=NOW
+            )
+            assert decision.document is not None
+            changed = changed or decision.changed
+            state = decision.document
+        quiet_rounds = 0 if changed else quiet_rounds + 1
+        if quiet_rounds == 3:
+            return state, done - 3
+    return state, rounds
+
+
+@pytest.mark.parametrize(
+    ("count", "start", "expected"),
+    [
+        (4, {"a": 2, "b": 2, "c": 0}, [2, 1, 1]),  # the 2/2/0 a new user saw
+        (4, {"a": 4, "b": 0, "c": 0}, [2, 1, 1]),
+        (8, {"a": 8, "b": 0, "c": 0}, [3, 3, 2]),
+        (8, {"a": 4, "b": 4, "c": 0}, [3, 3, 2]),
+        (8, {"a": 0, "b": 0, "c": 0}, [3, 3, 2]),
+        (12, {"a": 12, "b": 0, "c": 0}, [4, 4, 4]),
+        (8, {"a": 2, "b": 2, "c": 2, "d": 2, "e": 0}, [2, 2, 2, 1, 1]),
+    ],
+)
+@pytest.mark.parametrize("seed", range(4))
+def test_any_start_converges_to_the_fair_shares_and_stays(
+    count: int, start: dict[str, int], expected: list[int], seed: int
+) -> None:
+    ids = [p.id for p in even_ranges(count)]
+    members, next_id = {}, 0
+    for name, held in start.items():
+        members[name] = Member(10, owns(*ids[next_id : next_id + held], since=1))
+        next_id += held
+    state = Membership("orders", "sha256:x", 1, even_ranges(count), members)
+    state, rounds = converge(state, list(start), rounds=12, order_seed=seed)
+    assert rounds <= 4, f"took {rounds} rounds"
+    assert sorted((len(m.owns) for m in state.members.values()), reverse=True) == expected
+    assert sorted(p for m in state.members.values() for p in m.owns) == sorted(ids)
+    # Converged: every member's next cycle says so, and changes nothing (no ping-pong).
+    for me in start:
+        decision = balance(state, me=me, live=frozenset(start) - {me}, min_hold_beats=2, now=NOW)
+        assert decision.settled
+        assert not decision.changed
+
+
+def test_a_member_that_sees_a_new_heartbeat_gives_up_its_excess_at_once() -> None:
+    state = doc({"a": Member(9, owns(*IDS[:4])), "b": Member(9, owns(*IDS[4:])), "c": Member(0)})
+    decision = balance(state, me="a", live=frozenset({"b", "c"}), min_hold_beats=2, now=NOW)
+    assert decision.released == (IDS[3],)  # 4 -> its share of 3 in the same cycle
+    assert not decision.settled
+
+
+def test_a_joining_member_beats_but_claims_nothing() -> None:
+    decision = balance(doc({}), me="a", live=frozenset(), min_hold_beats=2, now=NOW, joining=True)
+    assert decision.owned == ()
+    assert decision.document is not None
+    assert decision.document.members["a"].beat == 1
+    assert not decision.settled
+    # The others already count it: they make room for it while it waits.
+    state = doc({"a": Member(9, owns(*IDS)), "b": Member(1)})
+    decision = balance(state, me="a", live=frozenset({"b"}), min_hold_beats=2, now=NOW)
+    assert len(decision.owned) == 4
+
+
+def test_steals_only_from_a_member_above_its_share() -> None:
+    # 4 partitions, 3 members: a holds 2 (its share by rank), b 2 (one above), c none.
+    ids = [p.id for p in even_ranges(4)]
+    state = Membership(
+        "orders",
+        "sha256:x",
+        1,
+        even_ranges(4),
+        {"a": Member(9, owns(*ids[:2])), "b": Member(9, owns(*ids[2:])), "c": Member(9)},
+    )
+    decision = balance(state, me="c", live=frozenset({"a", "b"}), min_hold_beats=2, now=NOW)
+    assert decision.stolen == (ids[2],)
+    assert decision.document is not None
+    assert len(decision.document.members["a"].owns) == 2
+
+
+def test_host_is_kept_for_people() -> None:
+    decision = balance(doc({}), me="a", live=frozenset(), min_hold_beats=2, now=NOW, host="web-1")
+    assert decision.document is not None
+    assert loads(dumps(decision.document)).members["a"].host == "web-1"
+    again = balance(decision.document, me="a", live=frozenset(), min_hold_beats=2, now=NOW)
+    assert again.document is not None
+    assert again.document.members["a"].host == "web-1"

@@ -76,6 +76,7 @@ def member(
         partitions=options.pop("partitions", 4),
         balance_interval_seconds=1,
         member_ttl_seconds=3,
+        join_window_seconds=options.pop("join_window_seconds", 0),
         member_id=name,
         monotonic=clock,
         background=False,  # the test moves the clock and balances by hand

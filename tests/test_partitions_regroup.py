@@ -45,6 +45,7 @@ def members(db: TestDatabase, store: CheckpointStore, count: int) -> list[Partit
             balance_interval_seconds=0.2,
             member_ttl_seconds=1.0,
             min_hold_cycles=1,
+            join_window_seconds=0,  # the test balances by hand
             member_id=f"m{i}",
             batch_size=20,
             max_batches_per_tick=2,

@@ -9,8 +9,9 @@ Python and SQL.
 from __future__ import annotations
 
 from dbtrigger.partitions.buckets import BUCKETS, bucket_of, partition_ddl
+from dbtrigger.partitions.inspect import PartitionState
 from dbtrigger.partitions.layout import Partition, even_ranges
-from dbtrigger.partitions.member import PartitionedPoller, PartitionState
+from dbtrigger.partitions.member import PartitionedPoller
 from dbtrigger.partitions.source import PartitionSource
 
 __all__ = [

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -67,9 +66,16 @@ class Partition:
 
 @dataclass(frozen=True)
 class Member:
+    """One member's entry: its heartbeat counter and what it owns.
+
+    ``seen_at`` (the member's own clock) and ``host`` are for people reading
+    ``status``; liveness is judged from ``beat`` alone.
+    """
+
     beat: int
     owns: Mapping[str, int] = field(default_factory=dict)  # partition id -> beat when taken
-    seen_at: dt.datetime | None = None  # the member's own clock: for people only
+    seen_at: dt.datetime | None = None
+    host: str | None = None
 
 
 @dataclass(frozen=True)
@@ -147,6 +153,13 @@ def regroup(current: Sequence[Partition], count: int) -> Regroup:
     return Regroup(target, parents)
 
 
+def suggested_count(current: Sequence[Partition], members: int) -> int:
+    """The smallest count of at least ``members`` partitions the current layout
+    splits into without moving a row (what ``partitions set --count`` accepts)."""
+    workable = [n for n in range(max(members, 1), BUCKETS + 1) if _regroups(current, n)]
+    return workable[0] if workable else BUCKETS
+
+
 def _regroups(current: Sequence[Partition], count: int) -> bool:
     old_bounds = {p.lo for p in current} | {BUCKETS}
     new_bounds = {p.lo for p in even_ranges(count)} | {BUCKETS}
@@ -156,9 +169,35 @@ def _regroups(current: Sequence[Partition], count: int) -> bool:
 # --- balancing -------------------------------------------------------------------------
 
 
+def shares(members: Mapping[str, Member], partitions: Sequence[Partition]) -> dict[str, int]:
+    """Each member's fair share, by rank: ``P // N`` each, one more for the first ``P % N``.
+
+    Rank is by partitions held now (most first), then by name, so the extra
+    partitions stay where they are instead of moving: with 4 partitions and 3
+    members the shares are 2/1/1 (never 2/2/0, where ``ceil(P / N)`` for
+    everyone lets two members sit at the target and starve the third), with 8
+    and 3 they are 3/3/2. Every member computes the same shares from the same
+    document (the write that follows is a compare-and-swap on it), so they
+    agree without talking; only their views of who is alive may differ, and
+    only until the member TTL has passed.
+    """
+    if not members:
+        return {}
+    valid = {p.id for p in partitions}
+    held = {name: sum(1 for pid in m.owns if pid in valid) for name, m in members.items()}
+    ranked = sorted(members, key=lambda name: (-held[name], name))
+    base, extra = divmod(len(partitions), len(ranked))
+    return {name: base + (1 if rank < extra else 0) for rank, name in enumerate(ranked)}
+
+
 @dataclass(frozen=True)
 class BalanceDecision:
-    """What one member does this cycle. ``document`` is None when nothing changes."""
+    """What one member does this cycle. ``document`` is None when nothing changes.
+
+    ``shares`` is every live member's fair share as this cycle computed it;
+    ``settled`` is True when every member holds exactly its share and no
+    partition is free: the group has converged and the member may slow down.
+    """
 
     document: Membership | None
     owned: tuple[str, ...]
@@ -166,6 +205,13 @@ class BalanceDecision:
     stolen: tuple[str, ...] = ()
     released: tuple[str, ...] = ()
     dead: tuple[str, ...] = ()
+    shares: Mapping[str, int] = field(default_factory=dict)
+    settled: bool = False
+
+    @property
+    def changed(self) -> bool:
+        """This cycle moved ownership (claimed, stole, released or dropped a member)."""
+        return bool(self.claimed or self.stolen or self.released or self.dead)
 
 
 def balance(
@@ -176,18 +222,27 @@ def balance(
     min_hold_beats: int,
     now: dt.datetime,
     leaving: bool = False,
+    joining: bool = False,
+    host: str | None = None,
 ) -> BalanceDecision:
     """One balance cycle of member ``me`` (always writes its own heartbeat).
 
     ``live`` is the set of other members this observer saw beating within the
     member TTL (``me`` is live by definition). Members not in it are removed,
-    and their partitions become free. Then, like Cosmos DB's equal-partition
-    strategy: target = ceil(P / live members); take every free partition up to
-    the target at once; otherwise steal at most one partition per cycle from
-    the most loaded member, and only if it holds more than the target and has
-    held that partition for ``min_hold_beats`` of its own beats (no ping-pong).
-    A member above the target releases its excess when another member is
-    below it, so a join converges from both sides within two cycles.
+    and their partitions become free. Then, with every member's share from
+    :func:`shares`:
+
+    * a member above its share releases the excess at once (the partitions it
+      took last), so a member that sees a new heartbeat makes room in the same
+      cycle instead of waiting for the newcomer to steal;
+    * a member below its share claims free partitions up to it, all at once;
+    * if none are free, it steals **one** partition per cycle from the member
+      most above its own share, and only one that member has held for
+      ``min_hold_beats`` of its own beats (no ping-pong).
+
+    ``joining`` writes the heartbeat without claiming anything: a member that
+    has just started waits a short join window so that members started
+    together see each other before anyone takes a partition.
     """
     members = {name: m for name, m in doc.members.items() if name in live or name == me}
     dead = tuple(sorted(set(doc.members) - set(members)))
@@ -199,46 +254,47 @@ def balance(
         return BalanceDecision(
             replace(doc, members=members), (), released=tuple(sorted(owns)), dead=dead
         )
-    owned_elsewhere = {p for name, m in members.items() if name != me for p in m.owns}
     valid = {p.id for p in doc.partitions}
     released = [p for p in owns if p not in valid]  # the layout changed under us
     for p in released:
         owns.pop(p)
-    target = math.ceil(len(doc.partitions) / len(set(members) | {me}))
+    others = {
+        name: replace(m, owns={p: b for p, b in m.owns.items() if p in valid})
+        for name, m in members.items()
+        if name != me
+    }
+    fair = shares({**others, me: replace(mine, owns=owns)}, doc.partitions)
+    share = fair[me]
     claimed: list[str] = []
-    free = [p.id for p in doc.partitions if p.id not in owned_elsewhere and p.id not in owns]
-    for pid in free:
-        if len(owns) >= target:
-            break
-        owns[pid] = beat
-        claimed.append(pid)
     stolen: list[str] = []
-    others = {name: m for name, m in members.items() if name != me}
-    if not claimed and len(owns) < target and others:
-        victim_name, victim = max(others.items(), key=lambda item: (len(item[1].owns), item[0]))
-        if len(victim.owns) > target:
-            candidates = sorted(
-                (
-                    pid
-                    for pid, since in victim.owns.items()
-                    if victim.beat - since >= min_hold_beats
-                ),
-                key=lambda pid: victim.owns[pid],
-            )
-            if candidates:
-                pid = candidates[0]
-                others[victim_name] = replace(
-                    victim, owns={k: v for k, v in victim.owns.items() if k != pid}
-                )
+    if not joining:
+        owned_elsewhere = {p for m in others.values() for p in m.owns}
+        for pid in (p.id for p in doc.partitions):
+            if len(owns) >= share:
+                break
+            if pid not in owned_elsewhere and pid not in owns:
+                owns[pid] = beat
+                claimed.append(pid)
+        if len(owns) < share:
+            victim = _victim(others, fair, min_hold_beats)
+            if victim is not None:
+                name, pid = victim
+                held = others[name]
+                others[name] = replace(held, owns={k: v for k, v in held.owns.items() if k != pid})
                 owns[pid] = beat
                 stolen.append(pid)
-    if len(owns) > target and any(len(m.owns) < target for m in others.values()):
-        # Shed down to the target (the most recently taken first), so members
-        # below it claim the rest at their next cycle: a join converges in two.
-        for pid in sorted(owns, key=lambda k: (owns[k], k))[target:]:
+    if len(owns) > share:
+        # The partitions taken last go first: the older ones have warm state.
+        for pid in sorted(owns, key=lambda k: (owns[k], k))[share:]:
             owns.pop(pid)
             released.append(pid)
-    members = {**others, me: Member(beat=beat, owns=owns, seen_at=now)}
+    members = {**others, me: Member(beat=beat, owns=owns, seen_at=now, host=host or mine.host)}
+    taken = [p for m in members.values() for p in m.owns]
+    settled = (
+        not joining
+        and len(taken) == len(valid)
+        and all(len(members[name].owns) == fair[name] for name in members)
+    )
     return BalanceDecision(
         replace(doc, members=members),
         tuple(sorted(owns)),
@@ -246,7 +302,32 @@ def balance(
         stolen=tuple(stolen),
         released=tuple(sorted(released)),
         dead=dead,
+        shares=fair,
+        settled=settled,
     )
+
+
+def _victim(
+    others: Mapping[str, Member], fair: Mapping[str, int], min_hold_beats: int
+) -> tuple[str, str] | None:
+    """The partition to steal: from the member most above its share, held long enough."""
+    above = sorted(
+        (
+            (len(m.owns) - fair.get(name, 0), name)
+            for name, m in others.items()
+            if len(m.owns) > fair.get(name, 0)
+        ),
+        reverse=True,
+    )
+    for _, name in above:
+        member = others[name]
+        candidates = sorted(
+            (pid for pid, since in member.owns.items() if member.beat - since >= min_hold_beats),
+            key=lambda pid: (member.owns[pid], pid),
+        )
+        if candidates:
+            return name, candidates[0]
+    return None
 
 
 # --- serialisation -----------------------------------------------------------------------
@@ -282,6 +363,7 @@ def to_json(doc: Membership) -> dict[str, Any]:
                 "beat": m.beat,
                 "owns": dict(m.owns),
                 "seen_at": format_time(m.seen_at) if m.seen_at else None,
+                **({"host": m.host} if m.host else {}),
             }
             for name, m in sorted(doc.members.items())
         },
@@ -340,10 +422,12 @@ def loads(data: bytes | str) -> Membership:
             raise CorruptStateError(f"members[{name!r}] is malformed")
         owns = {str(k): int(v) for k, v in item["owns"].items() if isinstance(v, int)}
         seen = item.get("seen_at")
+        host = item.get("host")
         members[str(name)] = Member(
             beat=_int(item, "beat", f"members[{name!r}]"),
             owns=owns,
             seen_at=parse_time(seen, "seen_at") if seen else None,
+            host=host if isinstance(host, str) else None,
         )
     poller = raw.get("poller")
     fingerprint = raw.get("source_fingerprint")

@@ -1,18 +1,20 @@
 """``PartitionedPoller``: one member of a group that splits a table's partitions.
 
 Each process (worker, Function instance) that runs the same partitioned poller
-is a member. Every ``balance_interval_seconds`` (with up to 20% jitter, so
-members do not write in lock-step) a member rewrites the membership document
-(:mod:`dbtrigger.partitions.layout`) by compare-and-swap: its heartbeat, and
-the partitions it claims, steals or releases. Between balance cycles it ticks
-the partitions it owns, each an ordinary :class:`~dbtrigger.PollTrigger` with
-its own state document (``<name>.p000-032``), checkpoint, lease and fencing
-token.
+is a member. From a background thread, a member rewrites the membership
+document (:mod:`dbtrigger.partitions.layout`) by compare-and-swap: its
+heartbeat, and the partitions it claims, steals or releases to reach its fair
+share. The cycles are fast while anything is moving and slow once the group
+has settled (:mod:`dbtrigger.partitions.cadence`). Between cycles it ticks the
+partitions it owns, each an ordinary :class:`~dbtrigger.PollTrigger` with its
+own state document (``<name>.p000-032``), checkpoint, lease and fencing token.
 
 Safety does not depend on ownership: if two members ever tick the same
 partition (a stale view after a steal), the partition's per-tick lease lets
 only one of them process and commit at a time, so a stale owner costs a
-skipped tick. Ownership is only how the work gets spread.
+skipped tick. Ownership is only how the work gets spread; still, a member
+starts no further batch of a partition it no longer owns, and one whose own
+heartbeat has not been written for the member TTL ticks nothing until it is.
 """
 
 from __future__ import annotations
@@ -22,14 +24,13 @@ import contextlib
 import datetime as dt
 import logging
 import random
+import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from dbtrigger import options as opt
-from dbtrigger.cursor import BEGINNING
 from dbtrigger.errors import (
     CasConflictError,
     ConfigurationError,
@@ -40,8 +41,11 @@ from dbtrigger.errors import (
 )
 from dbtrigger.metrics import MetricsCollector, SafeMetrics
 from dbtrigger.names import validate_name
-from dbtrigger.partitions import layout
+from dbtrigger.partitions import cadence, layout
+from dbtrigger.partitions.handover import fence_dead_holders
+from dbtrigger.partitions.inspect import PartitionState, partition_states
 from dbtrigger.partitions.layout import BalanceDecision, Membership
+from dbtrigger.partitions.report import GroupReport
 from dbtrigger.partitions.source import PartitionSource
 from dbtrigger.runtime.kernel import Handler
 from dbtrigger.runtime.poller import PollTrigger
@@ -53,6 +57,13 @@ log = logging.getLogger("dbtrigger.partitions")
 
 #: CAS rounds for one balance write before the cycle is skipped.
 MAX_BALANCE_ROUNDS = 5
+#: Partitions a new group is laid out in when no count is given: shares come
+#: out even for 1, 2, 3, 4, 6 and 12 members, and 12 splits into 24 or merges
+#: into 6, 4, 3 or 2 without moving a row.
+DEFAULT_PARTITIONS = 12
+#: How often an idle member checks whether it gained partitions or a handover ended.
+WAKE_POLL_SECONDS = 0.05
+HANDOVER_POLL_SECONDS = 0.25
 
 
 def membership_key(poller: str) -> str:
@@ -63,18 +74,6 @@ def partition_poller(poller: str, partition_id: str) -> str:
     return f"{poller}.{partition_id}"
 
 
-@dataclass(frozen=True)
-class PartitionState:
-    """One row of ``status``: a partition, its owner and how far behind it is."""
-
-    id: str
-    lo: int
-    hi: int
-    owner: str | None
-    checkpoint: Any
-    lag_rows: int | None
-
-
 class PartitionedPoller:
     """Poll ``source`` as ``partitions`` bucket ranges spread over every member.
 
@@ -82,13 +81,22 @@ class PartitionedPoller:
         name / source / checkpoint_store: as for :class:`~dbtrigger.PollTrigger`;
             the source must be a :class:`~dbtrigger.SqlAlchemySource` (the
             bucket is computed in its SQL).
-        partitions: the partition count a new group starts with. Once the
-            membership document exists, its layout is the truth: change it with
-            ``dbtrigger partitions set`` (a differing value here is warned about).
-        balance_interval_seconds: how often a member heartbeats and rebalances.
+        partitions: the partition count a new group starts with (default
+            :data:`DEFAULT_PARTITIONS`). Once the membership document exists,
+            its layout is the truth: change it with ``dbtrigger partitions set``
+            (a differing value here is warned about).
+        balance_interval_seconds: how often a settled member heartbeats and
+            rebalances (default 3 s); while ownership is changing it cycles
+            every sixth of that (at most 0.5 s) until the group has settled.
         member_ttl_seconds: a member whose heartbeat has not moved for this long
             (on the observer's own monotonic clock) is dead and its partitions
-            free; default 4 x the interval, at least 2 x.
+            free; default 10/3 x the interval (10 s at the default), at least 2 x.
+        join_window_seconds: while a group is forming (no member owns
+            anything yet), a starting member heartbeats this long before it
+            claims, so that members started together see each other and each
+            claims its share instead of the first one taking all (default: the
+            fast interval, 0.5 s at the default interval). A member joining a
+            working group claims at once.
         min_hold_cycles: a partition is not stolen from a member that took it
             fewer than this many of its cycles ago.
         member_id: this member's identity (default host/pid/random).
@@ -106,9 +114,10 @@ class PartitionedPoller:
         name: str,
         source: SqlAlchemySource,
         checkpoint_store: CheckpointStore,
-        partitions: int = 8,
-        balance_interval_seconds: float = 15.0,
+        partitions: int = DEFAULT_PARTITIONS,
+        balance_interval_seconds: float | None = None,
         member_ttl_seconds: float | None = None,
+        join_window_seconds: float | None = None,
         min_hold_cycles: int = 2,
         member_id: str | None = None,
         metrics: MetricsCollector | None = None,
@@ -124,22 +133,23 @@ class PartitionedPoller:
             )
         partitions = opt.whole("partitions", partitions)
         layout.even_ranges(partitions)  # validates the count against the bucket space
-        balance_interval_seconds = opt.seconds("balance_interval_seconds", balance_interval_seconds)
-        member_ttl_seconds = opt.optional_seconds("member_ttl_seconds", member_ttl_seconds)
         min_hold_cycles = opt.whole("min_hold_cycles", min_hold_cycles, minimum=0)
-        ttl = member_ttl_seconds if member_ttl_seconds is not None else 4 * balance_interval_seconds
-        if ttl < 2 * balance_interval_seconds:
-            raise ConfigurationError(
-                f"member_ttl_seconds ({ttl:g}) must be at least twice balance_interval_seconds "
-                f"({balance_interval_seconds:g}): a member that misses one cycle is not dead"
-            )
+        interval, ttl, window = cadence.settings(
+            opt.optional_seconds("balance_interval_seconds", balance_interval_seconds),
+            opt.optional_seconds("member_ttl_seconds", member_ttl_seconds),
+            opt.optional_seconds(
+                "join_window_seconds", join_window_seconds, minimum=0.0, inclusive=True
+            ),
+        )
         self.source = source
         self.store = checkpoint_store
         self.partitions = partitions
-        self.interval = balance_interval_seconds
+        self.interval = interval
         self.member_ttl = ttl
+        self.join_window = window
         self.min_hold = min_hold_cycles
         self.member_id = member_id or default_owner_id()
+        self.host = socket.gethostname()
         self.metrics = SafeMetrics(metrics, self.name)
         self._metrics_inner = metrics
         self.clock = clock or utc_now
@@ -149,17 +159,31 @@ class PartitionedPoller:
         self.last_result: TickResult | None = None
         self.membership: Membership | None = None
         self.owned: tuple[str, ...] = ()
+        self.last_decision: BalanceDecision | None = None
         self._triggers: dict[str, PollTrigger] = {}
         self._generation: int | None = None
-        self._seen: dict[str, tuple[int, float]] = {}
+        self._liveness = cadence.Liveness(ttl, monotonic)
+        self._join_until: float | None = None  # end of the join window, once started
+        self._joined = False  # claimed for the first time (the join window is over)
+        self._was_joining = False  # the last cycle was one of the join window
+        self._beat_at = -float("inf")  # when our own heartbeat was last written
         self._next_balance = -float("inf")
+        self._delay_next = 0.0
         self._turn = 0
-        self._random = random.Random()  # noqa: S311 - jitter, not security
+        self._cadence = cadence.Cadence(
+            interval,
+            monotonic,
+            random.Random(),  # noqa: S311 - jitter, not security
+        )
         self.background = background
         self._beater: threading.Thread | None = None
         self._closing = threading.Event()
+        self._wake = threading.Event()  # set when this member gains partitions
+        self._handover = False  # an owned partition's lease is still held by its last owner
         self._lock = threading.RLock()
         self._exit_hook = False
+        self._report = GroupReport(self.name, self.member_id, partitions, self.metrics)
+        self._fenced_said = False
 
     # --- identity ------------------------------------------------------------------
 
@@ -177,21 +201,6 @@ class PartitionedPoller:
         return membership_key(self.name)
 
     # --- balancing -------------------------------------------------------------------
-
-    def _observe(self, doc: Membership) -> frozenset[str]:
-        """Members whose heartbeat moved within the TTL, on our own monotonic clock."""
-        now = self.monotonic()
-        live = set()
-        for name, member in doc.members.items():
-            if name == self.member_id:
-                continue
-            seen = self._seen.get(name)
-            if seen is None or seen[0] != member.beat:
-                self._seen[name] = (member.beat, now)
-                seen = self._seen[name]
-            if now - seen[1] < self.member_ttl:
-                live.add(name)
-        return frozenset(live)
 
     def load_membership(self) -> tuple[Membership, str | None]:
         stored = self.store.read(self.key)
@@ -213,15 +222,41 @@ class PartitionedPoller:
             )
         return doc, stored.etag
 
+    @property
+    def joining(self) -> bool:
+        """True while the last cycle was in the join window (heartbeat, no claims)."""
+        return self._was_joining
+
+    def _joins_now(self, doc: Membership) -> bool:
+        """Whether this cycle sits in the join window.
+
+        Only while the group is forming - no other member owns anything - and
+        for ``join_window`` after this member's first cycle: members started
+        together then see each other before anyone claims, and each takes its
+        share instead of the first taking all and shedding. A member joining
+        a working group claims at once (the others shed for it).
+        """
+        if self._joined:
+            return False
+        now = self.monotonic()
+        if self._join_until is None:
+            self._join_until = now + self.join_window
+        forming = not any(m.owns for name, m in doc.members.items() if name != self.member_id)
+        return forming and now < self._join_until
+
     def balance(self, *, leaving: bool = False) -> BalanceDecision | None:
         """One balance cycle: heartbeat, claim/steal/release; None if every CAS round lost."""
         with self._lock:
-            return self._balance(leaving=leaving)
+            decision = self._balance(leaving=leaving)
+            if not leaving:
+                self._schedule(decision)
+            return decision
 
     def _balance(self, *, leaving: bool) -> BalanceDecision | None:
         for _ in range(MAX_BALANCE_ROUNDS):
             doc, etag = self.load_membership()
-            live = self._observe(doc)
+            joining = not leaving and self._joins_now(doc)
+            live = self._liveness.observe(doc, self.member_id)
             decision = layout.balance(
                 doc,
                 me=self.member_id,
@@ -229,13 +264,21 @@ class PartitionedPoller:
                 min_hold_beats=self.min_hold,
                 now=self.clock(),
                 leaving=leaving,
+                joining=joining,
+                host=self.host,
             )
             assert decision.document is not None  # noqa: S101 - balance always writes a beat
             try:
                 self.store.write(self.key, layout.dumps(decision.document), if_match=etag)
             except CasConflictError:
                 continue
+            self._beat_at = self.monotonic()
+            self._was_joining = joining
+            self._joined = self._joined or not joining
+            before = self.membership
             self._applied(decision.document, decision)
+            if decision.claimed or decision.stolen:
+                self._fence_the_gone(before, decision)
             return decision
         log.warning(
             "balance cycle of %s skipped: the membership document kept changing",
@@ -244,48 +287,50 @@ class PartitionedPoller:
         )
         return None
 
+    def _schedule(self, decision: BalanceDecision | None) -> None:
+        """Pick the next cycle: fast while anything moves, never after a death is due."""
+        doc = self.membership
+        others = [n for n in (doc.members if doc else ()) if n != self.member_id]
+        self._delay_next = self._cadence.next(
+            decision,
+            doc,
+            joining=self.joining,
+            expiry_in=self._liveness.seconds_to_first_expiry(others),
+        )
+        self._next_balance = self.monotonic() + self._delay_next
+
+    def _retry_later(self) -> None:
+        """After a failed cycle (the store is down): try again after the slow interval."""
+        self._next_balance = self.monotonic() + self._cadence.after_failure()
+
     def _applied(self, doc: Membership, decision: BalanceDecision) -> None:
         self.membership = doc
+        self.last_decision = decision
+        gained = bool(set(decision.owned) - set(self.owned))
         self.owned = decision.owned
+        if gained:
+            self._wake.set()  # an idle worker loop ticks the new partitions at once
         if doc.generation != self._generation:
             self._rebuild(doc)
-        if len(doc.partitions) != self.partitions and self._generation is None:
-            log.warning(
-                "poller %s is laid out in %d partitions, not the configured %d: the stored "
-                "layout wins (change it with `dbtrigger partitions set`)",
-                self.name,
-                len(doc.partitions),
-                self.partitions,
-                extra={"event": "partition_count_differs", "poller": self.name},
-            )
+        self._report.cycle(doc, decision, joining=self.joining, first=self._generation is None)
         self._generation = doc.generation
-        self.metrics.set_gauge("partitions_owned", len(self.owned))
-        self.metrics.set_gauge("partition_members", len(doc.members))
-        for action, pids in (
-            ("claimed", decision.claimed),
-            ("stolen", decision.stolen),
-            ("released", decision.released),
-        ):
-            if pids:
-                self.metrics.increment(
-                    "partition_rebalances_total", len(pids), labels={"action": action}
-                )
-                log.info(
-                    "member %s %s partition(s) %s",
-                    self.member_id,
-                    action,
-                    ", ".join(pids),
-                    extra={
-                        "event": f"partitions_{action}",
-                        "poller": self.name,
-                        "partitions": pids,
-                    },
-                )
-        if decision.dead:
-            log.warning(
-                "member(s) %s stopped heartbeating; their partitions are free",
-                ", ".join(decision.dead),
-                extra={"event": "members_expired", "poller": self.name, "members": decision.dead},
+
+    def _fence_the_gone(self, before: Membership | None, decision: BalanceDecision) -> None:
+        """Fence out the partition leases of members that died holding them (see
+        :func:`~dbtrigger.partitions.handover.fence_dead_holders`)."""
+        gone = set(decision.dead)
+        if before is not None and self.membership is not None:
+            gone |= set(before.members) - set(self.membership.members)
+        gone.discard(self.member_id)
+        taken = (*decision.claimed, *decision.stolen)
+        if gone:
+            fence_dead_holders(
+                self.store,
+                {pid: self._triggers[pid].name for pid in taken if pid in self._triggers},
+                frozenset(gone),
+                actor=self.member_id,
+                now=self.clock(),
+                poller=self.name,
             )
 
     def _rebuild(self, doc: Membership) -> None:
@@ -305,18 +350,11 @@ class PartitionedPoller:
 
     def _balance_if_due(self) -> None:
         """Balance now if it is due (between partition ticks, without a thread)."""
-        now = self.monotonic()
-        if now < self._next_balance:
-            return
-        self.balance()
-        self._next_balance = now + self._delay()
-
-    def _delay(self) -> float:
-        """The next cycle: the interval plus up to 20% jitter, so members spread out."""
-        return self.interval + self._random.uniform(0, 0.2 * self.interval)
+        if self.monotonic() >= self._next_balance:
+            self.balance()
 
     def _start_heartbeat(self) -> None:
-        """Balance once now, then every interval from a daemon thread."""
+        """Balance once now, then from a daemon thread on the cadence's schedule."""
         if self._beater is not None and self._beater.is_alive():
             return
         self.balance()
@@ -336,12 +374,13 @@ class PartitionedPoller:
             self.leave()
 
     def _beat(self) -> None:
-        while not self._closing.wait(self._delay()):
+        while not self._closing.wait(max(0.0, self._next_balance - self.monotonic())):
             try:
                 self.balance()
             except DbTriggerError as exc:
                 # The partitions' own leases keep processing safe meanwhile; the
                 # next cycle tries again, and others see us dead only after the TTL.
+                self._retry_later()
                 log.warning(
                     "balance cycle of %s failed: %s",
                     self.member_id,
@@ -351,11 +390,30 @@ class PartitionedPoller:
             except Exception:
                 # Not ours to swallow silently, but a dead balance thread would stop
                 # this member from ever rebalancing: log it whole and keep cycling.
+                self._retry_later()
                 log.exception(
                     "balance cycle of %s failed unexpectedly",
                     self.member_id,
                     extra={"event": "balance_failed", "poller": self.name},
                 )
+
+    def _fenced(self) -> bool:
+        """Our heartbeat is older than the member TTL: others may have taken everything."""
+        silent = self.monotonic() - self._beat_at
+        if silent <= self.member_ttl:
+            self._fenced_said = False
+            return False
+        if not self._fenced_said:
+            self._fenced_said = True
+            log.warning(
+                "member %s has not written its heartbeat for %.0fs (member TTL %gs): the others "
+                "may have taken its partitions, so it ticks none until its next heartbeat",
+                self.member_id,
+                silent,
+                self.member_ttl,
+                extra={"event": "member_self_fenced", "poller": self.name},
+            )
+        return True
 
     # --- ticking ---------------------------------------------------------------------
 
@@ -395,17 +453,22 @@ class PartitionedPoller:
 
         A partition that fails does not stop the others; the first error (an
         operator error before any other) is raised after all had their turn.
+        A partition's tick stops after its batch in flight as soon as this
+        member no longer owns it (a balance cycle gave it up or learnt it was
+        stolen), so no further batch of it starts here.
         """
         if self.background:
             self._start_heartbeat()
+            self._await_join(should_stop)
         else:
             self._balance_if_due()
-        owned = list(self.owned)
+        self._wake.clear()
+        owned = [] if self._fenced() else list(self.owned)
         if owned:
             self._turn = (self._turn + 1) % len(owned)
             owned = owned[self._turn :] + owned[: self._turn]
         rows = batches = 0
-        more = False
+        more = handover = False
         outcomes: set[str] = set()
         errors: list[DbTriggerError] = []
         for pid in owned:
@@ -417,7 +480,7 @@ class PartitionedPoller:
             if trigger is None or pid not in self.owned:
                 continue  # given up or regrouped since the round began
             try:
-                result = trigger.tick_result(handler, should_stop=should_stop)
+                result = trigger.tick_result(handler, should_stop=self._stop_for(pid, should_stop))
             except DbTriggerError as exc:
                 errors.append(exc)
                 continue
@@ -425,6 +488,8 @@ class PartitionedPoller:
             batches += result.batches
             more = more or result.more
             outcomes.add(result.outcome)
+            handover = handover or self._handing_over(result)
+        self._handover = handover
         if errors:
             raise next((e for e in errors if isinstance(e, OperatorError)), errors[0])
         outcome = (
@@ -432,6 +497,54 @@ class PartitionedPoller:
         )
         self.last_result = TickResult(rows, batches, outcome, more=more)  # type: ignore[arg-type]
         return self.last_result
+
+    def _stop_for(self, pid: str, should_stop: Callable[[], bool] | None) -> Callable[[], bool]:
+        """Asked between a partition's batches: stop, or the partition is no longer ours."""
+
+        def stop() -> bool:
+            if should_stop is not None and should_stop():
+                return True
+            return pid not in self.owned or self._fenced()
+
+        return stop
+
+    def _handing_over(self, result: TickResult) -> bool:
+        """The partition's lease is held by another live member: it is finishing a batch."""
+        holder = result.holder
+        if result.outcome != "lease_busy" or holder is None or holder == self.member_id:
+            return False
+        return self.membership is not None and holder in self.membership.members
+
+    def _await_join(self, should_stop: Callable[[], bool] | None) -> None:
+        """Sit out the join window (heartbeating from the thread), then claim at once."""
+        if not self._was_joining or self._join_until is None:
+            return
+        while (left := self._join_until - self.monotonic()) > 0:
+            if should_stop is not None and should_stop():
+                return
+            if self._closing.wait(min(left, WAKE_POLL_SECONDS)):
+                return
+        self.balance()
+
+    def wait_for_work(self, seconds: float, stop: threading.Event) -> bool:
+        """The worker's idle sleep, ended early when this member gains partitions.
+
+        While a partition it owns is still leased by its previous owner
+        (finishing its batch in flight), the sleep is cut to
+        :data:`HANDOVER_POLL_SECONDS`, so the partition is picked up as soon as
+        it is free rather than an idle interval later.
+        """
+        if self._handover:
+            seconds = min(seconds, HANDOVER_POLL_SECONDS)
+        deadline = time.monotonic() + seconds
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if stop.wait(min(left, WAKE_POLL_SECONDS)):
+                return False
+            if self._wake.is_set():
+                return True
 
     def tick(self, handler: Handler, *, should_stop: Callable[[], bool] | None = None) -> int:
         return self.tick_result(handler, should_stop=should_stop).rows
@@ -455,11 +568,6 @@ class PartitionedPoller:
         """Not counted across partitions (``status()`` counts each one's lag)."""
         return None
 
-    def wait_for_work(self, seconds: float, stop: threading.Event) -> bool:
-        """The worker's idle sleep: up to ``seconds``, ended early by ``stop``."""
-        stop.wait(seconds)
-        return False
-
     def close(self) -> None:
         """Release the partition triggers' threads (lanes, heartbeats). Membership
         is kept: :meth:`leave` gives the partitions back."""
@@ -475,33 +583,16 @@ class PartitionedPoller:
         if self.membership is not None:
             self.balance(leaving=True)
             self.owned = ()
+        self._joined, self._join_until, self._was_joining = False, None, False  # joins afresh
 
     # --- inspection --------------------------------------------------------------------
 
     def status(self, *, lag: bool = True) -> list[PartitionState]:
         """Every partition with its owner, checkpoint and (with ``lag``) rows pending."""
         doc, _ = self.load_membership()
-        if self._generation != doc.generation:
-            self._rebuild(doc)
-            self._generation = doc.generation
-        out = []
-        for p in doc.partitions:
-            trigger = self._triggers[p.id]
-            state = trigger.read_state()
-            position = state.position if state else None
-            pending = None
-            if lag:
-                source = trigger.source
-                assert isinstance(source, PartitionSource)  # noqa: S101 - built by _rebuild
-                pending = source.count_after(position if position is not None else BEGINNING)
-            out.append(
-                PartitionState(
-                    p.id,
-                    p.lo,
-                    p.hi,
-                    doc.owner_of(p.id),
-                    position.cursor if position else None,
-                    pending,
-                )
-            )
-        return out
+        with self._lock:
+            if self._generation != doc.generation:
+                self._rebuild(doc)
+                self._generation = doc.generation
+            triggers = dict(self._triggers)
+        return partition_states(doc, triggers, lag=lag)

@@ -167,7 +167,7 @@ class PollTrigger:
         max_attempts: int = 5,
         quarantine_limit: int = 10,
         partitions: int | None = None,
-        balance_interval_seconds: float = 15.0,
+        balance_interval_seconds: float | None = None,
         member_ttl_seconds: float | None = None,
         retry_delay_seconds: float = 5.0,
         retry_delay_max_seconds: float = 300.0,
@@ -199,7 +199,7 @@ class PollTrigger:
         )
         partitions, balance_interval_seconds, member_ttl_seconds = (
             opt.optional_whole("partitions", partitions),
-            opt.seconds("balance_interval_seconds", balance_interval_seconds),
+            opt.optional_seconds("balance_interval_seconds", balance_interval_seconds),
             opt.optional_seconds("member_ttl_seconds", member_ttl_seconds),
         )
         window_max_events, window_max_bytes = (
@@ -479,7 +479,10 @@ class PollTrigger:
         return int(self.source.count_after(doc.position)) if doc is not None else None
 
     def wait_for_work(self, seconds: float, stop: threading.Event) -> bool:
-        """The worker's idle sleep: up to ``seconds``, ended early by ``stop``."""
+        """The worker's idle sleep: up to ``seconds``, ended early by ``stop``; a
+        deprecated ``partitions=`` member's also when it gains partitions."""
+        if self.partitioned is not None:
+            return bool(self.partitioned.wait_for_work(seconds, stop))
         stop.wait(seconds)
         return False
 

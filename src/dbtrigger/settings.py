@@ -1,9 +1,11 @@
-"""Resolution of ``%APP_SETTING%`` references, the Azure Functions convention.
+"""The configuration edge: ``%APP_SETTING%`` references and every read of the environment.
 
-This module and the CLI are the only places dbtrigger reads the environment:
-library objects take plain values in their constructors, and a value written as
-``%NAME%`` is looked up here so configuration can be shared with
-``local.settings.json`` and App Settings without code changes.
+This module is the only place dbtrigger reads the process environment
+(:func:`environment`, :func:`variable`; ``tests/test_settings_edge.py`` fails
+on a read anywhere else): library objects take plain values in their
+constructors, a value written as ``%NAME%`` is looked up here so configuration
+can be shared with ``local.settings.json`` and App Settings without code
+changes, and the CLI reads its ``DBTRIGGER_*`` variables through here.
 """
 
 from __future__ import annotations
@@ -25,6 +27,16 @@ from dbtrigger.errors import ConfigurationError, MissingSettingError
 _REFERENCE = re.compile(r"%([A-Za-z_][A-Za-z0-9_:.-]*)%")
 
 T = TypeVar("T")
+
+
+def environment(environ: Mapping[str, str] | None = None) -> Mapping[str, str]:
+    """The process environment, or ``environ`` when a caller (a test) passes its own."""
+    return os.environ if environ is None else environ
+
+
+def variable(name: str) -> str | None:
+    """The environment variable ``name`` (the CLI's ``DBTRIGGER_STORE`` and the like), or None."""
+    return os.environ.get(name)
 
 
 def setting_name(value: str | None) -> str | None:
@@ -108,7 +120,7 @@ def resolve_setting(value: str, environ: Mapping[str, str] | None = None) -> str
     name = setting_name(value)
     if name is None:
         return value
-    env = os.environ if environ is None else environ
+    env = environment(environ)
     if name not in env:
         raise MissingSettingError(f"app setting {name!r} is referenced but not set")
     return env[name]
@@ -182,7 +194,7 @@ def load_local_settings(
         ConfigurationError: the file is unreadable, not JSON, or its
             ``Values`` is not an object of strings.
     """
-    env = os.environ if environ is None else environ
+    env = os.environ if environ is None else environ  # written to: MutableMapping
     file = Path(path)
     try:
         data = json.loads(file.read_text(encoding="utf-8-sig"))

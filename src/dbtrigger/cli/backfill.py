@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import logging
-import os
 import signal
 import threading
 import time
@@ -27,7 +26,6 @@ from types import FrameType
 from typing import Any, TextIO
 
 from dbtrigger.cli.common import (
-    ENV_STORE,
     Console,
     actor_from_args,
     add_change_options,
@@ -37,6 +35,7 @@ from dbtrigger.cli.common import (
     show_position,
     source_kinds,
     state_store,
+    store_from_environment,
     utc_now,
 )
 from dbtrigger.cli.loading import load_trigger
@@ -284,7 +283,7 @@ def _trace_handler_failure(exc: DbTriggerError, traced: set[tuple[str | None, st
 
 def cmd_backfill(args: argparse.Namespace) -> int:
     trigger, handler = _load_trigger(args)
-    if args.store or os.environ.get(ENV_STORE):
+    if args.store or store_from_environment():
         with state_store(args) as store:
             return _backfill(args, trigger, handler, store)
     return _backfill(args, trigger, handler, trigger.store)

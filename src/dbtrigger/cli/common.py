@@ -15,19 +15,20 @@ import datetime as dt
 import decimal
 import getpass
 import json
-import os
 import socket
 import sys
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TextIO
 
 from dbtrigger.cli.loading import as_trigger, load_object
 from dbtrigger.cursor import Position, encode_value
 from dbtrigger.errors import ConfigurationError, DbTriggerError
 from dbtrigger.runtime.poller import PollTrigger
+from dbtrigger.settings import variable
 from dbtrigger.sources.base import KnowsCursorKind, SourceAdapter
 from dbtrigger.state import document as docmod
 from dbtrigger.state import operations as ops
@@ -44,6 +45,18 @@ ENV_APP_LEGACY = "DBTRIGGER_APP"
 ENV_CONTAINER = "DBTRIGGER_CONTAINER"
 ENV_BACKUP_DIR = "DBTRIGGER_BACKUP_DIR"
 DEFAULT_BACKUP_DIR = "dbtrigger-backups"
+
+
+def backup_dir(args: argparse.Namespace) -> Path:
+    """Where a changing command saves what it replaces: ``--backup-dir``, else
+    ``$DBTRIGGER_BACKUP_DIR``, else :data:`DEFAULT_BACKUP_DIR`."""
+    return Path(args.backup_dir or variable(ENV_BACKUP_DIR) or DEFAULT_BACKUP_DIR)
+
+
+def store_from_environment() -> str | None:
+    """The store ``$DBTRIGGER_STORE`` names (None when it is not set)."""
+    return variable(ENV_STORE)
+
 
 #: Kinds a cursor value typed on the command line can be parsed as.
 VALUE_KINDS = ("timestamp", "naive_timestamp", "int", "decimal", "uuid", "date", "str", "float")
@@ -99,7 +112,7 @@ def show_position(raw: Mapping[str, Any] | Position | None) -> str:
 
 def store_from_args(args: argparse.Namespace) -> CheckpointStore:
     """``--store`` (or ``$DBTRIGGER_STORE``), else the store of the ``--source`` trigger."""
-    spec = args.store or os.environ.get(ENV_STORE)
+    spec = args.store or variable(ENV_STORE)
     if not spec:
         loaded = source_from_args(args)
         if loaded is None and getattr(args, "accept_source", None):
@@ -114,8 +127,8 @@ def store_from_args(args: argparse.Namespace) -> CheckpointStore:
         )
     return open_store(
         spec,
-        app=args.app or os.environ.get(ENV_APP) or os.environ.get(ENV_APP_LEGACY),
-        container=args.container or os.environ.get(ENV_CONTAINER),
+        app=args.app or variable(ENV_APP) or variable(ENV_APP_LEGACY),
+        container=args.container or variable(ENV_CONTAINER),
         table=args.table,
     )
 

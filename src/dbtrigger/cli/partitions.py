@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dbtrigger.cli.common import DEFAULT_BACKUP_DIR, ENV_BACKUP_DIR, actor_from_args
+from dbtrigger.cli.common import DEFAULT_BACKUP_DIR, ENV_BACKUP_DIR, actor_from_args, backup_dir
 from dbtrigger.cli.loading import load_object
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.partitions import regroup
@@ -75,10 +75,6 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _backup_dir(args: argparse.Namespace) -> Path:
-    return Path(args.backup_dir or os.environ.get(ENV_BACKUP_DIR) or DEFAULT_BACKUP_DIR)
-
-
 def _write_backups(directory: Path, backups: dict[str, bytes], stamp: str) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -128,7 +124,7 @@ def cmd_change(args: argparse.Namespace) -> int:
         wait_seconds=args.wait,
     )
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
-    paths = _write_backups(_backup_dir(args), done.backups, stamp)
+    paths = _write_backups(backup_dir(args), done.backups, stamp)
     for line in done.describe():
         print(line)
     print(f"backups: {', '.join(str(p) for p in paths)}")

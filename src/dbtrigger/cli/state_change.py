@@ -19,8 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from dbtrigger.cli.common import (
-    DEFAULT_BACKUP_DIR,
-    ENV_BACKUP_DIR,
     ENV_STORE,
     Console,
     LoadedSource,
@@ -28,6 +26,7 @@ from dbtrigger.cli.common import (
     add_change_options,
     add_cursor_options,
     add_store_options,
+    backup_dir,
     load_source,
     parse_position,
     read_state,
@@ -153,9 +152,7 @@ def definition_lines(before: StateDocument, after: StateDocument) -> list[str]:
 
 
 def _backup_path(args: argparse.Namespace, poller: str, operation: str, now: dt.datetime) -> Path:
-    directory = Path(
-        args.backup_dir or os.environ.get(ENV_BACKUP_DIR) or DEFAULT_BACKUP_DIR
-    ).expanduser()
+    directory = backup_dir(args).expanduser()
     stamp = now.strftime("%Y%m%dT%H%M%S%fZ")
     return directory / f"{poller}.{stamp}.{operation}.json"
 

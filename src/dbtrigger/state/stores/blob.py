@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -53,7 +52,14 @@ from dbtrigger.errors import (
     UnsafeIdentifierError,
 )
 from dbtrigger.names import validate_name
-from dbtrigger.settings import Deferred, peek, references_setting, resolve, resolve_setting
+from dbtrigger.settings import (
+    Deferred,
+    environment,
+    peek,
+    references_setting,
+    resolve,
+    resolve_setting,
+)
 from dbtrigger.state.stores.base import StoredDocument
 
 log = logging.getLogger(__name__)
@@ -214,7 +220,7 @@ class BlobCheckpointStore:
         setting, never its value; the Function App importing this module still
         indexes. A literal connection string is checked here.
         """
-        env = os.environ if environ is None else environ
+        env = environment(environ)
         validate_container_name(container)
         options = {"retry_policy": _default_retry(), **DEFAULT_CLIENT_OPTIONS, **client_options}
 

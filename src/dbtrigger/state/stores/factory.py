@@ -33,7 +33,6 @@ from text before it is shown.
 from __future__ import annotations
 
 import importlib
-import os
 import re
 import threading
 from collections.abc import Mapping
@@ -43,7 +42,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.redaction import redact, remember_connection_string, remember_secret
-from dbtrigger.settings import resolve_setting, setting_name
+from dbtrigger.settings import environment, resolve_setting, setting_name
 from dbtrigger.state.stores.base import CheckpointStore
 from dbtrigger.state.stores.file import FileCheckpointStore
 from dbtrigger.state.stores.memory import InMemoryCheckpointStore
@@ -206,7 +205,7 @@ def open_store(
         raise ConfigurationError("empty store location")
     name = setting_name(spec)
     if name is not None:
-        env = os.environ if environ is None else environ
+        env = environment(environ)
         if name not in env and any(
             f"{name}__{suffix}" in env for suffix in ("blobServiceUri", "serviceUri", "accountName")
         ):

@@ -1,7 +1,9 @@
 """The log-source contract on every log source here, and proof that it can fail.
 
-``MemoryLogSource`` (the in-memory fake users test with) and ``PgLogicalSource``
-on a private ``wal_level=logical`` server both pass the same suite; seven
+``MemoryLogSource`` (the in-memory fake users test with), ``PgLogicalSource``
+on a private ``wal_level=logical`` server, ``BinlogSource`` and the
+trigger-maintained ``ChangeLogSource`` (a sequence log, on SQLite, PostgreSQL
+and MariaDB) pass the same suite; seven
 broken sources, each with one mistake a real reader could make (the
 position-only checkpoint of Debezium's DBZ-1554 among them), each fail it in the
 test that names the mistake.
@@ -13,8 +15,14 @@ import pytest
 
 from dbtrigger.testing import LogSourceContract
 from tests.cdc_servers import BinlogDatabase, CdcDatabase
-from tests.contracts.log_harnesses import BinlogLogHarness, MemoryLogHarness, PgLogHarness
+from tests.contracts.log_harnesses import (
+    BinlogLogHarness,
+    ChangeLogHarness,
+    MemoryLogHarness,
+    PgLogHarness,
+)
 from tests.contracts.nested import nested_failures
+from tests.databases import TestDatabase
 
 
 class TestMemoryLogSource(LogSourceContract):
@@ -66,3 +74,14 @@ def test_the_log_suite_passes_the_memory_log_and_fails_every_broken_one(
     assert failures.pop("correct") == set()
     missed = {name: got for name, got in failures.items() if CAUGHT_BY[name] not in got}
     assert missed == {}, f"a broken log source the suite did not catch as expected: {missed}"
+
+
+class TestChangeLogSource(LogSourceContract):
+    """The trigger-maintained change log: a sequence log (see the suite's doc)."""
+
+    commit_ordered = False
+    position_field = "dbt_seq"
+
+    @pytest.fixture
+    def log_harness(self, db: TestDatabase) -> ChangeLogHarness:
+        return ChangeLogHarness(db)

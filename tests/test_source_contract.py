@@ -18,7 +18,12 @@ from dbtrigger.cursor import BEGINNING, Position
 from dbtrigger.errors import ConfigurationError, SerializationError
 from dbtrigger.sources.base import CountsAfter, FindsNullCursors, ReportsVisibility
 from dbtrigger.testing import MemorySource, SourceContract
-from tests.contracts.harnesses import MemoryHarness, SqlHarness, faulty_memory_harness
+from tests.contracts.harnesses import (
+    MemoryHarness,
+    PartitionHarness,
+    SqlHarness,
+    faulty_memory_harness,
+)
 from tests.contracts.nested import nested_failures
 from tests.databases import make_database
 
@@ -67,6 +72,33 @@ class TestSqlAlchemySource(SourceContract):
     @pytest.fixture
     def source_harness(self, sql_harness: SqlHarness) -> SqlHarness:
         return sql_harness
+
+
+#: The partition source over the variants that differ in what the bucket
+#: condition meets: SQLite's Python bucket function, PostgreSQL and MariaDB
+#: SQL, an integer and a timestamp cursor, and query mode.
+PARTITION_VARIANTS = [
+    ("sqlite", "int", "auto", False),
+    ("sqlite", "timestamp", "auto", False),
+    ("postgresql", "timestamp", "auto", False),
+    ("postgresql", "int", "auto", True),
+    ("mariadb", "timestamp", "auto", False),
+]
+
+
+@pytest.fixture(params=[_param(v) for v in PARTITION_VARIANTS])
+def partition_harness(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[PartitionHarness]:
+    kind, cursor, visibility, query = request.param
+    for db in make_database(kind, tmp_path):
+        yield PartitionHarness(
+            SqlHarness(db, cursor=cursor, visibility=visibility, query_mode=query)
+        )
+
+
+class TestPartitionSource(SourceContract):
+    @pytest.fixture
+    def source_harness(self, partition_harness: PartitionHarness) -> PartitionHarness:
+        return partition_harness
 
 
 def test_each_sql_variant_runs_under_the_guard_it_names(sql_harness: SqlHarness) -> None:

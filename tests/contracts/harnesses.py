@@ -158,3 +158,33 @@ class SqlHarness:
 
     def open_changed(self) -> SqlAlchemySource:
         return self._source(where="id >= 0")
+
+
+class PartitionHarness:
+    """The contract table through a :class:`~dbtrigger.partitions.PartitionSource`.
+
+    ``open`` covers every bucket, so the partition must deliver exactly what
+    its base source does, through the bucket condition and its row check;
+    ``open_changed`` is another bucket range (another definition).
+    """
+
+    def __init__(self, sql: SqlHarness) -> None:
+        self.sql = sql
+        self.secrets = sql.secrets
+
+    def put(self, rows: Sequence[ContractRow]) -> None:
+        self.sql.put(rows)
+
+    def cursor_value(self, seq: int) -> Any:
+        return self.sql.cursor_value(seq)
+
+    def _partition(self, lo: int, hi: int) -> SourceAdapter:
+        from dbtrigger.partitions import BUCKETS, Partition, PartitionSource  # noqa: PLC0415
+
+        return PartitionSource(self.sql.open(), Partition(lo, min(hi, BUCKETS)), poller="contract")
+
+    def open(self) -> SourceAdapter:
+        return self._partition(0, 1 << 30)
+
+    def open_changed(self) -> SourceAdapter:
+        return self._partition(0, 128)

@@ -212,3 +212,80 @@ class BinlogLogHarness:
         finally:
             one.close()
             two.close()
+
+
+class ChangeLogHarness:
+    """ChangeLogSource: the trigger-maintained change log of ``t (id, note)``.
+
+    A sequence log: SQLite serialises writers, so there ``commit_crossed``
+    commits the two transactions one after the other (no crossing exists to
+    test); PostgreSQL and MariaDB really cross them. On MariaDB the source runs
+    without its guard: the server-wide horizon waits for every session's open
+    writer on the shared server, so "visible when ``commit`` returns" would
+    depend on other test sessions (the guard has its own tests).
+    """
+
+    def __init__(self, db: Any) -> None:
+        from dbtrigger.changelog import install  # noqa: PLC0415
+
+        self.db = db
+        self.table = f"t_{uuid.uuid4().hex[:8]}"
+        for name in (self.table, f"{self.table}_other"):
+            db.execute(f"CREATE TABLE {db.qualified(name)} (id integer PRIMARY KEY, note text)")
+            with db.engine.begin() as conn:
+                install(conn, name, schema=db.schema)
+        self.secrets: Sequence[str] = ()
+
+    def _source(self, table: str) -> SourceAdapter:
+        from dbtrigger.changelog import ChangeLogSource  # noqa: PLC0415
+
+        visibility = "none" if self.db.kind == "mariadb" else "auto"
+        return ChangeLogSource(
+            url=self.db.url, table=table, schema=self.db.schema, visibility=visibility
+        )
+
+    def open(self) -> SourceAdapter:
+        return self._source(self.table)
+
+    def reopen(self, source: SourceAdapter) -> SourceAdapter:
+        del source
+        return self.open()
+
+    def open_changed(self) -> SourceAdapter:
+        return self._source(f"{self.table}_other")
+
+    def _apply(self, conn: Any, ops: Sequence[LogOp]) -> None:
+        import sqlalchemy as sa  # noqa: PLC0415
+
+        table = self.db.qualified(self.table)
+        for op in ops:
+            if op.op == "insert":
+                sql = f"INSERT INTO {table} (id, note) VALUES (:id, :note)"
+            elif op.op == "update":
+                sql = f"UPDATE {table} SET note = :note WHERE id = :id"
+            else:
+                sql = f"DELETE FROM {table} WHERE id = :id"
+            conn.execute(sa.text(sql), {"id": op.id, "note": op.note})
+
+    def commit(self, ops: Sequence[LogOp]) -> None:
+        with self.db.engine.begin() as conn:
+            self._apply(conn, ops)
+
+    def rollback(self, ops: Sequence[LogOp]) -> None:
+        with self.db.engine.connect() as conn, conn.begin() as tx:
+            self._apply(conn, ops)
+            tx.rollback()
+
+    def commit_crossed(self, first: Sequence[LogOp], second: Sequence[LogOp]) -> None:
+        if self.db.kind == "sqlite":
+            self.commit(first)
+            self.commit(second)
+            return
+        from dbtrigger.testing.contracts.log_source import crossed  # noqa: PLC0415
+
+        conn = self.db.engine.connect()
+        tx = conn.begin()
+        try:
+            crossed(lambda: self._apply(conn, first), lambda: self.commit(second), tx.commit)
+        finally:
+            conn.close()

@@ -16,7 +16,7 @@ import pytest
 HEADER = """
 import pytest
 from dbtrigger.testing import {suite}
-from tests.contracts import broken, broken_log, harnesses, log_harnesses
+from tests.contracts import broken, broken_claim, broken_log, harnesses, log_harnesses
 """
 
 CLASS = """

@@ -91,7 +91,10 @@ class PartitionSource:
 
     @property
     def name(self) -> str:
-        return f"{self.base.name}[{self.partition.lo}-{self.partition.hi}]"
+        """The base source's: the rows' source is the table, and events name it
+        (``RowChange.source``, ``ctx.source_name``) whatever the layout; the
+        bucket range is in :meth:`describe` and in the partition poller's name."""
+        return self.base.name
 
     @property
     def cursor_column(self) -> str:

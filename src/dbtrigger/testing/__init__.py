@@ -17,7 +17,10 @@ their own (subclass the suite in a pytest module and provide one fixture; see
 * :class:`LogSourceContract` - a log-based source (fixture ``log_harness``, a
   :class:`LogSourceHarness`);
 * :class:`SinkContract` - ``QuarantineSink`` (fixtures ``sink`` and
-  ``unavailable_sink``).
+  ``unavailable_sink``);
+* :class:`ClaimSourceContract` - a claim queue's source (fixture
+  ``claim_harness``, a :class:`ClaimSourceHarness`): disjoint claims,
+  attempts, fencing, settle counts, expiry.
 
 The suites need pytest; they are imported on first use, so importing this
 module (or ``dbtrigger``) never imports pytest.
@@ -34,6 +37,9 @@ from dbtrigger.testing.sinks import MemoryQuarantineSink
 
 if TYPE_CHECKING:
     from dbtrigger.testing.contracts import (
+        ClaimPort,
+        ClaimSourceContract,
+        ClaimSourceHarness,
         ContractRow,
         LogOp,
         LogSourceContract,
@@ -45,6 +51,9 @@ if TYPE_CHECKING:
     )
 
 _CONTRACT_NAMES = (
+    "ClaimPort",
+    "ClaimSourceContract",
+    "ClaimSourceHarness",
     "ContractRow",
     "LogOp",
     "LogSourceContract",
@@ -66,6 +75,9 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "ClaimPort",
+    "ClaimSourceContract",
+    "ClaimSourceHarness",
     "ContractRow",
     "CountingStore",
     "LogOp",

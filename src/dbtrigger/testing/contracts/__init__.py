@@ -10,12 +10,18 @@ from __future__ import annotations
 import pytest
 
 pytest.register_assert_rewrite(
+    "dbtrigger.testing.contracts.claim_source",
     "dbtrigger.testing.contracts.log_source",
     "dbtrigger.testing.contracts.sink",
     "dbtrigger.testing.contracts.source",
     "dbtrigger.testing.contracts.store",
 )
 
+from dbtrigger.testing.contracts.claim_source import (  # noqa: E402
+    ClaimPort,
+    ClaimSourceContract,
+    ClaimSourceHarness,
+)
 from dbtrigger.testing.contracts.log_source import (  # noqa: E402
     LogOp,
     LogSourceContract,
@@ -26,6 +32,9 @@ from dbtrigger.testing.contracts.source import ContractRow, SourceContract, Sour
 from dbtrigger.testing.contracts.store import StoreContract  # noqa: E402
 
 __all__ = [
+    "ClaimPort",
+    "ClaimSourceContract",
+    "ClaimSourceHarness",
     "ContractRow",
     "LogOp",
     "LogSourceContract",

@@ -17,8 +17,16 @@ one's median rows/s and, for each ratio, the median of its per-round values
 rounds cancels out of their ratio). Every drain must deliver exactly N rows, or
 the script stops: a fast wrong answer is not a result.
 
+Two table layouts (``--tables``): ``wide`` (five columns, a ``timestamptz``
+cursor) and ``narrow`` (``id bigint`` key, ``updated_at bigint`` cursor,
+``payload text``), where the driver's own work per row is smallest and
+dbtrigger's shows most. Next to rows/s (wall time) it prints the client CPU
+per row of each contender, and a table of the targets at default settings
+(the guard on: ``dbt+guard``).
+
     python -m benchmarks.catchup                      # 100k rows, the default set
     python -m benchmarks.catchup --rows 100k,1m       # the full run (adds 1M)
+    python -m benchmarks.catchup --tables narrow --dbs postgresql --stores memory --no-afdb
     python -m benchmarks.catchup --quick              # a 20k-row smoke run
 """
 
@@ -36,6 +44,7 @@ from typing import Any
 
 from benchmarks.common import (
     HANDLERS,
+    LAYOUTS,
     AfdbMemoryStateStore,
     Dataset,
     afdb_blob_store,
@@ -58,6 +67,8 @@ from benchmarks.common import (
 from dbtrigger import InMemoryCheckpointStore
 
 CONTENDERS = ("raw", "dbtrigger", "dbtrigger+guard", "afdb")
+#: dbtrigger at default settings (guard on) / the raw loop, per table layout and batch size.
+TARGETS = {("wide", 1000): 0.5, ("wide", 100): 0.35, ("narrow", 1000): 0.5, ("narrow", 100): 0.4}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,6 +76,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rows", default="100k", help="table sizes, e.g. 100k,1m")
     parser.add_argument("--batch-sizes", default="100,1000,5000")
     parser.add_argument("--dbs", default="postgresql,sqlite", help="postgresql,sqlite")
+    parser.add_argument(
+        "--tables",
+        default="wide,narrow",
+        help="table layouts: wide (5 columns, timestamptz cursor), narrow (id bigint, "
+        "updated_at bigint, payload text)",
+    )
     parser.add_argument("--stores", default="memory,blob", help="memory,blob (blob: Azurite)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds; medians are reported")
     parser.add_argument(
@@ -108,8 +125,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class Run:
     """One measured configuration: rows/s per contender, one value per round."""
 
-    def __init__(self, db: str, rows: int, batch: int, store: str) -> None:
+    def __init__(self, db: str, rows: int, batch: int, store: str, table: str = "wide") -> None:
         self.db, self.rows, self.batch, self.store = db, rows, batch, store
+        self.table = table
         self.rates: dict[str, list[float]] = {c: [] for c in CONTENDERS}
         #: Rows per second of this process's CPU time: what the drain costs the
         #: client itself, much less disturbed by other load than wall time.
@@ -123,6 +141,22 @@ class Run:
     def cpu_rate(self, contender: str) -> float | None:
         values = self.cpu_rates[contender]
         return median(values) if values else None
+
+    def cpu_us(self, contender: str) -> str:
+        """Median client CPU microseconds per row."""
+        rate = self.cpu_rate(contender)
+        return "-" if rate is None or math.isnan(rate) or rate <= 0 else f"{1e6 / rate:.2f}"
+
+    def wall_us(self, contender: str) -> str:
+        """Median wall microseconds per row."""
+        rate = self.rate(contender)
+        return "-" if rate is None or rate <= 0 else f"{1e6 / rate:.2f}"
+
+    def ratio_value(self, num: str, den: str, *, cpu: bool = False) -> float | None:
+        rates = self.cpu_rates if cpu else self.rates
+        rounds = zip(rates[num], rates[den], strict=False)
+        pairs = [(a, b) for a, b in rounds if b and not math.isnan(a + b)]
+        return median([a / b for a, b in pairs]) if pairs else None
 
     def ratio(self, num: str, den: str, *, cpu: bool = False) -> str:
         """The median over rounds of ``num``'s rows/s / ``den``'s in the same round."""
@@ -138,8 +172,8 @@ def measure(run: Run, contender: str, fn: Callable[[], int]) -> None:
     cpu = time.process_time() - cpu_started
     if rows != run.rows:
         raise SystemExit(
-            f"{contender} delivered {rows} of {run.rows} rows "
-            f"({run.db}, batch {run.batch}, {run.store} store): not a valid measurement"
+            f"{contender} delivered {rows} of {run.rows} rows ({run.db} {run.table}, "
+            f"batch {run.batch}, {run.store} store): not a valid measurement"
         )
     run.rates[contender].append(rows / seconds)
     run.cpu_rates[contender].append(rows / cpu if cpu > 0 else float("nan"))
@@ -150,8 +184,8 @@ def fresh_name() -> str:
 
 
 def run_config(run: Run, ds: Dataset, args: argparse.Namespace, az: Any, afdb_ok: bool) -> None:
-    handler = HANDLERS[args.handler]
     read = args.handler == "read"
+    handler = ds.layout.reader if read else HANDLERS[args.handler]
     for _ in range(args.repeats):
         measure(run, "raw", lambda: raw_keyset_drain(ds, run.batch, read=read))
         if run.store == "memory":
@@ -214,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     batches = int_list(args.batch_sizes)
     dbs = str_list(args.dbs)
     stores = str_list(args.stores)
+    tables = str_list(args.tables)
+    unknown = [t for t in tables if t not in LAYOUTS]
+    if unknown:
+        raise SystemExit(f"unknown table layout {unknown[0]!r} ({', '.join(LAYOUTS)})")
     blob_max = int_list(args.blob_max_rows)[0]
     afdb_max = int_list(args.afdb_max_rows)[0]
     notes: list[str] = []
@@ -231,21 +269,29 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[Run] = []
     with maybe_azurite("blob" in stores) as az:
         for db in dbs:
-            for n in sizes:
-                ds = dataset(db, n, rebuild=args.rebuild)
-                for batch in batches:
-                    for store in stores:
-                        if store == "blob" and n > blob_max:
-                            continue
-                        run = Run(db, n, batch, store)
-                        print(f"# {db} rows={n:,} batch={batch} store={store}", flush=True)
-                        run_config(run, ds, args, az, afdb_ok=version is not None and n <= afdb_max)
-                        runs.append(run)
-                        notes.extend(f"{db} {n} {batch} {store}: {m}" for m in run.notes)
+            for table in tables:
+                for n in sizes:
+                    ds = dataset(db, n, rebuild=args.rebuild, layout=LAYOUTS[table])
+                    for batch in batches:
+                        for store in stores:
+                            if store == "blob" and n > blob_max:
+                                continue
+                            run = Run(db, n, batch, store, table)
+                            print(
+                                f"# {db} {table} rows={n:,} batch={batch} store={store}",
+                                flush=True,
+                            )
+                            afdb_ok = version is not None and n <= afdb_max
+                            run_config(run, ds, args, az, afdb_ok=afdb_ok)
+                            runs.append(run)
+                            notes.extend(
+                                f"{db} {table} {n} {batch} {store}: {m}" for m in run.notes
+                            )
 
     rows = [
         [
             r.db,
+            r.table,
             f"{r.rows:,}",
             r.batch,
             r.store,
@@ -268,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         f"afdb = {afdb_label}{gc_note})",
         [
             "db",
+            "table",
             "rows",
             "batch",
             "store",
@@ -283,45 +330,108 @@ def main(argv: list[str] | None = None) -> int:
             "guard/dbt cpu",
         ],
         rows,
-        left=4,
+        left=5,
     )
+    print_table(
+        "Per row: wall and client CPU microseconds (medians; cpu = this process's CPU time, "
+        "which other load on a shared machine disturbs much less)",
+        [
+            "db",
+            "table",
+            "rows",
+            "batch",
+            "store",
+            "raw wall",
+            "raw cpu",
+            "dbt wall",
+            "dbt cpu",
+            "guard wall",
+            "guard cpu",
+            "afdb wall",
+            "afdb cpu",
+        ],
+        [
+            [
+                r.db,
+                r.table,
+                f"{r.rows:,}",
+                r.batch,
+                r.store,
+                *(f(c) for c in CONTENDERS for f in (r.wall_us, r.cpu_us)),
+            ]
+            for r in runs
+        ],
+        left=5,
+    )
+    targets = []
+    for r in runs:
+        target = TARGETS.get((r.table, r.batch))
+        if target is None or r.store != "memory" or r.db != "postgresql":
+            continue
+        # Default settings: the guard on (visibility="auto").
+        wall = r.ratio_value("dbtrigger+guard", "raw")
+        cpu = r.ratio_value("dbtrigger+guard", "raw", cpu=True)
+        met = "-" if wall is None else ("yes" if wall >= target else "no")
+        targets.append(
+            [
+                r.db,
+                r.table,
+                f"{r.rows:,}",
+                r.batch,
+                "-" if wall is None else f"{wall:.2f}",
+                "-" if cpu is None else f"{cpu:.2f}",
+                f">= {target}",
+                met,
+            ]
+        )
+    if targets:
+        print_table(
+            "Targets at default settings (guard on, memory store, read handler): "
+            "dbt+guard / raw keyset",
+            ["db", "table", "rows", "batch", "wall", "cpu", "target", "met (wall)"],
+            targets,
+            left=2,
+        )
 
     scaling = []
-    by_key = {(r.db, r.rows, r.batch, r.store): r for r in runs}
+    by_key = {(r.db, r.table, r.rows, r.batch, r.store): r for r in runs}
     if len(sizes) > 1:
         small, large = min(sizes), max(sizes)
         for db in dbs:
-            for batch in batches:
-                for store in stores:
-                    a, b = (
-                        by_key.get((db, small, batch, store)),
-                        by_key.get((db, large, batch, store)),
-                    )
-                    if a is None or b is None:
-                        continue
-                    scaling.append(
-                        [
-                            db,
-                            batch,
-                            store,
-                            fmt_ratio(b.rate("dbtrigger"), a.rate("dbtrigger")),
-                            fmt_ratio(b.cpu_rate("dbtrigger"), a.cpu_rate("dbtrigger")),
-                            fmt_ratio(b.rate("raw"), a.rate("raw")),
-                            fmt_ratio(b.rate("afdb"), a.rate("afdb")),
-                        ]
-                    )
+            for table in tables:
+                for batch in batches:
+                    for store in stores:
+                        a, b = (
+                            by_key.get((db, table, small, batch, store)),
+                            by_key.get((db, table, large, batch, store)),
+                        )
+                        if a is None or b is None:
+                            continue
+                        scaling.append(
+                            [
+                                db,
+                                table,
+                                batch,
+                                store,
+                                fmt_ratio(b.rate("dbtrigger"), a.rate("dbtrigger")),
+                                fmt_ratio(b.cpu_rate("dbtrigger"), a.cpu_rate("dbtrigger")),
+                                fmt_ratio(b.rate("raw"), a.rate("raw")),
+                                fmt_ratio(b.rate("afdb"), a.rate("afdb")),
+                            ]
+                        )
         print_table(
             f"Flat cost with depth: rows/s at {large:,} / rows/s at {small:,} (target >= 0.85; "
             "cpu = rows per second of client CPU time)",
-            ["db", "batch", "store", "dbtrigger", "dbtrigger cpu", "raw keyset", "afdb"],
+            ["db", "table", "batch", "store", "dbtrigger", "dbtrigger cpu", "raw keyset", "afdb"],
             scaling,
-            left=3,
+            left=4,
         )
     for note in notes:
         print(f"note: {note}")
     print(
-        "target: dbtrigger / raw keyset >= 0.5 at batch 1000 and >= 0.35 at batch 100 (memory "
-        "store, read handler); the guard (dbt+guard / dbtrigger) >= 0.9 at batch 1000; 'cpu' = "
+        "target: dbtrigger / raw keyset >= 0.5 at batch 1000 and >= 0.35 at batch 100 (wide "
+        "table; narrow: >= 0.5 and >= 0.4 with the guard on; memory store, read handler); "
+        "the guard (dbt+guard / dbtrigger) >= 0.9 at batch 1000; 'cpu' = "
         "the same ratio of rows per second of client CPU time, which other load on a shared "
         "machine disturbs much less; ratios are medians of per-round ratios"
     )

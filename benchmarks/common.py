@@ -16,9 +16,14 @@ and a layout version), so re-running a benchmark does not pay for the load:
   (``DBTRIGGER_BENCH_DIR`` replaces ``$TMPDIR``), loaded with ``executemany``
   in chunks.
 
-The cursor column ``updated_at`` is a permutation of the key order, three rows
-share each cursor value (ties that straddle batch boundaries), and the table
-has the composite index ``(updated_at, id)`` the keyset fetch needs.
+Two layouts: ``wide`` (``events_<n>``: a key, a ``timestamptz`` cursor and
+three more columns, text, numeric and text) and ``narrow`` (``narrow_<n>``:
+``id bigint`` key, ``updated_at bigint`` cursor and a ``payload`` text: the
+smallest useful row, where the driver's own work per row is least and what
+dbtrigger adds shows most). In both the cursor column ``updated_at`` is a
+permutation of the key order, three rows share each cursor value (ties that
+straddle batch boundaries), and the table has the composite index
+``(updated_at, id)`` the keyset fetch needs.
 """
 
 from __future__ import annotations
@@ -70,6 +75,13 @@ def reading_handler(events: Sequence[Any]) -> None:
         event.after["status"]
 
 
+def narrow_reading_handler(events: Sequence[Any]) -> None:
+    """:func:`reading_handler` for the narrow layout: the key and ``payload``."""
+    for event in events:
+        event.pk["id"]  # the read is the point
+        event.after["payload"]
+
+
 #: ``--handler`` choices of the catch-up benchmarks.
 HANDLERS: dict[str, Callable[[Sequence[Any]], None]] = {
     "noop": noop_handler,
@@ -88,8 +100,30 @@ def _stride(n: int) -> int:
     return 1
 
 
-def table_name(n: int) -> str:
-    return f"events_{n}"
+@dataclass(frozen=True)
+class Layout:
+    """The columns of one data-set layout and the one column a reading handler reads."""
+
+    name: str
+    prefix: str  # table name prefix
+    columns: tuple[str, ...]
+    read_column: str
+    reader: Callable[[Sequence[Any]], None]
+
+    @property
+    def read_index(self) -> int:
+        return self.columns.index(self.read_column)
+
+
+WIDE = Layout("wide", "events", COLUMNS, "status", reading_handler)
+NARROW = Layout(
+    "narrow", "narrow", ("id", "updated_at", "payload"), "payload", narrow_reading_handler
+)
+LAYOUTS = {layout.name: layout for layout in (WIDE, NARROW)}
+
+
+def table_name(n: int, layout: Layout = WIDE) -> str:
+    return f"{layout.prefix}_{n}"
 
 
 def pg_engine() -> sa.Engine:
@@ -110,10 +144,38 @@ def pg_conninfo() -> str:
     return " ".join(f"{k}={v}" for k, v in parts.items())
 
 
-def ensure_pg_table(n: int, *, rebuild: bool = False) -> tuple[str, str]:
+_PG_DDL = {
+    "wide": (
+        " id bigint PRIMARY KEY,"
+        " updated_at timestamptz NOT NULL,"
+        " customer text NOT NULL,"
+        " amount numeric(12, 2) NOT NULL,"
+        " status text NOT NULL"
+    ),
+    "narrow": " id bigint PRIMARY KEY, updated_at bigint NOT NULL, payload text NOT NULL",
+}
+_PG_FILL = {
+    "wide": (
+        "SELECT g,"
+        " CAST(:base AS timestamptz)"
+        "   + ((g * CAST(:stride AS bigint)) % :n / 3) * interval '1 millisecond',"
+        " 'customer-' || (g % 997),"
+        " (g % 100000) / 100.0,"
+        " CASE WHEN g % 5 = 0 THEN 'shipped' ELSE 'new' END"
+    ),
+    "narrow": (
+        "SELECT g,"
+        " (g * CAST(:stride AS bigint)) % :n / 3,"
+        " CASE WHEN g % 5 = 0 THEN 'shipped' ELSE 'new' END"
+    ),
+}
+
+
+def ensure_pg_table(n: int, *, rebuild: bool = False, layout: Layout = WIDE) -> tuple[str, str]:
     """Create (or reuse) the ``n``-row PostgreSQL table; returns ``(schema, table)``."""
-    name = table_name(n)
-    marker = f"dbtrigger-bench {LAYOUT} rows={n}"
+    name = table_name(n, layout)
+    tag = "" if layout is WIDE else f" {layout.name}"
+    marker = f"dbtrigger-bench {LAYOUT}{tag} rows={n}"
     engine = pg_engine()
     try:
         with engine.connect() as conn:
@@ -126,28 +188,14 @@ def ensure_pg_table(n: int, *, rebuild: bool = False) -> tuple[str, str]:
                 return SCHEMA, name
             started = time.perf_counter()
             conn.execute(sa.text(f"DROP TABLE IF EXISTS {SCHEMA}.{name}"))
+            conn.execute(sa.text(f"CREATE TABLE {SCHEMA}.{name} ({_PG_DDL[layout.name]})"))
+            fill = _PG_FILL[layout.name]
+            params: dict[str, Any] = {"stride": _stride(n), "n": n}
+            if ":base" in fill:
+                params["base"] = BASE_TIME
             conn.execute(
-                sa.text(
-                    f"CREATE TABLE {SCHEMA}.{name} ("
-                    " id bigint PRIMARY KEY,"
-                    " updated_at timestamptz NOT NULL,"
-                    " customer text NOT NULL,"
-                    " amount numeric(12, 2) NOT NULL,"
-                    " status text NOT NULL)"
-                )
-            )
-            conn.execute(
-                sa.text(
-                    f"INSERT INTO {SCHEMA}.{name} "
-                    "SELECT g,"
-                    " CAST(:base AS timestamptz)"
-                    "   + ((g * CAST(:stride AS bigint)) % :n / 3) * interval '1 millisecond',"
-                    " 'customer-' || (g % 997),"
-                    " (g % 100000) / 100.0,"
-                    " CASE WHEN g % 5 = 0 THEN 'shipped' ELSE 'new' END"
-                    " FROM generate_series(0, :n - 1) AS g"
-                ),
-                {"base": BASE_TIME, "stride": _stride(n), "n": n},
+                sa.text(f"INSERT INTO {SCHEMA}.{name} {fill} FROM generate_series(0, :n - 1) AS g"),
+                params,
             )
             conn.execute(sa.text(f"CREATE INDEX ON {SCHEMA}.{name} (updated_at, id)"))
             conn.execute(sa.text(f"VACUUM ANALYZE {SCHEMA}.{name}"))
@@ -158,8 +206,12 @@ def ensure_pg_table(n: int, *, rebuild: bool = False) -> tuple[str, str]:
         engine.dispose()
 
 
-def _sqlite_rows(n: int, start: int, stop: int) -> Iterator[tuple[Any, ...]]:
+def _sqlite_rows(n: int, start: int, stop: int, layout: Layout = WIDE) -> Iterator[tuple[Any, ...]]:
     stride = _stride(n)
+    if layout is NARROW:
+        for g in range(start, stop):
+            yield (g, (g * stride) % n // 3, "shipped" if g % 5 == 0 else "new")
+        return
     for g in range(start, stop):
         ts = BASE_TIME + dt.timedelta(milliseconds=(g * stride) % n // 3)
         yield (
@@ -172,10 +224,22 @@ def _sqlite_rows(n: int, start: int, stop: int) -> Iterator[tuple[Any, ...]]:
         )
 
 
-def ensure_sqlite_file(n: int, *, rebuild: bool = False) -> Path:
+_LITE_DDL = {
+    "wide": (
+        "CREATE TABLE events (id INTEGER PRIMARY KEY, updated_at DATETIME NOT NULL,"
+        " customer TEXT NOT NULL, amount REAL NOT NULL, status TEXT NOT NULL)"
+    ),
+    "narrow": (
+        "CREATE TABLE events (id INTEGER PRIMARY KEY, updated_at INTEGER NOT NULL,"
+        " payload TEXT NOT NULL)"
+    ),
+}
+
+
+def ensure_sqlite_file(n: int, *, rebuild: bool = False, layout: Layout = WIDE) -> Path:
     """Create (or reuse) the ``n``-row SQLite file; returns its path."""
     DATA_DIR.mkdir(parents=True, exist_ok=True)
-    path = DATA_DIR / f"events_{n}_{LAYOUT}.sqlite"
+    path = DATA_DIR / f"{layout.prefix}_{n}_{LAYOUT}.sqlite"
     if path.exists() and not rebuild:
         return path
     started = time.perf_counter()
@@ -183,15 +247,13 @@ def ensure_sqlite_file(n: int, *, rebuild: bool = False) -> Path:
     tmp.unlink(missing_ok=True)
     conn = sqlite3.connect(tmp)
     try:
-        conn.execute(
-            "CREATE TABLE events (id INTEGER PRIMARY KEY, updated_at DATETIME NOT NULL,"
-            " customer TEXT NOT NULL, amount REAL NOT NULL, status TEXT NOT NULL)"
-        )
+        conn.execute(_LITE_DDL[layout.name])
+        marks = ", ".join("?" for _ in layout.columns)
         chunk = 50_000
         for start in range(0, n, chunk):
             conn.executemany(
-                "INSERT INTO events VALUES (?, ?, ?, ?, ?)",
-                _sqlite_rows(n, start, min(n, start + chunk)),
+                f"INSERT INTO events VALUES ({marks})",
+                _sqlite_rows(n, start, min(n, start + chunk), layout),
             )
         conn.execute("CREATE INDEX events_cursor ON events (updated_at, id)")
         conn.commit()
@@ -212,6 +274,7 @@ class Dataset:
     url: str
     schema: str | None
     table: str
+    layout: Layout = WIDE
 
     def source(self, visibility: str = "none") -> SqlAlchemySource:
         """A source over the table. ``visibility="none"`` by default: the table
@@ -227,32 +290,20 @@ class Dataset:
         )
 
 
-def dataset(kind: str, n: int, *, rebuild: bool = False) -> Dataset:
+def dataset(kind: str, n: int, *, rebuild: bool = False, layout: Layout = WIDE) -> Dataset:
     if kind == "postgresql":
-        schema, name = ensure_pg_table(n, rebuild=rebuild)
-        return Dataset(kind, n, PG_URL, schema, name)
+        schema, name = ensure_pg_table(n, rebuild=rebuild, layout=layout)
+        return Dataset(kind, n, PG_URL, schema, name, layout)
     if kind == "sqlite":
-        path = ensure_sqlite_file(n, rebuild=rebuild)
-        return Dataset(kind, n, f"sqlite:///{path}", None, "events")
+        path = ensure_sqlite_file(n, rebuild=rebuild, layout=layout)
+        return Dataset(kind, n, f"sqlite:///{path}", None, "events", layout)
     raise SystemExit(f"unknown database kind {kind!r} (postgresql, sqlite)")
 
 
 # --- baselines: the raw driver keyset loop ------------------------------------------------
 
-_PG_FIRST = (
-    "SELECT id, updated_at, customer, amount, status FROM {t} ORDER BY updated_at, id LIMIT %s"
-)
-_PG_NEXT = (
-    "SELECT id, updated_at, customer, amount, status FROM {t}"
-    " WHERE (updated_at, id) > (%s, %s) ORDER BY updated_at, id LIMIT %s"
-)
-_LITE_FIRST = (
-    "SELECT id, updated_at, customer, amount, status FROM events ORDER BY updated_at, id LIMIT ?"
-)
-_LITE_NEXT = (
-    "SELECT id, updated_at, customer, amount, status FROM events"
-    " WHERE (updated_at, id) > (?, ?) ORDER BY updated_at, id LIMIT ?"
-)
+_FIRST = "SELECT {c} FROM {t} ORDER BY updated_at, id LIMIT {m}"
+_NEXT = "SELECT {c} FROM {t} WHERE (updated_at, id) > ({m}, {m}) ORDER BY updated_at, id LIMIT {m}"
 
 
 def raw_keyset_drain(ds: Dataset, batch: int, *, read: bool = False) -> int:
@@ -262,20 +313,25 @@ def raw_keyset_drain(ds: Dataset, batch: int, *, read: bool = False) -> int:
     the next query. With ``read`` it reads each tuple's key and ``status``, the
     fields :func:`reading_handler` reads from each event. Returns the rows read.
     """
+    columns = ", ".join(ds.layout.columns)
+    read_at = ds.layout.read_index if read else -1
     if ds.kind == "postgresql":
         import psycopg  # noqa: PLC0415 - only the PostgreSQL baseline needs it
 
-        first = _PG_FIRST.format(t=f"{ds.schema}.{ds.table}")
-        nxt = _PG_NEXT.format(t=f"{ds.schema}.{ds.table}")
+        where = f"{ds.schema}.{ds.table}"
+        first = _FIRST.format(c=columns, t=where, m="%s")
+        nxt = _NEXT.format(c=columns, t=where, m="%s")
         with psycopg.connect(pg_conninfo(), autocommit=True) as pconn, pconn.cursor() as cur:
             return _keyset_loop(
-                lambda q, p: cur.execute(q, p).fetchall(), first, nxt, batch, read=read
+                lambda q, p: cur.execute(q, p).fetchall(), first, nxt, batch, read_at=read_at
             )
     path = sa.make_url(ds.url).database or ""
     lconn = sqlite3.connect(path)
+    first = _FIRST.format(c=columns, t="events", m="?")
+    nxt = _NEXT.format(c=columns, t="events", m="?")
     try:
         return _keyset_loop(
-            lambda q, p: lconn.execute(q, p).fetchall(), _LITE_FIRST, _LITE_NEXT, batch, read=read
+            lambda q, p: lconn.execute(q, p).fetchall(), first, nxt, batch, read_at=read_at
         )
     finally:
         lconn.close()
@@ -287,16 +343,16 @@ def _keyset_loop(
     nxt: str,
     batch: int,
     *,
-    read: bool = False,
+    read_at: int = -1,
 ) -> int:
     total = 0
     rows = run(first, (batch,))
     while rows:
         total += len(rows)
-        if read:
+        if read_at >= 0:
             for row in rows:
                 row[0]  # the key, as the reading handler reads it
-                row[4]  # status
+                row[read_at]  # the column it reads
         if len(rows) < batch:
             break
         last = rows[-1]
@@ -671,10 +727,14 @@ def rss_mb() -> tuple[float, float]:
 __all__ = [
     "COLUMNS",
     "HANDLERS",
+    "LAYOUTS",
+    "NARROW",
     "PG_URL",
     "ROOT",
+    "WIDE",
     "AfdbMemoryStateStore",
     "Dataset",
+    "Layout",
     "OpTimes",
     "PollTrigger",
     "TimingStore",
@@ -690,6 +750,7 @@ __all__ = [
     "fmt_ratio",
     "int_list",
     "median",
+    "narrow_reading_handler",
     "noop_handler",
     "percentile",
     "print_table",

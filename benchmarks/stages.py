@@ -22,6 +22,7 @@ runs at one batch size:
 
     python -m benchmarks.stages                  # batch 1000 on the 100k-row table
     python -m benchmarks.stages --batch 100
+    python -m benchmarks.stages --table narrow   # id bigint, updated_at bigint, payload text
 """
 
 from __future__ import annotations
@@ -35,13 +36,13 @@ from collections.abc import Callable
 from typing import Any
 
 from benchmarks.common import (
+    LAYOUTS,
     dataset,
     dbtrigger_drain,
     int_list,
     noop_handler,
     pg_conninfo,
     print_table,
-    reading_handler,
 )
 from dbtrigger import InMemoryCheckpointStore, PollTrigger, Position
 from dbtrigger.events import EventIds
@@ -76,11 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--quick", action="store_true", help="5 repeats")
+    parser.add_argument("--table", choices=sorted(LAYOUTS), default="wide", help="table layout")
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats = 5
     n, batch = int_list(args.rows)[0], args.batch
-    ds = dataset("postgresql", n)
+    ds = dataset("postgresql", n, layout=LAYOUTS[args.table])
+    reading_handler = ds.layout.reader
 
     import psycopg  # noqa: PLC0415
 
@@ -96,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             ).fetchone()
             assert anchor is not None
             query = (
-                f"SELECT id, updated_at, customer, amount, status FROM {table}"
+                f"SELECT {', '.join(ds.layout.columns)} FROM {table}"
                 " WHERE (updated_at, id) > (%s, %s) ORDER BY updated_at, id LIMIT %s"
             )
             position = Position(cursor=anchor[1], pk={"id": anchor[0]})
@@ -207,8 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, wall, cpu in stages
     ]
     print_table(
-        f"Per-row cost of each stage at batch {batch}, us/row (median of {args.repeats}); "
-        "x raw = multiple of the raw fetch; cpu = this process's CPU time",
+        f"Per-row cost of each stage at batch {batch} ({args.table} table), us/row "
+        f"(median of {args.repeats}); x raw = multiple of the raw fetch; "
+        "cpu = this process's CPU time",
         ["stage", "us/row", "x raw", "cpu us/row", "cpu x raw"],
         table_rows,
     )

@@ -68,17 +68,18 @@ def test_catchup_prints_every_contender_and_the_ratios(pg: TestDatabase, tmp_pat
     )
     assert "azure-functions-db 0.8.3" in out
     rows = table_rows(out, "Catch-up throughput")
-    configs = {(r[0], r[1], r[3]) for r in rows}
+    configs = {(r[0], r[1], r[2], r[4]) for r in rows}
     assert configs == {
-        (db, n, store)
+        (db, table, n, store)
         for db in ("postgresql", "sqlite")
+        for table in ("wide", "narrow")
         for n in ("2,000", "3,000")
         for store in ("memory", "blob")
     }
     for row in rows:
-        db, store = row[0], row[3]
-        raw, ours, guard, afdb, ours_raw, ours_raw_cpu, guard_raw, ours_afdb = row[4:12]
-        guard_ours, guard_ours_cpu = row[12:]
+        db, store = row[0], row[4]
+        raw, ours, guard, afdb, ours_raw, ours_raw_cpu, guard_raw, ours_afdb = row[5:13]
+        guard_ours, guard_ours_cpu = row[13:]
         for value in (raw, ours, afdb, ours_raw, ours_raw_cpu, ours_afdb):
             assert re.fullmatch(NUMBER, value), row
         if db == "postgresql" and store == "memory":
@@ -86,10 +87,34 @@ def test_catchup_prints_every_contender_and_the_ratios(pg: TestDatabase, tmp_pat
                 assert re.fullmatch(NUMBER, value), row
         else:
             assert guard == guard_raw == guard_ours == guard_ours_cpu == "-", row
+    per_row = table_rows(out, "Per row: wall and client CPU")
+    assert {(r[0], r[1], r[2], r[4]) for r in per_row} == configs
+    for row in per_row:
+        assert all(re.fullmatch(NUMBER, v) for v in row[5:9]), row  # raw, dbt (wall, cpu)
     scaling = table_rows(out, "Flat cost with depth")
-    assert len(scaling) == 4
+    assert len(scaling) == 8
     for row in scaling:
-        assert all(re.fullmatch(NUMBER, v) for v in row[3:]), row
+        assert all(re.fullmatch(NUMBER, v) for v in row[4:]), row
+
+
+def test_catchup_prints_the_narrow_table_targets(pg: TestDatabase, tmp_path: Path) -> None:
+    out = run_benchmark(
+        "catchup",
+        [
+            "--rows", "3000", "--batch-sizes", "100,1000", "--repeats", "1",
+            "--dbs", "postgresql", "--stores", "memory", "--no-afdb", "--tables", "narrow",
+        ],
+        pg,
+        tmp_path,
+    )  # fmt: skip
+    targets = table_rows(out, "Targets at default settings")
+    assert [(r[1], r[3], r[6]) for r in targets] == [
+        ("narrow", "100", ">= 0.4"),
+        ("narrow", "1000", ">= 0.5"),
+    ]
+    for row in targets:
+        assert all(re.fullmatch(NUMBER, v) for v in row[4:6]), row
+        assert row[7] in ("yes", "no"), row
 
 
 def test_ops_per_tick_meets_every_target_on_every_store(pg: TestDatabase, tmp_path: Path) -> None:
@@ -146,9 +171,12 @@ def test_fetch_depth_shows_keyset_flat_and_offset_growing(pg: TestDatabase, tmp_
     assert int(deep[8]) > int(shallow[8]) + 1000
 
 
-def test_stages_prints_every_stage(pg: TestDatabase, tmp_path: Path) -> None:
-    out = run_benchmark("stages", ["--rows", "3000", "--batch", "500", "--quick"], pg, tmp_path)
-    rows = table_rows(out, "Per-row cost of each stage at batch 500")
+@pytest.mark.parametrize("table", ["wide", "narrow"])
+def test_stages_prints_every_stage(pg: TestDatabase, tmp_path: Path, table: str) -> None:
+    out = run_benchmark(
+        "stages", ["--rows", "3000", "--batch", "500", "--quick", "--table", table], pg, tmp_path
+    )
+    rows = table_rows(out, f"Per-row cost of each stage at batch 500 ({table} table)")
     names = [r[0] for r in rows]
     assert [n.split(" (")[0].split(",")[0] for n in names] == [
         "raw keyset fetch",

@@ -94,6 +94,10 @@ METRICS: dict[str, tuple[str, str]] = {
         "counter",
         "LISTEN/NOTIFY wake-up hints received by an idle queue worker",
     ),
+    "wake_notifications_total": (
+        "counter",
+        "LISTEN/NOTIFY wake-up hints received by an idle poller worker (dbtrigger.wakeup)",
+    ),
     "cdc_retained_bytes": ("gauge", "WAL the replication slot keeps for this poller (bytes)"),
     "cdc_safe_wal_bytes": (
         "gauge",

@@ -27,6 +27,7 @@ from dbtrigger.cli.logs import FORMATS, LEVELS, configure_logging
 from dbtrigger.cli.partitions import add_partition_commands
 from dbtrigger.cli.run import add_run_command
 from dbtrigger.cli.state import add_state_commands
+from dbtrigger.cli.wake import add_wake_commands
 from dbtrigger.errors import DbTriggerError
 from dbtrigger.queue.cli import add_queue_commands
 from dbtrigger.redaction import redact
@@ -136,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cdc_commands(sub)
     add_partition_commands(sub)
     add_queue_commands(sub)
+    add_wake_commands(sub)
     add_check_command(sub)
     for command in sub.choices.values():
         _add_global_options(command, top=False)

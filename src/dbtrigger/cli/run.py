@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dbtrigger.checks import warn_at_start
 from dbtrigger.cli.loading import LoadedTrigger, load_trigger
@@ -33,6 +33,9 @@ from dbtrigger.runtime.runner import (
 from dbtrigger.runtime.subscribers import SubscriberCall
 from dbtrigger.sources.lag import describe_basis
 from dbtrigger.state.stores.factory import describe_store, redact
+
+if TYPE_CHECKING:
+    from dbtrigger.wakeup.hints import WakeHint
 
 log = logging.getLogger("dbtrigger.runner")
 
@@ -88,8 +91,9 @@ def banner(loaded: LoadedTrigger, args: argparse.Namespace) -> tuple[str, dict[s
         f"  store       {describe_store(trigger.store)}",
         f"  batches     {trigger.batch_size} rows, up to {trigger.max_batches_per_tick} per tick; "
         f"lease {trigger.lease_ttl.total_seconds():g}s, {heartbeat}",
-        f"  interval    {args.interval:g}s when idle, at once while batches come back full; "
+        f"  interval    {args.interval:g}s when idle, at once while ticks deliver rows; "
         f"failures back off up to {args.max_backoff:g}s",
+        f"  wake-up     {_describe_wake(args)}",
         f"  visibility  {guard}",
     ]
     lag_basis = getattr(source, "lag_basis", None)
@@ -105,10 +109,21 @@ def banner(loaded: LoadedTrigger, args: argparse.Namespace) -> tuple[str, dict[s
         "max_batches_per_tick": trigger.max_batches_per_tick,
         "lease_ttl_seconds": trigger.lease_ttl.total_seconds(),
         "interval_seconds": args.interval,
+        "wake": getattr(args, "wake", None),
         "owner_id": trigger.owner_id,
         "lag_basis": basis,
     }
     return redact("\n".join(lines)), fields
+
+
+def _describe_wake(args: argparse.Namespace) -> str:
+    """The banner's wake-up line: what may end an idle sleep early."""
+    wake = getattr(args, "wake", None)
+    if not wake:
+        return "none (--wake notify on PostgreSQL, --wake adaptive elsewhere)"
+    if wake.startswith("notify"):
+        return f"{wake}: a NOTIFY from the table's trigger (dbtrigger wake install) ends the sleep"
+    return f"{wake}: shorter idle waits for a while after activity"
 
 
 def _progress_callback(args: argparse.Namespace) -> ProgressCallback:
@@ -143,6 +158,14 @@ def _progress_callback(args: argparse.Namespace) -> ProgressCallback:
         )
 
     return show
+
+
+def _wake(args: argparse.Namespace) -> WakeHint | None:
+    if not getattr(args, "wake", None):
+        return None
+    from dbtrigger.wakeup.hints import parse_wake  # noqa: PLC0415 - only with --wake
+
+    return parse_wake(args.wake)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -188,6 +211,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 max_backoff_seconds=args.max_backoff,
                 progress=progress,
                 progress_interval_seconds=args.progress_interval,
+                wake=_wake(args),  # one per runner: each listens on a session of its own
             )
         )
     stats = run_pollers(runners, max_ticks=args.max_ticks)
@@ -216,6 +240,14 @@ def add_run_command(sub: Any) -> None:
     )
     run.add_argument(
         "--interval", type=float, default=5.0, help="seconds between ticks while idle (default 5)"
+    )
+    run.add_argument(
+        "--wake",
+        metavar="HINT",
+        help="end idle sleeps early (off by default; the interval poll goes on under it): "
+        "notify[:CHANNEL] (PostgreSQL LISTEN/NOTIFY, after `dbtrigger wake install`), "
+        "adaptive[:SECONDS] (any database: idle waits from SECONDS, default 0.05, doubling "
+        "back to --interval after activity)",
     )
     run.add_argument(
         "--max-ticks", type=int, default=None, help="stop after this many ticks (per poller)"

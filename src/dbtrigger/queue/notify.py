@@ -20,19 +20,48 @@ Off by default, because notifications have costs of their own (see
 ``docs/queues.md``): ``NOTIFY`` takes a database-wide lock at commit, which
 serialises committing transactions that notified; and behind PgBouncer in
 transaction pooling mode ``LISTEN`` does not work (the session is not kept).
+
+The same :class:`Listener` wakes idle *pollers* too
+(:class:`dbtrigger.wakeup.NotifyHint`): it needs only an engine and a channel,
+and reports under the event names it is given (:class:`ListenEvents`).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dbtrigger.errors import ConfigurationError
 
 if TYPE_CHECKING:
+    from sqlalchemy.engine import Engine
+
     from dbtrigger.queue.source import ClaimSource
     from dbtrigger.runtime.telemetry import Telemetry
+
+
+class HasEngine(Protocol):
+    """What the listener needs of a source: the engine it opens its session from."""
+
+    @property
+    def engine(self) -> Engine: ...
+
+
+@dataclass(frozen=True)
+class ListenEvents:
+    """The telemetry events a :class:`Listener` emits, and what it calls its owner
+    in log lines (``queue``, ``poller``)."""
+
+    listening: str
+    failed: str
+    notified: str
+    owner: str
+
+
+#: A claim queue's listener (``notify_channel=``).
+QUEUE_EVENTS = ListenEvents("queue_listening", "queue_listen_failed", "queue_notified", "queue")
 
 #: How often the listener thread looks at its stop flag while no notification comes.
 _POLL_SECONDS = 0.5
@@ -44,29 +73,36 @@ _MAX_RECONNECT_SECONDS = 30.0
 
 def check_channel(source: ClaimSource, channel: str) -> str:
     """Refuse a channel the hint cannot serve (wrong database or driver, bad name)."""
+    return check_listen(
+        source.dialect_name, source.url.get_driver_name(), source.name, channel, "notify_channel="
+    )
+
+
+def check_listen(dialect: str, driver: str, name: str, channel: str, option: str) -> str:
+    """Refuse a channel a :class:`Listener` cannot serve: not PostgreSQL, not
+    psycopg 3.2+, or not a plain identifier. ``option`` names the setting in
+    the messages. Returns the channel."""
     from dbtrigger.names import validate_sql_identifier  # noqa: PLC0415 - light import
 
-    name = validate_sql_identifier(channel, "notify_channel")
-    if source.dialect_name != "postgresql":
+    channel = validate_sql_identifier(channel, option.rstrip("="))
+    if dialect != "postgresql":
         raise ConfigurationError(
-            f"notify_channel= is a PostgreSQL LISTEN/NOTIFY hint; {source.name} is "
-            f"{source.dialect_name}. Leave it unset: idle workers poll at their interval"
+            f"{option} is a PostgreSQL LISTEN/NOTIFY hint; {name} is "
+            f"{dialect}. Leave it unset: idle workers poll at their interval"
         )
-    driver = source.url.get_driver_name()
     if driver != "psycopg":
         raise ConfigurationError(
-            f"notify_channel= needs the psycopg (3) driver (postgresql+psycopg://...), "
-            f"not {driver!r}"
+            f"{option} needs the psycopg (3) driver (postgresql+psycopg://...), not {driver!r}"
         )
     import psycopg  # noqa: PLC0415 - only with the hint on PostgreSQL
 
     version = tuple(int(p) for p in psycopg.__version__.split(".")[:2] if p.isdigit())
     if version < (3, 2):
         raise ConfigurationError(
-            f"notify_channel= needs psycopg 3.2 or later (notifications with a timeout), "
+            f"{option} needs psycopg 3.2 or later (notifications with a timeout), "
             f"found {psycopg.__version__}: pip install -U 'psycopg[binary]'"
         )
-    return name
+    return channel
 
 
 class Listener:
@@ -76,10 +112,18 @@ class Listener:
     logged and retried; none reaches the worker, which keeps polling.
     """
 
-    def __init__(self, source: ClaimSource, channel: str, telemetry: Telemetry) -> None:
+    def __init__(
+        self,
+        source: HasEngine,
+        channel: str,
+        telemetry: Telemetry,
+        *,
+        events: ListenEvents = QUEUE_EVENTS,
+    ) -> None:
         self.source = source
         self.channel = channel
         self.telemetry = telemetry
+        self.events = events
         self.wake = threading.Event()
         #: Set while a LISTEN is established (tests wait on it).
         self.listening = threading.Event()
@@ -132,9 +176,10 @@ class Listener:
                 failures += 1
                 delay = min(_MAX_RECONNECT_SECONDS, 0.5 * 2 ** min(failures, 8))
                 self.telemetry.emit(
-                    "queue_listen_failed",
-                    "queue %s: LISTEN %s failed (%s: %s); idle workers keep polling, "
+                    self.events.failed,
+                    "%s %s: LISTEN %s failed (%s: %s); idle workers keep polling, "
                     "reconnecting in %.1fs",
+                    self.events.owner,
                     self.telemetry.poller,
                     self.channel,
                     type(exc).__name__,
@@ -155,8 +200,9 @@ class Listener:
             conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
             self.listening.set()
             self.telemetry.emit(
-                "queue_listening",
-                "queue %s: listening on %s for wake-up hints",
+                self.events.listening,
+                "%s %s: listening on %s for wake-up hints",
+                self.events.owner,
                 self.telemetry.poller,
                 self.channel,
                 channel=self.channel,
@@ -166,7 +212,7 @@ class Listener:
             self.wake.set()
             while not self._stop.is_set():
                 for _ in conn.notifies(timeout=_POLL_SECONDS, stop_after=1):
-                    self.telemetry.emit("queue_notified")
+                    self.telemetry.emit(self.events.notified)
                     self.wake.set()
         finally:
             self.listening.clear()

@@ -2,8 +2,10 @@
 
 Outside Azure Functions something has to play the timer. This loop ticks,
 ticks again at once while batches come back full (a backlog drains at full
-speed instead of one batch per interval), and otherwise sleeps for the
-interval.
+speed instead of one batch per interval) and after any tick that delivered
+rows (rows committed while it ran are read at once instead of one interval
+later), and otherwise sleeps for the interval. A wake-up hint
+(:mod:`dbtrigger.wakeup`, off by default) may end that sleep early.
 
 What an operator sees (logger ``dbtrigger.runner``): one INFO line per tick
 that tells its outcome apart (committed, idle, lease held by another owner,
@@ -50,7 +52,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dbtrigger.errors import (
     ContentionError,
@@ -61,6 +63,9 @@ from dbtrigger.errors import (
 )
 from dbtrigger.runtime.kernel import Handler
 from dbtrigger.runtime.trigger import TickReport, Trigger
+
+if TYPE_CHECKING:
+    from dbtrigger.wakeup.hints import WakeHint
 
 log = logging.getLogger("dbtrigger.runner")
 
@@ -211,6 +216,8 @@ class Runner:
         trigger / handler: what to poll and who receives the batches.
         interval_seconds: the sleep after a tick that left nothing pending.
         on_tick: called with every tick's result.
+        wake: a wake-up hint (:mod:`dbtrigger.wakeup`) that may end an idle
+            sleep early; None (the default): sleep the interval.
         max_backoff_seconds: ceiling of the wait between failing ticks.
         progress: called while a backlog drains (default: a log line).
         progress_interval_seconds: time between two progress reports.
@@ -228,7 +235,13 @@ class Runner:
         progress: ProgressCallback | None = log_progress,
         progress_interval_seconds: float = DEFAULT_PROGRESS_INTERVAL_SECONDS,
         stop: threading.Event | None = None,
+        wake: WakeHint | None = None,
     ) -> None:
+        if wake is not None:
+            wake.attach(trigger)  # refuses a trigger it cannot serve, before any tick
+        self.wake = wake
+        #: Ticks in a row that delivered nothing (None: none delivered anything yet).
+        self._idle_ticks: int | None = None
         self.trigger = trigger
         self.handler = handler
         self.interval = interval_seconds
@@ -279,6 +292,8 @@ class Runner:
                 if wait > 0:
                     self._idle(wait)
         self.trigger.close()  # its lanes, heartbeat thread and wake-up listener
+        if self.wake is not None:
+            self.wake.close()
         log.info(
             "%s: stopped after %d ticks, %d rows (%d failed ticks)",
             self.trigger.name,
@@ -296,8 +311,11 @@ class Runner:
         return self.stats
 
     def _idle(self, seconds: float) -> None:
-        """Sleep between ticks; a queue's wake-up hint may end an idle sleep early
-        (never a backoff after a failure)."""
+        """Sleep between ticks; a wake-up hint (the runner's, or a queue's own) may
+        end an idle sleep early (never a backoff after a failure)."""
+        if self.wake is not None and not self._failures:
+            self.wake.wait(seconds, self._stop, idle_ticks=self._idle_ticks)
+            return
         if not self._failures:
             self.trigger.wait_for_work(seconds, self._stop)
         else:
@@ -336,6 +354,9 @@ class Runner:
         self._failures = 0
         self._traced = None
         self.stats.rows += result.rows
+        self._idle_ticks = (
+            0 if result.rows else (None if self._idle_ticks is None else self._idle_ticks + 1)
+        )
         try:
             self._log_result(result, started)
             self._track_drain(result)
@@ -347,7 +368,9 @@ class Runner:
                 self.trigger.name,
                 extra={"event": "runner_report_failed", "poller": self.trigger.name},
             )
-        return 0.0 if result.more else self.interval
+        # At once while batches come back full, and after any tick that delivered
+        # rows: more may have been committed while it ran.
+        return 0.0 if result.more or result.rows else self.interval
 
     def _failed(self, exc: Exception, started: float) -> float:
         """Count a failed tick and say when the next try is.

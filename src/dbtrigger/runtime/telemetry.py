@@ -278,6 +278,10 @@ EVENTS: dict[str, EventSpec] = {
     "queue_listening": EventSpec(INFO),
     "queue_listen_failed": EventSpec(W),
     "queue_notified": EventSpec(None, (Count("queue_notifications_total"),)),
+    # A poller worker's notify wake-up hint (dbtrigger.wakeup.NotifyHint).
+    "wake_listening": EventSpec(INFO),
+    "wake_listen_failed": EventSpec(W),
+    "wake_notified": EventSpec(None, (Count("wake_notifications_total"),)),
 }
 
 

@@ -1,0 +1,120 @@
+"""``dbtrigger wake install|uninstall|status``: the notify wake-up hint's trigger.
+
+Like the change-log commands, anything that changes the database is a dry run
+unless ``--yes`` is given: the DDL is printed first, so it can be reviewed, or
+copied into a migration instead. The worker side is ``dbtrigger run --wake
+notify`` (see :mod:`dbtrigger.wakeup`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import sqlalchemy as sa
+
+from dbtrigger._driver_errors import short_error
+from dbtrigger.errors import CommitError, ConfigurationError, FetchError
+from dbtrigger.settings import resolve_setting
+from dbtrigger.wakeup.ddl import WakePlan, apply, installed_channel, plan_install, plan_uninstall
+
+
+def _engine(args: argparse.Namespace) -> sa.Engine:
+    try:
+        return sa.create_engine(resolve_setting(args.url))
+    except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError) as exc:
+        raise ConfigurationError(f"cannot use --url: {exc}") from None
+
+
+def _show(plan: WakePlan) -> None:
+    for statement in plan.statements:
+        print(statement.rstrip() + ";\n")
+
+
+def cmd_install(args: argparse.Namespace) -> int:
+    engine = _engine(args)
+    try:
+        plan = plan_install(engine, args.table, schema=args.schema, channel=args.channel)
+        _show(plan)
+        if not args.yes:
+            print("-- dry run: nothing was changed; add --yes to apply")
+            return 0
+        apply(engine, plan)
+    except sa.exc.SQLAlchemyError as exc:
+        raise CommitError(f"installing the wake-up trigger failed: {short_error(exc)}") from exc
+    finally:
+        engine.dispose()
+    print(
+        f"-- installed: writes to {args.table} notify channel {plan.channel}; run the worker "
+        f"with --wake notify" + ("" if args.channel is None else f":{plan.channel}")
+    )
+    return 0
+
+
+def cmd_uninstall(args: argparse.Namespace) -> int:
+    engine = _engine(args)
+    try:
+        plan = plan_uninstall(engine, args.table, schema=args.schema)
+        if not plan.statements:
+            print(f"-- {args.table} has no wake-up trigger: nothing to do")
+            return 0
+        _show(plan)
+        if not args.yes:
+            print("-- dry run: nothing was changed; add --yes to apply")
+            return 0
+        apply(engine, plan)
+    except sa.exc.SQLAlchemyError as exc:
+        raise CommitError(f"removing the wake-up trigger failed: {short_error(exc)}") from exc
+    finally:
+        engine.dispose()
+    print(f"-- uninstalled: workers listening on {plan.channel} fall back to their interval")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Exit 1 when the table has no wake-up trigger."""
+    engine = _engine(args)
+    try:
+        channel = installed_channel(engine, args.table, schema=args.schema)
+    except sa.exc.SQLAlchemyError as exc:
+        raise FetchError(
+            f"could not read the triggers of {args.table}: {short_error(exc)}"
+        ) from exc
+    finally:
+        engine.dispose()
+    if channel is None:
+        print(f"{args.table}: no wake-up trigger (dbtrigger wake install ... --yes adds one)")
+        return 1
+    print(f"{args.table}: writes notify channel {channel}")
+    return 0
+
+
+def add_wake_commands(sub: Any) -> None:
+    """Register ``dbtrigger wake ...`` on the top-level subparsers."""
+    wake = sub.add_parser(
+        "wake",
+        help="the LISTEN/NOTIFY wake-up hint's trigger (PostgreSQL): install, uninstall, status",
+        description="A statement-level trigger that sends one payload-less NOTIFY per writing "
+        "transaction, so a worker run with --wake notify reads new rows at once instead of "
+        "after its interval. Changes are dry runs unless --yes.",
+    )
+    wsub = wake.add_subparsers(dest="wake_command", required=True)
+    for name, func, text in (
+        ("install", cmd_install, "print (or --yes: run) the trigger's DDL"),
+        ("uninstall", cmd_uninstall, "print (or --yes: run) the DDL that removes it"),
+        ("status", cmd_status, "the channel the table's trigger notifies (exit 1: none)"),
+    ):
+        parser = wsub.add_parser(name, help=text)
+        parser.add_argument("--url", required=True, help="database URL (or %%SETTING%%)")
+        parser.add_argument("--table", required=True, help="the table the poller reads")
+        parser.add_argument("--schema", help="its schema (default: the search path's first)")
+        if name == "install":
+            parser.add_argument(
+                "--channel", help="channel name (default: dbt_wake_[<schema>_]<table>)"
+            )
+        if name != "status":
+            parser.add_argument("--yes", action="store_true", help="apply (default: dry run)")
+        parser.set_defaults(func=func)
+
+
+__all__ = ["add_wake_commands"]

@@ -235,3 +235,30 @@ def test_fanout_reads_once_for_three_subscribers(pg: TestDatabase, tmp_path: Pat
     assert rows["3 subscribers"][1] == rows["1 handler"][1]
     assert int(rows["3 pollers"][1]) == 3 * int(rows["1 handler"][1])
     assert rows["3 subscribers"][4] == rows["1 handler"][4]
+
+
+@pytest.mark.mariadb
+def test_latency_prints_percentiles_per_database_source_and_hint(
+    pg: TestDatabase, tmp_path: Path
+) -> None:
+    out = run_benchmark(
+        "latency",
+        ["--quick", "--seconds", "1", "--hints", "notify,adaptive"],  # every code path
+        pg,
+        tmp_path,
+    )
+    rows = table_rows(out, "Commit -> handler latency")
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        *(
+            ("postgresql", source, hint)
+            for source in ("polling", "changelog")
+            for hint in ("notify", "adaptive")
+        ),
+        ("mariadb", "polling", "adaptive"),  # no notify on MariaDB
+        ("mariadb", "changelog", "adaptive"),
+    ]
+    for row in rows:
+        assert row[3] == "200", row
+        assert all(re.fullmatch(NUMBER, v) for v in row[4:11]), row  # rates, rows, ms, ticks/s
+        assert row[5] == "200", row  # every row committed reached the handler
+    assert "rows not delivered" not in out

@@ -1,0 +1,409 @@
+"""Commit -> handler latency of a worker at default settings, with and without wake-up hints.
+
+A writer process commits one row per transaction at a steady rate (``--rates``,
+default 200/s and 2,000/s) for ``--seconds``; a worker in this process runs
+what ``dbtrigger run`` runs (a :class:`~dbtrigger.runtime.runner.Runner` over
+a ``PollTrigger`` with default options: batch size, batches per tick, lease,
+the visibility guard, an in-memory store) at the default interval
+(``--interval``, 5 s as ``dbtrigger run``). For every row it records the
+handler's clock minus the writer's clock right after that row's commit
+returned, and prints p50/p95/p99/max per configuration, next to the targets:
+
+* ``none`` (polling alone): p50 <= interval / 2 + 50 ms;
+* ``notify`` (PostgreSQL ``LISTEN/NOTIFY``, ``dbtrigger wake install``): p50 <=
+  50 ms and p99 <= 250 ms at 200 rows/s;
+* ``notify-lost`` (the worker listens, nothing notifies: the hint lost): never
+  worse than polling alone (the same p50 target);
+* ``adaptive`` (any database): shorter idle waits after activity.
+
+Sources (``--sources``): ``polling`` (``SqlAlchemySource`` on the table's
+``updated_at``, set by the database: ``clock_timestamp()`` / ``NOW(6)``) and
+``changelog`` (``ChangeLogSource`` over the trigger-maintained log). The
+log-based sources (``PgLogicalSource``, ``BinlogSource``) need private servers
+and have their own latency runs in ``cdc_pg.py`` and ``cdc_binlog.py``.
+
+Each database gets a database of its own for the run (dropped at the end), so
+the PostgreSQL transaction-horizon guard waits only for this run's writers;
+MariaDB's horizon is server-wide, so other sessions' open writers on a shared
+server show up in its tail. ``ticks/s`` is what the latency costs: how often
+the worker polled.
+
+    python -m benchmarks.latency                       # both databases, every hint, 20 s runs
+    python -m benchmarks.latency --dbs postgresql --hints none,notify --rates 200
+    python -m benchmarks.latency --quick               # a short smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from benchmarks.common import PG_URL, ROOT, fmt_rate, percentile, print_table, str_list
+from dbtrigger import InMemoryCheckpointStore, PollTrigger, SqlAlchemySource
+from dbtrigger.changelog import ChangeLogSource
+from dbtrigger.changelog import install as install_changelog
+from dbtrigger.runtime.runner import Runner
+from dbtrigger.wakeup import AdaptivePolling, NotifyHint, WakeHint
+from dbtrigger.wakeup import install as install_wake
+
+MARIADB_URL = os.environ.get(
+    "DBTRIGGER_BENCH_MARIADB_URL", "mysql+pymysql://root@127.0.0.1:3306/test"
+)
+HINTS = ("none", "notify", "notify-lost", "adaptive")
+#: Hints that need PostgreSQL notifications.
+PG_ONLY = ("notify", "notify-lost")
+
+
+# --- the writer (a process of its own, so it never competes with the worker's GIL) ----------
+
+
+def writer_main(url: str, table: str, rate: float, seconds: float, out: str) -> None:
+    """Insert one row per transaction at ``rate``/s; write each commit's wall clock to ``out``.
+
+    Row ``i`` carries ``payload = str(i)``; ``out`` gets a JSON list whose
+    item ``i`` is ``time.time()`` right after that row's commit returned.
+    """
+    parsed = sa.make_url(url)
+    committed: list[float] = []
+    if parsed.get_backend_name() == "postgresql":
+        import psycopg  # noqa: PLC0415
+
+        conn: Any = psycopg.connect(
+            host=parsed.host,
+            port=parsed.port,
+            user=parsed.username,
+            password=parsed.password,
+            dbname=parsed.database,
+            autocommit=True,
+        )
+        # Commits that do not wait for the WAL flush: the writer can keep 2,000/s on a
+        # shared disk; what a reader sees, and when, is the same.
+        conn.execute("SET synchronous_commit = off")
+        sql, mark = f"INSERT INTO {table} (payload) VALUES (%s)", None
+    else:
+        import pymysql  # noqa: PLC0415
+
+        conn = pymysql.connect(
+            host=parsed.host,
+            port=parsed.port or 3306,
+            user=parsed.username,
+            password=parsed.password or "",
+            database=parsed.database,
+            autocommit=True,
+        )
+        sql, mark = f"INSERT INTO {table} (payload) VALUES (%s)", conn.cursor()
+    try:
+        start = time.monotonic()
+        total = int(rate * seconds)
+        for i in range(total):
+            due = start + i / rate
+            now = time.monotonic()
+            if due > now:
+                time.sleep(due - now)
+            if mark is None:
+                conn.execute(sql, (str(i),))
+            else:
+                mark.execute(sql, (str(i),))
+            committed.append(time.time())
+        elapsed = time.monotonic() - start
+    finally:
+        conn.close()
+    Path(out).write_text(json.dumps({"commits": committed, "seconds": elapsed}))
+
+
+# --- databases and tables ------------------------------------------------------------------
+
+
+@dataclass
+class Database:
+    kind: str  # postgresql / mariadb
+    admin_url: str
+    url: str
+    name: str
+
+
+def create_database(kind: str) -> Database:
+    admin_url = PG_URL if kind == "postgresql" else MARIADB_URL
+    name = f"dbtrigger_lat_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+    admin = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            q = f'"{name}"' if kind == "postgresql" else f"`{name}`"
+            conn.exec_driver_sql(f"CREATE DATABASE {q}")
+    finally:
+        admin.dispose()
+    url = sa.make_url(admin_url).set(database=name).render_as_string(hide_password=False)
+    return Database(kind, admin_url, url, name)
+
+
+def drop_database(db: Database) -> None:
+    admin = sa.create_engine(db.admin_url, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            if db.kind == "postgresql":
+                conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{db.name}" WITH (FORCE)')
+            else:
+                conn.exec_driver_sql(f"DROP DATABASE IF EXISTS `{db.name}`")
+    finally:
+        admin.dispose()
+
+
+def create_table(db: Database, table: str) -> None:
+    engine = sa.create_engine(db.url)
+    try:
+        with engine.begin() as conn:
+            if db.kind == "postgresql":
+                conn.exec_driver_sql(
+                    f"CREATE TABLE {table} (id bigserial PRIMARY KEY, "
+                    "updated_at timestamptz NOT NULL DEFAULT clock_timestamp(), payload text)"
+                )
+            else:
+                conn.exec_driver_sql(
+                    f"CREATE TABLE {table} (id bigint AUTO_INCREMENT PRIMARY KEY, "
+                    "updated_at datetime(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6) "
+                    "ON UPDATE CURRENT_TIMESTAMP(6), payload text)"
+                )
+            conn.exec_driver_sql(f"CREATE INDEX {table}_cursor ON {table} (updated_at, id)")
+    finally:
+        engine.dispose()
+
+
+# --- one measured run ----------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    db: str
+    source: str
+    hint: str
+    rate: float
+    written: int = 0
+    achieved: float = 0.0
+    seen: int = 0
+    ticks: int = 0
+    seconds: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+    note: str = ""
+
+
+def make_hint(hint: str, interval: float) -> WakeHint | None:
+    del interval
+    if hint in PG_ONLY:
+        return NotifyHint()
+    if hint == "adaptive":
+        return AdaptivePolling()
+    return None
+
+
+def measure(
+    db: Database, source_kind: str, hint: str, rate: float, args: argparse.Namespace
+) -> Result:
+    table = f"lat_{uuid.uuid4().hex[:8]}"
+    create_table(db, table)
+    engine = sa.create_engine(db.url)
+    try:
+        if source_kind == "changelog":
+            install_changelog(engine, table)
+        if hint == "notify":  # notify-lost: the worker listens, nothing notifies
+            install_wake(engine, table)
+    finally:
+        engine.dispose()
+    if source_kind == "changelog":
+        source: Any = ChangeLogSource(url=db.url, table=table)
+    else:
+        source = SqlAlchemySource(
+            url=db.url, table=table, cursor_column="updated_at", pk_columns=["id"]
+        )
+    trigger = PollTrigger(name=table, source=source, checkpoint_store=InMemoryCheckpointStore())
+    received: dict[int, float] = {}
+
+    def handle(events: Sequence[Any]) -> None:
+        now = time.time()
+        for event in events:
+            received[int(event.after["payload"])] = now
+
+    wake = make_hint(hint, args.interval)
+    runner = Runner(trigger, handle, interval_seconds=args.interval, progress=None, wake=wake)
+    worker = threading.Thread(target=runner.run, kwargs={"install_signals": False}, daemon=True)
+    result = Result(db.kind, source_kind, hint, rate)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "commits.json")
+        worker.start()
+        try:
+            # Set up before the clock starts: the first tick (reflection, the guard's
+            # decision) done, and the listener listening.
+            deadline = time.monotonic() + 60
+            while runner.stats.ticks < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if isinstance(wake, NotifyHint) and wake.listener is not None:
+                wake.listener.listening.wait(60)
+            ticks_before = runner.stats.ticks
+            started = time.monotonic()
+            subprocess.run(  # noqa: S603 - this script, run again as the writer
+                [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.latency",
+                    "--writer",
+                    json.dumps([db.url, table, rate, args.seconds, out]),
+                ],
+                cwd=ROOT,
+                check=True,
+            )
+            written = json.loads(Path(out).read_text())
+            commits: list[float] = written["commits"]
+            # Every row arrives within about one interval after the last commit.
+            deadline = time.monotonic() + args.interval + 60
+            while len(received) < len(commits) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            result.seconds = time.monotonic() - started
+            result.ticks = runner.stats.ticks - ticks_before
+        finally:
+            runner.stop()
+            worker.join(60)
+            source.close()
+    result.written = len(commits)
+    result.achieved = len(commits) / written["seconds"] if written["seconds"] else 0.0
+    result.seen = sum(1 for i in range(len(commits)) if i in received)
+    result.latencies = [received[i] - at for i, at in enumerate(commits) if i in received]
+    if result.seen < result.written:
+        result.note = f"{result.written - result.seen} rows not delivered in time"
+    return result
+
+
+# --- report --------------------------------------------------------------------------------
+
+
+def targets(result: Result, interval: float) -> tuple[str, str]:
+    """(the target, met?) of one configuration; '-' where none is set."""
+    p50 = percentile(result.latencies, 0.5)
+    p99 = percentile(result.latencies, 0.99)
+    if result.hint in ("none", "notify-lost"):
+        bound = interval / 2 + 0.05
+        return f"p50 <= {bound * 1000:,.0f}", "yes" if p50 <= bound else "no"
+    if result.hint == "notify" and result.rate <= 200:
+        return "p50 <= 50, p99 <= 250", "yes" if p50 <= 0.05 and p99 <= 0.25 else "no"
+    return "-", "-"
+
+
+def report(results: list[Result], args: argparse.Namespace) -> None:
+    rows = []
+    for r in results:
+        target, met = targets(r, args.interval)
+        ms = [percentile(r.latencies, q) * 1000 for q in (0.5, 0.95, 0.99, 1.0)]
+        rows.append(
+            [
+                r.db,
+                r.source,
+                r.hint,
+                fmt_rate(r.rate),
+                fmt_rate(r.achieved),
+                f"{r.seen:,}",
+                *(f"{v:,.0f}" for v in ms),
+                f"{r.ticks / r.seconds:,.1f}" if r.seconds else "-",
+                target,
+                met,
+            ]
+        )
+    load = os.getloadavg()
+    print_table(
+        f"Commit -> handler latency, ms (worker at default settings, interval "
+        f"{args.interval:g} s; {args.seconds:g} s per run; load average "
+        f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f} at the end)",
+        [
+            "db",
+            "source",
+            "hint",
+            "rate",
+            "achieved",
+            "rows",
+            "p50",
+            "p95",
+            "p99",
+            "max",
+            "ticks/s",
+            "target ms",
+            "met",
+        ],
+        rows,
+        left=3,
+    )
+    for r in results:
+        if r.note:
+            print(f"note: {r.db} {r.source} {r.hint} {r.rate:g}/s: {r.note}")
+    print(
+        "hint: none = polling alone; notify = LISTEN/NOTIFY (dbtrigger wake install); "
+        "notify-lost = listening, nothing notifies; adaptive = shorter idle waits after "
+        "activity. achieved = rows/s the writer kept up."
+    )
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dbs", default="postgresql,mariadb", help="postgresql,mariadb")
+    parser.add_argument("--sources", default="polling,changelog", help="polling,changelog")
+    parser.add_argument("--hints", default=",".join(HINTS), help=",".join(HINTS))
+    parser.add_argument("--rates", help="rows/s the writer commits (default 200,2000)")
+    parser.add_argument("--seconds", type=float, help="length of each run (default 20)")
+    parser.add_argument(
+        "--interval",
+        type=float,
+        help="the worker's idle interval (default 5, as dbtrigger run)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="3 s runs at 200/s, interval 0.5 s, unless given (a smoke run)",
+    )
+    parser.add_argument("--writer", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    quick = args.quick
+    args.rates = args.rates or ("200" if quick else "200,2000")
+    args.seconds = args.seconds or (3.0 if quick else 20.0)
+    args.interval = args.interval if args.interval is not None else (0.5 if quick else 5.0)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.writer:
+        url, table, rate, seconds, out = json.loads(args.writer)
+        writer_main(url, table, float(rate), float(seconds), out)
+        return 0
+    rates = [float(r) for r in str_list(args.rates)]
+    hints = str_list(args.hints)
+    unknown = [h for h in hints if h not in HINTS]
+    if unknown:
+        raise SystemExit(f"unknown hint {unknown[0]!r} ({', '.join(HINTS)})")
+    results: list[Result] = []
+    for kind in str_list(args.dbs):
+        db = create_database(kind)
+        try:
+            for source_kind in str_list(args.sources):
+                for hint in hints:
+                    if hint in PG_ONLY and kind != "postgresql":
+                        continue
+                    for rate in rates:
+                        print(f"# {kind} {source_kind} hint={hint} rate={rate:g}/s", flush=True)
+                        results.append(measure(db, source_kind, hint, rate, args))
+        finally:
+            drop_database(db)
+    report(results, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -220,7 +220,7 @@ def test_cli_show_split_and_merge(sqlite_db: TestDatabase, tmp_path: Path) -> No
     status = cli("status", "--store", str(tmp_path / "state"))
     assert status.returncode == 0, status.stdout + status.stderr
     assert "partitioned poller orders: 4 partitions" in status.stdout
-    assert "orders.p064-128" in status.stdout
+    assert "p064-128" in status.stdout
     bad = cli("partitions", "set", "--trigger", "app_partitions:trigger", "--count", "3")
     assert bad.returncode == 2
     assert "split or merge cleanly" in bad.stderr

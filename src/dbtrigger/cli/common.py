@@ -27,6 +27,7 @@ from typing import Any, TextIO
 from dbtrigger.cli.loading import as_trigger, load_object
 from dbtrigger.cursor import Position, encode_value
 from dbtrigger.errors import ConfigurationError, DbTriggerError
+from dbtrigger.partitions.member import PartitionedPoller
 from dbtrigger.runtime.poller import PollTrigger
 from dbtrigger.settings import variable
 from dbtrigger.sources.base import KnowsCursorKind, SourceAdapter
@@ -175,11 +176,14 @@ class LoadedSource:
 
 def load_source(spec: str) -> LoadedSource:
     """``--source MODULE:ATTR``: a PollTrigger or a ``@db.trigger`` Functions function
-    (its source and store are used), or a SourceAdapter."""
+    (its source and store are used), a PartitionedPoller (its table's source), or a
+    SourceAdapter."""
     target = load_object(spec)
     loaded = as_trigger(target, spec)
     if loaded is not None and isinstance(loaded.trigger, PollTrigger):
         return LoadedSource(loaded.trigger.source, loaded.trigger)
+    if loaded is not None and isinstance(loaded.trigger, PartitionedPoller):
+        return LoadedSource(loaded.trigger.source, None)
     if isinstance(target, SourceAdapter):
         return LoadedSource(target, None)
     raise ConfigurationError(

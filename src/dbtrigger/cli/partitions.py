@@ -1,7 +1,8 @@
 """``dbtrigger partitions show|set|split|merge|ddl``: a partitioned poller from the shell.
 
-The commands take the poller itself (``--trigger MODULE:ATTR``, a
-``PollTrigger(partitions=...)`` or a ``PartitionedPoller``): its source says
+The commands take the poller itself (``--trigger MODULE:ATTR``: a
+``PartitionedPoller``, a ``PollTrigger(partitions=...)`` or a
+``@db.partitioned_trigger`` function of a Function App): its source says
 how buckets are computed and its store where the documents live. Changes are
 dry runs unless ``--yes``; they need ``--reason``, write a backup of every
 document they change, and journal the change in the membership document and
@@ -27,51 +28,32 @@ from dbtrigger.runtime.poller import PollTrigger
 
 
 def load_partitioned(spec: str) -> PartitionedPoller:
+    """``MODULE:ATTR`` naming a ``PartitionedPoller``, a ``PollTrigger(partitions=N)``, or a
+    ``@db.partitioned_trigger`` function of a Function App (its poller)."""
     target = load_object(spec)
-    if isinstance(target, PollTrigger) and isinstance(target.partitioned, PartitionedPoller):
-        return target.partitioned
     if isinstance(target, PartitionedPoller):
         return target
+    poll = target if isinstance(target, PollTrigger) else None
+    if poll is None and callable(target):
+        from dbtrigger.azure.introspect import function_trigger  # noqa: PLC0415 - optional
+
+        poll = function_trigger(target)
+    if poll is not None and isinstance(poll.partitioned, PartitionedPoller):
+        return poll.partitioned
     raise ConfigurationError(
-        f"{spec} is not a partitioned poller (PollTrigger(partitions=N) or PartitionedPoller)"
+        f"{spec} is not a partitioned poller (a PartitionedPoller, PollTrigger(partitions=N) "
+        "or a @db.partitioned_trigger function)"
     )
 
 
 def cmd_show(args: argparse.Namespace) -> int:
     poller = load_partitioned(args.trigger)
-    rows = poller.status(lag=not args.no_lag)
-    doc = poller.membership
+    state = poller.group_state(lag=not args.no_lag)
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "poller": poller.name,
-                    "generation": doc.generation if doc else None,
-                    "members": sorted(doc.members) if doc else [],
-                    "partitions": [
-                        {
-                            "id": r.id,
-                            "buckets": [r.lo, r.hi],
-                            "owner": r.owner,
-                            "checkpoint": str(r.checkpoint) if r.checkpoint is not None else None,
-                            "lag_rows": r.lag_rows,
-                        }
-                        for r in rows
-                    ],
-                },
-                indent=2,
-            )
-        )
+        print(json.dumps(state.to_json(), indent=2))
         return 0
-    members = sorted(doc.members) if doc else []
-    print(f"poller {poller.name}: {len(rows)} partitions, {len(members)} member(s)")
-    for member in members:
-        owned = sum(1 for r in rows if r.owner == member)
-        print(f"  member {member}: {owned} partition(s)")
-    print(f"  {'partition':<10} {'owner':<40} {'lag':>8}  checkpoint")
-    for r in rows:
-        lag = "-" if r.lag_rows is None else str(r.lag_rows)
-        print(f"  {r.id:<10} {r.owner or '(unowned)':<40} {lag:>8}  {r.checkpoint}")
+    for line in state.render():
+        print(line)
     return 0
 
 
@@ -159,7 +141,9 @@ def add_partition_commands(sub: Any) -> None:
     )
     commands = parser.add_subparsers(dest="action", required=True)
 
-    show = commands.add_parser("show", help="partitions, owners, lag and checkpoints")
+    show = commands.add_parser(
+        "show", help="members, and each partition's owner, lease, checkpoint, lag and retries"
+    )
     show.add_argument("--trigger", required=True, help="MODULE:ATTR naming the poller")
     show.add_argument("--json", action="store_true", help="machine-readable output")
     show.add_argument("--no-lag", action="store_true", help="skip the per-partition row count")

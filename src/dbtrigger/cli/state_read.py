@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import re
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -24,9 +25,13 @@ from dbtrigger.cli.common import (
 from dbtrigger.errors import CorruptStateError, DbTriggerError
 from dbtrigger.health import measure_lag
 from dbtrigger.partitions import layout as membership_layout
+from dbtrigger.partitions.inspect import group_state
 from dbtrigger.partitions.layout import Membership
+from dbtrigger.partitions.member import membership_key
+from dbtrigger.partitions.source import PartitionSource
 from dbtrigger.sources.base import ChecksItself, accepted_fingerprints, source_definition
 from dbtrigger.sources.lag import COLUMN
+from dbtrigger.sources.sqlalchemy import SqlAlchemySource
 from dbtrigger.state import document as docmod
 from dbtrigger.state import fanout
 from dbtrigger.state import lease as leasemod
@@ -34,6 +39,9 @@ from dbtrigger.state.lease import describe_lease
 from dbtrigger.state.stores.base import CheckpointStore
 from dbtrigger.state.stores.factory import describe_store
 from dbtrigger.state.window import Bound, Window
+
+#: ``.p000-021`` after a partitioned poller's name: one partition's state document.
+PARTITION_KEY = re.compile(r"\.p\d{3}-\d{3}")
 
 
 def _table(rows: Sequence[Sequence[str]]) -> str:
@@ -373,28 +381,54 @@ def _status(args: argparse.Namespace, store: CheckpointStore) -> int:
     console = Console()
     source = source_from_args(args)
     now = utc_now()
-    names = [args.poller] if args.poller else store.list_keys()
-    groups = [name for name in names if _membership(store, name) is not None]
-    names = [name for name in names if name not in groups]
+    docs: list[Membership]
+    if args.poller:
+        found = _membership(store, membership_key(args.poller))
+        names = [] if found is not None else [args.poller]
+        docs = [found] if found is not None else []
+    else:
+        names = store.list_keys()
+        docs = [d for d in (_membership(store, name) for name in names) if d is not None]
+        # A group's members document and partition documents are shown with the group.
+        names = [n for n in names if not any(_in_group(n, d.poller) for d in docs)]
     statuses = [poller_status(store, name, source=source, now=now) for name in names]
+    groups = [
+        group_state(store, doc, now=now, sources=_partition_sources(doc, source)) for doc in docs
+    ]
     if args.json:
-        console.json(statuses[0] if args.poller else statuses)
-    elif not statuses:
+        shown: list[dict[str, Any]] = [*statuses, *(g.to_json() for g in groups)]
+        console.json(shown[0] if args.poller else shown)
+    elif not statuses and not groups:
         console.print(f"no pollers in {describe_store(store)}")
-    elif args.poller:
+    elif args.poller and statuses:
         console.print(_render_one(statuses[0], describe_store(store)))
     else:
         console.print(f"store {describe_store(store)}")
-        console.print(_render_many(statuses))
-    for name in groups if not args.json else ():
-        doc = _membership(store, name)
-        assert doc is not None  # noqa: S101 - found above
-        console.print(
-            f"partitioned poller {doc.poller}: {len(doc.partitions)} partitions "
-            f"(the {doc.poller}.p... rows), {len(doc.members)} member(s), generation "
-            f"{doc.generation}; owners and lag: dbtrigger partitions show --trigger MODULE:ATTR"
-        )
+        if statuses:
+            console.print(_render_many(statuses))
+    for group in groups if not args.json else ():
+        console.print("\n".join(group.render()))
+        if source is None:
+            console.print("  (rows behind: pass --source MODULE:ATTR naming the poller)")
     return 1 if any("error" in s for s in statuses) else 0
+
+
+def _in_group(key: str, poller: str) -> bool:
+    """``key`` is the members document or a partition document of group ``poller``."""
+    if key == membership_key(poller):
+        return True
+    return key.startswith(poller) and bool(PARTITION_KEY.fullmatch(key, len(poller)))
+
+
+def _partition_sources(
+    doc: Membership, loaded: LoadedSource | None
+) -> dict[str, PartitionSource] | None:
+    """The partitions' sources, when ``--source`` is the group's own table (same fingerprint)."""
+    if loaded is None or not isinstance(loaded.source, SqlAlchemySource):
+        return None
+    if loaded.source.fingerprint() != doc.fingerprint:
+        return None
+    return {p.id: PartitionSource(loaded.source, p, poller=doc.poller) for p in doc.partitions}
 
 
 def _membership(store: CheckpointStore, name: str) -> Membership | None:

@@ -43,7 +43,7 @@ from dbtrigger.metrics import MetricsCollector, SafeMetrics
 from dbtrigger.names import validate_name
 from dbtrigger.partitions import cadence, layout
 from dbtrigger.partitions.handover import fence_dead_holders
-from dbtrigger.partitions.inspect import PartitionState, partition_states
+from dbtrigger.partitions.inspect import GroupState, PartitionState, group_state
 from dbtrigger.partitions.layout import BalanceDecision, Membership
 from dbtrigger.partitions.report import GroupReport
 from dbtrigger.partitions.source import PartitionSource
@@ -587,12 +587,22 @@ class PartitionedPoller:
 
     # --- inspection --------------------------------------------------------------------
 
-    def status(self, *, lag: bool = True) -> list[PartitionState]:
-        """Every partition with its owner, checkpoint and (with ``lag``) rows pending."""
+    def group_state(self, *, lag: bool = True) -> GroupState:
+        """Members, and every partition with its owner, lease, checkpoint, retries
+        waiting and (with ``lag``) the rows behind and the age of the oldest."""
         doc, _ = self.load_membership()
         with self._lock:
             if self._generation != doc.generation:
                 self._rebuild(doc)
                 self._generation = doc.generation
-            triggers = dict(self._triggers)
-        return partition_states(doc, triggers, lag=lag)
+            sources = {pid: t.source for pid, t in self._triggers.items()}
+        measured = {
+            pid: source
+            for pid, source in sources.items()
+            if lag and isinstance(source, PartitionSource)
+        }
+        return group_state(self.store, doc, now=self.clock(), sources=measured)
+
+    def status(self, *, lag: bool = True) -> list[PartitionState]:
+        """Every partition with its owner, checkpoint and (with ``lag``) rows pending."""
+        return list(self.group_state(lag=lag).partitions)

@@ -13,6 +13,7 @@ database is refused (:func:`~dbtrigger.partitions.buckets.check_rows`).
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -31,6 +32,7 @@ from dbtrigger.partitions.buckets import (
 )
 from dbtrigger.partitions.layout import Partition
 from dbtrigger.sources.keyset import Keyset
+from dbtrigger.sources.lag import LagReading
 from dbtrigger.sources.sqlalchemy import SqlAlchemySource
 from dbtrigger.sources.visibility import FetchInfo
 
@@ -140,6 +142,14 @@ class PartitionSource:
 
     def count_after(self, after: Position) -> int:
         return self._inner.count_after(after)
+
+    def row_age(self, row: Mapping[str, Any], now: dt.datetime) -> LagReading:
+        """How old a fetched row is, by the base source's basis (lag column or cursor)."""
+        return self._inner.row_age(row, now)
+
+    def lag_after(self, after: Position, now: dt.datetime) -> LagReading | None:
+        """``lag_seconds`` of this partition once its checkpoint is at ``after``."""
+        return self._inner.lag_after(after, now)
 
     def present(self, positions: Sequence[Position]) -> list[Position]:
         """Which of ``positions`` still hold a row of this partition."""

@@ -123,3 +123,45 @@ def test_work_refuses_foreign_messages_and_drops_stale_ones(
     assert work(poller, stale, handler, time_budget_seconds=5) == 0
     fresh = json.dumps({"poller": "orders", "partition": "p000-128"})
     assert work(poller, fresh, handler, time_budget_seconds=5) > 0
+
+
+def test_what_partitioned_trigger_registers_runs_and_is_inspected_locally(
+    sqlite_db: TestDatabase, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``dbtrigger run`` and ``partitions show/split`` take the decorated function."""
+    import sys  # noqa: PLC0415
+    import types  # noqa: PLC0415
+    import uuid  # noqa: PLC0415
+
+    from dbtrigger import FileCheckpointStore  # noqa: PLC0415
+    from dbtrigger.cli import main  # noqa: PLC0415
+
+    make_table(sqlite_db, 90)
+    app = func.FunctionApp()
+    db = DbBindings()
+    delivered: list[int] = []
+
+    @db.partitioned_trigger(
+        app,
+        source=SqlAlchemySource(
+            url=sqlite_db.url, table="orders", cursor_column="seq", pk_columns=["id"]
+        ),
+        checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+        partitions=2,
+        schedule="0 */1 * * * *",
+        batch_size=10,
+        max_batches_per_tick=10,
+    )
+    def orders(events: list[RowChange], context: Any) -> None:
+        assert context.fencing_token >= 1
+        delivered.extend(e.pk["id"] for e in events)
+
+    module = f"fn_parts_{uuid.uuid4().hex[:8]}"
+    mod = types.ModuleType(module)
+    mod.orders = orders  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module, mod)
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", f"{module}:orders", "--max-ticks", "3", "--interval", "0"]) == 0
+    assert sorted(delivered) == list(range(1, 91))
+    assert main(["partitions", "show", "--trigger", f"{module}:orders", "--no-lag"]) == 0
+    assert main(["partitions", "split", "--trigger", f"{module}:orders"]) == 0

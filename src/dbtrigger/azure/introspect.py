@@ -61,7 +61,8 @@ def function_trigger(obj: Any) -> PollTrigger | None:
 
 
 def function_handler(obj: Any) -> Callable[..., Any]:
-    """A batch handler that runs a ``@db.trigger`` function as the host would.
+    """A batch handler that runs a ``@db.trigger`` function as the host would
+    (a ``db.partitioned_trigger`` function is a batch handler already).
 
     The function's own code runs with its ``@db.output`` bindings (rows given
     to ``out.set`` are written before the checkpoint commit) and an
@@ -73,7 +74,12 @@ def function_handler(obj: Any) -> Callable[..., Any]:
             takes a host binding other than the timer (the CLI cannot provide it).
     """
     fn, timer_arg = _user_function(obj)
-    make_handler = binding_of(fn).make_handler
+    binding = binding_of(fn)
+    if binding.partitioned is not None:
+        # db.partitioned_trigger decorates the batch handler itself, fn(events[, context]).
+        handler_fn: Callable[..., Any] = fn
+        return handler_fn
+    make_handler = binding.make_handler
     if make_handler is None:
         raise ConfigurationError(f"{getattr(fn, '__name__', fn)!r} is not a @db.trigger function")
     host_args: dict[str, Any] = {}

@@ -14,8 +14,19 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_the_binlog_benchmark_runs_on_tiny_data(binlog_mariadb: BinlogMariadb) -> None:
     done = subprocess.run(
         [
-            sys.executable, "-m", "benchmarks.cdc_binlog", "--url", binlog_mariadb.url(),
-            "--seconds", "0.5", "--rows", "1000", "--big", "1000", "--intervals", "0.05",
+            sys.executable,
+            "-m",
+            "benchmarks.cdc_binlog",
+            "--url",
+            binlog_mariadb.url(),
+            "--seconds",
+            "0.5",
+            "--rows",
+            "1000",
+            "--big",
+            "1000",
+            "--intervals",
+            "0.05",
         ],
         cwd=ROOT,
         capture_output=True,

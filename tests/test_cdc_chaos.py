@@ -119,9 +119,7 @@ def workload(db: CdcDatabase, large: int) -> None:
                     "FROM generate_series(%s::int, %s::int) g",
                     (first, first + step - 1),
                 )
-            conn.execute(
-                "UPDATE items SET version = version + 1 WHERE id BETWEEN 5001 AND 5100"
-            )
+            conn.execute("UPDATE items SET version = version + 1 WHERE id BETWEEN 5001 AND 5100")
         conn.execute("UPDATE items SET version = version + 1 WHERE id % 5 = 0")
         conn.execute("DELETE FROM items WHERE id % 11 = 0")
         for i in range(60):

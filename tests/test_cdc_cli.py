@@ -187,7 +187,14 @@ def test_run_status_history_reset_and_a_lost_slot_recreated_with_a_snapshot(
     assert sorted(d["pk"]["id"] for d in again) == list(range(1, 27))  # the gap is covered
 
     code, out, _ = run(
-        capsys, "reset", app.poller, "--store", store, "--to-beginning", "--reason", "replay",
+        capsys,
+        "reset",
+        app.poller,
+        "--store",
+        store,
+        "--to-beginning",
+        "--reason",
+        "replay",
         "--yes",
     )
     assert code == 0, out

@@ -428,8 +428,11 @@ def test_commit_time_lag_is_measured_from_the_read(cdc_db: CdcDatabase) -> None:
     metrics = InMemoryMetrics()
     source = PgLogicalSource(cdc_db.url, ["t"], snapshot="never")
     trigger = PollTrigger(
-        name="lagging", source=source, checkpoint_store=InMemoryCheckpointStore(),
-        metrics=metrics, batch_size=2,
+        name="lagging",
+        source=source,
+        checkpoint_store=InMemoryCheckpointStore(),
+        metrics=metrics,
+        batch_size=2,
     )
     trigger.tick(lambda events: None)
     cdc_db.execute("INSERT INTO t SELECT generate_series(1, 5)")

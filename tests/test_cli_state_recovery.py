@@ -155,8 +155,7 @@ def test_fingerprint_error_names_the_command_and_the_command_works(
     spec = f"{app.module}:changed"
     # The trigger is a global of an imported module: the command names it.
     command = (
-        f"dbtrigger reset orders --accept-source {spec} --reason 'source definition changed' "
-        "--yes"
+        f"dbtrigger reset orders --accept-source {spec} --reason 'source definition changed' --yes"
     )
     assert command in message
     assert "<module>" not in message

@@ -168,7 +168,7 @@ def test_members_started_together_claim_their_shares_without_shedding(
         assert m.balance().settled  # type: ignore[union-attr]
     clock.now += 2.0  # settled for two intervals: back to the slow interval
     c.balance()
-    assert 1.0 <= c._delay_next <= 1.2
+    assert 1.0 <= c._loop.delay <= 1.2
 
 
 def test_a_member_that_sees_a_newcomer_sheds_at_once_and_cycles_fast(
@@ -181,13 +181,13 @@ def test_a_member_that_sees_a_newcomer_sheds_at_once_and_cycles_fast(
     clock.now += 2.0
     a.balance()
     assert len(a.owned) == 4
-    assert a._delay_next >= 1.0  # alone and settled
+    assert a._loop.delay >= 1.0  # alone and settled
     b = member(sqlite_db, store, "b", clock, partitions=4)
     b.balance()  # b's first beat: nothing is free, and a's partitions are too fresh to steal
     first = a.balance()
     assert first is not None
     assert len(first.released) == 2  # in the cycle that saw b's heartbeat
-    assert a._delay_next <= cadence.fast_interval(1.0) * 1.2
+    assert a._loop.delay <= cadence.fast_interval(1.0) * 1.2
     b.balance()
     assert sorted([len(a.owned), len(b.owned)]) == [2, 2]
 
@@ -355,7 +355,7 @@ def test_a_member_whose_heartbeat_fails_for_the_ttl_ticks_nothing(
     try:
         assert poller.tick(lambda events: None) > 0
         store.failing = True
-        wait_until(lambda: time.monotonic() - poller._beat_at > poller.member_ttl)
+        wait_until(lambda: time.monotonic() - poller._loop.beat_at > poller.member_ttl)
         seen: list[RowChange] = []
         with caplog.at_level(logging.WARNING, logger="dbtrigger.partitions"):
             assert poller.tick(seen.extend) == 0

@@ -39,9 +39,7 @@ class ColumnsHarness:
             )
 
     def open(self) -> ClaimSource:
-        return ClaimSource(
-            url=self.db.url, table="jobs", schema=self.db.schema, pk_columns=["id"]
-        )
+        return ClaimSource(url=self.db.url, table="jobs", schema=self.db.schema, pk_columns=["id"])
 
 
 class SidecarHarness:

@@ -19,7 +19,6 @@ heartbeat has not been written for the member TTL ticks nothing until it is.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import datetime as dt
 import logging
@@ -45,10 +44,12 @@ from dbtrigger.partitions import cadence, layout
 from dbtrigger.partitions.handover import fence_dead_holders
 from dbtrigger.partitions.inspect import GroupState, PartitionState, group_state
 from dbtrigger.partitions.layout import BalanceDecision, Membership
+from dbtrigger.partitions.loop import BalanceLoop
 from dbtrigger.partitions.report import GroupReport
 from dbtrigger.partitions.source import PartitionSource
 from dbtrigger.runtime.kernel import Handler
 from dbtrigger.runtime.poller import PollTrigger
+from dbtrigger.runtime.subscribers import SubscriberCall, check_fan_out
 from dbtrigger.runtime.trigger import TickResult, default_owner_id, utc_now
 from dbtrigger.sources.sqlalchemy import SqlAlchemySource
 from dbtrigger.state.stores.base import CheckpointStore
@@ -105,7 +106,9 @@ class PartitionedPoller:
             False, balancing happens between partition ticks only.
         **options: every other :class:`~dbtrigger.PollTrigger` option
             (``batch_size``, ``lease_ttl_seconds``, ``quarantine``, ...), used
-            for each partition's trigger.
+            for each partition's trigger. ``subscribers={name: handler}`` fans
+            every partition out to those subscribers, each partition settling
+            its own window; ticks then take no handler.
     """
 
     def __init__(
@@ -154,8 +157,13 @@ class PartitionedPoller:
         self._metrics_inner = metrics
         self.clock = clock or utc_now
         self.monotonic = monotonic
+        #: Fan-out: every partition's trigger gets the subscribers and settles its own
+        #: window; the marker is the handler ``dbtrigger run`` and ticks without one pass.
+        self.subscribers, _ = check_fan_out(
+            options.get("subscribers"), ack_timeout=options.get("ack_timeout_seconds")
+        )
         self.options = options
-        self.default_handler: Handler | None = None
+        self.default_handler: Handler | None = SubscriberCall() if self.subscribers else None
         self.last_result: TickResult | None = None
         self.membership: Membership | None = None
         self.owned: tuple[str, ...] = ()
@@ -166,31 +174,49 @@ class PartitionedPoller:
         self._join_until: float | None = None  # end of the join window, once started
         self._joined = False  # claimed for the first time (the join window is over)
         self._was_joining = False  # the last cycle was one of the join window
-        self._beat_at = -float("inf")  # when our own heartbeat was last written
-        self._next_balance = -float("inf")
-        self._delay_next = 0.0
         self._turn = 0
-        self._cadence = cadence.Cadence(
-            interval,
-            monotonic,
-            random.Random(),  # noqa: S311 - jitter, not security
+        self._loop = BalanceLoop(
+            self.balance,
+            self.leave,
+            poller=self.name,
+            member_id=self.member_id,
+            cadence=cadence.Cadence(
+                interval,
+                monotonic,
+                random.Random(),  # noqa: S311 - jitter, not security
+            ),
+            liveness=self._liveness,
+            monotonic=monotonic,
+            ttl=ttl,
         )
         self.background = background
-        self._beater: threading.Thread | None = None
-        self._closing = threading.Event()
         self._wake = threading.Event()  # set when this member gains partitions
         self._handover = False  # an owned partition's lease is still held by its last owner
         self._lock = threading.RLock()
-        self._exit_hook = False
         self._report = GroupReport(self.name, self.member_id, partitions, self.metrics)
-        self._fenced_said = False
 
     # --- identity ------------------------------------------------------------------
 
     def handler(self, fn: Handler) -> Handler:
         """Decorator: register ``fn`` as the handler ``dbtrigger run`` drives."""
+        if self.subscribers:
+            raise ConfigurationError(
+                f"poller {self.name!r} has subscribers=: its handlers are the subscribers; "
+                "add this one to subscribers= instead of @handler"
+            )
         self.default_handler = fn
         return fn
+
+    def _handler_for(self, handler: Handler | None) -> Handler:
+        """The handler the partitions tick with: the given one, or the subscribers."""
+        if handler is not None:
+            return handler
+        if self.subscribers:
+            return SubscriberCall()
+        raise ConfigurationError(
+            f"poller {self.name!r} needs a handler: pass tick(handler) / drain(handler), "
+            "or construct it with subscribers={name: handler}"
+        )
 
     @property
     def fingerprint(self) -> str:
@@ -249,7 +275,7 @@ class PartitionedPoller:
         with self._lock:
             decision = self._balance(leaving=leaving)
             if not leaving:
-                self._schedule(decision)
+                self._loop.schedule(decision, self.membership, joining=self.joining)
             return decision
 
     def _balance(self, *, leaving: bool) -> BalanceDecision | None:
@@ -272,7 +298,7 @@ class PartitionedPoller:
                 self.store.write(self.key, layout.dumps(decision.document), if_match=etag)
             except CasConflictError:
                 continue
-            self._beat_at = self.monotonic()
+            self._loop.written()
             self._was_joining = joining
             self._joined = self._joined or not joining
             before = self.membership
@@ -286,22 +312,6 @@ class PartitionedPoller:
             extra={"event": "balance_skipped", "poller": self.name},
         )
         return None
-
-    def _schedule(self, decision: BalanceDecision | None) -> None:
-        """Pick the next cycle: fast while anything moves, never after a death is due."""
-        doc = self.membership
-        others = [n for n in (doc.members if doc else ()) if n != self.member_id]
-        self._delay_next = self._cadence.next(
-            decision,
-            doc,
-            joining=self.joining,
-            expiry_in=self._liveness.seconds_to_first_expiry(others),
-        )
-        self._next_balance = self.monotonic() + self._delay_next
-
-    def _retry_later(self) -> None:
-        """After a failed cycle (the store is down): try again after the slow interval."""
-        self._next_balance = self.monotonic() + self._cadence.after_failure()
 
     def _applied(self, doc: Membership, decision: BalanceDecision) -> None:
         self.membership = doc
@@ -348,73 +358,6 @@ class PartitionedPoller:
             for p in doc.partitions
         }
 
-    def _balance_if_due(self) -> None:
-        """Balance now if it is due (between partition ticks, without a thread)."""
-        if self.monotonic() >= self._next_balance:
-            self.balance()
-
-    def _start_heartbeat(self) -> None:
-        """Balance once now, then from a daemon thread on the cadence's schedule."""
-        if self._beater is not None and self._beater.is_alive():
-            return
-        self.balance()
-        self._closing.clear()
-        if not self._exit_hook:
-            # A worker that exits normally (SIGTERM through `dbtrigger run`) gives
-            # its partitions back at once instead of after the member TTL.
-            atexit.register(self._leave_at_exit)
-            self._exit_hook = True
-        self._beater = threading.Thread(
-            target=self._beat, name=f"dbtrigger-balance-{self.name}", daemon=True
-        )
-        self._beater.start()
-
-    def _leave_at_exit(self) -> None:
-        with contextlib.suppress(DbTriggerError):
-            self.leave()
-
-    def _beat(self) -> None:
-        while not self._closing.wait(max(0.0, self._next_balance - self.monotonic())):
-            try:
-                self.balance()
-            except DbTriggerError as exc:
-                # The partitions' own leases keep processing safe meanwhile; the
-                # next cycle tries again, and others see us dead only after the TTL.
-                self._retry_later()
-                log.warning(
-                    "balance cycle of %s failed: %s",
-                    self.member_id,
-                    exc,
-                    extra={"event": "balance_failed", "poller": self.name},
-                )
-            except Exception:
-                # Not ours to swallow silently, but a dead balance thread would stop
-                # this member from ever rebalancing: log it whole and keep cycling.
-                self._retry_later()
-                log.exception(
-                    "balance cycle of %s failed unexpectedly",
-                    self.member_id,
-                    extra={"event": "balance_failed", "poller": self.name},
-                )
-
-    def _fenced(self) -> bool:
-        """Our heartbeat is older than the member TTL: others may have taken everything."""
-        silent = self.monotonic() - self._beat_at
-        if silent <= self.member_ttl:
-            self._fenced_said = False
-            return False
-        if not self._fenced_said:
-            self._fenced_said = True
-            log.warning(
-                "member %s has not written its heartbeat for %.0fs (member TTL %gs): the others "
-                "may have taken its partitions, so it ticks none until its next heartbeat",
-                self.member_id,
-                silent,
-                self.member_ttl,
-                extra={"event": "member_self_fenced", "poller": self.name},
-            )
-        return True
-
     # --- ticking ---------------------------------------------------------------------
 
     def partition_triggers(self) -> tuple[int, dict[str, PollTrigger]]:
@@ -447,7 +390,7 @@ class PartitionedPoller:
             ) from None
 
     def tick_result(
-        self, handler: Handler, *, should_stop: Callable[[], bool] | None = None
+        self, handler: Handler | None = None, *, should_stop: Callable[[], bool] | None = None
     ) -> TickResult:
         """Balance if due, then one tick of every owned partition (in rotating order).
 
@@ -455,15 +398,19 @@ class PartitionedPoller:
         operator error before any other) is raised after all had their turn.
         A partition's tick stops after its batch in flight as soon as this
         member no longer owns it (a balance cycle gave it up or learnt it was
-        stolen), so no further batch of it starts here.
+        stolen), so no further batch of it starts here. With ``subscribers=``
+        no handler is passed: each partition fans out to them.
         """
+        handler = self._handler_for(handler)
         if self.background:
-            self._start_heartbeat()
+            if not self._loop.running:
+                self.balance()
+                self._loop.start()
             self._await_join(should_stop)
-        else:
-            self._balance_if_due()
+        elif self._loop.due():
+            self.balance()
         self._wake.clear()
-        owned = [] if self._fenced() else list(self.owned)
+        owned = [] if self._loop.stale() else list(self.owned)
         if owned:
             self._turn = (self._turn + 1) % len(owned)
             owned = owned[self._turn :] + owned[: self._turn]
@@ -474,8 +421,8 @@ class PartitionedPoller:
         for pid in owned:
             if should_stop is not None and should_stop():
                 break
-            if not self.background:
-                self._balance_if_due()
+            if not self.background and self._loop.due():
+                self.balance()
             trigger = self._triggers.get(pid)
             if trigger is None or pid not in self.owned:
                 continue  # given up or regrouped since the round began
@@ -504,7 +451,7 @@ class PartitionedPoller:
         def stop() -> bool:
             if should_stop is not None and should_stop():
                 return True
-            return pid not in self.owned or self._fenced()
+            return pid not in self.owned or self._loop.stale()
 
         return stop
 
@@ -522,7 +469,7 @@ class PartitionedPoller:
         while (left := self._join_until - self.monotonic()) > 0:
             if should_stop is not None and should_stop():
                 return
-            if self._closing.wait(min(left, WAKE_POLL_SECONDS)):
+            if self._loop.closing.wait(min(left, WAKE_POLL_SECONDS)):
                 return
         self.balance()
 
@@ -546,15 +493,18 @@ class PartitionedPoller:
             if self._wake.is_set():
                 return True
 
-    def tick(self, handler: Handler, *, should_stop: Callable[[], bool] | None = None) -> int:
+    def tick(
+        self, handler: Handler | None = None, *, should_stop: Callable[[], bool] | None = None
+    ) -> int:
         return self.tick_result(handler, should_stop=should_stop).rows
 
-    def run(self, *, timer: Any = None, handler: Handler) -> int:
+    def run(self, *, timer: Any = None, handler: Handler | None = None) -> int:
         del timer
         return self.tick(handler)
 
-    def drain(self, handler: Handler, *, max_ticks: int | None = None) -> int:
+    def drain(self, handler: Handler | None = None, *, max_ticks: int | None = None) -> int:
         """Tick the owned partitions until a round commits nothing."""
+        handler = self._handler_for(handler)
         total = ticks = 0
         while max_ticks is None or ticks < max_ticks:
             result = self.tick_result(handler)
@@ -576,10 +526,7 @@ class PartitionedPoller:
 
     def leave(self) -> None:
         """Give up every partition now (shutdown), so others need not wait for the TTL."""
-        self._closing.set()
-        if self._beater is not None:
-            self._beater.join(timeout=self.interval * 2)
-            self._beater = None
+        self._loop.stop(timeout=self.interval * 2)
         if self.membership is not None:
             self.balance(leaving=True)
             self.owned = ()

@@ -212,7 +212,7 @@ class PollTrigger:
         ack_timeout_seconds = opt.optional_seconds("ack_timeout_seconds", ack_timeout_seconds)
         #: Fan-out (see dbtrigger.runtime.subscribers): name -> handler, or None.
         self.subscribers, self.ack_timeout = check_fan_out(
-            subscribers, partitions=partitions, ack_timeout=ack_timeout_seconds
+            subscribers, ack_timeout=ack_timeout_seconds
         )
         self.source = source
         self.store = checkpoint_store
@@ -285,8 +285,6 @@ class PollTrigger:
         self.partitioned: Any = None
         if partitions is not None:
             for key in ("name", "source", "checkpoint_store", "partitions", "owner_id"):
-                options.pop(key)
-            for key in ("subscribers", "ack_timeout_seconds"):  # refused above when set
                 options.pop(key)
             # Loaded on use: the partitions wing stands on the runtime, not under it.
             member = importlib.import_module("dbtrigger.partitions.member")

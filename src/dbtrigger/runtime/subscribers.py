@@ -104,15 +104,10 @@ class SubscriberCall:
 
 
 def check_fan_out(
-    subscribers: object, *, partitions: int | None, ack_timeout: float | None
+    subscribers: object, *, ack_timeout: float | None
 ) -> tuple[dict[str, Handler] | None, float]:
     """``PollTrigger``'s fan-out options, checked: (subscribers or None, ack timeout)."""
     checked = None if subscribers is None else validate_subscribers(subscribers)
-    if checked is not None and partitions is not None:
-        raise ConfigurationError(
-            "subscribers= cannot be combined with partitions= yet: run one fan-out "
-            "poller, or one partitioned poller per subscriber"
-        )
     if ack_timeout is None:
         return checked, DEFAULT_ACK_TIMEOUT
     if checked is None:

@@ -1,0 +1,140 @@
+"""Fan-out on a partitioned poller: every partition delivers to every subscriber and
+settles its own window."""
+
+from __future__ import annotations
+
+import datetime as dt
+import sys
+import types
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from dbtrigger import InMemoryCheckpointStore, PollTrigger, RowChange, SqlAlchemySource
+from dbtrigger.cli import main
+from dbtrigger.errors import ConfigurationError
+from dbtrigger.partitions import PartitionedPoller
+from dbtrigger.state.window import Window
+from tests.databases import TestDatabase
+
+
+class WallClock:
+    def __init__(self) -> None:
+        self.now = dt.datetime(2026, 11, 26, 12, 0, tzinfo=dt.timezone.utc)
+
+    def __call__(self) -> dt.datetime:
+        return self.now
+
+
+def make_table(db: TestDatabase, rows: int) -> None:
+    table = db.qualified("orders")
+    db.execute(f"CREATE TABLE {table} (id INTEGER PRIMARY KEY, seq INTEGER NOT NULL)")
+    with db.engine.begin() as conn:
+        conn.execute(
+            sa.text(f"INSERT INTO {table} (id, seq) VALUES (:id, :id)"),
+            [{"id": i} for i in range(1, rows + 1)],
+        )
+
+
+def source(db: TestDatabase) -> SqlAlchemySource:
+    return SqlAlchemySource(
+        url=db.url, table="orders", schema=db.schema, cursor_column="seq", pk_columns=["id"]
+    )
+
+
+def test_each_partition_fans_out_and_settles_its_own_window(sqlite_db: TestDatabase) -> None:
+    make_table(sqlite_db, 200)
+    seen: dict[str, Counter[int]] = {"audit": Counter(), "mail": Counter()}
+    retried: list[int] = []
+
+    def audit(events: list[RowChange]) -> None:
+        seen["audit"].update(e.pk["id"] for e in events)
+
+    def mail(events: list[RowChange], ctx: Any) -> None:
+        seen["mail"].update(e.pk["id"] for e in events)
+        if not retried:  # the first event mail sees waits for a retry, for mail only
+            retried.append(events[0].pk["id"])
+            ctx.retry(events[0], "smtp busy")  # on the poller's backoff: 60 s here
+
+    clock = WallClock()
+    store = InMemoryCheckpointStore()
+    poller = PartitionedPoller(
+        name="orders",
+        source=source(sqlite_db),
+        checkpoint_store=store,
+        partitions=4,
+        join_window_seconds=0,
+        background=False,
+        clock=clock,
+        batch_size=25,
+        retry_delay_seconds=60,
+        retry_delay_max_seconds=60,
+        subscribers={"audit": audit, "mail": mail},
+    )
+    assert poller.drain() == 200
+    assert seen["audit"] == Counter(range(1, 201))
+    assert seen["mail"] == Counter(range(1, 201))
+    (key,) = retried
+    windows = {
+        pid: Window.from_json(poller.trigger(pid).read_state().window)  # type: ignore[union-attr]
+        for pid in poller.owned
+    }
+    waiting = {pid: len(w.pending) for pid, w in windows.items()}
+    assert sorted(waiting.values()) == [0, 0, 0, 1]  # only the retried event's partition
+    clock.now += dt.timedelta(seconds=120)  # past the backoff and its jitter
+    poller.drain()
+    assert seen["mail"][key] == 2  # delivered again to mail
+    assert seen["audit"][key] == 1  # and not to audit, which had accepted it
+    assert all(
+        not Window.from_json(poller.trigger(pid).read_state().window).pending  # type: ignore[union-attr]
+        for pid in poller.owned
+    )
+
+
+def test_a_fan_out_member_takes_no_handler(sqlite_db: TestDatabase) -> None:
+    poller = PartitionedPoller(
+        name="orders",
+        source=source(sqlite_db),
+        checkpoint_store=InMemoryCheckpointStore(),
+        subscribers={"a": lambda events: None},
+    )
+    with pytest.raises(ConfigurationError, match="its handlers are the subscribers"):
+        poller.handler(lambda events: None)
+    with pytest.raises(ConfigurationError, match="ack_timeout_seconds applies to subscribers"):
+        PartitionedPoller(
+            name="orders",
+            source=source(sqlite_db),
+            checkpoint_store=InMemoryCheckpointStore(),
+            ack_timeout_seconds=5,
+        )
+
+
+def test_poll_trigger_with_partitions_and_subscribers_runs_under_the_cli(
+    sqlite_db: TestDatabase, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Refused before (``subscribers= cannot be combined with partitions=``)."""
+    make_table(sqlite_db, 60)
+    got: Counter[str] = Counter()
+    trigger = PollTrigger(
+        name="orders",
+        source=source(sqlite_db),
+        checkpoint_store=InMemoryCheckpointStore(),
+        partitions=2,
+        batch_size=10,
+        max_batches_per_tick=10,
+        subscribers={
+            "a": lambda events: got.update(["a"] * len(events)),
+            "b": lambda events: got.update(["b"] * len(events)),
+        },
+    )
+    module = f"fanout_parts_{uuid.uuid4().hex[:8]}"
+    mod = types.ModuleType(module)
+    mod.trigger = trigger  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module, mod)
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", f"{module}:trigger", "--max-ticks", "2", "--interval", "0"]) == 0
+    assert got == {"a": 60, "b": 60}

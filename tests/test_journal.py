@@ -115,3 +115,35 @@ def test_decide_commit_encodes_a_typed_entry_and_keeps_the_limit() -> None:
         )
     assert [e["batch_id"] for e in doc.journal] == ["batch_1", "batch_2"]
     assert docmod.loads(docmod.dumps(doc)).journal == doc.journal
+
+
+def test_one_journal_limit_for_every_writer() -> None:
+    """A poller's commits and an operator's changes keep the same number of
+    entries (the pure rules defaulted to 50 while PollTrigger kept 20)."""
+    import inspect  # noqa: PLC0415
+
+    from dbtrigger import PollTrigger  # noqa: PLC0415
+    from dbtrigger.state import operations as ops  # noqa: PLC0415
+
+    def default(fn: object) -> object:
+        return inspect.signature(fn).parameters["journal_limit"].default  # type: ignore[arg-type]
+
+    assert docmod.DEFAULT_JOURNAL_LIMIT == 20
+    for fn in (PollTrigger.__init__, L.decide_commit, L.decide_failure, ops.reset, ops.skip_batch):
+        assert default(fn) == docmod.DEFAULT_JOURNAL_LIMIT, fn
+    doc = StateDocument("p", "f")
+    for i in range(30):
+        doc = doc.with_journal_entry({"type": "manual", "n": i})
+    assert len(doc.journal) == docmod.DEFAULT_JOURNAL_LIMIT
+
+
+def test_manual_entries_share_the_journals_vocabulary() -> None:
+    from dbtrigger.state import journal  # noqa: PLC0415
+
+    now = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    entry = journal.manual(
+        "reset", actor="ana", reason=" why ", now=now, before=None, after=Position(5, {"id": 1})
+    )
+    assert list(entry) == ["type", "operation", "actor", "reason", "at", "before", "after"]
+    assert (entry["type"], entry["reason"], entry["before"]) == (journal.MANUAL, "why", None)
+    assert encode(commit())["type"] == journal.COMMIT

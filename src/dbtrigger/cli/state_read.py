@@ -33,7 +33,7 @@ from dbtrigger.sources.base import ChecksItself, accepted_fingerprints, source_d
 from dbtrigger.sources.lag import COLUMN
 from dbtrigger.sources.sqlalchemy import SqlAlchemySource
 from dbtrigger.state import document as docmod
-from dbtrigger.state import fanout
+from dbtrigger.state import fanout, journal
 from dbtrigger.state import lease as leasemod
 from dbtrigger.state.lease import describe_lease
 from dbtrigger.state.stores.base import CheckpointStore
@@ -144,7 +144,7 @@ def poller_status(
         out["source_findings"] = [
             f._asdict() for f in source.source.self_check() if f.severity != "ok"
         ]
-    manual = [e for e in doc.journal if e.get("type") == "manual"]
+    manual = [e for e in doc.journal if e.get("type") == journal.MANUAL]
     out["journal_entries"] = len(doc.journal)
     out["last_manual_change"] = dict(manual[-1]) if manual else None
     return out
@@ -460,7 +460,7 @@ def cmd_history(args: argparse.Namespace) -> int:
         return 0
     rows = [["AT", "TYPE", "BATCH / OPERATION", "FROM", "TO", "ROWS", "BY", "TOKEN", "NOTE"]]
     for e in entries:
-        if e.get("type") == "commit":
+        if e.get("type") == journal.COMMIT:
             rows.append(
                 [
                     str(e.get("committed_at", "")),

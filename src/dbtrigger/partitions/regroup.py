@@ -45,6 +45,7 @@ from dbtrigger.partitions.layout import Floor, Membership, Partition
 from dbtrigger.partitions.member import PartitionedPoller, membership_key, partition_poller
 from dbtrigger.partitions.source import PartitionSource
 from dbtrigger.state import document as docmod
+from dbtrigger.state import journal
 from dbtrigger.state import operations as ops
 from dbtrigger.state.document import Checkpoint, Lease, StateDocument
 
@@ -319,7 +320,7 @@ def _switch(
     now: dt.datetime,
 ) -> None:
     entry: dict[str, Any] = {
-        "type": "manual",
+        "type": journal.MANUAL,
         "operation": "regroup",
         "actor": actor,
         "reason": reason,

@@ -59,7 +59,7 @@ from dbtrigger.runtime.trigger import (
 )
 from dbtrigger.sources.base import BindsToPoller, CountsAfter, SourceAdapter
 from dbtrigger.state import document as docmod
-from dbtrigger.state.document import StateDocument
+from dbtrigger.state.document import DEFAULT_JOURNAL_LIMIT, StateDocument
 from dbtrigger.state.stores.base import CheckpointStore
 from dbtrigger.state.window import Bound
 
@@ -159,7 +159,7 @@ class PollTrigger:
         metrics: MetricsCollector | None = None,
         owner_id: str | None = None,
         clock: Callable[[], dt.datetime] | None = None,
-        journal_limit: int = 20,
+        journal_limit: int = DEFAULT_JOURNAL_LIMIT,
         null_check_interval_seconds: float = 300,
         heartbeat_interval_seconds: float | None = None,
         retry: RetryPolicy | None = None,

@@ -30,6 +30,7 @@ from dbtrigger.runtime.telemetry import Telemetry
 from dbtrigger.sources.base import position_of
 from dbtrigger.sources.lag import CURSOR, LagReading
 from dbtrigger.state import document as docmod
+from dbtrigger.state import journal
 from dbtrigger.state import lease as leasemod
 from dbtrigger.state import verdict as verdictmod
 from dbtrigger.state.document import StateDocument
@@ -219,7 +220,7 @@ class StateWriter:
         entry: JournalEntry | None = None
         if advance_to is not None:
             entry = JournalEntry(
-                type="partial_commit",
+                type=journal.PARTIAL_COMMIT,
                 batch_id=ctx.batch_id,
                 before=ctx.checkpoint_before,
                 after=advance_to,

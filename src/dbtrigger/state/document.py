@@ -65,8 +65,10 @@ from dbtrigger.errors import CorruptStateError
 
 VERSION = 1
 
-#: How many journal entries a document keeps; older ones drop off.
-DEFAULT_JOURNAL_LIMIT = 50
+#: How many journal entries a document keeps; older ones drop off. One limit
+#: for every writer: a poller's commits (``PollTrigger(journal_limit=)``) and
+#: an operator's manual changes alike.
+DEFAULT_JOURNAL_LIMIT = 20
 
 
 def format_time(value: dt.datetime) -> str:

@@ -1,10 +1,12 @@
-"""Journal entries as typed values, and the one function that encodes them.
+"""The journal's one vocabulary: every kind of entry, and the functions that encode them.
 
 The state document keeps the last ``journal_limit`` commits and manual
 operations as JSON objects (``dbtrigger state history`` prints them). The
-runtime describes what it did with a :class:`JournalEntry`; only
-:func:`encode` knows the JSON shape, so a field cannot be misspelt at one call
-site and right at another, and the shape is tested here, table by table.
+runtime describes what it did with a :class:`JournalEntry`, an operator's
+change (reset, skip, accept-source, regroup...) is :func:`manual`; only this
+module knows the JSON shapes, so a field cannot be misspelt at one call site
+and right at another, and the shapes are tested here, table by table. Readers
+tell entries apart by :data:`COMMIT`, :data:`PARTIAL_COMMIT` and :data:`MANUAL`.
 
 The encoded key order is part of the document's bytes (compact JSON, no key
 sorting): it stays ``type, batch_id, from, to, rows, owner_id, fencing_token,
@@ -17,14 +19,21 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Final, Literal
 
 from dbtrigger.cursor import Position
+from dbtrigger.errors import ConfigurationError
 from dbtrigger.state.document import format_time, position_to_json
+
+#: An entry's ``type``: a batch committed whole, a failed batch's leading
+#: settled rows committed with its failure record, an operator's change.
+COMMIT: Final = "commit"
+PARTIAL_COMMIT: Final = "partial_commit"
+MANUAL: Final = "manual"
 
 #: ``commit``: a batch committed whole. ``partial_commit``: a failed batch's
 #: leading settled rows were committed with the failure record.
-EntryType = Literal["commit", "partial_commit"]
+EntryType = Literal["commit", "partial_commit"]  # COMMIT, PARTIAL_COMMIT
 
 
 @dataclass(frozen=True)
@@ -90,7 +99,7 @@ class JournalEntry:
     ) -> JournalEntry:
         """A whole batch committed; its duration is measured from ``started_at``."""
         return cls(
-            type="commit",
+            type=COMMIT,
             batch_id=batch_id,
             before=before,
             after=after,
@@ -129,3 +138,43 @@ def encode(entry: JournalEntry) -> dict[str, object]:
             }
         out["outcomes"] = encoded
     return out
+
+
+def position_json(position: Position | None) -> dict[str, Any] | None:
+    """A position as journal JSON; ``None`` (and the beginning) stay ``None``."""
+    if position is None or position.is_beginning:
+        return None
+    return position_to_json(position)
+
+
+def manual(
+    operation: str,
+    *,
+    actor: str,
+    reason: str,
+    now: dt.datetime,
+    before: Position | None,
+    after: Position | None,
+    details: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The journal entry of one manual operation (``details`` are appended).
+
+    Raises:
+        ConfigurationError: no reason or no actor: a manual change is always
+            signed and explained.
+    """
+    if not reason or not reason.strip():
+        raise ConfigurationError("a manual state change needs a reason (--reason)")
+    if not actor or not actor.strip():
+        raise ConfigurationError("a manual state change needs an actor")
+    entry: dict[str, Any] = {
+        "type": MANUAL,
+        "operation": operation,
+        "actor": actor,
+        "reason": reason.strip(),
+        "at": format_time(now),
+        "before": position_json(before),
+        "after": position_json(after),
+    }
+    entry.update(details or {})
+    return entry

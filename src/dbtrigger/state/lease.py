@@ -40,6 +40,7 @@ from dbtrigger.cursor import Position, canonical_json
 from dbtrigger.errors import FingerprintMismatchError, LostLeaseError
 from dbtrigger.redaction import redact
 from dbtrigger.state.document import (
+    DEFAULT_JOURNAL_LIMIT,
     Checkpoint,
     FailureRecord,
     Lease,
@@ -298,7 +299,7 @@ def decide_commit(
     ttl: dt.timedelta,
     release: bool,
     journal_entry: Entry | None = None,
-    journal_limit: int = 50,
+    journal_limit: int = DEFAULT_JOURNAL_LIMIT,
     window: WindowUpdate = KEEP,
 ) -> StateDocument:
     """Advance the checkpoint, renew (or release) the lease, clear any failure record.
@@ -371,7 +372,7 @@ def decide_failure(
     row_count: int = 0,
     done: tuple[str, ...] = (),
     journal_entry: Entry | None = None,
-    journal_limit: int = 50,
+    journal_limit: int = DEFAULT_JOURNAL_LIMIT,
     batch_end: Position | None = None,
     batch_rows: int | None = None,
     batch_digest: str | None = None,

@@ -42,20 +42,16 @@ from dbtrigger.cursor import Position
 from dbtrigger.errors import ConfigurationError, LiveLeaseError
 from dbtrigger.names import validate_name
 from dbtrigger.state import document as docmod
+from dbtrigger.state import journal
 from dbtrigger.state.document import Checkpoint, Lease, StateDocument
+from dbtrigger.state.journal import manual as manual_entry
+from dbtrigger.state.journal import position_json
 
 #: Journal entries a manual operation keeps (the document's own default bound).
 JOURNAL_LIMIT = docmod.DEFAULT_JOURNAL_LIMIT
 
 #: Owner id prefix of a lease written by an operator.
 OPERATOR_PREFIX = "operator:"
-
-
-def position_json(position: Position | None) -> dict[str, Any] | None:
-    """A position as journal JSON; ``None`` (and the beginning) stay ``None``."""
-    if position is None or position.is_beginning:
-        return None
-    return docmod.position_to_json(position)
 
 
 def current_position(doc: StateDocument) -> Position | None:
@@ -122,34 +118,6 @@ def _fence_details(before: StateDocument, after: StateDocument) -> dict[str, Any
             "new_fencing_token": new.fencing_token,
         }
     }
-
-
-def manual_entry(
-    operation: str,
-    *,
-    actor: str,
-    reason: str,
-    now: dt.datetime,
-    before: Position | None,
-    after: Position | None,
-    details: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The journal entry of one manual operation."""
-    if not reason or not reason.strip():
-        raise ConfigurationError("a manual state change needs a reason (--reason)")
-    if not actor or not actor.strip():
-        raise ConfigurationError("a manual state change needs an actor")
-    entry: dict[str, Any] = {
-        "type": "manual",
-        "operation": operation,
-        "actor": actor,
-        "reason": reason.strip(),
-        "at": docmod.format_time(now),
-        "before": position_json(before),
-        "after": position_json(after),
-    }
-    entry.update(details or {})
-    return entry
 
 
 def _manual_checkpoint(
@@ -532,12 +500,12 @@ def batch_position(doc: StateDocument, batch_id: str, *, redeliver: bool = False
         ConfigurationError: the batch is not in the (bounded) journal.
     """
     for entry in reversed(doc.journal):
-        if entry.get("type") == "commit" and entry.get("batch_id") == batch_id:
+        if entry.get("type") == journal.COMMIT and entry.get("batch_id") == batch_id:
             raw = entry.get("from") if redeliver else entry.get("to")
             if raw is None:
                 return Position()
             return docmod.position_from_json(raw, f"journal[{batch_id}]")
-    known = [str(e.get("batch_id")) for e in doc.journal if e.get("type") == "commit"]
+    known = [str(e.get("batch_id")) for e in doc.journal if e.get("type") == journal.COMMIT]
     hint = f"; the journal holds {', '.join(known[-5:])}" if known else "; the journal is empty"
     raise ConfigurationError(f"batch {batch_id!r} is not in the journal{hint}")
 

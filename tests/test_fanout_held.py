@@ -156,7 +156,7 @@ class Hang:
 
 
 def owed(state: CheckpointStore) -> dict[int, dict[str, int] | None]:
-    window = Window.from_json(read_doc(state).window)
+    window = (read_doc(state).window or Window())
     return {int(p.position.pk["id"]): p.owed for p in window.pending}
 
 

@@ -196,7 +196,7 @@ class World:
             upto = int(doc.position.pk["id"])
             missing = set(range(1, upto + 1)) - settled
             assert not missing, f"checkpoint {upto} passed unsettled rows {sorted(missing)}"
-        window = Window.from_json(doc.window)
+        window = (doc.window or Window())
         remembered = {int(p.pk["id"]) for p in window.settled}
         assert remembered <= settled, f"window settled {sorted(remembered - settled)}"
         for pending in window.pending:

@@ -161,3 +161,52 @@ def test_malformed_documents_raise_corrupt_state_naming_the_field(
 def test_naive_time_cannot_be_written() -> None:
     with pytest.raises(ValueError, match="timezone-aware"):
         docmod.format_time(dt.datetime(2026, 1, 1))
+
+
+# --- the window is a typed field (issue #21 item 5) ------------------------------------
+
+
+STORED_WINDOW = (
+    '{"version":1,"poller_name":"p","source_fingerprint":"f","checkpoint":null,'
+    '"lease":null,"failure":null,"journal":[],"window":{"settled":[{"kind":"int+pk",'
+    '"value":3,"tiebreaker":{"id":3},"tiebreaker_kinds":{"id":"int"}}],"pending":[{"at":'
+    '{"kind":"int+pk","value":2,"tiebreaker":{"id":2},"tiebreaker_kinds":{"id":"int"}},'
+    '"attempts":1,"not_before":"2026-01-01T00:00:00.000000Z","reason":"busy"}],'
+    '"bound":{"max_events":40,"max_bytes":4096},"later":{"kept":true}}}'
+)
+
+
+def test_a_stored_window_is_read_typed_and_written_back_byte_for_byte() -> None:
+    from dbtrigger.state.window import Bound, Window  # noqa: PLC0415
+
+    doc = docmod.loads(STORED_WINDOW)
+    assert isinstance(doc.window, Window)
+    assert doc.window.settled == (Position(cursor=3, pk={"id": 3}),)
+    assert [(p.position.cursor, p.attempts, p.reason) for p in doc.window.pending] == [
+        (2, 1, "busy")
+    ]
+    assert doc.window.bound == Bound(40, 4096)
+    assert doc.window.extra == {"later": {"kept": True}}  # a newer writer's field survives
+    assert docmod.dumps(doc).decode() == STORED_WINDOW
+    # Equal windows are the same entries; the bound is what the writer had.
+    assert Window(doc.window.settled, doc.window.pending) == doc.window
+
+
+@pytest.mark.parametrize(
+    ("window", "named"),
+    [
+        ("[1]", "window must be an object"),
+        ('{"pending":[{"attempts":1}]}', "window.pending.at"),
+        ('{"settled":"x"}', "window.settled"),
+    ],
+)
+def test_a_malformed_window_is_refused_when_the_document_is_read(window: str, named: str) -> None:
+    raw = STORED_WINDOW.split(',"window":', maxsplit=1)[0] + f',"window":{window}}}'
+    with pytest.raises(CorruptStateError, match=named):
+        docmod.loads(raw)
+
+
+def test_an_empty_window_is_no_window() -> None:
+    head = STORED_WINDOW.split(',"window":', maxsplit=1)[0]
+    raw = head + ',"window":{"settled":[],"pending":[]}}'
+    assert docmod.loads(raw).window is None

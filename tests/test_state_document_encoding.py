@@ -34,7 +34,7 @@ from dbtrigger.state.document import (
     StateDocument,
 )
 from dbtrigger.state.journal import JournalEntry, Outcomes, encode
-from dbtrigger.state.window import Pending, Window
+from dbtrigger.state.window import Bound, Pending, Window
 
 UTC = dt.timezone.utc
 T0 = dt.datetime(2026, 4, 7, 1, 23, tzinfo=UTC)
@@ -76,7 +76,9 @@ def full_document() -> StateDocument:
     window = Window(
         settled=(Position(cursor=12, pk={"id": 12}),),
         pending=(Pending(Position(cursor=11, pk={"id": 11}), 2, T0, "429 from billing ☃"),),
-    ).to_json()
+        bound=Bound(40, 4096),
+        extra={"written_by_a_newer": "dbtrigger ✓"},
+    )
     doc = StateDocument(
         poller_name="orders-ü",
         source_fingerprint="sha256:abc",
@@ -133,7 +135,7 @@ def full_document() -> StateDocument:
 DOCUMENTS = [
     pytest.param(StateDocument("orders", "sha256:abc"), id="new"),
     pytest.param(full_document(), id="every field"),
-    pytest.param(StateDocument("o", "f", window={}), id="empty window"),
+    pytest.param(StateDocument("o", "f", window=Window()), id="empty window"),
     pytest.param(StateDocument("o", "f", journal=({"a": 1}, {})), id="plain dict entries"),
     pytest.param(
         StateDocument("o", "f", extra={"version": 0, "poller_name": "x", "a": 1}),
@@ -211,6 +213,19 @@ OBJECT = st.dictionaries(TEXT, JSON, max_size=5)
 TIMES = st.datetimes(
     min_value=dt.datetime(1970, 1, 2), max_value=dt.datetime(9999, 1, 1), timezones=st.just(UTC)
 )
+def _windows() -> st.SearchStrategy[Window]:
+    return st.builds(
+        Window,
+        settled=st.lists(POSITIONS, max_size=3).map(tuple),
+        pending=st.lists(
+            st.builds(Pending, position=POSITIONS, attempts=st.integers(1, 9), not_before=TIMES),
+            max_size=3,
+        ).map(tuple),
+        bound=st.none() | st.builds(Bound, st.integers(1, 2000), st.integers(1024, 10**6)),
+        extra=unknown(frozenset({"settled", "pending", "bound"})),
+    )
+
+
 POSITIONS = st.builds(
     Position,
     cursor=st.integers() | TIMES | TEXT,
@@ -220,6 +235,9 @@ POSITIONS = st.builds(
 
 def unknown(known: frozenset[str]) -> st.SearchStrategy[dict[str, Any]]:
     return OBJECT.map(lambda extra: {k: v for k, v in extra.items() if k not in known})
+
+
+WINDOWS = st.deferred(_windows)
 
 
 @st.composite
@@ -267,7 +285,7 @@ def documents(draw: st.DrawFn) -> StateDocument:
             )
         ),
         extra=draw(unknown(docmod._TOP_KEYS)),
-        window=draw(st.none() | OBJECT),
+        window=draw(st.none() | WINDOWS),
     )
     # Entries arrive the ways they do in practice: appended (read-only records,
     # some of them already encoded by an earlier write) or as plain mappings.

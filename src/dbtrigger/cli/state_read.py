@@ -38,7 +38,7 @@ from dbtrigger.state import lease as leasemod
 from dbtrigger.state.lease import describe_lease
 from dbtrigger.state.stores.base import CheckpointStore
 from dbtrigger.state.stores.factory import describe_store
-from dbtrigger.state.window import Bound, Window
+from dbtrigger.state.window import Window
 
 #: ``.p000-021`` after a partitioned poller's name: one partition's state document.
 PARTITION_KEY = re.compile(r"\.p\d{3}-\d{3}")
@@ -151,7 +151,7 @@ def poller_status(
 
 
 def window_status(
-    raw: Any, now: dt.datetime, *, gone: Collection[str] = ()
+    window: Window | None, now: dt.datetime, *, gone: Collection[str] = ()
 ) -> dict[str, Any] | None:
     """The settled window as ``status`` shows it (None: no window in use).
 
@@ -162,15 +162,9 @@ def window_status(
     fan-out subscribers the trigger no longer has, with no dead-letter sink
     for their events - an event owed only to them is not delivered at all.
     """
-    if raw is None:
+    if window is None:
         return None
-    window = Window.from_json(raw)
-    bound = raw.get("bound") if isinstance(raw, Mapping) else None
-    limits = None
-    if isinstance(bound, Mapping) and all(
-        isinstance(bound.get(k), int) and bound[k] > 0 for k in ("max_events", "max_bytes")
-    ):
-        limits = Bound(bound["max_events"], bound["max_bytes"])
+    limits = window.bound
     size = window.encoded_size()
     pressure = None if limits is None else limits.under_pressure(window, size)
     pinned = window.pending[0] if window.pending else None
@@ -237,14 +231,11 @@ def _window_text(window: Mapping[str, Any] | None) -> str:
     return text
 
 
-def _owed(raw_window: Any, source: LoadedSource | None) -> list[dict[str, Any]]:
+def _owed(window: Window | None, source: LoadedSource | None) -> list[dict[str, Any]]:
     """Fan-out: each subscriber still owed waiting events, and whether the
     trigger (``--source``) still has it - a removed subscriber with no
     dead-letter sink holds the checkpoint until an operator acts."""
-    try:
-        pending = Window.from_json(raw_window).pending
-    except CorruptStateError:
-        return []
+    pending = window.pending if window is not None else ()
     trigger = source.trigger if source is not None else None
     names = getattr(trigger, "subscribers", None) if trigger is not None else None
     out = []

@@ -35,6 +35,7 @@ a broken source definition) always propagate.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import random
 import threading
@@ -330,7 +331,7 @@ class TickDriver:
             )
 
         position = doc.position if doc else BEGINNING
-        window = Window.from_json(doc.window) if doc is not None else Window()
+        window = (doc.window if doc is not None else None) or Window()
         try:
             selection = self.next_batch(position, window)
         except DbTriggerError as exc:
@@ -687,7 +688,7 @@ class TickDriver:
         """The batch's one write, then what it changed, reported."""
         window: leasemod.WindowUpdate = leasemod.KEEP
         if settlement is not None:
-            window = settlement.window.to_json(self.settings.bound)
+            window = dataclasses.replace(settlement.window, bound=self.settings.bound)
         self.writer.commit(session, entry, release, window)
         outcomes = entry.outcomes
         if outcomes is not None:

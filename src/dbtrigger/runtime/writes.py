@@ -9,6 +9,7 @@ driver (:mod:`dbtrigger.runtime.tick`) decides *when*; this module knows
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import time
 from collections.abc import Callable, Sequence
@@ -216,7 +217,7 @@ class StateWriter:
             head = sum(1 for e in events if key_of(position_of(e)) in settlement.passed)
             advance = verdictmod.Advance(head, ())
             advance_to = settlement.checkpoint
-            window = settlement.window.to_json(s.bound)
+            window = dataclasses.replace(settlement.window, bound=s.bound)
         entry: JournalEntry | None = None
         if advance_to is not None:
             entry = JournalEntry(

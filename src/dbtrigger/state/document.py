@@ -60,8 +60,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn
 
-from dbtrigger.cursor import Position, canonical_json, decode_value, encode_value, infer_kind
+from dbtrigger.cursor import Position, canonical_json
 from dbtrigger.errors import CorruptStateError
+
+# The encodings of times and positions live below the document (the window
+# and the journal use them too); they are still read from here by most callers.
+from dbtrigger.state.codec import format_time, parse_time, position_from_json, position_to_json
+from dbtrigger.state.window import Window
 
 VERSION = 1
 
@@ -69,29 +74,6 @@ VERSION = 1
 #: for every writer: a poller's commits (``PollTrigger(journal_limit=)``) and
 #: an operator's manual changes alike.
 DEFAULT_JOURNAL_LIMIT = 20
-
-
-def format_time(value: dt.datetime) -> str:
-    """UTC ISO-8601 with microseconds and ``Z``: the document's only time format."""
-    if value.tzinfo is None:
-        raise ValueError("state document times must be timezone-aware")
-    return (
-        value.astimezone(dt.timezone.utc).replace(tzinfo=None).isoformat(timespec="microseconds")
-        + "Z"
-    )
-
-
-def parse_time(value: Any, where: str) -> dt.datetime:
-    if not isinstance(value, str):
-        raise CorruptStateError(f"{where} must be an ISO-8601 string, got {value!r}")
-    text = value[:-1] + "+00:00" if value.endswith("Z") else value
-    try:
-        parsed = dt.datetime.fromisoformat(text)
-    except ValueError as exc:
-        raise CorruptStateError(f"{where} is not an ISO-8601 time: {value!r}") from exc
-    if parsed.tzinfo is None:
-        raise CorruptStateError(f"{where} has no time zone: {value!r}")
-    return parsed.astimezone(dt.timezone.utc)
 
 
 @dataclass(frozen=True)
@@ -216,11 +198,11 @@ class StateDocument:
     version: int = VERSION
     #: Top-level fields this version does not know, written back as they were read.
     extra: Mapping[str, Any] = field(default_factory=dict, hash=False)
-    #: Per-event outcomes above the checkpoint, as stored (parsed and decided
-    #: on by :mod:`dbtrigger.state.window`); None when there are none, and then
-    #: the field is left out of the JSON, so a document that never used
+    #: Per-event outcomes above the checkpoint (:class:`~dbtrigger.state.window.Window`,
+    #: decided on by :mod:`dbtrigger.state.window`); None when there are none, and
+    #: then the field is left out of the JSON, so a document that never used
     #: ``ctx.retry`` is byte-for-byte what it always was.
-    window: Mapping[str, Any] | None = None
+    window: Window | None = None
     #: What the fingerprint hashes, readable and secret-free, with that fingerprint
     #: (see ``dbtrigger.sources.fingerprint.readable_definition``); None for sources
     #: that cannot describe themselves and documents written before it existed (the
@@ -240,39 +222,6 @@ class StateDocument:
 
 
 # --- serialisation -------------------------------------------------------------
-
-
-def position_to_json(position: Position) -> dict[str, Any]:
-    kind, value = encode_value(position.cursor)
-    tiebreaker: dict[str, Any] = {}
-    kinds: dict[str, str] = {}
-    for name, pk_value in position.pk.items():
-        kinds[name], tiebreaker[name] = encode_value(pk_value)
-    return {
-        "kind": f"{kind}+pk",
-        "value": value,
-        "tiebreaker": tiebreaker,
-        "tiebreaker_kinds": kinds,
-    }
-
-
-def position_from_json(raw: Any, where: str = "checkpoint.cursor") -> Position:
-    if not isinstance(raw, Mapping):
-        raise CorruptStateError(f"{where} must be an object, got {raw!r}")
-    kind = raw.get("kind")
-    if not isinstance(kind, str) or not kind:
-        raise CorruptStateError(f"{where}.kind must be a non-empty string")
-    cursor_kind = kind.split("+", 1)[0]
-    cursor = decode_value(cursor_kind, raw.get("value"))
-    tiebreaker = raw.get("tiebreaker") or {}
-    kinds = raw.get("tiebreaker_kinds") or {}
-    if not isinstance(tiebreaker, Mapping) or not isinstance(kinds, Mapping):
-        raise CorruptStateError(f"{where}.tiebreaker must be an object of key values")
-    pk = {
-        str(name): decode_value(str(kinds.get(name) or infer_kind(value)), value)
-        for name, value in tiebreaker.items()
-    }
-    return Position(cursor=cursor, pk=pk)
 
 
 _TOP_KEYS = frozenset(
@@ -394,8 +343,12 @@ def to_json(doc: StateDocument) -> dict[str, Any]:
     return (
         _head_json(doc)
         | {"journal": [dict(entry) for entry in doc.journal]}
-        | ({"window": doc.window} if doc.window is not None else {})
+        | ({"window": window} if (window := _window_json(doc)) is not None else {})
     )
+
+
+def _window_json(doc: StateDocument) -> dict[str, Any] | None:
+    return doc.window.to_json() if doc.window is not None else None
 
 
 def _entry_json(entry: Mapping[str, Any]) -> str:
@@ -421,8 +374,9 @@ def dumps(doc: StateDocument) -> bytes:
     parts = [_encode(_head_json(doc))[:-1], ',"journal":[']
     parts.append(",".join([_entry_json(entry) for entry in doc.journal]))
     parts.append("]")
-    if doc.window is not None:
-        parts += (',"window":', _encode(doc.window))
+    window = _window_json(doc)
+    if window is not None:
+        parts += (',"window":', _encode(window))
     parts.append("}")
     return "".join(parts).encode("utf-8")
 
@@ -574,12 +528,14 @@ def known_definition(doc: StateDocument) -> Mapping[str, Any] | None:
     return definition
 
 
-def _window(raw: Any) -> Mapping[str, Any] | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, Mapping):
-        raise CorruptStateError("window must be an object or null")
-    return dict(raw)
+def _window(raw: Any) -> Window | None:
+    """The stored window, typed (None when absent or holding nothing).
+
+    Raises:
+        CorruptStateError: naming the malformed part.
+    """
+    window = Window.from_json(raw)
+    return window if window or window.extra else None
 
 
 def _done_ids(raw: Any) -> tuple[str, ...]:
@@ -626,3 +582,26 @@ def show_changes(changes: Sequence[tuple[str, Any, Any]]) -> str:
         return text if len(text) <= 80 else text[:77] + "..."
 
     return "; ".join(f"{name} {show(old)} -> {show(new)}" for name, old, new in changes)
+
+
+__all__ = [
+    "DEFAULT_JOURNAL_LIMIT",
+    "VERSION",
+    "Checkpoint",
+    "FailureRecord",
+    "JournalRecord",
+    "Lease",
+    "StateDocument",
+    "definition_changes",
+    "digest_event_ids",
+    "dumps",
+    "format_time",
+    "from_json",
+    "known_definition",
+    "loads",
+    "parse_time",
+    "position_from_json",
+    "position_to_json",
+    "show_changes",
+    "to_json",
+]

@@ -51,6 +51,7 @@ from dbtrigger.state.document import (
     show_changes,
 )
 from dbtrigger.state.journal import JournalEntry, encode
+from dbtrigger.state.window import Window
 
 #: A journal entry as a typed value (what the runtime writes) or an already
 #: encoded object (manual operations, tests).
@@ -63,14 +64,24 @@ class _Keep:
 
 KEEP = _Keep()
 
-#: A new window for the document: its JSON (None: empty) or :data:`KEEP`.
-WindowUpdate = Mapping[str, object] | None | _Keep
+#: A new window for the document (None or empty: no window) or :data:`KEEP`.
+WindowUpdate = Window | None | _Keep
+
+
+def _encoded(window: Window | None) -> dict[str, object] | None:
+    return window.to_json() if window is not None else None
 
 
 def _with_window(doc: StateDocument, window: WindowUpdate) -> StateDocument:
-    if isinstance(window, _Keep) or window == doc.window:
+    """``doc`` with ``window``; ``doc`` itself when that changes nothing it stores
+    (entries, their order and the bound), so a tick that changes nothing
+    rewrites nothing."""
+    if isinstance(window, _Keep):
         return doc
-    return replace(doc, window=window)
+    new = _encoded(window)
+    if new == _encoded(doc.window):
+        return doc
+    return replace(doc, window=window if new is not None else None)
 
 
 def _journaled(doc: StateDocument, entry: Entry | None, limit: int) -> StateDocument:

@@ -60,14 +60,14 @@ import decimal
 import json
 import math
 from collections.abc import Collection, Mapping, Sequence, Set
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dbtrigger.cursor import Position, canonical_json, pk_json
 from dbtrigger.errors import CorruptStateError
 from dbtrigger.redaction import redact
 from dbtrigger.state.backoff import backoff_seconds
-from dbtrigger.state.document import format_time, parse_time, position_from_json, position_to_json
+from dbtrigger.state.codec import format_time, parse_time, position_from_json, position_to_json
 
 #: Longest retry reason kept in the document.
 MAX_REASON = 200
@@ -118,8 +118,19 @@ class Pending:
 
 @dataclass(frozen=True)
 class Window:
+    """The document's settled window, typed: the runtime never sees its JSON.
+
+    ``bound`` is the writer's bound, stored along so that ``dbtrigger status``
+    can tell how full the window is without the trigger's code; ``extra``
+    holds fields a newer dbtrigger wrote into it, written back as they were
+    read. Neither takes part in comparing windows: two windows are the same
+    when they hold the same entries.
+    """
+
     settled: tuple[Position, ...] = ()
     pending: tuple[Pending, ...] = ()
+    bound: Bound | None = field(default=None, compare=False)
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __len__(self) -> int:
         return len(self.settled) + len(self.pending)
@@ -127,8 +138,9 @@ class Window:
     def to_json(self, bound: Bound | None = None) -> dict[str, Any] | None:
         """The document's ``window`` object; None when empty (the field is left out).
 
-        ``bound``: the poller's bound, written along so that ``dbtrigger
-        status`` can tell how full the window is without the trigger's code.
+        ``bound``: the poller's bound (default: :attr:`bound`), written along
+        so that ``dbtrigger status`` can tell how full the window is without
+        the trigger's code.
         """
         if not self.settled and not self.pending:
             return None
@@ -136,8 +148,10 @@ class Window:
             "settled": [position_to_json(p) for p in self.settled],
             "pending": [_pending_json(p) for p in self.pending],
         }
+        bound = bound if bound is not None else self.bound
         if bound is not None:
             out["bound"] = {"max_events": bound.max_events, "max_bytes": bound.max_bytes}
+        out.update({k: v for k, v in self.extra.items() if k not in out})
         return out
 
     @classmethod
@@ -169,7 +183,8 @@ class Window:
                     owed=_owed_from_json(item.get("owed")),
                 )
             )
-        return cls(settled, tuple(pending))
+        extra = {k: v for k, v in raw.items() if k not in _WINDOW_KEYS}
+        return cls(settled, tuple(pending), _bound_from_json(raw.get("bound")), extra)
 
     def encoded_size(self) -> int:
         raw = self.to_json()
@@ -187,6 +202,24 @@ class Window:
             tuple(p for p in self.settled if key_of(p) not in keys),
             tuple(p for p in self.pending if key_of(p.position) not in keys),
         )
+
+
+_WINDOW_KEYS = frozenset({"settled", "pending", "bound"})
+
+
+def _bound_from_json(raw: Any) -> Bound | None:
+    """The stored bound (None when absent or not two positive whole numbers: it is
+    a report for ``dbtrigger status``, never a reason to refuse the document)."""
+    if not isinstance(raw, Mapping):
+        return None
+    events, size = raw.get("max_events"), raw.get("max_bytes")
+    if not (_positive(events) and _positive(size)):
+        return None
+    return Bound(events, size)  # type: ignore[arg-type]  # checked by _positive
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _pending_json(p: Pending) -> dict[str, Any]:

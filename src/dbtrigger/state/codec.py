@@ -1,0 +1,73 @@
+"""The state document's encodings of times and positions, below everything that stores them.
+
+A time is UTC ISO-8601 with microseconds and ``Z``; a position is its cursor
+value and key values, each with its kind (:mod:`dbtrigger.cursor`), so that a
+value comes back as the type it was. The document (:mod:`.document`), the
+settled window (:mod:`.window`) and the journal (:mod:`.journal`) all write
+positions and times this one way.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping
+from typing import Any
+
+from dbtrigger.cursor import Position, decode_value, encode_value, infer_kind
+from dbtrigger.errors import CorruptStateError
+
+
+def format_time(value: dt.datetime) -> str:
+    """UTC ISO-8601 with microseconds and ``Z``: the document's only time format."""
+    if value.tzinfo is None:
+        raise ValueError("state document times must be timezone-aware")
+    return (
+        value.astimezone(dt.timezone.utc).replace(tzinfo=None).isoformat(timespec="microseconds")
+        + "Z"
+    )
+
+
+def parse_time(value: Any, where: str) -> dt.datetime:
+    if not isinstance(value, str):
+        raise CorruptStateError(f"{where} must be an ISO-8601 string, got {value!r}")
+    text = value[:-1] + "+00:00" if value.endswith("Z") else value
+    try:
+        parsed = dt.datetime.fromisoformat(text)
+    except ValueError as exc:
+        raise CorruptStateError(f"{where} is not an ISO-8601 time: {value!r}") from exc
+    if parsed.tzinfo is None:
+        raise CorruptStateError(f"{where} has no time zone: {value!r}")
+    return parsed.astimezone(dt.timezone.utc)
+
+
+def position_to_json(position: Position) -> dict[str, Any]:
+    kind, value = encode_value(position.cursor)
+    tiebreaker: dict[str, Any] = {}
+    kinds: dict[str, str] = {}
+    for name, pk_value in position.pk.items():
+        kinds[name], tiebreaker[name] = encode_value(pk_value)
+    return {
+        "kind": f"{kind}+pk",
+        "value": value,
+        "tiebreaker": tiebreaker,
+        "tiebreaker_kinds": kinds,
+    }
+
+
+def position_from_json(raw: Any, where: str = "checkpoint.cursor") -> Position:
+    if not isinstance(raw, Mapping):
+        raise CorruptStateError(f"{where} must be an object, got {raw!r}")
+    kind = raw.get("kind")
+    if not isinstance(kind, str) or not kind:
+        raise CorruptStateError(f"{where}.kind must be a non-empty string")
+    cursor_kind = kind.split("+", 1)[0]
+    cursor = decode_value(cursor_kind, raw.get("value"))
+    tiebreaker = raw.get("tiebreaker") or {}
+    kinds = raw.get("tiebreaker_kinds") or {}
+    if not isinstance(tiebreaker, Mapping) or not isinstance(kinds, Mapping):
+        raise CorruptStateError(f"{where}.tiebreaker must be an object of key values")
+    pk = {
+        str(name): decode_value(str(kinds.get(name) or infer_kind(value)), value)
+        for name, value in tiebreaker.items()
+    }
+    return Position(cursor=cursor, pk=pk)

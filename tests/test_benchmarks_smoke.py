@@ -262,3 +262,29 @@ def test_latency_prints_percentiles_per_database_source_and_hint(
         assert all(re.fullmatch(NUMBER, v) for v in row[4:11]), row  # rates, rows, ms, ticks/s
         assert row[5] == "200", row  # every row committed reached the handler
     assert "rows not delivered" not in out
+
+
+def test_claim_mix_reads_the_same_with_many_rows_scheduled(
+    pg: TestDatabase, tmp_path: Path
+) -> None:
+    out = run_benchmark(
+        "claim_mix",
+        ["--due", "1000", "--scheduled", "0,20k", "--batch", "50", "--repeats", "3"],
+        pg,
+        tmp_path,
+    )
+    rows = {(r[0], r[1]): r for r in table_rows(out, "One claim of 50 rows")}
+    assert list(rows) == [
+        ("plain", "0"),
+        ("plain", "20,000"),
+        ("priority", "0"),
+        ("priority", "20,000"),
+    ]
+    for row in rows.values():
+        assert all(re.fullmatch(NUMBER, v) for v in row[2:]), row
+    # Buffers are a property of the plans, not of machine load: what a claim reads
+    # does not grow with the rows scheduled for later, while one ORDER BY priority
+    # statement walks the scheduled rows of the top priority first.
+    for layout in ("plain", "priority"):
+        assert int(rows[(layout, "20,000")][3]) <= int(rows[(layout, "0")][3]) + 10
+    assert int(rows[("priority", "20,000")][4]) > int(rows[("priority", "0")][4]) + 40

@@ -375,7 +375,7 @@ def test_status_retry_prune(
     assert (row["dbt_status"], row["dbt_attempts"]) == ("ready", 0)
     assert row["dbt_last_error"].startswith("re-driven (fixed); before: rejected: bad")
     assert cli("queue", "prune", *table_args(db), "--older-than", "0", "--chunk", "3") == 0
-    assert "8 done row(s)" in capsys.readouterr().out
+    assert "8 done/canceled row(s)" in capsys.readouterr().out
     assert len(rows(db)) == 10
     assert cli("queue", "prune", *table_args(db), "--older-than", "0", "--chunk", "3", "--yes") == 0
     assert sorted(rows(db)) == [1, 2]

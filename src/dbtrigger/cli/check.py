@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from dbtrigger.cli.loading import load_object
+from dbtrigger.cli.loading import as_trigger, load_object
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.runtime.poller import PollTrigger
 from dbtrigger.state.stores.factory import redact
@@ -18,20 +18,45 @@ from dbtrigger.state.stores.factory import redact
 
 def cmd_check(args: argparse.Namespace) -> int:
     from dbtrigger.checks import check_trigger, summary  # noqa: PLC0415 - SQLAlchemy on use only
+    from dbtrigger.queue.checks import check_queue  # noqa: PLC0415
+    from dbtrigger.queue.cli import claim_source_of  # noqa: PLC0415
+    from dbtrigger.queue.sidecar import SidecarFeeder  # noqa: PLC0415
 
-    trigger = load_object(args.trigger)
-    if not isinstance(trigger, PollTrigger):
-        raise ConfigurationError(f"{args.trigger} is a {type(trigger).__name__}, not a PollTrigger")
-    report = check_trigger(trigger, probe_store=not args.no_store_probe)
-    print(redact(report.to_json() if args.json else report.to_text()))
-    return summary([report])
+    target = load_object(args.trigger)
+    loaded = as_trigger(target, args.trigger)
+    reports = []
+    if loaded is not None and isinstance(loaded.trigger, PollTrigger):
+        reports.append(check_trigger(loaded.trigger, probe_store=not args.no_store_probe))
+    queue = claim_source_of(target)
+    if queue is not None:  # a queue, or a sidecar feeder's queue too
+        name = None if isinstance(target, SidecarFeeder) else getattr(loaded, "trigger", None)
+        reports.append(check_queue(queue, getattr(name, "name", None)))
+    if not reports:
+        raise ConfigurationError(
+            f"{args.trigger} is a {type(target).__name__}, not a PollTrigger, a @db.trigger "
+            "function, a QueueTrigger, ClaimSource or SidecarFeeder"
+        )
+    if args.json:
+        text = reports[0].to_json() if len(reports) == 1 else _json_list(reports)
+    else:
+        text = "\n".join(r.to_text() for r in reports)
+    print(redact(text))
+    return summary(reports)
+
+
+def _json_list(reports: list[Any]) -> str:
+    return "[" + ",\n".join(r.to_json() for r in reports) + "]"
 
 
 def add_check_command(sub: Any) -> None:
     check = sub.add_parser(
         "check", help="verify the table, keys, index, privileges and store a trigger needs"
     )
-    check.add_argument("trigger", help="MODULE:ATTRIBUTE naming a PollTrigger")
+    check.add_argument(
+        "trigger",
+        help="MODULE:ATTRIBUTE naming a PollTrigger, a @db.trigger function, a QueueTrigger "
+        "(or its ClaimSource) or a SidecarFeeder",
+    )
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     check.add_argument(
         "--no-store-probe",

@@ -22,12 +22,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from dbtrigger.cli.loading import as_trigger, load_object
 from dbtrigger.cursor import Position, encode_value
 from dbtrigger.errors import ConfigurationError, DbTriggerError
 from dbtrigger.partitions.member import PartitionedPoller
+from dbtrigger.queue.cli import claim_source_of
 from dbtrigger.runtime.poller import PollTrigger
 from dbtrigger.settings import variable
 from dbtrigger.sources.base import KnowsCursorKind, SourceAdapter
@@ -36,6 +37,9 @@ from dbtrigger.state import operations as ops
 from dbtrigger.state.document import StateDocument
 from dbtrigger.state.stores.base import CheckpointStore
 from dbtrigger.state.stores.factory import describe_store, open_store, redact
+
+if TYPE_CHECKING:
+    from dbtrigger.queue.source import ClaimSource
 
 ENV_STORE = "DBTRIGGER_STORE"
 #: The application name in shared stores: the same setting the Functions example
@@ -186,10 +190,29 @@ def load_source(spec: str) -> LoadedSource:
         return LoadedSource(loaded.trigger.source, None)
     if isinstance(target, SourceAdapter):
         return LoadedSource(target, None)
+    if claim_source_of(target) is not None:
+        raise ConfigurationError(
+            f"{spec} is a claim queue: it keeps no state document, checkpoint or journal "
+            "(each row carries its own status, attempts and last error). See it with "
+            f"`dbtrigger queue status --source {spec}`; `dbtrigger queue retry|cancel|prune` "
+            "change it"
+        )
     raise ConfigurationError(
         f"{spec} is a {type(target).__name__}, not a PollTrigger, a @db.trigger function "
         "or a source adapter"
     )
+
+
+def queue_from_args(args: argparse.Namespace) -> ClaimSource | None:
+    """The claim queue ``--source`` names (a QueueTrigger, ClaimSource or
+    ``@db.queue_trigger`` function), or None; a SidecarFeeder is a poller here."""
+    spec = getattr(args, "source", None)
+    if not spec:
+        return None
+    from dbtrigger.queue.sidecar import SidecarFeeder  # noqa: PLC0415 - SQLAlchemy on use
+
+    target = load_object(spec)
+    return None if isinstance(target, SidecarFeeder) else claim_source_of(target)
 
 
 def read_state(store: CheckpointStore, poller: str) -> tuple[StateDocument, str, bytes]:

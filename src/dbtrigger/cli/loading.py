@@ -68,6 +68,11 @@ def as_trigger(target: Any, spec: str) -> LoadedTrigger | None:
         return LoadedTrigger(spec, target, target.default_handler)
     if isinstance(target, Trigger):  # a QueueTrigger, a PartitionedPoller
         return LoadedTrigger(spec, target, target.default_handler)
+    from dbtrigger.queue.sidecar import SidecarFeeder  # noqa: PLC0415 - SQLAlchemy on use
+
+    if isinstance(target, SidecarFeeder):  # a keyset poller whose handler feeds the claims
+        target.poll.cli_source = spec
+        return LoadedTrigger(spec, target.poll, target.handle)
     from dbtrigger.azure import function_handler, function_trigger  # noqa: PLC0415 - optional
 
     poll = function_trigger(target)

@@ -23,6 +23,7 @@ from dbtrigger.cli.backfill import add_backfill_command
 from dbtrigger.cli.cdc import add_cdc_commands
 from dbtrigger.cli.changelog import add_changelog_commands
 from dbtrigger.cli.check import add_check_command
+from dbtrigger.cli.loading import load_object
 from dbtrigger.cli.logs import FORMATS, LEVELS, configure_logging
 from dbtrigger.cli.partitions import add_partition_commands
 from dbtrigger.cli.run import add_run_command
@@ -136,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_changelog_commands(sub)
     add_cdc_commands(sub)
     add_partition_commands(sub)
-    add_queue_commands(sub)
+    add_queue_commands(sub, load_object)
     add_wake_commands(sub)
     add_check_command(sub)
     for command in sub.choices.values():

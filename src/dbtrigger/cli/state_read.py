@@ -16,6 +16,7 @@ from dbtrigger.cli.common import (
     Console,
     LoadedSource,
     add_store_options,
+    queue_from_args,
     read_state,
     show_position,
     source_from_args,
@@ -364,6 +365,11 @@ def _render_many(statuses: Sequence[Mapping[str, Any]]) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    queue = queue_from_args(args)
+    if queue is not None:  # a claim queue: its rows are its state
+        from dbtrigger.queue.cli import print_status  # noqa: PLC0415
+
+        return print_status(queue, as_json=args.json)
     with state_store(args) as store:
         return _status(args, store)
 

@@ -1,9 +1,15 @@
-"""``dbtrigger queue install|uninstall|status|retry|prune``: the operator's side of a queue.
+"""``dbtrigger queue install|uninstall|status|add|cancel|retry|prune``: a queue's CLI.
 
-Every command that changes something is a dry run unless given ``--yes``: it
-prints what it would do (the DDL, the number of rows) first. ``retry --dead``
-also wants ``--reason``, which is written in front of each re-driven row's
-``dbt_last_error`` so the history of a row stays on the row.
+Every command that changes or removes something is a dry run unless given
+``--yes``: it prints what it would do (the DDL, the rows) first. ``retry
+--dead`` and ``cancel`` also want ``--reason``, which is written into each
+row's ``dbt_last_error`` so the history of a row stays on the row. ``add``
+inserts new work at once, as any producer's ``INSERT`` would.
+
+The queue is named either by ``--url`` and ``--table`` (with ``--schema``,
+``--mode``...) or, like the poller commands, by ``--source MODULE:ATTR``
+naming a ``QueueTrigger``, a ``ClaimSource``, a ``SidecarFeeder`` or a
+``@db.queue_trigger`` function, whose own settings are then used.
 """
 
 from __future__ import annotations
@@ -11,10 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dbtrigger._driver_errors import short_error
 from dbtrigger.errors import CommitError, ConfigurationError, FetchError
+from dbtrigger.queue.cli_jobs import add_job_commands
 
 if TYPE_CHECKING:
     from dbtrigger.queue.source import ClaimSource
@@ -36,9 +44,53 @@ def parse_duration(text: str) -> float:
     return float(match.group(1)) * _UNIT[match.group(2)]
 
 
+def claim_source_of(target: Any) -> ClaimSource | None:
+    """The ClaimSource behind what ``--source MODULE:ATTR`` named, or None."""
+    from dbtrigger.queue.sidecar import SidecarFeeder  # noqa: PLC0415
+    from dbtrigger.queue.source import ClaimSource  # noqa: PLC0415
+    from dbtrigger.queue.trigger import QueueTrigger  # noqa: PLC0415
+
+    if isinstance(target, ClaimSource):
+        return target
+    if isinstance(target, (QueueTrigger, SidecarFeeder)):
+        return target.source
+    # A @db.queue_trigger function (the FunctionBuilder @app.schedule made of it).
+    inner = getattr(target, "_function", target)
+    get_user_function = getattr(inner, "get_user_function", None)
+    function = get_user_function() if callable(get_user_function) else target
+    source = getattr(function, "dbtrigger_queue_source", None)
+    return source if isinstance(source, ClaimSource) else None
+
+
+def _loaded(args: argparse.Namespace) -> ClaimSource | None:
+    spec = getattr(args, "source", None)
+    if not spec:
+        if not args.url or not args.table:
+            raise ConfigurationError(
+                "name the queue: --url URL --table TABLE, or --source MODULE:ATTR (a "
+                "QueueTrigger, ClaimSource, SidecarFeeder or @db.queue_trigger function)"
+            )
+        return None
+    if args.url or args.table:
+        raise ConfigurationError(
+            "--source names the queue's URL and table already: drop --url/--table, or --source"
+        )
+    target = args.load_object(spec)
+    source = claim_source_of(target)
+    if source is None:
+        raise ConfigurationError(
+            f"{spec} is a {type(target).__name__}, not a QueueTrigger, ClaimSource, "
+            "SidecarFeeder or @db.queue_trigger function"
+        )
+    return source
+
+
 def _source(args: argparse.Namespace) -> ClaimSource:
     from dbtrigger.queue.source import ClaimSource  # noqa: PLC0415
 
+    loaded = _loaded(args)
+    if loaded is not None:
+        return loaded
     pk = list(args.pk)
     if not pk:
         pk = _primary_key(args)
@@ -79,18 +131,33 @@ def _ddl(args: argparse.Namespace, *, uninstall: bool) -> int:
     from dbtrigger.queue.sidecar_table import install_claims_table  # noqa: PLC0415
     from dbtrigger.queue.source import ClaimSource  # noqa: PLC0415
 
-    probe = ClaimSource(url=args.url, table=args.table, schema=args.schema, pk_columns=["_"])
-    if args.mode == "sidecar" and uninstall:
+    probe = _loaded(args) or ClaimSource(
+        url=args.url,
+        table=args.table,
+        schema=args.schema,
+        pk_columns=["_"],
+        mode=args.mode,
+        claims_table=args.claims_table,
+    )
+    priority = bool(getattr(args, "priority", False))
+    if probe.mode == "sidecar" and priority:
+        raise ConfigurationError(
+            "--priority adds dbt_priority to the table's claim columns; a sidecar queue keeps "
+            "them in its claims table, filled by the feeder: use mode columns for priorities"
+        )
+    if probe.mode == "sidecar" and uninstall:
         return _uninstall_sidecar(args, probe)
     try:
         with probe.transaction() as conn:
             table = probe.reflect(conn, probe.table_name)
-            if args.mode == "sidecar":
-                statements = install_claims_table(conn, args.claims_table, args.schema)
+            if probe.mode == "sidecar":
+                statements = install_claims_table(conn, probe.claims_table, probe.schema)
             elif uninstall:
                 statements = ddl.uninstall_columns(conn, table)
             else:
-                statements = ddl.install_columns(conn, table, existing=args.existing)
+                statements = ddl.install_columns(
+                    conn, table, existing=args.existing, priority=priority
+                )
             if not statements:
                 print(f"-- {probe.name}: nothing to do")
                 return 0
@@ -121,10 +188,11 @@ def _uninstall_sidecar(args: argparse.Namespace, probe: ClaimSource) -> int:
     from dbtrigger.queue import ddl  # noqa: PLC0415
     from dbtrigger.queue.sidecar_table import uninstall_claims  # noqa: PLC0415
 
-    where = f"{args.schema}.{args.claims_table}" if args.schema else args.claims_table
+    name, schema = probe.claims_table, probe.schema
+    where = f"{schema}.{name}" if schema else name
     try:
         with probe.transaction() as conn:
-            plan = uninstall_claims(conn, args.claims_table, args.schema, probe.queue_name)
+            plan = uninstall_claims(conn, name, schema, probe.queue_name)
             if plan is None:
                 print(f"-- claims table {where} does not exist: nothing to do")
                 return 0
@@ -174,7 +242,12 @@ def cmd_uninstall(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    source = _source(args)
+    return print_status(_source(args), as_json=args.json)
+
+
+def print_status(source: ClaimSource, *, as_json: bool) -> int:
+    """``queue status``: rows per status, what is due, waiting and scheduled (closes the
+    source when done)."""
     try:
         counts = source.counts()
     finally:
@@ -184,10 +257,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         "by_status": dict(counts.by_status),
         "claimable_now": counts.claimable_now,
         "delayed_retries": counts.delayed,
+        "scheduled": counts.scheduled,
         "expired_claims": counts.expired_claims,
         "oldest_ready_age_seconds": counts.oldest_ready_age_seconds,
     }
-    if args.json:
+    if as_json:
         print(json.dumps(report, sort_keys=True))
         return 0
     print(f"queue {source.name}")
@@ -198,7 +272,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"  claimable now: {counts.claimable_now}, oldest ready for "
         f"{'-' if age is None else f'{age:.1f}s'}"
     )
-    print(f"  waiting for a retry: {counts.delayed}, expired claims: {counts.expired_claims}")
+    print(
+        f"  waiting for a retry: {counts.delayed}, scheduled for later: {counts.scheduled}, "
+        f"expired claims: {counts.expired_claims}"
+    )
     return 0
 
 
@@ -220,7 +297,7 @@ def cmd_retry(args: argparse.Namespace) -> int:
 
 def cmd_prune(args: argparse.Namespace) -> int:
     seconds = parse_duration(args.older_than)
-    statuses = ("done", "dead") if args.include_dead else ("done",)
+    statuses = ("done", "canceled", "dead") if args.include_dead else ("done", "canceled")
     source = _source(args)
     try:
         count = source.prune(
@@ -240,8 +317,16 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def _table_options(parser: argparse.ArgumentParser, *, pk: bool = True) -> None:
-    parser.add_argument("--url", required=True, help="database URL (or %%APP_SETTING%%)")
-    parser.add_argument("--table", required=True, help="the queue table")
+    parser.add_argument(
+        "--source",
+        "--trigger",
+        dest="source",
+        metavar="MODULE:ATTR",
+        help="the queue's QueueTrigger, ClaimSource, SidecarFeeder or @db.queue_trigger "
+        "function: its URL, table, key and mode are used (instead of --url/--table...)",
+    )
+    parser.add_argument("--url", help="database URL (or %%APP_SETTING%%)")
+    parser.add_argument("--table", help="the queue table")
     parser.add_argument("--schema", help="its schema (default: the connection's)")
     parser.add_argument(
         "--mode",
@@ -263,9 +348,14 @@ def _table_options(parser: argparse.ArgumentParser, *, pk: bool = True) -> None:
         parser.add_argument("--where", help="the queue's filter, as configured on its source")
 
 
-def add_queue_commands(sub: Any) -> None:
-    """Register ``dbtrigger queue ...`` on the top-level subparsers."""
-    queue = sub.add_parser("queue", help="claim-mode queue tables: install, status, retry, prune")
+def add_queue_commands(sub: Any, load_object: Callable[[str], Any]) -> None:
+    """Register ``dbtrigger queue ...`` on the top-level subparsers; ``load_object``
+    imports what ``--source MODULE:ATTR`` names (the CLI's own loader, passed in
+    so that this module, part of the library, imports nothing of the CLI)."""
+    queue = sub.add_parser(
+        "queue", help="claim-mode queue tables: install, status, add, cancel, retry, prune"
+    )
+    queue.set_defaults(load_object=load_object)
     qsub = queue.add_subparsers(dest="queue_command", required=True)
 
     install = qsub.add_parser("install", help="print (or --yes: run) the claim-column DDL")
@@ -275,6 +365,11 @@ def add_queue_commands(sub: Any) -> None:
         choices=("ready", "done"),
         default="ready",
         help="what rows already in the table become (default: ready, i.e. delivered)",
+    )
+    install.add_argument(
+        "--priority",
+        action="store_true",
+        help="also add dbt_priority and its index: claims take higher priorities first",
     )
     install.add_argument("--yes", action="store_true", help="apply (default: dry run)")
     install.set_defaults(func=cmd_install)
@@ -305,11 +400,14 @@ def add_queue_commands(sub: Any) -> None:
     retry.add_argument("--yes", action="store_true", help="apply (default: dry run)")
     retry.set_defaults(func=cmd_retry)
 
+    add_job_commands(qsub, _table_options)
+
     prune = qsub.add_parser("prune", help="delete finished rows in bounded chunks")
     _table_options(prune)
     prune.add_argument("--older-than", required=True, help="e.g. 7d, 12h, 3600")
     prune.add_argument("--chunk", type=int, default=1000, help="rows per transaction")
     prune.add_argument("--include-dead", action="store_true", help="prune dead rows too")
+    # (done and canceled rows are pruned; dead ones only with --include-dead)
     prune.add_argument("--yes", action="store_true", help="apply (default: dry run)")
     prune.set_defaults(func=cmd_prune)
 

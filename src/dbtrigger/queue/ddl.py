@@ -20,6 +20,15 @@ are already in the table when the queue is installed are delivered too.
 ``existing="done"`` marks them done instead (a table that already holds
 processed history).
 
+``priority=True`` (``queue install --priority``) adds ``dbt_priority`` and
+puts the index ``(dbt_priority, dbt_visible_at)``, which prioritised claims
+scan (see :meth:`~dbtrigger.queue.schema.DialectTime.priority_index`), in
+place of the ``dbt_visible_at`` one: with both, the planner may walk the
+``dbt_visible_at`` index past every due row of the lower priorities to find
+those of the one it wants, which is the O(backlog) claim priority must not
+cost (and every claim and settlement would maintain two indexes). A table
+that has ``dbt_priority`` keeps that layout when install runs again.
+
 SQLite cannot add a column whose default is an expression, so there
 ``dbt_visible_at`` defaults to the epoch (claimable at once; among rows with
 that value the claim takes them in insertion order).
@@ -38,6 +47,7 @@ from dbtrigger.queue.schema import (
     CLAIM_COLUMNS,
     DONE,
     DONE_AT,
+    PRIORITY,
     STATUS,
     VISIBLE_AT,
     DialectTime,
@@ -47,8 +57,8 @@ from dbtrigger.queue.schema import (
 _SQLITE_EPOCH = "'1970-01-01 00:00:00.000'"
 
 
-def _columns_for(time: DialectTime) -> list[sa.Column[Any]]:
-    columns = time.claim_columns()
+def _columns_for(time: DialectTime, *, priority: bool = False) -> list[sa.Column[Any]]:
+    columns = time.claim_columns() + ([time.priority_column()] if priority else [])
     if time.dialect == "sqlite":
         for column in columns:
             if column.name == VISIBLE_AT:
@@ -60,16 +70,22 @@ def _table_ref(dialect: Dialect, table: sa.Table) -> str:
     return dialect.identifier_preparer.format_table(table)
 
 
-def install_columns(conn: Connection, table: sa.Table, *, existing: str = "ready") -> list[str]:
-    """Statements adding the missing claim columns and the claim index to ``table``.
+def install_columns(
+    conn: Connection, table: sa.Table, *, existing: str = "ready", priority: bool = False
+) -> list[str]:
+    """Statements adding the missing claim columns and the claim index to ``table``
+    (with ``priority``, ``dbt_priority`` and its index too).
 
     ``table`` is the reflected user table; columns and an index already there
-    are left alone, so running install twice is harmless.
+    are left alone, so running install twice is harmless, and running it again
+    with ``priority`` adds only what priority needs.
     """
     dialect = conn.dialect
     time = DialectTime(dialect.name)
     ref = _table_ref(dialect, table)
-    missing = [c for c in _columns_for(time) if c.name not in table.c]
+    priority = priority or PRIORITY in table.c
+    missing = [c for c in _columns_for(time, priority=priority) if c.name not in table.c]
+    fresh = any(c.name == STATUS for c in missing)
     statements: list[str] = []
     if missing:
         specs = [str(CreateColumn(c).compile(dialect=dialect)) for c in missing]
@@ -79,13 +95,21 @@ def install_columns(conn: Connection, table: sa.Table, *, existing: str = "ready
             statements.append(
                 "ALTER TABLE " + ref + " " + ", ".join("ADD COLUMN " + spec for spec in specs)
             )
-    shadow = _with_claim_columns(table, time)
+    shadow = _with_claim_columns(table, time, priority=priority)
     name = index_name(table.name)
-    if not any(index.name == name for index in table.indexes):
+    existing_claim_index = [index for index in table.indexes if index.name == name]
+    if not priority and not existing_claim_index:
         statements.append(
             str(CreateIndex(time.claimable_index(shadow, name)).compile(dialect=dialect))
         )
-    if missing and existing == DONE:
+    ranked = index_name(table.name, "priority")
+    if priority and not any(index.name == ranked for index in table.indexes):
+        statements.append(
+            str(CreateIndex(time.priority_index(shadow, ranked)).compile(dialect=dialect))
+        )
+    if priority:
+        statements += [str(DropIndex(i).compile(dialect=dialect)) for i in existing_claim_index]
+    if fresh and existing == DONE:
         update = sa.update(shadow).values(
             {STATUS: DONE, DONE_AT: time.now(), VISIBLE_AT: time.far_future()}
         )
@@ -101,11 +125,11 @@ def uninstall_columns(conn: Connection, table: sa.Table) -> list[str]:
     time = DialectTime(dialect.name)
     ref = _table_ref(dialect, table)
     statements: list[str] = []
-    name = index_name(table.name)
+    names = {index_name(table.name), index_name(table.name, "priority")}
     for index in table.indexes:
-        if index.name == name:
+        if index.name in names:
             statements.append(str(DropIndex(index).compile(dialect=dialect)))
-    present = [c for c in CLAIM_COLUMNS if c in table.c]
+    present = [c for c in (*CLAIM_COLUMNS, PRIORITY) if c in table.c]
     quote = dialect.identifier_preparer.quote
     if time.dialect == "sqlite":
         statements += ["ALTER TABLE " + ref + " DROP COLUMN " + quote(c) for c in present]
@@ -116,12 +140,12 @@ def uninstall_columns(conn: Connection, table: sa.Table) -> list[str]:
     return statements
 
 
-def _with_claim_columns(table: sa.Table, time: DialectTime) -> sa.Table:
+def _with_claim_columns(table: sa.Table, time: DialectTime, *, priority: bool) -> sa.Table:
     """A stand-in of ``table`` that certainly has the claim columns (for rendering)."""
     shadow = sa.Table(table.name, sa.MetaData(), schema=table.schema)
     for column in table.c:
         shadow.append_column(sa.Column(column.name, column.type))
-    for column in _columns_for(time):
+    for column in _columns_for(time, priority=priority):
         if column.name not in shadow.c:
             shadow.append_column(column)
     return shadow

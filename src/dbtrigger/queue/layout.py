@@ -19,7 +19,7 @@ layout it has.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -32,6 +32,7 @@ from dbtrigger.queue.schema import (
     ATTEMPTS,
     CLAIM_COLUMNS,
     PREFIX,
+    PRIORITY,
     VISIBLE_AT,
     DialectTime,
     check_claim_columns,
@@ -95,6 +96,20 @@ class ClaimLayout(Protocol):
         """The claimed rows of ``batch`` as the handler sees them."""
         ...
 
+    def match_user_keys(
+        self, table: ClaimTable, pks: Sequence[Mapping[str, Any]], pk_columns: Sequence[str]
+    ) -> sa.ColumnElement[bool]:
+        """The claim rows of the user rows with these keys (every version, in sidecar mode)."""
+        ...
+
+    def user_key_columns(self, table: ClaimTable) -> list[sa.ColumnElement[Any]]:
+        """The claim table's columns that say which user row a claim row is for."""
+        ...
+
+    def user_pk(self, values: Sequence[Any], pk_columns: Sequence[str]) -> dict[str, Any]:
+        """The user key from the values of :meth:`user_key_columns`."""
+        ...
+
 
 class ColumnsLayout:
     """The claim columns on the user's table (``mode="columns"``)."""
@@ -113,16 +128,28 @@ class ColumnsLayout:
                 missing_columns=missing,
             )
         check_claim_columns(user, queue.time, conn.dialect)
-        if not any([c.name for c in index.columns][:1] == [VISIBLE_AT] for index in user.indexes):
+        lead = [PRIORITY, VISIBLE_AT] if PRIORITY in user.c else [VISIBLE_AT]
+        if not any([c.name for c in i.columns][: len(lead)] == lead for i in user.indexes):
             Telemetry(queue.name, SafeMetrics(None, queue.name), logger=log).emit(
                 "queue_index_missing",
-                "queue %s has no index on %s: every claim scans the table; "
+                "queue %s has no index on (%s): every claim scans the table; "
                 "`dbtrigger queue install` creates it",
                 queue.name,
-                VISIBLE_AT,
+                ", ".join(lead),
                 source=queue.name,
             )
         return ClaimTable(user, queue.pk_columns, queue.time, queue.filter)
+
+    def match_user_keys(
+        self, table: ClaimTable, pks: Sequence[Mapping[str, Any]], pk_columns: Sequence[str]
+    ) -> sa.ColumnElement[bool]:
+        return table.key_in([tuple(pk[c] for c in pk_columns) for pk in pks])
+
+    def user_key_columns(self, table: ClaimTable) -> list[sa.ColumnElement[Any]]:
+        return list(table.key_columns)
+
+    def user_pk(self, values: Sequence[Any], pk_columns: Sequence[str]) -> dict[str, Any]:
+        return dict(zip(pk_columns, values, strict=True))
 
     def rows(self, conn: Connection, batch: ClaimBatch, queue: QueueTable) -> list[ClaimedRow]:
         del conn  # the claim returned the rows themselves

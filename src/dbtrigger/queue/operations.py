@@ -36,9 +36,12 @@ class QueueCounts:
 
     by_status: Mapping[str, int]
     claimable_now: int
+    #: ``ready`` rows not due yet that have been tried: waiting for a retry.
     delayed: int
     expired_claims: int
     oldest_ready_age_seconds: float | None
+    #: ``ready`` rows not due yet that were never tried: scheduled for later.
+    scheduled: int = 0
 
 
 def counts(table: ClaimTable, conn: Connection) -> QueueCounts:
@@ -57,20 +60,25 @@ def counts(table: ClaimTable, conn: Connection) -> QueueCounts:
             table.claimable()
         )
     ).one()
-    delayed = conn.execute(
-        sa.select(sa.func.count()).where(table.filtered(c[STATUS] == READY, c[VISIBLE_AT] > now))
-    ).scalar_one()
+    later = conn.execute(
+        sa.select(sa.func.count(), sa.func.sum(sa.case((c[ATTEMPTS] > 0, 1), else_=0))).where(
+            table.filtered(c[STATUS] == READY, c[VISIBLE_AT] > now)
+        )
+    ).one()
+    delayed = int(later[1] or 0)
     expired = conn.execute(
         sa.select(sa.func.count()).where(table.filtered(c[STATUS] == CLAIMED, c[VISIBLE_AT] <= now))
     ).scalar_one()
     age = ready_now[1]
+    shown = (READY, CLAIMED, DONE, DEAD)
     return QueueCounts(
-        by_status={s: by_status.get(s, 0) for s in (READY, CLAIMED, DONE, DEAD)}
-        | {k: v for k, v in by_status.items() if k not in (READY, CLAIMED, DONE, DEAD)},
+        by_status={s: by_status.get(s, 0) for s in shown}
+        | {k: v for k, v in by_status.items() if k not in shown},
         claimable_now=int(ready_now[0]),
-        delayed=int(delayed),
+        delayed=delayed,
         expired_claims=int(expired),
         oldest_ready_age_seconds=None if age is None else max(0.0, float(age)),
+        scheduled=int(later[0]) - delayed,
     )
 
 

@@ -11,8 +11,12 @@ A queue row carries its delivery state in seven columns, all prefixed
 ``dbt_claim_token``       the claim that holds (or completed) the row
 ``dbt_claimed_by``        the worker id of that claim
 ``dbt_last_error``        the latest failure, redacted and truncated
-``dbt_done_at``           when the row reached ``done`` or ``dead``
+``dbt_done_at``           when the row reached ``done``, ``dead`` or ``canceled``
 ========================  ==================================================
+
+An eighth column is optional: ``dbt_priority`` (an integer, default 0,
+installed by ``dbtrigger queue install --priority``). With it, claims take the
+highest priority first, and by ``dbt_visible_at`` within one priority.
 
 Why one predicate is enough: a row is claimable when ``dbt_status`` is
 ``ready`` or ``claimed`` *and* ``dbt_visible_at <= now``. A running claim has
@@ -49,6 +53,8 @@ CLAIM_TOKEN = "dbt_claim_token"  # noqa: S105 - a column name
 CLAIMED_BY = "dbt_claimed_by"
 LAST_ERROR = "dbt_last_error"
 DONE_AT = "dbt_done_at"
+#: Optional: claims take higher priorities first (``queue install --priority``).
+PRIORITY = "dbt_priority"
 
 #: Every claim column, in the order ``queue install`` adds them.
 CLAIM_COLUMNS: tuple[str, ...] = (
@@ -65,7 +71,11 @@ READY = "ready"
 CLAIMED = "claimed"
 DONE = "done"
 DEAD = "dead"
-STATUSES: tuple[str, ...] = (READY, CLAIMED, DONE, DEAD)
+#: Taken off the queue by an operator or producer before it ran (final, like done).
+CANCELED = "canceled"
+STATUSES: tuple[str, ...] = (READY, CLAIMED, DONE, DEAD, CANCELED)
+#: Statuses a row ends in: nothing claims it again unless an operator re-drives it.
+FINISHED: tuple[str, ...] = (DONE, DEAD, CANCELED)
 #: Statuses a claim may take a row from (``claimed`` only once it expired).
 CLAIMABLE: tuple[str, ...] = (READY, CLAIMED)
 
@@ -153,6 +163,16 @@ class DialectTime:
             )
         return (sa.func.julianday("now") - sa.func.julianday(column)) * 86400.0
 
+    def at(self, moment: dt.datetime) -> Any:
+        """A bound value for the aware time ``moment``, in the column's representation
+        (a scheduled ``dbt_visible_at``)."""
+        moment = moment.astimezone(dt.timezone.utc)
+        if self.dialect == "postgresql":
+            return moment
+        if self.dialect == "mysql":
+            return moment.replace(tzinfo=None)
+        return moment.strftime(_SQLITE_PY_FORMAT)[:-3]
+
     def ago(self, seconds: float) -> Any:
         """A bound value for ``now - seconds`` computed here, for ``prune``'s cutoff.
 
@@ -217,10 +237,30 @@ class DialectTime:
             )
         return sa.Index(name, column)
 
+    def priority_column(self) -> sa.Column[Any]:
+        """The optional ``dbt_priority`` column (for DDL)."""
+        return sa.Column(PRIORITY, sa.Integer, nullable=False, server_default=sa.text("0"))
+
+    def priority_index(self, table: sa.Table, name: str) -> sa.Index:
+        """The index a prioritised claim scans: ``(dbt_priority, dbt_visible_at)``,
+        partial like :meth:`claimable_index` where the dialect allows.
+
+        A claim reads one priority at a time, highest first: the next priority
+        present is one index probe, and the rows of one priority that are due
+        now are a range at the start of its part of the index. Rows scheduled
+        later (or claimed, or waiting for a retry) sit after that range, so they
+        are never read, however many there are.
+        """
+        columns = (table.c[PRIORITY], table.c[VISIBLE_AT])
+        if self.dialect in ("postgresql", "sqlite"):
+            where = table.c[STATUS].in_(CLAIMABLE)
+            return sa.Index(name, *columns, postgresql_where=where, sqlite_where=where)
+        return sa.Index(name, *columns)
+
 
 #: The fewest characters each text claim column must hold.
 _TEXT_LENGTHS = {
-    STATUS: len(CLAIMED),
+    STATUS: len(CANCELED),
     CLAIM_TOKEN: 32,
     CLAIMED_BY: WORKER_ID_LIMIT,
     LAST_ERROR: ERROR_LIMIT,
@@ -243,7 +283,10 @@ def check_claim_columns(table: sa.Table, time: DialectTime, dialect: Dialect) ->
             expected one (what ``dbtrigger queue install`` creates).
     """
     problems = []
-    for want in time.claim_columns():
+    wanted = time.claim_columns()
+    if PRIORITY in table.c:
+        wanted.append(time.priority_column())
+    for want in wanted:
         have = table.c[want.name].type
         why = _type_problem(want.name, have, time.dialect)
         if why is not None:
@@ -270,9 +313,9 @@ def _type_problem(name: str, have: sa.types.TypeEngine[Any], dialect: str) -> st
         if dialect != "sqlite" and length is not None and length < _TEXT_LENGTHS[name]:
             return f"it holds {length} characters, the claim writes up to {_TEXT_LENGTHS[name]}"
         return None
-    if name == ATTEMPTS:
+    if name in (ATTEMPTS, PRIORITY):
         ok = untyped or isinstance(have, sa.Integer)
-        return None if ok else "the claim counts attempts in it"
+        return None if ok else "the claim compares whole numbers in it"
     if dialect == "sqlite":
         if untyped or (isinstance(have, sa.String) and not isinstance(have, sa.Enum)):
             return None
@@ -324,7 +367,8 @@ def check_unique_key(table: sa.Table, key: Sequence[str]) -> None:
         )
 
 
-def index_name(table: str) -> str:
-    """``ix_<table>_dbt_claimable``, shortened to fit 63 characters."""
-    name = f"ix_{table}_dbt_claimable"
-    return name if len(name) <= 63 else f"ix_{table[:40]}_dbt_claimable"
+def index_name(table: str, what: str = "claimable") -> str:
+    """``ix_<table>_dbt_claimable`` (``what``: ``priority`` for the priority index),
+    shortened to fit 63 characters."""
+    name = f"ix_{table}_dbt_{what}"
+    return name if len(name) <= 63 else f"ix_{table[:40]}_dbt_{what}"

@@ -18,7 +18,7 @@ the exact values (a timestamp stays a timestamp).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,6 +170,19 @@ class SidecarLayout:
         check_claim_columns(found, queue.time, conn.dialect)
         table = claims_table(name, schema, queue.time)
         return ClaimTable(table, KEY, queue.time, table.c.queue == self.queue_name)
+
+    def match_user_keys(
+        self, table: ClaimTable, pks: Sequence[Mapping[str, Any]], pk_columns: Sequence[str]
+    ) -> sa.ColumnElement[bool]:
+        del pk_columns  # the encoded key names its columns
+        return table.table.c.item_key.in_([item_key(pk) for pk in pks])
+
+    def user_key_columns(self, table: ClaimTable) -> list[sa.ColumnElement[Any]]:
+        return [table.table.c.item_key]
+
+    def user_pk(self, values: Sequence[Any], pk_columns: Sequence[str]) -> dict[str, Any]:
+        del pk_columns
+        return decode_key(str(values[0]))
 
     def rows(self, conn: Connection, batch: ClaimBatch, queue: QueueTable) -> list[ClaimedRow]:
         """The user rows behind the claimed items (``values=None`` for rows deleted since)."""

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import sqlalchemy as sa
@@ -49,9 +49,10 @@ from dbtrigger.errors import (
     MissingSettingError,
 )
 from dbtrigger.names import validate_sql_identifier
-from dbtrigger.queue import operations
+from dbtrigger.queue import operations, producer
 from dbtrigger.queue.layout import Claim, ClaimedRow, ClaimLayout, ColumnsLayout, QueueTable
 from dbtrigger.queue.operations import QueueCounts
+from dbtrigger.queue.producer import RunAfter
 from dbtrigger.queue.schema import PREFIX, DialectTime, check_unique_key
 from dbtrigger.queue.sidecar_table import SidecarLayout
 from dbtrigger.queue.statements import (
@@ -324,6 +325,13 @@ class ClaimSource:
                         ) from exc
         return self._target
 
+    @property
+    def queue_table(self) -> QueueTable:
+        """The checked user table and what the configuration says about it."""
+        _ = self.target
+        assert self._queue is not None  # noqa: S101 - resolved with the target
+        return self._queue
+
     def _check_server(self, conn: Connection) -> None:
         if self.time.dialect != "mysql":
             return
@@ -383,6 +391,12 @@ class ClaimSource:
         """:meth:`claim`, with what the claim learnt (rows left, an expired claim halved)."""
         target = self.target
         try:
+            if target.priority:  # one priority after another, in one transaction
+                with self.transaction(locking=True) as conn:
+                    ranked = target.claim_by_priority(
+                        conn, limit=limit, token=token, worker=worker, visibility=visibility
+                    )
+                    return self._claimed(conn, ranked)
             with self.transaction() as conn:
                 batch = target.claim(
                     conn, limit=limit, token=token, worker=worker, visibility=visibility
@@ -437,6 +451,38 @@ class ClaimSource:
                 f"recording outcomes on {self.name} failed: {short_error(exc)}; the claim "
                 "expires and the rows are claimed again"
             ) from exc
+
+    # --- producers ------------------------------------------------------------------
+
+    def enqueue(
+        self,
+        rows: Iterable[Mapping[str, Any]],
+        *,
+        run_after: RunAfter = None,
+        priority: int | None = None,
+    ) -> int:
+        """Insert ``rows`` (the user's columns) as new work; how many were inserted.
+
+        ``run_after``: an aware datetime, or a delay (seconds or a timedelta,
+        counted on the database's clock): the rows are not claimed before. A
+        scheduled row is an ordinary ``ready`` row whose ``dbt_visible_at`` is
+        later, so it costs a claim nothing until it is due. ``priority``: on a
+        table installed with ``--priority``, higher is claimed first (default
+        0). All rows go in one transaction. See :mod:`dbtrigger.queue.producer`.
+        """
+        return producer.enqueue(self, rows, run_after=run_after, priority=priority)
+
+    def cancel(
+        self, keys: Iterable[Any], *, reason: str, dry_run: bool = False
+    ) -> producer.Canceled:
+        """Take rows off the queue before they run: ``ready`` ones (scheduled or
+        waiting for a retry included) and expired claims become ``canceled``.
+
+        ``keys``: key dicts (``{"id": 5}``), or bare values for a one-column
+        key. A row a worker holds now is not touched (it is reported as
+        running), nor is a finished one. See :mod:`dbtrigger.queue.producer`.
+        """
+        return producer.cancel(self, keys, reason=reason, dry_run=dry_run)
 
     # --- operator commands ----------------------------------------------------------
 

@@ -27,6 +27,13 @@ PostgreSQL the one statement claims only when the pick is led by a fresh row
 claims again with ``SELECT ... FOR UPDATE SKIP LOCKED`` and ``UPDATE`` in one
 READ COMMITTED transaction, choosing in between.
 
+A table with ``dbt_priority`` (:meth:`ClaimTable.claim_by_priority`) is
+claimed one priority at a time, highest first, in one transaction: the next
+priority present is one probe of the ``(dbt_priority, dbt_visible_at)``
+index, and the pick of one priority reads only its rows due now. A claim
+fills its batch from as many priorities as it takes, fresh rows only; the
+rows of an expired claim are taken alone, as above.
+
 Settling is fenced: every completion, retry, dead-marking and extension
 matches ``key AND dbt_claim_token = :token AND dbt_status = 'claimed' AND
 dbt_visible_at > now``. A row whose claim expired (whether or not another
@@ -64,7 +71,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.sql import ColumnElement
 
 from dbtrigger.errors import CommitError
-from dbtrigger.queue.pick import Picked, choose
+from dbtrigger.queue.pick import Picked, choose, is_fresh
 from dbtrigger.queue.schema import (
     ATTEMPTS,
     CLAIM_TOKEN,
@@ -75,6 +82,7 @@ from dbtrigger.queue.schema import (
     DONE,
     DONE_AT,
     LAST_ERROR,
+    PRIORITY,
     READY,
     STATUS,
     VISIBLE_AT,
@@ -104,6 +112,9 @@ class ClaimBatch:
     more: bool = False
     isolated: bool = False
     bisected: tuple[int, int] | None = None
+    #: The pick was led by rows of an expired claim or a regrouped half (taken
+    #: alone), or, when only fresh rows were wanted, nothing was taken for that.
+    group: bool = False
 
 
 @dataclass(frozen=True)
@@ -149,6 +160,8 @@ class ClaimTable:
         self._key_cols = [table.c[k] for k in self.key]
         self._mysql = time.dialect == "mysql"
         self._statements: dict[str, Any] = {}
+        #: The table has ``dbt_priority``: claims take higher priorities first.
+        self.priority = PRIORITY in table.c
 
     # --- predicates -----------------------------------------------------------------
 
@@ -241,10 +254,14 @@ class ClaimTable:
         }
 
     def _build_pick(self) -> Any:
-        """The rows a claim may take, locked (skipping rows other claims locked)."""
+        """The rows a claim may take, locked (skipping rows other claims locked);
+        of one priority (``:dbt_level``) on a prioritised table."""
+        where = self.claimable()
+        if self.priority:
+            where = sa.and_(where, self.table.c[PRIORITY] == sa.bindparam("dbt_level"))
         return (
             sa.select(self.table)
-            .where(self.claimable())
+            .where(where)
             .order_by(self.table.c[VISIBLE_AT])
             .limit(sa.bindparam("dbt_limit", type_=sa.Integer))
             .with_for_update(skip_locked=True)
@@ -291,6 +308,27 @@ class ClaimTable:
         return sa.select(*claimed.c, picked.label(_PICKED)).select_from(
             head_cte.outerjoin(claimed, sa.true())
         )
+
+    def _build_level_top(self) -> Any:
+        return self._level_statement(below=False)
+
+    def _build_level(self) -> Any:
+        return self._level_statement(below=True)
+
+    def _level_statement(self, *, below: bool) -> Any:
+        """The highest priority (below ``:dbt_below``) that has rows: one index probe.
+
+        PostgreSQL and SQLite ask the partial index (rows in a claimable
+        status). MariaDB/MySQL have no partial index, and filtering on the
+        status there would walk the finished rows at the top of each priority's
+        part of the index; so any row counts, and a priority holding only
+        finished rows costs one empty pick.
+        """
+        c = self.table.c
+        where = [c[PRIORITY] < sa.bindparam("dbt_below", type_=sa.Integer)] if below else []
+        if not self._mysql:
+            where.append(c[STATUS].in_(CLAIMABLE))
+        return sa.select(c[PRIORITY]).where(*where).order_by(c[PRIORITY].desc()).limit(1)
 
     def _build_claim_locked(self) -> Any:
         """Mark the picked rows a claim takes (they are locked by the pick)."""
@@ -400,16 +438,74 @@ class ClaimTable:
         rows = [dict(zip(names, r[:-1], strict=True)) for r in fetched]
         return ClaimBatch(rows, more=picked >= limit or picked > len(rows))
 
-    def claim_choosing(
+    def claim_by_priority(
         self, conn: Connection, *, limit: int, token: str, worker: str, visibility: float
+    ) -> ClaimBatch:
+        """Claim up to ``limit`` rows, highest ``dbt_priority`` first (see the module doc).
+
+        ``conn`` must be in a transaction (PostgreSQL: READ COMMITTED, the
+        picks' locks last until it ends). Each priority costs one index probe
+        and one pick that reads only that priority's rows due now, so a claim
+        stays O(batch + priorities) however many rows are scheduled for later.
+        """
+        rows: list[dict[str, Any]] = []
+        more = False
+        below: int | None = None
+        while len(rows) < limit:
+            if below is None:
+                level = conn.execute(self._prepared("level_top")).scalar()
+            else:
+                level = conn.execute(self._prepared("level"), {"dbt_below": below}).scalar()
+            if level is None:
+                break
+            batch = self.claim_choosing(
+                conn,
+                limit=limit - len(rows),
+                token=token,
+                worker=worker,
+                visibility=visibility,
+                level=int(level),
+                fresh_only=bool(rows),
+            )
+            if batch.group:
+                if rows:  # an expired claim leads the next priority: never mixed
+                    more = True
+                    break
+                return batch
+            rows += batch.rows
+            more = more or batch.more
+            below = int(level)
+        return ClaimBatch(rows, more=more or len(rows) >= limit)
+
+    def claim_choosing(
+        self,
+        conn: Connection,
+        *,
+        limit: int,
+        token: str,
+        worker: str,
+        visibility: float,
+        level: int | None = None,
+        fresh_only: bool = False,
     ) -> ClaimBatch:
         """Pick and lock, :func:`~dbtrigger.queue.pick.choose`, then write the claim
         (and a regrouped half); ``conn`` must be in a transaction that holds the
-        pick's locks (MariaDB/PostgreSQL) or the write lock (SQLite)."""
-        result = conn.execute(self._prepared("pick"), {"dbt_limit": limit})
+        pick's locks (MariaDB/PostgreSQL) or the write lock (SQLite).
+
+        ``level``: the priority to pick from (a prioritised table). With
+        ``fresh_only`` a pick led by an expired claim's rows takes nothing
+        (``group=True``): they are never mixed with fresh rows taken before.
+        """
+        params: dict[str, Any] = {"dbt_limit": limit}
+        if self.priority:
+            params["dbt_level"] = level
+        result = conn.execute(self._prepared("pick"), params)
         names = list(result.keys())
         picked = [dict(zip(names, r, strict=True)) for r in result.all()]
-        choice = choose([Picked(self.key_of(r), r[STATUS], r[CLAIM_TOKEN]) for r in picked])
+        marks = [Picked(self.key_of(r), r[STATUS], r[CLAIM_TOKEN]) for r in picked]
+        if fresh_only and marks and not is_fresh(marks[0].status, marks[0].token):
+            return ClaimBatch([], more=True, group=True)
+        choice = choose(marks)
         if choice.regroup:
             conn.execute(
                 self._prepared("regroup"),
@@ -435,6 +531,7 @@ class ClaimTable:
             more=len(picked) >= limit or len(rows) < len(picked),
             isolated=choice.isolated,
             bisected=choice.bisected,
+            group=bool(marks) and not is_fresh(marks[0].status, marks[0].token),
         )
 
     def extend(self, conn: Connection, *, token: str, visibility: float) -> int:

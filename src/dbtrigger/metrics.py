@@ -60,6 +60,20 @@ METRICS: dict[str, tuple[str, str]] = {
         "counter",
         "Partitions claimed, stolen or released by this member, by action",
     ),
+    "backlog_rows": (
+        "gauge",
+        "Scale signal: rows after the checkpoints of all of a partitioned poller's partitions",
+    ),
+    "backlog_oldest_seconds": ("gauge", "Scale signal: age of the oldest row behind"),
+    "backlog_desired_replicas": (
+        "gauge",
+        "Scale signal: min(partitions, ceil(backlog_rows / target rows per replica))",
+    ),
+    "partition_backlog_rows": ("gauge", "Scale signal: rows after one partition's checkpoint"),
+    "partition_backlog_oldest_seconds": (
+        "gauge",
+        "Scale signal: age of the oldest row behind one partition's checkpoint",
+    ),
     "event_outcomes_total": (
         "counter",
         "Per-event outcomes of delivered batches, by outcome (accepted/rejected/failed)",
@@ -120,6 +134,8 @@ METRIC_LABELS: dict[str, tuple[str, ...]] = {
     "failures_total": ("error_type",),
     "retries_total": ("operation", "error_type"),
     "partition_rebalances_total": ("action",),
+    "partition_backlog_rows": ("partition",),
+    "partition_backlog_oldest_seconds": ("partition",),
     "event_outcomes_total": ("outcome",),
     "subscriber_outcomes_total": ("subscriber", "outcome"),
     "ack_timeouts_total": ("subscriber",),

@@ -15,16 +15,27 @@ import argparse
 import datetime as dt
 import json
 import os
+import threading
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from dbtrigger.cli.common import DEFAULT_BACKUP_DIR, ENV_BACKUP_DIR, actor_from_args, backup_dir
 from dbtrigger.cli.loading import load_object
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.partitions import regroup
+from dbtrigger.partitions.backlog import DEFAULT_TARGET_ROWS, Backlog, measure_backlog
 from dbtrigger.partitions.buckets import partition_ddl
+from dbtrigger.partitions.endpoint import (
+    DEFAULT_MIN_INTERVAL_SECONDS,
+    BacklogCache,
+    BacklogServer,
+    parse_address,
+)
+from dbtrigger.partitions.inspect import table
 from dbtrigger.partitions.member import PartitionedPoller
 from dbtrigger.runtime.poller import PollTrigger
+from dbtrigger.runtime.runner import signals_routed_to
 
 
 def load_partitioned(spec: str) -> PartitionedPoller:
@@ -54,6 +65,70 @@ def cmd_show(args: argparse.Namespace) -> int:
         return 0
     for line in state.render():
         print(line)
+    return 0
+
+
+def cmd_backlog(args: argparse.Namespace) -> int:
+    """The scale signal: measure once and print it, or serve it over HTTP (--serve)."""
+    poller = load_partitioned(args.trigger)
+    if args.target < 1:
+        raise ConfigurationError(f"--target must be at least 1 row, got {args.target}")
+    if args.serve:
+        return _serve_backlog(poller, args)
+    backlog = measure_backlog(poller)
+    if args.json:
+        print(json.dumps(backlog.to_json(args.target), indent=2))
+        return 0
+    for line in describe_backlog(backlog, args.target):
+        print(line)
+    return 0
+
+
+def describe_backlog(backlog: Backlog, target: int) -> list[str]:
+    oldest = backlog.oldest_seconds
+    lines = [
+        f"poller {backlog.poller}: {backlog.rows:,} rows behind in {len(backlog.partitions)} "
+        f"partitions"
+        + ("" if oldest is None else f", the oldest {oldest:.1f}s old")
+        + f"; {backlog.members} member(s); desired replicas {backlog.desired_replicas(target)} "
+        f"at {target:,} rows each",
+    ]
+    if backlog.unknown:
+        lines.append(f"  not counted (their source failed): {', '.join(backlog.unknown)}")
+    rows = [["PARTITION", "ROWS", "OLDEST", "OWNER"]]
+    for p in backlog.partitions:
+        rows.append(
+            [
+                p.id,
+                "?" if p.rows is None else str(p.rows),
+                "-" if p.oldest_seconds is None else f"{p.oldest_seconds:.1f}s",
+                p.owner or "(unowned)",
+            ]
+        )
+    lines.extend("  " + line for line in table(rows))
+    return lines
+
+
+def _serve_backlog(poller: PartitionedPoller, args: argparse.Namespace) -> int:
+    server = BacklogServer(
+        parse_address(args.serve),
+        BacklogCache(lambda: measure_backlog(poller), min_interval=args.min_interval),
+        target_rows=args.target,
+    )
+    print(
+        f"serving the backlog of {poller.name} on {server.url} (/backlog, /metrics, /healthz), "
+        f"measured at most every {args.min_interval:g}s, {args.target:,} rows per replica; "
+        "Ctrl-C or SIGTERM stops",
+        flush=True,
+    )
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        del signum, frame
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    with signals_routed_to(stop):
+        server.serve_forever(poll_interval=0.2)
+    server.server_close()
     return 0
 
 
@@ -175,6 +250,33 @@ def add_partition_commands(sub: Any) -> None:
             f"or ./{DEFAULT_BACKUP_DIR})",
         )
         change.set_defaults(func=cmd_change)
+
+    backlog = commands.add_parser(
+        "backlog",
+        help="the scale signal: rows behind per partition, desired replicas (--serve: HTTP)",
+        description="Rows after each partition's checkpoint and the age of the oldest, the "
+        "total, and desired replicas = min(partitions, ceil(rows / --target)). With --serve, "
+        "an HTTP endpoint KEDA's metrics-api scaler reads (GET /backlog; /metrics for "
+        "Prometheus).",
+    )
+    backlog.add_argument("--trigger", required=True, help="MODULE:ATTR naming the poller")
+    backlog.add_argument("--json", action="store_true", help="machine-readable output")
+    backlog.add_argument(
+        "--target",
+        type=int,
+        default=DEFAULT_TARGET_ROWS,
+        help=f"rows behind per replica (default {DEFAULT_TARGET_ROWS})",
+    )
+    backlog.add_argument("--serve", metavar="HOST:PORT", help="serve it over HTTP until stopped")
+    backlog.add_argument(
+        "--min-interval",
+        type=float,
+        default=DEFAULT_MIN_INTERVAL_SECONDS,
+        metavar="SECONDS",
+        help="--serve: measure at most this often; requests in between get the last "
+        f"measurement (default {DEFAULT_MIN_INTERVAL_SECONDS:g})",
+    )
+    backlog.set_defaults(func=cmd_backlog)
 
     ddl = commands.add_parser("ddl", help="print DDL for an indexed bucket column")
     ddl.add_argument("--trigger", required=True, help="MODULE:ATTR naming the poller")

@@ -251,7 +251,7 @@ def _partition(
     try:
         stored = store.read(partition_key(doc.poller, pid))
         state = docmod.loads(stored.data) if stored is not None else None
-        window = Window.from_json(state.window) if state is not None else Window()
+        window = (state.window if state is not None else None) or Window()
     except CorruptStateError as exc:
         return PartitionState(pid, lo, hi, owner, None, None, note=f"{type(exc).__name__}: {exc}")
     position = state.checkpoint.position if state is not None and state.checkpoint else None

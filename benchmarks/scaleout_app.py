@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dbtrigger import PollTrigger, SqlAlchemySource
+from dbtrigger import SqlAlchemySource
+from dbtrigger.partitions import PartitionedPoller
 from dbtrigger.partitions.member import DEFAULT_PARTITIONS
 from dbtrigger.state.stores.factory import open_store
 
@@ -35,7 +36,7 @@ _delay = float(_env.get("DBT_SCALEOUT_HANDLER_MS", "2")) / 1000
 _out_dir = Path(_env.get("DBT_SCALEOUT_OUT", "."))
 _out: Any = None
 
-trigger = PollTrigger(
+trigger = PartitionedPoller(
     name="orders",
     source=SqlAlchemySource(
         url=_env.get("DBT_SCALEOUT_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"),

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from dbtrigger.checks import warn_at_start
 from dbtrigger.cli.loading import LoadedTrigger, load_trigger
 from dbtrigger.errors import ConfigurationError
+from dbtrigger.partitions.member import PartitionedPoller
 from dbtrigger.queue.trigger import QueueTrigger
 from dbtrigger.runtime.poller import PollTrigger
 from dbtrigger.runtime.runner import (
@@ -59,7 +60,17 @@ def banner(loaded: LoadedTrigger, args: argparse.Namespace) -> tuple[str, dict[s
             f"{args.max_backoff:g}s"
         )
         return redact(text), {"event": "worker_start", "poller": trigger.name}
-    if not isinstance(trigger, PollTrigger):  # a partitioned poller: its members log theirs
+    if isinstance(trigger, PartitionedPoller):
+        text = "\n".join(
+            [f"partitioned poller {trigger.name} ({loaded.spec}), member {trigger.member_id}"]
+            + [f"  {line}" for line in trigger.describe()]
+            + [
+                f"  interval    {args.interval:g}s when idle, at once while ticks deliver rows "
+                "or when this member gains partitions"
+            ]
+        )
+        return redact(text), {"event": "worker_start", "poller": trigger.name}
+    if not isinstance(trigger, PollTrigger):
         return f"{type(trigger).__name__} {trigger.name} ({loaded.spec})", {
             "event": "worker_start",
             "poller": trigger.name,

@@ -218,6 +218,20 @@ class PartitionedPoller:
             "or construct it with subscribers={name: handler}"
         )
 
+    def describe(self) -> list[str]:
+        """The settings an operator wants to see before the first tick (the worker banner)."""
+        source = self.source.describe()
+        return [
+            f"source      {self.source.name}, table {source.get('table') or 'query'}, "
+            f"cursor {self.source.cursor_column}, key ({', '.join(self.source.pk_columns)})",
+            f"store       {self.store.describe()}",
+            f"partitions  {self.partitions} for a new group (a stored layout wins)"
+            + (f"; fan-out to {', '.join(self.subscribers)}" if self.subscribers else ""),
+            f"balancing   every {self.interval:g}s once settled, every "
+            f"{cadence.fast_interval(self.interval):g}s while ownership moves; member TTL "
+            f"{self.member_ttl:g}s; join window {self.join_window:g}s",
+        ]
+
     @property
     def fingerprint(self) -> str:
         return self.source.fingerprint()

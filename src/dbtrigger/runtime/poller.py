@@ -47,10 +47,11 @@ from dbtrigger.runtime import kernel
 from dbtrigger.runtime.delivery import Delivery, cancelled_error
 from dbtrigger.runtime.heartbeat import default_interval
 from dbtrigger.runtime.kernel import Handler, KeepAlive
+from dbtrigger.runtime.reading import NullCursorProbe, TickSettings
 from dbtrigger.runtime.retry import DEFAULT_RETRY_POLICY, RetryPolicy
 from dbtrigger.runtime.subscribers import FanOut, SubscriberCall, check_fan_out
 from dbtrigger.runtime.telemetry import Telemetry
-from dbtrigger.runtime.tick import NullCursorProbe, TickDriver, TickSettings
+from dbtrigger.runtime.tick import TickDriver
 from dbtrigger.runtime.trigger import (
     DEFAULT_MAX_BATCHES_PER_TICK,
     TickResult,

@@ -35,53 +35,31 @@ a broken source definition) always propagate.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
-import random
 import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Sequence
 
-from dbtrigger._gc import gc_paused, older_objects_frozen
+from dbtrigger._gc import older_objects_frozen
 from dbtrigger.cursor import BEGINNING, Position
-from dbtrigger.errors import (
-    CorruptStateError,
-    DbTriggerError,
-    FetchError,
-    LostLeaseError,
-    OperatorError,
-    SerializationError,
-    StoreError,
-    StoreUnavailableError,
-)
+from dbtrigger.errors import DbTriggerError, LostLeaseError
 from dbtrigger.events import RowChange
 from dbtrigger.runtime import windowing
 from dbtrigger.runtime.context import BatchContext, EventMarks
 from dbtrigger.runtime.delivery import Delivered, Delivery, Undelivered
 from dbtrigger.runtime.heartbeat import Heartbeat
 from dbtrigger.runtime.kernel import Handler, KeepAlive, wants_context
-from dbtrigger.runtime.retry import RetryPolicy
+from dbtrigger.runtime.reading import BatchReader, NullCursorProbe, Prefetch, TickSettings, landing
 from dbtrigger.runtime.session import LeaseSession
 from dbtrigger.runtime.telemetry import Telemetry
 from dbtrigger.runtime.trigger import Outcome, TickResult
-from dbtrigger.runtime.window_report import WindowReport
 from dbtrigger.runtime.windowing import Selection
 from dbtrigger.runtime.writes import StateWriter, WriterSettings
 from dbtrigger.sources.base import (
     AcknowledgesCheckpoints,
-    FindsNullCursors,
-    LocatesRows,
     MeasuresCursorAge,
     MeasuresLag,
-    ReportsVisibility,
     SourceAdapter,
-    VisibilityReport,
-    accepted_fingerprints,
-    check_reachable,
     position_of,
-    source_definition,
 )
 from dbtrigger.state import document as docmod
 from dbtrigger.state import lease as leasemod
@@ -91,112 +69,7 @@ from dbtrigger.state.journal import JournalEntry, Outcomes
 from dbtrigger.state.stores.base import CheckpointStore
 from dbtrigger.state.window import Window
 
-DEFAULT_BOUND = windowmod.Bound()
-
 __all__ = ["TickDriver", "TickResult", "TickSettings", "wants_context"]
-
-
-@dataclass(frozen=True)
-class TickSettings:
-    """The trigger's configuration, as the driver needs it."""
-
-    name: str
-    owner_id: str
-    batch_size: int
-    max_batches_per_tick: int
-    lease_ttl: dt.timedelta
-    journal_limit: int
-    heartbeat_interval: float
-    null_check_interval: float
-    retry: RetryPolicy
-    bound: windowmod.Bound = DEFAULT_BOUND
-    retry_delay: float = 5.0
-    retry_delay_max: float = 300.0
-    jitter: Callable[[], float] = random.random
-
-
-class NullCursorProbe:
-    """Warns about rows the source cannot deliver because their cursor is NULL.
-
-    Runs on the first tick and then at most every ``interval`` seconds.
-    """
-
-    def __init__(self, interval: float) -> None:
-        self.interval = interval
-        self._last = -float("inf")
-
-    def run(self, source: SourceAdapter, telemetry: Telemetry) -> None:
-        finder = source if isinstance(source, FindsNullCursors) else None
-        if finder is None or self.interval <= 0:
-            return
-        now = time.monotonic()
-        if now - self._last < self.interval:
-            return
-        self._last = now
-        try:
-            keys = finder.null_cursor_keys()
-        except Exception as exc:  # noqa: BLE001 - a report, never a reason to fail the tick
-            telemetry.emit("null_check_failed", "NULL-cursor probe failed: %s", exc)
-            return
-        telemetry.emit("null_cursor_probe", values={"count": len(keys)})
-        if keys:
-            telemetry.emit(
-                "null_cursor_rows",
-                "%d%s row(s) have a NULL %s and cannot be delivered until it is set, e.g. %s",
-                len(keys),
-                "+" if len(keys) >= 10 else "",
-                finder.cursor_column,
-                keys[:5],
-                keys=keys[:10],
-            )
-
-
-@dataclass
-class Prefetch:
-    """The next batch, read on the tick's thread while the current batch's lanes run.
-
-    ``after`` and ``window`` are where the current batch leaves the checkpoint
-    and the settled window if all of its events are accepted; the read is of
-    the batch that follows from there. Any error is kept, not raised: the
-    lanes are still running, and the read may turn out not to be needed.
-    """
-
-    read: Callable[[], Selection | None]
-    after: Position
-    window: Window
-    ran: bool = False
-    selection: Selection | None = None
-    error: Exception | None = None
-
-    def run(self) -> None:
-        self.ran = True
-        try:
-            self.selection = self.read()
-        except Exception as exc:  # noqa: BLE001 - kept for take(), raised if the read is used
-            self.error = exc
-
-    def matches(self, after: Position, window: Window) -> bool:
-        """Did it run, from where the batch really left the checkpoint and window?"""
-        return self.ran and self.after == after and self.window == window
-
-    def take(self) -> tuple[Selection | None, DbTriggerError | None]:
-        """The selection, or the read's error (deferred like any fetch error)."""
-        if self.error is not None and not isinstance(self.error, DbTriggerError):
-            raise self.error
-        return self.selection, self.error
-
-
-def landing(
-    position: Position,
-    events: Sequence[RowChange],
-    selection: Selection,
-    settlement: windowmod.Settlement | None,
-) -> tuple[Position, Window]:
-    """Where a delivered batch leaves the checkpoint and the window."""
-    if settlement is None:  # no per-event window in play: the whole batch settled
-        return position_of(events[-1]), selection.window
-    after = position if settlement.checkpoint is None else settlement.checkpoint
-    return after, settlement.window
 
 
 def batch_id_for(started_at: dt.datetime, token: int, index: int) -> str:
@@ -205,7 +78,9 @@ def batch_id_for(started_at: dt.datetime, token: int, index: int) -> str:
 
 class TickDriver:
     """Performs ticks for one trigger; holds no state between them except the
-    NULL-cursor probe's timer (owned by the trigger)."""
+    NULL-cursor probe's timer (owned by the trigger). Its reads are the
+    :class:`~dbtrigger.runtime.reading.BatchReader`'s, its writes the
+    :class:`~dbtrigger.runtime.writes.StateWriter`'s."""
 
     def __init__(
         self,
@@ -222,8 +97,6 @@ class TickDriver:
         cli_source: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.settings = settings
-        #: ``module:attribute`` naming the trigger, for commands printed in errors.
-        self.cli_source = cli_source
         self.writer = StateWriter(
             WriterSettings(
                 name=settings.name,
@@ -247,10 +120,20 @@ class TickDriver:
         #: The source holds data until told it is checkpointed (a replication slot).
         self.acknowledges = isinstance(source, AcknowledgesCheckpoints)
         self.delivery = delivery
-        self.null_probe = null_probe
+        #: Every read of the tick: the state document, the rows of each batch.
+        self.reader = BatchReader(
+            settings,
+            source=source,
+            store=store,
+            clock=clock,
+            fingerprint=fingerprint,
+            telemetry=telemetry,
+            delivery=delivery,
+            null_probe=null_probe,
+            cli_source=cli_source,
+        )
         #: The trigger's heartbeat thread (the lease is renewed on it).
         self.keepalive = keepalive
-        self.visibility: VisibilityReport | None = None
         #: Rows and batches the current (or last) tick committed so far: what a
         #: tick that fails half way did get done.
         self.committed = (0, 0)
@@ -259,18 +142,6 @@ class TickDriver:
         #: running ahead (see dbtrigger.state.lease.believed_expiry).
         self._seen: tuple[str | None, dt.datetime] | None = None
         self._skew_warned: str | None = None
-        self._definition: tuple[dict[str, Any] | None] | None = None
-        #: Says when the settled window starts or stops blocking progress.
-        self.window_report = WindowReport(settings.name, settings.bound, telemetry)
-        #: Hand out no more rows than the window can hold as waiting, even when
-        #: it is empty (see dbtrigger.state.window.Settlement.unremembered).
-        self._reserve = False
-
-    def definition(self) -> dict[str, Any] | None:
-        """The source's readable definition (kept in the document), computed once."""
-        if self._definition is None:
-            self._definition = (source_definition(self.source),)
-        return self._definition[0]
 
     def _first_seen(self, etag: str | None, now: dt.datetime) -> dt.datetime:
         if self._seen is None or self._seen[0] != etag:
@@ -282,11 +153,11 @@ class TickDriver:
     def run(self, handler: Handler, should_stop: Callable[[], bool] | None = None) -> TickResult:
         s = self.settings
         started_at = self.clock()
-        self.visibility = None
+        self.reader.visibility = None
         self.committed = (0, 0)
         self.emit("tick_start", "tick start")
         try:
-            doc, etag = self.read()
+            doc, etag = self.reader.read()
         except DbTriggerError as exc:
             self.emit("state_read_failed", "state read failed: %s", exc)
             raise
@@ -299,7 +170,7 @@ class TickDriver:
             now=started_at,
             ttl=s.lease_ttl,
             first_seen=self._first_seen(etag, started_at),
-            definition=self.definition(),
+            definition=self.reader.definition(),
         )
         if isinstance(decision, leasemod.Busy):
             if decision.skew is not None and self._skew_warned != etag:
@@ -333,12 +204,12 @@ class TickDriver:
         position = doc.position if doc else BEGINNING
         window = (doc.window if doc is not None else None) or Window()
         try:
-            selection = self.next_batch(position, window)
+            selection = self.reader.next_batch(position, window)
         except DbTriggerError as exc:
             self.emit("fetch_failed", "fetch failed: %s", exc)
             raise
         # After the fetch: a source that cannot be read is reported once, by the fetch.
-        self.null_probe.run(self.source, self.telemetry)
+        self.reader.null_probe.run(self.source, self.telemetry)
         if selection is None:
             self.emit("tick_idle", "nothing after the checkpoint")
             self.acknowledge(position)  # the stored checkpoint is durable: nothing after it
@@ -432,7 +303,7 @@ class TickDriver:
             outcome = Delivered()
             settlement = selection.tidy
             if settlement is None:
-                events = self.normalise(selection.rows, batch_id, session.token)
+                events = self.reader.normalise(selection.rows, batch_id, session.token)
                 ctx = BatchContext(
                     poller_name=self.name,
                     batch_id=batch_id,
@@ -453,7 +324,7 @@ class TickDriver:
                     ),
                 )
                 done = frozenset(failure.done) if failure else frozenset()
-                prefetch = self.prefetch(selection, events, position, index, started_at)
+                prefetch = self.reader.prefetch(selection, events, position, index, started_at)
                 outcome = self.hand_over(
                     session, handler, wants_ctx, events, done, ctx, selection, prefetch
                 )
@@ -486,13 +357,13 @@ class TickDriver:
                     subscribers=outcome.by_subscriber,
                 ),
             )
-            self.commit(session, entry, release, settlement)
+            self.writer.commit_batch(session, entry, release, settlement)
             # After retries that did not fit the window, batches are cut to what it
             # can hold as waiting, until a batch of new rows retries nothing.
             if settlement is not None and settlement.unremembered:
-                self._reserve = True
+                self.reader.reserve = True
             elif selection.fresh and not outcome.retried:
-                self._reserve = False
+                self.reader.reserve = False
             total += len(events)
             self.committed = (total, index + 1)
             position = after
@@ -533,7 +404,7 @@ class TickDriver:
         if prefetch is not None and prefetch.matches(after, window):
             return prefetch.take()
         try:
-            return self.next_batch(after, window), None
+            return self.reader.next_batch(after, window), None
         except DbTriggerError as exc:
             return None, exc
 
@@ -573,93 +444,6 @@ class TickDriver:
 
     # --- choosing a batch, settling it ------------------------------------------------
 
-    def prefetch(
-        self,
-        selection: Selection,
-        events: list[RowChange],
-        position: Position,
-        index: int,
-        started_at: dt.datetime,
-    ) -> Prefetch | None:
-        """The read of the batch after this one, to run while its lanes run.
-
-        None when the handler runs on this thread (no lanes, no subscribers:
-        nothing can overlap it) or when no further batch will be read this tick. The
-        landing is computed for "every event accepted": no retry, so ``now``
-        and the jitter play no part.
-        """
-        s = self.settings
-        if not self.delivery.overlaps or not selection.more:
-            return None
-        if index + 1 >= s.max_batches_per_tick:
-            return None
-        accepted = windowing.settle_delivered(
-            selection,
-            events,
-            {},
-            now=started_at,
-            bound=s.bound,
-            backoff=(s.retry_delay, s.retry_delay_max),
-            jitter=s.jitter,
-        )
-        after, window = landing(position, events, selection, accepted)
-        return Prefetch(lambda: self.next_batch(after, window), after, window)
-
-    def next_batch(self, position: Position, window: Window) -> Selection | None:
-        """Read after ``position`` and choose the next batch (None: nothing to do).
-
-        Without a per-event window this is the plain read of ``batch_size``
-        rows. With one, the read also covers the window (its rows come back
-        after the checkpoint too) and :func:`dbtrigger.runtime.windowing.choose`
-        picks the rows to hand out: new ones, due retries, late arrivals.
-        """
-        s = self.settings
-        held = self.delivery.holding(window)
-        if held is None:
-            return None  # fan-out: every subscriber is busy (said once, at WARNING)
-        limit = s.batch_size + len(window)
-        rows = self.fetch(position, limit)
-        positions = None
-        if (window or self._reserve) and rows:
-            positions = [position_of(e) for e in self.normalise(rows, "plan", 0)]
-        selection, view = windowing.choose(
-            rows,
-            positions,
-            window,
-            limit=limit,
-            batch_size=s.batch_size,
-            bound=s.bound,
-            now=self.clock(),
-            locate=self._locate if isinstance(self.source, LocatesRows) else None,
-            hold=held,
-            reserve=self._reserve,
-        )
-        self.window_report.report(view)
-        return selection
-
-    def _locate(self, positions: Sequence[Position]) -> Sequence[Position]:
-        """The source's lookup of window entries a read could not place; on a
-        failure every entry is kept (asked again when the window next blocks)."""
-        assert isinstance(self.source, LocatesRows)  # noqa: S101 - checked by the caller
-        source = self.source
-        try:
-            return self.settings.retry.call(
-                lambda: source.present(positions),
-                operation="window lookup",
-                kinds=(FetchError,),
-                on_retry=self.telemetry.on_retry,
-                fields={"poller": self.name},
-            )
-        except FetchError as exc:
-            self.emit(
-                "window_lookup_failed",
-                "looking up %d settled-window entries failed (kept; asked again while the "
-                "window blocks): %s",
-                len(positions),
-                exc,
-            )
-            return positions
-
     def settle(
         self, selection: Selection, events: Sequence[RowChange], outcome: Delivered
     ) -> windowmod.Settlement | None:
@@ -677,59 +461,6 @@ class TickDriver:
             deferred=outcome.deferred,
             delays=outcome.delays,
         )
-
-    def commit(
-        self,
-        session: LeaseSession,
-        entry: JournalEntry,
-        release: bool,
-        settlement: windowmod.Settlement | None,
-    ) -> None:
-        """The batch's one write, then what it changed, reported."""
-        window: leasemod.WindowUpdate = leasemod.KEEP
-        if settlement is not None:
-            window = dataclasses.replace(settlement.window, bound=self.settings.bound)
-        self.writer.commit(session, entry, release, window)
-        outcomes = entry.outcomes
-        if outcomes is not None:
-            self.emit(
-                "event_outcomes",
-                values={
-                    "accepted": outcomes.accepted,
-                    "rejected": outcomes.rejected,
-                    "failed": outcomes.failed,
-                },
-            )
-            for name, sub in outcomes.subscribers.items():
-                self.emit("subscriber_outcomes", subscriber=name, values=sub.counts())
-        if settlement is None:
-            return
-        self.emit(
-            "window_changed",
-            values={
-                "events": len(settlement.window),
-                "bytes": settlement.window.encoded_size(),
-            },
-        )
-        if settlement.overflow or settlement.unremembered:
-            self.emit(
-                "window_overflow",
-                "the settled window is full (bound %d events / %d bytes): of batch %s, %d "
-                "settled event(s) could not be remembered and will be delivered again, and "
-                "%d event(s) asked to retry could not be remembered as waiting and will be "
-                "delivered again at once, without a backoff, that delivery not counted as "
-                "an attempt. Batches are cut to what the window can hold as waiting until "
-                "one retries nothing; raise window_max_events / window_max_bytes or lower "
-                "batch_size",
-                self.settings.bound.max_events,
-                self.settings.bound.max_bytes,
-                entry.batch_id,
-                settlement.overflow,
-                settlement.unremembered,
-                batch_id=entry.batch_id,
-                unremembered=settlement.unremembered,
-                values={"count": settlement.overflow + settlement.unremembered},
-            )
 
     # --- the I/O steps ----------------------------------------------------------------
 
@@ -752,113 +483,10 @@ class TickDriver:
                 exc,
             )
 
-    def read(self) -> tuple[StateDocument | None, str | None]:
-        s = self.settings
-        try:
-            stored = s.retry.call(
-                lambda: self.store.read(self.name),
-                operation="state read",
-                kinds=(StoreUnavailableError,),
-                on_retry=self.telemetry.on_retry,
-                fields={"poller": self.name},
-            )
-        except OperatorError:
-            raise
-        except StoreError as exc:
-            self.emit("state_read_error")
-            raise FetchError(
-                f"could not read the state of poller {self.name!r}: {exc}", poller=self.name
-            ) from exc
-        if stored is None:
-            return None, None
-        doc = docmod.loads(stored.data)
-        if doc.poller_name != self.name:
-            raise CorruptStateError(
-                f"state document under {self.name!r} belongs to poller {doc.poller_name!r}",
-                poller=self.name,
-            )
-        if doc.source_fingerprint != self.fingerprint():
-            # Only on a mismatch: older fingerprints of the same definition
-            # (an earlier algorithm) still name this source.
-            also = accepted_fingerprints(self.source)
-            if doc.source_fingerprint not in also:
-                # A typo (a port nothing listens on) changes the definition too:
-                # say first that the configured source cannot be read, and never
-                # suggest accepting an endpoint that does not answer.
-                check_reachable(
-                    self.source,
-                    poller=self.name,
-                    then="its definition also differs from the one the checkpoint was written "
-                    f"for ({leasemod.what_changed(doc, self.definition()) or 'fingerprint'}): "
-                    "fix the connection (host, port, database, credentials) first; do not "
-                    "accept a definition that cannot be read",
-                )
-            leasemod.check_fingerprint(
-                doc,
-                self.fingerprint(),
-                also=also,
-                spec=self.cli_source(),
-                definition=self.definition(),
-            )
-        return doc, stored.etag
-
-    def fetch(self, position: Position, limit: int) -> Sequence[Mapping[str, Any]]:
-        s = self.settings
-        started = time.perf_counter()
-        try:
-            rows = s.retry.call(
-                lambda: self._fetch_paused(position, limit),
-                operation="fetch",
-                kinds=(FetchError,),
-                on_retry=self.telemetry.on_retry,
-                fields={"poller": self.name},
-            )
-        except FetchError:
-            self.emit("fetch_error")
-            raise
-        self.emit("fetched", values={"seconds": time.perf_counter() - started})
-        self._report_visibility()
-        return rows
-
-    def _fetch_paused(self, position: Position, limit: int) -> Sequence[Mapping[str, Any]]:
-        with gc_paused():  # see dbtrigger._gc: the batch's rows are all still alive
-            return self.source.fetch(position, limit)
-
-    def _report_visibility(self) -> None:
-        """Turn the source's visibility-guard report into gauges (and the result).
-
-        A guard that holds rows back (a long transaction may still commit an
-        older cursor) is correct behaviour, but an operator needs to see it: the
-        gauges say for how long, and which backend is blocking.
-        """
-        reporter = self.source if isinstance(self.source, ReportsVisibility) else None
-        info = reporter.last_fetch_info if reporter is not None else None
-        if info is None:
-            return
-        self.visibility = info
-        self.emit(
-            "visibility",
-            values={
-                "held_back": 1.0 if info.held_back else 0.0,
-                "held_back_seconds": float(info.held_back_seconds),
-                "blocking_pid": info.blocking_pid,
-            },
-        )
-
-    def normalise(
-        self, rows: Sequence[Mapping[str, Any]], batch_id: str, token: int
-    ) -> list[RowChange]:
-        try:
-            with gc_paused():
-                return self.source.to_events(rows, poller=self.name, batch_id=batch_id)
-        except SerializationError as exc:
-            self.emit("serialization_failed", "%s", exc, batch_id=batch_id, fencing_token=token)
-            raise
-
     def result(
         self, rows: int, batches: int, outcome: Outcome, *, more: bool = False
     ) -> TickResult:
-        info = self.visibility
+        info = self.reader.visibility
         held = info is not None and info.held_back
         return TickResult(
             rows,

@@ -63,6 +63,8 @@ class StateWriter:
     ) -> None:
         self.settings = settings
         self.name = settings.name
+        #: The settled window's bound (for the overflow report).
+        self.bound = settings.bound or Bound()
         self.clock = clock
         self.emit = telemetry.emit
         #: The source's own ageing of a cursor (naive timestamps against the
@@ -145,6 +147,60 @@ class StateWriter:
                 "lag_seconds": lag,
             },
         )
+
+    def commit_batch(
+        self,
+        session: LeaseSession,
+        entry: JournalEntry,
+        release: bool,
+        settlement: Settlement | None,
+    ) -> None:
+        """The batch's one write, then what it changed, reported: the events'
+        outcomes, each subscriber's, and the window's size and overflow."""
+        window: leasemod.WindowUpdate = leasemod.KEEP
+        if settlement is not None:
+            window = dataclasses.replace(settlement.window, bound=self.settings.bound)
+        self.commit(session, entry, release, window)
+        outcomes = entry.outcomes
+        if outcomes is not None:
+            self.emit(
+                "event_outcomes",
+                values={
+                    "accepted": outcomes.accepted,
+                    "rejected": outcomes.rejected,
+                    "failed": outcomes.failed,
+                },
+            )
+            for name, sub in outcomes.subscribers.items():
+                self.emit("subscriber_outcomes", subscriber=name, values=sub.counts())
+        if settlement is None:
+            return
+        self.emit(
+            "window_changed",
+            values={
+                "events": len(settlement.window),
+                "bytes": settlement.window.encoded_size(),
+            },
+        )
+        if settlement.overflow or settlement.unremembered:
+            self.emit(
+                "window_overflow",
+                "the settled window is full (bound %d events / %d bytes): of batch %s, %d "
+                "settled event(s) could not be remembered and will be delivered again, and "
+                "%d event(s) asked to retry could not be remembered as waiting and will be "
+                "delivered again at once, without a backoff, that delivery not counted as "
+                "an attempt. Batches are cut to what the window can hold as waiting until "
+                "one retries nothing; raise window_max_events / window_max_bytes or lower "
+                "batch_size",
+                self.bound.max_events,
+                self.bound.max_bytes,
+                entry.batch_id,
+                settlement.overflow,
+                settlement.unremembered,
+                batch_id=entry.batch_id,
+                unremembered=settlement.unremembered,
+                values={"count": settlement.overflow + settlement.unremembered},
+            )
 
     def _lag(self, after: Position, now: dt.datetime) -> tuple[float | None, str | None]:
         """``lag_seconds`` at a commit to ``after`` and its basis; (None, None): not measured.

@@ -1,0 +1,396 @@
+"""Where a tick's batches come from: the state document it starts from, the
+rows of each batch, and the read of the next batch while lanes run.
+
+:class:`BatchReader` does every read of a tick for :class:`~dbtrigger.runtime.tick.TickDriver`:
+the state document (checked to be this poller's, its source definition the
+configured one), the source's rows after a position (retried under the
+tick's :class:`~dbtrigger.runtime.retry.RetryPolicy`, with the garbage
+collector paused while the batch is built), the choice of the rows to hand
+out against the settled window (:func:`dbtrigger.runtime.windowing.choose`),
+and their events. It writes nothing; what a read reports (visibility
+guard, NULL cursors, a blocking window) goes through the trigger's telemetry.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dbtrigger._gc import gc_paused
+from dbtrigger.cursor import Position
+from dbtrigger.errors import (
+    CorruptStateError,
+    DbTriggerError,
+    FetchError,
+    OperatorError,
+    SerializationError,
+    StoreError,
+    StoreUnavailableError,
+)
+from dbtrigger.events import RowChange
+from dbtrigger.runtime import windowing
+from dbtrigger.runtime.delivery import Delivery
+from dbtrigger.runtime.retry import RetryPolicy
+from dbtrigger.runtime.telemetry import Telemetry
+from dbtrigger.runtime.window_report import WindowReport
+from dbtrigger.runtime.windowing import Selection
+from dbtrigger.sources.base import (
+    FindsNullCursors,
+    LocatesRows,
+    ReportsVisibility,
+    SourceAdapter,
+    VisibilityReport,
+    accepted_fingerprints,
+    check_reachable,
+    position_of,
+    source_definition,
+)
+from dbtrigger.state import document as docmod
+from dbtrigger.state import lease as leasemod
+from dbtrigger.state import window as windowmod
+from dbtrigger.state.document import StateDocument
+from dbtrigger.state.stores.base import CheckpointStore
+from dbtrigger.state.window import Window
+
+DEFAULT_BOUND = windowmod.Bound()
+
+
+@dataclass(frozen=True)
+class TickSettings:
+    """The trigger's configuration, as the driver needs it."""
+
+    name: str
+    owner_id: str
+    batch_size: int
+    max_batches_per_tick: int
+    lease_ttl: dt.timedelta
+    journal_limit: int
+    heartbeat_interval: float
+    null_check_interval: float
+    retry: RetryPolicy
+    bound: windowmod.Bound = DEFAULT_BOUND
+    retry_delay: float = 5.0
+    retry_delay_max: float = 300.0
+    jitter: Callable[[], float] = random.random
+
+
+class NullCursorProbe:
+    """Warns about rows the source cannot deliver because their cursor is NULL.
+
+    Runs on the first tick and then at most every ``interval`` seconds.
+    """
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._last = -float("inf")
+
+    def run(self, source: SourceAdapter, telemetry: Telemetry) -> None:
+        finder = source if isinstance(source, FindsNullCursors) else None
+        if finder is None or self.interval <= 0:
+            return
+        now = time.monotonic()
+        if now - self._last < self.interval:
+            return
+        self._last = now
+        try:
+            keys = finder.null_cursor_keys()
+        except Exception as exc:  # noqa: BLE001 - a report, never a reason to fail the tick
+            telemetry.emit("null_check_failed", "NULL-cursor probe failed: %s", exc)
+            return
+        telemetry.emit("null_cursor_probe", values={"count": len(keys)})
+        if keys:
+            telemetry.emit(
+                "null_cursor_rows",
+                "%d%s row(s) have a NULL %s and cannot be delivered until it is set, e.g. %s",
+                len(keys),
+                "+" if len(keys) >= 10 else "",
+                finder.cursor_column,
+                keys[:5],
+                keys=keys[:10],
+            )
+
+
+@dataclass
+class Prefetch:
+    """The next batch, read on the tick's thread while the current batch's lanes run.
+
+    ``after`` and ``window`` are where the current batch leaves the checkpoint
+    and the settled window if all of its events are accepted; the read is of
+    the batch that follows from there. Any error is kept, not raised: the
+    lanes are still running, and the read may turn out not to be needed.
+    """
+
+    read: Callable[[], Selection | None]
+    after: Position
+    window: Window
+    ran: bool = False
+    selection: Selection | None = None
+    error: Exception | None = None
+
+    def run(self) -> None:
+        self.ran = True
+        try:
+            self.selection = self.read()
+        except Exception as exc:  # noqa: BLE001 - kept for take(), raised if the read is used
+            self.error = exc
+
+    def matches(self, after: Position, window: Window) -> bool:
+        """Did it run, from where the batch really left the checkpoint and window?"""
+        return self.ran and self.after == after and self.window == window
+
+    def take(self) -> tuple[Selection | None, DbTriggerError | None]:
+        """The selection, or the read's error (deferred like any fetch error)."""
+        if self.error is not None and not isinstance(self.error, DbTriggerError):
+            raise self.error
+        return self.selection, self.error
+
+
+def landing(
+    position: Position,
+    events: Sequence[RowChange],
+    selection: Selection,
+    settlement: windowmod.Settlement | None,
+) -> tuple[Position, Window]:
+    """Where a delivered batch leaves the checkpoint and the window."""
+    if settlement is None:  # no per-event window in play: the whole batch settled
+        return position_of(events[-1]), selection.window
+    after = position if settlement.checkpoint is None else settlement.checkpoint
+    return after, settlement.window
+
+
+class BatchReader:
+    """Every read of one trigger's ticks; see the module docstring."""
+
+    def __init__(
+        self,
+        settings: TickSettings,
+        *,
+        source: SourceAdapter,
+        store: CheckpointStore,
+        clock: Callable[[], dt.datetime],
+        fingerprint: Callable[[], str],
+        telemetry: Telemetry,
+        delivery: Delivery,
+        null_probe: NullCursorProbe,
+        cli_source: Callable[[], str | None] = lambda: None,
+    ) -> None:
+        self.settings = settings
+        self.name = settings.name
+        self.source = source
+        self.store = store
+        self.clock = clock
+        self.fingerprint = fingerprint
+        self.telemetry = telemetry
+        self.emit = telemetry.emit
+        self.delivery = delivery
+        self.null_probe = null_probe
+        #: ``module:attribute`` naming the trigger, for commands printed in errors.
+        self.cli_source = cli_source
+        #: The visibility guard's report on the tick's last fetch (None: none).
+        self.visibility: VisibilityReport | None = None
+        self._definition: tuple[dict[str, Any] | None] | None = None
+        #: Says when the settled window starts or stops blocking progress.
+        self.window_report = WindowReport(settings.name, settings.bound, telemetry)
+        #: Hand out no more rows than the window can hold as waiting, even when
+        #: it is empty (see dbtrigger.state.window.Settlement.unremembered).
+        self.reserve = False
+
+    def definition(self) -> dict[str, Any] | None:
+        """The source's readable definition (kept in the document), computed once."""
+        if self._definition is None:
+            self._definition = (source_definition(self.source),)
+        return self._definition[0]
+
+    def read(self) -> tuple[StateDocument | None, str | None]:
+        s = self.settings
+        try:
+            stored = s.retry.call(
+                lambda: self.store.read(self.name),
+                operation="state read",
+                kinds=(StoreUnavailableError,),
+                on_retry=self.telemetry.on_retry,
+                fields={"poller": self.name},
+            )
+        except OperatorError:
+            raise
+        except StoreError as exc:
+            self.emit("state_read_error")
+            raise FetchError(
+                f"could not read the state of poller {self.name!r}: {exc}", poller=self.name
+            ) from exc
+        if stored is None:
+            return None, None
+        doc = docmod.loads(stored.data)
+        if doc.poller_name != self.name:
+            raise CorruptStateError(
+                f"state document under {self.name!r} belongs to poller {doc.poller_name!r}",
+                poller=self.name,
+            )
+        if doc.source_fingerprint != self.fingerprint():
+            # Only on a mismatch: older fingerprints of the same definition
+            # (an earlier algorithm) still name this source.
+            also = accepted_fingerprints(self.source)
+            if doc.source_fingerprint not in also:
+                # A typo (a port nothing listens on) changes the definition too:
+                # say first that the configured source cannot be read, and never
+                # suggest accepting an endpoint that does not answer.
+                check_reachable(
+                    self.source,
+                    poller=self.name,
+                    then="its definition also differs from the one the checkpoint was written "
+                    f"for ({leasemod.what_changed(doc, self.definition()) or 'fingerprint'}): "
+                    "fix the connection (host, port, database, credentials) first; do not "
+                    "accept a definition that cannot be read",
+                )
+            leasemod.check_fingerprint(
+                doc,
+                self.fingerprint(),
+                also=also,
+                spec=self.cli_source(),
+                definition=self.definition(),
+            )
+        return doc, stored.etag
+
+    def fetch(self, position: Position, limit: int) -> Sequence[Mapping[str, Any]]:
+        s = self.settings
+        started = time.perf_counter()
+        try:
+            rows = s.retry.call(
+                lambda: self._fetch_paused(position, limit),
+                operation="fetch",
+                kinds=(FetchError,),
+                on_retry=self.telemetry.on_retry,
+                fields={"poller": self.name},
+            )
+        except FetchError:
+            self.emit("fetch_error")
+            raise
+        self.emit("fetched", values={"seconds": time.perf_counter() - started})
+        self._report_visibility()
+        return rows
+
+    def _fetch_paused(self, position: Position, limit: int) -> Sequence[Mapping[str, Any]]:
+        with gc_paused():  # see dbtrigger._gc: the batch's rows are all still alive
+            return self.source.fetch(position, limit)
+
+    def _report_visibility(self) -> None:
+        """Turn the source's visibility-guard report into gauges (and the result).
+
+        A guard that holds rows back (a long transaction may still commit an
+        older cursor) is correct behaviour, but an operator needs to see it: the
+        gauges say for how long, and which backend is blocking.
+        """
+        reporter = self.source if isinstance(self.source, ReportsVisibility) else None
+        info = reporter.last_fetch_info if reporter is not None else None
+        if info is None:
+            return
+        self.visibility = info
+        self.emit(
+            "visibility",
+            values={
+                "held_back": 1.0 if info.held_back else 0.0,
+                "held_back_seconds": float(info.held_back_seconds),
+                "blocking_pid": info.blocking_pid,
+            },
+        )
+
+    def normalise(
+        self, rows: Sequence[Mapping[str, Any]], batch_id: str, token: int
+    ) -> list[RowChange]:
+        try:
+            with gc_paused():
+                return self.source.to_events(rows, poller=self.name, batch_id=batch_id)
+        except SerializationError as exc:
+            self.emit("serialization_failed", "%s", exc, batch_id=batch_id, fencing_token=token)
+            raise
+
+    def prefetch(
+        self,
+        selection: Selection,
+        events: list[RowChange],
+        position: Position,
+        index: int,
+        started_at: dt.datetime,
+    ) -> Prefetch | None:
+        """The read of the batch after this one, to run while its lanes run.
+
+        None when the handler runs on this thread (no lanes, no subscribers:
+        nothing can overlap it) or when no further batch will be read this tick. The
+        landing is computed for "every event accepted": no retry, so ``now``
+        and the jitter play no part.
+        """
+        s = self.settings
+        if not self.delivery.overlaps or not selection.more:
+            return None
+        if index + 1 >= s.max_batches_per_tick:
+            return None
+        accepted = windowing.settle_delivered(
+            selection,
+            events,
+            {},
+            now=started_at,
+            bound=s.bound,
+            backoff=(s.retry_delay, s.retry_delay_max),
+            jitter=s.jitter,
+        )
+        after, window = landing(position, events, selection, accepted)
+        return Prefetch(lambda: self.next_batch(after, window), after, window)
+
+    def next_batch(self, position: Position, window: Window) -> Selection | None:
+        """Read after ``position`` and choose the next batch (None: nothing to do).
+
+        Without a per-event window this is the plain read of ``batch_size``
+        rows. With one, the read also covers the window (its rows come back
+        after the checkpoint too) and :func:`dbtrigger.runtime.windowing.choose`
+        picks the rows to hand out: new ones, due retries, late arrivals.
+        """
+        s = self.settings
+        held = self.delivery.holding(window)
+        if held is None:
+            return None  # fan-out: every subscriber is busy (said once, at WARNING)
+        limit = s.batch_size + len(window)
+        rows = self.fetch(position, limit)
+        positions = None
+        if (window or self.reserve) and rows:
+            positions = [position_of(e) for e in self.normalise(rows, "plan", 0)]
+        selection, view = windowing.choose(
+            rows,
+            positions,
+            window,
+            limit=limit,
+            batch_size=s.batch_size,
+            bound=s.bound,
+            now=self.clock(),
+            locate=self._locate if isinstance(self.source, LocatesRows) else None,
+            hold=held,
+            reserve=self.reserve,
+        )
+        self.window_report.report(view)
+        return selection
+
+    def _locate(self, positions: Sequence[Position]) -> Sequence[Position]:
+        """The source's lookup of window entries a read could not place; on a
+        failure every entry is kept (asked again when the window next blocks)."""
+        assert isinstance(self.source, LocatesRows)  # noqa: S101 - checked by the caller
+        source = self.source
+        try:
+            return self.settings.retry.call(
+                lambda: source.present(positions),
+                operation="window lookup",
+                kinds=(FetchError,),
+                on_retry=self.telemetry.on_retry,
+                fields={"poller": self.name},
+            )
+        except FetchError as exc:
+            self.emit(
+                "window_lookup_failed",
+                "looking up %d settled-window entries failed (kept; asked again while the "
+                "window blocks): %s",
+                len(positions),
+                exc,
+            )
+            return positions

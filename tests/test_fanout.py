@@ -603,7 +603,7 @@ def test_the_worker_loads_a_fan_out_poller_without_a_handler(
 
     from dbtrigger.cli.loading import load_trigger  # noqa: PLC0415
     from dbtrigger.runtime.runner import Runner  # noqa: PLC0415
-    from dbtrigger.runtime.subscribers import SubscriberCall  # noqa: PLC0415
+    from dbtrigger.runtime.subscriber_options import SubscriberCall  # noqa: PLC0415
 
     table = items_table(sqlite_db)
     add_items(sqlite_db, table, [1, 2, 3])

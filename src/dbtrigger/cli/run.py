@@ -31,7 +31,7 @@ from dbtrigger.runtime.runner import (
     log_progress,
     run_pollers,
 )
-from dbtrigger.runtime.subscribers import SubscriberCall
+from dbtrigger.runtime.subscriber_options import SubscriberCall
 from dbtrigger.sources.lag import describe_basis
 from dbtrigger.state.stores.factory import describe_store, redact
 

@@ -49,7 +49,7 @@ from dbtrigger.partitions.report import GroupReport
 from dbtrigger.partitions.source import PartitionSource
 from dbtrigger.runtime.kernel import Handler
 from dbtrigger.runtime.poller import PollTrigger
-from dbtrigger.runtime.subscribers import SubscriberCall, check_fan_out
+from dbtrigger.runtime.subscriber_options import SubscriberCall, check_fan_out
 from dbtrigger.runtime.trigger import TickResult, default_owner_id, utc_now
 from dbtrigger.sources.sqlalchemy import SqlAlchemySource
 from dbtrigger.state.stores.base import CheckpointStore

@@ -25,7 +25,6 @@ from __future__ import annotations
 import datetime as dt
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from dbtrigger.errors import (
@@ -36,87 +35,27 @@ from dbtrigger.errors import (
     QuarantineError,
 )
 from dbtrigger.events import RowChange
-from dbtrigger.quarantine import QuarantineSink, isolate, match_failed, put_records
+from dbtrigger.quarantine import QuarantineSink, isolate, match_failed
 from dbtrigger.runtime import kernel
+from dbtrigger.runtime.batch_outcome import Delivered, Outcome, Undelivered, batch_fields
 from dbtrigger.runtime.context import BatchContext, EventMarks
+from dbtrigger.runtime.dead_letters import DeadLetters, EventRejected, RetriesExhausted
 from dbtrigger.runtime.kernel import Handler, Lanes
 from dbtrigger.runtime.retry import RetryPolicy
 from dbtrigger.runtime.telemetry import Telemetry
-from dbtrigger.state import document as docmod
-from dbtrigger.state.journal import Outcomes
 from dbtrigger.state.verdict import Verdict, judge, should_isolate
 from dbtrigger.state.window import Window
 
-__all__ = ["Delivered", "Delivery", "Handler", "Outcome", "Undelivered", "cancelled_error"]
-
-
-class EventRejected(Exception):
-    """The handler rejected the event (``ctx.reject``); the text is its reason."""
-
-
-class RetriesExhausted(Exception):
-    """The handler asked to retry the event on every one of ``max_attempts`` deliveries."""
-
-
-@dataclass(frozen=True)
-class Delivered:
-    """The handler returned (or the batch's poison rows were set aside).
-
-    ``quarantined`` rows were set aside as poison. Of the per-event marks,
-    ``rejected`` (id -> reason) were written to the dead-letter sink, as were
-    ``exhausted`` (retried on the last attempt); ``retried`` (id -> reason)
-    wait for another delivery. Every other event is accepted.
-    """
-
-    quarantined: int = 0
-    rejected: Mapping[str, str] = field(default_factory=dict)
-    retried: Mapping[str, str] = field(default_factory=dict)
-    exhausted: frozenset[str] = frozenset()
-    #: Fan-out: retried event id -> the subscribers it goes to again (with
-    #: their attempts); see dbtrigger.state.fanout.
-    owed: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
-    #: Retried event id -> ``ctx.retry(..., delay_seconds=)``, instead of the backoff.
-    delays: Mapping[str, float] = field(default_factory=dict)
-    #: Fan-out: each subscriber's outcomes over the batch (journal, metrics).
-    by_subscriber: Mapping[str, Outcomes] = field(default_factory=dict)
-    #: Fan-out: retried ids that no subscriber failed - they only wait for busy
-    #: subscribers, so no attempt is counted and no backoff applies.
-    deferred: frozenset[str] = frozenset()
-
-    @property
-    def unsettled(self) -> frozenset[str]:
-        """Ids that must not count as settled: waiting for a retry."""
-        return frozenset(self.retried)
-
-    @property
-    def dead_lettered(self) -> frozenset[str]:
-        """Ids written to the dead-letter sink: settled for good."""
-        return frozenset(self.rejected) | self.exhausted
-
-
-@dataclass(frozen=True)
-class Undelivered:
-    """Some rows are not settled: record ``cause`` as a failed attempt (with
-    the ``settled`` rows), then raise ``error``."""
-
-    cause: BaseException
-    settled: frozenset[str]
-    error: Exception
-
-
-Outcome = Delivered | Undelivered
-
-
-def batch_fields(ctx: BatchContext, rows: int) -> dict[str, Any]:
-    """The log fields every record about a batch carries."""
-    return {
-        "batch_id": ctx.batch_id,
-        "fencing_token": ctx.fencing_token,
-        "checkpoint_before": docmod.position_to_json(ctx.checkpoint_before),
-        "checkpoint_after": docmod.position_to_json(ctx.checkpoint_after),
-        "rows": rows,
-        "attempt": ctx.attempt,
-    }
+__all__ = [
+    "Delivered",
+    "Delivery",
+    "EventRejected",
+    "Handler",
+    "Outcome",
+    "RetriesExhausted",
+    "Undelivered",
+    "cancelled_error",
+]
 
 
 class Delivery:
@@ -145,6 +84,19 @@ class Delivery:
         self.quarantine = quarantine
         self.max_attempts = max_attempts
         self.quarantine_limit = quarantine_limit
+        #: Where failed, rejected and exhausted events are set aside (None: no sink).
+        self.dead_letters = (
+            DeadLetters(
+                quarantine,
+                poller=poller,
+                owner_id=owner_id,
+                clock=clock,
+                retry=retry,
+                telemetry=telemetry,
+            )
+            if quarantine is not None
+            else None
+        )
         #: Parallel lanes (``max_concurrency > 1``): see :mod:`dbtrigger.runtime.kernel`.
         self.lanes = Lanes(max_concurrency, name=poller) if max_concurrency > 1 else None
 
@@ -481,45 +433,12 @@ class Delivery:
         failed: list[tuple[RowChange, BaseException]],
         attempts: Mapping[str, int] | int,
     ) -> None:
-        """Write ``failed`` events to the sink (one ``put``), then report them."""
-        sink = self.quarantine
-        if sink is None or not failed:
+        """Write ``failed`` events to the sink (one ``put``), then report them;
+        never once the lease is lost."""
+        if self.dead_letters is None or not failed:
             return
         self._check_lost(ctx)
-        records = kernel.dead_letter_records(
-            failed,
-            trigger=self.poller,
-            attempts=attempts,
-            checkpoint=ctx.checkpoint_before,
-            batch_id=ctx.batch_id,
-            fencing_token=ctx.fencing_token,
-            owner_id=self.owner_id,
-            now=self.clock(),
-        )
-        self.retry.call(
-            lambda: put_records(sink, records),
-            operation="quarantine write",
-            kinds=(QuarantineError,),
-            on_retry=self.telemetry.on_retry,
-            fields={"poller": self.poller, "batch_id": ctx.batch_id},
-        )
-        self.telemetry.emit("rows_quarantined", values={"count": len(records)})
-        for record in records:
-            self.telemetry.emit(
-                "row_quarantined",
-                "row %s set aside in %s after %d failed attempts: %s",
-                record.pk,
-                sink.describe(),
-                record.attempts,
-                record.error,
-                batch_id=ctx.batch_id,
-                fencing_token=ctx.fencing_token,
-                event_id=record.event_id,
-                pk=record.pk,
-                cursor=record.cursor,
-                sink=sink.describe(),
-                attempt=record.attempts,
-            )
+        self.dead_letters.write(ctx, failed, attempts)
 
 
 def cancelled_error(ctx: BatchContext) -> Exception:

@@ -45,11 +45,16 @@ from dbtrigger.names import import_path_of, validate_name
 from dbtrigger.quarantine import QuarantineSink
 from dbtrigger.runtime import kernel
 from dbtrigger.runtime.delivery import Delivery, cancelled_error
-from dbtrigger.runtime.heartbeat import default_interval
 from dbtrigger.runtime.kernel import Handler, KeepAlive
-from dbtrigger.runtime.reading import NullCursorProbe, TickSettings
+from dbtrigger.runtime.reading import (
+    NullCursorProbe,
+    TickSettings,
+    heartbeat_interval,
+    retry_delays,
+)
 from dbtrigger.runtime.retry import DEFAULT_RETRY_POLICY, RetryPolicy
-from dbtrigger.runtime.subscribers import FanOut, SubscriberCall, check_fan_out
+from dbtrigger.runtime.subscriber_options import SubscriberCall, check_fan_out
+from dbtrigger.runtime.subscribers import FanOut
 from dbtrigger.runtime.telemetry import Telemetry
 from dbtrigger.runtime.tick import TickDriver
 from dbtrigger.runtime.trigger import (
@@ -71,31 +76,6 @@ __all__ = [
     "default_owner_id",
     "utc_now",
 ]
-
-
-def _retry_delays(first: object, most: object) -> tuple[float, float]:
-    """``retry_delay_seconds`` and ``retry_delay_max_seconds``, checked together."""
-    delay = opt.seconds("retry_delay_seconds", first, inclusive=True)
-    cap = opt.seconds("retry_delay_max_seconds", most, inclusive=True)
-    if cap < delay:
-        raise ConfigurationError(
-            f"need 0 <= retry_delay_seconds <= retry_delay_max_seconds, got {delay:g} and {cap:g}"
-        )
-    return delay, cap
-
-
-def _heartbeat_interval(value: object, lease_ttl: float) -> float:
-    """``heartbeat_interval_seconds`` checked, or its default (a third of the TTL)."""
-    interval = opt.optional_seconds("heartbeat_interval_seconds", value, inclusive=True)
-    if interval is None:
-        return default_interval(lease_ttl)
-    if interval >= lease_ttl / 2:
-        raise ConfigurationError(
-            "heartbeat_interval_seconds must be below lease_ttl_seconds / 2 "
-            f"({lease_ttl / 2:g}) so a renewal can fail once and still arrive "
-            f"in time, or 0 to disable; got {interval}"
-        )
-    return interval
 
 
 class PollTrigger:
@@ -187,7 +167,7 @@ class PollTrigger:
             opt.whole("journal_limit", journal_limit, minimum=0),
         )
         lease_ttl_seconds = opt.seconds("lease_ttl_seconds", lease_ttl_seconds)
-        heartbeat_interval_seconds = _heartbeat_interval(
+        heartbeat_interval_seconds = heartbeat_interval(
             heartbeat_interval_seconds, lease_ttl_seconds
         )
         null_check_interval_seconds = opt.seconds(
@@ -207,7 +187,7 @@ class PollTrigger:
             opt.whole("window_max_events", window_max_events),
             opt.whole("window_max_bytes", window_max_bytes, minimum=1024),
         )
-        retry_delay_seconds, retry_delay_max_seconds = _retry_delays(
+        retry_delay_seconds, retry_delay_max_seconds = retry_delays(
             retry_delay_seconds, retry_delay_max_seconds
         )
         ack_timeout_seconds = opt.optional_seconds("ack_timeout_seconds", ack_timeout_seconds)

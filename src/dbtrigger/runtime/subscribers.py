@@ -44,129 +44,31 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from dbtrigger.errors import (
-    ConfigurationError,
     LostLeaseError,
     PartialBatchError,
     QuarantineError,
-    UnsafeIdentifierError,
 )
 from dbtrigger.events import RowChange
-from dbtrigger.names import validate_name
 from dbtrigger.quarantine import match_failed
+from dbtrigger.runtime.batch_outcome import Delivered, Outcome, Undelivered, batch_fields
 from dbtrigger.runtime.context import BatchContext, EventMarks
-from dbtrigger.runtime.delivery import (
-    Delivered,
-    Delivery,
-    EventRejected,
-    Outcome,
-    RetriesExhausted,
-    Undelivered,
-    batch_fields,
-)
+from dbtrigger.runtime.dead_letters import EventRejected, RetriesExhausted
+from dbtrigger.runtime.delivery import Delivery
+from dbtrigger.runtime.held_report import ALL_BUSY, HeldReport
 from dbtrigger.runtime.kernel import CANCEL_POLL_SECONDS, Handler, wants_context
+from dbtrigger.runtime.subscriber_options import SubscriberCall, Wrap
 from dbtrigger.state import fanout
 from dbtrigger.state.fanout import Decision, Fate, Resolution
 from dbtrigger.state.journal import Outcomes
 from dbtrigger.state.window import Window, key_of
 
-#: Default ``ack_timeout_seconds``: how long one subscriber call may take (as
-#: Airflow's shared-stream ack timeout).
-DEFAULT_ACK_TIMEOUT = 300.0
-
 #: A subscriber that did not report on an event (it was not called: never expected).
 NO_RESULT = fanout.fail("no result")
-
-#: Why the checkpoint is held when every subscriber is busy (see FanOut.holding).
-ALL_BUSY = "all_busy"
-
-#: Wraps a subscriber for the way the tick is run (``tick_async``); gets the
-#: subscriber and whether it takes a context, returns an ``(events, ctx)`` callable.
-Wrap = Callable[[Handler, bool], Handler]
-
-
-@dataclass(frozen=True)
-class SubscriberCall:
-    """What a fan-out tick passes where a single-handler tick passes its handler.
-
-    :class:`FanOut` calls the subscribers instead (through ``wrap`` when set);
-    the object itself is never called as a handler.
-    """
-
-    wrap: Wrap | None = None
-
-    def __call__(self, *args: Any) -> None:
-        raise ConfigurationError("the fan-out marker was called as a handler; this is a bug")
-
-
-def check_fan_out(
-    subscribers: object, *, ack_timeout: float | None
-) -> tuple[dict[str, Handler] | None, float]:
-    """``PollTrigger``'s fan-out options, checked: (subscribers or None, ack timeout)."""
-    checked = None if subscribers is None else validate_subscribers(subscribers)
-    if ack_timeout is None:
-        return checked, DEFAULT_ACK_TIMEOUT
-    if checked is None:
-        raise ConfigurationError(
-            "ack_timeout_seconds applies to subscribers= only (a single handler's "
-            "batch has no per-subscriber deadline; size lease_ttl_seconds instead)"
-        )
-    if not ack_timeout > 0:
-        raise ConfigurationError(f"ack_timeout_seconds must be > 0, got {ack_timeout}")
-    return checked, ack_timeout
-
-
-def validate_subscribers(raw: object) -> dict[str, Handler]:
-    """Check ``subscribers=``: a mapping (or pairs) of safe, distinct names to callables.
-
-    Raises:
-        ConfigurationError: naming the problem (empty, a duplicate or unsafe
-            name, a handler that is not callable).
-    """
-    if isinstance(raw, Mapping):
-        pairs = list(raw.items())
-    elif isinstance(raw, Iterable) and not isinstance(raw, str | bytes):
-        pairs = list(raw)
-        if not all(isinstance(p, tuple) and len(p) == 2 for p in pairs):
-            raise ConfigurationError(
-                "subscribers= must be a mapping of name -> handler (or (name, handler) pairs)"
-            )
-    else:
-        raise ConfigurationError(
-            f"subscribers= must be a mapping of name -> handler, got {type(raw).__name__}"
-        )
-    if not pairs:
-        raise ConfigurationError(
-            "subscribers= is empty: give at least one subscriber (an event handed to nobody "
-            "is never clean), or leave it out and pass a handler"
-        )
-    out: dict[str, Handler] = {}
-    folded: dict[str, str] = {}
-    for name, fn in pairs:
-        try:
-            validate_name(name, "subscriber name")
-        except UnsafeIdentifierError as exc:
-            raise ConfigurationError(
-                f"{exc} (a subscriber name is a metric label and a key in the state document)"
-            ) from None
-        if name.lower() in folded:
-            raise ConfigurationError(
-                f"duplicate subscriber name {name!r}"
-                + (f" (same as {folded[name.lower()]!r} but for case)" if name not in out else "")
-                + ": each subscriber needs its own name"
-            )
-        if not callable(fn):
-            raise ConfigurationError(
-                f"subscriber {name!r} is not callable ({type(fn).__name__}): give a function "
-                "taking (events) or (events, ctx)"
-            )
-        folded[name.lower()] = name
-        out[name] = fn
-    return out
 
 
 @dataclass
@@ -203,8 +105,10 @@ class FanOut(Delivery):
         self.ack_timeout = ack_timeout
         #: Calls that outlived their ack timeout (or a lost lease) and are still running.
         self._abandoned: dict[str, threading.Thread] = {}
-        #: What holds the checkpoint, as last reported: (why, subscribers) -> events.
-        self._held: dict[tuple[str, tuple[str, ...]], int] = {}
+        #: Says what holds the checkpoint, once per change.
+        self._report_held = HeldReport(
+            self.telemetry, poller=self.poller, ack_timeout=ack_timeout, cli_target=self.cli_target
+        )
 
     @property
     def overlaps(self) -> bool:
@@ -246,79 +150,6 @@ class FanOut(Delivery):
             held[group] = held.get(group, 0) + 1
         self._report_held(held)
         return frozenset(keys)
-
-    def _report_held(self, held: dict[tuple[str, tuple[str, ...]], int]) -> None:
-        """Say what holds the checkpoint when that changes (not when only the
-        number of events waiting does)."""
-        before, self._held = self._held, held
-        if held.keys() == before.keys():
-            return
-        emit = self.telemetry.emit
-        for (why, names), count in sorted(held.items()):
-            if (why, names) in before:
-                continue
-            who = ", ".join(names)
-            if why == ALL_BUSY:
-                emit(
-                    "checkpoint_held",
-                    "checkpoint held: every subscriber (%s) is still inside a call that "
-                    "outlived ack_timeout_seconds=%g; nothing is handed out until one "
-                    "returns (%d event(s) wait). A synchronous subscriber should stop when "
-                    "ctx.cancelled turns true; restarting the worker abandons the calls",
-                    who,
-                    self.ack_timeout,
-                    count,
-                    reason=why,
-                    subscribers=list(names),
-                    events=count,
-                )
-            elif why == fanout.BUSY:
-                emit(
-                    "checkpoint_held",
-                    "checkpoint held: %d event(s) wait for subscriber(s) %s, still inside a "
-                    "call that outlived ack_timeout_seconds=%g; they are handed over as soon "
-                    "as it returns (no attempt is counted meanwhile), and the other "
-                    "subscribers go on until the window's 75%% mark. A synchronous "
-                    "subscriber should stop when ctx.cancelled turns true; restarting the "
-                    "worker abandons the call (its events then come again)",
-                    count,
-                    who,
-                    self.ack_timeout,
-                    reason=why,
-                    subscribers=list(names),
-                    events=count,
-                )
-            else:
-                emit(
-                    "checkpoint_held",
-                    "checkpoint held: %d event(s) are owed only to subscriber(s) %s, which "
-                    "poller %s no longer has, and there is no dead-letter sink to write them "
-                    "to: they are not delivered and the checkpoint cannot pass them (new rows "
-                    "stop at the window's 75%% mark). Add %s back to subscribers=, or pass "
-                    "quarantine=... (they are then dead-lettered as 'unsubscribed before "
-                    "resolving it'), or move the checkpoint past them by hand (data loss, "
-                    "journaled): dbtrigger status %s, then dbtrigger reset",
-                    count,
-                    who,
-                    self.poller,
-                    who,
-                    self.cli_target(),
-                    reason=why,
-                    subscribers=list(names),
-                    events=count,
-                )
-        for (why, names), count in sorted(before.items()):
-            if (why, names) not in held:
-                emit(
-                    "checkpoint_released",
-                    "checkpoint no longer held by subscriber(s) %s (%s): their events are "
-                    "delivered again",
-                    ", ".join(names),
-                    why,
-                    reason=why,
-                    subscribers=list(names),
-                    events=count,
-                )
 
     def deliver(
         self,

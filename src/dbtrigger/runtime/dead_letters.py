@@ -1,0 +1,99 @@
+"""Setting events aside: a poller's dead-letter (quarantine) writes, durable and reported.
+
+A batch's events go to the sink - one :class:`~dbtrigger.quarantine.QuarantineRecord`
+each, built by the delivery kernel (:func:`dbtrigger.runtime.kernel.dead_letter_records`) -
+when they fail alone after ``max_attempts`` (poison rows), when the handler
+rejects them (``ctx.reject``), or when it asked to retry them on every attempt.
+The write is one ``put``, retried under the tick's policy, and it happens
+*before* the checkpoint moves past the events: an event is never settled
+without its record. Each record is then reported (``row_quarantined``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Mapping
+
+from dbtrigger.errors import QuarantineError
+from dbtrigger.events import RowChange
+from dbtrigger.quarantine import QuarantineSink, put_records
+from dbtrigger.runtime import kernel
+from dbtrigger.runtime.context import BatchContext
+from dbtrigger.runtime.retry import RetryPolicy
+from dbtrigger.runtime.telemetry import Telemetry
+
+
+class EventRejected(Exception):
+    """The handler rejected the event (``ctx.reject``); the text is its reason."""
+
+
+class RetriesExhausted(Exception):
+    """The handler asked to retry the event on every one of ``max_attempts`` deliveries."""
+
+
+class DeadLetters:
+    """One poller's dead-letter writes; see the module docstring."""
+
+    def __init__(
+        self,
+        sink: QuarantineSink,
+        *,
+        poller: str,
+        owner_id: str,
+        clock: Callable[[], dt.datetime],
+        retry: RetryPolicy,
+        telemetry: Telemetry,
+    ) -> None:
+        self.sink = sink
+        self.poller = poller
+        self.owner_id = owner_id
+        self.clock = clock
+        self.retry = retry
+        self.telemetry = telemetry
+
+    def write(
+        self,
+        ctx: BatchContext,
+        failed: list[tuple[RowChange, BaseException]],
+        attempts: Mapping[str, int] | int,
+    ) -> None:
+        """Write ``failed`` (event, why) to the sink in one ``put``, then report each.
+
+        Raises:
+            QuarantineError: the sink kept refusing; nothing may be settled.
+        """
+        sink = self.sink
+        records = kernel.dead_letter_records(
+            failed,
+            trigger=self.poller,
+            attempts=attempts,
+            checkpoint=ctx.checkpoint_before,
+            batch_id=ctx.batch_id,
+            fencing_token=ctx.fencing_token,
+            owner_id=self.owner_id,
+            now=self.clock(),
+        )
+        self.retry.call(
+            lambda: put_records(sink, records),
+            operation="quarantine write",
+            kinds=(QuarantineError,),
+            on_retry=self.telemetry.on_retry,
+            fields={"poller": self.poller, "batch_id": ctx.batch_id},
+        )
+        self.telemetry.emit("rows_quarantined", values={"count": len(records)})
+        for record in records:
+            self.telemetry.emit(
+                "row_quarantined",
+                "row %s set aside in %s after %d failed attempts: %s",
+                record.pk,
+                sink.describe(),
+                record.attempts,
+                record.error,
+                batch_id=ctx.batch_id,
+                fencing_token=ctx.fencing_token,
+                event_id=record.event_id,
+                pk=record.pk,
+                cursor=record.cursor,
+                sink=sink.describe(),
+                attempt=record.attempts,
+            )

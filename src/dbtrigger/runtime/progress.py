@@ -1,0 +1,143 @@
+"""Progress while a worker drains a backlog: rows delivered, rows behind, a rate, an ETA.
+
+The worker loop (:mod:`dbtrigger.runtime.runner`) starts a :class:`Tracker`
+when a tick leaves rows pending and ends it at the first idle tick; in
+between it reports a :class:`DrainProgress` every ``progress_interval``
+seconds to a callback (default :func:`log_progress`, one INFO line; the CLI
+draws a progress bar on a terminal). How many rows are behind is counted by
+the trigger (:meth:`~dbtrigger.runtime.trigger.Trigger.rows_behind`) when the
+drain starts and about once a minute since, never per tick.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dbtrigger.errors import DbTriggerError
+from dbtrigger.runtime.trigger import Trigger
+
+log = logging.getLogger("dbtrigger.runner")
+
+#: Default time between two progress lines while a backlog drains.
+DEFAULT_PROGRESS_INTERVAL_SECONDS = 10.0
+#: How often the rows still behind are counted again while draining.
+BEHIND_RECOUNT_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class DrainProgress:
+    """Where a draining poller is: rows delivered since it fell behind, and what is left.
+
+    ``behind`` is an estimate (counted when the drain started and about once
+    a minute since, minus what was delivered meanwhile); None when the source
+    cannot count. ``caught_up`` is True on the last report of a drain.
+    """
+
+    poller: str
+    delivered: int
+    behind: int | None
+    elapsed_seconds: float
+    caught_up: bool = False
+
+    @property
+    def rate(self) -> float:
+        return self.delivered / self.elapsed_seconds if self.elapsed_seconds > 0 else 0.0
+
+    def describe(self) -> str:
+        rate = f"{self.rate:,.0f} rows/s"
+        if self.caught_up:
+            return f"caught up: {self.delivered:,} rows in {self.elapsed_seconds:.1f}s ({rate})"
+        behind = "an unknown number" if self.behind is None else f"about {self.behind:,}"
+        eta = ""
+        if self.behind and self.rate > 0:
+            eta = f", ETA {dt.timedelta(seconds=round(self.behind / self.rate))}"
+        return (
+            f"catching up: {self.delivered:,} rows in {self.elapsed_seconds:.1f}s ({rate}), "
+            f"{behind} behind{eta}"
+        )
+
+
+ProgressCallback = Callable[[DrainProgress], None]
+
+
+def _count_behind(trigger: Trigger) -> int | None:
+    """Rows after the committed checkpoint, if the trigger can count them."""
+    try:
+        return trigger.rows_behind()
+    except DbTriggerError as exc:
+        log.debug("could not count the rows behind: %s", exc)
+        return None
+
+
+class Tracker:
+    """Progress of one backlog: started when a tick leaves rows pending, ended when idle."""
+
+    def __init__(
+        self,
+        trigger: Trigger,
+        callback: ProgressCallback,
+        interval: float,
+        first_rows: int,
+    ) -> None:
+        self.trigger = trigger
+        self.callback = callback
+        self.interval = interval
+        self.started = time.monotonic()
+        # The first tick's rows are committed already: the count starts after them.
+        self.delivered = first_rows
+        self.counted_at = self.started
+        self.counted_delivered = first_rows
+        self.counted = _count_behind(trigger)
+        self.last_report = -float("inf")
+        self.add(0)
+
+    def _behind(self) -> int | None:
+        if self.counted is None:
+            return None
+        return max(0, self.counted - (self.delivered - self.counted_delivered))
+
+    def _report(self, *, caught_up: bool) -> None:
+        now = time.monotonic()
+        self.last_report = now
+        self.callback(
+            DrainProgress(
+                poller=self.trigger.name,
+                delivered=self.delivered,
+                behind=0 if caught_up else self._behind(),
+                elapsed_seconds=now - self.started,
+                caught_up=caught_up,
+            )
+        )
+
+    def add(self, rows: int) -> None:
+        self.delivered += rows
+        now = time.monotonic()
+        if self.counted is not None and now - self.counted_at >= BEHIND_RECOUNT_SECONDS:
+            recount = _count_behind(self.trigger)
+            if recount is not None:
+                self.counted, self.counted_at, self.counted_delivered = recount, now, self.delivered
+        if now - self.last_report >= self.interval:
+            self._report(caught_up=False)
+
+    def finish(self) -> None:
+        self._report(caught_up=True)
+
+
+def log_progress(progress: DrainProgress) -> None:
+    """The default progress callback: one INFO line."""
+    log.info(
+        "%s: %s",
+        progress.poller,
+        progress.describe(),
+        extra={
+            "event": "drain_caught_up" if progress.caught_up else "drain_progress",
+            "poller": progress.poller,
+            "rows": progress.delivered,
+            "behind": progress.behind,
+            "rows_per_second": round(progress.rate, 1),
+        },
+    )

@@ -1,0 +1,106 @@
+"""The options of fan-out (``subscribers=``, ``ack_timeout_seconds``), checked.
+
+``PollTrigger(subscribers={"billing": handle_billing, ...})`` and
+``PartitionedPoller(subscribers=...)`` check them here, once, at construction:
+every name safe (it is a metric label and a key in the state document) and
+distinct, every handler callable. :class:`SubscriberCall` is what a fan-out
+tick passes where a single-handler tick passes its handler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dbtrigger.errors import ConfigurationError, UnsafeIdentifierError
+from dbtrigger.names import validate_name
+from dbtrigger.runtime.kernel import Handler
+
+#: Default ``ack_timeout_seconds``: how long one subscriber call may take (as
+#: Airflow's shared-stream ack timeout).
+DEFAULT_ACK_TIMEOUT = 300.0
+
+#: Wraps a subscriber for the way the tick is run (``tick_async``); gets the
+#: subscriber and whether it takes a context, returns an ``(events, ctx)`` callable.
+Wrap = Callable[[Handler, bool], Handler]
+
+
+@dataclass(frozen=True)
+class SubscriberCall:
+    """What a fan-out tick passes where a single-handler tick passes its handler.
+
+    :class:`FanOut` calls the subscribers instead (through ``wrap`` when set);
+    the object itself is never called as a handler.
+    """
+
+    wrap: Wrap | None = None
+
+    def __call__(self, *args: Any) -> None:
+        raise ConfigurationError("the fan-out marker was called as a handler; this is a bug")
+
+
+def check_fan_out(
+    subscribers: object, *, ack_timeout: float | None
+) -> tuple[dict[str, Handler] | None, float]:
+    """``PollTrigger``'s fan-out options, checked: (subscribers or None, ack timeout)."""
+    checked = None if subscribers is None else validate_subscribers(subscribers)
+    if ack_timeout is None:
+        return checked, DEFAULT_ACK_TIMEOUT
+    if checked is None:
+        raise ConfigurationError(
+            "ack_timeout_seconds applies to subscribers= only (a single handler's "
+            "batch has no per-subscriber deadline; size lease_ttl_seconds instead)"
+        )
+    if not ack_timeout > 0:
+        raise ConfigurationError(f"ack_timeout_seconds must be > 0, got {ack_timeout}")
+    return checked, ack_timeout
+
+
+def validate_subscribers(raw: object) -> dict[str, Handler]:
+    """Check ``subscribers=``: a mapping (or pairs) of safe, distinct names to callables.
+
+    Raises:
+        ConfigurationError: naming the problem (empty, a duplicate or unsafe
+            name, a handler that is not callable).
+    """
+    if isinstance(raw, Mapping):
+        pairs = list(raw.items())
+    elif isinstance(raw, Iterable) and not isinstance(raw, str | bytes):
+        pairs = list(raw)
+        if not all(isinstance(p, tuple) and len(p) == 2 for p in pairs):
+            raise ConfigurationError(
+                "subscribers= must be a mapping of name -> handler (or (name, handler) pairs)"
+            )
+    else:
+        raise ConfigurationError(
+            f"subscribers= must be a mapping of name -> handler, got {type(raw).__name__}"
+        )
+    if not pairs:
+        raise ConfigurationError(
+            "subscribers= is empty: give at least one subscriber (an event handed to nobody "
+            "is never clean), or leave it out and pass a handler"
+        )
+    out: dict[str, Handler] = {}
+    folded: dict[str, str] = {}
+    for name, fn in pairs:
+        try:
+            validate_name(name, "subscriber name")
+        except UnsafeIdentifierError as exc:
+            raise ConfigurationError(
+                f"{exc} (a subscriber name is a metric label and a key in the state document)"
+            ) from None
+        if name.lower() in folded:
+            raise ConfigurationError(
+                f"duplicate subscriber name {name!r}"
+                + (f" (same as {folded[name.lower()]!r} but for case)" if name not in out else "")
+                + ": each subscriber needs its own name"
+            )
+        if not callable(fn):
+            raise ConfigurationError(
+                f"subscriber {name!r} is not callable ({type(fn).__name__}): give a function "
+                "taking (events) or (events, ctx)"
+            )
+        folded[name.lower()] = name
+        out[name] = fn
+    return out

@@ -314,13 +314,35 @@ def test_reset_is_a_dry_run_without_yes(app: App, capsys: pytest.CaptureFixture[
 
 def test_reset_needs_a_reason(app: App, capsys: pytest.CaptureFixture[str]) -> None:
     app.tick()
-    with pytest.raises(SystemExit) as exc:
-        main(app.cli("reset", "orders", "--to-beginning", "--yes"))
-    assert exc.value.code == 2
-    assert "--reason" in capsys.readouterr().err
+    code, _, err = run(capsys, app.cli("reset", "orders", "--to-beginning", "--yes"))
+    assert code == 2
+    assert "--reason is required with --yes" in err
+    assert not app.backups.exists()
     code, _, err = run(capsys, app.cli("reset", "orders", "--to-beginning", "--reason", " "))
     assert code == 2
     assert "needs a reason" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("reset", "orders", "--to-beginning"),
+        ("clone", "orders", "orders-v2"),
+    ],
+)
+def test_a_dry_run_needs_no_reason(
+    app: App, capsys: pytest.CaptureFixture[str], argv: tuple[str, ...]
+) -> None:
+    """Looking at a plan is not a change: only applying it needs --reason."""
+    app.tick()
+    code, out, _ = run(capsys, app.cli(*argv))
+    assert code == 0
+    assert "<--reason: required with --yes>" in out  # the journal entry it would write
+    assert out.rstrip().endswith("dry run: nothing was written; add --reason TEXT --yes to apply")
+    code, _, err = run(capsys, app.cli(*argv, "--yes"))
+    assert code == 2
+    assert "--reason is required with --yes" in err
+    assert not app.backups.exists()
 
 
 def test_reset_to_cursor_writes_backup_and_journal_and_polling_resumes_there(

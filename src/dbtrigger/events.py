@@ -242,6 +242,22 @@ class RowChange:
     def pk_hash(self) -> str:
         return pk_hash(self.pk)
 
+    def to_cloudevent(
+        self,
+        *,
+        source: str | None = None,
+        type: str | None = None,
+        extensions: Mapping[str, Any] | None = None,
+    ) -> Any:
+        """This change as a CloudEvent (``cloudevents.core.v1.event.CloudEvent``), for a
+        handler that forwards it to Event Grid, Event Hubs, Service Bus, ...: ``id`` is
+        :attr:`event_id` (equal on redelivery), ``source`` ``/dbtrigger/<poller>``, ``type``
+        ``dbtrigger.row.<op>``, ``data`` the change as plain JSON. Needs the
+        ``cloudevents`` extra; see :mod:`dbtrigger.cloud_event`."""
+        from dbtrigger.cloud_event import to_cloudevent  # noqa: PLC0415 - optional SDK
+
+        return to_cloudevent(self, source=source, type=type, extensions=extensions)
+
     def dedup_key(self, poller: str | None = None) -> str:
         """``poller:pk_hash:cursor`` - the idempotency key for downstream systems.
 

@@ -32,6 +32,7 @@ from dbtrigger.cli.common import (
     add_cursor_options,
     add_store_options,
     parse_position,
+    reason_from_args,
     show_position,
     source_kinds,
     state_store,
@@ -213,7 +214,7 @@ def _starting_point(
         position=start,
         now=now,
         actor=actor_from_args(args),
-        reason=args.reason,
+        reason=reason_from_args(args),
         operation="backfill",
         details={"backfill_of": trigger.name},
     )
@@ -307,7 +308,10 @@ def _backfill(
         f"{estimate} rows"
     )
     if not args.yes:
-        console.print("dry run: nothing was written and no handler ran; add --yes to start")
+        missing = " --reason TEXT" if args.reason is None else ""
+        console.print(
+            f"dry run: nothing was written and no handler ran; add{missing} --yes to start"
+        )
         return 0
     if created is not None:
         store.write(args.new_poller, docmod.dumps(created), if_match=None)

@@ -346,6 +346,35 @@ def parse_position(
     return Position(cursor=parse_value(cursor, kind), pk=pk)
 
 
+#: What a dry run without ``--reason`` shows as the journal entry's reason.
+NO_REASON_YET = "<--reason: required with --yes>"
+
+
+def reason_from_args(args: argparse.Namespace) -> str:
+    """``--reason``: required to apply a change (it goes into the journal), not to see
+    the plan: a dry run without it shows :data:`NO_REASON_YET` in its place.
+
+    Raises:
+        ConfigurationError: ``--yes`` without ``--reason``.
+    """
+    reason: str | None = getattr(args, "reason", None)
+    if reason is not None:
+        return reason
+    if args.yes:
+        raise ConfigurationError(
+            "--reason is required with --yes: it goes into the journal with who and when "
+            "(the dry run without --yes needs none)"
+        )
+    return NO_REASON_YET
+
+
+def dry_run_note(args: argparse.Namespace) -> str:
+    """The last line of a dry run: what to add to apply it."""
+    if getattr(args, "reason", None) is None:
+        return "dry run: nothing was written; add --reason TEXT --yes to apply"
+    return "dry run: nothing was written; add --yes to apply"
+
+
 def actor_from_args(args: argparse.Namespace) -> str:
     return str(args.actor or default_actor())
 
@@ -380,7 +409,9 @@ def add_store_options(
 
 
 def add_change_options(parser: argparse.ArgumentParser, *, lease: bool = True) -> None:
-    parser.add_argument("--reason", required=True, help="why: recorded in the journal")
+    parser.add_argument(
+        "--reason", help="why: recorded in the journal (required with --yes, not for a dry run)"
+    )
     parser.add_argument("--yes", action="store_true", help="apply (default: dry run)")
     parser.add_argument("--actor", help="who, for the journal (default user@host)")
     if lease:

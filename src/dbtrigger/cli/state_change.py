@@ -27,9 +27,11 @@ from dbtrigger.cli.common import (
     add_cursor_options,
     add_store_options,
     backup_dir,
+    dry_run_note,
     load_source,
     parse_position,
     read_state,
+    reason_from_args,
     show_position,
     source_from_args,
     source_kinds,
@@ -197,7 +199,7 @@ def _apply_change_on(
     after = decide(before, now, {"backup": backup.name})
     print_plan(console, operation, store, before, after, now)
     if not args.yes:
-        console.print("dry run: nothing was written; add --yes to apply")
+        console.print(dry_run_note(args))
         return 0
     _write_backup(backup, raw)
     try:
@@ -290,7 +292,7 @@ def cmd_reset(args: argparse.Namespace) -> int:
         common: dict[str, Any] = {
             "now": now,
             "actor": actor_from_args(args),
-            "reason": args.reason,
+            "reason": reason_from_args(args),
             "force": args.force,
         }
         if fingerprint is not None:
@@ -334,7 +336,7 @@ def cmd_release(args: argparse.Namespace) -> int:
             doc,
             now=now,
             actor=actor_from_args(args),
-            reason=args.reason,
+            reason=reason_from_args(args),
             force=args.force,
             details=details,
         )
@@ -373,7 +375,7 @@ def cmd_skip(args: argparse.Namespace) -> int:
             position=position,
             now=now,
             actor=actor_from_args(args),
-            reason=args.reason,
+            reason=reason_from_args(args),
             skipped_rows=count,
             skipped_keys=keys,
             force=args.force,
@@ -452,7 +454,11 @@ def _clone(args: argparse.Namespace, store: CheckpointStore) -> int:
     now = utc_now()
     doc, _, _ = read_state(store, args.poller)
     new = ops.clone(
-        doc, new_poller=args.new_poller, now=now, actor=actor_from_args(args), reason=args.reason
+        doc,
+        new_poller=args.new_poller,
+        now=now,
+        actor=actor_from_args(args),
+        reason=reason_from_args(args),
     )
     if store.read(args.new_poller) is not None:
         raise ConfigurationError(
@@ -461,7 +467,7 @@ def _clone(args: argparse.Namespace, store: CheckpointStore) -> int:
         )
     print_plan(console, "clone", store, None, new, now)
     if not args.yes:
-        console.print("dry run: nothing was written; add --yes to apply")
+        console.print(dry_run_note(args))
         return 0
     try:
         store.write(args.new_poller, docmod.dumps(new), if_match=None)

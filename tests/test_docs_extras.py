@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -21,5 +22,6 @@ def test_readme_lists_every_extra_and_what_it_brings() -> None:
         if match:
             names = set(re.findall(r"`([^`]+)`", match.group(1)))
             listed |= names
-            assert match.group(2).strip() and match.group(3).strip(), line  # brings, for
+            assert match.group(2).strip(), line  # what it brings
+            assert match.group(3).strip(), line  # what for
     assert listed == extras

@@ -41,6 +41,12 @@ from dbtrigger.errors import (
 from dbtrigger.sources.base import ChecksItself
 from dbtrigger.sources.sqlalchemy import SqlAlchemySource
 from dbtrigger.sources.visibility import TransactionHorizon
+from dbtrigger.sources.visibility.mariadb import (
+    MYSQL_DIALECTS,
+    MariaDbHorizon,
+    can_read_transactions,
+)
+from dbtrigger.sources.visibility.privileges import fell_back_for_process, privilege_gap
 from dbtrigger.state import document as docmod
 from dbtrigger.state.stores.base import CheckpointStore
 
@@ -287,35 +293,35 @@ def _filled_by(conn: sa.Connection, source: SqlAlchemySource, table: sa.Table) -
 
 
 def _privilege_finding(conn: sa.Connection, source: SqlAlchemySource) -> Finding | None:
-    """PostgreSQL's transaction horizon reads other roles' sessions: pg_read_all_stats."""
-    if source.dialect_name != "postgresql":
+    """A guard that reads other sessions needs a privilege: PostgreSQL's transaction
+    horizon ``pg_read_all_stats``, MariaDB/MySQL's ``PROCESS`` (without it ``auto``
+    falls back to a bounded window). The fix is the GRANT for this very account."""
+    dialect = source.dialect_name
+    if dialect != "postgresql" and dialect not in MYSQL_DIALECTS:
         return None
     guard = source.planned_guard()
-    if not isinstance(guard, TransactionHorizon):
-        label = guard.label() if guard is not None else "undecided"
-        return Finding(
-            "visibility_privilege", OK, f"visibility guard {label} needs no extra privilege"
-        )
-    allowed = conn.execute(
-        sa.text(
-            "SELECT rolsuper OR pg_has_role(current_user, 'pg_read_all_stats', 'USAGE') "
-            "FROM pg_roles WHERE rolname = current_user"
-        )
-    ).scalar()
-    if allowed:
+    if guard is None:
+        return None
+    # Planned without a connection, auto assumes PROCESS is missing: ask the server.
+    if dialect in MYSQL_DIALECTS and fell_back_for_process(guard) and can_read_transactions(conn):
         return Finding(
             "visibility_privilege",
             OK,
-            "the polling role can see every session (transaction horizon)",
+            "the account has PROCESS: auto uses the exact transaction horizon",
         )
-    return Finding(
-        "visibility_privilege",
-        WARNING,
-        "the transaction-horizon guard cannot see other roles' sessions without "
-        "pg_read_all_stats: the poller refuses to fetch whenever another role has a session open",
-        "GRANT pg_read_all_stats TO <polling role>; or install_visibility_trigger() and poll "
-        "the transaction-id column (no privilege needed)",
-    )
+    gap = privilege_gap(conn, dialect, guard)
+    if gap is None:
+        if isinstance(guard, (TransactionHorizon, MariaDbHorizon)):
+            return Finding(
+                "visibility_privilege",
+                OK,
+                "the polling account can see every session (transaction horizon)",
+            )
+        return Finding(
+            "visibility_privilege", OK, f"visibility guard {guard.label()} needs no extra privilege"
+        )
+    severity = ERROR if isinstance(guard, MariaDbHorizon) else WARNING
+    return Finding("visibility_privilege", severity, gap.message, gap.grant)
 
 
 def _changelog_findings(source: ChangeLogSource, position: Any) -> list[Finding]:

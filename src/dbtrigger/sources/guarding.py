@@ -30,6 +30,7 @@ from dbtrigger.sources.visibility import (
     is_auto_increment,
 )
 from dbtrigger.sources.visibility.base import BOUND_PARAMETER
+from dbtrigger.sources.visibility.privileges import PrivilegeGap, privilege_gap
 
 log = logging.getLogger("dbtrigger.sources")
 
@@ -43,6 +44,8 @@ class Guarding:
         self.active: ActiveGuard | None = None
         self._lock = threading.Lock()
         self._autocommit: Engine | None = None
+        #: What the guard in force lacks for a missing privilege (set when decided).
+        self.gap: PrivilegeGap | None = None
 
     @property
     def requested(self) -> str:
@@ -109,21 +112,27 @@ class Guarding:
         with self._lock:
             if self.active is None:
                 self.active = active
+        # A guard that settled for less for want of a privilege says so once, with
+        # the GRANT for this very account (see visibility/privileges.py).
+        self.gap = privilege_gap(conn, dialect, guard)
         unprotected = isinstance(guard, NoGuard) and request == "auto"
-        level = logging.WARNING if unprotected and dialect != "sqlite" else logging.INFO
+        warn = (unprotected and dialect != "sqlite") or self.gap is not None
+        fix = f"; {self.gap.message}. Fix: {self.gap.grant}" if self.gap is not None else ""
         log.log(
-            level,
-            "%s: visibility %s (%s): %s",
+            logging.WARNING if warn else logging.INFO,
+            "%s: visibility %s (%s): %s%s",
             source,
             guard.label(),
             "auto" if request == "auto" else "configured",
             active.guarantee,
+            fix,
             extra={
                 "event": "visibility_mode",
                 "source": source,
                 "mode": guard.label(),
                 "requested": self.requested,
                 "guarantee": active.guarantee,
+                **({"grant": self.gap.grant} if self.gap is not None else {}),
             },
         )
         return self.active

@@ -15,9 +15,8 @@ from dbtrigger.sources.visibility.mariadb import (
     MariaDbHorizon,
     can_read_transactions,
 )
+from dbtrigger.sources.visibility.privileges import NO_PROCESS as _NO_PROCESS
 from dbtrigger.sources.visibility.window import WINDOW_DIALECTS, SafetyWindow
-
-_NO_PROCESS = "the account lacks the PROCESS privilege (information_schema.INNODB_TRX)"
 
 
 def parse_visibility(value: str | VisibilityGuard | None) -> str | VisibilityGuard:

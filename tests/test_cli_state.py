@@ -276,16 +276,19 @@ def test_history_lists_commits_and_manual_changes(
     run(capsys, app.cli("reset", "orders", "--to-beginning", "--reason", "replay all", "--yes"))
     code, out, _ = run(capsys, app.cli("history", "orders"))
     assert code == 0
-    rows = [re.split(r"\s{2,}", line.strip()) for line in out.splitlines()]
-    assert rows[0][:4] == ["AT", "TYPE", "BATCH / OPERATION", "FROM"]
-    commits = [row for row in rows if row[1] == "commit"]
-    assert [row[3:6] for row in commits] == [
+    table, footer = out.split("\nkept in ")
+    rows = [re.split(r"\s{2,}", line.strip()) for line in table.splitlines()]
+    assert rows[0][:5] == ["#", "AT", "TYPE", "BATCH / OPERATION", "FROM"]
+    commits = [row for row in rows if row[2] == "commit"]
+    assert [row[0] for row in commits] == ["1", "2", "3"]  # numbered in the durable history
+    assert [row[4:7] for row in commits] == [
         ["(beginning)", "100 id=10", "10"],
         ["100 id=10", "200 id=20", "10"],
         ["200 id=20", "300 id=30", "10"],
     ]
-    assert rows[-1][1:5] == ["manual", "reset", "300 id=30", "(beginning)"]
+    assert rows[-1][2:6] == ["manual", "reset", "300 id=30", "(beginning)"]
     assert rows[-1][-1] == "reason: replay all"
+    assert "waiting now: none" in footer
 
     code, out, _ = run(capsys, app.cli("history", "orders", "--json", "--limit", "2"))
     entries = json.loads(out)

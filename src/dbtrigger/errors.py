@@ -258,6 +258,12 @@ class SchemaChangedError(SourceDefinitionError):
     (``dbtrigger cdc accept-schema``) before delivery goes on."""
 
 
+class ReplayRefusedError(OperatorError):
+    """A replay, rewind or dead-letter action cannot be done as asked: the history or
+    the source cannot serve it (pruned, not recorded, no longer in the log); the
+    message says which and what can be done instead."""
+
+
 __all__ = [
     "AckTimeoutError",
     "AmbiguousCommitError",
@@ -282,6 +288,7 @@ __all__ = [
     "OutputWriteError",
     "PartialBatchError",
     "QuarantineError",
+    "ReplayRefusedError",
     "RetryableError",
     "SchemaChangedError",
     "SerializationError",

@@ -98,6 +98,19 @@ METRICS: dict[str, tuple[str, str]] = {
         "Events the full window could not remember, settled or waiting for a retry "
         "(delivered again)",
     ),
+    "history_appends_total": ("counter", "Records appended to the durable history"),
+    "history_append_failures_total": (
+        "counter",
+        "History appends that failed, by error_type (the commit stands; the history catches "
+        "up from the journal)",
+    ),
+    "history_pruned_total": ("counter", "History records removed by retention"),
+    "replays_total": ("counter", "Replays of recorded batches, by mode (exact/reread/verify)"),
+    "replayed_events_total": ("counter", "Events handed to a handler by replays"),
+    "replay_drift_rows_total": (
+        "counter",
+        "Rows a replay found changed or gone since they were recorded, by kind",
+    ),
     "queue_claim_duration_seconds": ("histogram", "Time to claim a batch from a queue table"),
     "queue_claimed_total": ("counter", "Rows claimed from a queue table"),
     "queue_rows_total": (
@@ -142,6 +155,9 @@ METRIC_LABELS: dict[str, tuple[str, ...]] = {
     "queue_rows_total": ("result",),
     "lag_basis": ("lag_basis",),
     "lag_measurement_failures_total": ("error_type",),
+    "history_append_failures_total": ("error_type",),
+    "replays_total": ("mode",),
+    "replay_drift_rows_total": ("kind",),
 }
 
 #: Histogram bucket bounds for metrics that are not durations in seconds.

@@ -24,8 +24,10 @@ from dbtrigger.cli.cdc import add_cdc_commands
 from dbtrigger.cli.changelog import add_changelog_commands
 from dbtrigger.cli.check import add_check_command
 from dbtrigger.cli.loading import load_object
+from dbtrigger.cli.history import add_history_command
 from dbtrigger.cli.logs import FORMATS, LEVELS, configure_logging
 from dbtrigger.cli.partitions import add_partition_commands
+from dbtrigger.cli.replay import add_replay_command
 from dbtrigger.cli.run import add_run_command
 from dbtrigger.cli.state import add_state_commands
 from dbtrigger.cli.wake import add_wake_commands
@@ -133,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
 
     add_state_commands(sub)
+    add_history_command(sub)
+    add_replay_command(sub)
     add_backfill_command(sub)
     add_changelog_commands(sub)
     add_cdc_commands(sub)

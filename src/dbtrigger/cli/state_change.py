@@ -40,6 +40,7 @@ from dbtrigger.cli.common import (
 )
 from dbtrigger.cursor import Position, encode_value
 from dbtrigger.errors import CasConflictError, ConfigurationError
+from dbtrigger.history.recorder import record_write
 from dbtrigger.sources.base import (
     ValidatesDefinition,
     accepted_fingerprints,
@@ -212,7 +213,15 @@ def _apply_change_on(
         ) from exc
     console.print(f"applied. previous document saved to {backup}")
     console.print(f"to undo: {undo_command(args, backup, operation, now)}")
+    note_history(console, store, after)
     return 0
+
+
+def note_history(console: Console, store: CheckpointStore, doc: StateDocument) -> None:
+    """Append the change to the durable history; say so if that failed (the change stands)."""
+    problem = record_write(store, doc)
+    if problem is not None:
+        console.warn(f"warning: {problem}")
 
 
 def _store_arguments(args: argparse.Namespace) -> list[str]:
@@ -477,6 +486,7 @@ def _clone(args: argparse.Namespace, store: CheckpointStore) -> int:
             poller=args.new_poller,
         ) from exc
     console.print(f"applied: {args.new_poller!r} starts at {show_position(new.position)}")
+    note_history(console, store, new)
     return 0
 
 

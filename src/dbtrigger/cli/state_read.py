@@ -1,7 +1,7 @@
-"""``dbtrigger status`` and ``dbtrigger history``: read-only views of pollers' state.
+"""``dbtrigger status``: a read-only view of pollers' state (``history``: cli/history.py).
 
-Neither command writes anything; ``status --source`` also queries the source to
-measure the lag behind the checkpoint.
+It writes nothing; ``status --source`` also queries the source to measure the
+lag behind the checkpoint.
 """
 
 from __future__ import annotations
@@ -441,65 +441,9 @@ def _membership(store: CheckpointStore, name: str) -> Membership | None:
         return None
 
 
-# --- history -----------------------------------------------------------------------------
-
-
-def cmd_history(args: argparse.Namespace) -> int:
-    console = Console()
-    with state_store(args) as store:
-        doc, _, _ = read_state(store, args.poller)
-    entries = list(doc.journal)[-args.limit :] if args.limit else list(doc.journal)
-    if args.json:
-        console.json(entries)
-        return 0
-    if not entries:
-        console.print(f"poller {args.poller!r} has no journal entries yet")
-        return 0
-    rows = [["AT", "TYPE", "BATCH / OPERATION", "FROM", "TO", "ROWS", "BY", "TOKEN", "NOTE"]]
-    for e in entries:
-        if e.get("type") == journal.COMMIT:
-            rows.append(
-                [
-                    str(e.get("committed_at", "")),
-                    "commit",
-                    str(e.get("batch_id", "")),
-                    show_position(e.get("from")),
-                    show_position(e.get("to")),
-                    str(e.get("rows", "")),
-                    str(e.get("owner_id", "")),
-                    str(e.get("fencing_token", "")),
-                    f"{e.get('duration_ms', '')} ms",
-                ]
-            )
-        else:
-            fenced = e.get("fenced") or {}
-            rows.append(
-                [
-                    str(e.get("at", "")),
-                    str(e.get("type", "")),
-                    str(e.get("operation", "")),
-                    show_position(e.get("before")),
-                    show_position(e.get("after")),
-                    str(e.get("skipped_rows", "")),
-                    str(e.get("actor", "")),
-                    str(fenced.get("new_fencing_token", "")),
-                    f"reason: {e.get('reason', '')}",
-                ]
-            )
-    console.print(_table(rows))
-    return 0
-
-
 def add_read_commands(sub: Any) -> None:
     status = sub.add_parser("status", help="checkpoint, lease, lag and failures of pollers")
     status.add_argument("poller", nargs="?", help="one poller (default: all in the store)")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     add_store_options(status)  # --source also measures the lag
     status.set_defaults(func=cmd_status)
-
-    history = sub.add_parser("history", help="the poller's journal: commits and manual changes")
-    history.add_argument("poller", help="the poller name (its state document)")
-    history.add_argument("--limit", type=int, default=0, help="only the last N entries")
-    history.add_argument("--json", action="store_true", help="machine-readable output")
-    add_store_options(history)
-    history.set_defaults(func=cmd_history)

@@ -239,6 +239,18 @@ class BatchContext:
     #: Fan-out: set when this subscriber's call outlived ``ack_timeout_seconds``
     #: (its events count as failed for it; whatever it does now is discarded).
     timed_out: threading.Event | None = field(default=None, compare=False, repr=False)
+    #: True when ``dbtrigger replay`` hands a recorded batch over again (the
+    #: live checkpoint does not move; see dbtrigger.history.replay).
+    replay: bool = False
+    #: A replay's recorded commit time (what :attr:`now` gives during one).
+    recorded_at: dt.datetime | None = None
+
+    @property
+    def now(self) -> dt.datetime:
+        """A time that is the same on every delivery of this batch's record: the
+        tick's start, and during a replay the recorded commit time. Use it
+        instead of the clock where a replay must reproduce what the first run did."""
+        return self.recorded_at if self.recorded_at is not None else self.tick_started_at
 
     @property
     def cancelled(self) -> bool:

@@ -40,6 +40,9 @@ from typing import Any
 
 from dbtrigger import options as opt
 from dbtrigger.errors import ConfigurationError, LeaseAcquireError
+from dbtrigger.history.derive import resolve_history
+from dbtrigger.history.recorder import HistoryRecorder
+from dbtrigger.history.store import HistoryStore
 from dbtrigger.metrics import MetricsCollector, SafeMetrics
 from dbtrigger.names import import_path_of, validate_name
 from dbtrigger.quarantine import QuarantineSink
@@ -126,6 +129,9 @@ class PollTrigger:
             ``run()`` then take no handler. See :mod:`dbtrigger.runtime.subscribers`.
         ack_timeout_seconds: fan-out only: a subscriber call that takes longer
             fails its events for that subscriber alone (default 300).
+        history: the durable history every commit is appended to (see
+            :mod:`dbtrigger.history`): by default one beside the checkpoint
+            store, in its family; ``False`` for none, or a ``HistoryStore``.
     """
 
     def __init__(
@@ -157,8 +163,9 @@ class PollTrigger:
         max_concurrency: int = 1,
         subscribers: Mapping[str, Handler] | Iterable[tuple[str, Handler]] | None = None,
         ack_timeout_seconds: float | None = None,
+        history: HistoryStore | bool | None = None,
     ) -> None:
-        options = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        options = {k: v for k, v in locals().items() if k not in ("self", "__class__", "history")}
         self.name = validate_name(name, "poller name")
         # Every numeric option's type and range (dbtrigger.options), then how they relate.
         batch_size, max_batches_per_tick, journal_limit = (
@@ -262,6 +269,16 @@ class PollTrigger:
             keepalive=self._keepalive,
             cli_source=self.operator_spec,
         )
+        #: The durable history beside the state document (None: kept nowhere).
+        self.history = resolve_history(history, checkpoint_store)
+        if self.history is not None:
+            self._driver.history = HistoryRecorder(
+                self.history,
+                self.name,
+                emit=self.telemetry.emit,
+                clock=self.clock,
+                journal_limit=journal_limit,
+            )
         #: Deprecated ``partitions=``: the PartitionedPoller every tick is delegated to.
         self.partitioned: Any = None
         if partitions is not None:

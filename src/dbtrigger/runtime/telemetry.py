@@ -86,6 +86,7 @@ _LOST = (
 )
 _FAILURE = Count("failures_total", label_keys=("error_type",))
 _LAG_FAILED = Count("lag_measurement_failures_total", label_keys=("error_type",))
+_HISTORY_FAILED = Count("history_append_failures_total", label_keys=("error_type",))
 
 D, INFO, W, E = logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR
 
@@ -229,6 +230,29 @@ EVENTS: dict[str, EventSpec] = {
     "window_entries_gone": EventSpec(INFO),
     "window_lookup_failed": EventSpec(W),
     "window_overflow": EventSpec(W, (Count("window_overflow_total", "count"),)),
+    # the durable history (dbtrigger.history): appended after each commit; a
+    # failure never undoes the commit, is counted, and said once per outage
+    "history_appended": EventSpec(None, (Count("history_appends_total", "count"),)),
+    "history_append_failed": EventSpec(W, (_HISTORY_FAILED,)),
+    "history_append_failed_again": EventSpec(D, (_HISTORY_FAILED,), log_as="history_append_failed"),
+    "history_append_recovered": EventSpec(INFO),
+    "history_gap": EventSpec(W),
+    "history_pruned": EventSpec(D, (Count("history_pruned_total", "count"),)),
+    "history_prune_failed": EventSpec(W),
+    # start positions (PollTrigger(start_from=...)): applied once, at creation
+    "start_position": EventSpec(INFO),
+    "start_from_ignored": EventSpec(INFO),
+    # replays of recorded batches and of dead letters (dbtrigger.history.replay)
+    "replay_delivered": EventSpec(
+        INFO,
+        (
+            Count("replays_total", label_keys=("mode",)),
+            Count("replayed_events_total", "rows"),
+        ),
+    ),
+    "replay_drift": EventSpec(
+        W, (Count("replay_drift_rows_total", "count", label_keys=("kind",)),)
+    ),
     # claim queues (dbtrigger.queue; logged to the "dbtrigger.queue" logger, and
     # "poller" is the queue's name)
     "queue_index_missing": EventSpec(W),

@@ -17,7 +17,7 @@ raises) is the source's (:mod:`dbtrigger.sources.sqlalchemy`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -234,6 +234,19 @@ class Keyset:
             )
         return statements
 
+    def key_lookups(self, keys: Sequence[Mapping[str, Any]]) -> list[Select[Any]]:
+        """Statements returning the rows (every column) with these key values, in chunks,
+        wherever their cursor is now (a replay looking for rows that moved)."""
+        typed, pk_columns = self.shape.typed, self.spec.pk_columns
+        statements = []
+        for start in range(0, len(keys), LOOKUP_CHUNK):
+            matches = [
+                sa.and_(*(self.columns[c] == typed(c, key[c]) for c in pk_columns))
+                for key in keys[start : start + LOOKUP_CHUNK]
+            ]
+            statements.append(self.select().where(self.cursor.is_not(None), sa.or_(*matches)))
+        return statements
+
     def sample_position(self) -> Select[Any]:
         """One row's position columns (any row with a cursor), to learn their kinds."""
         names = self.shape.checks.position_columns
@@ -261,16 +274,20 @@ class Keyset:
         """The cursor and tiebreak columns: a position's values, in keyset order."""
         return [self.cursor, *(self.columns[c] for c in self.spec.tiebreak)]
 
-    def newest(self) -> Select[Any]:
-        """The last row in keyset order (its position columns)."""
+    def newest(self, before: Any = None) -> Select[Any]:
+        """The last row in keyset order (its position columns); with ``before``, the
+        last whose cursor is below it (where a poller starting at ``before`` resumes)."""
         keys = self.position_keys()
-        return (
+        stmt = (
             self.select()
             .with_only_columns(*keys)
             .where(self.cursor.is_not(None))
             .order_by(*(k.desc() for k in keys))
             .limit(1)
         )
+        if before is not None:
+            stmt = stmt.where(self.cursor < self.shape.typed(self.spec.cursor_column, before))
+        return stmt
 
 
 __all__ = ["LOOKUP_CHUNK", "ROW_VALUE_DIALECTS", "Keyset", "RowFilter"]

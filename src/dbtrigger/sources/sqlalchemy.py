@@ -430,6 +430,36 @@ class SqlAlchemySource:
                 conn.rollback()
         return found
 
+    def rows_with_keys(self, keys: Sequence[Mapping[str, Any]]) -> Rows:
+        """The rows of this source (its filter applies) with these key values, as
+        they are now, wherever their cursor is: what a replay compares the rows it
+        recorded against (a row updated since has moved to a later cursor)."""
+        columns: Sequence[str] = self._keyset.select_names()
+        tuples: list[tuple[Any, ...]] = []
+        with self._open(f"key lookup on {self.name}") as conn:
+            for stmt in self._keyset.key_lookups(keys):
+                rows = read_rows(
+                    conn,
+                    stmt,
+                    None,
+                    self._processors,
+                    source=self.name,
+                    key_columns=self.pk_columns,
+                )
+                columns = rows.columns
+                tuples += rows.tuples
+                conn.rollback()
+        return Rows(columns, tuples)
+
+    def last_position(self, before: Any = None) -> Position:
+        """Where a poller starting now resumes: after the last row (``before``: after
+        the last row whose cursor is below it); the beginning when there is none."""
+        with self._open(f"start position on {self.name}") as conn:
+            row = conn.execute(self._keyset.newest(before)).mappings().first()
+        if row is None:
+            return Position()
+        return self._keyset.shape.position_of(cast(Mapping[str, Any], row))
+
     # --- operations helpers -----------------------------------------------------
 
     def count_after(self, after: Position) -> int:

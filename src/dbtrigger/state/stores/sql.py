@@ -243,6 +243,11 @@ class SqlCheckpointStore:
         return self._namespace
 
     @property
+    def creates_table(self) -> bool:
+        """Does this store create its table(s) on first use (``create_table=``)?"""
+        return self._create
+
+    @property
     def table_name(self) -> str:
         t = self._table
         return f"{t.schema}.{t.name}" if t.schema else t.name

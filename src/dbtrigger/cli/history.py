@@ -1,0 +1,240 @@
+"""``dbtrigger history``: what a poller committed and what was done to it, for as long
+as its history keeps it.
+
+Reads the durable history beside the state document (:mod:`dbtrigger.history`)
+and the document's journal (entries not appended yet show as ``pending``). By
+default the last 20 records; ``--all``, ``--since`` and ``--batch`` choose
+others. A commit shows its per-event outcomes; ``--batch`` shows one batch in
+full (digests, every event, the retries waiting after it). Retries waiting
+now (count, oldest due time, owed subscribers) close the listing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from dbtrigger.cli.common import (
+    Console,
+    add_store_options,
+    parse_value,
+    read_state,
+    show_position,
+    source_from_args,
+    state_store,
+)
+from dbtrigger.history import view
+from dbtrigger.history.derive import history_for
+from dbtrigger.history.records import waiting_of
+from dbtrigger.history.store import HistoryStore
+from dbtrigger.state.stores.base import CheckpointStore
+
+#: Records shown without --all / --limit.
+DEFAULT_SHOWN = 20
+
+
+def history_of(args: argparse.Namespace, store: CheckpointStore) -> HistoryStore | None:
+    """The history the command reads: the ``--source`` trigger's own (it may have been
+    given one), unless an explicit ``--store`` says where; else the one beside the store."""
+    loaded = source_from_args(args) if not getattr(args, "store", None) else None
+    trigger = loaded.trigger if loaded is not None else None
+    if trigger is not None and trigger.store is store:
+        return trigger.history
+    return history_for(store)
+
+
+def _table(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
+def outcomes_text(record: Mapping[str, Any]) -> str:
+    """``10 accepted`` or ``8 accepted, 1 rejected, 1 retried; billing 9/1/0``."""
+    outcomes = record.get("outcomes")
+    rows = record.get("rows")
+    if not isinstance(outcomes, Mapping):
+        return f"{rows} accepted" if rows else ""
+    parts = [f"{outcomes.get('accepted', 0)} accepted"]
+    if outcomes.get("rejected"):
+        parts.append(f"{outcomes['rejected']} rejected")
+    if outcomes.get("failed"):
+        parts.append(f"{outcomes['failed']} retried")
+    text = ", ".join(parts)
+    subscribers = outcomes.get("subscribers")
+    if isinstance(subscribers, Mapping) and subscribers:
+        text += "; " + ", ".join(
+            f"{name} {c.get('accepted', 0)}/{c.get('rejected', 0)}/{c.get('failed', 0)}"
+            for name, c in subscribers.items()
+            if isinstance(c, Mapping)
+        )
+    return text
+
+
+def waiting_text(waiting: Mapping[str, Any] | None) -> str:
+    if not waiting:
+        return "none"
+    text = f"{waiting['count']} event(s), the oldest due {waiting.get('oldest_due') or '?'}"
+    owed = waiting.get("owed")
+    if owed:
+        text += "; owed to " + ", ".join(f"{name} ({n})" for name, n in owed.items())
+    return text
+
+
+def _row(record: Mapping[str, Any]) -> list[str]:
+    seq = "-" if record.get("pending") else str(record.get("seq", ""))
+    kind = str(record.get("type", ""))
+    if kind in ("commit", "partial_commit"):
+        note = []
+        if record.get("duration_ms") is not None:
+            note.append(f"{record['duration_ms']} ms")
+        outcome = outcomes_text(record)
+        if outcome:
+            note.append(outcome)
+        if record.get("quarantined"):
+            note.append(f"{record['quarantined']} quarantined")
+        if record.get("recovered") or (record.get("detail") is None and not record.get("pending")):
+            note.append("no event detail (recorded from the journal)")
+        return [
+            seq,
+            str(record.get("committed_at", "")),
+            kind,
+            str(record.get("batch_id", "")),
+            show_position(record.get("from")),
+            show_position(record.get("to")),
+            str(record.get("rows", "")),
+            str(record.get("owner_id", "")),
+            str(record.get("fencing_token", "")),
+            "; ".join(note),
+        ]
+    if kind == "gap":
+        return [
+            seq,
+            str(record.get("at", "")),
+            "gap",
+            "-",
+            "",
+            "",
+            "",
+            "",
+            "",
+            str(record.get("note")),
+        ]
+    fenced = record.get("fenced") or {}
+    count = record.get("skipped_rows", record.get("events", ""))
+    return [
+        seq,
+        str(record.get("at", "")),
+        kind,
+        str(record.get("operation", "")),
+        show_position(record.get("before")),
+        show_position(record.get("after")),
+        str(count if not isinstance(count, list) else len(count)),
+        str(record.get("actor", "")),
+        str(fenced.get("new_fencing_token", "")) if isinstance(fenced, Mapping) else "",
+        f"reason: {record.get('reason', '')}",
+    ]
+
+
+def _batch_text(record: Mapping[str, Any]) -> str:
+    detail = record.get("detail") if isinstance(record.get("detail"), Mapping) else None
+    lines = [
+        f"batch        {record.get('batch_id')} (record {record.get('seq') or 'pending'})",
+        f"committed    {record.get('committed_at')} by {record.get('owner_id')} "
+        f"(token {record.get('fencing_token')})",
+        f"from         {show_position(record.get('from'))}",
+        f"to           {show_position(record.get('to'))}",
+        f"rows         {record.get('rows')} ({outcomes_text(record) or 'no outcomes'})",
+    ]
+    if detail is None:
+        lines.append("detail       none (recorded from the journal, or by an older dbtrigger)")
+        return "\n".join(lines)
+    lines.append(f"event ids    {detail.get('event_ids')}")
+    lines.append(f"images       {detail.get('images')}")
+    lines.append(f"waiting      {waiting_text(detail.get('waiting'))} (after this commit)")
+    events = detail.get("events")
+    if isinstance(events, list):
+        rows = [["EVENT ID", "KEY", "IMAGE", "OUTCOME"]]
+        for e in events:
+            pk = ", ".join(f"{k}={v[1] if isinstance(v, list) else v}" for k, v in e["pk"].items())
+            outcome = e.get("o", "accepted") + (f" ({e['reason']})" if e.get("reason") else "")
+            rows.append([e["id"], pk, e["img"], outcome])
+        lines += ["", _table(rows)]
+    elif detail.get("events_omitted"):
+        lines.append(
+            f"events       {detail['events_omitted']} (lines not kept: the batch was too large)"
+        )
+    return "\n".join(lines)
+
+
+def _since(text: str) -> dt.datetime:
+    value = parse_value(text, "timestamp")
+    assert isinstance(value, dt.datetime)  # noqa: S101 - parse_value of a timestamp
+    return value
+
+
+def cmd_history(args: argparse.Namespace) -> int:
+    console = Console()
+    with state_store(args) as store:
+        doc, _, _ = read_state(store, args.poller)
+        history = history_of(args, store)
+        records = view.load(history, args.poller, doc)
+    if args.batch:
+        record = view.find_batch(records, args.batch)
+        if args.json:
+            console.json(record)
+        else:
+            console.print(_batch_text(record))
+        return 0
+    if args.since:
+        records = view.since(records, _since(args.since))
+    limit = args.limit if args.limit else (0 if args.all or args.since else DEFAULT_SHOWN)
+    shown = records[-limit:] if limit else records
+    if args.json:
+        console.json(shown)
+        return 0
+    where = history.describe() if history is not None else "no history store (journal only)"
+    if not shown:
+        console.print(f"poller {args.poller!r} has no history entries yet ({where})")
+    else:
+        header = [
+            "#",
+            "AT",
+            "TYPE",
+            "BATCH / OPERATION",
+            "FROM",
+            "TO",
+            "ROWS",
+            "BY",
+            "TOKEN",
+            "NOTE",
+        ]
+        console.print(_table([header, *(_row(r) for r in shown)]))
+        if len(shown) < len(records):
+            console.print(f"({len(records) - len(shown)} earlier record(s): --all, --since T)")
+        console.print(f"kept in {where}")
+    console.print(f"waiting now: {waiting_text(waiting_of(doc.window))}")
+    return 0
+
+
+def add_history_command(sub: Any) -> None:
+    history = sub.add_parser(
+        "history", help="a poller's commits and manual changes, from its durable history"
+    )
+    history.add_argument("poller", help="the poller name (its state document)")
+    history.add_argument("--all", action="store_true", help="every record the history keeps")
+    history.add_argument("--since", metavar="TIME", help="records at or after TIME (ISO-8601, Z)")
+    history.add_argument("--batch", metavar="BATCH_ID", help="one batch in full: digests, events")
+    history.add_argument(
+        "--limit", type=int, default=0, help=f"the last N records (default {DEFAULT_SHOWN})"
+    )
+    history.add_argument("--json", action="store_true", help="machine-readable output")
+    add_store_options(history)
+    history.set_defaults(func=cmd_history)
+
+
+__all__ = ["add_history_command", "cmd_history", "history_of", "outcomes_text", "waiting_text"]

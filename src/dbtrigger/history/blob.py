@@ -1,0 +1,302 @@
+"""A poller's history as append blobs beside its state blob.
+
+Layout, in the container of :class:`~dbtrigger.state.stores.blob.BlobCheckpointStore`::
+
+    state/{app}/orders.json                                   the state document
+    state/{app}/orders.history/000000000001.jsonl             append blob: records 1 ...
+    state/{app}/orders.history/000000004711.jsonl             the next segment
+
+``list_keys`` of the state store skips names with a ``/`` after the app, so
+these are never taken for pollers. Every append is one ``Append Block`` with
+an append-position condition (the segment's length as last seen): a second
+writer's block moves the position and ours fails with 412, so records are
+numbered without a gap or a repeat. The writer keeps the segment's length
+from its last append, so an append costs one request; a conflict or a first
+append reads the segment's end again. A segment rolls over past
+``segment_bytes`` or when the service's block limit is near (an append blob
+takes 50,000 blocks); pruning deletes whole segments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from azure.core import MatchConditions
+from azure.core.exceptions import ResourceExistsError, ResourceNotFoundError
+from azure.storage.blob import ContainerClient
+
+from dbtrigger import _azure_errors as azure_errors
+from dbtrigger import options as opt
+from dbtrigger.errors import CasConflictError
+from dbtrigger.history.records import record_time
+from dbtrigger.history.store import (
+    Retention,
+    decode_lines,
+    encode_line,
+    numbered,
+    prunable_segments,
+    segment_name,
+    segment_seq,
+)
+from dbtrigger.names import validate_name
+
+HISTORY_BLOB = azure_errors.StorageService(
+    what="history blob",
+    role="Storage Blob Data Contributor",
+    lost_race_codes=frozenset(
+        {"AppendPositionConditionNotMet", "ConditionNotMet", "BlobAlreadyExists"}
+    ),
+)
+
+#: A segment rolls over past this size ...
+DEFAULT_SEGMENT_BYTES = 8 * 1024 * 1024
+#: ... or this many appends (the service allows 50,000 blocks per append blob).
+MAX_BLOCKS = 45_000
+_TAIL_CHUNK = 64 * 1024
+
+
+@dataclass
+class _Segment:
+    name: str
+    size: int
+    blocks: int
+    #: The number of the last record in it (0: not known).
+    last_seq: int = 0
+
+
+class BlobHistory:
+    """Append-blob history segments under ``{prefix}/{app}/{poller}.history/``.
+
+    ``container`` and ``app`` may be callables (resolved at first use), so a
+    history derived from a state store whose settings are read lazily reads
+    them just as lazily.
+    """
+
+    def __init__(
+        self,
+        container: ContainerClient | Any,
+        *,
+        app: str | Any,
+        prefix: str = "state",
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    ) -> None:
+        self._container = container
+        self._app = app
+        self.prefix = prefix
+        self.segment_bytes = opt.whole("segment_bytes", segment_bytes, minimum=1024)
+        #: poller -> the active segment as this writer last saw it.
+        self._active: dict[str, _Segment] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def client(self) -> ContainerClient:
+        value = self._container
+        return value() if callable(value) and not isinstance(value, ContainerClient) else value
+
+    @property
+    def app(self) -> str:
+        value = self._app
+        return str(value() if callable(value) else value)
+
+    def _folder(self, poller: str) -> str:
+        return f"{self.prefix}/{self.app}/{validate_name(poller, 'poller name')}.history/"
+
+    def describe(self) -> str:
+        try:
+            where = f"{self.client.container_name}/{self.prefix}/{self.app}"
+        except Exception:  # noqa: BLE001 - describe never raises (settings unresolved)
+            where = f"(unresolved)/{self.prefix}"
+        return f"azure-blob:{where}/*.history/"
+
+    def _mapped(
+        self, op: str, name: str, *, write: bool = False
+    ) -> contextlib.AbstractContextManager[None]:
+        return azure_errors.mapped(HISTORY_BLOB, f"{op} of history blob {name}", write=write)
+
+    # --- segments -----------------------------------------------------------------------
+
+    def _segments(self, poller: str) -> list[_Segment]:
+        folder = self._folder(poller)
+        with self._mapped("listing", folder + "*"):
+            try:
+                blobs = list(self.client.list_blobs(name_starts_with=folder))
+            except ResourceNotFoundError:
+                return []
+        found = []
+        for blob in blobs:
+            rest = blob.name[len(folder) :]
+            if "/" in rest or segment_seq(rest) is None:
+                continue
+            found.append(_Segment(blob.name, int(blob.size or 0), 0))
+        return sorted(found, key=lambda s: s.name)
+
+    def _read_range(self, name: str, offset: int, length: int | None = None) -> bytes:
+        with self._mapped("read", name):
+            downloader = self.client.get_blob_client(name).download_blob(
+                offset=offset, length=length, max_concurrency=1
+            )
+            return bytes(downloader.readall())
+
+    def _last_records(self, segment: _Segment, count: int) -> list[dict[str, Any]]:
+        if segment.size == 0:
+            return []
+        chunk = _TAIL_CHUNK
+        while True:
+            start = max(0, segment.size - chunk)
+            data = self._read_range(segment.name, start, segment.size - start)
+            if start > 0:
+                data = data[data.find(b"\n") + 1 :]
+            records = decode_lines(data)
+            if len(records) >= count or start == 0:
+                return records[-count:] if count else []
+            chunk *= 4
+
+    # --- the port -----------------------------------------------------------------------
+
+    def tail(self, poller: str, count: int) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if count <= 0:
+            return out
+        for segment in reversed(self._segments(poller)):
+            try:
+                out = self._last_records(segment, count - len(out)) + out
+            except ResourceNotFoundError:
+                continue
+            if len(out) >= count:
+                break
+        return out[-count:]
+
+    def read(self, poller: str, *, since_seq: int = 0) -> Iterator[dict[str, Any]]:
+        segments = self._segments(poller)
+        for i, segment in enumerate(segments):
+            if i + 1 < len(segments):
+                following = segment_seq(segments[i + 1].name.rsplit("/", 1)[1]) or 0
+                if following <= since_seq + 1:
+                    continue
+            if segment.size == 0:
+                continue
+            try:
+                data = self._read_range(segment.name, 0, segment.size)
+            except CasConflictError:
+                continue
+            for record in decode_lines(data):
+                if int(record.get("seq") or 0) > since_seq:
+                    yield record
+
+    def _active_segment(self, poller: str) -> tuple[_Segment | None, int]:
+        """The segment to append to and the history's last number, read now.
+
+        An empty newest segment (its creator died before appending) is the
+        one to append to when it is named for the next number; otherwise it
+        is left over from a conflict and removed."""
+        empty: _Segment | None = None
+        for listed in reversed(self._segments(poller)):
+            # The size the records are read up to is the position appended at:
+            # a block landing in between moves it, and our append then conflicts.
+            segment = self._props(listed.name, 0)
+            last = self._last_records(segment, 1)
+            if not last:
+                if empty is None:
+                    empty = segment
+                continue
+            segment.last_seq = int(last[-1].get("seq") or 0)
+            if empty is not None:
+                if segment_seq(empty.name.rsplit("/", 1)[1]) == segment.last_seq + 1:
+                    empty.last_seq = segment.last_seq
+                    return empty, segment.last_seq
+                self._delete(empty.name)
+            return segment, segment.last_seq
+        return empty, 0
+
+    def _props(self, name: str, last_seq: int) -> _Segment:
+        with self._mapped("read", name):
+            props = self.client.get_blob_client(name).get_blob_properties()
+        return _Segment(
+            name, int(props.size), int(props.append_blob_committed_block_count or 0), last_seq
+        )
+
+    def _delete(self, name: str) -> None:
+        with self._mapped("delete", name, write=True), contextlib.suppress(ResourceNotFoundError):
+            self.client.delete_blob(name)
+
+    def append(self, poller: str, records: Sequence[Mapping[str, Any]], *, after_seq: int) -> None:
+        if not records:
+            return
+        data = b"".join(encode_line(r) for r in numbered(records, after_seq))
+        with self._lock:
+            active = self._active.get(poller)
+        if active is None or active.last_seq != after_seq:
+            active, last = self._active_segment(poller)
+            if last != after_seq:
+                raise CasConflictError(
+                    f"the history of {poller!r} ends at record {last}, not {after_seq}"
+                )
+        try:
+            full = active is not None and (
+                (active.size > 0 and active.size + len(data) > self.segment_bytes)
+                or active.blocks >= MAX_BLOCKS
+            )
+            if active is None or full:
+                active = self._new_segment(poller, after_seq + 1)
+            result = self._append_block(active, data)
+        except CasConflictError:
+            with self._lock:
+                self._active.pop(poller, None)
+            raise
+        offset = int(result.get("blob_append_offset") or active.size)
+        blocks = int(result.get("blob_committed_block_count") or active.blocks + 1)
+        with self._lock:
+            self._active[poller] = _Segment(
+                active.name, offset + len(data), blocks, after_seq + len(records)
+            )
+
+    def _new_segment(self, poller: str, first_seq: int) -> _Segment:
+        name = self._folder(poller) + segment_name(first_seq)
+        client = self.client.get_blob_client(name)
+        with self._mapped("create", name, write=True):
+            try:
+                client.create_append_blob(match_condition=MatchConditions.IfMissing)
+            except ResourceExistsError:
+                props = self._props(name, first_seq - 1)
+                if props.size:
+                    raise CasConflictError(
+                        f"history segment {name} exists already: another writer appended first"
+                    ) from None
+                return props  # an empty segment a writer died after creating
+        return _Segment(name, 0, 0)
+
+    def _append_block(self, segment: _Segment, data: bytes) -> dict[str, Any]:
+        client = self.client.get_blob_client(segment.name)
+        with self._mapped("append", segment.name, write=True):
+            result: dict[str, Any] = client.append_block(
+                data, appendpos_condition=segment.size, retry_total=0
+            )
+        return result
+
+    def prune(self, poller: str, retention: Retention, now: dt.datetime) -> int:
+        segments = self._segments(poller)
+        described: list[tuple[str, int, dt.datetime | None]] = []
+        for segment in segments:
+            if segment.size == 0:
+                described.append((segment.name, 0, None))
+                continue
+            head = self._read_range(segment.name, 0, min(segment.size, _TAIL_CHUNK))
+            first = decode_lines(head)
+            described.append((segment.name, segment.size, record_time(first[0]) if first else None))
+        removed = 0
+        names = [s.name for s in segments]
+        for name in prunable_segments(described, retention, now):
+            index = names.index(name)
+            first_here = segment_seq(name.rsplit("/", 1)[1]) or 0
+            first_next = segment_seq(names[index + 1].rsplit("/", 1)[1]) or first_here
+            self._delete(name)
+            removed += first_next - first_here
+        return removed
+
+
+__all__ = ["HISTORY_BLOB", "BlobHistory"]

@@ -1,0 +1,251 @@
+"""A poller's history as JSON-lines files next to its state file.
+
+Layout, in the state directory of :class:`~dbtrigger.state.stores.file.FileCheckpointStore`::
+
+    orders.json                                 the state document
+    orders.history.000000000001.jsonl           history records 1 ... (one JSON object a line)
+    orders.history.000000004711.jsonl           the next segment, from record 4711
+    .orders.history.lock                        flock target of appends and pruning
+
+``list_keys`` of the checkpoint store only sees ``*.json``, so these files are
+never taken for pollers. An append holds an exclusive ``flock`` (bounded wait,
+like the state files), reads the last record's number from the end of the last
+segment, appends and fsyncs: records are numbered without a gap or a repeat
+across processes. A write killed half way leaves a last line without its
+newline; the next append (holding the lock) cuts it off before writing, and
+readers skip it. A segment rolls over past ``segment_bytes``; pruning removes
+whole segments (:func:`~dbtrigger.history.store.prunable_segments`), so no
+file is ever rewritten. Files are created readable by their owner only (the
+records hold row keys).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import fcntl
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from dbtrigger import options as opt
+from dbtrigger.errors import CasConflictError, StoreAuthError, StoreUnavailableError
+from dbtrigger.history.records import record_time
+from dbtrigger.history.store import (
+    Retention,
+    decode_lines,
+    encode_line,
+    numbered,
+    prunable_segments,
+    segment_name,
+    segment_seq,
+)
+from dbtrigger.names import validate_name
+
+#: A segment rolls over past this size.
+DEFAULT_SEGMENT_BYTES = 8 * 1024 * 1024
+#: How much of a segment's end is read to find its last records.
+_TAIL_CHUNK = 64 * 1024
+
+
+class FileHistory:
+    """JSON-lines history files in ``directory`` (a state store's directory)."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        lock_timeout: float = 10.0,
+    ) -> None:
+        self.directory = Path(directory)
+        self.segment_bytes = opt.whole("segment_bytes", segment_bytes, minimum=1024)
+        self.lock_timeout = opt.seconds("lock_timeout", lock_timeout)
+
+    def describe(self) -> str:
+        return f"file:{self.directory}/*.history.*.jsonl"
+
+    # --- files ---------------------------------------------------------------------
+
+    def _segments(self, poller: str) -> list[Path]:
+        validate_name(poller, "poller name")
+        prefix = f"{poller}.history."
+        try:
+            names = [
+                entry.name
+                for entry in os.scandir(self.directory)
+                if entry.name.startswith(prefix) and entry.name.endswith(".jsonl")
+            ]
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise StoreUnavailableError(f"cannot list {self.directory}: {exc.strerror}") from exc
+        found = [(segment_seq(n[len(prefix) :]), n) for n in names]
+        return [self.directory / n for _, n in sorted((s, n) for s, n in found if s is not None)]
+
+    @staticmethod
+    def _first_seq(path: Path) -> int:
+        """The number of a segment's first record, from its name."""
+        return segment_seq(path.name.split(".history.", 1)[1]) or 0
+
+    @contextlib.contextmanager
+    def _locked(self, poller: str) -> Iterator[None]:
+        path = self.directory / f".{poller}.history.lock"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except PermissionError as exc:
+            raise StoreAuthError(f"no permission to use {path}") from exc
+        except OSError as exc:
+            raise StoreUnavailableError(f"cannot open {path}: {exc.strerror}") from exc
+        try:
+            deadline = time.monotonic() + self.lock_timeout
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise StoreUnavailableError(
+                            f"{path} stayed locked for {self.lock_timeout:g} s; the history "
+                            "append is tried again later"
+                        ) from None
+                    time.sleep(0.005)
+            yield
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _last_records(path: Path, count: int) -> tuple[list[dict[str, Any]], int]:
+        """The last ``count`` complete records of one segment, and where its complete
+        lines end (bytes): anything after that is a torn write."""
+        with path.open("rb") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            chunk = _TAIL_CHUNK
+            while True:
+                start = max(0, size - chunk)
+                fh.seek(start)
+                data = fh.read(size - start)
+                end = data.rfind(b"\n") + 1
+                body = data[:end]
+                if start > 0:
+                    body = body[body.find(b"\n") + 1 :]  # the first line may be cut
+                records = decode_lines(body)
+                if len(records) >= count or start == 0:
+                    return records[-count:] if count else [], start + end
+                chunk *= 4
+
+    # --- the port ------------------------------------------------------------------
+
+    def tail(self, poller: str, count: int) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        try:
+            for path in reversed(self._segments(poller)):
+                records, _ = self._last_records(path, count - len(out))
+                out = records + out
+                if len(out) >= count:
+                    break
+        except FileNotFoundError:
+            return self.tail(poller, count)  # pruned under us: list again
+        except OSError as exc:
+            raise StoreUnavailableError(f"cannot read the history of {poller!r}: {exc}") from exc
+        return out[-count:] if count else []
+
+    def read(self, poller: str, *, since_seq: int = 0) -> Iterator[dict[str, Any]]:
+        segments = self._segments(poller)
+        for i, path in enumerate(segments):
+            if i + 1 < len(segments) and self._first_seq(segments[i + 1]) <= since_seq + 1:
+                continue  # every record of this segment is at or below since_seq
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:
+                continue  # pruned meanwhile
+            except OSError as exc:
+                raise StoreUnavailableError(f"cannot read {path}: {exc.strerror}") from exc
+            for record in decode_lines(data):
+                if int(record.get("seq") or 0) > since_seq:
+                    yield record
+
+    def append(self, poller: str, records: Sequence[Mapping[str, Any]], *, after_seq: int) -> None:
+        if not records:
+            return
+        with self._locked(poller):
+            last_seq, path, end = 0, None, 0
+            for candidate in reversed(self._segments(poller)):
+                found, end = self._last_records(candidate, 1)
+                if found:
+                    last_seq, path = int(found[-1].get("seq") or 0), candidate
+                    break
+                candidate.unlink()  # only a torn line of a killed writer: nothing in it
+            if last_seq != after_seq:
+                raise CasConflictError(
+                    f"the history of {poller!r} ends at record {last_seq}, not {after_seq}"
+                )
+            data = b"".join(encode_line(r) for r in numbered(records, after_seq))
+            try:
+                if path is None or (path.stat().st_size >= self.segment_bytes and end > 0):
+                    path = self.directory / f"{poller}.history.{segment_name(after_seq + 1)}"
+                    end = 0
+                self._write(path, data, end)
+            except PermissionError as exc:
+                raise StoreAuthError(f"no permission to append to {path}") from exc
+            except OSError as exc:
+                raise StoreUnavailableError(
+                    f"cannot append to the history of {poller!r}: {exc.strerror}"
+                ) from exc
+
+    def _write(self, path: Path, data: bytes, end: int) -> None:
+        created = not path.exists()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size != end:
+                os.ftruncate(fd, end)  # a torn last line of a killed writer
+            os.lseek(fd, end, os.SEEK_SET)
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if created:
+            dir_fd = os.open(self.directory, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+
+    def prune(self, poller: str, retention: Retention, now: dt.datetime) -> int:
+        with self._locked(poller):
+            segments = self._segments(poller)
+            described = []
+            for path in segments:
+                try:
+                    size = path.stat().st_size
+                    with path.open("rb") as fh:
+                        first = decode_lines(fh.readline())
+                except FileNotFoundError:
+                    continue
+                described.append((str(path), size, record_time(first[0]) if first else None))
+            removed = 0
+            for name in prunable_segments(described, retention, now):
+                path = Path(name)
+                following = [s for s in segments if s.name > path.name]
+                first_here = self._first_seq(path)
+                first_next = self._first_seq(following[0]) if following else first_here
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                removed += first_next - first_here
+            return removed
+
+    def delete(self, poller: str) -> None:
+        """Remove the whole history of ``poller`` (tests; a poller removed for good)."""
+        with self._locked(poller):
+            for path in self._segments(poller):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+
+
+__all__ = ["DEFAULT_SEGMENT_BYTES", "FileHistory"]

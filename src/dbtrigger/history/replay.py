@@ -1,0 +1,466 @@
+"""Deterministic replay: hand a handler exactly the batches the history recorded.
+
+**What "exactly" can mean.** A poller's history records, per commit, the range
+it covered (``from``, ``to``), the ids of the events it delivered and a digest
+of each event's image (operation, before, after). A replay reads that range
+from the source again and compares:
+
+* A source that *keeps images* - the change log (a row of the log never
+  changes), and the log-based sources while their log still holds the range -
+  gives the events back as they were: same ids, same images, byte for byte.
+  The replay delivers them (mode ``exact``). If the source no longer holds
+  them all (the log was pruned or purged), the replay is refused, naming what
+  is gone: it cannot be exact, and the source cannot say what was there.
+* A plain polled table is a cursor, not a history: an updated row has moved
+  to a later cursor with new values, a deleted row is gone. The replay reads
+  the recorded keys as they are *now* (the range, then the keys that moved,
+  by key) and **reports drift** before delivering anything (mode ``reread``):
+  ``changed`` (same key, different image now), ``gone`` (no row with that key
+  now), ``added`` (a row in the range now that the batch did not have). The
+  recorded keys that still exist are delivered in their current state;
+  ``gone`` rows cannot be, and ``added`` rows were never part of the batch.
+
+``--verify`` does the comparison and delivers nothing.
+
+**Where it runs.** Under a lease of its own (the state document
+``{poller}.replay`` in the same store), so two replays of one poller never
+overlap, and it never writes the live poller's checkpoint, lease or window.
+What it did is journaled in the replay document and, as a manual entry
+(``operation: replay``), in the live poller's journal and history.
+
+**What the handler sees.** The recorded batch id, the recorded event ids,
+``ctx.replay`` True and ``ctx.now`` the recorded commit time (the same value a
+handler written against ``ctx.now`` saw the first time is not the commit time
+but the tick's start; see :attr:`~dbtrigger.runtime.context.BatchContext.now`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import inspect
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from dbtrigger.cursor import Position, canonical_json, decode_value, encoded_pk
+from dbtrigger.errors import CasConflictError, ReplayRefusedError
+from dbtrigger.events import RowChange
+from dbtrigger.history import records as rec
+from dbtrigger.history.recorder import record_write
+from dbtrigger.runtime.context import BatchContext, EventMarks
+from dbtrigger.runtime.poller import PollTrigger
+from dbtrigger.runtime.tick import wants_context
+from dbtrigger.sources.base import position_of
+from dbtrigger.state import document as docmod
+from dbtrigger.state import lease as leasemod
+from dbtrigger.state import operations as ops
+from dbtrigger.state.document import StateDocument, parse_time, position_from_json
+from dbtrigger.state.stores.base import CheckpointStore
+
+Mode = Literal["exact", "reread"]
+
+#: Log-based sources replay their log's own images while the log holds them.
+_LOG_SOURCES = frozenset({"ChangeLogSource", "PgLogicalSource", "BinlogSource"})
+
+
+def keeps_images(source: Any) -> bool:
+    """Can ``source`` give a recorded range back as it was (a log of changes)?"""
+    declared = getattr(source, "keeps_images", None)
+    if isinstance(declared, bool):
+        return declared
+    return type(source).__name__ in _LOG_SOURCES
+
+
+def replay_key(poller: str) -> str:
+    """The state document a replay of ``poller`` holds its lease in."""
+    return f"{poller}.replay"
+
+
+# --- comparing -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DriftRow:
+    """One recorded row that is not now what it was (or a row the batch did not have)."""
+
+    kind: Literal["changed", "gone", "added"]
+    key: Mapping[str, Any]
+    recorded_id: str | None
+    current_id: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "pk": dict(self.key),
+            "recorded_event_id": self.recorded_id,
+            "current_event_id": self.current_id,
+        }
+
+
+@dataclass
+class BatchReplay:
+    """One recorded batch: what the replay delivers and how it differs from the record."""
+
+    record: dict[str, Any]
+    events: list[RowChange]
+    drift: list[DriftRow] = field(default_factory=list)
+    #: The record has per-event lines to compare against (else only its digest).
+    compared: bool = True
+    #: The events' id and image digests match the recorded ones.
+    identical: bool = False
+
+    @property
+    def batch_id(self) -> str:
+        return str(self.record.get("batch_id"))
+
+
+@dataclass
+class ReplayPlan:
+    poller: str
+    mode: Mode
+    batches: list[BatchReplay]
+
+    @property
+    def drift(self) -> list[DriftRow]:
+        return [row for b in self.batches for row in b.drift]
+
+    @property
+    def events(self) -> int:
+        return sum(len(b.events) for b in self.batches)
+
+    def refusals(self) -> list[str]:
+        """Why an ``exact`` replay cannot deliver (a batch the log no longer gives
+        back as recorded); empty when it can."""
+        if self.mode != "exact":
+            return []
+        out = []
+        for b in self.batches:
+            if b.identical:
+                continue
+            gone = sum(1 for r in b.drift if r.kind == "gone")
+            out.append(
+                f"batch {b.batch_id} cannot be replayed as it was: the log gives back "
+                f"{len(b.events)} of its {b.record.get('rows')} recorded event(s)"
+                + (f" ({gone} no longer in the log)" if gone else "")
+                + " and they differ from the record; the change log deletes what every reader "
+                "passed (prune_passed_by, changelog prune): keep it longer to replay"
+            )
+        return out
+
+
+def _key_text(key: Mapping[str, Any]) -> str:
+    return canonical_json(dict(key))
+
+
+def _event_key(event: RowChange) -> str:
+    return _key_text(encoded_pk(event.pk))
+
+
+def _beyond(position: Position, end: Position) -> bool:
+    """Is ``position`` after ``end`` in keyset order (as far as Python can compare)?"""
+    names = list(end.pk)
+    try:
+        mine = (position.cursor, *(position.pk.get(n) for n in names))
+        theirs = (end.cursor, *(end.pk.get(n) for n in names))
+        return bool(mine > theirs)
+    except TypeError:
+        try:
+            return bool(position.cursor > end.cursor)
+        except TypeError:
+            return False
+
+
+def read_range(
+    source: Any, poller: str, batch_id: str, start: Position, end: Position, expected: int
+) -> list[RowChange]:
+    """The source's events after ``start`` up to and including ``end``, now."""
+    out: list[RowChange] = []
+    after = start
+    limit = max(expected, 1) + 1
+    while True:
+        rows = source.fetch(after, limit)
+        if not rows:
+            return out
+        events = source.to_events(rows, poller=poller, batch_id=batch_id)
+        for event in events:
+            where = position_of(event)
+            if _beyond(where, end):
+                return out
+            out.append(event)
+            if where == end:
+                return out
+        after = position_of(events[-1])
+
+
+def compare(
+    record: Mapping[str, Any], events: Sequence[RowChange], source: Any, poller: str
+) -> BatchReplay:
+    """What the replay of ``record`` delivers, given the range read now (``events``)."""
+    lines = rec.detail_lines(record)
+    detail = record.get("detail") if isinstance(record.get("detail"), Mapping) else {}
+    now_ids = [e.event_id for e in events]
+    now_images = [rec.image_digest(e) for e in events]
+    identical = isinstance(detail, Mapping) and (
+        docmod.digest_event_ids(now_ids) == detail.get("event_ids")
+        and rec.digest_images(now_images) == detail.get("images")
+    )
+    if lines is None:
+        return BatchReplay(dict(record), list(events), [], compared=False, identical=identical)
+    by_key = {_event_key(e): (e, img) for e, img in zip(events, now_images, strict=True)}
+    recorded_keys = {_key_text(line.key) for line in lines}
+    deliver: list[RowChange] = []
+    drift: list[DriftRow] = []
+    moved: list[Any] = []
+    for line in lines:
+        found = by_key.get(_key_text(line.key))
+        if found is None:
+            moved.append(line)
+            continue
+        event, image = found
+        if event.event_id != line.event_id or image != line.image:
+            drift.append(DriftRow("changed", line.key, line.event_id, event.event_id))
+        deliver.append(event)
+    if moved:
+        elsewhere = _lookup(source, poller, str(record.get("batch_id")), moved)
+        for line in moved:
+            current = elsewhere.get(_key_text(line.key))
+            if current is None:
+                drift.append(DriftRow("gone", line.key, line.event_id, None))
+            else:
+                drift.append(DriftRow("changed", line.key, line.event_id, current.event_id))
+                deliver.append(current)
+    for key, (event, _) in by_key.items():
+        if key not in recorded_keys:
+            drift.append(DriftRow("added", encoded_pk(event.pk), None, event.event_id))
+    return BatchReplay(dict(record), deliver, drift, compared=True, identical=identical)
+
+
+def _lookup(source: Any, poller: str, batch_id: str, lines: Sequence[Any]) -> dict[str, RowChange]:
+    """The rows with these recorded keys now, wherever their cursor is (key -> event)."""
+    finder = getattr(source, "rows_with_keys", None)
+    if finder is None:
+        return {}
+    keys = [
+        {name: decode_value(str(value[0]), value[1]) for name, value in line.key.items()}
+        for line in lines
+    ]
+    rows = finder(keys)
+    return {_event_key(e): e for e in source.to_events(rows, poller=poller, batch_id=batch_id)}
+
+
+def plan(trigger: PollTrigger, records: Sequence[Mapping[str, Any]]) -> ReplayPlan:
+    """Read each recorded batch's range again and compare it with the record.
+
+    A source that keeps images but no longer gives a range back as recorded
+    makes a plan whose :meth:`ReplayPlan.refusals` say so (``--verify``
+    reports them; a delivery refuses).
+
+    Raises:
+        ReplayRefusedError: a record is not a commit, or a log-based source can
+            no longer read the range at all (purged).
+    """
+    source = trigger.source
+    exact = keeps_images(source)
+    batches = []
+    for record in records:
+        if record.get("type") not in ("commit", "partial_commit"):
+            raise ReplayRefusedError(f"record {record.get('seq')} is not a commit")
+        start = position_from_json(record.get("from"), "from")
+        end = position_from_json(record.get("to"), "to")
+        batch_id = str(record.get("batch_id"))
+        try:
+            events = read_range(
+                source, trigger.name, batch_id, start, end, int(record.get("rows") or 0)
+            )
+        except ReplayRefusedError:
+            raise
+        except Exception as exc:
+            if not exact:
+                raise
+            raise ReplayRefusedError(
+                f"the source no longer holds batch {batch_id} ({type(exc).__name__}: {exc}); "
+                "a log-based source can replay only what its log still retains"
+            ) from exc
+        batch = compare(record, events, source, trigger.name)
+        if exact and batch.identical:
+            batch = BatchReplay(dict(record), list(events), [], compared=True, identical=True)
+        batches.append(batch)
+    return ReplayPlan(trigger.name, "exact" if exact else "reread", batches)
+
+
+# --- delivering ----------------------------------------------------------------------
+
+
+@dataclass
+class Delivered:
+    batch_id: str
+    events: int
+    rejected: dict[str, str]
+    retried: dict[str, str]
+
+
+def _call(handler: Callable[..., Any], events: list[RowChange], ctx: BatchContext) -> None:
+    result = handler(events, ctx) if wants_context(handler) else handler(events)
+    if inspect.isawaitable(result):
+
+        async def wait() -> Any:
+            return await result
+
+        asyncio.run(wait())
+
+
+def deliver_batch(
+    trigger: PollTrigger,
+    batch: BatchReplay,
+    handler: Callable[..., Any],
+    *,
+    token: int,
+    owner: str,
+    subscriber: str | None = None,
+    started_at: dt.datetime,
+) -> Delivered:
+    """Hand one planned batch to ``handler`` with a replay context; what it marked."""
+    record = batch.record
+    recorded_at = parse_time(record.get("committed_at") or record.get("at"), "committed_at")
+    events = batch.events
+    marks = EventMarks(events, can_reject=True)
+    ctx = BatchContext(
+        poller_name=trigger.name,
+        batch_id=batch.batch_id,
+        batch_index=0,
+        fencing_token=token,
+        owner_id=owner,
+        source_name=trigger.source.name,
+        checkpoint_before=position_from_json(record.get("from"), "from"),
+        checkpoint_after=position_from_json(record.get("to"), "to"),
+        tick_started_at=started_at,
+        lease_lost=threading.Event(),
+        marks=marks,
+        subscriber=subscriber,
+        replay=True,
+        recorded_at=recorded_at,
+    )
+    if events:
+        _call(handler, list(events), ctx)
+    marks.close()
+    rejected, retried = marks.snapshot()
+    return Delivered(batch.batch_id, len(events), rejected, retried)
+
+
+@dataclass
+class ReplayLease:
+    """The lease of a replay, held in ``{poller}.replay``."""
+
+    store: CheckpointStore
+    key: str
+    doc: StateDocument
+    etag: str
+    token: int
+    owner: str
+
+    @classmethod
+    def take(
+        cls, store: CheckpointStore, trigger: PollTrigger, owner: str, now: dt.datetime
+    ) -> ReplayLease:
+        key = replay_key(trigger.name)
+        stored = store.read(key)
+        doc = docmod.loads(stored.data) if stored is not None else None
+        decision = leasemod.decide_acquire(
+            doc,
+            poller=key,
+            fingerprint=trigger.fingerprint,
+            owner=owner,
+            now=now,
+            ttl=max(trigger.lease_ttl, dt.timedelta(minutes=10)),
+        )
+        if isinstance(decision, leasemod.Busy):
+            raise ReplayRefusedError(
+                f"another replay of {trigger.name!r} holds {key!r} ({decision.holder}, until "
+                f"{docmod.format_time(decision.free_at)}); wait for it to finish"
+            )
+        try:
+            etag = store.write(
+                key,
+                docmod.dumps(decision.document),
+                if_match=stored.etag if stored is not None else None,
+            )
+        except CasConflictError as exc:
+            raise ReplayRefusedError(
+                f"another replay of {trigger.name!r} started just now"
+            ) from exc
+        return cls(store, key, decision.document, etag, decision.fencing_token, owner)
+
+    def release(self, entry: Mapping[str, Any], now: dt.datetime) -> None:
+        released = leasemod.decide_release(self.doc, owner=self.owner, token=self.token, now=now)
+        doc = (released or self.doc).with_journal_entry(entry)
+        self.store.write(self.key, docmod.dumps(doc), if_match=self.etag)
+
+
+def journal_live(store: CheckpointStore, poller: str, entry: Mapping[str, Any]) -> str | None:
+    """Add ``entry`` to the live poller's journal (nothing else changes) and its history.
+
+    A journal-only write: it moves no checkpoint and fences nobody; a poller
+    committing meanwhile re-reads and re-applies its own commit (the CAS rule).
+    Returns a problem to report, or None.
+    """
+    for _ in range(5):
+        stored = store.read(poller)
+        if stored is None:
+            return f"poller {poller!r} has no state document; the replay was journaled in its own"
+        doc = docmod.loads(stored.data).with_journal_entry(entry, ops.JOURNAL_LIMIT)
+        try:
+            store.write(poller, docmod.dumps(doc), if_match=stored.etag)
+        except CasConflictError:
+            continue
+        return record_write(store, doc)
+    return (
+        f"the state of {poller!r} kept changing; the replay is journaled in "
+        f"{replay_key(poller)!r} only"
+    )
+
+
+def manual_entry(
+    operation: str,
+    *,
+    doc_position: Position | None,
+    actor: str,
+    reason: str,
+    now: dt.datetime,
+    details: Mapping[str, Any],
+) -> dict[str, Any]:
+    """A manual journal entry that moves nothing (before == after)."""
+    return ops.manual_entry(
+        operation,
+        actor=actor,
+        reason=reason,
+        now=now,
+        before=doc_position,
+        after=doc_position,
+        details=details,
+    )
+
+
+def current_position(store: CheckpointStore, poller: str) -> Position | None:
+    stored = store.read(poller)
+    if stored is None:
+        return None
+    doc = docmod.loads(stored.data)
+    return doc.position if doc.checkpoint is not None else None
+
+
+__all__ = [
+    "BatchReplay",
+    "Delivered",
+    "DriftRow",
+    "ReplayLease",
+    "ReplayPlan",
+    "compare",
+    "deliver_batch",
+    "journal_live",
+    "keeps_images",
+    "plan",
+    "read_range",
+    "replay_key",
+]

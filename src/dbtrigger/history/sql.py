@@ -1,0 +1,281 @@
+"""A poller's history as rows of a table beside the SQL state table.
+
+One row per record, in ``{state table}_history`` (``dbtrigger_state_history``)
+of the same database, schema and namespace::
+
+    namespace    VARCHAR(128)   -- as the state table
+    poller_name  VARCHAR(128)
+    seq          BIGINT         -- the record's number; primary key (namespace, poller_name, seq)
+    record_id    VARCHAR(64)    -- the journal entry's digest (readers keep one copy)
+    at           TIMESTAMP      -- the record's time, UTC (retention by age)
+    type         VARCHAR(32)    -- commit, partial_commit, manual, gap
+    batch_id     VARCHAR(128)   -- for lookups by batch
+    size         INTEGER        -- bytes of the record's JSON (retention by size)
+    record       TEXT           -- the record, JSON
+
+An append inserts its rows in one transaction after checking the last number;
+the primary key turns a second writer of the same number into a conflict, so
+records are numbered without a gap or a repeat. The table is created on first
+use when the state store creates its table; a read of a history whose table
+does not exist is an empty history (the CLI never creates tables).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import mysql
+
+from dbtrigger._driver_errors import short_error
+from dbtrigger.errors import (
+    CasConflictError,
+    DbTriggerError,
+    StoreAuthError,
+    StoreUnavailableError,
+)
+from dbtrigger.history.records import record_time
+from dbtrigger.history.store import Retention, encode_line, numbered
+from dbtrigger.names import validate_name, validate_sql_identifier
+from dbtrigger.redaction import safe_url_text
+from dbtrigger.state.stores.sql import classify_driver_error, is_duplicate_key
+
+_KEY = sa.String(128).with_variant(
+    mysql.VARCHAR(128, charset="ascii", collation="ascii_bin"), "mysql", "mariadb"
+)
+_TEXT = sa.Text().with_variant(mysql.LONGTEXT(charset="utf8mb4"), "mysql", "mariadb")
+
+#: Rows one prune statement deletes at most (short transactions).
+_PRUNE_CHUNK = 5000
+
+
+def history_table(name: str, schema: str | None) -> sa.Table:
+    return sa.Table(
+        validate_sql_identifier(name, "history table"),
+        sa.MetaData(),
+        sa.Column("namespace", _KEY, primary_key=True),
+        sa.Column("poller_name", _KEY, primary_key=True),
+        sa.Column("seq", sa.BigInteger, primary_key=True, autoincrement=False),
+        sa.Column("record_id", sa.String(64), nullable=False),
+        sa.Column("at", sa.DateTime, nullable=True),
+        sa.Column("type", sa.String(32), nullable=False),
+        sa.Column("batch_id", sa.String(128), nullable=True),
+        sa.Column("size", sa.Integer, nullable=False),
+        sa.Column("record", _TEXT, nullable=False),
+        schema=validate_sql_identifier(schema, "schema") if schema else None,
+    )
+
+
+class SqlHistory:
+    """History rows in ``table`` (default: the state table's name + ``_history``)."""
+
+    def __init__(
+        self,
+        engine: sa.Engine | Callable[[], sa.Engine],
+        *,
+        table: str = "dbtrigger_state_history",
+        schema: str | None = None,
+        namespace: str = "default",
+        create_table: bool = True,
+    ) -> None:
+        self._engine = engine
+        self.table = history_table(table, schema)
+        self.namespace = validate_name(namespace, "namespace")
+        self._create = create_table
+        self._ready = False
+        self._lock = threading.Lock()
+
+    @property
+    def engine(self) -> sa.Engine:
+        """The engine (a state store's, resolved at first use)."""
+        value = self._engine
+        return value if isinstance(value, sa.Engine) else value()
+
+    @property
+    def table_name(self) -> str:
+        t = self.table
+        return f"{t.schema}.{t.name}" if t.schema else t.name
+
+    def describe(self) -> str:
+        try:
+            url = safe_url_text(self.engine.url)
+        except DbTriggerError:
+            url = "(unresolved)"
+        return f"sql:{url} table={self.table_name} namespace={self.namespace}"
+
+    # --- edges -------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _edge(self, action: str, poller: str) -> Iterator[None]:
+        where = f"{action} of the history of {poller!r} in {self.table_name}"
+        try:
+            yield
+        except DbTriggerError:
+            raise
+        except sa.exc.IntegrityError as exc:
+            if is_duplicate_key(exc):
+                raise CasConflictError(f"{where}: another writer appended first") from exc
+            raise StoreUnavailableError(f"{where} failed: {short_error(exc)}") from exc
+        except sa.exc.DBAPIError as exc:
+            if classify_driver_error(exc) == "auth":
+                raise StoreAuthError(f"{where} was refused: {short_error(exc)}") from exc
+            if classify_driver_error(exc) == "conflict":
+                raise CasConflictError(f"{where} lost to another writer") from exc
+            raise StoreUnavailableError(f"{where} failed: {short_error(exc)}") from exc
+        except sa.exc.SQLAlchemyError as exc:
+            raise StoreUnavailableError(f"{where} failed: {short_error(exc)}") from exc
+
+    def _ensure(self) -> bool:
+        """Is the table there (created now when allowed)?"""
+        if self._ready:
+            return True
+        with self._lock:
+            if self._ready:
+                return True
+            with self.engine.connect() as conn:
+                exists = sa.inspect(conn).has_table(self.table.name, schema=self.table.schema)
+            if not exists and self._create:
+                try:
+                    self.table.create(self.engine, checkfirst=True)
+                except sa.exc.DBAPIError:
+                    with self.engine.connect() as conn:
+                        if not sa.inspect(conn).has_table(self.table.name, self.table.schema):
+                            raise
+                exists = True
+            self._ready = exists
+            return exists
+
+    def _of(self, poller: str) -> sa.ColumnElement[bool]:
+        t = self.table
+        return sa.and_(t.c.namespace == self.namespace, t.c.poller_name == poller)
+
+    # --- the port ----------------------------------------------------------------------
+
+    def append(self, poller: str, records: Sequence[Mapping[str, Any]], *, after_seq: int) -> None:
+        if not records:
+            return
+        validate_name(poller, "poller name")
+        t = self.table
+        rows = []
+        for record in numbered(records, after_seq):
+            text = encode_line(record).decode("ascii").rstrip("\n")
+            when = record_time(record)
+            rows.append(
+                {
+                    "namespace": self.namespace,
+                    "poller_name": poller,
+                    "seq": record["seq"],
+                    "record_id": str(record.get("id"))[:64],
+                    "at": when.replace(tzinfo=None) if when is not None else None,
+                    "type": str(record.get("type"))[:32],
+                    "batch_id": (str(record["batch_id"])[:128] if record.get("batch_id") else None),
+                    "size": len(text),
+                    "record": text,
+                }
+            )
+        with self._edge("append", poller):
+            self._ensure()
+            with self.engine.begin() as conn:
+                last = conn.execute(
+                    sa.select(sa.func.max(t.c.seq)).where(self._of(poller))
+                ).scalar()
+                if int(last or 0) != after_seq:
+                    raise CasConflictError(
+                        f"the history of {poller!r} ends at record {int(last or 0)}, "
+                        f"not {after_seq}"
+                    )
+                conn.execute(t.insert(), rows)
+
+    def tail(self, poller: str, count: int) -> list[dict[str, Any]]:
+        if count <= 0:
+            return []
+        t = self.table
+        with self._edge("read", poller):
+            if not self._ensure():
+                return []
+            stmt = (
+                sa.select(t.c.record).where(self._of(poller)).order_by(t.c.seq.desc()).limit(count)
+            )
+            with self.engine.connect() as conn:
+                texts = list(conn.execute(stmt).scalars())
+        return [json.loads(text) for text in reversed(texts)]
+
+    def read(self, poller: str, *, since_seq: int = 0) -> Iterator[dict[str, Any]]:
+        t = self.table
+        last = since_seq
+        while True:
+            with self._edge("read", poller):
+                if not self._ensure():
+                    return
+                stmt = (
+                    sa.select(t.c.seq, t.c.record)
+                    .where(self._of(poller), t.c.seq > last)
+                    .order_by(t.c.seq)
+                    .limit(1000)
+                )
+                with self.engine.connect() as conn:
+                    page = list(conn.execute(stmt))
+            for seq, text in page:
+                last = int(seq)
+                yield json.loads(text)
+            if len(page) < 1000:
+                return
+
+    def prune(self, poller: str, retention: Retention, now: dt.datetime) -> int:
+        t = self.table
+        removed = 0
+        with self._edge("prune", poller):
+            if not self._ensure():
+                return 0
+            with self.engine.connect() as conn:
+                last = conn.execute(
+                    sa.select(sa.func.max(t.c.seq)).where(self._of(poller))
+                ).scalar()
+                if last is None:
+                    return 0
+                keep_from = int(last)  # the last record always stays
+                cutoff = retention.cutoff(now)
+                if cutoff is not None:
+                    newest_old = conn.execute(
+                        sa.select(sa.func.max(t.c.seq)).where(
+                            self._of(poller), t.c.at <= cutoff.replace(tzinfo=None)
+                        )
+                    ).scalar()
+                    below = int(newest_old) + 1 if newest_old is not None else None
+                else:
+                    below = None
+                if retention.max_bytes is not None:
+                    total = 0
+                    sized = conn.execute(
+                        sa.select(t.c.seq, t.c.size)
+                        .where(self._of(poller))
+                        .order_by(t.c.seq.desc())
+                    )
+                    for seq, size in sized:
+                        total += int(size)
+                        if total > retention.max_bytes:
+                            below = max(below or 0, int(seq) + 1)
+                            break
+            if below is None:
+                return 0
+            below = min(below, keep_from)
+            while True:
+                with self.engine.begin() as conn:
+                    low = conn.execute(
+                        sa.select(sa.func.min(t.c.seq)).where(self._of(poller))
+                    ).scalar()
+                    if low is None or int(low) >= below:
+                        return removed
+                    upper = min(below, int(low) + _PRUNE_CHUNK)
+                    deleted = conn.execute(
+                        sa.delete(t).where(self._of(poller), t.c.seq < upper)
+                    ).rowcount
+                removed += int(deleted or 0)
+
+
+__all__ = ["SqlHistory", "history_table"]

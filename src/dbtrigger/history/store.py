@@ -1,0 +1,156 @@
+"""The ``HistoryStore`` port: numbered records appended beside the state document.
+
+A history store holds, per poller, a sequence of JSON records numbered 1, 2,
+3, ... (``seq``). Its guarantees, held by one contract suite for every
+adapter (``tests/test_history_stores.py``):
+
+* ``append(poller, records, after_seq=n)`` stores records numbered ``n + 1``
+  ... in one go, and only if the history's last number is ``n``; otherwise
+  it raises :class:`~dbtrigger.errors.CasConflictError` and stores nothing
+  of them. Two writers can therefore never give one number twice.
+* ``tail(poller, count)`` returns the last ``count`` records, oldest first,
+  and ``read(poller, since_seq=...)`` every record after a number, in order.
+* ``prune(poller, retention, now)`` removes records older than the retention
+  allows, oldest first, never the last record (the next number is read from it).
+
+Errors are those of the checkpoint stores (:class:`~dbtrigger.errors.StoreError`
+and below), translated at each adapter's edge.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from dbtrigger import options as opt
+
+#: Records are kept for this many days by default.
+DEFAULT_MAX_AGE_DAYS = 30.0
+#: ... and at most this many bytes per poller (oldest dropped first).
+DEFAULT_MAX_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Retention:
+    """How long a poller's history is kept: records older than ``max_age_days``
+    and, beyond ``max_bytes`` in all, the oldest records are pruned (None: no
+    limit of that kind). The last record is always kept."""
+
+    max_age_days: float | None = DEFAULT_MAX_AGE_DAYS
+    max_bytes: int | None = DEFAULT_MAX_BYTES
+
+    def __post_init__(self) -> None:
+        opt.optional_seconds("max_age_days", self.max_age_days)
+        opt.optional_whole("max_bytes", self.max_bytes, minimum=1024)
+
+    def cutoff(self, now: dt.datetime) -> dt.datetime | None:
+        """Records at or before this time may go (None: no age limit)."""
+        if self.max_age_days is None:
+            return None
+        return now - dt.timedelta(days=self.max_age_days)
+
+
+DEFAULT_RETENTION = Retention()
+
+
+@runtime_checkable
+class HistoryStore(Protocol):
+    def append(self, poller: str, records: Sequence[Mapping[str, Any]], *, after_seq: int) -> None:
+        """Store ``records`` (numbered ``after_seq + 1``...) if the last number is ``after_seq``."""
+        ...
+
+    def tail(self, poller: str, count: int) -> list[dict[str, Any]]:
+        """The last ``count`` records, oldest first (fewer when the history is shorter)."""
+        ...
+
+    def read(self, poller: str, *, since_seq: int = 0) -> Iterator[dict[str, Any]]:
+        """Every record numbered above ``since_seq``, in order."""
+        ...
+
+    def prune(self, poller: str, retention: Retention, now: dt.datetime) -> int:
+        """Remove what ``retention`` lets go; how many records were removed (or an estimate)."""
+        ...
+
+    def describe(self) -> str:
+        """Where the history lives, for logs and the CLI; never contains a secret."""
+        ...
+
+
+def encode_line(record: Mapping[str, Any]) -> bytes:
+    """One record as a JSON line (compact, ASCII, newline-terminated)."""
+    return (
+        json.dumps(dict(record), separators=(",", ":"), ensure_ascii=True, default=str) + "\n"
+    ).encode("ascii")
+
+
+def decode_lines(data: bytes, *, complete_only: bool = True) -> list[dict[str, Any]]:
+    """The records in ``data``; a last line without its newline (a torn write) is
+    skipped when ``complete_only``, as is any line that is not a JSON object."""
+    lines = data.split(b"\n")
+    if complete_only:
+        lines = lines[:-1]  # after the last newline: empty, or a torn line
+    out = []
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            out.append(value)
+    return out
+
+
+def numbered(records: Sequence[Mapping[str, Any]], after_seq: int) -> list[dict[str, Any]]:
+    """``records`` with ``seq`` set to ``after_seq + 1``, ``+ 2``, ..."""
+    return [{**r, "seq": after_seq + i} for i, r in enumerate(records, start=1)]
+
+
+def segment_name(first_seq: int) -> str:
+    """A segment of a file or blob history, named by its first record's number."""
+    return f"{first_seq:012d}.jsonl"
+
+
+def segment_seq(name: str) -> int | None:
+    stem = name.rsplit("/", 1)[-1].split(".", 1)[0]
+    return int(stem) if stem.isdigit() else None
+
+
+def prunable_segments(
+    segments: Sequence[tuple[str, int, dt.datetime | None]],
+    retention: Retention,
+    now: dt.datetime,
+) -> list[str]:
+    """Which whole segments may go: ``segments`` are ``(name, bytes, first record's
+    time)`` oldest first. A segment goes when the one after it starts before the
+    age cutoff (so every record in it is older), or while the segments after it
+    still exceed ``max_bytes``. The last segment never goes."""
+    cutoff = retention.cutoff(now)
+    total = sum(size for _, size, _ in segments)
+    out = []
+    for i, (name, size, _) in enumerate(segments[:-1]):
+        following = segments[i + 1][2]
+        old = cutoff is not None and following is not None and following <= cutoff
+        big = retention.max_bytes is not None and total > retention.max_bytes
+        if not (old or big):
+            break
+        out.append(name)
+        total -= size
+    return out
+
+
+__all__ = [
+    "DEFAULT_RETENTION",
+    "HistoryStore",
+    "Retention",
+    "decode_lines",
+    "encode_line",
+    "numbered",
+    "prunable_segments",
+    "segment_name",
+    "segment_seq",
+]

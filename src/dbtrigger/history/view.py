@@ -1,0 +1,96 @@
+"""Reading a poller's history as an operator sees it: the durable records, then
+whatever the journal holds that the history does not have yet.
+
+A commit's record is appended after the commit (see
+:mod:`dbtrigger.history.recorder`), so for a moment - or, after a crash, until
+the poller's next write - the journal knows an entry the history lacks. The
+view shows it too, marked ``"pending": true``, so ``dbtrigger history`` never
+misses a committed batch.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from dbtrigger.errors import ConfigurationError
+from dbtrigger.history import records as rec
+from dbtrigger.history.store import HistoryStore
+from dbtrigger.state.document import StateDocument
+
+
+def load(
+    history: HistoryStore | None,
+    poller: str,
+    doc: StateDocument | None = None,
+) -> list[dict[str, Any]]:
+    """Every record of ``poller``, oldest first, each once, with the journal's newer entries."""
+    stored = rec.unique(history.read(poller)) if history is not None else []
+    return merged(stored, doc.journal if doc is not None else ())
+
+
+def merged(
+    stored: Sequence[Mapping[str, Any]], journal: Iterable[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """``stored`` records, then the journal entries after the newest one they hold."""
+    out = [dict(r) for r in stored]
+    entries = list(journal)
+    ids = [rec.entry_id(e) for e in entries]
+    present = {str(r.get("id")) for r in out}
+    held = [i for i, rid in enumerate(ids) if rid in present]
+    start = held[-1] + 1 if held else 0
+    for entry in entries[start:]:
+        out.append({**rec.record_of(entry), "seq": None, "pending": True})
+    return out
+
+
+def since(records: Iterable[Mapping[str, Any]], when: dt.datetime) -> list[dict[str, Any]]:
+    """The records at or after ``when`` (records without a time are kept)."""
+    out = []
+    for record in records:
+        at = rec.record_time(record)
+        if at is None or at >= when:
+            out.append(dict(record))
+    return out
+
+
+def find_batch(records: Sequence[Mapping[str, Any]], batch_id: str) -> dict[str, Any]:
+    """The (last) commit record of ``batch_id``.
+
+    Raises:
+        ConfigurationError: no such batch in the history, naming what it holds.
+    """
+    for record in reversed(records):
+        if (
+            record.get("type") in ("commit", "partial_commit")
+            and record.get("batch_id") == batch_id
+        ):
+            return dict(record)
+    commits = [r for r in records if r.get("type") in ("commit", "partial_commit")]
+    if not commits:
+        raise ConfigurationError(f"batch {batch_id!r} is not in the history: it holds no commits")
+    raise ConfigurationError(
+        f"batch {batch_id!r} is not in the history, which holds {len(commits)} commit(s) from "
+        f"{commits[0].get('batch_id')} ({commits[0].get('at')}) to {commits[-1].get('batch_id')} "
+        f"({commits[-1].get('at')}); older batches were pruned by retention or predate it"
+    )
+
+
+def batch_range(
+    records: Sequence[Mapping[str, Any]], first: str, last: str
+) -> list[dict[str, Any]]:
+    """The commit records from batch ``first`` to batch ``last``, in order.
+
+    Raises:
+        ConfigurationError: either is not in the history, or ``last`` comes first.
+    """
+    start, end = find_batch(records, first), find_batch(records, last)
+    commits = [dict(r) for r in records if r.get("type") in ("commit", "partial_commit")]
+    i, j = commits.index(start), commits.index(end)
+    if j < i:
+        raise ConfigurationError(f"batch {last!r} was committed before {first!r}; swap them")
+    return commits[i : j + 1]
+
+
+__all__ = ["batch_range", "find_batch", "load", "merged", "since"]

@@ -1,0 +1,208 @@
+"""The HistoryStore contract, run against every adapter: memory, JSON-lines files,
+SQL tables (SQLite, PostgreSQL, MariaDB), append blobs and Table entities (Azurite).
+
+Numbers are given once and in order (a second writer of a number conflicts and
+stores nothing), tails and reads come back in order, retention never removes
+the last record, and the file adapter survives a torn last line.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from azure.data.tables import TableClient
+from azure.storage.blob import BlobServiceClient
+
+from dbtrigger.errors import CasConflictError
+from dbtrigger.history import FileHistory, HistoryStore, MemoryHistory, Retention, SqlHistory
+from dbtrigger.history.blob import BlobHistory
+from dbtrigger.history.table import TableHistory
+from dbtrigger.state.document import format_time
+from tests.azurite import Azurite
+from tests.databases import make_database
+
+T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+KINDS = [
+    "memory",
+    "file",
+    "sqlite",
+    pytest.param("postgresql", marks=pytest.mark.postgresql),
+    pytest.param("mariadb", marks=pytest.mark.mariadb),
+    pytest.param("blob", marks=pytest.mark.azurite),
+    pytest.param("table", marks=pytest.mark.azurite),
+]
+
+
+def _blob(azurite: Azurite, **options: Any) -> Iterator[BlobHistory]:
+    container = f"h{uuid.uuid4().hex[:20]}"
+    service = BlobServiceClient.from_connection_string(azurite.connection_string)
+    service.create_container(container)
+    try:
+        yield BlobHistory(service.get_container_client(container), app="shop", **options)
+    finally:
+        service.delete_container(container)
+        service.close()
+
+
+def _table(azurite: Azurite) -> Iterator[TableHistory]:
+    name = f"h{uuid.uuid4().hex[:20]}"
+    client = TableClient.from_connection_string(azurite.connection_string, name)
+    client.create_table()
+    try:
+        yield TableHistory(client, app="shop")
+    finally:
+        client.delete_table()
+        client.close()
+
+
+@pytest.fixture(params=KINDS)
+def history(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[HistoryStore]:
+    kind = request.param
+    if kind == "memory":
+        yield MemoryHistory()
+    elif kind == "file":
+        yield FileHistory(tmp_path / "state")
+    elif kind in ("sqlite", "postgresql", "mariadb"):
+        for db in make_database(kind, tmp_path):
+            yield SqlHistory(db.engine, schema=db.schema)
+    elif kind == "blob":
+        yield from _blob(request.getfixturevalue("azurite"))
+    else:
+        yield from _table(request.getfixturevalue("azurite"))
+
+
+def rec(n: int, at: dt.datetime | None = None) -> dict[str, Any]:
+    return {
+        "id": f"r{n}",
+        "at": format_time(at or T0 + dt.timedelta(minutes=n)),
+        "type": "commit",
+        "batch_id": f"b{n}",
+        "rows": n,
+    }
+
+
+def seqs(history: HistoryStore, poller: str = "orders", since: int = 0) -> list[int]:
+    return [int(r["seq"]) for r in history.read(poller, since_seq=since)]
+
+
+def test_records_are_numbered_in_order_and_read_back(history: HistoryStore) -> None:
+    assert history.tail("orders", 5) == []
+    assert seqs(history) == []
+    history.append("orders", [rec(1), rec(2)], after_seq=0)
+    history.append("orders", [rec(3)], after_seq=2)
+    history.append("other", [rec(9)], after_seq=0)  # pollers do not share numbers
+    assert seqs(history) == [1, 2, 3]
+    assert seqs(history, since=1) == [2, 3]
+    assert [r["id"] for r in history.tail("orders", 2)] == ["r2", "r3"]
+    assert [r["batch_id"] for r in history.tail("orders", 10)] == ["b1", "b2", "b3"]
+    assert [r["seq"] for r in history.read("other")] == [1]
+
+
+def test_a_wrong_last_number_conflicts_and_stores_nothing(history: HistoryStore) -> None:
+    history.append("orders", [rec(1)], after_seq=0)
+    with pytest.raises(CasConflictError):
+        history.append("orders", [rec(2)], after_seq=0)  # someone appended 1 meanwhile
+    with pytest.raises(CasConflictError):
+        history.append("orders", [rec(5)], after_seq=4)  # would leave a hole
+    assert seqs(history) == [1]
+
+
+def test_concurrent_writers_never_give_a_number_twice(history: HistoryStore) -> None:
+    """Writers that read the tail and append race; every number is given once."""
+    errors: list[BaseException] = []
+
+    def writer(tag: str) -> None:
+        for i in range(6):
+            for _ in range(60):
+                tail = history.tail("orders", 1)
+                after = int(tail[0]["seq"]) if tail else 0
+                try:
+                    history.append("orders", [{**rec(i), "id": f"{tag}{i}"}], after_seq=after)
+                    break
+                except CasConflictError:
+                    continue
+                except BaseException as exc:
+                    errors.append(exc)
+                    return
+
+    threads = [threading.Thread(target=writer, args=(t,)) for t in "ab"]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors
+    assert seqs(history) == list(range(1, 13))
+    assert len({r["id"] for r in history.read("orders")}) == 12
+
+
+def test_retention_by_age_and_size_keeps_the_last_record(history: HistoryStore) -> None:
+    for n in range(1, 6):
+        history.append("orders", [rec(n, T0 + dt.timedelta(days=n))], after_seq=n - 1)
+    now = T0 + dt.timedelta(days=40)
+    history.prune("orders", Retention(max_age_days=30, max_bytes=None), now)
+    kept = seqs(history)
+    assert kept[-1] == 5  # all are older than 30 days; the last always stays
+    assert set(kept) <= {1, 2, 3, 4, 5}
+    history.append("orders", [rec(6, now)], after_seq=5)  # numbering goes on
+    assert seqs(history)[-1] == 6
+    history.prune("orders", Retention(max_age_days=None, max_bytes=1024), now)
+    assert seqs(history)[-1] == 6
+
+
+def test_retention_leaves_young_records(history: HistoryStore) -> None:
+    for n in range(1, 4):
+        history.append("orders", [rec(n)], after_seq=n - 1)
+    history.prune("orders", Retention(), T0 + dt.timedelta(days=1))
+    assert seqs(history) == [1, 2, 3]
+
+
+def test_file_segments_roll_over_and_prune_whole(tmp_path: Path) -> None:
+    history = FileHistory(tmp_path, segment_bytes=1024)
+    for n in range(1, 41):
+        history.append("orders", [rec(n, T0 + dt.timedelta(days=n))], after_seq=n - 1)
+    segments = sorted(tmp_path.glob("orders.history.*.jsonl"))
+    assert len(segments) > 3
+    assert seqs(history) == list(range(1, 41))
+    assert seqs(history, since=25) == list(range(26, 41))
+    removed = history.prune("orders", Retention(max_age_days=10), T0 + dt.timedelta(days=35))
+    assert removed > 0
+    left = seqs(history)
+    assert left == list(range(left[0], 41))  # whole segments went, oldest first
+    assert left[0] <= 25  # nothing younger than the cutoff went
+
+
+def test_file_torn_last_line_is_skipped_and_cut_by_the_next_append(tmp_path: Path) -> None:
+    history = FileHistory(tmp_path)
+    history.append("orders", [rec(1), rec(2)], after_seq=0)
+    [segment] = tmp_path.glob("orders.history.*.jsonl")
+    with segment.open("ab") as fh:
+        fh.write(b'{"seq":3,"id":"torn"')  # a writer killed mid-line
+    assert seqs(history) == [1, 2]
+    assert history.tail("orders", 1)[0]["seq"] == 2
+    history.append("orders", [rec(3)], after_seq=2)
+    assert [r["id"] for r in history.read("orders")] == ["r1", "r2", "r3"]
+    assert segment.read_bytes().endswith(b"\n")
+
+
+@pytest.mark.azurite
+def test_blob_segments_roll_over(azurite: Azurite) -> None:
+    for history in _blob(azurite, segment_bytes=1024):
+        for n in range(1, 31):
+            history.append("orders", [rec(n)], after_seq=n - 1)
+        names = [b.name for b in history.client.list_blobs(name_starts_with="state/shop/")]
+        assert len(names) > 2
+        assert all(n.startswith("state/shop/orders.history/") for n in names)
+        assert seqs(history) == list(range(1, 31))
+        assert seqs(history, since=20) == list(range(21, 31))
+        # A second writer (another process: its own view of the segment) conflicts.
+        other = BlobHistory(history.client, app="shop", segment_bytes=1024)
+        other.append("orders", [rec(31)], after_seq=30)
+        with pytest.raises(CasConflictError):
+            history.append("orders", [rec(99)], after_seq=30)
+        assert seqs(history)[-1] == 31

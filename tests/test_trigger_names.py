@@ -64,6 +64,7 @@ POLLER_ONLY = {
     "window_max_bytes",
     "subscribers",
     "ack_timeout_seconds",
+    "history",  # the durable history beside the state document (dbtrigger.history)
 }
 
 #: A queue's own: claims instead of a lease, and its wake-up hint.

@@ -111,6 +111,10 @@ METRICS: dict[str, tuple[str, str]] = {
         "counter",
         "Rows a replay found changed or gone since they were recorded, by kind",
     ),
+    "dead_letter_replays_total": (
+        "counter",
+        "Dead-lettered events replayed to a handler, by result (settled/rejected/failed)",
+    ),
     "queue_claim_duration_seconds": ("histogram", "Time to claim a batch from a queue table"),
     "queue_claimed_total": ("counter", "Rows claimed from a queue table"),
     "queue_rows_total": (
@@ -158,6 +162,7 @@ METRIC_LABELS: dict[str, tuple[str, ...]] = {
     "history_append_failures_total": ("error_type",),
     "replays_total": ("mode",),
     "replay_drift_rows_total": ("kind",),
+    "dead_letter_replays_total": ("result",),
 }
 
 #: Histogram bucket bounds for metrics that are not durations in seconds.

@@ -34,7 +34,8 @@ uses for cursors, so they read back exactly.
 
 A quarantined row is *data set aside*, not data dropped: it is logged at
 WARNING (event ``row_quarantined``), counted in ``quarantined_total``, and
-stays in the sink until someone replays or discards it.
+stays in the sink until someone replays or discards it (``dbtrigger
+dead-letter``, :mod:`dbtrigger.history.deadletters`).
 """
 
 from __future__ import annotations

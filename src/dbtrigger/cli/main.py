@@ -24,6 +24,7 @@ from dbtrigger.cli.cdc import add_cdc_commands
 from dbtrigger.cli.changelog import add_changelog_commands
 from dbtrigger.cli.check import add_check_command
 from dbtrigger.cli.loading import load_object
+from dbtrigger.cli.deadletter import add_dead_letter_commands
 from dbtrigger.cli.history import add_history_command
 from dbtrigger.cli.logs import FORMATS, LEVELS, configure_logging
 from dbtrigger.cli.partitions import add_partition_commands
@@ -137,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_state_commands(sub)
     add_history_command(sub)
     add_replay_command(sub)
+    add_dead_letter_commands(sub)
     add_backfill_command(sub)
     add_changelog_commands(sub)
     add_cdc_commands(sub)

@@ -82,13 +82,63 @@ def counts(table: ClaimTable, conn: Connection) -> QueueCounts:
     )
 
 
-def redrive_dead(
-    table: ClaimTable, conn: Connection, *, note: str, limit: int | None, dry_run: bool
+def dead_rows(table: ClaimTable, conn: Connection, *, limit: int | None) -> list[dict[str, Any]]:
+    """Dead rows in key order: their key, attempts, last error and when they died."""
+    c = table.table.c
+    stmt = (
+        sa.select(*table.key_columns, c[ATTEMPTS], c[LAST_ERROR], c[DONE_AT])
+        .where(table.filtered(c[STATUS] == DEAD))
+        .order_by(*table.key_columns)
+    )
+    if limit is not None:
+        stmt = stmt.limit(limit)
+    return [dict(r) for r in conn.execute(stmt).mappings()]
+
+
+def discard_dead(
+    table: ClaimTable, conn: Connection, keys: Sequence[Key], *, note: str, delete: bool
 ) -> int:
-    """Make dead rows ready again with their attempts reset; how many."""
+    """Settle dead rows as done for good (their error kept, ``note`` in front), or
+    delete them (``delete``); how many."""
+    c = table.table.c
+    where = sa.and_(table.key_in(keys), table.filtered(c[STATUS] == DEAD))
+    if delete:
+        return int(conn.execute(sa.delete(table.table).where(where)).rowcount)
+    previous = sa.func.coalesce(c[LAST_ERROR], "")
+    stmt = (
+        sa.update(table.table)
+        .where(where)
+        .values(
+            {
+                STATUS: DONE,
+                DONE_AT: table.time.now(),
+                LAST_ERROR: sa.func.substr(sa.literal(note, sa.String) + previous, 1, 2000),
+            }
+        )
+    )
+    return int(conn.execute(stmt).rowcount)
+
+
+def redrive_dead(
+    table: ClaimTable,
+    conn: Connection,
+    *,
+    note: str,
+    limit: int | None,
+    dry_run: bool,
+    keys: Sequence[Key] | None = None,
+) -> int:
+    """Make dead rows (all, or those of ``keys``) ready again, attempts reset; how many."""
     c = table.table.c
     dead = table.filtered(c[STATUS] == DEAD)
-    if dry_run or limit is not None:
+    if keys is not None:
+        if dry_run:
+            found = conn.execute(
+                sa.select(sa.func.count()).where(sa.and_(table.key_in(keys), dead))
+            ).scalar_one()
+            return int(found)
+        dead = sa.and_(table.key_in(keys), dead)
+    if keys is None and (dry_run or limit is not None):
         pick = sa.select(*table.key_columns).where(dead).order_by(*table.key_columns)
         if limit is not None:
             pick = pick.limit(limit)

@@ -494,16 +494,45 @@ class ClaimSource:
         except SQLAlchemyError as exc:
             raise FetchError(f"status of {self.name} failed: {short_error(exc)}") from exc
 
-    def redrive_dead(self, *, note: str, limit: int | None = None, dry_run: bool = True) -> int:
+    def redrive_dead(
+        self,
+        *,
+        note: str,
+        limit: int | None = None,
+        dry_run: bool = True,
+        keys: Sequence[Key] | None = None,
+    ) -> int:
         target = self.target
         try:
             with self.transaction() as conn:
                 return operations.redrive_dead(
-                    target, conn, note=note, limit=limit, dry_run=dry_run
+                    target, conn, note=note, limit=limit, dry_run=dry_run, keys=keys
                 )
         except SQLAlchemyError as exc:
             raise CommitError(
                 f"re-driving dead rows of {self.name} failed: {short_error(exc)}"
+            ) from exc
+
+    def dead_rows(self, *, limit: int | None = None) -> list[dict[str, Any]]:
+        """Dead rows (key, attempts, last error, when): ``dbtrigger dead-letter list``."""
+        target = self.target
+        try:
+            with self.engine.connect() as conn:
+                return operations.dead_rows(target, conn, limit=limit)
+        except SQLAlchemyError as exc:
+            raise FetchError(
+                f"reading dead rows of {self.name} failed: {short_error(exc)}"
+            ) from exc
+
+    def discard_dead(self, keys: Sequence[Key], *, note: str, delete: bool = False) -> int:
+        """Let dead rows go: done for good with ``note`` (or deleted); how many."""
+        target = self.target
+        try:
+            with self.transaction() as conn:
+                return operations.discard_dead(target, conn, keys, note=note, delete=delete)
+        except SQLAlchemyError as exc:
+            raise CommitError(
+                f"discarding dead rows of {self.name} failed: {short_error(exc)}"
             ) from exc
 
     def prune(

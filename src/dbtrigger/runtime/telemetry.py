@@ -253,6 +253,9 @@ EVENTS: dict[str, EventSpec] = {
     "replay_drift": EventSpec(
         W, (Count("replay_drift_rows_total", "count", label_keys=("kind",)),)
     ),
+    "dead_letter_replayed": EventSpec(
+        INFO, (Count("dead_letter_replays_total", "count", label_keys=("result",)),)
+    ),
     # claim queues (dbtrigger.queue; logged to the "dbtrigger.queue" logger, and
     # "poller" is the queue's name)
     "queue_index_missing": EventSpec(W),

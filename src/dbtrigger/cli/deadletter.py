@@ -1,0 +1,435 @@
+"""``dbtrigger dead-letter list|show|replay|discard``: what a poller set aside, re-driven.
+
+The records are read from the poller's dead-letter sink (the ``--trigger``'s
+``quarantine=``, or ``--sink``: a JSON-lines file or a SQL URL); what is done
+with them is marked beside the sink (:mod:`dbtrigger.history.deadletters`),
+and journaled in the poller's state document and history. A claim queue
+(``--trigger`` naming a ``QueueTrigger``) answers the same verbs with its
+dead rows: ``replay`` makes them ready again, ``discard`` settles them done.
+
+Guardrails as for the state commands: ``replay`` and ``discard`` are dry runs
+until ``--yes`` and need ``--reason``; nothing is deleted unless ``--delete``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from dbtrigger.cli.common import (
+    Console,
+    actor_from_args,
+    add_store_options,
+    parse_value,
+    state_store,
+    utc_now,
+)
+from dbtrigger.cli.loading import as_trigger, load_object, load_trigger
+from dbtrigger.errors import ConfigurationError
+from dbtrigger.history import deadletters as dl
+from dbtrigger.history.replay import journal_live
+from dbtrigger.quarantine import JsonLinesQuarantineSink, SqlQuarantineSink
+from dbtrigger.runtime.poller import PollTrigger, default_owner_id
+from dbtrigger.state.document import format_time
+from dbtrigger.state.stores.base import CheckpointStore
+
+#: Event ids journaled per entry at most (the count is always there).
+_JOURNALED_IDS = 50
+
+
+def _sink(args: argparse.Namespace, trigger: Any) -> Any:
+    if args.sink:
+        spec = args.sink
+        if spec.startswith("file:"):
+            return JsonLinesQuarantineSink(spec[len("file:") :])
+        if "://" in spec:
+            return SqlQuarantineSink(
+                url=spec, table=args.sink_table, schema=args.sink_schema, create_table=False
+            )
+        return JsonLinesQuarantineSink(spec)
+    if trigger is not None and isinstance(trigger, PollTrigger):
+        if trigger.quarantine is None:
+            raise ConfigurationError(
+                f"poller {trigger.name!r} has no dead-letter sink (quarantine=): nothing was "
+                "set aside"
+            )
+        return trigger.quarantine
+    raise ConfigurationError("name the poller's trigger (--trigger MODULE:ATTR) or its --sink")
+
+
+def _since(args: argparse.Namespace) -> dt.datetime | None:
+    if not args.since:
+        return None
+    value = parse_value(args.since, "timestamp")
+    assert isinstance(value, dt.datetime)  # noqa: S101 - parse_value of a timestamp
+    return value
+
+
+def _trigger(args: argparse.Namespace, *, handler: bool = False) -> Any:
+    """The ``--trigger``: a LoadedTrigger (with its handler for a replay), a
+    QueueTrigger, or None."""
+    if not args.source:
+        return None
+    if handler:
+        return load_trigger(args.source, args.handler)
+    target = load_object(args.source)
+    if _is_queue(target):
+        return target
+    loaded = as_trigger(target, args.source)
+    if loaded is None:
+        raise ConfigurationError(f"{args.source} is not a PollTrigger, a @db.trigger or a queue")
+    return loaded
+
+
+def _is_queue(target: Any) -> bool:
+    return type(target).__name__ == "QueueTrigger"
+
+
+def _journal(
+    args: argparse.Namespace,
+    store: CheckpointStore | None,
+    poller: str,
+    operation: str,
+    event_ids: Sequence[str],
+    details: dict[str, Any],
+    console: Console,
+) -> None:
+    if store is None:
+        console.warn(
+            "note: not journaled (no state store: give --trigger or --store to journal it)"
+        )
+        return
+    from dbtrigger.history.replay import current_position, manual_entry  # noqa: PLC0415
+
+    entry = manual_entry(
+        operation,
+        doc_position=current_position(store, poller),
+        actor=actor_from_args(args),
+        reason=args.reason,
+        now=utc_now(),
+        details={
+            "events": len(event_ids),
+            "event_ids": list(event_ids[:_JOURNALED_IDS]),
+            **details,
+        },
+    )
+    problem = journal_live(store, poller, entry)
+    if problem:
+        console.warn(f"warning: {problem}")
+
+
+def _row(letter: dl.DeadLetter) -> list[str]:
+    record = letter.record
+    pk = ", ".join(f"{k}={dl.decode_json_value(v)}" for k, v in record.pk.items())
+    return [
+        record.event_id[:16],
+        pk,
+        format_time(record.quarantined_at),
+        str(record.attempts),
+        letter.state,
+        record.error[:60],
+    ]
+
+
+def _table(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
+def cmd_dead_letter(args: argparse.Namespace) -> int:
+    target = _trigger(args, handler=args.verb == "replay")
+    trigger = getattr(target, "trigger", target)
+    if _is_queue(trigger):
+        return _queue(args, trigger)
+    if args.verb == "replay" and not isinstance(trigger, PollTrigger):
+        raise ConfigurationError("dead-letter replay needs --trigger MODULE:ATTR: its handler runs")
+    sink = _sink(args, trigger)
+    if args.store:
+        with state_store(args) as store:
+            return _sinked(args, target, sink, store)
+    own = trigger.store if isinstance(trigger, PollTrigger) else None
+    return _sinked(args, target, sink, own)
+
+
+def _sinked(args: argparse.Namespace, target: Any, sink: Any, store: CheckpointStore | None) -> int:
+    console = Console()
+    ids = list(args.id or [])
+    if args.verb == "show" and not ids:
+        raise ConfigurationError("show needs --id EVENT_ID (the first 8+ characters will do)")
+    letters = dl.dead_letters(
+        sink,
+        args.poller,
+        ids=ids,
+        since=_since(args),
+        include_settled=getattr(args, "all", False) or args.verb == "show",
+    )
+    if args.verb == "list":
+        if args.json:
+            console.json([{**letter.record.to_json(), "state": letter.state} for letter in letters])
+        elif not letters:
+            console.print(f"no dead letters of {args.poller!r} in {sink.describe()} to show")
+        else:
+            console.print(
+                _table(
+                    [
+                        ["EVENT", "KEY", "DEAD SINCE", "ATTEMPTS", "STATE", "ERROR"],
+                        *map(_row, letters),
+                    ]
+                )
+            )
+        return 0
+    if args.verb == "show":
+        shown = [
+            {
+                **letter.record.to_json(),
+                "state": letter.state,
+                "marks": [m.to_json() for m in letter.marks],
+            }
+            for letter in letters
+        ]
+        console.print(json.dumps(shown, indent=2, default=str))
+        return 0
+    if not letters:
+        console.print(f"no dead letters of {args.poller!r} match; nothing to do")
+        return 0
+    if args.verb == "replay":
+        return _replay(args, target, sink, store, letters, console)
+    return _discard(args, sink, store, letters, console)
+
+
+def _replay(
+    args: argparse.Namespace,
+    loaded: Any,
+    sink: Any,
+    store: CheckpointStore | None,
+    letters: list[dl.DeadLetter],
+    console: Console,
+) -> int:
+    trigger: PollTrigger = loaded.trigger
+    already = [letter for letter in letters if letter.state == dl.SETTLED]
+    if already and not args.again:
+        console.print(
+            f"{len(already)} of them were replayed already (settled); add --again to replay "
+            "them once more"
+        )
+        letters = [letter for letter in letters if letter.state != dl.SETTLED]
+        if not letters:
+            return 0
+    if args.subscriber:
+        subs = trigger.subscribers or {}
+        if args.subscriber not in subs:
+            raise ConfigurationError(f"{trigger.name!r} has no subscriber {args.subscriber!r}")
+        handler = subs[args.subscriber]
+    elif loaded.handler is not None:
+        handler = loaded.handler
+    else:
+        raise ConfigurationError(
+            f"{trigger.name!r} fans out: replay to one subscriber (--subscriber NAME), the one "
+            "that rejected the event"
+        )
+    console.print(f"replay {len(letters)} dead letter(s) of {args.poller!r} from {sink.describe()}")
+    for letter in letters:
+        console.print(f"  {letter.record.event_id}  {letter.state}  {letter.record.error[:80]}")
+    if not args.yes:
+        console.print("dry run: no handler ran and nothing was marked; add --yes")
+        return 0
+    now = utc_now()
+    owner = f"dead-letter:{default_owner_id()}"
+    outcomes = [
+        dl.replay_one(letter, handler, subscriber=args.subscriber, token=0, owner=owner, now=now)
+        for letter in letters
+    ]
+    actor = actor_from_args(args)
+    marks = dl.marks_for(sink)
+    marks.add(
+        [
+            dl.Mark(
+                args.poller,
+                o.event_id,
+                dl.ACTION_OF[o.result],
+                utc_now(),
+                actor,
+                args.reason,
+                o.detail,
+            )
+            for o in outcomes
+        ]
+    )
+    counts = {
+        r: sum(1 for o in outcomes if o.result == r) for r in ("settled", "rejected", "failed")
+    }
+    for result, count in counts.items():
+        if count:
+            trigger.telemetry.emit(
+                "dead_letter_replayed",
+                "replayed %d dead letter(s) of %s: %s",
+                count,
+                args.poller,
+                result,
+                result=result,
+                values={"count": count},
+            )
+    for o in outcomes:
+        console.print(f"  {o.event_id}  {o.result}{': ' + o.detail if o.detail else ''}")
+    console.print(
+        f"{counts['settled']} settled, {counts['rejected']} rejected again, "
+        f"{counts['failed']} failed (still dead; replay again once fixed)"
+    )
+    _journal(
+        args,
+        store,
+        args.poller,
+        "dead_letter_replay",
+        [o.event_id for o in outcomes],
+        {"outcomes": counts, "sink": sink.describe()},
+        console,
+    )
+    return 0 if not counts["failed"] and not counts["rejected"] else 1
+
+
+def _discard(
+    args: argparse.Namespace,
+    sink: Any,
+    store: CheckpointStore | None,
+    letters: list[dl.DeadLetter],
+    console: Console,
+) -> int:
+    what = "delete" if args.delete else "discard (kept, marked)"
+    console.print(f"{what} {len(letters)} dead letter(s) of {args.poller!r} in {sink.describe()}")
+    for letter in letters:
+        console.print(f"  {letter.record.event_id}  {letter.state}  {letter.record.error[:80]}")
+    if not args.yes:
+        console.print("dry run: nothing was marked or deleted; add --yes")
+        return 0
+    ids = [letter.record.event_id for letter in letters]
+    marks = dl.marks_for(sink)
+    marks.add(
+        [
+            dl.Mark(args.poller, i, "discarded", utc_now(), actor_from_args(args), args.reason)
+            for i in ids
+        ]
+    )
+    deleted = marks.delete_records(args.poller, set(ids)) if args.delete else 0
+    console.print(
+        f"{len(ids)} discarded"
+        + (f"; {deleted} record(s) deleted from the sink" if args.delete else "")
+    )
+    _journal(
+        args,
+        store,
+        args.poller,
+        "dead_letter_discard",
+        ids,
+        {"deleted": bool(args.delete), "sink": sink.describe()},
+        console,
+    )
+    return 0
+
+
+def _queue(args: argparse.Namespace, queue: Any) -> int:
+    """A claim queue's dead rows through the same verbs."""
+    console = Console()
+    source = queue.source
+    rows = source.dead_rows()
+    key_names = [c.name for c in source.target.key_columns]
+    wanted = {str(i) for i in (args.id or [])}
+
+    def key_text(row: dict[str, Any]) -> str:
+        return ",".join(str(row[k]) for k in key_names)
+
+    if wanted:
+        rows = [r for r in rows if key_text(r) in wanted]
+    if args.verb in ("list", "show"):
+        if args.json or args.verb == "show":
+            console.print(json.dumps(rows, indent=2, default=str))
+        elif not rows:
+            console.print(f"no dead rows in queue {source.name}")
+        else:
+            table = [["KEY", "ATTEMPTS", "DEAD SINCE", "ERROR"]]
+            table += [
+                [
+                    key_text(r),
+                    str(r.get("dbt_attempts")),
+                    str(r.get("dbt_done_at")),
+                    str(r.get("dbt_last_error"))[:60],
+                ]
+                for r in rows
+            ]
+            console.print(_table(table))
+        return 0
+    keys = [tuple(r[k] for k in key_names) for r in rows]
+    verb = (
+        "make ready again"
+        if args.verb == "replay"
+        else ("delete" if args.delete else "settle as done")
+    )
+    console.print(f"{verb}: {len(keys)} dead row(s) of queue {source.name}")
+    if not args.yes or not keys:
+        console.print("dry run: nothing changed; add --yes" if not args.yes else "nothing to do")
+        return 0
+    note = f"{args.verb} by {actor_from_args(args)} ({args.reason}); before: "
+    if args.verb == "replay":
+        done = source.redrive_dead(note=note, keys=keys, dry_run=False)
+        console.print(
+            f"{done} dead row(s) are ready again (attempts reset); the workers deliver them"
+        )
+    else:
+        done = source.discard_dead(keys, note=note, delete=args.delete)
+        console.print(
+            f"{done} dead row(s) " + ("deleted" if args.delete else "settled as done (kept)")
+        )
+    return 0
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("poller", help="the poller (or queue) whose dead letters these are")
+    parser.add_argument(
+        "--id",
+        action="append",
+        metavar="EVENT_ID",
+        help="an event id (8+ characters), or a queue row's key; repeat",
+    )
+    parser.add_argument("--since", metavar="TIME", help="dead-lettered at or after TIME")
+    parser.add_argument("--sink", help="the sink: a JSON-lines file (file:PATH) or a SQL URL")
+    parser.add_argument("--sink-table", default="dbtrigger_quarantine", help="SQL sink table")
+    parser.add_argument("--sink-schema", help="SQL sink schema")
+    add_store_options(parser, default_hint="the trigger's own store")
+
+
+def add_dead_letter_commands(sub: Any) -> None:
+    root = sub.add_parser("dead-letter", help="list, show, replay or discard dead-lettered events")
+    verbs = root.add_subparsers(dest="verb", required=True)
+    listing = verbs.add_parser("list", help="dead letters not settled yet (--all: every one)")
+    _common(listing)
+    listing.add_argument("--all", action="store_true", help="replayed and discarded ones too")
+    listing.add_argument("--json", action="store_true")
+    show = verbs.add_parser("show", help="records in full, with what was done to them")
+    _common(show)
+    show.add_argument("--json", action="store_true")
+    replay = verbs.add_parser(
+        "replay", help="hand them to the handler again (dry run unless --yes)"
+    )
+    _common(replay)
+    replay.add_argument(
+        "--handler", metavar="MODULE:FUNCTION", help="another handler than the trigger's"
+    )
+    replay.add_argument("--subscriber", help="fan-out: the one subscriber to replay to")
+    replay.add_argument("--again", action="store_true", help="also those replayed already")
+    discard = verbs.add_parser("discard", help="let them go: marked, kept (dry run unless --yes)")
+    _common(discard)
+    discard.add_argument("--delete", action="store_true", help="delete the records from the sink")
+    for parser in (replay, discard):
+        parser.add_argument("--reason", required=True, help="why: marked and journaled")
+        parser.add_argument("--yes", action="store_true", help="apply (default: dry run)")
+        parser.add_argument("--actor", help="who (default user@host)")
+    for parser in (listing, show, replay, discard):
+        parser.set_defaults(func=cmd_dead_letter)
+
+
+__all__ = ["add_dead_letter_commands", "cmd_dead_letter"]

@@ -1,0 +1,441 @@
+"""Dead letters: list, show, replay and discard what a poller set aside.
+
+A dead-lettered event (``ctx.reject``, retries used up, a poison row) is a
+:class:`~dbtrigger.quarantine.QuarantineRecord` in the poller's sink. The
+sink is append-only evidence, so what an operator does with a record is not
+written into it but beside it, as *marks*:
+
+* JSON-lines sink ``dead.jsonl``: ``dead.jsonl.marks`` (JSON lines, 0600, flock);
+* SQL sink table ``dbtrigger_quarantine``: table ``dbtrigger_quarantine_marks``.
+
+A mark says who did what when and why: ``replayed`` (the handler took the
+event: settled), ``replay_rejected`` (it rejected it again), ``replay_failed``
+(it raised or asked for a retry), ``discarded`` (an operator let it go). A
+record's state is its last mark; without one it is ``dead``. Records are
+only deleted when told (``discard --delete``).
+
+A replay rebuilds the event from the record - the same event id, key, cursor
+and row image (``op`` is ``upsert``, or ``delete`` when the record holds no
+row) - and hands it to the handler with ``ctx.replay`` True and ``ctx.now``
+the time it was dead-lettered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import fcntl
+import json
+import os
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import sqlalchemy as sa
+
+from dbtrigger.cursor import Position, decode_value
+from dbtrigger.errors import ConfigurationError, DbTriggerError, QuarantineError, SerializationError
+from dbtrigger.events import RowChange
+from dbtrigger.quarantine import JsonLinesQuarantineSink, QuarantineRecord, SqlQuarantineSink
+from dbtrigger.runtime.context import BatchContext, EventMarks
+from dbtrigger.runtime.tick import wants_context
+from dbtrigger.state.document import format_time, parse_time
+
+SETTLED = "replayed"
+ACTIONS = ("replayed", "replay_rejected", "replay_failed", "discarded")
+
+
+@dataclass(frozen=True)
+class Mark:
+    poller: str
+    event_id: str
+    action: str
+    at: dt.datetime
+    actor: str
+    reason: str
+    detail: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "poller": self.poller,
+            "event_id": self.event_id,
+            "action": self.action,
+            "at": format_time(self.at),
+            "actor": self.actor,
+            "reason": self.reason,
+            "detail": self.detail,
+        }
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """A record and what was done with it (its marks, oldest first)."""
+
+    record: QuarantineRecord
+    marks: tuple[Mark, ...] = ()
+
+    @property
+    def state(self) -> str:
+        return self.marks[-1].action if self.marks else "dead"
+
+    @property
+    def settled(self) -> bool:
+        return self.state in (SETTLED, "discarded")
+
+
+# --- values -----------------------------------------------------------------------------
+
+
+def decode_json_value(value: Any) -> Any:
+    """The inverse of :func:`dbtrigger.quarantine.encode_json_value`."""
+    if isinstance(value, Mapping):
+        if set(value) == {"$type", "value"}:
+            kind, raw = str(value["$type"]), value["value"]
+            if kind == "float":
+                return float(raw)
+            if kind == "repr":
+                return raw
+            try:
+                return decode_value(kind, raw)
+            except Exception:  # noqa: BLE001 - an unknown kind stays as written
+                return raw
+        return {str(k): decode_json_value(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decode_json_value(v) for v in value]
+    return value
+
+
+def event_of(record: QuarantineRecord) -> RowChange:
+    """The dead-lettered event again: same id, key, cursor and row image."""
+    row = decode_json_value(dict(record.row)) if record.row is not None else None
+    return RowChange(
+        event_id=record.event_id,
+        op="upsert" if row is not None else "delete",
+        source=record.source,
+        cursor=decode_json_value(record.cursor),
+        pk=decode_json_value(dict(record.pk)),
+        before=None,
+        after=row,
+        metadata={"poller": record.poller, "batch_id": record.batch_id, "dead_letter": True},
+    )
+
+
+# --- marks beside each sink ------------------------------------------------------------------
+
+
+class FileMarks:
+    """Marks in ``<sink file>.marks``: one JSON object a line, appended under ``flock``."""
+
+    def __init__(self, sink: JsonLinesQuarantineSink) -> None:
+        self.sink = sink
+        self.path = Path(str(sink.path) + ".marks")
+
+    @contextlib.contextmanager
+    def _locked(self, path: Path, exclusive: bool) -> Iterator[Any]:
+        mode = "a" if exclusive else "r"
+        if exclusive:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            handle = os.fdopen(fd, mode, encoding="utf-8")
+        else:
+            handle = path.open(mode, encoding="utf-8")
+        with handle as fh:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            yield fh
+
+    def read(self) -> list[Mark]:
+        if not self.path.exists():
+            return []
+        with self._locked(self.path, exclusive=False) as fh:
+            lines = [json.loads(line) for line in fh if line.strip()]
+        return [_mark(raw) for raw in lines]
+
+    def add(self, marks: Sequence[Mark]) -> None:
+        text = "".join(json.dumps(m.to_json(), sort_keys=True) + "\n" for m in marks)
+        try:
+            with self._locked(self.path, exclusive=True) as fh:
+                fh.write(text)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError as exc:
+            raise QuarantineError(f"could not write marks to {self.path}: {exc.strerror}") from exc
+
+    def delete_records(self, poller: str, event_ids: set[str]) -> int:
+        """Remove these records from the sink file (rewritten whole under its lock)."""
+        path = self.sink.path
+        if not path.exists():
+            return 0
+        fd = os.open(path, os.O_RDWR)
+        with os.fdopen(fd, "r+", encoding="utf-8") as fh:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+            lines = fh.readlines()
+            keep = []
+            for line in lines:
+                raw = json.loads(line) if line.strip() else None
+                if raw and raw.get("poller") == poller and raw.get("event_id") in event_ids:
+                    continue
+                keep.append(line)
+            tmp = path.with_name(f".{path.name}.rewrite")
+            tmp_fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(tmp_fd, "w", encoding="utf-8") as out:
+                out.writelines(keep)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, path)
+        return len(lines) - len(keep)
+
+
+class SqlMarks:
+    """Marks in ``<sink table>_marks`` beside a SQL sink's table."""
+
+    def __init__(self, sink: SqlQuarantineSink) -> None:
+        self.sink = sink
+        base = sink.table
+        self.table = sa.Table(
+            f"{base.name}_marks",
+            sa.MetaData(),
+            sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+            sa.Column("poller", sa.String(128), nullable=False),
+            sa.Column("event_id", sa.String(64), nullable=False),
+            sa.Column("action", sa.String(32), nullable=False),
+            sa.Column("at", sa.DateTime, nullable=False),
+            sa.Column("actor", sa.String(255), nullable=False),
+            sa.Column("reason", sa.Text, nullable=False),
+            sa.Column("detail", sa.Text, nullable=False),
+            schema=base.schema,
+        )
+        self._ready = False
+        self._lock = threading.Lock()
+
+    @property
+    def engine(self) -> sa.Engine:
+        return self.sink._engine
+
+    def _ensure(self) -> None:
+        with self._lock:
+            if not self._ready:
+                self.table.create(self.engine, checkfirst=True)
+                self._ready = True
+
+    def read(self) -> list[Mark]:
+        try:
+            with self.engine.connect() as conn:
+                if not sa.inspect(conn).has_table(self.table.name, schema=self.table.schema):
+                    return []
+                rows = (
+                    conn.execute(sa.select(self.table).order_by(self.table.c.id)).mappings().all()
+                )
+        except sa.exc.SQLAlchemyError as exc:
+            raise QuarantineError(f"could not read marks of {self.sink.describe()}: {exc}") from exc
+        return [
+            Mark(
+                r["poller"],
+                r["event_id"],
+                r["action"],
+                r["at"].replace(tzinfo=dt.timezone.utc),
+                r["actor"],
+                r["reason"],
+                r["detail"],
+            )
+            for r in rows
+        ]
+
+    def add(self, marks: Sequence[Mark]) -> None:
+        rows = [
+            {**m.to_json(), "at": m.at.astimezone(dt.timezone.utc).replace(tzinfo=None)}
+            for m in marks
+        ]
+        try:
+            self._ensure()
+            with self.engine.begin() as conn:
+                conn.execute(self.table.insert(), rows)
+        except sa.exc.SQLAlchemyError as exc:
+            raise QuarantineError(
+                f"could not write marks of {self.sink.describe()}: {exc}"
+            ) from exc
+
+    def delete_records(self, poller: str, event_ids: set[str]) -> int:
+        t = self.sink.table
+        try:
+            with self.engine.begin() as conn:
+                return int(
+                    conn.execute(
+                        sa.delete(t).where(
+                            t.c.poller == poller, t.c.event_id.in_(sorted(event_ids))
+                        )
+                    ).rowcount
+                )
+        except sa.exc.SQLAlchemyError as exc:
+            where = self.sink.describe()
+            raise QuarantineError(f"could not delete records of {where}: {exc}") from exc
+
+
+def _mark(raw: Mapping[str, Any]) -> Mark:
+    return Mark(
+        str(raw["poller"]),
+        str(raw["event_id"]),
+        str(raw["action"]),
+        parse_time(raw["at"], "at"),
+        str(raw.get("actor", "")),
+        str(raw.get("reason", "")),
+        str(raw.get("detail", "")),
+    )
+
+
+Marks = FileMarks | SqlMarks
+
+
+def marks_for(sink: Any) -> Marks:
+    if isinstance(sink, JsonLinesQuarantineSink):
+        return FileMarks(sink)
+    if isinstance(sink, SqlQuarantineSink):
+        return SqlMarks(sink)
+    raise ConfigurationError(
+        f"the dead-letter sink {type(sink).__name__} is neither the JSON-lines nor the SQL "
+        "sink; list, replay and discard work on those two (and on a claim queue's dead rows)"
+    )
+
+
+# --- reading ----------------------------------------------------------------------------------
+
+
+def dead_letters(
+    sink: Any,
+    poller: str,
+    *,
+    ids: Sequence[str] = (),
+    since: dt.datetime | None = None,
+    include_settled: bool = False,
+) -> list[DeadLetter]:
+    """The poller's records, each with its marks, filtered.
+
+    ``ids`` match an event id or its first 8+ characters; ``since`` keeps
+    records dead-lettered at or after it.
+    """
+    records = sorted(sink.records(poller), key=_order)
+    marks: dict[str, list[Mark]] = {}
+    for mark in marks_for(sink).read():
+        if mark.poller == poller:
+            marks.setdefault(mark.event_id, []).append(mark)
+    out = []
+    seen: set[str] = set()
+    for record in records:
+        if record.event_id in seen:
+            continue  # a put repeated after a failed commit stored it twice
+        seen.add(record.event_id)
+        if ids and not any(_matches(record.event_id, i) for i in ids):
+            continue
+        if since is not None and record.quarantined_at < since:
+            continue
+        letter = DeadLetter(record, tuple(marks.get(record.event_id, ())))
+        if letter.settled and not include_settled and not ids:
+            continue
+        out.append(letter)
+    return out
+
+
+def _order(record: QuarantineRecord) -> tuple[Any, ...]:
+    """Oldest first, then in cursor order (a batch's records share their time)."""
+    cursor = decode_json_value(record.cursor)
+    numeric = isinstance(cursor, (int, float)) and not isinstance(cursor, bool)
+    return (record.quarantined_at, 0 if numeric else 1, cursor if numeric else str(cursor))
+
+
+def _matches(event_id: str, wanted: str) -> bool:
+    if len(wanted) < 8:
+        raise ConfigurationError(f"--id {wanted!r}: give at least 8 characters of the event id")
+    return event_id == wanted or event_id.startswith(wanted)
+
+
+# --- replaying ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReplayOutcome:
+    event_id: str
+    result: str  # settled, rejected, failed
+    detail: str = ""
+
+
+def replay_one(
+    letter: DeadLetter,
+    handler: Callable[..., Any],
+    *,
+    subscriber: str | None,
+    token: int,
+    owner: str,
+    now: dt.datetime,
+) -> ReplayOutcome:
+    """Hand one dead-lettered event to ``handler``; what became of it."""
+    record = letter.record
+    try:
+        event = event_of(record)
+    except (SerializationError, ValueError, TypeError) as exc:
+        return ReplayOutcome(record.event_id, "failed", f"the record cannot be read back: {exc}")
+    marks = EventMarks([event], can_reject=True)
+    position = Position(cursor=event.cursor, pk=dict(event.pk))
+    ctx = BatchContext(
+        poller_name=record.poller,
+        batch_id=record.batch_id or f"dead_letter_{record.event_id[:12]}",
+        batch_index=0,
+        fencing_token=token,
+        owner_id=owner,
+        source_name=record.source,
+        checkpoint_before=position,
+        checkpoint_after=position,
+        tick_started_at=now,
+        marks=marks,
+        subscriber=subscriber,
+        replay=True,
+        recorded_at=record.quarantined_at,
+    )
+    try:
+        result = handler([event], ctx) if wants_context(handler) else handler([event])
+        if hasattr(result, "__await__"):
+            import asyncio  # noqa: PLC0415 - async handlers only
+
+            async def wait() -> Any:
+                return await result
+
+            asyncio.run(wait())
+    except DbTriggerError as exc:
+        return ReplayOutcome(record.event_id, "failed", f"{type(exc).__name__}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - the handler's failure is the outcome
+        return ReplayOutcome(record.event_id, "failed", f"{type(exc).__name__}: {exc}")
+    finally:
+        marks.close()
+    rejected, retried = marks.snapshot()
+    if record.event_id in rejected:
+        return ReplayOutcome(record.event_id, "rejected", rejected[record.event_id])
+    if record.event_id in retried:
+        return ReplayOutcome(
+            record.event_id, "failed", f"asked for a retry: {retried[record.event_id]}"
+        )
+    return ReplayOutcome(record.event_id, "settled")
+
+
+ACTION_OF = {"settled": "replayed", "rejected": "replay_rejected", "failed": "replay_failed"}
+
+
+def record_proxy(record: QuarantineRecord) -> Mapping[str, Any]:
+    """A record as JSON for ``show``, values decoded for reading."""
+    return MappingProxyType(record.to_json())
+
+
+__all__ = [
+    "ACTIONS",
+    "ACTION_OF",
+    "DeadLetter",
+    "FileMarks",
+    "Mark",
+    "ReplayOutcome",
+    "SqlMarks",
+    "dead_letters",
+    "decode_json_value",
+    "event_of",
+    "marks_for",
+    "record_proxy",
+    "replay_one",
+]

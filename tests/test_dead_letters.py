@@ -1,0 +1,275 @@
+"""``dbtrigger dead-letter list|show|replay|discard`` through the real CLI, on the
+JSON-lines sink and the SQL sink (SQLite, PostgreSQL, MariaDB), and a claim
+queue's dead rows through the same verbs: a rejected row replayed through the
+same handler settles once; discard is a dry run until ``--yes`` and keeps the
+evidence unless ``--delete``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from dbtrigger import ClaimSource, FileCheckpointStore, PollTrigger, QueueTrigger, RowChange
+from dbtrigger.cli import main
+from dbtrigger.history import history_for
+from dbtrigger.metrics import InMemoryMetrics
+from dbtrigger.quarantine import JsonLinesQuarantineSink, QuarantineSink, SqlQuarantineSink
+from dbtrigger.runtime.context import BatchContext
+from dbtrigger.testing import MemorySource
+from tests.databases import TestDatabase
+
+
+@dataclass
+class Handler:
+    """Rejects the ids in ``reject`` (a downstream that refuses them, for now)."""
+
+    reject: set[int] = field(default_factory=set)
+    seen: list[tuple[RowChange, BatchContext]] = field(default_factory=list)
+
+    def __call__(self, events: list[RowChange], ctx: BatchContext) -> None:
+        for event in events:
+            self.seen.append((event, ctx))
+            if int(event.pk["id"]) in self.reject:
+                ctx.reject(event, "downstream refused it")
+
+
+@dataclass
+class App:
+    trigger: PollTrigger
+    handler: Handler
+    sink: QuarantineSink
+    spec: str
+    metrics: InMemoryMetrics
+
+    def cli(self, capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = main([*argv[:2], "orders", "--trigger", self.spec, *argv[2:]])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+
+@pytest.fixture(
+    params=[
+        "file",
+        "sqlite",
+        pytest.param("postgresql", marks=pytest.mark.postgresql),
+        pytest.param("mariadb", marks=pytest.mark.mariadb),
+    ]
+)
+def app(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[App]:
+    sink: QuarantineSink
+    if request.param == "file":
+        sink = JsonLinesQuarantineSink(tmp_path / "dead.jsonl")
+    else:
+        from tests.databases import make_database  # noqa: PLC0415
+
+        gen = make_database(request.param, tmp_path)
+        db: TestDatabase = next(gen)
+        request.addfinalizer(lambda: next(gen, None))
+        sink = SqlQuarantineSink(engine=db.engine, schema=db.schema)
+    metrics = InMemoryMetrics()
+    handler = Handler(reject={3, 7})
+    trigger = PollTrigger(
+        name="orders",
+        source=MemorySource(
+            [{"id": i, "seq": i, "v": f"row {i}"} for i in range(1, 11)],
+            cursor_column="seq",
+            pk_columns=["id"],
+        ),
+        checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+        quarantine=sink,
+        metrics=metrics,
+    )
+    trigger.handler(handler)
+    module = f"dead_app_{uuid.uuid4().hex[:8]}"
+    mod = types.ModuleType(module)
+    mod.trigger = trigger  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module, mod)
+    monkeypatch.chdir(tmp_path)
+    trigger.drain(handler)
+    yield App(trigger, handler, sink, f"{module}:trigger", metrics)
+
+
+def test_list_and_show(app: App, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = app.cli(capsys, "dead-letter", "list")
+    assert code == 0
+    assert [line.split()[1] for line in out.splitlines()[1:]] == ["id=3", "id=7"]
+    code, out, _ = app.cli(capsys, "dead-letter", "list", "--json")
+    letters = json.loads(out)
+    assert [x["state"] for x in letters] == ["dead", "dead"]
+    code, out, _ = app.cli(capsys, "dead-letter", "show", "--id", letters[0]["event_id"][:10])
+    [shown] = json.loads(out)
+    assert shown["error"] == "EventRejected: downstream refused it"
+    assert shown["row"]["v"] == "row 3"
+    code, _, err = app.cli(capsys, "dead-letter", "show", "--id", "abc")
+    assert code == 2
+    assert "8+" in err or "at least 8" in err
+    code, out, _ = app.cli(capsys, "dead-letter", "list", "--since", "2999-01-01T00:00:00Z")
+    assert "no dead letters" in out
+
+
+def test_replay_through_the_same_handler_settles_once(
+    app: App, capsys: pytest.CaptureFixture[str]
+) -> None:
+    [first, _] = json.loads(app.cli(capsys, "dead-letter", "list", "--json")[1])
+    wanted = first["event_id"]
+    app.handler.reject.clear()  # the downstream takes them now
+    app.handler.seen.clear()
+
+    code, out, _ = app.cli(capsys, "dead-letter", "replay", "--id", wanted, "--reason", "fixed")
+    assert code == 0
+    assert "dry run" in out
+    assert not app.handler.seen
+    with pytest.raises(SystemExit) as refused:  # --reason is required
+        app.cli(capsys, "dead-letter", "replay", "--id", wanted)
+    assert refused.value.code == 2
+
+    code, out, _ = app.cli(
+        capsys, "dead-letter", "replay", "--id", wanted, "--reason", "fixed", "--yes"
+    )
+    assert code == 0, out
+    [(event, ctx)] = app.handler.seen
+    assert event.event_id == wanted
+    assert event.pk == {"id": 3}
+    assert event.after is not None
+    assert event.after["v"] == "row 3"
+    assert ctx.replay
+    assert app.metrics.total("dead_letter_replays_total", result="settled") == 1
+
+    # Settled: not listed any more, kept as evidence with its mark, and not replayed twice.
+    listed = json.loads(app.cli(capsys, "dead-letter", "list", "--json")[1])
+    assert [x["pk"] for x in listed] == [{"id": 7}]
+    everything = json.loads(app.cli(capsys, "dead-letter", "list", "--all", "--json")[1])
+    assert [x["state"] for x in everything] == ["replayed", "dead"]
+    code, out, _ = app.cli(
+        capsys, "dead-letter", "replay", "--id", wanted, "--reason", "again", "--yes"
+    )
+    assert code == 0
+    assert "replayed already" in out
+    assert len(app.handler.seen) == 1
+
+    # Journaled in the poller's state document and its history.
+    history = history_for(app.trigger.store)
+    assert history is not None
+    last = list(history.read("orders"))[-1]
+    assert (last["operation"], last["event_ids"], last["outcomes"]["settled"]) == (
+        "dead_letter_replay",
+        [wanted],
+        1,
+    )
+
+
+def test_a_replay_rejected_again_stays_dead(app: App, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = app.cli(capsys, "dead-letter", "replay", "--reason", "try", "--yes")
+    assert code == 1  # both rejected again
+    assert "2 rejected again" in out
+    listed = json.loads(app.cli(capsys, "dead-letter", "list", "--json")[1])
+    assert [x["state"] for x in listed] == ["replay_rejected", "replay_rejected"]
+
+
+def test_discard_needs_yes_and_keeps_the_evidence_unless_told(
+    app: App, capsys: pytest.CaptureFixture[str]
+) -> None:
+    [first, second] = json.loads(app.cli(capsys, "dead-letter", "list", "--json")[1])
+    code, out, _ = app.cli(
+        capsys, "dead-letter", "discard", "--id", first["event_id"], "--reason", "obsolete"
+    )
+    assert code == 0
+    assert "dry run" in out
+    assert len(json.loads(app.cli(capsys, "dead-letter", "list", "--json")[1])) == 2
+    code, out, _ = app.cli(
+        capsys, "dead-letter", "discard", "--id", first["event_id"], "--reason", "obsolete", "--yes"
+    )
+    assert code == 0
+    kept = {r.event_id for r in app.sink.records("orders")}  # type: ignore[attr-defined]
+    assert kept == {first["event_id"], second["event_id"]}  # the evidence is kept
+    assert [
+        x["state"] for x in json.loads(app.cli(capsys, "dead-letter", "list", "--all", "--json")[1])
+    ] == ["discarded", "dead"]
+    code, _, _ = app.cli(
+        capsys,
+        "dead-letter",
+        "discard",
+        "--id",
+        second["event_id"],
+        "--reason",
+        "gone",
+        "--delete",
+        "--yes",
+    )
+    assert code == 0
+    kept = {r.event_id for r in app.sink.records("orders")}  # type: ignore[attr-defined]
+    assert kept == {first["event_id"]}
+
+
+# --- a claim queue's dead rows ----------------------------------------------------------
+
+
+def test_queue_dead_rows_through_the_same_verbs(
+    sqlite_db: TestDatabase,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from dbtrigger.queue import ddl  # noqa: PLC0415
+
+    sqlite_db.execute("CREATE TABLE jobs (id integer PRIMARY KEY, payload varchar(40))")
+    sqlite_db.execute(
+        "INSERT INTO jobs (id, payload) VALUES (:i, :p)",
+        [{"i": i, "p": f"job {i}"} for i in range(1, 6)],
+    )
+    with sqlite_db.engine.begin() as conn:
+        ddl.apply(
+            conn, ddl.install_columns(conn, sa.Table("jobs", sa.MetaData(), autoload_with=conn))
+        )
+    source = ClaimSource(url=sqlite_db.url, table="jobs", pk_columns=["id"])
+    rejecting = {2, 4}
+
+    def handle(events: list[RowChange], ctx: Any) -> None:
+        for e in events:
+            if e.pk["id"] in rejecting:
+                ctx.reject(e, "malformed")
+
+    queue = QueueTrigger(name="jobs", source=source, batch_size=5, seed=1)
+    queue.handler(handle)
+    queue.drain(handle)
+    module = f"dead_queue_{uuid.uuid4().hex[:8]}"
+    mod = types.ModuleType(module)
+    mod.queue = queue  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module, mod)
+    spec = f"{module}:queue"
+
+    def cli(*argv: str) -> tuple[int, str]:
+        capsys.readouterr()
+        code = main([*argv[:2], "jobs", "--trigger", spec, *argv[2:]])
+        return code, capsys.readouterr().out
+
+    code, out = cli("dead-letter", "list")
+    assert code == 0
+    assert [line.split()[0] for line in out.splitlines()[1:]] == ["2", "4"]
+    code, out = cli("dead-letter", "replay", "--id", "2", "--reason", "fixed")
+    assert "dry run" in out
+    code, out = cli("dead-letter", "replay", "--id", "2", "--reason", "fixed", "--yes")
+    assert code == 0
+    rejecting.clear()
+    assert queue.drain(handle) == 1  # row 2 delivered again, and done
+    code, out = cli("dead-letter", "discard", "--id", "4", "--reason", "obsolete", "--yes")
+    assert code == 0
+    with sqlite_db.engine.connect() as conn:
+        status = dict(conn.execute(sa.text("SELECT id, dbt_status FROM jobs")).all())
+    assert status == {1: "done", 2: "done", 3: "done", 4: "done", 5: "done"}
+    code, out = cli("dead-letter", "list")
+    assert "no dead rows" in out
+    source.close()

@@ -65,6 +65,7 @@ POLLER_ONLY = {
     "subscribers",
     "ack_timeout_seconds",
     "history",  # the durable history beside the state document (dbtrigger.history)
+    "start_from",  # where a new poller starts (recorded in its state document at creation)
 }
 
 #: A queue's own: claims instead of a lease, and its wake-up hint.

@@ -345,6 +345,30 @@ class ChangeLogSource:
     def count_after(self, after: Position) -> int:
         return self._inner().count_after(self._log_position(after))
 
+    #: The log's rows never change: a recorded range reads back as it was, for
+    #: as long as the log keeps it (dbtrigger.history.replay).
+    keeps_images = True
+
+    def last_position(self, before: Any = None) -> Position:
+        """After the last change logged (``before``: the last whose sequence number is
+        below it) - where ``start_from="now"`` starts; the beginning for an empty log.
+
+        Raises:
+            ConfigurationError: ``before`` is not a sequence number (the log is
+                ordered by its sequence; a time would need its clock).
+        """
+        if before is not None and (not isinstance(before, int) or isinstance(before, bool)):
+            raise ConfigurationError(
+                f"a change log starts at a sequence number, not {before!r}: use "
+                "start_from='now', 'beginning' or a dbt_seq value"
+            )
+        inner = self._inner()
+        found = inner.last_position(before)
+        if found.is_beginning:
+            return found
+        [row] = inner.rows_with_keys([{"dbt_seq": found.cursor}])
+        return Position(cursor=found.cursor, pk={c: row[c] for c in self.pk_columns})
+
     def present(self, positions: Sequence[Position]) -> list[Position]:
         """Which log rows (by sequence and key) are still there: pruning removes them."""
         return self._inner().present(positions)

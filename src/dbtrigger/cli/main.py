@@ -28,6 +28,7 @@ from dbtrigger.cli.deadletter import add_dead_letter_commands
 from dbtrigger.cli.history import add_history_command
 from dbtrigger.cli.logs import FORMATS, LEVELS, configure_logging
 from dbtrigger.cli.partitions import add_partition_commands
+from dbtrigger.cli.positions import add_position_commands
 from dbtrigger.cli.replay import add_replay_command
 from dbtrigger.cli.run import add_run_command
 from dbtrigger.cli.state import add_state_commands
@@ -139,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_history_command(sub)
     add_replay_command(sub)
     add_dead_letter_commands(sub)
+    add_position_commands(sub)
     add_backfill_command(sub)
     add_changelog_commands(sub)
     add_cdc_commands(sub)

@@ -41,6 +41,7 @@ from typing import Any
 from dbtrigger import options as opt
 from dbtrigger.errors import ConfigurationError, LeaseAcquireError
 from dbtrigger.history.derive import resolve_history
+from dbtrigger.history.positions import StartFrom, check_start
 from dbtrigger.history.recorder import HistoryRecorder
 from dbtrigger.history.store import HistoryStore
 from dbtrigger.metrics import MetricsCollector, SafeMetrics
@@ -132,6 +133,11 @@ class PollTrigger:
         history: the durable history every commit is appended to (see
             :mod:`dbtrigger.history`): by default one beside the checkpoint
             store, in its family; ``False`` for none, or a ``HistoryStore``.
+        start_from: where a *new* poller starts: ``"beginning"`` (default),
+            ``"now"`` (only rows written from now on), a time or cursor value
+            (rows at or above it) or a ``Position`` (after that row). Resolved
+            and recorded in the state document when it is created; ignored
+            (and said so) once the poller has a checkpoint.
     """
 
     def __init__(
@@ -164,8 +170,13 @@ class PollTrigger:
         subscribers: Mapping[str, Handler] | Iterable[tuple[str, Handler]] | None = None,
         ack_timeout_seconds: float | None = None,
         history: HistoryStore | bool | None = None,
+        start_from: object = None,
     ) -> None:
-        options = {k: v for k, v in locals().items() if k not in ("self", "__class__", "history")}
+        options = {
+            k: v
+            for k, v in locals().items()
+            if k not in ("self", "__class__", "history", "start_from")
+        }
         self.name = validate_name(name, "poller name")
         # Every numeric option's type and range (dbtrigger.options), then how they relate.
         batch_size, max_batches_per_tick, journal_limit = (
@@ -279,6 +290,10 @@ class PollTrigger:
                 clock=self.clock,
                 journal_limit=journal_limit,
             )
+        #: ``start_from``, applied before the first tick of this process.
+        self._start = StartFrom(check_start(start_from, source)) if start_from is not None else None
+        if self._start is not None and partitions is not None:
+            raise ConfigurationError("start_from does not apply to partitioned pollers")
         #: Deprecated ``partitions=``: the PartitionedPoller every tick is delegated to.
         self.partitioned: Any = None
         if partitions is not None:
@@ -359,6 +374,8 @@ class PollTrigger:
             self.last_result = self.partitioned.tick_result(handler, should_stop=should_stop)
             return self.last_result
         try:
+            if self._start is not None and not self._start.done:
+                self._start.apply(self)  # a new poller's start position (dbtrigger.history)
             result = self._driver.run(handler, should_stop)
         except BaseException as exc:
             rows, batches = self._driver.committed

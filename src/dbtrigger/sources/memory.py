@@ -196,6 +196,17 @@ class MemorySource:
                 f"{self.name} ({exc}); was it written for another source?"
             ) from None
 
+    def last_position(self, before: Any = None) -> Position:
+        """After the last row (``before``: the last whose cursor is below it), as
+        :meth:`SqlAlchemySource.last_position`; the beginning when there is none."""
+        with self._lock:
+            order = self._order
+            index = len(order) if before is None else bisect.bisect_left(order, (before,))
+            if index == 0:
+                return Position()
+            cursor, key = order[index - 1]
+            return Position(cursor=cursor, pk=dict(zip(self._pk_columns, key, strict=True)))
+
     def fetch(self, after: Position, limit: int) -> list[Mapping[str, Any]]:
         """Copies of up to ``limit`` rows strictly after ``after``, in position order."""
         if limit < 1:

@@ -248,6 +248,33 @@ def reset(
     )
 
 
+def rewind(
+    doc: StateDocument,
+    *,
+    position: Position | None,
+    now: dt.datetime,
+    actor: str,
+    reason: str,
+    operation: str = "rewind",
+    force: bool = False,
+    details: Mapping[str, Any] | None = None,
+    journal_limit: int = JOURNAL_LIMIT,
+) -> StateDocument:
+    """Move the checkpoint back to ``position`` (``dbtrigger rewind``, ``bookmark
+    restore``): a reset by another name, so the journal says which it was."""
+    return _apply(
+        doc,
+        operation,
+        position=position,
+        now=now,
+        actor=actor,
+        reason=reason,
+        force=force,
+        details=details,
+        journal_limit=journal_limit,
+    )
+
+
 def _fingerprint_details(
     doc: StateDocument, fingerprint: str | None, details: Mapping[str, Any] | None
 ) -> dict[str, Any]:
@@ -525,5 +552,6 @@ __all__ = [
     "release_lease",
     "reset",
     "restore",
+    "rewind",
     "skip_batch",
 ]

@@ -1,0 +1,207 @@
+"""``dbtrigger rewind`` and ``dbtrigger bookmark``: move a poller back, by the record.
+
+``rewind --to-batch ID`` sets the checkpoint to where a recorded batch began;
+``rewind --to-time T`` to before the first batch committed after ``T``: the
+batches committed since are delivered again, exactly those. Both refuse what
+the history cannot vouch for and, with ``--trigger``, what the source can no
+longer serve (see :mod:`dbtrigger.history.positions`). Bookmarks name the
+current checkpoint; ``bookmark restore`` moves back to one. Moves follow the
+state commands' guardrails (dry run, ``--reason``, backup, fencing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+from typing import Any
+
+from dbtrigger.cli.common import (
+    Console,
+    actor_from_args,
+    add_change_options,
+    add_store_options,
+    parse_value,
+    read_state,
+    show_position,
+    source_from_args,
+    state_store,
+    utc_now,
+)
+from dbtrigger.cli.history import history_of
+from dbtrigger.cli.state_change import _apply_change, note_history
+from dbtrigger.errors import ConfigurationError, ReplayRefusedError
+from dbtrigger.history import positions as pos
+from dbtrigger.history import view
+from dbtrigger.history.replay import keeps_images, plan
+from dbtrigger.sources.base import accepted_fingerprints
+from dbtrigger.state import document as docmod
+from dbtrigger.state import operations as ops
+from dbtrigger.state.document import StateDocument
+
+
+def _check_source(args: argparse.Namespace, doc: StateDocument, first: dict[str, Any]) -> str:
+    """Refuse a rewind the source cannot serve; say what the replayed rows will be."""
+    loaded = source_from_args(args)
+    if loaded is None or loaded.trigger is None:
+        return "the source was not checked (name the trigger with --trigger to check it)"
+    trigger = loaded.trigger
+    if doc.source_fingerprint not in accepted_fingerprints(trigger.source):
+        raise ConfigurationError("the --trigger source differs from this poller's (fingerprint)")
+    if not keeps_images(trigger.source):
+        return "a polled table: the rows are delivered again as they are now"
+    replayed = plan(trigger, [first])
+    refusals = replayed.refusals()
+    if refusals:
+        raise ReplayRefusedError("the source cannot serve this rewind: " + "; ".join(refusals))
+    return "the log still holds the first batch to deliver again, as recorded"
+
+
+def cmd_rewind(args: argparse.Namespace) -> int:
+    if bool(args.to_time) == bool(args.to_batch):
+        raise ConfigurationError("rewind needs one of --to-time TIME or --to-batch BATCH_ID")
+    with state_store(args) as store:
+        doc, _, _ = read_state(store, args.poller)
+        records = view.load(history_of(args, store), args.poller, doc)
+    to_time: dt.datetime | None = None
+    if args.to_time:
+        value = parse_value(args.to_time, "timestamp")
+        assert isinstance(value, dt.datetime)  # noqa: S101 - parse_value of a timestamp
+        to_time = value
+    rewind = pos.plan_rewind(records, to_time=to_time, to_batch=args.to_batch)
+    note = _check_source(args, doc, rewind.batches[0])
+    console = Console()
+    console.print(
+        f"rewind {args.poller!r} {rewind.why}: {len(rewind.batches)} recorded batch(es) "
+        f"({sum(int(b.get('rows') or 0) for b in rewind.batches)} rows) are delivered again, "
+        f"from {rewind.batches[0].get('batch_id')} to {rewind.batches[-1].get('batch_id')}; "
+        f"{note}"
+    )
+
+    def decide(current: StateDocument, now: dt.datetime, details: dict[str, Any]) -> StateDocument:
+        details.update(
+            {
+                "to_time": args.to_time,
+                "to_batch": args.to_batch,
+                "batches": len(rewind.batches),
+                "first_batch": rewind.batches[0].get("batch_id"),
+            }
+        )
+        return ops.rewind(
+            current,
+            position=rewind.position,
+            now=now,
+            actor=actor_from_args(args),
+            reason=args.reason,
+            force=args.force,
+            details={k: v for k, v in details.items() if v is not None},
+        )
+
+    return _apply_change(args, "rewind", decide)
+
+
+# --- bookmarks -------------------------------------------------------------------------------
+
+
+def cmd_bookmark(args: argparse.Namespace) -> int:
+    console = Console()
+    if args.verb == "restore":
+        return _restore(args)
+    with state_store(args) as store:
+        if args.verb == "list":
+            doc, _, _ = read_state(store, args.poller)
+            marks = pos.bookmarks_of(doc)
+            if args.json:
+                console.json(marks)
+            elif not marks:
+                console.print(f"poller {args.poller!r} has no bookmarks")
+            for label, mark in sorted(marks.items()):
+                if not args.json:
+                    console.print(
+                        f"{label:<20} {show_position(mark.get('position'))}  at {mark.get('at')} "
+                        f"by {mark.get('actor')}: {mark.get('reason')}"
+                    )
+            return 0
+        if not args.reason:
+            raise ConfigurationError(f"bookmark {args.verb} needs --reason")
+
+        def read() -> tuple[StateDocument, str]:
+            doc, etag, _ = read_state(store, args.poller)
+            return doc, etag
+
+        def write(doc: StateDocument, etag: str) -> None:
+            store.write(args.poller, docmod.dumps(doc), if_match=etag)
+
+        common = {"now": utc_now(), "actor": actor_from_args(args), "reason": args.reason}
+        if args.verb == "create":
+            written = pos.update_with_retry(
+                read, write, lambda d: pos.with_bookmark(d, args.label, **common)
+            )
+            mark = pos.bookmarks_of(written)[args.label]
+            console.print(
+                f"bookmark {args.label!r} of {args.poller!r} at {show_position(mark['position'])}"
+            )
+        else:
+            written = pos.update_with_retry(
+                read, write, lambda d: pos.without_bookmark(d, args.label, **common)
+            )
+            console.print(f"bookmark {args.label!r} of {args.poller!r} deleted")
+        note_history(console, store, written)
+    return 0
+
+
+def _restore(args: argparse.Namespace) -> int:
+    def decide(doc: StateDocument, now: dt.datetime, details: dict[str, Any]) -> StateDocument:
+        position = pos.bookmark_position(doc, args.label)
+        details["bookmark"] = args.label
+        return ops.rewind(
+            doc,
+            position=position,
+            now=now,
+            actor=actor_from_args(args),
+            reason=args.reason,
+            operation="bookmark_restore",
+            force=args.force,
+            details=details,
+        )
+
+    return _apply_change(args, "bookmark-restore", decide)
+
+
+def add_position_commands(sub: Any) -> None:
+    rewind = sub.add_parser(
+        "rewind",
+        help="deliver again what was committed after a time or batch (dry run unless --yes)",
+    )
+    rewind.add_argument("poller", help="the poller name (its state document)")
+    rewind.add_argument(
+        "--to-time", metavar="TIME", help="before the first batch committed after TIME"
+    )
+    rewind.add_argument("--to-batch", metavar="BATCH_ID", help="where this recorded batch began")
+    add_store_options(rewind)
+    add_change_options(rewind)
+    rewind.set_defaults(func=cmd_rewind)
+
+    bookmark = sub.add_parser("bookmark", help="named positions: create, list, restore, delete")
+    verbs = bookmark.add_subparsers(dest="verb", required=True)
+    for verb, text in (
+        ("create", "name the current checkpoint"),
+        ("list", "the bookmarks"),
+        ("restore", "move the checkpoint back to a bookmark (dry run unless --yes)"),
+        ("delete", "forget a bookmark"),
+    ):
+        parser = verbs.add_parser(verb, help=text)
+        parser.add_argument("poller", help="the poller name (its state document)")
+        if verb != "list":
+            parser.add_argument("label", help="the bookmark's name")
+        if verb == "list":
+            parser.add_argument("--json", action="store_true")
+        add_store_options(parser)
+        if verb == "restore":
+            add_change_options(parser)
+        elif verb != "list":
+            parser.add_argument("--reason", required=True, help="why: journaled")
+            parser.add_argument("--actor", help="who (default user@host)")
+        parser.set_defaults(func=cmd_bookmark)
+
+
+__all__ = ["add_position_commands", "cmd_bookmark", "cmd_rewind"]

@@ -1,0 +1,370 @@
+"""Where a poller starts, rewinds to, and the named positions it keeps.
+
+**Start.** ``PollTrigger(start_from=...)`` says where a *new* poller starts:
+``"beginning"`` (every row, the default), ``"now"`` (after the last row there
+is: only rows written from now on), a timestamp or other cursor value (the
+rows whose cursor is at or above it), or a :class:`~dbtrigger.cursor.Position`
+(after that exact row). It is resolved once, against the source, when the
+poller's state document is created, and recorded in it (``start_from``). A
+poller that has a checkpoint ignores it, and says so once in the log: the
+checkpoint, not the configuration, is where a running poller is.
+
+**Rewind.** ``dbtrigger rewind`` moves a poller's checkpoint back to where a
+recorded batch began (``--to-batch``) or to before the first batch committed
+after a time (``--to-time``), so exactly the batches committed since are
+delivered again; it refuses what the history cannot vouch for (pruned, or a
+gap) and what the source can no longer serve (a change log pruned past it).
+
+**Bookmarks.** Named positions kept in the state document (``bookmarks``):
+``dbtrigger bookmark create | list | restore``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from dbtrigger.cursor import Position
+from dbtrigger.errors import CasConflictError, ConfigurationError, ReplayRefusedError
+from dbtrigger.history import records as rec
+from dbtrigger.names import validate_name
+from dbtrigger.state import document as docmod
+from dbtrigger.state import operations as ops
+from dbtrigger.state.document import StateDocument, format_time, position_from_json
+
+#: Named start positions (any other value is a cursor value or a Position).
+BEGINNING, NOW = "beginning", "now"
+#: Bookmarks one document keeps at most.
+MAX_BOOKMARKS = 50
+
+
+# --- start positions -------------------------------------------------------------------------
+
+
+def check_start(value: object, source: Any) -> object:
+    """``start_from`` as given, checked against what the source can resolve.
+
+    Raises:
+        ConfigurationError: a spelling that is none of the forms, or ``"now"`` /
+            a cursor value for a source that cannot find its last position.
+    """
+    if value is None or value == BEGINNING or isinstance(value, Position):
+        return value
+    if isinstance(value, str) and value.lower() in (BEGINNING, NOW):
+        value = value.lower()
+    elif isinstance(value, str) and value.strip() == "":
+        raise ConfigurationError("start_from is empty: use 'beginning', 'now', a time or a cursor")
+    if not callable(getattr(source, "last_position", None)):
+        raise ConfigurationError(
+            f"start_from={value!r} needs a source that can find its last row "
+            f"({type(source).__name__} cannot); use 'beginning' or a Position"
+        )
+    return value
+
+
+def spec_of(value: object) -> dict[str, Any]:
+    """How ``start_from`` is recorded: ``{"spec": ..., "value": ...}``."""
+    if value is None or value == BEGINNING:
+        return {"spec": BEGINNING}
+    if value == NOW:
+        return {"spec": NOW}
+    if isinstance(value, Position):
+        return {"spec": "position", "value": docmod.position_to_json(value)}
+    kind = "time" if isinstance(value, dt.datetime) else "cursor"
+    from dbtrigger.cursor import encode_value  # noqa: PLC0415 - kept beside its only use
+
+    return {"spec": kind, "value": list(encode_value(value))}
+
+
+def resolve(value: object, source: Any) -> Position | None:
+    """The position a new poller starts after (None: the beginning), read now."""
+    if value is None or value == BEGINNING:
+        return None
+    if isinstance(value, Position):
+        return value
+    found = source.last_position(None if value == NOW else value)
+    return None if found.is_beginning else found
+
+
+@dataclass
+class StartFrom:
+    """A poller's ``start_from``, applied once per process before its first tick."""
+
+    value: object
+    done: bool = False
+
+    def apply(self, trigger: Any) -> None:
+        """Create the poller's document at its start position, or say why not."""
+        store, name = trigger.store, trigger.name
+        spec = spec_of(self.value)
+        stored = store.read(name)
+        if stored is not None:
+            doc = docmod.loads(stored.data)
+            recorded = doc.extra.get("start_from")
+            if doc.checkpoint is not None or recorded is not None:
+                self._ignored(trigger, doc, recorded)
+                self.done = True
+                return
+        now = trigger.clock()
+        position = resolve(self.value, trigger.source)
+        created = ops.create(
+            name,
+            fingerprint=trigger.fingerprint,
+            position=position,
+            now=now,
+            actor=f"poller:{trigger.owner_id}",
+            reason=f"start_from={spec['spec']}",
+            operation="start",
+            details={"start_from": spec},
+            journal_limit=max(trigger.journal_limit, 1),
+            definition=_definition(trigger.source),
+        )
+        record = {**spec, "position": ops.position_json(position), "at": format_time(now)}
+        created = replace(created, extra={**created.extra, "start_from": record})
+        if stored is not None:
+            # A document without a checkpoint (a first batch that never committed):
+            # its lease and journal are kept, the start recorded.
+            old = docmod.loads(stored.data)
+            created = replace(created, lease=old.lease, journal=(*old.journal, *created.journal))
+        try:
+            store.write(name, docmod.dumps(created), if_match=stored.etag if stored else None)
+        except CasConflictError:
+            return  # another instance created it first: look again at the next tick
+        trigger.telemetry.emit(
+            "start_position",
+            "%s: a new poller starts after %s (start_from=%s)",
+            name,
+            "the beginning" if position is None else f"{position.cursor} {dict(position.pk)}",
+            spec["spec"],
+            start_from=spec["spec"],
+        )
+        self.done = True
+
+    def _ignored(self, trigger: Any, doc: StateDocument, recorded: Any) -> None:
+        where = (
+            f"a checkpoint ({doc.position.cursor} {dict(doc.position.pk)})"
+            if doc.checkpoint is not None
+            else "a state document"
+        )
+        first = (
+            f", itself started with start_from={recorded.get('spec')}"
+            if isinstance(recorded, Mapping)
+            else ""
+        )
+        trigger.telemetry.emit(
+            "start_from_ignored",
+            "%s: start_from=%s is ignored: the poller has %s%s; to move it, use "
+            "dbtrigger reset or dbtrigger rewind",
+            trigger.name,
+            spec_of(self.value)["spec"],
+            where,
+            first,
+            start_from=spec_of(self.value)["spec"],
+        )
+
+
+def _definition(source: Any) -> Mapping[str, Any] | None:
+    from dbtrigger.sources.base import source_definition  # noqa: PLC0415 - sources import late
+
+    return source_definition(source)
+
+
+# --- rewind --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rewind:
+    """Where a rewind goes and which recorded batches it delivers again."""
+
+    position: Position | None
+    batches: list[dict[str, Any]]
+    why: str
+
+
+def _commits(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    return [dict(r) for r in records if r.get("type") in ("commit", "partial_commit")]
+
+
+def plan_rewind(
+    records: Sequence[Mapping[str, Any]],
+    *,
+    to_time: dt.datetime | None = None,
+    to_batch: str | None = None,
+) -> Rewind:
+    """The position before the first batch to deliver again, from the history.
+
+    Raises:
+        ReplayRefusedError: the history cannot say (the time is before what it
+            keeps, a gap lies in between, the batch is not recorded).
+    """
+    commits = _commits(records)
+    if to_batch is not None:
+        from dbtrigger.history.view import find_batch  # noqa: PLC0415
+
+        target = find_batch(records, to_batch)
+        after = [c for c in commits if commits.index(c) >= commits.index(target)]
+        why = f"back to where batch {to_batch} began"
+    else:
+        assert to_time is not None  # noqa: S101 - one of the two is given
+        after = [c for c in commits if (rec.record_time(c) or to_time) > to_time]
+        if not after:
+            raise ReplayRefusedError(
+                f"nothing was committed after {format_time(to_time)}; there is nothing to rewind"
+            )
+        target = after[0]
+        held = [r for r in records if r.get("seq")]
+        first_held = held[0] if held else None
+        if first_held is not None and target is commits[0] and int(first_held.get("seq") or 0) > 1:
+            raise ReplayRefusedError(
+                f"the history starts at {first_held.get('at')} (older records were pruned by "
+                f"retention), after {format_time(to_time)}: what was committed between them "
+                "cannot be known. Rewind --to-batch a recorded batch, or reset --to-cursor"
+            )
+        why = f"back to before the first batch committed after {format_time(to_time)}"
+    ids = [r.get("id") for r in records]
+    low = ids.index(target.get("id"))
+    if to_time is not None:
+        settled = [i for i, r in enumerate(records) if (rec.record_time(r) or to_time) <= to_time]
+        low = settled[-1] + 1 if settled else 0
+    if any(r.get("type") == rec.GAP for r in records[low:]):
+        raise ReplayRefusedError(
+            "the history has a gap after that point (it could not be written for a while): "
+            "batches committed then are not recorded, so a rewind could not name them all"
+        )
+    raw = target.get("from")
+    position = position_from_json(raw, "from") if raw else None
+    if position is not None and position.is_beginning:
+        position = None
+    return Rewind(position, after, why)
+
+
+# --- bookmarks -------------------------------------------------------------------------------
+
+
+def bookmarks_of(doc: StateDocument) -> dict[str, dict[str, Any]]:
+    raw = doc.extra.get("bookmarks")
+    if not isinstance(raw, Mapping):
+        return {}
+    return {str(k): dict(v) for k, v in raw.items() if isinstance(v, Mapping)}
+
+
+def with_bookmark(
+    doc: StateDocument,
+    label: str,
+    *,
+    now: dt.datetime,
+    actor: str,
+    reason: str,
+) -> StateDocument:
+    """``doc`` with its current checkpoint bookmarked as ``label`` (journaled).
+
+    Raises:
+        ConfigurationError: the label is taken, or there are too many.
+    """
+    validate_name(label, "bookmark name")
+    marks = bookmarks_of(doc)
+    if label in marks:
+        raise ConfigurationError(
+            f"bookmark {label!r} exists already (at {marks[label].get('at')}); pick another name"
+        )
+    if len(marks) >= MAX_BOOKMARKS:
+        raise ConfigurationError(
+            f"poller {doc.poller_name!r} keeps {MAX_BOOKMARKS} bookmarks already; "
+            "remove one (dbtrigger bookmark delete) first"
+        )
+    position = doc.position if doc.checkpoint is not None else None
+    marks[label] = {
+        "position": ops.position_json(position),
+        "batch_id": doc.checkpoint.last_successful_batch_id if doc.checkpoint else None,
+        "at": format_time(now),
+        "actor": actor,
+        "reason": reason,
+    }
+    entry = ops.manual_entry(
+        "bookmark",
+        actor=actor,
+        reason=reason,
+        now=now,
+        before=position,
+        after=position,
+        details={"bookmark": label},
+    )
+    return replace(doc, extra={**doc.extra, "bookmarks": marks}).with_journal_entry(
+        entry, ops.JOURNAL_LIMIT
+    )
+
+
+def without_bookmark(
+    doc: StateDocument, label: str, *, now: dt.datetime, actor: str, reason: str
+) -> StateDocument:
+    marks = bookmarks_of(doc)
+    bookmark_position(doc, label)
+    del marks[label]
+    position = doc.position if doc.checkpoint is not None else None
+    entry = ops.manual_entry(
+        "bookmark_delete",
+        actor=actor,
+        reason=reason,
+        now=now,
+        before=position,
+        after=position,
+        details={"bookmark": label},
+    )
+    return replace(doc, extra={**doc.extra, "bookmarks": marks}).with_journal_entry(
+        entry, ops.JOURNAL_LIMIT
+    )
+
+
+def bookmark_position(doc: StateDocument, label: str) -> Position | None:
+    """The position bookmark ``label`` names (None: the beginning).
+
+    Raises:
+        ConfigurationError: no such bookmark, naming those there are.
+    """
+    marks = bookmarks_of(doc)
+    if label not in marks:
+        known = ", ".join(sorted(marks)) or "none"
+        raise ConfigurationError(
+            f"poller {doc.poller_name!r} has no bookmark {label!r} (it has: {known})"
+        )
+    raw = marks[label].get("position")
+    return position_from_json(raw, f"bookmarks.{label}.position") if raw else None
+
+
+def update_with_retry(
+    read: Callable[[], tuple[StateDocument, str]],
+    write: Callable[[StateDocument, str], None],
+    change: Callable[[StateDocument], StateDocument],
+    *,
+    rounds: int = 5,
+) -> StateDocument:
+    """Apply ``change`` by CAS, again on a conflict (a poller committing meanwhile)."""
+    for _ in range(rounds):
+        doc, etag = read()
+        new = change(doc)
+        try:
+            write(new, etag)
+        except CasConflictError:
+            continue
+        return new
+    raise CasConflictError("the state document kept changing; run the command again")
+
+
+__all__ = [
+    "BEGINNING",
+    "MAX_BOOKMARKS",
+    "NOW",
+    "Rewind",
+    "StartFrom",
+    "bookmark_position",
+    "bookmarks_of",
+    "check_start",
+    "plan_rewind",
+    "resolve",
+    "spec_of",
+    "update_with_retry",
+    "with_bookmark",
+    "without_bookmark",
+]

@@ -186,6 +186,12 @@ CASES: list[Case] = [
         "drift_check_seconds",
         SECONDS_BAD,
     ),
+    (
+        "ChangeLogSource",
+        lambda **kw: ChangeLogSource(url=SQLITE, table="t", **kw),
+        "prune_keep_seconds",
+        SECONDS0_BAD,
+    ),
     *(
         (
             "PgLogicalSource",

@@ -15,6 +15,7 @@ pollers' state: that is this module's job, and no source's. Two callers:
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import time
 from collections.abc import Sequence
@@ -54,12 +55,19 @@ class ChangeLogPruner:
         passed_by: every poller that reads the log (their names in ``store``).
         store: where those pollers keep their state.
         every_seconds: the least time between two prunes.
+        keep_seconds: how long rows every poller passed are kept anyway (the
+            retention that replays and rewinds can count on; 0: none).
 
     A poller without a checkpoint yet blocks pruning: it still needs every row.
     """
 
     def __init__(
-        self, *, passed_by: Sequence[str], store: CheckpointStore, every_seconds: float = 300.0
+        self,
+        *,
+        passed_by: Sequence[str],
+        store: CheckpointStore,
+        every_seconds: float = 300.0,
+        keep_seconds: float = 0.0,
     ) -> None:
         if isinstance(passed_by, str):
             raise ConfigurationError("prune_passed_by must be a list of poller names")
@@ -67,6 +75,9 @@ class ChangeLogPruner:
         self.passed_by = tuple(passed_by)
         self.store = store
         self.every_seconds = every_seconds
+        #: Rows every reader passed are kept this long (dbt_changed_at), so that
+        #: replays and rewinds of that window stay exact (docs/changes.md, Retention).
+        self.keep = opt.seconds("prune_keep_seconds", keep_seconds, inclusive=True)
         self._next = 0.0
 
     def due(self) -> bool:
@@ -90,7 +101,8 @@ class ChangeLogPruner:
             up_to = lowest_checkpoint(cursors)
             if up_to is None:
                 return 0
-            deleted = prune(engine, table, schema=schema, up_to_seq=up_to)
+            older = dt.timedelta(seconds=self.keep) if self.keep else None
+            deleted = prune(engine, table, schema=schema, up_to_seq=up_to, older_than=older)
         except (DbTriggerError, SQLAlchemyError) as exc:
             log.warning(
                 "pruning the change log of %s failed (retried in %gs): %s",

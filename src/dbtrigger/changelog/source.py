@@ -53,7 +53,9 @@ from dbtrigger.state.stores.base import CheckpointStore
 
 log = logging.getLogger("dbtrigger.changelog")
 
-_OPS = frozenset({"insert", "update", "delete"})
+#: ``upsert``: a row written into the log by ``changelog snapshot`` (the row as it
+#: was then, not a change), delivered with ``metadata["snapshot"]`` True.
+_OPS = frozenset({"insert", "update", "delete", "upsert"})
 
 
 class ChangeLogSource:
@@ -77,14 +79,18 @@ class ChangeLogSource:
             Name every poller that reads this log (usually just this one); a
             poller without a checkpoint yet blocks pruning. A failed prune is
             logged at WARNING and retried at the next interval; it never fails
-            a tick, and a fetch never prunes.
+            a tick, and a fetch never prunes. ``prune_keep_seconds`` keeps rows
+            that every reader passed that much longer (by ``dbt_changed_at``): the
+            window in which ``dbtrigger replay`` and ``rewind`` stay exact.
         drift_check_seconds: how often (at a fetch, the first fetch included)
             the installed triggers are compared with the watched table; a
             migration that left them behind stops the poller with
             :class:`~dbtrigger.errors.ChangeLogDriftError`, naming the install
             command that repairs it (docs/changes.md, "When the table changes").
 
-    Events: ``op`` is ``insert``, ``update`` or ``delete``; ``before``/``after``
+    Events: ``op`` is ``insert``, ``update`` or ``delete`` (``upsert`` for a row
+    ``dbtrigger changelog snapshot`` wrote, with ``metadata["snapshot"]``
+    True); ``before``/``after``
     are the row images the trigger wrote (JSON as the database renders it:
     timestamps as text, fractional numbers as ``Decimal``, binary as hex);
     ``cursor`` is the log sequence number; ``metadata`` adds ``txid``
@@ -107,6 +113,7 @@ class ChangeLogSource:
         prune_store: CheckpointStore | None = None,
         prune_every_seconds: float = 300.0,
         drift_check_seconds: float = 60.0,
+        prune_keep_seconds: float = 0.0,
     ) -> None:
         if url is None and engine is None:
             raise ConfigurationError("ChangeLogSource needs url= or engine=")
@@ -117,11 +124,15 @@ class ChangeLogSource:
                 "prune_passed_by needs prune_store (where those pollers keep state)"
             )
         prune_every_seconds = opt.seconds("prune_every_seconds", prune_every_seconds)
+        prune_keep_seconds = opt.seconds("prune_keep_seconds", prune_keep_seconds, inclusive=True)
         drift_check_seconds = opt.seconds("drift_check_seconds", drift_check_seconds)
         #: Prunes what every reader passed (None: pruning is left to the operator).
         self.pruner = (
             ChangeLogPruner(
-                passed_by=prune_passed_by, store=prune_store, every_seconds=prune_every_seconds
+                passed_by=prune_passed_by,
+                store=prune_store,
+                every_seconds=prune_every_seconds,
+                keep_seconds=prune_keep_seconds,
             )
             if prune_passed_by and prune_store is not None
             else None
@@ -417,6 +428,7 @@ class ChangeLogSource:
                             "batch_id": batch_id,
                             "txid": txid,
                             "changed_at": changed_at,
+                            "snapshot": op == "upsert",
                         }
                     ),
                 )

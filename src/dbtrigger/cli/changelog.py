@@ -1,4 +1,4 @@
-"""``dbtrigger changelog install|check|uninstall|prune``: the change log from the shell.
+"""``dbtrigger changelog install|check|uninstall|prune|snapshot``: the change log from the shell.
 
 Like the state commands, anything that changes a database is a dry run unless
 ``--yes`` is given: the DDL (or the row count) is printed first, so it can be
@@ -157,6 +157,31 @@ def cmd_prune(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_snapshot(args: argparse.Namespace) -> int:
+    """Write the rows the table holds now into its change log (``upsert`` entries)."""
+    from dbtrigger.changelog.snapshot import snapshot  # noqa: PLC0415 - only for this command
+
+    engine = _engine(args)
+    where = f" where {args.where}" if args.where else ""
+    try:
+        counted = snapshot(engine, args.table, schema=args.schema, where=args.where, apply=False)
+        if not args.yes:
+            print(
+                f"would write {counted.rows} row(s) of {args.table}{where} into its change log "
+                f"as snapshot entries, {args.chunk} per transaction; add --yes to apply"
+            )
+            return 0
+        done = snapshot(engine, args.table, schema=args.schema, where=args.where, chunk=args.chunk)
+    finally:
+        engine.dispose()
+    print(
+        f"wrote {done.rows} row(s) of {args.table}{where} into its change log in {done.chunks} "
+        "chunk(s): its pollers deliver them as op='upsert' with metadata['snapshot'], among "
+        "the changes, in log order"
+    )
+    return 0
+
+
 def add_changelog_commands(sub: Any) -> None:
     """Register ``changelog`` and its subcommands on the CLI's subparsers."""
     changelog = sub.add_parser(
@@ -210,3 +235,13 @@ def add_changelog_commands(sub: Any) -> None:
     )
     prune_cmd.add_argument("--chunk", type=int, default=5000, help="rows per delete statement")
     prune_cmd.set_defaults(func=cmd_prune)
+
+    snap = commands.add_parser(
+        "snapshot",
+        help="write the rows the table holds now into its change log (existing rows in the "
+        "stream; dry run unless --yes)",
+    )
+    common(snap)
+    snap.add_argument("--where", help="only the rows matching this condition (SQL)")
+    snap.add_argument("--chunk", type=int, default=1000, help="rows per transaction")
+    snap.set_defaults(func=cmd_snapshot)

@@ -85,7 +85,7 @@ def test_existing_rows_enter_the_stream_with_no_change_lost_at_the_hand_over(
 
     def writer() -> None:
         next_id = ROWS + 1
-        while not stop.is_set():
+        while not stop.wait(0.002):  # a busy writer, not one that starves SQLite's readers
             try:
                 with db.engine.begin() as conn:
                     key = rng.randint(1, next_id - 1)

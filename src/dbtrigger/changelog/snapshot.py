@@ -102,21 +102,27 @@ def snapshot(
     last: Sequence[Any] | None = None
     written = chunks = 0
     while True:
-        with engine.begin() as conn:
+        # Where this chunk ends, read first on its own: a boundary, not a promise
+        # (the INSERT ... SELECT below reads and locks the rows). Reading it in the
+        # same transaction would, on SQLite, take a read lock that the INSERT then
+        # has to upgrade while a writer waits on it: a deadlock SQLite answers
+        # with "database is locked".
+        with engine.connect() as conn:
             bound = conn.execute(
                 _page(sa.select(*keys).select_from(source), keys, last, filters)
                 .order_by(*keys)
                 .offset(chunk - 1)
                 .limit(1)
             ).first()
-            pick = _page(sa.select(*values).select_from(source), keys, last, filters)
-            if bound is not None:
-                pick = pick.where(_at_most(keys, tuple(bound)))
-            pick = pick.order_by(*keys)
-            if info.dialect == "postgresql":
-                pick = pick.with_for_update(read=True, of=source)
-            elif info.dialect != "sqlite":
-                pick = pick.with_for_update(read=True)
+        pick = _page(sa.select(*values).select_from(source), keys, last, filters)
+        if bound is not None:
+            pick = pick.where(_at_most(keys, tuple(bound)))
+        pick = pick.order_by(*keys)
+        if info.dialect == "postgresql":
+            pick = pick.with_for_update(read=True, of=source)
+        elif info.dialect != "sqlite":
+            pick = pick.with_for_update(read=True)
+        with engine.begin() as conn:
             inserted = conn.execute(sa.insert(log).from_select(columns, pick)).rowcount
         written += int(inserted or 0)
         chunks += 1

@@ -32,6 +32,7 @@ from dbtrigger.errors import ConfigurationError
 from dbtrigger.history import deadletters as dl
 from dbtrigger.history.replay import journal_live
 from dbtrigger.quarantine import JsonLinesQuarantineSink, SqlQuarantineSink
+from dbtrigger.queue.cli import claim_source_of
 from dbtrigger.runtime.poller import PollTrigger, default_owner_id
 from dbtrigger.state.document import format_time
 from dbtrigger.state.stores.base import CheckpointStore
@@ -76,16 +77,10 @@ def _trigger(args: argparse.Namespace, *, handler: bool = False) -> Any:
     if handler:
         return load_trigger(args.source, args.handler)
     target = load_object(args.source)
-    if _is_queue(target):
-        return target
     loaded = as_trigger(target, args.source)
     if loaded is None:
         raise ConfigurationError(f"{args.source} is not a PollTrigger, a @db.trigger or a queue")
     return loaded
-
-
-def _is_queue(target: Any) -> bool:
-    return type(target).__name__ == "QueueTrigger"
 
 
 def _journal(
@@ -143,10 +138,13 @@ def _table(rows: Sequence[Sequence[str]]) -> str:
 
 
 def cmd_dead_letter(args: argparse.Namespace) -> int:
+    if args.source:
+        named = load_object(args.source)
+        queue = claim_source_of(named)
+        if queue is not None and type(named).__name__ != "SidecarFeeder":
+            return _queue(args, queue)  # a claim queue's dead rows
     target = _trigger(args, handler=args.verb == "replay")
     trigger = getattr(target, "trigger", target)
-    if _is_queue(trigger):
-        return _queue(args, trigger)
     if args.verb == "replay" and not isinstance(trigger, PollTrigger):
         raise ConfigurationError("dead-letter replay needs --trigger MODULE:ATTR: its handler runs")
     sink = _sink(args, trigger)
@@ -333,9 +331,9 @@ def _discard(
 
 
 def _queue(args: argparse.Namespace, queue: Any) -> int:
-    """A claim queue's dead rows through the same verbs."""
+    """A claim queue's dead rows through the same verbs (``queue``: its ClaimSource)."""
     console = Console()
-    source = queue.source
+    source = queue
     rows = source.dead_rows()
     key_names = [c.name for c in source.target.key_columns]
     wanted = {str(i) for i in (args.id or [])}

@@ -23,9 +23,9 @@ from dbtrigger.cli.backfill import add_backfill_command
 from dbtrigger.cli.cdc import add_cdc_commands
 from dbtrigger.cli.changelog import add_changelog_commands
 from dbtrigger.cli.check import add_check_command
-from dbtrigger.cli.loading import load_object
 from dbtrigger.cli.deadletter import add_dead_letter_commands
 from dbtrigger.cli.history import add_history_command
+from dbtrigger.cli.loading import load_object
 from dbtrigger.cli.logs import FORMATS, LEVELS, configure_logging
 from dbtrigger.cli.partitions import add_partition_commands
 from dbtrigger.cli.positions import add_position_commands

@@ -244,29 +244,29 @@ def batch_detail(
     return detail
 
 
-def waiting_of(window: Mapping[str, Any] | None) -> dict[str, Any] | None:
+def waiting_of(window: Any) -> dict[str, Any] | None:
     """Retries waiting in a state document's window: count, oldest due time, owed subscribers.
 
-    None when nothing waits. Reads the stored JSON leniently: a window this
-    version cannot parse simply shows no waiting retries here (the tick
-    reports it).
+    ``window`` is the document's typed window (or its stored JSON); None when
+    nothing waits.
     """
-    if not isinstance(window, Mapping):
+    if window is None:
         return None
-    pending = window.get("pending")
-    if not isinstance(pending, list) or not pending:
+    if isinstance(window, Mapping):
+        from dbtrigger.state.window import Window  # noqa: PLC0415 - only for stored JSON
+
+        window = Window.from_json(window)
+    pending = getattr(window, "pending", ())
+    if not pending:
         return None
-    dues = [
-        due
-        for due in (p.get("not_before") for p in pending if isinstance(p, Mapping))
-        if isinstance(due, str)
-    ]
     owed: dict[str, int] = {}
     for p in pending:
-        if isinstance(p, Mapping) and isinstance(p.get("owed"), Mapping):
-            for name in p["owed"]:
-                owed[str(name)] = owed.get(str(name), 0) + 1
-    out: dict[str, Any] = {"count": len(pending), "oldest_due": min(dues) if dues else None}
+        for name in p.owed or {}:
+            owed[str(name)] = owed.get(str(name), 0) + 1
+    out: dict[str, Any] = {
+        "count": len(pending),
+        "oldest_due": format_time(min(p.not_before for p in pending)),
+    }
     if owed:
         out["owed"] = dict(sorted(owed.items()))
     return out

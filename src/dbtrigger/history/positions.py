@@ -95,6 +95,15 @@ class StartFrom:
     value: object
     done: bool = False
 
+    @classmethod
+    def of(cls, value: object, source: Any, *, partitioned: bool) -> StartFrom | None:
+        """``PollTrigger(start_from=value)`` checked (None: not given)."""
+        if value is None:
+            return None
+        if partitioned:
+            raise ConfigurationError("start_from does not apply to partitioned pollers")
+        return cls(check_start(value, source))
+
     def apply(self, trigger: Any) -> None:
         """Create the poller's document at its start position, or say why not."""
         store, name = trigger.store, trigger.name

@@ -305,7 +305,28 @@ class NoHistory:
         del doc
 
 
-NO_HISTORY = NoHistory()
+#: The recorder of a trigger without a history (the StateWriter's default).
+NO_HISTORY: HistoryRecorder | NoHistory = NoHistory()
+
+
+def recorder_for(
+    option: object, trigger: Any
+) -> tuple[HistoryStore | None, HistoryRecorder | NoHistory]:
+    """``PollTrigger(history=option)``: the history store and the recorder that
+    keeps it (see :func:`dbtrigger.history.derive.resolve_history`)."""
+    from dbtrigger.history.derive import resolve_history  # noqa: PLC0415 - derive imports stores
+
+    store = resolve_history(option, trigger.store)
+    if store is None:
+        return None, NO_HISTORY
+    recorder = HistoryRecorder(
+        store,
+        trigger.name,
+        emit=trigger.telemetry.emit,
+        clock=trigger.clock,
+        journal_limit=trigger.journal_limit,
+    )
+    return store, recorder
 
 
 def record_write(
@@ -337,4 +358,11 @@ def record_write(
     return None
 
 
-__all__ = ["MAX_RECORD_BYTES", "NO_HISTORY", "HistoryRecorder", "NoHistory", "record_write"]
+__all__ = [
+    "MAX_RECORD_BYTES",
+    "NO_HISTORY",
+    "HistoryRecorder",
+    "NoHistory",
+    "record_write",
+    "recorder_for",
+]

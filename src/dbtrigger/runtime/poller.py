@@ -40,9 +40,8 @@ from typing import Any
 
 from dbtrigger import options as opt
 from dbtrigger.errors import ConfigurationError, LeaseAcquireError
-from dbtrigger.history.derive import resolve_history
-from dbtrigger.history.positions import StartFrom, check_start
-from dbtrigger.history.recorder import HistoryRecorder
+from dbtrigger.history.positions import StartFrom
+from dbtrigger.history.recorder import recorder_for
 from dbtrigger.history.store import HistoryStore
 from dbtrigger.metrics import MetricsCollector, SafeMetrics
 from dbtrigger.names import import_path_of, validate_name
@@ -130,14 +129,9 @@ class PollTrigger:
             ``run()`` then take no handler. See :mod:`dbtrigger.runtime.subscribers`.
         ack_timeout_seconds: fan-out only: a subscriber call that takes longer
             fails its events for that subscriber alone (default 300).
-        history: the durable history every commit is appended to (see
-            :mod:`dbtrigger.history`): by default one beside the checkpoint
-            store, in its family; ``False`` for none, or a ``HistoryStore``.
-        start_from: where a *new* poller starts: ``"beginning"`` (default),
-            ``"now"`` (only rows written from now on), a time or cursor value
-            (rows at or above it) or a ``Position`` (after that row). Resolved
-            and recorded in the state document when it is created; ignored
-            (and said so) once the poller has a checkpoint.
+        history / start_from: the durable history beside the store (default) or
+            ``False``; where a new poller starts: ``"beginning"``, ``"now"``, a
+            cursor value or a ``Position`` (see :mod:`dbtrigger.history`).
     """
 
     def __init__(
@@ -172,11 +166,7 @@ class PollTrigger:
         history: HistoryStore | bool | None = None,
         start_from: object = None,
     ) -> None:
-        options = {
-            k: v
-            for k, v in locals().items()
-            if k not in ("self", "__class__", "history", "start_from")
-        }
+        options = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         self.name = validate_name(name, "poller name")
         # Every numeric option's type and range (dbtrigger.options), then how they relate.
         batch_size, max_batches_per_tick, journal_limit = (
@@ -280,20 +270,10 @@ class PollTrigger:
             keepalive=self._keepalive,
             cli_source=self.operator_spec,
         )
-        #: The durable history beside the state document (None: kept nowhere).
-        self.history = resolve_history(history, checkpoint_store)
-        if self.history is not None:
-            self._driver.history = HistoryRecorder(
-                self.history,
-                self.name,
-                emit=self.telemetry.emit,
-                clock=self.clock,
-                journal_limit=journal_limit,
-            )
-        #: ``start_from``, applied before the first tick of this process.
-        self._start = StartFrom(check_start(start_from, source)) if start_from is not None else None
-        if self._start is not None and partitions is not None:
-            raise ConfigurationError("start_from does not apply to partitioned pollers")
+        #: The durable history beside the state document (None: kept nowhere), and
+        #: ``start_from``, applied before this process's first tick.
+        self.history, self._driver.writer.history = recorder_for(history, self)
+        self._start = StartFrom.of(start_from, source, partitioned=partitions is not None)
         #: Deprecated ``partitions=``: the PartitionedPoller every tick is delegated to.
         self.partitioned: Any = None
         if partitions is not None:

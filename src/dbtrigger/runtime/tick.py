@@ -43,7 +43,6 @@ from dbtrigger._gc import older_objects_frozen
 from dbtrigger.cursor import BEGINNING, Position
 from dbtrigger.errors import DbTriggerError, LostLeaseError
 from dbtrigger.events import RowChange
-from dbtrigger.history.recorder import NO_HISTORY, HistoryRecorder, NoHistory
 from dbtrigger.runtime import windowing
 from dbtrigger.runtime.context import BatchContext, EventMarks
 from dbtrigger.runtime.delivery import Delivered, Delivery, Undelivered
@@ -82,9 +81,6 @@ class TickDriver:
     NULL-cursor probe's timer (owned by the trigger). Its reads are the
     :class:`~dbtrigger.runtime.reading.BatchReader`'s, its writes the
     :class:`~dbtrigger.runtime.writes.StateWriter`'s."""
-
-    #: Appends each commit to the durable history (dbtrigger.history); set by the trigger.
-    history: HistoryRecorder | NoHistory = NO_HISTORY
 
     def __init__(
         self,
@@ -217,7 +213,7 @@ class TickDriver:
         if selection is None:
             self.emit("tick_idle", "nothing after the checkpoint")
             self.acknowledge(position)  # the stored checkpoint is durable: nothing after it
-            self.history.idle(doc)  # a record a crash cut off after its commit
+            self.writer.history.idle(doc)  # a record a crash cut off after its commit
             return self.result(0, 0, "idle")
 
         try:
@@ -362,8 +358,7 @@ class TickDriver:
                     subscribers=outcome.by_subscriber,
                 ),
             )
-            self.writer.commit_batch(session, entry, release, settlement)
-            self.history.committed(session.document, entry, events, outcome)
+            self.writer.commit_batch(session, entry, release, settlement, events, outcome)
             # After retries that did not fit the window, batches are cut to what it
             # can hold as waiting, until a batch of new rows retries nothing.
             if settlement is not None and settlement.unremembered:

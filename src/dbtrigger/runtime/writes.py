@@ -25,6 +25,7 @@ from dbtrigger.errors import (
     OperatorError,
 )
 from dbtrigger.events import RowChange
+from dbtrigger.history.recorder import NO_HISTORY, Outcome
 from dbtrigger.runtime.context import BatchContext
 from dbtrigger.runtime.session import LeaseSession
 from dbtrigger.runtime.telemetry import Telemetry
@@ -51,6 +52,9 @@ class WriterSettings:
 
 class StateWriter:
     """Writes one poller's state document during a tick; see the module docstring."""
+
+    #: Appends each commit to the durable history (dbtrigger.history); set by the trigger.
+    history = NO_HISTORY
 
     def __init__(
         self,
@@ -154,13 +158,18 @@ class StateWriter:
         entry: JournalEntry,
         release: bool,
         settlement: Settlement | None,
+        events: Sequence[RowChange] = (),
+        outcome: Outcome | None = None,
     ) -> None:
-        """The batch's one write, then what it changed, reported: the events'
-        outcomes, each subscriber's, and the window's size and overflow."""
+        """The batch's one write, its record in the durable history (never
+        failing the write: see dbtrigger.history.recorder), then what it
+        changed, reported: the events' outcomes, each subscriber's, and the
+        window's size and overflow."""
         window: leasemod.WindowUpdate = leasemod.KEEP
         if settlement is not None:
             window = dataclasses.replace(settlement.window, bound=self.settings.bound)
         self.commit(session, entry, release, window)
+        self.history.committed(session.document, entry, events, outcome)
         outcomes = entry.outcomes
         if outcomes is not None:
             self.emit(
@@ -312,7 +321,8 @@ class StateWriter:
                 what="failure record",
             )
             session.released = True
-            if advance_to is not None:
+            if advance_to is not None and entry is not None:
+                self.history.committed(session.document, entry, events[: advance.head])
                 self.emit(
                     "batch_partially_committed",
                     "committed the first %d of %d rows of batch %s; %d later row(s) "

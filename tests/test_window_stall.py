@@ -301,7 +301,9 @@ def test_status_shows_the_window_and_what_pins_it(
     out = capsys.readouterr().out
     fields = {line[:12].strip(): line[13:] for line in out.splitlines()}
     assert fields["window"].startswith("30 events (1 waiting for a retry, 29 settled)")
-    assert fields["window"].endswith("of 40 events / 49152 bytes - AT PRESSURE: no new rows go out")
+    assert fields["window"].endswith(
+        "of 40 events / 49152 bytes (75% used) - AT PRESSURE: no new rows go out"
+    )
     assert "the oldest, 10 id=1, has had 1 attempt(s), due in " in fields["blocking"]
     assert "billing answers 429" in fields["blocking"]
 

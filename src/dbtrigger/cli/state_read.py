@@ -36,7 +36,7 @@ from dbtrigger.sources.sqlalchemy import SqlAlchemySource
 from dbtrigger.state import document as docmod
 from dbtrigger.state import fanout, journal
 from dbtrigger.state import lease as leasemod
-from dbtrigger.state.lease import describe_lease
+from dbtrigger.state.lease import describe_lease, lease_state
 from dbtrigger.state.stores.base import CheckpointStore
 from dbtrigger.state.stores.factory import describe_store
 from dbtrigger.state.window import Window
@@ -83,19 +83,7 @@ def poller_status(
         else None
     )
     lease = doc.lease
-    out["lease"] = (
-        {
-            "state": (
-                "released" if lease.released else ("live" if now < lease.expires_at else "expired")
-            ),
-            "owner_id": lease.owner_id,
-            "fencing_token": lease.fencing_token,
-            "expires_at": docmod.format_time(lease.expires_at),
-            "description": describe_lease(lease, now),
-        }
-        if lease is not None
-        else None
-    )
+    out["lease"] = _lease_status(lease, now) if lease is not None else None
     out["fingerprint"] = doc.source_fingerprint
     failure = doc.failure
     out["failure"] = (
@@ -135,6 +123,8 @@ def poller_status(
             except DbTriggerError as exc:
                 lag["note"] = f"lag unknown: {type(exc).__name__}: {exc}"
     out["lag"] = lag
+    if source is not None:
+        out["visibility"] = visibility_status(source)
     out["owed"] = _owed(doc.window, source)
     gone = {e["subscriber"] for e in out["owed"] if e.get("holds_checkpoint")}
     try:
@@ -149,6 +139,19 @@ def poller_status(
     out["journal_entries"] = len(doc.journal)
     out["last_manual_change"] = dict(manual[-1]) if manual else None
     return out
+
+
+def _lease_status(lease: Any, now: dt.datetime) -> dict[str, Any]:
+    state, age = lease_state(lease, now)
+    return {
+        "state": state,
+        "owner_id": lease.owner_id,
+        "fencing_token": lease.fencing_token,
+        "expires_at": docmod.format_time(lease.expires_at),
+        "renewed_at": docmod.format_time(lease.heartbeat_at),
+        "renewed_seconds_ago": round(age, 3),
+        "description": describe_lease(lease, now),
+    }
 
 
 def window_status(
@@ -178,6 +181,16 @@ def window_status(
         if limits is None
         else {"max_events": limits.max_events, "max_bytes": limits.max_bytes},
         "pressure": pressure,
+        "use": None
+        if limits is None
+        else round(max(len(window) / limits.max_events, size / limits.max_bytes), 4),
+        "retries": {
+            "waiting": len(window.pending),
+            "next_due": docmod.format_time(min(p.not_before for p in window.pending))
+            if window.pending
+            else None,
+            "owed": dict(fanout.owed_by(window.pending)),
+        },
         "next_due": docmod.format_time(min(p.not_before for p in window.pending))
         if window.pending
         else None,
@@ -227,8 +240,48 @@ def _window_text(window: Mapping[str, Any] | None) -> str:
     )
     if bound is not None:
         text += f" of {bound['max_events']} events / {bound['max_bytes']} bytes"
+        text += f" ({window['use']:.0%} used)"
     if window["pressure"]:
         text += " - AT PRESSURE: no new rows go out"
+    return text
+
+
+def _retries_text(retries: Mapping[str, Any], now: dt.datetime) -> str:
+    due = retries["next_due"]
+    wait = (docmod.parse_time(due, "due") - now).total_seconds() if due else 0.0
+    when = f"in {wait:.0f}s" if wait > 0 else "now: the next tick delivers it"
+    text = f"{retries['waiting']} event(s) waiting for a retry; the next is due at {due} ({when})"
+    if retries["owed"]:
+        owed = ", ".join(f"{name} {n}" for name, n in sorted(retries["owed"].items()))
+        text += f"; owed to {owed}"
+    return text
+
+
+def visibility_status(source: LoadedSource) -> dict[str, Any] | None:
+    """The guard in force on ``source`` (``auto`` decided now), what an exact one
+    needs, and what the guard lacks for a missing privilege (with the GRANT)."""
+    describe = getattr(source.source, "describe_guard", None)
+    if not callable(describe):
+        return None
+    try:
+        out: dict[str, Any] = dict(describe().as_dict())
+    except DbTriggerError as exc:
+        return {"mode": "unknown", "note": f"{type(exc).__name__}: {exc}"}
+    gap = getattr(getattr(source.source, "_guarding", None), "gap", None)
+    if gap is not None:
+        out["privilege"] = {"message": gap.message, "grant": gap.grant}
+    return out
+
+
+def _visibility_text(visibility: Mapping[str, Any]) -> str:
+    if "note" in visibility:
+        return f"unknown ({visibility['note']})"
+    text = f"{visibility['mode']} ({visibility['strength']}): {visibility['guarantee']}"
+    if visibility.get("needs"):
+        text += f"; exact needs: {visibility['needs']}"
+    privilege = visibility.get("privilege")
+    if privilege:
+        text += f"; {privilege['message']}. Fix: {privilege['grant']}"
     return text
 
 
@@ -266,7 +319,8 @@ def _owed_text(owed: Sequence[Mapping[str, Any]], spec: str) -> str:
     return "; ".join(parts)
 
 
-def _render_one(status: Mapping[str, Any], store: str) -> str:
+def _render_one(status: Mapping[str, Any], store: str, now: dt.datetime | None = None) -> str:
+    now = now or utc_now()
     if "error" in status:
         return f"poller       {status['poller']}\nerror        {status['error']}"
     cp = status["checkpoint"]
@@ -317,8 +371,13 @@ def _render_one(status: Mapping[str, Any], store: str) -> str:
         lines.append(("failing", "none"))
     window = status.get("window")
     lines.append(("window", _window_text(window)))
+    if window is not None and window["retries"]["waiting"]:
+        lines.append(("retries", _retries_text(window["retries"], now)))
     if window is not None:
         lines.append(("blocking", window["blocking"]))
+    visibility = status.get("visibility")
+    if visibility is not None:
+        lines.append(("visibility", _visibility_text(visibility)))
     if status.get("owed"):
         lines.append(("owed", _owed_text(status["owed"], "the trigger")))
     manual = status["last_manual_change"]
@@ -350,6 +409,10 @@ def _render_many(statuses: Sequence[Mapping[str, Any]]) -> str:
         lease_text = "-"
         if lease:
             lease_text = f"{lease['state']} t{lease['fencing_token']}"
+            if lease["state"] == "not_renewed":
+                lease_text = (
+                    f"NOT RENEWED {lease['renewed_seconds_ago']:.0f}s t{lease['fencing_token']}"
+                )
         rows.append(
             [
                 s["poller"],
@@ -398,7 +461,7 @@ def _status(args: argparse.Namespace, store: CheckpointStore) -> int:
     elif not statuses and not groups:
         console.print(f"no pollers in {describe_store(store)}")
     elif args.poller and statuses:
-        console.print(_render_one(statuses[0], describe_store(store)))
+        console.print(_render_one(statuses[0], describe_store(store), now))
     else:
         console.print(f"store {describe_store(store)}")
         if statuses:

@@ -442,13 +442,39 @@ def decide_failure(
     return _journaled(out, journal_entry if base is not doc else None, journal_limit)
 
 
+def lease_state(lease: Lease, now: dt.datetime) -> tuple[str, float]:
+    """``(state, seconds since the holder last wrote it)``; state is ``released``,
+    ``expired``, ``live`` or ``not_renewed``.
+
+    A holder renews at least every ``heartbeat_interval_seconds``, which must be
+    below half the TTL (and every commit renews too), so a lease not renewed for
+    half its TTL has missed a renewal: its holder was killed, hangs, or lost the
+    store. It still blocks every other instance until it expires, which is what
+    an operator on call needs to see instead of ``live``.
+    """
+    age = max((now - lease.heartbeat_at).total_seconds(), 0.0)
+    if lease.released:
+        return "released", age
+    if now >= lease.expires_at:
+        return "expired", age
+    ttl = (lease.expires_at - lease.heartbeat_at).total_seconds()
+    return ("not_renewed" if age > ttl / 2 else "live"), age
+
+
 def describe_lease(lease: Lease | None, now: dt.datetime) -> str:
     if lease is None:
         return "no lease"
     if lease.released:
         return f"released by {lease.owner_id} (token {lease.fencing_token})"
-    state = "live" if now < lease.expires_at else "expired"
+    state, age = lease_state(lease, now)
+    if state == "not_renewed":
+        return (
+            f"NOT RENEWED for {age:.0f}s, held by {lease.owner_id} (token "
+            f"{lease.fencing_token}): its holder may be gone; another instance takes it "
+            f"over after {format_time(lease.expires_at)}"
+        )
+    renewed = f", renewed {age:.0f}s ago" if state == "live" else ""
     return (
         f"{state}, held by {lease.owner_id} (token {lease.fencing_token}) "
-        f"until {format_time(lease.expires_at)}"
+        f"until {format_time(lease.expires_at)}{renewed}"
     )

@@ -48,7 +48,9 @@ def test_async_function(sqlite_db: TestDatabase) -> None:
     seen: list[int] = []
     source = claim_source(sqlite_db)
 
-    @db.queue_trigger(arg_name="batch", source=source, batch_size=3, name="mail")
+    @db.queue_trigger(
+        arg_name="batch", source=source, batch_size=3, name="mail", max_batches_per_tick=10
+    )
     async def send(timer: object, batch: list[RowChange]) -> None:
         await asyncio.sleep(0)
         seen.extend(e.pk["id"] for e in batch)
@@ -66,17 +68,48 @@ def test_bad_decorations(sqlite_db: TestDatabase) -> None:
 
     with pytest.raises(ConfigurationError, match="has no parameter 'events'"):
 
-        @db.queue_trigger(arg_name="events", source=source)
+        @db.queue_trigger(arg_name="events", source=source, max_batches_per_tick=1)
         def wrong(timer: object, rows: list[RowChange]) -> None: ...
 
-    @db.queue_trigger(arg_name="events", source=source, name="q")
+    @db.queue_trigger(arg_name="events", source=source, name="q", max_batches_per_tick=1)
     def first(timer: object, events: list[RowChange]) -> None: ...
 
     with pytest.raises(ConfigurationError, match="two queue triggers are named 'q'"):
 
-        @db.queue_trigger(arg_name="events", source=source, name="q")
+        @db.queue_trigger(arg_name="events", source=source, name="q", max_batches_per_tick=1)
         def second(timer: object, events: list[RowChange]) -> None: ...
 
     with pytest.raises(ConfigurationError, match="max_batches_per_tick"):
         db.queue_trigger(arg_name="events", source=source, max_batches_per_tick=0)
+    source.close()
+
+
+def test_the_old_decorator_spellings_still_work_and_warn(
+    sqlite_db: TestDatabase, tmp_path: Any
+) -> None:
+    """``dead_letter=`` is ``quarantine=``; a left-out ``max_batches_per_tick`` is
+    still 10 batches per firing, with a warning that it becomes 1 (as on @db.trigger)."""
+    from dbtrigger.quarantine import JsonLinesQuarantineSink  # noqa: PLC0415
+
+    make_jobs(sqlite_db, 25)
+    db = DbBindings()
+    source = claim_source(sqlite_db)
+    sink = JsonLinesQuarantineSink(tmp_path / "dead.jsonl")
+    seen: list[int] = []
+    with pytest.warns(DeprecationWarning, match="is deprecated|default becomes 1") as caught:
+
+        @db.queue_trigger(arg_name="events", source=source, batch_size=2, dead_letter=sink)
+        def send(timer: object, events: list[RowChange]) -> None:
+            seen.extend(e.pk["id"] for e in events)
+
+    said = " ".join(str(w.message) for w in caught)
+    assert "dead_letter=...) is deprecated: use quarantine=" in said
+    assert "the default becomes 1, as on @db.trigger" in said
+    assert db.queues["send"].quarantine is sink
+    send(None)
+    assert len(seen) == 20  # ten batches of two in one firing, as before
+    with pytest.raises(ConfigurationError, match="both dead_letter= and quarantine="):
+        db.queue_trigger(
+            arg_name="events", source=source, dead_letter=sink, quarantine=sink
+        )
     source.close()

@@ -152,7 +152,9 @@ def test_queue_trigger_refuses_bad_numbers_naming_the_option(
     source = claim_source(sqlite_db)
     try:
         with pytest.raises(ConfigurationError, match=re.escape(match)):
-            DbBindings().queue_trigger(arg_name="events", source=source, **options)
+            DbBindings().queue_trigger(
+                arg_name="events", source=source, **{"max_batches_per_tick": 1, **options}
+            )
     finally:
         source.close()
 
@@ -166,7 +168,9 @@ def test_both_decorators_read_numbers_by_one_rule(sqlite_db: TestDatabase, tmp_p
     db = DbBindings()
     try:
         for decorate in (
-            lambda: db.queue_trigger(arg_name="events", source=claims, batch_size=True),
+            lambda: db.queue_trigger(
+                arg_name="events", source=claims, batch_size=True, max_batches_per_tick=1
+            ),
             lambda: db.trigger(
                 arg_name="events",
                 source=keyset,

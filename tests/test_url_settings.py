@@ -47,7 +47,7 @@ def test_a_queue_with_a_missing_url_setting_indexes_and_fails_only_itself(
     seen: list[int] = []
 
     @app.schedule(schedule="0 */5 * * * *", arg_name="timer", run_on_startup=False)
-    @db.queue_trigger(arg_name="events", source=source, batch_size=10)
+    @db.queue_trigger(arg_name="events", source=source, batch_size=10, max_batches_per_tick=10)
     def send(timer: func.TimerRequest, events: list[RowChange]) -> None:
         seen.extend(e.pk["id"] for e in events)
 

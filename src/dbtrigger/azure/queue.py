@@ -10,12 +10,14 @@ dbtrigger injects (the events, and ``context`` for the
         for e in events:
             ...
 
-Each firing claims and handles batches until a claim comes back short or
-``max_batches_per_tick`` batches were handled (a bounded run keeps an
-invocation inside the host's time limit; what is left is claimed by the next
-firing or by another instance - any number may run at once, there is no
-lease). Failed rows are recorded on the queue (retry / dead), so a handler
-failure does not fail the invocation; a database outage or a configuration
+Each firing is one tick of the queue: it claims and handles batches until a
+claim comes back short or ``max_batches_per_tick`` batches were handled (a
+bounded run keeps an invocation inside the host's time limit; what is left is
+claimed by the next firing or by another instance - any number may run at
+once, there is no lease). Left out, ``max_batches_per_tick`` is still 10 here,
+with a ``DeprecationWarning``: it becomes 1, as on ``@db.trigger``. Failed
+rows are recorded on the queue (retry / dead), so a handler failure does not
+fail the invocation; a database outage or a configuration
 error does, and shows in the Functions logs.
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -48,11 +51,12 @@ def queue_trigger(
     source: ClaimSource,
     name: str | None = None,
     batch_size: int | str = 100,
-    max_batches_per_tick: int | str = 10,
+    max_batches_per_tick: int | str | None = None,
     visibility_timeout_seconds: float | str = 60,
     max_attempts: int = 5,
-    dead_letter: QuarantineSink | None = None,
+    quarantine: QuarantineSink | None = None,
     metrics: MetricsCollector | None = None,
+    dead_letter: QuarantineSink | None = None,
     **options: Any,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """The decorator behind :meth:`dbtrigger.azure.DbBindings.queue_trigger`.
@@ -61,8 +65,30 @@ def queue_trigger(
     may be ``%SETTING%`` references, as on ``@db.trigger``: read when the
     queue is first used, so a missing or malformed setting fails that
     function's invocations (naming the option and the setting), not the import
-    (:mod:`dbtrigger.azure.deferred`).
+    (:mod:`dbtrigger.azure.deferred`). ``dead_letter=`` is the deprecated
+    spelling of ``quarantine=``, as on ``QueueTrigger``.
     """
+    if dead_letter is not None:
+        if quarantine is not None:
+            raise ConfigurationError(
+                "@db.queue_trigger got both dead_letter= and quarantine=; pass quarantine= only"
+            )
+        warnings.warn(
+            "@db.queue_trigger(dead_letter=...) is deprecated: use quarantine=..., "
+            "as on @db.trigger and QueueTrigger",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        quarantine = dead_letter
+    if max_batches_per_tick is None:
+        warnings.warn(
+            "@db.queue_trigger without max_batches_per_tick= handles up to 10 batches per "
+            "firing; the default becomes 1, as on @db.trigger. Pass max_batches_per_tick=10 "
+            "to keep that (or 1 for the new default)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        max_batches_per_tick = 10
 
     numbers: dict[str, NumberSpec] = {
         "batch_size": (batch_size, int, None),
@@ -79,7 +105,6 @@ def queue_trigger(
         queue_name = name or fn.__name__
         if queue_name in registry:
             raise ConfigurationError(f"two queue triggers are named {queue_name!r}")
-        per_firing: list[int] = []
 
         def build(numbers: dict[str, int | float]) -> QueueTrigger:
             queue = QueueTrigger(
@@ -87,13 +112,13 @@ def queue_trigger(
                 source=source,
                 batch_size=int(numbers["batch_size"]),
                 visibility_timeout_seconds=numbers["visibility_timeout_seconds"],
+                max_batches_per_tick=int(numbers["max_batches_per_tick"]),
                 max_attempts=max_attempts,
-                quarantine=dead_letter,
+                quarantine=quarantine,
                 metrics=metrics,
                 **options,
             )
             registry[queue_name] = queue
-            per_firing.append(int(numbers["max_batches_per_tick"]))
             return queue
 
         lazy = Lazy(build, numbers)
@@ -103,10 +128,7 @@ def queue_trigger(
             @functools.wraps(fn)
             async def async_wrapper(*args: Any, **kwargs: Any) -> None:
                 handler = make_handler(call_keywords(host_sig, args, kwargs))
-                queue = lazy.get()
-                for _ in range(per_firing[0]):
-                    if not (await queue.tick_result_async(handler)).more:
-                        break
+                await lazy.get().tick_async(handler)
 
             wrapper: Callable[..., Any] = async_wrapper
         else:
@@ -114,7 +136,7 @@ def queue_trigger(
             @functools.wraps(fn)
             def sync_wrapper(*args: Any, **kwargs: Any) -> None:
                 handler = make_handler(call_keywords(host_sig, args, kwargs))
-                lazy.get().drain(handler, max_ticks=per_firing[0])
+                lazy.get().tick(handler)
 
             wrapper = sync_wrapper
         set_host_signature(wrapper, host_sig)

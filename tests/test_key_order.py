@@ -30,6 +30,7 @@ from dbtrigger import (
     SqlAlchemySource,
 )
 from dbtrigger.changelog import ChangeLogSource, install, log_table_name
+from dbtrigger.partitions import PartitionedPoller
 from dbtrigger.runtime.context import BatchContext
 from dbtrigger.sources.memory import MemorySource
 from tests.databases import TestDatabase
@@ -283,7 +284,7 @@ def test_partitions_keep_the_order_of_a_key(sqlite_db: TestDatabase, tmp_path: P
         sqlite_db.execute(f"UPDATE {orders} SET status = 'paid' WHERE id = {key}")
         sqlite_db.execute(f"DELETE FROM {orders} WHERE id = {key}")
     clock = Clock()
-    trigger = PollTrigger(
+    trigger = PartitionedPoller(
         name="orders-log",
         source=SqlAlchemySource(
             url=sqlite_db.url,

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from dbtrigger import InMemoryCheckpointStore, PollTrigger, RowChange, SqlAlchemySource
+from dbtrigger import InMemoryCheckpointStore, RowChange, SqlAlchemySource
 from dbtrigger.cli import main
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.partitions import PartitionedPoller
@@ -119,7 +119,7 @@ def test_poll_trigger_with_partitions_and_subscribers_runs_under_the_cli(
     """Refused before (``subscribers= cannot be combined with partitions=``)."""
     make_table(sqlite_db, 60)
     got: Counter[str] = Counter()
-    trigger = PollTrigger(
+    trigger = PartitionedPoller(
         name="orders",
         source=source(sqlite_db),
         checkpoint_store=InMemoryCheckpointStore(),

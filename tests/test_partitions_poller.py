@@ -253,15 +253,18 @@ def test_stored_bucket_column_is_used_and_agrees(
 
 
 def test_poll_trigger_with_partitions_is_a_member(sqlite_db: TestDatabase, tmp_path: Path) -> None:
+    """The old spelling still builds a member and delegates to it, and warns
+    (PartitionedPoller is the constructor: issue #21)."""
     make_table(sqlite_db, 120)
-    trigger = PollTrigger(
-        name="orders",
-        source=source(sqlite_db),
-        checkpoint_store=FileCheckpointStore(tmp_path / "state"),
-        partitions=4,
-        batch_size=10,
-        max_batches_per_tick=3,
-    )
+    with pytest.warns(DeprecationWarning, match=r"PollTrigger\(partitions=N\) is deprecated"):
+        trigger = PollTrigger(
+            name="orders",
+            source=source(sqlite_db),
+            checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+            partitions=4,
+            batch_size=10,
+            max_batches_per_tick=3,
+        )
     assert trigger.partitioned is not None
     seen: list[int] = []
     assert trigger.drain(lambda events: seen.extend(e.pk["id"] for e in events)) == 120

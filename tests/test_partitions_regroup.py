@@ -164,9 +164,10 @@ def test_cli_show_split_and_merge(sqlite_db: TestDatabase, tmp_path: Path) -> No
     module.write_text(
         textwrap.dedent(
             f"""
-            from dbtrigger import FileCheckpointStore, PollTrigger, SqlAlchemySource
+            from dbtrigger import FileCheckpointStore, SqlAlchemySource
+            from dbtrigger.partitions import PartitionedPoller
 
-            trigger = PollTrigger(
+            trigger = PartitionedPoller(
                 name="orders",
                 source=SqlAlchemySource(url={sqlite_db.url!r}, table="orders",
                                         cursor_column="seq", pk_columns=["id"]),

@@ -58,6 +58,7 @@ from dbtrigger.azure.record import attach, binding_of
 from dbtrigger.azure.schedule import check_schedule
 from dbtrigger.errors import ConfigurationError, ContentionError
 from dbtrigger.metrics import MetricsCollector
+from dbtrigger.partitions.member import PartitionedPoller
 from dbtrigger.runtime.poller import DEFAULT_MAX_BATCHES_PER_TICK, PollTrigger
 from dbtrigger.sources.base import SourceAdapter
 from dbtrigger.state.stores.base import CheckpointStore
@@ -83,12 +84,15 @@ def _refuse_subscribers(options: dict[str, Any]) -> None:
 class DbBindings:
     """Decorators that turn a Functions timer into a dbtrigger poller.
 
-    ``triggers`` maps each poller name to its :class:`~dbtrigger.PollTrigger`
-    (for inspection, tests and the CLI).
+    ``triggers`` maps each poller name to its :class:`~dbtrigger.PollTrigger`,
+    ``partitioned`` to its :class:`~dbtrigger.partitions.PartitionedPoller` and
+    ``queues`` to its :class:`~dbtrigger.QueueTrigger` (for inspection, tests
+    and the CLI).
     """
 
     def __init__(self) -> None:
         self.triggers: dict[str, PollTrigger] = {}
+        self.partitioned: dict[str, PartitionedPoller] = {}
         self.queues: dict[str, QueueTrigger] = {}
 
     def trigger(
@@ -232,8 +236,10 @@ class DbBindings:
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Drain a claim queue (:class:`~dbtrigger.ClaimSource`) each time the function
         runs; place it under ``@app.schedule``. Options as for
-        :class:`~dbtrigger.QueueTrigger`, plus ``max_batches_per_tick`` (default 10);
-        ``batch_size``, ``max_batches_per_tick`` and ``visibility_timeout_seconds``
+        :class:`~dbtrigger.QueueTrigger` (one firing is one tick: up to
+        ``max_batches_per_tick`` claims; left out, 10 with a DeprecationWarning,
+        becoming 1 as here on ``@db.trigger``); ``batch_size``,
+        ``max_batches_per_tick`` and ``visibility_timeout_seconds``
         may be ``%SETTING%`` references, read at the first invocation as for
         :meth:`trigger`. See ``docs/queues.md``."""
         from dbtrigger.azure.queue import queue_trigger  # noqa: PLC0415 - loaded on use
@@ -273,16 +279,16 @@ class DbBindings:
             from dbtrigger.azure.partitions import register_partitioned  # noqa: PLC0415
 
             poller_name = name or fn.__name__
-            if poller_name in self.triggers:
+            if poller_name in self.triggers or poller_name in self.partitioned:
                 raise ConfigurationError(f"two triggers are named {poller_name!r}")
-            poll = PollTrigger(
+            poll = PartitionedPoller(
                 name=poller_name,
-                source=source,
+                source=source,  # type: ignore[arg-type]  # PartitionedPoller checks it
                 checkpoint_store=checkpoint_store,
                 partitions=partitions,
                 **trigger_options,
             )
-            self.triggers[poller_name] = poll
+            self.partitioned[poller_name] = poll
             queue = queue_name or re.sub(r"[^a-z0-9-]+", "-", f"{poller_name}-partitions".lower())
             register_partitioned(
                 app,

@@ -15,6 +15,7 @@ from typing import Any
 
 from dbtrigger.azure.record import binding_of
 from dbtrigger.errors import ConfigurationError
+from dbtrigger.partitions.member import PartitionedPoller
 from dbtrigger.runtime.poller import PollTrigger
 
 
@@ -48,16 +49,19 @@ def _user_function(obj: Any) -> tuple[Any, str | None]:
     return obj, None
 
 
-def function_trigger(obj: Any) -> PollTrigger | None:
-    """The :class:`PollTrigger` of a ``@db.trigger`` function, or None if ``obj`` is not one.
+def function_trigger(obj: Any) -> PollTrigger | PartitionedPoller | None:
+    """The :class:`PollTrigger` of a ``@db.trigger`` function (the
+    :class:`PartitionedPoller` of a ``db.partitioned_trigger`` one), or None if
+    ``obj`` is neither.
 
     Raises:
         ConfigurationError: the function's poller needs an app setting that is missing.
     """
     fn, _ = _user_function(obj)
     binding = binding_of(fn)
-    poll = binding.poller.get() if binding.poller is not None else binding.partitioned
-    return poll if isinstance(poll, PollTrigger) else None
+    if binding.partitioned is not None:
+        return binding.partitioned
+    return binding.poller.get() if binding.poller is not None else None
 
 
 def function_handler(obj: Any) -> Callable[..., Any]:

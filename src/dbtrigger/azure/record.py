@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from dbtrigger.azure.deferred import Lazy
     from dbtrigger.output import OutputTarget
+    from dbtrigger.partitions.member import PartitionedPoller
     from dbtrigger.queue.trigger import QueueTrigger
     from dbtrigger.runtime.poller import PollTrigger
 
@@ -44,7 +45,7 @@ class FunctionBinding:
     #: ``@db.queue_trigger``: its queue, built likewise.
     queue: Lazy[QueueTrigger] | None = None
     #: ``db.partitioned_trigger``: the partitioned poller the function handles.
-    partitioned: PollTrigger | None = None
+    partitioned: PartitionedPoller | None = None
     #: ``@db.trigger``: the function as a batch handler, for one invocation's host arguments.
     make_handler: HandlerFactory | None = None
 
@@ -56,9 +57,7 @@ class FunctionBinding:
     @property
     def poll_trigger(self) -> PollTrigger | None:
         """The poller, when it is built (its app settings were there)."""
-        if self.poller is not None:
-            return self.poller.built
-        return self.partitioned
+        return self.poller.built if self.poller is not None else None
 
     @property
     def queue_trigger(self) -> QueueTrigger | None:

@@ -78,7 +78,8 @@ def as_trigger(target: Any, spec: str) -> LoadedTrigger | None:
     poll = function_trigger(target)
     if poll is None:
         return None
-    poll.cli_source = spec
+    if isinstance(poll, PollTrigger):
+        poll.cli_source = spec
     return LoadedTrigger(spec, poll, function_handler(target), function=True)
 
 

@@ -44,12 +44,14 @@ def load_partitioned(spec: str) -> PartitionedPoller:
     target = load_object(spec)
     if isinstance(target, PartitionedPoller):
         return target
-    poll = target if isinstance(target, PollTrigger) else None
+    poll: object = target if isinstance(target, PollTrigger) else None
     if poll is None and callable(target):
         from dbtrigger.azure.introspect import function_trigger  # noqa: PLC0415 - optional
 
         poll = function_trigger(target)
-    if poll is not None and isinstance(poll.partitioned, PartitionedPoller):
+    if isinstance(poll, PartitionedPoller):
+        return poll
+    if isinstance(poll, PollTrigger) and isinstance(poll.partitioned, PartitionedPoller):
         return poll.partitioned
     raise ConfigurationError(
         f"{spec} is not a partitioned poller (a PartitionedPoller, PollTrigger(partitions=N) "

@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import importlib
 import shlex
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any
@@ -277,13 +277,22 @@ class PollTrigger:
         #: Deprecated ``partitions=``: the PartitionedPoller every tick is delegated to.
         self.partitioned: Any = None
         if partitions is not None:
+            warnings.warn(
+                "PollTrigger(partitions=N) is deprecated: build the member with "
+                "dbtrigger.partitions.PartitionedPoller(name=..., source=..., "
+                "checkpoint_store=..., partitions=N, ...), which takes the same options",
+                DeprecationWarning,
+                stacklevel=2,
+            )
             for key in ("name", "source", "checkpoint_store", "partitions", "owner_id"):
                 options.pop(key)
-            # Loaded on use: the partitions wing stands on the runtime, not under it.
-            member = importlib.import_module("dbtrigger.partitions.member")
-            self.partitioned = member.PartitionedPoller(
+            # The deprecated spelling's one tie to the partitions wing (which stands
+            # on the runtime): loaded on use, and gone with the spelling.
+            from dbtrigger.partitions.member import PartitionedPoller  # noqa: PLC0415
+
+            self.partitioned = PartitionedPoller(
                 name=self.name,
-                source=source,
+                source=source,  # type: ignore[arg-type]  # PartitionedPoller checks it
                 checkpoint_store=checkpoint_store,
                 partitions=partitions,
                 member_id=self.owner_id,

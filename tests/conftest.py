@@ -103,3 +103,33 @@ def binlog_mariadb() -> Iterator[BinlogMariadb]:
 def binlog_db(binlog_mariadb: BinlogMariadb) -> Iterator[BinlogDatabase]:
     """A database of this test's own on the private binlog server."""
     yield from binlog_database(binlog_mariadb)
+
+
+# --- parallel runs (pytest-xdist) ---------------------------------------------------------
+
+#: Test files whose pollers wait on a horizon shared beyond their own database: MariaDB's
+#: transaction horizon is server-wide and PostgreSQL's snapshot (xid) horizon cluster-wide.
+HORIZON_FILES = (
+    "test_visibility.py",
+    "test_visibility_mariadb.py",
+    "test_visibility_cache.py",
+    "test_runtime_visibility.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``-n N --dist loadgroup`` the tests that share a horizon run on one worker.
+
+    Each worker has its own PostgreSQL database and Azurite, but there is one MariaDB
+    server and one PostgreSQL cluster: a test holding a writer open on purpose would
+    hold back a guarded poller of a test running beside it on another worker. Kept on
+    one worker they run one after another, as in a serial run; the rest spread freely.
+    """
+    group = pytest.mark.xdist_group("shared-horizons")
+    for item in items:
+        if (
+            item.get_closest_marker("mariadb") is not None
+            or "mariadb" in item.nodeid.lower()
+            or item.path.name in HORIZON_FILES
+        ):
+            item.add_marker(group)

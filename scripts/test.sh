@@ -10,4 +10,6 @@ bash scripts/azurite.sh
 python3 -m ruff check src tests benchmarks examples
 python3 -m ruff format --check src
 python3 -m mypy
-python3 -m pytest "$@"
+# Two workers by default (this machine class has two cores; most tests wait on a database,
+# a subprocess or Azurite rather than compute). DBTRIGGER_TEST_WORKERS=0 runs serially.
+python3 -m pytest -n "${DBTRIGGER_TEST_WORKERS:-2}" --dist loadgroup "$@"

@@ -119,19 +119,24 @@ def test_older_objects_are_frozen_for_the_tick_only() -> None:
 
 @pytest.mark.usefixtures("collector_enabled")
 def test_nested_freezes_share_one_and_an_application_freeze_is_left_alone() -> None:
+    # Frozen objects can be freed meanwhile (a daemon thread of an earlier test dropping
+    # its last reference), so the count may fall a little between two reads; what a
+    # second freeze or an unfreeze would do is far larger than that.
     with older_objects_frozen():
         first = gc.get_freeze_count()
         assert first > 0
+        fresh = [[] for _ in range(20_000)]  # containers a second freeze would take in
         with older_objects_frozen():
-            assert gc.get_freeze_count() == first  # no second freeze
-        assert gc.get_freeze_count() == first  # the inner exit did not unfreeze
+            assert 0 < gc.get_freeze_count() < first + len(fresh) // 2  # no second freeze
+        assert gc.get_freeze_count() > first // 2  # the inner exit did not unfreeze
+        del fresh
     assert gc.get_freeze_count() == 0
     gc.freeze()  # the application's own (e.g. before forking workers)
     try:
         frozen = gc.get_freeze_count()
         with older_objects_frozen():
             pass
-        assert gc.get_freeze_count() == frozen  # not unfrozen by us
+        assert gc.get_freeze_count() > frozen // 2  # not unfrozen by us
     finally:
         gc.unfreeze()
 

@@ -133,9 +133,10 @@ def test_replay_through_the_same_handler_settles_once(
     assert code == 0
     assert "dry run" in out
     assert not app.handler.seen
-    with pytest.raises(SystemExit) as refused:  # --reason is required
-        app.cli(capsys, "dead-letter", "replay", "--id", wanted)
-    assert refused.value.code == 2
+    code, _, err = app.cli(capsys, "dead-letter", "replay", "--id", wanted, "--yes")
+    assert code == 2  # --reason is required with --yes
+    assert "--reason is required" in err
+    assert not app.handler.seen
 
     code, out, _ = app.cli(
         capsys, "dead-letter", "replay", "--id", wanted, "--reason", "fixed", "--yes"

@@ -24,6 +24,7 @@ from dbtrigger.cli.common import (
     actor_from_args,
     add_store_options,
     parse_value,
+    reason_from_args,
     state_store,
     utc_now,
 )
@@ -196,6 +197,7 @@ def _sinked(args: argparse.Namespace, target: Any, sink: Any, store: CheckpointS
     if not letters:
         console.print(f"no dead letters of {args.poller!r} match; nothing to do")
         return 0
+    args.reason = reason_from_args(args)  # required with --yes only
     if args.verb == "replay":
         return _replay(args, target, sink, store, letters, console)
     return _discard(args, sink, store, letters, console)
@@ -362,6 +364,7 @@ def _queue(args: argparse.Namespace, queue: Any) -> int:
             console.print(_table(table))
         return 0
     keys = [tuple(r[k] for k in key_names) for r in rows]
+    args.reason = reason_from_args(args)  # required with --yes only
     verb = (
         "make ready again"
         if args.verb == "replay"
@@ -423,7 +426,9 @@ def add_dead_letter_commands(sub: Any) -> None:
     _common(discard)
     discard.add_argument("--delete", action="store_true", help="delete the records from the sink")
     for parser in (replay, discard):
-        parser.add_argument("--reason", required=True, help="why: marked and journaled")
+        parser.add_argument(
+            "--reason", help="why: marked and journaled (required with --yes, not for a dry run)"
+        )
         parser.add_argument("--yes", action="store_true", help="apply (default: dry run)")
         parser.add_argument("--actor", help="who (default user@host)")
     for parser in (listing, show, replay, discard):

@@ -19,6 +19,7 @@ from dbtrigger.cli.common import (
     actor_from_args,
     add_store_options,
     read_state,
+    reason_from_args,
     show_position,
     state_store,
     utc_now,
@@ -175,8 +176,7 @@ def _replay(
     if not args.yes:
         console.print("dry run: no handler ran and nothing was written; add --yes --reason ...")
         return 0
-    if not args.reason or not args.reason.strip():
-        raise ConfigurationError("a replay needs --reason: it is journaled with who and why")
+    args.reason = reason_from_args(args)  # required with --yes: it is journaled
     targets = _handlers(trigger, handler, args.subscriber)
     now = utc_now()
     owner = f"replay:{default_owner_id()}"

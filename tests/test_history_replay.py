@@ -315,3 +315,87 @@ def test_replay_refuses_another_trigger_and_a_changed_source(
 
 def _now() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
+
+
+# --- log-based sources (src/dbtrigger/cdc) -------------------------------------------
+
+
+def _cdc_module(root: Path, name: str, source: str, poller: str) -> str:
+    (root / f"{name}.py").write_text(
+        "from dbtrigger import FileCheckpointStore, PollTrigger\n"
+        "from dbtrigger.cdc import BinlogSource, PgLogicalSource\n"
+        f"store = FileCheckpointStore({str(root / 'state')!r})\n"
+        f"trigger = PollTrigger(name={poller!r}, source={source}, batch_size=3,\n"
+        "    max_batches_per_tick=10, checkpoint_store=store)\n"
+        "seen = []\n"
+        "@trigger.handler\n"
+        "def handle(events, ctx):\n"
+        "    seen.append((list(events), ctx))\n"
+    )
+    return f"{name}:trigger"
+
+
+@pytest.mark.binlog
+def test_replay_on_the_binary_log_is_byte_for_byte_while_the_log_holds_it(
+    binlog_db: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    binlog_db.execute("CREATE TABLE orders (id INT PRIMARY KEY, status VARCHAR(20))")
+    name = f"binlog_app_{uuid.uuid4().hex[:8]}"
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    spec = _cdc_module(
+        tmp_path, name, f"BinlogSource({binlog_db.url!r}, ['orders'], snapshot='never')", "ob"
+    )
+    import importlib  # noqa: PLC0415
+
+    module = importlib.import_module(name)
+    module.trigger.drain(module.handle)
+    binlog_db.execute("INSERT INTO orders VALUES (1, 'new'), (2, 'new'), (3, 'new'), (4, 'new')")
+    binlog_db.execute("UPDATE orders SET status = 'paid' WHERE id = 2")
+    binlog_db.execute("DELETE FROM orders WHERE id = 3")
+    module.trigger.drain(module.handle)
+    live = [list(events) for events, _ in module.seen]
+    history = history_for(module.trigger.store)
+    assert history is not None
+    ids = [r["batch_id"] for r in history.read("ob") if r["type"] == "commit"]
+    module.seen.clear()
+    capsys.readouterr()
+    argv = ["replay", "ob", "--from-batch", ids[0], "--to-batch", ids[-1], "--trigger", spec]
+    assert main([*argv, "--verify"]) == 0
+    assert "mode exact" in capsys.readouterr().out
+    assert main([*argv, "--yes", "--reason", "rebuild"]) == 0
+    again = [list(events) for events, _ in module.seen]
+    assert [[image_text(e) for e in b] for b in again] == [[image_text(e) for e in b] for b in live]
+    assert [[e.event_id for e in b] for b in again] == [[e.event_id for e in b] for b in live]
+
+
+@pytest.mark.cdc
+def test_replay_on_a_replication_slot_is_refused_once_the_slot_confirmed_it(
+    cdc_db: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cdc_db.execute("CREATE TABLE orders (id int PRIMARY KEY, status text)")
+    name = f"pg_app_{uuid.uuid4().hex[:8]}"
+    poller = f"op_{uuid.uuid4().hex[:6]}"
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    spec = _cdc_module(
+        tmp_path, name, f"PgLogicalSource({cdc_db.url!r}, ['orders'], snapshot='never')", poller
+    )
+    assert main(["cdc", "install", spec, "--yes"]) == 0
+    for i in range(1, 8):
+        cdc_db.execute(f"INSERT INTO orders VALUES ({i}, 'new')")
+    import importlib  # noqa: PLC0415
+
+    module = importlib.import_module(name)
+    module.trigger.drain(module.handle)
+    history = history_for(module.trigger.store)
+    assert history is not None
+    first = next(r for r in history.read(poller) if r["type"] == "commit")["batch_id"]
+    capsys.readouterr()
+    assert main(["replay", poller, "--batch", first, "--trigger", spec, "--verify"]) == 1
+    out = capsys.readouterr().out
+    assert "cannot be replayed as it was" in out
+    assert "a slot cannot be rewound" in out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import itertools
+import json
 import logging
 import os
 import random
@@ -28,7 +29,7 @@ from dbtrigger.history import HistoryStore, MemoryHistory, history_for
 from dbtrigger.history.records import detail_lines, image_digest
 from dbtrigger.history.store import Retention
 from dbtrigger.sources.memory import MemorySource
-from dbtrigger.state.document import position_from_json, position_to_json
+from dbtrigger.state.document import format_time, position_from_json, position_to_json
 from dbtrigger.state.stores.base import CheckpointStore
 from dbtrigger.state.stores.memory import InMemoryCheckpointStore
 from tests.azurite import Azurite
@@ -400,3 +401,40 @@ def store_position_of(store: CheckpointStore, name: str) -> Any:
     stored = store.read(name)
     assert stored is not None
     return docmod.loads(stored.data).position
+
+
+def test_history_and_status_show_the_retries_waiting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Count, oldest due time and owed subscribers, in status and history (CLI)."""
+    from dbtrigger.cli import main  # noqa: PLC0415
+
+    def billing(events: list[RowChange]) -> None:
+        pass
+
+    def search(events: list[RowChange], ctx: Any) -> None:
+        for event in events:
+            if event.pk["id"] == 2:
+                ctx.retry(event, "index busy")
+
+    store = FileCheckpointStore(tmp_path / "state")
+    trigger = PollTrigger(
+        name="orders",
+        source=memory_source(5),
+        checkpoint_store=store,
+        subscribers={"billing": billing, "search": search},
+        retry_delay_seconds=600,
+        retry_delay_max_seconds=600,
+    )
+    trigger.tick()
+    args = ["--store", str(tmp_path / "state")]
+    capsys.readouterr()
+    assert main(["status", "orders", "--json", *args]) == 0
+    retries = json.loads(capsys.readouterr().out)["window"]["retries"]
+    assert (retries["waiting"], retries["owed"]) == (1, {"search": 1})
+    assert retries["next_due"] > format_time(dt.datetime.now(dt.timezone.utc))
+    assert main(["history", "orders", *args]) == 0
+    out = capsys.readouterr().out
+    assert "waiting now: 1 event(s)" in out
+    assert "owed to search (1)" in out
+    assert "billing 5/0/0, search 4/0/1" in out  # per-subscriber counts of the commit

@@ -61,8 +61,22 @@ from dbtrigger.state.stores.base import CheckpointStore
 
 Mode = Literal["exact", "reread"]
 
-#: Log-based sources replay their log's own images while the log holds them.
-_LOG_SOURCES = frozenset({"ChangeLogSource", "PgLogicalSource", "BinlogSource"})
+#: Log-based sources replay their log's own images while the log holds them;
+#: what makes a log stop holding a range, per source, for a refusal to say.
+_LOG_SOURCES = {
+    "ChangeLogSource": "the change log deletes what every reader passed (prune_passed_by, "
+    "changelog prune): keep it longer with prune_keep_seconds to replay",
+    "PgLogicalSource": "a replication slot hands out each change once: once the poller's "
+    "checkpoint confirmed it, the server keeps it no longer (a slot cannot be rewound); the "
+    "changes can no longer be read as they were",
+    "BinlogSource": "the server purged the binary log files that held it "
+    "(binlog_expire_logs_seconds / PURGE BINARY LOGS): keep them longer to replay",
+}
+
+
+def retention_hint(source: Any) -> str:
+    """What makes ``source``'s log stop holding a recorded range."""
+    return _LOG_SOURCES.get(type(source).__name__, "the source no longer holds those changes")
 
 
 def keeps_images(source: Any) -> bool:
@@ -121,6 +135,8 @@ class ReplayPlan:
     poller: str
     mode: Mode
     batches: list[BatchReplay]
+    #: What makes the source's log stop holding a range (for a refusal).
+    hint: str = ""
 
     @property
     def drift(self) -> list[DriftRow]:
@@ -135,6 +151,7 @@ class ReplayPlan:
         back as recorded); empty when it can."""
         if self.mode != "exact":
             return []
+        hint = self.hint or "the source no longer holds those changes"
         out = []
         for b in self.batches:
             if b.identical:
@@ -144,8 +161,7 @@ class ReplayPlan:
                 f"batch {b.batch_id} cannot be replayed as it was: the log gives back "
                 f"{len(b.events)} of its {b.record.get('rows')} recorded event(s)"
                 + (f" ({gone} no longer in the log)" if gone else "")
-                + " and they differ from the record; the change log deletes what every reader "
-                "passed (prune_passed_by, changelog prune): keep it longer to replay"
+                + f" and they differ from the record: {hint}"
             )
         return out
 
@@ -280,14 +296,14 @@ def plan(trigger: PollTrigger, records: Sequence[Mapping[str, Any]]) -> ReplayPl
             if not exact:
                 raise
             raise ReplayRefusedError(
-                f"the source no longer holds batch {batch_id} ({type(exc).__name__}: {exc}); "
-                "a log-based source can replay only what its log still retains"
+                f"the source no longer holds batch {batch_id} ({type(exc).__name__}: {exc}): "
+                f"{retention_hint(source)}"
             ) from exc
         batch = compare(record, events, source, trigger.name)
         if exact and batch.identical:
             batch = BatchReplay(dict(record), list(events), [], compared=True, identical=True)
         batches.append(batch)
-    return ReplayPlan(trigger.name, "exact" if exact else "reread", batches)
+    return ReplayPlan(trigger.name, "exact" if exact else "reread", batches, retention_hint(source))
 
 
 # --- delivering ----------------------------------------------------------------------

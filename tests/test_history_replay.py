@@ -188,7 +188,7 @@ def test_replay_on_a_polled_table_reports_exactly_the_changed_and_the_gone_row(
     assert ctx.replay
     assert ctx.batch_id == first
     assert ctx.now == parse_time(record["committed_at"], "t")
-    unchanged = {line["id"] for line in record["detail"]["events"]}
+    unchanged = {line[0] for line in record["detail"]["events"]}
     assert {e.event_id for e in events if e.pk["id"] != 3} <= unchanged  # the same event ids
     # The live checkpoint did not move; the replay is in the journal and the history.
     assert polled.trigger.read_state().position == checkpoint  # type: ignore[union-attr]

@@ -27,7 +27,7 @@ from dbtrigger.cli.common import (
 )
 from dbtrigger.history import view
 from dbtrigger.history.derive import history_for
-from dbtrigger.history.records import waiting_of
+from dbtrigger.history.records import detail_lines, waiting_of
 from dbtrigger.history.store import HistoryStore
 from dbtrigger.state.stores.base import CheckpointStore
 
@@ -156,13 +156,13 @@ def _batch_text(record: Mapping[str, Any]) -> str:
     lines.append(f"event ids    {detail.get('event_ids')}")
     lines.append(f"images       {detail.get('images')}")
     lines.append(f"waiting      {waiting_text(detail.get('waiting'))} (after this commit)")
-    events = detail.get("events")
-    if isinstance(events, list):
+    events = detail_lines(record)
+    if events is not None:
         rows = [["EVENT ID", "KEY", "IMAGE", "OUTCOME"]]
         for e in events:
-            pk = ", ".join(f"{k}={v[1] if isinstance(v, list) else v}" for k, v in e["pk"].items())
-            outcome = e.get("o", "accepted") + (f" ({e['reason']})" if e.get("reason") else "")
-            rows.append([e["id"], pk, e["img"], outcome])
+            pk = ", ".join(f"{k}={v[1] if isinstance(v, list) else v}" for k, v in e.key.items())
+            outcome = e.outcome + (f" ({e.reason})" if e.reason else "")
+            rows.append([e.event_id, pk, e.image, outcome])
         lines += ["", _table(rows)]
     elif detail.get("events_omitted"):
         lines.append(

@@ -136,12 +136,13 @@ class HistoryRecorder:
     def _detail(
         self, doc: StateDocument, events: Sequence[RowChange], outcome: Outcome | None
     ) -> dict[str, Any]:
-        lines = rec.event_lines(
+        return rec.batch_detail(
             events,
             rejected=outcome.rejected if outcome is not None else None,
             retried=outcome.retried if outcome is not None else None,
+            waiting=rec.waiting_of(doc.window),
+            source=self.source,
         )
-        return rec.batch_detail(lines, waiting=rec.waiting_of(doc.window), source=self.source)
 
     def _guarded(self, work: Callable[[], int]) -> None:
         with self._lock:

@@ -29,6 +29,7 @@ import datetime as dt
 import hashlib
 import json
 import math
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
@@ -154,21 +155,58 @@ def image_text(event: RowChange) -> str:
     )
 
 
+def _image_key(event: RowChange) -> str:
+    """What the image digest hashes: the same text for the same image, in any
+    process reading the source the same way, and cheap (this runs for every
+    delivered event). An event over a fetched row tuple hashes the tuple's
+    ``repr`` with the column names; any other, its images' items. Values whose
+    ``repr`` would name a memory address fall back to :func:`image_text`.
+    """
+    row = getattr(event, "_row", None)
+    shape = getattr(event, "_shape", None)
+    if row is not None and shape is not None:
+        text = repr((shape.op, shape.columns, tuple(row)))
+    else:
+        before, after = event.before, event.after
+        text = repr(
+            (
+                event.op,
+                None if before is None else tuple(before.items()),
+                None if after is None else tuple(after.items()),
+            )
+        )
+    return image_text(event) if " at 0x" in text else text
+
+
+def _image_bytes(event: RowChange) -> bytes:
+    return _image_key(event).encode("utf-8", "surrogatepass")
+
+
 def image_digest(event: RowChange) -> str:
-    """16 hex digits of the image's SHA-256: enough to tell a changed row."""
-    return hashlib.sha256(image_text(event).encode("utf-8")).hexdigest()[:16]
+    """The image's CRC-32, 8 hex digits: tells a changed row (a changed row keeps
+    its digest once in four billion times; the batch's ``images`` digest, a
+    SHA-256 over the images themselves, has no such chance)."""
+    return f"{zlib.crc32(_image_bytes(event)):08x}"
 
 
-def digest_images(digests: Iterable[str]) -> str:
-    """``sha256:...`` over the per-event image digests, in order."""
+def digest_images(events: Iterable[RowChange]) -> str:
+    """``sha256:...`` over the events' images, in order."""
     h = hashlib.sha256()
-    for d in digests:
-        h.update(d.encode("ascii"))
+    for event in events:
+        h.update(_image_bytes(event))
         h.update(b"\n")
     return "sha256:" + h.hexdigest()
 
 
 def _key(event: RowChange) -> Any:
+    """The event's key as ``{name: [kind, value]}`` (the state document's encoding),
+    with the common one-column int or text key done without the general encoder."""
+    shape = getattr(event, "_shape", None)
+    if shape is not None and shape.single_index >= 0:
+        value = event._row[shape.single_index]  # type: ignore[attr-defined]
+        kind = type(value)
+        if kind is int or kind is str:
+            return {shape.pk_names[0]: ["int" if kind is int else "str", value]}
     try:
         return encoded_pk(event.pk)
     except SerializationError:
@@ -185,22 +223,21 @@ class EventLine:
     outcome: str = "accepted"
     reason: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": self.event_id, "pk": dict(self.key), "img": self.image}
+    def to_json(self) -> list[Any]:
+        """``[event id, key, image digest]``, then outcome and reason when not accepted."""
+        out: list[Any] = [self.event_id, dict(self.key), self.image]
         if self.outcome != "accepted":
-            out["o"] = self.outcome
-            if self.reason:
-                out["reason"] = self.reason[:200]
+            out += [self.outcome, (self.reason or "")[:200]]
         return out
 
     @classmethod
-    def from_json(cls, raw: Mapping[str, Any]) -> EventLine:
+    def from_json(cls, raw: Sequence[Any]) -> EventLine:
         return cls(
-            event_id=str(raw.get("id")),
-            key=dict(raw.get("pk") or {}),
-            image=str(raw.get("img")),
-            outcome=str(raw.get("o") or "accepted"),
-            reason=raw.get("reason"),
+            event_id=str(raw[0]),
+            key=dict(raw[1] or {}),
+            image=str(raw[2]),
+            outcome=str(raw[3]) if len(raw) > 3 else "accepted",
+            reason=str(raw[4]) if len(raw) > 4 else None,
         )
 
 
@@ -209,33 +246,45 @@ def event_lines(
     *,
     rejected: Mapping[str, str] | None = None,
     retried: Mapping[str, str] | None = None,
-) -> list[EventLine]:
-    """The delivered events with their outcomes (``rejected`` / ``retried``: id -> reason)."""
-    rejected = rejected or {}
-    retried = retried or {}
+    images: Any = None,
+) -> list[list[Any]]:
+    """The delivered events as the record's ``events`` lines (see :class:`EventLine`),
+    with their outcomes (``rejected`` / ``retried``: id -> reason). ``images``: a
+    hash object fed every image on the way (the batch's ``images`` digest)."""
+    marked = bool(rejected or retried)
     out = []
     for event in events:
         eid = event.event_id
-        outcome, reason = "accepted", None
-        if eid in rejected:
-            outcome, reason = "rejected", rejected[eid]
-        elif eid in retried:
-            outcome, reason = "retried", retried[eid]
-        out.append(EventLine(eid, _key(event), image_digest(event), outcome, reason))
+        image = _image_bytes(event)
+        if images is not None:
+            images.update(image)
+            images.update(b"\n")
+        line = [eid, _key(event), f"{zlib.crc32(image):08x}"]
+        if marked:
+            if rejected and eid in rejected:
+                line += ["rejected", rejected[eid][:200]]
+            elif retried and eid in retried:
+                line += ["retried", retried[eid][:200]]
+        out.append(line)
     return out
 
 
 def batch_detail(
-    lines: Sequence[EventLine],
+    events: Sequence[RowChange],
     *,
+    rejected: Mapping[str, str] | None = None,
+    retried: Mapping[str, str] | None = None,
     waiting: Mapping[str, Any] | None = None,
     source: str | None = None,
 ) -> dict[str, Any]:
-    """A live commit's ``detail``: digests, per-event lines, waiting retries."""
+    """A live commit's ``detail``: digests of the event ids and images, one line
+    per event (:func:`event_lines`), the retries waiting after it."""
+    images = hashlib.sha256()
+    lines = event_lines(events, rejected=rejected, retried=retried, images=images)
     detail: dict[str, Any] = {
-        "event_ids": digest_event_ids(line.event_id for line in lines),
-        "images": digest_images(line.image for line in lines),
-        "events": [line.to_json() for line in lines],
+        "event_ids": digest_event_ids(line[0] for line in lines),
+        "images": "sha256:" + images.hexdigest(),
+        "events": lines,
     }
     if source:
         detail["source"] = source
@@ -277,7 +326,7 @@ def detail_lines(record: Mapping[str, Any]) -> list[EventLine] | None:
     detail = record.get("detail")
     if not isinstance(detail, Mapping) or not isinstance(detail.get("events"), list):
         return None
-    return [EventLine.from_json(e) for e in detail["events"] if isinstance(e, Mapping)]
+    return [EventLine.from_json(e) for e in detail["events"] if isinstance(e, list) and len(e) >= 3]
 
 
 __all__ = [

@@ -220,7 +220,7 @@ def compare(
     now_images = [rec.image_digest(e) for e in events]
     identical = isinstance(detail, Mapping) and (
         docmod.digest_event_ids(now_ids) == detail.get("event_ids")
-        and rec.digest_images(now_images) == detail.get("images")
+        and rec.digest_images(events) == detail.get("images")
     )
     if lines is None:
         return BatchReplay(dict(record), list(events), [], compared=False, identical=identical)

@@ -35,7 +35,8 @@ from benchmarks.common import (
     reading_handler,
     str_list,
 )
-from dbtrigger import InMemoryCheckpointStore, InMemoryMetrics, PollTrigger
+from dbtrigger import InMemoryCheckpointStore, PollTrigger
+from dbtrigger.metrics import InMemoryMetrics
 from dbtrigger.testing import CountingStore
 
 CONSUMERS = ("billing", "search", "audit")

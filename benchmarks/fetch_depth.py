@@ -39,7 +39,7 @@ from benchmarks.common import (
     print_table,
     str_list,
 )
-from dbtrigger import Position
+from dbtrigger.cursor import Position
 
 SELECT = "SELECT id, updated_at, customer, amount, status FROM {t}"
 

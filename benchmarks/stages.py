@@ -44,7 +44,8 @@ from benchmarks.common import (
     pg_conninfo,
     print_table,
 )
-from dbtrigger import InMemoryCheckpointStore, PollTrigger, Position
+from dbtrigger import InMemoryCheckpointStore, PollTrigger
+from dbtrigger.cursor import Position
 from dbtrigger.events import EventIds
 from dbtrigger.state import document as docmod
 

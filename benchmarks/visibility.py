@@ -44,7 +44,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from dbtrigger import BEGINNING, InMemoryCheckpointStore, PollTrigger, RowChange, SqlAlchemySource
+from dbtrigger import InMemoryCheckpointStore, PollTrigger, RowChange, SqlAlchemySource
+from dbtrigger.cursor import BEGINNING
 from dbtrigger.sources.visibility import SafetyWindow, install_visibility_trigger
 
 PG_URL = os.environ.get(

@@ -26,17 +26,20 @@ from azure.storage.blob import BlobServiceClient
 
 from dbtrigger import (
     BatchContext,
-    ConfigurationError,
     DbBindings,
     DbOut,
-    FingerprintMismatchError,
     HandlerError,
     InMemoryCheckpointStore,
-    LeaseScheduleWarning,
     RowChange,
     SqlAlchemySource,
 )
-from dbtrigger.azure import binding_of, lease_schedule_conflict, schedule_interval
+from dbtrigger.azure import (
+    LeaseScheduleWarning,
+    binding_of,
+    lease_schedule_conflict,
+    schedule_interval,
+)
+from dbtrigger.errors import ConfigurationError, FingerprintMismatchError
 from dbtrigger.state import document as docmod
 from dbtrigger.state import lease as leasemod
 from dbtrigger.state.stores.blob import BlobCheckpointStore

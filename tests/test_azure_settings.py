@@ -21,8 +21,8 @@ import pytest
 import sqlalchemy as sa
 from azure.functions.timer import TimerRequest
 
-from dbtrigger import ConfigurationError
 from dbtrigger.azure import ENTRA_SCOPES, SQL_COPT_SS_ACCESS_TOKEN, entra_id_engine
+from dbtrigger.errors import ConfigurationError
 from tests.azurite import Azurite
 from tests.databases import TestDatabase
 from tests.test_source_sqlalchemy import insert, naive, orders_table

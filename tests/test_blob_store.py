@@ -33,14 +33,11 @@ from azure.storage.blob import (
     generate_account_sas,
 )
 
-from dbtrigger import (
+from dbtrigger import LostLeaseError, PollTrigger, RowChange, SqlAlchemySource
+from dbtrigger.errors import (
     AmbiguousWriteError,
     CasConflictError,
     ConfigurationError,
-    LostLeaseError,
-    PollTrigger,
-    RowChange,
-    SqlAlchemySource,
     StoreAuthError,
     StoreUnavailableError,
     UnsafeIdentifierError,

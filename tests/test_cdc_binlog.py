@@ -13,13 +13,7 @@ from typing import Any
 import pymysql
 import pytest
 
-from dbtrigger import (
-    InMemoryCheckpointStore,
-    PollTrigger,
-    RowChange,
-    SafetyWindow,
-    SqlAlchemySource,
-)
+from dbtrigger import InMemoryCheckpointStore, PollTrigger, RowChange, SqlAlchemySource
 from dbtrigger.cdc import BinlogSource
 from dbtrigger.cdc import binlog_control as control
 from dbtrigger.cdc.binlog_setup import default_server_id
@@ -32,6 +26,7 @@ from dbtrigger.errors import (
     SlotLostError,
     SourcePermissionError,
 )
+from dbtrigger.sources.visibility import SafetyWindow
 from tests.cdc_servers import BinlogDatabase
 
 pytestmark = pytest.mark.timeout(120)

@@ -324,7 +324,7 @@ def test_a_connection_is_set_up_for_utc_text(cdc_db: CdcDatabase) -> None:
 
 
 def test_slot_health_reaches_the_pollers_metrics(cdc_db: CdcDatabase) -> None:
-    from dbtrigger import InMemoryMetrics  # noqa: PLC0415
+    from dbtrigger.metrics import InMemoryMetrics  # noqa: PLC0415
 
     cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY)")
     metrics = InMemoryMetrics()
@@ -422,7 +422,7 @@ def test_a_partitioned_table_is_watched_through_its_partitions(cdc_db: CdcDataba
 
 
 def test_commit_time_lag_is_measured_from_the_read(cdc_db: CdcDatabase) -> None:
-    from dbtrigger import InMemoryMetrics  # noqa: PLC0415
+    from dbtrigger.metrics import InMemoryMetrics  # noqa: PLC0415
 
     cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY)")
     metrics = InMemoryMetrics()

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from dbtrigger import BEGINNING, FileCheckpointStore, PollTrigger, RowChange, SqlAlchemySource
+from dbtrigger import FileCheckpointStore, PollTrigger, RowChange, SqlAlchemySource
 from dbtrigger.changelog import (
     MARKER,
     ChangeLogSource,
@@ -25,6 +25,7 @@ from dbtrigger.changelog import (
     prune,
     uninstall,
 )
+from dbtrigger.cursor import BEGINNING
 from dbtrigger.errors import ConfigurationError, SerializationError
 from tests.databases import TestDatabase
 

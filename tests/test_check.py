@@ -20,14 +20,9 @@ from typing import Any
 
 import pytest
 
-from dbtrigger import (
-    FileCheckpointStore,
-    PollTrigger,
-    Position,
-    SqlAlchemySource,
-    SqlCheckpointStore,
-)
+from dbtrigger import FileCheckpointStore, PollTrigger, SqlAlchemySource, SqlCheckpointStore
 from dbtrigger.checks import check_source, check_store, probe_key, warn_at_start
+from dbtrigger.cursor import Position
 from dbtrigger.state import document as docmod
 from dbtrigger.state.document import Checkpoint, StateDocument
 from dbtrigger.state.stores.factory import redact

@@ -24,19 +24,18 @@ import sqlalchemy as sa
 from azure.storage.blob import BlobServiceClient
 
 from dbtrigger import (
-    ConfigurationError,
     FileCheckpointStore,
     HandlerError,
     LostLeaseError,
     PollTrigger,
-    Position,
     RowChange,
     SqlAlchemySource,
 )
 from dbtrigger.cli import main
 from dbtrigger.cli.backfill import Progress
 from dbtrigger.cli.common import parse_position, parse_value
-from dbtrigger.errors import LiveLeaseError
+from dbtrigger.cursor import Position
+from dbtrigger.errors import ConfigurationError, LiveLeaseError
 from dbtrigger.state import document as docmod
 from dbtrigger.state import lease as leasemod
 from dbtrigger.state import operations as ops

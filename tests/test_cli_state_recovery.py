@@ -13,13 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from dbtrigger import (
-    FingerprintMismatchError,
-    HandlerError,
-    PollTrigger,
-    Position,
-    SqlAlchemySource,
-)
+from dbtrigger import HandlerError, PollTrigger, SqlAlchemySource
+from dbtrigger.cursor import Position
+from dbtrigger.errors import FingerprintMismatchError
 from dbtrigger.state import document as docmod
 from dbtrigger.state.lease import decide_acquire
 from tests.databases import TestDatabase

@@ -14,11 +14,11 @@ from dbtrigger import (
     FileCheckpointStore,
     HandlerError,
     InMemoryCheckpointStore,
-    InMemoryMetrics,
     PollTrigger,
     RowChange,
     SqlAlchemySource,
 )
+from dbtrigger.metrics import InMemoryMetrics
 from tests.databases import TestDatabase
 from tests.test_source_sqlalchemy import insert, naive, orders_table
 

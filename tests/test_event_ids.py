@@ -21,16 +21,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dbtrigger import (
-    InMemoryCheckpointStore,
-    PollTrigger,
+from dbtrigger import InMemoryCheckpointStore, PollTrigger, RowChange, SerializationError
+from dbtrigger.cursor import (
     Position,
-    RowChange,
-    SerializationError,
-    make_event_id,
+    canonical_json,
+    encode_value,
+    encoded_json,
+    encoded_pk,
+    pk_hash,
 )
-from dbtrigger.cursor import canonical_json, encode_value, encoded_json, encoded_pk, pk_hash
-from dbtrigger.events import EventIds, RowShape, events_from_rows
+from dbtrigger.events import EventIds, RowShape, events_from_rows, make_event_id
 from dbtrigger.sources.rows import Rows, rows_to_events
 
 

@@ -18,15 +18,9 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from dbtrigger import (
-    ConfigurationError,
-    FileCheckpointStore,
-    HandlerError,
-    InMemoryMetrics,
-    PartialBatchError,
-    PollTrigger,
-    RowChange,
-)
+from dbtrigger import FileCheckpointStore, HandlerError, PollTrigger, RowChange
+from dbtrigger.errors import ConfigurationError, PartialBatchError
+from dbtrigger.metrics import InMemoryMetrics
 from dbtrigger.quarantine import JsonLinesQuarantineSink
 from dbtrigger.runtime.context import BatchContext
 from dbtrigger.state.stores.base import CheckpointStore

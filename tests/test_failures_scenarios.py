@@ -15,21 +15,23 @@ import sqlalchemy as sa
 
 from dbtrigger import (
     CommitError,
-    CorruptStateError,
     FetchError,
-    FingerprintMismatchError,
     HandlerError,
     InMemoryCheckpointStore,
-    InMemoryMetrics,
     LostLeaseError,
-    OperatorError,
     RowChange,
     SerializationError,
-    SourceDefinitionError,
     SqlAlchemySource,
+)
+from dbtrigger.errors import (
+    CorruptStateError,
+    FingerprintMismatchError,
+    OperatorError,
+    SourceDefinitionError,
     StoreAuthError,
 )
 from dbtrigger.faults import Fault, FaultPlan, FaultySource, FaultyStore
+from dbtrigger.metrics import InMemoryMetrics
 from dbtrigger.quarantine import JsonLinesQuarantineSink
 from dbtrigger.runtime.context import BatchContext
 from dbtrigger.state import document as docmod

@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 
-from dbtrigger import ConfigurationError, FileCheckpointStore, InMemoryMetrics, RowChange
-from dbtrigger.errors import PartialBatchError
+from dbtrigger import FileCheckpointStore, RowChange
+from dbtrigger.errors import ConfigurationError, PartialBatchError
+from dbtrigger.metrics import InMemoryMetrics
 from dbtrigger.quarantine import JsonLinesQuarantineSink
 from dbtrigger.runtime.context import BatchContext
 from dbtrigger.state.fanout import (

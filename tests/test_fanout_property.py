@@ -38,8 +38,9 @@ import sqlalchemy as sa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dbtrigger import FileCheckpointStore, InMemoryMetrics, PollTrigger, RowChange, SqlAlchemySource
+from dbtrigger import FileCheckpointStore, PollTrigger, RowChange, SqlAlchemySource
 from dbtrigger.errors import DbTriggerError, PartialBatchError
+from dbtrigger.metrics import InMemoryMetrics
 from dbtrigger.quarantine import JsonLinesQuarantineSink
 from dbtrigger.runtime.context import BatchContext
 from dbtrigger.runtime.retry import RetryPolicy

@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from dbtrigger import InMemoryCheckpointStore, PollTrigger, Position, RowChange
+from dbtrigger import InMemoryCheckpointStore, PollTrigger, RowChange
 from dbtrigger._gc import gc_paused, older_objects_frozen
+from dbtrigger.cursor import Position
 from dbtrigger.events import make_event_id
 
 

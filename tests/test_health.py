@@ -13,7 +13,8 @@ import pytest
 import sqlalchemy as sa
 from azure.storage.blob import BlobServiceClient
 
-from dbtrigger import FileCheckpointStore, PollTrigger, Position, RowChange, SqlAlchemySource
+from dbtrigger import FileCheckpointStore, PollTrigger, RowChange, SqlAlchemySource
+from dbtrigger.cursor import Position
 from dbtrigger.faults import Fault, FaultPlan, FaultyStore
 from dbtrigger.health import ERROR, NO_STATE, OK, STALE, UNKNOWN, check_health, measure_lag
 from dbtrigger.sources.visibility import SafetyWindow

@@ -21,15 +21,9 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from dbtrigger import (
-    FileCheckpointStore,
-    HandlerError,
-    PartialBatchError,
-    PollTrigger,
-    RowChange,
-    SqlAlchemySource,
-)
+from dbtrigger import FileCheckpointStore, HandlerError, PollTrigger, RowChange, SqlAlchemySource
 from dbtrigger.changelog import ChangeLogSource, install, log_table_name
+from dbtrigger.errors import PartialBatchError
 from dbtrigger.partitions import PartitionedPoller
 from dbtrigger.runtime.context import BatchContext
 from dbtrigger.sources.memory import MemorySource

@@ -9,7 +9,8 @@ import subprocess
 import textwrap
 from pathlib import Path
 
-from dbtrigger import InMemoryCheckpointStore, InMemoryMetrics, PollTrigger, SqlAlchemySource
+from dbtrigger import InMemoryCheckpointStore, PollTrigger, SqlAlchemySource
+from dbtrigger.metrics import InMemoryMetrics
 from tests.databases import TestDatabase
 
 

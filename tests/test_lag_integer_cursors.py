@@ -17,16 +17,12 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from dbtrigger import (
-    InMemoryCheckpointStore,
-    InMemoryMetrics,
-    PollTrigger,
-    SafetyWindow,
-    SqlAlchemySource,
-)
+from dbtrigger import InMemoryCheckpointStore, PollTrigger, SqlAlchemySource
 from dbtrigger.health import check_health, measure_lag
+from dbtrigger.metrics import InMemoryMetrics
 from dbtrigger.sources import lag as lagmod
 from dbtrigger.sources.clock import _WALL_CLOCK, _naive
+from dbtrigger.sources.visibility import SafetyWindow
 from tests.databases import TestDatabase
 from tests.test_cli_worker import run_cli
 from tests.test_source_sqlalchemy import make_table, precise_datetime

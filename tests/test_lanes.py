@@ -12,7 +12,6 @@ import pytest
 import sqlalchemy as sa
 
 from dbtrigger import (
-    ConfigurationError,
     DbBindings,
     DbOut,
     FetchError,
@@ -23,6 +22,7 @@ from dbtrigger import (
     SqlAlchemySource,
 )
 from dbtrigger.cursor import Position
+from dbtrigger.errors import ConfigurationError
 from dbtrigger.runtime.context import BatchContext
 from dbtrigger.runtime.kernel import split
 from dbtrigger.sources.rows import Rows

@@ -24,7 +24,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from dbtrigger import CommitError, InMemoryCheckpointStore, LostLeaseError, Position
+from dbtrigger import CommitError, InMemoryCheckpointStore, LostLeaseError
+from dbtrigger.cursor import Position
 from dbtrigger.faults import Fault, FaultPlan, FaultyStore
 from dbtrigger.runtime.retry import RetryPolicy
 from dbtrigger.runtime.session import LeaseSession

@@ -7,8 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from dbtrigger import FingerprintMismatchError, LostLeaseError
+from dbtrigger import LostLeaseError
 from dbtrigger.cursor import Position
+from dbtrigger.errors import FingerprintMismatchError
 from dbtrigger.state import lease as L
 from dbtrigger.state.document import Lease, StateDocument
 

@@ -21,19 +21,18 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from dbtrigger import (
     CommitError,
-    CorruptStateError,
     FetchError,
     FileCheckpointStore,
     HandlerError,
-    InMemoryMetrics,
     LostLeaseError,
     PollTrigger,
     RowChange,
     SerializationError,
     SqlAlchemySource,
 )
+from dbtrigger.errors import CorruptStateError
 from dbtrigger.faults import Fault, FaultPlan, FaultySource, FaultyStore
-from dbtrigger.metrics import METRICS, report_lag
+from dbtrigger.metrics import METRICS, InMemoryMetrics, report_lag
 from dbtrigger.metrics_otel import OpenTelemetryMetrics
 from dbtrigger.metrics_prometheus import PrometheusMetrics
 from dbtrigger.runtime.retry import RetryPolicy

@@ -24,7 +24,6 @@ import pytest
 from dbtrigger import (
     BlobCheckpointStore,
     ClaimSource,
-    ConfigurationError,
     DbBindings,
     FileCheckpointStore,
     InMemoryCheckpointStore,
@@ -36,6 +35,7 @@ from dbtrigger import (
 )
 from dbtrigger.cdc import BinlogSource, PgLogicalSource
 from dbtrigger.changelog import ChangeLogSource
+from dbtrigger.errors import ConfigurationError
 from dbtrigger.options import number, seconds, whole
 from dbtrigger.partitions import PartitionedPoller
 from dbtrigger.queue import Backoff

@@ -17,19 +17,16 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from dbtrigger import (
+from dbtrigger import DbBindings, DbOut, InMemoryCheckpointStore, RowChange, SqlAlchemySource
+from dbtrigger.azure import binding_of
+from dbtrigger.azure.output import output_binding
+from dbtrigger.errors import (
+    CommitError,
     ConfigurationError,
-    DbBindings,
-    DbOut,
-    InMemoryCheckpointStore,
-    RowChange,
-    SqlAlchemySource,
+    OutputWriteError,
     StoreUnavailableError,
     UnsafeIdentifierError,
 )
-from dbtrigger.azure import binding_of
-from dbtrigger.azure.output import output_binding
-from dbtrigger.errors import CommitError, OutputWriteError
 from dbtrigger.output import OutputTarget
 from dbtrigger.state.stores.base import CheckpointStore, StoredDocument
 from tests.databases import TestDatabase

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from dbtrigger import ClaimContext, ClaimSource, PartialBatchError, QueueTrigger, RowChange
+from dbtrigger import ClaimContext, ClaimSource, QueueTrigger, RowChange
 from dbtrigger.cli import main
+from dbtrigger.errors import PartialBatchError
 from dbtrigger.metrics import InMemoryMetrics
 from dbtrigger.quarantine import JsonLinesQuarantineSink
 from dbtrigger.queue import ddl

@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from dbtrigger import ClaimContext, ClaimSource, ConfigurationError, DbBindings, RowChange
+from dbtrigger import ClaimContext, ClaimSource, DbBindings, RowChange
 from dbtrigger.azure import binding_of
+from dbtrigger.errors import ConfigurationError
 from tests.databases import TestDatabase
 from tests.test_queue_columns import make_jobs, rows
 

@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from dbtrigger import ClaimSource, ConfigurationError, InMemoryMetrics, QueueTrigger, RowChange
+from dbtrigger import ClaimSource, QueueTrigger, RowChange
+from dbtrigger.errors import ConfigurationError
+from dbtrigger.metrics import InMemoryMetrics
 from dbtrigger.runtime.runner import Runner
 from tests.databases import TestDatabase
 from tests.test_queue_columns import make_jobs

@@ -22,7 +22,6 @@ import sqlalchemy as sa
 from dbtrigger import (
     ClaimContext,
     ClaimSource,
-    ConfigurationError,
     DbBindings,
     DbTriggerError,
     FileCheckpointStore,
@@ -31,6 +30,7 @@ from dbtrigger import (
     SqlAlchemySource,
 )
 from dbtrigger.azure import binding_of, entra_id_engine
+from dbtrigger.errors import ConfigurationError
 from dbtrigger.runtime.context import BatchContext
 from dbtrigger.runtime.kernel import wants_context
 from dbtrigger.state.window import Window

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from dbtrigger import ClaimSource, ConfigurationError, PartialBatchError, QueueTrigger
+from dbtrigger import ClaimSource, QueueTrigger
+from dbtrigger.errors import ConfigurationError, PartialBatchError
 from dbtrigger.queue.cli import parse_duration
 from dbtrigger.queue.outcome import Backoff, Mark, decide
 from dbtrigger.queue.statements import DeadItem

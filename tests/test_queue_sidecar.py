@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from dbtrigger import ClaimSource, ConfigurationError, FileCheckpointStore, QueueTrigger, RowChange
+from dbtrigger import ClaimSource, FileCheckpointStore, QueueTrigger, RowChange
 from dbtrigger.cli import main
+from dbtrigger.errors import ConfigurationError
 from dbtrigger.queue import SidecarFeeder
 from tests.databases import TestDatabase
 

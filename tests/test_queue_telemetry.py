@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from dbtrigger import ClaimContext, ClaimSource, InMemoryMetrics, RowChange
-from dbtrigger.metrics import METRIC_LABELS, METRICS
+from dbtrigger import ClaimContext, ClaimSource, RowChange
+from dbtrigger.metrics import METRIC_LABELS, METRICS, InMemoryMetrics
 from dbtrigger.runtime.telemetry import EVENTS
 from tests.databases import TestDatabase
 from tests.test_queue_columns import make_jobs, trigger

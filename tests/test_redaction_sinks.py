@@ -166,7 +166,7 @@ def test_quarantine_records_hold_no_secret(tmp_path: Path) -> None:
         poller="orders",
         error=RuntimeError(HANDLER_ERROR),
         attempts=3,
-        checkpoint=dbtrigger.Position(),
+        checkpoint=dbtrigger.cursor.Position(),
         batch_id="b",
         fencing_token=1,
         owner_id="o",

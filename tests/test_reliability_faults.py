@@ -6,16 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from dbtrigger import (
+from dbtrigger import FetchError, FileCheckpointStore, InMemoryCheckpointStore
+from dbtrigger.cursor import BEGINNING
+from dbtrigger.errors import (
     AmbiguousWriteError,
     CasConflictError,
-    FetchError,
-    FileCheckpointStore,
-    InMemoryCheckpointStore,
     StoreAuthError,
     StoreUnavailableError,
 )
-from dbtrigger.cursor import BEGINNING
 from dbtrigger.faults import Fault, FaultPlan, FaultySource, FaultyStore
 from dbtrigger.state.stores.base import CheckpointStore
 from dbtrigger.state.stores.base import StoredDocument as Stored

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 
 from dbtrigger import (
-    ConfigurationError,
     FileCheckpointStore,
     HandlerError,
     InMemoryCheckpointStore,
     LostLeaseError,
     RowChange,
 )
+from dbtrigger.errors import ConfigurationError
 from dbtrigger.faults import Fault, FaultPlan, FaultyStore
 from dbtrigger.runtime.context import BatchContext
 from tests.databases import TestDatabase

@@ -12,14 +12,9 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from dbtrigger import (
-    HandlerError,
-    InMemoryCheckpointStore,
-    InMemoryMetrics,
-    PartialBatchError,
-    RowChange,
-)
-from dbtrigger.errors import QuarantineError
+from dbtrigger import HandlerError, InMemoryCheckpointStore, RowChange
+from dbtrigger.errors import PartialBatchError, QuarantineError
+from dbtrigger.metrics import InMemoryMetrics
 from dbtrigger.quarantine import (
     JsonLinesQuarantineSink,
     QuarantineRecord,

@@ -5,22 +5,24 @@ from __future__ import annotations
 import pytest
 
 from dbtrigger import (
+    FetchError,
+    HandlerError,
+    InMemoryCheckpointStore,
+    LeaseAcquireError,
+    LostLeaseError,
+    RowChange,
+)
+from dbtrigger.errors import (
     AmbiguousWriteError,
     CasConflictError,
     ConfigurationError,
     CorruptStateError,
-    FetchError,
-    HandlerError,
-    InMemoryCheckpointStore,
-    InMemoryMetrics,
-    LeaseAcquireError,
-    LostLeaseError,
-    RowChange,
+    QuarantineError,
     StoreAuthError,
     StoreUnavailableError,
 )
-from dbtrigger.errors import QuarantineError
 from dbtrigger.faults import Fault, FaultPlan, FaultySource, FaultyStore
+from dbtrigger.metrics import InMemoryMetrics
 from dbtrigger.runtime.context import BatchContext
 from dbtrigger.runtime.retry import RetryPolicy, is_transient
 from tests.databases import TestDatabase

@@ -12,14 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from dbtrigger import (
-    ConfigurationError,
-    FileCheckpointStore,
-    PollTrigger,
-    RowChange,
-    SqlAlchemySource,
-)
+from dbtrigger import FileCheckpointStore, PollTrigger, RowChange, SqlAlchemySource
 from dbtrigger.cli import build_parser, load_object, main
+from dbtrigger.errors import ConfigurationError
 from dbtrigger.runtime.context import BatchContext
 from dbtrigger.runtime.runner import Runner
 from tests.databases import TestDatabase

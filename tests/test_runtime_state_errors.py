@@ -15,16 +15,18 @@ import pytest
 import sqlalchemy as sa
 
 from dbtrigger import (
-    AmbiguousCommitError,
-    FailureRecordError,
     FileCheckpointStore,
     HandlerError,
-    OperatorError,
-    PartialBatchError,
     PollTrigger,
     RetryPolicy,
     RowChange,
     SqlAlchemySource,
+)
+from dbtrigger.errors import (
+    AmbiguousCommitError,
+    FailureRecordError,
+    OperatorError,
+    PartialBatchError,
 )
 from dbtrigger.faults import Fault, FaultPlan, FaultyStore
 from dbtrigger.state import document as docmod

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import sqlalchemy as sa
 
-from dbtrigger import InMemoryCheckpointStore, InMemoryMetrics, PollTrigger, SqlAlchemySource
+from dbtrigger import InMemoryCheckpointStore, PollTrigger, SqlAlchemySource
+from dbtrigger.metrics import InMemoryMetrics
 from tests.databases import TestDatabase
 
 

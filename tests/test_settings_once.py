@@ -22,8 +22,7 @@ from urllib.parse import quote
 import pytest
 import sqlalchemy as sa
 
-from dbtrigger import ConfigurationError
-from dbtrigger.errors import MissingSettingError
+from dbtrigger.errors import ConfigurationError, MissingSettingError
 from dbtrigger.settings import references_setting, resolve_setting, setting_name
 from dbtrigger.state.stores.factory import open_store
 from dbtrigger.state.stores.file import FileCheckpointStore

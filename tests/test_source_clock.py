@@ -12,8 +12,10 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from dbtrigger import BEGINNING, NoGuard, SqlAlchemySource
+from dbtrigger import SqlAlchemySource
+from dbtrigger.cursor import BEGINNING
 from dbtrigger.sources.base import MeasuresCursorAge
+from dbtrigger.sources.visibility import NoGuard
 from tests.databases import TestDatabase
 
 UTC = dt.timezone.utc

@@ -23,15 +23,14 @@ import pytest
 import sqlalchemy as sa
 
 from dbtrigger import (
-    BEGINNING,
     InMemoryCheckpointStore,
     PollTrigger,
     SerializationError,
-    SourceDefinitionError,
     SqlAlchemySource,
     SqlCheckpointStore,
 )
-from dbtrigger.errors import DbTriggerError, FetchError, StoreRefusedError
+from dbtrigger.cursor import BEGINNING
+from dbtrigger.errors import DbTriggerError, FetchError, SourceDefinitionError, StoreRefusedError
 from tests.databases import SESSION_DB_PREFIX, admin_engine
 
 

@@ -23,14 +23,13 @@ import pytest
 import sqlalchemy as sa
 
 from dbtrigger import (
-    BEGINNING,
     DbTriggerError,
     InMemoryCheckpointStore,
     PollTrigger,
-    Position,
     SerializationError,
     SqlAlchemySource,
 )
+from dbtrigger.cursor import BEGINNING, Position
 from dbtrigger.sources.rows import ResultProcessors, Rows, read_rows
 from tests.databases import TestDatabase
 from tests.test_source_sqlalchemy import insert, make_table, naive, precise_datetime

@@ -19,19 +19,16 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import mssql, mysql, postgresql
 
 from dbtrigger import (
-    BEGINNING,
     FetchError,
     FileCheckpointStore,
     PollTrigger,
-    Position,
-    RetryableError,
     RowChange,
     SerializationError,
-    SourceDefinitionError,
-    SourcePermissionError,
     SqlAlchemySource,
 )
 from dbtrigger.cli.main import main as cli_main
+from dbtrigger.cursor import BEGINNING, Position
+from dbtrigger.errors import RetryableError, SourceDefinitionError, SourcePermissionError
 from dbtrigger.sources.column_checks import (
     kinds_for_type,
     lossy_type_reason,

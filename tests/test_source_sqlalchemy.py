@@ -20,18 +20,16 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 
 from dbtrigger import (
-    BEGINNING,
-    ConfigurationError,
     FileCheckpointStore,
     InMemoryCheckpointStore,
-    InMemoryMetrics,
     PollTrigger,
-    Position,
     RowChange,
     SerializationError,
     SqlAlchemySource,
-    UnsafeIdentifierError,
 )
+from dbtrigger.cursor import BEGINNING, Position
+from dbtrigger.errors import ConfigurationError, UnsafeIdentifierError
+from dbtrigger.metrics import InMemoryMetrics
 from dbtrigger.sources.base import SourceAdapter
 from dbtrigger.state.document import position_from_json, position_to_json
 from tests.databases import TestDatabase

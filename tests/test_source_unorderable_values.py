@@ -27,15 +27,10 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from dbtrigger import (
-    InMemoryCheckpointStore,
-    InMemoryMetrics,
-    PollTrigger,
-    SerializationError,
-    SqlAlchemySource,
-)
+from dbtrigger import InMemoryCheckpointStore, PollTrigger, SerializationError, SqlAlchemySource
 from dbtrigger.cursor import Position
 from dbtrigger.health import check_health
+from dbtrigger.metrics import InMemoryMetrics
 from dbtrigger.sources import lag as lagmod
 from dbtrigger.sources.lag import LagReading
 from tests.databases import TestDatabase

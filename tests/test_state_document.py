@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from dbtrigger import CorruptStateError
 from dbtrigger.cursor import Position
+from dbtrigger.errors import CorruptStateError
 from dbtrigger.state import document as docmod
 from dbtrigger.state.document import Checkpoint, FailureRecord, Lease, StateDocument
 

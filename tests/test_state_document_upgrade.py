@@ -15,15 +15,9 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from dbtrigger import (
-    CorruptStateError,
-    FileCheckpointStore,
-    HandlerError,
-    PollTrigger,
-    RowChange,
-    SqlAlchemySource,
-)
+from dbtrigger import FileCheckpointStore, HandlerError, PollTrigger, RowChange, SqlAlchemySource
 from dbtrigger.cli import main
+from dbtrigger.errors import CorruptStateError
 from dbtrigger.state import document as docmod
 from tests.databases import TestDatabase
 

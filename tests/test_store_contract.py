@@ -19,13 +19,8 @@ import pytest
 from azure.data.tables import TableClient
 from azure.storage.blob import BlobServiceClient
 
-from dbtrigger import (
-    CasConflictError,
-    FileCheckpointStore,
-    InMemoryCheckpointStore,
-    StoreUnavailableError,
-    UnsafeIdentifierError,
-)
+from dbtrigger import FileCheckpointStore, InMemoryCheckpointStore
+from dbtrigger.errors import CasConflictError, StoreUnavailableError, UnsafeIdentifierError
 from dbtrigger.state.stores import (
     BlobCheckpointStore,
     SqlCheckpointStore,

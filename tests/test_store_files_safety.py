@@ -28,8 +28,9 @@ from azure.storage.blob import (
     generate_account_sas,
 )
 
-from dbtrigger import FileCheckpointStore, StoreUnavailableError
+from dbtrigger import FileCheckpointStore
 from dbtrigger.cli import main
+from dbtrigger.errors import StoreUnavailableError
 from dbtrigger.quarantine import JsonLinesQuarantineSink, QuarantineRecord
 from dbtrigger.state import document as docmod
 from dbtrigger.state.lease import decide_acquire

@@ -25,14 +25,8 @@ from azure.core.exceptions import (
 )
 from azure.storage.blob import BlobServiceClient
 
-from dbtrigger import (
-    CasConflictError,
-    OperatorError,
-    PollTrigger,
-    RowChange,
-    SqlAlchemySource,
-    StoreRefusedError,
-)
+from dbtrigger import PollTrigger, RowChange, SqlAlchemySource
+from dbtrigger.errors import CasConflictError, OperatorError, StoreRefusedError
 from dbtrigger.state import document as docmod
 from dbtrigger.state.lease import decide_acquire
 from dbtrigger.state.stores.blob import BlobCheckpointStore

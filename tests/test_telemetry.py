@@ -11,9 +11,8 @@ from typing import Any
 
 import pytest
 
-from dbtrigger import InMemoryMetrics
 from dbtrigger.cursor import Position
-from dbtrigger.metrics import METRIC_LABELS, METRICS, SafeMetrics
+from dbtrigger.metrics import METRIC_LABELS, METRICS, InMemoryMetrics, SafeMetrics
 from dbtrigger.runtime.telemetry import EVENTS, Count, Gauge, Observe, Telemetry
 from dbtrigger.sources.base import CountsAfter, FindsNullCursors, ReportsVisibility
 

@@ -6,7 +6,8 @@ import threading
 
 import pytest
 
-from dbtrigger import CasConflictError, InMemoryCheckpointStore
+from dbtrigger import InMemoryCheckpointStore
+from dbtrigger.errors import CasConflictError
 from dbtrigger.testing import CountingStore, StoreCall, StoreContract, StoreCounts
 
 

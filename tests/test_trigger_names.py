@@ -18,14 +18,8 @@ from typing import Any
 
 import pytest
 
-from dbtrigger import (
-    ClaimContext,
-    ClaimSource,
-    ConfigurationError,
-    PollTrigger,
-    QueueTrigger,
-    RowChange,
-)
+from dbtrigger import ClaimContext, ClaimSource, PollTrigger, QueueTrigger, RowChange
+from dbtrigger.errors import ConfigurationError
 from dbtrigger.quarantine import JsonLinesQuarantineSink
 from dbtrigger.runtime.context import BatchContext, EventContext
 from dbtrigger.runtime.trigger import DEFAULT_MAX_BATCHES_PER_TICK, Trigger

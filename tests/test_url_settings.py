@@ -17,14 +17,8 @@ import azure.functions as func
 import pytest
 from azure.functions.timer import TimerRequest
 
-from dbtrigger import (
-    ClaimSource,
-    ConfigurationError,
-    DbBindings,
-    RowChange,
-    SqlAlchemySource,
-    SqlCheckpointStore,
-)
+from dbtrigger import ClaimSource, DbBindings, RowChange, SqlAlchemySource, SqlCheckpointStore
+from dbtrigger.errors import ConfigurationError
 from dbtrigger.quarantine import SqlQuarantineSink
 from tests.databases import TestDatabase
 from tests.test_queue_columns import make_jobs

@@ -35,15 +35,14 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import mssql
 
 from dbtrigger import (
-    BEGINNING,
-    ConfigurationError,
     FileCheckpointStore,
     InMemoryCheckpointStore,
     PollTrigger,
-    Position,
     RowChange,
     SqlAlchemySource,
 )
+from dbtrigger.cursor import BEGINNING, Position
+from dbtrigger.errors import ConfigurationError
 from dbtrigger.sources.visibility import (
     DEFAULT_WINDOW_SECONDS,
     XID_COLUMN_MARKER,

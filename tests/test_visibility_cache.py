@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from dbtrigger import BEGINNING, Position, SqlAlchemySource
+from dbtrigger import SqlAlchemySource
+from dbtrigger.cursor import BEGINNING, Position
 from dbtrigger.sources.visibility import (
     ActiveGuard,
     GuardTarget,

@@ -27,13 +27,9 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from dbtrigger import (
-    BEGINNING,
-    ConfigurationError,
-    InMemoryCheckpointStore,
-    Position,
-    SqlAlchemySource,
-)
+from dbtrigger import InMemoryCheckpointStore, SqlAlchemySource
+from dbtrigger.cursor import BEGINNING, Position
+from dbtrigger.errors import ConfigurationError
 from dbtrigger.sources.visibility import MariaDbHorizon, SafetyWindow, TransactionHorizon
 from tests.databases import TestDatabase
 from tests.test_visibility import Poller, make_poller, wait_until

@@ -20,10 +20,11 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from dbtrigger import InMemoryCheckpointStore, InMemoryMetrics, PollTrigger, SqlAlchemySource
+from dbtrigger import InMemoryCheckpointStore, PollTrigger, SqlAlchemySource
 from dbtrigger.changelog import ChangeLogSource
 from dbtrigger.changelog import install as install_changelog
 from dbtrigger.errors import ConfigurationError, UnsafeIdentifierError
+from dbtrigger.metrics import InMemoryMetrics
 from dbtrigger.runtime.runner import Runner
 from dbtrigger.wakeup import (
     AdaptivePolling,

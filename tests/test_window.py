@@ -8,8 +8,8 @@ import uuid
 
 import pytest
 
-from dbtrigger import CorruptStateError
 from dbtrigger.cursor import Position
+from dbtrigger.errors import CorruptStateError
 from dbtrigger.state.backoff import backoff_seconds
 from dbtrigger.state.window import (
     Bound,

@@ -2,198 +2,156 @@
 
 A timer fires, :class:`PollTrigger` reads the rows changed since its checkpoint
 from a :class:`SqlAlchemySource`, hands them to your handler as
-:class:`RowChange` batches and advances the checkpoint in a
-:class:`CheckpointStore` only after the handler succeeded.
+:class:`RowChange` batches and advances the checkpoint in a checkpoint store
+only after the handler succeeded.
+
+The root offers the names most code needs (``__all__``: triggers, sources,
+stores, contexts, bindings, sinks, health). Everything else has its public
+module (``docs/api.md`` lists them); errors are in :mod:`dbtrigger.errors`.
+``DbTriggerError`` and the six errors the runtime contract names
+(``LeaseAcquireError``, ``FetchError``, ``SerializationError``,
+``HandlerError``, ``LostLeaseError``, ``CommitError``) are importable from
+here too. Names the root offered before are still found, with a
+``DeprecationWarning`` naming their module.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from importlib import metadata
+from typing import TYPE_CHECKING
 
-# Light modules (the standard library only) are imported eagerly; everything
-# that pulls in SQLAlchemy, a driver, tenacity or an Azure SDK is imported the
-# first time one of its names is used (see ``_LAZY`` and ``__getattr__``), so
-# ``import dbtrigger`` stays cheap for a Functions worker's cold start and for
-# tools that only need the error classes or ``RowChange``.
-from dbtrigger.cursor import BEGINNING, Position
-from dbtrigger.errors import (
-    AckTimeoutError,
-    AmbiguousCommitError,
-    AmbiguousWriteError,
-    CasConflictError,
-    CommitError,
-    ConfigurationError,
-    ContentionError,
-    CorruptStateError,
-    DbTriggerError,
-    FailureRecordError,
-    FetchError,
-    FingerprintMismatchError,
-    HandlerError,
-    LeaseAcquireError,
-    LiveLeaseError,
-    LostLeaseError,
-    OperatorError,
-    OutputWriteError,
-    PartialBatchError,
-    QuarantineError,
-    RetryableError,
-    SerializationError,
-    SourceDefinitionError,
-    SourcePermissionError,
-    StoreAuthError,
-    StoreError,
-    StoreRefusedError,
-    StoreUnavailableError,
-    UnsafeIdentifierError,
-    UnsupportedDocumentError,
-)
-from dbtrigger.events import RowChange, dedup_key, make_event_id
-from dbtrigger.redaction import RedactingFilter  # importing it protects our loggers
+from dbtrigger import _lazy
+from dbtrigger import redaction as _redaction  # importing it protects our loggers
+from dbtrigger.errors import CommitError as CommitError
+from dbtrigger.errors import DbTriggerError as DbTriggerError
+from dbtrigger.errors import FetchError as FetchError
+from dbtrigger.errors import HandlerError as HandlerError
+from dbtrigger.errors import LeaseAcquireError as LeaseAcquireError
+from dbtrigger.errors import LostLeaseError as LostLeaseError
+from dbtrigger.errors import SerializationError as SerializationError
+from dbtrigger.events import RowChange
 
 if TYPE_CHECKING:
-    from dbtrigger.azure import DbBindings, LeaseScheduleWarning
-    from dbtrigger.metrics import InMemoryMetrics, MetricsCollector, NullMetrics
+    from dbtrigger.azure import DbBindings
+    from dbtrigger.changelog.source import ChangeLogSource
+    from dbtrigger.health import check_health
+    from dbtrigger.metrics import MetricsCollector
     from dbtrigger.output import DbOut
-    from dbtrigger.queue import ClaimContext, ClaimSource, QueueTickResult, QueueTrigger
+    from dbtrigger.quarantine import JsonLinesQuarantineSink, SqlQuarantineSink
+    from dbtrigger.queue import ClaimContext, ClaimSource, QueueTrigger
     from dbtrigger.runtime.context import BatchContext
     from dbtrigger.runtime.poller import PollTrigger, TickResult
     from dbtrigger.runtime.retry import RetryPolicy
-    from dbtrigger.sources.base import SourceAdapter
     from dbtrigger.sources.sqlalchemy import SqlAlchemySource
-    from dbtrigger.sources.visibility import (
-        NoGuard,
-        SafetyWindow,
-        SnapshotHorizon,
-        TransactionHorizon,
-        install_visibility_trigger,
-    )
-    from dbtrigger.state.document import StateDocument
     from dbtrigger.state.stores import (
-        CheckpointStore,
+        BlobCheckpointStore,
         FileCheckpointStore,
         InMemoryCheckpointStore,
-        StoredDocument,
+        SqlCheckpointStore,
+        TableCheckpointStore,
     )
-    from dbtrigger.state.stores.blob import BlobCheckpointStore
-    from dbtrigger.state.stores.sql import SqlCheckpointStore
-    from dbtrigger.state.stores.table import TableCheckpointStore
 
-#: Public name -> the module that defines it, imported on first use.
-_LAZY = {
-    "DbBindings": "dbtrigger.azure",
-    "LeaseScheduleWarning": "dbtrigger.azure",
-    "InMemoryMetrics": "dbtrigger.metrics",
-    "MetricsCollector": "dbtrigger.metrics",
-    "NullMetrics": "dbtrigger.metrics",
-    "DbOut": "dbtrigger.output",
-    "ClaimContext": "dbtrigger.queue",
-    "ClaimSource": "dbtrigger.queue",
-    "QueueTickResult": "dbtrigger.queue",
-    "QueueTrigger": "dbtrigger.queue",
-    "BatchContext": "dbtrigger.runtime.context",
+# Everything that pulls in SQLAlchemy, a driver, tenacity or an Azure SDK is
+# imported the first time one of its names is used, so ``import dbtrigger``
+# stays cheap for a Functions worker's cold start.
+_NAMES = {
     "PollTrigger": "dbtrigger.runtime.poller",
     "TickResult": "dbtrigger.runtime.poller",
     "RetryPolicy": "dbtrigger.runtime.retry",
-    "SourceAdapter": "dbtrigger.sources.base",
+    "BatchContext": "dbtrigger.runtime.context",
+    "QueueTrigger": "dbtrigger.queue",
+    "ClaimSource": "dbtrigger.queue",
+    "ClaimContext": "dbtrigger.queue",
     "SqlAlchemySource": "dbtrigger.sources.sqlalchemy",
-    "NoGuard": "dbtrigger.sources.visibility",
-    "SafetyWindow": "dbtrigger.sources.visibility",
-    "SnapshotHorizon": "dbtrigger.sources.visibility",
-    "TransactionHorizon": "dbtrigger.sources.visibility",
-    "install_visibility_trigger": "dbtrigger.sources.visibility",
-    "StateDocument": "dbtrigger.state.document",
-    "CheckpointStore": "dbtrigger.state.stores",
-    "FileCheckpointStore": "dbtrigger.state.stores",
+    "ChangeLogSource": "dbtrigger.changelog.source",
     "InMemoryCheckpointStore": "dbtrigger.state.stores",
-    "StoredDocument": "dbtrigger.state.stores",
+    "FileCheckpointStore": "dbtrigger.state.stores",
     "BlobCheckpointStore": "dbtrigger.state.stores",
-    "SqlCheckpointStore": "dbtrigger.state.stores",
     "TableCheckpointStore": "dbtrigger.state.stores",
+    "SqlCheckpointStore": "dbtrigger.state.stores",
+    "DbBindings": "dbtrigger.azure",
+    "DbOut": "dbtrigger.output",
+    "JsonLinesQuarantineSink": "dbtrigger.quarantine",
+    "SqlQuarantineSink": "dbtrigger.quarantine",
+    "check_health": "dbtrigger.health",
+    "MetricsCollector": "dbtrigger.metrics",
 }
 
+#: Names the root offered before this release, and their public module now.
+_MOVED = {
+    **dict.fromkeys(("BEGINNING", "Position"), "dbtrigger.cursor"),
+    **dict.fromkeys(("dedup_key", "make_event_id"), "dbtrigger.events"),
+    **dict.fromkeys(("InMemoryMetrics", "NullMetrics"), "dbtrigger.metrics"),
+    **dict.fromkeys(("CheckpointStore", "StoredDocument"), "dbtrigger.state.stores"),
+    **dict.fromkeys(
+        ("NoGuard", "SafetyWindow", "SnapshotHorizon", "TransactionHorizon"),
+        "dbtrigger.sources.visibility",
+    ),
+    "install_visibility_trigger": "dbtrigger.sources.visibility",
+    "LeaseScheduleWarning": "dbtrigger.azure",
+    "QueueTickResult": "dbtrigger.queue",
+    "RedactingFilter": "dbtrigger.redaction",
+    "SourceAdapter": "dbtrigger.sources",
+    "StateDocument": "dbtrigger.state.document",
+    **dict.fromkeys(
+        (
+            "AckTimeoutError",
+            "AmbiguousCommitError",
+            "AmbiguousWriteError",
+            "CasConflictError",
+            "ConfigurationError",
+            "ContentionError",
+            "CorruptStateError",
+            "FailureRecordError",
+            "FingerprintMismatchError",
+            "LiveLeaseError",
+            "OperatorError",
+            "OutputWriteError",
+            "PartialBatchError",
+            "QuarantineError",
+            "RetryableError",
+            "SourceDefinitionError",
+            "SourcePermissionError",
+            "StoreAuthError",
+            "StoreError",
+            "StoreRefusedError",
+            "StoreUnavailableError",
+            "UnsafeIdentifierError",
+            "UnsupportedDocumentError",
+        ),
+        "dbtrigger.errors",
+    ),
+}
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+__getattr__, __dir__ = _lazy.exports(__name__, _NAMES, moved=_MOVED)
 
+try:
+    __version__ = metadata.version("dbtrigger")
+except metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
 
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
-
-
-__version__ = "0.1.0"
+del metadata, _redaction
 
 __all__ = [
-    "BEGINNING",
-    "AckTimeoutError",
-    "AmbiguousCommitError",
-    "AmbiguousWriteError",
     "BatchContext",
     "BlobCheckpointStore",
-    "CasConflictError",
-    "CheckpointStore",
+    "ChangeLogSource",
     "ClaimContext",
     "ClaimSource",
-    "CommitError",
-    "ConfigurationError",
-    "ContentionError",
-    "CorruptStateError",
     "DbBindings",
     "DbOut",
-    "DbTriggerError",
-    "FailureRecordError",
-    "FetchError",
     "FileCheckpointStore",
-    "FingerprintMismatchError",
-    "HandlerError",
     "InMemoryCheckpointStore",
-    "InMemoryMetrics",
-    "LeaseAcquireError",
-    "LeaseScheduleWarning",
-    "LiveLeaseError",
-    "LostLeaseError",
+    "JsonLinesQuarantineSink",
     "MetricsCollector",
-    "NoGuard",
-    "NullMetrics",
-    "OperatorError",
-    "OutputWriteError",
-    "PartialBatchError",
     "PollTrigger",
-    "Position",
-    "QuarantineError",
-    "QueueTickResult",
     "QueueTrigger",
-    "RedactingFilter",
     "RetryPolicy",
-    "RetryableError",
     "RowChange",
-    "SafetyWindow",
-    "SerializationError",
-    "SnapshotHorizon",
-    "SourceAdapter",
-    "SourceDefinitionError",
-    "SourcePermissionError",
     "SqlAlchemySource",
     "SqlCheckpointStore",
-    "StateDocument",
-    "StoreAuthError",
-    "StoreError",
-    "StoreRefusedError",
-    "StoreUnavailableError",
-    "StoredDocument",
+    "SqlQuarantineSink",
     "TableCheckpointStore",
     "TickResult",
-    "TransactionHorizon",
-    "UnsafeIdentifierError",
-    "UnsupportedDocumentError",
-    "__version__",
-    "dedup_key",
-    "install_visibility_trigger",
-    "make_event_id",
+    "check_health",
 ]

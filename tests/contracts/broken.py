@@ -14,8 +14,9 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from dbtrigger import CasConflictError, InMemoryCheckpointStore
+from dbtrigger import InMemoryCheckpointStore
 from dbtrigger.cursor import Position
+from dbtrigger.errors import CasConflictError
 from dbtrigger.quarantine import QuarantineRecord
 from dbtrigger.sources.memory import MemorySource
 from dbtrigger.state.stores.base import StoredDocument

@@ -1,7 +1,13 @@
-"""Checkpoint store adapters."""
+"""Checkpoint store adapters: where a poller keeps its state document (public).
 
-from typing import TYPE_CHECKING, Any
+The port is :class:`CheckpointStore`; ``docs/stores.md`` compares the stores.
+"""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dbtrigger import _lazy
 from dbtrigger.state.stores.base import CheckpointStore, StoredDocument
 from dbtrigger.state.stores.file import FileCheckpointStore
 from dbtrigger.state.stores.memory import InMemoryCheckpointStore
@@ -20,14 +26,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib  # noqa: PLC0415 - deferred on purpose, see _LAZY
-
-    return getattr(importlib.import_module(module), name)
-
+__getattr__, __dir__ = _lazy.exports(__name__, _LAZY)
 
 __all__ = [
     "BlobCheckpointStore",

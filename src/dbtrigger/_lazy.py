@@ -1,0 +1,57 @@
+"""Names a package hands on, imported the first time one is used.
+
+``import dbtrigger`` must stay cheap (a Functions worker's cold start, tools
+that only want the error classes): everything that pulls in SQLAlchemy, a
+driver or an Azure SDK is imported when one of its names is first looked up.
+A package writes down which of its names come from which module, and gets its
+module ``__getattr__`` and ``__dir__`` from :func:`exports`. ``moved`` names
+are still found at an older address, with a :class:`DeprecationWarning` naming
+the new one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+def exports(
+    package: str,
+    names: Mapping[str, str],
+    *,
+    moved: Mapping[str, str] | None = None,
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """``(__getattr__, __dir__)`` for ``package``.
+
+    ``names`` maps each name to the module that defines it; ``moved`` maps a
+    name no longer offered here to the public module it is now imported from.
+    A name found in ``names`` is cached in the package's namespace, so later
+    lookups are plain attribute reads.
+    """
+    moved = dict(moved or {})
+
+    def __getattr__(name: str) -> Any:
+        home = names.get(name)
+        if home is not None:
+            value = getattr(importlib.import_module(home), name)
+            vars(importlib.import_module(package))[name] = value
+            return value
+        new = moved.get(name)
+        if new is not None:
+            warnings.warn(
+                f"'from {package} import {name}' is deprecated: import it from {new}",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return getattr(importlib.import_module(new), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    def __dir__() -> list[str]:
+        return sorted(set(vars(importlib.import_module(package))) | set(names))
+
+    return __getattr__, __dir__
+
+
+__all__ = ["exports"]

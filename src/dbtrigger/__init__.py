@@ -21,6 +21,7 @@ from importlib import metadata
 from typing import TYPE_CHECKING
 
 from dbtrigger import _lazy
+from dbtrigger import errors as _errors
 from dbtrigger import redaction as _redaction  # importing it protects our loggers
 from dbtrigger.errors import CommitError as CommitError
 from dbtrigger.errors import DbTriggerError as DbTriggerError
@@ -50,6 +51,17 @@ if TYPE_CHECKING:
         SqlCheckpointStore,
         TableCheckpointStore,
     )
+
+#: Importable from the root although not listed: the runtime contract names them.
+_CONTRACT_ERRORS = (
+    "DbTriggerError",
+    "LeaseAcquireError",
+    "FetchError",
+    "SerializationError",
+    "HandlerError",
+    "LostLeaseError",
+    "CommitError",
+)
 
 # Everything that pulls in SQLAlchemy, a driver, tenacity or an Azure SDK is
 # imported the first time one of its names is used, so ``import dbtrigger``
@@ -93,34 +105,8 @@ _MOVED = {
     "RedactingFilter": "dbtrigger.redaction",
     "SourceAdapter": "dbtrigger.sources",
     "StateDocument": "dbtrigger.state.document",
-    **dict.fromkeys(
-        (
-            "AckTimeoutError",
-            "AmbiguousCommitError",
-            "AmbiguousWriteError",
-            "CasConflictError",
-            "ConfigurationError",
-            "ContentionError",
-            "CorruptStateError",
-            "FailureRecordError",
-            "FingerprintMismatchError",
-            "LiveLeaseError",
-            "OperatorError",
-            "OutputWriteError",
-            "PartialBatchError",
-            "QuarantineError",
-            "RetryableError",
-            "SourceDefinitionError",
-            "SourcePermissionError",
-            "StoreAuthError",
-            "StoreError",
-            "StoreRefusedError",
-            "StoreUnavailableError",
-            "UnsafeIdentifierError",
-            "UnsupportedDocumentError",
-        ),
-        "dbtrigger.errors",
-    ),
+    # Every other error: they live in dbtrigger.errors.
+    **dict.fromkeys(set(_errors.__all__) - set(_CONTRACT_ERRORS), "dbtrigger.errors"),
 }
 
 __getattr__, __dir__ = _lazy.exports(__name__, _NAMES, moved=_MOVED)

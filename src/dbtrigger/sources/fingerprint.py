@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy.engine import URL
@@ -128,38 +129,50 @@ def _digest(definition: Mapping[str, Any]) -> str:
     return "sha256:" + hashlib.sha256(canonical_json(definition).encode()).hexdigest()
 
 
-def source_fingerprint(
-    *,
-    url: URL,
-    schema: str | None,
-    table: str | None,
-    query: str | None,
-    cursor_column: str,
-    pk_columns: Sequence[str],
-    where: str | None,
-    parameters: Mapping[str, Any],
-    deleted: Any = None,
-) -> str:
-    """The fingerprint of a definition (version 2: connection details normalised away).
+@dataclass(frozen=True)
+class Definition:
+    """What a keyset source reads: the part of its configuration a fingerprint hashes.
 
     ``deleted`` is the soft-delete marking (column and encoded value), present
     only when configured so that other sources' fingerprints do not depend on it.
     """
+
+    schema: str | None
+    table: str | None
+    query: str | None
+    cursor_column: str
+    pk_columns: Sequence[str]
+    where: str | None
+    parameters: Mapping[str, Any]
+    deleted: Any = None
+
+    def keyset(self) -> dict[str, Any]:
+        """The fields every version of the fingerprint hashes as they are."""
+        fields: dict[str, Any] = {
+            "table": self.table,
+            "query": self.query,
+            "cursor_column": self.cursor_column,
+            "pk_columns": list(self.pk_columns),
+            "where": self.where,
+            "parameters": _parameters(self.parameters),
+        }
+        if self.deleted is not None:
+            fields["deleted"] = self.deleted
+        return fields
+
+
+def source_fingerprint(url: URL, definition: Definition) -> str:
+    """The fingerprint of a definition (version 2: connection details normalised away)."""
     target = identity_url(url)
-    definition: dict[str, Any] = {
-        "fingerprint_version": 2,
-        "source": target,
-        "schema": identity_schema(target["backend"], schema, url.database),
-        "table": table,
-        "query": query,
-        "cursor_column": cursor_column,
-        "pk_columns": list(pk_columns),
-        "where": where,
-        "parameters": _parameters(parameters),
-    }
-    if deleted is not None:
-        definition["deleted"] = deleted
-    return _digest(definition)
+    schema = identity_schema(target["backend"], definition.schema, url.database)
+    return _digest(
+        {"fingerprint_version": 2, "source": target, "schema": schema, **definition.keyset()}
+    )
+
+
+def legacy_fingerprint(safe_url: str, definition: Definition) -> str:
+    """The fingerprint as written before version 2 (the password-free URL text, verbatim)."""
+    return _digest({"url": safe_url, "schema": definition.schema, **definition.keyset()})
 
 
 #: Texts (a query, a filter) longer than this are kept as a start and a digest.
@@ -178,18 +191,7 @@ def _readable_text(text: str | None) -> str | None:
     return f"{text[:120]}... ({len(text)} characters, sha256:{digest})"
 
 
-def readable_definition(
-    *,
-    url: URL,
-    schema: str | None,
-    table: str | None,
-    query: str | None,
-    cursor_column: str,
-    pk_columns: Sequence[str],
-    where: str | None,
-    parameters: Mapping[str, Any],
-    deleted: Any = None,
-) -> dict[str, Any]:
+def readable_definition(url: URL, definition: Definition) -> dict[str, Any]:
     """What :func:`source_fingerprint` hashes, readable and secret-free, with the hash.
 
     Kept in the state document (``source_definition``) so that a changed
@@ -202,19 +204,10 @@ def readable_definition(
     this is: a document whose fingerprint was changed by a dbtrigger that did
     not know this field keeps a stale copy, which readers must ignore.
     """
+    d = definition
     target = identity_url(url)
     out: dict[str, Any] = {
-        "fingerprint": source_fingerprint(
-            url=url,
-            schema=schema,
-            table=table,
-            query=query,
-            cursor_column=cursor_column,
-            pk_columns=pk_columns,
-            where=where,
-            parameters=parameters,
-            deleted=deleted,
-        ),
+        "fingerprint": source_fingerprint(url, d),
         "dialect": target["backend"],
         "host": target["host"],
         # (The fingerprint leaves a default port out; shown, it is the number.)
@@ -222,51 +215,24 @@ def readable_definition(
         "user": target["user"],
         "database": target["database"],
         "url_options": {name: _digest_short(value) for name, value in target["query"].items()},
-        "schema": identity_schema(target["backend"], schema, url.database),
-        "table": table,
-        "query": _readable_text(query),
-        "cursor_column": cursor_column,
-        "pk_columns": list(pk_columns),
-        "where": _readable_text(where),
+        "schema": identity_schema(target["backend"], d.schema, url.database),
+        "table": d.table,
+        "query": _readable_text(d.query),
+        "cursor_column": d.cursor_column,
+        "pk_columns": list(d.pk_columns),
+        "where": _readable_text(d.where),
         "parameters": {
-            name: _digest_short(value) for name, value in _parameters(parameters).items()
+            name: _digest_short(value) for name, value in _parameters(d.parameters).items()
         },
     }
-    if deleted is not None:
-        out["deleted"] = deleted
+    if d.deleted is not None:
+        out["deleted"] = d.deleted
     return out
-
-
-def legacy_fingerprint(
-    *,
-    safe_url: str,
-    schema: str | None,
-    table: str | None,
-    query: str | None,
-    cursor_column: str,
-    pk_columns: Sequence[str],
-    where: str | None,
-    parameters: Mapping[str, Any],
-    deleted: Any = None,
-) -> str:
-    """The fingerprint as written before version 2 (the password-free URL text, verbatim)."""
-    definition: dict[str, Any] = {
-        "url": safe_url,
-        "schema": schema,
-        "table": table,
-        "query": query,
-        "cursor_column": cursor_column,
-        "pk_columns": list(pk_columns),
-        "where": where,
-        "parameters": _parameters(parameters),
-    }
-    if deleted is not None:
-        definition["deleted"] = deleted
-    return _digest(definition)
 
 
 __all__ = [
     "CONNECTION_ONLY_OPTIONS",
+    "Definition",
     "identity_schema",
     "identity_url",
     "legacy_fingerprint",

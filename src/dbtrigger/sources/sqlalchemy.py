@@ -51,6 +51,7 @@ from dbtrigger.redaction import safe_url_text
 from dbtrigger.sources.clock import DatabaseClock
 from dbtrigger.sources.errors_map import mapped
 from dbtrigger.sources.fingerprint import (
+    Definition,
     legacy_fingerprint,
     readable_definition,
     source_fingerprint,
@@ -246,12 +247,12 @@ class SqlAlchemySource:
         written out, loopback spelling, TLS options, password): see
         :mod:`dbtrigger.sources.fingerprint`.
         """
-        return source_fingerprint(url=self._url, **self._definition())
+        return source_fingerprint(self._url, self._definition())
 
     def source_definition(self) -> dict[str, Any]:
         """What :meth:`fingerprint` hashes, readable and secret-free (kept in the state
         document so a changed definition can be shown, not only detected)."""
-        return readable_definition(url=self._url, **self._definition())
+        return readable_definition(self._url, self._definition())
 
     def accepted_fingerprints(self) -> tuple[str, ...]:
         """Fingerprints a stored document may carry for this very definition.
@@ -261,24 +262,26 @@ class SqlAlchemySource:
         normalisation is still this poller's and must not be refused. A commit
         writes :meth:`fingerprint`, so the older value disappears on its own.
         """
-        legacy = legacy_fingerprint(safe_url=self.safe_url, **self._definition())
+        legacy = legacy_fingerprint(self.safe_url, self._definition())
         return (self.fingerprint(), legacy)
 
-    def _definition(self) -> dict[str, Any]:
+    def _definition(self) -> Definition:
         spec = self._spec
-        definition: dict[str, Any] = {
-            "schema": spec.schema,
-            "table": spec.table,
-            "query": spec.query,
-            "cursor_column": spec.cursor_column,
-            "pk_columns": spec.pk_columns,
-            "where": spec.where,
-            "parameters": spec.parameters,
-        }
-        if spec.deleted_column is not None:
+        return Definition(
+            schema=spec.schema,
+            table=spec.table,
+            query=spec.query,
+            cursor_column=spec.cursor_column,
+            pk_columns=spec.pk_columns,
+            where=spec.where,
+            parameters=spec.parameters,
             # Only when set, so the fingerprints of sources without it do not change.
-            definition["deleted"] = [spec.deleted_column, list(encode_value(self._deleted_value))]
-        return definition
+            deleted=(
+                [spec.deleted_column, list(encode_value(self._deleted_value))]
+                if spec.deleted_column is not None
+                else None
+            ),
+        )
 
     def describe(self) -> dict[str, Any]:
         spec = self._spec

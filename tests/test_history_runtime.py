@@ -23,11 +23,12 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from dbtrigger import FileCheckpointStore, InMemoryMetrics, PollTrigger, RowChange, SqlAlchemySource
+from dbtrigger import FileCheckpointStore, PollTrigger, RowChange, SqlAlchemySource
 from dbtrigger.errors import StoreUnavailableError
 from dbtrigger.history import HistoryStore, MemoryHistory, history_for
 from dbtrigger.history.records import detail_lines, image_digest
 from dbtrigger.history.store import Retention
+from dbtrigger.metrics import InMemoryMetrics
 from dbtrigger.sources.memory import MemorySource
 from dbtrigger.state.document import format_time, position_from_json, position_to_json
 from dbtrigger.state.stores.base import CheckpointStore

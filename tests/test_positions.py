@@ -24,9 +24,10 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from dbtrigger import FileCheckpointStore, PollTrigger, Position, RowChange, SqlAlchemySource
+from dbtrigger import FileCheckpointStore, PollTrigger, RowChange, SqlAlchemySource
 from dbtrigger.changelog import ChangeLogSource, install, prune
 from dbtrigger.cli import main
+from dbtrigger.cursor import Position
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.history import FileHistory, Retention, history_for
 from dbtrigger.state.document import format_time

@@ -9,12 +9,10 @@ live poller's checkpoint never moves. See :mod:`dbtrigger.history.replay`.
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from dbtrigger.cli.common import (
-    ENV_STORE,
     Console,
     actor_from_args,
     add_store_options,
@@ -22,6 +20,7 @@ from dbtrigger.cli.common import (
     reason_from_args,
     show_position,
     state_store,
+    store_from_environment,
     utc_now,
 )
 from dbtrigger.cli.history import history_of
@@ -119,7 +118,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     trigger = loaded.trigger
     if not isinstance(trigger, PollTrigger):
         raise ConfigurationError(f"{args.source} is a claim queue: it keeps no history to replay")
-    if args.store or os.environ.get(ENV_STORE):
+    if args.store or store_from_environment():
         with state_store(args) as store:
             return _replay(args, trigger, loaded.handler, store)
     return _replay(args, trigger, loaded.handler, trigger.store)

@@ -48,7 +48,8 @@ def test_emit_logs_at_the_declared_level_and_counts_once(
             values={"seconds": 0.5, "timestamp": 1000.0, "lag_seconds": None},
         )
     [record] = caplog.records
-    assert (record.levelno, record.getMessage()) == (logging.INFO, "committed 3 rows")
+    # Per batch: DEBUG (the tick's one INFO line is its driver's: dbtrigger run, run()).
+    assert (record.levelno, record.getMessage()) == (logging.DEBUG, "committed 3 rows")
     assert (record.event, record.poller, record.batch_id) == ("batch_committed", "orders", "b1")  # type: ignore[attr-defined]
     assert not hasattr(record, "seconds")  # values feed metrics, not the log line
     assert metrics.total("events_total") == 3

@@ -206,7 +206,7 @@ class DbBindings:
                     handler = make_handler(call_keywords(host_sig, args, kwargs))
                     poll = ready()
                     try:
-                        await poll.tick_async(handler)
+                        await poll.run_async(handler=handler)
                     except ContentionError as exc:
                         _quiet(poller_name, exc)
 
@@ -218,7 +218,7 @@ class DbBindings:
                     handler = make_handler(call_keywords(host_sig, args, kwargs))
                     poll = ready()
                     try:
-                        poll.tick(handler)
+                        poll.run(handler=handler)
                     except ContentionError as exc:
                         _quiet(poller_name, exc)
 

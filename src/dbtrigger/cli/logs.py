@@ -72,6 +72,7 @@ def _quiet_chatty_loggers(record: logging.LogRecord) -> bool:
 #: Runtime events logged just before the error they name leaves the tick.
 TICK_FAILURE_EVENTS = frozenset(
     {
+        "handler_failed",
         "state_read_failed",
         "fetch_failed",
         "lease_acquire_failed",
@@ -83,19 +84,20 @@ TICK_FAILURE_EVENTS = frozenset(
 
 
 def _reported_by_the_error_line(record: logging.LogRecord) -> bool:
-    """False for a tick's record of an operator error, which stops the command.
+    """False for a tick's record of its own failure: the command says it.
 
-    The runtime marks such records ``operator_error=True`` (see
-    :mod:`dbtrigger.runtime.telemetry`).
+    Every command that ticks reports a failed tick itself - ``dbtrigger run``
+    in its one line per tick (with the traceback once per failing batch or
+    outage), ``backfill`` in its retry line - so the runtime's record of the
+    same failure, logged just before the error leaves the tick, would make a
+    database outage cost two lines per tick. Such records stay visible at
+    DEBUG (``-vv``) with the rest of the details.
 
-    Every command turns an :class:`~dbtrigger.errors.OperatorError` out of a
-    tick into its single ``error:`` line and exit code 2, so the runtime's own
-    ERROR record of the same error would only say it twice. It stays visible
-    at DEBUG (``-vv``), with the rest of the details.
+    An :class:`~dbtrigger.errors.OperatorError` out of a tick becomes the
+    command's single ``error:`` line and exit code 2 (the runtime marks its
+    record ``operator_error=True``); a retryable one the command's own line.
     """
-    if getattr(record, "event", None) not in TICK_FAILURE_EVENTS:
-        return True
-    return getattr(record, "operator_error", None) is not True
+    return getattr(record, "event", None) not in TICK_FAILURE_EVENTS
 
 
 class _CurrentStderr:

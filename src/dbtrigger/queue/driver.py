@@ -72,7 +72,7 @@ class QueueTickResult:
     token: str | None = None
     settled: tuple[tuple[Key, str], ...] = field(default=(), repr=False)
 
-    def summary(self, interval: float) -> tuple[str, dict[str, object]]:
+    def summary(self, interval: float | None) -> tuple[str, dict[str, object]]:
         del interval  # a queue's line says what it settled, not when it looks again
         more = "; more claimable, claiming again at once" if self.more else ""
         return (

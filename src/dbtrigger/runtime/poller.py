@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import logging
 import shlex
 import threading
 import time
@@ -71,6 +72,10 @@ from dbtrigger.state import document as docmod
 from dbtrigger.state.document import DEFAULT_JOURNAL_LIMIT, StateDocument
 from dbtrigger.state.stores.base import CheckpointStore
 from dbtrigger.state.window import Bound
+
+#: The tick's one INFO line when a timer drives the poller (run(), a Functions
+#: invocation); ``dbtrigger run`` logs its own on dbtrigger.runner.
+tick_log = logging.getLogger("dbtrigger.runtime")
 
 __all__ = [
     "DEFAULT_MAX_BATCHES_PER_TICK",
@@ -339,9 +344,26 @@ class PollTrigger:
         return self._fingerprint
 
     def run(self, *, timer: Any = None, handler: Handler | None = None) -> int:
-        """Run one tick for a timer firing; returns the number of rows committed."""
+        """Run one tick for a timer firing; returns the number of rows committed.
+
+        Logs the tick's one INFO line (:meth:`report`): a timer firing is the
+        driver of the tick, as ``dbtrigger run`` is for a worker.
+        """
         del timer  # the schedule is the host's business; the tick is the same
-        return self.tick(handler)
+        return self.report(self.tick_result(handler)).rows
+
+    def report(self, result: TickResult) -> TickResult:
+        """Log ``result`` as the tick's one INFO line (``event=tick``): rows, batches,
+        the checkpoint and when it was committed. Per-batch records are DEBUG, so a
+        timer-driven poller (a Functions invocation) says one line per firing."""
+        text, fields = result.summary(None)
+        tick_log.info(
+            "%s: %s",
+            self.name,
+            text,
+            extra={"event": "tick", "outcome": result.outcome, "poller": self.name, **fields},
+        )
+        return result
 
     def tick(
         self, handler: Handler | None = None, *, should_stop: Callable[[], bool] | None = None
@@ -448,6 +470,14 @@ class PollTrigger:
                 holder=result.holder,
             )
         time.sleep(wait)
+
+    async def run_async(self, *, timer: Any = None, handler: Handler | None = None) -> int:
+        """:meth:`run` for async code (a Functions ``async def`` timer function)."""
+        del timer
+        rows = await self.tick_async(handler)
+        if self.last_result is not None:
+            self.report(self.last_result)
+        return rows
 
     async def tick_async(self, handler: Handler | None = None) -> int:
         """One tick for async code: I/O runs in a worker thread, an async handler

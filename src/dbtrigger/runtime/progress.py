@@ -26,6 +26,9 @@ log = logging.getLogger("dbtrigger.runner")
 DEFAULT_PROGRESS_INTERVAL_SECONDS = 10.0
 #: How often the rows still behind are counted again while draining.
 BEHIND_RECOUNT_SECONDS = 60.0
+#: A rate (and an ETA from it) is given once the drain has run this long: over
+#: the first milliseconds it would say nothing about the backlog.
+MIN_RATE_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -47,16 +50,20 @@ class DrainProgress:
     def rate(self) -> float:
         return self.delivered / self.elapsed_seconds if self.elapsed_seconds > 0 else 0.0
 
+    @property
+    def rate_known(self) -> bool:
+        return self.elapsed_seconds >= MIN_RATE_SECONDS
+
     def describe(self) -> str:
-        rate = f"{self.rate:,.0f} rows/s"
+        rate = f" ({self.rate:,.0f} rows/s)" if self.rate_known else ""
         if self.caught_up:
-            return f"caught up: {self.delivered:,} rows in {self.elapsed_seconds:.1f}s ({rate})"
+            return f"caught up: {self.delivered:,} rows in {self.elapsed_seconds:.1f}s{rate}"
         behind = "an unknown number" if self.behind is None else f"about {self.behind:,}"
         eta = ""
-        if self.behind and self.rate > 0:
+        if self.behind and self.rate > 0 and self.rate_known:
             eta = f", ETA {dt.timedelta(seconds=round(self.behind / self.rate))}"
         return (
-            f"catching up: {self.delivered:,} rows in {self.elapsed_seconds:.1f}s ({rate}), "
+            f"catching up: {self.delivered:,} rows in {self.elapsed_seconds:.1f}s{rate}, "
             f"{behind} behind{eta}"
         )
 
@@ -82,11 +89,14 @@ class Tracker:
         callback: ProgressCallback,
         interval: float,
         first_rows: int,
+        *,
+        started: float | None = None,
     ) -> None:
         self.trigger = trigger
         self.callback = callback
         self.interval = interval
-        self.started = time.monotonic()
+        #: When the drain began (monotonic): the start of the tick that found it.
+        self.started = time.monotonic() if started is None else started
         # The first tick's rows are committed already: the count starts after them.
         self.delivered = first_rows
         self.counted_at = self.started
@@ -138,6 +148,6 @@ def log_progress(progress: DrainProgress) -> None:
             "poller": progress.poller,
             "rows": progress.delivered,
             "behind": progress.behind,
-            "rows_per_second": round(progress.rate, 1),
+            "rows_per_second": round(progress.rate, 1) if progress.rate_known else None,
         },
     )

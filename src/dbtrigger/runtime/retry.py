@@ -150,7 +150,10 @@ class RetryPolicy:
                 self.initial_backoff_seconds * self.multiplier ** (attempt - 1),
             )
             wait = random.uniform(0, bound)  # noqa: S311 - jitter, not cryptography
-            log.warning(
+            # DEBUG: an outage would say this three times per tick; the tick's
+            # failure (or nothing, when a retry succeeds) is what an operator reads,
+            # and retries_total counts them.
+            log.debug(
                 "%s failed (attempt %d of %d), retrying in %.2fs: %s",
                 operation,
                 attempt,

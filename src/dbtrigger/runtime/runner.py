@@ -69,6 +69,12 @@ from dbtrigger.runtime.progress import (
     Tracker,
     log_progress,
 )
+from dbtrigger.runtime.quiet import (
+    DEFAULT_STILL_QUIET_SECONDS,
+    QuietCadence,
+    for_how_long,
+    quiet_key,
+)
 from dbtrigger.runtime.trigger import TickReport, Trigger
 
 if TYPE_CHECKING:
@@ -110,6 +116,9 @@ class Runner:
         progress: called while a backlog drains (default: a log line).
         progress_interval_seconds: time between two progress reports.
         stop: a shared stop event (several runners in one process).
+        still_quiet_seconds: how often an idle (or standby) worker says it is
+            still so at INFO; the ticks in between log at DEBUG
+            (:mod:`dbtrigger.runtime.quiet`).
     """
 
     def __init__(
@@ -124,6 +133,7 @@ class Runner:
         progress_interval_seconds: float = DEFAULT_PROGRESS_INTERVAL_SECONDS,
         stop: threading.Event | None = None,
         wake: WakeHint | None = None,
+        still_quiet_seconds: float = DEFAULT_STILL_QUIET_SECONDS,
     ) -> None:
         if wake is not None:
             wake.attach(trigger)  # refuses a trigger it cannot serve, before any tick
@@ -143,6 +153,9 @@ class Runner:
         self._failures = 0
         self._traced: str | None = None
         self._drain: Tracker | None = None
+        self._quiet = QuietCadence(still_quiet_seconds)
+        #: When the current run of failing ticks began (monotonic), for "recovered".
+        self._failing_since: float | None = None
 
     def stop(self) -> None:
         self._stop.set()
@@ -239,6 +252,8 @@ class Runner:
             return self._failed(exc, started)
         except Exception as exc:  # noqa: BLE001 - a bug must not end the worker (see module doc)
             return self._failed(exc, started)
+        if self._failures:
+            self._recovered()
         self._failures = 0
         self._traced = None
         self.stats.rows += result.rows
@@ -247,7 +262,7 @@ class Runner:
         )
         try:
             self._log_result(result, started)
-            self._track_drain(result)
+            self._track_drain(result, time.perf_counter() - started)
             if self.on_tick is not None:
                 self.on_tick(result)
         except Exception:  # the tick is committed: a report that failed must not undo it
@@ -273,6 +288,9 @@ class Runner:
         """
         self.stats.failures += 1
         self._failures += 1
+        if self._failures == 1:
+            self._failing_since = time.monotonic()
+        self._quiet.level(None)  # the next quiet tick is news again
         # Batches committed before the failing one count (the tick's partial result).
         last = self.trigger.last_result
         committed = last.rows if last is not None and last.outcome == "failed" else 0
@@ -288,7 +306,12 @@ class Runner:
             # A dead-letter sink of one's own that raised something of its own.
             traced = None if isinstance(cause, DbTriggerError) else cause
         exc_info: Any = None
-        if traced is not None:
+        if traced is None and known and self._failures == 1:
+            # An outage (source or store unreachable, a commit refused): its
+            # traceback once, on the first failed tick; one line per tick after.
+            self._traced = f"{type(exc).__name__}: {exc}"
+            exc_info = (type(exc), exc, exc.__traceback__)
+        elif traced is not None:
             # The traceback once per failing batch (or unexpected error): its first
             # failure, or when the error changes; repeats of it get one line.
             signature = f"{type(traced).__name__}: {traced}"
@@ -313,9 +336,32 @@ class Runner:
         return delay
 
     def _log_result(self, result: TickReport, started: float) -> None:
-        """One line per tick, in the tick result's own words."""
+        """One line per tick, in the tick result's own words; a quiet state at INFO
+        when it begins and every few minutes, at DEBUG in between."""
         text, fields = result.summary(self.interval)
-        self._log_outcome(result.outcome, text, started, **fields)
+        level, quiet_for = self._quiet.level(quiet_key(result))
+        if quiet_for is not None:
+            text = f"still {text} (for {for_how_long(quiet_for)})"
+            fields["quiet_seconds"] = round(quiet_for, 1)
+        self._log_outcome(result.outcome, text, started, level=level, **fields)
+
+    def _recovered(self) -> None:
+        """The first good tick after failing ones: say the outage is over."""
+        lasted = time.monotonic() - (self._failing_since or time.monotonic())
+        log.info(
+            "%s: recovered after %d failed tick%s in %s",
+            self.trigger.name,
+            self._failures,
+            "s" if self._failures != 1 else "",
+            for_how_long(lasted),
+            extra={
+                "event": "recovered",
+                "poller": self.trigger.name,
+                "failures_in_a_row": self._failures,
+                "outage_seconds": round(lasted, 1),
+            },
+        )
+        self._failing_since = None
 
     def _log_outcome(
         self,
@@ -340,17 +386,25 @@ class Runner:
             extra={"event": "tick", "outcome": outcome, **fields},
         )
 
-    def _track_drain(self, result: TickReport) -> None:
+    def _track_drain(self, result: TickReport, took: float) -> None:
         if self.progress is None:
             return
         if self._drain is None:
             if result.more:
+                # The clock starts with the tick that found the backlog: its rows
+                # took its time (a rate over a few microseconds means nothing).
                 self._drain = Tracker(
-                    self.trigger, self.progress, self.progress_interval, result.rows
+                    self.trigger,
+                    self.progress,
+                    self.progress_interval,
+                    result.rows,
+                    started=time.monotonic() - took,
                 )
             return
         self._drain.add(result.rows)
         if not result.more:
+            if not getattr(result, "caught_up", True):
+                return  # events still wait for a retry, or rows are held back: not caught up
             self._drain.finish()
             self._drain = None
 

@@ -165,8 +165,10 @@ EVENTS: dict[str, EventSpec] = {
     "batch_bisected": EventSpec(W),
     "rows_quarantined": EventSpec(None, (Count("quarantined_total", "count"),)),
     "row_quarantined": EventSpec(W),
+    # per batch: DEBUG; the tick's one INFO line is its driver's (dbtrigger run's
+    # runner, or PollTrigger.run() for a timer firing)
     "batch_committed": EventSpec(
-        INFO,
+        D,
         (
             Observe("commit_duration_seconds", "seconds"),
             Observe("batch_size", "rows"),
@@ -185,7 +187,7 @@ EVENTS: dict[str, EventSpec] = {
     "commit_failed": EventSpec(
         E, (Count("batches_total", labels={"result": "commit_failed"}), _FAILURE)
     ),
-    "batch_partially_committed": EventSpec(INFO, (Count("events_total", "rows"),)),
+    "batch_partially_committed": EventSpec(D, (Count("events_total", "rows"),)),
     "failure_record_failed": EventSpec(W),
     "failure_uncounted": EventSpec(E, (_FAILURE,)),
     # per-event outcomes (ctx.reject / ctx.retry) and the settled window

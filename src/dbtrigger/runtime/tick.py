@@ -214,7 +214,7 @@ class TickDriver:
             self.emit("tick_idle", "nothing after the checkpoint")
             self.acknowledge(position)  # the stored checkpoint is durable: nothing after it
             self.writer.history.idle(doc)  # a record a crash cut off after its commit
-            return self.result(0, 0, "idle")
+            return self.result(0, 0, "idle", document=doc)
 
         try:
             session = LeaseSession.acquire(
@@ -382,7 +382,9 @@ class TickDriver:
                 more = selection.more
                 # A short batch was the last one: nothing is pending.
                 self.emit("tick_committed", values={"lag_rows": None if more else 0})
-                return self.result(total, index + 1, "committed", more=more)
+                return self.result(
+                    total, index + 1, "committed", more=more, document=session.document
+                )
             selection = following
             index += 1
 
@@ -485,10 +487,20 @@ class TickDriver:
             )
 
     def result(
-        self, rows: int, batches: int, outcome: Outcome, *, more: bool = False
+        self,
+        rows: int,
+        batches: int,
+        outcome: Outcome,
+        *,
+        more: bool = False,
+        document: StateDocument | None = None,
     ) -> TickResult:
+        """The tick's report; ``document``: the state as the tick left it, for the
+        checkpoint, its commit time and the retries waiting in the worker's line."""
         info = self.reader.visibility
         held = info is not None and info.held_back
+        checkpoint = document.checkpoint if document is not None else None
+        window = document.window if document is not None else None
         return TickResult(
             rows,
             batches,
@@ -497,4 +509,10 @@ class TickDriver:
             held_back=held,
             held_back_seconds=float(info.held_back_seconds) if info is not None and held else 0.0,
             blocking_pid=info.blocking_pid if info is not None and held else None,
+            checkpoint=checkpoint.position if checkpoint is not None else None,
+            committed_at=checkpoint.updated_at if checkpoint is not None else None,
+            waiting_retries=len(window.pending) if window is not None else 0,
+            next_retry_at=min((p.not_before for p in window.pending), default=None)
+            if window is not None
+            else None,
         )

@@ -50,6 +50,12 @@ def utc_now() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
 
+def _for_how_long(seconds: float) -> str:
+    from dbtrigger.runtime.quiet import for_how_long  # noqa: PLC0415 - a tiny leaf module
+
+    return for_how_long(max(seconds, 0.0))
+
+
 @runtime_checkable
 class TickReport(Protocol):
     """What one tick did, as the worker loop reads it."""
@@ -68,9 +74,10 @@ class TickReport(Protocol):
         """Rows are likely pending: tick again at once instead of sleeping."""
         ...
 
-    def summary(self, interval: float) -> tuple[str, dict[str, Any]]:
+    def summary(self, interval: float | None) -> tuple[str, dict[str, Any]]:
         """The text of the worker's log line for this tick (``interval``: the
-        sleep that follows an idle tick) and its structured fields."""
+        sleep that follows an idle tick; None for a timer firing) and its
+        structured fields."""
         ...
 
 
@@ -138,22 +145,64 @@ class TickResult:
     held_back_seconds: float = 0.0
     blocking_pid: int | None = None
     error: str | None = None
+    #: The checkpoint the tick left (None before the first commit) and when it
+    #: was committed: consecutive lines then show the worker moving.
+    checkpoint: Any = None
+    committed_at: dt.datetime | None = None
+    #: Events of the settled window still waiting for a retry, and the next due.
+    waiting_retries: int = 0
+    next_retry_at: dt.datetime | None = None
 
-    def summary(self, interval: float) -> tuple[str, dict[str, Any]]:
+    @property
+    def caught_up(self) -> bool:
+        """Nothing left to deliver now: idle, and no event waits for a retry."""
+        return self.outcome == "idle" and not self.held_back and not self.waiting_retries
+
+    def where(self) -> str:
+        """``checkpoint 2026-...Z id=400 (committed 14:40:01.120Z)``: the position it left."""
+        cp = self.checkpoint
+        if cp is None:
+            return "checkpoint (beginning)"
+        parts = [str(cp.cursor.isoformat() if isinstance(cp.cursor, dt.datetime) else cp.cursor)]
+        parts += [f"{k}={v}" for k, v in cp.pk.items()]
+        at = self.committed_at
+        when = f" (committed {at.strftime('%H:%M:%S.%f')[:-3]}Z)" if at is not None else ""
+        return f"checkpoint {' '.join(parts)}{when}"
+
+    def retries_text(self) -> str:
+        if not self.waiting_retries:
+            return ""
+        due = (
+            f", the next due at {self.next_retry_at:%H:%M:%S}Z"
+            if self.next_retry_at is not None
+            else ""
+        )
+        return f"; {self.waiting_retries} event(s) waiting for a retry{due}"
+
+    def summary(self, interval: float | None) -> tuple[str, dict[str, Any]]:
+        """The line for this tick; ``interval`` None (a timer firing): no "next tick"."""
+        nxt = f"; next tick in {interval:g}s" if interval is not None else ""
         if self.outcome == "committed":
             text = (
                 f"committed {self.rows:,} rows in {self.batches} "
-                f"batch{'es' if self.batches != 1 else ''}"
+                f"batch{'es' if self.batches != 1 else ''}, {self.where()}"
+                + self.retries_text()
                 + ("; more pending, ticking again at once" if self.more else "")
             )
         elif self.outcome == "idle":
-            text = f"idle: nothing after the checkpoint; next tick in {interval:g}s"
+            ago = ""
+            if self.committed_at is not None:
+                age = (utc_now() - self.committed_at).total_seconds()
+                ago = f", last commit {_for_how_long(age)} ago"
+            text = (
+                f"idle: nothing after the {self.where()}; lag 0 rows{ago}{self.retries_text()}{nxt}"
+            )
             if self.held_back:
                 who = f" by pid {self.blocking_pid}" if self.blocking_pid is not None else ""
                 text = (
                     f"idle: rows held back by the visibility guard{who} for "
                     f"{self.held_back_seconds:.0f}s (a transaction that may precede them is "
-                    f"still open); next tick in {interval:g}s"
+                    f"still open){nxt}"
                 )
         elif self.outcome == "lease_busy":
             holder = self.holder or "another owner"
@@ -162,12 +211,18 @@ class TickResult:
                 if self.lease_until is not None
                 else ""
             )
-            text = f"lease held by {holder}{until}; next tick in {interval:g}s"
+            text = f"lease held by {holder}{until}{nxt}"
         elif self.outcome == "lost_race":
-            text = f"another instance took the lease first; next tick in {interval:g}s"
+            text = f"another instance took the lease first{nxt}"
         else:
             text = f"{self.outcome}: {self.rows} rows"
         fields: dict[str, Any] = {"rows": self.rows, "batches": self.batches}
+        if self.checkpoint is not None:
+            fields["checkpoint"] = self.where()
+        if self.committed_at is not None:
+            fields["committed_at"] = self.committed_at.isoformat()
+        if self.waiting_retries:
+            fields["waiting_retries"] = self.waiting_retries
         if self.holder is not None:
             fields["holder"] = self.holder
         if self.lease_until is not None:

@@ -46,6 +46,10 @@ class Guarding:
         self._autocommit: Engine | None = None
         #: What the guard in force lacks for a missing privilege (set when decided).
         self.gap: PrivilegeGap | None = None
+        #: The choices already logged, shared with the source's twins
+        #: (:meth:`SqlAlchemySource.derive`): a partitioned poller decides once per
+        #: partition, and says it once; the repeats are DEBUG.
+        self.announced: set[tuple[str, str, str | None]] = set()
 
     @property
     def requested(self) -> str:
@@ -118,8 +122,13 @@ class Guarding:
         unprotected = isinstance(guard, NoGuard) and request == "auto"
         warn = (unprotected and dialect != "sqlite") or self.gap is not None
         fix = f"; {self.gap.message}. Fix: {self.gap.grant}" if self.gap is not None else ""
+        said = (source, guard.label(), self.gap.grant if self.gap is not None else None)
+        with self._lock:
+            repeat = said in self.announced
+            self.announced.add(said)
+        level = logging.DEBUG if repeat else (logging.WARNING if warn else logging.INFO)
         log.log(
-            logging.WARNING if warn else logging.INFO,
+            level,
             "%s: visibility %s (%s): %s%s",
             source,
             guard.label(),

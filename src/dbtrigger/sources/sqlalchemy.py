@@ -201,6 +201,8 @@ class SqlAlchemySource:
         twin = SqlAlchemySource(**self._config)
         twin._engines = self._engines
         twin._row_filters = (*self._row_filters, row_filter)
+        # Twins (a partitioned poller's partitions) say their guard once between them.
+        twin._guarding.announced = self._guarding.announced
         return twin
 
     @property

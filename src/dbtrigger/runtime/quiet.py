@@ -1,0 +1,78 @@
+"""How often a worker repeats that nothing is happening.
+
+An idle worker ticks every few seconds, and a standby whose lease another
+instance holds does too. A line per tick forever buries everything else in
+the log, but an operator on call still wants to know, from the log alone,
+that the worker is alive and where it stands. So a quiet state (idle, held
+back by the visibility guard, waiting for retries, the lease held elsewhere)
+is said at INFO when it begins, at DEBUG on the ticks that repeat it, and
+again at INFO every ``every`` seconds as "still ...", with how long it has
+lasted. Any change (rows delivered, another holder, a failure) starts over.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Hashable
+
+#: Default time between two "still idle" lines.
+DEFAULT_STILL_QUIET_SECONDS = 300.0
+
+
+class QuietCadence:
+    """The level of each tick's line while nothing changes (see the module doc)."""
+
+    def __init__(
+        self,
+        every: float = DEFAULT_STILL_QUIET_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.every = every
+        self.clock = clock
+        self._key: Hashable | None = None
+        self._since = 0.0
+        self._said = 0.0
+
+    def level(self, key: Hashable | None) -> tuple[int, float | None]:
+        """``(level, quiet for)`` of the line of a tick in state ``key``.
+
+        ``key`` None: not quiet (rows moved, or a failure): INFO, and the next
+        quiet tick is news again. ``quiet for`` is set on a repeated "still"
+        line: seconds since the quiet state began.
+        """
+        now = self.clock()
+        if key is None or key != self._key:
+            self._key, self._since, self._said = key, now, now
+            return logging.INFO, None
+        if now - self._said >= self.every:
+            self._said = now
+            return logging.INFO, now - self._since
+        return logging.DEBUG, None
+
+
+def quiet_key(result: object) -> Hashable | None:
+    """What makes two ticks the same quiet state (None: the tick was not quiet)."""
+    outcome = getattr(result, "outcome", None)
+    if outcome == "idle":
+        return (
+            "idle",
+            bool(getattr(result, "held_back", False)),
+            bool(getattr(result, "waiting_retries", 0)),
+        )
+    if outcome in ("lease_busy", "lost_race"):
+        return ("lease", getattr(result, "holder", None))
+    return None
+
+
+def for_how_long(seconds: float) -> str:
+    """``45s``, ``12m``, ``3h 5m``."""
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    minutes = int(seconds // 60)
+    if minutes < 60:
+        return f"{minutes}m"
+    return f"{minutes // 60}h {minutes % 60}m"
+
+
+__all__ = ["DEFAULT_STILL_QUIET_SECONDS", "QuietCadence", "for_how_long", "quiet_key"]

@@ -24,6 +24,7 @@ from dbtrigger import (
 )
 from dbtrigger.cli import main
 from dbtrigger.errors import FetchError
+from dbtrigger.partitions import PartitionedPoller
 from dbtrigger.runtime.progress import DrainProgress
 from dbtrigger.runtime.runner import Runner
 from dbtrigger.testing import MemorySource
@@ -216,7 +217,7 @@ def test_a_partitioned_poller_says_its_guard_once(
     sqlite_db.execute(
         "INSERT INTO events (id, seq) VALUES (:i, :i)", [{"i": i} for i in range(1, 41)]
     )
-    trigger = PollTrigger(
+    trigger = PartitionedPoller(
         name="orders",
         source=SqlAlchemySource(
             url=sqlite_db.url, table="events", cursor_column="seq", pk_columns=["id"]
@@ -227,6 +228,7 @@ def test_a_partitioned_poller_says_its_guard_once(
     )
     with caplog.at_level(logging.DEBUG, logger="dbtrigger.sources"):
         trigger.drain(lambda events: None)
+    trigger.close()
     said = [r for r in caplog.records if getattr(r, "event", None) == "visibility_mode"]
     assert len(said) >= 4  # every partition decides
     assert [r.levelno for r in said].count(logging.INFO) == 1  # and it is said once

@@ -122,13 +122,15 @@ def test_elapsed_time_bounds_the_retries() -> None:
         attempts=100,
         initial_backoff_seconds=1,
         max_backoff_seconds=1,
-        max_elapsed_seconds=0.001,
+        max_elapsed_seconds=2.5,
         sleep=sleep,
+        clock=lambda: clock[0],  # moved by the waits alone: no real time involved
     )
     calls, fn = flaky([FetchError(str(i)) for i in range(100)])
     with pytest.raises(FetchError):
         policy.call(fn, operation="x")  # type: ignore[arg-type]
     assert len(calls) < 100
+    assert clock[0] >= 2.5  # jittered waits of up to 1 s each, stopped once 2.5 s were spent
 
 
 def test_none_policy_and_validation() -> None:

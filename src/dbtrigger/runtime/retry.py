@@ -93,6 +93,8 @@ class RetryPolicy:
         max_elapsed_seconds: no new attempt starts after this much time spent
             on one operation; keep it well below the lease TTL.
         sleep: the sleep function (tests pass a recorder instead of waiting).
+        clock: the monotonic clock ``max_elapsed_seconds`` is measured on (tests
+            pass one that their ``sleep`` moves).
 
     Waits use full jitter: attempt ``n`` sleeps a uniform random time in
     ``[0, min(max_backoff, initial * multiplier ** (n - 1))]``.
@@ -104,6 +106,7 @@ class RetryPolicy:
     multiplier: float = 2.0
     max_elapsed_seconds: float = 10.0
     sleep: Callable[[float], None] = field(default=time.sleep, compare=False, repr=False)
+    clock: Callable[[], float] = field(default=time.monotonic, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         opt.whole("RetryPolicy.attempts", self.attempts)
@@ -129,10 +132,11 @@ class RetryPolicy:
         """Run ``fn``, retrying it on transient ``kinds``; re-raise the last error.
 
         ``on_retry(operation, attempt, error, wait)`` is called before each wait
-        (for metrics); every retry is also logged at WARNING with the event
-        ``retrying``.
+        (for metrics); every retry is also logged at DEBUG with the event
+        ``retrying`` (the tick's failure, if the retries do not help, is what
+        an operator reads).
         """
-        started = time.monotonic()
+        started = self.clock()
         attempt = 1
         while True:
             try:
@@ -141,7 +145,7 @@ class RetryPolicy:
                 if (
                     attempt >= self.attempts
                     or not is_transient(exc, kinds)
-                    or time.monotonic() - started >= self.max_elapsed_seconds
+                    or self.clock() - started >= self.max_elapsed_seconds
                 ):
                     raise
                 error = exc

@@ -35,7 +35,10 @@ def test_the_in_memory_example_runs() -> None:
 def test_the_contract_example_passes_every_suite(pytester: pytest.Pytester) -> None:
     module = python_blocks()[1]
     pytester.makepyfile(test_my_adapters=module)
-    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-q")
+    # A process of its own, as a user's run would be: in-process, pytester forgets the
+    # modules the inner run imported, and importing SQLAlchemy's dialects a second time
+    # in one process warns (an error here).
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q")
     counts = {"StoreContract": 14, "SourceContract": 18, "SinkContract": 10}
     result.assert_outcomes(passed=sum(counts.values()))
     from dbtrigger import testing  # noqa: PLC0415

@@ -67,8 +67,9 @@ def test_no_state_yet(source: SqlAlchemySource, tmp_path: Path) -> None:
     assert report.pending_rows is None
 
     report = check_health(store, "orders", source=source)
-    assert (report.status, report.http_status, report.pending_rows) == (STALE, 503, 25)
-    assert "ever been committed" in report.reason
+    assert (report.status, report.http_status, report.pending_rows) == (UNKNOWN, 503, 25)
+    assert "no state document for poller 'orders'" in report.reason
+    assert "25 rows are pending" in report.reason
 
 
 def test_unknown_poller_is_unhealthy_and_names_the_known_ones(
@@ -79,6 +80,10 @@ def test_unknown_poller_is_unhealthy_and_names_the_known_ones(
     report = check_health(store, "ordres")  # a typo in the probe's configuration
     assert (report.status, report.healthy, report.http_status) == (UNKNOWN, False, 503)
     assert "pollers in the store: orders" in report.reason
+    # The same typo with a source whose table has rows: a name, not a slow poller.
+    typo = check_health(store, "ordres", source=source)
+    assert (typo.status, typo.http_status) == (UNKNOWN, 503)
+    assert "pollers in the store: orders" in typo.reason
     assert check_health(store, "orders").healthy
 
 

@@ -211,9 +211,12 @@ def check_health(
         )
     if doc is None:
         if pending:
+            # Rows wait and no poller of this name has ever written: a misspelt
+            # name, or one that never ran. Either way a name, not a slow poller.
             return HealthReport(
-                status=STALE,
-                reason=f"no checkpoint has ever been committed while {pending} rows are pending",
+                status=UNKNOWN,
+                reason=_unknown_reason(store, poller)
+                + f"; {pending} rows are pending in the source",
                 pending_rows=pending,
                 **lag_fields,
                 **base,

@@ -235,6 +235,11 @@ class OutputWriteError(RetryableError):
     """The output binding could not write its rows; the batch is not committed and comes again."""
 
 
+class RowNotFoundError(DbTriggerError, LookupError):
+    """A read that needs a row found none (``DbReader.one``, ``@db.input(...,
+    on_not_found="raise")``)."""
+
+
 # --- log-based capture (dbtrigger.cdc) -------------------------------------------
 
 

@@ -169,28 +169,7 @@ class OutputTarget:
     def _statement(self, table: sa.Table, columns: Sequence[str]) -> Any:
         if self.action == "insert":
             return sa.insert(table)
-        updates = [c for c in columns if c not in self.conflict_columns]
-        if self.dialect in ("postgresql", "sqlite"):
-            # Both spell it INSERT ... ON CONFLICT (keys) DO UPDATE / DO NOTHING.
-            from sqlalchemy.dialects import postgresql, sqlite  # noqa: PLC0415
-
-            stmt: postgresql.Insert | sqlite.Insert = (
-                postgresql.insert(table) if self.dialect == "postgresql" else sqlite.insert(table)
-            )
-            keys = list(self.conflict_columns)
-            if not updates:
-                return stmt.on_conflict_do_nothing(index_elements=keys)
-            return stmt.on_conflict_do_update(
-                index_elements=keys, set_={c: stmt.excluded[c] for c in updates}
-            )
-        from sqlalchemy.dialects.mysql import insert as mysql_insert  # noqa: PLC0415
-
-        my_stmt = mysql_insert(table)
-        if not updates:
-            # "Update" a key column to itself: a no-op that still swallows the duplicate.
-            first = self.conflict_columns[0]
-            return my_stmt.on_duplicate_key_update({first: table.c[first]})
-        return my_stmt.on_duplicate_key_update({c: my_stmt.inserted[c] for c in updates})
+        return upsert_statement(self.dialect, table, columns, self.conflict_columns)
 
     def write(self, rows: Sequence[Row]) -> int:
         """Write ``rows`` in one transaction; returns how many were sent.
@@ -222,6 +201,40 @@ class OutputTarget:
                 rows=len(rows),
             ) from exc
         return len(rows)
+
+
+def upsert_statement(
+    dialect: str, table: sa.Table, columns: Sequence[str], conflict_columns: Sequence[str]
+) -> Any:
+    """``INSERT ... ON CONFLICT (keys) DO UPDATE`` (PostgreSQL, SQLite) or ``INSERT ...
+    ON DUPLICATE KEY UPDATE`` (MariaDB/MySQL) of ``columns``, keyed on ``conflict_columns``."""
+    updates = [c for c in columns if c not in conflict_columns]
+    if dialect in ("postgresql", "sqlite"):
+        # Both spell it INSERT ... ON CONFLICT (keys) DO UPDATE / DO NOTHING.
+        from sqlalchemy.dialects import postgresql, sqlite  # noqa: PLC0415
+
+        stmt: postgresql.Insert | sqlite.Insert = (
+            postgresql.insert(table) if dialect == "postgresql" else sqlite.insert(table)
+        )
+        keys = list(conflict_columns)
+        if not updates:
+            return stmt.on_conflict_do_nothing(index_elements=keys)
+        return stmt.on_conflict_do_update(
+            index_elements=keys, set_={c: stmt.excluded[c] for c in updates}
+        )
+    if dialect not in UPSERT_DIALECTS:
+        raise ConfigurationError(
+            f"upsert is not available on {dialect}: supported are "
+            f"{', '.join(sorted(UPSERT_DIALECTS))}"
+        )
+    from sqlalchemy.dialects.mysql import insert as mysql_insert  # noqa: PLC0415
+
+    my_stmt = mysql_insert(table)
+    if not updates:
+        # "Update" a key column to itself: a no-op that still swallows the duplicate.
+        first = conflict_columns[0]
+        return my_stmt.on_duplicate_key_update({first: table.c[first]})
+    return my_stmt.on_duplicate_key_update({c: my_stmt.inserted[c] for c in updates})
 
 
 class DbOut:

@@ -53,6 +53,7 @@ from dbtrigger.azure.host import (
     refuse_function_builder,
     set_host_signature,
 )
+from dbtrigger.azure.inputs import input_binding, reader_binding, writer_binding
 from dbtrigger.azure.output import output_binding
 from dbtrigger.azure.record import attach, binding_of
 from dbtrigger.azure.schedule import check_schedule
@@ -249,6 +250,17 @@ class DbBindings:
     #: ``@db.output(arg_name, url=..., table=...)``: see
     #: :func:`~dbtrigger.azure.output.output_binding`.
     output = staticmethod(output_binding)
+    #: ``@db.input(arg_name, url=..., table=..., pk=...)`` or ``(..., query=..., params=...)``:
+    #: one row, or a query's rows, read into the function
+    #: (:func:`~dbtrigger.azure.inputs.input_binding`).
+    input = staticmethod(input_binding)
+    #: ``@db.inject_reader(arg_name, url=..., table=...)``: a
+    #: :class:`~dbtrigger.dbio.DbReader` (:func:`~dbtrigger.azure.inputs.reader_binding`).
+    inject_reader = staticmethod(reader_binding)
+    #: ``@db.inject_writer(arg_name, url=..., table=...)``: a
+    #: :class:`~dbtrigger.dbio.DbWriter` per invocation, ``with writer.transaction():``
+    #: for several writes in one transaction (:func:`~dbtrigger.azure.inputs.writer_binding`).
+    inject_writer = staticmethod(writer_binding)
 
     def partitioned_trigger(
         self,

@@ -141,6 +141,8 @@ def queue_trigger(
             wrapper = sync_wrapper
         set_host_signature(wrapper, host_sig)
         attach(wrapper, fn, queue=lazy)
+        # `dbtrigger queue ... --source function_app:send` finds the queue table here.
+        wrapper.dbtrigger_queue_source = source  # type: ignore[attr-defined]
         lazy.prepared()  # every option known now: configuration errors show at import
         return wrapper
 

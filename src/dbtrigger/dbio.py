@@ -1,0 +1,353 @@
+"""Reading and writing a table from a function: :class:`DbReader` and :class:`DbWriter`.
+
+The input and writer bindings (``@db.input``, ``@db.inject_reader``,
+``@db.inject_writer``, see :mod:`dbtrigger.azure.io`) hand these to a
+function, as azure-functions-db does, with the rules of every other dbtrigger
+binding:
+
+* **settings** - ``url`` may be a ``%SETTING%`` reference, read at the first
+  use: a missing setting fails the invocations that need it, not the import
+  of ``function_app.py``, and the function recovers once it is set;
+* **lazy connections** - nothing connects until a read or a write: a
+  function that does not touch the table never opens a connection, and the
+  engine (created once, shared by every invocation) is built at the first
+  use; ``engine=`` shares one of your own (the passwordless Entra ID engine);
+* **errors** - a read that fails is a :class:`~dbtrigger.errors.FetchError`,
+  a write an :class:`~dbtrigger.errors.OutputWriteError` (both retryable, the
+  driver's error chained, no row values in the message); a missing table or
+  column is a :class:`~dbtrigger.errors.ConfigurationError`;
+  ``one()`` without a row raises :class:`~dbtrigger.errors.RowNotFoundError`.
+
+A writer's operations each commit on their own; ``with writer.transaction():``
+runs the ones inside on one connection, committed when the block ends and
+rolled back if it raises. Inside a ``@db.trigger`` handler the writes happen
+before the checkpoint commit, like ``@db.output``'s, so a handler that raises
+after writing gets its batch again: make them idempotent (``upsert``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import URL, Connection, Engine
+from sqlalchemy.exc import NoSuchTableError, SQLAlchemyError
+
+from dbtrigger._driver_errors import short_error
+from dbtrigger._engine import LazyEngine, parse_database_url
+from dbtrigger.errors import (
+    ConfigurationError,
+    FetchError,
+    MissingSettingError,
+    OutputWriteError,
+    RowNotFoundError,
+)
+from dbtrigger.names import validate_sql_identifier
+from dbtrigger.output import upsert_statement
+
+Row = dict[str, Any]
+
+
+class _Table:
+    """One database (and optionally one table): the lazily made engine, the reflected
+    table. Shared by every reader or writer a binding hands out."""
+
+    def __init__(
+        self,
+        *,
+        url: str | None,
+        table: str | None,
+        schema: str | None,
+        engine: Engine | None,
+        engine_kwargs: Mapping[str, Any] | None,
+        what: str,
+    ) -> None:
+        if url is None and engine is None:
+            raise ConfigurationError(f"{what} needs url= or engine=")
+        self.what = what
+        self.table_name = validate_sql_identifier(table, "table") if table else None
+        self.schema = validate_sql_identifier(schema, "schema") if schema else None
+        self._url_spec = url
+        self._url_value: URL | None = None if url else engine.url  # type: ignore[union-attr]
+        if url:
+            # A missing %SETTING% is reported at first use (see SqlAlchemySource).
+            with contextlib.suppress(MissingSettingError):
+                self._url_value = parse_database_url(url, f"{what} url")
+        self._engines = LazyEngine(lambda: self.url, engine_kwargs, engine)
+        self._table: sa.Table | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def url(self) -> URL:
+        if self._url_value is None:
+            self._url_value = parse_database_url(self._url_spec or "", f"{self.what} url")
+        return self._url_value
+
+    @property
+    def engine(self) -> Engine:
+        return self._engines.engine
+
+    @property
+    def name(self) -> str:
+        where = self.table_name or "(queries)"
+        if self.schema and self.table_name:
+            where = f"{self.schema}.{self.table_name}"
+        return f"{self.url.get_backend_name()}:{where}"
+
+    def table(self, conn: Connection) -> sa.Table:
+        if self.table_name is None:
+            raise ConfigurationError(f"{self.what}: this needs table=")
+        if self._table is None:
+            with self._lock:
+                if self._table is None:
+                    try:
+                        self._table = sa.Table(
+                            self.table_name, sa.MetaData(), schema=self.schema, autoload_with=conn
+                        )
+                    except NoSuchTableError:
+                        raise ConfigurationError(
+                            f"table {self.name} does not exist (or is not visible to this user)"
+                        ) from None
+        return self._table
+
+    def columns(self, conn: Connection, names: Sequence[str]) -> sa.Table:
+        table = self.table(conn)
+        unknown = [c for c in names if c not in table.c]
+        if unknown:
+            raise ConfigurationError(f"{self.name} has no column(s) {', '.join(sorted(unknown))}")
+        return table
+
+    def close(self) -> None:
+        self._engines.dispose()
+
+
+def _key_clause(table: sa.Table, pk: Mapping[str, Any], name: str) -> sa.ColumnElement[bool]:
+    if not pk:
+        raise ConfigurationError(f"{name}: a key needs at least one column")
+    unknown = [c for c in pk if c not in table.c]
+    if unknown:
+        raise ConfigurationError(f"{name} has no key column(s) {', '.join(sorted(unknown))}")
+    return sa.and_(*(table.c[c] == v for c, v in pk.items()))
+
+
+class DbReader:
+    """Reads rows (see the module doc): ``get(pk)`` from ``table``, or SQL queries.
+
+    Args:
+        url: SQLAlchemy URL or ``%SETTING%`` reference (read at the first use).
+        table / schema: the table ``get`` reads (queries need none).
+        engine: share an existing engine instead (``url`` then unused).
+        engine_kwargs: passed to :func:`sqlalchemy.create_engine`.
+    """
+
+    def __init__(
+        self,
+        *,
+        url: str | None = None,
+        table: str | None = None,
+        schema: str | None = None,
+        engine: Engine | None = None,
+        engine_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._db = _Table(
+            url=url,
+            table=table,
+            schema=schema,
+            engine=engine,
+            engine_kwargs=engine_kwargs,
+            what="DbReader",
+        )
+
+    @property
+    def name(self) -> str:
+        return self._db.name
+
+    @contextlib.contextmanager
+    def _reading(self, what: str) -> Iterator[Connection]:
+        try:
+            with self._db.engine.connect() as conn:
+                yield conn
+        except (ConfigurationError, RowNotFoundError):
+            raise
+        except SQLAlchemyError as exc:
+            raise FetchError(f"{what} from {self._db.name} failed: {short_error(exc)}") from exc
+
+    def get(self, *, pk: Mapping[str, Any]) -> Row | None:
+        """The row of ``table`` with this key, or None."""
+        with self._reading("reading a row") as conn:
+            table = self._db.table(conn)
+            row = conn.execute(
+                sa.select(table).where(_key_clause(table, pk, self._db.name))
+            ).mappings()
+            found = row.first()
+            return dict(found) if found is not None else None
+
+    def query(self, sql: str, params: Mapping[str, Any] | None = None) -> list[Row]:
+        """Every row of ``sql`` (``:name`` placeholders, values bound from ``params``)."""
+        with self._reading("a query") as conn:
+            return [dict(r) for r in conn.execute(sa.text(sql), dict(params or {})).mappings()]
+
+    def one_or_none(self, sql: str, params: Mapping[str, Any] | None = None) -> Row | None:
+        """The one row of ``sql``, or None; more than one is a ConfigurationError."""
+        rows = self.query(sql, params)
+        if len(rows) > 1:
+            raise ConfigurationError(f"expected at most one row, the query returned {len(rows)}")
+        return rows[0] if rows else None
+
+    def one(self, sql: str, params: Mapping[str, Any] | None = None) -> Row:
+        """The one row of ``sql``; none raises RowNotFoundError."""
+        row = self.one_or_none(sql, params)
+        if row is None:
+            raise RowNotFoundError(f"the query on {self._db.name} returned no row")
+        return row
+
+    def scalar(self, sql: str, params: Mapping[str, Any] | None = None) -> Any:
+        """The first column of the first row of ``sql`` (None without a row)."""
+        with self._reading("a query") as conn:
+            return conn.execute(sa.text(sql), dict(params or {})).scalar()
+
+    def close(self) -> None:
+        """Dispose of the connection pool (if this reader created the engine)."""
+        self._db.close()
+
+
+class DbWriter:
+    """Writes rows of ``table`` (see the module doc).
+
+    Every operation commits on its own, except inside ``with
+    writer.transaction():``, where they share one connection and one
+    transaction. Args as :class:`DbReader` (``table`` required).
+    """
+
+    def __init__(
+        self,
+        *,
+        url: str | None = None,
+        table: str,
+        schema: str | None = None,
+        engine: Engine | None = None,
+        engine_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._db = _Table(
+            url=url,
+            table=table,
+            schema=schema,
+            engine=engine,
+            engine_kwargs=engine_kwargs,
+            what="DbWriter",
+        )
+        self._conn: Connection | None = None
+
+    @classmethod
+    def _sharing(cls, other: DbWriter) -> DbWriter:
+        """A writer of its own (its own transaction) on ``other``'s engine and table:
+        one per invocation of a function, so concurrent invocations never share one."""
+        writer = cls.__new__(cls)
+        writer._db = other._db
+        writer._conn = None
+        return writer
+
+    @property
+    def name(self) -> str:
+        return self._db.name
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[DbWriter]:
+        """Run the writes inside on one connection: committed at the end of the block,
+        rolled back if it raises. Not reentrant (a nested call is a ConfigurationError)."""
+        if self._conn is not None:
+            raise ConfigurationError("DbWriter.transaction() is already open on this writer")
+        try:
+            with self._db.engine.begin() as conn:
+                self._conn = conn
+                try:
+                    yield self
+                finally:
+                    self._conn = None
+        except SQLAlchemyError as exc:
+            raise OutputWriteError(
+                f"the transaction on {self._db.name} failed: {short_error(exc)}", table=self.name
+            ) from exc
+
+    @contextlib.contextmanager
+    def _writing(self, what: str, rows: int) -> Iterator[Connection]:
+        try:
+            if self._conn is not None:
+                yield self._conn
+                return
+            with self._db.engine.begin() as conn:
+                yield conn
+        except (ConfigurationError, RowNotFoundError):
+            raise
+        except SQLAlchemyError as exc:
+            raise OutputWriteError(
+                f"{what} on {self._db.name} failed: {short_error(exc)}", table=self.name, rows=rows
+            ) from exc
+
+    def insert(self, *, data: Mapping[str, Any]) -> None:
+        self.insert_many(rows=[data])
+
+    def insert_many(self, *, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Insert ``rows`` (the same columns each) in one statement."""
+        if not rows:
+            return
+        columns = _same_columns(rows)
+        with self._writing("an insert", len(rows)) as conn:
+            table = self._db.columns(conn, columns)
+            conn.execute(sa.insert(table), [dict(r) for r in rows])
+
+    def upsert(self, *, data: Mapping[str, Any], conflict_columns: Sequence[str]) -> None:
+        self.upsert_many(rows=[data], conflict_columns=conflict_columns)
+
+    def upsert_many(
+        self, *, rows: Sequence[Mapping[str, Any]], conflict_columns: Sequence[str]
+    ) -> None:
+        """Insert ``rows``, updating those whose ``conflict_columns`` (a key) exist."""
+        if not rows:
+            return
+        if isinstance(conflict_columns, str) or not conflict_columns:
+            raise ConfigurationError("conflict_columns must be a non-empty list of column names")
+        columns = _same_columns(rows)
+        with self._writing("an upsert", len(rows)) as conn:
+            table = self._db.columns(conn, [*columns, *conflict_columns])
+            statement = upsert_statement(
+                conn.dialect.name, table, columns, tuple(conflict_columns)
+            )
+            conn.execute(statement, [dict(r) for r in rows])
+
+    def update(self, *, data: Mapping[str, Any], pk: Mapping[str, Any]) -> int:
+        """Set ``data`` on the row with key ``pk``; how many rows changed (0: none had it)."""
+        with self._writing("an update", 1) as conn:
+            table = self._db.columns(conn, list(data))
+            where = _key_clause(table, pk, self._db.name)
+            return int(conn.execute(sa.update(table).where(where).values(dict(data))).rowcount)
+
+    def delete(self, *, pk: Mapping[str, Any]) -> int:
+        """Delete the row with key ``pk``; how many rows went (0: there was none)."""
+        with self._writing("a delete", 1) as conn:
+            table = self._db.table(conn)
+            where = _key_clause(table, pk, self._db.name)
+            return int(conn.execute(sa.delete(table).where(where)).rowcount)
+
+    def close(self) -> None:
+        """Dispose of the connection pool (if this writer created the engine)."""
+        self._db.close()
+
+
+def _same_columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    first = list(rows[0])
+    for index, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise ConfigurationError(f"row {index} is {type(row).__name__}, expected a dict")
+        if set(row) != set(first):
+            raise ConfigurationError(
+                f"row {index} has columns {sorted(row)}, row 0 {sorted(first)}: give every "
+                "row the same columns"
+            )
+    return first
+
+
+__all__ = ["DbReader", "DbWriter"]

@@ -313,9 +313,7 @@ class DbWriter:
         columns = _same_columns(rows)
         with self._writing("an upsert", len(rows)) as conn:
             table = self._db.columns(conn, [*columns, *conflict_columns])
-            statement = upsert_statement(
-                conn.dialect.name, table, columns, tuple(conflict_columns)
-            )
+            statement = upsert_statement(conn.dialect.name, table, columns, tuple(conflict_columns))
             conn.execute(statement, [dict(r) for r in rows])
 
     def update(self, *, data: Mapping[str, Any], pk: Mapping[str, Any]) -> int:

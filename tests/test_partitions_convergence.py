@@ -236,6 +236,78 @@ def test_a_member_starts_no_further_batch_of_a_partition_taken_from_it(
     assert state.lease.released
 
 
+def settled_pair(
+    db: TestDatabase, store: CheckpointStore, clock: Clock, **options: Any
+) -> tuple[PartitionedPoller, PartitionedPoller]:
+    """``a`` has held both partitions long enough to be stolen from; ``b`` not yet a member."""
+    a = member(db, store, "a", clock, **options)
+    for _ in range(3):
+        a.balance()
+        clock.now += 1
+    assert len(a.owned) == 2
+    return a, member(db, store, "b", clock, **options)
+
+
+def test_a_steal_between_ticks_keeps_the_old_owner_off_the_partition(
+    sqlite_db: TestDatabase,
+) -> None:
+    """b steals while a sits between two rounds, before a's next balance cycle is due:
+    a's next round does not start the handler on the stolen partition, and every
+    row is delivered once."""
+    make_table(sqlite_db, 120)
+    store, clock = InMemoryCheckpointStore(), Clock()
+    a, b = settled_pair(sqlite_db, store, clock, batch_size=10, max_batches_per_tick=1)
+    seen: Counter[int] = Counter()
+    calls: dict[str, list[str]] = {"a": [], "b": []}
+
+    def handler(who: str) -> Callable[[list[RowChange], Any], None]:
+        def handle(events: list[RowChange], ctx: Any) -> None:
+            calls[who].append(ctx.poller_name)
+            seen.update(e.pk["id"] for e in events)
+
+        return handle
+
+    assert a.tick(handler("a")) > 0
+    decision = b.balance()  # between a's rounds
+    assert decision is not None
+    (stolen,) = decision.stolen
+    assert not a._loop.due()  # a's balance cycle has not seen it
+    calls["a"].clear()
+    a.tick(handler("a"))
+    assert calls["a"], "a ticked nothing at all"
+    assert f"orders.{stolen}" not in calls["a"], "a started the handler on a stolen partition"
+    assert stolen not in a.owned
+    for _ in range(40):  # both drain what is left; bounded
+        clock.now += 0.3
+        rows = a.tick(handler("a")) + b.tick(handler("b"))
+        if rows == 0 and len(seen) == 120:
+            break
+    assert set(seen) == set(range(1, 121))
+    assert max(seen.values()) == 1
+    assert f"orders.{stolen}" in calls["b"]
+
+
+def test_a_steal_mid_tick_stops_the_old_owner_before_its_next_batch(
+    sqlite_db: TestDatabase,
+) -> None:
+    """No balance cycle of a runs while it ticks: the view it re-reads between
+    batches (once older than the fast interval) shows the steal."""
+    make_table(sqlite_db, 200)
+    store, clock = InMemoryCheckpointStore(), Clock()
+    a, _ = settled_pair(sqlite_db, store, clock, batch_size=10, max_batches_per_tick=5)
+    order: list[str] = []
+
+    def handle(events: list[RowChange], ctx: Any) -> None:
+        order.append(ctx.poller_name)
+        if len(order) == 1:  # b takes the partition a is delivering, a learns nothing yet
+            move_partition(store, ctx.poller_name.removeprefix("orders."), "a", "b")
+            clock.now += 1  # a's view is now older than its fast interval
+
+    result = a.tick_result(handle)
+    assert order.count(order[0]) == 1, f"a went on with a partition taken from it: {order}"
+    assert result.rows == 10 + 10 * (len(order) - 1)  # the batch in flight committed
+
+
 def test_the_lease_of_a_member_killed_mid_batch_is_fenced_at_takeover(
     sqlite_db: TestDatabase,
 ) -> None:

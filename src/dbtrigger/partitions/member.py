@@ -13,8 +13,12 @@ Safety does not depend on ownership: if two members ever tick the same
 partition (a stale view after a steal), the partition's per-tick lease lets
 only one of them process and commit at a time, so a stale owner costs a
 skipped tick. Ownership is only how the work gets spread; still, a member
-starts no further batch of a partition it no longer owns, and one whose own
-heartbeat has not been written for the member TTL ticks nothing until it is.
+starts no batch of a partition it no longer owns: each round of ticks begins
+with a read of the membership document (a steal written between two rounds
+is seen before the handler could be started), and between a partition's
+batches the view is re-read once it is older than the fast balance interval.
+A member whose own heartbeat has not been written for the member TTL ticks
+nothing until it is.
 """
 
 from __future__ import annotations
@@ -194,6 +198,10 @@ class PartitionedPoller:
         self._handover = False  # an owned partition's lease is still held by its last owner
         self._lock = threading.RLock()
         self._report = GroupReport(self.name, self.member_id, partitions, self.metrics)
+        #: When (our monotonic clock) the membership document was last read, by a
+        #: balance cycle or a confirmation; how old the view of ownership is.
+        self._view_at = -float("inf")
+        self._view_max_age = cadence.fast_interval(interval)
 
     # --- identity ------------------------------------------------------------------
 
@@ -295,6 +303,7 @@ class PartitionedPoller:
     def _balance(self, *, leaving: bool) -> BalanceDecision | None:
         for _ in range(MAX_BALANCE_ROUNDS):
             doc, etag = self.load_membership()
+            self._view_at = self.monotonic()
             joining = not leaving and self._joins_now(doc)
             live = self._liveness.observe(doc, self.member_id)
             decision = layout.balance(
@@ -357,6 +366,35 @@ class PartitionedPoller:
                 poller=self.name,
             )
 
+    def confirm_ownership(self, max_age: float = 0.0) -> tuple[str, ...]:
+        """Re-read the membership document (unless the view is under ``max_age``
+        seconds old) and stop owning what it no longer gives this member.
+
+        The fence on steal: the balance thread learns of a steal only at its
+        next cycle (seconds away once settled), so a member would otherwise
+        start the handler on a partition another member took meanwhile. Only
+        removes: gaining partitions is a balance cycle's job (a claim is a
+        write). A member the others dropped as dead owns nothing here until its
+        next cycle rejoins. Returns the partitions given up.
+        """
+        with self._lock:
+            if self.membership is None or self.monotonic() - self._view_at < max_age:
+                return ()
+            doc, _ = self.load_membership()
+            self._view_at = self.monotonic()
+            mine = doc.members.get(self.member_id)
+            lost = tuple(p for p in self.owned if mine is None or p not in mine.owns)
+            if lost:
+                self.owned = tuple(p for p in self.owned if p not in lost)
+                log.info(
+                    "member %s no longer owns partition(s) %s: %s",
+                    self.member_id,
+                    ", ".join(lost),
+                    "the group dropped it as dead" if mine is None else "taken by another member",
+                    extra={"event": "partitions_lost", "poller": self.name, "partitions": lost},
+                )
+            return lost
+
     def _rebuild(self, doc: Membership) -> None:
         """One PollTrigger per partition of the current layout."""
         self._triggers = {
@@ -416,6 +454,7 @@ class PartitionedPoller:
         no handler is passed: each partition fans out to them.
         """
         handler = self._handler_for(handler)
+        read = self._view_at
         if self.background:
             if not self._loop.running:
                 self.balance()
@@ -423,6 +462,8 @@ class PartitionedPoller:
             self._await_join(should_stop)
         elif self._loop.due():
             self.balance()
+        if self._view_at == read:  # no cycle read the document for this round: confirm
+            self.confirm_ownership()
         self._wake.clear()
         owned = [] if self._loop.stale() else list(self.owned)
         if owned:
@@ -437,9 +478,10 @@ class PartitionedPoller:
                 break
             if not self.background and self._loop.due():
                 self.balance()
+            self.confirm_ownership(self._view_max_age)
             trigger = self._triggers.get(pid)
             if trigger is None or pid not in self.owned:
-                continue  # given up or regrouped since the round began
+                continue  # given up, stolen or regrouped since the round began
             try:
                 result = trigger.tick_result(handler, should_stop=self._stop_for(pid, should_stop))
             except DbTriggerError as exc:
@@ -465,6 +507,7 @@ class PartitionedPoller:
         def stop() -> bool:
             if should_stop is not None and should_stop():
                 return True
+            self.confirm_ownership(self._view_max_age)
             return pid not in self.owned or self._loop.stale()
 
         return stop

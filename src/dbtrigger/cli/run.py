@@ -29,9 +29,9 @@ from dbtrigger.runtime.runner import (
     ProgressCallback,
     Runner,
     log_progress,
-    run_pollers,
 )
 from dbtrigger.runtime.subscriber_options import SubscriberCall
+from dbtrigger.runtime.workers import run_pollers
 from dbtrigger.sources.lag import describe_basis
 from dbtrigger.state.stores.factory import describe_store, redact
 

@@ -36,9 +36,7 @@ same write, and starts no further batch. A second signal abandons the
 in-flight batch: nothing partial is committed, the lease is released, and the
 batch is delivered again by whoever ticks next.
 
-:func:`run_pollers` runs several runners in one process (one thread each, one
-signal handler, one shared stop): the first signal stops them all, an operator
-error in one stops the others too.
+Several runners in one process: :mod:`dbtrigger.runtime.workers`.
 """
 
 from __future__ import annotations
@@ -49,10 +47,10 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, runtime_checkable
 
 from dbtrigger.errors import (
     ContentionError,
@@ -77,9 +75,6 @@ from dbtrigger.runtime.quiet import (
 )
 from dbtrigger.runtime.trigger import TickReport, Trigger
 
-if TYPE_CHECKING:
-    from dbtrigger.wakeup.hints import WakeHint
-
 log = logging.getLogger("dbtrigger.runner")
 
 #: Default ceiling of the backoff between failing ticks.
@@ -101,6 +96,26 @@ def backoff_delay(failures: int, interval: float, cap: float) -> float:
     """
     base = interval if interval > 0 else 1.0
     return float(min(cap, base * 2 ** min(failures - 1, 30)))
+
+
+@runtime_checkable
+class WakeHint(Protocol):
+    """What a :class:`Runner` asks of a wake-up hint (:mod:`dbtrigger.wakeup`).
+
+    ``attach`` is called once with the trigger the runner drives (a hint may
+    refuse it with a :class:`~dbtrigger.errors.ConfigurationError`); ``wait``
+    is the idle sleep after a tick that delivered nothing, and must return by
+    ``seconds`` at the latest (earlier when ``stop`` is set);
+    ``idle_ticks`` is how many ticks in a row found nothing (1 right after
+    activity), or None while the worker has delivered nothing since it
+    started. ``close`` stops whatever the hint runs (idempotent).
+    """
+
+    def attach(self, trigger: Any) -> None: ...
+
+    def wait(self, seconds: float, stop: threading.Event, *, idle_ticks: int | None) -> bool: ...
+
+    def close(self) -> None: ...
 
 
 class Runner:
@@ -409,7 +424,7 @@ class Runner:
             self._drain = None
 
 
-# --- signals and several pollers ----------------------------------------------------------
+# --- signals ----------------------------------------------------------
 
 
 @contextlib.contextmanager
@@ -428,72 +443,6 @@ def signals_routed_to(handler: Callable[[int, FrameType | None], None]) -> Itera
             signal.signal(sig, old)
 
 
-def run_pollers(runners: Sequence[Runner], *, max_ticks: int | None = None) -> dict[str, RunStats]:
-    """Run several runners in one process until a signal, ``max_ticks``, or an error.
-
-    Each runner gets a thread; they share one stop event and one signal
-    handler. The first SIGINT/SIGTERM lets every runner finish and commit its
-    batch in flight; a second one returns at once, abandoning in-flight
-    batches uncommitted (they are delivered again once their leases expire).
-    An operator error in any runner stops all of them and is raised here.
-    """
-    if len(runners) == 1:
-        runner = runners[0]
-        return {runner.trigger.name: runner.run(max_ticks=max_ticks)}
-    names = [r.trigger.name for r in runners]
-    if len(set(names)) != len(names):
-        from dbtrigger.errors import ConfigurationError  # noqa: PLC0415 - rare path
-
-        raise ConfigurationError(f"two pollers have the same name in {names}")
-    stop = threading.Event()
-    for runner in runners:
-        runner._stop = stop  # one shared shutdown
-    errors: list[BaseException] = []
-    signals = {"n": 0}
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        del frame
-        signals["n"] += 1
-        if signals["n"] == 1:
-            log.info(
-                "signal %s: finishing the batches in flight, then stopping",
-                signum,
-                extra={"event": "runner_stopping"},
-            )
-            stop.set()
-            return
-        raise KeyboardInterrupt
-
-    def work(runner: Runner) -> None:
-        try:
-            runner.run(max_ticks=max_ticks, install_signals=False)
-        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
-            errors.append(exc)
-            stop.set()
-
-    threads = [
-        threading.Thread(target=work, args=(r,), name=f"dbtrigger-{r.trigger.name}", daemon=True)
-        for r in runners
-    ]
-    with signals_routed_to(on_signal):
-        for thread in threads:
-            thread.start()
-        try:
-            while any(t.is_alive() for t in threads):
-                for thread in threads:
-                    thread.join(0.2)
-        except KeyboardInterrupt:
-            log.warning(
-                "second signal: abandoning the batches in flight; they will be delivered "
-                "again once their leases expire",
-                extra={"event": "batch_abandoned"},
-            )
-            return {r.trigger.name: r.stats for r in runners}
-    if errors:
-        raise errors[0]
-    return {r.trigger.name: r.stats for r in runners}
-
-
 __all__ = [
     "DEFAULT_MAX_BACKOFF_SECONDS",
     "DEFAULT_PROGRESS_INTERVAL_SECONDS",
@@ -501,8 +450,8 @@ __all__ = [
     "ProgressCallback",
     "RunStats",
     "Runner",
+    "WakeHint",
     "backoff_delay",
     "log_progress",
-    "run_pollers",
     "signals_routed_to",
 ]

@@ -23,11 +23,12 @@ a tick that found nothing; the backoff after a failed tick is never shortened.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 from dbtrigger import options as opt
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.queue.notify import Listener, ListenEvents, check_listen
+from dbtrigger.runtime.runner import WakeHint
 from dbtrigger.wakeup.ddl import default_channel
 
 if TYPE_CHECKING:
@@ -35,26 +36,6 @@ if TYPE_CHECKING:
 
 #: The poller's listener events (``wake_*``; the metric ``wake_notifications_total``).
 POLLER_EVENTS = ListenEvents("wake_listening", "wake_listen_failed", "wake_notified", "poller")
-
-
-@runtime_checkable
-class WakeHint(Protocol):
-    """What a :class:`~dbtrigger.runtime.runner.Runner` asks of a wake-up hint.
-
-    ``attach`` is called once with the trigger the runner drives (a hint may
-    refuse it with a :class:`~dbtrigger.errors.ConfigurationError`); ``wait``
-    is the idle sleep after a tick that delivered nothing, and must return by
-    ``seconds`` at the latest (earlier when ``stop`` is set);
-    ``idle_ticks`` is how many ticks in a row found nothing (1 right after
-    activity), or None while the worker has delivered nothing since it
-    started. ``close`` stops whatever the hint runs (idempotent).
-    """
-
-    def attach(self, trigger: Any) -> None: ...
-
-    def wait(self, seconds: float, stop: threading.Event, *, idle_ticks: int | None) -> bool: ...
-
-    def close(self) -> None: ...
 
 
 class AdaptivePolling:

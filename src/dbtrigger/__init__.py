@@ -18,7 +18,7 @@ here too. Names the root offered before are still found, with a
 from __future__ import annotations
 
 from importlib import metadata
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dbtrigger import _lazy
 from dbtrigger import errors as _errors
@@ -31,6 +31,7 @@ from dbtrigger.errors import LeaseAcquireError as LeaseAcquireError
 from dbtrigger.errors import LostLeaseError as LostLeaseError
 from dbtrigger.errors import SerializationError as SerializationError
 from dbtrigger.events import RowChange
+from dbtrigger.runtime import deprecated as _deprecated
 
 if TYPE_CHECKING:
     from dbtrigger.azure import DbBindings
@@ -109,6 +110,17 @@ _MOVED = {
     **dict.fromkeys(set(_errors.__all__) - set(_CONTRACT_ERRORS), "dbtrigger.errors"),
 }
 
+
+def _partitioned_member(**options: Any) -> Any:
+    """The member a deprecated ``PollTrigger(partitions=N)`` delegates to: the
+    root stands above the runtime and the partitions wing, so it ties them."""
+    from dbtrigger.partitions.member import PartitionedPoller  # noqa: PLC0415 - on use only
+
+    return PartitionedPoller(**options)
+
+
+_deprecated.partitioned_member = _partitioned_member
+
 __getattr__, __dir__ = _lazy.exports(__name__, _NAMES, moved=_MOVED)
 
 try:
@@ -116,7 +128,7 @@ try:
 except metadata.PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0+unknown"
 
-del metadata, _redaction
+del metadata, _redaction, _deprecated
 
 __all__ = [
     "BatchContext",

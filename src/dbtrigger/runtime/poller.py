@@ -33,22 +33,21 @@ import datetime as dt
 import logging
 import shlex
 import threading
-import time
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any
 
 from dbtrigger import options as opt
-from dbtrigger.errors import ConfigurationError, LeaseAcquireError
+from dbtrigger.errors import ConfigurationError
 from dbtrigger.history.positions import StartFrom
 from dbtrigger.history.recorder import recorder_for
 from dbtrigger.history.store import HistoryStore
 from dbtrigger.metrics import MetricsCollector, SafeMetrics
 from dbtrigger.names import import_path_of, validate_name
 from dbtrigger.quarantine import QuarantineSink
-from dbtrigger.runtime import kernel
+from dbtrigger.runtime import deprecated, kernel
 from dbtrigger.runtime.delivery import Delivery, cancelled_error
+from dbtrigger.runtime.drain import drain
 from dbtrigger.runtime.kernel import Handler, KeepAlive
 from dbtrigger.runtime.reading import (
     NullCursorProbe,
@@ -282,26 +281,9 @@ class PollTrigger:
         #: Deprecated ``partitions=``: the PartitionedPoller every tick is delegated to.
         self.partitioned: Any = None
         if partitions is not None:
-            warnings.warn(
-                "PollTrigger(partitions=N) is deprecated: build the member with "
-                "dbtrigger.partitions.PartitionedPoller(name=..., source=..., "
-                "checkpoint_store=..., partitions=N, ...), which takes the same options",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            for key in ("name", "source", "checkpoint_store", "partitions", "owner_id"):
-                options.pop(key)
-            # The deprecated spelling's one tie to the partitions wing (which stands
-            # on the runtime): loaded on use, and gone with the spelling.
-            from dbtrigger.partitions.member import PartitionedPoller  # noqa: PLC0415
-
-            self.partitioned = PartitionedPoller(
-                name=self.name,
-                source=source,  # type: ignore[arg-type]  # PartitionedPoller checks it
-                checkpoint_store=checkpoint_store,
-                partitions=partitions,
-                member_id=self.owner_id,
-                **options,
+            options.update(name=self.name, source=source, checkpoint_store=checkpoint_store)
+            self.partitioned = deprecated.delegate_partitions(
+                options, partitions=partitions, owner_id=self.owner_id
             )
 
     def _delivery(self, **options: Any) -> Delivery:
@@ -427,49 +409,21 @@ class PollTrigger:
         ``progress(rows_so_far, result)`` is called after every tick, e.g. to
         draw a progress bar or log "N rows, caught up" while a backlog drains.
 
-        "Nothing to do" means the source had no rows after the checkpoint. A
-        tick that did nothing because another instance holds the lease is not
-        that: ``drain`` then waits for the lease to come free, for at most
-        ``lease_wait_seconds`` in all, and otherwise raises
-        :class:`~dbtrigger.errors.LeaseAcquireError` naming the holder, rather
-        than returning as if the source were drained.
+        A tick skipped because another instance holds the lease is not "nothing
+        to do": the drain waits for the lease, for at most ``lease_wait_seconds``
+        in all (see :mod:`dbtrigger.runtime.drain`).
 
         Raises:
             LeaseAcquireError: another instance held the lease for longer than
                 ``lease_wait_seconds``.
         """
-        handler = self._handler_for(handler)
-        total = 0
-        ticks = 0
-        deadline = time.monotonic() + lease_wait_seconds
-        while max_ticks is None or ticks < max_ticks:
-            result = self.tick_result(handler)
-            ticks += 1
-            total += result.rows
-            if progress is not None:
-                progress(total, result)
-            if result.outcome in ("lease_busy", "lost_race"):
-                self._wait_for_lease(result, deadline, total)
-                continue
-            if result.rows == 0:
-                break
-        return total
-
-    def _wait_for_lease(self, result: TickResult, deadline: float, total: int) -> None:
-        now = self.clock()
-        wait = (result.lease_until - now).total_seconds() if result.lease_until else 0.05
-        wait = max(wait, 0.0) + 0.01
-        if time.monotonic() + wait > deadline:
-            holder = result.holder or "another instance"
-            until = f" until {docmod.format_time(result.lease_until)}" if result.lease_until else ""
-            raise LeaseAcquireError(
-                f"drain of poller {self.name!r} stopped after {total} row(s): the lease is "
-                f"held by {holder}{until}, which is draining it; pass lease_wait_seconds= "
-                "to wait for it",
-                poller=self.name,
-                holder=result.holder,
-            )
-        time.sleep(wait)
+        return drain(
+            self,
+            self._handler_for(handler),
+            max_ticks=max_ticks,
+            progress=progress,
+            lease_wait_seconds=lease_wait_seconds,
+        )
 
     async def run_async(self, *, timer: Any = None, handler: Handler | None = None) -> int:
         """:meth:`run` for async code (a Functions ``async def`` timer function)."""

@@ -54,6 +54,17 @@ class Delivered:
         """Ids written to the dead-letter sink: settled for good."""
         return frozenset(self.rejected) | self.exhausted
 
+    def outcomes(self, rows: int) -> Outcomes:
+        """The counts the batch's journal entry keeps: of its ``rows`` events, every
+        one not rejected, retried or exhausted was accepted."""
+        failed = len(self.retried) + len(self.exhausted)
+        return Outcomes(
+            accepted=rows - len(self.rejected) - failed,
+            rejected=len(self.rejected),
+            failed=failed,
+            subscribers=self.by_subscriber,
+        )
+
 
 @dataclass(frozen=True)
 class Undelivered:

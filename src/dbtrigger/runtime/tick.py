@@ -65,7 +65,7 @@ from dbtrigger.state import document as docmod
 from dbtrigger.state import lease as leasemod
 from dbtrigger.state import window as windowmod
 from dbtrigger.state.document import StateDocument
-from dbtrigger.state.journal import JournalEntry, Outcomes
+from dbtrigger.state.journal import JournalEntry
 from dbtrigger.state.stores.base import CheckpointStore
 from dbtrigger.state.window import Window
 
@@ -348,15 +348,7 @@ class TickDriver:
                 now=self.clock(),
                 started_at=started_at,
                 quarantined=outcome.quarantined,
-                outcomes=Outcomes(
-                    accepted=len(events)
-                    - len(outcome.rejected)
-                    - len(outcome.retried)
-                    - len(outcome.exhausted),
-                    rejected=len(outcome.rejected),
-                    failed=len(outcome.retried) + len(outcome.exhausted),
-                    subscribers=outcome.by_subscriber,
-                ),
+                outcomes=outcome.outcomes(len(events)),
             )
             self.writer.commit_batch(session, entry, release, settlement, events, outcome)
             # After retries that did not fit the window, batches are cut to what it
@@ -495,24 +487,7 @@ class TickDriver:
         more: bool = False,
         document: StateDocument | None = None,
     ) -> TickResult:
-        """The tick's report; ``document``: the state as the tick left it, for the
-        checkpoint, its commit time and the retries waiting in the worker's line."""
-        info = self.reader.visibility
-        held = info is not None and info.held_back
-        checkpoint = document.checkpoint if document is not None else None
-        window = document.window if document is not None else None
-        return TickResult(
-            rows,
-            batches,
-            outcome,
-            more=more,
-            held_back=held,
-            held_back_seconds=float(info.held_back_seconds) if info is not None and held else 0.0,
-            blocking_pid=info.blocking_pid if info is not None and held else None,
-            checkpoint=checkpoint.position if checkpoint is not None else None,
-            committed_at=checkpoint.updated_at if checkpoint is not None else None,
-            waiting_retries=len(window.pending) if window is not None else 0,
-            next_retry_at=min((p.not_before for p in window.pending), default=None)
-            if window is not None
-            else None,
+        """The tick's report, with the visibility guard's on its last fetch."""
+        return TickResult.left(
+            rows, batches, outcome, more=more, document=document, held=self.reader.visibility
         )

@@ -23,9 +23,13 @@ import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from dbtrigger.runtime.kernel import Handler
+
+if TYPE_CHECKING:
+    from dbtrigger.sources.base import VisibilityReport
+    from dbtrigger.state.document import StateDocument
 
 #: Batches per tick unless configured: one. A tick is then short and its
 #: length predictable (one fetch or claim, one handler call, one commit or
@@ -152,6 +156,39 @@ class TickResult:
     #: Events of the settled window still waiting for a retry, and the next due.
     waiting_retries: int = 0
     next_retry_at: dt.datetime | None = None
+
+    @classmethod
+    def left(
+        cls,
+        rows: int,
+        batches: int,
+        outcome: Outcome,
+        *,
+        more: bool = False,
+        document: StateDocument | None = None,
+        held: VisibilityReport | None = None,
+    ) -> TickResult:
+        """A poller tick's report; ``document``: the state as the tick left it (the
+        checkpoint, its commit time, the retries waiting); ``held``: the
+        visibility guard's report on the tick's last fetch."""
+        back = held is not None and held.held_back
+        checkpoint = document.checkpoint if document is not None else None
+        window = document.window if document is not None else None
+        return cls(
+            rows,
+            batches,
+            outcome,
+            more=more,
+            held_back=back,
+            held_back_seconds=float(held.held_back_seconds) if held is not None and back else 0.0,
+            blocking_pid=held.blocking_pid if held is not None and back else None,
+            checkpoint=checkpoint.position if checkpoint is not None else None,
+            committed_at=checkpoint.updated_at if checkpoint is not None else None,
+            waiting_retries=len(window.pending) if window is not None else 0,
+            next_retry_at=min((p.not_before for p in window.pending), default=None)
+            if window is not None
+            else None,
+        )
 
     @property
     def caught_up(self) -> bool:

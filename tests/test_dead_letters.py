@@ -275,3 +275,65 @@ def test_queue_dead_rows_through_the_same_verbs(
     code, out = cli("dead-letter", "list")
     assert "no dead rows" in out
     source.close()
+
+
+# --- fan-out: one named subscriber ------------------------------------------------------
+
+
+def test_a_fan_out_replay_goes_to_the_named_subscriber_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The subscriber that rejected an event gets it again; the others, which took
+    it the first time, do not see it twice. Without --subscriber a fan-out
+    poller's dead letters are refused (which subscriber would be a guess)."""
+    billing = Handler()
+    search = Handler(reject={3})
+    trigger = PollTrigger(
+        name="orders",
+        source=MemorySource(
+            [{"id": i, "seq": i, "v": f"row {i}"} for i in range(1, 6)],
+            cursor_column="seq",
+            pk_columns=["id"],
+        ),
+        checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+        quarantine=JsonLinesQuarantineSink(tmp_path / "dead.jsonl"),
+        subscribers={"billing": billing, "search": search},
+    )
+    module = f"dead_fan_{uuid.uuid4().hex[:8]}"
+    mod = types.ModuleType(module)
+    mod.trigger = trigger  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module, mod)
+    monkeypatch.chdir(tmp_path)
+    trigger.tick()
+    assert [int(e.pk["id"]) for e, _ in billing.seen] == [1, 2, 3, 4, 5]
+
+    def cli(*argv: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = main(["dead-letter", argv[0], "orders", "--trigger", f"{module}:trigger", *argv[1:]])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    [letter] = json.loads(cli("list", "--json")[1])
+    assert letter["pk"] == {"id": 3}
+    code, _, err = cli("replay", "--reason", "index fixed", "--yes")
+    assert code == 2
+    assert "--subscriber" in err
+    billing.seen.clear()
+    search.seen.clear()
+    search.reject.clear()
+    code, out, _ = cli("replay", "--subscriber", "search", "--reason", "index fixed", "--yes")
+    assert code == 0, out
+    [(event, ctx)] = search.seen
+    assert (event.event_id, ctx.subscriber, ctx.replay) == (letter["event_id"], "search", True)
+    assert billing.seen == []  # billing took it the first time: not handed it again
+    assert json.loads(cli("list", "--json")[1]) == []
+    code, _, err = cli("replay", "--subscriber", "nope", "--reason", "r", "--yes", "--again")
+    assert code == 2
+    assert "no subscriber 'nope'" in err
+    # --again hands a settled one to it once more (no --id needed), still to it alone.
+    code, out, _ = cli(
+        "replay", "--subscriber", "search", "--reason", "reindex", "--yes", "--again"
+    )
+    assert code == 0, out
+    assert [e.event_id for e, _ in search.seen] == [letter["event_id"]] * 2
+    assert billing.seen == []

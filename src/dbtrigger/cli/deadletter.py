@@ -161,13 +161,16 @@ def _sinked(args: argparse.Namespace, target: Any, sink: Any, store: CheckpointS
     ids = list(args.id or [])
     if args.verb == "show" and not ids:
         raise ConfigurationError("show needs --id EVENT_ID (the first 8+ characters will do)")
+    again = args.verb == "replay" and args.again
     letters = dl.dead_letters(
         sink,
         args.poller,
         ids=ids,
         since=_since(args),
-        include_settled=getattr(args, "all", False) or args.verb == "show",
+        include_settled=getattr(args, "all", False) or args.verb == "show" or again,
     )
+    if again and not ids:  # --again brings back the replayed ones, not the discarded
+        letters = [letter for letter in letters if letter.state != "discarded"]
     if args.verb == "list":
         if args.json:
             console.json([{**letter.record.to_json(), "state": letter.state} for letter in letters])

@@ -25,7 +25,7 @@ import sqlalchemy as sa
 
 from dbtrigger import FileCheckpointStore, PollTrigger, RowChange, SqlAlchemySource
 from dbtrigger.errors import StoreUnavailableError
-from dbtrigger.history import HistoryStore, MemoryHistory, history_for
+from dbtrigger.history import HistoryStore, MemoryHistory, SqlHistory, history_for
 from dbtrigger.history.records import detail_lines, image_digest
 from dbtrigger.history.store import Retention
 from dbtrigger.metrics import InMemoryMetrics
@@ -148,6 +148,43 @@ def test_a_failing_append_is_counted_said_once_and_the_poller_goes_on(
     # The hole was filled from the journal: every commit, in order.
     assert_chain(list(history.read("orders")), 50, trigger.read_state().position)  # type: ignore[union-attr]
     assert metrics.total("history_appends_total") == 5
+
+
+def test_a_history_table_that_is_gone_fails_appends_counted_and_the_poller_goes_on(
+    db: TestDatabase, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A real failure, not a fake one: the SQL history table disappears (renamed
+    away) under a running poller. Its commits stand, each failed append is
+    counted by error type and said once; once the table is back, the next append
+    fills the hole from the journal."""
+    metrics = InMemoryMetrics()
+    history = SqlHistory(db.engine, table="orders_history", schema=db.schema)
+    store = InMemoryCheckpointStore()
+    trigger = PollTrigger(
+        name="orders",
+        source=memory_source(60),
+        checkpoint_store=store,
+        batch_size=10,
+        metrics=metrics,
+        history=history,
+    )
+    assert trigger.tick(lambda events: None) == 10
+    away = db.qualified("orders_history_away") if db.kind == "mariadb" else "orders_history_away"
+    db.execute(f"ALTER TABLE {db.qualified('orders_history')} RENAME TO {away}")
+    with caplog.at_level(logging.DEBUG, logger="dbtrigger"):
+        for _ in range(3):
+            assert trigger.tick(lambda events: None) == 10  # the commits stand
+    assert store_position(store).cursor == 40
+    failed = [r for r in caplog.records if getattr(r, "event", "") == "history_append_failed"]
+    assert [r.levelno for r in failed] == [logging.WARNING, logging.DEBUG, logging.DEBUG]
+    assert "the commit stands" in failed[0].getMessage()
+    assert metrics.total("history_append_failures_total", error_type="StoreUnavailableError") == 3
+    assert metrics.total("history_appends_total") == 1
+    back = db.qualified("orders_history") if db.kind == "mariadb" else "orders_history"
+    db.execute(f"ALTER TABLE {db.qualified('orders_history_away')} RENAME TO {back}")
+    assert trigger.tick(lambda events: None) == 10
+    assert_chain(list(history.read("orders")), 50, store_position(store))
+    assert metrics.total("history_appends_total") == 5  # one, then the three missed and this
 
 
 def test_an_outage_longer_than_the_journal_leaves_a_marked_gap() -> None:
@@ -273,7 +310,7 @@ def _items(db: TestDatabase, rows: int) -> None:
 
 
 def _worker(
-    db: TestDatabase, kind: str, where: str, container: str | None
+    db: TestDatabase, kind: str, where: str, container: str | None, die_at: str | None = None
 ) -> subprocess.Popen[bytes]:
     argv = [
         sys.executable,
@@ -290,6 +327,8 @@ def _worker(
         argv += ["--schema", db.schema]
     if container:
         argv += ["--container", container]
+    if die_at:
+        argv += ["--die-at", die_at]
     root = Path(__file__).resolve().parent.parent
     return subprocess.Popen(argv, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
@@ -354,24 +393,57 @@ def chaos_store(
         service.close()
 
 
+def _no_phantom_so_far(store: CheckpointStore, history: HistoryStore) -> None:
+    """Right after a kill: the history holds committed batches only, in an unbroken
+    chain from the beginning (the last commit's record may still be missing: the
+    next process fills it in), never one beyond the committed checkpoint."""
+    records = list(history.read("items"))
+    seqs = [int(r["seq"]) for r in records]
+    assert seqs == list(range(1, len(seqs) + 1)), "the history's numbers have a hole"
+    assert len({r["id"] for r in records}) == len(records), "a record appears twice"
+    chain = [r for r in records if r.get("type") == "commit"]
+    if not chain:
+        return
+    assert position_from_json(chain[0]["from"]).is_beginning
+    for before, after in itertools.pairwise(chain):
+        assert after["from"] == before["to"], "a committed batch is missing (gap)"
+    recorded = int(position_from_json(chain[-1]["to"]).cursor)
+    assert recorded <= _committed(store), "a batch is recorded that was never committed"
+
+
+#: Deaths at exact points (tests/chaos/history_worker.py --die-at), then random kills.
+DEATHS = ["write:3", "append:1", "append:3", "write:6", "append:2"]
+
+
 @pytest.mark.slow
 def test_kill_and_restart_leave_exactly_the_committed_batches(
     sqlite_db: TestDatabase, chaos_store: tuple[str, str, str | None, CheckpointStore]
 ) -> None:
+    """SIGKILL at exact points - before a commit lands (a record for it would be a
+    phantom), between a commit and its append (a gap unless the journal fills it
+    in), half way through a history line (file) - and at random moments, with a
+    restart after each: the history ends with exactly the committed batches."""
     kind, where, container, store = chaos_store
     _items(sqlite_db, ROWS)
+    history = history_for(store)
+    assert history is not None
     rng = random.Random(ROWS * 7 + KILLS)
-    for _ in range(KILLS):
+    deaths: list[str | None] = [*DEATHS, *(["torn:2"] if kind == "file" else []), *[None] * KILLS]
+    for die_at in deaths:
         before = _committed(store)
-        proc = _worker(sqlite_db, kind, where, container)
+        proc = _worker(sqlite_db, kind, where, container, die_at)
         try:
-            # Let it commit something, then kill it wherever it is.
-            _wait(lambda p=proc, b=before: _committed(store) > b or p.poll() is not None)
-            time.sleep(rng.uniform(0.0, 0.3))
+            if die_at is None:
+                # Let it commit something, then kill it wherever it is.
+                _wait(lambda p=proc, b=before: _committed(store) > b or p.poll() is not None)
+                time.sleep(rng.uniform(0.0, 0.3))
+            else:
+                _wait(lambda p=proc: p.poll() is not None)  # it kills itself
         finally:
             proc.kill()
             _, err = proc.communicate(timeout=30)
         assert proc.returncode == -9, err.decode()[-2000:]
+        _no_phantom_so_far(store, history)
     proc = _worker(sqlite_db, kind, where, container)
     try:
         _wait(lambda: _committed(store) == ROWS, timeout=120)
@@ -391,9 +463,8 @@ def test_kill_and_restart_leave_exactly_the_committed_batches(
     PollTrigger(name="items", source=source, checkpoint_store=store, clock=lambda: later).tick(
         lambda events: None
     )
-    history = history_for(store)
-    assert history is not None
     assert_chain(list(history.read("items")), ROWS, store_position_of(store, "items"))
+    source.close()
 
 
 def store_position_of(store: CheckpointStore, name: str) -> Any:

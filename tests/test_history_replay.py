@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import sys
 import types
 import uuid
@@ -24,6 +25,7 @@ from dbtrigger.changelog import ChangeLogSource, install, prune
 from dbtrigger.cli import main
 from dbtrigger.history import history_for
 from dbtrigger.history.records import image_text
+from dbtrigger.metrics import InMemoryMetrics
 from dbtrigger.runtime.context import BatchContext
 from dbtrigger.state.document import parse_time
 from tests.databases import TestDatabase
@@ -399,3 +401,74 @@ def test_replay_on_a_replication_slot_is_refused_once_the_slot_confirmed_it(
     out = capsys.readouterr().out
     assert "cannot be replayed as it was" in out
     assert "a slot cannot be rewound" in out
+
+
+# --- fan-out, metrics and logs ----------------------------------------------------------
+
+
+def test_a_fan_out_replay_to_one_subscriber_counted_and_logged(
+    sqlite_db: TestDatabase,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """--subscriber hands the batch to that subscriber only (ctx.subscriber says
+    so); a verify, the drift it finds and a delivery are counted
+    (replays_total by mode, replay_drift_rows_total by kind,
+    replayed_events_total) and logged (replay_drift, replay_delivered)."""
+    orders_table(sqlite_db, rows=6)
+    billing, search = Calls(), Calls()
+    metrics = InMemoryMetrics()
+    source = SqlAlchemySource(
+        url=sqlite_db.url, table="orders", cursor_column="seq", pk_columns=["id"], visibility="none"
+    )
+    trigger = PollTrigger(
+        name="orders",
+        source=source,
+        checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+        batch_size=10,
+        subscribers={"billing": billing.handler, "search": search.handler},
+        metrics=metrics,
+    )
+    module = f"history_fan_{uuid.uuid4().hex[:8]}"
+    mod = types.ModuleType(module)
+    mod.trigger = trigger  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module, mod)
+    monkeypatch.chdir(tmp_path)
+    trigger.tick()
+    history = history_for(trigger.store)
+    assert history is not None
+    [batch] = [r["batch_id"] for r in history.read("orders") if r["type"] == "commit"]
+    sqlite_db.execute("DELETE FROM orders WHERE id = 4")
+    billing.batches.clear()
+    search.batches.clear()
+
+    def cli(*argv: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = main(["replay", "orders", "--batch", batch, "--trigger", f"{module}:trigger", *argv])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    with caplog.at_level(logging.INFO, logger="dbtrigger"):
+        assert cli("--verify")[0] == 1
+        code, out, _ = cli("--subscriber", "search", "--yes", "--reason", "reindex")
+    assert code == 0, out
+    [(events, ctx)] = search.batches
+    assert sorted(int(e.pk["id"]) for e in events) == [1, 2, 3, 5, 6]
+    assert (ctx.subscriber, ctx.replay, ctx.batch_id) == ("search", True, batch)
+    assert billing.batches == []
+    assert metrics.total("replays_total", mode="verify") == 1
+    assert metrics.total("replays_total", mode="reread") == 1
+    assert metrics.total("replayed_events_total") == 5
+    assert metrics.total("replay_drift_rows_total", kind="gone") == 2  # the verify, the replay
+    assert metrics.total("replay_drift_rows_total", kind="changed") == 0
+    logged = [getattr(r, "event", "") for r in caplog.records]
+    assert logged.count("replay_drift") == 2
+    assert "replay_delivered" in logged
+    last = list(history.read("orders"))[-1]
+    assert (last["operation"], last["subscriber"], last["events"]) == ("replay", "search", 5)
+    code, _, err = cli("--subscriber", "nope", "--yes", "--reason", "r")
+    assert code == 2
+    assert "no subscriber 'nope' (it has billing, search)" in err
+    source.close()

@@ -32,12 +32,31 @@ import importlib
 import math
 import uuid
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from dbtrigger.errors import ConfigurationError
 
-if TYPE_CHECKING:
-    from dbtrigger.events import RowChange
+
+class Change(Protocol):
+    """What an envelope is made of: the fields of a :class:`~dbtrigger.events.RowChange`
+    (which calls this module; this module needs nothing else of it)."""
+
+    @property
+    def event_id(self) -> str: ...
+    @property
+    def op(self) -> str: ...
+    @property
+    def source(self) -> str: ...
+    @property
+    def cursor(self) -> Any: ...
+    @property
+    def pk(self) -> Mapping[str, Any]: ...
+    @property
+    def before(self) -> Mapping[str, Any] | None: ...
+    @property
+    def after(self) -> Mapping[str, Any] | None: ...
+    @property
+    def metadata(self) -> Mapping[str, Any]: ...
 
 
 def plain_json(value: Any) -> Any:
@@ -64,7 +83,7 @@ def _subject(pk: Mapping[str, Any]) -> str:
 
 
 def to_cloudevent(
-    event: RowChange,
+    event: Change,
     *,
     source: str | None = None,
     type: str | None = None,
@@ -109,4 +128,4 @@ def to_cloudevent(
         raise ConfigurationError(f"not a valid CloudEvent: {exc}") from exc
 
 
-__all__ = ["plain_json", "to_cloudevent"]
+__all__ = ["Change", "plain_json", "to_cloudevent"]

@@ -16,112 +16,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dbtrigger._driver_errors import short_error
-from dbtrigger.errors import CommitError, ConfigurationError, FetchError
+from dbtrigger.errors import CommitError, ConfigurationError
 from dbtrigger.queue.cli_jobs import add_job_commands
+from dbtrigger.queue.cli_target import (
+    claim_source_of,
+    loaded_source,
+    parse_duration,
+    queue_source,
+    table_options,
+)
 
 if TYPE_CHECKING:
     from dbtrigger.queue.source import ClaimSource
 
 # SQLAlchemy and the queue modules are imported inside the commands, so
 # registering them keeps `dbtrigger --help` light.
-
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
-_UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-
-
-def parse_duration(text: str) -> float:
-    """``90``, ``90s``, ``15m``, ``12h``, ``7d``, ``2w`` -> seconds."""
-    match = _DURATION.match(text)
-    if not match:
-        raise ConfigurationError(
-            f"not a duration: {text!r} (use seconds, or a number with s, m, h, d or w)"
-        )
-    return float(match.group(1)) * _UNIT[match.group(2)]
-
-
-def claim_source_of(target: Any) -> ClaimSource | None:
-    """The ClaimSource behind what ``--source MODULE:ATTR`` named, or None."""
-    from dbtrigger.queue.sidecar import SidecarFeeder  # noqa: PLC0415
-    from dbtrigger.queue.source import ClaimSource  # noqa: PLC0415
-    from dbtrigger.queue.trigger import QueueTrigger  # noqa: PLC0415
-
-    if isinstance(target, ClaimSource):
-        return target
-    if isinstance(target, (QueueTrigger, SidecarFeeder)):
-        return target.source
-    # A @db.queue_trigger function (the FunctionBuilder @app.schedule made of it).
-    inner = getattr(target, "_function", target)
-    get_user_function = getattr(inner, "get_user_function", None)
-    function = get_user_function() if callable(get_user_function) else target
-    source = getattr(function, "dbtrigger_queue_source", None)
-    return source if isinstance(source, ClaimSource) else None
-
-
-def _loaded(args: argparse.Namespace) -> ClaimSource | None:
-    spec = getattr(args, "source", None)
-    if not spec:
-        if not args.url or not args.table:
-            raise ConfigurationError(
-                "name the queue: --url URL --table TABLE, or --source MODULE:ATTR (a "
-                "QueueTrigger, ClaimSource, SidecarFeeder or @db.queue_trigger function)"
-            )
-        return None
-    if args.url or args.table:
-        raise ConfigurationError(
-            "--source names the queue's URL and table already: drop --url/--table, or --source"
-        )
-    target = args.load_object(spec)
-    source = claim_source_of(target)
-    if source is None:
-        raise ConfigurationError(
-            f"{spec} is a {type(target).__name__}, not a QueueTrigger, ClaimSource, "
-            "SidecarFeeder or @db.queue_trigger function"
-        )
-    return source
-
-
-def _source(args: argparse.Namespace) -> ClaimSource:
-    from dbtrigger.queue.source import ClaimSource  # noqa: PLC0415
-
-    loaded = _loaded(args)
-    if loaded is not None:
-        return loaded
-    pk = list(args.pk)
-    if not pk:
-        pk = _primary_key(args)
-    return ClaimSource(
-        url=args.url,
-        table=args.table,
-        schema=args.schema,
-        pk_columns=pk,
-        where=args.where,
-        mode=args.mode,
-        claims_table=args.claims_table,
-    )
-
-
-def _primary_key(args: argparse.Namespace) -> list[str]:
-    from sqlalchemy.exc import SQLAlchemyError  # noqa: PLC0415
-
-    from dbtrigger.queue.source import ClaimSource  # noqa: PLC0415
-
-    probe = ClaimSource(url=args.url, table=args.table, schema=args.schema, pk_columns=["_"])
-    try:
-        with probe.engine.connect() as conn:
-            table = probe.reflect(conn, probe.table_name)
-    except SQLAlchemyError as exc:
-        raise FetchError(f"could not inspect {probe.name}: {short_error(exc)}") from exc
-    finally:
-        probe.close()
-    names = [c.name for c in table.primary_key.columns]
-    if not names:
-        raise ConfigurationError(f"{args.table} has no primary key: name its key with --pk")
-    return names
 
 
 def _ddl(args: argparse.Namespace, *, uninstall: bool) -> int:
@@ -131,7 +44,7 @@ def _ddl(args: argparse.Namespace, *, uninstall: bool) -> int:
     from dbtrigger.queue.sidecar_table import install_claims_table  # noqa: PLC0415
     from dbtrigger.queue.source import ClaimSource  # noqa: PLC0415
 
-    probe = _loaded(args) or ClaimSource(
+    probe = loaded_source(args) or ClaimSource(
         url=args.url,
         table=args.table,
         schema=args.schema,
@@ -242,7 +155,7 @@ def cmd_uninstall(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    return print_status(_source(args), as_json=args.json)
+    return print_status(queue_source(args), as_json=args.json)
 
 
 def print_status(source: ClaimSource, *, as_json: bool) -> int:
@@ -282,7 +195,7 @@ def print_status(source: ClaimSource, *, as_json: bool) -> int:
 def cmd_retry(args: argparse.Namespace) -> int:
     if not args.dead:
         raise ConfigurationError("say which rows to re-drive: --dead")
-    source = _source(args)
+    source = queue_source(args)
     try:
         note = f"re-driven ({args.reason}); before: "
         count = source.redrive_dead(note=note, limit=args.limit, dry_run=not args.yes)
@@ -298,7 +211,7 @@ def cmd_retry(args: argparse.Namespace) -> int:
 def cmd_prune(args: argparse.Namespace) -> int:
     seconds = parse_duration(args.older_than)
     statuses = ("done", "canceled", "dead") if args.include_dead else ("done", "canceled")
-    source = _source(args)
+    source = queue_source(args)
     try:
         count = source.prune(
             older_than_seconds=seconds, chunk=args.chunk, statuses=statuses, dry_run=not args.yes
@@ -316,38 +229,6 @@ def cmd_prune(args: argparse.Namespace) -> int:
     return 0
 
 
-def _table_options(parser: argparse.ArgumentParser, *, pk: bool = True) -> None:
-    parser.add_argument(
-        "--source",
-        "--trigger",
-        dest="source",
-        metavar="MODULE:ATTR",
-        help="the queue's QueueTrigger, ClaimSource, SidecarFeeder or @db.queue_trigger "
-        "function: its URL, table, key and mode are used (instead of --url/--table...)",
-    )
-    parser.add_argument("--url", help="database URL (or %%APP_SETTING%%)")
-    parser.add_argument("--table", help="the queue table")
-    parser.add_argument("--schema", help="its schema (default: the connection's)")
-    parser.add_argument(
-        "--mode",
-        choices=("columns", "sidecar"),
-        default="columns",
-        help="claim columns on the table, or a sidecar claims table (default: columns)",
-    )
-    parser.add_argument(
-        "--claims-table", default="dbtrigger_claims", help="sidecar mode: the claims table"
-    )
-    if pk:
-        parser.add_argument(
-            "--pk",
-            action="append",
-            default=[],
-            metavar="COLUMN",
-            help="key column (repeat for several; default: the primary key)",
-        )
-        parser.add_argument("--where", help="the queue's filter, as configured on its source")
-
-
 def add_queue_commands(sub: Any, load_object: Callable[[str], Any]) -> None:
     """Register ``dbtrigger queue ...`` on the top-level subparsers; ``load_object``
     imports what ``--source MODULE:ATTR`` names (the CLI's own loader, passed in
@@ -359,7 +240,7 @@ def add_queue_commands(sub: Any, load_object: Callable[[str], Any]) -> None:
     qsub = queue.add_subparsers(dest="queue_command", required=True)
 
     install = qsub.add_parser("install", help="print (or --yes: run) the claim-column DDL")
-    _table_options(install, pk=False)
+    table_options(install, pk=False)
     install.add_argument(
         "--existing",
         choices=("ready", "done"),
@@ -378,7 +259,7 @@ def add_queue_commands(sub: Any, load_object: Callable[[str], Any]) -> None:
         "uninstall",
         help="print (or --yes: run) DDL removing them (sidecar: the queue's claims rows)",
     )
-    _table_options(uninstall, pk=False)
+    table_options(uninstall, pk=False)
     uninstall.add_argument("--yes", action="store_true", help="apply (default: dry run)")
     uninstall.add_argument(
         "--discard-pending",
@@ -388,22 +269,22 @@ def add_queue_commands(sub: Any, load_object: Callable[[str], Any]) -> None:
     uninstall.set_defaults(func=cmd_uninstall)
 
     status = qsub.add_parser("status", help="rows per status, oldest ready age")
-    _table_options(status)
+    table_options(status)
     status.add_argument("--json", action="store_true", help="one JSON object")
     status.set_defaults(func=cmd_status)
 
     retry = qsub.add_parser("retry", help="re-drive dead rows (dry run unless --yes)")
-    _table_options(retry)
+    table_options(retry)
     retry.add_argument("--dead", action="store_true", help="re-drive rows in status dead")
     retry.add_argument("--limit", type=int, help="at most this many rows")
     retry.add_argument("--reason", required=True, help="why: kept in dbt_last_error")
     retry.add_argument("--yes", action="store_true", help="apply (default: dry run)")
     retry.set_defaults(func=cmd_retry)
 
-    add_job_commands(qsub, _table_options)
+    add_job_commands(qsub)
 
     prune = qsub.add_parser("prune", help="delete finished rows in bounded chunks")
-    _table_options(prune)
+    table_options(prune)
     prune.add_argument("--older-than", required=True, help="e.g. 7d, 12h, 3600")
     prune.add_argument("--chunk", type=int, default=1000, help="rows per transaction")
     prune.add_argument("--include-dead", action="store_true", help="prune dead rows too")
@@ -412,4 +293,4 @@ def add_queue_commands(sub: Any, load_object: Callable[[str], Any]) -> None:
     prune.set_defaults(func=cmd_prune)
 
 
-__all__ = ["add_queue_commands", "parse_duration"]
+__all__ = ["add_queue_commands", "claim_source_of", "parse_duration", "print_status"]

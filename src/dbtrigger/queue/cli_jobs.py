@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from dbtrigger.errors import ConfigurationError
+from dbtrigger.queue.cli_target import parse_duration, queue_source, table_options
 
 
 def parse_run_after(text: str, parse_duration: Callable[[str], float]) -> Any:
@@ -70,13 +71,12 @@ def _rows(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
 
 
 def cmd_add(args: argparse.Namespace) -> int:
-    from dbtrigger.queue.cli import _source, parse_duration  # noqa: PLC0415
 
     rows = list(_rows(args))
     if not rows:
         raise ConfigurationError("nothing to add: give --row JSON (repeatable) or --file PATH")
     run_after = parse_run_after(args.run_after, parse_duration) if args.run_after else None
-    source = _source(args)
+    source = queue_source(args)
     try:
         count = source.enqueue(rows, run_after=run_after, priority=args.priority)
     finally:
@@ -126,11 +126,10 @@ def _typed(source: Any, key: Any) -> Any:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    from dbtrigger.queue.cli import _source  # noqa: PLC0415
 
     if not args.key:
         raise ConfigurationError("say which rows: --key VALUE (or a JSON key object), repeatable")
-    source = _source(args)
+    source = queue_source(args)
     try:
         keys = [_typed(source, parse_key(k)) for k in args.key]
         result = source.cancel(keys, reason=args.reason, dry_run=not args.yes)
@@ -153,7 +152,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_job_commands(qsub: Any, table_options: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_job_commands(qsub: Any) -> None:
     """Register ``queue add`` and ``queue cancel``."""
     add = qsub.add_parser(
         "add", help="enqueue rows (JSON), now or --run-after, with --priority; applies at once"

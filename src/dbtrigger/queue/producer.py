@@ -30,7 +30,7 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Protocol, Union
 
 import sqlalchemy as sa
 from sqlalchemy.exc import SQLAlchemyError
@@ -52,7 +52,36 @@ from dbtrigger.queue.schema import (
 )
 
 if TYPE_CHECKING:
-    from dbtrigger.queue.source import ClaimSource
+    from contextlib import AbstractContextManager
+
+    from sqlalchemy.engine import Connection
+
+    from dbtrigger.queue.layout import ClaimLayout, QueueTable
+    from dbtrigger.queue.schema import DialectTime
+    from dbtrigger.queue.statements import ClaimTable
+
+
+class Queue(Protocol):
+    """What :func:`enqueue` and :func:`cancel` ask of the queue: a
+    :class:`~dbtrigger.queue.source.ClaimSource`, which offers them as methods."""
+
+    pk_columns: tuple[str, ...]
+    layout: ClaimLayout
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def time(self) -> DialectTime: ...
+
+    @property
+    def target(self) -> ClaimTable: ...
+
+    @property
+    def queue_table(self) -> QueueTable: ...
+
+    def transaction(self, *, locking: bool = False) -> AbstractContextManager[Connection]: ...
+
 
 #: When enqueued rows become due: an aware datetime, a delay (seconds or a
 #: timedelta, on the database's clock), or None for now.
@@ -63,7 +92,7 @@ PRIORITY_RANGE = (-(2**31), 2**31 - 1)
 
 
 def enqueue(
-    source: ClaimSource,
+    source: Queue,
     rows: Iterable[Mapping[str, Any]],
     *,
     run_after: RunAfter = None,
@@ -130,7 +159,7 @@ def enqueue(
     return len(items)
 
 
-def _due(source: ClaimSource, run_after: RunAfter) -> tuple[Any, dict[str, Any]]:
+def _due(source: Queue, run_after: RunAfter) -> tuple[Any, dict[str, Any]]:
     """``dbt_visible_at``'s value for ``run_after``, and the parameters it needs."""
     time = source.time
     if isinstance(run_after, dt.datetime):
@@ -177,9 +206,7 @@ class Canceled:
     missing: list[dict[str, Any]] = field(default_factory=list)
 
 
-def cancel(
-    source: ClaimSource, keys: Iterable[Any], *, reason: str, dry_run: bool = False
-) -> Canceled:
+def cancel(source: Queue, keys: Iterable[Any], *, reason: str, dry_run: bool = False) -> Canceled:
     """Cancel the rows with these keys that have not started (see the module doc).
 
     Raises:
@@ -257,4 +284,11 @@ def _key_text(pk: Mapping[str, Any]) -> str:
     return json.dumps({k: str(v) for k, v in pk.items()}, sort_keys=True)
 
 
-__all__ = ["PRIORITY_RANGE", "Canceled", "RunAfter", "cancel", "enqueue"]
+__all__ = [
+    "PRIORITY_RANGE",
+    "Canceled",
+    "Queue",
+    "RunAfter",
+    "cancel",
+    "enqueue",
+]

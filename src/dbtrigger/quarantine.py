@@ -35,7 +35,7 @@ uses for cursors, so they read back exactly.
 A quarantined row is *data set aside*, not data dropped: it is logged at
 WARNING (event ``row_quarantined``), counted in ``quarantined_total``, and
 stays in the sink until someone replays or discards it (``dbtrigger
-dead-letter``, :mod:`dbtrigger.history.deadletters`).
+dead-letter``, :mod:`dbtrigger.replay.dead_letters`).
 """
 
 from __future__ import annotations

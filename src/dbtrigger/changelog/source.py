@@ -357,7 +357,7 @@ class ChangeLogSource:
         return self._inner().count_after(self._log_position(after))
 
     #: The log's rows never change: a recorded range reads back as it was, for
-    #: as long as the log keeps it (dbtrigger.history.replay).
+    #: as long as the log keeps it (dbtrigger.replay.batches).
     keeps_images = True
 
     def last_position(self, before: Any = None) -> Position:

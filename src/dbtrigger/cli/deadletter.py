@@ -2,7 +2,7 @@
 
 The records are read from the poller's dead-letter sink (the ``--trigger``'s
 ``quarantine=``, or ``--sink``: a JSON-lines file or a SQL URL); what is done
-with them is marked beside the sink (:mod:`dbtrigger.history.deadletters`),
+with them is marked beside the sink (:mod:`dbtrigger.replay.dead_letters`),
 and journaled in the poller's state document and history. A claim queue
 (``--trigger`` naming a ``QueueTrigger``) answers the same verbs with its
 dead rows: ``replay`` makes them ready again, ``discard`` settles them done.
@@ -30,10 +30,10 @@ from dbtrigger.cli.common import (
 )
 from dbtrigger.cli.loading import as_trigger, load_object, load_trigger
 from dbtrigger.errors import ConfigurationError
-from dbtrigger.history import deadletters as dl
-from dbtrigger.history.replay import journal_live
 from dbtrigger.quarantine import JsonLinesQuarantineSink, SqlQuarantineSink
 from dbtrigger.queue.cli import claim_source_of
+from dbtrigger.replay import dead_letters as dl
+from dbtrigger.replay.batches import journal_live
 from dbtrigger.runtime.poller import PollTrigger, default_owner_id
 from dbtrigger.state.document import format_time
 from dbtrigger.state.stores.base import CheckpointStore
@@ -98,7 +98,7 @@ def _journal(
             "note: not journaled (no state store: give --trigger or --store to journal it)"
         )
         return
-    from dbtrigger.history.replay import current_position, manual_entry  # noqa: PLC0415
+    from dbtrigger.replay.batches import current_position, manual_entry  # noqa: PLC0415
 
     entry = manual_entry(
         operation,

@@ -33,7 +33,7 @@ from dbtrigger.cli.state_change import _apply_change, note_history
 from dbtrigger.errors import ConfigurationError, ReplayRefusedError
 from dbtrigger.history import positions as pos
 from dbtrigger.history import view
-from dbtrigger.history.replay import keeps_images, plan
+from dbtrigger.replay.batches import keeps_images, plan
 from dbtrigger.sources.base import accepted_fingerprints
 from dbtrigger.state import document as docmod
 from dbtrigger.state import operations as ops

@@ -3,7 +3,7 @@
 A dry run without ``--yes`` (it reads the source and shows what would be
 delivered and what drifted); ``--verify`` compares without delivering (exit 1
 on drift); ``--yes --reason ...`` delivers under the replay's own lease. The
-live poller's checkpoint never moves. See :mod:`dbtrigger.history.replay`.
+live poller's checkpoint never moves. See :mod:`dbtrigger.replay.batches`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from dbtrigger.cli.common import (
 from dbtrigger.cli.history import history_of
 from dbtrigger.cli.loading import load_trigger
 from dbtrigger.errors import ConfigurationError, ReplayRefusedError
-from dbtrigger.history import replay as rp
 from dbtrigger.history import view
+from dbtrigger.replay import batches as rp
 from dbtrigger.runtime.poller import PollTrigger, default_owner_id
 from dbtrigger.sources.base import accepted_fingerprints
 from dbtrigger.state.stores.base import CheckpointStore

@@ -240,7 +240,7 @@ class BatchContext:
     #: (its events count as failed for it; whatever it does now is discarded).
     timed_out: threading.Event | None = field(default=None, compare=False, repr=False)
     #: True when ``dbtrigger replay`` hands a recorded batch over again (the
-    #: live checkpoint does not move; see dbtrigger.history.replay).
+    #: live checkpoint does not move; see dbtrigger.replay.batches).
     replay: bool = False
     #: A replay's recorded commit time (what :attr:`now` gives during one).
     recorded_at: dt.datetime | None = None

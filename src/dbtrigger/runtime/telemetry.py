@@ -244,7 +244,7 @@ EVENTS: dict[str, EventSpec] = {
     # start positions (PollTrigger(start_from=...)): applied once, at creation
     "start_position": EventSpec(INFO),
     "start_from_ignored": EventSpec(INFO),
-    # replays of recorded batches and of dead letters (dbtrigger.history.replay)
+    # replays of recorded batches and of dead letters (dbtrigger.replay.batches)
     "replay_delivered": EventSpec(
         INFO,
         (

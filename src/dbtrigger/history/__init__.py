@@ -5,7 +5,7 @@ entries); the history keeps every entry for as long as its retention says,
 in the same store family as the state: JSON-lines files, append blobs, a SQL
 table, Table Storage entities. Commit records carry digests of the delivered
 event ids and images and one line per event, which is what a replay compares
-against (``dbtrigger replay``; see docs/operations.md, "History and replay").
+against (``dbtrigger replay``; see docs/history.md).
 
 ``PollTrigger`` keeps one by default (``history=False`` turns it off, a
 :class:`HistoryStore` chooses another); :func:`history_for` is the one a

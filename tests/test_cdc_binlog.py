@@ -330,7 +330,7 @@ def test_a_quiet_table_records_read_through_and_resumes_there(
     again = BinlogSource(binlog_db.url, [quiet], snapshot="never")
     trigger(again, store, name="quiet")
     again.prepare(None)
-    start = again._reader_impl().start_for(LogPosition.of(checkpoint))
+    start = again.new_reader().start_for(LogPosition.of(checkpoint))
     assert start[:2] == (row.through_file, row.through_pos)
     binlog_db.execute(f"INSERT INTO {quiet} VALUES (2, 'b', 2)")
     t2 = trigger(again, store, name="quiet")

@@ -181,9 +181,7 @@ def test_a_type_change_refuses_until_the_new_shape_is_accepted(cdc_db: CdcDataba
     assert [e.pk["id"] for e in delivered] == [1]  # what came before is delivered
     with pytest.raises(SchemaChangedError):  # and it stays refused
         trigger.tick(lambda events: None)
-    from dbtrigger.cdc.pg_admin import accept_schema  # noqa: PLC0415
-
-    accept_schema(source)
+    source.admin().accept_schema()
     restarted = PgLogicalSource(cdc_db.url, ["t"], slot=source.slot, snapshot="never")
     rows = restarted.fetch(position_of(delivered[-1]), 10)  # the acceptance is remembered
     assert [r["after"] for r in rows] == [{"id": 2, "amount": "twenty"}]
@@ -448,8 +446,6 @@ def test_commit_time_lag_is_measured_from_the_read(cdc_db: CdcDatabase) -> None:
 def test_a_type_change_accepted_by_another_process_resumes_a_running_poller(
     cdc_db: CdcDatabase, mode: str
 ) -> None:
-    from dbtrigger.cdc import pg_admin as admin  # noqa: PLC0415
-
     cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY, amount int)")
     trigger, source = poller(cdc_db, ["t"], mode=mode, stream_wait_seconds=0)
     drain(trigger)
@@ -464,7 +460,7 @@ def test_a_type_change_accepted_by_another_process_resumes_a_running_poller(
     with pytest.raises(SchemaChangedError):  # held, and the slot keeps the rest
         trigger.tick(delivered.extend)
     operator = PgLogicalSource(cdc_db.url, ["t"], slot=source.slot, snapshot="never")
-    admin.accept_schema(operator)  # as `dbtrigger cdc accept-schema` from another process
+    operator.admin().accept_schema()  # as `dbtrigger cdc accept-schema` from another process
     trigger.drain(delivered.extend)  # the running poller, never closed
     assert [e.pk["id"] for e in delivered] == [1, 2, 3]
     source.close()

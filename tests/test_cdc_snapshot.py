@@ -9,7 +9,6 @@ import pytest
 
 from dbtrigger import FileCheckpointStore, PollTrigger, RetryPolicy, RowChange
 from dbtrigger.cdc import UNCHANGED, PgLogicalSource
-from dbtrigger.cdc import pg_admin as admin
 from dbtrigger.errors import SourceDefinitionError
 from tests.cdc_servers import CdcDatabase
 
@@ -82,7 +81,7 @@ def test_initial_snapshot_then_the_stream_with_no_gap_while_writers_write(
     keys = [e.pk["id"] for e in snapshot_rows]
     assert keys == sorted(keys), "chunks come in key order"
     assert set(keys) <= set(range(1, 2501)) | set(range(3000, 3040))
-    status = admin.status(source)
+    status = source.admin().status()
     assert [(s["table"], s["done"]) for s in status["snapshots"]] == [("public.t", True)]
     assert status["snapshots"][0]["chunks"] >= 3
     source.close()
@@ -107,7 +106,7 @@ def test_an_interrupted_snapshot_resumes_at_the_next_chunk(
     keys = [e.pk["id"] for e in first + rest]
     assert sorted(set(keys)) == list(range(1, 2501))
     assert len(keys) == 2500, "no chunk read twice, none skipped"
-    row = admin.status(source2)["snapshots"][0]
+    row = source2.admin().status()["snapshots"][0]
     assert (row["chunks"], row["rows"], row["done"]) == (3, 2500, True)
     source2.close()
 
@@ -119,7 +118,7 @@ def test_a_table_or_key_range_can_be_read_again_while_streaming(
     trigger, source = make(cdc_db, tmp_path, f"snap_{uuid.uuid4().hex[:6]}", snapshot="never")
     trigger.drain(lambda events: None)
     cdc_db.execute("INSERT INTO t SELECT g, 5 FROM generate_series(1, 300) g")
-    admin.request_snapshot(source, "t", where="id <= 10")
+    source.admin().request_snapshot("t", where="id <= 10")
     cdc_db.execute("UPDATE t SET v = 6 WHERE id = 1")
     events: list[RowChange] = []
     trigger.drain(events.extend)

@@ -12,336 +12,294 @@ server keeps and how far behind the last recorded position is.
 
 from __future__ import annotations
 
-import datetime as dt
 from typing import TYPE_CHECKING, Any
 
 from dbtrigger.cdc import binlog_control as control
 from dbtrigger.cdc import binlog_setup as setup
 from dbtrigger.cdc.admin import Plan
 from dbtrigger.cdc.binlog_health import behind_bytes
+from dbtrigger.cdc.binlog_setup import current_position
+from dbtrigger.cdc.snapshots import Snapshot, carry_over
 from dbtrigger.errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from dbtrigger.cdc.binlog_source import BinlogSource
-
-
-def plan(source: BinlogSource) -> Plan:
-    """What :func:`install` would run, and what the operator should know first."""
-    from dbtrigger.cdc.binlog_source import current_position  # noqa: PLC0415
-
-    out = Plan()
-    conn = setup.connect(source.url, database=False)
-    try:
-        facts = setup.server_facts(conn)
-        out.notes.extend(f"BLOCKER: {p}" for p in setup.setting_problems(facts))
-        try:
-            files = setup.binary_logs(conn)
-            setup.table_infos(conn, source.tables)
-        except Exception as exc:  # noqa: BLE001 - a dry run reports, never raises
-            out.notes.append(f"BLOCKER: {exc}")
-            files = []
-        if not control.exists(conn, source.control_database):
-            out.statements.extend(control.create_sql(source.control_database))
-        if control.exists(conn, source.control_database) and control.read(
-            conn, source.control_database, source.reader
-        ):
-            out.notes.append(f"reader {source.reader} is installed already")
-        else:
-            where = current_position(conn, files) if facts.log_bin else ("?", 0)
-            out.statements.append(
-                f"-- record reader {source.reader} (server_id {source.server_id}) at "
-                f"{where[0]}:{where[1]}"
-                + (", snapshot of each table queued" if source.snapshot == "initial" else "")
-            )
-        out.notes.append(
-            f"the reader connects as a replica with server_id {source.server_id}: no other "
-            "replica or reader of this server may use it (pass server_id= to choose)"
-        )
-        if not facts.expire_seconds:
-            out.notes.append(
-                "binlog_expire_logs_seconds is 0: the server keeps binary logs until they are "
-                "purged by hand (disk grows); set a retention longer than the longest time a "
-                "poller may be stopped, e.g. SET GLOBAL binlog_expire_logs_seconds = 604800"
-            )
-    finally:
-        conn.close()
-    return out
-
-
-def install(source: BinlogSource) -> list[str]:
-    """Create the control tables and the reader's row; what was done."""
-    from dbtrigger.cdc.binlog_source import current_position  # noqa: PLC0415
-
-    done: list[str] = []
-    conn = setup.connect(source.url, database=False)
-    try:
-        facts = setup.server_facts(conn)
-        setup.check_server(facts)
-        files = setup.binary_logs(conn)
-        source.infos = setup.table_infos(conn, source.tables)
-        if control.ensure(conn, source.control_database):
-            done.append(f"created {source.control_database}.{control.TABLE} and {control.CHUNKS}")
-        if control.read(conn, source.control_database, source.reader) is None:
-            row = source.new_control_row(current_position(conn, files))
-            control.write(conn, source.control_database, row)
-            done.append(
-                f"recorded reader {source.reader} at {row.created_file}:{row.created_pos}"
-                + (f"; snapshot of {len(row.snapshots)} table(s) queued" if row.snapshots else "")
-            )
-    finally:
-        conn.close()
-    source.close()
-    return done
-
-
-def status(source: BinlogSource) -> dict[str, Any]:
-    """Everything ``dbtrigger cdc status`` shows, as JSON-able data."""
-    conn = setup.connect(source.url, database=False)
-    try:
-        facts = setup.server_facts(conn)
-        problems = setup.setting_problems(facts)
-        files = setup.binary_logs(conn)
-        row = (
-            control.read(conn, source.control_database, source.reader)
-            if control.exists(conn, source.control_database)
-            else None
-        )
-        infos = setup.table_infos(conn, source.tables)
-    finally:
-        conn.close()
-    warnings = list(problems)
-    position: dict[str, Any] | None = None
-    if row is None:
-        warnings.append(
-            "the reader is not installed (created at the first read, or by cdc install)"
-        )
-    else:
-        recorded = (
-            (row.through_file, row.through_pos or 0)
-            if row.through_file is not None
-            else (row.created_file, row.created_pos or 0)
-        )
-        name, offset = recorded if recorded[0] in dict(files) else (None, 0)
-        position = {
-            "created": f"{row.created_file}:{row.created_pos}",
-            "read_through": None
-            if row.through_file is None
-            else f"{row.through_file}:{row.through_pos}",
-            "checkpoint_at_read_through": row.through_after,
-            "behind_bytes": None if name is None else behind_bytes(files, name, offset),
-        }
-        if name is None:
-            warnings.append(
-                "the binary log file of the last recorded position was purged: changes are "
-                "lost; run dbtrigger cdc recreate MODULE:TRIGGER --snapshot --yes"
-            )
-        elif len(files) > 1 and files[0][0] == name:
-            warnings.append(
-                f"the last recorded position is in {name}, the oldest binary log the server "
-                "keeps: the next purge removes it; the poller must catch up now"
-            )
-        if row.schema_break:
-            warnings.append(
-                f"delivery is held at a column type change: {row.schema_break}; accept it "
-                "with dbtrigger cdc accept-schema MODULE:TRIGGER --yes"
-            )
-    lines: list[tuple[str, Any]] = [
-        ("reader", f"{source.reader} (server_id {source.server_id})"),
-        ("server", f"{facts.version}, server_id {facts.server_id}"),
-        (
-            "binlog",
-            f"format {facts.binlog_format}, row image {facts.binlog_row_image}, row metadata "
-            f"{facts.binlog_row_metadata or '(none)'}, {len(files)} file(s) "
-            f"{files[0][0] if files else ''}..{files[-1][0] if files else ''}, retention "
-            f"{source.facts_expire_text() if facts.expire_seconds else '0 (until purged)'}",
-        ),
-    ]
-    if position is not None:
-        lines.append(("created", position["created"]))
-        behind = position["behind_bytes"]
-        lines.append(
-            (
-                "position",
-                f"read through {position['read_through'] or '(not recorded yet)'}"
-                + ("" if behind is None else f"; {behind / 2**20:.1f} MB of log after it"),
-            )
-        )
-    for q, info in infos.items():
-        lines.append(("table", f"{q}: key ({', '.join(info.key_columns) or 'none'})"))
-    return {
-        "kind": "binlog",
-        "reader": source.reader,
-        "server_id": source.server_id,
-        "server_version": facts.version,
-        "binlog_format": facts.binlog_format,
-        "binlog_row_image": facts.binlog_row_image,
-        "binlog_row_metadata": facts.binlog_row_metadata,
-        "expire_seconds": facts.expire_seconds,
-        "binary_logs": [{"name": n, "size": s} for n, s in files],
-        "position": position,
-        "snapshots": [s.to_json() for s in row.snapshots] if row is not None else [],
-        "tables": {q: {"key": list(i.key_columns)} for q, i in infos.items()},
-        "lines": [[k, v] for k, v in lines],
-        "warnings": warnings,
-        "healthy": not problems
-        and position is not None
-        and position["behind_bytes"] is not None
-        and not (row is not None and row.schema_break),
-    }
-
-
-def drop(source: BinlogSource) -> list[str]:
-    source.close()
-    conn = setup.connect(source.url, database=False)
-    try:
-        if control.delete(conn, source.control_database, source.reader):
-            return [
-                f"removed reader {source.reader} from {source.control_database}.{control.TABLE}"
-            ]
-    finally:
-        conn.close()
-    return []
-
-
-def recreate(source: BinlogSource, *, snapshot: bool) -> list[str]:
-    """Start the reader again at the server's position now; with ``snapshot`` read the tables.
-
-    The poller's checkpoint stays; the source goes on from the new start (which
-    is after it), so the changes between the two are skipped: that is what the
-    operator asked for, and the snapshot brings the tables' rows back.
-    """
-    from dbtrigger.cdc.binlog_source import current_position  # noqa: PLC0415
-
-    source.close()
-    conn = setup.connect(source.url, database=False)
-    try:
-        setup.check_server(setup.server_facts(conn))
-        files = setup.binary_logs(conn)
-        control.ensure(conn, source.control_database)
-        source.infos = setup.table_infos(conn, source.tables)
-        previous = control.read(conn, source.control_database, source.reader)
-        row = source.new_control_row(current_position(conn, files), snapshots=False)
-        if previous is not None:
-            row.columns = previous.columns  # what the consumers accepted stays accepted
-            row.snapshots = [s for s in previous.snapshots if s.done]
-        if snapshot:
-            row.snapshots.extend(_request(t.qualified, None) for t in source.tables)
-        control.write(conn, source.control_database, row)
-    finally:
-        conn.close()
-    return [
-        f"reader {source.reader} starts again at {row.created_file}:{row.created_pos}"
-        + (f"; snapshot of {len(source.tables)} table(s) queued" if snapshot else "")
-    ]
-
-
-def _request(table: str, where: str | None) -> control.Snapshot:
-    return control.Snapshot(
-        table, where=where, requested_at=dt.datetime.now(dt.timezone.utc).isoformat()
-    )
-
-
-def request_snapshot(
-    source: BinlogSource, table: str, where: str | None = None
-) -> control.Snapshot:
-    """Queue a re-read of ``table`` (rows matching ``where``), delivered among the changes."""
-    name = setup.TableName.parse(table, source.url.database).qualified
-    if name not in {t.qualified for t in source.tables}:
-        known = ", ".join(t.qualified for t in source.tables)
-        raise ConfigurationError(f"{name} is not one of this source's tables ({known})")
-    conn = setup.connect(source.url, database=False)
-    try:
-        conn.begin()
-        row = control.read(conn, source.control_database, source.reader, lock=True)
-        if row is None:
-            conn.rollback()
-            raise ConfigurationError(
-                f"reader {source.reader} is not installed yet: run the poller or dbtrigger cdc "
-                "install"
-            )
-        request = _request(name, where)
-        row.snapshots.append(request)
-        control.update(conn, source.control_database, source.reader, snapshots=row.snapshots)
-        conn.commit()
-    finally:
-        conn.close()
-    source.snapshots.poke()
-    return request
-
-
-def schema_changes(source: BinlogSource) -> list[str]:
-    """The column type change delivery is held at, if any."""
-    conn = setup.connect(source.url, database=False)
-    try:
-        if not control.exists(conn, source.control_database):
-            return []
-        row = control.read(conn, source.control_database, source.reader)
-    finally:
-        conn.close()
-    return [row.schema_break] if row is not None and row.schema_break else []
-
-
-def accept_schema(source: BinlogSource) -> list[str]:
-    """Accept the new column types: forget the accepted types of the tables that changed."""
-    conn = setup.connect(source.url, database=False)
-    try:
-        row = control.read(conn, source.control_database, source.reader)
-        if row is None:
-            raise ConfigurationError(
-                f"reader {source.reader} has no control row: nothing accepted yet to change"
-            )
-        changes = [row.schema_break] if row.schema_break else []
-        changed = [t for t in row.columns if row.schema_break and f" of {t} " in row.schema_break]
-        for table in changed or list(row.columns):
-            row.columns.pop(table, None)  # the next read accepts what the log has now
-        control.update(
-            conn, source.control_database, source.reader, columns=row.columns, schema_break=None
-        )
-    finally:
-        conn.close()
-    source.close()
-    return changes
+    from dbtrigger.cdc.binlog_context import BinlogSourceParts
 
 
 class BinlogAdmin:
-    """:class:`~dbtrigger.cdc.admin.LogSourceAdmin` for a BinlogSource."""
+    """:class:`~dbtrigger.cdc.admin.LogSourceAdmin` for a BinlogSource (see the module
+    docstring); each call works over a short-lived connection of its own."""
 
-    def __init__(self, source: BinlogSource) -> None:
+    def __init__(self, source: BinlogSourceParts) -> None:
         self.source = source
 
     def plan(self, *, full_images: bool = False) -> Plan:
-        return plan(self.source)  # binlog_row_image=FULL is required: always full images
+        """What :meth:`install` would run, and what the operator should know first."""
+        source = self.source
+        out = Plan()
+        conn = setup.connect(source.url, database=False)
+        try:
+            facts = setup.server_facts(conn)
+            out.notes.extend(f"BLOCKER: {p}" for p in setup.setting_problems(facts))
+            try:
+                files = setup.binary_logs(conn)
+                setup.table_infos(conn, source.tables)
+            except Exception as exc:  # noqa: BLE001 - a dry run reports, never raises
+                out.notes.append(f"BLOCKER: {exc}")
+                files = []
+            if not control.exists(conn, source.control_database):
+                out.statements.extend(control.create_sql(source.control_database))
+            if control.exists(conn, source.control_database) and control.read(
+                conn, source.control_database, source.reader
+            ):
+                out.notes.append(f"reader {source.reader} is installed already")
+            else:
+                where = current_position(conn, files) if facts.log_bin else ("?", 0)
+                out.statements.append(
+                    f"-- record reader {source.reader} (server_id {source.server_id}) at "
+                    f"{where[0]}:{where[1]}"
+                    + (", snapshot of each table queued" if source.snapshot == "initial" else "")
+                )
+            out.notes.append(
+                f"the reader connects as a replica with server_id {source.server_id}: no other "
+                "replica or reader of this server may use it (pass server_id= to choose)"
+            )
+            if not facts.expire_seconds:
+                out.notes.append(
+                    "binlog_expire_logs_seconds is 0: the server keeps binary logs until they are "
+                    "purged by hand (disk grows); set a retention longer than the longest time a "
+                    "poller may be stopped, e.g. SET GLOBAL binlog_expire_logs_seconds = 604800"
+                )
+        finally:
+            conn.close()
+        return out
 
     def install(self, *, full_images: bool = False) -> list[str]:
-        return install(self.source)
+        """Create the control tables and the reader's row; what was done."""
+        source = self.source
+        done: list[str] = []
+        conn = setup.connect(source.url, database=False)
+        try:
+            facts = setup.server_facts(conn)
+            setup.check_server(facts)
+            files = setup.binary_logs(conn)
+            source.infos = setup.table_infos(conn, source.tables)
+            if control.ensure(conn, source.control_database):
+                done.append(
+                    f"created {source.control_database}.{control.TABLE} and {control.CHUNKS}"
+                )
+            if control.read(conn, source.control_database, source.reader) is None:
+                row = source.new_control_row(current_position(conn, files))
+                control.write(conn, source.control_database, row)
+                done.append(
+                    f"recorded reader {source.reader} at {row.created_file}:{row.created_pos}"
+                    + (
+                        f"; snapshot of {len(row.snapshots)} table(s) queued"
+                        if row.snapshots
+                        else ""
+                    )
+                )
+        finally:
+            conn.close()
+        source.close()
+        return done
 
     def status(self) -> dict[str, Any]:
-        return status(self.source)
+        """Everything ``dbtrigger cdc status`` shows, as JSON-able data."""
+        source = self.source
+        conn = setup.connect(source.url, database=False)
+        try:
+            facts = setup.server_facts(conn)
+            problems = setup.setting_problems(facts)
+            files = setup.binary_logs(conn)
+            row = (
+                control.read(conn, source.control_database, source.reader)
+                if control.exists(conn, source.control_database)
+                else None
+            )
+            infos = setup.table_infos(conn, source.tables)
+        finally:
+            conn.close()
+        warnings = list(problems)
+        position: dict[str, Any] | None = None
+        if row is None:
+            warnings.append(
+                "the reader is not installed (created at the first read, or by cdc install)"
+            )
+        else:
+            recorded = (
+                (row.through_file, row.through_pos or 0)
+                if row.through_file is not None
+                else (row.created_file, row.created_pos or 0)
+            )
+            name, offset = recorded if recorded[0] in dict(files) else (None, 0)
+            position = {
+                "created": f"{row.created_file}:{row.created_pos}",
+                "read_through": None
+                if row.through_file is None
+                else f"{row.through_file}:{row.through_pos}",
+                "checkpoint_at_read_through": row.through_after,
+                "behind_bytes": None if name is None else behind_bytes(files, name, offset),
+            }
+            if name is None:
+                warnings.append(
+                    "the binary log file of the last recorded position was purged: changes are "
+                    "lost; run dbtrigger cdc recreate MODULE:TRIGGER --snapshot --yes"
+                )
+            elif len(files) > 1 and files[0][0] == name:
+                warnings.append(
+                    f"the last recorded position is in {name}, the oldest binary log the server "
+                    "keeps: the next purge removes it; the poller must catch up now"
+                )
+            if row.schema_break:
+                warnings.append(
+                    f"delivery is held at a column type change: {row.schema_break}; accept it "
+                    "with dbtrigger cdc accept-schema MODULE:TRIGGER --yes"
+                )
+        lines: list[tuple[str, Any]] = [
+            ("reader", f"{source.reader} (server_id {source.server_id})"),
+            ("server", f"{facts.version}, server_id {facts.server_id}"),
+            (
+                "binlog",
+                f"format {facts.binlog_format}, row image {facts.binlog_row_image}, row metadata "
+                f"{facts.binlog_row_metadata or '(none)'}, {len(files)} file(s) "
+                f"{files[0][0] if files else ''}..{files[-1][0] if files else ''}, retention "
+                f"{source.facts_expire_text() if facts.expire_seconds else '0 (until purged)'}",
+            ),
+        ]
+        if position is not None:
+            lines.append(("created", position["created"]))
+            behind = position["behind_bytes"]
+            lines.append(
+                (
+                    "position",
+                    f"read through {position['read_through'] or '(not recorded yet)'}"
+                    + ("" if behind is None else f"; {behind / 2**20:.1f} MB of log after it"),
+                )
+            )
+        for q, info in infos.items():
+            lines.append(("table", f"{q}: key ({', '.join(info.key_columns) or 'none'})"))
+        return {
+            "kind": "binlog",
+            "reader": source.reader,
+            "server_id": source.server_id,
+            "server_version": facts.version,
+            "binlog_format": facts.binlog_format,
+            "binlog_row_image": facts.binlog_row_image,
+            "binlog_row_metadata": facts.binlog_row_metadata,
+            "expire_seconds": facts.expire_seconds,
+            "binary_logs": [{"name": n, "size": s} for n, s in files],
+            "position": position,
+            "snapshots": [s.to_json() for s in row.snapshots] if row is not None else [],
+            "tables": {q: {"key": list(i.key_columns)} for q, i in infos.items()},
+            "lines": [[k, v] for k, v in lines],
+            "warnings": warnings,
+            "healthy": not problems
+            and position is not None
+            and position["behind_bytes"] is not None
+            and not (row is not None and row.schema_break),
+        }
 
     def drop(self, *, keep_publication: bool = False) -> list[str]:
-        return drop(self.source)
+        source = self.source
+        source.close()
+        conn = setup.connect(source.url, database=False)
+        try:
+            if control.delete(conn, source.control_database, source.reader):
+                return [
+                    f"removed reader {source.reader} from {source.control_database}.{control.TABLE}"
+                ]
+        finally:
+            conn.close()
+        return []
 
     def recreate(self, *, snapshot: bool) -> list[str]:
-        return recreate(self.source, snapshot=snapshot)
+        """Start the reader again at the server's position now; with ``snapshot`` read the tables.
+
+        The poller's checkpoint stays; the source goes on from the new start (which
+        is after it), so the changes between the two are skipped: that is what the
+        operator asked for, and the snapshot brings the tables' rows back.
+        """
+        source = self.source
+        source.close()
+        conn = setup.connect(source.url, database=False)
+        try:
+            setup.check_server(setup.server_facts(conn))
+            files = setup.binary_logs(conn)
+            control.ensure(conn, source.control_database)
+            source.infos = setup.table_infos(conn, source.tables)
+            previous = control.read(conn, source.control_database, source.reader)
+            row = source.new_control_row(current_position(conn, files), snapshots=False)
+            carry_over(previous, row, [t.qualified for t in source.tables], snapshot=snapshot)
+            control.write(conn, source.control_database, row)
+        finally:
+            conn.close()
+        return [
+            f"reader {source.reader} starts again at {row.created_file}:{row.created_pos}"
+            + (f"; snapshot of {len(source.tables)} table(s) queued" if snapshot else "")
+        ]
 
     def request_snapshot(self, table: str, where: str | None = None) -> dict[str, Any]:
-        return request_snapshot(self.source, table, where).to_json()
+        """Queue a re-read of ``table`` (rows matching ``where``), delivered among the changes."""
+        source = self.source
+        name = setup.TableName.parse(table, source.url.database).qualified
+        if name not in {t.qualified for t in source.tables}:
+            known = ", ".join(t.qualified for t in source.tables)
+            raise ConfigurationError(f"{name} is not one of this source's tables ({known})")
+        conn = setup.connect(source.url, database=False)
+        try:
+            conn.begin()
+            row = control.read(conn, source.control_database, source.reader, lock=True)
+            if row is None:
+                conn.rollback()
+                raise ConfigurationError(
+                    f"reader {source.reader} is not installed yet: run the poller or dbtrigger cdc "
+                    "install"
+                )
+            request = Snapshot.request(name, where)
+            row.snapshots.append(request)
+            control.update(conn, source.control_database, source.reader, snapshots=row.snapshots)
+            conn.commit()
+        finally:
+            conn.close()
+        source.snapshots.poke()
+        return request.to_json()
 
     def schema_changes(self) -> list[str]:
-        return schema_changes(self.source)
+        """The column type change delivery is held at, if any."""
+        source = self.source
+        conn = setup.connect(source.url, database=False)
+        try:
+            if not control.exists(conn, source.control_database):
+                return []
+            row = control.read(conn, source.control_database, source.reader)
+        finally:
+            conn.close()
+        return [row.schema_break] if row is not None and row.schema_break else []
 
     def accept_schema(self) -> list[str]:
-        return accept_schema(self.source)
+        """Accept the new column types: forget the accepted types of the tables that changed."""
+        source = self.source
+        conn = setup.connect(source.url, database=False)
+        try:
+            row = control.read(conn, source.control_database, source.reader)
+            if row is None:
+                raise ConfigurationError(
+                    f"reader {source.reader} has no control row: nothing accepted yet to change"
+                )
+            changes = [row.schema_break] if row.schema_break else []
+            changed = [
+                t for t in row.columns if row.schema_break and f" of {t} " in row.schema_break
+            ]
+            for table in changed or list(row.columns):
+                row.columns.pop(table, None)  # the next read accepts what the log has now
+            control.update(
+                conn, source.control_database, source.reader, columns=row.columns, schema_break=None
+            )
+        finally:
+            conn.close()
+        source.close()
+        return changes
 
 
-__all__ = [
-    "BinlogAdmin",
-    "accept_schema",
-    "drop",
-    "install",
-    "plan",
-    "recreate",
-    "request_snapshot",
-    "schema_changes",
-    "status",
-]
+__all__ = ["BinlogAdmin"]

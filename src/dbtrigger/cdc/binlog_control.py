@@ -32,6 +32,7 @@ from typing import Any
 import pymysql
 
 from dbtrigger.cdc.binlog_setup import current_user, translated
+from dbtrigger.cdc.snapshots import Snapshot
 from dbtrigger.errors import SourcePermissionError
 
 TABLE = "dbtrigger_cdc_binlog"
@@ -90,42 +91,6 @@ def ensure(conn: pymysql.connections.Connection[Any], database: str) -> bool:
 
 
 @dataclass
-class Snapshot:
-    """One table's snapshot request (the same JSON shape as PostgreSQL's)."""
-
-    table: str
-    where: str | None = None
-    last_key: list[Any] | None = None
-    chunks: int = 0
-    rows: int = 0
-    done: bool = False
-    requested_at: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "table": self.table,
-            "where": self.where,
-            "last_key": self.last_key,
-            "chunks": self.chunks,
-            "rows": self.rows,
-            "done": self.done,
-            "requested_at": self.requested_at,
-        }
-
-    @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> Snapshot:
-        return cls(
-            raw["table"],
-            raw.get("where"),
-            raw.get("last_key"),
-            int(raw.get("chunks", 0)),
-            int(raw.get("rows", 0)),
-            bool(raw.get("done", False)),
-            raw.get("requested_at"),
-        )
-
-
-@dataclass
 class ControlRow:
     reader: str
     poller: str | None
@@ -140,10 +105,6 @@ class ControlRow:
     through_pos: int | None = None
     #: A column type change the reader stopped at, in words (until accepted).
     schema_break: str | None = None
-
-    @property
-    def pending_snapshots(self) -> list[Snapshot]:
-        return [s for s in self.snapshots if not s.done]
 
 
 def read(

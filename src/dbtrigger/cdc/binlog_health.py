@@ -4,7 +4,7 @@ A binary log is not kept for its readers: the server removes files older than
 ``binlog_expire_logs_seconds`` (``expire_logs_days`` before MySQL 8 /
 MariaDB 10.6) whether or not a poller has read them. A poller that falls
 behind by more than that loses changes, so the source measures, at most every
-:data:`REPORT_SECONDS` while it runs, how much log lies between its position
+:data:`~dbtrigger.cdc.health.REPORT_SECONDS` while it runs, how much log lies between its position
 and the end (``cdc_retained_bytes``, the same gauge a PostgreSQL slot sets)
 and warns when its position is in the oldest file the server still keeps (the
 next purge removes it). A position whose file is gone already is a
@@ -14,28 +14,26 @@ next purge removes it). A position whose file is gone already is a
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from dbtrigger.cdc import binlog_control as control
 from dbtrigger.cdc import binlog_setup as setup
+from dbtrigger.cdc.binlog_context import BinlogSourceParts
 from dbtrigger.cdc.binlog_reader import Where
-from dbtrigger.cdc.position import LogPosition
+from dbtrigger.cdc.health import ERROR, OK, WARNING, HealthReporter
 from dbtrigger.errors import DbTriggerError
 from dbtrigger.sources.base import SourceFinding
 
 if TYPE_CHECKING:
-    from dbtrigger.cdc.binlog_source import BinlogSource
+    from dbtrigger.cdc.position import LogPosition
+    from dbtrigger.metrics import MetricsCollector
 
 log = logging.getLogger("dbtrigger.cdc")
 
-REPORT_SECONDS = 30.0
-OK, WARNING, ERROR = "ok", "warning", "error"
-
 
 def resume_file(
-    source: BinlogSource, after: LogPosition | None, files: Sequence[tuple[str, int]]
+    source: BinlogSourceParts, after: LogPosition | None, files: Sequence[tuple[str, int]]
 ) -> tuple[str | None, int]:
     """(file name or None when purged, offset) where a read for ``after`` would start."""
     row = source.control_row
@@ -68,7 +66,7 @@ def behind_bytes(files: Sequence[tuple[str, int]], name: str, offset: int) -> in
 
 
 def retention_notes(
-    source: BinlogSource, after: LogPosition | None, files: Sequence[tuple[str, int]]
+    source: BinlogSourceParts, after: LogPosition | None, files: Sequence[tuple[str, int]]
 ) -> list[str]:
     """What an operator must know about the log the position needs, loudest first."""
     name, _offset = resume_file(source, after, files)
@@ -87,12 +85,12 @@ def retention_notes(
     return out
 
 
-class HealthReporter:
-    """Measures the log behind the position now and then; warns about retention once."""
+class RetentionReporter(HealthReporter[BinlogSourceParts]):
+    """Sets ``cdc_slot_lost`` and ``cdc_retained_bytes`` (log behind the position); warns
+    about retention once per finding."""
 
-    def __init__(self, source: BinlogSource) -> None:
-        self.source = source
-        self._next = 0.0
+    def __init__(self, source: BinlogSourceParts) -> None:
+        super().__init__(source)
         self._warned: set[str] = set()
 
     def retention_warning(
@@ -109,25 +107,17 @@ class HealthReporter:
                 extra={"event": "cdc_binlog_retention", "poller": self.source.poller},
             )
 
-    def maybe_report(self, after: LogPosition | None) -> None:
+    def measure(self, metrics: MetricsCollector, after: LogPosition | None) -> None:
         s = self.source
-        now = time.monotonic()
-        if s.metrics is None or now < self._next:
-            return
-        self._next = now + REPORT_SECONDS
-        try:
-            files = setup.binary_logs(s.connection())
-        except DbTriggerError as exc:
-            log.debug("binlog health not measured: %s", exc)
-            return
+        files = setup.binary_logs(s.connection())
         name, offset = resume_file(s, after, files)
-        s.metrics.set_gauge("cdc_slot_lost", 1.0 if name is None else 0.0)
+        metrics.set_gauge("cdc_slot_lost", 1.0 if name is None else 0.0)
         if name is not None:
-            s.metrics.set_gauge("cdc_retained_bytes", float(behind_bytes(files, name, offset)))
+            metrics.set_gauge("cdc_retained_bytes", float(behind_bytes(files, name, offset)))
         self.retention_warning(after, files)
 
 
-def self_check(source: BinlogSource) -> list[SourceFinding]:
+def self_check(source: BinlogSourceParts) -> list[SourceFinding]:
     """What ``dbtrigger check`` reports for a BinlogSource (never raises for a finding)."""
     findings: list[SourceFinding] = []
     try:
@@ -207,4 +197,4 @@ def self_check(source: BinlogSource) -> list[SourceFinding]:
     return findings
 
 
-__all__ = ["HealthReporter", "behind_bytes", "resume_file", "retention_notes", "self_check"]
+__all__ = ["RetentionReporter", "behind_bytes", "resume_file", "retention_notes", "self_check"]

@@ -54,7 +54,7 @@ from dbtrigger.errors import DbTriggerError, FetchError, SlotLostError, SourcePe
 from dbtrigger.sources.errors_map import source_error
 
 if TYPE_CHECKING:
-    from dbtrigger.cdc.binlog_source import BinlogSource
+    from dbtrigger.cdc.binlog_context import BinlogSourceParts
 
 log = logging.getLogger("dbtrigger.cdc")
 
@@ -86,7 +86,7 @@ def _connect(**kwargs: Any) -> pymysql.connections.Connection[Any]:
 class BinlogPoller:
     """Fills the source's buffer by bounded binlog dumps (see the module docstring)."""
 
-    def __init__(self, source: BinlogSource) -> None:
+    def __init__(self, source: BinlogSourceParts) -> None:
         self.source = source
         #: (file name, offset) where the last read ended at a transaction boundary.
         self.continue_from: tuple[str, int] | None = None
@@ -154,7 +154,7 @@ class BinlogPoller:
             self.continue_from = None
             room = keep
         if buffer.pending(after) == 0:
-            s.snapshots.emit(after)  # caught up: a chunk written now is in this very read
+            s.snapshots.emit()  # caught up: a chunk written now is in this very read
         self.read(name, offset, after, room, expect)
 
     def read(
@@ -352,6 +352,9 @@ class BinlogPoller:
             s.control_row.through_after = key
             s.control_row.through_file = name
             s.control_row.through_pos = offset
+
+    def close(self) -> None:
+        return None  # each read opens and closes its own dump connection
 
 
 __all__ = ["BinlogPoller"]

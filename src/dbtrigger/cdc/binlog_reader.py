@@ -28,7 +28,7 @@ transaction's place in the log.
 
 **Columns.** From the table map's metadata (``binlog_row_metadata=FULL``),
 else from ``information_schema`` checked against the table map (column count).
-:class:`SchemaGuard` holds the accepted column types per table: a new column
+:class:`~dbtrigger.cdc.assembly.SchemaGuard` holds the accepted column types per table: a new column
 just appears, a changed type stops the read before the transaction that first
 has it (:attr:`Assembler.schema_break`).
 """
@@ -45,6 +45,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dbtrigger.cdc.assembly import Assembly, SchemaBreak, SchemaGuard
 from dbtrigger.cdc.binlog_setup import TableInfo
 from dbtrigger.cdc.buffer import Transaction
 from dbtrigger.cdc.changes import Change
@@ -110,33 +111,6 @@ class RowShape:
         return {k: image[k] for k in self.keys if k in image}
 
 
-class SchemaGuard:
-    """Accepted column types per table (name -> binlog type signature).
-
-    As :class:`dbtrigger.cdc.pg_reader.SchemaGuard`: added columns are accepted
-    (and :attr:`added` set so the source persists them), a changed type is a
-    problem in words.
-    """
-
-    def __init__(self, accepted: Mapping[str, Mapping[str, str]]) -> None:
-        self.accepted: dict[str, dict[str, str]] = {t: dict(c) for t, c in accepted.items()}
-        self.added = False
-
-    def check(self, table: str, columns: Sequence[tuple[str, str]]) -> str | None:
-        known = self.accepted.setdefault(table, {})
-        changed = [(n, known[n], t) for n, t in columns if n in known and known[n] != t]
-        if changed:
-            return "; ".join(
-                f"column {n} of {table} changed type ({type_name(old)} -> {type_name(new)})"
-                for n, old, new in changed
-            )
-        for name, sig in columns:
-            if name not in known:
-                known[name] = sig
-                self.added = True
-        return None
-
-
 def type_name(signature: str) -> str:
     """``3u`` -> ``LONG UNSIGNED`` (binlog field type names)."""
     from pymysqlreplication.constants import FIELD_TYPE  # noqa: PLC0415
@@ -145,12 +119,6 @@ def type_name(signature: str) -> str:
     names = {v: k for k, v in vars(FIELD_TYPE).items() if isinstance(v, int) and k.isupper()}
     name = str(names.get(code, code))
     return name + (" UNSIGNED" if signature.endswith("u") else "")
-
-
-@dataclass
-class SchemaBreak:
-    commit: str
-    problem: str
 
 
 # --- snapshot chunk values ------------------------------------------------------------------
@@ -200,19 +168,20 @@ def decode_value(value: Any) -> Any:
 _TRUNCATE = re.compile(r"^\s*truncate\s+(?:table\s+)?[`\"]?(\w+)[`\"]?(?:\.[`\"]?(\w+))?", re.I)
 
 
-class Assembler:
+class Assembler(Assembly):
     """Turns the events of one read into committed transactions of watched changes."""
 
     def __init__(
         self,
         watched: Mapping[str, TableInfo],
-        guard: SchemaGuard,
+        guard: SchemaGuard[str],
         *,
         chunks_table: str,
         reader: str,
         names_from_log: bool,
         on_truncate: Callable[[str, str], None] | None = None,
     ) -> None:
+        super().__init__()
         self.watched = watched
         self.guard = guard
         self.chunks_table = chunks_table
@@ -223,21 +192,12 @@ class Assembler:
         self._problems: dict[int, str] = {}
         self._signatures: dict[int, list[tuple[str, str]]] = {}
         self._checked: set[int] = set()
-        self.current: Transaction[Any] | None = None
         self._explicit = False
-        self._skip = False
-        self._to_skip = 0
-        self.room = 0
-        self.full = False
-        self.schema_break: SchemaBreak | None = None
         self.first_commit: str | None = None
 
     def start(self, room: int) -> None:
-        self.current = None
+        self.restart(room)
         self._explicit = False
-        self.room = room
-        self.full = False
-        self.schema_break = None
         self.first_commit = None
 
     # -- transaction boundaries --
@@ -247,25 +207,14 @@ class Assembler:
     ) -> None:
         if self.first_commit is None:
             self.first_commit = token
-        self._skip = after is not None and token < after.commit
-        offset = after.ordinal if after is not None and token == after.commit else 0
-        self._to_skip = offset
         self._explicit = explicit
-        self.current = Transaction(token, 0, 0, _utc(when), gtid, offset=offset)
+        self.open(token, 0, _utc(when), gtid, after)
 
     def commit(self, when: int) -> Transaction[Any] | None:
-        txn, self.current = self.current, None
         self._explicit = False
-        if txn is None or self._skip:
-            return None
-        txn.commit_time = _utc(when)
-        return txn
-
-    def partial(self) -> Transaction[Any] | None:
-        txn, self.current = self.current, None
-        if txn is None or self._skip:
-            return None
-        txn.whole = False
+        txn = self.close()
+        if txn is not None:
+            txn.commit_time = _utc(when)
         return txn
 
     @property
@@ -316,19 +265,10 @@ class Assembler:
                     self._problems[table_id] = problem
         return self._problems.get(table_id)
 
-    def _keep(self, raw: Any) -> None:
-        if self._to_skip:
-            self._to_skip -= 1  # delivered already: the read started inside this transaction
-            return
-        assert self.current is not None  # noqa: S101 - rows come inside transactions
-        self.current.changes.append(raw)
-        self.room -= 1
-        if self.room <= 0:
-            self.full = True
-
     def rows(self, event: Any, kind: str) -> None:
         """A rows event: keep its watched rows (or expand our snapshot chunk)."""
-        if self.current is None or self._skip or self.schema_break is not None:
+        current = self.delivering
+        if current is None or self.schema_break is not None:
             return
         table = f"{event.schema}.{event.table}"
         if table == self.chunks_table:
@@ -338,20 +278,19 @@ class Assembler:
         if shape is None:
             return
         for row in event.rows:
-            if self._to_skip:
-                self._to_skip -= 1  # delivered already: the read started inside this transaction
+            if self.delivered_already():  # the read started inside this transaction
                 continue
             problem = self._problem(event.table_id, table)
             if problem is not None:
-                self.schema_break = SchemaBreak(self.current.commit, problem)
+                self.schema_break = SchemaBreak(current.commit, problem)
                 return
             if kind == "U":
                 before = tuple(row["before_values"].values())
-                self._keep((shape, "U", before, tuple(row["after_values"].values())))
+                self.keep((shape, "U", before, tuple(row["after_values"].values())))
             elif kind == "I":
-                self._keep((shape, "I", None, tuple(row["values"].values())))
+                self.keep((shape, "I", None, tuple(row["values"].values())))
             else:
-                self._keep((shape, "D", tuple(row["values"].values()), None))
+                self.keep((shape, "D", tuple(row["values"].values()), None))
 
     def _chunk(self, event: Any, kind: str) -> None:
         for row in event.rows:
@@ -364,16 +303,17 @@ class Assembler:
                 continue
             shape = RowShape(chunk["table"], tuple(chunk["columns"]), info.key_columns)
             for encoded in chunk["rows"]:
-                self._keep((shape, "S", None, tuple(decode_value(v) for v in encoded)))
+                self.keep((shape, "S", None, tuple(decode_value(v) for v in encoded)))
 
     def query(self, text: str) -> None:
         match = _TRUNCATE.match(text)
-        if match is None or self.on_truncate is None or self.current is None or self._skip:
+        current = self.delivering
+        if match is None or self.on_truncate is None or current is None:
             return
         name = ".".join(p for p in match.groups() if p)
         for table in self.watched:
             if table == name or table.endswith("." + name):
-                self.on_truncate(table, self.current.commit)
+                self.on_truncate(table, current.commit)
 
 
 def _utc(seconds: int) -> dt.datetime | None:
@@ -406,8 +346,6 @@ def materialise(txn: Transaction[Any], ordinal: int, raw: tuple[Any, ...]) -> Ch
 __all__ = [
     "Assembler",
     "RowShape",
-    "SchemaBreak",
-    "SchemaGuard",
     "Where",
     "commit_token",
     "decode_value",

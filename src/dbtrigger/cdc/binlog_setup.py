@@ -366,6 +366,24 @@ def binary_logs(conn: pymysql.connections.Connection[Any]) -> list[tuple[str, in
     return [(str(r[0]), int(r[1])) for r in rows]
 
 
+def current_position(
+    conn: pymysql.connections.Connection[Any], files: Sequence[tuple[str, int]]
+) -> tuple[str, int]:
+    """Where the server writes its next transaction (``SHOW MASTER STATUS``)."""
+    for statement in ("SHOW MASTER STATUS", "SHOW BINARY LOG STATUS"):
+        try:
+            with conn.cursor() as cur:
+                cur.execute(statement)
+                row = cur.fetchone()
+        except pymysql.MySQLError:
+            continue
+        if row:
+            return str(row[0]), int(row[1])
+    if files:
+        return files[-1]
+    raise ConfigurationError("the server reports no binary log position (is log_bin on?)")
+
+
 def file_index(name: str) -> int:
     """The sequence number of a binlog file (``mysql-bin.000042`` -> 42)."""
     _, _, suffix = name.rpartition(".")
@@ -389,6 +407,7 @@ __all__ = [
     "check_server",
     "connect",
     "connect_kwargs",
+    "current_position",
     "current_user",
     "default_reader_name",
     "default_server_id",

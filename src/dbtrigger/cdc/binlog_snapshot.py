@@ -24,94 +24,58 @@ chunk as its before image under ``binlog_row_image=FULL``).
 
 from __future__ import annotations
 
-import datetime as dt
+import contextlib
 import json
-import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 import pymysql
 
 from dbtrigger.cdc import binlog_control as control
+from dbtrigger.cdc.binlog_context import BinlogSourceParts
 from dbtrigger.cdc.binlog_reader import decode_value, encode_value
 from dbtrigger.cdc.binlog_setup import translated
+from dbtrigger.cdc.snapshots import ChunkWriter, Snapshot
 from dbtrigger.errors import SourceDefinitionError
 
 if TYPE_CHECKING:
     from dbtrigger.cdc.binlog_setup import TableInfo
-    from dbtrigger.cdc.binlog_source import BinlogSource
-    from dbtrigger.cdc.position import LogPosition
 
-log = logging.getLogger("dbtrigger.cdc")
-
-#: How often a running source looks for new snapshot requests (``cdc snapshot``).
-RECHECK_SECONDS = 5.0
 #: MySQL/MariaDB: lock wait timeout exceeded.
 ER_LOCK_WAIT_TIMEOUT = 1205
 
 
-class SnapshotWriter:
+class SnapshotWriter(ChunkWriter[BinlogSourceParts, control.ControlRow, "TableInfo"]):
     """Writes the next chunk of the oldest pending request into the log."""
 
-    def __init__(self, source: BinlogSource) -> None:
-        self.source = source
-        self._next_check = 0.0
-        self._pending = True
+    LOCKS = "its row locks were"
 
-    def poke(self) -> None:
-        self._next_check = 0.0
-        self._pending = True
+    def read_row(self) -> control.ControlRow | None:
+        s = self.source
+        return control.read(s.connection(), s.control_database, s.reader)
 
-    def emit(self, after: LogPosition | None) -> bool:
-        """Write one chunk if a request is pending; True when one was written."""
-        now = time.monotonic()
-        if not self._pending and now < self._next_check:
+    def requests(self, row: control.ControlRow) -> list[Snapshot]:
+        return row.snapshots
+
+    def table_info(self, table: str) -> TableInfo | None:
+        return self.source.infos.get(table)
+
+    def save(self, row: control.ControlRow) -> None:
+        s = self.source
+        control.update(s.connection(), s.control_database, s.reader, snapshots=row.snapshots)
+
+    def waits(self, exc: Exception, table: str) -> bool:
+        if not isinstance(exc, pymysql.MySQLError):
             return False
-        self._next_check = now + RECHECK_SECONDS
+        with contextlib.suppress(Exception):  # the error below is the one to see
+            self.source.connection().rollback()
+        if exc.args and exc.args[0] == ER_LOCK_WAIT_TIMEOUT:
+            return True
+        with translated(f"reading a snapshot chunk of {table}"):
+            raise exc
+
+    def chunk(self, row: control.ControlRow, request: Snapshot, info: TableInfo) -> bool:
         s = self.source
         conn = s.connection()
-        row = control.read(conn, s.control_database, s.reader)
-        pending = row.pending_snapshots if row is not None else []
-        self._pending = bool(pending)
-        if not pending or row is None:
-            return False
-        request = pending[0]
-        info = s.infos.get(request.table)
-        if info is None:
-            log.warning(
-                "snapshot of %s skipped: it is not one of this source's tables",
-                request.table,
-                extra={"event": "cdc_snapshot_skipped", "poller": s.poller},
-            )
-            request.done = True
-            control.update(conn, s.control_database, s.reader, snapshots=row.snapshots)
-            return False
-        try:
-            return self._chunk(conn, row, request, info)
-        except pymysql.MySQLError as exc:
-            with _quietly():
-                conn.rollback()
-            if exc.args and exc.args[0] == ER_LOCK_WAIT_TIMEOUT:
-                log.info(
-                    "snapshot chunk of %s waits: its row locks were not granted within %gs "
-                    "(a long writer); tried again at the next read",
-                    request.table,
-                    s.snapshot_lock_timeout,
-                    extra={"event": "cdc_snapshot_lock_wait", "poller": s.poller},
-                )
-                self._pending = True
-                return False
-            with translated(f"reading a snapshot chunk of {request.table}"):
-                raise
-
-    def _chunk(
-        self,
-        conn: pymysql.connections.Connection[Any],
-        row: control.ControlRow,
-        request: control.Snapshot,
-        info: TableInfo,
-    ) -> bool:
-        s = self.source
         keys = list(info.key_columns)
         if not keys:
             raise SourceDefinitionError(
@@ -151,32 +115,12 @@ class SnapshotWriter:
                     "payload = VALUES(payload)",
                     (s.reader, request.chunks + 1, payload),
                 )
-                index = {c: i for i, c in enumerate(columns)}
-                request.last_key = [encode_value(rows[-1][index[k]]) for k in keys]
-            request.chunks += 1
-            request.rows += len(rows)
-            request.done = len(rows) < s.snapshot_chunk_size
-            if request.requested_at is None:
-                request.requested_at = dt.datetime.now(dt.timezone.utc).isoformat()
+            index = {c: i for i, c in enumerate(columns)}
+            last_key = [encode_value(rows[-1][index[k]]) for k in keys] if rows else None
+            request.advance(len(rows), last_key, s.snapshot_chunk_size)
             control.update(conn, s.control_database, s.reader, snapshots=row.snapshots)
             conn.commit()
-        if request.done:
-            log.info(
-                "snapshot of %s complete: %d rows in %d chunks",
-                request.table,
-                request.rows,
-                request.chunks,
-                extra={"event": "cdc_snapshot_done", "poller": s.poller, "table": request.table},
-            )
         return bool(rows)
-
-
-class _quietly:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> bool:
-        return True
 
 
 __all__ = ["SnapshotWriter"]

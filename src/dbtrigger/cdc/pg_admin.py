@@ -1,22 +1,20 @@
-"""What ``dbtrigger cdc`` does to a PgLogicalSource's server objects, as plain functions.
+"""What ``dbtrigger cdc`` does to a PgLogicalSource's server objects: :class:`PgAdmin`.
 
-Each takes the source (its configuration names the slot, publication, tables
-and control table) and works over a short-lived connection of its own:
+The source's configuration names the slot, publication, tables and control table:
 
-* :func:`plan` - what ``install`` would do (the SQL, in order) and what the
+* ``plan`` - what ``install`` would do (the SQL, in order) and what the
   operator should know (replica identity, ``max_slot_wal_keep_size``);
-* :func:`install` - do it;
-* :func:`status` - the slot's health, the publication, snapshot progress;
-* :func:`drop` - remove slot, publication and control row;
-* :func:`recreate` - after a slot was lost: a new slot (and, with
-  ``snapshot``, the tables read again), never done implicitly;
-* :func:`accept_schema` - accept the tables' current column types;
-* :func:`request_snapshot` - queue a re-read of one table (or key range).
+* ``install`` - do it;
+* ``status`` - the slot's health, the publication, snapshot progress;
+* ``drop`` - remove slot, publication and control row;
+* ``recreate`` - after a slot was lost: a new slot (and, with ``snapshot``,
+  the tables read again), never done implicitly;
+* ``accept_schema`` - accept the tables' current column types;
+* ``request_snapshot`` - queue a re-read of one table (or key range).
 """
 
 from __future__ import annotations
 
-import datetime as dt
 from typing import TYPE_CHECKING, Any
 
 from psycopg import sql
@@ -26,55 +24,14 @@ from dbtrigger.cdc import pg_setup as setup
 from dbtrigger.cdc.admin import Plan
 from dbtrigger.cdc.pg_connection import connect, translated
 from dbtrigger.cdc.pgoutput import lsn_text
+from dbtrigger.cdc.snapshots import Snapshot, carry_over
 from dbtrigger.errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from dbtrigger.cdc.pg_source import PgLogicalSource
+    from dbtrigger.cdc.pg_context import PgSourceParts
 
 #: Retained WAL above which ``status`` and ``dbtrigger check`` warn (bytes).
 RETAINED_WARNING = 1024**3
-
-
-def plan(source: PgLogicalSource, *, replica_identity_full: bool = False) -> Plan:
-    """What :func:`install` would run, without running it."""
-    out = Plan()
-    with connect(source.url) as conn:
-        facts = setup.server_facts(conn)
-        try:
-            setup.check_server(facts, stream=source.mode == "stream")
-        except Exception as exc:  # noqa: BLE001 - a dry run reports, never raises
-            out.notes.append(f"BLOCKER: {exc}")
-        infos = setup.table_infos(conn, source.tables)
-        if not control.exists(conn, source.control_schema):
-            out.statements.append(control.create_sql(source.control_schema).as_string(conn))
-        out.statements.extend(
-            s.as_string(conn)
-            for s in setup.publication_sql(
-                source.publication,
-                source.tables,
-                setup.publication_tables(conn, source.publication),
-            )
-        )
-        if setup.slot_state(conn, source.slot) is None:
-            failover = ", false, false, true" if source.failover and facts.version >= 170000 else ""
-            out.statements.append(
-                f"SELECT pg_create_logical_replication_slot('{source.slot}', 'pgoutput'{failover})"
-            )
-        for info in infos.values():
-            note = info.before_image_note()
-            if note is None:
-                continue
-            out.notes.append(f"{info.table.qualified}: {note}")
-            if info.replica_identity != "f":
-                statement = f"ALTER TABLE {info.table.qualified} REPLICA IDENTITY FULL"
-                (out.statements if replica_identity_full else out.optional).append(statement)
-        out.notes.extend(wal_keep_notes(facts))
-        if source.failover and facts.version < 170000:
-            out.notes.append(
-                "failover=True needs PostgreSQL 17: on this server the slot is not synchronised "
-                "to standbys and is lost on a failover (dbtrigger cdc recreate --snapshot then)"
-            )
-    return out
 
 
 def wal_keep_notes(facts: setup.ServerFacts) -> list[str]:
@@ -86,67 +43,6 @@ def wal_keep_notes(facts: setup.ServerFacts) -> list[str]:
             "further behind is invalidated instead, and dbtrigger reports it)"
         ]
     return []
-
-
-def install(source: PgLogicalSource, *, replica_identity_full: bool = False) -> list[str]:
-    """Create what is missing (control table, publication, slot); the statements run."""
-    done: list[str] = []
-    with connect(source.url) as conn:
-        facts = setup.server_facts(conn)
-        new_slot = setup.slot_state(conn, source.slot) is None
-        setup.check_server(facts, stream=source.mode == "stream", new_slot=new_slot)
-        if control.ensure(conn, source.control_schema):
-            done.append(f"created {source.control_schema}.{control.TABLE}")
-        done.extend(setup.ensure_publication(conn, source.publication, source.tables, create=True))
-        infos = setup.table_infos(conn, source.tables)
-        if replica_identity_full:
-            for info in infos.values():
-                if info.replica_identity != "f":
-                    statement = sql.SQL("ALTER TABLE {} REPLICA IDENTITY FULL").format(
-                        info.table.identifier()
-                    )
-                    with translated(f"setting REPLICA IDENTITY FULL on {info.table.qualified}"):
-                        conn.execute(statement)
-                    done.append(statement.as_string(conn))
-        if new_slot:
-            source._infos = infos
-            created = setup.create_slot(conn, source.slot, failover=source.failover)
-            control.write(conn, source.control_schema, source.new_control_row(created))
-            done.append(f"created replication slot {source.slot} at {lsn_text(created)}")
-    source.close()
-    return done
-
-
-def status(source: PgLogicalSource) -> dict[str, Any]:
-    """Everything ``dbtrigger cdc status`` shows, as JSON-able data."""
-    with connect(source.url) as conn:
-        facts = setup.server_facts(conn)
-        state = setup.slot_state(conn, source.slot)
-        published = setup.publication_tables(conn, source.publication)
-        row = (
-            control.read(conn, source.control_schema, source.slot)
-            if control.exists(conn, source.control_schema)
-            else None
-        )
-        infos = setup.table_infos(conn, source.tables)
-    warnings = slot_warnings(state, facts)
-    return {
-        "slot": state.to_json() if state is not None else None,
-        "slot_name": source.slot,
-        "publication": source.publication,
-        "published_tables": sorted(published) if published is not None else None,
-        "wal_level": facts.wal_level,
-        "max_slot_wal_keep_size_mb": facts.max_slot_wal_keep_size_mb,
-        "server_version": facts.version,
-        "snapshots": [s.to_json() for s in row.snapshots] if row is not None else [],
-        "created_lsn": row.created_lsn if row is not None else None,
-        "tables": {
-            q: {"replica_identity": i.identity_label, "key": list(i.key_columns)}
-            for q, i in infos.items()
-        },
-        "warnings": warnings,
-        "healthy": state is not None and not state.lost,
-    }
 
 
 def slot_warnings(state: setup.SlotState | None, facts: setup.ServerFacts) -> list[str]:
@@ -174,157 +70,220 @@ def slot_warnings(state: setup.SlotState | None, facts: setup.ServerFacts) -> li
     return out
 
 
-def drop(source: PgLogicalSource, *, publication: bool = True) -> list[str]:
-    done: list[str] = []
-    source.close()
-    with connect(source.url) as conn:
-        if setup.drop_slot(conn, source.slot):
-            done.append(f"dropped replication slot {source.slot}")
-        if publication and setup.drop_publication(conn, source.publication):
-            done.append(f"dropped publication {source.publication}")
-        control.delete(conn, source.control_schema, source.slot)
-    return done
-
-
-def recreate(source: PgLogicalSource, *, snapshot: bool) -> list[str]:
-    """A new slot in place of a lost one; with ``snapshot`` the tables are read again.
-
-    The poller's checkpoint stays: positions are LSNs, and every change of the
-    new slot comes after every position of the old one, so delivery simply
-    continues with what the new slot holds (and the snapshot's rows).
-    """
-    done: list[str] = []
-    source.close()
-    with connect(source.url) as conn:
-        state = setup.slot_state(conn, source.slot)
-        if state is not None:
-            setup.drop_slot(conn, source.slot)
-            done.append(
-                f"dropped replication slot {source.slot} "
-                f"({'invalidated' if state.lost else 'still valid: its changes are skipped'})"
-            )
-        control.ensure(conn, source.control_schema)
-        setup.ensure_publication(conn, source.publication, source.tables, create=True)
-        source._infos = setup.table_infos(conn, source.tables)
-        previous = control.read(conn, source.control_schema, source.slot)
-        created = setup.create_slot(conn, source.slot, failover=source.failover)
-        row = source.new_control_row(created, snapshots=False)
-        if previous is not None:
-            row.columns = previous.columns  # what the consumers accepted stays accepted
-            row.snapshots = [s for s in previous.snapshots if s.done]
-        if snapshot:
-            row.snapshots.extend(_request(t.qualified, None) for t in source.tables)
-        control.write(conn, source.control_schema, row)
-        done.append(
-            f"created replication slot {source.slot} at {lsn_text(created)}"
-            + (f"; snapshot of {len(source.tables)} table(s) queued" if snapshot else "")
-        )
-    return done
-
-
-def accept_schema(source: PgLogicalSource) -> dict[str, dict[str, int]]:
-    """Accept the watched tables' current column types (after a :class:`SchemaChangedError`)."""
-    with connect(source.url) as conn:
-        infos = setup.table_infos(conn, source.tables)
-        row = control.read(conn, source.control_schema, source.slot)
-        if row is None:
-            raise ConfigurationError(
-                f"slot {source.slot} has no control row: nothing accepted yet to change"
-            )
-        for qualified, info in infos.items():
-            row.columns[qualified] = {name: oid for name, (oid, _) in info.columns.items()}
-        control.save_columns(conn, source.control_schema, source.slot, row.columns)
-    source.close()  # the next read starts over with the accepted columns
-    return row.columns
-
-
-def schema_changes(source: PgLogicalSource) -> list[str]:
-    """Accepted columns whose type differs from the catalog's now, in words."""
-    with connect(source.url) as conn:
-        infos = setup.table_infos(conn, source.tables)
-        row = control.read(conn, source.control_schema, source.slot)
-        accepted = row.columns if row is not None else {}
-        out = []
-        for qualified, info in infos.items():
-            for name, oid in accepted.get(qualified, {}).items():
-                now = info.columns.get(name)
-                if now is not None and now[0] != oid:
-                    with translated("naming a type"):
-                        found = conn.execute("SELECT format_type(%s, NULL)", (oid,)).fetchone()
-                    old = found[0] if found else str(oid)
-                    out.append(f"{qualified}.{name}: {old} -> {now[1]}")
-    return out
-
-
 class PgAdmin:
-    """:class:`~dbtrigger.cdc.admin.LogSourceAdmin` for a PgLogicalSource."""
+    """:class:`~dbtrigger.cdc.admin.LogSourceAdmin` for a PgLogicalSource (see the module
+    docstring); each call works over a short-lived connection of its own."""
 
-    def __init__(self, source: PgLogicalSource) -> None:
+    def __init__(self, source: PgSourceParts) -> None:
         self.source = source
 
     def plan(self, *, full_images: bool = False) -> Plan:
-        return plan(self.source, replica_identity_full=full_images)
+        """What :meth:`install` would run, without running it."""
+        source = self.source
+        out = Plan()
+        with connect(source.url) as conn:
+            facts = setup.server_facts(conn)
+            try:
+                setup.check_server(facts, stream=source.mode == "stream")
+            except Exception as exc:  # noqa: BLE001 - a dry run reports, never raises
+                out.notes.append(f"BLOCKER: {exc}")
+            infos = setup.table_infos(conn, source.tables)
+            if not control.exists(conn, source.control_schema):
+                out.statements.append(control.create_sql(source.control_schema).as_string(conn))
+            out.statements.extend(
+                s.as_string(conn)
+                for s in setup.publication_sql(
+                    source.publication,
+                    source.tables,
+                    setup.publication_tables(conn, source.publication),
+                )
+            )
+            if setup.slot_state(conn, source.slot) is None:
+                failover = (
+                    ", false, false, true" if source.failover and facts.version >= 170000 else ""
+                )
+                out.statements.append(
+                    f"SELECT pg_create_logical_replication_slot('{source.slot}', "
+                    f"'pgoutput'{failover})"
+                )
+            for info in infos.values():
+                note = info.before_image_note()
+                if note is None:
+                    continue
+                out.notes.append(f"{info.table.qualified}: {note}")
+                if info.replica_identity != "f":
+                    statement = f"ALTER TABLE {info.table.qualified} REPLICA IDENTITY FULL"
+                    (out.statements if full_images else out.optional).append(statement)
+            out.notes.extend(wal_keep_notes(facts))
+            if source.failover and facts.version < 170000:
+                out.notes.append(
+                    "failover=True needs PostgreSQL 17: on this server the slot is not "
+                    "synchronised to standbys and is lost on a failover (dbtrigger cdc recreate "
+                    "--snapshot then)"
+                )
+        return out
 
     def install(self, *, full_images: bool = False) -> list[str]:
-        return install(self.source, replica_identity_full=full_images)
+        """Create what is missing (control table, publication, slot); the statements run."""
+        source = self.source
+        done: list[str] = []
+        with connect(source.url) as conn:
+            facts = setup.server_facts(conn)
+            new_slot = setup.slot_state(conn, source.slot) is None
+            setup.check_server(facts, stream=source.mode == "stream", new_slot=new_slot)
+            if control.ensure(conn, source.control_schema):
+                done.append(f"created {source.control_schema}.{control.TABLE}")
+            done.extend(
+                setup.ensure_publication(conn, source.publication, source.tables, create=True)
+            )
+            infos = setup.table_infos(conn, source.tables)
+            if full_images:
+                for info in infos.values():
+                    if info.replica_identity != "f":
+                        statement = sql.SQL("ALTER TABLE {} REPLICA IDENTITY FULL").format(
+                            info.table.identifier()
+                        )
+                        with translated(f"setting REPLICA IDENTITY FULL on {info.table.qualified}"):
+                            conn.execute(statement)
+                        done.append(statement.as_string(conn))
+            if new_slot:
+                source.infos = infos
+                created = setup.create_slot(conn, source.slot, failover=source.failover)
+                control.write(conn, source.control_schema, source.new_control_row(created))
+                done.append(f"created replication slot {source.slot} at {lsn_text(created)}")
+        source.close()
+        return done
 
     def status(self) -> dict[str, Any]:
-        return status(self.source)
+        """Everything ``dbtrigger cdc status`` shows, as JSON-able data."""
+        source = self.source
+        with connect(source.url) as conn:
+            facts = setup.server_facts(conn)
+            state = setup.slot_state(conn, source.slot)
+            published = setup.publication_tables(conn, source.publication)
+            row = (
+                control.read(conn, source.control_schema, source.slot)
+                if control.exists(conn, source.control_schema)
+                else None
+            )
+            infos = setup.table_infos(conn, source.tables)
+        return {
+            "slot": state.to_json() if state is not None else None,
+            "slot_name": source.slot,
+            "publication": source.publication,
+            "published_tables": sorted(published) if published is not None else None,
+            "wal_level": facts.wal_level,
+            "max_slot_wal_keep_size_mb": facts.max_slot_wal_keep_size_mb,
+            "server_version": facts.version,
+            "snapshots": [s.to_json() for s in row.snapshots] if row is not None else [],
+            "created_lsn": row.created_lsn if row is not None else None,
+            "tables": {
+                q: {"replica_identity": i.identity_label, "key": list(i.key_columns)}
+                for q, i in infos.items()
+            },
+            "warnings": slot_warnings(state, facts),
+            "healthy": state is not None and not state.lost,
+        }
 
     def drop(self, *, keep_publication: bool = False) -> list[str]:
-        return drop(self.source, publication=not keep_publication)
+        source = self.source
+        done: list[str] = []
+        source.close()
+        with connect(source.url) as conn:
+            if setup.drop_slot(conn, source.slot):
+                done.append(f"dropped replication slot {source.slot}")
+            if not keep_publication and setup.drop_publication(conn, source.publication):
+                done.append(f"dropped publication {source.publication}")
+            control.delete(conn, source.control_schema, source.slot)
+        return done
 
     def recreate(self, *, snapshot: bool) -> list[str]:
-        return recreate(self.source, snapshot=snapshot)
+        """A new slot in place of a lost one; with ``snapshot`` the tables are read again.
+
+        The poller's checkpoint stays: positions are LSNs, and every change of the
+        new slot comes after every position of the old one, so delivery simply
+        continues with what the new slot holds (and the snapshot's rows).
+        """
+        source = self.source
+        done: list[str] = []
+        source.close()
+        with connect(source.url) as conn:
+            state = setup.slot_state(conn, source.slot)
+            if state is not None:
+                setup.drop_slot(conn, source.slot)
+                done.append(
+                    f"dropped replication slot {source.slot} "
+                    f"({'invalidated' if state.lost else 'still valid: its changes are skipped'})"
+                )
+            control.ensure(conn, source.control_schema)
+            setup.ensure_publication(conn, source.publication, source.tables, create=True)
+            source.infos = setup.table_infos(conn, source.tables)
+            previous = control.read(conn, source.control_schema, source.slot)
+            created = setup.create_slot(conn, source.slot, failover=source.failover)
+            row = source.new_control_row(created, snapshots=False)
+            carry_over(previous, row, [t.qualified for t in source.tables], snapshot=snapshot)
+            control.write(conn, source.control_schema, row)
+            done.append(
+                f"created replication slot {source.slot} at {lsn_text(created)}"
+                + (f"; snapshot of {len(source.tables)} table(s) queued" if snapshot else "")
+            )
+        return done
 
     def request_snapshot(self, table: str, where: str | None = None) -> dict[str, Any]:
-        return request_snapshot(self.source, table, where).to_json()
+        """Queue a re-read of ``table`` (rows matching ``where``), delivered among the changes."""
+        source = self.source
+        name = setup.TableName.parse(table).qualified
+        if name not in {t.qualified for t in source.tables}:
+            known = ", ".join(t.qualified for t in source.tables)
+            raise ConfigurationError(f"{name} is not one of this source's tables ({known})")
+        with connect(source.url) as conn, conn.transaction():
+            row = control.read(conn, source.control_schema, source.slot, lock=True)
+            if row is None:
+                raise ConfigurationError(
+                    f"slot {source.slot} is not installed yet: run the poller or dbtrigger cdc "
+                    "install"
+                )
+            request = Snapshot.request(name, where)
+            row.snapshots.append(request)
+            control.save_snapshots(conn, source.control_schema, source.slot, row.snapshots)
+        source.snapshots.poke()
+        return request.to_json()
 
     def schema_changes(self) -> list[str]:
-        return schema_changes(self.source)
+        """Accepted columns whose type differs from the catalog's now, in words."""
+        source = self.source
+        with connect(source.url) as conn:
+            infos = setup.table_infos(conn, source.tables)
+            row = control.read(conn, source.control_schema, source.slot)
+            accepted = row.columns if row is not None else {}
+            out = []
+            for qualified, info in infos.items():
+                for name, oid in accepted.get(qualified, {}).items():
+                    now = info.columns.get(name)
+                    if now is not None and now[0] != oid:
+                        with translated("naming a type"):
+                            found = conn.execute("SELECT format_type(%s, NULL)", (oid,)).fetchone()
+                        old = found[0] if found else str(oid)
+                        out.append(f"{qualified}.{name}: {old} -> {now[1]}")
+        return out
 
     def accept_schema(self) -> list[str]:
-        changes = schema_changes(self.source)
-        accept_schema(self.source)
+        """Accept the watched tables' current column types (after a SchemaChangedError);
+        the changes accepted, in words."""
+        source = self.source
+        changes = self.schema_changes()
+        with connect(source.url) as conn:
+            infos = setup.table_infos(conn, source.tables)
+            row = control.read(conn, source.control_schema, source.slot)
+            if row is None:
+                raise ConfigurationError(
+                    f"slot {source.slot} has no control row: nothing accepted yet to change"
+                )
+            for qualified, info in infos.items():
+                row.columns[qualified] = {name: oid for name, (oid, _) in info.columns.items()}
+            control.save_columns(conn, source.control_schema, source.slot, row.columns)
+        source.close()  # the next read starts over with the accepted columns
         return changes
 
 
-def _request(table: str, where: str | None) -> control.Snapshot:
-    return control.Snapshot(
-        table, where=where, requested_at=dt.datetime.now(dt.timezone.utc).isoformat()
-    )
-
-
-def request_snapshot(
-    source: PgLogicalSource, table: str, where: str | None = None
-) -> control.Snapshot:
-    """Queue a re-read of ``table`` (rows matching ``where``), delivered among the changes."""
-    name = setup.TableName.parse(table).qualified
-    if name not in {t.qualified for t in source.tables}:
-        known = ", ".join(t.qualified for t in source.tables)
-        raise ConfigurationError(f"{name} is not one of this source's tables ({known})")
-    with connect(source.url) as conn, conn.transaction():
-        row = control.read(conn, source.control_schema, source.slot, lock=True)
-        if row is None:
-            raise ConfigurationError(
-                f"slot {source.slot} is not installed yet: run the poller or dbtrigger cdc install"
-            )
-        request = _request(name, where)
-        row.snapshots.append(request)
-        control.save_snapshots(conn, source.control_schema, source.slot, row.snapshots)
-    source.snapshots.poke()
-    return request
-
-
-__all__ = [
-    "PgAdmin",
-    "accept_schema",
-    "drop",
-    "install",
-    "plan",
-    "recreate",
-    "request_snapshot",
-    "schema_changes",
-    "slot_warnings",
-    "status",
-]
+__all__ = ["RETAINED_WARNING", "PgAdmin", "slot_warnings", "wal_keep_notes"]

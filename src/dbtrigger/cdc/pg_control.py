@@ -32,6 +32,7 @@ from psycopg import sql
 from psycopg.types.json import Jsonb
 
 from dbtrigger.cdc.pg_connection import translated
+from dbtrigger.cdc.snapshots import Snapshot
 from dbtrigger.errors import SourcePermissionError
 
 TABLE = "dbtrigger_cdc_slots"
@@ -82,46 +83,6 @@ def ensure(conn: psycopg.Connection[Any], schema: str) -> bool:
 
 
 @dataclass
-class Snapshot:
-    """One table's snapshot request: chunks read so far end at ``last_key``.
-
-    ``where`` is an optional SQL condition (``dbtrigger cdc snapshot --where``),
-    ``done`` is set once a chunk came back short.
-    """
-
-    table: str
-    where: str | None = None
-    last_key: list[Any] | None = None
-    chunks: int = 0
-    rows: int = 0
-    done: bool = False
-    requested_at: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "table": self.table,
-            "where": self.where,
-            "last_key": self.last_key,
-            "chunks": self.chunks,
-            "rows": self.rows,
-            "done": self.done,
-            "requested_at": self.requested_at,
-        }
-
-    @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> Snapshot:
-        return cls(
-            raw["table"],
-            raw.get("where"),
-            raw.get("last_key"),
-            int(raw.get("chunks", 0)),
-            int(raw.get("rows", 0)),
-            bool(raw.get("done", False)),
-            raw.get("requested_at"),
-        )
-
-
-@dataclass
 class ControlRow:
     slot: str
     poller: str | None
@@ -129,10 +90,6 @@ class ControlRow:
     created_lsn: str | None
     columns: dict[str, dict[str, int]] = field(default_factory=dict)
     snapshots: list[Snapshot] = field(default_factory=list)
-
-    @property
-    def pending_snapshots(self) -> list[Snapshot]:
-        return [s for s in self.snapshots if not s.done]
 
 
 def read(

@@ -4,7 +4,7 @@ What can go wrong with a slot goes wrong slowly and then all at once: a poller
 that stops reading makes the server keep WAL (``retained``) until either the
 disk fills (``max_slot_wal_keep_size`` unlimited, the default) or the server
 invalidates the slot (``wal_status`` becomes ``lost``: the changes are gone).
-So the source reports, at most every :data:`REPORT_SECONDS` while it runs,
+So the source reports, now and then while it runs (:mod:`dbtrigger.cdc.health`),
 the gauges ``cdc_retained_bytes``, ``cdc_safe_wal_bytes`` and ``cdc_slot_lost``,
 and :func:`self_check` turns the same facts into ``dbtrigger check`` findings.
 """
@@ -12,47 +12,36 @@ and :func:`self_check` turns the same facts into ``dbtrigger check`` findings.
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING
 
 from dbtrigger.cdc import pg_admin as admin
 from dbtrigger.cdc import pg_setup as setup
+from dbtrigger.cdc.health import ERROR, OK, WARNING, HealthReporter
 from dbtrigger.cdc.pg_connection import connect
+from dbtrigger.cdc.pg_context import PgSourceParts
 from dbtrigger.errors import DbTriggerError, OperatorError
 from dbtrigger.sources.base import SourceFinding
 
 if TYPE_CHECKING:
-    from dbtrigger.cdc.pg_source import PgLogicalSource
+    from dbtrigger.cdc.position import LogPosition
+    from dbtrigger.metrics import MetricsCollector
 
 log = logging.getLogger("dbtrigger.cdc")
 
-#: Seconds between slot measurements while a poller runs.
-REPORT_SECONDS = 30.0
-OK, WARNING, ERROR = "ok", "warning", "error"
 
+class SlotReporter(HealthReporter[PgSourceParts]):
+    """Sets ``cdc_slot_lost``, ``cdc_retained_bytes`` and ``cdc_safe_wal_bytes``; warns
+    once when ``max_slot_wal_keep_size`` is unlimited."""
 
-class HealthReporter:
-    """Measures the slot now and then and sets the ``cdc_*`` gauges."""
-
-    def __init__(self, source: PgLogicalSource) -> None:
-        self.source = source
-        self._next = 0.0
+    def __init__(self, source: PgSourceParts) -> None:
+        super().__init__(source)
         self._warned_unlimited = False
 
-    def maybe_report(self) -> None:
+    def measure(self, metrics: MetricsCollector, after: LogPosition | None) -> None:
         s = self.source
-        now = time.monotonic()
-        if s.metrics is None or now < self._next:
-            return
-        self._next = now + REPORT_SECONDS
-        try:
-            conn = s.connection()
-            state = setup.slot_state(conn, s.slot)
-            facts = setup.server_facts(conn)
-        except DbTriggerError as exc:
-            log.debug("slot health not measured: %s", exc)
-            return
-        metrics = s.metrics
+        conn = s.connection()
+        state = setup.slot_state(conn, s.slot)
+        facts = setup.server_facts(conn)
         metrics.set_gauge("cdc_slot_lost", 1.0 if state is None or state.lost else 0.0)
         if state is not None and state.retained_bytes is not None:
             metrics.set_gauge("cdc_retained_bytes", float(state.retained_bytes))
@@ -67,7 +56,7 @@ class HealthReporter:
             )
 
 
-def self_check(source: PgLogicalSource) -> list[SourceFinding]:
+def self_check(source: PgSourceParts) -> list[SourceFinding]:
     """What ``dbtrigger check`` reports for a PgLogicalSource (never raises for a finding)."""
     findings: list[SourceFinding] = []
     try:
@@ -164,4 +153,4 @@ def self_check(source: PgLogicalSource) -> list[SourceFinding]:
     return findings
 
 
-__all__ = ["REPORT_SECONDS", "HealthReporter", "self_check"]
+__all__ = ["SlotReporter", "self_check"]

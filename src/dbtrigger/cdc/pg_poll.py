@@ -41,7 +41,7 @@ from dbtrigger.cdc.position import LogPosition
 from dbtrigger.errors import DecodeBacklogError
 
 if TYPE_CHECKING:
-    from dbtrigger.cdc.pg_source import PgLogicalSource
+    from dbtrigger.cdc.pg_context import PgSourceParts
 
 log = logging.getLogger("dbtrigger.cdc")
 
@@ -65,7 +65,7 @@ ROW_SLACK = 10_000
 class PollReader:
     """Fills the source's buffer by bounded peeks; advances the slot on release."""
 
-    def __init__(self, source: PgLogicalSource) -> None:
+    def __init__(self, source: PgSourceParts) -> None:
         self.source = source
         #: The WAL window while stepping through a backlog (None: read to the end).
         self.step: int | None = None
@@ -84,7 +84,7 @@ class PollReader:
         self.release_pending(conn)  # a read decodes from the slot: start it as late as allowed
         self.heartbeat(conn)
         if s.buffer.pending(after) == 0:
-            s.snapshots.emit(conn)  # caught up: a chunk written now is read by this very read
+            s.snapshots.emit()  # caught up: a chunk written now is read by this very read
         end = self.flush_lsn(conn)
         keep = max(s.read_ahead, limit)
         deadline = time.monotonic() + s.read_timeout
@@ -272,8 +272,6 @@ class PollReader:
             point = max(buffer.release_point(acked) or 0, parse_lsn(acked.commit))
             caught_up = buffer.complete and buffer.pending(acked) == 0
             buffer.trim(acked)
-            if s.acked is None or acked > s.acked:
-                s.acked = acked
         if not point:
             return
         self.pending = max(self.pending, point)

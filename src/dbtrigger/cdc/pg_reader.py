@@ -13,8 +13,9 @@ log by :mod:`dbtrigger.cdc.pg_snapshot` so that they arrive in commit order
 with everything else). Messages of other prefixes are not ours and skipped.
 
 A column type that changes under a watched table (a Relation message that
-disagrees with the accepted columns, :class:`SchemaGuard`) ends the read just
-before the transaction that first uses it: what came before is delivered, and
+disagrees with the accepted columns,
+:class:`~dbtrigger.cdc.assembly.SchemaGuard`) ends the read just before the
+transaction that first uses it: what came before is delivered, and
 the reader reports the change (:attr:`Decoder.schema_break`) instead of
 handing out rows of a shape the consumers did not agree to.
 """
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dbtrigger.cdc import pgoutput as po
+from dbtrigger.cdc.assembly import Assembly, SchemaBreak, SchemaGuard
 from dbtrigger.cdc.buffer import Transaction
 from dbtrigger.cdc.changes import UNCHANGED, Change
 from dbtrigger.cdc.pg_setup import TableInfo
@@ -101,57 +103,18 @@ class RelationInfo:
         return {name: image[name] for name, _ in self.key_index if name in image}
 
 
-class SchemaGuard:
-    """The accepted columns of each watched table (name -> type OID).
-
-    A Relation message may add columns (they simply appear in events) but not
-    change the type of an accepted one. ``accepted`` starts from what the
-    caller persisted; :attr:`added` collects new columns to persist.
-    """
-
-    def __init__(self, accepted: Mapping[str, Mapping[str, int]]) -> None:
-        self.accepted: dict[str, dict[str, int]] = {t: dict(c) for t, c in accepted.items()}
-        self.added = False
-
-    def check(self, relation: RelationInfo) -> str | None:
-        """None when the relation fits; else what changed, in words."""
-        known = self.accepted.setdefault(relation.table, {})
-        changed = [
-            (name, known[name], type_oid)
-            for name, type_oid in zip(relation.names, relation.type_oids, strict=True)
-            if name in known and known[name] != type_oid
-        ]
-        if changed:
-            return "; ".join(
-                f"column {name} of {relation.table} changed type (OID {old} -> {new})"
-                for name, old, new in changed
-            )
-        for name, type_oid in zip(relation.names, relation.type_oids, strict=True):
-            if name not in known:
-                known[name] = type_oid
-                self.added = True
-        return None
-
-
-@dataclass
-class SchemaBreak:
-    """Where a column type changed, and how."""
-
-    commit: str
-    problem: str
-
-
-class Decoder:
+class Decoder(Assembly):
     """Turns the messages of one read into committed transactions of watched changes."""
 
     def __init__(
         self,
         watched: Mapping[str, TableInfo],
-        guard: SchemaGuard,
+        guard: SchemaGuard[int],
         *,
         slot: str,
-        on_truncate: Callable[[str, int], None] | None = None,
+        on_truncate: Callable[[str, str], None] | None = None,
     ) -> None:
+        super().__init__()
         self.watched = watched
         self.guard = guard
         self.snapshot_prefix = SNAPSHOT_PREFIX + slot
@@ -159,81 +122,42 @@ class Decoder:
         self.relations: dict[int, RelationInfo] = {}
         #: relation OID -> the type change its last Relation message showed
         self._problems: dict[int, str] = {}
-        self._current: Transaction[Any] | None = None
-        self._skip = False
-        self._to_skip = 0
-        self.room = 0
-        self.full = False
-        self.schema_break: SchemaBreak | None = None
         self.last_end: int | None = None
 
     def start(self, room: int) -> None:
         """A new read (a new decoding session: Relation messages come again) that
         may keep ``room`` changes."""
-        self._current = None
+        self.restart(room)
         self.relations.clear()
         self._problems.clear()
-        self.schema_break = None
         self.last_end = None
-        self.room = room
-        self.full = False
-
-    @property
-    def current(self) -> Transaction[Any] | None:
-        """The transaction being read (None between transactions or when it is skipped)."""
-        return None if self._skip else self._current
-
-    def partial(self) -> Transaction[Any] | None:
-        """The transaction the read stopped inside when it ran out of room."""
-        txn, self._current = self._current, None
-        if txn is None or self._skip:
-            return None
-        txn.whole = False
-        return txn
-
-    def _keep(self, raw: Any) -> None:
-        current = self._current
-        assert current is not None  # noqa: S101 - only called inside a transaction
-        if self._to_skip:
-            self._to_skip -= 1  # delivered already: the read started inside this transaction
-            return
-        current.changes.append(raw)
-        self.room -= 1
-        if self.room <= 0:
-            self.full = True
 
     def feed(self, data: bytes, after: LogPosition | None) -> Transaction[Any] | None:
         """Take one message; a transaction when this one committed it."""
         kind = data[:1]
         if kind in (b"I", b"U", b"D"):
-            if self._current is not None and not self._skip:
+            current = self.delivering
+            if current is not None:
                 oid = int.from_bytes(data[1:5], "big")
                 relation = self.relations.get(oid)
                 if relation is not None and self.schema_break is None:
-                    if self._to_skip:  # delivered already, under whatever shape it had
-                        self._to_skip -= 1
+                    if self.delivered_already():  # under whatever shape it had
                         return None
                     problem = self._problems.get(oid)
                     if problem is not None:  # this change and all after it wait
-                        self.schema_break = SchemaBreak(self._current.commit, problem)
+                        self.schema_break = SchemaBreak(current.commit, problem)
                         return None
-                    self._keep((relation, data))
+                    self.keep((relation, data))
             return None
         message = po.decode(data)
         if isinstance(message, po.Begin):
             commit = po.lsn_token(message.final_lsn)
-            self._skip = after is not None and commit < after.commit
-            offset = after.ordinal if after is not None and commit == after.commit else 0
-            self._to_skip = offset
-            self._current = Transaction(
-                commit, message.final_lsn, 0, message.commit_time, message.xid, offset=offset
-            )
+            self.open(commit, message.final_lsn, message.commit_time, message.xid, after)
         elif isinstance(message, po.Commit):
-            txn, self._current = self._current, None
+            txn = self.close()
             self.last_end = message.end_lsn
-            if txn is None or self._skip:
-                return None
-            txn.end = message.end_lsn
+            if txn is not None:
+                txn.end = message.end_lsn
             return txn
         elif isinstance(message, po.Relation):
             self._relation(message)
@@ -256,7 +180,7 @@ class Decoder:
             info.key_columns,
         )
         self.relations[message.oid] = relation
-        problem = self.guard.check(relation)
+        problem = self.guard.check(table, zip(relation.names, relation.type_oids, strict=True))
         if problem is None:
             self._problems.pop(message.oid, None)
         else:
@@ -265,7 +189,7 @@ class Decoder:
     def _message(self, message: po.Message) -> None:
         if message.prefix != self.snapshot_prefix or not message.transactional:
             return  # heartbeats and other tools' messages
-        if self._current is None or self._skip:
+        if self.delivering is None:
             return
         chunk = json.loads(message.content)
         table = chunk["table"]
@@ -282,15 +206,16 @@ class Decoder:
             info.key_columns,
         )
         for row in chunk["rows"]:
-            self._keep((relation, tuple(None if v is None else v.encode() for v in row)))
+            self.keep((relation, tuple(None if v is None else v.encode() for v in row)))
 
     def _truncate(self, message: po.Truncate) -> None:
-        if self._current is None or self._skip:
+        current = self.delivering
+        if current is None:
             return
         for oid in message.relation_oids:
             relation = self.relations.get(oid)
             if relation is not None and self.on_truncate is not None:
-                self.on_truncate(relation.table, self._current.start)
+                self.on_truncate(relation.table, po.lsn_text(current.start))
 
 
 def materialise(txn: Transaction[Any], ordinal: int, raw: tuple[RelationInfo, Any]) -> Change:
@@ -368,7 +293,5 @@ __all__ = [
     "SNAPSHOT_PREFIX",
     "Decoder",
     "RelationInfo",
-    "SchemaBreak",
-    "SchemaGuard",
     "materialise",
 ]

@@ -30,10 +30,7 @@ that long), and the chunk's bytes written once more into the WAL.
 
 from __future__ import annotations
 
-import datetime as dt
 import json
-import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -43,17 +40,13 @@ from psycopg.adapt import Loader
 
 from dbtrigger.cdc import pg_control as control
 from dbtrigger.cdc.pg_connection import translated
+from dbtrigger.cdc.pg_context import PgSourceParts
 from dbtrigger.cdc.pg_reader import SNAPSHOT_PREFIX
+from dbtrigger.cdc.snapshots import ChunkWriter, Snapshot
 from dbtrigger.errors import SourceDefinitionError
 
 if TYPE_CHECKING:
     from dbtrigger.cdc.pg_setup import TableInfo
-    from dbtrigger.cdc.pg_source import PgLogicalSource
-
-log = logging.getLogger("dbtrigger.cdc")
-
-#: How often a running source looks for new snapshot requests (``cdc snapshot``).
-RECHECK_SECONDS = 5.0
 
 
 class _RawText(Loader):
@@ -63,64 +56,36 @@ class _RawText(Loader):
         return bytes(data)
 
 
-class SnapshotWriter:
+class SnapshotWriter(ChunkWriter[PgSourceParts, control.ControlRow, "TableInfo"]):
     """Writes the next chunk of the oldest pending request into the log."""
 
-    def __init__(self, source: PgLogicalSource) -> None:
-        self.source = source
-        self._next_check = 0.0
-        self._pending = True
+    LOCKS = "the table's SHARE lock was"
 
-    def poke(self) -> None:
-        """Look for requests at the next read (a request was just added)."""
-        self._next_check = 0.0
-        self._pending = True
-
-    def emit(self, conn: psycopg.Connection[Any]) -> bool:
-        """Write one chunk if a request is pending; True when one was written."""
-        now = time.monotonic()
-        if not self._pending and now < self._next_check:
-            return False
-        self._next_check = now + RECHECK_SECONDS
+    def read_row(self) -> control.ControlRow | None:
         s = self.source
-        row = control.read(conn, s.control_schema, s.slot)
-        pending = row.pending_snapshots if row is not None else []
-        self._pending = bool(pending)
-        if not pending or row is None:
-            return False
-        request = pending[0]
-        info = s.infos.get(request.table)
-        if info is None:
-            log.warning(
-                "snapshot of %s skipped: it is not one of this source's tables",
-                request.table,
-                extra={"event": "cdc_snapshot_skipped", "poller": s.poller},
-            )
-            request.done = True
-            control.save_snapshots(conn, s.control_schema, s.slot, row.snapshots)
-            return False
-        try:
-            written = self._chunk(conn, row, request, info)
-        except pg_errors.LockNotAvailable:
-            log.info(
-                "snapshot chunk of %s waits: the table's SHARE lock was not granted within "
-                "%gs (a long writer); tried again at the next read",
-                request.table,
-                s.snapshot_lock_timeout,
-                extra={"event": "cdc_snapshot_lock_wait", "poller": s.poller},
-            )
-            self._pending = True
-            return False
-        return written
+        return control.read(s.connection(), s.control_schema, s.slot)
 
-    def _chunk(
-        self,
-        conn: psycopg.Connection[Any],
-        row: control.ControlRow,
-        request: control.Snapshot,
-        info: TableInfo,
-    ) -> bool:
+    def requests(self, row: control.ControlRow) -> list[Snapshot]:
+        return row.snapshots
+
+    def table_info(self, table: str) -> TableInfo | None:
+        return self.source.infos.get(table)
+
+    def save(self, row: control.ControlRow) -> None:
         s = self.source
+        control.save_snapshots(s.connection(), s.control_schema, s.slot, row.snapshots)
+
+    def waits(self, exc: Exception, table: str) -> bool:
+        seen: BaseException | None = exc
+        while seen is not None:  # translated() wraps the driver's error
+            if isinstance(seen, pg_errors.LockNotAvailable):
+                return True
+            seen = seen.__cause__
+        return False
+
+    def chunk(self, row: control.ControlRow, request: Snapshot, info: TableInfo) -> bool:
+        s = self.source
+        conn: psycopg.Connection[Any] = s.connection()
         keys = info.key_columns
         if not keys:
             raise SourceDefinitionError(
@@ -162,33 +127,21 @@ class SnapshotWriter:
                 cursor.adapters.register_loader(oid, _RawText)
             rows = cursor.execute(query, params).fetchall()
             texts = [[None if v is None else v.decode() for v in r] for r in rows]
-            payload = {
-                "table": info.table.qualified,
-                "columns": columns,
-                "types": types,
-                "rows": texts,
-            }
             if texts:
+                payload = {
+                    "table": info.table.qualified,
+                    "columns": columns,
+                    "types": types,
+                    "rows": texts,
+                }
                 conn.execute(
                     "SELECT pg_logical_emit_message(true, %s, %s)",
                     (SNAPSHOT_PREFIX + s.slot, json.dumps(payload)),
                 )
-                index = {c: i for i, c in enumerate(columns)}
-                request.last_key = [texts[-1][index[k]] for k in keys]
-            request.chunks += 1
-            request.rows += len(texts)
-            request.done = len(texts) < s.snapshot_chunk_size
-            if request.requested_at is None:
-                request.requested_at = dt.datetime.now(dt.timezone.utc).isoformat()
+            index = {c: i for i, c in enumerate(columns)}
+            last_key = [texts[-1][index[k]] for k in keys] if texts else None
+            request.advance(len(texts), last_key, s.snapshot_chunk_size)
             control.save_snapshots(conn, s.control_schema, s.slot, row.snapshots)
-        if request.done:
-            log.info(
-                "snapshot of %s complete: %d rows in %d chunks",
-                request.table,
-                request.rows,
-                request.chunks,
-                extra={"event": "cdc_snapshot_done", "poller": s.poller, "table": request.table},
-            )
         return bool(texts)
 
 

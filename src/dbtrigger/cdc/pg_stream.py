@@ -38,7 +38,7 @@ from dbtrigger.cdc.position import LogPosition
 from dbtrigger.errors import ConfigurationError, FetchError, SlotLostError
 
 if TYPE_CHECKING:
-    from dbtrigger.cdc.pg_source import PgLogicalSource
+    from dbtrigger.cdc.pg_context import PgSourceParts
 
 log = logging.getLogger("dbtrigger.cdc")
 
@@ -63,7 +63,7 @@ def _psycopg2() -> Any:
 class StreamReader:
     """Feeds the source's buffer from a replication connection (see the module docstring)."""
 
-    def __init__(self, source: PgLogicalSource) -> None:
+    def __init__(self, source: PgSourceParts) -> None:
         self.source = source
         self.helper = PollReader(source)  # heartbeat and the server's flush position
         self._lock = source.lock
@@ -178,8 +178,6 @@ class StreamReader:
             if buffer.pending(acked) == 0 and self._open is None and buffer.covers(acked):
                 point = max(point, self.received_through)
             buffer.trim(acked)
-            if s.acked is None or acked > s.acked:
-                s.acked = acked
         elif buffer.changes == 0 and self._open is None and self._after is None:
             point = self.received_through
         self.flush_target = max(self.flush_target, point)
@@ -246,7 +244,7 @@ class StreamReader:
         assert decoder is not None  # noqa: S101 - set before the thread starts
         s = self.source
         done = decoder.feed(payload, self._after)
-        current = decoder.current
+        current = decoder.delivering
         if current is not None and current is not self._open:
             current.whole = False
             s.buffer.append(current, keep_empty=True)

@@ -1,0 +1,146 @@
+"""What every log reader does while it reads: assemble transactions, and guard the columns.
+
+PostgreSQL's :class:`~dbtrigger.cdc.pg_reader.Decoder` and the binlog's
+:class:`~dbtrigger.cdc.binlog_reader.Assembler` read different bytes, but
+each turns one read's stream into :class:`~dbtrigger.cdc.buffer.Transaction`
+objects the same way, which lives here once:
+
+* a transaction **before the checkpoint's** is skipped whole; the one the
+  checkpoint is *inside of* keeps only the changes after its ordinal (a read
+  may start in the middle of a large transaction, never skipping a change
+  because several share one commit);
+* a read has **room** for so many changes; when it is used up the read stops,
+  inside a transaction if it must (:meth:`Assembly.partial`);
+* a watched table whose column **changed type** stops the read just before
+  the first change of the new shape (:class:`SchemaBreak`), while an added
+  column is simply accepted (:class:`SchemaGuard`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from dbtrigger.cdc.buffer import Transaction
+from dbtrigger.cdc.position import LogPosition
+
+T = TypeVar("T")
+
+
+@dataclass
+class SchemaBreak:
+    """Where a column type changed (the commit token of the transaction), and how."""
+
+    commit: str
+    problem: str
+
+
+class SchemaGuard(Generic[T]):
+    """The accepted columns of each watched table (name -> type, as the log names types).
+
+    The log may add columns (they simply appear in events) but not change the
+    type of an accepted one. ``accepted`` starts from what the source persisted
+    (its control row); :attr:`added` says new columns wait to be persisted.
+    """
+
+    def __init__(
+        self, accepted: Mapping[str, Mapping[str, T]], describe: Callable[[T], str] = str
+    ) -> None:
+        self.accepted: dict[str, dict[str, T]] = {t: dict(c) for t, c in accepted.items()}
+        self.describe = describe
+        self.added = False
+
+    def check(self, table: str, columns: Iterable[tuple[str, T]]) -> str | None:
+        """None when the columns fit what was accepted; else what changed, in words."""
+        known = self.accepted.setdefault(table, {})
+        columns = list(columns)
+        changed = [(n, known[n], t) for n, t in columns if n in known and known[n] != t]
+        if changed:
+            return "; ".join(
+                f"column {n} of {table} changed type ({self.describe(old)} -> {self.describe(new)})"
+                for n, old, new in changed
+            )
+        for name, type_ in columns:
+            if name not in known:
+                known[name] = type_
+                self.added = True
+        return None
+
+
+class Assembly:
+    """The transaction one read is assembling, and the room the read has left."""
+
+    def __init__(self) -> None:
+        #: The open transaction (also while it is being skipped: see :attr:`delivering`).
+        self.current: Transaction[Any] | None = None
+        self._skip = False
+        self._to_skip = 0
+        self.room = 0
+        self.full = False
+        self.schema_break: SchemaBreak | None = None
+
+    def restart(self, room: int) -> None:
+        """A new read that may keep ``room`` changes."""
+        self.current = None
+        self.room = room
+        self.full = False
+        self.schema_break = None
+
+    @property
+    def delivering(self) -> Transaction[Any] | None:
+        """The open transaction unless it is skipped (delivered before the checkpoint)."""
+        return None if self._skip else self.current
+
+    @property
+    def skipping(self) -> bool:
+        return self._skip
+
+    def open(
+        self,
+        commit: str,
+        start: int,
+        commit_time: dt.datetime | None,
+        transaction_id: Any,
+        after: LogPosition | None,
+    ) -> None:
+        """A transaction begins: skipped whole before ``after``, in part when ``after`` is in it."""
+        self._skip = after is not None and commit < after.commit
+        offset = after.ordinal if after is not None and commit == after.commit else 0
+        self._to_skip = offset
+        self.current = Transaction(commit, start, 0, commit_time, transaction_id, offset=offset)
+
+    def close(self) -> Transaction[Any] | None:
+        """The transaction committed: it, unless it was skipped."""
+        txn, self.current = self.current, None
+        if txn is None or self._skip:
+            return None
+        return txn
+
+    def partial(self) -> Transaction[Any] | None:
+        """The transaction the read stopped inside (out of room, or at a type change)."""
+        txn = self.close()
+        if txn is not None:
+            txn.whole = False
+        return txn
+
+    def delivered_already(self) -> bool:
+        """True for a change the read started after (inside the checkpoint's transaction)."""
+        if self._to_skip:
+            self._to_skip -= 1
+            return True
+        return False
+
+    def keep(self, raw: Any) -> None:
+        """Keep one change of the open transaction (unless the checkpoint passed it)."""
+        if self.delivered_already():
+            return
+        assert self.current is not None  # noqa: S101 - changes come inside transactions
+        self.current.changes.append(raw)
+        self.room -= 1
+        if self.room <= 0:
+            self.full = True
+
+
+__all__ = ["Assembly", "SchemaBreak", "SchemaGuard"]

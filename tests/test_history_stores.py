@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,7 @@ import pytest
 from azure.data.tables import TableClient
 from azure.storage.blob import BlobServiceClient
 
-from dbtrigger.errors import CasConflictError
+from dbtrigger.errors import CasConflictError, StoreUnavailableError
 from dbtrigger.history import FileHistory, HistoryStore, MemoryHistory, Retention, SqlHistory
 from dbtrigger.history.blob import BlobHistory
 from dbtrigger.history.table import TableHistory
@@ -153,6 +154,52 @@ def test_retention_by_age_and_size_keeps_the_last_record(history: HistoryStore) 
     assert seqs(history)[-1] == 6
     history.prune("orders", Retention(max_age_days=None, max_bytes=1024), now)
     assert seqs(history)[-1] == 6
+
+
+def test_retention_removes_the_oldest_records_never_one_in_the_middle(
+    history: HistoryStore,
+) -> None:
+    """Record 4 was written by an instance whose clock was behind: it looks older
+    than record 3. Retention may drop it, but only with everything before it -
+    the records kept are always the last ones, numbered without a hole."""
+    days = [1, 2, 38, 3, 39]
+    for n, day in enumerate(days, start=1):
+        history.append("orders", [rec(n, T0 + dt.timedelta(days=day))], after_seq=n - 1)
+    history.prune("orders", Retention(max_age_days=30, max_bytes=None), T0 + dt.timedelta(days=40))
+    kept = seqs(history)
+    assert kept == list(range(kept[0], 6))
+
+
+def test_pruning_while_a_writer_appends_loses_no_number(history: HistoryStore) -> None:
+    """Retention runs in one thread while another appends: every append lands with
+    the next number, and what is kept is always the newest records, no hole. (A
+    prune that finds the store busy fails like any housekeeping, and the runtime
+    prunes again later: history_prune_failed.)"""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def pruner() -> None:
+        while not stop.is_set():
+            try:
+                history.prune("orders", Retention(max_age_days=None, max_bytes=1024), T0)
+            except StoreUnavailableError:
+                time.sleep(0.01)  # SQLite: "database is locked"; the runtime prunes later
+            except BaseException as exc:
+                errors.append(exc)
+                return
+
+    thread = threading.Thread(target=pruner)
+    thread.start()
+    try:
+        for n in range(1, 41):
+            history.append("orders", [rec(n)], after_seq=n - 1)
+            kept = seqs(history)
+            assert kept == list(range(kept[0], n + 1))
+    finally:
+        stop.set()
+        thread.join(60)
+    assert not errors
+    assert history.tail("orders", 1)[0]["seq"] == 40
 
 
 def test_retention_leaves_young_records(history: HistoryStore) -> None:

@@ -144,7 +144,11 @@ class TableHistory:
                     continue  # the last record always stays
                 old = cut is not None and str(entity.get("at") or "") <= cut
                 big = retention.max_bytes is not None and total > retention.max_bytes
-                if old or big:
+                if doomed or old or big:
+                    # From the newest record that may go, every older one goes too:
+                    # the history loses its oldest records, never one in the middle
+                    # (a record written under a clock behind the others' is not kept
+                    # while older ones go around it).
                     doomed.append(
                         {"PartitionKey": entity["PartitionKey"], "RowKey": entity["RowKey"]}
                     )

@@ -288,3 +288,12 @@ def test_claim_mix_reads_the_same_with_many_rows_scheduled(
     for layout in ("plain", "priority"):
         assert int(rows[(layout, "20,000")][3]) <= int(rows[(layout, "0")][3]) + 10
     assert int(rows[("priority", "20,000")][4]) > int(rows[("priority", "0")][4]) + 40
+
+
+def test_history_prints_the_cost_beside_the_baseline(pg: TestDatabase, tmp_path: Path) -> None:
+    out = run_benchmark("history", ["--quick", "--stores", "memory,file"], pg, tmp_path)
+    rows = table_rows(out, "durable history:")
+    assert {(r[0], r[2]) for r in rows} == {
+        (s, b) for s in ("memory", "file") for b in ("100", "1000")
+    }
+    assert all(r[-1] == "1.00" for r in rows)  # one history record per batch

@@ -280,8 +280,8 @@ def test_unchecked_events_equal_constructed_ones() -> None:
 
 def test_a_batch_delivered_once_computes_no_event_id() -> None:
     # A handler that never reads an id pays nothing for it: the runtime reads
-    # ids only to skip rows an earlier delivery of the batch settled, and for
-    # the history's lines (kept by default; here none).
+    # ids only to skip rows an earlier delivery of the batch settled. The history
+    # (kept by default) records keys and image CRCs, and ids only of marked events.
     rows = Rows(("id", "c", "x"), [(i, i, "x") for i in range(25)])
 
     class Source:
@@ -316,9 +316,9 @@ def test_a_batch_delivered_once_computes_no_event_id() -> None:
         source=Source(),
         checkpoint_store=InMemoryCheckpointStore(),
         batch_size=10,
-        history=False,
     )
     assert trigger.drain(seen.extend) == 25
+    assert trigger.history is not None
     assert [e.pk["id"] for e in seen] == list(range(25))
     assert all(e._event_id is None for e in seen)
     assert seen[3].event_id == make_event_id("p", {"id": 3}, 3)

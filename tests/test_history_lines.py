@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import decimal
 import hashlib
+import json
 import uuid
 from typing import Any
 
@@ -81,33 +82,50 @@ def test_batch_event_ids_equal_the_ids_read_one_by_one(
 
 
 @pytest.mark.parametrize(("columns", "pk", "cursor", "rows"), CASES)
-def test_batch_lines_equal_the_lines_made_event_by_event(
+def test_the_batch_columns_equal_what_each_event_says(
     columns: tuple[str, ...], pk: tuple[str, ...], cursor: str, rows: list[tuple[Any, ...]]
 ) -> None:
+    # The columns are computed a batch at a time; read back, each line is the
+    # event's own key and image CRC (the reference a replay computes event by event).
     shape = _shape(columns, pk, cursor)
-    fast = rec._batch_lines(events_from_rows(shape, rows))
-    reference = rec._lines_one_by_one(events_from_rows(shape, rows))
-    if fast is not None:
-        assert fast == reference
-    detail = rec.batch_detail(events_from_rows(shape, rows))
-    assert detail["events"] == reference[0]
-    assert detail["images"] == "sha256:" + hashlib.sha256(reference[1]).hexdigest()
-    assert detail["images"] == rec.digest_images(events_from_rows(shape, rows))
-    assert [line[2] for line in detail["events"]] == [
-        rec.image_digest(e) for e in events_from_rows(shape, rows)
-    ]
+    events = events_from_rows(shape, rows)
+    detail = rec.batch_detail(events)
+    lines = rec.detail_lines({"detail": json.loads(json.dumps(detail))})
+    assert lines is not None
+    assert [line.key for line in lines] == [rec._key(e) for e in events]
+    assert [line.image for line in lines] == [f"{rec.image_crc(e):08x}" for e in events]
+    assert all(e._event_id is None for e in events)  # no id was computed for them
+    # A row changed in any column (cursor included) changes its CRC.
+    changed = events_from_rows(shape, [(*rows[0][:-1], "changed"), *rows[1:]])
+    assert rec.image_crc(changed[0]) != rec.image_crc(events[0])
+    assert rec.columns_digest(rec.batch_detail(changed)) != rec.columns_digest(detail)
 
 
-def test_the_common_batch_takes_the_batch_path() -> None:
+def test_the_common_batch_keeps_its_keys_as_one_column() -> None:
     shape = _shape(("id", "updated_at", "payload"), ("id",), "updated_at")
-    assert rec._batch_lines(events_from_rows(shape, [(1, 1, "a"), (2, 1, "b")])) is not None
+    detail = rec.batch_detail(events_from_rows(shape, [(1, 1, "a"), (2, 1, "b")]))
+    assert (detail["column"], detail["kind"], detail["values"]) == ("id", "int", [1, 2])
     text = _shape(("k", "ts"), ("k",), "ts")
-    assert rec._batch_lines(events_from_rows(text, [("a", 1)])) is not None
+    assert rec.batch_detail(events_from_rows(text, [("a", 1)]))["kind"] == "str"
 
 
-def test_outcomes_are_added_to_the_lines_of_the_batch_path() -> None:
+def test_outcomes_name_the_marked_events_only() -> None:
     shape = _shape(("id", "updated_at", "payload"), ("id",), "updated_at")
     events = events_from_rows(shape, [(i, i, "x") for i in range(4)])
     ids = event_ids(events)
-    lines = rec.event_lines(events, rejected={ids[1]: "bad row"}, retried={ids[2]: "later"})
-    assert [line[3:] for line in lines] == [[], ["rejected", "bad row"], ["retried", "later"], []]
+    detail = rec.batch_detail(events, rejected={ids[1]: "bad row"}, retried={ids[2]: "later"})
+    assert detail["outcomes"] == [[1, "rejected", "bad row"], [2, "retried", "later"]]
+    lines = rec.detail_lines({"detail": detail})
+    assert lines is not None
+    assert [(line.outcome, line.reason) for line in lines] == [
+        ("accepted", None),
+        ("rejected", "bad row"),
+        ("retried", "later"),
+        ("accepted", None),
+    ]
+
+
+def test_records_of_the_first_format_are_still_read() -> None:
+    key = {"id": ["int", 1]}
+    record = {"detail": {"event_ids": "sha256:x", "events": [["e1", key, "0000abcd"]]}}
+    assert rec.detail_lines(record) == [rec.EventLine(key=key, image="0000abcd", event_id="e1")]

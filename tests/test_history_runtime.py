@@ -24,9 +24,10 @@ import pytest
 import sqlalchemy as sa
 
 from dbtrigger import FileCheckpointStore, PollTrigger, RowChange, SqlAlchemySource
+from dbtrigger.cursor import encoded_pk
 from dbtrigger.errors import StoreUnavailableError
 from dbtrigger.history import HistoryStore, MemoryHistory, SqlHistory, history_for
-from dbtrigger.history.records import detail_lines, image_digest
+from dbtrigger.history.records import detail_lines, image_crc
 from dbtrigger.history.store import Retention
 from dbtrigger.metrics import InMemoryMetrics
 from dbtrigger.sources.memory import MemorySource
@@ -110,9 +111,9 @@ def test_every_commit_is_recorded_with_digests_and_event_lines() -> None:
     assert [r["seq"] for r in records] == [1, 2, 3]
     lines = detail_lines(records[0])
     assert lines is not None
-    assert [line.event_id for line in lines] == [e.event_id for e in seen[:10]]
-    assert [line.image for line in lines] == [image_digest(e) for e in seen[:10]]
-    assert records[0]["detail"]["event_ids"].startswith("sha256:")
+    assert [line.key for line in lines] == [encoded_pk(e.pk) for e in seen[:10]]
+    assert [line.image for line in lines] == [f"{image_crc(e):08x}" for e in seen[:10]]
+    assert len(set(records[0]["detail"]["crcs"])) == 10  # every image its own CRC
 
 
 def test_a_failing_append_is_counted_said_once_and_the_poller_goes_on(

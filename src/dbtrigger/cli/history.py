@@ -153,16 +153,18 @@ def _batch_text(record: Mapping[str, Any]) -> str:
     if detail is None:
         lines.append("detail       none (recorded from the journal, or by an older dbtrigger)")
         return "\n".join(lines)
-    lines.append(f"event ids    {detail.get('event_ids')}")
-    lines.append(f"images       {detail.get('images')}")
+    if "event_ids" in detail:  # the first format
+        lines.append(f"event ids    {detail.get('event_ids')}")
+        lines.append(f"images       {detail.get('images')}")
     lines.append(f"waiting      {waiting_text(detail.get('waiting'))} (after this commit)")
     events = detail_lines(record)
     if events is not None:
-        rows = [["EVENT ID", "KEY", "IMAGE", "OUTCOME"]]
+        ids = any(e.event_id for e in events)
+        rows = [["EVENT ID", "KEY", "IMAGE", "OUTCOME"] if ids else ["KEY", "IMAGE", "OUTCOME"]]
         for e in events:
             pk = ", ".join(f"{k}={v[1] if isinstance(v, list) else v}" for k, v in e.key.items())
             outcome = e.outcome + (f" ({e.reason})" if e.reason else "")
-            rows.append([e.event_id, pk, e.image, outcome])
+            rows.append([e.event_id or "", pk, e.image, outcome] if ids else [pk, e.image, outcome])
         lines += ["", _table(rows)]
     elif detail.get("events_omitted"):
         lines.append(

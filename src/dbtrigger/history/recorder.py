@@ -282,8 +282,11 @@ class HistoryRecorder:
         """``record``, its per-event lines dropped when they would make it too large."""
         detail = record.get("detail")
         if isinstance(detail, dict) and len(encode_line(record)) > MAX_RECORD_BYTES:
-            slim = {k: v for k, v in detail.items() if k != "events"}
-            slim["events_omitted"] = len(detail.get("events") or [])
+            lines = ("events", "column", "kind", "values", "keys", "crcs")
+            slim = {k: v for k, v in detail.items() if k not in lines}
+            slim["events_omitted"] = len(detail.get("events") or detail.get("crcs") or [])
+            if "crcs" in detail:
+                slim["digest"] = rec.columns_digest(detail)
             record = {**record, "detail": slim}
         return record
 

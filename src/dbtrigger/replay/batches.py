@@ -215,13 +215,21 @@ def compare(
 ) -> BatchReplay:
     """What the replay of ``record`` delivers, given the range read now (``events``)."""
     lines = rec.detail_lines(record)
-    detail = record.get("detail") if isinstance(record.get("detail"), Mapping) else {}
-    now_ids = [e.event_id for e in events]
-    now_images = [rec.image_digest(e) for e in events]
-    identical = isinstance(detail, Mapping) and (
-        docmod.digest_event_ids(now_ids) == detail.get("event_ids")
-        and rec.digest_images(events) == detail.get("images")
-    )
+    raw = record.get("detail")
+    detail: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
+    if isinstance(detail.get("events"), list) or "event_ids" in detail:
+        # The first format: event ids and images digested, one list a line.
+        now_images = [rec.image_digest(e) for e in events]
+        identical = docmod.digest_event_ids(e.event_id for e in events) == detail.get(
+            "event_ids"
+        ) and rec.digest_images(events) == detail.get("images")
+    else:
+        now = rec.batch_detail(events)
+        now_images = [f"{crc:08x}" for crc in now["crcs"]]
+        recorded = detail.get("digest")
+        if recorded is None and "crcs" in detail:
+            recorded = rec.columns_digest(detail)
+        identical = recorded is not None and rec.columns_digest(now) == recorded
     if lines is None:
         return BatchReplay(dict(record), list(events), [], compared=False, identical=identical)
     by_key = {_event_key(e): (e, img) for e, img in zip(events, now_images, strict=True)}
@@ -235,7 +243,7 @@ def compare(
             moved.append(line)
             continue
         event, image = found
-        if event.event_id != line.event_id or image != line.image:
+        if image != line.image or line.event_id not in (None, event.event_id):
             drift.append(DriftRow("changed", line.key, line.event_id, event.event_id))
         deliver.append(event)
     if moved:

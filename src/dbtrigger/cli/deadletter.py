@@ -412,10 +412,10 @@ def add_dead_letter_commands(sub: Any) -> None:
     listing = verbs.add_parser("list", help="dead letters not settled yet (--all: every one)")
     _common(listing)
     listing.add_argument("--all", action="store_true", help="replayed and discarded ones too")
-    listing.add_argument("--json", action="store_true")
+    listing.add_argument("--json", action="store_true", help="print the records as JSON")
     show = verbs.add_parser("show", help="records in full, with what was done to them")
     _common(show)
-    show.add_argument("--json", action="store_true")
+    show.add_argument("--json", action="store_true", help="print the record as JSON")
     replay = verbs.add_parser(
         "replay", help="hand them to the handler again (dry run unless --yes)"
     )

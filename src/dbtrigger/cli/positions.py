@@ -195,7 +195,7 @@ def add_position_commands(sub: Any) -> None:
         if verb != "list":
             parser.add_argument("label", help="the bookmark's name")
         if verb == "list":
-            parser.add_argument("--json", action="store_true")
+            parser.add_argument("--json", action="store_true", help="print the bookmarks as JSON")
         add_store_options(parser)
         if verb == "restore":
             add_change_options(parser)

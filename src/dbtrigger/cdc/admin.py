@@ -20,7 +20,7 @@ A source offers it through :class:`AdministeredLogSource` (``source.admin()``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 
 @dataclass
@@ -51,6 +51,16 @@ class LogSourceAdmin(Protocol):
     def accept_schema(self) -> list[str]: ...
 
 
+S = TypeVar("S")
+
+
+class SourceAdmin(Generic[S]):
+    """A :class:`LogSourceAdmin` of one source; each call opens a short-lived connection."""
+
+    def __init__(self, source: S) -> None:
+        self.source = source
+
+
 @runtime_checkable
 class AdministeredLogSource(Protocol):
     """A log source ``dbtrigger cdc`` can install, inspect and repair."""
@@ -58,4 +68,4 @@ class AdministeredLogSource(Protocol):
     def admin(self) -> LogSourceAdmin: ...
 
 
-__all__ = ["AdministeredLogSource", "LogSourceAdmin", "Plan"]
+__all__ = ["AdministeredLogSource", "LogSourceAdmin", "Plan", "SourceAdmin"]

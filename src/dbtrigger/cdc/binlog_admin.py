@@ -12,26 +12,20 @@ server keeps and how far behind the last recorded position is.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dbtrigger.cdc import binlog_control as control
 from dbtrigger.cdc import binlog_setup as setup
-from dbtrigger.cdc.admin import Plan
+from dbtrigger.cdc.admin import Plan, SourceAdmin
+from dbtrigger.cdc.binlog_context import BinlogSourceParts
 from dbtrigger.cdc.binlog_health import behind_bytes
 from dbtrigger.cdc.binlog_setup import current_position
 from dbtrigger.cdc.snapshots import Snapshot, carry_over
 from dbtrigger.errors import ConfigurationError
 
-if TYPE_CHECKING:
-    from dbtrigger.cdc.binlog_context import BinlogSourceParts
 
-
-class BinlogAdmin:
-    """:class:`~dbtrigger.cdc.admin.LogSourceAdmin` for a BinlogSource (see the module
-    docstring); each call works over a short-lived connection of its own."""
-
-    def __init__(self, source: BinlogSourceParts) -> None:
-        self.source = source
+class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
+    """The admin protocol for a BinlogSource (see the module docstring)."""
 
     def plan(self, *, full_images: bool = False) -> Plan:
         """What :meth:`install` would run, and what the operator should know first."""

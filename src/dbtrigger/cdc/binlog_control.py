@@ -209,7 +209,6 @@ __all__ = [
     "CHUNKS",
     "TABLE",
     "ControlRow",
-    "Snapshot",
     "create_sql",
     "delete",
     "ensure",

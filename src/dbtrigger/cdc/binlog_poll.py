@@ -62,6 +62,22 @@ log = logging.getLogger("dbtrigger.cdc")
 ER_MASTER_FATAL_READING_BINLOG = 1236
 
 
+def _connect(**kwargs: Any) -> pymysql.connections.Connection[Any]:
+    """PyMySQL's connect for mysql-replication, which still passes the deprecated ``db=``."""
+    if "db" in kwargs:
+        kwargs["database"] = kwargs.pop("db")
+    return pymysql.connect(**kwargs)
+
+
+#: How every read dumps the log: to its end and no further (``blocking`` off), from a
+#: file and offset (COM_BINLOG_DUMP, on MariaDB too: the library's MariaDB path dumps by
+#: GTID state and ignores log_file/log_pos), over the PyMySQL connect above.
+DUMP_OPTIONS: dict[str, Any] = {
+    "blocking": False, "resume_stream": True, "is_mariadb": False,
+    "enable_logging": False, "pymysql_wrapper": _connect,
+}  # fmt: skip
+
+
 @dataclass
 class _ReadState:
     """Where one read is in the log."""
@@ -74,13 +90,6 @@ class _ReadState:
     boundary: tuple[str, int] | None
     #: The first transaction was checked against the one the read expected there.
     checked: bool
-
-
-def _connect(**kwargs: Any) -> pymysql.connections.Connection[Any]:
-    """PyMySQL's connect for mysql-replication, which still passes the deprecated ``db=``."""
-    if "db" in kwargs:
-        kwargs["database"] = kwargs.pop("db")
-    return pymysql.connect(**kwargs)
 
 
 class BinlogPoller:
@@ -169,16 +178,10 @@ class BinlogPoller:
         stream = BinLogStreamReader(
             connection_settings=connect_kwargs(s.url),
             server_id=s.server_id,
-            blocking=False,
-            resume_stream=True,
             log_file=name,
             log_pos=offset,
-            # The file+offset dump (COM_BINLOG_DUMP) on MariaDB too: the library's MariaDB
-            # path dumps by GTID state and ignores log_file/log_pos.
-            is_mariadb=False,
             only_schemas=s.schemas,
-            enable_logging=False,
-            pymysql_wrapper=_connect,
+            **DUMP_OPTIONS,
         )
         state = _ReadState(name, file_index(name), offset, (name, offset), expect is None)
         deadline = time.monotonic() + s.read_timeout

@@ -53,12 +53,6 @@ class SnapshotWriter(ChunkWriter[BinlogSourceParts, control.ControlRow, "TableIn
         s = self.source
         return control.read(s.connection(), s.control_database, s.reader)
 
-    def requests(self, row: control.ControlRow) -> list[Snapshot]:
-        return row.snapshots
-
-    def table_info(self, table: str) -> TableInfo | None:
-        return self.source.infos.get(table)
-
     def save(self, row: control.ControlRow) -> None:
         s = self.source
         control.update(s.connection(), s.control_database, s.reader, snapshots=row.snapshots)

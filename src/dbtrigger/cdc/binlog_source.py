@@ -103,16 +103,9 @@ class BinlogSource(LogSource):
         reader: str | None = None,
     ) -> None:
         super().__init__(
-            url,
-            url_hint="a MariaDB/MySQL URL",
-            snapshot=snapshot,
-            create=create,
-            read_timeout_seconds=read_timeout_seconds,
-            read_ahead=read_ahead,
-            heartbeat_interval_seconds=heartbeat_interval_seconds,
-            snapshot_chunk_size=snapshot_chunk_size,
-            snapshot_lock_timeout_seconds=snapshot_lock_timeout_seconds,
-        )
+            url, "a MariaDB/MySQL URL", snapshot, create, read_timeout_seconds, read_ahead,
+            heartbeat_interval_seconds, snapshot_chunk_size, snapshot_lock_timeout_seconds,
+        )  # fmt: skip
         self._table_texts = list(tables) if not isinstance(tables, str) else tables
         self._tables: list[setup.TableName] | None = None
         if not url.startswith("%"):
@@ -131,7 +124,7 @@ class BinlogSource(LogSource):
         self.control_row: control.ControlRow | None = None
         self.guard: SchemaGuard[str] = SchemaGuard({}, type_name)
         self._assembler: Assembler | None = None
-        self.snapshots: SnapshotWriter = SnapshotWriter(self)
+        self.snapshots = SnapshotWriter(self)
         self.health: RetentionReporter = RetentionReporter(self)
 
     # --- identity ---------------------------------------------------------------------
@@ -158,14 +151,7 @@ class BinlogSource(LogSource):
 
     @property
     def reader(self) -> str:
-        if self._reader is not None:
-            return self._reader
-        if self.poller is None:
-            raise ConfigurationError(
-                "BinlogSource: name the reader (reader=) or give the source to a PollTrigger, "
-                "whose name it then takes"
-            )
-        return setup.default_reader_name(self.poller)
+        return self.poller_named(self._reader, "reader (reader=)", setup.default_reader_name)
 
     @property
     def server_id(self) -> int:
@@ -259,11 +245,6 @@ class BinlogSource(LogSource):
     def new_control_row(
         self, position: tuple[str, int], *, snapshots: bool = True
     ) -> control.ControlRow:
-        requests = (
-            [control.Snapshot(t.qualified) for t in self.tables]
-            if snapshots and self.snapshot == "initial"
-            else []
-        )
         return control.ControlRow(
             self.reader,
             self.poller,
@@ -272,7 +253,7 @@ class BinlogSource(LogSource):
             position[0],
             position[1],
             {},
-            requests,
+            self.initial_requests(self.table_names(), snapshots=snapshots),
         )
 
     @property

@@ -28,7 +28,7 @@ import hashlib
 import logging
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Protocol
 
 from sqlalchemy.engine import URL
@@ -40,7 +40,7 @@ from dbtrigger.cdc.buffer import Materialise, TransactionBuffer
 from dbtrigger.cdc.changes import to_events
 from dbtrigger.cdc.health import HealthReporter
 from dbtrigger.cdc.position import LogPosition
-from dbtrigger.cdc.snapshots import ChunkWriter
+from dbtrigger.cdc.snapshots import ChunkWriter, Snapshot
 from dbtrigger.cursor import Position, canonical_json
 from dbtrigger.errors import ConfigurationError, CorruptStateError, SchemaChangedError
 from dbtrigger.events import RowChange
@@ -66,6 +66,34 @@ class LogReader(Protocol):
     def close(self) -> None: ...
 
 
+class LogSourceParts(Protocol):
+    """What the parts of every log source (readers, snapshot writer, health, admin) use
+    of it: they see the source through this, and the database's own additions
+    (:mod:`dbtrigger.cdc.pg_context`, :mod:`dbtrigger.cdc.binlog_context`), never
+    through its class, so a source imports its parts and no part imports a source."""
+
+    snapshot: str
+    poller: str | None
+    metrics: MetricsCollector | None
+    read_timeout: float
+    read_ahead: int
+    heartbeat_interval: float
+    snapshot_chunk_size: int
+    snapshot_lock_timeout: float
+    buffer: TransactionBuffer[Any]
+    acked: LogPosition | None
+    schema_break: SchemaBreak | None
+    lock: threading.RLock
+    snapshots: ChunkWriter[Any, Any, Any]
+
+    @property
+    def url(self) -> URL: ...
+
+    def truncated(self, table: str, commit: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class LogSource(ABC):
     """The port's face of a log source (see the module docstring)."""
 
@@ -84,7 +112,6 @@ class LogSource(ABC):
     def __init__(
         self,
         url: str,
-        *,
         url_hint: str,
         snapshot: str,
         create: bool,
@@ -113,7 +140,8 @@ class LogSource(ABC):
         self.create = create
         self.poller: str | None = None
         self.metrics: MetricsCollector | None = None
-        self._lock = threading.RLock()
+        #: Held while the buffer is read or changed (fetch, acknowledge, a stream thread).
+        self.lock = threading.RLock()
         self._ready = False
         self._conn: Any = None
         self._log_reader: LogReader | None = None
@@ -190,6 +218,23 @@ class LogSource(ABC):
         self.poller = name
         self.metrics = metrics
 
+    def poller_named(self, given: str | None, what: str, default: Callable[[str], str]) -> str:
+        """A name given to the source, else ``default`` of the poller's name."""
+        if given is not None:
+            return given
+        if self.poller is None:
+            raise ConfigurationError(
+                f"{type(self).__name__}: name the {what} or give the source to a PollTrigger, "
+                "whose name it then takes"
+            )
+        return default(self.poller)
+
+    def initial_requests(self, tables: Sequence[str], *, snapshots: bool = True) -> list[Snapshot]:
+        """The snapshot requests a new reader starts with (``snapshot="initial"``)."""
+        if not snapshots or self.snapshot != "initial":
+            return []
+        return [Snapshot(t) for t in tables]
+
     @property
     def url(self) -> URL:
         if self._url is None:
@@ -258,11 +303,6 @@ class LogSource(ABC):
             raise
         self._ready = True
 
-    @property
-    def lock(self) -> threading.RLock:
-        """Held while the buffer is read or changed (fetch, acknowledge, a stream thread)."""
-        return self._lock
-
     def log_reader(self) -> LogReader:
         if self._log_reader is None:
             self._log_reader = self.new_reader()
@@ -300,7 +340,7 @@ class LogSource(ABC):
         if limit < 1:
             raise ConfigurationError(f"limit must be at least 1, got {limit}")
         position = LogPosition.of(after)
-        with self._lock:
+        with self.lock:
             self.prepare(position)
             buffer = self.buffer
             if not buffer.covers(position) or buffer.pending(position) < limit:
@@ -335,7 +375,7 @@ class LogSource(ABC):
             position = LogPosition.of(after)
         except CorruptStateError:
             return None
-        with self._lock:
+        with self.lock:
             buffer = self.buffer
             if not buffer.covers(position):
                 return None
@@ -354,7 +394,7 @@ class LogSource(ABC):
     def acknowledge(self, position: Position) -> None:
         """``position`` is durably checkpointed: release the log up to it (never raises)."""
         acked = LogPosition.of(position)
-        with self._lock:
+        with self.lock:
             if not self._ready:
                 return
             if acked is not None and (self.acked is None or acked > self.acked):
@@ -366,7 +406,7 @@ class LogSource(ABC):
                 self.drop_connection()
 
     def close(self) -> None:
-        with self._lock:
+        with self.lock:
             self.drop_reader()
             self.drop_connection()
             self._ready = False
@@ -376,4 +416,4 @@ class LogSource(ABC):
             self.snapshots.poke()  # requests are looked for again at the next read
 
 
-__all__ = ["LAG_BASIS", "SNAPSHOTS", "LogReader", "LogSource"]
+__all__ = ["LAG_BASIS", "SNAPSHOTS", "LogReader", "LogSource", "LogSourceParts"]

@@ -15,20 +15,18 @@ The source's configuration names the slot, publication, tables and control table
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from psycopg import sql
 
 from dbtrigger.cdc import pg_control as control
 from dbtrigger.cdc import pg_setup as setup
-from dbtrigger.cdc.admin import Plan
+from dbtrigger.cdc.admin import Plan, SourceAdmin
 from dbtrigger.cdc.pg_connection import connect, translated
+from dbtrigger.cdc.pg_context import PgSourceParts
 from dbtrigger.cdc.pgoutput import lsn_text
 from dbtrigger.cdc.snapshots import Snapshot, carry_over
 from dbtrigger.errors import ConfigurationError
-
-if TYPE_CHECKING:
-    from dbtrigger.cdc.pg_context import PgSourceParts
 
 #: Retained WAL above which ``status`` and ``dbtrigger check`` warn (bytes).
 RETAINED_WARNING = 1024**3
@@ -70,12 +68,8 @@ def slot_warnings(state: setup.SlotState | None, facts: setup.ServerFacts) -> li
     return out
 
 
-class PgAdmin:
-    """:class:`~dbtrigger.cdc.admin.LogSourceAdmin` for a PgLogicalSource (see the module
-    docstring); each call works over a short-lived connection of its own."""
-
-    def __init__(self, source: PgSourceParts) -> None:
-        self.source = source
+class PgAdmin(SourceAdmin[PgSourceParts]):
+    """The admin protocol for a PgLogicalSource (see the module docstring)."""
 
     def plan(self, *, full_images: bool = False) -> Plan:
         """What :meth:`install` would run, without running it."""

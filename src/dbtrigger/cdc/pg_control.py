@@ -169,7 +169,6 @@ def delete(conn: psycopg.Connection[Any], schema: str, slot: str) -> None:
 __all__ = [
     "TABLE",
     "ControlRow",
-    "Snapshot",
     "create_sql",
     "delete",
     "ensure",

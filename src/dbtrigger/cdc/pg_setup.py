@@ -17,6 +17,7 @@ restart, the ``GRANT``/``ALTER ROLE`` statement, or the SQL an owner must run.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 from collections.abc import Sequence
@@ -27,7 +28,7 @@ import psycopg
 from psycopg import sql
 
 from dbtrigger.cdc.pg_connection import translated
-from dbtrigger.cdc.pgoutput import parse_lsn
+from dbtrigger.cdc.pgoutput import lsn_text, parse_lsn
 from dbtrigger.errors import (
     ConfigurationError,
     ServerSettingError,
@@ -426,23 +427,13 @@ class SlotState:
         return self.wal_status == "lost" or self.invalidation is not None
 
     def to_json(self) -> dict[str, Any]:
-        from dbtrigger.cdc.pgoutput import lsn_text  # noqa: PLC0415 - tiny, avoids a cycle
-
-        return {
-            "slot": self.name,
-            "plugin": self.plugin,
-            "database": self.database,
-            "active_pid": self.active_pid,
-            "wal_status": self.wal_status,
-            "restart_lsn": None if self.restart_lsn is None else lsn_text(self.restart_lsn),
-            "confirmed_flush_lsn": (
-                None if self.confirmed_flush is None else lsn_text(self.confirmed_flush)
-            ),
-            "safe_wal_size": self.safe_wal_size,
-            "retained_bytes": self.retained_bytes,
-            "invalidation": self.invalidation,
-            "failover": self.failover,
-        }
+        """The row as ``dbtrigger cdc status --json`` shows it (LSNs as PostgreSQL spells them)."""
+        out = dataclasses.asdict(self)
+        out["slot"] = out.pop("name")
+        confirmed = out.pop("confirmed_flush")
+        out["confirmed_flush_lsn"] = None if confirmed is None else lsn_text(confirmed)
+        out["restart_lsn"] = None if self.restart_lsn is None else lsn_text(self.restart_lsn)
+        return out
 
 
 def slot_state(conn: psycopg.Connection[Any], name: str) -> SlotState | None:

@@ -65,12 +65,6 @@ class SnapshotWriter(ChunkWriter[PgSourceParts, control.ControlRow, "TableInfo"]
         s = self.source
         return control.read(s.connection(), s.control_schema, s.slot)
 
-    def requests(self, row: control.ControlRow) -> list[Snapshot]:
-        return row.snapshots
-
-    def table_info(self, table: str) -> TableInfo | None:
-        return self.source.infos.get(table)
-
     def save(self, row: control.ControlRow) -> None:
         s = self.source
         control.save_snapshots(s.connection(), s.control_schema, s.slot, row.snapshots)

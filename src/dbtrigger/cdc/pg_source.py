@@ -125,16 +125,9 @@ class PgLogicalSource(LogSource):
         if mode not in MODES:
             raise ConfigurationError(f"mode must be one of {MODES}, got {mode!r}")
         super().__init__(
-            url,
-            url_hint="a PostgreSQL URL",
-            snapshot=snapshot,
-            create=create,
-            read_timeout_seconds=read_timeout_seconds,
-            read_ahead=read_ahead,
-            heartbeat_interval_seconds=heartbeat_interval_seconds,
-            snapshot_chunk_size=snapshot_chunk_size,
-            snapshot_lock_timeout_seconds=snapshot_lock_timeout_seconds,
-        )
+            url, "a PostgreSQL URL", snapshot, create, read_timeout_seconds, read_ahead,
+            heartbeat_interval_seconds, snapshot_chunk_size, snapshot_lock_timeout_seconds,
+        )  # fmt: skip
         self.backlog_step = opt.whole("backlog_step_mb", backlog_step_mb) * 1024 * 1024
         self.stream_wait = opt.seconds(  # 0: a fetch that found nothing returns at once
             "stream_wait_seconds", stream_wait_seconds, inclusive=True
@@ -153,21 +146,14 @@ class PgLogicalSource(LogSource):
         self.guard: SchemaGuard[int] = SchemaGuard({}, _oid)
         self._decoder: Decoder | None = None
         self.confirmed: int | None = None
-        self.snapshots: SnapshotWriter = SnapshotWriter(self)
-        self.health: SlotReporter = SlotReporter(self)
+        self.snapshots = SnapshotWriter(self)
+        self.health = SlotReporter(self)
 
     # --- identity ---------------------------------------------------------------------
 
     @property
     def slot(self) -> str:
-        if self._slot is not None:
-            return self._slot
-        if self.poller is None:
-            raise ConfigurationError(
-                "PgLogicalSource: name the replication slot (slot=) or give the source to a "
-                "PollTrigger, whose name it then takes"
-            )
-        return setup.default_name(self.poller)
+        return self.poller_named(self._slot, "replication slot (slot=)", setup.default_name)
 
     @property
     def publication(self) -> str:
@@ -282,18 +268,13 @@ class PgLogicalSource(LogSource):
             q: {name: oid for name, (oid, _) in info.columns.items()}
             for q, info in self.infos.items()
         }
-        requests = (
-            [control.Snapshot(t.qualified) for t in self.tables]
-            if snapshots and self.snapshot == "initial"
-            else []
-        )
         return control.ControlRow(
             self.slot,
             self.poller,
             [t.qualified for t in self.tables],
             None if created is None else lsn_text(created),
             columns,
-            requests,
+            self.initial_requests(self.table_names(), snapshots=snapshots),
         )
 
     def check_not_lost(self, state: setup.SlotState) -> None:

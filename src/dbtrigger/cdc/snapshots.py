@@ -20,7 +20,7 @@ import datetime as dt
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -117,9 +117,12 @@ class SnapshotSource(Protocol):
     @property
     def snapshot_lock_timeout(self) -> float: ...
 
+    @property
+    def infos(self) -> Mapping[str, Any]: ...
+
 
 S = TypeVar("S", bound=SnapshotSource)
-R = TypeVar("R")
+R = TypeVar("R", bound=ControlRowLike[Any])
 I = TypeVar("I")  # noqa: E741 - a table's catalog description
 
 
@@ -150,12 +153,12 @@ class ChunkWriter(ABC, Generic[S, R, I]):
         self._next_check = now + RECHECK_SECONDS
         s = self.source
         row = self.read_row()
-        requests = [] if row is None else pending(self.requests(row))
+        requests = [] if row is None else pending(row.snapshots)
         self._pending = bool(requests)
         if not requests or row is None:
             return False
         request = requests[0]
-        info = self.table_info(request.table)
+        info: I | None = s.infos.get(request.table)
         if info is None:
             log.warning(
                 "snapshot of %s skipped: it is not one of this source's tables",
@@ -193,12 +196,6 @@ class ChunkWriter(ABC, Generic[S, R, I]):
     @abstractmethod
     def read_row(self) -> R | None:
         """The source's control row (None: not installed)."""
-
-    @abstractmethod
-    def requests(self, row: R) -> list[Snapshot]: ...
-
-    @abstractmethod
-    def table_info(self, table: str) -> I | None: ...
 
     @abstractmethod
     def save(self, row: R) -> None:

@@ -436,3 +436,36 @@ def test_truncate_is_warned_about(
         t.drain(seen)
     assert any(getattr(r, "event", None) == "cdc_truncate" for r in caplog.records)
     source.close()
+
+
+@pytest.mark.mariadb
+def test_a_position_in_the_oldest_binary_log_the_server_keeps_is_warned_about(
+    binlog_db: BinlogDatabase, caplog: pytest.LogCaptureFixture
+) -> None:
+    table = make_table(binlog_db)
+    store = InMemoryCheckpointStore()
+    source = BinlogSource(binlog_db.url, [table], snapshot="never")
+    t = trigger(source, store, name=f"ret_{uuid.uuid4().hex[:6]}")
+    seen = Collector()
+    t.tick(seen)
+    binlog_db.execute(f"INSERT INTO {table} VALUES (1, 'a', 1)")
+    t.drain(seen)
+    source.close()
+    server = binlog_db.server
+    kept = server.scalar("SHOW MASTER STATUS")  # the checkpoint's file ...
+
+    def oldest() -> bool:  # ... becomes the oldest the server keeps, and the log moves on
+        server.execute(f"PURGE BINARY LOGS TO '{kept}'")
+        return server.scalar("SHOW BINARY LOGS") == kept
+
+    assert wait_until(oldest, 30)
+    server.execute("FLUSH BINARY LOGS")
+    again = BinlogSource(binlog_db.url, [table], snapshot="never")
+    t2 = trigger(again, store, name=t.name)
+    with caplog.at_level(logging.WARNING, logger="dbtrigger.cdc"):
+        t2.tick(seen)
+    warned = [r for r in caplog.records if r.__dict__.get("event") == "cdc_binlog_retention"]
+    assert len(warned) == 1
+    assert "oldest binary log" in warned[0].getMessage()
+    assert "binlog_expire_logs_seconds" in warned[0].getMessage()
+    again.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import Any
 
@@ -9,6 +10,7 @@ import pytest
 
 from dbtrigger import FileCheckpointStore, PollTrigger, RetryPolicy, RowChange
 from dbtrigger.cdc import UNCHANGED, PgLogicalSource
+from dbtrigger.cursor import BEGINNING
 from dbtrigger.errors import SourceDefinitionError
 from tests.cdc_servers import CdcDatabase
 
@@ -139,4 +141,47 @@ def test_a_table_without_a_key_cannot_be_snapshotted_in_chunks(
     trigger, source = make(cdc_db, tmp_path, f"snap_{uuid.uuid4().hex[:6]}")
     with pytest.raises(SourceDefinitionError, match=r"no primary key.*snapshot='never'"):
         trigger.tick(lambda events: None)
+    source.close()
+
+
+def test_stream_mode_reads_the_initial_snapshot_too(cdc_db: CdcDatabase, tmp_path: Any) -> None:
+    cdc_db.execute(
+        "CREATE TABLE t (id int PRIMARY KEY, v int NOT NULL);"
+        "INSERT INTO t SELECT g, 1 FROM generate_series(1, 1500) g"
+    )
+    name = f"snap_{uuid.uuid4().hex[:6]}"
+    trigger, source = make(cdc_db, tmp_path, name, mode="stream", stream_wait_seconds=0)
+    events: list[RowChange] = []
+    trigger.drain(events.extend)
+    cdc_db.execute("UPDATE t SET v = 2 WHERE id = 1")
+    trigger.drain(events.extend)
+    copy: dict[int, dict[str, Any]] = {}
+    apply(copy, events)
+    assert copy == table(cdc_db)
+    assert sum(1 for e in events if e.metadata["snapshot"]) == 1500
+    assert source.admin().status()["snapshots"][0]["done"] is True
+    source.close()
+
+
+def test_a_chunk_whose_lock_is_not_granted_waits_for_the_next_read(
+    cdc_db: CdcDatabase, tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    cdc_db.execute(
+        "CREATE TABLE t (id int PRIMARY KEY, v int NOT NULL);"
+        "INSERT INTO t SELECT g, 1 FROM generate_series(1, 50) g"
+    )
+    name = f"snap_{uuid.uuid4().hex[:6]}"
+    trigger, source = make(cdc_db, tmp_path, name, snapshot_lock_timeout_seconds=0.2)
+    source.admin().install()  # the slot and its snapshot request, before the writer's lock
+    with cdc_db.connect() as writer, writer.transaction():
+        writer.execute("UPDATE t SET v = 2 WHERE id = 1")  # ROW EXCLUSIVE until it commits
+        with caplog.at_level(logging.INFO, logger="dbtrigger.cdc"):
+            assert source.fetch(BEGINNING, 100) == []  # not a failed read
+    assert any(r.__dict__.get("event") == "cdc_snapshot_lock_wait" for r in caplog.records)
+    events: list[RowChange] = []
+    trigger.drain(events.extend)
+    copy: dict[int, dict[str, Any]] = {}
+    apply(copy, events)
+    assert copy == table(cdc_db)
+    assert sum(1 for e in events if e.metadata["snapshot"]) == 50
     source.close()

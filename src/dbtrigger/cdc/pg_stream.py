@@ -91,6 +91,8 @@ class StreamReader:
             self.start(after)
         conn = s.connection()
         self.helper.heartbeat(conn)
+        if s.buffer.pending(after) == 0:
+            s.snapshots.emit()  # caught up: the chunk is in the log before ``end`` is taken
         end = self.helper.flush_lsn(conn)
         deadline = time.monotonic() + s.read_timeout
         while self.received_through < end and self._error is None and s.schema_break is None:

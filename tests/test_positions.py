@@ -111,6 +111,48 @@ def test_start_from_now_on_a_large_table_delivers_only_new_rows(
     src.close()
 
 
+def test_start_from_never_undoes_a_reset_to_the_beginning(
+    sqlite_db: TestDatabase,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A poller configured later with start_from="now" and reset to the beginning by
+    an operator: its document has no checkpoint, and the next process must still
+    deliver every row (the reset), not jump to now (it did: the rows were skipped)."""
+    events_table(sqlite_db, 10)
+    store = FileCheckpointStore(tmp_path / "state")
+    PollTrigger(name="events", source=source(sqlite_db), checkpoint_store=store).drain(
+        lambda events: None
+    )
+    assert (
+        main(
+            [
+                "reset",
+                "events",
+                "--to-beginning",
+                "--store",
+                str(tmp_path / "state"),
+                "--backup-dir",
+                str(tmp_path / "bk"),
+                "--reason",
+                "replay all",
+                "--yes",
+            ]
+        )
+        == 0
+    )
+    restarted = PollTrigger(
+        name="events", source=source(sqlite_db), checkpoint_store=store, start_from="now"
+    )
+    seen: list[int] = []
+    with caplog.at_level(logging.INFO, logger="dbtrigger"):
+        restarted.drain(lambda events: seen.extend(int(e.pk["id"]) for e in events))
+    assert seen == list(range(1, 11))
+    [ignored] = [r for r in caplog.records if getattr(r, "event", "") == "start_from_ignored"]
+    assert "put there by reset" in ignored.getMessage()
+
+
 def test_start_from_a_time_or_a_cursor(sqlite_db: TestDatabase, tmp_path: Path) -> None:
     events_table(sqlite_db, 50)
     store = FileCheckpointStore(tmp_path / "state")

@@ -7,7 +7,9 @@ rows whose cursor is at or above it), or a :class:`~dbtrigger.cursor.Position`
 (after that exact row). It is resolved once, against the source, when the
 poller's state document is created, and recorded in it (``start_from``). A
 poller that has a checkpoint ignores it, and says so once in the log: the
-checkpoint, not the configuration, is where a running poller is.
+checkpoint, not the configuration, is where a running poller is. So does a
+document with journal entries and no checkpoint (reset to the beginning by
+an operator): start_from never undoes a reset.
 
 **Rewind.** ``dbtrigger rewind`` moves a poller's checkpoint back to where a
 recorded batch began (``--to-batch``) or to before the first batch committed
@@ -112,7 +114,10 @@ class StartFrom:
         if stored is not None:
             doc = docmod.loads(stored.data)
             recorded = doc.extra.get("start_from")
-            if doc.checkpoint is not None or recorded is not None:
+            # A journal entry means the document was positioned already: by a
+            # commit, or by hand (`reset --to-beginning` leaves no checkpoint, and
+            # start_from must not undo it at the next restart).
+            if doc.checkpoint is not None or recorded is not None or doc.journal:
                 self._ignored(trigger, doc, recorded)
                 self.done = True
                 return
@@ -152,11 +157,15 @@ class StartFrom:
         self.done = True
 
     def _ignored(self, trigger: Any, doc: StateDocument, recorded: Any) -> None:
-        where = (
-            f"a checkpoint ({doc.position.cursor} {dict(doc.position.pk)})"
-            if doc.checkpoint is not None
-            else "a state document"
-        )
+        if doc.checkpoint is not None:
+            where = f"a checkpoint ({doc.position.cursor} {dict(doc.position.pk)})"
+        elif doc.journal:
+            last = doc.journal[-1]
+            what = last.get("operation") or last.get("type") or "an entry"
+            where = f"a state document at the beginning, put there by {what} ({last.get('at')})"
+        else:
+            where = "a state document"
+
         first = (
             f", itself started with start_from={recorded.get('spec')}"
             if isinstance(recorded, Mapping)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dbtrigger.cursor import Position
 from dbtrigger.errors import ConfigurationError, LiveLeaseError
@@ -52,6 +52,25 @@ JOURNAL_LIMIT = docmod.DEFAULT_JOURNAL_LIMIT
 
 #: Owner id prefix of a lease written by an operator.
 OPERATOR_PREFIX = "operator:"
+
+if TYPE_CHECKING:
+    from typing_extensions import NotRequired, TypedDict, Unpack
+
+    class Manual(TypedDict):
+        """Who changes a poller's state by hand, when and why: the keyword
+        arguments every operation that touches an existing document takes.
+
+        ``now`` (the operator's clock), ``actor`` and ``reason`` go into the
+        journal entry; ``force`` acts under a live lease (its holder is fenced
+        out either way); ``details`` are more journal fields. Each operation
+        also takes ``journal_limit``, the entries kept (:data:`JOURNAL_LIMIT`).
+        """
+
+        now: dt.datetime
+        actor: str
+        reason: str
+        force: NotRequired[bool]
+        details: NotRequired[Mapping[str, Any] | None]
 
 
 def current_position(doc: StateDocument) -> Position | None:
@@ -142,32 +161,33 @@ def _manual_checkpoint(
 def _fence_and_journal(
     doc: StateDocument,
     operation: str,
+    who: Manual,
     *,
-    lease_operation: str,
     after: Position | None,
-    now: dt.datetime,
-    actor: str,
-    reason: str,
-    force: bool,
-    details: Mapping[str, Any] | None,
+    lease_operation: str | None = None,
+    details: Mapping[str, Any] | None = None,
 ) -> tuple[StateDocument, dict[str, Any]]:
     """The two rules every change to an existing document follows, in one place.
 
     Refuses a live lease unless ``force``, fences its holder out, and returns
-    the fenced document with the journal entry of ``operation`` (the caller's
-    ``details`` plus who was fenced, if anyone). The caller makes its own
-    change to the fenced document and appends the entry.
+    the fenced document with the journal entry of ``operation`` (``details``,
+    by default the operator's, plus who was fenced, if anyone). The caller
+    makes its own change to the fenced document and appends the entry.
     """
-    check_lease(doc, now=now, force=force, operation=lease_operation)
+    now, actor = who["now"], who["actor"]
+    check_lease(doc, now=now, force=who.get("force", False), operation=lease_operation or operation)
     fenced = force_takeover(doc, now=now, actor=actor)
     entry = manual_entry(
         operation,
         actor=actor,
-        reason=reason,
+        reason=who["reason"],
         now=now,
         before=current_position(doc),
         after=after,
-        details={**(details or {}), **_fence_details(doc, fenced)},
+        details={
+            **(details if details is not None else who.get("details") or {}),
+            **_fence_details(doc, fenced),
+        },
     )
     return fenced, entry
 
@@ -175,14 +195,11 @@ def _fence_and_journal(
 def _apply(
     doc: StateDocument,
     operation: str,
-    *,
     position: Position | None,
-    now: dt.datetime,
-    actor: str,
-    reason: str,
-    force: bool,
-    details: Mapping[str, Any] | None,
+    who: Manual,
     journal_limit: int,
+    *,
+    details: Mapping[str, Any] | None = None,
     fingerprint: str | None = None,
     definition: Mapping[str, Any] | None = None,
 ) -> StateDocument:
@@ -192,20 +209,10 @@ def _apply(
     source cannot describe itself: the old one is then dropped, not kept
     next to a fingerprint it does not explain).
     """
-    fenced, entry = _fence_and_journal(
-        doc,
-        operation,
-        lease_operation=operation,
-        after=position,
-        now=now,
-        actor=actor,
-        reason=reason,
-        force=force,
-        details=details,
-    )
+    fenced, entry = _fence_and_journal(doc, operation, who, after=position, details=details)
     out = replace(
         fenced,
-        checkpoint=_manual_checkpoint(position, now, fenced.checkpoint),
+        checkpoint=_manual_checkpoint(position, who["now"], fenced.checkpoint),
         failure=None,
         window=None,  # per-event outcomes belong to the old position
         source_fingerprint=fingerprint or fenced.source_fingerprint,
@@ -218,14 +225,10 @@ def reset(
     doc: StateDocument,
     *,
     position: Position | None,
-    now: dt.datetime,
-    actor: str,
-    reason: str,
-    force: bool = False,
-    details: Mapping[str, Any] | None = None,
-    journal_limit: int = JOURNAL_LIMIT,
     fingerprint: str | None = None,
     definition: Mapping[str, Any] | None = None,
+    journal_limit: int = JOURNAL_LIMIT,
+    **who: Unpack[Manual],
 ) -> StateDocument:
     """Set the checkpoint to ``position``; ``None`` starts over from the beginning.
 
@@ -233,16 +236,14 @@ def reset(
     the batch after the new checkpoint. ``fingerprint`` (with its readable
     ``definition``) also accepts a new source definition (see :func:`accept_source`).
     """
+    details = _fingerprint_details(doc, fingerprint, who.get("details"))
     return _apply(
         doc,
         "reset",
-        position=position,
-        now=now,
-        actor=actor,
-        reason=reason,
-        force=force,
-        details=_fingerprint_details(doc, fingerprint, details),
-        journal_limit=journal_limit,
+        position,
+        who,
+        journal_limit,
+        details=details,
         fingerprint=fingerprint,
         definition=definition,
     )
@@ -252,27 +253,13 @@ def rewind(
     doc: StateDocument,
     *,
     position: Position | None,
-    now: dt.datetime,
-    actor: str,
-    reason: str,
     operation: str = "rewind",
-    force: bool = False,
-    details: Mapping[str, Any] | None = None,
     journal_limit: int = JOURNAL_LIMIT,
+    **who: Unpack[Manual],
 ) -> StateDocument:
     """Move the checkpoint back to ``position`` (``dbtrigger rewind``, ``bookmark
     restore``): a reset by another name, so the journal says which it was."""
-    return _apply(
-        doc,
-        operation,
-        position=position,
-        now=now,
-        actor=actor,
-        reason=reason,
-        force=force,
-        details=details,
-        journal_limit=journal_limit,
-    )
+    return _apply(doc, operation, position, who, journal_limit)
 
 
 def _fingerprint_details(
@@ -289,13 +276,9 @@ def accept_source(
     doc: StateDocument,
     *,
     fingerprint: str,
-    now: dt.datetime,
-    actor: str,
-    reason: str,
-    force: bool = False,
-    details: Mapping[str, Any] | None = None,
-    journal_limit: int = JOURNAL_LIMIT,
     definition: Mapping[str, Any] | None = None,
+    journal_limit: int = JOURNAL_LIMIT,
+    **who: Unpack[Manual],
 ) -> StateDocument:
     """Adopt a changed source definition, keeping the checkpoint where it is.
 
@@ -314,16 +297,14 @@ def accept_source(
             f"poller {doc.poller_name!r} already has this source definition "
             f"({fingerprint}); there is nothing to accept"
         )
+    details = _fingerprint_details(doc, fingerprint, who.get("details"))
     return _apply(
         doc,
         "accept_source",
-        position=current_position(doc),
-        now=now,
-        actor=actor,
-        reason=reason,
-        force=force,
-        details=_fingerprint_details(doc, fingerprint, details),
-        journal_limit=journal_limit,
+        current_position(doc),
+        who,
+        journal_limit,
+        details=details,
         fingerprint=fingerprint,
         definition=definition,
     )
@@ -333,12 +314,8 @@ def restore(
     doc: StateDocument,
     backup: StateDocument,
     *,
-    now: dt.datetime,
-    actor: str,
-    reason: str,
-    force: bool = False,
-    details: Mapping[str, Any] | None = None,
     journal_limit: int = JOURNAL_LIMIT,
+    **who: Unpack[Manual],
 ) -> StateDocument:
     """Take the checkpoint (and source fingerprint) from a backup of this poller.
 
@@ -356,13 +333,9 @@ def restore(
     return _apply(
         doc,
         "restore",
-        position=current_position(backup),
-        now=now,
-        actor=actor,
-        reason=reason,
-        force=force,
-        details=details,
-        journal_limit=journal_limit,
+        current_position(backup),
+        who,
+        journal_limit,
         fingerprint=backup.source_fingerprint,
         definition=backup.source_definition,
     )
@@ -372,21 +345,17 @@ def skip_batch(
     doc: StateDocument,
     *,
     position: Position,
-    now: dt.datetime,
-    actor: str,
-    reason: str,
     skipped_rows: int | None = None,
     skipped_keys: list[dict[str, Any]] | None = None,
-    force: bool = False,
-    details: Mapping[str, Any] | None = None,
     journal_limit: int = JOURNAL_LIMIT,
+    **who: Unpack[Manual],
 ) -> StateDocument:
     """Advance past a batch that will never succeed. This is deliberate data loss.
 
     The journal entry names what was skipped (the failing batch id, its
     attempts and error, how many rows and which keys) so the loss is on record.
     """
-    details = dict(details or {})
+    details = dict(who.get("details") or {})
     if doc.failure is not None:
         details["failed_batch_id"] = doc.failure.batch_id
         details["failed_attempts"] = doc.failure.attempts
@@ -395,28 +364,11 @@ def skip_batch(
         details["skipped_rows"] = skipped_rows
     if skipped_keys is not None:
         details["skipped_keys"] = skipped_keys
-    return _apply(
-        doc,
-        "skip_batch",
-        position=position,
-        now=now,
-        actor=actor,
-        reason=reason,
-        force=force,
-        details=details,
-        journal_limit=journal_limit,
-    )
+    return _apply(doc, "skip_batch", position, who, journal_limit, details=details)
 
 
 def release_lease(
-    doc: StateDocument,
-    *,
-    now: dt.datetime,
-    actor: str,
-    reason: str,
-    force: bool = False,
-    details: Mapping[str, Any] | None = None,
-    journal_limit: int = JOURNAL_LIMIT,
+    doc: StateDocument, *, journal_limit: int = JOURNAL_LIMIT, **who: Unpack[Manual]
 ) -> StateDocument:
     """Free the lease now (fencing out its holder); the checkpoint is unchanged.
 
@@ -430,13 +382,9 @@ def release_lease(
     fenced, entry = _fence_and_journal(
         doc,
         "release_lease",
-        lease_operation="release-lease",
+        who,
         after=current_position(doc),
-        now=now,
-        actor=actor,
-        reason=reason,
-        force=force,
-        details=details,
+        lease_operation="release-lease",
     )
     return fenced.with_journal_entry(entry, journal_limit)
 

@@ -51,7 +51,8 @@ from dbtrigger.sources.base import (
 from dbtrigger.state import document as docmod
 from dbtrigger.state import lease as leasemod
 from dbtrigger.state import operations as ops
-from dbtrigger.state.document import StateDocument, definition_changes, known_definition
+from dbtrigger.state.definition import definition_changes
+from dbtrigger.state.document import StateDocument, known_definition
 from dbtrigger.state.lease import describe_lease
 from dbtrigger.state.stores.base import CheckpointStore
 from dbtrigger.state.stores.factory import describe_store, redact

@@ -56,11 +56,11 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn
 
-from dbtrigger.cursor import Position, canonical_json
+from dbtrigger.cursor import Position
 from dbtrigger.errors import CorruptStateError
 
 # The encodings of times and positions live below the document (the window
@@ -560,29 +560,6 @@ def loads(data: bytes | str) -> StateDocument:
     return from_json(raw)
 
 
-def definition_changes(
-    stored: Mapping[str, Any], configured: Mapping[str, Any]
-) -> list[tuple[str, Any, Any]]:
-    """``(field, stored, configured)`` for every field that differs (the hash aside)."""
-    names = [k for k in configured if k != "fingerprint"]
-    names += [k for k in stored if k not in configured and k != "fingerprint"]
-    return [
-        (name, stored.get(name), configured.get(name))
-        for name in names
-        if canonical_json(stored.get(name)) != canonical_json(configured.get(name))
-    ]
-
-
-def show_changes(changes: Sequence[tuple[str, Any, Any]]) -> str:
-    """``port 5432 -> 5499; table orders -> orders_v2`` (values as JSON, shortened)."""
-
-    def show(value: Any) -> str:
-        text = canonical_json(value)
-        return text if len(text) <= 80 else text[:77] + "..."
-
-    return "; ".join(f"{name} {show(old)} -> {show(new)}" for name, old, new in changes)
-
-
 __all__ = [
     "DEFAULT_JOURNAL_LIMIT",
     "VERSION",
@@ -591,7 +568,6 @@ __all__ = [
     "JournalRecord",
     "Lease",
     "StateDocument",
-    "definition_changes",
     "digest_event_ids",
     "dumps",
     "format_time",
@@ -601,6 +577,5 @@ __all__ = [
     "parse_time",
     "position_from_json",
     "position_to_json",
-    "show_changes",
     "to_json",
 ]

@@ -39,16 +39,15 @@ from typing import Any
 from dbtrigger.cursor import Position, canonical_json
 from dbtrigger.errors import FingerprintMismatchError, LostLeaseError
 from dbtrigger.redaction import redact
+from dbtrigger.state.definition import definition_changes, show_changes
 from dbtrigger.state.document import (
     DEFAULT_JOURNAL_LIMIT,
     Checkpoint,
     FailureRecord,
     Lease,
     StateDocument,
-    definition_changes,
     format_time,
     known_definition,
-    show_changes,
 )
 from dbtrigger.state.journal import JournalEntry, encode
 from dbtrigger.state.window import Window

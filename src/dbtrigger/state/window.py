@@ -56,9 +56,7 @@ union.
 from __future__ import annotations
 
 import datetime as dt
-import decimal
 import json
-import math
 from collections.abc import Collection, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +66,7 @@ from dbtrigger.errors import CorruptStateError
 from dbtrigger.redaction import redact
 from dbtrigger.state.backoff import backoff_seconds
 from dbtrigger.state.codec import format_time, parse_time, position_from_json, position_to_json
+from dbtrigger.state.order import precedes
 
 #: Longest retry reason kept in the document.
 MAX_REASON = 200
@@ -246,53 +245,6 @@ def _owed_from_json(raw: Any) -> dict[str, int] | None:
             "window.pending[].owed must map subscriber names to attempt counts (ints >= 0)"
         )
     return dict(raw)
-
-
-def _rank(value: Any) -> tuple[str, Any] | None:
-    """``value`` with the family it orders in, when every database orders that
-    family as Python does (numbers, timestamps, dates); None otherwise (text,
-    UUIDs and bytes may follow a collation or a byte layout of their own)."""
-    if isinstance(value, (int, decimal.Decimal)):  # bool is an int, as in SQL
-        return ("number", value)
-    if isinstance(value, float):
-        return None if math.isnan(value) else ("number", value)
-    if isinstance(value, dt.datetime):
-        return ("naive" if value.tzinfo is None else "aware", value)
-    if isinstance(value, dt.date):
-        return ("date", value)
-    return None
-
-
-def _compare(a: Any, b: Any) -> int | None:
-    """-1, 0 or 1 as a database orders ``a`` and ``b``; None: not known for sure."""
-    ra, rb = _rank(a), _rank(b)
-    if ra is None or rb is None or ra[0] != rb[0]:
-        return None
-    return -1 if ra[1] < rb[1] else (1 if ra[1] > rb[1] else 0)
-
-
-def precedes(a: Position, b: Position, columns: Sequence[str]) -> bool | None:
-    """Does ``a`` come before ``b`` in the source's order, ``(cursor, *columns)``?
-
-    None when that is not known for sure (see :func:`_rank`): the caller must
-    then treat ``a`` as possibly after ``b``. ``columns`` are the key columns
-    in the source's order (a stored position keeps its key in the document's
-    order, which need not be the source's).
-    """
-    found = _compare(a.cursor, b.cursor)
-    if found is None:
-        return None
-    if found:
-        return found < 0
-    for name in columns:
-        if name not in a.pk or name not in b.pk:
-            return None
-        found = _compare(a.pk[name], b.pk[name])
-        if found is None:
-            return None
-        if found:
-            return found < 0
-    return False  # the same tuple
 
 
 def gone(window: Window, fetched: Sequence[Position], *, complete: bool) -> set[str]:

@@ -358,53 +358,31 @@ class ClaimTable:
     def _returning(self, stmt: Any) -> Any:
         return stmt if self._mysql else stmt.returning(*self._key_cols)
 
-    def _build_done(self) -> Any:
-        stmt = (
-            sa.update(self.table)
-            .where(self._write_fence())
-            .values(
-                {
-                    STATUS: DONE,
-                    DONE_AT: self.time.now(),
-                    VISIBLE_AT: self.time.far_future(),
-                    LAST_ERROR: None,
-                }
-            )
+    def _settling(self, values: Mapping[str, Any]) -> Any:
+        """A fenced write of ``values`` onto the keys a settlement names."""
+        return self._returning(sa.update(self.table).where(self._write_fence()).values(values))
+
+    def _finishing(self, status: str, error: Any) -> Any:
+        """A settlement that ends the rows' life in the queue (done, dead)."""
+        time = self.time
+        return self._settling(
+            {STATUS: status, DONE_AT: time.now(), VISIBLE_AT: time.far_future(), LAST_ERROR: error}
         )
-        return self._returning(stmt)
+
+    def _build_done(self) -> Any:
+        return self._finishing(DONE, None)
+
+    def _build_dead(self) -> Any:
+        return self._finishing(DEAD, sa.bindparam("dbt_error", type_=sa.String))
 
     def _build_done_delete(self) -> Any:
         return self._returning(sa.delete(self.table).where(self._write_fence()))
 
     def _build_retry(self) -> Any:
-        stmt = (
-            sa.update(self.table)
-            .where(self._write_fence())
-            .values(
-                {
-                    STATUS: READY,
-                    CLAIM_TOKEN: None,
-                    VISIBLE_AT: self.time.plus(0),
-                    LAST_ERROR: sa.bindparam("dbt_error", type_=sa.String),
-                }
-            )
+        error = sa.bindparam("dbt_error", type_=sa.String)
+        return self._settling(
+            {STATUS: READY, CLAIM_TOKEN: None, VISIBLE_AT: self.time.plus(0), LAST_ERROR: error}
         )
-        return self._returning(stmt)
-
-    def _build_dead(self) -> Any:
-        stmt = (
-            sa.update(self.table)
-            .where(self._write_fence())
-            .values(
-                {
-                    STATUS: DEAD,
-                    DONE_AT: self.time.now(),
-                    VISIBLE_AT: self.time.far_future(),
-                    LAST_ERROR: sa.bindparam("dbt_error", type_=sa.String),
-                }
-            )
-        )
-        return self._returning(stmt)
 
     # --- claim ----------------------------------------------------------------------
 

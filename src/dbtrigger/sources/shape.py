@@ -25,10 +25,11 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import NoSuchTableError
 from sqlalchemy.sql import ColumnElement
 
-from dbtrigger.cursor import Position
+from dbtrigger.cursor import Position, encode_value
 from dbtrigger.errors import ConfigurationError, SerializationError
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.sources.column_checks import ShapeChecks
+from dbtrigger.sources.fingerprint import Definition
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,22 @@ class SourceSpec:
     @property
     def table_mode(self) -> bool:
         return self.table is not None
+
+    def definition(self, deleted_value: Any) -> Definition:
+        """The part of this spec a fingerprint hashes; the soft-delete marking
+        (column and encoded ``deleted_value``) only when configured, so the
+        fingerprints of sources without it do not change."""
+        deleted = self.deleted_column
+        return Definition(
+            schema=self.schema,
+            table=self.table,
+            query=self.query,
+            cursor_column=self.cursor_column,
+            pk_columns=self.pk_columns,
+            where=self.where,
+            parameters=self.parameters,
+            deleted=[deleted, list(encode_value(deleted_value))] if deleted is not None else None,
+        )
 
     def target(self) -> str:
         """``schema.table`` (or ``query``): the second half of the source's name."""

@@ -43,7 +43,7 @@ from sqlalchemy.engine import URL, Connection, Engine
 
 from dbtrigger._driver_errors import encoding_problem
 from dbtrigger._engine import LazyEngine, parse_database_url
-from dbtrigger.cursor import Position, encode_value
+from dbtrigger.cursor import Position
 from dbtrigger.errors import ConfigurationError, MissingSettingError, SourceDefinitionError
 from dbtrigger.events import RowChange
 from dbtrigger.names import validate_sql_identifier
@@ -268,22 +268,7 @@ class SqlAlchemySource:
         return (self.fingerprint(), legacy)
 
     def _definition(self) -> Definition:
-        spec = self._spec
-        return Definition(
-            schema=spec.schema,
-            table=spec.table,
-            query=spec.query,
-            cursor_column=spec.cursor_column,
-            pk_columns=spec.pk_columns,
-            where=spec.where,
-            parameters=spec.parameters,
-            # Only when set, so the fingerprints of sources without it do not change.
-            deleted=(
-                [spec.deleted_column, list(encode_value(self._deleted_value))]
-                if spec.deleted_column is not None
-                else None
-            ),
-        )
+        return self._spec.definition(self._deleted_value)
 
     def describe(self) -> dict[str, Any]:
         spec = self._spec

@@ -394,3 +394,58 @@ def test_bookmarks(app: App, capsys: pytest.CaptureFixture[str]) -> None:
 
 def _unused(*_: Any) -> None:
     pass
+
+
+def test_rewind_refuses_to_cross_a_gap_in_the_history(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The history store was down for longer than the journal reaches back: a gap
+    record marks the batches it never recorded. A rewind to before the gap could
+    not name them all, and is refused with that reason; one after it is not."""
+    from dbtrigger.testing import MemorySource  # noqa: PLC0415
+    from tests.test_history_runtime import FlakyHistory  # noqa: PLC0415
+
+    now = [T0]
+    history = FlakyHistory(FileHistory(tmp_path / "state"))
+    trigger = PollTrigger(
+        name="events",
+        source=MemorySource(
+            [{"id": i, "seq": i} for i in range(1, 101)], cursor_column="seq", pk_columns=["id"]
+        ),
+        checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+        batch_size=5,
+        journal_limit=3,
+        history=history,
+        clock=lambda: now[0],
+    )
+
+    def tick() -> None:
+        trigger.tick(lambda events: None)
+        now[0] += dt.timedelta(minutes=1)
+
+    tick()  # 12:00, recorded
+    history.down = True
+    for _ in range(6):  # 12:01-12:06: committed, the history unreachable
+        tick()
+    history.down = False
+    tick()  # 12:07: recorded, after a gap record
+    tick()  # 12:08
+    assert [r["type"] for r in history.read("events")] == [
+        "commit",
+        "gap",
+        "commit",
+        "commit",
+        "commit",
+        "commit",
+    ]
+    module = f"positions_gap_{uuid.uuid4().hex[:8]}"
+    mod = types.ModuleType(module)
+    mod.trigger = trigger  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module, mod)
+    monkeypatch.chdir(tmp_path)
+    argv = ["rewind", "events", "--reason", "r", "--trigger", f"{module}:trigger"]
+    capsys.readouterr()
+    assert main([*argv, "--to-time", format_time(T0 + dt.timedelta(seconds=30))]) == 2
+    assert "the history has a gap after that point" in capsys.readouterr().err
+    assert main([*argv, "--to-time", format_time(T0 + dt.timedelta(minutes=7, seconds=30))]) == 0
+    assert "1 recorded batch(es) (5 rows) are delivered again" in capsys.readouterr().out

@@ -198,7 +198,7 @@ def stores(names: list[str]) -> Iterator[dict[str, str]]:
         if "blob" in names:
             from benchmarks.common import azurite  # noqa: PLC0415
 
-            running = stack.enter_context(contextlib.contextmanager(azurite)())
+            running = stack.enter_context(azurite())
             from azure.storage.blob import BlobServiceClient  # noqa: PLC0415
 
             BlobServiceClient.from_connection_string(running.connection_string).create_container(
@@ -286,7 +286,7 @@ def tuned(engine: sa.Engine, spec: str, workers: int, args: argparse.Namespace) 
     table = f"scaleout_{uuid.uuid4().hex[:8]}"
     make_table(engine, table, 0)
     with tempfile.TemporaryDirectory() as tmp:
-        group = Group(Path(tmp), store_location(spec, Path(tmp)), "scaleout")
+        group = Group(Path(tmp), store_location(spec, Path(tmp)), f"tuned{uuid.uuid4().hex[:8]}")
         try:
             for i in range(workers):
                 group.start_worker(f"w{i + 1}", table, args)

@@ -134,6 +134,27 @@ def test_one_member_drains_every_partition_once(db: TestDatabase, tmp_path: Path
     assert Counter(seen).most_common(1)[0][1] == 1
 
 
+def test_the_table_is_reflected_once_for_every_partition(
+    sqlite_db: TestDatabase, tmp_path: Path
+) -> None:
+    """A cold member's first round reflected the table once per partition (about
+    ten catalog queries each on PostgreSQL): the partitions share one shape."""
+    make_table(sqlite_db, 40)
+    reflected: list[str] = []
+
+    def on_column(inspector: Any, table: sa.Table, column: dict[str, Any]) -> None:
+        if column["name"] == "seq":
+            reflected.append(table.name)
+
+    sa.event.listen(sa.Table, "column_reflect", on_column)
+    try:
+        poller = member(sqlite_db, FileCheckpointStore(tmp_path / "state"), "m1", Clock())
+        assert poller.drain(lambda events: None) == 40
+    finally:
+        sa.event.remove(sa.Table, "column_reflect", on_column)
+    assert reflected == ["orders"]
+
+
 def test_event_ids_do_not_depend_on_the_partition(sqlite_db: TestDatabase, tmp_path: Path) -> None:
     make_table(sqlite_db, 20)
     clock = Clock()

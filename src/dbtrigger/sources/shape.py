@@ -16,6 +16,7 @@ that does not exist yet must not stop a Function App from indexing.
 from __future__ import annotations
 
 import datetime as dt
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -143,6 +144,9 @@ class Shape:
         self.spec = spec
         self.dialect = dialect
         self.source_name = source_name
+        #: One shape may serve several sources (a partitioned poller's partitions,
+        #: see SqlAlchemySource.derive), resolved by whichever reads first.
+        self._resolving = threading.Lock()
         self.checks = ShapeChecks(
             dialect=dialect,
             source=source_name,
@@ -171,6 +175,11 @@ class Shape:
         """Reflect the table (or probe the query) once: column objects and types."""
         if self.selectable is not None:
             return
+        with self._resolving:
+            if self.selectable is None:
+                self._resolve(conn)
+
+    def _resolve(self, conn: Connection) -> None:
         spec = self.spec
         description = None
         if spec.table is not None:
@@ -228,10 +237,10 @@ class Shape:
         else:
             self.checks.query_probed(description)
         self.columns = columns
-        self.selectable = selectable
         self.select_list = [
             columns[c.name].label(c.name) if columns[c.name] is not c else c for c in selectable.c
         ]
+        self.selectable = selectable  # last: a shape with a selectable is whole
 
     def _is_view(self, conn: Connection) -> bool:
         names = sa.inspect(conn).get_view_names(schema=self.spec.schema)

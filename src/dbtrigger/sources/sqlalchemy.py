@@ -169,6 +169,8 @@ class SqlAlchemySource:
         # that is only resolved then.
         self._keyset_built: Keyset | None = None
         self._lag_built: LagMeter | None = None
+        #: The source a twin (see :meth:`derive`) takes its table's shape from.
+        self._shape_of: SqlAlchemySource | None = None
 
     @property
     def _keyset(self) -> Keyset:
@@ -176,7 +178,11 @@ class SqlAlchemySource:
         if self._keyset_built is None:
             from dbtrigger.sources.shape import Shape  # noqa: PLC0415 - keep the face light
 
-            shape = Shape(self._spec, dialect=self.dialect_name, source_name=self.name)
+            shape = (
+                self._shape_of._keyset.shape
+                if self._shape_of is not None
+                else Shape(self._spec, dialect=self.dialect_name, source_name=self.name)
+            )
             self._keyset_built = Keyset(shape, self._row_filters)
         return self._keyset_built
 
@@ -190,8 +196,10 @@ class SqlAlchemySource:
     def derive(self, row_filter: RowFilter) -> SqlAlchemySource:
         """A twin of this source that only sees rows passing ``row_filter``.
 
-        The twin shares this source's connection pool and resolves its own
-        shape and visibility guard. ``row_filter`` is called with the twin's
+        The twin shares this source's connection pool and its table's shape
+        (reflected once for all twins: a partitioned poller's first round
+        reflected the table once per partition, about ten queries each) and
+        resolves its own visibility guard. ``row_filter`` is called with the twin's
         :class:`~dbtrigger.sources.keyset.Keyset` once its columns are resolved
         and returns a condition ANDed to every statement (fetch, count, NULL
         probe, guard). Partitioned polling uses it to read one range of
@@ -200,6 +208,7 @@ class SqlAlchemySource:
         """
         twin = SqlAlchemySource(**self._config)
         twin._engines = self._engines
+        twin._shape_of = self
         twin._row_filters = (*self._row_filters, row_filter)
         # Twins (a partitioned poller's partitions) say their guard once between them.
         twin._guarding.announced = self._guarding.announced

@@ -30,7 +30,7 @@ Tables (PostgreSQL shown; any SQLAlchemy database works for the source)::
         id integer PRIMARY KEY,
         status text NOT NULL,
         amount numeric(12, 2) NOT NULL,
-        updated_at timestamptz NOT NULL DEFAULT now()  -- set on every update
+        updated_at timestamptz NOT NULL DEFAULT now()  -- inserts; every UPDATE sets it too
     );
     CREATE INDEX orders_cursor ON orders (updated_at, id);
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from dbtrigger import FileCheckpointStore, RowChange
+from dbtrigger import FileCheckpointStore, InMemoryCheckpointStore, PollTrigger, RowChange
 from dbtrigger.errors import ConfigurationError, PartialBatchError
 from dbtrigger.metrics import InMemoryMetrics
 from dbtrigger.quarantine import JsonLinesQuarantineSink
@@ -34,6 +34,7 @@ from dbtrigger.state.fanout import (
 )
 from dbtrigger.state.stores.base import CheckpointStore
 from dbtrigger.state.window import Window
+from dbtrigger.testing import MemorySource
 from tests.databases import TestDatabase
 from tests.reliability_support import (
     add_items,
@@ -342,9 +343,7 @@ def test_a_raising_subscriber_fails_its_own_events_only(db: TestDatabase, tmp_pa
     assert trigger.tick() == 4
     assert billing.accepted == [1, 2, 3, 4]
     assert search.accepted == [1, 3]
-    owed = {
-        int(p.position.pk["id"]): p.owed for p in (read_doc(store).window or Window()).pending
-    }
+    owed = {int(p.position.pk["id"]): p.owed for p in (read_doc(store).window or Window()).pending}
     assert owed == {2: {"search": 1}, 4: {"search": 1}}
     clock.advance(11)
     assert trigger.tick() == 2
@@ -653,3 +652,19 @@ def test_a_subscriber_that_empties_its_list_does_not_touch_the_others(
     assert trigger.tick() == 3
     assert got == [1, 2, 3]
     assert read_doc(store).journal[-1]["outcomes"]["subscribers"]["greedy"]["accepted"] == 3
+
+
+def test_a_handler_registered_with_the_decorator_is_what_drain_runs() -> None:
+    """The README registers @trigger.handler, then calls trigger.drain() with no handler."""
+    source = MemorySource(
+        [{"id": 1, "seq": 1}, {"id": 2, "seq": 2}], cursor_column="seq", pk_columns=["id"]
+    )
+    trigger = PollTrigger(name="t", source=source, checkpoint_store=InMemoryCheckpointStore())
+    seen: list[int] = []
+
+    @trigger.handler
+    def handle(events: list[RowChange]) -> None:
+        seen.extend(e.pk["id"] for e in events)
+
+    assert trigger.drain() == 2
+    assert seen == [1, 2]

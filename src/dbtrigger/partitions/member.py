@@ -216,14 +216,16 @@ class PartitionedPoller:
         return fn
 
     def _handler_for(self, handler: Handler | None) -> Handler:
-        """The handler the partitions tick with: the given one, or the subscribers."""
+        """The handler the partitions tick with: the given one, the subscribers, or @handler's."""
         if handler is not None:
             return handler
         if self.subscribers:
             return SubscriberCall()
+        if self.default_handler is not None:
+            return self.default_handler
         raise ConfigurationError(
-            f"poller {self.name!r} needs a handler: pass tick(handler) / drain(handler), "
-            "or construct it with subscribers={name: handler}"
+            f"poller {self.name!r} needs a handler: register one with @poller.handler, "
+            "pass tick(handler) / drain(handler), or construct it with subscribers={name: handler}"
         )
 
     def describe(self) -> list[str]:

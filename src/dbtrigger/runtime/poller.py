@@ -292,7 +292,12 @@ class PollTrigger:
         return FanOut(subscribers=self.subscribers, ack_timeout=self.ack_timeout, **options)
 
     def _handler_for(self, handler: Handler | None) -> Handler:
-        """The handler a tick runs with: the given one, or (fan-out) the subscribers."""
+        """The handler a tick runs with: the given one, the subscribers, or the @handler one.
+
+        A handler registered with :meth:`handler` is what ``dbtrigger run`` drives; the
+        README registers one and then calls ``drain()``, so a tick run in-process uses it
+        too rather than refusing.
+        """
         if self.subscribers is not None:
             if handler is not None and not isinstance(handler, SubscriberCall):
                 raise ConfigurationError(
@@ -301,9 +306,12 @@ class PollTrigger:
                 )
             return handler if handler is not None else SubscriberCall()
         if handler is None:
+            handler = self.default_handler
+        if handler is None:
             raise ConfigurationError(
-                f"poller {self.name!r} needs a handler: pass tick(handler) / drain(handler) / "
-                "run(timer=..., handler=...), or construct it with subscribers={name: handler}"
+                f"poller {self.name!r} needs a handler: register one with @trigger.handler, "
+                "pass tick(handler) / drain(handler) / run(timer=..., handler=...), or "
+                "construct it with subscribers={name: handler}"
             )
         return handler
 

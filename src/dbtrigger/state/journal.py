@@ -1,7 +1,7 @@
 """The journal's one vocabulary: every kind of entry, and the functions that encode them.
 
 The state document keeps the last ``journal_limit`` commits and manual
-operations as JSON objects (``dbtrigger state history`` prints them). The
+operations as JSON objects (``dbtrigger history`` prints them). The
 runtime describes what it did with a :class:`JournalEntry`, an operator's
 change (reset, skip, accept-source, regroup...) is :func:`manual`; only this
 module knows the JSON shapes, so a field cannot be misspelt at one call site

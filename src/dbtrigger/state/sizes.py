@@ -82,6 +82,6 @@ def explain(data: bytes) -> str:
     else:
         advice = (
             "neither the window nor the journal nor a failure record takes the most: "
-            "look at the document (dbtrigger state show) and report it"
+            "look at the document (dbtrigger status POLLER --json) and report it"
         )
     return f"the document is {len(data)} bytes ({listing}); {advice}"

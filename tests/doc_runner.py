@@ -1,0 +1,100 @@
+"""Run one page's blocks in order, as a reader would, in the current directory.
+
+``python doc_runner.py BLOCKS.json RESULTS.json``: Python blocks (and the page's
+hidden ``doc-test: run`` comments) share one namespace, as if pasted one after
+another into one interpreter; shell blocks run through bash, each command on
+its own, with the package's ``dbtrigger`` first on PATH. The results file gets
+one entry per block, in order, written after each so a hang still shows which
+block it was. A block that fails does not stop the next (later blocks may fail
+for the same cause; the first failure is the one to read).
+
+A worker the page starts (``dbtrigger run``, ``dbtrigger demo``) would run until
+stopped: the harness bounds it (``--max-ticks 2``, ``--duration 3``) and a
+``--serve`` command listens on a free loopback port instead of the page's
+8080 (several test runs share a machine) and is stopped after a few seconds, as
+a person would press Ctrl-C. Nothing else in a command is changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+PRELUDE = r"""
+dbtrigger() {
+  case "$1" in
+    run) command dbtrigger "$@" --max-ticks 2 ;;
+    demo) command dbtrigger "$@" --duration 3 ;;
+    *)
+      case " $* " in
+        *" --serve "*)
+          args=()
+          for arg in "$@"; do
+            case "$arg" in *:8080) arg=127.0.0.1:0 ;; esac
+            args+=("$arg")
+          done
+          timeout -s INT 5 dbtrigger "${args[@]}"
+          rc=$?
+          if [ "$rc" = 124 ] || [ "$rc" = 130 ]; then return 0; fi
+          return "$rc" ;;
+        *) command dbtrigger "$@" ;;
+      esac ;;
+  esac
+}
+"""
+
+
+def run_python(code: str, where: str, namespace: dict[str, object]) -> tuple[bool, str]:
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            exec(compile(code, where, "exec"), namespace)  # noqa: S102 - the docs' own code
+    except BaseException:
+        return False, out.getvalue() + traceback.format_exc(limit=8)
+    return True, out.getvalue()
+
+
+def run_shell(commands: list[str], exits: list[int]) -> tuple[bool, str]:
+    transcript = []
+    for command in commands:
+        done = subprocess.run(
+            ["bash", "-c", PRELUDE + command],  # noqa: S607 - the reader's shell, from PATH
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+        )
+        transcript.append(f"$ {command}\n{done.stdout}{done.stderr}[exit {done.returncode}]")
+        if done.returncode not in exits:
+            return False, "\n".join(transcript)
+    return True, "\n".join(transcript)
+
+
+def main() -> None:
+    blocks = json.loads(Path(sys.argv[1]).read_text(encoding="utf-8"))
+    results_path = Path(sys.argv[2])
+    sys.path.insert(0, os.getcwd())
+    bin_dir = str(Path(sys.executable).parent)
+    os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    namespace: dict[str, object] = {"__name__": "__main__"}
+    results = []
+    for block in blocks:
+        if block["save"]:
+            Path(block["save"]).write_text(block["code"], encoding="utf-8")
+            sys.modules.pop(Path(block["save"]).stem, None)
+        if block["kind"] == "python":
+            ok, output = run_python(block["code"], block["where"], namespace)
+        else:
+            ok, output = run_shell(block["commands"], block["exits"])
+        results.append({"where": block["where"], "ok": ok, "output": output})
+        results_path.write_text(json.dumps(results), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()

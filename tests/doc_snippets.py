@@ -1,0 +1,164 @@
+"""The fenced blocks of README.md and docs/*.md, and the markers that say how each runs.
+
+Every fence names its language. Python (``python``, ``py``) and shell (``bash``,
+``sh``, ``console``) blocks are run by tests/test_docs_snippets.py; the others
+(``text``, ``json``, ``sql``, ``yaml``, ...) are shown output, formats or DDL.
+
+A block is steered by HTML comments, invisible on the rendered page, right
+before its fence (blank lines may separate them):
+
+``<!-- doc-test: skip REASON: why -->``
+    the block is not run; REASON is one of :data:`SKIP_REASONS`, and the test
+    pins how many blocks each reason covers, so the list cannot grow silently.
+``<!-- doc-test: save NAME -->``
+    the block is also written to ``NAME`` in the page's directory (a module the
+    page's shell blocks import, ``app:trigger``), before it runs.
+``<!-- doc-test: exit N[,M] -->``
+    a shell block whose commands may also exit with these codes (a dry run that
+    reports a problem with exit 1, as the page says).
+
+and a comment of its own, anywhere on the page, holds hidden Python run at
+that point in the page's namespace (what the reader is told exists: a table,
+an app setting, the ``source`` of an earlier paragraph; or a check of what a
+block printed)::
+
+    <!-- doc-test: run
+    import os
+    os.environ["ORDERS_DB_URL"] = f"sqlite:///{os.getcwd()}/shop.db"
+    -->
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
+
+PYTHON = frozenset({"python", "py"})
+SHELL = frozenset({"bash", "sh", "console"})
+SHOWN = frozenset({"text", "json", "sql", "yaml", "ini", "toml"})
+
+#: Why a runnable block may stay unrun. Anything else is a block to make run.
+SKIP_REASONS = {
+    "azure-cloud": "needs a real Azure subscription, tenant or Functions host",
+    "install": "installs the package or the whole test toolchain",
+    "covered": "run by a dedicated test named in the marker (a server of its own)",
+}
+
+_FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>```+|~~~+)\s*(?P<lang>[\w+-]*)\s*$")
+_MARKER = re.compile(r"^\s*<!--\s*doc-test:\s*(?P<body>.*?)\s*-->\s*$")
+_RUN_OPEN = re.compile(r"^\s*<!--\s*doc-test:\s*run\s*$")
+
+
+@dataclass
+class Block:
+    """One fenced block, or one hidden ``run`` comment (``lang`` "hidden")."""
+
+    page: str
+    line: int  # 1-based line of the opening fence (or comment)
+    lang: str
+    code: str
+    skip: tuple[str, str] | None = None  # (reason, why)
+    save: str | None = None
+    exits: frozenset[int] = frozenset({0})
+
+    @property
+    def where(self) -> str:
+        return f"{self.page}:{self.line}"
+
+    @property
+    def runnable(self) -> bool:
+        return self.lang in PYTHON or self.lang in SHELL or self.lang == "hidden"
+
+
+@dataclass
+class Page:
+    path: Path
+    blocks: list[Block] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.path.relative_to(ROOT).as_posix()
+
+
+class MarkerError(ValueError):
+    """A doc-test comment that does not parse: the page is wrong, not the test."""
+
+
+def _apply(block: Block, marker: str) -> None:
+    verb, _, rest = marker.partition(" ")
+    if verb == "skip":
+        reason, _, why = rest.partition(":")
+        if reason.strip() not in SKIP_REASONS or not why.strip():
+            raise MarkerError(f"{block.where}: skip needs one of {sorted(SKIP_REASONS)} and a why")
+        block.skip = (reason.strip(), why.strip())
+    elif verb == "save" and rest.strip():
+        block.save = rest.strip()
+    elif verb == "exit" and rest.strip():
+        block.exits = frozenset({0, *(int(code) for code in rest.split(","))})
+    else:
+        raise MarkerError(f"{block.where}: unknown doc-test marker {marker!r}")
+
+
+def parse(path: Path) -> Page:
+    page = Page(path)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    pending: list[str] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if _RUN_OPEN.match(line):
+            start, body = i, []
+            i += 1
+            while i < len(lines) and lines[i].strip() != "-->":
+                body.append(lines[i])
+                i += 1
+            if i == len(lines):
+                raise MarkerError(f"{page.name}:{start + 1}: an unclosed doc-test run comment")
+            page.blocks.append(Block(page.name, start + 1, "hidden", "\n".join(body) + "\n"))
+            pending = []
+        elif marker := _MARKER.match(line):
+            pending.append(marker["body"])
+        elif fence := _FENCE.match(line):
+            indent, mark = len(fence["indent"]), fence["fence"]
+            start, body = i, []
+            i += 1
+            while i < len(lines) and not lines[i].strip().startswith(mark):
+                text = lines[i]
+                body.append(text[indent:] if not text[:indent].strip() else text.lstrip())
+                i += 1
+            block = Block(page.name, start + 1, fence["lang"], "\n".join(body) + "\n")
+            for text in pending:
+                _apply(block, text)
+            pending = []
+            page.blocks.append(block)
+        elif line.strip() and pending:
+            raise MarkerError(f"{page.name}:{i + 1}: a doc-test marker not followed by a fence")
+        i += 1
+    return page
+
+
+def shell_commands(block: Block) -> list[str]:
+    """The commands of a shell block: ``$ `` lines of a console block, else every line.
+
+    A trailing backslash joins the next line; comments and blank lines are dropped.
+    """
+    commands: list[str] = []
+    joined = ""
+    for raw in block.code.splitlines():
+        line = raw.rstrip()
+        if not joined:
+            if block.lang == "console":
+                if not line.startswith("$ "):
+                    continue
+                line = line[2:]
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+        joined += line.removesuffix("\\") + (" " if line.endswith("\\") else "")
+        if not line.endswith("\\"):
+            commands.append(joined.strip())
+            joined = ""
+    return commands

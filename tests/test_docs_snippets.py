@@ -1,0 +1,203 @@
+"""The docs run as written: every Python and shell block of README.md and docs/*.md.
+
+Each page runs in a process of its own (tests/doc_runner.py) in a directory of
+its own, its blocks in order as a reader would paste them, with what the page
+says exists made real by hidden ``doc-test: run`` comments (tests/doc_snippets.py).
+A page that names ``DOCTEST_PG_URL`` gets a fresh PostgreSQL database, one that
+names ``DOCTEST_AZURITE`` Azurite's connection string. A block that cannot run
+here is marked skipped with a reason in the page itself, and the count per
+reason is pinned below: a new skip is a decision made in review, not drift.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from dbtrigger.cli.main import build_parser
+from tests.azurite import Azurite
+from tests.databases import admin_engine
+from tests.doc_snippets import (
+    PAGES,
+    PYTHON,
+    ROOT,
+    SHELL,
+    SHOWN,
+    SKIP_REASONS,
+    Block,
+    parse,
+    shell_commands,
+)
+
+RUNNER = Path(__file__).resolve().parent / "doc_runner.py"
+
+#: Blocks left unrun, per reason (tests/doc_snippets.py SKIP_REASONS). Change a
+#: number only together with the marker it counts.
+SKIPPED = {"azure-cloud": 1, "install": 1, "covered": 4}
+
+PARSED = [parse(path) for path in PAGES]
+
+
+def _page_ids() -> list[str]:
+    return [page.name for page in PARSED if any(b.runnable and not b.skip for b in page.blocks)]
+
+
+def test_every_fence_names_its_language() -> None:
+    known = PYTHON | SHELL | SHOWN
+    unnamed = [
+        b.where
+        for page in PARSED
+        for b in page.blocks
+        if b.lang != "hidden" and b.lang not in known
+    ]
+    assert unnamed == [], (
+        f"fences with no or an unknown language (one of {sorted(known)}): {unnamed}"
+    )
+
+
+def test_skipped_blocks_are_counted_by_reason() -> None:
+    skipped = [b for page in PARSED for b in page.blocks if b.skip]
+    for block in skipped:
+        assert block.runnable, f"{block.where}: only Python and shell blocks are run or skipped"
+    counts = Counter(b.skip[0] for b in skipped if b.skip)
+    listing = "\n".join(f"  {b.where}: {b.skip[0]}: {b.skip[1]}" for b in skipped if b.skip)
+    assert dict(counts) == {k: v for k, v in SKIPPED.items() if v}, f"skipped blocks:\n{listing}"
+    assert set(SKIPPED) == set(SKIP_REASONS)
+
+
+def test_a_covered_block_names_the_test_that_runs_it() -> None:
+    """The named test module reads the page, or runs the script the block runs."""
+    for page in PARSED:
+        for block in page.blocks:
+            if block.skip and block.skip[0] == "covered":
+                (test_file,) = re.findall(r"tests/\w+\.py", block.skip[1])
+                text = (ROOT / test_file).read_text(encoding="utf-8")
+                scripts = re.findall(r"scripts/[\w.-]+", block.code)
+                assert Path(page.name).name in text or any(s in text for s in scripts), (
+                    f"{block.where}: {test_file} neither reads the page nor runs its script"
+                )
+
+
+def test_tables_are_not_split_by_a_blank_line() -> None:
+    """A table row after a blank line that is not a new table's header renders as text."""
+    broken = []
+    for page in PARSED:
+        lines = page.path.read_text(encoding="utf-8").splitlines()
+        for i in range(1, len(lines) - 1):
+            starts_table = lines[i].startswith("|") and not lines[i - 1].strip()
+            if starts_table and not re.match(r"^\|[\s:|-]+\|$", lines[i + 1].strip()):
+                broken.append(f"{page.name}:{i + 1}")
+    assert broken == []
+
+
+def _commands(parser: argparse.ArgumentParser) -> set[str]:
+    names: set[str] = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                names.add(name)
+                names |= {f"{name} {inner}" for inner in _commands(sub)}
+    return names
+
+
+_NAMED = re.compile(r"(?:`|\$ |\()dbtrigger (?!import\b)([a-z][a-z-]+)(?: ([a-z][a-z-]+))?")
+_LINE = re.compile(r"^dbtrigger ([a-z][a-z-]+)(?: ([a-z][a-z-]+))?")
+
+
+def test_every_command_the_docs_and_messages_name_exists() -> None:
+    """`dbtrigger state clone` was documented and never existed: the names are checked.
+
+    In prose, code spans, messages and docstrings (`` `dbtrigger x` ``, ``(dbtrigger x``,
+    ``$ dbtrigger x``) and at the start of a line of a shell or text block.
+    """
+    commands = _commands(build_parser())
+    named: list[tuple[str, re.Match[str]]] = []
+    for path in [*PAGES, *(ROOT / "src").rglob("*.py"), *(ROOT / "examples").glob("*.py")]:
+        where = path.relative_to(ROOT).as_posix()
+        named += [(where, m) for m in _NAMED.finditer(path.read_text(encoding="utf-8"))]
+    for page in PARSED:
+        for block in page.blocks:
+            if block.lang in SHELL or block.lang == "text":
+                for line in block.code.splitlines():
+                    if m := _LINE.match(line.strip().removeprefix("$ ")):
+                        named.append((block.where, m))
+    unknown = set()
+    for where, match in named:
+        first, second = match[1], match[2]
+        groups = {c.split(" ")[1] for c in commands if c.startswith(f"{first} ")}
+        if first not in commands or (second and groups and second not in groups):
+            unknown.add(f"{where}: {match[0]}")
+    assert sorted(unknown) == []
+
+
+@pytest.fixture
+def page_env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, str]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DBTRIGGER_", "DOCTEST_"))}
+    text = (ROOT / request.node.callspec.params["page"]).read_text(encoding="utf-8")
+    if "DOCTEST_CDC_URL" in text:
+        env["DOCTEST_CDC_URL"] = request.getfixturevalue("cdc_db").url
+    if "DOCTEST_AZURITE" in text:
+        azurite: Azurite = request.getfixturevalue("azurite")
+        env["DOCTEST_AZURITE"] = azurite.connection_string
+    if "DOCTEST_PG_URL" not in text:
+        yield env
+        return
+    admin = admin_engine("postgresql")
+    name = f"doc_{uuid.uuid4().hex[:12]}"
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    env["DOCTEST_PG_URL"] = admin.url.set(database=name).render_as_string(hide_password=False)
+    try:
+        yield env
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+def _job(block: Block) -> dict[str, object]:
+    kind = "shell" if block.lang in SHELL else "python"
+    return {
+        "where": block.where,
+        "kind": kind,
+        "code": block.code,
+        "commands": shell_commands(block) if kind == "shell" else [],
+        "exits": sorted(block.exits),
+        "save": block.save,
+    }
+
+
+@pytest.mark.parametrize("page", _page_ids())
+def test_the_page_runs_as_written(page: str, page_env: dict[str, str], tmp_path: Path) -> None:
+    (parsed,) = [p for p in PARSED if p.name == page]
+    jobs = [_job(b) for b in parsed.blocks if b.runnable and not b.skip]
+    work = tmp_path / "work"
+    work.mkdir()
+    (tmp_path / "blocks.json").write_text(json.dumps(jobs), encoding="utf-8")
+    results_path = tmp_path / "results.json"
+    done = subprocess.run(
+        [sys.executable, str(RUNNER), str(tmp_path / "blocks.json"), str(results_path)],
+        cwd=work,
+        env=page_env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
+    results = json.loads(results_path.read_text(encoding="utf-8")) if results_path.exists() else []
+    failed = [r for r in results if not r["ok"]]
+    report = "\n\n".join(f"--- {r['where']}\n{r['output'][-3000:]}" for r in failed)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(results) == len(jobs), f"stopped after {len(results)} of {len(jobs)} blocks"
+    if failed:
+        pytest.fail(f"{len(failed)} of {len(jobs)} blocks failed:\n\n{report}", pytrace=False)

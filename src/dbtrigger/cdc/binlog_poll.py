@@ -46,6 +46,7 @@ from dbtrigger.cdc.binlog_setup import (
     connect_kwargs,
     current_user,
     file_index,
+    replica_connect,
     replication_refused,
 )
 from dbtrigger.cdc.buffer import Transaction, TransactionBuffer
@@ -62,19 +63,12 @@ log = logging.getLogger("dbtrigger.cdc")
 ER_MASTER_FATAL_READING_BINLOG = 1236
 
 
-def _connect(**kwargs: Any) -> pymysql.connections.Connection[Any]:
-    """PyMySQL's connect for mysql-replication, which still passes the deprecated ``db=``."""
-    if "db" in kwargs:
-        kwargs["database"] = kwargs.pop("db")
-    return pymysql.connect(**kwargs)
-
-
 #: How every read dumps the log: to its end and no further (``blocking`` off), from a
 #: file and offset (COM_BINLOG_DUMP, on MariaDB too: the library's MariaDB path dumps by
-#: GTID state and ignores log_file/log_pos), over the PyMySQL connect above.
+#: GTID state and ignores log_file/log_pos), over our PyMySQL connections.
 DUMP_OPTIONS: dict[str, Any] = {
     "blocking": False, "resume_stream": True, "is_mariadb": False,
-    "enable_logging": False, "pymysql_wrapper": _connect,
+    "enable_logging": False, "pymysql_wrapper": replica_connect,
 }  # fmt: skip
 
 

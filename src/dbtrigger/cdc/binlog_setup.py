@@ -29,11 +29,12 @@ derives one from the poller's name.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import pymysql
 from sqlalchemy.engine import URL
@@ -95,13 +96,43 @@ def connect_kwargs(url: URL) -> dict[str, Any]:
     return kwargs
 
 
+class Connection(pymysql.connections.Connection):  # type: ignore[misc]
+    """PyMySQL's connection, with its opportunistic TLS context built once per process.
+
+    Given no TLS option, PyMySQL tries TLS if the server offers it (certificate
+    not verified: no CA given) and builds a fresh ``ssl`` context for it on
+    every connection, loading the system's CA store each time: tens of
+    milliseconds of CPU, and a binlog read opens two connections (the dump and
+    the library's catalog connection), so it was most of a quiet read's cost.
+    The context is a pure function of those (empty) options, so one is kept.
+    TLS options given in the URL build their own context as before.
+    """
+
+    def _create_ssl_ctx(self, sslp: Any) -> Any:
+        if isinstance(sslp, dict) and not sslp:
+            return _opportunistic_tls()
+        return super()._create_ssl_ctx(sslp)
+
+
+@functools.cache
+def _opportunistic_tls() -> Any:
+    return pymysql.connections.Connection._create_ssl_ctx(cast(Any, None), {})
+
+
 def connect(url: URL, *, database: bool = True) -> pymysql.connections.Connection[Any]:
     """A short-lived autocommit session to the source's server."""
     kwargs = connect_kwargs(url)
     if database and url.database:
         kwargs["database"] = url.database
     with translated(f"connecting to {url.host}:{url.port or 3306}"):
-        return pymysql.connect(**kwargs)
+        return Connection(**kwargs)
+
+
+def replica_connect(**kwargs: Any) -> pymysql.connections.Connection[Any]:
+    """The connect mysql-replication is given (it still passes the deprecated ``db=``)."""
+    if "db" in kwargs:
+        kwargs["database"] = kwargs.pop("db")
+    return Connection(**kwargs)
 
 
 def default_server_id(poller: str) -> int:
@@ -413,6 +444,7 @@ __all__ = [
     "default_server_id",
     "file_index",
     "parse_tables",
+    "replica_connect",
     "server_facts",
     "setting_problems",
     "table_infos",

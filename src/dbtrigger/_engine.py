@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.engine import URL, Connection, Engine, make_url
 
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.settings import resolve_setting
@@ -101,6 +102,31 @@ def ping_when_idle(engine: Engine, idle_seconds: float = PING_AFTER_IDLE_SECONDS
 
     sa.event.listen(engine, "checkin", checked_in)
     sa.event.listen(engine, "checkout", checked_out)
+
+
+#: What the DDL helpers (change log, wake-up trigger) run on: the caller's engine,
+#: or a connection whose transaction is the caller's.
+Bind = Engine | Connection
+
+
+@contextmanager
+def connected(bind: Bind) -> Iterator[Connection]:
+    """The caller's connection as it is, or a new one from the engine."""
+    if isinstance(bind, Connection):
+        yield bind
+        return
+    with bind.connect() as conn:
+        yield conn
+
+
+@contextmanager
+def in_transaction(bind: Bind) -> Iterator[Connection]:
+    """The caller's connection (its transaction is theirs), or a new transaction."""
+    if isinstance(bind, Connection):
+        yield bind
+        return
+    with bind.begin() as conn:
+        yield conn
 
 
 def parse_database_url(url: str, what: str = "database URL") -> URL:

@@ -81,7 +81,44 @@ def guarded(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
     return mapping
 
 
-class RowMapping(Mapping[str, Any]):
+class _ProxyFace(Mapping[str, Any]):
+    """What a ``MappingProxyType`` offers besides reading a key, for the two views
+    here: ``items``/``values`` and ``|`` over a :meth:`copy` (nested values
+    copied), equality and ``repr`` over the values as they are (:meth:`_raw`)."""
+
+    __slots__ = ()
+
+    def copy(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _raw(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def items(self) -> ItemsView[str, Any]:
+        return self.copy().items()
+
+    def values(self) -> ValuesView[Any]:
+        return self.copy().values()
+
+    def __eq__(self, other: object) -> bool:
+        theirs = _comparable(other)
+        return NotImplemented if theirs is None else self._raw() == theirs
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __or__(self, other: Any) -> Any:
+        if isinstance(other, _ProxyFace):
+            other = other.copy()
+        return self.copy() | other
+
+    def __ror__(self, other: Any) -> Any:
+        return other | self.copy()
+
+    def __repr__(self) -> str:
+        return f"mappingproxy({self._raw()!r})"
+
+
+class RowMapping(_ProxyFace):
     """A read-only mapping over some columns of one row tuple (an event's ``pk``
     or ``after``), made afresh on each read and holding no copy of the row.
 
@@ -136,29 +173,6 @@ class RowMapping(Mapping[str, Any]):
     def keys(self) -> KeysView[str]:
         return self._index.keys()
 
-    def items(self) -> ItemsView[str, Any]:
-        return self.copy().items()
-
-    def values(self) -> ValuesView[Any]:
-        return self.copy().values()
-
-    def __eq__(self, other: object) -> bool:
-        theirs = _comparable(other)
-        return NotImplemented if theirs is None else self._raw() == theirs
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __or__(self, other: Any) -> Any:
-        if isinstance(other, RowMapping | FrozenMapping):
-            other = other.copy()
-        return self.copy() | other
-
-    def __ror__(self, other: Any) -> Any:
-        return other | self.copy()
-
-    def __repr__(self) -> str:
-        return f"mappingproxy({self._raw()!r})"
-
 
 class PlainRowMapping(RowMapping):
     """A :class:`RowMapping` over a row whose every column has a type that only
@@ -181,7 +195,7 @@ class PlainRowMapping(RowMapping):
         return self._raw()
 
 
-class FrozenMapping(Mapping[str, Any]):
+class FrozenMapping(_ProxyFace):
     """A read-only view of one event's dict that holds a nested value: what
     ``MappingProxyType`` is to the others, except that a value that could be
     changed in place is handed out as a deep copy, one per read (:func:`own`)."""
@@ -216,36 +230,14 @@ class FrozenMapping(Mapping[str, Any]):
     def keys(self) -> KeysView[str]:
         return self._data.keys()
 
-    def items(self) -> ItemsView[str, Any]:
-        return self.copy().items()
-
-    def values(self) -> ValuesView[Any]:
-        return self.copy().values()
-
-    def __eq__(self, other: object) -> bool:
-        theirs = _comparable(other)
-        return NotImplemented if theirs is None else dict(self._data.items()) == theirs
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __or__(self, other: Any) -> Any:
-        if isinstance(other, RowMapping | FrozenMapping):
-            other = other.copy()
-        return self.copy() | other
-
-    def __ror__(self, other: Any) -> Any:
-        return other | self.copy()
-
-    def __repr__(self) -> str:
-        return f"mappingproxy({dict(self._data.items())!r})"
+    def _raw(self) -> dict[str, Any]:
+        return dict(self._data.items())
 
 
 def _comparable(other: object) -> dict[str, Any] | None:
     """``other`` as a plain dict to compare a row mapping with (None: not a mapping)."""
-    if isinstance(other, RowMapping):
+    if isinstance(other, _ProxyFace):
         return other._raw()
-    if isinstance(other, FrozenMapping):
-        return dict(other._data.items())
     if isinstance(other, Mapping):
         return dict(other.items())
     return None

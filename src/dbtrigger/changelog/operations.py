@@ -17,13 +17,13 @@ unlogged in between (docs/changes.md, 'When the table changes').
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Engine
 
+from dbtrigger._engine import Bind, connected, in_transaction
 from dbtrigger.changelog.ddl import (
     TableInfo,
     existing_triggers,
@@ -42,8 +42,6 @@ from dbtrigger.errors import ConfigurationError
 #: Rows one prune statement deletes; keeps each transaction (and its locks) short.
 DEFAULT_PRUNE_CHUNK = 5000
 
-Bind = Engine | Connection
-
 
 @dataclass(frozen=True)
 class Plan:
@@ -57,26 +55,6 @@ def _quote(bind: Bind) -> sa.sql.compiler.IdentifierPreparer:
     return bind.dialect.identifier_preparer
 
 
-@contextmanager
-def _connect(bind: Bind) -> Iterator[Connection]:
-    """The caller's connection as it is, or a new one from the engine."""
-    if isinstance(bind, Connection):
-        yield bind
-        return
-    with bind.connect() as conn:
-        yield conn
-
-
-@contextmanager
-def _begin(bind: Bind) -> Iterator[Connection]:
-    """The caller's connection (its transaction is theirs), or a new transaction."""
-    if isinstance(bind, Connection):
-        yield bind
-        return
-    with bind.begin() as conn:
-        yield conn
-
-
 def plan_install(bind: Bind, table: str, *, schema: str | None = None) -> Plan:
     """The statements that install the change log of ``table`` (or install it again).
 
@@ -88,7 +66,7 @@ def plan_install(bind: Bind, table: str, *, schema: str | None = None) -> Plan:
             trigger with one of the change log's names exists and was not
             written by it (it is never replaced).
     """
-    with _connect(bind) as conn:
+    with connected(bind) as conn:
         info = reflect_table(conn, table, schema)
         foreign = foreign_triggers(conn, info)
         if foreign:
@@ -113,7 +91,7 @@ def plan_uninstall(
     Triggers of the same names that the change log did not write are refused,
     as on install.
     """
-    with _connect(bind) as conn:
+    with connected(bind) as conn:
         info = reflect_table(conn, table, schema)
         foreign = foreign_triggers(conn, info)
     if foreign:
@@ -126,7 +104,7 @@ def plan_uninstall(
 
 def apply(bind: Bind, plan: Plan) -> None:
     """Run a plan; in one transaction where the dialect allows."""
-    with _begin(bind) as conn:
+    with in_transaction(bind) as conn:
         for statement in plan.statements:
             conn.exec_driver_sql(statement)
 
@@ -146,7 +124,7 @@ def uninstall(bind: Bind, table: str, *, schema: str | None = None, drop_log: bo
 
 def is_installed(bind: Bind, table: str, *, schema: str | None = None) -> bool:
     """True when every trigger of the change log is present (and is ours, any version)."""
-    with _connect(bind) as conn:
+    with connected(bind) as conn:
         info = reflect_table(conn, table, schema)
         found = existing_triggers(conn, info)
     return len(found) == len(info.trigger_names()) and all(ours(t) for t in found.values())
@@ -158,7 +136,7 @@ def drift(bind: Bind, table: str, *, schema: str | None = None) -> Drift:
     Falsy when in sync; ``drift(...).error()`` is the
     :class:`~dbtrigger.errors.ChangeLogDriftError` to raise otherwise.
     """
-    with _connect(bind) as conn:
+    with connected(bind) as conn:
         return find_drift(conn, table, schema)
 
 

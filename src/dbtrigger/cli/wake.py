@@ -9,6 +9,7 @@ notify`` (see :mod:`dbtrigger.wakeup`).
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 import sqlalchemy as sa
@@ -31,43 +32,49 @@ def _show(plan: WakePlan) -> None:
         print(statement.rstrip() + ";\n")
 
 
-def cmd_install(args: argparse.Namespace) -> int:
+def _change(
+    args: argparse.Namespace, make_plan: Callable[[sa.Engine], WakePlan], doing: str
+) -> WakePlan | None:
+    """Plan, print the DDL, and apply it with ``--yes``; the plan applied, or None
+    (a dry run, or nothing to do). ``doing`` names the change in its error."""
     engine = _engine(args)
     try:
-        plan = plan_install(engine, args.table, schema=args.schema, channel=args.channel)
+        plan = make_plan(engine)
+        if not plan.statements:
+            print(f"-- {args.table} has no wake-up trigger: nothing to do")
+            return None
         _show(plan)
         if not args.yes:
             print("-- dry run: nothing was changed; add --yes to apply")
-            return 0
+            return None
         apply(engine, plan)
     except sa.exc.SQLAlchemyError as exc:
-        raise CommitError(f"installing the wake-up trigger failed: {short_error(exc)}") from exc
+        raise CommitError(f"{doing} the wake-up trigger failed: {short_error(exc)}") from exc
     finally:
         engine.dispose()
-    print(
-        f"-- installed: writes to {args.table} notify channel {plan.channel}; run the worker "
-        f"with --wake notify" + ("" if args.channel is None else f":{plan.channel}")
+    return plan
+
+
+def cmd_install(args: argparse.Namespace) -> int:
+    plan = _change(
+        args,
+        lambda engine: plan_install(engine, args.table, schema=args.schema, channel=args.channel),
+        "installing",
     )
+    if plan is not None:
+        print(
+            f"-- installed: writes to {args.table} notify channel {plan.channel}; run the "
+            f"worker with --wake notify" + ("" if args.channel is None else f":{plan.channel}")
+        )
     return 0
 
 
 def cmd_uninstall(args: argparse.Namespace) -> int:
-    engine = _engine(args)
-    try:
-        plan = plan_uninstall(engine, args.table, schema=args.schema)
-        if not plan.statements:
-            print(f"-- {args.table} has no wake-up trigger: nothing to do")
-            return 0
-        _show(plan)
-        if not args.yes:
-            print("-- dry run: nothing was changed; add --yes to apply")
-            return 0
-        apply(engine, plan)
-    except sa.exc.SQLAlchemyError as exc:
-        raise CommitError(f"removing the wake-up trigger failed: {short_error(exc)}") from exc
-    finally:
-        engine.dispose()
-    print(f"-- uninstalled: workers listening on {plan.channel} fall back to their interval")
+    plan = _change(
+        args, lambda engine: plan_uninstall(engine, args.table, schema=args.schema), "removing"
+    )
+    if plan is not None:
+        print(f"-- uninstalled: workers listening on {plan.channel} fall back to their interval")
     return 0
 
 

@@ -24,7 +24,6 @@ import logging
 import threading
 import warnings
 from collections.abc import Callable
-from types import TracebackType
 from typing import Any
 
 from dbtrigger import options as opt
@@ -40,7 +39,11 @@ from dbtrigger.queue.source import ClaimSource
 from dbtrigger.runtime import kernel
 from dbtrigger.runtime.kernel import Handler, KeepAlive, Lanes
 from dbtrigger.runtime.telemetry import Telemetry
-from dbtrigger.runtime.trigger import DEFAULT_MAX_BATCHES_PER_TICK, default_owner_id
+from dbtrigger.runtime.trigger import (
+    DEFAULT_MAX_BATCHES_PER_TICK,
+    ClosesOnExit,
+    default_owner_id,
+)
 from dbtrigger.state.backoff import Backoff
 
 __all__ = ["QueueTickResult", "QueueTrigger", "default_worker_id"]
@@ -67,7 +70,7 @@ def _renamed(old: str, new: str, value: Any, current: Any, default: Any) -> Any:
     return value
 
 
-class QueueTrigger:
+class QueueTrigger(ClosesOnExit):
     """Competing-worker delivery from a :class:`~dbtrigger.queue.source.ClaimSource`.
 
     Args:
@@ -322,14 +325,3 @@ class QueueTrigger:
         self._keepalive.close()
         if self._lanes is not None:
             self._lanes.close()
-
-    def __enter__(self) -> QueueTrigger:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

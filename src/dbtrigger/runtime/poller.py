@@ -34,7 +34,6 @@ import logging
 import shlex
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from types import TracebackType
 from typing import Any
 
 from dbtrigger import options as opt
@@ -62,6 +61,7 @@ from dbtrigger.runtime.telemetry import Telemetry
 from dbtrigger.runtime.tick import TickDriver
 from dbtrigger.runtime.trigger import (
     DEFAULT_MAX_BATCHES_PER_TICK,
+    ClosesOnExit,
     TickResult,
     default_owner_id,
     utc_now,
@@ -85,7 +85,7 @@ __all__ = [
 ]
 
 
-class PollTrigger:
+class PollTrigger(ClosesOnExit):
     """Polls ``source`` and delivers batches to a handler, at least once.
 
     Args:
@@ -487,14 +487,3 @@ class PollTrigger:
         self._driver.delivery.close()
         if self.partitioned is not None:
             self.partitioned.close()
-
-    def __enter__(self) -> PollTrigger:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

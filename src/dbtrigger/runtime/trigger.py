@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 from dbtrigger.runtime.kernel import Handler
 
 if TYPE_CHECKING:
+    from typing_extensions import Self
+
     from dbtrigger.sources.base import VisibilityReport
     from dbtrigger.state.document import StateDocument
 
@@ -122,6 +124,20 @@ class Trigger(Protocol):
     def close(self) -> None:
         """Release the trigger's threads (lanes, heartbeat, listener); it may tick again."""
         ...
+
+
+class ClosesOnExit:
+    """``with trigger:``: the trigger is closed on the way out (its lanes,
+    heartbeat thread, listener), however the block ends."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 Outcome = Literal["committed", "idle", "lease_busy", "lost_race", "failed"]

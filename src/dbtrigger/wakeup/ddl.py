@@ -21,13 +21,11 @@ trigger costs writers is in docs/operations.md ("Waking a worker").
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection, Engine
 
+from dbtrigger._engine import Bind, connected, in_transaction
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.names import validate_sql_identifier
 
@@ -37,8 +35,6 @@ TRIGGER_NAME = "dbt_wake"
 FUNCTION_NAME = "dbt_wake_notify"
 #: PostgreSQL's limit on identifiers, channel names included.
 _MAX_IDENTIFIER = 63
-
-Bind = Engine | Connection
 
 
 def default_channel(table: str, schema: str | None = None) -> str:
@@ -58,15 +54,6 @@ class WakePlan:
     schema: str | None
     channel: str
     statements: tuple[str, ...]
-
-
-@contextmanager
-def _connect(bind: Bind) -> Iterator[Connection]:
-    if isinstance(bind, Connection):
-        yield bind
-        return
-    with bind.connect() as conn:
-        yield conn
 
 
 def _check(bind: Bind, table: str, schema: str | None) -> None:
@@ -90,7 +77,7 @@ def _names(bind: Bind, table: str, schema: str | None) -> tuple[str, str]:
 def installed_channel(bind: Bind, table: str, *, schema: str | None = None) -> str | None:
     """The channel the table's wake-up trigger notifies, or None when it has none."""
     _check(bind, table, schema)
-    with _connect(bind) as conn:
+    with connected(bind) as conn:
         args = conn.execute(
             sa.text(
                 "SELECT t.tgargs FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid "
@@ -120,7 +107,7 @@ def plan_install(
         raise ConfigurationError(
             f"channel {channel!r} is longer than PostgreSQL's {_MAX_IDENTIFIER} characters"
         )
-    with _connect(bind) as conn:
+    with connected(bind) as conn:
         if not sa.inspect(conn).has_table(table, schema=schema):
             where = f"{schema}.{table}" if schema else table
             raise ConfigurationError(f"no table {where!r} here: check --table and --schema")
@@ -149,7 +136,7 @@ def plan_uninstall(bind: Bind, table: str, *, schema: str | None = None) -> Wake
     if channel is None:
         return WakePlan(table, schema, default_channel(table, schema), ())
     target, function = _names(bind, table, schema)
-    with _connect(bind) as conn:
+    with connected(bind) as conn:
         others = conn.execute(
             sa.text(
                 "SELECT count(*) FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid "
@@ -168,11 +155,7 @@ def plan_uninstall(bind: Bind, table: str, *, schema: str | None = None) -> Wake
 
 def apply(bind: Bind, plan: WakePlan) -> None:
     """Run a plan's statements in one transaction."""
-    if isinstance(bind, Connection):
-        for statement in plan.statements:
-            bind.execute(sa.text(statement))
-        return
-    with bind.begin() as conn:
+    with in_transaction(bind) as conn:
         for statement in plan.statements:
             conn.execute(sa.text(statement))
 

@@ -104,19 +104,7 @@ def discard_dead(
     where = sa.and_(table.key_in(keys), table.filtered(c[STATUS] == DEAD))
     if delete:
         return int(conn.execute(sa.delete(table.table).where(where)).rowcount)
-    previous = sa.func.coalesce(c[LAST_ERROR], "")
-    stmt = (
-        sa.update(table.table)
-        .where(where)
-        .values(
-            {
-                STATUS: DONE,
-                DONE_AT: table.time.now(),
-                LAST_ERROR: sa.func.substr(sa.literal(note, sa.String) + previous, 1, 2000),
-            }
-        )
-    )
-    return int(conn.execute(stmt).rowcount)
+    return _update_noted(table, conn, where, note, {STATUS: DONE, DONE_AT: table.time.now()})
 
 
 def redrive_dead(
@@ -148,21 +136,18 @@ def redrive_dead(
         where = sa.and_(table.key_in(keys), c[STATUS] == DEAD)
     else:
         where = dead
-    previous = sa.func.coalesce(c[LAST_ERROR], "")
-    stmt = (
-        sa.update(table.table)
-        .where(where)
-        .values(
-            {
-                STATUS: READY,
-                ATTEMPTS: 0,
-                CLAIM_TOKEN: None,
-                DONE_AT: None,
-                VISIBLE_AT: table.time.now(),
-                LAST_ERROR: sa.func.substr(sa.literal(note, sa.String) + previous, 1, 2000),
-            }
-        )
-    )
+    ready = {STATUS: READY, ATTEMPTS: 0, CLAIM_TOKEN: None, DONE_AT: None}
+    return _update_noted(table, conn, where, note, {**ready, VISIBLE_AT: table.time.now()})
+
+
+def _update_noted(
+    table: ClaimTable, conn: Connection, where: Any, note: str, values: Mapping[str, Any]
+) -> int:
+    """Write ``values`` onto the rows ``where`` selects, ``note`` put in front of each
+    row's last error (so the history of a row stays on the row); how many."""
+    previous = sa.func.coalesce(table.table.c[LAST_ERROR], "")
+    noted = sa.func.substr(sa.literal(note, sa.String) + previous, 1, 2000)
+    stmt = sa.update(table.table).where(where).values({**values, LAST_ERROR: noted})
     return int(conn.execute(stmt).rowcount)
 
 

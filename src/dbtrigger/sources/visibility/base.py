@@ -20,6 +20,9 @@ from sqlalchemy.sql import ColumnElement, Select
 from dbtrigger import options as opt
 from dbtrigger.cursor import Position
 
+#: The rows one fetch returned, in source order, as column mappings.
+Rows = Sequence[Mapping[str, Any]]
+
 #: Column comment that marks a PostgreSQL transaction-id column; ``auto``
 #: chooses :class:`SnapshotHorizon` for a cursor column that carries it.
 XID_COLUMN_MARKER = "dbtrigger:xid8"
@@ -210,13 +213,7 @@ class ActiveGuard:
         del conn, after
         return None
 
-    def after_fetch(
-        self,
-        conn: Connection,
-        after: Position,
-        rows: Sequence[Mapping[str, Any]],
-        limit: int,
-    ) -> FetchInfo:
+    def after_fetch(self, conn: Connection, after: Position, rows: Rows, limit: int) -> FetchInfo:
         del conn, after, rows, limit
         return self.last_info
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime as dt
 import threading
 import time
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -30,6 +29,7 @@ from dbtrigger.sources.visibility.base import (
     FetchCondition,
     FetchInfo,
     GuardTarget,
+    Rows,
     VisibilityGuard,
     _check_seconds,
 )
@@ -215,13 +215,7 @@ class _SnapshotActive(ActiveGuard):
         del conn, after
         return self._condition
 
-    def after_fetch(
-        self,
-        conn: Connection,
-        after: Position,
-        rows: Sequence[Mapping[str, Any]],
-        limit: int,
-    ) -> FetchInfo:
+    def after_fetch(self, conn: Connection, after: Position, rows: Rows, limit: int) -> FetchInfo:
         if len(rows) >= limit:
             # A full batch: the horizon did not cut it short; the next fetch reports.
             return self.last_info
@@ -417,13 +411,7 @@ class _ActivityActive(ActiveGuard):
         age = None if cut is None else (activity.now - cut).total_seconds()
         return FetchInfo(self.mode, bound, True, waiting, activity.oldest_pid, age)
 
-    def after_fetch(
-        self,
-        conn: Connection,
-        after: Position,
-        rows: Sequence[Mapping[str, Any]],
-        limit: int,
-    ) -> FetchInfo:
+    def after_fetch(self, conn: Connection, after: Position, rows: Rows, limit: int) -> FetchInfo:
         del conn, after
         if len(rows) < limit:
             with self._lock:

@@ -41,7 +41,6 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
@@ -62,6 +61,7 @@ from dbtrigger.sources.visibility.base import (
     FetchCondition,
     FetchInfo,
     GuardTarget,
+    Rows,
     VisibilityGuard,
     _check_seconds,
 )
@@ -459,13 +459,7 @@ class _InnoDbActive(ActiveGuard):
             return FetchCondition(NOTHING)
         return self._bounded(bound)
 
-    def after_fetch(
-        self,
-        conn: Connection,
-        after: Position,
-        rows: Sequence[Mapping[str, Any]],
-        limit: int,
-    ) -> FetchInfo:
+    def after_fetch(self, conn: Connection, after: Position, rows: Rows, limit: int) -> FetchInfo:
         del conn
         if len(rows) >= limit:
             # A full batch did not reach the bound: keep it (it stays valid, see

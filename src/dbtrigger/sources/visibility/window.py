@@ -12,7 +12,6 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +29,7 @@ from dbtrigger.sources.visibility.base import (
     FetchCondition,
     FetchInfo,
     GuardTarget,
+    Rows,
     VisibilityGuard,
     _exact_needs,
 )
@@ -194,13 +194,7 @@ class _WindowActive(ActiveGuard):
         del conn, after
         return self._condition
 
-    def after_fetch(
-        self,
-        conn: Connection,
-        after: Position,
-        rows: Sequence[Mapping[str, Any]],
-        limit: int,
-    ) -> FetchInfo:
+    def after_fetch(self, conn: Connection, after: Position, rows: Rows, limit: int) -> FetchInfo:
         del after
         if self._overruns is not None and len(rows) < limit:
             self.last_info = self._overruns.check(conn) or FetchInfo(mode=self.mode)

@@ -129,3 +129,24 @@ def test_records_of_the_first_format_are_still_read() -> None:
     key = {"id": ["int", 1]}
     record = {"detail": {"event_ids": "sha256:x", "events": [["e1", key, "0000abcd"]]}}
     assert rec.detail_lines(record) == [rec.EventLine(key=key, image="0000abcd", event_id="e1")]
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [1, -(10**18), 10**19 - 1, -(10**19) + 1],
+        ["a", "é" * 50, "\U0001f600" * 7, '"\\\n'],
+        [10**30],
+        [],
+    ],
+)
+def test_a_column_size_bound_is_never_below_the_encoded_size(values: list[Any]) -> None:
+    kind = "int" if all(type(v) is int for v in values) else "str"
+    detail = {"format": 2, "rows": len(values), "column": "id\u00e9", "kind": kind}
+    detail |= {"values": values, "crcs": [2**32 - 1] * len(values)}
+    bound = rec.columns_size_bound(detail)
+    columns = {k: detail[k] for k in ("column", "kind", "values", "crcs")}
+    if bound is not None:
+        assert bound >= len(json.dumps(columns, separators=(",", ":"), ensure_ascii=True))
+    else:
+        assert values == [10**30]

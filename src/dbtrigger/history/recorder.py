@@ -281,9 +281,16 @@ class HistoryRecorder:
     def _fitted(record: dict[str, Any]) -> dict[str, Any]:
         """``record``, its per-event lines dropped when they would make it too large."""
         detail = record.get("detail")
-        if isinstance(detail, dict) and len(encode_line(record)) > MAX_RECORD_BYTES:
-            lines = ("events", "column", "kind", "values", "keys", "crcs")
-            slim = {k: v for k, v in detail.items() if k not in lines}
+        if not isinstance(detail, dict):
+            return record
+        lines = ("events", "column", "kind", "values", "keys", "crcs")
+        slim = {k: v for k, v in detail.items() if k not in lines}
+        bound = rec.columns_size_bound(detail)
+        if bound is not None and len(encode_line({**record, "detail": slim})) + bound <= (
+            MAX_RECORD_BYTES
+        ):
+            return record  # fits, told without encoding the columns (most batches)
+        if len(encode_line(record)) > MAX_RECORD_BYTES:
             slim["events_omitted"] = len(detail.get("events") or detail.get("crcs") or [])
             if "crcs" in detail:
                 slim["digest"] = rec.columns_digest(detail)

@@ -26,6 +26,7 @@ Nothing here performs I/O; the shapes are tested table by table.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import hashlib
 import json
 import math
@@ -51,6 +52,13 @@ def entry_id(entry: Mapping[str, Any]) -> str:
         if isinstance(entry, JournalRecord)
         else json.dumps(dict(entry), separators=(",", ":"), default=str)
     )
+    return _text_id(text)
+
+
+@functools.lru_cache(maxsize=256)
+def _text_id(text: str) -> str:
+    # Every append looks up the ids of the whole journal (20 entries by
+    # default), of which one is new: the others' digests are remembered.
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:24]
 
 
@@ -319,6 +327,31 @@ def batch_detail(
     if waiting:
         detail["waiting"] = dict(waiting)
     return detail
+
+
+def columns_size_bound(detail: Mapping[str, Any]) -> int | None:
+    """At least the length of the JSON of a second-format detail's columns (with
+    their keys and commas), when that can be told without encoding them: CRCs
+    and int keys have at most 20 digits, a text key at most 12 characters of
+    JSON per character (a character outside the BMP escaped as a surrogate
+    pair). None: encode to know (keys of several columns, huge ints, unknown values)."""
+    crcs = detail.get("crcs")
+    if not isinstance(crcs, list) or "keys" in detail:
+        return None
+    values = detail.get("values")
+    if not isinstance(values, list):
+        return None
+    kind = detail.get("kind")
+    if kind == "int":
+        if values and not -(10**19) < min(values) <= max(values) < 10**19:
+            return None  # more than 20 characters of JSON for some key
+        keys = 22 * len(values)
+    elif kind == "str":
+        keys = 12 * sum(map(len, values)) + 3 * len(values)
+    else:
+        return None
+    named = len(str(detail.get("column"))) * 12 + 2
+    return 64 + named + 12 * len(crcs) + keys
 
 
 def columns_digest(detail: Mapping[str, Any]) -> str:

@@ -19,6 +19,7 @@ import pytest
 
 from dbtrigger.events import RowShape, event_ids, events_from_rows
 from dbtrigger.history import records as rec
+from dbtrigger.history.recorder import MAX_RECORD_BYTES, HistoryRecorder
 from dbtrigger.state.document import digest_event_ids
 
 UTC = dt.timezone.utc
@@ -150,3 +151,16 @@ def test_a_column_size_bound_is_never_below_the_encoded_size(values: list[Any]) 
         assert bound >= len(json.dumps(columns, separators=(",", ":"), ensure_ascii=True))
     else:
         assert values == [10**30]
+
+
+def test_a_record_too_large_keeps_its_digest_but_not_its_columns() -> None:
+    shape = _shape(("id", "updated_at"), ("id",), "updated_at")
+    small = rec.batch_detail(events_from_rows(shape, [(f"k{i}", i) for i in range(10)]))
+    assert HistoryRecorder._fitted({"seq": 0, "detail": small})["detail"] == small
+    rows = [("k" * 2000 + str(i), i) for i in range(MAX_RECORD_BYTES // 2000 + 5)]
+    big = rec.batch_detail(events_from_rows(shape, rows))
+    slim = HistoryRecorder._fitted({"seq": 0, "detail": big})["detail"]
+    assert "values" not in slim
+    assert "crcs" not in slim
+    assert slim["events_omitted"] == len(rows)
+    assert slim["digest"] == rec.columns_digest(big)

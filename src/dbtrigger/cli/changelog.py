@@ -12,8 +12,6 @@ import datetime as dt
 import re
 from typing import Any
 
-import sqlalchemy as sa
-
 from dbtrigger.changelog.drift import install_command
 from dbtrigger.changelog.operations import (
     apply,
@@ -23,8 +21,8 @@ from dbtrigger.changelog.operations import (
     plan_uninstall,
     prune,
 )
+from dbtrigger.cli.ddl import print_then_apply, url_engine
 from dbtrigger.errors import ConfigurationError
-from dbtrigger.settings import resolve_setting
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -38,23 +36,13 @@ def parse_duration(text: str) -> dt.timedelta:
     return dt.timedelta(seconds=float(match.group(1)) * _UNIT[match.group(2)])
 
 
-def _engine(args: argparse.Namespace) -> sa.Engine:
-    try:
-        return sa.create_engine(resolve_setting(args.url))
-    except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError) as exc:
-        raise ConfigurationError(f"cannot use --url: {exc}") from None
-
-
 def cmd_install(args: argparse.Namespace) -> int:
-    engine = _engine(args)
+    engine = url_engine(args)
     try:
         plan = plan_install(engine, args.table, schema=args.schema)
-        for statement in plan.statements:
-            print(statement.rstrip() + ";\n")
-        if not args.yes:
-            print("-- dry run: nothing was changed; add --yes to apply")
+        statements = [s.rstrip() for s in plan.statements]
+        if not print_then_apply(args, statements, lambda: apply(engine, plan), end=";\n"):
             return 0
-        apply(engine, plan)
         print(f"-- installed: changes of {args.table} now go to {plan.info.log_table}")
         if any(" RENAME COLUMN " in s for s in plan.statements):
             print(
@@ -69,7 +57,7 @@ def cmd_install(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Exit 1 when a migration left the change log's triggers behind the table."""
-    engine = _engine(args)
+    engine = url_engine(args)
     try:
         found = drift(engine, args.table, schema=args.schema)
     finally:
@@ -92,15 +80,11 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_uninstall(args: argparse.Namespace) -> int:
-    engine = _engine(args)
+    engine = url_engine(args)
     try:
         plan = plan_uninstall(engine, args.table, schema=args.schema, drop_log=args.drop_log)
-        for statement in plan.statements:
-            print(statement + ";")
-        if not args.yes:
-            print("-- dry run: nothing was changed; add --yes to apply")
+        if not print_then_apply(args, plan.statements, lambda: apply(engine, plan)):
             return 0
-        apply(engine, plan)
         print(f"-- uninstalled the change log triggers of {args.table}")
         return 0
     finally:
@@ -132,7 +116,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
             return 0
     if older_than is None and up_to is None:
         raise ConfigurationError("prune needs --older-than and/or --passed-by")
-    engine = _engine(args)
+    engine = url_engine(args)
     try:
         count = prune(
             engine,
@@ -161,7 +145,7 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
     """Write the rows the table holds now into its change log (``upsert`` entries)."""
     from dbtrigger.changelog.snapshot import snapshot  # noqa: PLC0415 - only for this command
 
-    engine = _engine(args)
+    engine = url_engine(args)
     where = f" where {args.where}" if args.where else ""
     try:
         counted = snapshot(engine, args.table, schema=args.schema, where=args.where, apply=False)

@@ -15,21 +15,9 @@ from typing import Any
 import sqlalchemy as sa
 
 from dbtrigger._driver_errors import short_error
-from dbtrigger.errors import CommitError, ConfigurationError, FetchError
-from dbtrigger.settings import resolve_setting
+from dbtrigger.cli.ddl import print_then_apply, url_engine
+from dbtrigger.errors import CommitError, FetchError
 from dbtrigger.wakeup.ddl import WakePlan, apply, installed_channel, plan_install, plan_uninstall
-
-
-def _engine(args: argparse.Namespace) -> sa.Engine:
-    try:
-        return sa.create_engine(resolve_setting(args.url))
-    except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError) as exc:
-        raise ConfigurationError(f"cannot use --url: {exc}") from None
-
-
-def _show(plan: WakePlan) -> None:
-    for statement in plan.statements:
-        print(statement.rstrip() + ";\n")
 
 
 def _change(
@@ -37,17 +25,15 @@ def _change(
 ) -> WakePlan | None:
     """Plan, print the DDL, and apply it with ``--yes``; the plan applied, or None
     (a dry run, or nothing to do). ``doing`` names the change in its error."""
-    engine = _engine(args)
+    engine = url_engine(args)
     try:
         plan = make_plan(engine)
         if not plan.statements:
             print(f"-- {args.table} has no wake-up trigger: nothing to do")
             return None
-        _show(plan)
-        if not args.yes:
-            print("-- dry run: nothing was changed; add --yes to apply")
+        statements = [s.rstrip() for s in plan.statements]
+        if not print_then_apply(args, statements, lambda: apply(engine, plan), end=";\n"):
             return None
-        apply(engine, plan)
     except sa.exc.SQLAlchemyError as exc:
         raise CommitError(f"{doing} the wake-up trigger failed: {short_error(exc)}") from exc
     finally:
@@ -80,7 +66,7 @@ def cmd_uninstall(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Exit 1 when the table has no wake-up trigger."""
-    engine = _engine(args)
+    engine = url_engine(args)
     try:
         channel = installed_channel(engine, args.table, schema=args.schema)
     except sa.exc.SQLAlchemyError as exc:

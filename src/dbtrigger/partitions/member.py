@@ -474,6 +474,7 @@ class PartitionedPoller:
         rows = batches = 0
         more = handover = False
         outcomes: set[str] = set()
+        results: list[TickResult] = []
         errors: list[DbTriggerError] = []
         for pid in owned:
             if should_stop is not None and should_stop():
@@ -489,6 +490,7 @@ class PartitionedPoller:
             except DbTriggerError as exc:
                 errors.append(exc)
                 continue
+            results.append(result)
             rows += result.rows
             batches += result.batches
             more = more or result.more
@@ -500,7 +502,18 @@ class PartitionedPoller:
         outcome = (
             "committed" if rows else ("idle" if "idle" in outcomes or not owned else "lease_busy")
         )
-        self.last_result = TickResult(rows, batches, outcome, more=more)  # type: ignore[arg-type]
+        self.last_result = TickResult(
+            rows,
+            batches,
+            outcome,  # type: ignore[arg-type]
+            more=more,
+            partitions=len(owned),
+            held_back=any(r.held_back for r in results),
+            held_back_seconds=max((r.held_back_seconds for r in results), default=0.0),
+            waiting_retries=sum(r.waiting_retries for r in results),
+            next_retry_at=min((r.next_retry_at for r in results if r.next_retry_at), default=None),
+            window_withheld=sum(r.window_withheld for r in results),
+        )
         return self.last_result
 
     def _stop_for(self, pid: str, should_stop: Callable[[], bool] | None) -> Callable[[], bool]:

@@ -59,6 +59,7 @@ def quiet_key(result: object) -> Hashable | None:
             "idle",
             bool(getattr(result, "held_back", False)),
             bool(getattr(result, "waiting_retries", 0)),
+            bool(getattr(result, "window_withheld", 0)),
         )
     if outcome in ("lease_busy", "lost_race"):
         return ("lease", getattr(result, "holder", None))

@@ -489,5 +489,11 @@ class TickDriver:
     ) -> TickResult:
         """The tick's report, with the visibility guard's on its last fetch."""
         return TickResult.left(
-            rows, batches, outcome, more=more, document=document, held=self.reader.visibility
+            rows,
+            batches,
+            outcome,
+            more=more,
+            document=document,
+            held=self.reader.visibility,
+            window_withheld=self.reader.window_report.withheld,
         )

@@ -172,6 +172,13 @@ class TickResult:
     #: Events of the settled window still waiting for a retry, and the next due.
     waiting_retries: int = 0
     next_retry_at: dt.datetime | None = None
+    #: Rows after the checkpoint the settled window kept back on the last read
+    #: (it is full, or at its 75% mark, behind events waiting for a retry): an
+    #: idle tick with rows waiting, never "nothing after the checkpoint".
+    window_withheld: int = 0
+    #: A partitioned member's tick: how many partitions it owned, each with a
+    #: checkpoint of its own (None: a poller with one checkpoint, ``checkpoint``).
+    partitions: int | None = None
 
     @classmethod
     def left(
@@ -183,10 +190,12 @@ class TickResult:
         more: bool = False,
         document: StateDocument | None = None,
         held: VisibilityReport | None = None,
+        window_withheld: int = 0,
     ) -> TickResult:
         """A poller tick's report; ``document``: the state as the tick left it (the
         checkpoint, its commit time, the retries waiting); ``held``: the
-        visibility guard's report on the tick's last fetch."""
+        visibility guard's report on the tick's last fetch; ``window_withheld``:
+        the rows the settled window kept back on it."""
         back = held is not None and held.held_back
         checkpoint = document.checkpoint if document is not None else None
         window = document.window if document is not None else None
@@ -204,15 +213,23 @@ class TickResult:
             next_retry_at=min((p.not_before for p in window.pending), default=None)
             if window is not None
             else None,
+            window_withheld=window_withheld,
         )
 
     @property
     def caught_up(self) -> bool:
-        """Nothing left to deliver now: idle, and no event waits for a retry."""
-        return self.outcome == "idle" and not self.held_back and not self.waiting_retries
+        """Nothing left to deliver now: idle, no event waits for a retry, no row held back."""
+        return (
+            self.outcome == "idle"
+            and not self.held_back
+            and not self.waiting_retries
+            and not self.window_withheld
+        )
 
     def where(self) -> str:
         """``checkpoint 2026-...Z id=400 (committed 14:40:01.120Z)``: the position it left."""
+        if self.partitions is not None:
+            return f"checkpoints of its {self.partitions} partition(s)"
         cp = self.checkpoint
         if cp is None:
             return "checkpoint (beginning)"
@@ -250,6 +267,14 @@ class TickResult:
             text = (
                 f"idle: nothing after the {self.where()}; lag 0 rows{ago}{self.retries_text()}{nxt}"
             )
+            if self.partitions == 0:
+                text = f"standby: this member owns no partition (each has an owner){nxt}"
+            if self.window_withheld:
+                text = (
+                    f"idle: rows after the {self.where()} held back by the settled window "
+                    f"({self.window_withheld:,} in the last read) until the events it pins "
+                    f"settle (the window_blocked warning names them){self.retries_text()}{nxt}"
+                )
             if self.held_back:
                 who = f" by pid {self.blocking_pid}" if self.blocking_pid is not None else ""
                 text = (
@@ -280,6 +305,8 @@ class TickResult:
             fields["holder"] = self.holder
         if self.lease_until is not None:
             fields["lease_until"] = self.lease_until.isoformat()
+        if self.window_withheld:
+            fields["window_withheld"] = self.window_withheld
         if self.held_back:
             fields["held_back_seconds"] = self.held_back_seconds
             fields["blocking_pid"] = self.blocking_pid

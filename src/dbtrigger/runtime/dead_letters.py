@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable, Mapping
+from dataclasses import KW_ONLY, dataclass
 
 from dbtrigger.errors import QuarantineError
 from dbtrigger.events import RowChange
@@ -31,25 +32,17 @@ class RetriesExhausted(Exception):
     """The handler asked to retry the event on every one of ``max_attempts`` deliveries."""
 
 
+@dataclass(eq=False, repr=False)
 class DeadLetters:
     """One poller's dead-letter writes; see the module docstring."""
 
-    def __init__(
-        self,
-        sink: QuarantineSink,
-        *,
-        poller: str,
-        owner_id: str,
-        clock: Callable[[], dt.datetime],
-        retry: RetryPolicy,
-        telemetry: Telemetry,
-    ) -> None:
-        self.sink = sink
-        self.poller = poller
-        self.owner_id = owner_id
-        self.clock = clock
-        self.retry = retry
-        self.telemetry = telemetry
+    sink: QuarantineSink
+    _: KW_ONLY
+    poller: str
+    owner_id: str
+    clock: Callable[[], dt.datetime]
+    retry: RetryPolicy
+    telemetry: Telemetry
 
     def write(
         self,

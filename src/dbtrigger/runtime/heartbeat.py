@@ -31,6 +31,7 @@ from __future__ import annotations
 import datetime as dt
 import threading
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from types import TracebackType
 
 from dbtrigger.errors import DbTriggerError, LostLeaseError
@@ -46,6 +47,7 @@ def default_interval(ttl_seconds: float) -> float:
     return ttl_seconds / 3
 
 
+@dataclass(eq=False, repr=False)
 class Heartbeat:
     """Renews ``session``'s lease every ``interval`` seconds of write silence.
 
@@ -56,28 +58,20 @@ class Heartbeat:
     slower than the TTL can lose its lease).
     """
 
-    def __init__(
-        self,
-        session: LeaseSession,
-        *,
-        interval: float,
-        ttl: dt.timedelta,
-        clock: Callable[[], dt.datetime],
-        lost: threading.Event,
-        telemetry: Telemetry,
-        keepalive: KeepAlive,
-    ) -> None:
-        self.session = session
-        self.interval = interval
-        self.ttl = ttl
-        self.clock = clock
-        self.lost = lost
-        self.telemetry = telemetry
-        self.keepalive = keepalive
-        self.poller = telemetry.poller
-        self.renewals = 0
-        self.failures = 0
-        self._key = f"lease-{session.token}"
+    session: LeaseSession
+    _: KW_ONLY
+    interval: float
+    ttl: dt.timedelta
+    clock: Callable[[], dt.datetime]
+    lost: threading.Event
+    telemetry: Telemetry
+    keepalive: KeepAlive
+    renewals: int = field(default=0, init=False)
+    failures: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self.poller = self.telemetry.poller
+        self._key = f"lease-{self.session.token}"
 
     def __enter__(self) -> Heartbeat:
         if self.interval > 0:

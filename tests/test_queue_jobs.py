@@ -309,3 +309,26 @@ def test_queue_commands_take_the_queue_from_source(
     assert "not a QueueTrigger" in capsys.readouterr().err
     assert len(rows(db)) == 3
     sys.modules[app].source.close()
+
+
+def test_ages_are_real_or_said_unknown(
+    db: TestDatabase, source: ClaimSource, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An enqueued row's age is its own; SQLite's epoch default is never shown as an age."""
+    source.enqueue([job(1)])
+    counts = source.counts()
+    assert counts.oldest_ready_age_seconds is not None
+    assert counts.oldest_ready_age_seconds < 3600
+    assert not counts.undated
+    db.execute(f"INSERT INTO {db.qualified('jobs')} (id, payload) VALUES (2, 'by hand')")
+    counts = source.counts()
+    args = ["--url", db.url, "--table", "jobs", *(["--schema", db.schema] if db.schema else [])]
+    assert main(["queue", "status", *args]) == 0
+    out = capsys.readouterr().out
+    if db.kind == "sqlite":  # the install's default is the epoch: no time for that row
+        assert (counts.undated, counts.oldest_ready_age_seconds) == (True, None)
+        assert "oldest ready for an unknown time" in out
+    else:  # the column defaults to the database's clock
+        assert not counts.undated
+        assert counts.oldest_ready_age_seconds is not None
+        assert counts.oldest_ready_age_seconds < 3600

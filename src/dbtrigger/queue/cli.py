@@ -173,6 +173,7 @@ def print_status(source: ClaimSource, *, as_json: bool) -> int:
         "scheduled": counts.scheduled,
         "expired_claims": counts.expired_claims,
         "oldest_ready_age_seconds": counts.oldest_ready_age_seconds,
+        "oldest_ready_undated": counts.undated,
     }
     if as_json:
         print(json.dumps(report, sort_keys=True))
@@ -181,10 +182,13 @@ def print_status(source: ClaimSource, *, as_json: bool) -> int:
     for status, n in counts.by_status.items():
         print(f"  {status:<8} {n}")
     age = counts.oldest_ready_age_seconds
-    print(
-        f"  claimable now: {counts.claimable_now}, oldest ready for "
-        f"{'-' if age is None else f'{age:.1f}s'}"
-    )
+    oldest = "-" if age is None else f"{age:.1f}s"
+    if counts.undated:
+        oldest = (
+            "an unknown time (a row inserted without dbt_visible_at keeps SQLite's "
+            "1970 default: enqueue() and queue add date their rows)"
+        )
+    print(f"  claimable now: {counts.claimable_now}, oldest ready for {oldest}")
     print(
         f"  waiting for a retry: {counts.delayed}, scheduled for later: {counts.scheduled}, "
         f"expired claims: {counts.expired_claims}"

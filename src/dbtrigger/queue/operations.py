@@ -42,6 +42,14 @@ class QueueCounts:
     oldest_ready_age_seconds: float | None
     #: ``ready`` rows not due yet that were never tried: scheduled for later.
     scheduled: int = 0
+    #: The oldest ready row carries no real time: on SQLite ``queue install``
+    #: defaults ``dbt_visible_at`` to the epoch, so a row inserted without it
+    #: would read as 57 years old. Its age is then None, not a made-up number.
+    undated: bool = False
+
+
+#: An age no queued row has: what the epoch default of ``dbt_visible_at`` reads as.
+UNDATED_AGE_SECONDS = 25 * 365 * 86400
 
 
 def counts(table: ClaimTable, conn: Connection) -> QueueCounts:
@@ -70,6 +78,9 @@ def counts(table: ClaimTable, conn: Connection) -> QueueCounts:
         sa.select(sa.func.count()).where(table.filtered(c[STATUS] == CLAIMED, c[VISIBLE_AT] <= now))
     ).scalar_one()
     age = ready_now[1]
+    undated = age is not None and float(age) > UNDATED_AGE_SECONDS
+    if undated:
+        age = None
     shown = (READY, CLAIMED, DONE, DEAD)
     return QueueCounts(
         by_status={s: by_status.get(s, 0) for s in shown}
@@ -79,6 +90,7 @@ def counts(table: ClaimTable, conn: Connection) -> QueueCounts:
         expired_claims=int(expired),
         oldest_ready_age_seconds=None if age is None else max(0.0, float(age)),
         scheduled=int(later[0]) - delayed,
+        undated=undated,
     )
 
 

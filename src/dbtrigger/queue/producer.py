@@ -135,6 +135,10 @@ def enqueue(
         )
     if run_after is not None:
         values[VISIBLE_AT], params = _due(source, run_after)
+    elif columns_mode and source.time.dialect == "sqlite":
+        # SQLite's column default is the epoch (it cannot default to an
+        # expression on ALTER TABLE): date the row now, so its age is real.
+        values[VISIBLE_AT], params = _due(source, 0)
     if priority is not None:
         if PRIORITY not in user.c:
             raise ConfigurationError(

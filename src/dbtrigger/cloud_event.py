@@ -32,31 +32,9 @@ import importlib
 import math
 import uuid
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 from dbtrigger.errors import ConfigurationError
-
-
-class Change(Protocol):
-    """What an envelope is made of: the fields of a :class:`~dbtrigger.events.RowChange`
-    (which calls this module; this module needs nothing else of it)."""
-
-    @property
-    def event_id(self) -> str: ...
-    @property
-    def op(self) -> str: ...
-    @property
-    def source(self) -> str: ...
-    @property
-    def cursor(self) -> Any: ...
-    @property
-    def pk(self) -> Mapping[str, Any]: ...
-    @property
-    def before(self) -> Mapping[str, Any] | None: ...
-    @property
-    def after(self) -> Mapping[str, Any] | None: ...
-    @property
-    def metadata(self) -> Mapping[str, Any]: ...
 
 
 def plain_json(value: Any) -> Any:
@@ -83,13 +61,16 @@ def _subject(pk: Mapping[str, Any]) -> str:
 
 
 def to_cloudevent(
-    event: Change,
+    event: Any,
     *,
     source: str | None = None,
     type: str | None = None,
     extensions: Mapping[str, Any] | None = None,
 ) -> Any:
-    """``event`` as a ``cloudevents.core.v1.event.CloudEvent`` (see the module doc).
+    """``event`` (a :class:`~dbtrigger.events.RowChange`, whose ``to_cloudevent``
+    calls this: the type is not named here, so this module needs nothing of
+    ``dbtrigger.events``) as a ``cloudevents.core.v1.event.CloudEvent`` (see the
+    module doc).
 
     Raises:
         ConfigurationError: the ``cloudevents`` package is not installed, or an
@@ -128,4 +109,4 @@ def to_cloudevent(
         raise ConfigurationError(f"not a valid CloudEvent: {exc}") from exc
 
 
-__all__ = ["Change", "plain_json", "to_cloudevent"]
+__all__ = ["plain_json", "to_cloudevent"]

@@ -40,6 +40,7 @@ from dbtrigger.state.stores.factory import describe_store, open_store, redact
 
 if TYPE_CHECKING:
     from dbtrigger.queue.source import ClaimSource
+    from dbtrigger.state.operations import Manual
 
 ENV_STORE = "DBTRIGGER_STORE"
 #: The application name in shared stores: the same setting the Functions example
@@ -377,6 +378,20 @@ def dry_run_note(args: argparse.Namespace) -> str:
 
 def actor_from_args(args: argparse.Namespace) -> str:
     return str(args.actor or default_actor())
+
+
+def by_hand(args: argparse.Namespace, now: dt.datetime, details: dict[str, Any]) -> Manual:
+    """Who changes a poller's state from the command line, when and why (``--actor``,
+    ``--reason``, ``--force``): the keyword arguments every state operation takes
+    (:mod:`dbtrigger.state.operations`). ``details`` is shared, not copied: what
+    the command adds to it later is journaled too."""
+    return {
+        "now": now,
+        "actor": actor_from_args(args),
+        "reason": reason_from_args(args),
+        "force": args.force,
+        "details": details,
+    }
 
 
 # --- options ---------------------------------------------------------------------------

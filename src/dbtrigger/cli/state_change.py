@@ -27,6 +27,7 @@ from dbtrigger.cli.common import (
     add_cursor_options,
     add_store_options,
     backup_dir,
+    by_hand,
     dry_run_note,
     load_source,
     parse_position,
@@ -299,32 +300,25 @@ def cmd_reset(args: argparse.Namespace) -> int:
             raise ConfigurationError(f"cannot read {args.from_file}: {exc.strerror}") from exc
 
     def decide(doc: StateDocument, now: dt.datetime, details: dict[str, Any]) -> StateDocument:
-        common: dict[str, Any] = {
-            "now": now,
-            "actor": actor_from_args(args),
-            "reason": reason_from_args(args),
-            "force": args.force,
-        }
+        who = by_hand(args, now, details)
+        accepted: dict[str, Any] = {}
         if fingerprint is not None:
             details["accept_source"] = args.accept_source
             if not any(moves):
-                return ops.accept_source(
-                    doc, fingerprint=fingerprint, definition=definition, details=details, **common
-                )
-            common["fingerprint"] = fingerprint
-            common["definition"] = definition
+                return ops.accept_source(doc, fingerprint=fingerprint, definition=definition, **who)
+            accepted = {"fingerprint": fingerprint, "definition": definition}
         if backup_doc is not None:
             details["from_file"] = Path(args.from_file).name
-            return ops.restore(doc, backup_doc, details=details, **common)
+            return ops.restore(doc, backup_doc, **who)
         if args.to_beginning:
             details["mode"] = "to_beginning"
-            return ops.reset(doc, position=None, details=details, **common)
+            return ops.reset(doc, position=None, **accepted, **who)
         if args.to_batch:
             details["mode"] = "to_batch"
             details["batch_id"] = args.to_batch
             details["redeliver"] = args.redeliver
             position = ops.batch_position(doc, args.to_batch, redeliver=args.redeliver)
-            return ops.reset(doc, position=position, details=details, **common)
+            return ops.reset(doc, position=position, **accepted, **who)
         details["mode"] = "to_cursor"
         position = parse_position(
             args.to_cursor,
@@ -335,21 +329,14 @@ def cmd_reset(args: argparse.Namespace) -> int:
         )
         if isinstance(typed_by, ValidatesDefinition):
             typed_by.validate(position)  # a value its column cannot hold is refused now
-        return ops.reset(doc, position=position, details=details, **common)
+        return ops.reset(doc, position=position, **accepted, **who)
 
     return _apply_change(args, "reset", decide)
 
 
 def cmd_release(args: argparse.Namespace) -> int:
     def decide(doc: StateDocument, now: dt.datetime, details: dict[str, Any]) -> StateDocument:
-        return ops.release_lease(
-            doc,
-            now=now,
-            actor=actor_from_args(args),
-            reason=reason_from_args(args),
-            force=args.force,
-            details=details,
-        )
+        return ops.release_lease(doc, **by_hand(args, now, details))
 
     return _apply_change(args, "release-lease", decide)
 
@@ -383,13 +370,9 @@ def cmd_skip(args: argparse.Namespace) -> int:
         return ops.skip_batch(
             doc,
             position=position,
-            now=now,
-            actor=actor_from_args(args),
-            reason=reason_from_args(args),
             skipped_rows=count,
             skipped_keys=keys,
-            force=args.force,
-            details=details,
+            **by_hand(args, now, details),
         )
 
     return _apply_change(args, "skip-batch", decide)

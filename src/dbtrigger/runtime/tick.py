@@ -48,6 +48,7 @@ from dbtrigger.runtime.context import BatchContext, EventMarks
 from dbtrigger.runtime.delivery import Delivered, Delivery, Undelivered
 from dbtrigger.runtime.heartbeat import Heartbeat
 from dbtrigger.runtime.kernel import Handler, KeepAlive, wants_context
+from dbtrigger.runtime.lease_clocks import LeaseClocks
 from dbtrigger.runtime.reading import BatchReader, NullCursorProbe, Prefetch, TickSettings, landing
 from dbtrigger.runtime.session import LeaseSession
 from dbtrigger.runtime.telemetry import Telemetry
@@ -61,7 +62,6 @@ from dbtrigger.sources.base import (
     SourceAdapter,
     position_of,
 )
-from dbtrigger.state import document as docmod
 from dbtrigger.state import lease as leasemod
 from dbtrigger.state import window as windowmod
 from dbtrigger.state.document import StateDocument
@@ -137,16 +137,9 @@ class TickDriver:
         #: Rows and batches the current (or last) tick committed so far: what a
         #: tick that fails half way did get done.
         self.committed = (0, 0)
-        #: The state etag as last read and when (our clock) it was first read:
-        #: how long a lease has stood unchanged, for leases written by a clock
+        #: How long a lease has stood unchanged, for leases written by a clock
         #: running ahead (see dbtrigger.state.lease.believed_expiry).
-        self._seen: tuple[str | None, dt.datetime] | None = None
-        self._skew_warned: str | None = None
-
-    def _first_seen(self, etag: str | None, now: dt.datetime) -> dt.datetime:
-        if self._seen is None or self._seen[0] != etag:
-            self._seen = (etag, now)
-        return self._seen[1]
+        self.lease_clocks = LeaseClocks(telemetry)
 
     # --- the tick, top-down -------------------------------------------------------------
 
@@ -169,25 +162,11 @@ class TickDriver:
             owner=s.owner_id,
             now=started_at,
             ttl=s.lease_ttl,
-            first_seen=self._first_seen(etag, started_at),
+            first_seen=self.lease_clocks.first_seen(etag, started_at),
             definition=self.reader.definition(),
         )
         if isinstance(decision, leasemod.Busy):
-            if decision.skew is not None and self._skew_warned != etag:
-                self._skew_warned = etag
-                self.emit(
-                    "clock_skew_suspected",
-                    "the lease of %s (token %s) was written by a clock about %s ahead of "
-                    "ours; its expiry is not believed as written: unless its holder "
-                    "heartbeats, it is taken over once it has stood unchanged for its own "
-                    "TTL (at %s). Check the clocks (NTP) of both hosts",
-                    decision.holder,
-                    decision.fencing_token,
-                    decision.skew,
-                    docmod.format_time(decision.free_at),
-                    holder=decision.holder,
-                    skew_seconds=decision.skew.total_seconds(),
-                )
+            self.lease_clocks.busy(decision, etag)
             self.emit(
                 "lease_busy",
                 "lease held by %s (token %s), %s; skipping tick",

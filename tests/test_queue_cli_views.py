@@ -6,9 +6,13 @@ Run the way an operator types them, against a module in the current directory.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
+import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,6 +58,11 @@ def app(db: TestDatabase, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> It
                                 pk_columns=["id"], mode="sidecar", cursor_column="version")
             feeder = SidecarFeeder(name="items-feeder", source=items,
                                    checkpoint_store=FileCheckpointStore({str(tmp_path / "st")!r}))
+            items_queue = QueueTrigger(name="items", source=items)
+
+            @items_queue.handler
+            def handle_items(events):
+                pass
             """
         )
     )
@@ -123,3 +132,30 @@ def test_sidecar_feeder_runs_under_run_and_checks_as_poller_and_queue(
     out = capsys.readouterr().out
     assert "check items-feeder (" in out  # the feeder, a keyset poller
     assert "OK       queue_table" in out  # and the queue it feeds
+
+
+def test_feeder_and_worker_run_in_one_process(db: TestDatabase, app: str, tmp_path: Path) -> None:
+    """docs/queues.md: `dbtrigger run app:feeder app:queue`, no flag: fed, then claimed.
+
+    A worker process of its own, stopped with SIGTERM once every row is done.
+    """
+    worker = subprocess.Popen(
+        [str(Path(sys.executable).parent / "dbtrigger"), "run", f"{app}:feeder",
+         f"{app}:items_queue", "--interval", "0.2"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    claims = db.qualified("dbtrigger_claims")
+    try:
+        deadline = time.monotonic() + 60
+        done = 0
+        while done < 3 and time.monotonic() < deadline and worker.poll() is None:
+            time.sleep(0.1)
+            with contextlib.suppress(sa.exc.DBAPIError):  # the table, before the first claim
+                done = int(db.scalar(f"SELECT count(*) FROM {claims} WHERE dbt_status = 'done'"))
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        out, err = worker.communicate(timeout=60)
+    assert done == 3, err
+    assert worker.returncode == 0, err
+    assert "items-feeder: 3 rows" in out
+    assert "items: 3 rows" in out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import types
 import uuid
 from collections.abc import Iterator
@@ -337,3 +338,38 @@ def test_a_fan_out_replay_goes_to_the_named_subscriber_only(
     assert code == 0, out
     assert [e.event_id for e, _ in search.seen] == [letter["event_id"]] * 2
     assert billing.seen == []
+
+
+def test_two_replays_at_once_hand_a_dead_letter_over_once(
+    app: App, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An operator replays while another's replay of the same dead letters is still
+    in its handler: the second is refused (the poller's replay lease is held) and
+    the event is handed over once; run again afterwards, it finds it settled."""
+    inside, go_on = threading.Event(), threading.Event()
+    handed: list[str] = []
+
+    def slow(events: list[RowChange], ctx: BatchContext) -> None:
+        handed.extend(e.event_id for e in events)
+        inside.set()
+        assert go_on.wait(60)
+
+    app.trigger.handler(slow)
+    argv = ["dead-letter", "replay", "orders", "--trigger", app.spec, "--reason", "fixed", "--yes"]
+    codes: list[int] = []
+    first = threading.Thread(target=lambda: codes.append(main(argv)))
+    first.start()
+    try:
+        assert inside.wait(60)
+        capsys.readouterr()
+        assert main(argv) == 2
+        assert "another replay of 'orders' holds" in capsys.readouterr().err
+    finally:
+        go_on.set()
+        first.join(60)
+    assert codes == [0]
+    assert main(argv) == 0
+    assert "nothing to do" in capsys.readouterr().out
+    assert sorted(handed) == sorted(
+        {e.event_id for e, _ in app.handler.seen if e.pk["id"] in (3, 7)}
+    )

@@ -33,7 +33,7 @@ from dbtrigger.errors import ConfigurationError
 from dbtrigger.quarantine import JsonLinesQuarantineSink, SqlQuarantineSink
 from dbtrigger.queue.cli import claim_source_of
 from dbtrigger.replay import dead_letters as dl
-from dbtrigger.replay.batches import journal_live
+from dbtrigger.replay.batches import ReplayLease, journal_live
 from dbtrigger.runtime.poller import PollTrigger, default_owner_id
 from dbtrigger.state.document import format_time
 from dbtrigger.state.stores.base import CheckpointStore
@@ -92,12 +92,13 @@ def _journal(
     event_ids: Sequence[str],
     details: dict[str, Any],
     console: Console,
-) -> None:
+) -> dict[str, Any] | None:
+    """Journal the operation in the poller's document and history; the entry written."""
     if store is None:
         console.warn(
             "note: not journaled (no state store: give --trigger or --store to journal it)"
         )
-        return
+        return None
     from dbtrigger.replay.batches import current_position, manual_entry  # noqa: PLC0415
 
     entry = manual_entry(
@@ -115,6 +116,7 @@ def _journal(
     problem = journal_live(store, poller, entry)
     if problem:
         console.warn(f"warning: {problem}")
+    return entry
 
 
 def _row(letter: dl.DeadLetter) -> list[str]:
@@ -242,58 +244,98 @@ def _replay(
     if not args.yes:
         console.print("dry run: no handler ran and nothing was marked; add --yes")
         return 0
+    # Under the replay lease of the poller ({poller}.replay, as dbtrigger replay holds):
+    # two operators replaying the same dead letters never both hand them over, and
+    # what another replay settled while this one waited is left alone.
     now = utc_now()
     owner = f"dead-letter:{default_owner_id()}"
-    outcomes = [
-        dl.replay_one(letter, handler, subscriber=args.subscriber, token=0, owner=owner, now=now)
-        for letter in letters
-    ]
-    actor = actor_from_args(args)
-    marks = dl.marks_for(sink)
-    marks.add(
-        [
-            dl.Mark(
-                args.poller,
-                o.event_id,
-                dl.ACTION_OF[o.result],
-                utc_now(),
-                actor,
-                args.reason,
-                o.detail,
+    lease = ReplayLease.take(store, trigger, owner, now) if store is not None else None
+    entry: dict[str, Any] | None = None
+    try:
+        if not args.again:
+            letters = _still_unsettled(sink, args.poller, letters, console)
+            if not letters:
+                return 0
+        outcomes = [
+            dl.replay_one(
+                letter,
+                handler,
+                subscriber=args.subscriber,
+                token=lease.token if lease is not None else 0,
+                owner=owner,
+                now=now,
             )
-            for o in outcomes
+            for letter in letters
         ]
-    )
-    counts = {
-        r: sum(1 for o in outcomes if o.result == r) for r in ("settled", "rejected", "failed")
-    }
-    for result, count in counts.items():
-        if count:
-            trigger.telemetry.emit(
-                "dead_letter_replayed",
-                "replayed %d dead letter(s) of %s: %s",
-                count,
-                args.poller,
-                result,
-                result=result,
-                values={"count": count},
-            )
-    for o in outcomes:
-        console.print(f"  {o.event_id}  {o.result}{': ' + o.detail if o.detail else ''}")
-    console.print(
-        f"{counts['settled']} settled, {counts['rejected']} rejected again, "
-        f"{counts['failed']} failed (still dead; replay again once fixed)"
-    )
-    _journal(
-        args,
-        store,
-        args.poller,
-        "dead_letter_replay",
-        [o.event_id for o in outcomes],
-        {"outcomes": counts, "sink": sink.describe()},
-        console,
-    )
+        actor = actor_from_args(args)
+        marks = dl.marks_for(sink)
+        marks.add(
+            [
+                dl.Mark(
+                    args.poller,
+                    o.event_id,
+                    dl.ACTION_OF[o.result],
+                    utc_now(),
+                    actor,
+                    args.reason,
+                    o.detail,
+                )
+                for o in outcomes
+            ]
+        )
+        counts = {
+            r: sum(1 for o in outcomes if o.result == r) for r in ("settled", "rejected", "failed")
+        }
+        for result, count in counts.items():
+            if count:
+                trigger.telemetry.emit(
+                    "dead_letter_replayed",
+                    "replayed %d dead letter(s) of %s: %s",
+                    count,
+                    args.poller,
+                    result,
+                    result=result,
+                    values={"count": count},
+                )
+        for o in outcomes:
+            console.print(f"  {o.event_id}  {o.result}{': ' + o.detail if o.detail else ''}")
+        console.print(
+            f"{counts['settled']} settled, {counts['rejected']} rejected again, "
+            f"{counts['failed']} failed (still dead; replay again once fixed)"
+        )
+        entry = _journal(
+            args,
+            store,
+            args.poller,
+            "dead_letter_replay",
+            [o.event_id for o in outcomes],
+            {"outcomes": counts, "sink": sink.describe()},
+            console,
+        )
+    finally:
+        if lease is not None:
+            lease.release(entry, utc_now())
     return 0 if not counts["failed"] and not counts["rejected"] else 1
+
+
+def _still_unsettled(
+    sink: Any, poller: str, letters: list[dl.DeadLetter], console: Console
+) -> list[dl.DeadLetter]:
+    """``letters`` as their marks say now (read under the lease): those another
+    replay settled since they were listed are left out, and said so."""
+    fresh = {
+        letter.record.event_id: letter
+        for letter in dl.dead_letters(
+            sink, poller, ids=[x.record.event_id for x in letters], include_settled=True
+        )
+    }
+    now = [fresh.get(x.record.event_id, x) for x in letters]
+    settled = [x for x in now if x.state == dl.SETTLED]
+    if settled:
+        console.print(
+            f"{len(settled)} of them were settled meanwhile by another replay; left alone"
+        )
+    return [x for x in now if x.state != dl.SETTLED]
 
 
 def _discard(

@@ -416,9 +416,12 @@ class ReplayLease:
             ) from exc
         return cls(store, key, decision.document, etag, decision.fencing_token, owner)
 
-    def release(self, entry: Mapping[str, Any], now: dt.datetime) -> None:
+    def release(self, entry: Mapping[str, Any] | None, now: dt.datetime) -> None:
+        """Give the lease up, journaling ``entry`` (what the replay did) if there is one."""
         released = leasemod.decide_release(self.doc, owner=self.owner, token=self.token, now=now)
-        doc = (released or self.doc).with_journal_entry(entry)
+        doc = released or self.doc
+        if entry is not None:
+            doc = doc.with_journal_entry(entry)
         self.store.write(self.key, docmod.dumps(doc), if_match=self.etag)
 
 

@@ -50,14 +50,31 @@ dbtrigger() {
 """
 
 
-def run_python(code: str, where: str, namespace: dict[str, object]) -> tuple[bool, str]:
-    out = io.StringIO()
+def run_python(
+    code: str, where: str, namespace: dict[str, object], expect: list[str]
+) -> tuple[bool, str]:
+    """Run a block; it passes when it raises nothing and prints what the page says.
+
+    ``expect``: what the page shows a ``print`` prints (a comment beside it, or on
+    the line after), in order; each is one whole line of what the block printed.
+    """
+    out, err = io.StringIO(), io.StringIO()
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             exec(compile(code, where, "exec"), namespace)  # noqa: S102 - the docs' own code
     except BaseException:
-        return False, out.getvalue() + traceback.format_exc(limit=8)
-    return True, out.getvalue()
+        return False, out.getvalue() + err.getvalue() + traceback.format_exc(limit=8)
+    printed = [line.strip() for line in out.getvalue().splitlines()]
+    at = 0
+    for line in expect:
+        while at < len(printed) and printed[at] != line:
+            at += 1
+        if at == len(printed):
+            return False, (
+                f"the page says a print shows {line!r}; the block printed:\n{out.getvalue()}"
+            )
+        at += 1
+    return True, out.getvalue() + err.getvalue()
 
 
 def run_shell(commands: list[str], exits: list[int]) -> tuple[bool, str]:
@@ -89,7 +106,7 @@ def main() -> None:
             Path(block["save"]).write_text(block["code"], encoding="utf-8")
             sys.modules.pop(Path(block["save"]).stem, None)
         if block["kind"] == "python":
-            ok, output = run_python(block["code"], block["where"], namespace)
+            ok, output = run_python(block["code"], block["where"], namespace, block["expect"])
         else:
             ok, output = run_shell(block["commands"], block["exits"])
         results.append({"where": block["where"], "ok": ok, "output": output})

@@ -30,6 +30,7 @@ block printed)::
 
 from __future__ import annotations
 
+import ast
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,7 +82,9 @@ class Page:
 
     @property
     def name(self) -> str:
-        return self.path.relative_to(ROOT).as_posix()
+        if self.path.is_relative_to(ROOT):
+            return self.path.relative_to(ROOT).as_posix()
+        return self.path.name
 
 
 class MarkerError(ValueError):
@@ -162,3 +165,36 @@ def shell_commands(block: Block) -> list[str]:
             commands.append(joined.strip())
             joined = ""
     return commands
+
+
+_PRINT = re.compile(r"^print\(.*\)\s+# (?P<shown>.+)$")
+_SHOWN = re.compile(r"^# (?P<shown>.+)$")
+
+
+def printed(block: Block) -> list[str]:
+    """What the page says the block's top-level prints show, in order.
+
+    ``print(x)  # 3: the rest explains`` shows ``3``; a comment line right after a
+    print shows what it says too (``# {'a': 1}: why`` shows the dict).
+    """
+    shown: list[str] = []
+    after_print = False
+    for line in block.code.splitlines():
+        match = _PRINT.match(line) or (_SHOWN.match(line) if after_print else None)
+        after_print = line.startswith("print(")
+        if match is not None:
+            shown.append(_value_of(match["shown"]))
+    return shown
+
+
+def _value_of(comment: str) -> str:
+    """The shown value of ``3: why`` or ``{'a': 1}: why``: the first prefix before a
+    ``: `` that is a Python literal; else the whole comment (``429 from billing``)."""
+    for match in re.finditer(": ", comment):
+        head = comment[: match.start()]
+        try:
+            ast.literal_eval(head)
+        except (ValueError, SyntaxError):
+            continue
+        return head
+    return comment

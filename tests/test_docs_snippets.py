@@ -36,7 +36,9 @@ from tests.doc_snippets import (
     SHOWN,
     SKIP_REASONS,
     Block,
+    MarkerError,
     parse,
+    printed,
     shell_commands,
 )
 
@@ -174,6 +176,7 @@ def _job(block: Block) -> dict[str, object]:
         "commands": shell_commands(block) if kind == "shell" else [],
         "exits": sorted(block.exits),
         "save": block.save,
+        "expect": printed(block) if kind == "python" else [],
     }
 
 
@@ -201,3 +204,44 @@ def test_the_page_runs_as_written(page: str, page_env: dict[str, str], tmp_path:
     assert len(results) == len(jobs), f"stopped after {len(results)} of {len(jobs)} blocks"
     if failed:
         pytest.fail(f"{len(failed)} of {len(jobs)} blocks failed:\n\n{report}", pytrace=False)
+
+
+def test_the_markers_and_the_shown_output_parse(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "<!-- doc-test: run\nx = 1\n-->\n"
+        "<!-- doc-test: save app.py -->\n```python\nprint(x)  # 1: one\nprint({'a': 1})\n"
+        "# {'a': 1}: a dict\n```\n\n"
+        "<!-- doc-test: exit 1 -->\n```console\n$ dbtrigger x \\\n  --y\nout\n$ # no\n```\n"
+        "<!-- doc-test: skip azure-cloud: a tenant -->\n```bash\naz login\n```\n",
+        encoding="utf-8",
+    )
+    hidden, code, shell, skipped = parse(page).blocks
+    assert (hidden.lang, hidden.code) == ("hidden", "x = 1\n")
+    assert (code.save, printed(code)) == ("app.py", ["1", "{'a': 1}"])
+    assert (shell.exits, shell_commands(shell)) == (frozenset({0, 1}), ["dbtrigger x    --y"])
+    assert skipped.skip == ("azure-cloud", "a tenant")
+    for bad in (
+        "<!-- doc-test: skip because: x -->\n```bash\nls\n```\n",
+        "<!-- doc-test: skip install -->\n```bash\nls\n```\n",
+        "<!-- doc-test: frobnicate -->\n```bash\nls\n```\n",
+        "<!-- doc-test: save a.py -->\ntext\n```bash\nls\n```\n",
+    ):
+        page.write_text(bad, encoding="utf-8")
+        with pytest.raises(MarkerError):
+            parse(page)
+
+
+def test_no_page_puts_a_file_store_on_a_shared_disk() -> None:
+    """stores.md: never the file store on a shared drive (its locks are local); scale-out.md
+    once offered it for members on several machines."""
+    said = []
+    for page in PAGES:
+        text = re.sub(r"\s+", " ", page.read_text(encoding="utf-8"))
+        for sentence in re.split(r"(?<=[.;])\s", text):
+            if re.search(r"file store", sentence, re.I) and re.search(
+                r"(shared|network) (disk|drive|file ?system)", sentence, re.I
+            ):
+                said.append((page.name, sentence))
+    assert said, "the pages say where the file store must not go"
+    assert [s for s in said if not re.search(r"\b(never|not)\b", s[1], re.I)] == []

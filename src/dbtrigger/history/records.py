@@ -28,12 +28,14 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import hashlib
+import itertools
 import json
 import math
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
+from operator import attrgetter, itemgetter, methodcaller
 from typing import Any
 
 from dbtrigger.cursor import encoded_pk
@@ -248,10 +250,22 @@ class EventLine:
 
 def _row_batch(events: Sequence[RowChange]) -> tuple[Any, list[Any]] | None:
     """The shape and row tuples when every event is a fetched row of one shape."""
-    shape = getattr(events[0], "_shape", None) if events else None
-    if shape is None or not all(getattr(e, "_shape", None) is shape for e in events):
+    batch_shape = getattr(events[0], "_shape", None) if events else None
+    if batch_shape is None:
         return None
-    return shape, [e._row for e in events]  # type: ignore[attr-defined]
+    try:
+        shapes = set(map(_shape_of, events))
+        rows = list(map(_row_of, events))
+    except AttributeError:  # an event of another kind among them
+        return None
+    if shapes != {batch_shape}:
+        return None
+    return batch_shape, rows
+
+
+_shape_of = attrgetter("_shape")
+_row_of = attrgetter("_row")
+_encode = methodcaller("encode", "utf-8", "surrogatepass")
 
 
 def _row_text(row: Any) -> bytes:
@@ -278,18 +292,19 @@ def _columns(events: Sequence[RowChange]) -> tuple[dict[str, Any], list[int]]:
         return {"keys": [_key(e) for e in events]}, [zlib.crc32(_image_bytes(e)) for e in events]
     shape, rows = batch
     seed = _seed(shape)
-    if all(type(row) is tuple for row in rows):
-        texts = [text.encode("utf-8", "surrogatepass") for text in map(repr, rows)]
+    # Per row one repr, one encode and one CRC, each mapped at C speed.
+    if set(map(type, rows)) == {tuple}:
+        texts = list(map(_encode, map(repr, rows)))
     else:
         texts = [_row_text(row) for row in rows]
-    crc32 = zlib.crc32
-    crcs = [crc32(text, seed) for text in texts]
-    for i, text in enumerate(texts):
-        if b" at 0x" in text:
-            crcs[i] = crc32(_image_bytes(events[i]))
+    crcs = list(map(zlib.crc32, texts, itertools.repeat(seed)))
+    if b" at 0x" in b"\n".join(texts):
+        for i, text in enumerate(texts):
+            if b" at 0x" in text:
+                crcs[i] = zlib.crc32(_image_bytes(events[i]))
     index = shape.single_index
     if index >= 0:
-        values = [row[index] for row in rows]
+        values = list(map(itemgetter(index), rows))
         kinds = set(map(type, values))
         if kinds in ({int}, {str}):
             kind = "int" if int in kinds else "str"

@@ -49,6 +49,7 @@ from dbtrigger.runtime.delivery import Delivery, cancelled_error
 from dbtrigger.runtime.drain import drain
 from dbtrigger.runtime.kernel import Handler, KeepAlive
 from dbtrigger.runtime.reading import (
+    BatchReader,
     NullCursorProbe,
     TickSettings,
     heartbeat_interval,
@@ -238,7 +239,7 @@ class PollTrigger(ClosesOnExit):
         self.cli_source: str | None = None
         #: The heartbeat thread that renews this trigger's lease while a batch runs.
         self._keepalive = KeepAlive(self.name)
-        self._driver = TickDriver(
+        reader = BatchReader(
             TickSettings(
                 name=self.name,
                 owner_id=self.owner_id,
@@ -271,9 +272,9 @@ class PollTrigger(ClosesOnExit):
                 cli_target=self.cli_target,
             ),
             null_probe=self.null_probe,
-            keepalive=self._keepalive,
             cli_source=self.operator_spec,
         )
+        self._driver = TickDriver(reader, keepalive=self._keepalive)
         #: The durable history beside the state document (None: kept nowhere), and
         #: ``start_from``, applied before this process's first tick.
         self.history, self._driver.writer.history = recorder_for(history, self)

@@ -45,13 +45,12 @@ from dbtrigger.errors import DbTriggerError, LostLeaseError
 from dbtrigger.events import RowChange
 from dbtrigger.runtime import windowing
 from dbtrigger.runtime.context import BatchContext, EventMarks
-from dbtrigger.runtime.delivery import Delivered, Delivery, Undelivered
+from dbtrigger.runtime.delivery import Delivered, Undelivered
 from dbtrigger.runtime.heartbeat import Heartbeat
 from dbtrigger.runtime.kernel import Handler, KeepAlive, wants_context
 from dbtrigger.runtime.lease_clocks import LeaseClocks
-from dbtrigger.runtime.reading import BatchReader, NullCursorProbe, Prefetch, TickSettings, landing
+from dbtrigger.runtime.reading import BatchReader, Prefetch, TickSettings, landing
 from dbtrigger.runtime.session import LeaseSession
-from dbtrigger.runtime.telemetry import Telemetry
 from dbtrigger.runtime.trigger import Outcome, TickResult
 from dbtrigger.runtime.windowing import Selection
 from dbtrigger.runtime.writes import StateWriter, WriterSettings
@@ -59,14 +58,12 @@ from dbtrigger.sources.base import (
     AcknowledgesCheckpoints,
     MeasuresCursorAge,
     MeasuresLag,
-    SourceAdapter,
     position_of,
 )
 from dbtrigger.state import lease as leasemod
 from dbtrigger.state import window as windowmod
 from dbtrigger.state.document import StateDocument
 from dbtrigger.state.journal import JournalEntry
-from dbtrigger.state.stores.base import CheckpointStore
 from dbtrigger.state.window import Window
 
 __all__ = ["TickDriver", "TickResult", "TickSettings", "wants_context"]
@@ -82,21 +79,22 @@ class TickDriver:
     :class:`~dbtrigger.runtime.reading.BatchReader`'s, its writes the
     :class:`~dbtrigger.runtime.writes.StateWriter`'s."""
 
-    def __init__(
-        self,
-        settings: TickSettings,
-        *,
-        source: SourceAdapter,
-        store: CheckpointStore,
-        clock: Callable[[], dt.datetime],
-        fingerprint: Callable[[], str],
-        telemetry: Telemetry,
-        delivery: Delivery,
-        null_probe: NullCursorProbe,
-        keepalive: KeepAlive,
-        cli_source: Callable[[], str | None] = lambda: None,
-    ) -> None:
+    def __init__(self, reader: BatchReader, *, keepalive: KeepAlive) -> None:
+        settings, source = reader.settings, reader.source
         self.settings = settings
+        #: Every read of the tick: the state document, the rows of each batch. Its
+        #: ports (source, store, clock, telemetry, delivery) are the driver's too.
+        self.reader = reader
+        self.name = settings.name
+        self.source = source
+        self.store = reader.store
+        self.clock = clock = reader.clock
+        self.fingerprint = reader.fingerprint
+        self.telemetry = telemetry = reader.telemetry
+        self.emit = telemetry.emit
+        self.delivery = reader.delivery
+        #: The source holds data until told it is checkpointed (a replication slot).
+        self.acknowledges = isinstance(source, AcknowledgesCheckpoints)
         self.writer = StateWriter(
             WriterSettings(
                 name=settings.name,
@@ -109,28 +107,6 @@ class TickDriver:
             telemetry=telemetry,
             cursor_age=source.cursor_age_seconds if isinstance(source, MeasuresCursorAge) else None,
             lag_after=source.lag_after if isinstance(source, MeasuresLag) else None,
-        )
-        self.name = settings.name
-        self.source = source
-        self.store = store
-        self.clock = clock
-        self.fingerprint = fingerprint
-        self.telemetry = telemetry
-        self.emit = telemetry.emit
-        #: The source holds data until told it is checkpointed (a replication slot).
-        self.acknowledges = isinstance(source, AcknowledgesCheckpoints)
-        self.delivery = delivery
-        #: Every read of the tick: the state document, the rows of each batch.
-        self.reader = BatchReader(
-            settings,
-            source=source,
-            store=store,
-            clock=clock,
-            fingerprint=fingerprint,
-            telemetry=telemetry,
-            delivery=delivery,
-            null_probe=null_probe,
-            cli_source=cli_source,
         )
         #: The trigger's heartbeat thread (the lease is renewed on it).
         self.keepalive = keepalive

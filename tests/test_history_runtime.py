@@ -511,3 +511,45 @@ def test_history_and_status_show_the_retries_waiting(
     assert "waiting now: 1 event(s)" in out
     assert "owed to search (1)" in out
     assert "billing 5/0/0, search 4/0/1" in out  # per-subscriber counts of the commit
+
+
+def test_history_shows_a_commit_the_history_store_missed_from_the_journal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The history store was down for the last commit: ``dbtrigger history`` still
+    lists it, from the state document's journal, with ``-`` for its number (and
+    ``pending`` in --json) until the poller's next append fills it in."""
+    from dbtrigger.cli import main  # noqa: PLC0415
+    from dbtrigger.history import FileHistory  # noqa: PLC0415
+
+    history = FlakyHistory(FileHistory(tmp_path / "state"))
+    trigger = PollTrigger(
+        name="orders",
+        source=memory_source(30),
+        checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+        batch_size=10,
+        history=history,
+    )
+    trigger.tick(lambda events: None)
+    history.down = True
+    trigger.tick(lambda events: None)
+    args = ["--store", str(tmp_path / "state")]
+    capsys.readouterr()
+    assert main(["history", "orders", "--json", *args]) == 0
+    records = json.loads(capsys.readouterr().out)
+    assert [(r["seq"], r["type"], r.get("pending", False)) for r in records] == [
+        (1, "commit", False),
+        (None, "commit", True),
+    ]
+    assert main(["history", "orders", *args]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[:3] == ["1", records[0]["at"], "commit"]
+    assert lines[2].split()[:3] == ["-", records[1]["at"], "commit"]
+    history.down = False
+    trigger.tick(lambda events: None)  # the next commit's append fills it in
+    assert main(["history", "orders", "--json", *args]) == 0
+    assert [(r["seq"], r.get("pending", False)) for r in json.loads(capsys.readouterr().out)] == [
+        (1, False),
+        (2, False),
+        (3, False),
+    ]

@@ -297,6 +297,20 @@ def _require_holder(doc: StateDocument, owner: str, token: int, action: str) -> 
     return lease
 
 
+def _committed(
+    doc: StateDocument, position: Position, batch_id: str | None, now: dt.datetime, row_count: int
+) -> Checkpoint:
+    """The checkpoint a batch's commit leaves (fields a newer dbtrigger stored in
+    the one it replaces are carried over, as every write does)."""
+    return Checkpoint(
+        position=position,
+        last_successful_batch_id=batch_id,
+        updated_at=now,
+        row_count=row_count,
+        extra=doc.checkpoint.extra if doc.checkpoint is not None else {},
+    )
+
+
 def decide_commit(
     doc: StateDocument,
     *,
@@ -327,13 +341,7 @@ def decide_commit(
         expires_at=now if release else now + ttl,
         released=release,
     )
-    checkpoint = Checkpoint(
-        position=position,
-        last_successful_batch_id=batch_id,
-        updated_at=now,
-        row_count=row_count,
-        extra=doc.checkpoint.extra if doc.checkpoint is not None else {},
-    )
+    checkpoint = _committed(doc, position, batch_id, now, row_count)
     out = replace(doc, checkpoint=checkpoint, lease=new_lease, failure=None)
     return _journaled(_with_window(out, window), journal_entry, journal_limit)
 
@@ -408,16 +416,7 @@ def decide_failure(
     lease = _require_holder(doc, owner, token, "failure record")
     base = doc
     if advance_to is not None and advance_to != doc.position:
-        base = replace(
-            doc,
-            checkpoint=Checkpoint(
-                position=advance_to,
-                last_successful_batch_id=batch_id,
-                updated_at=now,
-                row_count=row_count,
-                extra=doc.checkpoint.extra if doc.checkpoint is not None else {},
-            ),
-        )
+        base = replace(doc, checkpoint=_committed(doc, advance_to, batch_id, now, row_count))
         previous = None
     else:
         previous = failure_at(doc, doc.position)

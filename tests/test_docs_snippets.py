@@ -245,3 +245,50 @@ def test_no_page_puts_a_file_store_on_a_shared_disk() -> None:
                 said.append((page.name, sentence))
     assert said, "the pages say where the file store must not go"
     assert [s for s in said if not re.search(r"\b(never|not)\b", s[1], re.I)] == []
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:  # argparse offers no public walk
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def _synopses() -> list[tuple[str, str]]:
+    """Each ``dbtrigger ...`` line of a text block, its indented continuation lines joined."""
+    found: list[tuple[str, str]] = []
+    for page in PARSED:
+        for block in page.blocks:
+            if block.lang != "text":
+                continue
+            current: list[str] | None = None
+            for line in block.code.splitlines():
+                if line.startswith("dbtrigger "):
+                    current = [line.strip()]
+                    found.append((block.where, ""))
+                elif current is not None and line[:1].isspace() and line.strip():
+                    current.append(line.strip())
+                else:
+                    current = None
+                if current is not None:
+                    found[-1] = (block.where, " ".join(current))
+    return found
+
+
+def test_every_option_of_a_synopsis_is_one_the_command_takes() -> None:
+    commands = _subparsers(build_parser())
+    wrong = []
+    synopses = _synopses()
+    assert len(synopses) > 20, "the synopses were not found"
+    for where, text in synopses:
+        words = text.split()
+        command = commands[words[1]]
+        inner = _subparsers(command)
+        parsers = [command]
+        if inner and len(words) > 2:
+            parsers = [inner[name] for name in words[2].split("|")]
+        taken = {s for p in parsers for a in p._actions for s in a.option_strings}
+        for option in re.findall(r"(?<![\w-])--[a-z][a-z-]*", text):
+            if option not in taken:
+                wrong.append(f"{where}: {' '.join(words[:3])}: {option}")
+    assert wrong == []

@@ -553,3 +553,34 @@ def test_history_shows_a_commit_the_history_store_missed_from_the_journal(
         (2, False),
         (3, False),
     ]
+
+
+def test_the_runtime_prunes_by_the_history_store_s_retention(tmp_path: Path) -> None:
+    """Retention is the history store's (``FileHistory(..., retention=Retention(...))``):
+    the runtime prunes by it after an append, at most once an hour per process, so
+    a restart prunes what the previous process let grow; the oldest records go,
+    numbering goes on, and the pruning is counted."""
+    from dbtrigger.history import FileHistory  # noqa: PLC0415
+
+    kept = Retention(max_age_days=None, max_bytes=2048)
+
+    def history() -> FileHistory:
+        return FileHistory(tmp_path / "state", segment_bytes=1024, retention=kept)
+
+    source = memory_source(200)
+    store = FileCheckpointStore(tmp_path / "state")
+    PollTrigger(
+        name="orders", source=source, checkpoint_store=store, batch_size=5, history=history()
+    ).drain(lambda events: None)
+    assert [r["seq"] for r in history().read("orders")][:1] == [1]  # pruned once, when small
+    source.put({"id": 201, "seq": 201, "v": "row 201"})
+    metrics = InMemoryMetrics()
+    restarted = PollTrigger(
+        name="orders", source=source, checkpoint_store=store, history=history(), metrics=metrics
+    )
+    assert restarted.tick(lambda events: None) == 1
+    seqs = [int(r["seq"]) for r in history().read("orders")]
+    assert seqs[0] > 1
+    assert seqs == list(range(seqs[0], 42))  # 41 commits, the oldest pruned
+    assert sum(p.stat().st_size for p in (tmp_path / "state").glob("orders.history.*")) < 4096
+    assert metrics.total("history_pruned_total") == seqs[0] - 1

@@ -35,6 +35,7 @@ from dbtrigger import options as opt
 from dbtrigger.errors import CasConflictError
 from dbtrigger.history.records import record_time
 from dbtrigger.history.store import (
+    DEFAULT_RETENTION,
     Retention,
     decode_lines,
     encode_line,
@@ -84,7 +85,10 @@ class BlobHistory:
         app: str | Any,
         prefix: str = "state",
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        retention: Retention = DEFAULT_RETENTION,
     ) -> None:
+        #: How long the runtime keeps records here (it prunes after its appends).
+        self.retention = retention
         self._container = container
         self._app = app
         self.prefix = prefix

@@ -34,6 +34,7 @@ from dbtrigger import options as opt
 from dbtrigger.errors import CasConflictError, StoreAuthError, StoreUnavailableError
 from dbtrigger.history.records import record_time
 from dbtrigger.history.store import (
+    DEFAULT_RETENTION,
     Retention,
     decode_lines,
     encode_line,
@@ -59,8 +60,11 @@ class FileHistory:
         *,
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         lock_timeout: float = 10.0,
+        retention: Retention = DEFAULT_RETENTION,
     ) -> None:
         self.directory = Path(directory)
+        #: How long the runtime keeps records here (it prunes after its appends).
+        self.retention = retention
         self.segment_bytes = opt.whole("segment_bytes", segment_bytes, minimum=1024)
         self.lock_timeout = opt.seconds("lock_timeout", lock_timeout)
 

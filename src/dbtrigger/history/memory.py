@@ -12,13 +12,15 @@ from typing import Any
 
 from dbtrigger.errors import CasConflictError
 from dbtrigger.history.records import record_time
-from dbtrigger.history.store import Retention, encode_line, numbered
+from dbtrigger.history.store import DEFAULT_RETENTION, Retention, encode_line, numbered
 
 
 class MemoryHistory:
     """Records in a dict of lists, guarded by a lock."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, retention: Retention = DEFAULT_RETENTION) -> None:
+        #: How long the runtime keeps records here (it prunes after its appends).
+        self.retention = retention
         self._records: dict[str, list[dict[str, Any]]] = {}
         self._lock = threading.Lock()
 

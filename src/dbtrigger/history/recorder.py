@@ -330,12 +330,14 @@ def recorder_for(
     store = resolve_history(option, trigger.store)
     if store is None:
         return None, NO_HISTORY
+    retention = getattr(store, "retention", None)
     recorder = HistoryRecorder(
         store,
         trigger.name,
         emit=trigger.telemetry.emit,
         clock=trigger.clock,
         journal_limit=trigger.journal_limit,
+        retention=retention if isinstance(retention, Retention) else DEFAULT_RETENTION,
     )
     return store, recorder
 

@@ -40,7 +40,7 @@ from dbtrigger.errors import (
     StoreUnavailableError,
 )
 from dbtrigger.history.records import record_time
-from dbtrigger.history.store import Retention, encode_line, numbered
+from dbtrigger.history.store import DEFAULT_RETENTION, Retention, encode_line, numbered
 from dbtrigger.names import validate_name, validate_sql_identifier
 from dbtrigger.redaction import safe_url_text
 from dbtrigger.state.stores.sql import classify_driver_error, is_duplicate_key
@@ -82,7 +82,10 @@ class SqlHistory:
         schema: str | None = None,
         namespace: str = "default",
         create_table: bool = True,
+        retention: Retention = DEFAULT_RETENTION,
     ) -> None:
+        #: How long the runtime keeps records here (it prunes after its appends).
+        self.retention = retention
         self._engine = engine
         self.table = history_table(table, schema)
         self.namespace = validate_name(namespace, "namespace")

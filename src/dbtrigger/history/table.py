@@ -21,7 +21,7 @@ from azure.data.tables import TableClient
 
 from dbtrigger import _azure_errors as azure_errors
 from dbtrigger.errors import CasConflictError
-from dbtrigger.history.store import Retention, encode_line, numbered
+from dbtrigger.history.store import DEFAULT_RETENTION, Retention, encode_line, numbered
 from dbtrigger.names import validate_name
 from dbtrigger.state.document import format_time
 from dbtrigger.state.stores.table import split_text
@@ -38,7 +38,15 @@ def row_key(seq: int) -> str:
 class TableHistory:
     """History entities beside the state entities of one table."""
 
-    def __init__(self, client: TableClient | Callable[[], TableClient], *, app: str) -> None:
+    def __init__(
+        self,
+        client: TableClient | Callable[[], TableClient],
+        *,
+        app: str,
+        retention: Retention = DEFAULT_RETENTION,
+    ) -> None:
+        #: How long the runtime keeps records here (it prunes after its appends).
+        self.retention = retention
         self._client = client
         self.app = validate_name(app, "app name")
 

@@ -263,6 +263,9 @@ class SafeMetrics:
     def __init__(self, inner: MetricsCollector | None, poller: str) -> None:
         self._inner = inner or NullMetrics()
         self._poller = poller
+        #: Something collects: without a collector, callers may skip building
+        #: what they would report (a tick reports a dozen values a batch).
+        self.enabled = type(self._inner) is not NullMetrics  # (a subclass may collect)
 
     def _labels(self, labels: Labels | None) -> dict[str, str]:
         return {"poller": self._poller, **(labels or {})}

@@ -347,7 +347,7 @@ class Telemetry:
                 extra.setdefault("error_type", type(error).__name__)
                 extra.setdefault("operator_error", isinstance(error, OperatorError))
             self.log.log(spec.level, msg, *args, extra=extra, stacklevel=2)
-        if not spec.updates:
+        if not spec.updates or not self.metrics.enabled:
             return
         data = {**fields, **(values or {})}
         for update in spec.updates:

@@ -50,6 +50,7 @@ from dbtrigger.errors import (
 )
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.queue import operations, producer
+from dbtrigger.queue.engines import begin_immediate, claim_view, engine_options
 from dbtrigger.queue.layout import Claim, ClaimedRow, ClaimLayout, ColumnsLayout, QueueTable
 from dbtrigger.queue.operations import QueueCounts
 from dbtrigger.queue.producer import RunAfter
@@ -206,38 +207,11 @@ class ClaimSource:
                 if self._engines_built is None:
                     shared = self.shared_engine
                     self._engines_built = (
-                        LazyEngine(self.url, self._engine_options())
+                        LazyEngine(self.url, engine_options(self.time.dialect, self._engine_kwargs))
                         if shared is None
-                        else LazyEngine(self.url, engine=self._view(shared))
+                        else LazyEngine(self.url, engine=claim_view(shared, self.time.dialect))
                     )
         return self._engines_built
-
-    def _view(self, shared: Engine) -> Engine:
-        """A shared engine as the claim needs it, without changing it for its other
-        users: an ``execution_options`` copy shares the pool, and the options and
-        events set on it are its own."""
-        if self.time.dialect == "postgresql":
-            return shared.execution_options(isolation_level="AUTOCOMMIT")
-        view = shared.execution_options()
-        if self.time.dialect == "sqlite":
-            _begin_immediate(view, own_connections=False)
-        return view
-
-    def _engine_options(self) -> dict[str, Any]:
-        # No pre-ping: it would add a round trip to every claim and settlement.
-        # A connection the server dropped fails one operation (FetchError or
-        # CommitError, retried by the next tick; SQLAlchemy discards the pool).
-        kwargs: dict[str, Any] = {"pool_pre_ping": False}
-        if self.time.dialect == "postgresql":
-            # Every claim, extension and settlement is one statement (or, for a
-            # settlement, statements that each stand alone, fenced per row):
-            # autocommit saves the BEGIN and COMMIT round trips.
-            kwargs["isolation_level"] = "AUTOCOMMIT"
-        kwargs.update(self._engine_kwargs)
-        if self.time.dialect == "sqlite":
-            # Claimers queue on the write lock instead of failing at once.
-            kwargs.setdefault("connect_args", {"timeout": 30})
-        return kwargs
 
     @property
     def dialect_name(self) -> str:
@@ -282,7 +256,7 @@ class ClaimSource:
         if self.time.dialect == "sqlite" and not self._sqlite_hooked and not self.shared_engine:
             with self._engine_lock:
                 if not self._sqlite_hooked:
-                    _begin_immediate(engine)
+                    begin_immediate(engine)
                     self._sqlite_hooked = True
         return engine
 
@@ -569,28 +543,6 @@ class ClaimSource:
                 after = keys[-1]
         except SQLAlchemyError as exc:
             raise CommitError(f"pruning {self.name} failed: {short_error(exc)}") from exc
-
-
-def _begin_immediate(engine: Engine, *, own_connections: bool = True) -> None:
-    """Make every transaction on this SQLite engine take the write lock up front.
-
-    pysqlite would otherwise start transactions lazily and let two claimers read
-    the same rows before either writes; ``BEGIN IMMEDIATE`` serialises them.
-    With ``own_connections`` pysqlite's own transaction handling is switched
-    off on each new connection; a view of a shared engine leaves the pool's
-    connections as they are (pysqlite then sees the explicit ``BEGIN`` and
-    does not start a transaction of its own).
-    """
-    if own_connections:
-
-        @sa.event.listens_for(engine, "connect")
-        def _no_pysqlite_begin(dbapi_connection: Any, record: Any) -> None:
-            del record
-            dbapi_connection.isolation_level = None
-
-    @sa.event.listens_for(engine, "begin")
-    def _immediate(conn: Connection) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 # Claim and ClaimedRow are defined with the layouts; importable from here as before.

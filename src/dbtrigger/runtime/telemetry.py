@@ -336,11 +336,14 @@ class Telemetry:
         values: Mapping[str, Any] | None = None,
         **fields: Any,
     ) -> None:
-        """Log ``event`` (attributed to the caller's line) and apply its metrics."""
+        """Log ``event`` (attributed to the caller's line) and apply its metrics.
+
+        An exception among ``args`` gives the record and the metrics its
+        ``error_type`` (unless one is given)."""
         spec = EVENTS[event]
+        error = next((a for a in args if isinstance(a, BaseException)), None) if args else None
         if spec.level is not None and self.log.isEnabledFor(spec.level):
             extra = {"event": spec.log_as or event, "poller": self.poller, **fields}
-            error = next((a for a in args if isinstance(a, BaseException)), None)
             if error is not None:
                 # Log sinks (the CLI, JSON collectors) can tell a failure a
                 # person must fix from one the next tick may not repeat.
@@ -350,6 +353,8 @@ class Telemetry:
         if not spec.updates or not self.metrics.enabled:
             return
         data = {**fields, **(values or {})}
+        if error is not None:
+            data.setdefault("error_type", type(error).__name__)
         for update in spec.updates:
             self._apply(update, data)
 

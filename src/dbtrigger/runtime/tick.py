@@ -183,12 +183,7 @@ class TickDriver:
                 on_checkpoint=self.acknowledge if self.acknowledges else None,
             )
         except DbTriggerError as exc:
-            self.emit(
-                "lease_acquire_failed",
-                "lease acquisition failed: %s",
-                exc,
-                values={"error_type": type(exc).__name__},
-            )
+            self.emit("lease_acquire_failed", "lease acquisition failed: %s", exc)
             raise
         if session is None:
             self.emit(

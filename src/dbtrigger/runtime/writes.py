@@ -122,13 +122,7 @@ class StateWriter:
                 str(exc), poller=self.name, batch_id=entry.batch_id, fencing_token=session.token
             ) from exc
         except CommitError as exc:
-            self.emit(
-                "commit_failed",
-                "commit failed: %s",
-                exc,
-                values={"error_type": type(exc).__name__},
-                **fields,
-            )
+            self.emit("commit_failed", "commit failed: %s", exc, **fields)
             raise
         session.released = release
         after = entry.after

@@ -77,9 +77,27 @@ def run_python(
     return True, out.getvalue() + err.getvalue()
 
 
-def run_shell(commands: list[str], exits: list[int]) -> tuple[bool, str]:
+def shows(printed: str, shown: list[str]) -> str | None:
+    """None when every ``shown`` line is a whole line of ``printed``, in order
+    (``...`` stands for any lines); else the first line that is not."""
+    lines = [line.strip() for line in printed.splitlines()]
+    at = 0
+    for want in shown:
+        if want == "...":
+            continue
+        while at < len(lines) and lines[at] != want:
+            at += 1
+        if at == len(lines):
+            return want
+        at += 1
+    return None
+
+
+def run_shell(
+    commands: list[str], exits: list[int], shown: list[list[str]] | None
+) -> tuple[bool, str]:
     transcript = []
-    for command in commands:
+    for i, command in enumerate(commands):
         done = subprocess.run(
             ["bash", "-c", PRELUDE + command],  # noqa: S607 - the reader's shell, from PATH
             capture_output=True,
@@ -89,6 +107,10 @@ def run_shell(commands: list[str], exits: list[int]) -> tuple[bool, str]:
         )
         transcript.append(f"$ {command}\n{done.stdout}{done.stderr}[exit {done.returncode}]")
         if done.returncode not in exits:
+            return False, "\n".join(transcript)
+        missing = shows(done.stdout + done.stderr, shown[i]) if shown else None
+        if missing is not None:
+            transcript.append(f"the page shows {missing!r}, which this command did not print")
             return False, "\n".join(transcript)
     return True, "\n".join(transcript)
 
@@ -108,7 +130,7 @@ def main() -> None:
         if block["kind"] == "python":
             ok, output = run_python(block["code"], block["where"], namespace, block["expect"])
         else:
-            ok, output = run_shell(block["commands"], block["exits"])
+            ok, output = run_shell(block["commands"], block["exits"], block["shown"])
         results.append({"where": block["where"], "ok": ok, "output": output})
         results_path.write_text(json.dumps(results), encoding="utf-8")
 

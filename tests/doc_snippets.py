@@ -16,6 +16,10 @@ before its fence (blank lines may separate them):
 ``<!-- doc-test: exit N[,M] -->``
     a shell block whose commands may also exit with these codes (a dry run that
     reports a problem with exit 1, as the page says).
+``<!-- doc-test: output -->``
+    a console block whose shown output is what its commands print: each line
+    under a ``$`` command is a whole line of that command's output, in order
+    (a ``...`` line stands for any lines).
 
 and a comment of its own, anywhere on the page, holds hidden Python run at
 that point in the page's namespace (what the reader is told exists: a table,
@@ -65,6 +69,7 @@ class Block:
     skip: tuple[str, str] | None = None  # (reason, why)
     save: str | None = None
     exits: frozenset[int] = frozenset({0})
+    output: bool = False
 
     @property
     def where(self) -> str:
@@ -100,6 +105,8 @@ def _apply(block: Block, marker: str) -> None:
         block.skip = (reason.strip(), why.strip())
     elif verb == "save" and rest.strip():
         block.save = rest.strip()
+    elif verb == "output" and not rest.strip():
+        block.output = True
     elif verb == "exit" and rest.strip():
         block.exits = frozenset({0, *(int(code) for code in rest.split(","))})
     else:
@@ -198,3 +205,17 @@ def _value_of(comment: str) -> str:
             continue
         return head
     return comment
+
+
+def shown_output(block: Block) -> list[list[str]]:
+    """Per ``$`` command of a console block, the output lines the page shows under it."""
+    shown: list[list[str]] = []
+    continued = False
+    for line in block.code.splitlines():
+        if line.startswith("$ ") or continued:
+            if not continued:
+                shown.append([])
+            continued = line.rstrip().endswith("\\")
+        elif shown and line.strip():
+            shown[-1].append(line.strip())
+    return shown

@@ -40,6 +40,7 @@ from tests.doc_snippets import (
     parse,
     printed,
     shell_commands,
+    shown_output,
 )
 
 RUNNER = Path(__file__).resolve().parent / "doc_runner.py"
@@ -177,6 +178,7 @@ def _job(block: Block) -> dict[str, object]:
         "exits": sorted(block.exits),
         "save": block.save,
         "expect": printed(block) if kind == "python" else [],
+        "shown": shown_output(block) if block.output else None,
     }
 
 
@@ -212,7 +214,8 @@ def test_the_markers_and_the_shown_output_parse(tmp_path: Path) -> None:
         "<!-- doc-test: run\nx = 1\n-->\n"
         "<!-- doc-test: save app.py -->\n```python\nprint(x)  # 1: one\nprint({'a': 1})\n"
         "# {'a': 1}: a dict\n```\n\n"
-        "<!-- doc-test: exit 1 -->\n```console\n$ dbtrigger x \\\n  --y\nout\n$ # no\n```\n"
+        "<!-- doc-test: exit 1 -->\n<!-- doc-test: output -->\n"
+        "```console\n$ dbtrigger x \\\n  --y\nout\n...\n$ # no\n```\n"
         "<!-- doc-test: skip azure-cloud: a tenant -->\n```bash\naz login\n```\n",
         encoding="utf-8",
     )
@@ -220,6 +223,7 @@ def test_the_markers_and_the_shown_output_parse(tmp_path: Path) -> None:
     assert (hidden.lang, hidden.code) == ("hidden", "x = 1\n")
     assert (code.save, printed(code)) == ("app.py", ["1", "{'a': 1}"])
     assert (shell.exits, shell_commands(shell)) == (frozenset({0, 1}), ["dbtrigger x    --y"])
+    assert (shell.output, shown_output(shell)) == (True, [["out", "..."], []])
     assert skipped.skip == ("azure-cloud", "a tenant")
     for bad in (
         "<!-- doc-test: skip because: x -->\n```bash\nls\n```\n",

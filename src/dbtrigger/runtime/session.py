@@ -29,7 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 
 from dbtrigger.cursor import Position
 from dbtrigger.errors import (
@@ -88,33 +88,27 @@ _Outcome = _Landed | _Conflict | _NotLanded
 _Translate = Callable[[str, StoreError], DbTriggerError]
 
 
+@dataclass(eq=False, repr=False)
 class LeaseSession:
-    def __init__(
-        self,
-        store: CheckpointStore,
-        key: str,
-        document: StateDocument,
-        etag: str,
-        *,
-        owner: str,
-        token: int,
-        retry: RetryPolicy | None = None,
-        on_retry: RetryHook | None = None,
-        on_checkpoint: Callable[[Position], None] | None = None,
-    ) -> None:
-        self.store = store
-        self.key = key
-        self.document = document
-        self.etag = etag
-        self.owner = owner
-        self.token = token
-        self.released = False
-        self.lost = False
-        self.writes = 0
-        self.retry = retry or RetryPolicy.none()
-        self.on_retry = on_retry
-        self.on_checkpoint = on_checkpoint
-        self._checkpointed = document.position
+    """The lease one tick holds on ``key``: the document and etag as last written
+    under it, and every write the tick makes (compare-and-swap on that etag)."""
+
+    store: CheckpointStore
+    key: str
+    document: StateDocument
+    etag: str
+    _: KW_ONLY
+    owner: str
+    token: int
+    retry: RetryPolicy = field(default_factory=RetryPolicy.none)
+    on_retry: RetryHook | None = None
+    on_checkpoint: Callable[[Position], None] | None = None
+    released: bool = field(default=False, init=False)
+    lost: bool = field(default=False, init=False)
+    writes: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self._checkpointed = self.document.position
         self._last_write = time.monotonic()
         self._lock = threading.Lock()
 
@@ -151,7 +145,7 @@ class LeaseSession:
             etag or "",
             owner=owner,
             token=decision.fencing_token,
-            retry=retry,
+            retry=retry or RetryPolicy.none(),
             on_retry=on_retry,
             on_checkpoint=on_checkpoint,
         )

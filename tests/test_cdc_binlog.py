@@ -485,3 +485,29 @@ def test_connections_share_one_opportunistic_tls_context(binlog_db: BinlogDataba
     finally:
         first.close()
         second.close()
+
+
+def test_each_binlog_event_is_freed_as_it_is_read_while_the_collector_is_paused(
+    binlog_db: BinlogDatabase,
+) -> None:
+    """The runtime pauses the cyclic collector while it fetches a batch; mysql-replication's
+    events refer to their packets and back, so a read held every event it parsed (94 MB of
+    RSS for a 100,000-row transaction) until the collector ran again."""
+    import gc  # noqa: PLC0415
+
+    from pymysqlreplication.row_event import RowsEvent  # noqa: PLC0415
+
+    table = make_table(binlog_db)
+    source = BinlogSource(binlog_db.url, [table], snapshot="never", reader=f"gc_{table}")
+    assert source.fetch(BEGINNING, 10) == []
+    binlog_db.execute(f"INSERT INTO {table} SELECT seq, 'n', seq FROM seq_1_to_5000")
+    gc.collect()
+    gc.disable()
+    try:
+        rows = source.fetch(BEGINNING, 100)
+        alive = sum(1 for o in gc.get_objects() if isinstance(o, RowsEvent))
+    finally:
+        gc.enable()
+    assert len(rows) == 100
+    assert alive == 0
+    source.close()

@@ -51,6 +51,8 @@ class DecodeError(ValueError):
 
 @dataclass(frozen=True)
 class Begin:
+    """A transaction starts; ``final_lsn`` is where it commits (its position in the log)."""
+
     final_lsn: int
     commit_time: dt.datetime
     xid: int
@@ -58,6 +60,8 @@ class Begin:
 
 @dataclass(frozen=True)
 class Commit:
+    """The transaction ends; ``end_lsn`` is where the log may be released past it."""
+
     flags: int
     commit_lsn: int
     end_lsn: int
@@ -66,12 +70,16 @@ class Commit:
 
 @dataclass(frozen=True)
 class Origin:
+    """The transaction was replayed from another node (logical replication origin)."""
+
     lsn: int
     name: str
 
 
 @dataclass(frozen=True)
 class Column:
+    """One column of a Relation: its name, type and whether it is in the replica identity."""
+
     flags: int
     name: str
     type_oid: int
@@ -85,6 +93,9 @@ class Column:
 
 @dataclass(frozen=True)
 class Relation:
+    """A table's shape, sent before its first change in a decoding session (and again
+    after it changed); changes name their table by ``oid``."""
+
     oid: int
     namespace: str
     name: str
@@ -99,6 +110,8 @@ class Relation:
 
 @dataclass(frozen=True)
 class Type:
+    """A non-built-in type used by a Relation's column."""
+
     oid: int
     namespace: str
     name: str
@@ -107,6 +120,8 @@ class Type:
 
 @dataclass(frozen=True)
 class Insert:
+    """A new row (``new`` holds every column's text value)."""
+
     relation_oid: int
     new: tuple[Value, ...]
     xid: int | None = None
@@ -114,6 +129,9 @@ class Insert:
 
 @dataclass(frozen=True)
 class Update:
+    """A changed row; ``old`` is the key (``K``) or the whole row (``O``) when the replica
+    identity and the change make the server send it."""
+
     relation_oid: int
     old_kind: str | None  # "K" (key columns only), "O" (the whole old row), None
     old: tuple[Value, ...] | None
@@ -123,6 +141,8 @@ class Update:
 
 @dataclass(frozen=True)
 class Delete:
+    """A deleted row: its key (``K``) or, under ``REPLICA IDENTITY FULL``, the whole row (``O``)."""
+
     relation_oid: int
     old_kind: str  # "K" or "O"
     old: tuple[Value, ...]
@@ -131,6 +151,8 @@ class Delete:
 
 @dataclass(frozen=True)
 class Truncate:
+    """``TRUNCATE`` of one or more tables (no row events follow)."""
+
     relation_oids: tuple[int, ...]
     cascade: bool
     restart_identity: bool
@@ -139,6 +161,8 @@ class Truncate:
 
 @dataclass(frozen=True)
 class Message:
+    """A logical message (``pg_logical_emit_message``): heartbeats and snapshot chunks."""
+
     transactional: bool
     lsn: int
     prefix: str
@@ -148,17 +172,21 @@ class Message:
 
 @dataclass(frozen=True)
 class StreamStart:
+    """Protocol 2+: part of an in-progress transaction follows (not used by this reader)."""
+
     xid: int
     first_segment: bool
 
 
 @dataclass(frozen=True)
 class StreamStop:
-    pass
+    """Protocol 2+: the streamed part ends."""
 
 
 @dataclass(frozen=True)
 class StreamCommit:
+    """Protocol 2+: a streamed transaction committed."""
+
     xid: int
     flags: int
     commit_lsn: int
@@ -168,6 +196,8 @@ class StreamCommit:
 
 @dataclass(frozen=True)
 class StreamAbort:
+    """Protocol 2+: a streamed (sub)transaction rolled back."""
+
     xid: int
     subxid: int
 

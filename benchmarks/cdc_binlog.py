@@ -220,13 +220,13 @@ def replay(url: str, kind: str, rows: int, batch: int) -> dict[str, Any]:
 # --- memory during one large transaction ------------------------------------------------------
 
 
-def memory_child(url: str, rows: int) -> dict[str, Any]:
+def memory_child(url: str, rows: int, history: bool = True) -> dict[str, Any]:
     db = fresh_database(url)
     execute(db, "CREATE TABLE big (id BIGINT PRIMARY KEY, v INT NOT NULL, payload TEXT)")
     source = BinlogSource(db, ["big"], snapshot="never")
     trigger = PollTrigger(
         name=unique("big"), source=source, checkpoint_store=InMemoryCheckpointStore(),
-        batch_size=1000, max_batches_per_tick=100,
+        batch_size=1000, max_batches_per_tick=100, history=history,
     )
     trigger.tick(lambda events: None)
     execute(db, f"INSERT INTO big SELECT seq, seq, REPEAT('p', 40) FROM seq_1_to_{rows}")
@@ -245,10 +245,10 @@ def memory_child(url: str, rows: int) -> dict[str, Any]:
     return {"before": before, "peak": peak}
 
 
-def memory(url: str, rows: int) -> dict[str, Any]:
+def memory(url: str, rows: int, history: bool = True) -> dict[str, Any]:
     done = subprocess.run(  # noqa: S603 - this very script, as a child
         [sys.executable, "-m", "benchmarks.cdc_binlog", "--child", "--url", url,
-         "--big", str(rows)],
+         "--big", str(rows), *([] if history else ["--no-history"])],
         cwd=ROOT, capture_output=True, text=True, check=True,
     )
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -272,10 +272,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--no-history", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     logging.getLogger("dbtrigger").setLevel(logging.ERROR)  # the tables are the output
     if args.child:
-        print(json.dumps(memory_child(args.url, args.big)))
+        print(json.dumps(memory_child(args.url, args.big, not args.no_history)))
         return 0
     if args.quick:
         args.seconds, args.rows, args.big = 3.0, [20_000], 20_000
@@ -334,19 +335,23 @@ def report(args: argparse.Namespace, url: str) -> None:
         replay_rows,
         left=2,
     )
-    result = memory(url, args.big)
-    print_table(
-        "client memory while one transaction of N rows is delivered (MiB; target <= 80 MB)",
-        ["source", "rows in the transaction", "RSS set up", "peak RSS", "growth"],
-        [
+    memory_rows = []
+    for history in (True, False):
+        result = memory(url, args.big, history)
+        memory_rows.append(
             [
                 "BinlogSource",
+                "default (history in memory)" if history else "history=False",
                 args.big,
                 f"{result['before']:.0f}",
                 f"{result['peak']:.0f}",
                 f"{result['peak'] - result['before']:.0f}",
             ]
-        ],
+        )
+    print_table(
+        "client memory while one transaction of N rows is delivered (MiB; target <= 80 MB)",
+        ["source", "trigger", "rows in the transaction", "RSS set up", "peak RSS", "growth"],
+        memory_rows,
     )
 
 

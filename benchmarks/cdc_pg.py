@@ -225,14 +225,14 @@ def replay(url: str, kind: str, rows: int, batch: int) -> dict[str, Any]:
 # --- memory during one large transaction ------------------------------------------------------
 
 
-def memory_child(url: str, mode: str, rows: int) -> dict[str, Any]:
+def memory_child(url: str, mode: str, rows: int, history: bool = True) -> dict[str, Any]:
     db = fresh_database(url)
     with psycopg.connect(conninfo(db), autocommit=True) as conn:
         conn.execute("CREATE TABLE big (id bigint PRIMARY KEY, v int NOT NULL, payload text)")
     source = PgLogicalSource(db, ["big"], snapshot="never", mode=mode)
     trigger = PollTrigger(
         name=unique("big"), source=source, checkpoint_store=InMemoryCheckpointStore(),
-        batch_size=1000, max_batches_per_tick=100,
+        batch_size=1000, max_batches_per_tick=100, history=history,
     )
     trigger.tick(lambda events: None)
     with psycopg.connect(conninfo(db), autocommit=True) as conn:
@@ -254,10 +254,10 @@ def memory_child(url: str, mode: str, rows: int) -> dict[str, Any]:
     return {"before": before, "peak": peak}
 
 
-def memory(url: str, mode: str, rows: int) -> dict[str, Any]:
+def memory(url: str, mode: str, rows: int, history: bool = True) -> dict[str, Any]:
     done = subprocess.run(  # noqa: S603 - this very script, as a child
         [sys.executable, "-m", "benchmarks.cdc_pg", "--child", mode, "--url", url,
-         "--big", str(rows)],
+         "--big", str(rows), *([] if history else ["--no-history"])],
         cwd=ROOT, capture_output=True, text=True, check=True,
     )
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -283,10 +283,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--no-history", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     logging.getLogger("dbtrigger").setLevel(logging.ERROR)  # the tables are the output
     if args.child:
-        print(json.dumps(memory_child(args.url, args.child, args.big)))
+        print(json.dumps(memory_child(args.url, args.child, args.big, not args.no_history)))
         return 0
     if args.quick:
         args.seconds, args.rows, args.big = 3.0, [20_000], 20_000
@@ -346,11 +347,12 @@ def report(args: argparse.Namespace, url: str) -> None:
         left=2,
     )
     memory_rows = []
-    for mode in ("poll", "stream"):
-        result = memory(url, mode, args.big)
+    for mode, history in (("poll", True), ("stream", True), ("poll", False), ("stream", False)):
+        result = memory(url, mode, args.big, history)
         memory_rows.append(
             [
                 f"PgLogicalSource {mode}",
+                "default (history in memory)" if history else "history=False",
                 args.big,
                 f"{result['before']:.0f}",
                 f"{result['peak']:.0f}",
@@ -359,7 +361,7 @@ def report(args: argparse.Namespace, url: str) -> None:
         )
     print_table(
         "client memory while one transaction of N rows is delivered (MiB; target <= 80 MB)",
-        ["source", "rows in the transaction", "RSS set up", "peak RSS", "growth"],
+        ["source", "trigger", "rows in the transaction", "RSS set up", "peak RSS", "growth"],
         memory_rows,
     )
 

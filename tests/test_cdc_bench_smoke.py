@@ -39,4 +39,4 @@ def test_the_cdc_benchmark_runs_on_tiny_data(logical_pg: LogicalPostgres) -> Non
     assert "commit -> handler latency" in out
     assert "backlog replay" in out
     assert "client memory while one transaction" in out
-    assert out.count("PgLogicalSource stream") == 4  # latency, two replays, memory
+    assert out.count("PgLogicalSource stream") == 5  # latency, 2 replays, 2 memory

@@ -39,4 +39,4 @@ def test_the_binlog_benchmark_runs_on_tiny_data(binlog_mariadb: BinlogMariadb) -
     assert "commit -> handler latency" in out
     assert "backlog replay" in out
     assert "client memory while one transaction" in out
-    assert out.count("BinlogSource ") == 4  # latency, two replays, memory
+    assert out.count("BinlogSource ") == 5  # latency, 2 replays, 2 memory

@@ -242,6 +242,12 @@ def test_status_of_all_pollers_and_of_one(app: App, capsys: pytest.CaptureFixtur
     assert status["fingerprint"] == app.source.fingerprint()
     assert status["failure"] is None
 
+    for _ in range(10):  # the 30 rows left, whatever the batch
+        app.tick()
+    code, out, _ = run(capsys, app.cli("status", "orders", "--source", f"{app.module}:trigger"))
+    fields = {line[:12].strip(): line[13:] for line in out.splitlines()}
+    assert fields["lag"] == "0 rows (caught up)"  # no "oldest pending 0.0s"
+
 
 def test_status_without_source_says_lag_is_unknown_and_shows_failures(
     app: App, capsys: pytest.CaptureFixture[str]

@@ -341,7 +341,9 @@ def _render_one(status: Mapping[str, Any], store: str, now: dt.datetime | None =
         lag_text = f"unknown ({lag['note']})"
     else:
         lag_text = "? rows" if lag["rows"] is None else f"{lag['rows']} rows"
-        if lag["seconds"] is not None:
+        if lag["rows"] == 0:
+            lag_text += " (caught up)"  # no "oldest pending 0.0s": nothing is pending
+        elif lag["seconds"] is not None:
             lag_text += f", oldest pending {lag['seconds']:.1f}s"
             basis = lag.get("basis")
             if basis and basis.startswith(COLUMN):

@@ -60,6 +60,12 @@ from dbtrigger.errors import (
     QuarantineError,
 )
 from dbtrigger.runtime.kernel import Handler
+from dbtrigger.runtime.pacing import (
+    DEFAULT_MAX_BACKOFF_SECONDS,
+    HELD_BACK_FIRST_SECONDS,
+    backoff_delay,
+    held_back_delay,
+)
 from dbtrigger.runtime.progress import (
     DEFAULT_PROGRESS_INTERVAL_SECONDS,
     DrainProgress,
@@ -77,42 +83,12 @@ from dbtrigger.runtime.trigger import TickReport, Trigger
 
 log = logging.getLogger("dbtrigger.runner")
 
-#: Default ceiling of the backoff between failing ticks.
-DEFAULT_MAX_BACKOFF_SECONDS = 300.0
-#: The first wait after a tick whose rows the visibility guard held back.
-HELD_BACK_FIRST_SECONDS = 0.05
-
 
 @dataclass
 class RunStats:
     ticks: int = 0
     rows: int = 0
     failures: int = 0
-
-
-def held_back_delay(held_ticks: int, interval: float) -> float:
-    """Seconds to wait after the ``held_ticks``-th tick in a row whose rows the
-    visibility guard held back: from :data:`HELD_BACK_FIRST_SECONDS`, doubling,
-    never more than the interval.
-
-    Why not the interval: the rows are committed and only wait for transactions
-    that were open at the guard's probe, which for a writer's own transaction
-    end within milliseconds; after the interval they would wait a whole
-    interval more (a third of the rows of a busy MariaDB table did). A long
-    transaction costs a few more polls in its first seconds, then the ordinary
-    interval.
-    """
-    return float(min(interval, HELD_BACK_FIRST_SECONDS * 2 ** min(held_ticks - 1, 30)))
-
-
-def backoff_delay(failures: int, interval: float, cap: float) -> float:
-    """Seconds to wait after ``failures`` failing ticks in a row: doubling, capped.
-
-    Starts at the interval (one second for an interval of 0, so ``--interval
-    0`` does not spin against a database that is down) and never exceeds ``cap``.
-    """
-    base = interval if interval > 0 else 1.0
-    return float(min(cap, base * 2 ** min(failures - 1, 30)))
 
 
 @runtime_checkable
@@ -480,12 +456,14 @@ def signals_routed_to(handler: Callable[[int, FrameType | None], None]) -> Itera
 __all__ = [
     "DEFAULT_MAX_BACKOFF_SECONDS",
     "DEFAULT_PROGRESS_INTERVAL_SECONDS",
+    "HELD_BACK_FIRST_SECONDS",
     "DrainProgress",
     "ProgressCallback",
     "RunStats",
     "Runner",
     "WakeHint",
     "backoff_delay",
+    "held_back_delay",
     "log_progress",
     "signals_routed_to",
 ]

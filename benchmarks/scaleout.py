@@ -8,9 +8,15 @@ directory, or Blob storage on a private Azurite with ``--stores file,blob``):
    (every dbtrigger setting at its default: partitions, balance interval,
    member TTL, join window, batch size, idle interval) are started together,
    and the time from their start until every row was delivered is taken. The
-   handler waits ``--handler-ms`` per event (an I/O-bound stand-in). Printed:
-   rows/s, the speed-up over one worker, the target 0.8 x W, the seconds until
-   the members held their fair shares, and the events delivered twice.
+   handler waits ``--handler-ms`` per event (an I/O-bound stand-in). Each
+   worker count runs ``--repeat`` times (3), interleaved with the others so that
+   the machine's drifting load touches all of them alike. Printed: the median
+   seconds and their range, rows/s, the speed-up over one worker (of the
+   medians), the target 0.8 x W, the seconds until every member had written
+   its first heartbeat (the processes' own start-up: interpreter, imports,
+   first connection) and until the members held their fair shares, the
+   events delivered twice, and the CPU seconds the worker processes used
+   together (what a loaded machine has to find for them).
 2. **Convergence at defaults.** With three members running, the seconds until
    ownership is fair again after a fourth joins (from its process start), after
    one leaves cleanly (SIGTERM), and after one is killed (SIGKILL: the member
@@ -33,7 +39,9 @@ import argparse
 import contextlib
 import math
 import os
+import resource
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,6 +49,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -217,26 +226,47 @@ def store_location(spec: str, workdir: Path) -> str:
     return spec
 
 
-def cold_start(
-    engine: sa.Engine, spec: str, workers: int, args: argparse.Namespace
-) -> tuple[float, float, int, int]:
-    """(seconds from process start to the last row, seconds to the fair shares,
-    members that got work, events delivered more than once)."""
+@dataclass(frozen=True)
+class ColdRun:
+    """One cold start: seconds from the processes' start until every row was
+    delivered, until every member had written its first heartbeat (the processes'
+    own start-up, which the group cannot shorten) and until the fair shares."""
+
+    took: float
+    up_at: float
+    fair_at: float
+    with_work: int
+    twice: int
+    cpu: float  # CPU seconds the worker processes used, user + system
+
+
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def cold_start(engine: sa.Engine, spec: str, workers: int, args: argparse.Namespace) -> ColdRun:
     table = f"scaleout_{uuid.uuid4().hex[:8]}"
     make_table(engine, table, args.rows)
     partitions = args.partitions or DEFAULT_PARTITIONS
     with tempfile.TemporaryDirectory() as tmp:
         group = Group(Path(tmp), store_location(spec, Path(tmp)), f"bench{uuid.uuid4().hex[:8]}")
+        cpu = children_cpu()
         started = time.monotonic()
         fair_at: float | None = None
+        up_at: float | None = None
         try:
             for i in range(workers):
                 group.start_run(f"w{i + 1}", table, args.handler_ms, args.partitions)
             target = fair(partitions, workers)
 
             def done() -> bool:
-                nonlocal fair_at
-                if fair_at is None and group.shares() == target:
+                nonlocal fair_at, up_at
+                doc = group.membership()
+                if doc is not None and up_at is None and len(doc.members) >= workers:
+                    up_at = time.monotonic() - started
+                shares = sorted(len(m.owns) for m in doc.members.values()) if doc else []
+                if fair_at is None and shares == target:
                     fair_at = time.monotonic() - started
                 return len(group.deliveries()) >= args.rows
 
@@ -246,9 +276,41 @@ def cold_start(
             with_work = group.workers_with_work()
         finally:
             group.stop_all()
+        cpu = children_cpu() - cpu  # the workers were waited for: their CPU is counted
     drop_table(engine, table)
-    twice = sum(n - 1 for n in counts.values())
-    return took, fair_at if fair_at is not None else math.nan, with_work, twice
+    return ColdRun(
+        took,
+        math.nan if up_at is None else up_at,
+        math.nan if fair_at is None else fair_at,
+        with_work,
+        sum(n - 1 for n in counts.values()),
+        cpu,
+    )
+
+
+def cold_table(runs: dict[int, list[ColdRun]], rows: int) -> list[list[str]]:
+    """One line per worker count: medians over the repetitions, speed-up of the medians."""
+    out = []
+    one = statistics.median(r.took for r in runs[1]) if 1 in runs else None
+    for workers, done in runs.items():
+        took = statistics.median(r.took for r in done)
+        fastest, slowest = min(r.took for r in done), max(r.took for r in done)
+        out.append(
+            [
+                str(workers),
+                f"{took:.1f}",
+                f"{fastest:.1f}-{slowest:.1f}",
+                fmt_rate(rows / took),
+                f"{one / took:.2f}" if one else "-",
+                f"{0.8 * workers:.1f}",
+                f"{statistics.median(r.up_at for r in done):.1f}",
+                f"{statistics.median(r.fair_at for r in done):.1f}",
+                f"{min(r.with_work for r in done)}/{workers}",
+                str(max(r.twice for r in done)),
+                f"{statistics.median(r.cpu for r in done):.1f}",
+            ]
+        )
+    return out
 
 
 def convergence(engine: sa.Engine, spec: str, args: argparse.Namespace) -> dict[str, float]:
@@ -350,45 +412,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tuned", action="store_true", help="also the tuned, warm figures")
     parser.add_argument("--tuned-partitions", type=int, default=6)
     parser.add_argument("--skip-convergence", action="store_true")
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="cold starts per worker count (median)"
+    )
     args = parser.parse_args(argv)
     engine = sa.create_engine(PG_URL)
     partitions = args.partitions or DEFAULT_PARTITIONS
     print(f"load average before: {load_average()}")
     with stores(args.stores.split(",")) as specs:
         for name, spec in specs.items():
-            rows = []
-            one: float | None = None
-            for workers in args.workers:
-                took, fair_at, with_work, twice = cold_start(engine, spec, workers, args)
-                rate = args.rows / took
-                one = rate if one is None and workers == 1 else one
-                rows.append(
-                    [
-                        str(workers),
-                        f"{took:.1f}",
-                        fmt_rate(rate),
-                        f"{rate / one:.2f}" if one else "-",
-                        f"{0.8 * workers:.1f}",
-                        f"{fair_at:.1f}",
-                        f"{with_work}/{workers}",
-                        str(twice),
-                    ]
-                )
+            runs: dict[int, list[ColdRun]] = {w: [] for w in args.workers}
+            for _ in range(args.repeat):  # interleaved: the machine's load drifts over a run
+                for workers in args.workers:
+                    runs[workers].append(cold_start(engine, spec, workers, args))
             print_table(
                 f"Cold start at defaults ({name} store): {args.rows:,} rows waiting, "
                 f"{partitions} partitions, handler {args.handler_ms:g} ms/event, "
-                "timed from process start",
+                f"timed from process start, median of {args.repeat}",
                 [
                     "workers",
                     "s",
+                    "range",
                     "rows/s",
                     "speed-up",
                     "target",
+                    "s all up",
                     "s to fair share",
                     "with work",
                     "twice",
+                    "worker CPU s",
                 ],
-                rows,
+                cold_table(runs, args.rows),
             )
             if not args.skip_convergence:
                 times = convergence(engine, spec, args)

@@ -266,6 +266,7 @@ def test_scaleout_benchmark_prints_its_tables(pg: TestDatabase, tmp_path: Path) 
         "scaleout",
         [
             *("--workers", "1,2", "--rows", "300", "--handler-ms", "0.5", "--skip-convergence"),
+            *("--repeat", "1"),
             *("--tuned", "--partitions", "4", "--tuned-partitions", "4"),
         ],
         pg,
@@ -273,7 +274,9 @@ def test_scaleout_benchmark_prints_its_tables(pg: TestDatabase, tmp_path: Path) 
     )
     cold = table_rows(out, "Cold start at defaults (file store): 300 rows")
     assert [r[0] for r in cold] == ["1", "2"]
-    assert [r[6] for r in cold] == ["1/1", "2/2"]  # every member got work
+    # 300 rows are too few to promise the second process work before the first is
+    # done on a loaded machine (the test above asserts that every member gets work).
+    assert [r[8].split("/")[1] for r in cold] == ["1", "2"]
     warm = table_rows(out, "Tuned and warm (file store)")
     assert [r[0] for r in warm] == ["1", "2"]
     ops = table_rows(out, "Storage operations of one member")

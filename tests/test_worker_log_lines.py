@@ -88,6 +88,25 @@ def test_a_timer_firing_logs_one_info_line(caplog: pytest.LogCaptureFixture) -> 
     assert "next tick" not in second  # the host's timer decides that
 
 
+def test_timer_firings_say_idle_once_then_every_few_minutes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A Functions timer fires every minute: an idle poller must not log 1,440 INFO lines
+    a day; it says so once, then at DEBUG, and "still idle" every 5 minutes."""
+    source = MemorySource(rows(5), cursor_column="seq", pk_columns=["id"])
+    trigger = PollTrigger(name="orders", source=source, checkpoint_store=InMemoryCheckpointStore())
+    minutes = iter(range(0, 10_000, 60))
+    trigger._quiet.clock = lambda: float(next(minutes))  # a firing a minute
+    with caplog.at_level(logging.DEBUG, logger="dbtrigger.runtime"):
+        for _ in range(8):
+            trigger.run(timer=None, handler=lambda events: None)
+    ticks = [r for r in caplog.records if getattr(r, "event", None) == "tick"]
+    levels = [logging.getLevelName(r.levelno) for r in ticks]
+    assert levels == ["INFO", "INFO", "DEBUG", "DEBUG", "DEBUG", "DEBUG", "INFO", "DEBUG"]
+    assert ticks[6].getMessage().startswith("orders: still idle: nothing after the checkpoint")
+    assert ticks[6].getMessage().endswith("(for 5m)")
+
+
 def test_idle_is_said_once_then_every_few_minutes(caplog: pytest.LogCaptureFixture) -> None:
     source = MemorySource(rows(5), cursor_column="seq", pk_columns=["id"])
     trigger = PollTrigger(name="orders", source=source, checkpoint_store=InMemoryCheckpointStore())

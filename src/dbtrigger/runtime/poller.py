@@ -48,6 +48,7 @@ from dbtrigger.runtime import deprecated, kernel
 from dbtrigger.runtime.delivery import Delivery, cancelled_error
 from dbtrigger.runtime.drain import drain
 from dbtrigger.runtime.kernel import Handler, KeepAlive
+from dbtrigger.runtime.quiet import QuietCadence, for_how_long, quiet_key
 from dbtrigger.runtime.reading import (
     BatchReader,
     NullCursorProbe,
@@ -219,6 +220,7 @@ class PollTrigger(ClosesOnExit):
         self.journal_limit = journal_limit
         self.null_check_interval = null_check_interval_seconds
         self._fingerprint: str | None = None
+        self._quiet = QuietCadence()  # report()'s: a timer-fired idle poller says so once
         self.default_handler: Handler | None = None
         self.heartbeat_interval = heartbeat_interval_seconds
         self.retry = retry or DEFAULT_RETRY_POLICY
@@ -344,11 +346,18 @@ class PollTrigger(ClosesOnExit):
         return self.report(self.tick_result(handler)).rows
 
     def report(self, result: TickResult) -> TickResult:
-        """Log ``result`` as the tick's one INFO line (``event=tick``): rows, batches,
+        """Log ``result`` as the tick's one line (``event=tick``): rows, batches,
         the checkpoint and when it was committed. Per-batch records are DEBUG, so a
-        timer-driven poller (a Functions invocation) says one line per firing."""
+        timer-driven poller (a Functions invocation) says one line per firing; a
+        quiet state (idle, held back, the lease elsewhere) is INFO when it begins,
+        DEBUG while it repeats and INFO again every 5 minutes as ``still ...``."""
         text, fields = result.summary(None)
-        tick_log.info(
+        level, quiet_for = self._quiet.level(quiet_key(result))
+        if quiet_for is not None:
+            text = f"still {text} (for {for_how_long(quiet_for)})"
+            fields["quiet_seconds"] = round(quiet_for, 1)
+        tick_log.log(
+            level,
             "%s: %s",
             self.name,
             text,

@@ -26,6 +26,7 @@ from azure.storage.blob import BlobServiceClient
 from dbtrigger import (
     FileCheckpointStore,
     HandlerError,
+    InMemoryCheckpointStore,
     LostLeaseError,
     PollTrigger,
     RowChange,
@@ -33,7 +34,7 @@ from dbtrigger import (
 )
 from dbtrigger.cli import main
 from dbtrigger.cli.backfill import Progress
-from dbtrigger.cli.common import parse_position, parse_value
+from dbtrigger.cli.common import parse_position, parse_value, read_state
 from dbtrigger.cursor import Position
 from dbtrigger.errors import ConfigurationError, LiveLeaseError
 from dbtrigger.state import document as docmod
@@ -271,6 +272,15 @@ def test_status_of_a_missing_poller_fails(app: App, capsys: pytest.CaptureFixtur
     code, out, _ = run(capsys, app.cli("status", "nope"))
     assert code == 1
     assert "no state for poller 'nope'" in out
+    assert out.rstrip().endswith("; it holds no poller")
+    app.tick()
+    code, out, _ = run(capsys, app.cli("status", "ordres"))  # a misspelt name
+    assert code == 1
+    assert out.rstrip().endswith("; it holds: orders")
+    code, _, err = run(capsys, app.cli("reset", "ordres", "--to-beginning"))
+    assert code == 2
+    assert "no state for poller 'ordres'" in err
+    assert "; it holds: orders" in err
 
 
 def test_history_lists_commits_and_manual_changes(
@@ -1192,3 +1202,11 @@ def test_status_and_reset_on_a_table_store(
         app.close()
         service.delete_table(table)
         service.close()
+
+
+def test_a_missing_poller_names_the_pollers_of_a_store_partitioned_ones_once() -> None:
+    store = InMemoryCheckpointStore()
+    for key in ("parts.members", "parts.p000-064", "parts.p064-128", "solo"):
+        store.write(key, b"{}", if_match=None)
+    with pytest.raises(ConfigurationError, match=r"; it holds: parts \(partitioned\), solo$"):
+        read_state(store, "prats")

@@ -220,8 +220,30 @@ def read_state(store: CheckpointStore, poller: str) -> tuple[StateDocument, str,
     """The document, its etag (for the conditional write) and raw bytes (for the backup)."""
     stored = store.read(poller)
     if stored is None:
-        raise ConfigurationError(f"no state for poller {poller!r} in {describe_store(store)}")
+        raise ConfigurationError(
+            f"no state for poller {poller!r} in {describe_store(store)}{_held_by(store)}"
+        )
     return docmod.loads(stored.data), stored.etag, stored.data
+
+
+def _held_by(store: CheckpointStore) -> str:
+    """``; it holds: orders, orders-audit``: a misspelt name is seen at once."""
+    try:
+        names = sorted(store.list_keys())
+    except DbTriggerError:
+        return ""  # the listing is a courtesy: the missing document is the error
+    groups = [n.removesuffix(".members") for n in names if n.endswith(".members")]
+    pollers = [f"{g} (partitioned)" for g in groups] + [
+        n
+        for n in names
+        if not n.endswith(".members") and not n.startswith(tuple(f"{g}." for g in groups))
+    ]
+    if not pollers:
+        return "; it holds no poller"
+    shown = ", ".join(pollers[:10]) + (
+        f" and {len(pollers) - 10} more" if len(pollers) > 10 else ""
+    )
+    return f"; it holds: {shown}"
 
 
 def parse_value(text: str, kind: str) -> Any:

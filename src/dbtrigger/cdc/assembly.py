@@ -125,6 +125,25 @@ class Assembly:
             txn.whole = False
         return txn
 
+    def split(self) -> Transaction[Any] | None:
+        """The changes of the open transaction read so far, as a part (``whole`` False);
+        the transaction stays open and the read may go on with the rest of it."""
+        txn = self.delivering
+        if txn is None:
+            return None
+        part = Transaction(
+            txn.commit, txn.start, txn.end, txn.commit_time, txn.transaction_id,
+            txn.changes, txn.offset, whole=False,
+        )  # fmt: skip
+        txn.offset += len(txn.changes)
+        txn.changes = []
+        return part
+
+    def more(self, room: int) -> None:
+        """The read goes on (inside the open transaction, if any) with ``room`` more changes."""
+        self.room = room
+        self.full = False
+
     def delivered_already(self) -> bool:
         """True for a change the read started after (inside the checkpoint's transaction)."""
         if self._to_skip:

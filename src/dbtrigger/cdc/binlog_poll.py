@@ -4,7 +4,8 @@ One read (:meth:`BinlogPoller.fill`) is a non-blocking binlog dump: the server
 sends what its log holds from a file and offset, then says "end of log". It is
 bounded three ways, like a PostgreSQL peek: by the end of the log when it
 runs, by a change count (``read_ahead``; the read stops inside a transaction
-if it must, and the next read finishes it), and by ``read_timeout_seconds``
+if it must, holding its dump there, and the next read goes on with the rest of
+it), and by ``read_timeout_seconds``
 (the read then stops at the next transaction boundary: it is still a read of
 whole transactions, just a shorter one).
 
@@ -86,6 +87,17 @@ class _ReadState:
     checked: bool
 
 
+@dataclass
+class _Dump:
+    """One binlog dump (its connections) and where it is in the log."""
+
+    stream: Any
+    state: _ReadState
+
+    def close(self) -> None:
+        self.stream.close()
+
+
 class BinlogPoller:
     """Fills the source's buffer by bounded binlog dumps (see the module docstring)."""
 
@@ -95,6 +107,8 @@ class BinlogPoller:
         self.continue_from: tuple[str, int] | None = None
         self._last_through_write = 0.0
         self._through_written: tuple[str, str, int] | None = None
+        #: A dump stopped inside a transaction for want of room (see :meth:`_dump`).
+        self._held: _Dump | None = None
 
     # --- where to start --------------------------------------------------------------------
 
@@ -147,6 +161,16 @@ class BinlogPoller:
         s = self.source
         buffer = s.buffer
         keep = max(s.read_ahead, limit)
+        held, self._held = self._held, None
+        if held is not None and buffer.covers(after):
+            try:
+                s.assembler.more(max(1, keep - buffer.pending(after)))
+                self._dump(held, after, None)
+                return
+            except Exception as exc:  # noqa: BLE001 - read again from the checkpoint below
+                log.debug("the held binlog dump could not go on (%s): reading again", exc)
+        elif held is not None:
+            held.close()
         if buffer.covers(after) and self.continue_from is not None:
             name, offset = self.continue_from
             expect = None
@@ -166,9 +190,7 @@ class BinlogPoller:
         from pymysqlreplication import BinLogStreamReader  # noqa: PLC0415
 
         s = self.source
-        buffer = s.buffer
-        asm: Assembler = s.assembler
-        asm.start(room)
+        s.assembler.start(room)
         stream = BinLogStreamReader(
             connection_settings=connect_kwargs(s.url),
             server_id=s.server_id,
@@ -178,11 +200,25 @@ class BinlogPoller:
             **DUMP_OPTIONS,
         )
         state = _ReadState(name, file_index(name), offset, (name, offset), expect is None)
+        self._dump(_Dump(stream, state), after, expect)
+
+    def _dump(self, dump: _Dump, after: LogPosition | None, expect: str | None) -> None:
+        """Read events of ``dump`` into the buffer until the log ends, the room is used up
+        or the time is (at a transaction boundary), or a column type changes.
+
+        Out of room inside a transaction, the part read so far is handed out and the
+        dump is held there: the next read goes on with the rest of the transaction
+        (while the buffer still covers the checkpoint) instead of reading it again.
+        """
+        s = self.source
+        buffer = s.buffer
+        asm: Assembler = s.assembler
+        state = dump.state
         deadline = time.monotonic() + s.read_timeout
-        stopped = False
+        stopped = held = False
         try:
             while True:
-                event = stream.fetchone()
+                event = dump.stream.fetchone()
                 if event is None:
                     break
                 self._feed(state, event, after, expect)
@@ -191,26 +227,34 @@ class BinlogPoller:
                 # fetched; a 100k-row transaction then held every parsed row until the read
                 # ended (94 MB). Cut the cycle so each event is freed as soon as it is read.
                 event.packet = None
-                if asm.current is not None and (asm.full or asm.schema_break is not None):
-                    txn = asm.partial()  # out of room, or a type change: stop inside it
-                    if txn is not None and asm.schema_break is None:
-                        buffer.append(txn)
-                    stopped = True
+                if asm.current is not None and asm.schema_break is not None:
+                    asm.partial()  # a type change: stop before it, nothing of the new shape
+                    stopped, state.boundary = True, None
+                    break
+                if asm.current is not None and asm.full:
+                    part = asm.split()  # out of room inside a transaction: hold it there
+                    if part is not None:
+                        buffer.append(part)
+                    stopped = held = True
                     state.boundary = None
                     break
                 if asm.current is None and (asm.full or time.monotonic() >= deadline):
                     stopped = True
                     break
         except DbTriggerError:
+            dump.close()
             buffer.loaded = False
             self.continue_from = None
             raise
         except Exception as exc:
+            dump.close()
             buffer.loaded = False
             self.continue_from = None
             raise self.translate(exc) from exc
-        finally:
-            stream.close()
+        if held:
+            self._held = dump
+        else:
+            dump.close()
         self.continue_from = state.boundary
         buffer.finish(complete=not stopped, through=None)
         s.schema_break = asm.schema_break
@@ -356,7 +400,9 @@ class BinlogPoller:
             s.control_row.through_pos = offset
 
     def close(self) -> None:
-        return None  # each read opens and closes its own dump connection
+        held, self._held = self._held, None
+        if held is not None:
+            held.close()
 
 
 __all__ = ["BinlogPoller"]

@@ -100,7 +100,23 @@ class TransactionBuffer(Generic[R]):
 
     def append(self, txn: Transaction[R], *, keep_empty: bool = False) -> None:
         """Add the next transaction of the read (in commit order; empty ones are dropped
-        unless ``keep_empty``: a stream appends a transaction as it begins)."""
+        unless ``keep_empty``: a stream appends a transaction as it begins).
+
+        The next part of the last transaction (held in part, ``whole`` False, and
+        ``txn`` starting at the ordinal where it ends) is added to it: a reader that
+        went on reading inside a large transaction instead of reading it again.
+        """
+        last = self._txns[-1] if self._txns else None
+        if (
+            last is not None
+            and txn.commit == last.commit
+            and not last.whole
+            and txn.offset == last.last_ordinal
+        ):
+            last.changes.extend(txn.changes)
+            last.whole, last.end = txn.whole, txn.end
+            last.commit_time = txn.commit_time or last.commit_time
+            return
         if not txn.changes and not keep_empty:
             return
         if self._commits and txn.commit <= self._commits[-1]:

@@ -83,6 +83,8 @@ def test_ticks_progress_and_a_window_pinned_by_a_retry(tmp_path: Path) -> None:
     # The first progress line: a rate only once the drain has run a second, and then true.
     progress = [line for line in ticks if "catching up" in line]
     assert progress
+    counts = [re.search(r"catching up: ([\d,]+) rows", line)[1] for line in progress]  # type: ignore[index]
+    assert len(counts) == len(set(counts)), progress  # held back: no line repeated per tick
     for line in progress:
         m = re.search(r"catching up: ([\d,]+) rows in ([\d.]+)s(?: \(([\d,]+) rows/s\))?", line)
         assert m is not None, line

@@ -4,7 +4,9 @@ The worker loop (:mod:`dbtrigger.runtime.runner`) starts a :class:`Tracker`
 when a tick leaves rows pending and ends it at the first idle tick; in
 between it reports a :class:`DrainProgress` every ``progress_interval``
 seconds to a callback (default :func:`log_progress`, one INFO line; the CLI
-draws a progress bar on a terminal). How many rows are behind is counted by
+draws a progress bar on a terminal), none while no row moved since the last
+(a drain held back says so in its tick line, not in the same progress line
+every interval). How many rows are behind is counted by
 the trigger (:meth:`~dbtrigger.runtime.trigger.Trigger.rows_behind`) when the
 drain starts and about once a minute since, never per tick.
 """
@@ -103,6 +105,7 @@ class Tracker:
         self.counted_delivered = first_rows
         self.counted = _count_behind(trigger)
         self.last_report = -float("inf")
+        self.reported: int | None = None  # rows at the last line: a stalled drain repeats none
         self.add(0)
 
     def _behind(self) -> int | None:
@@ -112,7 +115,7 @@ class Tracker:
 
     def _report(self, *, caught_up: bool) -> None:
         now = time.monotonic()
-        self.last_report = now
+        self.last_report, self.reported = now, self.delivered
         self.callback(
             DrainProgress(
                 poller=self.trigger.name,
@@ -130,7 +133,7 @@ class Tracker:
             recount = _count_behind(self.trigger)
             if recount is not None:
                 self.counted, self.counted_at, self.counted_delivered = recount, now, self.delivered
-        if now - self.last_report >= self.interval:
+        if now - self.last_report >= self.interval and self.delivered != self.reported:
             self._report(caught_up=False)
 
     def finish(self) -> None:

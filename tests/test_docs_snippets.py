@@ -25,7 +25,10 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
+from dbtrigger import BatchContext, InMemoryCheckpointStore, PollTrigger, RowChange
 from dbtrigger.cli.main import build_parser
+from dbtrigger.state import document as docmod
+from dbtrigger.testing import MemorySource
 from tests.azurite import Azurite
 from tests.databases import admin_engine
 from tests.doc_snippets import (
@@ -296,3 +299,47 @@ def test_every_option_of_a_synopsis_is_one_the_command_takes() -> None:
             if option not in taken:
                 wrong.append(f"{where}: {' '.join(words[:3])}: {option}")
     assert wrong == []
+
+
+def _paths(value: object, prefix: str = "") -> set[str]:
+    """Every key path of a JSON value (``lease.owner_id``, ``window.pending[].at.kind``)."""
+    if isinstance(value, dict):
+        return {
+            p
+            for key, inner in value.items()
+            for p in {prefix + key} | _paths(inner, f"{prefix}{key}.")
+        }
+    if isinstance(value, list):
+        return {p for inner in value for p in _paths(inner, f"{prefix}[].")}
+    return set()
+
+
+def test_the_documented_state_document_is_the_one_a_poller_writes() -> None:
+    """state-document.md's JSON (journal entries aside) has exactly the fields a poller
+    with a retried event writes, and reads back and writes out to the same fields."""
+    text = (ROOT / "docs" / "state-document.md").read_text(encoding="utf-8")
+    document, window = re.findall(r"```json\n(.*?)```", text, flags=re.DOTALL)[:2]
+    shown = json.loads(re.sub(r'"journal": \[.*\]', '"journal": []', document))
+    shown.update(json.loads("{" + window + "}"))
+    assert json.loads(docmod.dumps(docmod.loads(json.dumps(shown).encode()))) == shown
+
+    store = InMemoryCheckpointStore()
+    rows = [{"id": i, "seq": i} for i in range(1, 6)]
+    trigger = PollTrigger(
+        name="orders",
+        source=MemorySource(rows, cursor_column="seq", pk_columns=["id"]),
+        checkpoint_store=store,
+        retry_delay_seconds=60,
+    )
+
+    def handle(events: list[RowChange], ctx: BatchContext) -> None:
+        for event in events:
+            if event.pk["id"] == 2:
+                ctx.retry(event, "429 from billing")
+
+    trigger.drain(handle)
+    stored = store.read("orders")
+    assert stored is not None
+    written = json.loads(stored.data)
+    written["journal"] = []
+    assert _paths(written) == _paths(shown)

@@ -27,6 +27,7 @@ import sqlalchemy as sa
 
 from dbtrigger import BatchContext, InMemoryCheckpointStore, PollTrigger, RowChange
 from dbtrigger.cli.main import build_parser
+from dbtrigger.runtime.telemetry import EVENTS
 from dbtrigger.state import document as docmod
 from dbtrigger.testing import MemorySource
 from tests.azurite import Azurite
@@ -343,3 +344,15 @@ def test_the_documented_state_document_is_the_one_a_poller_writes() -> None:
     written = json.loads(stored.data)
     written["journal"] = []
     assert _paths(written) == _paths(shown)
+
+
+def test_every_log_event_is_documented() -> None:
+    """An operator reads an ``event`` field and looks it up: every one the code logs is
+    named in the docs (operations.md's "Log events" and the pages of their parts)."""
+    logged = {spec.log_as or name for name, spec in EVENTS.items() if spec.level is not None}
+    for path in (ROOT / "src" / "dbtrigger").rglob("*.py"):
+        logged |= set(re.findall(r'"event":\s*"([a-z_]+)"', path.read_text(encoding="utf-8")))
+    docs = " ".join(page.read_text(encoding="utf-8") for page in PAGES)
+    named = set(re.findall(r"[a-z][a-z_]*", docs))  # the names have underscores: specific
+    assert len(logged) > 80, "the events were not found"
+    assert sorted(logged - named) == []

@@ -48,7 +48,7 @@ from dbtrigger.runtime import deprecated, kernel
 from dbtrigger.runtime.delivery import Delivery, cancelled_error
 from dbtrigger.runtime.drain import drain
 from dbtrigger.runtime.kernel import Handler, KeepAlive
-from dbtrigger.runtime.quiet import QuietCadence, for_how_long, quiet_key
+from dbtrigger.runtime.quiet import QuietCadence
 from dbtrigger.runtime.reading import (
     BatchReader,
     NullCursorProbe,
@@ -351,11 +351,7 @@ class PollTrigger(ClosesOnExit):
         timer-driven poller (a Functions invocation) says one line per firing; a
         quiet state (idle, held back, the lease elsewhere) is INFO when it begins,
         DEBUG while it repeats and INFO again every 5 minutes as ``still ...``."""
-        text, fields = result.summary(None)
-        level, quiet_for = self._quiet.level(quiet_key(result))
-        if quiet_for is not None:
-            text = f"still {text} (for {for_how_long(quiet_for)})"
-            fields["quiet_seconds"] = round(quiet_for, 1)
+        level, text, fields = self._quiet.line(result, None)
         tick_log.log(
             level,
             "%s: %s",

@@ -15,9 +15,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Hashable
+from typing import Any, Protocol
 
 #: Default time between two "still idle" lines.
 DEFAULT_STILL_QUIET_SECONDS = 300.0
+
+
+class Summarised(Protocol):
+    """A tick's result in its own words (a :class:`~dbtrigger.runtime.trigger.TickReport`)."""
+
+    def summary(self, interval: float | None) -> tuple[str, dict[str, Any]]: ...
 
 
 class QuietCadence:
@@ -49,6 +56,17 @@ class QuietCadence:
             self._said = now
             return logging.INFO, now - self._since
         return logging.DEBUG, None
+
+    def line(self, result: Summarised, interval: float | None) -> tuple[int, str, dict[str, Any]]:
+        """``(level, text, fields)`` of a tick's line: the result's own words
+        (``interval``: the sleep that follows, None for a timer firing), said
+        as ``still ... (for 12m)`` when a quiet state is repeated at INFO."""
+        text, fields = result.summary(interval)
+        level, quiet_for = self.level(quiet_key(result))
+        if quiet_for is not None:
+            text = f"still {text} (for {for_how_long(quiet_for)})"
+            fields["quiet_seconds"] = round(quiet_for, 1)
+        return level, text, fields
 
 
 def quiet_key(result: object) -> Hashable | None:

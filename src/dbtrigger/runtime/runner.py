@@ -77,7 +77,6 @@ from dbtrigger.runtime.quiet import (
     DEFAULT_STILL_QUIET_SECONDS,
     QuietCadence,
     for_how_long,
-    quiet_key,
 )
 from dbtrigger.runtime.trigger import TickReport, Trigger
 
@@ -363,11 +362,7 @@ class Runner:
         """One line per tick, in the tick result's own words; a quiet state at INFO
         when it begins and every few minutes, at DEBUG in between. ``wait``: the
         sleep that follows an idle tick."""
-        text, fields = result.summary(wait)
-        level, quiet_for = self._quiet.level(quiet_key(result))
-        if quiet_for is not None:
-            text = f"still {text} (for {for_how_long(quiet_for)})"
-            fields["quiet_seconds"] = round(quiet_for, 1)
+        level, text, fields = self._quiet.line(result, wait)
         self._log_outcome(result.outcome, text, started, level=level, **fields)
 
     def _recovered(self) -> None:

@@ -110,22 +110,13 @@ Bind = Engine | Connection
 
 
 @contextmanager
-def connected(bind: Bind) -> Iterator[Connection]:
-    """The caller's connection as it is, or a new one from the engine."""
+def connected(bind: Bind, *, begin: bool = False) -> Iterator[Connection]:
+    """The caller's connection as it is (a transaction on it is the caller's), or a
+    new one from the engine, in a transaction of its own with ``begin``."""
     if isinstance(bind, Connection):
         yield bind
         return
-    with bind.connect() as conn:
-        yield conn
-
-
-@contextmanager
-def in_transaction(bind: Bind) -> Iterator[Connection]:
-    """The caller's connection (its transaction is theirs), or a new transaction."""
-    if isinstance(bind, Connection):
-        yield bind
-        return
-    with bind.begin() as conn:
+    with bind.begin() if begin else bind.connect() as conn:
         yield conn
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from dbtrigger._engine import Bind, connected, in_transaction
+from dbtrigger._engine import Bind, connected
 from dbtrigger.changelog.ddl import (
     TableInfo,
     existing_triggers,
@@ -104,7 +104,7 @@ def plan_uninstall(
 
 def apply(bind: Bind, plan: Plan) -> None:
     """Run a plan; in one transaction where the dialect allows."""
-    with in_transaction(bind) as conn:
+    with connected(bind, begin=True) as conn:
         for statement in plan.statements:
             conn.exec_driver_sql(statement)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import sqlalchemy as sa
 
-from dbtrigger._engine import Bind, connected, in_transaction
+from dbtrigger._engine import Bind, connected
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.names import validate_sql_identifier
 
@@ -155,7 +155,7 @@ def plan_uninstall(bind: Bind, table: str, *, schema: str | None = None) -> Wake
 
 def apply(bind: Bind, plan: WakePlan) -> None:
     """Run a plan's statements in one transaction."""
-    with in_transaction(bind) as conn:
+    with connected(bind, begin=True) as conn:
         for statement in plan.statements:
             conn.execute(sa.text(statement))
 

@@ -57,13 +57,12 @@ class _Table:
 
     def __init__(
         self,
-        *,
+        what: str,
         url: str | None,
         table: str | None,
         schema: str | None,
         engine: Engine | None,
         engine_kwargs: Mapping[str, Any] | None,
-        what: str,
     ) -> None:
         if url is None and engine is None:
             raise ConfigurationError(f"{what} needs url= or engine=")
@@ -133,15 +132,12 @@ def _key_clause(table: sa.Table, pk: Mapping[str, Any], name: str) -> sa.ColumnE
     return sa.and_(*(table.c[c] == v for c, v in pk.items()))
 
 
-class DbReader:
-    """Reads rows (see the module doc): ``get(pk)`` from ``table``, or SQL queries.
+class _OnTable:
+    """What a reader and a writer share: the :class:`_Table` they read or write
+    (its engine made at the first use), its name and its close."""
 
-    Args:
-        url: SQLAlchemy URL or ``%SETTING%`` reference (read at the first use).
-        table / schema: the table ``get`` reads (queries need none).
-        engine: share an existing engine instead (``url`` then unused).
-        engine_kwargs: passed to :func:`sqlalchemy.create_engine`.
-    """
+    #: How errors name this kind of object ("DbReader needs url= or engine=").
+    _what = "DbReader"
 
     def __init__(
         self,
@@ -152,18 +148,26 @@ class DbReader:
         engine: Engine | None = None,
         engine_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        self._db = _Table(
-            url=url,
-            table=table,
-            schema=schema,
-            engine=engine,
-            engine_kwargs=engine_kwargs,
-            what="DbReader",
-        )
+        self._db = _Table(self._what, url, table, schema, engine, engine_kwargs)
 
     @property
     def name(self) -> str:
         return self._db.name
+
+    def close(self) -> None:
+        """Dispose of the connection pool (if this reader or writer created the engine)."""
+        self._db.close()
+
+
+class DbReader(_OnTable):
+    """Reads rows (see the module doc): ``get(pk)`` from ``table``, or SQL queries.
+
+    Args:
+        url: SQLAlchemy URL or ``%SETTING%`` reference (read at the first use).
+        table / schema: the table ``get`` reads (queries need none).
+        engine: share an existing engine instead (``url`` then unused).
+        engine_kwargs: passed to :func:`sqlalchemy.create_engine`.
+    """
 
     @contextlib.contextmanager
     def _reading(self, what: str) -> Iterator[Connection]:
@@ -209,18 +213,16 @@ class DbReader:
         with self._reading("a query") as conn:
             return conn.execute(sa.text(sql), dict(params or {})).scalar()
 
-    def close(self) -> None:
-        """Dispose of the connection pool (if this reader created the engine)."""
-        self._db.close()
 
-
-class DbWriter:
+class DbWriter(_OnTable):
     """Writes rows of ``table`` (see the module doc).
 
     Every operation commits on its own, except inside ``with
     writer.transaction():``, where they share one connection and one
     transaction. Args as :class:`DbReader` (``table`` required).
     """
+
+    _what = "DbWriter"
 
     def __init__(
         self,
@@ -231,13 +233,9 @@ class DbWriter:
         engine: Engine | None = None,
         engine_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        self._db = _Table(
-            url=url,
-            table=table,
-            schema=schema,
-            engine=engine,
-            engine_kwargs=engine_kwargs,
-            what="DbWriter",
+        # The reader's options, with ``table`` required: every write goes to it.
+        super().__init__(
+            url=url, table=table, schema=schema, engine=engine, engine_kwargs=engine_kwargs
         )
         self._conn: Connection | None = None
 
@@ -249,10 +247,6 @@ class DbWriter:
         writer._db = other._db
         writer._conn = None
         return writer
-
-    @property
-    def name(self) -> str:
-        return self._db.name
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[DbWriter]:
@@ -329,10 +323,6 @@ class DbWriter:
             table = self._db.table(conn)
             where = _key_clause(table, pk, self._db.name)
             return int(conn.execute(sa.delete(table).where(where)).rowcount)
-
-    def close(self) -> None:
-        """Dispose of the connection pool (if this writer created the engine)."""
-        self._db.close()
 
 
 def _same_columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -300,18 +300,7 @@ def with_bookmark(
         "actor": actor,
         "reason": reason,
     }
-    entry = ops.manual_entry(
-        "bookmark",
-        actor=actor,
-        reason=reason,
-        now=now,
-        before=position,
-        after=position,
-        details={"bookmark": label},
-    )
-    return replace(doc, extra={**doc.extra, "bookmarks": marks}).with_journal_entry(
-        entry, ops.JOURNAL_LIMIT
-    )
+    return _with_bookmarks(doc, marks, "bookmark", label, now=now, actor=actor, reason=reason)
 
 
 def without_bookmark(
@@ -320,9 +309,27 @@ def without_bookmark(
     marks = bookmarks_of(doc)
     bookmark_position(doc, label)
     del marks[label]
+    return _with_bookmarks(
+        doc, marks, "bookmark_delete", label, now=now, actor=actor, reason=reason
+    )
+
+
+def _with_bookmarks(
+    doc: StateDocument,
+    marks: dict[str, dict[str, Any]],
+    operation: str,
+    label: str,
+    *,
+    now: dt.datetime,
+    actor: str,
+    reason: str,
+) -> StateDocument:
+    """``doc`` keeping ``marks``, the change journaled as ``operation`` on ``label``:
+    a bookmark moves no checkpoint, so the entry's before and after are both the
+    current position."""
     position = doc.position if doc.checkpoint is not None else None
     entry = ops.manual_entry(
-        "bookmark_delete",
+        operation,
         actor=actor,
         reason=reason,
         now=now,

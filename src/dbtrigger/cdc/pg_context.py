@@ -25,27 +25,29 @@ class PgSourceParts(LogSourceParts, Protocol):
     """A PgLogicalSource as its parts see it (see the module docstring)."""
 
     tables: tuple[setup.TableName, ...]
-    mode: str
     control_schema: str
-    failover: bool
-    backlog_step: int
-    stream_wait: float
-    confirmed: int | None
     infos: Mapping[str, setup.TableInfo]
-    guard: SchemaGuard[int]
 
     @property
     def slot(self) -> str: ...
 
+    def connection(self) -> psycopg.Connection[Any]: ...
+
     @property
     def publication(self) -> str: ...
 
-    @property
-    def decoder(self) -> Decoder: ...
-
-    def connection(self) -> psycopg.Connection[Any]: ...
+    mode: str
+    failover: bool
+    backlog_step: int
+    stream_wait: float
+    confirmed: int | None
 
     def check_not_lost(self, state: setup.SlotState) -> None: ...
+
+    guard: SchemaGuard[int]
+
+    @property
+    def decoder(self) -> Decoder: ...
 
     def new_control_row(
         self, created: int | None, *, snapshots: bool = True

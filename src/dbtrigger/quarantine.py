@@ -57,6 +57,7 @@ from sqlalchemy.dialects import mysql
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from dbtrigger._engine import LazyEngine, parse_database_url
+from dbtrigger._files import write_synced
 from dbtrigger.cursor import Position, canonical_json, encode_value, encoded_pk
 from dbtrigger.errors import (
     ConfigurationError,
@@ -461,9 +462,7 @@ class JsonLinesQuarantineSink:
         try:
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             with self._locked("a") as fh:
-                fh.write(lines)
-                fh.flush()
-                os.fsync(fh.fileno())
+                write_synced(fh, lines)
         except OSError as exc:
             raise QuarantineError(
                 f"could not append {len(records)} row(s) to quarantine {self.path}: {exc.strerror}"

@@ -238,11 +238,8 @@ def _replay(
             f"{trigger.name!r} fans out: replay to one subscriber (--subscriber NAME), the one "
             "that rejected the event"
         )
-    console.print(f"replay {len(letters)} dead letter(s) of {args.poller!r} from {sink.describe()}")
-    for letter in letters:
-        console.print(f"  {letter.record.event_id}  {letter.state}  {letter.record.error[:80]}")
-    if not args.yes:
-        console.print("dry run: no handler ran and nothing was marked; add --yes")
+    heading = f"replay {len(letters)} dead letter(s) of {args.poller!r} from {sink.describe()}"
+    if not _listed(args, console, heading, letters, "no handler ran and nothing was marked"):
         return 0
     # Under the replay lease of the poller ({poller}.replay, as dbtrigger replay holds):
     # two operators replaying the same dead letters never both hand them over, and
@@ -338,6 +335,23 @@ def _still_unsettled(
     return [x for x in now if x.state != dl.SETTLED]
 
 
+def _listed(
+    args: argparse.Namespace,
+    console: Console,
+    heading: str,
+    letters: list[dl.DeadLetter],
+    dry_run: str,
+) -> bool:
+    """Show what a replay or a discard would act on, one line a letter; False on a dry
+    run (without --yes), whose last line says what it left undone."""
+    console.print(heading)
+    for letter in letters:
+        console.print(f"  {letter.record.event_id}  {letter.state}  {letter.record.error[:80]}")
+    if not args.yes:
+        console.print(f"dry run: {dry_run}; add --yes")
+    return bool(args.yes)
+
+
 def _discard(
     args: argparse.Namespace,
     sink: Any,
@@ -346,11 +360,8 @@ def _discard(
     console: Console,
 ) -> int:
     what = "delete" if args.delete else "discard (kept, marked)"
-    console.print(f"{what} {len(letters)} dead letter(s) of {args.poller!r} in {sink.describe()}")
-    for letter in letters:
-        console.print(f"  {letter.record.event_id}  {letter.state}  {letter.record.error[:80]}")
-    if not args.yes:
-        console.print("dry run: nothing was marked or deleted; add --yes")
+    heading = f"{what} {len(letters)} dead letter(s) of {args.poller!r} in {sink.describe()}"
+    if not _listed(args, console, heading, letters, "nothing was marked or deleted"):
         return 0
     ids = [letter.record.event_id for letter in letters]
     marks = dl.marks_for(sink)

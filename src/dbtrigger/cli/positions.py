@@ -20,9 +20,9 @@ from dbtrigger.cli.common import (
     actor_from_args,
     add_change_options,
     add_store_options,
+    by_hand,
     parse_value,
     read_state,
-    reason_from_args,
     show_position,
     source_from_args,
     state_store,
@@ -87,15 +87,8 @@ def cmd_rewind(args: argparse.Namespace) -> int:
                 "first_batch": rewind.batches[0].get("batch_id"),
             }
         )
-        return ops.rewind(
-            current,
-            position=rewind.position,
-            now=now,
-            actor=actor_from_args(args),
-            reason=reason_from_args(args),
-            force=args.force,
-            details={k: v for k, v in details.items() if v is not None},
-        )
+        known = {k: v for k, v in details.items() if v is not None}
+        return ops.rewind(current, position=rewind.position, **by_hand(args, now, known))
 
     return _apply_change(args, "rewind", decide)
 
@@ -155,14 +148,7 @@ def _restore(args: argparse.Namespace) -> int:
         position = pos.bookmark_position(doc, args.label)
         details["bookmark"] = args.label
         return ops.rewind(
-            doc,
-            position=position,
-            now=now,
-            actor=actor_from_args(args),
-            reason=reason_from_args(args),
-            operation="bookmark_restore",
-            force=args.force,
-            details=details,
+            doc, position=position, operation="bookmark_restore", **by_hand(args, now, details)
         )
 
     return _apply_change(args, "bookmark-restore", decide)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from dbtrigger._files import write_synced
 from dbtrigger.cli.common import (
     ENV_STORE,
     Console,
@@ -169,9 +170,7 @@ def _write_backup(path: Path, data: bytes) -> None:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
+            write_synced(fh, data)
     except OSError as exc:
         raise ConfigurationError(
             f"could not write the backup {path} ({exc.strerror}); nothing was changed. "

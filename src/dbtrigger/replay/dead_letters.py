@@ -36,6 +36,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from dbtrigger._files import write_synced
 from dbtrigger.cursor import Position, decode_value
 from dbtrigger.errors import ConfigurationError, DbTriggerError, QuarantineError, SerializationError
 from dbtrigger.events import RowChange
@@ -156,9 +157,7 @@ class FileMarks:
         text = "".join(json.dumps(m.to_json(), sort_keys=True) + "\n" for m in marks)
         try:
             with self._locked(self.path, exclusive=True) as fh:
-                fh.write(text)
-                fh.flush()
-                os.fsync(fh.fileno())
+                write_synced(fh, text)
         except OSError as exc:
             raise QuarantineError(f"could not write marks to {self.path}: {exc.strerror}") from exc
 
@@ -180,9 +179,7 @@ class FileMarks:
             tmp = path.with_name(f".{path.name}.rewrite")
             tmp_fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(tmp_fd, "w", encoding="utf-8") as out:
-                out.writelines(keep)
-                out.flush()
-                os.fsync(out.fileno())
+                write_synced(out, "".join(keep))
             os.replace(tmp, path)
         return len(lines) - len(keep)
 

@@ -45,6 +45,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from dbtrigger import options as opt
+from dbtrigger._files import write_synced
 from dbtrigger.errors import CasConflictError, StoreAuthError, StoreUnavailableError
 from dbtrigger.names import validate_name
 from dbtrigger.state.stores.base import StoredDocument
@@ -175,9 +176,7 @@ class FileCheckpointStore:
         fd, tmp = tempfile.mkstemp(dir=self._dir, prefix=f".{path.name}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
+                write_synced(fh, data)
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):

@@ -296,4 +296,4 @@ def test_history_prints_the_cost_beside_the_baseline(pg: TestDatabase, tmp_path:
     assert {(r[0], r[2]) for r in rows} == {
         (s, b) for s in ("memory", "file") for b in ("100", "1000")
     }
-    assert all(r[-1] == "1.00" for r in rows)  # one history record per batch
+    assert all(r[-2] == "1.00" for r in rows)  # one history record per batch

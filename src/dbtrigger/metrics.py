@@ -104,6 +104,11 @@ METRICS: dict[str, tuple[str, str]] = {
         "History appends that failed, by error_type (the commit stands; the history catches "
         "up from the journal)",
     ),
+    "history_queue_overflow_total": (
+        "counter",
+        "History records, or their per-event detail, the appender's queue let go of "
+        "(the store fell far behind the commits)",
+    ),
     "history_pruned_total": ("counter", "History records removed by retention"),
     "replays_total": ("counter", "Replays of recorded batches, by mode (exact/reread/verify)"),
     "replayed_events_total": ("counter", "Events handed to a handler by replays"),

@@ -121,14 +121,17 @@ def work(
         return 0
     deadline = monotonic() + time_budget_seconds
     total = 0
-    while monotonic() < deadline:
-        try:
-            result = trigger.tick_result(handler, should_stop=lambda: monotonic() >= deadline)
-        except ContentionError:
-            break  # another invocation holds it: that one finishes the work
-        total += result.rows
-        if not result.more:  # caught up (or the tick's batches were all it could do)
-            break
+    try:
+        while monotonic() < deadline:
+            try:
+                result = trigger.tick_result(handler, should_stop=lambda: monotonic() >= deadline)
+            except ContentionError:
+                break  # another invocation holds it: that one finishes the work
+            total += result.rows
+            if not result.more:  # caught up (or the tick's batches were all it could do)
+                break
+    finally:
+        trigger.flush_history()  # the host may freeze the process once this returns
     return total
 
 

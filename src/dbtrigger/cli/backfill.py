@@ -326,7 +326,10 @@ def _backfill(
     )
     progress = Progress(console.err, total)
     try:
-        finished = _drain(args, worker, handler, progress, console)
+        try:
+            finished = _drain(args, worker, handler, progress, console)
+        finally:
+            worker.close()  # its history records written, its threads stopped
     except BaseException:
         progress.finish()
         if created is not None and progress.done == 0:

@@ -18,7 +18,27 @@ batch is done, the next batch goes on. The failure is counted
 (``history_append_failed``; at DEBUG while it lasts, ``history_append_recovered``
 at INFO when an append works again and fills the hole).
 
-**What it costs.** One append per commit. The recorder remembers the last
+**Off the tick's path.** A commit makes its record's detail and queues the
+record with its document's journal; the trigger's appender thread writes
+whatever is queued in ONE append per round, so commits that come faster than
+appends share a store write, and the tick never waits for the history.
+Records still go in journal order, never before their commit landed (they
+are queued after it). The queued journals chain (each document's journal
+holds the entry the one before it ends with), so a slow store that falls
+behind by more than a journal still gets every commit, other writers'
+entries in between too; a round that fails is not kept (the next round's
+journals fill it in, as they did when the append ran on the committing
+thread, and an outage longer than the journal leaves a ``gap`` record). The
+queue is bounded: past ``PENDING_DETAIL_BYTES`` of details
+the oldest commits' details go (their records stay, without), past
+``MAX_PENDING`` commits the oldest go (the journal repair, or a ``gap``
+record, stands in for them). :meth:`HistoryRecorder.flush` waits, for a
+bounded time, until what is queued has been tried; the trigger flushes when
+it hands control back (``tick()``, ``run()``, ``drain()``, a Functions
+invocation) and on ``close()`` (the runner's stop); an interpreter exit
+flushes too.
+
+**What it costs.** One append per round. The recorder remembers the last
 record it wrote; only when the journal does not continue from it (the first
 commit of a process, another instance committed in between) does it read the
 history's tail first. An idle tick appends nothing, unless the journal's last
@@ -28,10 +48,14 @@ crash right after a commit): then it reads the tail once and fills it in.
 
 from __future__ import annotations
 
+import atexit
 import datetime as dt
 import threading
 import time
+import weakref
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from dbtrigger.errors import CasConflictError
@@ -51,6 +75,19 @@ MAX_RECORD_BYTES = 400 * 1024
 SETTLE_SECONDS = 30.0
 #: Attempts at one append when other writers keep appending first.
 _ROUNDS = 4
+#: Records one store write carries at most: a record is at most MAX_RECORD_BYTES,
+#: so an append stays under the 4 MiB of an Azure append block or table batch.
+APPEND_RECORDS = 8
+#: Commits the appender's queue holds at most (their journal entries: a few
+#: hundred bytes each); past that the oldest goes, and the journal repair, or a
+#: gap record, stands in for it.
+MAX_PENDING = 2000
+#: The details (per-event lines) the queue holds at most, by an estimate of their
+#: size; past that the oldest commits' details go (their records stay, without).
+PENDING_DETAIL_BYTES = 16 * 1024 * 1024
+#: How long a flush (tick(), drain(), close(), a Functions invocation) waits for the
+#: appender at most; what is still queued then stays queued, and the journal has it.
+FLUSH_SECONDS = 10.0
 
 
 class Outcome(Protocol):
@@ -63,11 +100,28 @@ class Outcome(Protocol):
     def retried(self) -> Mapping[str, str]: ...
 
 
+@dataclass
+class _Pending:
+    """A commit (or an idle tick's check, ``entry`` None) waiting for the appender:
+    the journal of the document it read or wrote, and the record's detail."""
+
+    journal: tuple[Mapping[str, Any], ...]
+    entry: Mapping[str, Any] | None = None
+    detail: Mapping[str, Any] | None = None
+    cost: int = 0
+
+    def drop_detail(self) -> int:
+        cost, self.detail, self.cost = self.cost, None, 0
+        return cost
+
+
 class HistoryRecorder:
     """Keeps one poller's history up with its journal; see the module docstring.
 
     ``emit`` is the poller's telemetry (``Telemetry.emit``); ``journal_limit``
-    tells a hole the journal cannot fill from one it can.
+    tells a hole the journal cannot fill from one it can, and bounds the queue.
+    ``background=False`` appends on the committing thread instead (the cost
+    the appender thread takes off the tick; ``benchmarks.history`` shows both).
     """
 
     def __init__(
@@ -81,6 +135,7 @@ class HistoryRecorder:
         source: str | None = None,
         retention: Retention = DEFAULT_RETENTION,
         prune_every_seconds: float = 3600.0,
+        background: bool = True,
     ) -> None:
         self.store = store
         self.poller = poller
@@ -96,6 +151,21 @@ class HistoryRecorder:
         self._failing = 0
         self._next_prune = 0.0
         self._lock = threading.Lock()
+        self.background = background
+        # The appender's queue and its bookkeeping, all under _cond: _queued counts
+        # what was ever queued, _tried what a finished round covered (a flush waits
+        # for it to reach what was queued when it was called).
+        self._cond = threading.Condition()
+        self._pending: deque[_Pending] = deque()
+        self._detailed: deque[_Pending] = deque()  # those still with a detail, oldest first
+        self._detail_bytes = 0
+        self._queued = 0
+        self._tried = 0
+        self._written = True  # whether the last round was
+        self._closing = False
+        self._dropped = [0, 0]  # since the last round: records, details
+        self._overflowing = False
+        self._thread: threading.Thread | None = None
 
     # --- the runtime's calls (never raise) -------------------------------------------
 
@@ -106,14 +176,18 @@ class HistoryRecorder:
         events: Sequence[RowChange],
         outcome: Outcome | None = None,
     ) -> None:
-        """A commit landed: ``doc`` is the document written, ``entry`` its journal entry."""
+        """A commit landed: ``doc`` is the document written, ``entry`` its journal entry.
+
+        Makes the record's detail (about 0.5 us an event) and queues the record
+        for the appender thread; does not wait for it."""
         if isinstance(entry, JournalEntry):
             entry = encode(entry)
         try:
             detail: dict[str, Any] | None = self._detail(doc, events, outcome)
         except Exception:  # noqa: BLE001 - a digest that cannot be made loses detail, not the record
             detail = None
-        self._guarded(lambda: self.sync(doc, entry=entry, detail=detail))
+        cost = 64 + 48 * len(events) if detail is not None else 0
+        self._submit(_Pending(tuple(doc.journal), entry, detail, cost))
 
     def idle(self, doc: StateDocument | None) -> None:
         """An idle tick read ``doc``: fill in a record a crash may have cut off."""
@@ -131,7 +205,143 @@ class HistoryRecorder:
         if age is not None and age < SETTLE_SECONDS:
             return  # its writer is probably appending it right now
         self._checked = last_id
-        self._guarded(lambda: self.sync(doc))
+        self._submit(_Pending(tuple(doc.journal)))
+
+    def flush(self, timeout: float = FLUSH_SECONDS) -> bool:
+        """Wait (at most ``timeout`` seconds) until everything queued so far has
+        been tried; whether it is all written. Never raises: a round that failed
+        was counted and logged, and the journal holds what it could not write."""
+        with self._cond:
+            target = self._queued
+            self._cond.wait_for(lambda: self._tried >= target, timeout)
+            return self._tried >= target and self._written
+
+    def close(self, timeout: float = FLUSH_SECONDS) -> bool:
+        """:meth:`flush`, then stop the appender thread (it starts again with the
+        next commit); whether everything queued was written."""
+        written = self.flush(timeout)
+        with self._cond:
+            thread, self._closing = self._thread, True
+            self._cond.notify_all()
+        if thread is not None:
+            thread.join(timeout if written else 0.0)  # a store that hangs: waited for once
+        with self._cond:
+            if self._thread is thread and (thread is None or not thread.is_alive()):
+                self._thread = None  # (one still stuck in the store stays the appender)
+            self._closing = False
+        return written
+
+    # --- the appender thread ---------------------------------------------------------
+
+    def _submit(self, item: _Pending) -> None:
+        if not self.background:
+            self._round([item])
+            return
+        with self._cond:
+            if len(self._pending) >= MAX_PENDING:
+                oldest = self._pending.popleft()  # as if its append had failed
+                if oldest.detail is not None:
+                    self._detail_bytes -= oldest.drop_detail()
+                    self._detailed.popleft()
+                self._dropped[0] += 1
+            self._pending.append(item)
+            if item.detail is not None:
+                self._detailed.append(item)
+                self._detail_bytes += item.cost
+            while self._detail_bytes > PENDING_DETAIL_BYTES and len(self._detailed) > 1:
+                self._detail_bytes -= self._detailed.popleft().drop_detail()
+                self._dropped[1] += 1
+            self._queued += 1
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name=f"dbtrigger-history-{self.poller}", daemon=True
+                )
+                self._thread.start()
+                _RUNNING.add(self)
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        """Rounds: take everything queued, write it in one append, until closed."""
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._closing or bool(self._pending))
+                if not self._pending:
+                    return  # closing
+                batch = list(self._pending)
+                self._pending.clear()
+                self._detailed.clear()
+                self._detail_bytes = 0
+                upto = self._queued
+                (records, details), self._dropped = self._dropped, [0, 0]
+            self._said_overflow(records, details)
+            # A round that failed is not kept: as for an append on the committing
+            # thread, the next round's journals fill it in (without the details).
+            written = self._round(batch)
+            with self._cond:
+                self._written = written
+                self._tried = upto
+                self._cond.notify_all()
+
+    def _said_overflow(self, records: int, details: int) -> None:
+        if not (records or details):
+            self._overflowing = False
+            return
+        if self._failing:
+            return  # an outage: its own event said so
+        self.emit(
+            "history_queue_overflow" if not self._overflowing else "history_queue_overflow_again",
+            "the history store of %s fell so far behind the commits that the appender's queue "
+            "let go of %d record(s) (filled in from the journal while it still holds them, "
+            "else marked by a gap record) and of the per-event detail of %d (said once until "
+            "it keeps up again)",
+            self.poller,
+            records,
+            details,
+            values={"count": records + details},
+        )
+        self._overflowing = True
+
+    def _round(self, batch: Sequence[_Pending]) -> bool:
+        """Append what ``batch`` (queued in order) and its documents' journals hold
+        and the history lacks; whether it was written."""
+        chains = self._chains(batch)
+        return self._guarded(lambda: sum(self._sync(chain, details) for chain, details in chains))
+
+    def _chains(
+        self, batch: Sequence[_Pending]
+    ) -> list[tuple[list[Mapping[str, Any]], dict[str, Mapping[str, Any]]]]:
+        """The entries of ``batch``'s journals, each once, in journal order, with the
+        details by entry id. Each document's journal continues the one before it
+        (both hold the entry the earlier one ends with), unless more than a journal's
+        worth of other writers' entries came between: then a new chain starts, and
+        its append finds the hole and marks it with a gap record."""
+        chains: list[tuple[list[Mapping[str, Any]], dict[str, Mapping[str, Any]]]] = []
+        entries: list[Mapping[str, Any]] = []
+        details: dict[str, Mapping[str, Any]] = {}
+        seen: set[str] = set()
+        last: str | None = None
+        for item in batch:
+            journal = list(item.journal)
+            ids = [rec.entry_id(e) for e in journal]
+            if item.entry is not None:
+                entry_id = rec.entry_id(item.entry)
+                if not ids or ids[-1] != entry_id:  # no journal (journal_limit=0)
+                    journal.append(JournalRecord(item.entry))
+                    ids.append(entry_id)
+            if last is not None and self.journal_limit and last not in ids:
+                chains.append((entries, details))
+                entries, details, seen = [], {}, set()
+            if item.entry is not None and item.detail is not None:
+                details[ids[-1]] = item.detail
+            start = ids.index(last) + 1 if last is not None and last in ids else 0
+            for e, eid in zip(journal[start:], ids[start:], strict=True):
+                if eid not in seen:
+                    seen.add(eid)
+                    entries.append(e)
+            if ids:
+                last = ids[-1]
+        chains.append((entries, details))
+        return chains
 
     def _detail(
         self, doc: StateDocument, events: Sequence[RowChange], outcome: Outcome | None
@@ -144,7 +354,7 @@ class HistoryRecorder:
             source=self.source,
         )
 
-    def _guarded(self, work: Callable[[], int]) -> None:
+    def _guarded(self, work: Callable[[], int]) -> bool:
         with self._lock:
             try:
                 appended = work()
@@ -169,7 +379,7 @@ class HistoryRecorder:
                         error_type=type(exc).__name__,
                     )
                 self._failing += 1
-                return
+                return False
             if self._failing:
                 self.emit(
                     "history_append_recovered",
@@ -182,6 +392,7 @@ class HistoryRecorder:
             if appended:
                 self.emit("history_appended", values={"count": appended})
             self._maybe_prune()
+            return True
 
     def _maybe_prune(self) -> None:
         now = time.monotonic()
@@ -203,41 +414,39 @@ class HistoryRecorder:
 
     # --- the work (raises) -----------------------------------------------------------
 
-    def sync(
-        self,
-        doc: StateDocument,
-        *,
-        entry: Mapping[str, Any] | None = None,
-        detail: Mapping[str, Any] | None = None,
-    ) -> int:
+    def sync(self, doc: StateDocument) -> int:
         """Append what ``doc``'s journal has and the history lacks; how many records.
-
-        ``entry`` is the newest journal entry when the caller just wrote it
-        (recorded even with ``journal_limit=0``); ``detail`` goes with it.
 
         Raises:
             StoreError: the history store failed (nothing is lost: the journal
                 still holds the entries, and the next call appends them).
         """
-        entries: list[Mapping[str, Any]] = list(doc.journal)
-        newest = JournalRecord(entry) if entry is not None else None
-        if newest is not None and (not entries or dict(entries[-1]) != dict(newest)):
-            entries.append(newest)
-        if not entries:
+        return self._sync(list(doc.journal), {})
+
+    def _sync(
+        self, journal: Sequence[Mapping[str, Any]], details: Mapping[str, Mapping[str, Any]]
+    ) -> int:
+        """:meth:`sync` of the entries ``journal`` (in journal order), with the detail of
+        each by entry id; in as few store writes as their size allows (one, unless
+        more than ``APPEND_RECORDS`` are missing)."""
+        if not journal:
             return 0
-        ids = [rec.entry_id(e) for e in entries]
+        ids = [rec.entry_id(e) for e in journal]
         for _ in range(_ROUNDS):
-            missing, after, gap = self._missing(entries, ids)
+            missing, after, gap = self._missing(journal, ids)
             if not missing:
                 return 0
             records = []
             if gap is not None:
                 records.append(gap)
             for e in missing:
-                with_detail = detail if newest is not None and e is entries[-1] else None
-                records.append(self._fitted(rec.record_of(e, with_detail)))
+                records.append(self._fitted(rec.record_of(e, details.get(rec.entry_id(e)))))
             try:
-                self.store.append(self.poller, records, after_seq=after)
+                for start in range(0, len(records), APPEND_RECORDS):
+                    part = records[start : start + APPEND_RECORDS]
+                    self.store.append(self.poller, part, after_seq=after)
+                    after += len(part)
+                    self._known = (part[-1]["id"], after)
             except CasConflictError:
                 self._known = None  # someone appended meanwhile: read the tail again
                 continue
@@ -248,7 +457,6 @@ class HistoryRecorder:
                     "back; a gap record marks where",
                     self.poller,
                 )
-            self._known = (records[-1]["id"], after + len(records))
             return len(records)
         raise CasConflictError(
             f"the history of {self.poller!r} kept changing under this writer; tried {_ROUNDS} times"
@@ -261,7 +469,7 @@ class HistoryRecorder:
         known = self._known
         if known is not None and known[0] in ids:
             return list(entries[ids.index(known[0]) + 1 :]), known[1], None
-        if known is not None and len(entries) == 1 and self.journal_limit == 0:
+        if known is not None and self.journal_limit == 0:
             return list(entries), known[1], None  # no journal to repair from: just append
         tail = self.store.tail(self.poller, len(entries) + 1)
         after = int(tail[-1].get("seq") or 0) if tail else 0
@@ -314,6 +522,25 @@ class NoHistory:
 
     def idle(self, doc: StateDocument | None) -> None:
         del doc
+
+    def flush(self, timeout: float = FLUSH_SECONDS) -> bool:
+        del timeout
+        return True
+
+    def close(self, timeout: float = FLUSH_SECONDS) -> bool:
+        del timeout
+        return True
+
+
+#: Recorders whose appender thread was started: flushed when the interpreter exits
+#: (a script that drains without closing its trigger still leaves its history whole).
+_RUNNING: weakref.WeakSet[HistoryRecorder] = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    for recorder in list(_RUNNING):
+        recorder.flush()
 
 
 #: The recorder of a trigger without a history (the StateWriter's default).

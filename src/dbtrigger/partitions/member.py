@@ -568,22 +568,36 @@ class PartitionedPoller:
     def tick(
         self, handler: Handler | None = None, *, should_stop: Callable[[], bool] | None = None
     ) -> int:
-        return self.tick_result(handler, should_stop=should_stop).rows
+        """One round; the rows committed, their history written (:meth:`flush_history`)."""
+        try:
+            return self.tick_result(handler, should_stop=should_stop).rows
+        finally:
+            self.flush_history()
 
     def run(self, *, timer: Any = None, handler: Handler | None = None) -> int:
         del timer
         return self.tick(handler)
 
+    def flush_history(self) -> bool:
+        """Wait (boundedly) until every partition's history records so far are written."""
+        written = True
+        for trigger in list(self._triggers.values()):
+            written = trigger.flush_history() and written
+        return written
+
     def drain(self, handler: Handler | None = None, *, max_ticks: int | None = None) -> int:
         """Tick the owned partitions until a round commits nothing."""
         handler = self._handler_for(handler)
         total = ticks = 0
-        while max_ticks is None or ticks < max_ticks:
-            result = self.tick_result(handler)
-            ticks += 1
-            total += result.rows
-            if result.rows == 0 and not result.more:
-                break
+        try:
+            while max_ticks is None or ticks < max_ticks:
+                result = self.tick_result(handler)
+                ticks += 1
+                total += result.rows
+                if result.rows == 0 and not result.more:
+                    break
+        finally:
+            self.flush_history()
         return total
 
     def rows_behind(self) -> int | None:

@@ -343,7 +343,10 @@ class PollTrigger(ClosesOnExit):
         driver of the tick, as ``dbtrigger run`` is for a worker.
         """
         del timer  # the schedule is the host's business; the tick is the same
-        return self.report(self.tick_result(handler)).rows
+        try:
+            return self.report(self.tick_result(handler)).rows
+        finally:
+            self.flush_history()  # a Functions host may freeze the process on return
 
     def report(self, result: TickResult) -> TickResult:
         """Log ``result`` as the tick's one line (``event=tick``): rows, batches,
@@ -364,12 +367,30 @@ class PollTrigger(ClosesOnExit):
     def tick(
         self, handler: Handler | None = None, *, should_stop: Callable[[], bool] | None = None
     ) -> int:
-        return self.tick_result(handler, should_stop=should_stop).rows
+        """One tick; the rows committed. Returns with the tick's history written
+        (:meth:`flush_history`), unlike :meth:`tick_result`, the runner's call."""
+        try:
+            return self.tick_result(handler, should_stop=should_stop).rows
+        finally:
+            self.flush_history()
+
+    def flush_history(self) -> bool:
+        """Wait (boundedly) until the history records of the commits so far are
+        written; whether they all are (see :mod:`dbtrigger.history.recorder`:
+        the appender thread writes them, off the tick). Never raises."""
+        written = self._driver.writer.history.flush()
+        if self.partitioned is not None:
+            written = self.partitioned.flush_history() and written
+        return written
 
     def tick_result(
         self, handler: Handler | None = None, *, should_stop: Callable[[], bool] | None = None
     ) -> TickResult:
         """One tick (see :mod:`dbtrigger.runtime.tick`); what it did.
+
+        Its history records may still be on their way when it returns (the
+        runner and :meth:`drain` tick on, and flush when they stop):
+        :meth:`tick` and :meth:`flush_history` wait for them.
 
         Partitioned: one tick of every partition this member owns. With
         ``subscribers=`` no handler is passed (passing one is a
@@ -431,18 +452,21 @@ class PollTrigger(ClosesOnExit):
             LeaseAcquireError: another instance held the lease for longer than
                 ``lease_wait_seconds``.
         """
-        return drain(
-            self,
-            self._handler_for(handler),
-            max_ticks=max_ticks,
-            progress=progress,
-            lease_wait_seconds=lease_wait_seconds,
-        )
+        try:
+            return drain(
+                self,
+                self._handler_for(handler),
+                max_ticks=max_ticks,
+                progress=progress,
+                lease_wait_seconds=lease_wait_seconds,
+            )
+        finally:
+            self.flush_history()
 
     async def run_async(self, *, timer: Any = None, handler: Handler | None = None) -> int:
         """:meth:`run` for async code (a Functions ``async def`` timer function)."""
         del timer
-        rows = await self.tick_async(handler)
+        rows = await self.tick_async(handler)  # (flushed: a host may freeze on return)
         if self.last_result is not None:
             self.report(self.last_result)
         return rows
@@ -465,6 +489,7 @@ class PollTrigger(ClosesOnExit):
         if isinstance(chosen, SubscriberCall):
             # Fan-out: each async subscriber runs on the caller's loop too.
             return await asyncio.to_thread(self.tick, SubscriberCall(on_loop))
+        # (tick(), not tick_result(): it returns with the history written)
         return await asyncio.to_thread(self.tick, on_loop(chosen, kernel.wants_context(chosen)))
 
     def read_state(self) -> StateDocument | None:
@@ -487,8 +512,10 @@ class PollTrigger(ClosesOnExit):
         return False
 
     def close(self) -> None:
-        """Stop the heartbeat thread and shut the lane pool down (both start again
-        if the trigger ticks afterwards); a deprecated ``partitions=`` member's too."""
+        """Write what the history has queued (a bounded wait), stop the heartbeat and
+        history threads and shut the lane pool down (all start again if the trigger
+        ticks afterwards); a deprecated ``partitions=`` member's too."""
+        self._driver.writer.history.close()
         self._keepalive.close()
         self._driver.delivery.close()
         if self.partitioned is not None:

@@ -91,6 +91,8 @@ _HISTORY_FAILED = Count("history_append_failures_total", label_keys=("error_type
 D, INFO, W, E = logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR
 
 #: event name -> (log level or None for metrics-only, metric updates).
+_HISTORY_OVERFLOW = Count("history_queue_overflow_total", "count")
+
 EVENTS: dict[str, EventSpec] = {
     # tick lifecycle
     "tick_start": EventSpec(D),
@@ -239,6 +241,10 @@ EVENTS: dict[str, EventSpec] = {
     "history_append_failed_again": EventSpec(D, (_HISTORY_FAILED,), log_as="history_append_failed"),
     "history_append_recovered": EventSpec(INFO),
     "history_gap": EventSpec(W),
+    "history_queue_overflow": EventSpec(W, (_HISTORY_OVERFLOW,)),
+    "history_queue_overflow_again": EventSpec(
+        D, (_HISTORY_OVERFLOW,), log_as="history_queue_overflow"
+    ),
     "history_pruned": EventSpec(D, (Count("history_pruned_total", "count"),)),
     "history_prune_failed": EventSpec(W),
     # start positions (PollTrigger(start_from=...)): applied once, at creation

@@ -213,6 +213,8 @@ OBJECT = st.dictionaries(TEXT, JSON, max_size=5)
 TIMES = st.datetimes(
     min_value=dt.datetime(1970, 1, 2), max_value=dt.datetime(9999, 1, 1), timezones=st.just(UTC)
 )
+
+
 def _windows() -> st.SearchStrategy[Window]:
     return st.builds(
         Window,

@@ -40,14 +40,12 @@ dead-letter``, :mod:`dbtrigger.replay.dead_letters`).
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
-import fcntl
 import json
 import math
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -57,7 +55,7 @@ from sqlalchemy.dialects import mysql
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from dbtrigger._engine import LazyEngine, parse_database_url
-from dbtrigger._files import write_synced
+from dbtrigger._files import locked_lines, write_synced
 from dbtrigger.cursor import Position, canonical_json, encode_value, encoded_pk
 from dbtrigger.errors import (
     ConfigurationError,
@@ -441,18 +439,6 @@ class JsonLinesQuarantineSink:
     def describe(self) -> str:
         return f"file:{self.path}"
 
-    @contextlib.contextmanager
-    def _locked(self, mode: str) -> Iterator[Any]:
-        if "a" in mode:
-            # Created readable by its owner only: records hold whole rows.
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            opened = os.fdopen(fd, mode, encoding="utf-8")
-        else:
-            opened = self.path.open(mode, encoding="utf-8")
-        with opened as fh:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX if "a" in mode else fcntl.LOCK_SH)
-            yield fh
-
     def put(self, records: Sequence[QuarantineRecord]) -> None:
         if not records:
             return
@@ -461,7 +447,7 @@ class JsonLinesQuarantineSink:
         )
         try:
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            with self._locked("a") as fh:
+            with locked_lines(self.path, append=True) as fh:
                 write_synced(fh, lines)
         except OSError as exc:
             raise QuarantineError(
@@ -471,7 +457,7 @@ class JsonLinesQuarantineSink:
     def records(self, poller: str | None = None) -> list[QuarantineRecord]:
         if not self.path.exists():
             return []
-        with self._locked("r") as fh:
+        with locked_lines(self.path, append=False) as fh:
             out = [QuarantineRecord.from_json(json.loads(line)) for line in fh if line.strip()]
         return [r for r in out if poller is None or r.poller == poller]
 

@@ -85,6 +85,21 @@ def waiting_text(waiting: Mapping[str, Any] | None) -> str:
     return text
 
 
+def _moved(record: Mapping[str, Any], seq: str, kind: str, keys: tuple[str, ...]) -> list[str]:
+    """The columns every kind of record fills: record number, when, kind, which batch
+    or operation, and the checkpoint it moved from and to (``keys`` name the fields
+    holding the when, the which, the from and the to)."""
+    when, which, before, after = keys
+    return [
+        seq,
+        str(record.get(when, "")),
+        kind,
+        str(record.get(which, "")),
+        show_position(record.get(before)),
+        show_position(record.get(after)),
+    ]
+
+
 def _row(record: Mapping[str, Any]) -> list[str]:
     seq = "-" if record.get("pending") else str(record.get("seq", ""))
     kind = str(record.get("type", ""))
@@ -100,12 +115,7 @@ def _row(record: Mapping[str, Any]) -> list[str]:
         if record.get("recovered") or (record.get("detail") is None and not record.get("pending")):
             note.append("no event detail (recorded from the journal)")
         return [
-            seq,
-            str(record.get("committed_at", "")),
-            kind,
-            str(record.get("batch_id", "")),
-            show_position(record.get("from")),
-            show_position(record.get("to")),
+            *_moved(record, seq, kind, ("committed_at", "batch_id", "from", "to")),
             str(record.get("rows", "")),
             str(record.get("owner_id", "")),
             str(record.get("fencing_token", "")),
@@ -127,12 +137,7 @@ def _row(record: Mapping[str, Any]) -> list[str]:
     fenced = record.get("fenced") or {}
     count = record.get("skipped_rows", record.get("events", ""))
     return [
-        seq,
-        str(record.get("at", "")),
-        kind,
-        str(record.get("operation", "")),
-        show_position(record.get("before")),
-        show_position(record.get("after")),
+        *_moved(record, seq, kind, ("at", "operation", "before", "after")),
         str(count if not isinstance(count, list) else len(count)),
         str(record.get("actor", "")),
         str(fenced.get("new_fencing_token", "")) if isinstance(fenced, Mapping) else "",

@@ -22,13 +22,12 @@ the time it was dead-lettered.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import fcntl
 import json
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -36,7 +35,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from dbtrigger._files import write_synced
+from dbtrigger._files import locked_lines, write_synced
 from dbtrigger.cursor import Position, decode_value
 from dbtrigger.errors import ConfigurationError, DbTriggerError, QuarantineError, SerializationError
 from dbtrigger.events import RowChange
@@ -134,29 +133,17 @@ class FileMarks:
         self.sink = sink
         self.path = Path(str(sink.path) + ".marks")
 
-    @contextlib.contextmanager
-    def _locked(self, path: Path, exclusive: bool) -> Iterator[Any]:
-        mode = "a" if exclusive else "r"
-        if exclusive:
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            handle = os.fdopen(fd, mode, encoding="utf-8")
-        else:
-            handle = path.open(mode, encoding="utf-8")
-        with handle as fh:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-            yield fh
-
     def read(self) -> list[Mark]:
         if not self.path.exists():
             return []
-        with self._locked(self.path, exclusive=False) as fh:
+        with locked_lines(self.path, append=False) as fh:
             lines = [json.loads(line) for line in fh if line.strip()]
         return [_mark(raw) for raw in lines]
 
     def add(self, marks: Sequence[Mark]) -> None:
         text = "".join(json.dumps(m.to_json(), sort_keys=True) + "\n" for m in marks)
         try:
-            with self._locked(self.path, exclusive=True) as fh:
+            with locked_lines(self.path, append=True) as fh:
                 write_synced(fh, text)
         except OSError as exc:
             raise QuarantineError(f"could not write marks to {self.path}: {exc.strerror}") from exc

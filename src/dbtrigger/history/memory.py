@@ -10,17 +10,28 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from dbtrigger import options as opt
 from dbtrigger.errors import CasConflictError
 from dbtrigger.history.records import record_time
 from dbtrigger.history.store import DEFAULT_RETENTION, Retention, encode_line, numbered
 
+#: The most records an in-process history keeps per poller: the process's own
+#: memory is its store, and a record holds its batch's keys and image CRCs (a
+#: worker on the in-memory state store delivering 100k events grew by about
+#: 25 MB when nothing but age and total bytes bounded it).
+DEFAULT_MAX_RECORDS = 1000
+
 
 class MemoryHistory:
-    """Records in a dict of lists, guarded by a lock."""
+    """Records in a dict of lists, guarded by a lock; the oldest beyond
+    ``max_records`` per poller are dropped as new ones are appended."""
 
-    def __init__(self, *, retention: Retention = DEFAULT_RETENTION) -> None:
+    def __init__(
+        self, *, retention: Retention = DEFAULT_RETENTION, max_records: int = DEFAULT_MAX_RECORDS
+    ) -> None:
         #: How long the runtime keeps records here (it prunes after its appends).
         self.retention = retention
+        self.max_records = opt.whole("max_records", max_records, minimum=1)
         self._records: dict[str, list[dict[str, Any]]] = {}
         self._lock = threading.Lock()
 
@@ -38,6 +49,8 @@ class MemoryHistory:
                     f"the history of {poller!r} ends at record {last}, not {after_seq}"
                 )
             held.extend(numbered(records, after_seq))
+            if len(held) > self.max_records:
+                del held[: len(held) - self.max_records]
 
     def tail(self, poller: str, count: int) -> list[dict[str, Any]]:
         with self._lock:
@@ -67,4 +80,4 @@ class MemoryHistory:
             return drop
 
 
-__all__ = ["MemoryHistory"]
+__all__ = ["DEFAULT_MAX_RECORDS", "MemoryHistory"]

@@ -21,10 +21,27 @@ from __future__ import annotations
 
 from typing import NamedTuple, Protocol, runtime_checkable
 
+from dbtrigger.errors import UnsupportedDocumentError
+
 
 class StoredDocument(NamedTuple):
     data: bytes
     etag: str
+
+
+def document_text(key: str, data: bytes, store: str) -> str:
+    """``data`` as the text a store that keeps documents in text columns or
+    properties (the SQL and the table store) writes.
+
+    Raises:
+        UnsupportedDocumentError: ``data`` is not UTF-8, so it cannot be kept as text.
+    """
+    try:
+        return bytes(data).decode("utf-8")
+    except UnicodeDecodeError:
+        raise UnsupportedDocumentError(
+            f"document for {key!r} is not UTF-8 text; the {store} store keeps documents as text"
+        ) from None
 
 
 @runtime_checkable

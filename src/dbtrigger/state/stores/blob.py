@@ -57,9 +57,9 @@ from dbtrigger.settings import (
     environment,
     peek,
     references_setting,
-    resolve,
     resolve_setting,
 )
+from dbtrigger.state.stores._sdk_client import SdkClientHolder
 from dbtrigger.state.stores.base import StoredDocument
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ def _account_client(
     )
 
 
-class BlobCheckpointStore:
+class BlobCheckpointStore(SdkClientHolder[ContainerClient]):
     """State documents as blobs, every change an etag compare-and-swap.
 
     Args:
@@ -172,15 +172,6 @@ class BlobCheckpointStore:
         read_timeout = opt.optional_seconds("read_timeout", read_timeout)
         if read_timeout is not None:
             self._call_options["read_timeout"] = read_timeout
-
-    @property
-    def _client(self) -> ContainerClient:
-        """The container client, built now if it comes from app settings not read yet.
-
-        Raises:
-            ConfigurationError: an app setting it needs is missing or malformed.
-        """
-        return resolve(self._client_source)
 
     @property
     def app_name(self) -> str:
@@ -467,12 +458,6 @@ class BlobCheckpointStore:
         try:
             where = _safe_url(str(self._client.url))
         except ConfigurationError:
-            what = getattr(self._client_source, "what", "app settings")
-            where = f"({what}, unresolved)/{self.container_name}"
+            where = f"({self._unresolved()}, unresolved)/{self.container_name}"
         app = self._app_name or self._app_name_spec
         return f"azure-blob:{where}/{self.prefix}/{app}/"
-
-    def close(self) -> None:
-        client = peek(self._client_source)
-        if client is not None:
-            client.close()

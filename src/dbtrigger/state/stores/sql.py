@@ -74,7 +74,7 @@ from dbtrigger.names import validate_name, validate_sql_identifier
 from dbtrigger.redaction import safe_url_text
 from dbtrigger.settings import references_setting
 from dbtrigger.state import sizes
-from dbtrigger.state.stores.base import StoredDocument
+from dbtrigger.state.stores.base import StoredDocument, document_text
 
 #: Bytes a state write's statement carries besides the document (key, etag, SQL text).
 _STATEMENT_OVERHEAD = 4096
@@ -364,12 +364,7 @@ class SqlCheckpointStore:
 
     @staticmethod
     def _text(key: str, data: bytes) -> str:
-        try:
-            text = bytes(data).decode("utf-8")
-        except UnicodeDecodeError:
-            raise UnsupportedDocumentError(
-                f"document for {key!r} is not UTF-8 text; the SQL store keeps documents as text"
-            ) from None
+        text = document_text(key, data, "SQL")
         if "\x00" in text:
             raise UnsupportedDocumentError(
                 f"document for {key!r} contains a NUL character, which SQL text columns refuse"

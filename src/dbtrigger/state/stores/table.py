@@ -67,9 +67,10 @@ from dbtrigger.errors import (
     UnsupportedDocumentError,
 )
 from dbtrigger.names import validate_name
-from dbtrigger.settings import Deferred, peek, references_setting, resolve, resolve_setting
+from dbtrigger.settings import Deferred, references_setting, resolve_setting
 from dbtrigger.state import sizes
-from dbtrigger.state.stores.base import StoredDocument
+from dbtrigger.state.stores._sdk_client import SdkClientHolder
+from dbtrigger.state.stores.base import StoredDocument, document_text
 
 #: The service's limit for one entity, all properties and keys included.
 MAX_ENTITY_BYTES = 1024 * 1024
@@ -136,7 +137,7 @@ def entity_size(entity: Mapping[str, Any]) -> int:
     return size
 
 
-class TableCheckpointStore:
+class TableCheckpointStore(SdkClientHolder[TableClient]):
     """State documents as entities of one Azure Storage table.
 
     Give exactly one of:
@@ -236,7 +237,6 @@ class TableCheckpointStore:
 
         # App settings are read at first use: in a Function App a missing one
         # fails the functions using this store, not the indexing of the app.
-        self._client_source: TableClient | Deferred[TableClient]
         if table_client is not None:
             self._client_source = table_client
         elif endpoint is not None:
@@ -251,15 +251,6 @@ class TableCheckpointStore:
             self._client_source = Deferred(from_string, "app settings in the connection string")
         else:
             self._client_source = from_string()
-
-    @property
-    def _client(self) -> TableClient:
-        """The table client, built now if it comes from app settings not read yet.
-
-        Raises:
-            ConfigurationError: an app setting it needs is missing or malformed.
-        """
-        return resolve(self._client_source)
 
     # --- identity ---------------------------------------------------------------------
 
@@ -276,13 +267,8 @@ class TableCheckpointStore:
         try:
             url = str(self._client.url).split("?", 1)[0]  # drop a SAS token, if any
         except ConfigurationError:
-            url = f"({getattr(self._client_source, 'what', 'app settings')}, unresolved)"
+            url = f"({self._unresolved()}, unresolved)"
         return f"table:{url.rstrip('/')}/{self._table_name} partition={self._app}"
-
-    def close(self) -> None:
-        client = peek(self._client_source)
-        if client is not None:
-            client.close()
 
     # --- error edge ---------------------------------------------------------------------
 
@@ -342,13 +328,7 @@ class TableCheckpointStore:
     # --- encoding -----------------------------------------------------------------------
 
     def _entity(self, key: str, data: bytes) -> dict[str, Any]:
-        try:
-            text = bytes(data).decode("utf-8")
-        except UnicodeDecodeError:
-            raise UnsupportedDocumentError(
-                f"document for {key!r} is not UTF-8 text; the table store keeps documents as text"
-            ) from None
-        pieces = split_text(text)
+        pieces = split_text(document_text(key, data, "table"))
         entity: dict[str, Any] = {
             "PartitionKey": self._app,
             "RowKey": key,

@@ -40,7 +40,7 @@ from typing import Any
 
 from dbtrigger.cursor import encoded_pk
 from dbtrigger.errors import SerializationError
-from dbtrigger.events import RowChange
+from dbtrigger.events import RowChange, event_ids
 from dbtrigger.state.document import JournalRecord, format_time, parse_time
 
 #: Record types besides the journal's (commit, partial_commit, manual).
@@ -330,8 +330,7 @@ def batch_detail(
     detail: dict[str, Any] = {"format": 2, "rows": len(events), **keys, "crcs": crcs}
     if rejected or retried:
         outcomes = []
-        for i, event in enumerate(events):
-            eid = event.event_id
+        for i, eid in enumerate(event_ids(events)):  # (the batch's ids made at once)
             if rejected and eid in rejected:
                 outcomes.append([i, "rejected", rejected[eid][:200]])
             elif retried and eid in retried:

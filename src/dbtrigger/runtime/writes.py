@@ -24,7 +24,7 @@ from dbtrigger.errors import (
     LostLeaseError,
     OperatorError,
 )
-from dbtrigger.events import RowChange
+from dbtrigger.events import RowChange, event_ids
 from dbtrigger.history.recorder import NO_HISTORY, Outcome
 from dbtrigger.runtime.context import BatchContext
 from dbtrigger.runtime.session import LeaseSession
@@ -268,7 +268,7 @@ class StateWriter:
         now = self.clock()
         window: leasemod.WindowUpdate = leasemod.KEEP
         if settlement is None:
-            advance = verdictmod.advance([e.event_id for e in events], settled)
+            advance = verdictmod.advance(event_ids(events), settled)
             advance_to = position_of(events[advance.head - 1]) if advance.head else None
         else:
             # The batch's own rows the checkpoint passed (a prefix of the batch:

@@ -4,9 +4,18 @@ Each page runs in a process of its own (tests/doc_runner.py) in a directory of
 its own, its blocks in order as a reader would paste them, with what the page
 says exists made real by hidden ``doc-test: run`` comments (tests/doc_snippets.py).
 A page that names ``DOCTEST_PG_URL`` gets a fresh PostgreSQL database, one that
-names ``DOCTEST_AZURITE`` Azurite's connection string. A block that cannot run
-here is marked skipped with a reason in the page itself, and the count per
-reason is pinned below: a new skip is a decision made in review, not drift.
+names ``DOCTEST_CDC_URL`` a database on the logical-replication server, one that
+names ``DOCTEST_AZURITE`` Azurite's connection string. A Python block prints
+what the page says it prints; a console block marked ``doc-test: output`` shows
+what its commands print. A block that cannot run here is marked skipped with a
+reason in the page itself, and the count per reason is pinned below: a new skip
+is a decision made in review, not drift.
+
+Beside the runs, what cannot drift silently either: every fence names its
+language, tables are not split by a blank line, every ``dbtrigger COMMAND`` the
+docs, messages and docstrings name exists and every option of a synopsis is
+taken, the state document shown is the one a poller writes, every log event
+the code emits is named in a page, and no page puts a file store on a shared disk.
 """
 
 from __future__ import annotations

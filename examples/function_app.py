@@ -30,9 +30,15 @@ Tables (PostgreSQL shown; any SQLAlchemy database works for the source)::
         id integer PRIMARY KEY,
         status text NOT NULL,
         amount numeric(12, 2) NOT NULL,
-        updated_at timestamptz NOT NULL DEFAULT now()  -- inserts; every UPDATE sets it too
+        updated_at timestamptz NOT NULL DEFAULT now()  -- set on insert, and on update below
     );
     CREATE INDEX orders_cursor ON orders (updated_at, id);
+    -- The cursor moves on every UPDATE, whatever the writer sets: one that
+    -- forgot updated_at would otherwise change a row the poller never sees again.
+    CREATE FUNCTION orders_touch() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN NEW.updated_at := now(); RETURN NEW; END $$;
+    CREATE TRIGGER orders_touch BEFORE UPDATE ON orders
+        FOR EACH ROW EXECUTE FUNCTION orders_touch();
 
     CREATE TABLE processed_orders (
         order_id integer NOT NULL,

@@ -21,11 +21,13 @@ the code emits is named in a page, and no page puts a file store on a shared dis
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import re
 import subprocess
 import sys
+import textwrap
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -40,7 +42,7 @@ from dbtrigger.runtime.telemetry import EVENTS
 from dbtrigger.state import document as docmod
 from dbtrigger.testing import MemorySource
 from tests.azurite import Azurite
-from tests.databases import admin_engine
+from tests.databases import TestDatabase, admin_engine
 from tests.doc_snippets import (
     PAGES,
     PYTHON,
@@ -365,3 +367,19 @@ def test_every_log_event_is_documented() -> None:
     named = set(re.findall(r"[a-z][a-z_]*", docs))  # the names have underscores: specific
     assert len(logged) > 80, "the events were not found"
     assert sorted(logged - named) == []
+
+
+def test_the_example_schema_moves_the_cursor_on_every_update(pg: TestDatabase) -> None:
+    """examples/function_app.py's tables, run as written: an UPDATE that does not set
+    updated_at still moves it (its comment once claimed the DEFAULT did that)."""
+    module = ast.parse((ROOT / "examples" / "function_app.py").read_text(encoding="utf-8"))
+    doc = ast.get_docstring(module) or ""
+    schema = textwrap.dedent(doc.split("::\n", 1)[1])
+    with pg.engine.begin() as conn:
+        conn.exec_driver_sql(f'SET search_path TO "{pg.schema}"')
+        conn.exec_driver_sql(schema)
+        conn.exec_driver_sql("INSERT INTO orders (id, status, amount) VALUES (1, 'new', 5)")
+    before = pg.scalar(f'SELECT updated_at FROM "{pg.schema}".orders')
+    pg.execute(f"UPDATE \"{pg.schema}\".orders SET status = 'paid' WHERE id = 1")
+    after = pg.scalar(f'SELECT updated_at FROM "{pg.schema}".orders')
+    assert after > before  # type: ignore[operator]

@@ -33,15 +33,15 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import URL, Connection, Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import NoSuchTableError, SQLAlchemyError
 
+from dbtrigger._database_url import DatabaseUrl
 from dbtrigger._driver_errors import short_error
-from dbtrigger._engine import LazyEngine, parse_database_url
+from dbtrigger._engine import LazyEngine
 from dbtrigger.errors import (
     ConfigurationError,
     FetchError,
-    MissingSettingError,
     OutputWriteError,
     RowNotFoundError,
 )
@@ -69,21 +69,10 @@ class _Table:
         self.what = what
         self.table_name = validate_sql_identifier(table, "table") if table else None
         self.schema = validate_sql_identifier(schema, "schema") if schema else None
-        self._url_spec = url
-        self._url_value: URL | None = None if url else engine.url  # type: ignore[union-attr]
-        if url:
-            # A missing %SETTING% is reported at first use (see SqlAlchemySource).
-            with contextlib.suppress(MissingSettingError):
-                self._url_value = parse_database_url(url, f"{what} url")
-        self._engines = LazyEngine(lambda: self.url, engine_kwargs, engine)
+        self._db_url = DatabaseUrl(url, engine, f"{what} url")
+        self._engines = LazyEngine(lambda: self._db_url.value, engine_kwargs, engine)
         self._table: sa.Table | None = None
         self._lock = threading.Lock()
-
-    @property
-    def url(self) -> URL:
-        if self._url_value is None:
-            self._url_value = parse_database_url(self._url_spec or "", f"{self.what} url")
-        return self._url_value
 
     @property
     def engine(self) -> Engine:
@@ -94,7 +83,7 @@ class _Table:
         where = self.table_name or "(queries)"
         if self.schema and self.table_name:
             where = f"{self.schema}.{self.table_name}"
-        return f"{self.url.get_backend_name()}:{where}"
+        return f"{self._db_url.value.get_backend_name()}:{where}"
 
     def table(self, conn: Connection) -> sa.Table:
         if self.table_name is None:

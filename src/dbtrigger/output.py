@@ -19,7 +19,6 @@ key a row happens to hit.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -27,9 +26,10 @@ import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine
 from sqlalchemy.exc import NoSuchTableError, SQLAlchemyError
 
+from dbtrigger._database_url import DatabaseUrl
 from dbtrigger._driver_errors import short_error
-from dbtrigger._engine import LazyEngine, parse_database_url
-from dbtrigger.errors import ConfigurationError, MissingSettingError, OutputWriteError
+from dbtrigger._engine import LazyEngine
+from dbtrigger.errors import ConfigurationError, OutputWriteError
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.redaction import safe_url_text
 
@@ -75,15 +75,9 @@ class OutputTarget:
             raise ConfigurationError("conflict_columns only apply to action='upsert'")
         if url is None and engine is None:
             raise ConfigurationError("db.output needs url= or engine=")
-        self._url_spec = url
-        self._url_value: URL | None = None if url else engine.url  # type: ignore[union-attr]
-        if url:
-            # A missing %SETTING% is reported at first use (see SqlAlchemySource).
-            with contextlib.suppress(MissingSettingError):
-                self._url_value = parse_database_url(url, "db.output url")
-        if self._url_value is not None:
-            self._check_dialect(self._url_value)
-        self._engines = LazyEngine(lambda: self._url, engine_kwargs, engine)
+        # A dialect without upserts is refused as soon as the URL is known.
+        self._db_url = DatabaseUrl(url, engine, "db.output url", self._check_dialect)
+        self._engines = LazyEngine(lambda: self._db_url.value, engine_kwargs, engine)
         self._table: sa.Table | None = None
 
     def _check_dialect(self, url: URL) -> None:
@@ -95,17 +89,8 @@ class OutputTarget:
             )
 
     @property
-    def _url(self) -> URL:
-        """The database URL, ``%SETTING%`` references resolved (at the first use)."""
-        if self._url_value is None:
-            url = parse_database_url(self._url_spec or "", "db.output url")
-            self._check_dialect(url)
-            self._url_value = url
-        return self._url_value
-
-    @property
     def dialect(self) -> str:
-        return self._url.get_backend_name()
+        return self._db_url.value.get_backend_name()
 
     @property
     def name(self) -> str:
@@ -114,7 +99,7 @@ class OutputTarget:
 
     def describe(self) -> dict[str, Any]:
         return {
-            "url": safe_url_text(self._url),
+            "url": safe_url_text(self._db_url.value),
             "table": self.table_name,
             "schema": self.schema,
             "action": self.action,

@@ -39,14 +39,14 @@ import sqlalchemy as sa
 from sqlalchemy.engine import URL, Connection, Engine
 from sqlalchemy.exc import NoSuchTableError, SQLAlchemyError
 
+from dbtrigger._database_url import DatabaseUrl
 from dbtrigger._driver_errors import short_error
-from dbtrigger._engine import LazyEngine, parse_database_url
+from dbtrigger._engine import LazyEngine
 from dbtrigger.errors import (
     CommitError,
     ConfigurationError,
     DbTriggerError,
     FetchError,
-    MissingSettingError,
 )
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.queue import operations, producer
@@ -167,13 +167,7 @@ class ClaimSource:
             if mode == "columns"
             else SidecarLayout(self.claims_table, schema=self.schema, queue_name=self.queue_name)
         )
-        self._url_spec = url
-        self._url_value: URL | None = None if url else engine.url  # type: ignore[union-attr]
-        if url:
-            # A %SETTING% that is missing is reported at first use, not here: in a
-            # Function App one missing setting must not stop every function indexing.
-            with contextlib.suppress(MissingSettingError):
-                self._url_value = parse_database_url(url)
+        self._db_url = DatabaseUrl(url, engine)
         self.shared_engine = engine
         self._time: DialectTime | None = None
         self._engine_kwargs = dict(engine_kwargs or {})
@@ -189,9 +183,7 @@ class ClaimSource:
     @property
     def url(self) -> URL:
         """The database URL, ``%SETTING%`` references resolved (at the first use)."""
-        if self._url_value is None:
-            self._url_value = parse_database_url(str(self._url_spec))
-        return self._url_value
+        return self._db_url.value
 
     @property
     def time(self) -> DialectTime:

@@ -39,12 +39,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import sqlalchemy as sa
-from sqlalchemy.engine import URL, Connection, Engine
+from sqlalchemy.engine import Connection, Engine
 
+from dbtrigger._database_url import DatabaseUrl
 from dbtrigger._driver_errors import encoding_problem
-from dbtrigger._engine import LazyEngine, parse_database_url
+from dbtrigger._engine import LazyEngine
 from dbtrigger.cursor import Position
-from dbtrigger.errors import ConfigurationError, MissingSettingError, SourceDefinitionError
+from dbtrigger.errors import ConfigurationError, SourceDefinitionError
 from dbtrigger.events import RowChange
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.redaction import safe_url_text
@@ -148,14 +149,8 @@ class SqlAlchemySource:
             deleted_value=deleted_value,
         )
         self._deleted_value = deleted_value
-        self._url_spec = url
-        self._url_value: URL | None = None if url else engine.url  # type: ignore[union-attr]
-        if url:
-            # A %SETTING% that is missing is reported at first use, not here: in a
-            # Function App one missing setting must not stop every function indexing.
-            with contextlib.suppress(MissingSettingError):
-                self._url_value = parse_database_url(url)
-        self._engines = LazyEngine(lambda: self._url, engine_kwargs, engine)
+        self._db_url = DatabaseUrl(url, engine)
+        self._engines = LazyEngine(lambda: self._db_url.value, engine_kwargs, engine)
         self._guarding = Guarding(parse_visibility(visibility))
         window_column = getattr(self._guarding.request, "time_column", None)
         self._lag_column = (
@@ -215,11 +210,9 @@ class SqlAlchemySource:
         return twin
 
     @property
-    def _url(self) -> URL:
-        """The database URL, ``%SETTING%`` references resolved (at the first use)."""
-        if self._url_value is None:
-            self._url_value = parse_database_url(self._url_spec or "")
-        return self._url_value
+    def _url_spec(self) -> str | None:
+        """``url=`` as given (None with a shared ``engine=``)."""
+        return self._db_url.spec
 
     # --- identity ---------------------------------------------------------------
 
@@ -233,7 +226,7 @@ class SqlAlchemySource:
 
     @property
     def dialect_name(self) -> str:
-        return self._url.get_backend_name()
+        return self._db_url.value.get_backend_name()
 
     @property
     def name(self) -> str:
@@ -241,7 +234,7 @@ class SqlAlchemySource:
 
     @property
     def safe_url(self) -> str:
-        return safe_url_text(self._url)
+        return safe_url_text(self._db_url.value)
 
     def fingerprint(self) -> str:
         """``sha256:`` of what a stored position means; secrets excluded.
@@ -258,12 +251,12 @@ class SqlAlchemySource:
         written out, loopback spelling, TLS options, password): see
         :mod:`dbtrigger.sources.fingerprint`.
         """
-        return source_fingerprint(self._url, self._definition())
+        return source_fingerprint(self._db_url.value, self._definition())
 
     def source_definition(self) -> dict[str, Any]:
         """What :meth:`fingerprint` hashes, readable and secret-free (kept in the state
         document so a changed definition can be shown, not only detected)."""
-        return readable_definition(self._url, self._definition())
+        return readable_definition(self._db_url.value, self._definition())
 
     def accepted_fingerprints(self) -> tuple[str, ...]:
         """Fingerprints a stored document may carry for this very definition.

@@ -85,6 +85,10 @@ MAX_PENDING = 2000
 #: The details (per-event lines) the queue holds at most, by an estimate of their
 #: size; past that the oldest commits' details go (their records stay, without).
 PENDING_DETAIL_BYTES = 16 * 1024 * 1024
+#: A round of the appender starts at most this often: the commits in between
+#: share its store write (group commit), which on a file or SQLite store beside
+#: the state is also a write the state's commits do not wait behind.
+ROUND_SECONDS = 0.05
 #: How long a flush (tick(), drain(), close(), a Functions invocation) waits for the
 #: appender at most; what is still queued then stays queued, and the journal has it.
 FLUSH_SECONDS = 10.0
@@ -162,6 +166,10 @@ class HistoryRecorder:
         self._queued = 0
         self._tried = 0
         self._written = True  # whether the last round was
+        self._flushing = 0  # callers waiting in flush()
+        self._round_at = 0.0  # when the last round started (monotonic)
+        #: Rounds start at most this often (see ROUND_SECONDS).
+        self.round_seconds = ROUND_SECONDS
         self._closing = False
         self._dropped = [0, 0]  # since the last round: records, details
         self._overflowing = False
@@ -213,7 +221,12 @@ class HistoryRecorder:
         was counted and logged, and the journal holds what it could not write."""
         with self._cond:
             target = self._queued
-            self._cond.wait_for(lambda: self._tried >= target, timeout)
+            self._flushing += 1
+            self._cond.notify_all()
+            try:
+                self._cond.wait_for(lambda: self._tried >= target, timeout)
+            finally:
+                self._flushing -= 1
             return self._tried >= target and self._written
 
     def close(self, timeout: float = FLUSH_SECONDS) -> bool:
@@ -267,6 +280,15 @@ class HistoryRecorder:
                 self._cond.wait_for(lambda: self._closing or bool(self._pending))
                 if not self._pending:
                     return  # closing
+                # Group commit: a round starts at most every round_seconds, so the
+                # commits meanwhile share its write (a flush or close goes at once).
+                self._cond.wait_for(
+                    lambda: (
+                        self._closing or self._flushing > 0 or len(self._pending) >= APPEND_RECORDS
+                    ),
+                    self._round_at + self.round_seconds - time.monotonic(),
+                )
+                self._round_at = time.monotonic()
                 batch = list(self._pending)
                 self._pending.clear()
                 self._detailed.clear()

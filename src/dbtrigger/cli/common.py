@@ -101,6 +101,15 @@ def utc_now() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
 
+def text_table(rows: Sequence[Sequence[str]]) -> str:
+    """``rows`` (the first one a header, if any) as aligned columns, two spaces apart."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
 def show_position(raw: Mapping[str, Any] | Position | None) -> str:
     """``2026-01-01T00:00:00.000000Z id=5`` (or ``(beginning)``) from JSON or a Position."""
     if isinstance(raw, Position):

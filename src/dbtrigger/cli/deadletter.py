@@ -26,6 +26,7 @@ from dbtrigger.cli.common import (
     parse_value,
     reason_from_args,
     state_store,
+    text_table,
     utc_now,
 )
 from dbtrigger.cli.loading import as_trigger, load_object, load_trigger
@@ -132,14 +133,6 @@ def _row(letter: dl.DeadLetter) -> list[str]:
     ]
 
 
-def _table(rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-        for row in rows
-    )
-
-
 def cmd_dead_letter(args: argparse.Namespace) -> int:
     if args.source:
         named = load_object(args.source)
@@ -180,7 +173,7 @@ def _sinked(args: argparse.Namespace, target: Any, sink: Any, store: CheckpointS
             console.print(f"no dead letters of {args.poller!r} in {sink.describe()} to show")
         else:
             console.print(
-                _table(
+                text_table(
                     [
                         ["EVENT", "KEY", "DEAD SINCE", "ATTEMPTS", "STATE", "ERROR"],
                         *map(_row, letters),
@@ -417,7 +410,7 @@ def _queue(args: argparse.Namespace, queue: Any) -> int:
                 ]
                 for r in rows
             ]
-            console.print(_table(table))
+            console.print(text_table(table))
         return 0
     keys = [tuple(r[k] for k in key_names) for r in rows]
     args.reason = reason_from_args(args)  # required with --yes only

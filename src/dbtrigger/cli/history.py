@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from dbtrigger.cli.common import (
@@ -24,6 +24,7 @@ from dbtrigger.cli.common import (
     show_position,
     source_from_args,
     state_store,
+    text_table,
 )
 from dbtrigger.history import view
 from dbtrigger.history.derive import history_for
@@ -43,14 +44,6 @@ def history_of(args: argparse.Namespace, store: CheckpointStore) -> HistoryStore
     if trigger is not None and trigger.store is store:
         return trigger.history
     return history_for(store)
-
-
-def _table(rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        for row in rows
-    )
 
 
 def outcomes_text(record: Mapping[str, Any]) -> str:
@@ -170,7 +163,7 @@ def _batch_text(record: Mapping[str, Any]) -> str:
             pk = ", ".join(f"{k}={v[1] if isinstance(v, list) else v}" for k, v in e.key.items())
             outcome = e.outcome + (f" ({e.reason})" if e.reason else "")
             rows.append([e.event_id or "", pk, e.image, outcome] if ids else [pk, e.image, outcome])
-        lines += ["", _table(rows)]
+        lines += ["", text_table(rows)]
     elif detail.get("events_omitted"):
         lines.append(
             f"events       {detail['events_omitted']} (lines not kept: the batch was too large)"
@@ -220,7 +213,7 @@ def cmd_history(args: argparse.Namespace) -> int:
             "TOKEN",
             "NOTE",
         ]
-        console.print(_table([header, *(_row(r) for r in shown)]))
+        console.print(text_table([header, *(_row(r) for r in shown)]))
         if len(shown) < len(records):
             console.print(f"({len(records) - len(shown)} earlier record(s): --all, --since T)")
         console.print(f"kept in {where}")

@@ -21,6 +21,7 @@ from dbtrigger.cli.common import (
     show_position,
     source_from_args,
     state_store,
+    text_table,
     utc_now,
 )
 from dbtrigger.errors import CorruptStateError, DbTriggerError
@@ -43,14 +44,6 @@ from dbtrigger.state.window import Window
 
 #: ``.p000-021`` after a partitioned poller's name: one partition's state document.
 PARTITION_KEY = re.compile(r"\.p\d{3}-\d{3}")
-
-
-def _table(rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        for row in rows
-    )
 
 
 # --- status ------------------------------------------------------------------------------
@@ -426,7 +419,7 @@ def _render_many(statuses: Sequence[Mapping[str, Any]]) -> str:
                 window_text,
             ]
         )
-    return _table(rows)
+    return text_table(rows)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

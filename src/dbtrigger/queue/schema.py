@@ -180,12 +180,7 @@ class DialectTime:
         expression would work too, but a value makes the dry run and the real run
         agree exactly on which rows they mean.
         """
-        moment = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=seconds)
-        if self.dialect == "postgresql":
-            return moment
-        if self.dialect == "mysql":
-            return moment.replace(tzinfo=None)
-        return moment.strftime(_SQLITE_PY_FORMAT)[:-3]
+        return self.at(dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=seconds))
 
     # --- DDL ------------------------------------------------------------------------
 

@@ -39,8 +39,6 @@ queue and partition glue (:mod:`~dbtrigger.azure.queue`,
 
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 import re
 from collections.abc import Callable
@@ -49,9 +47,8 @@ from typing import TYPE_CHECKING, Any
 from dbtrigger.azure.deferred import Lazy
 from dbtrigger.azure.host import (
     bind_handler,
-    call_keywords,
+    host_wrapper,
     refuse_function_builder,
-    set_host_signature,
 )
 from dbtrigger.azure.inputs import input_binding, reader_binding, writer_binding
 from dbtrigger.azure.output import output_binding
@@ -200,31 +197,23 @@ class DbBindings:
                     output.dialect  # noqa: B018 - resolves the URL's %SETTING% now
                 return lazy.get()
 
-            if inspect.iscoroutinefunction(fn):
+            def run(call: dict[str, Any]) -> None:
+                handler = make_handler(call)
+                poll = ready()
+                try:
+                    poll.run(handler=handler)
+                except ContentionError as exc:
+                    _quiet(poller_name, exc)
 
-                @functools.wraps(fn)
-                async def async_wrapper(*args: Any, **kwargs: Any) -> None:
-                    handler = make_handler(call_keywords(host_sig, args, kwargs))
-                    poll = ready()
-                    try:
-                        await poll.run_async(handler=handler)
-                    except ContentionError as exc:
-                        _quiet(poller_name, exc)
+            async def run_async(call: dict[str, Any]) -> None:
+                handler = make_handler(call)
+                poll = ready()
+                try:
+                    await poll.run_async(handler=handler)
+                except ContentionError as exc:
+                    _quiet(poller_name, exc)
 
-                wrapper: Callable[..., Any] = async_wrapper
-            else:
-
-                @functools.wraps(fn)
-                def sync_wrapper(*args: Any, **kwargs: Any) -> None:
-                    handler = make_handler(call_keywords(host_sig, args, kwargs))
-                    poll = ready()
-                    try:
-                        poll.run(handler=handler)
-                    except ContentionError as exc:
-                        _quiet(poller_name, exc)
-
-                wrapper = sync_wrapper
-            set_host_signature(wrapper, host_sig)
+            wrapper = host_wrapper(fn, host_sig, run, run_async)
             attach(wrapper, fn, poller=lazy, make_handler=make_handler)
             if prepared is not None:
                 self.triggers[poller_name] = prepared

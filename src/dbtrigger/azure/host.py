@@ -9,8 +9,9 @@ parameter. Every decorator does it the same way, with these helpers.
 
 from __future__ import annotations
 
+import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from dbtrigger.azure.record import HandlerFactory
@@ -107,11 +108,40 @@ def set_host_signature(wrapper: Any, sig: inspect.Signature) -> None:
     wrapper.__annotations__ = annotations
 
 
+def host_wrapper(
+    fn: Callable[..., Any],
+    sig: inspect.Signature,
+    run: Callable[[dict[str, Any]], Any],
+    run_async: Callable[[dict[str, Any]], Awaitable[Any]],
+) -> Callable[..., Any]:
+    """What the host calls instead of ``fn``: its arguments bound against ``sig``
+    (the host's view of ``fn``) and handed over as keywords to ``run_async`` when
+    ``fn`` is a coroutine function (the wrapper is one too, so the worker awaits
+    it on its loop), else to ``run``. ``sig`` is what the host sees of the wrapper."""
+    if inspect.iscoroutinefunction(fn):
+
+        @functools.wraps(fn)
+        async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+            return await run_async(call_keywords(sig, args, kwargs))
+
+        wrapper: Callable[..., Any] = async_wrapper
+    else:
+
+        @functools.wraps(fn)
+        def sync_wrapper(*args: Any, **kwargs: Any) -> Any:
+            return run(call_keywords(sig, args, kwargs))
+
+        wrapper = sync_wrapper
+    set_host_signature(wrapper, sig)
+    return wrapper
+
+
 __all__ = [
     "CONTEXT_PARAM",
     "bind_handler",
     "call_keywords",
     "host_signature",
+    "host_wrapper",
     "refuse_function_builder",
     "set_host_signature",
 ]

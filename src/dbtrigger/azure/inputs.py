@@ -26,14 +26,13 @@ above the function (with ``@db.output``), so they run for each batch.
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from sqlalchemy.engine import Engine
 
-from dbtrigger.azure.host import call_keywords, host_signature, set_host_signature
+from dbtrigger.azure.host import host_signature, host_wrapper
 from dbtrigger.azure.record import binding_of
 from dbtrigger.dbio import DbReader, DbWriter
 from dbtrigger.errors import ConfigurationError, RowNotFoundError
@@ -75,25 +74,14 @@ def _inject(
             )
         host_sig = host_signature(fn, {arg_name}, what)
 
-        if inspect.iscoroutinefunction(fn):
+        def run(call: dict[str, Any]) -> Any:
+            return fn(**call, **{arg_name: make(call)})
 
-            @functools.wraps(fn)
-            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-                call = call_keywords(host_sig, args, kwargs)
-                value = await asyncio.to_thread(make, call)  # the read leaves the loop
-                return await fn(**call, **{arg_name: value})
+        async def run_async(call: dict[str, Any]) -> Any:
+            value = await asyncio.to_thread(make, call)  # the read leaves the loop
+            return await fn(**call, **{arg_name: value})
 
-            wrapper: Callable[..., Any] = async_wrapper
-        else:
-
-            @functools.wraps(fn)
-            def sync_wrapper(*args: Any, **kwargs: Any) -> Any:
-                call = call_keywords(host_sig, args, kwargs)
-                return fn(**call, **{arg_name: make(call)})
-
-            wrapper = sync_wrapper
-        set_host_signature(wrapper, host_sig)
-        return wrapper
+        return host_wrapper(fn, host_sig, run, run_async)
 
     return decorator
 

@@ -12,14 +12,13 @@ the batch, so that order is refused.
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy.engine import Engine
 
-from dbtrigger.azure.host import call_keywords, host_signature, set_host_signature
+from dbtrigger.azure.host import host_signature, host_wrapper
 from dbtrigger.azure.record import attach, binding_of
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.output import Action, DbOut, OutputTarget
@@ -71,30 +70,20 @@ def output_binding(
             )
         host_sig = host_signature(fn, {arg_name}, "@db.output")
 
-        if inspect.iscoroutinefunction(fn):
+        def run(call: dict[str, Any]) -> Any:
+            out = DbOut(target)
+            result = fn(**call, **{arg_name: out})
+            out.flush()
+            return result
 
-            @functools.wraps(fn)
-            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-                call = call_keywords(host_sig, args, kwargs)
-                out = DbOut(target)
-                result = await fn(**call, **{arg_name: out})
-                if out.get():
-                    await asyncio.to_thread(out.flush)
-                return result
+        async def run_async(call: dict[str, Any]) -> Any:
+            out = DbOut(target)
+            result = await fn(**call, **{arg_name: out})
+            if out.get():
+                await asyncio.to_thread(out.flush)
+            return result
 
-            wrapper: Callable[..., Any] = async_wrapper
-        else:
-
-            @functools.wraps(fn)
-            def sync_wrapper(*args: Any, **kwargs: Any) -> Any:
-                call = call_keywords(host_sig, args, kwargs)
-                out = DbOut(target)
-                result = fn(**call, **{arg_name: out})
-                out.flush()
-                return result
-
-            wrapper = sync_wrapper
-        set_host_signature(wrapper, host_sig)
+        wrapper = host_wrapper(fn, host_sig, run, run_async)
         attach(wrapper, fn, output=target)
         return wrapper
 

@@ -23,8 +23,6 @@ error does, and shows in the Functions logs.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -32,9 +30,8 @@ from typing import Any
 from dbtrigger.azure.deferred import Lazy, NumberSpec, check_written
 from dbtrigger.azure.host import (
     bind_handler,
-    call_keywords,
+    host_wrapper,
     refuse_function_builder,
-    set_host_signature,
 )
 from dbtrigger.azure.record import attach
 from dbtrigger.errors import ConfigurationError
@@ -123,23 +120,13 @@ def queue_trigger(
 
         lazy = Lazy(build, numbers)
 
-        if inspect.iscoroutinefunction(fn):
+        def run(call: dict[str, Any]) -> None:
+            lazy.get().tick(make_handler(call))
 
-            @functools.wraps(fn)
-            async def async_wrapper(*args: Any, **kwargs: Any) -> None:
-                handler = make_handler(call_keywords(host_sig, args, kwargs))
-                await lazy.get().tick_async(handler)
+        async def run_async(call: dict[str, Any]) -> None:
+            await lazy.get().tick_async(make_handler(call))
 
-            wrapper: Callable[..., Any] = async_wrapper
-        else:
-
-            @functools.wraps(fn)
-            def sync_wrapper(*args: Any, **kwargs: Any) -> None:
-                handler = make_handler(call_keywords(host_sig, args, kwargs))
-                lazy.get().tick(handler)
-
-            wrapper = sync_wrapper
-        set_host_signature(wrapper, host_sig)
+        wrapper = host_wrapper(fn, host_sig, run, run_async)
         attach(wrapper, fn, queue=lazy)
         # `dbtrigger queue ... --source function_app:send` finds the queue table here.
         wrapper.dbtrigger_queue_source = source  # type: ignore[attr-defined]

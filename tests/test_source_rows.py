@@ -348,3 +348,109 @@ def test_a_dropped_connection_is_not_used_again_by_the_direct_path(pg: TestDatab
         assert source.fetch(after, 3) == expected
     finally:
         source.close()
+
+
+def _plain_rows(ids: range) -> list[dict[str, Any]]:
+    """Rows of ``typed_table`` with these ids, the cursor one second apart."""
+    return [{"id": i, "updated_at": naive(i), "note": f"n{i}"} for i in ids]
+
+
+def _checkouts(source: SqlAlchemySource) -> list[int]:
+    """A list that grows by one at every checkout from ``source``'s pool."""
+    counted: list[int] = []
+    sa.event.listen(source.engine, "checkout", lambda *args: counted.append(1))
+    return counted
+
+
+@pytest.mark.postgresql
+def test_a_catch_up_reads_on_one_connection_and_gives_it_back_at_its_end(
+    pg: TestDatabase,
+) -> None:
+    # Fetches in autocommit keep their connection while batches come back full
+    # (the next fetch follows at once), so a catch-up checks one out once. Every
+    # read is still its own transaction: a row committed between two fetches is
+    # read by the second. A short batch gives the connection back, and any other
+    # statement of the source runs as before, on a connection of its own, even
+    # when the pool holds a single one.
+    table = typed_table(pg)
+    insert(pg, table, _plain_rows(range(9)))
+    source = SqlAlchemySource(
+        url=pg.url,
+        table="typed_rows",
+        schema=pg.schema,
+        cursor_column="updated_at",
+        pk_columns=["id"],
+        visibility="none",
+        engine_kwargs={"pool_size": 1, "max_overflow": 0, "pool_timeout": 5},
+    )
+    try:
+        first = source.fetch(BEGINNING, 3)  # decides the guard: autocommit from here on
+        checkouts = _checkouts(source)
+        after = Position(first[-1]["updated_at"], {"id": first[-1]["id"]})
+        seen = [r["id"] for r in first]
+        for late in (9, 10):
+            rows = source.fetch(after, 3)
+            seen += [r["id"] for r in rows]
+            after = Position(rows[-1]["updated_at"], {"id": rows[-1]["id"]})
+            insert(pg, table, _plain_rows(range(late, late + 1)))  # after this fetch
+        assert len(checkouts) == 1
+        assert source.engine.pool.checkedout() == 1  # kept for the next fetch
+        assert source.count_after(BEGINNING) == 11  # not kept from this statement
+        assert len(checkouts) == 2
+        rest = source.fetch(after, 3)
+        seen += [r["id"] for r in rest]
+        assert seen == list(range(11)), "the rows committed between fetches are read"
+        assert len(rest) < 3
+        assert source.engine.pool.checkedout() == 0  # the catch-up ended: given back
+    finally:
+        source.close()
+
+
+@pytest.mark.postgresql
+def test_a_kept_connection_the_server_dropped_while_idle_is_replaced(
+    pg: TestDatabase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A kept connection idle for as long as a pooled one would be pinged is
+    # pinged before the fetch uses it: one the server dropped meanwhile is
+    # replaced, and the fetch reads on a new one instead of failing.
+    import dbtrigger.sources.sqlalchemy as module  # noqa: PLC0415 - its idle bound
+
+    insert(pg, typed_table(pg), _plain_rows(range(9)))
+    source = SqlAlchemySource(
+        url=pg.url,
+        table="typed_rows",
+        schema=pg.schema,
+        cursor_column="updated_at",
+        pk_columns=["id"],
+        visibility="none",
+    )
+    try:
+        source.fetch(BEGINNING, 3)
+        first = source.fetch(BEGINNING, 3)
+        assert source.engine.pool.checkedout() == 1
+        monkeypatch.setattr(module, "PING_AFTER_IDLE_SECONDS", 0.0)
+        after = Position(first[-1]["updated_at"], {"id": first[-1]["id"]})
+        with source.engine.connect() as own:
+            pid = own.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+        with pg.engine.connect() as admin:
+            kept = (
+                admin.execute(
+                    sa.text(
+                        "SELECT pid FROM pg_stat_activity WHERE pid <> pg_backend_pid() "
+                        "AND pid <> :own AND query LIKE :pattern"
+                    ),
+                    {"own": pid, "pattern": f"%{pg.schema}.typed_rows%"},
+                )
+                .scalars()
+                .all()
+            )
+            assert len(kept) == 1
+            admin.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": kept[0]})
+            gone = sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :pid")
+            deadline = time.monotonic() + 30
+            while admin.execute(gone, {"pid": kept[0]}).scalar() and time.monotonic() < deadline:
+                admin.rollback()  # a fresh view of pg_stat_activity
+                time.sleep(0.05)
+        assert [r["id"] for r in source.fetch(after, 3)] == [3, 4, 5]
+    finally:
+        source.close()

@@ -93,15 +93,21 @@ def ping_when_idle(engine: Engine, idle_seconds: float = PING_AFTER_IDLE_SECONDS
             return  # a connection just opened (or reopened) needs no ping
         if time.monotonic() - since[1] < idle_seconds:
             return
-        try:
-            alive = engine.dialect.do_ping(dbapi_connection)
-        except Exception as exc:
-            raise sa.exc.DisconnectionError(f"idle connection failed its ping: {exc}") from exc
-        if not alive:
-            raise sa.exc.DisconnectionError("idle connection failed its ping")
+        ping(engine, dbapi_connection)
 
     sa.event.listen(engine, "checkin", checked_in)
     sa.event.listen(engine, "checkout", checked_out)
+
+
+def ping(engine: Engine, dbapi_connection: Any) -> None:
+    """Ping a connection that sat idle; :class:`sqlalchemy.exc.DisconnectionError` if it
+    does not answer (the pool then discards it)."""
+    try:
+        alive = engine.dialect.do_ping(dbapi_connection)
+    except Exception as exc:
+        raise sa.exc.DisconnectionError(f"idle connection failed its ping: {exc}") from exc
+    if not alive:
+        raise sa.exc.DisconnectionError("idle connection failed its ping")
 
 
 #: What the DDL helpers (change log, wake-up trigger) run on: the caller's engine,
@@ -179,6 +185,14 @@ class LazyEngine:
                 engine = self._engine
         return engine
 
+    @property
+    def holds_connections(self) -> bool:
+        """May a caller keep one of this pool's connections between statements of its
+        own (see ``SqlAlchemySource.fetch``)? Only a pool created here with the default
+        pooling and ping: a shared engine's pool serves others, and ``poolclass`` or
+        ``pool_pre_ping`` in ``engine_kwargs`` ask for a checkout per use."""
+        return self._owned and not {"poolclass", "pool_pre_ping"} & self._kwargs.keys()
+
     def dispose(self) -> None:
         """Close the pooled connections of an engine created here (it stays usable).
 
@@ -194,5 +208,6 @@ __all__ = [
     "PING_AFTER_IDLE_SECONDS",
     "LazyEngine",
     "create_engine",
+    "ping",
     "ping_when_idle",
 ]

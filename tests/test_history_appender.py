@@ -110,6 +110,22 @@ def test_tick_and_drain_return_with_their_history_written() -> None:
     trigger.close()
 
 
+def test_run_returns_with_its_history_written_and_a_closed_trigger_ticks_again() -> None:
+    """run() is a timer firing (a Functions invocation): the host may freeze the
+    process once it returns, so the record is written by then; close() stops the
+    appender thread, and the next commit starts it again."""
+    history = GatedHistory()
+    history.gate.set()
+    trigger = trigger_with(history)
+    assert trigger.run(handler=lambda events: None) == 10
+    assert len(records(history)) == 1
+    trigger.close()
+    assert not [t for t in threading.enumerate() if t.name == "dbtrigger-history-orders"]
+    assert trigger.tick(lambda events: None) == 10
+    assert len(records(history)) == 2
+    trigger.close()
+
+
 def test_close_waits_for_what_is_queued() -> None:
     history = GatedHistory()
     trigger = trigger_with(history)

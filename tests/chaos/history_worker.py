@@ -1,8 +1,9 @@
 """A worker that drains ``items`` tick by tick until it is killed (history chaos).
 
 The parent SIGKILLs it at random moments - inside a handler, between a commit
-and its history append, in the middle of an append - and starts it again; the
-history must end up holding exactly the committed batches.
+and its history append, in the middle of an append, with records queued for
+the appender thread - and starts it again; the history must end up holding
+exactly the committed batches.
 
 ``--die-at`` makes the process SIGKILL itself at one exact point instead, so
 that each run certainly lands where a wrong order or a missing repair would
@@ -109,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     def handler(events: list[RowChange]) -> None:
         time.sleep(0.002 * len(events))  # some work, so kills land inside handlers too
 
-    while True:
-        if not trigger.tick(handler):
+    while True:  # tick_result, as `dbtrigger run` ticks: records may still be queued
+        if not trigger.tick_result(handler).rows:  # for the appender when it dies
             time.sleep(0.02)
 
 

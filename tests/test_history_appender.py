@@ -12,12 +12,13 @@ from __future__ import annotations
 import datetime as dt
 import threading
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from dbtrigger import PollTrigger
-from dbtrigger.history import HistoryStore, MemoryHistory, recorder
+from dbtrigger.history import FileHistory, HistoryStore, MemoryHistory, recorder
 from dbtrigger.history.store import Retention
 from dbtrigger.metrics import InMemoryMetrics
 from dbtrigger.runtime.runner import Runner
@@ -241,3 +242,17 @@ def test_without_a_journal_the_queued_commits_are_all_recorded() -> None:
     finally:
         history.gate.set()
         trigger.close()
+
+
+def test_a_file_history_rolls_its_segments_within_one_append(tmp_path: Path) -> None:
+    """A round of several records rolls over where one record an append would:
+    segments stay about segment_bytes, which retention prunes by."""
+    history = FileHistory(tmp_path, segment_bytes=1024)
+    records = [{"id": str(i), "type": "commit", "note": "x" * 300} for i in range(10)]
+    history.append("orders", records, after_seq=0)
+    segments = sorted(tmp_path.glob("orders.history.*.jsonl"))
+    assert len(segments) > 2
+    assert all(p.stat().st_size < 1024 + 400 for p in segments)
+    assert [r["seq"] for r in history.read("orders")] == list(range(1, 11))
+    history.append("orders", records[:1], after_seq=10)
+    assert [r["seq"] for r in history.tail("orders", 2)] == [10, 11]

@@ -187,12 +187,23 @@ class FileHistory:
                 raise CasConflictError(
                     f"the history of {poller!r} ends at record {last_seq}, not {after_seq}"
                 )
-            data = b"".join(encode_line(r) for r in numbered(records, after_seq))
+            lines = [encode_line(r) for r in numbered(records, after_seq)]
             try:
-                if path is None or (path.stat().st_size >= self.segment_bytes and end > 0):
-                    path = self.directory / f"{poller}.history.{segment_name(after_seq + 1)}"
-                    end = 0
-                self._write(path, data, end)
+                # Several records (the appender's round) roll over where one at a
+                # time would have: a segment stays about segment_bytes, which is
+                # what retention prunes by.
+                first = after_seq + 1
+                while lines:
+                    if path is None or (end > 0 and end >= self.segment_bytes):
+                        path = self.directory / f"{poller}.history.{segment_name(first)}"
+                        end = 0
+                    take = 1
+                    size = end + len(lines[0])
+                    while take < len(lines) and size < self.segment_bytes:
+                        size += len(lines[take])
+                        take += 1
+                    self._write(path, b"".join(lines[:take]), end)
+                    lines, first, end = lines[take:], first + take, size
             except PermissionError as exc:
                 raise StoreAuthError(f"no permission to append to {path}") from exc
             except OSError as exc:

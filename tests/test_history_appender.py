@@ -127,6 +127,24 @@ def test_run_returns_with_its_history_written_and_a_closed_trigger_ticks_again()
     trigger.close()
 
 
+def test_an_idle_appender_thread_ends_and_the_next_commit_starts_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A trigger dropped without close() leaves no thread behind for long."""
+    monkeypatch.setattr(recorder, "IDLE_SECONDS", 0.01)
+    history = GatedHistory()
+    history.gate.set()
+    trigger = trigger_with(history)
+    assert trigger.tick(lambda events: None) == 10
+    threads = [t for t in threading.enumerate() if t.name == "dbtrigger-history-orders"]
+    for thread in threads:
+        thread.join(WAIT)
+        assert not thread.is_alive()
+    assert trigger.tick(lambda events: None) == 10
+    assert_chain(records(history), 20, store_position(trigger.store))
+    trigger.close()
+
+
 def test_close_waits_for_what_is_queued() -> None:
     history = GatedHistory()
     trigger = trigger_with(history)

@@ -36,7 +36,9 @@ record, stands in for them). :meth:`HistoryRecorder.flush` waits, for a
 bounded time, until what is queued has been tried; the trigger flushes when
 it hands control back (``tick()``, ``run()``, ``drain()``, a Functions
 invocation) and on ``close()`` (the runner's stop); an interpreter exit
-flushes too.
+flushes too. The thread ends after ``IDLE_SECONDS`` with nothing queued (a
+trigger dropped without ``close()`` leaves none behind) and the next commit
+starts another.
 
 **What it costs.** One append per round. The recorder remembers the last
 record it wrote; only when the journal does not continue from it (the first
@@ -89,6 +91,9 @@ PENDING_DETAIL_BYTES = 16 * 1024 * 1024
 #: share its store write (group commit), which on a file or SQLite store beside
 #: the state is also a write the state's commits do not wait behind.
 ROUND_SECONDS = 0.05
+#: An appender thread with nothing queued for this long ends (the next commit
+#: starts another).
+IDLE_SECONDS = 10.0
 #: How long a flush (tick(), drain(), close(), a Functions invocation) waits for the
 #: appender at most; what is still queued then stays queued, and the journal has it.
 FLUSH_SECONDS = 10.0
@@ -248,7 +253,7 @@ class HistoryRecorder:
 
     def _submit(self, item: _Pending) -> None:
         if not self.background:
-            self._round([item])
+            self._written = self._round([item])
             return
         with self._cond:
             if len(self._pending) >= MAX_PENDING:
@@ -277,7 +282,14 @@ class HistoryRecorder:
         """Rounds: take everything queued, write it in one append, until closed."""
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._closing or bool(self._pending))
+                if not self._cond.wait_for(
+                    lambda: self._closing or bool(self._pending), IDLE_SECONDS
+                ):
+                    # Idle: the thread goes (a trigger dropped without close() leaves
+                    # none behind); the next commit starts another.
+                    if self._thread is threading.current_thread():
+                        self._thread = None
+                    return
                 if not self._pending:
                     return  # closing
                 # Group commit: a round starts at most every round_seconds, so the

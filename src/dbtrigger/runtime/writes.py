@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +48,20 @@ class WriterSettings:
     journal_limit: int
     #: The settled window's bound, written with the window (see Window.to_json).
     bound: Bound | None = None
+
+
+def _recorded(doc: StateDocument, entry: JournalEntry) -> JournalEntry | Mapping[str, Any]:
+    """``entry`` as the commit just wrote it into ``doc``'s journal (its last entry),
+    so the history's record is not encoded a second time; ``entry`` itself when the
+    journal does not end with it (``journal_limit=0``)."""
+    last = doc.journal[-1] if doc.journal else None
+    if (
+        last is not None
+        and last.get("batch_id") == entry.batch_id
+        and last.get("type") == entry.type
+    ):
+        return last
+    return entry
 
 
 class StateWriter:
@@ -163,7 +177,8 @@ class StateWriter:
         if settlement is not None:
             window = dataclasses.replace(settlement.window, bound=self.settings.bound)
         self.commit(session, entry, release, window)
-        self.history.committed(session.document, entry, events, outcome)
+        doc = session.document
+        self.history.committed(doc, _recorded(doc, entry), events, outcome)
         outcomes = entry.outcomes
         if outcomes is not None:
             self.emit(

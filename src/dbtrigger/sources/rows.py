@@ -278,14 +278,7 @@ def read_rows(
 
 def _observed(conn: Connection) -> bool:
     """True when statement events are listened to (tracing, logging, tests): then
-    every statement goes through SQLAlchemy, so its listeners see them all.
-
-    First the flag SQLAlchemy itself reads before it fires any connection event
-    (set on the engine or connection by every listener): when it is down there
-    is nothing to see, and looking at four event lists cost about 10 us a fetch.
-    """
-    if not (getattr(conn, "_has_events", True) or getattr(conn.engine, "_has_events", True)):
-        return False
+    every statement goes through SQLAlchemy, so its listeners see them all."""
     dispatch = conn.dispatch
     return bool(
         dispatch.before_execute

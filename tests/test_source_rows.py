@@ -454,3 +454,44 @@ def test_a_kept_connection_the_server_dropped_while_idle_is_replaced(
         assert [r["id"] for r in source.fetch(after, 3)] == [3, 4, 5]
     finally:
         source.close()
+
+
+@pytest.mark.postgresql
+def test_an_injected_connection_drop_reconnects_a_catch_up_too(pg: TestDatabase) -> None:
+    # FaultySource's CONNECTION_DROP disposes the pool so the next fetch
+    # reconnects; the connection a catch-up keeps is given back first (a pool
+    # does not close a connection that is out), so it is closed as well.
+    from dbtrigger.faults import Fault, FaultPlan, FaultySource  # noqa: PLC0415 - only here
+
+    insert(pg, typed_table(pg), _plain_rows(range(9)))
+    inner = SqlAlchemySource(
+        url=pg.url,
+        table="typed_rows",
+        schema=pg.schema,
+        cursor_column="updated_at",
+        pk_columns=["id"],
+        visibility="none",
+    )
+    plan = FaultPlan()
+    source = FaultySource(inner, plan)
+    try:
+        source.fetch(BEGINNING, 3)
+        first = source.fetch(BEGINNING, 3)
+        assert inner.engine.pool.checkedout() == 1  # kept
+        opened = _opened(inner)
+        plan.add("fetch", Fault.CONNECTION_DROP)
+        with pytest.raises(DbTriggerError, match="connection dropped"):
+            source.fetch(BEGINNING, 3)
+        assert inner.engine.pool.checkedout() == 0
+        after = Position(first[-1]["updated_at"], {"id": first[-1]["id"]})
+        assert [r["id"] for r in source.fetch(after, 3)] == [3, 4, 5]
+        assert len(opened) == 1, "the fetch after the drop reconnected"
+    finally:
+        inner.close()
+
+
+def _opened(source: SqlAlchemySource) -> list[int]:
+    """A list that grows by one at every new DB-API connection of ``source``'s pool."""
+    opened: list[int] = []
+    sa.event.listen(source.engine, "connect", lambda *args: opened.append(1))
+    return opened

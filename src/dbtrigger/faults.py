@@ -275,7 +275,8 @@ class FaultySource:
     """A :class:`~dbtrigger.sources.base.SourceAdapter` whose fetches fail on plan.
 
     ``CONNECTION_DROP`` also disposes the wrapped source's connection pool when
-    it has one (``engine``), so the next fetch really reconnects.
+    it has one (``engine``), the connection a catch-up keeps included, so the
+    next fetch really reconnects.
     """
 
     def __init__(self, inner: SourceAdapter, plan: FaultPlan | None = None) -> None:
@@ -301,6 +302,9 @@ class FaultySource:
             if rule.fault is Fault.SLOW:
                 time.sleep(rule.delay)
             elif rule.fault is Fault.CONNECTION_DROP:
+                release = getattr(self.inner, "release_connection", None)
+                if release is not None:
+                    release()  # a kept connection is not the pool's to close
                 engine = getattr(self.inner, "engine", None)
                 if engine is not None:
                     engine.dispose()

@@ -320,7 +320,7 @@ class SqlAlchemySource:
 
     def close(self) -> None:
         """Dispose of the connection pool if this source created the engine."""
-        self._release_held()
+        self.release_connection()
         self._engines.dispose()
 
     def _checkout(self, engine: Engine | None = None) -> Connection:
@@ -350,7 +350,7 @@ class SqlAlchemySource:
         every other statement runs as it always did, on a connection of its own,
         and never waits for one this source holds.
         """
-        self._release_held()
+        self.release_connection()
         with mapped(what, diagnose=diagnose), self._checkout(engine) as conn:
             self._keyset.shape.resolve(conn)
             yield conn
@@ -397,8 +397,9 @@ class SqlAlchemySource:
                 return
         conn.close()
 
-    def _release_held(self) -> None:
-        """Return a kept connection to the pool (nothing when none is kept)."""
+    def release_connection(self) -> None:
+        """Give the connection a catch-up keeps (see :meth:`fetch`) back to the pool;
+        nothing when none is kept."""
         if self._held is None:
             return
         with self._held_lock:

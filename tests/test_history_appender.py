@@ -197,7 +197,7 @@ def test_details_past_their_bound_are_let_go_and_the_records_stay(
 ) -> None:
     """The queue keeps the details of two 10-row batches: with the store stuck on
     batch 1, batches 2-4 lose theirs, and are recorded without (as recovered)."""
-    monkeypatch.setattr(recorder, "PENDING_DETAIL_BYTES", 2 * (64 + 48 * 10))
+    monkeypatch.setattr(recorder, "PENDING_DETAIL_BYTES", 2 * (256 + recorder.EVENT_BYTES * 10))
     history = GatedHistory()
     metrics = InMemoryMetrics()
     trigger = trigger_with(history, rows=60, metrics=metrics)

@@ -18,10 +18,12 @@ batch is done, the next batch goes on. The failure is counted
 (``history_append_failed``; at DEBUG while it lasts, ``history_append_recovered``
 at INFO when an append works again and fills the hole).
 
-**Off the tick's path.** A commit makes its record's detail and queues the
-record with its document's journal; the trigger's appender thread writes
-whatever is queued in ONE append per round, so commits that come faster than
-appends share a store write, and the tick never waits for the history.
+**Off the tick's path.** A commit queues its record with its document's
+journal and what its detail is made of (the batch's events); the trigger's
+appender thread makes the details (the digests of every event, most of the
+history's CPU) and writes whatever is queued in ONE append per round, so
+commits that come faster than appends share a store write, and the tick
+never waits for the history.
 Records still go in journal order, never before their commit landed (they
 are queued after it). The queued journals chain (each document's journal
 holds the entry the one before it ends with), so a slow store that falls
@@ -84,9 +86,12 @@ APPEND_RECORDS = 8
 #: hundred bytes each); past that the oldest goes, and the journal repair, or a
 #: gap record, stands in for it.
 MAX_PENDING = 2000
-#: The details (per-event lines) the queue holds at most, by an estimate of their
-#: size; past that the oldest commits' details go (their records stay, without).
+#: The details the queue holds at most, by an estimate of the memory they hold
+#: until made (their batches' events); past that the oldest commits' details go
+#: (their records stay, without).
 PENDING_DETAIL_BYTES = 16 * 1024 * 1024
+#: ... an event counted as this many bytes.
+EVENT_BYTES = 512
 #: A round of the appender starts at most this often: the commits in between
 #: share its store write (group commit), which on a file or SQLite store beside
 #: the state is also a write the state's commits do not wait behind.
@@ -116,12 +121,23 @@ class _Pending:
 
     journal: tuple[Mapping[str, Any], ...]
     entry: Mapping[str, Any] | None = None
-    detail: Mapping[str, Any] | None = None
+    #: Makes the record's detail (on the appender thread: the digests of a batch
+    #: are most of the history's CPU); None: the record goes without.
+    detail: Callable[[], Mapping[str, Any]] | None = None
+    #: About the memory the detail holds until it is made (the batch's events).
     cost: int = 0
 
     def drop_detail(self) -> int:
         cost, self.detail, self.cost = self.cost, None, 0
         return cost
+
+
+def _made(make: Callable[[], Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """A detail, or None when it cannot be made (the record goes without it)."""
+    try:
+        return make()
+    except Exception:  # noqa: BLE001 - a digest that cannot be made loses detail, not the record
+        return None
 
 
 class HistoryRecorder:
@@ -191,16 +207,16 @@ class HistoryRecorder:
     ) -> None:
         """A commit landed: ``doc`` is the document written, ``entry`` its journal entry.
 
-        Makes the record's detail (about 0.5 us an event) and queues the record
-        for the appender thread; does not wait for it."""
+        Queues the record, with what its detail is made of, for the appender
+        thread; does not wait for it."""
         if isinstance(entry, JournalEntry):
             entry = encode(entry)
         try:
-            detail: dict[str, Any] | None = self._detail(doc, events, outcome)
+            make = self._detail(doc, events, outcome)
         except Exception:  # noqa: BLE001 - a digest that cannot be made loses detail, not the record
-            detail = None
-        cost = 64 + 48 * len(events) if detail is not None else 0
-        self._submit(_Pending(tuple(doc.journal), entry, detail, cost))
+            make = None
+        cost = 256 + EVENT_BYTES * len(events) if make is not None else 0
+        self._submit(_Pending(tuple(doc.journal), entry, make, cost))
 
     def idle(self, doc: StateDocument | None) -> None:
         """An idle tick read ``doc``: fill in a record a crash may have cut off."""
@@ -366,7 +382,9 @@ class HistoryRecorder:
                 chains.append((entries, details))
                 entries, details, seen = [], {}, set()
             if item.entry is not None and item.detail is not None:
-                details[ids[-1]] = item.detail
+                made = _made(item.detail)
+                if made is not None:
+                    details[ids[-1]] = made
             start = ids.index(last) + 1 if last is not None and last in ids else 0
             for e, eid in zip(journal[start:], ids[start:], strict=True):
                 if eid not in seen:
@@ -379,14 +397,21 @@ class HistoryRecorder:
 
     def _detail(
         self, doc: StateDocument, events: Sequence[RowChange], outcome: Outcome | None
-    ) -> dict[str, Any]:
-        return rec.batch_detail(
-            events,
-            rejected=outcome.rejected if outcome is not None else None,
-            retried=outcome.retried if outcome is not None else None,
-            waiting=rec.waiting_of(doc.window),
-            source=self.source,
-        )
+    ) -> Callable[[], dict[str, Any]]:
+        """What makes the detail of a commit of ``events`` later (what it reads of
+        the document and the outcome is taken now)."""
+        batch = tuple(events)
+        rejected = outcome.rejected if outcome is not None else None
+        retried = outcome.retried if outcome is not None else None
+        waiting = rec.waiting_of(doc.window)
+        source = self.source
+
+        def make() -> dict[str, Any]:
+            return rec.batch_detail(
+                batch, rejected=rejected, retried=retried, waiting=waiting, source=source
+            )
+
+        return make
 
     def _guarded(self, work: Callable[[], int]) -> bool:
         with self._lock:

@@ -42,7 +42,7 @@ from dbtrigger.cli.common import (
 )
 from dbtrigger.cursor import Position, encode_value
 from dbtrigger.errors import CasConflictError, ConfigurationError
-from dbtrigger.history.recorder import record_write
+from dbtrigger.history.wiring import record_write
 from dbtrigger.sources.base import (
     ValidatesDefinition,
     accepted_fingerprints,

@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Any
 from dbtrigger.history.derive import history_for
 from dbtrigger.history.file import FileHistory
 from dbtrigger.history.memory import MemoryHistory
-from dbtrigger.history.recorder import NO_HISTORY, HistoryRecorder
+from dbtrigger.history.recorder import HistoryRecorder
 from dbtrigger.history.sql import SqlHistory
 from dbtrigger.history.store import DEFAULT_RETENTION, HistoryStore, Retention
 from dbtrigger.history.view import find_batch, load
+from dbtrigger.history.wiring import NO_HISTORY
 
 if TYPE_CHECKING:
     from dbtrigger.history.blob import BlobHistory

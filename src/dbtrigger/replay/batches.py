@@ -48,7 +48,7 @@ from dbtrigger.cursor import Position, canonical_json, decode_value, encoded_pk
 from dbtrigger.errors import CasConflictError, ReplayRefusedError
 from dbtrigger.events import RowChange
 from dbtrigger.history import records as rec
-from dbtrigger.history.recorder import record_write
+from dbtrigger.history.wiring import record_write
 from dbtrigger.runtime.context import BatchContext, EventMarks
 from dbtrigger.runtime.poller import PollTrigger
 from dbtrigger.runtime.tick import wants_context

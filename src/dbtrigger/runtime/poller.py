@@ -39,8 +39,8 @@ from typing import Any
 from dbtrigger import options as opt
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.history.positions import StartFrom
-from dbtrigger.history.recorder import recorder_for
 from dbtrigger.history.store import HistoryStore
+from dbtrigger.history.wiring import recorder_for
 from dbtrigger.metrics import MetricsCollector, SafeMetrics
 from dbtrigger.names import import_path_of, validate_name
 from dbtrigger.quarantine import QuarantineSink

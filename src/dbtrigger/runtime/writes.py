@@ -25,7 +25,8 @@ from dbtrigger.errors import (
     OperatorError,
 )
 from dbtrigger.events import RowChange, event_ids
-from dbtrigger.history.recorder import NO_HISTORY, Outcome
+from dbtrigger.history.recorder import Outcome
+from dbtrigger.history.wiring import NO_HISTORY
 from dbtrigger.runtime.context import BatchContext
 from dbtrigger.runtime.session import LeaseSession
 from dbtrigger.runtime.telemetry import Telemetry

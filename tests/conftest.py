@@ -117,6 +117,7 @@ HORIZON_FILES = (
 )
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist names each item's group from its marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under ``-n N --dist loadgroup`` the tests that share a horizon run on one worker.
 
@@ -130,6 +131,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if (
             item.get_closest_marker("mariadb") is not None
             or "mariadb" in item.nodeid.lower()
+            # A test (or a fixture it uses) asking for the mariadb fixture by name.
+            or "mariadb" in getattr(item, "fixturenames", ())
             or item.path.name in HORIZON_FILES
         ):
             item.add_marker(group)

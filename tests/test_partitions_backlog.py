@@ -248,7 +248,7 @@ def test_partitions_backlog_serve_answers_a_real_http_client(orders: Any, tmp_pa
         "from dbtrigger.partitions import PartitionedPoller\n"
         "orders = PartitionedPoller(\n"
         f"    name='orders', partitions=4,\n"
-        f"    source=SqlAlchemySource(url={poller.source._url_spec!r}, table='orders',\n"
+        f"    source=SqlAlchemySource(url={poller.source._db_url.spec!r}, table='orders',\n"
         f"        schema={poller.source.describe().get('schema')!r},\n"
         "        cursor_column='updated_at', pk_columns=['id'], visibility='none'),\n"
         f"    checkpoint_store=FileCheckpointStore({str(tmp_path / 'state')!r}),\n"

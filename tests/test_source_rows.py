@@ -413,7 +413,7 @@ def test_a_kept_connection_the_server_dropped_while_idle_is_replaced(
     # A kept connection idle for as long as a pooled one would be pinged is
     # pinged before the fetch uses it: one the server dropped meanwhile is
     # replaced, and the fetch reads on a new one instead of failing.
-    import dbtrigger.sources.sqlalchemy as module  # noqa: PLC0415 - its idle bound
+    import dbtrigger.sources.connections as module  # noqa: PLC0415 - its idle bound
 
     insert(pg, typed_table(pg), _plain_rows(range(9)))
     source = SqlAlchemySource(

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.engine import Connection
 from sqlalchemy.sql import ColumnElement, Select
 
 from dbtrigger.cursor import Position
@@ -252,6 +253,11 @@ class Keyset:
         names = self.shape.checks.position_columns
         stmt = self.select().with_only_columns(*(self.columns[n].label(n) for n in names))
         return stmt.where(self.cursor.is_not(None)).limit(1)
+
+    def sample_row(self, conn: Connection) -> dict[str, Any] | None:
+        """:meth:`sample_position` read on ``conn`` (None while the source is empty)."""
+        row = conn.execute(self.sample_position()).mappings().first()
+        return dict(row) if row is not None else None
 
     def timestamp_probe(self) -> Select[Any]:
         """Whether the cursor holds timestamps, asked of one row (query mode has no types).

@@ -33,25 +33,22 @@ shape and its O(batch) index range scan are unchanged.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
-import threading
-import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from dbtrigger._database_url import DatabaseUrl
-from dbtrigger._driver_errors import encoding_problem
-from dbtrigger._engine import PING_AFTER_IDLE_SECONDS, LazyEngine, ping
+from dbtrigger._engine import LazyEngine
 from dbtrigger.cursor import Position
-from dbtrigger.errors import ConfigurationError, SourceDefinitionError
+from dbtrigger.errors import ConfigurationError
 from dbtrigger.events import RowChange
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.redaction import safe_url_text
 from dbtrigger.sources.clock import DatabaseClock
+from dbtrigger.sources.connections import SourceConnections
 from dbtrigger.sources.errors_map import mapped
 from dbtrigger.sources.fingerprint import (
     Definition,
@@ -168,14 +165,16 @@ class SqlAlchemySource:
         self._lag_built: LagMeter | None = None
         #: The source a twin (see :meth:`derive`) takes its table's shape from.
         self._shape_of: SqlAlchemySource | None = None
-        #: The connection kept after a full batch for the next fetch, and when it
-        #: was last used (see :meth:`fetch`); None while no fetch keeps one.
-        self._held: tuple[Connection, float] | None = None
-        self._held_lock = threading.Lock()
+        #: Where every statement gets its connection, the one a catch-up keeps too.
+        self._connections = SourceConnections(
+            lambda: self.engine,
+            lambda: self.name,
+            lambda conn: self._keyset.shape.resolve(conn),  # noqa: PLW0108 - built on first use
+        )
 
     @property
     def _keyset(self) -> Keyset:
-        """The source's statements over its shape (the shape is resolved by :meth:`_open`)."""
+        """The source's statements over its shape (resolved on a connection's opening)."""
         if self._keyset_built is None:
             from dbtrigger.sources.shape import Shape  # noqa: PLC0415 - keep the face light
 
@@ -214,11 +213,6 @@ class SqlAlchemySource:
         # Twins (a partitioned poller's partitions) say their guard once between them.
         twin._guarding.announced = self._guarding.announced
         return twin
-
-    @property
-    def _url_spec(self) -> str | None:
-        """``url=`` as given (None with a shared ``engine=``)."""
-        return self._db_url.spec
 
     # --- identity ---------------------------------------------------------------
 
@@ -323,39 +317,7 @@ class SqlAlchemySource:
         self.release_connection()
         self._engines.dispose()
 
-    def _checkout(self, engine: Engine | None = None) -> Connection:
-        """``engine.connect()``, a driver failure outside the DB-API tree mapped.
-
-        Every statement of the source runs on a connection from here. The one
-        such failure known (a PostgreSQL database in ``SQL_ASCII``, where the
-        dialect's first connection raises ``TypeError``) is an operator error
-        naming the fix (:func:`~dbtrigger._driver_errors.encoding_problem`),
-        never a raw exception out of a tick.
-        """
-        try:
-            return (engine or self.engine).connect()
-        except TypeError as exc:
-            problem = encoding_problem(exc)
-            if problem is None:
-                raise
-            raise SourceDefinitionError(f"connecting to {self.name} failed: {problem}") from exc
-
-    @contextlib.contextmanager
-    def _open(
-        self, what: str, *, engine: Engine | None = None, diagnose: bool = False
-    ) -> Iterator[Connection]:
-        """A connection with the shape resolved, driver errors of ``what`` mapped.
-
-        A connection a fetch kept (see :meth:`fetch`) goes back to the pool first:
-        every other statement runs as it always did, on a connection of its own,
-        and never waits for one this source holds.
-        """
-        self.release_connection()
-        with mapped(what, diagnose=diagnose), self._checkout(engine) as conn:
-            self._keyset.shape.resolve(conn)
-            yield conn
-
-    # --- the connection kept between fetches -------------------------------------
+    # --- the connection kept between fetches (sources/connections.py) ---------------
 
     def _holds(self, engine: Engine) -> bool:
         """May fetches on ``engine`` keep their connection? Only in autocommit (every
@@ -368,44 +330,10 @@ class SqlAlchemySource:
             and self._engines.holds_connections
         )
 
-    def _take_held(self, engine: Engine) -> Connection | None:
-        """The kept connection, if it is ``engine``'s and still usable; pinged first
-        when it sat idle as long as a pooled one would be (:mod:`dbtrigger._engine`)."""
-        with self._held_lock:
-            held, self._held = self._held, None
-        if held is None:
-            return None
-        conn, since = held
-        if conn.engine is not engine or conn.invalidated:
-            conn.close()
-            return None
-        if time.monotonic() - since >= PING_AFTER_IDLE_SECONDS:
-            try:
-                ping(engine, conn.connection.dbapi_connection)
-            except sa.exc.DisconnectionError:
-                conn.invalidate()
-                conn.close()
-                return None
-        return conn
-
-    def _keep(self, conn: Connection) -> None:
-        if conn.in_transaction():
-            conn.rollback()  # SQLAlchemy's own bookkeeping; autocommit left nothing open
-        with self._held_lock:
-            if self._held is None:
-                self._held = (conn, time.monotonic())
-                return
-        conn.close()
-
     def release_connection(self) -> None:
         """Give the connection a catch-up keeps (see :meth:`fetch`) back to the pool;
         nothing when none is kept."""
-        if self._held is None:
-            return
-        with self._held_lock:
-            held, self._held = self._held, None
-        if held is not None:
-            held[0].close()
+        self._connections.release()
 
     # --- the port ---------------------------------------------------------------
 
@@ -423,21 +351,15 @@ class SqlAlchemySource:
         instead of ``BEGIN``, the query and ``ROLLBACK``.
 
         A fetch in autocommit that returns a full batch keeps its connection for
-        the next one (a catch-up fetches again at once): checking a connection
-        out of the pool and back in cost about as much as reading 30 narrow rows,
-        and nothing else outlives the fetch, every statement being its own
-        transaction with its own snapshot. A short batch (the catch-up is over),
-        any other statement of this source and :meth:`close` give it back; one
-        kept for as long as a pooled connection may idle unpinged is pinged
-        first (:mod:`dbtrigger._engine`).
+        the next one (:mod:`dbtrigger.sources.connections`).
         """
         engine = self._guarding.fetch_engine(self.engine)
         what = f"fetch from {self.name}"
         if not self._holds(engine):
-            with self._open(what, engine=engine, diagnose=True) as conn:
+            with self._connections.open(what, engine=engine, diagnose=True) as conn:
                 return self._read(conn, after, limit)
         with mapped(what, diagnose=True):
-            conn = self._take_held(engine) or self._checkout(engine)
+            conn = self._connections.take(engine) or self._connections.checkout(engine)
             try:
                 self._keyset.shape.resolve(conn)
                 rows = self._read(conn, after, limit)
@@ -445,7 +367,7 @@ class SqlAlchemySource:
                 conn.close()
                 raise
         if len(rows) >= limit:
-            self._keep(conn)
+            self._connections.keep(conn)
         else:
             conn.close()
         return rows
@@ -504,7 +426,7 @@ class SqlAlchemySource:
         if not positions:
             return []
         found: list[Position] = []
-        with self._open(f"window lookup on {self.name}") as conn:
+        with self._connections.open(f"window lookup on {self.name}") as conn:
             keyset = self._keyset
             for stmt in keyset.lookups(positions):
                 rows = conn.execute(stmt).mappings()
@@ -518,7 +440,7 @@ class SqlAlchemySource:
         recorded against (a row updated since has moved to a later cursor)."""
         columns: Sequence[str] = self._keyset.select_names()
         tuples: list[tuple[Any, ...]] = []
-        with self._open(f"key lookup on {self.name}") as conn:
+        with self._connections.open(f"key lookup on {self.name}") as conn:
             for stmt in self._keyset.key_lookups(keys):
                 rows = read_rows(
                     conn,
@@ -536,7 +458,7 @@ class SqlAlchemySource:
     def last_position(self, before: Any = None) -> Position:
         """Where a poller starting now resumes: after the last row (``before``: after
         the last row whose cursor is below it); the beginning when there is none."""
-        with self._open(f"start position on {self.name}") as conn:
+        with self._connections.open(f"start position on {self.name}") as conn:
             row = conn.execute(self._keyset.newest(before)).mappings().first()
         if row is None:
             return Position()
@@ -550,18 +472,18 @@ class SqlAlchemySource:
         Counts every visible row, including rows the visibility guard still
         withholds: they are pending, just not consumable yet.
         """
-        with self._open(f"count on {self.name}") as conn:
+        with self._connections.open(f"count on {self.name}") as conn:
             return int(conn.execute(self._keyset.count(after)).scalar_one())
 
     def null_cursor_keys(self, limit: int = 10) -> list[dict[str, Any]]:
         """Keys of rows whose cursor is NULL: they have no place in cursor order."""
-        with self._open(f"NULL-cursor probe on {self.name}") as conn:
+        with self._connections.open(f"NULL-cursor probe on {self.name}") as conn:
             return [dict(r) for r in conn.execute(self._keyset.null_probe(limit)).mappings()]
 
     def _check_position(self, conn: Connection, after: Position) -> None:
         """Refuse a checkpoint whose values no longer fit their columns' types."""
         keyset = self._keyset
-        keyset.shape.check_position(after, lambda: _first(conn, keyset.sample_position()))
+        keyset.shape.check_position(after, lambda: keyset.sample_row(conn))
 
     def validate(self, position: Position | None = None) -> None:
         """Reflect and check the definition now, as the first fetch would; fetch nothing.
@@ -574,7 +496,7 @@ class SqlAlchemySource:
         start-up check may be the only place an operator reads it): the
         diagnosis first.
         """
-        with self._open(f"checking {self.name}", diagnose=True) as conn:
+        with self._connections.open(f"checking {self.name}", diagnose=True) as conn:
             if position is not None:
                 self._check_position(conn, position)
 
@@ -603,7 +525,7 @@ class SqlAlchemySource:
         it checks the PROCESS privilege). While ``auto`` cannot decide (query
         mode, no row yet) the mode is ``auto``.
         """
-        with self._open(f"describing {self.name}") as conn:
+        with self._connections.open(f"describing {self.name}") as conn:
             guard = self._guarding.activate(conn, self._keyset, source=self.name)
         if guard is None:
             return GuardDescription("auto", "none", "undecided until a row has a cursor value")
@@ -649,7 +571,10 @@ class SqlAlchemySource:
         reading = lag.without_query(after, now)
         if reading is not None or not lag.due():
             return reading
-        with lag.unreadable_values(), self._open(f"measuring the lag of {self.name}") as conn:
+        with (
+            lag.unreadable_values(),
+            self._connections.open(f"measuring the lag of {self.name}") as conn,
+        ):
             return lag.measure(conn, self._keyset, after, now)
 
     def cursor_kind(self) -> str | None:
@@ -663,16 +588,11 @@ class SqlAlchemySource:
 
     def column_kinds(self) -> dict[str, str | None]:
         """:meth:`cursor_kind` for the cursor and every key column."""
-        with self._open(f"reading the column types of {self.name}") as conn:
+        with self._connections.open(f"reading the column types of {self.name}") as conn:
             keyset = self._keyset
             checks = keyset.shape.checks
-            checks.learn_from_sample(lambda: _first(conn, keyset.sample_position()))
+            checks.learn_from_sample(lambda: keyset.sample_row(conn))
             return dict(checks.primary)
-
-
-def _first(conn: Connection, stmt: sa.Select[Any]) -> dict[str, Any] | None:
-    row = conn.execute(stmt).mappings().first()
-    return dict(row) if row is not None else None
 
 
 __all__ = ["ROW_VALUE_DIALECTS", "SqlAlchemySource"]

@@ -1,0 +1,116 @@
+"""Where a source's statements get their connections: a checkout with the one
+driver failure outside the DB-API tree mapped, and the connection a catch-up keeps.
+
+Every statement of a :class:`~dbtrigger.sources.sqlalchemy.SqlAlchemySource`
+runs on a connection from :meth:`SourceConnections.open`, except the fetches
+that keep theirs. A fetch in autocommit (every statement its own transaction with its own
+snapshot) that returned a full batch keeps its pooled connection for the next
+fetch: checking a connection out of the pool and back in costs about as much as
+reading 30 narrow rows, and nothing but the socket outlives the fetch. A short
+batch, any other statement of the source and its ``close()`` give it back; one
+that sat idle as long as a pooled connection may go unpinged is pinged first
+(:mod:`dbtrigger._engine`), and replaced if the server dropped it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from dbtrigger._driver_errors import encoding_problem
+from dbtrigger._engine import PING_AFTER_IDLE_SECONDS, ping
+from dbtrigger.errors import SourceDefinitionError
+from dbtrigger.sources.errors_map import mapped
+
+
+class SourceConnections:
+    """A source's connections: ``engine`` and ``name`` are read when a statement
+    runs (the URL may be an app setting resolved at first use), ``resolve``
+    readies the table's shape on a connection before its first statement.
+    The kept connection is at most one, with when it was last used."""
+
+    def __init__(
+        self,
+        engine: Callable[[], Engine],
+        name: Callable[[], str],
+        resolve: Callable[[Connection], None],
+    ) -> None:
+        self._engine = engine
+        self._name = name
+        self._resolve = resolve
+        self._held: tuple[Connection, float] | None = None
+        self._lock = threading.Lock()
+
+    def checkout(self, engine: Engine | None = None) -> Connection:
+        """``engine.connect()``, a driver failure outside the DB-API tree mapped.
+
+        The one such failure known (a PostgreSQL database in ``SQL_ASCII``,
+        where the dialect's first connection raises ``TypeError``) is an
+        operator error naming the fix, never a raw exception out of a tick.
+        """
+        try:
+            return (engine or self._engine()).connect()
+        except TypeError as exc:
+            problem = encoding_problem(exc)
+            if problem is None:
+                raise
+            raise SourceDefinitionError(f"connecting to {self._name()} failed: {problem}") from exc
+
+    @contextlib.contextmanager
+    def open(
+        self, what: str, *, engine: Engine | None = None, diagnose: bool = False
+    ) -> Iterator[Connection]:
+        """A connection with the shape resolved, driver errors of ``what`` mapped.
+        The kept connection goes back to the pool first: every other statement
+        runs on a connection of its own and never waits for the one kept."""
+        self.release()
+        with mapped(what, diagnose=diagnose), self.checkout(engine) as conn:
+            self._resolve(conn)
+            yield conn
+
+    def take(self, engine: Engine) -> Connection | None:
+        """The kept connection, if it is ``engine``'s and still usable (the caller
+        owns it now: it keeps it again or closes it)."""
+        with self._lock:
+            held, self._held = self._held, None
+        if held is None:
+            return None
+        conn, since = held
+        if conn.engine is not engine or conn.invalidated:
+            conn.close()
+            return None
+        if time.monotonic() - since >= PING_AFTER_IDLE_SECONDS:
+            try:
+                ping(engine, conn.connection.dbapi_connection)
+            except sa.exc.DisconnectionError:
+                conn.invalidate()
+                conn.close()
+                return None
+        return conn
+
+    def keep(self, conn: Connection) -> None:
+        """Hold ``conn`` for the next fetch (closed instead if one is held already)."""
+        if conn.in_transaction():
+            conn.rollback()  # SQLAlchemy's own bookkeeping; autocommit left nothing open
+        with self._lock:
+            if self._held is None:
+                self._held = (conn, time.monotonic())
+                return
+        conn.close()
+
+    def release(self) -> None:
+        """Give the kept connection back to the pool; nothing when none is kept."""
+        if self._held is None:
+            return
+        with self._lock:
+            held, self._held = self._held, None
+        if held is not None:
+            held[0].close()
+
+
+__all__ = ["SourceConnections"]

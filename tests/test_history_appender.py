@@ -111,17 +111,24 @@ def test_tick_and_drain_return_with_their_history_written() -> None:
     trigger.close()
 
 
+def appender_threads() -> set[threading.Thread]:
+    """The appender threads of pollers named ``orders`` in this process (other
+    tests' included: under xdist one worker runs many tests)."""
+    return {t for t in threading.enumerate() if t.name == "dbtrigger-history-orders"}
+
+
 def test_run_returns_with_its_history_written_and_a_closed_trigger_ticks_again() -> None:
     """run() is a timer firing (a Functions invocation): the host may freeze the
     process once it returns, so the record is written by then; close() stops the
     appender thread, and the next commit starts it again."""
+    others = appender_threads()  # of earlier tests' triggers, ending on their own
     history = GatedHistory()
     history.gate.set()
     trigger = trigger_with(history)
     assert trigger.run(handler=lambda events: None) == 10
     assert len(records(history)) == 1
     trigger.close()
-    assert not [t for t in threading.enumerate() if t.name == "dbtrigger-history-orders"]
+    assert not appender_threads() - others
     assert trigger.tick(lambda events: None) == 10
     assert len(records(history)) == 2
     trigger.close()
@@ -131,13 +138,13 @@ def test_an_idle_appender_thread_ends_and_the_next_commit_starts_another(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A trigger dropped without close() leaves no thread behind for long."""
+    others = appender_threads()  # of earlier tests' triggers, ending on their own
     monkeypatch.setattr(recorder, "IDLE_SECONDS", 0.01)
     history = GatedHistory()
     history.gate.set()
     trigger = trigger_with(history)
     assert trigger.tick(lambda events: None) == 10
-    threads = [t for t in threading.enumerate() if t.name == "dbtrigger-history-orders"]
-    for thread in threads:
+    for thread in appender_threads() - others:
         thread.join(WAIT)
         assert not thread.is_alive()
     assert trigger.tick(lambda events: None) == 10

@@ -6,6 +6,7 @@ Passes the same contract suite as the durable history stores.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -23,7 +24,7 @@ DEFAULT_MAX_RECORDS = 1000
 
 
 class MemoryHistory:
-    """Records in a dict of lists, guarded by a lock; the oldest beyond
+    """Records as JSON lines in a dict of lists, guarded by a lock; the oldest beyond
     ``max_records`` per poller are dropped as new ones are appended."""
 
     def __init__(
@@ -32,7 +33,9 @@ class MemoryHistory:
         #: How long the runtime keeps records here (it prunes after its appends).
         self.retention = retention
         self.max_records = opt.whole("max_records", max_records, minimum=1)
-        self._records: dict[str, list[dict[str, Any]]] = {}
+        #: Per poller: (number, time, the record's JSON line). A record kept as its
+        #: line is a tenth of its objects (a 100-event batch's keys and CRCs).
+        self._records: dict[str, list[tuple[int, dt.datetime | None, bytes]]] = {}
         self._lock = threading.Lock()
 
     def describe(self) -> str:
@@ -41,40 +44,43 @@ class MemoryHistory:
     def append(self, poller: str, records: Sequence[Mapping[str, Any]], *, after_seq: int) -> None:
         if not records:
             return
+        lines = [
+            (int(r["seq"]), record_time(r), encode_line(r)) for r in numbered(records, after_seq)
+        ]
         with self._lock:
             held = self._records.setdefault(poller, [])
-            last = int(held[-1]["seq"]) if held else 0
+            last = held[-1][0] if held else 0
             if last != after_seq:
                 raise CasConflictError(
                     f"the history of {poller!r} ends at record {last}, not {after_seq}"
                 )
-            held.extend(numbered(records, after_seq))
+            held.extend(lines)
             if len(held) > self.max_records:
                 del held[: len(held) - self.max_records]
 
     def tail(self, poller: str, count: int) -> list[dict[str, Any]]:
         with self._lock:
-            held = self._records.get(poller, [])
-            return [dict(r) for r in held[-count:]] if count else []
+            lines = [line for _, _, line in self._records.get(poller, [])[-count:]] if count else []
+        return [json.loads(line) for line in lines]
 
     def read(self, poller: str, *, since_seq: int = 0) -> Iterator[dict[str, Any]]:
         with self._lock:
-            held = [dict(r) for r in self._records.get(poller, []) if r["seq"] > since_seq]
-        yield from held
+            lines = [line for seq, _, line in self._records.get(poller, []) if seq > since_seq]
+        for line in lines:
+            yield json.loads(line)
 
     def prune(self, poller: str, retention: Retention, now: dt.datetime) -> int:
         cutoff = retention.cutoff(now)
         with self._lock:
             held = self._records.get(poller, [])
-            total = sum(len(encode_line(r)) for r in held)
+            total = sum(len(line) for _, _, line in held)
             drop = 0
-            for record in held[:-1]:
-                when = record_time(record)
+            for _, when, line in held[:-1]:
                 old = cutoff is not None and when is not None and when <= cutoff
                 big = retention.max_bytes is not None and total > retention.max_bytes
                 if not (old or big):
                     break
-                total -= len(encode_line(record))
+                total -= len(line)
                 drop += 1
             del held[:drop]
             return drop

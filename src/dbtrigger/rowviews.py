@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import uuid
+from abc import abstractmethod
 from collections.abc import ItemsView, Iterator, KeysView, Mapping, Sequence, ValuesView
 from decimal import Decimal
 from types import MappingProxyType
@@ -88,11 +89,11 @@ class _ProxyFace(Mapping[str, Any]):
 
     __slots__ = ()
 
-    def copy(self) -> dict[str, Any]:
-        raise NotImplementedError
+    @abstractmethod
+    def copy(self) -> dict[str, Any]: ...
 
-    def _raw(self) -> dict[str, Any]:
-        raise NotImplementedError
+    @abstractmethod
+    def _raw(self) -> dict[str, Any]: ...
 
     def items(self) -> ItemsView[str, Any]:
         return self.copy().items()

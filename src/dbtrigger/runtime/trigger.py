@@ -21,6 +21,7 @@ import os
 import socket
 import threading
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
@@ -126,12 +127,12 @@ class Trigger(Protocol):
         ...
 
 
-class ClosesOnExit:
+class ClosesOnExit(ABC):
     """``with trigger:``: the trigger is closed on the way out (its lanes,
     heartbeat thread, listener), however the block ends."""
 
-    def close(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def close(self) -> None: ...
 
     def __enter__(self) -> Self:
         return self

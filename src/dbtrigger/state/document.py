@@ -56,18 +56,18 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
-import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn
 
 from dbtrigger.cursor import Position
 from dbtrigger.errors import CorruptStateError
+from dbtrigger.state.codec import format_time, parse_time, position_from_json, position_to_json
+from dbtrigger.state.window import Window
 
 # The encodings of times and positions live below the document (the window
 # and the journal use them too); they are still read from here by most callers.
-from dbtrigger.state.codec import format_time, parse_time, position_from_json, position_to_json
-from dbtrigger.state.window import Window
+from dbtrigger.state.written_texts import WrittenTexts
 
 VERSION = 1
 
@@ -382,47 +382,7 @@ def dumps(doc: StateDocument) -> bytes:
     return data
 
 
-class _WrittenTexts:
-    """The journal entry texts of the last few documents this process encoded,
-    by the document's bytes.
-
-    A worker reads its state document at the start of every tick, and it is
-    nearly always the one it wrote at the end of the last tick. Parsing it
-    makes new entry objects without their texts, so that tick's first commit
-    encoded the whole journal again (about 0.1 ms, more than the parse). The
-    document is still parsed as always; only the texts its entries were
-    encoded to are handed back to the parsed entries, in order. A text is what
-    encoding its parsed entry gives (compact JSON of a dict reads back to an
-    equal dict with the same key order, which encodes to the same text).
-    """
-
-    _SIZE = 8
-
-    def __init__(self) -> None:
-        self._texts: dict[bytes, list[str]] = {}
-        self._lock = threading.Lock()
-
-    def remember(self, data: bytes, texts: list[str]) -> None:
-        with self._lock:
-            self._texts.pop(data, None)
-            self._texts[data] = texts
-            while len(self._texts) > self._SIZE:
-                del self._texts[next(iter(self._texts))]
-
-    def restore(self, data: bytes | str, doc: StateDocument) -> None:
-        """Give ``doc``'s entries (just parsed from ``data``) their texts, if known."""
-        if type(data) is not bytes:
-            return
-        with self._lock:
-            texts = self._texts.get(data)
-        if texts is None or len(texts) != len(doc.journal):
-            return
-        for entry, text in zip(doc.journal, texts, strict=True):
-            if isinstance(entry, JournalRecord) and entry._json is None:
-                entry._json = text
-
-
-_written = _WrittenTexts()
+_written = WrittenTexts()
 
 
 def _require(raw: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -603,7 +563,11 @@ def loads(data: bytes | str) -> StateDocument:
             "state document is nested too deeply to be a state document"
         ) from None
     doc = from_json(raw)
-    _written.restore(data, doc)
+    texts = _written.texts_of(data, len(doc.journal))
+    if texts is not None:
+        for entry, text in zip(doc.journal, texts, strict=True):
+            if isinstance(entry, JournalRecord) and entry._json is None:
+                entry._json = text
     return doc
 
 

@@ -105,6 +105,15 @@ def check_listen(dialect: str, driver: str, name: str, channel: str, option: str
     return channel
 
 
+def idle_wait(listener: Listener | None, seconds: float, stop: threading.Event) -> bool:
+    """An idle worker's sleep: up to ``seconds``, ended early by ``stop``, or by a
+    ``NOTIFY`` when ``listener`` is given (then True). Without one, plain polling."""
+    if listener is None:
+        stop.wait(seconds)
+        return False
+    return listener.wait(seconds, stop)
+
+
 class Listener:
     """A daemon thread that ``LISTEN``\\s on one channel and sets :attr:`wake`.
 

@@ -32,7 +32,7 @@ from dbtrigger.metrics import MetricsCollector, SafeMetrics
 from dbtrigger.names import validate_name
 from dbtrigger.quarantine import QuarantineSink
 from dbtrigger.queue.driver import ClaimDriver, ClaimSettings, QueueTickResult
-from dbtrigger.queue.notify import Listener, check_channel
+from dbtrigger.queue.notify import Listener, check_channel, idle_wait
 from dbtrigger.queue.operations import QueueCounts
 from dbtrigger.queue.schema import WORKER_ID_LIMIT
 from dbtrigger.queue.source import ClaimSource
@@ -308,10 +308,7 @@ class QueueTrigger(ClosesOnExit):
     def wait_for_work(self, seconds: float, stop: threading.Event) -> bool:
         """The runner's idle sleep: up to ``seconds``, ended early by ``stop``, or by a
         ``NOTIFY`` on ``notify_channel`` when the hint is on (then True)."""
-        if self._listener is None:
-            stop.wait(seconds)
-            return False
-        return self._listener.wait(seconds, stop)
+        return idle_wait(self._listener, seconds, stop)
 
     def stop_listening(self) -> None:
         """Stop the wake-up listener, if any."""

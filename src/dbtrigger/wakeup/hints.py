@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from dbtrigger import options as opt
 from dbtrigger.errors import ConfigurationError
-from dbtrigger.queue.notify import Listener, ListenEvents, check_listen
+from dbtrigger.queue.notify import Listener, ListenEvents, check_listen, idle_wait
 from dbtrigger.runtime.runner import WakeHint
 from dbtrigger.wakeup.ddl import default_channel
 
@@ -117,10 +117,7 @@ class NotifyHint:
 
     def wait(self, seconds: float, stop: threading.Event, *, idle_ticks: int | None) -> bool:
         del idle_ticks
-        if self.listener is None:  # not attached: plain polling
-            stop.wait(seconds)
-            return False
-        return self.listener.wait(seconds, stop)
+        return idle_wait(self.listener, seconds, stop)
 
     def close(self) -> None:
         if self.listener is not None:

@@ -26,6 +26,7 @@ import threading
 import warnings
 from collections.abc import Mapping
 
+from dbtrigger._deprecation import DeprecatedAlias
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.events import RowChange
 from dbtrigger.queue.outcome import Mark
@@ -80,15 +81,9 @@ class ClaimContext:
     def poller_name(self) -> str:
         return self.queue_name
 
-    @property
-    def worker_id(self) -> str:
-        """Deprecated spelling of :attr:`owner_id` (the poller's ``BatchContext`` name)."""
-        warnings.warn(
-            "ClaimContext.worker_id is deprecated: use ctx.owner_id, as on BatchContext",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.owner_id
+    worker_id: DeprecatedAlias[str] = DeprecatedAlias(
+        "owner_id", "ClaimContext.worker_id is deprecated: use ctx.owner_id, as on BatchContext"
+    )
 
     @property
     def cancelled(self) -> bool:

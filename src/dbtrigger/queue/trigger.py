@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dbtrigger import options as opt
+from dbtrigger._deprecation import DeprecatedAlias
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.metrics import MetricsCollector, SafeMetrics
 from dbtrigger.names import validate_name
@@ -217,25 +218,12 @@ class QueueTrigger(ClosesOnExit):
             seed=seed,
         )
 
-    @property
-    def dead_letter(self) -> QuarantineSink | None:
-        """Deprecated spelling of :attr:`quarantine`."""
-        warnings.warn(
-            "QueueTrigger.dead_letter is deprecated: use .quarantine, as on PollTrigger",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.quarantine
-
-    @property
-    def worker_id(self) -> str:
-        """Deprecated spelling of :attr:`owner_id`."""
-        warnings.warn(
-            "QueueTrigger.worker_id is deprecated: use .owner_id, as on PollTrigger",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.owner_id
+    dead_letter: DeprecatedAlias[QuarantineSink | None] = DeprecatedAlias(
+        "quarantine", "QueueTrigger.dead_letter is deprecated: use .quarantine, as on PollTrigger"
+    )
+    worker_id: DeprecatedAlias[str] = DeprecatedAlias(
+        "owner_id", "QueueTrigger.worker_id is deprecated: use .owner_id, as on PollTrigger"
+    )
 
     # --- public API -----------------------------------------------------------------
 

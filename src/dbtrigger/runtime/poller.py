@@ -36,7 +36,6 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from dbtrigger import options as opt
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.history.positions import StartFrom
 from dbtrigger.history.store import HistoryStore
@@ -48,14 +47,9 @@ from dbtrigger.runtime import deprecated, kernel
 from dbtrigger.runtime.delivery import Delivery, cancelled_error
 from dbtrigger.runtime.drain import drain
 from dbtrigger.runtime.kernel import Handler, KeepAlive
+from dbtrigger.runtime.poll_options import PollOptions
 from dbtrigger.runtime.quiet import QuietCadence
-from dbtrigger.runtime.reading import (
-    BatchReader,
-    NullCursorProbe,
-    TickSettings,
-    heartbeat_interval,
-    retry_delays,
-)
+from dbtrigger.runtime.reading import BatchReader, NullCursorProbe, TickSettings
 from dbtrigger.runtime.retry import DEFAULT_RETRY_POLICY, RetryPolicy
 from dbtrigger.runtime.subscriber_options import SubscriberCall, check_fan_out
 from dbtrigger.runtime.subscribers import FanOut
@@ -174,64 +168,36 @@ class PollTrigger(ClosesOnExit):
     ) -> None:
         options = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         self.name = validate_name(name, "poller name")
-        # Every numeric option's type and range (dbtrigger.options), then how they relate.
-        batch_size, max_batches_per_tick, journal_limit = (
-            opt.whole("batch_size", batch_size),
-            opt.whole("max_batches_per_tick", max_batches_per_tick),
-            opt.whole("journal_limit", journal_limit, minimum=0),
-        )
-        lease_ttl_seconds = opt.seconds("lease_ttl_seconds", lease_ttl_seconds)
-        heartbeat_interval_seconds = heartbeat_interval(
-            heartbeat_interval_seconds, lease_ttl_seconds
-        )
-        null_check_interval_seconds = opt.seconds(
-            "null_check_interval_seconds", null_check_interval_seconds, inclusive=True
-        )
-        max_attempts, quarantine_limit, max_concurrency = (
-            opt.whole("max_attempts", max_attempts),
-            opt.whole("quarantine_limit", quarantine_limit),
-            opt.whole("max_concurrency", max_concurrency),
-        )
-        partitions, balance_interval_seconds, member_ttl_seconds = (
-            opt.optional_whole("partitions", partitions),
-            opt.optional_seconds("balance_interval_seconds", balance_interval_seconds),
-            opt.optional_seconds("member_ttl_seconds", member_ttl_seconds),
-        )
-        window_max_events, window_max_bytes = (
-            opt.whole("window_max_events", window_max_events),
-            opt.whole("window_max_bytes", window_max_bytes, minimum=1024),
-        )
-        retry_delay_seconds, retry_delay_max_seconds = retry_delays(
-            retry_delay_seconds, retry_delay_max_seconds
-        )
-        ack_timeout_seconds = opt.optional_seconds("ack_timeout_seconds", ack_timeout_seconds)
+        # Every numeric option's type and range, then how they relate (poll_options).
+        checked = PollOptions.check(options)
+        partitions = checked.partitions
         #: Fan-out (see dbtrigger.runtime.subscribers): name -> handler, or None.
         self.subscribers, self.ack_timeout = check_fan_out(
-            subscribers, ack_timeout=ack_timeout_seconds
+            subscribers, ack_timeout=checked.ack_timeout_seconds
         )
         self.source = source
         self.store = checkpoint_store
-        self.batch_size = batch_size
-        self.max_batches_per_tick = max_batches_per_tick
-        self.lease_ttl = dt.timedelta(seconds=lease_ttl_seconds)
+        self.batch_size = checked.batch_size
+        self.max_batches_per_tick = checked.max_batches_per_tick
+        self.lease_ttl = dt.timedelta(seconds=checked.lease_ttl_seconds)
         self.metrics = SafeMetrics(metrics, self.name)
         self.owner_id = owner_id or default_owner_id()
         self.clock = clock or utc_now
-        self.journal_limit = journal_limit
-        self.null_check_interval = null_check_interval_seconds
+        self.journal_limit = checked.journal_limit
+        self.null_check_interval = checked.null_check_interval_seconds
         self._fingerprint: str | None = None
         self._quiet = QuietCadence()  # report()'s: a timer-fired idle poller says so once
         self.default_handler: Handler | None = None
-        self.heartbeat_interval = heartbeat_interval_seconds
+        self.heartbeat_interval = checked.heartbeat_interval_seconds
         self.retry = retry or DEFAULT_RETRY_POLICY
         self.quarantine = quarantine
-        self.max_attempts = max_attempts
-        self.quarantine_limit = quarantine_limit
-        self.max_concurrency = max_concurrency
+        self.max_attempts = checked.max_attempts
+        self.quarantine_limit = checked.quarantine_limit
+        self.max_concurrency = checked.max_concurrency
         self.telemetry = Telemetry(self.name, self.metrics)
         if isinstance(source, BindsToPoller):
             source.bind_poller(self.name, self.metrics)  # e.g. a slot named after the poller
-        self.null_probe = NullCursorProbe(null_check_interval_seconds)
+        self.null_probe = NullCursorProbe(checked.null_check_interval_seconds)
         #: The last tick's result; a tick that raised leaves one with outcome
         #: ``"failed"`` (and what it committed before failing) for the log line
         #: a worker writes per tick.
@@ -245,16 +211,16 @@ class PollTrigger(ClosesOnExit):
             TickSettings(
                 name=self.name,
                 owner_id=self.owner_id,
-                batch_size=batch_size,
-                max_batches_per_tick=max_batches_per_tick,
+                batch_size=checked.batch_size,
+                max_batches_per_tick=checked.max_batches_per_tick,
                 lease_ttl=self.lease_ttl,
-                journal_limit=journal_limit,
-                heartbeat_interval=heartbeat_interval_seconds,
-                null_check_interval=null_check_interval_seconds,
+                journal_limit=checked.journal_limit,
+                heartbeat_interval=checked.heartbeat_interval_seconds,
+                null_check_interval=checked.null_check_interval_seconds,
                 retry=self.retry,
-                bound=Bound(window_max_events, window_max_bytes),
-                retry_delay=retry_delay_seconds,
-                retry_delay_max=retry_delay_max_seconds,
+                bound=Bound(checked.window_max_events, checked.window_max_bytes),
+                retry_delay=checked.retry_delay_seconds,
+                retry_delay_max=checked.retry_delay_max_seconds,
             ),
             source=source,
             store=checkpoint_store,
@@ -268,9 +234,9 @@ class PollTrigger(ClosesOnExit):
                 telemetry=self.telemetry,
                 retry=self.retry,
                 quarantine=quarantine,
-                max_attempts=max_attempts,
-                quarantine_limit=quarantine_limit,
-                max_concurrency=max_concurrency,
+                max_attempts=checked.max_attempts,
+                quarantine_limit=checked.quarantine_limit,
+                max_concurrency=checked.max_concurrency,
                 cli_target=self.cli_target,
             ),
             null_probe=self.null_probe,

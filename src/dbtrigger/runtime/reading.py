@@ -20,11 +20,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dbtrigger import options as opt
 from dbtrigger._gc import gc_paused
 from dbtrigger.cursor import Position
 from dbtrigger.errors import (
-    ConfigurationError,
     CorruptStateError,
     DbTriggerError,
     FetchError,
@@ -36,7 +34,6 @@ from dbtrigger.errors import (
 from dbtrigger.events import RowChange
 from dbtrigger.runtime import windowing
 from dbtrigger.runtime.delivery import Delivery
-from dbtrigger.runtime.heartbeat import default_interval
 from dbtrigger.runtime.retry import RetryPolicy
 from dbtrigger.runtime.telemetry import Telemetry
 from dbtrigger.runtime.window_report import WindowReport
@@ -79,31 +76,6 @@ class TickSettings:
     retry_delay: float = 5.0
     retry_delay_max: float = 300.0
     jitter: Callable[[], float] = random.random
-
-
-def retry_delays(first: object, most: object) -> tuple[float, float]:
-    """``retry_delay_seconds`` and ``retry_delay_max_seconds``, checked together."""
-    delay = opt.seconds("retry_delay_seconds", first, inclusive=True)
-    cap = opt.seconds("retry_delay_max_seconds", most, inclusive=True)
-    if cap < delay:
-        raise ConfigurationError(
-            f"need 0 <= retry_delay_seconds <= retry_delay_max_seconds, got {delay:g} and {cap:g}"
-        )
-    return delay, cap
-
-
-def heartbeat_interval(value: object, lease_ttl: float) -> float:
-    """``heartbeat_interval_seconds`` checked, or its default (a third of the TTL)."""
-    interval = opt.optional_seconds("heartbeat_interval_seconds", value, inclusive=True)
-    if interval is None:
-        return default_interval(lease_ttl)
-    if interval >= lease_ttl / 2:
-        raise ConfigurationError(
-            "heartbeat_interval_seconds must be below lease_ttl_seconds / 2 "
-            f"({lease_ttl / 2:g}) so a renewal can fail once and still arrive "
-            f"in time, or 0 to disable; got {interval}"
-        )
-    return interval
 
 
 class NullCursorProbe:

@@ -38,6 +38,7 @@ from dbtrigger.runtime.retry import RetryPolicy
 from dbtrigger.runtime.telemetry import Telemetry
 from dbtrigger.runtime.window_report import WindowReport
 from dbtrigger.runtime.windowing import Selection
+from dbtrigger.runtime.writes import WriterSettings
 from dbtrigger.sources.base import (
     FindsNullCursors,
     LocatesRows,
@@ -59,16 +60,13 @@ from dbtrigger.state.window import Window
 DEFAULT_BOUND = windowmod.Bound()
 
 
-@dataclass(frozen=True)
-class TickSettings:
-    """The trigger's configuration, as the driver needs it."""
+@dataclass(frozen=True, kw_only=True)
+class TickSettings(WriterSettings):
+    """The trigger's configuration, as the driver needs it (the state writer
+    takes it as its :class:`~dbtrigger.runtime.writes.WriterSettings`)."""
 
-    name: str
-    owner_id: str
     batch_size: int
     max_batches_per_tick: int
-    lease_ttl: dt.timedelta
-    journal_limit: int
     heartbeat_interval: float
     null_check_interval: float
     retry: RetryPolicy

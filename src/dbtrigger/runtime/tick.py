@@ -53,7 +53,7 @@ from dbtrigger.runtime.reading import BatchReader, Prefetch, TickSettings, landi
 from dbtrigger.runtime.session import LeaseSession
 from dbtrigger.runtime.trigger import Outcome, TickResult
 from dbtrigger.runtime.windowing import Selection
-from dbtrigger.runtime.writes import StateWriter, WriterSettings
+from dbtrigger.runtime.writes import StateWriter
 from dbtrigger.sources.base import (
     AcknowledgesCheckpoints,
     MeasuresCursorAge,
@@ -96,13 +96,7 @@ class TickDriver:
         #: The source holds data until told it is checkpointed (a replication slot).
         self.acknowledges = isinstance(source, AcknowledgesCheckpoints)
         self.writer = StateWriter(
-            WriterSettings(
-                name=settings.name,
-                owner_id=settings.owner_id,
-                lease_ttl=settings.lease_ttl,
-                journal_limit=settings.journal_limit,
-                bound=settings.bound,
-            ),
+            settings,
             clock=clock,
             telemetry=telemetry,
             cursor_age=source.cursor_age_seconds if isinstance(source, MeasuresCursorAge) else None,

@@ -7,6 +7,7 @@ conservative alphabet is refused up front with an error naming the value.
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 from dbtrigger.errors import UnsafeIdentifierError
@@ -35,6 +36,19 @@ def validate_sql_identifier(value: str, what: str) -> str:
             name=what,
         )
     return value
+
+
+def shortened(name: str, limit: int = 63) -> str:
+    """``name`` if it fits ``limit`` characters, else its start and a short hash of it all.
+
+    Generated identifiers (log tables, triggers, channels, reader names) must
+    fit the database's limit (PostgreSQL 63 bytes, MariaDB/MySQL 64 characters)
+    and two long names with a common start must not end up equal: the result is
+    stable for a name, exactly ``limit`` long when shortened.
+    """
+    if len(name) <= limit:
+        return name
+    return name[: limit - 9] + "_" + hashlib.sha256(name.encode()).hexdigest()[:8]
 
 
 def import_path_of(obj: object) -> str | None:

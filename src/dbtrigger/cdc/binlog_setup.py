@@ -48,6 +48,7 @@ from dbtrigger.errors import (
     SourceDefinitionError,
     SourcePermissionError,
 )
+from dbtrigger.names import shortened
 from dbtrigger.sources.errors_map import source_error
 
 #: MySQL/MariaDB error codes the setup translates itself.
@@ -151,9 +152,7 @@ def validate_server_id(value: Any) -> int:
 
 def default_reader_name(poller: str) -> str:
     """The reader's name in the control table: the poller's, made to fit 64 characters."""
-    if len(poller) <= 64:
-        return poller
-    return poller[:55] + "_" + hashlib.sha256(poller.encode()).hexdigest()[:8]
+    return shortened(poller, 64)
 
 
 @dataclass(frozen=True, order=True)

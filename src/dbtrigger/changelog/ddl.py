@@ -37,7 +37,6 @@ uninstall only drops triggers that carry it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -47,7 +46,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from dbtrigger.errors import ConfigurationError
-from dbtrigger.names import validate_sql_identifier
+from dbtrigger.names import shortened, validate_sql_identifier
 
 #: What every trigger the change log writes says about itself (with its version).
 MARKER_PREFIX = "dbtrigger-changelog v"
@@ -70,13 +69,7 @@ MAX_IDENTIFIER = 63
 
 def log_table_name(table: str) -> str:
     """``dbt_changelog_<table>``, shortened with a hash when too long."""
-    return _short(f"dbt_changelog_{table}")
-
-
-def _short(name: str) -> str:
-    if len(name) <= MAX_IDENTIFIER:
-        return name
-    return name[:54] + "_" + hashlib.sha256(name.encode()).hexdigest()[:8]
+    return shortened(f"dbt_changelog_{table}")
 
 
 @dataclass(frozen=True)
@@ -113,12 +106,12 @@ class TableInfo:
         """PostgreSQL: one trigger for all three operations; elsewhere one each."""
         base = f"dbt_cl_{self.table}"
         if self.dialect == "postgresql":
-            return (_short(base),)
-        return tuple(_short(f"{base}_{op}") for op in ("ins", "upd", "del"))
+            return (shortened(base),)
+        return tuple(shortened(f"{base}_{op}") for op in ("ins", "upd", "del"))
 
     @property
     def function_name(self) -> str:
-        return _short(f"dbt_cl_{self.table}_fn")
+        return shortened(f"dbt_cl_{self.table}_fn")
 
     def spec(self) -> dict[str, Any]:
         """What a trigger was generated from, written into its marker comment.
@@ -309,7 +302,7 @@ def _index_ddl(info: TableInfo, quote: Quote) -> str:
 
 
 def index_name(info: TableInfo) -> str:
-    return _short(f"ix_{info.log_table}_seq")
+    return shortened(f"ix_{info.log_table}_seq")
 
 
 def existing_triggers(conn: sa.Connection, info: TableInfo) -> dict[str, str]:

@@ -20,14 +20,13 @@ trigger costs writers is in docs/operations.md ("Waking a worker").
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import sqlalchemy as sa
 
 from dbtrigger._engine import Bind, connected
 from dbtrigger.errors import ConfigurationError
-from dbtrigger.names import validate_sql_identifier
+from dbtrigger.names import shortened, validate_sql_identifier
 
 #: The trigger's name on each table (trigger names are per table in PostgreSQL).
 TRIGGER_NAME = "dbt_wake"
@@ -41,9 +40,7 @@ def default_channel(table: str, schema: str | None = None) -> str:
     """``dbt_wake_<schema>_<table>`` (``dbt_wake_<table>`` without a schema),
     shortened with a hash past PostgreSQL's 63 characters."""
     name = f"dbt_wake_{schema}_{table}" if schema else f"dbt_wake_{table}"
-    if len(name) <= _MAX_IDENTIFIER:
-        return name
-    return name[:54] + "_" + hashlib.sha256(name.encode()).hexdigest()[:8]
+    return shortened(name, _MAX_IDENTIFIER)
 
 
 @dataclass(frozen=True)

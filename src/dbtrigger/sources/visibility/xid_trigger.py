@@ -6,13 +6,12 @@ inserted or updated row, so the cursor order *is* the transaction order.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 
 from sqlalchemy.engine import Engine
 
 from dbtrigger.errors import ConfigurationError
-from dbtrigger.names import validate_sql_identifier
+from dbtrigger.names import shortened, validate_sql_identifier
 from dbtrigger.sources.visibility.base import XID_COLUMN_MARKER
 
 
@@ -42,9 +41,9 @@ def visibility_trigger_ddl(
     q = quote or (lambda name: '"' + name + '"')
     prefix = q(schema) + "." if schema else ""
     target = prefix + q(table)
-    function = prefix + q(_short(f"dbtrigger_stamp_{table}_{column}"))
-    trigger = q(_short(f"dbtrigger_stamp_{column}"))
-    index = q(_short(f"ix_{table}_{column}"))
+    function = prefix + q(shortened(f"dbtrigger_stamp_{table}_{column}"))
+    trigger = q(shortened(f"dbtrigger_stamp_{column}"))
+    index = q(shortened(f"ix_{table}_{column}"))
     col = q(column)
     index_list = ", ".join([col, *(q(c) for c in index_columns)])
     marker = f"{XID_COLUMN_MARKER} transaction id of the last writer, stamped by trigger {trigger}"
@@ -67,13 +66,6 @@ def visibility_trigger_ddl(
         "COMMENT ON COLUMN " + target + "." + col + " IS '" + marker.replace("'", "''") + "'",
         "CREATE INDEX IF NOT EXISTS " + index + " ON " + target + " (" + index_list + ")",
     ]
-
-
-def _short(name: str) -> str:
-    """PostgreSQL truncates identifiers at 63 bytes; keep generated names unique by hashing."""
-    if len(name) <= 63:
-        return name
-    return name[:54] + "_" + hashlib.sha256(name.encode()).hexdigest()[:8]
 
 
 def install_visibility_trigger(

@@ -204,35 +204,36 @@ def reflect_table(conn: sa.Connection, table: str, schema: str | None) -> TableI
 Quote = Callable[[str], str]
 
 
+#: Per dialect, the types of the log's own columns: ``dbt_seq``, the row images, ``dbt_changed_at``.
+_LOG_TYPES = {
+    "postgresql": (
+        "BIGSERIAL PRIMARY KEY",
+        "TEXT",
+        "TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp()",
+    ),
+    "sqlite": (
+        "INTEGER PRIMARY KEY AUTOINCREMENT",
+        "TEXT",
+        "TEXT NOT NULL DEFAULT (strftime('%Y-%m-%d %H:%M:%f', 'now'))",
+    ),
+    "mysql": (
+        "BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY",
+        "LONGTEXT",
+        "DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)",
+    ),
+}
+
+
 def log_ddl(info: TableInfo, quote: Quote) -> list[str]:
     """The log table first, then its index (and comment); idempotent."""
     log = qualified_name(info, info.log_table, quote)
+    seq, text, changed_at = _LOG_TYPES.get(info.dialect, _LOG_TYPES["mysql"])
+    table = _log_table_ddl(info, quote, seq=seq, text=text, changed_at=changed_at)
     if info.dialect == "postgresql":
-        table = _log_table_ddl(
-            info,
-            quote,
-            seq="BIGSERIAL PRIMARY KEY",
-            text="TEXT",
-            changed_at="TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp()",
-        )
         comment = f"COMMENT ON TABLE {log} IS '{MARKER}: changes of {info.table}'"
         return [table, _index_ddl(info, quote), comment]
     if info.dialect == "sqlite":
-        table = _log_table_ddl(
-            info,
-            quote,
-            seq="INTEGER PRIMARY KEY AUTOINCREMENT",
-            text="TEXT",
-            changed_at="TEXT NOT NULL DEFAULT (strftime('%Y-%m-%d %H:%M:%f', 'now'))",
-        )
         return [table, _index_ddl(info, quote)]
-    table = _log_table_ddl(
-        info,
-        quote,
-        seq="BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY",
-        text="LONGTEXT",
-        changed_at="DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)",
-    )
     return [table + f" COMMENT='{MARKER}: changes of {info.table}'", _index_ddl(info, quote)]
 
 

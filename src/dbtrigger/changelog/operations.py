@@ -55,6 +55,19 @@ def _quote(bind: Bind) -> sa.sql.compiler.IdentifierPreparer:
     return bind.dialect.identifier_preparer
 
 
+def _reflect_refusing_foreign(
+    conn: sa.Connection, table: str, schema: str | None, refusal: str
+) -> TableInfo:
+    """The table, unless a trigger of one of the change log's names exists that the
+    change log did not write: never replaced nor dropped, so ``refusal`` (formatted
+    with ``names`` and ``table``) is raised as a ConfigurationError."""
+    info = reflect_table(conn, table, schema)
+    foreign = foreign_triggers(conn, info)
+    if foreign:
+        raise ConfigurationError(refusal.format(names=", ".join(foreign), table=table))
+    return info
+
+
 def plan_install(bind: Bind, table: str, *, schema: str | None = None) -> Plan:
     """The statements that install the change log of ``table`` (or install it again).
 
@@ -67,13 +80,13 @@ def plan_install(bind: Bind, table: str, *, schema: str | None = None) -> Plan:
             written by it (it is never replaced).
     """
     with connected(bind) as conn:
-        info = reflect_table(conn, table, schema)
-        foreign = foreign_triggers(conn, info)
-        if foreign:
-            raise ConfigurationError(
-                f"table {table!r} already has trigger(s) {', '.join(foreign)} that the change "
-                "log did not create; rename or drop them first (they are never replaced)"
-            )
+        info = _reflect_refusing_foreign(
+            conn,
+            table,
+            schema,
+            "table {table!r} already has trigger(s) {names} that the change log did not create; "
+            "rename or drop them first (they are never replaced)",
+        )
         quote = _quote(bind).quote
         migration = log_migration(conn, info, quote)
         skip_index = info.dialect in ("mysql", "mariadb") and has_index(conn, info)
@@ -92,12 +105,11 @@ def plan_uninstall(
     as on install.
     """
     with connected(bind) as conn:
-        info = reflect_table(conn, table, schema)
-        foreign = foreign_triggers(conn, info)
-    if foreign:
-        raise ConfigurationError(
-            f"trigger(s) {', '.join(foreign)} on {table!r} were not created by the change log; "
-            "not dropping them"
+        info = _reflect_refusing_foreign(
+            conn,
+            table,
+            schema,
+            "trigger(s) {names} on {table!r} were not created by the change log; not dropping them",
         )
     return Plan(info, tuple(uninstall_ddl(info, _quote(bind).quote, drop_log=drop_log)))
 

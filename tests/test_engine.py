@@ -6,10 +6,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 
 from dbtrigger import SqlAlchemySource
-from dbtrigger._engine import LazyEngine
+from dbtrigger._engine import LazyEngine, TableOnce
 from dbtrigger.output import OutputTarget
 from dbtrigger.quarantine import SqlQuarantineSink
 from dbtrigger.state.stores.sql import SqlCheckpointStore
@@ -155,3 +156,46 @@ def _idle(engine: sa.Engine, seconds: float) -> None:
         since = record.info.get("dbtrigger_idle_since")
         if since is not None:
             record.info["dbtrigger_idle_since"] = (since[0], since[1] - seconds)
+
+
+def _table() -> sa.Table:
+    return sa.Table("once", sa.MetaData(), sa.Column("id", sa.Integer, primary_key=True))
+
+
+def test_a_table_created_by_another_process_meanwhile_is_no_error(tmp_path: Path) -> None:
+    """The quarantine sink's and the dead-letter marks' table: a CREATE that fails
+    because another process created the table after our check is taken as done."""
+    engine = sa.create_engine(_sqlite_url(tmp_path))
+    try:
+        table = _table()
+        once = TableOnce(table, lambda: engine)
+        calls: list[int] = []
+
+        def racing_create(bind: Any, checkfirst: bool = True) -> None:
+            calls.append(1)
+            _table().create(bind)  # the other process wins the race
+            raise sa.exc.OperationalError("CREATE TABLE once", {}, Exception("already exists"))
+
+        table.create = racing_create  # type: ignore[method-assign]
+        once.ensure()
+        once.ensure()  # once per process: no second attempt
+        assert calls == [1]
+        assert sa.inspect(engine).has_table("once")
+    finally:
+        engine.dispose()
+
+
+def test_a_create_that_fails_otherwise_is_raised(tmp_path: Path) -> None:
+    engine = sa.create_engine(_sqlite_url(tmp_path))
+    try:
+        table = _table()
+
+        def failing_create(bind: Any, checkfirst: bool = True) -> None:
+            raise sa.exc.OperationalError("CREATE TABLE once", {}, Exception("no privilege"))
+
+        table.create = failing_create  # type: ignore[method-assign]
+        once = TableOnce(table, lambda: engine)
+        with pytest.raises(sa.exc.OperationalError, match="no privilege"):
+            once.ensure()
+    finally:
+        engine.dispose()

@@ -204,9 +204,38 @@ class LazyEngine:
             engine.dispose()
 
 
+class TableOnce:
+    """A table created, when missing, at its first use and once per process.
+
+    ``ensure`` is safe from several threads, and another process creating the
+    table between our check and our ``CREATE`` is no error (the table is there).
+    """
+
+    def __init__(self, table: sa.Table, engine: Callable[[], Engine]) -> None:
+        self.table = table
+        self._engine = engine
+        self._done = False
+        self._lock = threading.Lock()
+
+    def ensure(self) -> None:
+        if self._done:
+            return
+        with self._lock:
+            if self._done:
+                return
+            engine = self._engine()
+            try:
+                self.table.create(engine, checkfirst=True)
+            except sa.exc.SQLAlchemyError:
+                if not sa.inspect(engine).has_table(self.table.name, self.table.schema):
+                    raise
+            self._done = True
+
+
 __all__ = [
     "PING_AFTER_IDLE_SECONDS",
     "LazyEngine",
+    "TableOnce",
     "create_engine",
     "ping",
     "ping_when_idle",

@@ -44,7 +44,6 @@ import datetime as dt
 import json
 import math
 import os
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +53,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from dbtrigger._engine import LazyEngine, parse_database_url
+from dbtrigger._engine import LazyEngine, TableOnce, parse_database_url
 from dbtrigger._files import locked_lines, write_synced
 from dbtrigger.cursor import Position, canonical_json, encode_value, encoded_pk
 from dbtrigger.errors import (
@@ -293,9 +292,7 @@ class SqlQuarantineSink:
             )
             self._engines.engine  # noqa: B018 - created now: a bad URL fails here
         self.table = quarantine_table(table, schema)
-        self._create = create_table
-        self._created = False
-        self._lock = threading.Lock()
+        self._creation = TableOnce(self.table, lambda: self._engine) if create_table else None
 
     @property
     def _engine(self) -> sa.Engine:
@@ -315,18 +312,8 @@ class SqlQuarantineSink:
         self._engines.dispose()
 
     def _ensure_table(self) -> None:
-        if self._created or not self._create:
-            return
-        with self._lock:
-            if self._created:
-                return
-            try:
-                self.table.create(self._engine, checkfirst=True)
-            except SQLAlchemyError:
-                # Another process may have created it between check and create.
-                if not sa.inspect(self._engine).has_table(self.table.name, self.table.schema):
-                    raise
-            self._created = True
+        if self._creation is not None:
+            self._creation.ensure()
 
     @staticmethod
     def _row(record: QuarantineRecord) -> dict[str, Any]:

@@ -26,7 +26,6 @@ import datetime as dt
 import fcntl
 import json
 import os
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from dbtrigger._engine import TableOnce
 from dbtrigger._files import locked_lines, write_synced
 from dbtrigger.cursor import Position, decode_value
 from dbtrigger.errors import ConfigurationError, DbTriggerError, QuarantineError, SerializationError
@@ -190,18 +190,11 @@ class SqlMarks:
             sa.Column("detail", sa.Text, nullable=False),
             schema=base.schema,
         )
-        self._ready = False
-        self._lock = threading.Lock()
+        self._creation = TableOnce(self.table, lambda: self.engine)
 
     @property
     def engine(self) -> sa.Engine:
         return self.sink._engine
-
-    def _ensure(self) -> None:
-        with self._lock:
-            if not self._ready:
-                self.table.create(self.engine, checkfirst=True)
-                self._ready = True
 
     def read(self) -> list[Mark]:
         try:
@@ -232,7 +225,7 @@ class SqlMarks:
             for m in marks
         ]
         try:
-            self._ensure()
+            self._creation.ensure()
             with self.engine.begin() as conn:
                 conn.execute(self.table.insert(), rows)
         except sa.exc.SQLAlchemyError as exc:

@@ -27,7 +27,7 @@ import fcntl
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -59,15 +59,7 @@ class Mark:
     detail: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "poller": self.poller,
-            "event_id": self.event_id,
-            "action": self.action,
-            "at": format_time(self.at),
-            "actor": self.actor,
-            "reason": self.reason,
-            "detail": self.detail,
-        }
+        return {**asdict(self), "at": format_time(self.at)}
 
 
 @dataclass(frozen=True)

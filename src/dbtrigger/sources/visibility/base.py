@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
 import sqlalchemy as sa
@@ -98,12 +98,7 @@ class GuardDescription:
     needs: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "mode": self.mode,
-            "strength": self.strength,
-            "guarantee": self.guarantee,
-            "needs": self.needs,
-        }
+        return asdict(self)
 
 
 class FetchCondition(NamedTuple):

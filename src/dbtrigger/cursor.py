@@ -182,14 +182,8 @@ def decode_value(kind: str, encoded: Any) -> Any:
 
 def infer_kind(encoded: Any) -> str:
     """Kind of a tiebreaker value written without an explicit kind (seed format)."""
-    if encoded is None:
-        return "null"
-    if isinstance(encoded, bool):
-        return "bool"
-    if isinstance(encoded, int):
-        return "int"
-    if isinstance(encoded, str):
-        return "str"
+    if encoded is None or isinstance(encoded, (int, str)):  # bool is an int
+        return kind_of(encoded)
     raise CorruptStateError(f"tiebreaker value {encoded!r} has no kind and is not an int or string")
 
 

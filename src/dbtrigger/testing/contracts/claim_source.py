@@ -33,7 +33,6 @@ until the rows come back, so a loaded machine is slower, never red.
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -44,6 +43,7 @@ import pytest
 from dbtrigger.queue.layout import Claim, ClaimedRow
 from dbtrigger.queue.operations import QueueCounts
 from dbtrigger.queue.statements import DeadItem, Key, RetryItem, Settled
+from dbtrigger.testing.contracts._threads import run_together
 
 #: Visibility of a claim the suite lets expire, in seconds.
 SHORT = 0.3
@@ -174,29 +174,19 @@ class ClaimSourceContract:
         claim_harness.put(range(1, 61))
         workers = [claim_harness.open() for _ in range(4)]
         taken: list[list[int]] = [[] for _ in workers]
-        errors: list[BaseException] = []
-        start = threading.Barrier(len(workers))
 
         def work(index: int) -> None:
             source = workers[index]
-            try:
-                start.wait(PATIENCE)
-                while True:
-                    tok = token()
-                    rows = claim_as(source, tok, 5)
-                    if not rows:
-                        return
-                    taken[index].extend(ids_of(rows))
-                    settled = source.settle(token=tok, done=[r.key for r in rows])
-                    assert settled.done == {r.key for r in rows}
-            except BaseException as exc:  # noqa: BLE001 - raised on the test's thread
-                errors.append(exc)
+            while True:
+                tok = token()
+                rows = claim_as(source, tok, 5)
+                if not rows:
+                    return
+                taken[index].extend(ids_of(rows))
+                settled = source.settle(token=tok, done=[r.key for r in rows])
+                assert settled.done == {r.key for r in rows}
 
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(workers))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(PATIENCE * 4)
+        errors = run_together(len(workers), work, timeout=PATIENCE * 4)
         for source in workers:
             source.close()
         assert errors == []

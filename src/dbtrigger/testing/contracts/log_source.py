@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Sequence
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -123,14 +124,6 @@ class LogSourceContract:
     def _all(source: SourceAdapter, after: Position = BEGINNING) -> list[RowChange]:
         return source.to_events(list(source.fetch(after, 1000)), poller=_POLLER, batch_id="all")
 
-    @staticmethod
-    def _with(harness: LogSourceHarness, test: Callable[[SourceAdapter], None]) -> None:
-        source = harness.open()
-        try:
-            test(source)
-        finally:
-            source.close()
-
     # --- identity --------------------------------------------------------------------
 
     def test_is_a_source_adapter_with_a_stable_fingerprint(
@@ -161,16 +154,14 @@ class LogSourceContract:
     # --- what the log holds ----------------------------------------------------------------
 
     def test_an_empty_log_fetches_nothing(self, log_harness: LogSourceHarness) -> None:
-        def test(source: SourceAdapter) -> None:
+        with closing(log_harness.open()) as source:
             assert list(source.fetch(BEGINNING, 10)) == []
             assert source.to_events([], poller=_POLLER, batch_id="b") == []
-
-        self._with(log_harness, test)
 
     def test_inserts_updates_and_deletes_in_commit_order(
         self, log_harness: LogSourceHarness
     ) -> None:
-        def test(source: SourceAdapter) -> None:
+        with closing(log_harness.open()) as source:
             log_harness.commit([LogOp("insert", 1, "a"), LogOp("insert", 2, "b")])
             log_harness.commit([LogOp("update", 1, "a2")])
             log_harness.commit([LogOp("delete", 2)])
@@ -195,12 +186,10 @@ class LogSourceContract:
                 if self.commit_ordered:
                     assert isinstance(event.cursor, str)
 
-        self._with(log_harness, test)
-
     def test_each_change_of_a_transaction_has_its_own_position(
         self, log_harness: LogSourceHarness
     ) -> None:
-        def test(source: SourceAdapter) -> None:
+        with closing(log_harness.open()) as source:
             log_harness.commit([LogOp("insert", i, f"n{i}") for i in range(1, 6)])
             log_harness.commit([LogOp("insert", 6, "n6")])
             events = self._all(source)
@@ -221,12 +210,10 @@ class LogSourceContract:
                 True,
             ]
 
-        self._with(log_harness, test)
-
     def test_fetch_is_strictly_after_each_change_inside_a_transaction(
         self, log_harness: LogSourceHarness
     ) -> None:
-        def test(source: SourceAdapter) -> None:
+        with closing(log_harness.open()) as source:
             log_harness.commit([LogOp("insert", i, f"n{i}") for i in range(1, 5)])
             log_harness.commit([LogOp("update", 1, "u"), LogOp("delete", 2)])
             events = self._all(source)
@@ -241,12 +228,10 @@ class LogSourceContract:
                 first = source.to_events(list(source.fetch(after, 1)), poller=_POLLER, batch_id="b")
                 assert changes_of(first) == expected[i + 1 : i + 2]
 
-        self._with(log_harness, test)
-
     def test_paging_by_checkpoint_delivers_every_change_once(
         self, log_harness: LogSourceHarness
     ) -> None:
-        def test(source: SourceAdapter) -> None:
+        with closing(log_harness.open()) as source:
             log_harness.commit([LogOp("insert", i, f"n{i}") for i in range(1, 8)])
             log_harness.commit([LogOp("update", 3, "x")])
             log_harness.commit([LogOp("delete", 3), LogOp("insert", 3, "again")])
@@ -264,10 +249,8 @@ class LogSourceContract:
                     checkpoint = through_json(position_of(events[-1]))
                 assert seen == expected, f"limit={limit}"
 
-        self._with(log_harness, test)
-
     def test_event_ids_name_the_change(self, log_harness: LogSourceHarness) -> None:
-        def test(source: SourceAdapter) -> None:
+        with closing(log_harness.open()) as source:
             log_harness.commit([LogOp("insert", 1, "a"), LogOp("update", 1, "b")])
             log_harness.commit([LogOp("update", 1, "c")])
             first = self._all(source)
@@ -281,12 +264,10 @@ class LogSourceContract:
             assert len(set(ids)) == 3, "one key changed three times: three ids"
             assert [e.event_id for e in second] == ids, "a redelivery has the same ids"
 
-        self._with(log_harness, test)
-
     def test_transactions_arrive_in_commit_order_not_start_order(
         self, log_harness: LogSourceHarness
     ) -> None:
-        def test(source: SourceAdapter) -> None:
+        with closing(log_harness.open()) as source:
             log_harness.commit_crossed(
                 [LogOp("insert", 1, "started first"), LogOp("insert", 2, "started first")],
                 [LogOp("insert", 3, "committed first")],
@@ -298,21 +279,17 @@ class LogSourceContract:
             expected = second + first if self.commit_ordered else first + second
             assert changes_of(self._all(source)) == expected
 
-        self._with(log_harness, test)
-
     def test_a_rolled_back_transaction_never_appears(self, log_harness: LogSourceHarness) -> None:
-        def test(source: SourceAdapter) -> None:
+        with closing(log_harness.open()) as source:
             log_harness.commit([LogOp("insert", 1, "kept")])
             log_harness.rollback([LogOp("insert", 2, "gone"), LogOp("update", 1, "gone")])
             log_harness.commit([LogOp("insert", 3, "kept")])
             assert changes_of(self._all(source)) == [("insert", 1, "kept"), ("insert", 3, "kept")]
 
-        self._with(log_harness, test)
-
     def test_changes_committed_after_a_fetch_follow_the_checkpoint(
         self, log_harness: LogSourceHarness
     ) -> None:
-        def test(source: SourceAdapter) -> None:
+        with closing(log_harness.open()) as source:
             log_harness.commit([LogOp("insert", 1, "a")])
             events = self._all(source)
             checkpoint = through_json(position_of(events[-1]))
@@ -321,24 +298,20 @@ class LogSourceContract:
             later = self._all(source, checkpoint)
             assert changes_of(later) == [("update", 1, "b"), ("insert", 2, "c")]
 
-        self._with(log_harness, test)
-
     def test_a_record_without_its_position_is_a_serialization_error(
         self, log_harness: LogSourceHarness
     ) -> None:
-        def test(source: SourceAdapter) -> None:
+        with closing(log_harness.open()) as source:
             log_harness.commit([LogOp("insert", 1, "a")])
             (row,) = source.fetch(BEGINNING, 1)
             broken = {k: v for k, v in row.items() if k != self.position_field}
             with pytest.raises(SerializationError):
                 source.to_events([broken], poller=_POLLER, batch_id="b")
 
-        self._with(log_harness, test)
-
     def test_acknowledging_a_checkpoint_keeps_everything_after_it(
         self, log_harness: LogSourceHarness
     ) -> None:
-        def test(source: SourceAdapter) -> None:
+        with closing(log_harness.open()) as source:
             if not isinstance(source, AcknowledgesCheckpoints):
                 pytest.skip("the source holds nothing until checkpointed")
             log_harness.commit([LogOp("insert", i, f"n{i}") for i in range(1, 5)])
@@ -357,8 +330,6 @@ class LogSourceContract:
                     assert changes_of(self._all(restarted, checkpoint)) == expected[i + 1 :]
                 finally:
                     restarted.close()
-
-        self._with(log_harness, test)
 
 
 def crossed(

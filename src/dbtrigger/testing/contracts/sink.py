@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import datetime as dt
 import decimal
-import threading
 import uuid
 from collections import Counter
 from collections.abc import Sequence
@@ -38,6 +37,7 @@ from dbtrigger.cursor import Position
 from dbtrigger.errors import QuarantineError
 from dbtrigger.events import RowChange, make_event_id
 from dbtrigger.quarantine import QuarantineRecord, QuarantineSink
+from dbtrigger.testing.contracts._threads import run_together
 
 _AT = dt.datetime(2024, 5, 6, 7, 8, 9, tzinfo=dt.timezone.utc)
 
@@ -184,23 +184,12 @@ class SinkContract:
 
     def test_concurrent_puts_lose_nothing(self, sink: QuarantineSink) -> None:
         writers, per_writer = 4, 5
-        barrier = threading.Barrier(writers)
-        errors: list[BaseException] = []
 
         def write(w: int) -> None:
-            barrier.wait()
-            try:
-                for n in range(per_writer):
-                    sink.put([make_record(w * 100 + n)])
-            except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
-                errors.append(exc)
+            for n in range(per_writer):
+                sink.put([make_record(w * 100 + n)])
 
-        threads = [threading.Thread(target=write, args=(w,)) for w in range(writers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert errors == []
+        assert run_together(writers, write) == []
         want = {
             make_record(w * 100 + n).event_id for w in range(writers) for n in range(per_writer)
         }

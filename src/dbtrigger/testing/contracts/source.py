@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -145,20 +146,16 @@ class SourceContract:
     # --- identity -------------------------------------------------------------------
 
     def test_is_a_source_adapter(self, source_harness: SourceHarness) -> None:
-        source = source_harness.open()
-        try:
+        with closing(source_harness.open()) as source:
             assert isinstance(source, SourceAdapter)
             assert isinstance(source.name, str)
             assert source.name
             description = source.describe()
             assert isinstance(description, dict)
             json.dumps(description)  # status output prints it as JSON
-        finally:
-            source.close()
 
     def test_fingerprint_is_a_sha256_of_the_definition(self, source_harness: SourceHarness) -> None:
-        source = source_harness.open()
-        try:
+        with closing(source_harness.open()) as source:
             before = source.fingerprint()
             assert before.startswith("sha256:")
             digest = before.removeprefix("sha256:")
@@ -167,8 +164,6 @@ class SourceContract:
             source_harness.put(ROWS)
             self._fetch_all(source)
             assert source.fingerprint() == before, "the fingerprint must not depend on data"
-        finally:
-            source.close()
 
     def test_fingerprint_is_stable_across_instances_and_follows_the_definition(
         self, source_harness: SourceHarness
@@ -188,13 +183,10 @@ class SourceContract:
     def test_no_secret_in_name_fingerprint_or_description(
         self, source_harness: SourceHarness
     ) -> None:
-        source = source_harness.open()
-        try:
+        with closing(source_harness.open()) as source:
             shown = " ".join((source.name, source.fingerprint(), json.dumps(source.describe())))
             for secret in source_harness.secrets:
                 assert secret not in shown
-        finally:
-            source.close()
 
     def test_close_twice_is_harmless(self, source_harness: SourceHarness) -> None:
         source = source_harness.open()
@@ -204,20 +196,14 @@ class SourceContract:
     # --- fetch ----------------------------------------------------------------------
 
     def test_empty_source_fetches_nothing(self, source_harness: SourceHarness) -> None:
-        source = source_harness.open()
-        try:
+        with closing(source_harness.open()) as source:
             assert list(source.fetch(BEGINNING, 10)) == []
             assert source.to_events([], poller=_POLLER, batch_id="b1") == []
-        finally:
-            source.close()
 
     def test_rows_come_in_cursor_then_key_order(self, source_harness: SourceHarness) -> None:
         source_harness.put(ROWS)
-        source = source_harness.open()
-        try:
+        with closing(source_harness.open()) as source:
             assert keys(self._fetch_all(source)) == expected(ORDERED)
-        finally:
-            source.close()
 
     def test_equal_cursors_are_ordered_by_the_whole_key(
         self, source_harness: SourceHarness
@@ -232,8 +218,7 @@ class SourceContract:
             ContractRow(50, "a", 100),
         ]
         source_harness.put(rows)
-        source = source_harness.open()
-        try:
+        with closing(source_harness.open()) as source:
             assert keys(self._fetch_all(source)) == [
                 ("a", 9),
                 ("a", 10),
@@ -241,36 +226,27 @@ class SourceContract:
                 ("b", 1),
                 ("c", 0),
             ]
-        finally:
-            source.close()
 
     def test_limit_returns_the_first_rows(self, source_harness: SourceHarness) -> None:
         source_harness.put(ROWS)
-        source = source_harness.open()
-        try:
+        with closing(source_harness.open()) as source:
             for limit in (1, 2, 3, 4, len(ROWS), len(ROWS) + 1):
                 got = keys(source.fetch(BEGINNING, limit))
                 assert got == expected(ORDERED[:limit]), f"limit={limit}"
-        finally:
-            source.close()
 
     def test_fetch_is_strictly_after_each_row(self, source_harness: SourceHarness) -> None:
         source_harness.put(ROWS)
-        source = source_harness.open()
-        try:
+        with closing(source_harness.open()) as source:
             for i, row in enumerate(ORDERED):
                 got = keys(self._fetch_all(source, self._position(source_harness, row)))
                 assert got == expected(ORDERED[i + 1 :]), f"after {row}"
                 first = keys(source.fetch(self._position(source_harness, row), 1))
                 assert first == expected(ORDERED[i + 1 : i + 2]), f"limit 1 after {row}"
-        finally:
-            source.close()
 
     def test_positions_between_rows(self, source_harness: SourceHarness) -> None:
         source_harness.put(ROWS)
-        source = source_harness.open()
         cursor = source_harness.cursor_value
-        try:
+        with closing(source_harness.open()) as source:
             # Inside the tie on 20: between (a, 2) and (a, 10), a key no row has.
             between_keys = Position(cursor=cursor(20), pk={"tenant": "a", "id": 5})
             assert keys(self._fetch_all(source, between_keys)) == [
@@ -288,25 +264,19 @@ class SourceContract:
             assert keys(self._fetch_all(source, before)) == expected(ORDERED)
             after = Position(cursor=cursor(40), pk={"tenant": "a", "id": 4})
             assert list(source.fetch(after, 10)) == []
-        finally:
-            source.close()
 
     def test_after_the_last_row_is_an_empty_batch(self, source_harness: SourceHarness) -> None:
         source_harness.put(ROWS)
-        source = source_harness.open()
-        try:
+        with closing(source_harness.open()) as source:
             last = self._position(source_harness, ORDERED[-1])
             assert list(source.fetch(last, 10)) == []
             assert list(source.fetch(through_json(last), 1)) == []
-        finally:
-            source.close()
 
     # --- events and positions -------------------------------------------------------
 
     def test_events_sit_at_their_rows_positions(self, source_harness: SourceHarness) -> None:
         source_harness.put(ROWS)
-        source = source_harness.open()
-        try:
+        with closing(source_harness.open()) as source:
             rows = self._fetch_all(source)
             events = source.to_events(rows, poller=_POLLER, batch_id="b1")
             assert len(events) == len(ORDERED)
@@ -320,15 +290,12 @@ class SourceContract:
                 assert event.source == source.name
                 assert event.metadata["poller"] == _POLLER
                 assert event.metadata["batch_id"] == "b1"
-        finally:
-            source.close()
 
     def test_paging_by_checkpoint_delivers_every_row_once_in_order(
         self, source_harness: SourceHarness
     ) -> None:
         source_harness.put(ROWS)
-        source = source_harness.open()
-        try:
+        with closing(source_harness.open()) as source:
             for limit in (1, 2, 3, 5):
                 seen: list[tuple[Any, ...]] = []
                 checkpoint = BEGINNING
@@ -341,8 +308,6 @@ class SourceContract:
                     seen.extend(tuple(e.pk[c] for c in PK_COLUMNS) for e in events)
                     checkpoint = through_json(position_of(events[-1]))
                 assert seen == expected(ORDERED), f"limit={limit}"
-        finally:
-            source.close()
 
     def test_event_ids_name_the_row_state(self, source_harness: SourceHarness) -> None:
         source_harness.put(ROWS)
@@ -364,8 +329,7 @@ class SourceContract:
 
     def test_an_updated_row_moves_to_its_new_position(self, source_harness: SourceHarness) -> None:
         source_harness.put(ROWS)
-        source = source_harness.open()
-        try:
+        with closing(source_harness.open()) as source:
             checkpoint = self._position(source_harness, ORDERED[-1])
             source_harness.put([ContractRow(50, "a", 1, "updated")])
             rows = self._fetch_all(source, checkpoint)
@@ -374,35 +338,27 @@ class SourceContract:
             everything = keys(self._fetch_all(source))
             assert everything.count(("a", 1)) == 1
             assert everything[-1] == ("a", 1)
-        finally:
-            source.close()
 
     def test_rows_put_after_a_fetch_are_found_after_the_checkpoint(
         self, source_harness: SourceHarness
     ) -> None:
         source_harness.put(ORDERED[:3])
-        source = source_harness.open()
-        try:
+        with closing(source_harness.open()) as source:
             events = source.to_events(self._fetch_all(source), poller=_POLLER, batch_id="b1")
             assert [tuple(e.pk[c] for c in PK_COLUMNS) for e in events] == expected(ORDERED[:3])
             checkpoint = through_json(position_of(events[-1]))
             source_harness.put(ORDERED[3:])
             assert keys(self._fetch_all(source, checkpoint)) == expected(ORDERED[3:])
-        finally:
-            source.close()
 
     def test_a_row_without_its_key_is_a_serialization_error(
         self, source_harness: SourceHarness
     ) -> None:
         source_harness.put(ROWS[:1])
-        source = source_harness.open()
-        try:
+        with closing(source_harness.open()) as source:
             (row,) = source.fetch(BEGINNING, 1)
             broken = {k: v for k, v in row.items() if k != "id"}
             with pytest.raises(SerializationError):
                 source.to_events([broken], poller=_POLLER, batch_id="b1")
-        finally:
-            source.close()
 
 
 __all__ = ["ORDERED", "PK_COLUMNS", "ROWS", "ContractRow", "SourceContract", "SourceHarness"]

@@ -15,12 +15,11 @@ thread-safe fails them.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from dbtrigger.errors import CasConflictError
 from dbtrigger.state.stores.base import CheckpointStore, StoredDocument
+from dbtrigger.testing.contracts._threads import run_together
 
 
 class StoreContract:
@@ -98,32 +97,31 @@ class StoreContract:
         assert isinstance(store.describe(), str)
         assert store.describe()
 
+    @staticmethod
+    def _race(
+        store: CheckpointStore, key: str, writers: int, label: str, *, if_match: str | None
+    ) -> tuple[list[int], list[int]]:
+        """``writers`` threads write ``key`` at once (``{label}-{i}``) with the same
+        ``if_match``: which of them won, and which lost the CAS."""
+        wins: list[int] = []
+        conflicts: list[int] = []
+
+        def attempt(i: int) -> None:
+            try:
+                store.write(key, f"{label}-{i}".encode(), if_match=if_match)
+                wins.append(i)
+            except CasConflictError:
+                conflicts.append(i)
+
+        assert run_together(writers, attempt) == []
+        return wins, conflicts
+
     @pytest.mark.parametrize("writers", [8])
     def test_racing_writers_on_one_etag_exactly_one_wins(
         self, store: CheckpointStore, writers: int
     ) -> None:
         etag = store.write("race", b"start", if_match=None)
-        barrier = threading.Barrier(writers)
-        wins: list[int] = []
-        conflicts: list[int] = []
-        errors: list[BaseException] = []
-
-        def attempt(i: int) -> None:
-            barrier.wait()
-            try:
-                store.write("race", f"writer-{i}".encode(), if_match=etag)
-                wins.append(i)
-            except CasConflictError:
-                conflicts.append(i)
-            except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=attempt, args=(i,)) for i in range(writers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert errors == []
+        wins, conflicts = self._race(store, "race", writers, "writer", if_match=etag)
         assert len(wins) == 1, (wins, conflicts)
         assert len(conflicts) == writers - 1
         got = store.read("race")
@@ -131,21 +129,5 @@ class StoreContract:
         assert got.data == f"writer-{wins[0]}".encode()
 
     def test_racing_creators_exactly_one_wins(self, store: CheckpointStore) -> None:
-        writers = 6
-        barrier = threading.Barrier(writers)
-        wins: list[int] = []
-
-        def attempt(i: int) -> None:
-            barrier.wait()
-            try:
-                store.write("fresh", f"creator-{i}".encode(), if_match=None)
-                wins.append(i)
-            except CasConflictError:
-                pass
-
-        threads = [threading.Thread(target=attempt, args=(i,)) for i in range(writers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        wins, _ = self._race(store, "fresh", 6, "creator", if_match=None)
         assert len(wins) == 1

@@ -32,7 +32,7 @@ import contextlib
 import functools
 import hashlib
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -49,7 +49,7 @@ from dbtrigger.errors import (
     SourcePermissionError,
 )
 from dbtrigger.names import shortened
-from dbtrigger.sources.errors_map import source_error
+from dbtrigger.sources.errors_map import driver_mapped
 
 #: MySQL/MariaDB error codes the setup translates itself.
 ACCESS_DENIED = (1044, 1045, 1142, 1143, 1227, 1370)
@@ -59,17 +59,14 @@ SERVER_ID_CEILING = (1 << 32) - 1
 _NAME = re.compile(r"^[A-Za-z0-9_$]{1,64}$")
 
 
-@contextlib.contextmanager
-def translated(what: str) -> Iterator[None]:
+def translated(what: str) -> contextlib.AbstractContextManager[None]:
     """Map PyMySQL errors raised inside onto dbtrigger errors (cause chained)."""
-    try:
-        yield
-    except DbTriggerError:
-        raise
-    except pymysql.MySQLError as exc:
-        raise source_error(exc, what) from exc
-    except OSError as exc:
-        raise FetchError(f"{what} failed: {exc}") from exc
+    return driver_mapped(what, (pymysql.MySQLError, OSError), _socket_error)
+
+
+def _socket_error(exc: BaseException, what: str) -> DbTriggerError | None:
+    """A socket that failed outside PyMySQL's own errors: a retry."""
+    return FetchError(f"{what} failed: {exc}") if isinstance(exc, OSError) else None
 
 
 def connect_kwargs(url: URL) -> dict[str, Any]:

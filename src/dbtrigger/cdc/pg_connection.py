@@ -15,7 +15,6 @@ timeout is the caller's to name).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -23,7 +22,7 @@ from psycopg import errors as pg_errors
 from sqlalchemy.engine import URL
 
 from dbtrigger.errors import ConfigurationError, DbTriggerError, FetchError, SlotLostError
-from dbtrigger.sources.errors_map import source_error
+from dbtrigger.sources.errors_map import driver_mapped
 
 #: Session settings every connection runs with: they decide pgoutput's text output.
 SESSION_OPTIONS = "-c TimeZone=UTC -c DateStyle=ISO -c bytea_output=hex -c extra_float_digits=3"
@@ -87,32 +86,30 @@ def connect(url: URL, **extra: Any) -> psycopg.Connection[Any]:
         return psycopg.connect(autocommit=True, **connect_kwargs(url), **extra)
 
 
-@contextlib.contextmanager
-def translated(what: str) -> Iterator[None]:
+def translated(what: str) -> contextlib.AbstractContextManager[None]:
     """Map psycopg errors raised inside onto dbtrigger errors (cause chained)."""
-    try:
-        yield
-    except DbTriggerError:
-        raise
-    except pg_errors.ObjectInUse as exc:
-        raise FetchError(
+    return driver_mapped(what, psycopg.Error, _slot_error)
+
+
+def _slot_error(exc: BaseException, what: str) -> DbTriggerError | None:
+    """What is special to slots; None: the general rules apply."""
+    if isinstance(exc, pg_errors.ObjectInUse):
+        return FetchError(
             f"{what} failed: the replication slot is in use by another session (another "
             "worker of this poller, or a `dbtrigger cdc status` run); the next tick retries",
             sqlstate=exc.sqlstate,
-        ) from exc
-    except pg_errors.ObjectNotInPrerequisiteState as exc:
+        )
+    if isinstance(exc, pg_errors.ObjectNotInPrerequisiteState):
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         if "can no longer get changes" in text or "invalidated" in text:
-            raise SlotLostError(
+            return SlotLostError(
                 f"{what} failed: {text}: the slot was invalidated (the server removed WAL it "
                 "still needed, max_slot_wal_keep_size), so the changes since the checkpoint are "
                 "gone. Recreate it and read the tables again: dbtrigger cdc recreate "
                 "MODULE:TRIGGER --snapshot --yes",
                 sqlstate=exc.sqlstate,
-            ) from exc
-        raise source_error(exc, what) from exc
-    except psycopg.Error as exc:
-        raise source_error(exc, what) from exc
+            )
+    return None
 
 
 def sqlstate(exc: BaseException) -> str | None:

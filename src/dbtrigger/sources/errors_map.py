@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from sqlalchemy import exc as sa_exc
@@ -243,8 +243,31 @@ def mapped(what: str, *, diagnose: bool = False) -> Iterator[None]:
         raise error from exc
 
 
+@contextlib.contextmanager
+def driver_mapped(
+    what: str,
+    errors: type[BaseException] | tuple[type[BaseException], ...],
+    special: Callable[[BaseException, str], DbTriggerError | None] | None = None,
+) -> Iterator[None]:
+    """:func:`mapped` for an edge that calls a driver directly (no SQLAlchemy around it).
+
+    ``errors`` (the driver's) raised while ``what`` become :func:`source_error`'s
+    dbtrigger error, cause chained, unless ``special`` names a better one for
+    what only this edge knows (it returns None for the rest). dbtrigger's own
+    errors pass through unchanged.
+    """
+    try:
+        yield
+    except DbTriggerError:
+        raise
+    except errors as exc:
+        error = special(exc, what) if special is not None else None
+        raise (error if error is not None else source_error(exc, what)) from exc
+
+
 __all__ = [
     "classify",
+    "driver_mapped",
     "encoding_problem",
     "mapped",
     "permanent_problem",

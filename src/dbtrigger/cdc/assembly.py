@@ -27,6 +27,7 @@ from dbtrigger.cdc.buffer import Transaction
 from dbtrigger.cdc.position import LogPosition
 
 T = TypeVar("T")
+I = TypeVar("I")  # noqa: E741 - a watched table's catalog description
 
 
 @dataclass
@@ -69,10 +70,25 @@ class SchemaGuard(Generic[T]):
         return None
 
 
-class Assembly:
-    """The transaction one read is assembling, and the room the read has left."""
+class Assembly(Generic[I, T]):
+    """The transaction one read is assembling, and the room the read has left.
 
-    def __init__(self) -> None:
+    ``watched`` describes the watched tables (by qualified name), ``guard`` holds
+    their accepted columns; ``on_truncate(table, where)`` hears of a ``TRUNCATE``.
+    """
+
+    def __init__(
+        self,
+        watched: Mapping[str, I],
+        guard: SchemaGuard[T],
+        on_truncate: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self.watched = watched
+        self.guard = guard
+        self.on_truncate = on_truncate
+        #: The log's id of a table (relation OID, table map id) -> the type change its
+        #: latest description in the log showed.
+        self._problems: dict[int, str] = {}
         #: The open transaction (also while it is being skipped: see :attr:`delivering`).
         self.current: Transaction[Any] | None = None
         self._skip = False
@@ -80,6 +96,13 @@ class Assembly:
         self.room = 0
         self.full = False
         self.schema_break: SchemaBreak | None = None
+
+    def note_problem(self, table_id: int, problem: str | None) -> None:
+        """What the log's latest description of table ``table_id`` showed (None: it fits)."""
+        if problem is None:
+            self._problems.pop(table_id, None)
+        else:
+            self._problems[table_id] = problem
 
     def restart(self, room: int) -> None:
         """A new read that may keep ``room`` changes."""

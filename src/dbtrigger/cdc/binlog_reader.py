@@ -168,7 +168,7 @@ def decode_value(value: Any) -> Any:
 _TRUNCATE = re.compile(r"^\s*truncate\s+(?:table\s+)?[`\"]?(\w+)[`\"]?(?:\.[`\"]?(\w+))?", re.I)
 
 
-class Assembler(Assembly):
+class Assembler(Assembly[TableInfo, str]):
     """Turns the events of one read into committed transactions of watched changes."""
 
     def __init__(
@@ -181,15 +181,11 @@ class Assembler(Assembly):
         names_from_log: bool,
         on_truncate: Callable[[str, str], None] | None = None,
     ) -> None:
-        super().__init__()
-        self.watched = watched
-        self.guard = guard
+        super().__init__(watched, guard, on_truncate)
         self.chunks_table = chunks_table
         self.reader = reader
         self.names_from_log = names_from_log
-        self.on_truncate = on_truncate
         self.shapes: dict[int, RowShape | None] = {}
-        self._problems: dict[int, str] = {}
         self._signatures: dict[int, list[tuple[str, str]]] = {}
         self._checked: set[int] = set()
         self._explicit = False
@@ -249,10 +245,7 @@ class Assembler(Assembly):
             for n, c in zip(names, columns, strict=True)
         ]
         self._checked.discard(event.table_id)
-        if problem is None:
-            self._problems.pop(event.table_id, None)
-        else:
-            self._problems[event.table_id] = problem
+        self.note_problem(event.table_id, problem)
 
     def _problem(self, table_id: int, table: str) -> str | None:
         """The type change this table map shows, checked when its first row is kept (a

@@ -103,7 +103,7 @@ class RelationInfo:
         return {name: image[name] for name, _ in self.key_index if name in image}
 
 
-class Decoder(Assembly):
+class Decoder(Assembly[TableInfo, int]):
     """Turns the messages of one read into committed transactions of watched changes."""
 
     def __init__(
@@ -114,14 +114,9 @@ class Decoder(Assembly):
         slot: str,
         on_truncate: Callable[[str, str], None] | None = None,
     ) -> None:
-        super().__init__()
-        self.watched = watched
-        self.guard = guard
+        super().__init__(watched, guard, on_truncate)
         self.snapshot_prefix = SNAPSHOT_PREFIX + slot
-        self.on_truncate = on_truncate
         self.relations: dict[int, RelationInfo] = {}
-        #: relation OID -> the type change its last Relation message showed
-        self._problems: dict[int, str] = {}
         self.last_end: int | None = None
 
     def start(self, room: int) -> None:
@@ -180,11 +175,8 @@ class Decoder(Assembly):
             info.key_columns,
         )
         self.relations[message.oid] = relation
-        problem = self.guard.check(table, zip(relation.names, relation.type_oids, strict=True))
-        if problem is None:
-            self._problems.pop(message.oid, None)
-        else:
-            self._problems[message.oid] = problem
+        columns = zip(relation.names, relation.type_oids, strict=True)
+        self.note_problem(message.oid, self.guard.check(table, columns))
 
     def _message(self, message: po.Message) -> None:
         if message.prefix != self.snapshot_prefix or not message.transactional:

@@ -408,3 +408,27 @@ def test_marks_survive_a_partial_batch_error_and_stay_unsettled(
     trigger.tick(handler)
     assert calls == [[1, 2, 3, 4], [1, 3]]  # 2 and 4 were processed and are skipped
     assert checkpoint_id(store) == 4
+
+
+def test_a_failed_call_takes_its_marks_with_it(sqlite_db: TestDatabase, tmp_path: Path) -> None:
+    """The whole batch's call rejects 1, then fails on the poison row 3: that
+    reject is taken back with the failed call, so bisection sets aside 3 alone
+    and 1 is delivered (its own part's call made no mark)."""
+    table = items_table(sqlite_db)
+    add_items(sqlite_db, table, [1, 2, 3, 4])
+    store = FileCheckpointStore(tmp_path / "state")
+    trigger, sink = trigger_for(sqlite_db, store, Clock(), tmp_path, max_attempts=1)
+    calls: list[list[int]] = []
+
+    def handler(events: list[RowChange], ctx: BatchContext) -> None:
+        pks = [int(e.pk["id"]) for e in events]
+        calls.append(pks)
+        if len(calls) == 1:
+            ctx.reject(events[0], "rejected by a call that failed")
+        if 3 in pks:
+            raise RuntimeError("poison 3")
+
+    assert trigger.tick(handler) == 4
+    assert calls == [[1, 2, 3, 4], [1, 2], [3, 4], [3], [4]]
+    assert dead_letters(sink) == [(3, "RuntimeError: poison 3", 1)]
+    assert checkpoint_id(store) == 4

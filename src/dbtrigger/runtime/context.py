@@ -13,12 +13,13 @@ from __future__ import annotations
 import datetime as dt
 import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from dbtrigger.cursor import Position
-from dbtrigger.errors import ConfigurationError
+from dbtrigger.errors import ConfigurationError, PartialBatchError
 from dbtrigger.events import RowChange
 
 
@@ -185,9 +186,20 @@ class EventMarks:
         with self._lock:
             return dict(self.rejected), dict(self.retried)
 
-    def rollback(self, snapshot: tuple[dict[str, str], dict[str, str]]) -> None:
-        with self._lock:
-            self.rejected, self.retried = dict(snapshot[0]), dict(snapshot[1])
+    @contextmanager
+    def undone_on_failure(self) -> Iterator[None]:
+        """Around one handler call: a call that fails takes the marks it made with
+        it; one that returns, or partly succeeds (``PartialBatchError``: its marked
+        rows stay unsettled), leaves them standing."""
+        rejected, retried = self.snapshot()
+        try:
+            yield
+        except PartialBatchError:
+            raise
+        except BaseException:
+            with self._lock:
+                self.rejected, self.retried = rejected, retried
+            raise
 
     def close(self) -> None:
         with self._lock:

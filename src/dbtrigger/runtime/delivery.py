@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime as dt
 import time
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from typing import Any
 
 from dbtrigger.errors import (
@@ -268,24 +269,8 @@ class Delivery:
         wants_ctx: bool,
         meanwhile: Callable[[], None] | None = None,
     ) -> None:
-        marks = ctx.marks.snapshot() if ctx.marks is not None else None
-        try:
-            self._call(handler, events, ctx, wants_ctx, meanwhile)
-        except PartialBatchError:
-            raise  # the call partly succeeded: its marks stand (marked rows stay unsettled)
-        except BaseException:
-            if ctx.marks is not None and marks is not None:
-                ctx.marks.rollback(marks)  # a failed call takes its marks with it
-            raise
-
-    def _call(
-        self,
-        handler: Handler,
-        events: list[RowChange],
-        ctx: BatchContext,
-        wants_ctx: bool,
-        meanwhile: Callable[[], None] | None = None,
-    ) -> None:
+        """One handler call on ``events`` (over the lanes, if any), reported; a
+        failed call takes the ``ctx.reject`` / ``ctx.retry`` marks it made with it."""
         emit = self.telemetry.emit
         fields = batch_fields(ctx, len(events))
         emit("batch_start", "batch of %d rows", len(events), **fields)
@@ -294,26 +279,27 @@ class Delivery:
         def one(part: list[RowChange]) -> None:
             kernel.call(handler, part, ctx, wants_ctx, cancelled_error)
 
-        try:
-            if self.lanes is None:
-                one(events)
-            else:
-                self.lanes.run(events, one, meanwhile)
-        except LostLeaseError:
-            emit("lease_lost", "lease lost during the handler", **fields)
-            raise
-        except Exception as exc:
-            emit("handler_returned", values={"seconds": time.perf_counter() - started})
-            if not ctx.lease_lost.is_set():
+        with ctx.marks.undone_on_failure() if ctx.marks is not None else nullcontext():
+            try:
+                if self.lanes is None:
+                    one(events)
+                else:
+                    self.lanes.run(events, one, meanwhile)
+            except LostLeaseError:
+                emit("lease_lost", "lease lost during the handler", **fields)
                 raise
-            # The handler gave up because it saw ctx.cancelled: that is the lost
-            # lease, not a failure of the batch (no attempt is counted).
-            raise self._lost_during_handler(
-                ctx, fields, f"it stopped with {type(exc).__name__}; nothing committed"
-            ) from exc
-        emit("handler_returned", values={"seconds": time.perf_counter() - started})
-        if ctx.lease_lost.is_set():
-            raise self._lost_during_handler(ctx, fields, "results discarded")
+            except Exception as exc:
+                emit("handler_returned", values={"seconds": time.perf_counter() - started})
+                if not ctx.lease_lost.is_set():
+                    raise
+                # The handler gave up because it saw ctx.cancelled: that is the lost
+                # lease, not a failure of the batch (no attempt is counted).
+                raise self._lost_during_handler(
+                    ctx, fields, f"it stopped with {type(exc).__name__}; nothing committed"
+                ) from exc
+            emit("handler_returned", values={"seconds": time.perf_counter() - started})
+            if ctx.lease_lost.is_set():
+                raise self._lost_during_handler(ctx, fields, "results discarded")
 
     def _apply_marks(
         self, ctx: BatchContext, events: list[RowChange], outcome: Delivered, marks: EventMarks

@@ -33,6 +33,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
 from types import TracebackType
+from typing import Any
 
 from dbtrigger.errors import DbTriggerError, LostLeaseError
 from dbtrigger.runtime.kernel import KeepAlive
@@ -115,14 +116,14 @@ class Heartbeat:
             fencing_token=self.session.token,
         )
         self.session.lost = True
+        self._stop("heartbeat_expired", "%s", exc, reason="expired_without_renewal")
+
+    def _stop(self, event: str, text: str, exc: LostLeaseError, **fields: Any) -> None:
+        """The lease is gone for this batch: flag it (the handler is cancelled,
+        nothing commits) and report ``event`` with the error."""
         self.lost.set()
         self.telemetry.emit(
-            "heartbeat_expired",
-            "%s",
-            exc,
-            fencing_token=self.session.token,
-            during="heartbeat",
-            reason="expired_without_renewal",
+            event, text, exc, fencing_token=self.session.token, during="heartbeat", **fields
         )
 
     def beat(self) -> float | None:
@@ -135,13 +136,8 @@ class Heartbeat:
         try:
             renewed = self._renew()
         except LostLeaseError as exc:
-            self.lost.set()
-            self.telemetry.emit(
-                "heartbeat_rejected",
-                "heartbeat rejected, the lease was taken over: %s",
-                exc,
-                fencing_token=self.session.token,
-                during="heartbeat",
+            self._stop(
+                "heartbeat_rejected", "heartbeat rejected, the lease was taken over: %s", exc
             )
             return None
         except DbTriggerError as exc:

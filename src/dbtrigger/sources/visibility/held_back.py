@@ -14,9 +14,15 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
-from dbtrigger.sources.visibility.base import FetchInfo, GuardTarget
+from dbtrigger.sources.visibility.base import (
+    FetchInfo,
+    GuardTarget,
+    VisibilityGuard,
+    _check_seconds,
+)
 
 # The package's logger name, which docs and log configurations refer to.
 log = logging.getLogger("dbtrigger.sources.visibility")
@@ -24,6 +30,24 @@ log = logging.getLogger("dbtrigger.sources.visibility")
 #: Held back longer than this, a horizon guard logs a WARNING naming the
 #: blocking backend (and repeats it at this interval while it lasts).
 DEFAULT_WARN_AFTER_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class HorizonGuard(VisibilityGuard):
+    """Base of the horizon guards: each warns about the transaction holding rows
+    back once that has lasted ``warn_after_seconds``, and makes the one promise
+    its :attr:`promise` states (whatever the dialect: one it cannot keep there is
+    refused by ``activate``)."""
+
+    warn_after_seconds: float = DEFAULT_WARN_AFTER_SECONDS
+    promise: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        _check_seconds("warn_after_seconds", self.warn_after_seconds)
+
+    def guarantee(self, dialect: str) -> str:
+        del dialect
+        return self.promise
 
 
 class HeldBackWarner:
@@ -98,4 +122,4 @@ def greater(a: Any, b: Any) -> bool:
         return True
 
 
-__all__ = ["DEFAULT_WARN_AFTER_SECONDS", "HeldBackWarner", "greater"]
+__all__ = ["DEFAULT_WARN_AFTER_SECONDS", "HeldBackWarner", "HorizonGuard", "greater"]

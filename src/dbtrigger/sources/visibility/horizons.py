@@ -30,14 +30,9 @@ from dbtrigger.sources.visibility.base import (
     FetchInfo,
     GuardTarget,
     Rows,
-    VisibilityGuard,
     _check_seconds,
 )
-from dbtrigger.sources.visibility.held_back import (
-    DEFAULT_WARN_AFTER_SECONDS,
-    HeldBackWarner,
-    greater,
-)
+from dbtrigger.sources.visibility.held_back import HeldBackWarner, HorizonGuard, greater
 
 #: Backend types that never write user rows; their transactions do not hold the
 #: :class:`TransactionHorizon` back.
@@ -58,7 +53,7 @@ _MAX_PENDING_PROBES = 128
 
 
 @dataclass(frozen=True)
-class SnapshotHorizon(VisibilityGuard):
+class SnapshotHorizon(HorizonGuard):
     """PostgreSQL, exact: the cursor is the writing transaction's id.
 
     The cursor column must hold ``pg_current_xact_id()`` of the transaction that
@@ -76,20 +71,13 @@ class SnapshotHorizon(VisibilityGuard):
             ``BIGSERIAL`` column is not mistaken for transaction ids.
     """
 
-    warn_after_seconds: float = DEFAULT_WARN_AFTER_SECONDS
     require_marker: bool = True
     mode = "snapshot-horizon"
-
-    def __post_init__(self) -> None:
-        _check_seconds("warn_after_seconds", self.warn_after_seconds)
-
-    def guarantee(self, dialect: str) -> str:
-        del dialect
-        return (
-            "exact: only rows of transactions that ended before every still-running "
-            "transaction began (pg_snapshot_xmin, same statement); long transactions hold "
-            "the poller back"
-        )
+    promise = (
+        "exact: only rows of transactions that ended before every still-running "
+        "transaction began (pg_snapshot_xmin, same statement); long transactions hold "
+        "the poller back"
+    )
 
     def activate(self, target: GuardTarget) -> ActiveGuard:
         if target.dialect != "postgresql":
@@ -109,7 +97,7 @@ class SnapshotHorizon(VisibilityGuard):
 
 
 @dataclass(frozen=True)
-class TransactionHorizon(VisibilityGuard):
+class TransactionHorizon(HorizonGuard):
     """PostgreSQL, exact for cursor values assigned by the database inside the writer.
 
     Each fetch (1) probes the highest visible cursor value ``M`` and the clock
@@ -139,22 +127,18 @@ class TransactionHorizon(VisibilityGuard):
             an older open transaction is a long one, and is not waited for.
     """
 
-    warn_after_seconds: float = DEFAULT_WARN_AFTER_SECONDS
     settle_seconds: float = 0.5
     mode = "transaction-horizon"
+    promise = (
+        "exact for cursor values the database assigns inside the writing transaction "
+        "(now(), clock_timestamp(), uncached sequences): a value is consumed only after "
+        "every transaction open when it was observed has ended; needs pg_read_all_stats; "
+        "long transactions hold the poller back"
+    )
 
     def __post_init__(self) -> None:
-        _check_seconds("warn_after_seconds", self.warn_after_seconds)
+        super().__post_init__()
         _check_seconds("settle_seconds", self.settle_seconds)
-
-    def guarantee(self, dialect: str) -> str:
-        del dialect
-        return (
-            "exact for cursor values the database assigns inside the writing transaction "
-            "(now(), clock_timestamp(), uncached sequences): a value is consumed only after "
-            "every transaction open when it was observed has ended; needs pg_read_all_stats; "
-            "long transactions hold the poller back"
-        )
 
     def activate(self, target: GuardTarget) -> ActiveGuard:
         if target.dialect in ("mysql", "mariadb"):

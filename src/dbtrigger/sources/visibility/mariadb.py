@@ -62,14 +62,9 @@ from dbtrigger.sources.visibility.base import (
     FetchInfo,
     GuardTarget,
     Rows,
-    VisibilityGuard,
     _check_seconds,
 )
-from dbtrigger.sources.visibility.held_back import (
-    DEFAULT_WARN_AFTER_SECONDS,
-    HeldBackWarner,
-    greater,
-)
+from dbtrigger.sources.visibility.held_back import HeldBackWarner, HorizonGuard, greater
 
 MYSQL_DIALECTS = frozenset({"mysql", "mariadb"})
 
@@ -147,7 +142,7 @@ def can_read_transactions(conn: Connection) -> bool:
 
 
 @dataclass(frozen=True)
-class MariaDbHorizon(VisibilityGuard):
+class MariaDbHorizon(HorizonGuard):
     """MariaDB/MySQL, exact for cursor values the server assigns when a statement runs.
 
     Reads open transactions from ``information_schema.INNODB_TRX`` and running
@@ -179,25 +174,21 @@ class MariaDbHorizon(VisibilityGuard):
             settling for no rows on this fetch.
     """
 
-    warn_after_seconds: float = DEFAULT_WARN_AFTER_SECONDS
     precision: int = 0
     utc: bool = False
     settle_seconds: float = 2.0
     mode = "transaction-horizon"
+    promise = (
+        "exact for cursor values the server assigns when the writing statement runs "
+        "(CURRENT_TIMESTAMP/NOW(), AUTO_INCREMENT): a value is consumed only once no open "
+        "transaction or running statement can still commit one below it (innodb_trx, "
+        "PROCESS privilege); long write transactions hold the poller back"
+    )
 
     def __post_init__(self) -> None:
-        _check_seconds("warn_after_seconds", self.warn_after_seconds)
+        super().__post_init__()
         _check_seconds("settle_seconds", self.settle_seconds)
         opt.whole("precision", self.precision, minimum=0, maximum=6)  # fractional digits
-
-    def guarantee(self, dialect: str) -> str:
-        del dialect
-        return (
-            "exact for cursor values the server assigns when the writing statement runs "
-            "(CURRENT_TIMESTAMP/NOW(), AUTO_INCREMENT): a value is consumed only once no open "
-            "transaction or running statement can still commit one below it (innodb_trx, "
-            "PROCESS privilege); long write transactions hold the poller back"
-        )
 
     def strength(self, dialect: str) -> str:
         del dialect

@@ -52,24 +52,25 @@ def fell_back_for_process(guard: VisibilityGuard | None) -> bool:
     return isinstance(guard, (SafetyWindow, NoGuard)) and str(reason or "").startswith(NO_PROCESS)
 
 
-def mysql_account(conn: Connection) -> str:
-    """``'user'@'host'`` of the connection's account, as GRANT wants it."""
+def _current_user(conn: Connection, sql: str) -> str:
+    """What ``sql`` says the connection's user is ("": it could not say, the
+    failed statement rolled back)."""
     try:
-        account = str(conn.execute(sa.text("SELECT CURRENT_USER()")).scalar() or "")
+        return str(conn.execute(sa.text(sql)).scalar() or "")
     except DBAPIError:
         conn.rollback()
-        return "<polling account>"
-    user, _, host = account.rpartition("@")
+        return ""
+
+
+def mysql_account(conn: Connection) -> str:
+    """``'user'@'host'`` of the connection's account, as GRANT wants it."""
+    user, _, host = _current_user(conn, "SELECT CURRENT_USER()").rpartition("@")
     return f"'{user}'@'{host}'" if user else "<polling account>"
 
 
 def pg_role(conn: Connection) -> str:
     """The connection's role, quoted as an identifier for GRANT."""
-    try:
-        role = str(conn.execute(sa.text("SELECT current_user")).scalar() or "")
-    except DBAPIError:
-        conn.rollback()
-        return "<polling role>"
+    role = _current_user(conn, "SELECT current_user")
     return conn.dialect.identifier_preparer.quote(role) if role else "<polling role>"
 
 

@@ -1,4 +1,5 @@
-"""The database-neutral parts of log capture: positions, the change shape, the read-ahead buffer."""
+"""The database-neutral parts of log capture: positions, the change shape, the read-ahead
+buffer, snapshot requests."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import pytest
 
 from dbtrigger.cdc.buffer import Transaction, TransactionBuffer
 from dbtrigger.cdc.changes import UNCHANGED, Change, Unchanged, to_events, transactions
+from dbtrigger.cdc.pg_control import ControlRow
 from dbtrigger.cdc.position import LogPosition
+from dbtrigger.cdc.snapshots import Snapshot, add_request, watched
 from dbtrigger.cursor import BEGINNING, Position
-from dbtrigger.errors import CorruptStateError, SerializationError
+from dbtrigger.errors import ConfigurationError, CorruptStateError, SerializationError
 from dbtrigger.sources.base import position_of
 from dbtrigger.state.document import position_from_json, position_to_json
 
@@ -234,3 +237,28 @@ def test_trim_forgets_what_the_checkpoint_passed() -> None:
     assert buffer.changes == 1
     assert positions(buffer.take(LogPosition("0030", 1), 10)) == [("0030", 2)]
     assert buffer.last == LogPosition("0030", 2)
+
+
+# --- snapshot requests ---------------------------------------------------------------------
+
+
+def test_a_snapshot_request_names_a_watched_table_of_an_installed_source() -> None:
+    tables = ["public.orders", "public.items"]
+    assert watched("public.items", tables) == "public.items"
+    with pytest.raises(ConfigurationError, match=r"^public.x is not one of this source's tables "
+                       r"\(public.orders, public.items\)$"):  # fmt: skip
+        watched("public.x", tables)
+    with pytest.raises(
+        ConfigurationError,
+        match=r"^slot s1 is not installed yet: run the poller or dbtrigger cdc install$",
+    ):
+        add_request(None, "public.orders", None, reader="slot s1")
+
+    done = Snapshot("public.items", done=True)
+    given = ControlRow("s1", "p", tables, None, snapshots=[done])
+    row, request = add_request(given, "public.orders", "id < 10", reader="slot s1")
+    assert row is given
+    assert row.snapshots[0] is done
+    assert row.snapshots[-1] is request
+    assert (request.table, request.where, request.done) == ("public.orders", "id < 10", False)
+    assert request.requested_at is not None

@@ -20,7 +20,7 @@ from dbtrigger.cdc.admin import Plan, SourceAdmin
 from dbtrigger.cdc.binlog_context import BinlogSourceParts
 from dbtrigger.cdc.binlog_health import behind_bytes
 from dbtrigger.cdc.binlog_setup import current_position
-from dbtrigger.cdc.snapshots import Snapshot, carry_over
+from dbtrigger.cdc.snapshots import add_request, carry_over, watched
 from dbtrigger.errors import ConfigurationError
 
 
@@ -43,9 +43,7 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
                 files = []
             if not control.exists(conn, source.control_database):
                 out.statements.extend(control.create_sql(source.control_database))
-            if control.exists(conn, source.control_database) and control.read(
-                conn, source.control_database, source.reader
-            ):
+            if control.read_installed(conn, source.control_database, source.reader):
                 out.notes.append(f"reader {source.reader} is installed already")
             else:
                 where = current_position(conn, files) if facts.log_bin else ("?", 0)
@@ -106,11 +104,7 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
             facts = setup.server_facts(conn)
             problems = setup.setting_problems(facts)
             files = setup.binary_logs(conn)
-            row = (
-                control.read(conn, source.control_database, source.reader)
-                if control.exists(conn, source.control_database)
-                else None
-            )
+            row = control.read_installed(conn, source.control_database, source.reader)
             infos = setup.table_infos(conn, source.tables)
         finally:
             conn.close()
@@ -224,7 +218,7 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
             source.infos = setup.table_infos(conn, source.tables)
             previous = control.read(conn, source.control_database, source.reader)
             row = source.new_control_row(current_position(conn, files), snapshots=False)
-            carry_over(previous, row, [t.qualified for t in source.tables], snapshot=snapshot)
+            carry_over(previous, row, source.table_names(), snapshot=snapshot)
             control.write(conn, source.control_database, row)
         finally:
             conn.close()
@@ -237,21 +231,16 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
         """Queue a re-read of ``table`` (rows matching ``where``), delivered among the changes."""
         source = self.source
         name = setup.TableName.parse(table, source.url.database).qualified
-        if name not in {t.qualified for t in source.tables}:
-            known = ", ".join(t.qualified for t in source.tables)
-            raise ConfigurationError(f"{name} is not one of this source's tables ({known})")
+        watched(name, source.table_names())
         conn = setup.connect(source.url, database=False)
         try:
             conn.begin()
-            row = control.read(conn, source.control_database, source.reader, lock=True)
-            if row is None:
-                conn.rollback()
-                raise ConfigurationError(
-                    f"reader {source.reader} is not installed yet: run the poller or dbtrigger cdc "
-                    "install"
-                )
-            request = Snapshot.request(name, where)
-            row.snapshots.append(request)
+            row, request = add_request(  # no row: refused, and closing rolls back
+                control.read(conn, source.control_database, source.reader, lock=True),
+                name,
+                where,
+                reader=f"reader {source.reader}",
+            )
             control.update(conn, source.control_database, source.reader, snapshots=row.snapshots)
             conn.commit()
         finally:
@@ -264,9 +253,7 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
         source = self.source
         conn = setup.connect(source.url, database=False)
         try:
-            if not control.exists(conn, source.control_database):
-                return []
-            row = control.read(conn, source.control_database, source.reader)
+            row = control.read_installed(conn, source.control_database, source.reader)
         finally:
             conn.close()
         return [row.schema_break] if row is not None and row.schema_break else []

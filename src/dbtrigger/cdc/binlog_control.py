@@ -138,6 +138,13 @@ def read(
     )
 
 
+def read_installed(
+    conn: pymysql.connections.Connection[Any], database: str, reader: str
+) -> ControlRow | None:
+    """The reader's row; None also while the control tables do not exist."""
+    return read(conn, database, reader) if exists(conn, database) else None
+
+
 def write(conn: pymysql.connections.Connection[Any], database: str, row: ControlRow) -> None:
     """Insert or replace the reader's row."""
     statement = (
@@ -214,6 +221,7 @@ __all__ = [
     "ensure",
     "exists",
     "read",
+    "read_installed",
     "update",
     "write",
 ]

@@ -25,7 +25,7 @@ from dbtrigger.cdc.admin import Plan, SourceAdmin
 from dbtrigger.cdc.pg_connection import connect, translated
 from dbtrigger.cdc.pg_context import PgSourceParts
 from dbtrigger.cdc.pgoutput import lsn_text
-from dbtrigger.cdc.snapshots import Snapshot, carry_over
+from dbtrigger.cdc.snapshots import add_request, carry_over, watched
 from dbtrigger.errors import ConfigurationError
 
 #: Retained WAL above which ``status`` and ``dbtrigger check`` warn (bytes).
@@ -155,11 +155,7 @@ class PgAdmin(SourceAdmin[PgSourceParts]):
             facts = setup.server_facts(conn)
             state = setup.slot_state(conn, source.slot)
             published = setup.publication_tables(conn, source.publication)
-            row = (
-                control.read(conn, source.control_schema, source.slot)
-                if control.exists(conn, source.control_schema)
-                else None
-            )
+            row = control.read_installed(conn, source.control_schema, source.slot)
             infos = setup.table_infos(conn, source.tables)
         return {
             "slot": state.to_json() if state is not None else None,
@@ -215,7 +211,7 @@ class PgAdmin(SourceAdmin[PgSourceParts]):
             previous = control.read(conn, source.control_schema, source.slot)
             created = setup.create_slot(conn, source.slot, failover=source.failover)
             row = source.new_control_row(created, snapshots=False)
-            carry_over(previous, row, [t.qualified for t in source.tables], snapshot=snapshot)
+            carry_over(previous, row, source.table_names(), snapshot=snapshot)
             control.write(conn, source.control_schema, row)
             done.append(
                 f"created replication slot {source.slot} at {lsn_text(created)}"
@@ -226,19 +222,14 @@ class PgAdmin(SourceAdmin[PgSourceParts]):
     def request_snapshot(self, table: str, where: str | None = None) -> dict[str, Any]:
         """Queue a re-read of ``table`` (rows matching ``where``), delivered among the changes."""
         source = self.source
-        name = setup.TableName.parse(table).qualified
-        if name not in {t.qualified for t in source.tables}:
-            known = ", ".join(t.qualified for t in source.tables)
-            raise ConfigurationError(f"{name} is not one of this source's tables ({known})")
+        name = watched(setup.TableName.parse(table).qualified, source.table_names())
         with connect(source.url) as conn, conn.transaction():
-            row = control.read(conn, source.control_schema, source.slot, lock=True)
-            if row is None:
-                raise ConfigurationError(
-                    f"slot {source.slot} is not installed yet: run the poller or dbtrigger cdc "
-                    "install"
-                )
-            request = Snapshot.request(name, where)
-            row.snapshots.append(request)
+            row, request = add_request(
+                control.read(conn, source.control_schema, source.slot, lock=True),
+                name,
+                where,
+                reader=f"slot {source.slot}",
+            )
             control.save_snapshots(conn, source.control_schema, source.slot, row.snapshots)
         source.snapshots.poke()
         return request.to_json()

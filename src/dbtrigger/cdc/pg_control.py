@@ -115,6 +115,11 @@ def read(
     )
 
 
+def read_installed(conn: psycopg.Connection[Any], schema: str, slot: str) -> ControlRow | None:
+    """The slot's row; None also while the control table does not exist."""
+    return read(conn, schema, slot) if exists(conn, schema) else None
+
+
 def write(conn: psycopg.Connection[Any], schema: str, row: ControlRow) -> None:
     """Insert or replace the slot's row."""
     statement = sql.SQL(
@@ -174,6 +179,7 @@ __all__ = [
     "ensure",
     "exists",
     "read",
+    "read_installed",
     "save_columns",
     "save_snapshots",
     "write",

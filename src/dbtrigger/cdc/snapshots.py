@@ -24,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
+from dbtrigger.errors import ConfigurationError
+
 log = logging.getLogger("dbtrigger.cdc")
 
 #: How often a running source looks for new snapshot requests (``cdc snapshot``).
@@ -126,6 +128,36 @@ R = TypeVar("R", bound=ControlRowLike[Any])
 I = TypeVar("I")  # noqa: E741 - a table's catalog description
 
 
+def watched(table: str, tables: Sequence[str]) -> str:
+    """``table`` (qualified) when it is one of a source's ``tables``, checked before a
+    snapshot of it is requested.
+
+    Raises:
+        ConfigurationError: it is not, naming the ones that are.
+    """
+    if table not in tables:
+        raise ConfigurationError(
+            f"{table} is not one of this source's tables ({', '.join(tables)})"
+        )
+    return table
+
+
+def add_request(row: R | None, table: str, where: str | None, *, reader: str) -> tuple[R, Snapshot]:
+    """The control ``row`` (read under a lock; the caller saves it) with a new snapshot
+    request of ``table`` added, and the request.
+
+    Raises:
+        ConfigurationError: ``reader`` (``slot s``, ``reader r``) has no control row yet.
+    """
+    if row is None:
+        raise ConfigurationError(
+            f"{reader} is not installed yet: run the poller or dbtrigger cdc install"
+        )
+    request = Snapshot.request(table, where)
+    row.snapshots.append(request)
+    return row, request
+
+
 class ChunkWriter(ABC, Generic[S, R, I]):
     """Writes the next chunk of the oldest pending request into the log.
 
@@ -216,6 +248,8 @@ __all__ = [
     "ControlRowLike",
     "Snapshot",
     "SnapshotSource",
+    "add_request",
     "carry_over",
     "pending",
+    "watched",
 ]

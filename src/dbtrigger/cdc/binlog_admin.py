@@ -31,8 +31,7 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
         """What :meth:`install` would run, and what the operator should know first."""
         source = self.source
         out = Plan()
-        conn = setup.connect(source.url, database=False)
-        try:
+        with setup.connect(source.url, database=False) as conn:
             facts = setup.server_facts(conn)
             out.notes.extend(f"BLOCKER: {p}" for p in setup.setting_problems(facts))
             try:
@@ -62,16 +61,13 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
                     "purged by hand (disk grows); set a retention longer than the longest time a "
                     "poller may be stopped, e.g. SET GLOBAL binlog_expire_logs_seconds = 604800"
                 )
-        finally:
-            conn.close()
         return out
 
     def install(self, *, full_images: bool = False) -> list[str]:
         """Create the control tables and the reader's row; what was done."""
         source = self.source
         done: list[str] = []
-        conn = setup.connect(source.url, database=False)
-        try:
+        with setup.connect(source.url, database=False) as conn:
             facts = setup.server_facts(conn)
             setup.check_server(facts)
             files = setup.binary_logs(conn)
@@ -91,23 +87,18 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
                         else ""
                     )
                 )
-        finally:
-            conn.close()
         source.close()
         return done
 
     def status(self) -> dict[str, Any]:
         """Everything ``dbtrigger cdc status`` shows, as JSON-able data."""
         source = self.source
-        conn = setup.connect(source.url, database=False)
-        try:
+        with setup.connect(source.url, database=False) as conn:
             facts = setup.server_facts(conn)
             problems = setup.setting_problems(facts)
             files = setup.binary_logs(conn)
             row = control.read_installed(conn, source.control_database, source.reader)
             infos = setup.table_infos(conn, source.tables)
-        finally:
-            conn.close()
         warnings = list(problems)
         position: dict[str, Any] | None = None
         if row is None:
@@ -191,14 +182,11 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
     def drop(self, *, keep_publication: bool = False) -> list[str]:
         source = self.source
         source.close()
-        conn = setup.connect(source.url, database=False)
-        try:
+        with setup.connect(source.url, database=False) as conn:
             if control.delete(conn, source.control_database, source.reader):
                 return [
                     f"removed reader {source.reader} from {source.control_database}.{control.TABLE}"
                 ]
-        finally:
-            conn.close()
         return []
 
     def recreate(self, *, snapshot: bool) -> list[str]:
@@ -210,8 +198,7 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
         """
         source = self.source
         source.close()
-        conn = setup.connect(source.url, database=False)
-        try:
+        with setup.connect(source.url, database=False) as conn:
             setup.check_server(setup.server_facts(conn))
             files = setup.binary_logs(conn)
             control.ensure(conn, source.control_database)
@@ -220,8 +207,6 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
             row = source.new_control_row(current_position(conn, files), snapshots=False)
             carry_over(previous, row, source.table_names(), snapshot=snapshot)
             control.write(conn, source.control_database, row)
-        finally:
-            conn.close()
         return [
             f"reader {source.reader} starts again at {row.created_file}:{row.created_pos}"
             + (f"; snapshot of {len(source.tables)} table(s) queued" if snapshot else "")
@@ -232,8 +217,7 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
         source = self.source
         name = setup.TableName.parse(table, source.url.database).qualified
         watched(name, source.table_names())
-        conn = setup.connect(source.url, database=False)
-        try:
+        with setup.connect(source.url, database=False) as conn:
             conn.begin()
             row, request = add_request(  # no row: refused, and closing rolls back
                 control.read(conn, source.control_database, source.reader, lock=True),
@@ -243,26 +227,20 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
             )
             control.update(conn, source.control_database, source.reader, snapshots=row.snapshots)
             conn.commit()
-        finally:
-            conn.close()
         source.snapshots.poke()
         return request.to_json()
 
     def schema_changes(self) -> list[str]:
         """The column type change delivery is held at, if any."""
         source = self.source
-        conn = setup.connect(source.url, database=False)
-        try:
+        with setup.connect(source.url, database=False) as conn:
             row = control.read_installed(conn, source.control_database, source.reader)
-        finally:
-            conn.close()
         return [row.schema_break] if row is not None and row.schema_break else []
 
     def accept_schema(self) -> list[str]:
         """Accept the new column types: forget the accepted types of the tables that changed."""
         source = self.source
-        conn = setup.connect(source.url, database=False)
-        try:
+        with setup.connect(source.url, database=False) as conn:
             row = control.read(conn, source.control_database, source.reader)
             if row is None:
                 raise ConfigurationError(
@@ -277,8 +255,6 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
             control.update(
                 conn, source.control_database, source.reader, columns=row.columns, schema_break=None
             )
-        finally:
-            conn.close()
         source.close()
         return changes
 

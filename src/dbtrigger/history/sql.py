@@ -42,8 +42,12 @@ from dbtrigger.errors import (
 from dbtrigger.history.records import record_time
 from dbtrigger.history.store import DEFAULT_RETENTION, Retention, encode_line, numbered
 from dbtrigger.names import validate_name, validate_sql_identifier
-from dbtrigger.redaction import safe_url_text
-from dbtrigger.state.stores.sql import classify_driver_error, is_duplicate_key
+from dbtrigger.state.stores.sql import (
+    classify_driver_error,
+    describe_table,
+    is_duplicate_key,
+    table_name,
+)
 
 _KEY = sa.String(128).with_variant(
     mysql.VARCHAR(128, charset="ascii", collation="ascii_bin"), "mysql", "mariadb"
@@ -101,15 +105,12 @@ class SqlHistory:
 
     @property
     def table_name(self) -> str:
-        t = self.table
-        return f"{t.schema}.{t.name}" if t.schema else t.name
+        return table_name(self.table)
 
     def describe(self) -> str:
-        try:
-            url = safe_url_text(self.engine.url)
-        except DbTriggerError:
-            url = "(unresolved)"
-        return f"sql:{url} table={self.table_name} namespace={self.namespace}"
+        return describe_table(
+            lambda: self.engine, self.table, self.namespace, unresolved="(unresolved)"
+        )
 
     # --- edges -------------------------------------------------------------------------
 

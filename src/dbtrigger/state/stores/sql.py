@@ -51,7 +51,7 @@ import contextlib
 import re
 import threading
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import sqlalchemy as sa
@@ -137,6 +137,24 @@ def is_duplicate_key(exc: sa.exc.IntegrityError) -> bool:
     if sqlstate is not None or code is not None:
         return sqlstate == "23505" or code in _MYSQL_DUPLICATE_CODES
     return bool(_SQLITE_DUPLICATE.search(str(orig)))
+
+
+def table_name(table: sa.Table) -> str:
+    """``schema.name``, or ``name`` for a table in the default schema."""
+    return f"{table.schema}.{table.name}" if table.schema else table.name
+
+
+def describe_table(
+    engine: Callable[[], Engine], table: sa.Table, namespace: str, *, unresolved: str
+) -> str:
+    """Where documents kept in ``table`` (state or history) are, the URL without
+    its password. Never raises: an engine that cannot be made yet (an app setting
+    missing) is shown as ``unresolved``."""
+    try:
+        url = safe_url_text(engine().url)
+    except DbTriggerError:
+        url = unresolved
+    return f"sql:{url} table={table_name(table)} namespace={namespace}"
 
 
 def _state_table(name: str, schema: str | None) -> sa.Table:
@@ -249,16 +267,14 @@ class SqlCheckpointStore:
 
     @property
     def table_name(self) -> str:
-        t = self._table
-        return f"{t.schema}.{t.name}" if t.schema else t.name
+        return table_name(self._table)
 
     def describe(self) -> str:
         """Where the documents are; never raises (an unresolved URL shows its reference)."""
-        try:
-            url = safe_url_text(self._engine.url)
-        except ConfigurationError:
-            url = f"({self._url_spec}, unresolved)"
-        return f"sql:{url} table={self.table_name} namespace={self._namespace}"
+        unresolved = f"({self._url_spec}, unresolved)"
+        return describe_table(
+            lambda: self._engine, self._table, self._namespace, unresolved=unresolved
+        )
 
     def ddl(self) -> str:
         """The ``CREATE TABLE`` statement for this engine's dialect, for DBAs."""

@@ -431,13 +431,27 @@ class TickDriver:
         more: bool = False,
         document: StateDocument | None = None,
     ) -> TickResult:
-        """The tick's report, with the visibility guard's on its last fetch."""
-        return TickResult.left(
+        """The tick's report; ``document``: the state as the tick left it (the
+        checkpoint, its commit time, the retries waiting). With it, the visibility
+        guard's report on the tick's last fetch and the rows the settled window
+        kept back on it."""
+        held = self.reader.visibility
+        back = held is not None and held.held_back
+        checkpoint = document.checkpoint if document is not None else None
+        window = document.window if document is not None else None
+        return TickResult(
             rows,
             batches,
             outcome,
             more=more,
-            document=document,
-            held=self.reader.visibility,
+            held_back=back,
+            held_back_seconds=float(held.held_back_seconds) if held is not None and back else 0.0,
+            blocking_pid=held.blocking_pid if held is not None and back else None,
+            checkpoint=checkpoint.position if checkpoint is not None else None,
+            committed_at=checkpoint.updated_at if checkpoint is not None else None,
+            waiting_retries=len(window.pending) if window is not None else 0,
+            next_retry_at=min((p.not_before for p in window.pending), default=None)
+            if window is not None
+            else None,
             window_withheld=self.reader.window_report.withheld,
         )

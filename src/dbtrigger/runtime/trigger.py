@@ -31,8 +31,6 @@ from dbtrigger.runtime.kernel import Handler
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-    from dbtrigger.sources.base import VisibilityReport
-    from dbtrigger.state.document import StateDocument
 
 #: Batches per tick unless configured: one. A tick is then short and its
 #: length predictable (one fetch or claim, one handler call, one commit or
@@ -180,42 +178,6 @@ class TickResult:
     #: A partitioned member's tick: how many partitions it owned, each with a
     #: checkpoint of its own (None: a poller with one checkpoint, ``checkpoint``).
     partitions: int | None = None
-
-    @classmethod
-    def left(
-        cls,
-        rows: int,
-        batches: int,
-        outcome: Outcome,
-        *,
-        more: bool = False,
-        document: StateDocument | None = None,
-        held: VisibilityReport | None = None,
-        window_withheld: int = 0,
-    ) -> TickResult:
-        """A poller tick's report; ``document``: the state as the tick left it (the
-        checkpoint, its commit time, the retries waiting); ``held``: the
-        visibility guard's report on the tick's last fetch; ``window_withheld``:
-        the rows the settled window kept back on it."""
-        back = held is not None and held.held_back
-        checkpoint = document.checkpoint if document is not None else None
-        window = document.window if document is not None else None
-        return cls(
-            rows,
-            batches,
-            outcome,
-            more=more,
-            held_back=back,
-            held_back_seconds=float(held.held_back_seconds) if held is not None and back else 0.0,
-            blocking_pid=held.blocking_pid if held is not None and back else None,
-            checkpoint=checkpoint.position if checkpoint is not None else None,
-            committed_at=checkpoint.updated_at if checkpoint is not None else None,
-            waiting_retries=len(window.pending) if window is not None else 0,
-            next_retry_at=min((p.not_before for p in window.pending), default=None)
-            if window is not None
-            else None,
-            window_withheld=window_withheld,
-        )
 
     @property
     def caught_up(self) -> bool:

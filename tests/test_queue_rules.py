@@ -97,6 +97,19 @@ def test_parse_duration() -> None:
         parse_duration("soon")
 
 
+def test_both_prune_commands_read_an_age_the_same_way() -> None:
+    """The change log's --older-than used to refuse bare seconds and spaces the queue's took."""
+    from dbtrigger.cli.changelog import parse_duration as changelog_age  # noqa: PLC0415
+
+    for text in ("3600", " 90 s", "15m", "2h", "1.5d", "1w"):
+        assert changelog_age(text).total_seconds() == parse_duration(text)
+    for text in ("soon", "-5m", "5 minutes", ""):
+        with pytest.raises(ConfigurationError, match="not a duration"):
+            changelog_age(text)
+        with pytest.raises(ConfigurationError, match="not a duration"):
+            parse_duration(text)
+
+
 # --- bad configuration ---------------------------------------------------------------
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import re
 from typing import Any
 
 from dbtrigger.changelog.drift import install_command
@@ -22,18 +21,13 @@ from dbtrigger.changelog.operations import (
     prune,
 )
 from dbtrigger.cli.ddl import print_then_apply, url_engine
+from dbtrigger.durations import duration_seconds
 from dbtrigger.errors import ConfigurationError
-
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
-_UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
 def parse_duration(text: str) -> dt.timedelta:
-    """``90s``, ``15m``, ``12h``, ``7d``, ``2w``."""
-    match = _DURATION.match(text.strip())
-    if not match:
-        raise ConfigurationError(f"not a duration: {text!r} (use e.g. 90s, 15m, 12h, 7d, 2w)")
-    return dt.timedelta(seconds=float(match.group(1)) * _UNIT[match.group(2)])
+    """An age such as ``90s``, ``15m``, ``12h``, ``7d``, ``2w`` (the queue's rule)."""
+    return dt.timedelta(seconds=duration_seconds(text))
 
 
 def cmd_install(args: argparse.Namespace) -> int:
@@ -206,7 +200,7 @@ def add_changelog_commands(sub: Any) -> None:
 
     prune_cmd = commands.add_parser("prune", help="delete old log rows in bounded chunks")
     common(prune_cmd)
-    prune_cmd.add_argument("--older-than", help="age, e.g. 7d, 12h, 90m")
+    prune_cmd.add_argument("--older-than", help="age, e.g. 7d, 12h, 90m, 3600")
     prune_cmd.add_argument(
         "--passed-by",
         action="append",

@@ -11,27 +11,16 @@ Every ``dbtrigger queue`` command (:mod:`dbtrigger.queue.cli`,
 from __future__ import annotations
 
 import argparse
-import re
 from typing import TYPE_CHECKING, Any
 
 from dbtrigger._driver_errors import short_error
+from dbtrigger.durations import duration_seconds
 from dbtrigger.errors import ConfigurationError, FetchError
 
 if TYPE_CHECKING:
     from dbtrigger.queue.source import ClaimSource
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
-_UNIT = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-
-
-def parse_duration(text: str) -> float:
-    """``90``, ``90s``, ``15m``, ``12h``, ``7d``, ``2w`` -> seconds."""
-    match = _DURATION.match(text)
-    if not match:
-        raise ConfigurationError(
-            f"not a duration: {text!r} (use seconds, or a number with s, m, h, d or w)"
-        )
-    return float(match.group(1)) * _UNIT[match.group(2)]
+parse_duration = duration_seconds
 
 
 def claim_source_of(target: Any) -> ClaimSource | None:

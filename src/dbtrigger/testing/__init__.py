@@ -50,24 +50,10 @@ if TYPE_CHECKING:
         StoreContract,
     )
 
-_CONTRACT_NAMES = (
-    "ClaimPort",
-    "ClaimSourceContract",
-    "ClaimSourceHarness",
-    "ContractRow",
-    "LogOp",
-    "LogSourceContract",
-    "LogSourceHarness",
-    "SinkContract",
-    "SourceContract",
-    "SourceHarness",
-    "StoreContract",
-)
-
-
 def __getattr__(name: str) -> Any:
-    # The suites import pytest: load them only when someone asks for one.
-    if name in _CONTRACT_NAMES:
+    # The suites import pytest: load them only when someone asks for one (every
+    # public name not bound above is a contract suite's).
+    if name in __all__:
         from dbtrigger.testing import contracts  # noqa: PLC0415
 
         return getattr(contracts, name)

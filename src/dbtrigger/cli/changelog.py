@@ -169,11 +169,12 @@ def add_changelog_commands(sub: Any) -> None:
     )
     commands = changelog.add_subparsers(dest="changelog_command", required=True)
 
-    def common(parser: argparse.ArgumentParser) -> None:
+    def common(parser: argparse.ArgumentParser, *, changes: bool = True) -> None:
         parser.add_argument("--url", required=True, help="database URL (%%APP_SETTING%% allowed)")
         parser.add_argument("--table", required=True, help="the watched table")
         parser.add_argument("--schema", help="its schema (PostgreSQL/MariaDB)")
-        parser.add_argument("--yes", action="store_true", help="apply (default: dry run)")
+        if changes:
+            parser.add_argument("--yes", action="store_true", help="apply (default: dry run)")
 
     install = commands.add_parser(
         "install", help="print (or with --yes apply) the log table and triggers"
@@ -186,9 +187,7 @@ def add_changelog_commands(sub: Any) -> None:
         help="compare the installed triggers with the table (exit 1 when a migration "
         "left them behind)",
     )
-    check.add_argument("--url", required=True, help="database URL (%%APP_SETTING%% allowed)")
-    check.add_argument("--table", required=True, help="the watched table")
-    check.add_argument("--schema", help="its schema (PostgreSQL/MariaDB)")
+    common(check, changes=False)
     check.set_defaults(func=cmd_check)
 
     uninstall = commands.add_parser("uninstall", help="drop the change log's triggers")

@@ -15,13 +15,25 @@ import datetime as dt
 from collections.abc import Callable, Mapping
 from dataclasses import KW_ONLY, dataclass
 
-from dbtrigger.errors import QuarantineError
+from dbtrigger.errors import LostLeaseError, QuarantineError
 from dbtrigger.events import RowChange
 from dbtrigger.quarantine import QuarantineSink, put_records
 from dbtrigger.runtime import kernel
 from dbtrigger.runtime.context import BatchContext
 from dbtrigger.runtime.retry import RetryPolicy
 from dbtrigger.runtime.telemetry import Telemetry
+
+
+def check_lease(ctx: BatchContext, poller: str) -> None:
+    """Raise :class:`~dbtrigger.errors.LostLeaseError` once the lease of ``ctx``'s
+    batch is lost: nothing of it may be written or set aside any more."""
+    if ctx.lease_lost.is_set():
+        raise LostLeaseError(
+            "lease lost while the batch was being processed; nothing was committed",
+            poller=poller,
+            batch_id=ctx.batch_id,
+            fencing_token=ctx.fencing_token,
+        )
 
 
 class EventRejected(Exception):
@@ -34,9 +46,9 @@ class RetriesExhausted(Exception):
 
 @dataclass(eq=False, repr=False)
 class DeadLetters:
-    """One poller's dead-letter writes; see the module docstring."""
+    """One poller's dead-letter writes (none without a sink); see the module docstring."""
 
-    sink: QuarantineSink
+    sink: QuarantineSink | None
     _: KW_ONLY
     poller: str
     owner_id: str
@@ -50,12 +62,17 @@ class DeadLetters:
         failed: list[tuple[RowChange, BaseException]],
         attempts: Mapping[str, int] | int,
     ) -> None:
-        """Write ``failed`` (event, why) to the sink in one ``put``, then report each.
+        """Write ``failed`` (event, why) to the sink in one ``put``, then report each;
+        nothing without a sink or events, and never once the lease is lost.
 
         Raises:
+            LostLeaseError: the lease was lost; nothing may be written.
             QuarantineError: the sink kept refusing; nothing may be settled.
         """
         sink = self.sink
+        if sink is None or not failed:
+            return
+        check_lease(ctx, self.poller)
         records = kernel.dead_letter_records(
             failed,
             trigger=self.poller,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import datetime as dt
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -40,7 +40,12 @@ from dbtrigger.quarantine import QuarantineSink, isolate, match_failed
 from dbtrigger.runtime import kernel
 from dbtrigger.runtime.batch_outcome import Delivered, Outcome, Undelivered, batch_fields
 from dbtrigger.runtime.context import BatchContext, EventMarks
-from dbtrigger.runtime.dead_letters import DeadLetters, EventRejected, RetriesExhausted
+from dbtrigger.runtime.dead_letters import (
+    DeadLetters,
+    EventRejected,
+    RetriesExhausted,
+    check_lease,
+)
 from dbtrigger.runtime.kernel import Handler, Lanes
 from dbtrigger.runtime.retry import RetryPolicy
 from dbtrigger.runtime.telemetry import Telemetry
@@ -85,18 +90,14 @@ class Delivery:
         self.quarantine = quarantine
         self.max_attempts = max_attempts
         self.quarantine_limit = quarantine_limit
-        #: Where failed, rejected and exhausted events are set aside (None: no sink).
-        self.dead_letters = (
-            DeadLetters(
-                quarantine,
-                poller=poller,
-                owner_id=owner_id,
-                clock=clock,
-                retry=retry,
-                telemetry=telemetry,
-            )
-            if quarantine is not None
-            else None
+        #: Where failed, rejected and exhausted events are set aside (nowhere without a sink).
+        self.dead_letters = DeadLetters(
+            quarantine,
+            poller=poller,
+            owner_id=owner_id,
+            clock=clock,
+            retry=retry,
+            telemetry=telemetry,
         )
         #: Parallel lanes (``max_concurrency > 1``): see :mod:`dbtrigger.runtime.kernel`.
         self.lanes = Lanes(max_concurrency, name=poller) if max_concurrency > 1 else None
@@ -210,7 +211,7 @@ class Delivery:
                 lambda part: self._invoke(handler, part, ctx, wants_ctx),
                 first_error=error,
                 limit=self.quarantine_limit,
-                check=lambda: self._check_lost(ctx),
+                check=lambda: check_lease(ctx, self.poller),
             )
             succeeded, failed, aborted = found.ok, found.bad, found.aborted
             emit(
@@ -245,8 +246,8 @@ class Delivery:
         if verdict is Verdict.SETTLED:
             return Delivered()
         if verdict is Verdict.QUARANTINE:
-            try:
-                self._quarantine(ctx, failed)
+            try:  # the rows that fail alone, durably in the sink before the checkpoint passes
+                self.dead_letters.write(ctx, failed, ctx.attempt)
             except QuarantineError as exc:
                 return Undelivered(exc, settled, exc)
             return Delivered(quarantined=len(failed))
@@ -336,7 +337,8 @@ class Delivery:
             exhausted = set()
         if doomed:
             try:
-                self._dead_letter(ctx, doomed, {i: marks.attempts.get(i, 0) + 1 for i in by_id})
+                attempts = {i: marks.attempts.get(i, 0) + 1 for i in by_id}
+                self.dead_letters.write(ctx, doomed, attempts)
             except QuarantineError as exc:
                 settled = frozenset(by_id) - rejected.keys() - retried.keys()
                 return Undelivered(exc, settled, exc)
@@ -360,15 +362,6 @@ class Delivery:
             batch_id=ctx.batch_id,
             fencing_token=ctx.fencing_token,
         )
-
-    def _check_lost(self, ctx: BatchContext) -> None:
-        if ctx.lease_lost.is_set():
-            raise LostLeaseError(
-                "lease lost while the batch was being processed; nothing was committed",
-                poller=self.poller,
-                batch_id=ctx.batch_id,
-                fencing_token=ctx.fencing_token,
-            )
 
     def _report_failure(
         self,
@@ -407,24 +400,6 @@ class Delivery:
                 "own), which looks like an outage, not poison: nothing set aside, retrying",
                 **fields,
             )
-
-    def _quarantine(self, ctx: BatchContext, failed: list[tuple[RowChange, BaseException]]) -> None:
-        """Record the rows that fail alone in the sink (durably) before the
-        checkpoint moves past them."""
-        self._dead_letter(ctx, failed, ctx.attempt)
-
-    def _dead_letter(
-        self,
-        ctx: BatchContext,
-        failed: list[tuple[RowChange, BaseException]],
-        attempts: Mapping[str, int] | int,
-    ) -> None:
-        """Write ``failed`` events to the sink (one ``put``), then report them;
-        never once the lease is lost."""
-        if self.dead_letters is None or not failed:
-            return
-        self._check_lost(ctx)
-        self.dead_letters.write(ctx, failed, attempts)
 
 
 def cancelled_error(ctx: BatchContext) -> Exception:

@@ -421,7 +421,7 @@ class FanOut(Delivery):
             attempts[i] = max(handed[i].values(), default=0) + 1
         if doomed:
             try:
-                self._dead_letter(ctx, doomed, attempts)
+                self.dead_letters.write(ctx, doomed, attempts)
             except QuarantineError as exc:
                 settled = frozenset(done) | {
                     i for i, d in decisions.items() if d.fate is Fate.SETTLED

@@ -21,6 +21,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 
 from dbtrigger.errors import DbTriggerError
 from dbtrigger.partitions.cadence import Cadence, Liveness
@@ -29,36 +30,27 @@ from dbtrigger.partitions.layout import BalanceDecision, Membership
 log = logging.getLogger("dbtrigger.partitions")
 
 
+@dataclass(eq=False, repr=False)
 class BalanceLoop:
     """Schedules one member's cycles and runs them from a daemon thread once started."""
 
-    def __init__(
-        self,
-        cycle: Callable[[], object],
-        leave: Callable[[], None],
-        *,
-        poller: str,
-        member_id: str,
-        cadence: Cadence,
-        liveness: Liveness,
-        monotonic: Callable[[], float],
-        ttl: float,
-    ) -> None:
-        self.cycle = cycle
-        self.leave = leave
-        self.poller = poller
-        self.member_id = member_id
-        self.cadence = cadence
-        self.liveness = liveness
-        self.monotonic = monotonic
-        self.ttl = ttl
-        self.next_at = -float("inf")
-        self.delay = 0.0
-        self.beat_at = -float("inf")  # when this member's heartbeat was last written
-        self.closing = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._exit_hook = False
-        self._stale_said = False
+    cycle: Callable[[], object]
+    leave: Callable[[], None]
+    _: KW_ONLY
+    poller: str
+    member_id: str
+    cadence: Cadence
+    liveness: Liveness
+    monotonic: Callable[[], float]
+    ttl: float
+    next_at: float = field(default=-float("inf"), init=False)
+    delay: float = field(default=0.0, init=False)
+    #: When this member's heartbeat was last written (on ``monotonic``).
+    beat_at: float = field(default=-float("inf"), init=False)
+    closing: threading.Event = field(default_factory=threading.Event, init=False)
+    _thread: threading.Thread | None = field(default=None, init=False)
+    _exit_hook: bool = field(default=False, init=False)
+    _stale_said: bool = field(default=False, init=False)
 
     # --- the schedule ------------------------------------------------------------------
 

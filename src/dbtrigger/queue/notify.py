@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from dbtrigger.errors import ConfigurationError
@@ -114,6 +114,7 @@ def idle_wait(listener: Listener | None, seconds: float, stop: threading.Event) 
     return listener.wait(seconds, stop)
 
 
+@dataclass(eq=False, repr=False)
 class Listener:
     """A daemon thread that ``LISTEN``\\s on one channel and sets :attr:`wake`.
 
@@ -121,24 +122,17 @@ class Listener:
     logged and retried; none reaches the worker, which keeps polling.
     """
 
-    def __init__(
-        self,
-        source: HasEngine,
-        channel: str,
-        telemetry: Telemetry,
-        *,
-        events: ListenEvents = QUEUE_EVENTS,
-    ) -> None:
-        self.source = source
-        self.channel = channel
-        self.telemetry = telemetry
-        self.events = events
-        self.wake = threading.Event()
-        #: Set while a LISTEN is established (tests wait on it).
-        self.listening = threading.Event()
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+    source: HasEngine
+    channel: str
+    telemetry: Telemetry
+    _: KW_ONLY
+    events: ListenEvents = QUEUE_EVENTS
+    wake: threading.Event = field(default_factory=threading.Event, init=False)
+    #: Set while a LISTEN is established (tests wait on it).
+    listening: threading.Event = field(default_factory=threading.Event, init=False)
+    _stop: threading.Event = field(default_factory=threading.Event, init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    _thread: threading.Thread | None = field(default=None, init=False)
 
     def start(self) -> None:
         with self._lock:

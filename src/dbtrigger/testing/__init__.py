@@ -50,6 +50,7 @@ if TYPE_CHECKING:
         StoreContract,
     )
 
+
 def __getattr__(name: str) -> Any:
     # The suites import pytest: load them only when someone asks for one (every
     # public name not bound above is a contract suite's).

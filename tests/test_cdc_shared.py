@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import pickle
+from typing import Any
 
 import pytest
 
@@ -248,17 +249,34 @@ def test_a_snapshot_request_names_a_watched_table_of_an_installed_source() -> No
     with pytest.raises(ConfigurationError, match=r"^public.x is not one of this source's tables "
                        r"\(public.orders, public.items\)$"):  # fmt: skip
         watched("public.x", tables)
+
+    class Source:  # the control row of one slot, kept in memory
+        poller = "p"
+        snapshot_lock_timeout = 2.0
+        infos: dict[str, Any] = {}  # noqa: RUF012 - read only
+        row: ControlRow | None = None
+        saved: list[list[Snapshot]] = []  # noqa: RUF012 - one source per test
+
+        def connection(self) -> None:
+            return None
+
+        def read_control(self, conn: Any, *, lock: bool = False) -> ControlRow | None:
+            assert lock
+            return self.row
+
+        def save_snapshots(self, conn: Any, snapshots: list[Snapshot]) -> None:
+            self.saved.append(list(snapshots))
+
+    source = Source()
     with pytest.raises(
         ConfigurationError,
         match=r"^slot s1 is not installed yet: run the poller or dbtrigger cdc install$",
     ):
-        add_request(None, "public.orders", None, reader="slot s1")
+        add_request(source, None, "public.orders", None, reader="slot s1")
 
     done = Snapshot("public.items", done=True)
-    given = ControlRow("s1", "p", tables, None, snapshots=[done])
-    row, request = add_request(given, "public.orders", "id < 10", reader="slot s1")
-    assert row is given
-    assert row.snapshots[0] is done
-    assert row.snapshots[-1] is request
+    source.row = ControlRow("s1", "p", tables, None, snapshots=[done])
+    request = add_request(source, None, "public.orders", "id < 10", reader="slot s1")
+    assert source.saved == [[done, request]]
     assert (request.table, request.where, request.done) == ("public.orders", "id < 10", False)
     assert request.requested_at is not None

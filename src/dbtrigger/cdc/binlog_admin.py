@@ -76,7 +76,7 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
                 done.append(
                     f"created {source.control_database}.{control.TABLE} and {control.CHUNKS}"
                 )
-            if control.read(conn, source.control_database, source.reader) is None:
+            if source.read_control(conn) is None:
                 row = source.new_control_row(current_position(conn, files))
                 control.write(conn, source.control_database, row)
                 done.append(
@@ -203,7 +203,7 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
             files = setup.binary_logs(conn)
             control.ensure(conn, source.control_database)
             source.infos = setup.table_infos(conn, source.tables)
-            previous = control.read(conn, source.control_database, source.reader)
+            previous = source.read_control(conn)
             row = source.new_control_row(current_position(conn, files), snapshots=False)
             carry_over(previous, row, source.table_names(), snapshot=snapshot)
             control.write(conn, source.control_database, row)
@@ -219,13 +219,8 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
         watched(name, source.table_names())
         with setup.connect(source.url, database=False) as conn:
             conn.begin()
-            row, request = add_request(  # no row: refused, and closing rolls back
-                control.read(conn, source.control_database, source.reader, lock=True),
-                name,
-                where,
-                reader=f"reader {source.reader}",
-            )
-            control.update(conn, source.control_database, source.reader, snapshots=row.snapshots)
+            # No control row: refused, and closing the connection rolls back.
+            request = add_request(source, conn, name, where, reader=f"reader {source.reader}")
             conn.commit()
         source.snapshots.poke()
         return request.to_json()
@@ -241,7 +236,7 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
         """Accept the new column types: forget the accepted types of the tables that changed."""
         source = self.source
         with setup.connect(source.url, database=False) as conn:
-            row = control.read(conn, source.control_database, source.reader)
+            row = source.read_control(conn)
             if row is None:
                 raise ConfigurationError(
                     f"reader {source.reader} has no control row: nothing accepted yet to change"

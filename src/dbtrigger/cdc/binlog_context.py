@@ -18,6 +18,7 @@ from dbtrigger.cdc import binlog_control as control
 from dbtrigger.cdc import binlog_setup as setup
 from dbtrigger.cdc.binlog_reader import Assembler
 from dbtrigger.cdc.log_source import LogSourceParts
+from dbtrigger.cdc.snapshots import Snapshot
 
 
 class BinlogSourceParts(LogSourceParts, Protocol):
@@ -46,6 +47,14 @@ class BinlogSourceParts(LogSourceParts, Protocol):
     def new_control_row(
         self, position: tuple[str, int], *, snapshots: bool = True
     ) -> control.ControlRow: ...
+
+    def read_control(
+        self, conn: pymysql.connections.Connection[Any], *, lock: bool = False
+    ) -> control.ControlRow | None: ...
+
+    def save_snapshots(
+        self, conn: pymysql.connections.Connection[Any], snapshots: list[Snapshot]
+    ) -> None: ...
 
     @property
     def server_id(self) -> int: ...

@@ -173,7 +173,7 @@ def self_check(source: BinlogSourceParts) -> list[SourceFinding]:
             )
         )
         if control.exists(conn, source.control_database):
-            row = control.read(conn, source.control_database, source.reader)
+            row = source.read_control(conn)
             if row is None:
                 findings.append(
                     SourceFinding("reader", WARNING, f"reader {source.reader} is not installed yet")

@@ -49,14 +49,6 @@ class SnapshotWriter(ChunkWriter[BinlogSourceParts, control.ControlRow, "TableIn
 
     LOCKS = "its row locks were"
 
-    def read_row(self) -> control.ControlRow | None:
-        s = self.source
-        return control.read(s.connection(), s.control_database, s.reader)
-
-    def save(self, row: control.ControlRow) -> None:
-        s = self.source
-        control.update(s.connection(), s.control_database, s.reader, snapshots=row.snapshots)
-
     def waits(self, exc: Exception, table: str) -> bool:
         if not isinstance(exc, pymysql.MySQLError):
             return False
@@ -112,7 +104,7 @@ class SnapshotWriter(ChunkWriter[BinlogSourceParts, control.ControlRow, "TableIn
             index = {c: i for i, c in enumerate(columns)}
             last_key = [encode_value(rows[-1][index[k]]) for k in keys] if rows else None
             request.advance(len(rows), last_key, s.snapshot_chunk_size)
-            control.update(conn, s.control_database, s.reader, snapshots=row.snapshots)
+            s.save_snapshots(conn, row.snapshots)
             conn.commit()
         return bool(rows)
 

@@ -43,6 +43,7 @@ from dbtrigger.cdc.binlog_setup import current_position
 from dbtrigger.cdc.binlog_snapshot import SnapshotWriter
 from dbtrigger.cdc.log_source import SNAPSHOTS, LogReader, LogSource, log
 from dbtrigger.cdc.position import LogPosition
+from dbtrigger.cdc.snapshots import Snapshot
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.sources.base import SourceFinding
 
@@ -215,7 +216,7 @@ class BinlogSource(LogSource):
                 f"the control tables of reader {self.reader} do not exist and create=False: run "
                 "dbtrigger cdc install MODULE:TRIGGER --yes first"
             )
-        row = control.read(conn, self.control_database, self.reader)
+        row = self.read_control(conn)
         if row is None:
             if not self.create:
                 raise ConfigurationError(
@@ -258,6 +259,17 @@ class BinlogSource(LogSource):
             {},
             self.initial_requests(self.table_names(), snapshots=snapshots),
         )
+
+    def read_control(
+        self, conn: pymysql.connections.Connection[Any], *, lock: bool = False
+    ) -> control.ControlRow | None:
+        """The reader's control row (``lock``: FOR UPDATE, in the caller's transaction)."""
+        return control.read(conn, self.control_database, self.reader, lock=lock)
+
+    def save_snapshots(
+        self, conn: pymysql.connections.Connection[Any], snapshots: list[Snapshot]
+    ) -> None:
+        control.update(conn, self.control_database, self.reader, snapshots=snapshots)
 
     @property
     def assembler(self) -> Assembler:

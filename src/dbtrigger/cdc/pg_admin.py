@@ -208,7 +208,7 @@ class PgAdmin(SourceAdmin[PgSourceParts]):
             control.ensure(conn, source.control_schema)
             setup.ensure_publication(conn, source.publication, source.tables, create=True)
             source.infos = setup.table_infos(conn, source.tables)
-            previous = control.read(conn, source.control_schema, source.slot)
+            previous = source.read_control(conn)
             created = setup.create_slot(conn, source.slot, failover=source.failover)
             row = source.new_control_row(created, snapshots=False)
             carry_over(previous, row, source.table_names(), snapshot=snapshot)
@@ -224,13 +224,7 @@ class PgAdmin(SourceAdmin[PgSourceParts]):
         source = self.source
         name = watched(setup.TableName.parse(table).qualified, source.table_names())
         with connect(source.url) as conn, conn.transaction():
-            row, request = add_request(
-                control.read(conn, source.control_schema, source.slot, lock=True),
-                name,
-                where,
-                reader=f"slot {source.slot}",
-            )
-            control.save_snapshots(conn, source.control_schema, source.slot, row.snapshots)
+            request = add_request(source, conn, name, where, reader=f"slot {source.slot}")
         source.snapshots.poke()
         return request.to_json()
 
@@ -239,7 +233,7 @@ class PgAdmin(SourceAdmin[PgSourceParts]):
         source = self.source
         with connect(source.url) as conn:
             infos = setup.table_infos(conn, source.tables)
-            row = control.read(conn, source.control_schema, source.slot)
+            row = source.read_control(conn)
             accepted = row.columns if row is not None else {}
             out = []
             for qualified, info in infos.items():
@@ -259,7 +253,7 @@ class PgAdmin(SourceAdmin[PgSourceParts]):
         changes = self.schema_changes()
         with connect(source.url) as conn:
             infos = setup.table_infos(conn, source.tables)
-            row = control.read(conn, source.control_schema, source.slot)
+            row = source.read_control(conn)
             if row is None:
                 raise ConfigurationError(
                     f"slot {source.slot} has no control row: nothing accepted yet to change"

@@ -19,6 +19,7 @@ from dbtrigger.cdc import pg_setup as setup
 from dbtrigger.cdc.assembly import SchemaGuard
 from dbtrigger.cdc.log_source import LogSourceParts
 from dbtrigger.cdc.pg_reader import Decoder
+from dbtrigger.cdc.snapshots import Snapshot
 
 
 class PgSourceParts(LogSourceParts, Protocol):
@@ -52,6 +53,12 @@ class PgSourceParts(LogSourceParts, Protocol):
     def new_control_row(
         self, created: int | None, *, snapshots: bool = True
     ) -> control.ControlRow: ...
+
+    def read_control(
+        self, conn: psycopg.Connection[Any], *, lock: bool = False
+    ) -> control.ControlRow | None: ...
+
+    def save_snapshots(self, conn: psycopg.Connection[Any], snapshots: list[Snapshot]) -> None: ...
 
 
 __all__ = ["PgSourceParts"]

@@ -61,14 +61,6 @@ class SnapshotWriter(ChunkWriter[PgSourceParts, control.ControlRow, "TableInfo"]
 
     LOCKS = "the table's SHARE lock was"
 
-    def read_row(self) -> control.ControlRow | None:
-        s = self.source
-        return control.read(s.connection(), s.control_schema, s.slot)
-
-    def save(self, row: control.ControlRow) -> None:
-        s = self.source
-        control.save_snapshots(s.connection(), s.control_schema, s.slot, row.snapshots)
-
     def waits(self, exc: Exception, table: str) -> bool:
         seen: BaseException | None = exc
         while seen is not None:  # translated() wraps the driver's error
@@ -135,7 +127,7 @@ class SnapshotWriter(ChunkWriter[PgSourceParts, control.ControlRow, "TableInfo"]
             index = {c: i for i, c in enumerate(columns)}
             last_key = [texts[-1][index[k]] for k in keys] if texts else None
             request.advance(len(texts), last_key, s.snapshot_chunk_size)
-            control.save_snapshots(conn, s.control_schema, s.slot, row.snapshots)
+            s.save_snapshots(conn, row.snapshots)
         return bool(texts)
 
 

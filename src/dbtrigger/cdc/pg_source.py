@@ -46,6 +46,7 @@ from dbtrigger.cdc.pg_snapshot import SnapshotWriter
 from dbtrigger.cdc.pg_stream import StreamReader
 from dbtrigger.cdc.pgoutput import lsn_text
 from dbtrigger.cdc.position import LogPosition
+from dbtrigger.cdc.snapshots import Snapshot
 from dbtrigger.errors import ConfigurationError, SlotLostError
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.sources.base import SourceFinding
@@ -236,7 +237,7 @@ class PgLogicalSource(LogSource):
             setup.ensure_publication(conn, self.publication, self.tables, create=True)
         if self.create:
             control.ensure(conn, self.control_schema)
-        row = control.read(conn, self.control_schema, self.slot)
+        row = self.read_control(conn)
         if state is None:
             created = setup.create_slot(conn, self.slot, failover=self.failover)
             row = self.new_control_row(created)
@@ -277,6 +278,15 @@ class PgLogicalSource(LogSource):
             self.initial_requests(self.table_names(), snapshots=snapshots),
         )
 
+    def read_control(
+        self, conn: psycopg.Connection[Any], *, lock: bool = False
+    ) -> control.ControlRow | None:
+        """The slot's control row (``lock``: FOR UPDATE, in the caller's transaction)."""
+        return control.read(conn, self.control_schema, self.slot, lock=lock)
+
+    def save_snapshots(self, conn: psycopg.Connection[Any], snapshots: list[Snapshot]) -> None:
+        control.save_snapshots(conn, self.control_schema, self.slot, snapshots)
+
     def check_not_lost(self, state: setup.SlotState) -> None:
         if state.lost:
             why = state.invalidation or f"wal_status {state.wal_status}"
@@ -305,7 +315,7 @@ class PgLogicalSource(LogSource):
         (``dbtrigger cdc accept-schema``)? Then read the log again with the new columns."""
         if changes:
             return changes
-        row = control.read(self.connection(), self.control_schema, self.slot)
+        row = self.read_control(self.connection())
         if row is None or row.columns == self.guard.accepted:
             return changes
         self.accept(row.columns)

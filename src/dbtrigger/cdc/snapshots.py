@@ -122,6 +122,14 @@ class SnapshotSource(Protocol):
     @property
     def infos(self) -> Mapping[str, Any]: ...
 
+    def connection(self) -> Any: ...
+
+    def read_control(self, conn: Any, *, lock: bool = False) -> Any:
+        """The source's control row, or None (not installed)."""
+
+    def save_snapshots(self, conn: Any, snapshots: list[Snapshot]) -> None:
+        """Persist the snapshot requests in the source's control row."""
+
 
 S = TypeVar("S", bound=SnapshotSource)
 R = TypeVar("R", bound=ControlRowLike[Any])
@@ -142,20 +150,24 @@ def watched(table: str, tables: Sequence[str]) -> str:
     return table
 
 
-def add_request(row: R | None, table: str, where: str | None, *, reader: str) -> tuple[R, Snapshot]:
-    """The control ``row`` (read under a lock; the caller saves it) with a new snapshot
-    request of ``table`` added, and the request.
+def add_request(
+    source: SnapshotSource, conn: Any, table: str, where: str | None, *, reader: str
+) -> Snapshot:
+    """Queue a snapshot request of ``table`` in the source's control row, read under a
+    lock and saved in the caller's transaction on ``conn``.
 
     Raises:
         ConfigurationError: ``reader`` (``slot s``, ``reader r``) has no control row yet.
     """
+    row = source.read_control(conn, lock=True)
     if row is None:
         raise ConfigurationError(
             f"{reader} is not installed yet: run the poller or dbtrigger cdc install"
         )
     request = Snapshot.request(table, where)
     row.snapshots.append(request)
-    return row, request
+    source.save_snapshots(conn, row.snapshots)
+    return request
 
 
 class ChunkWriter(ABC, Generic[S, R, I]):
@@ -225,13 +237,16 @@ class ChunkWriter(ABC, Generic[S, R, I]):
             )
         return written
 
-    @abstractmethod
     def read_row(self) -> R | None:
         """The source's control row (None: not installed)."""
+        s = self.source
+        row: R | None = s.read_control(s.connection())
+        return row
 
-    @abstractmethod
     def save(self, row: R) -> None:
         """Persist the row's snapshot requests."""
+        s = self.source
+        s.save_snapshots(s.connection(), row.snapshots)
 
     @abstractmethod
     def chunk(self, row: R, request: Snapshot, info: I) -> bool:

@@ -1,7 +1,7 @@
 """``PollTrigger``: the public face of a poller.
 
-It validates the configuration, registers the handler (``@trigger.handler``)
-and runs ticks: :meth:`PollTrigger.tick`, :meth:`~PollTrigger.tick_result`,
+It validates the configuration (each option as :mod:`dbtrigger.runtime.poll_options`
+checks it), registers the handler (``@trigger.handler``) and runs ticks: :meth:`PollTrigger.tick`, :meth:`~PollTrigger.tick_result`,
 :meth:`~PollTrigger.drain`, :meth:`~PollTrigger.run` (a timer firing) and
 :meth:`~PollTrigger.tick_async`. What a tick does, in order, is in
 :mod:`dbtrigger.runtime.tick`; what becomes of a batch in

@@ -1,14 +1,16 @@
 """``PollTrigger``: the public face of a poller.
 
-It validates the configuration (each option as :mod:`dbtrigger.runtime.poll_options`
-checks it), registers the handler (``@trigger.handler``) and runs ticks: :meth:`PollTrigger.tick`, :meth:`~PollTrigger.tick_result`,
-:meth:`~PollTrigger.drain`, :meth:`~PollTrigger.run` (a timer firing) and
-:meth:`~PollTrigger.tick_async`. What a tick does, in order, is in
-:mod:`dbtrigger.runtime.tick`; what becomes of a batch in
-:mod:`dbtrigger.runtime.delivery`, and how the handler is called (the same
-for every trigger) in :mod:`dbtrigger.runtime.kernel`; every write to the state document goes
-through :class:`~dbtrigger.runtime.session.LeaseSession`; what is logged and
-counted is declared in :mod:`dbtrigger.runtime.telemetry`.
+It validates the configuration (each option as
+:mod:`dbtrigger.runtime.poll_options` checks it), registers the handler
+(``@trigger.handler``) and runs ticks: :meth:`PollTrigger.tick`,
+:meth:`~PollTrigger.tick_result`, :meth:`~PollTrigger.drain`,
+:meth:`~PollTrigger.run` (a timer firing) and :meth:`~PollTrigger.tick_async`.
+What a tick does, in order, is in :mod:`dbtrigger.runtime.tick`; what becomes
+of a batch in :mod:`dbtrigger.runtime.delivery`, and how the handler is called
+(the same for every trigger) in :mod:`dbtrigger.runtime.kernel`; every write to
+the state document goes through
+:class:`~dbtrigger.runtime.session.LeaseSession`; what is logged and counted is
+declared in :mod:`dbtrigger.runtime.telemetry`.
 
 Reliability (see ``docs/reliability.md``):
 

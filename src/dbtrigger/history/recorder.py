@@ -59,7 +59,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Protocol
 
 from dbtrigger.errors import CasConflictError
@@ -140,6 +140,7 @@ def _made(make: Callable[[], Mapping[str, Any]]) -> Mapping[str, Any] | None:
         return None
 
 
+@dataclass(eq=False, repr=False)
 class HistoryRecorder:
     """Keeps one poller's history up with its journal; see the module docstring.
 
@@ -149,34 +150,24 @@ class HistoryRecorder:
     the appender thread takes off the tick; ``benchmarks.history`` shows both).
     """
 
-    def __init__(
-        self,
-        store: HistoryStore,
-        poller: str,
-        *,
-        emit: Emit,
-        clock: Callable[[], dt.datetime],
-        journal_limit: int,
-        source: str | None = None,
-        retention: Retention = DEFAULT_RETENTION,
-        prune_every_seconds: float = 3600.0,
-        background: bool = True,
-    ) -> None:
-        self.store = store
-        self.poller = poller
-        self.emit = emit
-        self.clock = clock
-        self.journal_limit = journal_limit
-        self.source = source
-        self.retention = retention
-        self.prune_every = prune_every_seconds
+    store: HistoryStore
+    poller: str
+    _: KW_ONLY
+    emit: Emit
+    clock: Callable[[], dt.datetime]
+    journal_limit: int
+    source: str | None = None
+    retention: Retention = DEFAULT_RETENTION
+    prune_every_seconds: float = 3600.0
+    background: bool = True
+
+    def __post_init__(self) -> None:
         #: The newest record this process knows the history holds: (id, seq).
         self._known: tuple[str, int] | None = None
         self._checked: str | None = None
         self._failing = 0
         self._next_prune = 0.0
         self._lock = threading.Lock()
-        self.background = background
         # The appender's queue and its bookkeeping, all under _cond: _queued counts
         # what was ever queued, _tried what a finished round covered (a flush waits
         # for it to reach what was queued when it was called).
@@ -457,7 +448,7 @@ class HistoryRecorder:
         now = time.monotonic()
         if now < self._next_prune:
             return
-        self._next_prune = now + self.prune_every
+        self._next_prune = now + self.prune_every_seconds
         try:
             removed = self.store.prune(self.poller, self.retention, self.clock())
         except Exception as exc:  # noqa: BLE001 - retention is housekeeping

@@ -454,18 +454,21 @@ def add_store_options(
     parser.add_argument("--table", help="table name for azure-table: stores")
 
 
-def add_change_options(parser: argparse.ArgumentParser, *, lease: bool = True) -> None:
+def add_change_options(
+    parser: argparse.ArgumentParser,
+    *,
+    lease: bool = True,
+    force_help: str = "proceed under a live lease, fencing its holder out (token + 1)",
+) -> None:
+    """The options of every command that journals a change: --reason, --yes, --actor and,
+    where it writes state documents under leases, --force and --backup-dir."""
     parser.add_argument(
         "--reason", help="why: recorded in the journal (required with --yes, not for a dry run)"
     )
     parser.add_argument("--yes", action="store_true", help="apply (default: dry run)")
     parser.add_argument("--actor", help="who, for the journal (default user@host)")
     if lease:
-        parser.add_argument(
-            "--force",
-            action="store_true",
-            help="proceed under a live lease, fencing its holder out (token + 1)",
-        )
+        parser.add_argument("--force", action="store_true", help=force_help)
         parser.add_argument(
             "--backup-dir",
             help=f"where the previous document is saved (default ${ENV_BACKUP_DIR} "

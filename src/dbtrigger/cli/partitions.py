@@ -20,7 +20,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from dbtrigger.cli.common import DEFAULT_BACKUP_DIR, ENV_BACKUP_DIR, actor_from_args, backup_dir
+from dbtrigger.cli.common import actor_from_args, add_change_options, backup_dir
 from dbtrigger.cli.loading import load_object
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.partitions import regroup
@@ -235,21 +235,12 @@ def add_partition_commands(sub: Any) -> None:
         change.add_argument("--trigger", required=True, help="MODULE:ATTR naming the poller")
         if action == "set":
             change.add_argument("--count", type=int, help="the new number of partitions")
-        change.add_argument("--reason", help="why: recorded in the journals (needed with --yes)")
-        change.add_argument("--yes", action="store_true", help="apply (default: dry run)")
-        change.add_argument("--actor", help="who, for the journal (default user@host)")
-        change.add_argument(
-            "--force",
-            action="store_true",
-            help="fence out a member processing a partition now (its batch is redelivered)",
+        add_change_options(
+            change,
+            force_help="fence out a member processing a partition now (its batch is redelivered)",
         )
         change.add_argument(
             "--wait", type=float, default=30.0, help="seconds to wait for batches in flight"
-        )
-        change.add_argument(
-            "--backup-dir",
-            help=f"where the old documents are saved (default ${ENV_BACKUP_DIR} "
-            f"or ./{DEFAULT_BACKUP_DIR})",
         )
         change.set_defaults(func=cmd_change)
 

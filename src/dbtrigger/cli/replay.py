@@ -15,6 +15,7 @@ from typing import Any
 from dbtrigger.cli.common import (
     Console,
     actor_from_args,
+    add_change_options,
     add_store_options,
     read_state,
     reason_from_args,
@@ -254,9 +255,7 @@ def add_replay_command(sub: Any) -> None:
         "--handler", metavar="MODULE:FUNCTION", help="another handler than the trigger's"
     )
     replay.add_argument("--subscriber", help="fan-out: deliver to this subscriber only")
-    replay.add_argument("--reason", help="why (required with --yes): journaled")
-    replay.add_argument("--yes", action="store_true", help="deliver (default: dry run)")
-    replay.add_argument("--actor", help="who, for the journal (default user@host)")
+    add_change_options(replay, lease=False)
     add_store_options(replay, default_hint="the trigger's own store")
     replay.set_defaults(func=cmd_replay)
 

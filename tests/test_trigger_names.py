@@ -60,6 +60,7 @@ POLLER_ONLY = {
     "ack_timeout_seconds",
     "history",  # the durable history beside the state document (dbtrigger.history)
     "start_from",  # where a new poller starts (recorded in its state document at creation)
+    "read_ahead",  # the next batch read while the handler and the commit run
 }
 
 #: A queue's own: claims instead of a lease, and its wake-up hint.

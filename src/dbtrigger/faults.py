@@ -279,6 +279,10 @@ class FaultySource:
     next fetch really reconnects.
     """
 
+    #: Its plan counts fetches in the order a tick makes them: no read-ahead
+    #: (dbtrigger.runtime.readahead), whose reads would take faults meant for the tick's.
+    concurrent_reads = False
+
     def __init__(self, inner: SourceAdapter, plan: FaultPlan | None = None) -> None:
         self.inner = inner
         self.plan = plan if plan is not None else FaultPlan()

@@ -23,12 +23,19 @@ import numbers
 
 from dbtrigger.errors import ConfigurationError
 
-__all__ = ["number", "optional_seconds", "optional_whole", "seconds", "whole"]
+__all__ = ["flag", "number", "optional_seconds", "optional_whole", "seconds", "whole"]
 
 
 def _refuse(name: str, value: object, wanted: str) -> ConfigurationError:
     shown = f"{value!r} ({type(value).__name__})" if not isinstance(value, float) else repr(value)
     return ConfigurationError(f"{name} must be {wanted}, got {shown}")
+
+
+def flag(name: str, value: object) -> bool:
+    """``value``, which must be ``True`` or ``False`` (not a truthy string or number)."""
+    if not isinstance(value, bool):
+        raise _refuse(name, value, "True or False")
+    return value
 
 
 def whole(name: str, value: object, *, minimum: int = 1, maximum: int | None = None) -> int:

@@ -38,6 +38,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from dbtrigger import options as opt
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.history.positions import StartFrom
 from dbtrigger.history.store import HistoryStore
@@ -51,6 +52,7 @@ from dbtrigger.runtime.drain import drain
 from dbtrigger.runtime.kernel import Handler, KeepAlive
 from dbtrigger.runtime.poll_options import PollOptions
 from dbtrigger.runtime.quiet import QuietCadence
+from dbtrigger.runtime.readahead import ReadAhead
 from dbtrigger.runtime.reading import BatchReader, NullCursorProbe, TickSettings
 from dbtrigger.runtime.retry import DEFAULT_RETRY_POLICY, RetryPolicy
 from dbtrigger.runtime.subscriber_options import SubscriberCall, check_fan_out
@@ -134,6 +136,11 @@ class PollTrigger(ClosesOnExit):
         history / start_from: the durable history beside the store (default) or
             ``False``; where a new poller starts: ``"beginning"``, ``"now"``, a
             cursor value or a ``Position`` (see :mod:`dbtrigger.history`).
+        read_ahead: read the next batch on a background thread while the
+            handler and the commit of this one run (default on), for sources
+            that can be read from another thread (``SqlAlchemySource`` off
+            SQLite); ``False`` reads each batch after the last one's commit.
+            See :mod:`dbtrigger.runtime.readahead`.
     """
 
     def __init__(
@@ -167,6 +174,7 @@ class PollTrigger(ClosesOnExit):
         ack_timeout_seconds: float | None = None,
         history: HistoryStore | bool | None = None,
         start_from: object = None,
+        read_ahead: bool = True,
     ) -> None:
         options = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         self.name = validate_name(name, "poller name")
@@ -244,6 +252,8 @@ class PollTrigger(ClosesOnExit):
             null_probe=self.null_probe,
             cli_source=self.operator_spec,
         )
+        if opt.flag("read_ahead", read_ahead):
+            reader.read_ahead = ReadAhead(source.fetch, name=self.name)
         self._driver = TickDriver(reader, keepalive=self._keepalive)
         #: The durable history beside the state document (None: kept nowhere), and
         #: ``start_from``, applied before this process's first tick.
@@ -484,6 +494,8 @@ class PollTrigger(ClosesOnExit):
         history threads and shut the lane pool down (all start again if the trigger
         ticks afterwards); a deprecated ``partitions=`` member's too."""
         self._driver.writer.history.close()
+        if self._driver.reader.read_ahead is not None:
+            self._driver.reader.read_ahead.close()
         self._keepalive.close()
         self._driver.delivery.close()
         if self.partitioned is not None:

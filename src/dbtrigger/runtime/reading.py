@@ -34,6 +34,7 @@ from dbtrigger.errors import (
 from dbtrigger.events import RowChange
 from dbtrigger.runtime import windowing
 from dbtrigger.runtime.delivery import Delivery
+from dbtrigger.runtime.readahead import ReadAhead, reads_ahead
 from dbtrigger.runtime.retry import RetryPolicy
 from dbtrigger.runtime.telemetry import Telemetry
 from dbtrigger.runtime.window_report import WindowReport
@@ -202,6 +203,10 @@ class BatchReader:
         # isinstance walks the protocol's attributes on every call (about 10 us).
         self._reports = isinstance(source, ReportsVisibility)
         self._locates = isinstance(source, LocatesRows)
+        #: Reads the next batch while the handler and the commit run (None: off);
+        #: see dbtrigger.runtime.readahead. Used only once the source says it can.
+        self.read_ahead: ReadAhead | None = None
+        self._reads_ahead: bool | None = None
 
     def definition(self) -> dict[str, Any] | None:
         """The source's readable definition (kept in the document), computed once."""
@@ -343,20 +348,81 @@ class BatchReader:
         after, window = landing(position, events, selection, accepted)
         return Prefetch(lambda: self.next_batch(after, window), after, window)
 
-    def next_batch(self, position: Position, window: Window) -> Selection | None:
+    def reads_ahead(self) -> bool:
+        """Is read-ahead on, for a source that can be read from another thread?
+        Asked of the source once, at the first read-ahead, not at construction:
+        its dialect may be an app setting resolved at its first fetch."""
+        if self.read_ahead is None:
+            return False
+        if self._reads_ahead is None:
+            self._reads_ahead = reads_ahead(self.source)
+        return self._reads_ahead
+
+    def read_ahead_from(
+        self,
+        selection: Selection,
+        events: list[RowChange],
+        position: Position,
+        started_at: dt.datetime,
+        tag: object,
+    ) -> None:
+        """Start reading the batch after this one on the read-ahead's thread.
+
+        From where this batch leaves the checkpoint and the window if every
+        event is accepted (as :meth:`prefetch` computes it), tagged ``tag``;
+        :meth:`next_batch` uses it only if asked for exactly that read. Nothing
+        when read-ahead is off, the source cannot be read from another thread,
+        or no rows are likely pending.
+        """
+        read_ahead = self.read_ahead
+        if read_ahead is None or not selection.more or not self.reads_ahead():
+            return
+        s = self.settings
+        accepted = windowing.settle_delivered(
+            selection,
+            events,
+            {},
+            now=started_at,
+            bound=s.bound,
+            backoff=(s.retry_delay, s.retry_delay_max),
+            jitter=s.jitter,
+        )
+        after, window = landing(position, events, selection, accepted)
+        read_ahead.start(after, s.batch_size + len(window), tag)
+
+    def next_batch(
+        self,
+        position: Position,
+        window: Window,
+        *,
+        tag: object = None,
+        max_age: float | None = None,
+    ) -> Selection | None:
         """Read after ``position`` and choose the next batch (None: nothing to do).
 
         Without a per-event window this is the plain read of ``batch_size``
         rows. With one, the read also covers the window (its rows come back
         after the checkpoint too) and :func:`dbtrigger.runtime.windowing.choose`
         picks the rows to hand out: new ones, due retries, late arrivals.
+
+        A read-ahead of exactly this read under ``tag`` (at most ``max_age``
+        seconds old) stands for the read; any other is dropped first.
         """
         s = self.settings
+        limit = s.batch_size + len(window)
+        flight = None
+        if self.read_ahead is not None:
+            flight = self.read_ahead.take(position, limit, tag, max_age=max_age)
         held = self.delivery.holding(window)
         if held is None:
             return None  # fan-out: every subscriber is busy (said once, at WARNING)
-        limit = s.batch_size + len(window)
-        rows = self.fetch(position, limit)
+        if flight is not None:
+            rows = flight.rows
+            assert rows is not None  # noqa: S101 - a flight is used only when it read rows
+            self.emit("fetched", values={"seconds": flight.seconds})
+            self._report_visibility()
+        else:
+            rows = self.fetch(position, limit)
         positions = None
         if (window or self.reserve) and rows:
             positions = [position_of(e) for e in self.normalise(rows, "plan", 0)]

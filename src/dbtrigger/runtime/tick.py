@@ -17,14 +17,20 @@
    writes. A batch that did not settle is recorded as a failed attempt, in
    one write that also releases the lease.
 
-   With lanes (``max_concurrency > 1``) the next batch is read *while* the
-   lanes run (:class:`Prefetch`), after where this batch leaves the
-   checkpoint and window if all of it is accepted. It is used only if the
-   batch did leave them exactly there; otherwise (a retry moved the window,
-   the batch failed, the lease was lost, the tick stops) it is dropped and,
-   if needed, read again: a read has nothing to undo, and the rows are handed
-   out only after this batch's commit succeeded under the same lease. The
-   storage cost is unchanged (the read is the source's, not the store's).
+   With read-ahead (the default, for sources that can be read from another
+   thread: :mod:`dbtrigger.runtime.readahead`) the next batch is read on a
+   thread of its own *while* this batch is handed over and committed, after
+   where this batch leaves the checkpoint and window if all of it is
+   accepted; it is taken after the commit, which then releases the lease
+   only when the tick ends whatever comes back (else one more write releases
+   it when the read came back empty). Without it, with lanes
+   (``max_concurrency > 1``), the next batch is read on the tick's thread
+   while the lanes run (:class:`Prefetch`). Either read is used only if the
+   batch did leave the checkpoint and window exactly there; otherwise (a
+   retry moved the window, the batch failed, the lease was lost, the tick
+   stops) it is dropped and, if needed, read again: a read has nothing to
+   undo, and the rows are handed out only after this batch's commit
+   succeeded under the same lease.
 
 What to write is always decided by a pure function of :mod:`dbtrigger.state`
 (``lease.decide_*``, ``verdict.advance``, ``journal.JournalEntry``); what is
@@ -37,7 +43,10 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from dbtrigger._gc import older_objects_frozen
 from dbtrigger.cursor import BEGINNING, Position
@@ -49,6 +58,7 @@ from dbtrigger.runtime.delivery import Delivered, Undelivered
 from dbtrigger.runtime.heartbeat import Heartbeat
 from dbtrigger.runtime.kernel import Handler, KeepAlive, wants_context
 from dbtrigger.runtime.lease_clocks import LeaseClocks
+from dbtrigger.runtime.readahead import CARRY_SECONDS, ReadAhead
 from dbtrigger.runtime.reading import BatchReader, Prefetch, TickSettings, landing
 from dbtrigger.runtime.session import LeaseSession
 from dbtrigger.runtime.trigger import Outcome, TickResult
@@ -67,6 +77,30 @@ from dbtrigger.state.journal import JournalEntry
 from dbtrigger.state.window import Window
 
 __all__ = ["TickDriver", "TickResult", "TickSettings", "wants_context"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Landed:
+    """Where a delivered batch leaves the checkpoint and the window."""
+
+    batch_id: str
+    before: Position
+    after: Position
+    window: Window
+    started_at: dt.datetime
+
+
+@dataclass(frozen=True)
+class Next:
+    """What decides the batch after this one: its index, the stop flag, the
+    lanes' prefetch and the read-ahead's tag."""
+
+    index: int
+    should_stop: Callable[[], bool] | None
+    prefetch: Prefetch | None
+    tag: object
 
 
 def batch_id_for(started_at: dt.datetime, token: int, index: int) -> str:
@@ -99,8 +133,10 @@ class TickDriver:
             settings,
             clock=clock,
             telemetry=telemetry,
-            cursor_age=source.cursor_age_seconds if isinstance(source, MeasuresCursorAge) else None,
-            lag_after=source.lag_after if isinstance(source, MeasuresLag) else None,
+            cursor_age=self.quietly(source.cursor_age_seconds)
+            if isinstance(source, MeasuresCursorAge)
+            else None,
+            lag_after=self.quietly(source.lag_after) if isinstance(source, MeasuresLag) else None,
         )
         #: The trigger's heartbeat thread (the lease is renewed on it).
         self.keepalive = keepalive
@@ -110,11 +146,38 @@ class TickDriver:
         #: How long a lease has stood unchanged, for leases written by a clock
         #: running ahead (see dbtrigger.state.lease.believed_expiry).
         self.lease_clocks = LeaseClocks(telemetry)
+        #: time.monotonic() when the last tick ended: ticks that follow each other
+        #: at once (``dbtrigger run`` while batches are full) carry a read-ahead.
+        self._last_end = -float("inf")
+
+    def quietly(self, call: Callable[..., T]) -> Callable[..., T]:
+        """``call`` (a source's), made only while no read-ahead is in flight."""
+
+        def quiet_call(*args: Any, **kwargs: Any) -> T:
+            read_ahead = self.reader.read_ahead
+            if read_ahead is not None:
+                read_ahead.quiet()
+            return call(*args, **kwargs)
+
+        return quiet_call
 
     # --- the tick, top-down -------------------------------------------------------------
 
     def run(self, handler: Handler, should_stop: Callable[[], bool] | None = None) -> TickResult:
+        try:
+            return self._run(handler, should_stop)
+        except BaseException:
+            if self.reader.read_ahead is not None:
+                self.reader.read_ahead.drop()
+            raise
+        finally:
+            self._last_end = time.monotonic()
+
+    def _run(self, handler: Handler, should_stop: Callable[[], bool] | None) -> TickResult:
         s = self.settings
+        # A read-ahead carried from the last tick is this tick's first read only
+        # if the document is the one that tick's last commit wrote (its etag).
+        follows = time.monotonic() - self._last_end <= CARRY_SECONDS
         started_at = self.clock()
         self.reader.visibility = None
         self.committed = (0, 0)
@@ -136,6 +199,8 @@ class TickDriver:
             definition=self.reader.definition(),
         )
         if isinstance(decision, leasemod.Busy):
+            if self.reader.read_ahead is not None:
+                self.reader.read_ahead.drop()
             self.lease_clocks.busy(decision, etag)
             self.emit(
                 "lease_busy",
@@ -153,7 +218,9 @@ class TickDriver:
         position = doc.position if doc else BEGINNING
         window = (doc.window if doc is not None else None) or Window()
         try:
-            selection = self.reader.next_batch(position, window)
+            selection = self.reader.next_batch(
+                position, window, tag=("etag", etag), max_age=CARRY_SECONDS
+            )
         except DbTriggerError as exc:
             self.emit("fetch_failed", "fetch failed: %s", exc)
             raise
@@ -208,7 +275,15 @@ class TickDriver:
             # See dbtrigger._gc: full collections during the tick skip older objects.
             with older_objects_frozen(), heartbeat:
                 return self.batches(
-                    session, handler, selection, position, started_at, doc, should_stop, lost
+                    session,
+                    handler,
+                    selection,
+                    position,
+                    started_at,
+                    doc,
+                    should_stop,
+                    lost,
+                    carry=follows,
                 )
         finally:
             if not session.released and not session.lost:
@@ -224,9 +299,19 @@ class TickDriver:
         previous: StateDocument | None,
         should_stop: Callable[[], bool] | None,
         lost: threading.Event,
+        *,
+        carry: bool = False,
     ) -> TickResult:
-        """Deliver and commit batches until one is the last; that commit releases."""
+        """Deliver and commit batches until one is the last; that commit releases.
+
+        With read-ahead the batch after each one is read while it is handed
+        over and committed (:mod:`dbtrigger.runtime.readahead`), under the tag
+        of this lease; the tick's last batch reads ahead for the next tick
+        only when ``carry`` (ticks follow each other at once).
+        """
         s = self.settings
+        read_ahead = self.reader.read_ahead
+        tag = ("lease", session.token)
         total = 0
         wants_ctx = wants_context(handler)
         failure = leasemod.failure_at(previous, position)
@@ -269,7 +354,9 @@ class TickDriver:
                     ),
                 )
                 done = frozenset(failure.done) if failure else frozenset()
-                prefetch = self.reader.prefetch(selection, events, position, index, started_at)
+                prefetch = self.look_ahead(
+                    selection, events, position, index, started_at, tag, carry=carry
+                )
                 outcome = self.hand_over(
                     session, handler, wants_ctx, events, done, ctx, selection, prefetch
                 )
@@ -277,24 +364,15 @@ class TickDriver:
             failure = None
             after, window = landing(position, events, selection, settlement)
 
-            # Prefetch so the last commit can release the lease in the same write.
-            following, deferred = self.following(
-                selection, index, should_stop, prefetch, after, window
+            following, deferred = self.commit(
+                session,
+                Landed(batch_id, position, after, window, started_at),
+                selection,
+                events,
+                settlement,
+                outcome,
+                Next(index, should_stop, prefetch, tag),
             )
-            release = following is None
-            entry = JournalEntry.commit(
-                batch_id=batch_id,
-                before=position,
-                after=after,
-                rows=len(events),
-                owner_id=s.owner_id,
-                fencing_token=session.token,
-                now=self.clock(),
-                started_at=started_at,
-                quarantined=outcome.quarantined,
-                outcomes=outcome.outcomes(len(events)),
-            )
-            self.writer.commit_batch(session, entry, release, settlement, events, outcome)
             # After retries that did not fit the window, batches are cut to what it
             # can hold as waiting, until a batch of new rows retries nothing.
             if settlement is not None and settlement.unremembered:
@@ -316,6 +394,8 @@ class TickDriver:
                 raise deferred
             if following is None:
                 more = selection.more
+                if read_ahead is not None:
+                    self.end_read_ahead(read_ahead, tag, session, index, should_stop)
                 # A short batch was the last one: nothing is pending.
                 self.emit("tick_committed", values={"lag_rows": None if more else 0})
                 return self.result(
@@ -323,6 +403,86 @@ class TickDriver:
                 )
             selection = following
             index += 1
+
+    def look_ahead(
+        self,
+        selection: Selection,
+        events: list[RowChange],
+        position: Position,
+        index: int,
+        started_at: dt.datetime,
+        tag: object,
+        *,
+        carry: bool,
+    ) -> Prefetch | None:
+        """Start reading the next batch before this one is handed over: on the
+        read-ahead's thread, or (read-ahead off, or a source that cannot be read
+        from another thread) a :class:`Prefetch` the lanes' wait runs. The
+        tick's last batch reads ahead only to ``carry``."""
+        if not self.reader.reads_ahead():
+            return self.reader.prefetch(selection, events, position, index, started_at)
+        if carry or index + 1 < self.settings.max_batches_per_tick:
+            self.reader.read_ahead_from(selection, events, position, started_at, tag)
+        return None
+
+    def commit(
+        self,
+        session: LeaseSession,
+        landed: Landed,
+        selection: Selection,
+        events: list[RowChange],
+        settlement: windowmod.Settlement | None,
+        outcome: Delivered,
+        nxt: Next,
+    ) -> tuple[Selection | None, DbTriggerError | None]:
+        """Commit the batch; the batch after it (None: the tick's last), or the
+        error reading it.
+
+        The next batch is read before the commit, so that the last commit can
+        release the lease in the same write - unless it is being read ahead,
+        which the commit then overlaps too: it is taken after the commit, and
+        the lease released in a write of its own if nothing came back.
+        """
+        s = self.settings
+        read_ahead = self.reader.read_ahead
+        ahead = read_ahead is not None and read_ahead.pending is not None
+        index, should_stop, after, window = nxt.index, nxt.should_stop, landed.after, landed.window
+        if ahead:
+            following, deferred = None, None
+            release = self.last(selection, index, should_stop)
+        else:
+            following, deferred = self.following(
+                selection, index, should_stop, nxt.prefetch, after, window, nxt.tag
+            )
+            release = following is None
+        entry = JournalEntry.commit(
+            batch_id=landed.batch_id,
+            before=landed.before,
+            after=after,
+            rows=len(events),
+            owner_id=s.owner_id,
+            fencing_token=session.token,
+            now=self.clock(),
+            started_at=landed.started_at,
+            quarantined=outcome.quarantined,
+            outcomes=outcome.outcomes(len(events)),
+        )
+        self.writer.commit_batch(session, entry, release, settlement, events, outcome)
+        if ahead and not release:
+            following, deferred = self.following(
+                selection, index, should_stop, None, after, window, nxt.tag
+            )
+            if following is None and deferred is None:
+                self.writer.release(session)
+        return following, deferred
+
+    def last(
+        self, selection: Selection, index: int, should_stop: Callable[[], bool] | None
+    ) -> bool:
+        """Is this batch the tick's last whatever the next read returns?"""
+        if index + 1 >= self.settings.max_batches_per_tick or not selection.more:
+            return True
+        return should_stop is not None and should_stop()
 
     def following(
         self,
@@ -332,20 +492,38 @@ class TickDriver:
         prefetch: Prefetch | None,
         after: Position,
         window: Window,
+        tag: object = None,
     ) -> tuple[Selection | None, DbTriggerError | None]:
         """The batch after this one (None: this is the tick's last), or the error
         reading it, deferred until this batch is committed. A prefetch read from
         exactly ``after`` and ``window`` is used; any other is dropped."""
-        s = self.settings
-        stopping = should_stop is not None and should_stop()
-        if index + 1 >= s.max_batches_per_tick or not selection.more or stopping:
+        if self.last(selection, index, should_stop):
             return None, None
         if prefetch is not None and prefetch.matches(after, window):
             return prefetch.take()
         try:
-            return self.reader.next_batch(after, window), None
+            return self.reader.next_batch(after, window, tag=tag), None
         except DbTriggerError as exc:
             return None, exc
+
+    def end_read_ahead(
+        self,
+        read_ahead: ReadAhead,
+        tag: object,
+        session: LeaseSession,
+        index: int,
+        should_stop: Callable[[], bool] | None,
+    ) -> None:
+        """The tick's last batch is committed: a read-ahead of the next batch is
+        kept for the next tick (tagged with the etag this commit wrote) when the
+        tick stopped at ``max_batches_per_tick``, dropped otherwise; either way
+        it has ended before the tick returns."""
+        stopping = should_stop is not None and should_stop()
+        if index + 1 >= self.settings.max_batches_per_tick and not stopping:
+            read_ahead.retag(tag, ("etag", session.etag))
+            read_ahead.quiet()
+        else:
+            read_ahead.drop()
 
     def hand_over(
         self,
@@ -412,6 +590,8 @@ class TickDriver:
         """
         if not self.acknowledges:
             return
+        if self.reader.read_ahead is not None:
+            self.reader.read_ahead.quiet()
         try:
             self.source.acknowledge(position)  # type: ignore[attr-defined]
         except DbTriggerError as exc:

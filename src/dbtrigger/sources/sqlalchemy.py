@@ -330,6 +330,15 @@ class SqlAlchemySource:
             and self._engines.holds_connections
         )
 
+    @property
+    def concurrent_reads(self) -> bool:
+        """May :meth:`fetch` run on another thread than this source's other calls
+        (a trigger's read-ahead, :mod:`dbtrigger.runtime.readahead`)? Every fetch
+        takes a connection of its own (or the one a catch-up keeps, handed over
+        under a lock), so yes, except on SQLite, whose in-memory databases are
+        one per thread and whose reads gain nothing from another thread."""
+        return self.dialect_name != "sqlite"
+
     def release_connection(self) -> None:
         """Give the connection a catch-up keeps (see :meth:`fetch`) back to the pool;
         nothing when none is kept."""

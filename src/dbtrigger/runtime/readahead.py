@@ -1,0 +1,211 @@
+"""Read-ahead: the next batch's read runs on a background thread while the
+handler and the commit of this batch run.
+
+A catch-up is a sequence of (read, hand over, commit). The read mostly waits
+on the server (the driver releases the GIL), the rest is the client's CPU, so
+overlapping them is the largest saving left on a narrow table: the server
+reads batch N+1 while the handler and the commit of batch N run.
+
+What runs on the background thread is the source's ``fetch`` alone: no retry,
+no telemetry, no choice against the settled window. Those stay on the tick's
+thread and run when the read is *taken*, exactly as after a read made then.
+
+**When a read-ahead is used.** A read is started after where this batch
+leaves the checkpoint *if every event is accepted* (and the limit the window
+then gives), tagged with the tick's lease session. It is used only if the
+tick then asks for exactly that read: the same position, the same limit, the
+same session (so the same lease and fencing token: nothing written by anyone
+else in between). Anything else drops it and the tick reads again: a handler
+that failed or asked for retries (the batch lands elsewhere), a partial
+commit, a commit that lost the lease, a tick told to stop, a read that
+failed (the tick's own read retries as usual), ``close()``. A read has
+nothing to undo, and its rows are handed out only after this batch's commit
+succeeded under the same lease, so at-least-once, ordering and fencing are
+those of the sequential read; the visibility guard's bound is computed by the
+read itself, so a read made earlier is as safe as one made later.
+
+**Across ticks.** A tick that stops at ``max_batches_per_tick`` with more rows
+pending (``dbtrigger run`` does one batch a tick and ticks again at once)
+keeps its last read-ahead for the next tick, which uses it only if the state
+document it reads is the one this tick's last commit wrote (its etag) and
+the read is at most :data:`CARRY_SECONDS` old. Anything else drops it.
+
+**The source is never used by two threads at once.** While a read is in
+flight the tick's thread makes no call to the source: :meth:`ReadAhead.quiet`
+waits for the read first (the commit's lag measurement, a checkpoint
+acknowledgement), and every tick waits for its read before it returns, so
+nothing of a read outlives the tick but its rows. A source opts in with a
+true ``concurrent_reads`` attribute (:func:`reads_ahead`); one that cannot be
+read from another thread (an in-memory SQLite database, a fake whose fetches
+are counted) leaves it out.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from dbtrigger._gc import gc_paused
+from dbtrigger.cursor import Position
+
+#: How old a read carried to the next tick may be when that tick takes it.
+CARRY_SECONDS = 1.0
+
+#: How long the idle reader thread waits for the next read before it exits.
+LINGER_SECONDS = 2.0
+
+#: What a source's fetch returns.
+Rows = Sequence[Mapping[str, Any]]
+
+
+def reads_ahead(source: object) -> bool:
+    """May the source's ``fetch`` run on another thread than its other calls?"""
+    return getattr(source, "concurrent_reads", False) is True
+
+
+class Flight:
+    """One read: where from, under which tag, and (once done) its rows or error."""
+
+    __slots__ = ("after", "done", "error", "finished", "limit", "rows", "seconds", "tag")
+
+    def __init__(self, after: Position, limit: int, tag: object) -> None:
+        self.after = after
+        self.limit = limit
+        self.tag = tag
+        self.done = threading.Event()
+        self.rows: Rows | None = None
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        #: time.monotonic() when the read ended.
+        self.finished = 0.0
+
+    def run(self, fetch: Callable[[Position, int], Rows]) -> None:
+        started = time.perf_counter()
+        try:
+            with gc_paused():
+                self.rows = fetch(self.after, self.limit)
+        except BaseException as exc:  # noqa: BLE001 - kept: the tick reads again itself
+            self.error = exc
+        finally:
+            self.seconds = time.perf_counter() - started
+            self.finished = time.monotonic()
+            self.done.set()
+
+
+class ReadAhead:
+    """The read-ahead of one trigger: at most one read at a time, on one thread
+    that exits after :data:`LINGER_SECONDS` without work (the next read starts
+    it again). See the module docstring for when a read is used."""
+
+    def __init__(
+        self,
+        fetch: Callable[[Position, int], Rows],
+        *,
+        name: str,
+        linger: float = LINGER_SECONDS,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.fetch = fetch
+        self.name = name
+        self.linger = linger
+        self.monotonic = monotonic
+        self._flight: Flight | None = None
+        self._queued: Flight | None = None
+        self._wake = threading.Condition(threading.Lock())
+        self._thread: threading.Thread | None = None
+        #: Reads started / used / dropped (for tests and the benchmark).
+        self.started = 0
+        self.used = 0
+        self.dropped = 0
+
+    @property
+    def pending(self) -> Flight | None:
+        """The read started and not yet taken or dropped (None: none)."""
+        return self._flight
+
+    def start(self, after: Position, limit: int, tag: object) -> None:
+        """Read ``limit`` rows after ``after`` on the reader thread (one held before is dropped)."""
+        self.drop()
+        flight = Flight(after, limit, tag)
+        self._flight = flight
+        self.started += 1
+        with self._wake:
+            self._queued = flight
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name=f"dbtrigger-readahead-{self.name}", daemon=True
+                )
+                self._thread.start()
+            else:
+                self._wake.notify()
+
+    def retag(self, old: object, new: object) -> None:
+        """The read tagged ``old`` now stands for ``new`` (a tick's carried read,
+        once the etag of its last commit is known)."""
+        flight = self._flight
+        if flight is not None and flight.tag == old:
+            flight.tag = new
+
+    def take(
+        self, after: Position, limit: int, tag: object, *, max_age: float | None = None
+    ) -> Flight | None:
+        """The read, done, if it is exactly this one (the same position, limit
+        and tag) and it worked (and ended at most ``max_age`` seconds ago); None
+        otherwise. Either way nothing is held afterwards."""
+        flight = self._flight
+        if flight is None:
+            return None
+        self._flight = None
+        flight.done.wait()
+        if (
+            flight.error is None
+            and flight.tag == tag
+            and flight.limit == limit
+            and flight.after == after
+            and (max_age is None or self.monotonic() - flight.finished <= max_age)
+        ):
+            self.used += 1
+            return flight
+        self.dropped += 1
+        return None
+
+    def quiet(self) -> None:
+        """Wait until no read is in flight (the read, if any, is kept)."""
+        flight = self._flight
+        if flight is not None:
+            flight.done.wait()
+
+    def drop(self) -> None:
+        """Drop the read held (waiting for it to end first)."""
+        flight, self._flight = self._flight, None
+        if flight is not None:
+            flight.done.wait()
+            self.dropped += 1
+
+    def close(self) -> None:
+        """Drop the read held and stop the thread (it starts again on the next read)."""
+        self.drop()
+        with self._wake:
+            thread = self._thread
+            self._thread = None
+            self._wake.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def _run(self) -> None:
+        me = threading.current_thread()
+        while True:
+            with self._wake:
+                if self._queued is None and self._thread is me:
+                    self._wake.wait(self.linger)
+                flight, self._queued = self._queued, None
+                if flight is None:  # lingered without work, or closed
+                    if self._thread is me:
+                        self._thread = None
+                    return
+            flight.run(self.fetch)
+
+
+__all__ = ["CARRY_SECONDS", "Flight", "ReadAhead", "reads_ahead"]

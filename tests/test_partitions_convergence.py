@@ -520,3 +520,37 @@ def test_a_member_joining_a_working_group_does_not_wait(sqlite_db: TestDatabase)
     assert first is not None
     assert first.stolen  # at its first cycle, no join window: a already works
     assert not b.joining
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_member_readies_its_source_in_the_join_window(
+    sqlite_db: TestDatabase, fails: bool
+) -> None:
+    """The join window is spent connecting and reflecting, not asleep; a failure
+    there is left to the first partition tick (which here reads fine)."""
+    make_table(sqlite_db, 30)
+    poller = member(
+        sqlite_db,
+        InMemoryCheckpointStore(),
+        "a",
+        time.monotonic,  # type: ignore[arg-type]  # the thread runs on real time
+        join_window_seconds=0.3,
+        background=True,
+    )
+    readied: list[tuple[tuple[str, ...], bool, bool]] = []
+    validate = poller.source.validate
+
+    def recording(position: Any = None) -> None:
+        readied.append((poller.owned, poller.joining, poller.source.reflected_table() is None))
+        if fails:
+            raise StoreUnavailableError("database not there yet")
+        validate(position)
+
+    poller.source.validate = recording  # type: ignore[method-assign]
+    seen: list[RowChange] = []
+    try:
+        assert poller.drain(seen.extend) == 30
+    finally:
+        poller.leave()
+    assert readied == [((), True, True)]  # once, owning nothing yet, before any reflection
+    assert sorted(e.pk["id"] for e in seen) == list(range(1, 31))

@@ -78,7 +78,7 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
                 )
             if source.read_control(conn) is None:
                 row = source.new_control_row(current_position(conn, files))
-                control.write(conn, source.control_database, row)
+                source.write_control(conn, row)
                 done.append(
                     f"recorded reader {source.reader} at {row.created_file}:{row.created_pos}"
                     + (
@@ -206,7 +206,7 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
             previous = source.read_control(conn)
             row = source.new_control_row(current_position(conn, files), snapshots=False)
             carry_over(previous, row, source.table_names(), snapshot=snapshot)
-            control.write(conn, source.control_database, row)
+            source.write_control(conn, row)
         return [
             f"reader {source.reader} starts again at {row.created_file}:{row.created_pos}"
             + (f"; snapshot of {len(source.tables)} table(s) queued" if snapshot else "")

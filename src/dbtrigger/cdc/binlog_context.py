@@ -52,6 +52,10 @@ class BinlogSourceParts(LogSourceParts, Protocol):
         self, conn: pymysql.connections.Connection[Any], *, lock: bool = False
     ) -> control.ControlRow | None: ...
 
+    def write_control(
+        self, conn: pymysql.connections.Connection[Any], row: control.ControlRow
+    ) -> None: ...
+
     def save_snapshots(
         self, conn: pymysql.connections.Connection[Any], snapshots: list[Snapshot]
     ) -> None: ...

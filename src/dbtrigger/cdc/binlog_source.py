@@ -224,7 +224,7 @@ class BinlogSource(LogSource):
                     "cdc install MODULE:TRIGGER --yes first"
                 )
             row = self.new_control_row(current_position(conn, files), snapshots=after is None)
-            control.write(conn, self.control_database, row)
+            self.write_control(conn, row)
             log.info(
                 "binlog reader %s created at %s:%s (server_id %d%s)",
                 self.reader,
@@ -265,6 +265,12 @@ class BinlogSource(LogSource):
     ) -> control.ControlRow | None:
         """The reader's control row (``lock``: FOR UPDATE, in the caller's transaction)."""
         return control.read(conn, self.control_database, self.reader, lock=lock)
+
+    def write_control(
+        self, conn: pymysql.connections.Connection[Any], row: control.ControlRow
+    ) -> None:
+        """Insert or replace the reader's control row."""
+        control.write(conn, self.control_database, row)
 
     def save_snapshots(
         self, conn: pymysql.connections.Connection[Any], snapshots: list[Snapshot]

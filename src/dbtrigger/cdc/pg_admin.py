@@ -143,7 +143,7 @@ class PgAdmin(SourceAdmin[PgSourceParts]):
             if new_slot:
                 source.infos = infos
                 created = setup.create_slot(conn, source.slot, failover=source.failover)
-                control.write(conn, source.control_schema, source.new_control_row(created))
+                source.write_control(conn, source.new_control_row(created))
                 done.append(f"created replication slot {source.slot} at {lsn_text(created)}")
         source.close()
         return done
@@ -212,7 +212,7 @@ class PgAdmin(SourceAdmin[PgSourceParts]):
             created = setup.create_slot(conn, source.slot, failover=source.failover)
             row = source.new_control_row(created, snapshots=False)
             carry_over(previous, row, source.table_names(), snapshot=snapshot)
-            control.write(conn, source.control_schema, row)
+            source.write_control(conn, row)
             done.append(
                 f"created replication slot {source.slot} at {lsn_text(created)}"
                 + (f"; snapshot of {len(source.tables)} table(s) queued" if snapshot else "")

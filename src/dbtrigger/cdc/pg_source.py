@@ -241,7 +241,7 @@ class PgLogicalSource(LogSource):
         if state is None:
             created = setup.create_slot(conn, self.slot, failover=self.failover)
             row = self.new_control_row(created)
-            control.write(conn, self.control_schema, row)
+            self.write_control(conn, row)
             log.info(
                 "created replication slot %s at %s (publication %s%s)",
                 self.slot,
@@ -254,7 +254,7 @@ class PgLogicalSource(LogSource):
             setup.ensure_publication(conn, self.publication, self.tables, create=self.create)
             if row is None:
                 row = self.new_control_row(None, snapshots=False)
-                control.write(conn, self.control_schema, row)
+                self.write_control(conn, row)
         assert row is not None  # noqa: S101 - written just above when missing
         self.accept(row.columns)
         self.confirmed = None if state is None else state.confirmed_flush
@@ -283,6 +283,10 @@ class PgLogicalSource(LogSource):
     ) -> control.ControlRow | None:
         """The slot's control row (``lock``: FOR UPDATE, in the caller's transaction)."""
         return control.read(conn, self.control_schema, self.slot, lock=lock)
+
+    def write_control(self, conn: psycopg.Connection[Any], row: control.ControlRow) -> None:
+        """Insert or replace the slot's control row."""
+        control.write(conn, self.control_schema, row)
 
     def save_snapshots(self, conn: psycopg.Connection[Any], snapshots: list[Snapshot]) -> None:
         control.save_snapshots(conn, self.control_schema, self.slot, snapshots)

@@ -144,51 +144,59 @@ class Delivery:
         Raises:
             LostLeaseError: the lease was lost; nothing may be written.
         """
+        marks = ctx.marks
         try:
-            outcome = self._deliver(handler, events, done, ctx, wants_ctx, meanwhile)
+            # Ids only matter when an earlier delivery settled some rows; an event
+            # computes its id on first read, so the usual batch never computes one.
+            pending = [e for e in events if e.event_id not in done] if done else list(events)
+            if len(pending) < len(events):
+                self.telemetry.emit(
+                    "rows_skipped_done",
+                    "skipping %d row(s) processed on an earlier delivery of this batch",
+                    len(events) - len(pending),
+                    batch_id=ctx.batch_id,
+                    rows=len(events) - len(pending),
+                )
+            error: Exception | None = None
+            if pending:
+                try:
+                    self._invoke(handler, pending, ctx, wants_ctx, meanwhile)
+                except LostLeaseError:
+                    raise
+                except Exception as exc:  # handler failures are sorted out by _failed
+                    if marks is not None and marks.misuse is not None:
+                        raise marks.misuse from exc
+                    error = exc
+            outcome = (
+                Delivered()
+                if error is None
+                else self._failed(handler, events, pending, done, ctx, wants_ctx, error)
+            )
         finally:
-            if ctx.marks is not None:
-                ctx.marks.close()
-        if ctx.marks is not None and ctx.marks.misuse is not None:
+            if marks is not None:
+                marks.close()
+        if marks is not None and marks.misuse is not None:
             # ctx.reject/retry misused: a bug to fix, not a batch to retry.
-            raise ctx.marks.misuse
-        if isinstance(outcome, Delivered) and ctx.marks is not None:
-            return self._apply_marks(ctx, events, outcome, ctx.marks)
+            raise marks.misuse
+        if isinstance(outcome, Delivered) and marks is not None:
+            return self._apply_marks(ctx, events, outcome, marks)
         return outcome
 
-    def _deliver(
+    def _failed(
         self,
         handler: Handler,
         events: list[RowChange],
+        pending: list[RowChange],
         done: frozenset[str],
         ctx: BatchContext,
         wants_ctx: bool,
-        meanwhile: Callable[[], None] | None,
+        error: Exception,
     ) -> Outcome:
+        """What the failed call on ``pending`` (``events`` less the rows ``done``
+        on an earlier delivery) makes of the batch: the rows a
+        :class:`~dbtrigger.errors.PartialBatchError` names or, once it is time,
+        the rows bisection finds failing alone; the verdict on them."""
         emit = self.telemetry.emit
-        # Ids only matter when an earlier delivery settled some rows; an event
-        # computes its id on first read, so the usual batch never computes one.
-        pending = [e for e in events if e.event_id not in done] if done else list(events)
-        if len(pending) < len(events):
-            emit(
-                "rows_skipped_done",
-                "skipping %d row(s) processed on an earlier delivery of this batch",
-                len(events) - len(pending),
-                batch_id=ctx.batch_id,
-                rows=len(events) - len(pending),
-            )
-        if not pending:
-            return Delivered()
-        try:
-            self._invoke(handler, pending, ctx, wants_ctx, meanwhile)
-            return Delivered()
-        except LostLeaseError:
-            raise
-        except Exception as exc:  # handler failures are sorted out below
-            if ctx.marks is not None and ctx.marks.misuse is not None:
-                raise ctx.marks.misuse from exc
-            error: Exception = exc
-
         succeeded: list[RowChange] = []
         failed: list[tuple[RowChange, BaseException]] = []
         if isinstance(error, PartialBatchError):

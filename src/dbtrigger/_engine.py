@@ -29,6 +29,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 
+from dbtrigger._once import Once
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.settings import resolve_setting
 
@@ -204,7 +205,7 @@ class LazyEngine:
             engine.dispose()
 
 
-class TableOnce:
+class TableOnce(Once):
     """A table created, when missing, at its first use and once per process.
 
     ``ensure`` is safe from several threads, and another process creating the
@@ -212,24 +213,17 @@ class TableOnce:
     """
 
     def __init__(self, table: sa.Table, engine: Callable[[], Engine]) -> None:
+        super().__init__(self._create)
         self.table = table
         self._engine = engine
-        self._done = False
-        self._lock = threading.Lock()
 
-    def ensure(self) -> None:
-        if self._done:
-            return
-        with self._lock:
-            if self._done:
-                return
-            engine = self._engine()
-            try:
-                self.table.create(engine, checkfirst=True)
-            except sa.exc.SQLAlchemyError:
-                if not sa.inspect(engine).has_table(self.table.name, self.table.schema):
-                    raise
-            self._done = True
+    def _create(self) -> None:
+        engine = self._engine()
+        try:
+            self.table.create(engine, checkfirst=True)
+        except sa.exc.SQLAlchemyError:
+            if not sa.inspect(engine).has_table(self.table.name, self.table.schema):
+                raise
 
 
 __all__ = [

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -60,6 +59,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from dbtrigger._driver_errors import encoding_problem, short_error
 from dbtrigger._engine import LazyEngine, parse_database_url
+from dbtrigger._once import Once
 from dbtrigger.errors import (
     AmbiguousWriteError,
     CasConflictError,
@@ -221,8 +221,7 @@ class SqlCheckpointStore:
         )
         self._namespace = validate_name(namespace, "namespace")
         self._create = create_table
-        self._ready = not create_table
-        self._lock = threading.Lock()
+        self._creation = Once(self.create_table, done=not create_table)
         #: MariaDB/MySQL: the server's max_allowed_packet, read at the first write.
         self._max_packet: int | None = None
         #: Where the URL comes from while it is not resolved (describe()).
@@ -341,18 +340,14 @@ class SqlCheckpointStore:
                 # Another process created it between our check and our CREATE.
                 if classify_driver_error(exc) == "auth" or not self._table_exists():
                     raise
-        self._ready = True
+        self._creation.done = True
 
     def _table_exists(self) -> bool:
         with self._engine.connect() as conn:
             return sa.inspect(conn).has_table(self._table.name, schema=self._table.schema)
 
     def _ensure_table(self) -> None:
-        if self._ready:
-            return
-        with self._lock:
-            if not self._ready:
-                self.create_table()
+        self._creation.ensure()
 
     def _check_packet(self, key: str, data: bytes) -> None:
         """MariaDB/MySQL drop the connection on a statement larger than

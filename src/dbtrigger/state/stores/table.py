@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -57,6 +56,7 @@ from azure.data.tables import TableClient, UpdateMode
 
 from dbtrigger import _azure_errors as azure_errors
 from dbtrigger import options as opt
+from dbtrigger._once import Once
 from dbtrigger.errors import (
     CasConflictError,
     ConfigurationError,
@@ -197,8 +197,7 @@ class TableCheckpointStore(SdkClientHolder[TableClient]):
             )
         self._app = validate_name(app_name, "app name")
         self._create = create_table
-        self._ready = not create_table
-        self._lock = threading.Lock()
+        self._creation = Once(self._create_table, done=not create_table)
         timeout_seconds = opt.seconds("timeout_seconds", timeout_seconds)
         retries = opt.whole("retries", retries, minimum=0)
         transport: dict[str, Any] = {
@@ -312,18 +311,15 @@ class TableCheckpointStore(SdkClientHolder[TableClient]):
         )
 
     def _ensure_table(self) -> None:
-        if self._ready:
-            return
-        with self._lock:
-            if self._ready:
-                return
-            # ResourceExistsError: someone (maybe another instance) created it first.
-            with (
-                self._edge("create table", self._table_name),
-                contextlib.suppress(ResourceExistsError),
-            ):
-                self._client.create_table()
-            self._ready = True
+        self._creation.ensure()
+
+    def _create_table(self) -> None:
+        # ResourceExistsError: someone (maybe another instance) created it first.
+        with (
+            self._edge("create table", self._table_name),
+            contextlib.suppress(ResourceExistsError),
+        ):
+            self._client.create_table()
 
     # --- encoding -----------------------------------------------------------------------
 

@@ -55,7 +55,7 @@ from dbtrigger.runtime.quiet import QuietCadence
 from dbtrigger.runtime.readahead import ReadAhead
 from dbtrigger.runtime.reading import BatchReader, NullCursorProbe, TickSettings
 from dbtrigger.runtime.retry import DEFAULT_RETRY_POLICY, RetryPolicy
-from dbtrigger.runtime.subscriber_options import SubscriberCall, check_fan_out
+from dbtrigger.runtime.subscriber_options import SubscriberCall, check_fan_out, handler_for
 from dbtrigger.runtime.subscribers import FanOut
 from dbtrigger.runtime.telemetry import Telemetry
 from dbtrigger.runtime.tick import TickDriver
@@ -273,28 +273,7 @@ class PollTrigger(ClosesOnExit):
         return FanOut(subscribers=self.subscribers, ack_timeout=self.ack_timeout, **options)
 
     def _handler_for(self, handler: Handler | None) -> Handler:
-        """The handler a tick runs with: the given one, the subscribers, or the @handler one.
-
-        A handler registered with :meth:`handler` is what ``dbtrigger run`` drives; the
-        README registers one and then calls ``drain()``, so a tick run in-process uses it
-        too rather than refusing.
-        """
-        if self.subscribers is not None:
-            if handler is not None and not isinstance(handler, SubscriberCall):
-                raise ConfigurationError(
-                    f"poller {self.name!r} has subscribers= ({', '.join(self.subscribers)}): "
-                    "tick(), drain() and run() take no handler; add it as one more subscriber"
-                )
-            return handler if handler is not None else SubscriberCall()
-        if handler is None:
-            handler = self.default_handler
-        if handler is None:
-            raise ConfigurationError(
-                f"poller {self.name!r} needs a handler: register one with @trigger.handler, "
-                "pass tick(handler) / drain(handler) / run(timer=..., handler=...), or "
-                "construct it with subscribers={name: handler}"
-            )
-        return handler
+        return handler_for(self.name, self.subscribers, handler, self.default_handler)
 
     # --- public API ----------------------------------------------------------------
 

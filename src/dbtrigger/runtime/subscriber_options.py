@@ -4,7 +4,8 @@
 ``PartitionedPoller(subscribers=...)`` check them here, once, at construction:
 every name safe (it is a metric label and a key in the state document) and
 distinct, every handler callable. :class:`SubscriberCall` is what a fan-out
-tick passes where a single-handler tick passes its handler.
+tick passes where a single-handler tick passes its handler
+(:func:`handler_for` chooses a poller's).
 """
 
 from __future__ import annotations
@@ -55,6 +56,40 @@ def check_fan_out(
     if not ack_timeout > 0:
         raise ConfigurationError(f"ack_timeout_seconds must be > 0, got {ack_timeout}")
     return checked, ack_timeout
+
+
+def handler_for(
+    poller: str,
+    subscribers: Mapping[str, Handler] | None,
+    given: Handler | None,
+    registered: Handler | None,
+) -> Handler:
+    """The handler a tick of ``poller`` runs with: the one ``given`` to ``tick()``,
+    ``drain()`` or ``run()``, the fan-out marker with ``subscribers``, or the one
+    ``registered`` with ``@trigger.handler``.
+
+    A registered handler is what ``dbtrigger run`` drives; the README registers one
+    and then calls ``drain()``, so a tick run in-process uses it too rather than
+    refusing.
+
+    Raises:
+        ConfigurationError: a handler given to a poller with subscribers, or none at all.
+    """
+    if subscribers is not None:
+        if given is not None and not isinstance(given, SubscriberCall):
+            raise ConfigurationError(
+                f"poller {poller!r} has subscribers= ({', '.join(subscribers)}): "
+                "tick(), drain() and run() take no handler; add it as one more subscriber"
+            )
+        return given if given is not None else SubscriberCall()
+    handler = given if given is not None else registered
+    if handler is None:
+        raise ConfigurationError(
+            f"poller {poller!r} needs a handler: register one with @trigger.handler, "
+            "pass tick(handler) / drain(handler) / run(timer=..., handler=...), or "
+            "construct it with subscribers={name: handler}"
+        )
+    return handler
 
 
 def validate_subscribers(raw: object) -> dict[str, Handler]:

@@ -10,164 +10,187 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 log = logging.getLogger(__name__)
 
 Labels = Mapping[str, str]
 
-#: name -> (kind, help). Durations are seconds; timestamps are Unix seconds.
-METRICS: dict[str, tuple[str, str]] = {
-    "ticks_total": ("counter", "Ticks run, by result"),
-    "batches_total": ("counter", "Batches handled, by result (committed/failed/lost)"),
-    "events_total": ("counter", "Events delivered to the handler and committed"),
-    "failures_total": ("counter", "Failures, by error_type"),
-    "lease_acquire_skipped_total": (
-        "counter",
-        "Ticks skipped because another instance held the lease",
+
+@dataclass(frozen=True)
+class Metric:
+    """One metric: its kind (``counter``, ``gauge`` or ``histogram``), its help
+    text, and the labels it carries besides ``poller`` (which :class:`SafeMetrics`
+    always adds)."""
+
+    kind: str
+    help: str
+    labels: tuple[str, ...] = ()
+
+
+#: Every metric the library reports, by name. Durations are seconds; timestamps
+#: are Unix seconds. Adapters whose backend fixes label names up front
+#: (Prometheus) declare the labels; a label not listed is still accepted on a
+#: metric's first use.
+DECLARED: dict[str, Metric] = {
+    "ticks_total": Metric("counter", "Ticks run, by result", ("result",)),
+    "batches_total": Metric(
+        "counter", "Batches handled, by result (committed/failed/lost)", ("result",)
     ),
-    "redelivered_batches_total": ("counter", "Batches delivered again after a failed attempt"),
-    "quarantined_total": ("counter", "Rows set aside into a quarantine sink"),
-    "visibility_held_back": ("gauge", "1 while the visibility guard withholds rows"),
-    "visibility_held_back_seconds": ("gauge", "How long the guard has held progress back"),
-    "visibility_blocking_pid": ("gauge", "Backend pid whose open transaction holds the guard back"),
-    "null_cursor_rows": ("gauge", "Rows whose NULL cursor keeps them from delivery"),
-    "fetch_duration_seconds": ("histogram", "Source fetch time"),
-    "handler_duration_seconds": ("histogram", "Handler time per batch"),
-    "commit_duration_seconds": ("histogram", "Checkpoint commit time"),
-    "batch_size": ("histogram", "Events per batch"),
-    "lag_seconds": (
+    "events_total": Metric("counter", "Events delivered to the handler and committed"),
+    "failures_total": Metric("counter", "Failures, by error_type", ("error_type",)),
+    "lease_acquire_skipped_total": Metric(
+        "counter", "Ticks skipped because another instance held the lease"
+    ),
+    "redelivered_batches_total": Metric(
+        "counter", "Batches delivered again after a failed attempt"
+    ),
+    "quarantined_total": Metric("counter", "Rows set aside into a quarantine sink"),
+    "visibility_held_back": Metric("gauge", "1 while the visibility guard withholds rows"),
+    "visibility_held_back_seconds": Metric("gauge", "How long the guard has held progress back"),
+    "visibility_blocking_pid": Metric(
+        "gauge", "Backend pid whose open transaction holds the guard back"
+    ),
+    "null_cursor_rows": Metric("gauge", "Rows whose NULL cursor keeps them from delivery"),
+    "fetch_duration_seconds": Metric("histogram", "Source fetch time"),
+    "handler_duration_seconds": Metric("histogram", "Handler time per batch"),
+    "commit_duration_seconds": Metric("histogram", "Checkpoint commit time"),
+    "batch_size": Metric("histogram", "Events per batch"),
+    "lag_seconds": Metric(
         "gauge",
-        "Seconds behind: the committed cursor's age (timestamp cursors), the lag column's age "
-        "on the oldest undelivered row, or seconds since that row was first seen (lag_basis)",
+        "Seconds behind: the committed cursor's age (timestamp cursors), the lag column's age on "
+        "the oldest undelivered row, or seconds since that row was first seen (lag_basis)",
     ),
-    "lag_basis": ("gauge", "1, labelled with how lag_seconds is measured (basis)"),
-    "lag_rows": ("gauge", "Rows pending after the checkpoint"),
-    "lag_measurement_failures_total": (
+    "lag_basis": Metric(
+        "gauge", "1, labelled with how lag_seconds is measured (basis)", ("lag_basis",)
+    ),
+    "lag_rows": Metric("gauge", "Rows pending after the checkpoint"),
+    "lag_measurement_failures_total": Metric(
         "counter",
-        "lag_seconds measurements that failed after a commit, by error_type (the commit "
-        "stands, the gauge keeps its last value)",
+        "lag_seconds measurements that failed after a commit, by error_type (the commit stands, "
+        "the gauge keeps its last value)",
+        ("error_type",),
     ),
-    "last_success_timestamp": ("gauge", "When the last batch committed"),
-    "heartbeats_total": (
+    "last_success_timestamp": Metric("gauge", "When the last batch committed"),
+    "heartbeats_total": Metric(
+        "counter", "Lease renewals (pollers) or claim extensions (queues) while a handler ran"
+    ),
+    "retries_total": Metric(
         "counter",
-        "Lease renewals (pollers) or claim extensions (queues) while a handler ran",
+        "In-tick retries of store and source calls, by operation",
+        ("operation", "error_type"),
     ),
-    "retries_total": ("counter", "In-tick retries of store and source calls, by operation"),
-    "partitions_owned": ("gauge", "Partitions this member owns (partitioned pollers)"),
-    "partition_members": ("gauge", "Members in the partitioned poller's group, as last written"),
-    "partition_rebalances_total": (
-        "counter",
-        "Partitions claimed, stolen or released by this member, by action",
+    "partitions_owned": Metric("gauge", "Partitions this member owns (partitioned pollers)"),
+    "partition_members": Metric(
+        "gauge", "Members in the partitioned poller's group, as last written"
     ),
-    "backlog_rows": (
+    "partition_rebalances_total": Metric(
+        "counter", "Partitions claimed, stolen or released by this member, by action", ("action",)
+    ),
+    "backlog_rows": Metric(
         "gauge",
         "Scale signal: rows after the checkpoints of all of a partitioned poller's partitions",
     ),
-    "backlog_oldest_seconds": ("gauge", "Scale signal: age of the oldest row behind"),
-    "backlog_desired_replicas": (
-        "gauge",
-        "Scale signal: min(partitions, ceil(backlog_rows / target rows per replica))",
+    "backlog_oldest_seconds": Metric("gauge", "Scale signal: age of the oldest row behind"),
+    "backlog_desired_replicas": Metric(
+        "gauge", "Scale signal: min(partitions, ceil(backlog_rows / target rows per replica))"
     ),
-    "partition_backlog_rows": ("gauge", "Scale signal: rows after one partition's checkpoint"),
-    "partition_backlog_oldest_seconds": (
+    "partition_backlog_rows": Metric(
+        "gauge", "Scale signal: rows after one partition's checkpoint", ("partition",)
+    ),
+    "partition_backlog_oldest_seconds": Metric(
         "gauge",
         "Scale signal: age of the oldest row behind one partition's checkpoint",
+        ("partition",),
     ),
-    "event_outcomes_total": (
+    "event_outcomes_total": Metric(
         "counter",
         "Per-event outcomes of delivered batches, by outcome (accepted/rejected/failed)",
+        ("outcome",),
     ),
-    "subscriber_outcomes_total": (
+    "subscriber_outcomes_total": Metric(
         "counter",
         "Fan-out: per-event outcomes of each subscriber, by subscriber and outcome",
+        ("subscriber", "outcome"),
     ),
-    "ack_timeouts_total": (
+    "ack_timeouts_total": Metric(
         "counter",
         "Fan-out: subscriber calls that outlived ack_timeout_seconds, by subscriber",
+        ("subscriber",),
     ),
-    "window_events": ("gauge", "Events in the settled window above the checkpoint"),
-    "window_bytes": ("gauge", "Encoded size of the settled window in the state document"),
-    "window_withheld_rows": (
+    "window_events": Metric("gauge", "Events in the settled window above the checkpoint"),
+    "window_bytes": Metric("gauge", "Encoded size of the settled window in the state document"),
+    "window_withheld_rows": Metric(
         "gauge",
-        "Rows after the checkpoint the settled window's bound kept back on the last read "
-        "(above 0: the window blocks progress until its pinned events settle)",
+        "Rows after the checkpoint the settled window's bound kept back on the last read (above "
+        "0: the window blocks progress until its pinned events settle)",
     ),
-    "window_overflow_total": (
+    "window_overflow_total": Metric(
         "counter",
-        "Events the full window could not remember, settled or waiting for a retry "
-        "(delivered again)",
+        "Events the full window could not remember, settled or waiting for a retry (delivered "
+        "again)",
     ),
-    "history_appends_total": ("counter", "Records appended to the durable history"),
-    "history_append_failures_total": (
+    "history_appends_total": Metric("counter", "Records appended to the durable history"),
+    "history_append_failures_total": Metric(
         "counter",
-        "History appends that failed, by error_type (the commit stands; the history catches "
-        "up from the journal)",
+        "History appends that failed, by error_type (the commit stands; the history catches up "
+        "from the journal)",
+        ("error_type",),
     ),
-    "history_queue_overflow_total": (
+    "history_queue_overflow_total": Metric(
         "counter",
-        "History records, or their per-event detail, the appender's queue let go of "
-        "(the store fell far behind the commits)",
+        "History records, or their per-event detail, the appender's queue let go of (the store "
+        "fell far behind the commits)",
     ),
-    "history_pruned_total": ("counter", "History records removed by retention"),
-    "replays_total": ("counter", "Replays of recorded batches, by mode (exact/reread/verify)"),
-    "replayed_events_total": ("counter", "Events handed to a handler by replays"),
-    "replay_drift_rows_total": (
+    "history_pruned_total": Metric("counter", "History records removed by retention"),
+    "replays_total": Metric(
+        "counter", "Replays of recorded batches, by mode (exact/reread/verify)", ("mode",)
+    ),
+    "replayed_events_total": Metric("counter", "Events handed to a handler by replays"),
+    "replay_drift_rows_total": Metric(
         "counter",
         "Rows a replay found changed or gone since they were recorded, by kind",
+        ("kind",),
     ),
-    "dead_letter_replays_total": (
+    "dead_letter_replays_total": Metric(
         "counter",
         "Dead-lettered events replayed to a handler, by result (settled/rejected/failed)",
+        ("result",),
     ),
-    "queue_claim_duration_seconds": ("histogram", "Time to claim a batch from a queue table"),
-    "queue_claimed_total": ("counter", "Rows claimed from a queue table"),
-    "queue_rows_total": (
+    "queue_claim_duration_seconds": Metric("histogram", "Time to claim a batch from a queue table"),
+    "queue_claimed_total": Metric("counter", "Rows claimed from a queue table"),
+    "queue_rows_total": Metric(
         "counter",
         "Claimed rows settled, by result (done/retry/dead, or lost: the claim had expired)",
+        ("result",),
     ),
-    "queue_notifications_total": (
-        "counter",
-        "LISTEN/NOTIFY wake-up hints received by an idle queue worker",
+    "queue_notifications_total": Metric(
+        "counter", "LISTEN/NOTIFY wake-up hints received by an idle queue worker"
     ),
-    "wake_notifications_total": (
+    "wake_notifications_total": Metric(
         "counter",
         "LISTEN/NOTIFY wake-up hints received by an idle poller worker (dbtrigger.wakeup)",
     ),
-    "cdc_retained_bytes": ("gauge", "WAL the replication slot keeps for this poller (bytes)"),
-    "cdc_safe_wal_bytes": (
+    "cdc_retained_bytes": Metric("gauge", "WAL the replication slot keeps for this poller (bytes)"),
+    "cdc_safe_wal_bytes": Metric(
         "gauge",
         "WAL the server may still write before it invalidates the slot (max_slot_wal_keep_size)",
     ),
-    "cdc_slot_lost": ("gauge", "1 when the replication slot is gone or invalidated"),
-    "cdc_decode_backlog_total": (
+    "cdc_slot_lost": Metric("gauge", "1 when the replication slot is gone or invalidated"),
+    "cdc_decode_backlog_total": Metric(
         "counter",
         "Reads of the log that ran out of time (DecodeBacklogError) and stepped in windows",
     ),
 }
 
-#: Labels each metric carries besides ``poller`` (which :class:`SafeMetrics`
-#: always adds). Adapters whose backend fixes label names up front (Prometheus)
-#: declare these; a label not listed here is still accepted on a metric's
-#: first use.
+#: name -> (kind, help), from :data:`DECLARED`.
+METRICS: dict[str, tuple[str, str]] = {name: (m.kind, m.help) for name, m in DECLARED.items()}
+
+#: name -> the labels a metric carries besides ``poller``, from :data:`DECLARED`
+#: (metrics with none are not listed).
 METRIC_LABELS: dict[str, tuple[str, ...]] = {
-    "ticks_total": ("result",),
-    "batches_total": ("result",),
-    "failures_total": ("error_type",),
-    "retries_total": ("operation", "error_type"),
-    "partition_rebalances_total": ("action",),
-    "partition_backlog_rows": ("partition",),
-    "partition_backlog_oldest_seconds": ("partition",),
-    "event_outcomes_total": ("outcome",),
-    "subscriber_outcomes_total": ("subscriber", "outcome"),
-    "ack_timeouts_total": ("subscriber",),
-    "queue_rows_total": ("result",),
-    "lag_basis": ("lag_basis",),
-    "lag_measurement_failures_total": ("error_type",),
-    "history_append_failures_total": ("error_type",),
-    "replays_total": ("mode",),
-    "replay_drift_rows_total": ("kind",),
-    "dead_letter_replays_total": ("result",),
+    name: m.labels for name, m in DECLARED.items() if m.labels
 }
 
 #: Histogram bucket bounds for metrics that are not durations in seconds.

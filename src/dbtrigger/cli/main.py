@@ -18,23 +18,11 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from dbtrigger.cli.backfill import add_backfill_command
-from dbtrigger.cli.cdc import add_cdc_commands
-from dbtrigger.cli.changelog import add_changelog_commands
-from dbtrigger.cli.check import add_check_command
-from dbtrigger.cli.deadletter import add_dead_letter_commands
-from dbtrigger.cli.history import add_history_command
-from dbtrigger.cli.loading import load_object
 from dbtrigger.cli.logs import FORMATS, LEVELS, configure_logging
-from dbtrigger.cli.partitions import add_partition_commands
-from dbtrigger.cli.positions import add_position_commands
-from dbtrigger.cli.replay import add_replay_command
 from dbtrigger.cli.run import add_run_command
-from dbtrigger.cli.state import add_state_commands
-from dbtrigger.cli.wake import add_wake_commands
 from dbtrigger.errors import DbTriggerError
-from dbtrigger.queue.cli import add_queue_commands
 from dbtrigger.redaction import redact
 from dbtrigger.settings import find_local_settings, load_local_settings
 
@@ -114,7 +102,32 @@ def _add_global_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+#: Global options that take a value (``--log-level DEBUG run ...``).
+_VALUED_OPTIONS = ("--log-level", "--log-format", "--settings")
+
+
+def _command_of(argv: Sequence[str]) -> str | None:
+    """The command ``argv`` names, when it names one before any help or version flag."""
+    args = iter(argv)
+    for arg in args:
+        if arg in _VALUED_OPTIONS:
+            next(args, None)
+        elif arg in ("-h", "--help", "--version"):
+            return None
+        elif not arg.startswith("-"):
+            return arg
+    return None
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; with ``command="run"``, one that knows ``run`` only.
+
+    A worker process (``dbtrigger run``) parses its arguments with the second:
+    the other commands' modules (claim queues, change logs, replay, backfill,
+    the backlog endpoint...) are then never imported, which is about a quarter
+    of a cold worker's import time. It parses ``run`` exactly as the whole
+    parser does.
+    """
     parser = argparse.ArgumentParser(
         prog="dbtrigger",
         description=DESCRIPTION,
@@ -126,6 +139,28 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     add_run_command(sub)
+    if command != "run":
+        _add_other_commands(sub)
+    for subparser in sub.choices.values():
+        _add_global_options(subparser, top=False)
+    return parser
+
+
+def _add_other_commands(sub: Any) -> None:
+    # Imported here: a worker's parser (build_parser("run")) needs none of them.
+    from dbtrigger.cli.backfill import add_backfill_command  # noqa: PLC0415
+    from dbtrigger.cli.cdc import add_cdc_commands  # noqa: PLC0415
+    from dbtrigger.cli.changelog import add_changelog_commands  # noqa: PLC0415
+    from dbtrigger.cli.check import add_check_command  # noqa: PLC0415
+    from dbtrigger.cli.deadletter import add_dead_letter_commands  # noqa: PLC0415
+    from dbtrigger.cli.history import add_history_command  # noqa: PLC0415
+    from dbtrigger.cli.loading import load_object  # noqa: PLC0415
+    from dbtrigger.cli.partitions import add_partition_commands  # noqa: PLC0415
+    from dbtrigger.cli.positions import add_position_commands  # noqa: PLC0415
+    from dbtrigger.cli.replay import add_replay_command  # noqa: PLC0415
+    from dbtrigger.cli.state import add_state_commands  # noqa: PLC0415
+    from dbtrigger.cli.wake import add_wake_commands  # noqa: PLC0415
+    from dbtrigger.queue.cli import add_queue_commands  # noqa: PLC0415
 
     demo = sub.add_parser("demo", help="live SQLite orders table polled into the terminal")
     demo.add_argument("--dir", default="dbtrigger-demo", help="where the database and state go")
@@ -148,9 +183,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_queue_commands(sub, load_object)
     add_wake_commands(sub)
     add_check_command(sub)
-    for command in sub.choices.values():
-        _add_global_options(command, top=False)
-    return parser
 
 
 def _print_error(exc: BaseException) -> None:
@@ -201,7 +233,9 @@ def _silence_stdout() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = _command_of(argv)
+    parser = build_parser("run" if command == "run" else None)
     args = parser.parse_args(argv)
     configure_logging(_log_level(args), args.log_format)
     try:

@@ -28,6 +28,16 @@ directory, or Blob storage on a private Azurite with ``--stores file,blob``):
 Also printed: one member's storage operations per round of idle partition
 ticks and per balance cycle (counted in-process).
 
+The workers run dbtrigger from a private copy of its package, with its
+bytecode compiled first (``--bytecode compiled``, the default), as a ``pip
+install`` compiles it: a checkout run with ``PYTHONDONTWRITEBYTECODE=1`` (this
+project's sandbox sets it) compiles every dbtrigger module from source again
+in every process, about 0.2-0.3 s of CPU each, which three processes started
+together on two cores pay at once. ``--bytecode source`` measures that
+condition, ``both`` interleaves the two (a table each). ``--against DIR`` adds
+the same cold starts with another checkout's ``src/dbtrigger`` (an A/B in one
+run; ``git worktree add /tmp/old <commit>``).
+
     python -m benchmarks.scaleout                          # 9,000 rows, 2 ms/event, 1,2,3 workers
     python -m benchmarks.scaleout --stores file,blob --tuned
     python -m benchmarks.scaleout --workers 1,2 --rows 2000 --skip-convergence
@@ -36,10 +46,12 @@ ticks and per balance cycle (counted in-process).
 from __future__ import annotations
 
 import argparse
+import compileall
 import contextlib
 import math
 import os
 import resource
+import shutil
 import signal
 import statistics
 import subprocess
@@ -54,6 +66,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
+import dbtrigger
 from benchmarks.common import PG_URL, ROOT, SCHEMA, fmt_rate, int_list, print_table
 from dbtrigger import SqlAlchemySource
 from dbtrigger.partitions import PartitionedPoller, layout
@@ -91,13 +104,50 @@ def fair(count: int, members: int) -> list[int]:
     return sorted([base + 1] * extra + [base] * (members - extra))
 
 
+@dataclass(frozen=True)
+class Variant:
+    """What the workers run: a copy of a dbtrigger package, compiled or not."""
+
+    label: str
+    path: Path  # a directory holding the package ``dbtrigger``: first on PYTHONPATH
+    compiled: bool
+
+    def env(self) -> dict[str, str]:
+        return {
+            "PYTHONPATH": os.pathsep.join(
+                [str(self.path), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
+            # Compiled: the copy's bytecode is there and is read. Source: nothing is
+            # written, so every process compiles every dbtrigger module again.
+            **({} if self.compiled else {"PYTHONDONTWRITEBYTECODE": "1"}),
+        }
+
+
+def make_variants(args: argparse.Namespace, where: Path) -> list[Variant]:
+    """Private copies of the package (``__pycache__`` left out), compiled when asked."""
+    trees = {"": Path(dbtrigger.__file__).parent}
+    for other in args.against:
+        trees[f"{Path(other).name} "] = Path(other) / "src" / "dbtrigger"
+    modes = ["compiled", "source"] if args.bytecode == "both" else [args.bytecode]
+    variants = []
+    for n, (name, tree) in enumerate(trees.items()):
+        for mode in modes:
+            path = where / f"v{n}-{mode}"
+            shutil.copytree(tree, path / "dbtrigger", ignore=shutil.ignore_patterns("__pycache__"))
+            if mode == "compiled":
+                compileall.compile_dir(path, quiet=1)
+            variants.append(Variant(f"{name}{mode}", path, mode == "compiled"))
+    return variants
+
+
 class Group:
     """Worker processes of one partitioned poller, their output and their membership."""
 
-    def __init__(self, workdir: Path, store: str, app: str) -> None:
+    def __init__(self, workdir: Path, store: str, app: str, variant: Variant) -> None:
         self.workdir = workdir
         self.store_spec = store
         self.app = app
+        self.variant = variant
         self.store = open_store(store, app=app)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
@@ -112,6 +162,7 @@ class Group:
             "DBT_SCALEOUT_APP": self.app,
             "DBT_SCALEOUT_HANDLER_MS": str(handler_ms),
             "DBT_SCALEOUT_OUT": str(self.workdir),
+            **self.variant.env(),
         }
         if partitions is not None:
             env["DBT_SCALEOUT_PARTITIONS"] = str(partitions)
@@ -151,6 +202,7 @@ class Group:
                 self.app,
             ],
             cwd=ROOT,
+            env={**os.environ, **self.variant.env()},
         )
 
     def membership(self) -> layout.Membership | None:
@@ -245,12 +297,16 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def cold_start(engine: sa.Engine, spec: str, workers: int, args: argparse.Namespace) -> ColdRun:
+def cold_start(
+    engine: sa.Engine, spec: str, workers: int, args: argparse.Namespace, variant: Variant
+) -> ColdRun:
     table = f"scaleout_{uuid.uuid4().hex[:8]}"
     make_table(engine, table, args.rows)
     partitions = args.partitions or DEFAULT_PARTITIONS
     with tempfile.TemporaryDirectory() as tmp:
-        group = Group(Path(tmp), store_location(spec, Path(tmp)), f"bench{uuid.uuid4().hex[:8]}")
+        group = Group(
+            Path(tmp), store_location(spec, Path(tmp)), f"bench{uuid.uuid4().hex[:8]}", variant
+        )
         cpu = children_cpu()
         started = time.monotonic()
         fair_at: float | None = None
@@ -313,14 +369,46 @@ def cold_table(runs: dict[int, list[ColdRun]], rows: int) -> list[list[str]]:
     return out
 
 
-def convergence(engine: sa.Engine, spec: str, args: argparse.Namespace) -> dict[str, float]:
+def cold_start_table(
+    runs: dict[tuple[str, int], list[ColdRun]],
+    label: str,
+    store: str,
+    partitions: int,
+    args: argparse.Namespace,
+) -> None:
+    print_table(
+        f"Cold start at defaults ({store} store, dbtrigger {label}): {args.rows:,} rows "
+        f"waiting, {partitions} partitions, handler {args.handler_ms:g} ms/event, "
+        f"timed from process start, median of {args.repeat}",
+        [
+            "workers",
+            "s",
+            "range",
+            "rows/s",
+            "speed-up",
+            "target",
+            "s all up",
+            "s to fair share",
+            "with work",
+            "twice",
+            "worker CPU s",
+        ],
+        cold_table({w: done for (v, w), done in runs.items() if v == label}, args.rows),
+    )
+
+
+def convergence(
+    engine: sa.Engine, spec: str, args: argparse.Namespace, variant: Variant
+) -> dict[str, float]:
     """Seconds until ownership is fair again after a join, a clean leave and a SIGKILL."""
     table = f"scaleout_{uuid.uuid4().hex[:8]}"
     make_table(engine, table, 0)
     partitions = args.partitions or DEFAULT_PARTITIONS
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        group = Group(Path(tmp), store_location(spec, Path(tmp)), f"bench{uuid.uuid4().hex[:8]}")
+        group = Group(
+            Path(tmp), store_location(spec, Path(tmp)), f"bench{uuid.uuid4().hex[:8]}", variant
+        )
         try:
             for name in ("w1", "w2", "w3"):
                 group.start_run(name, table, args.handler_ms, args.partitions)
@@ -343,12 +431,16 @@ def convergence(engine: sa.Engine, spec: str, args: argparse.Namespace) -> dict[
     return out
 
 
-def tuned(engine: sa.Engine, spec: str, workers: int, args: argparse.Namespace) -> float:
+def tuned(
+    engine: sa.Engine, spec: str, workers: int, args: argparse.Namespace, variant: Variant
+) -> float:
     """rows/s of W tuned members that settled on an empty table before the rows went in."""
     table = f"scaleout_{uuid.uuid4().hex[:8]}"
     make_table(engine, table, 0)
     with tempfile.TemporaryDirectory() as tmp:
-        group = Group(Path(tmp), store_location(spec, Path(tmp)), f"tuned{uuid.uuid4().hex[:8]}")
+        group = Group(
+            Path(tmp), store_location(spec, Path(tmp)), f"tuned{uuid.uuid4().hex[:8]}", variant
+        )
         try:
             for i in range(workers):
                 group.start_worker(f"w{i + 1}", table, args)
@@ -415,37 +507,41 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--repeat", type=int, default=3, help="cold starts per worker count (median)"
     )
+    parser.add_argument(
+        "--bytecode",
+        choices=["compiled", "source", "both"],
+        default="compiled",
+        help="dbtrigger's bytecode compiled before the workers start, as pip install does "
+        "(default), or compiled from source by every worker (PYTHONDONTWRITEBYTECODE=1 on a "
+        "checkout), or both interleaved",
+    )
+    parser.add_argument(
+        "--against",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="also cold-start another checkout's src/dbtrigger, interleaved (an A/B)",
+    )
     args = parser.parse_args(argv)
     engine = sa.create_engine(PG_URL)
     partitions = args.partitions or DEFAULT_PARTITIONS
     print(f"load average before: {load_average()}")
-    with stores(args.stores.split(",")) as specs:
+    with stores(args.stores.split(",")) as specs, tempfile.TemporaryDirectory() as copies:
+        variants = make_variants(args, Path(copies))
         for name, spec in specs.items():
-            runs: dict[int, list[ColdRun]] = {w: [] for w in args.workers}
+            runs: dict[tuple[str, int], list[ColdRun]] = {
+                (v.label, w): [] for v in variants for w in args.workers
+            }
             for _ in range(args.repeat):  # interleaved: the machine's load drifts over a run
                 for workers in args.workers:
-                    runs[workers].append(cold_start(engine, spec, workers, args))
-            print_table(
-                f"Cold start at defaults ({name} store): {args.rows:,} rows waiting, "
-                f"{partitions} partitions, handler {args.handler_ms:g} ms/event, "
-                f"timed from process start, median of {args.repeat}",
-                [
-                    "workers",
-                    "s",
-                    "range",
-                    "rows/s",
-                    "speed-up",
-                    "target",
-                    "s all up",
-                    "s to fair share",
-                    "with work",
-                    "twice",
-                    "worker CPU s",
-                ],
-                cold_table(runs, args.rows),
-            )
+                    for variant in variants:
+                        runs[variant.label, workers].append(
+                            cold_start(engine, spec, workers, args, variant)
+                        )
+            for variant in variants:
+                cold_start_table(runs, variant.label, name, partitions, args)
             if not args.skip_convergence:
-                times = convergence(engine, spec, args)
+                times = convergence(engine, spec, args, variants[0])
                 print_table(
                     f"Convergence at defaults ({name} store), 3 members, {partitions} partitions: "
                     "seconds until every partition is owned by a fair share again",
@@ -456,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows = []
                 one = None
                 for workers in args.workers:
-                    rate = tuned(engine, spec, workers, args)
+                    rate = tuned(engine, spec, workers, args, variants[0])
                     one = rate if one is None and workers == 1 else one
                     rows.append(
                         [

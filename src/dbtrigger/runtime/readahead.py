@@ -149,11 +149,25 @@ class ReadAhead:
             flight.tag = new
 
     def take(
-        self, after: Position, limit: int, tag: object, *, max_age: float | None = None
+        self,
+        after: Position,
+        limit: int,
+        tag: object,
+        *,
+        max_age: float | None = None,
+        full_only: bool = False,
     ) -> Flight | None:
         """The read, done, if it is exactly this one (the same position, limit
-        and tag) and it worked (and ended at most ``max_age`` seconds ago); None
-        otherwise. Either way nothing is held afterwards."""
+        and tag) and it worked (and ended at most ``max_age`` seconds ago, and
+        with ``full_only`` came back full); None otherwise. Either way nothing
+        is held afterwards.
+
+        ``full_only`` is for a read carried into another tick: rows committed
+        since it ended sort after a full read's rows, so a fresh read would
+        begin with the same rows; after a short or empty one they would be
+        missing, and the tick would report nothing new while rows wait (a
+        worker that re-polls after a delivering tick would then sleep its
+        interval on them)."""
         flight = self._flight
         if flight is None:
             return None
@@ -165,6 +179,7 @@ class ReadAhead:
             and flight.limit == limit
             and flight.after == after
             and (max_age is None or self.monotonic() - flight.finished <= max_age)
+            and (not full_only or (flight.rows is not None and len(flight.rows) >= limit))
         ):
             self.used += 1
             return flight

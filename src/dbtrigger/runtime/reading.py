@@ -397,6 +397,7 @@ class BatchReader:
         *,
         tag: object = None,
         max_age: float | None = None,
+        full_only: bool = False,
     ) -> Selection | None:
         """Read after ``position`` and choose the next batch (None: nothing to do).
 
@@ -406,13 +407,16 @@ class BatchReader:
         picks the rows to hand out: new ones, due retries, late arrivals.
 
         A read-ahead of exactly this read under ``tag`` (at most ``max_age``
-        seconds old) stands for the read; any other is dropped first.
+        seconds old; with ``full_only``, only one that came back full) stands
+        for the read; any other is dropped first.
         """
         s = self.settings
         limit = s.batch_size + len(window)
         flight = None
         if self.read_ahead is not None:
-            flight = self.read_ahead.take(position, limit, tag, max_age=max_age)
+            flight = self.read_ahead.take(
+                position, limit, tag, max_age=max_age, full_only=full_only
+            )
         held = self.delivery.holding(window)
         if held is None:
             return None  # fan-out: every subscriber is busy (said once, at WARNING)

@@ -219,7 +219,7 @@ class TickDriver:
         window = (doc.window if doc is not None else None) or Window()
         try:
             selection = self.reader.next_batch(
-                position, window, tag=("etag", etag), max_age=CARRY_SECONDS
+                position, window, tag=("etag", etag), max_age=CARRY_SECONDS, full_only=True
             )
         except DbTriggerError as exc:
             self.emit("fetch_failed", "fetch failed: %s", exc)

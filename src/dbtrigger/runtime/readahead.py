@@ -53,6 +53,9 @@ from dbtrigger.cursor import Position
 #: How old a read carried to the next tick may be when that tick takes it.
 CARRY_SECONDS = 1.0
 
+#: How long a read's start may wait for the reader thread to pick it up.
+HEAD_START_SECONDS = 0.002
+
 #: How long the idle reader thread waits for the next read before it exits.
 LINGER_SECONDS = 2.0
 
@@ -68,12 +71,23 @@ def reads_ahead(source: object) -> bool:
 class Flight:
     """One read: where from, under which tag, and (once done) its rows or error."""
 
-    __slots__ = ("after", "done", "error", "finished", "limit", "rows", "seconds", "tag")
+    __slots__ = (
+        "after",
+        "done",
+        "error",
+        "finished",
+        "limit",
+        "rows",
+        "seconds",
+        "started",
+        "tag",
+    )
 
     def __init__(self, after: Position, limit: int, tag: object) -> None:
         self.after = after
         self.limit = limit
         self.tag = tag
+        self.started = threading.Event()
         self.done = threading.Event()
         self.rows: Rows | None = None
         self.error: BaseException | None = None
@@ -83,6 +97,7 @@ class Flight:
 
     def run(self, fetch: Callable[[Position, int], Rows]) -> None:
         started = time.perf_counter()
+        self.started.set()
         try:
             with gc_paused():
                 self.rows = fetch(self.after, self.limit)
@@ -140,6 +155,13 @@ class ReadAhead:
                 self._thread.start()
             else:
                 self._wake.notify()
+        # Let the reader run up to the read's first wait on the server before this
+        # thread goes on: it needs the GIL to start the read, and a thread that
+        # holds it (the tick's, running the handler and the commit) would
+        # otherwise keep it until it blocks itself - after the work the read was
+        # to overlap. Bounded: a reader the OS does not schedule at once is not
+        # waited for.
+        flight.started.wait(HEAD_START_SECONDS)
 
     def retag(self, old: object, new: object) -> None:
         """The read tagged ``old`` now stands for ``new`` (a tick's carried read,

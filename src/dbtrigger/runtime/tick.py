@@ -46,7 +46,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
 
 from dbtrigger._gc import older_objects_frozen
 from dbtrigger.cursor import BEGINNING, Position
@@ -77,8 +76,6 @@ from dbtrigger.state.journal import JournalEntry
 from dbtrigger.state.window import Window
 
 __all__ = ["TickDriver", "TickResult", "TickSettings", "wants_context"]
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -133,10 +130,8 @@ class TickDriver:
             settings,
             clock=clock,
             telemetry=telemetry,
-            cursor_age=self.quietly(source.cursor_age_seconds)
-            if isinstance(source, MeasuresCursorAge)
-            else None,
-            lag_after=self.quietly(source.lag_after) if isinstance(source, MeasuresLag) else None,
+            cursor_age=source.cursor_age_seconds if isinstance(source, MeasuresCursorAge) else None,
+            lag_after=source.lag_after if isinstance(source, MeasuresLag) else None,
         )
         #: The trigger's heartbeat thread (the lease is renewed on it).
         self.keepalive = keepalive
@@ -149,17 +144,6 @@ class TickDriver:
         #: time.monotonic() when the last tick ended: ticks that follow each other
         #: at once (``dbtrigger run`` while batches are full) carry a read-ahead.
         self._last_end = -float("inf")
-
-    def quietly(self, call: Callable[..., T]) -> Callable[..., T]:
-        """``call`` (a source's), made only while no read-ahead is in flight."""
-
-        def quiet_call(*args: Any, **kwargs: Any) -> T:
-            read_ahead = self.reader.read_ahead
-            if read_ahead is not None:
-                read_ahead.quiet()
-            return call(*args, **kwargs)
-
-        return quiet_call
 
     # --- the tick, top-down -------------------------------------------------------------
 

@@ -332,11 +332,13 @@ class SqlAlchemySource:
 
     @property
     def concurrent_reads(self) -> bool:
-        """May :meth:`fetch` run on another thread than this source's other calls
-        (a trigger's read-ahead, :mod:`dbtrigger.runtime.readahead`)? Every fetch
-        takes a connection of its own (or the one a catch-up keeps, handed over
-        under a lock), so yes, except on SQLite, whose in-memory databases are
-        one per thread and whose reads gain nothing from another thread."""
+        """May :meth:`fetch` run on another thread while this source's other calls
+        run (a trigger's read-ahead, :mod:`dbtrigger.runtime.readahead`)? A fetch
+        runs on the connection a catch-up keeps (handed over under a lock) or one
+        of its own, every other statement on one of its own, and what they share
+        (the keyset's statements, the guard's bound) is built once or replaced
+        whole; so yes, except on SQLite, whose in-memory databases are one per
+        thread and whose reads gain nothing from another thread."""
         return self.dialect_name != "sqlite"
 
     def release_connection(self) -> None:

@@ -30,14 +30,23 @@ keeps its last read-ahead for the next tick, which uses it only if the state
 document it reads is the one this tick's last commit wrote (its etag) and
 the read is at most :data:`CARRY_SECONDS` old. Anything else drops it.
 
-**The source is never used by two threads at once.** While a read is in
-flight the tick's thread makes no call to the source: :meth:`ReadAhead.quiet`
-waits for the read first (the commit's lag measurement, a checkpoint
-acknowledgement), and every tick waits for its read before it returns, so
-nothing of a read outlives the tick but its rows. A source opts in with a
-true ``concurrent_reads`` attribute (:func:`reads_ahead`); one that cannot be
-read from another thread (an in-memory SQLite database, a fake whose fetches
-are counted) leaves it out.
+**Which sources.** A source opts in with a true ``concurrent_reads``
+attribute (:func:`reads_ahead`): its ``fetch`` may run on another thread
+while the tick's thread makes its other calls (the commit's lag measurement),
+each on a connection of its own. One that cannot be read from another thread
+(an in-memory SQLite database, a fake whose fetches are counted) leaves it
+out. Only one read is ever in flight, and a checkpoint acknowledgement waits
+for it (:meth:`ReadAhead.quiet`). A read carried into the next tick goes on
+while the tick returns: the next tick's first read takes or drops it, and a
+failed or busy tick and ``close()`` drop it (waiting for it to end).
+
+**The GIL.** The reader needs the GIL to start its read (the statement's
+Python side, up to the driver's first wait on the server), and the tick's
+thread, running the handler and the commit, would keep it until it blocks
+itself. So :meth:`ReadAhead.start` waits (at most
+:data:`HEAD_START_SECONDS`) for the reader to pick the read up: what
+overlaps is the server's (and the network's) time, while the rows are
+turned into Python objects when the tick's thread next waits.
 """
 
 from __future__ import annotations

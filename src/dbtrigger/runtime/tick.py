@@ -500,12 +500,13 @@ class TickDriver:
     ) -> None:
         """The tick's last batch is committed: a read-ahead of the next batch is
         kept for the next tick (tagged with the etag this commit wrote) when the
-        tick stopped at ``max_batches_per_tick``, dropped otherwise; either way
-        it has ended before the tick returns."""
+        tick stopped at ``max_batches_per_tick``, dropped otherwise. A kept read
+        goes on while the tick returns and the next one reads the document (not
+        waiting for it here: with one batch a tick, that is most of what it
+        overlaps); the next tick's first read takes or drops it."""
         stopping = should_stop is not None and should_stop()
         if index + 1 >= self.settings.max_batches_per_tick and not stopping:
             read_ahead.retag(tag, ("etag", session.etag))
-            read_ahead.quiet()
         else:
             read_ahead.drop()
 

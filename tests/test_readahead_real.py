@@ -1,0 +1,424 @@
+"""Read-ahead (dbtrigger.runtime.readahead) against what a real server does to it:
+its connection killed while a read is in flight, DDL between a read and its
+use, a handler interrupted with a read in flight, another instance between
+ticks. Every row delivered (in order) or a typed DbTriggerError; no thread or
+connection left behind."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from dbtrigger import (
+    InMemoryCheckpointStore,
+    LostLeaseError,
+    PollTrigger,
+    RowChange,
+    SqlAlchemySource,
+)
+from dbtrigger.cursor import Position
+from dbtrigger.errors import DbTriggerError
+from dbtrigger.runtime.readahead import ReadAhead
+from tests.databases import TestDatabase, admin_engine, make_database
+from tests.reliability_support import NO_WAIT, add_items, items_source, items_table, steal_lease
+
+SERVERS = [
+    pytest.param("postgresql", marks=pytest.mark.postgresql),
+    pytest.param("mariadb", marks=pytest.mark.mariadb),
+]
+
+
+@pytest.fixture(params=SERVERS)
+def server_db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TestDatabase]:
+    """PostgreSQL and MariaDB (the servers that read ahead: SQLite does not)."""
+    yield from make_database(request.param, tmp_path)
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return condition()
+
+
+def ids(events: list[RowChange]) -> list[int]:
+    return [int(e.pk["id"]) for e in events]
+
+
+def trigger_for(source: Any, store: Any = None, **options: Any) -> PollTrigger:
+    options.setdefault("batch_size", 10)
+    options.setdefault("retry", NO_WAIT)
+    options.setdefault("history", False)
+    options.setdefault("max_batches_per_tick", 100)
+    return PollTrigger(
+        name="items",
+        source=source,
+        checkpoint_store=store if store is not None else InMemoryCheckpointStore(),
+        **options,
+    )
+
+
+def read_ahead_of(trigger: PollTrigger) -> ReadAhead:
+    read_ahead = trigger._driver.reader.read_ahead
+    assert read_ahead is not None
+    return read_ahead
+
+
+def backend_id(db: TestDatabase, conn: sa.Connection) -> int:
+    sql = "SELECT pg_backend_pid()" if db.kind == "postgresql" else "SELECT CONNECTION_ID()"
+    value = conn.exec_driver_sql(sql).scalar()
+    if conn.in_transaction():
+        conn.rollback()
+    return int(value)  # type: ignore[arg-type]
+
+
+def kill(db: TestDatabase, backend: int) -> None:
+    with admin_engine(db.kind).connect() as admin:
+        if db.kind == "postgresql":
+            admin.exec_driver_sql(f"SELECT pg_terminate_backend({backend})")
+        else:
+            admin.exec_driver_sql(f"KILL {backend}")
+
+
+def gated_reads(
+    source: SqlAlchemySource, from_id: int = 0
+) -> tuple[threading.Event, threading.Event, list[int]]:
+    """Hold the read-ahead's reads after ``from_id`` and on before their statement:
+    (reached, go, backends). ``reached`` is set once such a read holds its
+    connection, ``go`` lets it on."""
+    reached, go = threading.Event(), threading.Event()
+    backends: list[int] = []
+    original = source._read
+    db_kind = source.dialect_name
+
+    def read(conn: sa.Connection, after: Position, limit: int) -> Any:
+        if (
+            threading.current_thread().name.startswith("dbtrigger-readahead")
+            and int(after.pk.get("id", 0)) >= from_id
+            and not go.is_set()
+        ):
+            sql = "SELECT pg_backend_pid()" if db_kind == "postgresql" else "SELECT CONNECTION_ID()"
+            backends.append(int(conn.exec_driver_sql(sql).scalar()))  # type: ignore[arg-type]
+            if conn.in_transaction():
+                conn.rollback()
+            reached.set()
+            assert go.wait(10)
+        return original(conn, after, limit)
+
+    source._read = read  # type: ignore[method-assign]
+    return reached, go, backends
+
+
+# --- the server kills the read-ahead's connection ---------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_a_connection_killed_while_a_read_is_ahead_loses_nothing(server_db: TestDatabase) -> None:
+    """The server ends the read-ahead's connection in flight: the read fails, is
+    dropped, the tick reads again on a new connection; every row comes once, in
+    order, and no exception leaves the tick."""
+    table = items_table(server_db)
+    add_items(server_db, table, range(1, 51))
+    source = items_source(server_db)
+    trigger = trigger_for(source)
+    reached, go, backends = gated_reads(source)
+    seen: list[int] = []
+
+    def handler(events: list[RowChange]) -> None:
+        seen.extend(ids(events))
+        if len(seen) == 10:  # batch 1: the read of batch 2 holds its connection
+            assert reached.wait(10)
+            kill(server_db, backends[0])
+            go.set()
+
+    assert trigger.drain(handler) == 50
+    assert seen == list(range(1, 51))
+    ra = read_ahead_of(trigger)
+    assert ra.dropped >= 1  # the killed read
+    trigger.close()
+
+
+# --- a handler interrupted with a read in flight ------------------------------------------
+
+
+def connections_to(db: TestDatabase) -> int:
+    """Sessions the server has open on the test's database/schema (not the admin's)."""
+    with admin_engine(db.kind).connect() as admin:
+        if db.kind == "postgresql":
+            database = sa.make_url(db.url).database
+            sql = (
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = :d "
+                "AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+            )
+            return int(admin.execute(sa.text(sql), {"d": database}).scalar())  # type: ignore[arg-type]
+        sql = "SELECT count(*) FROM information_schema.PROCESSLIST WHERE DB = :d"
+        return int(admin.execute(sa.text(sql), {"d": db.schema}).scalar())  # type: ignore[arg-type]
+
+
+def reader_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("dbtrigger-readahead")]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+def test_a_handler_interrupted_with_a_read_in_flight_leaves_nothing_behind(
+    server_db: TestDatabase, interrupt: type[BaseException]
+) -> None:
+    """KeyboardInterrupt / SystemExit out of the handler while the next batch is
+    being read: the interrupt comes out as itself, the read has ended before it
+    does, close() ends the thread and gives the connections back, and the next
+    trigger starts from the interrupted batch (nothing skipped)."""
+    table = items_table(server_db)
+    add_items(server_db, table, range(1, 41))
+    store = InMemoryCheckpointStore()
+    before = connections_to(server_db)  # the test's own engine's
+    source = items_source(server_db)
+    trigger = trigger_for(source, store)
+    reached, go, _ = gated_reads(source, from_id=20)
+    seen: list[int] = []
+
+    def handler(events: list[RowChange]) -> None:
+        seen.extend(ids(events))
+        if len(seen) == 20:  # batch 2, its successor's read holding a connection
+            assert reached.wait(10)
+            threading.Timer(0.05, go.set).start()
+            raise interrupt()
+
+    with pytest.raises(interrupt):
+        trigger.tick(handler)
+    ra = read_ahead_of(trigger)
+    assert ra.pending is None
+    assert go.is_set()  # the tick waited for its read before the interrupt left it
+    trigger.close()
+    source.close()
+    assert wait_for(lambda: not reader_threads(), 5), reader_threads()
+    assert wait_for(lambda: connections_to(server_db) <= before, 5), (
+        connections_to(server_db),
+        before,
+    )
+    again: list[int] = []
+    fresh_source = items_source(server_db)
+    fresh = trigger_for(fresh_source, store)
+    assert wait_for(lambda: fresh.drain(lambda events: again.extend(ids(events))) > 0, 10)
+    assert again[0] == 11  # batch 2 again: it was never committed
+    assert sorted(set(seen[:10] + again)) == list(range(1, 41))
+    fresh.close()
+
+
+# --- DDL on the watched table between a read-ahead and its use ---------------------------
+
+DDL = {
+    "add": "ALTER TABLE {t} ADD COLUMN extra INTEGER",
+    "drop": "ALTER TABLE {t} DROP COLUMN payload",
+    "rename": "ALTER TABLE {t} RENAME COLUMN payload TO body",
+    "retype": "ALTER TABLE {t} ALTER COLUMN version TYPE numeric(20, 0)",
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("ddl", sorted(DDL))
+@pytest.mark.parametrize("read_ahead", [True, False])
+def test_ddl_after_a_read_ahead_delivers_in_order_or_refuses_typed(
+    server_db: TestDatabase, ddl: str, read_ahead: bool
+) -> None:
+    """The table changes shape after the next batch was read ahead (and before it
+    is used): whatever comes out is every row in order, or a DbTriggerError, and
+    what was delivered before it is a prefix (nothing skipped)."""
+    table = items_table(server_db)
+    add_items(server_db, table, range(1, 41))
+    source = items_source(server_db)
+    trigger = trigger_for(source, read_ahead=read_ahead)
+    seen: list[int] = []
+
+    def handler(events: list[RowChange]) -> None:
+        seen.extend(ids(events))
+        if len(seen) == 10:
+            if read_ahead:
+                pending = read_ahead_of(trigger).pending
+                assert pending is not None
+                assert pending.done.wait(10)
+            with server_db.engine.begin() as conn:
+                sql = DDL[ddl]
+                if ddl == "retype" and server_db.kind == "mariadb":
+                    sql = "ALTER TABLE {t} MODIFY version DECIMAL(20, 0) NOT NULL"
+                conn.exec_driver_sql(sql.format(t=server_db.qualified("items")))
+
+    errors: list[BaseException] = []
+    for _ in range(3):
+        try:
+            trigger.drain(handler)
+        except DbTriggerError as exc:
+            errors.append(exc)
+    assert seen == list(range(1, len(seen) + 1))
+    if len(seen) < 40:
+        assert errors, seen
+    trigger.close()
+
+
+# --- the visibility guard with a writer open across the read-ahead -----------------------
+
+
+@pytest.mark.postgresql
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("per_tick", [100, 1])
+def test_a_row_committed_late_below_a_read_ahead_is_not_skipped(
+    pg: TestDatabase, per_tick: int
+) -> None:
+    """A writer holds a lower cursor open while the next batch is read ahead (in
+    the tick, or carried to the next one): the read holds back what follows it,
+    and the row it commits afterwards is delivered. Default guard (``auto``)."""
+    table = pg.qualified("events")
+    pg.execute(
+        f"CREATE TABLE {table} (id bigserial PRIMARY KEY, "
+        "updated_at timestamptz NOT NULL DEFAULT clock_timestamp(), note text)"
+    )
+    pg.execute(f"INSERT INTO {table} (note) SELECT 'old' FROM generate_series(1, 25)")
+    source = SqlAlchemySource(
+        url=pg.url, table="events", schema=pg.schema, cursor_column="updated_at", pk_columns=["id"]
+    )
+    trigger = trigger_for(source, max_batches_per_tick=per_tick)
+    reached, go, _ = gated_reads(source, from_id=20)
+    seen: list[int] = []
+    blocker = pg.engine.connect()
+    late: list[int] = []
+
+    def handler(events: list[RowChange]) -> None:
+        seen.extend(ids(events))
+        if len(seen) == 20:  # the read after row 20 waits at the gate
+            assert reached.wait(10)
+            blocker.begin()
+            late.append(
+                blocker.execute(
+                    sa.text(f"INSERT INTO {table} (note) VALUES ('late') RETURNING id")
+                ).scalar_one()
+            )
+            pg.execute(f"INSERT INTO {table} (note) VALUES ('early')")
+            go.set()
+
+    try:
+        while len(seen) < 20:
+            trigger.tick(handler)
+        read_ahead = read_ahead_of(trigger)
+        assert wait_for(lambda: read_ahead.pending is None or read_ahead.pending.done.is_set())
+        blocker.commit()
+    finally:
+        blocker.close()
+    for _ in range(50):
+        if trigger.tick(handler) == 0 and len(seen) >= 27:
+            break
+    assert sorted(seen) == list(range(1, 28)), (seen, late)
+    assert len(seen) == len(set(seen))
+    # The read after row 20 was made with the writer open (its rows 21-25, short:
+    # a carried one is read again, a read in the tick is used).
+    assert read_ahead_of(trigger).used >= (1 if per_tick > 1 else 0)
+    trigger.close()
+
+
+# --- another instance on the same state, between ticks and mid-tick ----------------------
+
+
+@pytest.mark.timeout(60)
+def test_another_instance_between_carrying_ticks_takes_the_rows_once(
+    server_db: TestDatabase,
+) -> None:
+    """A carries its last read to its next tick; B ticks in between (it owns the
+    rows A read): A drops the carried read and goes on from B's checkpoint."""
+    table = items_table(server_db)
+    add_items(server_db, table, range(1, 61))
+    store = InMemoryCheckpointStore()
+    a = trigger_for(items_source(server_db), store, max_batches_per_tick=1, owner_id="a")
+    b = trigger_for(items_source(server_db), store, max_batches_per_tick=1, owner_id="b")
+    got: dict[str, list[int]] = {"a": [], "b": []}
+    order: list[int] = []
+
+    def handler_for(who: str) -> Callable[[list[RowChange]], None]:
+        def handler(events: list[RowChange]) -> None:
+            got[who].extend(ids(events))
+            order.extend(ids(events))
+
+        return handler
+
+    assert a.tick(handler_for("a")) == 10
+    assert a.tick(handler_for("a")) == 10  # follows: carries the read after row 20
+    assert read_ahead_of(a).pending is not None
+    assert b.tick(handler_for("b")) == 10  # rows 21-30, the ones A read ahead
+    while a.tick(handler_for("a")):
+        pass
+    assert order == list(range(1, 61))
+    assert got["b"] == list(range(21, 31))
+    a.close()
+    b.close()
+
+
+@pytest.mark.postgresql
+@pytest.mark.timeout(60)
+def test_a_handler_hung_past_the_ttl_keeps_its_lease_and_then_loses_it_typed(
+    pg: TestDatabase,
+) -> None:
+    """A's handler hangs past the lease TTL with the next read ahead: the
+    heartbeat keeps the lease (B is busy); once B takes the lease over, A's
+    commit is refused with LostLeaseError, its read dropped, and B delivers
+    from A's last commit on (the hung batch again: at least once)."""
+    table = items_table(pg)
+    add_items(pg, table, range(1, 41))
+    store = InMemoryCheckpointStore()
+    options: dict[str, Any] = {"lease_ttl_seconds": 1.0, "heartbeat_interval_seconds": 0.2}
+    a = trigger_for(items_source(pg), store, owner_id="a", **options)
+    b = trigger_for(items_source(pg), store, owner_id="b", **options)
+    hung, release = threading.Event(), threading.Event()
+    seen_a: list[int] = []
+    etags: list[str] = []
+
+    def slow(events: list[RowChange]) -> None:
+        seen_a.extend(ids(events))
+        if len(seen_a) == 20:
+            hung.set()
+            assert release.wait(20)
+
+    worker = threading.Thread(target=lambda: errors.append(capture(lambda: a.tick(slow))))
+    errors: list[BaseException | None] = []
+    worker.start()
+    assert hung.wait(10)
+    stored = store.read("items")
+    assert stored is not None
+    etags.append(stored.etag)
+    # Past the TTL: the heartbeat renewed it (the document moved), B finds it busy.
+    t0 = time.monotonic()
+    assert wait_for(lambda: time.monotonic() - t0 > 1.5 and moved(store, etags[0]), 10)
+    assert b.tick_result(lambda events: None).outcome == "lease_busy"
+    assert read_ahead_of(a).pending is not None
+    steal_lease(store, owner="thief", ttl=0.001)
+    release.set()
+    worker.join(20)
+    assert not worker.is_alive()
+    assert isinstance(errors[0], LostLeaseError), errors
+    assert read_ahead_of(a).pending is None
+    seen_b: list[int] = []
+    assert wait_for(lambda: b.tick(lambda events: seen_b.extend(ids(events))) > 0, 10)
+    while b.tick(lambda events: seen_b.extend(ids(events))):
+        pass
+    assert seen_a[:10] == list(range(1, 11))
+    assert seen_b == list(range(11, 41))  # the hung batch again, then the rest
+    a.close()
+    b.close()
+
+
+def capture(call: Callable[[], object]) -> BaseException | None:
+    try:
+        call()
+    except BaseException as exc:
+        return exc
+    return None
+
+
+def moved(store: InMemoryCheckpointStore, etag: str) -> bool:
+    stored = store.read("items")
+    return stored is not None and stored.etag != etag

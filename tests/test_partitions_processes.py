@@ -282,7 +282,7 @@ def test_scaleout_benchmark_prints_its_tables(pg: TestDatabase, tmp_path: Path) 
         pg,
         tmp_path,
     )
-    cold = table_rows(out, "Cold start at defaults (file store): 300 rows")
+    cold = table_rows(out, "Cold start at defaults (file store, dbtrigger compiled): 300 rows")
     assert [r[0] for r in cold] == ["1", "2"]
     # 300 rows are too few to promise the second process work before the first is
     # done on a loaded machine (the test above asserts that every member gets work).

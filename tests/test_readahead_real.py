@@ -6,6 +6,8 @@ connection left behind."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +27,7 @@ from dbtrigger import (
 from dbtrigger.cursor import Position
 from dbtrigger.errors import DbTriggerError
 from dbtrigger.runtime.readahead import ReadAhead
+from dbtrigger.runtime.runner import Runner
 from tests.databases import TestDatabase, admin_engine, make_database
 from tests.reliability_support import NO_WAIT, add_items, items_source, items_table, steal_lease
 
@@ -266,21 +269,29 @@ def test_ddl_after_a_read_ahead_delivers_in_order_or_refuses_typed(
 # --- the visibility guard with a writer open across the read-ahead -----------------------
 
 
-@pytest.mark.postgresql
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("per_tick", [100, 1])
 def test_a_row_committed_late_below_a_read_ahead_is_not_skipped(
-    pg: TestDatabase, per_tick: int
+    server_db: TestDatabase, per_tick: int
 ) -> None:
     """A writer holds a lower cursor open while the next batch is read ahead (in
     the tick, or carried to the next one): the read holds back what follows it,
     and the row it commits afterwards is delivered. Default guard (``auto``)."""
+    pg = server_db
     table = pg.qualified("events")
-    pg.execute(
-        f"CREATE TABLE {table} (id bigserial PRIMARY KEY, "
-        "updated_at timestamptz NOT NULL DEFAULT clock_timestamp(), note text)"
-    )
-    pg.execute(f"INSERT INTO {table} (note) SELECT 'old' FROM generate_series(1, 25)")
+    if pg.kind == "postgresql":
+        pg.execute(
+            f"CREATE TABLE {table} (id bigserial PRIMARY KEY, "
+            "updated_at timestamptz NOT NULL DEFAULT clock_timestamp(), note text)"
+        )
+    else:
+        pg.execute(
+            f"CREATE TABLE {table} (id BIGINT AUTO_INCREMENT PRIMARY KEY, "
+            "updated_at DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6), note VARCHAR(20), "
+            "KEY ix_events_updated_at_id (updated_at, id))"
+        )
+    for _ in range(25):
+        pg.execute(f"INSERT INTO {table} (note) VALUES ('old')")
     source = SqlAlchemySource(
         url=pg.url, table="events", schema=pg.schema, cursor_column="updated_at", pk_columns=["id"]
     )
@@ -288,18 +299,13 @@ def test_a_row_committed_late_below_a_read_ahead_is_not_skipped(
     reached, go, _ = gated_reads(source, from_id=20)
     seen: list[int] = []
     blocker = pg.engine.connect()
-    late: list[int] = []
 
     def handler(events: list[RowChange]) -> None:
         seen.extend(ids(events))
         if len(seen) == 20:  # the read after row 20 waits at the gate
             assert reached.wait(10)
             blocker.begin()
-            late.append(
-                blocker.execute(
-                    sa.text(f"INSERT INTO {table} (note) VALUES ('late') RETURNING id")
-                ).scalar_one()
-            )
+            blocker.execute(sa.text(f"INSERT INTO {table} (note) VALUES ('late')"))
             pg.execute(f"INSERT INTO {table} (note) VALUES ('early')")
             go.set()
 
@@ -311,10 +317,9 @@ def test_a_row_committed_late_below_a_read_ahead_is_not_skipped(
         blocker.commit()
     finally:
         blocker.close()
-    for _ in range(50):
-        if trigger.tick(handler) == 0 and len(seen) >= 27:
-            break
-    assert sorted(seen) == list(range(1, 28)), (seen, late)
+    # (MariaDB's guard may hold the rows back a little longer: bounded.)
+    wait_for(lambda: trigger.tick(handler) == 0 and len(seen) >= 27, 15)
+    assert sorted(seen) == list(range(1, 28)), seen
     assert len(seen) == len(set(seen))
     # The read after row 20 was made with the writer open (its rows 21-25, short:
     # a carried one is read again, a read in the tick is used).
@@ -422,3 +427,49 @@ def capture(call: Callable[[], object]) -> BaseException | None:
 def moved(store: InMemoryCheckpointStore, etag: str) -> bool:
     stored = store.read("items")
     return stored is not None and stored.etag != etag
+
+
+# --- the worker stopped (SIGTERM, twice) with a read in flight ----------------------------
+
+
+@pytest.mark.postgresql
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("signals", [1, 2])
+def test_sigterm_mid_batch_with_a_read_in_flight(pg: TestDatabase, signals: int) -> None:
+    """dbtrigger run's loop (one batch a tick, reads carried between ticks) gets
+    SIGTERM in a handler while the next batch is read: one signal finishes the
+    batch and stops, a second abandons it (KeyboardInterrupt). Either way the
+    runner returns, no reader thread is left, the source's sessions go back to
+    the server once it is closed, and a new worker goes on from the checkpoint
+    with nothing skipped."""
+    table = items_table(pg)
+    add_items(pg, table, range(1, 61))
+    store = InMemoryCheckpointStore()
+    before = connections_to(pg)
+    source = items_source(pg)
+    trigger = trigger_for(source, store, max_batches_per_tick=1)
+    reached, go, _ = gated_reads(source, from_id=30)
+    seen: list[int] = []
+
+    def handler(events: list[RowChange]) -> None:
+        seen.extend(ids(events))
+        if len(seen) == 30:  # batch 3: the read after it waits at the gate
+            assert reached.wait(10)
+            threading.Timer(0.05, go.set).start()
+            for _ in range(signals):
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    runner = Runner(trigger, handler, interval_seconds=0.05, progress=None)
+    runner.run()
+    assert runner.stopping
+    assert wait_for(lambda: not reader_threads(), 5), reader_threads()
+    source.close()
+    assert wait_for(lambda: connections_to(pg) <= before, 5), (connections_to(pg), before)
+    again: list[int] = []
+    fresh = trigger_for(items_source(pg), store, max_batches_per_tick=1)
+    while fresh.tick(lambda events: again.extend(ids(events))):
+        pass
+    done = 30 if signals == 1 else 20  # batch 3 committed, or abandoned
+    assert seen[:done] == list(range(1, done + 1))
+    assert again == list(range(done + 1, 61))
+    fresh.close()

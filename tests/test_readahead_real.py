@@ -473,3 +473,94 @@ def test_sigterm_mid_batch_with_a_read_in_flight(pg: TestDatabase, signals: int)
     assert seen[:done] == list(range(1, done + 1))
     assert again == list(range(done + 1, 61))
     fresh.close()
+
+
+# --- rows updated after they were read ahead; fan-out subscribers --------------------------
+
+
+@pytest.mark.timeout(60)
+def test_a_row_updated_after_it_was_read_ahead_comes_again(server_db: TestDatabase) -> None:
+    """Rows of the batch read ahead are updated (their cursor moves on) while the
+    batch before runs: the version read is delivered, and the new one after it."""
+    table = items_table(server_db)
+    add_items(server_db, table, range(1, 41))
+    source = items_source(server_db)
+    trigger = trigger_for(source)
+    seen: list[tuple[int, int]] = []
+
+    def handler(events: list[RowChange]) -> None:
+        seen.extend((int(e.pk["id"]), int(e.cursor)) for e in events)
+        if len(seen) == 10:
+            pending = read_ahead_of(trigger).pending
+            assert pending is not None
+            assert pending.done.wait(10)  # rows 11-20 read: now they change
+            with server_db.engine.begin() as conn:
+                for item, version in ((15, 1000), (11, 990), (40, 1010)):
+                    conn.execute(table.update().where(table.c.id == item).values(version=version))
+
+    # 11 and 15 as read ahead, then as updated; 40 was not read yet: once, as updated.
+    assert trigger.drain(handler) == 42
+    assert [i for i, _ in seen[:39]] == list(range(1, 40))
+    assert seen[39:] == [(11, 990), (15, 1000), (40, 1010)]
+    assert read_ahead_of(trigger).used >= 2
+    trigger.close()
+
+
+@pytest.mark.timeout(60)
+def test_fan_out_subscribers_with_read_ahead_get_every_row(server_db: TestDatabase) -> None:
+    """Three subscribers, one retrying some events, one failing a batch of its
+    own once: each accepts every row, in key order per subscriber, and the
+    checkpoint reaches the end (reads ahead used on the way)."""
+    from dbtrigger.errors import PartialBatchError
+    from dbtrigger.runtime.context import BatchContext
+    from tests.reliability_support import Clock
+
+    table = items_table(server_db)
+    add_items(server_db, table, range(1, 61))
+    accepted: dict[str, list[int]] = {"billing": [], "search": [], "audit": []}
+    calls: dict[tuple[str, int], int] = {}
+
+    def subscriber(name: str) -> Callable[[list[RowChange], BatchContext], None]:
+        def receive(events: list[RowChange], ctx: BatchContext) -> None:
+            failing = []
+            for e in events:
+                pk = int(e.pk["id"])
+                n = calls[(name, pk)] = calls.get((name, pk), 0) + 1
+                if name == "search" and pk % 7 == 0 and n == 1:
+                    ctx.retry(e, "busy")
+                elif name == "audit" and pk == 33 and n == 1:
+                    failing.append(dict(e.pk))
+                else:
+                    accepted[name].append(pk)
+            if failing:
+                raise PartialBatchError(failing, "audit failed")
+
+        return receive
+
+    clock = Clock()
+    trigger = trigger_for(
+        items_source(server_db),
+        clock=clock,
+        subscribers={name: subscriber(name) for name in accepted},
+        retry_delay_seconds=1,
+    )
+    for _ in range(40):
+        try:
+            trigger.tick()
+        except DbTriggerError:
+            pass
+        clock.advance(2)
+        if all(sorted(a) == list(range(1, 61)) for a in accepted.values()):
+            break
+    for name, got in accepted.items():
+        assert sorted(got) == list(range(1, 61)), name
+        assert len(got) == len(set(got)), name
+    stored = trigger.store.read("items")
+    assert stored is not None
+    from dbtrigger.state import document as docmod
+
+    doc = docmod.loads(stored.data)
+    assert doc.window is None or not doc.window.pending
+    assert int(doc.position.pk["id"]) == 60
+    assert read_ahead_of(trigger).used >= 1
+    trigger.close()

@@ -6,7 +6,9 @@ connection left behind."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import signal
 import threading
 import time
@@ -25,11 +27,20 @@ from dbtrigger import (
     SqlAlchemySource,
 )
 from dbtrigger.cursor import Position
-from dbtrigger.errors import DbTriggerError
+from dbtrigger.errors import DbTriggerError, PartialBatchError
+from dbtrigger.runtime.context import BatchContext
 from dbtrigger.runtime.readahead import ReadAhead
 from dbtrigger.runtime.runner import Runner
+from dbtrigger.state import document as docmod
 from tests.databases import TestDatabase, admin_engine, make_database
-from tests.reliability_support import NO_WAIT, add_items, items_source, items_table, steal_lease
+from tests.reliability_support import (
+    NO_WAIT,
+    Clock,
+    add_items,
+    items_source,
+    items_table,
+    steal_lease,
+)
 
 SERVERS = [
     pytest.param("postgresql", marks=pytest.mark.postgresql),
@@ -511,10 +522,6 @@ def test_fan_out_subscribers_with_read_ahead_get_every_row(server_db: TestDataba
     """Three subscribers, one retrying some events, one failing a batch of its
     own once: each accepts every row, in key order per subscriber, and the
     checkpoint reaches the end (reads ahead used on the way)."""
-    from dbtrigger.errors import PartialBatchError
-    from dbtrigger.runtime.context import BatchContext
-    from tests.reliability_support import Clock
-
     table = items_table(server_db)
     add_items(server_db, table, range(1, 61))
     accepted: dict[str, list[int]] = {"billing": [], "search": [], "audit": []}
@@ -545,10 +552,8 @@ def test_fan_out_subscribers_with_read_ahead_get_every_row(server_db: TestDataba
         retry_delay_seconds=1,
     )
     for _ in range(40):
-        try:
+        with contextlib.suppress(DbTriggerError):
             trigger.tick()
-        except DbTriggerError:
-            pass
         clock.advance(2)
         if all(sorted(a) == list(range(1, 61)) for a in accepted.values()):
             break
@@ -557,10 +562,129 @@ def test_fan_out_subscribers_with_read_ahead_get_every_row(server_db: TestDataba
         assert len(got) == len(set(got)), name
     stored = trigger.store.read("items")
     assert stored is not None
-    from dbtrigger.state import document as docmod
-
     doc = docmod.loads(stored.data)
     assert doc.window is None or not doc.window.pending
     assert int(doc.position.pk["id"]) == 60
-    assert read_ahead_of(trigger).used >= 1
+    ra = read_ahead_of(trigger)
+    assert ra.used >= 1
+    trigger.close()
+
+
+# --- chaos: failing handlers, killed connections, writes, carried reads ------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("seed", [1, 2])
+def test_chaos_with_read_ahead_loses_nothing_and_keeps_key_order(
+    server_db: TestDatabase, seed: int
+) -> None:
+    """Ticks of 1, 3 or 100 batches back to back (reads carried), a handler that
+    fails whole batches, names failing rows or asks for retries, rows inserted
+    and updated while batches run, and the server killing the connection of a
+    read (ahead or not) now and then: every key's last version is accepted,
+    each key's accepted versions never go back, and only DbTriggerErrors leave
+    a tick."""
+    rng = random.Random(seed)
+    table = items_table(server_db)
+    add_items(server_db, table, range(1, 121))
+    version = {i: i * 10 for i in range(1, 121)}
+    counter = [2000]
+    source = items_source(server_db)
+    backends: list[int] = []
+    original = source._read
+    sql = "SELECT pg_backend_pid()" if server_db.kind == "postgresql" else "SELECT CONNECTION_ID()"
+
+    def read(conn: sa.Connection, after: Position, limit: int) -> Any:
+        backends.append(int(conn.exec_driver_sql(sql).scalar()))  # type: ignore[arg-type]
+        if conn.in_transaction():
+            conn.rollback()
+        return original(conn, after, limit)
+
+    source._read = read  # type: ignore[method-assign]
+    clock = Clock()
+    trigger = trigger_for(source, clock=clock, retry_delay_seconds=1, max_attempts=1000)
+    accepted: list[tuple[int, int]] = []
+
+    def write() -> None:
+        with server_db.engine.begin() as conn:
+            for _ in range(rng.randint(0, 3)):
+                counter[0] += 1
+                if rng.random() < 0.5:
+                    item = rng.choice(sorted(version))
+                    conn.execute(
+                        table.update().where(table.c.id == item).values(version=counter[0])
+                    )
+                else:
+                    item = max(version) + 1
+                    conn.execute(table.insert().values(id=item, version=counter[0], payload="n"))
+                version[item] = counter[0]
+
+    def handler(events: list[RowChange], ctx: BatchContext) -> None:
+        roll = rng.random()
+        if rng.random() < 0.5:
+            write()
+        if rng.random() < 0.15 and backends:
+            kill(server_db, backends[-1])
+        if roll < 0.1:
+            raise ValueError("downstream down")
+        failing = []
+        for e in events:
+            r = rng.random()
+            if roll < 0.25 and r < 0.2:
+                failing.append(dict(e.pk))
+            elif roll < 0.4 and r < 0.2:
+                ctx.retry(e, "later")
+            else:
+                accepted.append((int(e.pk["id"]), int(e.cursor)))
+        if failing:
+            raise PartialBatchError(failing, "some rows failed")
+
+    deadline = time.monotonic() + 60
+    writes_left = 60
+    failures = [0]
+    while time.monotonic() < deadline:
+        # Ticks of 1, 3 or 100 batches (one settings object, shared by the tick's parts).
+        object.__setattr__(
+            trigger._driver.settings, "max_batches_per_tick", rng.choice([1, 3, 100])
+        )
+        try:
+            result = trigger.tick_result(handler)
+        except DbTriggerError:
+            failures[0] += 1
+            clock.advance(2)
+            continue
+        clock.advance(2)
+        if writes_left > 0:
+            writes_left -= 1
+            write()
+            write()
+            continue
+        if (
+            result.rows == 0
+            and not result.more
+            and all((i, v) in set(accepted) for i, v in version.items())
+        ):
+            break
+    got = set(accepted)
+    missing = {(i, v) for i, v in version.items() if (i, v) not in got}
+    assert not missing, sorted(missing)[:10]
+    last: dict[int, int] = {}
+    for item, v in accepted:
+        assert v >= last.get(item, -1), (item, v, last[item])
+        last[item] = v
+    ra = read_ahead_of(trigger)
+    print(
+        "chaos",
+        server_db.kind,
+        seed,
+        failures[0],
+        len(backends),
+        len(accepted),
+        len(version),
+        ra.started,
+        ra.used,
+        ra.dropped,
+        counter[0],
+    )
+    assert ra.used >= 1
     trigger.close()

@@ -516,3 +516,39 @@ def test_a_failed_read_is_dropped_and_read_again() -> None:
     assert ra.take(Position(), 10, "t") is None
     assert (ra.used, ra.dropped) == (0, 1)
     ra.close()
+
+
+def test_source_calls_between_ticks_beside_a_carried_read(pg: TestDatabase) -> None:
+    """A carried read goes on while the tick returns; what the worker asks of
+    the source meanwhile (a count, the lag) runs on connections of its own:
+    no connection is used by two threads, and every row comes once, in order."""
+    table = items_table(pg)
+    add_items(pg, table, range(1, 61))
+    source = items_source(pg)
+    in_use: dict[int, str] = {}
+    clashes: list[str] = []
+    lock = threading.Lock()
+    engine = source._guarding.fetch_engine(source.engine)
+
+    @sa.event.listens_for(engine, "checkout")
+    def checkout(dbapi: Any, record: Any, proxy: Any) -> None:
+        me = threading.current_thread().name
+        with lock:
+            if id(dbapi) in in_use:
+                clashes.append(f"{me} and {in_use[id(dbapi)]}")
+            in_use[id(dbapi)] = me
+
+    @sa.event.listens_for(engine, "checkin")
+    def checkin(dbapi: Any, record: Any) -> None:
+        with lock:
+            in_use.pop(id(dbapi), None)
+
+    trigger = trigger_for(source, max_batches_per_tick=1)
+    seen: list[int] = []
+    while trigger.tick(lambda events: seen.extend(ids(events))):
+        source.count_after(Position())  # beside the read carried into the next tick
+    assert seen == list(range(1, 61))
+    assert read_ahead_of(trigger).used >= 4
+    assert not clashes
+    trigger.close()
+    source.close()

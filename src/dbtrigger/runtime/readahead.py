@@ -63,7 +63,7 @@ from dbtrigger.cursor import Position
 CARRY_SECONDS = 1.0
 
 #: How long a read's start may wait for the reader thread to pick it up.
-HEAD_START_SECONDS = 0.002
+HEAD_START_SECONDS = 0.0005
 
 #: How long the idle reader thread waits for the next read before it exits.
 LINGER_SECONDS = 2.0

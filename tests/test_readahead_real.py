@@ -688,3 +688,51 @@ def test_chaos_with_read_ahead_loses_nothing_and_keeps_key_order(
     )
     assert ra.used >= 1
     trigger.close()
+
+
+# --- the source closed while a read carried past its tick is in flight --------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("keeps", [True, False])
+def test_a_source_closed_while_a_carried_read_runs_leaves_no_session(
+    server_db: TestDatabase, keeps: bool
+) -> None:
+    """Ticks of one batch carry their last read past the tick; the source is
+    closed while it runs (a worker shutting down, a test's teardown): the read's
+    connection is not kept for the closed source (its disposed pool would no
+    longer know it and the session would stay open on the server)."""
+    table = items_table(server_db)
+    add_items(server_db, table, range(1, 61))
+    before = connections_to(server_db)
+    source = items_source(server_db)
+    if not keeps:  # a checkout per fetch (pool_pre_ping), the connection not kept
+        source = SqlAlchemySource(
+            url=server_db.url,
+            table="items",
+            schema=server_db.schema,
+            cursor_column="version",
+            pk_columns=["id"],
+            visibility="none",
+            engine_kwargs={"pool_pre_ping": True},
+        )
+    trigger = trigger_for(source, max_batches_per_tick=1)
+    assert trigger.tick(lambda events: None) == 10
+    held = source._holds(source._guarding.fetch_engine(source.engine))
+    assert held is (keeps and server_db.kind == "postgresql")
+    reached, go, _ = gated_reads(source, from_id=20)
+    assert trigger.tick(lambda events: None) == 10  # follows: the read after 20 is carried
+    assert reached.wait(10)
+    source.close()
+    go.set()
+    trigger.close()  # drops the carried read (waiting for it)
+    assert wait_for(lambda: connections_to(server_db) <= before, 5), (
+        connections_to(server_db),
+        before,
+    )
+    # A source used again after close() keeps its catch-up connection as before.
+    assert trigger.tick(lambda events: None) == 10
+    assert trigger.tick(lambda events: None) == 10
+    trigger.close()
+    source.close()
+    assert wait_for(lambda: connections_to(server_db) <= before, 5)

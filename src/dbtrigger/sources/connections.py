@@ -45,6 +45,9 @@ class SourceConnections:
         self._resolve = resolve
         self._held: tuple[Connection, float] | None = None
         self._lock = threading.Lock()
+        #: How many times :meth:`close` ran: a connection checked out before the
+        #: last close belongs to a disposed pool (see :meth:`give_back`).
+        self.generation = 0
 
     def checkout(self, engine: Engine | None = None) -> Connection:
         """``engine.connect()``, a driver failure outside the DB-API tree mapped.
@@ -69,9 +72,14 @@ class SourceConnections:
         The kept connection goes back to the pool first: every other statement
         runs on a connection of its own and never waits for the one kept."""
         self.release()
+        generation = self.generation
         with mapped(what, diagnose=diagnose), self.checkout(engine) as conn:
-            self._resolve(conn)
-            yield conn
+            try:
+                self._resolve(conn)
+                yield conn
+            finally:
+                if generation != self.generation:
+                    conn.invalidate()  # see give_back
 
     def take(self, engine: Engine) -> Connection | None:
         """The kept connection, if it is ``engine``'s and still usable (the caller
@@ -93,15 +101,32 @@ class SourceConnections:
                 return None
         return conn
 
-    def keep(self, conn: Connection) -> None:
-        """Hold ``conn`` for the next fetch (closed instead if one is held already)."""
+    def keep(self, conn: Connection, generation: int) -> None:
+        """Hold ``conn`` (checked out in ``generation``) for the next fetch; given
+        back instead if one is held already or the source was closed since."""
         if conn.in_transaction():
             conn.rollback()  # SQLAlchemy's own bookkeeping; autocommit left nothing open
         with self._lock:
-            if self._held is None:
+            if self._held is None and generation == self.generation:
                 self._held = (conn, time.monotonic())
                 return
+        self.give_back(conn, generation)
+
+    def give_back(self, conn: Connection, generation: int) -> None:
+        """Close ``conn`` (checked out in ``generation``): back to its pool, or, when
+        the source was closed since (a read-ahead carried past its tick still
+        running when the worker closed it), its database session closed too: the
+        disposed pool would keep it open, checked in where nobody checks it out."""
+        if generation != self.generation:
+            conn.invalidate()
         conn.close()
+
+    def close(self) -> None:
+        """The source is closing: give the kept connection back, and every
+        connection checked out until now is closed when it comes back."""
+        with self._lock:
+            self.generation += 1
+        self.release()
 
     def release(self) -> None:
         """Give the kept connection back to the pool; nothing when none is kept."""

@@ -314,7 +314,7 @@ class SqlAlchemySource:
 
     def close(self) -> None:
         """Dispose of the connection pool if this source created the engine."""
-        self.release_connection()
+        self._connections.close()
         self._engines.dispose()
 
     # --- the connection kept between fetches (sources/connections.py) ---------------
@@ -369,18 +369,20 @@ class SqlAlchemySource:
         if not self._holds(engine):
             with self._connections.open(what, engine=engine, diagnose=True) as conn:
                 return self._read(conn, after, limit)
+        connections = self._connections
+        generation = connections.generation
         with mapped(what, diagnose=True):
-            conn = self._connections.take(engine) or self._connections.checkout(engine)
+            conn = connections.take(engine) or connections.checkout(engine)
             try:
                 self._keyset.shape.resolve(conn)
                 rows = self._read(conn, after, limit)
             except BaseException:
-                conn.close()
+                connections.give_back(conn, generation)
                 raise
         if len(rows) >= limit:
-            self._connections.keep(conn)
+            connections.keep(conn, generation)
         else:
-            conn.close()
+            connections.give_back(conn, generation)
         return rows
 
     def _read(self, conn: Connection, after: Position, limit: int) -> Rows:

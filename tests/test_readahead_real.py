@@ -173,8 +173,13 @@ def connections_to(db: TestDatabase) -> int:
                 "AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
             )
             return int(admin.execute(sa.text(sql), {"d": database}).scalar())  # type: ignore[arg-type]
-        sql = "SELECT count(*) FROM information_schema.PROCESSLIST WHERE DB = :d"
-        return int(admin.execute(sa.text(sql), {"d": db.schema}).scalar())  # type: ignore[arg-type]
+        # The sources connect to the URL's database and name the schema in their SQL.
+        sql = (
+            "SELECT count(*) FROM information_schema.PROCESSLIST "
+            "WHERE DB = :d AND ID <> CONNECTION_ID()"
+        )
+        database = sa.make_url(db.url).database
+        return int(admin.execute(sa.text(sql), {"d": database}).scalar())  # type: ignore[arg-type]
 
 
 def reader_threads() -> list[threading.Thread]:

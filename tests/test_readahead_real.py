@@ -286,6 +286,7 @@ def test_ddl_after_a_read_ahead_delivers_in_order_or_refuses_typed(
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.xdist_group("shared-horizons")  # it holds a writer open (PostgreSQL's xid horizon)
 @pytest.mark.parametrize("per_tick", [100, 1])
 def test_a_row_committed_late_below_a_read_ahead_is_not_skipped(
     server_db: TestDatabase, per_tick: int

@@ -5,6 +5,8 @@ import time, paid by every process a Deployment starts."""
 
 from __future__ import annotations
 
+import io
+import logging
 import subprocess
 import sys
 
@@ -58,3 +60,25 @@ def test_a_worker_imports_no_other_commands_modules() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
     assert "cannot import 'no_such_module_here'" in done.stderr
+
+
+def test_a_worker_alone_on_its_log_quiets_chatty_loggers_at_the_source() -> None:
+    """With only the CLI's handler, azure-core's HTTP logger does not even build its
+    records (CPU per store operation); with another handler, or at DEBUG, it does."""
+    from dbtrigger.cli.logs import QUIET_LOGGERS, configure_logging  # noqa: PLC0415
+
+    root = logging.getLogger()
+    saved, level = root.handlers[:], root.level
+    chatty = logging.getLogger(QUIET_LOGGERS[0])
+    try:
+        root.handlers = []
+        configure_logging("INFO", stream=io.StringIO())
+        assert not chatty.isEnabledFor(logging.INFO)
+        configure_logging("DEBUG", stream=io.StringIO())
+        assert chatty.isEnabledFor(logging.INFO)
+        root.handlers = [logging.NullHandler()]  # a host's, a test's
+        configure_logging("INFO", stream=io.StringIO())
+        assert chatty.isEnabledFor(logging.INFO)
+    finally:
+        root.handlers, root.level = saved, level
+        chatty.setLevel(logging.NOTSET)

@@ -125,11 +125,35 @@ def configure_logging(level: str, fmt: str = "text", stream: TextIO | None = Non
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level)
+    _unquiet()
     if level != "DEBUG":
         # A filter on our handler, not a level on those loggers: the process's
         # other handlers (a host's, a test's) keep seeing them.
         handler.addFilter(_quiet_chatty_loggers)
         handler.addFilter(_reported_by_the_error_line)
+        if root.handlers == [handler]:
+            _quiet_at_the_source()
+
+
+#: The chatty loggers whose level configure_logging raised (and lowers again).
+_RAISED: set[str] = set()
+
+
+def _quiet_at_the_source() -> None:
+    """With no other handler to see them (a ``dbtrigger run`` worker), the chatty
+    loggers need not build their records at all: azure-core formats the headers
+    of every request and response, 0.3-0.7 ms of CPU per store operation of a
+    Blob or Table store, only for the handler's filter to drop it."""
+    for name in QUIET_LOGGERS:
+        chatty = logging.getLogger(name)
+        if chatty.level == logging.NOTSET:
+            chatty.setLevel(logging.WARNING)
+            _RAISED.add(name)
+
+
+def _unquiet() -> None:
+    while _RAISED:
+        logging.getLogger(_RAISED.pop()).setLevel(logging.NOTSET)
 
 
 __all__ = [

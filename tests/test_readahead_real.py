@@ -742,3 +742,38 @@ def test_a_source_closed_while_a_carried_read_runs_leaves_no_session(
     trigger.close()
     source.close()
     assert wait_for(lambda: connections_to(server_db) <= before, 5)
+
+
+# --- a one-connection pool --------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_a_one_connection_pool_does_not_starve_the_commit(
+    server_db: TestDatabase, caplog: pytest.LogCaptureFixture
+) -> None:
+    """pool_size=1, max_overflow=0: the read ahead uses the pool's one connection
+    while the commit measures the lag on a connection of its own, which waits
+    for it; the read must give it back rather than keep it for the next fetch
+    (each commit waited pool_timeout, then its lag measurement failed: 200 rows
+    took 27 s instead of 0.1 s on PostgreSQL with pool_timeout=3)."""
+    table = items_table(server_db)
+    add_items(server_db, table, range(1, 201))
+    source = SqlAlchemySource(
+        url=server_db.url,
+        table="items",
+        schema=server_db.schema,
+        cursor_column="version",
+        pk_columns=["id"],
+        visibility="none",
+        engine_kwargs={"pool_size": 1, "max_overflow": 0, "pool_timeout": 3},
+    )
+    trigger = trigger_for(source, batch_size=20)
+    seen: list[int] = []
+    started = time.monotonic()
+    assert trigger.drain(lambda events: seen.extend(ids(events))) == 200
+    elapsed = time.monotonic() - started
+    assert seen == list(range(1, 201))
+    assert read_ahead_of(trigger).used >= 5
+    starved = [r.getMessage() for r in caplog.records if "QueuePool limit" in r.getMessage()]
+    assert not starved, (elapsed, starved[:1])
+    trigger.close()

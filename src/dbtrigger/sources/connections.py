@@ -48,6 +48,10 @@ class SourceConnections:
         #: How many times :meth:`close` ran: a connection checked out before the
         #: last close belongs to a disposed pool (see :meth:`give_back`).
         self.generation = 0
+        #: Statements of :meth:`open` under way: while one is, a fetch ending on
+        #: another thread (a read-ahead) gives its connection back instead of
+        #: keeping it, since that statement may be waiting for it (a one-connection pool).
+        self._opening = 0
 
     def checkout(self, engine: Engine | None = None) -> Connection:
         """``engine.connect()``, a driver failure outside the DB-API tree mapped.
@@ -71,15 +75,21 @@ class SourceConnections:
         """A connection with the shape resolved, driver errors of ``what`` mapped.
         The kept connection goes back to the pool first: every other statement
         runs on a connection of its own and never waits for the one kept."""
-        self.release()
-        generation = self.generation
-        with mapped(what, diagnose=diagnose), self.checkout(engine) as conn:
-            try:
-                self._resolve(conn)
-                yield conn
-            finally:
-                if generation != self.generation:
-                    conn.invalidate()  # see give_back
+        with self._lock:
+            self._opening += 1
+        try:
+            self.release()
+            generation = self.generation
+            with mapped(what, diagnose=diagnose), self.checkout(engine) as conn:
+                try:
+                    self._resolve(conn)
+                    yield conn
+                finally:
+                    if generation != self.generation:
+                        conn.invalidate()  # see give_back
+        finally:
+            with self._lock:
+                self._opening -= 1
 
     def take(self, engine: Engine) -> Connection | None:
         """The kept connection, if it is ``engine``'s and still usable (the caller
@@ -103,11 +113,12 @@ class SourceConnections:
 
     def keep(self, conn: Connection, generation: int) -> None:
         """Hold ``conn`` (checked out in ``generation``) for the next fetch; given
-        back instead if one is held already or the source was closed since."""
+        back instead if one is held already, the source was closed since, or
+        another statement is getting a connection (it may be waiting for this one)."""
         if conn.in_transaction():
             conn.rollback()  # SQLAlchemy's own bookkeeping; autocommit left nothing open
         with self._lock:
-            if self._held is None and generation == self.generation:
+            if self._held is None and generation == self.generation and not self._opening:
                 self._held = (conn, time.monotonic())
                 return
         self.give_back(conn, generation)

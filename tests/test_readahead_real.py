@@ -853,3 +853,51 @@ def test_two_workers_on_one_store_with_carried_reads_deliver_every_version(
         assert v > last.get(item, -1), (item, v, last[item])
         last[item] = v
     assert sum(used.values()) >= 1
+
+
+# --- the reader thread cannot be started ----------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_a_reader_thread_that_cannot_start_falls_back_to_reading_in_the_tick(
+    server_db: TestDatabase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``RuntimeError: can't start new thread`` (a container's pids limit) or
+    ``can't create new thread at interpreter shutdown`` when a read-ahead starts:
+    the tick reads the batch itself (no stall waiting for a read nobody runs, no
+    RuntimeError out of the tick), and reads ahead again once threads start."""
+    table = items_table(server_db)
+    add_items(server_db, table, range(1, 51))
+    trigger = trigger_for(items_source(server_db))
+    original = threading.Thread.start
+    refused: list[str] = []
+
+    def start(self: threading.Thread) -> None:
+        if self.name.startswith("dbtrigger-readahead"):
+            refused.append(self.name)
+            raise RuntimeError("can't start new thread")
+        original(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    seen: list[int] = []
+    outcome: list[object] = []
+
+    def drain() -> None:
+        try:
+            outcome.append(trigger.drain(lambda events: seen.extend(ids(events))))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=drain, name="drain", daemon=True)
+    original(worker)
+    worker.join(20)
+    assert not worker.is_alive(), "the tick waits for a read no thread runs"
+    assert outcome == [50], outcome
+    assert seen == list(range(1, 51))
+    assert refused
+    monkeypatch.setattr(threading.Thread, "start", original)
+    add_items(server_db, table, range(51, 71))
+    assert trigger.drain(lambda events: seen.extend(ids(events))) == 20
+    assert seen == list(range(1, 71))
+    assert read_ahead_of(trigger).used >= 1
+    trigger.close()

@@ -158,10 +158,18 @@ class ReadAhead:
         with self._wake:
             self._queued = flight
             if self._thread is None:
-                self._thread = threading.Thread(
+                thread = threading.Thread(
                     target=self._run, name=f"dbtrigger-readahead-{self.name}", daemon=True
                 )
-                self._thread.start()
+                try:
+                    thread.start()  # (it waits for this lock before it looks at anything)
+                except RuntimeError:
+                    # No thread to be had (a container's pids limit, interpreter
+                    # shutdown): nothing is read ahead, the tick reads itself.
+                    self._queued = self._flight = None
+                    self.dropped += 1
+                    return
+                self._thread = thread
             else:
                 self._wake.notify()
         # Let the reader run up to the read's first wait on the server before this

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
@@ -60,6 +60,7 @@ from dbtrigger.sources.guarding import Guarding
 from dbtrigger.sources.keyset import ROW_VALUE_DIALECTS, Keyset, RowFilter
 from dbtrigger.sources.lag import LagReading
 from dbtrigger.sources.lag_meter import LagMeter
+from dbtrigger.sources.lookups import KeysetLookups
 from dbtrigger.sources.rows import (
     ResultProcessors,
     Rows,
@@ -77,7 +78,7 @@ from dbtrigger.sources.visibility import (
 )
 
 
-class SqlAlchemySource:
+class SqlAlchemySource(KeysetLookups):
     """Poll a table (or a query) by a monotonic cursor column plus its primary key.
 
     Args:
@@ -430,68 +431,6 @@ class SqlAlchemySource:
         if self._spec.deleted_column is not None:
             return mark_deletes(events, self._spec.deleted_column, self._deleted_value)
         return events
-
-    def present(self, positions: Sequence[Position]) -> list[Position]:
-        """Which of ``positions`` still hold a row of this source (its filter
-        applies), as the rows read now: the settled window's lookup of entries
-        a read could not place (:class:`~dbtrigger.sources.base.LocatesRows`).
-        """
-        if not positions:
-            return []
-        found: list[Position] = []
-        with self._connections.open(f"window lookup on {self.name}") as conn:
-            keyset = self._keyset
-            for stmt in keyset.lookups(positions):
-                rows = conn.execute(stmt).mappings()
-                found += [keyset.shape.position_of(cast(Mapping[str, Any], r)) for r in rows]
-                conn.rollback()
-        return found
-
-    def rows_with_keys(self, keys: Sequence[Mapping[str, Any]]) -> Rows:
-        """The rows of this source (its filter applies) with these key values, as
-        they are now, wherever their cursor is: what a replay compares the rows it
-        recorded against (a row updated since has moved to a later cursor)."""
-        columns: Sequence[str] = self._keyset.select_names()
-        tuples: list[tuple[Any, ...]] = []
-        with self._connections.open(f"key lookup on {self.name}") as conn:
-            for stmt in self._keyset.key_lookups(keys):
-                rows = read_rows(
-                    conn,
-                    stmt,
-                    None,
-                    self._processors,
-                    source=self.name,
-                    key_columns=self.pk_columns,
-                )
-                columns = rows.columns
-                tuples += rows.tuples
-                conn.rollback()
-        return Rows(columns, tuples)
-
-    def last_position(self, before: Any = None) -> Position:
-        """Where a poller starting now resumes: after the last row (``before``: after
-        the last row whose cursor is below it); the beginning when there is none."""
-        with self._connections.open(f"start position on {self.name}") as conn:
-            row = conn.execute(self._keyset.newest(before)).mappings().first()
-        if row is None:
-            return Position()
-        return self._keyset.shape.position_of(cast(Mapping[str, Any], row))
-
-    # --- operations helpers -----------------------------------------------------
-
-    def count_after(self, after: Position) -> int:
-        """Rows strictly after ``after`` (the lag in rows). Costs a range count.
-
-        Counts every visible row, including rows the visibility guard still
-        withholds: they are pending, just not consumable yet.
-        """
-        with self._connections.open(f"count on {self.name}") as conn:
-            return int(conn.execute(self._keyset.count(after)).scalar_one())
-
-    def null_cursor_keys(self, limit: int = 10) -> list[dict[str, Any]]:
-        """Keys of rows whose cursor is NULL: they have no place in cursor order."""
-        with self._connections.open(f"NULL-cursor probe on {self.name}") as conn:
-            return [dict(r) for r in conn.execute(self._keyset.null_probe(limit)).mappings()]
 
     def _check_position(self, conn: Connection, after: Position) -> None:
         """Refuse a checkpoint whose values no longer fit their columns' types."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime as dt
 import random
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from dbtrigger import (
 )
 from dbtrigger.cursor import Position
 from dbtrigger.errors import ConfigurationError, PartialBatchError
+from dbtrigger.runtime import readahead
 from dbtrigger.runtime.context import BatchContext
 from dbtrigger.runtime.readahead import CARRY_SECONDS, ReadAhead
 from dbtrigger.sources.lag import LagReading
@@ -109,6 +111,10 @@ def trigger_for(source: Any, store: Any = None, **options: Any) -> PollTrigger:
     options.setdefault("batch_size", 10)
     options.setdefault("retry", NO_WAIT)
     options.setdefault("history", False)
+    # Every case here pins what a read-ahead does once started: start one after
+    # every batch (the default starts them only while reads are slow, see
+    # test_adaptive_*).
+    options.setdefault("read_ahead", "always")
     return PollTrigger(
         name="items",
         source=source,
@@ -159,7 +165,7 @@ def test_read_ahead_off_reads_after_each_commit() -> None:
     assert trigger._driver.reader.read_ahead is None
     assert trigger.drain(lambda events: None) == 35
     assert source.ahead() == []
-    with pytest.raises(ConfigurationError, match="read_ahead must be True or False"):
+    with pytest.raises(ConfigurationError, match="read_ahead must be True, False or 'always'"):
         trigger_for(source, read_ahead="yes")
 
 
@@ -218,7 +224,7 @@ def test_a_retry_that_moves_the_window_drops_the_read_ahead() -> None:
     the read made from there is not the next read. The batches are exactly those
     of a trigger without read-ahead."""
 
-    def batches(read_ahead: bool) -> tuple[list[list[int]], int]:
+    def batches(read_ahead: bool | str) -> tuple[list[list[int]], int]:
         source = ThreadedSource(40)
         trigger = trigger_for(
             source, max_batches_per_tick=100, read_ahead=read_ahead, retry_delay_seconds=0
@@ -240,7 +246,7 @@ def test_a_retry_that_moves_the_window_drops_the_read_ahead() -> None:
         trigger.close()
         return seen, dropped
 
-    with_ahead, dropped = batches(True)
+    with_ahead, dropped = batches("always")
     without, _ = batches(False)
     assert with_ahead == without
     assert dropped >= 4  # the batches holding 7, 14, 21, 28 moved the window
@@ -438,13 +444,13 @@ def test_a_catch_up_reads_ahead_on_the_connection_it_keeps(
     those), and no connection is ever used by two threads at once."""
     table = items_table(pg)
     add_items(pg, table, range(1, 201))
-    runs = {flag: drain_counting(items_source(pg), flag) for flag in (False, True)}
-    assert runs[True].clashes == runs[False].clashes == []
-    assert runs[True].used == 20  # batches 2-20 and the empty read after them
-    assert "dbtrigger-readahead-items" in runs[True].checkouts
+    runs = {flag: drain_counting(items_source(pg), flag) for flag in (False, "always")}
+    assert runs["always"].clashes == runs[False].clashes == []
+    assert runs["always"].used == 20  # batches 2-20 and the empty read after them
+    assert "dbtrigger-readahead-items" in runs["always"].checkouts
     # No more checkouts than without read-ahead (fewer when the lag query, which
     # gives the kept connection back, runs while the reader holds it).
-    assert len(runs[True].checkouts) <= len(runs[False].checkouts) <= 8
+    assert len(runs["always"].checkouts) <= len(runs[False].checkouts) <= 8
 
 
 @dataclass
@@ -454,7 +460,7 @@ class Counted:
     used: int = 0
 
 
-def drain_counting(source: SqlAlchemySource, read_ahead: bool) -> Counted:
+def drain_counting(source: SqlAlchemySource, read_ahead: bool | str) -> Counted:
     counted = Counted()
     in_use: dict[int, str] = {}
     lock = threading.Lock()
@@ -592,4 +598,87 @@ def test_an_interrupted_tick_does_not_wait_for_a_read_in_flight(
         pass
     assert seen == list(range(1, 41))
     assert source.overlaps == 0
+
+
+# --- adaptive: read ahead only while the reads wait ----------------------------------
+
+
+def test_adaptive_reads_ahead_only_after_enough_slow_reads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The decision, table by table: the last SAMPLES reads the tick made itself
+    must each have waited MIN_WAIT_SECONDS; while on, one batch in PROBE_EVERY
+    is read by the tick again; "always" does not look."""
+    monkeypatch.setattr(readahead, "MIN_WAIT_SECONDS", 0.001)
+    ra = ReadAhead(lambda after, limit: [], name="t")
+    assert not ra.wanted()  # nothing measured yet
+    ra.observe(0.002)
+    ra.observe(0.002)
+    assert not ra.wanted()  # too few
+    ra.observe(0.002)
+    assert [ra.wanted() for _ in range(readahead.PROBE_EVERY)] == [True] * (
+        readahead.PROBE_EVERY - 1
+    ) + [False]  # the probe: the tick reads itself
+    ra.observe(0.0001)  # the probe's read was fast
+    assert not ra.wanted()
+    ra.observe(0.002)
+    ra.observe(0.002)
+    assert not ra.wanted()  # the fast one is still among the last SAMPLES
+    ra.observe(0.002)
+    assert ra.wanted()
+    assert ra.skipped == 5
+    always = ReadAhead(lambda after, limit: [], name="t", always=True)
+    assert always.wanted()
+    assert list(always.waits) == []
+
+
+class SlowSource(ThreadedSource):
+    """A ThreadedSource whose reads wait ``delay`` seconds (the GIL released, as
+    a socket wait releases it), the tick's own and the read-ahead's."""
+
+    delay = 0.0
+
+    def fetch(self, after: Position, limit: int) -> Sequence[Mapping[str, Any]]:
+        if self.delay:
+            time.sleep(self.delay)
+        return super().fetch(after, limit)
+
+
+def test_adaptive_default_reads_ahead_while_reads_wait_and_stops_when_they_do_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The default: slow reads (a database across a network) are read ahead after
+    the first SAMPLES batches; once they are fast, the next probe turns it off."""
+    monkeypatch.setattr(readahead, "MIN_WAIT_SECONDS", 0.005)
+    monkeypatch.setattr(readahead, "PROBE_EVERY", 4)
+    source = SlowSource(400)
+    source.delay = 0.02
+    trigger = trigger_for(source, max_batches_per_tick=20, read_ahead=True)
+    seen: list[int] = []
+    assert trigger.tick(lambda events: seen.extend(ids(events))) == 200
+    ra = read_ahead_of(trigger)
+    # Batches 1-3 read by the tick (measured), then ahead but for each 4th (a probe).
+    assert source.ahead()[:3] == [30, 40, 50]
+    assert ra.used == ra.started >= 12
+    source.delay = 0.0
+    before = len(source.ahead())
+    assert trigger.tick(lambda events: seen.extend(ids(events))) == 200
+    # At most until the next probe (PROBE_EVERY batches) is anything read ahead.
+    assert len(source.ahead()) - before <= 4
+    assert seen == list(range(1, 401))
+    trigger.close()
+
+
+def test_adaptive_default_does_not_read_ahead_fast_reads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(readahead, "MIN_WAIT_SECONDS", 1.0)
+    source = SlowSource(100)
+    trigger = trigger_for(source, max_batches_per_tick=100, read_ahead=True)
+    assert trigger.drain(lambda events: None) == 100
+    ra = read_ahead_of(trigger)
+    assert source.ahead() == []
+    assert ra.started == 0
+    assert ra.skipped == 10  # after each full batch (the 10th too: more may come)
+    assert len(ra.waits) == readahead.SAMPLES
     trigger.close()

@@ -23,7 +23,7 @@ import numbers
 
 from dbtrigger.errors import ConfigurationError
 
-__all__ = ["flag", "number", "optional_seconds", "optional_whole", "seconds", "whole"]
+__all__ = ["flag", "flag_or", "number", "optional_seconds", "optional_whole", "seconds", "whole"]
 
 
 def _refuse(name: str, value: object, wanted: str) -> ConfigurationError:
@@ -36,6 +36,13 @@ def flag(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise _refuse(name, value, "True or False")
     return value
+
+
+def flag_or(name: str, value: object, word: str) -> bool | str:
+    """``value``, which must be ``True``, ``False`` or the string ``word``."""
+    if isinstance(value, bool) or value == word:
+        return value
+    raise _refuse(name, value, f"True, False or {word!r}")
 
 
 def whole(name: str, value: object, *, minimum: int = 1, maximum: int | None = None) -> int:

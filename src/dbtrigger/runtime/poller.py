@@ -137,10 +137,13 @@ class PollTrigger(ClosesOnExit):
             ``False``; where a new poller starts: ``"beginning"``, ``"now"``, a
             cursor value or a ``Position`` (see :mod:`dbtrigger.history`).
         read_ahead: read the next batch on a background thread while the
-            handler and the commit of this one run (default on), for sources
-            that can be read from another thread (``SqlAlchemySource`` off
-            SQLite); ``False`` reads each batch after the last one's commit.
-            See :mod:`dbtrigger.runtime.readahead`.
+            handler and the commit of this one run, for sources that can be
+            read from another thread (``SqlAlchemySource`` off SQLite). The
+            default (``True``) does it only while the reads wait long enough
+            (a database across a network) and reads in turn when they are
+            fast (localhost), measuring again now and then; ``"always"``
+            reads ahead after every batch; ``False`` reads each batch after
+            the last one's commit. See :mod:`dbtrigger.runtime.readahead`.
     """
 
     def __init__(
@@ -174,7 +177,7 @@ class PollTrigger(ClosesOnExit):
         ack_timeout_seconds: float | None = None,
         history: HistoryStore | bool | None = None,
         start_from: object = None,
-        read_ahead: bool = True,
+        read_ahead: bool | str = True,
     ) -> None:
         options = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         self.name = validate_name(name, "poller name")
@@ -252,8 +255,11 @@ class PollTrigger(ClosesOnExit):
             null_probe=self.null_probe,
             cli_source=self.operator_spec,
         )
-        if opt.flag("read_ahead", read_ahead):
-            reader.read_ahead = ReadAhead(source.fetch, name=self.name)
+        read_ahead = opt.flag_or("read_ahead", read_ahead, "always")
+        if read_ahead:
+            reader.read_ahead = ReadAhead(
+                source.fetch, name=self.name, always=read_ahead == "always"
+            )
         self._driver = TickDriver(reader, keepalive=self._keepalive)
         #: The durable history beside the state document (None: kept nowhere), and
         #: ``start_from``, applied before this process's first tick.

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -67,6 +68,23 @@ HEAD_START_SECONDS = 0.0005
 
 #: How long the idle reader thread waits for the next read before it exits.
 LINGER_SECONDS = 2.0
+
+#: Adaptive read-ahead (the default): the reads must wait at least this long
+#: (a read's wall time less its thread's CPU time: the server and the network)
+#: for a read-ahead to be started. A read-ahead costs the client about 130-170 us
+#: of CPU a batch (the hand-off to the reader and back, the head-start wait, the
+#: wake-ups) and can save at most the read's wait; on localhost PostgreSQL a
+#: 100-row read waits about 0.1-0.3 ms and overlapping it saves nothing (the GIL
+#: serialises the rest), while a database across a network waits a round trip
+#: (0.5-2 ms in a region) on every read. See benchmarks/README.md "Read-ahead".
+MIN_WAIT_SECONDS = 0.0008
+
+#: How many of the tick's own reads are looked at (all must wait that long).
+SAMPLES = 3
+
+#: While reading ahead, one read in this many is made by the tick itself again,
+#: to see whether the reads still wait (costs 1/PROBE_EVERY of the overlap).
+PROBE_EVERY = 32
 
 #: What a source's fetch returns.
 Rows = Sequence[Mapping[str, Any]]
@@ -121,7 +139,12 @@ class Flight:
 class ReadAhead:
     """The read-ahead of one trigger: at most one read at a time, on one thread
     that exits after :data:`LINGER_SECONDS` without work (the next read starts
-    it again). See the module docstring for when a read is used."""
+    it again). See the module docstring for when a read is used.
+
+    ``always``: start a read-ahead after every batch that may have more (what
+    ``PollTrigger(read_ahead="always")`` asks for, and tests that pin the
+    read-ahead's cases). Otherwise (the default) only while the tick's own
+    reads wait long enough to be worth overlapping (:meth:`wanted`)."""
 
     def __init__(
         self,
@@ -130,11 +153,18 @@ class ReadAhead:
         name: str,
         linger: float = LINGER_SECONDS,
         monotonic: Callable[[], float] = time.monotonic,
+        always: bool = False,
     ) -> None:
         self.fetch = fetch
         self.name = name
         self.linger = linger
         self.monotonic = monotonic
+        self.always = always
+        #: The last SAMPLES waits of the tick's own reads (seconds).
+        self.waits: deque[float] = deque(maxlen=SAMPLES)
+        self._since_probe = 0
+        #: Batches after which no read-ahead was started because the reads were fast.
+        self.skipped = 0
         self._flight: Flight | None = None
         self._queued: Flight | None = None
         self._wake = threading.Condition(threading.Lock())
@@ -145,6 +175,31 @@ class ReadAhead:
         self.started = 0
         self.used = 0
         self.dropped = 0
+
+    def wanted(self) -> bool:
+        """Start a read-ahead after this batch?
+
+        Always with ``always``; otherwise only while the last :data:`SAMPLES`
+        reads the tick made itself each waited at least :data:`MIN_WAIT_SECONDS`
+        (:meth:`observe`), and then not after one batch in
+        :data:`PROBE_EVERY`, so that the tick reads itself and measures again:
+        reads that became fast turn read-ahead off at the next such read."""
+        if self.always:
+            return True
+        waits = self.waits
+        if len(waits) < SAMPLES or min(waits) < MIN_WAIT_SECONDS:
+            self.skipped += 1
+            return False
+        self._since_probe += 1
+        if self._since_probe >= PROBE_EVERY:
+            self._since_probe = 0
+            self.skipped += 1
+            return False
+        return True
+
+    def observe(self, wait: float) -> None:
+        """One of the tick's own reads waited ``wait`` seconds (wall less CPU)."""
+        self.waits.append(wait)
 
     @property
     def pending(self) -> Flight | None:
@@ -291,4 +346,12 @@ class ReadAhead:
             flight.run(self.fetch)
 
 
-__all__ = ["CARRY_SECONDS", "Flight", "ReadAhead", "reads_ahead"]
+__all__ = [
+    "CARRY_SECONDS",
+    "MIN_WAIT_SECONDS",
+    "PROBE_EVERY",
+    "SAMPLES",
+    "Flight",
+    "ReadAhead",
+    "reads_ahead",
+]

@@ -283,8 +283,16 @@ class BatchReader:
         return rows
 
     def _fetch_paused(self, position: Position, limit: int) -> Sequence[Mapping[str, Any]]:
+        read_ahead = self.read_ahead
         with gc_paused():  # see dbtrigger._gc: the batch's rows are all still alive
-            return self.source.fetch(position, limit)
+            if read_ahead is None or read_ahead.always:
+                return self.source.fetch(position, limit)
+            # Adaptive read-ahead: how long this read waited (on the server, the
+            # network) rather than ran, which is what a read-ahead could overlap.
+            wall, cpu = time.perf_counter(), time.thread_time()
+            rows = self.source.fetch(position, limit)
+            read_ahead.observe((time.perf_counter() - wall) - (time.thread_time() - cpu))
+            return rows
 
     def _report_visibility(self) -> None:
         """Turn the source's visibility-guard report into gauges (and the result).
@@ -375,7 +383,12 @@ class BatchReader:
         or no rows are likely pending.
         """
         read_ahead = self.read_ahead
-        if read_ahead is None or not selection.more or not self.reads_ahead():
+        if (
+            read_ahead is None
+            or not selection.more
+            or not self.reads_ahead()
+            or not read_ahead.wanted()
+        ):
             return
         s = self.settings
         accepted = windowing.settle_delivered(

@@ -339,11 +339,25 @@ class BatchReader:
         landing is computed for "every event accepted": no retry, so ``now``
         and the jitter play no part.
         """
-        s = self.settings
         if not self.delivery.overlaps or not selection.more:
             return None
-        if index + 1 >= s.max_batches_per_tick:
+        if index + 1 >= self.settings.max_batches_per_tick:
             return None
+        after, window = self.landing_if_accepted(selection, events, position, started_at)
+        return Prefetch(lambda: self.next_batch(after, window), after, window)
+
+    def landing_if_accepted(
+        self,
+        selection: Selection,
+        events: list[RowChange],
+        position: Position,
+        started_at: dt.datetime,
+    ) -> tuple[Position, Window]:
+        """Where this batch leaves the checkpoint and the window if every event
+        is accepted: where a read of the next batch made before it settles
+        starts (a prefetch, a read-ahead). No retry, so ``now`` and the jitter
+        play no part."""
+        s = self.settings
         accepted = windowing.settle_delivered(
             selection,
             events,
@@ -353,8 +367,7 @@ class BatchReader:
             backoff=(s.retry_delay, s.retry_delay_max),
             jitter=s.jitter,
         )
-        after, window = landing(position, events, selection, accepted)
-        return Prefetch(lambda: self.next_batch(after, window), after, window)
+        return landing(position, events, selection, accepted)
 
     def reads_ahead(self) -> bool:
         """Is read-ahead on, for a source that can be read from another thread?
@@ -390,18 +403,8 @@ class BatchReader:
             or not read_ahead.wanted()
         ):
             return
-        s = self.settings
-        accepted = windowing.settle_delivered(
-            selection,
-            events,
-            {},
-            now=started_at,
-            bound=s.bound,
-            backoff=(s.retry_delay, s.retry_delay_max),
-            jitter=s.jitter,
-        )
-        after, window = landing(position, events, selection, accepted)
-        read_ahead.start(after, s.batch_size + len(window), tag)
+        after, window = self.landing_if_accepted(selection, events, position, started_at)
+        read_ahead.start(after, self.settings.batch_size + len(window), tag)
 
     def next_batch(
         self,

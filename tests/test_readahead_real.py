@@ -166,23 +166,62 @@ def test_a_connection_killed_while_a_read_is_ahead_loses_nothing(server_db: Test
 # --- a handler interrupted with a read in flight ------------------------------------------
 
 
+#: Server session ids of the connections this process opened during the test
+#: (see _record_sessions); the sessions counted by connections_to.
+OPENED: set[int] = set()
+
+
+@pytest.fixture(autouse=True)
+def _record_sessions() -> Iterator[None]:
+    """Record the server session id of every connection a pool of this process
+    opens while the test runs. Counting the sessions on the shared database
+    instead counted the other xdist worker's tests too (test databases are
+    schemas of one server database), which made "sessions back to where they
+    were" fail now and then in a full parallel run."""
+
+    def record(dbapi_connection: Any, _record: Any) -> None:
+        kind = type(dbapi_connection).__module__.split(".")[0]
+        sql = {"psycopg": "SELECT pg_backend_pid()", "pymysql": "SELECT CONNECTION_ID()"}.get(kind)
+        if sql is None:
+            return
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(sql)
+            OPENED.add(int(cursor.fetchone()[0]))
+        finally:
+            cursor.close()
+            dbapi_connection.rollback()  # leave no transaction for the pool's user
+
+    OPENED.clear()
+    sa.event.listen(sa.pool.Pool, "connect", record)
+    try:
+        yield
+    finally:
+        sa.event.remove(sa.pool.Pool, "connect", record)
+        OPENED.clear()
+
+
 def connections_to(db: TestDatabase) -> int:
-    """Sessions the server has open on the test's database/schema (not the admin's)."""
+    """Sessions the server still has open of those this process opened during the
+    test, but the test's own engine's (its pool is emptied first) and the
+    session counting them."""
+    db.engine.dispose()
+    ids = sorted(OPENED)
+    if not ids:
+        return 0
     with admin_engine(db.kind).connect() as admin:
         if db.kind == "postgresql":
-            database = sa.make_url(db.url).database
-            sql = (
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = :d "
-                "AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+            sql = sa.text(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE pid IN :ids AND pid <> pg_backend_pid()"
             )
-            return int(admin.execute(sa.text(sql), {"d": database}).scalar())  # type: ignore[arg-type]
-        # The sources connect to the URL's database and name the schema in their SQL.
-        sql = (
-            "SELECT count(*) FROM information_schema.PROCESSLIST "
-            "WHERE DB = :d AND ID <> CONNECTION_ID()"
-        )
-        database = sa.make_url(db.url).database
-        return int(admin.execute(sa.text(sql), {"d": database}).scalar())  # type: ignore[arg-type]
+        else:
+            sql = sa.text(
+                "SELECT count(*) FROM information_schema.PROCESSLIST "
+                "WHERE ID IN :ids AND ID <> CONNECTION_ID()"
+            )
+        sql = sql.bindparams(sa.bindparam("ids", expanding=True))
+        return int(admin.execute(sql, {"ids": ids}).scalar())  # type: ignore[arg-type]
 
 
 def reader_threads() -> list[threading.Thread]:

@@ -29,18 +29,18 @@ from dbtrigger import (
 from dbtrigger.cursor import Position
 from dbtrigger.errors import DbTriggerError, PartialBatchError
 from dbtrigger.runtime.context import BatchContext
-from dbtrigger.runtime.readahead import ReadAhead
 from dbtrigger.runtime.runner import Runner
 from dbtrigger.state import document as docmod
 from tests.databases import TestDatabase, admin_engine, make_database
 from tests.reliability_support import (
-    NO_WAIT,
     Clock,
     add_items,
     items_source,
     items_table,
     steal_lease,
 )
+from tests.test_readahead import ids, read_ahead_of
+from tests.test_readahead import trigger_for as memory_trigger_for
 
 SERVERS = [
     pytest.param("postgresql", marks=pytest.mark.postgresql),
@@ -63,30 +63,24 @@ def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
     return condition()
 
 
-def ids(events: list[RowChange]) -> list[int]:
-    return [int(e.pk["id"]) for e in events]
-
-
 def trigger_for(source: Any, store: Any = None, **options: Any) -> PollTrigger:
-    options.setdefault("batch_size", 10)
-    options.setdefault("retry", NO_WAIT)
-    options.setdefault("history", False)
+    """test_readahead's trigger (read-ahead after every batch), draining up to
+    100 batches a tick."""
     options.setdefault("max_batches_per_tick", 100)
-    # Every case here pins what a read-ahead does once started: start one after
-    # every batch (the default starts them only while reads are slow).
-    options.setdefault("read_ahead", "always")
-    return PollTrigger(
-        name="items",
-        source=source,
-        checkpoint_store=store if store is not None else InMemoryCheckpointStore(),
-        **options,
+    return memory_trigger_for(source, store, **options)
+
+
+def plain_items_source(db: TestDatabase, **engine_kwargs: Any) -> SqlAlchemySource:
+    """The items table without the visibility guard, on a pool set up by ``engine_kwargs``."""
+    return SqlAlchemySource(
+        url=db.url,
+        table="items",
+        schema=db.schema,
+        cursor_column="version",
+        pk_columns=["id"],
+        visibility="none",
+        engine_kwargs=engine_kwargs,
     )
-
-
-def read_ahead_of(trigger: PollTrigger) -> ReadAhead:
-    read_ahead = trigger._driver.reader.read_ahead
-    assert read_ahead is not None
-    return read_ahead
 
 
 def backend_id(db: TestDatabase, conn: sa.Connection) -> int:
@@ -756,15 +750,7 @@ def test_a_source_closed_while_a_carried_read_runs_leaves_no_session(
     before = connections_to(server_db)
     source = items_source(server_db)
     if not keeps:  # a checkout per fetch (pool_pre_ping), the connection not kept
-        source = SqlAlchemySource(
-            url=server_db.url,
-            table="items",
-            schema=server_db.schema,
-            cursor_column="version",
-            pk_columns=["id"],
-            visibility="none",
-            engine_kwargs={"pool_pre_ping": True},
-        )
+        source = plain_items_source(server_db, pool_pre_ping=True)
     trigger = trigger_for(source, max_batches_per_tick=1)
     assert trigger.tick(lambda events: None) == 10
     held = source._holds(source._guarding.fetch_engine(source.engine))
@@ -801,15 +787,7 @@ def test_a_one_connection_pool_does_not_starve_the_commit(
     took 27 s instead of 0.1 s on PostgreSQL with pool_timeout=3)."""
     table = items_table(server_db)
     add_items(server_db, table, range(1, 201))
-    source = SqlAlchemySource(
-        url=server_db.url,
-        table="items",
-        schema=server_db.schema,
-        cursor_column="version",
-        pk_columns=["id"],
-        visibility="none",
-        engine_kwargs={"pool_size": 1, "max_overflow": 0, "pool_timeout": 3},
-    )
+    source = plain_items_source(server_db, pool_size=1, max_overflow=0, pool_timeout=3)
     trigger = trigger_for(source, batch_size=20)
     seen: list[int] = []
     started = time.monotonic()

@@ -16,6 +16,7 @@ import argparse
 import json
 from typing import Any
 
+from dbtrigger._argparse import add_apply_option
 from dbtrigger.cli.loading import load_object
 from dbtrigger.errors import ConfigurationError
 
@@ -202,7 +203,7 @@ def add_cdc_commands(sub: Any) -> None:
             "trigger", help="MODULE:ATTRIBUTE naming a PollTrigger, @db.trigger function or source"
         )
         if changes:
-            parser.add_argument("--yes", action="store_true", help="apply (default: dry run)")
+            add_apply_option(parser)
         return parser
 
     install = command("install", "print (or with --yes create) publication, slot, control table")

@@ -11,6 +11,7 @@ import argparse
 import datetime as dt
 from typing import Any
 
+from dbtrigger._argparse import add_apply_option
 from dbtrigger.changelog.drift import install_command
 from dbtrigger.changelog.operations import (
     apply,
@@ -174,7 +175,7 @@ def add_changelog_commands(sub: Any) -> None:
         parser.add_argument("--table", required=True, help="the watched table")
         parser.add_argument("--schema", help="its schema (PostgreSQL/MariaDB)")
         if changes:
-            parser.add_argument("--yes", action="store_true", help="apply (default: dry run)")
+            add_apply_option(parser)
 
     install = commands.add_parser(
         "install", help="print (or with --yes apply) the log table and triggers"

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from dbtrigger._argparse import add_apply_option
 from dbtrigger.cli.loading import as_trigger, load_object
 from dbtrigger.cursor import Position, encode_value
 from dbtrigger.errors import ConfigurationError, DbTriggerError
@@ -465,7 +466,7 @@ def add_change_options(
     parser.add_argument(
         "--reason", help="why: recorded in the journal (required with --yes, not for a dry run)"
     )
-    parser.add_argument("--yes", action="store_true", help="apply (default: dry run)")
+    add_apply_option(parser)
     parser.add_argument("--actor", help="who, for the journal (default user@host)")
     if lease:
         parser.add_argument("--force", action="store_true", help=force_help)

@@ -19,6 +19,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from dbtrigger._argparse import add_apply_option
 from dbtrigger.cli.common import (
     Console,
     actor_from_args,
@@ -478,7 +479,7 @@ def add_dead_letter_commands(sub: Any) -> None:
         parser.add_argument(
             "--reason", help="why: marked and journaled (required with --yes, not for a dry run)"
         )
-        parser.add_argument("--yes", action="store_true", help="apply (default: dry run)")
+        add_apply_option(parser)
         parser.add_argument("--actor", help="who (default user@host)")
     for parser in (listing, show, replay, discard):
         parser.set_defaults(func=cmd_dead_letter)

@@ -14,6 +14,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from dbtrigger._argparse import add_apply_option
 from dbtrigger._driver_errors import short_error
 from dbtrigger.cli.ddl import print_then_apply, url_engine
 from dbtrigger.errors import CommitError, FetchError
@@ -106,7 +107,7 @@ def add_wake_commands(sub: Any) -> None:
                 "--channel", help="channel name (default: dbt_wake_[<schema>_]<table>)"
             )
         if name != "status":
-            parser.add_argument("--yes", action="store_true", help="apply (default: dry run)")
+            add_apply_option(parser)
         parser.set_defaults(func=func)
 
 

@@ -19,6 +19,7 @@ import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from dbtrigger._argparse import add_apply_option
 from dbtrigger._driver_errors import short_error
 from dbtrigger.errors import CommitError, ConfigurationError
 from dbtrigger.queue.cli_jobs import add_job_commands
@@ -256,7 +257,7 @@ def add_queue_commands(sub: Any, load_object: Callable[[str], Any]) -> None:
         action="store_true",
         help="also add dbt_priority and its index: claims take higher priorities first",
     )
-    install.add_argument("--yes", action="store_true", help="apply (default: dry run)")
+    add_apply_option(install)
     install.set_defaults(func=cmd_install)
 
     uninstall = qsub.add_parser(
@@ -264,7 +265,7 @@ def add_queue_commands(sub: Any, load_object: Callable[[str], Any]) -> None:
         help="print (or --yes: run) DDL removing them (sidecar: the queue's claims rows)",
     )
     table_options(uninstall, pk=False)
-    uninstall.add_argument("--yes", action="store_true", help="apply (default: dry run)")
+    add_apply_option(uninstall)
     uninstall.add_argument(
         "--discard-pending",
         action="store_true",
@@ -282,7 +283,7 @@ def add_queue_commands(sub: Any, load_object: Callable[[str], Any]) -> None:
     retry.add_argument("--dead", action="store_true", help="re-drive rows in status dead")
     retry.add_argument("--limit", type=int, help="at most this many rows")
     retry.add_argument("--reason", required=True, help="why: kept in dbt_last_error")
-    retry.add_argument("--yes", action="store_true", help="apply (default: dry run)")
+    add_apply_option(retry)
     retry.set_defaults(func=cmd_retry)
 
     add_job_commands(qsub)
@@ -293,7 +294,7 @@ def add_queue_commands(sub: Any, load_object: Callable[[str], Any]) -> None:
     prune.add_argument("--chunk", type=int, default=1000, help="rows per transaction")
     prune.add_argument("--include-dead", action="store_true", help="prune dead rows too")
     # (done and canceled rows are pruned; dead ones only with --include-dead)
-    prune.add_argument("--yes", action="store_true", help="apply (default: dry run)")
+    add_apply_option(prune)
     prune.set_defaults(func=cmd_prune)
 
 

@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from dbtrigger._argparse import add_apply_option
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.queue.cli_target import parse_duration, queue_source, table_options
 
@@ -183,7 +184,7 @@ def add_job_commands(qsub: Any) -> None:
         help="the row's key: a value for a one-column key, or '{\"id\": 5}'; repeatable",
     )
     cancel.add_argument("--reason", required=True, help="why: kept in dbt_last_error")
-    cancel.add_argument("--yes", action="store_true", help="apply (default: dry run)")
+    add_apply_option(cancel)
     cancel.set_defaults(func=cmd_cancel)
 
 

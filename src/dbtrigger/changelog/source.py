@@ -20,13 +20,10 @@ always was: a different table or key is a different source.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from decimal import Decimal
-from types import MappingProxyType
 from typing import Any
 
 from sqlalchemy.engine import Engine
@@ -36,15 +33,15 @@ from dbtrigger import options as opt
 from dbtrigger._engine import create_engine, parse_database_url
 from dbtrigger.changelog.ddl import LOG_COLUMNS, log_table_name
 from dbtrigger.changelog.drift import Drift, find_drift
+from dbtrigger.changelog.events import log_events
 from dbtrigger.changelog.operations import log_table
 from dbtrigger.changelog.pruning import ChangeLogPruner
 from dbtrigger.cursor import Position
 from dbtrigger.errors import (
     ChangeLogGapError,
     ConfigurationError,
-    SerializationError,
 )
-from dbtrigger.events import EventIds, RowChange
+from dbtrigger.events import RowChange
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.sources.errors_map import source_error
 from dbtrigger.sources.sqlalchemy import SqlAlchemySource
@@ -52,10 +49,6 @@ from dbtrigger.sources.visibility import FetchInfo, VisibilityGuard
 from dbtrigger.state.stores.base import CheckpointStore
 
 log = logging.getLogger("dbtrigger.changelog")
-
-#: ``upsert``: a row written into the log by ``changelog snapshot`` (the row as it
-#: was then, not a change), delivered with ``metadata["snapshot"]`` True.
-_OPS = frozenset({"insert", "update", "delete", "upsert"})
 
 
 class ChangeLogSource:
@@ -387,68 +380,12 @@ class ChangeLogSource:
     def to_events(
         self, rows: Sequence[Mapping[str, Any]], *, poller: str, batch_id: str
     ) -> list[RowChange]:
-        """One event per log row, with the operation and images the trigger wrote."""
-        pk_names = self.pk_columns
-        event_id = EventIds(poller, pk_names)
-        source = self.name
-        events: list[RowChange] = []
-        for row in rows:
-            try:
-                seq = row["dbt_seq"]
-                op = row["dbt_op"]
-                pk = {c: row[c] for c in pk_names}
-                before = _image(row["dbt_before"], "dbt_before", seq)
-                after = _image(row["dbt_after"], "dbt_after", seq)
-                txid = row["dbt_txid"]
-                changed_at = row["dbt_changed_at"]
-            except KeyError as exc:
-                raise SerializationError(
-                    f"change log row of {source} lacks column {exc.args[0]!r}",
-                    poller=poller,
-                    batch_id=batch_id,
-                ) from None
-            if op not in _OPS:
-                raise SerializationError(
-                    f"change log row {seq} of {source} has unknown operation {op!r}",
-                    poller=poller,
-                    batch_id=batch_id,
-                )
-            events.append(
-                RowChange._unchecked(
-                    event_id(pk, seq),
-                    op,
-                    source,
-                    seq,
-                    MappingProxyType(pk),
-                    None if before is None else MappingProxyType(before),
-                    None if after is None else MappingProxyType(after),
-                    MappingProxyType(
-                        {
-                            "poller": poller,
-                            "batch_id": batch_id,
-                            "txid": txid,
-                            "changed_at": changed_at,
-                            "snapshot": op == "upsert",
-                        }
-                    ),
-                )
-            )
-        return events
-
-
-def _image(raw: Any, column: str, seq: Any) -> dict[str, Any] | None:
-    """Parse a row image; fractional numbers as ``Decimal`` so none is rounded."""
-    if raw is None:
-        return None
-    if isinstance(raw, Mapping):
-        return dict(raw)
-    try:
-        value = json.loads(raw, parse_float=Decimal)
-    except (TypeError, ValueError) as exc:
-        raise SerializationError(f"change log row {seq}: {column} is not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise SerializationError(f"change log row {seq}: {column} is not a JSON object")
-    return value
+        """One event per log row, with the operation and images the trigger wrote
+        (:mod:`dbtrigger.changelog.events`: checked and parsed before any handler
+        runs; the id and ``metadata`` made when first read)."""
+        return log_events(
+            rows, pk_columns=self.pk_columns, source=self.name, poller=poller, batch_id=batch_id
+        )
 
 
 def _unkeyed(rows: Sequence[Mapping[str, Any]], pk: Sequence[str]) -> list[Any]:

@@ -19,6 +19,7 @@ from dbtrigger.errors import (
     SchemaChangedError,
     ServerSettingError,
     SlotLostError,
+    SourceDefinitionError,
     SourcePermissionError,
 )
 from dbtrigger.sources.base import position_of
@@ -463,4 +464,38 @@ def test_a_type_change_accepted_by_another_process_resumes_a_running_poller(
     operator.admin().accept_schema()  # as `dbtrigger cdc accept-schema` from another process
     trigger.drain(delivered.extend)  # the running poller, never closed
     assert [e.pk["id"] for e in delivered] == [1, 2, 3]
+    source.close()
+
+
+@pytest.mark.parametrize("mode", ["poll", "stream"])
+@pytest.mark.parametrize("restart", [False, True])
+def test_a_watched_table_dropped_and_recreated_stops_delivery_until_republished(
+    cdc_db: CdcDatabase, mode: str, restart: bool
+) -> None:
+    # DROP TABLE takes the table out of the publication, and its new namesake is not in it:
+    # pgoutput then sends nothing for it, and the slot was advanced past its changes.
+    cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
+    trigger, source = poller(cdc_db, ["t"], mode=mode, stream_wait_seconds=0)
+    drain(trigger)
+    cdc_db.execute("INSERT INTO t VALUES (1, 'a')")
+    cdc_db.execute("DROP TABLE t; CREATE TABLE t (id int PRIMARY KEY, v text)")
+    cdc_db.execute("INSERT INTO t VALUES (3, 'c')")
+    if restart:  # a new process: its first use must not quietly publish the new table
+        source.close()
+    delivered: list[RowChange] = []
+    with pytest.raises(SourceDefinitionError, match=r"public\.t ") as refused:
+        trigger.drain(delivered.extend)
+    assert "dbtrigger cdc install" in str(refused.value)
+    assert "dbtrigger cdc snapshot" in str(refused.value)
+    with pytest.raises(SourceDefinitionError):  # held, until a person acts
+        trigger.drain(delivered.extend)
+    operator = PgLogicalSource(cdc_db.url, ["t"], slot=source.slot, snapshot="never")
+    assert operator.admin().install()  # as `dbtrigger cdc install --yes`: published again
+    operator.admin().request_snapshot("t")
+    cdc_db.execute("INSERT INTO t VALUES (4, 'd')")
+    trigger.drain(delivered.extend)
+    got = [(e.op, e.pk["id"]) for e in delivered]
+    assert got[0] == ("insert", 1)  # before the drop: still in the slot, delivered
+    assert ("insert", 4) in got  # published again: read on
+    assert ("upsert", 3) in got  # the snapshot reads what the log did not carry
     source.close()

@@ -45,6 +45,8 @@ class PgSourceParts(LogSourceParts, Protocol):
 
     def check_not_lost(self, state: setup.SlotState) -> None: ...
 
+    def check_published(self, conn: psycopg.Connection[Any]) -> None: ...
+
     guard: SchemaGuard[int]
 
     @property

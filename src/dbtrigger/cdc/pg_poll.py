@@ -81,6 +81,7 @@ class PollReader:
         """Read the changes after ``after`` into the source's buffer (see the module docstring)."""
         s = self.source
         conn = s.connection()
+        s.check_published(conn)  # a table dropped and created again is in no publication
         self.release_pending(conn)  # a read decodes from the slot: start it as late as allowed
         self.heartbeat(conn)
         if s.buffer.pending(after) == 0:

@@ -369,6 +369,33 @@ def ensure_publication(
     return texts
 
 
+def check_still_published(
+    conn: psycopg.Connection[Any], name: str, tables: Sequence[TableName], *, poller: str | None
+) -> None:
+    """Refuse to read on when a watched table is no longer in the publication.
+
+    ``DROP TABLE`` takes a table out of its publications, and a table created
+    again under its name is in none: ``pgoutput`` then sends nothing for it, so
+    a poller that read on would advance the slot past its changes without a word.
+
+    Raises:
+        SourceDefinitionError: naming the tables and what to run.
+    """
+    listed = publication_tables(conn, name)
+    missing = [t.qualified for t in tables if listed is None or t.qualified not in listed]
+    if not missing:
+        return
+    what = ", ".join(missing)
+    raise SourceDefinitionError(
+        f"watched table {what} is no longer in publication {name} (dropped and created "
+        "again, or removed from it): the log carries none of its changes since then for "
+        "this poller. Publish it again: dbtrigger cdc install MODULE:TRIGGER --yes, then read "
+        "its rows again: "
+        + "; ".join(f"dbtrigger cdc snapshot MODULE:TRIGGER --table {t} --yes" for t in missing),
+        poller=poller,
+    )
+
+
 def check_partition_root(
     conn: psycopg.Connection[Any], name: str, tables: Sequence[TableName]
 ) -> None:

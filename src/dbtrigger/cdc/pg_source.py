@@ -47,7 +47,7 @@ from dbtrigger.cdc.pg_stream import StreamReader
 from dbtrigger.cdc.pgoutput import lsn_text
 from dbtrigger.cdc.position import LogPosition
 from dbtrigger.cdc.snapshots import Snapshot
-from dbtrigger.errors import ConfigurationError, SlotLostError
+from dbtrigger.errors import ConfigurationError, SlotLostError, SourceDefinitionError
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.sources.base import SourceFinding
 
@@ -251,6 +251,9 @@ class PgLogicalSource(LogSource):
                 extra={"event": "cdc_slot_created", "slot": self.slot, "poller": self.poller},
             )
         else:
+            if row is not None:  # a table the slot was publishing must still be published
+                known = [t for t in self.tables if t.qualified in row.tables]
+                setup.check_still_published(conn, self.publication, known, poller=self.poller)
             setup.ensure_publication(conn, self.publication, self.tables, create=self.create)
             if row is None:
                 row = self.new_control_row(None, snapshots=False)
@@ -301,6 +304,18 @@ class PgLogicalSource(LogSource):
                 "MODULE:TRIGGER --snapshot --yes",
                 poller=self.poller,
             )
+
+    def check_published(self, conn: psycopg.Connection[Any]) -> None:
+        """Before each read: every watched table is still in the publication (else refused,
+        and set up again at the next read: a table created again has new columns; the
+        snapshot the error asks for is looked for at once)."""
+        try:
+            setup.check_still_published(conn, self.publication, self.tables, poller=self.poller)
+        except SourceDefinitionError:
+            self._ready = False
+            self.drop_reader()
+            self.snapshots.poke()
+            raise
 
     @property
     def decoder(self) -> Decoder:

@@ -90,6 +90,7 @@ class StreamReader:
         if self._thread is None or not s.buffer.covers(after):
             self.start(after)
         conn = s.connection()
+        s.check_published(conn)  # a table dropped and created again is in no publication
         self.helper.heartbeat(conn)
         if s.buffer.pending(after) == 0:
             s.snapshots.emit()  # caught up: the chunk is in the log before ``end`` is taken

@@ -240,6 +240,25 @@ def test_a_dropped_slot_with_a_checkpoint_is_never_silently_replaced(cdc_db: Cdc
     assert cdc_db.scalar("SELECT count(*) FROM pg_replication_slots") == 0
 
 
+def test_a_dropped_slot_before_the_first_checkpoint_is_never_silently_replaced(
+    cdc_db: CdcDatabase,
+) -> None:
+    # Nothing delivered yet, so no checkpoint: the slot still held a change owed to the poller.
+    cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY)")
+    trigger, source = poller(cdc_db, ["t"])
+    drain(trigger)
+    cdc_db.execute("INSERT INTO t VALUES (1)")
+    source.close()
+    cdc_db.execute("SELECT pg_drop_replication_slot(%s)", (source.slot,))
+    cdc_db.execute("INSERT INTO t VALUES (2)")
+    with pytest.raises(SlotLostError, match=r"does not exist.*cdc recreate"):
+        trigger.tick(lambda events: None)
+    assert cdc_db.scalar("SELECT count(*) FROM pg_replication_slots") == 0
+    source.admin().recreate(snapshot=True)  # what the error says to run
+    assert sorted(e.pk["id"] for e in drain(trigger)) == [1, 2]
+    source.close()
+
+
 def test_a_read_that_times_out_is_a_decode_backlog_then_steps_through(
     cdc_db: CdcDatabase, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -224,6 +224,15 @@ class PgLogicalSource(LogSource):
                 "again: dbtrigger cdc recreate MODULE:TRIGGER --snapshot --yes",
                 poller=self.poller,
             )
+        if state is None and control.read_installed(conn, self.control_schema, self.slot):
+            raise SlotLostError(  # created earlier (its control row says so), then dropped
+                f"replication slot {self.slot} does not exist, but it was created for this "
+                f"poller ({self.control_schema}.{control.TABLE} has its row) and may have held "
+                "changes not yet delivered. Recreate it and read the tables again: "
+                "dbtrigger cdc recreate MODULE:TRIGGER --snapshot --yes (or, to start afresh, "
+                "dbtrigger cdc drop MODULE:TRIGGER --yes)",
+                poller=self.poller,
+            )
         if state is not None:
             setup.check_slot_plugin(state, self.url.database)
             self.check_not_lost(state)

@@ -80,13 +80,13 @@ class SourceConnections:
         try:
             self.release()
             generation = self.generation
-            with mapped(what, diagnose=diagnose), self.checkout(engine) as conn:
+            with mapped(what, diagnose=diagnose):
+                conn = self.checkout(engine)
                 try:
                     self._resolve(conn)
                     yield conn
                 finally:
-                    if generation != self.generation:
-                        conn.invalidate()  # see give_back
+                    self.give_back(conn, generation)
         finally:
             with self._lock:
                 self._opening -= 1
@@ -127,24 +127,35 @@ class SourceConnections:
         """Close ``conn`` (checked out in ``generation``): back to its pool, or, when
         the source was closed since (a read-ahead carried past its tick still
         running when the worker closed it), its database session closed too: the
-        disposed pool would keep it open, checked in where nobody checks it out."""
-        if generation != self.generation:
-            conn.invalidate()
-        conn.close()
+        disposed pool would keep it open, checked in where nobody checks it out.
+
+        The check and the return are one step under the lock :meth:`close`
+        takes to count a generation: a ``close()`` (and the source's pool
+        disposal after it) landing between them would leave the connection in
+        the disposed pool with its session open."""
+        with self._lock:
+            if generation != self.generation:
+                conn.invalidate()
+            conn.close()
 
     def close(self) -> None:
         """The source is closing: give the kept connection back, and every
         connection checked out until now is closed when it comes back."""
         with self._lock:
             self.generation += 1
-        self.release()
+            self._release_held()
 
     def release(self) -> None:
         """Give the kept connection back to the pool; nothing when none is kept."""
         if self._held is None:
             return
         with self._lock:
-            held, self._held = self._held, None
+            self._release_held()
+
+    def _release_held(self) -> None:
+        """(Under the lock, so a ``close()`` never lands between the kept
+        connection's taking and its return: see :meth:`give_back`.)"""
+        held, self._held = self._held, None
         if held is not None:
             held[0].close()
 

@@ -16,9 +16,15 @@ from typing import Any
 from dbtrigger.cursor import Position, decode_value, encode_value, infer_kind
 from dbtrigger.errors import CorruptStateError
 
+_UTC = dt.timezone.utc
+
 
 def format_time(value: dt.datetime) -> str:
     """UTC ISO-8601 with microseconds and ``Z``: the document's only time format."""
+    if value.tzinfo is _UTC and type(value) is dt.datetime:
+        # Every time a poller writes (its clock is UTC): isoformat's "+00:00" is the
+        # "Z". Five of these a commit; converting first costs three times as much.
+        return value.isoformat(timespec="microseconds")[:-6] + "Z"
     if value.tzinfo is None:
         raise ValueError("state document times must be timezone-aware")
     return (

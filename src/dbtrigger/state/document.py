@@ -57,17 +57,22 @@ import datetime as dt
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any, NoReturn
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dbtrigger.cursor import Position
 from dbtrigger.errors import CorruptStateError
 from dbtrigger.state.codec import format_time, parse_time, position_from_json, position_to_json
+from dbtrigger.state.kept_texts import JournalRecord, journal_text, static_text
+from dbtrigger.state.kept_texts import encode_json as _encode
 from dbtrigger.state.window import Window
 
 # The encodings of times and positions live below the document (the window
 # and the journal use them too); they are still read from here by most callers.
 from dbtrigger.state.written_texts import WrittenTexts
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 VERSION = 1
 
@@ -143,47 +148,27 @@ class FailureRecord:
     extra: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
 
-#: The document's one JSON encoding: compact, keys in insertion order, ASCII.
-_encode = json.JSONEncoder(separators=(",", ":")).encode
+_Frozen = TypeVar("_Frozen", bound="DataclassInstance")
+_FIELDS: dict[type, frozenset[str]] = {}
 
 
-class JournalRecord(dict[str, Any]):
-    """One journal entry as the document holds it: a read-only dict that keeps its JSON.
-
-    Why: every commit writes the whole document, and the journal (20 entries
-    by default) is most of its bytes, yet a commit adds one entry and changes
-    none. An entry is encoded on the first write that includes it and its text
-    is reused by every later write (:func:`dumps`), so a commit encodes one
-    entry instead of all of them. The text stays right only while the entry
-    does not change, so the methods that would change it raise ``TypeError``
-    (nothing in dbtrigger changes an entry, nested values included). It is a
-    dict, so ``json``, ``==`` and code that reads entries see no difference.
-    """
-
-    __slots__ = ("_json",)
-
-    def __init__(self, entry: Mapping[str, Any]) -> None:
-        super().__init__(entry)
-        self._json: str | None = None
-
-    def json_text(self) -> str:
-        """The entry's compact JSON, encoded once."""
-        text = self._json
-        if text is None:
-            text = self._json = _encode(self)
-        return text
-
-    def __reduce__(self) -> tuple[type[JournalRecord], tuple[dict[str, Any]]]:
-        return (JournalRecord, (dict(self),))
-
-    def _read_only(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise TypeError(
-            "journal entries are read-only (their encoded JSON is kept); "
-            "copy one with dict(entry) to change it"
-        )
-
-    __setitem__ = __delitem__ = __ior__ = _read_only
-    clear = pop = popitem = setdefault = update = _read_only
+def evolve(obj: _Frozen, **changes: Any) -> _Frozen:
+    """``dataclasses.replace`` for this module's frozen dataclasses, at a fifth of
+    its cost (a commit makes four): none of them checks anything when it is
+    made (no ``__post_init__``, every field in ``__init__``), so the new object
+    is the old one's fields with ``changes`` over them, with no ``__init__``
+    to run. An unknown field name is a ``TypeError``, as with ``replace``."""
+    kind = type(obj)
+    names = _FIELDS.get(kind)
+    if names is None:
+        names = _FIELDS[kind] = frozenset(f.name for f in fields(kind))
+    if not names.issuperset(changes):
+        raise TypeError(f"{kind.__name__} has no field(s) {sorted(set(changes) - names)}")
+    new = object.__new__(kind)
+    state = new.__dict__
+    state.update(obj.__dict__)
+    state.update(changes)
+    return new
 
 
 @dataclass(frozen=True)
@@ -219,7 +204,7 @@ class StateDocument:
     ) -> StateDocument:
         record = entry if isinstance(entry, JournalRecord) else JournalRecord(entry)
         journal = (*self.journal, record)
-        return replace(self, journal=journal[-limit:] if limit > 0 else ())
+        return evolve(self, journal=journal[-limit:] if limit > 0 else ())
 
 
 # --- serialisation -------------------------------------------------------------
@@ -309,19 +294,20 @@ def _failure_to_json(failure: FailureRecord) -> dict[str, Any]:
     return out
 
 
-def _head_json(doc: StateDocument) -> dict[str, Any]:
-    """The document's fields up to the journal, in the order they are written."""
-    lease = None
-    if doc.lease is not None:
-        lease = {
-            **doc.lease.extra,
-            "owner_id": doc.lease.owner_id,
-            "fencing_token": doc.lease.fencing_token,
-            "acquired_at": format_time(doc.lease.acquired_at),
-            "heartbeat_at": format_time(doc.lease.heartbeat_at),
-            "expires_at": format_time(doc.lease.expires_at),
-            "released": doc.lease.released,
-        }
+def _lease_json(lease: Lease) -> dict[str, Any]:
+    return {
+        **lease.extra,
+        "owner_id": lease.owner_id,
+        "fencing_token": lease.fencing_token,
+        "acquired_at": format_time(lease.acquired_at),
+        "heartbeat_at": format_time(lease.heartbeat_at),
+        "expires_at": format_time(lease.expires_at),
+        "released": lease.released,
+    }
+
+
+def _static_json(doc: StateDocument) -> dict[str, Any]:
+    """The document's first fields, which a poller's commits never change."""
     definition = (
         {"source_definition": dict(doc.source_definition)}
         if doc.source_definition is not None
@@ -333,10 +319,28 @@ def _head_json(doc: StateDocument) -> dict[str, Any]:
         "poller_name": doc.poller_name,
         "source_fingerprint": doc.source_fingerprint,
         **definition,
+    }
+
+
+def _head_json(doc: StateDocument) -> dict[str, Any]:
+    """The document's fields up to the journal, in the order they are written."""
+    return {
+        **_static_json(doc),
         "checkpoint": _checkpoint_to_json(doc.checkpoint) if doc.checkpoint else None,
-        "lease": lease,
+        "lease": _lease_json(doc.lease) if doc.lease is not None else None,
         "failure": _failure_to_json(doc.failure) if doc.failure else None,
     }
+
+
+def _static_head(doc: StateDocument) -> str:
+    """:func:`_static_json` as JSON less its closing brace (encoded once while the
+    documents share those parts: the source definition is a third of a commit's
+    encoding otherwise)."""
+    return static_text(
+        (doc.extra, doc.source_definition),
+        (doc.version, doc.poller_name, doc.source_fingerprint),
+        lambda: _static_json(doc),
+    )
 
 
 def to_json(doc: StateDocument) -> dict[str, Any]:
@@ -351,12 +355,6 @@ def _window_json(doc: StateDocument) -> dict[str, Any] | None:
     return doc.window.to_json() if doc.window is not None else None
 
 
-def _entry_json(entry: Mapping[str, Any]) -> str:
-    if isinstance(entry, JournalRecord):
-        return entry.json_text()
-    return _encode(dict(entry))
-
-
 def dumps(doc: StateDocument) -> bytes:
     """The stored bytes: compact JSON, exactly ``json.dumps(to_json(doc))`` with no spaces.
 
@@ -367,12 +365,18 @@ def dumps(doc: StateDocument) -> bytes:
     rather than encoded again: ``"journal"`` and ``"window"`` are always the
     last keys, so the text is the head object, then those two, then ``}``.
     """
-    if "journal" in doc.extra or "window" in doc.extra:
+    if not _TOP_KEYS.isdisjoint(doc.extra):
         # Only a hand-built document can name them in ``extra`` (a read one
         # never does); their key order is then ``to_json``'s, so take that path.
         return _encode(to_json(doc)).encode("utf-8")
-    texts = [_entry_json(entry) for entry in doc.journal]
-    parts = [_encode(_head_json(doc))[:-1], ',"journal":[', ",".join(texts), "]"]
+    texts, joined = journal_text(doc.journal)
+    # What a commit changes, encoded in one call (each call sets up an encoder).
+    changing = {
+        "checkpoint": _checkpoint_to_json(doc.checkpoint) if doc.checkpoint else None,
+        "lease": _lease_json(doc.lease) if doc.lease is not None else None,
+        "failure": _failure_to_json(doc.failure) if doc.failure else None,
+    }
+    parts = [_static_head(doc), ",", _encode(changing)[1:-1], ',"journal":[', joined, "]"]
     window = _window_json(doc)
     if window is not None:
         parts += (',"window":', _encode(window))

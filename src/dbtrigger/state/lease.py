@@ -46,6 +46,7 @@ from dbtrigger.state.document import (
     FailureRecord,
     Lease,
     StateDocument,
+    evolve,
     format_time,
     known_definition,
 )
@@ -80,7 +81,7 @@ def _with_window(doc: StateDocument, window: WindowUpdate) -> StateDocument:
     new = _encoded(window)
     if new == _encoded(doc.window):
         return doc
-    return replace(doc, window=window if new is not None else None)
+    return evolve(doc, window=window if new is not None else None)
 
 
 def _journaled(doc: StateDocument, entry: Entry | None, limit: int) -> StateDocument:
@@ -335,14 +336,14 @@ def decide_commit(
         LostLeaseError: the document's lease is not ``owner``/``token`` any more.
     """
     lease = _require_holder(doc, owner, token, "commit")
-    new_lease = replace(
+    new_lease = evolve(
         lease,
         heartbeat_at=now,
         expires_at=now if release else now + ttl,
         released=release,
     )
     checkpoint = _committed(doc, position, batch_id, now, row_count)
-    out = replace(doc, checkpoint=checkpoint, lease=new_lease, failure=None)
+    out = evolve(doc, checkpoint=checkpoint, lease=new_lease, failure=None)
     return _journaled(_with_window(out, window), journal_entry, journal_limit)
 
 

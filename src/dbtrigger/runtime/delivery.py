@@ -281,8 +281,8 @@ class Delivery:
         """One handler call on ``events`` (over the lanes, if any), reported; a
         failed call takes the ``ctx.reject`` / ``ctx.retry`` marks it made with it."""
         emit = self.telemetry.emit
-        fields = batch_fields(ctx, len(events))
-        emit("batch_start", "batch of %d rows", len(events), **fields)
+        if self.telemetry.logs("batch_start"):  # (its fields encode two positions)
+            emit("batch_start", "batch of %d rows", len(events), **batch_fields(ctx, len(events)))
         started = time.perf_counter()
 
         def one(part: list[RowChange]) -> None:
@@ -295,7 +295,9 @@ class Delivery:
                 else:
                     self.lanes.run(events, one, meanwhile)
             except LostLeaseError:
-                emit("lease_lost", "lease lost during the handler", **fields)
+                emit(
+                    "lease_lost", "lease lost during the handler", **batch_fields(ctx, len(events))
+                )
                 raise
             except Exception as exc:
                 emit("handler_returned", values={"seconds": time.perf_counter() - started})
@@ -304,11 +306,15 @@ class Delivery:
                 # The handler gave up because it saw ctx.cancelled: that is the lost
                 # lease, not a failure of the batch (no attempt is counted).
                 raise self._lost_during_handler(
-                    ctx, fields, f"it stopped with {type(exc).__name__}; nothing committed"
+                    ctx,
+                    batch_fields(ctx, len(events)),
+                    f"it stopped with {type(exc).__name__}; nothing committed",
                 ) from exc
             emit("handler_returned", values={"seconds": time.perf_counter() - started})
             if ctx.lease_lost.is_set():
-                raise self._lost_during_handler(ctx, fields, "results discarded")
+                raise self._lost_during_handler(
+                    ctx, batch_fields(ctx, len(events)), "results discarded"
+                )
 
     def _apply_marks(
         self, ctx: BatchContext, events: list[RowChange], outcome: Delivered, marks: EventMarks

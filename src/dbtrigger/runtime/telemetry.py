@@ -334,6 +334,13 @@ class Telemetry:
         self.metrics = metrics
         self.log = logger or log
 
+    def logs(self, event: str) -> bool:
+        """Would :meth:`emit` log ``event`` now? For a caller whose fields cost
+        more to build than the record is worth when nobody reads it (per batch:
+        checkpoint positions as JSON), while its metrics need none of them."""
+        level = EVENTS[event].level
+        return level is not None and self.log.isEnabledFor(level)
+
     def emit(
         self,
         event: str,

@@ -102,8 +102,10 @@ def choose(
     if not rows and not window:
         return None, WindowView(window)
     if not window and not reserve:
-        selection = Selection(rows, window, None, complete, len(rows) >= batch_size)
-        return dataclasses.replace(selection, fresh=len(rows)), WindowView(window)
+        selection = Selection(
+            rows, window, None, complete, len(rows) >= batch_size, fresh=len(rows)
+        )
+        return selection, WindowView(window)
     positions = list(positions or ())
     keys = [windowmod.key_of(p) for p in positions]
     sizes = [windowmod.entry_size(p) for p in positions]

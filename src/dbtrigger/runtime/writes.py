@@ -86,6 +86,7 @@ class StateWriter:
         self.bound = settings.bound or Bound()
         self.clock = clock
         self.emit = telemetry.emit
+        self.logs = telemetry.logs
         #: The source's own ageing of a cursor (naive timestamps against the
         #: database clock); aware timestamps are aged here without it.
         self.cursor_age = cursor_age
@@ -148,7 +149,8 @@ class StateWriter:
             entry.rows,
             after.cursor,
             entry.batch_id,
-            cursor=docmod.position_to_json(after),
+            # (encoded only for a record someone reads: no metric uses it)
+            cursor=docmod.position_to_json(after) if self.logs("batch_committed") else None,
             released=release,
             batch_id=entry.batch_id,
             fencing_token=session.token,

@@ -35,6 +35,7 @@ import logging
 import re
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from operator import itemgetter
 from typing import Any
 
 import sqlalchemy as sa
@@ -445,7 +446,7 @@ class ShapeChecks:
             if accepted is None or at is None:
                 continue
             allowed = _allowed_types(accepted)
-            if {type(row[at]) for row in tuples} <= allowed:
+            if set(map(type, map(itemgetter(at), tuples))) <= allowed:  # (at C speed)
                 continue
             for row in tuples:
                 value = row[at]

@@ -75,8 +75,8 @@ class LagMeter:
 
     def age(self, value: Any, now: dt.datetime) -> float | None:
         """How old cursor or lag-column ``value`` is at ``now`` (None: no time in it)."""
-        if value is None:
-            return None
+        if not isinstance(value, dt.datetime | str):
+            return None  # (no time in it: what the clock says too, asked after every commit)
         with mapped(f"reading the clock of {self.source}"):
             return self.clock.age_seconds(value, now)
 

@@ -150,6 +150,7 @@ class SqlAlchemySource(KeysetLookups):
         )
         self._deleted_value = deleted_value
         self._db_url = DatabaseUrl(url, engine)
+        self._names: tuple[object, str, str] | None = None
         self._engines = LazyEngine(lambda: self._db_url.value, engine_kwargs, engine)
         self._guarding = Guarding(parse_visibility(visibility))
         window_column = getattr(self._guarding.request, "time_column", None)
@@ -227,11 +228,22 @@ class SqlAlchemySource(KeysetLookups):
 
     @property
     def dialect_name(self) -> str:
-        return self._db_url.value.get_backend_name()
+        return self._named()[1]
 
     @property
     def name(self) -> str:
-        return f"{self.dialect_name}:{self._spec.target()}"
+        return self._named()[2]
+
+    def _named(self) -> tuple[object, str, str]:
+        """(the URL, its dialect, the source's name): read several times a batch,
+        so kept for as long as the URL object stays the same (it is resolved
+        once: an app setting at first use)."""
+        url = self._db_url.value
+        named = self._names
+        if named is None or named[0] is not url:
+            dialect = url.get_backend_name()
+            named = self._names = (url, dialect, f"{dialect}:{self._spec.target()}")
+        return named
 
     @property
     def safe_url(self) -> str:

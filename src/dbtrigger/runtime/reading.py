@@ -14,13 +14,13 @@ guard, NULL cursors, a blocking window) goes through the trigger's telemetry.
 from __future__ import annotations
 
 import datetime as dt
+import gc
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dbtrigger._gc import gc_paused
 from dbtrigger.cursor import Position
 from dbtrigger.errors import (
     CorruptStateError,
@@ -284,7 +284,12 @@ class BatchReader:
 
     def _fetch_paused(self, position: Position, limit: int) -> Sequence[Mapping[str, Any]]:
         read_ahead = self.read_ahead
-        with gc_paused():  # see dbtrigger._gc: the batch's rows are all still alive
+        # The collector paused (see dbtrigger._gc: the batch's rows are all still
+        # alive); gc_paused() written out, as in normalise: twice a batch.
+        paused = gc.isenabled()
+        if paused:
+            gc.disable()
+        try:
             if read_ahead is None or read_ahead.always:
                 return self.source.fetch(position, limit)
             # Adaptive read-ahead: how long this read waited (on the server, the
@@ -293,6 +298,9 @@ class BatchReader:
             rows = self.source.fetch(position, limit)
             read_ahead.observe((time.perf_counter() - wall) - (time.thread_time() - cpu))
             return rows
+        finally:
+            if paused:
+                gc.enable()
 
     def _report_visibility(self) -> None:
         """Turn the source's visibility-guard report into gauges (and the result).
@@ -317,12 +325,17 @@ class BatchReader:
     def normalise(
         self, rows: Sequence[Mapping[str, Any]], batch_id: str, token: int
     ) -> list[RowChange]:
+        paused = gc.isenabled()
+        if paused:
+            gc.disable()
         try:
-            with gc_paused():
-                return self.source.to_events(rows, poller=self.name, batch_id=batch_id)
+            return self.source.to_events(rows, poller=self.name, batch_id=batch_id)
         except SerializationError as exc:
             self.emit("serialization_failed", "%s", exc, batch_id=batch_id, fencing_token=token)
             raise
+        finally:
+            if paused:
+                gc.enable()
 
     def prefetch(
         self,

@@ -35,7 +35,6 @@ import logging
 import re
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from operator import itemgetter
 from typing import Any
 
 import sqlalchemy as sa
@@ -446,7 +445,7 @@ class ShapeChecks:
             if accepted is None or at is None:
                 continue
             allowed = _allowed_types(accepted)
-            if set(map(type, map(itemgetter(at), tuples))) <= allowed:  # (at C speed)
+            if {type(row[at]) for row in tuples} <= allowed:
                 continue
             for row in tuples:
                 value = row[at]

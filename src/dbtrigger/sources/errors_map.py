@@ -234,13 +234,19 @@ def mapped(what: str, *, diagnose: bool = False) -> Iterator[None]:
     try:
         yield
     except sa_exc.SQLAlchemyError as exc:
-        problem = permanent_problem(exc) if diagnose else None
-        error = source_error(exc, what, problem)
-        if problem is not None and isinstance(error, FetchError):
-            raise ConfigurationError(
-                f"{what} failed: {problem} ({short_error(exc)}); fix the source configuration"
-            ) from exc
-        raise error from exc
+        raise mapped_error(exc, what, diagnose=diagnose) from exc
+
+
+def mapped_error(exc: BaseException, what: str, *, diagnose: bool = False) -> DbTriggerError:
+    """What :func:`mapped` raises for ``exc`` (for a per-batch path that catches
+    ``SQLAlchemyError`` itself rather than enter a context manager)."""
+    problem = permanent_problem(exc) if diagnose else None
+    error = source_error(exc, what, problem)
+    if problem is not None and isinstance(error, FetchError):
+        return ConfigurationError(
+            f"{what} failed: {problem} ({short_error(exc)}); fix the source configuration"
+        )
+    return error
 
 
 @contextlib.contextmanager

@@ -279,11 +279,6 @@ def read_rows(
 def _observed(conn: Connection) -> bool:
     """True when statement events are listened to (tracing, logging, tests): then
     every statement goes through SQLAlchemy, so its listeners see them all."""
-    if not (getattr(conn, "_has_events", True) or getattr(conn.engine, "_has_events", True)):
-        # SQLAlchemy's own test before it dispatches any connection event: no
-        # listener of any connection event at all (asking the dispatch for four
-        # of them costs more than a hundred narrow rows' tuple reads).
-        return False
     dispatch = conn.dispatch
     return bool(
         dispatch.before_execute

@@ -49,7 +49,7 @@ from dbtrigger.names import validate_sql_identifier
 from dbtrigger.redaction import safe_url_text
 from dbtrigger.sources.clock import DatabaseClock
 from dbtrigger.sources.connections import SourceConnections
-from dbtrigger.sources.errors_map import mapped
+from dbtrigger.sources.errors_map import mapped_error
 from dbtrigger.sources.fingerprint import (
     Definition,
     legacy_fingerprint,
@@ -378,13 +378,13 @@ class SqlAlchemySource(KeysetLookups):
         the next one (:mod:`dbtrigger.sources.connections`).
         """
         engine = self._guarding.fetch_engine(self.engine)
-        what = f"fetch from {self.name}"
         if not self._holds(engine):
+            what = f"fetch from {self.name}"
             with self._connections.open(what, engine=engine, diagnose=True) as conn:
                 return self._read(conn, after, limit)
         connections = self._connections
         generation = connections.generation
-        with mapped(what, diagnose=True):
+        try:  # (what ``mapped`` does, without a context manager a batch)
             conn = connections.take(engine) or connections.checkout(engine)
             try:
                 self._keyset.shape.resolve(conn)
@@ -392,6 +392,8 @@ class SqlAlchemySource(KeysetLookups):
             except BaseException:
                 connections.give_back(conn, generation)
                 raise
+        except sa.exc.SQLAlchemyError as exc:
+            raise mapped_error(exc, f"fetch from {self.name}", diagnose=True) from exc
         if len(rows) >= limit:
             connections.keep(conn, generation)
         else:

@@ -3,21 +3,27 @@
 Work a batch used to repeat although its inputs had not changed is now done
 once or skipped: the batch id's formatted tick start, the log fields of
 records nobody reads (:meth:`~dbtrigger.runtime.telemetry.Telemetry.logs`),
-the lag clock for a cursor with no time in it. Each is held here to the
-general path.
+the lag clock for a cursor with no time in it, the events' scan of the key
+and cursor columns when the source's check of the batch collected their
+types. Each is held here to the general path.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import logging
+from decimal import Decimal
+from typing import Any
 
 import pytest
 
+from dbtrigger.errors import SerializationError
+from dbtrigger.events import RowShape, events_from_rows
 from dbtrigger.metrics import SafeMetrics
 from dbtrigger.runtime.batches import batch_id_for
 from dbtrigger.runtime.telemetry import EVENTS, Telemetry
 from dbtrigger.sources.clock import DatabaseClock
+from dbtrigger.sources.column_checks import ShapeChecks
 from dbtrigger.sources.lag_meter import LagMeter
 
 UTC = dt.timezone.utc
@@ -61,3 +67,53 @@ def test_a_cursor_with_no_time_in_it_has_no_age_without_the_clock() -> None:
     for value in (None, 12, 1.5, b"x", True):
         assert meter.age(value, T0) is None
     assert meter.age(T0 - dt.timedelta(seconds=3), T0) == 3.0
+
+
+# --- the events' check takes the types the source's check collected ------------------
+
+
+def _checks() -> ShapeChecks:
+    checks = ShapeChecks(dialect="postgresql", source="s", cursor_column="v", pk_columns=["id"])
+    checks.expected.update(id=frozenset({"int"}), v=frozenset({"int", "float", "decimal"}))
+    return checks
+
+
+def _events(
+    rows: list[tuple[Any, ...]], *, collected: bool
+) -> list[tuple[Any, Any, Any, str]] | str:
+    """The events of ``rows`` (or the error), made with or without the types the
+    source's check of the batch collected."""
+    columns = ("id", "v", "note")
+    types = _checks().check_rows(columns, rows) if collected else None
+    shape = RowShape(
+        columns, cursor_column="v", pk_columns=["id"], source="s", poller="p", batch_id="b"
+    )
+    try:
+        events = events_from_rows(shape, rows, types)
+    except SerializationError as exc:
+        return str(exc)
+    return [(dict(e.pk), dict(e.after or {}), e.cursor, e.event_id) for e in events]
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [(1, 10, "a"), (2, 11, None), (3, 11, "c")],
+        [(1, 1.5, "a"), (2, 2.5, "b")],
+        [(1, Decimal("1.5"), "a"), (2, Decimal("2"), "b")],
+        [(1, 10, "a"), (None, 11, "b")],  # a NULL key
+        [(1, 1.5, "a"), (2, float("nan"), "b")],  # a NaN cursor
+        [(1, Decimal("NaN"), "a")],
+        [(1, None, "a")],
+    ],
+)
+def test_events_from_collected_types_are_the_events_from_a_scan(
+    rows: list[tuple[Any, ...]],
+) -> None:
+    assert _events(rows, collected=True) == _events(rows, collected=False)
+
+
+def test_the_source_check_collects_each_position_column() -> None:
+    rows = [(1, 10, "a"), (2, 1.5, "b")]
+    assert _checks().check_rows(("id", "v", "note"), rows) == {0: {int}, 1: {int, float}}
+    assert _checks().check_rows(("id", "v", "note"), []) == {}

@@ -26,7 +26,7 @@ import datetime as dt
 import hashlib
 import math
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from operator import attrgetter, itemgetter, methodcaller
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -411,30 +411,40 @@ _ALWAYS_ENCODABLE = frozenset({int, str, bool, dt.datetime, dt.date, uuid.UUID, 
 
 
 _FLOATS = _ALWAYS_ENCODABLE | {float}
+_NONE = type(None)
 
 
 def _is_float(value: Any) -> bool:
     return type(value) is float
 
 
-def _check_column(shape: RowShape, rows: Sequence[Sequence[Any]], index: int, *, key: bool) -> None:
+def _check_column(
+    shape: RowShape,
+    rows: Sequence[Sequence[Any]],
+    index: int,
+    *,
+    key: bool,
+    types: Set[type] | None = None,
+) -> None:
     """Refuse the batch if a value of this key or cursor column cannot be encoded
-    (or a key value is NULL), naming the column and the row's key."""
-    values = list(map(itemgetter(index), rows))
-    name = shape.columns[index]
-    if key and None in values:
-        position = next(i for i, v in enumerate(values) if v is None)
+    (or a key value is NULL), naming the column and the row's key. ``types``:
+    the column's value types, when the source has already collected them."""
+    if types is None:
+        types = {type(row[index]) for row in rows}
+    if key and _NONE in types:
+        position = next(i for i, row in enumerate(rows) if row[index] is None)
         raise SerializationError(
             f"row from {shape.source} has a NULL primary key {shape.key_of(rows[position])!r}; "
             "keys must be unique and set",
             poller=shape.metadata["poller"],
             batch_id=shape.metadata["batch_id"],
         )
-    types = set(map(type, values))
-    if types <= _ALWAYS_ENCODABLE or (
-        types <= _FLOATS and not any(map(math.isnan, filter(_is_float, values)))
-    ):
+    if types <= _ALWAYS_ENCODABLE:
+        return
+    values = list(map(itemgetter(index), rows))
+    if types <= _FLOATS and not any(map(math.isnan, filter(_is_float, values))):
         return  # (a float column: only NaN is refused)
+    name = shape.columns[index]
     for position, value in enumerate(values):
         if type(value) in _ALWAYS_ENCODABLE:
             continue
@@ -450,19 +460,28 @@ def _check_column(shape: RowShape, rows: Sequence[Sequence[Any]], index: int, *,
             ) from None
 
 
-def events_from_rows(shape: RowShape, rows: Sequence[Sequence[Any]]) -> list[RowChange]:
+def events_from_rows(
+    shape: RowShape,
+    rows: Sequence[Sequence[Any]],
+    types: Mapping[int, Set[type]] | None = None,
+) -> list[RowChange]:
     """One event per row tuple (in ``shape.columns`` order), built lazily.
 
-    The batch is checked first, column by column at C speed: no NULL key, and
-    every key and cursor value encodable, so that an event's id, computed when
-    first read, cannot fail.
+    The batch is checked first, column by column: no NULL key, and every key
+    and cursor value encodable, so that an event's id, computed when first
+    read, cannot fail. ``types``: column index -> the set of its values' types
+    in ``rows``, for columns whose types the source already collected (its own
+    check of the same tuples, :meth:`~dbtrigger.sources.column_checks.ShapeChecks.check_rows`);
+    the others are scanned here.
 
     Raises:
         SerializationError: naming the column and the row's key.
     """
+    known = types or {}
     for index in shape.pk_indexes:
-        _check_column(shape, rows, index, key=True)
-    _check_column(shape, rows, shape.cursor_index, key=False)
+        _check_column(shape, rows, index, key=True, types=known.get(index))
+    index = shape.cursor_index
+    _check_column(shape, rows, index, key=False, types=known.get(index))
     new = object.__new__
     cls = _RowEvent
     events: list[RowChange] = []

@@ -74,7 +74,7 @@ class Rows(Sequence[Mapping[str, Any]]):
     the events' reads need not guard against a nested value.
     """
 
-    __slots__ = ("columns", "plain", "tuples")
+    __slots__ = ("columns", "plain", "tuples", "types")
 
     def __init__(
         self, columns: Sequence[str], tuples: list[tuple[Any, ...]], *, plain: bool = False
@@ -82,6 +82,10 @@ class Rows(Sequence[Mapping[str, Any]]):
         self.columns = tuple(columns)
         self.tuples = tuples
         self.plain = plain
+        #: Column index -> the types of that column's values in ``tuples``, for
+        #: the columns the source's check of the batch scanned (the events' check
+        #: takes them instead of scanning again); set once, with the tuples final.
+        self.types: dict[int, set[type]] | None = None
 
     def __len__(self) -> int:
         return len(self.tuples)
@@ -390,7 +394,7 @@ def rows_to_events(
     if isinstance(rows, Rows):
         if not rows.tuples:
             return []
-        return events_from_rows(shape_for(rows.columns, rows.plain), rows.tuples)
+        return events_from_rows(shape_for(rows.columns, rows.plain), rows.tuples, rows.types)
     events: list[RowChange] = []
     for columns, run in groupby(rows, key=tuple):
         tuples = [tuple(row[c] for c in columns) for row in run]

@@ -421,7 +421,7 @@ class SqlAlchemySource(KeysetLookups):
             key_columns=self.pk_columns,
             reused=reused,
         )
-        keyset.shape.checks.check_rows(rows.columns, rows.tuples)
+        rows.types = keyset.shape.checks.check_rows(rows.columns, rows.tuples)
         self.last_fetch_info = guard.after_fetch(conn, after, rows, limit)
         return rows
 

@@ -23,7 +23,7 @@ from dbtrigger.errors import (
     SourcePermissionError,
 )
 from dbtrigger.sources.base import position_of
-from tests.cdc_servers import CdcDatabase
+from tests.cdc_servers import CdcDatabase, LogicalPostgres
 from tests.databases import TestDatabase
 
 
@@ -517,4 +517,57 @@ def test_a_watched_table_dropped_and_recreated_stops_delivery_until_republished(
     assert got[0] == ("insert", 1)  # before the drop: still in the slot, delivered
     assert ("insert", 4) in got  # published again: read on
     assert ("upsert", 3) in got  # the snapshot reads what the log did not carry
+    source.close()
+
+
+@pytest.mark.parametrize("mode", ["poll", "stream"])
+@pytest.mark.parametrize("how", ["dropped", "invalidated"])
+def test_a_slot_lost_while_the_poller_runs_is_a_slot_lost_error(
+    cdc_db: CdcDatabase, logical_pg: LogicalPostgres, mode: str, how: str
+) -> None:
+    # Not a retry forever (FetchError), nor "fix the source definition": what to run.
+    cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY); CREATE TABLE filler (v text)")
+    trigger, source = poller(cdc_db, ["t"], mode=mode, stream_wait_seconds=0)
+    drain(trigger)
+    cdc_db.execute("INSERT INTO t VALUES (1)")
+    assert [e.pk["id"] for e in drain(trigger)] == [1]
+    cdc_db.execute("INSERT INTO t VALUES (2)")
+    if how == "dropped":
+        with cdc_db.connect() as conn:
+            conn.execute(
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots "
+                "WHERE slot_name = %s AND active_pid IS NOT NULL",
+                (source.slot,),
+            )
+            wait_for(
+                lambda: (
+                    not conn.execute(
+                        "SELECT active FROM pg_replication_slots WHERE slot_name = %s",
+                        (source.slot,),
+                    ).fetchone()[0]
+                ),
+                "the stream to let go of the slot",
+            )
+            conn.execute("SELECT pg_drop_replication_slot(%s)", (source.slot,))
+    else:
+        logical_pg.set_config("max_slot_wal_keep_size", "1MB")
+        try:
+            with cdc_db.connect() as conn:
+                for _ in range(4):
+                    conn.execute("INSERT INTO filler SELECT 'x' FROM generate_series(1, 100)")
+                    conn.execute("SELECT pg_switch_wal()")
+                conn.execute("CHECKPOINT")
+                state = "SELECT wal_status FROM pg_replication_slots WHERE slot_name = %s"
+                assert conn.execute(state, (source.slot,)).fetchone() == ("lost",)
+        finally:
+            logical_pg.set_config("max_slot_wal_keep_size", None)
+    errors: list[BaseException] = []
+    for _ in range(3):  # a read-ahead carried from the last tick may answer the first
+        try:
+            trigger.tick(lambda events: None)
+        except Exception as exc:  # collected and checked below
+            errors.append(exc)
+    assert errors
+    assert all(isinstance(e, SlotLostError) for e in errors), errors
+    assert "dbtrigger cdc recreate" in str(errors[-1])
     source.close()

@@ -20,6 +20,7 @@ from dbtrigger.cdc.assembly import SchemaGuard
 from dbtrigger.cdc.log_source import LogSourceParts
 from dbtrigger.cdc.pg_reader import Decoder
 from dbtrigger.cdc.snapshots import Snapshot
+from dbtrigger.errors import SlotLostError
 
 
 class PgSourceParts(LogSourceParts, Protocol):
@@ -46,6 +47,8 @@ class PgSourceParts(LogSourceParts, Protocol):
     def check_not_lost(self, state: setup.SlotState) -> None: ...
 
     def check_published(self, conn: psycopg.Connection[Any]) -> None: ...
+
+    def lost_slot(self) -> SlotLostError | None: ...
 
     guard: SchemaGuard[int]
 

@@ -38,7 +38,7 @@ from dbtrigger.cdc.pg_connection import translated
 from dbtrigger.cdc.pg_reader import HEARTBEAT_PREFIX
 from dbtrigger.cdc.pgoutput import lsn_text, parse_lsn
 from dbtrigger.cdc.position import LogPosition
-from dbtrigger.errors import DecodeBacklogError
+from dbtrigger.errors import DbTriggerError, DecodeBacklogError, SlotLostError
 
 if TYPE_CHECKING:
     from dbtrigger.cdc.pg_context import PgSourceParts
@@ -78,7 +78,22 @@ class PollReader:
     # --- reading ------------------------------------------------------------------------
 
     def fill(self, after: LogPosition | None, limit: int) -> None:
-        """Read the changes after ``after`` into the source's buffer (see the module docstring)."""
+        """Read the changes after ``after`` into the source's buffer (see the module docstring).
+
+        Raises:
+            SlotLostError: the slot was dropped or invalidated (a read fails then).
+        """
+        try:
+            self._fill(after, limit)
+        except (DecodeBacklogError, SlotLostError):
+            raise
+        except DbTriggerError as exc:
+            lost = self.source.lost_slot()
+            if lost is None:
+                raise
+            raise lost from exc
+
+    def _fill(self, after: LogPosition | None, limit: int) -> None:
         s = self.source
         conn = s.connection()
         s.check_published(conn)  # a table dropped and created again is in no publication

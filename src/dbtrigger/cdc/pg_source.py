@@ -314,6 +314,27 @@ class PgLogicalSource(LogSource):
                 poller=self.poller,
             )
 
+    def lost_slot(self) -> SlotLostError | None:
+        """After a read failed: the error to raise if the slot is why (dropped or invalidated
+        while this poller ran), else None (also when the server cannot tell now)."""
+        try:
+            state = setup.slot_state(self.connection(), self.slot)
+        except Exception:  # noqa: BLE001 - the read's own error is raised instead
+            return None
+        if state is None:
+            return SlotLostError(
+                f"replication slot {self.slot} was dropped while poller "
+                f"{self.poller or '(this source)'} read it: the changes it held after the "
+                "checkpoint can no longer be read. Recreate it and read the tables again: "
+                "dbtrigger cdc recreate MODULE:TRIGGER --snapshot --yes",
+                poller=self.poller,
+            )
+        try:
+            self.check_not_lost(state)
+        except SlotLostError as exc:
+            return exc
+        return None
+
     def check_published(self, conn: psycopg.Connection[Any]) -> None:
         """Before each read: every watched table is still in the publication (else refused,
         and set up again at the next read: a table created again has new columns; the

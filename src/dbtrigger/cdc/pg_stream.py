@@ -128,6 +128,9 @@ class StreamReader:
         s = self.source
         if isinstance(error, SlotLostError | ConfigurationError | FetchError):
             raise error
+        lost = s.lost_slot()  # dropped or invalidated: no reconnect brings it back
+        if lost is not None:
+            raise lost from error
         text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         if "invalidated" in text or "can no longer get changes" in text:
             raise SlotLostError(

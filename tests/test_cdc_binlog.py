@@ -297,6 +297,33 @@ def test_a_purged_checkpoint_is_a_typed_error_and_recreate_snapshot_goes_on(
     again.close()
 
 
+@pytest.mark.mariadb
+@pytest.mark.parametrize("lose_row", ["cdc drop", "control table emptied"])
+def test_a_lost_control_row_resumes_at_the_checkpoint_never_from_now(
+    binlog_db: BinlogDatabase, lose_row: str
+) -> None:
+    # The checkpoint says where reading stopped; a control row created at the server's
+    # position now (as on first use) would skip everything written since then.
+    table = make_table(binlog_db)
+    store = InMemoryCheckpointStore()
+    source = BinlogSource(binlog_db.url, [table], snapshot="never")
+    t = trigger(source, store, name="lost_row")
+    seen = Collector()
+    t.tick(seen)
+    binlog_db.execute(f"INSERT INTO {table} VALUES (1, 'a', 1)")
+    t.drain(seen)
+    binlog_db.execute(f"INSERT INTO {table} VALUES (2, 'b', 2)")
+    source.close()
+    if lose_row == "cdc drop":
+        source.admin().drop()
+    else:
+        binlog_db.execute(f"DELETE FROM {control.TABLE}")
+    binlog_db.execute(f"INSERT INTO {table} VALUES (3, 'c', 3)")
+    t.drain(seen)
+    assert [e.pk["id"] for e in seen.events] == [1, 2, 3]
+    source.close()
+
+
 def test_a_quiet_table_records_read_through_and_resumes_there(
     binlog_db: BinlogDatabase,
 ) -> None:

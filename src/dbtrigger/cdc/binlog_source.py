@@ -38,13 +38,13 @@ from dbtrigger.cdc.assembly import SchemaGuard
 from dbtrigger.cdc.binlog_admin import BinlogAdmin
 from dbtrigger.cdc.binlog_health import RetentionReporter, self_check
 from dbtrigger.cdc.binlog_poll import BinlogPoller
-from dbtrigger.cdc.binlog_reader import Assembler, materialise, type_name
+from dbtrigger.cdc.binlog_reader import Assembler, Where, materialise, type_name
 from dbtrigger.cdc.binlog_setup import current_position
 from dbtrigger.cdc.binlog_snapshot import SnapshotWriter
 from dbtrigger.cdc.log_source import SNAPSHOTS, LogReader, LogSource, log
 from dbtrigger.cdc.position import LogPosition
 from dbtrigger.cdc.snapshots import Snapshot
-from dbtrigger.errors import ConfigurationError
+from dbtrigger.errors import ConfigurationError, SlotLostError
 from dbtrigger.sources.base import SourceFinding
 
 
@@ -223,7 +223,8 @@ class BinlogSource(LogSource):
                     f"reader {self.reader} is not installed and create=False: run dbtrigger "
                     "cdc install MODULE:TRIGGER --yes first"
                 )
-            row = self.new_control_row(current_position(conn, files), snapshots=after is None)
+            start = current_position(conn, files) if after is None else resume_at(after, files)
+            row = self.new_control_row(start, snapshots=after is None)
             self.write_control(conn, row)
             log.info(
                 "binlog reader %s created at %s:%s (server_id %d%s)",
@@ -325,6 +326,26 @@ class BinlogSource(LogSource):
     def self_check(self) -> list[SourceFinding]:
         """Server settings, privileges, tables and position, as ``dbtrigger check`` findings."""
         return self_check(self)
+
+
+def resume_at(after: LogPosition, files: Sequence[tuple[str, int]]) -> tuple[str, int]:
+    """Where a reader whose control row is gone (``cdc drop``, an emptied control table)
+    starts again: at the checkpoint, which says where reading stopped. The server's
+    position now would skip every change written since then without a word.
+
+    Raises:
+        SlotLostError: the checkpoint's binlog file is no longer on the server.
+    """
+    where = Where.parse(after.commit)
+    by_index = {setup.file_index(name): name for name, _ in files}
+    if where.file_index not in by_index:
+        raise SlotLostError(
+            f"the reader's control row is gone and the binary log file holding its checkpoint "
+            f"{after} is no longer on the server, so the changes since then are gone. Start "
+            "again from now and read the tables again: dbtrigger cdc recreate MODULE:TRIGGER "
+            "--snapshot --yes"
+        )
+    return by_index[where.file_index], where.offset
 
 
 __all__ = ["SNAPSHOTS", "BinlogSource", "current_position"]

@@ -9,17 +9,20 @@ worker processes that ``os._exit`` is in ``tests/test_queue_chaos.py``.
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from dbtrigger import ClaimSource, FileCheckpointStore, QueueTrigger
 from dbtrigger.cli import main
 from dbtrigger.queue import SidecarFeeder
 from dbtrigger.queue.pick import Choice, Picked, choose
-from tests.databases import TestDatabase
+from tests.databases import TestDatabase, admin_engine
 from tests.test_queue_columns import make_jobs, rows
 
 
@@ -196,4 +199,70 @@ def test_sidecar_claims_are_bisected_too(db: TestDatabase, tmp_path: Path) -> No
         assert {r.pk["id"] for r in [*half.rows, *rest.rows]} == {1, 2, 3, 4}
     finally:
         feeder.close()
+        source.close()
+
+
+def blocked_by(db: TestDatabase, holder: sa.Connection) -> Callable[[], bool]:
+    """Whether a statement of another session waits for a row lock ``holder`` holds
+    (MariaDB: any lock wait on the test's own ``jobs`` table)."""
+    admin = admin_engine(db.kind)
+    if db.kind == "postgresql":
+        pid = holder.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+        sql = "SELECT count(*) FROM pg_stat_activity WHERE :h = ANY(pg_blocking_pids(pid))"
+        params: dict[str, Any] = {"h": pid}
+    else:
+        sql = (
+            "SELECT count(*) FROM information_schema.INNODB_TRX "
+            "WHERE trx_state = 'LOCK WAIT' AND trx_query LIKE :h"
+        )
+        params = {"h": f"%{db.qualified('jobs')}%"}
+
+    def blocked() -> bool:
+        with admin.connect() as conn:
+            return bool(conn.execute(sa.text(sql), params).scalar())
+
+    return blocked
+
+
+def test_a_claim_seeing_part_of_an_expired_claim_isolates_no_row(db: TestDatabase) -> None:
+    """Two workers claim at once when a claim of rows 1 and 2 has expired: one
+    pick locks row 2 first, the other skips it and sees row 1 alone. Row 1
+    never expired alone and its handler was never called since; it must not be
+    taken for isolated and go dead (it did, with attempt 2 > max_attempts 1:
+    the chaos test's innocent row 1 ending dead). The claim waits for the whole
+    group instead, then halves it."""
+    if db.kind == "sqlite":
+        pytest.skip("claims take the write lock one at a time: no pick sees part of a group")
+    make_jobs(db, 2)
+    source = ClaimSource(url=db.url, table="jobs", schema=db.schema, pk_columns=["id"])
+    q = QueueTrigger(name="jobs", source=source, batch_size=10, max_attempts=1)
+    called: list[int] = []
+    results: list[Any] = []
+    try:
+        source.claim(limit=10, token="a" * 32, worker="A", visibility=0.2)
+        wait_until_expired(source, 2)
+        with db.engine.connect() as other:
+            other.begin()  # the other worker's pick, holding row 2
+            other.execute(sa.text(f"SELECT id FROM {db.qualified('jobs')} WHERE id = 2 FOR UPDATE"))
+            blocked = blocked_by(db, other)
+            tick = threading.Thread(
+                target=lambda: results.append(
+                    q.tick_result(lambda events: called.extend(e.pk["id"] for e in events))
+                )
+            )
+            tick.start()
+            deadline = time.monotonic() + 30
+            while tick.is_alive() and not blocked():
+                assert time.monotonic() < deadline, "the claim neither ended nor waited"
+                time.sleep(0.2)  # MariaDB refreshes INNODB_TRX only if unread for 0.1 s
+            other.rollback()
+        tick.join(30)
+        assert results, "the tick did not end"
+        for _ in range(3):  # the other half, claimed whole
+            q.tick_result(lambda events: called.extend(e.pk["id"] for e in events))
+        table = rows(db)
+        assert {k: r["dbt_status"] for k, r in table.items()} == {1: "done", 2: "done"}, table
+        assert sorted(called) == [1, 2]
+        assert (results[0].rows, results[0].dead) == (1, 0)  # half of the group: row 1
+    finally:
         source.close()

@@ -356,25 +356,35 @@ class ClaimSource:
     def claim_batch(self, *, limit: int, token: str, worker: str, visibility: float) -> Claim:
         """:meth:`claim`, with what the claim learnt (rows left, an expired claim halved)."""
         target = self.target
+        claim: dict[str, Any] = {
+            "limit": limit,
+            "token": token,
+            "worker": worker,
+            "visibility": visibility,
+        }
         try:
             if target.priority:  # one priority after another, in one transaction
                 with self.transaction(locking=True) as conn:
-                    ranked = target.claim_by_priority(
-                        conn, limit=limit, token=token, worker=worker, visibility=visibility
-                    )
-                    return self._claimed(conn, ranked)
-            with self.transaction() as conn:
-                batch = target.claim(
-                    conn, limit=limit, token=token, worker=worker, visibility=visibility
-                )
-                if batch is not None:
-                    return self._claimed(conn, batch)
-            # PostgreSQL, the pick led by an expired claim: choose in a transaction.
+                    batch = target.claim_by_priority(conn, **claim)
+                    if batch.lead is None:
+                        return self._claimed(conn, batch)
+            else:
+                with self.transaction() as conn:
+                    first = target.claim(conn, **claim)
+                    if first is not None and first.lead is None:
+                        return self._claimed(conn, first)
+                if first is None:  # PostgreSQL, the pick not led by a fresh row
+                    with self.transaction(locking=True) as conn:
+                        batch = target.claim_choosing(conn, **claim)
+                        if batch.lead is None:
+                            return self._claimed(conn, batch)
+                else:
+                    batch = first
+            # An expired claim or a regrouped half leads: claimed whole-group
+            # locked, in a transaction holding no other lock (statements.py).
+            assert batch.lead is not None  # noqa: S101 - every other case returned
             with self.transaction(locking=True) as conn:
-                batch = target.claim_choosing(
-                    conn, limit=limit, token=token, worker=worker, visibility=visibility
-                )
-                return self._claimed(conn, batch)
+                return self._claimed(conn, target.claim_group(conn, batch.lead, **claim))
         except SQLAlchemyError as exc:
             raise FetchError(f"claim on {self.name} failed: {short_error(exc)}") from exc
 

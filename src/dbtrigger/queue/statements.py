@@ -23,9 +23,12 @@ Which of the picked rows a claim takes is :func:`dbtrigger.queue.pick.choose`:
 all fresh rows, unless the pick is led by rows of an expired claim, which are
 bisected. MariaDB and SQLite apply it between their two statements. On
 PostgreSQL the one statement claims only when the pick is led by a fresh row
-(the common case) and otherwise claims nothing and says so; the source then
-claims again with ``SELECT ... FOR UPDATE SKIP LOCKED`` and ``UPDATE`` in one
-READ COMMITTED transaction, choosing in between.
+(the common case) and otherwise claims nothing and says so. A pick led by an
+expired claim or a regrouped half takes nothing either: it skips rows a
+concurrent pick locked, so it may see part of the group, and an expired claim
+of several rows seen as one would *isolate* a row that merely shared it. The
+source claims the group in a transaction of its own
+(:meth:`ClaimTable.claim_group`), which locks every row still in it first.
 
 A table with ``dbt_priority`` (:meth:`ClaimTable.claim_by_priority`) is
 claimed one priority at a time, highest first, in one transaction: the next
@@ -62,7 +65,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
@@ -71,7 +73,8 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.sql import ColumnElement
 
 from dbtrigger.errors import CommitError
-from dbtrigger.queue.pick import Picked, choose, is_fresh
+from dbtrigger.queue.items import ClaimBatch, DeadItem, Key, RetryItem, Settled
+from dbtrigger.queue.pick import Choice, Picked, choose, is_fresh
 from dbtrigger.queue.schema import (
     ATTEMPTS,
     CLAIM_TOKEN,
@@ -89,58 +92,12 @@ from dbtrigger.queue.schema import (
     DialectTime,
 )
 
-Key = tuple[Any, ...]
-
 #: Labels of what the PostgreSQL claim's pick carries besides the key (key
 #: columns may not start with ``dbt_``, so they cannot clash).
 _WAS = "dbt_pick_status"
 _WAS_TOKEN = "dbt_pick_token"  # noqa: S105 - a column label
 _WAS_AT = "dbt_pick_at"
 _PICKED = "dbt_picked"
-
-
-@dataclass(frozen=True)
-class ClaimBatch:
-    """What one claim took.
-
-    ``rows``: the claimed rows (claim columns as written). ``more``: the pick
-    was full or rows were left in it, so claiming again at once finds work.
-    ``isolated`` and ``bisected``: see :class:`dbtrigger.queue.pick.Choice`.
-    """
-
-    rows: list[dict[str, Any]]
-    more: bool = False
-    isolated: bool = False
-    bisected: tuple[int, int] | None = None
-    #: The pick was led by rows of an expired claim or a regrouped half (taken
-    #: alone), or, when only fresh rows were wanted, nothing was taken for that.
-    group: bool = False
-
-
-@dataclass(frozen=True)
-class RetryItem:
-    """A row to hand back for another attempt after ``delay_seconds``."""
-
-    key: Key
-    delay_seconds: float
-    error: str
-
-
-@dataclass(frozen=True)
-class DeadItem:
-    """A row that will not be attempted again."""
-
-    key: Key
-    error: str
-
-
-@dataclass(frozen=True)
-class Settled:
-    """Which keys each part of a settlement actually changed (the rest were lost)."""
-
-    done: frozenset[Key]
-    retried: frozenset[Key]
-    dead: frozenset[Key]
 
 
 class ClaimTable:
@@ -344,6 +301,23 @@ class ClaimTable:
             .values({STATUS: READY, CLAIM_TOKEN: sa.bindparam("dbt_group", type_=sa.String)})
         )
 
+    def _build_group_keys(self) -> Any:
+        """The keys of the rows in group ``:dbt_group``: a plain read, no lock waited for."""
+        return sa.select(*self._key_cols).where(self._in_group())
+
+    def _build_group(self) -> Any:
+        """Those rows, still in the group and claimable, locked (waiting for a
+        concurrent claim of them to end) in key order."""
+        where = sa.and_(self._keys_param(), self._in_group(), self.claimable())
+        return sa.select(self.table).where(where).order_by(*self._key_cols).with_for_update()
+
+    def _in_group(self) -> ColumnElement[bool]:
+        c = self.table.c
+        return sa.and_(
+            c[CLAIM_TOKEN] == sa.bindparam("dbt_group", type_=sa.String),
+            c[STATUS] == sa.bindparam("dbt_group_status", type_=sa.String),
+        )
+
     def _build_extend(self) -> Any:
         return (
             sa.update(self.table)
@@ -470,20 +444,66 @@ class ClaimTable:
         (and a regrouped half); ``conn`` must be in a transaction that holds the
         pick's locks (MariaDB/PostgreSQL) or the write lock (SQLite).
 
-        ``level``: the priority to pick from (a prioritised table). With
-        ``fresh_only`` a pick led by an expired claim's rows takes nothing
-        (``group=True``): they are never mixed with fresh rows taken before.
+        ``level``: the priority to pick from (a prioritised table). A pick led
+        by an expired claim or a regrouped half takes nothing (``group``, and its
+        ``lead`` for :meth:`claim_group`, but none with ``fresh_only``).
         """
         params: dict[str, Any] = {"dbt_limit": limit}
         if self.priority:
             params["dbt_level"] = level
-        result = conn.execute(self._prepared("pick"), params)
+        picked, marks = self._locked(conn, "pick", params)
+        if marks and not is_fresh(marks[0].status, marks[0].token):
+            return ClaimBatch([], more=True, group=True, lead=None if fresh_only else marks[0])
+        choice = choose(marks)
+        rows = self._take(conn, picked, choice, token, worker, visibility)
+        more = len(rows) < len(picked) or len(picked) >= limit
+        return ClaimBatch(rows, more, choice.isolated, choice.bisected)
+
+    def claim_group(
+        self,
+        conn: Connection,
+        lead: Picked,
+        *,
+        limit: int,
+        token: str,
+        worker: str,
+        visibility: float,
+    ) -> ClaimBatch:
+        """Claim from the group of ``lead`` (see the module doc) once every row
+        still in it is locked; ``conn``'s transaction must hold no other lock
+        (claimers of one group wait for each other in key order, no deadlock)."""
+        group = {"dbt_group": lead.token, "dbt_group_status": lead.status}
+        keys = [tuple(r) for r in conn.execute(self._prepared("group_keys"), group).all()]
+        if not keys:  # another claim took the group meanwhile
+            return ClaimBatch([], more=True, group=True)
+        picked, marks = self._locked(conn, "group", {"dbt_keys": self._keys_value(keys), **group})
+        choice = choose(marks)
+        if len(choice.claim) > limit:  # a group claimed with a larger batch size
+            rest = choice.regroup + choice.claim[limit:]
+            choice = Choice(choice.claim[:limit], rest, bisected=choice.bisected)
+        rows = self._take(conn, picked, choice, token, worker, visibility)
+        return ClaimBatch(rows, True, choice.isolated, choice.bisected, group=True)
+
+    def _locked(
+        self, conn: Connection, name: str, params: Mapping[str, Any]
+    ) -> tuple[list[dict[str, Any]], list[Picked]]:
+        """The rows statement ``name`` locked, and their claim state."""
+        result = conn.execute(self._prepared(name), params)
         names = list(result.keys())
         picked = [dict(zip(names, r, strict=True)) for r in result.all()]
-        marks = [Picked(self.key_of(r), r[STATUS], r[CLAIM_TOKEN]) for r in picked]
-        if fresh_only and marks and not is_fresh(marks[0].status, marks[0].token):
-            return ClaimBatch([], more=True, group=True)
-        choice = choose(marks)
+        return picked, [Picked(self.key_of(r), r[STATUS], r[CLAIM_TOKEN]) for r in picked]
+
+    def _take(
+        self,
+        conn: Connection,
+        picked: list[dict[str, Any]],
+        choice: Choice,
+        token: str,
+        worker: str,
+        visibility: float,
+    ) -> list[dict[str, Any]]:
+        """Write ``choice`` for the locked rows ``picked`` (the regrouped half, the
+        claim); the claimed rows as written."""
         if choice.regroup:
             conn.execute(
                 self._prepared("regroup"),
@@ -504,13 +524,7 @@ class ClaimTable:
             row[CLAIM_TOKEN] = token
             row[CLAIMED_BY] = worker
             row[ATTEMPTS] = int(row[ATTEMPTS]) + 1
-        return ClaimBatch(
-            rows,
-            more=len(picked) >= limit or len(rows) < len(picked),
-            isolated=choice.isolated,
-            bisected=choice.bisected,
-            group=bool(marks) and not is_fresh(marks[0].status, marks[0].token),
-        )
+        return rows
 
     def extend(self, conn: Connection, *, token: str, visibility: float) -> int:
         """Push the claim's expiry to now + ``visibility``; how many rows it still holds."""
@@ -581,3 +595,6 @@ class ClaimTable:
         for gone in dead:
             died |= self._apply(conn, "dead", token, [gone.key], {"dbt_error": gone.error})
         return Settled(frozenset(done_keys), frozenset(retried), frozenset(died))
+
+
+__all__ = ["ClaimBatch", "ClaimTable", "DeadItem", "Key", "RetryItem", "Settled"]

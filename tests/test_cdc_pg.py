@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -16,6 +17,8 @@ from dbtrigger.cdc.pgoutput import parse_lsn
 from dbtrigger.cursor import BEGINNING
 from dbtrigger.errors import (
     DecodeBacklogError,
+    FetchError,
+    LeaseAcquireError,
     SchemaChangedError,
     ServerSettingError,
     SlotLostError,
@@ -571,3 +574,46 @@ def test_a_slot_lost_while_the_poller_runs_is_a_slot_lost_error(
     assert all(isinstance(e, SlotLostError) for e in errors), errors
     assert "dbtrigger cdc recreate" in str(errors[-1])
     source.close()
+
+
+def test_a_stream_no_fetch_reads_lets_go_of_the_slot_for_the_worker_with_the_lease(
+    cdc_db: CdcDatabase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A worker that lost the lease stays alive (a pause, a store outage) with its stream
+    # open: the slot has one reader, so the worker holding the lease could never read.
+    from dbtrigger.cdc import pg_stream  # noqa: PLC0415
+
+    monkeypatch.setattr(pg_stream, "IDLE_SECONDS", 0.5)
+    cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY)")
+    store = InMemoryCheckpointStore()
+    name = f"p_{uuid.uuid4().hex[:8]}"
+
+    def worker() -> tuple[PollTrigger, PgLogicalSource]:
+        source = PgLogicalSource(
+            cdc_db.url, ["t"], snapshot="never", mode="stream", stream_wait_seconds=0
+        )
+        t = PollTrigger(
+            name=name,
+            source=source,
+            checkpoint_store=store,
+            lease_ttl_seconds=1,
+            retry=RetryPolicy.none(),
+        )
+        return t, source
+
+    first, first_source = worker()
+    second, second_source = worker()
+    drain(first)  # its stream is open, and stays so: the process lives on without the lease
+    cdc_db.execute("INSERT INTO t VALUES (1)")
+    got: list[RowChange] = []
+
+    def second_delivered() -> bool:
+        # Refused while the first worker's lease lasts, then while its stream holds the slot.
+        with contextlib.suppress(LeaseAcquireError, FetchError):
+            second.tick(got.extend)
+        return bool(got)
+
+    wait_for(second_delivered, "the second worker to read the slot")
+    assert [e.pk["id"] for e in got] == [1]
+    first_source.close()
+    second_source.close()

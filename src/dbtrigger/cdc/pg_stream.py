@@ -17,6 +17,10 @@ Bounds, as in poll mode:
   which is what brings commit-to-handler latency down to milliseconds.
 * **memory**: the thread stops reading when ``read_ahead`` changes wait in the
   buffer (it keeps the connection alive meanwhile); the server holds the rest.
+* **idle**: a stream no fetch has read from for :data:`IDLE_SECONDS` lets go
+  of the slot (the next fetch opens it again). A slot has one reader, and a
+  worker that lost its lease but lives on must not keep the worker that holds
+  the lease from reading.
 * **feedback**: the flush position reported to the server is only ever what
   :meth:`StreamReader.release` computed from a durable checkpoint (psycopg2
   repeats it in its periodic status messages; it never moves it by itself).
@@ -46,6 +50,8 @@ log = logging.getLogger("dbtrigger.cdc")
 #: a silent client after wal_sender_timeout, 60 s by default).
 KEEPALIVE_SECONDS = 10.0
 _UNBOUNDED = 1 << 62
+#: Seconds without a fetch after which the stream closes (see the module docstring).
+IDLE_SECONDS = 60.0
 
 
 def _psycopg2() -> Any:
@@ -77,6 +83,9 @@ class StreamReader:
         self.flush_target = 0
         self.received_through = 0
         self._want_reply = False
+        self._last_fill = time.monotonic()
+        #: The thread closed the stream for want of fetches (set under the lock).
+        self._idle = False
         _psycopg2()  # refuse at once, not in the thread
 
     # --- the fetch side (under the source's lock) ---------------------------------------
@@ -85,7 +94,8 @@ class StreamReader:
         s = self.source
         if s.schema_break is not None:
             return  # stopped at a type change: the source says so once nothing is pending
-        if self._error is not None:
+        self._last_fill = time.monotonic()
+        if self._error is not None or self._idle:
             self.stop()
         if self._thread is None or not s.buffer.covers(after):
             self.start(after)
@@ -100,6 +110,7 @@ class StreamReader:
             if self._has(after, limit):
                 break
             self._want_reply = True
+            self._last_fill = time.monotonic()  # a fetch waiting is a fetch: not idle
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise FetchError(
@@ -114,6 +125,7 @@ class StreamReader:
             and self._error is None
             and s.schema_break is None
         ):
+            self._last_fill = time.monotonic() + s.stream_wait
             self._changed.wait(s.stream_wait)
         self._raise_error()
 
@@ -151,6 +163,7 @@ class StreamReader:
         s.buffer.complete = True
         self._after = after
         self._error = None
+        self._idle = False
         self._open = None
         s.schema_break = None
         self.received_through = 0
@@ -216,6 +229,8 @@ class StreamReader:
             sent = 0
             last_status = time.monotonic()
             while not self._stop.is_set():
+                if time.monotonic() - self._last_fill > IDLE_SECONDS and self._let_go():
+                    break
                 target = self.flush_target
                 if target > sent or self._want_reply:
                     reply, self._want_reply = self._want_reply, False
@@ -244,6 +259,20 @@ class StreamReader:
         finally:
             if conn is not None:
                 conn.close()
+
+    def _let_go(self) -> bool:
+        """No fetch for :data:`IDLE_SECONDS`: close the stream (True), unless one just came."""
+        with self._lock:
+            if time.monotonic() - self._last_fill <= IDLE_SECONDS:
+                return False
+            self._idle = True
+        log.info(
+            "slot %s: no fetch for %gs; the stream lets go of the slot until the next one",
+            self.source.slot,
+            IDLE_SECONDS,
+            extra={"event": "cdc_stream_idle", "poller": self.source.poller},
+        )
+        return True
 
     def _take(self, payload: bytes) -> None:
         decoder = self._decoder

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 import uuid
 from typing import Any
@@ -617,3 +618,46 @@ def test_a_stream_no_fetch_reads_lets_go_of_the_slot_for_the_worker_with_the_lea
     assert [e.pk["id"] for e in got] == [1]
     first_source.close()
     second_source.close()
+
+
+def test_two_workers_set_up_a_new_slot_at_once_without_an_operator_error(
+    cdc_db: CdcDatabase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Both find no slot, then both create publication and slot: the loser's "already
+    # exists" was a SourceDefinitionError, which stops `dbtrigger run`.
+    from dbtrigger.cdc import pg_setup  # noqa: PLC0415
+
+    cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY); INSERT INTO t VALUES (1), (2)")
+    both_looked = threading.Barrier(2, timeout=3)
+    slot_state = pg_setup.slot_state
+
+    def looked_together(conn: Any, name: str) -> Any:
+        state = slot_state(conn, name)
+        with contextlib.suppress(threading.BrokenBarrierError):
+            both_looked.wait()  # times out when set-up is one at a time
+        return state
+
+    monkeypatch.setattr(pg_setup, "slot_state", looked_together)
+    name = f"p_{uuid.uuid4().hex[:8]}"
+    sources = [PgLogicalSource(cdc_db.url, ["t"]) for _ in range(2)]
+    for source in sources:
+        source.bind_poller(name)
+    outcomes: list[Any] = [None, None]
+
+    def fetch(k: int) -> None:
+        try:
+            outcomes[k] = len(sources[k].fetch(BEGINNING, 100))
+        except Exception as exc:  # collected and checked below
+            outcomes[k] = exc
+
+    threads = [threading.Thread(target=fetch, args=(k,)) for k in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    monkeypatch.setattr(pg_setup, "slot_state", slot_state)
+    for outcome in outcomes:  # the snapshot's two rows, or the slot busy with the other
+        assert outcome == 2 or isinstance(outcome, FetchError), outcome
+    assert [len(s.fetch(BEGINNING, 100)) for s in sources] == [2, 2]
+    for source in sources:
+        source.close()

@@ -26,6 +26,7 @@ that ran out of time; the next ones step forward in bounded windows) and
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -205,10 +206,17 @@ class PgLogicalSource(LogSource):
         conn = self.connection()
         # Setting up is quick but must not fail under a read timeout tuned for peeks.
         self.set_timeout(conn, max(self.read_timeout, SETUP_TIMEOUT))
+        # One worker of a poller at a time: two that both found no slot would both create
+        # publication and slot, and the second one's "already exists" stopped it.
+        key = f"dbtrigger_cdc:{self.slot}"
+        with translated("waiting for another worker of this poller to set up"):
+            conn.execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", (key,))
         try:
             self._set_up(conn, after)
         finally:
             if not conn.closed:
+                with contextlib.suppress(psycopg.Error):
+                    conn.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 0))", (key,))
                 self.set_timeout(conn, self.read_timeout)
 
     def _set_up(self, conn: psycopg.Connection[Any], after: LogPosition | None) -> None:

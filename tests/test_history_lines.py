@@ -13,6 +13,7 @@ import decimal
 import hashlib
 import json
 import uuid
+import zlib
 from typing import Any
 
 import pytest
@@ -20,7 +21,9 @@ import pytest
 from dbtrigger.events import RowShape, event_ids, events_from_rows
 from dbtrigger.history import records as rec
 from dbtrigger.history.recorder import MAX_RECORD_BYTES, HistoryRecorder
-from dbtrigger.state.document import digest_event_ids
+from dbtrigger.history.records import _RECORD_KEYS
+from dbtrigger.history.store import EncodedRecord, encode_json, encode_line, numbered
+from dbtrigger.state.document import JournalRecord, digest_event_ids
 
 UTC = dt.timezone.utc
 
@@ -132,27 +135,6 @@ def test_records_of_the_first_format_are_still_read() -> None:
     assert rec.detail_lines(record) == [rec.EventLine(key=key, image="0000abcd", event_id="e1")]
 
 
-@pytest.mark.parametrize(
-    "values",
-    [
-        [1, -(10**18), 10**19 - 1, -(10**19) + 1],
-        ["a", "é" * 50, "\U0001f600" * 7, '"\\\n'],
-        [10**30],
-        [],
-    ],
-)
-def test_a_column_size_bound_is_never_below_the_encoded_size(values: list[Any]) -> None:
-    kind = "int" if all(type(v) is int for v in values) else "str"
-    detail = {"format": 2, "rows": len(values), "column": "id\u00e9", "kind": kind}
-    detail |= {"values": values, "crcs": [2**32 - 1] * len(values)}
-    bound = rec.columns_size_bound(detail)
-    columns = {k: detail[k] for k in ("column", "kind", "values", "crcs")}
-    if bound is not None:
-        assert bound >= len(json.dumps(columns, separators=(",", ":"), ensure_ascii=True))
-    else:
-        assert values == [10**30]
-
-
 def test_a_record_too_large_keeps_its_digest_but_not_its_columns() -> None:
     shape = _shape(("id", "updated_at"), ("id",), "updated_at")
     small = rec.batch_detail(events_from_rows(shape, [(f"k{i}", i) for i in range(10)]))
@@ -164,3 +146,189 @@ def test_a_record_too_large_keeps_its_digest_but_not_its_columns() -> None:
     assert "crcs" not in slim
     assert slim["events_omitted"] == len(rows)
     assert slim["digest"] == rec.columns_digest(big)
+
+
+class _Multiline:
+    """A value whose ``repr`` writes a newline (a foreign object's might)."""
+
+    def __repr__(self) -> str:
+        return "Multiline(\n)"
+
+
+class _Plain:
+    """A value with no value ``repr`` (``<... at 0x...>``)."""
+
+
+VALUES: list[Any] = [
+    0,
+    -1,
+    2**31,
+    2**63 + 7,
+    -(10**40),
+    True,
+    1.5,
+    -0.0,
+    float("inf"),
+    float("nan"),
+    1e300,
+    "",
+    "plain",
+    "it's",
+    'say "hi"',
+    "both ' and \"",
+    "back\\slash",
+    "tab\tnew\nline\r",
+    "caf\u00e9 \u4e2d\u6587 \U0001f600",
+    "lone \ud800 surrogate \udfff",
+    "\x00\x7f\x80\x9f",
+    None,
+    decimal.Decimal("1.10"),
+    decimal.Decimal("-1E+3"),
+    decimal.Decimal("NaN"),
+    dt.datetime(2026, 1, 1, 12, 30, 1, 5, tzinfo=UTC),
+    dt.datetime(2026, 1, 1, 12, 30, tzinfo=dt.timezone(dt.timedelta(hours=-5, minutes=-30))),
+    dt.datetime(2026, 1, 1),
+    dt.date(2026, 2, 3),
+    dt.time(4, 5, 6, 7),
+    dt.timedelta(days=-1, microseconds=3),
+    b"",
+    b"\x00\xff'\"\n",
+    bytearray(b"ba"),
+    uuid.UUID(int=12345),
+    [1, "two", None],
+    {"k": [1, {"n": "\u00e9"}]},
+    (1,),
+    (),
+    frozenset(),
+]
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 5])
+def test_the_rows_texts_made_for_the_batch_are_each_rows_repr(
+    width: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each row's text (what its image CRC hashes) is made by one format for the
+    # whole batch; byte for byte it is repr(tuple(row)) encoded, for every kind of
+    # value, and no row is made by the row-by-row path.
+    columns = tuple(f"c{i}" for i in range(width))
+    shape = _shape(columns, ("c0",), columns[-1])
+    rows = [tuple(VALUES[(r * width + c) % len(VALUES)] for c in range(width)) for r in range(97)]
+    expected = [repr(row).encode("utf-8", "surrogatepass") for row in rows]
+
+    def row_by_row(row: Any) -> bytes:
+        raise AssertionError("a batch of value reprs was made row by row")
+
+    monkeypatch.setattr(rec, "_row_text", row_by_row)
+    texts, joined = rec._row_texts(shape, rows)
+    assert texts == expected
+    assert joined == b"".join(t + b"\n" for t in expected)
+
+
+def test_rows_that_are_not_tuples_give_their_tuples_texts() -> None:
+    shape = _shape(("id", "v"), ("id",), "id")
+    rows = [[1, "a"], (2, "b"), [3, None]]
+    texts, _ = rec._row_texts(shape, rows)
+    assert texts == [repr(tuple(r)).encode() for r in rows]
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [(1, _Multiline()), (2, "b")],  # a value's repr writes a newline
+        [(1, "a"), (2, "b", "extra")],  # rows of another width
+    ],
+)
+def test_rows_the_batch_format_cannot_split_are_made_one_by_one(rows: list[Any]) -> None:
+    shape = _shape(("id", "v"), ("id",), "id")
+    texts, joined = rec._row_texts(shape, rows)
+    assert texts == [repr(tuple(r)).encode() for r in rows]
+    assert joined == b"\n".join(texts)
+
+
+def test_the_batch_crcs_equal_the_reference_with_every_kind_of_value() -> None:
+    columns = ("id", "ts", "a", "b")
+    shape = _shape(columns, ("id",), "ts")
+    rows = [(i, i, VALUES[i % len(VALUES)], VALUES[-1 - i % len(VALUES)]) for i in range(60)]
+    rows.append((60, 60, _Plain(), "x"))  # hashed from its JSON, as image_crc does
+    events = events_from_rows(shape, rows)
+    detail = rec.batch_detail(events)
+    assert detail["crcs"] == [rec.image_crc(e) for e in events]
+    assert detail["crcs"][:-1] == [
+        zlib.crc32(repr(r).encode("utf-8", "surrogatepass"), rec._seed(shape)) for r in rows[:-1]
+    ]
+
+
+@pytest.mark.parametrize(("columns", "pk", "cursor", "rows"), CASES)
+@pytest.mark.parametrize("extras", [False, True])
+def test_a_detail_written_from_its_columns_is_its_json(
+    columns: tuple[str, ...],
+    pk: tuple[str, ...],
+    cursor: str,
+    rows: list[tuple[Any, ...]],
+    extras: bool,
+) -> None:
+    # The recorder writes a detail's JSON from its columns instead of encoding it;
+    # byte for byte it is what encoding the detail writes.
+    shape = _shape(columns, pk, cursor)
+    events = events_from_rows(shape, rows)
+    options: dict[str, Any] = {}
+    if extras:
+        ids = event_ids(events)
+        options = {
+            "rejected": {ids[0]: 'bad "row" \u00e9'},
+            "retried": {ids[-1]: "later"},
+            "waiting": {"count": 2, "oldest_due": "2026-01-01T00:00:00Z", "owed": {"s\u00e9": 1}},
+            "source": "src \u00e9",
+        }
+    detail, text = rec.encoded_detail(events, **options)
+    assert detail == rec.batch_detail(events, **options)
+    assert text == encode_json(detail)
+
+
+ENTRIES: list[dict[str, Any]] = [
+    {"type": "commit", "batch_id": "b1", "from": None, "to": {"cursor": ["int", 3]}, "rows": 2,
+     "owner_id": "h/1/ab", "fencing_token": 4, "committed_at": "2026-01-01T00:00:00.000001Z",
+     "duration_ms": 1.25, "outcomes": {"accepted": 1, "subscribers": {"s\u00e9": {"a": 1}}}},
+    {"type": "commit", "batch_id": 'q"\\\u00e9', "rows": 0},  # no time: "at" is null
+    {},
+    {"type": "manual", "at": "2026-01-02T00:00:00Z", "note": "reset"},  # names "at" itself
+    {"type": "x", "seq": 99, "id": "theirs", "detail": {"n": 1}},  # names record keys
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+@pytest.mark.parametrize("with_detail", [False, True])
+def test_a_record_made_from_its_entrys_text_is_the_encoded_record(
+    entry: dict[str, Any], with_detail: bool
+) -> None:
+    # A record of a journal entry as the document holds it keeps the line made from
+    # the entry's own JSON; numbered, it is byte for byte the encoded record, in
+    # every store's way of numbering (numbered()) and of writing (encode_line()).
+    shape = _shape(("id", "updated_at", "payload"), ("id",), "updated_at")
+    detail, text = rec.encoded_detail(events_from_rows(shape, [(1, 1, "a\u00e9"), (2, 1, None)]))
+    made = JournalRecord(entry)
+    record = rec.record_of(
+        made, *((detail,) if with_detail else ()), detail_json=text if with_detail else None
+    )
+    plain = rec.record_of(dict(entry), detail if with_detail else None)
+    assert record == plain
+    for numbered_record, numbered_plain in zip(
+        numbered([record, record], 41), numbered([plain, plain], 41), strict=True
+    ):
+        assert numbered_record == numbered_plain
+        assert encode_line(numbered_record) == (
+            json.dumps(numbered_plain, separators=(",", ":"), ensure_ascii=True, default=str) + "\n"
+        ).encode("ascii")
+    assert isinstance(record, EncodedRecord) == _RECORD_KEYS.isdisjoint(entry)
+
+
+def test_an_encoded_record_is_read_only() -> None:
+    record = rec.record_of(JournalRecord({"type": "commit", "batch_id": "b"}))
+    assert isinstance(record, EncodedRecord)
+    with pytest.raises(TypeError):
+        record["type"] = "other"
+    with pytest.raises(TypeError):
+        record.update(x=1)
+    copy = dict(record)
+    copy["type"] = "other"
+    assert encode_line(copy) != encode_line(record)

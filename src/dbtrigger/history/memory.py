@@ -33,9 +33,10 @@ class MemoryHistory:
         #: How long the runtime keeps records here (it prunes after its appends).
         self.retention = retention
         self.max_records = opt.whole("max_records", max_records, minimum=1)
-        #: Per poller: (number, time, the record's JSON line). A record kept as its
-        #: line is a tenth of its objects (a 100-event batch's keys and CRCs).
-        self._records: dict[str, list[tuple[int, dt.datetime | None, bytes]]] = {}
+        #: Per poller: (number, ``at`` as written, the record's JSON line). A record
+        #: kept as its line is a tenth of its objects (a 100-event batch's keys and
+        #: CRCs); its time is parsed only when pruning asks.
+        self._records: dict[str, list[tuple[int, object, bytes]]] = {}
         self._lock = threading.Lock()
 
     def describe(self) -> str:
@@ -44,9 +45,7 @@ class MemoryHistory:
     def append(self, poller: str, records: Sequence[Mapping[str, Any]], *, after_seq: int) -> None:
         if not records:
             return
-        lines = [
-            (int(r["seq"]), record_time(r), encode_line(r)) for r in numbered(records, after_seq)
-        ]
+        lines = [(int(r["seq"]), r.get("at"), encode_line(r)) for r in numbered(records, after_seq)]
         with self._lock:
             held = self._records.setdefault(poller, [])
             last = held[-1][0] if held else 0
@@ -75,7 +74,8 @@ class MemoryHistory:
             held = self._records.get(poller, [])
             total = sum(len(line) for _, _, line in held)
             drop = 0
-            for _, when, line in held[:-1]:
+            for _, at, line in held[:-1]:
+                when = record_time({"at": at}) if cutoff is not None else None
                 old = cutoff is not None and when is not None and when <= cutoff
                 big = retention.max_bytes is not None and total > retention.max_bytes
                 if not (old or big):

@@ -104,6 +104,10 @@ IDLE_SECONDS = 10.0
 FLUSH_SECONDS = 10.0
 
 
+#: A record's detail and its JSON (see :func:`dbtrigger.history.records.encoded_detail`).
+_Detail = tuple[Mapping[str, Any], str]
+
+
 class Outcome(Protocol):
     """What a delivered batch's outcome says about each event (runtime ``Delivered``)."""
 
@@ -121,9 +125,9 @@ class _Pending:
 
     journal: tuple[Mapping[str, Any], ...]
     entry: Mapping[str, Any] | None = None
-    #: Makes the record's detail (on the appender thread: the digests of a batch
-    #: are most of the history's CPU); None: the record goes without.
-    detail: Callable[[], Mapping[str, Any]] | None = None
+    #: Makes the record's detail and its JSON (on the appender thread: the digests
+    #: of a batch are most of the history's CPU); None: the record goes without.
+    detail: Callable[[], _Detail] | None = None
     #: About the memory the detail holds until it is made (the batch's events).
     cost: int = 0
 
@@ -132,12 +136,36 @@ class _Pending:
         return cost
 
 
-def _made(make: Callable[[], Mapping[str, Any]]) -> Mapping[str, Any] | None:
+def _made(make: Callable[[], _Detail]) -> _Detail | None:
     """A detail, or None when it cannot be made (the record goes without it)."""
     try:
         return make()
     except Exception:  # noqa: BLE001 - a digest that cannot be made loses detail, not the record
         return None
+
+
+#: What one append round writes: entries in journal order, their ids, details by id.
+_Chain = tuple[list[Mapping[str, Any]], list[str], dict[str, "_Detail"]]
+
+
+def _since(journal: Sequence[Mapping[str, Any]], last: tuple[object, str]) -> tuple[int, list[str]]:
+    """Where ``journal`` goes on after ``last`` (an entry, or None, and its id) and
+    the ids of the entries from there; -1 and every entry's id when it does not
+    hold ``last``. Read from the end: a commit's journal holds one new entry."""
+    entry, entry_id = last
+    ids: list[str] = []
+    for index in range(len(journal) - 1, -1, -1):
+        e = journal[index]
+        if e is entry:
+            break
+        eid = rec.entry_id(e)
+        if eid == entry_id:
+            break
+        ids.append(eid)
+    else:
+        index = -1
+    ids.reverse()
+    return (index + 1 if index >= 0 else -1), ids
 
 
 @dataclass(eq=False, repr=False)
@@ -277,28 +305,48 @@ class HistoryRecorder:
                 self._detail_bytes -= self._detailed.popleft().drop_detail()
                 self._dropped[1] += 1
             self._queued += 1
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
+            if self._thread is None:
+                thread = threading.Thread(
                     target=self._run, name=f"dbtrigger-history-{self.poller}", daemon=True
                 )
-                self._thread.start()
+                thread.start()
+                self._thread = thread
                 _RUNNING.add(self)
-            self._cond.notify_all()
+            elif len(self._pending) == 1 or len(self._pending) == APPEND_RECORDS:
+                # Woken only when it has something to do: a first commit to take (it
+                # then waits out the round's interval, which the commits meanwhile
+                # share), or a full store write's worth. A wake-up a commit costs the
+                # committing thread its GIL twice.
+                self._cond.notify_all()
 
     def _run(self) -> None:
         """Rounds: take everything queued, write it in one append, until closed."""
+        try:
+            self._rounds()
+        finally:
+            self._gone()
+
+    def _gone(self) -> None:
+        """The appender thread ends: the next commit starts another (said under the
+        lock in which it saw nothing queued, so no commit is left to a thread that
+        is going)."""
+        with self._cond:
+            if self._thread is threading.current_thread():
+                self._thread = None
+
+    def _rounds(self) -> None:
         while True:
             with self._cond:
-                if not self._cond.wait_for(
-                    lambda: self._closing or bool(self._pending), IDLE_SECONDS
+                if (
+                    not self._cond.wait_for(
+                        lambda: self._closing or bool(self._pending), IDLE_SECONDS
+                    )
+                    or not self._pending
                 ):
-                    # Idle: the thread goes (a trigger dropped without close() leaves
-                    # none behind); the next commit starts another.
-                    if self._thread is threading.current_thread():
-                        self._thread = None
+                    # Idle (a trigger dropped without close() leaves no thread
+                    # behind), or closing.
+                    self._gone()
                     return
-                if not self._pending:
-                    return  # closing
                 # Group commit: a round starts at most every round_seconds, so the
                 # commits meanwhile share its write (a flush or close goes at once).
                 self._cond.wait_for(
@@ -346,49 +394,66 @@ class HistoryRecorder:
         """Append what ``batch`` (queued in order) and its documents' journals hold
         and the history lacks; whether it was written."""
         chains = self._chains(batch)
-        return self._guarded(lambda: sum(self._sync(chain, details) for chain, details in chains))
+        return self._guarded(
+            lambda: sum(self._sync(chain, details, ids) for chain, ids, details in chains)
+        )
 
-    def _chains(
-        self, batch: Sequence[_Pending]
-    ) -> list[tuple[list[Mapping[str, Any]], dict[str, Mapping[str, Any]]]]:
-        """The entries of ``batch``'s journals, each once, in journal order, with the
-        details by entry id. Each document's journal continues the one before it
-        (both hold the entry the earlier one ends with), unless more than a journal's
-        worth of other writers' entries came between: then a new chain starts, and
-        its append finds the hole and marks it with a gap record."""
-        chains: list[tuple[list[Mapping[str, Any]], dict[str, Mapping[str, Any]]]] = []
+    def _chains(self, batch: Sequence[_Pending]) -> list[_Chain]:
+        """The entries of ``batch``'s journals, each once, in journal order, with their
+        ids and the details by entry id. Each document's journal continues the one
+        before it (both hold the entry the earlier one ends with), unless more than a
+        journal's worth of other writers' entries came between: then a new chain
+        starts, and its append finds the hole and marks it with a gap record.
+
+        Only what is new is read: a journal from its end back to the entry the chain
+        ends with (usually one entry, the commit's own), and the first one from its
+        end back to the newest record this process wrote, when it holds that."""
+        chains: list[_Chain] = []
         entries: list[Mapping[str, Any]] = []
-        details: dict[str, Mapping[str, Any]] = {}
+        ids: list[str] = []
+        details: dict[str, _Detail] = {}
         seen: set[str] = set()
-        last: str | None = None
+        known = self._known  # (changed only by rounds, which run one at a time)
+        last: tuple[object, str] | None = None  # the entry the chain ends with, its id
         for item in batch:
             journal = list(item.journal)
-            ids = [rec.entry_id(e) for e in journal]
-            if item.entry is not None:
-                entry_id = rec.entry_id(item.entry)
-                if not ids or ids[-1] != entry_id:  # no journal (journal_limit=0)
-                    journal.append(JournalRecord(item.entry))
-                    ids.append(entry_id)
-            if last is not None and self.journal_limit and last not in ids:
-                chains.append((entries, details))
-                entries, details, seen = [], {}, set()
+            entry = item.entry
+            if entry is not None and not (
+                journal
+                and (journal[-1] is entry or rec.entry_id(journal[-1]) == rec.entry_id(entry))
+            ):
+                journal.append(JournalRecord(entry))  # (no journal: journal_limit=0)
+            if not journal:
+                continue
+            if last is not None:
+                start, new = _since(journal, last)
+                if start < 0 and self.journal_limit:  # it does not continue the chain
+                    chains.append((entries, ids, details))
+                    entries, ids, details, seen = [], [], {}, set()
+            elif known is not None:
+                start, new = _since(journal, (None, known[0]))
+                if start > 0:  # from the newest record written (its append finds it there)
+                    start, new = start - 1, [known[0], *new]
+            else:
+                start, new = 0, [rec.entry_id(e) for e in journal]
+            # (no new entry: the journal ends with the chain's last)
+            last = (journal[-1], new[-1] if new or last is None else last[1])
+            start = max(start, 0)
             if item.entry is not None and item.detail is not None:
                 made = _made(item.detail)
                 if made is not None:
-                    details[ids[-1]] = made
-            start = ids.index(last) + 1 if last is not None and last in ids else 0
-            for e, eid in zip(journal[start:], ids[start:], strict=True):
+                    details[last[1]] = made
+            for e, eid in zip(journal[start:], new, strict=True):
                 if eid not in seen:
                     seen.add(eid)
                     entries.append(e)
-            if ids:
-                last = ids[-1]
-        chains.append((entries, details))
+                    ids.append(eid)
+        chains.append((entries, ids, details))
         return chains
 
     def _detail(
         self, doc: StateDocument, events: Sequence[RowChange], outcome: Outcome | None
-    ) -> Callable[[], dict[str, Any]]:
+    ) -> Callable[[], _Detail]:
         """What makes the detail of a commit of ``events`` later (what it reads of
         the document and the outcome is taken now)."""
         batch = tuple(events)
@@ -397,8 +462,8 @@ class HistoryRecorder:
         waiting = rec.waiting_of(doc.window)
         source = self.source
 
-        def make() -> dict[str, Any]:
-            return rec.batch_detail(
+        def make() -> _Detail:
+            return rec.encoded_detail(
                 batch, rejected=rejected, retried=retried, waiting=waiting, source=source
             )
 
@@ -471,26 +536,31 @@ class HistoryRecorder:
             StoreError: the history store failed (nothing is lost: the journal
                 still holds the entries, and the next call appends them).
         """
-        return self._sync(list(doc.journal), {})
+        journal = list(doc.journal)
+        return self._sync(journal, {}, [rec.entry_id(e) for e in journal])
 
     def _sync(
-        self, journal: Sequence[Mapping[str, Any]], details: Mapping[str, Mapping[str, Any]]
+        self,
+        journal: Sequence[Mapping[str, Any]],
+        details: Mapping[str, _Detail],
+        ids: Sequence[str],
     ) -> int:
-        """:meth:`sync` of the entries ``journal`` (in journal order), with the detail of
-        each by entry id; in as few store writes as their size allows (one, unless
-        more than ``APPEND_RECORDS`` are missing)."""
+        """:meth:`sync` of the entries ``journal`` (in journal order, their ids
+        ``ids``), with the detail of each by entry id; in as few store writes as
+        their size allows (one, unless more than ``APPEND_RECORDS`` are missing)."""
         if not journal:
             return 0
-        ids = [rec.entry_id(e) for e in journal]
         for _ in range(_ROUNDS):
-            missing, after, gap = self._missing(journal, ids)
-            if not missing:
+            first, after, gap = self._missing(journal, ids)
+            if first >= len(journal):
                 return 0
             records = []
             if gap is not None:
                 records.append(gap)
-            for e in missing:
-                records.append(self._fitted(rec.record_of(e, details.get(rec.entry_id(e)))))
+            for e, eid in zip(journal[first:], ids[first:], strict=True):
+                detail, text = details.get(eid) or (None, None)
+                record = rec.record_of(e, detail, record_id=eid, detail_json=text)
+                records.append(self._fitted(record))
             try:
                 for start in range(0, len(records), APPEND_RECORDS):
                     part = records[start : start + APPEND_RECORDS]
@@ -514,26 +584,27 @@ class HistoryRecorder:
 
     def _missing(
         self, entries: Sequence[Mapping[str, Any]], ids: Sequence[str]
-    ) -> tuple[list[Mapping[str, Any]], int, dict[str, Any] | None]:
-        """The entries to append, the number after which they go, and a gap record."""
+    ) -> tuple[int, int, dict[str, Any] | None]:
+        """Where the entries to append start, the number after which they go, and a
+        gap record."""
         known = self._known
         if known is not None and known[0] in ids:
-            return list(entries[ids.index(known[0]) + 1 :]), known[1], None
+            return ids.index(known[0]) + 1, known[1], None
         if known is not None and self.journal_limit == 0:
-            return list(entries), known[1], None  # no journal to repair from: just append
+            return 0, known[1], None  # no journal to repair from: just append
         tail = self.store.tail(self.poller, len(entries) + 1)
         after = int(tail[-1].get("seq") or 0) if tail else 0
         present = {str(r.get("id")) for r in tail}
         found = [i for i, rid in enumerate(ids) if rid in present]
         if found:
             self._known = (ids[found[-1]], after) if found[-1] == len(ids) - 1 else None
-            return list(entries[found[-1] + 1 :]), after, None
+            return found[-1] + 1, after, None
         gap = None
         if tail and len(entries) >= self.journal_limit > 0:
             gap = rec.gap_record(
                 after=tail[-1], now=self.clock(), missing_from=rec.entry_time(entries[0])
             )
-        return list(entries), after, gap
+        return 0, after, gap
 
     @staticmethod
     def _fitted(record: dict[str, Any]) -> dict[str, Any]:
@@ -541,14 +612,9 @@ class HistoryRecorder:
         detail = record.get("detail")
         if not isinstance(detail, dict):
             return record
-        lines = ("events", "column", "kind", "values", "keys", "crcs")
-        slim = {k: v for k, v in detail.items() if k not in lines}
-        bound = rec.columns_size_bound(detail)
-        if bound is not None and len(encode_line({**record, "detail": slim})) + bound <= (
-            MAX_RECORD_BYTES
-        ):
-            return record  # fits, told without encoding the columns (most batches)
-        if len(encode_line(record)) > MAX_RECORD_BYTES:
+        if len(encode_line(record)) > MAX_RECORD_BYTES:  # (a kept line: not encoded again)
+            lines = ("events", "column", "kind", "values", "keys", "crcs")
+            slim = {k: v for k, v in detail.items() if k not in lines}
             slim["events_omitted"] = len(detail.get("events") or detail.get("crcs") or [])
             if "crcs" in detail:
                 slim["digest"] = rec.columns_digest(detail)

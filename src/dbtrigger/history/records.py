@@ -35,16 +35,20 @@ import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
-from operator import attrgetter, itemgetter, methodcaller
+from operator import attrgetter, itemgetter
 from typing import Any
 
 from dbtrigger.cursor import encoded_pk
 from dbtrigger.errors import SerializationError
 from dbtrigger.events import RowChange, event_ids
+from dbtrigger.history.store import EncodedRecord, encode_json
 from dbtrigger.state.document import JournalRecord, format_time, parse_time
 
 #: Record types besides the journal's (commit, partial_commit, manual).
 GAP = "gap"
+
+#: A ``str`` as JSON, as the records are written (``ensure_ascii``): json's own.
+_json_str = json.encoder.encode_basestring_ascii
 
 
 def entry_id(entry: Mapping[str, Any]) -> str:
@@ -70,13 +74,41 @@ def entry_time(entry: Mapping[str, Any]) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def record_of(entry: Mapping[str, Any], detail: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The history record of a journal ``entry`` (``seq`` is set when appended)."""
-    out: dict[str, Any] = {"seq": 0, "id": entry_id(entry), "at": entry_time(entry)}
+def record_of(
+    entry: Mapping[str, Any],
+    detail: Mapping[str, Any] | None = None,
+    *,
+    record_id: str | None = None,
+    detail_json: str | None = None,
+) -> dict[str, Any]:
+    """The history record of a journal ``entry`` (``seq`` is set when appended);
+    ``record_id`` is the entry's :func:`entry_id` and ``detail_json`` the detail's
+    JSON (:func:`encoded_detail`), when the caller has them.
+
+    A journal entry as the document holds it keeps its JSON text, so the record's
+    line is made from that text and the detail's (an
+    :class:`~dbtrigger.history.store.EncodedRecord`): the same bytes as encoding
+    the record, with nothing encoded again."""
+    rid = record_id if record_id is not None else entry_id(entry)
+    at = entry_time(entry)
+    out: dict[str, Any] = {"seq": 0, "id": rid, "at": at}
     out.update(entry)
     if detail is not None:
         out["detail"] = dict(detail)
-    return out
+    if not isinstance(entry, JournalRecord) or not _RECORD_KEYS.isdisjoint(entry):
+        return out  # (an entry that names a record's own key: the record's value wins)
+    text = entry.json_text()
+    parts = [',"id":', _json_str(rid), ',"at":', "null" if at is None else _json_str(at)]
+    if text != "{}":
+        parts += [",", text[1:-1]]
+    if detail is not None:
+        parts += [',"detail":', detail_json if detail_json is not None else encode_json(detail)]
+    parts.append("}\n")
+    return EncodedRecord(out, "".join(parts).encode("ascii"))
+
+
+#: The keys a record puts before and after its entry's.
+_RECORD_KEYS = frozenset(("seq", "id", "at", "detail"))
 
 
 def gap_record(
@@ -265,7 +297,6 @@ def _row_batch(events: Sequence[RowChange]) -> tuple[Any, list[Any]] | None:
 
 _shape_of = attrgetter("_shape")
 _row_of = attrgetter("_row")
-_encode = methodcaller("encode", "utf-8", "surrogatepass")
 
 
 def _row_text(row: Any) -> bytes:
@@ -281,9 +312,9 @@ def _columns(events: Sequence[RowChange]) -> tuple[dict[str, Any], list[int]]:
     """The batch's keys (one column of values for the common one-column int or text
     key, else one encoded key a row) and one image CRC-32 a row.
 
-    This runs for every delivered batch, so the common case is a few list
-    comprehensions over the fetched tuples: no event id, no mapping, no JSON
-    rendering per row (about 0.3 us a row for a three-column tuple). A row whose
+    This runs for every delivered batch, so the common case makes no Python call
+    per row: the rows' texts come from ONE ``%`` format over the batch's values
+    (:func:`_row_texts`), then one CRC-32 a text mapped at C speed. A row whose
     ``repr`` names a memory address (an object without a value ``repr``) is
     hashed from its canonical JSON instead, as :func:`image_crc` does.
     """
@@ -291,14 +322,9 @@ def _columns(events: Sequence[RowChange]) -> tuple[dict[str, Any], list[int]]:
     if batch is None:
         return {"keys": [_key(e) for e in events]}, [zlib.crc32(_image_bytes(e)) for e in events]
     shape, rows = batch
-    seed = _seed(shape)
-    # Per row one repr, one encode and one CRC, each mapped at C speed.
-    if set(map(type, rows)) == {tuple}:
-        texts = list(map(_encode, map(repr, rows)))
-    else:
-        texts = [_row_text(row) for row in rows]
-    crcs = list(map(zlib.crc32, texts, itertools.repeat(seed)))
-    if b" at 0x" in b"\n".join(texts):
+    texts, joined = _row_texts(shape, rows)
+    crcs = list(map(zlib.crc32, texts, itertools.repeat(_seed(shape))))
+    if b" at 0x" in joined:
         for i, text in enumerate(texts):
             if b" at 0x" in text:
                 crcs[i] = zlib.crc32(_image_bytes(events[i]))
@@ -310,6 +336,38 @@ def _columns(events: Sequence[RowChange]) -> tuple[dict[str, Any], list[int]]:
             kind = "int" if int in kinds else "str"
             return {"column": shape.pk_names[0], "kind": kind, "values": values}, crcs
     return {"keys": [_key(e) for e in events]}, crcs
+
+
+@functools.lru_cache(maxsize=64)
+def _row_format(width: int) -> str:
+    """A ``%`` format that writes a row of ``width`` values as its tuple's ``repr``,
+    then a newline: ``tuple.__repr__`` is ``(``, the items' ``repr`` joined by
+    ``, ``, ``)``, with a ``,`` before the ``)`` for one item."""
+    return "(" + ", ".join(["%r"] * width) + ("," if width == 1 else "") + ")\n"
+
+
+def _row_texts(shape: Any, rows: list[Any]) -> tuple[list[bytes], bytes]:
+    """Each row's ``repr`` (that of ``tuple(row)``), UTF-8 with surrogates passed,
+    and all of them joined by newlines.
+
+    The same bytes as ``repr(tuple(row)).encode(...)`` row by row, made in three C
+    calls for the batch: the batch's values flattened, one ``%`` format of them
+    (``%r`` is ``repr``), one encode, one split at the newlines. A split is exact
+    when the text has one newline a row: ``repr`` of a ``str``, number, date or
+    ``bytes`` never writes one (it escapes it), and a batch whose values'
+    ``repr`` does (a foreign object's) has more, and is made row by row.
+    """
+    count = len(rows)
+    width = len(shape.columns)
+    if count and set(map(len, rows)) == {width}:
+        flat = tuple(itertools.chain.from_iterable(rows))
+        joined = (_row_format(width) * count % flat).encode("utf-8", "surrogatepass")
+        if joined.count(b"\n") == count:
+            texts = joined.split(b"\n")
+            texts.pop()  # after the last newline: empty
+            return texts, joined
+    texts = [_row_text(row) for row in rows]
+    return texts, b"\n".join(texts)
 
 
 def batch_detail(
@@ -327,6 +385,54 @@ def batch_detail(
     name them): a batch delivered once pays for no id.
     """
     keys, crcs = _columns(events)
+    return _detail(events, keys, crcs, rejected, retried, waiting, source)
+
+
+def encoded_detail(
+    events: Sequence[RowChange],
+    *,
+    rejected: Mapping[str, str] | None = None,
+    retried: Mapping[str, str] | None = None,
+    waiting: Mapping[str, Any] | None = None,
+    source: str | None = None,
+) -> tuple[dict[str, Any], str]:
+    """:func:`batch_detail` and its JSON as a record holds it (``encode_json``'s
+    text), written from what is known of the columns instead of encoded value by
+    value: the CRCs and an ``int`` key column are exact ``int`` lists, written by
+    one ``%`` format each."""
+    keys, crcs = _columns(events)
+    detail = _detail(events, keys, crcs, rejected, retried, waiting, source)
+    parts = ['{"format":2,"rows":', str(len(events))]
+    if "values" in keys:
+        kind = keys["kind"]
+        values = keys["values"]
+        parts += [',"column":', _json_str(keys["column"]), ',"kind":', _json_str(kind)]
+        parts += [',"values":', _int_list(values) if kind == "int" else encode_json(values)]
+    else:
+        parts += [',"keys":', encode_json(keys["keys"])]
+    parts += [',"crcs":', _int_list(crcs)]
+    for name in ("outcomes", "source", "waiting"):
+        if name in detail:
+            parts += [',"', name, '":', encode_json(detail[name])]
+    parts.append("}")
+    return detail, "".join(parts)
+
+
+def _int_list(values: list[int]) -> str:
+    """The JSON of a list of exact ``int``: what ``json`` writes (``int.__repr__``,
+    which ``%d`` is, comma-separated), in one format."""
+    return "[" + ("%d," * len(values) % tuple(values))[:-1] + "]"
+
+
+def _detail(
+    events: Sequence[RowChange],
+    keys: Mapping[str, Any],
+    crcs: list[int],
+    rejected: Mapping[str, str] | None,
+    retried: Mapping[str, str] | None,
+    waiting: Mapping[str, Any] | None,
+    source: str | None,
+) -> dict[str, Any]:
     detail: dict[str, Any] = {"format": 2, "rows": len(events), **keys, "crcs": crcs}
     if rejected or retried:
         outcomes = []
@@ -341,31 +447,6 @@ def batch_detail(
     if waiting:
         detail["waiting"] = dict(waiting)
     return detail
-
-
-def columns_size_bound(detail: Mapping[str, Any]) -> int | None:
-    """At least the length of the JSON of a second-format detail's columns (with
-    their keys and commas), when that can be told without encoding them: CRCs
-    and int keys have at most 20 digits, a text key at most 12 characters of
-    JSON per character (a character outside the BMP escaped as a surrogate
-    pair). None: encode to know (keys of several columns, huge ints, unknown values)."""
-    crcs = detail.get("crcs")
-    if not isinstance(crcs, list) or "keys" in detail:
-        return None
-    values = detail.get("values")
-    if not isinstance(values, list):
-        return None
-    kind = detail.get("kind")
-    if kind == "int":
-        if values and not -(10**19) < min(values) <= max(values) < 10**19:
-            return None  # more than 20 characters of JSON for some key
-        keys = 22 * len(values)
-    elif kind == "str":
-        keys = 12 * sum(map(len, values)) + 3 * len(values)
-    else:
-        return None
-    named = len(str(detail.get("column"))) * 12 + 2
-    return 64 + named + 12 * len(crcs) + keys
 
 
 def columns_digest(detail: Mapping[str, Any]) -> str:
@@ -454,6 +535,7 @@ __all__ = [
     "columns_digest",
     "detail_lines",
     "digest_images",
+    "encoded_detail",
     "entry_id",
     "entry_time",
     "gap_record",

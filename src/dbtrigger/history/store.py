@@ -23,7 +23,7 @@ import datetime as dt
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NoReturn, Protocol, runtime_checkable
 
 from dbtrigger import options as opt
 
@@ -79,11 +79,57 @@ class HistoryStore(Protocol):
         ...
 
 
+#: How a record is written: compact, ASCII, values JSON cannot take as their ``str``.
+encode_json = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True, default=str).encode
+
+#: What every record's line starts with before its number (``seq`` is its first key).
+SEQ_PREFIX = b'{"seq":'
+
+
+class EncodedRecord(dict[str, Any]):
+    """A record that keeps its JSON line but for its number: everything after
+    ``{"seq":N`` (``rest``). :func:`encode_line` writes the number and the kept
+    rest, so a record is encoded once, by the recorder that made it, whatever the
+    store and whatever number it is given (:func:`numbered`).
+
+    ``rest`` must be what :func:`encode_line` would write after the number for
+    these items, ``seq`` the first of them; like a journal entry, the record is
+    read-only so that it stays so (copy it with ``dict(record)`` to change it).
+    """
+
+    __slots__ = ("_rest",)
+
+    def __init__(self, record: Mapping[str, Any], rest: bytes) -> None:
+        super().__init__(record)
+        self._rest = rest
+
+    @property
+    def rest(self) -> bytes:
+        return self._rest
+
+    def numbered(self, seq: int) -> EncodedRecord:
+        """The same record numbered ``seq``."""
+        out = EncodedRecord(self, self._rest)
+        dict.__setitem__(out, "seq", seq)
+        return out
+
+    def __reduce__(self) -> tuple[type[EncodedRecord], tuple[dict[str, Any], bytes]]:
+        return (EncodedRecord, (dict(self), self._rest))
+
+    def _read_only(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise TypeError("history records are read-only (their JSON line is kept); copy with dict()")
+
+    __setitem__ = __delitem__ = __ior__ = _read_only
+    clear = pop = popitem = setdefault = update = _read_only
+
+
 def encode_line(record: Mapping[str, Any]) -> bytes:
     """One record as a JSON line (compact, ASCII, newline-terminated)."""
-    return (
-        json.dumps(dict(record), separators=(",", ":"), ensure_ascii=True, default=str) + "\n"
-    ).encode("ascii")
+    if type(record) is EncodedRecord:
+        seq = record["seq"]
+        if type(seq) is int:
+            return SEQ_PREFIX + str(seq).encode("ascii") + record.rest
+    return (encode_json(dict(record)) + "\n").encode("ascii")
 
 
 def decode_lines(data: bytes, *, complete_only: bool = True) -> list[dict[str, Any]]:
@@ -107,7 +153,10 @@ def decode_lines(data: bytes, *, complete_only: bool = True) -> list[dict[str, A
 
 def numbered(records: Sequence[Mapping[str, Any]], after_seq: int) -> list[dict[str, Any]]:
     """``records`` with ``seq`` set to ``after_seq + 1``, ``+ 2``, ..."""
-    return [{**r, "seq": after_seq + i} for i, r in enumerate(records, start=1)]
+    return [
+        r.numbered(after_seq + i) if type(r) is EncodedRecord else {**r, "seq": after_seq + i}
+        for i, r in enumerate(records, start=1)
+    ]
 
 
 def segment_name(first_seq: int) -> str:
@@ -145,9 +194,11 @@ def prunable_segments(
 
 __all__ = [
     "DEFAULT_RETENTION",
+    "EncodedRecord",
     "HistoryStore",
     "Retention",
     "decode_lines",
+    "encode_json",
     "encode_line",
     "numbered",
     "prunable_segments",

@@ -281,3 +281,34 @@ def test_a_file_history_rolls_its_segments_within_one_append(tmp_path: Path) -> 
     assert [r["seq"] for r in history.read("orders")] == list(range(1, 11))
     history.append("orders", records[:1], after_seq=10)
     assert [r["seq"] for r in history.tail("orders", 2)] == [10, 11]
+
+
+def test_commits_wake_the_appender_only_when_it_has_something_to_do() -> None:
+    """A wake-up costs the committing thread the GIL twice: commits queued while the
+    appender is busy wake it only at the first commit queued and at a store write's
+    worth (APPEND_RECORDS), not each one; all of them are written."""
+    history = GatedHistory()
+    trigger = trigger_with(history, rows=100)
+    appender = trigger._driver.writer.history
+    assert isinstance(appender, recorder.HistoryRecorder)
+    wakes = 0
+    notify_all = appender._cond.notify_all
+
+    def counted() -> None:
+        nonlocal wakes
+        wakes += 1
+        notify_all()
+
+    try:
+        trigger.tick_result(lambda events: None)
+        assert history.entered.wait(WAIT)  # the appender is stuck in batch 1's append
+        appender._cond.notify_all = counted  # type: ignore[method-assign]
+        for _ in range(9):  # queued: 1, 2, ... 9
+            trigger.tick_result(lambda events: None)
+        assert wakes == 2  # at 1 and at APPEND_RECORDS (8)
+        history.gate.set()
+        assert trigger.flush_history()
+        assert_chain(records(history), 100, store_position(trigger.store))
+    finally:
+        history.gate.set()
+        trigger.close()

@@ -65,8 +65,16 @@ from typing import Any, Protocol
 from dbtrigger.errors import CasConflictError
 from dbtrigger.events import RowChange
 from dbtrigger.history import records as rec
-from dbtrigger.history.store import DEFAULT_RETENTION, HistoryStore, Retention, encode_line
-from dbtrigger.state.document import JournalRecord, StateDocument, parse_time
+from dbtrigger.history.chains import Detail, Pending, chains_of
+from dbtrigger.history.store import (
+    DEFAULT_RETENTION,
+    SEQ_PREFIX,
+    EncodedRecord,
+    HistoryStore,
+    Retention,
+    encode_line,
+)
+from dbtrigger.state.document import StateDocument, parse_time
 from dbtrigger.state.journal import JournalEntry, encode
 
 Emit = Callable[..., None]
@@ -104,10 +112,6 @@ IDLE_SECONDS = 10.0
 FLUSH_SECONDS = 10.0
 
 
-#: A record's detail and its JSON (see :func:`dbtrigger.history.records.encoded_detail`).
-_Detail = tuple[Mapping[str, Any], str]
-
-
 class Outcome(Protocol):
     """What a delivered batch's outcome says about each event (runtime ``Delivered``)."""
 
@@ -116,56 +120,6 @@ class Outcome(Protocol):
 
     @property
     def retried(self) -> Mapping[str, str]: ...
-
-
-@dataclass
-class _Pending:
-    """A commit (or an idle tick's check, ``entry`` None) waiting for the appender:
-    the journal of the document it read or wrote, and the record's detail."""
-
-    journal: tuple[Mapping[str, Any], ...]
-    entry: Mapping[str, Any] | None = None
-    #: Makes the record's detail and its JSON (on the appender thread: the digests
-    #: of a batch are most of the history's CPU); None: the record goes without.
-    detail: Callable[[], _Detail] | None = None
-    #: About the memory the detail holds until it is made (the batch's events).
-    cost: int = 0
-
-    def drop_detail(self) -> int:
-        cost, self.detail, self.cost = self.cost, None, 0
-        return cost
-
-
-def _made(make: Callable[[], _Detail]) -> _Detail | None:
-    """A detail, or None when it cannot be made (the record goes without it)."""
-    try:
-        return make()
-    except Exception:  # noqa: BLE001 - a digest that cannot be made loses detail, not the record
-        return None
-
-
-#: What one append round writes: entries in journal order, their ids, details by id.
-_Chain = tuple[list[Mapping[str, Any]], list[str], dict[str, "_Detail"]]
-
-
-def _since(journal: Sequence[Mapping[str, Any]], last: tuple[object, str]) -> tuple[int, list[str]]:
-    """Where ``journal`` goes on after ``last`` (an entry, or None, and its id) and
-    the ids of the entries from there; -1 and every entry's id when it does not
-    hold ``last``. Read from the end: a commit's journal holds one new entry."""
-    entry, entry_id = last
-    ids: list[str] = []
-    for index in range(len(journal) - 1, -1, -1):
-        e = journal[index]
-        if e is entry:
-            break
-        eid = rec.entry_id(e)
-        if eid == entry_id:
-            break
-        ids.append(eid)
-    else:
-        index = -1
-    ids.reverse()
-    return (index + 1 if index >= 0 else -1), ids
 
 
 @dataclass(eq=False, repr=False)
@@ -200,8 +154,8 @@ class HistoryRecorder:
         # what was ever queued, _tried what a finished round covered (a flush waits
         # for it to reach what was queued when it was called).
         self._cond = threading.Condition()
-        self._pending: deque[_Pending] = deque()
-        self._detailed: deque[_Pending] = deque()  # those still with a detail, oldest first
+        self._pending: deque[Pending] = deque()
+        self._detailed: deque[Pending] = deque()  # those still with a detail, oldest first
         self._detail_bytes = 0
         self._queued = 0
         self._tried = 0
@@ -235,7 +189,7 @@ class HistoryRecorder:
         except Exception:  # noqa: BLE001 - a digest that cannot be made loses detail, not the record
             make = None
         cost = 256 + EVENT_BYTES * len(events) if make is not None else 0
-        self._submit(_Pending(tuple(doc.journal), entry, make, cost))
+        self._submit(Pending(tuple(doc.journal), entry, make, cost))
 
     def idle(self, doc: StateDocument | None) -> None:
         """An idle tick read ``doc``: fill in a record a crash may have cut off."""
@@ -253,7 +207,7 @@ class HistoryRecorder:
         if age is not None and age < SETTLE_SECONDS:
             return  # its writer is probably appending it right now
         self._checked = last_id
-        self._submit(_Pending(tuple(doc.journal)))
+        self._submit(Pending(tuple(doc.journal)))
 
     def flush(self, timeout: float = FLUSH_SECONDS) -> bool:
         """Wait (at most ``timeout`` seconds) until everything queued so far has
@@ -286,7 +240,7 @@ class HistoryRecorder:
 
     # --- the appender thread ---------------------------------------------------------
 
-    def _submit(self, item: _Pending) -> None:
+    def _submit(self, item: Pending) -> None:
         if not self.background:
             self._written = self._round([item])
             return
@@ -390,70 +344,17 @@ class HistoryRecorder:
         )
         self._overflowing = True
 
-    def _round(self, batch: Sequence[_Pending]) -> bool:
+    def _round(self, batch: Sequence[Pending]) -> bool:
         """Append what ``batch`` (queued in order) and its documents' journals hold
         and the history lacks; whether it was written."""
-        chains = self._chains(batch)
+        chains = chains_of(batch, self._known, self.journal_limit)
         return self._guarded(
             lambda: sum(self._sync(chain, details, ids) for chain, ids, details in chains)
         )
 
-    def _chains(self, batch: Sequence[_Pending]) -> list[_Chain]:
-        """The entries of ``batch``'s journals, each once, in journal order, with their
-        ids and the details by entry id. Each document's journal continues the one
-        before it (both hold the entry the earlier one ends with), unless more than a
-        journal's worth of other writers' entries came between: then a new chain
-        starts, and its append finds the hole and marks it with a gap record.
-
-        Only what is new is read: a journal from its end back to the entry the chain
-        ends with (usually one entry, the commit's own), and the first one from its
-        end back to the newest record this process wrote, when it holds that."""
-        chains: list[_Chain] = []
-        entries: list[Mapping[str, Any]] = []
-        ids: list[str] = []
-        details: dict[str, _Detail] = {}
-        seen: set[str] = set()
-        known = self._known  # (changed only by rounds, which run one at a time)
-        last: tuple[object, str] | None = None  # the entry the chain ends with, its id
-        for item in batch:
-            journal = list(item.journal)
-            entry = item.entry
-            if entry is not None and not (
-                journal
-                and (journal[-1] is entry or rec.entry_id(journal[-1]) == rec.entry_id(entry))
-            ):
-                journal.append(JournalRecord(entry))  # (no journal: journal_limit=0)
-            if not journal:
-                continue
-            if last is not None:
-                start, new = _since(journal, last)
-                if start < 0 and self.journal_limit:  # it does not continue the chain
-                    chains.append((entries, ids, details))
-                    entries, ids, details, seen = [], [], {}, set()
-            elif known is not None:
-                start, new = _since(journal, (None, known[0]))
-                if start > 0:  # from the newest record written (its append finds it there)
-                    start, new = start - 1, [known[0], *new]
-            else:
-                start, new = 0, [rec.entry_id(e) for e in journal]
-            # (no new entry: the journal ends with the chain's last)
-            last = (journal[-1], new[-1] if new or last is None else last[1])
-            start = max(start, 0)
-            if item.entry is not None and item.detail is not None:
-                made = _made(item.detail)
-                if made is not None:
-                    details[last[1]] = made
-            for e, eid in zip(journal[start:], new, strict=True):
-                if eid not in seen:
-                    seen.add(eid)
-                    entries.append(e)
-                    ids.append(eid)
-        chains.append((entries, ids, details))
-        return chains
-
     def _detail(
         self, doc: StateDocument, events: Sequence[RowChange], outcome: Outcome | None
-    ) -> Callable[[], _Detail]:
+    ) -> Callable[[], Detail]:
         """What makes the detail of a commit of ``events`` later (what it reads of
         the document and the outcome is taken now)."""
         batch = tuple(events)
@@ -462,7 +363,7 @@ class HistoryRecorder:
         waiting = rec.waiting_of(doc.window)
         source = self.source
 
-        def make() -> _Detail:
+        def make() -> Detail:
             return rec.encoded_detail(
                 batch, rejected=rejected, retried=retried, waiting=waiting, source=source
             )
@@ -542,7 +443,7 @@ class HistoryRecorder:
     def _sync(
         self,
         journal: Sequence[Mapping[str, Any]],
-        details: Mapping[str, _Detail],
+        details: Mapping[str, Detail],
         ids: Sequence[str],
     ) -> int:
         """:meth:`sync` of the entries ``journal`` (in journal order, their ids
@@ -559,7 +460,8 @@ class HistoryRecorder:
                 records.append(gap)
             for e, eid in zip(journal[first:], ids[first:], strict=True):
                 detail, text = details.get(eid) or (None, None)
-                record = rec.record_of(e, detail, record_id=eid, detail_json=text)
+                seq = after + len(records) + 1  # (numbered now: the stores keep it)
+                record = rec.record_of(e, detail, record_id=eid, detail_json=text, seq=seq)
                 records.append(self._fitted(record))
             try:
                 for start in range(0, len(records), APPEND_RECORDS):
@@ -612,7 +514,7 @@ class HistoryRecorder:
         detail = record.get("detail")
         if not isinstance(detail, dict):
             return record
-        if len(encode_line(record)) > MAX_RECORD_BYTES:  # (a kept line: not encoded again)
+        if _size(record) > MAX_RECORD_BYTES:
             lines = ("events", "column", "kind", "values", "keys", "crcs")
             slim = {k: v for k, v in detail.items() if k not in lines}
             slim["events_omitted"] = len(detail.get("events") or detail.get("crcs") or [])
@@ -620,6 +522,13 @@ class HistoryRecorder:
                 slim["digest"] = rec.columns_digest(detail)
             record = {**record, "detail": slim}
         return record
+
+
+def _size(record: dict[str, Any]) -> int:
+    """The length of ``record``'s line numbered 0 (a kept line is not encoded again)."""
+    if type(record) is EncodedRecord:
+        return len(SEQ_PREFIX) + 1 + len(record.rest)
+    return len(encode_line({**record, "seq": 0}))
 
 
 #: Recorders whose appender thread was started: flushed when the interpreter exits

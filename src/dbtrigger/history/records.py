@@ -80,10 +80,12 @@ def record_of(
     *,
     record_id: str | None = None,
     detail_json: str | None = None,
+    seq: int = 0,
 ) -> dict[str, Any]:
-    """The history record of a journal ``entry`` (``seq`` is set when appended);
-    ``record_id`` is the entry's :func:`entry_id` and ``detail_json`` the detail's
-    JSON (:func:`encoded_detail`), when the caller has them.
+    """The history record of a journal ``entry``, numbered ``seq`` (its number in
+    the history, set when appended if not known yet); ``record_id`` is the entry's
+    :func:`entry_id` and ``detail_json`` the detail's JSON (:func:`encoded_detail`),
+    when the caller has them.
 
     A journal entry as the document holds it keeps its JSON text, so the record's
     line is made from that text and the detail's (an
@@ -91,7 +93,7 @@ def record_of(
     the record, with nothing encoded again."""
     rid = record_id if record_id is not None else entry_id(entry)
     at = entry_time(entry)
-    out: dict[str, Any] = {"seq": 0, "id": rid, "at": at}
+    out: dict[str, Any] = {"seq": seq, "id": rid, "at": at}
     out.update(entry)
     if detail is not None:
         out["detail"] = dict(detail)
@@ -305,7 +307,13 @@ def _row_text(row: Any) -> bytes:
 
 def _seed(shape: Any) -> int:
     """The CRC of what every row of a shape shares (operation and column names)."""
-    return zlib.crc32(repr((shape.op, tuple(shape.columns))).encode("utf-8", "surrogatepass"))
+    return _seed_of(shape.op, tuple(shape.columns))
+
+
+@functools.lru_cache(maxsize=64)
+def _seed_of(op: str, columns: tuple[str, ...]) -> int:
+    # (a shape is a batch's; its source's next batches have the same columns)
+    return zlib.crc32(repr((op, columns)).encode("utf-8", "surrogatepass"))
 
 
 def _columns(events: Sequence[RowChange]) -> tuple[dict[str, Any], list[int]]:
@@ -421,7 +429,9 @@ def encoded_detail(
 def _int_list(values: list[int]) -> str:
     """The JSON of a list of exact ``int``: what ``json`` writes (``int.__repr__``,
     which ``%d`` is, comma-separated), in one format."""
-    return "[" + ("%d," * len(values) % tuple(values))[:-1] + "]"
+    if not values:
+        return "[]"
+    return ("[" + "%d," * (len(values) - 1) + "%d]") % tuple(values)
 
 
 def _detail(

@@ -153,10 +153,13 @@ def decode_lines(data: bytes, *, complete_only: bool = True) -> list[dict[str, A
 
 def numbered(records: Sequence[Mapping[str, Any]], after_seq: int) -> list[dict[str, Any]]:
     """``records`` with ``seq`` set to ``after_seq + 1``, ``+ 2``, ..."""
-    return [
-        r.numbered(after_seq + i) if type(r) is EncodedRecord else {**r, "seq": after_seq + i}
-        for i, r in enumerate(records, start=1)
-    ]
+    out: list[dict[str, Any]] = []
+    for seq, r in enumerate(records, start=after_seq + 1):
+        if type(r) is EncodedRecord:  # (read-only: one numbered so already is itself)
+            out.append(r if r["seq"] == seq else r.numbered(seq))
+        else:
+            out.append({**r, "seq": seq})
+    return out
 
 
 def segment_name(first_seq: int) -> str:

@@ -117,3 +117,9 @@ def test_the_source_check_collects_each_position_column() -> None:
     rows = [(1, 10, "a"), (2, 1.5, "b")]
     assert _checks().check_rows(("id", "v", "note"), rows) == {0: {int}, 1: {int, float}}
     assert _checks().check_rows(("id", "v", "note"), []) == {}
+
+
+def test_the_drain_cost_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    drain_cost = pytest.importorskip("benchmarks.drain_cost")
+    drain_cost.main(["--fake", "--batch", "1000", "--no-history"])
+    assert capsys.readouterr().out.startswith("100000 rows, ")

@@ -3,6 +3,7 @@ schema changes, retention, read-through, and losslessness under late commits."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -551,3 +552,45 @@ def test_each_binlog_event_is_freed_as_it_is_read_while_the_collector_is_paused(
     assert len(rows) == 100
     assert alive == 0
     source.close()
+
+
+@pytest.mark.mariadb
+def test_two_workers_set_up_a_new_reader_at_once_and_share_one_start(
+    binlog_db: BinlogDatabase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Both found no control row and each wrote its own (the last write won): each read
+    # from its own start, and a later process took the winner's for a recreate.
+    from dbtrigger.cdc import binlog_source  # noqa: PLC0415
+
+    table = make_table(binlog_db)
+    both_looked = threading.Barrier(2, timeout=3)
+    read = control.read
+
+    def looked_together(*args: Any, **kwargs: Any) -> Any:
+        row = read(*args, **kwargs)
+        with contextlib.suppress(threading.BrokenBarrierError):
+            both_looked.wait()  # times out when set-up is one at a time
+        return row
+
+    monkeypatch.setattr(control, "read", looked_together)
+    written: list[Any] = []
+    write = binlog_source.BinlogSource.write_control
+
+    def counted(self: Any, conn: Any, row: Any) -> None:
+        written.append(row)
+        write(self, conn, row)
+
+    monkeypatch.setattr(binlog_source.BinlogSource, "write_control", counted)
+    sources = [BinlogSource(binlog_db.url, [table]) for _ in range(2)]
+    for source in sources:
+        source.bind_poller("together")
+    threads = [threading.Thread(target=source.prepare, args=(None,)) for source in sources]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(written) == 1
+    starts = {(s.control_row.created_file, s.control_row.created_pos) for s in sources}
+    assert len(starts) == 1
+    for source in sources:
+        source.close()

@@ -27,6 +27,7 @@ type; ``dbtrigger cdc accept-schema``).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,8 +45,11 @@ from dbtrigger.cdc.binlog_snapshot import SnapshotWriter
 from dbtrigger.cdc.log_source import SNAPSHOTS, LogReader, LogSource, log
 from dbtrigger.cdc.position import LogPosition
 from dbtrigger.cdc.snapshots import Snapshot
-from dbtrigger.errors import ConfigurationError, SlotLostError
+from dbtrigger.errors import ConfigurationError, FetchError, SlotLostError
 from dbtrigger.sources.base import SourceFinding
+
+#: How long a worker waits for another worker of its poller to finish setting up.
+SETUP_LOCK_SECONDS = 60.0
 
 
 class BinlogSource(LogSource):
@@ -199,6 +203,26 @@ class BinlogSource(LogSource):
             ServerSettingError / SourcePermissionError / SlotLostError: see the module docstring.
         """
         conn = self.connection()
+        # One worker of a poller at a time: two that both found no control row each wrote
+        # their own start, and each read from its own.
+        key = f"dbtrigger_cdc:{self.reader}"[:64]
+        waiting = "waiting for another worker of this poller to set up"
+        with setup.translated(waiting), conn.cursor() as cur:
+            cur.execute("SELECT GET_LOCK(%s, %s)", (key, int(SETUP_LOCK_SECONDS)))
+            locked = cur.fetchone()
+        if not locked or locked[0] != 1:
+            raise FetchError(
+                f"reader {self.reader}: another worker of this poller has been setting up for "
+                f"{SETUP_LOCK_SECONDS:g}s; the next tick tries again",
+                poller=self.poller,
+            )
+        try:
+            self._set_up(conn, after)
+        finally:
+            with contextlib.suppress(pymysql.MySQLError), conn.cursor() as cur:
+                cur.execute("SELECT RELEASE_LOCK(%s)", (key,))
+
+    def _set_up(self, conn: pymysql.connections.Connection[Any], after: LogPosition | None) -> None:
         facts = setup.server_facts(conn)
         setup.check_server(facts)
         if facts.server_id == self.server_id:

@@ -61,6 +61,7 @@ def drain_one(
     *,
     handler: Callable[[Sequence[Any]], None] | None = None,
     subscribers: dict[str, Callable[[Sequence[Any]], None]] | None = None,
+    read_ahead: bool | str = True,
 ) -> int:
     source = ds.source("none")
     try:
@@ -72,6 +73,7 @@ def drain_one(
             max_batches_per_tick=1_000_000,
             metrics=metrics,
             subscribers=subscribers,
+            read_ahead=read_ahead,
         )
         total = 0
         while total < ds.rows:
@@ -84,19 +86,30 @@ def drain_one(
         source.close()
 
 
-def run(ds: Any, mode: str, *, batch: int, wait: float) -> dict[str, float]:
+def run(
+    ds: Any, mode: str, *, batch: int, wait: float, read_ahead: bool | str = True
+) -> dict[str, float]:
     """Drain ``ds`` in ``mode``; the fetch count, fetch seconds, writes and wall time."""
     metrics = InMemoryMetrics()
     store = CountingStore(InMemoryCheckpointStore())
     started = time.perf_counter()
     if mode == "1 handler":
-        rows = [drain_one(ds, "one", batch, metrics, store, handler=consumer(wait))]
+        rows = [
+            drain_one(
+                ds, "one", batch, metrics, store, handler=consumer(wait), read_ahead=read_ahead
+            )
+        ]
     elif mode == "3 subscribers":
         subs = {name: consumer(wait) for name in CONSUMERS}
-        rows = [drain_one(ds, "fan", batch, metrics, store, subscribers=subs)]
+        rows = [
+            drain_one(ds, "fan", batch, metrics, store, subscribers=subs, read_ahead=read_ahead)
+        ]
     else:
         rows = [
-            drain_one(ds, name, batch, metrics, store, handler=consumer(wait)) for name in CONSUMERS
+            drain_one(
+                ds, name, batch, metrics, store, handler=consumer(wait), read_ahead=read_ahead
+            )
+            for name in CONSUMERS
         ]
     seconds = time.perf_counter() - started
     if any(r != ds.rows for r in rows):
@@ -123,17 +136,29 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--wait-ms", type=float, default=0.0)
     parser.add_argument("--repeat", type=int, default=3, help="runs per mode; the best is shown")
     parser.add_argument("--quick", action="store_true", help="1000 rows, one run per mode")
+    parser.add_argument(
+        "--read-ahead",
+        choices=("adaptive", "always", "off"),
+        default="adaptive",
+        help="PollTrigger's read_ahead (adaptive: the default). The store writes are exact "
+        "only with 'off' or 'always': adaptive read-ahead decides by timing whether the "
+        "read after a tick's last full batch comes early enough for that batch's commit to "
+        "release the lease, or the release is a write of its own",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.rows, args.repeat = [1000], 1
     modes = ("1 handler", "3 subscribers", "3 pollers")
+    ahead = {"adaptive": True, "always": "always", "off": False}[args.read_ahead]
     for kind in args.dbs:
         for n in args.rows:
             ds = dataset(kind, n)
             best: dict[str, dict[str, float]] = {}
             for _ in range(args.repeat):
                 for mode in modes:  # interleaved, so load drift hits every mode alike
-                    got = run(ds, mode, batch=args.batch_size, wait=args.wait_ms / 1000)
+                    got = run(
+                        ds, mode, batch=args.batch_size, wait=args.wait_ms / 1000, read_ahead=ahead
+                    )
                     if mode not in best or got["seconds"] < best[mode]["seconds"]:
                         best[mode] = got
             base = best["1 handler"]

@@ -31,6 +31,18 @@ the worker polled.
     python -m benchmarks.latency                       # both databases, every hint, 20 s runs
     python -m benchmarks.latency --dbs postgresql --hints none,notify --rates 200
     python -m benchmarks.latency --quick               # a short smoke run
+    python -m benchmarks.latency --dbs postgresql --sources changelog --hints none --rates 2000 \
+        --repeats 5                                    # one case, five runs pooled
+
+The phase: a worker that is not woken sleeps the interval after a tick that
+found nothing, so a row's wait depends on where in that cycle it was
+committed. A run of a few cycles whose writer always started at the same
+point of the cycle would weigh some parts of it more than others (p50 moved
+by +-150 ms between 15 s runs). So each run starts its writer at a random
+point of the worker's idle cycle (``--phase random``, the default; ``fixed``
+starts it right after the worker's first tick, as earlier runs did), and
+``--repeats`` runs of a configuration are pooled: their rows together give
+the percentiles, and a note gives each run's p50.
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -197,6 +210,21 @@ class Result:
     seconds: float = 0.0
     latencies: list[float] = field(default_factory=list)
     note: str = ""
+    #: The p50 of each pooled run, ms.
+    run_p50s: list[float] = field(default_factory=list)
+
+    def pool(self, other: Result) -> None:
+        """Add another run of the same configuration."""
+        self.written += other.written
+        self.achieved = (self.achieved * len(self.run_p50s) + other.achieved) / (
+            len(self.run_p50s) + 1
+        )
+        self.seen += other.seen
+        self.ticks += other.ticks
+        self.seconds += other.seconds
+        self.latencies += other.latencies
+        self.note = "; ".join(n for n in (self.note, other.note) if n)
+        self.run_p50s += other.run_p50s
 
 
 def make_hint(hint: str, interval: float) -> WakeHint | None:
@@ -250,6 +278,8 @@ def measure(
                 time.sleep(0.01)
             if isinstance(wake, NotifyHint) and wake.listener is not None:
                 wake.listener.listening.wait(60)
+            if args.phase == "random":  # a random point of the worker's idle cycle
+                time.sleep(args.rng.uniform(0, args.interval))
             ticks_before = runner.stats.ticks
             started = time.monotonic()
             subprocess.run(  # noqa: S603 - this script, run again as the writer
@@ -281,6 +311,7 @@ def measure(
     result.latencies = [received[i] - at for i, at in enumerate(commits) if i in received]
     if result.seen < result.written:
         result.note = f"{result.written - result.seen} rows not delivered in time"
+    result.run_p50s = [percentile(result.latencies, 0.5) * 1000]
     return result
 
 
@@ -321,7 +352,8 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
     load = os.getloadavg()
     print_table(
         f"Commit -> handler latency, ms (worker at default settings, interval "
-        f"{args.interval:g} s; {args.seconds:g} s per run; load average "
+        f"{args.interval:g} s; {args.seconds:g} s per run, {args.repeats} run(s) pooled, "
+        f"writer started at a {args.phase} phase; load average "
         f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f} at the end)",
         [
             "db",
@@ -344,6 +376,9 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
     for r in results:
         if r.note:
             print(f"note: {r.db} {r.source} {r.hint} {r.rate:g}/s: {r.note}")
+        if len(r.run_p50s) > 1:
+            each = ", ".join(f"{v:,.0f}" for v in r.run_p50s)
+            print(f"p50 of each run: {r.db} {r.source} {r.hint} {r.rate:g}/s: {each}")
     print(
         "hint: none = polling alone; notify = LISTEN/NOTIFY (dbtrigger wake install); "
         "notify-lost = listening, nothing notifies; adaptive = shorter idle waits after "
@@ -368,12 +403,28 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="3 s runs at 200/s, interval 0.5 s, unless given (a smoke run)",
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of each configuration, pooled into one row (default 1)",
+    )
+    parser.add_argument(
+        "--phase",
+        choices=("random", "fixed"),
+        default="random",
+        help="where in the worker's idle cycle the writer starts (default random)",
+    )
+    parser.add_argument("--seed", type=int, help="seed of the random phases")
     parser.add_argument("--writer", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     quick = args.quick
     args.rates = args.rates or ("200" if quick else "200,2000")
     args.seconds = args.seconds or (3.0 if quick else 20.0)
     args.interval = args.interval if args.interval is not None else (0.5 if quick else 5.0)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    args.rng = random.Random(args.seed)  # a phase, not a secret
     return args
 
 
@@ -397,8 +448,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if hint in PG_ONLY and kind != "postgresql":
                         continue
                     for rate in rates:
-                        print(f"# {kind} {source_kind} hint={hint} rate={rate:g}/s", flush=True)
-                        results.append(measure(db, source_kind, hint, rate, args))
+                        pooled: Result | None = None
+                        for run in range(args.repeats):
+                            print(
+                                f"# {kind} {source_kind} hint={hint} rate={rate:g}/s "
+                                f"run {run + 1}/{args.repeats}",
+                                flush=True,
+                            )
+                            one = measure(db, source_kind, hint, rate, args)
+                            if pooled is None:
+                                pooled = one
+                            else:
+                                pooled.pool(one)
+                        assert pooled is not None  # repeats >= 1
+                        results.append(pooled)
         finally:
             drop_database(db)
     report(results, args)

@@ -31,6 +31,7 @@ the worker polled.
     python -m benchmarks.latency                       # both databases, every hint, 20 s runs
     python -m benchmarks.latency --dbs postgresql --hints none,notify --rates 200
     python -m benchmarks.latency --quick               # a short smoke run
+    python -m benchmarks.latency --model --seconds 15  # the simulated worker, no databases
     python -m benchmarks.latency --dbs postgresql --sources changelog --hints none --rates 2000 \
         --repeats 5                                    # one case, five runs pooled
 
@@ -48,9 +49,11 @@ the percentiles, and a note gives each run's p50.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -315,6 +318,73 @@ def measure(
     return result
 
 
+# --- the model: what the drain does to p50 ---------------------------------------------
+
+
+def model_latencies(
+    rate: float, fixed: float, per_row: float, *, interval: float, seconds: float, seed: int
+) -> list[tuple[float, float]]:
+    """(latency, commit time) of every row of a simulated worker: Poisson commits at
+    ``rate``; a tick reads up to 100 rows committed before it starts and hands them over
+    ``fixed + per_row * rows`` seconds later; it ticks again at once after any rows,
+    else sleeps ``interval`` (as ``dbtrigger run`` without a hint)."""
+    rng = random.Random(seed)
+    commits: list[float] = []
+    t = 0.0
+    while t < seconds:
+        t += rng.expovariate(rate)
+        commits.append(t)
+    out: list[tuple[float, float]] = []
+    t, i, n = 0.0, 0, len(commits)
+    while i < n:
+        j = i
+        while j < n and j - i < 100 and commits[j] <= t:
+            j += 1
+        end = t + fixed + per_row * (j - i)
+        if j == i:
+            t = end + interval
+            continue
+        out.extend((end - c, c) for c in commits[i:j])
+        i, t = j, end
+    return out
+
+
+def model(args: argparse.Namespace) -> None:
+    """p50 of a long simulated run, and its spread over runs of ``--seconds``, by the
+    cost of a batch of 100: the drain moves the short runs' p50, not the long run's."""
+    rows = []
+    for rate in [float(r) for r in str_list(args.rates)]:
+        for full_ms in (1.0, 2.0, 3.0, 4.5):
+            fixed = 0.0008 if full_ms > 0.8 else full_ms / 2000
+            per_row = (full_ms / 1000 - fixed) / 100
+            runs = model_latencies(
+                rate, fixed, per_row, interval=args.interval, seconds=900.0, seed=1
+            )
+            at = [commit for _, commit in runs]  # in commit order
+            rng = random.Random(7)
+            short = []
+            for _ in range(60):
+                start = rng.uniform(20.0, 900.0 - args.seconds)
+                lo, hi = bisect.bisect_left(at, start), bisect.bisect_left(at, start + args.seconds)
+                short.append(percentile([lat for lat, _ in runs[lo:hi]], 0.5) * 1000)
+            rows.append(
+                [
+                    fmt_rate(rate),
+                    f"{full_ms:g}",
+                    f"{percentile([lat for lat, _ in runs], 0.5) * 1000:,.0f}",
+                    f"{min(short):,.0f}-{max(short):,.0f}",
+                    f"{statistics.pstdev(short):,.0f}",
+                ]
+            )
+    print_table(
+        f"Model: p50 of commit -> handler latency, ms, interval {args.interval:g} s "
+        f"(900 s run; 60 runs of {args.seconds:g} s at random starts)",
+        ["rate", "ms a batch of 100", "p50 900 s", f"p50 {args.seconds:g} s runs", "sd"],
+        rows,
+        left=2,
+    )
+
+
 # --- report --------------------------------------------------------------------------------
 
 
@@ -416,6 +486,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="where in the worker's idle cycle the writer starts (default random)",
     )
     parser.add_argument("--seed", type=int, help="seed of the random phases")
+    parser.add_argument(
+        "--model",
+        action="store_true",
+        help="no databases: simulate the worker and print how a batch's cost moves p50",
+    )
     parser.add_argument("--writer", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     quick = args.quick
@@ -433,6 +508,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.writer:
         url, table, rate, seconds, out = json.loads(args.writer)
         writer_main(url, table, float(rate), float(seconds), out)
+        return 0
+    if args.model:
+        model(args)
         return 0
     rates = [float(r) for r in str_list(args.rates)]
     hints = str_list(args.hints)

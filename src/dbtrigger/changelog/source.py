@@ -395,5 +395,8 @@ def _unkeyed(rows: Sequence[Mapping[str, Any]], pk: Sequence[str]) -> list[Any]:
     if columns is not None and tuples is not None:  # Rows: look at the tuples as they are
         at = [columns.index(c) for c in pk]
         seq = columns.index("dbt_seq")
+        if len(at) == 1:  # the usual key: no generator per row
+            key = at[0]
+            return [t[seq] for t in tuples if t[key] is None]
         return [t[seq] for t in tuples if any(t[i] is None for i in at)]
     return [r["dbt_seq"] for r in rows if any(r.get(c) is None for c in pk)]

@@ -123,6 +123,7 @@ def writer_main(url: str, table: str, rate: float, seconds: float, out: str) -> 
         sql, mark = f"INSERT INTO {table} (payload) VALUES (%s)", conn.cursor()
     try:
         start = time.monotonic()
+        wall_start = time.time()
         total = int(rate * seconds)
         for i in range(total):
             due = start + i / rate
@@ -137,7 +138,10 @@ def writer_main(url: str, table: str, rate: float, seconds: float, out: str) -> 
         elapsed = time.monotonic() - start
     finally:
         conn.close()
-    Path(out).write_text(json.dumps({"commits": committed, "seconds": elapsed}))
+    # How late each commit was against its schedule (a writer starved of CPU commits
+    # in a burst afterwards).
+    late = [at - (wall_start + i / rate) for i, at in enumerate(committed)]
+    Path(out).write_text(json.dumps({"commits": committed, "seconds": elapsed, "late": late}))
 
 
 # --- databases and tables ------------------------------------------------------------------
@@ -215,6 +219,8 @@ class Result:
     note: str = ""
     #: The p50 of each pooled run, ms.
     run_p50s: list[float] = field(default_factory=list)
+    #: How late the writer committed each row against its schedule, s.
+    late: list[float] = field(default_factory=list)
 
     def pool(self, other: Result) -> None:
         """Add another run of the same configuration."""
@@ -228,6 +234,7 @@ class Result:
         self.latencies += other.latencies
         self.note = "; ".join(n for n in (self.note, other.note) if n)
         self.run_p50s += other.run_p50s
+        self.late += other.late
 
 
 def make_hint(hint: str, interval: float) -> WakeHint | None:
@@ -312,6 +319,7 @@ def measure(
     result.achieved = len(commits) / written["seconds"] if written["seconds"] else 0.0
     result.seen = sum(1 for i in range(len(commits)) if i in received)
     result.latencies = [received[i] - at for i, at in enumerate(commits) if i in received]
+    result.late = written.get("late", [])
     if result.seen < result.written:
         result.note = f"{result.written - result.seen} rows not delivered in time"
     result.run_p50s = [percentile(result.latencies, 0.5) * 1000]
@@ -446,6 +454,13 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
     for r in results:
         if r.note:
             print(f"note: {r.db} {r.source} {r.hint} {r.rate:g}/s: {r.note}")
+        if r.late and percentile(r.late, 0.99) > 0.05:
+            print(
+                f"writer behind schedule: {r.db} {r.source} {r.hint} {r.rate:g}/s: "
+                f"p50 {percentile(r.late, 0.5) * 1000:,.0f} ms, p99 "
+                f"{percentile(r.late, 0.99) * 1000:,.0f} ms, "
+                f"{sum(1 for v in r.late if v > 0.05) / len(r.late):.0%} of rows over 50 ms late"
+            )
         if len(r.run_p50s) > 1:
             each = ", ".join(f"{v:,.0f}" for v in r.run_p50s)
             print(f"p50 of each run: {r.db} {r.source} {r.hint} {r.rate:g}/s: {each}")

@@ -83,6 +83,12 @@ class PartitionSource:
         bucket = self._bucket(keyset)
         part = self.partition
         condition = sa.and_(bucket >= part.lo, bucket < part.hi)
+        if part.lo == 0:
+            # A NULL key hashes to NULL in SQL (MariaDB's CONCAT_WS skips it instead):
+            # in no range, every partition would go past the row without a word. The
+            # first partition fetches it, and to_events refuses it as the plain poller
+            # does (SerializationError, naming the row).
+            condition = sa.or_(condition, bucket.is_(None))
         for floor in part.floors:
             in_floor = sa.and_(bucket >= floor.lo, bucket < floor.hi)
             beyond = keyset.after_predicate(floor.position)

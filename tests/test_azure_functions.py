@@ -501,6 +501,12 @@ def test_schedule_hint_may_be_an_app_setting(
         ("00:05:00", 300),
         ("1.00:00:00", 86400),
         ("0 0 0 30 2 *", None),
+        # The host's TimeSpan rules (.NET TimeSpan.Parse): a first number of 24 or
+        # more makes "a:b:c" days:hours:minutes, and "d:hh:mm:ss" is days too.
+        ("24:00:00", 24 * 86400),
+        ("25:00:00:00", 25 * 86400),
+        ("30:12:00", 30 * 86400 + 12 * 3600),
+        ("00:00:30.5", 30.5),
     ],
 )
 def test_schedule_interval(schedule: str, seconds: int | None) -> None:
@@ -510,7 +516,19 @@ def test_schedule_interval(schedule: str, seconds: int | None) -> None:
 
 @pytest.mark.parametrize(
     "schedule",
-    ["* * * * *", "61 * * * * *", "0 */0 * * * *", "0 0 25 * * *", "0 0 0 * Foo *", "00:00:00"],
+    [
+        "* * * * *",
+        "61 * * * * *",
+        "0 */0 * * * *",
+        "0 0 25 * * *",
+        "0 0 0 * Foo *",
+        "00:00:00",
+        "0 \u00b2 * * * *",  # a superscript two: str.isdigit says yes, int() says no
+        "0 \u0665 * * * *",  # an Arabic-Indic five: not an NCRONTAB number
+        "00:60:00",
+        "00:00:60",
+        "1.24:00:00",
+    ],
 )
 def test_malformed_schedules_are_refused(schedule: str) -> None:
     with pytest.raises(ConfigurationError):

@@ -43,7 +43,10 @@ _FIELDS: tuple[tuple[str, int, int, Mapping[str, int]], ...] = (
     ("month", 1, 12, _MONTH_NAMES),
     ("day-of-week", 0, 7, _DAY_NAMES),
 )
-_TIMESPAN = re.compile(r"^(?:(\d+)\.)?(\d{1,2}):(\d{2}):(\d{2})$")
+#: ``hh:mm:ss``, ``d.hh:mm:ss`` and ``d:hh:mm:ss`` (seconds may carry a fraction),
+#: and ``dd:hh:mm`` (three numbers, the first 24 or more), as .NET's TimeSpan
+#: parses them for the host. ASCII digits only, as NCRONTAB's.
+_TIMESPAN = re.compile(r"^(?:(\d+)[.:])?(\d+):(\d{2}):(\d{2})(?:\.(\d{1,7}))?$", re.ASCII)
 #: Firings enumerated to find the shortest gap; plenty for any real schedule.
 _SAMPLE_FIRINGS = 500
 _SAMPLE_YEARS = 5
@@ -54,7 +57,7 @@ def _field_values(text: str, name: str, lo: int, hi: int, names: Mapping[str, in
         key = token.strip().lower()
         if key in names:
             return names[key]
-        if not key.isdigit():
+        if not (key.isascii() and key.isdigit()):
             raise ConfigurationError(f"schedule {name} field: {token!r} is not a number")
         return int(key)
 
@@ -109,8 +112,17 @@ def schedule_interval(schedule: str) -> dt.timedelta | None:
     text = schedule.strip()
     span = _TIMESPAN.match(text)
     if span:
-        days, hours, minutes, seconds = (int(g) if g else 0 for g in span.groups())
-        interval = dt.timedelta(days=days, hours=hours, minutes=minutes, seconds=seconds)
+        days, hours, minutes, seconds = (int(g) if g else 0 for g in span.groups()[:4])
+        fraction = float(f"0.{span.group(5)}") if span.group(5) else 0.0
+        if span.group(1) is None and hours >= 24 and not span.group(5):
+            # The host reads "24:00:00" as 24 days: dd:hh:mm when the first number is >= 24.
+            days, hours, minutes, seconds = hours, minutes, seconds, 0
+        if hours > 23 or minutes > 59 or seconds > 59:
+            raise ConfigurationError(
+                f"schedule {schedule!r}: a TimeSpan's hours must be 0-23 and its minutes and "
+                "seconds 0-59 (hh:mm:ss, d.hh:mm:ss, or dd:hh:mm with dd >= 24)"
+            )
+        interval = dt.timedelta(days=days, hours=hours, minutes=minutes, seconds=seconds + fraction)
         if interval <= dt.timedelta(0):
             raise ConfigurationError(f"schedule {schedule!r}: a TimeSpan must be positive")
         return interval

@@ -58,6 +58,7 @@ POLLER_ONLY = {
     "window_max_bytes",
     "subscribers",
     "ack_timeout_seconds",
+    "handler_timeout_seconds",  # a hung handler gives the lease up (claims have their own)
     "history",  # the durable history beside the state document (dbtrigger.history)
     "start_from",  # where a new poller starts (recorded in its state document at creation)
     "read_ahead",  # the next batch read while the handler and the commit run

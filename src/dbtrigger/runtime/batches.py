@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime as dt
 import threading
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 from dbtrigger.cursor import Position
@@ -23,6 +24,7 @@ from dbtrigger.events import RowChange
 from dbtrigger.runtime import windowing
 from dbtrigger.runtime.context import BatchContext, EventMarks
 from dbtrigger.runtime.delivery import Delivered, Delivery, Undelivered
+from dbtrigger.runtime.heartbeat import Heartbeat
 from dbtrigger.runtime.kernel import Handler, wants_context
 from dbtrigger.runtime.readahead import ReadAhead
 from dbtrigger.runtime.reading import BatchReader, Prefetch, TickSettings, landing
@@ -91,6 +93,8 @@ class BatchSequence:
     emit: Callable[..., None]
     #: Rows and batches the current (or last) tick committed so far.
     committed: tuple[int, int]
+    #: The current lease's heartbeat; it watches each handler call.
+    heartbeat: Heartbeat
 
     def batches(
         self,
@@ -345,7 +349,9 @@ class BatchSequence:
         ``prefetch`` runs while the lanes do (a failed batch drops it)."""
         meanwhile = prefetch.run if prefetch is not None else None
         try:
-            outcome = self.delivery.deliver(handler, events, done, ctx, wants_ctx, meanwhile)
+            watch = self.heartbeat.watching if self.delivery.watched else None
+            with watch(ctx.batch_id, len(events)) if watch else nullcontext():
+                outcome = self.delivery.deliver(handler, events, done, ctx, wants_ctx, meanwhile)
         except LostLeaseError:
             session.lost = True
             raise

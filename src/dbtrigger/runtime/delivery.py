@@ -67,6 +67,10 @@ __all__ = [
 class Delivery:
     """Hands batches to a handler and settles them; see the module docstring."""
 
+    #: Is a hung call reported (and timed out) by the heartbeat's watch? Fan-out's
+    #: subscriber calls are bounded by their own ``ack_timeout_seconds``.
+    watched = True
+
     def __init__(
         self,
         *,

@@ -24,13 +24,27 @@ one landing, another instance may take the lease over at any moment and
 deliver the same batch; this instance then treats the lease as lost (the
 handler is cancelled, nothing is committed) and says so at ERROR, rather than
 letting its handler run on beside the new owner's.
+
+A handler call that never returns would keep the lease renewed for ever, and
+every other worker of the poller would wait behind it. So each call is
+watched on the same thread (:class:`CallWatch`): once it has run longer than
+the lease TTL - which the contract sizes above the slowest batch, so past it
+only the heartbeat keeps the lease - it is reported at WARNING, then at ERROR
+after twice as long, four times, ... (at most an hour apart), naming the
+batch and that the lease is held for it. With ``handler_timeout_seconds``
+the call is given up when it runs out: the heartbeat stops renewing, the
+handler is cancelled (``ctx.cancelled``, an async task cancelled) and
+whatever it returns is not committed, as on a lost lease; the lease lapses
+and another worker delivers the batch again (see docs/reliability.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import KW_ONLY, dataclass, field
 from types import TracebackType
 from typing import Any
@@ -46,6 +60,10 @@ from dbtrigger.state.document import StateDocument, format_time
 def default_interval(ttl_seconds: float) -> float:
     """A third of the TTL: two renewals can fail before the lease runs out."""
     return ttl_seconds / 3
+
+
+#: The longest pause between two reports of a handler call that still runs.
+STUCK_REPEAT_MAX_SECONDS = 3600.0
 
 
 @dataclass(eq=False, repr=False)
@@ -67,8 +85,14 @@ class Heartbeat:
     lost: threading.Event
     telemetry: Telemetry
     keepalive: KeepAlive
+    #: A handler call running this long is reported (default: the lease TTL).
+    warn_after: float | None = None
+    #: ``handler_timeout_seconds``: a call running this long is given up (None: never).
+    timeout: float | None = None
     renewals: int = field(default=0, init=False)
     failures: int = field(default=0, init=False)
+    #: A handler call outlived ``timeout``: the lease is no longer renewed.
+    timed_out: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         self.poller = self.telemetry.poller
@@ -126,10 +150,39 @@ class Heartbeat:
             event, text, exc, fencing_token=self.session.token, during="heartbeat", **fields
         )
 
+    @contextlib.contextmanager
+    def watching(self, batch_id: str, rows: int) -> Iterator[None]:
+        """Watch the handler call(s) on batch ``batch_id`` while the block runs."""
+        watch = CallWatch(self, batch_id, rows)
+        with self.keepalive.holding(f"call-{self._key}", watch.beat, first_in=watch.next_in()):
+            yield
+
+    def time_out(self, watch: CallWatch, ran: float) -> None:
+        """``watch``'s call outlived ``timeout``: give the lease up (on the heartbeat thread)."""
+        self.timed_out = True
+        expires_at = self._expires_at()
+        lapse = f"lapses at {format_time(expires_at)}" if expires_at else "lapses"
+        exc = LostLeaseError(
+            f"the handler call on batch {watch.batch_id} ({watch.rows} rows) has run "
+            f"{ran:.1f} s, past handler_timeout_seconds={self.timeout:g}: the lease "
+            f"(token {self.session.token}) is no longer renewed and {lapse}, then another "
+            "worker delivers the batch again; this call is cancelled (ctx.cancelled) and "
+            "nothing it does is committed",
+            poller=self.poller,
+            batch_id=watch.batch_id,
+            fencing_token=self.session.token,
+        )
+        self.session.lost = True
+        self._stop(
+            "handler_timeout", "%s", exc, batch_id=watch.batch_id, rows=watch.rows, seconds=ran
+        )
+
     def beat(self) -> float | None:
         """One beat (on the heartbeat thread): renew if nothing was written for
         an interval; seconds until the next beat, or None once the lease is
         lost, given up or released."""
+        if self.timed_out:
+            return None  # a hung call: the lease lapses
         remaining = self.interval - self.session.idle_seconds()
         if remaining > 0:
             return remaining
@@ -174,3 +227,64 @@ class Heartbeat:
             fencing_token=self.session.token,
         )
         return max(0.0, self.interval - self.session.idle_seconds())
+
+
+class CallWatch:
+    """One handler call under watch: reports it while it runs too long and
+    gives it up at the heartbeat's ``timeout``. Beats on the heartbeat thread."""
+
+    def __init__(self, heartbeat: Heartbeat, batch_id: str, rows: int) -> None:
+        self.heartbeat = heartbeat
+        self.batch_id = batch_id
+        self.rows = rows
+        self.started = time.monotonic()
+        warn_after = heartbeat.warn_after
+        #: Seconds into the call of the next report (the first at WARNING).
+        self.report_at = warn_after if warn_after is not None else heartbeat.ttl.total_seconds()
+        self.reports = 0
+
+    def next_in(self) -> float:
+        """Seconds from now until this watch has something to do."""
+        due = self.report_at
+        if self.heartbeat.timeout is not None:
+            due = min(due, self.heartbeat.timeout)
+        return max(0.0, due - (time.monotonic() - self.started))
+
+    def beat(self) -> float | None:
+        hb = self.heartbeat
+        if hb.lost.is_set():
+            return None  # the lease is gone already; that was reported
+        ran = time.monotonic() - self.started
+        if hb.timeout is not None and ran >= hb.timeout:
+            hb.time_out(self, ran)
+            return None
+        if ran >= self.report_at:
+            self.report(ran)
+            self.reports += 1
+            self.report_at = min(2 * ran, ran + STUCK_REPEAT_MAX_SECONDS)
+        return self.next_in()
+
+    def report(self, ran: float) -> None:
+        hb = self.heartbeat
+        then = (
+            f"it is given up at handler_timeout_seconds={hb.timeout:g}"
+            if hb.timeout is not None
+            else "set handler_timeout_seconds to give such a call up"
+        )
+        hb.telemetry.emit(
+            "handler_slow" if self.reports == 0 else "handler_stuck",
+            "poller %s: the handler call on batch %s (%d rows) has run %.1f s and not "
+            "returned; the lease (token %s) is held for it, so no other worker of the "
+            "poller can take the batch over; %s",
+            hb.poller,
+            self.batch_id,
+            self.rows,
+            ran,
+            hb.session.token,
+            then,
+            batch_id=self.batch_id,
+            rows=self.rows,
+            seconds=round(ran, 1),
+            fencing_token=hb.session.token,
+            lease_held=True,
+        )

@@ -4,8 +4,9 @@ Each numeric option's type and range goes through :mod:`dbtrigger.options`
 (a :class:`~dbtrigger.errors.ConfigurationError` that names the option, the
 value and what it must be), in the order of the constructor's signature; then
 how options relate: the heartbeat interval below half the lease TTL (default
-a third of it), the retry delay at most its cap. :class:`PollOptions` holds
-the checked values.
+a third of it), the retry delay at most its cap, ``handler_timeout_seconds``
+not with fan-out (whose calls ``ack_timeout_seconds`` bounds).
+:class:`PollOptions` holds the checked values.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class PollOptions:
     retry_delay_seconds: float
     retry_delay_max_seconds: float
     ack_timeout_seconds: float | None
+    handler_timeout_seconds: float | None
 
     @classmethod
     def check(cls, given: Mapping[str, Any]) -> PollOptions:
@@ -79,6 +81,11 @@ class PollOptions:
             checked["heartbeat_interval_seconds"], checked["lease_ttl_seconds"]
         )
         check_retry_delays(checked["retry_delay_seconds"], checked["retry_delay_max_seconds"])
+        if checked["handler_timeout_seconds"] is not None and given.get("subscribers") is not None:
+            raise ConfigurationError(
+                "handler_timeout_seconds applies to a single handler; a subscriber's "
+                "calls are bounded by ack_timeout_seconds"
+            )
         return cls(**checked)
 
 
@@ -101,4 +108,5 @@ _ALONE: tuple[tuple[str, Callable[[str, object], Any]], ...] = (
     ("retry_delay_seconds", partial(opt.seconds, inclusive=True)),
     ("retry_delay_max_seconds", partial(opt.seconds, inclusive=True)),
     ("ack_timeout_seconds", opt.optional_seconds),
+    ("handler_timeout_seconds", opt.optional_seconds),
 )

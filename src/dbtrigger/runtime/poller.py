@@ -133,6 +133,9 @@ class PollTrigger(ClosesOnExit):
             ``run()`` then take no handler. See :mod:`dbtrigger.runtime.subscribers`.
         ack_timeout_seconds: fan-out only: a subscriber call that takes longer
             fails its events for that subscriber alone (default 300).
+        handler_timeout_seconds: a handler call still running after this long is
+            given up as on a lost lease: no longer renewed, cancelled, never
+            committed; another worker delivers the batch again (default: never).
         history / start_from: the durable history beside the store (default) or
             ``False``; where a new poller starts: ``"beginning"``, ``"now"``, a
             cursor value or a ``Position`` (see :mod:`dbtrigger.history`).
@@ -175,6 +178,7 @@ class PollTrigger(ClosesOnExit):
         max_concurrency: int = 1,
         subscribers: Mapping[str, Handler] | Iterable[tuple[str, Handler]] | None = None,
         ack_timeout_seconds: float | None = None,
+        handler_timeout_seconds: float | None = None,
         history: HistoryStore | bool | None = None,
         start_from: object = None,
         read_ahead: bool | str = True,
@@ -260,7 +264,9 @@ class PollTrigger(ClosesOnExit):
             reader.read_ahead = ReadAhead(
                 source.fetch, name=self.name, always=read_ahead == "always"
             )
-        self._driver = TickDriver(reader, keepalive=self._keepalive)
+        self._driver = TickDriver(
+            reader, keepalive=self._keepalive, handler_timeout=checked.handler_timeout_seconds
+        )
         #: The durable history beside the state document (None: kept nowhere), and
         #: ``start_from``, applied before this process's first tick.
         self.history, self._driver.writer.history = recorder_for(history, self)

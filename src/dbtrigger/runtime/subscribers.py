@@ -96,6 +96,8 @@ class _Call:
 class FanOut(Delivery):
     """Hands each batch to every subscriber and folds their outcomes; see the module."""
 
+    watched = False  # each call is bounded (and reported) by ack_timeout_seconds
+
     def __init__(
         self, *, subscribers: Mapping[str, Handler], ack_timeout: float, **options: Any
     ) -> None:

@@ -147,6 +147,10 @@ EVENTS: dict[str, EventSpec] = {
     "heartbeat_failed": EventSpec(W),
     "heartbeat_rejected": EventSpec(W, log_as="lease_lost"),
     "heartbeat_expired": EventSpec(E, log_as="lease_lost"),
+    # a handler call that will not return (runtime/heartbeat.py CallWatch)
+    "handler_slow": EventSpec(W),
+    "handler_stuck": EventSpec(E),
+    "handler_timeout": EventSpec(E),
     "lease_released": EventSpec(D),
     "lease_release_skipped": EventSpec(D),
     "lease_release_failed": EventSpec(W),

@@ -75,7 +75,9 @@ class TickDriver(BatchSequence):
     :class:`~dbtrigger.runtime.reading.BatchReader`'s, its writes the
     :class:`~dbtrigger.runtime.writes.StateWriter`'s."""
 
-    def __init__(self, reader: BatchReader, *, keepalive: KeepAlive) -> None:
+    def __init__(
+        self, reader: BatchReader, *, keepalive: KeepAlive, handler_timeout: float | None = None
+    ) -> None:
         settings, source = reader.settings, reader.source
         self.settings = settings
         #: Every read of the tick: the state document, the rows of each batch. Its
@@ -100,6 +102,8 @@ class TickDriver(BatchSequence):
         )
         #: The trigger's heartbeat thread (the lease is renewed on it).
         self.keepalive = keepalive
+        #: ``handler_timeout_seconds``: a handler call is given up after it (None: never).
+        self.handler_timeout = handler_timeout
         #: Rows and batches the current (or last) tick committed so far: what a
         #: tick that fails half way did get done.
         self.committed = (0, 0)
@@ -213,7 +217,9 @@ class TickDriver(BatchSequence):
             lost=lost,
             telemetry=self.telemetry,
             keepalive=self.keepalive,
+            timeout=self.handler_timeout,
         )
+        self.heartbeat = heartbeat  # its watch on each handler call: hand_over()
         self.emit(
             "lease_acquired",
             "lease acquired (token %s)",

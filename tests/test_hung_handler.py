@@ -13,6 +13,7 @@ every wait is for an outcome, with a generous bound, never a duration.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import logging
 import threading
 from collections.abc import Callable
@@ -23,6 +24,7 @@ import pytest
 from dbtrigger import InMemoryCheckpointStore, LostLeaseError, RowChange
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.faults import FaultyStore
+from dbtrigger.health import OK, STALE, check_health
 from dbtrigger.runtime.context import BatchContext
 from tests.databases import TestDatabase
 from tests.reliability_support import (
@@ -212,3 +214,33 @@ def test_handler_timeout_is_checked_and_not_for_fan_out(sqlite_db: TestDatabase)
             make_trigger(source, store, handler_timeout_seconds=bad)
     with pytest.raises(ConfigurationError, match="ack_timeout_seconds"):
         make_trigger(source, store, handler_timeout_seconds=5, subscribers={"a": Recorder()})
+
+
+def test_health_calls_a_lease_held_without_a_commit_stale_without_a_source(
+    sqlite_db: TestDatabase,
+) -> None:
+    """No failure is recorded for a hung call, so a probe without a source
+    used to answer OK for ever; a live lease with no commit under it is stale."""
+    table = items_table(sqlite_db)
+    add_items(sqlite_db, table, range(1, 6))
+    store = InMemoryCheckpointStore()
+    # A long TTL keeps the lease live at the probe's "later" clock.
+    trigger = make_trigger(items_source(sqlite_db), store, lease_ttl_seconds=3600, batch_size=2)
+    trigger.tick(Recorder())  # one batch committed, then the tick's other batches
+    handler = Blocked()
+    add_items(sqlite_db, table, range(6, 9))
+    tick = Ticking(lambda: trigger.tick(handler))
+    try:
+        assert handler.entered.wait(BOUND)
+        now = dt.datetime.now(dt.timezone.utc)
+        assert check_health(store, "items", stale_after_seconds=600, now=now).status == OK
+        later = now + dt.timedelta(seconds=900)
+        report = check_health(store, "items", stale_after_seconds=600, now=later)
+        assert (report.status, report.http_status) == (STALE, 503)
+        assert "held" in report.reason
+        assert "without a commit" in report.reason
+    finally:
+        handler.release.set()
+        tick.join()
+    assert tick.error is None
+    assert check_health(store, "items", stale_after_seconds=600, now=later).status == OK

@@ -13,7 +13,9 @@ A poller is **stale** when its last successful commit is older than
 healthy however long ago it last committed: on a quiet table, an old
 checkpoint is the normal state. When no source is given the pending count is
 unknown, and a recorded failure (a batch after the checkpoint kept failing)
-stands in for "rows are pending".
+stands in for "rows are pending". A live lease under which nothing was
+committed for ``stale_after`` is stale too, source or not: a handler call that
+does not return keeps its lease renewed, and no failure is recorded for it.
 
 Errors reading the state or the source never raise out of :func:`check_health`:
 a probe needs an answer, so they become status ``"error"`` with a redacted
@@ -171,6 +173,17 @@ def _unknown_reason(store: CheckpointStore, poller: str) -> str:
     )
 
 
+def _held_without_commit(
+    doc: docmod.StateDocument, last_commit: dt.datetime | None, now: dt.datetime
+) -> float | None:
+    """Seconds a live lease has been held since it was taken or last committed under."""
+    lease = doc.lease
+    if lease is None or lease.released or lease.expires_at <= now:
+        return None
+    since = lease.acquired_at if last_commit is None else max(lease.acquired_at, last_commit)
+    return (now - since).total_seconds()
+
+
 def check_health(
     store: CheckpointStore,
     poller: str,
@@ -243,6 +256,16 @@ def check_health(
         "lease": describe_lease(doc.lease, now),
         **base,
     }
+    held = _held_without_commit(doc, last, now)
+    if held is not None and held > stale_after_seconds and doc.lease is not None:
+        return HealthReport(
+            status=STALE,
+            reason=f"the lease (token {doc.lease.fencing_token}) has been held {held:.0f}s "
+            f"(limit {stale_after_seconds:.0f}s) without a commit: a handler call that does not "
+            "return (handler_slow / handler_stuck in that worker's log; "
+            "handler_timeout_seconds bounds it), or a worker that died holding it",
+            **fields,
+        )
     rows_pending = bool(pending) if pending is not None else attempts > 0
     if since is None:
         # Never committed: measure from the first failure if there is one.

@@ -232,3 +232,55 @@ def _new_trigger(app: App, monkeypatch: pytest.MonkeyPatch) -> PollTrigger:
     )
     monkeypatch.setattr(sys.modules[app.module], "changed", trigger, raising=False)
     return trigger
+
+
+# --- a state document nobody can read --------------------------------------------------
+
+
+def test_a_corrupt_document_is_named_and_replaced_only_from_a_backup_with_force(
+    app: App, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    app.tick()  # rows 1..10 committed
+    good, etag = app.raw()
+    saved = tmp_path / "orders.backup.json"
+    saved.write_bytes(good)
+    truncated = good[: len(good) // 2]
+    app.backend.store.write("orders", truncated, if_match=etag)
+
+    # Every command names the poller, the store and the way out; nothing is written.
+    for argv in (["history", "orders"], ["reset", "orders", "--to-beginning", "--force"]):
+        code, _, err = run(capsys, app.cli(*argv))
+        assert code == 2
+        assert "poller 'orders'" in err
+        assert "not valid JSON" in err
+        assert "--from-file BACKUP --force" in err
+        assert "Traceback" not in err
+    restore = ["reset", "orders", "--from-file", str(saved), "--reason", "corrupt", "--yes"]
+    code, _, err = run(capsys, app.cli(*restore))  # without --force: refused
+    assert code == 2
+    assert "--force" in err
+    assert app.raw()[0] == truncated
+
+    code, out, err = run(capsys, app.cli(*restore, "--force"))
+    assert code == 0, err
+    assert "replacing an unreadable state document" in out
+    assert "to undo" not in out  # the unreadable bytes are kept, not offered back
+    restored, original = app.doc().checkpoint, docmod.loads(good).checkpoint
+    assert restored is not None
+    assert original is not None
+    assert restored.position == original.position
+    (kept,) = app.backups.iterdir()
+    assert kept.read_bytes() == truncated
+    app.tick()  # the poller carries on from the restored checkpoint
+    assert app.seen == list(range(1, 21))
+
+
+def test_a_corrupt_backup_file_is_named(
+    app: App, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    app.tick()
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"version": 1')
+    code, _, err = run(capsys, app.cli("reset", "orders", "--from-file", str(broken)))
+    assert code == 2
+    assert f"{broken} is not a usable backup" in err

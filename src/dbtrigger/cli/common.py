@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from dbtrigger._argparse import add_apply_option
 from dbtrigger.cli.loading import as_trigger, load_object
 from dbtrigger.cursor import Position, encode_value
-from dbtrigger.errors import ConfigurationError, DbTriggerError
+from dbtrigger.errors import ConfigurationError, CorruptStateError, DbTriggerError
 from dbtrigger.partitions.member import PartitionedPoller
 from dbtrigger.queue.cli import claim_source_of
 from dbtrigger.runtime.poller import PollTrigger
@@ -233,7 +233,16 @@ def read_state(store: CheckpointStore, poller: str) -> tuple[StateDocument, str,
         raise ConfigurationError(
             f"no state for poller {poller!r} in {describe_store(store)}{_held_by(store)}"
         )
-    return docmod.loads(stored.data), stored.etag, stored.data
+    try:
+        doc = docmod.loads(stored.data)
+    except CorruptStateError as exc:
+        raise CorruptStateError(
+            f"the state of poller {poller!r} in {describe_store(store)} cannot be read: {exc}. "
+            "Nothing was changed. To replace it with a backup: dbtrigger reset "
+            f"{poller} --from-file BACKUP --force (backups are in --backup-dir)",
+            poller=poller,
+        ) from exc
+    return doc, stored.etag, stored.data
 
 
 def _held_by(store: CheckpointStore) -> str:

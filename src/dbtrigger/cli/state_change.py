@@ -41,7 +41,7 @@ from dbtrigger.cli.common import (
     utc_now,
 )
 from dbtrigger.cursor import Position, encode_value
-from dbtrigger.errors import CasConflictError, ConfigurationError
+from dbtrigger.errors import CasConflictError, ConfigurationError, CorruptStateError
 from dbtrigger.history.wiring import record_write
 from dbtrigger.sources.base import (
     ValidatesDefinition,
@@ -196,9 +196,28 @@ def _apply_change_on(
 ) -> int:
     console = Console()
     now = utc_now()
-    before, etag, raw = read_state(store, args.poller)
+    unreadable: CorruptStateError | None = None
+    try:
+        before, etag, raw = read_state(store, args.poller)
+    except CorruptStateError as exc:
+        replacement = getattr(args, "replacement", None)
+        if replacement is None or not args.force:
+            raise
+        unreadable = exc
+        # Only a whole backup can stand in for a document nobody can read; its
+        # lease is fenced (--force) and the unreadable bytes are backed up first.
+        if replacement.poller_name != args.poller:
+            raise ConfigurationError(
+                f"the backup is of poller {replacement.poller_name!r}, not {args.poller!r}"
+            ) from None
+        stored = store.read(args.poller)
+        if stored is None:  # deleted since: nothing left to replace
+            raise
+        before, etag, raw = replacement, stored.etag, stored.data
     backup = _backup_path(args, args.poller, operation, now)
     after = decide(before, now, {"backup": backup.name})
+    if unreadable is not None:
+        console.print(f"replacing an unreadable state document ({unreadable.__cause__})")
     print_plan(console, operation, store, before, after, now)
     if not args.yes:
         console.print(dry_run_note(args))
@@ -213,7 +232,8 @@ def _apply_change_on(
             poller=args.poller,
         ) from exc
     console.print(f"applied. previous document saved to {backup}")
-    console.print(f"to undo: {undo_command(args, backup, operation, now)}")
+    if unreadable is None:  # an unreadable document cannot be restored
+        console.print(f"to undo: {undo_command(args, backup, operation, now)}")
     note_history(console, store, after)
     return 0
 
@@ -297,6 +317,9 @@ def cmd_reset(args: argparse.Namespace) -> int:
             backup_doc = docmod.loads(Path(args.from_file).read_bytes())
         except OSError as exc:
             raise ConfigurationError(f"cannot read {args.from_file}: {exc.strerror}") from exc
+        except CorruptStateError as exc:
+            raise CorruptStateError(f"{args.from_file} is not a usable backup: {exc}") from exc
+        args.replacement = backup_doc  # stands in for a corrupt stored document (--force)
 
     def decide(doc: StateDocument, now: dt.datetime, details: dict[str, Any]) -> StateDocument:
         who = by_hand(args, now, details)

@@ -15,6 +15,15 @@ append). The drain's time includes the flush at its end.
     python -m benchmarks.history                       # memory, file, sqlite; 20k rows
     python -m benchmarks.history --stores file,blob --rows 50k --batch-sizes 100,1000
     python -m benchmarks.history --quick
+
+``--narrow`` measures the history's CPU where it is largest next to the rest: a
+drain of the narrow PostgreSQL table (``benchmarks.common``, 100k rows: the
+reading handler, ``visibility="auto"``, the in-memory store and its history),
+``history=False`` and the default interleaved in one process, client CPU
+(``time.process_time``, every thread) and wall per row, and the CPU the history
+adds: the median of the pairs' differences.
+
+    python -m benchmarks.history --narrow --batch-sizes 100,1000 --repeats 5
 """
 
 from __future__ import annotations
@@ -107,6 +116,63 @@ def factories(names: list[str]) -> Iterator[dict[str, StoreFactory]]:
         yield out
 
 
+def narrow(batch_sizes: list[int], repeats: int, rows: int) -> None:
+    """The ``--narrow`` table: see the module docstring."""
+    import functools  # noqa: PLC0415
+
+    from benchmarks import common  # noqa: PLC0415
+
+    ds = common.dataset("postgresql", rows, layout=common.LAYOUTS["narrow"])
+    made = PollTrigger
+
+    def run(batch: int, history: bool) -> tuple[float, float]:
+        setattr(common, "PollTrigger", functools.partial(made, history=None if history else False))  # noqa: B010
+        cpu, wall = time.process_time(), time.perf_counter()
+        delivered = common.dbtrigger_drain(
+            ds, batch, InMemoryCheckpointStore(), handler=ds.layout.reader, visibility="auto"
+        )
+        assert delivered == ds.rows, (delivered, ds.rows)
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        return cpu * 1e6 / ds.rows, wall * 1e6 / ds.rows
+
+    table = []
+    try:
+        for batch in batch_sizes:
+            run(batch, True)  # warm-up
+            off: list[tuple[float, float]] = []
+            on: list[tuple[float, float]] = []
+            for _ in range(repeats):  # interleaved: off on off on ...
+                off.append(run(batch, False))
+                on.append(run(batch, True))
+            added = [a[0] - b[0] for a, b in zip(on, off, strict=True)]
+            table.append(
+                [
+                    batch,
+                    f"{median([c for c, _ in off]):.2f}",
+                    f"{median([c for c, _ in on]):.2f}",
+                    f"{median(added):.2f} ({min(added):.2f} - {max(added):.2f})",
+                    f"{median([w for _, w in off]):.2f}",
+                    f"{median([w for _, w in on]):.2f}",
+                ]
+            )
+    finally:
+        setattr(common, "PollTrigger", made)  # noqa: B010
+    print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}", flush=True)
+    print_table(
+        f"durable history on the narrow PostgreSQL table ({ds.rows:,} rows, memory store), "
+        f"us per row, medians of {repeats} interleaved pairs",
+        [
+            "batch",
+            "CPU off",
+            "CPU on",
+            "history CPU (pairs' range)",
+            "wall off",
+            "wall on",
+        ],
+        table,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int_list, default=[20_000])
@@ -114,7 +180,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stores", type=str_list, default=["memory", "file", "sqlite"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="5k rows, 2 repeats")
+    parser.add_argument(
+        "--narrow",
+        action="store_true",
+        help="the history's CPU on a drain of the narrow PostgreSQL table (100k rows)",
+    )
     args = parser.parse_args(argv)
+    if args.narrow:
+        narrow(args.batch_sizes, args.repeats, 100_000 if args.rows == [20_000] else args.rows[0])
+        return 0
     if args.quick:
         args.rows, args.repeats = [5_000], 2
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}", flush=True)

@@ -302,3 +302,10 @@ def test_history_prints_the_cost_beside_the_baseline(pg: TestDatabase, tmp_path:
         (s, b) for s in ("memory", "file") for b in ("100", "1000")
     }
     assert all(r[-2] == "1.00" for r in rows)  # one history record per batch
+
+
+def test_history_narrow_prints_the_historys_cpu(pg: TestDatabase, tmp_path: Path) -> None:
+    args = ["--narrow", "--rows", "2000", "--batch-sizes", "100", "--repeats", "1"]
+    out = run_benchmark("history", args, pg, tmp_path)
+    rows = table_rows(out, "durable history on the narrow PostgreSQL table")
+    assert [r[0] for r in rows] == ["100"]

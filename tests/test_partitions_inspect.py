@@ -12,8 +12,10 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from dbtrigger import FileCheckpointStore, RowChange, SqlAlchemySource
+from dbtrigger import FileCheckpointStore, InMemoryCheckpointStore, RowChange, SqlAlchemySource
 from dbtrigger.cli import main
+from dbtrigger.cli.common import read_state
+from dbtrigger.errors import ConfigurationError
 from dbtrigger.partitions import PartitionedPoller
 from dbtrigger.state.stores.base import CheckpointStore
 from tests.databases import TestDatabase
@@ -136,3 +138,13 @@ def test_status_shows_the_group_instead_of_its_documents(
     assert main(argv) == 0
     one = json.loads(capsys.readouterr().out)
     assert sum(p["lag_rows"] for p in one["partitions"]) == 70
+
+
+def test_reset_naming_a_partitioned_poller_says_its_partitions_change_one_by_one() -> None:
+    """``dbtrigger reset orders`` on a partitioned poller said only that there was no
+    state for 'orders' and that the store holds 'orders (partitioned)'."""
+    store = InMemoryCheckpointStore()
+    for key in ("orders.members", "orders.p000-064", "orders.p064-128"):
+        store.write(key, b"{}", if_match=None)
+    with pytest.raises(ConfigurationError, match=r"partitioned poller.*dbtrigger reset orders\.p"):
+        read_state(store, "orders")

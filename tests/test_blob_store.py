@@ -179,6 +179,46 @@ def test_from_account_url_with_a_key_credential(azurite: Azurite, container: str
     assert KEY not in store.describe()
 
 
+def test_from_account_url_with_a_sas_in_the_url(azurite: Azurite, container: str) -> None:
+    """A SAS URL authenticates by itself: no DefaultAzureCredential is added to it
+    (which the SDK refuses over http, and which would send a second credential),
+    and the signature reaches no message."""
+    from azure.storage.blob import (  # noqa: PLC0415
+        AccountSasPermissions,
+        ResourceTypes,
+        generate_account_sas,
+    )
+
+    sas = generate_account_sas(
+        ACCOUNT,
+        KEY,
+        ResourceTypes(container=True, object=True),
+        AccountSasPermissions(read=True, write=True, delete=True, list=True),
+        expiry=dt.datetime.now(dt.UTC) + dt.timedelta(hours=1),
+    )
+    store = BlobCheckpointStore.from_account_url(
+        f"http://127.0.0.1:{azurite.blob_port}/{ACCOUNT}?{sas}", app_name="app", container=container
+    )
+    etag = store.write("p", b"x", if_match=None)
+    assert store.read("p") == (b"x", etag)
+    signature = dict(part.split("=", 1) for part in sas.split("&"))["sig"]
+    assert signature not in store.describe()
+
+
+def test_an_account_url_the_sdk_refuses_is_a_configuration_error() -> None:
+    with pytest.raises(ConfigurationError, match="account URL"):
+        BlobCheckpointStore.from_account_url(
+            "http://127.0.0.1:1/devstoreaccount1", app_name="app", credential=_TokenOnly()
+        )
+
+
+class _TokenOnly:
+    """A token credential (the SDK refuses one over http)."""
+
+    def get_token(self, *scopes: str, **kwargs: Any) -> Any:
+        raise AssertionError("never asked")
+
+
 # --- missing container -----------------------------------------------------------
 
 

@@ -35,7 +35,7 @@ import logging
 import re
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 from azure.core import MatchConditions
 from azure.core.exceptions import (
@@ -52,6 +52,7 @@ from dbtrigger.errors import (
     UnsafeIdentifierError,
 )
 from dbtrigger.names import validate_name
+from dbtrigger.redaction import redact
 from dbtrigger.settings import (
     Deferred,
     environment,
@@ -120,13 +121,20 @@ def _resolve_now_or_later(value: str, env: Mapping[str, str]) -> str:
 def _account_client(
     url: str, container: str, credential: Any, options: dict[str, Any]
 ) -> ContainerClient:
-    if credential is None:
+    if credential is None and "sig" not in parse_qs(urlsplit(url).query):
+        # A SAS in the URL authenticates by itself; a second credential would be
+        # sent beside it (and a token credential is refused over http).
         from azure.identity import DefaultAzureCredential  # noqa: PLC0415 - optional extra
 
         credential = DefaultAzureCredential()
-    return ContainerClient(
-        account_url=url, container_name=container, credential=credential, **options
-    )
+    try:
+        return ContainerClient(
+            account_url=url, container_name=container, credential=credential, **options
+        )
+    except ValueError as exc:  # the SDK's own refusals: a bad URL, a token over http
+        raise ConfigurationError(
+            f"blob account URL {_safe_url(url)} cannot be used: {redact(str(exc))}"
+        ) from None
 
 
 class BlobCheckpointStore(SdkClientHolder[ContainerClient]):

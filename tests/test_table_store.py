@@ -187,6 +187,40 @@ def _round_trip(store: TableCheckpointStore) -> None:
         store.close()
 
 
+def test_endpoint_with_a_sas_authenticates_by_itself(azurite: Azurite, table_name: str) -> None:
+    import datetime as dt  # noqa: PLC0415
+
+    from azure.data.tables import (  # noqa: PLC0415
+        AccountSasPermissions,
+        ResourceTypes,
+        generate_account_sas,
+    )
+
+    sas = generate_account_sas(
+        AzureNamedKeyCredential(ACCOUNT, KEY),
+        resource_types=ResourceTypes(service=True, container=True, object=True),
+        permission=AccountSasPermissions(
+            read=True, write=True, delete=True, list=True, add=True, update=True, create=True
+        ),
+        expiry=dt.datetime.now(dt.UTC) + dt.timedelta(hours=1),
+    )
+    store = TableCheckpointStore(
+        endpoint=f"{azurite.table_endpoint}?{sas}", table=table_name, create_table=True
+    )
+    _round_trip(store)
+
+
+def test_an_endpoint_the_sdk_refuses_is_a_configuration_error() -> None:
+    class TokenOnly:
+        def get_token(self, *scopes: str, **kwargs: object) -> object:
+            raise AssertionError("never asked")
+
+    with pytest.raises(ConfigurationError, match="table endpoint"):
+        TableCheckpointStore(
+            endpoint="http://127.0.0.1:1/devstoreaccount1", table="state", credential=TokenOnly()
+        )
+
+
 def test_from_connection_setting_name(
     azurite: Azurite, table_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -45,6 +45,7 @@ import contextlib
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 from azure.core import MatchConditions
 from azure.core.exceptions import (
@@ -67,6 +68,7 @@ from dbtrigger.errors import (
     UnsupportedDocumentError,
 )
 from dbtrigger.names import validate_name
+from dbtrigger.redaction import redact
 from dbtrigger.settings import Deferred, references_setting, resolve_setting
 from dbtrigger.state import sizes
 from dbtrigger.state.stores._sdk_client import SdkClientHolder
@@ -208,17 +210,21 @@ class TableCheckpointStore(SdkClientHolder[TableClient]):
         self._table_name = table
 
         def from_endpoint() -> TableClient:
+            url = resolve_setting(endpoint or "")
             cred = credential
-            if cred is None:
+            if cred is None and "sig" not in parse_qs(urlsplit(url).query):
+                # A SAS in the endpoint authenticates by itself (see the blob store).
                 from azure.identity import DefaultAzureCredential  # noqa: PLC0415 - optional
 
                 cred = DefaultAzureCredential()
-            return TableClient(
-                endpoint=resolve_setting(endpoint or ""),
-                table_name=table,
-                credential=cred,
-                **transport,
-            )
+            try:
+                return TableClient(endpoint=url, table_name=table, credential=cred, **transport)
+            except ValueError as exc:  # the SDK's own refusals: a bad URL, a token over http
+                parts = urlsplit(url)
+                shown = f"{parts.scheme}://{parts.hostname or ''}"
+                raise ConfigurationError(
+                    f"table endpoint {shown} cannot be used: {redact(str(exc))}"
+                ) from None
 
         def from_string() -> TableClient:
             if connection_setting is not None:

@@ -560,6 +560,46 @@ def test_source_calls_between_ticks_beside_a_carried_read(pg: TestDatabase) -> N
     source.close()
 
 
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+def test_an_interrupted_tick_does_not_wait_for_a_read_in_flight(
+    interrupt: type[BaseException],
+) -> None:
+    """A second Ctrl-C to dbtrigger run raises KeyboardInterrupt in the handler:
+    the tick and close() return without waiting for a read-ahead that a lock
+    may hold (here: a gate), and the next tick waits for that read before its
+    own, so two reads never run at once."""
+    source = ThreadedSource(40)
+    trigger = trigger_for(source, max_batches_per_tick=5)
+    source.gate = threading.Event()
+    raised: list[BaseException] = []
+
+    def handler(events: Sequence[RowChange]) -> None:
+        raise interrupt
+
+    def interrupted() -> None:
+        try:
+            trigger.tick(handler)
+        except BaseException as exc:  # what the tick raised, checked below
+            raised.append(exc)
+        trigger.close()
+
+    worker = threading.Thread(target=interrupted)
+    source.main = worker  # the gate holds the read-ahead's reads, not the tick's own
+    worker.start()
+    worker.join(5)
+    ended = not worker.is_alive()
+    source.gate.set()  # the read held at the gate ends now
+    worker.join(15)
+    assert ended, "the interrupted tick (or close()) waited for the read in flight"
+    assert [type(e) for e in raised] == [interrupt]
+    source.main = threading.current_thread()
+    seen: list[int] = []
+    while trigger.tick(lambda events: seen.extend(ids(events))):
+        pass
+    assert seen == list(range(1, 41))
+    assert source.overlaps == 0
+
+
 # --- adaptive: read ahead only while the reads wait ----------------------------------
 
 

@@ -180,6 +180,8 @@ class ReadAhead:
         self._queued: Flight | None = None
         self._wake = threading.Condition(threading.Lock())
         self._thread: threading.Thread | None = None
+        #: A read given up while in flight (:meth:`abandon`): the next use waits for it.
+        self._abandoned: Flight | None = None
         #: Reads started / used / dropped (for tests and the benchmark).
         self.started = 0
         self.used = 0
@@ -217,7 +219,7 @@ class ReadAhead:
 
     def start(self, after: Position, limit: int, tag: object) -> None:
         """Read ``limit`` rows after ``after`` on the reader thread (one held before is dropped)."""
-        self.drop()
+        self.drop()  # (and waits for an abandoned read: one read at a time)
         flight = Flight(after, limit, tag)
         self._flight = flight
         self.started += 1
@@ -273,6 +275,7 @@ class ReadAhead:
         missing, and the tick would report nothing new while rows wait (a
         worker that re-polls after a delivering tick would then sleep its
         interval on them)."""
+        self._await_abandoned()  # the tick's own read must not run beside it
         flight = self._flight
         if flight is None:
             return None
@@ -293,25 +296,51 @@ class ReadAhead:
 
     def quiet(self) -> None:
         """Wait until no read is in flight (the read, if any, is kept)."""
+        self._await_abandoned()
         flight = self._flight
         if flight is not None:
             flight.done.wait()
 
     def drop(self) -> None:
         """Drop the read held (waiting for it to end first)."""
+        self._await_abandoned()
         flight, self._flight = self._flight, None
         if flight is not None:
             flight.done.wait()
             self.dropped += 1
 
+    def abandon(self) -> None:
+        """Drop the read held without waiting for it: the tick was interrupted
+        (a second Ctrl-C or SIGTERM to ``dbtrigger run``, ``SystemExit``), and
+        the worker must stop now, not after a read that a lock on the table may
+        hold for minutes. The reader thread (a daemon) finishes the read on its
+        own; the next use of this read-ahead, and the next tick's own read,
+        wait for it first, so two reads never run at once."""
+        flight, self._flight = self._flight, None
+        if flight is not None:
+            self.dropped += 1
+            if not flight.done.is_set():
+                self._abandoned = flight
+
+    def _await_abandoned(self) -> None:
+        flight, self._abandoned = self._abandoned, None
+        if flight is not None:
+            flight.done.wait()
+
     def close(self) -> None:
-        """Drop the read held and stop the thread (it starts again on the next read)."""
-        self.drop()
+        """Drop the read held and stop the thread (it starts again on the next read).
+        A read abandoned in flight is not waited for (see :meth:`abandon`)."""
+        flight, self._flight = self._flight, None
+        if flight is not None:
+            flight.done.wait()
+            self.dropped += 1
         with self._wake:
             thread = self._thread
             self._thread = None
             self._wake.notify_all()
-        if thread is not None and thread is not threading.current_thread():
+        abandoned = self._abandoned
+        busy = abandoned is not None and not abandoned.done.is_set()
+        if thread is not None and thread is not threading.current_thread() and not busy:
             thread.join()
 
     def _run(self) -> None:

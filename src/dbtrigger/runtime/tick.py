@@ -119,9 +119,13 @@ class TickDriver(BatchSequence):
     def run(self, handler: Handler, should_stop: Callable[[], bool] | None = None) -> TickResult:
         try:
             return self._run(handler, should_stop)
-        except BaseException:
-            if self.reader.read_ahead is not None:
-                self.reader.read_ahead.drop()
+        except BaseException as exc:
+            read_ahead = self.reader.read_ahead
+            if read_ahead is not None:
+                if isinstance(exc, Exception):
+                    read_ahead.drop()
+                else:  # an interrupt (a second Ctrl-C, SystemExit) does not wait for a read
+                    read_ahead.abandon()
             raise
         finally:
             self._last_end = time.monotonic()

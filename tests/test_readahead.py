@@ -312,6 +312,7 @@ def test_a_short_carried_read_is_read_again(left: int) -> None:
     assert trigger.tick(lambda events: None) == 10  # reads the third batch ahead
     ra = read_ahead_of(trigger)
     assert ra.pending is not None
+    assert ra.pending.done.wait(10)  # it goes on while the tick returns
     assert ra.pending.rows is not None
     assert len(ra.pending.rows) == left
     source.put({"id": 100, "v": 10_000})

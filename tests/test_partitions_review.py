@@ -8,6 +8,7 @@ and the only repeats are what the docs allow (a stalled member's batch in flight
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import signal
@@ -43,17 +44,20 @@ def per_key_in_order(workers: Workers) -> list[str]:
     return bad
 
 
-@pytest.mark.postgresql
 @pytest.mark.slow
 def test_a_member_paused_past_its_ttl_commits_nothing_after_the_others_took_over(
-    pg: TestDatabase, tmp_path: Path
+    db: TestDatabase, tmp_path: Path
 ) -> None:
     rows = 3000
-    table = pg.qualified("orders")
-    pg.execute(f"CREATE TABLE {table} (id INTEGER PRIMARY KEY, seq BIGINT NOT NULL)")
-    pg.execute(f"INSERT INTO {table} SELECT g, g FROM generate_series(1, {rows}) g")
+    table = db.qualified("orders")
+    db.execute(f"CREATE TABLE {table} (id INTEGER PRIMARY KEY, seq BIGINT NOT NULL)")
+    with db.engine.begin() as conn:
+        conn.execute(
+            sa.text(f"INSERT INTO {table} (id, seq) VALUES (:id, :id)"),
+            [{"id": i} for i in range(1, rows + 1)],
+        )
     (tmp_path / "state").mkdir()
-    workers = Workers(pg, str(tmp_path / "state"), tmp_path)
+    workers = Workers(db, str(tmp_path / "state"), tmp_path)
     workers.env["DBT_SCALEOUT_HANDLER_MS"] = "3"
     regressions: list[str] = []
     done = threading.Event()
@@ -248,6 +252,74 @@ def test_ddl_an_unreachable_store_and_regroups_while_members_run_or_are_down(
         if writer.is_alive():
             writer.join()
         workers.stop()
+    logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("w*.log"))
+    raised = re.findall(r"^([\w.]+(?:Error|Exception))\b", logs, re.MULTILINE)
+    assert all(name.startswith("dbtrigger.errors.") for name in raised), raised
+    assert not per_key_in_order(workers)
+
+
+def _pid_listening_for(port: int) -> int:
+    """The Azurite process this test started (its command line names the port)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if str(port).encode() in argv and any(b"azurite" in a for a in argv):
+                return int(entry.name)
+    raise AssertionError(f"no Azurite process on port {port}")
+
+
+@pytest.mark.postgresql
+@pytest.mark.slow
+def test_blob_store_paused_then_a_member_paused_on_blob(pg: TestDatabase, tmp_path: Path) -> None:
+    """Azurite frozen (SIGSTOP) for longer than the member TTL, then a member frozen:
+    every row delivered, checkpoints never move back, only dbtrigger errors logged."""
+    from azure.storage.blob import BlobServiceClient  # noqa: PLC0415
+
+    from tests.azurite import start_azurite  # noqa: PLC0415
+
+    rows = 2000
+    table = pg.qualified("orders")
+    pg.execute(f"CREATE TABLE {table} (id INTEGER PRIMARY KEY, seq BIGINT NOT NULL)")
+    pg.execute(f"INSERT INTO {table} SELECT g, g FROM generate_series(1, {rows}) g")
+    started = start_azurite()
+    azurite = next(started)
+    try:
+        BlobServiceClient.from_connection_string(azurite.connection_string).create_container(
+            "db-state"
+        )
+        workers = Workers(pg, azurite.connection_string, tmp_path)
+        workers.env["DBT_SCALEOUT_HANDLER_MS"] = "4"
+        node = _pid_listening_for(azurite.blob_port)
+        try:
+            for name in ("w1", "w2", "w3"):
+                workers.start(name)
+            wait_for("three fair shares", lambda: workers.shares() == fair(3), 90, workers.show)
+            os.kill(node, signal.SIGSTOP)
+            try:
+                time.sleep(13)  # the outage itself: longer than the 10 s member TTL
+            finally:
+                os.kill(node, signal.SIGCONT)
+            wait_for("three members again", lambda: workers.shares() == fair(3), 120, workers.show)
+            workers.procs["w2"].send_signal(signal.SIGSTOP)
+            try:
+                wait_for("w2's partitions taken", lambda: workers.shares() == fair(2), 90)
+            finally:
+                workers.procs["w2"].send_signal(signal.SIGCONT)
+            expected = {(i, i) for i in range(1, rows + 1)}
+            wait_for(
+                "every row delivered",
+                lambda: expected <= set(workers.deliveries()),
+                120,
+                lambda: f"{len(expected - set(workers.deliveries()))} missing\n{workers.show()}",
+            )
+            assert all(p.poll() is None for p in workers.procs.values()), workers.show()
+        finally:
+            workers.stop()
+    finally:
+        started.close()
     logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("w*.log"))
     raised = re.findall(r"^([\w.]+(?:Error|Exception))\b", logs, re.MULTILINE)
     assert all(name.startswith("dbtrigger.errors.") for name in raised), raised

@@ -14,14 +14,17 @@ import socket
 import threading
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 from azure.core.credentials import AzureNamedKeyCredential
-from azure.data.tables import TableClient
+from azure.data.tables import TableClient, UpdateMode
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dbtrigger import PollTrigger
+from dbtrigger.cli.main import main
 from dbtrigger.errors import (
     AmbiguousWriteError,
     CasConflictError,
@@ -39,6 +42,7 @@ from dbtrigger.state.stores.table import (
     entity_size,
     split_text,
 )
+from dbtrigger.testing import MemorySource
 from tests.azurite import ACCOUNT, KEY, Azurite
 from tests.databases import TestDatabase
 from tests.test_sql_store import drain_counting_store_calls
@@ -445,3 +449,50 @@ def test_answer_lost_after_the_write_landed_is_ambiguous(azurite: Azurite, table
     assert stored.data == b'{"v": 2}'
     with pytest.raises(CasConflictError):
         direct.write("orders", b'{"v": 3}', if_match=etag)
+
+
+# --- an entity it cannot decode -------------------------------------------------------------
+
+
+def test_a_malformed_entity_is_named_and_replaced_by_reset_from_file_force(
+    azurite: Azurite,
+    table_name: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    store = TableCheckpointStore(
+        connection_string=azurite.connection_string, table=table_name, create_table=True
+    )
+    rows = [{"id": i, "seq": i} for i in range(1, 4)]
+    trigger = PollTrigger(
+        name="orders",
+        source=MemorySource(rows, cursor_column="seq", pk_columns=["id"]),
+        checkpoint_store=store,
+    )
+    trigger.tick(lambda events: None)
+    stored = store.read("orders")
+    assert stored is not None
+    saved = tmp_path / "orders.backup.json"
+    saved.write_bytes(stored.data)
+    with TableClient.from_connection_string(azurite.connection_string, table_name) as client:
+        entity = client.get_entity("default", "orders")
+        entity["doc_parts"] = "x"
+        client.update_entity(entity, mode=UpdateMode.REPLACE)
+    monkeypatch.setenv("DBTRIGGER_BACKUP_DIR", str(tmp_path / "backups"))
+    where = ["--store", f"azure-table:{azurite.connection_string}", "--table", table_name]
+
+    assert main(["history", "orders", *where]) == 2
+    err = capsys.readouterr().err
+    assert "poller 'orders'" in err
+    assert "doc_parts" in err
+    assert "--from-file BACKUP --force" in err
+    restore = ["reset", "orders", "--from-file", str(saved), "--reason", "r", "--yes", "--force"]
+    assert main([*restore, *where]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "replacing an unreadable state document" in out
+    assert KEY not in out
+    assert store.read("orders") is not None  # readable again
+    (kept,) = (tmp_path / "backups").iterdir()
+    assert b'"doc_parts": "x"' in kept.read_bytes()
+    store.close()

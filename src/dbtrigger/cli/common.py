@@ -228,14 +228,10 @@ def queue_from_args(args: argparse.Namespace) -> ClaimSource | None:
 
 def read_state(store: CheckpointStore, poller: str) -> tuple[StateDocument, str, bytes]:
     """The document, its etag (for the conditional write) and raw bytes (for the backup)."""
-    stored = store.read(poller)
-    if stored is None and store.read(f"{poller}.members") is not None:
-        raise ConfigurationError(
-            f"{poller!r} is a partitioned poller: it has one state document per partition "
-            f"({poller}.p000-064 ...), each changed on its own, e.g. `dbtrigger reset "
-            f"{poller}.p000-064 ...`; `dbtrigger partitions show --trigger MODULE:ATTR` lists "
-            "them (the retired ones a regroup left are read by nobody)"
-        )
+    try:
+        stored = store.read(poller)
+    except CorruptStateError as exc:  # a store that cannot even decode what it holds
+        raise _unreadable(store, poller, exc, getattr(exc, "stored", None)) from exc
     if stored is None:
         raise ConfigurationError(
             f"no state for poller {poller!r} in {describe_store(store)}{_held_by(store)}"
@@ -243,13 +239,22 @@ def read_state(store: CheckpointStore, poller: str) -> tuple[StateDocument, str,
     try:
         doc = docmod.loads(stored.data)
     except CorruptStateError as exc:
-        raise CorruptStateError(
-            f"the state of poller {poller!r} in {describe_store(store)} cannot be read: {exc}. "
-            "Nothing was changed. To replace it with a backup: dbtrigger reset "
-            f"{poller} --from-file BACKUP --force (backups are in --backup-dir)",
-            poller=poller,
-        ) from exc
+        raise _unreadable(store, poller, exc, stored) from exc
     return doc, stored.etag, stored.data
+
+
+def _unreadable(
+    store: CheckpointStore, poller: str, exc: CorruptStateError, stored: object
+) -> CorruptStateError:
+    """Name the poller, the store and the way out; carry what reset --force replaces."""
+    error = CorruptStateError(
+        f"the state of poller {poller!r} in {describe_store(store)} cannot be read: {exc}. "
+        "Nothing was changed. To replace it with a backup: dbtrigger reset "
+        f"{poller} --from-file BACKUP --force (backups are in --backup-dir)",
+        poller=poller,
+    )
+    error.stored = stored  # type: ignore[attr-defined]
+    return error
 
 
 def _held_by(store: CheckpointStore) -> str:

@@ -210,8 +210,10 @@ def _apply_change_on(
             raise ConfigurationError(
                 f"the backup is of poller {replacement.poller_name!r}, not {args.poller!r}"
             ) from None
-        stored = store.read(args.poller)
-        if stored is None:  # deleted since: nothing left to replace
+        # The unreadable bytes and their etag, from the store (an entity it cannot
+        # decode) or from read_state (a document that does not parse).
+        stored = getattr(exc, "stored", None)
+        if stored is None:
             raise
         before, etag, raw = replacement, stored.etag, stored.data
     backup = _backup_path(args, args.poller, operation, now)

@@ -42,6 +42,7 @@ share (:mod:`dbtrigger._azure_errors`).
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -356,7 +357,7 @@ class TableCheckpointStore(SdkClientHolder[TableClient]):
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptStateError(
                 f"entity {self._app}/{key} in {self.describe()} is not a dbtrigger document "
-                f"(missing or malformed {exc})"
+                f"(a missing or malformed doc_parts, doc_bytes or doc_N property: {exc})"
             ) from None
         data = text.encode("utf-8")
         if len(data) != expected:
@@ -377,7 +378,15 @@ class TableCheckpointStore(SdkClientHolder[TableClient]):
                 if azure_errors.error_code(exc) == "TableNotFound":
                     raise
                 return None
-        return StoredDocument(self._document(key, entity), str(entity.metadata["etag"]))
+        etag = str(entity.metadata["etag"])
+        try:
+            return StoredDocument(self._document(key, entity), etag)
+        except CorruptStateError as exc:
+            # What a `reset --from-file --force` needs to replace it: the etag, and
+            # the entity's properties as the bytes it backs up.
+            raw = json.dumps(dict(entity), default=str, sort_keys=True).encode()
+            exc.stored = StoredDocument(raw, etag)  # type: ignore[attr-defined]
+            raise
 
     def write(self, key: str, data: bytes, *, if_match: str | None) -> str:
         validate_name(key, "poller name")

@@ -31,7 +31,7 @@ from dbtrigger.errors import ConfigurationError, FetchError
 from dbtrigger.metrics import InMemoryMetrics
 from dbtrigger.partitions import PartitionedPoller, bucket_of
 from dbtrigger.partitions.backlog import Backlog, PartitionBacklog, measure_backlog
-from dbtrigger.partitions.endpoint import BacklogCache, BacklogServer
+from dbtrigger.partitions.endpoint import BacklogCache, BacklogServer, parse_address
 from tests.databases import TestDatabase
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -362,3 +362,21 @@ def test_the_documented_keda_scaled_object_is_valid_and_wired_to_the_endpoint() 
     assert args.trigger == parser.parse_args(container["command"][1:]).trigger[0]
     assert backlog_deployment["spec"]["replicas"] == 1
     assert spec["maxReplicaCount"] == 12  # the app's partitions: more would idle
+
+
+def test_a_serve_address_that_cannot_be_bound_is_a_configuration_error() -> None:
+    """A port over 65535 raised OverflowError, an address of another host or a port
+    in use OSError, each as a traceback out of ``partitions backlog --serve``."""
+    cache = BacklogCache(lambda: pytest.fail("measured"))  # type: ignore[arg-type,return-value]
+    with pytest.raises(ConfigurationError, match="HOST:PORT"):
+        parse_address("127.0.0.1:99999")
+    with pytest.raises(ConfigurationError, match="cannot serve"):
+        BacklogServer(("127.0.0.1", 99999), cache)
+    with pytest.raises(ConfigurationError, match="cannot serve"):
+        BacklogServer(("192.0.2.1", 0), cache)  # TEST-NET-1: not an address of this host
+    taken = BacklogServer(("127.0.0.1", 0), cache)
+    try:
+        with pytest.raises(ConfigurationError, match="cannot serve"):
+            BacklogServer(("127.0.0.1", taken.server_address[1]), cache)
+    finally:
+        taken.server_close()

@@ -76,6 +76,8 @@ def cmd_backlog(args: argparse.Namespace) -> int:
     if args.target < 1:
         raise ConfigurationError(f"--target must be at least 1 row, got {args.target}")
     if args.serve:
+        if args.min_interval < 0:
+            raise ConfigurationError(f"--min-interval cannot be negative, got {args.min_interval}")
         return _serve_backlog(poller, args)
     backlog = measure_backlog(poller)
     if args.json:

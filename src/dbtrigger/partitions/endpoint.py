@@ -83,7 +83,12 @@ class BacklogServer(ThreadingHTTPServer):
             raise ConfigurationError(f"--target must be at least 1 row, got {target_rows}")
         self.cache = cache
         self.target_rows = target_rows
-        super().__init__(address, _Handler)
+        try:
+            super().__init__(address, _Handler)
+        except (OSError, OverflowError) as exc:  # in use, not this host's, not a port
+            raise ConfigurationError(
+                f"cannot serve the backlog on {address[0]}:{address[1]}: {exc}"
+            ) from exc
 
     @property
     def url(self) -> str:
@@ -153,6 +158,6 @@ def _target(query: dict[str, list[str]], default: int) -> int:
 def parse_address(text: str) -> tuple[str, int]:
     """``HOST:PORT`` (``:8080`` means every interface)."""
     host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
+    if not sep or not port.isdigit() or int(port) > 65535:
         raise ConfigurationError(f"--serve takes HOST:PORT (e.g. 0.0.0.0:8080), got {text!r}")
     return host or "0.0.0.0", int(port)  # noqa: S104 - the operator asked for every interface

@@ -346,3 +346,14 @@ def test_a_directory_removed_during_a_write_is_unavailable_not_a_raw_oserror(
     monkeypatch.setattr(tempfile, "mkstemp", vanished)
     with pytest.raises(StoreUnavailableError, match="cannot write"):
         store.write("orders", _doc_bytes(), if_match=etag)
+
+
+def test_the_cli_does_not_create_a_sqlite_state_database(tmp_path: Path) -> None:
+    """An operator command pointed at a mistyped SQLite path fails, and leaves no
+    empty database behind (SQLite creates the file on connect)."""
+    missing = tmp_path / "typo" / "state.db"
+    missing.parent.mkdir()
+    for argv in (["status"], ["reset", "orders", "--to-beginning"]):
+        assert main([*argv, "--store", f"sqlite:///{missing}"]) == 2
+    assert not missing.exists()
+    assert list(missing.parent.iterdir()) == []

@@ -36,6 +36,7 @@ import importlib
 import re
 import threading
 from collections.abc import Mapping
+from pathlib import Path
 from types import ModuleType
 from typing import Any, cast
 from urllib.parse import parse_qsl, urlsplit
@@ -169,6 +170,15 @@ def _open_sql(spec: str, *, app: str) -> CheckpointStore:
     remember_secret(url.password if isinstance(url.password, str) else None)
     options = {k: url.query[k] for k in _SQL_OPTIONS if k in url.query}
     url = url.difference_update_query(_SQL_OPTIONS)
+    database = url.database or ""
+    if (
+        url.get_backend_name() == "sqlite"
+        and database not in ("", ":memory:")
+        and not database.startswith("file:")
+        and not Path(database).exists()
+    ):
+        # SQLite would create an empty file on connect; the CLI never creates stores.
+        raise ConfigurationError(f"no SQLite state database at {database}")
     module = _lazy("dbtrigger.state.stores.sql", "the SQL checkpoint store")
     kwargs: dict[str, Any] = {
         "namespace": options.get("namespace") or options.get("app") or app,

@@ -232,6 +232,13 @@ def read_state(store: CheckpointStore, poller: str) -> tuple[StateDocument, str,
         stored = store.read(poller)
     except CorruptStateError as exc:  # a store that cannot even decode what it holds
         raise _unreadable(store, poller, exc, getattr(exc, "stored", None)) from exc
+    if stored is None and store.read(f"{poller}.members") is not None:
+        raise ConfigurationError(
+            f"{poller!r} is a partitioned poller: it has one state document per partition "
+            f"({poller}.p000-064 ...), each changed on its own, e.g. `dbtrigger reset "
+            f"{poller}.p000-064 ...`; `dbtrigger partitions show --trigger MODULE:ATTR` lists "
+            "them (the retired ones a regroup left are read by nobody)"
+        )
     if stored is None:
         raise ConfigurationError(
             f"no state for poller {poller!r} in {describe_store(store)}{_held_by(store)}"

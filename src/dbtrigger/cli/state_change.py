@@ -43,6 +43,7 @@ from dbtrigger.cli.common import (
 from dbtrigger.cursor import Position, encode_value
 from dbtrigger.errors import CasConflictError, ConfigurationError, CorruptStateError
 from dbtrigger.history.wiring import record_write
+from dbtrigger.partitions.floors import drop_floors
 from dbtrigger.sources.base import (
     ValidatesDefinition,
     accepted_fingerprints,
@@ -178,6 +179,10 @@ def _write_backup(path: Path, data: bytes) -> None:
         ) from exc
 
 
+#: Operations that move a checkpoint back (a merged partition's floors are dropped first).
+MOVES_BACK = frozenset({"reset", "rewind", "bookmark-restore"})
+
+
 def _apply_change(
     args: argparse.Namespace,
     operation: str,
@@ -225,6 +230,11 @@ def _apply_change_on(
         console.print(dry_run_note(args))
         return 0
     _write_backup(backup, raw)
+    if operation in MOVES_BACK:
+        # A merged partition's floors would skip what this asks to deliver again.
+        entry = {"actor": actor_from_args(args), "reason": args.reason, "at": now.isoformat()}
+        if dropped := drop_floors(store, args.poller, {**entry, "by": operation}):
+            console.print(f"dropped the {dropped} merge floor(s) of {args.poller}")
     try:
         store.write(args.poller, docmod.dumps(after), if_match=etag)
     except CasConflictError as exc:

@@ -17,7 +17,7 @@ from typing import Any
 from dbtrigger.errors import CasConflictError, CorruptStateError, FingerprintMismatchError
 from dbtrigger.partitions import cadence, layout
 from dbtrigger.partitions.handover import fence_dead_holders
-from dbtrigger.partitions.layout import BalanceDecision, Membership
+from dbtrigger.partitions.layout import BalanceDecision, Floor, Membership, Partition
 from dbtrigger.partitions.loop import BalanceLoop
 from dbtrigger.partitions.report import GroupReport
 from dbtrigger.partitions.source import PartitionSource
@@ -222,12 +222,24 @@ class Balancing:
                 )
             return lost
 
+    def _floors_of(self, partition: Partition) -> Callable[[], tuple[Floor, ...]]:
+        """The floors the stored layout gives ``partition`` now (kept if it was regrouped)."""
+
+        def floors() -> tuple[Floor, ...]:
+            stored = self.store.read(self.key)
+            current = layout.loads(stored.data).partition(partition.id) if stored else None
+            return partition.floors if current is None else current.floors
+
+        return floors
+
     def _rebuild(self, doc: Membership) -> None:
         """One PollTrigger per partition of the current layout."""
         self._triggers = {
             p.id: PollTrigger(
                 name=partition_poller(self.name, p.id),
-                source=PartitionSource(self.source, p, poller=self.name),
+                source=PartitionSource(
+                    self.source, p, poller=self.name, floors_now=self._floors_of(p)
+                ),
                 checkpoint_store=self.store,
                 owner_id=self.member_id,
                 metrics=self._metrics_inner,

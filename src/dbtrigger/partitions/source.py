@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -30,7 +30,7 @@ from dbtrigger.partitions.buckets import (
     sql_bucket,
     sqlite_bucket,
 )
-from dbtrigger.partitions.layout import Partition
+from dbtrigger.partitions.layout import Floor, Partition
 from dbtrigger.sources.keyset import Keyset
 from dbtrigger.sources.lag import LagReading
 from dbtrigger.sources.sqlalchemy import SqlAlchemySource
@@ -60,10 +60,21 @@ class PartitionSource:
     when the partition count changes.
     """
 
-    def __init__(self, base: SqlAlchemySource, partition: Partition, *, poller: str) -> None:
+    def __init__(
+        self,
+        base: SqlAlchemySource,
+        partition: Partition,
+        *,
+        poller: str,
+        floors_now: Callable[[], tuple[Floor, ...]] | None = None,
+    ) -> None:
         self.base = base
         self.partition = partition
         self.poller = poller
+        # A merged partition's floors, read again before every fetch while it has
+        # any: an operator's reset of the partition drops them from the layout
+        # first, and a fetch after that reset must not skip what it asked for.
+        self._floors_now = floors_now if partition.floors else None
         self._inner = base.derive(self._condition)
         self._fingerprint: str | None = None
         if base.dialect_name == "sqlite":
@@ -133,9 +144,21 @@ class PartitionSource:
     def last_fetch_info(self) -> FetchInfo | None:
         return self._inner.last_fetch_info
 
+    def _current_floors(self) -> None:
+        """Follow the layout's floors of this partition (only ever removed in place)."""
+        if self._floors_now is None:
+            return
+        floors = self._floors_now()
+        if floors != self.partition.floors:
+            self.partition = Partition(self.partition.lo, self.partition.hi, floors)
+            self._inner = self.base.derive(self._condition)
+        if not floors:
+            self._floors_now = None
+
     # --- the port --------------------------------------------------------------------
 
     def fetch(self, after: Position, limit: int) -> Sequence[Mapping[str, Any]]:
+        self._current_floors()
         rows = self._inner.fetch(after, limit)
         check_rows(rows, self.pk_columns, self.partition.lo, self.partition.hi, self.name)
         return rows
@@ -147,6 +170,7 @@ class PartitionSource:
         return self._inner.to_events(rows, poller=self.poller, batch_id=batch_id)
 
     def count_after(self, after: Position) -> int:
+        self._current_floors()
         return self._inner.count_after(after)
 
     def row_age(self, row: Mapping[str, Any], now: dt.datetime) -> LagReading:

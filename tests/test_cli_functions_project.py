@@ -196,6 +196,7 @@ def test_settings_file_is_read_only_inside_a_functions_project(
 def test_app_name_comes_from_the_same_setting_as_the_functions_example(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    (tmp_path / "state.db").touch()  # the CLI opens stores, never creates them
     url = f"sqlite:///{tmp_path / 'state.db'}"
     monkeypatch.setenv("DBTRIGGER_APP_NAME", "shop")
     monkeypatch.delenv("DBTRIGGER_APP", raising=False)

@@ -357,3 +357,20 @@ def test_the_cli_does_not_create_a_sqlite_state_database(tmp_path: Path) -> None
         assert main([*argv, "--store", f"sqlite:///{missing}"]) == 2
     assert not missing.exists()
     assert list(missing.parent.iterdir()) == []
+
+
+def test_a_bare_app_setting_name_as_store_says_how_to_reference_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--store AzureWebJobsStorage` (the form the store constructors take) is a
+    directory on the command line; with no such directory but such a setting, the
+    command fails and names the %SETTING% form instead of listing 'no pollers'."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("AzureWebJobsStorage", "UseDevelopmentStorage=true")
+    monkeypatch.setenv("STATE_STORAGE__accountName", "acct")
+    for name in ("AzureWebJobsStorage", "STATE_STORAGE"):
+        assert main(["status", "--store", name]) == 2
+        assert f"write it as %{name}%" in capsys.readouterr().err
+    (tmp_path / "AzureWebJobsStorage").mkdir()  # a real directory of that name is used
+    assert main(["status", "--store", "AzureWebJobsStorage"]) == 0
+    assert "no pollers" in capsys.readouterr().out

@@ -194,6 +194,10 @@ def _open_sql(spec: str, *, app: str) -> CheckpointStore:
     return store
 
 
+#: ``<setting>__<suffix>``: a Functions identity-based connection.
+_IDENTITY_SUFFIXES = ("blobServiceUri", "serviceUri", "accountName")
+
+
 def open_store(
     spec: str,
     *,
@@ -216,9 +220,7 @@ def open_store(
     name = setting_name(spec)
     if name is not None:
         env = environment(environ)
-        if name not in env and any(
-            f"{name}__{suffix}" in env for suffix in ("blobServiceUri", "serviceUri", "accountName")
-        ):
+        if name not in env and any(f"{name}__{suffix}" in env for suffix in _IDENTITY_SUFFIXES):
             # A Functions identity-based connection: the blob store resolves it.
             return _open_blob_connection_string(name, container=container, app=app)
         value = resolve_setting(spec, environ).strip()
@@ -227,6 +229,16 @@ def open_store(
             raise ConfigurationError(f"app setting {name!r} is empty: it names no store")
         # The setting's value is the location, read once: it is not resolved again.
         return _open_location(value, app=app, container=container, table=table)
+    env = environment(environ)
+    if (
+        any(key in env for key in (spec, *(f"{spec}__{s}" for s in _IDENTITY_SUFFIXES)))
+        and not Path(spec).exists()
+    ):
+        # `--store AzureWebJobsStorage` would be a directory of that name, empty.
+        raise ConfigurationError(
+            f"store {spec!r} is read as a directory, and there is none; to use the app "
+            f"setting {spec}, write it as %{spec}%"
+        )
     return _open_location(spec, app=app, container=container, table=table)
 
 

@@ -322,7 +322,7 @@ def test_ddl_after_a_read_ahead_delivers_in_order_or_refuses_typed(
 # --- the visibility guard with a writer open across the read-ahead -----------------------
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 @pytest.mark.xdist_group("shared-horizons")  # it holds a writer open (PostgreSQL's xid horizon)
 @pytest.mark.parametrize("per_tick", [100, 1])
 def test_a_row_committed_late_below_a_read_ahead_is_not_skipped(
@@ -371,8 +371,10 @@ def test_a_row_committed_late_below_a_read_ahead_is_not_skipped(
         blocker.commit()
     finally:
         blocker.close()
-    # (MariaDB's guard may hold the rows back a little longer: bounded.)
-    wait_for(lambda: trigger.tick(handler) == 0 and len(seen) >= 27, 15)
+    # MariaDB's guard may hold the rows back longer: it reads INNODB_TRX, a
+    # server-wide cache refreshed only when nobody has read it for 0.1 s, so the
+    # other tests' guards on the shared server can keep it stale for 15-30 s.
+    wait_for(lambda: trigger.tick(handler) == 0 and len(seen) >= 27, 75)
     assert sorted(seen) == list(range(1, 28)), seen
     assert len(seen) == len(set(seen))
     # The read after row 20 was made with the writer open (its rows 21-25, short:

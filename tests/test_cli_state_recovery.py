@@ -284,3 +284,23 @@ def test_a_corrupt_backup_file_is_named(
     code, _, err = run(capsys, app.cli("reset", "orders", "--from-file", str(broken)))
     assert code == 2
     assert f"{broken} is not a usable backup" in err
+
+
+def test_with_no_backup_a_corrupt_document_is_replaced_by_a_reset_naming_the_trigger(
+    app: App, capsys: pytest.CaptureFixture[str]
+) -> None:
+    app.tick()  # rows 1..10 committed
+    good, etag = app.raw()
+    app.backend.store.write("orders", b'{"version": 1, "poller_name"', if_match=etag)
+    start_over = ["reset", "orders", "--to-beginning", "--reason", "corrupt", "--yes", "--force"]
+    code, _, err = run(capsys, app.cli(*start_over))  # the fingerprint is unknown: refused
+    assert code == 2
+    assert "--to-beginning --source MODULE:ATTR --force" in err
+    code, out, err = run(capsys, app.cli(*start_over, "--source", f"{app.module}:trigger"))
+    assert code == 0, err
+    assert "replacing an unreadable state document" in out
+    doc = app.doc()
+    assert doc.checkpoint is None
+    assert doc.source_fingerprint == docmod.loads(good).source_fingerprint
+    app.tick()  # delivered again from the beginning, no fingerprint mismatch
+    assert app.seen == list(range(1, 11)) * 2

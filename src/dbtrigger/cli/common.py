@@ -256,8 +256,9 @@ def _unreadable(
     """Name the poller, the store and the way out; carry what reset --force replaces."""
     error = CorruptStateError(
         f"the state of poller {poller!r} in {describe_store(store)} cannot be read: {exc}. "
-        "Nothing was changed. To replace it with a backup: dbtrigger reset "
-        f"{poller} --from-file BACKUP --force (backups are in --backup-dir)",
+        "Nothing was changed. To replace it: dbtrigger reset "
+        f"{poller} --from-file BACKUP --force (backups are in --backup-dir), or, with no "
+        f"backup, dbtrigger reset {poller} --to-beginning --source MODULE:ATTR --force",
         poller=poller,
     )
     error.stored = stored  # type: ignore[attr-defined]

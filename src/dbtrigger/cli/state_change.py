@@ -332,6 +332,13 @@ def cmd_reset(args: argparse.Namespace) -> int:
         except CorruptStateError as exc:
             raise CorruptStateError(f"{args.from_file} is not a usable backup: {exc}") from exc
         args.replacement = backup_doc  # stands in for a corrupt stored document (--force)
+    elif (args.to_beginning or args.to_cursor) and typed_by is not None:
+        # With the trigger named, a new document can stand in for a corrupt one (--force).
+        args.replacement = StateDocument(
+            poller_name=args.poller,
+            source_fingerprint=fingerprint or typed_by.fingerprint(),
+            source_definition=definition if fingerprint else source_definition(typed_by),
+        )
 
     def decide(doc: StateDocument, now: dt.datetime, details: dict[str, Any]) -> StateDocument:
         who = by_hand(args, now, details)

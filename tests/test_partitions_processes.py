@@ -160,6 +160,39 @@ class Workers:
         return f"shares {self.shares()}\n" + "\n".join(tails)
 
 
+class RowWriter:
+    """Inserts rows (30% of the time updates one) with a rising ``seq`` until
+    :attr:`stop` is set, every 10 ms; :attr:`latest` holds each key's last seq."""
+
+    def __init__(self, db: TestDatabase, table: str, rows: int, *, seed: int) -> None:
+        self.db, self.table, self.seed = db, table, seed
+        self.latest = {i: i for i in range(1, rows + 1)}
+        self.seq = rows
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        rng = random.Random(self.seed)
+        next_id = len(self.latest) + 1
+        with self.db.engine.connect() as conn:
+            while not self.stop.is_set():
+                self.seq += 1
+                if rng.random() < 0.3:
+                    key = rng.randrange(1, next_id)
+                    conn.execute(
+                        sa.text(f"UPDATE {self.table} SET seq = :s WHERE id = :id"),
+                        {"s": self.seq, "id": key},
+                    )
+                else:
+                    key, next_id = next_id, next_id + 1
+                    conn.execute(
+                        sa.text(f"INSERT INTO {self.table} (id, seq) VALUES (:id, :s)"),
+                        {"id": key, "s": self.seq},
+                    )
+                conn.commit()
+                self.latest[key] = self.seq
+                self.stop.wait(0.01)
+
+
 def test_workers_started_together_at_defaults_share_converge_and_lose_nothing(
     pg: TestDatabase, store_spec: str, tmp_path: Path
 ) -> None:
@@ -167,30 +200,9 @@ def test_workers_started_together_at_defaults_share_converge_and_lose_nothing(
     pg.execute(f"CREATE TABLE {table} (id INTEGER PRIMARY KEY, seq BIGINT NOT NULL)")
     pg.execute(f"CREATE INDEX ON {table} (seq, id)")
     pg.execute(f"INSERT INTO {table} SELECT g, g FROM generate_series(1, {ROWS}) g")
-    latest = {i: i for i in range(1, ROWS + 1)}
-    seq = [ROWS]
-    stop = threading.Event()
-
-    def write() -> None:
-        rng = random.Random(7)
-        next_id = ROWS + 1
-        with pg.engine.connect() as conn:
-            while not stop.is_set():
-                seq[0] += 1
-                if rng.random() < 0.3:
-                    key = rng.randrange(1, next_id)
-                    conn.execute(
-                        sa.text(f"UPDATE {table} SET seq = :s WHERE id = :id"),
-                        {"s": seq[0], "id": key},
-                    )
-                else:
-                    key, next_id = next_id, next_id + 1
-                    conn.execute(
-                        sa.text(f"INSERT INTO {table} VALUES (:id, :s)"), {"id": key, "s": seq[0]}
-                    )
-                conn.commit()
-                latest[key] = seq[0]
-                time.sleep(0.01)
+    rows_writer = RowWriter(pg, table, ROWS, seed=7)
+    latest = rows_writer.latest
+    stop = rows_writer.stop
 
     workers = Workers(pg, store_spec, tmp_path)
     regressions: list[str] = []
@@ -208,7 +220,7 @@ def test_workers_started_together_at_defaults_share_converge_and_lose_nothing(
             # workers' own start (a joining process took 6 s to print its banner).
             time.sleep(0.5)
 
-    writer = threading.Thread(target=write)
+    writer = threading.Thread(target=rows_writer.run)
     watcher = threading.Thread(target=watch)
     times: dict[str, float] = {}
     try:

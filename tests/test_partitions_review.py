@@ -9,7 +9,6 @@ and the only repeats are what the docs allow (a stalled member's batch in flight
 from __future__ import annotations
 
 import os
-import random
 import re
 import signal
 import subprocess
@@ -25,7 +24,7 @@ from dbtrigger import FileCheckpointStore, PollTrigger, SqlAlchemySource
 from dbtrigger.errors import DbTriggerError
 from dbtrigger.partitions import PartitionedPoller
 from tests.databases import TestDatabase
-from tests.test_partitions_processes import ROOT, Workers, fair, wait_for
+from tests.test_partitions_processes import ROOT, RowWriter, Workers, fair, wait_for
 
 
 def per_key_in_order(workers: Workers) -> list[str]:
@@ -180,31 +179,9 @@ def test_ddl_an_unreachable_store_and_regroups_while_members_run_or_are_down(
     state.mkdir()
     workers = Workers(pg, str(state), tmp_path)
     workers.env["DBT_SCALEOUT_HANDLER_MS"] = "2"
-    latest = {i: i for i in range(1, rows + 1)}
-    seq = [rows]
-    stop = threading.Event()
-
-    def write() -> None:
-        rng = random.Random(3)
-        next_id = rows + 1
-        with pg.engine.connect() as conn:
-            while not stop.is_set():
-                seq[0] += 1
-                if rng.random() < 0.3:
-                    key = rng.randrange(1, next_id)
-                    conn.execute(
-                        sa.text(f"UPDATE {table} SET seq = :s WHERE id = :id"),
-                        {"s": seq[0], "id": key},
-                    )
-                else:
-                    key, next_id = next_id, next_id + 1
-                    conn.execute(
-                        sa.text(f"INSERT INTO {table} (id, seq) VALUES (:id, :s)"),
-                        {"id": key, "s": seq[0]},
-                    )
-                conn.commit()
-                latest[key] = seq[0]
-                stop.wait(0.01)
+    rows_writer = RowWriter(pg, table, rows, seed=3)
+    latest = rows_writer.latest
+    stop = rows_writer.stop
 
     def cli(*argv: str) -> str:
         done = subprocess.run(
@@ -226,7 +203,7 @@ def test_ddl_an_unreachable_store_and_regroups_while_members_run_or_are_down(
         assert done.returncode == 0, done.stdout + done.stderr
         return done.stdout
 
-    writer = threading.Thread(target=write)
+    writer = threading.Thread(target=rows_writer.run)
     try:
         for name in ("w1", "w2", "w3"):
             workers.start(name)

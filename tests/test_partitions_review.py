@@ -194,8 +194,15 @@ def test_ddl_an_unreachable_store_and_regroups_while_members_run_or_are_down(
                 "benchmarks.scaleout_app:trigger",
             ],
             check=False,
-            cwd=ROOT,
-            env=workers.env,
+            # From tmp_path, so the regroup's backups (dbtrigger-backups/ in the
+            # working directory) are not written into the checkout.
+            cwd=tmp_path,
+            env={
+                **workers.env,
+                "PYTHONPATH": os.pathsep.join(
+                    filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
+                ),
+            },
             capture_output=True,
             text=True,
             timeout=120,

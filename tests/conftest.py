@@ -33,6 +33,13 @@ def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TestDatabase]
     yield from make_database(request.param, tmp_path)
 
 
+@pytest.fixture(params=[pytest.param(k, marks=_marks(k)) for k in ("postgresql", "mariadb")])
+def server_db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TestDatabase]:
+    """An isolated schema on PostgreSQL and on MariaDB: the servers, for behaviour
+    SQLite cannot show (several sessions reading and writing at once)."""
+    yield from make_database(request.param, tmp_path)
+
+
 @pytest.fixture
 def pg(tmp_path: Path) -> Iterator[TestDatabase]:
     yield from make_database("postgresql", tmp_path)

@@ -15,8 +15,7 @@ sessions this process opened that are still open on the server.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from types import TracebackType
 
 import pytest
@@ -24,20 +23,14 @@ import sqlalchemy as sa
 
 from dbtrigger import SqlAlchemySource
 from dbtrigger.cursor import Position
-from tests.databases import TestDatabase, make_database
+from tests.databases import TestDatabase
 from tests.reliability_support import add_items, items_table
 from tests.test_readahead_real import (
-    SERVERS,
     _record_sessions,  # noqa: F401 - the autouse fixture that records this process's sessions
     connections_to,
     plain_items_source,
     wait_for,
 )
-
-
-@pytest.fixture(params=SERVERS)
-def server_db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TestDatabase]:
-    yield from make_database(request.param, tmp_path)
 
 
 class WatchedLock:

@@ -13,7 +13,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,7 +30,7 @@ from dbtrigger.errors import DbTriggerError, PartialBatchError
 from dbtrigger.runtime.context import BatchContext
 from dbtrigger.runtime.runner import Runner
 from dbtrigger.state import document as docmod
-from tests.databases import TestDatabase, admin_engine, make_database
+from tests.databases import TestDatabase, admin_engine
 from tests.reliability_support import (
     Clock,
     add_items,
@@ -41,17 +40,6 @@ from tests.reliability_support import (
 )
 from tests.test_readahead import ids, read_ahead_of
 from tests.test_readahead import trigger_for as memory_trigger_for
-
-SERVERS = [
-    pytest.param("postgresql", marks=pytest.mark.postgresql),
-    pytest.param("mariadb", marks=pytest.mark.mariadb),
-]
-
-
-@pytest.fixture(params=SERVERS)
-def server_db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TestDatabase]:
-    """PostgreSQL and MariaDB (the servers that read ahead: SQLite does not)."""
-    yield from make_database(request.param, tmp_path)
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:

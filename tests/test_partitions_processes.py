@@ -160,6 +160,17 @@ class Workers:
         return f"shares {self.shares()}\n" + "\n".join(tails)
 
 
+def wait_latest_delivered(workers: Workers, latest: dict[int, int], timeout: float) -> None:
+    """Until every key's latest seq was delivered by some worker (bounded)."""
+    expected = set(latest.items())
+    wait_for(
+        "every row's latest state delivered",
+        lambda: expected <= set(workers.deliveries()),
+        timeout,
+        lambda: f"{len(expected - set(workers.deliveries()))} missing\n{workers.show()}",
+    )
+
+
 class RowWriter:
     """Inserts rows (30% of the time updates one) with a rising ``seq`` until
     :attr:`stop` is set, every 10 ms; :attr:`latest` holds each key's last seq."""
@@ -256,13 +267,7 @@ def test_workers_started_together_at_defaults_share_converge_and_lose_nothing(
         time.sleep(SOAK)  # the writer goes on: rows keep arriving in every partition
         stop.set()
         writer.join()
-        expected = set(latest.items())
-        wait_for(
-            "every row's latest state delivered",
-            lambda: expected <= set(workers.deliveries()),
-            90,
-            lambda: f"{len(expected - set(workers.deliveries()))} missing\n{workers.show()}",
-        )
+        wait_latest_delivered(workers, latest, 90)
     finally:
         stop.set()
         if writer.is_alive():

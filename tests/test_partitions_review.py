@@ -24,7 +24,14 @@ from dbtrigger import FileCheckpointStore, PollTrigger, SqlAlchemySource
 from dbtrigger.errors import DbTriggerError
 from dbtrigger.partitions import PartitionedPoller
 from tests.databases import TestDatabase
-from tests.test_partitions_processes import ROOT, RowWriter, Workers, fair, wait_for
+from tests.test_partitions_processes import (
+    ROOT,
+    RowWriter,
+    Workers,
+    fair,
+    wait_for,
+    wait_latest_delivered,
+)
 
 
 def per_key_in_order(workers: Workers) -> list[str]:
@@ -236,13 +243,7 @@ def test_ddl_an_unreachable_store_and_regroups_while_members_run_or_are_down(
         time.sleep(2)
         stop.set()
         writer.join()
-        expected = set(latest.items())
-        wait_for(
-            "every row's latest state delivered",
-            lambda: expected <= set(workers.deliveries()),
-            120,
-            lambda: f"{len(expected - set(workers.deliveries()))} missing\n{workers.show()}",
-        )
+        wait_latest_delivered(workers, latest, 120)
     finally:
         stop.set()
         if writer.is_alive():

@@ -41,18 +41,18 @@ SECONDS = float(os.environ.get("DBTRIGGER_CHAOS_SECONDS", "20"))
 #: The lanes variant writes for less by default (CI time); DBTRIGGER_CHAOS_SECONDS
 #: (or DBTRIGGER_CHAOS_LANES_SECONDS) makes it as long as you like.
 LANES_SECONDS = float(
-    os.environ.get("DBTRIGGER_CHAOS_LANES_SECONDS", os.environ.get("DBTRIGGER_CHAOS_SECONDS", "12"))
+    os.environ.get("DBTRIGGER_CHAOS_LANES_SECONDS", os.environ.get("DBTRIGGER_CHAOS_SECONDS", "8"))
 )
 #: The fan-out variant likewise: it re-proves the same invariants with the
 #: subscribers' threads in the mix (DBTRIGGER_CHAOS_FANOUT_SECONDS for longer).
 FANOUT_SECONDS = float(
     os.environ.get(
-        "DBTRIGGER_CHAOS_FANOUT_SECONDS", os.environ.get("DBTRIGGER_CHAOS_SECONDS", "12")
+        "DBTRIGGER_CHAOS_FANOUT_SECONDS", os.environ.get("DBTRIGGER_CHAOS_SECONDS", "8")
     )
 )
 #: The per-event retries variant likewise (DBTRIGGER_CHAOS_RETRY_SECONDS).
 RETRY_SECONDS = float(
-    os.environ.get("DBTRIGGER_CHAOS_RETRY_SECONDS", os.environ.get("DBTRIGGER_CHAOS_SECONDS", "10"))
+    os.environ.get("DBTRIGGER_CHAOS_RETRY_SECONDS", os.environ.get("DBTRIGGER_CHAOS_SECONDS", "8"))
 )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import json
+import os
 import pickle
 from typing import Any
 
@@ -300,7 +301,12 @@ def documents(draw: st.DrawFn) -> StateDocument:
     return doc
 
 
-@settings(max_examples=300, deadline=None)
+#: Generated documents per run: 100 by default (CI time: generation is most of the
+#: cost), DBTRIGGER_PROPERTY_EXAMPLES=1000 for a longer search.
+EXAMPLES = int(os.environ.get("DBTRIGGER_PROPERTY_EXAMPLES", "100"))
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
 @given(documents())
 def test_generated_documents_dump_to_the_plain_encoding(doc: StateDocument) -> None:
     assert docmod.dumps(doc) == plain(doc)

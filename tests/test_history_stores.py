@@ -263,3 +263,29 @@ def test_blob_segments_roll_over(azurite: Azurite) -> None:
         with pytest.raises(CasConflictError):
             history.append("orders", [rec(99)], after_seq=30)
         assert seqs(history)[-1] == 31
+
+
+@pytest.mark.azurite
+def test_blob_writers_that_differ_on_rolling_over_never_fork_the_history(
+    azurite: Azurite,
+) -> None:
+    """Whether a segment is full is a fact of the segment, not of what one writer is
+    about to append: a writer whose append would pass the size rolls over to a new
+    segment, and another writer, still at the old segment's end with a smaller
+    append, must not go on writing the same numbers there."""
+    for history in _blob(azurite, segment_bytes=1024):
+        small = history
+        big = BlobHistory(history.client, app="shop", segment_bytes=1024)
+        n = 0
+        while True:  # fill the first segment to just under its size
+            n += 1
+            small.append("orders", [rec(n)], after_seq=n - 1)
+            [segment] = list(small.client.list_blobs(name_starts_with="state/shop/"))
+            if int(segment.size) + 2 * len(str(rec(0))) > 1024:
+                break
+        large = {**rec(n + 1), "note": "x" * 600}
+        big.append("orders", [large], after_seq=n)  # too big for the segment: a new one
+        with pytest.raises(CasConflictError):
+            small.append("orders", [rec(n + 1)], after_seq=n)  # it holds n + 1 already
+        assert seqs(history) == list(range(1, n + 2))
+        assert [r["id"] for r in history.read("orders")][-1] == large["id"]

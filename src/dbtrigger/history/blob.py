@@ -12,9 +12,11 @@ an append-position condition (the segment's length as last seen): a second
 writer's block moves the position and ours fails with 412, so records are
 numbered without a gap or a repeat. The writer keeps the segment's length
 from its last append, so an append costs one request; a conflict or a first
-append reads the segment's end again. A segment rolls over past
-``segment_bytes`` or when the service's block limit is near (an append blob
-takes 50,000 blocks); pruning deletes whole segments.
+append reads the segment's end again. A segment rolls over once it has
+reached ``segment_bytes`` or the service's block limit is near (an append blob
+takes 50,000 blocks), judged by the segment alone so that every writer at its
+end agrees (the new segment's creation then conflicts like a block); pruning
+deletes whole segments.
 """
 
 from __future__ import annotations
@@ -241,9 +243,12 @@ class BlobHistory:
                     f"the history of {poller!r} ends at record {last}, not {after_seq}"
                 )
         try:
+            # Full is a fact of the segment, never of this append's size: a writer
+            # that rolled over because its records would not fit, and another still
+            # at the old segment's end with fewer, would otherwise both write the
+            # next numbers (the append-position condition guards one segment only).
             full = active is not None and (
-                (active.size > 0 and active.size + len(data) > self.segment_bytes)
-                or active.blocks >= MAX_BLOCKS
+                active.size >= self.segment_bytes or active.blocks >= MAX_BLOCKS
             )
             if active is None or full:
                 active = self._new_segment(poller, after_seq + 1)

@@ -12,12 +12,14 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from dbtrigger import FileCheckpointStore, RowChange
 from dbtrigger.errors import ConfigurationError, LiveLeaseError
-from dbtrigger.partitions import PartitionedPoller, regroup
+from dbtrigger.partitions import PartitionedPoller, bucket_of, regroup
+from dbtrigger.partitions.source import PartitionSource
 from dbtrigger.state.stores.base import CheckpointStore
 from tests.databases import TestDatabase
 from tests.test_partitions_poller import insert, make_table, source
@@ -284,4 +286,49 @@ def test_a_reset_of_a_merged_partition_delivers_its_rows_again(
     while trigger.tick(lambda events: delivered.extend(e.pk["id"] for e in events)):
         pass
     expected = sorted(i for i in range(1, 204) if bucket_of([i]) < 128)
+    assert sorted(delivered) == expected
+
+
+def test_a_merged_partition_past_its_floors_stops_reading_the_layout(
+    sqlite_db: TestDatabase, tmp_path: Path
+) -> None:
+    """While a merged partition has floors, each fetch reads the layout again (a reset
+    may have dropped them); once its checkpoint is past every floor they exclude
+    nothing, and the fetches stop costing a store read each."""
+    make_table(sqlite_db, 200)
+    store = FileCheckpointStore(tmp_path / "state")
+    (member,) = members(sqlite_db, store, 1)
+    member.balance()
+    member.drain(lambda events: None)
+    insert(sqlite_db, range(201, 204))  # the parents' checkpoints now differ
+    member.drain(lambda events: None)
+    regroup.apply(member, 2, actor="t", reason="r", wait_seconds=5)
+    member.balance()
+    pid = "p000-128"
+    assert member.membership is not None
+    assert member.membership.partition(pid).floors  # type: ignore[union-attr]
+    trigger = member.trigger(pid)
+    source = trigger.source
+    assert isinstance(source, PartitionSource)
+    reads: list[int] = []
+    follow = source._floors_now
+    assert follow is not None
+
+    def floors_now() -> Any:  # what the partition asks the layout (a store read)
+        reads.append(1)
+        return follow()
+
+    source._floors_now = floors_now
+    delivered: list[int] = []
+    trigger.tick(lambda events: delivered.extend(e.pk["id"] for e in events))
+    assert reads, "below its floors the partition follows the layout"
+    insert(sqlite_db, range(300, 400))  # rows of every bucket, above every floor
+    while trigger.tick(lambda events: delivered.extend(e.pk["id"] for e in events)):
+        pass
+    reads.clear()
+    insert(sqlite_db, range(400, 500))
+    while trigger.tick(lambda events: delivered.extend(e.pk["id"] for e in events)):
+        pass
+    assert not reads, f"{len(reads)} layout reads past the floors"
+    expected = sorted(i for i in range(300, 500) if bucket_of([i]) < 128)
     assert sorted(delivered) == expected

@@ -7,8 +7,8 @@ partition's checkpoint, they would skip rows the operator asked to have
 delivered again. ``dbtrigger reset|rewind|bookmark restore`` of a partition
 drops them (in one compare-and-swap of the membership document) before
 writing the partition's state; members read a floored partition's floors
-again before every fetch, so no fetch after the reset uses them. Dropping
-floors can only cause repeats, never a loss.
+again before every fetch until its checkpoint has passed them, so no fetch
+after the reset uses them. Dropping floors can only cause repeats, never a loss.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ import sqlalchemy as sa
 from sqlalchemy.sql import ColumnElement
 
 from dbtrigger.cursor import Position
+from dbtrigger.errors import DbTriggerError
 from dbtrigger.events import RowChange
 from dbtrigger.partitions.buckets import (
     BUCKET_COLUMN,
@@ -71,9 +72,9 @@ class PartitionSource:
         self.base = base
         self.partition = partition
         self.poller = poller
-        # A merged partition's floors, read again before every fetch while it has
-        # any: an operator's reset of the partition drops them from the layout
-        # first, and a fetch after that reset must not skip what it asked for.
+        # A merged partition's floors, read again before every fetch until the
+        # checkpoint has passed them: an operator's reset of the partition drops
+        # them from the layout first, and a fetch after it must not skip rows.
         self._floors_now = floors_now if partition.floors else None
         self._inner = base.derive(self._condition)
         self._fingerprint: str | None = None
@@ -144,21 +145,44 @@ class PartitionSource:
     def last_fetch_info(self) -> FetchInfo | None:
         return self._inner.last_fetch_info
 
-    def _current_floors(self) -> None:
-        """Follow the layout's floors of this partition (only ever removed in place)."""
+    def _current_floors(self, after: Position) -> None:
+        """Follow the layout's floors of this partition (only ever removed in place).
+
+        Floors matter only below them: once the checkpoint is at or past every floor,
+        no row after it is excluded by one, so they are dropped here without asking
+        the store, and the store is not read again before each fetch. A reset that
+        moves the checkpoint back below them later can only repeat rows then, as the
+        reset asks (it drops them from the layout too).
+        """
         if self._floors_now is None:
             return
-        floors = self._floors_now()
+        floors = () if self._floors_passed(after) else self._floors_now()
         if floors != self.partition.floors:
             self.partition = Partition(self.partition.lo, self.partition.hi, floors)
             self._inner = self.base.derive(self._condition)
         if not floors:
             self._floors_now = None
 
+    def _floors_passed(self, after: Position) -> bool:
+        """``after`` is at or past every floor (in Python's order of the values).
+
+        Where Python's order and the database's differ (a collation), a floor taken
+        as passed too early only repeats rows the parent delivered, never skips one.
+        """
+        tiebreak = tuple(c for c in self.pk_columns if c != self.cursor_column)
+        try:
+            mark = (after.cursor, *after.pk_tuple(tiebreak))
+            return all(
+                mark >= (f.position.cursor, *f.position.pk_tuple(tiebreak))
+                for f in self.partition.floors
+            )
+        except (TypeError, DbTriggerError):  # a NULL cursor, the beginning: ask the store
+            return False
+
     # --- the port --------------------------------------------------------------------
 
     def fetch(self, after: Position, limit: int) -> Sequence[Mapping[str, Any]]:
-        self._current_floors()
+        self._current_floors(after)
         rows = self._inner.fetch(after, limit)
         check_rows(rows, self.pk_columns, self.partition.lo, self.partition.hi, self.name)
         return rows
@@ -170,7 +194,7 @@ class PartitionSource:
         return self._inner.to_events(rows, poller=self.poller, batch_id=batch_id)
 
     def count_after(self, after: Position) -> int:
-        self._current_floors()
+        self._current_floors(after)
         return self._inner.count_after(after)
 
     def row_age(self, row: Mapping[str, Any], now: dt.datetime) -> LagReading:

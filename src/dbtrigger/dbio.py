@@ -28,88 +28,23 @@ after writing gets its batch again: make them idempotent (``upsert``).
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import NoSuchTableError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 
-from dbtrigger._database_url import DatabaseUrl
 from dbtrigger._driver_errors import short_error
-from dbtrigger._engine import LazyEngine
+from dbtrigger._tables import TableHandle, upsert_statement
 from dbtrigger.errors import (
     ConfigurationError,
     FetchError,
     OutputWriteError,
     RowNotFoundError,
 )
-from dbtrigger.names import validate_sql_identifier
-from dbtrigger.output import upsert_statement
 
 Row = dict[str, Any]
-
-
-class _Table:
-    """One database (and optionally one table): the lazily made engine, the reflected
-    table. Shared by every reader or writer a binding hands out."""
-
-    def __init__(
-        self,
-        what: str,
-        url: str | None,
-        table: str | None,
-        schema: str | None,
-        engine: Engine | None,
-        engine_kwargs: Mapping[str, Any] | None,
-    ) -> None:
-        if url is None and engine is None:
-            raise ConfigurationError(f"{what} needs url= or engine=")
-        self.what = what
-        self.table_name = validate_sql_identifier(table, "table") if table else None
-        self.schema = validate_sql_identifier(schema, "schema") if schema else None
-        self._db_url = DatabaseUrl(url, engine, f"{what} url")
-        self._engines = LazyEngine(lambda: self._db_url.value, engine_kwargs, engine)
-        self._table: sa.Table | None = None
-        self._lock = threading.Lock()
-
-    @property
-    def engine(self) -> Engine:
-        return self._engines.engine
-
-    @property
-    def name(self) -> str:
-        where = self.table_name or "(queries)"
-        if self.schema and self.table_name:
-            where = f"{self.schema}.{self.table_name}"
-        return f"{self._db_url.value.get_backend_name()}:{where}"
-
-    def table(self, conn: Connection) -> sa.Table:
-        if self.table_name is None:
-            raise ConfigurationError(f"{self.what}: this needs table=")
-        if self._table is None:
-            with self._lock:
-                if self._table is None:
-                    try:
-                        self._table = sa.Table(
-                            self.table_name, sa.MetaData(), schema=self.schema, autoload_with=conn
-                        )
-                    except NoSuchTableError:
-                        raise ConfigurationError(
-                            f"table {self.name} does not exist (or is not visible to this user)"
-                        ) from None
-        return self._table
-
-    def columns(self, conn: Connection, names: Sequence[str]) -> sa.Table:
-        table = self.table(conn)
-        unknown = [c for c in names if c not in table.c]
-        if unknown:
-            raise ConfigurationError(f"{self.name} has no column(s) {', '.join(sorted(unknown))}")
-        return table
-
-    def close(self) -> None:
-        self._engines.dispose()
 
 
 def _key_clause(table: sa.Table, pk: Mapping[str, Any], name: str) -> sa.ColumnElement[bool]:
@@ -122,8 +57,9 @@ def _key_clause(table: sa.Table, pk: Mapping[str, Any], name: str) -> sa.ColumnE
 
 
 class _OnTable:
-    """What a reader and a writer share: the :class:`_Table` they read or write
-    (its engine made at the first use), its name and its close."""
+    """What a reader and a writer share: the table they read or write
+    (:class:`~dbtrigger._tables.TableHandle`: its engine made at the first use),
+    its name and its close."""
 
     #: How errors name this kind of object ("DbReader needs url= or engine=").
     _what = "DbReader"
@@ -137,7 +73,7 @@ class _OnTable:
         engine: Engine | None = None,
         engine_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        self._db = _Table(self._what, url, table, schema, engine, engine_kwargs)
+        self._db = TableHandle(self._what, url, table, schema, engine, engine_kwargs)
 
     @property
     def name(self) -> str:

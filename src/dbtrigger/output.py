@@ -24,19 +24,15 @@ from typing import Any, Literal
 
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine
-from sqlalchemy.exc import NoSuchTableError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 
-from dbtrigger._database_url import DatabaseUrl
 from dbtrigger._driver_errors import short_error
-from dbtrigger._engine import LazyEngine
+from dbtrigger._tables import UPSERT_DIALECTS, TableHandle, upsert_statement
 from dbtrigger.errors import ConfigurationError, OutputWriteError
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.redaction import safe_url_text
 
 Action = Literal["insert", "upsert"]
-
-#: Dialects with a native upsert statement we know how to build.
-UPSERT_DIALECTS = frozenset({"postgresql", "sqlite", "mysql", "mariadb"})
 
 Row = dict[str, Any]
 
@@ -73,12 +69,18 @@ class OutputTarget:
             raise ConfigurationError("action='upsert' needs conflict_columns=[...]")
         if action == "insert" and self.conflict_columns:
             raise ConfigurationError("conflict_columns only apply to action='upsert'")
-        if url is None and engine is None:
-            raise ConfigurationError("db.output needs url= or engine=")
         # A dialect without upserts is refused as soon as the URL is known.
-        self._db_url = DatabaseUrl(url, engine, "db.output url", self._check_dialect)
-        self._engines = LazyEngine(lambda: self._db_url.value, engine_kwargs, engine)
-        self._table: sa.Table | None = None
+        self._db = TableHandle(
+            "db.output",
+            url,
+            table,
+            schema,
+            engine,
+            engine_kwargs,
+            noun="output table",
+            check=self._check_dialect,
+        )
+        self._key_checked = False
 
     def _check_dialect(self, url: URL) -> None:
         dialect = url.get_backend_name()
@@ -90,16 +92,15 @@ class OutputTarget:
 
     @property
     def dialect(self) -> str:
-        return self._db_url.value.get_backend_name()
+        return self._db.dialect
 
     @property
     def name(self) -> str:
-        target = f"{self.schema}.{self.table_name}" if self.schema else self.table_name
-        return f"{self.dialect}:{target}"
+        return self._db.name
 
     def describe(self) -> dict[str, Any]:
         return {
-            "url": safe_url_text(self._db_url.value),
+            "url": safe_url_text(self._db.url),
             "table": self.table_name,
             "schema": self.schema,
             "action": self.action,
@@ -108,32 +109,20 @@ class OutputTarget:
 
     @property
     def engine(self) -> Engine:
-        return self._engines.engine
+        return self._db.engine
 
     def close(self) -> None:
         """Dispose of the connection pool if this target created the engine."""
-        self._engines.dispose()
+        self._db.close()
 
-    def _reflect(self, conn: sa.Connection) -> sa.Table:
-        if self._table is not None:
-            return self._table
-        try:
-            table = sa.Table(self.table_name, sa.MetaData(), schema=self.schema, autoload_with=conn)
-        except NoSuchTableError:
-            raise ConfigurationError(
-                f"output table {self.name} does not exist (or is not visible to this user)"
-            ) from None
-        if self.action == "upsert":
-            self._check_conflict_key(conn, table)
-        self._table = table
-        return table
+    def _table(self, conn: sa.Connection, columns: Sequence[str]) -> sa.Table:
+        """The table (reflected once), its conflict key checked once, with ``columns``."""
+        if self.action == "upsert" and not self._key_checked:
+            self._check_conflict_key(conn, self._db.columns(conn, self.conflict_columns))
+            self._key_checked = True
+        return self._db.columns(conn, columns)
 
     def _check_conflict_key(self, conn: sa.Connection, table: sa.Table) -> None:
-        missing = [c for c in self.conflict_columns if c not in table.c]
-        if missing:
-            raise ConfigurationError(
-                f"output table {self.name} has no column(s) {', '.join(missing)}"
-            )
         inspector = sa.inspect(conn)
         keys: list[set[str]] = [{c.name for c in table.primary_key.columns}]
         keys += [
@@ -170,12 +159,7 @@ class OutputTarget:
         columns = list(rows[0])
         try:
             with self.engine.begin() as conn:
-                table = self._reflect(conn)
-                unknown = [c for c in columns if c not in table.c]
-                if unknown:
-                    raise ConfigurationError(
-                        f"output table {self.name} has no column(s) {', '.join(unknown)}"
-                    )
+                table = self._table(conn, columns)
                 conn.execute(self._statement(table, columns), list(rows))
         except ConfigurationError:
             raise
@@ -186,40 +170,6 @@ class OutputTarget:
                 rows=len(rows),
             ) from exc
         return len(rows)
-
-
-def upsert_statement(
-    dialect: str, table: sa.Table, columns: Sequence[str], conflict_columns: Sequence[str]
-) -> Any:
-    """``INSERT ... ON CONFLICT (keys) DO UPDATE`` (PostgreSQL, SQLite) or ``INSERT ...
-    ON DUPLICATE KEY UPDATE`` (MariaDB/MySQL) of ``columns``, keyed on ``conflict_columns``."""
-    updates = [c for c in columns if c not in conflict_columns]
-    if dialect in ("postgresql", "sqlite"):
-        # Both spell it INSERT ... ON CONFLICT (keys) DO UPDATE / DO NOTHING.
-        from sqlalchemy.dialects import postgresql, sqlite  # noqa: PLC0415
-
-        stmt: postgresql.Insert | sqlite.Insert = (
-            postgresql.insert(table) if dialect == "postgresql" else sqlite.insert(table)
-        )
-        keys = list(conflict_columns)
-        if not updates:
-            return stmt.on_conflict_do_nothing(index_elements=keys)
-        return stmt.on_conflict_do_update(
-            index_elements=keys, set_={c: stmt.excluded[c] for c in updates}
-        )
-    if dialect not in UPSERT_DIALECTS:
-        raise ConfigurationError(
-            f"upsert is not available on {dialect}: supported are "
-            f"{', '.join(sorted(UPSERT_DIALECTS))}"
-        )
-    from sqlalchemy.dialects.mysql import insert as mysql_insert  # noqa: PLC0415
-
-    my_stmt = mysql_insert(table)
-    if not updates:
-        # "Update" a key column to itself: a no-op that still swallows the duplicate.
-        first = conflict_columns[0]
-        return my_stmt.on_duplicate_key_update({first: table.c[first]})
-    return my_stmt.on_duplicate_key_update({c: my_stmt.inserted[c] for c in updates})
 
 
 class DbOut:

@@ -38,9 +38,12 @@ from dbtrigger.errors import CasConflictError
 from dbtrigger.history.records import record_time
 from dbtrigger.history.store import (
     DEFAULT_RETENTION,
+    TAIL_CHUNK,
     Retention,
     decode_lines,
     encode_line,
+    last_records,
+    newest_records,
     numbered,
     prunable_segments,
     segment_name,
@@ -60,7 +63,6 @@ HISTORY_BLOB = azure_errors.StorageService(
 DEFAULT_SEGMENT_BYTES = 8 * 1024 * 1024
 #: ... or this many appends (the service allows 50,000 blocks per append blob).
 MAX_BLOCKS = 45_000
-_TAIL_CHUNK = 64 * 1024
 
 
 @dataclass
@@ -149,33 +151,21 @@ class BlobHistory:
             return bytes(downloader.readall())
 
     def _last_records(self, segment: _Segment, count: int) -> list[dict[str, Any]]:
-        if segment.size == 0:
-            return []
-        chunk = _TAIL_CHUNK
-        while True:
-            start = max(0, segment.size - chunk)
-            data = self._read_range(segment.name, start, segment.size - start)
-            if start > 0:
-                data = data[data.find(b"\n") + 1 :]
-            records = decode_lines(data)
-            if len(records) >= count or start == 0:
-                return records[-count:] if count else []
-            chunk *= 4
+        def read(start: int, length: int) -> bytes:
+            return self._read_range(segment.name, start, length)
+
+        return last_records(read, segment.size, count)[0]
 
     # --- the port -----------------------------------------------------------------------
 
     def tail(self, poller: str, count: int) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        if count <= 0:
-            return out
-        for segment in reversed(self._segments(poller)):
+        def last(segment: _Segment, n: int) -> list[dict[str, Any]]:
             try:
-                out = self._last_records(segment, count - len(out)) + out
+                return self._last_records(segment, n)
             except ResourceNotFoundError:
-                continue
-            if len(out) >= count:
-                break
-        return out[-count:]
+                return []  # pruned meanwhile
+
+        return newest_records(reversed(self._segments(poller)), last, count)
 
     def read(self, poller: str, *, since_seq: int = 0) -> Iterator[dict[str, Any]]:
         segments = self._segments(poller)
@@ -294,7 +284,7 @@ class BlobHistory:
             if segment.size == 0:
                 described.append((segment.name, 0, None))
                 continue
-            head = self._read_range(segment.name, 0, min(segment.size, _TAIL_CHUNK))
+            head = self._read_range(segment.name, 0, min(segment.size, TAIL_CHUNK))
             first = decode_lines(head)
             described.append((segment.name, segment.size, record_time(first[0]) if first else None))
         removed = 0

@@ -38,6 +38,8 @@ from dbtrigger.history.store import (
     Retention,
     decode_lines,
     encode_line,
+    last_records,
+    newest_records,
     numbered,
     prunable_segments,
     segment_name,
@@ -47,8 +49,6 @@ from dbtrigger.names import validate_name
 
 #: A segment rolls over past this size.
 DEFAULT_SEGMENT_BYTES = 8 * 1024 * 1024
-#: How much of a segment's end is read to find its last records.
-_TAIL_CHUNK = 64 * 1024
 
 
 class FileHistory:
@@ -126,36 +126,25 @@ class FileHistory:
         """The last ``count`` complete records of one segment, and where its complete
         lines end (bytes): anything after that is a torn write."""
         with path.open("rb") as fh:
-            size = fh.seek(0, os.SEEK_END)
-            chunk = _TAIL_CHUNK
-            while True:
-                start = max(0, size - chunk)
+
+            def read(start: int, length: int) -> bytes:
                 fh.seek(start)
-                data = fh.read(size - start)
-                end = data.rfind(b"\n") + 1
-                body = data[:end]
-                if start > 0:
-                    body = body[body.find(b"\n") + 1 :]  # the first line may be cut
-                records = decode_lines(body)
-                if len(records) >= count or start == 0:
-                    return records[-count:] if count else [], start + end
-                chunk *= 4
+                return fh.read(length)
+
+            return last_records(read, fh.seek(0, os.SEEK_END), count)
 
     # --- the port ------------------------------------------------------------------
 
     def tail(self, poller: str, count: int) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
+        def last(path: Path, n: int) -> list[dict[str, Any]]:
+            return self._last_records(path, n)[0]
+
         try:
-            for path in reversed(self._segments(poller)):
-                records, _ = self._last_records(path, count - len(out))
-                out = records + out
-                if len(out) >= count:
-                    break
+            return newest_records(reversed(self._segments(poller)), last, count)
         except FileNotFoundError:
             return self.tail(poller, count)  # pruned under us: list again
         except OSError as exc:
             raise StoreUnavailableError(f"cannot read the history of {poller!r}: {exc}") from exc
-        return out[-count:] if count else []
 
     def read(self, poller: str, *, since_seq: int = 0) -> Iterator[dict[str, Any]]:
         segments = self._segments(poller)

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn, Protocol, runtime_checkable
+from typing import Any, NoReturn, Protocol, TypeVar, runtime_checkable
 
 from dbtrigger import options as opt
 
@@ -172,6 +172,51 @@ def segment_seq(name: str) -> int | None:
     return int(stem) if stem.isdigit() else None
 
 
+S = TypeVar("S")
+
+#: How much of a segment's end is read first to find its last records (x4 until found).
+TAIL_CHUNK = 64 * 1024
+
+
+def last_records(
+    read: Callable[[int, int], bytes], size: int, count: int
+) -> tuple[list[dict[str, Any]], int]:
+    """The last ``count`` complete records of a segment of ``size`` bytes, and where
+    its complete lines end (bytes; anything after that is a torn write).
+
+    ``read(start, length)`` reads the segment: its end is read in a chunk that
+    grows fourfold until it holds ``count`` records or the whole segment."""
+    if size == 0:
+        return [], 0
+    chunk = TAIL_CHUNK
+    while True:
+        start = max(0, size - chunk)
+        data = read(start, size - start)
+        end = data.rfind(b"\n") + 1
+        body = data[:end]
+        if start > 0:
+            body = body[body.find(b"\n") + 1 :]  # the first line may be cut
+        records = decode_lines(body)
+        if len(records) >= count or start == 0:
+            return records[-count:] if count else [], start + end
+        chunk *= 4
+
+
+def newest_records(
+    segments: Iterable[S], last: Callable[[S, int], list[dict[str, Any]]], count: int
+) -> list[dict[str, Any]]:
+    """The last ``count`` records of a history, oldest first: ``segments`` newest
+    first, ``last(segment, n)`` the last ``n`` records of one (a history's ``tail``)."""
+    out: list[dict[str, Any]] = []
+    if count <= 0:
+        return out
+    for segment in segments:
+        out = last(segment, count - len(out)) + out
+        if len(out) >= count:
+            break
+    return out[-count:]
+
+
 def prunable_segments(
     segments: Sequence[tuple[str, int, dt.datetime | None]],
     retention: Retention,
@@ -197,12 +242,15 @@ def prunable_segments(
 
 __all__ = [
     "DEFAULT_RETENTION",
+    "TAIL_CHUNK",
     "EncodedRecord",
     "HistoryStore",
     "Retention",
     "decode_lines",
     "encode_json",
     "encode_line",
+    "last_records",
+    "newest_records",
     "numbered",
     "prunable_segments",
     "segment_name",

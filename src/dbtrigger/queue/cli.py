@@ -25,10 +25,10 @@ from dbtrigger.errors import CommitError, ConfigurationError
 from dbtrigger.queue.cli_jobs import add_job_commands
 from dbtrigger.queue.cli_target import (
     claim_source_of,
-    loaded_source,
     parse_duration,
     queue_source,
     table_options,
+    table_source,
 )
 
 if TYPE_CHECKING:
@@ -42,35 +42,21 @@ def _ddl(args: argparse.Namespace, *, uninstall: bool) -> int:
     from sqlalchemy.exc import SQLAlchemyError  # noqa: PLC0415
 
     from dbtrigger.queue import ddl  # noqa: PLC0415
-    from dbtrigger.queue.sidecar_table import install_claims_table  # noqa: PLC0415
-    from dbtrigger.queue.source import ClaimSource  # noqa: PLC0415
 
-    probe = loaded_source(args) or ClaimSource(
-        url=args.url,
-        table=args.table,
-        schema=args.schema,
-        pk_columns=["_"],
-        mode=args.mode,
-        claims_table=args.claims_table,
-    )
-    priority = bool(getattr(args, "priority", False))
-    if probe.mode == "sidecar" and priority:
-        raise ConfigurationError(
-            "--priority adds dbt_priority to the table's claim columns; a sidecar queue keeps "
-            "them in its claims table, filled by the feeder: use mode columns for priorities"
-        )
+    probe = table_source(args)
     if probe.mode == "sidecar" and uninstall:
         return _uninstall_sidecar(args, probe)
     try:
         with probe.transaction() as conn:
             table = probe.reflect(conn, probe.table_name)
-            if probe.mode == "sidecar":
-                statements = install_claims_table(conn, probe.claims_table, probe.schema)
-            elif uninstall:
+            if uninstall:
                 statements = ddl.uninstall_columns(conn, table)
             else:
-                statements = ddl.install_columns(
-                    conn, table, existing=args.existing, priority=priority
+                statements = probe.layout.install(
+                    conn,
+                    table,
+                    existing=args.existing,
+                    priority=bool(getattr(args, "priority", False)),
                 )
             if not statements:
                 print(f"-- {probe.name}: nothing to do")

@@ -65,20 +65,27 @@ def loaded_source(args: argparse.Namespace) -> ClaimSource | None:
 
 
 def queue_source(args: argparse.Namespace) -> ClaimSource:
-    from dbtrigger.queue.source import ClaimSource  # noqa: PLC0415
-
     loaded = loaded_source(args)
     if loaded is not None:
         return loaded
-    pk = list(args.pk)
-    if not pk:
-        pk = _primary_key(args)
+    return _from_args(args, list(args.pk) or _primary_key(args))
+
+
+def table_source(args: argparse.Namespace) -> ClaimSource:
+    """The queue's source for what needs only its tables (install, uninstall): the
+    one ``--source`` names, or one of ``--url``/``--table`` whose key is not read."""
+    return loaded_source(args) or _from_args(args, ["_"])
+
+
+def _from_args(args: argparse.Namespace, pk_columns: list[str]) -> ClaimSource:
+    from dbtrigger.queue.source import ClaimSource  # noqa: PLC0415
+
     return ClaimSource(
         url=args.url,
         table=args.table,
         schema=args.schema,
-        pk_columns=pk,
-        where=args.where,
+        pk_columns=pk_columns,
+        where=getattr(args, "where", None),
         mode=args.mode,
         claims_table=args.claims_table,
     )
@@ -87,9 +94,7 @@ def queue_source(args: argparse.Namespace) -> ClaimSource:
 def _primary_key(args: argparse.Namespace) -> list[str]:
     from sqlalchemy.exc import SQLAlchemyError  # noqa: PLC0415
 
-    from dbtrigger.queue.source import ClaimSource  # noqa: PLC0415
-
-    probe = ClaimSource(url=args.url, table=args.table, schema=args.schema, pk_columns=["_"])
+    probe = _from_args(args, ["_"])
     try:
         with probe.engine.connect() as conn:
             table = probe.reflect(conn, probe.table_name)
@@ -135,4 +140,11 @@ def table_options(parser: argparse.ArgumentParser, *, pk: bool = True) -> None:
         parser.add_argument("--where", help="the queue's filter, as configured on its source")
 
 
-__all__ = ["claim_source_of", "loaded_source", "parse_duration", "queue_source", "table_options"]
+__all__ = [
+    "claim_source_of",
+    "loaded_source",
+    "parse_duration",
+    "queue_source",
+    "table_options",
+    "table_source",
+]

@@ -28,6 +28,7 @@ from sqlalchemy.engine import Connection
 
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.metrics import SafeMetrics
+from dbtrigger.queue.ddl import install_columns
 from dbtrigger.queue.schema import (
     ATTEMPTS,
     CLAIM_COLUMNS,
@@ -92,6 +93,13 @@ class ClaimLayout(Protocol):
         """The claim statements, after checking the table they run on."""
         ...
 
+    def install(
+        self, conn: Connection, user: sa.Table, *, existing: str, priority: bool
+    ) -> list[str]:
+        """The DDL that gives the (reflected) user table's queue its claim state (none
+        when it has it): what ``dbtrigger queue install`` prints and runs."""
+        ...
+
     def rows(self, conn: Connection, batch: ClaimBatch, queue: QueueTable) -> list[ClaimedRow]:
         """The claimed rows of ``batch`` as the handler sees them."""
         ...
@@ -139,6 +147,11 @@ class ColumnsLayout:
                 source=queue.name,
             )
         return ClaimTable(user, queue.pk_columns, queue.time, queue.filter)
+
+    def install(
+        self, conn: Connection, user: sa.Table, *, existing: str, priority: bool
+    ) -> list[str]:
+        return install_columns(conn, user, existing=existing, priority=priority)
 
     def match_user_keys(
         self, table: ClaimTable, pks: Sequence[Mapping[str, Any]], pk_columns: Sequence[str]

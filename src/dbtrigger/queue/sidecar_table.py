@@ -171,6 +171,18 @@ class SidecarLayout:
         table = claims_table(name, schema, queue.time)
         return ClaimTable(table, KEY, queue.time, table.c.queue == self.queue_name)
 
+    def install(
+        self, conn: Connection, user: sa.Table, *, existing: str, priority: bool
+    ) -> list[str]:
+        del user, existing  # the user table is never changed; the feeder fills the claims
+        if priority:
+            raise ConfigurationError(
+                "--priority adds dbt_priority to the table's claim columns; a sidecar queue "
+                "keeps them in its claims table, filled by the feeder: use mode columns for "
+                "priorities"
+            )
+        return install_claims_table(conn, self.table_name, self.schema)
+
     def match_user_keys(
         self, table: ClaimTable, pks: Sequence[Mapping[str, Any]], pk_columns: Sequence[str]
     ) -> sa.ColumnElement[bool]:

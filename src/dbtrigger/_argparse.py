@@ -12,4 +12,9 @@ def add_apply_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--yes", action="store_true", help="apply (default: dry run)")
 
 
-__all__ = ["add_apply_option"]
+def add_json_option(parser: argparse.ArgumentParser, help: str = "machine-readable output") -> None:
+    """``--json``: print the command's answer as JSON."""
+    parser.add_argument("--json", action="store_true", help=help)
+
+
+__all__ = ["add_apply_option", "add_json_option"]

@@ -484,17 +484,21 @@ def add_store_options(
     parser.add_argument("--table", help="table name for azure-table: stores")
 
 
+def add_poller_argument(parser: argparse.ArgumentParser) -> None:
+    """The positional ``poller`` of the commands that read or change one state document."""
+    parser.add_argument("poller", help="the poller name (its state document)")
+
+
 def add_change_options(
     parser: argparse.ArgumentParser,
     *,
     lease: bool = True,
     force_help: str = "proceed under a live lease, fencing its holder out (token + 1)",
+    reason_help: str = "why: recorded in the journal",
 ) -> None:
     """The options of every command that journals a change: --reason, --yes, --actor and,
     where it writes state documents under leases, --force and --backup-dir."""
-    parser.add_argument(
-        "--reason", help="why: recorded in the journal (required with --yes, not for a dry run)"
-    )
+    parser.add_argument("--reason", help=f"{reason_help} (required with --yes, not for a dry run)")
     add_apply_option(parser)
     parser.add_argument("--actor", help="who, for the journal (default user@host)")
     if lease:

@@ -19,10 +19,10 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from dbtrigger._argparse import add_apply_option
 from dbtrigger.cli.common import (
     Console,
     actor_from_args,
+    add_change_options,
     add_store_options,
     parse_value,
     reason_from_args,
@@ -476,11 +476,7 @@ def add_dead_letter_commands(sub: Any) -> None:
     _common(discard)
     discard.add_argument("--delete", action="store_true", help="delete the records from the sink")
     for parser in (replay, discard):
-        parser.add_argument(
-            "--reason", help="why: marked and journaled (required with --yes, not for a dry run)"
-        )
-        add_apply_option(parser)
-        parser.add_argument("--actor", help="who (default user@host)")
+        add_change_options(parser, lease=False, reason_help="why: marked and journaled")
     for parser in (listing, show, replay, discard):
         parser.set_defaults(func=cmd_dead_letter)
 

@@ -16,8 +16,10 @@ import datetime as dt
 from collections.abc import Mapping
 from typing import Any
 
+from dbtrigger._argparse import add_json_option
 from dbtrigger.cli.common import (
     Console,
+    add_poller_argument,
     add_store_options,
     parse_value,
     read_state,
@@ -225,14 +227,14 @@ def add_history_command(sub: Any) -> None:
     history = sub.add_parser(
         "history", help="a poller's commits and manual changes, from its durable history"
     )
-    history.add_argument("poller", help="the poller name (its state document)")
+    add_poller_argument(history)
     history.add_argument("--all", action="store_true", help="every record the history keeps")
     history.add_argument("--since", metavar="TIME", help="records at or after TIME (ISO-8601, Z)")
     history.add_argument("--batch", metavar="BATCH_ID", help="one batch in full: digests, events")
     history.add_argument(
         "--limit", type=int, default=0, help=f"the last N records (default {DEFAULT_SHOWN})"
     )
-    history.add_argument("--json", action="store_true", help="machine-readable output")
+    add_json_option(history)
     add_store_options(history)
     history.set_defaults(func=cmd_history)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from dbtrigger._argparse import add_json_option
 from dbtrigger.cli.common import actor_from_args, add_change_options, backup_dir
 from dbtrigger.cli.loading import load_object
 from dbtrigger.errors import ConfigurationError
@@ -211,6 +212,10 @@ def cmd_ddl(args: argparse.Namespace) -> int:
     return 0
 
 
+def _trigger_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trigger", required=True, help="MODULE:ATTR naming the poller")
+
+
 def add_partition_commands(sub: Any) -> None:
     """Register ``partitions`` and its subcommands on the CLI's subparsers."""
     parser = sub.add_parser(
@@ -223,8 +228,8 @@ def add_partition_commands(sub: Any) -> None:
     show = commands.add_parser(
         "show", help="members, and each partition's owner, lease, checkpoint, lag and retries"
     )
-    show.add_argument("--trigger", required=True, help="MODULE:ATTR naming the poller")
-    show.add_argument("--json", action="store_true", help="machine-readable output")
+    _trigger_option(show)
+    add_json_option(show)
     show.add_argument("--no-lag", action="store_true", help="skip the per-partition row count")
     show.set_defaults(func=cmd_show)
 
@@ -234,7 +239,7 @@ def add_partition_commands(sub: Any) -> None:
         ("merge", "halve the partitions: neighbouring ranges merge"),
     ):
         change = commands.add_parser(action, help=text)
-        change.add_argument("--trigger", required=True, help="MODULE:ATTR naming the poller")
+        _trigger_option(change)
         if action == "set":
             change.add_argument("--count", type=int, help="the new number of partitions")
         add_change_options(
@@ -254,8 +259,8 @@ def add_partition_commands(sub: Any) -> None:
         "an HTTP endpoint KEDA's metrics-api scaler reads (GET /backlog; /metrics for "
         "Prometheus).",
     )
-    backlog.add_argument("--trigger", required=True, help="MODULE:ATTR naming the poller")
-    backlog.add_argument("--json", action="store_true", help="machine-readable output")
+    _trigger_option(backlog)
+    add_json_option(backlog)
     backlog.add_argument(
         "--target",
         type=int,
@@ -274,5 +279,5 @@ def add_partition_commands(sub: Any) -> None:
     backlog.set_defaults(func=cmd_backlog)
 
     ddl = commands.add_parser("ddl", help="print DDL for an indexed bucket column")
-    ddl.add_argument("--trigger", required=True, help="MODULE:ATTR naming the poller")
+    _trigger_option(ddl)
     ddl.set_defaults(func=cmd_ddl)

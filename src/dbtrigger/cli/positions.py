@@ -15,10 +15,12 @@ import argparse
 import datetime as dt
 from typing import Any
 
+from dbtrigger._argparse import add_json_option
 from dbtrigger.cli.common import (
     Console,
     actor_from_args,
     add_change_options,
+    add_poller_argument,
     add_store_options,
     by_hand,
     parse_value,
@@ -159,7 +161,7 @@ def add_position_commands(sub: Any) -> None:
         "rewind",
         help="deliver again what was committed after a time or batch (dry run unless --yes)",
     )
-    rewind.add_argument("poller", help="the poller name (its state document)")
+    add_poller_argument(rewind)
     rewind.add_argument(
         "--to-time", metavar="TIME", help="before the first batch committed after TIME"
     )
@@ -177,11 +179,11 @@ def add_position_commands(sub: Any) -> None:
         ("delete", "forget a bookmark"),
     ):
         parser = verbs.add_parser(verb, help=text)
-        parser.add_argument("poller", help="the poller name (its state document)")
+        add_poller_argument(parser)
         if verb != "list":
             parser.add_argument("label", help="the bookmark's name")
         if verb == "list":
-            parser.add_argument("--json", action="store_true", help="print the bookmarks as JSON")
+            add_json_option(parser, "print the bookmarks as JSON")
         add_store_options(parser)
         if verb == "restore":
             add_change_options(parser)

@@ -26,6 +26,7 @@ from dbtrigger.cli.common import (
     actor_from_args,
     add_change_options,
     add_cursor_options,
+    add_poller_argument,
     add_store_options,
     backup_dir,
     by_hand,
@@ -520,7 +521,7 @@ def _clone(args: argparse.Namespace, store: CheckpointStore) -> int:
 
 def _add_reset(sub: Any) -> None:
     reset = sub.add_parser("reset", help="move a poller's checkpoint (dry run unless --yes)")
-    reset.add_argument("poller", help="the poller name (its state document)")
+    add_poller_argument(reset)
     target = reset.add_mutually_exclusive_group()
     target.add_argument("--to-beginning", action="store_true", help="deliver everything again")
     target.add_argument("--to-cursor", metavar="VALUE", help="resume after (VALUE, --pk)")
@@ -550,7 +551,7 @@ def _add_other_changes(sub: Any) -> None:
     clone.set_defaults(func=cmd_clone)
 
     release = sub.add_parser("release-lease", help="free a lease left by a crashed instance")
-    release.add_argument("poller", help="the poller name (its state document)")
+    add_poller_argument(release)
     add_store_options(release)
     add_change_options(release)
     release.set_defaults(func=cmd_release)
@@ -558,7 +559,7 @@ def _add_other_changes(sub: Any) -> None:
     skip = sub.add_parser(
         "skip-batch", help="advance past a poison batch (data loss: it is journaled)"
     )
-    skip.add_argument("poller", help="the poller name (its state document)")
+    add_poller_argument(skip)
     skip.add_argument("--to-cursor", metavar="VALUE", help="resume after (VALUE, --pk) instead")
     add_cursor_options(skip, "--to-cursor")
     add_store_options(skip)

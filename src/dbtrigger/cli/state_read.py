@@ -12,6 +12,7 @@ import re
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+from dbtrigger._argparse import add_json_option
 from dbtrigger.cli.common import (
     Console,
     LoadedSource,
@@ -502,6 +503,6 @@ def _membership(store: CheckpointStore, name: str) -> Membership | None:
 def add_read_commands(sub: Any) -> None:
     status = sub.add_parser("status", help="checkpoint, lease, lag and failures of pollers")
     status.add_argument("poller", nargs="?", help="one poller (default: all in the store)")
-    status.add_argument("--json", action="store_true", help="machine-readable output")
+    add_json_option(status)
     add_store_options(status)  # --source also measures the lag
     status.set_defaults(func=cmd_status)

@@ -19,7 +19,7 @@ import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from dbtrigger._argparse import add_apply_option
+from dbtrigger._argparse import add_apply_option, add_json_option
 from dbtrigger._driver_errors import short_error
 from dbtrigger.errors import CommitError, ConfigurationError
 from dbtrigger.queue.cli_jobs import add_job_commands
@@ -261,7 +261,7 @@ def add_queue_commands(sub: Any, load_object: Callable[[str], Any]) -> None:
 
     status = qsub.add_parser("status", help="rows per status, oldest ready age")
     table_options(status)
-    status.add_argument("--json", action="store_true", help="one JSON object")
+    add_json_option(status, "one JSON object")
     status.set_defaults(func=cmd_status)
 
     retry = qsub.add_parser("retry", help="re-drive dead rows (dry run unless --yes)")

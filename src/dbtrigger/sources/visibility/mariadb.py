@@ -28,7 +28,8 @@ is a cache that InnoDB refreshes at most every 100 ms. The guard instead
 carries what it learnt from one observation to the next (a writer new since
 the last observation wrote after that observation began, or was a running
 statement then), and checks that each observation's cache is newer than its
-own process-list read. A writer already open at the guard's first observation
+own process-list read (reading it in turns with the other guards of the
+server: :mod:`.innodb_trx`). A writer already open at the guard's first observation
 has no such history: it holds the bound where it is until it ends. The
 argument in full is in ``docs/visibility.md``.
 """
@@ -40,7 +41,6 @@ import decimal
 import math
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
@@ -64,64 +64,26 @@ from dbtrigger.sources.visibility.base import (
     Rows,
     _check_seconds,
 )
-from dbtrigger.sources.visibility.held_back import HeldBackWarner, HorizonGuard, greater
+from dbtrigger.sources.visibility.held_back import HeldBackWarner, HorizonGuard, greater, log
+from dbtrigger.sources.visibility.innodb_trx import (
+    CACHE_SECONDS,
+    Observation,
+    Observed,
+    Writer,
+    observe,
+)
 
 MYSQL_DIALECTS = frozenset({"mysql", "mariadb"})
-
-#: InnoDB refreshes its ``INNODB_TRX`` cache only when it was last read more
-#: than 100 ms ago; a re-read waits a little longer than that.
-_CACHE_SECONDS = 0.11
 
 #: Samples kept for an AUTO_INCREMENT cursor (older ones are only ever needed
 #: while a transaction older than all of them is open; keeping fewer only makes
 #: the bound more conservative).
 _MAX_SAMPLES = 64
 
-# Running statements of other sessions, with the server clock of this read.
-# PROCESSLIST is live (not cached). Sleeping sessions run nothing; daemons and
-# binlog dumps write no user rows. TIME_MS (MariaDB) is measured from the
-# statement's start, the same instant NOW() returns inside it.
-_STATEMENTS_MARIADB = sa.text(
-    """
-    SELECT UNIX_TIMESTAMP(NOW(6)) AS now, p.ID AS thread_id, p.TIME_MS / 1000 AS running
-      FROM (SELECT 1 AS one) AS d
-      LEFT JOIN information_schema.PROCESSLIST AS p
-        ON p.ID <> CONNECTION_ID()
-       AND p.COMMAND NOT IN ('Sleep', 'Daemon', 'Binlog Dump', 'Binlog Dump GTID')
-    """
-)
-# MySQL has no TIME_MS; TIME is whole seconds, so one more second is assumed.
-_STATEMENTS_MYSQL = sa.text(
-    """
-    SELECT UNIX_TIMESTAMP(NOW(6)) AS now, p.ID AS thread_id, p.TIME + 1 AS running
-      FROM (SELECT 1 AS one) AS d
-      LEFT JOIN information_schema.PROCESSLIST AS p
-        ON p.ID <> CONNECTION_ID()
-       AND p.COMMAND NOT IN ('Sleep', 'Daemon', 'Binlog Dump', 'Binlog Dump GTID')
-    """
-)
-_SNAPSHOT = sa.text("START TRANSACTION WITH CONSISTENT SNAPSHOT")
-# Open transactions that have written, and this session's own transaction.
-# INNODB_TRX is a cache; the row of this session shows the statement it was
-# running when the cache was filled, so finding this statement's nonce there
-# proves the cache was filled *during* this statement (after the process-list
-# read). The nonce comes first: trx_query is cut at 1024 characters.
-# trx_started is in the server's system time zone at one-second resolution;
-# "started" is it as an epoch (used only where nothing better is known, and
-# for reporting).
-_TRANSACTIONS = sa.text(
-    """
-    SELECT :nonce AS nonce, UNIX_TIMESTAMP(NOW(6)) AS now, CONNECTION_ID() AS me,
-           t.trx_id AS trx_id, t.trx_mysql_thread_id AS thread_id, t.trx_state AS state,
-           t.trx_mysql_thread_id = CONNECTION_ID() AND LOCATE(:nonce, t.trx_query) > 0 AS fresh,
-           UNIX_TIMESTAMP(NOW(6)) - TIMESTAMPDIFF(
-               MICROSECOND, t.trx_started, CONVERT_TZ(NOW(6), @@session.time_zone, 'SYSTEM')
-           ) / 1000000 AS started
-      FROM (SELECT 1 AS one) AS d
-      LEFT JOIN information_schema.INNODB_TRX AS t
-        ON t.trx_rows_modified > 0 OR t.trx_mysql_thread_id = CONNECTION_ID()
-    """
-)
+#: A cache found stale for this long is reported at WARNING (and again at
+#: ``warn_after_seconds`` intervals while it lasts).
+STALE_WARN_SECONDS = 10.0
+
 # (LIMIT 0 would skip the privilege check.)
 _CAN_READ_TRX = sa.text("SELECT COUNT(*) FROM information_schema.INNODB_TRX")
 _ACCESS_DENIED = 1227
@@ -225,51 +187,9 @@ def is_auto_increment(target: GuardTarget) -> bool:
     return table.c[target.cursor_name].autoincrement is True
 
 
-# --- one observation --------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Writer:
-    trx_id: str
-    thread_id: int
-    started: Decimal | None  # trx_started as an epoch (second resolution)
-    lower: Decimal | None  # no statement of it began before this (epoch); None: unknown
-    state: str
-
-
-@dataclass
-class _Observation:
-    at: Decimal  # server clock before the process-list read (epoch)
-    sampled_at: Decimal  # server clock after the snapshot the max was read in
-    statements: dict[int, Decimal]  # thread -> start of its running statement (epoch)
-    writers: dict[tuple[int, str], _Writer]
-    max_value: Any  # highest visible cursor (in the snapshot)
-    max_epoch: Decimal | None  # the same as an epoch (timestamp cursors)
-
-    def cutoff(self) -> tuple[Decimal | None, Any]:
-        """The earliest time a pending value can carry, and what sets it.
-
-        Returns ``(None, writer)`` when an open writer's earliest statement is
-        unknown (it was already open when the guard started): nothing can be
-        consumed until it has ended. The writer returned is the oldest such.
-        """
-        unknown = [w for w in self.writers.values() if w.lower is None]
-        if unknown:
-            return None, min(unknown, key=lambda w: (w.started is None, w.started or 0))
-        cut: Decimal = self.at
-        blocker: Any = None
-        for thread, start in self.statements.items():
-            if start < cut:
-                cut, blocker = start, ("statement", thread, start)
-        for writer in self.writers.values():
-            if writer.lower is not None and writer.lower < cut:
-                cut, blocker = writer.lower, writer
-        return cut, blocker
-
-
 @dataclass
 class _State:
-    last: _Observation | None = None
+    last: Observation | None = None
     bound: Any = None  # the consumable limit (epoch for timestamps, id for AUTO_INCREMENT)
     bound_at: Decimal | None = None  # when the bound's data was current (epoch)
     samples: list[tuple[Decimal, Any]] = field(default_factory=list)  # (t, max id)
@@ -278,7 +198,11 @@ class _State:
     stale_cache: bool = False
     first_seen: float = field(default_factory=time.monotonic)
     last_attempt: float = -math.inf
-    observations: int = 0
+    observations: int = 0  # fresh ones
+    stale_reads: int = 0  # reads of INNODB_TRX that found it not refilled
+    stale_observations: int = 0  # observations that ended without a fresh read
+    last_fresh: float = field(default_factory=time.monotonic)
+    stale_warned: float = -math.inf
 
 
 class _InnoDbActive(ActiveGuard):
@@ -321,46 +245,10 @@ class _InnoDbActive(ActiveGuard):
             return row[0], None if row[1] is None else Decimal(row[1])
         return row[0], None
 
-    def _observe(self, conn: Connection, previous: _Observation | None) -> _Observation | None:
-        """One observation, or None when InnoDB served a cache older than it."""
-        mariadb = bool(getattr(conn.dialect, "is_mariadb", True))
-        listing = conn.execute(_STATEMENTS_MARIADB if mariadb else _STATEMENTS_MYSQL).all()
-        conn.rollback()
-        at = Decimal(listing[0].now)
-        statements = {
-            int(r.thread_id): at - Decimal(r.running)
-            for r in listing
-            if r.thread_id is not None and r.running is not None
-        }
-        # Our own InnoDB transaction starts after the process-list read; seeing
-        # it in INNODB_TRX proves the cache was filled after that read, so
-        # every transaction that had written by then and is still open is in it.
-        # Read in this order (max, then the list) the max's snapshot also
-        # precedes the list's clock reading under READ COMMITTED.
-        conn.execute(_SNAPSHOT)
+    def _read_max(self, conn: Connection) -> tuple[Any, Decimal | None]:
         if self._timestamp is None:
             self._timestamp = isinstance(self._max(conn)[0], dt.datetime)
-        max_value, max_epoch = self._max(conn)
-        rows = conn.execute(_TRANSACTIONS, {"nonce": f"dbtrigger-{uuid.uuid4().hex}"}).all()
-        conn.rollback()
-        me = rows[0].me
-        if not any(r.fresh for r in rows):
-            return None
-        sampled_at = Decimal(rows[0].now)
-        writers: dict[tuple[int, str], _Writer] = {}
-        for r in rows:
-            if r.trx_id is None or r.thread_id == me:
-                continue
-            key = (int(r.thread_id), str(r.trx_id))
-            started = None if r.started is None else Decimal(r.started)
-            writers[key] = _Writer(
-                trx_id=key[1],
-                thread_id=key[0],
-                started=started,
-                lower=_lower_bound(key, previous),
-                state=str(r.state),
-            )
-        return _Observation(at, sampled_at, statements, writers, max_value, max_epoch)
+        return self._max(conn)
 
     def _refresh(self, conn: Connection) -> bool:
         """Observe; True when a fresh observation was made.
@@ -378,24 +266,72 @@ class _InnoDbActive(ActiveGuard):
             with self._lock:
                 state = self._state
                 previous, bound = state.last, state.bound
-                wait = state.last_attempt + _CACHE_SECONDS - time.monotonic()
+                wait = state.last_attempt + CACHE_SECONDS - time.monotonic()
             if wait > 0:
                 if bound is not None or time.monotonic() + wait > deadline:
                     return False
                 time.sleep(wait)
-            observation = self._observe(conn, previous)
+            observed = observe(conn, previous, self._read_max)
+            observation = observed.observation
             with self._lock:
                 state.last_attempt = time.monotonic()
                 state.stale_cache = observation is None
-                if observation is not None:
+                state.stale_reads += observed.stale_reads
+                if observation is None:
+                    state.stale_observations += 1
+                else:
                     state.observations += 1
+                    state.last_fresh = state.last_attempt
                     self._advance(state, observation)
-                if state.bound is not None:
-                    return observation is not None
-            if time.monotonic() + _CACHE_SECONDS > deadline:
+                done = state.bound is not None
+            self._report_staleness(state, observed)
+            if done:
+                return observation is not None
+            if time.monotonic() + CACHE_SECONDS > deadline:
                 return observation is not None
 
-    def _advance(self, state: _State, observation: _Observation) -> None:
+    def _report_staleness(self, state: _State, observed: Observed) -> None:
+        """WARNING while INNODB_TRX stays stale: rows are held back, and why."""
+        now = time.monotonic()
+        with self._lock:
+            stale_for = now - state.last_fresh
+            if observed.observation is not None:
+                warned, state.stale_warned = state.stale_warned > -math.inf, -math.inf
+            else:
+                warned = False
+                interval = max(STALE_WARN_SECONDS, self.config.warn_after_seconds)
+                if stale_for < STALE_WARN_SECONDS or now - state.stale_warned < interval:
+                    return
+                state.stale_warned = now
+            fields = {
+                "source": self.target.source_name,
+                "mode": self.mode,
+                "stale_seconds": round(stale_for, 3),
+                "stale_reads": state.stale_reads,
+                "turn": observed.turn,
+            }
+        if warned:
+            log.info(
+                "%s: information_schema.INNODB_TRX is refreshed again",
+                self.target.source_name,
+                extra={"event": "visibility_trx_cache_fresh", **fields},
+            )
+        elif observed.observation is None:
+            log.warning(
+                "%s: %s has found information_schema.INNODB_TRX stale for %.0fs (%d stale "
+                "reads): other sessions read it more often than every 100 ms between them "
+                "(monitoring tools, or pollers that do not take turns on "
+                "GET_LOCK('dbtrigger:innodb_trx')), so InnoDB does not refresh it; rows "
+                "after the last bound are held back until a read finds it fresh (delayed, "
+                "not skipped)",
+                self.target.source_name,
+                self.mode,
+                stale_for,
+                state.stale_reads,
+                extra={"event": "visibility_trx_cache_stale", **fields},
+            )
+
+    def _advance(self, state: _State, observation: Observation) -> None:
         """Move the bound forward with a new observation (never backward)."""
         cut, blocker = observation.cutoff()
         state.blocker = blocker
@@ -496,7 +432,7 @@ class _InnoDbActive(ActiveGuard):
         trx: str | None = None
         detail: str | None = None
         blocker = state.blocker
-        if isinstance(blocker, _Writer):
+        if isinstance(blocker, Writer):
             pid, trx = blocker.thread_id, blocker.trx_id
             if blocker.started is not None:
                 age = max(0.0, float(observation.sampled_at - blocker.started))
@@ -515,7 +451,8 @@ class _InnoDbActive(ActiveGuard):
         if state.stale_cache:
             detail = (
                 "information_schema.INNODB_TRX was not refreshed (InnoDB refreshes it only "
-                "when nobody read it for 100 ms); " + (detail or "no blocker known")
+                "when nobody read it for 100 ms, and other sessions keep reading it); "
+                + (detail or "no blocker known")
             )
         return FetchInfo(self.mode, horizon, True, max(0.0, waited), pid, age, detail, trx)
 
@@ -523,33 +460,6 @@ class _InnoDbActive(ActiveGuard):
         if bound is None or not self._timestamp:
             return bound
         return dt.datetime.fromtimestamp(float(bound), dt.timezone.utc)
-
-
-def _lower_bound(key: tuple[int, str], previous: _Observation | None) -> Decimal | None:
-    """No statement of this writing transaction read the clock before the returned time.
-
-    Seen writing last time: what was known then. New since the last
-    observation: its writes began after that observation's clock reading, or
-    in the statement its thread was running then (every write that ended
-    before the process-list read would have put it in that observation's
-    transaction list, which was filled after the read). Already open when the
-    guard started (no previous observation): None, unknown. InnoDB's
-    ``trx_started`` is no bound: a first statement that waited on a metadata
-    lock (``LOCK TABLES``, ``FLUSH TABLES WITH READ LOCK``, an online
-    ``ALTER``) read the clock, and allocated nothing in InnoDB, for as long as
-    it waited, so its value can be any time before ``trx_started``. Such a
-    writer holds the bound where it is until it ends.
-    """
-    if previous is None:
-        return None
-    known = previous.writers.get(key)
-    if known is not None:
-        return known.lower
-    lower = previous.at
-    running = previous.statements.get(key[0])
-    if running is not None and running < lower:
-        lower = running
-    return lower
 
 
 def _error_code(exc: DBAPIError) -> int | None:

@@ -146,7 +146,7 @@ def _replay(
         )
     records = view.load(history_of(args, store), poller, doc)
     chosen = _records(args, records)
-    plan = rp.plan(trigger, chosen)
+    plan = rp.plan(trigger, chosen, records)
     print_plan(console, plan)
     for batch in plan.batches:
         for kind in ("changed", "gone", "added"):

@@ -38,11 +38,11 @@ from decimal import Decimal
 from operator import attrgetter, itemgetter
 from typing import Any
 
-from dbtrigger.cursor import encoded_pk
+from dbtrigger.cursor import Position, encoded_pk
 from dbtrigger.errors import SerializationError
 from dbtrigger.events import RowChange, event_ids
 from dbtrigger.history.store import EncodedRecord, encode_json
-from dbtrigger.state.document import JournalRecord, format_time, parse_time
+from dbtrigger.state.document import JournalRecord, format_time, parse_time, position_to_json
 
 #: Record types besides the journal's (commit, partial_commit, manual).
 GAP = "gap"
@@ -283,7 +283,8 @@ class EventLine:
 
 
 def _row_batch(events: Sequence[RowChange]) -> tuple[Any, list[Any]] | None:
-    """The shape and row tuples when every event is a fetched row of one shape."""
+    """The shape and row tuples when every event is a fetched row of one shape (or
+    of shapes alike: a replay reads a recorded range in several fetches)."""
     batch_shape = getattr(events[0], "_shape", None) if events else None
     if batch_shape is None:
         return None
@@ -292,9 +293,14 @@ def _row_batch(events: Sequence[RowChange]) -> tuple[Any, list[Any]] | None:
         rows = list(map(_row_of, events))
     except AttributeError:  # an event of another kind among them
         return None
-    if shapes != {batch_shape}:
+    if shapes != {batch_shape} and {_likeness(s) for s in shapes} != {_likeness(batch_shape)}:
         return None
     return batch_shape, rows
+
+
+def _likeness(shape: Any) -> tuple[Any, ...]:
+    """What a batch's lines depend on of its rows' shape."""
+    return (shape.op, tuple(shape.columns), shape.single_index, tuple(shape.pk_names))
 
 
 _shape_of = attrgetter("_shape")
@@ -328,7 +334,7 @@ def _columns(events: Sequence[RowChange]) -> tuple[dict[str, Any], list[int]]:
     """
     batch = _row_batch(events)
     if batch is None:
-        return {"keys": [_key(e) for e in events]}, [zlib.crc32(_image_bytes(e)) for e in events]
+        return {"keys": [_key(e) for e in events]}, [image_crc(e) for e in events]
     shape, rows = batch
     texts, joined = _row_texts(shape, rows)
     crcs = list(map(zlib.crc32, texts, itertools.repeat(_seed(shape))))
@@ -386,8 +392,9 @@ def batch_detail(
     waiting: Mapping[str, Any] | None = None,
     source: str | None = None,
 ) -> dict[str, Any]:
-    """A live commit's ``detail``: the batch's keys and image CRCs as columns, the
-    outcome of each event that was not accepted, the retries waiting after it.
+    """A live commit's ``detail``: the batch's keys and image CRCs as columns, where
+    its last event is (``last``), the outcome of each event that was not
+    accepted, the retries waiting after it.
 
     Event ids are computed only for a batch that marked events (the outcomes
     name them): a batch delivered once pays for no id.
@@ -419,7 +426,7 @@ def encoded_detail(
     else:
         parts += [',"keys":', encode_json(keys["keys"])]
     parts += [',"crcs":', _int_list(crcs)]
-    for name in ("outcomes", "source", "waiting"):
+    for name in ("last", "outcomes", "source", "waiting"):
         if name in detail:
             parts += [',"', name, '":', encode_json(detail[name])]
     parts.append("}")
@@ -444,6 +451,9 @@ def _detail(
     source: str | None,
 ) -> dict[str, Any]:
     detail: dict[str, Any] = {"format": 2, "rows": len(events), **keys, "crcs": crcs}
+    last = _last_position(events)
+    if last is not None:
+        detail["last"] = last
     if rejected or retried:
         outcomes = []
         for i, eid in enumerate(event_ids(events)):  # (the batch's ids made at once)
@@ -457,6 +467,21 @@ def _detail(
     if waiting:
         detail["waiting"] = dict(waiting)
     return detail
+
+
+def _last_position(events: Sequence[RowChange]) -> dict[str, Any] | None:
+    """Where the batch's last event is (the position after it), or None.
+
+    A batch's ``to`` is the checkpoint after it, which a retry waiting in the
+    window holds below the batch's later events: a replay reads the range up to
+    whichever is further, so that it finds every event the batch delivered."""
+    if not events:
+        return None
+    event = events[-1]
+    try:
+        return position_to_json(Position(cursor=event.cursor, pk=dict(event.pk)))
+    except SerializationError:
+        return None
 
 
 def columns_digest(detail: Mapping[str, Any]) -> str:

@@ -211,13 +211,26 @@ def read_range(
 
 
 def compare(
-    record: Mapping[str, Any], events: Sequence[RowChange], source: Any, poller: str
+    record: Mapping[str, Any],
+    events: Sequence[RowChange],
+    source: Any,
+    poller: str,
+    elsewhere: Callable[[], set[tuple[str, str]]] | None = None,
 ) -> BatchReplay:
-    """What the replay of ``record`` delivers, given the range read now (``events``)."""
+    """What the replay of ``record`` delivers, given the range read now (``events``).
+
+    Each recorded event is found by its key (the one with its recorded image
+    first: a change log may hold several changes of one row), in the range or,
+    when it has moved, wherever it is now; the batch is delivered in recorded
+    order. A row of the range the batch did not deliver is ``added`` unless
+    another recorded batch delivered it as it is (``elsewhere``: key and image
+    of the other batches' events): with a retry waiting, a batch's range holds
+    rows earlier batches delivered."""
     lines = rec.detail_lines(record)
     raw = record.get("detail")
     detail: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
-    if isinstance(detail.get("events"), list) or "event_ids" in detail:
+    first_format = isinstance(detail.get("events"), list) or "event_ids" in detail
+    if first_format:
         # The first format: event ids and images digested, one list a line.
         now_images = [rec.image_digest(e) for e in events]
         identical = docmod.digest_event_ids(e.event_id for e in events) == detail.get(
@@ -226,39 +239,97 @@ def compare(
     else:
         now = rec.batch_detail(events)
         now_images = [f"{crc:08x}" for crc in now["crcs"]]
-        recorded = detail.get("digest")
-        if recorded is None and "crcs" in detail:
-            recorded = rec.columns_digest(detail)
+        recorded = _recorded_digest(detail)
         identical = recorded is not None and rec.columns_digest(now) == recorded
     if lines is None:
         return BatchReplay(dict(record), list(events), [], compared=False, identical=identical)
-    by_key = {_event_key(e): (e, img) for e, img in zip(events, now_images, strict=True)}
-    recorded_keys = {_key_text(line.key) for line in lines}
+    found, taken = _matched(lines, events, now_images)
+    moved = [line for line, hit in zip(lines, found, strict=True) if hit is None]
+    current: dict[str, RowChange] = {}
+    if moved:
+        current = _lookup(source, poller, str(record.get("batch_id")), moved)
     deliver: list[RowChange] = []
     drift: list[DriftRow] = []
-    moved: list[Any] = []
-    for line in lines:
-        found = by_key.get(_key_text(line.key))
-        if found is None:
-            moved.append(line)
-            continue
-        event, image = found
+    for line, hit in zip(lines, found, strict=True):
+        if hit is not None:
+            event, image = hit
+        else:
+            elsewhere_now = current.get(_key_text(line.key))
+            if elsewhere_now is None:
+                drift.append(DriftRow("gone", line.key, line.event_id, None))
+                continue
+            event = elsewhere_now
+            image = rec.image_digest(event) if first_format else f"{rec.image_crc(event):08x}"
         if image != line.image or line.event_id not in (None, event.event_id):
             drift.append(DriftRow("changed", line.key, line.event_id, event.event_id))
         deliver.append(event)
-    if moved:
-        elsewhere = _lookup(source, poller, str(record.get("batch_id")), moved)
-        for line in moved:
-            current = elsewhere.get(_key_text(line.key))
-            if current is None:
-                drift.append(DriftRow("gone", line.key, line.event_id, None))
-            else:
-                drift.append(DriftRow("changed", line.key, line.event_id, current.event_id))
-                deliver.append(current)
-    for key, (event, _) in by_key.items():
-        if key not in recorded_keys:
-            drift.append(DriftRow("added", encoded_pk(event.pk), None, event.event_id))
+    drift += _added(events, now_images, taken, elsewhere)
+    if not first_format:
+        # The batch as it would be delivered is the batch recorded (rows of the
+        # range other batches delivered are not part of it).
+        recorded = _recorded_digest(detail)
+        identical = recorded is not None and rec.columns_digest(rec.batch_detail(deliver)) == (
+            recorded
+        )
     return BatchReplay(dict(record), deliver, drift, compared=True, identical=identical)
+
+
+def _matched(
+    lines: Sequence[rec.EventLine], events: Sequence[RowChange], images: Sequence[str]
+) -> tuple[list[tuple[RowChange, str] | None], set[int]]:
+    """Each recorded line's event in the range read now (and its image), by key,
+    the one with the recorded image first; None for a line not there. And the
+    events taken (by ``id``)."""
+    pool: dict[str, list[tuple[RowChange, str]]] = {}
+    for e, img in zip(events, images, strict=True):
+        pool.setdefault(_event_key(e), []).append((e, img))
+    taken: set[int] = set()
+    found: list[tuple[RowChange, str] | None] = []
+    for line in lines:
+        candidates = [c for c in pool.get(_key_text(line.key), ()) if id(c[0]) not in taken]
+        same = [c for c in candidates if c[1] == line.image]
+        pick = (same or candidates)[0] if (same or candidates) else None
+        if pick is not None:
+            taken.add(id(pick[0]))
+        found.append(pick)
+    return found, taken
+
+
+def _added(
+    events: Sequence[RowChange],
+    images: Sequence[str],
+    taken: set[int],
+    elsewhere: Callable[[], set[tuple[str, str]]] | None,
+) -> list[DriftRow]:
+    """The range's rows the batch did not deliver, nor another recorded batch as they are."""
+    out: list[DriftRow] = []
+    others: set[tuple[str, str]] | None = None
+    for e, img in zip(events, images, strict=True):
+        if id(e) in taken:
+            continue
+        if others is None:
+            others = elsewhere() if elsewhere is not None else set()
+        if (_event_key(e), img) not in others:
+            out.append(DriftRow("added", encoded_pk(e.pk), None, e.event_id))
+    return out
+
+
+def _recorded_digest(detail: Mapping[str, Any]) -> str | None:
+    recorded = detail.get("digest")
+    if recorded is None and "crcs" in detail:
+        recorded = rec.columns_digest(detail)
+    return str(recorded) if recorded is not None else None
+
+
+def recorded_lines(records: Sequence[Mapping[str, Any]]) -> set[tuple[str, str]]:
+    """The key and image of every event the commit ``records`` hold lines for."""
+    out: set[tuple[str, str]] = set()
+    for record in records:
+        if record.get("type") not in ("commit", "partial_commit"):
+            continue
+        for line in rec.detail_lines(record) or ():
+            out.add((_key_text(line.key), line.image))
+    return out
 
 
 def _lookup(source: Any, poller: str, batch_id: str, lines: Sequence[Any]) -> dict[str, RowChange]:
@@ -274,8 +345,14 @@ def _lookup(source: Any, poller: str, batch_id: str, lines: Sequence[Any]) -> di
     return {_event_key(e): e for e in source.to_events(rows, poller=poller, batch_id=batch_id)}
 
 
-def plan(trigger: PollTrigger, records: Sequence[Mapping[str, Any]]) -> ReplayPlan:
-    """Read each recorded batch's range again and compare it with the record.
+def plan(
+    trigger: PollTrigger,
+    records: Sequence[Mapping[str, Any]],
+    history: Sequence[Mapping[str, Any]] | None = None,
+) -> ReplayPlan:
+    """Read each recorded batch's range again and compare it with the record
+    (``history``: every record kept, which tells a row another batch delivered
+    from one the batch missed; by default ``records``).
 
     A source that keeps images but no longer gives a range back as recorded
     makes a plan whose :meth:`ReplayPlan.refusals` say so (``--verify``
@@ -288,11 +365,25 @@ def plan(trigger: PollTrigger, records: Sequence[Mapping[str, Any]]) -> ReplayPl
     source = trigger.source
     exact = keeps_images(source)
     batches = []
+    known: list[set[tuple[str, str]]] = []
+
+    def elsewhere() -> set[tuple[str, str]]:
+        if not known:
+            known.append(recorded_lines(history if history is not None else records))
+        return known[0]
+
     for record in records:
         if record.get("type") not in ("commit", "partial_commit"):
             raise ReplayRefusedError(f"record {record.get('seq')} is not a commit")
         start = position_from_json(record.get("from"), "from")
         end = position_from_json(record.get("to"), "to")
+        detail = record.get("detail")
+        last = detail.get("last") if isinstance(detail, Mapping) else None
+        if last is not None:
+            # The batch's last event, past ``to`` when a retry held the checkpoint back.
+            last_position = position_from_json(last, "last")
+            if _beyond(last_position, end):
+                end = last_position
         batch_id = str(record.get("batch_id"))
         try:
             events = read_range(
@@ -307,8 +398,8 @@ def plan(trigger: PollTrigger, records: Sequence[Mapping[str, Any]]) -> ReplayPl
                 f"the source no longer holds batch {batch_id} ({type(exc).__name__}: {exc}): "
                 f"{retention_hint(source)}"
             ) from exc
-        batch = compare(record, events, source, trigger.name)
-        if exact and batch.identical:
+        batch = compare(record, events, source, trigger.name, elsewhere)
+        if exact and batch.identical and not batch.compared:
             batch = BatchReplay(dict(record), list(events), [], compared=True, identical=True)
         batches.append(batch)
     return ReplayPlan(trigger.name, "exact" if exact else "reread", batches, retention_hint(source))
@@ -489,5 +580,6 @@ __all__ = [
     "keeps_images",
     "plan",
     "read_range",
+    "recorded_lines",
     "replay_key",
 ]

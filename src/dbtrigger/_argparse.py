@@ -1,10 +1,15 @@
 """Command-line options that the CLI (:mod:`dbtrigger.cli`) and the commands the
 library registers itself (``dbtrigger queue``) both take: declared once, so every
-command spells and explains them the same way."""
+command spells and explains them the same way; and the dry run ``--yes`` ends.
+
+Anything that changes the database is a dry run unless ``--yes`` is given:
+the DDL is printed first, so it can be reviewed, or copied into a migration
+instead, and applied only when asked (:func:`print_then_apply`)."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Sequence
 
 
 def add_apply_option(parser: argparse.ArgumentParser) -> None:
@@ -17,4 +22,22 @@ def add_json_option(parser: argparse.ArgumentParser, help: str = "machine-readab
     parser.add_argument("--json", action="store_true", help=help)
 
 
-__all__ = ["add_apply_option", "add_json_option"]
+def print_then_apply(
+    args: argparse.Namespace,
+    statements: Sequence[str],
+    apply: Callable[[], None],
+    *,
+    end: str = ";",
+) -> bool:
+    """Print ``statements`` (each followed by ``end``); with ``--yes`` run ``apply``
+    and return True, otherwise say that this was a dry run and return False."""
+    for statement in statements:
+        print(statement + end)
+    if not args.yes:
+        print("-- dry run: nothing was changed; add --yes to apply")
+        return False
+    apply()
+    return True
+
+
+__all__ = ["add_apply_option", "add_json_option", "print_then_apply"]

@@ -11,7 +11,7 @@ import argparse
 import datetime as dt
 from typing import Any
 
-from dbtrigger._argparse import add_apply_option
+from dbtrigger._argparse import add_apply_option, print_then_apply
 from dbtrigger.changelog.drift import install_command
 from dbtrigger.changelog.operations import (
     apply,
@@ -21,7 +21,7 @@ from dbtrigger.changelog.operations import (
     plan_uninstall,
     prune,
 )
-from dbtrigger.cli.ddl import print_then_apply, url_engine
+from dbtrigger.cli.ddl import url_engine
 from dbtrigger.durations import duration_seconds
 from dbtrigger.errors import ConfigurationError
 

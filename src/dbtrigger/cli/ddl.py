@@ -1,14 +1,10 @@
-"""The DDL commands' common steps (``dbtrigger changelog`` and ``dbtrigger wake``).
-
-Anything that changes the database is a dry run unless ``--yes`` is given:
-the DDL is printed first, so it can be reviewed, or copied into a migration
-instead, and applied only when asked.
-"""
+"""The DDL commands' engine for ``--url`` (``dbtrigger changelog`` and ``dbtrigger
+wake``; their dry run unless ``--yes`` is :func:`~dbtrigger._argparse.print_then_apply`,
+which ``dbtrigger queue`` shares)."""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sequence
 
 import sqlalchemy as sa
 
@@ -24,22 +20,4 @@ def url_engine(args: argparse.Namespace) -> sa.Engine:
         raise ConfigurationError(f"cannot use --url: {exc}") from None
 
 
-def print_then_apply(
-    args: argparse.Namespace,
-    statements: Sequence[str],
-    apply: Callable[[], None],
-    *,
-    end: str = ";",
-) -> bool:
-    """Print ``statements`` (each followed by ``end``); with ``--yes`` run ``apply``
-    and return True, otherwise say that this was a dry run and return False."""
-    for statement in statements:
-        print(statement + end)
-    if not args.yes:
-        print("-- dry run: nothing was changed; add --yes to apply")
-        return False
-    apply()
-    return True
-
-
-__all__ = ["print_then_apply", "url_engine"]
+__all__ = ["url_engine"]

@@ -14,9 +14,9 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from dbtrigger._argparse import add_apply_option
+from dbtrigger._argparse import add_apply_option, print_then_apply
 from dbtrigger._driver_errors import short_error
-from dbtrigger.cli.ddl import print_then_apply, url_engine
+from dbtrigger.cli.ddl import url_engine
 from dbtrigger.errors import CommitError, FetchError
 from dbtrigger.wakeup.ddl import WakePlan, apply, installed_channel, plan_install, plan_uninstall
 

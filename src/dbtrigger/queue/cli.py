@@ -19,7 +19,7 @@ import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from dbtrigger._argparse import add_apply_option, add_json_option
+from dbtrigger._argparse import add_apply_option, add_json_option, print_then_apply
 from dbtrigger._driver_errors import short_error
 from dbtrigger.errors import CommitError, ConfigurationError
 from dbtrigger.queue.cli_jobs import add_job_commands
@@ -61,12 +61,10 @@ def _ddl(args: argparse.Namespace, *, uninstall: bool) -> int:
             if not statements:
                 print(f"-- {probe.name}: nothing to do")
                 return 0
-            for statement in statements:
-                print(statement.strip() + ";")
-            if not args.yes:
-                print("-- dry run: add --yes to apply")
+            if not print_then_apply(
+                args, [s.strip() for s in statements], lambda: ddl.apply(conn, statements)
+            ):
                 return 0
-            ddl.apply(conn, statements)
     except SQLAlchemyError as exc:
         raise CommitError(f"DDL on {probe.name} failed: {short_error(exc)}") from exc
     finally:
@@ -107,8 +105,6 @@ def _uninstall_sidecar(args: argparse.Namespace, probe: ClaimSource) -> int:
             if plan.other_queues:
                 print(f"-- {where} is kept: {plan.other_queues} other queue(s) still use it")
             print("-- the table " + probe.queue_name + " itself is not touched")
-            for statement in plan.statements:
-                print(statement.strip() + ";")
             if plan.pending and not args.discard_pending:
                 message = (
                     f"{plan.pending} row(s) of queue {probe.queue_name} are not finished "
@@ -118,10 +114,11 @@ def _uninstall_sidecar(args: argparse.Namespace, probe: ClaimSource) -> int:
                 if args.yes:
                     raise ConfigurationError(message)
                 print(f"-- refused with --yes as it stands: {message}")
-            if not args.yes:
-                print("-- dry run: add --yes to apply")
+            statements = plan.statements
+            if not print_then_apply(
+                args, [s.strip() for s in statements], lambda: ddl.apply(conn, statements)
+            ):
                 return 0
-            ddl.apply(conn, plan.statements)
     except SQLAlchemyError as exc:
         raise CommitError(f"uninstalling {probe.queue_name} failed: {short_error(exc)}") from exc
     finally:

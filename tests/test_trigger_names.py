@@ -40,6 +40,7 @@ SHARED = {
     "retry_delay_seconds",
     "retry_delay_max_seconds",
     "owner_id",
+    "handler_timeout_seconds",  # a hung handler call is given up (the lease or claim lapses)
 }
 
 #: A poller's own: its state document, lease, window, fan-out and partitions.
@@ -58,7 +59,6 @@ POLLER_ONLY = {
     "window_max_bytes",
     "subscribers",
     "ack_timeout_seconds",
-    "handler_timeout_seconds",  # a hung handler gives the lease up (claims have their own)
     "history",  # the durable history beside the state document (dbtrigger.history)
     "start_from",  # where a new poller starts (recorded in its state document at creation)
     "read_ahead",  # the next batch read while the handler and the commit run

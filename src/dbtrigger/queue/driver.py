@@ -37,7 +37,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from dbtrigger.errors import CommitError, ConfigurationError, DbTriggerError, QuarantineError
+from dbtrigger.errors import (
+    CommitError,
+    ConfigurationError,
+    DbTriggerError,
+    LostLeaseError,
+    QuarantineError,
+)
 from dbtrigger.events import EventIds, RowChange
 from dbtrigger.quarantine import QuarantineSink, put_records
 from dbtrigger.queue.context import ClaimContext
@@ -46,9 +52,13 @@ from dbtrigger.queue.outcome import EXPIRED_ERROR, Plan, decide, expired_too_oft
 from dbtrigger.queue.source import ClaimSource
 from dbtrigger.queue.statements import DeadItem, Key, Settled
 from dbtrigger.runtime import kernel
+from dbtrigger.runtime.call_watch import CallWatch, Watched
 from dbtrigger.runtime.kernel import Handler, KeepAlive, Lanes
 from dbtrigger.runtime.telemetry import Telemetry
 from dbtrigger.state.backoff import Backoff
+
+#: A settlement that wrote nothing (every row it named was lost).
+NOTHING_SETTLED = Settled(frozenset(), frozenset(), frozenset())
 
 
 @dataclass(frozen=True)
@@ -109,6 +119,8 @@ class ClaimSettings:
     max_attempts: int
     backoff: Backoff
     quarantine: QuarantineSink | None
+    #: ``handler_timeout_seconds``: a handler call is given up after it (None: never).
+    handler_timeout: float | None = None
 
 
 def _claim_lost(ctx: ClaimContext) -> None:
@@ -185,10 +197,15 @@ class ClaimDriver:
             self._perform(token, expired, Plan(dead=dead), tally, errors)
         if live:
             lost = threading.Event()
-            with self.keepalive.holding(
-                token, self._beat(token, lost), first_in=s.heartbeat_interval
+            given_up = threading.Event()
+            watch = CallWatch(self._watched(token, lost, given_up), token, len(live))
+            with (
+                self.keepalive.holding(
+                    token, self._beat(token, lost, given_up), first_in=s.heartbeat_interval
+                ),
+                self.keepalive.holding(f"call-{token}", watch.beat, first_in=watch.next_in()),
             ):
-                self._deliver(handler, token, live, lost, tally, errors)
+                self._deliver(handler, token, live, lost, given_up, tally, errors)
         emit(
             "queue_settled",
             "queue %s: claim %s settled: %d done, %d retried, %d dead, %d lost",
@@ -224,6 +241,7 @@ class ClaimDriver:
         token: str,
         rows: list[ClaimedRow],
         lost: threading.Event,
+        given_up: threading.Event,
         tally: _Tally,
         errors: list[DbTriggerError],
     ) -> None:
@@ -233,7 +251,7 @@ class ClaimDriver:
         wants_ctx = kernel.wants_context(handler)
 
         def lane(part: list[RowChange]) -> None:
-            self._lane(handler, wants_ctx, token, part, by_id, lost, tally, errors)
+            self._lane(handler, wants_ctx, token, part, by_id, lost, given_up, tally, errors)
 
         if self.lanes is None:
             lane(events)
@@ -274,6 +292,7 @@ class ClaimDriver:
         events: list[RowChange],
         by_id: dict[str, ClaimedRow],
         lost: threading.Event,
+        given_up: threading.Event,
         tally: _Tally,
         errors: list[DbTriggerError],
     ) -> None:
@@ -299,6 +318,11 @@ class ClaimDriver:
         marks = ctx.close()
         emit = self.telemetry.emit
         emit("queue_handler_returned", values={"seconds": time.perf_counter() - started})
+        if given_up.is_set():
+            # handler_timeout_seconds ran out while the call ran: the claim was
+            # left to expire and its rows go to another worker; record nothing.
+            tally.add(token, Plan(done=[r.key for r in rows]), [], NOTHING_SETTLED)
+            return
         if failure is not None:
             emit(
                 "queue_handler_failed",
@@ -390,12 +414,49 @@ class ClaimDriver:
             ),
         )
 
-    def _beat(self, token: str, lost: threading.Event) -> Callable[[], float | None]:
+    def _watched(self, token: str, lost: threading.Event, given_up: threading.Event) -> Watched:
+        """The claim as its handler call's :class:`CallWatch` sees it."""
+        s = self.settings
+
+        def time_out(watch: CallWatch, ran: float) -> None:
+            given_up.set()
+            lost.set()  # ctx.cancelled; an async handler's task is cancelled
+            exc = LostLeaseError(
+                f"the handler call on claim {token} ({watch.rows} rows) has run {ran:.1f} s, "
+                f"past handler_timeout_seconds={s.handler_timeout:g}: the claim is no longer "
+                f"extended, so its rows become claimable within visibility_timeout_seconds="
+                f"{s.visibility_timeout:g} and another worker delivers them again; this call "
+                "is cancelled (ctx.cancelled) and nothing it does is recorded",
+                poller=self.name,
+                batch_id=token,
+            )
+            self.telemetry.emit(
+                "handler_timeout", "%s", exc, batch_id=token, rows=watch.rows, seconds=ran
+            )
+
+        return Watched(
+            self.telemetry,
+            "queue",
+            "claim",
+            "the claim is extended for it, so no other worker can take its rows over",
+            s.visibility_timeout,
+            s.handler_timeout,
+            lost,
+            time_out,
+            {"claim_held": True},
+        )
+
+    def _beat(
+        self, token: str, lost: threading.Event, given_up: threading.Event
+    ) -> Callable[[], float | None]:
         """One heartbeat of claim ``token`` (on the heartbeat thread): extend it,
-        and set ``lost`` once it holds no row any more."""
+        and set ``lost`` once it holds no row any more; nothing once the handler
+        call was given up (``handler_timeout_seconds``): the claim lapses."""
         interval = self.settings.heartbeat_interval
 
         def beat() -> float | None:
+            if given_up.is_set():
+                return None
             started = time.monotonic()
             try:
                 held = self.source.extend(token=token, visibility=self.settings.visibility_timeout)

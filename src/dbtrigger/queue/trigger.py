@@ -99,6 +99,12 @@ class QueueTrigger(ClosesOnExit):
             channel while idle in worker mode, so a producer's ``NOTIFY`` wakes
             the worker at once. A hint on top of the interval poll, never
             instead of it (:mod:`dbtrigger.queue.notify`).
+        handler_timeout_seconds: a handler call still running after this long
+            is given up: its claim is no longer extended (the rows become
+            claimable again and another worker delivers them), ``ctx.cancelled``
+            is set and nothing it returns is recorded. Off by default; a call
+            running past ``visibility_timeout_seconds`` is reported either way
+            (``handler_slow``, then ``handler_stuck``).
         dead_letter, retry_backoff_seconds, retry_backoff_max_seconds, worker_id:
             deprecated spellings of ``quarantine``, ``retry_delay_seconds``,
             ``retry_delay_max_seconds`` and ``owner_id``.
@@ -122,6 +128,7 @@ class QueueTrigger(ClosesOnExit):
         owner_id: str | None = None,
         seed: int | None = None,
         notify_channel: str | None = None,
+        handler_timeout_seconds: float | None = None,
         dead_letter: QuarantineSink | None = None,
         retry_backoff_seconds: float | None = None,
         retry_backoff_max_seconds: float | None = None,
@@ -168,6 +175,9 @@ class QueueTrigger(ClosesOnExit):
         retry_delay_max_seconds = opt.seconds(
             "retry_delay_max_seconds", retry_delay_max_seconds, inclusive=True
         )
+        handler_timeout_seconds = opt.optional_seconds(
+            "handler_timeout_seconds", handler_timeout_seconds
+        )
         if seed is not None:
             seed = opt.whole("seed", seed, minimum=-(2**63))
         if heartbeat_interval_seconds is None:
@@ -185,6 +195,7 @@ class QueueTrigger(ClosesOnExit):
         self.visibility_timeout = float(visibility_timeout_seconds)
         self.heartbeat_interval = float(heartbeat_interval_seconds)
         self.max_attempts = max_attempts
+        self.handler_timeout = handler_timeout_seconds
         self.quarantine = quarantine
         self.metrics = SafeMetrics(metrics, self.name)
         self.telemetry = Telemetry(self.name, self.metrics, logger=log)
@@ -210,6 +221,7 @@ class QueueTrigger(ClosesOnExit):
                 max_attempts=max_attempts,
                 backoff=self.backoff,
                 quarantine=quarantine,
+                handler_timeout=handler_timeout_seconds,
             ),
             source=source,
             telemetry=self.telemetry,

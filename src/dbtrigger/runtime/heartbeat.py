@@ -43,13 +43,13 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import KW_ONLY, dataclass, field
 from types import TracebackType
 from typing import Any
 
 from dbtrigger.errors import DbTriggerError, LostLeaseError
+from dbtrigger.runtime.call_watch import CallWatch, Watched
 from dbtrigger.runtime.kernel import KeepAlive
 from dbtrigger.runtime.session import LeaseSession
 from dbtrigger.runtime.telemetry import Telemetry
@@ -60,10 +60,6 @@ from dbtrigger.state.document import StateDocument, format_time
 def default_interval(ttl_seconds: float) -> float:
     """A third of the TTL: two renewals can fail before the lease runs out."""
     return ttl_seconds / 3
-
-
-#: The longest pause between two reports of a handler call that still runs.
-STUCK_REPEAT_MAX_SECONDS = 3600.0
 
 
 @dataclass(eq=False, repr=False)
@@ -153,7 +149,20 @@ class Heartbeat:
     @contextlib.contextmanager
     def watching(self, batch_id: str, rows: int) -> Iterator[None]:
         """Watch the handler call(s) on batch ``batch_id`` while the block runs."""
-        watch = CallWatch(self, batch_id, rows)
+        token = self.session.token
+        watched = Watched(
+            self.telemetry,
+            "poller",
+            "batch",
+            f"the lease (token {token}) is held for it, so no other worker of the poller "
+            "can take the batch over",
+            self.warn_after if self.warn_after is not None else self.ttl.total_seconds(),
+            self.timeout,
+            self.lost,
+            self.time_out,
+            {"fencing_token": token, "lease_held": True},
+        )
+        watch = CallWatch(watched, batch_id, rows)
         with self.keepalive.holding(f"call-{self._key}", watch.beat, first_in=watch.next_in()):
             yield
 
@@ -227,64 +236,3 @@ class Heartbeat:
             fencing_token=self.session.token,
         )
         return max(0.0, self.interval - self.session.idle_seconds())
-
-
-class CallWatch:
-    """One handler call under watch: reports it while it runs too long and
-    gives it up at the heartbeat's ``timeout``. Beats on the heartbeat thread."""
-
-    def __init__(self, heartbeat: Heartbeat, batch_id: str, rows: int) -> None:
-        self.heartbeat = heartbeat
-        self.batch_id = batch_id
-        self.rows = rows
-        self.started = time.monotonic()
-        warn_after = heartbeat.warn_after
-        #: Seconds into the call of the next report (the first at WARNING).
-        self.report_at = warn_after if warn_after is not None else heartbeat.ttl.total_seconds()
-        self.reports = 0
-
-    def next_in(self) -> float:
-        """Seconds from now until this watch has something to do."""
-        due = self.report_at
-        if self.heartbeat.timeout is not None:
-            due = min(due, self.heartbeat.timeout)
-        return max(0.0, due - (time.monotonic() - self.started))
-
-    def beat(self) -> float | None:
-        hb = self.heartbeat
-        if hb.lost.is_set():
-            return None  # the lease is gone already; that was reported
-        ran = time.monotonic() - self.started
-        if hb.timeout is not None and ran >= hb.timeout:
-            hb.time_out(self, ran)
-            return None
-        if ran >= self.report_at:
-            self.report(ran)
-            self.reports += 1
-            self.report_at = min(2 * ran, ran + STUCK_REPEAT_MAX_SECONDS)
-        return self.next_in()
-
-    def report(self, ran: float) -> None:
-        hb = self.heartbeat
-        then = (
-            f"it is given up at handler_timeout_seconds={hb.timeout:g}"
-            if hb.timeout is not None
-            else "set handler_timeout_seconds to give such a call up"
-        )
-        hb.telemetry.emit(
-            "handler_slow" if self.reports == 0 else "handler_stuck",
-            "poller %s: the handler call on batch %s (%d rows) has run %.1f s and not "
-            "returned; the lease (token %s) is held for it, so no other worker of the "
-            "poller can take the batch over; %s",
-            hb.poller,
-            self.batch_id,
-            self.rows,
-            ran,
-            hb.session.token,
-            then,
-            batch_id=self.batch_id,
-            rows=self.rows,
-            seconds=round(ran, 1),
-            fencing_token=hb.session.token,
-            lease_held=True,
-        )

@@ -105,10 +105,11 @@ def test_an_expired_claim_is_claimed_again_in_halves(db: TestDatabase) -> None:
         assert sorted(r.key for r in b.rows) == [(7,), (8,)]
         assert (b.more, b.bisected) == (True, None)
 
-        # The expired claim leads now: half of it, counting an attempt.
+        # The expired claim leads now: half of it, on the attempt it had (an
+        # expiry shared by several rows is nobody's: its attempt is given back).
         c = source.claim_batch(limit=10, token="c" * 32, worker="C", visibility=0.2)
         assert c.bisected == (6, 3)
-        assert [(r.attempt, r.isolated) for r in c.rows] == [(2, False)] * 3
+        assert [(r.attempt, r.isolated) for r in c.rows] == [(1, False)] * 3
         # The other half waits as a group and is claimed whole, alone.
         d = source.claim_batch(limit=10, token="d" * 32, worker="D", visibility=30)
         assert len(d.rows) == 3
@@ -122,24 +123,24 @@ def test_an_expired_claim_is_claimed_again_in_halves(db: TestDatabase) -> None:
         e = source.claim_batch(limit=10, token="e" * 32, worker="E", visibility=0.2)
         assert (len(e.rows), e.bisected) == (2, (3, 2))
         f = source.claim_batch(limit=10, token="f" * 32, worker="F", visibility=30)
-        assert [(r.attempt, r.isolated) for r in f.rows] == [(3, False)]
+        assert [(r.attempt, r.isolated) for r in f.rows] == [(1, False)]
 
         # E's two rows expire: one, then the other; a claim of one row that
-        # expires isolates its row.
+        # expires isolates its row, and that expiry counts.
         wait_until_expired(source, 2)
         g = source.claim_batch(limit=10, token="g" * 32, worker="G", visibility=0.2)
         assert (len(g.rows), g.bisected) == (1, (2, 1))
         source.claim_batch(limit=10, token="h" * 32, worker="H", visibility=30)
         wait_until_expired(source, 1)
         i = source.claim_batch(limit=10, token="i" * 32, worker="I", visibility=30)
-        assert [(r.key, r.attempt, r.isolated) for r in i.rows] == [(g.rows[0].key, 5, True)]
+        assert [(r.key, r.attempt, r.isolated) for r in i.rows] == [(g.rows[0].key, 2, True)]
     finally:
         source.close()
 
 
 def test_only_an_isolated_row_goes_dead_for_expiring(db: TestDatabase) -> None:
-    """A row in a half is handled however many attempts the halving cost it;
-    an isolated one with its attempts used up is dead without a handler call."""
+    """A row in a half is handled (its shared expiry costs it no attempt); an
+    isolated one with its attempts used up is dead without a handler call."""
     make_jobs(db, 2)
     source = ClaimSource(url=db.url, table="jobs", schema=db.schema, pk_columns=["id"])
     q = QueueTrigger(name="jobs", source=source, batch_size=10, max_attempts=1)
@@ -147,8 +148,8 @@ def test_only_an_isolated_row_goes_dead_for_expiring(db: TestDatabase) -> None:
     try:
         source.claim(limit=10, token="a" * 32, worker="A", visibility=0.2)
         wait_until_expired(source, 2)
-        # Row 1 or 2 is claimed (attempt 2 > max_attempts 1) as half of the
-        # expired claim: handled, done.
+        # Row 1 or 2 is claimed as half of the expired claim (attempt 1 again,
+        # the shared expiry given back): handled, done.
         result = q.tick_result(lambda events: called.extend(e.pk["id"] for e in events))
         assert (result.rows, result.dead, result.more) == (1, 0, True)
         # The other half, claimed as a group of one, expires: isolated, dead.
@@ -159,7 +160,8 @@ def test_only_an_isolated_row_goes_dead_for_expiring(db: TestDatabase) -> None:
         assert len(called) == 1
         dead = [r for r in rows(db).values() if r["dbt_status"] == "dead"]
         assert len(dead) == 1
-        assert dead[0]["dbt_last_error"].startswith("claim expired 2 times without an outcome")
+        assert dead[0]["dbt_attempts"] == 2  # the expiry alone counted, the shared one not
+        assert dead[0]["dbt_last_error"].startswith("claim expired 1 times without an outcome")
         assert "isolated as a single row" in dead[0]["dbt_last_error"]
     finally:
         source.close()

@@ -180,18 +180,16 @@ def test_competing_workers_survive_kills_and_freezes(db: TestDatabase, tmp_path:
     ]
     assert stale == [], "a completion by a claim that was not the row's last one"
 
-    unexplained = [
-        c
-        for c in calls
-        if c.token != final[c.job_id].dbt_claim_token and final[c.job_id].dbt_attempts <= c.attempt
-    ]
-    assert unexplained == [], "a handler call neither completed its row nor was followed by a retry"
-    called = {c.job_id for c in calls}
-    assert called == set(final), "a row was completed without a recorded handler call"
+    # A done row is never claimed again, so a call by any other claim than the
+    # completing one was followed by a claim. (Attempts do not show it: a
+    # failure or expiry shared by several rows gives its attempt back.)
+    completing = {(c.job_id, c.token) for c in calls}
+    unexplained = [i for i, r in final.items() if (i, r.dbt_claim_token) not in completing]
+    assert unexplained == [], "a row was completed by a claim that never called the handler"
 
     # The chaos really happened: workers died, and rows were claimed again.
     assert kills >= 3
-    assert sum(r.dbt_attempts for r in final.values()) > ROWS
+    assert len(completing) > ROWS
     outcomes = collections.Counter(s.outcome for s in settlements)
     print(f"{db.kind}: {kills} kills, {freezes} freezes, {len(calls)} handler calls, {outcomes}")
 

@@ -46,12 +46,22 @@ def test_reject_is_dead_at_once_even_on_the_first_attempt() -> None:
 
 
 def test_exception_fails_every_unmarked_row_and_reject_still_wins() -> None:
+    """The exception falls on rows 2 and 3 together: nobody's failure, so they are
+    split (row 3 at max_attempts is not dead for it); on one row it counts."""
     plan = plan_for({(1,): Mark("reject", "bad")}, failure=RuntimeError("boom"), attempts=(1, 1, 3))
-    assert [d.key for d in plan.dead] == [(1,), (3,)]
-    assert plan.dead[1].error == "failed 3 times; last: RuntimeError: boom"
-    assert [r.key for r in plan.retry] == [(2,)]
-    assert plan.retry[0].error == "RuntimeError: boom"
+    assert [d.key for d in plan.dead] == [(1,)]
+    assert [(r.key, r.error) for r in plan.retry] == [
+        (key, "failed with 1 other row(s): RuntimeError: boom") for key in [(2,), (3,)]
+    ]
+    assert len({r.group for r in plan.retry}) == 2
+    assert None not in {r.group for r in plan.retry}
     assert plan.done == []
+    retry = Mark("retry", "later")
+    alone = plan_for({(1,): retry, (2,): retry}, failure=RuntimeError("boom"), attempts=(1, 1, 3))
+    assert [(d.key, d.error) for d in alone.dead] == [
+        ((3,), "failed 3 times; last: RuntimeError: boom")
+    ]
+    assert [(r.key, r.group) for r in alone.retry] == [((1,), None), ((2,), None)]
 
 
 def test_partial_batch_error_names_rows() -> None:

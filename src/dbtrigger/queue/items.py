@@ -35,11 +35,20 @@ class ClaimBatch:
 
 @dataclass(frozen=True)
 class RetryItem:
-    """A row to hand back for another attempt after ``delay_seconds``."""
+    """A row to hand back for another attempt after ``delay_seconds``.
+
+    ``group``: the row failed together with others, with nothing to say which
+    of them failed (the handler raised on a claim of several rows). It waits
+    with the rows of its ``group`` (``ready`` under that token, claimed
+    together, never mixed with other rows: :mod:`dbtrigger.queue.pick`), and
+    the attempt is not counted against it: a shared failure is nobody's until
+    the halving has isolated the row that fails.
+    """
 
     key: Key
     delay_seconds: float
     error: str
+    group: str | None = None
 
 
 @dataclass(frozen=True)

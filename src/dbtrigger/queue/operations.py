@@ -68,8 +68,11 @@ def counts(table: ClaimTable, conn: Connection) -> QueueCounts:
             table.claimable()
         )
     ).one()
+    # Tried: attempts counted, or waiting as a group (a failure shared by several
+    # rows gives its attempt back, see queue/outcome.py).
+    tried = sa.or_(c[ATTEMPTS] > 0, c[CLAIM_TOKEN].is_not(None))
     later = conn.execute(
-        sa.select(sa.func.count(), sa.func.sum(sa.case((c[ATTEMPTS] > 0, 1), else_=0))).where(
+        sa.select(sa.func.count(), sa.func.sum(sa.case((tried, 1), else_=0))).where(
             table.filtered(c[STATUS] == READY, c[VISIBLE_AT] > now)
         )
     ).one()

@@ -9,10 +9,21 @@ The rules:
 
 * a row the handler neither marked nor failed is **done**;
 * ``ctx.reject(event, reason)`` makes the row **dead** at once (terminal);
-* ``ctx.retry(event, reason)``, an exception from the handler (every row not
-  otherwise marked), or a :class:`~dbtrigger.errors.PartialBatchError` naming
-  the row fail the attempt: **retry** after a backoff, or **dead** once the
-  row has had ``max_attempts`` attempts;
+* ``ctx.retry(event, reason)``, an exception from the handler that falls on
+  this row alone (the only row of the call not otherwise marked), or a
+  :class:`~dbtrigger.errors.PartialBatchError` naming the row fail the
+  attempt: **retry** after a backoff, or **dead** once the row has had
+  ``max_attempts`` attempts;
+* an exception that falls on several rows says nothing about which of them
+  failed: those rows are **split** - handed back in two halves that wait as
+  groups (after the backoff) and are claimed again each on its own, the
+  attempt not counted against any of them (``dbt_attempts`` is given back).
+  A half that fails again is halved again, so a poison row is alone after
+  about ``log2(batch_size)`` failures and from then on its failures count;
+  its batch-mates are done in the halves without it, with the attempts they
+  had. Each row's counted attempts are never more than ``max_attempts``, and
+  a row sees at most about ``log2(batch_size)`` uncounted failures per
+  counted one, so a poison row still ends ``dead``;
 * a row claimed alone after a claim that expired holding only it (the rows
   of an expired claim are claimed again in halves until the row that kills
   its worker is alone: :mod:`dbtrigger.queue.pick`), once it has had
@@ -81,13 +92,22 @@ def decide(
 ) -> Plan:
     """The outcome of each ``(key, attempt)`` after the handler ran (see the module doc)."""
     failed: dict[Key, str] = {}
+    shared: list[tuple[Key, int]] = []
     if isinstance(failure, PartialBatchError):
         failed = _failed_by_partial(failure, pks)
     elif failure is not None:
         text = error_text(failure)
         failed = {key: text for key, _ in rows}
+        shared = [(key, attempt) for key, attempt in rows if key not in marks]
     plan = Plan()
+    split: set[Key] = set()
+    if len(shared) > 1:
+        text = error_text(f"failed with {len(shared) - 1} other row(s): {failed[shared[0][0]]}")
+        _split(plan, shared, text, backoff, rng)
+        split = {key for key, _ in shared}
     for key, attempt in rows:
+        if key in split:
+            continue
         mark = marks.get(key)
         if mark is not None and mark.kind == "reject":
             plan.dead.append(DeadItem(key, error_text(f"rejected: {mark.reason}")))
@@ -108,11 +128,23 @@ def decide(
     return plan
 
 
+def _split(
+    plan: Plan, shared: Sequence[tuple[Key, int]], error: str, backoff: Backoff, rng: random.Random
+) -> None:
+    """Hand ``shared`` back in two halves, each a group of its own that waits
+    out one backoff (the highest attempt's) and costs no attempt."""
+    wait = backoff.delay(max(attempt for _, attempt in shared), rng)
+    half = (len(shared) + 1) // 2
+    for part in (shared[:half], shared[half:]):
+        group = f"{rng.getrandbits(128):032x}"
+        plan.retry.extend(RetryItem(key, wait, error, group) for key, _ in part)
+
+
 def expired_too_often(attempt: int, max_attempts: int, *, isolated: bool) -> bool:
     """An isolated row (its last claim expired holding only it) claimed more
     often than ``max_attempts``. A row claimed with others is never dead for
-    expiries: the halving that isolates a crashing row costs its neighbours
-    attempts too."""
+    expiries: an expiry shared by several rows is given back when the claim is
+    halved (:mod:`dbtrigger.queue.pick`), so only expiries alone count."""
     return isolated and attempt > max_attempts
 
 

@@ -27,7 +27,14 @@ with it are completed in the halves that did not crash. Everything this needs
 is in the claim columns (status, token, visible_at): the worker that knew
 what happened is dead. An isolated row that has used up its attempts goes
 dead without a handler call (:mod:`dbtrigger.queue.outcome`); a row in a half
-is never dead for having expired, however many attempts the halving cost it.
+is never dead for having expired, and the halving costs it no attempt: the
+claimed half keeps the attempt the expired claim counted (as this claim's),
+the regrouped half gives it back.
+
+A regrouped half is also what a handler failure shared by several rows leaves
+(:func:`dbtrigger.queue.outcome.decide` splits them into two such groups, due
+after the backoff): the rows a failing claim held are tried in halves until
+the row that fails is alone.
 
 Nothing here does I/O: the statements lock and write, :func:`choose` decides.
 """

@@ -20,22 +20,17 @@ Claim, per dialect:
   then the same ``SELECT`` and ``UPDATE`` as MariaDB.
 
 Which of the picked rows a claim takes is :func:`dbtrigger.queue.pick.choose`:
-all fresh rows, unless the pick is led by rows of an expired claim, which are
-bisected. MariaDB and SQLite apply it between their two statements. On
-PostgreSQL the one statement claims only when the pick is led by a fresh row
-(the common case) and otherwise claims nothing and says so. A pick led by an
-expired claim or a regrouped half takes nothing either: it skips rows a
-concurrent pick locked, so it may see part of the group, and an expired claim
-of several rows seen as one would *isolate* a row that merely shared it. The
+all fresh rows, unless the pick is led by rows of an expired claim (bisected)
+or a waiting group. MariaDB and SQLite apply it between their two statements;
+PostgreSQL's one statement claims only when a fresh row leads. Otherwise the
 source claims the group in a transaction of its own
-(:meth:`ClaimTable.claim_group`), which locks every row still in it first.
+(:meth:`ClaimTable.claim_group`) that locks every row still in it first: a
+pick skips rows a concurrent pick locked, so it may see part of the group, and
+an expired claim of several rows seen as one would *isolate* a row that merely
+shared it.
 
-A table with ``dbt_priority`` (:meth:`ClaimTable.claim_by_priority`) is
-claimed one priority at a time, highest first, in one transaction: the next
-priority present is one probe of the ``(dbt_priority, dbt_visible_at)``
-index, and the pick of one priority reads only its rows due now. A claim
-fills its batch from as many priorities as it takes, fresh rows only; the
-rows of an expired claim are taken alone, as above.
+A table with ``dbt_priority`` is claimed one priority at a time, highest
+first (:meth:`ClaimTable.claim_by_priority`).
 
 Settling is fenced: every completion, retry, dead-marking and extension
 matches ``key AND dbt_claim_token = :token AND dbt_status = 'claimed' AND
@@ -44,21 +39,15 @@ worker has taken it since) no longer matches, and the method reports it as
 *lost* instead of overwriting the newer claim's result.
 
 A claim is judged held or expired at exactly one instant per settlement, and
-the report is what was written at that instant:
-
-* PostgreSQL and SQLite: the fenced ``UPDATE``/``DELETE ... RETURNING key`` is
-  one statement with one clock reading; the keys it returns are the keys it
-  changed.
-* MariaDB/MySQL (no ``RETURNING``): ``SELECT key ... FOR UPDATE`` with the
-  full fence locks the rows the claim still holds; that is the instant. The
-  writes that follow match those locked keys by key, token and status but do
-  *not* compare the clock again: the lock keeps every other claimer off the
-  rows until commit, so nothing can have taken them since, while a second
-  clock reading a few milliseconds later could find the claim expired, match
-  nothing, and leave rows this method had already reported as done to be
-  claimed and completed by another worker (the double completion of issue
-  #12). Each write's row count must equal the number of keys it was given, or
-  the transaction is rolled back.
+the report is what was written at that instant. PostgreSQL and SQLite: the
+fenced ``UPDATE``/``DELETE ... RETURNING key`` is one statement with one clock
+reading. MariaDB/MySQL (no ``RETURNING``): ``SELECT key ... FOR UPDATE`` with
+the full fence locks the rows the claim still holds (the instant); the writes
+that follow match those keys by key, token and status without reading the
+clock again (the lock keeps every other claimer off them), since a second
+reading could find the claim expired and leave rows reported done to be
+completed again elsewhere (issue #12). Each write's row count must equal the
+number of keys it was given, or the transaction is rolled back.
 """
 
 from __future__ import annotations
@@ -151,12 +140,9 @@ class ClaimTable:
         return sa.tuple_(*self._key_cols).in_([tuple(k) for k in keys])
 
     # --- prepared statements --------------------------------------------------------
-    #
-    # The claim, the extension and the settlement run once per batch, so they
-    # are built once per table and reused: SQLAlchemy compiles a statement
-    # object once (its compiled cache keys on it), and what changes per batch
-    # (token, worker, keys, limit, times, error text) travels as parameters.
-    # Building them per call cost about a millisecond of client CPU per batch.
+    # Built once per table (SQLAlchemy compiles a statement object once); what
+    # changes per batch travels as parameters. Building them per call cost about
+    # a millisecond of client CPU per batch.
 
     def _keys_param(self) -> ColumnElement[bool]:
         """``key IN :dbt_keys`` (PostgreSQL, one column: ``= ANY(:dbt_keys)``, one
@@ -200,13 +186,15 @@ class ClaimTable:
             stmt = self._statements[name] = getattr(self, f"_build_{name}")()
         return stmt
 
-    def _claim_values(self) -> dict[str, Any]:
+    def _claim_values(self, attempts: int = 1) -> dict[str, Any]:
+        """A claim's writes; ``attempts`` added to ``dbt_attempts`` (0: the half of
+        an expired claim of several rows, whose shared expiry is given back)."""
         c = self.table.c
         return {
             STATUS: CLAIMED,
             CLAIM_TOKEN: sa.bindparam("dbt_token", type_=sa.String),
             CLAIMED_BY: sa.bindparam("dbt_worker", type_=sa.String),
-            ATTEMPTS: c[ATTEMPTS] + 1,
+            ATTEMPTS: c[ATTEMPTS] + attempts,
             VISIBLE_AT: self.time.plus(0),
         }
 
@@ -225,14 +213,11 @@ class ClaimTable:
         )
 
     def _build_claim(self) -> Any:
-        """PostgreSQL: pick, and claim the fresh rows when a fresh row leads the pick.
-
-        One statement: ``WITH pick AS (SELECT ... FOR UPDATE SKIP LOCKED), head
-        AS (its first row), claimed AS (UPDATE ... FROM pick, head WHERE both
-        are fresh RETURNING *) SELECT claimed.*, (SELECT count(*) FROM pick)
-        FROM head LEFT JOIN claimed``: no row when the pick was empty, one row
-        of NULLs when the head was not fresh (the caller then chooses).
-        """
+        """PostgreSQL, one statement: ``WITH pick AS (SELECT ... SKIP LOCKED), head
+        AS (its first row), claimed AS (UPDATE ... FROM pick, head WHERE both are
+        fresh RETURNING *) SELECT claimed.*, (SELECT count(*) FROM pick) FROM head
+        LEFT JOIN claimed``: no row when the pick was empty, one row of NULLs when
+        the head was not fresh (the caller then chooses)."""
         c = self.table.c
         pick = (
             sa.select(
@@ -275,11 +260,9 @@ class ClaimTable:
     def _level_statement(self, *, below: bool) -> Any:
         """The highest priority (below ``:dbt_below``) that has rows: one index probe.
 
-        PostgreSQL and SQLite ask the partial index (rows in a claimable
-        status). MariaDB/MySQL have no partial index, and filtering on the
-        status there would walk the finished rows at the top of each priority's
-        part of the index; so any row counts, and a priority holding only
-        finished rows costs one empty pick.
+        PostgreSQL and SQLite ask the partial index (claimable rows). MariaDB/MySQL
+        have none, and filtering on the status would walk each priority's finished
+        rows; so any row counts (a priority of finished rows costs one empty pick).
         """
         c = self.table.c
         where = [c[PRIORITY] < sa.bindparam("dbt_below", type_=sa.Integer)] if below else []
@@ -291,14 +274,19 @@ class ClaimTable:
         """Mark the picked rows a claim takes (they are locked by the pick)."""
         return sa.update(self.table).where(self._keys_param()).values(self._claim_values())
 
+    def _build_claim_half(self) -> Any:
+        return sa.update(self.table).where(self._keys_param()).values(self._claim_values(0))
+
     def _build_regroup(self) -> Any:
         """Make the untried half of an expired claim a waiting group (see pick.py):
-        ``ready`` under a new token, ``dbt_visible_at`` kept so it leads the next pick."""
+        ``ready`` under a new token, ``dbt_visible_at`` kept so it leads the next
+        pick, the shared expiry's attempt given back."""
         c = self.table.c
+        group = sa.bindparam("dbt_group", type_=sa.String)
         return (
             sa.update(self.table)
             .where(self._keys_param(), c[STATUS] == CLAIMED)
-            .values({STATUS: READY, CLAIM_TOKEN: sa.bindparam("dbt_group", type_=sa.String)})
+            .values({STATUS: READY, CLAIM_TOKEN: group, ATTEMPTS: c[ATTEMPTS] - 1})
         )
 
     def _build_group_keys(self) -> Any:
@@ -353,10 +341,18 @@ class ClaimTable:
         return self._returning(sa.delete(self.table).where(self._write_fence()))
 
     def _build_retry(self) -> Any:
-        error = sa.bindparam("dbt_error", type_=sa.String)
-        return self._settling(
-            {STATUS: READY, CLAIM_TOKEN: None, VISIBLE_AT: self.time.plus(0), LAST_ERROR: error}
-        )
+        return self._retrying(None)
+
+    def _build_split(self) -> Any:
+        """Rows that failed together wait as a group (see pick.py); attempt given back."""
+        return self._retrying(sa.bindparam("dbt_group", type_=sa.String))
+
+    def _retrying(self, group: Any) -> Any:
+        values = {STATUS: READY, CLAIM_TOKEN: group, VISIBLE_AT: self.time.plus(0)}
+        values[LAST_ERROR] = sa.bindparam("dbt_error", type_=sa.String)
+        if group is not None:
+            values[ATTEMPTS] = self.table.c[ATTEMPTS] - 1
+        return self._settling(values)
 
     # --- claim ----------------------------------------------------------------------
 
@@ -393,12 +389,13 @@ class ClaimTable:
     def claim_by_priority(
         self, conn: Connection, *, limit: int, token: str, worker: str, visibility: float
     ) -> ClaimBatch:
-        """Claim up to ``limit`` rows, highest ``dbt_priority`` first (see the module doc).
+        """Claim up to ``limit`` rows, highest ``dbt_priority`` first, fresh rows from
+        as many priorities as it takes (an expired claim's or a group's rows alone).
 
         ``conn`` must be in a transaction (PostgreSQL: READ COMMITTED, the
-        picks' locks last until it ends). Each priority costs one index probe
-        and one pick that reads only that priority's rows due now, so a claim
-        stays O(batch + priorities) however many rows are scheduled for later.
+        picks' locks last until it ends). Each priority costs one probe of the
+        ``(dbt_priority, dbt_visible_at)`` index and one pick of its rows due
+        now, so a claim stays O(batch + priorities) whatever is scheduled later.
         """
         rows: list[dict[str, Any]] = []
         more = False
@@ -511,19 +508,15 @@ class ClaimTable:
             )
         taken = set(choice.claim)
         rows = [r for r in picked if self.key_of(r) in taken]
+        half = choice.bisected is not None  # an expired claim's half: its expiry given back
         if rows:
-            params = {
-                "dbt_token": token,
-                "dbt_worker": worker,
-                "dbt_keys": self._keys_value(choice.claim),
-                **self.time.plus_params(visibility),
-            }
-            conn.execute(self._prepared("claim_locked"), params)
+            params: dict[str, Any] = {"dbt_token": token, "dbt_worker": worker}
+            params["dbt_keys"] = self._keys_value(choice.claim)
+            params.update(self.time.plus_params(visibility))
+            conn.execute(self._prepared("claim_half" if half else "claim_locked"), params)
         for row in rows:
-            row[STATUS] = CLAIMED
-            row[CLAIM_TOKEN] = token
-            row[CLAIMED_BY] = worker
-            row[ATTEMPTS] = int(row[ATTEMPTS]) + 1
+            row.update({STATUS: CLAIMED, CLAIM_TOKEN: token, CLAIMED_BY: worker})
+            row[ATTEMPTS] = int(row[ATTEMPTS]) + (0 if half else 1)
         return rows
 
     def extend(self, conn: Connection, *, token: str, visibility: float) -> int:
@@ -588,9 +581,16 @@ class ClaimTable:
             dead = [d for d in dead if d.key in owned]
         done_keys = self._apply(conn, "done_delete" if delete_done else "done", token, done)
         retried: set[Key] = set()
+        groups: dict[tuple[str, float, str], list[Key]] = {}
         for item in retry:
             extra = {"dbt_error": item.error, **self.time.plus_params(item.delay_seconds)}
-            retried |= self._apply(conn, "retry", token, [item.key], extra)
+            if item.group is None:
+                retried |= self._apply(conn, "retry", token, [item.key], extra)
+            else:
+                groups.setdefault((item.group, item.delay_seconds, item.error), []).append(item.key)
+        for (group, delay, error), keys in groups.items():
+            extra = {"dbt_group": group, "dbt_error": error, **self.time.plus_params(delay)}
+            retried |= self._apply(conn, "split", token, keys, extra)
         died: set[Key] = set()
         for gone in dead:
             died |= self._apply(conn, "dead", token, [gone.key], {"dbt_error": gone.error})

@@ -6,14 +6,20 @@ must do (see :mod:`dbtrigger.queue.source`):
 * **disjoint claims**: a row is held by one claim at a time; claims that run
   at once (threads, processes) never share a row, and every claimable row is
   taken by some claim;
-* **attempts**: each claim of a row counts one attempt, the first being 1;
+* **attempts**: each claim of a row counts one attempt, the first being 1,
+  except that an outcome shared by several rows is nobody's: a retry of a
+  *group* (:class:`RetryItem` ``group``, a handler failure that fell on several
+  rows) gives the attempt back and its rows wait together, claimed as one
+  claim, never mixed with other rows; the half of an expired claim of several
+  rows is claimed on the attempt it had;
 * **fencing**: ``extend`` and ``settle`` act only on rows still held by the
   token, and say exactly which rows they changed - a claim that expired and
   was taken over changes nothing and learns so;
 * **settle counts**: ``settle`` reports per outcome the keys it wrote
   (done, retried, dead); ``counts()`` then shows them;
 * **expiry**: a claim neither settled nor extended within its visibility
-  timeout gives its rows back, claimable again with an attempt counted;
+  timeout gives its rows back, claimable again (its attempt counted when it
+  held one row, given back when it held several, above);
   a retry's delay hides its row until the delay has passed; done and dead
   rows are never claimed again.
 
@@ -268,7 +274,7 @@ class ClaimSourceContract:
         assert queue.extend(token=tok, visibility=SHORT) == 2
         back = claim_back(queue, {1, 2})
         assert sorted(int(r.pk["id"]) for _, r in back) == [1, 2], "each row once"
-        assert {r.attempt for _, r in back} == {2}
+        assert {r.attempt for _, r in back} == {1}, "a shared expiry gives its attempt back"
 
     def test_a_retry_waits_its_delay_and_counts_an_attempt(
         self, claim_harness: ClaimSourceHarness, queue: ClaimPort
@@ -285,6 +291,20 @@ class ClaimSourceContract:
         assert ids_of(again) == [1], "a zero delay is claimable at once, a long one hidden"
         assert again[0].attempt == 2
         assert queue.counts().delayed == 1
+
+    def test_a_group_retry_waits_together_and_gives_its_attempt_back(
+        self, claim_harness: ClaimSourceHarness, queue: ClaimPort
+    ) -> None:
+        claim_harness.put([1, 2, 3, 4])
+        tok = token()
+        rows = {int(r.pk["id"]): r.key for r in claim_as(queue, tok)}
+        split = [RetryItem(rows[i], 0, "shared", "g1" if i < 3 else "g2") for i in rows]
+        settled = queue.settle(token=tok, done=[], retry=split)
+        assert settled.retried == set(rows.values())
+        claim_harness.put([5])
+        claims = [claim_as(queue, token()) for _ in range(3)]
+        assert sorted(ids_of(c) for c in claims) == [[1, 2], [3, 4], [5]], "groups never mixed"
+        assert {r.attempt for c in claims for r in c} == {1}, "the shared failure not counted"
 
     def test_done_and_dead_rows_are_never_claimed_again(
         self, claim_harness: ClaimSourceHarness, queue: ClaimPort

@@ -17,6 +17,7 @@ from sqlalchemy.engine import URL, Engine
 
 from dbtrigger._engine import parse_database_url
 from dbtrigger.errors import MissingSettingError
+from dbtrigger.redaction import remember_url_secrets
 
 
 class DatabaseUrl:
@@ -43,6 +44,7 @@ class DatabaseUrl:
         self._value: URL | None = None
         if not url:
             if engine is not None:
+                remember_url_secrets(engine.url)
                 self._known(engine.url)
             return
         with contextlib.suppress(MissingSettingError):

@@ -31,6 +31,7 @@ from sqlalchemy.engine import URL, Connection, Engine, make_url
 
 from dbtrigger._once import Once
 from dbtrigger.errors import ConfigurationError
+from dbtrigger.redaction import remember_url_secrets
 from dbtrigger.settings import resolve_setting
 
 #: Drivers a URL's dialect commonly names, and how to install them.
@@ -136,13 +137,16 @@ def parse_database_url(url: str, what: str = "database URL") -> URL:
     """
     text = resolve_setting(url)  # a MissingSettingError names the setting
     try:
-        return make_url(text)
+        parsed = make_url(text)
     except (sa.exc.ArgumentError, ValueError) as exc:
         problem = "the port is not a number" if isinstance(exc, ValueError) else "unparsable"
         raise ConfigurationError(
             f"{what}: not a valid database URL ({problem}); SQLAlchemy expects "
             "dialect+driver://user:password@host:port/database"
         ) from None
+    # A driver's error, or a repr of the engine, may quote them: masked wherever seen.
+    remember_url_secrets(parsed)
+    return parsed
 
 
 class LazyEngine:

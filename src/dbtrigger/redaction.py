@@ -5,11 +5,14 @@ stores, the output binding, the queue, the runtime and the CLI can all use it.
 Two mechanisms, and the database URL as it may be shown:
 
 * **Known secrets.** Whatever secret is met while parsing configuration (a URL
-  password, an account key, a SAS token) is registered with
+  password, an account key, a SAS token; every credential of a database URL,
+  :func:`url_secrets`, also URL-encoded) is registered with
   :func:`remember_secret` and removed, verbatim, wherever it appears later.
-* **Database URLs** (:func:`safe_url_text`): without the password and without
-  query options whose name looks like a secret, so a banner, ``describe()``
-  or an error can name the database it means.
+* **Database URLs** (:func:`safe_url_text`): without the password, without
+  query options whose name looks like a secret, and with the credential fields
+  of an option that holds a connection string masked (``PWD=`` inside
+  ``mssql+pyodbc:///?odbc_connect=...``), so a banner, ``describe()`` or an
+  error can name the database it means.
 * **Credential-shaped text.** Patterns catch what was never registered: a
   handler's exception text quoting a connection string, a driver error echoing a
   URL, a request line with a SAS signature. Covered: ``name=value`` /
@@ -36,6 +39,7 @@ import re
 import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
+from urllib.parse import quote, quote_plus
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import URL
@@ -147,15 +151,111 @@ def remember_connection_string(value: str) -> None:
             remember_secret(secret.strip())
 
 
-#: URL query options whose name contains one of these are dropped from a shown URL.
-_SECRET_QUERY_KEYS = ("pass", "pwd", "secret", "token", "key", "credential", "sig")
+#: URL query options whose name contains one of these are dropped from a shown URL,
+#: and so are the fields so named inside an option that is a connection string.
+SECRET_QUERY_KEYS = ("pass", "pwd", "secret", "token", "key", "credential", "sig")
+
+
+def is_secret_option(name: str) -> bool:
+    """True for a URL option or connection-string field whose value is a credential."""
+    lowered = name.strip().lower()
+    return any(s in lowered for s in SECRET_QUERY_KEYS)
+
+
+def _connection_fields(text: str) -> list[tuple[str, str, str]]:
+    """``KEY=value;KEY={va;lue}`` as ``(key, raw field, value)``; ``}}`` escapes ``}``.
+
+    The ODBC grammar (``mssql+pyodbc:///?odbc_connect=...``). A field without
+    ``=`` is kept whole with an empty key.
+    """
+    fields: list[tuple[str, str, str]] = []
+    i, n = 0, len(text)
+    while i < n:
+        eq, semi = text.find("=", i), text.find(";", i)
+        if eq < 0 or (0 <= semi < eq):
+            end = n if semi < 0 else semi
+            fields.append(("", text[i:end], ""))
+            i = end + 1
+            continue
+        j = eq + 1
+        while j < n and text[j] == " ":
+            j += 1
+        if j < n and text[j] == "{":
+            k, chars = j + 1, []
+            while k < n:
+                if text[k] == "}":
+                    if text[k + 1 : k + 2] == "}":
+                        chars.append("}")
+                        k += 2
+                        continue
+                    k += 1
+                    break
+                chars.append(text[k])
+                k += 1
+            value = "".join(chars)
+            end = text.find(";", k)
+        else:
+            end = text.find(";", j)
+            value = text[j : n if end < 0 else end].strip()
+        end = n if end < 0 else end
+        fields.append((text[i:eq].strip(), text[i:end], value))
+        i = end + 1
+    return fields
+
+
+def without_secret_fields(value: str, replacement: str | None = MASK) -> tuple[str, list[str]]:
+    """An option's value with the credential fields of a connection string it holds
+    (``PWD=...`` in ``odbc_connect``) masked (or, with ``replacement=None``,
+    removed), and the secret values found; any other value as it is."""
+    if "=" not in value:
+        return value, []
+    fields = _connection_fields(value)
+    if not any(key and is_secret_option(key) for key, _, _ in fields):
+        return value, []
+    kept: list[str] = []
+    secrets: list[str] = []
+    for key, raw, field_value in fields:
+        if key and is_secret_option(key):
+            secrets += [field_value, raw.partition("=")[2].strip()]
+            if replacement is not None:
+                kept.append(f"{key}={replacement}")
+        else:
+            kept.append(raw)
+    return ";".join(kept), secrets
+
+
+def url_secrets(url: URL) -> list[str]:
+    """Every credential in a database URL: the password, options named like one,
+    and credential fields of an option holding a connection string (``odbc_connect``)."""
+    found: list[str] = [url.password] if isinstance(url.password, str) else []
+    for name, values in url.query.items():
+        for value in (values,) if isinstance(values, str) else values:
+            if is_secret_option(name):
+                found.append(value)
+            else:
+                found += without_secret_fields(value)[1]
+    return [s for s in found if s]
+
+
+def remember_url_secrets(url: URL) -> None:
+    """Register every credential of a database URL (see :func:`url_secrets`), also
+    as it appears URL-encoded, so that a driver error or a repr echoing it is masked."""
+    for secret in url_secrets(url):
+        for form in {secret, quote(secret, safe=""), quote_plus(secret)}:
+            remember_secret(form)
 
 
 def redact_url(url: URL) -> URL:
-    """The URL without password and without query options that look like secrets."""
-    query = {
-        k: v for k, v in url.query.items() if not any(s in k.lower() for s in _SECRET_QUERY_KEYS)
-    }
+    """The URL without password, without query options that look like secrets, and
+    with the credential fields of a connection string option (``odbc_connect``) masked."""
+    query: dict[str, str | tuple[str, ...]] = {}
+    for name, values in url.query.items():
+        if is_secret_option(name):
+            continue
+        if isinstance(values, str):
+            query[name] = without_secret_fields(values)[0]
+        else:
+            query[name] = tuple(without_secret_fields(v)[0] for v in values)
     return url.set(password=None, query=query)
 
 
@@ -257,12 +357,17 @@ protect_loggers()
 __all__ = [
     "LOGGER_NAMES",
     "MASK",
+    "SECRET_QUERY_KEYS",
     "RedactingFilter",
+    "is_secret_option",
     "protect_handlers",
     "protect_loggers",
     "redact",
     "redact_url",
     "remember_connection_string",
     "remember_secret",
+    "remember_url_secrets",
     "safe_url_text",
+    "url_secrets",
+    "without_secret_fields",
 ]

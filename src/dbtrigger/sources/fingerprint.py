@@ -29,6 +29,7 @@ from typing import Any
 from sqlalchemy.engine import URL
 
 from dbtrigger.cursor import canonical_json, encode_value
+from dbtrigger.redaction import is_secret_option, without_secret_fields
 
 #: Ports a URL may spell out without naming a different server.
 DEFAULT_PORTS = {"postgresql": 5432, "mysql": 3306, "mariadb": 3306, "mssql": 1433, "oracle": 1521}
@@ -82,11 +83,22 @@ CONNECTION_ONLY_OPTIONS = frozenset(
     }
 )
 
-_SECRET_QUERY_KEYS = ("pass", "pwd", "secret", "token", "key", "credential", "sig")
+
+def _without_secrets(value: str | tuple[str, ...]) -> str | tuple[str, ...]:
+    """An option's value less the credential fields of a connection string in it."""
+    if isinstance(value, str):
+        return without_secret_fields(value, None)[0]
+    return tuple(without_secret_fields(v, None)[0] for v in value)
 
 
-def identity_url(url: URL) -> dict[str, Any]:
-    """The parts of a URL that say *which data* it reaches, normalised."""
+def identity_url(url: URL, *, _fields_kept: bool = False) -> dict[str, Any]:
+    """The parts of a URL that say *which data* it reaches, normalised.
+
+    No credential is part of it: not the password, not an option named like
+    one, not a credential field of a connection string held by an option
+    (``PWD=`` in ``odbc_connect``). ``_fields_kept`` gives the identity as it
+    was before those fields were removed (see :func:`previous_fingerprints`).
+    """
     backend = url.get_backend_name()
     host = (url.host or "").lower() or None
     if host in LOOPBACK:
@@ -95,10 +107,9 @@ def identity_url(url: URL) -> dict[str, Any]:
     if port is not None and DEFAULT_PORTS.get(backend) == port:
         port = None
     query = {
-        k.lower(): v
+        k.lower(): v if _fields_kept else _without_secrets(v)
         for k, v in url.query.items()
-        if k.lower() not in CONNECTION_ONLY_OPTIONS
-        and not any(s in k.lower() for s in _SECRET_QUERY_KEYS)
+        if k.lower() not in CONNECTION_ONLY_OPTIONS and not is_secret_option(k)
     }
     return {
         "backend": backend,
@@ -175,6 +186,29 @@ def legacy_fingerprint(safe_url: str, definition: Definition) -> str:
     return _digest({"url": safe_url, "schema": definition.schema, **definition.keyset()})
 
 
+def previous_fingerprints(url: URL, definition: Definition) -> tuple[str, ...]:
+    """What earlier versions gave this definition, to recognise documents they wrote.
+
+    Version 1 hashed the URL as it was shown then (verbatim); and until the
+    credential fields of an option holding a connection string
+    (``odbc_connect=...;PWD=...``) were removed, both versions hashed those
+    fields. Only ever compared with a stored fingerprint, never written: the
+    next commit writes :func:`source_fingerprint`.
+    """
+    query = {k: v for k, v in url.query.items() if not is_secret_option(k)}
+    shown_then = url.set(password=None, query=query).render_as_string(hide_password=True)
+    found = [legacy_fingerprint(shown_then, definition)]
+    kept = identity_url(url, _fields_kept=True)
+    if kept != identity_url(url):
+        schema = identity_schema(kept["backend"], definition.schema, url.database)
+        found.append(
+            _digest(
+                {"fingerprint_version": 2, "source": kept, "schema": schema, **definition.keyset()}
+            )
+        )
+    return tuple(found)
+
+
 #: Texts (a query, a filter) longer than this are kept as a start and a digest.
 _TEXT_LIMIT = 300
 
@@ -236,6 +270,7 @@ __all__ = [
     "identity_schema",
     "identity_url",
     "legacy_fingerprint",
+    "previous_fingerprints",
     "readable_definition",
     "source_fingerprint",
 ]

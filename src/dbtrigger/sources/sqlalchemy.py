@@ -52,7 +52,7 @@ from dbtrigger.sources.connections import SourceConnections
 from dbtrigger.sources.errors_map import mapped_error
 from dbtrigger.sources.fingerprint import (
     Definition,
-    legacy_fingerprint,
+    previous_fingerprints,
     readable_definition,
     source_fingerprint,
 )
@@ -279,8 +279,7 @@ class SqlAlchemySource(KeysetLookups):
         normalisation is still this poller's and must not be refused. A commit
         writes :meth:`fingerprint`, so the older value disappears on its own.
         """
-        legacy = legacy_fingerprint(self.safe_url, self._definition())
-        return (self.fingerprint(), legacy)
+        return (self.fingerprint(), *previous_fingerprints(self._db_url.value, self._definition()))
 
     def _definition(self) -> Definition:
         return self._spec.definition(self._deleted_value)

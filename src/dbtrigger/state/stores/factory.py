@@ -167,7 +167,6 @@ def _open_sql(spec: str, *, app: str) -> CheckpointStore:
     from dbtrigger._engine import parse_database_url  # noqa: PLC0415 - SQL stores only
 
     url = parse_database_url(spec, "state store URL")
-    remember_secret(url.password if isinstance(url.password, str) else None)
     options = {k: url.query[k] for k in _SQL_OPTIONS if k in url.query}
     url = url.difference_update_query(_SQL_OPTIONS)
     database = url.database or ""

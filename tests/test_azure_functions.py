@@ -500,7 +500,8 @@ def test_schedule_hint_may_be_an_app_setting(
         ("0 5-10/5 * * * *", 300),
         ("00:05:00", 300),
         ("1.00:00:00", 86400),
-        ("0 0 0 30 2 *", None),
+        ("0 0 0 29 2 *", 1461 * 86400),  # leap days: 2024 and 2028
+        ("0 0 0 29 2 Mon", None),  # a Monday only in 2016 and 2044: not twice in 5 years
         # The host's TimeSpan rules (.NET TimeSpan.Parse): a first number of 24 or
         # more makes "a:b:c" days:hours:minutes, and "d:hh:mm:ss" is days too.
         ("24:00:00", 24 * 86400),
@@ -533,6 +534,59 @@ def test_schedule_interval(schedule: str, seconds: int | None) -> None:
 def test_malformed_schedules_are_refused(schedule: str) -> None:
     with pytest.raises(ConfigurationError):
         schedule_interval(schedule)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "why"),
+    [
+        ("0 0 0 31 2 *", "Feb has no day 31"),
+        ("0 0 0 30 2 *", "Feb has no day 30"),
+        ("0 0 0 30,31 Feb *", "Feb has no day 30 or 31"),
+        ("0 0 12 31 4,6,9,11 *", "Apr, Jun, Sep, Nov have no day 31"),
+    ],
+)
+def test_a_schedule_that_never_fires_is_refused(schedule: str, why: str) -> None:
+    """It was taken as "fires fewer than twice in five years" and accepted: a timer
+    function that silently never runs."""
+    with pytest.raises(ConfigurationError, match="never fires") as err:
+        schedule_interval(schedule)
+    assert repr(schedule) in str(err.value)
+    assert why in str(err.value)
+
+
+def test_a_trigger_with_a_schedule_that_never_fires_is_refused_at_import(
+    source: SqlAlchemySource, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DBT_NEVER", "0 0 0 31 2 *")
+    monkeypatch.delenv("DBT_UNSET_TTL", raising=False)
+    for schedule, ttl in (("0 0 0 31 2 *", 300), ("%DBT_NEVER%", "%DBT_UNSET_TTL%")):
+        db = DbBindings()
+        with pytest.raises(ConfigurationError, match="never fires"):
+
+            @db.trigger(
+                arg_name="events",
+                source=source,
+                checkpoint_store=InMemoryCheckpointStore(),
+                schedule=schedule,
+                lease_ttl_seconds=ttl,  # type: ignore[arg-type]
+            )
+            def never(timer: object, events: list[RowChange]) -> None:
+                return None
+
+    app = func.FunctionApp()
+    with pytest.raises(ConfigurationError, match="never fires"):
+
+        @DbBindings().partitioned_trigger(
+            app,
+            source=source,
+            checkpoint_store=InMemoryCheckpointStore(),
+            partitions=2,
+            schedule="0 0 0 30 2 *",
+        )
+        def spread(events: list[RowChange]) -> None:
+            return None
+
+    assert app.get_functions() == []  # nothing registered
 
 
 def test_lease_schedule_rule() -> None:

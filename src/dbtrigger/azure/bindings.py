@@ -122,7 +122,8 @@ class DbBindings:
                 be checked against it when the module is imported (the
                 ``@app.schedule`` above is applied after this decorator, so its
                 schedule is not visible yet). A contradiction emits
-                :class:`LeaseScheduleWarning`.
+                :class:`LeaseScheduleWarning`; a schedule that can never fire
+                (``0 0 0 31 2 *``) is a :class:`ConfigurationError`.
             max_concurrency: parallel lanes per batch, as for ``PollTrigger``: the
                 function is called on up to this many parts of a batch at once
                 (each call with its own ``@db.output`` rows); keep batches x
@@ -186,8 +187,8 @@ class DbBindings:
                 },
             )
             prepared = lazy.prepared()
-            if prepared is not None:
-                check_schedule(prepared.lease_ttl.total_seconds(), schedule)
+            ttl = prepared.lease_ttl.total_seconds() if prepared is not None else None
+            check_schedule(ttl, schedule)
             output = binding_of(fn).output
 
             def ready() -> PollTrigger:
@@ -282,6 +283,7 @@ class DbBindings:
             poller_name = name or fn.__name__
             if poller_name in self.triggers or poller_name in self.partitioned:
                 raise ConfigurationError(f"two triggers are named {poller_name!r}")
+            check_schedule(None, schedule)  # malformed, or never fires: refused here
             poll = PartitionedPoller(
                 name=poller_name,
                 source=source,  # type: ignore[arg-type]  # PartitionedPoller checks it

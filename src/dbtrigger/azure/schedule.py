@@ -98,16 +98,40 @@ def _firings(fields: list[set[int]], start: dt.datetime) -> Iterator[dt.datetime
         day += dt.timedelta(days=1)
 
 
+#: The most days each month has (February 29 in a leap year).
+_MONTH_DAYS = (31, 29, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31)
+_MONTH_TITLES = [name.title() for name in _MONTH_NAMES]
+
+
+def _check_some_date(schedule: str, days: set[int], months: set[int]) -> None:
+    """Refuse a day and month that never meet (``0 0 0 31 2 *``): the timer would
+    never fire, and nothing else would ever say so.
+
+    Every date that exists falls on each day of the week in some year, so the
+    day-of-week field cannot make a schedule impossible by itself.
+    """
+    if any(day <= _MONTH_DAYS[month - 1] for month in months for day in days):
+        return
+    shown_days = " or ".join(str(d) for d in sorted(days))
+    shown_months = ", ".join(_MONTH_TITLES[m - 1] for m in sorted(months))
+    have = "has" if len(months) == 1 else "have"
+    raise ConfigurationError(
+        f"schedule {schedule!r} never fires: {shown_months} {have} no day {shown_days}; "
+        "fix its day or month field ({second} {minute} {hour} {day} {month} {day-of-week})"
+    )
+
+
 def schedule_interval(schedule: str) -> dt.timedelta | None:
     """The shortest time between two firings of a Functions timer schedule.
 
     Accepts the six-field NCRONTAB form (``{second} {minute} {hour} {day}
     {month} {day-of-week}``, with ``*``, ranges, lists, steps and English month
     and day names) and the ``hh:mm:ss`` TimeSpan form. Returns None when the
-    schedule fires fewer than twice in five years.
+    schedule fires fewer than twice in five years (``0 0 0 29 2 Mon``).
 
     Raises:
-        ConfigurationError: the schedule is not in either form.
+        ConfigurationError: the schedule is not in either form, or it can never
+            fire (a day its months do not have: ``0 0 0 31 2 *``).
     """
     text = schedule.strip()
     span = _TIMESPAN.match(text)
@@ -136,6 +160,7 @@ def schedule_interval(schedule: str) -> dt.timedelta | None:
         _field_values(part, name, lo, hi, names)
         for part, (name, lo, hi, names) in zip(parts, _FIELDS, strict=True)
     ]
+    _check_some_date(schedule, fields[3], fields[4])
     shortest: dt.timedelta | None = None
     previous: dt.datetime | None = None
     start = dt.datetime(2024, 1, 1)  # naive on purpose: calendar arithmetic, no real instant
@@ -170,7 +195,9 @@ def lease_schedule_conflict(lease_ttl_seconds: float, schedule: str) -> str | No
     )
 
 
-def check_schedule(lease_ttl_seconds: float, schedule: str | None) -> None:
+def check_schedule(lease_ttl_seconds: float | None, schedule: str | None) -> None:
+    """Refuse a schedule that is malformed or never fires; warn when the lease is
+    shorter than its interval (not checked when the TTL is not known yet, None)."""
     if schedule is None:
         return
     try:
@@ -178,6 +205,9 @@ def check_schedule(lease_ttl_seconds: float, schedule: str | None) -> None:
     except ConfigurationError:
         # The host resolves %SETTING% schedules too and reports a missing one itself.
         log.debug("schedule %s is not resolvable here; not checked against the lease", schedule)
+        return
+    if lease_ttl_seconds is None:
+        schedule_interval(resolved)
         return
     problem = lease_schedule_conflict(lease_ttl_seconds, resolved)
     if problem:

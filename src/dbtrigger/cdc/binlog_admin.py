@@ -19,9 +19,10 @@ from dbtrigger.cdc import binlog_setup as setup
 from dbtrigger.cdc.admin import Plan, SourceAdmin
 from dbtrigger.cdc.binlog_context import BinlogSourceParts
 from dbtrigger.cdc.binlog_health import behind_bytes
+from dbtrigger.cdc.binlog_poll import file_mark, mark_text
 from dbtrigger.cdc.binlog_setup import current_position
 from dbtrigger.cdc.snapshots import add_request, carry_over, watched
-from dbtrigger.errors import ConfigurationError
+from dbtrigger.errors import ConfigurationError, DbTriggerError
 
 
 class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
@@ -77,7 +78,8 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
                     f"created {source.control_database}.{control.TABLE} and {control.CHUNKS}"
                 )
             if source.read_control(conn) is None:
-                row = source.new_control_row(current_position(conn, files))
+                start = current_position(conn, files)
+                row = source.new_control_row(start, mark=file_mark(source, start[0]))
                 source.write_control(conn, row)
                 done.append(
                     f"recorded reader {source.reader} at {row.created_file}:{row.created_pos}"
@@ -112,6 +114,7 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
                 else (row.created_file, row.created_pos or 0)
             )
             name, offset = recorded if recorded[0] in dict(files) else (None, 0)
+            other = None if name is None else other_log(source, row, files, name, offset)
             position = {
                 "created": f"{row.created_file}:{row.created_pos}",
                 "read_through": None
@@ -120,7 +123,15 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
                 "checkpoint_at_read_through": row.through_after,
                 "behind_bytes": None if name is None else behind_bytes(files, name, offset),
             }
-            if name is None:
+            if other is not None:
+                position["behind_bytes"] = None
+                warnings.append(
+                    f"{other}: the log was reset (RESET MASTER) or this is another server, and "
+                    "the changes since that position are lost; run dbtrigger cdc recreate "
+                    "MODULE:TRIGGER --snapshot --yes (and, if the poller has a checkpoint, "
+                    "dbtrigger reset POLLER --to-beginning --yes)"
+                )
+            elif name is None:
                 warnings.append(
                     "the binary log file of the last recorded position was purged: changes are "
                     "lost; run dbtrigger cdc recreate MODULE:TRIGGER --snapshot --yes"
@@ -204,7 +215,8 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
             control.ensure(conn, source.control_database)
             source.infos = setup.table_infos(conn, source.tables)
             previous = source.read_control(conn)
-            row = source.new_control_row(current_position(conn, files), snapshots=False)
+            start = current_position(conn, files)
+            row = source.new_control_row(start, snapshots=False, mark=file_mark(source, start[0]))
             carry_over(previous, row, source.table_names(), snapshot=snapshot)
             source.write_control(conn, row)
         return [
@@ -252,6 +264,32 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
             )
         source.close()
         return changes
+
+
+def other_log(
+    source: BinlogSourceParts,
+    row: control.ControlRow,
+    files: list[tuple[str, int]],
+    name: str,
+    offset: int,
+) -> str | None:
+    """What says the recorded position ``name:offset`` is not in the server's log now (its
+    offset past the file's end, or the file's mark not the one recorded), or None."""
+    if offset > dict(files)[name]:
+        return f"the recorded position {name}:{offset} is beyond the end of that file"
+    mark = row.through_mark if row.through_file is not None else row.created_mark
+    if mark is None:
+        return None
+    try:
+        found = file_mark(source, name)
+    except DbTriggerError as exc:
+        return f"{name} cannot be read ({exc})"
+    if found == mark:
+        return None
+    return (
+        f"{name} is not the file the position {name}:{offset} was recorded in (that one was "
+        f"{mark_text(mark)}, this one is {mark_text(found)})"
+    )
 
 
 __all__ = ["BinlogAdmin"]

@@ -45,7 +45,7 @@ class BinlogSourceParts(LogSourceParts, Protocol):
     def reader(self) -> str: ...
 
     def new_control_row(
-        self, position: tuple[str, int], *, snapshots: bool = True
+        self, position: tuple[str, int], *, snapshots: bool = True, mark: str | None = None
     ) -> control.ControlRow: ...
 
     def read_control(

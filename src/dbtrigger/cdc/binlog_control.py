@@ -16,7 +16,13 @@ by default the URL's):
 * **read-through**: after a read that found nothing for a checkpoint, how far
   the log was read (file, offset). The next process resumes there instead of
   re-reading every other table's changes since the checkpoint: the binlog's
-  counterpart of advancing a slot, written only behind a durable checkpoint.
+  counterpart of advancing a slot, written only behind a durable checkpoint;
+* with each of those two positions, the **mark** of the file it is in
+  (``created_mark``, ``through_mark``): the server id and creation second of
+  the file's format description event, which every binlog dump sends first.
+  A file name and offset alone do not name a place in *this* log: after
+  ``RESET MASTER``, or on a restored server or a promoted replica, a file of
+  the same name holds other transactions (see :mod:`dbtrigger.cdc.binlog_poll`).
 
 Snapshot chunks are rows of ``dbtrigger_cdc_chunks`` written in the binlog
 (:mod:`dbtrigger.cdc.binlog_snapshot`); their table is read by the reader, never
@@ -48,6 +54,7 @@ def create_sql(database: str) -> list[str]:
         "columns_json LONGTEXT NOT NULL, snapshots_json LONGTEXT NOT NULL, "
         "through_after VARCHAR(255) NULL, through_file VARCHAR(255) NULL, "
         "through_pos BIGINT NULL, schema_break TEXT NULL, "
+        "created_mark VARCHAR(64) NULL, through_mark VARCHAR(64) NULL, "
         "created_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6), "
         "updated_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)) ENGINE=InnoDB",
         f"CREATE TABLE IF NOT EXISTS `{database}`.`{CHUNKS}` ("
@@ -105,6 +112,10 @@ class ControlRow:
     through_pos: int | None = None
     #: A column type change the reader stopped at, in words (until accepted).
     schema_break: str | None = None
+    #: The mark (:func:`~dbtrigger.cdc.binlog_poll.file_mark`) of ``created_file``.
+    created_mark: str | None = None
+    #: The mark of ``through_file``.
+    through_mark: str | None = None
 
 
 def read(
@@ -112,7 +123,8 @@ def read(
 ) -> ControlRow | None:
     columns = (
         "reader, poller, server_id, tables_json, created_file, created_pos, columns_json, "
-        "snapshots_json, through_after, through_file, through_pos, schema_break"
+        "snapshots_json, through_after, through_file, through_pos, schema_break, created_mark, "
+        "through_mark"
     )
     query = f"SELECT {columns} FROM `{database}`.`{TABLE}` WHERE reader = %s"  # noqa: S608
     if lock:
@@ -135,6 +147,8 @@ def read(
         row[9],
         None if row[10] is None else int(row[10]),
         row[11],
+        row[12],
+        row[13],
     )
 
 
@@ -150,12 +164,14 @@ def write(conn: pymysql.connections.Connection[Any], database: str, row: Control
     statement = (
         f"INSERT INTO `{database}`.`{TABLE}` (reader, poller, server_id, tables_json, "  # noqa: S608
         "created_file, created_pos, columns_json, snapshots_json, through_after, through_file, "
-        "through_pos) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) ON DUPLICATE KEY "
+        "through_pos, created_mark, through_mark) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, "
+        "%s, %s, %s) ON DUPLICATE KEY "
         "UPDATE poller = VALUES(poller), server_id = VALUES(server_id), "
         "tables_json = VALUES(tables_json), created_file = VALUES(created_file), "
         "created_pos = VALUES(created_pos), columns_json = VALUES(columns_json), "
         "snapshots_json = VALUES(snapshots_json), through_after = VALUES(through_after), "
         "through_file = VALUES(through_file), through_pos = VALUES(through_pos), "
+        "created_mark = VALUES(created_mark), through_mark = VALUES(through_mark), "
         "updated_at = CURRENT_TIMESTAMP(6)"
     )
     with translated("writing the control table"), conn.cursor() as cur:
@@ -173,8 +189,13 @@ def write(conn: pymysql.connections.Connection[Any], database: str, row: Control
                 row.through_after,
                 row.through_file,
                 row.through_pos,
+                row.created_mark,
+                row.through_mark,
             ),
         )
+
+
+_PLAIN = ("through_after", "through_file", "through_pos", "through_mark", "schema_break")
 
 
 def update(
@@ -190,7 +211,7 @@ def update(
         elif name == "snapshots":
             sets.append("snapshots_json = %s")
             params.append(json.dumps([s.to_json() for s in value]))
-        elif name in ("through_after", "through_file", "through_pos", "schema_break"):
+        elif name in _PLAIN:
             sets.append(f"{name} = %s")
             params.append(value)
         else:

@@ -23,6 +23,27 @@ Where a read starts:
 * and when the control row says the log was read through to some offset with
   nothing after this very checkpoint (**read-through**), from there.
 
+**Which log.** A file name and offset name a place in *a* log, not in this
+server's log as it is now: after ``RESET MASTER`` (or ``RESET BINARY LOGS AND
+GTIDS``) the server starts again at ``...000001``, and a restored server or a
+promoted replica writes files of the same names holding other transactions. A
+checkpoint's position carries its transaction's GTID, checked where the read
+starts. The control row's two positions (created, read-through) carry the
+**mark** of their file instead (:func:`file_mark`: the server id and creation
+second of the file's format description event, which every dump sends before
+the first event it reads): a read starting at one of them checks it before it
+reads a change, and a file that is not the one the position was recorded in
+is a :class:`~dbtrigger.errors.SlotLostError` (``cdc recreate --snapshot``),
+never a read from that offset, which would skip what the new file holds before
+it, start inside an event, or wait beyond the file's end. It costs nothing per
+read: the dump sends that event anyway. (A log reset within the second its
+previous first file was created, by the same server, is not told apart.)
+
+A checkpoint beyond the end of the log (its file number past the newest, or
+its offset past its file's end) is in a log that was reset; when the control
+row's start is in this log (its mark checked as above: ``cdc recreate`` after
+the reset wrote it) the reader goes on from there, as after any recreate.
+
 Read-through is written behind durable checkpoints only (:meth:`release`),
 at most every ``heartbeat_interval_seconds``: the binlog's counterpart of
 advancing a slot. A quiet table on a busy server then resumes near the end of
@@ -46,6 +67,7 @@ from dbtrigger.cdc.binlog_setup import (
     binary_logs,
     connect_kwargs,
     current_user,
+    default_server_id,
     file_index,
     replica_connect,
     replication_refused,
@@ -85,6 +107,10 @@ class _ReadState:
     boundary: tuple[str, int] | None
     #: The first transaction was checked against the one the read expected there.
     checked: bool
+    #: The mark the start file must have (None: checked already, or nothing to check).
+    want_mark: str | None = None
+    #: The mark of ``file`` (None until its format description event is read).
+    mark: str | None = None
 
 
 @dataclass
@@ -103,8 +129,9 @@ class BinlogPoller:
 
     def __init__(self, source: BinlogSourceParts) -> None:
         self.source = source
-        #: (file name, offset) where the last read ended at a transaction boundary.
-        self.continue_from: tuple[str, int] | None = None
+        #: (file name, offset, its file's mark) where the last read ended at a transaction
+        #: boundary.
+        self.continue_from: tuple[str, int, str | None] | None = None
         self._last_through_write = 0.0
         self._through_written: tuple[str, str, int] | None = None
         #: A dump stopped inside a transaction for want of room (see :meth:`_dump`).
@@ -112,8 +139,9 @@ class BinlogPoller:
 
     # --- where to start --------------------------------------------------------------------
 
-    def start_for(self, after: LogPosition | None) -> tuple[str, int, str | None]:
-        """(file, offset, commit expected first) for a read of what follows ``after``.
+    def start_for(self, after: LogPosition | None) -> tuple[str, int, str | None, str | None]:
+        """(file, offset, commit expected first, mark of the file) for a read of what
+        follows ``after``.
 
         Raises:
             SlotLostError: the file the read must start in is no longer on the server.
@@ -121,11 +149,12 @@ class BinlogPoller:
         s = self.source
         row = s.control_row
         files = binary_logs(s.connection())
+        sizes = dict(files)
         by_index = {file_index(name): name for name, _ in files}
         key = "-" if after is None else after.text
-        if row is not None and row.through_after == key and row.through_file in dict(files):
+        if row is not None and row.through_after == key and row.through_file in sizes:
             assert row.through_pos is not None  # noqa: S101 - written together
-            return row.through_file, row.through_pos, None
+            return row.through_file, row.through_pos, None, row.through_mark
         if row is None or row.created_file is None or row.created_pos is None:
             raise SlotLostError(
                 f"reader {s.reader} has no recorded start position; run dbtrigger cdc "
@@ -138,11 +167,17 @@ class BinlogPoller:
             # No checkpoint yet, or the reader was recreated after it (cdc recreate): the
             # operator chose to go on from the new start.
             name, offset, expect = row.created_file, row.created_pos, None
-            index = created[0]
+            index, mark = created[0], row.created_mark
         else:
             index, offset = where.file_index, where.offset
             expect = None if after is None else after.commit
-            name = by_index.get(index, "")
+            name, mark = by_index.get(index, ""), None
+        if beyond_end(files, index, offset):
+            raise self.reset_error(
+                f"poller {s.poller or s.reader}'s position (file #{index}, offset {offset}) is "
+                f"beyond the end of the server's binary log (newest file: {files[-1][0]})",
+                checkpoint=expect is not None,
+            )
         if index not in by_index:
             oldest = files[0][0] if files else "(none)"
             raise SlotLostError(
@@ -153,7 +188,7 @@ class BinlogPoller:
                 "dbtrigger cdc recreate MODULE:TRIGGER --snapshot --yes",
                 poller=s.poller,
             )
-        return name, offset, expect
+        return name, offset, expect, mark
 
     # --- reading -----------------------------------------------------------------------------
 
@@ -172,20 +207,26 @@ class BinlogPoller:
         elif held is not None:
             held.close()
         if buffer.covers(after) and self.continue_from is not None:
-            name, offset = self.continue_from
+            name, offset, mark = self.continue_from
             expect = None
             room = max(1, keep - buffer.pending(after))
         else:
-            name, offset, expect = self.start_for(after)
+            name, offset, expect, mark = self.start_for(after)
             buffer.reset(after)
             self.continue_from = None
             room = keep
         if buffer.pending(after) == 0:
             s.snapshots.emit()  # caught up: a chunk written now is in this very read
-        self.read(name, offset, after, room, expect)
+        self.read(name, offset, after, room, expect, mark)
 
     def read(
-        self, name: str, offset: int, after: LogPosition | None, room: int, expect: str | None
+        self,
+        name: str,
+        offset: int,
+        after: LogPosition | None,
+        room: int,
+        expect: str | None,
+        mark: str | None = None,
     ) -> None:
         from pymysqlreplication import BinLogStreamReader  # noqa: PLC0415
 
@@ -199,7 +240,7 @@ class BinlogPoller:
             only_schemas=s.schemas,
             **DUMP_OPTIONS,
         )
-        state = _ReadState(name, file_index(name), offset, (name, offset), expect is None)
+        state = _ReadState(name, file_index(name), offset, (name, offset), expect is None, mark)
         self._dump(_Dump(stream, state), after, expect)
 
     def _dump(self, dump: _Dump, after: LogPosition | None, expect: str | None) -> None:
@@ -255,7 +296,12 @@ class BinlogPoller:
             self._held = dump
         else:
             dump.close()
-        self.continue_from = state.boundary
+        boundary = state.boundary
+        self.continue_from = (
+            None
+            if boundary is None
+            else (*boundary, state.mark if boundary[0] == state.file else None)
+        )
         buffer.finish(complete=not stopped, through=None)
         s.schema_break = asm.schema_break
 
@@ -273,12 +319,21 @@ class BinlogPoller:
             state.file = event.next_binlog
             state.index = file_index(state.file)
             state.last_end = event.position
+            state.mark = None  # the next file's comes next
             if asm.current is None:
                 state.boundary = (state.file, state.last_end)
             return
         start = state.last_end
         end = event.packet.log_pos or start
         state.last_end = end
+        if kind is ev.FormatDescriptionEvent:
+            state.mark = event_mark(event)
+            want, state.want_mark = state.want_mark, None
+            if want is not None and want != state.mark:
+                raise self.other_log(
+                    want, state.mark, state.file, start, checkpoint=after is not None
+                )
+            return
         if kind is ev.MariadbGtidEvent or kind is ev.GtidEvent:
             gtid = event.gtid if getattr(event, "gno", 1) else None
             token = commit_token(state.index, start, gtid)
@@ -320,12 +375,39 @@ class BinlogPoller:
 
     def not_there(self, expect: str, found: str, name: str, offset: int) -> SlotLostError:
         s = self.source
-        return SlotLostError(
+        return self.reset_error(
             f"the binary log at {name} offset {offset} holds transaction {found}, not "
-            f"{expect} where poller {s.poller or s.reader}'s checkpoint is: the log was reset "
-            "(RESET MASTER) or this is another server. The changes since the checkpoint cannot "
-            "be found; start again and read the tables again: dbtrigger cdc recreate "
-            "MODULE:TRIGGER --snapshot --yes",
+            f"{expect} where poller {s.poller or s.reader}'s checkpoint is",
+            checkpoint=True,
+        )
+
+    def other_log(
+        self, want: str, found: str, name: str, offset: int, *, checkpoint: bool
+    ) -> SlotLostError:
+        s = self.source
+        return self.reset_error(
+            f"the binary log file {name} is not the one poller {s.poller or s.reader}'s "
+            f"position {name}:{offset} was recorded in (that one was {mark_text(want)}, this "
+            f"one is {mark_text(found)})",
+            checkpoint=checkpoint,
+        )
+
+    def reset_error(self, what: str, *, checkpoint: bool) -> SlotLostError:
+        """The log a position was recorded in is not the server's log now. With a checkpoint,
+        ``cdc recreate`` alone may not be enough: the new log numbers its positions from the
+        start again, maybe before the checkpoint, so the checkpoint goes back too."""
+        s = self.source
+        then = (
+            f", then dbtrigger reset {s.poller or 'POLLER'} --to-beginning --yes (the new "
+            "log's positions are numbered from its start, maybe before the checkpoint)"
+            if checkpoint
+            else ""
+        )
+        return SlotLostError(
+            f"{what}: the log was reset (RESET MASTER) or this is another server (restored "
+            "from a backup, a promoted replica), and the changes since that position cannot be "
+            "found. Start again and read the tables again: dbtrigger cdc recreate "
+            f"MODULE:TRIGGER --snapshot --yes{then}",
             poller=s.poller,
         )
 
@@ -380,7 +462,7 @@ class BinlogPoller:
         if now - self._last_through_write < s.heartbeat_interval:
             return
         key = "-" if acked is None else acked.text
-        name, offset = self.continue_from
+        name, offset, mark = self.continue_from
         if self._through_written == (key, name, offset):
             return
         self._last_through_write = now
@@ -392,12 +474,14 @@ class BinlogPoller:
             through_after=key,
             through_file=name,
             through_pos=offset,
+            through_mark=mark,
         )
         self._through_written = (key, name, offset)
         if s.control_row is not None:
             s.control_row.through_after = key
             s.control_row.through_file = name
             s.control_row.through_pos = offset
+            s.control_row.through_mark = mark
 
     def close(self) -> None:
         held, self._held = self._held, None
@@ -405,4 +489,58 @@ class BinlogPoller:
             held.close()
 
 
-__all__ = ["BinlogPoller"]
+def beyond_end(files: list[tuple[str, int]], index: int, offset: int) -> bool:
+    """Is file ``index`` offset ``offset`` past the end of the log ``files`` lists? Never
+    in the log a position was read from: it was reset, or is another server's."""
+    if not files:
+        return False
+    for name, size in files:
+        if file_index(name) == index:
+            return offset > size
+    return index > file_index(files[-1][0])
+
+
+def event_mark(event: Any) -> str:
+    """A format description event's mark: ``server_id:created`` (epoch seconds)."""
+    return f"{int(event.packet.server_id)}:{int(event.timestamp)}"
+
+
+def mark_text(mark: str) -> str:
+    server, _, seconds = mark.partition(":")
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(int(seconds or 0)))
+    return f"created {when} by server_id {server}"
+
+
+def file_mark(source: BinlogSourceParts, name: str) -> str:
+    """The mark of binlog file ``name`` (see the module docstring): read from its format
+    description event, by one short dump with a server id of its own (a running reader's
+    dump is not displaced). For ``install``, ``recreate`` and ``cdc status``, never per
+    read.
+
+    Raises:
+        SlotLostError: the server cannot send the file from there (purged, reset).
+    """
+    from pymysqlreplication import BinLogStreamReader  # noqa: PLC0415
+    from pymysqlreplication import event as ev  # noqa: PLC0415
+
+    try:
+        stream = BinLogStreamReader(
+            connection_settings=connect_kwargs(source.url),
+            server_id=default_server_id(f"{source.reader}/mark"),
+            log_file=name,
+            log_pos=4,
+            only_events=[ev.FormatDescriptionEvent],
+            **DUMP_OPTIONS,
+        )
+        try:
+            event = stream.fetchone()
+        finally:
+            stream.close()
+    except Exception as exc:
+        raise BinlogPoller(source).translate(exc) from exc
+    if event is None:
+        raise SlotLostError(f"the server sent nothing of binary log {name}")
+    return event_mark(event)
+
+
+__all__ = ["BinlogPoller", "beyond_end", "file_mark", "mark_text"]

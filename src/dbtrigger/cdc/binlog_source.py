@@ -38,7 +38,7 @@ from dbtrigger.cdc import binlog_setup as setup
 from dbtrigger.cdc.assembly import SchemaGuard
 from dbtrigger.cdc.binlog_admin import BinlogAdmin
 from dbtrigger.cdc.binlog_health import RetentionReporter, self_check
-from dbtrigger.cdc.binlog_poll import BinlogPoller
+from dbtrigger.cdc.binlog_poll import BinlogPoller, file_mark
 from dbtrigger.cdc.binlog_reader import Assembler, Where, materialise, type_name
 from dbtrigger.cdc.binlog_setup import current_position
 from dbtrigger.cdc.binlog_snapshot import SnapshotWriter
@@ -248,7 +248,9 @@ class BinlogSource(LogSource):
                     "cdc install MODULE:TRIGGER --yes first"
                 )
             start = current_position(conn, files) if after is None else resume_at(after, files)
-            row = self.new_control_row(start, snapshots=after is None)
+            row = self.new_control_row(
+                start, snapshots=after is None, mark=file_mark(self, start[0])
+            )
             self.write_control(conn, row)
             log.info(
                 "binlog reader %s created at %s:%s (server_id %d%s)",
@@ -272,8 +274,10 @@ class BinlogSource(LogSource):
         self.health.retention_warning(after, files)
 
     def new_control_row(
-        self, position: tuple[str, int], *, snapshots: bool = True
+        self, position: tuple[str, int], *, snapshots: bool = True, mark: str | None = None
     ) -> control.ControlRow:
+        """A reader's row starting at ``position``, in the binlog file whose mark is ``mark``
+        (:func:`~dbtrigger.cdc.binlog_poll.file_mark`)."""
         return control.ControlRow(
             self.reader,
             self.poller,
@@ -283,6 +287,7 @@ class BinlogSource(LogSource):
             position[1],
             {},
             self.initial_requests(self.table_names(), snapshots=snapshots),
+            created_mark=mark,
         )
 
     def read_control(

@@ -32,6 +32,8 @@ from dbtrigger.queue.cli_target import (
 )
 
 if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection
+
     from dbtrigger.queue.source import ClaimSource
 
 # SQLAlchemy and the queue modules are imported inside the commands, so
@@ -61,9 +63,7 @@ def _ddl(args: argparse.Namespace, *, uninstall: bool) -> int:
             if not statements:
                 print(f"-- {probe.name}: nothing to do")
                 return 0
-            if not print_then_apply(
-                args, [s.strip() for s in statements], lambda: ddl.apply(conn, statements)
-            ):
+            if not _print_then_run(args, conn, statements):
                 return 0
     except SQLAlchemyError as exc:
         raise CommitError(f"DDL on {probe.name} failed: {short_error(exc)}") from exc
@@ -71,6 +71,15 @@ def _ddl(args: argparse.Namespace, *, uninstall: bool) -> int:
         probe.close()
     print(f"-- applied {len(statements)} statement(s) to {probe.name}")
     return 0
+
+
+def _print_then_run(args: argparse.Namespace, conn: Connection, statements: list[str]) -> bool:
+    """Print the queue DDL; run it on ``conn`` with ``--yes`` (True), else a dry run."""
+    from dbtrigger.queue import ddl  # noqa: PLC0415
+
+    return print_then_apply(
+        args, [s.strip() for s in statements], lambda: ddl.apply(conn, statements)
+    )
 
 
 def _uninstall_sidecar(args: argparse.Namespace, probe: ClaimSource) -> int:
@@ -83,7 +92,6 @@ def _uninstall_sidecar(args: argparse.Namespace, probe: ClaimSource) -> int:
     """
     from sqlalchemy.exc import SQLAlchemyError  # noqa: PLC0415
 
-    from dbtrigger.queue import ddl  # noqa: PLC0415
     from dbtrigger.queue.sidecar_table import uninstall_claims  # noqa: PLC0415
 
     name, schema = probe.claims_table, probe.schema
@@ -114,10 +122,7 @@ def _uninstall_sidecar(args: argparse.Namespace, probe: ClaimSource) -> int:
                 if args.yes:
                     raise ConfigurationError(message)
                 print(f"-- refused with --yes as it stands: {message}")
-            statements = plan.statements
-            if not print_then_apply(
-                args, [s.strip() for s in statements], lambda: ddl.apply(conn, statements)
-            ):
+            if not _print_then_run(args, conn, plan.statements):
                 return 0
     except SQLAlchemyError as exc:
         raise CommitError(f"uninstalling {probe.queue_name} failed: {short_error(exc)}") from exc

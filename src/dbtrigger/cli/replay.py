@@ -9,7 +9,9 @@ live poller's checkpoint never moves. See :mod:`dbtrigger.replay.batches`.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from dbtrigger.cli.common import (
@@ -26,7 +28,7 @@ from dbtrigger.cli.common import (
 )
 from dbtrigger.cli.history import history_of
 from dbtrigger.cli.loading import load_trigger
-from dbtrigger.errors import ConfigurationError, ReplayRefusedError
+from dbtrigger.errors import ConfigurationError, HandlerError, ReplayRefusedError
 from dbtrigger.history import view
 from dbtrigger.replay import batches as rp
 from dbtrigger.runtime.poller import PollTrigger, default_owner_id
@@ -66,7 +68,15 @@ def print_plan(console: Console, plan: rp.ReplayPlan) -> None:
         same = (
             "identical to the record" if batch.identical else f"{len(batch.drift)} row(s) drifted"
         )
-        if not batch.compared:
+        if batch.recovered:
+            same = "no per-event record to compare (recorded from the journal: its history "
+            same += "append was lost); " + (
+                f"the log gives back {len(batch.events)} event(s) in its range, "
+                + ("as many as it delivered" if batch.whole else "not as many as it delivered")
+                if plan.mode == "exact"
+                else "delivered as its range reads now, unchecked"
+            )
+        elif not batch.compared:
             same = "no per-event record to compare (digest only: " + (
                 "matches)" if batch.identical else "differs)"
             )
@@ -164,13 +174,20 @@ def _replay(
                     values={"count": count},
                 )
     refusals = plan.refusals()
-    drifted = any(b.drift or not b.identical for b in plan.batches)
+    unchecked = [b for b in plan.batches if b.recovered]
+    drifted = any(b.drift or not (b.identical or b.recovered) for b in plan.batches)
     if args.verify:
         trigger.telemetry.emit("replay_delivered", mode="verify", values={"rows": 0})
-        console.print(
-            "verify: drift found (see above)" if drifted else "verify: no drift; nothing delivered"
-        )
-        return 1 if drifted else 0
+        if drifted:
+            console.print("verify: drift found (see above)")
+        elif unchecked:
+            console.print(
+                f"verify: no drift found, but {len(unchecked)} batch(es) could not be checked "
+                "(recorded from the journal, without a per-event record)"
+            )
+        else:
+            console.print("verify: no drift; nothing delivered")
+        return 1 if drifted or unchecked else 0
     if refusals:
         raise ReplayRefusedError("; ".join(refusals))
     if not args.yes:
@@ -181,24 +198,9 @@ def _replay(
     now = utc_now()
     owner = f"replay:{default_owner_id()}"
     lease = rp.ReplayLease.take(store, trigger, owner, now)
-    outcomes: dict[str, Any] = {"accepted": 0, "rejected": 0, "retried": 0}
-    delivered = 0
+    run = _Run()
     try:
-        for batch in plan.batches:
-            for name, fn in targets:
-                result = rp.deliver_batch(
-                    trigger,
-                    batch,
-                    fn,
-                    token=lease.token,
-                    owner=owner,
-                    subscriber=name,
-                    started_at=now,
-                )
-                delivered += result.events
-                outcomes["rejected"] += len(result.rejected)
-                outcomes["retried"] += len(result.retried)
-                outcomes["accepted"] += result.events - len(result.rejected) - len(result.retried)
+        _deliver_all(trigger, plan, targets, run, token=lease.token, owner=owner, now=now)
     finally:
         entry = rp.manual_entry(
             "replay",
@@ -208,14 +210,15 @@ def _replay(
             now=utc_now(),
             details={
                 "mode": plan.mode,
-                "batches": [b.batch_id for b in plan.batches],
-                "events": delivered,
+                "batches": run.done,
+                "events": run.delivered,
                 "drift": {
                     kind: sum(1 for r in plan.drift if r.kind == kind)
                     for kind in ("changed", "gone", "added")
                 },
-                "outcomes": outcomes,
+                "outcomes": run.outcomes,
                 **({"subscriber": args.subscriber} if args.subscriber else {}),
+                **run.unfinished(plan),
             },
         )
         lease.release(entry, utc_now())
@@ -223,21 +226,103 @@ def _replay(
     trigger.telemetry.emit(
         "replay_delivered",
         "replayed %d batch(es) of %s (%s): %d event(s)",
-        len(plan.batches),
+        len(run.done),
         poller,
         plan.mode,
-        delivered,
+        run.delivered,
         mode=plan.mode,
-        values={"rows": delivered},
+        values={"rows": run.delivered},
     )
+    outcomes = run.outcomes
     console.print(
-        f"replayed {len(plan.batches)} batch(es), {delivered} event(s) delivered: "
-        f"{outcomes['accepted']} accepted, {outcomes['rejected']} rejected, "
+        f"replayed {len(run.done)} of {len(plan.batches)} batch(es), {run.delivered} event(s) "
+        f"delivered: {outcomes['accepted']} accepted, {outcomes['rejected']} rejected, "
         f"{outcomes['retried']} asked for a retry (a replay does not retry; run it again)"
     )
     if problem:
         console.warn(f"warning: {problem}")
+    if run.failed is not None:
+        raise _failure(args, plan, run)
     return 0
+
+
+@dataclass
+class _Run:
+    """What a replay delivered so far: the batches every target took, events, outcomes,
+    and the batch (and subscriber) whose handler raised, with what it raised."""
+
+    done: list[str] = field(default_factory=list)
+    delivered: int = 0
+    outcomes: dict[str, int] = field(
+        default_factory=lambda: {"accepted": 0, "rejected": 0, "retried": 0}
+    )
+    failed: tuple[str, str | None, Exception] | None = None
+
+    def unfinished(self, plan: rp.ReplayPlan) -> dict[str, Any]:
+        """The journal's word on the batches not delivered (none when all were)."""
+        rest = [b.batch_id for b in plan.batches if b.batch_id not in self.done]
+        if not rest:
+            return {}
+        out: dict[str, Any] = {"not_delivered": rest}
+        if self.failed is not None:
+            batch_id, subscriber, exc = self.failed
+            out["failed"] = {
+                "batch_id": batch_id,
+                "error": f"{type(exc).__name__}: {exc}"[:200],
+                **({"subscriber": subscriber} if subscriber else {}),
+            }
+        return out
+
+
+def _deliver_all(
+    trigger: PollTrigger,
+    plan: rp.ReplayPlan,
+    targets: Sequence[tuple[str | None, Callable[..., Any]]],
+    run: _Run,
+    *,
+    token: int,
+    owner: str,
+    now: dt.datetime,
+) -> None:
+    """Hand each planned batch to each target in order; stop at the first handler
+    that raises (``run.failed``): the batches after it are not delivered."""
+    for batch in plan.batches:
+        for name, fn in targets:
+            try:
+                result = rp.deliver_batch(
+                    trigger, batch, fn, token=token, owner=owner, subscriber=name, started_at=now
+                )
+            except Exception as exc:  # noqa: BLE001 - said, journaled, and the replay stops
+                run.failed = (batch.batch_id, name, exc)
+                return
+            run.delivered += result.events
+            run.outcomes["rejected"] += len(result.rejected)
+            run.outcomes["retried"] += len(result.retried)
+            run.outcomes["accepted"] += result.events - len(result.rejected) - len(result.retried)
+        run.done.append(batch.batch_id)
+
+
+def _failure(args: argparse.Namespace, plan: rp.ReplayPlan, run: _Run) -> HandlerError:
+    """What the operator is told when a handler raised: which batch, what was
+    delivered, and the command that goes on from there (a replay keeps no position
+    of its own: the failed batch is delivered whole again)."""
+    assert run.failed is not None  # noqa: S101 - called when one failed
+    batch_id, subscriber, exc = run.failed
+    last = plan.batches[-1].batch_id
+    who = f" (subscriber {subscriber!r})" if subscriber else ""
+    again = f"dbtrigger replay {args.poller} " + (
+        f"--batch {batch_id}" if batch_id == last else f"--from-batch {batch_id} --to-batch {last}"
+    )
+    if subscriber and not args.subscriber:
+        again += f" (--subscriber {subscriber} for that subscriber alone)"
+    error = HandlerError(
+        f"the handler{who} raised on batch {batch_id} ({type(exc).__name__}: {exc}); "
+        f"{len(run.done)} batch(es) before it were delivered and are journaled, it and the "
+        f"{len(plan.batches) - len(run.done) - 1} after it were not. Fix the cause, then go on "
+        f"with: {again} --trigger {args.source} --yes --reason ..."
+    )
+    error.__cause__ = exc
+    return error
 
 
 def add_replay_command(sub: Any) -> None:

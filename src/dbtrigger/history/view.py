@@ -14,7 +14,7 @@ import datetime as dt
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from dbtrigger.errors import ConfigurationError
+from dbtrigger.errors import ConfigurationError, ReplayRefusedError
 from dbtrigger.history import records as rec
 from dbtrigger.history.store import HistoryStore
 from dbtrigger.state.document import StateDocument
@@ -84,13 +84,44 @@ def batch_range(
 
     Raises:
         ConfigurationError: either is not in the history, or ``last`` comes first.
+        ReplayRefusedError: a gap in the history lies between them.
     """
     start, end = find_batch(records, first), find_batch(records, last)
     commits = [dict(r) for r in records if r.get("type") in ("commit", "partial_commit")]
     i, j = commits.index(start), commits.index(end)
     if j < i:
         raise ConfigurationError(f"batch {last!r} was committed before {first!r}; swap them")
+    _no_gap_between(records, commits[i : j + 1])
     return commits[i : j + 1]
+
+
+def _no_gap_between(
+    records: Sequence[Mapping[str, Any]], chosen: Sequence[Mapping[str, Any]]
+) -> None:
+    """Refuse a range with a ``gap`` record inside: the batches committed while the
+    history could not be written are not recorded, so the range would be replayed
+    without them, silently.
+
+    Raises:
+        ReplayRefusedError: naming the gap and the recorded ranges on either side.
+    """
+    ids = [r.get("id") for r in records]
+    low, high = ids.index(chosen[0].get("id")), ids.index(chosen[-1].get("id"))
+    for k in range(low, high):
+        gap = records[k]
+        if gap.get("type") != rec.GAP:
+            continue
+        before = [c for c in chosen if ids.index(c.get("id")) < k]
+        after = [c for c in chosen if ids.index(c.get("id")) > k]
+        raise ReplayRefusedError(
+            f"the history has a gap between batch {before[-1].get('batch_id')} and batch "
+            f"{after[0].get('batch_id')} (it could not be written for longer than the state "
+            f"document's journal reaches back, until {gap.get('at')}): the batches committed "
+            "then are not recorded, so this range cannot be replayed as it was delivered. "
+            f"Replay the recorded batches on either side of it: --from-batch "
+            f"{chosen[0].get('batch_id')} --to-batch {before[-1].get('batch_id')}, and "
+            f"--from-batch {after[0].get('batch_id')} --to-batch {chosen[-1].get('batch_id')}"
+        )
 
 
 __all__ = ["batch_range", "find_batch", "load", "merged", "since"]

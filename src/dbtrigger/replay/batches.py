@@ -126,6 +126,18 @@ class BatchReplay:
     identical: bool = False
 
     @property
+    def recovered(self) -> bool:
+        """The record has no detail: it was recorded from the journal after its own
+        append was lost (a crash after the commit, a history store down), so
+        nothing but its range and row count can be checked."""
+        return not isinstance(self.record.get("detail"), Mapping)
+
+    @property
+    def whole(self) -> bool:
+        """A recovered batch's range gives back as many events as it delivered."""
+        return len(self.events) == int(self.record.get("rows") or 0)
+
+    @property
     def batch_id(self) -> str:
         return str(self.record.get("batch_id"))
 
@@ -154,7 +166,17 @@ class ReplayPlan:
         hint = self.hint or "the source no longer holds those changes"
         out = []
         for b in self.batches:
-            if b.identical:
+            if b.identical or (b.recovered and b.whole):
+                continue
+            if b.recovered:
+                out.append(
+                    f"batch {b.batch_id} was recorded from the journal (its history append "
+                    "was lost), so it has no per-event record, and the log gives back "
+                    f"{len(b.events)} event(s) in its range, not the {b.record.get('rows')} it "
+                    "delivered (a retry waiting in the window, or the log pruned): it cannot "
+                    "be replayed as it was. dbtrigger rewind --to-batch has the poller deliver "
+                    "its range again"
+                )
                 continue
             gone = sum(1 for r in b.drift if r.kind == "gone")
             out.append(

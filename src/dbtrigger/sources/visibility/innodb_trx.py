@@ -11,10 +11,10 @@ more than 100 ms, server-wide (``trx_i_s.cc``: every reader's end of read
 resets the clock). Each read of it carries a marker in its SQL,
 ``dbtrigger-trx:<stamp>:<nonce>``, whose stamp is a server clock reading
 taken before the statement was sent. A cache row showing a marker was filled
-while that statement ran, so after its stamp: a marker whose stamp is later
-than this observation's process-list read proves the cache fresh for it,
-whichever session's read refilled it (the cache row of this session showing
-its own marker is the special case).
+while that statement ran, so after its stamp: a marker stamped later than a
+clock reading this observation took after its process-list read returned
+proves the cache fresh for it, whichever session's read refilled it (the
+cache row of this session showing its own marker is the special case).
 
 **Taking turns.** Several guards reading the cache more often than every
 100 ms between them keep it stale for all of them. So the readers of one
@@ -22,7 +22,7 @@ server take turns (``GET_LOCK``, server-wide, across processes): a reader
 holding the turn reads; a stale cache it waits out (no other guard reads in
 the meantime) and reads again, so the next read refills it; one refill then
 serves every guard that was waiting for the turn (their process-list reads
-came before the marker's stamp). Readers that do not take turns (monitoring
+had returned before the marker's stamp). Readers that do not take turns (monitoring
 tools, older versions) can still keep it stale: the guard then counts stale
 reads and the horizon says so.
 """
@@ -58,7 +58,11 @@ TURN_BUDGET_SECONDS = 1.0
 # GET_LOCK's name is server-wide. The statement is fixed text, so that the
 # process-list read can recognise other guards waiting for their turn (a
 # running statement would otherwise hold a timestamp horizon back to its start).
-TURN_SQL = f"SELECT GET_LOCK('dbtrigger:innodb_trx', {TURN_WAIT_SECONDS}) AS turn"
+# NOW(6) is the statement's start: after the process-list read has returned.
+TURN_SQL = (
+    f"SELECT GET_LOCK('dbtrigger:innodb_trx', {TURN_WAIT_SECONDS}) AS turn, "
+    "UNIX_TIMESTAMP(NOW(6)) AS listed"
+)
 _TURN = sa.text(TURN_SQL)
 _END_TURN = sa.text("SELECT RELEASE_LOCK('dbtrigger:innodb_trx')")
 _CLOCK = sa.text("SELECT UNIX_TIMESTAMP(NOW(6))")
@@ -171,13 +175,13 @@ def observe(conn: Connection, previous: Observation | None, read_max: MaxReader)
         for r in listing
         if r.thread_id is not None and r.running is not None
     }
-    turn = _take_turn(conn)
+    turn, listed = _take_turn(conn)
     try:
         # Our own InnoDB transaction starts after the process-list read; the
         # max's snapshot precedes the list's clock reading ("sampled_at").
         conn.execute(_SNAPSHOT)
         max_value, max_epoch = read_max(conn)
-        rows, stale = _read_fresh(conn, at, patient=turn)
+        rows, stale = _read_fresh(conn, listed, patient=turn)
         conn.rollback()
     finally:
         if turn:
@@ -201,8 +205,10 @@ def observe(conn: Connection, previous: Observation | None, read_max: MaxReader)
     return Observed(observation, stale, turn)
 
 
-def _read_fresh(conn: Connection, at: Decimal, *, patient: bool) -> tuple[Any, int]:
-    """Read ``INNODB_TRX`` until it shows a refill after ``at``: (rows or None, stale reads).
+def _read_fresh(conn: Connection, listed: Decimal, *, patient: bool) -> tuple[Any, int]:
+    """Read ``INNODB_TRX`` until it shows a refill after ``listed`` (a clock
+    reading taken after the process-list read returned): (rows or None, stale
+    reads).
 
     Holding the turn (``patient``), a stale cache is waited out and read again,
     with growing, jittered pauses, for up to ``TURN_BUDGET_SECONDS``: no other
@@ -216,7 +222,7 @@ def _read_fresh(conn: Connection, at: Decimal, *, patient: bool) -> tuple[Any, i
         stamp = Decimal(conn.execute(_CLOCK).scalar_one())
         marker = f"{_MARK}{stamp}:{uuid.uuid4().hex}"
         rows = conn.execute(_TRANSACTIONS, {"marker": marker}).all()
-        if _fresh(rows, at):
+        if _fresh(rows, listed):
             return rows, stale
         stale += 1
         if not patient or time.monotonic() + pause > deadline:
@@ -225,30 +231,38 @@ def _read_fresh(conn: Connection, at: Decimal, *, patient: bool) -> tuple[Any, i
         pause *= 1.6
 
 
-def _fresh(rows: Any, at: Decimal) -> bool:
-    """The cache was filled after ``at``: it shows this very read, or another
-    reader's marker stamped after ``at`` (and not after this read's clock)."""
+def _fresh(rows: Any, listed: Decimal) -> bool:
+    """The cache was filled after ``listed``: it shows this very read, or another
+    reader's marker stamped after ``listed`` (and not after this read's clock).
+
+    After the process-list read *returned*, not after it began: a writer whose
+    first statement began before the read, had not modified a row when the
+    cache was filled, and ended before the read looked at its session would be
+    in neither list.
+    """
     now = Decimal(rows[0].now)
     for r in rows:
         if r.own:
             return True
         found = _STAMP.search(r.seen or "")
-        if found is not None and at < Decimal(found.group(1)) <= now:
+        if found is not None and listed < Decimal(found.group(1)) <= now:
             return True
     return False
 
 
-def _take_turn(conn: Connection) -> bool:
-    """Wait for the turn (up to ``TURN_WAIT_SECONDS``); False: read without it."""
+def _take_turn(conn: Connection) -> tuple[bool, Decimal]:
+    """Wait for the turn (up to ``TURN_WAIT_SECONDS``; False: read without it),
+    and a server clock reading taken after the process-list read returned."""
     try:
-        return bool(conn.execute(_TURN).scalar())
+        row = conn.execute(_TURN).one()
     except DBAPIError as exc:
         # Galera nodes refuse GET_LOCK ("not supported yet"): read as before.
         args = getattr(exc.orig, "args", ())
         if not args or args[0] != _NOT_SUPPORTED:
             raise
         conn.rollback()
-        return False
+        return False, Decimal(conn.execute(_CLOCK).scalar_one())
+    return bool(row.turn), Decimal(row.listed)
 
 
 def _end_turn(conn: Connection) -> None:

@@ -15,6 +15,7 @@ import pytest
 import sqlalchemy as sa
 
 from dbtrigger import (
+    DbBindings,
     FileCheckpointStore,
     HandlerError,
     PollTrigger,
@@ -24,6 +25,7 @@ from dbtrigger import (
 )
 from dbtrigger.errors import (
     AmbiguousCommitError,
+    CorruptStateError,
     FailureRecordError,
     OperatorError,
     PartialBatchError,
@@ -161,3 +163,41 @@ def test_a_failure_record_lost_to_an_outage_is_logged_as_an_error(
     [record] = [r for r in caplog.records if getattr(r, "event", "") == "failure_uncounted"]
     assert record.levelno == logging.ERROR
     assert "not counted" in record.getMessage()
+
+
+def test_a_corrupt_state_document_names_the_poller_the_store_and_the_way_out(
+    sqlite_db: TestDatabase, tmp_path: Path
+) -> None:
+    """Inside an invocation the error said only "state document is not valid JSON":
+    not which of the app's pollers, not which store, not what to do."""
+    source = make_events(sqlite_db, 3)
+    store = FileCheckpointStore(tmp_path / "state")
+    db = DbBindings()
+
+    @db.trigger(arg_name="events", source=source, checkpoint_store=store, name="orders")
+    def orders_poll(timer: object, events: list[RowChange]) -> None:
+        return None
+
+    orders_poll(timer=None)
+    stored = store.read("orders")
+    assert stored is not None
+    store.write("orders", stored.data[: len(stored.data) // 2], if_match=stored.etag)
+    with pytest.raises(CorruptStateError) as err:
+        orders_poll(timer=None)
+    message = str(err.value)
+    assert "not valid JSON" in message  # what is wrong...
+    assert "poller 'orders'" in message  # ...with which poller's state...
+    assert store.describe() in message  # ...in which store...
+    assert "Nothing was changed" in message  # ...and the ways out
+    assert "dbtrigger reset orders --from-file BACKUP --force" in message
+    assert "dbtrigger reset orders --to-beginning --source MODULE:ATTR --force" in message
+    assert err.value.poller == "orders"
+
+    # Another poller's document copied under this name: the same, named.
+    current = store.read("orders")
+    assert current is not None
+    other = docmod.dumps(docmod.StateDocument(poller_name="invoices", source_fingerprint="x"))
+    store.write("orders", other, if_match=current.etag)
+    with pytest.raises(CorruptStateError, match="belongs to poller 'invoices'") as err:
+        orders_poll(timer=None)
+    assert "dbtrigger reset orders --from-file BACKUP --force" in str(err.value)

@@ -47,8 +47,8 @@ from dbtrigger.sources.visibility.mariadb import (
     can_read_transactions,
 )
 from dbtrigger.sources.visibility.privileges import fell_back_for_process, privilege_gap
-from dbtrigger.state import document as docmod
 from dbtrigger.state.stores.base import CheckpointStore
+from dbtrigger.state.unreadable import load_state
 
 if TYPE_CHECKING:
     from dbtrigger.changelog.source import ChangeLogSource
@@ -431,7 +431,7 @@ def _stored_position(store: CheckpointStore, poller: str) -> tuple[Any, Finding 
         stored = store.read(poller)
         if stored is None:
             return None, None
-        return docmod.loads(stored.data).position, None
+        return load_state(store, poller, stored).position, None
     except DbTriggerError as exc:
         return None, Finding("state", ERROR, f"the state document cannot be read: {exc}")
 

@@ -45,6 +45,7 @@ from dbtrigger.state import document as docmod
 from dbtrigger.state.lease import describe_lease
 from dbtrigger.state.stores.base import CheckpointStore
 from dbtrigger.state.stores.factory import redact
+from dbtrigger.state.unreadable import load_state
 
 #: Status values, from best to worst.
 OK, NO_STATE, STALE, UNKNOWN, ERROR = "ok", "no_state", "stale", "unknown_poller", "error"
@@ -201,7 +202,7 @@ def check_health(
     }
     try:
         stored = store.read(poller)
-        doc = docmod.loads(stored.data) if stored is not None else None
+        doc = load_state(store, poller, stored) if stored is not None else None
         position = doc.position if doc is not None else Position()
         lag = measure_lag(source, position, now, poller=poller) if source is not None else None
     except Exception as exc:  # noqa: BLE001 - a probe reports; a custom source may raise anything

@@ -38,6 +38,7 @@ from dbtrigger.state import operations as ops
 from dbtrigger.state.document import StateDocument
 from dbtrigger.state.stores.base import CheckpointStore
 from dbtrigger.state.stores.factory import describe_store, open_store, redact
+from dbtrigger.state.unreadable import unreadable_state
 
 if TYPE_CHECKING:
     from dbtrigger.queue.source import ClaimSource
@@ -231,7 +232,7 @@ def read_state(store: CheckpointStore, poller: str) -> tuple[StateDocument, str,
     try:
         stored = store.read(poller)
     except CorruptStateError as exc:  # a store that cannot even decode what it holds
-        raise _unreadable(store, poller, exc, getattr(exc, "stored", None)) from exc
+        raise unreadable_state(store, poller, exc, getattr(exc, "stored", None)) from exc
     if stored is None and store.read(f"{poller}.members") is not None:
         raise ConfigurationError(
             f"{poller!r} is a partitioned poller: it has one state document per partition "
@@ -246,23 +247,8 @@ def read_state(store: CheckpointStore, poller: str) -> tuple[StateDocument, str,
     try:
         doc = docmod.loads(stored.data)
     except CorruptStateError as exc:
-        raise _unreadable(store, poller, exc, stored) from exc
+        raise unreadable_state(store, poller, exc, stored) from exc
     return doc, stored.etag, stored.data
-
-
-def _unreadable(
-    store: CheckpointStore, poller: str, exc: CorruptStateError, stored: object
-) -> CorruptStateError:
-    """Name the poller, the store and the way out; carry what reset --force replaces."""
-    error = CorruptStateError(
-        f"the state of poller {poller!r} in {describe_store(store)} cannot be read: {exc}. "
-        "Nothing was changed. To replace it: dbtrigger reset "
-        f"{poller} --from-file BACKUP --force (backups are in --backup-dir), or, with no "
-        f"backup, dbtrigger reset {poller} --to-beginning --source MODULE:ATTR --force",
-        poller=poller,
-    )
-    error.stored = stored  # type: ignore[attr-defined]
-    return error
 
 
 def _held_by(store: CheckpointStore) -> str:

@@ -67,9 +67,9 @@ from dbtrigger.runtime.trigger import (
     utc_now,
 )
 from dbtrigger.sources.base import BindsToPoller, CountsAfter, SourceAdapter
-from dbtrigger.state import document as docmod
 from dbtrigger.state.document import DEFAULT_JOURNAL_LIMIT, StateDocument
 from dbtrigger.state.stores.base import CheckpointStore
+from dbtrigger.state.unreadable import load_state
 from dbtrigger.state.window import Bound
 
 #: The tick's one INFO line when a timer drives the poller (run(), a Functions
@@ -463,7 +463,7 @@ class PollTrigger(ClosesOnExit):
 
     def read_state(self) -> StateDocument | None:
         stored = self.store.read(self.name)
-        return docmod.loads(stored.data) if stored else None
+        return load_state(self.store, self.name, stored) if stored else None
 
     def rows_behind(self) -> int | None:
         """Rows after the committed checkpoint, if the source can count them."""

@@ -51,11 +51,11 @@ from dbtrigger.sources.base import (
     position_of,
     source_definition,
 )
-from dbtrigger.state import document as docmod
 from dbtrigger.state import lease as leasemod
 from dbtrigger.state import window as windowmod
 from dbtrigger.state.document import StateDocument
 from dbtrigger.state.stores.base import CheckpointStore
+from dbtrigger.state.unreadable import load_state, unreadable_state
 from dbtrigger.state.window import Window
 
 DEFAULT_BOUND = windowmod.Bound()
@@ -224,6 +224,8 @@ class BatchReader:
                 on_retry=self.telemetry.on_retry,
                 fields={"poller": self.name},
             )
+        except CorruptStateError as exc:  # a store that cannot decode what it holds
+            raise unreadable_state(self.store, self.name, exc) from exc
         except OperatorError:
             raise
         except StoreError as exc:
@@ -233,12 +235,7 @@ class BatchReader:
             ) from exc
         if stored is None:
             return None, None
-        doc = docmod.loads(stored.data)
-        if doc.poller_name != self.name:
-            raise CorruptStateError(
-                f"state document under {self.name!r} belongs to poller {doc.poller_name!r}",
-                poller=self.name,
-            )
+        doc = load_state(self.store, self.name, stored)
         if doc.source_fingerprint != self.fingerprint():
             # Only on a mismatch: older fingerprints of the same definition
             # (an earlier algorithm) still name this source.

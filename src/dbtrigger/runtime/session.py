@@ -49,6 +49,7 @@ from dbtrigger.state import document as docmod
 from dbtrigger.state.document import StateDocument
 from dbtrigger.state.lease import Acquired
 from dbtrigger.state.stores.base import CheckpointStore, StoredDocument
+from dbtrigger.state.unreadable import load_state
 
 Transition = Callable[[StateDocument], StateDocument]
 
@@ -309,7 +310,8 @@ class LeaseSession:
                     poller=doc.poller_name,
                     fencing_token=self.token,
                 ) from outcome.cause
-            doc, etag = docmod.loads(outcome.current.data), outcome.current.etag
+            doc = load_state(self.store, self.key, outcome.current)
+            etag = outcome.current.etag
         raise CommitError(
             f"{what} failed: the state document kept changing under us",
             poller=doc.poller_name,

@@ -1,0 +1,54 @@
+"""A state document nobody can read: the error that names it and the way out.
+
+Whoever meets one (a tick in a Functions invocation or a worker, the health
+probe, ``dbtrigger check``, every CLI command) reports it the same way: which
+poller, which store, that nothing was changed, and the two commands that
+replace it (a backup with ``--from-file``, or a new document with
+``--to-beginning --source``), both needing ``--force`` because nothing can be
+checked in a document that cannot be read.
+"""
+
+from __future__ import annotations
+
+from dbtrigger.errors import CorruptStateError
+from dbtrigger.redaction import redact
+from dbtrigger.state import document as docmod
+from dbtrigger.state.document import StateDocument
+from dbtrigger.state.stores.base import CheckpointStore, StoredDocument
+
+
+def unreadable_state(
+    store: CheckpointStore, poller: str, exc: CorruptStateError, stored: object = None
+) -> CorruptStateError:
+    """``exc`` again, naming the poller, the store and the way out.
+
+    ``stored`` (the document as read; by default what ``exc`` carries, from a
+    store that could not decode it) is kept as the error's ``stored``
+    attribute: ``reset --force`` replaces exactly that version.
+    """
+    if stored is None:
+        stored = getattr(exc, "stored", None)
+    error = CorruptStateError(
+        f"the state of poller {poller!r} in {redact(store.describe())} cannot be read: {exc}. "
+        "Nothing was changed. To replace it: dbtrigger reset "
+        f"{poller} --from-file BACKUP --force (backups are in --backup-dir), or, with no "
+        f"backup, dbtrigger reset {poller} --to-beginning --source MODULE:ATTR --force",
+        poller=poller,
+    )
+    error.stored = stored  # type: ignore[attr-defined]
+    return error
+
+
+def load_state(store: CheckpointStore, poller: str, stored: StoredDocument) -> StateDocument:
+    """The document ``store`` holds for ``poller``, parsed; :func:`unreadable_state`
+    if it is corrupt or is another poller's (copied under this name by hand)."""
+    try:
+        doc = docmod.loads(stored.data)
+        if doc.poller_name != poller:
+            raise CorruptStateError(f"the document belongs to poller {doc.poller_name!r}")
+    except CorruptStateError as exc:
+        raise unreadable_state(store, poller, exc, stored) from exc
+    return doc
+
+
+__all__ = ["load_state", "unreadable_state"]

@@ -17,13 +17,24 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from dbtrigger import DbBindings, DbOut, InMemoryCheckpointStore, RowChange, SqlAlchemySource
+from dbtrigger import (
+    DbBindings,
+    DbOut,
+    HandlerError,
+    InMemoryCheckpointStore,
+    RowChange,
+    SqlAlchemySource,
+)
 from dbtrigger.azure import binding_of
 from dbtrigger.azure.output import output_binding
+from dbtrigger.dbio import DbWriter
 from dbtrigger.errors import (
     CommitError,
     ConfigurationError,
+    OperatorError,
+    OutputValueError,
     OutputWriteError,
+    RetryableError,
     StoreUnavailableError,
     UnsafeIdentifierError,
 )
@@ -252,6 +263,102 @@ def test_unknown_table_or_column_is_a_configuration_error(db: TestDatabase) -> N
         bad_column()
 
 
+class Opaque:
+    """An object no driver knows how to send."""
+
+    def __str__(self) -> str:
+        return "<Opaque marker-7731>"
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "kind"),
+    [
+        ("note", {"k": "v"}, "dict"),
+        ("note", ["a", "b"], "list"),
+        ("amount", {"n": 1}, "dict"),
+        ("amount", {1, 2}, "set"),
+    ],
+)
+def test_a_value_its_column_cannot_store_is_named_and_not_retried(
+    db: TestDatabase, column: str, value: object, kind: str
+) -> None:
+    """A dict in a text column failed as a retryable OutputWriteError - on MariaDB
+    an SQL syntax error - naming neither the column nor the value: a batch that
+    failed the same way on every delivery."""
+    check_unwritable(db, column, value, kind)
+
+
+@pytest.mark.parametrize("column", ["amount", "note"])
+def test_an_object_the_driver_cannot_send_is_named(
+    sqlite_db: TestDatabase, pg: TestDatabase, column: str
+) -> None:
+    """sqlite3 and psycopg refuse an object they cannot adapt, quoting its type.
+    (PyMySQL sends any object as its str(): MariaDB takes it, or not, as text.)"""
+    for db in (sqlite_db, pg):
+        check_unwritable(db, column, Opaque(), "Opaque")
+
+
+def check_unwritable(db: TestDatabase, column: str, value: object, kind: str) -> None:
+    table = make_sink(db)
+    rows: list[dict[str, Any]] = [
+        {"order_id": 1, "cursor": "a", "amount": 1, "note": "fine"},
+        {"order_id": 2, "cursor": "a", "amount": 2, "note": "fine"},
+    ]
+    rows[1][column] = value
+
+    @bind(db)
+    def handler(out: DbOut) -> None:
+        out.set(rows)
+
+    with pytest.raises(OutputValueError) as err:
+        handler()
+    assert isinstance(err.value, OperatorError)  # a person must act: not retryable
+    assert not isinstance(err.value, RetryableError)
+    message = str(err.value)
+    assert "cannot write row 1 to" in message
+    assert "processed_orders" in message
+    assert f"column {column!r}" in message
+    assert f"cannot store a {kind} value" in message
+    assert "marker-7731" not in message  # never the value
+    assert "'k'" not in message
+    assert err.value.fields["column"] == column
+    assert err.value.fields["value_type"] == kind
+    assert sink_rows(db, table) == []  # nothing of the batch was written
+
+    writer = DbWriter(url=db.url, table="processed_orders", schema=db.schema)
+    try:
+        with pytest.raises(OutputValueError, match=f"column {column!r}"):
+            writer.insert_many(rows=rows)
+        with pytest.raises(OutputValueError, match=f"column {column!r}"):
+            writer.update(data={column: value}, pk={"order_id": 1, "cursor": "a"})
+    finally:
+        writer.close()
+    assert sink_rows(db, table) == []
+
+
+def test_a_json_column_takes_a_dict(pg: TestDatabase) -> None:
+    meta = sa.MetaData(schema=pg.schema)
+    table = sa.Table(
+        "docs",
+        meta,
+        sa.Column("id", sa.Integer, primary_key=True),
+        sa.Column("body", sa.JSON),
+        sa.Column("tags", sa.ARRAY(sa.Text)),
+    )
+    meta.create_all(pg.engine)
+
+    @output("out", url=pg.url, table="docs", schema=pg.schema)
+    def handler(out: DbOut) -> None:
+        out.set({"id": 1, "body": {"k": ["v"]}, "tags": ["a", "b"]})
+
+    handler()
+    with pg.engine.connect() as conn:
+        assert conn.execute(sa.select(table.c.body, table.c.tags)).one() == (
+            {"k": ["v"]},
+            ["a", "b"],
+        )
+
+
 def test_configuration_is_checked_at_decoration(monkeypatch: pytest.MonkeyPatch) -> None:
     url = "sqlite://"
     with pytest.raises(UnsafeIdentifierError):
@@ -464,3 +571,32 @@ def test_replays_are_no_ops_at_an_upsert_sink(
     final = sink_rows(db, sink)
     assert len(final) == 8
     assert [r[2] for r in final if r[0] == 3] == [300, 333]
+
+
+def test_under_a_trigger_an_unwritable_value_fails_the_batch_naming_it(
+    sqlite_db: TestDatabase, request: pytest.FixtureRequest
+) -> None:
+    """The batch is not committed (the contract's poison batch, section 5.9: it
+    comes again until the handler or the data is fixed), and what every
+    delivery's failure says is the column and the type, not a database hiccup."""
+    make_sink(sqlite_db)
+    sqlite_db.execute("CREATE TABLE orders (id INTEGER PRIMARY KEY, seq INTEGER NOT NULL)")
+    sqlite_db.execute("INSERT INTO orders VALUES (1, 1), (2, 2)")
+    source = SqlAlchemySource(
+        url=sqlite_db.url, table="orders", cursor_column="seq", pk_columns=["id"]
+    )
+    request.addfinalizer(source.close)
+    store = InMemoryCheckpointStore()
+    db_bindings = DbBindings()
+
+    @db_bindings.trigger(arg_name="events", source=source, checkpoint_store=store, name="orders")
+    @output("out", url=sqlite_db.url, table="processed_orders")
+    def orders_poll(timer: object, events: list[RowChange], out: DbOut) -> None:
+        out.set([{"order_id": e.pk["id"], "cursor": "c", "note": {"raw": e.after}} for e in events])
+
+    with pytest.raises(HandlerError) as err:
+        orders_poll(timer=None)
+    assert isinstance(err.value.__cause__, OutputValueError)
+    assert "column 'note'" in str(err.value)
+    assert "cannot store a dict value" in str(err.value)
+    assert db_bindings.triggers["orders"].read_state().position.cursor is None  # not committed

@@ -7,27 +7,51 @@ writer of :mod:`dbtrigger.dbio` share what a binding needs of its table:
   use), the engine made once at the first use or shared (``engine=``), and the
   table reflected once, under a lock, with the errors a missing table or column
   is (:class:`~dbtrigger.errors.ConfigurationError`, naming it);
+* :meth:`TableHandle.write`: a write of rows, a value its column cannot
+  store refused as :class:`~dbtrigger.errors.OutputValueError` naming the row,
+  the column and the value's type (never the value), not retried as if the
+  database had failed;
 * :func:`upsert_statement`: ``INSERT ... ON CONFLICT`` / ``ON DUPLICATE KEY
   UPDATE`` per dialect.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from decimal import Decimal
 from typing import Any
+from uuid import UUID
 
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Connection, Engine
-from sqlalchemy.exc import NoSuchTableError
+from sqlalchemy.exc import NoSuchTableError, SQLAlchemyError
 
 from dbtrigger._database_url import DatabaseUrl
 from dbtrigger._engine import LazyEngine
-from dbtrigger.errors import ConfigurationError
+from dbtrigger.errors import ConfigurationError, OutputValueError
 from dbtrigger.names import validate_sql_identifier
 
 #: Dialects with a native upsert statement we know how to build.
 UPSERT_DIALECTS = frozenset({"postgresql", "sqlite", "mysql", "mariadb"})
+
+#: Column types that hold one plain value: a dict, a list or a set given to one of
+#: them cannot be written, whatever the driver (MariaDB's SET, a string type, takes a set).
+_PLAIN_TYPES: tuple[type[Any], ...] = (
+    sa.String,
+    sa.Integer,
+    sa.Numeric,
+    sa.Boolean,
+    sa.Date,
+    sa.DateTime,
+    sa.Time,
+    sa.LargeBinary,
+)
+_STRUCTURES = (Mapping, list, tuple, set, frozenset)
+#: Values every driver sends as they are: never the value a failure is blamed on.
+_SCALARS: tuple[type[Any], ...] = (str, bytes, bytearray, memoryview, int, float, Decimal)
+_SCALARS += (dt.date, dt.time, dt.timedelta, UUID)
 
 
 class TableHandle:
@@ -116,6 +140,104 @@ class TableHandle:
     def close(self) -> None:
         """Dispose of the connection pool if this handle created the engine."""
         self._engines.dispose()
+
+    def write(
+        self,
+        conn: Connection,
+        table: sa.Table,
+        statement: Any,
+        rows: Sequence[Mapping[str, Any]],
+        *,
+        each: bool = True,
+    ) -> Any:
+        """Execute ``statement`` for ``rows`` (``each=False``: the values are in the
+        statement already); the result.
+
+        Raises:
+            OutputValueError: a value its column cannot store: a dict, list or set
+                in a column of a plain type (refused before anything is sent:
+                drivers fail on it each their own way, MariaDB's with an SQL
+                syntax error), or a value the column type or the driver refused.
+        """
+        columns = list(rows[0]) if rows else []
+        for column in columns:
+            column_type = table.c[column].type
+            if isinstance(column_type, _PLAIN_TYPES) and type(column_type).__name__ != "SET":
+                for index, row in enumerate(rows):
+                    if isinstance(row.get(column), _STRUCTURES):
+                        raise self._unwritable(index, column, row.get(column), column_type, "")
+        try:
+            if not each:
+                return conn.execute(statement)
+            return conn.execute(statement, [dict(r) for r in rows])
+        except SQLAlchemyError as exc:
+            problem = self._refused_value(exc, conn, table, rows, columns)
+            if problem is None:
+                raise
+            raise problem from exc
+
+    def _refused_value(
+        self,
+        exc: SQLAlchemyError,
+        conn: Connection,
+        table: sa.Table,
+        rows: Sequence[Mapping[str, Any]],
+        columns: Sequence[str],
+    ) -> OutputValueError | None:
+        """The value a failed write could not send, when it was one (None: the
+        database's failure, a lost connection, a constraint): one the column type
+        refused (SQLAlchemy raises before the statement runs), or one the driver
+        cannot adapt (its message quotes the value's type, or the value)."""
+        if isinstance(exc, sa.exc.StatementError) and not isinstance(exc, sa.exc.DBAPIError):
+            for column in columns:
+                process = table.c[column].type.bind_processor(conn.dialect)
+                if process is None:
+                    continue
+                for index, row in enumerate(rows):
+                    try:
+                        process(row.get(column))
+                    except (TypeError, ValueError) as refused:
+                        first = (str(refused).splitlines() or [""])[0][:200]
+                        column_type = table.c[column].type
+                        return self._unwritable(index, column, row.get(column), column_type, first)
+        text = str(getattr(exc, "orig", None) or exc)
+        for index, row in enumerate(rows):
+            for column in columns:
+                value = row.get(column)
+                if value is None or isinstance(value, _SCALARS):
+                    continue
+                try:
+                    shown = str(value)
+                except Exception:  # noqa: BLE001 - an object that cannot say itself
+                    shown = ""
+                quoted = f"'{type(value).__name__}'" in text or (
+                    len(shown) >= 3 and f"'{shown}'" in text
+                )
+                if quoted:
+                    column_type = table.c[column].type
+                    return self._unwritable(
+                        index, column, value, column_type, "the driver cannot send it"
+                    )
+        return None
+
+    def _unwritable(
+        self, index: int, column: str, value: Any, column_type: Any, why: str
+    ) -> OutputValueError:
+        kind = type(value).__name__
+        try:
+            shown = str(column_type)
+        except Exception:  # noqa: BLE001 - a type that cannot render itself is still a type
+            shown = type(column_type).__name__
+        return OutputValueError(
+            f"cannot write row {index} to {self.name}: column {column!r} ({shown}) cannot "
+            f"store a {kind} value" + (f" ({why})" if why else "") + ". Writing it again "
+            "cannot help: convert the value first (json.dumps(...) for a dict or a list, "
+            "str(...) or a number for an object) or give the column a type that holds it "
+            "(JSON)",
+            table=self.name,
+            column=column,
+            value_type=kind,
+        )
 
 
 def upsert_statement(

@@ -15,7 +15,8 @@ binding:
 * **errors** - a read that fails is a :class:`~dbtrigger.errors.FetchError`,
   a write an :class:`~dbtrigger.errors.OutputWriteError` (both retryable, the
   driver's error chained, no row values in the message); a missing table or
-  column is a :class:`~dbtrigger.errors.ConfigurationError`;
+  column is a :class:`~dbtrigger.errors.ConfigurationError`, a value its
+  column cannot store an :class:`~dbtrigger.errors.OutputValueError`;
   ``one()`` without a row raises :class:`~dbtrigger.errors.RowNotFoundError`.
 
 A writer's operations each commit on their own; ``with writer.transaction():``
@@ -216,7 +217,7 @@ class DbWriter(_OnTable):
         columns = _same_columns(rows)
         with self._writing("an insert", len(rows)) as conn:
             table = self._db.columns(conn, columns)
-            conn.execute(sa.insert(table), [dict(r) for r in rows])
+            self._db.write(conn, table, sa.insert(table), rows)
 
     def upsert(self, *, data: Mapping[str, Any], conflict_columns: Sequence[str]) -> None:
         self.upsert_many(rows=[data], conflict_columns=conflict_columns)
@@ -233,14 +234,15 @@ class DbWriter(_OnTable):
         with self._writing("an upsert", len(rows)) as conn:
             table = self._db.columns(conn, [*columns, *conflict_columns])
             statement = upsert_statement(conn.dialect.name, table, columns, tuple(conflict_columns))
-            conn.execute(statement, [dict(r) for r in rows])
+            self._db.write(conn, table, statement, rows)
 
     def update(self, *, data: Mapping[str, Any], pk: Mapping[str, Any]) -> int:
         """Set ``data`` on the row with key ``pk``; how many rows changed (0: none had it)."""
         with self._writing("an update", 1) as conn:
             table = self._db.columns(conn, list(data))
             where = _key_clause(table, pk, self._db.name)
-            return int(conn.execute(sa.update(table).where(where).values(dict(data))).rowcount)
+            statement = sa.update(table).where(where).values(dict(data))
+            return int(self._db.write(conn, table, statement, [data], each=False).rowcount)
 
     def delete(self, *, pk: Mapping[str, Any]) -> int:
         """Delete the row with key ``pk``; how many rows went (0: there was none)."""
@@ -251,10 +253,15 @@ class DbWriter(_OnTable):
 
 
 def _same_columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    first = list(rows[0])
+    if isinstance(rows, (Mapping, str, bytes)) or not isinstance(rows, Sequence):
+        raise ConfigurationError(
+            f"rows= takes a list of dicts, got {type(rows).__name__} (one row: data=...)"
+        )
     for index, row in enumerate(rows):
         if not isinstance(row, Mapping):
             raise ConfigurationError(f"row {index} is {type(row).__name__}, expected a dict")
+    first = list(rows[0])
+    for index, row in enumerate(rows):
         if set(row) != set(first):
             raise ConfigurationError(
                 f"row {index} has columns {sorted(row)}, row 0 {sorted(first)}: give every "

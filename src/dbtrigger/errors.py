@@ -235,6 +235,12 @@ class OutputWriteError(RetryableError):
     """The output binding could not write its rows; the batch is not committed and comes again."""
 
 
+class OutputValueError(OperatorError, TypeError):
+    """A row to write holds a value its column cannot store (a dict in a text column,
+    an object the driver cannot send); writing it again cannot help. ``fields`` carry
+    ``table``, ``column`` and ``value_type``; the message never shows the value."""
+
+
 class RowNotFoundError(DbTriggerError, LookupError):
     """A read that needs a row found none (``DbReader.one``, ``@db.input(...,
     on_not_found="raise")``)."""
@@ -290,6 +296,7 @@ __all__ = [
     "LiveLeaseError",
     "LostLeaseError",
     "OperatorError",
+    "OutputValueError",
     "OutputWriteError",
     "PartialBatchError",
     "QuarantineError",

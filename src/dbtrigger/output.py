@@ -28,7 +28,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from dbtrigger._driver_errors import short_error
 from dbtrigger._tables import UPSERT_DIALECTS, TableHandle, upsert_statement
-from dbtrigger.errors import ConfigurationError, OutputWriteError
+from dbtrigger.errors import ConfigurationError, OutputValueError, OutputWriteError
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.redaction import safe_url_text
 
@@ -151,6 +151,8 @@ class OutputTarget:
         Raises:
             ConfigurationError: the table or a column does not exist, or the
                 conflict columns are not a key of the table.
+            OutputValueError: a value its column cannot store (a dict in a text
+                column, an object the driver cannot send); nothing is written.
             OutputWriteError: the database refused or failed the write (the
                 message names the driver error, never the row values).
         """
@@ -160,8 +162,8 @@ class OutputTarget:
         try:
             with self.engine.begin() as conn:
                 table = self._table(conn, columns)
-                conn.execute(self._statement(table, columns), list(rows))
-        except ConfigurationError:
+                self._db.write(conn, table, self._statement(table, columns), rows)
+        except (ConfigurationError, OutputValueError):
             raise
         except SQLAlchemyError as exc:
             raise OutputWriteError(
@@ -192,9 +194,10 @@ class DbOut:
         """Rows to write after the handler returns: a dict, a list of dicts, or None.
 
         Raises:
-            TypeError: ``value`` is not a mapping or a list of mappings.
-            ValueError: the rows do not all have the same columns, or a column
-                name is not a plain SQL identifier.
+            OutputValueError: ``value`` is not a mapping or a list of mappings,
+                or a column name is not a string (a ``TypeError`` too).
+            ConfigurationError: the rows do not all have the same columns, or a
+                column name is not a plain SQL identifier (a ``ValueError`` too).
         """
         if value is None:
             rows: list[Row] = []
@@ -204,25 +207,30 @@ class DbOut:
             rows = []
             for index, item in enumerate(value):
                 if not isinstance(item, Mapping):
-                    raise TypeError(
-                        f"out.set(): item {index} is {type(item).__name__}, expected a dict"
+                    raise OutputValueError(
+                        f"out.set(): item {index} is {type(item).__name__}, expected a dict",
+                        value_type=type(item).__name__,
                     )
                 rows.append(dict(item))
         else:
-            raise TypeError(
-                f"out.set() takes a dict or a list of dicts, got {type(value).__name__}"
+            raise OutputValueError(
+                f"out.set() takes a dict or a list of dicts, got {type(value).__name__}",
+                value_type=type(value).__name__,
             )
         if rows:
             columns = set(rows[0])
             if not columns:
-                raise ValueError("out.set(): a row has no columns")
+                raise ConfigurationError("out.set(): a row has no columns")
             for name in columns:
                 if not isinstance(name, str):
-                    raise TypeError(f"out.set(): column names must be strings, got {name!r}")
+                    raise OutputValueError(
+                        f"out.set(): column names must be strings, got {type(name).__name__}",
+                        value_type=type(name).__name__,
+                    )
                 validate_sql_identifier(name, "output column")
             for index, row in enumerate(rows[1:], start=1):
                 if set(row) != columns:
-                    raise ValueError(
+                    raise ConfigurationError(
                         f"out.set(): row {index} has columns {sorted(row)}, "
                         f"row 0 has {sorted(columns)}; all rows must have the same columns"
                     )

@@ -195,6 +195,39 @@ def test_upsert_on_a_unique_index(db: TestDatabase) -> None:
     assert sink_rows(db, table) == [(1, "a", 2, None)]
 
 
+def test_a_row_colliding_on_another_unique_key_is_refused_not_merged(db: TestDatabase) -> None:
+    """An upsert on ``order_id`` whose row hits an existing row on another unique column
+    fails on every database. MariaDB's ON DUPLICATE KEY UPDATE fires on any unique key:
+    it used to overwrite the *other* row (order 1 took order 2's amount) and write no
+    order 2, with no error. The writer's upsert builds the same statement."""
+    table = make_sink(db, unique=False)
+    with db.engine.begin() as conn:
+        sa.Index("ux_order", table.c.order_id, unique=True).create(conn)
+        sa.Index("ux_cursor", table.c.cursor, unique=True).create(conn)
+        conn.execute(sa.insert(table), [{"order_id": 1, "cursor": "a", "amount": 10}])
+
+    @bind(db, action="upsert", conflict_columns=["order_id"])
+    def handler(rows: list[dict[str, Any]], out: DbOut) -> None:
+        out.set(rows)
+
+    handler(rows=[{"order_id": 1, "cursor": "a", "amount": 11}])  # the key itself: updated
+    assert sink_rows(db, table) == [(1, "a", 11, None)]
+    collide = [
+        {"order_id": 3, "cursor": "c", "amount": 30},
+        {"order_id": 2, "cursor": "a", "amount": 20},
+    ]
+    with pytest.raises(OutputWriteError, match=r"unique|UNIQUE|duplicate|Duplicate") as err:
+        handler(rows=collide)
+    assert "retrying cannot help" in str(err.value) or db.kind != "mariadb", err.value
+    writer = DbWriter(url=db.url, table="processed_orders", schema=db.schema)
+    try:
+        with pytest.raises(OutputWriteError, match=r"unique|UNIQUE|duplicate|Duplicate"):
+            writer.upsert_many(rows=collide, conflict_columns=["order_id"])
+    finally:
+        writer.close()
+    assert sink_rows(db, table) == [(1, "a", 11, None)]  # nothing merged, nothing half-written
+
+
 # --- no-ops, errors, validation ----------------------------------------------------
 
 

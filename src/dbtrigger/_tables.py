@@ -267,11 +267,40 @@ def upsert_statement(
     from sqlalchemy.dialects.mysql import insert as mysql_insert  # noqa: PLC0415
 
     my_stmt = mysql_insert(table)
-    if not updates:
-        # "Update" a key column to itself: a no-op that still swallows the duplicate.
-        first = conflict_columns[0]
-        return my_stmt.on_duplicate_key_update({first: table.c[first]})
-    return my_stmt.on_duplicate_key_update({c: my_stmt.inserted[c] for c in updates})
+    # ON DUPLICATE KEY UPDATE fires on a duplicate of *any* unique key. A row that
+    # hits another row on a different unique column would update that other row
+    # (with this row's values) and never be written itself, silently. So the first
+    # assignment keeps the key where the row found is the one the conflict columns
+    # name, and otherwise fails the statement (a scalar subquery of two rows: an
+    # error in every sql_mode), as PostgreSQL and SQLite fail it. Assignments run
+    # in order, so this one sees the row as found.
+    first = conflict_columns[0]
+    same = sa.and_(
+        *(table.c[c].is_not_distinct_from(my_stmt.inserted[c]) for c in conflict_columns)
+    )
+    one: sa.Select[Any] = sa.select(sa.literal_column("1"))  # constants: no bound value
+    refuse = one.union_all(sa.select(sa.literal_column("2"))).scalar_subquery()
+    guard = (first, sa.case((same, table.c[first]), else_=refuse))
+    return my_stmt.on_duplicate_key_update([guard, *((c, my_stmt.inserted[c]) for c in updates)])
 
 
-__all__ = ["UPSERT_DIALECTS", "TableHandle", "upsert_statement"]
+#: MariaDB/MySQL's "Subquery returns more than 1 row": only the guard above raises it.
+_GUARD_ERROR = 1242
+
+
+def upsert_refusal(exc: BaseException, conflict_columns: Sequence[str]) -> str | None:
+    """What went wrong when ``exc`` is the upsert guard of MariaDB/MySQL failing a
+    statement (None: another error)."""
+    orig = getattr(exc, "orig", None)
+    args = getattr(orig, "args", ())
+    if not args or args[0] != _GUARD_ERROR:
+        return None
+    return (
+        "a row matched an existing row on a unique key other than the conflict columns "
+        f"({', '.join(conflict_columns)}): ON DUPLICATE KEY UPDATE would have overwritten that "
+        "other row, so nothing was written (PostgreSQL and SQLite refuse it as a unique "
+        "violation); retrying cannot help: fix the rows or the table's unique keys"
+    )
+
+
+__all__ = ["UPSERT_DIALECTS", "TableHandle", "upsert_refusal", "upsert_statement"]

@@ -37,7 +37,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from dbtrigger._driver_errors import short_error
-from dbtrigger._tables import TableHandle, upsert_statement
+from dbtrigger._tables import TableHandle, upsert_refusal, upsert_statement
 from dbtrigger.errors import (
     ConfigurationError,
     FetchError,
@@ -193,7 +193,9 @@ class DbWriter(_OnTable):
             ) from exc
 
     @contextlib.contextmanager
-    def _writing(self, what: str, rows: int) -> Iterator[Connection]:
+    def _writing(
+        self, what: str, rows: int, conflict_columns: Sequence[str] = ()
+    ) -> Iterator[Connection]:
         try:
             if self._conn is not None:
                 yield self._conn
@@ -203,8 +205,9 @@ class DbWriter(_OnTable):
         except (ConfigurationError, RowNotFoundError):
             raise
         except SQLAlchemyError as exc:
+            why = upsert_refusal(exc, conflict_columns) or short_error(exc)
             raise OutputWriteError(
-                f"{what} on {self._db.name} failed: {short_error(exc)}", table=self.name, rows=rows
+                f"{what} on {self._db.name} failed: {why}", table=self.name, rows=rows
             ) from exc
 
     def insert(self, *, data: Mapping[str, Any]) -> None:
@@ -231,7 +234,7 @@ class DbWriter(_OnTable):
         if isinstance(conflict_columns, str) or not conflict_columns:
             raise ConfigurationError("conflict_columns must be a non-empty list of column names")
         columns = _same_columns(rows)
-        with self._writing("an upsert", len(rows)) as conn:
+        with self._writing("an upsert", len(rows), conflict_columns) as conn:
             table = self._db.columns(conn, [*columns, *conflict_columns])
             statement = upsert_statement(conn.dialect.name, table, columns, tuple(conflict_columns))
             self._db.write(conn, table, statement, rows)

@@ -14,7 +14,9 @@ Upserts are built with SQLAlchemy Core per dialect: PostgreSQL and SQLite
 DUPLICATE KEY UPDATE``. The conflict columns must be exactly the primary key
 or a unique constraint of the table; this is checked when the table is first
 reflected, because MySQL would otherwise silently upsert on whichever unique
-key a row happens to hit.
+key a row happens to hit; and a row that hits another unique key than that one
+fails the statement there, as it does on PostgreSQL and SQLite
+(:func:`~dbtrigger._tables.upsert_statement`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from sqlalchemy.engine import URL, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from dbtrigger._driver_errors import short_error
-from dbtrigger._tables import UPSERT_DIALECTS, TableHandle, upsert_statement
+from dbtrigger._tables import UPSERT_DIALECTS, TableHandle, upsert_refusal, upsert_statement
 from dbtrigger.errors import ConfigurationError, OutputValueError, OutputWriteError
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.redaction import safe_url_text
@@ -166,8 +168,9 @@ class OutputTarget:
         except (ConfigurationError, OutputValueError):
             raise
         except SQLAlchemyError as exc:
+            why = upsert_refusal(exc, self.conflict_columns) or short_error(exc)
             raise OutputWriteError(
-                f"writing {len(rows)} row(s) to {self.name} failed: {short_error(exc)}",
+                f"writing {len(rows)} row(s) to {self.name} failed: {why}",
                 table=self.name,
                 rows=len(rows),
             ) from exc

@@ -24,8 +24,9 @@ import sqlalchemy as sa
 
 from dbtrigger import InMemoryCheckpointStore, SqlAlchemySource
 from dbtrigger.cursor import BEGINNING
-from dbtrigger.sources.visibility import MariaDbHorizon
+from dbtrigger.sources.visibility import MariaDbHorizon, SafetyWindow
 from dbtrigger.sources.visibility import mariadb as mariadb_guard
+from dbtrigger.sources.visibility import window as window_guard
 from tests.databases import TestDatabase
 from tests.test_visibility import Poller, make_poller, wait_until
 
@@ -155,4 +156,51 @@ def test_a_reader_that_does_not_take_turns_is_named_at_warning(
         assert events(caplog, "visibility_trx_cache_fresh")
     finally:
         stop.set()
+        src.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_windows_overrun_check_reads_innodb_trx_only_holding_the_turn(
+    mariadb: TestDatabase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SafetyWindow with PROCESS looks for overrunning writers in INNODB_TRX
+    once a second; it does not read it while a horizon holds the turn (waiting
+    out a stale cache, which that read would keep stale), and reads again
+    once the turn is free."""
+    monkeypatch.setattr(window_guard, "TURN_BUSY_READ_SECONDS", 600.0)
+    table = mariadb.qualified("events")
+    mariadb.execute(
+        f"CREATE TABLE {table} (id BIGINT AUTO_INCREMENT PRIMARY KEY, "
+        "updated_at DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6))"
+    )
+    src = SqlAlchemySource(
+        url=mariadb.url,
+        table="events",
+        schema=mariadb.schema,
+        cursor_column="updated_at",
+        pk_columns=["id"],
+        visibility=SafetyWindow(1),
+    )
+    statements: list[str] = []
+    sa.event.listen(src.engine, "before_cursor_execute", lambda *a: statements.append(a[2]))
+
+    def reads() -> int:
+        return sum("INNODB_TRX" in s for s in statements)
+
+    def tries() -> int:
+        return sum("GET_LOCK('dbtrigger:innodb_trx', 0)" in s for s in statements)
+
+    holder = mariadb.engine.connect()
+    try:
+        assert wait_until(lambda: (src.fetch(BEGINNING, 10), reads() >= 1)[1], 30)
+        assert holder.execute(sa.text("SELECT GET_LOCK('dbtrigger:innodb_trx', 10)")).scalar()
+        before, tried = reads(), tries()
+        assert wait_until(lambda: (src.fetch(BEGINNING, 10), tries() >= tried + 2)[1], 30)
+        assert reads() == before  # the turn was busy at every check
+        holder.execute(sa.text("SELECT RELEASE_LOCK('dbtrigger:innodb_trx')"))
+        assert wait_until(lambda: (src.fetch(BEGINNING, 10), reads() > before)[1], 30)
+        # ... and gave the turn back: a horizon's guard takes it at once.
+        assert holder.execute(sa.text("SELECT GET_LOCK('dbtrigger:innodb_trx', 5)")).scalar()
+    finally:
+        holder.close()
         src.close()

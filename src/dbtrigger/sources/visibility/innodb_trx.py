@@ -64,6 +64,7 @@ TURN_SQL = (
     "UNIX_TIMESTAMP(NOW(6)) AS listed"
 )
 _TURN = sa.text(TURN_SQL)
+_TRY_TURN = sa.text("SELECT GET_LOCK('dbtrigger:innodb_trx', 0)")
 _END_TURN = sa.text("SELECT RELEASE_LOCK('dbtrigger:innodb_trx')")
 _CLOCK = sa.text("SELECT UNIX_TIMESTAMP(NOW(6))")
 _NOT_SUPPORTED = 1235  # ER_NOT_SUPPORTED_YET
@@ -185,7 +186,7 @@ def observe(conn: Connection, previous: Observation | None, read_max: MaxReader)
         conn.rollback()
     finally:
         if turn:
-            _end_turn(conn)
+            end_turn(conn)
     if rows is None:
         return Observed(None, stale, turn)
     me = rows[0].me
@@ -265,7 +266,25 @@ def _take_turn(conn: Connection) -> tuple[bool, Decimal]:
     return bool(row.turn), Decimal(row.listed)
 
 
-def _end_turn(conn: Connection) -> None:
+def try_turn(conn: Connection) -> bool | None:
+    """Take the turn only if it is free now: True (taken: :func:`end_turn` it),
+    False (another guard holds it), None (GET_LOCK refused: read without it).
+
+    For readers that need no fresh cache (the safety window's overrun check):
+    reading only holding the turn, they never read while a guard waits out a
+    stale cache.
+    """
+    try:
+        return bool(conn.execute(_TRY_TURN).scalar())
+    except DBAPIError as exc:
+        args = getattr(exc.orig, "args", ())
+        if not args or args[0] != _NOT_SUPPORTED:
+            raise
+        conn.rollback()
+        return None
+
+
+def end_turn(conn: Connection) -> None:
     try:
         conn.execute(_END_TURN)
         conn.rollback()
@@ -309,6 +328,8 @@ __all__ = [
     "Observation",
     "Observed",
     "Writer",
+    "end_turn",
     "lower_bound",
     "observe",
+    "try_turn",
 ]

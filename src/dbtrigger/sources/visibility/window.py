@@ -33,6 +33,7 @@ from dbtrigger.sources.visibility.base import (
     VisibilityGuard,
     _exact_needs,
 )
+from dbtrigger.sources.visibility.innodb_trx import end_turn, try_turn
 
 log = logging.getLogger("dbtrigger.sources.visibility")
 
@@ -232,6 +233,10 @@ _OLDEST_STATEMENT_MARIADB = sa.text(_OLDEST_STATEMENT_SQL.format(age="p.TIME_MS 
 _OLDEST_STATEMENT_MYSQL = sa.text(_OLDEST_STATEMENT_SQL.format(age="p.TIME"))
 
 
+#: The overrun check skips INNODB_TRX while the horizons' turn is busy, for up to this long.
+TURN_BUSY_READ_SECONDS = 10.0
+
+
 @dataclass
 class _OverrunWatch:
     """Looks for writers older than the window, at most once a second, and warns.
@@ -246,8 +251,22 @@ class _OverrunWatch:
     guard: SafetyWindow
     can_read_trx: bool | None = None
     last_check: float = -math.inf
+    last_trx_read: float = -math.inf
+    turn: bool = False
     warned: dict[str, float] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _may_read_trx(self, conn: Connection, now: float) -> bool:
+        """Read INNODB_TRX only holding the turn the transaction horizons take
+        (see :mod:`.innodb_trx`), so as not to keep its cache stale for them;
+        when the turn has been busy for 10 s, read anyway."""
+        if self.can_read_trx is not None:  # (the first read finds out whether it may)
+            turn = try_turn(conn)
+            self.turn = bool(turn)
+            if turn is False and now - self.last_trx_read < TURN_BUSY_READ_SECONDS:
+                return False
+        self.last_trx_read = now
+        return True
 
     def check(self, conn: Connection) -> FetchInfo | None:
         now = time.monotonic()
@@ -257,14 +276,18 @@ class _OverrunWatch:
             self.last_check = now
         window = float(self.guard.seconds)
         found: tuple[str, int, float, str | None] | None = None
-        if self.can_read_trx is not False:
+        if self.can_read_trx is not False and self._may_read_trx(conn, now):
             try:
                 row = conn.execute(_OLDEST_WRITER).first()
                 self.can_read_trx = True
             except DBAPIError:
                 self.can_read_trx = False
                 row = None
-            conn.rollback()
+            finally:
+                conn.rollback()
+                if self.turn:
+                    self.turn = False
+                    end_turn(conn)
             if row is not None and row.age is not None and float(row.age) > window:
                 what = f"InnoDB transaction {row.trx_id} on thread {row.thread_id}"
                 found = (what, int(row.thread_id), float(row.age), str(row.trx_id))

@@ -359,8 +359,12 @@ def test_a_raising_subscriber_fails_its_own_events_only(db: TestDatabase, tmp_pa
 def test_a_whole_raise_fails_every_event_of_that_subscriber_and_exhaustion_dead_letters(
     sqlite_db: TestDatabase, tmp_path: Path
 ) -> None:
+    """A raise fails the subscriber's whole share; at its last attempt the share is
+    bisected (subscriber_poison.py), so only the event that fails alone is
+    dead-lettered - before, event 1, which search had never failed on its own,
+    was dead-lettered with event 2."""
     table = items_table(sqlite_db)
-    add_items(sqlite_db, table, [1, 2])
+    add_items(sqlite_db, table, [1, 2, 3])
     store = FileCheckpointStore(tmp_path / "state")
     clock = Clock()
     billing = Sub("billing")
@@ -380,18 +384,19 @@ def test_a_whole_raise_fails_every_event_of_that_subscriber_and_exhaustion_dead_
         retry_delay_seconds=1,
         max_attempts=2,
     )
-    assert trigger.tick() == 2
-    assert checkpoint_id(store) is None  # 1 and 2 both wait for search
+    assert trigger.tick() == 3
+    assert checkpoint_id(store) is None  # 1, 2 and 3 all wait for search
     clock.advance(5)
-    assert trigger.tick() == 2  # second and last attempt: dead-lettered
-    assert calls == [[1, 2], [1, 2]]
-    assert billing.seen == [1, 2]
-    assert checkpoint_id(store) == 2
+    assert trigger.tick() == 3  # second and last attempt: bisected, 2 dead-lettered
+    assert calls == [[1, 2, 3], [1, 2, 3], [1], [2, 3], [2], [3]]
+    assert billing.seen == [1, 2, 3]
+    assert checkpoint_id(store) == 3
     sink = JsonLinesQuarantineSink(tmp_path / "dead.jsonl")
-    assert sorted((int(r.pk["id"]), r.error.split(":")[0], r.attempts) for r in sink.records()) == [
-        (1, "RetriesExhausted", 2),
-        (2, "RetriesExhausted", 2),
+    assert [(int(r.pk["id"]), r.error.split(":")[0], r.attempts) for r in sink.records()] == [
+        (2, "RetriesExhausted", 2)
     ]
+    shares = [e["outcomes"]["subscribers"]["search"] for e in trigger.read_state().journal[-1:]]
+    assert shares == [{"accepted": 2, "rejected": 0, "failed": 1}]
 
 
 def test_a_hung_subscriber_times_out_alone_and_gets_nothing_new_until_it_returns(

@@ -12,8 +12,10 @@ are its own). What each event then becomes is the pure decision of
   succeeded - one record per event, naming every subscriber's reason;
 * otherwise pending for the subscribers that failed it - a ``ctx.retry``, a
   raise (a :class:`~dbtrigger.errors.PartialBatchError` fails only the rows
-  it names), or no answer within ``ack_timeout_seconds`` - and delivered
-  again, after the backoff, **to those subscribers only**. The subscribers
+  it names; at the last attempt, with a sink, a raise on several events has
+  them bisected first: :mod:`dbtrigger.runtime.subscriber_poison`), or no
+  answer within ``ack_timeout_seconds`` - and delivered again, after the
+  backoff, **to those subscribers only**. The subscribers
   still owed an event are stored with its pending entry in the state
   document's window, so this survives restarts.
 
@@ -62,6 +64,7 @@ from dbtrigger.runtime.delivery import Delivery
 from dbtrigger.runtime.held_report import ALL_BUSY, HeldReport
 from dbtrigger.runtime.kernel import CANCEL_POLL_SECONDS, Handler, wants_context
 from dbtrigger.runtime.subscriber_options import SubscriberCall, Wrap
+from dbtrigger.runtime.subscriber_poison import isolate_share
 from dbtrigger.state import fanout
 from dbtrigger.state.fanout import Decision, Fate, Resolution
 from dbtrigger.state.journal import Outcomes
@@ -283,7 +286,21 @@ class FanOut(Delivery):
         try:
             # Its own list: a subscriber may sort or pop its batch, the others run on.
             self._invoke(fn, list(call.events), call.ctx, wants)
-        except BaseException as exc:  # noqa: BLE001 - sorted out by _results on the tick's thread
+        except LostLeaseError as exc:
+            call.error = exc
+        except Exception as exc:  # noqa: BLE001 - sorted out by _results on the tick's thread
+            call.error = isolate_share(
+                call.events,
+                lambda part: self._invoke(fn, part, call.ctx, wants),
+                exc,
+                attempts=call.marks.attempts,
+                max_attempts=self.max_attempts,
+                has_sink=self.quarantine is not None,
+                limit=self.quarantine_limit,
+                ctx=call.ctx,
+                telemetry=self.telemetry,
+            )
+        except BaseException as exc:  # noqa: BLE001 - as above
             call.error = exc
         finally:
             call.marks.close()

@@ -386,7 +386,15 @@ class ClaimSource:
             with self.transaction(locking=True) as conn:
                 return self._claimed(conn, target.claim_group(conn, batch.lead, **claim))
         except SQLAlchemyError as exc:
-            raise FetchError(f"claim on {self.name} failed: {short_error(exc)}") from exc
+            # The table may have changed under the workers (ALTER TABLE ... DROP
+            # COLUMN): a claim built on the old definition would fail for ever.
+            # The next claim reads the definition again (one reflection).
+            with self._lock:
+                self._target = None
+            raise FetchError(
+                f"claim on {self.name} failed: {short_error(exc)}; the next claim reads the "
+                "table's definition again"
+            ) from exc
 
     def _claimed(self, conn: Connection, batch: ClaimBatch) -> Claim:
         assert self._queue is not None  # noqa: S101 - resolved by self.target first

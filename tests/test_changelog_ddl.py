@@ -8,6 +8,7 @@ either be delivered or stop the poller with an error that names the fix
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,8 @@ import sqlalchemy as sa
 
 from dbtrigger import FileCheckpointStore, PollTrigger, RowChange
 from dbtrigger.changelog import ChangeLogSource, drift, install, log_table_name, uninstall
+from dbtrigger.changelog.ddl import reflect_table
+from dbtrigger.changelog.triggers import trigger_ddl
 from dbtrigger.checks import check_trigger, warn_at_start
 from dbtrigger.cli.main import main as cli_main
 from dbtrigger.errors import (
@@ -461,3 +464,47 @@ def test_the_documented_one_transaction_recipes_run_as_written(
         ("update", {"id": 1, "status": "paid"}),  # one log, before and after both ALTERs
     ]
     engine.dispose()
+
+
+def test_bit_columns_are_logged_as_numbers_and_never_fail_a_write(
+    mariadb: TestDatabase, tmp_path: Path
+) -> None:
+    """MariaDB's JSON_OBJECT writes a BIT value as a raw byte, which is not JSON. With a
+    text column beside it, the triggers' column-by-column fallback then failed on its
+    own image (error 4038), and with it every INSERT, UPDATE and DELETE of the
+    application; alone, the log held invalid JSON that stopped the poller. A BIT column
+    is now logged as its number; triggers installed without that are drift."""
+    db = mariadb
+    db.execute(
+        f"CREATE TABLE {db.qualified('flags')} (id INTEGER PRIMARY KEY, on_off BIT(1), "
+        "bits BIT(3), note TEXT)"
+    )
+    install(db.engine, "flags", schema=db.schema)
+    db.execute(f"INSERT INTO {db.qualified('flags')} VALUES (1, 1, b'101', 'café')")
+    db.execute(f"UPDATE {db.qualified('flags')} SET on_off = 0, note = 'thé' WHERE id = 1")
+    db.execute(f"DELETE FROM {db.qualified('flags')} WHERE id = 1")
+    trigger = PollTrigger(
+        name="flags",
+        # Every write committed before the read: no guard needed (see poller()).
+        source=ChangeLogSource(url=db.url, table="flags", schema=db.schema, visibility="none"),
+        checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+    )
+    seen: list[RowChange] = []
+    trigger.drain(seen.extend)
+    images = [(e.op, e.before, e.after) for e in seen]
+    new = {"id": 1, "on_off": 1, "bits": 5, "note": "café"}
+    changed = {"id": 1, "on_off": 0, "bits": 5, "note": "thé"}
+    assert images == [("insert", None, new), ("update", new, changed), ("delete", changed, None)]
+
+    # Triggers generated without the BIT rendering (an older dbtrigger) are drift.
+    with db.engine.connect() as conn:
+        info = reflect_table(conn, "flags", db.schema)
+    older = dataclasses.replace(
+        info, columns=tuple(dataclasses.replace(c, bit=False) for c in info.columns)
+    )
+    with db.engine.begin() as conn:
+        quote = conn.dialect.identifier_preparer.quote
+        for statement in trigger_ddl(older, quote):
+            conn.exec_driver_sql(statement)
+    with pytest.raises(ChangeLogDriftError, match=r"on_off, bits"):
+        ChangeLogSource(url=db.url, table="flags", schema=db.schema).check_drift()

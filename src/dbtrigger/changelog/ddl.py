@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import mysql
 
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.names import shortened, validate_sql_identifier
@@ -79,6 +80,9 @@ class ColumnInfo:
     name: str
     sql_type: str
     binary: bool = False
+    #: MariaDB/MySQL BIT: JSON_OBJECT writes its raw bytes, which are not JSON;
+    #: the row triggers log it as its number instead.
+    bit: bool = False
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,9 @@ class TableInfo:
         if self.row_triggers:
             out["columns"] = [c.name for c in self.columns]
             out["binary"] = [c.name for c in self.columns if c.binary]
+            bits = [c.name for c in self.columns if c.bit]
+            if bits:  # (absent when none: the markers of other tables stay as they were)
+                out["bit"] = bits
         return out
 
 
@@ -181,6 +188,7 @@ def reflect_table(conn: sa.Connection, table: str, schema: str | None) -> TableI
             name=column.name,
             sql_type=compiler.process(column.type),
             binary=isinstance(column.type, sa.LargeBinary | sa.types._Binary),
+            bit=isinstance(column.type, mysql.BIT),
         )
 
     for column in reflected.primary_key.columns:

@@ -250,6 +250,13 @@ def _column_problems(info: TableInfo, spec: dict[str, Any], problems: list[str])
     flipped = [c.name for c in info.columns if c.name in traced and c.binary != (c.name in binary)]
     if flipped:
         problems.append(f"column(s) {', '.join(flipped)} changed to or from a binary type")
+    bits = set(spec.get("bit", []))
+    wrong = [c.name for c in info.columns if c.name in traced and c.bit != (c.name in bits)]
+    if wrong:
+        problems.append(
+            f"column(s) {', '.join(wrong)} changed to or from BIT (or the triggers come from an "
+            "earlier dbtrigger, which logged a BIT value as raw bytes: invalid JSON)"
+        )
 
 
 # --- install again: bring the log to the table ------------------------------------------

@@ -35,13 +35,26 @@ in docs/changes.md) ends with the table's keys.
 
 from __future__ import annotations
 
-from dbtrigger.changelog.ddl import MARKER, Quote, TableInfo, log_ddl, marker_text, qualified_name
+from dbtrigger.changelog.ddl import (
+    MARKER,
+    ColumnInfo,
+    Quote,
+    TableInfo,
+    log_ddl,
+    marker_text,
+    qualified_name,
+)
 
 #: MariaDB/MySQL errors a DDL on the watched table can make a trigger's read
 #: raise: unknown column (dropped, renamed), and values that no longer fit the
 #: log's columns or JSON text (out of range, truncated, incorrect value or
 #: string, too long, incompatible collation).
 MYSQL_DDL_ERRORS = (1054, 1264, 1265, 1267, 1292, 1366, 1406)
+
+#: MariaDB's "syntax error in JSON text": what a column-by-column image raises
+#: after a column whose value JSON_OBJECT cannot render as JSON. Caught there
+#: too, so that no column type can make the application's write fail.
+MYSQL_JSON_SYNTAX_ERROR = 4038
 
 #: The sql_mode the MariaDB/MySQL triggers are created under (a trigger keeps
 #: the mode it was created with): strict, so a key that does not fit is an
@@ -153,14 +166,20 @@ def _postgresql(info: TableInfo, quote: Quote) -> list[str]:
 # --- MariaDB / MySQL ---------------------------------------------------------------------
 
 
+def _value(column: ColumnInfo, record: str, quote: Quote, hex_fn: str) -> str:
+    """A column of ``record`` (the table itself when empty) as its image holds it: binary
+    columns as hex text (JSON has no bytes), BIT as its number (not its raw bytes)."""
+    value = f"{record}.{quote(column.name)}" if record else quote(column.name)
+    if column.binary:
+        return f"{hex_fn}({value})"
+    if column.bit:
+        return f"CAST({value} AS UNSIGNED)"
+    return value
+
+
 def _image(info: TableInfo, record: str, quote: Quote, json_object: str, hex_fn: str) -> str:
-    """``JSON_OBJECT('col', NEW.col, ...)``; binary columns as hex text (JSON has no bytes)."""
-    parts = []
-    for column in info.columns:
-        value = f"{record}.{quote(column.name)}" if record else quote(column.name)
-        if column.binary:
-            value = f"{hex_fn}({value})"
-        parts.append(f"'{column.name}', {value}")
+    """``JSON_OBJECT('col', NEW.col, ...)``, each value as :func:`_value` renders it."""
+    parts = [f"'{c.name}', {_value(c, record, quote, hex_fn)}" for c in info.columns]
     return f"{json_object}({', '.join(parts)})"
 
 
@@ -190,12 +209,11 @@ def _mysql(info: TableInfo, quote: Quote) -> list[str]:
         variable = f"dbt_v_{which}"
         one_by_one = []
         for column in info.columns:
-            value = f"{record}.{quote(column.name)}"
-            if column.binary:
-                value = f"HEX({value})"
+            value = _value(column, record, quote, "HEX")
             # Through dbt_v_part: a SET that fails leaves its target NULL on MariaDB.
             one_by_one.append(
-                f"      BEGIN DECLARE EXIT HANDLER FOR {errors} BEGIN END; "
+                f"      BEGIN DECLARE EXIT HANDLER FOR {errors}, {MYSQL_JSON_SYNTAX_ERROR} "
+                "BEGIN END; "
                 f"SET dbt_v_part = JSON_INSERT({variable}, '$.\"{column.name}\"', {value}); "
                 f"SET {variable} = dbt_v_part; END;"
             )

@@ -9,6 +9,7 @@ tests before and after each use a reader and database of their own."""
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Any
@@ -89,7 +90,7 @@ def test_a_reset_between_install_and_the_first_read_is_refused_not_read_from_the
     server = binlog_db.server
     table = make_table(binlog_db)
     store = InMemoryCheckpointStore()
-    name = f"reset_new_{uuid.uuid4().hex[:6]}"
+    name = f"lr_new_{uuid.uuid4().hex[:6]}"
     BinlogSource(binlog_db.url, [table], snapshot="never", reader="other").admin().install()
     first = reset_log(server)
     binlog_db.execute(f"INSERT INTO {table} VALUES (1, 'a', 1)")
@@ -104,14 +105,14 @@ def test_a_reset_between_install_and_the_first_read_is_refused_not_read_from_the
     binlog_db.execute(f"INSERT INTO {table} VALUES (4, 'd', 4)")
     assert created.created_pos in boundaries(server, "binlog.000001")
     seen = Collector()
-    with pytest.raises(SlotLostError, match="reset") as caught:
+    with pytest.raises(SlotLostError, match="RESET MASTER") as caught:
         t.tick(seen)
     assert "dbtrigger cdc recreate" in str(caught.value)
     assert "--snapshot" in str(caught.value)
     assert seen.ids() == []
     status = source.admin().status()
     assert not status["healthy"]
-    assert any("reset" in w for w in status["warnings"])
+    assert any("RESET MASTER" in w for w in status["warnings"])
     source.admin().recreate(snapshot=True)
     t.drain(seen)
     assert sorted(seen.ids()) == [1, 2, 3, 4]  # the snapshot brings the rows back
@@ -128,7 +129,7 @@ def test_a_read_through_position_in_a_file_of_the_same_name_after_a_reset_is_ref
     quiet = make_table(binlog_db, "quiet")
     busy = make_table(binlog_db, "busy")
     store = InMemoryCheckpointStore()
-    name = f"reset_through_{uuid.uuid4().hex[:6]}"
+    name = f"lr_through_{uuid.uuid4().hex[:6]}"
     first = reset_log(server)
     source = BinlogSource(binlog_db.url, [quiet], snapshot="never", heartbeat_interval_seconds=0)
     t = trigger(source, store, name)
@@ -156,7 +157,7 @@ def test_a_read_through_position_in_a_file_of_the_same_name_after_a_reset_is_ref
     again = BinlogSource(binlog_db.url, [quiet], snapshot="never")
     t2 = trigger(again, store, name)
     more = Collector()
-    with pytest.raises(SlotLostError, match="reset") as caught:
+    with pytest.raises(SlotLostError, match="RESET MASTER") as caught:
         t2.tick(more)
     assert "dbtrigger cdc recreate" in str(caught.value)
     assert more.ids() == []
@@ -164,7 +165,7 @@ def test_a_read_through_position_in_a_file_of_the_same_name_after_a_reset_is_ref
 
 
 def test_a_checkpoint_beyond_the_end_of_a_reset_log_names_the_way_back(
-    binlog_db: BinlogDatabase,
+    binlog_db: BinlogDatabase, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The checkpoint is in binlog.000003 of the old log; after RESET MASTER the server has
     binlog.000001 only. That is not a purge: cdc recreate alone would leave the checkpoint
@@ -173,7 +174,7 @@ def test_a_checkpoint_beyond_the_end_of_a_reset_log_names_the_way_back(
     server = binlog_db.server
     table = make_table(binlog_db)
     store = InMemoryCheckpointStore()
-    name = f"reset_recreate_{uuid.uuid4().hex[:6]}"
+    name = f"lr_back_{uuid.uuid4().hex[:6]}"
     first = reset_log(server)
     server.execute("FLUSH BINARY LOGS")
     server.execute("FLUSH BINARY LOGS")
@@ -189,12 +190,18 @@ def test_a_checkpoint_beyond_the_end_of_a_reset_log_names_the_way_back(
     source.close()
     reset_log(server, first)
     binlog_db.execute(f"INSERT INTO {table} VALUES (2, 'b', 2)")
-    with pytest.raises(SlotLostError, match="reset") as caught:
+    caplog.set_level(logging.WARNING, "dbtrigger.cdc")
+    with pytest.raises(SlotLostError, match="RESET MASTER") as caught:
         t.tick(seen)
     message = str(caught.value)
     assert "beyond the end" in message
     assert "dbtrigger cdc recreate MODULE:TRIGGER --snapshot --yes" in message
     assert f"dbtrigger reset {name} --to-beginning --yes" in message
+    retention = [
+        r.getMessage() for r in caplog.records if getattr(r, "event", "") == "cdc_binlog_retention"
+    ]
+    assert retention
+    assert all("RESET MASTER" in m for m in retention), retention
     source.admin().recreate(snapshot=True)
     # dbtrigger reset --to-beginning: the poller has no checkpoint (a store of its own here)
     again = BinlogSource(binlog_db.url, [table], snapshot="never")

@@ -98,8 +98,8 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
         with setup.connect(source.url, database=False) as conn:
             facts = setup.server_facts(conn)
             problems = setup.setting_problems(facts)
-            files = setup.binary_logs(conn)
             row = control.read_installed(conn, source.control_database, source.reader)
+            files = setup.binary_logs(conn)  # after the row: a position in it is within them
             infos = setup.table_infos(conn, source.tables)
         warnings = list(problems)
         position: dict[str, Any] | None = None

@@ -35,7 +35,8 @@ log = logging.getLogger("dbtrigger.cdc")
 def resume_file(
     source: BinlogSourceParts, after: LogPosition | None, files: Sequence[tuple[str, int]]
 ) -> tuple[str | None, int]:
-    """(file name or None when purged, offset) where a read for ``after`` would start."""
+    """(file name or None when it is gone: purged, or the log was reset, offset) where a
+    read for ``after`` would start."""
     row = source.control_row
     key = "-" if after is None else after.text
     names = dict(files)
@@ -72,8 +73,9 @@ def retention_notes(
     name, _offset = resume_file(source, after, files)
     if name is None:
         return [
-            "the binary log file the checkpoint needs was purged: changes are lost; run "
-            "dbtrigger cdc recreate MODULE:TRIGGER --snapshot --yes"
+            "the binary log file the position needs was purged, or the log was reset (RESET "
+            "MASTER, another server): changes are lost; run dbtrigger cdc recreate "
+            "MODULE:TRIGGER --snapshot --yes"
         ]
     out: list[str] = []
     if len(files) > 1 and files[0][0] == name:

@@ -6,13 +6,15 @@ beside the checkpoint store (see :func:`dbtrigger.history.derive.resolve_history
 from __future__ import annotations
 
 import datetime as dt
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dbtrigger.events import RowChange
-from dbtrigger.history.recorder import FLUSH_SECONDS, HistoryRecorder, Outcome
+from dbtrigger.history import records as rec
+from dbtrigger.history.recorder import FLUSH_SECONDS, SETTLE_SECONDS, HistoryRecorder, Outcome
 from dbtrigger.history.store import DEFAULT_RETENTION, HistoryStore, Retention
-from dbtrigger.state.document import StateDocument
+from dbtrigger.state.document import StateDocument, parse_time
 from dbtrigger.state.journal import JournalEntry
 
 
@@ -68,13 +70,31 @@ def recorder_for(
     return store, recorder
 
 
+#: How long an operator's write waits, at most, for a poller's recent commits to be
+#: recorded by their writer (with their per-event detail) before recording them
+#: from the journal itself (without).
+WRITER_WAIT_SECONDS = 3.0
+
+
 def record_write(
-    store: Any, doc: StateDocument, *, history: HistoryStore | None = None
+    store: Any,
+    doc: StateDocument,
+    *,
+    history: HistoryStore | None = None,
+    wait: float | None = None,
 ) -> str | None:
     """After a manual write of ``doc`` to checkpoint ``store``: append the journal's new
     entries to the history beside it (or ``history``). Returns what went wrong, if
     anything, for the command to say; never raises (the write stands, and the
-    poller's next commit fills the history in from the journal)."""
+    poller's next commit fills the history in from the journal).
+
+    A commit the journal holds and the history not yet is usually one a running
+    poller's appender is writing right now, with its per-event detail: appending
+    it from the journal first would record it without (a replay could then not
+    check it). So the write waits, at most ``wait`` seconds (by default
+    :data:`WRITER_WAIT_SECONDS`), for the history to
+    hold the journal's recent commits; one whose writer died (or whose store is
+    down) is then recorded from the journal, as an idle tick would."""
     from dbtrigger.history.derive import history_for  # noqa: PLC0415 - derive imports stores
 
     target = history if history is not None else history_for(store)
@@ -88,6 +108,7 @@ def record_write(
         journal_limit=max(len(doc.journal), 1),
     )
     try:
+        _await_writers(target, doc, WRITER_WAIT_SECONDS if wait is None else wait)
         recorder.sync(doc)
     except Exception as exc:  # noqa: BLE001 - the write stands; said by the caller
         return (
@@ -97,4 +118,31 @@ def record_write(
     return None
 
 
-__all__ = ["NO_HISTORY", "NoHistory", "record_write", "recorder_for"]
+def _await_writers(history: HistoryStore, doc: StateDocument, wait: float) -> None:
+    """Wait (at most ``wait`` seconds) until ``history`` holds the commits of
+    ``doc``'s journal younger than :data:`~dbtrigger.history.recorder.SETTLE_SECONDS`
+    (its last entry, the operator's own, aside)."""
+    journal = list(doc.journal)
+    now = dt.datetime.now(dt.timezone.utc)
+    young = set()
+    for entry in journal[:-1]:
+        if entry.get("type") not in ("commit", "partial_commit"):
+            continue
+        when = rec.entry_time(entry)
+        try:
+            age = (now - parse_time(when, "at")).total_seconds() if when else None
+        except Exception:  # noqa: BLE001 - an entry without a readable time is not waited for
+            age = None
+        if age is not None and age < SETTLE_SECONDS:
+            young.add(rec.entry_id(entry))
+    if not young:
+        return
+    deadline = time.monotonic() + wait
+    while True:
+        held = {str(r.get("id")) for r in history.tail(doc.poller_name, len(journal) + 1)}
+        if young <= held or time.monotonic() >= deadline:
+            return
+        time.sleep(0.02)
+
+
+__all__ = ["NO_HISTORY", "WRITER_WAIT_SECONDS", "NoHistory", "record_write", "recorder_for"]

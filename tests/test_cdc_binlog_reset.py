@@ -211,3 +211,46 @@ def test_a_checkpoint_beyond_the_end_of_a_reset_log_names_the_way_back(
     t2.drain(more)
     assert sorted(set(more.ids())) == [1, 2, 3]
     again.close()
+
+
+def test_a_reset_while_the_poller_runs_is_refused_at_its_next_read(
+    binlog_db: BinlogDatabase,
+) -> None:
+    """A running reader goes on where its last read ended (file and offset, kept in
+    memory): after RESET MASTER the new binlog.000001 is checked like a recorded position,
+    before its events are read from that offset."""
+    server = binlog_db.server
+    table = make_table(binlog_db)
+    store = InMemoryCheckpointStore()
+    name = f"lr_running_{uuid.uuid4().hex[:6]}"
+    first = reset_log(server)
+    source = BinlogSource(binlog_db.url, [table], snapshot="never")
+    t = trigger(source, store, name)
+    seen = Collector()
+    t.tick(seen)
+    binlog_db.execute(f"INSERT INTO {table} VALUES (1, 'a', 1)")
+    t.drain(seen)
+    assert seen.ids() == [1]
+    end = _end_of_log(server)
+    reset_log(server, first)
+    i = 2
+    while _end_of_log(server) <= end:  # the new file reaches past where the reader is
+        binlog_db.execute(f"INSERT INTO {table} VALUES ({i}, 'b', {i})")
+        i += 1
+    with pytest.raises(SlotLostError, match="RESET MASTER") as caught:
+        t.tick(seen)
+    assert "is not the one" in str(caught.value)
+    assert seen.ids() == [1]
+    source.close()
+
+
+def _end_of_log(server: BinlogMariadb) -> int:
+    conn = server.connect()
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SHOW MASTER STATUS")
+            row = cur.fetchone()
+    finally:
+        conn.close()
+    assert row is not None
+    return int(row[1])

@@ -150,6 +150,11 @@ def test_a_reader_that_does_not_take_turns_is_named_at_warning(
             assert warning.levelno == logging.WARNING
             assert "other sessions read it more often than every 100 ms" in warning.getMessage()
             assert warning.stale_reads > 0  # type: ignore[attr-defined]
+            src.fetch(BEGINNING, 10)
+            info = src.last_fetch_info  # what status and the metrics show
+            assert info is not None
+            assert info.held_back
+            assert "INNODB_TRX not refreshed" in (info.blocking_detail or "")
             stop.set()
             reader.join(timeout=10)
             assert wait_until(lambda: len(src.fetch(BEGINNING, 10)) == 1, 30)

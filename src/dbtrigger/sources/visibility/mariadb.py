@@ -411,6 +411,20 @@ class _InnoDbActive(ActiveGuard):
                 time.monotonic() - state.first_seen,
                 blocking_detail="the transaction list could not be read fresh yet",
             )
+        stale_for = time.monotonic() - state.last_fresh
+        if state.stale_cache and stale_for >= STALE_WARN_SECONDS:
+            # Blind: whatever was committed since the last fresh observation waits.
+            return FetchInfo(
+                self.mode,
+                horizon,
+                True,
+                stale_for,
+                blocking_detail=(
+                    f"information_schema.INNODB_TRX not refreshed for {stale_for:.0f}s: other "
+                    "sessions read it more often than every 100 ms; rows after the horizon "
+                    "wait until a read finds it fresh"
+                ),
+            )
         newest = observation.max_value
         if self._timestamp:
             beyond = observation.max_epoch is not None and (

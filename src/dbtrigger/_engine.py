@@ -55,6 +55,8 @@ def create_engine(url: URL | str, **kwargs: Any) -> Engine:
     """
     try:
         return sa.create_engine(url, **kwargs)
+    except TypeError as exc:  # an option create_engine or the dialect does not take
+        raise ConfigurationError(f"engine_kwargs: {str(exc).splitlines()[0][:300]}") from exc
     except sa.exc.NoSuchModuleError as exc:
         name = make_url(url).drivername if isinstance(url, str) else url.drivername
         raise ConfigurationError(
@@ -135,6 +137,10 @@ def parse_database_url(url: str, what: str = "database URL") -> URL:
     text (it may hold a password); SQLAlchemy raises ``ValueError`` for a port
     that is not a number, which must not escape as a bare exception either.
     """
+    if not isinstance(url, str):
+        raise ConfigurationError(
+            f"{what}: expected a URL or a %SETTING% reference, got {type(url).__name__}"
+        )
     text = resolve_setting(url)  # a MissingSettingError names the setting
     try:
         parsed = make_url(text)
@@ -169,6 +175,11 @@ class LazyEngine:
         engine: Engine | None = None,
     ) -> None:
         self._url = url
+        if engine_kwargs is not None and not isinstance(engine_kwargs, Mapping):
+            raise ConfigurationError(
+                f"engine_kwargs must be a dict of create_engine() options, not "
+                f"{type(engine_kwargs).__name__}"
+            )
         self._kwargs: dict[str, Any] = dict(engine_kwargs or {})
         self._engine = engine
         self._owned = False

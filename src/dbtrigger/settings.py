@@ -43,6 +43,10 @@ def setting_name(value: str | None) -> str | None:
     """The app setting ``value`` refers to when it is a whole ``%NAME%``, else None."""
     if value is None:
         return None
+    if not isinstance(value, str):
+        raise ConfigurationError(
+            f"expected text (a value or a %SETTING% reference), got {type(value).__name__}"
+        )
     match = _REFERENCE.fullmatch(value)
     return match.group(1) if match else None
 

@@ -17,7 +17,7 @@ import re
 import warnings
 from collections.abc import Iterator, Mapping
 
-from dbtrigger.errors import ConfigurationError
+from dbtrigger.errors import ConfigurationError, MissingSettingError
 from dbtrigger.settings import resolve_setting
 
 log = logging.getLogger("dbtrigger.azure")
@@ -202,7 +202,7 @@ def check_schedule(lease_ttl_seconds: float | None, schedule: str | None) -> Non
         return
     try:
         resolved = resolve_setting(schedule)
-    except ConfigurationError:
+    except MissingSettingError:
         # The host resolves %SETTING% schedules too and reports a missing one itself.
         log.debug("schedule %s is not resolvable here; not checked against the lease", schedule)
         return

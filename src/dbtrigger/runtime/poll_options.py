@@ -31,6 +31,20 @@ def check_retry_delays(delay: float, cap: float) -> None:
         )
 
 
+def check_ports(source: object, store: object) -> None:
+    """Refuse a source or a store that is not one (None, a URL string...) at once,
+    naming it, instead of an AttributeError at the first tick."""
+    for option, value, methods, kind in (
+        ("source", source, ("fetch", "fingerprint"), "SqlAlchemySource(...)"),
+        ("checkpoint_store", store, ("read", "write"), "FileCheckpointStore(...)"),
+    ):
+        if not all(callable(getattr(value, m, None)) for m in methods):
+            raise ConfigurationError(
+                f"{option}= must be a {option.replace('_', ' ')} object (e.g. {kind}), "
+                f"got {type(value).__name__}"
+            )
+
+
 def heartbeat_interval(interval: float | None, lease_ttl: float) -> float:
     """``heartbeat_interval_seconds`` (checked alone) against the lease TTL, or its
     default (a third of the TTL)."""

@@ -50,7 +50,7 @@ from dbtrigger.runtime import deprecated, kernel
 from dbtrigger.runtime.delivery import Delivery, cancelled_error
 from dbtrigger.runtime.drain import drain
 from dbtrigger.runtime.kernel import Handler, KeepAlive
-from dbtrigger.runtime.poll_options import PollOptions
+from dbtrigger.runtime.poll_options import PollOptions, check_ports
 from dbtrigger.runtime.quiet import QuietCadence
 from dbtrigger.runtime.readahead import ReadAhead
 from dbtrigger.runtime.reading import BatchReader, NullCursorProbe, TickSettings
@@ -187,6 +187,7 @@ class PollTrigger(ClosesOnExit):
         self.name = validate_name(name, "poller name")
         # Every numeric option's type and range, then how they relate (poll_options).
         checked = PollOptions.check(options)
+        check_ports(source, checkpoint_store)
         partitions = checked.partitions
         #: Fan-out (see dbtrigger.runtime.subscribers): name -> handler, or None.
         self.subscribers, self.ack_timeout = check_fan_out(

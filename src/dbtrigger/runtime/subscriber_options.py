@@ -83,6 +83,10 @@ def handler_for(
             )
         return given if given is not None else SubscriberCall()
     handler = given if given is not None else registered
+    if handler is not None and not callable(handler):
+        raise ConfigurationError(
+            f"poller {poller!r}: the handler must be a function, got {type(handler).__name__}"
+        )
     if handler is None:
         raise ConfigurationError(
             f"poller {poller!r} needs a handler: register one with @trigger.handler, "

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -68,10 +68,19 @@ class SourceSpec:
         """The definition, every identifier checked (a ``ConfigurationError`` names the problem)."""
         if (table is None) == (query is None):
             raise ConfigurationError("SqlAlchemySource needs exactly one of table= or query=")
-        if isinstance(pk_columns, str):
-            raise ConfigurationError("pk_columns must be a list of column names, not a string")
+        if isinstance(pk_columns, str) or not isinstance(pk_columns, Iterable):
+            raise ConfigurationError(
+                f"pk_columns must be a list of column names, not {type(pk_columns).__name__}"
+            )
         if not pk_columns:
             raise ConfigurationError("pk_columns must name at least one column")
+        for option, text in (("query", query), ("where", where)):
+            if text is not None and not isinstance(text, str):
+                raise ConfigurationError(f"{option}= must be SQL text, not {type(text).__name__}")
+        if parameters is not None and not isinstance(parameters, Mapping):
+            raise ConfigurationError(
+                f"parameters= must be a dict of bind values, not {type(parameters).__name__}"
+            )
         table = validate_sql_identifier(table, "table") if table else None
         schema = validate_sql_identifier(schema, "schema") if schema else None
         cursor_column = validate_sql_identifier(cursor_column, "cursor_column")

@@ -46,7 +46,12 @@ from pathlib import Path
 
 from dbtrigger import options as opt
 from dbtrigger._files import write_synced
-from dbtrigger.errors import CasConflictError, StoreAuthError, StoreUnavailableError
+from dbtrigger.errors import (
+    CasConflictError,
+    ConfigurationError,
+    StoreAuthError,
+    StoreUnavailableError,
+)
 from dbtrigger.names import validate_name
 from dbtrigger.state.stores.base import StoredDocument
 
@@ -74,9 +79,17 @@ class FileCheckpointStore:
         create: bool = True,
         lock_timeout: float | None = None,
     ) -> None:
+        if not isinstance(directory, (str, os.PathLike)):
+            raise ConfigurationError(
+                f"FileCheckpointStore takes a directory path, got {type(directory).__name__}"
+            )
         self._dir = Path(directory)
         checked = opt.optional_seconds("lock_timeout", lock_timeout)
         self._lock_timeout = DEFAULT_LOCK_TIMEOUT if checked is None else checked
+        if self._dir.exists() and not self._dir.is_dir():
+            raise ConfigurationError(
+                f"state directory {self._dir} is a file: name a directory (created if missing)"
+            )
         if create:
             self._dir.mkdir(parents=True, exist_ok=True)
 

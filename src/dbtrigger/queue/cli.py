@@ -161,6 +161,7 @@ def print_status(source: ClaimSource, *, as_json: bool) -> int:
         "delayed_retries": counts.delayed,
         "scheduled": counts.scheduled,
         "expired_claims": counts.expired_claims,
+        "stranded": counts.stranded,
         "oldest_ready_age_seconds": counts.oldest_ready_age_seconds,
         "oldest_ready_undated": counts.undated,
     }
@@ -182,22 +183,32 @@ def print_status(source: ClaimSource, *, as_json: bool) -> int:
         f"  waiting for a retry: {counts.delayed}, scheduled for later: {counts.scheduled}, "
         f"expired claims: {counts.expired_claims}"
     )
+    if counts.stranded:
+        print(
+            f"  STRANDED: {counts.stranded} ready row(s) still carry a finished row's "
+            "dbt_visible_at (9999-12-31) and are never claimed: a row made ready again by "
+            "hand needs dbt_visible_at set to now (and dbt_claim_token NULL) in the same "
+            "UPDATE; `dbtrigger queue retry --stranded --reason ... --yes` does it for these"
+        )
     return 0
 
 
 def cmd_retry(args: argparse.Namespace) -> int:
-    if not args.dead:
-        raise ConfigurationError("say which rows to re-drive: --dead")
+    if args.dead == args.stranded:
+        raise ConfigurationError("say which rows to re-drive: --dead or --stranded")
     source = queue_source(args)
     try:
         note = f"re-driven ({args.reason}); before: "
-        count = source.redrive_dead(note=note, limit=args.limit, dry_run=not args.yes)
+        count = source.redrive_dead(
+            note=note, limit=args.limit, dry_run=not args.yes, stranded=args.stranded
+        )
     finally:
         source.close()
+    what = "stranded" if args.stranded else "dead"
     if args.yes:
-        print(f"{count} dead row(s) of {source.name} are ready again (attempts reset)")
+        print(f"{count} {what} row(s) of {source.name} are ready again (attempts reset)")
     else:
-        print(f"{count} dead row(s) of {source.name} would be made ready; add --yes to apply")
+        print(f"{count} {what} row(s) of {source.name} would be made ready; add --yes to apply")
     return 0
 
 
@@ -269,6 +280,11 @@ def add_queue_commands(sub: Any, load_object: Callable[[str], Any]) -> None:
     retry = qsub.add_parser("retry", help="re-drive dead rows (dry run unless --yes)")
     table_options(retry)
     retry.add_argument("--dead", action="store_true", help="re-drive rows in status dead")
+    retry.add_argument(
+        "--stranded",
+        action="store_true",
+        help="re-drive ready rows that still carry a finished row's dbt_visible_at",
+    )
     retry.add_argument("--limit", type=int, help="at most this many rows")
     retry.add_argument("--reason", required=True, help="why: kept in dbt_last_error")
     add_apply_option(retry)

@@ -42,6 +42,9 @@ class QueueCounts:
     oldest_ready_age_seconds: float | None
     #: ``ready`` rows not due yet that were never tried: scheduled for later.
     scheduled: int = 0
+    #: ``ready`` rows that still carry a finished row's ``dbt_visible_at``
+    #: (9999-12-31): made ready by hand without it, they are never claimed.
+    stranded: int = 0
     #: The oldest ready row carries no real time: on SQLite ``queue install``
     #: defaults ``dbt_visible_at`` to the epoch, so a row inserted without it
     #: would read as 57 years old. Its age is then None, not a made-up number.
@@ -71,12 +74,16 @@ def counts(table: ClaimTable, conn: Connection) -> QueueCounts:
     # Tried: attempts counted, or waiting as a group (a failure shared by several
     # rows gives its attempt back, see queue/outcome.py).
     tried = sa.or_(c[ATTEMPTS] > 0, c[CLAIM_TOKEN].is_not(None))
+    stuck = c[VISIBLE_AT] >= table.time.far_future()
     later = conn.execute(
-        sa.select(sa.func.count(), sa.func.sum(sa.case((tried, 1), else_=0))).where(
-            table.filtered(c[STATUS] == READY, c[VISIBLE_AT] > now)
-        )
+        sa.select(
+            sa.func.count(),
+            sa.func.sum(sa.case((stuck, 0), (tried, 1), else_=0)),
+            sa.func.sum(sa.case((stuck, 1), else_=0)),
+        ).where(table.filtered(c[STATUS] == READY, c[VISIBLE_AT] > now))
     ).one()
     delayed = int(later[1] or 0)
+    stranded = int(later[2] or 0)
     expired = conn.execute(
         sa.select(sa.func.count()).where(table.filtered(c[STATUS] == CLAIMED, c[VISIBLE_AT] <= now))
     ).scalar_one()
@@ -92,7 +99,8 @@ def counts(table: ClaimTable, conn: Connection) -> QueueCounts:
         delayed=delayed,
         expired_claims=int(expired),
         oldest_ready_age_seconds=None if age is None else max(0.0, float(age)),
-        scheduled=int(later[0]) - delayed,
+        scheduled=int(later[0]) - delayed - stranded,
+        stranded=stranded,
         undated=undated,
     )
 
@@ -130,10 +138,18 @@ def redrive_dead(
     limit: int | None,
     dry_run: bool,
     keys: Sequence[Key] | None = None,
+    stranded: bool = False,
 ) -> int:
-    """Make dead rows (all, or those of ``keys``) ready again, attempts reset; how many."""
+    """Make dead rows (all, or those of ``keys``) ready again, attempts reset; how many.
+    ``stranded``: the ``ready`` rows that carry a finished row's ``dbt_visible_at``
+    instead (made ready by hand without it, see :class:`QueueCounts`)."""
     c = table.table.c
-    dead = table.filtered(c[STATUS] == DEAD)
+    chosen = (
+        sa.and_(c[STATUS] == READY, c[VISIBLE_AT] >= table.time.far_future())
+        if stranded
+        else c[STATUS] == DEAD
+    )
+    dead = table.filtered(chosen)
     if keys is not None:
         if dry_run:
             found = conn.execute(
@@ -148,7 +164,7 @@ def redrive_dead(
         keys = [tuple(r) for r in conn.execute(pick)]
         if dry_run or not keys:
             return len(keys)
-        where = sa.and_(table.key_in(keys), c[STATUS] == DEAD)
+        where = sa.and_(table.key_in(keys), chosen)
     else:
         where = dead
     ready = {STATUS: READY, ATTEMPTS: 0, CLAIM_TOKEN: None, DONE_AT: None}

@@ -485,12 +485,19 @@ class ClaimSource:
         limit: int | None = None,
         dry_run: bool = True,
         keys: Sequence[Key] | None = None,
+        stranded: bool = False,
     ) -> int:
         target = self.target
         try:
             with self.transaction() as conn:
                 return operations.redrive_dead(
-                    target, conn, note=note, limit=limit, dry_run=dry_run, keys=keys
+                    target,
+                    conn,
+                    note=note,
+                    limit=limit,
+                    dry_run=dry_run,
+                    keys=keys,
+                    stranded=stranded,
                 )
         except SQLAlchemyError as exc:
             raise CommitError(

@@ -1,0 +1,58 @@
+"""A done row made ready again by hand.
+
+Updating a done row with ``dbt_status = 'ready'`` alone (the obvious way to run
+it again) left it with a finished row's ``dbt_visible_at`` (9999-12-31): never
+claimed, and ``queue status`` counted it as "waiting for a retry" or
+"scheduled for later". Now status names it stranded and says what to do, and
+``queue retry --stranded`` makes it claimable.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dbtrigger import ClaimSource, QueueTrigger, RowChange
+from dbtrigger.cli import main
+from tests.databases import TestDatabase
+from tests.test_queue_columns import make_jobs
+
+
+def test_a_row_made_ready_by_hand_is_reported_stranded_and_re_driven(
+    db: TestDatabase, capsys: pytest.CaptureFixture[str]
+) -> None:
+    make_jobs(db, 2)
+    source = ClaimSource(url=db.url, table="jobs", schema=db.schema, pk_columns=["id"])
+    queue = QueueTrigger(name="jobs", source=source)
+    seen: list[tuple[int, str]] = []
+
+    def handle(events: list[RowChange]) -> None:
+        seen.extend((int(e.pk["id"]), str((e.after or {})["payload"])) for e in events)
+
+    args = ["--url", db.url, "--table", "jobs", *(["--schema", db.schema] if db.schema else [])]
+    try:
+        assert queue.drain(handle) == 2
+        db.execute(
+            f"UPDATE {db.qualified('jobs')} SET payload = 'again', dbt_status = 'ready' "
+            "WHERE id = 2"
+        )
+        assert queue.drain(handle) == 0  # stranded: never claimed
+        counts = source.counts()
+        assert (counts.stranded, counts.delayed, counts.scheduled) == (1, 0, 0)
+        capsys.readouterr()
+        assert main(["queue", "status", *args]) == 0
+        out = capsys.readouterr().out
+        assert "STRANDED: 1 ready row(s)" in out
+        assert "queue retry --stranded" in out
+        assert main(["queue", "status", "--json", *args]) == 0
+        assert json.loads(capsys.readouterr().out)["stranded"] == 1
+        reason = ["--reason", "payload changed"]
+        assert main(["queue", "retry", "--stranded", *args, *reason, "--yes"]) == 0
+        assert "1 stranded row(s)" in capsys.readouterr().out
+        assert queue.drain(handle) == 1
+    finally:
+        queue.close()
+        source.close()
+    assert seen[2:] == [(2, "again")]
+    assert source.counts().stranded == 0

@@ -8,6 +8,7 @@ never called drift or a pruned log).
 
 from __future__ import annotations
 
+import datetime as dt
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from dbtrigger.cli import main
 from dbtrigger.errors import StoreUnavailableError
 from dbtrigger.history import history_for
 from dbtrigger.history.records import image_text
+from dbtrigger.replay.batches import ReplayLease
 from dbtrigger.runtime.context import BatchContext
 from tests.databases import TestDatabase
 from tests.test_history_replay import Calls, orders_table, register
@@ -186,3 +188,30 @@ def test_a_batch_recorded_from_the_journal_is_said_unchecked_and_replays_from_th
     assert code == 0, out
     again = [list(events) for events, _ in calls.batches]
     assert [[image_text(e) for e in b] for b in again] == [[image_text(e) for e in b] for b in live]
+
+
+def test_a_replay_killed_half_way_says_how_to_free_its_lease(
+    sqlite_db: TestDatabase,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    trigger = _polled(sqlite_db, tmp_path)
+    calls = Calls()
+    spec = register(trigger, calls, monkeypatch, tmp_path)
+    trigger.drain(calls.handler)
+    first = _ids(trigger)[0]
+    # A replay whose process was killed: its lease stays until it expires.
+    ReplayLease.take(trigger.store, trigger, "replay:gone/1/dead", dt.datetime.now(dt.timezone.utc))
+    argv = ["replay", "orders", "--batch", first, "--yes", "--reason", "reindex"]
+    code, out = _cli(capsys, spec, *argv)
+    assert code == 2, out
+    assert "dbtrigger release-lease orders.replay --force" in out
+    store = ["--store", str(tmp_path / "state")]
+    capsys.readouterr()
+    release = ["release-lease", "orders.replay", "--force", "--reason", "killed", "--yes"]
+    assert main([*release, *store]) == 0
+    calls.batches.clear()
+    code, out = _cli(capsys, spec, *argv)
+    assert code == 0, out
+    assert len(calls.batches) == 1

@@ -515,7 +515,9 @@ class ReplayLease:
         if isinstance(decision, leasemod.Busy):
             raise ReplayRefusedError(
                 f"another replay of {trigger.name!r} holds {key!r} ({decision.holder}, until "
-                f"{docmod.format_time(decision.free_at)}); wait for it to finish"
+                f"{docmod.format_time(decision.free_at)}); wait for it to finish. If its "
+                "process is gone (killed, its machine lost), free it: dbtrigger release-lease "
+                f"{key} --force --reason ... --yes (with the store options)"
             )
         try:
             etag = store.write(

@@ -19,7 +19,7 @@ import pytest
 from dbtrigger import InMemoryCheckpointStore, PollTrigger, RowChange
 from dbtrigger.cdc import BinlogSource
 from dbtrigger.cdc import binlog_control as control
-from dbtrigger.errors import SlotLostError
+from dbtrigger.errors import ConfigurationError, SlotLostError
 from tests.cdc_servers import BinlogDatabase, BinlogMariadb
 
 pytestmark = pytest.mark.timeout(120)
@@ -254,3 +254,34 @@ def _end_of_log(server: BinlogMariadb) -> int:
         conn.close()
     assert row is not None
     return int(row[1])
+
+
+def test_a_control_table_of_an_earlier_version_gains_its_columns_and_keeps_its_readers(
+    binlog_db: BinlogDatabase,
+) -> None:
+    """The file marks are columns added to the control table: a table an earlier version
+    made lacks them. Status refuses with what to run, the dry run lists the ALTER, and
+    the next start adds them in place, resuming where the reader stood."""
+    table = make_table(binlog_db)
+    name = f"r{uuid.uuid4().hex[:8]}"
+    store = InMemoryCheckpointStore()
+    source = BinlogSource(binlog_db.url, [table], snapshot="never", reader=name)
+    source.admin().install()
+    binlog_db.execute(f"INSERT INTO {table} VALUES (1, 'a', 1)")
+    got = Collector()
+    trigger(source, store, name).drain(got)
+    assert got.ids() == [1]
+    source.close()
+    binlog_db.execute(
+        f"ALTER TABLE {control.TABLE} DROP COLUMN created_mark, DROP COLUMN through_mark"
+    )
+    binlog_db.execute(f"INSERT INTO {table} VALUES (2, 'b', 2)")
+    again = BinlogSource(binlog_db.url, [table], snapshot="never", reader=name)
+    with pytest.raises(ConfigurationError, match="earlier version.*cdc install"):
+        control_row(binlog_db, name)
+    plan = again.admin().plan()
+    assert any("ADD COLUMN created_mark" in s for s in plan.statements), plan.statements
+    trigger(again, store, name).drain(got)
+    assert got.ids() == [1, 2]
+    assert control_row(binlog_db, name).created_file is not None
+    again.close()

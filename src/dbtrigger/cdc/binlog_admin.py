@@ -41,9 +41,14 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
             except Exception as exc:  # noqa: BLE001 - a dry run reports, never raises
                 out.notes.append(f"BLOCKER: {exc}")
                 files = []
+            upgrade = None
             if not control.exists(conn, source.control_database):
                 out.statements.extend(control.create_sql(source.control_database))
-            if control.read_installed(conn, source.control_database, source.reader):
+            elif (upgrade := control.upgrade_sql(conn, source.control_database)) is not None:
+                out.statements.append(upgrade)  # a control table of an earlier version
+            if upgrade is not None:
+                out.notes.append("the control table gains columns; the readers' rows are kept")
+            elif control.read_installed(conn, source.control_database, source.reader):
                 out.notes.append(f"reader {source.reader} is installed already")
             else:
                 where = current_position(conn, files) if facts.log_bin else ("?", 0)

@@ -39,9 +39,10 @@ import pymysql
 
 from dbtrigger.cdc.binlog_setup import current_user, translated
 from dbtrigger.cdc.snapshots import Snapshot
-from dbtrigger.errors import SourcePermissionError
+from dbtrigger.errors import ConfigurationError, DbTriggerError, SourcePermissionError
 
 TABLE = "dbtrigger_cdc_binlog"
+_NO_COLUMN = 1054  # ER_BAD_FIELD_ERROR: a control table of an earlier version
 CHUNKS = "dbtrigger_cdc_chunks"
 
 
@@ -81,6 +82,7 @@ def ensure(conn: pymysql.connections.Connection[Any], database: str) -> bool:
         SourcePermissionError: the user may not create them (with the GRANT to run).
     """
     if exists(conn, database):
+        upgrade(conn, database)
         return False
     statements = create_sql(database)
     try:
@@ -95,6 +97,44 @@ def ensure(conn: pymysql.connections.Connection[Any], database: str) -> bool:
             f"use, or have an admin run: {'; '.join(statements)}"
         ) from exc
     return True
+
+
+#: Columns added to the control table after it was first made: a table an earlier
+#: version created gets them in place (NULL: a mark not recorded, nothing checked).
+ADDED_COLUMNS = {"created_mark": "VARCHAR(64) NULL", "through_mark": "VARCHAR(64) NULL"}
+
+
+def upgrade_sql(conn: pymysql.connections.Connection[Any], database: str) -> str | None:
+    """The ``ALTER TABLE`` an existing control table needs (None: it has every column)."""
+    with translated("reading the control table's columns"), conn.cursor() as cur:
+        cur.execute(
+            "SELECT COLUMN_NAME FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = %s "
+            "AND TABLE_NAME = %s",
+            (database, TABLE),
+        )
+        have = {str(r[0]).lower() for r in cur.fetchall()}
+    missing = [f"ADD COLUMN {c} {t}" for c, t in ADDED_COLUMNS.items() if c not in have]
+    return f"ALTER TABLE `{database}`.`{TABLE}` {', '.join(missing)}" if missing else None
+
+
+def upgrade(conn: pymysql.connections.Connection[Any], database: str) -> None:
+    """Add the columns a control table made by an earlier version lacks.
+
+    Raises:
+        SourcePermissionError: the user may not alter it (with the statement to run).
+    """
+    statement = upgrade_sql(conn, database)
+    if statement is None:
+        return
+    try:
+        with translated("adding columns to the control table"), conn.cursor() as cur:
+            cur.execute(statement)
+    except SourcePermissionError as exc:
+        raise SourcePermissionError(
+            f"{database}.{TABLE} was made by an earlier version and lacks columns this one "
+            f"keeps there; GRANT ALTER ON `{database}`.* TO {current_user(conn)}, or have an "
+            f"admin run: {statement}"
+        ) from exc
 
 
 @dataclass
@@ -129,9 +169,20 @@ def read(
     query = f"SELECT {columns} FROM `{database}`.`{TABLE}` WHERE reader = %s"  # noqa: S608
     if lock:
         query += " FOR UPDATE"
-    with translated("reading the control table"), conn.cursor() as cur:
-        cur.execute(query, (reader,))
-        row = cur.fetchone()
+    try:
+        with translated("reading the control table"), conn.cursor() as cur:
+            cur.execute(query, (reader,))
+            row = cur.fetchone()
+    except DbTriggerError as exc:
+        cause = exc.__cause__
+        if isinstance(cause, pymysql.MySQLError) and cause.args and cause.args[0] == _NO_COLUMN:
+            raise ConfigurationError(
+                f"{database}.{TABLE} was made by an earlier version and lacks columns this one "
+                "keeps there: run dbtrigger cdc install MODULE:TRIGGER --yes (it adds them; the "
+                "readers' positions are kept), or have an admin run "
+                f"{upgrade_sql(conn, database)}"
+            ) from exc
+        raise
     if row is None:
         return None
     return ControlRow(
@@ -234,6 +285,7 @@ def delete(conn: pymysql.connections.Connection[Any], database: str, reader: str
 
 
 __all__ = [
+    "ADDED_COLUMNS",
     "CHUNKS",
     "TABLE",
     "ControlRow",
@@ -244,5 +296,7 @@ __all__ = [
     "read",
     "read_installed",
     "update",
+    "upgrade",
+    "upgrade_sql",
     "write",
 ]

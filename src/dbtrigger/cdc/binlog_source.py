@@ -240,6 +240,11 @@ class BinlogSource(LogSource):
                 f"the control tables of reader {self.reader} do not exist and create=False: run "
                 "dbtrigger cdc install MODULE:TRIGGER --yes first"
             )
+        elif (upgrade := control.upgrade_sql(conn, self.control_database)) is not None:
+            raise ConfigurationError(
+                f"the control table of reader {self.reader} was made by an earlier version and "
+                f"create=False: run dbtrigger cdc install MODULE:TRIGGER --yes, or {upgrade}"
+            )
         row = self.read_control(conn)
         if row is None:
             if not self.create:

@@ -254,7 +254,10 @@ def test_functions_trigger_runs_lanes_from_a_timer(sqlite_db: TestDatabase, tmp_
 
 
 class CountingSource(SqlAlchemySource):
-    """The items source, counting its reads; from read ``fail_from`` on, they fail."""
+    """The items source, counting its reads; from read ``fail_from`` on, they fail.
+    One read a batch (no bulk reads: dbtrigger.runtime.bulk), as the cases count."""
+
+    bulk_reads = False  # type: ignore[assignment]
 
     def __init__(self, db: TestDatabase, fail_from: int | None = None) -> None:
         super().__init__(

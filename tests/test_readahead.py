@@ -115,6 +115,9 @@ def trigger_for(source: Any, store: Any = None, **options: Any) -> PollTrigger:
     # every batch (the default starts them only while reads are slow, see
     # test_adaptive_*).
     options.setdefault("read_ahead", "always")
+    # One read a batch, as the cases here count (dbtrigger.runtime.bulk reads several
+    # batches of a SqlAlchemySource with one query, and reads nothing ahead meanwhile).
+    options.setdefault("bulk_reads", False)
     return PollTrigger(
         name="items",
         source=source,

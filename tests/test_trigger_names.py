@@ -62,6 +62,7 @@ POLLER_ONLY = {
     "history",  # the durable history beside the state document (dbtrigger.history)
     "start_from",  # where a new poller starts (recorded in its state document at creation)
     "read_ahead",  # the next batch read while the handler and the commit run
+    "bulk_reads",  # several batches of a catch-up read with one query (dbtrigger.runtime.bulk)
 }
 
 #: A queue's own: claims instead of a lease, and its wake-up hint.

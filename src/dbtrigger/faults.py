@@ -280,8 +280,11 @@ class FaultySource:
     """
 
     #: Its plan counts fetches in the order a tick makes them: no read-ahead
-    #: (dbtrigger.runtime.readahead), whose reads would take faults meant for the tick's.
+    #: (dbtrigger.runtime.readahead), whose reads would take faults meant for the tick's,
+    #: and one read a batch (no bulk reads: dbtrigger.runtime.bulk), so that a fault
+    #: lands on the batch a plan names.
     concurrent_reads = False
+    bulk_reads = False
 
     def __init__(self, inner: SourceAdapter, plan: FaultPlan | None = None) -> None:
         self.inner = inner

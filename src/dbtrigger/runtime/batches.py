@@ -227,7 +227,7 @@ class BatchSequence:
         from another thread) a :class:`Prefetch` the lanes' wait runs. The
         tick's last batch reads ahead only to ``carry``."""
         if not self.reader.reads_ahead():
-            return self.reader.prefetch(selection, events, position, index, started_at)
+            return self.reader.prefetch(selection, events, position, index, started_at, tag)
         if carry or index + 1 < self.settings.max_batches_per_tick:
             self.reader.read_ahead_from(selection, events, position, started_at, tag)
         return None

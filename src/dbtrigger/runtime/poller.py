@@ -47,13 +47,15 @@ from dbtrigger.metrics import MetricsCollector, SafeMetrics
 from dbtrigger.names import import_path_of, validate_name
 from dbtrigger.quarantine import QuarantineSink
 from dbtrigger.runtime import deprecated, kernel
+from dbtrigger.runtime.bulk import bulk_reads_for
 from dbtrigger.runtime.delivery import Delivery, cancelled_error
 from dbtrigger.runtime.drain import drain
 from dbtrigger.runtime.kernel import Handler, KeepAlive
+from dbtrigger.runtime.null_probe import NullCursorProbe
 from dbtrigger.runtime.poll_options import PollOptions, check_ports
 from dbtrigger.runtime.quiet import QuietCadence
 from dbtrigger.runtime.readahead import ReadAhead
-from dbtrigger.runtime.reading import BatchReader, NullCursorProbe, TickSettings
+from dbtrigger.runtime.reading import BatchReader, TickSettings
 from dbtrigger.runtime.retry import DEFAULT_RETRY_POLICY, RetryPolicy
 from dbtrigger.runtime.subscriber_options import SubscriberCall, check_fan_out, handler_for
 from dbtrigger.runtime.subscribers import FanOut
@@ -147,6 +149,7 @@ class PollTrigger(ClosesOnExit):
             fast (localhost), measuring again now and then; ``"always"``
             reads ahead after every batch; ``False`` reads each batch after
             the last one's commit. See :mod:`dbtrigger.runtime.readahead`.
+        bulk_reads: catch up reading up to 10 batches a query (:mod:`dbtrigger.runtime.bulk`).
     """
 
     def __init__(
@@ -182,6 +185,7 @@ class PollTrigger(ClosesOnExit):
         history: HistoryStore | bool | None = None,
         start_from: object = None,
         read_ahead: bool | str = True,
+        bulk_reads: bool = True,
     ) -> None:
         options = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         self.name = validate_name(name, "poller name")
@@ -265,6 +269,7 @@ class PollTrigger(ClosesOnExit):
             reader.read_ahead = ReadAhead(
                 source.fetch, name=self.name, always=read_ahead == "always"
             )
+        reader.bulk = bulk_reads_for(source, checked, opt.flag("bulk_reads", bulk_reads))
         self._driver = TickDriver(
             reader, keepalive=self._keepalive, handler_timeout=checked.handler_timeout_seconds
         )

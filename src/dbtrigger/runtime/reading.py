@@ -33,7 +33,9 @@ from dbtrigger.errors import (
 )
 from dbtrigger.events import RowChange
 from dbtrigger.runtime import windowing
+from dbtrigger.runtime.bulk import BulkReads
 from dbtrigger.runtime.delivery import Delivery
+from dbtrigger.runtime.null_probe import NullCursorProbe
 from dbtrigger.runtime.readahead import ReadAhead, reads_ahead
 from dbtrigger.runtime.retry import RetryPolicy
 from dbtrigger.runtime.telemetry import Telemetry
@@ -41,7 +43,6 @@ from dbtrigger.runtime.window_report import WindowReport
 from dbtrigger.runtime.windowing import Selection
 from dbtrigger.runtime.writes import WriterSettings
 from dbtrigger.sources.base import (
-    FindsNullCursors,
     LocatesRows,
     ReportsVisibility,
     SourceAdapter,
@@ -75,44 +76,6 @@ class TickSettings(WriterSettings):
     retry_delay: float = 5.0
     retry_delay_max: float = 300.0
     jitter: Callable[[], float] = random.random
-
-
-class NullCursorProbe:
-    """Warns about rows the source cannot deliver because their cursor is NULL.
-
-    Runs on the first tick and then at most every ``interval`` seconds.
-    """
-
-    def __init__(self, interval: float) -> None:
-        self.interval = interval
-        self._last = -float("inf")
-
-    def run(self, source: SourceAdapter, telemetry: Telemetry) -> None:
-        if self.interval <= 0:
-            return
-        now = time.monotonic()
-        if now - self._last < self.interval:
-            return  # (before the protocol check: that costs more than the clock)
-        finder = source if isinstance(source, FindsNullCursors) else None
-        if finder is None:
-            return
-        self._last = now
-        try:
-            keys = finder.null_cursor_keys()
-        except Exception as exc:  # noqa: BLE001 - a report, never a reason to fail the tick
-            telemetry.emit("null_check_failed", "NULL-cursor probe failed: %s", exc)
-            return
-        telemetry.emit("null_cursor_probe", values={"count": len(keys)})
-        if keys:
-            telemetry.emit(
-                "null_cursor_rows",
-                "%d%s row(s) have a NULL %s and cannot be delivered until it is set, e.g. %s",
-                len(keys),
-                "+" if len(keys) >= 10 else "",
-                finder.cursor_column,
-                keys[:5],
-                keys=keys[:10],
-            )
 
 
 @dataclass
@@ -206,6 +169,8 @@ class BatchReader:
         #: Reads the next batch while the handler and the commit run (None: off);
         #: see dbtrigger.runtime.readahead. Used only once the source says it can.
         self.read_ahead: ReadAhead | None = None
+        #: One read for several batches of a catch-up (None: off); see dbtrigger.runtime.bulk.
+        self.bulk: BulkReads | None = None
         self._reads_ahead: bool | None = None
 
     def definition(self) -> dict[str, Any] | None:
@@ -341,20 +306,22 @@ class BatchReader:
         position: Position,
         index: int,
         started_at: dt.datetime,
+        tag: object = None,
     ) -> Prefetch | None:
-        """The read of the batch after this one, to run while its lanes run.
+        """The read of the batch after this one (under ``tag``), to run while its lanes run.
 
         None when the handler runs on this thread (no lanes, no subscribers:
-        nothing can overlap it) or when no further batch will be read this tick. The
+        nothing can overlap it), when no further batch will be read this tick,
+        or when the last read's rest holds it (dbtrigger.runtime.bulk). The
         landing is computed for "every event accepted": no retry, so ``now``
         and the jitter play no part.
         """
         if not self.delivery.overlaps or not selection.more:
             return None
-        if index + 1 >= self.settings.max_batches_per_tick:
+        if index + 1 >= self.settings.max_batches_per_tick or (self.bulk and self.bulk.holds):
             return None
         after, window = self.landing_if_accepted(selection, events, position, started_at)
-        return Prefetch(lambda: self.next_batch(after, window), after, window)
+        return Prefetch(lambda: self.next_batch(after, window, tag=tag), after, window)
 
     def landing_if_accepted(
         self,
@@ -409,12 +376,21 @@ class BatchReader:
         if (
             read_ahead is None
             or not selection.more
+            or (self.bulk is not None and self.bulk.holds)
             or not self.reads_ahead()
             or not read_ahead.wanted()
         ):
             return
         after, window = self.landing_if_accepted(selection, events, position, started_at)
-        read_ahead.start(after, self.settings.batch_size + len(window), tag)
+        read_ahead.start(after, self.read_limit(window), tag)
+
+    def read_limit(self, window: Window) -> int:
+        """Rows to read for the next batch: ``batch_size`` and the window's
+        entries, or several batches' worth (:mod:`dbtrigger.runtime.bulk`)."""
+        limit = self.settings.batch_size + len(window)
+        bulk = self.bulk
+        plain = not window and not self.reserve
+        return bulk.read_limit(limit) if bulk is not None and plain else limit
 
     def next_batch(
         self,
@@ -438,21 +414,26 @@ class BatchReader:
         """
         s = self.settings
         limit = s.batch_size + len(window)
+        # The rest of the last read, if this batch continues it (dbtrigger.runtime.bulk).
+        plain = not window and not self.reserve
+        rows = self.bulk.take(position, tag, limit, plain=plain) if self.bulk is not None else None
+        read = self.read_limit(window)
         flight = None
-        if self.read_ahead is not None:
-            flight = self.read_ahead.take(
-                position, limit, tag, max_age=max_age, full_only=full_only
-            )
+        if self.read_ahead is not None and rows is None:
+            flight = self.read_ahead.take(position, read, tag, max_age=max_age, full_only=full_only)
         held = self.delivery.holding(window)
         if held is None:
             return None  # fan-out: every subscriber is busy (said once, at WARNING)
-        if flight is not None:
-            rows = flight.rows
-            assert rows is not None  # noqa: S101 - a flight is used only when it read rows
-            self.emit("fetched", values={"seconds": flight.seconds})
-            self._report_visibility()
-        else:
-            rows = self.fetch(position, limit)
+        if rows is None:
+            if flight is not None:
+                rows = flight.rows
+                assert rows is not None  # noqa: S101 - a flight is used only when it read rows
+                self.emit("fetched", values={"seconds": flight.seconds})
+                self._report_visibility()
+            else:
+                rows = self.fetch(position, read)
+            if read > limit and self.bulk is not None:
+                rows = self.bulk.keep(rows, limit, tag)
         positions = None
         if (window or self.reserve) and rows:
             positions = [position_of(e) for e in self.normalise(rows, "plan", 0)]

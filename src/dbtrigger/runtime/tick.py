@@ -129,6 +129,8 @@ class TickDriver(BatchSequence):
             raise
         finally:
             self._last_end = time.monotonic()
+            if self.reader.bulk is not None:
+                self.reader.bulk.drop()  # (kept rows serve this tick's lease only)
 
     def _run(self, handler: Handler, should_stop: Callable[[], bool] | None) -> TickResult:
         s = self.settings
@@ -212,6 +214,9 @@ class TickDriver(BatchSequence):
             )
             return self.result(0, 0, "lost_race")
 
+        if self.reader.bulk is not None:
+            # Nothing was committed between the read and the lease taken on its etag.
+            self.reader.bulk.retag(("etag", etag), ("lease", session.token))
         lost = threading.Event()
         heartbeat = Heartbeat(
             session,

@@ -353,6 +353,14 @@ class SqlAlchemySource(KeysetLookups):
         thread and whose reads gain nothing from another thread."""
         return self.dialect_name != "sqlite"
 
+    @property
+    def bulk_reads(self) -> bool:
+        """May a tick read several batches with one :meth:`fetch` (see
+        :mod:`dbtrigger.runtime.bulk`)? Yes: a fetch returns the first ``limit``
+        rows after a position in checkpoint order; not a partition's twin, whose
+        floors are read again before each fetch."""
+        return self._shape_of is None
+
     def release_connection(self) -> None:
         """Give the connection a catch-up keeps (see :meth:`fetch`) back to the pool;
         nothing when none is kept."""

@@ -24,6 +24,7 @@ from dbtrigger.cli.main import main as cli_main
 from dbtrigger.errors import (
     ChangeLogDriftError,
     ChangeLogGapError,
+    ConfigurationError,
     DbTriggerError,
     FingerprintMismatchError,
 )
@@ -508,3 +509,52 @@ def test_bit_columns_are_logged_as_numbers_and_never_fail_a_write(
             conn.exec_driver_sql(statement)
     with pytest.raises(ChangeLogDriftError, match=r"on_off, bits"):
         ChangeLogSource(url=db.url, table="flags", schema=db.schema).check_drift()
+
+
+ODD_TYPES = {
+    "postgresql": ("xml", "<a>1</a>"),
+    "mariadb": ("INET6", "::1"),
+    "sqlite": ("GEOMETRY", b"\x01\x02"),
+}
+
+
+@pytest.mark.filterwarnings("ignore:Did not recognize type")
+def test_a_column_of_a_type_sqlalchemy_does_not_know_is_logged(
+    db: TestDatabase, tmp_path: Path
+) -> None:
+    """``changelog install`` on a table with an xml (PostGIS, citext...) or an INET6
+    column failed with SQLAlchemy's raw CompileError, though no trigger writes such a
+    column's type (only a key's: that is a ConfigurationError). And SQLite, which lets
+    any column hold bytes, failed the application's write of bytes to a TEXT or
+    GEOMETRY column ("JSON cannot hold BLOB values"): bytes are logged as hex text
+    there, as in a BLOB column."""
+    odd, value = ODD_TYPES[db.kind]
+    things = db.qualified("things")
+    db.execute(f"CREATE TABLE {things} (id INTEGER PRIMARY KEY, odd {odd}, note TEXT)")
+    install(db.engine, "things", schema=db.schema)
+    note: Any = b"\xff\x00" if db.kind == "sqlite" else "é"
+    with db.engine.begin() as conn:
+        conn.execute(
+            sa.text(f"INSERT INTO {things} VALUES (1, :odd, :note)"),
+            {"odd": value, "note": note},
+        )
+    db.execute(f"DELETE FROM {things} WHERE id = 1")
+    trigger = PollTrigger(
+        name="things",
+        source=ChangeLogSource(url=db.url, table="things", schema=db.schema, visibility="none"),
+        checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+    )
+    seen: list[RowChange] = []
+    trigger.drain(seen.extend)
+    shown = value.hex().upper() if isinstance(value, bytes) else value
+    image = {"id": 1, "odd": shown, "note": "FF00" if db.kind == "sqlite" else "é"}
+    assert [(e.op, e.before, e.after) for e in seen] == [
+        ("insert", None, image),
+        ("delete", image, None),
+    ]
+    if db.kind == "sqlite":
+        return  # SQLite gives every declared type an affinity that SQLAlchemy knows
+    key = "pg_lsn" if db.kind == "postgresql" else odd  # (xml has no ordering)
+    db.execute(f"CREATE TABLE {db.qualified('odd_keys')} (id {key} PRIMARY KEY, note TEXT)")
+    with pytest.raises(ConfigurationError, match=r"key column 'id' of 'odd_keys' has a type"):
+        install(db.engine, "odd_keys", schema=db.schema)

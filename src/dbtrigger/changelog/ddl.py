@@ -184,9 +184,21 @@ def reflect_table(conn: sa.Connection, table: str, schema: str | None) -> TableI
 
     def info(column: sa.Column[Any]) -> ColumnInfo:
         validate_sql_identifier(column.name, "column")
+        try:
+            sql_type = compiler.process(column.type)
+        except sa.exc.CompileError:
+            # A type SQLAlchemy does not know (xml, PostGIS, MariaDB's POINT): only a
+            # key column's type is ever written out (the log's copy of the key).
+            if column.primary_key:
+                raise ConfigurationError(
+                    f"key column {column.name!r} of {table!r} has a type SQLAlchemy does not "
+                    "know, and the change log copies the key into a column of the same type: "
+                    "use a key of a standard type"
+                ) from None
+            sql_type = ""
         return ColumnInfo(
             name=column.name,
-            sql_type=compiler.process(column.type),
+            sql_type=sql_type,
             binary=isinstance(column.type, sa.LargeBinary | sa.types._Binary),
             bit=isinstance(column.type, mysql.BIT),
         )

@@ -168,12 +168,18 @@ def _postgresql(info: TableInfo, quote: Quote) -> list[str]:
 
 def _value(column: ColumnInfo, record: str, quote: Quote, hex_fn: str) -> str:
     """A column of ``record`` (the table itself when empty) as its image holds it: binary
-    columns as hex text (JSON has no bytes), BIT as its number (not its raw bytes)."""
+    columns as hex text (JSON has no bytes), BIT as its number (not its raw bytes).
+
+    SQLite lets any column hold bytes whatever its declared type, and its
+    ``json_object`` refuses them ("JSON cannot hold BLOB values"), which would fail
+    the application's write: there bytes in any column are hex text too."""
     value = f"{record}.{quote(column.name)}" if record else quote(column.name)
     if column.binary:
         return f"{hex_fn}({value})"
     if column.bit:
         return f"CAST({value} AS UNSIGNED)"
+    if hex_fn == "hex":  # SQLite
+        return f"CASE WHEN typeof({value}) = 'blob' THEN hex({value}) ELSE {value} END"
     return value
 
 

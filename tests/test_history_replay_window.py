@@ -113,6 +113,16 @@ def test_a_polled_table_s_batches_around_a_retry_verify_without_drift(
     again = [events for events, _ in calls.batches]
     assert [[e.event_id for e in b] for b in again] == [[e.event_id for e in b] for b in live]
 
+    # A row written into batch 2's range since (a late commit, say) is added there only.
+    sqlite_db.execute("INSERT INTO orders (id, seq, status) VALUES (100, 12, 'late')")
+    drifts = []
+    for record in records:
+        code, out = _cli(
+            capsys, spec, "replay", "orders", "--batch", str(record["batch_id"]), "--verify"
+        )
+        drifts.append([ln.split()[1:3] for ln in out.splitlines() if ln.startswith("    drift")])
+    assert drifts == [[], [["added", "id=100:"]], [], []]
+
 
 def test_a_change_log_s_batches_around_a_retry_replay_exactly(
     sqlite_db: TestDatabase,

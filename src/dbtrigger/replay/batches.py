@@ -41,25 +41,31 @@ import datetime as dt
 import inspect
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
-from dbtrigger.cursor import Position, canonical_json, decode_value, encoded_pk
+from dbtrigger.cursor import Position
 from dbtrigger.errors import CasConflictError, ReplayRefusedError
 from dbtrigger.events import RowChange
-from dbtrigger.history import records as rec
 from dbtrigger.history.wiring import record_write
+from dbtrigger.replay.compare import (
+    BatchReplay,
+    DriftRow,
+    ReplayPlan,
+    batch_end,
+    compare,
+    earlier_lines,
+    read_range,
+    recorded_lines,
+)
 from dbtrigger.runtime.context import BatchContext, EventMarks
 from dbtrigger.runtime.poller import PollTrigger
 from dbtrigger.runtime.tick import wants_context
-from dbtrigger.sources.base import position_of
 from dbtrigger.state import document as docmod
 from dbtrigger.state import lease as leasemod
 from dbtrigger.state import operations as ops
 from dbtrigger.state.document import StateDocument, parse_time, position_from_json
 from dbtrigger.state.stores.base import CheckpointStore
-
-Mode = Literal["exact", "reread"]
 
 #: Log-based sources replay their log's own images while the log holds them;
 #: what makes a log stop holding a range, per source, for a refusal to say.
@@ -92,289 +98,14 @@ def replay_key(poller: str) -> str:
     return f"{poller}.replay"
 
 
-# --- comparing -----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DriftRow:
-    """One recorded row that is not now what it was (or a row the batch did not have)."""
-
-    kind: Literal["changed", "gone", "added"]
-    key: Mapping[str, Any]
-    recorded_id: str | None
-    current_id: str | None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "pk": dict(self.key),
-            "recorded_event_id": self.recorded_id,
-            "current_event_id": self.current_id,
-        }
-
-
-@dataclass
-class BatchReplay:
-    """One recorded batch: what the replay delivers and how it differs from the record."""
-
-    record: dict[str, Any]
-    events: list[RowChange]
-    drift: list[DriftRow] = field(default_factory=list)
-    #: The record has per-event lines to compare against (else only its digest).
-    compared: bool = True
-    #: The events' id and image digests match the recorded ones.
-    identical: bool = False
-
-    @property
-    def recovered(self) -> bool:
-        """The record has no detail: it was recorded from the journal after its own
-        append was lost (a crash after the commit, a history store down), so
-        nothing but its range and row count can be checked."""
-        return not isinstance(self.record.get("detail"), Mapping)
-
-    @property
-    def whole(self) -> bool:
-        """A recovered batch's range gives back as many events as it delivered."""
-        return len(self.events) == int(self.record.get("rows") or 0)
-
-    @property
-    def batch_id(self) -> str:
-        return str(self.record.get("batch_id"))
-
-
-@dataclass
-class ReplayPlan:
-    poller: str
-    mode: Mode
-    batches: list[BatchReplay]
-    #: What makes the source's log stop holding a range (for a refusal).
-    hint: str = ""
-
-    @property
-    def drift(self) -> list[DriftRow]:
-        return [row for b in self.batches for row in b.drift]
-
-    @property
-    def events(self) -> int:
-        return sum(len(b.events) for b in self.batches)
-
-    def refusals(self) -> list[str]:
-        """Why an ``exact`` replay cannot deliver (a batch the log no longer gives
-        back as recorded); empty when it can."""
-        if self.mode != "exact":
-            return []
-        hint = self.hint or "the source no longer holds those changes"
-        out = []
-        for b in self.batches:
-            if b.identical or (b.recovered and b.whole):
-                continue
-            if b.recovered:
-                out.append(
-                    f"batch {b.batch_id} was recorded from the journal (its history append "
-                    "was lost), so it has no per-event record, and the log gives back "
-                    f"{len(b.events)} event(s) in its range, not the {b.record.get('rows')} it "
-                    "delivered (a retry waiting in the window, or the log pruned): it cannot "
-                    "be replayed as it was. dbtrigger rewind --to-batch has the poller deliver "
-                    "its range again"
-                )
-                continue
-            gone = sum(1 for r in b.drift if r.kind == "gone")
-            out.append(
-                f"batch {b.batch_id} cannot be replayed as it was: the log gives back "
-                f"{len(b.events)} of its {b.record.get('rows')} recorded event(s)"
-                + (f" ({gone} no longer in the log)" if gone else "")
-                + f" and they differ from the record: {hint}"
-            )
-        return out
-
-
-def _key_text(key: Mapping[str, Any]) -> str:
-    return canonical_json(dict(key))
-
-
-def _event_key(event: RowChange) -> str:
-    return _key_text(encoded_pk(event.pk))
-
-
-def _beyond(position: Position, end: Position) -> bool:
-    """Is ``position`` after ``end`` in keyset order (as far as Python can compare)?"""
-    names = list(end.pk)
-    try:
-        mine = (position.cursor, *(position.pk.get(n) for n in names))
-        theirs = (end.cursor, *(end.pk.get(n) for n in names))
-        return bool(mine > theirs)
-    except TypeError:
-        try:
-            return bool(position.cursor > end.cursor)
-        except TypeError:
-            return False
-
-
-def read_range(
-    source: Any, poller: str, batch_id: str, start: Position, end: Position, expected: int
-) -> list[RowChange]:
-    """The source's events after ``start`` up to and including ``end``, now."""
-    out: list[RowChange] = []
-    after = start
-    limit = max(expected, 1) + 1
-    while True:
-        rows = source.fetch(after, limit)
-        if not rows:
-            return out
-        events = source.to_events(rows, poller=poller, batch_id=batch_id)
-        for event in events:
-            where = position_of(event)
-            if _beyond(where, end):
-                return out
-            out.append(event)
-            if where == end:
-                return out
-        after = position_of(events[-1])
-
-
-def compare(
-    record: Mapping[str, Any],
-    events: Sequence[RowChange],
-    source: Any,
-    poller: str,
-    elsewhere: Callable[[], set[tuple[str, str]]] | None = None,
-) -> BatchReplay:
-    """What the replay of ``record`` delivers, given the range read now (``events``).
-
-    Each recorded event is found by its key (the one with its recorded image
-    first: a change log may hold several changes of one row), in the range or,
-    when it has moved, wherever it is now; the batch is delivered in recorded
-    order. A row of the range the batch did not deliver is ``added`` unless
-    another recorded batch delivered it as it is (``elsewhere``: key and image
-    of the other batches' events): with a retry waiting, a batch's range holds
-    rows earlier batches delivered."""
-    lines = rec.detail_lines(record)
-    raw = record.get("detail")
-    detail: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
-    first_format = isinstance(detail.get("events"), list) or "event_ids" in detail
-    if first_format:
-        # The first format: event ids and images digested, one list a line.
-        now_images = [rec.image_digest(e) for e in events]
-        identical = docmod.digest_event_ids(e.event_id for e in events) == detail.get(
-            "event_ids"
-        ) and rec.digest_images(events) == detail.get("images")
-    else:
-        now = rec.batch_detail(events)
-        now_images = [f"{crc:08x}" for crc in now["crcs"]]
-        recorded = _recorded_digest(detail)
-        identical = recorded is not None and rec.columns_digest(now) == recorded
-    if lines is None:
-        return BatchReplay(dict(record), list(events), [], compared=False, identical=identical)
-    found, taken = _matched(lines, events, now_images)
-    moved = [line for line, hit in zip(lines, found, strict=True) if hit is None]
-    current: dict[str, RowChange] = {}
-    if moved:
-        current = _lookup(source, poller, str(record.get("batch_id")), moved)
-    deliver: list[RowChange] = []
-    drift: list[DriftRow] = []
-    for line, hit in zip(lines, found, strict=True):
-        if hit is not None:
-            event, image = hit
-        else:
-            elsewhere_now = current.get(_key_text(line.key))
-            if elsewhere_now is None:
-                drift.append(DriftRow("gone", line.key, line.event_id, None))
-                continue
-            event = elsewhere_now
-            image = rec.image_digest(event) if first_format else f"{rec.image_crc(event):08x}"
-        if image != line.image or line.event_id not in (None, event.event_id):
-            drift.append(DriftRow("changed", line.key, line.event_id, event.event_id))
-        deliver.append(event)
-    drift += _added(events, now_images, taken, elsewhere)
-    if not first_format:
-        # The batch as it would be delivered is the batch recorded (rows of the
-        # range other batches delivered are not part of it).
-        recorded = _recorded_digest(detail)
-        identical = recorded is not None and rec.columns_digest(rec.batch_detail(deliver)) == (
-            recorded
-        )
-    return BatchReplay(dict(record), deliver, drift, compared=True, identical=identical)
-
-
-def _matched(
-    lines: Sequence[rec.EventLine], events: Sequence[RowChange], images: Sequence[str]
-) -> tuple[list[tuple[RowChange, str] | None], set[int]]:
-    """Each recorded line's event in the range read now (and its image), by key,
-    the one with the recorded image first; None for a line not there. And the
-    events taken (by ``id``)."""
-    pool: dict[str, list[tuple[RowChange, str]]] = {}
-    for e, img in zip(events, images, strict=True):
-        pool.setdefault(_event_key(e), []).append((e, img))
-    taken: set[int] = set()
-    found: list[tuple[RowChange, str] | None] = []
-    for line in lines:
-        candidates = [c for c in pool.get(_key_text(line.key), ()) if id(c[0]) not in taken]
-        same = [c for c in candidates if c[1] == line.image]
-        pick = (same or candidates)[0] if (same or candidates) else None
-        if pick is not None:
-            taken.add(id(pick[0]))
-        found.append(pick)
-    return found, taken
-
-
-def _added(
-    events: Sequence[RowChange],
-    images: Sequence[str],
-    taken: set[int],
-    elsewhere: Callable[[], set[tuple[str, str]]] | None,
-) -> list[DriftRow]:
-    """The range's rows the batch did not deliver, nor another recorded batch as they are."""
-    out: list[DriftRow] = []
-    others: set[tuple[str, str]] | None = None
-    for e, img in zip(events, images, strict=True):
-        if id(e) in taken:
-            continue
-        if others is None:
-            others = elsewhere() if elsewhere is not None else set()
-        if (_event_key(e), img) not in others:
-            out.append(DriftRow("added", encoded_pk(e.pk), None, e.event_id))
-    return out
-
-
-def _recorded_digest(detail: Mapping[str, Any]) -> str | None:
-    recorded = detail.get("digest")
-    if recorded is None and "crcs" in detail:
-        recorded = rec.columns_digest(detail)
-    return str(recorded) if recorded is not None else None
-
-
-def recorded_lines(records: Sequence[Mapping[str, Any]]) -> set[tuple[str, str]]:
-    """The key and image of every event the commit ``records`` hold lines for."""
-    out: set[tuple[str, str]] = set()
-    for record in records:
-        if record.get("type") not in ("commit", "partial_commit"):
-            continue
-        for line in rec.detail_lines(record) or ():
-            out.add((_key_text(line.key), line.image))
-    return out
-
-
-def _lookup(source: Any, poller: str, batch_id: str, lines: Sequence[Any]) -> dict[str, RowChange]:
-    """The rows with these recorded keys now, wherever their cursor is (key -> event)."""
-    finder = getattr(source, "rows_with_keys", None)
-    if finder is None:
-        return {}
-    keys = [
-        {name: decode_value(str(value[0]), value[1]) for name, value in line.key.items()}
-        for line in lines
-    ]
-    rows = finder(keys)
-    return {_event_key(e): e for e in source.to_events(rows, poller=poller, batch_id=batch_id)}
-
-
 def plan(
     trigger: PollTrigger,
     records: Sequence[Mapping[str, Any]],
     history: Sequence[Mapping[str, Any]] | None = None,
 ) -> ReplayPlan:
     """Read each recorded batch's range again and compare it with the record
-    (``history``: every record kept, which tells a row another batch delivered
-    from one the batch missed; by default ``records``).
+    (``history``: every record kept, whose commits before a batch tell a row of
+    its range they delivered from one the batch missed; by default ``records``).
 
     A source that keeps images but no longer gives a range back as recorded
     makes a plan whose :meth:`ReplayPlan.refusals` say so (``--verify``
@@ -387,25 +118,18 @@ def plan(
     source = trigger.source
     exact = keeps_images(source)
     batches = []
-    known: list[set[tuple[str, str]]] = []
-
-    def elsewhere() -> set[tuple[str, str]]:
-        if not known:
-            known.append(recorded_lines(history if history is not None else records))
-        return known[0]
-
+    kept = list(history) if history is not None else list(records)
+    index_of = {str(r.get("id")): i for i, r in enumerate(kept)}
     for record in records:
         if record.get("type") not in ("commit", "partial_commit"):
             raise ReplayRefusedError(f"record {record.get('seq')} is not a commit")
         start = position_from_json(record.get("from"), "from")
-        end = position_from_json(record.get("to"), "to")
-        detail = record.get("detail")
-        last = detail.get("last") if isinstance(detail, Mapping) else None
-        if last is not None:
-            # The batch's last event, past ``to`` when a retry held the checkpoint back.
-            last_position = position_from_json(last, "last")
-            if _beyond(last_position, end):
-                end = last_position
+        end = batch_end(record)
+        index = index_of.get(str(record.get("id")), 0)
+
+        def elsewhere(index: int = index, start: Position = start) -> set[tuple[str, str]]:
+            return earlier_lines(kept, index, start)
+
         batch_id = str(record.get("batch_id"))
         try:
             events = read_range(

@@ -23,7 +23,14 @@ import sqlalchemy as sa
 from azure.storage.blob import BlobServiceClient
 
 import dbtrigger
-from dbtrigger import FileCheckpointStore, HandlerError, PollTrigger, RowChange, SqlAlchemySource
+from dbtrigger import (
+    BatchContext,
+    FileCheckpointStore,
+    HandlerError,
+    PollTrigger,
+    RowChange,
+    SqlAlchemySource,
+)
 from dbtrigger.cli import main
 from dbtrigger.quarantine import JsonLinesQuarantineSink, QuarantineRecord
 from dbtrigger.redaction import LOGGER_NAMES, RedactingFilter, redact
@@ -217,3 +224,30 @@ def test_cli_debug_logs_never_show_a_sas_signature(azurite: Azurite, tmp_path: P
     assert "/state/shop/orders.json" in output
     assert signature not in output
     assert "sig=" not in output.replace("sig=***", "").replace("sig=REDACTED", "")
+
+
+def test_a_rejected_or_retried_events_reason_is_redacted_in_the_history(
+    sqlite_db: TestDatabase, tmp_path: Path
+) -> None:
+    """ctx.reject / ctx.retry with an exception quoting a URL or a token: the dead-letter
+    sink and the state document masked it, the history record kept it verbatim."""
+    trigger, _ = _failing_poller(sqlite_db, tmp_path)
+    trigger = PollTrigger(
+        name="orders",
+        source=trigger.source,
+        checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+        quarantine=JsonLinesQuarantineSink(tmp_path / "dead.jsonl"),
+        history=True,
+    )
+
+    def handler(events: list[RowChange], ctx: BatchContext) -> None:
+        ctx.reject(events[0], RuntimeError(HANDLER_ERROR))
+        ctx.retry(events[1], f"refused: access_token={TOKEN}")
+
+    trigger.tick(handler)
+    written = [p for p in tmp_path.rglob("*") if p.is_file() and p.suffix in (".json", ".jsonl")]
+    assert any(".history." in p.name for p in written)
+    texts = {p.name: p.read_text() for p in written}
+    assert any("upstream refused" in t for name, t in texts.items() if ".history." in name)
+    for text in texts.values():
+        _assert_clean(text)

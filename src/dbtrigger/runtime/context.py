@@ -21,6 +21,7 @@ from typing import Protocol, runtime_checkable
 from dbtrigger.cursor import Position
 from dbtrigger.errors import ConfigurationError, PartialBatchError
 from dbtrigger.events import RowChange
+from dbtrigger.redaction import redact
 
 
 @runtime_checkable
@@ -67,8 +68,10 @@ def describe_event(event: RowChange) -> str:
 
 
 def reason_text(reason: str | BaseException) -> str:
-    """A mark's reason as recorded: the text, or an exception's type and message."""
-    return reason if isinstance(reason, str) else f"{type(reason).__name__}: {reason}"
+    """A mark's reason as recorded (the history, the state document, the dead-letter
+    sink, the queue's row): the text, or an exception's type and message, with any
+    credential in it masked (an exception quoting a URL or a token)."""
+    return redact(reason if isinstance(reason, str) else f"{type(reason).__name__}: {reason}")
 
 
 def check_delay(delay_seconds: object, verb: str = "retry") -> float | None:

@@ -22,8 +22,10 @@ Bounds, as in poll mode:
   worker that lost its lease but lives on must not keep the worker that holds
   the lease from reading.
 * **feedback**: the flush position reported to the server is only ever what
-  :meth:`StreamReader.release` computed from a durable checkpoint (psycopg2
-  repeats it in its periodic status messages; it never moves it by itself).
+  :meth:`StreamReader.release` computed from a durable checkpoint. psycopg2
+  repeats it in its periodic status messages, and moves it on by itself only
+  to a keepalive's WAL end once every message received has been confirmed:
+  the server sent nothing for us below that end, so nothing is skipped.
 """
 
 from __future__ import annotations

@@ -558,3 +558,31 @@ def test_a_column_of_a_type_sqlalchemy_does_not_know_is_logged(
     db.execute(f"CREATE TABLE {db.qualified('odd_keys')} (id {key} PRIMARY KEY, note TEXT)")
     with pytest.raises(ConfigurationError, match=r"key column 'id' of 'odd_keys' has a type"):
         install(db.engine, "odd_keys", schema=db.schema)
+
+
+def test_uninstall_after_the_table_was_dropped_or_renamed(db: TestDatabase) -> None:
+    """A table dropped for good left a change log that ``changelog uninstall
+    --drop-log`` could not remove ("table orders does not exist"), nor the
+    PostgreSQL function. It now drops what is left; but when the triggers still
+    exist (the table was renamed and they went with it, writing to this log),
+    dropping the log would fail every write of the renamed table: refused."""
+    orders = make_orders(db)
+    install(db.engine, "orders", schema=db.schema)
+    renamed = db.qualified("orders2") if db.kind == "mariadb" else "orders2"
+    db.execute(f"ALTER TABLE {orders} RENAME TO {renamed}")
+    with pytest.raises(ConfigurationError, match=r"dbt_cl_orders.* renamed"):
+        uninstall(db.engine, "orders", schema=db.schema, drop_log=True)
+    db.execute(f"INSERT INTO {db.qualified('orders2')} (id, status) VALUES (1, 'new')")
+    assert sa.inspect(db.engine).has_table(log_table_name("orders"), schema=db.schema)
+
+    db.execute(f"DROP TABLE {db.qualified('orders2')}")
+    plan = uninstall(db.engine, "orders", schema=db.schema, drop_log=True)
+    assert not sa.inspect(db.engine).has_table(log_table_name("orders"), schema=db.schema)
+    assert any("DROP TABLE" in s for s in plan.statements)
+    if db.kind == "postgresql":
+        with db.engine.connect() as conn:
+            left = conn.execute(
+                sa.text("SELECT count(*) FROM pg_proc WHERE proname = 'dbt_cl_orders_fn'")
+            ).scalar()
+        assert left == 0
+    uninstall(db.engine, "orders", schema=db.schema, drop_log=True)  # nothing left: a no-op

@@ -115,8 +115,9 @@ def find_drift(conn: sa.Connection, table: str, schema: str | None) -> Drift:
             table,
             schema,
             (
-                f"table {table} does not exist: it was dropped (its triggers with it), or "
-                "renamed (the triggers went with it and still write to this log)",
+                f"table {table} does not exist: it was dropped (its triggers with it; if "
+                "for good, `dbtrigger changelog uninstall ... --drop-log --yes` removes the "
+                "log), or renamed (the triggers went with it and still write to this log)",
             ),
         )
     try:

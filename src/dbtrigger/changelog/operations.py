@@ -32,12 +32,15 @@ from dbtrigger.changelog.ddl import (
     log_ddl,
     log_table_name,
     ours,
+    qualified_name,
     reflect_table,
+    triggers_named,
     uninstall_ddl,
 )
 from dbtrigger.changelog.drift import Drift, find_drift, log_migration
 from dbtrigger.changelog.triggers import trigger_ddl
 from dbtrigger.errors import ConfigurationError
+from dbtrigger.names import validate_sql_identifier
 
 #: Rows one prune statement deletes; keeps each transaction (and its locks) short.
 DEFAULT_PRUNE_CHUNK = 5000
@@ -105,6 +108,8 @@ def plan_uninstall(
     as on install.
     """
     with connected(bind) as conn:
+        if not sa.inspect(conn).has_table(table, schema=schema):
+            return _plan_uninstall_gone(conn, table, schema, drop_log=drop_log)
         info = _reflect_refusing_foreign(
             conn,
             table,
@@ -112,6 +117,46 @@ def plan_uninstall(
             "trigger(s) {names} on {table!r} were not created by the change log; not dropping them",
         )
     return Plan(info, tuple(uninstall_ddl(info, _quote(bind).quote, drop_log=drop_log)))
+
+
+def _plan_uninstall_gone(
+    conn: sa.Connection, table: str, schema: str | None, *, drop_log: bool
+) -> Plan:
+    """What is left of the change log of a table that is gone: its triggers went with it,
+    the log (and PostgreSQL's function) did not.
+
+    Raises:
+        ConfigurationError: triggers of the change log's names still exist: the table
+            was renamed and they went with it, still writing to this log, so dropping
+            the log would fail every write of the renamed table.
+    """
+    dialect = conn.dialect.name
+    validate_sql_identifier(table, "table")
+    info = TableInfo(
+        dialect=dialect,
+        table=table,
+        schema=schema if dialect != "sqlite" else None,
+        pk=(),
+        columns=(),
+        mariadb=dialect == "mariadb" or bool(getattr(conn.dialect, "is_mariadb", False)),
+    )
+    left = sorted(triggers_named(conn, dialect, info.schema, info.trigger_names()))
+    if left:
+        raise ConfigurationError(
+            f"table {table!r} does not exist, but the change log's trigger(s) "
+            f"{', '.join(left)} do: the table was renamed and they went with it, writing to "
+            f"{info.log_table} still, which is therefore not dropped. Rename the table back "
+            f"to {table!r} and uninstall, then rename it (docs/changes.md, 'When the table "
+            "changes', renames keeping the log)"
+        )
+    quote = conn.dialect.identifier_preparer.quote
+    statements = []
+    if dialect == "postgresql":
+        function = qualified_name(info, info.function_name, quote)
+        statements.append(f"DROP FUNCTION IF EXISTS {function}()")
+    if drop_log:
+        statements.append(f"DROP TABLE IF EXISTS {qualified_name(info, info.log_table, quote)}")
+    return Plan(info, tuple(statements))
 
 
 def apply(bind: Bind, plan: Plan) -> None:

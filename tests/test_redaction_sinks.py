@@ -74,6 +74,13 @@ def _assert_clean(text: str) -> None:
         ("Authorization: Bearer abc123xyz", "abc123xyz"),
         ("password: abc123xyz", "abc123xyz"),
         ("token eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0In0.sigpart", "eyJzdWIiOiIxMjM0In0"),
+        # ODBC connection strings: a braced value may hold ';' and '}}'...
+        ("login failed: Server=h;PWD={se;cret}}x9};UID=u", "cret}}x9"),
+        ("Password={abc def}", "def"),
+        # ...and inside a URL they are URL-encoded (?odbc_connect=...).
+        ("mssql+pyodbc:///?odbc_connect=SERVER%3Dh%3BPWD%3Dabc123xyz%3BUID%3Du", "abc123xyz"),
+        ("odbc_connect=DRIVER%3D%7Bx%7D%3BPWD%3D%7Bse%3Bcret%7D%7Dx9%7D", "cret"),
+        ("conn=a%3Db%3Bkey%3Dabc123xyz", "abc123xyz"),
     ],
 )
 def test_redact_catches_common_credential_spellings(text: str, secret: str) -> None:
@@ -87,6 +94,7 @@ def test_redact_catches_common_credential_spellings(text: str, secret: str) -> N
         "lease held by funcapp/instance-1 (token 42) until 2026-01-01T00:00:00Z",
         "fencing_token=42 batch_id=b_1 rows=10",
         "checkpoint 2026-01-01T00:00:00.000000Z id=5",
+        "odbc_connect=SERVER%3Dh%3BDATABASE%3Dshop%3BUID%3Dapp",
     ],
 )
 def test_redact_leaves_ordinary_operational_text_alone(text: str) -> None:

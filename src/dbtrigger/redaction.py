@@ -73,9 +73,21 @@ _PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
     # any word followed by "=", kept only if the word names a credential (see
     # _credential_value); matching words first and checking them after is
     # what keeps this cheap on every log line.
+    # A value may be braced, as in ODBC connection strings: PWD={a;b}}c}.
     (
-        re.compile(rf"(?<![A-Za-z0-9_-])([A-Za-z0-9_-]+)\s*=\s*{_NOT_MASKED}([^;&,\s'\"]+)"),
+        re.compile(
+            rf"(?<![A-Za-z0-9_-])([A-Za-z0-9_-]+)\s*=\s*{_NOT_MASKED}"
+            r"(\{(?:\}\}|[^}])*\}|[^;&,\s'\"]+)"
+        ),
         "=",
+    ),
+    # The same, URL-encoded (a connection string inside a URL: ?odbc_connect=...PWD%3D...).
+    (
+        re.compile(
+            r"(?i)(?:(?<=%3B)|(?<=%26)|(?<![A-Za-z0-9_%-]))([A-Za-z0-9_-]+)%3D(?!\*\*\*)"
+            r"(%7B(?:%7D%7D|(?!%7D)[^\s'\"])*%7D|(?:(?!%3B|%26)[^&\s'\"])+)"
+        ),
+        "%3D",
     ),
     # JSON / dict reprs: "api_key": "value" or 'password': 'value'.
     (
@@ -107,6 +119,7 @@ _NEEDLES: tuple[tuple[str, ...], ...] = (
     ("sharedaccesssignature",),
     ("bearer", "basic", "sharedkey"),
     ("=",),
+    ("%3d",),
     ("'", '"'),
     (":",),
     ("://",),
@@ -123,8 +136,8 @@ def _credential_value(separator: str) -> Callable[[re.Match[str]], str]:
         name = match.group(1)
         if not _CREDENTIAL_NAME.fullmatch(name):
             return match.group(0)
-        if separator == "=":
-            return f"{name}={MASK}"
+        if separator in ("=", "%3D"):
+            return f"{name}{separator}{MASK}"
         return f"{name}{match.group(2)}{MASK}"
 
     return replace
@@ -132,6 +145,7 @@ def _credential_value(separator: str) -> Callable[[re.Match[str]], str]:
 
 _REPLACERS: dict[str, Callable[[re.Match[str]], str]] = {
     "=": _credential_value("="),
+    "%3D": _credential_value("%3D"),
     ":": _credential_value(":"),
 }
 

@@ -31,7 +31,7 @@ from dbtrigger import (
 )
 from dbtrigger.cursor import BEGINNING
 from dbtrigger.errors import DbTriggerError, FetchError, SourceDefinitionError, StoreRefusedError
-from tests.databases import SESSION_DB_PREFIX, admin_engine
+from tests.databases import SESSION_DB_PREFIX, TestDatabase, admin_engine
 
 
 @pytest.fixture
@@ -129,5 +129,24 @@ def test_sqlite_text_that_is_not_utf8_is_a_value_not_a_hiccup(tmp_path: Path) ->
         assert isinstance(caught.value, SerializationError), repr(caught.value)
         assert not isinstance(caught.value, FetchError)  # not retried as a hiccup
         assert "note" in str(caught.value)
+    finally:
+        source.close()
+
+
+def test_a_cursor_column_that_cannot_be_ordered_says_so(pg: TestDatabase) -> None:
+    """A jsonb cursor failed the first tick with "the checkpoint's cursor type does not
+    match the column", when there was no checkpoint yet: it blamed the wrong thing."""
+    pg.execute(f"CREATE TABLE {pg.schema}.docs (id INTEGER PRIMARY KEY, body JSONB NOT NULL)")
+    pg.execute(f"INSERT INTO {pg.schema}.docs VALUES (1, '{{}}')")
+    source = SqlAlchemySource(
+        url=pg.url, schema=pg.schema, table="docs", cursor_column="body", pk_columns=["id"]
+    )
+    try:
+        trigger = PollTrigger(
+            name="docs", source=source, checkpoint_store=InMemoryCheckpointStore()
+        )
+        with pytest.raises(SourceDefinitionError, match="cannot be ordered") as err:
+            trigger.tick(lambda events: None)
+        assert "poll a timestamp, number or text column" in str(err.value)
     finally:
         source.close()

@@ -161,7 +161,11 @@ _PERMANENT_SQLSTATES = {
     "3D000": "the database does not exist",
     "28000": "the server refused the login",
     "28P01": "the server refused the password",
-    "42883": "the checkpoint's cursor type does not match the column (no such operator)",
+    "42883": (
+        "no operator or function for the cursor or key column's type: it cannot be "
+        "ordered (json, jsonb, boolean, bytea, point...: poll a timestamp, number or "
+        "text column), or the checkpoint's value is of another type than the column"
+    ),
     "22P02": "a checkpoint value does not fit the column's type",
     "42804": "the checkpoint's cursor type does not match the column",
 }

@@ -15,7 +15,6 @@ from __future__ import annotations
 import datetime as dt
 import threading
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 from dbtrigger.cursor import Position
@@ -348,10 +347,16 @@ class BatchSequence:
         attempt (one write, which also releases the lease) and its error raised.
         ``prefetch`` runs while the lanes do (a failed batch drops it)."""
         meanwhile = prefetch.run if prefetch is not None else None
+        watched = self.delivery.watched
         try:
-            watch = self.heartbeat.watching if self.delivery.watched else None
-            with watch(ctx.batch_id, len(events)) if watch else nullcontext():
+            # (Heartbeat.watching written out: a generator context manager a batch costs.)
+            if watched:
+                self.heartbeat.watch(ctx.batch_id, len(events))
+            try:
                 outcome = self.delivery.deliver(handler, events, done, ctx, wants_ctx, meanwhile)
+            finally:
+                if watched:
+                    self.heartbeat.unwatch()
         except LostLeaseError:
             session.lost = True
             raise

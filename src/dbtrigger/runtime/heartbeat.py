@@ -93,6 +93,8 @@ class Heartbeat:
     def __post_init__(self) -> None:
         self.poller = self.telemetry.poller
         self._key = f"lease-{self.session.token}"
+        self._call_key = f"call-{self._key}"
+        self._watched: Watched | None = None
 
     def __enter__(self) -> Heartbeat:
         if self.interval > 0:
@@ -149,22 +151,35 @@ class Heartbeat:
     @contextlib.contextmanager
     def watching(self, batch_id: str, rows: int) -> Iterator[None]:
         """Watch the handler call(s) on batch ``batch_id`` while the block runs."""
-        token = self.session.token
-        watched = Watched(
-            self.telemetry,
-            "poller",
-            "batch",
-            f"the lease (token {token}) is held for it, so no other worker of the poller "
-            "can take the batch over",
-            self.warn_after if self.warn_after is not None else self.ttl.total_seconds(),
-            self.timeout,
-            self.lost,
-            self.time_out,
-            {"fencing_token": token, "lease_held": True},
-        )
-        watch = CallWatch(watched, batch_id, rows)
-        with self.keepalive.holding(f"call-{self._key}", watch.beat, first_in=watch.next_in()):
+        self.watch(batch_id, rows)
+        try:
             yield
+        finally:
+            self.unwatch()
+
+    def watch(self, batch_id: str, rows: int) -> None:
+        """:meth:`watching` without a context manager (the tick's, once a batch):
+        watch the handler call(s) on batch ``batch_id`` until :meth:`unwatch`."""
+        watched = self._watched
+        if watched is None:  # (the same for every batch under this lease)
+            token = self.session.token
+            watched = self._watched = Watched(
+                self.telemetry,
+                "poller",
+                "batch",
+                f"the lease (token {token}) is held for it, so no other worker of the poller "
+                "can take the batch over",
+                self.warn_after if self.warn_after is not None else self.ttl.total_seconds(),
+                self.timeout,
+                self.lost,
+                self.time_out,
+                {"fencing_token": token, "lease_held": True},
+            )
+        watch = CallWatch(watched, batch_id, rows)
+        self.keepalive.hold(self._call_key, watch.beat, first_in=watch.next_in())
+
+    def unwatch(self) -> None:
+        self.keepalive.release(self._call_key)
 
     def time_out(self, watch: CallWatch, ran: float) -> None:
         """``watch``'s call outlived ``timeout``: give the lease up (on the heartbeat thread)."""

@@ -18,7 +18,7 @@ from dbtrigger import FileCheckpointStore, PollTrigger, RowChange, SqlAlchemySou
 from dbtrigger.changelog import ChangeLogSource, install
 from dbtrigger.cli import main
 from dbtrigger.errors import StoreUnavailableError
-from dbtrigger.history import history_for
+from dbtrigger.history import FileHistory, history_for
 from dbtrigger.history.records import image_text
 from dbtrigger.replay.batches import ReplayLease
 from dbtrigger.runtime.context import BatchContext
@@ -215,3 +215,29 @@ def test_a_replay_killed_half_way_says_how_to_free_its_lease(
     code, out = _cli(capsys, spec, *argv)
     assert code == 0, out
     assert len(calls.batches) == 1
+
+
+def test_a_replay_is_recorded_in_the_trigger_s_own_history_or_in_none(
+    sqlite_db: TestDatabase,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A trigger given a history elsewhere (history=FileHistory(...)) gets the replay's
+    record there, and the state directory no history files; with history=False none
+    is started by the replay either."""
+    own = FileHistory(tmp_path / "elsewhere")
+    trigger = _polled(sqlite_db, tmp_path, history=own)
+    calls = Calls()
+    spec = register(trigger, calls, monkeypatch, tmp_path)
+    trigger.drain(calls.handler)
+    first = next(r["batch_id"] for r in own.read("orders") if r["type"] == "commit")
+    code, out = _cli(capsys, spec, "replay", "orders", "--batch", first, "--yes", "--reason", "r")
+    assert code == 0, out
+    assert [r["type"] for r in own.read("orders")][-1] == "manual"
+    assert not list((tmp_path / "state").glob("*.history.*"))
+
+    trigger.history = None  # as history=False makes it: nothing kept
+    code, out = _cli(capsys, spec, "replay", "orders", "--batch", first, "--yes", "--reason", "r")
+    assert code == 0, out
+    assert not list((tmp_path / "state").glob("*.history.*"))

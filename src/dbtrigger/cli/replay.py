@@ -12,7 +12,7 @@ import argparse
 import datetime as dt
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from dbtrigger.cli.common import (
     Console,
@@ -30,6 +30,7 @@ from dbtrigger.cli.history import history_of
 from dbtrigger.cli.loading import load_trigger
 from dbtrigger.errors import ConfigurationError, HandlerError, ReplayRefusedError
 from dbtrigger.history import view
+from dbtrigger.history.store import HistoryStore
 from dbtrigger.replay import batches as rp
 from dbtrigger.runtime.poller import PollTrigger, default_owner_id
 from dbtrigger.sources.base import accepted_fingerprints
@@ -222,7 +223,7 @@ def _replay(
             },
         )
         lease.release(entry, utc_now())
-        problem = rp.journal_live(store, poller, entry)
+        problem = rp.journal_live(store, poller, entry, _own_history(trigger, store))
     trigger.telemetry.emit(
         "replay_delivered",
         "replayed %d batch(es) of %s (%s): %d event(s)",
@@ -244,6 +245,16 @@ def _replay(
     if run.failed is not None:
         raise _failure(args, plan, run)
     return 0
+
+
+def _own_history(
+    trigger: PollTrigger, store: CheckpointStore
+) -> HistoryStore | Literal[False] | None:
+    """Where the replay's record goes: the trigger's own history (none with
+    ``history=False``), unless ``--store`` named another store (the one beside it)."""
+    if store is not trigger.store:
+        return None
+    return trigger.history if trigger.history is not None else False
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 import datetime as dt
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from dbtrigger.events import RowChange
 from dbtrigger.history import records as rec
@@ -80,11 +80,12 @@ def record_write(
     store: Any,
     doc: StateDocument,
     *,
-    history: HistoryStore | None = None,
+    history: HistoryStore | Literal[False] | None = None,
     wait: float | None = None,
 ) -> str | None:
     """After a manual write of ``doc`` to checkpoint ``store``: append the journal's new
-    entries to the history beside it (or ``history``). Returns what went wrong, if
+    entries to the history beside it (or ``history``, the poller's own; False: it keeps
+    none, so nothing is appended). Returns what went wrong, if
     anything, for the command to say; never raises (the write stands, and the
     poller's next commit fills the history in from the journal).
 
@@ -97,6 +98,8 @@ def record_write(
     down) is then recorded from the journal, as an idle tick would."""
     from dbtrigger.history.derive import history_for  # noqa: PLC0415 - derive imports stores
 
+    if history is False:
+        return None  # the poller keeps no history (history=False)
     target = history if history is not None else history_for(store)
     if target is None:
         return None

@@ -42,11 +42,12 @@ import inspect
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from dbtrigger.cursor import Position
 from dbtrigger.errors import CasConflictError, ReplayRefusedError
 from dbtrigger.events import RowChange
+from dbtrigger.history.store import HistoryStore
 from dbtrigger.history.wiring import record_write
 from dbtrigger.replay.compare import (
     BatchReplay,
@@ -264,8 +265,14 @@ class ReplayLease:
         self.store.write(self.key, docmod.dumps(doc), if_match=self.etag)
 
 
-def journal_live(store: CheckpointStore, poller: str, entry: Mapping[str, Any]) -> str | None:
-    """Add ``entry`` to the live poller's journal (nothing else changes) and its history.
+def journal_live(
+    store: CheckpointStore,
+    poller: str,
+    entry: Mapping[str, Any],
+    history: HistoryStore | Literal[False] | None = None,
+) -> str | None:
+    """Add ``entry`` to the live poller's journal (nothing else changes) and its history
+    (``history``: the poller's own, False for none; by default the one beside ``store``).
 
     A journal-only write: it moves no checkpoint and fences nobody; a poller
     committing meanwhile re-reads and re-applies its own commit (the CAS rule).
@@ -280,7 +287,7 @@ def journal_live(store: CheckpointStore, poller: str, entry: Mapping[str, Any]) 
             store.write(poller, docmod.dumps(doc), if_match=stored.etag)
         except CasConflictError:
             continue
-        return record_write(store, doc)
+        return record_write(store, doc, history=history)
     return (
         f"the state of {poller!r} kept changing; the replay is journaled in "
         f"{replay_key(poller)!r} only"

@@ -5,7 +5,7 @@ option of the sources, the trigger, the file store and the bindings)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from dbtrigger import (
     RowChange,
     SqlAlchemySource,
 )
+from dbtrigger.dbio import DbReader, DbWriter
 from dbtrigger.errors import ConfigurationError
 from tests.databases import TestDatabase
 
@@ -105,3 +106,56 @@ def test_a_schedule_that_is_not_text_is_refused(sqlite_db: TestDatabase) -> None
         )
         def orders(timer: object, events: list[RowChange]) -> None:
             return None
+
+
+_opened: list[DbReader] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_readers_and_writers() -> Iterator[None]:
+    yield
+    while _opened:
+        _opened.pop().close()
+
+
+def _reader(db: TestDatabase) -> DbReader:
+    _opened.append(DbReader(url=db.url, table="t"))
+    return _opened[-1]
+
+
+def _writer(db: TestDatabase) -> DbWriter:
+    _opened.append(DbWriter(url=db.url, table="t"))
+    return _opened[-1]  # type: ignore[return-value]
+
+
+IO_CASES: list[tuple[str, Callable[[TestDatabase], object], str]] = [
+    ("get(pk=5)", lambda db: _reader(db).get(pk=5), "pk= takes a dict"),  # type: ignore[arg-type]
+    ("query(5)", lambda db: _reader(db).query(5), "a query is SQL text"),  # type: ignore[arg-type]
+    (
+        "query(params=[1])",
+        lambda db: _reader(db).query("SELECT :a", [1]),  # type: ignore[arg-type]
+        "params= takes a dict of bind parameter names",
+    ),
+    ("update(data=5)", lambda db: _writer(db).update(data=5, pk={"id": 1}), "data= takes a dict"),  # type: ignore[arg-type]
+    ("update(data={})", lambda db: _writer(db).update(data={}, pk={"id": 1}), "names no column"),
+    ("delete(pk=5)", lambda db: _writer(db).delete(pk=5), "pk= takes a dict"),  # type: ignore[arg-type]
+    # It inserted a row of defaults (a NULL cursor, in the test's table), said nothing.
+    ("insert(data={})", lambda db: _writer(db).insert(data={}), "a row has no columns"),
+    (
+        "insert_many(rows=a dict)",
+        lambda db: _writer(db).insert_many(rows={"id": 1}),  # type: ignore[arg-type]
+        "rows= takes a list of dicts",
+    ),
+    ("DbWriter(table=None)", lambda db: DbWriter(url=db.url, table=None), "needs table="),  # type: ignore[arg-type]
+]
+
+
+@pytest.mark.parametrize(("case", "call", "message"), IO_CASES, ids=[c[0] for c in IO_CASES])
+def test_the_reader_and_writer_name_a_wrong_kind_of_argument(
+    sqlite_db: TestDatabase, case: str, call: Callable[..., object], message: str
+) -> None:
+    sqlite_db.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, seq INTEGER)")
+    with pytest.raises(ConfigurationError) as err:
+        call(sqlite_db)
+    assert message in str(err.value), case
+    assert sqlite_db.scalar("SELECT count(*) FROM t") == 0  # nothing written

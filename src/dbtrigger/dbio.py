@@ -44,11 +44,29 @@ from dbtrigger.errors import (
     OutputWriteError,
     RowNotFoundError,
 )
+from dbtrigger.names import validate_sql_identifier
 
 Row = dict[str, Any]
 
 
+def _mapping(value: object, option: str, names: str = "column names") -> Mapping[str, Any]:
+    """``value`` if it is a dict (of columns or bind values), else a ConfigurationError."""
+    if not isinstance(value, Mapping):
+        raise ConfigurationError(
+            f"{option} takes a dict of {names} to values, got {type(value).__name__}"
+        )
+    return value
+
+
+def _statement(sql: object, params: object) -> tuple[sa.TextClause, dict[str, Any]]:
+    """A query's text and bind values, their kinds checked."""
+    if not isinstance(sql, str):
+        raise ConfigurationError(f"a query is SQL text, got {type(sql).__name__}")
+    return sa.text(sql), dict(_mapping(params or {}, "params=", "bind parameter names"))
+
+
 def _key_clause(table: sa.Table, pk: Mapping[str, Any], name: str) -> sa.ColumnElement[bool]:
+    pk = _mapping(pk, "pk=")
     if not pk:
         raise ConfigurationError(f"{name}: a key needs at least one column")
     unknown = [c for c in pk if c not in table.c]
@@ -117,8 +135,9 @@ class DbReader(_OnTable):
 
     def query(self, sql: str, params: Mapping[str, Any] | None = None) -> list[Row]:
         """Every row of ``sql`` (``:name`` placeholders, values bound from ``params``)."""
+        statement, values = _statement(sql, params)
         with self._reading("a query") as conn:
-            return [dict(r) for r in conn.execute(sa.text(sql), dict(params or {})).mappings()]
+            return [dict(r) for r in conn.execute(statement, values).mappings()]
 
     def one_or_none(self, sql: str, params: Mapping[str, Any] | None = None) -> Row | None:
         """The one row of ``sql``, or None; more than one is a ConfigurationError."""
@@ -136,8 +155,9 @@ class DbReader(_OnTable):
 
     def scalar(self, sql: str, params: Mapping[str, Any] | None = None) -> Any:
         """The first column of the first row of ``sql`` (None without a row)."""
+        statement, values = _statement(sql, params)
         with self._reading("a query") as conn:
-            return conn.execute(sa.text(sql), dict(params or {})).scalar()
+            return conn.execute(statement, values).scalar()
 
 
 class DbWriter(_OnTable):
@@ -160,6 +180,8 @@ class DbWriter(_OnTable):
         engine_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         # The reader's options, with ``table`` required: every write goes to it.
+        if not table:
+            raise ConfigurationError("DbWriter needs table= (the table every write goes to)")
         super().__init__(
             url=url, table=table, schema=schema, engine=engine, engine_kwargs=engine_kwargs
         )
@@ -233,6 +255,8 @@ class DbWriter(_OnTable):
             return
         if isinstance(conflict_columns, str) or not conflict_columns:
             raise ConfigurationError("conflict_columns must be a non-empty list of column names")
+        for column in conflict_columns:
+            validate_sql_identifier(column, "conflict column")
         columns = _same_columns(rows)
         with self._writing("an upsert", len(rows), conflict_columns) as conn:
             table = self._db.columns(conn, [*columns, *conflict_columns])
@@ -241,6 +265,8 @@ class DbWriter(_OnTable):
 
     def update(self, *, data: Mapping[str, Any], pk: Mapping[str, Any]) -> int:
         """Set ``data`` on the row with key ``pk``; how many rows changed (0: none had it)."""
+        if not _mapping(data, "data="):
+            raise ConfigurationError("update(data=...) names no column to set")
         with self._writing("an update", 1) as conn:
             table = self._db.columns(conn, list(data))
             where = _key_clause(table, pk, self._db.name)
@@ -264,6 +290,8 @@ def _same_columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         if not isinstance(row, Mapping):
             raise ConfigurationError(f"row {index} is {type(row).__name__}, expected a dict")
     first = list(rows[0])
+    if not first:
+        raise ConfigurationError("a row has no columns: name at least one (a row of defaults)")
     for index, row in enumerate(rows):
         if set(row) != set(first):
             raise ConfigurationError(

@@ -176,6 +176,20 @@ def test_mistakes_are_said_at_decoration_or_first_use(sqlite_db: TestDatabase) -
         @db.input("row", url=sqlite_db.url, table="t", pk={"id": 1})
         def f(x: int) -> None: ...
 
+    # A key or params that is not a dict (nor a callable giving one): a TypeError
+    # at every invocation before.
+    with pytest.raises(ConfigurationError, match=r"pk=\.\.\.\): expected a dict or a callable"):
+        db.input("row", url=sqlite_db.url, table="t", pk=5)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match=r"params=\.\.\.\): expected a dict"):
+        db.input("rows", url=sqlite_db.url, query="SELECT 1", params=[1])  # type: ignore[arg-type]
+
+    @db.input("row", url=sqlite_db.url, table="t", pk=lambda user_id: user_id)
+    def by_id(user_id: int, row: object) -> object:
+        return row
+
+    with pytest.raises(ConfigurationError, match="the callable returned int, expected a dict"):
+        by_id(user_id=1)
+
     sqlite_db.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, v TEXT NOT NULL)")
     writer = DbWriter(url=sqlite_db.url, table="t")
     with pytest.raises(ConfigurationError, match=r"no column.*nope"):

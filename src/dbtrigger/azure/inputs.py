@@ -45,6 +45,7 @@ def _given(value: Given, host_args: Mapping[str, Any], what: str) -> dict[str, A
     if value is None:
         return {}
     if not callable(value):
+        _checked_given(value, what)
         return dict(value)
     wanted = inspect.signature(value).parameters
     missing = [n for n, p in wanted.items() if n not in host_args and p.default is p.empty]
@@ -53,7 +54,20 @@ def _given(value: Given, host_args: Mapping[str, Any], what: str) -> dict[str, A
             f"{what}: the callable asks for {', '.join(missing)}, which the function does not "
             f"take; its parameters are {', '.join(host_args) or 'none'}"
         )
-    return dict(value(**{n: host_args[n] for n in wanted if n in host_args}))
+    answer = value(**{n: host_args[n] for n in wanted if n in host_args})
+    if not isinstance(answer, Mapping):
+        raise ConfigurationError(
+            f"{what}: the callable returned {type(answer).__name__}, expected a dict"
+        )
+    return dict(answer)
+
+
+def _checked_given(value: object, what: str) -> None:
+    """Refuse anything but None, a dict or a callable (checked when decorating)."""
+    if value is not None and not callable(value) and not isinstance(value, Mapping):
+        raise ConfigurationError(
+            f"{what}: expected a dict or a callable returning one, got {type(value).__name__}"
+        )
 
 
 def _inject(
@@ -108,6 +122,8 @@ def input_binding(
         raise ConfigurationError(f"@db.input({arg_name!r}): params= goes with query=")
     if on_not_found not in ("none", "raise"):
         raise ConfigurationError(f"on_not_found must be 'none' or 'raise', got {on_not_found!r}")
+    _checked_given(pk, f"@db.input({arg_name!r}, pk=...)")
+    _checked_given(params, f"@db.input({arg_name!r}, params=...)")
     reader = DbReader(
         url=url, table=table, schema=schema, engine=engine, engine_kwargs=engine_kwargs
     )

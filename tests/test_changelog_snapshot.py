@@ -170,3 +170,17 @@ def test_retention_keeps_rows_every_reader_passed_for_a_while(
     assert kept.run(sqlite_db.engine, "orders", schema=None, source="t") == 0
     at_once = ChangeLogPruner(passed_by=["orders-log"], store=store)
     assert at_once.run(sqlite_db.engine, "orders", schema=None, source="t") == 5
+
+
+def test_the_rows_written_are_counted_on_every_database(
+    db: TestDatabase, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On PostgreSQL (SQLAlchemy 2.1, psycopg) an INSERT ... SELECT reports no row count
+    unless asked to: the snapshot said it wrote -1 rows (-3 in three chunks)."""
+    orders(db, 5)
+    install(db.engine, "orders", schema=db.schema)
+    done = snapshot(db.engine, "orders", schema=db.schema, chunk=2)
+    assert (done.rows, done.chunks) == (5, 3)
+    args = ["changelog", "snapshot", "--url", db.url, "--table", "orders", "--yes"]
+    assert main(args + (["--schema", db.schema] if db.schema else [])) == 0
+    assert "wrote 5 row(s)" in capsys.readouterr().out

@@ -122,8 +122,10 @@ def snapshot(
             pick = pick.with_for_update(read=True, of=source)
         elif info.dialect != "sqlite":
             pick = pick.with_for_update(read=True)
+        # SQLAlchemy keeps an INSERT's row count only when asked (psycopg's is -1 else).
+        statement = sa.insert(log).from_select(columns, pick)
         with engine.begin() as conn:
-            inserted = conn.execute(sa.insert(log).from_select(columns, pick)).rowcount
+            inserted = conn.execute(statement.execution_options(preserve_rowcount=True)).rowcount
         written += int(inserted or 0)
         chunks += 1
         if progress is not None:

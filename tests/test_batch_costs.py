@@ -123,3 +123,45 @@ def test_the_drain_cost_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> No
     drain_cost = pytest.importorskip("benchmarks.drain_cost")
     drain_cost.main(["--fake", "--batch", "1000", "--no-history"])
     assert capsys.readouterr().out.startswith("100000 rows, ")
+
+
+def test_a_batchs_shape_is_made_once_per_poller_and_columns() -> None:
+    """rows_to_events works a poller's shape out once and gives each later batch
+    a copy with its own metadata: the events are those of a shape made afresh."""
+    from dbtrigger.sources.rows import Rows, rows_to_events  # noqa: PLC0415
+
+    rows = Rows(("id", "v", "payload"), [(1, 10, "a"), (2, 20, "b")], plain=True)
+
+    def events(batch_id: str, poller: str = "p") -> list[Any]:
+        return rows_to_events(
+            rows,
+            cursor_column="v",
+            pk_columns=["id"],
+            source="s",
+            poller=poller,
+            batch_id=batch_id,
+        )
+
+    first, second, other = events("b1"), events("b2"), events("b2", poller="q")
+    assert first[0]._shape is not second[0]._shape
+    assert [dict(e.metadata) for e in (first[0], second[1], other[0])] == [
+        {"poller": "p", "batch_id": "b1"},
+        {"poller": "p", "batch_id": "b2"},
+        {"poller": "q", "batch_id": "b2"},
+    ]
+    fresh = events_from_rows(
+        RowShape(
+            rows.columns,
+            cursor_column="v",
+            pk_columns=["id"],
+            source="s",
+            poller="p",
+            batch_id="b2",
+            plain=True,
+        ),
+        rows.tuples,
+    )
+    assert second == fresh
+    assert [e.event_id for e in second] == [e.event_id for e in fresh]
+    assert other[0].event_id != second[0].event_id  # (the poller is in the id)
+    assert type(second[0].after) is type(fresh[0].after)

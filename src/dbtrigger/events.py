@@ -331,6 +331,14 @@ class RowShape:
         #: The class of the events' ``pk`` and ``after`` views.
         self.view: type[RowMapping] = PlainRowMapping if plain else RowMapping
 
+    def for_batch(self, batch_id: str) -> RowShape:
+        """This shape for another batch of the same poller: only the metadata differs."""
+        shape = _new(RowShape)
+        for name in RowShape.__slots__:
+            setattr(shape, name, getattr(self, name))
+        shape.metadata = MappingProxyType({"poller": self.metadata["poller"], "batch_id": batch_id})
+        return shape
+
     def key_of(self, row: Sequence[Any]) -> dict[str, Any]:
         """The row's key as a new dict, in ``pk_columns`` order."""
         if self.single_index >= 0:

@@ -381,7 +381,12 @@ def rows_to_events(
     """
 
     def shape_for(columns: Sequence[str], plain: bool = False) -> RowShape:
-        return RowShape(
+        # What the batches of one poller share is worked out once (see _shapes).
+        key = (tuple(columns), plain, cursor_column, tuple(pk_columns), source, poller)
+        shape = _shapes.get(key)
+        if shape is not None:
+            return shape.for_batch(batch_id)
+        shape = RowShape(
             columns,
             cursor_column=cursor_column,
             pk_columns=pk_columns,
@@ -390,6 +395,10 @@ def rows_to_events(
             batch_id=batch_id,
             plain=plain,
         )
+        if len(_shapes) >= 64:
+            _shapes.clear()
+        _shapes[key] = shape
+        return shape
 
     if isinstance(rows, Rows):
         if not rows.tuples:
@@ -400,6 +409,11 @@ def rows_to_events(
         tuples = [tuple(row[c] for c in columns) for row in run]
         events.extend(events_from_rows(shape_for(columns), tuples))
     return events
+
+
+#: The shapes of the batches last made, by their columns, key and cursor, source and
+#: poller: a batch's shape is one of these for its batch id (RowShape.for_batch).
+_shapes: dict[tuple[Any, ...], RowShape] = {}
 
 
 def _is_marked(mark: Any, value: Any) -> bool:

@@ -227,3 +227,15 @@ def test_the_worker_banner_does_not_show_the_odbc_password(tmp_path: Path) -> No
     assert "source      mssql:orders at mssql+pyodbc:///?odbc_connect=" in output
     assert "SERVER%3Dtcp%3A127.0.0.1" in output  # where it connects is still said
     assert_clean(output)
+
+
+def test_a_password_the_url_shows_anyway_does_not_garble_every_line() -> None:
+    """postgres:postgres@ registered "postgres" as a secret: every log line then read
+    "***ql+psycopg://***@127.0.0.1/shop"."""
+    from dbtrigger.redaction import remember_url_secrets  # noqa: PLC0415 - (new)
+
+    remember_url_secrets(sa.make_url("postgresql+psycopg://postgres:postgres@127.0.0.1/shop"))
+    line = "connecting to postgresql+psycopg://postgres@127.0.0.1/shop as postgres"
+    assert redact(line) == line
+    remember_url_secrets(sa.make_url("postgresql+psycopg://app:Real-s3cret@127.0.0.1/shop"))
+    assert redact("login app/Real-s3cret refused") == "login app/*** refused"

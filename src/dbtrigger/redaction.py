@@ -253,8 +253,17 @@ def url_secrets(url: URL) -> list[str]:
 
 def remember_url_secrets(url: URL) -> None:
     """Register every credential of a database URL (see :func:`url_secrets`), also
-    as it appears URL-encoded, so that a driver error or a repr echoing it is masked."""
+    as it appears URL-encoded, so that a driver error or a repr echoing it is masked.
+
+    A password that is part of what the URL shows anyway (``postgres:postgres@``,
+    a password equal to the user or the database name) is not registered: masking
+    it would garble every line naming the user, the host or the dialect, and it
+    hides nothing the shown URL does not already say.
+    """
+    shown = safe_url_text(url).lower()
     for secret in url_secrets(url):
+        if secret.lower() in shown:
+            continue
         for form in {secret, quote(secret, safe=""), quote_plus(secret)}:
             remember_secret(form)
 

@@ -45,6 +45,16 @@ def test_a_poison_row_goes_dead_alone_and_its_batch_mates_keep_their_attempts(
     db: TestDatabase,
 ) -> None:
     make_jobs(db, 8)
+    calls: list[list[int]] = []
+
+    def handler(events: list[RowChange]) -> None:
+        calls.append(sorted(int(e.pk["id"]) for e in events))
+        if len(calls) == 5:  # the poison row has failed alone once: new work arrives
+            db.execute(
+                f"INSERT INTO {db.qualified('jobs')} (id, payload) VALUES (9, 'new'), (10, 'new')"
+            )
+        poisoned(events)
+
     source = ClaimSource(url=db.url, table="jobs", schema=db.schema, pk_columns=["id"])
     queue = QueueTrigger(
         name="jobs",
@@ -56,7 +66,7 @@ def test_a_poison_row_goes_dead_alone_and_its_batch_mates_keep_their_attempts(
         seed=1,
     )
     try:
-        settle_all(queue, poisoned)
+        settle_all(queue, handler)
     finally:
         queue.close()
         source.close()
@@ -67,6 +77,10 @@ def test_a_poison_row_goes_dead_alone_and_its_batch_mates_keep_their_attempts(
     innocent = {i: r for i, r in table.items() if i != POISON}
     assert {r["dbt_status"] for r in innocent.values()} == {"done"}
     assert {r["dbt_attempts"] for r in innocent.values()} == {1}
+    # Halved 8 -> 4 -> 2 -> 1; once alone, it comes back alone (rows 9 and 10,
+    # which arrived meanwhile, never share a call with it).
+    with_poison = [c for c in calls if POISON in c]
+    assert [len(c) for c in with_poison] == [8, 4, 2, 1, 1, 1]
 
 
 def test_shared_failure_is_split_in_two_groups_with_one_backoff() -> None:
@@ -100,6 +114,18 @@ def test_shared_failure_is_split_in_two_groups_with_one_backoff() -> None:
         rng=random.Random(1),
     )
     assert [d.key for d in alone.dead] == [(1,)]
+    again = decide(
+        [((1,), 2)],
+        pks={(1,): {"id": 1}},
+        marks={},
+        failure=RuntimeError("boom"),
+        max_attempts=5,
+        backoff=Backoff(1, 300),
+        rng=random.Random(1),
+    )
+    # Counted, and back alone (a group of its own): it fails no claim of fresh rows.
+    ((item,),) = [again.retry]
+    assert (item.key, item.counted, item.group is not None) == ((1,), True, True)
 
 
 def test_an_expired_claims_halves_keep_their_attempts(db: TestDatabase) -> None:

@@ -42,13 +42,16 @@ class RetryItem:
     with the rows of its ``group`` (``ready`` under that token, claimed
     together, never mixed with other rows: :mod:`dbtrigger.queue.pick`), and
     the attempt is not counted against it: a shared failure is nobody's until
-    the halving has isolated the row that fails.
+    the halving has isolated the row that fails. ``counted``: the row failed
+    alone and its attempt stands; its ``group`` is itself, so it comes back
+    alone instead of failing a claim of fresh rows again.
     """
 
     key: Key
     delay_seconds: float
     error: str
     group: str | None = None
+    counted: bool = False
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,10 @@ The rules:
   groups (after the backoff) and are claimed again each on its own, the
   attempt not counted against any of them (``dbt_attempts`` is given back).
   A half that fails again is halved again, so a poison row is alone after
-  about ``log2(batch_size)`` failures and from then on its failures count;
-  its batch-mates are done in the halves without it, with the attempts they
-  had. Each row's counted attempts are never more than ``max_attempts``, and
+  about ``log2(batch_size)`` failures and from then on its failures count
+  (it comes back alone, a group of its own, so it never fails a claim of
+  fresh rows again); its batch-mates are done in the halves without it, with
+  the attempts they had. Each row's counted attempts are never more than ``max_attempts``, and
   a row sees at most about ``log2(batch_size)`` uncounted failures per
   counted one, so a poison row still ends ``dead``;
 * a row claimed alone after a claim that expired holding only it (the rows
@@ -124,7 +125,11 @@ def decide(
             plan.dead.append(DeadItem(key, error_text(f"failed {attempt} times; last: {reason}")))
         else:
             wait = backoff.delay(attempt, rng) if delay is None else max(0.0, delay)
-            plan.retry.append(RetryItem(key, wait, reason))
+            # A row an unnamed failure fell on alone comes back alone (a group of
+            # its own), so it does not fail a claim of fresh rows again.
+            unnamed = mark is None and bool(shared)  # the exception, not a name
+            alone = f"{rng.getrandbits(128):032x}" if unnamed else None
+            plan.retry.append(RetryItem(key, wait, reason, alone, counted=alone is not None))
     return plan
 
 

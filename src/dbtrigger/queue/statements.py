@@ -345,12 +345,15 @@ class ClaimTable:
 
     def _build_split(self) -> Any:
         """Rows that failed together wait as a group (see pick.py); attempt given back."""
+        return self._retrying(sa.bindparam("dbt_group", type_=sa.String), refund=True)
+
+    def _build_alone(self) -> Any:
         return self._retrying(sa.bindparam("dbt_group", type_=sa.String))
 
-    def _retrying(self, group: Any) -> Any:
+    def _retrying(self, group: Any, *, refund: bool = False) -> Any:
         values = {STATUS: READY, CLAIM_TOKEN: group, VISIBLE_AT: self.time.plus(0)}
         values[LAST_ERROR] = sa.bindparam("dbt_error", type_=sa.String)
-        if group is not None:
+        if refund:
             values[ATTEMPTS] = self.table.c[ATTEMPTS] - 1
         return self._settling(values)
 
@@ -527,11 +530,8 @@ class ClaimTable:
     # --- settle ---------------------------------------------------------------------
 
     def _owned_keys(self, conn: Connection, token: str, keys: Sequence[Key]) -> set[Key]:
-        """The keys still held by ``token``, locked until the transaction ends.
-
-        MariaDB/MySQL only: the one instant at which the settlement judges the
-        claim (token, status and expiry); the writes that follow rely on the lock.
-        """
+        """The keys still held by ``token``, locked until the transaction ends
+        (MariaDB/MySQL: the one instant the settlement judges the claim at)."""
         params = {"dbt_token": token, "dbt_keys": self._keys_value(keys)}
         return {tuple(r) for r in conn.execute(self._prepared("owned"), params).all()}
 
@@ -550,12 +550,10 @@ class ClaimTable:
         result = conn.execute(self._prepared(name), params)
         if not self._mysql:
             return {tuple(r) for r in result.all()}
-        # MariaDB/MySQL: the keys were locked and checked first.
+        # MariaDB/MySQL: the keys were locked and checked first, so a short count
+        # cannot happen; if it does, the report would be wrong: roll back.
         changed = int(result.rowcount)
         if changed != len(keys):
-            # Cannot happen while the rows are locked; if it ever does, the
-            # report would not be what was written: roll the settlement back
-            # (the claim expires and the rows are delivered again).
             raise CommitError(
                 f"settlement matched {changed} of {len(keys)} locked row(s) of "
                 f"{self.table.name}; rolled back, the rows are claimed again"
@@ -581,16 +579,17 @@ class ClaimTable:
             dead = [d for d in dead if d.key in owned]
         done_keys = self._apply(conn, "done_delete" if delete_done else "done", token, done)
         retried: set[Key] = set()
-        groups: dict[tuple[str, float, str], list[Key]] = {}
+        groups: dict[tuple[str, float, str, bool], list[Key]] = {}
         for item in retry:
             extra = {"dbt_error": item.error, **self.time.plus_params(item.delay_seconds)}
             if item.group is None:
                 retried |= self._apply(conn, "retry", token, [item.key], extra)
             else:
-                groups.setdefault((item.group, item.delay_seconds, item.error), []).append(item.key)
-        for (group, delay, error), keys in groups.items():
-            extra = {"dbt_group": group, "dbt_error": error, **self.time.plus_params(delay)}
-            retried |= self._apply(conn, "split", token, keys, extra)
+                group = (item.group, item.delay_seconds, item.error, item.counted)
+                groups.setdefault(group, []).append(item.key)
+        for (group_token, delay, error, counted), keys in groups.items():
+            extra = {"dbt_group": group_token, "dbt_error": error, **self.time.plus_params(delay)}
+            retried |= self._apply(conn, "alone" if counted else "split", token, keys, extra)
         died: set[Key] = set()
         for gone in dead:
             died |= self._apply(conn, "dead", token, [gone.key], {"dbt_error": gone.error})

@@ -184,3 +184,18 @@ def test_the_rows_written_are_counted_on_every_database(
     args = ["changelog", "snapshot", "--url", db.url, "--table", "orders", "--yes"]
     assert main(args + (["--schema", db.schema] if db.schema else [])) == 0
     assert "wrote 5 row(s)" in capsys.readouterr().out
+
+
+def test_install_on_a_table_with_rows_says_how_to_deliver_them(
+    db: TestDatabase, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A first install on a table that holds rows says those rows are in no log row,
+    and names the snapshot command (a new user would otherwise never see them)."""
+    orders(db, 2)
+    args = ["changelog", "install", "--url", db.url, "--table", "orders", "--yes"]
+    args += ["--schema", db.schema] if db.schema else []
+    assert main(args) == 0
+    assert "dbtrigger changelog snapshot --url URL --table orders" in capsys.readouterr().out
+    snapshot(db.engine, "orders", schema=db.schema)
+    assert main(args) == 0  # installed again: the log holds rows now
+    assert "snapshot" not in capsys.readouterr().out

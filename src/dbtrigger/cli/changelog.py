@@ -11,6 +11,9 @@ import argparse
 import datetime as dt
 from typing import Any
 
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
 from dbtrigger._argparse import add_apply_option, print_then_apply
 from dbtrigger.changelog.drift import install_command
 from dbtrigger.changelog.operations import (
@@ -39,6 +42,14 @@ def cmd_install(args: argparse.Namespace) -> int:
         if not print_then_apply(args, statements, lambda: apply(engine, plan), end=";\n"):
             return 0
         print(f"-- installed: changes of {args.table} now go to {plan.info.log_table}")
+        if _rows_before_the_log(engine, args.table, plan.info.log_table, args.schema):
+            where = f" --schema {args.schema}" if args.schema else ""
+            print(
+                f"-- note: {args.table} already holds rows, and they are in no log row: the "
+                "log's pollers see only the changes made from now on. To deliver those rows "
+                f"too: dbtrigger changelog snapshot --url URL --table {args.table}{where} --yes "
+                "(docs/changes.md, 'Existing rows')"
+            )
         if any(" RENAME COLUMN " in s for s in plan.statements):
             print(
                 "-- the log's key columns were renamed with the table's key: each poller of "
@@ -48,6 +59,17 @@ def cmd_install(args: argparse.Namespace) -> int:
         return 0
     finally:
         engine.dispose()
+
+
+def _rows_before_the_log(engine: Engine, table: str, log: str, schema: str | None) -> bool:
+    """Whether ``table`` holds rows while its log holds none (a first install)."""
+    with engine.connect() as conn:
+
+        def any_row(name: str) -> bool:
+            probe = sa.select(sa.literal(1)).select_from(sa.table(name, schema=schema)).limit(1)
+            return conn.execute(probe).first() is not None
+
+        return any_row(table) and not any_row(log)
 
 
 def cmd_check(args: argparse.Namespace) -> int:

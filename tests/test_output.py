@@ -633,3 +633,40 @@ def test_under_a_trigger_an_unwritable_value_fails_the_batch_naming_it(
     assert "column 'note'" in str(err.value)
     assert "cannot store a dict value" in str(err.value)
     assert db_bindings.triggers["orders"].read_state().position.cursor is None  # not committed
+
+
+def test_an_upsert_row_with_a_null_conflict_column_is_refused(db: TestDatabase) -> None:
+    """NULLs are never equal in a unique key: a row whose conflict column is None can
+    never be matched, so every redelivery inserted the row once more (3 writes, 3 rows,
+    on every database), silently defeating the idempotent sink. Refused by name."""
+    meta = sa.MetaData(schema=db.schema)
+    table = sa.Table(
+        "processed_orders",
+        meta,
+        sa.Column("order_id", sa.Integer, nullable=False),
+        sa.Column("cursor", sa.String(64), nullable=True),
+        sa.Column("amount", sa.Integer),
+        sa.UniqueConstraint("order_id", "cursor"),
+    )
+    meta.create_all(db.engine)
+
+    @bind(db, action="upsert", conflict_columns=["order_id", "cursor"])
+    def handler(rows: list[dict[str, Any]], out: DbOut) -> None:
+        out.set(rows)
+
+    rows = [
+        {"order_id": 1, "cursor": "a", "amount": 1},
+        {"order_id": 2, "cursor": None, "amount": 2},
+    ]
+    for _ in range(3):
+        with pytest.raises(OutputValueError, match=r"row 1 .*'cursor'.*never match") as err:
+            handler(rows=rows)
+    assert err.value.fields["column"] == "cursor"
+    writer = DbWriter(url=db.url, table="processed_orders", schema=db.schema)
+    try:
+        with pytest.raises(OutputValueError, match=r"row 1 .*'cursor'"):
+            writer.upsert_many(rows=rows, conflict_columns=["order_id", "cursor"])
+    finally:
+        writer.close()
+    with db.engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(table)).scalar() == 0

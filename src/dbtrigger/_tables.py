@@ -176,6 +176,33 @@ class TableHandle:
                 raise
             raise problem from exc
 
+    def refuse_null_keys(
+        self, rows: Sequence[Mapping[str, Any]], conflict_columns: Sequence[str]
+    ) -> None:
+        """Refuse an upsert row whose conflict column is None, before anything is sent.
+
+        NULLs are never equal in a unique key, on any database: such a row can
+        never be matched, so each redelivery of it would add one more row (the
+        idempotent sink silently would not be).
+
+        Raises:
+            OutputValueError: names the row and the column.
+        """
+        for index, row in enumerate(rows):
+            for column in conflict_columns:
+                if column in row and row[column] is None:
+                    raise OutputValueError(
+                        f"row {index} to upsert into {self.name} has no value (None) in "
+                        f"conflict column {column!r}: an upsert can never match it (NULLs "
+                        "are never equal in a unique key), so each redelivery would add "
+                        f"the row again; give every row a value for "
+                        f"({', '.join(conflict_columns)})",
+                        table=self.name,
+                        column=column,
+                        value_type="NoneType",
+                        row=index,
+                    )
+
     def _refused_value(
         self,
         exc: SQLAlchemyError,

@@ -258,6 +258,7 @@ class DbWriter(_OnTable):
         for column in conflict_columns:
             validate_sql_identifier(column, "conflict column")
         columns = _same_columns(rows)
+        self._db.refuse_null_keys(rows, conflict_columns)
         with self._writing("an upsert", len(rows), conflict_columns) as conn:
             table = self._db.columns(conn, [*columns, *conflict_columns])
             statement = upsert_statement(conn.dialect.name, table, columns, tuple(conflict_columns))

@@ -154,13 +154,16 @@ class OutputTarget:
             ConfigurationError: the table or a column does not exist, or the
                 conflict columns are not a key of the table.
             OutputValueError: a value its column cannot store (a dict in a text
-                column, an object the driver cannot send); nothing is written.
+                column, an object the driver cannot send), or an upsert row with
+                None in a conflict column; nothing is written.
             OutputWriteError: the database refused or failed the write (the
                 message names the driver error, never the row values).
         """
         if not rows:
             return 0
         columns = list(rows[0])
+        if self.action == "upsert":
+            self._db.refuse_null_keys(rows, self.conflict_columns)
         try:
             with self.engine.begin() as conn:
                 table = self._table(conn, columns)

@@ -239,3 +239,35 @@ def test_a_password_the_url_shows_anyway_does_not_garble_every_line() -> None:
     assert redact(line) == line
     remember_url_secrets(sa.make_url("postgresql+psycopg://app:Real-s3cret@127.0.0.1/shop"))
     assert redact("login app/Real-s3cret refused") == "login app/*** refused"
+
+
+def test_a_store_built_in_code_registers_its_account_key_and_sas(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only the CLI's open_store registered a connection string's secrets; a store
+    built in function_app.py (from_connection_string, %AzureWebJobsStorage%) did not,
+    so an error quoting the key alone went out as it was."""
+    from dbtrigger.state.stores.blob import BlobCheckpointStore  # noqa: PLC0415
+    from dbtrigger.state.stores.table import TableCheckpointStore  # noqa: PLC0415
+
+    blob_key = "QmxvYktleS1mb3ItYS10ZXN0LW9ubHk="
+    table_sig = "VGFibGVTaWctZm9yLWEtdGVzdA%3D"
+    monkeypatch.setenv(
+        "DBT_TEST_STORAGE",
+        f"DefaultEndpointsProtocol=https;AccountName=acct;AccountKey={blob_key};"
+        "EndpointSuffix=core.windows.net",
+    )
+    blob = BlobCheckpointStore.from_connection_string(
+        "%DBT_TEST_STORAGE%", container="dbstate", app_name="app"
+    )
+    assert "acct.blob.core.windows.net" in blob.describe()  # (the client built: at first use)
+    store = TableCheckpointStore(
+        connection_string=(
+            "TableEndpoint=https://acct.table.core.windows.net/;"
+            f"SharedAccessSignature=sv=2022-11-02&sig={table_sig}"
+        ),
+        app_name="app",
+    )
+    store.describe()  # builds the client
+    assert redact(f"signing with {blob_key} failed") == "signing with *** failed"
+    assert table_sig not in redact(f"request refused ({table_sig})")

@@ -39,7 +39,7 @@ import re
 import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
-from urllib.parse import quote, quote_plus
+from urllib.parse import quote, quote_plus, unquote
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import URL
@@ -158,11 +158,16 @@ def remember_secret(value: str | None) -> None:
 
 
 def remember_connection_string(value: str) -> None:
-    """Register the secret fields of a storage connection string."""
+    """Register the secret fields of a storage connection string (a SAS's signature
+    alone too, as written and decoded: a request line quotes only that)."""
     for part in value.split(";"):
         key, _, secret = part.partition("=")
         if key.strip().lower() in ("accountkey", "sharedaccesssignature", "sharedaccesskey"):
             remember_secret(secret.strip())
+            for name, _, signature in (p.partition("=") for p in secret.split("&")):
+                if name.strip().lower() == "sig":
+                    remember_secret(signature.strip())
+                    remember_secret(unquote(signature.strip()))
 
 
 #: URL query options whose name contains one of these are dropped from a shown URL,

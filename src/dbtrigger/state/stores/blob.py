@@ -52,7 +52,7 @@ from dbtrigger.errors import (
     UnsafeIdentifierError,
 )
 from dbtrigger.names import validate_name
-from dbtrigger.redaction import redact
+from dbtrigger.redaction import redact, remember_connection_string
 from dbtrigger.settings import (
     Deferred,
     environment,
@@ -260,6 +260,7 @@ class BlobCheckpointStore(SdkClientHolder[ContainerClient]):
             conn_str = env[connection]
         else:
             conn_str = resolve_setting(connection, env)
+        remember_connection_string(conn_str)  # its key or SAS is masked wherever echoed
         try:
             return ContainerClient.from_connection_string(conn_str, container, **options)
         except ValueError:

@@ -69,7 +69,7 @@ from dbtrigger.errors import (
     UnsupportedDocumentError,
 )
 from dbtrigger.names import validate_name
-from dbtrigger.redaction import redact
+from dbtrigger.redaction import redact, remember_connection_string
 from dbtrigger.settings import Deferred, references_setting, resolve_setting
 from dbtrigger.state import sizes
 from dbtrigger.state.stores._sdk_client import SdkClientHolder
@@ -232,6 +232,7 @@ class TableCheckpointStore(SdkClientHolder[TableClient]):
                 conn = resolve_setting(f"%{connection_setting}%")
             else:
                 conn = resolve_setting(connection_string or "")
+            remember_connection_string(conn)  # its key or SAS is masked wherever echoed
             try:
                 return TableClient.from_connection_string(conn, table_name=table, **transport)
             except ValueError:

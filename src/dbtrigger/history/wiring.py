@@ -124,7 +124,9 @@ def record_write(
 def _await_writers(history: HistoryStore, doc: StateDocument, wait: float) -> None:
     """Wait (at most ``wait`` seconds) until ``history`` holds the commits of
     ``doc``'s journal younger than :data:`~dbtrigger.history.recorder.SETTLE_SECONDS`
-    (its last entry, the operator's own, aside)."""
+    (its last entry, the operator's own, aside). A history holding none of the
+    journal's entries is not where the poller records (a history of its own
+    elsewhere): nothing is waited for."""
     journal = list(doc.journal)
     now = dt.datetime.now(dt.timezone.utc)
     young = set()
@@ -140,11 +142,12 @@ def _await_writers(history: HistoryStore, doc: StateDocument, wait: float) -> No
             young.add(rec.entry_id(entry))
     if not young:
         return
+    ids = {rec.entry_id(e) for e in journal}
     deadline = time.monotonic() + wait
     while True:
         held = {str(r.get("id")) for r in history.tail(doc.poller_name, len(journal) + 1)}
-        if young <= held or time.monotonic() >= deadline:
-            return
+        if young <= held or not held & ids or time.monotonic() >= deadline:
+            return  # (holding none of the journal: not where the poller records)
         time.sleep(0.02)
 
 

@@ -69,15 +69,20 @@ def _cli(capsys: pytest.CaptureFixture[str], spec: str, *argv: str) -> tuple[int
 
 
 def test_a_polled_table_s_batches_around_a_retry_verify_without_drift(
-    sqlite_db: TestDatabase,
+    db: TestDatabase,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    orders_table(sqlite_db)
+    orders_table(db)
     clock = Clock()
     source = SqlAlchemySource(
-        url=sqlite_db.url, table="orders", cursor_column="seq", pk_columns=["id"], visibility="none"
+        url=db.url,
+        schema=db.schema,
+        table="orders",
+        cursor_column="seq",
+        pk_columns=["id"],
+        visibility="none",
     )
     trigger = PollTrigger(
         name="orders",
@@ -114,7 +119,7 @@ def test_a_polled_table_s_batches_around_a_retry_verify_without_drift(
     assert [[e.event_id for e in b] for b in again] == [[e.event_id for e in b] for b in live]
 
     # A row written into batch 2's range since (a late commit, say) is added there only.
-    sqlite_db.execute("INSERT INTO orders (id, seq, status) VALUES (100, 12, 'late')")
+    db.execute(f"INSERT INTO {db.qualified('orders')} (id, seq, status) VALUES (100, 12, 'late')")
     drifts = []
     for record in records:
         code, out = _cli(

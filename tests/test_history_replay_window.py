@@ -20,6 +20,7 @@ from dbtrigger.changelog import ChangeLogSource, install
 from dbtrigger.cli import main
 from dbtrigger.history import history_for
 from dbtrigger.history.records import image_text
+from dbtrigger.replay.batches import plan
 from dbtrigger.runtime.context import BatchContext
 from tests.databases import TestDatabase
 from tests.test_history_replay import Calls, orders_table, register
@@ -177,3 +178,41 @@ def test_a_change_log_s_batches_around_a_retry_replay_exactly(
     again = [events for events, _ in calls.batches]
     assert [[image_text(e) for e in b] for b in again] == [[image_text(e) for e in b] for b in live]
     assert [[e.event_id for e in b] for b in again] == [[e.event_id for e in b] for b in live]
+
+
+def test_a_change_log_batch_recorded_without_its_last_event_is_read_on_to_find_it(
+    sqlite_db: TestDatabase,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Records written before a batch's record said where its last event is
+    (``last``): a batch whose events reach past its ``to`` is read on (bounded)
+    until its recorded events are found, not refused as pruned."""
+    table = orders_table(sqlite_db, rows=0)
+    install(sqlite_db.engine, "orders", schema=sqlite_db.schema)
+    with sqlite_db.engine.begin() as conn:
+        conn.execute(
+            table.insert(),
+            [{"id": i, "seq": i, "status": "new", "amount": i} for i in range(1, 26)],
+        )
+    clock = Clock()
+    source = ChangeLogSource(url=sqlite_db.url, table="orders", visibility="none")
+    trigger = PollTrigger(
+        name="orders-log",
+        source=source,
+        checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+        batch_size=10,
+        clock=clock,
+    )
+    register(trigger, Calls(), monkeypatch, tmp_path)
+    _drain_with_a_retry(trigger, clock)
+    records = _batches(trigger)
+    old = []
+    for record in records:
+        detail = dict(record["detail"])  # type: ignore[call-overload]
+        detail.pop("last")
+        old.append({**record, "detail": detail})
+    replay = plan(trigger, old, old)
+    assert not replay.refusals(), replay.refusals()
+    assert not replay.drift
+    assert [len(b.events) for b in replay.batches] == [int(str(r["rows"])) for r in records]

@@ -44,9 +44,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from dbtrigger.cursor import Position
+from dbtrigger.cursor import Position, canonical_json
 from dbtrigger.errors import CasConflictError, ReplayRefusedError
 from dbtrigger.events import RowChange
+from dbtrigger.history import records as rec
 from dbtrigger.history.store import HistoryStore
 from dbtrigger.history.wiring import record_write
 from dbtrigger.replay.compare import (
@@ -56,6 +57,7 @@ from dbtrigger.replay.compare import (
     batch_end,
     compare,
     earlier_lines,
+    reach,
     read_range,
     recorded_lines,
 )
@@ -146,6 +148,28 @@ def plan(
                 f"{retention_hint(source)}"
             ) from exc
         batch = compare(record, events, source, trigger.name, elsewhere)
+        detail = record.get("detail")
+        if exact and isinstance(detail, Mapping) and "last" not in detail:
+            missing = [r for r in batch.drift if r.kind == "gone"]
+            lines = rec.detail_lines(record) or []
+            gone = {_key_of(r.key) for r in missing}
+            further = (
+                reach(
+                    source,
+                    trigger.name,
+                    batch_id,
+                    record,
+                    end,
+                    [line for line in lines if _key_of(line.key) in gone],
+                )
+                if missing
+                else None
+            )
+            if further is not None:
+                events = read_range(
+                    source, trigger.name, batch_id, start, further, int(record.get("rows") or 0)
+                )
+                batch = compare(record, events, source, trigger.name, elsewhere)
         if exact and batch.identical and not batch.compared:
             batch = BatchReplay(dict(record), list(events), [], compared=True, identical=True)
         batches.append(batch)
@@ -263,6 +287,10 @@ class ReplayLease:
         if entry is not None:
             doc = doc.with_journal_entry(entry)
         self.store.write(self.key, docmod.dumps(doc), if_match=self.etag)
+
+
+def _key_of(key: Mapping[str, Any]) -> str:
+    return canonical_json(dict(key))
 
 
 def journal_live(

@@ -164,6 +164,43 @@ def read_range(
         after = position_of(events[-1])
 
 
+#: How far past a record's ``to`` a replay reads, at most, for a record that does not
+#: say where its last event is: this many times its rows (and at least READ_ON_MIN).
+READ_ON_ROWS = 10
+READ_ON_MIN = 1000
+
+
+def reach(
+    source: Any,
+    poller: str,
+    batch_id: str,
+    record: Mapping[str, Any],
+    end: Position,
+    missing: Sequence[rec.EventLine],
+) -> Position | None:
+    """Where the last of the ``missing`` recorded events is past ``end``, read on
+    (bounded by :data:`READ_ON_ROWS`): for a record written before records said
+    where their last event is (``last``), whose batch reached past its ``to``
+    while a retry waited. None when none of them is found."""
+    wanted = {(_key_text(line.key), line.image) for line in missing}
+    cap = max(READ_ON_ROWS * int(record.get("rows") or 0), READ_ON_MIN)
+    after, seen, furthest = end, 0, None
+    while wanted and seen < cap:
+        rows = source.fetch(after, 500)
+        if not rows:
+            break
+        events = source.to_events(rows, poller=poller, batch_id=batch_id)
+        crcs = rec.batch_detail(events)["crcs"]
+        for event, crc in zip(events, crcs, strict=True):
+            key = (_event_key(event), f"{crc:08x}")
+            if key in wanted:
+                wanted.discard(key)
+                furthest = position_of(event)
+        seen += len(events)
+        after = position_of(events[-1])
+    return furthest
+
+
 def compare(
     record: Mapping[str, Any],
     events: Sequence[RowChange],
@@ -299,6 +336,10 @@ def batch_end(record: Mapping[str, Any]) -> Position:
     return end
 
 
+#: How many records back :func:`earlier_lines` looks at most.
+EARLIER_MAX = 10_000
+
+
 def earlier_lines(
     history: Sequence[Mapping[str, Any]], index: int, start: Position
 ) -> set[tuple[str, str]]:
@@ -307,10 +348,13 @@ def earlier_lines(
     before ``start`` (the rows of a range were settled by its own batch or by
     those before it, while the checkpoint stayed below them)."""
     chosen: list[Mapping[str, Any]] = []
-    for record in reversed(history[:index]):
+    for record in reversed(history[max(0, index - EARLIER_MAX) : index]):
         if record.get("type") not in ("commit", "partial_commit"):
             continue
         chosen.append(record)
+        detail = record.get("detail")
+        if isinstance(detail, Mapping) and "crcs" in detail and "last" not in detail:
+            continue  # (written before records said where their batch ended: unknown)
         try:
             if not beyond(batch_end(record), start):
                 break
@@ -341,6 +385,7 @@ __all__ = [
     "beyond",
     "compare",
     "earlier_lines",
+    "reach",
     "read_range",
     "recorded_lines",
 ]

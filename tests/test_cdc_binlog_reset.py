@@ -277,7 +277,7 @@ def test_a_control_table_of_an_earlier_version_gains_its_columns_and_keeps_its_r
     )
     binlog_db.execute(f"INSERT INTO {table} VALUES (2, 'b', 2)")
     again = BinlogSource(binlog_db.url, [table], snapshot="never", reader=name)
-    with pytest.raises(ConfigurationError, match="earlier version.*cdc install"):
+    with pytest.raises(ConfigurationError, match=r"earlier version.*cdc install"):
         control_row(binlog_db, name)
     plan = again.admin().plan()
     assert any("ADD COLUMN created_mark" in s for s in plan.statements), plan.statements

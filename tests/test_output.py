@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import inspect
+import threading
+import time
 import typing
 from collections.abc import Iterator
 from typing import Any
@@ -670,3 +672,78 @@ def test_an_upsert_row_with_a_null_conflict_column_is_refused(db: TestDatabase) 
         writer.close()
     with db.engine.connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(table)).scalar() == 0
+
+
+def test_a_write_chosen_as_deadlock_victim_is_written_again(
+    server_db: TestDatabase, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A deadlock victim's transaction is rolled back whole by the database, so the
+    write can simply run again: it used to fail the batch (OutputWriteError), so that
+    the handler ran again a tick later. The deadlock is real: another transaction holds
+    row 2, the upsert takes row 1 and waits for row 2, the other asks for row 1."""
+    db = server_db
+    sink = db.qualified("dl_sink")
+    db.execute(f"CREATE TABLE {sink} (id INTEGER PRIMARY KEY, v INTEGER)")
+    db.execute(f"CREATE TABLE {db.qualified('dl_filler')} (id INTEGER PRIMARY KEY)")
+    db.execute(f"INSERT INTO {sink} VALUES (1, 0), (2, 0)")
+    target = OutputTarget(
+        url=db.url, table="dl_sink", schema=db.schema, action="upsert", conflict_columns=["id"]
+    )
+    _targets.append(target)
+    outcome: list[Any] = []
+    other = db.engine.connect()
+    try:
+        tx = other.begin()
+        if db.kind == "postgresql":  # the upsert's own check finds the deadlock first
+            other.exec_driver_sql("SET LOCAL deadlock_timeout = '60s'")
+        else:  # InnoDB rolls back the smaller transaction: make this one the larger
+            # (and see below how the test knows the upsert holds row 1)
+            db.execute(
+                f"CREATE TRIGGER {db.qualified('dl_mark')} BEFORE UPDATE ON {sink} FOR EACH "
+                f"ROW BEGIN IF NEW.id = 1 THEN DO GET_LOCK('{db.schema}.dl', 0); END IF; END"
+            )
+            filler = ", ".join(f"({i})" for i in range(50))
+            other.exec_driver_sql(f"INSERT INTO {db.qualified('dl_filler')} VALUES {filler}")
+        other.exec_driver_sql(f"UPDATE {sink} SET v = 20 WHERE id = 2")
+
+        def write() -> None:
+            try:
+                outcome.append(target.write([{"id": 1, "v": 1}, {"id": 2, "v": 2}]))
+            except Exception as exc:
+                outcome.append(exc)
+
+        with caplog.at_level("INFO", logger="dbtrigger.output"):
+            thread = threading.Thread(target=write)
+            thread.start()
+            wait_for_a_lock_wait(db, "dl_sink", thread)
+            other.exec_driver_sql(f"UPDATE {sink} SET v = 10 WHERE id = 1")  # the deadlock
+            tx.commit()
+            thread.join(60)
+    finally:
+        other.close()
+    assert outcome == [2], outcome
+    assert [r.__dict__.get("event") for r in caplog.records] == ["output_write_retried"]
+    with db.engine.connect() as conn:
+        rows = conn.exec_driver_sql(f"SELECT id, v FROM {sink} ORDER BY id").fetchall()
+    assert [tuple(r) for r in rows] == [(1, 1), (2, 2)]
+
+
+def wait_for_a_lock_wait(db: TestDatabase, table: str, thread: threading.Thread) -> None:
+    """Until the upsert holds row 1 of ``table`` (bounded): on PostgreSQL, until it
+    waits for a row lock; on MariaDB, until its update of row 1 took the user lock
+    (INNODB_TRX can stay stale for seconds on a server other sessions read it on)."""
+    if db.kind == "postgresql":
+        probe, params = (
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND strpos(query, :table) > 0",
+            {"table": table},
+        )
+    else:
+        probe, params = "SELECT IS_USED_LOCK(:name) IS NOT NULL", {"name": f"{db.schema}.dl"}
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and thread.is_alive():
+        with db.engine.connect() as conn:
+            if conn.execute(sa.text(probe), params).scalar():
+                return
+        time.sleep(0.05)
+    raise AssertionError("the upsert never took row 1 and waited for row 2")

@@ -21,6 +21,22 @@ def short_error(exc: BaseException) -> str:
     return f"{type(orig).__name__}: {first}"[:300]
 
 
+#: Another transaction won (deadlock victim, serialization failure): the database
+#: rolled the whole transaction back, so running it again can succeed.
+PG_CONFLICT_SQLSTATES = frozenset({"40001", "40P01"})
+MYSQL_CONFLICT_CODES = frozenset({1213})
+
+
+def lost_to_another_transaction(exc: BaseException) -> bool:
+    """True for a deadlock victim or a serialization failure (PostgreSQL, MariaDB/MySQL):
+    the database rolled the transaction back, and the same transaction may run again."""
+    orig = getattr(exc, "orig", None) or exc
+    sqlstate = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    args = getattr(orig, "args", ())
+    code = args[0] if args and isinstance(args[0], int) else None
+    return sqlstate in PG_CONFLICT_SQLSTATES or code in MYSQL_CONFLICT_CODES
+
+
 def encoding_problem(exc: BaseException) -> str | None:
     """What is wrong, for a driver failure raised *outside* the DB-API error tree (None: unknown).
 
@@ -45,4 +61,10 @@ def encoding_problem(exc: BaseException) -> str | None:
     )
 
 
-__all__ = ["encoding_problem", "short_error"]
+__all__ = [
+    "MYSQL_CONFLICT_CODES",
+    "PG_CONFLICT_SQLSTATES",
+    "encoding_problem",
+    "lost_to_another_transaction",
+    "short_error",
+]

@@ -21,6 +21,7 @@ fails the statement there, as it does on PostgreSQL and SQLite
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -28,13 +29,19 @@ import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from dbtrigger._driver_errors import short_error
+from dbtrigger._driver_errors import lost_to_another_transaction, short_error
 from dbtrigger._tables import UPSERT_DIALECTS, TableHandle, upsert_refusal, upsert_statement
 from dbtrigger.errors import ConfigurationError, OutputValueError, OutputWriteError
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.redaction import safe_url_text
 
 Action = Literal["insert", "upsert"]
+
+#: Tries of one write when the database picks it as a deadlock victim or fails it
+#: on serialization (each a whole transaction it rolled back), the first included.
+WRITE_ATTEMPTS = 3
+
+log = logging.getLogger("dbtrigger.output")
 
 Row = dict[str, Any]
 
@@ -157,27 +164,47 @@ class OutputTarget:
                 column, an object the driver cannot send), or an upsert row with
                 None in a conflict column; nothing is written.
             OutputWriteError: the database refused or failed the write (the
-                message names the driver error, never the row values).
+                message names the driver error, never the row values). A
+                deadlock or serialization failure is written again first, up to
+                ``WRITE_ATTEMPTS`` times in all.
         """
         if not rows:
             return 0
         columns = list(rows[0])
         if self.action == "upsert":
             self._db.refuse_null_keys(rows, self.conflict_columns)
-        try:
-            with self.engine.begin() as conn:
-                table = self._table(conn, columns)
-                self._db.write(conn, table, self._statement(table, columns), rows)
-        except (ConfigurationError, OutputValueError):
-            raise
-        except SQLAlchemyError as exc:
-            why = upsert_refusal(exc, self.conflict_columns) or short_error(exc)
-            raise OutputWriteError(
-                f"writing {len(rows)} row(s) to {self.name} failed: {why}",
-                table=self.name,
-                rows=len(rows),
-            ) from exc
-        return len(rows)
+        attempt = 1
+        while True:
+            try:
+                with self.engine.begin() as conn:
+                    table = self._table(conn, columns)
+                    self._db.write(conn, table, self._statement(table, columns), rows)
+                return len(rows)
+            except (ConfigurationError, OutputValueError):
+                raise
+            except SQLAlchemyError as exc:
+                # A deadlock victim or a serialization failure: the database rolled the
+                # whole write back, and it may run again at once (the batch need not).
+                if attempt < WRITE_ATTEMPTS and lost_to_another_transaction(exc):
+                    log.info(
+                        "writing %d row(s) to %s lost to another transaction (%s); "
+                        "writing them again (attempt %d of %d)",
+                        len(rows),
+                        self.name,
+                        short_error(exc),
+                        attempt + 1,
+                        WRITE_ATTEMPTS,
+                        extra={"event": "output_write_retried", "table": self.name},
+                    )
+                    attempt += 1
+                    continue
+                why = upsert_refusal(exc, self.conflict_columns) or short_error(exc)
+                raise OutputWriteError(
+                    f"writing {len(rows)} row(s) to {self.name} failed: {why}",
+                    table=self.name,
+                    rows=len(rows),
+                    attempts=attempt,
+                ) from exc
 
 
 class DbOut:

@@ -57,7 +57,12 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 from sqlalchemy.engine import Connection, Engine
 
-from dbtrigger._driver_errors import encoding_problem, short_error
+from dbtrigger._driver_errors import (
+    MYSQL_CONFLICT_CODES,
+    PG_CONFLICT_SQLSTATES,
+    encoding_problem,
+    short_error,
+)
 from dbtrigger._engine import LazyEngine, parse_database_url
 from dbtrigger._once import Once
 from dbtrigger.errors import (
@@ -99,8 +104,8 @@ _PG_AUTH_MESSAGES = re.compile(
 )
 _MYSQL_AUTH_CODES = frozenset({1044, 1045, 1142, 1143, 1227, 1370, 1698})
 # Another transaction won (deadlock victim, serialization failure): rolled back.
-_PG_CONFLICT_SQLSTATES = frozenset({"40001", "40P01"})
-_MYSQL_CONFLICT_CODES = frozenset({1213})
+_PG_CONFLICT_SQLSTATES = PG_CONFLICT_SQLSTATES
+_MYSQL_CONFLICT_CODES = MYSQL_CONFLICT_CODES
 # A create that lost: the (namespace, poller_name) key exists already.
 _MYSQL_DUPLICATE_CODES = frozenset({1062})
 _SQLITE_DUPLICATE = re.compile(r"UNIQUE constraint failed|PRIMARY KEY must be unique")

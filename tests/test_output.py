@@ -674,8 +674,9 @@ def test_an_upsert_row_with_a_null_conflict_column_is_refused(db: TestDatabase) 
         assert conn.execute(sa.select(sa.func.count()).select_from(table)).scalar() == 0
 
 
+@pytest.mark.parametrize("binding", ["db.output", "DbWriter"])
 def test_a_write_chosen_as_deadlock_victim_is_written_again(
-    server_db: TestDatabase, caplog: pytest.LogCaptureFixture
+    server_db: TestDatabase, binding: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A deadlock victim's transaction is rolled back whole by the database, so the
     write can simply run again: it used to fail the batch (OutputWriteError), so that
@@ -690,6 +691,7 @@ def test_a_write_chosen_as_deadlock_victim_is_written_again(
         url=db.url, table="dl_sink", schema=db.schema, action="upsert", conflict_columns=["id"]
     )
     _targets.append(target)
+    writer = DbWriter(url=db.url, table="dl_sink", schema=db.schema)
     outcome: list[Any] = []
     other = db.engine.connect()
     try:
@@ -708,11 +710,16 @@ def test_a_write_chosen_as_deadlock_victim_is_written_again(
 
         def write() -> None:
             try:
-                outcome.append(target.write([{"id": 1, "v": 1}, {"id": 2, "v": 2}]))
+                rows = [{"id": 1, "v": 1}, {"id": 2, "v": 2}]
+                if binding == "db.output":
+                    outcome.append(target.write(rows))
+                else:
+                    writer.upsert_many(rows=rows, conflict_columns=["id"])
+                    outcome.append(2)
             except Exception as exc:
                 outcome.append(exc)
 
-        with caplog.at_level("INFO", logger="dbtrigger.output"):
+        with caplog.at_level("INFO", logger="dbtrigger"):
             thread = threading.Thread(target=write)
             thread.start()
             wait_for_a_lock_wait(db, "dl_sink", thread)
@@ -721,6 +728,7 @@ def test_a_write_chosen_as_deadlock_victim_is_written_again(
             thread.join(60)
     finally:
         other.close()
+        writer.close()
     assert outcome == [2], outcome
     assert [r.__dict__.get("event") for r in caplog.records] == ["output_write_retried"]
     with db.engine.connect() as conn:

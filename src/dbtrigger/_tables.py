@@ -33,6 +33,11 @@ from dbtrigger._engine import LazyEngine
 from dbtrigger.errors import ConfigurationError, OutputValueError
 from dbtrigger.names import validate_sql_identifier
 
+#: Tries of one write (db.output's, or a DbWriter operation in a transaction of its
+#: own) when the database picks it as a deadlock victim or fails it on serialization
+#: (a whole transaction it rolled back), the first included.
+WRITE_ATTEMPTS = 3
+
 #: Dialects with a native upsert statement we know how to build.
 UPSERT_DIALECTS = frozenset({"postgresql", "sqlite", "mysql", "mariadb"})
 
@@ -330,4 +335,4 @@ def upsert_refusal(exc: BaseException, conflict_columns: Sequence[str]) -> str |
     )
 
 
-__all__ = ["UPSERT_DIALECTS", "TableHandle", "upsert_refusal", "upsert_statement"]
+__all__ = ["UPSERT_DIALECTS", "WRITE_ATTEMPTS", "TableHandle", "upsert_refusal", "upsert_statement"]

@@ -29,15 +29,16 @@ after writing gets its batch again: make them idempotent (``upsert``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from dbtrigger._driver_errors import short_error
-from dbtrigger._tables import TableHandle, upsert_refusal, upsert_statement
+from dbtrigger._driver_errors import lost_to_another_transaction, short_error
+from dbtrigger._tables import WRITE_ATTEMPTS, TableHandle, upsert_refusal, upsert_statement
 from dbtrigger.errors import (
     ConfigurationError,
     FetchError,
@@ -47,6 +48,9 @@ from dbtrigger.errors import (
 from dbtrigger.names import validate_sql_identifier
 
 Row = dict[str, Any]
+T = TypeVar("T")
+
+log = logging.getLogger("dbtrigger.output")
 
 
 def _mapping(value: object, option: str, names: str = "column names") -> Mapping[str, Any]:
@@ -214,23 +218,51 @@ class DbWriter(_OnTable):
                 f"the transaction on {self._db.name} failed: {short_error(exc)}", table=self.name
             ) from exc
 
-    @contextlib.contextmanager
-    def _writing(
-        self, what: str, rows: int, conflict_columns: Sequence[str] = ()
-    ) -> Iterator[Connection]:
-        try:
-            if self._conn is not None:
-                yield self._conn
-                return
-            with self._db.engine.begin() as conn:
-                yield conn
-        except (ConfigurationError, RowNotFoundError):
-            raise
-        except SQLAlchemyError as exc:
-            why = upsert_refusal(exc, conflict_columns) or short_error(exc)
-            raise OutputWriteError(
-                f"{what} on {self._db.name} failed: {why}", table=self.name, rows=rows
-            ) from exc
+    def _write(
+        self,
+        what: str,
+        rows: int,
+        work: Callable[[Connection], T],
+        conflict_columns: Sequence[str] = (),
+    ) -> T:
+        """``work`` on the open transaction, or in one of its own. One of its own that
+        the database chose as a deadlock victim (or failed on serialization) was rolled
+        back whole: it runs again, up to ``WRITE_ATTEMPTS`` tries. Inside
+        ``transaction()`` the whole block was rolled back: that is the caller's to run
+        again, and the error says so."""
+        attempt = 1
+        while True:
+            try:
+                if self._conn is not None:
+                    return work(self._conn)
+                with self._db.engine.begin() as conn:
+                    return work(conn)
+            except (ConfigurationError, RowNotFoundError):
+                raise
+            except SQLAlchemyError as exc:
+                lost = lost_to_another_transaction(exc)
+                if lost and self._conn is None and attempt < WRITE_ATTEMPTS:
+                    log.info(
+                        "%s on %s lost to another transaction (%s); running it again "
+                        "(attempt %d of %d)",
+                        what,
+                        self._db.name,
+                        short_error(exc),
+                        attempt + 1,
+                        WRITE_ATTEMPTS,
+                        extra={"event": "output_write_retried", "table": self.name},
+                    )
+                    attempt += 1
+                    continue
+                why = upsert_refusal(exc, conflict_columns) or short_error(exc)
+                if lost and self._conn is not None:
+                    why += " (the database rolled the whole transaction back: run it again)"
+                raise OutputWriteError(
+                    f"{what} on {self._db.name} failed: {why}",
+                    table=self.name,
+                    rows=rows,
+                    attempts=attempt,
+                ) from exc
 
     def insert(self, *, data: Mapping[str, Any]) -> None:
         self.insert_many(rows=[data])
@@ -240,9 +272,12 @@ class DbWriter(_OnTable):
         if not rows:
             return
         columns = _same_columns(rows)
-        with self._writing("an insert", len(rows)) as conn:
+
+        def work(conn: Connection) -> None:
             table = self._db.columns(conn, columns)
             self._db.write(conn, table, sa.insert(table), rows)
+
+        self._write("an insert", len(rows), work)
 
     def upsert(self, *, data: Mapping[str, Any], conflict_columns: Sequence[str]) -> None:
         self.upsert_many(rows=[data], conflict_columns=conflict_columns)
@@ -259,27 +294,36 @@ class DbWriter(_OnTable):
             validate_sql_identifier(column, "conflict column")
         columns = _same_columns(rows)
         self._db.refuse_null_keys(rows, conflict_columns)
-        with self._writing("an upsert", len(rows), conflict_columns) as conn:
+
+        def work(conn: Connection) -> None:
             table = self._db.columns(conn, [*columns, *conflict_columns])
             statement = upsert_statement(conn.dialect.name, table, columns, tuple(conflict_columns))
             self._db.write(conn, table, statement, rows)
+
+        self._write("an upsert", len(rows), work, conflict_columns)
 
     def update(self, *, data: Mapping[str, Any], pk: Mapping[str, Any]) -> int:
         """Set ``data`` on the row with key ``pk``; how many rows changed (0: none had it)."""
         if not _mapping(data, "data="):
             raise ConfigurationError("update(data=...) names no column to set")
-        with self._writing("an update", 1) as conn:
+
+        def work(conn: Connection) -> int:
             table = self._db.columns(conn, list(data))
             where = _key_clause(table, pk, self._db.name)
             statement = sa.update(table).where(where).values(dict(data))
             return int(self._db.write(conn, table, statement, [data], each=False).rowcount)
 
+        return self._write("an update", 1, work)
+
     def delete(self, *, pk: Mapping[str, Any]) -> int:
         """Delete the row with key ``pk``; how many rows went (0: there was none)."""
-        with self._writing("a delete", 1) as conn:
+
+        def work(conn: Connection) -> int:
             table = self._db.table(conn)
             where = _key_clause(table, pk, self._db.name)
             return int(conn.execute(sa.delete(table).where(where)).rowcount)
+
+        return self._write("a delete", 1, work)
 
 
 def _same_columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -30,16 +30,18 @@ from sqlalchemy.engine import URL, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from dbtrigger._driver_errors import lost_to_another_transaction, short_error
-from dbtrigger._tables import UPSERT_DIALECTS, TableHandle, upsert_refusal, upsert_statement
+from dbtrigger._tables import (
+    UPSERT_DIALECTS,
+    WRITE_ATTEMPTS,
+    TableHandle,
+    upsert_refusal,
+    upsert_statement,
+)
 from dbtrigger.errors import ConfigurationError, OutputValueError, OutputWriteError
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.redaction import safe_url_text
 
 Action = Literal["insert", "upsert"]
-
-#: Tries of one write when the database picks it as a deadlock victim or fails it
-#: on serialization (each a whole transaction it rolled back), the first included.
-WRITE_ATTEMPTS = 3
 
 log = logging.getLogger("dbtrigger.output")
 

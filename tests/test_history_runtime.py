@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -26,7 +27,7 @@ import sqlalchemy as sa
 from dbtrigger import FileCheckpointStore, PollTrigger, RowChange, SqlAlchemySource
 from dbtrigger.cursor import encoded_pk
 from dbtrigger.errors import StoreUnavailableError
-from dbtrigger.history import HistoryStore, MemoryHistory, SqlHistory, history_for
+from dbtrigger.history import FileHistory, HistoryStore, MemoryHistory, SqlHistory, history_for
 from dbtrigger.history.records import detail_lines, image_crc
 from dbtrigger.history.store import Retention
 from dbtrigger.metrics import InMemoryMetrics
@@ -584,3 +585,38 @@ def test_the_runtime_prunes_by_the_history_store_s_retention(tmp_path: Path) -> 
     assert seqs == list(range(seqs[0], 42))  # 41 commits, the oldest pruned
     assert sum(p.stat().st_size for p in (tmp_path / "state").glob("orders.history.*")) < 4096
     assert metrics.total("history_pruned_total") == seqs[0] - 1
+
+
+def test_a_history_lost_after_the_journal_filled_begins_again_with_a_gap_record(
+    tmp_path: Path,
+) -> None:
+    """A file history whose directory is removed (or a history turned on late) holds no
+    record while the journal has already dropped entries: the records that follow
+    begin with a gap record, not as if the poller's first commit were the oldest."""
+    store = InMemoryCheckpointStore()
+    where = tmp_path / "history"
+    trigger = PollTrigger(
+        name="orders",
+        source=memory_source(100),
+        checkpoint_store=store,
+        batch_size=5,
+        journal_limit=3,
+        history=FileHistory(where),
+    )
+    for _ in range(5):
+        trigger.tick(lambda events: None)
+    trigger.close()
+    shutil.rmtree(where)
+    again = PollTrigger(
+        name="orders",
+        source=memory_source(100),
+        checkpoint_store=store,
+        batch_size=5,
+        journal_limit=3,
+        history=FileHistory(where),
+    )
+    again.tick(lambda events: None)
+    again.close()
+    records = list(FileHistory(where).read("orders"))
+    assert [r["type"] for r in records][:1] == ["gap"], records
+    assert records[0]["after_id"] is None

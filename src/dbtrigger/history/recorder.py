@@ -502,9 +502,15 @@ class HistoryRecorder:
             self._known = (ids[found[-1]], after) if found[-1] == len(ids) - 1 else None
             return found[-1] + 1, after, None
         gap = None
-        if tail and len(entries) >= self.journal_limit > 0:
+        # A full journal has dropped entries: what the history lacks may go back
+        # further. With no history at all (a history directory removed, a new table,
+        # a history turned on for a poller that committed before) the records begin
+        # with a gap record, not as if the poller's first commit were this one.
+        if len(entries) >= self.journal_limit > 0:
             gap = rec.gap_record(
-                after=tail[-1], now=self.clock(), missing_from=rec.entry_time(entries[0])
+                after=tail[-1] if tail else None,
+                now=self.clock(),
+                missing_from=rec.entry_time(entries[0]),
             )
         return 0, after, gap
 

@@ -130,7 +130,11 @@ def gap_record(
         "after_at": (after or {}).get("at"),
         "journal_from": missing_from,
         "note": "entries between these times may be missing: the history could not be "
-        "written for longer than the state document's journal reaches back",
+        "written for longer than the state document's journal reaches back"
+        if after is not None
+        else "entries before this time may be missing: the history held no record (it was "
+        "removed, or started after the poller's first commits) and the state document's "
+        "journal reaches back only this far",
     }
 
 

@@ -755,3 +755,23 @@ def wait_for_a_lock_wait(db: TestDatabase, table: str, thread: threading.Thread)
                 return
         time.sleep(0.05)
     raise AssertionError("the upsert never took row 1 and waited for row 2")
+
+
+def test_a_writer_upsert_on_columns_that_are_no_key_is_refused(db: TestDatabase) -> None:
+    """DbWriter.upsert_many did not check its conflict columns, as db.output does: on
+    MariaDB an upsert on a column that is no key never matched and inserted the row
+    again on every call (an AUTO_INCREMENT key takes each), and elsewhere it failed as
+    a retryable write error. Now the ConfigurationError db.output gives."""
+    ident = "INTEGER PRIMARY KEY" + (" AUTO_INCREMENT" if db.kind == "mariadb" else "")
+    if db.kind == "postgresql":
+        ident = "SERIAL PRIMARY KEY"
+    db.execute(f"CREATE TABLE {db.qualified('refs')} (id {ident}, ref VARCHAR(20), n INTEGER)")
+    writer = DbWriter(url=db.url, table="refs", schema=db.schema)
+    try:
+        for _ in range(2):
+            with pytest.raises(ConfigurationError, match=r"no primary key or unique constraint"):
+                writer.upsert_many(rows=[{"ref": "a", "n": 1}], conflict_columns=["ref"])
+    finally:
+        writer.close()
+    with db.engine.connect() as conn:
+        assert conn.exec_driver_sql(f"SELECT count(*) FROM {db.qualified('refs')}").scalar() == 0

@@ -92,6 +92,8 @@ class TableHandle:
         self._engines = LazyEngine(lambda: self._db_url.value, engine_kwargs, engine)
         self._table: sa.Table | None = None
         self._lock = threading.Lock()
+        #: Sets of conflict columns found to be a key of the table.
+        self._keys_checked: set[frozenset[str]] = set()
 
     @property
     def url(self) -> URL:
@@ -180,6 +182,38 @@ class TableHandle:
             if problem is None:
                 raise
             raise problem from exc
+
+    def check_conflict_key(self, conn: Connection, conflict_columns: Sequence[str]) -> None:
+        """Refuse ``conflict_columns`` that are not exactly the primary key or a unique
+        constraint or index of the table (checked once per set of columns).
+
+        An upsert on anything else never matches on MariaDB/MySQL (each call inserts the
+        row again) and fails as a write error elsewhere.
+
+        Raises:
+            ConfigurationError: names the columns and the table.
+        """
+        wanted = frozenset(conflict_columns)
+        if wanted in self._keys_checked:
+            return
+        table = self.columns(conn, list(conflict_columns))
+        inspector = sa.inspect(conn)
+        keys: list[set[str]] = [{c.name for c in table.primary_key.columns}]
+        keys += [
+            {c for c in u["column_names"] if c}
+            for u in inspector.get_unique_constraints(table.name, schema=self.schema)
+        ]
+        keys += [
+            {c for c in i["column_names"] if c}
+            for i in inspector.get_indexes(table.name, schema=self.schema)
+            if i.get("unique")
+        ]
+        if set(wanted) not in keys:
+            raise ConfigurationError(
+                f"{self.noun} {self.name} has no primary key or unique constraint on exactly "
+                f"({', '.join(conflict_columns)}); an upsert needs one to detect replays"
+            )
+        self._keys_checked.add(wanted)
 
     def refuse_null_keys(
         self, rows: Sequence[Mapping[str, Any]], conflict_columns: Sequence[str]

@@ -296,6 +296,7 @@ class DbWriter(_OnTable):
         self._db.refuse_null_keys(rows, conflict_columns)
 
         def work(conn: Connection) -> None:
+            self._db.check_conflict_key(conn, conflict_columns)
             table = self._db.columns(conn, [*columns, *conflict_columns])
             statement = upsert_statement(conn.dialect.name, table, columns, tuple(conflict_columns))
             self._db.write(conn, table, statement, rows)

@@ -91,7 +91,6 @@ class OutputTarget:
             noun="output table",
             check=self._check_dialect,
         )
-        self._key_checked = False
 
     def _check_dialect(self, url: URL) -> None:
         dialect = url.get_backend_name()
@@ -128,28 +127,9 @@ class OutputTarget:
 
     def _table(self, conn: sa.Connection, columns: Sequence[str]) -> sa.Table:
         """The table (reflected once), its conflict key checked once, with ``columns``."""
-        if self.action == "upsert" and not self._key_checked:
-            self._check_conflict_key(conn, self._db.columns(conn, self.conflict_columns))
-            self._key_checked = True
+        if self.action == "upsert":
+            self._db.check_conflict_key(conn, self.conflict_columns)
         return self._db.columns(conn, columns)
-
-    def _check_conflict_key(self, conn: sa.Connection, table: sa.Table) -> None:
-        inspector = sa.inspect(conn)
-        keys: list[set[str]] = [{c.name for c in table.primary_key.columns}]
-        keys += [
-            {c for c in u["column_names"] if c}
-            for u in inspector.get_unique_constraints(self.table_name, schema=self.schema)
-        ]
-        keys += [
-            {c for c in i["column_names"] if c}
-            for i in inspector.get_indexes(self.table_name, schema=self.schema)
-            if i.get("unique")
-        ]
-        if set(self.conflict_columns) not in keys:
-            raise ConfigurationError(
-                f"output table {self.name} has no primary key or unique constraint on exactly "
-                f"({', '.join(self.conflict_columns)}); an upsert needs one to detect replays"
-            )
 
     def _statement(self, table: sa.Table, columns: Sequence[str]) -> Any:
         if self.action == "insert":

@@ -586,3 +586,24 @@ def test_uninstall_after_the_table_was_dropped_or_renamed(db: TestDatabase) -> N
             ).scalar()
         assert left == 0
     uninstall(db.engine, "orders", schema=db.schema, drop_log=True)  # nothing left: a no-op
+
+
+@pytest.mark.filterwarnings("ignore:Did not recognize type")
+def test_a_spatial_column_is_logged_as_hex(mariadb: TestDatabase, tmp_path: Path) -> None:
+    """A MariaDB POINT is bytes; JSON_OBJECT wrote them as text, one character per byte
+    (NULs and all): an image no reader could use. Logged as hex, as binary columns are."""
+    db = mariadb
+    places = db.qualified("places")
+    db.execute(f"CREATE TABLE {places} (id INTEGER PRIMARY KEY, at POINT, name TEXT)")
+    install(db.engine, "places", schema=db.schema)
+    db.execute(f"INSERT INTO {places} VALUES (1, POINT(1, 2), 'café')")
+    with db.engine.connect() as conn:
+        stored = conn.exec_driver_sql(f"SELECT HEX(at) FROM {places}").scalar()
+    trigger = PollTrigger(
+        name="places",
+        source=ChangeLogSource(url=db.url, table="places", schema=db.schema, visibility="none"),
+        checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+    )
+    seen: list[RowChange] = []
+    trigger.drain(seen.extend)
+    assert [e.after for e in seen] == [{"id": 1, "at": stored, "name": "café"}]

@@ -181,6 +181,7 @@ def reflect_table(conn: sa.Connection, table: str, schema: str | None) -> TableI
             f"table {table!r} has no primary key: the change log keys every change by it"
         )
     compiler = conn.dialect.type_compiler_instance
+    spatial = _spatial_columns(conn, table, schema) if dialect in ("mysql", "mariadb") else set()
 
     def info(column: sa.Column[Any]) -> ColumnInfo:
         validate_sql_identifier(column.name, "column")
@@ -199,7 +200,8 @@ def reflect_table(conn: sa.Connection, table: str, schema: str | None) -> TableI
         return ColumnInfo(
             name=column.name,
             sql_type=sql_type,
-            binary=isinstance(column.type, sa.LargeBinary | sa.types._Binary),
+            binary=isinstance(column.type, sa.LargeBinary | sa.types._Binary)
+            or column.name in spatial,
             bit=isinstance(column.type, mysql.BIT),
         )
 
@@ -219,6 +221,33 @@ def reflect_table(conn: sa.Connection, table: str, schema: str | None) -> TableI
         columns=tuple(info(c) for c in reflected.columns),
         mariadb=dialect == "mariadb" or bool(getattr(conn.dialect, "is_mariadb", False)),
     )
+
+
+#: MariaDB/MySQL spatial types: bytes (SRID and WKB) that SQLAlchemy reflects as
+#: an unknown type, and JSON_OBJECT would write as text, one character per byte.
+_SPATIAL_TYPES = (
+    "geometry",
+    "point",
+    "linestring",
+    "polygon",
+    "multipoint",
+    "multilinestring",
+    "multipolygon",
+    "geometrycollection",
+)
+
+
+def _spatial_columns(conn: sa.Connection, table: str, schema: str | None) -> set[str]:
+    """The columns of ``table`` of a spatial type: the row images hold them as hex."""
+    rows = conn.execute(
+        sa.text(
+            "SELECT COLUMN_NAME FROM information_schema.COLUMNS "
+            "WHERE TABLE_SCHEMA = coalesce(:schema, DATABASE()) AND TABLE_NAME = :table "
+            "AND LOWER(DATA_TYPE) IN :types"
+        ).bindparams(sa.bindparam("types", expanding=True)),
+        {"schema": schema, "table": table, "types": list(_SPATIAL_TYPES)},
+    )
+    return {str(name) for (name,) in rows}
 
 
 Quote = Callable[[str], str]

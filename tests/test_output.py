@@ -333,6 +333,12 @@ def test_an_object_the_driver_cannot_send_is_named(
         check_unwritable(db, column, Opaque(), "Opaque")
 
 
+def test_an_object_in_a_number_column_is_refused_on_every_database(db: TestDatabase) -> None:
+    """PyMySQL sent the object as its str(), and MariaDB outside strict mode stored it
+    as 0 with a warning: the sink held a wrong amount and nothing said so."""
+    check_unwritable(db, "amount", Opaque(), "Opaque")
+
+
 def check_unwritable(db: TestDatabase, column: str, value: object, kind: str) -> None:
     table = make_sink(db)
     rows: list[dict[str, Any]] = [

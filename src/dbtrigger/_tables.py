@@ -18,6 +18,7 @@ writer of :mod:`dbtrigger.dbio` share what a binding needs of its table:
 from __future__ import annotations
 
 import datetime as dt
+import numbers
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal
@@ -57,6 +58,9 @@ _STRUCTURES = (Mapping, list, tuple, set, frozenset)
 #: Values every driver sends as they are: never the value a failure is blamed on.
 _SCALARS: tuple[type[Any], ...] = (str, bytes, bytearray, memoryview, int, float, Decimal)
 _SCALARS += (dt.date, dt.time, dt.timedelta, UUID)
+#: What a number column is given that the database can judge itself (a string of
+#: digits is the server's to convert or refuse).
+_NUMBER_LIKE = (numbers.Number, str, bytes)
 
 
 class TableHandle:
@@ -170,9 +174,16 @@ class TableHandle:
         for column in columns:
             column_type = table.c[column].type
             if isinstance(column_type, _PLAIN_TYPES) and type(column_type).__name__ != "SET":
+                numeric = isinstance(column_type, (sa.Integer, sa.Numeric))
                 for index, row in enumerate(rows):
-                    if isinstance(row.get(column), _STRUCTURES):
-                        raise self._unwritable(index, column, row.get(column), column_type, "")
+                    value = row.get(column)
+                    if isinstance(value, _STRUCTURES) or (
+                        # PyMySQL sends an object it does not know as its str(), which a
+                        # MariaDB/MySQL server outside strict mode stores in a number
+                        # column as 0, with a warning no one reads.
+                        numeric and value is not None and not isinstance(value, _NUMBER_LIKE)
+                    ):
+                        raise self._unwritable(index, column, value, column_type, "")
         try:
             if not each:
                 return conn.execute(statement)

@@ -607,3 +607,21 @@ def test_a_spatial_column_is_logged_as_hex(mariadb: TestDatabase, tmp_path: Path
     seen: list[RowChange] = []
     trigger.drain(seen.extend)
     assert [e.after for e in seen] == [{"id": 1, "at": stored, "name": "café"}]
+
+
+def test_a_log_dropped_under_a_running_poller_names_the_install(
+    db: TestDatabase, tmp_path: Path
+) -> None:
+    """``changelog uninstall --drop-log`` while a poller runs: its next fetch failed with
+    the keyset source's "fix the source definition ... or the table", which names
+    neither the change log nor the command that brings it back."""
+    orders = make_orders(db)
+    install(db.engine, "orders", schema=db.schema)
+    db.execute(f"INSERT INTO {orders} (id, status) VALUES (1, 'new')")
+    trigger = poller(db, tmp_path)
+    assert trigger.drain(Replica()) == 1
+    uninstall(db.engine, "orders", schema=db.schema, drop_log=True)
+    with pytest.raises(
+        ConfigurationError, match=r"change log of orders is gone.*changelog install"
+    ):
+        trigger.tick(Replica())

@@ -32,7 +32,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from dbtrigger import options as opt
 from dbtrigger._engine import create_engine, parse_database_url
 from dbtrigger.changelog.ddl import LOG_COLUMNS, log_table_name
-from dbtrigger.changelog.drift import Drift, find_drift
+from dbtrigger.changelog.drift import Drift, find_drift, install_command
 from dbtrigger.changelog.events import log_events
 from dbtrigger.changelog.operations import log_table
 from dbtrigger.changelog.pruning import ChangeLogPruner
@@ -40,6 +40,7 @@ from dbtrigger.cursor import Position
 from dbtrigger.errors import (
     ChangeLogGapError,
     ConfigurationError,
+    SourceDefinitionError,
 )
 from dbtrigger.events import RowChange
 from dbtrigger.names import validate_sql_identifier
@@ -291,7 +292,10 @@ class ChangeLogSource:
         inner = self._inner()
         if time.monotonic() >= self._next_drift_check:
             self.check_drift()
-        rows = inner.fetch(self._log_position(after), limit)
+        try:
+            rows = inner.fetch(self._log_position(after), limit)
+        except SourceDefinitionError as exc:
+            raise self._explained(exc) from exc
         unkeyed = _unkeyed(rows, self.pk_columns)
         if unkeyed:
             self.check_drift()  # the likely cause; raises naming the fix
@@ -317,6 +321,26 @@ class ChangeLogSource:
         if found:
             raise found.error()
         return found
+
+    def _explained(self, exc: SourceDefinitionError) -> SourceDefinitionError:
+        """A fetch refused as a source definition error, said in change log terms when
+        the log or its triggers are the reason (dropped while the poller ran)."""
+        try:
+            with self.engine.connect() as conn:
+                found = find_drift(conn, self._table, self._schema)
+        except SQLAlchemyError:
+            return exc
+        if found:
+            return found.error()
+        if not found.missing:
+            return exc
+        return SourceDefinitionError(
+            f"the change log of {self._table} is gone (table {log_table_name(self._table)} "
+            "does not exist: uninstalled with --drop-log, or dropped) while this poller was "
+            "reading it; changes made since were not logged. Install it again: "
+            f"`{install_command(self._table, self._schema)}`, and resync what the poller "
+            "feeds from the table (`dbtrigger changelog snapshot`)"
+        )
 
     def _gap(self, seqs: Sequence[Any]) -> ChangeLogGapError:
         log_name = log_table_name(self._table)

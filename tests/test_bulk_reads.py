@@ -7,6 +7,7 @@ start, under the same lease, and dropped in every other case."""
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -282,7 +283,10 @@ def test_a_part_checks_its_own_null_keys() -> None:
 # --- PostgreSQL ----------------------------------------------------------------------
 
 
-def test_a_postgresql_catch_up_reads_a_query_for_ten_batches(pg: TestDatabase) -> None:
+@pytest.mark.parametrize("read_ahead", [False, "always"])
+def test_a_postgresql_catch_up_reads_a_query_for_ten_batches(
+    pg: TestDatabase, read_ahead: bool | str
+) -> None:
     table = items_table(pg)
     add_items(pg, table, range(1, 251))
     source = items_source(pg)
@@ -294,12 +298,12 @@ def test_a_postgresql_catch_up_reads_a_query_for_ten_batches(pg: TestDatabase) -
         return fetch(after, limit)
 
     source.fetch = counted  # type: ignore[method-assign]
-    trigger = trigger_for(source, history=True)
+    trigger = trigger_for(source, history=True, read_ahead=read_ahead)
     batches: list[list[int]] = []
     assert trigger.drain(lambda events: batches.append(ids(events))) == 250
     assert batches == [list(range(i, i + 10)) for i in range(1, 251, 10)]
     # Three reads of 100 rows, and after the last (full) batch one that comes back
-    # empty, and the drain's last tick's: 5 queries instead of 27.
+    # empty, and the drain's last tick's: 5 queries instead of 27 (read ahead or not).
     assert limits == [100] * 5
     trigger.close()
     source.close()
@@ -325,3 +329,102 @@ def test_bulk_reads_is_true_or_false(bad: object) -> None:
     with pytest.raises(ConfigurationError, match="bulk_reads"):
         trigger_for(BulkSource(1), bulk_reads=bad)
     assert trigger_for(BulkSource(1), bulk_reads=False)._driver.reader.bulk is None
+
+
+# --- with the read-ahead ---------------------------------------------------------------
+
+
+class ThreadedBulkSource(BulkSource):
+    """A bulk source that may be read ahead; records which thread made each read."""
+
+    concurrent_reads = True
+
+    def __init__(self, rows: int) -> None:
+        super().__init__(rows)
+        self.threads: list[str] = []
+        self.lock = threading.Lock()
+
+    def fetch(self, after: Position, limit: int) -> list[Mapping[str, Any]]:
+        with self.lock:
+            self.threads.append(threading.current_thread().name)
+            return super().fetch(after, limit)
+
+
+def test_the_read_after_the_kept_rows_is_made_while_they_are_handed_out() -> None:
+    source = ThreadedBulkSource(350)
+    trigger = trigger_for(source, read_ahead="always")
+    batches: list[list[int]] = []
+    assert trigger.tick(lambda events: batches.append(ids(events))) == 350
+    assert batches == [list(range(i, i + 10)) for i in range(1, 351, 10)]
+    # The first read by the tick, the three after it by the read-ahead's thread
+    # while the rows before them were handed out (the last came back short, so
+    # nothing was read after it meanwhile), and after the last, full batch the
+    # read that comes back empty.
+    assert source.limits == [100] * 5
+    assert source.threads[0] == "MainThread"
+    assert all(name.startswith("dbtrigger-readahead") for name in source.threads[1:])
+    read_ahead = trigger._driver.reader.read_ahead
+    assert read_ahead is not None
+    assert (read_ahead.started, read_ahead.used, read_ahead.dropped) == (4, 4, 0)
+    trigger.close()
+
+
+def test_a_retry_drops_the_read_after_the_kept_rows() -> None:
+    source = ThreadedBulkSource(250)
+    trigger = trigger_for(source, read_ahead="always", retry_delay_seconds=0)
+    accepted: list[int] = []
+    retried = False
+
+    def handler(events: list[RowChange], ctx: BatchContext) -> None:
+        nonlocal retried
+        for e in events:
+            if int(e.pk["id"]) == 35 and not retried:
+                retried = True
+                ctx.retry(e, "later")
+            else:
+                accepted.append(int(e.pk["id"]))
+
+    for _ in range(20):
+        trigger.tick(handler)
+    assert sorted(accepted) == list(range(1, 251))
+    read_ahead = trigger._driver.reader.read_ahead
+    assert read_ahead is not None
+    assert read_ahead.dropped >= 1
+    trigger.close()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_read_ahead_and_a_randomly_failing_handler_lose_and_repeat_nothing(seed: int) -> None:
+    rng = random.Random(seed)
+    rows = rng.randint(150, 400)
+    source = ThreadedBulkSource(rows)
+    trigger = trigger_for(
+        source,
+        batch_size=rng.choice([7, 10, 40]),
+        max_batches_per_tick=rng.choice([3, 100]),
+        retry_delay_seconds=0,
+        read_ahead="always",
+    )
+    accepted: list[int] = []
+
+    def handler(events: list[RowChange], ctx: BatchContext) -> None:
+        if rng.random() < 0.15:
+            raise ValueError("flaky downstream")
+        kept = []
+        for e in events:
+            if rng.random() < 0.02:
+                ctx.retry(e, "later")
+            else:
+                kept.append(int(e.pk["id"]))
+        accepted.extend(kept)
+
+    for _ in range(3000):  # bounded: every tick makes progress with p >= 0.85
+        try:
+            if not trigger.tick(handler):
+                stored = trigger.store.read(trigger.name)
+                if stored is not None and docmod.loads(stored.data).window is None:
+                    break
+        except HandlerError:
+            continue
+    assert sorted(accepted) == list(range(1, rows + 1))
+    trigger.close()

@@ -17,7 +17,10 @@ So what a handler gets, and when the checkpoint moves, is what a read of
 ``batch_size`` rows at each batch would give: the same rows in the same
 order, each batch committed (under the lease) before the next is handed out.
 What changes is only *when* a row was read: up to a few batches earlier, as
-with the read-ahead (:mod:`dbtrigger.runtime.readahead`); the visibility
+with the read-ahead (:mod:`dbtrigger.runtime.readahead`), which, while kept
+rows are handed out, reads what follows them (once, if their read came back
+full: :meth:`BulkReads.rest_end`) and is used, as any read-ahead, only if the
+tick then asks for exactly that read; the visibility
 guard's bound is computed by the read itself, so a read made earlier is as
 safe as one made later, and a row updated since it was read comes again with
 its new cursor (at-least-once). A source opts in with a true ``bulk_reads``
@@ -73,13 +76,17 @@ def bulk_reads_for(source: Any, checked: PollOptions, wanted: bool) -> BulkReads
 class _Rest:
     """Rows read beyond the batch handed out, for the batches after it."""
 
-    __slots__ = ("after", "read_at", "rows", "tag")
+    __slots__ = ("after", "full", "read_at", "rows", "tag")
 
-    def __init__(self, after: Position, rows: Sequence[Any], tag: object, read_at: float) -> None:
+    def __init__(
+        self, after: Position, rows: Sequence[Any], tag: object, read_at: float, full: bool
+    ) -> None:
         self.after = after
         self.rows = rows
         self.tag = tag
         self.read_at = read_at
+        #: The read came back full: rows are likely pending after these.
+        self.full = full
 
 
 class BulkReads:
@@ -126,15 +133,25 @@ class BulkReads:
         ):
             return None
         self.served += 1
-        return self._split(rest.rows, limit, tag, rest.read_at)
+        return self._split(rest.rows, limit, tag, rest.read_at, rest.full)
 
     def keep(self, rows: Sequence[Any], limit: int, tag: object) -> Sequence[Any]:
-        """``rows`` (one read) cut to the batch of ``limit`` rows handed out
-        now; the rest is kept for the batches after it."""
+        """``rows`` (one read of ``limit`` times the depth) cut to the batch of
+        ``limit`` rows handed out now; the rest is kept for the batches after it."""
         self._rest = None
         if len(rows) <= limit:
             return rows
-        return self._split(rows, limit, tag, self.monotonic())
+        full = len(rows) >= self.read_limit(limit)
+        return self._split(rows, limit, tag, self.monotonic(), full)
+
+    def rest_end(self) -> Position | None:
+        """Where the kept rows end, when the read that gave them came back full
+        (the next read starts there: a read-ahead may make it meanwhile); None
+        when nothing is kept or nothing is likely pending after it."""
+        rest = self._rest
+        if rest is None or not rest.full:
+            return None
+        return self._after(_row(rest.rows, len(rest.rows) - 1))
 
     def retag(self, old: object, new: object) -> None:
         """Rows kept under ``old`` now stand for ``new`` (the tick's first read,
@@ -146,21 +163,30 @@ class BulkReads:
     def drop(self) -> None:
         self._rest = None
 
-    def _split(self, rows: Sequence[Any], limit: int, tag: object, read_at: float) -> Sequence[Any]:
+    def _split(
+        self, rows: Sequence[Any], limit: int, tag: object, read_at: float, full: bool
+    ) -> Sequence[Any]:
         if len(rows) <= limit:
             return rows
         if isinstance(rows, Rows):
             head: Sequence[Any] = _part(rows, 0, limit)
             tail: Sequence[Any] = _part(rows, limit, len(rows))
-            last: Any = dict(zip(rows.columns, rows.tuples[limit - 1], strict=True))
         else:
-            head, tail, last = rows[:limit], rows[limit:], rows[limit - 1]
-        self._rest = _Rest(self._after(last), tail, tag, read_at)
+            head, tail = rows[:limit], rows[limit:]
+        self._rest = _Rest(self._after(_row(rows, limit - 1)), tail, tag, read_at, full)
         return head
 
     def _after(self, row: Mapping[str, Any]) -> Position:
         """The checkpoint just after ``row`` (what ``position_of`` gives for its event)."""
         return Position(cursor=row[self.cursor_column], pk={n: row[n] for n in self.pk_columns})
+
+
+def _row(rows: Sequence[Any], index: int) -> Mapping[str, Any]:
+    """Row ``index`` of a read as a mapping (of :class:`Rows`, without making them all)."""
+    if isinstance(rows, Rows):
+        return dict(zip(rows.columns, rows.tuples[index], strict=True))
+    row: Mapping[str, Any] = rows[index]
+    return row
 
 
 def _part(rows: Rows, start: int, end: int) -> Rows:

@@ -373,13 +373,18 @@ class BatchReader:
         or no rows are likely pending.
         """
         read_ahead = self.read_ahead
-        if (
-            read_ahead is None
-            or not selection.more
-            or (self.bulk is not None and self.bulk.holds)
-            or not self.reads_ahead()
-            or not read_ahead.wanted()
-        ):
+        if read_ahead is None or not selection.more or not self.reads_ahead():
+            return
+        if self.bulk is not None and self.bulk.holds:
+            # The rows kept from the last read hold the next batches: read what
+            # follows them while they are handed out (once), if that read was full.
+            end = self.bulk.rest_end()
+            if end is not None and read_ahead.pending is None and read_ahead.wanted():
+                read_ahead.start(end, self.read_limit(Window()), tag)
+            return
+        if self.bulk is not None and read_ahead.pending is not None:
+            return  # (the read after the kept rows, started above: this batch was their last)
+        if not read_ahead.wanted():
             return
         after, window = self.landing_if_accepted(selection, events, position, started_at)
         read_ahead.start(after, self.read_limit(window), tag)

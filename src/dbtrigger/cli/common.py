@@ -484,7 +484,12 @@ def add_change_options(
 ) -> None:
     """The options of every command that journals a change: --reason, --yes, --actor and,
     where it writes state documents under leases, --force and --backup-dir."""
-    parser.add_argument("--reason", help=f"{reason_help} (required with --yes, not for a dry run)")
+    parser.add_argument(
+        "--reason",
+        help=f"{reason_help} (required with --yes, not for a dry run); the record goes to "
+        "the --trigger's own history (none with history=False), or with only a store to the "
+        "one beside it if that holds the poller's, else to none (said so)",
+    )
     add_apply_option(parser)
     parser.add_argument("--actor", help="who, for the journal (default user@host)")
     if lease:

@@ -30,6 +30,7 @@ from dbtrigger.cli.common import (
     text_table,
     utc_now,
 )
+from dbtrigger.cli.history import history_to_record
 from dbtrigger.cli.loading import as_trigger, load_object, load_trigger
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.quarantine import JsonLinesQuarantineSink, SqlQuarantineSink
@@ -95,7 +96,9 @@ def _journal(
     details: dict[str, Any],
     console: Console,
 ) -> dict[str, Any] | None:
-    """Journal the operation in the poller's document and history; the entry written."""
+    """Journal the operation in the poller's document and its own history (the
+    ``--trigger``'s; see :func:`~dbtrigger.cli.history.history_to_record`); the entry
+    written."""
     if store is None:
         console.warn(
             "note: not journaled (no state store: give --trigger or --store to journal it)"
@@ -115,7 +118,14 @@ def _journal(
             **details,
         },
     )
-    problem = journal_live(store, poller, entry)
+    loaded = _trigger(args)
+    trigger = getattr(loaded, "trigger", loaded)
+    history, note = history_to_record(
+        store, poller, trigger if isinstance(trigger, PollTrigger) else None
+    )
+    if note is not None:
+        console.warn(note)
+    problem = journal_live(store, poller, entry, history)
     if problem:
         console.warn(f"warning: {problem}")
     return entry

@@ -14,13 +14,14 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from dbtrigger._argparse import add_json_option
 from dbtrigger.cli.common import (
     Console,
     add_poller_argument,
     add_store_options,
+    load_source,
     parse_value,
     read_state,
     show_position,
@@ -46,6 +47,47 @@ def history_of(args: argparse.Namespace, store: CheckpointStore) -> HistoryStore
     if trigger is not None and trigger.store is store:
         return trigger.history
     return history_for(store)
+
+
+def history_to_record(
+    store: CheckpointStore, poller: str, trigger: Any
+) -> tuple[HistoryStore | Literal[False], str | None]:
+    """Where an operator's write to ``poller``'s document in ``store`` is recorded, and
+    a note for the command to print when it is recorded in none.
+
+    ``trigger`` (the PollTrigger the command was given, or None) decides when
+    ``store`` is its own: its own history, or none with ``history=False``. Without
+    it the command cannot know where the poller keeps its history: the one beside
+    the store is used only when it already holds records of ``poller`` (the
+    default's); otherwise none is started there (the poller's next commit records
+    the journaled entry in its own history), and the note says so."""
+    if trigger is not None and getattr(trigger, "store", None) is store:
+        own = getattr(trigger, "history", None)
+        return (own if own is not None else False), None
+    beside = history_for(store)
+    if beside is None:
+        return False, None
+    try:
+        kept = bool(beside.tail(poller, 1))
+    except Exception:  # noqa: BLE001 - unreadable: not started here either, and said
+        kept = False
+    if kept:
+        return beside, None
+    return False, (
+        f"note: not recorded in a history: {beside.describe()} holds none of {poller!r} "
+        "and no trigger was named to say where it keeps one; the journal holds the entry, "
+        "and the poller's next commit records it in its own history (name the trigger "
+        "with --trigger MODULE:TRIGGER to record it now)"
+    )
+
+
+def named_trigger(args: argparse.Namespace) -> Any:
+    """The PollTrigger the command names (``--source``/``--trigger``, or the
+    ``--accept-source`` of a reset), or None."""
+    loaded = source_from_args(args)
+    if (loaded is None or loaded.trigger is None) and getattr(args, "accept_source", None):
+        loaded = load_source(args.accept_source)
+    return loaded.trigger if loaded is not None else None
 
 
 def outcomes_text(record: Mapping[str, Any]) -> str:

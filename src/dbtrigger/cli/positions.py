@@ -141,7 +141,7 @@ def cmd_bookmark(args: argparse.Namespace) -> int:
                 read, write, lambda d: pos.without_bookmark(d, args.label, **common)
             )
             console.print(f"bookmark {args.label!r} of {args.poller!r} deleted")
-        note_history(console, store, written)
+        note_history(console, store, written, args)
     return 0
 
 

@@ -41,6 +41,7 @@ from dbtrigger.cli.common import (
     state_store,
     utc_now,
 )
+from dbtrigger.cli.history import history_to_record, named_trigger
 from dbtrigger.cursor import Position, encode_value
 from dbtrigger.errors import CasConflictError, ConfigurationError, CorruptStateError
 from dbtrigger.history.wiring import record_write
@@ -247,13 +248,20 @@ def _apply_change_on(
     console.print(f"applied. previous document saved to {backup}")
     if unreadable is None:  # an unreadable document cannot be restored
         console.print(f"to undo: {undo_command(args, backup, operation, now)}")
-    note_history(console, store, after)
+    note_history(console, store, after, args)
     return 0
 
 
-def note_history(console: Console, store: CheckpointStore, doc: StateDocument) -> None:
-    """Append the change to the durable history; say so if that failed (the change stands)."""
-    problem = record_write(store, doc)
+def note_history(
+    console: Console, store: CheckpointStore, doc: StateDocument, args: argparse.Namespace
+) -> None:
+    """Append the change to the poller's own history (the named trigger's; see
+    :func:`~dbtrigger.cli.history.history_to_record`); say so if that failed or
+    it is recorded in none (the change stands)."""
+    history, note = history_to_record(store, doc.poller_name, named_trigger(args))
+    if note is not None:
+        console.warn(note)
+    problem = record_write(store, doc, history=history)
     if problem is not None:
         console.warn(f"warning: {problem}")
 
@@ -512,7 +520,7 @@ def _clone(args: argparse.Namespace, store: CheckpointStore) -> int:
             poller=args.new_poller,
         ) from exc
     console.print(f"applied: {args.new_poller!r} starts at {show_position(new.position)}")
-    note_history(console, store, new)
+    note_history(console, store, new, args)
     return 0
 
 

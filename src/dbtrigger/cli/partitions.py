@@ -24,7 +24,7 @@ from dbtrigger._argparse import add_json_option
 from dbtrigger.cli.common import actor_from_args, add_change_options, backup_dir
 from dbtrigger.cli.loading import load_object
 from dbtrigger.errors import ConfigurationError
-from dbtrigger.partitions import regroup
+from dbtrigger.partitions import recovery, regroup
 from dbtrigger.partitions.backlog import DEFAULT_TARGET_ROWS, Backlog, measure_backlog
 from dbtrigger.partitions.buckets import partition_ddl
 from dbtrigger.partitions.endpoint import (
@@ -34,7 +34,7 @@ from dbtrigger.partitions.endpoint import (
     parse_address,
 )
 from dbtrigger.partitions.inspect import table
-from dbtrigger.partitions.member import PartitionedPoller
+from dbtrigger.partitions.member import PartitionedPoller, membership_key
 from dbtrigger.runtime.poller import PollTrigger
 from dbtrigger.runtime.runner import signals_routed_to
 
@@ -193,6 +193,40 @@ def cmd_change(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reset_layout(args: argparse.Namespace) -> int:
+    """Replace an unreadable membership document (see :mod:`dbtrigger.partitions.recovery`)."""
+    poller = load_partitioned(args.trigger)
+    if bool(args.from_file) == bool(args.from_state):
+        raise ConfigurationError("reset-layout needs one of --from-state or --from-file BACKUP")
+    now = dt.datetime.now(dt.timezone.utc)
+    actor, reason = actor_from_args(args), args.reason or ""
+    if args.from_state:
+        rebuilt = recovery.from_state(poller, actor=actor, reason=reason, now=now)
+    else:
+        path = Path(args.from_file)
+        rebuilt = recovery.from_file(
+            poller, path.read_bytes(), path=str(path), actor=actor, reason=reason, now=now
+        )
+    print(f"poller {poller.name}: {len(rebuilt.doc.partitions)} partition(s)")
+    for line in recovery.describe(rebuilt):
+        print(line)
+    if not args.yes:
+        print("dry run: nothing was changed; add --yes (and --reason, --force) to apply")
+        return 0
+    if not args.reason or not args.reason.strip():
+        raise ConfigurationError("reset-layout needs --reason")
+    if not args.force:
+        raise ConfigurationError(
+            "reset-layout needs --force: nothing can be checked in a document that cannot be read"
+        )
+    key = membership_key(poller.name)
+    old = recovery.replace_unreadable(poller.store, key, rebuilt.doc)
+    stamp = now.strftime("%Y%m%dT%H%M%S%fZ")
+    [path] = _write_backups(backup_dir(args), {key: old}, stamp)
+    print(f"applied (generation {rebuilt.doc.generation}); the unreadable document is in {path}")
+    return 0
+
+
 def cmd_ddl(args: argparse.Namespace) -> int:
     poller = load_partitioned(args.trigger)
     source = poller.source
@@ -277,6 +311,22 @@ def add_partition_commands(sub: Any) -> None:
         f"measurement (default {DEFAULT_MIN_INTERVAL_SECONDS:g})",
     )
     backlog.set_defaults(func=cmd_backlog)
+
+    reset = commands.add_parser(
+        "reset-layout",
+        help="replace an unreadable membership document (--from-state or --from-file)",
+        description="Replace a partitions membership document that cannot be read: rebuilt "
+        "from the partitions' own state documents (--from-state; merge floors are dropped, "
+        "so rows may be delivered again, none skipped) or from a saved one (--from-file).",
+    )
+    _trigger_option(reset)
+    how = reset.add_mutually_exclusive_group()
+    how.add_argument(
+        "--from-state", action="store_true", help="rebuild it from the partition documents"
+    )
+    how.add_argument("--from-file", metavar="BACKUP", help="a saved membership document")
+    add_change_options(reset, force_help="required: the document replaced cannot be checked")
+    reset.set_defaults(func=cmd_reset_layout)
 
     ddl = commands.add_parser("ddl", help="print DDL for an indexed bucket column")
     _trigger_option(ddl)

@@ -19,6 +19,7 @@ from dbtrigger.partitions import cadence, layout
 from dbtrigger.partitions.handover import fence_dead_holders
 from dbtrigger.partitions.layout import BalanceDecision, Floor, Membership, Partition
 from dbtrigger.partitions.loop import BalanceLoop
+from dbtrigger.partitions.recovery import read_membership
 from dbtrigger.partitions.report import GroupReport
 from dbtrigger.partitions.source import PartitionSource
 from dbtrigger.runtime.poller import PollTrigger
@@ -81,7 +82,7 @@ class Balancing:
         stored = self.store.read(self.key)
         if stored is None:
             return layout.new_membership(self.name, self.fingerprint, self.partitions), None
-        doc = layout.loads(stored.data)
+        doc = read_membership(self.store, self.name, self.key, stored.data)
         if doc.poller != self.name:
             raise CorruptStateError(
                 f"membership document {self.key!r} belongs to poller {doc.poller!r}"
@@ -227,7 +228,8 @@ class Balancing:
 
         def floors() -> tuple[Floor, ...]:
             stored = self.store.read(self.key)
-            current = layout.loads(stored.data).partition(partition.id) if stored else None
+            doc = read_membership(self.store, self.name, self.key, stored.data) if stored else None
+            current = doc.partition(partition.id) if doc is not None else None
             return partition.floors if current is None else current.floors
 
         return floors

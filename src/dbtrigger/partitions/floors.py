@@ -19,6 +19,7 @@ from typing import Any
 
 from dbtrigger.errors import CasConflictError
 from dbtrigger.partitions import layout
+from dbtrigger.partitions.recovery import read_membership
 from dbtrigger.state.stores.base import CheckpointStore
 
 _PARTITION = re.compile(r"(?P<group>.+)\.(?P<pid>p\d{3}-\d{3})")
@@ -37,7 +38,7 @@ def drop_floors(store: CheckpointStore, state_key: str, entry: dict[str, Any]) -
     pid = match["pid"]
     while True:
         stored = store.read(key)
-        doc = layout.loads(stored.data) if stored is not None else None
+        doc = read_membership(store, match["group"], key, stored.data) if stored else None
         current = doc.partition(pid) if doc is not None else None
         if stored is None or doc is None or current is None or not current.floors:
             return 0

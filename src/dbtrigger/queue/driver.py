@@ -47,6 +47,7 @@ from dbtrigger.errors import (
 from dbtrigger.events import EventIds, RowChange
 from dbtrigger.quarantine import QuarantineSink, put_records
 from dbtrigger.queue.context import ClaimContext
+from dbtrigger.queue.health import InFlight
 from dbtrigger.queue.layout import ClaimedRow
 from dbtrigger.queue.outcome import EXPIRED_ERROR, Plan, decide, expired_too_often
 from dbtrigger.queue.source import ClaimSource
@@ -150,6 +151,9 @@ class ClaimDriver:
         self.lanes = lanes
         self._rng = random.Random(seed)  # noqa: S311 - jitter, not security
         self._ids = EventIds(settings.name, source.pk_columns)
+        #: The claims whose handler call is running, by token (QueueTrigger.health).
+        self.in_flight: dict[str, InFlight] = {}
+        self.clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.timezone.utc)
 
     def claim(self, handler: Handler) -> QueueTickResult:
         """Claim one batch, deliver it, settle it (see the module doc)."""
@@ -199,13 +203,17 @@ class ClaimDriver:
             lost = threading.Event()
             given_up = threading.Event()
             watch = CallWatch(self._watched(token, lost, given_up), token, len(live))
-            with (
-                self.keepalive.holding(
-                    token, self._beat(token, lost, given_up), first_in=s.heartbeat_interval
-                ),
-                self.keepalive.holding(f"call-{token}", watch.beat, first_in=watch.next_in()),
-            ):
-                self._deliver(handler, token, live, lost, given_up, tally, errors)
+            self.in_flight[token] = InFlight(token, len(live), self.clock())
+            try:
+                with (
+                    self.keepalive.holding(
+                        token, self._beat(token, lost, given_up), first_in=s.heartbeat_interval
+                    ),
+                    self.keepalive.holding(f"call-{token}", watch.beat, first_in=watch.next_in()),
+                ):
+                    self._deliver(handler, token, live, lost, given_up, tally, errors)
+            finally:
+                self.in_flight.pop(token, None)
         emit(
             "queue_settled",
             "queue %s: claim %s settled: %d done, %d retried, %d dead, %d lost",

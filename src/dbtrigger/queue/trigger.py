@@ -20,6 +20,7 @@ be idempotent (the event id is stable for a row).
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import logging
 import threading
 import warnings
@@ -29,10 +30,12 @@ from typing import Any
 from dbtrigger import options as opt
 from dbtrigger._deprecation import DeprecatedAlias
 from dbtrigger.errors import ConfigurationError
+from dbtrigger.health import HealthReport
 from dbtrigger.metrics import MetricsCollector, SafeMetrics
 from dbtrigger.names import validate_name
 from dbtrigger.quarantine import QuarantineSink
 from dbtrigger.queue.driver import ClaimDriver, ClaimSettings, QueueTickResult
+from dbtrigger.queue.health import claims_health
 from dbtrigger.queue.notify import Listener, check_channel, idle_wait
 from dbtrigger.queue.operations import QueueCounts
 from dbtrigger.queue.schema import WORKER_ID_LIMIT
@@ -298,6 +301,20 @@ class QueueTrigger(ClosesOnExit):
 
     def status(self) -> QueueCounts:
         return self.source.counts()
+
+    def health(
+        self, *, stale_after_seconds: float = 600.0, now: dt.datetime | None = None
+    ) -> HealthReport:
+        """This worker's claims in flight: **stale** when one has been held (its
+        handler call running, the heartbeat extending it) longer than
+        ``stale_after_seconds``; see :mod:`dbtrigger.queue.health`. Reads nothing."""
+        return claims_health(
+            self.name,
+            dict(self._driver.in_flight),
+            visibility_timeout=self.visibility_timeout,
+            stale_after_seconds=stale_after_seconds,
+            now=now or self._driver.clock(),
+        )
 
     def rows_behind(self) -> int | None:
         """Not counted for a queue (its progress line counts what was done)."""

@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from dbtrigger import SqlAlchemySource
 from tests.azurite import Azurite, start_azurite
@@ -21,6 +22,14 @@ from tests.cdc_servers import (
 from tests.databases import TestDatabase, drop_session_databases, make_database
 
 DB_KINDS = ["sqlite", "postgresql", "mariadb"]
+
+# Property tests count examples, never time: no per-example deadline and no "too slow"
+# health check, which a loaded machine (a CI run beside other work) fails on its own.
+# A test's own @settings(...) keeps these for what it does not set.
+settings.register_profile(
+    "dbtrigger", deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile("dbtrigger")
 
 
 def _marks(kind: str) -> list[pytest.MarkDecorator]:

@@ -92,6 +92,16 @@ def test_a_corrupt_membership_rebuilt_from_the_partition_documents_skips_no_row(
     mod.trigger = member  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, module, mod)
     monkeypatch.chdir(tmp_path)
+    # the state commands point at reset-layout, and never write a state document there
+    capsys.readouterr()
+    assert main(["status", "--store", str(tmp_path / "state")]) == 1
+    assert "partitions reset-layout" in capsys.readouterr().out
+    corrupt = store.read("orders.members")
+    reset = ["reset", "orders.members", "--to-beginning", "--store", str(tmp_path / "state")]
+    assert main([*reset, "--force", "--yes", "--reason", "r"]) == 2
+    assert "partitions reset-layout" in capsys.readouterr().err
+    assert store.read("orders.members") == corrupt
+
     args = ["partitions", "reset-layout", "--trigger", f"{module}:trigger", "--from-state"]
     capsys.readouterr()
     assert main(args) == 0

@@ -154,3 +154,44 @@ def test_the_rebuilt_ranges_cover_every_bucket_once_current_documents_first() ->
         assert spans[-1][1] == BUCKETS
         assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
     assert bucket_of([1]) < BUCKETS
+
+
+def test_a_membership_backup_of_an_earlier_layout_is_put_back_and_said_so(
+    sqlite_db: TestDatabase,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    made: list[PartitionedPoller],
+) -> None:
+    make_table(sqlite_db, 40)
+    store = FileCheckpointStore(tmp_path / "state")
+    member = _member(sqlite_db, store, made)
+    member.balance()
+    member.drain(lambda events: None)
+    done = regroup.apply(member, 8, actor="t", reason="r", wait_seconds=5)
+    backup = tmp_path / "members.json"
+    backup.write_bytes(done.backups["orders.members"])  # the 4-partition layout
+    member.balance()
+    before = member.membership.generation
+    _corrupt(store)
+    module = f"parts_app_{uuid.uuid4().hex[:8]}"
+    mod = types.ModuleType(module)
+    mod.trigger = member  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module, mod)
+    monkeypatch.chdir(tmp_path)
+    args = ["partitions", "reset-layout", "--trigger", f"{module}:trigger"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # one of them
+        main([*args, "--from-file", str(backup), "--from-state"])
+    assert main(args) == 2
+    assert main([*args, "--from-file", str(backup)]) == 0
+    assert "retired by a later regroup" in capsys.readouterr().out
+    assert main([*args, "--from-file", str(backup), "--reason", "r", "--yes", "--force"]) == 0
+    member.balance()
+    assert [p.id for p in member.membership.partitions] == [
+        "p000-064",
+        "p064-128",
+        "p128-192",
+        "p192-256",
+    ]
+    assert member.membership.generation > before

@@ -20,7 +20,13 @@ from typing import Any
 
 import pytest
 
-from dbtrigger import FileCheckpointStore, PollTrigger, SqlAlchemySource, SqlCheckpointStore
+from dbtrigger import (
+    FileCheckpointStore,
+    PollTrigger,
+    SqlAlchemySource,
+    SqlCheckpointStore,
+    redaction,
+)
 from dbtrigger.checks import check_source, check_store, probe_key, warn_at_start
 from dbtrigger.cursor import Position
 from dbtrigger.state import document as docmod
@@ -277,7 +283,12 @@ def test_worker_start_logs_findings_and_never_raises(
     assert FileCheckpointStore(tmp_path / "state").list_keys() == []  # no store probe at start
 
 
-def test_text_output_and_secret_redaction(sqlite_db: TestDatabase, tmp_path: Path) -> None:
+def test_text_output_and_secret_redaction(
+    sqlite_db: TestDatabase, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Only the credential-looking patterns: secrets that earlier tests in this process
+    # registered (a password "secret", say) would mask this test's own tmp_path.
+    monkeypatch.setattr(redaction, "_SECRETS", set())
     good_table(sqlite_db)
     spec = write_module(tmp_path, sqlite_db, "orders")
     proc = subprocess.run(

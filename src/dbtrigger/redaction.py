@@ -359,6 +359,7 @@ LOGGER_NAMES = (
     "dbtrigger.state.stores.blob",
     "dbtrigger.partitions",
     "dbtrigger.changelog",
+    "dbtrigger.output",
     "dbtrigger.cdc",
 )
 

@@ -18,11 +18,12 @@ writer of :mod:`dbtrigger.dbio` share what a binding needs of its table:
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import numbers
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal
-from typing import Any
+from typing import Any, TypeVar
 from uuid import UUID
 
 import sqlalchemy as sa
@@ -30,9 +31,13 @@ from sqlalchemy.engine import URL, Connection, Engine
 from sqlalchemy.exc import NoSuchTableError, SQLAlchemyError
 
 from dbtrigger._database_url import DatabaseUrl
+from dbtrigger._driver_errors import lost_to_another_transaction, short_error
 from dbtrigger._engine import LazyEngine
-from dbtrigger.errors import ConfigurationError, OutputValueError
+from dbtrigger.errors import ConfigurationError, OutputValueError, OutputWriteError
 from dbtrigger.names import validate_sql_identifier
+
+log = logging.getLogger("dbtrigger.output")
+T = TypeVar("T")
 
 #: Tries of one write (db.output's, or a DbWriter operation in a transaction of its
 #: own) when the database picks it as a deadlock victim or fails it on serialization
@@ -193,6 +198,59 @@ class TableHandle:
             if problem is None:
                 raise
             raise problem from exc
+
+    def transact(
+        self,
+        what: str,
+        rows: int,
+        work: Callable[[Connection], T],
+        *,
+        conn: Connection | None = None,
+        conflict_columns: Sequence[str] = (),
+    ) -> T:
+        """``work`` on ``conn`` (a caller's open transaction) or in a transaction of its
+        own. One of its own that the database chose as a deadlock victim (or failed on
+        serialization) was rolled back whole: it runs again, up to ``WRITE_ATTEMPTS``
+        tries. On ``conn`` the caller's whole block was rolled back: that is the
+        caller's to run again, and the error says so.
+
+        ``what`` reads before the table's name: ``"an insert on"``, ``"writing 3 row(s) to"``.
+
+        Raises:
+            OutputWriteError: the database refused or failed the write (the driver's
+                error, never the row values).
+        """
+        attempt = 1
+        while True:
+            try:
+                if conn is not None:
+                    return work(conn)
+                with self.engine.begin() as own:
+                    return work(own)
+            except SQLAlchemyError as exc:
+                lost = lost_to_another_transaction(exc)
+                if lost and conn is None and attempt < WRITE_ATTEMPTS:
+                    log.info(
+                        "%s %s lost to another transaction (%s); running it again "
+                        "(attempt %d of %d)",
+                        what,
+                        self.name,
+                        short_error(exc),
+                        attempt + 1,
+                        WRITE_ATTEMPTS,
+                        extra={"event": "output_write_retried", "table": self.name},
+                    )
+                    attempt += 1
+                    continue
+                why = upsert_refusal(exc, conflict_columns) or short_error(exc)
+                if lost and conn is not None:
+                    why += " (the database rolled the whole transaction back: run it again)"
+                raise OutputWriteError(
+                    f"{what} {self.name} failed: {why}",
+                    table=self.name,
+                    rows=rows,
+                    attempts=attempt,
+                ) from exc
 
     def check_conflict_key(self, conn: Connection, conflict_columns: Sequence[str]) -> None:
         """Refuse ``conflict_columns`` that are not exactly the primary key or a unique

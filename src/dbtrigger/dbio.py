@@ -37,8 +37,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from dbtrigger._driver_errors import lost_to_another_transaction, short_error
-from dbtrigger._tables import WRITE_ATTEMPTS, TableHandle, upsert_refusal, upsert_statement
+from dbtrigger._driver_errors import short_error
+from dbtrigger._tables import TableHandle, upsert_statement
 from dbtrigger.errors import (
     ConfigurationError,
     FetchError,
@@ -225,44 +225,11 @@ class DbWriter(_OnTable):
         work: Callable[[Connection], T],
         conflict_columns: Sequence[str] = (),
     ) -> T:
-        """``work`` on the open transaction, or in one of its own. One of its own that
-        the database chose as a deadlock victim (or failed on serialization) was rolled
-        back whole: it runs again, up to ``WRITE_ATTEMPTS`` tries. Inside
-        ``transaction()`` the whole block was rolled back: that is the caller's to run
-        again, and the error says so."""
-        attempt = 1
-        while True:
-            try:
-                if self._conn is not None:
-                    return work(self._conn)
-                with self._db.engine.begin() as conn:
-                    return work(conn)
-            except (ConfigurationError, RowNotFoundError):
-                raise
-            except SQLAlchemyError as exc:
-                lost = lost_to_another_transaction(exc)
-                if lost and self._conn is None and attempt < WRITE_ATTEMPTS:
-                    log.info(
-                        "%s on %s lost to another transaction (%s); running it again "
-                        "(attempt %d of %d)",
-                        what,
-                        self._db.name,
-                        short_error(exc),
-                        attempt + 1,
-                        WRITE_ATTEMPTS,
-                        extra={"event": "output_write_retried", "table": self.name},
-                    )
-                    attempt += 1
-                    continue
-                why = upsert_refusal(exc, conflict_columns) or short_error(exc)
-                if lost and self._conn is not None:
-                    why += " (the database rolled the whole transaction back: run it again)"
-                raise OutputWriteError(
-                    f"{what} on {self._db.name} failed: {why}",
-                    table=self.name,
-                    rows=rows,
-                    attempts=attempt,
-                ) from exc
+        """``work`` on the open transaction, or in one of its own that runs again when the
+        database chose it as a deadlock victim (:meth:`TableHandle.transact`)."""
+        return self._db.transact(
+            f"{what} on", rows, work, conn=self._conn, conflict_columns=conflict_columns
+        )
 
     def insert(self, *, data: Mapping[str, Any]) -> None:
         self.insert_many(rows=[data])

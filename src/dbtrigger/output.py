@@ -26,18 +26,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import sqlalchemy as sa
-from sqlalchemy.engine import URL, Engine
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.engine import URL, Connection, Engine
 
-from dbtrigger._driver_errors import lost_to_another_transaction, short_error
 from dbtrigger._tables import (
     UPSERT_DIALECTS,
-    WRITE_ATTEMPTS,
     TableHandle,
-    upsert_refusal,
     upsert_statement,
 )
-from dbtrigger.errors import ConfigurationError, OutputValueError, OutputWriteError
+from dbtrigger.errors import ConfigurationError, OutputValueError
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.redaction import safe_url_text
 
@@ -155,38 +151,18 @@ class OutputTarget:
         columns = list(rows[0])
         if self.action == "upsert":
             self._db.refuse_null_keys(rows, self.conflict_columns)
-        attempt = 1
-        while True:
-            try:
-                with self.engine.begin() as conn:
-                    table = self._table(conn, columns)
-                    self._db.write(conn, table, self._statement(table, columns), rows)
-                return len(rows)
-            except (ConfigurationError, OutputValueError):
-                raise
-            except SQLAlchemyError as exc:
-                # A deadlock victim or a serialization failure: the database rolled the
-                # whole write back, and it may run again at once (the batch need not).
-                if attempt < WRITE_ATTEMPTS and lost_to_another_transaction(exc):
-                    log.info(
-                        "writing %d row(s) to %s lost to another transaction (%s); "
-                        "writing them again (attempt %d of %d)",
-                        len(rows),
-                        self.name,
-                        short_error(exc),
-                        attempt + 1,
-                        WRITE_ATTEMPTS,
-                        extra={"event": "output_write_retried", "table": self.name},
-                    )
-                    attempt += 1
-                    continue
-                why = upsert_refusal(exc, self.conflict_columns) or short_error(exc)
-                raise OutputWriteError(
-                    f"writing {len(rows)} row(s) to {self.name} failed: {why}",
-                    table=self.name,
-                    rows=len(rows),
-                    attempts=attempt,
-                ) from exc
+
+        def work(conn: Connection) -> int:
+            table = self._table(conn, columns)
+            self._db.write(conn, table, self._statement(table, columns), rows)
+            return len(rows)
+
+        return self._db.transact(
+            f"writing {len(rows)} row(s) to",
+            len(rows),
+            work,
+            conflict_columns=self.conflict_columns,
+        )
 
 
 class DbOut:

@@ -30,6 +30,7 @@ from dbtrigger import (
     PollTrigger,
     RowChange,
     SqlAlchemySource,
+    redaction,
 )
 from dbtrigger.cli import main
 from dbtrigger.quarantine import JsonLinesQuarantineSink, QuarantineRecord
@@ -86,6 +87,26 @@ def _assert_clean(text: str) -> None:
 def test_redact_catches_common_credential_spellings(text: str, secret: str) -> None:
     assert secret not in redact(text)
     assert factory_redact is redact  # the old import path still works
+
+
+@pytest.mark.parametrize(
+    ("known", "text", "secret"),
+    [
+        ("secret", "client_secret=abc123xyz;", "abc123xyz"),
+        ("password", "password=hunter22 retrying", "hunter22"),
+        ("Pass", "Server=h;Password=abc123xyz;UID=u", "abc123xyz"),
+    ],
+)
+def test_a_known_secret_inside_a_field_name_does_not_unmask_the_field(
+    monkeypatch: pytest.MonkeyPatch, known: str, text: str, secret: str
+) -> None:
+    """A password that is also part of a credential field's name (a dev database's
+    password "secret"), masked first, left "client_***=abc123xyz": the field no longer
+    looked like one, and its value was logged. A suite run showed it when an earlier
+    test in the worker had registered the password "secret"."""
+    monkeypatch.setattr(redaction, "_SECRETS", {known})
+    assert secret not in redact(text)
+    assert known not in redact(text)
 
 
 @pytest.mark.parametrize(

@@ -296,13 +296,16 @@ def redact(text: str, extra: Iterable[str] = ()) -> str:
     """``text`` with every known secret and credential-looking field masked."""
     with _LOCK:
         secrets = sorted({*_SECRETS, *(s for s in extra if s and len(s) >= 4)}, key=len)
-    for secret in reversed(secrets):  # longest first, so a prefix cannot leave a tail
-        text = text.replace(secret, MASK)
+    # The credential-looking fields first: a known secret that is also part of a field's
+    # name (a password "secret", then "client_secret=...") masked first would leave the
+    # field unrecognisable and its value shown.
     lowered = text.lower()
     for (pattern, replacement), needles in zip(_PATTERNS, _NEEDLES, strict=True):
         # Most log lines hold none of a pattern's needles: skip its scan.
         if any(needle in lowered for needle in needles):
             text = pattern.sub(_REPLACERS.get(replacement, replacement), text)
+    for secret in reversed(secrets):  # longest first, so a prefix cannot leave a tail
+        text = text.replace(secret, MASK)
     return text
 
 

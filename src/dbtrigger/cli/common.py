@@ -29,6 +29,7 @@ from dbtrigger.cli.loading import as_trigger, load_object
 from dbtrigger.cursor import Position, encode_value
 from dbtrigger.errors import ConfigurationError, CorruptStateError, DbTriggerError
 from dbtrigger.partitions.member import PartitionedPoller
+from dbtrigger.partitions.recovery import unreadable_key
 from dbtrigger.queue.cli import claim_source_of
 from dbtrigger.runtime.poller import PollTrigger
 from dbtrigger.settings import variable
@@ -232,7 +233,7 @@ def read_state(store: CheckpointStore, poller: str) -> tuple[StateDocument, str,
     try:
         stored = store.read(poller)
     except CorruptStateError as exc:  # a store that cannot even decode what it holds
-        raise unreadable_state(store, poller, exc, getattr(exc, "stored", None)) from exc
+        raise _unreadable(store, poller, exc, getattr(exc, "stored", None)) from exc
     if stored is None and store.read(f"{poller}.members") is not None:
         raise ConfigurationError(
             f"{poller!r} is a partitioned poller: it has one state document per partition "
@@ -247,8 +248,17 @@ def read_state(store: CheckpointStore, poller: str) -> tuple[StateDocument, str,
     try:
         doc = docmod.loads(stored.data)
     except CorruptStateError as exc:
-        raise unreadable_state(store, poller, exc, stored) from exc
+        raise _unreadable(store, poller, exc, stored) from exc
     return doc, stored.etag, stored.data
+
+
+def _unreadable(
+    store: CheckpointStore, key: str, exc: CorruptStateError, stored: object
+) -> CorruptStateError:
+    """A state document's way out, or a partitioned poller's membership document's."""
+    if key.endswith(".members"):
+        return unreadable_key(store, key, exc, stored)
+    return unreadable_state(store, key, exc, stored)
 
 
 def _held_by(store: CheckpointStore) -> str:

@@ -57,6 +57,32 @@ def unreadable_membership(
     )
 
 
+def unreadable_key(
+    store: CheckpointStore, key: str, exc: CorruptStateError, stored: object
+) -> CorruptStateError:
+    """The error for ``key``, a ``GROUP.members`` key met where a state document was
+    expected (``dbtrigger status``, ``reset``): the membership's own way out, or, when
+    the document reads as a membership, that it is one and which commands change it.
+    ``stored`` is kept as the error's ``stored`` attribute, as for a state document."""
+    group = key.removesuffix(".members")
+    error = unreadable_membership(store, group, key, exc)
+    data = getattr(stored, "data", None)
+    if isinstance(data, bytes):
+        try:
+            layout.loads(data)
+        except CorruptStateError:
+            pass
+        else:
+            error = CorruptStateError(
+                f"{key!r} is the partitions membership document of poller {group!r}, not "
+                "a state document: `dbtrigger partitions show|set|split|merge --trigger "
+                "MODULE:ATTR` read and change it",
+                poller=key,
+            )
+    error.stored = stored  # type: ignore[attr-defined]
+    return error
+
+
 def read_membership(store: CheckpointStore, poller: str, key: str, data: bytes) -> Membership:
     """The membership document ``data``, parsed; :func:`unreadable_membership` if not."""
     try:
@@ -273,5 +299,6 @@ __all__ = [
     "from_state",
     "read_membership",
     "replace_unreadable",
+    "unreadable_key",
     "unreadable_membership",
 ]

@@ -28,20 +28,6 @@ def unreadable_state(
     """
     if stored is None:
         stored = getattr(exc, "stored", None)
-    if poller.endswith(".members"):  # a partitioned poller's membership, not a state document
-        from dbtrigger.partitions.recovery import unreadable_membership  # noqa: PLC0415
-
-        group = poller.removesuffix(".members")
-        error = unreadable_membership(store, group, poller, exc)
-        if _readable_membership(stored):
-            error = CorruptStateError(
-                f"{poller!r} is the partitions membership document of poller {group!r}, not "
-                "a state document: `dbtrigger partitions show|set|split|merge --trigger "
-                "MODULE:ATTR` read and change it",
-                poller=poller,
-            )
-        error.stored = stored  # type: ignore[attr-defined]
-        return error
     error = CorruptStateError(
         f"the state of poller {poller!r} in {redact(store.describe())} cannot be read: {exc}. "
         "Nothing was changed. To replace it: dbtrigger reset "
@@ -51,19 +37,6 @@ def unreadable_state(
     )
     error.stored = stored  # type: ignore[attr-defined]
     return error
-
-
-def _readable_membership(stored: object) -> bool:
-    from dbtrigger.partitions import layout  # noqa: PLC0415 - partitions import state
-
-    data = getattr(stored, "data", None)
-    if not isinstance(data, bytes):
-        return False
-    try:
-        layout.loads(data)
-    except CorruptStateError:
-        return False
-    return True
 
 
 def load_state(store: CheckpointStore, poller: str, stored: StoredDocument) -> StateDocument:

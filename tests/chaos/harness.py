@@ -149,6 +149,9 @@ class ChaosReport:
     unexplained_duplicates: int
     unexplained_cases: list[str]
     lost: int
+    #: For each row state some subscriber was never handed (up to 20): what that
+    #: subscriber was handed of the row, and what was dead-lettered of it.
+    lost_cases: list[str]
     ack_timeouts: int
     dead_letters: int
     unearned_dead_letters: int
@@ -545,6 +548,26 @@ def analyse(
         for sub in subscribers or [""]
     )
 
+    lost_cases: list[str] = []
+    if lost:
+        dead_versions: dict[int, list[str]] = collections.defaultdict(list)
+        for row in dead:
+            item = int(json.loads(row.pk_json)["id"])
+            dead_versions[item].append(f"v{json.loads(row.cursor_json)}: {row.error}")
+        for sub in subscribers or [""]:
+            mine = [r for r in seen_rows if r.subscriber == sub]
+            got = {(int(r.item_id), int(r.version)) for r in mine if not r.retried}
+            for item, version in sorted(final - got)[: 20 - len(lost_cases)]:
+                handed_versions = sorted(
+                    (int(r.version), bool(r.retried), str(r.batch_id))
+                    for r in mine
+                    if int(r.item_id) == item
+                )
+                lost_cases.append(
+                    f"{sub or 'handler'} never handed ({item}, {version}); handed "
+                    f"{handed_versions}; dead-lettered {dead_versions.get(item, [])}"
+                )
+
     regressions = sum(
         1 for a, b in zip(monitor.positions, monitor.positions[1:], strict=False) if b < a
     )
@@ -648,6 +671,7 @@ def analyse(
         unexplained_duplicates=unexplained,
         unexplained_cases=cases,
         lost=lost,
+        lost_cases=lost_cases,
         ack_timeouts=len(timed_out),
         dead_letters=len(dead),
         unearned_dead_letters=len(unearned),

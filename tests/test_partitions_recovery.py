@@ -19,7 +19,7 @@ import pytest
 
 from dbtrigger import FileCheckpointStore
 from dbtrigger.cli import main
-from dbtrigger.errors import CorruptStateError
+from dbtrigger.errors import CasConflictError, CorruptStateError
 from dbtrigger.partitions import PartitionedPoller, bucket_of, regroup
 from dbtrigger.partitions.buckets import BUCKETS
 from dbtrigger.partitions.layout import Partition
@@ -55,9 +55,20 @@ def _member(db: TestDatabase, store: FileCheckpointStore, made: list[Partitioned
 
 
 def _corrupt(store: FileCheckpointStore) -> None:
-    stored = store.read("orders.members")
-    assert stored is not None
-    store.write("orders.members", b'{"kind": "dbtrigger-membership", "partit', if_match=stored.etag)
+    """Truncate the membership document; a member's balance cycle may write it between
+    our read and our write (every 0.2 s here): read it again then, a bounded number of
+    times."""
+    for _ in range(100):
+        stored = store.read("orders.members")
+        assert stored is not None
+        try:
+            store.write(
+                "orders.members", b'{"kind": "dbtrigger-membership", "partit', if_match=stored.etag
+            )
+        except CasConflictError:
+            continue
+        return
+    raise AssertionError("the membership document kept changing under the test")
 
 
 def test_a_corrupt_membership_rebuilt_from_the_partition_documents_skips_no_row(

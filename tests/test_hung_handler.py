@@ -49,14 +49,15 @@ def record(caplog: pytest.LogCaptureFixture, event: str) -> Callable[[], logging
 
 
 class Blocked:
-    """A handler that blocks until released; what it saw once released."""
+    """A handler that blocks until released; what it saw once released (a poller's or
+    a queue's: both contexts have ``cancelled``)."""
 
     def __init__(self) -> None:
         self.release = threading.Event()
         self.entered = threading.Event()
         self.cancelled_seen: bool | None = None
 
-    def __call__(self, events: list[RowChange], ctx: BatchContext) -> None:
+    def __call__(self, events: list[RowChange], ctx: Any) -> None:
         self.entered.set()
         self.release.wait(BOUND * 2)
         self.cancelled_seen = ctx.cancelled

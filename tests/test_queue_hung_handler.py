@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -25,51 +24,8 @@ from dbtrigger.errors import ConfigurationError
 from dbtrigger.queue import ClaimContext
 from tests.databases import TestDatabase
 from tests.reliability_support import wait_for
+from tests.test_hung_handler import BOUND, Blocked, Ticking, record
 from tests.test_queue_columns import make_jobs, rows
-
-BOUND = 60.0  # seconds: generous, a loaded machine is slower, never stuck
-
-
-def record(caplog: pytest.LogCaptureFixture, event: str) -> Callable[[], logging.LogRecord | None]:
-    def first() -> logging.LogRecord | None:
-        return next((r for r in list(caplog.records) if getattr(r, "event", None) == event), None)
-
-    return first
-
-
-class Blocked:
-    """A handler that blocks until released; what it saw once released."""
-
-    def __init__(self) -> None:
-        self.release = threading.Event()
-        self.entered = threading.Event()
-        self.cancelled_seen: bool | None = None
-
-    def __call__(self, events: list[RowChange], ctx: ClaimContext) -> None:
-        self.entered.set()
-        self.release.wait(BOUND * 2)
-        self.cancelled_seen = ctx.cancelled
-
-
-class Ticking:
-    """One tick on a thread of its own: its result or error."""
-
-    def __init__(self, tick: Callable[[], Any]) -> None:
-        self.result: Any = None
-        self.error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                self.result = tick()
-            except BaseException as exc:
-                self.error = exc
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-
-    def join(self) -> None:
-        self.thread.join(BOUND)
-        assert not self.thread.is_alive()
 
 
 def queue(db: TestDatabase, **kw: Any) -> QueueTrigger:

@@ -173,6 +173,57 @@ def test_a_null_key_is_refused_as_the_plain_poller_refuses_it(
     assert type(error.value) is type(plain_error.value), error.value
 
 
+_CHAINED = (
+    "The above exception was the direct cause of the following exception:",
+    "During handling of the above exception, another exception occurred:",
+)
+
+
+def escaped_exceptions(logs: str) -> list[str]:
+    """The exception types that ended the tracebacks in ``logs``.
+
+    A cause chained under a dbtrigger error (``raise FetchError(...) from exc``)
+    is printed first, as its own block followed by "The above exception was the
+    direct cause...": it says why the outage happened (a store directory that
+    became a file) and did not escape. Only an exception whose block is not
+    followed by such a line reached the runner.
+    """
+    lines = logs.splitlines()
+    escaped: list[str] = []
+    for i, line in enumerate(lines):
+        match = re.match(r"([\w.]+(?:Error|Exception))\b", line)
+        if match is None:
+            continue
+        chained = False
+        for after in lines[i + 1 :]:
+            if after.strip() in _CHAINED:
+                chained = True
+                break
+            if after.startswith("Traceback") or re.match(r"\d{4}-\d\d-\d\d ", after):
+                break  # the next traceback or log line: this block ended the chain
+        if not chained:
+            escaped.append(match.group(1))
+    return escaped
+
+
+def test_escaped_exceptions_skips_chained_causes() -> None:
+    logs = (
+        "2026-11-26 22:33:10,001 WARNING dbtrigger.runner: orders: tick failed\n"
+        "Traceback (most recent call last):\n"
+        '  File "x.py", line 1, in read\n'
+        "NotADirectoryError: [Errno 20] Not a directory: 'state/orders.json'\n"
+        "\n"
+        "The above exception was the direct cause of the following exception:\n"
+        "\n"
+        "Traceback (most recent call last):\n"
+        "dbtrigger.errors.FetchError: could not read the state of poller 'orders'\n"
+        "2026-11-26 22:33:11,001 ERROR dbtrigger.runner: orders: tick failed (unexpected)\n"
+        "Traceback (most recent call last):\n"
+        "KeyError: 'id'\n"
+    )
+    assert escaped_exceptions(logs) == ["dbtrigger.errors.FetchError", "KeyError"]
+
+
 @pytest.mark.postgresql
 @pytest.mark.slow
 def test_ddl_an_unreachable_store_and_regroups_while_members_run_or_are_down(
@@ -250,7 +301,7 @@ def test_ddl_an_unreachable_store_and_regroups_while_members_run_or_are_down(
             writer.join()
         workers.stop()
     logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("w*.log"))
-    raised = re.findall(r"^([\w.]+(?:Error|Exception))\b", logs, re.MULTILINE)
+    raised = escaped_exceptions(logs)
     assert all(name.startswith("dbtrigger.errors.") for name in raised), raised
     assert not per_key_in_order(workers)
 
@@ -318,6 +369,6 @@ def test_blob_store_paused_then_a_member_paused_on_blob(pg: TestDatabase, tmp_pa
     finally:
         started.close()
     logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("w*.log"))
-    raised = re.findall(r"^([\w.]+(?:Error|Exception))\b", logs, re.MULTILINE)
+    raised = escaped_exceptions(logs)
     assert all(name.startswith("dbtrigger.errors.") for name in raised), raised
     assert not per_key_in_order(workers)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from azure.data.tables import TableClient
 from azure.storage.blob import BlobServiceClient
 
@@ -289,3 +290,31 @@ def test_blob_writers_that_differ_on_rolling_over_never_fork_the_history(
             small.append("orders", [rec(n + 1)], after_seq=n)  # it holds n + 1 already
         assert seqs(history) == list(range(1, n + 2))
         assert [r["id"] for r in history.read("orders")][-1] == large["id"]
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "sqlite",
+        pytest.param("postgresql", marks=pytest.mark.postgresql),
+        pytest.param("mariadb", marks=pytest.mark.mariadb),
+    ],
+)
+def test_sql_reads_never_create_the_history_table(kind: str, tmp_path: Path) -> None:
+    """``dbtrigger history tail`` pointed at a mistyped schema or database must
+    say there is nothing there, not leave an empty history table behind; the
+    first append creates it."""
+    for db in make_database(kind, tmp_path):
+        history = SqlHistory(db.engine, schema=db.schema)
+
+        def exists(engine: sa.Engine = db.engine, schema: str | None = db.schema) -> bool:
+            with engine.connect() as conn:
+                return sa.inspect(conn).has_table("dbtrigger_state_history", schema=schema)
+
+        assert history.tail("orders", 5) == []
+        assert list(history.read("orders")) == []
+        assert history.prune("orders", Retention(max_age_days=1), T0) == 0
+        assert not exists()
+        history.append("orders", [rec(1)], after_seq=0)
+        assert exists()
+        assert seqs(history) == [1]

@@ -134,8 +134,10 @@ class SqlHistory:
         except sa.exc.SQLAlchemyError as exc:
             raise StoreUnavailableError(f"{where} failed: {short_error(exc)}") from exc
 
-    def _ensure(self) -> bool:
-        """Is the table there (created now when allowed)?"""
+    def _ensure(self, *, writing: bool = True) -> bool:
+        """Is the table there? Created now when allowed and about to be written:
+        a read (``history tail`` on a mistyped URL or schema) must not leave an
+        empty history table behind in somebody's database."""
         if self._ready:
             return True
         with self._lock:
@@ -143,7 +145,7 @@ class SqlHistory:
                 return True
             with self.engine.connect() as conn:
                 exists = sa.inspect(conn).has_table(self.table.name, schema=self.table.schema)
-            if not exists and self._create:
+            if not exists and self._create and writing:
                 try:
                     self.table.create(self.engine, checkfirst=True)
                 except sa.exc.DBAPIError:
@@ -200,7 +202,7 @@ class SqlHistory:
             return []
         t = self.table
         with self._edge("read", poller):
-            if not self._ensure():
+            if not self._ensure(writing=False):
                 return []
             stmt = (
                 sa.select(t.c.record).where(self._of(poller)).order_by(t.c.seq.desc()).limit(count)
@@ -214,7 +216,7 @@ class SqlHistory:
         last = since_seq
         while True:
             with self._edge("read", poller):
-                if not self._ensure():
+                if not self._ensure(writing=False):
                     return
                 stmt = (
                     sa.select(t.c.seq, t.c.record)
@@ -234,7 +236,7 @@ class SqlHistory:
         t = self.table
         removed = 0
         with self._edge("prune", poller):
-            if not self._ensure():
+            if not self._ensure(writing=False):
                 return 0
             with self.engine.connect() as conn:
                 last = conn.execute(

@@ -6,12 +6,18 @@ driver's text can carry the SQL and its bound values, so an adapter shows
 :func:`short_error` instead: the exception's class and the first line of its
 message. :func:`encoding_problem` recognises a failure SQLAlchemy raises
 *before* any statement runs (a PostgreSQL database in ``SQL_ASCII``) and says
-what to fix. Below every wing: it imports nothing of dbtrigger.
+what to fix. :func:`failed_as` is the one ``except`` an adapter without a
+finer error map puts around its statements. Below every wing: it imports
+nothing of dbtrigger.
 """
 
 from __future__ import annotations
 
+import contextlib
 import traceback
+from collections.abc import Callable, Iterator
+
+from sqlalchemy.exc import SQLAlchemyError
 
 
 def short_error(exc: BaseException) -> str:
@@ -35,6 +41,21 @@ def lost_to_another_transaction(exc: BaseException) -> bool:
     args = getattr(orig, "args", ())
     code = args[0] if args and isinstance(args[0], int) else None
     return sqlstate in PG_CONFLICT_SQLSTATES or code in MYSQL_CONFLICT_CODES
+
+
+@contextlib.contextmanager
+def failed_as(error: Callable[[str], Exception], what: str, then: str = "") -> Iterator[None]:
+    """A SQLAlchemy error raised inside becomes ``error("<what>: <short_error><then>")``,
+    cause chained.
+
+    ``what`` says what failed, in the adapter's words ("claim on q failed");
+    ``then`` what happens next or what was left unchanged ("; nothing was
+    inserted"). Anything else (dbtrigger's own errors included) passes through.
+    """
+    try:
+        yield
+    except SQLAlchemyError as exc:
+        raise error(f"{what}: {short_error(exc)}{then}") from exc
 
 
 def encoding_problem(exc: BaseException) -> str | None:
@@ -65,6 +86,7 @@ __all__ = [
     "MYSQL_CONFLICT_CODES",
     "PG_CONFLICT_SQLSTATES",
     "encoding_problem",
+    "failed_as",
     "lost_to_another_transaction",
     "short_error",
 ]

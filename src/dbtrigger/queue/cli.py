@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dbtrigger._argparse import add_apply_option, add_json_option, print_then_apply
-from dbtrigger._driver_errors import short_error
+from dbtrigger._driver_errors import failed_as
 from dbtrigger.errors import CommitError, ConfigurationError
 from dbtrigger.queue.cli_jobs import add_job_commands
 from dbtrigger.queue.cli_target import (
@@ -41,15 +41,13 @@ if TYPE_CHECKING:
 
 
 def _ddl(args: argparse.Namespace, *, uninstall: bool) -> int:
-    from sqlalchemy.exc import SQLAlchemyError  # noqa: PLC0415
-
     from dbtrigger.queue import ddl  # noqa: PLC0415
 
     probe = table_source(args)
     if probe.mode == "sidecar" and uninstall:
         return _uninstall_sidecar(args, probe)
     try:
-        with probe.transaction() as conn:
+        with failed_as(CommitError, f"DDL on {probe.name} failed"), probe.transaction() as conn:
             table = probe.reflect(conn, probe.table_name)
             if uninstall:
                 statements = ddl.uninstall_columns(conn, table)
@@ -65,8 +63,6 @@ def _ddl(args: argparse.Namespace, *, uninstall: bool) -> int:
                 return 0
             if not _print_then_run(args, conn, statements):
                 return 0
-    except SQLAlchemyError as exc:
-        raise CommitError(f"DDL on {probe.name} failed: {short_error(exc)}") from exc
     finally:
         probe.close()
     print(f"-- applied {len(statements)} statement(s) to {probe.name}")
@@ -90,14 +86,13 @@ def _uninstall_sidecar(args: argparse.Namespace, probe: ClaimSource) -> int:
     ``ready`` or ``claimed`` are work not done yet, so applying refuses while
     there are any unless ``--discard-pending`` says to drop them.
     """
-    from sqlalchemy.exc import SQLAlchemyError  # noqa: PLC0415
-
     from dbtrigger.queue.sidecar_table import uninstall_claims  # noqa: PLC0415
 
     name, schema = probe.claims_table, probe.schema
     where = f"{schema}.{name}" if schema else name
+    failed = f"uninstalling {probe.queue_name} failed"
     try:
-        with probe.transaction() as conn:
+        with failed_as(CommitError, failed), probe.transaction() as conn:
             plan = uninstall_claims(conn, name, schema, probe.queue_name)
             if plan is None:
                 print(f"-- claims table {where} does not exist: nothing to do")
@@ -124,8 +119,6 @@ def _uninstall_sidecar(args: argparse.Namespace, probe: ClaimSource) -> int:
                 print(f"-- refused with --yes as it stands: {message}")
             if not _print_then_run(args, conn, plan.statements):
                 return 0
-    except SQLAlchemyError as exc:
-        raise CommitError(f"uninstalling {probe.queue_name} failed: {short_error(exc)}") from exc
     finally:
         probe.close()
     print(

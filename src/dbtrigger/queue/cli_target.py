@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from dbtrigger._driver_errors import short_error
+from dbtrigger._driver_errors import failed_as
 from dbtrigger.durations import duration_seconds
 from dbtrigger.errors import ConfigurationError, FetchError
 
@@ -92,14 +92,13 @@ def _from_args(args: argparse.Namespace, pk_columns: list[str]) -> ClaimSource:
 
 
 def _primary_key(args: argparse.Namespace) -> list[str]:
-    from sqlalchemy.exc import SQLAlchemyError  # noqa: PLC0415
-
     probe = _from_args(args, ["_"])
     try:
-        with probe.engine.connect() as conn:
+        with (
+            failed_as(FetchError, f"could not inspect {probe.name}"),
+            probe.engine.connect() as conn,
+        ):
             table = probe.reflect(conn, probe.table_name)
-    except SQLAlchemyError as exc:
-        raise FetchError(f"could not inspect {probe.name}: {short_error(exc)}") from exc
     finally:
         probe.close()
     names = [c.name for c in table.primary_key.columns]

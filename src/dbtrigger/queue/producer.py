@@ -33,9 +33,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Union
 
 import sqlalchemy as sa
-from sqlalchemy.exc import SQLAlchemyError
 
-from dbtrigger._driver_errors import short_error
+from dbtrigger._driver_errors import failed_as
 from dbtrigger.errors import CommitError, ConfigurationError
 from dbtrigger.queue.schema import (
     CANCELED,
@@ -149,17 +148,12 @@ def enqueue(
     if not items:
         return 0
     statement = sa.insert(user).values(values) if values else sa.insert(user)
-    try:
-        with source.transaction() as conn:
-            if params:
-                conn.execute(statement, [{**row, **params} for row in items])
-            else:
-                conn.execute(statement, items)
-    except SQLAlchemyError as exc:
-        raise CommitError(
-            f"enqueueing {len(items)} row(s) into {source.name} failed: {short_error(exc)}; "
-            "nothing was inserted"
-        ) from exc
+    failed = f"enqueueing {len(items)} row(s) into {source.name} failed"
+    with failed_as(CommitError, failed, "; nothing was inserted"), source.transaction() as conn:
+        if params:
+            conn.execute(statement, [{**row, **params} for row in items])
+        else:
+            conn.execute(statement, items)
     return len(items)
 
 
@@ -229,44 +223,43 @@ def cancel(source: Queue, keys: Iterable[Any], *, reason: str, dry_run: bool = F
     pending = sa.or_(c[STATUS] == READY, sa.and_(c[STATUS] == CLAIMED, c[VISIBLE_AT] <= now))
     ident = source.layout.user_key_columns(target)
     note = f"canceled: {reason}"[:ERROR_LIMIT]
-    try:
-        with source.transaction(locking=True) as conn:
-            found = conn.execute(
-                sa.select(*ident, c[STATUS], sa.case((pending, 1), else_=0).label("dbt_pending"))
-                .where(target.filtered(match))
-                .with_for_update()
-            ).all()
-            result = Canceled()
-            by_key: dict[str, str] = {}
-            for row in found:
-                pk = source.layout.user_pk(row[: len(ident)], source.pk_columns)
-                text = _key_text(pk)
-                state = "canceled" if row[-1] else ("running" if row[-2] == CLAIMED else "finished")
-                # A sidecar row may have several versions: one pending one is enough.
-                if by_key.get(text) != "canceled":
-                    by_key[text] = state
-            for pk in pks:
-                text = _key_text(pk)
-                getattr(result, by_key.get(text, "missing")).append(pk)
-            if not dry_run and result.canceled:
-                conn.execute(
-                    sa.update(table)
-                    .where(target.filtered(match, pending))
-                    .values(
-                        {
-                            STATUS: CANCELED,
-                            CLAIM_TOKEN: None,
-                            DONE_AT: now,
-                            VISIBLE_AT: target.time.far_future(),
-                            LAST_ERROR: note,
-                        }
-                    )
+    failed = f"canceling rows of {source.name} failed"
+    with (
+        failed_as(CommitError, failed, "; nothing was changed"),
+        source.transaction(locking=True) as conn,
+    ):
+        found = conn.execute(
+            sa.select(*ident, c[STATUS], sa.case((pending, 1), else_=0).label("dbt_pending"))
+            .where(target.filtered(match))
+            .with_for_update()
+        ).all()
+        result = Canceled()
+        by_key: dict[str, str] = {}
+        for row in found:
+            pk = source.layout.user_pk(row[: len(ident)], source.pk_columns)
+            text = _key_text(pk)
+            state = "canceled" if row[-1] else ("running" if row[-2] == CLAIMED else "finished")
+            # A sidecar row may have several versions: one pending one is enough.
+            if by_key.get(text) != "canceled":
+                by_key[text] = state
+        for pk in pks:
+            text = _key_text(pk)
+            getattr(result, by_key.get(text, "missing")).append(pk)
+        if not dry_run and result.canceled:
+            conn.execute(
+                sa.update(table)
+                .where(target.filtered(match, pending))
+                .values(
+                    {
+                        STATUS: CANCELED,
+                        CLAIM_TOKEN: None,
+                        DONE_AT: now,
+                        VISIBLE_AT: target.time.far_future(),
+                        LAST_ERROR: note,
+                    }
                 )
-            return result
-    except SQLAlchemyError as exc:
-        raise CommitError(
-            f"canceling rows of {source.name} failed: {short_error(exc)}; nothing was changed"
-        ) from exc
+            )
+        return result
 
 
 def _as_pk(pk_columns: Sequence[str], key: Any) -> dict[str, Any]:

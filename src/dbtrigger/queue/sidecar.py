@@ -25,9 +25,8 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
-from sqlalchemy.exc import SQLAlchemyError
 
-from dbtrigger._driver_errors import short_error
+from dbtrigger._driver_errors import failed_as
 from dbtrigger.cursor import encoded_json
 from dbtrigger.errors import ConfigurationError, OutputWriteError
 from dbtrigger.events import RowChange
@@ -102,13 +101,9 @@ class SidecarFeeder:
                 f"key or cursor of {len(too_long)} row(s) encodes to more than "
                 f"{ITEM_TEXT_LIMIT} characters, the claims table's limit: {too_long[0]}"
             )
-        try:
-            with self.source.transaction() as conn:
-                conn.execute(_insert_ignoring(conn, table), rows)
-        except SQLAlchemyError as exc:
-            raise OutputWriteError(
-                f"feeding {len(rows)} row(s) into {table.name} failed: {short_error(exc)}"
-            ) from exc
+        failed = f"feeding {len(rows)} row(s) into {table.name} failed"
+        with failed_as(OutputWriteError, failed), self.source.transaction() as conn:
+            conn.execute(_insert_ignoring(conn, table), rows)
 
     def tick(self) -> int:
         """One feeder tick: rows fed (and committed)."""

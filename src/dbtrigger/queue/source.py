@@ -40,12 +40,11 @@ from sqlalchemy.engine import URL, Connection, Engine
 from sqlalchemy.exc import NoSuchTableError, SQLAlchemyError
 
 from dbtrigger._database_url import DatabaseUrl
-from dbtrigger._driver_errors import short_error
+from dbtrigger._driver_errors import failed_as, short_error
 from dbtrigger._engine import LazyEngine
 from dbtrigger.errors import (
     CommitError,
     ConfigurationError,
-    DbTriggerError,
     FetchError,
 )
 from dbtrigger.names import validate_sql_identifier
@@ -280,15 +279,11 @@ class ClaimSource:
         if self._target is None:
             with self._lock:
                 if self._target is None:
-                    try:
-                        with self.engine.connect() as conn:
-                            self._target = self._resolve(conn)
-                    except DbTriggerError:
-                        raise
-                    except SQLAlchemyError as exc:
-                        raise FetchError(
-                            f"could not inspect queue {self.name}: {short_error(exc)}"
-                        ) from exc
+                    with (
+                        failed_as(FetchError, f"could not inspect queue {self.name}"),
+                        self.engine.connect() as conn,
+                    ):
+                        self._target = self._resolve(conn)
         return self._target
 
     @property
@@ -404,11 +399,11 @@ class ClaimSource:
     def extend(self, *, token: str, visibility: float) -> int:
         """Heartbeat: push the claim's expiry on; how many rows it still holds."""
         target = self.target
-        try:
-            with self.transaction() as conn:
-                return target.extend(conn, token=token, visibility=visibility)
-        except SQLAlchemyError as exc:
-            raise FetchError(f"claim extension on {self.name} failed: {short_error(exc)}") from exc
+        with (
+            failed_as(FetchError, f"claim extension on {self.name} failed"),
+            self.transaction() as conn,
+        ):
+            return target.extend(conn, token=token, visibility=visibility)
 
     def settle(
         self,
@@ -420,21 +415,19 @@ class ClaimSource:
     ) -> Settled:
         """Record outcomes for rows still held by ``token`` (fenced; see statements)."""
         target = self.target
-        try:
-            with self.transaction() as conn:
-                return target.settle(
-                    conn,
-                    token=token,
-                    done=done,
-                    retry=retry,
-                    dead=dead,
-                    delete_done=self.on_done == "delete",
-                )
-        except SQLAlchemyError as exc:
-            raise CommitError(
-                f"recording outcomes on {self.name} failed: {short_error(exc)}; the claim "
-                "expires and the rows are claimed again"
-            ) from exc
+        failed = f"recording outcomes on {self.name} failed"
+        with (
+            failed_as(CommitError, failed, "; the claim expires and the rows are claimed again"),
+            self.transaction() as conn,
+        ):
+            return target.settle(
+                conn,
+                token=token,
+                done=done,
+                retry=retry,
+                dead=dead,
+                delete_done=self.on_done == "delete",
+            )
 
     # --- producers ------------------------------------------------------------------
 
@@ -472,11 +465,8 @@ class ClaimSource:
 
     def counts(self) -> QueueCounts:
         target = self.target  # checked before a connection is taken (SQLite: one writer)
-        try:
-            with self.engine.connect() as conn:
-                return operations.counts(target, conn)
-        except SQLAlchemyError as exc:
-            raise FetchError(f"status of {self.name} failed: {short_error(exc)}") from exc
+        with failed_as(FetchError, f"status of {self.name} failed"), self.engine.connect() as conn:
+            return operations.counts(target, conn)
 
     def redrive_dead(
         self,
@@ -488,43 +478,37 @@ class ClaimSource:
         stranded: bool = False,
     ) -> int:
         target = self.target
-        try:
-            with self.transaction() as conn:
-                return operations.redrive_dead(
-                    target,
-                    conn,
-                    note=note,
-                    limit=limit,
-                    dry_run=dry_run,
-                    keys=keys,
-                    stranded=stranded,
-                )
-        except SQLAlchemyError as exc:
-            raise CommitError(
-                f"re-driving dead rows of {self.name} failed: {short_error(exc)}"
-            ) from exc
+        with (
+            failed_as(CommitError, f"re-driving dead rows of {self.name} failed"),
+            self.transaction() as conn,
+        ):
+            return operations.redrive_dead(
+                target,
+                conn,
+                note=note,
+                limit=limit,
+                dry_run=dry_run,
+                keys=keys,
+                stranded=stranded,
+            )
 
     def dead_rows(self, *, limit: int | None = None) -> list[dict[str, Any]]:
         """Dead rows (key, attempts, last error, when): ``dbtrigger dead-letter list``."""
         target = self.target
-        try:
-            with self.engine.connect() as conn:
-                return operations.dead_rows(target, conn, limit=limit)
-        except SQLAlchemyError as exc:
-            raise FetchError(
-                f"reading dead rows of {self.name} failed: {short_error(exc)}"
-            ) from exc
+        with (
+            failed_as(FetchError, f"reading dead rows of {self.name} failed"),
+            self.engine.connect() as conn,
+        ):
+            return operations.dead_rows(target, conn, limit=limit)
 
     def discard_dead(self, keys: Sequence[Key], *, note: str, delete: bool = False) -> int:
         """Let dead rows go: done for good with ``note`` (or deleted); how many."""
         target = self.target
-        try:
-            with self.transaction() as conn:
-                return operations.discard_dead(target, conn, keys, note=note, delete=delete)
-        except SQLAlchemyError as exc:
-            raise CommitError(
-                f"discarding dead rows of {self.name} failed: {short_error(exc)}"
-            ) from exc
+        with (
+            failed_as(CommitError, f"discarding dead rows of {self.name} failed"),
+            self.transaction() as conn,
+        ):
+            return operations.discard_dead(target, conn, keys, note=note, delete=delete)
 
     def prune(
         self,
@@ -545,7 +529,7 @@ class ClaimSource:
         cutoff = self.time.ago(older_than_seconds)
         total = 0
         after: Key | None = None
-        try:
+        with failed_as(CommitError, f"pruning {self.name} failed"):
             while True:
                 with self.transaction() as conn:
                     keys = operations.prune_keys(
@@ -558,8 +542,6 @@ class ClaimSource:
                 if len(keys) < chunk:
                     return total
                 after = keys[-1]
-        except SQLAlchemyError as exc:
-            raise CommitError(f"pruning {self.name} failed: {short_error(exc)}") from exc
 
 
 # Claim and ClaimedRow are defined with the layouts; importable from here as before.

@@ -524,7 +524,7 @@ def test_what_is_read_still_changes_the_fingerprint(url: str) -> None:
 def test_fingerprint_has_no_secret_and_a_version() -> None:
     source_ = fp(url="postgresql+psycopg://app:s3cr3t@db/shop?password=qpw&sslkey=/k")
     assert "s3cr3t" not in source_.fingerprint()
-    rotated = fp(url="postgresql+psycopg://app:other@db/shop?password=zz&sslkey=/k2")
+    rotated = fp(url="postgresql+psycopg://app:r0tated-pw@db/shop?password=r0tated-qpw&sslkey=/k2")
     assert rotated.fingerprint() == source_.fingerprint()
 
 

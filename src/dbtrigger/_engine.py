@@ -220,6 +220,24 @@ class LazyEngine:
             engine.dispose()
 
 
+def reflect_table(
+    conn: Connection, name: str, schema: str | None, *, shown: str | None = None
+) -> sa.Table:
+    """The table ``name`` (in ``schema``) as the database describes it now.
+
+    A table that is not there, or that this user cannot see, is a
+    :class:`ConfigurationError` naming it (``shown``, e.g. ``sqlite:jobs``, or
+    ``schema.name``): a person must create it or grant access; retrying cannot help.
+    """
+    try:
+        return sa.Table(name, sa.MetaData(), schema=schema, autoload_with=conn)
+    except sa.exc.NoSuchTableError:
+        where = shown or (f"{schema}.{name}" if schema else name)
+        raise ConfigurationError(
+            f"table {where} does not exist (or is not visible to this user)"
+        ) from None
+
+
 class TableOnce(Once):
     """A table created, when missing, at its first use and once per process.
 
@@ -248,4 +266,5 @@ __all__ = [
     "create_engine",
     "ping",
     "ping_when_idle",
+    "reflect_table",
 ]

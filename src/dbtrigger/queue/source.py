@@ -37,11 +37,11 @@ from typing import Any, Literal
 
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Connection, Engine
-from sqlalchemy.exc import NoSuchTableError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 
 from dbtrigger._database_url import DatabaseUrl
 from dbtrigger._driver_errors import failed_as, short_error
-from dbtrigger._engine import LazyEngine
+from dbtrigger._engine import LazyEngine, reflect_table
 from dbtrigger.errors import (
     CommitError,
     ConfigurationError,
@@ -310,13 +310,7 @@ class ClaimSource:
             )
 
     def reflect(self, conn: Connection, name: str) -> sa.Table:
-        try:
-            return sa.Table(name, sa.MetaData(), schema=self.schema, autoload_with=conn)
-        except NoSuchTableError:
-            where = f"{self.schema}.{name}" if self.schema else name
-            raise ConfigurationError(
-                f"table {where} does not exist (or is not visible to this user)"
-            ) from None
+        return reflect_table(conn, name, self.schema)
 
     def _resolve(self, conn: Connection) -> ClaimTable:
         self._check_server(conn)

@@ -23,9 +23,9 @@ from typing import Any, cast
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
-from sqlalchemy.exc import NoSuchTableError
 from sqlalchemy.sql import ColumnElement
 
+from dbtrigger._engine import reflect_table
 from dbtrigger.cursor import Position, encode_value
 from dbtrigger.errors import ConfigurationError, SerializationError
 from dbtrigger.names import validate_sql_identifier
@@ -192,14 +192,9 @@ class Shape:
         spec = self.spec
         description = None
         if spec.table is not None:
-            try:
-                selectable: sa.FromClause = sa.Table(
-                    spec.table, sa.MetaData(), schema=spec.schema, autoload_with=conn
-                )
-            except NoSuchTableError:
-                raise ConfigurationError(
-                    f"table {self.source_name} does not exist (or is not visible to this user)"
-                ) from None
+            selectable: sa.FromClause = reflect_table(
+                conn, spec.table, spec.schema, shown=self.source_name
+            )
         else:
             text = spec.bound_parameters(sa.text(spec.query or ""))
             selectable = text.columns().subquery("dbtrigger_src")

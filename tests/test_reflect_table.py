@@ -1,0 +1,44 @@
+"""A table that is not there is one ConfigurationError, however it is reached: the
+keyset source, the claim queue and the helper they share (``_engine.reflect_table``)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from dbtrigger import ClaimSource, SqlAlchemySource
+from dbtrigger._engine import reflect_table
+from dbtrigger.errors import ConfigurationError
+
+MISSING = re.escape("does not exist (or is not visible to this user)")
+
+
+def test_reflect_table_reads_a_table_and_names_a_missing_one(tmp_path: Path) -> None:
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text("CREATE TABLE jobs (id integer PRIMARY KEY, v text)"))
+            assert list(reflect_table(conn, "jobs", None).c.keys()) == ["id", "v"]
+            with pytest.raises(ConfigurationError, match=rf"^table main\.nope {MISSING}"):
+                reflect_table(conn, "nope", "main")
+            with pytest.raises(ConfigurationError, match=rf"^table sqlite:nope {MISSING}"):
+                reflect_table(conn, "nope", None, shown="sqlite:nope")
+    finally:
+        engine.dispose()
+
+
+def test_both_sources_say_the_same_of_a_missing_table(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    keyset = SqlAlchemySource(url=url, table="nope", cursor_column="id", pk_columns=["id"])
+    claims = ClaimSource(url=url, table="nope", pk_columns=["id"])
+    try:
+        with pytest.raises(ConfigurationError, match=rf"^table sqlite:nope {MISSING}$"):
+            keyset.fetch(None, 10)
+        with pytest.raises(ConfigurationError, match=rf"^table nope {MISSING}$"):
+            claims.counts()
+    finally:
+        keyset.close()
+        claims.close()

@@ -458,3 +458,14 @@ def test_dbtrigger_run_refuses_a_bad_wake(sqlite_db: TestDatabase, tmp_path: Pat
     )
     assert done.returncode == 0, done.stderr
     assert "wake-up     adaptive:0.1: shorter idle waits" in done.stderr
+
+
+def test_cli_names_what_failed_when_the_database_cannot_be_reached() -> None:
+    where = ["--url", "postgresql+psycopg://app:pw@127.0.0.1:1/shop", "--table", "items"]
+    done = run_cli("wake", "status", *where)
+    assert done.returncode == 2
+    assert "error: could not read the triggers of items: OperationalError: " in done.stderr
+    done = run_cli("wake", "install", *where, "--yes")
+    assert done.returncode == 2
+    assert "error: installing the wake-up trigger failed: OperationalError: " in done.stderr
+    assert "pw@" not in done.stderr + done.stdout

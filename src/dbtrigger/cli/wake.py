@@ -15,7 +15,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from dbtrigger._argparse import add_apply_option, print_then_apply
-from dbtrigger._driver_errors import short_error
+from dbtrigger._driver_errors import failed_as
 from dbtrigger.cli.ddl import url_engine
 from dbtrigger.errors import CommitError, FetchError
 from dbtrigger.wakeup.ddl import WakePlan, apply, installed_channel, plan_install, plan_uninstall
@@ -28,15 +28,14 @@ def _change(
     (a dry run, or nothing to do). ``doing`` names the change in its error."""
     engine = url_engine(args)
     try:
-        plan = make_plan(engine)
-        if not plan.statements:
-            print(f"-- {args.table} has no wake-up trigger: nothing to do")
-            return None
-        statements = [s.rstrip() for s in plan.statements]
-        if not print_then_apply(args, statements, lambda: apply(engine, plan), end=";\n"):
-            return None
-    except sa.exc.SQLAlchemyError as exc:
-        raise CommitError(f"{doing} the wake-up trigger failed: {short_error(exc)}") from exc
+        with failed_as(CommitError, f"{doing} the wake-up trigger failed"):
+            plan = make_plan(engine)
+            if not plan.statements:
+                print(f"-- {args.table} has no wake-up trigger: nothing to do")
+                return None
+            statements = [s.rstrip() for s in plan.statements]
+            if not print_then_apply(args, statements, lambda: apply(engine, plan), end=";\n"):
+                return None
     finally:
         engine.dispose()
     return plan
@@ -69,11 +68,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     """Exit 1 when the table has no wake-up trigger."""
     engine = url_engine(args)
     try:
-        channel = installed_channel(engine, args.table, schema=args.schema)
-    except sa.exc.SQLAlchemyError as exc:
-        raise FetchError(
-            f"could not read the triggers of {args.table}: {short_error(exc)}"
-        ) from exc
+        with failed_as(FetchError, f"could not read the triggers of {args.table}"):
+            channel = installed_channel(engine, args.table, schema=args.schema)
     finally:
         engine.dispose()
     if channel is None:

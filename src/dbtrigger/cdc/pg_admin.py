@@ -24,7 +24,7 @@ from dbtrigger.cdc import pg_setup as setup
 from dbtrigger.cdc.admin import Plan, SourceAdmin
 from dbtrigger.cdc.pg_connection import connect, translated
 from dbtrigger.cdc.pg_context import PgSourceParts
-from dbtrigger.cdc.pgoutput import lsn_text
+from dbtrigger.cdc.pgoutput import lsn_text, parse_lsn
 from dbtrigger.cdc.snapshots import add_request, carry_over, watched
 from dbtrigger.errors import ConfigurationError
 
@@ -68,6 +68,22 @@ def slot_warnings(state: setup.SlotState | None, facts: setup.ServerFacts) -> li
     return out
 
 
+def made_again(state: setup.SlotState | None, row: control.ControlRow | None) -> str | None:
+    """A slot confirmed past the furthest position its poller let it advance to: created
+    again by hand (see :mod:`dbtrigger.cdc.pg_control`), in words; None when it is not."""
+    if state is None or row is None or row.released_lsn is None:
+        return None
+    bound = parse_lsn(row.released_lsn)
+    if state.confirmed_flush is None or state.confirmed_flush <= bound:
+        return None
+    return (
+        f"the slot starts at {lsn_text(state.confirmed_flush)}, past {row.released_lsn}, the "
+        "furthest its poller let it advance: it was dropped and created again by hand (or "
+        "advanced by something else), and the changes committed in between are missing; run "
+        "dbtrigger cdc recreate MODULE:TRIGGER --snapshot --yes"
+    )
+
+
 class PgAdmin(SourceAdmin[PgSourceParts]):
     """The admin protocol for a PgLogicalSource (see the module docstring)."""
 
@@ -84,6 +100,8 @@ class PgAdmin(SourceAdmin[PgSourceParts]):
             infos = setup.table_infos(conn, source.tables)
             if not control.exists(conn, source.control_schema):
                 out.statements.append(control.create_sql(source.control_schema).as_string(conn))
+            elif not control.has_bound(conn, source.control_schema):
+                out.statements.append(control.add_bound_sql(source.control_schema).as_string(conn))
             out.statements.extend(
                 s.as_string(conn)
                 for s in setup.publication_sql(
@@ -157,6 +175,10 @@ class PgAdmin(SourceAdmin[PgSourceParts]):
             published = setup.publication_tables(conn, source.publication)
             row = control.read_installed(conn, source.control_schema, source.slot)
             infos = setup.table_infos(conn, source.tables)
+        warnings = slot_warnings(state, facts)
+        remade = made_again(state, row)
+        if remade is not None:
+            warnings.insert(0, remade)
         return {
             "slot": state.to_json() if state is not None else None,
             "slot_name": source.slot,
@@ -167,12 +189,13 @@ class PgAdmin(SourceAdmin[PgSourceParts]):
             "server_version": facts.version,
             "snapshots": [s.to_json() for s in row.snapshots] if row is not None else [],
             "created_lsn": row.created_lsn if row is not None else None,
+            "released_lsn": row.released_lsn if row is not None else None,
             "tables": {
                 q: {"replica_identity": i.identity_label, "key": list(i.key_columns)}
                 for q, i in infos.items()
             },
-            "warnings": slot_warnings(state, facts),
-            "healthy": state is not None and not state.lost,
+            "warnings": warnings,
+            "healthy": state is not None and not state.lost and remade is None,
         }
 
     def drop(self, *, keep_publication: bool = False) -> list[str]:
@@ -265,4 +288,4 @@ class PgAdmin(SourceAdmin[PgSourceParts]):
         return changes
 
 
-__all__ = ["RETAINED_WARNING", "PgAdmin", "slot_warnings", "wal_keep_notes"]
+__all__ = ["RETAINED_WARNING", "PgAdmin", "made_again", "slot_warnings", "wal_keep_notes"]

@@ -44,7 +44,14 @@ class PgSourceParts(LogSourceParts, Protocol):
     stream_wait: float
     confirmed: int | None
 
+    bound: int | None
+    bounded: bool
+
     def check_not_lost(self, state: setup.SlotState) -> None: ...
+
+    def raise_bound(self, conn: psycopg.Connection[Any], lsn: int) -> None: ...
+
+    def check_identity(self, conn: psycopg.Connection[Any], confirmed: int | None) -> None: ...
 
     def check_published(self, conn: psycopg.Connection[Any]) -> None: ...
 

@@ -15,6 +15,12 @@ poller's state document:
   the same transaction that moves its request forward
   (:mod:`dbtrigger.cdc.pg_snapshot`), so an interrupted snapshot resumes at the
   next chunk, never from zero and never skipping one.
+* the **release bound** (``released_lsn``): the furthest LSN this source ever
+  let the slot advance to, written *before* each advance. A slot keeps no
+  identity of its own, so a slot dropped and created again by hand under the
+  same name would start at the server's WAL position of that moment and skip
+  what was committed in between; its confirmed position is then past the
+  bound, and the source refuses it (:class:`~dbtrigger.errors.SlotLostError`).
 
 The table lives in ``control_schema`` (``public`` by default), is created on
 first use (or by ``dbtrigger cdc install``), and is not in the publication:
@@ -47,7 +53,8 @@ def create_sql(schema: str) -> sql.Composed:
         "CREATE TABLE IF NOT EXISTS {} ("
         "slot text PRIMARY KEY, poller text, tables text[] NOT NULL, "
         "created_lsn pg_lsn, created_at timestamptz NOT NULL DEFAULT now(), "
-        "columns jsonb NOT NULL DEFAULT '{{}}', snapshots jsonb NOT NULL DEFAULT '[]', "
+        "released_lsn pg_lsn, columns jsonb NOT NULL DEFAULT '{{}}', "
+        "snapshots jsonb NOT NULL DEFAULT '[]', "
         "updated_at timestamptz NOT NULL DEFAULT now())"
     ).format(table_identifier(schema))
 
@@ -60,13 +67,43 @@ def exists(conn: psycopg.Connection[Any], schema: str) -> bool:
     return bool(row and row[0])
 
 
+def has_bound(conn: psycopg.Connection[Any], schema: str) -> bool:
+    """Does the control table have ``released_lsn`` (tables made before it was added do not)?"""
+    with translated("looking at the control table's columns"):
+        row = conn.execute(
+            "SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass(%s) "
+            "AND attname = 'released_lsn' AND NOT attisdropped",
+            (f'"{schema}"."{TABLE}"',),
+        ).fetchone()
+    return bool(row and row[0])
+
+
+def add_bound_sql(schema: str) -> sql.Composed:
+    return sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS released_lsn pg_lsn").format(
+        table_identifier(schema)
+    )
+
+
 def ensure(conn: psycopg.Connection[Any], schema: str) -> bool:
-    """Create the control table if it is missing; True when it was created.
+    """Create the control table if it is missing (add ``released_lsn`` to one made before
+    it existed); True when it was created.
 
     Raises:
-        SourcePermissionError: the role may not create tables in ``schema``.
+        SourcePermissionError: the role may not create tables in ``schema``, or
+            may not alter the existing table.
     """
     if exists(conn, schema):
+        if not has_bound(conn, schema):
+            statement = add_bound_sql(schema)
+            try:
+                with translated("adding released_lsn to the control table"):
+                    conn.execute(statement)
+            except SourcePermissionError as exc:
+                raise SourcePermissionError(
+                    f"{schema}.{TABLE} was made by an earlier dbtrigger and lacks the column "
+                    f"released_lsn (how far the slot was let advance): {exc}. Have its owner "
+                    f"run: {statement.as_string(conn)}"
+                ) from exc
         return False
     statement = create_sql(schema)
     try:
@@ -90,15 +127,24 @@ class ControlRow:
     created_lsn: str | None
     columns: dict[str, dict[str, int]] = field(default_factory=dict)
     snapshots: list[Snapshot] = field(default_factory=list)
+    #: The furthest LSN the slot was let advance to (None: not recorded yet).
+    released_lsn: str | None = None
+    #: False when the table has no ``released_lsn`` column (made by an earlier version).
+    bounded: bool = True
 
 
 def read(
     conn: psycopg.Connection[Any], schema: str, slot: str, *, lock: bool = False
 ) -> ControlRow | None:
+    bounded = has_bound(conn, schema)
     query = sql.SQL(
-        "SELECT slot, poller, tables, created_lsn::text, columns, snapshots FROM {} "
+        "SELECT slot, poller, tables, created_lsn::text, columns, snapshots, {} FROM {} "
         "WHERE slot = %s{}"
-    ).format(table_identifier(schema), sql.SQL(" FOR UPDATE" if lock else ""))
+    ).format(
+        sql.SQL("released_lsn::text" if bounded else "NULL::text"),
+        table_identifier(schema),
+        sql.SQL(" FOR UPDATE" if lock else ""),
+    )
     with translated("reading the control table"):
         row = conn.execute(query, (slot,)).fetchone()
     if row is None:
@@ -112,6 +158,8 @@ def read(
         row[3],
         {t: {c: int(o) for c, o in cols.items()} for t, cols in columns.items()},
         [Snapshot.from_json(s) for s in snapshots],
+        row[6],
+        bounded,
     )
 
 
@@ -121,25 +169,43 @@ def read_installed(conn: psycopg.Connection[Any], schema: str, slot: str) -> Con
 
 
 def write(conn: psycopg.Connection[Any], schema: str, row: ControlRow) -> None:
-    """Insert or replace the slot's row."""
+    """Insert or replace the slot's row (its release bound too, where the table has it)."""
+    row.bounded = has_bound(conn, schema)
+    bound = row.bounded
     statement = sql.SQL(
-        "INSERT INTO {} (slot, poller, tables, created_lsn, columns, snapshots) "
-        "VALUES (%s, %s, %s, %s::pg_lsn, %s, %s) ON CONFLICT (slot) DO UPDATE SET "
+        "INSERT INTO {} (slot, poller, tables, created_lsn, columns, snapshots{}) "
+        "VALUES (%s, %s, %s, %s::pg_lsn, %s, %s{}) ON CONFLICT (slot) DO UPDATE SET "
         "poller = EXCLUDED.poller, tables = EXCLUDED.tables, created_lsn = EXCLUDED.created_lsn, "
-        "columns = EXCLUDED.columns, snapshots = EXCLUDED.snapshots, updated_at = now()"
-    ).format(table_identifier(schema))
+        "columns = EXCLUDED.columns, snapshots = EXCLUDED.snapshots, {}updated_at = now()"
+    ).format(
+        table_identifier(schema),
+        sql.SQL(", released_lsn" if bound else ""),
+        sql.SQL(", %s::pg_lsn" if bound else ""),
+        sql.SQL("released_lsn = EXCLUDED.released_lsn, " if bound else ""),
+    )
+    values: list[Any] = [
+        row.slot,
+        row.poller,
+        row.tables,
+        row.created_lsn,
+        Jsonb(row.columns),
+        Jsonb([s.to_json() for s in row.snapshots]),
+    ]
+    if bound:
+        values.append(row.released_lsn)
     with translated("writing the control table"):
-        conn.execute(
-            statement,
-            (
-                row.slot,
-                row.poller,
-                row.tables,
-                row.created_lsn,
-                Jsonb(row.columns),
-                Jsonb([s.to_json() for s in row.snapshots]),
-            ),
-        )
+        conn.execute(statement, values)
+
+
+def save_bound(conn: psycopg.Connection[Any], schema: str, slot: str, lsn: str) -> bool:
+    """Record that the slot may advance to ``lsn`` (never moves the bound back); False
+    when the slot has no control row."""
+    statement = sql.SQL(
+        "UPDATE {} SET released_lsn = GREATEST(released_lsn, %s::pg_lsn), updated_at = now() "
+        "WHERE slot = %s"
+    ).format(table_identifier(schema))
+    with translated("recording how far the slot may advance"):
+        return conn.execute(statement, (lsn, slot)).rowcount > 0
 
 
 def save_columns(
@@ -174,12 +240,15 @@ def delete(conn: psycopg.Connection[Any], schema: str, slot: str) -> None:
 __all__ = [
     "TABLE",
     "ControlRow",
+    "add_bound_sql",
     "create_sql",
     "delete",
     "ensure",
     "exists",
+    "has_bound",
     "read",
     "read_installed",
+    "save_bound",
     "save_columns",
     "save_snapshots",
     "write",

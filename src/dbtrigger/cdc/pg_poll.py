@@ -22,7 +22,10 @@ tick, with the stored checkpoint; while a backlog drains, at most every
 delivered whole, into a partly delivered one only to its commit LSN (which
 keeps it decodable), and, when the last read was complete and found nothing
 after the checkpoint, to that read's end LSN, so WAL that held nothing for us
-is never retained.
+is never retained. Each advance is recorded first in the control row
+(``released_lsn``), and each read checks that the slot's confirmed position is
+not past it: a slot dropped and created again by hand would otherwise be read
+from its new start, and what was committed before that skipped.
 """
 
 from __future__ import annotations
@@ -110,6 +113,9 @@ class PollReader:
                 upto = min(end, self.confirmed_flush(conn) + self.step)
             started = time.monotonic()
             self.read(conn, after, upto, keep)
+            # After the read, so a slot made again before it is caught before its changes
+            # are handed out (one made after it is caught by the next read).
+            s.check_identity(conn, self.confirmed_flush(conn))
             if self.step is None:
                 return
             if upto >= end:
@@ -250,6 +256,7 @@ class PollReader:
         s = self.source
         if s.confirmed is not None and lsn <= s.confirmed:
             return
+        s.raise_bound(conn, lsn)  # recorded first: a slot past it is not this poller's
         try:
             with translated(f"advancing replication slot {s.slot}"):
                 row = conn.execute(

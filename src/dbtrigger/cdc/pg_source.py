@@ -45,7 +45,7 @@ from dbtrigger.cdc.pg_poll import PollReader
 from dbtrigger.cdc.pg_reader import Decoder, materialise
 from dbtrigger.cdc.pg_snapshot import SnapshotWriter
 from dbtrigger.cdc.pg_stream import StreamReader
-from dbtrigger.cdc.pgoutput import lsn_text
+from dbtrigger.cdc.pgoutput import lsn_text, parse_lsn
 from dbtrigger.cdc.position import LogPosition
 from dbtrigger.cdc.snapshots import Snapshot
 from dbtrigger.errors import ConfigurationError, SlotLostError, SourceDefinitionError
@@ -148,6 +148,11 @@ class PgLogicalSource(LogSource):
         self.guard: SchemaGuard[int] = SchemaGuard({}, _oid)
         self._decoder: Decoder | None = None
         self.confirmed: int | None = None
+        #: The furthest LSN the slot was let advance to, as recorded in the control row
+        #: (None: not known, no check; see :mod:`dbtrigger.cdc.pg_control`).
+        self.bound: int | None = None
+        #: The control table has ``released_lsn`` (False: made by an earlier version).
+        self.bounded = False
         self.snapshots = SnapshotWriter(self)
         self.health = SlotReporter(self)
 
@@ -244,6 +249,7 @@ class PgLogicalSource(LogSource):
         if state is not None:
             setup.check_slot_plugin(state, self.url.database)
             self.check_not_lost(state)
+        self.bound, self.bounded = None, False
         if state is None and not self.create:
             raise ConfigurationError(
                 f"replication slot {self.slot} does not exist and create=False: run "
@@ -273,11 +279,68 @@ class PgLogicalSource(LogSource):
                 setup.check_still_published(conn, self.publication, known, poller=self.poller)
             setup.ensure_publication(conn, self.publication, self.tables, create=self.create)
             if row is None:
-                row = self.new_control_row(None, snapshots=False)
+                row = self.new_control_row(state.confirmed_flush, snapshots=False)
+                row.created_lsn = None  # not created by this source: where it was is unknown
                 self.write_control(conn, row)
         assert row is not None  # noqa: S101 - written just above when missing
         self.accept(row.columns)
         self.confirmed = None if state is None else state.confirmed_flush
+        self.adopt_bound(conn, row)
+
+    def adopt_bound(self, conn: psycopg.Connection[Any], row: control.ControlRow) -> None:
+        """Take the control row's release bound and check the slot against it; a row
+        without one (written by an earlier version) is given the slot's position now."""
+        self.bounded = row.bounded
+        if not row.bounded:
+            log.warning(
+                "%s.%s has no released_lsn column (made by an earlier dbtrigger): a slot "
+                "created again by hand under the name %s would not be noticed. Run "
+                "dbtrigger cdc install MODULE:TRIGGER --yes (or: %s)",
+                self.control_schema,
+                control.TABLE,
+                self.slot,
+                control.add_bound_sql(self.control_schema).as_string(conn),
+                extra={"event": "cdc_bound_unrecorded", "poller": self.poller},
+            )
+            return
+        if row.released_lsn is not None:
+            self.bound = parse_lsn(row.released_lsn)
+            self.check_identity(conn, self.confirmed)
+        elif self.confirmed is not None:
+            self.raise_bound(conn, self.confirmed)
+
+    def raise_bound(self, conn: psycopg.Connection[Any], lsn: int) -> None:
+        """Record, before the slot is advanced to ``lsn``, that it may be (see
+        :mod:`dbtrigger.cdc.pg_control`); nothing to write when the bound is there already."""
+        if not self.bounded or (self.bound is not None and lsn <= self.bound):
+            return
+        if control.save_bound(conn, self.control_schema, self.slot, lsn_text(lsn)):
+            self.bound = lsn
+
+    def check_identity(self, conn: psycopg.Connection[Any], confirmed: int | None) -> None:
+        """Refuse a slot whose confirmed position is past every position this poller let it
+        advance to: it is not the slot the poller was reading (see the module docstring of
+        :mod:`dbtrigger.cdc.pg_control`).
+
+        Raises:
+            SlotLostError: the slot was dropped and created again (or moved on by hand).
+        """
+        if self.bound is None or confirmed is None or confirmed <= self.bound:
+            return
+        row = self.read_control(conn)  # another worker of this poller may have moved it on
+        if row is not None and row.released_lsn is not None:
+            self.bound = max(self.bound, parse_lsn(row.released_lsn))
+        if confirmed <= self.bound:
+            return
+        raise SlotLostError(
+            f"replication slot {self.slot} starts at {lsn_text(confirmed)}, past "
+            f"{lsn_text(self.bound)}, the furthest poller {self.poller or '(this source)'} "
+            "ever let it advance: it was dropped and created again by hand (or advanced by "
+            "something else), and the changes committed in between were never in it. "
+            "Recreate it and read the tables again: dbtrigger cdc recreate MODULE:TRIGGER "
+            "--snapshot --yes",
+            poller=self.poller,
+        )
 
     def accept(self, columns: dict[str, dict[str, int]]) -> None:
         """Read on with these accepted columns (a new decoder, which checks against them)."""
@@ -296,6 +359,7 @@ class PgLogicalSource(LogSource):
             None if created is None else lsn_text(created),
             columns,
             self.initial_requests(self.table_names(), snapshots=snapshots),
+            None if created is None else lsn_text(created),
         )
 
     def read_control(

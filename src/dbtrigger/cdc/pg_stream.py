@@ -25,7 +25,11 @@ Bounds, as in poll mode:
   :meth:`StreamReader.release` computed from a durable checkpoint. psycopg2
   repeats it in its periodic status messages, and moves it on by itself only
   to a keepalive's WAL end once every message received has been confirmed:
-  the server sent nothing for us below that end, so nothing is skipped.
+  the server sent nothing for us below that end, so nothing is skipped. Every
+  status message is sent by the thread's loop (psycopg2's own interval is set
+  out of reach), after the bound it may confirm (the stream's WAL end) is
+  recorded in the control row; a slot confirmed past that bound is one made
+  again by hand (:mod:`dbtrigger.cdc.pg_control`).
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ log = logging.getLogger("dbtrigger.cdc")
 #: Seconds between status messages while the stream is paused (the server drops
 #: a silent client after wal_sender_timeout, 60 s by default).
 KEEPALIVE_SECONDS = 10.0
+#: psycopg2's own status interval: longer than any stream lives, so every status
+#: message is the loop's (:meth:`StreamReader._record_bound` runs before each).
+NO_OWN_STATUS_SECONDS = 365 * 24 * 3600.0
 _UNBOUNDED = 1 << 62
 #: Seconds without a fetch after which the stream closes (see the module docstring).
 IDLE_SECONDS = 60.0
@@ -99,9 +106,16 @@ class StreamReader:
         self._last_fill = time.monotonic()
         if self._error is not None or self._idle:
             self.stop()
-        if self._thread is None or not s.buffer.covers(after):
+        started = self._thread is None or not s.buffer.covers(after)
+        if started:
             self.start(after)
         conn = s.connection()
+        if started:  # a slot made again while no stream held it: refused before a change
+            try:
+                s.check_identity(conn, self.helper.confirmed_flush(conn))
+            except SlotLostError:
+                self.stop()
+                raise
         s.check_published(conn)  # a table dropped and created again is in no publication
         self.helper.heartbeat(conn)
         if s.buffer.pending(after) == 0:
@@ -226,7 +240,9 @@ class StreamReader:
                     "publication_names": s.publication,
                     "messages": "true",
                 },
-                status_interval=KEEPALIVE_SECONDS,
+                # Status messages are sent by the loop below, each after the bound it may
+                # confirm is recorded; psycopg2 sends one by itself only when asked to.
+                status_interval=NO_OWN_STATUS_SECONDS,
             )
             sent = 0
             last_status = time.monotonic()
@@ -234,15 +250,14 @@ class StreamReader:
                 if time.monotonic() - self._last_fill > IDLE_SECONDS and self._let_go():
                     break
                 target = self.flush_target
-                if target > sent or self._want_reply:
+                due = time.monotonic() - last_status > KEEPALIVE_SECONDS
+                if target > sent or self._want_reply or due:
                     reply, self._want_reply = self._want_reply, False
+                    self._record_bound(cursor, target)
                     cursor.send_feedback(flush_lsn=target, reply=reply)
-                    sent = target
+                    sent = max(sent, target)
                     last_status = time.monotonic()
                 if s.buffer.changes >= s.read_ahead:  # back-pressure: let the handler catch up
-                    if time.monotonic() - last_status > KEEPALIVE_SECONDS:
-                        cursor.send_feedback(flush_lsn=sent)
-                        last_status = time.monotonic()
                     self._stop.wait(0.02)
                     continue
                 message = cursor.read_message()
@@ -261,6 +276,22 @@ class StreamReader:
         finally:
             if conn is not None:
                 conn.close()
+
+    def _record_bound(self, cursor: Any, target: int) -> None:
+        """Record in the control row how far the next status message may move the slot.
+
+        That is the checkpointed ``target``, or further: psycopg2 moves the flush
+        position it reports to a keepalive's WAL end by itself once everything
+        received was confirmed (nothing for us was below it), and the slot then
+        confirms WAL this poller never released. Either is at most the stream's
+        WAL end, so that is what is recorded, before the message is sent.
+        """
+        upto = max(target, int(cursor.wal_end or 0))
+        s = self.source
+        if s.bound is not None and upto <= s.bound:
+            return
+        with self._lock:
+            s.raise_bound(s.connection(), upto)
 
     def _let_go(self) -> bool:
         """No fetch for :data:`IDLE_SECONDS`: close the stream (True), unless one just came."""

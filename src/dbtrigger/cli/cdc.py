@@ -224,7 +224,11 @@ def add_cdc_commands(sub: Any) -> None:
     drop.add_argument("--keep-publication", action="store_true", help="drop only the slot")
     drop.set_defaults(func=cmd_drop)
 
-    recreate = command("recreate", "a new slot after one was lost or invalidated")
+    recreate = command(
+        "recreate",
+        "a new slot (binlog: reader start) after one was lost, invalidated or created again "
+        "by hand, or the binary log was reset",
+    )
     choice = recreate.add_mutually_exclusive_group()
     choice.add_argument(
         "--snapshot",

@@ -1,0 +1,157 @@
+"""A replication slot dropped and created again by hand under the poller's slot name.
+
+The new slot starts at the server's WAL position of its creation, so what was
+committed between the drop and the creation was never in any slot this poller
+read. Read on, it would be skipped without a word; the source records how far
+it ever let the slot advance (written before each advance) and refuses a slot
+whose confirmed position is past that.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+
+from dbtrigger import InMemoryCheckpointStore, PollTrigger, RetryPolicy, RowChange
+from dbtrigger.cdc import PgLogicalSource
+from dbtrigger.cdc.pgoutput import parse_lsn
+from dbtrigger.errors import SlotLostError
+from tests.cdc_servers import CdcDatabase
+
+
+def poller(db: CdcDatabase, **kw: Any) -> tuple[PollTrigger, PgLogicalSource]:
+    source = PgLogicalSource(db.url, ["t"], snapshot="never", stream_wait_seconds=0, **kw)
+    trigger = PollTrigger(
+        name=f"p_{uuid.uuid4().hex[:8]}",
+        source=source,
+        checkpoint_store=InMemoryCheckpointStore(),
+        batch_size=50,
+        max_batches_per_tick=100,
+        retry=RetryPolicy.none(),
+    )
+    return trigger, source
+
+
+def drain(trigger: PollTrigger) -> list[int]:
+    got: list[RowChange] = []
+    trigger.drain(got.extend)
+    return [e.pk["id"] for e in got]
+
+
+def recreate_by_hand(db: CdcDatabase, slot: str, skipped: int = 2) -> None:
+    with db.connect() as conn:
+        conn.execute(
+            "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots "
+            "WHERE slot_name = %s AND active_pid IS NOT NULL",
+            (slot,),
+        )
+        conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+        conn.execute("INSERT INTO t VALUES (%s)", (skipped,))  # in no slot: the one skipped
+        conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
+
+
+@pytest.mark.parametrize(("mode", "restarted"), [("poll", True), ("poll", False), ("stream", True)])
+def test_a_slot_created_again_by_hand_is_a_slot_lost_error_not_a_skip(
+    cdc_db: CdcDatabase, mode: str, restarted: bool
+) -> None:
+    cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY)")
+    trigger, source = poller(cdc_db, mode=mode)
+    assert drain(trigger) == []
+    cdc_db.execute("INSERT INTO t VALUES (1)")
+    assert drain(trigger) == [1]
+    if restarted:
+        source.close()  # the worker stops; a new process makes the first contact
+    recreate_by_hand(cdc_db, source.slot)
+    cdc_db.execute("INSERT INTO t VALUES (3)")
+    with pytest.raises(SlotLostError, match=r"created again.*cdc recreate") as caught:
+        drain(trigger)
+    assert "poller" in str(caught.value)
+    status = source.admin().status()
+    assert not status["healthy"]
+    assert "created again by hand" in status["warnings"][0]
+    # What the error says to run brings back what the hand-made slot skipped.
+    source.admin().recreate(snapshot=True)
+    assert sorted(drain(trigger)) == [1, 2, 3]
+    source.close()
+
+
+def test_a_poller_that_caught_up_restarts_without_an_error(cdc_db: CdcDatabase) -> None:
+    # The slot is advanced past the checkpoint (WAL of other tables, heartbeats): that is
+    # this poller's own doing, recorded before the advance, never taken for a new slot.
+    cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY); CREATE TABLE other (v int)")
+    trigger, source = poller(cdc_db)
+    assert drain(trigger) == []
+    cdc_db.execute("INSERT INTO t VALUES (1)")
+    got: list[RowChange] = []
+    trigger.drain(got.extend)
+    commit = parse_lsn(str(got[0].cursor).split("#")[0])
+    cdc_db.execute("INSERT INTO other SELECT generate_series(1, 100)")
+    assert drain(trigger) == []
+    confirmed = cdc_db.scalar(
+        "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
+        (source.slot,),
+    )
+    assert parse_lsn(confirmed) > commit  # ahead of the checkpoint, by this poller
+    source.close()
+    cdc_db.execute("INSERT INTO t VALUES (2)")
+    assert drain(trigger) == [2]
+    source.close()
+
+
+def test_a_stream_moved_on_by_keepalives_restarts_without_an_error(cdc_db: CdcDatabase) -> None:
+    # psycopg2 moves the flush position it reports to a keepalive's WAL end by itself
+    # (when everything received was confirmed): the slot then confirms WAL this poller
+    # never released explicitly. The stream records that bound before any feedback.
+    cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY); CREATE TABLE other (v int)")
+    trigger, source = poller(cdc_db, mode="stream")
+    assert drain(trigger) == []
+    cdc_db.execute("INSERT INTO t VALUES (1)")
+    assert drain(trigger) == [1]
+    for _ in range(5):  # WAL of another table: keepalives only, then a fetch's reply
+        cdc_db.execute("INSERT INTO other SELECT generate_series(1, 100)")
+        assert drain(trigger) == []
+    source.close()
+    confirmed = parse_lsn(
+        cdc_db.scalar(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
+            (source.slot,),
+        )
+    )
+    bound = parse_lsn(
+        cdc_db.scalar(
+            "SELECT released_lsn::text FROM dbtrigger_cdc_slots WHERE slot = %s", (source.slot,)
+        )
+    )
+    assert confirmed <= bound
+    cdc_db.execute("INSERT INTO t VALUES (2)")
+    assert drain(trigger) == [2]
+    source.close()
+
+
+def test_a_control_table_of_an_earlier_version_gains_the_bound_in_place(
+    cdc_db: CdcDatabase,
+) -> None:
+    # Made before released_lsn existed: the dry run lists the ALTER, the next start adds
+    # the column, records the slot's position as the bound, and delivery goes on.
+    cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY)")
+    trigger, source = poller(cdc_db)
+    assert drain(trigger) == []
+    cdc_db.execute("INSERT INTO t VALUES (1)")
+    assert drain(trigger) == [1]
+    source.close()
+    cdc_db.execute("ALTER TABLE dbtrigger_cdc_slots DROP COLUMN released_lsn")
+    plan = source.admin().plan()
+    assert any("ADD COLUMN IF NOT EXISTS released_lsn" in s for s in plan.statements)
+    cdc_db.execute("INSERT INTO t VALUES (2)")
+    assert drain(trigger) == [2]
+    bound = cdc_db.scalar(
+        "SELECT released_lsn::text FROM dbtrigger_cdc_slots WHERE slot = %s", (source.slot,)
+    )
+    assert bound is not None
+    source.close()
+    recreate_by_hand(cdc_db, source.slot, skipped=3)
+    with pytest.raises(SlotLostError, match="created again"):
+        drain(trigger)
+    source.close()

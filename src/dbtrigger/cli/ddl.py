@@ -8,16 +8,18 @@ import argparse
 
 import sqlalchemy as sa
 
-from dbtrigger.errors import ConfigurationError
-from dbtrigger.settings import resolve_setting
+from dbtrigger._engine import create_engine, parse_database_url
 
 
 def url_engine(args: argparse.Namespace) -> sa.Engine:
-    """An engine for ``--url`` (a ``%SETTING%`` reference resolved); the caller disposes it."""
-    try:
-        return sa.create_engine(resolve_setting(args.url))
-    except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError) as exc:
-        raise ConfigurationError(f"cannot use --url: {exc}") from None
+    """An engine for ``--url``; the caller disposes it.
+
+    The URL is read as every adapter reads one (:func:`~dbtrigger._engine.parse_database_url`:
+    a ``%SETTING%`` resolved, its password masked wherever it is echoed, a malformed one
+    a ``ConfigurationError`` that does not repeat it), and a missing dialect or driver
+    is a ``ConfigurationError`` naming what to install.
+    """
+    return create_engine(parse_database_url(args.url, "--url"))
 
 
 __all__ = ["url_engine"]

@@ -42,6 +42,9 @@ class Guarding:
         self.request = request
         #: The guard bound to the source (None until decided).
         self.active: ActiveGuard | None = None
+        #: The keyset ``active`` adds its conditions to (a new one after the
+        #: table's columns changed: the guard is bound to it again, as at a restart).
+        self._bound: Keyset | None = None
         self._lock = threading.Lock()
         self._autocommit: Engine | None = None
         #: What the guard in force lacks for a missing privilege (set when decided).
@@ -91,8 +94,14 @@ class Guarding:
 
     def activate(self, conn: Connection, keyset: Keyset, *, source: str) -> ActiveGuard | None:
         """The guard bound to the source; None while ``auto`` cannot decide yet."""
-        if self.active is not None:
-            return self.active
+        active = self.active
+        if active is not None:
+            if self._bound is keyset:
+                return active
+            rebound = active.guard.activate(target(keyset, source))
+            with self._lock:
+                self.active, self._bound = rebound, keyset
+            return rebound
         request, shape, dialect = self.request, keyset.shape, keyset.dialect
         if isinstance(request, VisibilityGuard):
             guard = request
@@ -115,7 +124,7 @@ class Guarding:
         active = guard.activate(target(keyset, source))
         with self._lock:
             if self.active is None:
-                self.active = active
+                self.active, self._bound = active, keyset
         # A guard that settled for less for want of a privilege says so once, with
         # the GRANT for this very account (see visibility/privileges.py).
         self.gap = privilege_gap(conn, dialect, guard)

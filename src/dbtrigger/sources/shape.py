@@ -11,11 +11,21 @@ type, keys not proven unique, a checkpoint whose kinds no longer fit).
 Learnt at the first connection, not when the source is built: the URL (and so
 the dialect) may be an app setting that is only resolved then, and a table
 that does not exist yet must not stop a Function App from indexing.
+
+Kept up to date while the source runs: a shape remembers the columns ``SELECT
+*`` returned when it was learnt (:mod:`dbtrigger._columns`), and
+:meth:`Shape.follow` compares them with the table's now (the source asks at
+most every ``CHECK_SECONDS``, and at once when a fetch fails). When they differ
+(a column added, dropped, renamed or retyped) a new shape is learnt and
+published as :attr:`Shape.successor`; the source and its twins build their
+statements on it from their next one, and a definition the table no longer
+fits (the cursor or a key column gone) is refused as at the first connection.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,12 +35,17 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql import ColumnElement
 
+from dbtrigger._columns import ColumnChange, ColumnWatch, Layout, layout_of
+from dbtrigger._columns import probe as probe_columns
+from dbtrigger._driver_errors import short_error
 from dbtrigger._engine import reflect_table
 from dbtrigger.cursor import Position, encode_value
 from dbtrigger.errors import ConfigurationError, SerializationError
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.sources.column_checks import ShapeChecks
 from dbtrigger.sources.fingerprint import Definition
+
+log = logging.getLogger("dbtrigger.sources")
 
 
 @dataclass(frozen=True)
@@ -170,6 +185,12 @@ class Shape:
         self.cursor_comment: str | None = None
         #: SQLite date/time key columns, read and compared as their text.
         self.text_typed: dict[str, sa.types.TypeEngine[Any]] = {}
+        #: The columns this shape was learnt from, and when to compare them again.
+        self.watch = ColumnWatch(None)
+        #: What ``SELECT *`` of the table (or query) reads: the watch's probe.
+        self._probed: sa.FromClause | None = None
+        #: The shape learnt after the table's columns changed (see :meth:`follow`).
+        self.successor: Shape | None = None
 
     @property
     def resolved(self) -> bool:
@@ -191,7 +212,11 @@ class Shape:
     def _resolve(self, conn: Connection) -> None:
         spec = self.spec
         description = None
+        layout: Layout | None = None
+        bare: sa.FromClause
         if spec.table is not None:
+            bare = sa.table(spec.table, schema=spec.schema)
+            layout = self._probe_table(conn, bare)
             selectable: sa.FromClause = reflect_table(
                 conn, spec.table, spec.schema, shown=self.source_name
             )
@@ -205,6 +230,8 @@ class Shape:
             keys = list(probed.keys())
             description = probed.cursor.description if probed.cursor is not None else None
             probed.close()
+            layout = layout_of(description)
+            bare = text.columns().subquery("dbtrigger_src")
             selectable = text.columns(*(sa.column(k) for k in keys)).subquery("dbtrigger_src")
         columns: dict[str, ColumnElement[Any]] = {c.name: c for c in selectable.c}
         required = (spec.cursor_column, *spec.pk_columns)
@@ -244,7 +271,82 @@ class Shape:
         self.select_list = [
             columns[c.name].label(c.name) if columns[c.name] is not c else c for c in selectable.c
         ]
+        self.watch = ColumnWatch(layout)
+        self._probed = bare
         self.selectable = selectable  # last: a shape with a selectable is whole
+
+    def latest(self) -> Shape:
+        """This shape, or the newest one learnt after it."""
+        shape = self
+        while shape.successor is not None:
+            shape = shape.successor
+        return shape
+
+    def follow(self, conn: Connection, failure: BaseException | None = None) -> bool:
+        """Compare the table's columns with this shape's; True if they changed (and
+        the newer shape is learnt: :meth:`latest`).
+
+        ``failure``: a statement built on this shape just failed on ``conn`` (it is
+        rolled back, and named in the warning). The new shape is learnt with every
+        check of the first connection, so a cursor or key column that is gone
+        raises here (typed, as at start-up). A probe that fails changes nothing:
+        the read goes on, or its own error stands.
+        """
+        if self.successor is not None:
+            return True
+        if conn.invalidated:
+            return False
+        if conn.in_transaction():
+            conn.rollback()
+        assert self._probed is not None  # noqa: S101 - resolved first
+        try:
+            change = self.watch.check(conn, self._probed)
+        except sa.exc.DBAPIError:
+            if conn.in_transaction() and not conn.invalidated:
+                conn.rollback()
+            return False
+        if change is None:
+            return False
+        newer = Shape(self.spec, dialect=self.dialect, source_name=self.source_name)
+        newer.resolve(conn)
+        with self._resolving:
+            if self.successor is None:
+                self.successor = newer
+                self._say(change, failure)
+        return True
+
+    def _say(self, change: ColumnChange, failure: BaseException | None) -> None:
+        failed = (
+            f" (a fetch on the old columns failed, {short_error(failure)}, and was run again)"
+            if failure is not None
+            else ""
+        )
+        log.log(
+            logging.INFO if change.only_added and failure is None else logging.WARNING,
+            "%s: the table's columns changed (%s); rows are read with the columns it has now%s",
+            self.source_name,
+            change.text(),
+            failed,
+            extra={
+                "event": "source_columns_changed",
+                "source": self.source_name,
+                "added": list(change.added),
+                "dropped": list(change.dropped),
+                "retyped": list(change.retyped),
+                "failed": failure is not None,
+            },
+        )
+
+    @staticmethod
+    def _probe_table(conn: Connection, bare: sa.FromClause) -> Layout | None:
+        """The table's columns, before it is reflected (a change in between is seen
+        by the next check); None if it cannot be read: the reflection says why."""
+        try:
+            return probe_columns(conn, bare)
+        except sa.exc.DBAPIError:
+            if conn.in_transaction():
+                conn.rollback()
+            return None
 
     def _is_view(self, conn: Connection) -> bool:
         names = sa.inspect(conn).get_view_names(schema=self.spec.schema)

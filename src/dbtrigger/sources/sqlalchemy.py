@@ -176,17 +176,25 @@ class SqlAlchemySource(KeysetLookups):
 
     @property
     def _keyset(self) -> Keyset:
-        """The source's statements over its shape (resolved on a connection's opening)."""
-        if self._keyset_built is None:
-            from dbtrigger.sources.shape import Shape  # noqa: PLC0415 - keep the face light
+        """The source's statements over its shape (resolved on a connection's opening),
+        built again over the newer shape once the table's columns changed."""
+        keyset = self._keyset_built
+        if keyset is None or keyset.shape.successor is not None:
+            keyset = self._keyset_built = self._new_keyset(keyset)
+        return keyset
 
-            shape = (
-                self._shape_of._keyset.shape
-                if self._shape_of is not None
-                else Shape(self._spec, dialect=self.dialect_name, source_name=self.name)
-            )
-            self._keyset_built = Keyset(shape, self._row_filters)
-        return self._keyset_built
+    def _new_keyset(self, old: Keyset | None) -> Keyset:
+        if old is not None:  # the columns changed: what was worked out for the old ones goes
+            self._processors = ResultProcessors()
+            return Keyset(old.shape.latest(), self._row_filters)
+        from dbtrigger.sources.shape import Shape  # noqa: PLC0415 - keep the face light
+
+        shape = (
+            self._shape_of._keyset.shape
+            if self._shape_of is not None
+            else Shape(self._spec, dialect=self.dialect_name, source_name=self.name)
+        )
+        return Keyset(shape, self._row_filters)
 
     @property
     def _lag(self) -> LagMeter:
@@ -408,6 +416,20 @@ class SqlAlchemySource(KeysetLookups):
         return rows
 
     def _read(self, conn: Connection, after: Position, limit: int) -> Rows:
+        """:meth:`_read_once` on the table's columns as they are now: compared every
+        ``CHECK_SECONDS`` (:mod:`dbtrigger._columns`), and when a read fails, which is
+        then run again once if they changed (a column dropped under the worker)."""
+        shape = self._keyset.shape
+        if shape.watch.due():
+            shape.follow(conn)
+        try:
+            return self._read_once(conn, after, limit)
+        except sa.exc.DBAPIError as exc:
+            if not shape.follow(conn, exc):
+                raise
+        return self._read_once(conn, after, limit)
+
+    def _read_once(self, conn: Connection, after: Position, limit: int) -> Rows:
         keyset = self._keyset
         self._check_position(conn, after)
         guard = self._guarding.activate(conn, keyset, source=self.name)

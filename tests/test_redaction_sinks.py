@@ -283,3 +283,27 @@ def test_a_rejected_or_retried_events_reason_is_redacted_in_the_history(
     assert any("upstream refused" in t for name, t in texts.items() if ".history." in name)
     for text in texts.values():
         _assert_clean(text)
+
+
+def test_a_failing_sinks_error_is_masked_before_it_is_cut() -> None:
+    """A known secret that straddles the message's 300-character cut is masked whole,
+    not cut first and left half visible."""
+    from dbtrigger.errors import QuarantineError  # noqa: PLC0415
+    from dbtrigger.quarantine import put_records  # noqa: PLC0415
+    from dbtrigger.redaction import remember_secret  # noqa: PLC0415
+
+    secret = "Zq9kNwn-sEcrEt-straddling-the-cut-77"  # noqa: S105 - the value to be masked
+    remember_secret(secret)
+
+    class Failing:
+        def put(self, records: object) -> None:
+            raise RuntimeError("x" * 270 + " " + secret + " tail")  # the cut falls inside it
+
+        def describe(self) -> str:
+            return "failing sink"
+
+    with pytest.raises(QuarantineError) as info:
+        put_records(Failing(), [object()])  # type: ignore[list-item]
+    message = str(info.value)
+    assert "Zq9kNwn" not in message
+    assert "failed to store 1 record(s): RuntimeError: xxx" in message

@@ -20,11 +20,13 @@ from collections.abc import Callable, Iterator
 from sqlalchemy.exc import SQLAlchemyError
 
 
-def short_error(exc: BaseException) -> str:
-    """One line naming a driver error, without the SQL text or bound values."""
+def short_error(exc: BaseException, limit: int | None = 300) -> str:
+    """One line naming a driver error, without the SQL text or bound values: its
+    class and the first line of its message, cut at ``limit`` characters (None: whole,
+    for a caller that masks secrets first and then cuts, so none is cut in half)."""
     orig = getattr(exc, "orig", None) or exc
     first = (str(orig).strip().splitlines() or [""])[0]
-    return f"{type(orig).__name__}: {first}"[:300]
+    return f"{type(orig).__name__}: {first}"[:limit]
 
 
 #: Another transaction won (deadlock victim, serialization failure): the database

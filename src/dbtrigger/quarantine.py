@@ -53,6 +53,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
+from dbtrigger._driver_errors import short_error
 from dbtrigger._engine import LazyEngine, TableOnce, parse_database_url
 from dbtrigger._files import locked_lines, write_synced
 from dbtrigger.cursor import Position, canonical_json, encode_value, encoded_pk
@@ -256,9 +257,8 @@ def quarantine_table(
 
 
 def _short(exc: BaseException) -> str:
-    orig = getattr(exc, "orig", None) or exc
-    first = (str(orig).strip().splitlines() or [""])[0]
-    return redact(f"{type(orig).__name__}: {first}")[:300]
+    """:func:`short_error`, masked before it is cut (a secret at the cut is masked whole)."""
+    return redact(short_error(exc, limit=None))[:300]
 
 
 class SqlQuarantineSink:

@@ -195,6 +195,9 @@ def test_a_membership_backup_of_an_earlier_layout_is_put_back_and_said_so(
     with pytest.raises(SystemExit):  # one of them
         main([*args, "--from-file", str(backup), "--from-state"])
     assert main(args) == 2
+    capsys.readouterr()
+    assert main([*args, "--from-file", str(tmp_path / "missing.json")]) == 2
+    assert "cannot read " in capsys.readouterr().err  # not a FileNotFoundError traceback
     assert main([*args, "--from-file", str(backup)]) == 0
     assert "retired by a later regroup" in capsys.readouterr().out
     assert main([*args, "--from-file", str(backup), "--reason", "r", "--yes", "--force"]) == 0

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from dbtrigger.errors import ConfigurationError
 
 
 def add_apply_option(parser: argparse.ArgumentParser) -> None:
@@ -20,6 +23,15 @@ def add_apply_option(parser: argparse.ArgumentParser) -> None:
 def add_json_option(parser: argparse.ArgumentParser, help: str = "machine-readable output") -> None:
     """``--json``: print the command's answer as JSON."""
     parser.add_argument("--json", action="store_true", help=help)
+
+
+def read_file_option(path: str) -> bytes:
+    """The bytes of a file a command was given (``--from-file``, ``--file``): one that
+    is missing or cannot be read is a ConfigurationError naming it, never a traceback."""
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigurationError(f"cannot read {path}: {exc.strerror}") from exc
 
 
 def print_then_apply(
@@ -40,4 +52,4 @@ def print_then_apply(
     return True
 
 
-__all__ = ["add_apply_option", "add_json_option", "print_then_apply"]
+__all__ = ["add_apply_option", "add_json_option", "print_then_apply", "read_file_option"]

@@ -20,7 +20,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from dbtrigger._argparse import add_json_option
+from dbtrigger._argparse import add_json_option, read_file_option
 from dbtrigger.cli.common import actor_from_args, add_change_options, backup_dir
 from dbtrigger.cli.loading import load_object
 from dbtrigger.errors import ConfigurationError
@@ -203,9 +203,9 @@ def cmd_reset_layout(args: argparse.Namespace) -> int:
     if args.from_state:
         rebuilt = recovery.from_state(poller, actor=actor, reason=reason, now=now)
     else:
-        path = Path(args.from_file)
+        data = read_file_option(args.from_file)
         rebuilt = recovery.from_file(
-            poller, path.read_bytes(), path=str(path), actor=actor, reason=reason, now=now
+            poller, data, path=args.from_file, actor=actor, reason=reason, now=now
         )
     print(f"poller {poller.name}: {len(rebuilt.doc.partitions)} partition(s)")
     for line in recovery.describe(rebuilt):

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from dbtrigger._argparse import read_file_option
 from dbtrigger._files import write_synced
 from dbtrigger.cli.common import (
     ENV_STORE,
@@ -334,10 +335,9 @@ def cmd_reset(args: argparse.Namespace) -> int:
         definition = source_definition(accepted)
     backup_doc: StateDocument | None = None
     if args.from_file:
+        data = read_file_option(args.from_file)
         try:
-            backup_doc = docmod.loads(Path(args.from_file).read_bytes())
-        except OSError as exc:
-            raise ConfigurationError(f"cannot read {args.from_file}: {exc.strerror}") from exc
+            backup_doc = docmod.loads(data)
         except CorruptStateError as exc:
             raise CorruptStateError(f"{args.from_file} is not a usable backup: {exc}") from exc
         args.replacement = backup_doc  # stands in for a corrupt stored document (--force)

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from dbtrigger._argparse import add_apply_option
+from dbtrigger._argparse import add_apply_option, read_file_option
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.queue.cli_target import parse_duration, queue_source, table_options
 
@@ -61,14 +61,19 @@ def _rows(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     for number, text in enumerate(args.row, 1):
         yield _json_object(text, f"--row #{number}")
     if args.file:
-        stream = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")  # noqa: SIM115
-        try:
-            for number, line in enumerate(stream, 1):
-                if line.strip():
-                    yield _json_object(line, f"{args.file} line {number}")
-        finally:
-            if stream is not sys.stdin:
-                stream.close()
+        if args.file == "-":
+            text = sys.stdin.read()
+        else:
+            data = read_file_option(args.file)
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ConfigurationError(
+                    f"{args.file} is not UTF-8 text ({exc.reason} at byte {exc.start})"
+                ) from None
+        for number, line in enumerate(text.split("\n"), 1):
+            if line.strip():
+                yield _json_object(line, f"{args.file} line {number}")
 
 
 def cmd_add(args: argparse.Namespace) -> int:

@@ -422,7 +422,7 @@ def test_dbtrigger_run_wake_notify(pg: TestDatabase, tmp_path: Path) -> None:
         if not inserted and any("listening on" in line for line in lines):
             insert(pg, table, [{"id": 1, "updated_at": naive(1), "note": "a"}])
             inserted.append(True)
-        return any("orders: committed 1 rows" in line for line in lines)
+        return any("orders: committed 1 row " in line for line in lines)
 
     code, _, err = run_until(
         ["run", "wake_app:orders", "--interval", str(LONG_INTERVAL), "--wake", "notify"],

@@ -51,6 +51,31 @@ def default_owner_id() -> str:
     return f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
 
 
+def gone_holder(owner: str | None) -> str:
+    """What to say of a lease holder that was a process of this host no longer running.
+
+    A worker killed (``kill -9``, a crash, a closed terminal) leaves its lease to
+    lapse a TTL later; the one started in its place waits that long, told only
+    "lease held by ... until ...". It cannot take the lease itself: the pid may
+    be another container's (a shared host name), so it says what it sees.
+    """
+    host, _, rest = (owner or "").partition("/")
+    pid_text = rest.partition("/")[0]
+    ours = os.name == "posix" and host == socket.gethostname()
+    if not ours or not pid_text.isdigit() or int(pid_text) == os.getpid():
+        return ""
+    try:
+        os.kill(int(pid_text), 0)  # signal 0: only asks whether it exists (POSIX)
+    except ProcessLookupError:
+        return (
+            f" (pid {pid_text} is not running on this host: a worker that stopped without "
+            "releasing its lease; it lapses then, or `dbtrigger release-lease` frees it now)"
+        )
+    except OSError:  # alive, another user's
+        return ""
+    return ""
+
+
 def utc_now() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
@@ -217,7 +242,7 @@ class TickResult:
         nxt = f"; next tick in {interval:g}s" if interval is not None else ""
         if self.outcome == "committed":
             text = (
-                f"committed {self.rows:,} rows in {self.batches} "
+                f"committed {self.rows:,} row{'s' if self.rows != 1 else ''} in {self.batches} "
                 f"batch{'es' if self.batches != 1 else ''}, {self.where()}"
                 + self.retries_text()
                 + ("; more pending, ticking again at once" if self.more else "")
@@ -252,7 +277,7 @@ class TickResult:
                 if self.lease_until is not None
                 else ""
             )
-            text = f"lease held by {holder}{until}{nxt}"
+            text = f"lease held by {holder}{until}{gone_holder(self.holder)}{nxt}"
         elif self.outcome == "lost_race":
             text = f"another instance took the lease first{nxt}"
         else:

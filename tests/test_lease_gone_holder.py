@@ -1,0 +1,89 @@
+"""A worker killed mid-batch, and the one started in its place (a new user's first crash).
+
+``kill -9`` (or a crash, or a closed terminal) leaves the lease to lapse a TTL
+later: 120 s by default. The worker started again on the same machine waited
+those two minutes told only "lease held by vm/14017/532c0e66 until ...", with
+nothing saying that pid 14017 was gone or that ``dbtrigger release-lease``
+frees the lease now. The tick's line says both when the holder was a process
+of this host that no longer runs, and nothing more of a live or foreign holder.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from dbtrigger import InMemoryCheckpointStore, PollTrigger, RowChange
+from dbtrigger.runtime.trigger import TickResult, gone_holder
+from dbtrigger.testing import MemorySource
+
+
+@pytest.fixture(scope="module")
+def dead_pid() -> int:
+    """The pid of a process of this host that has exited (and was reaped)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def _busy(holder: str) -> str:
+    text, fields = TickResult(0, 0, "lease_busy", holder=holder).summary(5)
+    assert fields["holder"] == holder
+    return text
+
+
+def test_a_holder_that_no_longer_runs_here_is_named_with_what_frees_it(dead_pid: int) -> None:
+    text = _busy(f"{socket.gethostname()}/{dead_pid}/532c0e66")
+    assert f"pid {dead_pid} is not running on this host" in text
+    assert "`dbtrigger release-lease`" in text
+    assert text.endswith("; next tick in 5s")
+
+
+@pytest.mark.parametrize(
+    "holder",
+    [
+        f"{socket.gethostname()}/{os.getppid()}/532c0e66",  # alive
+        f"{socket.gethostname()}/{os.getpid()}/532c0e66",  # this very process
+        "another-host/1/532c0e66",  # not ours to judge
+        "funcapp/instance-abc123",  # an owner id of the user's own making
+        "",
+    ],
+    ids=["alive", "this-process", "another-host", "own-owner-id", "empty"],
+)
+def test_a_live_foreign_or_unreadable_holder_gets_no_hint(holder: str) -> None:
+    assert gone_holder(holder) == ""
+    assert "not running" not in _busy(holder)
+
+
+def test_the_worker_started_again_says_so_of_the_killed_ones_lease(dead_pid: int) -> None:
+    store = InMemoryCheckpointStore()
+    source = MemorySource([{"id": 1, "seq": 1}], cursor_column="seq", pk_columns=["id"])
+    killed = PollTrigger(
+        name="orders",
+        source=source,
+        checkpoint_store=store,
+        owner_id=f"{socket.gethostname()}/{dead_pid}/532c0e66",
+    )
+    again = PollTrigger(name="orders", source=source, checkpoint_store=store)
+    said: list[str] = []
+
+    def handler(events: list[RowChange]) -> None:
+        assert again.tick_result(lambda events: None).outcome == "lease_busy"
+        assert again.last_result is not None
+        said.append(again.last_result.summary(None)[0])
+
+    killed.tick(handler)
+    (line,) = said
+    assert line.startswith(f"lease held by {socket.gethostname()}/{dead_pid}/532c0e66 until ")
+    assert f"(pid {dead_pid} is not running on this host" in line
+
+
+def test_one_row_is_a_row() -> None:
+    text, _ = TickResult(1, 1, "committed").summary(None)
+    assert text.startswith("committed 1 row in 1 batch,")
+    text, _ = TickResult(2, 1, "committed").summary(None)
+    assert text.startswith("committed 2 rows in 1 batch,")

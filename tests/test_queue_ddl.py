@@ -3,43 +3,138 @@
 A worker builds its claim from the table's definition, read once. After
 ``ALTER TABLE ... DROP COLUMN`` every claim of every running worker failed
 (FetchError naming the column) until the worker was restarted: at default
-settings the runner backed off to 300 s between failures, for ever. Now a
-failed claim makes the next one read the definition again, so one claim
-fails, the next one delivers the rows as the table is now (the dropped column
-gone, an added one there).
+settings the runner backed off to 300 s between failures, for ever. Then a
+failed claim made the next one read the definition again; a column only
+*added* stayed out of ``event.after`` until a restart (or such a failure).
+
+Now the source compares the table's columns with the claim's at most every
+``CHECK_SECONDS`` (dbtrigger._columns) and after a failed claim: an added
+column is in the events from the next check on, and a claim that failed on a
+dropped column runs again at once on the new definition (one WARNING, no
+failed tick).
 """
 
 from __future__ import annotations
 
-import pytest
+import logging
+from pathlib import Path
 
-from dbtrigger import ClaimSource, QueueTrigger, RowChange
+import pytest
+import sqlalchemy as sa
+
+from dbtrigger import ClaimSource, FileCheckpointStore, QueueTrigger, RowChange
+from dbtrigger.cli import main
 from dbtrigger.errors import FetchError
+from dbtrigger.queue import SidecarFeeder
 from tests.databases import TestDatabase
 from tests.test_queue_columns import make_jobs, rows
 
 
-def test_a_column_dropped_and_one_added_under_a_running_worker(db: TestDatabase) -> None:
+class Afters:
+    def __init__(self) -> None:
+        self.seen: list[dict[str, object]] = []
+
+    def __call__(self, events: list[RowChange]) -> None:
+        self.seen.extend(dict(e.after or {}) for e in events)
+
+
+def test_a_column_dropped_and_one_added_under_a_running_worker(
+    db: TestDatabase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr("dbtrigger._columns.CHECK_SECONDS", 3600.0)  # the failure path alone
     make_jobs(db, 4)
     source = ClaimSource(url=db.url, table="jobs", schema=db.schema, pk_columns=["id"])
     queue = QueueTrigger(name="jobs", source=source, batch_size=2)
-    seen: list[dict[str, object]] = []
-
-    def handle(events: list[RowChange]) -> None:
-        seen.extend(dict(e.after or {}) for e in events)
-
+    seen = Afters()
     try:
-        assert queue.tick(handle) == 2
-        assert set(seen[0]) == {"id", "payload"}
+        assert queue.tick(seen) == 2
+        assert set(seen.seen[0]) == {"id", "payload"}
         jobs = db.qualified("jobs")
         db.execute(f"ALTER TABLE {jobs} ADD COLUMN extra integer")
         db.execute(f"ALTER TABLE {jobs} DROP COLUMN payload")
-        with pytest.raises(FetchError) as failed:
-            queue.tick(handle)
-        assert queue.tick(handle) == 2  # before: the same FetchError, on every claim
-        assert "reads the table's definition again" in str(failed.value)
+        with caplog.at_level(logging.INFO, logger="dbtrigger"):
+            assert queue.tick(seen) == 2  # before: FetchError, then this on the next tick
     finally:
         queue.close()
         source.close()
-    assert [set(after) for after in seen[2:]] == [{"id", "extra"}] * 2
+    assert [set(after) for after in seen.seen[2:]] == [{"id", "extra"}] * 2
     assert {r["dbt_status"] for r in rows(db).values()} == {"done"}
+    [said] = [r for r in caplog.records if getattr(r, "event", "") == "source_columns_changed"]
+    assert said.levelno == logging.WARNING
+    assert "dropped: payload" in said.getMessage()
+    assert "on the old columns failed" in said.getMessage()
+
+
+def test_a_failed_claim_the_columns_do_not_explain_still_fails_typed(
+    sqlite_db: TestDatabase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The columns are as they were: the claim is not run again, it fails (typed)
+    and the next one reads the definition again."""
+    make_jobs(sqlite_db, 2)
+    source = ClaimSource(url=sqlite_db.url, table="jobs", pk_columns=["id"])
+    queue = QueueTrigger(name="jobs", source=source, batch_size=2)
+    calls: list[int] = []
+
+    def broken(**claim: object) -> None:
+        calls.append(1)
+        raise sa.exc.OperationalError("claim", {}, Exception("disk I/O error"))
+
+    try:
+        monkeypatch.setattr(source, "_claim", broken)
+        monkeypatch.setattr("dbtrigger._columns.CHECK_SECONDS", 0.0)
+        with pytest.raises(FetchError, match="reads the table's definition again"):
+            queue.tick(Afters())
+        assert calls == [1]
+        assert source._target is None
+        monkeypatch.undo()
+        assert queue.tick(Afters()) == 2
+    finally:
+        queue.close()
+        source.close()
+
+
+@pytest.mark.parametrize("mode", ["columns", "sidecar"])
+def test_a_column_added_under_a_running_worker_is_in_the_next_claims(
+    db: TestDatabase, mode: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The delay is ``CHECK_SECONDS`` (30 s by default): here 0, so the next claim looks."""
+    monkeypatch.setattr("dbtrigger._columns.CHECK_SECONDS", 0.0)
+    make_jobs(db, 2, install=mode == "columns")
+    jobs = db.qualified("jobs")
+    source = (
+        ClaimSource(url=db.url, table="jobs", schema=db.schema, pk_columns=["id"])
+        if mode == "columns"
+        else ClaimSource(
+            url=db.url,
+            table="jobs",
+            schema=db.schema,
+            pk_columns=["id"],
+            mode="sidecar",
+            cursor_column="id",
+        )
+    )
+    feeder = None
+    if mode == "sidecar":
+        schema = ["--schema", db.schema] if db.schema else []
+        argv = ["queue", "install", "--url", db.url, "--table", "jobs", *schema]
+        assert main([*argv, "--mode", "sidecar", "--yes"]) == 0
+        feeder = SidecarFeeder(
+            name="jobs-feeder", source=source, checkpoint_store=FileCheckpointStore(tmp_path)
+        )
+        assert feeder.drain() == 2
+    queue = QueueTrigger(name="jobs", source=source, batch_size=5)
+    seen = Afters()
+    try:
+        assert queue.drain(seen) == 2
+        db.execute(f"ALTER TABLE {jobs} ADD COLUMN note varchar(20)")
+        db.execute(f"INSERT INTO {jobs} (id, payload, note) VALUES (3, 'p', 'hi')")
+        if feeder is not None:
+            assert feeder.drain() == 1
+        assert queue.drain(seen) == 1
+    finally:
+        queue.close()
+        if feeder is not None:
+            feeder.close()
+        source.close()
+    assert set(seen.seen[0]) == {"id", "payload"}
+    assert seen.seen[2]["note"] == "hi"  # before: no "note" until a restart

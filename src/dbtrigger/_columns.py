@@ -15,6 +15,7 @@ reads the table again when they differ.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +23,10 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
+
+from dbtrigger._driver_errors import short_error
+
+log = logging.getLogger("dbtrigger.sources")
 
 #: How long a running source may go without looking at its table's columns: a
 #: column added to the table is in the events at most this long after the DDL
@@ -42,6 +47,17 @@ def probe(conn: Connection, selectable: sa.FromClause) -> Layout:
     finally:
         result.close()
     return layout_of(description)
+
+
+def probe_or_none(conn: Connection, selectable: sa.FromClause) -> Layout | None:
+    """:func:`probe`, or None if the statement fails (rolled back): a table that
+    cannot be read is reported by what reads it next (a reflection says why)."""
+    try:
+        return probe(conn, selectable)
+    except sa.exc.DBAPIError:
+        if conn.in_transaction() and not conn.invalidated:
+            conn.rollback()
+        return None
 
 
 def layout_of(description: Sequence[Sequence[Any]] | None) -> Layout:
@@ -82,6 +98,34 @@ class ColumnChange:
         ]
         return "; ".join(parts) or "column order changed"
 
+    def report(
+        self, source: str, failure: BaseException | None, *, read: str = "rows are read"
+    ) -> None:
+        """Log the change (INFO for columns only added and noticed by a check,
+        WARNING otherwise), with the failure it caused, if any, which was then
+        run again on the new columns."""
+        failed = (
+            f" (a statement on the old columns failed, {short_error(failure)}, and was run again)"
+            if failure is not None
+            else ""
+        )
+        log.log(
+            logging.INFO if self.only_added and failure is None else logging.WARNING,
+            "%s: the table's columns changed (%s); %s with the columns it has now%s",
+            source,
+            self.text(),
+            read,
+            failed,
+            extra={
+                "event": "source_columns_changed",
+                "source": source,
+                "added": list(self.added),
+                "dropped": list(self.dropped),
+                "retyped": list(self.retyped),
+                "failed": failure is not None,
+            },
+        )
+
 
 class ColumnWatch:
     """The columns a source read its table with, and when to look again."""
@@ -102,4 +146,12 @@ class ColumnWatch:
         return ColumnChange.between(self.layout or (), now)
 
 
-__all__ = ["CHECK_SECONDS", "ColumnChange", "ColumnWatch", "Layout", "layout_of", "probe"]
+__all__ = [
+    "CHECK_SECONDS",
+    "ColumnChange",
+    "ColumnWatch",
+    "Layout",
+    "layout_of",
+    "probe",
+    "probe_or_none",
+]

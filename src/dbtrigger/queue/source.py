@@ -39,6 +39,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import URL, Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
+from dbtrigger._columns import ColumnWatch, probe_or_none
 from dbtrigger._database_url import DatabaseUrl
 from dbtrigger._driver_errors import failed_as, short_error
 from dbtrigger._engine import LazyEngine, reflect_table
@@ -175,6 +176,8 @@ class ClaimSource:
         self._engine_lock = threading.Lock()
         self._target: ClaimTable | None = None
         self._queue: QueueTable | None = None
+        #: The user table's columns as the claim statements were built on them.
+        self._columns: ColumnWatch | None = None
         self._sqlite_hooked = False
 
     # --- identity -------------------------------------------------------------------
@@ -314,6 +317,8 @@ class ClaimSource:
 
     def _resolve(self, conn: Connection) -> ClaimTable:
         self._check_server(conn)
+        # Probed first: a change before the reflection is seen by the next check.
+        self._columns = ColumnWatch(probe_or_none(conn, self._bare_table))
         user = self.reflect(conn, self.table_name)
         check_unique_key(user, self.pk_columns)
         self._queue = QueueTable(
@@ -325,6 +330,30 @@ class ClaimSource:
             install_hint=self.install_hint(),
         )
         return self.layout.target(conn, self._queue)
+
+    @property
+    def _bare_table(self) -> sa.TableClause:
+        return sa.table(self.table_name, schema=self.schema)
+
+    def _columns_changed(self, failure: BaseException | None = None) -> bool:
+        """Did the user table's columns change since the claim was built on them?
+        If so the next claim reads the definition again. Looked at every
+        ``CHECK_SECONDS`` (:mod:`dbtrigger._columns`) and after a failed claim; a
+        probe that fails changes nothing."""
+        watch = self._columns
+        if watch is None:
+            return False
+        try:
+            with self.engine.connect() as conn:
+                change = watch.check(conn, self._bare_table)
+        except SQLAlchemyError:
+            return False
+        if change is None:
+            return False
+        with self._lock:
+            self._target = None
+        change.report(self.name, failure, read="claimed rows are read")
+        return True
 
     def _filter(self) -> sa.ColumnElement[bool] | None:
         if not self.where:
@@ -343,7 +372,36 @@ class ClaimSource:
         return self.claim_batch(limit=limit, token=token, worker=worker, visibility=visibility).rows
 
     def claim_batch(self, *, limit: int, token: str, worker: str, visibility: float) -> Claim:
-        """:meth:`claim`, with what the claim learnt (rows left, an expired claim halved)."""
+        """:meth:`claim`, with what the claim learnt (rows left, an expired claim halved).
+
+        On the user table's columns as they are now: a claim that fails because
+        they changed (``ALTER TABLE ... DROP COLUMN``) claimed nothing, and runs
+        again once on the new definition.
+        """
+        watch = self._columns
+        if watch is not None and watch.due():
+            self._columns_changed()
+        try:
+            return self._claim(limit=limit, token=token, worker=worker, visibility=visibility)
+        except SQLAlchemyError as exc:
+            failed = exc
+            if self._columns_changed(exc):
+                try:
+                    return self._claim(
+                        limit=limit, token=token, worker=worker, visibility=visibility
+                    )
+                except SQLAlchemyError as again:
+                    failed = again
+        # The table may have changed under the workers in a way the columns do not
+        # show: the next claim reads the definition again (one reflection).
+        with self._lock:
+            self._target = None
+        raise FetchError(
+            f"claim on {self.name} failed: {short_error(failed)}; the next claim reads the "
+            "table's definition again"
+        ) from failed
+
+    def _claim(self, *, limit: int, token: str, worker: str, visibility: float) -> Claim:
         target = self.target
         claim: dict[str, Any] = {
             "limit": limit,
@@ -351,39 +409,28 @@ class ClaimSource:
             "worker": worker,
             "visibility": visibility,
         }
-        try:
-            if target.priority:  # one priority after another, in one transaction
+        if target.priority:  # one priority after another, in one transaction
+            with self.transaction(locking=True) as conn:
+                batch = target.claim_by_priority(conn, **claim)
+                if batch.lead is None:
+                    return self._claimed(conn, batch)
+        else:
+            with self.transaction() as conn:
+                first = target.claim(conn, **claim)
+                if first is not None and first.lead is None:
+                    return self._claimed(conn, first)
+            if first is None:  # PostgreSQL, the pick not led by a fresh row
                 with self.transaction(locking=True) as conn:
-                    batch = target.claim_by_priority(conn, **claim)
+                    batch = target.claim_choosing(conn, **claim)
                     if batch.lead is None:
                         return self._claimed(conn, batch)
             else:
-                with self.transaction() as conn:
-                    first = target.claim(conn, **claim)
-                    if first is not None and first.lead is None:
-                        return self._claimed(conn, first)
-                if first is None:  # PostgreSQL, the pick not led by a fresh row
-                    with self.transaction(locking=True) as conn:
-                        batch = target.claim_choosing(conn, **claim)
-                        if batch.lead is None:
-                            return self._claimed(conn, batch)
-                else:
-                    batch = first
-            # An expired claim or a regrouped half leads: claimed whole-group
-            # locked, in a transaction holding no other lock (statements.py).
-            assert batch.lead is not None  # noqa: S101 - every other case returned
-            with self.transaction(locking=True) as conn:
-                return self._claimed(conn, target.claim_group(conn, batch.lead, **claim))
-        except SQLAlchemyError as exc:
-            # The table may have changed under the workers (ALTER TABLE ... DROP
-            # COLUMN): a claim built on the old definition would fail for ever.
-            # The next claim reads the definition again (one reflection).
-            with self._lock:
-                self._target = None
-            raise FetchError(
-                f"claim on {self.name} failed: {short_error(exc)}; the next claim reads the "
-                "table's definition again"
-            ) from exc
+                batch = first
+        # An expired claim or a regrouped half leads: claimed whole-group
+        # locked, in a transaction holding no other lock (statements.py).
+        assert batch.lead is not None  # noqa: S101 - every other case returned
+        with self.transaction(locking=True) as conn:
+            return self._claimed(conn, target.claim_group(conn, batch.lead, **claim))
 
     def _claimed(self, conn: Connection, batch: ClaimBatch) -> Claim:
         assert self._queue is not None  # noqa: S101 - resolved by self.target first

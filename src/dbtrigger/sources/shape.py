@@ -25,7 +25,6 @@ fits (the cursor or a key column gone) is refused as at the first connection.
 from __future__ import annotations
 
 import datetime as dt
-import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,17 +34,13 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql import ColumnElement
 
-from dbtrigger._columns import ColumnChange, ColumnWatch, Layout, layout_of
-from dbtrigger._columns import probe as probe_columns
-from dbtrigger._driver_errors import short_error
+from dbtrigger._columns import ColumnWatch, Layout, layout_of, probe_or_none
 from dbtrigger._engine import reflect_table
 from dbtrigger.cursor import Position, encode_value
 from dbtrigger.errors import ConfigurationError, SerializationError
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.sources.column_checks import ShapeChecks
 from dbtrigger.sources.fingerprint import Definition
-
-log = logging.getLogger("dbtrigger.sources")
 
 
 @dataclass(frozen=True)
@@ -216,7 +211,7 @@ class Shape:
         bare: sa.FromClause
         if spec.table is not None:
             bare = sa.table(spec.table, schema=spec.schema)
-            layout = self._probe_table(conn, bare)
+            layout = probe_or_none(conn, bare)  # first: a change in between is seen next
             selectable: sa.FromClause = reflect_table(
                 conn, spec.table, spec.schema, shown=self.source_name
             )
@@ -312,41 +307,8 @@ class Shape:
         with self._resolving:
             if self.successor is None:
                 self.successor = newer
-                self._say(change, failure)
+                change.report(self.source_name, failure)
         return True
-
-    def _say(self, change: ColumnChange, failure: BaseException | None) -> None:
-        failed = (
-            f" (a fetch on the old columns failed, {short_error(failure)}, and was run again)"
-            if failure is not None
-            else ""
-        )
-        log.log(
-            logging.INFO if change.only_added and failure is None else logging.WARNING,
-            "%s: the table's columns changed (%s); rows are read with the columns it has now%s",
-            self.source_name,
-            change.text(),
-            failed,
-            extra={
-                "event": "source_columns_changed",
-                "source": self.source_name,
-                "added": list(change.added),
-                "dropped": list(change.dropped),
-                "retyped": list(change.retyped),
-                "failed": failure is not None,
-            },
-        )
-
-    @staticmethod
-    def _probe_table(conn: Connection, bare: sa.FromClause) -> Layout | None:
-        """The table's columns, before it is reflected (a change in between is seen
-        by the next check); None if it cannot be read: the reflection says why."""
-        try:
-            return probe_columns(conn, bare)
-        except sa.exc.DBAPIError:
-            if conn.in_transaction():
-                conn.rollback()
-            return None
 
     def _is_view(self, conn: Connection) -> bool:
         names = sa.inspect(conn).get_view_names(schema=self.spec.schema)

@@ -65,3 +65,17 @@ def test_no_module_but_settings_reads_the_environment(path: Path) -> None:
 
 def test_the_edge_itself_is_where_the_environment_is_read() -> None:
     assert environment_reads(EDGE), "settings.py no longer reads the environment: update this test"
+
+
+def test_a_missing_setting_says_where_to_set_it(tmp_path: Path) -> None:
+    """`dbtrigger run app:trigger` with the README's `%ORDERS_DB_URL%` unset printed only
+    "app setting 'ORDERS_DB_URL' is referenced but not set": not where a setting lives."""
+    from dbtrigger.errors import MissingSettingError  # noqa: PLC0415
+    from dbtrigger.settings import resolve_setting  # noqa: PLC0415
+
+    with pytest.raises(MissingSettingError) as info:
+        resolve_setting("%ORDERS_DB_URL%", environ={})
+    message = str(info.value)
+    assert message.startswith("app setting 'ORDERS_DB_URL' is referenced but not set: ")
+    assert "environment variable ORDERS_DB_URL" in message
+    assert "local.settings.json" in message

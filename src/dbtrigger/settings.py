@@ -126,7 +126,11 @@ def resolve_setting(value: str, environ: Mapping[str, str] | None = None) -> str
         return value
     env = environment(environ)
     if name not in env:
-        raise MissingSettingError(f"app setting {name!r} is referenced but not set")
+        raise MissingSettingError(
+            f"app setting {name!r} is referenced but not set: set the environment variable "
+            f"{name} (in Azure, an application setting of the Function App; locally, in the "
+            "Values of local.settings.json, which func start and the dbtrigger CLI read)"
+        )
     return env[name]
 
 

@@ -22,7 +22,7 @@ from dbtrigger.dbio import DbReader, DbWriter
 from dbtrigger.errors import (
     ConfigurationError,
     MissingSettingError,
-    OutputWriteError,
+    OutputConstraintError,
     RowNotFoundError,
 )
 from tests.databases import TestDatabase
@@ -194,7 +194,8 @@ def test_mistakes_are_said_at_decoration_or_first_use(sqlite_db: TestDatabase) -
     writer = DbWriter(url=sqlite_db.url, table="t")
     with pytest.raises(ConfigurationError, match=r"no column.*nope"):
         writer.insert(data={"id": 1, "nope": 2})
-    with pytest.raises(OutputWriteError, match="an insert on sqlite:t failed"):
+    # a data problem, not retried (it was an OutputWriteError)
+    with pytest.raises(OutputConstraintError, match=r"no column 'v', which is NOT NULL"):
         writer.insert(data={"id": 1})  # v is NOT NULL
     outer = writer.transaction()
     outer.__enter__()

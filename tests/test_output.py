@@ -34,8 +34,8 @@ from dbtrigger.errors import (
     CommitError,
     ConfigurationError,
     OperatorError,
+    OutputConstraintError,
     OutputValueError,
-    OutputWriteError,
     RetryableError,
     StoreUnavailableError,
     UnsafeIdentifierError,
@@ -133,7 +133,7 @@ def test_rows_are_written_in_one_transaction(db: TestDatabase) -> None:
             ]
         )
 
-    with pytest.raises(OutputWriteError) as err:
+    with pytest.raises(OutputConstraintError) as err:  # a key written twice: a data problem
         handler()
     assert "processed_orders" in str(err.value)
     assert err.value.fields["rows"] == 3
@@ -218,12 +218,14 @@ def test_a_row_colliding_on_another_unique_key_is_refused_not_merged(db: TestDat
         {"order_id": 3, "cursor": "c", "amount": 30},
         {"order_id": 2, "cursor": "a", "amount": 20},
     ]
-    with pytest.raises(OutputWriteError, match=r"unique|UNIQUE|duplicate|Duplicate") as err:
+    # A data problem, not an outage: not retryable (it used to be an OutputWriteError).
+    with pytest.raises(OutputConstraintError, match=r"unique key") as err:
         handler(rows=collide)
-    assert "retrying cannot help" in str(err.value) or db.kind != "mariadb", err.value
+    assert "not the upsert's conflict key (order_id)" in str(err.value), err.value
+    assert "cannot help" in str(err.value), err.value
     writer = DbWriter(url=db.url, table="processed_orders", schema=db.schema)
     try:
-        with pytest.raises(OutputWriteError, match=r"unique|UNIQUE|duplicate|Duplicate"):
+        with pytest.raises(OutputConstraintError, match=r"unique key"):
             writer.upsert_many(rows=collide, conflict_columns=["order_id"])
     finally:
         writer.close()

@@ -11,6 +11,14 @@ writer of :mod:`dbtrigger.dbio` share what a binding needs of its table:
   store refused as :class:`~dbtrigger.errors.OutputValueError` naming the row,
   the column and the value's type (never the value), not retried as if the
   database had failed;
+* :meth:`TableHandle.transact`: one write transaction, its lock waits bounded
+  (``lock_timeout_seconds``, :mod:`dbtrigger._lock_wait`): a write that waits
+  longer for another transaction's lock gives up as
+  :class:`~dbtrigger.errors.OutputLockTimeoutError` (retryable, naming who
+  holds locks on the table when that can be told); a row that breaks a rule
+  of the table (a unique key, NOT NULL, CHECK, a value too long or out of
+  range) is :class:`~dbtrigger.errors.OutputConstraintError` or
+  ``OutputValueError``, never retried (:mod:`dbtrigger._write_refusals`);
 * :func:`upsert_statement`: ``INSERT ... ON CONFLICT`` / ``ON DUPLICATE KEY
   UPDATE`` per dialect.
 """
@@ -33,7 +41,20 @@ from sqlalchemy.exc import NoSuchTableError, SQLAlchemyError
 from dbtrigger._database_url import DatabaseUrl
 from dbtrigger._driver_errors import lost_to_another_transaction, short_error
 from dbtrigger._engine import LazyEngine
-from dbtrigger.errors import ConfigurationError, OutputValueError, OutputWriteError
+from dbtrigger._lock_wait import (
+    DEFAULT_WRITE_LOCK_TIMEOUT,
+    check_lock_timeout,
+    lock_holders,
+    lock_timed_out,
+    lock_wait_bounded,
+)
+from dbtrigger._write_refusals import refusal, refusal_error
+from dbtrigger.errors import (
+    ConfigurationError,
+    OutputLockTimeoutError,
+    OutputValueError,
+    OutputWriteError,
+)
 from dbtrigger.names import validate_sql_identifier
 
 log = logging.getLogger("dbtrigger.output")
@@ -77,6 +98,8 @@ class TableHandle:
             engine=", "db.output url").
         noun: how errors name the table (``"output table"``).
         check: called with the URL once it is known (a dialect the owner refuses).
+        lock_timeout_seconds: how long a write waits for a lock another transaction
+            holds before it gives up (:mod:`dbtrigger._lock_wait`).
     """
 
     def __init__(
@@ -90,9 +113,11 @@ class TableHandle:
         *,
         noun: str = "table",
         check: Callable[[URL], None] | None = None,
+        lock_timeout_seconds: float = DEFAULT_WRITE_LOCK_TIMEOUT,
     ) -> None:
         if url is None and engine is None:
             raise ConfigurationError(f"{what} needs url= or engine=")
+        self.lock_timeout = check_lock_timeout(lock_timeout_seconds)
         self.what = what
         self.noun = noun
         self.table_name = validate_sql_identifier(table, "table") if table else None
@@ -165,6 +190,7 @@ class TableHandle:
         rows: Sequence[Mapping[str, Any]],
         *,
         each: bool = True,
+        conflict_columns: Sequence[str] = (),
     ) -> Any:
         """Execute ``statement`` for ``rows`` (``each=False``: the values are in the
         statement already); the result.
@@ -173,7 +199,11 @@ class TableHandle:
             OutputValueError: a value its column cannot store: a dict, list or set
                 in a column of a plain type (refused before anything is sent:
                 drivers fail on it each their own way, MariaDB's with an SQL
-                syntax error), or a value the column type or the driver refused.
+                syntax error), or a value the column type or the driver refused,
+                too long or out of range for its column.
+            OutputConstraintError: a row breaks a unique key (not the upsert's
+                ``conflict_columns``), a NOT NULL or a CHECK of the table.
+            OutputReferenceError: a row's foreign key finds no row (retryable).
         """
         columns = list(rows[0]) if rows else []
         for column in columns:
@@ -193,11 +223,19 @@ class TableHandle:
             if not each:
                 return conn.execute(statement)
             return conn.execute(statement, [dict(r) for r in rows])
+        except OverflowError as exc:  # pysqlite, an int past 64 bits: outside the DB-API
+            found = refusal(exc, table, rows)
+            if found is None:
+                raise
+            raise refusal_error(found, self.name, table, rows, conflict_columns) from exc
         except SQLAlchemyError as exc:
             problem = self._refused_value(exc, conn, table, rows, columns)
-            if problem is None:
+            if problem is not None:
+                raise problem from exc
+            found = refusal(exc, table, rows)
+            if found is None:
                 raise
-            raise problem from exc
+            raise refusal_error(found, self.name, table, rows, conflict_columns) from exc
 
     def transact(
         self,
@@ -225,9 +263,14 @@ class TableHandle:
             try:
                 if conn is not None:
                     return work(conn)
-                with self.engine.begin() as own:
+                with self.engine.begin() as own, lock_wait_bounded(own, self.lock_timeout):
                     return work(own)
             except SQLAlchemyError as exc:
+                if lock_timed_out(exc):
+                    raise self._lock_timeout(what, rows, attempt, exc) from exc
+                found = refusal(exc, None, ())
+                if found is not None:
+                    raise refusal_error(found, self.name, None, (), conflict_columns) from exc
                 lost = lost_to_another_transaction(exc)
                 if lost and conn is None and attempt < WRITE_ATTEMPTS:
                     log.info(
@@ -242,7 +285,7 @@ class TableHandle:
                     )
                     attempt += 1
                     continue
-                why = upsert_refusal(exc, conflict_columns) or short_error(exc)
+                why = short_error(exc)
                 if lost and conn is not None:
                     why += " (the database rolled the whole transaction back: run it again)"
                 raise OutputWriteError(
@@ -251,6 +294,26 @@ class TableHandle:
                     rows=rows,
                     attempts=attempt,
                 ) from exc
+
+    def _lock_timeout(
+        self, what: str, rows: int, attempt: int, exc: BaseException
+    ) -> OutputLockTimeoutError:
+        """The error of a write that gave up waiting for a lock (the transaction is
+        rolled back by now): who holds locks on the table, if that can be told."""
+        holders = lock_holders(self.engine, self.table_name or "", self.schema)
+        return OutputLockTimeoutError(
+            f"{what} {self.name} waited {self.lock_timeout:g} s for a lock held by another "
+            f"transaction and gave up"
+            + (f": {holders}" if holders else "")
+            + ". Nothing was written; the write runs again with the batch. A transaction "
+            "left open on the table holds it (end it); raise lock_timeout_seconds only "
+            f"below the lease ({type(getattr(exc, 'orig', None) or exc).__name__})",
+            table=self.name,
+            rows=rows,
+            attempts=attempt,
+            seconds=self.lock_timeout,
+            holders=holders or None,
+        )
 
     def check_conflict_key(self, conn: Connection, conflict_columns: Sequence[str]) -> None:
         """Refuse ``conflict_columns`` that are not exactly the primary key or a unique
@@ -419,23 +482,4 @@ def upsert_statement(
     return my_stmt.on_duplicate_key_update([guard, *((c, my_stmt.inserted[c]) for c in updates)])
 
 
-#: MariaDB/MySQL's "Subquery returns more than 1 row": only the guard above raises it.
-_GUARD_ERROR = 1242
-
-
-def upsert_refusal(exc: BaseException, conflict_columns: Sequence[str]) -> str | None:
-    """What went wrong when ``exc`` is the upsert guard of MariaDB/MySQL failing a
-    statement (None: another error)."""
-    orig = getattr(exc, "orig", None)
-    args = getattr(orig, "args", ())
-    if not args or args[0] != _GUARD_ERROR:
-        return None
-    return (
-        "a row matched an existing row on a unique key other than the conflict columns "
-        f"({', '.join(conflict_columns)}): ON DUPLICATE KEY UPDATE would have overwritten that "
-        "other row, so nothing was written (PostgreSQL and SQLite refuse it as a unique "
-        "violation); retrying cannot help: fix the rows or the table's unique keys"
-    )
-
-
-__all__ = ["UPSERT_DIALECTS", "WRITE_ATTEMPTS", "TableHandle", "upsert_refusal", "upsert_statement"]
+__all__ = ["UPSERT_DIALECTS", "WRITE_ATTEMPTS", "TableHandle", "upsert_statement"]

@@ -38,6 +38,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from dbtrigger._driver_errors import short_error
+from dbtrigger._lock_wait import DEFAULT_WRITE_LOCK_TIMEOUT, lock_wait_bounded
 from dbtrigger._tables import TableHandle, upsert_statement
 from dbtrigger.errors import (
     ConfigurationError,
@@ -169,7 +170,10 @@ class DbWriter(_OnTable):
 
     Every operation commits on its own, except inside ``with
     writer.transaction():``, where they share one connection and one
-    transaction. Args as :class:`DbReader` (``table`` required).
+    transaction. Args as :class:`DbReader` (``table`` required), and
+    ``lock_timeout_seconds``: how long a write waits for a lock another
+    transaction holds before it gives up with
+    :class:`~dbtrigger.errors.OutputLockTimeoutError` (default 30 s).
     """
 
     _what = "DbWriter"
@@ -182,12 +186,19 @@ class DbWriter(_OnTable):
         schema: str | None = None,
         engine: Engine | None = None,
         engine_kwargs: Mapping[str, Any] | None = None,
+        lock_timeout_seconds: float = DEFAULT_WRITE_LOCK_TIMEOUT,
     ) -> None:
         # The reader's options, with ``table`` required: every write goes to it.
         if not table:
             raise ConfigurationError("DbWriter needs table= (the table every write goes to)")
-        super().__init__(
-            url=url, table=table, schema=schema, engine=engine, engine_kwargs=engine_kwargs
+        self._db = TableHandle(
+            self._what,
+            url,
+            table,
+            schema,
+            engine,
+            engine_kwargs,
+            lock_timeout_seconds=lock_timeout_seconds,
         )
         self._conn: Connection | None = None
 
@@ -207,7 +218,10 @@ class DbWriter(_OnTable):
         if self._conn is not None:
             raise ConfigurationError("DbWriter.transaction() is already open on this writer")
         try:
-            with self._db.engine.begin() as conn:
+            with (
+                self._db.engine.begin() as conn,
+                lock_wait_bounded(conn, self._db.lock_timeout),
+            ):
                 self._conn = conn
                 try:
                     yield self
@@ -266,7 +280,7 @@ class DbWriter(_OnTable):
             self._db.check_conflict_key(conn, conflict_columns)
             table = self._db.columns(conn, [*columns, *conflict_columns])
             statement = upsert_statement(conn.dialect.name, table, columns, tuple(conflict_columns))
-            self._db.write(conn, table, statement, rows)
+            self._db.write(conn, table, statement, rows, conflict_columns=conflict_columns)
 
         self._write("an upsert", len(rows), work, conflict_columns)
 

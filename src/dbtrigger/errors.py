@@ -235,6 +235,26 @@ class OutputWriteError(RetryableError):
     """The output binding could not write its rows; the batch is not committed and comes again."""
 
 
+class OutputLockTimeoutError(OutputWriteError):
+    """The write waited ``lock_timeout_seconds`` for a lock another transaction holds and
+    gave up; nothing was written and the batch comes again. ``fields`` carry ``table``,
+    ``seconds`` and ``holders`` (who holds locks on the table, when it could be told)."""
+
+
+class OutputReferenceError(OutputWriteError):
+    """A row to write refers to a row that is not there, or a row to delete is still
+    referred to (a foreign key); retryable, since the other row may come later. ``fields``
+    carry ``table``, ``constraint``, ``columns``, ``row`` and ``key``; never values."""
+
+
+class OutputConstraintError(OperatorError):
+    """A row to write breaks a constraint of its table: a unique key other than the
+    upsert's conflict key (or a key that exists, on insert), NOT NULL or CHECK. Writing
+    it again cannot help: the row is a data problem (dead-letter it, or fix the data or
+    the table). ``fields`` carry ``table``, ``kind``, ``constraint``, ``columns``,
+    ``row`` and ``key`` (the row's key columns); the message never shows other values."""
+
+
 class OutputValueError(OperatorError, TypeError):
     """A row to write holds a value its column cannot store (a dict in a text column,
     an object the driver cannot send); writing it again cannot help. ``fields`` carry
@@ -296,6 +316,9 @@ __all__ = [
     "LiveLeaseError",
     "LostLeaseError",
     "OperatorError",
+    "OutputConstraintError",
+    "OutputLockTimeoutError",
+    "OutputReferenceError",
     "OutputValueError",
     "OutputWriteError",
     "PartialBatchError",

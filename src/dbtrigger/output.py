@@ -28,6 +28,7 @@ from typing import Any, Literal
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Connection, Engine
 
+from dbtrigger._lock_wait import DEFAULT_WRITE_LOCK_TIMEOUT
 from dbtrigger._tables import (
     UPSERT_DIALECTS,
     TableHandle,
@@ -61,6 +62,7 @@ class OutputTarget:
         conflict_columns: Sequence[str] | None = None,
         engine_kwargs: Mapping[str, Any] | None = None,
         engine: Engine | None = None,
+        lock_timeout_seconds: float | None = None,
     ) -> None:
         if action not in ("insert", "upsert"):
             raise ConfigurationError(f"output action must be 'insert' or 'upsert', got {action!r}")
@@ -86,7 +88,31 @@ class OutputTarget:
             engine_kwargs,
             noun="output table",
             check=self._check_dialect,
+            lock_timeout_seconds=(
+                DEFAULT_WRITE_LOCK_TIMEOUT if lock_timeout_seconds is None else lock_timeout_seconds
+            ),
         )
+        #: Was the lock timeout given (else the default, which a trigger may lower)?
+        self._lock_timeout_given = lock_timeout_seconds is not None
+
+    def fit_lease(self, lease_ttl_seconds: float) -> None:
+        """Keep the write's lock wait to a quarter of a trigger's lease TTL, so a write
+        waiting behind another transaction gives up long before the lease could lapse
+        (another instance would deliver the batch again while this write might still
+        land). The default is lowered to fit; a value given that does not fit is a
+        ConfigurationError."""
+        limit = lease_ttl_seconds / 4
+        if self._db.lock_timeout <= limit:
+            return
+        if self._lock_timeout_given:
+            raise ConfigurationError(
+                f"@db.output({self.table_name!r}): lock_timeout_seconds="
+                f"{self._db.lock_timeout:g} does not fit the trigger's lease "
+                f"(lease_ttl_seconds={lease_ttl_seconds:g}): a write waiting that long "
+                f"for a lock could outlive the lease; use at most {limit:g} (a quarter "
+                "of the lease TTL) or raise lease_ttl_seconds"
+            )
+        self._db.lock_timeout = limit
 
     def _check_dialect(self, url: URL) -> None:
         dialect = url.get_backend_name()
@@ -111,11 +137,17 @@ class OutputTarget:
             "schema": self.schema,
             "action": self.action,
             "conflict_columns": list(self.conflict_columns),
+            "lock_timeout_seconds": self._db.lock_timeout,
         }
 
     @property
     def engine(self) -> Engine:
         return self._db.engine
+
+    @property
+    def lock_timeout_seconds(self) -> float:
+        """How long a write waits for another transaction's lock before it gives up."""
+        return self._db.lock_timeout
 
     def close(self) -> None:
         """Dispose of the connection pool if this target created the engine."""
@@ -141,6 +173,12 @@ class OutputTarget:
             OutputValueError: a value its column cannot store (a dict in a text
                 column, an object the driver cannot send), or an upsert row with
                 None in a conflict column; nothing is written.
+            OutputConstraintError: a row breaks a rule of the table (a unique key
+                other than the conflict key, NOT NULL, CHECK): not retryable; the
+                message names the constraint, its columns and the row's key.
+            OutputReferenceError: a row's foreign key finds no row (retryable).
+            OutputLockTimeoutError: the write waited ``lock_timeout_seconds`` for
+                a lock another transaction holds (retryable; nothing written).
             OutputWriteError: the database refused or failed the write (the
                 message names the driver error, never the row values). A
                 deadlock or serialization failure is written again first, up to
@@ -154,7 +192,8 @@ class OutputTarget:
 
         def work(conn: Connection) -> int:
             table = self._table(conn, columns)
-            self._db.write(conn, table, self._statement(table, columns), rows)
+            statement = self._statement(table, columns)
+            self._db.write(conn, table, statement, rows, conflict_columns=self.conflict_columns)
             return len(rows)
 
         return self._db.transact(

@@ -190,13 +190,18 @@ class DbBindings:
             ttl = prepared.lease_ttl.total_seconds() if prepared is not None else None
             check_schedule(ttl, schedule)
             output = binding_of(fn).output
+            if output is not None and ttl is not None:
+                output.fit_lease(ttl)  # a lock wait longer than that is refused now
 
             def ready() -> PollTrigger:
                 """The poller, after the output binding's settings resolved: a missing
                 one fails the invocation before anything is fetched or handled."""
-                if output is not None:
-                    output.dialect  # noqa: B018 - resolves the URL's %SETTING% now
-                return lazy.get()
+                if output is None:
+                    return lazy.get()
+                output.dialect  # noqa: B018 - resolves the URL's %SETTING% now
+                poll = lazy.get()
+                output.fit_lease(poll.lease_ttl.total_seconds())
+                return poll
 
             def run(call: dict[str, Any]) -> None:
                 handler = make_handler(call)

@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 from sqlalchemy.engine import Engine
 
+from dbtrigger._lock_wait import DEFAULT_WRITE_LOCK_TIMEOUT
 from dbtrigger.azure.host import host_signature, host_wrapper
 from dbtrigger.azure.record import binding_of
 from dbtrigger.dbio import DbReader, DbWriter
@@ -164,11 +165,17 @@ def writer_binding(
     schema: str | None = None,
     engine: Engine | None = None,
     engine_kwargs: Mapping[str, Any] | None = None,
+    lock_timeout_seconds: float = DEFAULT_WRITE_LOCK_TIMEOUT,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """``@db.inject_writer``: inject a :class:`~dbtrigger.dbio.DbWriter`, one per
     invocation (its own transaction) on one shared engine."""
     shared = DbWriter(
-        url=url, table=table, schema=schema, engine=engine, engine_kwargs=engine_kwargs
+        url=url,
+        table=table,
+        schema=schema,
+        engine=engine,
+        engine_kwargs=engine_kwargs,
+        lock_timeout_seconds=lock_timeout_seconds,
     )
     return _inject(arg_name, "@db.inject_writer", lambda host_args: DbWriter._sharing(shared))
 

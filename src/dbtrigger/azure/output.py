@@ -34,6 +34,7 @@ def output_binding(
     conflict_columns: Sequence[str] | None = None,
     engine_kwargs: Mapping[str, Any] | None = None,
     engine: Engine | None = None,
+    lock_timeout_seconds: float | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """``@db.output``: inject a :class:`~dbtrigger.output.DbOut` as ``arg_name``.
 
@@ -41,8 +42,11 @@ def output_binding(
     handler returns (before the checkpoint commit, under ``db.trigger``), and
     discarded if it raises. ``url`` may be a ``%SETTING%`` reference;
     ``action="upsert"`` needs ``conflict_columns`` naming the table's primary
-    key or a unique constraint. Place it directly above the function. The
-    other arguments are :class:`~dbtrigger.output.OutputTarget`'s.
+    key or a unique constraint. ``lock_timeout_seconds`` bounds how long the
+    write waits for a lock another transaction holds (default 30 s; under a
+    trigger at most a quarter of its ``lease_ttl_seconds``, the default lowered
+    to fit). Place it directly above the
+    function. The other arguments are :class:`~dbtrigger.output.OutputTarget`'s.
     """
     target = OutputTarget(
         url=url,
@@ -52,6 +56,7 @@ def output_binding(
         conflict_columns=conflict_columns,
         engine_kwargs=engine_kwargs,
         engine=engine,
+        lock_timeout_seconds=lock_timeout_seconds,
     )
 
     def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:

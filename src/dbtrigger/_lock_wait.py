@@ -1,0 +1,198 @@
+"""Bounded lock waits for the writes dbtrigger makes (internal).
+
+A write that meets a row or table lock held by another transaction waits for
+it. At the databases' default settings that wait is unbounded on PostgreSQL
+(``lock_timeout = 0``), 50 s for a row and a day for a table's metadata lock
+on MariaDB (``innodb_lock_wait_timeout``, ``lock_wait_timeout``) and 5 s on
+SQLite (pysqlite's busy timeout). A tick whose write waits does nothing and
+says nothing; with ``handler_timeout_seconds`` its lease lapses, another
+instance delivers the batch again, and the waiting write may still land
+afterwards. So every write transaction of the output binding, the writer and
+the SQL stores runs under :func:`lock_wait_bounded`:
+
+* PostgreSQL: ``set_config('lock_timeout', ..., true)``, which is ``SET
+  LOCAL``: it ends with the transaction, so a shared engine's connections are
+  left as they were;
+* MariaDB/MySQL: ``innodb_lock_wait_timeout`` and ``lock_wait_timeout`` for
+  the session (whole seconds, at least one), set back to the session's own
+  values when the transaction ends;
+* SQLite: the connection's busy timeout, set back likewise.
+
+:func:`lock_timed_out` recognises the error each raises when the bound runs
+out, and :func:`lock_holders` says, as far as it is cheap to know, which other
+sessions hold locks on the table (their ids and how long their transactions
+have been open: never their SQL, which can carry values).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import SQLAlchemyError
+
+from dbtrigger.errors import ConfigurationError
+
+#: How long a db.output / DbWriter write waits for a lock held by another
+#: transaction before it gives up (a quarter of the default lease TTL).
+DEFAULT_WRITE_LOCK_TIMEOUT = 30.0
+
+#: How long a SQL checkpoint store or history write waits for a lock: below the
+#: heartbeat interval at the default lease TTL (120 s / 3).
+DEFAULT_STORE_LOCK_TIMEOUT = 10.0
+
+#: PostgreSQL's lock_not_available (lock_timeout, NOWAIT).
+_PG_LOCK_SQLSTATES = frozenset({"55P03"})
+#: MariaDB/MySQL: lock wait timeout exceeded (row and metadata locks); NOWAIT.
+_MYSQL_LOCK_CODES = frozenset({1205, 3572})
+#: SQLite: SQLITE_BUSY, SQLITE_LOCKED and their extended codes.
+_SQLITE_LOCK_TEXTS = ("database is locked", "database table is locked")
+
+
+def check_lock_timeout(value: object, option: str = "lock_timeout_seconds") -> float:
+    """``value`` as seconds (a positive, finite number), else a ConfigurationError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigurationError(f"{option} takes a number of seconds, got {type(value).__name__}")
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ConfigurationError(
+            f"{option} must be a positive number of seconds, got {value!r}: a write must "
+            "give up waiting for a lock at some point (an unbounded wait outlives the lease)"
+        )
+    return seconds
+
+
+@contextlib.contextmanager
+def lock_wait_bounded(conn: Connection, seconds: float) -> Iterator[None]:
+    """Bound the lock waits of the statements run on ``conn`` inside this block,
+    which must be inside a transaction begun on ``conn`` (see the module doc)."""
+    dialect = conn.dialect.name
+    if dialect == "postgresql":
+        millis = max(1, math.ceil(seconds * 1000))
+        conn.execute(
+            sa.text("SELECT set_config('lock_timeout', :value, true)"), {"value": f"{millis}ms"}
+        )
+        yield
+    elif dialect in ("mysql", "mariadb"):
+        conn.execute(
+            sa.text(
+                "SET @dbtrigger_row_wait = @@SESSION.innodb_lock_wait_timeout, "
+                "@dbtrigger_table_wait = @@SESSION.lock_wait_timeout, "
+                "SESSION innodb_lock_wait_timeout = :wait, SESSION lock_wait_timeout = :wait"
+            ),
+            {"wait": max(1, math.ceil(seconds))},
+        )
+        try:
+            yield
+        finally:
+            with contextlib.suppress(SQLAlchemyError):  # a lost connection keeps nothing
+                conn.execute(
+                    sa.text(
+                        "SET SESSION innodb_lock_wait_timeout = @dbtrigger_row_wait, "
+                        "SESSION lock_wait_timeout = @dbtrigger_table_wait"
+                    )
+                )
+    elif dialect == "sqlite":
+        previous = conn.exec_driver_sql("PRAGMA busy_timeout").scalar()
+        # PRAGMA takes no bound value; both numbers are integers we made.
+        conn.exec_driver_sql(f"PRAGMA busy_timeout = {max(1, math.ceil(seconds * 1000))}")
+        try:
+            yield
+        finally:
+            with contextlib.suppress(SQLAlchemyError):
+                conn.exec_driver_sql(f"PRAGMA busy_timeout = {int(previous or 0)}")
+    else:
+        yield
+
+
+def lock_timed_out(exc: BaseException) -> bool:
+    """True when ``exc`` is a statement that gave up waiting for a lock."""
+    orig = getattr(exc, "orig", None) or exc
+    sqlstate = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    if sqlstate in _PG_LOCK_SQLSTATES:
+        return True
+    args = getattr(orig, "args", ())
+    if args and isinstance(args[0], int) and args[0] in _MYSQL_LOCK_CODES:
+        return True
+    if type(orig).__module__.startswith("sqlite3"):
+        text = str(orig)
+        return any(t in text for t in _SQLITE_LOCK_TEXTS)
+    return False
+
+
+def lock_holders(engine: Engine, table: str, schema: str | None) -> str:
+    """Who holds locks that a write on ``table`` may wait for, in a few words ("" when
+    it cannot be told). Best effort, on a connection of its own, never raises."""
+    dialect = engine.dialect.name
+    if dialect == "sqlite":
+        return (
+            "another connection holds the database file's write lock (SQLite locks the "
+            "whole file; a transaction left open elsewhere keeps it)"
+        )
+    try:
+        with engine.connect() as conn:
+            if dialect == "postgresql":
+                return _pg_holders(conn, table, schema)
+            if dialect in ("mysql", "mariadb"):
+                return _mysql_holders(conn)
+    except SQLAlchemyError:
+        return ""
+    return ""
+
+
+def _pg_holders(conn: Connection, table: str, schema: str | None) -> str:
+    conn.execute(sa.text("SELECT set_config('statement_timeout', '2s', true)"))
+    name = f'"{schema}"."{table}"' if schema else f'"{table}"'
+    rows = conn.execute(
+        sa.text(
+            "SELECT DISTINCT a.pid, a.state, a.application_name, "
+            "floor(extract(epoch FROM now() - a.xact_start))::int AS open_for "
+            "FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+            "WHERE l.relation = to_regclass(:name) AND l.granted "
+            "AND l.pid <> pg_backend_pid() ORDER BY open_for DESC NULLS LAST LIMIT 3"
+        ),
+        {"name": name},
+    ).fetchall()
+    conn.rollback()
+    parts = []
+    for pid, state, application, open_for in rows:
+        app = f", application {application!r}" if application else ""
+        age = f" for {open_for} s" if open_for is not None else ""
+        parts.append(f"backend pid {pid} ({state}{age}{app})")
+    if not parts:
+        return ""
+    return "held by " + "; ".join(parts) + " (pg_terminate_backend(pid) ends one)"
+
+
+def _mysql_holders(conn: Connection) -> str:
+    rows = conn.execute(
+        sa.text(
+            "SELECT t.trx_mysql_thread_id, TIMESTAMPDIFF(SECOND, t.trx_started, NOW()), "
+            "t.trx_rows_locked, p.COMMAND FROM information_schema.INNODB_TRX t "
+            "LEFT JOIN information_schema.PROCESSLIST p ON p.ID = t.trx_mysql_thread_id "
+            "WHERE t.trx_mysql_thread_id <> CONNECTION_ID() "
+            "AND (t.trx_rows_locked > 0 OR t.trx_tables_locked > 0) "
+            "ORDER BY t.trx_started LIMIT 3"
+        )
+    ).fetchall()
+    parts = [
+        f"connection {thread} ({command or 'unknown'}, transaction open for {age} s, "
+        f"{locked} row(s) locked)"
+        for thread, age, locked, command in rows
+    ]
+    if not parts:
+        return ""
+    return "probably held by " + "; ".join(parts) + " (KILL <connection> ends one)"
+
+
+__all__ = [
+    "DEFAULT_STORE_LOCK_TIMEOUT",
+    "DEFAULT_WRITE_LOCK_TIMEOUT",
+    "check_lock_timeout",
+    "lock_holders",
+    "lock_timed_out",
+    "lock_wait_bounded",
+]

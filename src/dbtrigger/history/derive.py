@@ -50,6 +50,7 @@ def history_for(store: Any) -> HistoryStore | None:
             schema=schema or None,
             namespace=store.namespace,
             create_table=store.creates_table,
+            lock_timeout_seconds=store.lock_timeout,
         )
     if kind == "BlobCheckpointStore":
         from dbtrigger.history.blob import BlobHistory  # noqa: PLC0415

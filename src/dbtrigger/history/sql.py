@@ -33,6 +33,12 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 
 from dbtrigger._driver_errors import short_error
+from dbtrigger._lock_wait import (
+    DEFAULT_STORE_LOCK_TIMEOUT,
+    lock_holders,
+    lock_timed_out,
+    lock_wait_bounded,
+)
 from dbtrigger.errors import (
     CasConflictError,
     DbTriggerError,
@@ -76,7 +82,13 @@ def history_table(name: str, schema: str | None) -> sa.Table:
 
 
 class SqlHistory:
-    """History rows in ``table`` (default: the state table's name + ``_history``)."""
+    """History rows in ``table`` (default: the state table's name + ``_history``).
+
+    Appends and prunes wait at most ``lock_timeout_seconds`` (the state store's) for
+    a lock another transaction holds (an append of the same record number not yet
+    committed, a transaction left open on the table), then fail as
+    :class:`~dbtrigger.errors.StoreUnavailableError`: nothing was written.
+    """
 
     def __init__(
         self,
@@ -87,7 +99,9 @@ class SqlHistory:
         namespace: str = "default",
         create_table: bool = True,
         retention: Retention = DEFAULT_RETENTION,
+        lock_timeout_seconds: float = DEFAULT_STORE_LOCK_TIMEOUT,
     ) -> None:
+        self.lock_timeout = lock_timeout_seconds
         #: How long the runtime keeps records here (it prunes after its appends).
         self.retention = retention
         self._engine = engine
@@ -126,6 +140,14 @@ class SqlHistory:
                 raise CasConflictError(f"{where}: another writer appended first") from exc
             raise StoreUnavailableError(f"{where} failed: {short_error(exc)}") from exc
         except sa.exc.DBAPIError as exc:
+            if lock_timed_out(exc):
+                holders = lock_holders(self.engine, self.table.name, self.table.schema)
+                raise StoreUnavailableError(
+                    f"{where} waited {self.lock_timeout:g} s for a lock another transaction "
+                    "holds on the table and gave up"
+                    + (f": {holders}" if holders else "")
+                    + "; nothing was written"
+                ) from exc
             if classify_driver_error(exc) == "auth":
                 raise StoreAuthError(f"{where} was refused: {short_error(exc)}") from exc
             if classify_driver_error(exc) == "conflict":
@@ -186,7 +208,7 @@ class SqlHistory:
             )
         with self._edge("append", poller):
             self._ensure()
-            with self.engine.begin() as conn:
+            with self.engine.begin() as conn, lock_wait_bounded(conn, self.lock_timeout):
                 last = conn.execute(
                     sa.select(sa.func.max(t.c.seq)).where(self._of(poller))
                 ).scalar()
@@ -271,7 +293,7 @@ class SqlHistory:
                 return 0
             below = min(below, keep_from)
             while True:
-                with self.engine.begin() as conn:
+                with self.engine.begin() as conn, lock_wait_bounded(conn, self.lock_timeout):
                     low = conn.execute(
                         sa.select(sa.func.min(t.c.seq)).where(self._of(poller))
                     ).scalar()

@@ -64,6 +64,13 @@ from dbtrigger._driver_errors import (
     short_error,
 )
 from dbtrigger._engine import LazyEngine, parse_database_url
+from dbtrigger._lock_wait import (
+    DEFAULT_STORE_LOCK_TIMEOUT,
+    check_lock_timeout,
+    lock_holders,
+    lock_timed_out,
+    lock_wait_bounded,
+)
 from dbtrigger._once import Once
 from dbtrigger.errors import (
     AmbiguousWriteError,
@@ -205,6 +212,11 @@ class SqlCheckpointStore:
             off where the runtime identity may not run DDL, and create the table
             once with :meth:`create_table` (or from :meth:`ddl`).
         engine_kwargs: passed to :func:`sqlalchemy.create_engine` with ``url``.
+        lock_timeout_seconds: how long a write (and the history's appends) waits
+            for a lock another transaction holds on the table before it gives up
+            as :class:`~dbtrigger.errors.StoreUnavailableError` (nothing changed).
+            At the databases' defaults a lease renewal behind a transaction left
+            open on the state row waited for ever on PostgreSQL.
     """
 
     def __init__(
@@ -217,9 +229,12 @@ class SqlCheckpointStore:
         namespace: str = "default",
         create_table: bool = True,
         engine_kwargs: Mapping[str, Any] | None = None,
+        lock_timeout_seconds: float = DEFAULT_STORE_LOCK_TIMEOUT,
     ) -> None:
         if (url is None) == (engine is None):
             raise ConfigurationError("SqlCheckpointStore needs exactly one of url= or engine=")
+        #: How long a write waits for another transaction's lock (see the class doc).
+        self.lock_timeout = check_lock_timeout(lock_timeout_seconds)
         self._table = _state_table(
             validate_sql_identifier(table, "state table"),
             validate_sql_identifier(schema, "state schema") if schema else None,
@@ -310,6 +325,8 @@ class SqlCheckpointStore:
                 f"{where} violated a constraint of the state table: {short_error(exc)}"
             ) from exc
         except sa.exc.DBAPIError as exc:
+            if lock_timed_out(exc):
+                raise self.lock_timeout_error(where, exc) from exc
             kind = classify_driver_error(exc)
             if kind == "auth":
                 raise StoreAuthError(
@@ -333,6 +350,20 @@ class SqlCheckpointStore:
             if problem is None:
                 raise
             raise StoreRefusedError(f"{where} failed: {problem}") from exc
+
+    def lock_timeout_error(self, where: str, exc: BaseException) -> StoreUnavailableError:
+        """A write that gave up waiting for a lock: nothing was changed (its
+        transaction was rolled back); who holds locks on the table, if known."""
+        holders = lock_holders(self._engine, self._table.name, self._table.schema)
+        return StoreUnavailableError(
+            f"{where} waited {self.lock_timeout:g} s for a lock another transaction holds "
+            "on the table and gave up"
+            + (f": {holders}" if holders else "")
+            + "; nothing was changed, the next try runs again. End the transaction left "
+            f"open there ({type(getattr(exc, 'orig', None) or exc).__name__})",
+            seconds=self.lock_timeout,
+            holders=holders or None,
+        )
 
     # --- table management -------------------------------------------------------------
 
@@ -434,7 +465,8 @@ class SqlCheckpointStore:
     ) -> None:
         trans = conn.begin()
         try:
-            result = conn.execute(stmt)
+            with lock_wait_bounded(conn, self.lock_timeout):
+                result = conn.execute(stmt)
             # An INSERT either adds its row or raises IntegrityError (drivers
             # may report -1 for its rowcount); an UPDATE must match exactly one.
             if isinstance(stmt, sa.Update) and result.rowcount != 1:
@@ -457,7 +489,8 @@ class SqlCheckpointStore:
         with self._edge("delete", key) as attempt, self._engine.connect() as conn:
             trans = conn.begin()
             try:
-                deleted = conn.execute(sa.delete(t).where(condition)).rowcount
+                with lock_wait_bounded(conn, self.lock_timeout):
+                    deleted = conn.execute(sa.delete(t).where(condition)).rowcount
                 if deleted == 0 and if_match is not None:
                     still = conn.execute(sa.select(t.c.etag).where(self._where_key(key))).first()
                     if still is not None:

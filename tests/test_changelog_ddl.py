@@ -17,7 +17,8 @@ import sqlalchemy as sa
 
 from dbtrigger import FileCheckpointStore, PollTrigger, RowChange
 from dbtrigger.changelog import ChangeLogSource, drift, install, log_table_name, uninstall
-from dbtrigger.changelog.ddl import reflect_table
+from dbtrigger.changelog.ddl import MARKER, reflect_table
+from dbtrigger.changelog.snapshot import resync
 from dbtrigger.changelog.triggers import trigger_ddl
 from dbtrigger.checks import check_trigger, warn_at_start
 from dbtrigger.cli.main import main as cli_main
@@ -72,7 +73,9 @@ class Replica:
         for e in events:
             self.seen.append(e)
             key = tuple(e.pk.values())
-            if e.op == "delete":
+            if e.op == "truncate":
+                self.rows.clear()
+            elif e.op == "delete":
                 self.rows.pop(key, None)
             else:
                 assert e.after is not None
@@ -207,8 +210,12 @@ def test_key_rename_keeps_writes_and_the_checkpoint(db: TestDatabase, tmp_path: 
         with pytest.raises(ChangeLogGapError, match="DELETE FROM") as gap:
             restarted.tick(replica)
         assert len(gap.value.fields["seqs"]) == 3
-        db.execute(f"DELETE FROM {db.qualified(log_table_name('orders'))} WHERE order_id IS NULL")
-        replica.rows = table_rows(db, "order_id")  # the resync the error asks for
+        resync(db.engine, "orders", schema=db.schema)  # what the error asks for, then:
+        assert "AND dbt_op <> 'truncate'" in str(gap.value)
+        db.execute(
+            f"DELETE FROM {db.qualified(log_table_name('orders'))} "
+            "WHERE (order_id IS NULL) AND dbt_op <> 'truncate'"
+        )
     restarted.drain(replica)
     if db.kind != "mariadb":
         assert ops(replica.seen[2:]) == AFTER_DDL  # the keys filled in from the images
@@ -329,7 +336,7 @@ def _make_v1(db: TestDatabase) -> None:
             src = conn.execute(
                 sa.text("SELECT prosrc FROM pg_proc WHERE oid = to_regproc(:f)"), {"f": fn}
             ).scalar_one()
-            old = src.split("\n", 1)[1].replace("dbtrigger-changelog v2", "x")
+            old = src.split("\n", 1)[1].replace(MARKER, "x")
             conn.exec_driver_sql(
                 f"CREATE OR REPLACE FUNCTION {fn}() RETURNS trigger LANGUAGE plpgsql AS "
                 f"$f$\n-- dbtrigger-changelog v1: one log row\n{old}$f$"
@@ -349,7 +356,7 @@ def _make_v1(db: TestDatabase) -> None:
             qualified = db.qualified(name)
             conn.exec_driver_sql(f"DROP TRIGGER {qualified}")
             if db.kind == "sqlite":
-                body = text.replace("dbtrigger-changelog v2", "dbtrigger-changelog v1")
+                body = text.replace(MARKER, "dbtrigger-changelog v1")
                 conn.exec_driver_sql(body)
                 continue
             event = {"ins": "INSERT", "upd": "UPDATE", "del": "DELETE"}[name[-3:]]

@@ -42,7 +42,8 @@ from dbtrigger.cursor import (
 from dbtrigger.errors import SerializationError
 from dbtrigger.rowviews import PlainRowMapping, RowMapping, frozen, guarded
 
-VALID_OPS = frozenset({"insert", "update", "upsert", "delete"})
+#: ``truncate``: a change log's record that the whole table was emptied (no key, no images).
+VALID_OPS = frozenset({"insert", "update", "upsert", "delete", "truncate"})
 
 _sha256 = hashlib.sha256
 
@@ -106,7 +107,8 @@ class RowChange:
 
     Attributes:
         event_id: stable identity of (poller, pk, cursor); equal on redelivery.
-        op: ``insert``, ``update``, ``upsert`` or ``delete``.
+        op: ``insert``, ``update``, ``upsert`` or ``delete``; from a change log also
+            ``truncate`` (every row of the table gone; ``pk`` values None).
         source: the source's display name (e.g. ``postgresql:public.orders``).
         cursor: the row's cursor column value (None when the column is NULL).
         pk: primary key column -> value.

@@ -9,7 +9,7 @@ its sequence number then gives one event per change.
 Layout of the log of table ``orders`` (``dbt_changelog_orders``)::
 
     dbt_seq         bigint, assigned by the database, primary key: the cursor
-    dbt_op          'insert' | 'update' | 'delete'
+    dbt_op          'insert' | 'update' | 'delete' | 'upsert' (snapshot) | 'truncate'
     <pk columns>    copies of the table's primary key (its own names and types);
                     NULL only when a trigger could not read the key (see below)
     dbt_before      the row before the change, JSON text (NULL for an insert)
@@ -46,6 +46,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 
+from dbtrigger.changelog.readers import readers_ddl, readers_table_name
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.names import shortened, validate_sql_identifier
 
@@ -53,8 +54,24 @@ from dbtrigger.names import shortened, validate_sql_identifier
 MARKER_PREFIX = "dbtrigger-changelog v"
 
 #: The current trigger version. v1 named every column in its row images and
-#: broke application writes after a DROP/RENAME COLUMN; v2 never fails a write.
-VERSION = 2
+#: broke application writes after a DROP/RENAME COLUMN; v2 never fails a write;
+#: v3 logs a PostgreSQL ``TRUNCATE`` (a statement trigger), and is the first
+#: version number given to the SQLite triggers that hex-encode bytes in any
+#: column and the MariaDB/MySQL triggers that catch error 4038 (both written
+#: under v2 by later releases, so a v2 install may lack either).
+VERSION = 3
+
+#: What each older version lacks, as ``changelog check`` reports it.
+OLDER_VERSIONS = {
+    1: "its triggers break the application's writes after a DROP or RENAME COLUMN and log a "
+    "key change as one update",
+    2: "a TRUNCATE is not logged on PostgreSQL, and its triggers may predate two fixes: on "
+    "SQLite bytes in a column of a non-binary type fail the application's write; on "
+    "MariaDB/MySQL a column JSON cannot render fails it (error 4038)",
+}
+
+#: ``dbt_op`` is as wide as the longest operation, ``truncate`` (v2 logs: 6).
+OP_WIDTH = 8
 
 #: Written into every trigger (body comment) the change log installs.
 MARKER = f"{MARKER_PREFIX}{VERSION}"
@@ -107,10 +124,11 @@ class TableInfo:
         return self.dialect != "postgresql"
 
     def trigger_names(self) -> tuple[str, ...]:
-        """PostgreSQL: one trigger for all three operations; elsewhere one each."""
+        """PostgreSQL: one row trigger for all three operations and one statement trigger
+        for ``TRUNCATE``; elsewhere one row trigger each."""
         base = f"dbt_cl_{self.table}"
         if self.dialect == "postgresql":
-            return (shortened(base),)
+            return (shortened(base), shortened(f"{base}_trunc"))
         return tuple(shortened(f"{base}_{op}") for op in ("ins", "upd", "del"))
 
     @property
@@ -274,16 +292,22 @@ _LOG_TYPES = {
 
 
 def log_ddl(info: TableInfo, quote: Quote) -> list[str]:
-    """The log table first, then its index (and comment); idempotent."""
+    """The log table first, then its index (and comment), then the readers' registry
+    (:mod:`dbtrigger.changelog.readers`); idempotent."""
     log = qualified_name(info, info.log_table, quote)
     seq, text, changed_at = _LOG_TYPES.get(info.dialect, _LOG_TYPES["mysql"])
     table = _log_table_ddl(info, quote, seq=seq, text=text, changed_at=changed_at)
+    registry = readers_ddl(info.table, qualified_name(info, readers_table_name(info.table), quote))
     if info.dialect == "postgresql":
         comment = f"COMMENT ON TABLE {log} IS '{MARKER}: changes of {info.table}'"
-        return [table, _index_ddl(info, quote), comment]
+        return [table, _index_ddl(info, quote), comment, registry]
     if info.dialect == "sqlite":
-        return [table, _index_ddl(info, quote)]
-    return [table + f" COMMENT='{MARKER}: changes of {info.table}'", _index_ddl(info, quote)]
+        return [table, _index_ddl(info, quote), registry]
+    return [
+        table + f" COMMENT='{MARKER}: changes of {info.table}'",
+        _index_ddl(info, quote),
+        registry,
+    ]
 
 
 def uninstall_ddl(info: TableInfo, quote: Quote, *, drop_log: bool) -> list[str]:
@@ -301,6 +325,8 @@ def uninstall_ddl(info: TableInfo, quote: Quote, *, drop_log: bool) -> list[str]
         )
     if drop_log:
         statements.append(f"DROP TABLE IF EXISTS {qualified_name(info, info.log_table, quote)}")
+        registry = qualified_name(info, readers_table_name(info.table), quote)
+        statements.append(f"DROP TABLE IF EXISTS {registry}")
     return statements
 
 
@@ -322,12 +348,13 @@ def keys_nullable(info: TableInfo) -> bool:
 
 def _log_table_ddl(info: TableInfo, quote: Quote, seq: str, text: str, changed_at: str) -> str:
     log = qualified_name(info, info.log_table, quote)
-    null = "NULL" if keys_nullable(info) else "NOT NULL"
+    # NULL everywhere: a ``truncate`` row has no key (SQLite logs before v3: NOT NULL).
+    null = "NULL"
     keys = ",\n  ".join(f"{quote(c.name)} {c.sql_type} {null}" for c in info.pk)
     return (
         f"CREATE TABLE IF NOT EXISTS {log} (\n"
         f"  dbt_seq {seq},\n"
-        "  dbt_op VARCHAR(6) NOT NULL,\n"
+        f"  dbt_op VARCHAR({OP_WIDTH}) NOT NULL,\n"
         f"  {keys},\n"
         f"  dbt_before {text},\n"
         f"  dbt_after {text},\n"

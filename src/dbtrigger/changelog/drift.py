@@ -27,6 +27,8 @@ import sqlalchemy as sa
 
 from dbtrigger.changelog.ddl import (
     MARKER_PREFIX,
+    OLDER_VERSIONS,
+    OP_WIDTH,
     VERSION,
     Quote,
     TableInfo,
@@ -39,6 +41,7 @@ from dbtrigger.changelog.ddl import (
     read_marker,
     reflect_table,
 )
+from dbtrigger.changelog.vanished import vanished_keys
 from dbtrigger.errors import ChangeLogDriftError, ConfigurationError
 
 
@@ -46,6 +49,12 @@ def install_command(table: str, schema: str | None) -> str:
     """The command that (re)installs the change log of ``table``."""
     where = f" --schema {schema}" if schema else ""
     return f"dbtrigger changelog install --url URL --table {table}{where} --yes"
+
+
+def resync_command(table: str, schema: str | None) -> str:
+    """The command that records a truncate and re-sends every row of ``table``."""
+    where = f" --schema {schema}" if schema else ""
+    return f"dbtrigger changelog resync --url URL --table {table}{where} --yes"
 
 
 @dataclass(frozen=True)
@@ -83,12 +92,31 @@ class Drift:
     #: Not installed at all (no log table): not drift, an install that never happened.
     missing: bool = False
     notes: tuple[str, ...] = field(default=(), compare=False)
+    #: Rows gone from the table with no delete logged (a TRUNCATE on MariaDB/MySQL):
+    #: the one problem that installing again does not repair; ``resync`` does.
+    vanished: int = 0
 
     def __bool__(self) -> bool:
         return bool(self.problems)
 
+    @property
+    def fix(self) -> str:
+        """The command that repairs it: install again; resync for vanished rows alone."""
+        if self.vanished and len(self.problems) == 1:
+            return resync_command(self.table, self.schema)
+        return install_command(self.table, self.schema)
+
     def error(self) -> ChangeLogDriftError:
-        fix = install_command(self.table, self.schema)
+        fix = self.fix
+        if fix != install_command(self.table, self.schema):
+            return ChangeLogDriftError(
+                f"the change log of {self.table} missed rows leaving the table: "
+                + "; ".join(self.problems)
+                + f". The application's writes go on; record it and re-send every row to the "
+                f"log's readers: `{fix}` (docs/changes.md, 'TRUNCATE')",
+                problems=list(self.problems),
+                fix=fix,
+            )
         then = (
             "; it renames the log's key columns to the table's, so the poller then asks "
             "you to accept the changed source (the command is printed)"
@@ -130,12 +158,34 @@ def find_drift(conn: sa.Connection, table: str, schema: str | None) -> Drift:
     key_renamed = _key_problems(info, keys, specs, problems)
     for spec in specs[:1]:  # the triggers are generated together: one describes them all
         _column_problems(info, spec, problems)
+    # Only for a log that fits the table: otherwise install again first, then compare.
+    gone = [] if problems else vanished_keys(conn, info, [k.name for k in keys])
+    if gone:
+        problems.append(_vanished_problem(info, gone))
     return Drift(
         table,
         schema,
         tuple(dict.fromkeys(problems)),
         key_renamed=key_renamed,
         notes=tuple(unverified),
+        vanished=len(gone),
+    )
+
+
+def _vanished_problem(info: TableInfo, gone: list[tuple[Any, ...]]) -> str:
+    shown = ", ".join(
+        str(k[0]) if len(k) == 1 else "(" + ", ".join(map(str, k)) + ")" for k in gone[:5]
+    )
+    more = f" and {len(gone) - 5} more" if len(gone) > 5 else ""
+    how = (
+        "a TRUNCATE TABLE (which fires no trigger on MariaDB/MySQL) or a foreign key's "
+        "ON DELETE CASCADE (which fires none either)"
+        if info.dialect in ("mysql", "mariadb")
+        else "a delete while the change log's triggers were missing or disabled"
+    )
+    return (
+        f"{len(gone)} row(s) the change log holds as present are gone from {info.table} with "
+        f"no delete logged (key {shown}{more}): {how}; the log's readers still hold them"
     )
 
 
@@ -163,7 +213,11 @@ def _trigger_problems(
     """Missing, foreign or outdated triggers; returns the specs of the current ones."""
     found = existing_triggers(conn, info)
     specs: list[dict[str, Any]] = []
-    missing = [n for n in info.trigger_names() if n not in found]
+    versions = {marker[0] for t in found.values() if ours(t) and (marker := read_marker(t))}
+    expected = info.trigger_names()
+    if versions and max(versions) < VERSION and info.dialect == "postgresql":
+        expected = expected[:1]  # the TRUNCATE trigger is new in v3: the upgrade adds it
+    missing = [n for n in expected if n not in found]
     hidden = [n for n in missing if _hidden_trigger(conn, info, n)]
     if hidden:
         # Not drift: this account cannot tell. Say so, and check what can be read.
@@ -185,10 +239,11 @@ def _trigger_problems(
             continue
         version, spec = marker
         if version < VERSION:
+            lacks = OLDER_VERSIONS.get(version, "its triggers predate this release's")
             problems.append(
-                f"installed by an older dbtrigger ({MARKER_PREFIX}{version}), whose triggers "
-                "break the application's writes after a DROP or RENAME COLUMN and log a key "
-                "change as one update"
+                f"the triggers were installed by an older dbtrigger ({MARKER_PREFIX}{version}; "
+                f"this release writes {MARKER_PREFIX}{VERSION}): {lacks}. Upgrade them in "
+                f"place, no change is lost meanwhile: `{install_command(info.table, info.schema)}`"
             )
         elif version > VERSION:
             problems.append(f"installed by a newer dbtrigger ({MARKER_PREFIX}{version})")
@@ -301,7 +356,23 @@ def log_migration(conn: sa.Connection, info: TableInfo, quote: Quote) -> list[st
             out.append(f"ALTER TABLE {log} MODIFY COLUMN {name} {column.sql_type} NULL")
     if keys_nullable(info) and _has_null_keys(conn, info, keys):
         out.append(_fill_keys(info, quote))
+    if op_width(conn, info) < OP_WIDTH:  # a v1/v2 log: 'truncate' needs 8 characters
+        op = f"VARCHAR({OP_WIDTH})"
+        if info.dialect == "postgresql":
+            out.append(f"ALTER TABLE {log} ALTER COLUMN dbt_op TYPE {op}")
+        else:
+            out.append(f"ALTER TABLE {log} MODIFY COLUMN dbt_op {op} NOT NULL")
     return out
+
+
+def op_width(conn: sa.Connection, info: TableInfo) -> int:
+    """How many characters the log's ``dbt_op`` holds (SQLite: any)."""
+    if info.dialect == "sqlite":
+        return OP_WIDTH
+    for column in sa.inspect(conn).get_columns(info.log_table, schema=info.schema):
+        if column["name"] == "dbt_op":
+            return int(getattr(column["type"], "length", None) or OP_WIDTH)
+    return OP_WIDTH
 
 
 def _has_null_keys(conn: sa.Connection, info: TableInfo, keys: list[LogKey]) -> bool:

@@ -27,7 +27,9 @@ from dbtrigger.rowviews import guarded
 
 #: ``upsert``: a row written into the log by ``changelog snapshot`` (the row as it
 #: was then, not a change), delivered with ``metadata["snapshot"]`` True.
-OPS = frozenset({"insert", "update", "delete", "upsert"})
+#: ``truncate``: the table was emptied (PostgreSQL's ``TRUNCATE``, or what
+#: ``changelog resync`` records): no key (its values None), no images.
+OPS = frozenset({"insert", "update", "delete", "upsert", "truncate"})
 #: The columns of a log row an event is made of, besides the key's.
 EVENT_COLUMNS = ("dbt_seq", "dbt_op", "dbt_before", "dbt_after", "dbt_txid", "dbt_changed_at")
 #: Key and sequence types whose event id cannot fail to encode: ids of a batch

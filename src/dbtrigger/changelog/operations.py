@@ -37,7 +37,8 @@ from dbtrigger.changelog.ddl import (
     triggers_named,
     uninstall_ddl,
 )
-from dbtrigger.changelog.drift import Drift, find_drift, log_migration
+from dbtrigger.changelog.drift import Drift, find_drift, install_command, log_migration
+from dbtrigger.changelog.readers import Reader, mark_lost, readers_table_name, registered
 from dbtrigger.changelog.triggers import trigger_ddl
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.names import validate_sql_identifier
@@ -156,14 +157,34 @@ def _plan_uninstall_gone(
         statements.append(f"DROP FUNCTION IF EXISTS {function}()")
     if drop_log:
         statements.append(f"DROP TABLE IF EXISTS {qualified_name(info, info.log_table, quote)}")
+        registry = qualified_name(info, readers_table_name(table), quote)
+        statements.append(f"DROP TABLE IF EXISTS {registry}")
     return Plan(info, tuple(statements))
 
 
 def apply(bind: Bind, plan: Plan) -> None:
     """Run a plan; in one transaction where the dialect allows."""
     with connected(bind, begin=True) as conn:
+        ddl_transaction(conn)
         for statement in plan.statements:
             conn.exec_driver_sql(statement)
+
+
+def ddl_transaction(conn: sa.Connection) -> None:
+    """SQLite: make the transaction SQLAlchemy began a real one before DDL runs in it.
+
+    Python's sqlite3 opens a transaction before INSERT/UPDATE/DELETE only: a
+    ``DROP TRIGGER`` and the ``CREATE TRIGGER`` after it would each commit at
+    once, and a write of another connection between the two would go
+    unlogged (a re-install, an upgrade, the uninstall-alter-install of a
+    migration). ``BEGIN IMMEDIATE`` takes the write lock first, so writers wait
+    for the commit; SQLAlchemy's commit or rollback then ends it.
+    """
+    if conn.dialect.name != "sqlite" or conn.get_isolation_level() == "AUTOCOMMIT":
+        return
+    raw = conn.connection.dbapi_connection
+    if raw is not None and not getattr(raw, "in_transaction", True):
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 def install(bind: Bind, table: str, *, schema: str | None = None) -> Plan:
@@ -216,6 +237,25 @@ def log_table(engine: Engine, table: str, schema: str | None) -> sa.Table:
         ) from None
 
 
+@dataclass(frozen=True)
+class PrunePlan:
+    """What a prune deletes, and what it keeps or takes from readers that have not read it.
+
+    ``rows``: the rows it deletes. ``kept_unread``: per registered reader, rows
+    the age/sequence condition matched that the reader has not read yet, and
+    that therefore stay. ``lost``: per reader named in ``drop_unread_of``, the
+    unread rows it deletes all the same. ``readers``: the registry (None when
+    the log has none: installed by an older dbtrigger).
+    """
+
+    rows: int
+    kept_unread: dict[str, int]
+    lost: dict[str, int]
+    readers: tuple[Reader, ...] | None
+    #: The highest sequence the prune deletes (None: it deletes nothing).
+    top: int | None = None
+
+
 def prune(
     engine: Engine,
     table: str,
@@ -226,32 +266,55 @@ def prune(
     chunk: int = DEFAULT_PRUNE_CHUNK,
     apply: bool = True,
     now: dt.datetime | None = None,
+    drop_unread_of: Sequence[str] = (),
 ) -> int:
-    """Delete log rows older than ``older_than`` and/or at or below ``up_to_seq``.
+    """Delete log rows older than ``older_than`` and/or at or below ``up_to_seq``,
+    never a row a registered reader has not read (unless it is in ``drop_unread_of``).
 
     Works in chunks of ``chunk`` rows, each its own short transaction, so a big
     prune never holds locks for long. Returns the rows deleted (with
-    ``apply=False``: the rows that would be).
+    ``apply=False``: the rows that would be); :func:`plan_prune` says what it
+    keeps for which reader.
 
-    ``up_to_seq`` is how pruning stays safe for pollers: pass the lowest
-    checkpoint of every poller reading the log (:mod:`dbtrigger.changelog.pruning`
-    does), and no row a poller still has to read is deleted.
+    ``up_to_seq`` is how pruning stays safe for pollers whose state you can
+    read: pass the lowest checkpoint of every poller reading the log
+    (:mod:`dbtrigger.changelog.pruning` does). On top of it, every
+    ``ChangeLogSource`` that serves a poller registers its position next to the
+    log (:mod:`dbtrigger.changelog.readers`), and no row above the slowest
+    registered position is deleted: an age alone never takes a row from a
+    reader. ``drop_unread_of`` names the readers that may lose rows (a
+    stopped reader, one that will be re-synced); their registry entry records
+    what they lost, and they log it at their next fetch.
+
+    Raises:
+        ConfigurationError: no condition; ``drop_unread_of`` names a reader that
+            is not registered; or only ``older_than`` on a log without a
+            registry (installed by an older dbtrigger: install again first).
     """
-    if older_than is None and up_to_seq is None:
-        raise ConfigurationError("prune needs older_than and/or up_to_seq (refusing to delete all)")
+    plan = plan_prune(
+        engine,
+        table,
+        schema=schema,
+        older_than=older_than,
+        up_to_seq=up_to_seq,
+        now=now,
+        drop_unread_of=drop_unread_of,
+    )
+    if not apply:
+        return plan.rows
     if chunk < 1:
         raise ConfigurationError(f"chunk must be >= 1, got {chunk}")
+    if plan.top is None:
+        return 0
     log = log_table(engine, table, schema)
-    conditions: list[sa.ColumnElement[bool]] = []
+    where = log.c.dbt_seq <= plan.top
     if older_than is not None:
         moment = (now or dt.datetime.now(dt.timezone.utc)) - older_than
-        conditions.append(log.c.dbt_changed_at < _db_time(engine, moment))
-    if up_to_seq is not None:
-        conditions.append(log.c.dbt_seq <= up_to_seq)
-    where = sa.and_(*conditions)
-    if not apply:
-        with engine.connect() as conn:
-            return int(conn.execute(sa.select(sa.func.count()).where(where)).scalar_one())
+        where = sa.and_(where, log.c.dbt_changed_at < _db_time(engine, moment))
+    lost = [name for name, count in plan.lost.items() if count]
+    if lost:  # recorded first: an interrupted prune still tells the readers
+        with engine.begin() as conn:
+            mark_lost(conn, table, schema, lost, plan.top)
     deleted = 0
     while True:
         with engine.begin() as conn:
@@ -271,6 +334,71 @@ def prune(
         deleted += count
         if bound is None or count == 0:
             return deleted
+
+
+def plan_prune(
+    engine: Engine,
+    table: str,
+    *,
+    schema: str | None = None,
+    older_than: dt.timedelta | None = None,
+    up_to_seq: int | None = None,
+    now: dt.datetime | None = None,
+    drop_unread_of: Sequence[str] = (),
+) -> PrunePlan:
+    """What :func:`prune` with the same arguments would delete, keep and take (counted)."""
+    if older_than is None and up_to_seq is None:
+        raise ConfigurationError("prune needs older_than and/or up_to_seq (refusing to delete all)")
+    if isinstance(drop_unread_of, str):
+        raise ConfigurationError("drop_unread_of must be a list of reader names")
+    log = log_table(engine, table, schema)
+    conditions: list[sa.ColumnElement[bool]] = []
+    if older_than is not None:
+        moment = (now or dt.datetime.now(dt.timezone.utc)) - older_than
+        conditions.append(log.c.dbt_changed_at < _db_time(engine, moment))
+    if up_to_seq is not None:
+        conditions.append(log.c.dbt_seq <= up_to_seq)
+    matched = sa.and_(*conditions)
+    with engine.connect() as conn:
+        readers = registered(conn, table, schema)
+        if readers is None and up_to_seq is None:
+            raise ConfigurationError(
+                f"the change log of {table} has no reader registry (it was installed by an "
+                "older dbtrigger), so an age alone cannot tell which rows its readers still "
+                f"need. Upgrade it in place: `{install_command(table, schema)}` (each poller "
+                "registers at its next fetch), or prune what named pollers passed "
+                "(--passed-by POLLER --store ...)"
+            )
+        names = {r.name for r in readers or ()}
+        unknown = sorted(set(drop_unread_of) - names)
+        if unknown:
+            raise ConfigurationError(
+                f"{', '.join(unknown)} is not a registered reader of the change log of {table} "
+                f"(registered: {', '.join(sorted(names)) or 'none'}); nothing pruned"
+            )
+        protected = [r for r in readers or () if r.name not in drop_unread_of]
+        ceiling = min((r.seq for r in protected), default=None)
+        where = matched if ceiling is None else sa.and_(matched, log.c.dbt_seq <= ceiling)
+
+        def count(condition: sa.ColumnElement[bool]) -> int:
+            return int(conn.execute(sa.select(sa.func.count()).where(condition)).scalar_one())
+
+        rows, top = conn.execute(
+            sa.select(sa.func.count(), sa.func.max(log.c.dbt_seq)).where(where)
+        ).one()
+        kept = {r.name: count(sa.and_(matched, log.c.dbt_seq > r.seq)) for r in protected}
+        lost = {
+            r.name: count(sa.and_(where, log.c.dbt_seq > r.seq))
+            for r in readers or ()
+            if r.name in drop_unread_of
+        }
+    return PrunePlan(
+        rows=int(rows),
+        kept_unread={name: n for name, n in kept.items() if n},
+        lost=lost,
+        readers=None if readers is None else tuple(readers),
+        top=None if top is None else int(top),
+    )
 
 
 def _db_time(engine: Engine, moment: dt.datetime) -> object:

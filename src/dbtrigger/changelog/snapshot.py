@@ -30,7 +30,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from dbtrigger.changelog.ddl import reflect_table
+from dbtrigger.changelog.ddl import LOG_COLUMNS, OP_WIDTH, reflect_table
+from dbtrigger.changelog.drift import install_command, op_width
 from dbtrigger.changelog.operations import log_table
 from dbtrigger.changelog.triggers import current_image_sql
 from dbtrigger.errors import ConfigurationError
@@ -157,4 +158,47 @@ def _at_most(keys: Sequence[sa.ColumnElement[Any]], bound: Sequence[Any]) -> sa.
     return sa.tuple_(*keys) <= sa.tuple_(*bound)
 
 
-__all__ = ["DEFAULT_SNAPSHOT_CHUNK", "SnapshotResult", "snapshot"]
+def resync(
+    engine: Engine,
+    table: str,
+    *,
+    schema: str | None = None,
+    chunk: int = DEFAULT_SNAPSHOT_CHUNK,
+    apply: bool = True,
+) -> SnapshotResult:
+    """Record that ``table`` was emptied, then write every row it holds into its log.
+
+    The repair for rows that left the table with no delete logged (a
+    ``TRUNCATE`` on MariaDB/MySQL, see :mod:`dbtrigger.changelog.vanished`):
+    readers get a ``truncate`` event (drop everything you hold), then one
+    ``upsert`` per row the table holds, then the changes made meanwhile, in log
+    order; the result is the table as it is. With ``apply=False`` only counts.
+
+    Raises:
+        ConfigurationError: the change log is not installed, or its layout
+            predates truncate rows (install again first).
+    """
+    log = log_table(engine, table, schema)
+    with engine.connect() as conn:
+        info = reflect_table(conn, table, schema)
+        narrow = op_width(conn, info) < OP_WIDTH
+    strict = [c.name for c in log.columns if c.name not in LOG_COLUMNS and not c.nullable]
+    if narrow or strict:
+        raise ConfigurationError(
+            f"the change log of {table} was installed by an older dbtrigger and cannot hold a "
+            f"truncate row; upgrade it in place first: `{install_command(table, schema)}`"
+            + (
+                " (on SQLite its key columns stay NOT NULL: drain the log, `changelog "
+                "uninstall --drop-log --yes`, install, then `changelog snapshot`)"
+                if strict
+                else ""
+            )
+        )
+    if not apply:
+        return snapshot(engine, table, schema=schema, apply=False)
+    with engine.begin() as conn:
+        conn.execute(sa.insert(log).values(dbt_op="truncate"))
+    return snapshot(engine, table, schema=schema, chunk=chunk)
+
+
+__all__ = ["DEFAULT_SNAPSHOT_CHUNK", "SnapshotResult", "resync", "snapshot"]

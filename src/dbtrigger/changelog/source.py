@@ -32,19 +32,25 @@ from sqlalchemy.exc import SQLAlchemyError
 from dbtrigger import options as opt
 from dbtrigger._engine import create_engine, parse_database_url
 from dbtrigger.changelog.ddl import LOG_COLUMNS, log_table_name
-from dbtrigger.changelog.drift import Drift, find_drift, install_command
+from dbtrigger.changelog.drift import Drift, find_drift, install_command, resync_command
 from dbtrigger.changelog.events import log_events
 from dbtrigger.changelog.operations import log_table
 from dbtrigger.changelog.pruning import ChangeLogPruner
+from dbtrigger.changelog.readers import has_registry, record, registered
 from dbtrigger.cursor import Position
 from dbtrigger.errors import (
+    ChangeLogDriftError,
     ChangeLogGapError,
     ConfigurationError,
+    DbTriggerError,
     SourceDefinitionError,
 )
 from dbtrigger.events import RowChange
 from dbtrigger.names import validate_sql_identifier
+from dbtrigger.redaction import redact
+from dbtrigger.sources.base import SourceFinding
 from dbtrigger.sources.errors_map import source_error
+from dbtrigger.sources.rows import Rows
 from dbtrigger.sources.sqlalchemy import SqlAlchemySource
 from dbtrigger.sources.visibility import FetchInfo, VisibilityGuard
 from dbtrigger.state.stores.base import CheckpointStore
@@ -146,6 +152,10 @@ class ChangeLogSource:
         self._engine = engine
         self._engine_kwargs = engine_kwargs
         self._visibility = visibility
+        #: The poller this source serves (``bind_poller``): its name in the readers' registry.
+        self._reader: str | None = None
+        self._registered: int | None = None
+        self._register_due = 0.0
         self._inner_source: SqlAlchemySource | None = None
         self._identity: SqlAlchemySource | None = None
         self._lock = threading.Lock()
@@ -288,14 +298,20 @@ class ChangeLogSource:
                 a row was logged without its key).
             ChangeLogGapError: rows record a change to a row the trigger could
                 not name, and re-installing cannot name it either.
+
+        A ``truncate`` row comes in a batch of its own (:func:`_truncate_alone`).
         """
         inner = self._inner()
         if time.monotonic() >= self._next_drift_check:
             self.check_drift()
         try:
-            rows = inner.fetch(self._log_position(after), limit)
+            fetched = inner.fetch(self._log_position(after), limit)
         except SourceDefinitionError as exc:
             raise self._explained(exc) from exc
+        rows = _truncate_alone(fetched)
+        if self._registered is None and self._reader is not None:
+            # The first fetch starts from the checkpoint just loaded: durable.
+            self._register(_seq(after), first=True)
         unkeyed = _unkeyed(rows, self.pk_columns)
         if unkeyed:
             self.check_drift()  # the likely cause; raises naming the fix
@@ -322,6 +338,21 @@ class ChangeLogSource:
             raise found.error()
         return found
 
+    def self_check(self) -> list[SourceFinding]:
+        """The drift check as findings, for ``dbtrigger status --source``: triggers of an
+        older release (naming the upgrade), rows gone with no delete logged (naming
+        ``changelog resync``), what this account cannot see."""
+        try:
+            found = self.check_drift()
+        except ChangeLogDriftError as exc:
+            fix = exc.fields.get("fix")
+            return [SourceFinding("changelog_triggers", "error", str(exc), fix)]
+        except DbTriggerError as exc:
+            return [SourceFinding("changelog_triggers", "warning", f"could not be checked: {exc}")]
+        notes = [SourceFinding("changelog_triggers", "warning", note) for note in found.notes]
+        ok = SourceFinding("changelog_triggers", "ok", "the change log's triggers match the table")
+        return notes or [ok]
+
     def _explained(self, exc: SourceDefinitionError) -> SourceDefinitionError:
         """A fetch refused as a source definition error, said in change log terms when
         the log or its triggers are the reason (dropped while the poller ran)."""
@@ -346,23 +377,93 @@ class ChangeLogSource:
         log_name = log_table_name(self._table)
         nulls = " OR ".join(f"{c} IS NULL" for c in self.pk_columns)
         shown = ", ".join(str(s) for s in seqs[:10]) + (", ..." if len(seqs) > 10 else "")
-        delete = f"DELETE FROM {log_name} WHERE {nulls}"  # noqa: S608 - advice; names validated
+        # Advice; names validated. A truncate row has no key by design: it stays.
+        delete = f"DELETE FROM {log_name} WHERE ({nulls}) AND dbt_op <> 'truncate'"  # noqa: S608
         return ChangeLogGapError(
             f"change log row(s) {shown} of {self._table} record a change whose key the trigger "
             "could not read (the key column was renamed or dropped, or could not be stored) "
             "and whose row image does not hold it either: they cannot be delivered as row "
-            "changes. Re-read the table to repair what these changes feed (e.g. resync the "
-            f"replica), then delete them: {delete}; the poller "
+            "changes. Have every reader of the log re-sent the table: "
+            f"`{resync_command(self._table, self._schema)}` (a truncate, then every row), "
+            f"then delete them: {delete}; the poller "
             "then goes on (docs/changes.md, 'When the table changes')",
             seqs=list(seqs),
         )
 
     def acknowledge(self, position: Position) -> None:
         """The runtime's word that this poller's checkpoint is durable up to ``position``:
-        the moment to prune what every reader passed, when due (``prune_passed_by``)."""
-        del position  # every reader's checkpoint is read from the store, this one's too
+        the moment to record it in the readers' registry, and to prune what every
+        reader passed, when due (``prune_passed_by``)."""
+        if self._reader is not None:
+            self._register(_seq(position))
         if self.pruner is not None and self.pruner.due():
             self.prune_passed()
+
+    def bind_poller(self, name: str, metrics: Any = None) -> None:
+        """The poller this source serves: it registers under this name as a reader of the
+        log (:mod:`dbtrigger.changelog.readers`), so that no prune takes its unread rows."""
+        del metrics
+        self._reader = name
+
+    def _register(self, seq: int, *, first: bool = False) -> None:
+        """Record this reader's durable position (when it moved, or every 5 minutes).
+
+        Never raises: a failure is logged at WARNING (``changelog_reader_unregistered``),
+        and the next acknowledgement tries again.
+        """
+        reader = self._reader
+        if reader is None or (seq == self._registered and time.monotonic() < self._register_due):
+            return
+        try:
+            with self.engine.begin() as conn:
+                if not has_registry(conn, self._table, self._schema):
+                    if self._registered is None:
+                        log.warning(
+                            "the change log of %s has no reader registry (installed by an older "
+                            "dbtrigger): a prune by age cannot see that poller %s has not read "
+                            "every row. Upgrade it in place: `%s`",
+                            self._table,
+                            reader,
+                            install_command(self._table, self._schema),
+                            extra={"event": "changelog_reader_unregistered", "poller": reader},
+                        )
+                    self._registered = -1
+                    return
+                if first:
+                    self._tell_lost(conn, reader, seq)
+                record(conn, self._table, self._schema, reader, seq)
+        except (SQLAlchemyError, DbTriggerError) as exc:
+            log.warning(
+                "could not record poller %s's position in the change log's reader registry of "
+                "%s (tried again at the next checkpoint): %s",
+                reader,
+                self._table,
+                redact(str(exc)),
+                extra={"event": "changelog_reader_unregistered", "poller": reader},
+            )
+            return
+        self._registered = seq
+        self._register_due = time.monotonic() + REGISTER_EVERY_SECONDS
+
+    def _tell_lost(self, conn: Any, reader: str, seq: int) -> None:
+        """Log, once per start, the rows an operator pruned before this reader read them."""
+        mine = [r for r in registered(conn, self._table, self._schema) or () if r.name == reader]
+        if mine and mine[0].lost_seq is not None and mine[0].lost_seq > seq:
+            log.warning(
+                "change log rows of %s after sequence %s up to %s were pruned before poller %s "
+                "read them (`changelog prune --drop-unread-of %s`): the changes they held were "
+                "not delivered; resync what this poller feeds (docs/changes.md, Pruning)",
+                self._table,
+                seq,
+                mine[0].lost_seq,
+                reader,
+                reader,
+                extra={
+                    "event": "changelog_rows_lost",
+                    "poller": reader,
+                    "through": mine[0].lost_seq,
+                },
+            )
 
     def prune_passed(self) -> int:
         """Delete log rows every ``prune_passed_by`` poller has committed past; how many."""
@@ -412,15 +513,52 @@ class ChangeLogSource:
         )
 
 
+def _truncate_alone(rows: Sequence[Mapping[str, Any]]) -> Sequence[Mapping[str, Any]]:
+    """The rows up to the first ``truncate``, or that ``truncate`` alone when it is first.
+
+    A truncate concerns every key: in a batch of its own it is handled after
+    every change before it and before every change after it, whatever the
+    handler does with keys (lanes run the keys of one batch side by side).
+    """
+    columns = getattr(rows, "columns", None)
+    tuples = getattr(rows, "tuples", None)
+    if columns is not None and tuples is not None:
+        op = columns.index("dbt_op")
+        at = next((i for i, t in enumerate(tuples) if t[op] == "truncate"), None)
+        if at is None:
+            return rows
+        return Rows(columns, tuples[: max(at, 1)], plain=bool(getattr(rows, "plain", False)))
+    at = next((i for i, r in enumerate(rows) if r.get("dbt_op") == "truncate"), None)
+    return rows if at is None else list(rows)[: max(at, 1)]
+
+
+#: How often an idle reader refreshes its registry entry (``seen_at``).
+REGISTER_EVERY_SECONDS = 300.0
+
+
+def _seq(position: Position) -> int:
+    """The log sequence a checkpoint has passed (0 at the beginning)."""
+    cursor = position.cursor
+    if position.is_beginning or not isinstance(cursor, int) or isinstance(cursor, bool):
+        return 0
+    return cursor
+
+
 def _unkeyed(rows: Sequence[Mapping[str, Any]], pk: Sequence[str]) -> list[Any]:
-    """Sequence numbers of the rows logged without a (complete) key."""
+    """Sequence numbers of the rows logged without a (complete) key (a ``truncate`` has
+    none by design)."""
     columns = getattr(rows, "columns", None)
     tuples = getattr(rows, "tuples", None)
     if columns is not None and tuples is not None:  # Rows: look at the tuples as they are
         at = [columns.index(c) for c in pk]
         seq = columns.index("dbt_seq")
+        op = columns.index("dbt_op")
         if len(at) == 1:  # the usual key: no generator per row
             key = at[0]
-            return [t[seq] for t in tuples if t[key] is None]
-        return [t[seq] for t in tuples if any(t[i] is None for i in at)]
-    return [r["dbt_seq"] for r in rows if any(r.get(c) is None for c in pk)]
+            return [t[seq] for t in tuples if t[key] is None and t[op] != "truncate"]
+        return [t[seq] for t in tuples if t[op] != "truncate" and any(t[i] is None for i in at)]
+    return [
+        r["dbt_seq"]
+        for r in rows
+        if r.get("dbt_op") != "truncate" and any(r.get(c) is None for c in pk)
+    ]

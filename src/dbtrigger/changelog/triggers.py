@@ -28,6 +28,13 @@ there its own way:
   them: ``RENAME COLUMN`` rewrites the trigger, ``DROP COLUMN`` of a column a
   trigger names is refused (the ALTER fails, not the writes).
 
+A ``TRUNCATE`` fires no row trigger. PostgreSQL has statement triggers for
+it: a second trigger on the same function logs one ``truncate`` row (no key,
+no images), delivered as an event with ``op == "truncate"``. MariaDB/MySQL
+have none: :mod:`dbtrigger.changelog.vanished` finds rows that left the table
+with no delete logged, and ``dbtrigger changelog resync`` records it. SQLite
+has no ``TRUNCATE``: its ``DELETE`` without ``WHERE`` fires the row triggers.
+
 A primary-key update is logged as two rows, a ``delete`` of the old key then
 an ``insert`` of the new one, so that replaying the log key by key (the replica
 in docs/changes.md) ends with the table's keys.
@@ -90,7 +97,7 @@ def _postgresql(info: TableInfo, quote: Quote) -> list[str]:
     target = qualified_name(info, info.table, quote)
     log = qualified_name(info, info.log_table, quote)
     function = qualified_name(info, info.function_name, quote)
-    (trigger,) = info.trigger_names()
+    trigger, truncate_trigger = info.trigger_names()
     key_names = ", ".join(quote(c.name) for c in info.pk)
     indexes = range(1, len(info.pk) + 1)
 
@@ -124,6 +131,8 @@ def _postgresql(info: TableInfo, quote: Quote) -> list[str]:
         for i, column in zip(indexes, info.pk, strict=True)
     )
     old, new = "dbt_v_old::text", "dbt_v_new::text"
+    # Trigger body text: identifiers validated and quoted, no values from input.
+    truncated = f"INSERT INTO {log} (dbt_op, dbt_txid) VALUES ('truncate', dbt_v_xid);"  # noqa: S608
     body = (
         f"-- {marker_text(info)}\n"
         "-- Names no column of the table: images are to_jsonb(OLD/NEW), the key is read\n"
@@ -134,6 +143,10 @@ def _postgresql(info: TableInfo, quote: Quote) -> list[str]:
         f"{declarations}\n"
         "  dbt_v_xid bigint := pg_current_xact_id()::text::bigint;\n"
         "BEGIN\n"
+        "  IF TG_OP = 'TRUNCATE' THEN  -- the statement trigger: one marker, no key, no image\n"
+        f"    {truncated}\n"
+        "    RETURN NULL;\n"
+        "  END IF;\n"
         "  IF TG_OP <> 'INSERT' THEN dbt_v_old := to_jsonb(OLD); END IF;\n"
         "  IF TG_OP <> 'DELETE' THEN dbt_v_new := to_jsonb(NEW); END IF;\n"
         "  BEGIN\n"
@@ -160,6 +173,9 @@ def _postgresql(info: TableInfo, quote: Quote) -> list[str]:
         f"DROP TRIGGER IF EXISTS {quote(trigger)} ON {target}",
         f"CREATE TRIGGER {quote(trigger)} AFTER INSERT OR UPDATE OR DELETE ON {target} "
         f"FOR EACH ROW EXECUTE FUNCTION {function}()",
+        f"DROP TRIGGER IF EXISTS {quote(truncate_trigger)} ON {target}",
+        f"CREATE TRIGGER {quote(truncate_trigger)} AFTER TRUNCATE ON {target} "
+        f"FOR EACH STATEMENT EXECUTE FUNCTION {function}()",
     ]
 
 

@@ -17,10 +17,12 @@ from sqlalchemy.engine import Engine
 from dbtrigger._argparse import add_apply_option, print_then_apply
 from dbtrigger.changelog.drift import install_command
 from dbtrigger.changelog.operations import (
+    PrunePlan,
     apply,
     drift,
     lowest_checkpoint,
     plan_install,
+    plan_prune,
     plan_uninstall,
     prune,
 )
@@ -92,7 +94,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     print(f"the change log of {args.table} no longer matches the table:")
     for problem in found.problems:
         print(f"  - {problem}")
-    print(f"fix: {install_command(args.table, args.schema)}")
+    print(f"fix: {found.fix}")
     return 1
 
 
@@ -133,17 +135,28 @@ def cmd_prune(args: argparse.Namespace) -> int:
             return 0
     if older_than is None and up_to is None:
         raise ConfigurationError("prune needs --older-than and/or --passed-by")
+    dropping = tuple(args.drop_unread_of or ())
     engine = url_engine(args)
     try:
-        count = prune(
+        found = plan_prune(
             engine,
             args.table,
             schema=args.schema,
             older_than=older_than,
             up_to_seq=up_to,
-            chunk=args.chunk,
-            apply=args.yes,
+            drop_unread_of=dropping,
         )
+        count = found.rows
+        if args.yes:
+            count = prune(
+                engine,
+                args.table,
+                schema=args.schema,
+                older_than=older_than,
+                up_to_seq=up_to,
+                chunk=args.chunk,
+                drop_unread_of=dropping,
+            )
     finally:
         engine.dispose()
     scope = []
@@ -155,6 +168,88 @@ def cmd_prune(args: argparse.Namespace) -> int:
         print(f"deleted {count} change log row(s) {' and '.join(scope)}")
     else:
         print(f"would delete {count} change log row(s) {' and '.join(scope)}; add --yes to apply")
+    _tell_readers(found)
+    return 0
+
+
+def _tell_readers(found: PrunePlan) -> None:
+    """Which readers keep rows the prune leaves, and which lose rows it takes."""
+    at = {r.name: r for r in found.readers or ()}
+    if found.kept_unread:
+        print("kept, because a registered reader has not read them yet:")
+        for name, rows in found.kept_unread.items():
+            print(
+                f"  - {rows} row(s) unread by {name} "
+                f"(at sequence {at[name].seq}, seen {at[name].seen_at})"
+            )
+        names = " ".join(f"--drop-unread-of {n}" for n in found.kept_unread)
+        print(
+            f"to delete them anyway (those readers never see those changes): add {names}; "
+            "a reader that no longer runs: `dbtrigger changelog readers ... --forget NAME`"
+        )
+    for name, rows in found.lost.items():
+        print(
+            f"reader {name} loses {rows} row(s) it has not read (it is at sequence "
+            f"{at[name].seq}); it logs changelog_rows_lost at its next start"
+        )
+
+
+def cmd_readers(args: argparse.Namespace) -> int:
+    """List the registered readers of a change log (``--forget NAME``: remove one)."""
+    from dbtrigger.changelog import readers  # noqa: PLC0415 - only for this command
+
+    engine = url_engine(args)
+    try:
+        with engine.begin() as conn:
+            if args.forget:
+                if not args.yes:
+                    print(
+                        f"would forget reader {args.forget} (a prune no longer waits for it); "
+                        "add --yes to apply"
+                    )
+                    return 0
+                if not readers.forget(conn, args.table, args.schema, args.forget):
+                    raise ConfigurationError(
+                        f"{args.forget} is not a registered reader of {args.table}'s change log"
+                    )
+                print(f"forgot reader {args.forget}")
+                return 0
+            found = readers.registered(conn, args.table, args.schema)
+    finally:
+        engine.dispose()
+    if found is None:
+        raise ConfigurationError(
+            f"the change log of {args.table} has no reader registry (installed by an older "
+            f"dbtrigger); upgrade it in place: `{install_command(args.table, args.schema)}`"
+        )
+    if not found:
+        print(f"no reader of {args.table}'s change log has registered yet")
+    for r in found:
+        lost = f", lost rows up to sequence {r.lost_seq} to a prune" if r.lost_seq else ""
+        print(f"{r.name}: at sequence {r.seq}, seen {r.seen_at}{lost}")
+    return 0
+
+
+def cmd_resync(args: argparse.Namespace) -> int:
+    """Record a truncate, then write every row the table holds into its change log."""
+    from dbtrigger.changelog.snapshot import resync  # noqa: PLC0415 - only for this command
+
+    engine = url_engine(args)
+    try:
+        counted = resync(engine, args.table, schema=args.schema, apply=False)
+        if not args.yes:
+            print(
+                f"would write a truncate row into the change log of {args.table}, then its "
+                f"{counted.rows} row(s) as snapshot entries; add --yes to apply"
+            )
+            return 0
+        done = resync(engine, args.table, schema=args.schema, chunk=args.chunk)
+    finally:
+        engine.dispose()
+    print(
+        f"wrote a truncate row, then {done.rows} row(s) of {args.table}: its readers get "
+        "op='truncate' (drop what you hold), then op='upsert' per row, in log order"
+    )
     return 0
 
 
@@ -234,7 +329,32 @@ def add_changelog_commands(sub: Any) -> None:
         "--app", default=None, help="the store's app prefix (default: the CLI's)"
     )
     prune_cmd.add_argument("--chunk", type=int, default=5000, help="rows per delete statement")
+    prune_cmd.add_argument(
+        "--drop-unread-of",
+        action="append",
+        metavar="READER",
+        help="delete rows this registered reader has not read yet (it loses them; repeat per "
+        "reader). Without it no prune deletes a row a registered reader still needs",
+    )
     prune_cmd.set_defaults(func=cmd_prune)
+
+    readers_cmd = commands.add_parser(
+        "readers", help="the pollers registered as readers of the log, and how far they read"
+    )
+    common(readers_cmd)
+    readers_cmd.add_argument(
+        "--forget", metavar="READER", help="remove a reader that no longer runs"
+    )
+    readers_cmd.set_defaults(func=cmd_readers)
+
+    resync_cmd = commands.add_parser(
+        "resync",
+        help="record a truncate, then write every row into the log (after rows left the "
+        "table unlogged; dry run unless --yes)",
+    )
+    common(resync_cmd)
+    resync_cmd.add_argument("--chunk", type=int, default=1000, help="rows per transaction")
+    resync_cmd.set_defaults(func=cmd_resync)
 
     snap = commands.add_parser(
         "snapshot",

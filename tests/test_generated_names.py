@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from sqlalchemy.dialects import mysql, postgresql
+
 from dbtrigger.cdc.binlog_setup import default_reader_name
 from dbtrigger.changelog import log_table_name
-from dbtrigger.names import shortened
+from dbtrigger.names import quoted_name, shortened
 from dbtrigger.wakeup.ddl import default_channel
 
 LONG_TABLE = "orders_" + "x" * 60
@@ -36,3 +38,12 @@ def test_shortened_names_fit_exactly_and_differ() -> None:
     assert len(a) == len(b) == 63
     assert a != b
     assert len(shortened("t" * 80, 64)) == 64
+
+
+def test_a_qualified_name_quotes_each_part_with_the_dialects_rule() -> None:
+    pg = postgresql.dialect().identifier_preparer.quote
+    my = mysql.dialect().identifier_preparer.quote
+    assert quoted_name(pg, "orders", None) == "orders"
+    assert quoted_name(pg, "orders", "") == "orders"
+    assert quoted_name(pg, "Orders", "Shop") == '"Shop"."Orders"'
+    assert quoted_name(my, "order", "shop") == "shop.`order`"  # a reserved word

@@ -38,6 +38,7 @@ from dbtrigger.errors import (
     FetchError,
     OperatorError,
 )
+from dbtrigger.names import quoted_name
 from dbtrigger.sources.base import ChecksItself
 from dbtrigger.sources.sqlalchemy import SqlAlchemySource
 from dbtrigger.sources.visibility import TransactionHorizon
@@ -233,8 +234,7 @@ def _trigger_texts(conn: sa.Connection, source: SqlAlchemySource, table: sa.Tabl
 
 
 def _quoted_name(conn: sa.Connection, table: sa.Table) -> str:
-    quote = conn.dialect.identifier_preparer.quote
-    return f"{quote(table.schema)}.{quote(table.name)}" if table.schema else quote(table.name)
+    return quoted_name(conn.dialect.identifier_preparer.quote, table.name, table.schema)
 
 
 def _trigger_fix(name: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable
 
 from dbtrigger.errors import UnsafeIdentifierError
 
@@ -49,6 +50,13 @@ def shortened(name: str, limit: int = 63) -> str:
     if len(name) <= limit:
         return name
     return name[: limit - 9] + "_" + hashlib.sha256(name.encode()).hexdigest()[:8]
+
+
+def quoted_name(quote: Callable[[str], str], name: str, schema: str | None) -> str:
+    """``name`` in ``schema`` (the connection's default schema without one), each part
+    quoted with ``quote`` (a dialect's ``identifier_preparer.quote``), for DDL and
+    catalogue queries that SQLAlchemy constructs cannot spell."""
+    return f"{quote(schema)}.{quote(name)}" if schema else quote(name)
 
 
 def import_path_of(obj: object) -> str | None:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from dbtrigger.errors import ConfigurationError
-from dbtrigger.names import validate_sql_identifier
+from dbtrigger.names import quoted_name, validate_sql_identifier
 
 #: The number of virtual buckets. Fixed forever: changing it rehashes every key.
 BUCKETS = 256
@@ -113,7 +113,7 @@ def partition_ddl(
     validate_sql_identifier(cursor_column, "cursor_column")
     if schema:
         validate_sql_identifier(schema, "schema")
-    target = f"{quote(schema)}.{quote(table)}" if schema else quote(table)
+    target = quoted_name(quote, table, schema)
     expr = sql_bucket(dialect, pk_columns, quote)
     index = quote(f"ix_{table}_{BUCKET_COLUMN}"[:63])
     columns = ", ".join([BUCKET_COLUMN, quote(cursor_column), *(quote(c) for c in pk_columns)])

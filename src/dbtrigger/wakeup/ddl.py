@@ -26,7 +26,7 @@ import sqlalchemy as sa
 
 from dbtrigger._engine import Bind, connected
 from dbtrigger.errors import ConfigurationError
-from dbtrigger.names import shortened, validate_sql_identifier
+from dbtrigger.names import quoted_name, shortened, validate_sql_identifier
 
 #: The trigger's name on each table (trigger names are per table in PostgreSQL).
 TRIGGER_NAME = "dbt_wake"
@@ -67,8 +67,7 @@ def _check(bind: Bind, table: str, schema: str | None) -> None:
 def _names(bind: Bind, table: str, schema: str | None) -> tuple[str, str]:
     """The quoted table and the quoted function, both in ``schema``."""
     quote = bind.dialect.identifier_preparer.quote
-    prefix = f"{quote(schema)}." if schema else ""
-    return prefix + quote(table), prefix + quote(FUNCTION_NAME)
+    return quoted_name(quote, table, schema), quoted_name(quote, FUNCTION_NAME, schema)
 
 
 def installed_channel(bind: Bind, table: str, *, schema: str | None = None) -> str | None:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from sqlalchemy.engine import Engine
 
 from dbtrigger.errors import ConfigurationError
-from dbtrigger.names import shortened, validate_sql_identifier
+from dbtrigger.names import quoted_name, shortened, validate_sql_identifier
 from dbtrigger.sources.visibility.base import XID_COLUMN_MARKER
 
 
@@ -39,9 +39,8 @@ def visibility_trigger_ddl(
     for name in index_columns:
         validate_sql_identifier(name, "index column")
     q = quote or (lambda name: '"' + name + '"')
-    prefix = q(schema) + "." if schema else ""
-    target = prefix + q(table)
-    function = prefix + q(shortened(f"dbtrigger_stamp_{table}_{column}"))
+    target = quoted_name(q, table, schema)
+    function = quoted_name(q, shortened(f"dbtrigger_stamp_{table}_{column}"), schema)
     trigger = q(shortened(f"dbtrigger_stamp_{column}"))
     index = q(shortened(f"ix_{table}_{column}"))
     col = q(column)

@@ -80,10 +80,3 @@ def test_the_worker_started_again_says_so_of_the_killed_ones_lease(dead_pid: int
     (line,) = said
     assert line.startswith(f"lease held by {socket.gethostname()}/{dead_pid}/532c0e66 until ")
     assert f"(pid {dead_pid} is not running on this host" in line
-
-
-def test_one_row_is_a_row() -> None:
-    text, _ = TickResult(1, 1, "committed").summary(None)
-    assert text.startswith("committed 1 row in 1 batch,")
-    text, _ = TickResult(2, 1, "committed").summary(None)
-    assert text.startswith("committed 2 rows in 1 batch,")

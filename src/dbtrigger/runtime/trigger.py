@@ -86,6 +86,14 @@ def _for_how_long(seconds: float) -> str:
     return for_how_long(max(seconds, 0.0))
 
 
+def _more_text(interval: float | None) -> str:
+    """A worker ticks again at once; a timer firing (``interval`` None) does not:
+    its rows wait for the next firing, and the line in Application Insights says so."""
+    if interval is None:
+        return "; more pending, left for the next tick (raise max_batches_per_tick to take more)"
+    return "; more pending, ticking again at once"
+
+
 @runtime_checkable
 class TickReport(Protocol):
     """What one tick did, as the worker loop reads it."""
@@ -245,7 +253,7 @@ class TickResult:
                 f"committed {self.rows:,} row{'s' if self.rows != 1 else ''} in {self.batches} "
                 f"batch{'es' if self.batches != 1 else ''}, {self.where()}"
                 + self.retries_text()
-                + ("; more pending, ticking again at once" if self.more else "")
+                + (_more_text(interval) if self.more else "")
             )
         elif self.outcome == "idle":
             ago = ""

@@ -19,6 +19,7 @@ import pytest
 from dbtrigger import InMemoryCheckpointStore, PollTrigger, RowChange
 from dbtrigger.cdc import BinlogSource
 from dbtrigger.cdc import binlog_control as control
+from dbtrigger.cdc.binlog_reader import Where
 from dbtrigger.errors import ConfigurationError, SlotLostError
 from tests.cdc_servers import BinlogDatabase, BinlogMariadb
 
@@ -164,13 +165,14 @@ def test_a_read_through_position_in_a_file_of_the_same_name_after_a_reset_is_ref
     again.close()
 
 
-def test_a_checkpoint_beyond_the_end_of_a_reset_log_names_the_way_back(
+def test_a_checkpoint_beyond_the_end_of_a_reset_log_needs_only_cdc_recreate(
     binlog_db: BinlogDatabase, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The checkpoint is in binlog.000003 of the old log; after RESET MASTER the server has
-    binlog.000001 only. That is not a purge: cdc recreate alone would leave the checkpoint
-    "after" every position of the new log (they are numbered from its start again) and the
-    poller failing as before. The error says so and names both steps, which work."""
+    binlog.000001 only. That is not a purge, and cdc recreate is the one step: it starts a
+    new reader generation, so the checkpoint (of the old one) is passed over instead of
+    leaving the poller "after" every position of the new log, which is numbered from its
+    start again (before, the error named a second step, dbtrigger reset --to-beginning)."""
     server = binlog_db.server
     table = make_table(binlog_db)
     store = InMemoryCheckpointStore()
@@ -186,7 +188,7 @@ def test_a_checkpoint_beyond_the_end_of_a_reset_log_names_the_way_back(
     t.drain(seen)
     assert seen.ids() == [1]
     checkpoint = t.read_state().position.cursor  # type: ignore[union-attr]
-    assert checkpoint.startswith("0000000003:")
+    assert Where.parse(checkpoint.split("#")[0]).file_index == 3
     source.close()
     reset_log(server, first)
     binlog_db.execute(f"INSERT INTO {table} VALUES (2, 'b', 2)")
@@ -196,21 +198,18 @@ def test_a_checkpoint_beyond_the_end_of_a_reset_log_names_the_way_back(
     message = str(caught.value)
     assert "beyond the end" in message
     assert "dbtrigger cdc recreate MODULE:TRIGGER --snapshot --yes" in message
-    assert f"dbtrigger reset {name} --to-beginning --yes" in message
+    assert "--to-beginning" not in message
     retention = [
         r.getMessage() for r in caplog.records if getattr(r, "event", "") == "cdc_binlog_retention"
     ]
     assert retention
     assert all("RESET MASTER" in m for m in retention), retention
     source.admin().recreate(snapshot=True)
-    # dbtrigger reset --to-beginning: the poller has no checkpoint (a store of its own here)
-    again = BinlogSource(binlog_db.url, [table], snapshot="never")
-    t2 = trigger(again, InMemoryCheckpointStore(), name)
     binlog_db.execute(f"INSERT INTO {table} VALUES (3, 'c', 3)")
     more = Collector()
-    t2.drain(more)
+    t.drain(more)  # the same poller, its checkpoint of the old log kept
     assert sorted(set(more.ids())) == [1, 2, 3]
-    again.close()
+    source.close()
 
 
 def test_a_reset_while_the_poller_runs_is_refused_at_its_next_read(

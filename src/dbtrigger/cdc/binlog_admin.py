@@ -12,6 +12,7 @@ server keeps and how far behind the last recorded position is.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from dbtrigger.cdc import binlog_control as control
@@ -84,7 +85,11 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
                 )
             if source.read_control(conn) is None:
                 start = current_position(conn, files)
-                row = source.new_control_row(start, mark=file_mark(source, start[0]))
+                row = source.new_control_row(
+                    start,
+                    mark=file_mark(source, start[0]),
+                    generation=control.next_generation(None, time.time()),
+                )
                 source.write_control(conn, row)
                 done.append(
                     f"recorded reader {source.reader} at {row.created_file}:{row.created_pos}"
@@ -122,6 +127,7 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
             other = None if name is None else other_log(source, row, files, name, offset)
             position = {
                 "created": f"{row.created_file}:{row.created_pos}",
+                "generation": row.generation,
                 "read_through": None
                 if row.through_file is None
                 else f"{row.through_file}:{row.through_pos}",
@@ -133,8 +139,8 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
                 warnings.append(
                     f"{other}: the log was reset (RESET MASTER) or this is another server, and "
                     "the changes since that position are lost; run dbtrigger cdc recreate "
-                    "MODULE:TRIGGER --snapshot --yes (and, if the poller has a checkpoint, "
-                    "dbtrigger reset POLLER --to-beginning --yes)"
+                    "MODULE:TRIGGER --snapshot --yes (a checkpoint of the old log is then "
+                    "passed over)"
                 )
             elif name is None:
                 warnings.append(
@@ -221,7 +227,12 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
             source.infos = setup.table_infos(conn, source.tables)
             previous = source.read_control(conn)
             start = current_position(conn, files)
-            row = source.new_control_row(start, snapshots=False, mark=file_mark(source, start[0]))
+            row = source.new_control_row(
+                start,
+                snapshots=False,
+                mark=file_mark(source, start[0]),
+                generation=control.next_generation(previous, time.time()),
+            )
             carry_over(previous, row, source.table_names(), snapshot=snapshot)
             source.write_control(conn, row)
         return [

@@ -45,7 +45,12 @@ class BinlogSourceParts(LogSourceParts, Protocol):
     def reader(self) -> str: ...
 
     def new_control_row(
-        self, position: tuple[str, int], *, snapshots: bool = True, mark: str | None = None
+        self,
+        position: tuple[str, int],
+        *,
+        snapshots: bool = True,
+        mark: str | None = None,
+        generation: int | None = None,
     ) -> control.ControlRow: ...
 
     def read_control(

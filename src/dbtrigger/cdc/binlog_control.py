@@ -17,6 +17,9 @@ by default the URL's):
   the log was read (file, offset). The next process resumes there instead of
   re-reading every other table's changes since the checkpoint: the binlog's
   counterpart of advancing a slot, written only behind a durable checkpoint;
+* the reader's **generation**, set by ``install`` and ``recreate``: the first
+  part of every commit token it writes, so a checkpoint taken before a
+  ``recreate`` is never read as a position of the log read since;
 * with each of those two positions, the **mark** of the file it is in
   (``created_mark``, ``through_mark``): the server id and creation second of
   the file's format description event, which every binlog dump sends first.
@@ -55,7 +58,7 @@ def create_sql(database: str) -> list[str]:
         "columns_json LONGTEXT NOT NULL, snapshots_json LONGTEXT NOT NULL, "
         "through_after VARCHAR(255) NULL, through_file VARCHAR(255) NULL, "
         "through_pos BIGINT NULL, schema_break TEXT NULL, "
-        "created_mark VARCHAR(64) NULL, through_mark VARCHAR(64) NULL, "
+        "created_mark VARCHAR(64) NULL, through_mark VARCHAR(64) NULL, generation BIGINT NULL, "
         "created_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6), "
         "updated_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)) ENGINE=InnoDB",
         f"CREATE TABLE IF NOT EXISTS `{database}`.`{CHUNKS}` ("
@@ -101,7 +104,11 @@ def ensure(conn: pymysql.connections.Connection[Any], database: str) -> bool:
 
 #: Columns added to the control table after it was first made: a table an earlier
 #: version created gets them in place (NULL: a mark not recorded, nothing checked).
-ADDED_COLUMNS = {"created_mark": "VARCHAR(64) NULL", "through_mark": "VARCHAR(64) NULL"}
+ADDED_COLUMNS = {
+    "created_mark": "VARCHAR(64) NULL",
+    "through_mark": "VARCHAR(64) NULL",
+    "generation": "BIGINT NULL",
+}
 
 
 def upgrade_sql(conn: pymysql.connections.Connection[Any], database: str) -> str | None:
@@ -156,6 +163,9 @@ class ControlRow:
     created_mark: str | None = None
     #: The mark of ``through_file``.
     through_mark: str | None = None
+    #: The reader's generation (:func:`next_generation`; None: made before generations,
+    #: its positions carry none).
+    generation: int | None = None
 
 
 def read(
@@ -164,7 +174,7 @@ def read(
     columns = (
         "reader, poller, server_id, tables_json, created_file, created_pos, columns_json, "
         "snapshots_json, through_after, through_file, through_pos, schema_break, created_mark, "
-        "through_mark"
+        "through_mark, generation"
     )
     query = f"SELECT {columns} FROM `{database}`.`{TABLE}` WHERE reader = %s"  # noqa: S608
     if lock:
@@ -200,6 +210,7 @@ def read(
         row[11],
         row[12],
         row[13],
+        None if row[14] is None else int(row[14]),
     )
 
 
@@ -215,15 +226,15 @@ def write(conn: pymysql.connections.Connection[Any], database: str, row: Control
     statement = (
         f"INSERT INTO `{database}`.`{TABLE}` (reader, poller, server_id, tables_json, "  # noqa: S608
         "created_file, created_pos, columns_json, snapshots_json, through_after, through_file, "
-        "through_pos, created_mark, through_mark) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, "
-        "%s, %s, %s) ON DUPLICATE KEY "
+        "through_pos, created_mark, through_mark, generation) VALUES (%s, %s, %s, %s, %s, %s, %s, "
+        "%s, %s, %s, %s, %s, %s, %s) ON DUPLICATE KEY "
         "UPDATE poller = VALUES(poller), server_id = VALUES(server_id), "
         "tables_json = VALUES(tables_json), created_file = VALUES(created_file), "
         "created_pos = VALUES(created_pos), columns_json = VALUES(columns_json), "
         "snapshots_json = VALUES(snapshots_json), through_after = VALUES(through_after), "
         "through_file = VALUES(through_file), through_pos = VALUES(through_pos), "
         "created_mark = VALUES(created_mark), through_mark = VALUES(through_mark), "
-        "updated_at = CURRENT_TIMESTAMP(6)"
+        "generation = VALUES(generation), updated_at = CURRENT_TIMESTAMP(6)"
     )
     with translated("writing the control table"), conn.cursor() as cur:
         cur.execute(
@@ -242,8 +253,25 @@ def write(conn: pymysql.connections.Connection[Any], database: str, row: Control
                 row.through_pos,
                 row.created_mark,
                 row.through_mark,
+                row.generation,
             ),
         )
+
+
+def next_generation(previous: ControlRow | None, now: float) -> int:
+    """A reader's generation when ``install`` or ``recreate`` starts it (microseconds of
+    ``now``, and always past the one it replaces).
+
+    Every commit token the reader writes starts with it
+    (:func:`~dbtrigger.cdc.binlog_reader.commit_token`), so a checkpoint taken before a
+    ``cdc recreate`` (after ``RESET MASTER``, say) is told from a position of the log
+    read since, whose file names, offsets and GTIDs may repeat the old ones exactly,
+    and sorts before every one of them.
+    """
+    generation = int(now * 1_000_000)
+    if previous is not None and previous.generation is not None:
+        generation = max(generation, previous.generation + 1)
+    return generation
 
 
 _PLAIN = ("through_after", "through_file", "through_pos", "through_mark", "schema_break")
@@ -293,6 +321,7 @@ __all__ = [
     "delete",
     "ensure",
     "exists",
+    "next_generation",
     "read",
     "read_installed",
     "update",

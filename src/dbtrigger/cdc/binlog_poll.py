@@ -163,6 +163,9 @@ class BinlogPoller:
             )
         created = (file_index(row.created_file), row.created_pos)
         where = None if after is None else Where.parse(after.commit)
+        if where is not None and where.generation != row.generation:
+            self.check_generation(where, row.generation)
+            where = None  # a checkpoint of the log before cdc recreate: go on from the new start
         if where is None or created > (where.file_index, where.offset):
             # No checkpoint yet, or the reader was recreated after it (cdc recreate): the
             # operator chose to go on from the new start.
@@ -175,8 +178,7 @@ class BinlogPoller:
         if beyond_end(files, index, offset):
             raise self.reset_error(
                 f"poller {s.poller or s.reader}'s position (file #{index}, offset {offset}) is "
-                f"beyond the end of the server's binary log (newest file: {files[-1][0]})",
-                checkpoint=expect is not None,
+                f"beyond the end of the server's binary log (newest file: {files[-1][0]})"
             )
         if index not in by_index:
             oldest = files[0][0] if files else "(none)"
@@ -189,6 +191,33 @@ class BinlogPoller:
                 poller=s.poller,
             )
         return name, offset, expect, mark
+
+    @property
+    def generation(self) -> int | None:
+        """The reader's generation, the first part of every commit token it writes."""
+        row = self.source.control_row
+        return None if row is None else row.generation
+
+    def check_generation(self, where: Where, generation: int | None) -> None:
+        """A checkpoint of another reader generation than the control row's: one taken
+        before ``cdc recreate`` (older, or written before generations) is passed over;
+        a newer one means the control row is older than the checkpoint (restored from a
+        backup, written by hand), and nothing says where to read.
+
+        Raises:
+            SlotLostError: the checkpoint is of a later generation than the control row.
+        """
+        if generation is not None and (where.generation is None or where.generation < generation):
+            return
+        s = self.source
+        raise SlotLostError(
+            f"poller {s.poller or s.reader}'s checkpoint was written by reader generation "
+            f"{where.generation}, but the control row of reader {s.reader} is of generation "
+            f"{generation} (older: restored or written by hand?), so where its changes "
+            "continue cannot be told. Start again and read the tables again: dbtrigger cdc "
+            "recreate MODULE:TRIGGER --snapshot --yes",
+            poller=s.poller,
+        )
 
     # --- reading -----------------------------------------------------------------------------
 
@@ -330,13 +359,11 @@ class BinlogPoller:
             state.mark = event_mark(event)
             want, state.want_mark = state.want_mark, None
             if want is not None and want != state.mark:
-                raise self.other_log(
-                    want, state.mark, state.file, start, checkpoint=after is not None
-                )
+                raise self.other_log(want, state.mark, state.file, start)
             return
         if kind is ev.MariadbGtidEvent or kind is ev.GtidEvent:
             gtid = event.gtid if getattr(event, "gno", 1) else None
-            token = commit_token(state.index, start, gtid)
+            token = commit_token(state.index, start, gtid, self.generation)
             if not state.checked:
                 state.checked = True
                 if token != expect:
@@ -348,7 +375,7 @@ class BinlogPoller:
             word = text.lstrip()[:6].upper()
             if word == "BEGIN":
                 if asm.current is None:  # no GTID event (old servers): BEGIN starts it
-                    token = commit_token(state.index, start, None)
+                    token = commit_token(state.index, start, None, self.generation)
                     asm.begin(token, None, event.timestamp, after, explicit=True)
                 return
             asm.query(text)
@@ -377,37 +404,27 @@ class BinlogPoller:
         s = self.source
         return self.reset_error(
             f"the binary log at {name} offset {offset} holds transaction {found}, not "
-            f"{expect} where poller {s.poller or s.reader}'s checkpoint is",
-            checkpoint=True,
+            f"{expect} where poller {s.poller or s.reader}'s checkpoint is"
         )
 
-    def other_log(
-        self, want: str, found: str, name: str, offset: int, *, checkpoint: bool
-    ) -> SlotLostError:
+    def other_log(self, want: str, found: str, name: str, offset: int) -> SlotLostError:
         s = self.source
         return self.reset_error(
             f"the binary log file {name} is not the one poller {s.poller or s.reader}'s "
             f"position {name}:{offset} was recorded in (that one was {mark_text(want)}, this "
-            f"one is {mark_text(found)})",
-            checkpoint=checkpoint,
+            f"one is {mark_text(found)})"
         )
 
-    def reset_error(self, what: str, *, checkpoint: bool) -> SlotLostError:
-        """The log a position was recorded in is not the server's log now. With a checkpoint,
-        ``cdc recreate`` alone may not be enough: the new log numbers its positions from the
-        start again, maybe before the checkpoint, so the checkpoint goes back too."""
+    def reset_error(self, what: str) -> SlotLostError:
+        """The log a position was recorded in is not the server's log now. ``cdc recreate``
+        is enough, a checkpoint or not: it starts a new reader generation, and a checkpoint
+        of an earlier one is passed over (:meth:`check_generation`)."""
         s = self.source
-        then = (
-            f", then dbtrigger reset {s.poller or 'POLLER'} --to-beginning --yes (the new "
-            "log's positions are numbered from its start, maybe before the checkpoint)"
-            if checkpoint
-            else ""
-        )
         return SlotLostError(
             f"{what}: the log was reset (RESET MASTER) or this is another server (restored "
             "from a backup, a promoted replica), and the changes since that position cannot be "
             "found. Start again and read the tables again: dbtrigger cdc recreate "
-            f"MODULE:TRIGGER --snapshot --yes{then}",
+            "MODULE:TRIGGER --snapshot --yes",
             poller=s.poller,
         )
 

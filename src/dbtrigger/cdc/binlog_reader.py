@@ -8,9 +8,17 @@ never a rolled-back one, and never a late commit behind an earlier position
 **Positions.** A transaction's commit token is where it starts in the log,
 fixed width so that text order is log order::
 
-    0000000003:000000012345:0-1-4711
-    file index  byte offset  GTID (MariaDB domain-server-seq, MySQL uuid:n; absent
-                             when MySQL runs without GTIDs)
+    1764162000123456.0000000003:000000012345:0-1-4711
+    generation       file index  byte offset  GTID (MariaDB domain-server-seq,
+                                              MySQL uuid:n; absent when MySQL
+                                              runs without GTIDs)
+
+The generation is the reader's (set by ``cdc install`` and ``cdc recreate``,
+increasing): after ``RESET MASTER`` the new log numbers files, offsets and
+MariaDB GTID sequence numbers from the start again, so the rest of a token of
+the old log can name a transaction of the new one exactly. A reader made
+before generations existed writes tokens without one (they sort before every
+token with one).
 
 The file index is the binlog file's numeric suffix, the offset that of the
 transaction's first event (its GTID event), where a reader resumes to finish a
@@ -62,21 +70,42 @@ _OPS = {"I": "insert", "U": "update", "D": "delete", "S": "upsert"}
 # --- positions -----------------------------------------------------------------------------
 
 
-def commit_token(file_index: int, offset: int, gtid: str | None) -> str:
+#: Digits of a reader's generation (microseconds since 1970, see
+#: :func:`~dbtrigger.cdc.binlog_control.next_generation`).
+GENERATION_DIGITS = 16
+_GENERATION = "."
+
+
+def commit_token(
+    file_index: int, offset: int, gtid: str | None, generation: int | None = None
+) -> str:
     token = f"{file_index:0{FILE_DIGITS}d}:{offset:0{OFFSET_DIGITS}d}"
+    if generation is not None:
+        token = f"{generation:0{GENERATION_DIGITS}d}{_GENERATION}{token}"
     return f"{token}:{gtid}" if gtid else token
 
 
 @dataclass(frozen=True)
 class Where:
-    """A commit token read back: file index, offset, GTID (or None)."""
+    """A commit token read back: file index, offset, GTID (or None), and the generation
+    of the reader that wrote it (None: written before readers had one)."""
 
     file_index: int
     offset: int
     gtid: str | None
+    generation: int | None = None
 
     @classmethod
     def parse(cls, token: str) -> Where:
+        generation: int | None = None
+        head, dot, rest = token.partition(_GENERATION)
+        if dot and ":" not in head:
+            if len(head) != GENERATION_DIGITS or not head.isdigit():
+                raise CorruptStateError(
+                    f"checkpoint commit {token!r} is not a binlog position "
+                    "(generation.file:offset[:gtid])"
+                )
+            generation, token = int(head), rest
         parts = token.split(":", 2)
         if (
             len(parts) < 2
@@ -88,7 +117,8 @@ class Where:
                 f"checkpoint commit {token!r} is not a binlog position (file:offset[:gtid]); "
                 "was the state written by another kind of source?"
             )
-        return cls(int(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 else None)
+        gtid = parts[2] if len(parts) == 3 else None
+        return cls(int(parts[0]), int(parts[1]), gtid, generation)
 
 
 # --- shapes and schema ------------------------------------------------------------------------
@@ -337,6 +367,7 @@ def materialise(txn: Transaction[Any], ordinal: int, raw: tuple[Any, ...]) -> Ch
 
 
 __all__ = [
+    "GENERATION_DIGITS",
     "Assembler",
     "RowShape",
     "Where",

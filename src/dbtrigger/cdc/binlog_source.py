@@ -28,6 +28,7 @@ type; ``dbtrigger cdc accept-schema``).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -254,7 +255,13 @@ class BinlogSource(LogSource):
                 )
             start = current_position(conn, files) if after is None else resume_at(after, files)
             row = self.new_control_row(
-                start, snapshots=after is None, mark=file_mark(self, start[0])
+                start,
+                snapshots=after is None,
+                mark=file_mark(self, start[0]),
+                # Resumed at the checkpoint: its tokens go on as they were.
+                generation=control.next_generation(None, time.time())
+                if after is None
+                else Where.parse(after.commit).generation,
             )
             self.write_control(conn, row)
             log.info(
@@ -279,10 +286,16 @@ class BinlogSource(LogSource):
         self.health.retention_warning(after, files)
 
     def new_control_row(
-        self, position: tuple[str, int], *, snapshots: bool = True, mark: str | None = None
+        self,
+        position: tuple[str, int],
+        *,
+        snapshots: bool = True,
+        mark: str | None = None,
+        generation: int | None = None,
     ) -> control.ControlRow:
         """A reader's row starting at ``position``, in the binlog file whose mark is ``mark``
-        (:func:`~dbtrigger.cdc.binlog_poll.file_mark`)."""
+        (:func:`~dbtrigger.cdc.binlog_poll.file_mark`), of reader ``generation``
+        (:func:`~dbtrigger.cdc.binlog_control.next_generation`)."""
         return control.ControlRow(
             self.reader,
             self.poller,
@@ -293,6 +306,7 @@ class BinlogSource(LogSource):
             {},
             self.initial_requests(self.table_names(), snapshots=snapshots),
             created_mark=mark,
+            generation=generation,
         )
 
     def read_control(

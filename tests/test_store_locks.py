@@ -12,6 +12,7 @@ where the database can tell.
 
 from __future__ import annotations
 
+import datetime as dt
 import threading
 import time
 from collections.abc import Callable
@@ -19,8 +20,9 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from dbtrigger.errors import StoreUnavailableError
+from dbtrigger.errors import QuarantineError, StoreUnavailableError
 from dbtrigger.history.derive import history_for
+from dbtrigger.quarantine import QuarantineRecord, SqlQuarantineSink, quarantine_table
 from dbtrigger.state.stores.sql import SqlCheckpointStore
 from tests.databases import TestDatabase
 
@@ -52,7 +54,7 @@ def gives_up(db: TestDatabase, holder: sa.Connection, call: Callable[[], Any]) -
     assert not alive, f"the store still waited for the lock after {GIVE_UP_WITHIN} s"
     assert time.monotonic() - started < GIVE_UP_WITHIN
     [error] = outcome
-    assert isinstance(error, StoreUnavailableError), repr(error)
+    assert isinstance(error, (StoreUnavailableError, QuarantineError)), repr(error)
     message = str(error)
     assert "waited 1 s for a lock" in message, message
     if db.kind == "postgresql":
@@ -113,3 +115,36 @@ def test_the_default_bound_is_below_the_heartbeat(sqlite_db: TestDatabase) -> No
         assert getattr(history, "lock_timeout", None) == 10
     finally:
         store.close()
+
+
+def test_a_dead_letter_write_behind_an_uncommitted_one_gives_up(db: TestDatabase) -> None:
+    """Two instances setting the same event aside (a zombie and the new owner): the
+    second's insert waited for the first's transaction, for ever on PostgreSQL."""
+    sink = SqlQuarantineSink(url=db.url, schema=db.schema, lock_timeout_seconds=1)
+    record = QuarantineRecord(
+        poller="orders",
+        event_id="e1",
+        source="test",
+        pk={"id": 1},
+        cursor=1,
+        row=None,
+        error="boom",
+        attempts=5,
+        checkpoint={},
+        batch_id="b1",
+        fencing_token=3,
+        owner_id="me",
+        quarantined_at=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc),
+    )
+    holder = db.engine.connect()
+    try:
+        sink.put([])  # nothing: no table yet
+        sink._ensure_table()
+        holder.begin()
+        holder.execute(quarantine_table(schema=db.schema).insert(), SqlQuarantineSink._row(record))
+        gives_up(db, holder, lambda: sink.put([record]))
+        sink.put([record])  # once the other one is gone
+        assert [r.event_id for r in sink.records("orders")] == ["e1"]
+    finally:
+        holder.close()
+        sink.close()

@@ -56,6 +56,13 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from dbtrigger._driver_errors import short_error
 from dbtrigger._engine import LazyEngine, TableOnce, parse_database_url
 from dbtrigger._files import locked_lines, write_synced
+from dbtrigger._lock_wait import (
+    DEFAULT_STORE_LOCK_TIMEOUT,
+    check_lock_timeout,
+    lock_holders,
+    lock_timed_out,
+    lock_wait_bounded,
+)
 from dbtrigger.cursor import Position, canonical_json, encode_value, encoded_pk
 from dbtrigger.errors import (
     ConfigurationError,
@@ -266,7 +273,11 @@ class SqlQuarantineSink:
 
     The table is created on first use unless ``create_table=False``. A record
     already present for (poller, event_id) is left as it is, so a ``put``
-    repeated after a failed commit stores each row once.
+    repeated after a failed commit stores each row once. A ``put`` waits at most
+    ``lock_timeout_seconds`` for a lock another transaction holds (another
+    instance's uncommitted record of the same event, a transaction left open on
+    the table), then fails as :class:`~dbtrigger.errors.QuarantineError`: nothing
+    was set aside, nothing skipped.
     """
 
     def __init__(
@@ -277,9 +288,11 @@ class SqlQuarantineSink:
         table: str = "dbtrigger_quarantine",
         schema: str | None = None,
         create_table: bool = True,
+        lock_timeout_seconds: float = DEFAULT_STORE_LOCK_TIMEOUT,
     ) -> None:
         if (url is None) == (engine is None):
             raise ConfigurationError("SqlQuarantineSink needs exactly one of url= or engine=")
+        self.lock_timeout = check_lock_timeout(lock_timeout_seconds)
         self._url_spec = url
         if engine is None and references_setting(url):
             # An app setting is read at first use: in a Function App a missing
@@ -363,9 +376,16 @@ class SqlQuarantineSink:
             return
         try:
             self._ensure_table()
-            with self._engine.begin() as conn:
+            with self._engine.begin() as conn, lock_wait_bounded(conn, self.lock_timeout):
                 self._insert_ignoring_duplicates(conn, [self._row(r) for r in records])
         except SQLAlchemyError as exc:
+            if lock_timed_out(exc):
+                holders = lock_holders(self._engine, self.table.name, self.table.schema)
+                raise QuarantineError(
+                    f"could not write {len(records)} row(s) to quarantine {self.describe()}: "
+                    f"waited {self.lock_timeout:g} s for a lock another transaction holds "
+                    "and gave up" + (f" ({holders})" if holders else "")
+                ) from exc
             raise QuarantineError(
                 f"could not write {len(records)} row(s) to quarantine {self.describe()}: "
                 f"{_short(exc)}"

@@ -16,6 +16,30 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+#: The extra (pyproject.toml) that installs each optional top-level module.
+EXTRAS = {
+    "azure": "azure",
+    "psycopg": "postgres",
+    "pymysql": "mysql",
+    "opentelemetry": "otel",
+    "prometheus_client": "prometheus",
+    "rich": "progress",
+    "cloudevents": "cloudevents",
+}
+
+
+def _without_extra(name: str, exc: ModuleNotFoundError) -> ModuleNotFoundError:
+    """``from dbtrigger import BlobCheckpointStore`` on a core install said only
+    "No module named 'azure'": the error names the extra that brings it."""
+    missing = exc.name or ""
+    extra = EXTRAS.get(missing.partition(".")[0])
+    if extra is None:
+        return exc
+    return ModuleNotFoundError(
+        f'{name} needs {missing}, which is not installed: pip install "dbtrigger[{extra}]"',
+        name=missing,
+    )
+
 
 def exports(
     package: str,
@@ -35,7 +59,11 @@ def exports(
     def __getattr__(name: str) -> Any:
         home = names.get(name)
         if home is not None:
-            value = getattr(importlib.import_module(home), name)
+            try:
+                module = importlib.import_module(home)
+            except ModuleNotFoundError as exc:
+                raise _without_extra(name, exc) from exc
+            value = getattr(module, name)
             vars(importlib.import_module(package))[name] = value
             return value
         new = moved.get(name)

@@ -16,8 +16,9 @@ unlogged in between (docs/changes.md, 'When the table changes').
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import sqlalchemy as sa
@@ -267,6 +268,7 @@ def prune(
     apply: bool = True,
     now: dt.datetime | None = None,
     drop_unread_of: Sequence[str] = (),
+    readers_at: Mapping[str, int] | None = None,
 ) -> int:
     """Delete log rows older than ``older_than`` and/or at or below ``up_to_seq``,
     never a row a registered reader has not read (unless it is in ``drop_unread_of``).
@@ -284,7 +286,9 @@ def prune(
     registered position is deleted: an age alone never takes a row from a
     reader. ``drop_unread_of`` names the readers that may lose rows (a
     stopped reader, one that will be re-synced); their registry entry records
-    what they lost, and they log it at their next fetch.
+    what they lost, and they log it at their next fetch. ``readers_at``: the
+    checkpoints read from some readers' own state (``--passed-by``), which
+    stand for theirs in the registry (a recorded position may lag behind).
 
     Raises:
         ConfigurationError: no condition; ``drop_unread_of`` names a reader that
@@ -299,6 +303,7 @@ def prune(
         up_to_seq=up_to_seq,
         now=now,
         drop_unread_of=drop_unread_of,
+        readers_at=readers_at,
     )
     if not apply:
         return plan.rows
@@ -345,6 +350,7 @@ def plan_prune(
     up_to_seq: int | None = None,
     now: dt.datetime | None = None,
     drop_unread_of: Sequence[str] = (),
+    readers_at: Mapping[str, int] | None = None,
 ) -> PrunePlan:
     """What :func:`prune` with the same arguments would delete, keep and take (counted)."""
     if older_than is None and up_to_seq is None:
@@ -369,6 +375,11 @@ def plan_prune(
                 "registers at its next fetch), or prune what named pollers passed "
                 "(--passed-by POLLER --store ...)"
             )
+        if readers is not None and readers_at:
+            readers = [
+                dataclasses.replace(r, seq=readers_at[r.name]) if r.name in readers_at else r
+                for r in readers
+            ]
         names = {r.name for r in readers or ()}
         unknown = sorted(set(drop_unread_of) - names)
         if unknown:

@@ -102,7 +102,14 @@ class ChangeLogPruner:
             if up_to is None:
                 return 0
             older = dt.timedelta(seconds=self.keep) if self.keep else None
-            deleted = prune(engine, table, schema=schema, up_to_seq=up_to, older_than=older)
+            deleted = prune(
+                engine,
+                table,
+                schema=schema,
+                up_to_seq=up_to,
+                older_than=older,
+                readers_at=dict(zip(self.passed_by, cursors, strict=True)),  # type: ignore[arg-type]
+            )
         except (DbTriggerError, SQLAlchemyError) as exc:
             log.warning(
                 "pruning the change log of %s failed (retried in %gs): %s",

@@ -155,7 +155,9 @@ class ChangeLogSource:
         #: The poller this source serves (``bind_poller``): its name in the readers' registry.
         self._reader: str | None = None
         self._registered: int | None = None
-        self._register_due = 0.0
+        self._registered_at = 0.0
+        #: The last fetch came back short: caught up, so a position is recorded at once.
+        self._caught_up = True
         self._inner_source: SqlAlchemySource | None = None
         self._identity: SqlAlchemySource | None = None
         self._lock = threading.Lock()
@@ -308,6 +310,7 @@ class ChangeLogSource:
             fetched = inner.fetch(self._log_position(after), limit)
         except SourceDefinitionError as exc:
             raise self._explained(exc) from exc
+        self._caught_up = len(fetched) < limit
         rows = _truncate_alone(fetched)
         if self._registered is None and self._reader is not None:
             # The first fetch starts from the checkpoint just loaded: durable.
@@ -406,13 +409,25 @@ class ChangeLogSource:
         self._reader = name
 
     def _register(self, seq: int, *, first: bool = False) -> None:
-        """Record this reader's durable position (when it moved, or every 5 minutes).
+        """Record this reader's durable position.
 
-        Never raises: a failure is logged at WARNING (``changelog_reader_unregistered``),
-        and the next acknowledgement tries again.
+        When it moved: at once when caught up, at most every
+        :data:`REGISTER_BACKLOG_SECONDS` while a backlog drains (a recorded position
+        may lag, which only keeps rows longer; one write per batch cost SQLite a
+        synced commit each). When it did not: every :data:`REGISTER_EVERY_SECONDS`
+        (``seen_at``). Never raises: a failure is logged at WARNING
+        (``changelog_reader_unregistered``), and the next acknowledgement tries again.
         """
         reader = self._reader
-        if reader is None or (seq == self._registered and time.monotonic() < self._register_due):
+        since = time.monotonic() - self._registered_at
+        if reader is None or (seq == self._registered and since < REGISTER_EVERY_SECONDS):
+            return
+        if (
+            not first
+            and self._registered is not None
+            and not self._caught_up
+            and since < REGISTER_BACKLOG_SECONDS
+        ):
             return
         try:
             with self.engine.begin() as conn:
@@ -443,7 +458,7 @@ class ChangeLogSource:
             )
             return
         self._registered = seq
-        self._register_due = time.monotonic() + REGISTER_EVERY_SECONDS
+        self._registered_at = time.monotonic()
 
     def _tell_lost(self, conn: Any, reader: str, seq: int) -> None:
         """Log, once per start, the rows an operator pruned before this reader read them."""
@@ -534,6 +549,8 @@ def _truncate_alone(rows: Sequence[Mapping[str, Any]]) -> Sequence[Mapping[str, 
 
 #: How often an idle reader refreshes its registry entry (``seen_at``).
 REGISTER_EVERY_SECONDS = 300.0
+#: How often a reader draining a backlog records its position.
+REGISTER_BACKLOG_SECONDS = 2.0
 
 
 def _seq(position: Position) -> int:

@@ -110,8 +110,9 @@ def cmd_uninstall(args: argparse.Namespace) -> int:
         engine.dispose()
 
 
-def _passed_by(args: argparse.Namespace) -> int | None:
-    """The lowest checkpoint of the named pollers (their state read through the store)."""
+def _passed_by(args: argparse.Namespace) -> tuple[int | None, dict[str, int]]:
+    """The lowest checkpoint of the named pollers (their state read through the store),
+    and each one's."""
     from dbtrigger.changelog.pruning import stored_cursors  # noqa: PLC0415 - only for this option
     from dbtrigger.state.stores.factory import open_store  # noqa: PLC0415
 
@@ -122,14 +123,16 @@ def _passed_by(args: argparse.Namespace) -> int | None:
         raise ConfigurationError(
             f"no state for poller {missing[0]!r} in {args.store}: nothing pruned"
         )
-    return lowest_checkpoint(cursors)
+    lowest = lowest_checkpoint(cursors)
+    return lowest, dict(zip(args.passed_by, cursors, strict=True))
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
     older_than = parse_duration(args.older_than) if args.older_than else None
     up_to: int | None = None
+    at: dict[str, int] = {}
     if args.passed_by:
-        up_to = _passed_by(args)
+        up_to, at = _passed_by(args)
         if up_to is None:
             print("a poller has no checkpoint yet: nothing can be pruned")
             return 0
@@ -145,6 +148,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
             older_than=older_than,
             up_to_seq=up_to,
             drop_unread_of=dropping,
+            readers_at=at,
         )
         count = found.rows
         if args.yes:
@@ -156,6 +160,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
                 up_to_seq=up_to,
                 chunk=args.chunk,
                 drop_unread_of=dropping,
+                readers_at=at,
             )
     finally:
         engine.dispose()

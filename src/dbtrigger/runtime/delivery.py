@@ -404,15 +404,21 @@ class Delivery:
             **fields,
         )
         if verdict is not Verdict.RETRY:
+            target = self.cli_target()
+            # skip-batch reads the source to check the batch: naming only the store
+            # (a trigger with no import path) it refuses, so the command asks for one.
+            skip = target if " --source " in target else f"{self.poller} --source MODULE:ATTR"
+            start = ctx.checkpoint_before
             self.telemetry.emit(
                 "poison_batch",
                 "batch starting at %s has failed %d times%s",
-                ctx.checkpoint_before.cursor,
+                "the beginning" if start.is_beginning else start.cursor,
                 ctx.attempt,
                 "; configure a quarantine sink or skip it by hand (the poller cannot pass it). "
-                f"Inspect: dbtrigger status {self.cli_target()}  "
-                f"Skip (data loss, journaled): dbtrigger skip-batch {self.cli_target()} "
+                f"Inspect: dbtrigger status {target}  "
+                f"Skip (data loss, journaled): dbtrigger skip-batch {skip} "
                 "--reason 'poison batch' --yes"
+                + ("" if skip == target else " (MODULE:ATTR: where this trigger is defined)")
                 if verdict is Verdict.POISON
                 else "; no row of it passes (or more than quarantine_limit fail on their "
                 "own), which looks like an outage, not poison: nothing set aside, retrying",

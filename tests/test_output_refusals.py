@@ -228,3 +228,24 @@ def test_under_a_trigger_a_duplicate_goes_to_the_dead_letter_sink(
     assert SECRET not in records[0].error
     with sa.create_engine(db.url).connect() as conn:  # the source row is untouched
         assert conn.exec_driver_sql("SELECT count(*) FROM src").scalar() == 3
+
+
+def test_deleting_a_row_still_referred_to_is_retryable(sink: TestDatabase) -> None:
+    """DbWriter.delete of a parent row a child row still refers to: the child may be
+    deleted first by another delivery, so it is retried (it was an untyped write error)."""
+    db = sink
+    if db.kind == "sqlite":  # foreign keys are not checked at SQLite's defaults
+        writer = DbWriter(url=db.url, table="r_parent")
+        try:
+            assert writer.delete(pk={"id": 1}) == 1
+        finally:
+            writer.close()
+        return
+    writer = DbWriter(url=db.url, table="r_parent", schema=db.schema)
+    try:
+        with pytest.raises(OutputReferenceError, match=r"other rows still refer to") as err:
+            writer.delete(pk={"id": 1})
+    finally:
+        writer.close()
+    assert "'fk_parent'" in str(err.value)
+    assert err.value.fields["kind"] == "foreign_key"

@@ -25,11 +25,14 @@ writer of :mod:`dbtrigger.dbio` share what a binding needs of its table:
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import numbers
+import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from decimal import Decimal
 from typing import Any, TypeVar
 from uuid import UUID
@@ -235,6 +238,8 @@ class TableHandle:
             found = refusal(exc, table, rows)
             if found is None:
                 raise
+            if found.row is None and each and len(rows) > 1:
+                found = replace(found, row=_failing_row(conn, statement, rows, exc))
             raise refusal_error(found, self.name, table, rows, conflict_columns) from exc
 
     def transact(
@@ -436,6 +441,43 @@ class TableHandle:
             column=column,
             value_type=kind,
         )
+
+
+def _failing_row(
+    conn: Connection, statement: Any, rows: Sequence[Mapping[str, Any]], failure: BaseException
+) -> int | None:
+    """The first of ``rows`` that fails the statement alone as it failed the whole,
+    written one by one under a savepoint that is then rolled back (None: not found).
+
+    MariaDB/MySQL only: their multi-row statement failed as a whole, so the
+    transaction holds none of its rows and is still usable. (PostgreSQL aborts
+    the transaction; SQLite runs the rows one by one, and the rows before the
+    failing one stay written, so each would seem to fail on itself.) Used where
+    the server does not say which row: the upsert guard, a CHECK, a foreign key.
+    A row counts only when its error reads as the statement's did.
+    """
+    if conn.dialect.name not in ("mysql", "mariadb"):
+        return None
+    wanted = _error_text(failure)
+    try:
+        savepoint = conn.begin_nested()
+    except SQLAlchemyError:
+        return None
+    try:
+        for index, row in enumerate(rows):
+            try:
+                conn.execute(statement, [dict(row)])
+            except SQLAlchemyError as exc:
+                return index if _error_text(exc) == wanted else None
+        return None
+    finally:
+        with contextlib.suppress(SQLAlchemyError):
+            savepoint.rollback()
+
+
+def _error_text(exc: BaseException) -> str:
+    orig = getattr(exc, "orig", None) or exc
+    return re.sub(r" at row \d+", "", str(orig))
 
 
 def upsert_statement(

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from dbtrigger import options as opt
 from dbtrigger._engine import create_engine, parse_database_url
@@ -447,6 +447,8 @@ class ChangeLogSource:
                 if first:
                     self._tell_lost(conn, reader, seq)
                 record(conn, self._table, self._schema, reader, seq)
+        except IntegrityError:
+            return  # another instance of this poller registered it a moment ago: next time
         except (SQLAlchemyError, DbTriggerError) as exc:
             log.warning(
                 "could not record poller %s's position in the change log's reader registry of "

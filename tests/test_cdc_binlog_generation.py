@@ -143,3 +143,74 @@ def test_a_checkpoint_of_a_later_generation_than_the_control_row_is_refused(
     with pytest.raises(SlotLostError, match=r"generation.*cdc recreate"):
         trigger.tick(got.extend)
     source.close()
+
+
+def reset_in(server: BinlogMariadb, second: int) -> None:
+    """RESET MASTER with the new first file created in ``second`` (its mark's second)."""
+    conn = server.connect()
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SET timestamp = %s", (second,))
+            cur.execute("RESET MASTER")
+    finally:
+        conn.close()
+
+
+def test_two_resets_within_one_second_are_told_apart_at_a_recorded_position(
+    binlog_db: BinlogDatabase,
+) -> None:
+    """Both new first files have the mark (server id, creation second) of the other: the
+    GTID the log held at the recorded offset (BINLOG_GTID_POS) tells them apart."""
+    server = binlog_db.server
+    binlog_db.execute("CREATE TABLE quiet (id INT PRIMARY KEY, note VARCHAR(20))")
+    binlog_db.execute("CREATE TABLE busy (id INT PRIMARY KEY, note VARCHAR(20))")
+    second = int(server.scalar("SELECT UNIX_TIMESTAMP()")) - 3600
+    reset_in(server, second)
+    store = InMemoryCheckpointStore()
+    name = f"gen_{uuid.uuid4().hex[:6]}"
+    source = BinlogSource(binlog_db.url, ["quiet"], snapshot="never", heartbeat_interval_seconds=0)
+    trigger = PollTrigger(name=name, source=source, checkpoint_store=store, batch_size=50)
+    got: list[RowChange] = []
+    trigger.tick(got.extend)
+    binlog_db.execute("INSERT INTO quiet VALUES (1, 'a')")
+    trigger.drain(got.extend)
+    for i in range(5):
+        binlog_db.execute("INSERT INTO busy VALUES (%s, 'x')", (i,))
+    trigger.tick(got.extend)
+    trigger.tick(got.extend)  # idle: read-through recorded behind the durable checkpoint
+    conn = binlog_db.connect()
+    try:
+        row = control.read(conn, binlog_db.name, name)
+    finally:
+        conn.close()
+    assert row is not None
+    assert row.through_file == "binlog.000001"
+    assert [e.pk["id"] for e in got] == [1]
+    source.close()
+    reset_in(server, second)  # the same second: the same mark
+    for i in range(2, 12):
+        binlog_db.execute("INSERT INTO quiet VALUES (%s, 'b')", (i,))
+    conn = server.connect()
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SHOW BINLOG EVENTS IN 'binlog.000001'")
+            ends = [int(r[4]) for r in cur.fetchall() if r[2] in ("Xid", "Query")]
+    finally:
+        conn.close()
+    # The recorded offset as a boundary of the new file (where an equal workload puts it).
+    conn = binlog_db.connect()
+    try:
+        control.update(conn, binlog_db.name, name, through_pos=ends[3])
+    finally:
+        conn.close()
+    again = BinlogSource(binlog_db.url, ["quiet"], snapshot="never", reader=name)
+    status = again.admin().status()
+    assert not status["healthy"]
+    assert any("holds GTID" in w for w in status["warnings"]), status["warnings"]
+    more: list[RowChange] = []
+    with pytest.raises(SlotLostError, match="RESET MASTER"):
+        PollTrigger(name=name, source=again, checkpoint_store=store, batch_size=50).tick(
+            more.extend
+        )
+    assert more == []
+    again.close()

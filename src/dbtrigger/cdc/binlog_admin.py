@@ -90,6 +90,7 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
                     mark=file_mark(source, start[0]),
                     generation=control.next_generation(None, time.time()),
                 )
+                row.created_gtid = control.gtid_at(conn, *start)
                 source.write_control(conn, row)
                 done.append(
                     f"recorded reader {source.reader} at {row.created_file}:{row.created_pos}"
@@ -111,6 +112,15 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
             row = control.read_installed(conn, source.control_database, source.reader)
             files = setup.binary_logs(conn)  # after the row: a position in it is within them
             infos = setup.table_infos(conn, source.tables)
+            found: str | None = control.UNKNOWN  # the GTID state there (MariaDB)
+            if row is not None and facts.mariadb:
+                at = (
+                    (row.through_file, row.through_pos or 0)
+                    if row.through_file is not None
+                    else (row.created_file, row.created_pos or 0)
+                )
+                if at[0] in dict(files):
+                    found = control.gtid_at(conn, str(at[0]), at[1])
         warnings = list(problems)
         position: dict[str, Any] | None = None
         if row is None:
@@ -125,6 +135,12 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
             )
             name, offset = recorded if recorded[0] in dict(files) else (None, 0)
             other = None if name is None else other_log(source, row, files, name, offset)
+            gtid = row.through_gtid if row.through_file is not None else row.created_gtid
+            if other is None and name is not None and not control.same_gtid(gtid, found):
+                other = (
+                    f"the log at {name}:{offset} holds GTID {found or '(no event boundary)'}, "
+                    f"not {gtid or '(none)'} as when the position was recorded"
+                )
             position = {
                 "created": f"{row.created_file}:{row.created_pos}",
                 "generation": row.generation,
@@ -233,6 +249,7 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
                 mark=file_mark(source, start[0]),
                 generation=control.next_generation(previous, time.time()),
             )
+            row.created_gtid = control.gtid_at(conn, *start)
             carry_over(previous, row, source.table_names(), snapshot=snapshot)
             source.write_control(conn, row)
         return [

@@ -59,6 +59,7 @@ def create_sql(database: str) -> list[str]:
         "through_after VARCHAR(255) NULL, through_file VARCHAR(255) NULL, "
         "through_pos BIGINT NULL, schema_break TEXT NULL, "
         "created_mark VARCHAR(64) NULL, through_mark VARCHAR(64) NULL, generation BIGINT NULL, "
+        "created_gtid VARCHAR(1024) NULL, through_gtid VARCHAR(1024) NULL, "
         "created_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6), "
         "updated_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)) ENGINE=InnoDB",
         f"CREATE TABLE IF NOT EXISTS `{database}`.`{CHUNKS}` ("
@@ -108,6 +109,8 @@ ADDED_COLUMNS = {
     "created_mark": "VARCHAR(64) NULL",
     "through_mark": "VARCHAR(64) NULL",
     "generation": "BIGINT NULL",
+    "created_gtid": "VARCHAR(1024) NULL",
+    "through_gtid": "VARCHAR(1024) NULL",
 }
 
 
@@ -166,6 +169,10 @@ class ControlRow:
     #: The reader's generation (:func:`next_generation`; None: made before generations,
     #: its positions carry none).
     generation: int | None = None
+    #: MariaDB: the GTID state of the log at ``created_pos`` / ``through_pos`` (see
+    #: :func:`gtid_at`; None: not known, not checked).
+    created_gtid: str | None = None
+    through_gtid: str | None = None
 
 
 def read(
@@ -174,7 +181,7 @@ def read(
     columns = (
         "reader, poller, server_id, tables_json, created_file, created_pos, columns_json, "
         "snapshots_json, through_after, through_file, through_pos, schema_break, created_mark, "
-        "through_mark, generation"
+        "through_mark, generation, created_gtid, through_gtid"
     )
     query = f"SELECT {columns} FROM `{database}`.`{TABLE}` WHERE reader = %s"  # noqa: S608
     if lock:
@@ -211,6 +218,8 @@ def read(
         row[12],
         row[13],
         None if row[14] is None else int(row[14]),
+        row[15],
+        row[16],
     )
 
 
@@ -226,15 +235,16 @@ def write(conn: pymysql.connections.Connection[Any], database: str, row: Control
     statement = (
         f"INSERT INTO `{database}`.`{TABLE}` (reader, poller, server_id, tables_json, "  # noqa: S608
         "created_file, created_pos, columns_json, snapshots_json, through_after, through_file, "
-        "through_pos, created_mark, through_mark, generation) VALUES (%s, %s, %s, %s, %s, %s, %s, "
-        "%s, %s, %s, %s, %s, %s, %s) ON DUPLICATE KEY "
+        "through_pos, created_mark, through_mark, generation, created_gtid, through_gtid) VALUES "
+        "(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) ON DUPLICATE KEY "
         "UPDATE poller = VALUES(poller), server_id = VALUES(server_id), "
         "tables_json = VALUES(tables_json), created_file = VALUES(created_file), "
         "created_pos = VALUES(created_pos), columns_json = VALUES(columns_json), "
         "snapshots_json = VALUES(snapshots_json), through_after = VALUES(through_after), "
         "through_file = VALUES(through_file), through_pos = VALUES(through_pos), "
         "created_mark = VALUES(created_mark), through_mark = VALUES(through_mark), "
-        "generation = VALUES(generation), updated_at = CURRENT_TIMESTAMP(6)"
+        "generation = VALUES(generation), created_gtid = VALUES(created_gtid), "
+        "through_gtid = VALUES(through_gtid), updated_at = CURRENT_TIMESTAMP(6)"
     )
     with translated("writing the control table"), conn.cursor() as cur:
         cur.execute(
@@ -254,8 +264,43 @@ def write(conn: pymysql.connections.Connection[Any], database: str, row: Control
                 row.created_mark,
                 row.through_mark,
                 row.generation,
+                row.created_gtid,
+                row.through_gtid,
             ),
         )
+
+
+#: What :func:`gtid_at` returns where the server cannot say (MySQL: no BINLOG_GTID_POS).
+UNKNOWN = "?"
+
+
+def gtid_at(conn: pymysql.connections.Connection[Any], name: str, offset: int) -> str | None:
+    """MariaDB's GTID state of the binary log at ``name``:``offset`` (``BINLOG_GTID_POS``,
+    which reads the file up to there); ``''`` before any GTID, None where no event starts
+    there (or the file is gone), :data:`UNKNOWN` on a server without the function.
+
+    A file's mark (server id, creation second) is all its header says, so two resets
+    within one second make files with one mark; what the log held before a recorded
+    offset tells them apart (compared by :func:`same_gtid`).
+    """
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT BINLOG_GTID_POS(%s, %s)", (name, offset))
+            row = cur.fetchone()
+    except pymysql.MySQLError:
+        return UNKNOWN
+    return None if row is None or row[0] is None else str(row[0])
+
+
+def same_gtid(recorded: str | None, found: str | None) -> bool:
+    """Does the log hold, at an offset, the GTID state recorded there (every GTID of
+    ``recorded`` among ``found``'s)? True when either is unknown."""
+    if recorded is None or UNKNOWN in (recorded, found):
+        return True
+    if found is None:
+        return False
+    have = {g for g in found.split(",") if g}
+    return all(g in have for g in recorded.split(",") if g)
 
 
 def next_generation(previous: ControlRow | None, now: float) -> int:
@@ -274,7 +319,14 @@ def next_generation(previous: ControlRow | None, now: float) -> int:
     return generation
 
 
-_PLAIN = ("through_after", "through_file", "through_pos", "through_mark", "schema_break")
+_PLAIN = (
+    "through_after",
+    "through_file",
+    "through_pos",
+    "through_mark",
+    "through_gtid",
+    "schema_break",
+)
 
 
 def update(
@@ -316,14 +368,17 @@ __all__ = [
     "ADDED_COLUMNS",
     "CHUNKS",
     "TABLE",
+    "UNKNOWN",
     "ControlRow",
     "create_sql",
     "delete",
     "ensure",
     "exists",
+    "gtid_at",
     "next_generation",
     "read",
     "read_installed",
+    "same_gtid",
     "update",
     "upgrade",
     "upgrade_sql",

@@ -36,8 +36,9 @@ reads a change, and a file that is not the one the position was recorded in
 is a :class:`~dbtrigger.errors.SlotLostError` (``cdc recreate --snapshot``),
 never a read from that offset, which would skip what the new file holds before
 it, start inside an event, or wait beyond the file's end. It costs nothing per
-read: the dump sends that event anyway. (A log reset within the second its
-previous first file was created, by the same server, is not told apart.)
+read: the dump sends that event anyway. Two resets within one second give
+files one mark: on MariaDB the GTID state at the position is recorded too and
+checked where a read starts at a recorded position (``BINLOG_GTID_POS``).
 
 A checkpoint beyond the end of the log (its file number past the newest, or
 its offset past its file's end) is in a log that was reset; when the control
@@ -111,6 +112,9 @@ class _ReadState:
     want_mark: str | None = None
     #: The mark of ``file`` (None until its format description event is read).
     mark: str | None = None
+    #: The GTID of the last transaction begun, and of the last one before ``boundary``.
+    gtid: str | None = None
+    boundary_gtid: str | None = None
 
 
 @dataclass
@@ -132,6 +136,9 @@ class BinlogPoller:
         #: (file name, offset, its file's mark) where the last read ended at a transaction
         #: boundary.
         self.continue_from: tuple[str, int, str | None] | None = None
+        #: The GTID state the log holds at ``continue_from`` (as far as this reader knows).
+        self.continue_gtid: str | None = None
+        self._seed_gtid: str | None = None
         self._last_through_write = 0.0
         self._through_written: tuple[str, str, int] | None = None
         #: A dump stopped inside a transaction for want of room (see :meth:`_dump`).
@@ -154,6 +161,7 @@ class BinlogPoller:
         key = "-" if after is None else after.text
         if row is not None and row.through_after == key and row.through_file in sizes:
             assert row.through_pos is not None  # noqa: S101 - written together
+            self.check_gtid(row.through_file, row.through_pos, row.through_gtid)
             return row.through_file, row.through_pos, None, row.through_mark
         if row is None or row.created_file is None or row.created_pos is None:
             raise SlotLostError(
@@ -171,7 +179,10 @@ class BinlogPoller:
             # operator chose to go on from the new start.
             name, offset, expect = row.created_file, row.created_pos, None
             index, mark = created[0], row.created_mark
+            if name in sizes:
+                self.check_gtid(name, offset, row.created_gtid)
         else:
+            self._seed_gtid = None
             index, offset = where.file_index, where.offset
             expect = None if after is None else after.commit
             name, mark = by_index.get(index, ""), None
@@ -191,6 +202,25 @@ class BinlogPoller:
                 poller=s.poller,
             )
         return name, offset, expect, mark
+
+    def check_gtid(self, name: str, offset: int, recorded: str | None) -> None:
+        """MariaDB: the log holds at ``name``:``offset`` the GTID state recorded with the
+        position (a file of another reset within the same second has the same mark).
+
+        Raises:
+            SlotLostError: it does not.
+        """
+        self._seed_gtid = recorded
+        s = self.source
+        if recorded is None or not s.facts.mariadb:
+            return
+        found = control.gtid_at(s.connection(), name, offset)
+        if not control.same_gtid(recorded, found):
+            raise self.reset_error(
+                f"the binary log at {name}:{offset} is not where poller {s.poller or s.reader}'s "
+                f"position was recorded (the log held GTID {recorded or '(none)'} there, it "
+                f"holds {found or 'no event boundary'} now)"
+            )
 
     @property
     def generation(self) -> int | None:
@@ -237,6 +267,7 @@ class BinlogPoller:
             held.close()
         if buffer.covers(after) and self.continue_from is not None:
             name, offset, mark = self.continue_from
+            self._seed_gtid = self.continue_gtid
             expect = None
             room = max(1, keep - buffer.pending(after))
         else:
@@ -270,6 +301,7 @@ class BinlogPoller:
             **DUMP_OPTIONS,
         )
         state = _ReadState(name, file_index(name), offset, (name, offset), expect is None, mark)
+        state.gtid = state.boundary_gtid = self._seed_gtid
         self._dump(_Dump(stream, state), after, expect)
 
     def _dump(self, dump: _Dump, after: LogPosition | None, expect: str | None) -> None:
@@ -331,6 +363,7 @@ class BinlogPoller:
             if boundary is None
             else (*boundary, state.mark if boundary[0] == state.file else None)
         )
+        self.continue_gtid = state.boundary_gtid if boundary is not None else None
         buffer.finish(complete=not stopped, through=None)
         s.schema_break = asm.schema_break
 
@@ -362,7 +395,7 @@ class BinlogPoller:
                 raise self.other_log(want, state.mark, state.file, start)
             return
         if kind is ev.MariadbGtidEvent or kind is ev.GtidEvent:
-            gtid = event.gtid if getattr(event, "gno", 1) else None
+            gtid = state.gtid = event.gtid if getattr(event, "gno", 1) else None
             token = commit_token(state.index, start, gtid, self.generation)
             if not state.checked:
                 state.checked = True
@@ -399,6 +432,7 @@ class BinlogPoller:
         if txn is not None:
             buffer.append(txn)
         state.boundary = (state.file, end)
+        state.boundary_gtid = state.gtid
 
     def not_there(self, expect: str, found: str, name: str, offset: int) -> SlotLostError:
         s = self.source
@@ -492,6 +526,7 @@ class BinlogPoller:
             through_file=name,
             through_pos=offset,
             through_mark=mark,
+            through_gtid=self.continue_gtid,
         )
         self._through_written = (key, name, offset)
         if s.control_row is not None:
@@ -499,6 +534,7 @@ class BinlogPoller:
             s.control_row.through_file = name
             s.control_row.through_pos = offset
             s.control_row.through_mark = mark
+            s.control_row.through_gtid = self.continue_gtid
 
     def close(self) -> None:
         held, self._held = self._held, None

@@ -263,6 +263,7 @@ class BinlogSource(LogSource):
                 if after is None
                 else Where.parse(after.commit).generation,
             )
+            row.created_gtid = control.gtid_at(conn, *start)
             self.write_control(conn, row)
             log.info(
                 "binlog reader %s created at %s:%s (server_id %d%s)",

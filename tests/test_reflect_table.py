@@ -42,3 +42,25 @@ def test_both_sources_say_the_same_of_a_missing_table(tmp_path: Path) -> None:
     finally:
         keyset.close()
         claims.close()
+
+
+def test_a_relative_sqlite_path_says_which_file_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's ``sqlite:///shop.db`` run from another directory: SQLite made an empty
+    ``shop.db`` there and the error said only that the table does not exist."""
+    monkeypatch.chdir(tmp_path)
+    source = SqlAlchemySource(
+        url="sqlite:///shop.db", table="orders", cursor_column="id", pk_columns=["id"]
+    )
+    try:
+        with pytest.raises(ConfigurationError) as info:
+            source.fetch(None, 10)
+    finally:
+        source.close()
+    message = str(info.value)
+    assert message.startswith(f"table sqlite:orders {MISSING.replace(chr(92), '')}; ")
+    assert f"shop.db is relative to the working directory, so this is {tmp_path / 'shop.db'}" in (
+        message
+    )
+    assert "sqlite:////abs/path.db" in message

@@ -20,6 +20,7 @@ place, with two invariants:
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -235,7 +236,25 @@ def reflect_table(
         where = shown or (f"{schema}.{name}" if schema else name)
         raise ConfigurationError(
             f"table {where} does not exist (or is not visible to this user)"
+            + _relative_sqlite(conn)
         ) from None
+
+
+def _relative_sqlite(conn: Connection) -> str:
+    """What to add when the database is a SQLite file named relative to the working
+    directory: run from another directory, ``sqlite:///shop.db`` is another file,
+    which SQLite created empty (the usual cause of a missing table on a first run)."""
+    url = conn.engine.url
+    path = url.database or ""
+    if url.get_backend_name() != "sqlite" or path in ("", ":memory:") or os.path.isabs(path):
+        return ""
+    if path.startswith("file:"):
+        return ""
+    return (
+        f"; {path} is relative to the working directory, so this is "
+        f"{os.path.abspath(path)}: run from the directory that holds the database, "
+        "or give an absolute path (sqlite:////abs/path.db)"
+    )
 
 
 class TableOnce(Once):

@@ -60,3 +60,20 @@ def test_a_plain_tick_with_rows_left_says_they_wait(
     assert line.endswith(
         "; more pending, left for the next tick (raise max_batches_per_tick to take more)"
     )
+
+
+def test_a_commit_that_left_the_beginning_says_so() -> None:
+    """Fan-out with a subscriber retrying the first rows: the commit keeps the beginning,
+    and the line read "committed 100 rows in 1 batch, checkpoint None (committed ...)"."""
+    import datetime as dt  # noqa: PLC0415
+
+    from dbtrigger.cursor import BEGINNING, Position  # noqa: PLC0415
+
+    at = dt.datetime(2026, 11, 26, 23, 39, 31, 820000, tzinfo=dt.timezone.utc)
+    text, fields = TickResult(100, 1, "committed", checkpoint=BEGINNING, committed_at=at).summary(0)
+    assert text.startswith(
+        "committed 100 rows in 1 batch, checkpoint (beginning) (committed 23:39:31.820Z)"
+    )
+    assert fields["checkpoint"] == "checkpoint (beginning) (committed 23:39:31.820Z)"
+    later = TickResult(1, 1, "committed", checkpoint=Position(7, {"id": 7})).summary(0)[0]
+    assert later.startswith("committed 1 row in 1 batch, checkpoint 7 id=7")

@@ -227,12 +227,14 @@ class TickResult:
         if self.partitions is not None:
             return f"checkpoints of its {self.partitions} partition(s)"
         cp = self.checkpoint
-        if cp is None:
-            return "checkpoint (beginning)"
-        parts = [str(cp.cursor.isoformat() if isinstance(cp.cursor, dt.datetime) else cp.cursor)]
-        parts += [f"{k}={v}" for k, v in cp.pk.items()]
         at = self.committed_at
         when = f" (committed {at.strftime('%H:%M:%S.%f')[:-3]}Z)" if at is not None else ""
+        # A commit that settled events without passing one (a fan-out subscriber
+        # retrying the first rows) leaves the beginning: it once read "checkpoint None".
+        if cp is None or getattr(cp, "is_beginning", False):
+            return f"checkpoint (beginning){when}"
+        parts = [str(cp.cursor.isoformat() if isinstance(cp.cursor, dt.datetime) else cp.cursor)]
+        parts += [f"{k}={v}" for k, v in cp.pk.items()]
         return f"checkpoint {' '.join(parts)}{when}"
 
     def retries_text(self) -> str:

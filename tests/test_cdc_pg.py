@@ -298,6 +298,24 @@ def test_a_read_that_times_out_is_a_decode_backlog_then_steps_through(
     source.close()
 
 
+def test_a_short_read_timeout_bounds_the_slot_read_alone(cdc_db: CdcDatabase) -> None:
+    """``read_timeout_seconds`` is tuned to step through a decode backlog early;
+    the catalog, heartbeat and slot-position statements around the read run
+    under the standing timeout, so a loaded server cannot cancel one of them
+    with an error that names neither the read nor the backlog."""
+    cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY)")
+    source = PgLogicalSource(
+        cdc_db.url, ["t"], slot="short", snapshot="never", read_timeout_seconds=0.01
+    )
+    assert source.fetch(BEGINNING, 10) == []
+    cdc_db.execute("INSERT INTO t VALUES (1)")
+    assert [r["pk"] for r in source.fetch(BEGINNING, 10)] == [{"id": 1}]
+    timeout = source.connection().execute("SHOW statement_timeout").fetchone()
+    assert timeout is not None
+    assert timeout[0] == "1min", timeout
+    source.close()
+
+
 def test_each_read_writes_a_heartbeat(cdc_db: CdcDatabase) -> None:
     cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY)")
     cdc_db.execute("SELECT pg_create_logical_replication_slot('watch', 'test_decoding')")

@@ -151,19 +151,24 @@ class PollReader:
         max_rows = keep + ROW_SLACK
         try:
             with translated(f"reading replication slot {s.slot}"):
-                cursor = conn.cursor()
-                for (data,) in cursor.stream(
-                    PEEK, (s.slot, lsn_text(upto), max_rows, s.publication), size=2000
-                ):
-                    rows += 1
-                    txn = decoder.feed(data, after)
-                    if (decoder.full or decoder.schema_break is not None) and txn is None:
-                        txn = decoder.partial()  # stop inside it: out of room, or a type change
-                        stopped = True
-                    if txn is not None:
-                        buffer.append(txn)
-                    if stopped:
-                        break
+                s.set_timeout(conn, s.read_timeout)  # the read alone (see standing_timeout)
+                try:
+                    cursor = conn.cursor()
+                    for (data,) in cursor.stream(
+                        PEEK, (s.slot, lsn_text(upto), max_rows, s.publication), size=2000
+                    ):
+                        rows += 1
+                        txn = decoder.feed(data, after)
+                        if (decoder.full or decoder.schema_break is not None) and txn is None:
+                            txn = decoder.partial()  # stop inside it: out of room, or a type change
+                            stopped = True
+                        if txn is not None:
+                            buffer.append(txn)
+                        if stopped:
+                            break
+                finally:
+                    if not (conn.closed or conn.broken):
+                        s.set_timeout(conn, s.standing_timeout)
         except DecodeBacklogError:
             raise
         except Exception as exc:

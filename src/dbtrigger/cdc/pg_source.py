@@ -191,8 +191,19 @@ class PgLogicalSource(LogSource):
 
     def open_connection(self) -> psycopg.Connection[Any]:
         conn = connect(self.url)
-        self.set_timeout(conn, self.read_timeout)
+        self.set_timeout(conn, self.standing_timeout)
         return conn
+
+    @property
+    def standing_timeout(self) -> float:
+        """The statement timeout of everything but the slot read itself.
+
+        ``read_timeout_seconds`` bounds the decoding read, which is what a
+        backlog makes slow; a short one (tuned to step through a backlog early)
+        must not also cancel the quick catalog and heartbeat statements around
+        it, which would fail the tick with an error that names neither.
+        """
+        return max(self.read_timeout, SETUP_TIMEOUT)
 
     def usable(self, conn: psycopg.Connection[Any]) -> bool:
         return not (conn.closed or conn.broken)
@@ -210,7 +221,7 @@ class PgLogicalSource(LogSource):
         """
         conn = self.connection()
         # Setting up is quick but must not fail under a read timeout tuned for peeks.
-        self.set_timeout(conn, max(self.read_timeout, SETUP_TIMEOUT))
+        self.set_timeout(conn, self.standing_timeout)
         # One worker of a poller at a time: two that both found no slot would both create
         # publication and slot, and the second one's "already exists" stopped it.
         key = f"dbtrigger_cdc:{self.slot}"
@@ -222,7 +233,6 @@ class PgLogicalSource(LogSource):
             if not conn.closed:
                 with contextlib.suppress(psycopg.Error):
                     conn.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 0))", (key,))
-                self.set_timeout(conn, self.read_timeout)
 
     def _set_up(self, conn: psycopg.Connection[Any], after: LogPosition | None) -> None:
         facts = setup.server_facts(conn)

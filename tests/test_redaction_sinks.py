@@ -82,6 +82,10 @@ def _assert_clean(text: str) -> None:
         ("mssql+pyodbc:///?odbc_connect=SERVER%3Dh%3BPWD%3Dabc123xyz%3BUID%3Du", "abc123xyz"),
         ("odbc_connect=DRIVER%3D%7Bx%7D%3BPWD%3D%7Bse%3Bcret%7D%7Dx9%7D", "cret"),
         ("conn=a%3Db%3Bkey%3Dabc123xyz", "abc123xyz"),
+        # Only a call is code: a value that merely holds a dot or a bracket is masked.
+        ("key=abc.123xyz", "123xyz"),
+        ("token=abc123xyz)", "abc123xyz"),
+        ("password=(abc123xyz", "abc123xyz"),
     ],
 )
 def test_redact_catches_common_credential_spellings(text: str, secret: str) -> None:
@@ -116,6 +120,9 @@ def test_a_known_secret_inside_a_field_name_does_not_unmask_the_field(
         "fencing_token=42 batch_id=b_1 rows=10",
         "checkpoint 2026-01-01T00:00:00.000000Z id=5",
         "odbc_connect=SERVER%3Dh%3BDATABASE%3Dshop%3BUID%3Dapp",
+        # A traceback quotes the handler's source: the README's own handler line.
+        "    upsert_somewhere(event.pk, event.after, key=event.dedup_key())",
+        "    token = tokens.issue(ctx.poller)",
     ],
 )
 def test_redact_leaves_ordinary_operational_text_alone(

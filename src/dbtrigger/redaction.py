@@ -128,6 +128,12 @@ _NEEDLES: tuple[tuple[str, ...], ...] = (
 
 _CREDENTIAL_NAME = re.compile(rf"(?i){_NAME}|authorization")
 
+# A value that is a call (``event.dedup_key()``, ``vault.read("db")``) is a line of
+# code - a traceback quotes the handler's source - not a credential: the README's
+# handler once logged as ``key=***``. No secret format (base64, hex, SAS, URL-encoded
+# text) is a dotted name followed by ``(``; a registered secret is masked regardless.
+_CODE_CALL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*\(")
+
 
 def _credential_value(separator: str) -> Callable[[re.Match[str]], str]:
     """Replacement for the ``name=value`` / ``name: value`` patterns."""
@@ -136,6 +142,8 @@ def _credential_value(separator: str) -> Callable[[re.Match[str]], str]:
         name = match.group(1)
         if not _CREDENTIAL_NAME.fullmatch(name):
             return match.group(0)
+        if separator == "=" and _CODE_CALL.match(match.group(2)):
+            return match.group(0)  # code, not a value: a traceback's `key=event.dedup_key()`
         if separator in ("=", "%3D"):
             return f"{name}{separator}{MASK}"
         return f"{name}{match.group(2)}{MASK}"

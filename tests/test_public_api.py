@@ -169,3 +169,27 @@ def test_names_the_root_no_longer_offers_still_work_with_a_warning() -> None:
 
 def test_version_comes_from_the_package_metadata() -> None:
     assert dbtrigger.__version__ == metadata.version("dbtrigger")
+
+
+def test_the_contracts_names_are_exported_and_explained() -> None:
+    """The runtime contract is written in these names: each is importable from the
+    root and has a line in docs/api.md saying what it promises."""
+    section = API.read_text(encoding="utf-8").split("## The names the runtime contract uses", 1)
+    assert len(section) == 2, "docs/api.md lost its section on the contract's names"
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[2].strip()
+        for line in section[1].split("\n## ", 1)[0].splitlines()
+        if line.startswith("| `")
+    }
+    named = {"db.trigger", "db.output", *CONTRACT_ERRORS[1:]}
+    named |= {"PollTrigger", "SqlAlchemySource", "BlobCheckpointStore", "RowChange"}
+    named |= {"DbOut", "MetricsCollector"}
+    explained = {name for row in rows for name in re.findall(r"`([\w.]+)`", row)}
+    assert named - explained == set()
+    assert all(len(text) > 40 for text in rows.values()), "a name without its meaning"
+    with import_warnings_as_errors():
+        for name in named - {"db.trigger", "db.output"}:
+            assert getattr(dbtrigger, name) is not None
+        bindings = dbtrigger.DbBindings
+        assert callable(bindings.trigger)
+        assert callable(bindings.output)

@@ -28,6 +28,7 @@ from azure.data.tables import TableClient
 from azure.storage.blob import BlobServiceClient
 
 from dbtrigger import (
+    CommitError,
     FetchError,
     FileCheckpointStore,
     HandlerError,
@@ -36,6 +37,7 @@ from dbtrigger import (
     RowChange,
 )
 from dbtrigger.errors import CasConflictError, CorruptStateError, FingerprintMismatchError
+from dbtrigger.faults import Fault, FaultPlan, FaultyStore
 from dbtrigger.runtime.context import BatchContext
 from dbtrigger.state import document as docmod
 from dbtrigger.state.stores import (
@@ -51,6 +53,7 @@ from tests.reliability_support import (
     Recorder,
     add_items,
     checkpoint_id,
+    commit_writes,
     items_source,
     items_table,
     make_trigger,
@@ -413,3 +416,49 @@ def test_a_handler_hung_past_its_lease_is_taken_over_and_its_late_return_writes_
     assert isinstance(result, LostLeaseError)
     assert store.read("items") == committed, "the late return wrote to the state"
     assert checkpoint_id(store) == 5
+
+
+# --- W1 / W5: the commit fails, or its answer is lost ---------------------------------------------
+
+
+def test_a_failed_commit_releases_and_the_same_batch_comes_again(
+    five: TestDatabase, store: CheckpointStore
+) -> None:
+    plan = FaultPlan()
+    plan.add("write", Fault.UNAVAILABLE, times=None, match=commit_writes(store))
+    faulty = FaultyStore(store, plan)
+    trigger = make_trigger(items_source(five), faulty)
+    handler = Recorder()
+    with pytest.raises(CommitError) as info:
+        trigger.tick(handler)
+    assert not isinstance(info.value, LostLeaseError)
+    assert read_doc(store).checkpoint is None
+    assert _no_lease_held(store)
+    plan.clear()
+    assert trigger.tick(handler) == 5
+    assert handler.event_ids[0] == handler.event_ids[1]
+    assert checkpoint_id(store) == 5
+
+
+@pytest.mark.parametrize(
+    ("fault", "redelivered"), [(Fault.AMBIGUOUS_LANDED, False), (Fault.AMBIGUOUS_LOST, True)]
+)
+def test_an_ambiguous_commit_ends_in_a_duplicate_at_worst_never_a_loss(
+    five: TestDatabase, store: CheckpointStore, fault: Fault, redelivered: bool
+) -> None:
+    plan = FaultPlan()
+    plan.add("write", fault, match=commit_writes(store))
+    plan.add("read", Fault.UNAVAILABLE, skip=1, times=None)  # the read-back cannot settle it
+    clock = Clock()
+    trigger = make_trigger(
+        items_source(five), FaultyStore(store, plan), clock=clock, lease_ttl_seconds=30
+    )
+    with pytest.raises(CommitError):
+        trigger.tick(Recorder())
+    plan.clear()
+    clock.advance(36)  # the release could not be written either: past our own lease
+    again = Recorder()
+    assert trigger.tick(again) == (5 if redelivered else 0)
+    assert checkpoint_id(store) == 5
+    _more(five, range(6, 8))
+    assert trigger.tick(again) == 2, "rows after the settled commit were lost"

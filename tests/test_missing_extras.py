@@ -72,3 +72,14 @@ def test_every_extra_named_exists_and_brings_the_module() -> None:
         wanted = distributions.get(module, module).replace("_", "-")
         listed = [r.split(">")[0].split("=")[0].split("[")[0].strip() for r in extras[extra]]
         assert any(name.startswith(wanted) for name in listed), (module, extra, listed)
+
+
+def test_a_contract_suite_without_pytest_says_to_install_it() -> None:
+    """testing.md's example on an install without pytest: "No module named 'pytest'"."""
+    said = _import_without("pytest", "from dbtrigger.testing import StoreContract")
+    kind, name, message = said.split("|")
+    assert (kind, name) == ("ModuleNotFoundError", "pytest")
+    assert message.startswith("StoreContract is a pytest suite")
+    assert "pip install pytest" in message
+    plain = "from dbtrigger.testing import MemorySource, CountingStore"
+    assert _import_without("pytest", plain) == ""  # the fakes need no pytest

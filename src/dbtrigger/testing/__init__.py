@@ -55,8 +55,16 @@ def __getattr__(name: str) -> Any:
     # The suites import pytest: load them only when someone asks for one (every
     # public name not bound above is a contract suite's).
     if name in __all__:
-        from dbtrigger.testing import contracts  # noqa: PLC0415
-
+        try:
+            from dbtrigger.testing import contracts  # noqa: PLC0415
+        except ModuleNotFoundError as exc:
+            if exc.name != "pytest":
+                raise
+            raise ModuleNotFoundError(
+                f"{name} is a pytest suite (its tests are pytest test methods): "
+                "pip install pytest, then run your test module with python -m pytest",
+                name="pytest",
+            ) from exc
         return getattr(contracts, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

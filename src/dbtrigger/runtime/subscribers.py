@@ -8,37 +8,30 @@ are its own). What each event then becomes is the pure decision of
 :mod:`dbtrigger.state.fanout`:
 
 * settled when every subscriber it was handed to accepted it, or when one
-  rejected it (or used up ``max_attempts``) and the dead-letter write
-  succeeded - one record per event, naming every subscriber's reason;
+  rejected it - or used up ``max_attempts`` and no other still owes it - and
+  the dead-letter write succeeded: one record per event, with the reasons;
 * otherwise pending for the subscribers that failed it - a ``ctx.retry``, a
   raise (a :class:`~dbtrigger.errors.PartialBatchError` fails only the rows
   it names; at the last attempt, with a sink, a raise on several events has
   them bisected first: :mod:`dbtrigger.runtime.subscriber_poison`), or no
   answer within ``ack_timeout_seconds`` - and delivered again, after the
-  backoff, **to those subscribers only**. The subscribers
-  still owed an event are stored with its pending entry in the state
-  document's window, so this survives restarts.
+  backoff, **to those subscribers only**; who owes what is kept in the
+  window's pending entries, so this survives restarts.
 
 A subscriber that raises or hangs fails its own events only; the others'
 outcomes stand and commit. A hung synchronous subscriber cannot be stopped
-from outside: its context says ``ctx.cancelled`` (check it in long loops), an
-async one is cancelled, and until the abandoned call returns that subscriber
-is *busy*: it is handed nothing new, and its share of later batches waits for
-it - no attempt is counted for events it never received - and is handed to it
-once it is free (:func:`dbtrigger.state.fanout.held` keeps events that only
-busy subscribers owe out of the batches meanwhile; the window's pressure rule
-bounds how far the others run ahead). A lost lease ends the wait for the
-subscribers at once, whatever their ack timeout.
+from outside (``ctx.cancelled`` says it was given up; an async one is
+cancelled): until its call returns it is *busy*, handed nothing new, and its
+share of later batches waits for it, uncounted, and is handed to it once it
+is free (:func:`dbtrigger.state.fanout.held`; the window's pressure rule
+bounds how far the others run ahead). A lost lease ends the wait at once.
 
-When the checkpoint is held by subscribers that cannot take their events -
-busy ones, or removed ones with no dead-letter sink to write their events
-to - the poller says so once per change, at WARNING (``checkpoint_held``),
-naming them, the events they owe and what to do.
+When subscribers that cannot take their events (busy, or removed with no sink)
+hold the checkpoint, the poller says so once per change (``checkpoint_held``).
 
 Cost: one fetch and one commit per batch however many subscribers; the window
 rides on the commit. This class extends :class:`~dbtrigger.runtime.delivery.Delivery`
-(the handler call, lanes, the dead-letter write) and, like it, never writes
-state.
+(the handler call, lanes, the dead-letter write) and, like it, never writes state.
 """
 
 from __future__ import annotations
@@ -110,6 +103,8 @@ class FanOut(Delivery):
         self.ack_timeout = ack_timeout
         #: Calls that outlived their ack timeout (or a lost lease) and are still running.
         self._abandoned: dict[str, threading.Thread] = {}
+        sink = self.quarantine is not None
+        self._limits: dict[str, Any] = {"max_attempts": self.max_attempts, "has_sink": sink}
         #: Says what holds the checkpoint, once per change.
         self._report_held = HeldReport(
             self.telemetry, poller=self.poller, ack_timeout=ack_timeout, cli_target=self.cli_target
@@ -140,17 +135,16 @@ class FanOut(Delivery):
         if not window.pending:
             self._report_held({})
             return frozenset()
-        has_sink = self.quarantine is not None
         keys: set[str] = set()
         held: dict[tuple[str, tuple[str, ...]], int] = {}
         for entry in window.pending:
-            why = fanout.held(entry.owed, self.subscribers, busy, has_sink=has_sink)
+            why = fanout.held(entry.owed, self.subscribers, busy, **self._limits)
             if why is None:
                 continue
             keys.add(key_of(entry.position))
             names = list(self.subscribers) if entry.owed is None else list(entry.owed)
-            if why == fanout.BUSY:
-                names = [name for name in names if name in self.subscribers]
+            if why == fanout.BUSY:  # (those that gave up on it hold nothing: they wait)
+                names = fanout.takers(entry.owed, self.subscribers, **self._limits)
             group = (why, tuple(sorted(names)))
             held[group] = held.get(group, 0) + 1
         self._report_held(held)
@@ -184,6 +178,7 @@ class FanOut(Delivery):
         pending = [e for e in events if e.event_id not in done] if done else list(events)
         handed: dict[str, dict[str, int]] = {}
         gone: dict[str, tuple[str, ...]] = {}
+        spent: dict[str, dict[str, int]] = {}  # event id -> who gave up on it (not handed it)
         # The usual batch: no event of it waits for a retry, so every subscriber
         # gets all of it, and no event id need be computed unless one is marked.
         uniform = not owed and not event_attempts
@@ -195,10 +190,12 @@ class FanOut(Delivery):
             if before is None and event.event_id in event_attempts:
                 # Left pending by a single-handler poller: every subscriber owes it.
                 before = dict.fromkeys(names, event_attempts[event.event_id])
-            fan, left = fanout.fan_out_set(before, names)
+            fan, left = fanout.fan_out_set(before, names, **self._limits)
             handed[event.event_id] = fan
             if left:
                 gone[event.event_id] = left
+            if gave_up := fanout.given_up(before, names, **self._limits):
+                spent[event.event_id] = gave_up
             for name in fan:
                 parts[name].append(event)
         calls = self._run(wrap, parts, handed, ctx, meanwhile)
@@ -210,7 +207,7 @@ class FanOut(Delivery):
         if uniform:
             handed = {e.event_id: dict.fromkeys(names, 0) for e in pending}
         results = self._results(calls, ctx)
-        return self._fold(ctx, events, pending, handed, gone, results, done)
+        return self._fold(ctx, events, pending, handed, gone, results, done, spent)
 
     # --- running the subscribers ------------------------------------------------------
 
@@ -410,6 +407,7 @@ class FanOut(Delivery):
         gone: Mapping[str, tuple[str, ...]],
         results: Mapping[str, Mapping[str, Resolution]],
         done: frozenset[str],
+        spent: Mapping[str, Mapping[str, int]],
     ) -> Outcome:
         counts = {name: fanout.SubscriberCounts() for name in self.subscribers}
         decisions: dict[str, Decision] = {}
@@ -425,6 +423,7 @@ class FanOut(Delivery):
                 max_attempts=self.max_attempts,
                 has_sink=self.quarantine is not None,
                 gone=gone.get(i, ()),
+                spent=spent.get(i),
             )
         by_id = {e.event_id: e for e in pending}
         self._report(ctx, by_id, decisions)
@@ -437,7 +436,8 @@ class FanOut(Delivery):
                 RetriesExhausted(d.reason) if d.exhausted else EventRejected(d.reason)
             )
             doomed.append((by_id[i], error))
-            attempts[i] = max(handed[i].values(), default=0) + 1
+            earlier = [*spent.get(i, {}).values()]
+            attempts[i] = max([n + 1 for n in handed[i].values()] + earlier, default=1)
         if doomed:
             try:
                 self.dead_letters.write(ctx, doomed, attempts)

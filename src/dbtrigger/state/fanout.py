@@ -17,6 +17,13 @@ channel of seed 004, on a keyset poller):
   (:attr:`Fate.DEAD_LETTER`; a reject is terminal for the *event*, so other
   subscribers' retries of it end there too: the row is dead-lettered once,
   with every subscriber's reason);
+* a subscriber that used up its attempts (with a sink) has **given up** on
+  the event, not decided it for the others: it is handed the event no more
+  (:func:`fan_out_set`), and the event goes on to every subscriber that still
+  owes it - busy, or with attempts of its own left - and is dead-lettered
+  once none does, in the names of those that gave up (or rejected it). Before,
+  it was dead-lettered at once, and a subscriber busy meanwhile never got an
+  event it was never handed;
 * otherwise it is **pending** for exactly the subscribers that failed it
   (:attr:`Fate.PENDING`): it is delivered again, after the backoff, to them
   only - a subscriber that accepted it never sees it again (billing is not
@@ -143,20 +150,45 @@ class Decision:
 
 
 def fan_out_set(
-    owed: Mapping[str, int] | None, subscribers: Sequence[str]
+    owed: Mapping[str, int] | None,
+    subscribers: Sequence[str],
+    *,
+    max_attempts: int | None = None,
+    has_sink: bool = False,
 ) -> tuple[dict[str, int], tuple[str, ...]]:
     """The subscribers an event is handed to now, with their attempts so far,
     and those it was owed to that are gone.
 
     ``owed`` is the event's pending entry (None: a new event, or one that a
-    single-handler poller left pending - every subscriber gets it).
+    single-handler poller left pending - every subscriber gets it). With a
+    sink (and ``max_attempts``), a subscriber that used up its attempts is
+    not handed it again (:func:`given_up`): it waits for the others.
     """
     if owed is None:
         return dict.fromkeys(subscribers, 0), ()
     configured = set(subscribers)
-    kept = {name: count for name, count in owed.items() if name in configured}
+    spent = given_up(owed, subscribers, max_attempts=max_attempts, has_sink=has_sink)
+    kept = {name: count for name, count in owed.items() if name in configured and name not in spent}
     gone = tuple(sorted(name for name in owed if name not in configured))
     return kept, gone
+
+
+def given_up(
+    owed: Mapping[str, int] | None,
+    subscribers: Collection[str],
+    *,
+    max_attempts: int | None,
+    has_sink: bool,
+) -> dict[str, int]:
+    """The configured subscribers that used up their attempts on a waiting event
+    (``owed``: its pending entry), each with its count. Only with a sink: without
+    one nothing can take the event off the checkpoint, so it stays handed to them
+    (reported as poison)."""
+    if owed is None or not has_sink or max_attempts is None:
+        return {}
+    return {
+        name: count for name, count in owed.items() if name in subscribers and count >= max_attempts
+    }
 
 
 def decide(
@@ -166,6 +198,7 @@ def decide(
     max_attempts: int,
     has_sink: bool,
     gone: Collection[str] = (),
+    spent: Mapping[str, int] | None = None,
 ) -> Decision:
     """Fold the resolutions of one event's fan-out set into its fate.
 
@@ -178,12 +211,14 @@ def decide(
             is final (dead-lettered, or held loudly without a sink).
         has_sink: a dead-letter sink is configured.
         gone: subscribers the event was owed to that are no longer configured.
+        spent: subscribers that gave up on it in an earlier batch (not handed
+            it now, :func:`given_up`), each with its count.
     """
     accepted = rejected = failed = deferred = 0
     owed: dict[str, int] = {}
     rejects: dict[str, str] = {}
     failures: dict[str, str] = {}
-    spent: list[str] = []
+    spent_now: list[str] = []
     for name, before in handed.items():
         result = results.get(name, _MISSING)
         if result.kind is Kind.ACCEPTED:
@@ -201,16 +236,28 @@ def decide(
             failures[name] = result.reason
             owed[name] = before + 1
             if before + 1 >= max_attempts:
-                spent.append(name)
+                spent_now.append(name)
     tally = Tally(accepted, rejected, failed, deferred)
     gone_t = tuple(sorted(gone))
+    earlier = dict(spent or {})
+    gave_up = {name: f"failed on all {count} attempts" for name, count in earlier.items()}
     if rejects:
-        return Decision(Fate.DEAD_LETTER, tally, reasons={**failures, **rejects}, gone=gone_t)
-    if spent and has_sink:
-        return Decision(Fate.DEAD_LETTER, tally, reasons=failures, exhausted=True, gone=gone_t)
+        return Decision(
+            Fate.DEAD_LETTER, tally, reasons={**gave_up, **failures, **rejects}, gone=gone_t
+        )
+    if (spent_now or earlier) and has_sink:
+        # Given up by some: dead-lettered once nobody else still owes it (a busy
+        # subscriber never had it; another may have attempts left).
+        still = {name: count for name, count in owed.items() if name not in spent_now}
+        if not still:
+            why = {**gave_up, **{name: failures[name] for name in spent_now}}
+            return Decision(Fate.DEAD_LETTER, tally, reasons=why, exhausted=True, gone=gone_t)
+        return Decision(
+            Fate.PENDING, tally, owed={**owed, **earlier}, reasons=failures, gone=gone_t
+        )
     if owed:
         return Decision(
-            Fate.PENDING, tally, owed=owed, reasons=failures, gone=gone_t, stuck=tuple(spent)
+            Fate.PENDING, tally, owed=owed, reasons=failures, gone=gone_t, stuck=tuple(spent_now)
         )
     if tally.is_clean:
         return Decision(Fate.SETTLED, tally, gone=gone_t)
@@ -232,6 +279,7 @@ def held(
     busy: Collection[str],
     *,
     has_sink: bool,
+    max_attempts: int | None = None,
 ) -> str | None:
     """Must a waiting event stay out of the next batch? Why (:data:`BUSY`,
     :data:`GONE`), or None when some subscriber can take it now.
@@ -241,15 +289,34 @@ def held(
     comes as soon as one is free), or has been removed while no dead-letter
     sink can take it (it comes once the subscriber is back or a sink is
     configured). ``owed`` None (a single handler's retry) is owed to every
-    subscriber.
+    subscriber. A subscriber that gave up on it (:func:`given_up`, with
+    ``max_attempts``) takes nothing: it waits for the others.
     """
     names = list(subscribers) if owed is None else list(owed)
     configured = [name for name in names if name in subscribers]
-    if any(name not in busy for name in configured):
+    able = takers(owed, subscribers, max_attempts=max_attempts, has_sink=has_sink)
+    if any(name not in busy for name in able):
         return None
-    if configured:
+    if able:
         return BUSY
+    if configured:
+        return None  # only subscribers that gave up on it: handed out, it is dead-lettered
     return None if has_sink else GONE
+
+
+def takers(
+    owed: Mapping[str, int] | None,
+    subscribers: Collection[str],
+    *,
+    max_attempts: int | None = None,
+    has_sink: bool = False,
+) -> list[str]:
+    """The configured subscribers a waiting event is still to be handed to:
+    those it is owed to (every one for ``owed`` None) less those that gave up on
+    it (:func:`given_up`)."""
+    names = list(subscribers) if owed is None else list(owed)
+    spent = given_up(owed, subscribers, max_attempts=max_attempts, has_sink=has_sink)
+    return [name for name in names if name in subscribers and name not in spent]
 
 
 def owed_by(pending: Sequence[Any]) -> dict[str, int]:

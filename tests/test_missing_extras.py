@@ -83,3 +83,21 @@ def test_a_contract_suite_without_pytest_says_to_install_it() -> None:
     assert "pip install pytest" in message
     plain = "from dbtrigger.testing import MemorySource, CountingStore"
     assert _import_without("pytest", plain) == ""  # the fakes need no pytest
+
+
+def test_every_extra_a_message_or_page_names_exists() -> None:
+    """``pip install "dbtrigger[x]"`` is pasted from errors and docs: x must be an extra."""
+    import re  # noqa: PLC0415
+
+    root = Path(__file__).resolve().parent.parent
+    project = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    extras = set(project["optional-dependencies"])
+    files = [*(root / "src").rglob("*.py"), *(root / "docs").glob("*.md"), root / "README.md"]
+    named = {
+        (path.relative_to(root).as_posix(), extra)
+        for path in files
+        for group in re.findall(r"dbtrigger\[([a-z0-9_,-]+)\]", path.read_text(encoding="utf-8"))
+        for extra in group.split(",")
+    }
+    assert len(named) > 10, "the install commands were not found"
+    assert sorted((where, extra) for where, extra in named if extra not in extras) == []

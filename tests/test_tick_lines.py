@@ -77,3 +77,10 @@ def test_a_commit_that_left_the_beginning_says_so() -> None:
     assert fields["checkpoint"] == "checkpoint (beginning) (committed 23:39:31.820Z)"
     later = TickResult(1, 1, "committed", checkpoint=Position(7, {"id": 7})).summary(0)[0]
     assert later.startswith("committed 1 row in 1 batch, checkpoint 7 id=7")
+
+
+def test_the_demo_says_one_row() -> None:
+    """`dbtrigger demo` printed "batch_...    1 rows (0 new, 1 updated)"."""
+    from dbtrigger.demo import rows_text  # noqa: PLC0415
+
+    assert (rows_text(1), rows_text(10), rows_text(0)) == ("  1 row ", " 10 rows", "  0 rows")

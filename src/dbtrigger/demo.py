@@ -29,6 +29,11 @@ from dbtrigger.state.stores.file import FileCheckpointStore
 STATUSES = ("new", "paid", "packed", "shipped", "delivered")
 
 
+def rows_text(count: int) -> str:
+    """``  1 row `` / `` 10 rows``: a batch's size, aligned down the demo's output."""
+    return f"{count:3d} row{'s' if count != 1 else ' '}"
+
+
 def create_orders_table(engine: sa.Engine) -> sa.Table:
     metadata = sa.MetaData()
     orders = sa.Table(
@@ -123,7 +128,7 @@ def run_demo(
         ids = ", ".join(str(e.pk["id"]) for e in events[:8]) + (" ..." if len(events) > 8 else "")
         after = ctx.checkpoint_after
         print(
-            f"{ctx.batch_id}  {len(events):3d} rows ({new} new, {len(events) - new} updated)"
+            f"{ctx.batch_id}  {rows_text(len(events))} ({new} new, {len(events) - new} updated)"
             f"  ids [{ids}]\n    checkpoint -> updated_at={after.cursor} id={after.pk['id']}"
             f"  (token {ctx.fencing_token})",
             file=out,

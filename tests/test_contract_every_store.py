@@ -35,9 +35,10 @@ from dbtrigger import (
     InMemoryCheckpointStore,
     LostLeaseError,
     RowChange,
+    SerializationError,
 )
 from dbtrigger.errors import CasConflictError, CorruptStateError, FingerprintMismatchError
-from dbtrigger.faults import Fault, FaultPlan, FaultyStore
+from dbtrigger.faults import Fault, FaultPlan, FaultySource, FaultyStore
 from dbtrigger.runtime.context import BatchContext
 from dbtrigger.state import document as docmod
 from dbtrigger.state.stores import (
@@ -222,9 +223,9 @@ def test_a_dead_holders_lease_blocks_until_expiry_then_the_batch_is_redelivered(
     # Another instance took the lease and was killed before committing or releasing.
     dead_token = steal_lease(store, owner="dead", ttl=30, after=clock.now - Clock().now)
     assert trigger.tick(handler) == 0, "a live lease was stolen"
-    clock.advance(30)  # expired, but still inside the grace window for clock skew
+    clock.advance(31)  # expired a second ago, but inside the 5 s grace window for clock skew
     assert trigger.tick(handler) == 0, "the lease was taken inside its grace window"
-    clock.advance(6)
+    clock.advance(5)
     assert trigger.tick(handler) == 5
     assert handler.ids == list(range(1, 11))
     assert handler.deliveries[-1][1] == dead_token + 1
@@ -462,3 +463,42 @@ def test_an_ambiguous_commit_ends_in_a_duplicate_at_worst_never_a_loss(
     assert checkpoint_id(store) == 5
     _more(five, range(6, 8))
     assert trigger.tick(again) == 2, "rows after the settled commit were lost"
+
+
+# --- 5.3 / 5.4: the source fails while the lease is held ----------------------------------------
+
+
+def test_a_fetch_failing_with_the_lease_held_commits_what_was_handled_and_releases(
+    five: TestDatabase, store: CheckpointStore
+) -> None:
+    plan = FaultPlan()
+    plan.add("fetch", Fault.QUERY_ERROR, skip=1, times=None)  # batch 2's fetch
+    trigger = make_trigger(
+        FaultySource(items_source(five), plan), store, batch_size=3, max_batches_per_tick=2
+    )
+    handler = Recorder()
+    with pytest.raises(FetchError):
+        trigger.tick(handler)
+    assert handler.ids == [1, 2, 3]
+    assert checkpoint_id(store) == 3
+    assert _no_lease_held(store)
+    plan.clear()
+    assert trigger.tick(handler) == 2
+    assert handler.ids == [1, 2, 3, 4, 5]
+
+
+def test_a_row_that_cannot_become_a_checkpoint_stops_the_poller_there(
+    five: TestDatabase, store: CheckpointStore
+) -> None:
+    """SQLite keeps text in an integer column: the row is refused, every time, and
+    the checkpoint stays at the row before it."""
+    five.execute("INSERT INTO items (id, version, payload) VALUES (6, 'soon', 'p6')")
+    trigger = make_trigger(items_source(five), store, batch_size=5)
+    handler = Recorder()
+    assert trigger.tick(handler) == 5
+    for _ in range(2):  # a poison configuration: the same failure every tick
+        with pytest.raises(SerializationError, match="soon"):
+            trigger.tick(handler)
+        assert handler.ids == [1, 2, 3, 4, 5]
+        assert checkpoint_id(store) == 5
+        assert _no_lease_held(store)

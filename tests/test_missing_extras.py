@@ -48,6 +48,8 @@ def _import_without(top: str, statement: str) -> str:
         ("azure", "from dbtrigger import BlobCheckpointStore", "azure"),
         ("azure", "from dbtrigger import TableCheckpointStore", "azure"),
         ("azure", "from dbtrigger.state.stores import BlobCheckpointStore", "azure"),
+        ("psycopg", "from dbtrigger.cdc import PgLogicalSource", "cdc"),
+        ("pymysql", "from dbtrigger.cdc import BinlogSource", "binlog"),
     ],
 )
 def test_a_name_an_extra_brings_says_which_extra(top: str, statement: str, extra: str) -> None:
@@ -101,3 +103,21 @@ def test_every_extra_a_message_or_page_names_exists() -> None:
     }
     assert len(named) > 10, "the install commands were not found"
     assert sorted((where, extra) for where, extra in named if extra not in extras) == []
+
+
+def test_a_binlog_source_without_the_protocol_module_says_the_extra() -> None:
+    """mysql-replication is imported at the first read: without it every tick
+    failed with a bare ModuleNotFoundError. Building the source says it."""
+    statement = textwrap.dedent(
+        """
+        from dbtrigger.cdc import BinlogSource
+        from dbtrigger.errors import ConfigurationError
+        try:
+            BinlogSource("mysql+pymysql://root@127.0.0.1/shop", ["orders"])
+        except ConfigurationError as exc:
+            print("ConfigurationError", "", exc, sep="|")
+        """
+    ).replace("\n", "\n        ")
+    kind, _, message = _import_without("pymysqlreplication", statement).split("|")
+    assert kind == "ConfigurationError"
+    assert message.endswith('pip install "dbtrigger[binlog]"'), message

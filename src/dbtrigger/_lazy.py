@@ -28,17 +28,31 @@ EXTRAS = {
 }
 
 
-def _without_extra(name: str, exc: ModuleNotFoundError) -> ModuleNotFoundError:
+def _without_extra(
+    name: str, exc: ModuleNotFoundError, extras: Mapping[str, str] = EXTRAS
+) -> ModuleNotFoundError:
     """``from dbtrigger import BlobCheckpointStore`` on a core install said only
-    "No module named 'azure'": the error names the extra that brings it."""
+    "No module named 'azure'": the error names the extra that brings it.
+    ``extras`` maps a missing top-level module to that extra (a package whose
+    names need an extra of their own, as log capture does, passes its own)."""
     missing = exc.name or ""
-    extra = EXTRAS.get(missing.partition(".")[0])
+    extra = extras.get(missing.partition(".")[0])
     if extra is None:
         return exc
     return ModuleNotFoundError(
         f'{name} needs {missing}, which is not installed: pip install "dbtrigger[{extra}]"',
         name=missing,
     )
+
+
+def import_name(name: str, home: str, extras: Mapping[str, str] = EXTRAS) -> Any:
+    """``name`` from module ``home``; a missing optional module is said as the
+    extra to install (see :func:`_without_extra`)."""
+    try:
+        module = importlib.import_module(home)
+    except ModuleNotFoundError as exc:
+        raise _without_extra(name, exc, extras) from exc
+    return getattr(module, name)
 
 
 def exports(
@@ -59,11 +73,7 @@ def exports(
     def __getattr__(name: str) -> Any:
         home = names.get(name)
         if home is not None:
-            try:
-                module = importlib.import_module(home)
-            except ModuleNotFoundError as exc:
-                raise _without_extra(name, exc) from exc
-            value = getattr(module, name)
+            value = import_name(name, home)
             vars(importlib.import_module(package))[name] = value
             return value
         new = moved.get(name)
@@ -82,4 +92,4 @@ def exports(
     return __getattr__, __dir__
 
 
-__all__ = ["exports"]
+__all__ = ["EXTRAS", "exports", "import_name"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from dbtrigger._lazy import import_name
 from dbtrigger.cdc.changes import UNCHANGED, Change, Unchanged, transactions
 from dbtrigger.cdc.position import LogPosition
 
@@ -21,16 +22,20 @@ if TYPE_CHECKING:
     from dbtrigger.cdc.pg_source import PgLogicalSource
 
 
+#: Each source's module, and the extra that installs the drivers it needs.
+_SOURCES = {
+    "PgLogicalSource": ("dbtrigger.cdc.pg_source", "cdc"),
+    "BinlogSource": ("dbtrigger.cdc.binlog_source", "binlog"),
+}
+_DRIVERS = ("psycopg", "psycopg2", "pymysql", "pymysqlreplication")
+
+
 def __getattr__(name: str) -> Any:
-    # psycopg is imported only when a PostgreSQL source is asked for.
-    if name == "PgLogicalSource":
-        from dbtrigger.cdc.pg_source import PgLogicalSource  # noqa: PLC0415
-
-        return PgLogicalSource
-    if name == "BinlogSource":  # pymysql and mysql-replication likewise
-        from dbtrigger.cdc.binlog_source import BinlogSource  # noqa: PLC0415
-
-        return BinlogSource
+    # A source's drivers are imported only when it is asked for; without them the
+    # error names the extra (a bare "No module named 'psycopg'" did not).
+    if name in _SOURCES:
+        home, extra = _SOURCES[name]
+        return import_name(name, home, dict.fromkeys(_DRIVERS, extra))
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -28,6 +28,7 @@ type; ``dbtrigger cdc accept-schema``).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -51,6 +52,21 @@ from dbtrigger.sources.base import SourceFinding
 
 #: How long a worker waits for another worker of its poller to finish setting up.
 SETUP_LOCK_SECONDS = 60.0
+
+
+def _require_binlog_protocol() -> None:
+    """The binlog protocol's module is imported at the first read; without it
+    that read (every tick's) failed with a bare ModuleNotFoundError, which the
+    runner can only call unexpected. Say it when the source is built."""
+    try:
+        found = importlib.util.find_spec("pymysqlreplication") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ConfigurationError(
+            "BinlogSource needs mysql-replication (the binary log protocol), which is not "
+            'installed: pip install "dbtrigger[binlog]"'
+        )
 
 
 class BinlogSource(LogSource):
@@ -111,6 +127,7 @@ class BinlogSource(LogSource):
         snapshot_lock_timeout_seconds: float = 2.0,
         reader: str | None = None,
     ) -> None:
+        _require_binlog_protocol()
         super().__init__(
             url, "a MariaDB/MySQL URL", snapshot, create, read_timeout_seconds, read_ahead,
             heartbeat_interval_seconds, snapshot_chunk_size, snapshot_lock_timeout_seconds,

@@ -21,7 +21,8 @@ the SQL stores runs under :func:`lock_wait_bounded`:
 :func:`lock_timed_out` recognises the error each raises when the bound runs
 out, and :func:`lock_holders` says, as far as it is cheap to know, which other
 sessions hold locks on the table (their ids and how long their transactions
-have been open: never their SQL, which can carry values).
+have been open: never their SQL, which can carry values); :func:`gave_up_waiting`
+is the one wording of that error for every writer.
 """
 
 from __future__ import annotations
@@ -143,6 +144,23 @@ def lock_holders(engine: Engine, table: str, schema: str | None) -> str:
     return ""
 
 
+def gave_up_waiting(
+    engine: Engine, table: str, schema: str | None, seconds: float, exc: BaseException, then: str
+) -> tuple[str, str]:
+    """The words for a statement on ``table`` that gave up waiting for a lock (its
+    transaction is rolled back by now), to follow what it was doing, and who holds
+    locks there ("" when that cannot be told): ``waited 10 s for a lock another
+    transaction holds on the table and gave up: <holders>; <then> (<driver error class>)``.
+    ``then`` says what was left unchanged, what happens next and what to do."""
+    holders = lock_holders(engine, table, schema)
+    driver_error = type(getattr(exc, "orig", None) or exc).__name__
+    return (
+        f"waited {seconds:g} s for a lock another transaction holds on the table and gave up"
+        + (f": {holders}" if holders else "")
+        + f"; {then} ({driver_error})"
+    ), holders
+
+
 def _pg_holders(conn: Connection, table: str, schema: str | None) -> str:
     conn.execute(sa.text("SELECT set_config('statement_timeout', '2s', true)"))
     name = f'"{schema}"."{table}"' if schema else f'"{table}"'
@@ -192,6 +210,7 @@ __all__ = [
     "DEFAULT_STORE_LOCK_TIMEOUT",
     "DEFAULT_WRITE_LOCK_TIMEOUT",
     "check_lock_timeout",
+    "gave_up_waiting",
     "lock_holders",
     "lock_timed_out",
     "lock_wait_bounded",

@@ -47,7 +47,7 @@ from dbtrigger._engine import LazyEngine
 from dbtrigger._lock_wait import (
     DEFAULT_WRITE_LOCK_TIMEOUT,
     check_lock_timeout,
-    lock_holders,
+    gave_up_waiting,
     lock_timed_out,
     lock_wait_bounded,
 )
@@ -305,14 +305,17 @@ class TableHandle:
     ) -> OutputLockTimeoutError:
         """The error of a write that gave up waiting for a lock (the transaction is
         rolled back by now): who holds locks on the table, if that can be told."""
-        holders = lock_holders(self.engine, self.table_name or "", self.schema)
+        text, holders = gave_up_waiting(
+            self.engine,
+            self.table_name or "",
+            self.schema,
+            self.lock_timeout,
+            exc,
+            "nothing was written, the write runs again with the batch. End the transaction "
+            "left open there; raise lock_timeout_seconds only below the lease",
+        )
         return OutputLockTimeoutError(
-            f"{what} {self.name} waited {self.lock_timeout:g} s for a lock held by another "
-            f"transaction and gave up"
-            + (f": {holders}" if holders else "")
-            + ". Nothing was written; the write runs again with the batch. A transaction "
-            "left open on the table holds it (end it); raise lock_timeout_seconds only "
-            f"below the lease ({type(getattr(exc, 'orig', None) or exc).__name__})",
+            f"{what} {self.name} {text}",
             table=self.name,
             rows=rows,
             attempts=attempt,

@@ -59,7 +59,7 @@ from dbtrigger._files import locked_lines, write_synced
 from dbtrigger._lock_wait import (
     DEFAULT_STORE_LOCK_TIMEOUT,
     check_lock_timeout,
-    lock_holders,
+    gave_up_waiting,
     lock_timed_out,
     lock_wait_bounded,
 )
@@ -380,11 +380,17 @@ class SqlQuarantineSink:
                 self._insert_ignoring_duplicates(conn, [self._row(r) for r in records])
         except SQLAlchemyError as exc:
             if lock_timed_out(exc):
-                holders = lock_holders(self._engine, self.table.name, self.table.schema)
+                text, _ = gave_up_waiting(
+                    self._engine,
+                    self.table.name,
+                    self.table.schema,
+                    self.lock_timeout,
+                    exc,
+                    "nothing was written. End the transaction left open there",
+                )
                 raise QuarantineError(
                     f"could not write {len(records)} row(s) to quarantine {self.describe()}: "
-                    f"waited {self.lock_timeout:g} s for a lock another transaction holds "
-                    "and gave up" + (f" ({holders})" if holders else "")
+                    + text
                 ) from exc
             raise QuarantineError(
                 f"could not write {len(records)} row(s) to quarantine {self.describe()}: "

@@ -35,7 +35,6 @@ from sqlalchemy.dialects import mysql
 from dbtrigger._driver_errors import short_error
 from dbtrigger._lock_wait import (
     DEFAULT_STORE_LOCK_TIMEOUT,
-    lock_holders,
     lock_timed_out,
     lock_wait_bounded,
 )
@@ -52,6 +51,7 @@ from dbtrigger.state.stores.sql import (
     classify_driver_error,
     describe_table,
     is_duplicate_key,
+    lock_timeout_error,
     table_name,
 )
 
@@ -141,12 +141,8 @@ class SqlHistory:
             raise StoreUnavailableError(f"{where} failed: {short_error(exc)}") from exc
         except sa.exc.DBAPIError as exc:
             if lock_timed_out(exc):
-                holders = lock_holders(self.engine, self.table.name, self.table.schema)
-                raise StoreUnavailableError(
-                    f"{where} waited {self.lock_timeout:g} s for a lock another transaction "
-                    "holds on the table and gave up"
-                    + (f": {holders}" if holders else "")
-                    + "; nothing was written"
+                raise lock_timeout_error(
+                    where, self.engine, self.table, self.lock_timeout, exc, "nothing was written"
                 ) from exc
             if classify_driver_error(exc) == "auth":
                 raise StoreAuthError(f"{where} was refused: {short_error(exc)}") from exc

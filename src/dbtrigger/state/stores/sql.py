@@ -67,7 +67,7 @@ from dbtrigger._engine import LazyEngine, parse_database_url
 from dbtrigger._lock_wait import (
     DEFAULT_STORE_LOCK_TIMEOUT,
     check_lock_timeout,
-    lock_holders,
+    gave_up_waiting,
     lock_timed_out,
     lock_wait_bounded,
 )
@@ -192,6 +192,23 @@ class _Attempt:
 
     def __init__(self) -> None:
         self.committing = False
+
+
+def lock_timeout_error(
+    where: str, engine: Engine, table: sa.Table, seconds: float, exc: BaseException, unchanged: str
+) -> StoreUnavailableError:
+    """A store write (the state row, the history's records) that gave up waiting for
+    a lock: ``unchanged`` says what its rolled-back transaction left as it was; the
+    next try runs it again. Names who holds locks on the table, if known."""
+    text, holders = gave_up_waiting(
+        engine,
+        table.name,
+        table.schema,
+        seconds,
+        exc,
+        f"{unchanged}, the next try runs again. End the transaction left open there",
+    )
+    return StoreUnavailableError(f"{where} {text}", seconds=seconds, holders=holders or None)
 
 
 class SqlCheckpointStore:
@@ -326,7 +343,9 @@ class SqlCheckpointStore:
             ) from exc
         except sa.exc.DBAPIError as exc:
             if lock_timed_out(exc):
-                raise self.lock_timeout_error(where, exc) from exc
+                raise lock_timeout_error(
+                    where, self._engine, self._table, self.lock_timeout, exc, "nothing was changed"
+                ) from exc
             kind = classify_driver_error(exc)
             if kind == "auth":
                 raise StoreAuthError(
@@ -350,20 +369,6 @@ class SqlCheckpointStore:
             if problem is None:
                 raise
             raise StoreRefusedError(f"{where} failed: {problem}") from exc
-
-    def lock_timeout_error(self, where: str, exc: BaseException) -> StoreUnavailableError:
-        """A write that gave up waiting for a lock: nothing was changed (its
-        transaction was rolled back); who holds locks on the table, if known."""
-        holders = lock_holders(self._engine, self._table.name, self._table.schema)
-        return StoreUnavailableError(
-            f"{where} waited {self.lock_timeout:g} s for a lock another transaction holds "
-            "on the table and gave up"
-            + (f": {holders}" if holders else "")
-            + "; nothing was changed, the next try runs again. End the transaction left "
-            f"open there ({type(getattr(exc, 'orig', None) or exc).__name__})",
-            seconds=self.lock_timeout,
-            holders=holders or None,
-        )
 
     # --- table management -------------------------------------------------------------
 

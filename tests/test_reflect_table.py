@@ -11,7 +11,9 @@ import sqlalchemy as sa
 
 from dbtrigger import ClaimSource, SqlAlchemySource
 from dbtrigger._engine import reflect_table
+from dbtrigger.dbio import DbReader, DbWriter
 from dbtrigger.errors import ConfigurationError
+from dbtrigger.output import OutputTarget
 
 MISSING = re.escape("does not exist (or is not visible to this user)")
 
@@ -64,3 +66,28 @@ def test_a_relative_sqlite_path_says_which_file_it_was(
         message
     )
     assert "sqlite:////abs/path.db" in message
+
+
+def test_the_output_tables_say_it_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DbWriter / DbReader / db.output (OutputTarget) reflect through the same helper (TableHandle
+    had its own copy, which named neither the file nor the fix), keeping their noun."""
+    monkeypatch.chdir(tmp_path)
+    writer = DbWriter(url="sqlite:///shop.db", table="orders")
+    reader = DbReader(url="sqlite:///shop.db", table="orders")
+    out = OutputTarget(url="sqlite:///shop.db", table="orders")
+    try:
+        calls = [
+            ("table", lambda: writer.insert(data={"id": 1})),
+            ("table", lambda: reader.get(pk={"id": 1})),
+            ("output table", lambda: out.write([{"id": 1}])),
+        ]
+        for noun, call in calls:
+            with pytest.raises(ConfigurationError) as info:
+                call()
+            message = str(info.value)
+            assert message.startswith(f"{noun} sqlite:orders {MISSING.replace(chr(92), '')}; ")
+            assert f"so this is {tmp_path / 'shop.db'}" in message
+    finally:
+        writer.close()
+        reader.close()
+        out.close()

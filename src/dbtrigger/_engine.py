@@ -222,20 +222,26 @@ class LazyEngine:
 
 
 def reflect_table(
-    conn: Connection, name: str, schema: str | None, *, shown: str | None = None
+    conn: Connection,
+    name: str,
+    schema: str | None,
+    *,
+    shown: str | None = None,
+    noun: str = "table",
 ) -> sa.Table:
     """The table ``name`` (in ``schema``) as the database describes it now.
 
     A table that is not there, or that this user cannot see, is a
-    :class:`ConfigurationError` naming it (``shown``, e.g. ``sqlite:jobs``, or
-    ``schema.name``): a person must create it or grant access; retrying cannot help.
+    :class:`ConfigurationError` naming it (``noun`` and ``shown``, e.g. ``table
+    sqlite:jobs``, or ``schema.name``): a person must create it or grant access;
+    retrying cannot help.
     """
     try:
         return sa.Table(name, sa.MetaData(), schema=schema, autoload_with=conn)
     except sa.exc.NoSuchTableError:
         where = shown or (f"{schema}.{name}" if schema else name)
         raise ConfigurationError(
-            f"table {where} does not exist (or is not visible to this user)"
+            f"{noun} {where} does not exist (or is not visible to this user)"
             + _relative_sqlite(conn)
         ) from None
 

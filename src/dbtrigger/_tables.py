@@ -39,11 +39,11 @@ from uuid import UUID
 
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Connection, Engine
-from sqlalchemy.exc import NoSuchTableError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 
 from dbtrigger._database_url import DatabaseUrl
 from dbtrigger._driver_errors import lost_to_another_transaction, short_error
-from dbtrigger._engine import LazyEngine
+from dbtrigger._engine import LazyEngine, reflect_table
 from dbtrigger._lock_wait import (
     DEFAULT_WRITE_LOCK_TIMEOUT,
     check_lock_timeout,
@@ -160,15 +160,9 @@ class TableHandle:
         if self._table is None:
             with self._lock:
                 if self._table is None:
-                    try:
-                        self._table = sa.Table(
-                            self.table_name, sa.MetaData(), schema=self.schema, autoload_with=conn
-                        )
-                    except NoSuchTableError:
-                        raise ConfigurationError(
-                            f"{self.noun} {self.name} does not exist (or is not visible to "
-                            "this user)"
-                        ) from None
+                    self._table = reflect_table(
+                        conn, self.table_name, self.schema, shown=self.name, noun=self.noun
+                    )
         return self._table
 
     def columns(self, conn: Connection, names: Sequence[str]) -> sa.Table:

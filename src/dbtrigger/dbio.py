@@ -29,15 +29,15 @@ after writing gets its batch again: make them idempotent (``upsert``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import SQLAlchemyError
 
-from dbtrigger._driver_errors import short_error
+from dbtrigger._driver_errors import failed_as
 from dbtrigger._lock_wait import DEFAULT_WRITE_LOCK_TIMEOUT, lock_wait_bounded
 from dbtrigger._tables import TableHandle, upsert_statement
 from dbtrigger.errors import (
@@ -120,13 +120,11 @@ class DbReader(_OnTable):
 
     @contextlib.contextmanager
     def _reading(self, what: str) -> Iterator[Connection]:
-        try:
-            with self._db.engine.connect() as conn:
-                yield conn
-        except (ConfigurationError, RowNotFoundError):
-            raise
-        except SQLAlchemyError as exc:
-            raise FetchError(f"{what} from {self._db.name} failed: {short_error(exc)}") from exc
+        with (
+            failed_as(FetchError, f"{what} from {self._db.name} failed"),
+            self._db.engine.connect() as conn,
+        ):
+            yield conn
 
     def get(self, *, pk: Mapping[str, Any]) -> Row | None:
         """The row of ``table`` with this key, or None."""
@@ -217,20 +215,19 @@ class DbWriter(_OnTable):
         rolled back if it raises. Not reentrant (a nested call is a ConfigurationError)."""
         if self._conn is not None:
             raise ConfigurationError("DbWriter.transaction() is already open on this writer")
-        try:
-            with (
-                self._db.engine.begin() as conn,
-                lock_wait_bounded(conn, self._db.lock_timeout),
-            ):
-                self._conn = conn
-                try:
-                    yield self
-                finally:
-                    self._conn = None
-        except SQLAlchemyError as exc:
-            raise OutputWriteError(
-                f"the transaction on {self._db.name} failed: {short_error(exc)}", table=self.name
-            ) from exc
+        with (
+            failed_as(
+                functools.partial(OutputWriteError, table=self.name),
+                f"the transaction on {self._db.name} failed",
+            ),
+            self._db.engine.begin() as conn,
+            lock_wait_bounded(conn, self._db.lock_timeout),
+        ):
+            self._conn = conn
+            try:
+                yield self
+            finally:
+                self._conn = None
 
     def _write(
         self,

@@ -163,6 +163,24 @@ def test_naive_time_cannot_be_written() -> None:
         docmod.format_time(dt.datetime(2026, 1, 1))
 
 
+def test_a_time_written_again_is_the_same_text_whatever_its_zone() -> None:
+    # format_time keeps the texts of the last times it wrote (a commit writes the
+    # same instant three times): an equal instant in another zone is that text, a
+    # naive time equal to nothing stored is still refused.
+    at = dt.datetime(2026, 1, 1, 12, 30, 0, 5, tzinfo=dt.timezone.utc)
+    plus_two = at.astimezone(dt.timezone(dt.timedelta(hours=2)))
+    assert docmod.format_time(at) == "2026-01-01T12:30:00.000005Z"
+    assert docmod.format_time(plus_two) == "2026-01-01T12:30:00.000005Z"
+    assert docmod.format_time(plus_two + dt.timedelta(microseconds=1)) == (
+        "2026-01-01T12:30:00.000006Z"
+    )
+    with pytest.raises(ValueError, match="timezone-aware"):
+        docmod.format_time(at.replace(tzinfo=None))
+    for second in range(40):  # more than it keeps: each still its own text
+        later = at + dt.timedelta(seconds=second)
+        assert docmod.format_time(later) == later.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
 # --- the window is a typed field (issue #21 item 5) ------------------------------------
 
 

@@ -19,12 +19,29 @@ from dbtrigger.errors import CorruptStateError
 _UTC = dt.timezone.utc
 
 
+#: The last few times :func:`format_time` wrote, and their texts. A commit writes
+#: five times and three of them are the same instant (the commit's clock reading:
+#: heartbeat, checkpoint, journal entry) or the lease's start, the same for every
+#: commit of a tick; a look-up is a thirtieth of a format.
+_formatted: dict[dt.datetime, str] = {}
+_FORMATTED_MAX = 16
+
+
 def format_time(value: dt.datetime) -> str:
     """UTC ISO-8601 with microseconds and ``Z``: the document's only time format."""
+    text = _formatted.get(value)
+    if text is not None:
+        # (Equal aware datetimes are the same instant, so the same UTC text; a
+        # naive one never equals an aware one, and is never stored.)
+        return text
     if value.tzinfo is _UTC and type(value) is dt.datetime:
         # Every time a poller writes (its clock is UTC): isoformat's "+00:00" is the
         # "Z". Five of these a commit; converting first costs three times as much.
-        return value.isoformat(timespec="microseconds")[:-6] + "Z"
+        text = value.isoformat(timespec="microseconds")[:-6] + "Z"
+        if len(_formatted) >= _FORMATTED_MAX:
+            _formatted.clear()
+        _formatted[value] = text
+        return text
     if value.tzinfo is None:
         raise ValueError("state document times must be timezone-aware")
     return (

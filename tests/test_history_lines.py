@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from dbtrigger.events import RowShape, event_ids, events_from_rows
+from dbtrigger.events import RowChange, RowShape, event_ids, events_from_rows, key_dict
 from dbtrigger.history import records as rec
 from dbtrigger.history.recorder import MAX_RECORD_BYTES, HistoryRecorder
 from dbtrigger.history.records import _RECORD_KEYS
@@ -103,6 +103,33 @@ def test_the_batch_columns_equal_what_each_event_says(
     changed = events_from_rows(shape, [(*rows[0][:-1], "changed"), *rows[1:]])
     assert rec.image_crc(changed[0]) != rec.image_crc(events[0])
     assert rec.columns_digest(rec.batch_detail(changed)) != rec.columns_digest(detail)
+
+
+@pytest.mark.parametrize(("columns", "pk", "cursor", "rows"), CASES)
+def test_a_rows_key_as_a_dict_is_its_views(
+    columns: tuple[str, ...], pk: tuple[str, ...], cursor: str, rows: list[tuple[Any, ...]]
+) -> None:
+    # key_dict (what position_of reads) takes a plain row's key from its tuple.
+    for plain in (True, False):
+        shape = RowShape(
+            columns,
+            cursor_column=cursor,
+            pk_columns=pk,
+            source="s",
+            poller="p",
+            batch_id="b",
+            plain=plain,
+        )
+        events = events_from_rows(shape, rows)
+        keys = [key_dict(e) for e in events]
+        assert keys == [dict(e.pk) for e in events]
+        assert [list(k) for k in keys] == [list(pk)] * len(rows)  # in pk_columns order
+        assert keys[0] is not key_dict(events[0])  # a new dict each time
+
+
+def test_a_key_dict_of_another_event_is_its_pk() -> None:
+    other = RowChange("e9", "upsert", "s", 1, {"id": 9}, None, {"id": 9})
+    assert key_dict(other) == {"id": 9}
 
 
 def test_the_common_batch_keeps_its_keys_as_one_column() -> None:

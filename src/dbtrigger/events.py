@@ -505,6 +505,16 @@ def events_from_rows(
     return events
 
 
+def key_dict(event: RowChange) -> dict[str, Any]:
+    """``dict(event.pk)``, from the row tuple where its values are plain (``dict()``
+    of a row view walks it through Python-level ``keys`` and ``__getitem__``)."""
+    if type(event) is _RowEvent:
+        shape = event._shape
+        if shape.view is PlainRowMapping:
+            return shape.key_of(event._row)
+    return dict(event.pk)
+
+
 _shape_of = attrgetter("_shape")
 _row_of = attrgetter("_row")
 _hexdigest = methodcaller("hexdigest")

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from dbtrigger.cursor import Position
 from dbtrigger.errors import DbTriggerError, FetchError
-from dbtrigger.events import RowChange
+from dbtrigger.events import RowChange, key_dict
 from dbtrigger.redaction import redact
 from dbtrigger.sources.lag import LagReading
 
@@ -72,7 +72,7 @@ class SourceAdapter(Protocol):
 
 def position_of(event: RowChange) -> Position:
     """The checkpoint position just after ``event``."""
-    return Position(cursor=event.cursor, pk=dict(event.pk))
+    return Position(cursor=event.cursor, pk=key_dict(event))
 
 
 # --- optional capabilities --------------------------------------------------------------

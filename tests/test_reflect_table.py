@@ -11,6 +11,7 @@ import sqlalchemy as sa
 
 from dbtrigger import ClaimSource, SqlAlchemySource
 from dbtrigger._engine import reflect_table
+from dbtrigger.changelog.operations import plan_install
 from dbtrigger.dbio import DbReader, DbWriter
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.output import OutputTarget
@@ -91,3 +92,18 @@ def test_the_output_tables_say_it_too(tmp_path: Path, monkeypatch: pytest.Monkey
         writer.close()
         reader.close()
         out.close()
+
+
+def test_the_change_log_says_it_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """changelog install reflects through the same helper; its own copy said only
+    'table orders does not exist (or is not visible)'."""
+    monkeypatch.chdir(tmp_path)
+    engine = sa.create_engine("sqlite:///shop.db")
+    try:
+        with pytest.raises(ConfigurationError) as info:
+            plan_install(engine, "orders")
+    finally:
+        engine.dispose()
+    message = str(info.value)
+    assert message.startswith(f"table orders {MISSING.replace(chr(92), '')}; "), message
+    assert f"so this is {tmp_path / 'shop.db'}" in message

@@ -46,9 +46,10 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 
+from dbtrigger._engine import reflect_table as reflect_sa_table
 from dbtrigger.changelog.readers import readers_ddl, readers_table_name
 from dbtrigger.errors import ConfigurationError
-from dbtrigger.names import shortened, validate_sql_identifier
+from dbtrigger.names import quoted_name, shortened, validate_sql_identifier
 
 #: What every trigger the change log writes says about itself (with its version).
 MARKER_PREFIX = "dbtrigger-changelog v"
@@ -189,11 +190,7 @@ def reflect_table(conn: sa.Connection, table: str, schema: str | None) -> TableI
         raise ConfigurationError("on SQLite the change log supports the main schema only")
     if len(table) > MAX_IDENTIFIER - len("dbt_cl_") - 4:
         raise ConfigurationError(f"table name {table!r} is too long for the change log's names")
-    try:
-        reflected = sa.Table(table, sa.MetaData(), schema=schema, autoload_with=conn)
-    except sa.exc.NoSuchTableError:
-        where = f"{schema}.{table}" if schema else table
-        raise ConfigurationError(f"table {where} does not exist (or is not visible)") from None
+    reflected = reflect_sa_table(conn, table, schema)
     if not reflected.primary_key.columns:
         raise ConfigurationError(
             f"table {table!r} has no primary key: the change log keys every change by it"
@@ -331,7 +328,8 @@ def uninstall_ddl(info: TableInfo, quote: Quote, *, drop_log: bool) -> list[str]
 
 
 def qualified_name(info: TableInfo, name: str, quote: Quote) -> str:
-    return f"{quote(info.schema)}.{quote(name)}" if info.schema else quote(name)
+    """``name`` in the schema of ``info``'s table, quoted (:func:`names.quoted_name`)."""
+    return quoted_name(quote, name, info.schema)
 
 
 def keys_nullable(info: TableInfo) -> bool:

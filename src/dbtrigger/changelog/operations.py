@@ -25,6 +25,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from dbtrigger._engine import Bind, connected
+from dbtrigger._engine import reflect_table as reflect_sa_table
 from dbtrigger.changelog.ddl import (
     TableInfo,
     existing_triggers,
@@ -228,8 +229,8 @@ def log_table(engine: Engine, table: str, schema: str | None) -> sa.Table:
     name = log_table_name(table)
     try:
         with engine.connect() as conn:
-            return sa.Table(name, sa.MetaData(), schema=schema, autoload_with=conn)
-    except sa.exc.NoSuchTableError:
+            return reflect_sa_table(conn, name, schema)
+    except ConfigurationError:
         raise ConfigurationError(
             f"no change log for table {table!r} (table {name} is missing); install it with "
             f"`dbtrigger changelog install --url URL --table {table}"

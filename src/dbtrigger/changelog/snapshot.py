@@ -30,6 +30,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from dbtrigger._engine import reflect_table as reflect_sa_table
 from dbtrigger.changelog.ddl import LOG_COLUMNS, OP_WIDTH, reflect_table
 from dbtrigger.changelog.drift import install_command, op_width
 from dbtrigger.changelog.operations import log_table
@@ -81,7 +82,7 @@ def snapshot(
     log = log_table(engine, table, schema)
     with engine.connect() as conn:
         info = reflect_table(conn, table, schema)
-        source = sa.Table(table, sa.MetaData(), schema=schema, autoload_with=conn)
+        source = reflect_sa_table(conn, table, schema)
     keys = [source.c[c.name] for c in info.pk]
     filters: list[sa.ColumnElement[bool]] = (
         [sa.text(f"({condition})")] if condition else []  # type: ignore[list-item]

@@ -28,6 +28,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from dbtrigger._engine import reflect_table
 from dbtrigger.changelog.ddl import TableInfo
 
 #: Log rows (the newest) whose keys are checked against the table.
@@ -68,7 +69,7 @@ def vanished_keys(
         return []
     # Reflected, so that the keys are bound in the table's own types (a key widened to
     # bigint past 2^31 is not bound as an integer).
-    table = sa.Table(info.table, sa.MetaData(), schema=info.schema, autoload_with=conn)
+    table = reflect_table(conn, info.table, info.schema)
     columns = [table.c[k] for k in key_names]
     found: set[tuple[Any, ...]] = set()
     for start in range(0, len(expected), _CHUNK):

@@ -34,7 +34,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql import ColumnElement
 
-from dbtrigger._columns import ColumnWatch, Layout, layout_of, probe_or_none
+from dbtrigger._columns import ColumnWatch, Layout, probe, probe_or_none
 from dbtrigger._engine import reflect_table
 from dbtrigger.cursor import Position, encode_value
 from dbtrigger.errors import ConfigurationError, SerializationError
@@ -206,7 +206,6 @@ class Shape:
 
     def _resolve(self, conn: Connection) -> None:
         spec = self.spec
-        description = None
         layout: Layout | None = None
         bare: sa.FromClause
         if spec.table is not None:
@@ -218,16 +217,11 @@ class Shape:
         else:
             text = spec.bound_parameters(sa.text(spec.query or ""))
             selectable = text.columns().subquery("dbtrigger_src")
-            probe: sa.Select[Any] = (
-                sa.select(sa.literal_column("*")).select_from(selectable).where(sa.false())
-            )
-            probed = conn.execute(probe)
-            keys = list(probed.keys())
-            description = probed.cursor.description if probed.cursor is not None else None
-            probed.close()
-            layout = layout_of(description)
+            layout = probe(conn, selectable)
             bare = text.columns().subquery("dbtrigger_src")
-            selectable = text.columns(*(sa.column(k) for k in keys)).subquery("dbtrigger_src")
+            selectable = text.columns(*(sa.column(name) for name, _ in layout)).subquery(
+                "dbtrigger_src"
+            )
         columns: dict[str, ColumnElement[Any]] = {c.name: c for c in selectable.c}
         required = (spec.cursor_column, *spec.pk_columns)
         if spec.deleted_column is not None:
@@ -261,7 +255,7 @@ class Shape:
                 sql_dialect=conn.dialect,
             )
         else:
-            self.checks.query_probed(description)
+            self.checks.query_probed(layout)
         self.columns = columns
         self.select_list = [
             columns[c.name].label(c.name) if columns[c.name] is not c else c for c in selectable.c

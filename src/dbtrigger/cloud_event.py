@@ -11,9 +11,9 @@ builds it with the ``cloudevents`` SDK (``pip install "dbtrigger[cloudevents]"``
 * ``source`` is ``/dbtrigger/<poller>`` (the ids are unique per poller), or
   what the caller passes;
 * ``type`` is ``dbtrigger.row.<op>`` (``upsert``, ``insert``, ``update``,
-  ``delete``), or what the caller passes;
+  ``delete``, and a change log's ``truncate``), or what the caller passes;
 * ``subject`` is the row's key, ``id=5`` (``region=eu/id=5`` for several
-  columns);
+  columns); a ``truncate`` concerns every row and has none;
 * ``time`` is the cursor when it is an aware timestamp (when the row
   changed), else the time the envelope was made;
 * ``data`` (``application/json``) is ``{"op", "source", "pk", "cursor",
@@ -88,9 +88,10 @@ def to_cloudevent(
         "id": event.event_id,
         "source": source or (f"/dbtrigger/{poller}" if poller else f"/dbtrigger/{event.source}"),
         "type": type or f"dbtrigger.row.{event.op}",
-        "subject": _subject(event.pk),
         "datacontenttype": "application/json",
     }
+    if event.op != "truncate":  # its key values are None: no row is its subject
+        attributes["subject"] = _subject(event.pk)
     cursor = event.cursor
     if isinstance(cursor, dt.datetime) and cursor.tzinfo is not None:
         attributes["time"] = cursor

@@ -39,7 +39,7 @@ from dbtrigger.cursor import (
     pk_hash,
     pk_json,
 )
-from dbtrigger.errors import SerializationError
+from dbtrigger.errors import ConfigurationError, SerializationError
 from dbtrigger.rowviews import PlainRowMapping, RowMapping, frozen, guarded
 
 #: ``truncate``: a change log's record that the whole table was emptied (no key, no images).
@@ -101,6 +101,34 @@ class EventIds:
         return _sha256(material.encode()).hexdigest()[:32]
 
 
+def _check_key(
+    op: str,
+    pk: Mapping[str, Any],
+    before: Mapping[str, Any] | None,
+    after: Mapping[str, Any] | None,
+) -> None:
+    """A ``truncate`` has no key (every value None) and no images; any other event has
+    no None in its key (sources refuse a NULL key). Dead letters and the runtime tell
+    a truncate by that (:func:`dbtrigger.replay.dead_letters.event_of`).
+
+    Raises:
+        ConfigurationError: naming what does not fit ``op``.
+    """
+    nulls = [name for name, value in pk.items() if value is None]
+    if op == "truncate" and (before is not None or after is not None or len(nulls) < len(pk)):
+        raise ConfigurationError(
+            "a truncate event concerns the whole table: it takes before=None, after=None "
+            f"and every key value None (got pk={dict(pk)!r}, "
+            f"before={'None' if before is None else 'an image'}, "
+            f"after={'None' if after is None else 'an image'})"
+        )
+    if op != "truncate" and nulls:
+        raise ConfigurationError(
+            f"an event with op={op!r} needs a value in every key column; {nulls[0]!r} is None "
+            "(a key of Nones and no images is a truncate: op='truncate')"
+        )
+
+
 class RowChange:
     """One row state delivered to a handler. Immutable: its mappings are read-only,
     and a nested value read from them is a copy (see :func:`dbtrigger.rowviews.own`).
@@ -108,7 +136,8 @@ class RowChange:
     Attributes:
         event_id: stable identity of (poller, pk, cursor); equal on redelivery.
         op: ``insert``, ``update``, ``upsert`` or ``delete``; from a change log also
-            ``truncate`` (every row of the table gone; ``pk`` values None).
+            ``truncate`` (every row of the table gone; ``pk`` values None, no images:
+            the constructor refuses anything else, and a None key value on other ops).
         source: the source's display name (e.g. ``postgresql:public.orders``).
         cursor: the row's cursor column value (None when the column is NULL).
         pk: primary key column -> value.
@@ -139,6 +168,7 @@ class RowChange:
             raise ValueError(f"op must be one of {sorted(VALID_OPS)}, got {op!r}")
         if not event_id:
             raise ValueError("event_id must not be empty")
+        _check_key(op, pk, before, after)
         # Deep copies behind read-only views: a handler that mutates an event
         # (or the caller's dicts, or a nested value) would otherwise change what
         # a retry, another subscriber or the dead-letter record sees.

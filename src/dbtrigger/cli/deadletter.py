@@ -134,6 +134,8 @@ def _journal(
 def _row(letter: dl.DeadLetter) -> list[str]:
     record = letter.record
     pk = ", ".join(f"{k}={dl.decode_json_value(v)}" for k, v in record.pk.items())
+    if dl.event_of(record).op == "truncate":
+        pk = "(truncate)"  # no key: every row of the table
     return [
         record.event_id[:16],
         pk,

@@ -124,7 +124,10 @@ class PartitionedPoller(Balancing):
         self.name = validate_name(name, "poller name")
         if not isinstance(source, SqlAlchemySource):
             raise ConfigurationError(
-                f"partitioned polling needs a SqlAlchemySource, not {type(source).__name__}"
+                f"partitioned polling needs a SqlAlchemySource, not {type(source).__name__}: "
+                "a change log or a database log is read in one order across keys (a "
+                "truncate concerns every key, so no partition may skip it); poll it with "
+                "one PollTrigger and pass max_concurrency= to handle keys side by side"
             )
         partitions = opt.whole("partitions", partitions)
         layout.even_ranges(partitions)  # validates the count against the bucket space

@@ -16,8 +16,9 @@ only deleted when told (``discard --delete``).
 
 A replay rebuilds the event from the record - the same event id, key, cursor
 and row image (``op`` is ``upsert``, or ``delete`` when the record holds no
-row) - and hands it to the handler with ``ctx.replay`` True and ``ctx.now``
-the time it was dead-lettered.
+row, or ``truncate`` when it holds neither a row nor a key value: a change log's
+truncate, the one event whose key values are all None) - and hands it to the
+handler with ``ctx.replay`` True and ``ctx.now`` the time it was dead-lettered.
 """
 
 from __future__ import annotations
@@ -103,12 +104,16 @@ def decode_json_value(value: Any) -> Any:
 def event_of(record: QuarantineRecord) -> RowChange:
     """The dead-lettered event again: same id, key, cursor and row image."""
     row = decode_json_value(dict(record.row)) if record.row is not None else None
+    pk = decode_json_value(dict(record.pk))
+    op = "upsert" if row is not None else "delete"
+    if row is None and pk and all(value is None for value in pk.values()):
+        op = "truncate"  # a record holds no op; only a truncate has a key of Nones
     return RowChange(
         event_id=record.event_id,
-        op="upsert" if row is not None else "delete",
+        op=op,
         source=record.source,
         cursor=decode_json_value(record.cursor),
-        pk=decode_json_value(dict(record.pk)),
+        pk=pk,
         before=None,
         after=row,
         metadata={"poller": record.poller, "batch_id": record.batch_id, "dead_letter": True},

@@ -109,6 +109,16 @@ def lock_wait_bounded(conn: Connection, seconds: float) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def bounded_transaction(engine: Engine, seconds: float) -> Iterator[Connection]:
+    """A transaction on a connection of ``engine`` (committed at the end of the block,
+    rolled back if it raises) whose lock waits are bounded to ``seconds``: how every
+    write of the output binding, the writer, the SQL history and the SQL dead-letter
+    sink runs."""
+    with engine.begin() as conn, lock_wait_bounded(conn, seconds):
+        yield conn
+
+
 def lock_timed_out(exc: BaseException) -> bool:
     """True when ``exc`` is a statement that gave up waiting for a lock."""
     orig = getattr(exc, "orig", None) or exc
@@ -209,6 +219,7 @@ def _mysql_holders(conn: Connection) -> str:
 __all__ = [
     "DEFAULT_STORE_LOCK_TIMEOUT",
     "DEFAULT_WRITE_LOCK_TIMEOUT",
+    "bounded_transaction",
     "check_lock_timeout",
     "gave_up_waiting",
     "lock_holders",

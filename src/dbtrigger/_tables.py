@@ -46,10 +46,10 @@ from dbtrigger._driver_errors import lost_to_another_transaction, short_error
 from dbtrigger._engine import LazyEngine, reflect_table
 from dbtrigger._lock_wait import (
     DEFAULT_WRITE_LOCK_TIMEOUT,
+    bounded_transaction,
     check_lock_timeout,
     gave_up_waiting,
     lock_timed_out,
-    lock_wait_bounded,
 )
 from dbtrigger._write_refusals import refusal, refusal_error
 from dbtrigger.errors import (
@@ -262,7 +262,7 @@ class TableHandle:
             try:
                 if conn is not None:
                     return work(conn)
-                with self.engine.begin() as own, lock_wait_bounded(own, self.lock_timeout):
+                with bounded_transaction(self.engine, self.lock_timeout) as own:
                     return work(own)
             except SQLAlchemyError as exc:
                 if lock_timed_out(exc):

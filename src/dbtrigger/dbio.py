@@ -38,7 +38,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from dbtrigger._driver_errors import failed_as
-from dbtrigger._lock_wait import DEFAULT_WRITE_LOCK_TIMEOUT, lock_wait_bounded
+from dbtrigger._lock_wait import DEFAULT_WRITE_LOCK_TIMEOUT, bounded_transaction
 from dbtrigger._tables import TableHandle, upsert_statement
 from dbtrigger.errors import (
     ConfigurationError,
@@ -220,8 +220,7 @@ class DbWriter(_OnTable):
                 functools.partial(OutputWriteError, table=self.name),
                 f"the transaction on {self._db.name} failed",
             ),
-            self._db.engine.begin() as conn,
-            lock_wait_bounded(conn, self._db.lock_timeout),
+            bounded_transaction(self._db.engine, self._db.lock_timeout) as conn,
         ):
             self._conn = conn
             try:

@@ -58,10 +58,10 @@ from dbtrigger._engine import LazyEngine, TableOnce, parse_database_url
 from dbtrigger._files import locked_lines, write_synced
 from dbtrigger._lock_wait import (
     DEFAULT_STORE_LOCK_TIMEOUT,
+    bounded_transaction,
     check_lock_timeout,
     gave_up_waiting,
     lock_timed_out,
-    lock_wait_bounded,
 )
 from dbtrigger.cursor import Position, canonical_json, encode_value, encoded_pk
 from dbtrigger.errors import (
@@ -376,7 +376,7 @@ class SqlQuarantineSink:
             return
         try:
             self._ensure_table()
-            with self._engine.begin() as conn, lock_wait_bounded(conn, self.lock_timeout):
+            with bounded_transaction(self._engine, self.lock_timeout) as conn:
                 self._insert_ignoring_duplicates(conn, [self._row(r) for r in records])
         except SQLAlchemyError as exc:
             if lock_timed_out(exc):

@@ -35,8 +35,8 @@ from sqlalchemy.dialects import mysql
 from dbtrigger._driver_errors import short_error
 from dbtrigger._lock_wait import (
     DEFAULT_STORE_LOCK_TIMEOUT,
+    bounded_transaction,
     lock_timed_out,
-    lock_wait_bounded,
 )
 from dbtrigger.errors import (
     CasConflictError,
@@ -204,7 +204,7 @@ class SqlHistory:
             )
         with self._edge("append", poller):
             self._ensure()
-            with self.engine.begin() as conn, lock_wait_bounded(conn, self.lock_timeout):
+            with bounded_transaction(self.engine, self.lock_timeout) as conn:
                 last = conn.execute(
                     sa.select(sa.func.max(t.c.seq)).where(self._of(poller))
                 ).scalar()
@@ -289,7 +289,7 @@ class SqlHistory:
                 return 0
             below = min(below, keep_from)
             while True:
-                with self.engine.begin() as conn, lock_wait_bounded(conn, self.lock_timeout):
+                with bounded_transaction(self.engine, self.lock_timeout) as conn:
                     low = conn.execute(
                         sa.select(sa.func.min(t.c.seq)).where(self._of(poller))
                     ).scalar()

@@ -204,7 +204,10 @@ def _batch_text(record: Mapping[str, Any]) -> str:
         ids = any(e.event_id for e in events)
         rows = [["EVENT ID", "KEY", "IMAGE", "OUTCOME"] if ids else ["KEY", "IMAGE", "OUTCOME"]]
         for e in events:
-            pk = ", ".join(f"{k}={v[1] if isinstance(v, list) else v}" for k, v in e.key.items())
+            values = {k: v[1] if isinstance(v, list) else v for k, v in e.key.items()}
+            pk = ", ".join(f"{k}={v}" for k, v in values.items())
+            if values and all(v is None for v in values.values()):
+                pk = "(truncate)"  # a change log's truncate: no key, every row
             outcome = e.outcome + (f" ({e.reason})" if e.reason else "")
             rows.append([e.event_id or "", pk, e.image, outcome] if ids else [pk, e.image, outcome])
         lines += ["", text_table(rows)]

@@ -26,6 +26,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.schema import CreateIndex, CreateTable, DropTable
 
+from dbtrigger._engine import reflect_table
 from dbtrigger.cursor import decode_value, pk_json
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.queue.layout import ClaimedRow, QueueTable
@@ -160,13 +161,14 @@ class SidecarLayout:
 
     def target(self, conn: Connection, queue: QueueTable) -> ClaimTable:
         name, schema = self.table_name, self.schema
-        if not sa.inspect(conn).has_table(name, schema=schema):
+        try:
+            found = reflect_table(conn, name, schema)
+        except ConfigurationError:
             raise ConfigurationError(
                 f"the claims table {name} does not exist: create it with\n"
                 f"  {queue.install_hint} --yes\n"
                 "(without --yes it prints the DDL it would run)"
-            )
-        found = sa.Table(name, sa.MetaData(), schema=schema, autoload_with=conn)
+            ) from None
         check_claim_columns(found, queue.time, conn.dialect)
         table = claims_table(name, schema, queue.time)
         return ClaimTable(table, KEY, queue.time, table.c.queue == self.queue_name)

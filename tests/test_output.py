@@ -738,7 +738,11 @@ def test_a_write_chosen_as_deadlock_victim_is_written_again(
         other.close()
         writer.close()
     assert outcome == [2], outcome
-    assert [r.__dict__.get("event") for r in caplog.records] == ["output_write_retried"]
+    # Once, as a rule. The other transaction's row-1 update and the write's next try
+    # both wake when the victim rolls back; on a loaded machine the try can take row 1
+    # first and deadlock once more, which is the same case again (seen at load 13).
+    events = [r.__dict__.get("event") for r in caplog.records]
+    assert set(events) == {"output_write_retried"}, events
     with db.engine.connect() as conn:
         rows = conn.exec_driver_sql(f"SELECT id, v FROM {sink} ORDER BY id").fetchall()
     assert [tuple(r) for r in rows] == [(1, 1), (2, 2)]

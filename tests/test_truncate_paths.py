@@ -20,7 +20,7 @@ import pytest
 import sqlalchemy as sa
 
 from dbtrigger import FileCheckpointStore, HandlerError, PollTrigger, RowChange
-from dbtrigger.changelog import ChangeLogSource, install
+from dbtrigger.changelog import ChangeLogSource, install, prune
 from dbtrigger.cli import main
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.history import history_for
@@ -29,6 +29,8 @@ from dbtrigger.partitions import PartitionedPoller
 from dbtrigger.quarantine import JsonLinesQuarantineSink
 from dbtrigger.replay.dead_letters import event_of
 from dbtrigger.runtime.context import BatchContext
+from dbtrigger.sources.base import position_of
+from dbtrigger.state.window import key_of
 from tests.databases import TestDatabase
 
 UTC = dt.timezone.utc
@@ -318,3 +320,26 @@ def test_a_truncate_event_cannot_be_built_with_a_key_or_an_image() -> None:
     for op, pk, before, after in bad:
         with pytest.raises(ConfigurationError):
             RowChange("e1", op, "s", 5, pk, before, after)
+
+
+def test_the_window_lookup_names_log_rows_by_the_events_positions(
+    pg: TestDatabase, tmp_path: Path
+) -> None:
+    """When the window blocks, it looks up the entries a read could not place and
+    drops those whose window key the source does not return (windowing.choose).
+    ChangeLogSource returned the log's own positions (key ``dbt_seq``), which no
+    entry has, so every entry looked up - a waiting truncate's too - counted as
+    gone. Now it returns those of the given positions that are still there."""
+    orders = make_orders(pg)
+    pg.execute(f"INSERT INTO {orders} VALUES (1, 'a')")
+    pg.execute(f"TRUNCATE {orders}")
+    pg.execute(f"INSERT INTO {orders} VALUES (2, 'b')")
+    got: list[RowChange] = []
+    poller(pg, tmp_path, Clock()).drain(got.extend)
+    source = ChangeLogSource(url=pg.url, table="orders", schema=pg.schema)
+    positions = [position_of(e) for e in got]
+    assert [dict(p.pk) for p in positions] == [{"id": 1}, {"id": None}, {"id": 2}]
+    prune(pg.engine, "orders", schema=pg.schema, up_to_seq=int(got[0].cursor))
+    found = source.present(positions)
+    assert [key_of(p) for p in found] == [key_of(p) for p in positions[1:]]
+    source.close()

@@ -516,8 +516,13 @@ class ChangeLogSource:
         return Position(cursor=found.cursor, pk={c: row[c] for c in self.pk_columns})
 
     def present(self, positions: Sequence[Position]) -> list[Position]:
-        """Which log rows (by sequence and key) are still there: pruning removes them."""
-        return self._inner().present(positions)
+        """Which of ``positions`` (an event's: sequence and the watched key, a truncate's
+        key all None) still hold a log row: pruning removes them. Returned as given, so
+        their window keys are the events'; a log row never changes, and its sequence
+        alone names it."""
+        log = self._inner().present([self._log_position(p) for p in positions])
+        there = {p.cursor for p in log}
+        return [p for p in positions if p.cursor in there]
 
     def to_events(
         self, rows: Sequence[Mapping[str, Any]], *, poller: str, batch_id: str

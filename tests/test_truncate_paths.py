@@ -113,10 +113,14 @@ def test_two_truncates_in_a_row_are_both_delivered(
     assert replica.rows == table_rows(pg, orders) == {1: "b"}
 
 
-@pytest.mark.parametrize("lanes", [1, 4])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"max_concurrency": 4}, {"read_ahead": "always"}],
+    ids=["plain", "lanes", "read-ahead"],
+)
 @pytest.mark.parametrize("retried", [("truncate", None), ("insert", 1)])
 def test_a_retried_event_keeps_its_order_with_a_truncate(
-    pg: TestDatabase, tmp_path: Path, lanes: int, retried: tuple[str, Any]
+    pg: TestDatabase, tmp_path: Path, options: dict[str, Any], retried: tuple[str, Any]
 ) -> None:
     """A truncate waiting for a retry holds back the insert of key 1 after it (whose
     key is not the truncate's), and an insert of key 1 waiting holds back the
@@ -128,7 +132,7 @@ def test_a_retried_event_keeps_its_order_with_a_truncate(
     pg.execute(f"INSERT INTO {orders} VALUES (1, 'b')")
     clock = Clock()
     replica = Replica(retry={retried})
-    trigger = poller(pg, tmp_path, clock, max_concurrency=lanes)
+    trigger = poller(pg, tmp_path, clock, **options)
     trigger.drain(replica)
     assert replica.retry == set()  # it was retried
     clock.advance()

@@ -10,6 +10,8 @@ order), lanes, fan-out, dead letters and their replay, the history and
 from __future__ import annotations
 
 import datetime as dt
+import logging
+import shlex
 import sys
 import types
 from dataclasses import dataclass, field
@@ -347,3 +349,40 @@ def test_the_window_lookup_names_log_rows_by_the_events_positions(
     found = source.present(positions)
     assert [key_of(p) for p in found] == [key_of(p) for p in positions[1:]]
     source.close()
+
+
+def test_a_poison_truncate_without_a_sink_is_skipped_by_the_printed_command(
+    pg: TestDatabase,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """No dead-letter sink: the failing truncate stops the poller (poison_batch), and
+    the skip-batch command the line prints skips exactly it; the insert after it flows."""
+    orders = make_orders(pg)
+    pg.execute(f"INSERT INTO {orders} VALUES (1, 'a')")
+    pg.execute(f"TRUNCATE {orders}")
+    pg.execute(f"INSERT INTO {orders} VALUES (1, 'b')")
+    replica = Replica()
+
+    def handler(events: list[RowChange], ctx: BatchContext) -> None:
+        if any(e.op == "truncate" for e in events):
+            raise RuntimeError("cannot clear the replica")
+        replica(events, ctx)
+
+    trigger = poller(pg, tmp_path, Clock(), max_attempts=1)
+    trigger.handler(handler)
+    module = types.ModuleType("truncate_poison_app")
+    module.trigger = trigger  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "truncate_poison_app", module)
+    with caplog.at_level(logging.ERROR), pytest.raises(HandlerError):
+        trigger.drain()
+    [line] = [r.getMessage() for r in caplog.records if getattr(r, "event", "") == "poison_batch"]
+    skip = line.split("Skip (data loss, journaled): ", 1)[1].split(" (MODULE:ATTR")[0]
+    argv = shlex.split(skip.replace("MODULE:ATTR", "truncate_poison_app:trigger"))[1:]
+    capsys.readouterr()
+    assert main(argv) == 0, capsys.readouterr()
+    trigger.drain()
+    assert [op for op, _, _ in replica.applied] == ["insert", "insert"]
+    assert replica.rows == {1: "b"}

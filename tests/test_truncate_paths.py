@@ -168,6 +168,7 @@ def test_a_failing_truncate_is_dead_lettered_and_replayed_as_a_truncate(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The truncate fails every time: after max_attempts it is set aside alone (the
     bisection of a batch of one), the insert after it flows, and the dead letter
@@ -189,11 +190,16 @@ def test_a_failing_truncate_is_dead_lettered_and_replayed_as_a_truncate(
         pg, tmp_path, Clock(), quarantine=JsonLinesQuarantineSink(dead), max_attempts=2
     )
     failed = 0
-    for _ in range(4):
-        try:
-            trigger.drain(handler)
-        except HandlerError:
-            failed += 1
+    with caplog.at_level(logging.WARNING):
+        for _ in range(4):
+            try:
+                trigger.drain(handler)
+            except HandlerError:
+                failed += 1
+    [said] = [
+        r.getMessage() for r in caplog.records if getattr(r, "event", "") == "row_quarantined"
+    ]
+    assert said.startswith("truncate of every row (cursor 2) set aside in file:"), said
     assert failed == 1  # the second attempt sets it aside instead of failing the tick
     assert [op for op, _, _ in replica.applied] == ["insert", "insert"]
     records = JsonLinesQuarantineSink(dead).records()

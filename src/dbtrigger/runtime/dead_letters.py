@@ -17,7 +17,7 @@ from dataclasses import KW_ONLY, dataclass
 
 from dbtrigger.errors import LostLeaseError, QuarantineError
 from dbtrigger.events import RowChange
-from dbtrigger.quarantine import QuarantineSink, put_records
+from dbtrigger.quarantine import QuarantineRecord, QuarantineSink, put_records
 from dbtrigger.runtime import kernel
 from dbtrigger.runtime.context import BatchContext
 from dbtrigger.runtime.retry import RetryPolicy
@@ -94,8 +94,8 @@ class DeadLetters:
         for record in records:
             self.telemetry.emit(
                 "row_quarantined",
-                "row %s set aside in %s after %d failed attempts: %s",
-                record.pk,
+                "%s set aside in %s after %d failed attempts: %s",
+                _what(record),
                 sink.describe(),
                 record.attempts,
                 record.error,
@@ -107,3 +107,11 @@ class DeadLetters:
                 sink=sink.describe(),
                 attempt=record.attempts,
             )
+
+
+def _what(record: QuarantineRecord) -> str:
+    """``row {key}``, or a change log's truncate (no row, every key value None)."""
+    pk = record.pk
+    if record.row is None and pk and all(v is None for v in pk.values()):
+        return f"truncate of every row (cursor {record.cursor})"
+    return f"row {pk}"

@@ -382,6 +382,7 @@ def test_a_poison_truncate_without_a_sink_is_skipped_by_the_printed_command(
     module = types.ModuleType("truncate_poison_app")
     module.trigger = trigger  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "truncate_poison_app", module)
+    monkeypatch.chdir(tmp_path)  # skip-batch keeps a backup of the state in the directory
     with caplog.at_level(logging.ERROR), pytest.raises(HandlerError):
         trigger.drain()
     [line] = [r.getMessage() for r in caplog.records if getattr(r, "event", "") == "poison_batch"]

@@ -117,7 +117,9 @@ def writer(url: str, table: str, rate: float, seconds: float, stop: threading.Ev
 
 
 def run_worker(
-    trigger: PollTrigger, handler: Callable[[list[RowChange]], None], interval: float,
+    trigger: PollTrigger,
+    handler: Callable[[list[RowChange]], None],
+    interval: float,
     until: Callable[[], bool],
 ) -> None:
     while not until():
@@ -141,8 +143,11 @@ def latency(url: str, kind: str, interval: float, seconds: float, rate: float) -
     else:
         source = PgLogicalSource(db, [table], snapshot="never", mode=kind)
     trigger = PollTrigger(
-        name=unique(f"lat_{kind}"), source=source, checkpoint_store=InMemoryCheckpointStore(),
-        batch_size=500, max_batches_per_tick=10,
+        name=unique(f"lat_{kind}"),
+        source=source,
+        checkpoint_store=InMemoryCheckpointStore(),
+        batch_size=500,
+        max_batches_per_tick=10,
     )
     trigger.tick(lambda events: None)  # set up (slot, publication) before the clock starts
     samples: list[float] = []
@@ -192,8 +197,11 @@ def replay(url: str, kind: str, rows: int, batch: int) -> dict[str, Any]:
         else PgLogicalSource(db, [table], snapshot="never", mode=kind)
     )
     trigger = PollTrigger(
-        name=unique(f"replay_{kind}"), source=source, checkpoint_store=InMemoryCheckpointStore(),
-        batch_size=batch, max_batches_per_tick=100,
+        name=unique(f"replay_{kind}"),
+        source=source,
+        checkpoint_store=InMemoryCheckpointStore(),
+        batch_size=batch,
+        max_batches_per_tick=100,
     )
     trigger.tick(lambda events: None)
     with psycopg.connect(conninfo(db), autocommit=True) as conn:
@@ -231,35 +239,57 @@ def memory_child(url: str, mode: str, rows: int, history: bool = True) -> dict[s
         conn.execute("CREATE TABLE big (id bigint PRIMARY KEY, v int NOT NULL, payload text)")
     source = PgLogicalSource(db, ["big"], snapshot="never", mode=mode)
     trigger = PollTrigger(
-        name=unique("big"), source=source, checkpoint_store=InMemoryCheckpointStore(),
-        batch_size=1000, max_batches_per_tick=100, history=history,
+        name=unique("big"),
+        source=source,
+        checkpoint_store=InMemoryCheckpointStore(),
+        batch_size=1000,
+        max_batches_per_tick=100,
+        history=history,
     )
-    trigger.tick(lambda events: None)
-    with psycopg.connect(conninfo(db), autocommit=True) as conn:
-        conn.execute(
-            "INSERT INTO big SELECT g, g, repeat('p', 40) FROM generate_series(1, %s) g", (rows,)
-        )
-    before, _ = rss_mb()
-    seen = 0
+    try:  # a failed run must not leave its slot behind: slots are cluster-wide
+        trigger.tick(lambda events: None)
+        with psycopg.connect(conninfo(db), autocommit=True) as conn:
+            conn.execute(
+                "INSERT INTO big SELECT g, g, repeat('p', 40) FROM generate_series(1, %s) g",
+                (rows,),
+            )
+        before, _ = rss_mb()
+        seen = 0
 
-    def handle(events: list[RowChange]) -> None:
-        nonlocal seen
-        seen += len(events)
+        def handle(events: list[RowChange]) -> None:
+            nonlocal seen
+            seen += len(events)
 
-    while seen < rows:
-        trigger.tick(handle)
-    _, peak = rss_mb()
-    source.close()
-    drop_database(db)
+        while seen < rows:
+            trigger.tick(handle)
+        _, peak = rss_mb()
+    finally:
+        source.close()
+        drop_database(db)
     return {"before": before, "peak": peak}
 
 
 def memory(url: str, mode: str, rows: int, history: bool = True) -> dict[str, Any]:
     done = subprocess.run(  # noqa: S603 - this very script, as a child
-        [sys.executable, "-m", "benchmarks.cdc_pg", "--child", mode, "--url", url,
-         "--big", str(rows), *([] if history else ["--no-history"])],
-        cwd=ROOT, capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.cdc_pg",
+            "--child",
+            mode,
+            "--url",
+            url,
+            "--big",
+            str(rows),
+            *([] if history else ["--no-history"]),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
     )
+    if done.returncode != 0:  # say why: CalledProcessError alone hid the child's traceback
+        raise RuntimeError(f"the {mode} memory run failed:\n{done.stderr[-4000:]}")
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 

@@ -34,6 +34,10 @@ import pytest
 
 from tests.cdc_servers import CdcDatabase
 
+#: Slots are cluster-wide: another test (or a benchmark run) may hold one on this server.
+OWN_SLOTS_COUNT = "SELECT count(*) FROM pg_replication_slots WHERE database = current_database()"
+
+
 ROOT = Path(__file__).resolve().parent.parent
 BATCH = 500
 KILLS = os.environ.get("DBTRIGGER_CDC_CHAOS_KILLS")
@@ -162,7 +166,7 @@ def test_kill_restart_loses_nothing_and_repeats_only_the_batch_in_flight(
     workers.start()
     try:
         wait_for(
-            lambda: cdc_db.scalar("SELECT count(*) FROM pg_replication_slots") == 1,
+            lambda: cdc_db.scalar(OWN_SLOTS_COUNT) == 1,
             "the worker to create its slot",
         )
         cdc_db.execute("SELECT pg_create_logical_replication_slot('truth', 'test_decoding')")

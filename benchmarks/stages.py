@@ -46,7 +46,7 @@ from benchmarks.common import (
 )
 from dbtrigger import InMemoryCheckpointStore, PollTrigger
 from dbtrigger.cursor import Position
-from dbtrigger.events import EventIds
+from dbtrigger.event_identity import EventIds
 from dbtrigger.state import document as docmod
 
 #: CPU time per row of the latest :func:`per_row_us` (this process's CPU: what

@@ -14,7 +14,7 @@ from dbtrigger import FileCheckpointStore, PollTrigger, RowChange
 from dbtrigger.changelog import ChangeLogSource, install
 from dbtrigger.changelog.events import EVENT_COLUMNS, log_events
 from dbtrigger.errors import SerializationError
-from dbtrigger.events import make_event_id
+from dbtrigger.event_identity import make_event_id
 from dbtrigger.history import records as rec
 from dbtrigger.sources.rows import Rows
 from tests.databases import TestDatabase

@@ -11,7 +11,7 @@ import pytest
 from dbtrigger import RowChange, SerializationError
 from dbtrigger.cursor import Position, decode_value, encode_value, pk_hash
 from dbtrigger.errors import CorruptStateError
-from dbtrigger.events import dedup_key, make_event_id
+from dbtrigger.event_identity import dedup_key, make_event_id
 from dbtrigger.state.document import position_from_json, position_to_json
 
 UTC = dt.timezone.utc

@@ -30,7 +30,8 @@ from dbtrigger.cursor import (
     encoded_pk,
     pk_hash,
 )
-from dbtrigger.events import EventIds, RowShape, events_from_rows, make_event_id
+from dbtrigger.event_identity import EventIds, make_event_id
+from dbtrigger.events import RowShape, events_from_rows
 from dbtrigger.sources.rows import Rows, rows_to_events
 
 

@@ -20,7 +20,8 @@ from collections.abc import Mapping
 import pytest
 
 from dbtrigger.cursor import Position
-from dbtrigger.events import RowChange, make_event_id
+from dbtrigger.event_identity import make_event_id
+from dbtrigger.events import RowChange
 from dbtrigger.runtime import windowing
 from dbtrigger.state import fanout
 from dbtrigger.state import window as windowmod

@@ -11,7 +11,7 @@ import pytest
 from dbtrigger import InMemoryCheckpointStore, PollTrigger, RowChange
 from dbtrigger._gc import gc_paused, older_objects_frozen
 from dbtrigger.cursor import Position
-from dbtrigger.events import make_event_id
+from dbtrigger.event_identity import make_event_id
 
 
 class RecordingSource:

@@ -26,79 +26,25 @@ import datetime as dt
 import hashlib
 import math
 import uuid
-from collections.abc import Iterable, Mapping, Sequence, Set
+from collections.abc import Mapping, Sequence, Set
 from operator import attrgetter, itemgetter, methodcaller
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from dbtrigger.cursor import (
-    cursor_text,
     encode_value,
     encoded_json,
     json_string,
     pk_hash,
-    pk_json,
 )
 from dbtrigger.errors import ConfigurationError, SerializationError
+from dbtrigger.event_identity import EventIds, dedup_key, make_event_id
 from dbtrigger.rowviews import PlainRowMapping, RowMapping, frozen, guarded
 
 #: ``truncate``: a change log's record that the whole table was emptied (no key, no images).
 VALID_OPS = frozenset({"insert", "update", "upsert", "delete", "truncate"})
 
 _sha256 = hashlib.sha256
-
-
-def make_event_id(poller: str, pk: Mapping[str, Any], cursor: Any) -> str:
-    """Identity of one source-side row state, equal across drivers and processes.
-
-    Built from the poller name, the primary key and the cursor through the
-    state document's own value encoding, never from ``repr`` of driver objects,
-    so a psycopg ``Decimal`` and a PyMySQL ``Decimal`` of the same value agree.
-    The hashed text is ``canonical_json([poller, encoded_pk(pk), [kind, value]])``.
-
-    Raises:
-        SerializationError: a key or cursor value has a type that cannot be encoded.
-    """
-    material = "[" + json_string(poller) + "," + pk_json(pk) + "," + encoded_json(cursor) + "]"
-    return _sha256(material.encode()).hexdigest()[:32]
-
-
-class EventIds:
-    """:func:`make_event_id` for one poller and one set of key columns, made cheap.
-
-    The parts that never change within a poller (its name, the sorted key
-    names, the JSON punctuation) are built once here; per row only the key and
-    cursor values are encoded. The result equals :func:`make_event_id`.
-    """
-
-    __slots__ = ("_keys", "_prefix", "_single")
-
-    def __init__(self, poller: str, pk_columns: Iterable[str]) -> None:
-        self._prefix = "[" + json_string(poller) + ",{"
-        self._keys = tuple((name, json_string(name) + ":") for name in sorted(pk_columns))
-        # One key column is the usual case: its label is part of the prefix.
-        self._single = self._keys[0][0] if len(self._keys) == 1 else None
-        if self._single is not None:
-            self._prefix += self._keys[0][1]
-
-    def __call__(self, pk: Mapping[str, Any], cursor: Any) -> str:
-        """The id of the row state with key values ``pk`` (a mapping over exactly
-        the key columns) and cursor value ``cursor``.
-
-        Raises:
-            SerializationError: a value has a type that cannot be encoded.
-        """
-        if self._single is not None:
-            keys = encoded_json(pk[self._single])
-        else:
-            keys = ",".join([label + encoded_json(pk[name]) for name, label in self._keys])
-        material = self._prefix + keys + "}," + encoded_json(cursor) + "]"
-        return _sha256(material.encode()).hexdigest()[:32]
-
-    def single(self, key: Any, cursor: Any) -> str:
-        """The id for a one-column key given as its bare value (no mapping built)."""
-        material = self._prefix + encoded_json(key) + "}," + encoded_json(cursor) + "]"
-        return _sha256(material.encode()).hexdigest()[:32]
 
 
 def _check_key(
@@ -602,6 +548,17 @@ def event_ids(events: Sequence[RowChange]) -> list[str]:
     return ids
 
 
-def dedup_key(poller: str, pk: Mapping[str, Any], cursor: Any) -> str:
-    """The ``poller:pk_hash:cursor`` dedup key without building an event."""
-    return f"{poller}:{pk_hash(pk)}:{cursor_text(cursor)}"
+# make_event_id, dedup_key and EventIds live in dbtrigger.event_identity; they are
+# still offered here, where docs/api.md lists them.
+__all__ = [
+    "VALID_OPS",
+    "EventIds",
+    "RowChange",
+    "RowShape",
+    "batch_shape",
+    "dedup_key",
+    "event_ids",
+    "events_from_rows",
+    "key_dict",
+    "make_event_id",
+]

@@ -39,7 +39,8 @@ from typing import Any
 
 from dbtrigger.cdc.position import LogPosition
 from dbtrigger.errors import SerializationError
-from dbtrigger.events import RowChange, make_event_id
+from dbtrigger.event_identity import make_event_id
+from dbtrigger.events import RowChange
 
 #: Operations a log change may carry (a snapshot row is an ``upsert``).
 LOG_OPS = frozenset({"insert", "update", "delete", "upsert"})

@@ -22,7 +22,8 @@ from types import MappingProxyType
 from typing import Any
 
 from dbtrigger.errors import SerializationError
-from dbtrigger.events import EventIds, RowChange
+from dbtrigger.event_identity import EventIds
+from dbtrigger.events import RowChange
 from dbtrigger.rowviews import guarded
 
 #: ``upsert``: a row written into the log by ``changelog snapshot`` (the row as it

@@ -44,7 +44,8 @@ from dbtrigger.errors import (
     LostLeaseError,
     QuarantineError,
 )
-from dbtrigger.events import EventIds, RowChange
+from dbtrigger.event_identity import EventIds
+from dbtrigger.events import RowChange
 from dbtrigger.quarantine import QuarantineSink, put_records
 from dbtrigger.queue.context import ClaimContext
 from dbtrigger.queue.health import InFlight

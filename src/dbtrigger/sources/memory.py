@@ -32,7 +32,8 @@ from typing import Any
 
 from dbtrigger.cursor import Position, canonical_json, encode_value
 from dbtrigger.errors import ConfigurationError, CorruptStateError, SerializationError
-from dbtrigger.events import EventIds, RowChange
+from dbtrigger.event_identity import EventIds
+from dbtrigger.events import RowChange
 from dbtrigger.names import validate_sql_identifier
 
 _Key = tuple[Any, ...]

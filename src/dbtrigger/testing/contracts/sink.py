@@ -35,7 +35,8 @@ import pytest
 
 from dbtrigger.cursor import Position
 from dbtrigger.errors import QuarantineError
-from dbtrigger.events import RowChange, make_event_id
+from dbtrigger.event_identity import make_event_id
+from dbtrigger.events import RowChange
 from dbtrigger.quarantine import QuarantineRecord, QuarantineSink
 from dbtrigger.testing.contracts._threads import run_together
 

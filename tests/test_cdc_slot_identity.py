@@ -9,29 +9,21 @@ whose confirmed position is past that.
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 import pytest
 
-from dbtrigger import InMemoryCheckpointStore, PollTrigger, RetryPolicy, RowChange
+from dbtrigger import PollTrigger, RowChange
 from dbtrigger.cdc import PgLogicalSource
 from dbtrigger.cdc.pgoutput import parse_lsn
 from dbtrigger.errors import SlotLostError
 from tests.cdc_servers import CdcDatabase
+from tests.test_cdc_pg import poller as cdc_poller
 
 
 def poller(db: CdcDatabase, **kw: Any) -> tuple[PollTrigger, PgLogicalSource]:
-    source = PgLogicalSource(db.url, ["t"], snapshot="never", stream_wait_seconds=0, **kw)
-    trigger = PollTrigger(
-        name=f"p_{uuid.uuid4().hex[:8]}",
-        source=source,
-        checkpoint_store=InMemoryCheckpointStore(),
-        batch_size=50,
-        max_batches_per_tick=100,
-        retry=RetryPolicy.none(),
-    )
-    return trigger, source
+    """test_cdc_pg's poller on table ``t``, its stream read returning at once."""
+    return cdc_poller(db, ["t"], stream_wait_seconds=0, **kw)
 
 
 def drain(trigger: PollTrigger) -> list[int]:

@@ -270,6 +270,58 @@ def test_fan_out_holds_a_key_back_for_the_subscriber_that_retried_only(
     assert trigger.read_state().window is None  # type: ignore[union-attr]
 
 
+def test_a_held_change_is_not_handed_again_to_a_subscriber_that_accepted_it(
+    pg: TestDatabase, tmp_path: Path
+) -> None:
+    """PostgreSQL change log, two subscribers, default settings. "a" retries the
+    update of key 1 twice; "b" retries the delete once. The delete waits behind
+    the update (for "a"), owed to "b" too. In the second batch "b" accepts the
+    delete while "a" retries the update again: the delete is still held for
+    "a" - but not for "b", which has it (before, the held entry kept "b" as
+    owing it and "b" was handed the delete a third time: a duplicate)."""
+    orders = make_orders(pg)
+    pg.execute(f"INSERT INTO {orders} VALUES (1, 'new')")
+    pg.execute(f"UPDATE {orders} SET status = 'paid' WHERE id = 1")
+    pg.execute(f"DELETE FROM {orders} WHERE id = 1")
+    handed: dict[str, list[tuple[str, int]]] = {"a": [], "b": []}
+
+    def subscriber(name: str, op: str, tries: int) -> Callable[..., None]:
+        def handle(events: list[RowChange], ctx: BatchContext) -> None:
+            for e in events:
+                handed[name].append((op_of(e), int(e.pk["id"])))
+                if op_of(e) == op and ctx.attempts(e) <= tries:
+                    ctx.retry(e, f"{name} busy")
+
+        return handle
+
+    clock = Clock()
+    trigger = PollTrigger(
+        name="orders-log",
+        source=ChangeLogSource(url=pg.url, table="orders", schema=pg.schema),
+        checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+        clock=clock,
+        subscribers={"a": subscriber("a", "update", 2), "b": subscriber("b", "delete", 1)},
+    )
+    trigger.tick()
+    clock.advance()
+    trigger.tick()
+    assert handed["b"] == [("insert", 1), ("update", 1), ("delete", 1), ("delete", 1)]
+    clock.advance()
+    trigger.drain()
+    assert handed["a"] == [
+        ("insert", 1),
+        ("update", 1),
+        ("delete", 1),
+        ("update", 1),
+        ("delete", 1),
+        ("update", 1),
+        ("delete", 1),
+    ]
+    # "b" failed the delete once and accepted it once: it is not handed it again.
+    assert handed["b"] == [("insert", 1), ("update", 1), ("delete", 1), ("delete", 1)]
+    assert trigger.read_state().window is None  # type: ignore[union-attr]
+
+
 def test_partitions_keep_the_order_of_a_key(sqlite_db: TestDatabase, tmp_path: Path) -> None:
     """A partitioned keyset poller over the log table itself (several rows per key)."""
     orders = make_orders(sqlite_db)

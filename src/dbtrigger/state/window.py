@@ -510,12 +510,13 @@ def held_entry(
     now: dt.datetime,
 ) -> Pending:
     """Fan-out: an event that waits behind an earlier event of its row key that
-    ``subscribers`` still owe. It is owed to them again - each with the count
-    it had (being held back is not an attempt) - and to whoever already owed
-    it; the others resolved it and never see it again."""
-    owed = dict(previous.owed or {}) if previous is not None else {}
-    for name in subscribers:
-        owed.setdefault(name, 0)
+    ``subscribers`` still owe, which every subscriber it was handed accepted.
+    It is owed again to those subscribers only - each with the count it had
+    (being held back is not an attempt); the others accepted it and never see
+    it again, even one that owed it before (it had failed it in an earlier
+    batch: kept as owing, it was handed the event again, a duplicate)."""
+    counts = dict(previous.owed or {}) if previous is not None else {}
+    owed = {name: counts.get(name, 0) for name in subscribers}
     return Pending(
         position=position,
         attempts=previous.attempts if previous is not None else 0,

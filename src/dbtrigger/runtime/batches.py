@@ -160,7 +160,7 @@ class BatchSequence:
                     ),
                 )
                 done = frozenset(failure.done) if failure else frozenset()
-                prefetch = self.look_ahead(
+                prefetch = self.reader.look_ahead(
                     selection, events, position, index, started_at, tag, carry=carry
                 )
                 outcome = self.hand_over(
@@ -209,27 +209,6 @@ class BatchSequence:
                 )
             selection = following
             index += 1
-
-    def look_ahead(
-        self,
-        selection: Selection,
-        events: list[RowChange],
-        position: Position,
-        index: int,
-        started_at: dt.datetime,
-        tag: object,
-        *,
-        carry: bool,
-    ) -> Prefetch | None:
-        """Start reading the next batch before this one is handed over: on the
-        read-ahead's thread, or (read-ahead off, or a source that cannot be read
-        from another thread) a :class:`Prefetch` the lanes' wait runs. The
-        tick's last batch reads ahead only to ``carry``."""
-        if not self.reader.reads_ahead():
-            return self.reader.prefetch(selection, events, position, index, started_at, tag)
-        if carry or index + 1 < self.settings.max_batches_per_tick:
-            self.reader.read_ahead_from(selection, events, position, started_at, tag)
-        return None
 
     def commit(
         self,

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dbtrigger.cursor import Position
@@ -73,20 +74,16 @@ def bulk_reads_for(source: Any, checked: PollOptions, wanted: bool) -> BulkReads
     return BulkReads(depth=depth, columns=(source.cursor_column, source.pk_columns))
 
 
+@dataclass(eq=False, slots=True)
 class _Rest:
     """Rows read beyond the batch handed out, for the batches after it."""
 
-    __slots__ = ("after", "full", "read_at", "rows", "tag")
-
-    def __init__(
-        self, after: Position, rows: Sequence[Any], tag: object, read_at: float, full: bool
-    ) -> None:
-        self.after = after
-        self.rows = rows
-        self.tag = tag
-        self.read_at = read_at
-        #: The read came back full: rows are likely pending after these.
-        self.full = full
+    after: Position
+    rows: Sequence[Any]
+    tag: object
+    read_at: float
+    #: The read came back full: rows are likely pending after these.
+    full: bool
 
 
 class BulkReads:

@@ -87,10 +87,7 @@ class Delivery:
     ) -> None:
         self.poller = poller
         self.cli_target = cli_target or (lambda: poller)
-        self.owner_id = owner_id
-        self.clock = clock
         self.telemetry = telemetry
-        self.retry = retry
         self.quarantine = quarantine
         self.max_attempts = max_attempts
         self.quarantine_limit = quarantine_limit

@@ -299,23 +299,33 @@ class BatchReader:
             if paused:
                 gc.enable()
 
-    def prefetch(
+    def look_ahead(
         self,
         selection: Selection,
         events: list[RowChange],
         position: Position,
         index: int,
         started_at: dt.datetime,
-        tag: object = None,
+        tag: object,
+        *,
+        carry: bool,
     ) -> Prefetch | None:
-        """The read of the batch after this one (under ``tag``), to run while its lanes run.
+        """Start reading the batch after this one (under ``tag``) before this one
+        is handed over: on the read-ahead's thread (:meth:`read_ahead_from`; the
+        tick's last batch reads ahead only to ``carry``), or - read-ahead off, or
+        a source that cannot be read from another thread - as the returned
+        :class:`Prefetch`, which the lanes' wait runs.
 
-        None when the handler runs on this thread (no lanes, no subscribers:
-        nothing can overlap it), when no further batch will be read this tick,
-        or when the last read's rest holds it (dbtrigger.runtime.bulk). The
-        landing is computed for "every event accepted": no retry, so ``now``
+        No prefetch when the handler runs on this thread (no lanes, no
+        subscribers: nothing can overlap it), when no further batch will be read
+        this tick, or when the last read's rest holds it (dbtrigger.runtime.bulk).
+        The landing is computed for "every event accepted": no retry, so ``now``
         and the jitter play no part.
         """
+        if self.reads_ahead():
+            if carry or index + 1 < self.settings.max_batches_per_tick:
+                self.read_ahead_from(selection, events, position, started_at, tag)
+            return None
         if not self.delivery.overlaps or not selection.more:
             return None
         if index + 1 >= self.settings.max_batches_per_tick or (self.bulk and self.bulk.holds):
@@ -367,8 +377,9 @@ class BatchReader:
         """Start reading the batch after this one on the read-ahead's thread.
 
         From where this batch leaves the checkpoint and the window if every
-        event is accepted (as :meth:`prefetch` computes it), tagged ``tag``;
-        :meth:`next_batch` uses it only if asked for exactly that read. Nothing
+        event is accepted (as :meth:`look_ahead` computes it for a prefetch),
+        tagged ``tag``; :meth:`next_batch` uses it only if asked for exactly
+        that read. Nothing
         when read-ahead is off, the source cannot be read from another thread,
         or no rows are likely pending.
         """

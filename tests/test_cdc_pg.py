@@ -234,6 +234,33 @@ def test_a_role_without_replication_is_refused_with_the_statement(cdc_db: CdcDat
             conn.execute(f"DROP ROLE {role}")
 
 
+def test_a_role_that_may_not_create_the_control_table_is_told_the_grant_and_the_sql(
+    cdc_db: CdcDatabase,
+) -> None:
+    role = f"r_{uuid.uuid4().hex[:8]}"
+    cdc_db.execute(  # owner of its table (may publish it), but no CREATE on ctl_ROLE
+        f"CREATE ROLE {role} LOGIN REPLICATION; GRANT CREATE ON SCHEMA public TO {role};"
+        f'GRANT CREATE ON DATABASE "{cdc_db.name}" TO {role};'
+        f"CREATE TABLE t (id int PRIMARY KEY); ALTER TABLE t OWNER TO {role};"
+        f"CREATE SCHEMA ctl_{role}; GRANT USAGE ON SCHEMA ctl_{role} TO {role}"
+    )
+    try:
+        url = cdc_db.url.replace("postgres@", f"{role}@")
+        source = PgLogicalSource(url, ["t"], slot="no_control", control_schema=f"ctl_{role}")
+        with pytest.raises(
+            SourcePermissionError,
+            match=rf"cannot create ctl_{role}\.dbtrigger_cdc_slots .*GRANT CREATE ON SCHEMA "
+            rf"ctl_{role} TO this role.*have an admin run: CREATE TABLE",
+        ):
+            source.fetch(BEGINNING, 10)
+        source.close()
+    finally:
+        with cdc_db.connect() as conn:
+            conn.execute(f"DROP SCHEMA ctl_{role} CASCADE")
+            conn.execute(f"DROP OWNED BY {role}")  # (also the publication and the grants)
+            conn.execute(f"DROP ROLE {role}")
+
+
 def test_a_dropped_slot_with_a_checkpoint_is_never_silently_replaced(cdc_db: CdcDatabase) -> None:
     cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY)")
     trigger, source = poller(cdc_db, ["t"])

@@ -15,13 +15,21 @@ timeout is the caller's to name).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import Any
 
 import psycopg
 from psycopg import errors as pg_errors
+from psycopg import sql
 from sqlalchemy.engine import URL
 
-from dbtrigger.errors import ConfigurationError, DbTriggerError, FetchError, SlotLostError
+from dbtrigger.errors import (
+    ConfigurationError,
+    DbTriggerError,
+    FetchError,
+    SlotLostError,
+    SourcePermissionError,
+)
 from dbtrigger.sources.errors_map import driver_mapped
 
 #: Session settings every connection runs with: they decide pgoutput's text output.
@@ -91,6 +99,32 @@ def translated(what: str) -> contextlib.AbstractContextManager[None]:
     return driver_mapped(what, psycopg.Error, _slot_error)
 
 
+def execute_or_explain(
+    conn: psycopg.Connection[Any],
+    statements: Sequence[sql.Composed],
+    *,
+    doing: str,
+    refused: str,
+    advice: str,
+) -> None:
+    """Run ``statements`` (DDL this role may lack the rights for), in order.
+
+    A refusal is raised again as ``"{refused}: {the server's reason}. {advice}:
+    {the statements}"``: what could not be done and why it is needed, then who
+    may run the quoted SQL instead.
+
+    Raises:
+        SourcePermissionError: the role may not run them (with the SQL to run).
+    """
+    try:
+        with translated(doing):
+            for statement in statements:
+                conn.execute(statement)
+    except SourcePermissionError as exc:
+        texts = "; ".join(s.as_string(conn) for s in statements)
+        raise SourcePermissionError(f"{refused}: {exc}. {advice}: {texts}") from exc
+
+
 def _slot_error(exc: BaseException, what: str) -> DbTriggerError | None:
     """What is special to slots; None: the general rules apply."""
     if isinstance(exc, pg_errors.ObjectInUse):
@@ -123,4 +157,11 @@ def sqlstate(exc: BaseException) -> str | None:
     return None
 
 
-__all__ = ["SESSION_OPTIONS", "connect", "connect_kwargs", "sqlstate", "translated"]
+__all__ = [
+    "SESSION_OPTIONS",
+    "connect",
+    "connect_kwargs",
+    "execute_or_explain",
+    "sqlstate",
+    "translated",
+]

@@ -37,9 +37,8 @@ import psycopg
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from dbtrigger.cdc.pg_connection import translated
+from dbtrigger.cdc.pg_connection import execute_or_explain, translated
 from dbtrigger.cdc.snapshots import Snapshot
-from dbtrigger.errors import SourcePermissionError
 
 TABLE = "dbtrigger_cdc_slots"
 
@@ -94,28 +93,24 @@ def ensure(conn: psycopg.Connection[Any], schema: str) -> bool:
     """
     if exists(conn, schema):
         if not has_bound(conn, schema):
-            statement = add_bound_sql(schema)
-            try:
-                with translated("adding released_lsn to the control table"):
-                    conn.execute(statement)
-            except SourcePermissionError as exc:
-                raise SourcePermissionError(
-                    f"{schema}.{TABLE} was made by an earlier dbtrigger and lacks the column "
-                    f"released_lsn (how far the slot was let advance): {exc}. Have its owner "
-                    f"run: {statement.as_string(conn)}"
-                ) from exc
+            execute_or_explain(
+                conn,
+                [add_bound_sql(schema)],
+                doing="adding released_lsn to the control table",
+                refused=f"{schema}.{TABLE} was made by an earlier dbtrigger and lacks the column "
+                "released_lsn (how far the slot was let advance)",
+                advice="Have its owner run",
+            )
         return False
-    statement = create_sql(schema)
-    try:
-        with translated("creating the control table"):
-            conn.execute(statement)
-    except SourcePermissionError as exc:
-        raise SourcePermissionError(
-            f"cannot create {schema}.{TABLE} (where PgLogicalSource keeps the accepted columns "
-            f"and snapshot progress): {exc}. GRANT CREATE ON SCHEMA {schema} TO this role, pass "
-            f"control_schema= naming a schema it may create in, or have an admin run: "
-            f"{statement.as_string(conn)}"
-        ) from exc
+    execute_or_explain(
+        conn,
+        [create_sql(schema)],
+        doing="creating the control table",
+        refused=f"cannot create {schema}.{TABLE} (where PgLogicalSource keeps the accepted "
+        "columns and snapshot progress)",
+        advice=f"GRANT CREATE ON SCHEMA {schema} TO this role, pass control_schema= naming a "
+        "schema it may create in, or have an admin run",
+    )
     return True
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from dbtrigger.cdc.pg_connection import translated
+from dbtrigger.cdc.pg_connection import execute_or_explain, translated
 from dbtrigger.cdc.pgoutput import lsn_text, parse_lsn
 from dbtrigger.errors import (
     ConfigurationError,
@@ -357,15 +357,14 @@ def ensure_publication(
         raise ConfigurationError(
             f"publication {name} does not list every watched table; run: {'; '.join(texts)}"
         )
-    try:
-        with translated("creating the publication"):
-            for statement in statements:
-                conn.execute(statement)
-    except SourcePermissionError as exc:
-        raise SourcePermissionError(
-            f"cannot create publication {name}: {exc}. Only a table's owner may publish it "
-            f"(and CREATE on the database is needed); have an owner run: {'; '.join(texts)}"
-        ) from exc
+    execute_or_explain(
+        conn,
+        statements,
+        doing="creating the publication",
+        refused=f"cannot create publication {name}",
+        advice="Only a table's owner may publish it (and CREATE on the database is needed); "
+        "have an owner run",
+    )
     return texts
 
 

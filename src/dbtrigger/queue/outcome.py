@@ -25,6 +25,11 @@ The rules:
   the attempts they had. Each row's counted attempts are never more than ``max_attempts``, and
   a row sees at most about ``log2(batch_size)`` uncounted failures per
   counted one, so a poison row still ends ``dead``;
+* a failure on a transient error (:func:`~dbtrigger.state.verdict.transient`: a
+  write that gave up waiting for another transaction's lock, a lost
+  connection) says nothing about the row: it is retried as any failure, but a
+  row that has had ``max_attempts`` attempts is handed back with its last
+  attempt given back instead of going dead, until the cause is gone;
 * a row claimed alone after a claim that expired holding only it (the rows
   of an expired claim are claimed again in halves until the row that kills
   its worker is alone: :mod:`dbtrigger.queue.pick`), once it has had
@@ -44,6 +49,7 @@ from dbtrigger.queue.schema import ERROR_LIMIT
 from dbtrigger.queue.statements import DeadItem, Key, RetryItem
 from dbtrigger.redaction import redact
 from dbtrigger.state.backoff import Backoff
+from dbtrigger.state.verdict import transient
 
 
 @dataclass(frozen=True)
@@ -70,14 +76,18 @@ def error_text(error: BaseException | str) -> str:
 
 
 def _failed_by_partial(
-    error: PartialBatchError, pks: Mapping[Key, Mapping[str, object]]
+    error: PartialBatchError, pks: Mapping[Key, Mapping[str, object]], passing: set[Key]
 ) -> dict[Key, str]:
+    """The rows ``error`` names, with their error texts; those whose cause is
+    transient are added to ``passing``."""
     named: dict[Key, str] = {}
     for index, failed in enumerate(error.failed_pks):
         for key, pk in pks.items():
             if dict(pk) == dict(failed):
                 cause = error.causes.get(index)
                 named[key] = error_text(cause) if cause is not None else error_text(error)
+                if transient(cause):
+                    passing.add(key)
     return named
 
 
@@ -94,12 +104,15 @@ def decide(
     """The outcome of each ``(key, attempt)`` after the handler ran (see the module doc)."""
     failed: dict[Key, str] = {}
     shared: list[tuple[Key, int]] = []
+    passing: set[Key] = set()  # failed on a transient error: never dead for it
     if isinstance(failure, PartialBatchError):
-        failed = _failed_by_partial(failure, pks)
+        failed = _failed_by_partial(failure, pks, passing)
     elif failure is not None:
         text = error_text(failure)
         failed = {key: text for key, _ in rows}
         shared = [(key, attempt) for key, attempt in rows if key not in marks]
+        if transient(failure):
+            passing = set(failed)
     plan = Plan()
     split: set[Key] = set()
     if len(shared) > 1:
@@ -121,6 +134,10 @@ def decide(
             reason = failed[key]
         if reason is None:
             plan.done.append(key)
+        elif attempt >= max_attempts and mark is None and key in passing:
+            # Not the row's fault: back alone, its attempt given back (never dead for it).
+            group = f"{rng.getrandbits(128):032x}"
+            plan.retry.append(RetryItem(key, backoff.delay(attempt, rng), reason, group))
         elif attempt >= max_attempts:
             plan.dead.append(DeadItem(key, error_text(f"failed {attempt} times; last: {reason}")))
         else:

@@ -49,7 +49,7 @@ from dbtrigger.runtime.dead_letters import (
 from dbtrigger.runtime.kernel import Handler, Lanes
 from dbtrigger.runtime.retry import RetryPolicy
 from dbtrigger.runtime.telemetry import Telemetry
-from dbtrigger.state.verdict import Verdict, judge, should_isolate
+from dbtrigger.state.verdict import Verdict, judge, should_isolate, transient
 from dbtrigger.state.window import Window
 
 __all__ = [
@@ -208,7 +208,9 @@ class Delivery:
         if not named:
             failed = [(e, error) for e in pending]
         aborted = False
-        if should_isolate(
+        # A lock waited on too long, a lost connection: not the rows' fault, never poison.
+        passing = any(transient(exc) for _, exc in failed)
+        if not passing and should_isolate(
             attempt=ctx.attempt,
             max_attempts=self.max_attempts,
             has_sink=self.quarantine is not None,
@@ -223,6 +225,7 @@ class Delivery:
                 check=lambda: check_lease(ctx, self.poller),
             )
             succeeded, failed, aborted = found.ok, found.bad, found.aborted
+            passing = any(transient(exc) for _, exc in failed)
             emit(
                 "batch_bisected",
                 "bisected batch %s in %d handler calls: %d row(s) fail alone, %d passed%s",
@@ -251,6 +254,7 @@ class Delivery:
             max_attempts=self.max_attempts,
             has_sink=self.quarantine is not None,
             quarantine_limit=self.quarantine_limit,
+            transient_failure=passing,
         )
         if verdict is Verdict.SETTLED:
             return Delivered()
@@ -260,7 +264,7 @@ class Delivery:
             except QuarantineError as exc:
                 return Undelivered(exc, settled, exc)
             return Delivered(quarantined=len(failed))
-        self._report_failure(ctx, events, error, failed, verdict)
+        self._report_failure(ctx, events, error, failed, verdict, passing)
         handler_error = HandlerError(
             f"handler failed on batch {ctx.batch_id}: {type(error).__name__}: {error}",
             poller=self.poller,
@@ -385,6 +389,7 @@ class Delivery:
         error: BaseException,
         failed: list[tuple[RowChange, BaseException]],
         verdict: Verdict,
+        passing: bool = False,
     ) -> None:
         fields = batch_fields(ctx, len(events))
         self.telemetry.emit(
@@ -417,6 +422,9 @@ class Delivery:
                 "--reason 'poison batch' --yes"
                 + ("" if skip == target else " (MODULE:ATTR: where this trigger is defined)")
                 if verdict is Verdict.POISON
+                else "; on a transient error (a lock waited on too long, a lost connection), "
+                "which says nothing about its rows: not poison, nothing set aside, retrying"
+                if passing
                 else "; no row of it passes (or more than quarantine_limit fail on their "
                 "own), which looks like an outage, not poison: nothing set aside, retrying",
                 **fields,

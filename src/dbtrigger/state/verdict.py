@@ -9,7 +9,10 @@ CAS writes:
   reported as *poison* (same, but there is no sink: the poller cannot pass
   it), or treated as an *outage* (no row passes, or more rows fail alone than
   ``quarantine_limit``: the handler's dependency is down, and emptying the
-  source into the sink would be the wrong cure).
+  source into the sink would be the wrong cure). A failure on a *transient*
+  error (:func:`transient`: a write that gave up waiting for a lock, a lost
+  connection) is an outage too, whatever the rows did: it says nothing about
+  them, and setting them aside would lose rows that a later delivery writes.
 * :func:`advance` - the checkpoint can only pass a *contiguous* run of settled
   rows at the head of a batch; settled rows after the first unsettled one are
   remembered by id (the failure record's ``done``) and skipped when the batch
@@ -23,6 +26,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence, Set
 from dataclasses import dataclass
+
+from dbtrigger.errors import HandlerError, OperatorError, RetryableError
+
+#: How deep :func:`transient` follows ``raise ... from`` causes.
+_CAUSE_DEPTH = 8
 
 
 class Verdict(enum.Enum):
@@ -38,6 +46,23 @@ class Verdict(enum.Enum):
     """Attempts are used up and there is no sink: retried for ever, loudly."""
     OUTAGE = "outage"
     """Attempts are used up but the failure looks like an outage: retry."""
+
+
+def transient(error: BaseException | None) -> bool:
+    """Does ``error``, or an error it was raised from, say that a database or a
+    service was briefly unavailable rather than anything about the rows? A
+    :class:`~dbtrigger.errors.RetryableError` (``OutputLockTimeoutError``: another
+    transaction held a lock; ``OutputWriteError``: a lost connection;
+    ``OutputReferenceError``: a row referred to is not there yet; ``FetchError``)
+    is; a :class:`~dbtrigger.errors.OperatorError` (a constraint, a value) and a
+    plain exception are not. Such a failure is never evidence of poison."""
+    for _ in range(_CAUSE_DEPTH):
+        if error is None or isinstance(error, OperatorError):
+            return False
+        if isinstance(error, RetryableError) and not isinstance(error, HandlerError):
+            return True
+        error = error.__cause__
+    return False
 
 
 def should_isolate(
@@ -62,17 +87,21 @@ def judge(
     max_attempts: int,
     has_sink: bool,
     quarantine_limit: int,
+    transient_failure: bool = False,
 ) -> Verdict:
     """The verdict on a batch of ``rows`` rows after a delivery.
 
     ``settled`` rows passed (now or on an earlier delivery), ``failed`` rows
     did not, and ``aborted`` says the bisection stopped early because too
-    many rows failed on their own.
+    many rows failed on their own. ``transient_failure``: a failure was a transient error
+    (:func:`transient`), which is never poison: retried, nothing set aside.
     """
     if failed == 0:
         return Verdict.SETTLED
     if attempt < max_attempts:
         return Verdict.RETRY
+    if transient_failure:
+        return Verdict.OUTAGE
     if not has_sink:
         return Verdict.POISON
     # Poison is a row that fails while its neighbours pass (now, or on an

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from dbtrigger import FileCheckpointStore, LostLeaseError, RowChange
+from dbtrigger import FileCheckpointStore, LostLeaseError, PollTrigger, RowChange
 from dbtrigger.cli import main
 from dbtrigger.quarantine import JsonLinesQuarantineSink
 from dbtrigger.runtime.context import BatchContext
@@ -369,3 +369,49 @@ def test_while_every_subscriber_is_busy_nothing_is_handed_out(
     assert only.calls[1:] == [[1, 2, 3, 4, 5]]
     assert only.attempts[4] == [1]
     assert checkpoint_id(state) == 5
+
+
+def test_a_subscriber_failing_everything_without_a_sink_stops_the_others_loudly(
+    pg: TestDatabase, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Default settings, no dead-letter sink, one subscriber failing every
+    event: nothing can take its events off the checkpoint, so once the window
+    reaches its 75% mark the healthy subscriber gets no new rows either
+    (back-pressure: the window is bounded, and the checkpoint cannot pass an
+    event a subscriber still owes). That stop is said at WARNING naming the
+    failing subscriber and what to do (before, the line named no subscriber
+    and promised a dead-lettering that never comes without a sink)."""
+    table = items_table(pg)
+    add_items(pg, table, range(1, 1001))
+    good: list[int] = []
+
+    def healthy(events: list[RowChange]) -> None:
+        good.extend(int(e.pk["id"]) for e in events)
+
+    def broken(events: list[RowChange]) -> None:
+        raise RuntimeError("downstream is down")
+
+    trigger = PollTrigger(
+        name="items",
+        source=items_source(pg),
+        checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+        clock=Clock(),  # never moves: no retry falls due
+        subscribers={"good": healthy, "bad": broken},
+    )
+    caplog.set_level(logging.INFO, logger="dbtrigger")
+    for _ in range(10):
+        trigger.tick()
+        if events_logged(caplog, "window_blocked"):
+            break
+    [blocked] = events_logged(caplog, "window_blocked")
+    assert blocked.levelno == logging.WARNING
+    message = blocked.getMessage()
+    assert "owed to subscriber(s) bad" in message
+    assert "no dead-letter sink" in message
+    assert "quarantine=" in message
+    assert "dead-lettered after max_attempts" not in message
+    assert 0 < len(good) < 1000  # the healthy subscriber stopped: held by the window
+    assert trigger.tick() == 0
+    failed = events_logged(caplog, "subscriber_failed")
+    assert failed
+    assert all(r.levelno == logging.WARNING and "bad" in r.getMessage() for r in failed)

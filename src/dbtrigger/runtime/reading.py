@@ -158,7 +158,9 @@ class BatchReader:
         self.visibility: VisibilityReport | None = None
         self._definition: tuple[dict[str, Any] | None] | None = None
         #: Says when the settled window starts or stops blocking progress.
-        self.window_report = WindowReport(settings.name, settings.bound, telemetry)
+        self.window_report = WindowReport(
+            settings.name, settings.bound, telemetry, has_sink=delivery.quarantine is not None
+        )
         #: Hand out no more rows than the window can hold as waiting, even when
         #: it is empty (see dbtrigger.state.window.Settlement.unremembered).
         self.reserve = False

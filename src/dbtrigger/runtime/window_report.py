@@ -27,9 +27,14 @@ from dbtrigger.state.window import Bound, key_of
 class WindowReport:
     """Remembers what the window last blocked on, for one poller."""
 
-    def __init__(self, name: str, bound: Bound, telemetry: Telemetry) -> None:
+    def __init__(
+        self, name: str, bound: Bound, telemetry: Telemetry, *, has_sink: bool = True
+    ) -> None:
         self.name = name
         self.bound = bound
+        #: A dead-letter sink takes an event that used up max_attempts; without
+        #: one such an event pins the checkpoint until someone acts.
+        self.has_sink = has_sink
         self.emit = telemetry.emit
         #: (what blocks: "pressure" or "full", key of the oldest pinned event); None: flowing.
         self.state: tuple[str, str | None] | None = None
@@ -72,12 +77,22 @@ class WindowReport:
         }[state[0]]
         pinned = "no event is waiting for a retry"
         fields: dict[str, Any] = {}
+        moves = "(or are dead-lettered after max_attempts)"
+        if not self.has_sink:
+            moves = (
+                "(no dead-letter sink is configured, so an event that fails max_attempts "
+                "times is never set aside: fix what fails it, or pass quarantine= to "
+                "dead-letter it)"
+            )
         if oldest is not None:
+            owing = sorted(oldest.owed or ())
             pinned = (
                 f"the checkpoint is pinned by {len(window.pending)} event(s) waiting for a "
                 f"retry, the oldest {dict(oldest.position.pk)} at cursor "
                 f"{oldest.position.cursor} ({oldest.attempts} attempt(s), due "
-                f"{docmod.format_time(oldest.not_before)}, reason {oldest.reason!r})"
+                f"{docmod.format_time(oldest.not_before)}, reason {oldest.reason!r}"
+                + (f", owed to subscriber(s) {', '.join(owing)}" if owing else "")
+                + ")"
             )
             fields = {
                 "pinned_key": dict(oldest.position.pk),
@@ -86,12 +101,13 @@ class WindowReport:
                 "due": docmod.format_time(oldest.not_before),
                 "reason": oldest.reason,
             }
+            if owing:
+                fields["subscribers"] = owing
         self.emit(
             "window_blocked",
             "the settled window blocks progress: %d row(s) after the checkpoint wait and "
             "none goes out: " + why + " (window %d/%d events, %d/%d bytes); %s. It moves on as "
-            "the pinned events settle (or are dead-lettered after max_attempts); see "
-            "`dbtrigger status %s`",
+            "the pinned events settle " + moves + "; see `dbtrigger status %s`",
             view.withheld + view.held,
             len(window),
             self.bound.max_events,

@@ -385,38 +385,35 @@ def existing_triggers(conn: sa.Connection, info: TableInfo) -> dict[str, str]:
     return triggers_named(conn, info.dialect, info.schema, info.trigger_names())
 
 
+#: Per dialect, the query for trigger name -> definition text (PostgreSQL: with its
+#: function's body); any other dialect reads SQLite's catalog, which has no schema.
+_TRIGGERS_NAMED = {
+    "postgresql": sa.text(
+        "SELECT t.tgname, pg_get_triggerdef(t.oid) || ' ' || coalesce(p.prosrc, '') "
+        "FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid "
+        "JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "LEFT JOIN pg_proc p ON p.oid = t.tgfoid "
+        "WHERE NOT t.tgisinternal AND t.tgname = ANY(:names) "
+        "AND n.nspname = coalesce(:schema, current_schema())"
+    ),
+    "mysql": sa.text(
+        "SELECT TRIGGER_NAME, ACTION_STATEMENT FROM information_schema.TRIGGERS "
+        "WHERE TRIGGER_SCHEMA = coalesce(:schema, DATABASE()) "
+        "AND TRIGGER_NAME IN :names"
+    ).bindparams(sa.bindparam("names", expanding=True)),
+    "sqlite": sa.text(
+        "SELECT name, sql FROM sqlite_master WHERE type = 'trigger' AND name IN :names"
+    ).bindparams(sa.bindparam("names", expanding=True)),
+}
+_TRIGGERS_NAMED["mariadb"] = _TRIGGERS_NAMED["mysql"]
+
+
 def triggers_named(
     conn: sa.Connection, dialect: str, schema: str | None, names: Sequence[str]
 ) -> dict[str, str]:
     """Trigger name -> definition text (PostgreSQL: with its function's body)."""
-    if dialect == "postgresql":
-        rows = conn.execute(
-            sa.text(
-                "SELECT t.tgname, pg_get_triggerdef(t.oid) || ' ' || coalesce(p.prosrc, '') "
-                "FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid "
-                "JOIN pg_namespace n ON n.oid = c.relnamespace "
-                "LEFT JOIN pg_proc p ON p.oid = t.tgfoid "
-                "WHERE NOT t.tgisinternal AND t.tgname = ANY(:names) "
-                "AND n.nspname = coalesce(:schema, current_schema())"
-            ),
-            {"names": list(names), "schema": schema},
-        )
-    elif dialect in ("mysql", "mariadb"):
-        rows = conn.execute(
-            sa.text(
-                "SELECT TRIGGER_NAME, ACTION_STATEMENT FROM information_schema.TRIGGERS "
-                "WHERE TRIGGER_SCHEMA = coalesce(:schema, DATABASE()) "
-                "AND TRIGGER_NAME IN :names"
-            ).bindparams(sa.bindparam("names", expanding=True)),
-            {"names": list(names), "schema": schema},
-        )
-    else:
-        rows = conn.execute(
-            sa.text(
-                "SELECT name, sql FROM sqlite_master WHERE type = 'trigger' AND name IN :names"
-            ).bindparams(sa.bindparam("names", expanding=True)),
-            {"names": list(names)},
-        )
+    query = _TRIGGERS_NAMED.get(dialect, _TRIGGERS_NAMED["sqlite"])
+    rows = conn.execute(query, {"names": list(names), "schema": schema})  # (SQLite: unused)
     return {str(name): str(text or "") for name, text in rows}
 
 

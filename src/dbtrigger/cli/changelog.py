@@ -26,7 +26,7 @@ from dbtrigger.changelog.operations import (
     plan_uninstall,
     prune,
 )
-from dbtrigger.cli.ddl import url_engine
+from dbtrigger.cli.ddl import open_url_engine
 from dbtrigger.durations import duration_seconds
 from dbtrigger.errors import ConfigurationError
 
@@ -37,8 +37,7 @@ def parse_duration(text: str) -> dt.timedelta:
 
 
 def cmd_install(args: argparse.Namespace) -> int:
-    engine = url_engine(args)
-    try:
+    with open_url_engine(args) as engine:
         plan = plan_install(engine, args.table, schema=args.schema)
         statements = [s.rstrip() for s in plan.statements]
         if not print_then_apply(args, statements, lambda: apply(engine, plan), end=";\n"):
@@ -59,8 +58,6 @@ def cmd_install(args: argparse.Namespace) -> int:
                 "to run (its checkpoint stays where it is)"
             )
         return 0
-    finally:
-        engine.dispose()
 
 
 def _rows_before_the_log(engine: Engine, table: str, log: str, schema: str | None) -> bool:
@@ -76,11 +73,8 @@ def _rows_before_the_log(engine: Engine, table: str, log: str, schema: str | Non
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Exit 1 when a migration left the change log's triggers behind the table."""
-    engine = url_engine(args)
-    try:
+    with open_url_engine(args) as engine:
         found = drift(engine, args.table, schema=args.schema)
-    finally:
-        engine.dispose()
     if found.missing:
         raise ConfigurationError(
             f"no change log for table {args.table!r}; install it with "
@@ -99,15 +93,12 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_uninstall(args: argparse.Namespace) -> int:
-    engine = url_engine(args)
-    try:
+    with open_url_engine(args) as engine:
         plan = plan_uninstall(engine, args.table, schema=args.schema, drop_log=args.drop_log)
         if not print_then_apply(args, plan.statements, lambda: apply(engine, plan)):
             return 0
         print(f"-- uninstalled the change log triggers of {args.table}")
         return 0
-    finally:
-        engine.dispose()
 
 
 def _passed_by(args: argparse.Namespace) -> tuple[int | None, dict[str, int]]:
@@ -139,31 +130,19 @@ def cmd_prune(args: argparse.Namespace) -> int:
     if older_than is None and up_to is None:
         raise ConfigurationError("prune needs --older-than and/or --passed-by")
     dropping = tuple(args.drop_unread_of or ())
-    engine = url_engine(args)
-    try:
-        found = plan_prune(
-            engine,
-            args.table,
-            schema=args.schema,
-            older_than=older_than,
-            up_to_seq=up_to,
-            drop_unread_of=dropping,
-            readers_at=at,
-        )
+    # The dry run counts exactly the rows the prune would delete.
+    rows: dict[str, Any] = {
+        "schema": args.schema,
+        "older_than": older_than,
+        "up_to_seq": up_to,
+        "drop_unread_of": dropping,
+        "readers_at": at,
+    }
+    with open_url_engine(args) as engine:
+        found = plan_prune(engine, args.table, **rows)
         count = found.rows
         if args.yes:
-            count = prune(
-                engine,
-                args.table,
-                schema=args.schema,
-                older_than=older_than,
-                up_to_seq=up_to,
-                chunk=args.chunk,
-                drop_unread_of=dropping,
-                readers_at=at,
-            )
-    finally:
-        engine.dispose()
+            count = prune(engine, args.table, chunk=args.chunk, **rows)
     scope = []
     if older_than is not None:
         scope.append(f"older than {args.older_than}")
@@ -203,25 +182,21 @@ def cmd_readers(args: argparse.Namespace) -> int:
     """List the registered readers of a change log (``--forget NAME``: remove one)."""
     from dbtrigger.changelog import readers  # noqa: PLC0415 - only for this command
 
-    engine = url_engine(args)
-    try:
-        with engine.begin() as conn:
-            if args.forget:
-                if not args.yes:
-                    print(
-                        f"would forget reader {args.forget} (a prune no longer waits for it); "
-                        "add --yes to apply"
-                    )
-                    return 0
-                if not readers.forget(conn, args.table, args.schema, args.forget):
-                    raise ConfigurationError(
-                        f"{args.forget} is not a registered reader of {args.table}'s change log"
-                    )
-                print(f"forgot reader {args.forget}")
+    with open_url_engine(args) as engine, engine.begin() as conn:
+        if args.forget:
+            if not args.yes:
+                print(
+                    f"would forget reader {args.forget} (a prune no longer waits for it); "
+                    "add --yes to apply"
+                )
                 return 0
-            found = readers.registered(conn, args.table, args.schema)
-    finally:
-        engine.dispose()
+            if not readers.forget(conn, args.table, args.schema, args.forget):
+                raise ConfigurationError(
+                    f"{args.forget} is not a registered reader of {args.table}'s change log"
+                )
+            print(f"forgot reader {args.forget}")
+            return 0
+        found = readers.registered(conn, args.table, args.schema)
     if found is None:
         raise ConfigurationError(
             f"the change log of {args.table} has no reader registry (installed by an older "
@@ -239,8 +214,7 @@ def cmd_resync(args: argparse.Namespace) -> int:
     """Record a truncate, then write every row the table holds into its change log."""
     from dbtrigger.changelog.snapshot import resync  # noqa: PLC0415 - only for this command
 
-    engine = url_engine(args)
-    try:
+    with open_url_engine(args) as engine:
         counted = resync(engine, args.table, schema=args.schema, apply=False)
         if not args.yes:
             print(
@@ -249,8 +223,6 @@ def cmd_resync(args: argparse.Namespace) -> int:
             )
             return 0
         done = resync(engine, args.table, schema=args.schema, chunk=args.chunk)
-    finally:
-        engine.dispose()
     print(
         f"wrote a truncate row, then {done.rows} row(s) of {args.table}: its readers get "
         "op='truncate' (drop what you hold), then op='upsert' per row, in log order"
@@ -262,9 +234,8 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
     """Write the rows the table holds now into its change log (``upsert`` entries)."""
     from dbtrigger.changelog.snapshot import snapshot  # noqa: PLC0415 - only for this command
 
-    engine = url_engine(args)
     where = f" where {args.where}" if args.where else ""
-    try:
+    with open_url_engine(args) as engine:
         counted = snapshot(engine, args.table, schema=args.schema, where=args.where, apply=False)
         if not args.yes:
             print(
@@ -273,8 +244,6 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
             )
             return 0
         done = snapshot(engine, args.table, schema=args.schema, where=args.where, chunk=args.chunk)
-    finally:
-        engine.dispose()
     print(
         f"wrote {done.rows} row(s) of {args.table}{where} into its change log in {done.chunks} "
         "chunk(s): its pollers deliver them as op='upsert' with metadata['snapshot'], among "
@@ -292,36 +261,33 @@ def add_changelog_commands(sub: Any) -> None:
     )
     commands = changelog.add_subparsers(dest="changelog_command", required=True)
 
-    def common(parser: argparse.ArgumentParser, *, changes: bool = True) -> None:
+    def command(
+        name: str, help_text: str, func: Any, *, changes: bool = True
+    ) -> argparse.ArgumentParser:
+        """A subcommand on ``--url``/``--table``/``--schema`` (and ``--yes`` when it
+        changes something) that runs ``func``."""
+        parser: argparse.ArgumentParser = commands.add_parser(name, help=help_text)
         parser.add_argument("--url", required=True, help="database URL (%%APP_SETTING%% allowed)")
         parser.add_argument("--table", required=True, help="the watched table")
         parser.add_argument("--schema", help="its schema (PostgreSQL/MariaDB)")
         if changes:
             add_apply_option(parser)
+        parser.set_defaults(func=func)
+        return parser
 
-    install = commands.add_parser(
-        "install", help="print (or with --yes apply) the log table and triggers"
-    )
-    common(install)
-    install.set_defaults(func=cmd_install)
-
-    check = commands.add_parser(
+    command("install", "print (or with --yes apply) the log table and triggers", cmd_install)
+    command(
         "check",
-        help="compare the installed triggers with the table (exit 1 when a migration "
-        "left them behind)",
+        "compare the installed triggers with the table (exit 1 when a migration left them behind)",
+        cmd_check,
+        changes=False,
     )
-    common(check, changes=False)
-    check.set_defaults(func=cmd_check)
-
-    uninstall = commands.add_parser("uninstall", help="drop the change log's triggers")
-    common(uninstall)
+    uninstall = command("uninstall", "drop the change log's triggers", cmd_uninstall)
     uninstall.add_argument(
         "--drop-log", action="store_true", help="also drop the log table and its rows"
     )
-    uninstall.set_defaults(func=cmd_uninstall)
 
-    prune_cmd = commands.add_parser("prune", help="delete old log rows in bounded chunks")
-    common(prune_cmd)
+    prune_cmd = command("prune", "delete old log rows in bounded chunks", cmd_prune)
     prune_cmd.add_argument("--older-than", help="age, e.g. 7d, 12h, 90m, 3600")
     prune_cmd.add_argument(
         "--passed-by",
@@ -341,32 +307,29 @@ def add_changelog_commands(sub: Any) -> None:
         help="delete rows this registered reader has not read yet (it loses them; repeat per "
         "reader). Without it no prune deletes a row a registered reader still needs",
     )
-    prune_cmd.set_defaults(func=cmd_prune)
 
-    readers_cmd = commands.add_parser(
-        "readers", help="the pollers registered as readers of the log, and how far they read"
+    readers_cmd = command(
+        "readers",
+        "the pollers registered as readers of the log, and how far they read",
+        cmd_readers,
     )
-    common(readers_cmd)
     readers_cmd.add_argument(
         "--forget", metavar="READER", help="remove a reader that no longer runs"
     )
-    readers_cmd.set_defaults(func=cmd_readers)
 
-    resync_cmd = commands.add_parser(
+    resync_cmd = command(
         "resync",
-        help="record a truncate, then write every row into the log (after rows left the "
+        "record a truncate, then write every row into the log (after rows left the "
         "table unlogged; dry run unless --yes)",
+        cmd_resync,
     )
-    common(resync_cmd)
     resync_cmd.add_argument("--chunk", type=int, default=1000, help="rows per transaction")
-    resync_cmd.set_defaults(func=cmd_resync)
 
-    snap = commands.add_parser(
+    snap = command(
         "snapshot",
-        help="write the rows the table holds now into its change log (existing rows in the "
+        "write the rows the table holds now into its change log (existing rows in the "
         "stream; dry run unless --yes)",
+        cmd_snapshot,
     )
-    common(snap)
     snap.add_argument("--where", help="only the rows matching this condition (SQL)")
     snap.add_argument("--chunk", type=int, default=1000, help="rows per transaction")
-    snap.set_defaults(func=cmd_snapshot)

@@ -1,10 +1,13 @@
 """The DDL commands' engine for ``--url`` (``dbtrigger changelog`` and ``dbtrigger
-wake``; their dry run unless ``--yes`` is :func:`~dbtrigger._argparse.print_then_apply`,
-which ``dbtrigger queue`` shares)."""
+wake``: :func:`open_url_engine` for the length of a command; their dry run unless
+``--yes`` is :func:`~dbtrigger._argparse.print_then_apply`, which ``dbtrigger queue``
+shares)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 
 import sqlalchemy as sa
 
@@ -22,4 +25,14 @@ def url_engine(args: argparse.Namespace) -> sa.Engine:
     return create_engine(parse_database_url(args.url, "--url"))
 
 
-__all__ = ["url_engine"]
+@contextlib.contextmanager
+def open_url_engine(args: argparse.Namespace) -> Iterator[sa.Engine]:
+    """:func:`url_engine` for the block, disposed when it ends (however it ends)."""
+    engine = url_engine(args)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+__all__ = ["open_url_engine", "url_engine"]

@@ -16,7 +16,7 @@ import sqlalchemy as sa
 
 from dbtrigger._argparse import add_apply_option, print_then_apply
 from dbtrigger._driver_errors import failed_as
-from dbtrigger.cli.ddl import url_engine
+from dbtrigger.cli.ddl import open_url_engine
 from dbtrigger.errors import CommitError, FetchError
 from dbtrigger.wakeup.ddl import WakePlan, apply, installed_channel, plan_install, plan_uninstall
 
@@ -26,18 +26,17 @@ def _change(
 ) -> WakePlan | None:
     """Plan, print the DDL, and apply it with ``--yes``; the plan applied, or None
     (a dry run, or nothing to do). ``doing`` names the change in its error."""
-    engine = url_engine(args)
-    try:
-        with failed_as(CommitError, f"{doing} the wake-up trigger failed"):
-            plan = make_plan(engine)
-            if not plan.statements:
-                print(f"-- {args.table} has no wake-up trigger: nothing to do")
-                return None
-            statements = [s.rstrip() for s in plan.statements]
-            if not print_then_apply(args, statements, lambda: apply(engine, plan), end=";\n"):
-                return None
-    finally:
-        engine.dispose()
+    with (
+        open_url_engine(args) as engine,
+        failed_as(CommitError, f"{doing} the wake-up trigger failed"),
+    ):
+        plan = make_plan(engine)
+        if not plan.statements:
+            print(f"-- {args.table} has no wake-up trigger: nothing to do")
+            return None
+        statements = [s.rstrip() for s in plan.statements]
+        if not print_then_apply(args, statements, lambda: apply(engine, plan), end=";\n"):
+            return None
     return plan
 
 
@@ -66,12 +65,11 @@ def cmd_uninstall(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Exit 1 when the table has no wake-up trigger."""
-    engine = url_engine(args)
-    try:
-        with failed_as(FetchError, f"could not read the triggers of {args.table}"):
-            channel = installed_channel(engine, args.table, schema=args.schema)
-    finally:
-        engine.dispose()
+    with (
+        open_url_engine(args) as engine,
+        failed_as(FetchError, f"could not read the triggers of {args.table}"),
+    ):
+        channel = installed_channel(engine, args.table, schema=args.schema)
     if channel is None:
         print(f"{args.table}: no wake-up trigger (dbtrigger wake install ... --yes adds one)")
         return 1

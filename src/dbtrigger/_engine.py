@@ -228,8 +228,13 @@ def reflect_table(
     *,
     shown: str | None = None,
     noun: str = "table",
+    keys_only: bool = False,
 ) -> sa.Table:
     """The table ``name`` (in ``schema``) as the database describes it now.
+
+    ``keys_only``: its columns, primary key, unique constraints and indexes, and
+    nothing else (no foreign keys, check constraints, table comment or dialect
+    options): what a source reads of it (:func:`_keys_only`).
 
     A table that is not there, or that this user cannot see, is a
     :class:`ConfigurationError` naming it (``noun`` and ``shown``, e.g. ``table
@@ -237,6 +242,10 @@ def reflect_table(
     retrying cannot help.
     """
     try:
+        if keys_only:
+            found = _keys_only(conn, name, schema)
+            if found is not None:
+                return found
         return sa.Table(name, sa.MetaData(), schema=schema, autoload_with=conn)
     except sa.exc.NoSuchTableError:
         where = shown or (f"{schema}.{name}" if schema else name)
@@ -244,6 +253,67 @@ def reflect_table(
             f"{noun} {where} does not exist (or is not visible to this user)"
             + _relative_sqlite(conn)
         ) from None
+
+
+def _keys_only(conn: Connection, name: str, schema: str | None) -> sa.Table | None:
+    """The table reflected from four of SQLAlchemy's eight catalogue reads: columns,
+    primary key, indexes, unique constraints (None: reflect it in full).
+
+    A full reflection also reads foreign keys, check constraints, the table's
+    comment and its dialect options, which a source never looks at. On
+    PostgreSQL each read is a query SQLAlchemy compiles anew for every new
+    engine (a process's first): the four skipped cost a cold start about half
+    of its reflection, 35-45 ms of CPU and as many round trips (benchmarks/README.md,
+    #26). The columns (types, nullability, comments), key, constraints and
+    indexes are SQLAlchemy's own, built by its ``Inspector.reflect_table`` from
+    what was read. That takes the read through a private argument
+    (``_reflect_info``, SQLAlchemy 2.0 and 2.1): a SQLAlchemy without it, a
+    table not found or one the dialect cannot reflect goes the full way, which
+    also raises as it always did.
+    """
+    try:
+        from sqlalchemy.engine.reflection import (  # noqa: PLC0415 - private, checked here
+            ObjectKind,
+            ObjectScope,
+            _ReflectionInfo,
+        )
+    except ImportError:  # pragma: no cover - a SQLAlchemy without it
+        return None
+    inspector = sa.inspect(conn)
+    unreflectable: dict[Any, Any] = {}
+    kw: dict[str, Any] = {
+        "schema": schema,
+        "filter_names": [name],
+        "kind": ObjectKind.ANY,
+        "scope": ObjectScope.ANY,
+        "unreflectable": unreflectable,
+    }
+    columns = inspector.get_multi_columns(**kw)
+    if (schema, name) not in columns or unreflectable:
+        return None
+    try:
+        unique = inspector.get_multi_unique_constraints(**kw)
+    except NotImplementedError:  # (optional for a dialect, as in the full reflection)
+        unique = {}
+    info = _ReflectionInfo(
+        columns=columns,
+        pk_constraint=dict(inspector.get_multi_pk_constraint(**kw)),
+        foreign_keys={},
+        indexes=inspector.get_multi_indexes(**kw),
+        unique_constraints=unique,
+        table_comment={},
+        check_constraints={},
+        table_options={},
+        unreflectable=unreflectable,
+    )
+    if unreflectable:
+        return None
+    table = sa.Table(name, sa.MetaData(), schema=schema)
+    try:
+        inspector.reflect_table(table, None, resolve_fks=False, _reflect_info=info)
+    except TypeError:  # pragma: no cover - a SQLAlchemy whose reflect_table lacks it
+        return None
+    return table
 
 
 def _relative_sqlite(conn: Connection) -> str:

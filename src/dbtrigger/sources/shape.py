@@ -212,7 +212,7 @@ class Shape:
             bare = sa.table(spec.table, schema=spec.schema)
             layout = probe_or_none(conn, bare)  # first: a change in between is seen next
             selectable: sa.FromClause = reflect_table(
-                conn, spec.table, spec.schema, shown=self.source_name
+                conn, spec.table, spec.schema, shown=self.source_name, keys_only=True
             )
         else:
             text = spec.bound_parameters(sa.text(spec.query or ""))

@@ -201,7 +201,8 @@ def refusal_error(
 ) -> DbTriggerError:
     """The error ``found`` is, for rows written to ``where`` (``dialect:table``): a
     message naming the rule, its columns and the row by its key, never a value."""
-    subject = _row_subject(found.row, table, rows, conflict_columns)
+    row_key = _key_text(found.row, table, rows, conflict_columns)
+    subject = _row_subject(found.row, len(rows), row_key)
     rule = f"{found.constraint!r}" if found.constraint else "a constraint"
     on = f" on ({', '.join(found.columns)})" if found.columns and found.columns[0] else ""
     fields: dict[str, Any] = {
@@ -210,7 +211,7 @@ def refusal_error(
         "constraint": found.constraint,
         "columns": list(found.columns),
         "row": found.row,
-        "key": _key_text(found.row, table, rows, conflict_columns) or None,
+        "key": row_key or None,
         "code": found.code,
         "rows": len(rows) or None,
     }
@@ -288,15 +289,11 @@ def _key_text(
     return ", ".join(shown)[:200]
 
 
-def _row_subject(
-    row: int | None,
-    table: sa.Table | None,
-    rows: Sequence[Mapping[str, Any]],
-    conflict_columns: Sequence[str],
-) -> str:
+def _row_subject(row: int | None, count: int, key: str) -> str:
+    """How a message names the refused row: ``row 2 (id=3)``, or, not knowing
+    which, ``one of the 5 rows``; ``key`` is its :func:`_key_text`."""
     if row is None:
-        return f"one of the {len(rows)} rows" if len(rows) != 1 else "the row"
-    key = _key_text(row, table, rows, conflict_columns)
+        return f"one of the {count} rows" if count != 1 else "the row"
     return f"row {row}" + (f" ({key})" if key else "")
 
 

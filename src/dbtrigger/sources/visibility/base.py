@@ -167,6 +167,12 @@ class GuardTarget:
     position_of: Callable[[Mapping[str, Any]], Position]
     table_mode: bool
 
+    def over_rows(self, *columns: ColumnElement[Any]) -> Select[Any]:
+        """``SELECT columns`` over the source's rows: its base filter applied, no
+        keyset bound (a guard's probe of the highest cursor, say)."""
+        stmt = sa.select(*columns).select_from(self.selectable)
+        return stmt if self.base_filter is None else stmt.where(self.base_filter)
+
 
 class ActiveGuard:
     """A guard bound to one source: per-source state (probes, held-back clock).

@@ -3,7 +3,8 @@
 A horizon guard withholds rows while a transaction that may still commit
 below them is open. :class:`HeldBackWarner` turns what each fetch reports
 into one rate-limited WARNING naming the blocker and one INFO line when the
-hold ends, the same for every database; :func:`greater` is the comparison the
+hold ends, the same for every database (:class:`HorizonActive` gives one to
+every horizon guard bound to a source); :func:`greater` is the comparison the
 guards use on cursor values that may be None or of mixed types. Its own module
 so that the PostgreSQL and the MariaDB/MySQL guards both stand on it instead of
 one importing the other.
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from dbtrigger.sources.visibility.base import (
+    ActiveGuard,
     FetchInfo,
     GuardTarget,
     VisibilityGuard,
@@ -110,6 +112,22 @@ class HeldBackWarner:
         )
 
 
+class HorizonActive(ActiveGuard):
+    """Base of the horizon guards bound to a source: what a fetch reports goes
+    through :meth:`_reported`, which warns about a hold that lasts."""
+
+    def __init__(self, guard: HorizonGuard, target: GuardTarget) -> None:
+        super().__init__(guard, target)
+        self._warner = HeldBackWarner(target, self.mode, guard.warn_after_seconds)
+
+    def _reported(self, info: FetchInfo) -> FetchInfo:
+        """``info`` as this fetch's report: logged when rows have been held back
+        too long (or no longer are), and kept as :attr:`last_info`."""
+        self._warner.observe(info)
+        self.last_info = info
+        return info
+
+
 def greater(a: Any, b: Any) -> bool:
     """``a > b``, treating None as minus infinity and incomparable values as greater."""
     if a is None:
@@ -122,4 +140,10 @@ def greater(a: Any, b: Any) -> bool:
         return True
 
 
-__all__ = ["DEFAULT_WARN_AFTER_SECONDS", "HeldBackWarner", "HorizonGuard", "greater"]
+__all__ = [
+    "DEFAULT_WARN_AFTER_SECONDS",
+    "HeldBackWarner",
+    "HorizonActive",
+    "HorizonGuard",
+    "greater",
+]

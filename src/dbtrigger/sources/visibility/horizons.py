@@ -32,7 +32,7 @@ from dbtrigger.sources.visibility.base import (
     Rows,
     _check_seconds,
 )
-from dbtrigger.sources.visibility.held_back import HeldBackWarner, HorizonGuard, greater
+from dbtrigger.sources.visibility.held_back import HorizonActive, HorizonGuard, greater
 
 #: Backend types that never write user rows; their transactions do not hold the
 #: :class:`TransactionHorizon` back.
@@ -183,15 +183,13 @@ _BLOCKING_XID_SQL = sa.text(
 )
 
 
-class _SnapshotActive(ActiveGuard):
+class _SnapshotActive(HorizonActive):
     mode = "snapshot-horizon"
 
     def __init__(self, guard: SnapshotHorizon, target: GuardTarget) -> None:
         super().__init__(guard, target)
-        self._warner = HeldBackWarner(target, self.mode, guard.warn_after_seconds)
         self._horizon: int | None = None
         self._horizon_since = time.monotonic()
-        self.last_info = FetchInfo(mode=self.mode)
         # The bound is computed by the fetch statement itself: one predicate for good.
         self._condition = FetchCondition(target.cursor < _snapshot_xmin())
 
@@ -231,9 +229,7 @@ class _SnapshotActive(ActiveGuard):
             blocking_xact_age_seconds=age,
             blocking_detail=detail,
         )
-        self._warner.observe(info)
-        self.last_info = info
-        return info
+        return self._reported(info)
 
 
 # --- transaction horizon (pg_stat_activity) -----------------------------------
@@ -275,15 +271,13 @@ class _ProbeState:
     pending: list[_Probe] = field(default_factory=list)
 
 
-class _ActivityActive(ActiveGuard):
+class _ActivityActive(HorizonActive):
     mode = "transaction-horizon"
 
     def __init__(self, guard: TransactionHorizon, target: GuardTarget) -> None:
         super().__init__(guard, target)
         self._state = _ProbeState()
         self._lock = threading.Lock()
-        self._warner = HeldBackWarner(target, self.mode, guard.warn_after_seconds)
-        self.last_info = FetchInfo(mode=self.mode)
         self._next_info: FetchInfo | None = None
         # The bound (the newest safe probe) stays valid for good: every value
         # at or below it is committed or rolled back. So a fetch only probes
@@ -294,10 +288,7 @@ class _ActivityActive(ActiveGuard):
 
     def _probe(self, conn: Connection) -> _Probe | None:
         """The highest visible cursor, and the database clock read after its snapshot."""
-        stmt = sa.select(sa.func.max(self.target.cursor), sa.func.clock_timestamp())
-        stmt = stmt.select_from(self.target.selectable)
-        if self.target.base_filter is not None:
-            stmt = stmt.where(self.target.base_filter)
+        stmt = self.target.over_rows(sa.func.max(self.target.cursor), sa.func.clock_timestamp())
         value, at = conn.execute(stmt).one()
         conn.rollback()  # the activity read must be a new transaction, after this one
         return None if value is None else _Probe(at=at, value=value)
@@ -403,9 +394,7 @@ class _ActivityActive(ActiveGuard):
         if self._next_info is None:  # the cached bound: nothing new to report
             return self.last_info
         info = self._next_info
-        self._warner.observe(info)
-        self.last_info = info
-        return info
+        return self._reported(info)
 
 
 def _value(probe: _Probe | None) -> Any:

@@ -64,7 +64,7 @@ from dbtrigger.sources.visibility.base import (
     Rows,
     _check_seconds,
 )
-from dbtrigger.sources.visibility.held_back import HeldBackWarner, HorizonGuard, greater, log
+from dbtrigger.sources.visibility.held_back import HorizonActive, HorizonGuard, greater, log
 from dbtrigger.sources.visibility.innodb_trx import (
     CACHE_SECONDS,
     Observation,
@@ -205,7 +205,7 @@ class _State:
     stale_warned: float = -math.inf
 
 
-class _InnoDbActive(ActiveGuard):
+class _InnoDbActive(HorizonActive):
     mode = "transaction-horizon"
     # An observation proves InnoDB's cache fresh by finding its own transaction in it.
     autocommit_reads = False
@@ -216,8 +216,6 @@ class _InnoDbActive(ActiveGuard):
         self._timestamp = timestamp
         self._state = _State()
         self._lock = threading.Lock()
-        self._warner = HeldBackWarner(target, self.mode, guard.warn_after_seconds)
-        self.last_info = FetchInfo(mode=self.mode)
         self._bounded = BoundPredicates(self._bounded_by)
 
     def _bounded_by(self, bound: Any) -> ColumnElement[bool]:
@@ -237,10 +235,7 @@ class _InnoDbActive(ActiveGuard):
         columns = [value]
         if self._timestamp:
             columns.append(sa.func.unix_timestamp(value))
-        stmt = sa.select(*columns).select_from(self.target.selectable)
-        if self.target.base_filter is not None:
-            stmt = stmt.where(self.target.base_filter)
-        row = conn.execute(stmt).one()
+        row = conn.execute(self.target.over_rows(*columns)).one()
         if self._timestamp:
             return row[0], None if row[1] is None else Decimal(row[1])
         return row[0], None
@@ -396,9 +391,7 @@ class _InnoDbActive(ActiveGuard):
         with self._lock:
             self._state.stale = True
             info = self._info(self._state, position)
-        self._warner.observe(info)
-        self.last_info = info
-        return info
+        return self._reported(info)
 
     def _info(self, state: _State, position: Position) -> FetchInfo:
         observation = state.last

@@ -18,6 +18,13 @@ the SQL stores runs under :func:`lock_wait_bounded`:
   values when the transaction ends;
 * SQLite: the connection's busy timeout, set back likewise.
 
+Each of them needs a real transaction. An engine in autocommit mode (made with
+``isolation_level="AUTOCOMMIT"``, or a driver's own autocommit) begins none:
+``SET LOCAL`` then lasts one statement (PostgreSQL says so in a warning and the
+write waits for ever), and the write's statements each commit on their own.
+:func:`write_connection` takes such a connection out of autocommit for the
+write; the pool sets it back when it is returned.
+
 :func:`lock_timed_out` recognises the error each raises when the bound runs
 out, and :func:`lock_holders` says, as far as it is cheap to know, which other
 sessions hold locks on the table (their ids and how long their transactions
@@ -109,13 +116,43 @@ def lock_wait_bounded(conn: Connection, seconds: float) -> Iterator[None]:
         yield
 
 
+def in_autocommit(conn: Connection) -> bool:
+    """Is ``conn``'s driver connection in autocommit mode (no transaction to begin)?
+    Read from the driver, without a round trip."""
+    raw = conn.connection.dbapi_connection
+    getter = getattr(raw, "get_autocommit", None)  # PyMySQL, mysqlclient
+    if callable(getter):
+        return bool(getter())
+    flag = getattr(raw, "autocommit", None)  # psycopg, psycopg2, sqlite3 from 3.12
+    if isinstance(flag, bool):
+        return flag
+    # pysqlite: isolation_level None is its autocommit (SQLAlchemy's "AUTOCOMMIT")
+    return conn.dialect.name == "sqlite" and getattr(raw, "isolation_level", "") is None
+
+
+@contextlib.contextmanager
+def write_connection(engine: Engine) -> Iterator[Connection]:
+    """A connection of ``engine`` on which ``begin()`` begins a real transaction: one
+    in autocommit mode is switched to the dialect's default isolation level for this
+    use (the pool sets it back on return), so that a shared autocommit engine's
+    writes are still one transaction, bounded by :func:`lock_wait_bounded`."""
+    with engine.connect() as conn:
+        if in_autocommit(conn):
+            level = conn.default_isolation_level
+            if not level or level == "AUTOCOMMIT":
+                level = "SERIALIZABLE" if conn.dialect.name == "sqlite" else "READ COMMITTED"
+            conn.execution_options(isolation_level=level)
+        yield conn
+
+
 @contextlib.contextmanager
 def bounded_transaction(engine: Engine, seconds: float) -> Iterator[Connection]:
     """A transaction on a connection of ``engine`` (committed at the end of the block,
     rolled back if it raises) whose lock waits are bounded to ``seconds``: how every
     write of the output binding, the writer, the SQL history and the SQL dead-letter
-    sink runs."""
-    with engine.begin() as conn, lock_wait_bounded(conn, seconds):
+    sink runs. An engine in autocommit mode gets a real transaction all the same
+    (:func:`write_connection`)."""
+    with write_connection(engine) as conn, conn.begin(), lock_wait_bounded(conn, seconds):
         yield conn
 
 
@@ -222,7 +259,9 @@ __all__ = [
     "bounded_transaction",
     "check_lock_timeout",
     "gave_up_waiting",
+    "in_autocommit",
     "lock_holders",
     "lock_timed_out",
     "lock_wait_bounded",
+    "write_connection",
 ]

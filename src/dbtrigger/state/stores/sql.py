@@ -70,6 +70,7 @@ from dbtrigger._lock_wait import (
     gave_up_waiting,
     lock_timed_out,
     lock_wait_bounded,
+    write_connection,
 )
 from dbtrigger._once import Once
 from dbtrigger.errors import (
@@ -460,7 +461,7 @@ class SqlCheckpointStore:
             )
         with (
             self._edge("write", key, create=if_match is None) as attempt,
-            self._engine.connect() as conn,
+            write_connection(self._engine) as conn,
         ):
             self._execute_one(conn, stmt, key, attempt)
         return etag
@@ -491,7 +492,7 @@ class SqlCheckpointStore:
         condition = self._where_key(key)
         if if_match is not None:
             condition = sa.and_(condition, t.c.etag == if_match)
-        with self._edge("delete", key) as attempt, self._engine.connect() as conn:
+        with self._edge("delete", key) as attempt, write_connection(self._engine) as conn:
             trans = conn.begin()
             try:
                 with lock_wait_bounded(conn, self.lock_timeout):

@@ -19,6 +19,7 @@ from dbtrigger.cdc.pgoutput import parse_lsn
 from dbtrigger.errors import SlotLostError
 from tests.cdc_servers import CdcDatabase
 from tests.test_cdc_pg import poller as cdc_poller
+from tests.test_cdc_pg import wait_for
 
 
 def poller(db: CdcDatabase, **kw: Any) -> tuple[PollTrigger, PgLogicalSource]:
@@ -147,3 +148,58 @@ def test_a_control_table_of_an_earlier_version_gains_the_bound_in_place(
     with pytest.raises(SlotLostError, match="created again"):
         drain(trigger)
     source.close()
+
+
+def slot_lsns(db: CdcDatabase, slot: str) -> tuple[int, int]:
+    """The slot's confirmed position and the bound the control row records."""
+    confirmed = db.scalar(
+        "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+    )
+    bound = db.scalar("SELECT released_lsn::text FROM dbtrigger_cdc_slots WHERE slot = %s", (slot,))
+    return parse_lsn(confirmed), parse_lsn(bound)
+
+
+def test_a_reply_the_server_asks_for_never_confirms_past_the_recorded_bound(
+    cdc_db: CdcDatabase,
+) -> None:
+    # A walsender that heard nothing for wal_sender_timeout/2 (or that shuts down) sends
+    # a keepalive asking for a reply; psycopg2 answers it inside read_message, and moved
+    # the flush position it reports on to that keepalive's WAL end before the stream's
+    # loop could record it as the bound: the next start was a false SlotLostError (and
+    # its advice, recreate and read every table again). A short wal_sender_timeout, set
+    # once the stream runs, makes the server ask every half second of silence.
+    cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY); CREATE TABLE other (v int)")
+    trigger, source = poller(cdc_db, mode="stream")
+    assert drain(trigger) == []
+    cdc_db.execute("INSERT INTO t VALUES (1)")
+    assert drain(trigger) == [1]
+    cdc_db.server.set_config("wal_sender_timeout", "1s")
+    try:
+        cdc_db.execute("INSERT INTO other SELECT generate_series(1, 100)")
+        written = parse_lsn(cdc_db.scalar("SELECT pg_current_wal_flush_lsn()::text"))
+        sender = (
+            "SELECT r.sent_lsn::text, r.reply_time, now() FROM pg_stat_replication r "
+            "JOIN pg_replication_slots s ON s.active_pid = r.pid WHERE s.slot_name = %s"
+        )
+        # The walsender sent past the write, then a reply came (the one it asked for:
+        # the stream's own status messages are ten seconds apart).
+        with cdc_db.connect() as conn:
+            since: list[Any] = []
+
+            def replied_after_the_write() -> bool:
+                row = conn.execute(sender, (source.slot,)).fetchone()
+                assert row is not None
+                sent, replied, now = row
+                if not since and parse_lsn(sent) >= written:
+                    since.append(now)
+                return bool(since) and replied is not None and replied > since[0]
+
+            wait_for(replied_after_the_write, "a reply after the walsender sent past the write")
+        confirmed, bound = slot_lsns(cdc_db, source.slot)
+        assert confirmed <= bound
+        source.close()
+        cdc_db.execute("INSERT INTO t VALUES (2)")
+        assert drain(trigger) == [2]  # a new stream: no SlotLostError
+        source.close()
+    finally:
+        cdc_db.server.set_config("wal_sender_timeout", None)

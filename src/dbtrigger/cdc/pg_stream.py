@@ -22,14 +22,21 @@ Bounds, as in poll mode:
   worker that lost its lease but lives on must not keep the worker that holds
   the lease from reading.
 * **feedback**: the flush position reported to the server is only ever what
-  :meth:`StreamReader.release` computed from a durable checkpoint. psycopg2
-  repeats it in its periodic status messages, and moves it on by itself only
-  to a keepalive's WAL end once every message received has been confirmed:
-  the server sent nothing for us below that end, so nothing is skipped. Every
-  status message is sent by the thread's loop (psycopg2's own interval is set
-  out of reach), after the bound it may confirm (the stream's WAL end) is
-  recorded in the control row; a slot confirmed past that bound is one made
-  again by hand (:mod:`dbtrigger.cdc.pg_control`).
+  :meth:`StreamReader.release` computed from a durable checkpoint. Every
+  status message of ours is sent by the thread's loop (psycopg2's own interval
+  is set out of reach), after the bound it may confirm (the stream's WAL end)
+  is recorded in the control row; a slot confirmed past that bound is one made
+  again by hand (:mod:`dbtrigger.cdc.pg_control`). psycopg2 also answers by
+  itself, inside ``read_message``, a keepalive that asks for a reply (the
+  server heard nothing for ``wal_sender_timeout``/2, or it shuts down), and
+  first moves the flush position it reports to that keepalive's WAL end when
+  every data message received was confirmed - a position no loop could record
+  first, so the next start took the slot for one made again by hand
+  (:class:`~dbtrigger.errors.SlotLostError`). The loop therefore confirms at
+  most up to just below the last data message received (:func:`confirmable`):
+  that message stays unconfirmed, so psycopg2 never moves the position on. The
+  slot still advances past quiet stretches of the log: each fetch's heartbeat
+  (:mod:`dbtrigger.cdc.pg_poll`) is such a message.
 """
 
 from __future__ import annotations
@@ -61,6 +68,22 @@ NO_OWN_STATUS_SECONDS = 365 * 24 * 3600.0
 _UNBOUNDED = 1 << 62
 #: Seconds without a fetch after which the stream closes (see the module docstring).
 IDLE_SECONDS = 60.0
+
+
+def confirmable(target: int, last_start: int) -> int:
+    """The flush position to report for ``target``: below ``last_start``, the start
+    of the last data message received on the connection (0: none yet).
+
+    psycopg2 moves the position it reports to a keepalive's WAL end by itself once
+    the position confirmed explicitly reaches the last data message's start, and
+    sends it unasked when the keepalive asks for a reply, before this stream could
+    record that end as the bound. Kept below that message, it never does. Nothing is
+    delivered again for it: that message (a commit's end, a heartbeat) is the last
+    one, and a restart resumes after every transaction that committed before it.
+    """
+    if last_start <= 0:
+        return target
+    return min(target, last_start - 1)
 
 
 def _psycopg2() -> Any:
@@ -245,11 +268,12 @@ class StreamReader:
                 status_interval=NO_OWN_STATUS_SECONDS,
             )
             sent = 0
+            last_start = 0  # the start of the last data message (see confirmable)
             last_status = time.monotonic()
             while not self._stop.is_set():
                 if time.monotonic() - self._last_fill > IDLE_SECONDS and self._let_go():
                     break
-                target = self.flush_target
+                target = confirmable(self.flush_target, last_start)
                 due = time.monotonic() - last_status > KEEPALIVE_SECONDS
                 if target > sent or self._want_reply or due:
                     reply, self._want_reply = self._want_reply, False
@@ -267,6 +291,7 @@ class StreamReader:
                         self._changed.notify_all()
                     select.select([conn], [], [], 0.05)
                     continue
+                last_start = int(message.data_start)
                 with self._lock:
                     self._take(bytes(message.payload))
         except Exception as exc:  # noqa: BLE001 - handed to the fetching thread

@@ -256,6 +256,14 @@ class PrunePlan:
     readers: tuple[Reader, ...] | None
     #: The highest sequence the prune deletes (None: it deletes nothing).
     top: int | None = None
+    #: The age cutoff counted with (UTC; None: no age condition). The delete uses it,
+    #: never a later one: ``dbt_changed_at`` need not follow ``dbt_seq`` (transactions
+    #: overlap), so a later cutoff could take rows below ``top`` the plan did not count.
+    cutoff: dt.datetime | None = None
+    #: The readers allowed to lose rows, and the checkpoints standing for registered
+    #: positions: the delete re-reads the registry with them, chunk by chunk.
+    dropping: tuple[str, ...] = ()
+    standing: tuple[tuple[str, int], ...] = ()
 
 
 def prune(
@@ -270,6 +278,7 @@ def prune(
     now: dt.datetime | None = None,
     drop_unread_of: Sequence[str] = (),
     readers_at: Mapping[str, int] | None = None,
+    plan: PrunePlan | None = None,
 ) -> int:
     """Delete log rows older than ``older_than`` and/or at or below ``up_to_seq``,
     never a row a registered reader has not read (unless it is in ``drop_unread_of``).
@@ -291,21 +300,29 @@ def prune(
     checkpoints read from some readers' own state (``--passed-by``), which
     stand for theirs in the registry (a recorded position may lag behind).
 
+    ``plan``: a :func:`plan_prune` of this table already shown (the CLI's dry
+    run); the delete then takes the rows it counted, with its age cutoff and its
+    highest sequence, and the other row arguments are not read. Either way each
+    chunk re-reads the registry in its own transaction: a reader that registered
+    (or moved back) after the plan keeps its unread rows, so the prune may delete
+    fewer rows than planned, never more.
+
     Raises:
         ConfigurationError: no condition; ``drop_unread_of`` names a reader that
             is not registered; or only ``older_than`` on a log without a
             registry (installed by an older dbtrigger: install again first).
     """
-    plan = plan_prune(
-        engine,
-        table,
-        schema=schema,
-        older_than=older_than,
-        up_to_seq=up_to_seq,
-        now=now,
-        drop_unread_of=drop_unread_of,
-        readers_at=readers_at,
-    )
+    if plan is None:
+        plan = plan_prune(
+            engine,
+            table,
+            schema=schema,
+            older_than=older_than,
+            up_to_seq=up_to_seq,
+            now=now,
+            drop_unread_of=drop_unread_of,
+            readers_at=readers_at,
+        )
     if not apply:
         return plan.rows
     if chunk < 1:
@@ -313,10 +330,9 @@ def prune(
     if plan.top is None:
         return 0
     log = log_table(engine, table, schema)
-    where = log.c.dbt_seq <= plan.top
-    if older_than is not None:
-        moment = (now or dt.datetime.now(dt.timezone.utc)) - older_than
-        where = sa.and_(where, log.c.dbt_changed_at < _db_time(engine, moment))
+    matched = log.c.dbt_seq <= plan.top
+    if plan.cutoff is not None:
+        matched = sa.and_(matched, log.c.dbt_changed_at < _db_time(engine, plan.cutoff))
     lost = [name for name, count in plan.lost.items() if count]
     if lost:  # recorded first: an interrupted prune still tells the readers
         with engine.begin() as conn:
@@ -324,6 +340,9 @@ def prune(
     deleted = 0
     while True:
         with engine.begin() as conn:
+            # Read in the delete's transaction: a reader registered after the plan counts.
+            ceiling = _slowest(registered(conn, table, schema), plan)
+            where = matched if ceiling is None else sa.and_(matched, log.c.dbt_seq <= ceiling)
             # The chunk's last sequence number bounds the delete: at most `chunk`
             # matching rows lie at or below it, whatever the dialect's DELETE allows.
             bound = conn.execute(
@@ -340,6 +359,15 @@ def prune(
         deleted += count
         if bound is None or count == 0:
             return deleted
+
+
+def _slowest(readers: Sequence[Reader] | None, plan: PrunePlan) -> int | None:
+    """The position of the slowest reader the plan protects (None: no registry or reader)."""
+    standing = dict(plan.standing)
+    return min(
+        (standing.get(r.name, r.seq) for r in readers or () if r.name not in plan.dropping),
+        default=None,
+    )
 
 
 def plan_prune(
@@ -360,9 +388,10 @@ def plan_prune(
         raise ConfigurationError("drop_unread_of must be a list of reader names")
     log = log_table(engine, table, schema)
     conditions: list[sa.ColumnElement[bool]] = []
+    cutoff = None
     if older_than is not None:
-        moment = (now or dt.datetime.now(dt.timezone.utc)) - older_than
-        conditions.append(log.c.dbt_changed_at < _db_time(engine, moment))
+        cutoff = (now or dt.datetime.now(dt.timezone.utc)) - older_than
+        conditions.append(log.c.dbt_changed_at < _db_time(engine, cutoff))
     if up_to_seq is not None:
         conditions.append(log.c.dbt_seq <= up_to_seq)
     matched = sa.and_(*conditions)
@@ -410,6 +439,9 @@ def plan_prune(
         lost=lost,
         readers=None if readers is None else tuple(readers),
         top=None if top is None else int(top),
+        cutoff=cutoff,
+        dropping=tuple(drop_unread_of),
+        standing=tuple(sorted((readers_at or {}).items())),
     )
 
 

@@ -130,7 +130,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     if older_than is None and up_to is None:
         raise ConfigurationError("prune needs --older-than and/or --passed-by")
     dropping = tuple(args.drop_unread_of or ())
-    # The dry run counts exactly the rows the prune would delete.
+    # The delete takes the rows the plan counted (its cutoff, its top sequence).
     rows: dict[str, Any] = {
         "schema": args.schema,
         "older_than": older_than,
@@ -142,7 +142,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
         found = plan_prune(engine, args.table, **rows)
         count = found.rows
         if args.yes:
-            count = prune(engine, args.table, chunk=args.chunk, **rows)
+            count = prune(engine, args.table, schema=args.schema, chunk=args.chunk, plan=found)
     scope = []
     if older_than is not None:
         scope.append(f"older than {args.older_than}")

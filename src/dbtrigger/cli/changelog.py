@@ -131,15 +131,16 @@ def cmd_prune(args: argparse.Namespace) -> int:
         raise ConfigurationError("prune needs --older-than and/or --passed-by")
     dropping = tuple(args.drop_unread_of or ())
     # The delete takes the rows the plan counted (its cutoff, its top sequence).
-    rows: dict[str, Any] = {
-        "schema": args.schema,
-        "older_than": older_than,
-        "up_to_seq": up_to,
-        "drop_unread_of": dropping,
-        "readers_at": at,
-    }
     with open_url_engine(args) as engine:
-        found = plan_prune(engine, args.table, **rows)
+        found = plan_prune(
+            engine,
+            args.table,
+            schema=args.schema,
+            older_than=older_than,
+            up_to_seq=up_to,
+            drop_unread_of=dropping,
+            readers_at=at,
+        )
         count = found.rows
         if args.yes:
             count = prune(engine, args.table, schema=args.schema, chunk=args.chunk, plan=found)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 from typing import Any
 
@@ -10,9 +11,11 @@ import pytest
 
 from dbtrigger import FileCheckpointStore, PollTrigger, RetryPolicy, RowChange
 from dbtrigger.cdc import UNCHANGED, PgLogicalSource
+from dbtrigger.cdc.snapshots import add_request
 from dbtrigger.cursor import BEGINNING
 from dbtrigger.errors import SourceDefinitionError
 from tests.cdc_servers import CdcDatabase
+from tests.test_cdc_pg import wait_for
 
 
 def make(db: CdcDatabase, state: Any, name: str, **kw: Any) -> tuple[PollTrigger, PgLogicalSource]:
@@ -185,3 +188,47 @@ def test_a_chunk_whose_lock_is_not_granted_waits_for_the_next_read(
     assert copy == table(cdc_db)
     assert sum(1 for e in events if e.metadata["snapshot"]) == 50
     source.close()
+
+
+def test_a_snapshot_requested_while_a_chunk_is_saved_is_not_lost(
+    cdc_db: CdcDatabase, tmp_path: Any
+) -> None:
+    # `dbtrigger cdc snapshot` (or `cdc recreate`, which writes fresh requests) in another
+    # process while the poller writes a chunk: the chunk's transaction saved the request
+    # list it had read before, over the new request, which was then never worked off.
+    cdc_db.execute(
+        "CREATE TABLE t (id int PRIMARY KEY, v int NOT NULL);"
+        "CREATE TABLE u (id int PRIMARY KEY, v int NOT NULL);"
+        "INSERT INTO t SELECT g, 1 FROM generate_series(1, 20) g;"
+        "INSERT INTO u SELECT g, 2 FROM generate_series(1, 5) g"
+    )
+    source = PgLogicalSource(cdc_db.url, ["t", "u"], snapshot="never")
+    trigger = PollTrigger(
+        name=f"snap_{uuid.uuid4().hex[:6]}",
+        source=source,
+        checkpoint_store=FileCheckpointStore(tmp_path),
+    )
+    trigger.drain(lambda events: None)  # the slot, nothing to read
+    source.admin().request_snapshot("t")
+    operator = PgLogicalSource(cdc_db.url, ["t", "u"], snapshot="never", slot=source.slot)
+    events: list[RowChange] = []
+    waiting = (
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+        "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
+    )
+    with cdc_db.connect() as conn, conn.transaction():
+        add_request(operator, conn, "public.u", None, reader="the operator")  # locks the row
+        ticking = threading.Thread(target=lambda: trigger.tick(events.extend), daemon=True)
+        ticking.start()
+        wait_for(lambda: cdc_db.scalar(waiting) == 1, "the chunk waiting for the control row")
+    ticking.join(60)
+    assert not ticking.is_alive()
+    trigger.drain(events.extend)
+    snapshot_rows = sorted(
+        (e.metadata["table"], e.pk["id"]) for e in events if e.metadata["snapshot"]
+    )
+    assert snapshot_rows == [("public.t", i) for i in range(1, 21)] + [
+        ("public.u", i) for i in range(1, 6)
+    ]
+    source.close()
+    operator.close()

@@ -34,7 +34,7 @@ from dbtrigger.cdc import binlog_control as control
 from dbtrigger.cdc.binlog_context import BinlogSourceParts
 from dbtrigger.cdc.binlog_reader import decode_value, encode_value
 from dbtrigger.cdc.binlog_setup import translated
-from dbtrigger.cdc.snapshots import ChunkWriter, Snapshot
+from dbtrigger.cdc.snapshots import ChunkWriter, Snapshot, still_pending
 from dbtrigger.errors import SourceDefinitionError
 
 if TYPE_CHECKING:
@@ -88,6 +88,11 @@ class SnapshotWriter(ChunkWriter[BinlogSourceParts, control.ControlRow, "TableIn
             cur.execute(f"SET SESSION innodb_lock_wait_timeout = {timeout}")
             cur.execute("SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ")
             conn.begin()
+            fresh = s.read_control(conn, lock=True)  # held until the chunk commits
+            mine = still_pending(fresh, request)
+            if fresh is None or mine is None:
+                conn.rollback()
+                return False  # changed meanwhile (cdc recreate): the next read reads it again
             cur.execute(query, params)
             rows = cur.fetchall()
             encoded = [[encode_value(v) for v in r] for r in rows]
@@ -103,8 +108,9 @@ class SnapshotWriter(ChunkWriter[BinlogSourceParts, control.ControlRow, "TableIn
                 )
             index = {c: i for i, c in enumerate(columns)}
             last_key = [encode_value(rows[-1][index[k]]) for k in keys] if rows else None
-            request.advance(len(rows), last_key, s.snapshot_chunk_size)
-            s.save_snapshots(conn, row.snapshots)
+            for advanced in (mine, request):
+                advanced.advance(len(rows), last_key, s.snapshot_chunk_size)
+            s.save_snapshots(conn, fresh.snapshots)
             conn.commit()
         return bool(rows)
 

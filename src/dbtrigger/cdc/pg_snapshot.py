@@ -42,7 +42,7 @@ from dbtrigger.cdc import pg_control as control
 from dbtrigger.cdc.pg_connection import translated
 from dbtrigger.cdc.pg_context import PgSourceParts
 from dbtrigger.cdc.pg_reader import SNAPSHOT_PREFIX
-from dbtrigger.cdc.snapshots import ChunkWriter, Snapshot
+from dbtrigger.cdc.snapshots import ChunkWriter, Snapshot, still_pending
 from dbtrigger.errors import SourceDefinitionError
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ class _RawText(Loader):
 class SnapshotWriter(ChunkWriter[PgSourceParts, control.ControlRow, "TableInfo"]):
     """Writes the next chunk of the oldest pending request into the log."""
 
-    LOCKS = "the table's SHARE lock was"
+    LOCKS = "the table's SHARE lock (or its control row's lock) was"
 
     def waits(self, exc: Exception, table: str) -> bool:
         seen: BaseException | None = exc
@@ -107,6 +107,10 @@ class SnapshotWriter(ChunkWriter[PgSourceParts, control.ControlRow, "TableInfo"]
                 )
             )
             conn.execute("SET LOCAL statement_timeout = '60s'")
+            fresh = s.read_control(conn, lock=True)  # held until the chunk commits
+            mine = still_pending(fresh, request)
+            if fresh is None or mine is None:
+                return False  # changed meanwhile (cdc recreate): the next read reads it again
             conn.execute(sql.SQL("LOCK TABLE {} IN SHARE MODE").format(info.table.identifier()))
             cursor = conn.cursor()
             for oid in set(types):
@@ -126,8 +130,9 @@ class SnapshotWriter(ChunkWriter[PgSourceParts, control.ControlRow, "TableInfo"]
                 )
             index = {c: i for i, c in enumerate(columns)}
             last_key = [texts[-1][index[k]] for k in keys] if texts else None
-            request.advance(len(texts), last_key, s.snapshot_chunk_size)
-            s.save_snapshots(conn, row.snapshots)
+            for advanced in (mine, request):
+                advanced.advance(len(texts), last_key, s.snapshot_chunk_size)
+            s.save_snapshots(conn, fresh.snapshots)
         return bool(texts)
 
 

@@ -94,6 +94,25 @@ def pending(snapshots: Sequence[Snapshot]) -> list[Snapshot]:
     return [s for s in snapshots if not s.done]
 
 
+def still_pending(row: ControlRowLike[Any] | None, request: Snapshot) -> Snapshot | None:
+    """``request`` as the control row ``row`` has it now - read again, under the row's
+    lock, in the transaction that writes its next chunk - or None when the row no
+    longer has it exactly as it was read.
+
+    The chunk saves the whole request list, so it must save the list it read under
+    that lock: a list read before would overwrite what another process wrote
+    meanwhile (a request of ``cdc snapshot``, the fresh requests of ``cdc
+    recreate``), and the rows those asked for would never be read. None: the row
+    was changed under the writer (``cdc recreate``), and no chunk is written.
+    """
+    if row is None:
+        return None
+    for candidate in row.snapshots:
+        if candidate == request:
+            return candidate
+    return None
+
+
 def carry_over(
     previous: ControlRowLike[C] | None,
     row: ControlRowLike[C],
@@ -266,5 +285,6 @@ __all__ = [
     "add_request",
     "carry_over",
     "pending",
+    "still_pending",
     "watched",
 ]

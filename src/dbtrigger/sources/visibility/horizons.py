@@ -282,7 +282,8 @@ class _ActivityActive(HorizonActive):
         # The bound (the newest safe probe) stays valid for good: every value
         # at or below it is committed or rolled back. So a fetch only probes
         # again when the previous one reached the bound (returned a short
-        # batch); a catch-up of full batches pays the probe once.
+        # batch, or a full one that ended at it); a catch-up of full batches
+        # pays the probe once.
         self._stale = True
         self._bounded = BoundPredicates(lambda value: target.cursor <= target.bind_bound(value))
 
@@ -312,7 +313,10 @@ class _ActivityActive(HorizonActive):
     def before_fetch(self, conn: Connection, after: Position) -> FetchCondition | None:
         with self._lock:
             cached = None if self._stale else self._state.safe
-        if cached is not None:
+        # A full batch that ended exactly at the bound leaves nothing below it: a
+        # fetch with it would find nothing and report nothing held back, and the
+        # worker would sleep its interval while rows committed since wait.
+        if cached is not None and greater(cached.value, after.cursor):
             self._next_info = None
             return self._bounded(cached.value)
         probe = self._probe(conn)

@@ -41,7 +41,7 @@ import decimal
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from typing import Any
 
@@ -217,6 +217,9 @@ class _InnoDbActive(HorizonActive):
         self._state = _State()
         self._lock = threading.Lock()
         self._bounded = BoundPredicates(self._bounded_by)
+        #: The fetch in progress reads with a bound observed for it (not one kept
+        #: from before: after a full batch, or within InnoDB's 100 ms cache).
+        self._looked = False
 
     def _bounded_by(self, bound: Any) -> ColumnElement[bool]:
         """The fetch predicate for a bound like ``bound`` (its value is a parameter)."""
@@ -375,6 +378,7 @@ class _InnoDbActive(HorizonActive):
             if fresh:
                 with self._lock:
                     self._state.stale = False
+        self._looked = stale and fresh
         with self._lock:
             bound = self._state.bound
         if bound is None:
@@ -382,19 +386,35 @@ class _InnoDbActive(HorizonActive):
         return self._bounded(bound)
 
     def after_fetch(self, conn: Connection, after: Position, rows: Rows, limit: int) -> FetchInfo:
-        del conn
         if len(rows) >= limit:
             # A full batch did not reach the bound: keep it (it stays valid, see
             # the module docstring) and let the fetch that reaches it refresh it.
             return self.last_info
         position = after if not rows else self.target.position_of(rows[-1])
+        newest = None
+        if not rows and not self._looked:
+            # Nothing below a bound not observed for this fetch: the checkpoint may
+            # have reached it (a full batch that ended there) with rows committed
+            # since. The newest row says whether any wait beyond it, so the tick
+            # reports them held back (the worker looks again soon) rather than an
+            # idle table (the worker sleeps its interval).
+            conn.rollback()  # a snapshot of now, not of the fetch's start
+            newest = self._read_max(conn)
+            conn.rollback()
         with self._lock:
             self._state.stale = True
-            info = self._info(self._state, position)
+            info = self._info(self._state, position, newest)
         return self._reported(info)
 
-    def _info(self, state: _State, position: Position) -> FetchInfo:
+    def _info(
+        self, state: _State, position: Position, newest: tuple[Any, Decimal | None] | None = None
+    ) -> FetchInfo:
+        """What the fetch that ended at ``position`` was held back by; ``newest``:
+        the highest cursor (and its epoch) read after the fetch, when newer than
+        the last observation's."""
         observation = state.last
+        if observation is not None and newest is not None:
+            observation = replace(observation, max_value=newest[0], max_epoch=newest[1])
         horizon = self._horizon_value(state.bound)
         if observation is None:
             return FetchInfo(

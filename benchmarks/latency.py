@@ -1,7 +1,8 @@
 """Commit -> handler latency of a worker at default settings, with and without wake-up hints.
 
 A writer process commits one row per transaction at a steady rate (``--rates``,
-default 200/s and 2,000/s) for ``--seconds``; a worker in this process runs
+default 200/s and 2,000/s) for ``--seconds`` (from one session on PostgreSQL,
+taking turns on eight on MariaDB: ``--writer-connections``); a worker in this process runs
 what ``dbtrigger run`` runs (a :class:`~dbtrigger.runtime.runner.Runner` over
 a ``PollTrigger`` with default options: batch size, batches per tick, lease,
 the visibility guard, an in-memory store) at the default interval
@@ -26,7 +27,12 @@ Each database gets a database of its own for the run (dropped at the end), so
 the PostgreSQL transaction-horizon guard waits only for this run's writers;
 MariaDB's horizon is server-wide, so other sessions' open writers on a shared
 server show up in its tail. ``ticks/s`` is what the latency costs: how often
-the worker polled.
+the worker polled. ``sleeps``: idle waits of the whole interval per run while
+the writer ran. Polling alone sleeps the interval after any tick that finds
+nothing (a pause in the writer's commits longer than a tick is enough), and
+its ticks then drain the interval's backlog, 100 rows a tick, and catch up: a
+steady writer's rows wait from 0 to the interval, whatever the ticks per
+second (p50 about interval / 2).
 
     python -m benchmarks.latency                       # both databases, every hint, 20 s runs
     python -m benchmarks.latency --dbs postgresql --hints none,notify --rates 200
@@ -79,6 +85,8 @@ MARIADB_URL = os.environ.get(
     "DBTRIGGER_BENCH_MARIADB_URL", "mysql+pymysql://root@127.0.0.1:3306/test"
 )
 HINTS = ("none", "notify", "notify-lost", "adaptive")
+#: The writer's sessions on MariaDB (see :func:`writer_main`).
+MARIADB_WRITERS = 8
 #: Hints that need PostgreSQL notifications.
 PG_ONLY = ("notify", "notify-lost")
 
@@ -86,33 +94,44 @@ PG_ONLY = ("notify", "notify-lost")
 # --- the writer (a process of its own, so it never competes with the worker's GIL) ----------
 
 
-def writer_main(url: str, table: str, rate: float, seconds: float, out: str) -> None:
+def writer_main(
+    url: str, table: str, rate: float, seconds: float, out: str, connections: int = 1
+) -> None:
     """Insert one row per transaction at ``rate``/s; write each commit's wall clock to ``out``.
 
-    Row ``i`` carries ``payload = str(i)``; ``out`` gets a JSON list whose
-    item ``i`` is ``time.time()`` right after that row's commit returned.
+    Row ``i`` carries ``payload = str(i)`` and is due at ``i / rate`` seconds;
+    ``connections`` sessions take turns (row ``i`` on session ``i %
+    connections``), each committing its rows on schedule. ``out`` gets a JSON
+    list whose item ``i`` is ``time.time()`` right after row ``i``'s commit
+    returned. Several sessions: MariaDB syncs its redo log at every commit
+    (``innodb_flush_log_at_trx_commit=1``), so one session keeps only a few
+    hundred commits a second on a shared disk, while concurrent ones share a
+    group commit.
     """
     parsed = sa.make_url(url)
-    committed: list[float] = []
-    if parsed.get_backend_name() == "postgresql":
-        import psycopg  # noqa: PLC0415
+    total = int(rate * seconds)
+    committed = [0.0] * total
+    sql = f"INSERT INTO {table} (payload) VALUES (%s)"
 
-        conn: Any = psycopg.connect(
-            host=parsed.host,
-            port=parsed.port,
-            user=parsed.username,
-            password=parsed.password,
-            dbname=parsed.database,
-            autocommit=True,
-        )
-        # Commits that do not wait for the WAL flush: the writer can keep 2,000/s on a
-        # shared disk; what a reader sees, and when, is the same.
-        conn.execute("SET synchronous_commit = off")
-        sql, mark = f"INSERT INTO {table} (payload) VALUES (%s)", None
-    else:
+    def connect() -> Any:
+        if parsed.get_backend_name() == "postgresql":
+            import psycopg  # noqa: PLC0415
+
+            conn: Any = psycopg.connect(
+                host=parsed.host,
+                port=parsed.port,
+                user=parsed.username,
+                password=parsed.password,
+                dbname=parsed.database,
+                autocommit=True,
+            )
+            # Commits that do not wait for the WAL flush: the writer can keep 2,000/s on a
+            # shared disk; what a reader sees, and when, is the same.
+            conn.execute("SET synchronous_commit = off")
+            return conn
         import pymysql  # noqa: PLC0415
 
-        conn = pymysql.connect(
+        return pymysql.connect(
             host=parsed.host,
             port=parsed.port or 3306,
             user=parsed.username,
@@ -120,24 +139,40 @@ def writer_main(url: str, table: str, rate: float, seconds: float, out: str) -> 
             database=parsed.database,
             autocommit=True,
         )
-        sql, mark = f"INSERT INTO {table} (payload) VALUES (%s)", conn.cursor()
+
+    sessions = [connect() for _ in range(connections)]
+    errors: list[BaseException] = []
+
+    def write(k: int, start: float) -> None:
+        conn = sessions[k]
+        cursor = conn.cursor()
+        try:
+            for i in range(k, total, connections):
+                due = start + i / rate
+                now = time.monotonic()
+                if due > now:
+                    time.sleep(due - now)
+                cursor.execute(sql, (str(i),))
+                committed[i] = time.time()
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
     try:
         start = time.monotonic()
         wall_start = time.time()
-        total = int(rate * seconds)
-        for i in range(total):
-            due = start + i / rate
-            now = time.monotonic()
-            if due > now:
-                time.sleep(due - now)
-            if mark is None:
-                conn.execute(sql, (str(i),))
-            else:
-                mark.execute(sql, (str(i),))
-            committed.append(time.time())
+        threads = [
+            threading.Thread(target=write, args=(k, start), daemon=True) for k in range(connections)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
         elapsed = time.monotonic() - start
     finally:
-        conn.close()
+        for conn in sessions:
+            conn.close()
+    if errors:
+        raise errors[0]
     # How late each commit was against its schedule (a writer starved of CPU commits
     # in a burst afterwards).
     late = [at - (wall_start + i / rate) for i, at in enumerate(committed)]
@@ -153,6 +188,13 @@ class Database:
     admin_url: str
     url: str
     name: str
+
+
+def writer_sessions(kind: str, args: argparse.Namespace) -> int:
+    """How many sessions the writer commits from on ``kind``."""
+    if args.writer_connections is not None:
+        return int(args.writer_connections)
+    return 1 if kind == "postgresql" else MARIADB_WRITERS
 
 
 def create_database(kind: str) -> Database:
@@ -214,6 +256,9 @@ class Result:
     achieved: float = 0.0
     seen: int = 0
     ticks: int = 0
+    #: Idle sleeps of the whole interval while the writer ran (a tick found
+    #: nothing and nothing held back).
+    sleeps: int = 0
     seconds: float = 0.0
     latencies: list[float] = field(default_factory=list)
     note: str = ""
@@ -230,11 +275,28 @@ class Result:
         )
         self.seen += other.seen
         self.ticks += other.ticks
+        self.sleeps += other.sleeps
         self.seconds += other.seconds
         self.latencies += other.latencies
         self.note = "; ".join(n for n in (self.note, other.note) if n)
         self.run_p50s += other.run_p50s
         self.late += other.late
+
+
+class CountingRunner(Runner):
+    """A Runner that counts its idle waits of the whole interval: what a row
+    committed right after an empty tick waits for (polling alone), whatever the
+    worker's ticks per second."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: When each idle wait of the whole interval began (wall clock).
+        self.full_sleeps: list[float] = []
+
+    def _idle(self, seconds: float) -> None:
+        if seconds >= self.interval:
+            self.full_sleeps.append(time.time())
+        super()._idle(seconds)
 
 
 def make_hint(hint: str, interval: float) -> WakeHint | None:
@@ -274,7 +336,9 @@ def measure(
             received[int(event.after["payload"])] = now
 
     wake = make_hint(hint, args.interval)
-    runner = Runner(trigger, handle, interval_seconds=args.interval, progress=None, wake=wake)
+    runner = CountingRunner(
+        trigger, handle, interval_seconds=args.interval, progress=None, wake=wake
+    )
     worker = threading.Thread(target=runner.run, kwargs={"install_signals": False}, daemon=True)
     result = Result(db.kind, source_kind, hint, rate)
     with tempfile.TemporaryDirectory() as tmp:
@@ -298,7 +362,9 @@ def measure(
                     "-m",
                     "benchmarks.latency",
                     "--writer",
-                    json.dumps([db.url, table, rate, args.seconds, out]),
+                    json.dumps(
+                        [db.url, table, rate, args.seconds, out, writer_sessions(db.kind, args)]
+                    ),
                 ],
                 cwd=ROOT,
                 check=True,
@@ -320,6 +386,9 @@ def measure(
     result.seen = sum(1 for i in range(len(commits)) if i in received)
     result.latencies = [received[i] - at for i, at in enumerate(commits) if i in received]
     result.late = written.get("late", [])
+    if commits:  # the sleeps that began while the writer was committing
+        first, last = min(commits), max(commits)
+        result.sleeps = sum(1 for at in runner.full_sleeps if first <= at <= last)
     if result.seen < result.written:
         result.note = f"{result.written - result.seen} rows not delivered in time"
     result.run_p50s = [percentile(result.latencies, 0.5) * 1000]
@@ -423,6 +492,7 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
                 f"{r.seen:,}",
                 *(f"{v:,.0f}" for v in ms),
                 f"{r.ticks / r.seconds:,.1f}" if r.seconds else "-",
+                f"{r.sleeps / len(r.run_p50s):,.1f}",
                 target,
                 met,
             ]
@@ -445,6 +515,7 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
             "p99",
             "max",
             "ticks/s",
+            "sleeps",
             "target ms",
             "met",
         ],
@@ -467,7 +538,10 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
     print(
         "hint: none = polling alone; notify = LISTEN/NOTIFY (dbtrigger wake install); "
         "notify-lost = listening, nothing notifies; adaptive = shorter idle waits after "
-        "activity. achieved = rows/s the writer kept up."
+        "activity. achieved = rows/s the writer kept up. sleeps = idle waits of the whole "
+        "interval per run while the writer committed (a tick found nothing): rows committed "
+        "during one wait up to the interval, which is what sets polling's p50, however many "
+        "ticks drain the backlog after it (ticks/s)."
     )
 
 
@@ -506,6 +580,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="no databases: simulate the worker and print how a batch's cost moves p50",
     )
+    parser.add_argument(
+        "--writer-connections",
+        type=int,
+        help="sessions the writer commits from, taking turns (default: 1 on PostgreSQL, "
+        f"{MARIADB_WRITERS} on MariaDB, whose one session syncs the log at every commit)",
+    )
     parser.add_argument("--writer", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     quick = args.quick
@@ -514,6 +594,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.interval = args.interval if args.interval is not None else (0.5 if quick else 5.0)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if args.writer_connections is not None and args.writer_connections < 1:
+        parser.error("--writer-connections must be at least 1")
     args.rng = random.Random(args.seed)  # a phase, not a secret
     return args
 
@@ -521,8 +603,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.writer:
-        url, table, rate, seconds, out = json.loads(args.writer)
-        writer_main(url, table, float(rate), float(seconds), out)
+        url, table, rate, seconds, out, connections = json.loads(args.writer)
+        writer_main(url, table, float(rate), float(seconds), out, int(connections))
         return 0
     if args.model:
         model(args)

@@ -17,18 +17,36 @@ live on the row. Instead:
   statements as columns mode, and read the user rows by key for the handler.
   A row deleted since it was fed is delivered with ``op="delete"`` and
   ``after=None``.
+
+The feeder's insert is bounded like every write of ``db.output``
+(:mod:`dbtrigger._lock_wait`: 30 s, at most a quarter of its lease) and fails
+with the same typed errors: ``OutputLockTimeoutError`` when it gave up waiting
+for another transaction's lock, ``OutputConstraintError`` when a rule of the
+claims table refused a row (:mod:`dbtrigger._write_refusals`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+from collections.abc import Iterator
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import SQLAlchemyError
 
-from dbtrigger._driver_errors import failed_as
+from dbtrigger._driver_errors import short_error
+from dbtrigger._lock_wait import (
+    DEFAULT_WRITE_LOCK_TIMEOUT,
+    check_lock_timeout,
+    gave_up_waiting,
+    lock_timed_out,
+    lock_wait_bounded,
+)
+from dbtrigger._write_refusals import refusal, refusal_error
 from dbtrigger.cursor import encoded_json
-from dbtrigger.errors import ConfigurationError, OutputWriteError
+from dbtrigger.errors import ConfigurationError, OutputLockTimeoutError, OutputWriteError
 from dbtrigger.events import RowChange
 from dbtrigger.queue.sidecar_table import ITEM_TEXT_LIMIT, item_key
 from dbtrigger.queue.source import ClaimSource
@@ -46,6 +64,9 @@ class SidecarFeeder:
             is followed; its ``where`` filters the user table).
         checkpoint_store: where the feeder's state document lives.
         batch_size / poll_options: as for :class:`~dbtrigger.PollTrigger`.
+        lock_timeout_seconds: how long the insert waits for a lock another
+            transaction holds on the claims table (default 30 s, lowered to a
+            quarter of ``lease_ttl_seconds``; a value given must fit it).
 
     Run exactly one active feeder per queue (the lease makes extra instances
     wait); run as many workers as you like.
@@ -58,6 +79,7 @@ class SidecarFeeder:
         source: ClaimSource,
         checkpoint_store: CheckpointStore,
         batch_size: int = 500,
+        lock_timeout_seconds: float | None = None,
         **poll_options: Any,
     ) -> None:
         if source.mode != "sidecar" or not source.cursor_column:
@@ -82,6 +104,16 @@ class SidecarFeeder:
             batch_size=batch_size,
             **poll_options,
         )
+        limit = self.poll.lease_ttl.total_seconds() / 4
+        if lock_timeout_seconds is None:
+            self.lock_timeout = min(DEFAULT_WRITE_LOCK_TIMEOUT, limit)
+        else:
+            self.lock_timeout = check_lock_timeout(lock_timeout_seconds)
+            if self.lock_timeout > limit:
+                raise ConfigurationError(
+                    f"SidecarFeeder: lock_timeout_seconds={self.lock_timeout:g} does not fit "
+                    f"the lease; use at most {limit:g} (a quarter of lease_ttl_seconds)"
+                )
 
     def handle(self, events: list[RowChange]) -> None:
         """Insert one claims row per event, ignoring those already there (idempotent)."""
@@ -101,9 +133,57 @@ class SidecarFeeder:
                 f"key or cursor of {len(too_long)} row(s) encodes to more than "
                 f"{ITEM_TEXT_LIMIT} characters, the claims table's limit: {too_long[0]}"
             )
-        failed = f"feeding {len(rows)} row(s) into {table.name} failed"
-        with failed_as(OutputWriteError, failed), self.source.transaction() as conn:
-            conn.execute(_insert_ignoring(conn, table), rows)
+        what = f"feeding {len(rows)} row(s) into {table.name}"
+        try:
+            with self._bounded() as conn:
+                conn.execute(_insert_ignoring(conn, table), rows)
+        except SQLAlchemyError as exc:
+            engine = self.source.engine
+            if lock_timed_out(exc):
+                text, holders = gave_up_waiting(
+                    engine,
+                    table.name,
+                    table.schema,
+                    self.lock_timeout,
+                    exc,
+                    "nothing was fed, the feeder's batch comes again. End the transaction "
+                    "left open there",
+                )
+                raise OutputLockTimeoutError(
+                    f"{what} {text}",
+                    table=table.name,
+                    rows=len(rows),
+                    seconds=self.lock_timeout,
+                    holders=holders or None,
+                ) from exc
+            found = refusal(exc, table, rows)
+            if found is not None:
+                where = f"{engine.dialect.name}:{table.name}"
+                raise refusal_error(found, where, table, rows) from exc
+            raise OutputWriteError(f"{what} failed: {short_error(exc)}") from exc
+
+    @contextlib.contextmanager
+    def _bounded(self) -> Iterator[Connection]:
+        """A write transaction on the queue's engine whose lock waits are bounded: READ
+        COMMITTED on PostgreSQL (the queue's engine is in autocommit, where ``SET
+        LOCAL`` would last one statement) and MariaDB/MySQL; on SQLite the busy
+        timeout is set before ``BEGIN IMMEDIATE``, which takes the write lock."""
+        with self.source.engine.connect() as conn:
+            raw: Any = None
+            previous = 0
+            if conn.dialect.name == "sqlite":
+                raw = conn.connection.dbapi_connection
+                previous = int(raw.execute("PRAGMA busy_timeout").fetchone()[0])
+                raw.execute(f"PRAGMA busy_timeout = {max(1, math.ceil(self.lock_timeout * 1000))}")
+            else:
+                conn.execution_options(isolation_level="READ COMMITTED")
+            try:
+                with conn.begin(), lock_wait_bounded(conn, self.lock_timeout):
+                    yield conn
+            finally:
+                if raw is not None:
+                    with contextlib.suppress(Exception):  # a lost connection keeps nothing
+                        raw.execute(f"PRAGMA busy_timeout = {previous}")
 
     def tick(self) -> int:
         """One feeder tick: rows fed (and committed)."""

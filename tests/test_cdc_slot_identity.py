@@ -16,7 +16,7 @@ import pytest
 from dbtrigger import PollTrigger, RowChange
 from dbtrigger.cdc import PgLogicalSource
 from dbtrigger.cdc.pgoutput import parse_lsn
-from dbtrigger.errors import SlotLostError
+from dbtrigger.errors import ConfigurationError, SlotLostError
 from tests.cdc_servers import CdcDatabase
 from tests.test_cdc_pg import poller as cdc_poller
 from tests.test_cdc_pg import wait_for
@@ -203,3 +203,37 @@ def test_a_reply_the_server_asks_for_never_confirms_past_the_recorded_bound(
         source.close()
     finally:
         cdc_db.server.set_config("wal_sender_timeout", None)
+
+
+def test_recreate_while_a_stream_reads_says_to_stop_the_workers_then_works_twice(
+    cdc_db: CdcDatabase,
+) -> None:
+    # `cdc recreate` (another process) while a worker streams from the slot: the server
+    # refuses to drop a slot in use. That said "the next tick retries", which no tick
+    # of the operator's command does; it now says to stop the workers, and changes
+    # nothing. Once they are stopped, two recreates in a row lose nothing: the last
+    # one's snapshot reads the table again.
+    cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY)")
+    trigger, source = poller(cdc_db, mode="stream")
+    assert drain(trigger) == []
+    cdc_db.execute("INSERT INTO t VALUES (1)")
+    assert drain(trigger) == [1]
+    operator = PgLogicalSource(cdc_db.url, ["t"], slot=source.slot, snapshot="never")
+    for _ in range(2):
+        with pytest.raises(ConfigurationError, match=r"being read right now.*Stop the poller"):
+            operator.admin().recreate(snapshot=True)
+    cdc_db.execute("INSERT INTO t VALUES (2)")
+    assert drain(trigger) == [2]  # the slot was left alone
+    source.close()  # the workers stop
+    for key in (3, 4):
+        operator.admin().recreate(snapshot=True)
+        cdc_db.execute("INSERT INTO t VALUES (%s)", (key,))
+    operator.close()
+    # A worker started again: the last recreate's snapshot holds every row (3 was
+    # committed into the slot the second recreate dropped), then the change of 4.
+    again = PgLogicalSource(cdc_db.url, ["t"], slot=source.slot, snapshot="never")
+    restarted = PollTrigger(name=trigger.name, source=again, checkpoint_store=trigger.store)
+    got: list[RowChange] = []
+    restarted.drain(got.extend)
+    assert sorted(e.pk["id"] for e in got if e.metadata["snapshot"]) == [1, 2, 3, 4]
+    again.close()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from psycopg import errors as pg_errors
 from psycopg import sql
 
 from dbtrigger.cdc import pg_control as control
@@ -26,7 +27,7 @@ from dbtrigger.cdc.pg_connection import connect, translated
 from dbtrigger.cdc.pg_context import PgSourceParts
 from dbtrigger.cdc.pgoutput import lsn_text, parse_lsn
 from dbtrigger.cdc.snapshots import add_request, carry_over, watched
-from dbtrigger.errors import ConfigurationError
+from dbtrigger.errors import ConfigurationError, FetchError
 
 #: Retained WAL above which ``status`` and ``dbtrigger check`` warn (bytes).
 RETAINED_WARNING = 1024**3
@@ -203,7 +204,7 @@ class PgAdmin(SourceAdmin[PgSourceParts]):
         done: list[str] = []
         source.close()
         with connect(source.url) as conn:
-            if setup.drop_slot(conn, source.slot):
+            if _drop_slot(conn, source, "drop"):
                 done.append(f"dropped replication slot {source.slot}")
             if not keep_publication and setup.drop_publication(conn, source.publication):
                 done.append(f"dropped publication {source.publication}")
@@ -223,7 +224,7 @@ class PgAdmin(SourceAdmin[PgSourceParts]):
         with connect(source.url) as conn:
             state = setup.slot_state(conn, source.slot)
             if state is not None:
-                setup.drop_slot(conn, source.slot)
+                _drop_slot(conn, source, "recreate")
                 done.append(
                     f"dropped replication slot {source.slot} "
                     f"({'invalidated' if state.lost else 'still valid: its changes are skipped'})"
@@ -286,6 +287,28 @@ class PgAdmin(SourceAdmin[PgSourceParts]):
             control.save_columns(conn, source.control_schema, source.slot, row.columns)
         source.close()  # the next read starts over with the accepted columns
         return changes
+
+
+def _drop_slot(conn: Any, source: PgSourceParts, command: str) -> bool:
+    """Drop the slot for ``cdc drop`` / ``cdc recreate``; False when there is none.
+
+    Raises:
+        ConfigurationError: a reader holds the slot now (a worker streaming from it,
+            or one in the middle of a read): saying so, not "the next tick retries".
+    """
+    try:
+        return setup.drop_slot(conn, source.slot)
+    except FetchError as exc:
+        if not isinstance(exc.__cause__, pg_errors.ObjectInUse):
+            raise
+        state = setup.slot_state(conn, source.slot)
+        pid = f" (server process {state.active_pid})" if state and state.active_pid else ""
+        raise ConfigurationError(
+            f"replication slot {source.slot} is being read right now{pid}: a worker of "
+            "this poller streams from it (mode='stream' holds it open) or is in the middle "
+            f"of a read. Stop the poller's workers, then run dbtrigger cdc {command} again; "
+            "nothing was changed"
+        ) from exc
 
 
 __all__ = ["RETAINED_WARNING", "PgAdmin", "made_again", "slot_warnings", "wal_keep_notes"]

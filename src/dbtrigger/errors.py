@@ -179,6 +179,10 @@ class StoreUnavailableError(StoreError, RetryableError):
     """The checkpoint store could not be reached; nothing was changed."""
 
 
+class HistoryPrunedError(StoreUnavailableError):
+    """Retention pruned history records while they were being read; read again."""
+
+
 class AmbiguousWriteError(StoreError, RetryableError):
     """The store did not answer a write in time; the write may or may not have landed."""
 
@@ -312,6 +316,7 @@ __all__ = [
     "FetchError",
     "FingerprintMismatchError",
     "HandlerError",
+    "HistoryPrunedError",
     "LeaseAcquireError",
     "LiveLeaseError",
     "LostLeaseError",

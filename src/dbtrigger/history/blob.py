@@ -34,7 +34,7 @@ from azure.storage.blob import ContainerClient
 
 from dbtrigger import _azure_errors as azure_errors
 from dbtrigger import options as opt
-from dbtrigger.errors import CasConflictError
+from dbtrigger.errors import CasConflictError, StoreUnavailableError
 from dbtrigger.history.records import record_time
 from dbtrigger.history.store import (
     DEFAULT_RETENTION,
@@ -46,6 +46,7 @@ from dbtrigger.history.store import (
     newest_records,
     numbered,
     prunable_segments,
+    pruned_while_read,
     segment_name,
     segment_seq,
 )
@@ -63,6 +64,10 @@ HISTORY_BLOB = azure_errors.StorageService(
 DEFAULT_SEGMENT_BYTES = 8 * 1024 * 1024
 #: ... or this many appends (the service allows 50,000 blocks per append blob).
 MAX_BLOCKS = 45_000
+
+
+class SegmentGoneError(StoreUnavailableError):
+    """A history segment that was listed is gone (pruned meanwhile); list again."""
 
 
 @dataclass
@@ -144,11 +149,16 @@ class BlobHistory:
         return sorted(found, key=lambda s: s.name)
 
     def _read_range(self, name: str, offset: int, length: int | None = None) -> bytes:
+        """Raises: SegmentGoneError: the segment was listed and is gone now (pruned)."""
         with self._mapped("read", name):
-            downloader = self.client.get_blob_client(name).download_blob(
-                offset=offset, length=length, max_concurrency=1
-            )
-            return bytes(downloader.readall())
+            try:
+                downloader = self.client.get_blob_client(name).download_blob(
+                    offset=offset, length=length, max_concurrency=1
+                )
+                return bytes(downloader.readall())
+            except ResourceNotFoundError:
+                pass
+        raise SegmentGoneError(f"history blob {name} is gone (pruned since it was listed)")
 
     def _last_records(self, segment: _Segment, count: int) -> list[dict[str, Any]]:
         def read(start: int, length: int) -> bytes:
@@ -162,13 +172,14 @@ class BlobHistory:
         def last(segment: _Segment, n: int) -> list[dict[str, Any]]:
             try:
                 return self._last_records(segment, n)
-            except ResourceNotFoundError:
-                return []  # pruned meanwhile
+            except SegmentGoneError:
+                return []  # pruned meanwhile, with every older one
 
         return newest_records(reversed(self._segments(poller)), last, count)
 
     def read(self, poller: str, *, since_seq: int = 0) -> Iterator[dict[str, Any]]:
         segments = self._segments(poller)
+        given: int | None = None  # the last record this read gave
         for i, segment in enumerate(segments):
             if i + 1 < len(segments):
                 following = segment_seq(segments[i + 1].name.rsplit("/", 1)[1]) or 0
@@ -178,10 +189,14 @@ class BlobHistory:
                 continue
             try:
                 data = self._read_range(segment.name, 0, segment.size)
-            except CasConflictError:
-                continue
+            except SegmentGoneError:
+                if given is None:
+                    continue  # pruned before this read gave anything: it starts later
+                raise pruned_while_read(poller, given) from None
             for record in decode_lines(data):
-                if int(record.get("seq") or 0) > since_seq:
+                seq = int(record.get("seq") or 0)
+                if seq > since_seq:
+                    given = seq
                     yield record
 
     def _active_segment(self, poller: str) -> tuple[_Segment | None, int]:

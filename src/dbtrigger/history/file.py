@@ -42,6 +42,7 @@ from dbtrigger.history.store import (
     newest_records,
     numbered,
     prunable_segments,
+    pruned_while_read,
     segment_name,
     segment_seq,
 )
@@ -49,6 +50,8 @@ from dbtrigger.names import validate_name
 
 #: A segment rolls over past this size.
 DEFAULT_SEGMENT_BYTES = 8 * 1024 * 1024
+#: How often ``tail`` lists the segments again when one it listed is gone (pruned).
+TAIL_ATTEMPTS = 5
 
 
 class FileHistory:
@@ -139,26 +142,39 @@ class FileHistory:
         def last(path: Path, n: int) -> list[dict[str, Any]]:
             return self._last_records(path, n)[0]
 
-        try:
-            return newest_records(reversed(self._segments(poller)), last, count)
-        except FileNotFoundError:
-            return self.tail(poller, count)  # pruned under us: list again
-        except OSError as exc:
-            raise StoreUnavailableError(f"cannot read the history of {poller!r}: {exc}") from exc
+        missing = ""
+        for _ in range(TAIL_ATTEMPTS):
+            try:
+                return newest_records(reversed(self._segments(poller)), last, count)
+            except FileNotFoundError as exc:
+                missing = str(exc.filename)  # pruned under us: list again
+            except OSError as exc:
+                raise StoreUnavailableError(
+                    f"cannot read the history of {poller!r}: {exc}"
+                ) from exc
+        raise StoreUnavailableError(
+            f"history segment {missing} is listed but cannot be opened ({TAIL_ATTEMPTS} tries): "
+            "a link to a missing file, or a file removed by hand? Restore or remove it"
+        )
 
     def read(self, poller: str, *, since_seq: int = 0) -> Iterator[dict[str, Any]]:
         segments = self._segments(poller)
+        given: int | None = None  # the last record this read gave
         for i, path in enumerate(segments):
             if i + 1 < len(segments) and self._first_seq(segments[i + 1]) <= since_seq + 1:
                 continue  # every record of this segment is at or below since_seq
             try:
                 data = path.read_bytes()
             except FileNotFoundError:
-                continue  # pruned meanwhile
+                if given is None:
+                    continue  # pruned before this read gave anything: it starts later
+                raise pruned_while_read(poller, given) from None
             except OSError as exc:
                 raise StoreUnavailableError(f"cannot read {path}: {exc.strerror}") from exc
             for record in decode_lines(data):
-                if int(record.get("seq") or 0) > since_seq:
+                seq = int(record.get("seq") or 0)
+                if seq > since_seq:
+                    given = seq
                     yield record
 
     def append(self, poller: str, records: Sequence[Mapping[str, Any]], *, after_seq: int) -> None:

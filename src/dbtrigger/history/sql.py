@@ -45,7 +45,13 @@ from dbtrigger.errors import (
     StoreUnavailableError,
 )
 from dbtrigger.history.records import record_time
-from dbtrigger.history.store import DEFAULT_RETENTION, Retention, encode_line, numbered
+from dbtrigger.history.store import (
+    DEFAULT_RETENTION,
+    Retention,
+    encode_line,
+    numbered,
+    pruned_while_read,
+)
 from dbtrigger.names import validate_name, validate_sql_identifier
 from dbtrigger.state.stores.sql import (
     classify_driver_error,
@@ -244,11 +250,27 @@ class SqlHistory:
                 )
                 with self.engine.connect() as conn:
                     page = list(conn.execute(stmt))
+                    if last > since_seq and page and int(page[0][0]) > last + 1:
+                        self._not_pruned_since(conn, poller, last)
             for seq, text in page:
                 last = int(seq)
                 yield json.loads(text)
             if len(page) < 1000:
                 return
+
+    def _not_pruned_since(self, conn: sa.Connection, poller: str, last: int) -> None:
+        """Between two pages of a read, a hole after ``last``: retention pruned the
+        records the read had not reached when ``last`` (given already) went too.
+
+        Raises:
+            HistoryPrunedError: so; the read stops rather than go on past the hole.
+        """
+        t = self.table
+        held = conn.execute(
+            sa.select(sa.func.count()).where(self._of(poller), t.c.seq == last)
+        ).scalar_one()
+        if not held:
+            raise pruned_while_read(poller, last)
 
     def prune(self, poller: str, retention: Retention, now: dt.datetime) -> int:
         t = self.table

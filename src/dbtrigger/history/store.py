@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol, TypeVar, runtime_checkable
 
 from dbtrigger import options as opt
+from dbtrigger.errors import HistoryPrunedError
 
 #: Records are kept for this many days by default.
 DEFAULT_MAX_AGE_DAYS = 30.0
@@ -217,6 +218,16 @@ def newest_records(
     return out[-count:]
 
 
+def pruned_while_read(poller: str, last: int) -> HistoryPrunedError:
+    """The error of a read that found records after ``last`` (the last it gave) pruned
+    since it began: it stops there rather than go on past a hole."""
+    return HistoryPrunedError(
+        f"retention pruned records of the history of {poller!r} after record {last} while "
+        "they were being read; nothing was skipped, the read stopped there. Read again (the "
+        "history now starts later), or keep records longer (retention=Retention(...))"
+    )
+
+
 def prunable_segments(
     segments: Sequence[tuple[str, int, dt.datetime | None]],
     retention: Retention,
@@ -253,6 +264,7 @@ __all__ = [
     "newest_records",
     "numbered",
     "prunable_segments",
+    "pruned_while_read",
     "segment_name",
     "segment_seq",
 ]

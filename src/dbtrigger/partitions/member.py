@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dbtrigger import options as opt
+from dbtrigger.cursor import BEGINNING
 from dbtrigger.errors import (
     CasConflictError,
     ConfigurationError,
@@ -172,7 +173,7 @@ class PartitionedPoller(Balancing):
         self._was_joining = False  # the last cycle was one of the join window
         self._turn = 0
         self._loop = BalanceLoop(
-            self.balance,
+            self._cycle,
             self.leave,
             poller=self.name,
             member_id=self.member_id,
@@ -194,6 +195,10 @@ class PartitionedPoller(Balancing):
         #: balance cycle or a confirmation; how old the view of ownership is.
         self._view_at = -float("inf")
         self._view_max_age = cadence.fast_interval(interval)
+        #: The partition this member's round is on and since when (our monotonic
+        #: clock; reset between its batches), and the one said to be stuck.
+        self._in_flight: tuple[str, float] | None = None
+        self._stuck_said: tuple[str, float] | None = None
 
     # --- identity ------------------------------------------------------------------
 
@@ -307,11 +312,14 @@ class PartitionedPoller(Balancing):
             trigger = self._triggers.get(pid)
             if trigger is None or pid not in self.owned:
                 continue  # given up, stolen or regrouped since the round began
+            self._in_flight = (pid, self.monotonic())
             try:
                 result = trigger.tick_result(handler, should_stop=self._stop_for(pid, should_stop))
             except DbTriggerError as exc:
                 errors.append(exc)
                 continue
+            finally:
+                self._in_flight = None
             results.append(result)
             rows += result.rows
             batches += result.batches
@@ -342,12 +350,52 @@ class PartitionedPoller(Balancing):
         """Asked between a partition's batches: stop, or the partition is no longer ours."""
 
         def stop() -> bool:
+            self._in_flight = (pid, self.monotonic())  # between batches: the next one starts
             if should_stop is not None and should_stop():
                 return True
             self.confirm_ownership(self._view_max_age)
             return pid not in self.owned or self._loop.stale()
 
         return stop
+
+    def _cycle(self) -> None:
+        """The balance thread's cycle: balance, then say if the round is stuck."""
+        self.balance()
+        self._report_waiting()
+
+    def _report_waiting(self) -> None:
+        """WARNING once a batch has run past its partition's lease TTL while this
+        member owns other partitions: the round ticks them only after it, and the
+        others take none of them while this member heartbeats, so their rows wait
+        too (the partition's own ``handler_slow`` line names only its batch)."""
+        flight = self._in_flight
+        if flight is None or flight == self._stuck_said:
+            return
+        pid, since = flight
+        trigger = self._triggers.get(pid)
+        waiting = [p for p in self.owned if p != pid]
+        ran = self.monotonic() - since
+        if trigger is None or not waiting or ran < trigger.lease_ttl.total_seconds():
+            return
+        self._stuck_said = flight
+        log.warning(
+            "member %s: a batch of partition %s has run %.0fs (over its lease TTL of %gs) and "
+            "not returned; the member's other partition(s) %s are not ticked until it does, "
+            "and no other member takes them over while this one heartbeats; set "
+            "handler_timeout_seconds to give such a call up",
+            self.member_id,
+            pid,
+            ran,
+            trigger.lease_ttl.total_seconds(),
+            ", ".join(waiting),
+            extra={
+                "event": "partitions_waiting",
+                "poller": self.name,
+                "partition": pid,
+                "partitions": tuple(waiting),
+                "seconds": round(ran, 1),
+            },
+        )
 
     def _handing_over(self, result: TickResult) -> bool:
         """The partition's lease is held by another live member: it is finishing a batch."""
@@ -434,8 +482,21 @@ class PartitionedPoller(Balancing):
         return total
 
     def rows_behind(self) -> int | None:
-        """Not counted across partitions (``status()`` counts each one's lag)."""
-        return None
+        """Rows after the checkpoints of the partitions this member owns (the
+        worker's progress line): one count per owned partition, as
+        ``partitions backlog`` counts each partition; None while it owns none."""
+        with self._lock:
+            owned = [self._triggers[pid] for pid in self.owned if pid in self._triggers]
+        if not owned:
+            return None
+        total = 0
+        for trigger in owned:
+            source = trigger.source
+            if not isinstance(source, PartitionSource):
+                return None
+            doc = trigger.read_state()
+            total += source.count_after(doc.position if doc else BEGINNING)
+        return total
 
     def close(self) -> None:
         """Release the partition triggers' threads (lanes, heartbeats). Membership

@@ -1,0 +1,99 @@
+"""A partitioned member at its defaults, as `dbtrigger run` drives it: what its
+progress line counts, and what it says when one batch hangs."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from dbtrigger import FileCheckpointStore, RowChange, SqlAlchemySource
+from dbtrigger.partitions import PartitionedPoller
+from dbtrigger.runtime.progress import DrainProgress, Tracker
+from tests.databases import TestDatabase
+
+
+def orders(db: TestDatabase, rows: int) -> None:
+    table = db.qualified("orders")
+    db.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, updated_at timestamptz NOT NULL)")
+    db.execute(f"INSERT INTO {table} SELECT i, now() FROM generate_series(1, {rows}) i")
+
+
+def member(db: TestDatabase, state: Path, **options: object) -> PartitionedPoller:
+    return PartitionedPoller(
+        name="orders",
+        source=SqlAlchemySource(
+            url=db.url, table="orders", schema=db.schema,
+            cursor_column="updated_at", pk_columns=["id"],
+        ),
+        checkpoint_store=FileCheckpointStore(state),
+        **options,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def test_a_members_progress_line_counts_the_rows_behind_its_partitions(
+    pg: TestDatabase, tmp_path: Path
+) -> None:
+    """The worker's progress line said 'an unknown number behind' for every
+    partitioned member, while a plain poller's says 'about N behind' and an ETA."""
+    orders(pg, 3000)
+    poller = member(pg, tmp_path / "state")
+    delivered: list[int] = []
+    try:
+        assert poller.rows_behind() is None  # owns nothing before its first round
+        while not delivered:  # the first round may be held back by the visibility guard
+            poller.tick(lambda events: delivered.extend(e.pk["id"] for e in events))
+        assert len(poller.owned) == 12
+        assert poller.rows_behind() == 3000 - len(delivered)
+        lines: list[DrainProgress] = []
+        Tracker(poller, lines.append, 0.0, len(delivered))
+        assert lines[0].behind == 3000 - len(delivered)
+        assert f"about {3000 - len(delivered):,} behind" in lines[0].describe()
+    finally:
+        poller.leave()
+        poller.close()
+
+
+def test_a_hung_batch_names_the_partitions_waiting_behind_it(
+    pg: TestDatabase, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A handler that never returns holds its partition's lease (by design: no
+    timeout by default), and the member's round holds every other partition it
+    owns with it: the others see it heartbeat and take none of them. Only the
+    hung partition's own batch was named; a third of the table waited unsaid.
+    (lease_ttl_seconds is lowered from 120 s so the test does not wait two minutes.)"""
+    orders(pg, 400)
+    release = threading.Event()
+    poller = member(pg, tmp_path / "state", lease_ttl_seconds=2)
+
+    def hang(events: list[RowChange]) -> None:
+        release.wait(30)
+
+    def work() -> None:
+        while not release.is_set():  # the first round may be held back by the visibility guard
+            poller.tick(hang)
+
+    worker = threading.Thread(target=work, daemon=True)
+    caplog.set_level(logging.WARNING, logger="dbtrigger.partitions")
+    try:
+        worker.start()
+        deadline = time.monotonic() + 20
+        said = []
+        while not said and time.monotonic() < deadline:
+            said = [r for r in caplog.records if getattr(r, "event", "") == "partitions_waiting"]
+            release.wait(0.05)
+        assert said, "no WARNING named the partitions waiting behind the hung batch"
+        record = said[0]
+        assert record.levelno == logging.WARNING
+        hung = record.partition  # type: ignore[attr-defined]
+        assert set(record.partitions) == set(poller.owned) - {hung}  # type: ignore[attr-defined]
+        assert len(record.partitions) == 11  # type: ignore[attr-defined]
+        assert "handler_timeout_seconds" in record.getMessage()
+    finally:
+        release.set()
+        worker.join(30)
+        poller.leave()
+        poller.close()

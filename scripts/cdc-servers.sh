@@ -46,33 +46,46 @@ start_mariadb() {
   local dir=$1 port=$2; shift 2
   local server init owner=""
   server=$(mariadb_bin)
-  mkdir -p "$dir"
-  if [ "$(id -u)" = 0 ]; then owner=mysql; chown mysql "$dir"; fi
+  # A temporary directory of its own: a server that starts deletes every '#sql*' file
+  # in its tmpdir as left over from an earlier run, so with the shared /tmp one server
+  # starting took the temporary tables from under another's mariadb-install-db
+  # ("Could not remove temporary table ... Unknown table 'mysql.tmp_user_sys'", or a
+  # crash), now and then when several start at once (parallel test workers).
+  mkdir -p "$dir/tmp"
+  if [ "$(id -u)" = 0 ]; then owner=mysql; chown mysql "$dir" "$dir/tmp"; fi
   if [ ! -d "$dir/data/mysql" ]; then
     init=$(command -v mariadb-install-db || command -v mysql_install_db || true)
     [ -n "$init" ] || { echo "cdc-servers: mariadb-install-db not found" >&2; exit 69; }
-    "$init" --no-defaults --datadir="$dir/data" ${owner:+--user=$owner} \
+    "$init" --no-defaults --datadir="$dir/data" --tmpdir="$dir/tmp" ${owner:+--user=$owner} \
       --auth-root-authentication-method=normal --skip-test-db >"$dir/install.log" 2>&1 \
-      || { cat "$dir/install.log" >&2; exit 1; }
+      || { cat "$dir/install.log" >&2; rm -rf "$dir/data"; exit 1; }
   fi
   local metadata=--binlog-row-metadata=FULL
   "$server" --no-defaults --help --verbose 2>/dev/null | grep -q '^binlog-row-metadata' || metadata=
-  "$server" --no-defaults --datadir="$dir/data" ${owner:+--user=$owner} --port="$port" \
+  "$server" --no-defaults --datadir="$dir/data" --tmpdir="$dir/tmp" ${owner:+--user=$owner} --port="$port" \
     --bind-address=127.0.0.1 --socket="$dir/mysqld.sock" --pid-file="$dir/mysqld.pid" \
     --log-error="$dir/server.log" --log-bin="$dir/data/binlog" --binlog-format=ROW \
     --binlog-row-image=FULL $metadata --server-id=1 --skip-name-resolve \
     --innodb-buffer-pool-size=64M --innodb-flush-log-at-trx-commit=2 --sync-binlog=0 \
     --max-connections=300 "$@" >/dev/null 2>&1 &
-  local i
-  for i in $(seq 1 300); do
+  # Until it listens (its socket and pid file are there), it exits, or 120 s pass: a
+  # loaded machine (parallel test workers) can take well over the 30 s this waited.
+  local pid=$! deadline=$((SECONDS + 120))
+  while [ $SECONDS -lt $deadline ]; do
     if [ -S "$dir/mysqld.sock" ] && [ -f "$dir/mysqld.pid" ]; then
       echo "mysql+pymysql://root@127.0.0.1:$port/mysql"
       return
     fi
-    kill -0 $! 2>/dev/null || break
+    kill -0 "$pid" 2>/dev/null || break
     sleep 0.1
   done
-  echo "cdc-servers: MariaDB did not start (see $dir/server.log)" >&2
+  if kill -0 "$pid" 2>/dev/null; then
+    echo "cdc-servers: MariaDB did not listen within 120 s; stopped it (see $dir/server.log)" >&2
+    kill -TERM "$pid" 2>/dev/null || true
+  else
+    echo "cdc-servers: MariaDB exited while starting (see $dir/server.log):" >&2
+    tail -n 20 "$dir/server.log" >&2 2>/dev/null || true
+  fi
   exit 1
 }
 

@@ -29,7 +29,7 @@ from dbtrigger.errors import (
     SourcePermissionError,
 )
 from dbtrigger.sources.visibility import SafetyWindow
-from tests.cdc_servers import BinlogDatabase
+from tests.cdc_servers import BinlogDatabase, BinlogMariadb
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -594,3 +594,12 @@ def test_two_workers_set_up_a_new_reader_at_once_and_share_one_start(
     assert len(starts) == 1
     for source in sources:
         source.close()
+
+
+def test_the_private_server_keeps_its_temporary_files_to_itself(
+    binlog_mariadb: BinlogMariadb,
+) -> None:
+    # A starting server deletes every '#sql*' file in its tmpdir; with the shared /tmp,
+    # one test worker's server starting broke another's mariadb-install-db now and then.
+    tmpdir = str(binlog_mariadb.scalar("SELECT @@tmpdir"))
+    assert tmpdir.startswith(str(binlog_mariadb.directory))

@@ -40,6 +40,7 @@ from typing import Any
 
 import pymysql
 
+from dbtrigger._driver_errors import short_error
 from dbtrigger.cdc.binlog_setup import current_user, translated
 from dbtrigger.cdc.snapshots import Snapshot
 from dbtrigger.errors import ConfigurationError, DbTriggerError, SourcePermissionError
@@ -96,9 +97,11 @@ def ensure(conn: pymysql.connections.Connection[Any], database: str) -> bool:
     except SourcePermissionError as exc:
         raise SourcePermissionError(
             f"cannot create {database}.{TABLE} (where BinlogSource keeps its position, accepted "
-            f"columns and snapshot progress): GRANT CREATE, SELECT, INSERT, UPDATE, DELETE ON "
-            f"`{database}`.* TO {current_user(conn)}, pass control_database= naming one it may "
-            f"use, or have an admin run: {'; '.join(statements)}"
+            f"columns and snapshot progress): {short_error(exc.__cause__ or exc)}. "
+            f"GRANT CREATE, SELECT, INSERT, UPDATE, DELETE ON `{database}`.* TO "
+            f"{current_user(conn)}, pass control_database= naming one it may use, or have an "
+            f"admin run: {'; '.join(statements)}",
+            **exc.fields,
         ) from exc
     return True
 
@@ -142,8 +145,9 @@ def upgrade(conn: pymysql.connections.Connection[Any], database: str) -> None:
     except SourcePermissionError as exc:
         raise SourcePermissionError(
             f"{database}.{TABLE} was made by an earlier version and lacks columns this one "
-            f"keeps there; GRANT ALTER ON `{database}`.* TO {current_user(conn)}, or have an "
-            f"admin run: {statement}"
+            f"keeps there: {short_error(exc.__cause__ or exc)}. GRANT ALTER ON `{database}`.* "
+            f"TO {current_user(conn)}, or have an admin run: {statement}",
+            **exc.fields,
         ) from exc
 
 

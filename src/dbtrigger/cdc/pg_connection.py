@@ -23,6 +23,7 @@ from psycopg import errors as pg_errors
 from psycopg import sql
 from sqlalchemy.engine import URL
 
+from dbtrigger._driver_errors import short_error
 from dbtrigger.errors import (
     ConfigurationError,
     DbTriggerError,
@@ -111,7 +112,7 @@ def execute_or_explain(
 
     A refusal is raised again as ``"{refused}: {the server's reason}. {advice}:
     {the statements}"``: what could not be done and why it is needed, then who
-    may run the quoted SQL instead.
+    may run the quoted SQL instead (never the general advice for a refused read).
 
     Raises:
         SourcePermissionError: the role may not run them (with the SQL to run).
@@ -121,8 +122,13 @@ def execute_or_explain(
             for statement in statements:
                 conn.execute(statement)
     except SourcePermissionError as exc:
+        # The server's reason alone: the general advice of a refused read (CONNECT,
+        # USAGE, SELECT) names the wrong privileges for DDL; ``advice`` names the right.
         texts = "; ".join(s.as_string(conn) for s in statements)
-        raise SourcePermissionError(f"{refused}: {exc}. {advice}: {texts}") from exc
+        reason = short_error(exc.__cause__ or exc)
+        raise SourcePermissionError(
+            f"{refused}: {reason}. {advice}: {texts}", **exc.fields
+        ) from exc
 
 
 def _slot_error(exc: BaseException, what: str) -> DbTriggerError | None:

@@ -226,7 +226,8 @@ class SqlCheckpointStore:
             MySQL/MariaDB the schema is a database name.
         namespace: a partition of the table, so several applications can keep
             pollers of the same name apart (validated like a poller name).
-        create_table: create the table on first use if it is missing. Turn it
+        create_table: create the table at the first write if it is missing (a
+            read of a missing table finds no state and creates nothing). Turn it
             off where the runtime identity may not run DDL, and create the table
             once with :meth:`create_table` (or from :meth:`ddl`).
         engine_kwargs: passed to :func:`sqlalchemy.create_engine` with ``url``.
@@ -391,6 +392,18 @@ class SqlCheckpointStore:
     def _ensure_table(self) -> None:
         self._creation.ensure()
 
+    def _readable(self, key: str) -> bool:
+        """For a read: is the table there? A missing one that the first write would
+        create means no state yet: a read (``dbtrigger status`` on a mistyped URL or
+        schema) must not leave an empty state table behind."""
+        if self._creation.done:
+            return True
+        with self._edge("read", key):
+            exists = self._table_exists()
+        if exists:
+            self._creation.done = True
+        return exists
+
     def _check_packet(self, key: str, data: bytes) -> None:
         """MariaDB/MySQL drop the connection on a statement larger than
         ``max_allowed_packet`` ("server has gone away"), which would pass for an
@@ -428,7 +441,8 @@ class SqlCheckpointStore:
 
     def read(self, key: str) -> StoredDocument | None:
         validate_name(key, "poller name")
-        self._ensure_table()
+        if not self._readable(key):
+            return None
         t = self._table
         stmt = sa.select(t.c.document, t.c.etag).where(self._where_key(key))
         with self._edge("read", key), self._engine.connect() as conn:
@@ -487,7 +501,8 @@ class SqlCheckpointStore:
 
     def delete(self, key: str, *, if_match: str | None = None) -> None:
         validate_name(key, "poller name")
-        self._ensure_table()
+        if not self._readable(key):
+            return  # no table: nothing to delete
         t = self._table
         condition = self._where_key(key)
         if if_match is not None:
@@ -511,7 +526,8 @@ class SqlCheckpointStore:
             trans.commit()
 
     def list_keys(self) -> list[str]:
-        self._ensure_table()
+        if not self._readable("*"):
+            return []
         t = self._table
         stmt = sa.select(t.c.poller_name).where(t.c.namespace == self._namespace)
         with self._edge("listing", "*"), self._engine.connect() as conn:

@@ -158,7 +158,8 @@ class TableCheckpointStore(SdkClientHolder[TableClient]):
     Args:
         table: table name (3-63 letters and digits, starting with a letter).
         app_name: the partition; pollers of different apps can share a table.
-        create_table: create the table on first use if it is missing.
+        create_table: create the table at the first write if it is missing (a
+            read of a missing table finds no state and creates nothing).
         timeout_seconds: per-request read timeout (connecting gets at most 10 s).
         retries: retries of reads and of writes that never reached the service.
     """
@@ -321,6 +322,16 @@ class TableCheckpointStore(SdkClientHolder[TableClient]):
     def _ensure_table(self) -> None:
         self._creation.ensure()
 
+    def _no_table_yet(self, exc: ResourceNotFoundError) -> bool:
+        """Is ``exc`` the table missing, a table the first write will create? A read
+        then finds no state (and creates nothing: ``dbtrigger status`` on a mistyped
+        account or table must not leave an empty table behind)."""
+        return (
+            self._create
+            and not self._creation.done
+            and azure_errors.error_code(exc) == "TableNotFound"
+        )
+
     def _create_table(self) -> None:
         # ResourceExistsError: someone (maybe another instance) created it first.
         with (
@@ -371,12 +382,11 @@ class TableCheckpointStore(SdkClientHolder[TableClient]):
 
     def read(self, key: str) -> StoredDocument | None:
         validate_name(key, "poller name")
-        self._ensure_table()
         with self._edge("read", key):
             try:
                 entity = self._client.get_entity(self._app, key)
             except ResourceNotFoundError as exc:
-                if azure_errors.error_code(exc) == "TableNotFound":
+                if azure_errors.error_code(exc) == "TableNotFound" and not self._no_table_yet(exc):
                     raise
                 return None
         etag = str(entity.metadata["etag"])
@@ -411,20 +421,27 @@ class TableCheckpointStore(SdkClientHolder[TableClient]):
 
     def delete(self, key: str, *, if_match: str | None = None) -> None:
         validate_name(key, "poller name")
-        self._ensure_table()
         condition = (
             MatchConditions.Unconditionally if if_match is None else MatchConditions.IfNotModified
         )
         with self._edge("delete", key, write=True, if_match=if_match):
-            # The SDK treats 404 (already absent) as success.
-            self._client.delete_entity(
-                self._app, key, etag=if_match, match_condition=condition, **_WRITE_RETRIES
-            )
+            # The SDK treats 404 (already absent) as success; no table: nothing to delete.
+            try:
+                self._client.delete_entity(
+                    self._app, key, etag=if_match, match_condition=condition, **_WRITE_RETRIES
+                )
+            except ResourceNotFoundError as exc:
+                if not self._no_table_yet(exc):
+                    raise
 
     def list_keys(self) -> list[str]:
-        self._ensure_table()
         with self._edge("listing", "*"):
             entities = self._client.query_entities(
                 "PartitionKey eq @app", parameters={"app": self._app}, select=["RowKey"]
             )
-            return sorted(str(e["RowKey"]) for e in entities)
+            try:
+                return sorted(str(e["RowKey"]) for e in entities)
+            except ResourceNotFoundError as exc:
+                if not self._no_table_yet(exc):
+                    raise
+                return []

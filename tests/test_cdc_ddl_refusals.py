@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 
 from dbtrigger.cdc import binlog_control, pg_control
-from dbtrigger.cdc.pg_setup import TableName, ensure_publication
+from dbtrigger.cdc.pg_setup import TableName, drop_publication, ensure_publication
 from dbtrigger.errors import SourcePermissionError
 from tests.databases import TestDatabase
 
@@ -115,3 +115,37 @@ def test_mariadb_control_table_refusals_give_the_servers_reason(
     text = str(altered.value)
     assert "ALTER command denied" in text, text
     assert f"GRANT ALTER ON `{database}`.*" in text, text
+
+
+@pytest.mark.postgresql
+def test_postgresql_control_row_writes_and_publication_drop_name_their_grant(
+    pg: TestDatabase, pg_role: psycopg.Connection
+) -> None:
+    role = pg_role.info.user
+    table = f"{pg.schema}.{pg_control.TABLE}"
+    admin_url = sa.make_url(pg.url).set(drivername="postgresql")
+    with psycopg.connect(admin_url.render_as_string(hide_password=False), autocommit=True) as admin:
+        admin.execute(pg_control.create_sql(pg.schema))
+        admin.execute(f"INSERT INTO {table} (slot, tables) VALUES ('s', '{{}}')")
+        admin.execute(f"GRANT SELECT ON {table} TO {role}")  # reads, may not write
+        admin.execute(f"CREATE TABLE {pg.schema}.t (id int PRIMARY KEY)")
+        admin.execute(f"CREATE PUBLICATION p_{role} FOR TABLE {pg.schema}.t")
+    try:
+        for write in (
+            lambda: pg_control.save_bound(pg_role, pg.schema, "s", "0/10"),
+            lambda: pg_control.delete(pg_role, pg.schema, "s"),
+        ):
+            with pytest.raises(SourcePermissionError) as refused:
+                write()
+            text = str(refused.value)
+            assert "permission denied for table" in text, text
+            assert f"GRANT SELECT, INSERT, UPDATE, DELETE ON {table}" in text, text
+            assert READ_ADVICE not in text, text
+        with pytest.raises(SourcePermissionError) as dropping:
+            drop_publication(pg_role, f"p_{role}")
+        text = str(dropping.value)
+        assert "must be owner of publication" in text, text
+        assert f"DROP PUBLICATION p_{role}" in text, text
+        assert READ_ADVICE not in text, text
+    finally:
+        pg.execute(f"DROP PUBLICATION IF EXISTS p_{role}")

@@ -31,7 +31,7 @@ from dbtrigger.errors import (
     SlotLostError,
     SourcePermissionError,
 )
-from dbtrigger.sources.errors_map import driver_mapped
+from dbtrigger.sources.errors_map import PERMISSION, classify, driver_mapped
 
 #: Session settings every connection runs with: they decide pgoutput's text output.
 SESSION_OPTIONS = "-c TimeZone=UTC -c DateStyle=ISO -c bytea_output=hex -c extra_float_digits=3"
@@ -95,9 +95,24 @@ def connect(url: URL, **extra: Any) -> psycopg.Connection[Any]:
         return psycopg.connect(autocommit=True, **connect_kwargs(url), **extra)
 
 
-def translated(what: str) -> contextlib.AbstractContextManager[None]:
-    """Map psycopg errors raised inside onto dbtrigger errors (cause chained)."""
-    return driver_mapped(what, psycopg.Error, _slot_error)
+def translated(what: str, *, refused: str | None = None) -> contextlib.AbstractContextManager[None]:
+    """Map psycopg errors raised inside onto dbtrigger errors (cause chained).
+
+    ``refused``: what a role refused here needs (the GRANT, the owner), said after
+    the server's reason instead of the general advice for a refused read (CONNECT,
+    USAGE, SELECT), which names the wrong privileges for a write or DDL.
+    """
+    if refused is None:
+        return driver_mapped(what, psycopg.Error, _slot_error)
+
+    def special(exc: BaseException, doing: str) -> DbTriggerError | None:
+        if classify(exc) != PERMISSION:
+            return _slot_error(exc, doing)
+        return SourcePermissionError(
+            f"{doing} failed: {short_error(exc)}; {refused}", sqlstate=sqlstate(exc)
+        )
+
+    return driver_mapped(what, psycopg.Error, special)
 
 
 def execute_or_explain(

@@ -29,6 +29,7 @@ its own updates never reach a poller.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,15 @@ TABLE = "dbtrigger_cdc_slots"
 
 def table_identifier(schema: str) -> sql.Identifier:
     return sql.Identifier(schema, TABLE)
+
+
+def _writing(what: str, schema: str) -> contextlib.AbstractContextManager[None]:
+    """:func:`translated` for a write of the control table: a refusal names its GRANT."""
+    return translated(
+        what,
+        refused=f"GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.{TABLE} TO this role (where "
+        "PgLogicalSource keeps its slot's progress); retrying cannot help",
+    )
 
 
 def create_sql(schema: str) -> sql.Composed:
@@ -188,7 +198,7 @@ def write(conn: psycopg.Connection[Any], schema: str, row: ControlRow) -> None:
     ]
     if bound:
         values.append(row.released_lsn)
-    with translated("writing the control table"):
+    with _writing("writing the control table", schema):
         conn.execute(statement, values)
 
 
@@ -199,7 +209,7 @@ def save_bound(conn: psycopg.Connection[Any], schema: str, slot: str, lsn: str) 
         "UPDATE {} SET released_lsn = GREATEST(released_lsn, %s::pg_lsn), updated_at = now() "
         "WHERE slot = %s"
     ).format(table_identifier(schema))
-    with translated("recording how far the slot may advance"):
+    with _writing("recording how far the slot may advance", schema):
         return conn.execute(statement, (lsn, slot)).rowcount > 0
 
 
@@ -209,7 +219,7 @@ def save_columns(
     statement = sql.SQL("UPDATE {} SET columns = %s, updated_at = now() WHERE slot = %s").format(
         table_identifier(schema)
     )
-    with translated("saving the accepted columns"):
+    with _writing("saving the accepted columns", schema):
         conn.execute(statement, (Jsonb(columns), slot))
 
 
@@ -219,14 +229,14 @@ def save_snapshots(
     statement = sql.SQL("UPDATE {} SET snapshots = %s, updated_at = now() WHERE slot = %s").format(
         table_identifier(schema)
     )
-    with translated("saving the snapshot progress"):
+    with _writing("saving the snapshot progress", schema):
         conn.execute(statement, (Jsonb([s.to_json() for s in snapshots]), slot))
 
 
 def delete(conn: psycopg.Connection[Any], schema: str, slot: str) -> None:
     if not exists(conn, schema):
         return
-    with translated("removing the slot's control row"):
+    with _writing("removing the slot's control row", schema):
         conn.execute(
             sql.SQL("DELETE FROM {} WHERE slot = %s").format(table_identifier(schema)), (slot,)
         )

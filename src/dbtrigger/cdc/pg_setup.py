@@ -422,7 +422,11 @@ def check_partition_root(
 
 
 def drop_publication(conn: psycopg.Connection[Any], name: str) -> bool:
-    with translated("dropping the publication"):
+    with translated(
+        "dropping the publication",
+        refused=f"only its owner (or a superuser) may drop it; have one run: DROP PUBLICATION "
+        f"{name}",
+    ):
         if publication_tables(conn, name) is None:
             return False
         conn.execute(sql.SQL("DROP PUBLICATION {}").format(sql.Identifier(name)))

@@ -99,3 +99,32 @@ def test_the_delete_never_passes_a_reader_registered_after_the_plan(
     with db.engine.connect() as conn:
         left = conn.execute(sa.select(log.c.dbt_seq).order_by(log.c.dbt_seq)).scalars().all()
     assert (deleted, left) == (2, seqs[2:])
+
+
+def test_a_row_committed_below_the_plans_top_after_it_is_not_deleted_on_top(
+    db: TestDatabase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transaction that took its sequence number before the plan and committed after
+    it (no reader registered to wait for it): the delete takes no more rows than the
+    plan counted."""
+    log = _orders(db, 5)
+    with db.engine.connect() as conn:
+        rows = conn.execute(sa.select(log).order_by(log.c.dbt_seq)).mappings().all()
+    late = dict(rows[1])
+    with db.engine.begin() as conn:  # not committed yet when the plan runs
+        conn.execute(sa.delete(log).where(log.c.dbt_seq == late["dbt_seq"]))
+
+    def it_commits() -> None:
+        with db.engine.begin() as conn:
+            conn.execute(sa.insert(log).values(late))
+
+    later = dt.datetime.now(dt.timezone.utc) + dt.timedelta(minutes=5)
+    plan = operations.plan_prune(
+        db.engine, "orders", schema=db.schema, older_than=dt.timedelta(0), now=later
+    )
+    assert plan.rows == 4
+    _after_the_plan(monkeypatch, it_commits)
+    deleted = prune(db.engine, "orders", schema=db.schema, older_than=dt.timedelta(0), now=later)
+    with db.engine.connect() as conn:
+        left = conn.execute(sa.select(sa.func.count()).select_from(log)).scalar_one()
+    assert (deleted, left) == (4, 1)

@@ -305,7 +305,8 @@ def prune(
     highest sequence, and the other row arguments are not read. Either way each
     chunk re-reads the registry in its own transaction: a reader that registered
     (or moved back) after the plan keeps its unread rows, so the prune may delete
-    fewer rows than planned, never more.
+    fewer rows than planned, never more (a row committed below the plan's top
+    after it, its sequence taken before, counts against the plan's number).
 
     Raises:
         ConfigurationError: no condition; ``drop_unread_of`` names a reader that
@@ -338,18 +339,21 @@ def prune(
         with engine.begin() as conn:
             mark_lost(conn, table, schema, lost, plan.top)
     deleted = 0
-    while True:
+    # Never more than the plan counted: a transaction that took a sequence number
+    # below ``top`` before the plan and committed after it matches too.
+    while deleted < plan.rows:
+        take = min(chunk, plan.rows - deleted)
         with engine.begin() as conn:
             # Read in the delete's transaction: a reader registered after the plan counts.
             ceiling = _slowest(registered(conn, table, schema), plan)
             where = matched if ceiling is None else sa.and_(matched, log.c.dbt_seq <= ceiling)
-            # The chunk's last sequence number bounds the delete: at most `chunk`
+            # The chunk's last sequence number bounds the delete: at most `take`
             # matching rows lie at or below it, whatever the dialect's DELETE allows.
             bound = conn.execute(
                 sa.select(log.c.dbt_seq)
                 .where(where)
                 .order_by(log.c.dbt_seq)
-                .offset(chunk - 1)
+                .offset(take - 1)
                 .limit(1)
             ).scalar()
             stmt = sa.delete(log).where(where)
@@ -358,7 +362,8 @@ def prune(
             count = conn.execute(stmt).rowcount or 0
         deleted += count
         if bound is None or count == 0:
-            return deleted
+            break
+    return deleted
 
 
 def _slowest(readers: Sequence[Reader] | None, plan: PrunePlan) -> int | None:

@@ -199,7 +199,7 @@ def test_every_trigger_is_what_the_worker_drives(sqlite_db: TestDatabase) -> Non
         assert queue.wait_for_work(5, stop) is False
         assert asyncio.run(queue.tick_async(lambda events: None)) == 0
         text, fields = queue.tick_result(lambda events: None).summary(5)
-        assert text.startswith("idle: 0 rows done")
+        assert text == "idle: nothing claimable"
         assert fields == {"rows": 0, "batches": 0}
     finally:
         source.close()

@@ -134,6 +134,26 @@ def _is_queue(trigger: object) -> TypeGuard[QueueTrigger]:
     return queue is not None and isinstance(trigger, queue.QueueTrigger)
 
 
+def _kind(trigger: object) -> tuple[str, str]:
+    """What the start line calls a trigger, singular and plural."""
+    if _is_queue(trigger):
+        return "queue", "queues"
+    if isinstance(trigger, PartitionedPoller):
+        return "partitioned poller", "partitioned pollers"
+    return "poller", "pollers"
+
+
+def _what_runs(loaded: Sequence[LoadedTrigger]) -> str:
+    """``1 poller (orders), 1 queue (emails)``: each kind counted, in the order named."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for item in loaded:
+        groups.setdefault(_kind(item.trigger), []).append(item.trigger.name)
+    return ", ".join(
+        f"{len(names)} {one if len(names) == 1 else many} ({', '.join(names)})"
+        for (one, many), names in groups.items()
+    )
+
+
 def _describe_wake(args: argparse.Namespace) -> str:
     """The banner's wake-up line: what may end an idle sleep early."""
     wake = getattr(args, "wake", None)
@@ -195,13 +215,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if len(set(names)) != len(names):
         raise ConfigurationError(f"two triggers share a poller name (state document): {names}")
     log.info(
-        "dbtrigger %s worker, pid %d: %d poller%s (%s); Ctrl-C or SIGTERM finishes the "
+        "dbtrigger %s worker, pid %d: %s; Ctrl-C or SIGTERM finishes the "
         "batch in flight and stops, a second one abandons it",
         _version(),
         os.getpid(),
-        len(loaded),
-        "s" if len(loaded) != 1 else "",
-        ", ".join(names),
+        _what_runs(loaded),
         extra={"event": "worker_start", "pollers": names},
     )
     for item in loaded:
@@ -236,7 +254,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     stats = run_pollers(runners, max_ticks=args.max_ticks)
     for name, stat in stats.items():
-        print(f"{name}: {stat.rows} rows in {stat.ticks} ticks ({stat.failures} failed ticks)")
+        print(f"{name}: {stat.totals()}")
     return 0
 
 

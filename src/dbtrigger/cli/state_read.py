@@ -25,6 +25,7 @@ from dbtrigger.cli.common import (
     text_table,
     utc_now,
 )
+from dbtrigger.durations import human_duration
 from dbtrigger.errors import CorruptStateError, DbTriggerError
 from dbtrigger.health import measure_lag
 from dbtrigger.partitions import layout as membership_layout
@@ -202,7 +203,9 @@ def window_status(
     words = []
     if pinned is not None:
         wait = (pinned.not_before - now).total_seconds()
-        when = f"due in {wait:.0f}s" if wait > 0 else "due now: the next tick delivers it"
+        when = (
+            f"due in {human_duration(wait)}" if wait > 0 else "due now: the next tick delivers it"
+        )
         if pinned.owed and set(pinned.owed) <= set(gone):
             when = (
                 f"NOT delivered: owed only to {', '.join(sorted(pinned.owed))}, which the "
@@ -243,7 +246,7 @@ def _window_text(window: Mapping[str, Any] | None) -> str:
 def _retries_text(retries: Mapping[str, Any], now: dt.datetime) -> str:
     due = retries["next_due"]
     wait = (docmod.parse_time(due, "due") - now).total_seconds() if due else 0.0
-    when = f"in {wait:.0f}s" if wait > 0 else "now: the next tick delivers it"
+    when = f"in {human_duration(wait)}" if wait > 0 else "now: the next tick delivers it"
     text = f"{retries['waiting']} event(s) waiting for a retry; the next is due at {due} ({when})"
     if retries["owed"]:
         owed = ", ".join(f"{name} {n}" for name, n in sorted(retries["owed"].items()))
@@ -338,7 +341,7 @@ def _render_one(status: Mapping[str, Any], store: str, now: dt.datetime | None =
         if lag["rows"] == 0:
             lag_text += " (caught up)"  # no "oldest pending 0.0s": nothing is pending
         elif lag["seconds"] is not None:
-            lag_text += f", oldest pending {lag['seconds']:.1f}s"
+            lag_text += f", oldest pending {human_duration(lag['seconds'])}"
             basis = lag.get("basis")
             if basis and basis.startswith(COLUMN):
                 lag_text += f" (by {basis[len(COLUMN) :]})"
@@ -407,7 +410,8 @@ def _render_many(statuses: Sequence[Mapping[str, Any]]) -> str:
             lease_text = f"{lease['state']} t{lease['fencing_token']}"
             if lease["state"] == "not_renewed":
                 lease_text = (
-                    f"NOT RENEWED {lease['renewed_seconds_ago']:.0f}s t{lease['fencing_token']}"
+                    f"NOT RENEWED {human_duration(lease['renewed_seconds_ago'])} "
+                    f"t{lease['fencing_token']}"
                 )
         rows.append(
             [

@@ -87,10 +87,15 @@ class QueueTickResult:
     def summary(self, interval: float | None) -> tuple[str, dict[str, object]]:
         del interval  # a queue's line says what it settled, not when it looks again
         more = "; more claimable, claiming again at once" if self.more else ""
+        fields: dict[str, object] = {"rows": self.rows, "batches": self.batches}
+        if self.outcome == "idle" and not (self.rows or self.retried or self.dead):
+            return "idle: nothing claimable", fields
+        # "dead", not "dead-lettered": without a dead-letter sink a dead row stays
+        # in the table (dbt_status 'dead'), written nowhere else.
         return (
-            f"{self.outcome}: {self.rows:,} rows done, {self.retried} retried, "
-            f"{self.dead} dead-lettered{more}",
-            {"rows": self.rows, "batches": self.batches},
+            f"{self.outcome}: {self.rows:,} row{'s' if self.rows != 1 else ''} done, "
+            f"{self.retried} retried, {self.dead} dead{more}",
+            fields,
         )
 
     def then(self, later: QueueTickResult) -> QueueTickResult:

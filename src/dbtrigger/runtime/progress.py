@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from dbtrigger.durations import human_duration
 from dbtrigger.errors import DbTriggerError
 from dbtrigger.runtime.trigger import Trigger
 
@@ -57,17 +58,22 @@ class DrainProgress:
         return self.elapsed_seconds >= MIN_RATE_SECONDS
 
     def describe(self) -> str:
-        rate = f" ({self.rate:,.0f} rows/s)" if self.rate_known else ""
+        per_second = f"{self.rate:,.0f}" if self.rate >= 1 else f"{self.rate:.2f}"
+        rate = f" ({per_second} rows/s)" if self.rate_known else ""
+        took = human_duration(self.elapsed_seconds)
         if self.caught_up:
-            return f"caught up: {self.delivered:,} rows in {self.elapsed_seconds:.1f}s{rate}"
-        behind = "an unknown number" if self.behind is None else f"about {self.behind:,}"
+            return f"caught up: {self.delivered:,} rows in {took}{rate}"
+        if self.behind == 0:
+            # The rows counted behind are delivered, yet the drain goes on: rows
+            # written since the count (it is taken again about once a minute).
+            behind = "the rows counted behind are delivered and more keep arriving"
+        else:
+            behind = "an unknown number" if self.behind is None else f"about {self.behind:,}"
+            behind += " behind"
         eta = ""
         if self.behind and self.rate > 0 and self.rate_known:
             eta = f", ETA {dt.timedelta(seconds=round(self.behind / self.rate))}"
-        return (
-            f"catching up: {self.delivered:,} rows in {self.elapsed_seconds:.1f}s{rate}, "
-            f"{behind} behind{eta}"
-        )
+        return f"catching up: {self.delivered:,} rows in {took}{rate}, {behind}{eta}"
 
 
 ProgressCallback = Callable[[DrainProgress], None]

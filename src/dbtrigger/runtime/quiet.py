@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
+from dbtrigger.durations import human_duration
+
 #: Default time between two "still idle" lines.
 DEFAULT_STILL_QUIET_SECONDS = 300.0
 
@@ -85,13 +87,10 @@ def quiet_key(result: object) -> Hashable | None:
 
 
 def for_how_long(seconds: float) -> str:
-    """``45s``, ``12m``, ``3h 5m``."""
+    """``45s``, ``12m 5s``, ``3h 5m``, ``2d 4h``: whole seconds below a minute."""
     if seconds < 60:
         return f"{seconds:.0f}s"
-    minutes = int(seconds // 60)
-    if minutes < 60:
-        return f"{minutes}m"
-    return f"{minutes // 60}h {minutes % 60}m"
+    return human_duration(seconds)
 
 
 __all__ = ["DEFAULT_STILL_QUIET_SECONDS", "QuietCadence", "for_how_long", "quiet_key"]

@@ -89,6 +89,24 @@ class RunStats:
     rows: int = 0
     failures: int = 0
 
+    def summary(self) -> str:
+        """``7 ticks, 30 rows (0 failed ticks)``: the stop line's words."""
+        return (
+            f"{_counted(self.ticks, 'tick')}, {_counted(self.rows, 'row')} "
+            f"({_counted(self.failures, 'failed tick')})"
+        )
+
+    def totals(self) -> str:
+        """``30 rows in 7 ticks (0 failed ticks)``: what ``dbtrigger run`` prints at exit."""
+        return (
+            f"{_counted(self.rows, 'row')} in {_counted(self.ticks, 'tick')} "
+            f"({_counted(self.failures, 'failed tick')})"
+        )
+
+
+def _counted(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
+
 
 @runtime_checkable
 class WakeHint(Protocol):
@@ -205,11 +223,9 @@ class Runner:
         if self.wake is not None:
             self.wake.close()
         log.info(
-            "%s: stopped after %d ticks, %d rows (%d failed ticks)",
+            "%s: stopped after %s",
             self.trigger.name,
-            self.stats.ticks,
-            self.stats.rows,
-            self.stats.failures,
+            self.stats.summary(),
             extra={
                 "event": "runner_stopped",
                 "poller": self.trigger.name,

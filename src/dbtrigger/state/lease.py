@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dbtrigger.cursor import Position, canonical_json
+from dbtrigger.durations import human_duration
 from dbtrigger.errors import FingerprintMismatchError, LostLeaseError
 from dbtrigger.redaction import redact
 from dbtrigger.state.definition import definition_changes, show_changes
@@ -468,11 +469,11 @@ def describe_lease(lease: Lease | None, now: dt.datetime) -> str:
     state, age = lease_state(lease, now)
     if state == "not_renewed":
         return (
-            f"NOT RENEWED for {age:.0f}s, held by {lease.owner_id} (token "
+            f"NOT RENEWED for {human_duration(age)}, held by {lease.owner_id} (token "
             f"{lease.fencing_token}): its holder may be gone; another instance takes it "
             f"over after {format_time(lease.expires_at)}"
         )
-    renewed = f", renewed {age:.0f}s ago" if state == "live" else ""
+    renewed = f", renewed {human_duration(age)} ago" if state == "live" else ""
     return (
         f"{state}, held by {lease.owner_id} (token {lease.fencing_token}) "
         f"until {format_time(lease.expires_at)}{renewed}"

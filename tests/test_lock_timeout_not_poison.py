@@ -13,6 +13,7 @@ a whole file, so its output table lives in a file of its own there.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from dbtrigger.output import OutputTarget
 from dbtrigger.quarantine import JsonLinesQuarantineSink
 from dbtrigger.state.stores.memory import InMemoryCheckpointStore
 from tests.databases import TestDatabase
+from tests.test_event_outcomes import Clock
 from tests.test_queue_columns import make_jobs, rows
 
 
@@ -151,4 +153,52 @@ def test_a_queue_row_behind_a_lock_is_retried_not_dead(
         assert {r["dbt_status"] for r in rows(db).values()} <= {"done"}
     finally:
         queue.close()
+        source.close()
+
+
+def test_a_fanout_subscriber_behind_a_lock_gives_up_on_nothing(
+    db: TestDatabase, sink: Sink, tmp_path: Path
+) -> None:
+    """A subscriber whose write waits behind the lock fails its events on every
+    attempt: its share is not bisected and nothing is dead-lettered in its name;
+    the other subscriber's acceptance stands, and the lock gone, every row is written."""
+    db.execute(f"CREATE TABLE {db.qualified('lk_src')} (id INTEGER PRIMARY KEY, seq INTEGER)")
+    db.execute(f"INSERT INTO {db.qualified('lk_src')} VALUES (1, 1), (2, 2), (3, 3)")
+    dead_letters = JsonLinesQuarantineSink(tmp_path / "dead.jsonl")
+    source = SqlAlchemySource(
+        url=db.url,
+        table="lk_src",
+        schema=db.schema,
+        cursor_column="seq",
+        pk_columns=["id"],
+        visibility="none",
+    )
+    seen: list[int] = []
+    clock = Clock()
+
+    def other(events: list[RowChange]) -> None:
+        seen.extend(e.pk["id"] for e in events)
+
+    poller = PollTrigger(
+        name="lk",
+        source=source,
+        checkpoint_store=InMemoryCheckpointStore(),
+        max_attempts=2,
+        quarantine=dead_letters,
+        subscribers={"out": sink.write, "other": other},
+        clock=clock,
+    )
+    try:
+        for _ in range(6):  # well past max_attempts
+            with contextlib.suppress(DbTriggerError):
+                poller.tick()
+            clock.advance(100)  # past the retry's backoff
+        assert dead_letters.records() == [], "a lock timeout was dead-lettered as poison"
+        sink.release()
+        poller.drain()
+        assert sink.values() == {1: 7, 2: 7, 3: 7}
+        assert dead_letters.records() == []
+        assert sorted(set(seen)) == [1, 2, 3]
+    finally:
+        poller.close()
         source.close()

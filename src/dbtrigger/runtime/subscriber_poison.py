@@ -13,6 +13,12 @@ events that fail alone are what the call failed. The search runs inside the
 subscriber's ack timeout; a call given up meanwhile (timed out, lease lost),
 or more than ``quarantine_limit`` events failing alone (an outage, not poison),
 leaves the call's first error as it was.
+
+A failure on a transient error (:func:`~dbtrigger.state.verdict.transient`: a
+write that gave up waiting for another transaction's lock, a lost connection)
+says nothing about the events: the share is not bisected, and on an event's
+last attempt the failure is deferred (not counted) instead of giving up on it,
+so it is never dead-lettered for it (:func:`failed_resolutions`).
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ from dbtrigger.events import RowChange
 from dbtrigger.quarantine import isolate, match_failed
 from dbtrigger.runtime.context import BatchContext
 from dbtrigger.runtime.telemetry import Telemetry
-from dbtrigger.state.verdict import should_isolate
+from dbtrigger.state import fanout
+from dbtrigger.state.fanout import Resolution
+from dbtrigger.state.verdict import should_isolate, transient
 
 
 class _GivenUp(Exception):
@@ -48,7 +56,7 @@ def isolate_share(
     None when none does. ``attempts``: the deliveries each event had before this one."""
     named = isinstance(error, PartialBatchError) and bool(match_failed(events, error))
     attempt = 1 + max((attempts.get(e.event_id, 0) for e in events), default=0)
-    if not should_isolate(
+    if transient(error) or not should_isolate(
         attempt=attempt,
         max_attempts=max_attempts,
         has_sink=has_sink,
@@ -92,3 +100,30 @@ def isolate_share(
         f"{len(found.bad)} event(s) fail alone for subscriber {ctx.subscriber}",
         causes={i: exc for i, (_, exc) in enumerate(found.bad)},
     )
+
+
+def failed_resolutions(
+    events: Sequence[RowChange],
+    error: BaseException | None,
+    attempts: Mapping[str, int],
+    max_attempts: int,
+) -> dict[str, Resolution]:
+    """What a subscriber's failed call (``error``; None: it did not fail) says of
+    each event it failed: the events a PartialBatchError names, else all of them,
+    failed with the reason; one whose failure is transient, on its last attempt
+    (``attempts``: its deliveries before this one), deferred instead."""
+    if error is None:
+        return {}
+    causes: list[tuple[RowChange, BaseException]] = []
+    if isinstance(error, PartialBatchError):
+        causes = match_failed(events, error)
+    if not causes:
+        causes = [(e, error) for e in events]
+    out: dict[str, Resolution] = {}
+    for event, cause in causes:
+        reason = f"{type(cause).__name__}: {cause}"
+        last = attempts.get(event.event_id, 0) + 1 >= max_attempts
+        out[event.event_id] = (
+            fanout.defer(reason) if last and transient(cause) else fanout.fail(reason)
+        )
+    return out

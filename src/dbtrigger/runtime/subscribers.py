@@ -45,11 +45,9 @@ from typing import Any
 
 from dbtrigger.errors import (
     LostLeaseError,
-    PartialBatchError,
     QuarantineError,
 )
 from dbtrigger.events import RowChange
-from dbtrigger.quarantine import match_failed
 from dbtrigger.runtime.batch_outcome import Delivered, Outcome, Undelivered, batch_fields
 from dbtrigger.runtime.context import BatchContext, EventMarks
 from dbtrigger.runtime.dead_letters import EventRejected, RetriesExhausted
@@ -57,7 +55,7 @@ from dbtrigger.runtime.delivery import Delivery
 from dbtrigger.runtime.held_report import ALL_BUSY, HeldReport
 from dbtrigger.runtime.kernel import CANCEL_POLL_SECONDS, Handler, wants_context
 from dbtrigger.runtime.subscriber_options import SubscriberCall, Wrap
-from dbtrigger.runtime.subscriber_poison import isolate_share
+from dbtrigger.runtime.subscriber_poison import failed_resolutions, isolate_share
 from dbtrigger.state import fanout
 from dbtrigger.state.fanout import Decision, Fate, Resolution
 from dbtrigger.state.journal import Outcomes
@@ -361,16 +359,8 @@ class FanOut(Delivery):
                     mine[event.event_id] = fanout.fail(failed_all)
                 continue
             error = call.error
-            named: dict[str, str] = {}
+            named = failed_resolutions(call.events, error, call.marks.attempts, self.max_attempts)
             if error is not None:
-                if isinstance(error, PartialBatchError):
-                    named = {
-                        e.event_id: f"{type(x).__name__}: {x}"
-                        for e, x in match_failed(call.events, error)
-                    }
-                if not named:
-                    reason = f"{type(error).__name__}: {error}"
-                    named = {e.event_id: reason for e in call.events}
                 emit(
                     "subscriber_failed",
                     "subscriber %s failed %d of %d event(s) of batch %s: %s: %s",
@@ -387,7 +377,7 @@ class FanOut(Delivery):
             for event in call.events:
                 i = event.event_id
                 if i in named:
-                    mine[i] = fanout.fail(named[i])
+                    mine[i] = named[i]
                 elif i in rejected:
                     mine[i] = fanout.reject(rejected[i])
                 elif i in retried:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from dbtrigger import FileCheckpointStore, RowChange, SqlAlchemySource
+from dbtrigger.errors import LostLeaseError
 from dbtrigger.partitions import PartitionedPoller
 from dbtrigger.runtime.progress import DrainProgress, Tracker
 from tests.databases import TestDatabase
@@ -97,3 +98,87 @@ def test_a_hung_batch_names_the_partitions_waiting_behind_it(
         worker.join(30)
         poller.leave()
         poller.close()
+
+
+class Clock:
+    """A monotonic clock the test moves by hand (the members' liveness clock)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_partition_stolen_from_a_member_before_it_was_declared_dead_is_fenced(
+    sqlite_db: TestDatabase, tmp_path: Path
+) -> None:
+    """Workers restarted after a crash (kill -9 mid-batch, an OOM kill) steal the
+    dead members' partitions one per cycle before the member TTL declares them
+    dead. The new owner fenced out a dead member's lease only on partitions it
+    took in the very cycle that declared the death, so a partition stolen a
+    cycle earlier waited for that lease's own TTL (120 s): the restarted group
+    took 130 s for a 20k-row backlog it drains in 25 s, the tick lines saying
+    'committed' all along. Every other setting is the default."""
+    sqlite_db.execute("CREATE TABLE orders (id INTEGER PRIMARY KEY, seq INTEGER NOT NULL)")
+    sqlite_db.execute(
+        "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 300) "
+        "INSERT INTO orders SELECT i, i FROM n"
+    )
+    store = FileCheckpointStore(tmp_path / "state")
+    clock = Clock()
+
+    def make(name: str) -> PartitionedPoller:
+        return PartitionedPoller(
+            name="orders",
+            source=SqlAlchemySource(url=sqlite_db.url, table="orders", cursor_column="seq",
+                                    pk_columns=["id"]),
+            checkpoint_store=store,
+            partitions=2,
+            member_id=name,
+            monotonic=clock,
+            background=False,  # the test moves the clock and balances by hand
+        )  # fmt: skip
+
+    a, b = make("a"), make("b")
+    for _ in range(4):  # a forms the group alone, owns both and holds them a few beats
+        a.balance()
+        clock.now += 0.6
+    assert a.owned == ("p000-128", "p128-256")
+    entered, release = threading.Event(), threading.Event()
+    seen: set[int] = set()
+
+    def a_hangs(events: list[RowChange], ctx: object) -> None:
+        if str(getattr(ctx, "poller_name", "")).endswith("p000-128"):
+            entered.set()
+            release.wait(30)  # killed mid-batch: a beats no more, its lease stays live
+        else:
+            seen.update(e.pk["id"] for e in events)
+
+    refused: list[LostLeaseError] = []
+
+    def a_runs() -> None:
+        try:
+            a.drain(a_hangs)
+        except LostLeaseError as exc:  # its commit, once it wakes, is fenced out
+            refused.append(exc)
+
+    crashed = threading.Thread(target=a_runs, daemon=True)
+    crashed.start()
+    try:
+        assert entered.wait(20)
+        b.balance()  # b joins and steals from a, which still looks alive
+        assert b.owned == ("p000-128",)
+        clock.now += 11  # past the member TTL on b's clock: b declares a dead
+        b.balance()
+        assert b.owned == ("p000-128", "p128-256")
+        deadline = time.monotonic() + 10
+        while len(seen) < 300 and time.monotonic() < deadline:
+            b.tick(lambda events: seen.update(e.pk["id"] for e in events))
+        assert len(seen) == 300, f"{300 - len(seen)} rows still wait behind a dead member's lease"
+    finally:
+        release.set()
+        crashed.join(30)
+        b.close()
+        a.close()
+    assert refused, "the stalled member's commit of its batch in flight was not refused"

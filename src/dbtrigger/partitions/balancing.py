@@ -154,8 +154,7 @@ class Balancing:
             self._joined = self._joined or not joining
             before = self.membership
             self._applied(decision.document, decision)
-            if decision.claimed or decision.stolen:
-                self._fence_the_gone(before, decision)
+            self._fence_the_gone(before, decision)
             return decision
         log.warning(
             "balance cycle of %s skipped: the membership document kept changing",
@@ -178,16 +177,18 @@ class Balancing:
 
     def _fence_the_gone(self, before: Membership | None, decision: BalanceDecision) -> None:
         """Fence out the partition leases of members that died holding them (see
-        :func:`~dbtrigger.partitions.handover.fence_dead_holders`)."""
+        :func:`~dbtrigger.partitions.handover.fence_dead_holders`), on every
+        partition this member owns: one stolen from a member that was declared
+        dead only later (workers restarted after a crash steal before the TTL)
+        would otherwise wait for that lease's own TTL."""
         gone = set(decision.dead)
         if before is not None and self.membership is not None:
             gone |= set(before.members) - set(self.membership.members)
         gone.discard(self.member_id)
-        taken = (*decision.claimed, *decision.stolen)
         if gone:
             fence_dead_holders(
                 self.store,
-                {pid: self._triggers[pid].name for pid in taken if pid in self._triggers},
+                {pid: self._triggers[pid].name for pid in decision.owned if pid in self._triggers},
                 frozenset(gone),
                 actor=self.member_id,
                 now=self.clock(),

@@ -48,11 +48,14 @@ def test_a_members_progress_line_counts_the_rows_behind_its_partitions(
         while not delivered:  # the first round may be held back by the visibility guard
             poller.tick(lambda events: delivered.extend(e.pk["id"] for e in events))
         assert len(poller.owned) == 12
-        assert poller.rows_behind() == 3000 - len(delivered)
+        # An estimate (rows after the furthest-behind checkpoint, times the share
+        # of the buckets held: all of them here), never below what waits.
+        behind = poller.rows_behind()
+        assert behind is not None
+        assert 3000 - len(delivered) <= behind <= 3000
         lines: list[DrainProgress] = []
         Tracker(poller, lines.append, 0.0, len(delivered))
-        assert lines[0].behind == 3000 - len(delivered)
-        assert f"about {3000 - len(delivered):,} behind" in lines[0].describe()
+        assert f"about {lines[0].behind:,} behind" in lines[0].describe()
     finally:
         poller.leave()
         poller.close()

@@ -45,6 +45,7 @@ from dbtrigger.metrics import MetricsCollector, SafeMetrics
 from dbtrigger.names import validate_name
 from dbtrigger.partitions import cadence, layout
 from dbtrigger.partitions.balancing import Balancing, membership_key, partition_poller
+from dbtrigger.partitions.buckets import BUCKETS
 from dbtrigger.partitions.inspect import GroupState, PartitionState, group_state
 from dbtrigger.partitions.layout import BalanceDecision, Membership
 from dbtrigger.partitions.loop import BalanceLoop
@@ -482,21 +483,30 @@ class PartitionedPoller(Balancing):
         return total
 
     def rows_behind(self) -> int | None:
-        """Rows after the checkpoints of the partitions this member owns (the
-        worker's progress line): one count per owned partition, as
-        ``partitions backlog`` counts each partition; None while it owns none."""
+        """About how many rows wait in the partitions this member owns (the
+        worker's progress line); None while it owns none.
+
+        An estimate that costs what a plain poller's count costs: the rows after
+        the furthest-behind of their checkpoints, counted on the table without
+        the bucket condition (a range count on the ``(cursor, key)`` index; an
+        exact count per partition hashes every row behind each checkpoint: 1.5 s
+        for 12 partitions of a 20k-row backlog), times the share of the buckets
+        they hold. Partitions that drain side by side keep it close; one far
+        behind the others makes it high.
+        """
         with self._lock:
             owned = [self._triggers[pid] for pid in self.owned if pid in self._triggers]
-        if not owned:
+        sources = [t.source for t in owned if isinstance(t.source, PartitionSource)]
+        if not owned or len(sources) != len(owned):
             return None
-        total = 0
+        positions = {}
         for trigger in owned:
-            source = trigger.source
-            if not isinstance(source, PartitionSource):
-                return None
             doc = trigger.read_state()
-            total += source.count_after(doc.position if doc else BEGINNING)
-        return total
+            position = doc.position if doc else BEGINNING
+            positions[repr(position)] = position
+        rows = max(self.source.count_after(position) for position in positions.values())
+        buckets = sum(s.partition.hi - s.partition.lo for s in sources)
+        return round(rows * buckets / BUCKETS)
 
     def close(self) -> None:
         """Release the partition triggers' threads (lanes, heartbeats). Membership

@@ -157,6 +157,8 @@ def test_state_commands_take_the_store_from_the_function_and_undo_pastes(
     assert reset.returncode == 0, reset.stderr
     undo_line = next(line for line in reset.stdout.splitlines() if line.startswith("to undo: "))
     undo = shlex.split(undo_line.removeprefix("to undo: "))
+    assert undo[:3] == ["cd", str(project), "&&"]  # function_app imports from the project
+    undo = undo[3:]
     assert undo[:3] == ["dbtrigger", "reset", "orders"]
     assert "--source" in undo
     assert "..." not in undo_line

@@ -11,6 +11,7 @@ import datetime as dt
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -276,19 +277,41 @@ def test_poison_line_prints_commands_that_work_and_the_batch_keeps_its_id(
     assert len(failed) == 3
     assert len(ids) == 1, failed  # one id across the attempts
     poison = next(line for line in done.stderr.splitlines() if "has failed 2 times" in line)
-    assert "Inspect: dbtrigger status orders --source poison_app:orders" in poison
+    # poison_app imports from the worker's directory: the commands go there first, so
+    # they work pasted into a shell anywhere.
+    here = f"cd {shlex.quote(str(tmp_path))} && "
+    inspect = poison.split("Inspect: ")[1].split("  Skip")[0]
+    assert inspect == f"{here}dbtrigger status orders --source poison_app:orders"
     skip = poison.split("Skip (data loss, journaled): ")[1]
-    assert (
-        skip
-        == "dbtrigger skip-batch orders --source poison_app:orders --reason 'poison batch' --yes"
+    assert skip == (
+        f"{here}dbtrigger skip-batch orders --source poison_app:orders "
+        "--reason 'poison batch' --yes"
     )
-    status = run_cli(shlex.split(poison.split("Inspect: ")[1].split("  Skip")[0])[1:], tmp_path)
+    status = pasted(inspect, tmp_path / "elsewhere")
     assert status.returncode == 0, status.stderr
     assert "3 attempt(s)" in status.stdout
-    skipped = run_cli([*shlex.split(skip)[1:], "--backup-dir", str(tmp_path / "bk")], tmp_path)
+    skipped = pasted(f"{skip} --backup-dir {tmp_path / 'bk'}", tmp_path / "elsewhere")
     assert skipped.returncode == 0, skipped.stderr
     after = run_cli(["run", "poison_app:orders", "--interval", "0", "--max-ticks", "2"], tmp_path)
     assert "committed 3 rows" in after.stderr  # the 3 rows after the skipped batch of 5
+
+
+def pasted(command: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``command`` as a person pastes it into a shell: in another directory, with no
+    PYTHONPATH pointing at the app."""
+    cwd.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PATH"] = f"{Path(DBTRIGGER).parent}{os.pathsep}{env.get('PATH', '')}"
+    bash = shutil.which("bash") or "/bin/bash"
+    return subprocess.run(
+        [bash, "-c", command],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=60,
+        check=False,
+    )
 
 
 def test_operator_errors_stop_the_worker_with_exit_2(

@@ -63,7 +63,8 @@ def run(
 
 def printed_command(text: str) -> list[str]:
     """The ``dbtrigger reset ...`` between backticks in the error, split as a shell would."""
-    found = re.search(r"`(dbtrigger reset [^`]+)`", text)
+    # Preceded by "cd DIR && " when the trigger's module imports from the current directory.
+    found = re.search(r"`(?:cd \S+ && )?(dbtrigger reset [^`]+)`", text)
     assert found is not None, text
     argv = shlex.split(found.group(1))
     assert argv[0] == "dbtrigger"
@@ -82,6 +83,7 @@ def test_worker_error_prints_a_command_that_works(sqlite_db: TestDatabase, tmp_p
     refused = run([DBTRIGGER, "run", "fp_app:orders", "--max-ticks", "1"], tmp_path, changed)
     assert refused.returncode == 2, refused.stderr
     assert "--accept-source fp_app:orders" in refused.stderr
+    assert f"`cd {tmp_path} && dbtrigger reset orders" in refused.stderr  # fp_app is here
     assert "<module>" not in refused.stderr
     pasted = run(printed_command(refused.stderr), tmp_path, changed)
     assert pasted.returncode == 0, pasted.stdout + pasted.stderr

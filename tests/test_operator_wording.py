@@ -125,3 +125,44 @@ def test_status_says_how_old_the_oldest_pending_row_is_in_hours(
     assert main(["status", "orders", "--source", f"{module}:trigger"]) == 0
     lag = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("lag "))
     assert re.fullmatch(r"lag\s+1 rows, oldest pending 3h 2[56]m", lag), lag
+
+
+def test_commands_to_paste_name_absolute_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A relative ``./state`` or ``sqlite:///jobs.db`` in a printed command names another
+    directory's store or database once pasted elsewhere: they are printed absolute."""
+    monkeypatch.chdir(tmp_path)
+    assert FileCheckpointStore("state").describe() == f"file:{tmp_path / 'state'}"
+    import sqlite3  # noqa: PLC0415
+
+    with sqlite3.connect(tmp_path / "jobs.db") as conn:
+        conn.execute("CREATE TABLE jobs (id INTEGER PRIMARY KEY)")
+        conn.execute("INSERT INTO jobs VALUES (1)")
+    source = ClaimSource(url="sqlite:///jobs.db", table="jobs", pk_columns=["id"])
+    with pytest.raises(Exception, match="dbtrigger queue install") as refused:
+        source.counts()
+    assert f"--url 'sqlite:///{tmp_path / 'jobs.db'}' --table jobs" in str(refused.value)
+
+    (tmp_path / "wording_app.py").write_text(
+        "from dbtrigger import FileCheckpointStore, PollTrigger, SqlAlchemySource\n"
+        "orders = PollTrigger(name='orders', checkpoint_store=FileCheckpointStore('state'),\n"
+        "    source=SqlAlchemySource(url='sqlite:///jobs.db', table='jobs',\n"
+        "                            cursor_column='id', pk_columns=['id']))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "wording_app", raising=False)
+    import wording_app  # type: ignore[import-not-found]  # noqa: PLC0415
+
+    wording_app.orders.tick(lambda events: None)
+    undo = []
+    for where in (["--store", "./state"], ["--source", "wording_app:orders"]):
+        capsys.readouterr()
+        argv = ["reset", "orders", "--to-beginning", *where, "--reason", "r", "--yes"]
+        assert main([*argv, "--backup-dir", "bk"]) == 0
+        out = capsys.readouterr().out
+        assert f"previous document saved to {tmp_path / 'bk'}/orders." in out
+        undo.append(next(line for line in out.splitlines() if line.startswith("to undo: ")))
+    assert f" --store {tmp_path / 'state'} " in undo[0]
+    # The module imports from here: the command goes here first.
+    assert undo[1].startswith(f"to undo: cd {tmp_path} && dbtrigger reset orders --from-file ")

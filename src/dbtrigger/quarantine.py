@@ -450,7 +450,7 @@ class JsonLinesQuarantineSink:
         self.path = Path(path)
 
     def describe(self) -> str:
-        return f"file:{self.path}"
+        return f"file:{Path(self.path).absolute()}"
 
     def put(self, records: Sequence[QuarantineRecord]) -> None:
         if not records:

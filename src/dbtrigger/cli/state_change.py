@@ -20,6 +20,7 @@ from typing import Any
 
 from dbtrigger._argparse import read_file_option
 from dbtrigger._files import write_synced
+from dbtrigger._paste import pasteable
 from dbtrigger.cli.common import (
     ENV_STORE,
     Console,
@@ -246,7 +247,7 @@ def _apply_change_on(
             "Run it again to see the new state.",
             poller=args.poller,
         ) from exc
-    console.print(f"applied. previous document saved to {backup}")
+    console.print(f"applied. previous document saved to {backup.resolve()}")
     if unreadable is None:  # an unreadable document cannot be restored
         console.print(f"to undo: {undo_command(args, backup, operation, now)}")
     note_history(console, store, after, args)
@@ -279,7 +280,7 @@ def _store_arguments(args: argparse.Namespace) -> list[str]:
         if redact(args.store) != args.store:
             out += ["--store", f"${ENV_STORE}"]
         else:
-            out += ["--store", args.store]
+            out += ["--store", _absolute_file_store(args.store)]
     elif getattr(args, "source", None):
         out += ["--source", args.source]
     elif getattr(args, "accept_source", None):
@@ -291,13 +292,23 @@ def _store_arguments(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def _absolute_file_store(value: str) -> str:
+    """``./state`` or ``file:state`` as an absolute path: the command may be pasted elsewhere."""
+    path = value[len("file:") :] if value.startswith("file:") else value
+    if ":" in path or path.startswith("%") or os.path.isabs(path):
+        return value  # a URL, a connection string, a setting reference, or absolute already
+    return ("file:" if value.startswith("file:") else "") + os.path.abspath(path)
+
+
 def undo_command(args: argparse.Namespace, backup: Path, operation: str, now: dt.datetime) -> str:
     """A ``dbtrigger reset --from-file`` that restores ``backup``, ready to paste."""
     parts = ["dbtrigger", "reset", args.poller, "--from-file", str(backup.resolve())]
     parts += _store_arguments(args)
     parts += ["--reason", f"undo {operation} of {now:%Y-%m-%dT%H:%M:%SZ}", "--yes"]
-    text = " ".join(
-        f'"${ENV_STORE}"' if part == f"${ENV_STORE}" else shlex.quote(part) for part in parts
+    text = pasteable(  # cd to where --source imports from, when it is here
+        " ".join(
+            f'"${ENV_STORE}"' if part == f"${ENV_STORE}" else shlex.quote(part) for part in parts
+        )
     )
     if f"${ENV_STORE}" in parts:
         text += f"   (with {ENV_STORE} set to the store's connection string)"

@@ -72,7 +72,7 @@ class FileHistory:
         self.lock_timeout = opt.seconds("lock_timeout", lock_timeout)
 
     def describe(self) -> str:
-        return f"file:{self.directory}/*.history.*.jsonl"
+        return f"file:{Path(self.directory).absolute()}/*.history.*.jsonl"
 
     # --- files ---------------------------------------------------------------------
 

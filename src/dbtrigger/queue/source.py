@@ -43,6 +43,7 @@ from dbtrigger._columns import ColumnWatch, probe_or_none
 from dbtrigger._database_url import DatabaseUrl
 from dbtrigger._driver_errors import failed_as, short_error
 from dbtrigger._engine import LazyEngine, reflect_table
+from dbtrigger._paste import absolute_sqlite_url
 from dbtrigger.errors import (
     CommitError,
     ConfigurationError,
@@ -74,7 +75,7 @@ _CLAIM_REFERENCE = re.compile(re.escape(PREFIX), re.IGNORECASE)
 
 def install_command(url: str, table: str, schema: str | None, mode: str = "columns") -> str:
     """The ``dbtrigger queue install`` line that fixes a missing-columns error."""
-    parts = ["dbtrigger queue install", f"--url '{url}'", f"--table {table}"]
+    parts = ["dbtrigger queue install", f"--url '{absolute_sqlite_url(url)}'", f"--table {table}"]
     if schema:
         parts.append(f"--schema {schema}")
     if mode != "columns":

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
+from dbtrigger._paste import pasteable
 from dbtrigger.errors import (
     AckTimeoutError,
     HandlerError,
@@ -417,9 +418,9 @@ class Delivery:
                 "the beginning" if start.is_beginning else start.cursor,
                 ctx.attempt,
                 "; configure a quarantine sink or skip it by hand (the poller cannot pass it). "
-                f"Inspect: dbtrigger status {target}  "
-                f"Skip (data loss, journaled): dbtrigger skip-batch {skip} "
-                "--reason 'poison batch' --yes"
+                f"Inspect: {pasteable(f'dbtrigger status {target}')}  "
+                "Skip (data loss, journaled): "
+                + pasteable(f"dbtrigger skip-batch {skip} --reason 'poison batch' --yes")
                 + ("" if skip == target else " (MODULE:ATTR: where this trigger is defined)")
                 if verdict is Verdict.POISON
                 else "; on a transient error (a lock waited on too long, a lost connection), "

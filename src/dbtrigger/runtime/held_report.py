@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from dbtrigger._paste import pasteable
 from dbtrigger.runtime.telemetry import Telemetry
 from dbtrigger.state import fanout
 
@@ -89,12 +90,12 @@ class HeldReport:
                     "stop at the window's 75%% mark). Add %s back to subscribers=, or pass "
                     "quarantine=... (they are then dead-lettered as 'unsubscribed before "
                     "resolving it'), or move the checkpoint past them by hand (data loss, "
-                    "journaled): dbtrigger status %s, then dbtrigger reset",
+                    "journaled): %s, then dbtrigger reset",
                     count,
                     who,
                     self.poller,
                     who,
-                    self.cli_target(),
+                    pasteable(f"dbtrigger status {self.cli_target()}"),
                     reason=why,
                     subscribers=list(names),
                     events=count,

@@ -36,6 +36,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from dbtrigger._paste import pasteable
 from dbtrigger.cursor import Position, canonical_json
 from dbtrigger.durations import human_duration
 from dbtrigger.errors import FingerprintMismatchError, LostLeaseError
@@ -140,7 +141,7 @@ def accept_source_command(poller: str, spec: str | None) -> str:
     fill-in :data:`SPEC_FILL_IN` and says what to put there.
     """
     target = shlex.quote(spec or SPEC_FILL_IN)
-    return (
+    return pasteable(
         f"dbtrigger reset {shlex.quote(poller)} --accept-source {target} "
         "--reason 'source definition changed' --yes"
     )

@@ -261,4 +261,4 @@ class FileCheckpointStore:
         return sorted(p.stem for p in self._dir.glob("*.json") if not p.name.startswith("."))
 
     def describe(self) -> str:
-        return f"file:{self._dir}"
+        return f"file:{self._dir.absolute()}"  # pasted with --store: any directory

@@ -87,9 +87,7 @@ def test_the_start_line_calls_a_queue_a_queue(
             ["run", f"{module}:orders", f"{module}:emails", "--max-ticks", "1", "--interval", "0"]
         )
         assert code == 0
-    starts = [
-        r.getMessage() for r in caplog.records if getattr(r, "event", None) == "worker_start"
-    ]
+    starts = [r.getMessage() for r in caplog.records if getattr(r, "event", None) == "worker_start"]
     first = [line for line in starts if "worker, pid" in line]
     assert re.search(r"worker, pid \d+: 1 queue \(emails\); Ctrl-C", first[0]), first[0]
     assert "1 poller (orders), 1 queue (emails); Ctrl-C" in first[1]
@@ -166,3 +164,22 @@ def test_commands_to_paste_name_absolute_paths(
     assert f" --store {tmp_path / 'state'} " in undo[0]
     # The module imports from here: the command goes here first.
     assert undo[1].startswith(f"to undo: cd {tmp_path} && dbtrigger reset orders --from-file ")
+
+
+def test_queue_status_says_the_oldest_ready_age_in_hours(
+    sqlite_db: TestDatabase, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sqlite_db.execute("CREATE TABLE emails (id INTEGER PRIMARY KEY, recipient TEXT)")
+    args = ["--url", sqlite_db.url, "--table", "emails"]
+    assert main(["queue", "install", *args, "--yes"]) == 0
+    source = ClaimSource(url=sqlite_db.url, table="emails", pk_columns=["id"])
+    source.enqueue([{"id": 1, "recipient": "ana@example.com"}])
+    sqlite_db.execute(
+        "UPDATE emails SET dbt_visible_at = strftime('%Y-%m-%d %H:%M:%f', 'now', '-5 hours')"
+    )
+    capsys.readouterr()
+    assert main(["queue", "status", *args]) == 0
+    out = capsys.readouterr().out
+    shown = re.search(r"oldest ready for (.*)\n", out)
+    assert shown is not None, out
+    assert re.fullmatch(r"[45]h( \d+m)?", shown.group(1)), out  # not "18000.0s"

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from dbtrigger._argparse import add_apply_option, add_json_option, print_then_apply
 from dbtrigger._driver_errors import failed_as
+from dbtrigger.durations import human_duration
 from dbtrigger.errors import CommitError, ConfigurationError
 from dbtrigger.queue.cli_jobs import add_job_commands
 from dbtrigger.queue.cli_target import (
@@ -165,7 +166,7 @@ def print_status(source: ClaimSource, *, as_json: bool) -> int:
     for status, n in counts.by_status.items():
         print(f"  {status:<8} {n}")
     age = counts.oldest_ready_age_seconds
-    oldest = "-" if age is None else f"{age:.1f}s"
+    oldest = "-" if age is None else human_duration(age)
     if counts.undated:
         oldest = (
             "an unknown time (a row inserted without dbt_visible_at keeps SQLite's "

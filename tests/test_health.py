@@ -112,6 +112,8 @@ def test_stale_only_while_rows_are_pending(source: SqlAlchemySource, tmp_path: P
     assert "15 rows are pending" in old.reason
     assert old.seconds_since_success is not None
     assert old.seconds_since_success >= 900
+    hours = check_health(store, "orders", source=source, now=later(12300))
+    assert hours.reason.startswith("no successful commit for 3h 25m (limit ")  # not "12300s"
 
     trigger.drain(ignore)
     quiet = check_health(store, "orders", source=source, stale_after_seconds=LIMIT, now=later(9e5))

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dbtrigger.cursor import Position
+from dbtrigger.durations import human_duration
 from dbtrigger.errors import DbTriggerError
 from dbtrigger.sources import lag as lagmod
 from dbtrigger.sources.base import CountsAfter, MeasuresLag, SourceAdapter
@@ -261,10 +262,10 @@ def check_health(
     if held is not None and held > stale_after_seconds and doc.lease is not None:
         return HealthReport(
             status=STALE,
-            reason=f"the lease (token {doc.lease.fencing_token}) has been held {held:.0f}s "
-            f"(limit {stale_after_seconds:.0f}s) without a commit: a handler call that does not "
-            "return (handler_slow / handler_stuck in that worker's log; "
-            "handler_timeout_seconds bounds it), or a worker that died holding it",
+            reason=f"the lease (token {doc.lease.fencing_token}) has been held "
+            f"{human_duration(held)} (limit {stale_after_seconds:.0f}s) without a commit: "
+            "a handler call that does not return (handler_slow / handler_stuck in that "
+            "worker's log; handler_timeout_seconds bounds it), or a worker that died holding it",
             **fields,
         )
     rows_pending = bool(pending) if pending is not None else attempts > 0
@@ -277,13 +278,14 @@ def check_health(
         what = f"{pending} rows are pending" if pending else f"batch failed {attempts} times"
         return HealthReport(
             status=STALE,
-            reason=f"no successful commit for {since:.0f}s (limit {stale_after_seconds:.0f}s) "
+            reason=f"no successful commit for {human_duration(since)} "
+            f"(limit {stale_after_seconds:.0f}s) "
             f"while {what}",
             **fields,
         )
     if rows_pending:
         count = pending if pending is not None else "some"
-        reason = f"{count} rows pending, last commit {since:.0f}s ago"
+        reason = f"{count} rows pending, last commit {human_duration(since)} ago"
     else:
         reason = "caught up" if pending == 0 else "no failure recorded"
     return HealthReport(status=OK, reason=reason, **fields)

@@ -159,6 +159,8 @@ def test_partitions_backlog_json_matches_the_table(
     }
     assert table == {p["id"]: p["rows"] for p in shown["partitions"]} == truth(poller, delivered)
     assert f"{shown['backlog_rows']:,} rows behind" in text
+    # About 1000 s: said as "16m 40s", not "1000.3s".
+    assert re.search(r", the oldest 1[5-9]m( \d+s)? old;", text), text
     rows = shown["backlog_rows"]
     assert shown["desired_replicas"] == min(4, math.ceil(rows / 200))
     assert f"desired replicas {shown['desired_replicas']}" in text

@@ -23,6 +23,7 @@ from typing import Any
 from dbtrigger._argparse import add_json_option, read_file_option
 from dbtrigger.cli.common import actor_from_args, add_change_options, backup_dir
 from dbtrigger.cli.loading import load_object
+from dbtrigger.durations import human_duration
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.partitions import recovery, regroup
 from dbtrigger.partitions.backlog import DEFAULT_TARGET_ROWS, Backlog, measure_backlog
@@ -94,7 +95,7 @@ def describe_backlog(backlog: Backlog, target: int) -> list[str]:
     lines = [
         f"poller {backlog.poller}: {backlog.rows:,} rows behind in {len(backlog.partitions)} "
         f"partitions"
-        + ("" if oldest is None else f", the oldest {oldest:.1f}s old")
+        + ("" if oldest is None else f", the oldest {human_duration(oldest)} old")
         + f"; {backlog.members} member(s); desired replicas {backlog.desired_replicas(target)} "
         f"at {target:,} rows each",
     ]
@@ -106,7 +107,7 @@ def describe_backlog(backlog: Backlog, target: int) -> list[str]:
             [
                 p.id,
                 "?" if p.rows is None else str(p.rows),
-                "-" if p.oldest_seconds is None else f"{p.oldest_seconds:.1f}s",
+                "-" if p.oldest_seconds is None else human_duration(p.oldest_seconds),
                 p.owner or "(unowned)",
             ]
         )

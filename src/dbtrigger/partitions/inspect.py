@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dbtrigger.cursor import Position
+from dbtrigger.durations import human_duration
 from dbtrigger.errors import CorruptStateError, DbTriggerError
 from dbtrigger.health import measure_lag
 from dbtrigger.partitions.layout import Membership, shares
@@ -155,7 +156,7 @@ class GroupState:
             rows = [["MEMBER", "HOST", "LAST HEARTBEAT", "OWNS", "SHARE"]]
             for m in self.members:
                 age = m.heartbeat_age_seconds
-                ago = "?" if age is None else f"{age:.1f}s ago"
+                ago = "?" if age is None else f"{human_duration(age)} ago"
                 rows.append([m.id, m.host or "-", ago, str(len(m.partitions)), str(m.share)])
             lines.extend("  " + line for line in table(rows))
             lines.append("  (heartbeat ages compare the member's clock with this one's)")
@@ -170,7 +171,7 @@ class GroupState:
                     p.lease.describe() if p.lease else "-",
                     "(beginning)" if p.position is None else show_position(p.position),
                     "-" if p.lag_rows is None else str(p.lag_rows),
-                    "-" if p.lag_seconds is None else f"{p.lag_seconds:.1f}s",
+                    "-" if p.lag_seconds is None else human_duration(p.lag_seconds),
                     str(p.pending_retries)
                     + (f", failing x{p.failing_attempts}" if p.failing_attempts else ""),
                 ]

@@ -8,6 +8,13 @@ Every claim, extension and settlement is one short unit of work
 * SQLite: every transaction takes the write lock up front (``BEGIN
   IMMEDIATE``), or two claimers could read the same rows before either
   writes; claimers queue on the lock for up to 30 s instead of failing;
+* PostgreSQL and MariaDB/MySQL: a statement waits at most
+  :data:`LOCK_WAIT_SECONDS` for a row lock another transaction holds (an
+  application's transaction left open on a job row): at the databases'
+  defaults a settlement waited for ever on PostgreSQL and 50 s on MariaDB,
+  the tick hung with its claim. It now fails (``CommitError``), the claim
+  expires and the rows are claimed again. Set at connect time, so it costs no
+  round trip; a shared engine (below) keeps its own settings;
 * no pre-ping anywhere: it would add a round trip to every claim and
   settlement. A connection the server dropped fails one operation (FetchError
   or CommitError, retried by the next tick; SQLAlchemy discards the pool).
@@ -24,12 +31,23 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+#: How long a claim, extension or settlement on a queue's own engine waits for a
+#: lock another transaction holds (PostgreSQL, MariaDB/MySQL; see the module doc).
+LOCK_WAIT_SECONDS = 30
+
 
 def engine_options(dialect: str, engine_kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """``create_engine`` options for a queue's own engine (``engine_kwargs`` win)."""
     kwargs: dict[str, Any] = {"pool_pre_ping": False}
     if dialect == "postgresql":
         kwargs["isolation_level"] = "AUTOCOMMIT"
+        kwargs["connect_args"] = {"options": f"-c lock_timeout={LOCK_WAIT_SECONDS * 1000}"}
+    elif dialect == "mysql":
+        wait = LOCK_WAIT_SECONDS
+        kwargs["connect_args"] = {
+            "init_command": f"SET SESSION innodb_lock_wait_timeout = {wait}, "
+            f"SESSION lock_wait_timeout = {wait}"
+        }
     kwargs.update(engine_kwargs)
     if dialect == "sqlite":
         kwargs.setdefault("connect_args", {"timeout": 30})
@@ -70,4 +88,4 @@ def begin_immediate(engine: Engine, *, own_connections: bool = True) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
-__all__ = ["begin_immediate", "claim_view", "engine_options"]
+__all__ = ["LOCK_WAIT_SECONDS", "begin_immediate", "claim_view", "engine_options"]

@@ -14,6 +14,7 @@ a whole file, so its output table lives in a file of its own there.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,21 +85,29 @@ def sink(db: TestDatabase, tmp_path: Path) -> Any:
     made.close()
 
 
-@pytest.mark.parametrize("batch_size", [1, 3])
-def test_a_poll_batch_behind_a_lock_is_retried_not_dead_lettered(
-    db: TestDatabase, sink: Sink, tmp_path: Path, batch_size: int
-) -> None:
+@pytest.fixture
+def source(db: TestDatabase) -> Iterator[SqlAlchemySource]:
+    """Three rows polled without a visibility guard (the lock holder's open
+    transaction would hold the poller back)."""
     db.execute(f"CREATE TABLE {db.qualified('lk_src')} (id INTEGER PRIMARY KEY, seq INTEGER)")
     db.execute(f"INSERT INTO {db.qualified('lk_src')} VALUES (1, 1), (2, 2), (3, 3)")
-    dead_letters = JsonLinesQuarantineSink(tmp_path / "dead.jsonl")
-    source = SqlAlchemySource(
+    made = SqlAlchemySource(
         url=db.url,
         table="lk_src",
         schema=db.schema,
         cursor_column="seq",
         pk_columns=["id"],
-        visibility="none",  # the holder's open transaction would hold the poller back
+        visibility="none",
     )
+    yield made
+    made.close()
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_a_poll_batch_behind_a_lock_is_retried_not_dead_lettered(
+    source: SqlAlchemySource, sink: Sink, tmp_path: Path, batch_size: int
+) -> None:
+    dead_letters = JsonLinesQuarantineSink(tmp_path / "dead.jsonl")
     poller = PollTrigger(
         name="lk",
         source=source,
@@ -123,7 +132,6 @@ def test_a_poll_batch_behind_a_lock_is_retried_not_dead_lettered(
         assert dead_letters.records() == []
     finally:
         poller.close()
-        source.close()
 
 
 def test_a_queue_row_behind_a_lock_is_retried_not_dead(
@@ -157,22 +165,12 @@ def test_a_queue_row_behind_a_lock_is_retried_not_dead(
 
 
 def test_a_fanout_subscriber_behind_a_lock_gives_up_on_nothing(
-    db: TestDatabase, sink: Sink, tmp_path: Path
+    source: SqlAlchemySource, sink: Sink, tmp_path: Path
 ) -> None:
     """A subscriber whose write waits behind the lock fails its events on every
     attempt: its share is not bisected and nothing is dead-lettered in its name;
     the other subscriber's acceptance stands, and the lock gone, every row is written."""
-    db.execute(f"CREATE TABLE {db.qualified('lk_src')} (id INTEGER PRIMARY KEY, seq INTEGER)")
-    db.execute(f"INSERT INTO {db.qualified('lk_src')} VALUES (1, 1), (2, 2), (3, 3)")
     dead_letters = JsonLinesQuarantineSink(tmp_path / "dead.jsonl")
-    source = SqlAlchemySource(
-        url=db.url,
-        table="lk_src",
-        schema=db.schema,
-        cursor_column="seq",
-        pk_columns=["id"],
-        visibility="none",
-    )
     seen: list[int] = []
     clock = Clock()
 
@@ -201,4 +199,3 @@ def test_a_fanout_subscriber_behind_a_lock_gives_up_on_nothing(
         assert sorted(set(seen)) == [1, 2, 3]
     finally:
         poller.close()
-        source.close()

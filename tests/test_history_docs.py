@@ -39,6 +39,8 @@ _VARIES = [
     (re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z"), "<time>"),
     (re.compile(r"\S+/\d+/[0-9a-f]{8}\b"), "<owner>"),
     (re.compile(r"\d+(\.\d+)? ms\b"), "<ms>"),
+    # a file store is named by its absolute path (a command pasted elsewhere finds it)
+    (re.compile(r"file:/(?:home/me/shop|tmp/pytest-of-\S+?/test_[^/]+)/"), "file:<dir>/"),
 ]
 
 

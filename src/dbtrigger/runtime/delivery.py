@@ -26,6 +26,7 @@ import datetime as dt
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 from dbtrigger._paste import pasteable
@@ -56,6 +57,7 @@ from dbtrigger.state.window import Window
 __all__ = [
     "Delivered",
     "Delivery",
+    "DeliveryOptions",
     "EventRejected",
     "Handler",
     "Outcome",
@@ -65,6 +67,24 @@ __all__ = [
 ]
 
 
+@dataclass(frozen=True)
+class DeliveryOptions:
+    """What a :class:`Delivery` (or its fan-out) is built with: one poller's name,
+    identity, clock, telemetry, retry policy, dead-letter sink and limits."""
+
+    poller: str
+    owner_id: str
+    clock: Callable[[], dt.datetime]
+    telemetry: Telemetry
+    retry: RetryPolicy
+    quarantine: QuarantineSink | None
+    max_attempts: int
+    quarantine_limit: int
+    max_concurrency: int = 1
+    #: The ``dbtrigger`` CLI's name for the poller in the commands it prints.
+    cli_target: Callable[[], str] | None = None
+
+
 class Delivery:
     """Hands batches to a handler and settles them; see the module docstring."""
 
@@ -72,37 +92,25 @@ class Delivery:
     #: subscriber calls are bounded by their own ``ack_timeout_seconds``.
     watched = True
 
-    def __init__(
-        self,
-        *,
-        poller: str,
-        owner_id: str,
-        clock: Callable[[], dt.datetime],
-        telemetry: Telemetry,
-        retry: RetryPolicy,
-        quarantine: QuarantineSink | None,
-        max_attempts: int,
-        quarantine_limit: int,
-        max_concurrency: int = 1,
-        cli_target: Callable[[], str] | None = None,
-    ) -> None:
-        self.poller = poller
-        self.cli_target = cli_target or (lambda: poller)
-        self.telemetry = telemetry
-        self.quarantine = quarantine
-        self.max_attempts = max_attempts
-        self.quarantine_limit = quarantine_limit
+    def __init__(self, options: DeliveryOptions) -> None:
+        self.poller = poller = options.poller
+        self.cli_target = options.cli_target or (lambda: poller)
+        self.telemetry = options.telemetry
+        self.quarantine = options.quarantine
+        self.max_attempts = options.max_attempts
+        self.quarantine_limit = options.quarantine_limit
         #: Where failed, rejected and exhausted events are set aside (nowhere without a sink).
         self.dead_letters = DeadLetters(
-            quarantine,
+            options.quarantine,
             poller=poller,
-            owner_id=owner_id,
-            clock=clock,
-            retry=retry,
-            telemetry=telemetry,
+            owner_id=options.owner_id,
+            clock=options.clock,
+            retry=options.retry,
+            telemetry=options.telemetry,
         )
         #: Parallel lanes (``max_concurrency > 1``): see :mod:`dbtrigger.runtime.kernel`.
-        self.lanes = Lanes(max_concurrency, name=poller) if max_concurrency > 1 else None
+        concurrency = options.max_concurrency
+        self.lanes = Lanes(concurrency, name=poller) if concurrency > 1 else None
 
     def close(self) -> None:
         """Shut the lane pool down (it starts again on the next batch)."""

@@ -48,7 +48,7 @@ from dbtrigger.names import import_path_of, validate_name
 from dbtrigger.quarantine import QuarantineSink
 from dbtrigger.runtime import deprecated, kernel
 from dbtrigger.runtime.bulk import bulk_reads_for
-from dbtrigger.runtime.delivery import Delivery, cancelled_error
+from dbtrigger.runtime.delivery import DeliveryOptions, cancelled_error
 from dbtrigger.runtime.drain import drain
 from dbtrigger.runtime.kernel import Handler, KeepAlive
 from dbtrigger.runtime.null_probe import NullCursorProbe
@@ -58,7 +58,7 @@ from dbtrigger.runtime.readahead import ReadAhead
 from dbtrigger.runtime.reading import BatchReader, TickSettings
 from dbtrigger.runtime.retry import DEFAULT_RETRY_POLICY, RetryPolicy
 from dbtrigger.runtime.subscriber_options import SubscriberCall, check_fan_out, handler_for
-from dbtrigger.runtime.subscribers import FanOut
+from dbtrigger.runtime.subscribers import delivery_for
 from dbtrigger.runtime.telemetry import Telemetry
 from dbtrigger.runtime.tick import TickDriver
 from dbtrigger.runtime.trigger import (
@@ -249,17 +249,21 @@ class PollTrigger(ClosesOnExit):
             clock=self.clock,
             fingerprint=lambda: self.fingerprint,
             telemetry=self.telemetry,
-            delivery=self._delivery(
-                poller=self.name,
-                owner_id=self.owner_id,
-                clock=self.clock,
-                telemetry=self.telemetry,
-                retry=self.retry,
-                quarantine=quarantine,
-                max_attempts=checked.max_attempts,
-                quarantine_limit=checked.quarantine_limit,
-                max_concurrency=checked.max_concurrency,
-                cli_target=self.cli_target,
+            delivery=delivery_for(
+                DeliveryOptions(
+                    poller=self.name,
+                    owner_id=self.owner_id,
+                    clock=self.clock,
+                    telemetry=self.telemetry,
+                    retry=self.retry,
+                    quarantine=quarantine,
+                    max_attempts=checked.max_attempts,
+                    quarantine_limit=checked.quarantine_limit,
+                    max_concurrency=checked.max_concurrency,
+                    cli_target=self.cli_target,
+                ),
+                subscribers=self.subscribers,
+                ack_timeout=self.ack_timeout,
             ),
             null_probe=self.null_probe,
             cli_source=self.operator_spec,
@@ -284,11 +288,6 @@ class PollTrigger(ClosesOnExit):
             self.partitioned = deprecated.delegate_partitions(
                 options, partitions=partitions, owner_id=self.owner_id
             )
-
-    def _delivery(self, **options: Any) -> Delivery:
-        if self.subscribers is None:
-            return Delivery(**options)
-        return FanOut(subscribers=self.subscribers, ack_timeout=self.ack_timeout, **options)
 
     def _handler_for(self, handler: Handler | None) -> Handler:
         return handler_for(self.name, self.subscribers, handler, self.default_handler)

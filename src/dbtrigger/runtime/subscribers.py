@@ -51,7 +51,7 @@ from dbtrigger.events import RowChange
 from dbtrigger.runtime.batch_outcome import Delivered, Outcome, Undelivered, batch_fields
 from dbtrigger.runtime.context import BatchContext, EventMarks
 from dbtrigger.runtime.dead_letters import EventRejected, RetriesExhausted
-from dbtrigger.runtime.delivery import Delivery
+from dbtrigger.runtime.delivery import Delivery, DeliveryOptions
 from dbtrigger.runtime.held_report import ALL_BUSY, HeldReport
 from dbtrigger.runtime.kernel import CANCEL_POLL_SECONDS, Handler, wants_context
 from dbtrigger.runtime.subscriber_options import SubscriberCall, Wrap
@@ -87,15 +87,24 @@ class _Call:
         return not rejected and not retried
 
 
+def delivery_for(
+    options: DeliveryOptions, *, subscribers: Mapping[str, Handler] | None, ack_timeout: float
+) -> Delivery:
+    """A poller's delivery: to its one handler, or (``subscribers``) fanned out."""
+    if subscribers is None:
+        return Delivery(options)
+    return FanOut(options, subscribers=subscribers, ack_timeout=ack_timeout)
+
+
 class FanOut(Delivery):
     """Hands each batch to every subscriber and folds their outcomes; see the module."""
 
     watched = False  # each call is bounded (and reported) by ack_timeout_seconds
 
     def __init__(
-        self, *, subscribers: Mapping[str, Handler], ack_timeout: float, **options: Any
+        self, options: DeliveryOptions, *, subscribers: Mapping[str, Handler], ack_timeout: float
     ) -> None:
-        super().__init__(**options)
+        super().__init__(options)
         self.subscribers = dict(subscribers)
         self.wants = {name: wants_context(fn) for name, fn in self.subscribers.items()}
         self.ack_timeout = ack_timeout

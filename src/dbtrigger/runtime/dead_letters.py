@@ -24,15 +24,20 @@ from dbtrigger.runtime.retry import RetryPolicy
 from dbtrigger.runtime.telemetry import Telemetry
 
 
-def check_lease(ctx: BatchContext, poller: str) -> None:
+def lease_lost(ctx: BatchContext, message: str) -> LostLeaseError:
+    """The :class:`~dbtrigger.errors.LostLeaseError` that ends ``ctx``'s batch:
+    ``message`` with the poller, the batch and its fencing token."""
+    return LostLeaseError(
+        message, poller=ctx.poller_name, batch_id=ctx.batch_id, fencing_token=ctx.fencing_token
+    )
+
+
+def check_lease(ctx: BatchContext) -> None:
     """Raise :class:`~dbtrigger.errors.LostLeaseError` once the lease of ``ctx``'s
     batch is lost: nothing of it may be written or set aside any more."""
     if ctx.lease_lost.is_set():
-        raise LostLeaseError(
-            "lease lost while the batch was being processed; nothing was committed",
-            poller=poller,
-            batch_id=ctx.batch_id,
-            fencing_token=ctx.fencing_token,
+        raise lease_lost(
+            ctx, "lease lost while the batch was being processed; nothing was committed"
         )
 
 
@@ -72,7 +77,7 @@ class DeadLetters:
         sink = self.sink
         if sink is None or not failed:
             return
-        check_lease(ctx, self.poller)
+        check_lease(ctx)
         records = kernel.dead_letter_records(
             failed,
             trigger=self.poller,

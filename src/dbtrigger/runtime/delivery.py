@@ -47,6 +47,7 @@ from dbtrigger.runtime.dead_letters import (
     EventRejected,
     RetriesExhausted,
     check_lease,
+    lease_lost,
 )
 from dbtrigger.runtime.kernel import Handler, Lanes
 from dbtrigger.runtime.retry import RetryPolicy
@@ -231,7 +232,7 @@ class Delivery:
                 lambda part: self._invoke(handler, part, ctx, wants_ctx),
                 first_error=error,
                 limit=self.quarantine_limit,
-                check=lambda: check_lease(ctx, self.poller),
+                check=lambda: check_lease(ctx),
             )
             succeeded, failed, aborted = found.ok, found.bad, found.aborted
             passing = any(transient(exc) for _, exc in failed)
@@ -384,11 +385,8 @@ class Delivery:
     ) -> LostLeaseError:
         """Report a lease lost while the handler ran; the error to raise."""
         self.telemetry.emit("lease_lost", "lease lost while the handler ran", **fields)
-        return LostLeaseError(
-            f"lease lost while the handler ran ({what}); the batch will be redelivered",
-            poller=self.poller,
-            batch_id=ctx.batch_id,
-            fencing_token=ctx.fencing_token,
+        return lease_lost(
+            ctx, f"lease lost while the handler ran ({what}); the batch will be redelivered"
         )
 
     def _report_failure(
@@ -449,9 +447,4 @@ def cancelled_error(ctx: BatchContext) -> Exception:
             poller=ctx.poller_name,
             batch_id=ctx.batch_id,
         )
-    return LostLeaseError(
-        "lease lost while the async handler ran; it was cancelled",
-        poller=ctx.poller_name,
-        batch_id=ctx.batch_id,
-        fencing_token=ctx.fencing_token,
-    )
+    return lease_lost(ctx, "lease lost while the async handler ran; it was cancelled")

@@ -555,6 +555,21 @@ def test_guard_configuration_is_validated(mariadb: TestDatabase) -> None:
     assert src.fetch(BEGINNING, 10) == []
     assert src.visibility_mode == "transaction-horizon"
     src.close()
+    # ... with the caller's settings: settle_seconds was dropped for MariaDbHorizon's 2 s.
+    for given, kept in ((0.0, 0.0), (5.0, 5.0), (None, MariaDbHorizon().settle_seconds)):
+        src = SqlAlchemySource(
+            url=mariadb.url,
+            table="ts",
+            schema=mariadb.schema,
+            cursor_column="t",
+            pk_columns=["id"],
+            visibility=TransactionHorizon(settle_seconds=given, warn_after_seconds=7),
+        )
+        src.fetch(BEGINNING, 10)
+        active = src._guarding.active
+        assert isinstance(active.guard, MariaDbHorizon), active
+        assert (active.guard.settle_seconds, active.guard.warn_after_seconds) == (kept, 7)
+        src.close()
 
 
 def _waiting_on_metadata_lock(db: TestDatabase, threads: set[int]) -> dict[int, float]:

@@ -51,6 +51,9 @@ _NON_WRITING_BACKENDS = (
 
 _MAX_PENDING_PROBES = 128
 
+#: :class:`TransactionHorizon`'s ``settle_seconds`` on PostgreSQL when none is given.
+PG_SETTLE_SECONDS = 0.5
+
 
 @dataclass(frozen=True)
 class SnapshotHorizon(HorizonGuard):
@@ -125,9 +128,12 @@ class TransactionHorizon(HorizonGuard):
             other applications' reads) end within milliseconds, so this turns
             "nothing until the next tick" into "everything committed so far";
             an older open transaction is a long one, and is not waited for.
+            Default 0.5 s. On MariaDB/MySQL it is :class:`MariaDbHorizon`'s
+            ``settle_seconds`` (default 2 s there: its observations are at
+            least 100 ms apart).
     """
 
-    settle_seconds: float = 0.5
+    settle_seconds: float | None = None
     mode = "transaction-horizon"
     promise = (
         "exact for cursor values the database assigns inside the writing transaction "
@@ -138,14 +144,21 @@ class TransactionHorizon(HorizonGuard):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_seconds("settle_seconds", self.settle_seconds)
+        if self.settle_seconds is not None:
+            _check_seconds("settle_seconds", self.settle_seconds)
 
     def activate(self, target: GuardTarget) -> ActiveGuard:
         if target.dialect in ("mysql", "mariadb"):
-            # The same promise on MariaDB/MySQL, kept by other means (INNODB_TRX).
+            # The same promise on MariaDB/MySQL, kept by other means (INNODB_TRX),
+            # with the caller's settings (a settle_seconds given here used to be
+            # dropped for MariaDbHorizon's own default).
             from dbtrigger.sources.visibility.mariadb import MariaDbHorizon  # noqa: PLC0415
 
-            return MariaDbHorizon(warn_after_seconds=self.warn_after_seconds).activate(target)
+            warn = self.warn_after_seconds
+            if self.settle_seconds is None:
+                return MariaDbHorizon(warn_after_seconds=warn).activate(target)
+            settle = self.settle_seconds
+            return MariaDbHorizon(warn_after_seconds=warn, settle_seconds=settle).activate(target)
         if target.dialect != "postgresql":
             raise ConfigurationError(
                 f"TransactionHorizon needs PostgreSQL, MariaDB or MySQL, not {target.dialect!r}; "
@@ -321,7 +334,8 @@ class _ActivityActive(HorizonActive):
             return self._bounded(cached.value)
         probe = self._probe(conn)
         activity = self._activity(conn)
-        settle = cast("TransactionHorizon", self.guard).settle_seconds
+        given = cast("TransactionHorizon", self.guard).settle_seconds
+        settle = PG_SETTLE_SECONDS if given is None else given
         deadline = time.monotonic() + settle
         young = dt.timedelta(seconds=settle)
         while (

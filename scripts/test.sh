@@ -15,4 +15,5 @@ python3 -m mypy
 # MariaDB/horizon test runs on one worker anyway (loadgroup, tests/conftest.py). Idle,
 # 4,562 tests: 10 min 10 s on two workers, 9 min 11 s on three. DBTRIGGER_TEST_WORKERS=0
 # runs serially.
-python3 -m pytest -n "${DBTRIGGER_TEST_WORKERS:-3}" --dist loadgroup "$@"
+# --durations: the slowest tests are in every log, to keep the suite inside its budget.
+python3 -m pytest -n "${DBTRIGGER_TEST_WORKERS:-3}" --dist loadgroup --durations=30 "$@"

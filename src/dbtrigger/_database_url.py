@@ -4,8 +4,8 @@ Sources, the queue's claim source, ``db.output`` and the reader and writer
 bindings all take ``url=`` (which may hold ``%SETTING%`` references) or a
 shared ``engine=``. One rule holds for each of them: a missing app setting is
 reported when the URL is first needed, not when the object is made, because in
-a Function App one missing setting must not stop every function from indexing;
-a malformed literal URL still fails at once.
+a Function App one missing (or malformed) setting must not stop every function
+from indexing; a malformed literal URL still fails at once.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from collections.abc import Callable
 from sqlalchemy.engine import URL, Engine
 
 from dbtrigger._engine import parse_database_url
-from dbtrigger.errors import MissingSettingError
+from dbtrigger.errors import ConfigurationError
 from dbtrigger.redaction import remember_url_secrets
+from dbtrigger.settings import references_setting
 
 
 class DatabaseUrl:
@@ -47,7 +48,12 @@ class DatabaseUrl:
                 remember_url_secrets(engine.url)
                 self._known(engine.url)
             return
-        with contextlib.suppress(MissingSettingError):
+        if not (isinstance(url, str) and references_setting(url)):
+            self._known(parse_database_url(url, what))  # a malformed literal fails now
+            return
+        # A setting missing, malformed or of a dialect refused here fails the
+        # functions using it, at each use, until it is fixed; not the import.
+        with contextlib.suppress(ConfigurationError):
             self._known(parse_database_url(url, what))
 
     def _known(self, url: URL) -> URL:

@@ -33,7 +33,7 @@ from sqlalchemy.engine import URL, Connection, Engine, make_url
 from dbtrigger._once import Once
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.redaction import remember_url_secrets
-from dbtrigger.settings import resolve_setting
+from dbtrigger.settings import DeferredSettingError, resolve_setting, setting_name
 
 #: Drivers a URL's dialect commonly names, and how to install them.
 _DRIVER_HINTS = {
@@ -147,9 +147,15 @@ def parse_database_url(url: str, what: str = "database URL") -> URL:
         parsed = make_url(text)
     except (sa.exc.ArgumentError, ValueError) as exc:
         problem = "the port is not a number" if isinstance(exc, ValueError) else "unparsable"
+        form = "dialect+driver://user:password@host:port/database"
+        setting = setting_name(url)
+        if setting is not None:  # the person must know which of the app's settings to fix
+            raise DeferredSettingError(
+                f"{what}: app setting {setting!r} is not a valid database URL ({problem}); "
+                f"set it to SQLAlchemy's form {form}"
+            ) from None
         raise ConfigurationError(
-            f"{what}: not a valid database URL ({problem}); SQLAlchemy expects "
-            "dialect+driver://user:password@host:port/database"
+            f"{what}: not a valid database URL ({problem}); SQLAlchemy expects {form}"
         ) from None
     # A driver's error, or a repr of the engine, may quote them: masked wherever seen.
     remember_url_secrets(parsed)

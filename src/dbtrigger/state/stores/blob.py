@@ -59,6 +59,7 @@ from dbtrigger.settings import (
     peek,
     references_setting,
     resolve_setting,
+    setting_name,
 )
 from dbtrigger.state.stores._sdk_client import SdkClientHolder
 from dbtrigger.state.stores.base import StoredDocument
@@ -110,12 +111,21 @@ def _safe_url(url: str) -> str:
 
 
 def _resolve_now_or_later(value: str, env: Mapping[str, str]) -> str:
-    """``value`` resolved from ``env``, or as it is when a setting is missing
-    (the store then resolves it, and reports the missing setting, at first use)."""
+    """``value`` resolved from ``env``, or as it is when a setting is missing or
+    not a safe name (the store then resolves it, and reports the setting, at
+    first use)."""
     try:
-        return resolve_setting(value, env)
-    except MissingSettingError:
+        return validate_name(resolve_setting(value, env), "app name")
+    except ConfigurationError:  # missing, or no safe name: the store names the setting
         return value
+
+
+def _app_name(spec: str) -> str:
+    """The app name ``spec`` gives (a ``%SETTING%`` read now), checked as a blob path
+    segment; a bad one names the setting it came from."""
+    setting = setting_name(spec)
+    what = "app name" if setting is None else f"app name in app setting {setting!r}"
+    return validate_name(resolve_setting(spec), what)
 
 
 def _account_client(
@@ -171,8 +181,11 @@ class BlobCheckpointStore(SdkClientHolder[ContainerClient]):
         self._container_name = container_name
         self._app_name_spec = app_name
         self._app_name: str | None = None
-        with contextlib.suppress(MissingSettingError):
-            self._app_name = validate_name(resolve_setting(app_name), "app name")
+        if not references_setting(app_name):
+            self._app_name = _app_name(app_name)
+        else:  # missing or malformed, it fails the functions using the store, at first use
+            with contextlib.suppress(ConfigurationError):
+                self._app_name = _app_name(app_name)
         segments = prefix.strip("/").split("/")
         self.prefix = "/".join(validate_name(s, "blob prefix segment") for s in segments)
         self._create_container = create_container
@@ -185,7 +198,7 @@ class BlobCheckpointStore(SdkClientHolder[ContainerClient]):
     def app_name(self) -> str:
         """The application segment of the blob paths (``%SETTING%`` resolved at first use)."""
         if self._app_name is None:
-            self._app_name = validate_name(resolve_setting(self._app_name_spec), "app name")
+            self._app_name = _app_name(self._app_name_spec)
         return self._app_name
 
     # --- construction -----------------------------------------------------------

@@ -299,10 +299,10 @@ class ClaimTable:
         where = sa.and_(self._keys_param(), self._in_group(), self.claimable())
         return sa.select(self.table).where(where).order_by(*self._key_cols).with_for_update()
 
-    def _in_group(self) -> ColumnElement[bool]:
+    def _in_group(self) -> ColumnElement[bool]:  # NULL-safe: 'claimed' set by hand, no token
         c = self.table.c
         return sa.and_(
-            c[CLAIM_TOKEN] == sa.bindparam("dbt_group", type_=sa.String),
+            c[CLAIM_TOKEN].is_not_distinct_from(sa.bindparam("dbt_group", type_=sa.String)),
             c[STATUS] == sa.bindparam("dbt_group_status", type_=sa.String),
         )
 

@@ -11,13 +11,19 @@ of this host that no longer runs, and nothing more of a live or foreign holder.
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import socket
 import subprocess
 import sys
+import threading
+from pathlib import Path
 
 import pytest
 
-from dbtrigger import InMemoryCheckpointStore, PollTrigger, RowChange
+from dbtrigger import FileCheckpointStore, InMemoryCheckpointStore, PollTrigger, RowChange
+from dbtrigger.cli import main
+from dbtrigger.errors import LostLeaseError
 from dbtrigger.runtime.trigger import TickResult, gone_holder
 from dbtrigger.testing import MemorySource
 
@@ -39,7 +45,7 @@ def _busy(holder: str) -> str:
 def test_a_holder_that_no_longer_runs_here_is_named_with_what_frees_it(dead_pid: int) -> None:
     text = _busy(f"{socket.gethostname()}/{dead_pid}/532c0e66")
     assert f"pid {dead_pid} is not running on this host" in text
-    assert "`dbtrigger release-lease`" in text
+    assert "`dbtrigger release-lease " in text
     assert text.endswith("; next tick in 5s")
 
 
@@ -80,3 +86,50 @@ def test_the_worker_started_again_says_so_of_the_killed_ones_lease(dead_pid: int
     (line,) = said
     assert line.startswith(f"lease held by {socket.gethostname()}/{dead_pid}/532c0e66 until ")
     assert f"(pid {dead_pid} is not running on this host" in line
+
+
+def test_the_command_it_prints_frees_the_killed_ones_lease(
+    dead_pid: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hint was a bare `dbtrigger release-lease`: no poller, no store, and without
+    --force a release of the still-unexpired lease is refused. The command printed now
+    runs as it is and frees the lease, so the worker started again takes over at once."""
+    store = FileCheckpointStore(str(tmp_path / "state"))
+    source = MemorySource([{"id": 1, "seq": 1}], cursor_column="seq", pk_columns=["id"])
+    killed = PollTrigger(
+        name="orders",
+        source=source,
+        checkpoint_store=store,
+        owner_id=f"{socket.gethostname()}/{dead_pid}/532c0e66",
+    )
+    again = PollTrigger(name="orders", source=source, checkpoint_store=store)
+    in_handler, let_go = threading.Event(), threading.Event()
+
+    def hangs(events: list[RowChange]) -> None:  # the process dies here, as far as the
+        in_handler.set()  # store can tell: its lease is left behind, not released
+        let_go.wait(30)
+
+    outcome: list[BaseException] = []
+
+    def killed_worker() -> None:
+        try:
+            killed.tick_result(hangs)
+        except LostLeaseError as exc:  # fenced out by the release: commits nothing
+            outcome.append(exc)
+
+    worker = threading.Thread(target=killed_worker, daemon=True)
+    worker.start()
+    assert in_handler.wait(30)
+    assert again.tick_result(lambda events: None).outcome == "lease_busy"
+    assert again.last_result is not None
+    line = again.last_result.summary(None)[0]
+    command = re.search(r"`(dbtrigger release-lease [^`]+)`", line)
+    assert command is not None, line
+    monkeypatch.chdir(tmp_path.parent)  # pasted elsewhere, it still finds the store
+    assert main(shlex.split(command.group(1))[1:]) == 0
+    seen: list[int] = []
+    assert again.tick_result(lambda events: seen.extend(e.pk["id"] for e in events)).rows == 1
+    assert seen == [1]
+    let_go.set()
+    worker.join(30)
+    assert [type(exc) for exc in outcome] == [LostLeaseError]

@@ -42,11 +42,13 @@ a broken source definition) always propagate.
 
 from __future__ import annotations
 
+import shlex
 import threading
 import time
 from collections.abc import Callable
 
 from dbtrigger._gc import older_objects_frozen
+from dbtrigger._paste import pasteable
 from dbtrigger.cursor import BEGINNING, Position
 from dbtrigger.errors import DbTriggerError
 from dbtrigger.runtime.batches import BatchSequence
@@ -56,7 +58,7 @@ from dbtrigger.runtime.lease_clocks import LeaseClocks
 from dbtrigger.runtime.readahead import CARRY_SECONDS
 from dbtrigger.runtime.reading import BatchReader, TickSettings
 from dbtrigger.runtime.session import LeaseSession
-from dbtrigger.runtime.trigger import TickResult
+from dbtrigger.runtime.trigger import TickResult, gone_holder
 from dbtrigger.runtime.writes import StateWriter
 from dbtrigger.sources.base import (
     AcknowledgesCheckpoints,
@@ -171,7 +173,12 @@ class TickDriver(BatchSequence):
                 values={"result": "lease_busy"},
             )
             return TickResult(
-                0, 0, "lease_busy", holder=decision.holder, lease_until=decision.free_at
+                0,
+                0,
+                "lease_busy",
+                holder=decision.holder,
+                lease_until=decision.free_at,
+                release_command=self.release_command(decision.holder),
             )
 
         position = doc.position if doc else BEGINNING
@@ -275,3 +282,17 @@ class TickDriver(BatchSequence):
                 position.cursor,
                 exc,
             )
+
+    def release_command(self, holder: str | None) -> str | None:
+        """The ``dbtrigger release-lease`` that frees ``holder``'s lease, when it is a
+        process of this host that no longer runs (ready to paste: poller, where its
+        store is, and ``--force``, as the lease has not expired yet)."""
+        if not gone_holder(holder):
+            return None
+        spec = self.reader.cli_source()
+        where = f"--source {spec}" if spec else f"--store {self.store.describe()}"
+        prefix, _, value = where.partition(" ")
+        return pasteable(
+            f"dbtrigger release-lease {shlex.quote(self.name)} {prefix} {shlex.quote(value)} "
+            "--force --reason 'its worker stopped without releasing it' --yes"
+        )

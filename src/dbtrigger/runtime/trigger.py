@@ -51,13 +51,14 @@ def default_owner_id() -> str:
     return f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
 
 
-def gone_holder(owner: str | None) -> str:
+def gone_holder(owner: str | None, release: str | None = None) -> str:
     """What to say of a lease holder that was a process of this host no longer running.
 
     A worker killed (``kill -9``, a crash, a closed terminal) leaves its lease to
     lapse a TTL later; the one started in its place waits that long, told only
     "lease held by ... until ...". It cannot take the lease itself: the pid may
-    be another container's (a shared host name), so it says what it sees.
+    be another container's (a shared host name), so it says what it sees, and
+    ``release``, the command that frees the lease (its poller and store filled in).
     """
     host, _, rest = (owner or "").partition("/")
     pid_text = rest.partition("/")[0]
@@ -67,9 +68,10 @@ def gone_holder(owner: str | None) -> str:
     try:
         os.kill(int(pid_text), 0)  # signal 0: only asks whether it exists (POSIX)
     except ProcessLookupError:
+        command = release or "dbtrigger release-lease POLLER --force --reason R --yes"
         return (
             f" (pid {pid_text} is not running on this host: a worker that stopped without "
-            "releasing its lease; it lapses then, or `dbtrigger release-lease` frees it now)"
+            f"releasing its lease; it lapses then, or `{command}` frees it now)"
         )
     except OSError:  # alive, another user's
         return ""
@@ -193,6 +195,9 @@ class TickResult:
     more: bool = False
     holder: str | None = None
     lease_until: dt.datetime | None = None
+    #: ``dbtrigger release-lease ...`` for this poller, when ``holder`` is a process
+    #: of this host that no longer runs (``lease_busy``).
+    release_command: str | None = None
     held_back: bool = False
     held_back_seconds: float = 0.0
     blocking_pid: int | None = None
@@ -287,7 +292,8 @@ class TickResult:
                 if self.lease_until is not None
                 else ""
             )
-            text = f"lease held by {holder}{until}{gone_holder(self.holder)}{nxt}"
+            gone = gone_holder(self.holder, self.release_command)
+            text = f"lease held by {holder}{until}{gone}{nxt}"
         elif self.outcome == "lost_race":
             text = f"another instance took the lease first{nxt}"
         else:

@@ -77,12 +77,16 @@ class Keyset:
         return [c.name for c in self.shape.select_list]
 
     def base_filter(self) -> ColumnElement[bool] | None:
-        """``where=`` and the derived sources' filters, ANDed (None: no filter)."""
+        """``where=``, the derived sources' filters and the table's identity, ANDed
+        (None: no filter)."""
         conditions: list[ColumnElement[bool] | sa.TextClause] = [
             row_filter(self) for row_filter in self._row_filters
         ]
         if self.spec.where:
             conditions.insert(0, self.spec.bound_parameters(sa.text(self.spec.where)))
+        same_table = self.shape.identity.predicate()
+        if same_table is not None:
+            conditions.append(same_table)
         if not conditions:
             return None
         return sa.and_(sa.true(), *conditions)

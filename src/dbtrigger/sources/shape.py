@@ -41,6 +41,7 @@ from dbtrigger.errors import ConfigurationError, SerializationError
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.sources.column_checks import ShapeChecks
 from dbtrigger.sources.fingerprint import Definition
+from dbtrigger.sources.table_identity import TableIdentity
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,10 @@ class Shape:
         self._probed: sa.FromClause | None = None
         #: The shape learnt after the table's columns changed (see :meth:`follow`).
         self.successor: Shape | None = None
+        #: Which table the source first read (PostgreSQL), kept by every successor.
+        self.identity = TableIdentity(
+            table=spec.table, schema=spec.schema, dialect=dialect, source=source_name
+        )
 
     @property
     def resolved(self) -> bool:
@@ -210,6 +215,7 @@ class Shape:
         bare: sa.FromClause
         if spec.table is not None:
             bare = sa.table(spec.table, schema=spec.schema)
+            self.identity.learn(conn)
             layout = probe_or_none(conn, bare)  # first: a change in between is seen next
             selectable: sa.FromClause = reflect_table(
                 conn, spec.table, spec.schema, shown=self.source_name, keys_only=True
@@ -297,12 +303,25 @@ class Shape:
         if change is None:
             return False
         newer = Shape(self.spec, dialect=self.dialect, source_name=self.source_name)
+        newer.identity = self.identity  # still the table the checkpoint was read from
         newer.resolve(conn)
         with self._resolving:
             if self.successor is None:
                 self.successor = newer
                 change.report(self.source_name, failure)
         return True
+
+    def check_table(self, conn: Connection, after: Position) -> None:
+        """Refuse a table dropped and created again under a checkpoint taken in the old
+        one (:mod:`~dbtrigger.sources.table_identity`); read from the beginning, the new
+        table is learnt (a newer shape, whose statements carry its oid)."""
+        if self.identity.same(conn, after):
+            return
+        newer = Shape(self.spec, dialect=self.dialect, source_name=self.source_name)
+        newer.resolve(conn)
+        with self._resolving:
+            if self.successor is None:
+                self.successor = newer
 
     def _is_view(self, conn: Connection) -> bool:
         names = sa.inspect(conn).get_view_names(schema=self.spec.schema)

@@ -418,10 +418,13 @@ class SqlAlchemySource(KeysetLookups):
     def _read(self, conn: Connection, after: Position, limit: int) -> Rows:
         """:meth:`_read_once` on the table's columns as they are now: compared every
         ``CHECK_SECONDS`` (:mod:`dbtrigger._columns`), and when a read fails, which is
-        then run again once if they changed (a column dropped under the worker)."""
+        then run again once if they changed (a column dropped under the worker); a table
+        dropped and created again is refused (:mod:`.table_identity`)."""
         shape = self._keyset.shape
         if shape.watch.due():
             shape.follow(conn)
+        if shape.identity.due():  # a table dropped and created again
+            shape.latest().check_table(conn, after)
         try:
             return self._read_once(conn, after, limit)
         except sa.exc.DBAPIError as exc:

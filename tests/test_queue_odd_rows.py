@@ -10,7 +10,10 @@ as claimable now - the whole queue stalled, silently.
 
 from __future__ import annotations
 
+import pytest
+
 from dbtrigger import ClaimSource, QueueTrigger, RowChange
+from dbtrigger.errors import ConfigurationError
 from tests.databases import TestDatabase
 from tests.test_queue_columns import make_jobs, rows
 
@@ -37,3 +40,40 @@ def test_a_claimed_row_without_a_token_does_not_stall_the_queue(db: TestDatabase
         source.close()
     assert sorted(seen) == [1, 2, 3, 4, 5]
     assert {r["dbt_status"] for r in rows(db).values()} == {"done"}
+
+
+_TIME = {
+    "postgresql": "timestamp with time zone",
+    "mariadb": "datetime(6)",
+    "sqlite": "varchar(23)",
+}
+
+
+def test_claim_columns_that_allow_null_are_refused_when_the_queue_starts(
+    db: TestDatabase,
+) -> None:
+    """A table declared by hand with the right types but nullable claim columns:
+    a plain INSERT left dbt_attempts and dbt_visible_at NULL, and the row was never
+    claimed and counted as claimable nowhere (`idle: nothing claimable` for ever); a
+    row enqueue()d on SQLite (dated, attempts NULL) failed every claim with a bare
+    TypeError."""
+    time = _TIME[db.kind]
+    db.execute(
+        f"CREATE TABLE {db.qualified('jobs')} (id integer PRIMARY KEY, payload varchar(40), "
+        f"dbt_status varchar(8) DEFAULT 'ready', dbt_attempts integer, dbt_visible_at {time}, "
+        "dbt_claim_token varchar(36), dbt_claimed_by varchar(200), "
+        f"dbt_last_error varchar(2000), dbt_done_at {time})"
+    )
+    db.execute(f"INSERT INTO {db.qualified('jobs')} (id, payload) VALUES (1, 'plain')")
+    source = ClaimSource(url=db.url, table="jobs", schema=db.schema, pk_columns=["id"])
+    queue = QueueTrigger(name="jobs", source=source)
+    try:
+        with pytest.raises(ConfigurationError) as caught:
+            queue.tick(lambda events: None)
+    finally:
+        queue.close()
+        source.close()
+    message = str(caught.value)
+    for column in ("dbt_status", "dbt_attempts", "dbt_visible_at"):
+        assert f"jobs.{column} allows NULL" in message
+    assert "NOT NULL" in message

@@ -271,7 +271,9 @@ def check_claim_columns(table: sa.Table, time: DialectTime, dialect: Dialect) ->
     (a ``VARCHAR(100)`` error column, a long worker id), or is quietly wrong
     (PostgreSQL ``timestamp without time zone`` compares with ``now()`` in
     the session's time zone; MySQL ``TIMESTAMP`` stops in 2038, before the
-    far-future time of finished rows).
+    far-future time of finished rows). A status, attempts, visible-at or priority
+    column that allows NULL is refused too: a row with NULL there is never
+    claimed (``NULL <= now`` is not true), or fails every claim (``attempts + 1``).
 
     Raises:
         ConfigurationError: naming each column, its declared type and the
@@ -288,6 +290,12 @@ def check_claim_columns(table: sa.Table, time: DialectTime, dialect: Dialect) ->
             problems.append(
                 f"{table.name}.{want.name} is declared {_declared(have, dialect)}, expected "
                 f"{want.type.compile(dialect=dialect)}: {why}"
+            )
+        if not want.nullable and table.c[want.name].nullable:
+            problems.append(
+                f"{table.name}.{want.name} allows NULL, expected NOT NULL (with the default "
+                "`queue install` gives it): a row with NULL in it is never claimed, or fails "
+                "every claim"
             )
     if problems:
         raise ConfigurationError(

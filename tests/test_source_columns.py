@@ -19,7 +19,7 @@ import sqlalchemy as sa
 
 from dbtrigger import InMemoryCheckpointStore, PollTrigger, RowChange, SqlAlchemySource
 from dbtrigger.cursor import BEGINNING
-from dbtrigger.errors import SerializationError
+from dbtrigger.errors import SerializationError, SourceDefinitionError
 from dbtrigger.partitions.layout import Partition
 from dbtrigger.partitions.source import PartitionSource
 from tests.databases import TestDatabase
@@ -205,3 +205,37 @@ def _at(key: int) -> Any:
     from dbtrigger.cursor import Position  # noqa: PLC0415 - one helper's import
 
     return Position(cursor=key * 10, pk={"id": key})
+
+
+def test_a_cursor_retyped_under_a_running_poller_names_the_type_change(
+    server_db: TestDatabase,
+) -> None:
+    """``bigint`` to text while the poller runs. PostgreSQL fails the fetch (text >
+    bigint), so the source looked at the columns at once; MariaDB compares them as
+    numbers and returned the rows, whose text values the old columns' check refused
+    as a bad value in a row ('Fix the value in that row'), and ``dbtrigger run``
+    stopped on that advice. Either way the refusal now names the type change and
+    how to re-enter the checkpoint, and the checkpoint stays."""
+    db = server_db
+    table = items_table(db)
+    add_items(db, table, [1, 2])
+    source = source_for(db)
+    trigger = PollTrigger(name="items", source=source, checkpoint_store=InMemoryCheckpointStore())
+    try:
+        assert trigger.drain(Collect()) == 2
+        if db.kind == "postgresql":
+            alter(db, "ALTER TABLE {t} ALTER COLUMN version TYPE varchar(40)")
+        else:
+            alter(db, "ALTER TABLE {t} MODIFY version VARCHAR(40) NOT NULL")
+        db.execute(
+            f"INSERT INTO {db.qualified('items')} (id, version, payload) VALUES (3, '30', 'p')"
+        )
+        with pytest.raises(SourceDefinitionError) as refused:
+            trigger.tick(Collect())
+    finally:
+        trigger.close()
+        source.close()
+    message = str(refused.value)
+    assert "its type changed under the checkpoint" in message
+    assert "dbtrigger reset" in message
+    assert "Fix the value in that row" not in message

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import shlex
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 
 from dbtrigger import HandlerError, PollTrigger, SqlAlchemySource
 from dbtrigger.cursor import Position
-from dbtrigger.errors import FingerprintMismatchError
+from dbtrigger.errors import CorruptStateError, FingerprintMismatchError
 from dbtrigger.state import document as docmod
 from dbtrigger.state.lease import decide_acquire
 from tests.databases import TestDatabase
@@ -304,3 +305,32 @@ def test_with_no_backup_a_corrupt_document_is_replaced_by_a_reset_naming_the_tri
     assert doc.source_fingerprint == docmod.loads(good).source_fingerprint
     app.tick()  # delivered again from the beginning, no fingerprint mismatch
     assert app.seen == list(range(1, 11)) * 2
+
+
+def test_with_no_backup_the_history_names_the_reset_that_resumes_where_it_stood(
+    app: App, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A corrupt document and no backup: the way out offered was --to-beginning (every row
+    delivered again), and `dbtrigger history`, which holds the last position committed,
+    refused to run like every other command. It now shows the records and the reset
+    --to-cursor after the last of them; pasted, it resumes there with no row twice."""
+    app.tick()
+    app.tick()  # rows 1..20 committed
+    _, etag = app.raw()
+    app.backend.store.write("orders", b'{"version": 1, "poller_name"', if_match=etag)
+    with pytest.raises(CorruptStateError, match="dbtrigger history orders"):
+        app.tick()
+    source = ["--source", f"{app.module}:trigger"]
+    code, out, err = run(capsys, app.cli("history", "orders", *source))
+    assert code == 2  # the document is still unreadable: said on stderr as before
+    assert "not valid JSON" in err
+    assert "batch_" in out  # the records are shown
+    assert "resume       after 200 id=20, the last position recorded" in out
+    command = out.rsplit("\n  ", 1)[1].strip().split(" && ")[-1]
+    assert command.startswith("dbtrigger reset orders --to-cursor 200 --pk id=20 ")
+    # The same store named explicitly: run in this process, the command would close the
+    # trigger's own store on its way out, as its process ending does.
+    code, _, err = run(capsys, [*shlex.split(command)[1:], *app.backend.args])
+    assert code == 0, err
+    app.tick()
+    assert app.seen == list(range(1, 31))  # on from row 21: nothing lost, nothing twice

@@ -190,7 +190,9 @@ def test_a_corrupt_state_document_names_the_poller_the_store_and_the_way_out(
     assert store.describe() in message  # ...in which store...
     assert "Nothing was changed" in message  # ...and the ways out
     assert "dbtrigger reset orders --from-file BACKUP --force" in message
-    assert "dbtrigger reset orders --to-beginning --source MODULE:ATTR --force" in message
+    spec = "tests.test_runtime_state_errors:orders_poll"  # the function, filled in
+    assert f"dbtrigger reset orders --to-beginning --source {spec} --force" in message
+    assert f"dbtrigger history orders --source {spec}`" in message  # the last position
     assert err.value.poller == "orders"
 
     # Another poller's document copied under this name: the same, named.

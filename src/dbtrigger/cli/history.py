@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import shlex
 from collections.abc import Mapping
 from typing import Any, Literal
 
 from dbtrigger._argparse import add_json_option
+from dbtrigger._paste import pasteable
 from dbtrigger.cli.common import (
     Console,
     add_poller_argument,
@@ -29,10 +31,12 @@ from dbtrigger.cli.common import (
     state_store,
     text_table,
 )
+from dbtrigger.errors import CorruptStateError
 from dbtrigger.history import view
 from dbtrigger.history.derive import history_for
 from dbtrigger.history.records import detail_lines, waiting_of
 from dbtrigger.history.store import HistoryStore
+from dbtrigger.state.document import StateDocument
 from dbtrigger.state.stores.base import CheckpointStore
 
 #: Records shown without --all / --limit.
@@ -224,10 +228,40 @@ def _since(text: str) -> dt.datetime:
     return value
 
 
+def resume_command(args: argparse.Namespace, records: list[dict[str, Any]]) -> str:
+    """What replaces an unreadable state document without delivering a row twice: a
+    ``reset --to-cursor`` after the last position the history recorded (a commit's
+    ``to``, an operator's ``after``), or ``--to-beginning`` when it recorded none."""
+    spec = getattr(args, "source", None) or "MODULE:ATTR"
+    last = next(
+        (r.get("to") or r.get("after") for r in reversed(records) if r.get("to") or r.get("after")),
+        None,
+    )
+    tiebreaker = (last or {}).get("tiebreaker") or {}
+    if not last or (last.get("value") is None and not tiebreaker):
+        where, said = "--to-beginning", "no position recorded: every row is delivered again"
+    else:
+        keys = " ".join(f"--pk {shlex.quote(f'{k}={v}')}" for k, v in tiebreaker.items())
+        where = f"--to-cursor {shlex.quote(str(last.get('value')))} {keys}".rstrip()
+        said = f"after {show_position(last)}, the last position recorded"
+    command = pasteable(
+        f"dbtrigger reset {shlex.quote(args.poller)} {where} --source {shlex.quote(spec)} "
+        "--force --reason 'state document unreadable' --yes"
+    )
+    return (
+        "state        UNREADABLE (nothing was changed; see dbtrigger status): the records "
+        f"above are what the history holds\nresume       {said}:\n  {command}"
+    )
+
+
 def cmd_history(args: argparse.Namespace) -> int:
     console = Console()
+    unreadable: CorruptStateError | None = None
     with state_store(args) as store:
-        doc, _, _ = read_state(store, args.poller)
+        try:
+            doc: StateDocument | None = read_state(store, args.poller)[0]
+        except CorruptStateError as exc:  # the history is what tells where it stood
+            doc, unreadable = None, exc
         history = history_of(args, store)
         records = view.load(history, args.poller, doc)
     if args.batch:
@@ -264,6 +298,10 @@ def cmd_history(args: argparse.Namespace) -> int:
         if len(shown) < len(records):
             console.print(f"({len(records) - len(shown)} earlier record(s): --all, --since T)")
         console.print(f"kept in {where}")
+    if doc is None or unreadable is not None:
+        console.print(resume_command(args, records))
+        console.warn(f"error: {unreadable}")
+        return 2
     console.print(f"waiting now: {waiting_text(waiting_of(doc.window))}")
     return 0
 

@@ -192,7 +192,7 @@ class BatchReader:
                 fields={"poller": self.name},
             )
         except CorruptStateError as exc:  # a store that cannot decode what it holds
-            raise unreadable_state(self.store, self.name, exc) from exc
+            raise unreadable_state(self.store, self.name, exc, spec=self.cli_source()) from exc
         except OperatorError:
             raise
         except StoreError as exc:
@@ -202,7 +202,7 @@ class BatchReader:
             ) from exc
         if stored is None:
             return None, None
-        doc = load_state(self.store, self.name, stored)
+        doc = load_state(self.store, self.name, stored, self.cli_source())
         if doc.source_fingerprint != self.fingerprint():
             # Only on a mismatch: older fingerprints of the same definition
             # (an earlier algorithm) still name this source.

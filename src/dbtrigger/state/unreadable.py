@@ -10,6 +10,9 @@ checked in a document that cannot be read.
 
 from __future__ import annotations
 
+import shlex
+
+from dbtrigger._paste import pasteable
 from dbtrigger.errors import CorruptStateError
 from dbtrigger.redaction import redact
 from dbtrigger.state import document as docmod
@@ -18,28 +21,41 @@ from dbtrigger.state.stores.base import CheckpointStore, StoredDocument
 
 
 def unreadable_state(
-    store: CheckpointStore, poller: str, exc: CorruptStateError, stored: object = None
+    store: CheckpointStore,
+    poller: str,
+    exc: CorruptStateError,
+    stored: object = None,
+    spec: str | None = None,
 ) -> CorruptStateError:
     """``exc`` again, naming the poller, the store and the way out.
 
     ``stored`` (the document as read; by default what ``exc`` carries, from a
     store that could not decode it) is kept as the error's ``stored``
-    attribute: ``reset --force`` replaces exactly that version.
+    attribute: ``reset --force`` replaces exactly that version. ``spec``, the
+    ``module:attribute`` of the poller's trigger when known, is filled in the
+    commands (else they say ``MODULE:ATTR``). With no backup the way that
+    delivers no row twice is the last position the history recorded, which
+    ``dbtrigger history`` prints as a ``reset --to-cursor`` to paste.
     """
     if stored is None:
         stored = getattr(exc, "stored", None)
+    source = f"--source {shlex.quote(spec) if spec else 'MODULE:ATTR'}"
     error = CorruptStateError(
         f"the state of poller {poller!r} in {redact(store.describe())} cannot be read: {exc}. "
         "Nothing was changed. To replace it: dbtrigger reset "
         f"{poller} --from-file BACKUP --force (backups are in --backup-dir), or, with no "
-        f"backup, dbtrigger reset {poller} --to-beginning --source MODULE:ATTR --force",
+        f"backup, `{pasteable(f'dbtrigger history {poller} {source}')}` shows the last "
+        "position committed and the reset --to-cursor ... --force that resumes after it; "
+        f"dbtrigger reset {poller} --to-beginning {source} --force delivers every row again",
         poller=poller,
     )
     error.stored = stored  # type: ignore[attr-defined]
     return error
 
 
-def load_state(store: CheckpointStore, poller: str, stored: StoredDocument) -> StateDocument:
+def load_state(
+    store: CheckpointStore, poller: str, stored: StoredDocument, spec: str | None = None
+) -> StateDocument:
     """The document ``store`` holds for ``poller``, parsed; :func:`unreadable_state`
     if it is corrupt or is another poller's (copied under this name by hand)."""
     try:
@@ -47,7 +63,7 @@ def load_state(store: CheckpointStore, poller: str, stored: StoredDocument) -> S
         if doc.poller_name != poller:
             raise CorruptStateError(f"the document belongs to poller {doc.poller_name!r}")
     except CorruptStateError as exc:
-        raise unreadable_state(store, poller, exc, stored) from exc
+        raise unreadable_state(store, poller, exc, stored, spec) from exc
     return doc
 
 

@@ -7,7 +7,8 @@ Every claim, extension and settlement is one short unit of work
   saves the ``BEGIN`` and ``COMMIT`` round trips;
 * SQLite: every transaction takes the write lock up front (``BEGIN
   IMMEDIATE``), or two claimers could read the same rows before either
-  writes; claimers queue on the lock for up to 30 s instead of failing;
+  writes; claimers queue on the lock for up to :data:`LOCK_WAIT_SECONDS`
+  instead of failing;
 * PostgreSQL and MariaDB/MySQL: a statement waits at most
   :data:`LOCK_WAIT_SECONDS` for a row lock another transaction holds (an
   application's transaction left open on a job row): at the databases'
@@ -32,7 +33,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 #: How long a claim, extension or settlement on a queue's own engine waits for a
-#: lock another transaction holds (PostgreSQL, MariaDB/MySQL; see the module doc).
+#: lock another transaction holds (see the module doc). Read when the engine's
+#: options are made (tests lower it to see a give-up in seconds).
 LOCK_WAIT_SECONDS = 30
 
 
@@ -50,7 +52,7 @@ def engine_options(dialect: str, engine_kwargs: Mapping[str, Any]) -> dict[str, 
         }
     kwargs.update(engine_kwargs)
     if dialect == "sqlite":
-        kwargs.setdefault("connect_args", {"timeout": 30})
+        kwargs.setdefault("connect_args", {"timeout": LOCK_WAIT_SECONDS})
     return kwargs
 
 

@@ -7,7 +7,10 @@ it: for ever on PostgreSQL (the queue's engine is in autocommit, ``lock_timeout
 engine now bounds every claim, extension and settlement to
 ``LOCK_WAIT_SECONDS`` (30 s) of lock waiting (SQLite's claimers queue on the file
 lock as long): the settlement fails as ``CommitError``, the claim expires and the
-row is claimed again. The tests lower the bound to 2 s (the databases keep their
+row is claimed again. The same with the user's own driver arguments
+(``engine_kwargs={"connect_args": ...}``), which used to replace the bound instead
+of keeping it (for ever again on PostgreSQL, 50 s on MariaDB, SQLite's 5 s
+default). The tests lower the bound to 2 s (the databases keep their
 defaults); ``test_the_shipped_bound_is_30_seconds`` holds the default. A thread
 runs the tick; the test waits for its outcome with a bound and ends the holder's
 transaction in any case.
@@ -47,9 +50,48 @@ def test_the_shipped_bound_is_30_seconds() -> None:
     assert engines.engine_options("sqlite", {})["connect_args"] == {"timeout": 30}
 
 
-def test_a_settlement_behind_a_row_lock_gives_up(db: TestDatabase, bound: int) -> None:
+#: Driver arguments of the user's own (``engine_kwargs={"connect_args": ...}``),
+#: with a setting of theirs to see on the queue's connections: before, the queue's
+#: lock bound was dropped for them (a settlement waited for ever on PostgreSQL).
+THEIR_CONNECT_ARGS = {
+    "postgresql": {"application_name": "jobs", "options": "-c work_mem=8MB"},
+    "mariadb": {"connect_timeout": 10, "init_command": "SET @app = 'jobs'"},
+    "sqlite": {"check_same_thread": False},
+}
+
+
+def settings(db: TestDatabase, source: ClaimSource) -> dict[str, object]:
+    """The lock bound and the user's setting, on a connection of the queue's engine."""
+    statements = {
+        "postgresql": "SELECT current_setting('lock_timeout'), "
+        "current_setting('application_name'), current_setting('work_mem')",
+        "mariadb": "SELECT @@innodb_lock_wait_timeout, @@lock_wait_timeout, @app",
+        "sqlite": "PRAGMA busy_timeout",
+    }
+    with source.engine.connect() as conn:
+        row = conn.exec_driver_sql(statements[db.kind]).one()
+        conn.rollback()
+    return dict(zip(("bound", "second", "theirs"), row, strict=False))
+
+
+@pytest.mark.parametrize("connect_args", ["none", "theirs"])
+def test_a_settlement_behind_a_row_lock_gives_up(
+    db: TestDatabase, bound: int, connect_args: str
+) -> None:
     make_jobs(db, 1)
-    source = ClaimSource(url=db.url, table="jobs", schema=db.schema, pk_columns=["id"])
+    theirs = connect_args == "theirs"
+    source = ClaimSource(
+        url=db.url,
+        table="jobs",
+        schema=db.schema,
+        pk_columns=["id"],
+        engine_kwargs={"connect_args": THEIR_CONNECT_ARGS[db.kind]} if theirs else None,
+    )
+    expected: dict[str, dict[str, object]] = {
+        "postgresql": {"bound": f"{bound}s", "second": "jobs" if theirs else "", "theirs": "8MB"},
+        "mariadb": {"bound": bound, "second": bound, "theirs": "jobs" if theirs else None},
+        "sqlite": {"bound": bound * 1000},
+    }
     queue = QueueTrigger(
         name="jobs",
         source=source,
@@ -75,6 +117,16 @@ def test_a_settlement_behind_a_row_lock_gives_up(db: TestDatabase, bound: int) -
         [error] = outcome
         assert isinstance(error, CommitError), repr(error)
         assert "claimed again" in str(error), error
+        # the claim expiring (visible again now), the row is delivered again
+        db.execute(f"UPDATE {db.qualified('jobs')} SET dbt_visible_at = '2000-01-01 00:00:00.000'")
+        again: list[RowChange] = []
+        queue.tick(again.extend)
+        assert [e.pk for e in again] == [{"id": 1}]
+        seen = settings(db, source)
+        if db.kind == "postgresql" and not theirs:
+            seen.pop("theirs")  # the server's work_mem
+            expected["postgresql"].pop("theirs")
+        assert seen == expected[db.kind]
     finally:
         holder.close()
         queue.close()

@@ -15,7 +15,9 @@ Every claim, extension and settlement is one short unit of work
   defaults a settlement waited for ever on PostgreSQL and 50 s on MariaDB,
   the tick hung with its claim. It now fails (``CommitError``), the claim
   expires and the rows are claimed again. Set at connect time, so it costs no
-  round trip; a shared engine (below) keeps its own settings;
+  round trip per transaction; merged into the user's ``connect_args`` (and
+  the URL's), whose own settings win (:func:`bounded_connect_args`); a shared
+  engine (below) keeps its own settings;
 * no pre-ping anywhere: it would add a round trip to every claim and
   settlement. A connection the server dropped fails one operation (FetchError
   or CommitError, retried by the next tick; SQLAlchemy discards the pool).
@@ -26,11 +28,14 @@ but keeps these options and events to itself.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
+
+from dbtrigger.errors import ConfigurationError
 
 #: How long a claim, extension or settlement on a queue's own engine waits for a
 #: lock another transaction holds (see the module doc). Read when the engine's
@@ -38,22 +43,102 @@ from sqlalchemy.engine import Connection, Engine
 LOCK_WAIT_SECONDS = 30
 
 
-def engine_options(dialect: str, engine_kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """``create_engine`` options for a queue's own engine (``engine_kwargs`` win)."""
+def engine_options(
+    dialect: str, engine_kwargs: Mapping[str, Any], query: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """``create_engine`` options for a queue's own engine: ``engine_kwargs`` win,
+    except that the lock bound is merged into their ``connect_args`` instead of
+    being replaced by them (:func:`bounded_connect_args`). ``query``: the URL's
+    query string, whose driver arguments count as the user's too."""
     kwargs: dict[str, Any] = {"pool_pre_ping": False}
     if dialect == "postgresql":
         kwargs["isolation_level"] = "AUTOCOMMIT"
-        kwargs["connect_args"] = {"options": f"-c lock_timeout={LOCK_WAIT_SECONDS * 1000}"}
-    elif dialect == "mysql":
-        wait = LOCK_WAIT_SECONDS
-        kwargs["connect_args"] = {
-            "init_command": f"SET SESSION innodb_lock_wait_timeout = {wait}, "
-            f"SESSION lock_wait_timeout = {wait}"
-        }
     kwargs.update(engine_kwargs)
-    if dialect == "sqlite":
-        kwargs.setdefault("connect_args", {"timeout": LOCK_WAIT_SECONDS})
+    given = engine_kwargs.get("connect_args") or {}
+    if not isinstance(given, Mapping):
+        raise ConfigurationError(
+            f"engine_kwargs connect_args must be a dict of driver arguments, not "
+            f"{type(given).__name__}"
+        )
+    kwargs["connect_args"] = bounded_connect_args(dialect, given, query or {})
     return kwargs
+
+
+def bounded_connect_args(
+    dialect: str, given: Mapping[str, Any], query: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The user's driver arguments (``given``, then the URL's ``query``) with the
+    queue's lock bound (:data:`LOCK_WAIT_SECONDS`, read at each call) added.
+
+    The user's keys win, and a bound the user set is theirs:
+
+    * PostgreSQL: ``-c lock_timeout=...`` is appended to their ``options``
+      (``-c search_path=...``) unless those already set ``lock_timeout``;
+    * SQLite: ``timeout`` unless they gave one;
+    * MariaDB/MySQL: ``init_command`` is the bound, unless they gave one of
+      their own: theirs is kept, and :func:`prepare_own_engine` sets the bound
+      after it on each new connection (for the variables theirs leaves alone).
+    """
+    args = dict(given)
+    wait = LOCK_WAIT_SECONDS
+    if dialect == "postgresql":
+        options = _user_value(args, query, "options")
+        if options is None or not _PG_LOCK_TIMEOUT.search(options):
+            args["options"] = f"{options or ''} -c lock_timeout={wait * 1000}".strip()
+    elif dialect == "mysql":
+        if _user_value(args, query, "init_command") is None:
+            args["init_command"] = mysql_lock_bound(_MYSQL_LOCK_VARIABLES)
+    elif dialect == "sqlite" and _user_value(args, query, "timeout") is None:
+        args["timeout"] = wait
+    return args
+
+
+def prepare_own_engine(engine: Engine, dialect: str, engine_kwargs: Mapping[str, Any]) -> None:
+    """Events of a queue's own engine, once, before its first connection:
+    ``BEGIN IMMEDIATE`` on SQLite; on MariaDB/MySQL with the user's own
+    ``init_command``, the lock bound set after it on each new connection
+    (one statement at connect time, none per transaction)."""
+    if dialect == "sqlite":
+        begin_immediate(engine)
+        return
+    if dialect != "mysql":
+        return
+    theirs = _user_value(engine_kwargs.get("connect_args") or {}, engine.url.query, "init_command")
+    if theirs is None:
+        return  # the bound is the init_command (bounded_connect_args)
+    left = [v for v in _MYSQL_LOCK_VARIABLES if not re.search(rf"\b{v}\b", theirs, re.I)]
+    if not left:
+        return
+    statement = mysql_lock_bound(left)
+
+    @sa.event.listens_for(engine, "connect")
+    def _bound_lock_waits(dbapi_connection: Any, record: Any) -> None:
+        del record
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(statement)
+        finally:
+            cursor.close()
+
+
+def mysql_lock_bound(variables: Sequence[str]) -> str:
+    """``SET SESSION`` of the lock bound for these MariaDB/MySQL variables."""
+    wait = LOCK_WAIT_SECONDS
+    return "SET " + ", ".join(f"SESSION {v} = {wait}" for v in variables)
+
+
+#: The MariaDB/MySQL variables bounding row locks (InnoDB) and metadata locks.
+_MYSQL_LOCK_VARIABLES = ("innodb_lock_wait_timeout", "lock_wait_timeout")
+_PG_LOCK_TIMEOUT = re.compile(r"\block_timeout\b", re.I)
+
+
+def _user_value(args: Mapping[str, Any], query: Mapping[str, Any], key: str) -> str | None:
+    """A driver argument as the user gave it: ``connect_args`` win over the URL's
+    query string, as in SQLAlchemy (a repeated query key counts whole)."""
+    value = args[key] if key in args else query.get(key)
+    if value is None:
+        return None
+    return " ".join(value) if isinstance(value, tuple | list) else str(value)
 
 
 def claim_view(shared: Engine, dialect: str) -> Engine:
@@ -90,4 +175,12 @@ def begin_immediate(engine: Engine, *, own_connections: bool = True) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
-__all__ = ["LOCK_WAIT_SECONDS", "begin_immediate", "claim_view", "engine_options"]
+__all__ = [
+    "LOCK_WAIT_SECONDS",
+    "begin_immediate",
+    "bounded_connect_args",
+    "claim_view",
+    "engine_options",
+    "mysql_lock_bound",
+    "prepare_own_engine",
+]

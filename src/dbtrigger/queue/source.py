@@ -51,7 +51,7 @@ from dbtrigger.errors import (
 )
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.queue import operations, producer
-from dbtrigger.queue.engines import begin_immediate, claim_view, engine_options
+from dbtrigger.queue.engines import claim_view, engine_options, prepare_own_engine
 from dbtrigger.queue.layout import Claim, ClaimedRow, ClaimLayout, ColumnsLayout, QueueTable
 from dbtrigger.queue.operations import QueueCounts
 from dbtrigger.queue.producer import RunAfter
@@ -102,7 +102,9 @@ class ClaimSource:
             (as for :class:`~dbtrigger.SqlAlchemySource`; workers do not need it).
         claims_table: sidecar mode: the claims table's name (default
             ``dbtrigger_claims``, in ``schema``; one table serves many queues).
-        engine_kwargs: passed to :func:`sqlalchemy.create_engine`.
+        engine_kwargs: passed to :func:`sqlalchemy.create_engine`; the queue's
+            lock bound is merged into their ``connect_args``
+            (:func:`~dbtrigger.queue.engines.bounded_connect_args`).
         engine: share an existing engine instead of creating one, as for
             :class:`~dbtrigger.SqlAlchemySource` (``url`` is then only used for
             the name and may be omitted): the passwordless recipe is
@@ -179,7 +181,7 @@ class ClaimSource:
         self._queue: QueueTable | None = None
         #: The user table's columns as the claim statements were built on them.
         self._columns: ColumnWatch | None = None
-        self._sqlite_hooked = False
+        self._own_hooked = False
 
     # --- identity -------------------------------------------------------------------
 
@@ -200,11 +202,13 @@ class ClaimSource:
         if self._engines_built is None:
             with self._engine_lock:
                 if self._engines_built is None:
-                    shared = self.shared_engine
+                    shared, dialect = self.shared_engine, self.time.dialect
                     self._engines_built = (
-                        LazyEngine(self.url, engine_options(self.time.dialect, self._engine_kwargs))
+                        LazyEngine(
+                            self.url, engine_options(dialect, self._engine_kwargs, self.url.query)
+                        )
                         if shared is None
-                        else LazyEngine(self.url, engine=claim_view(shared, self.time.dialect))
+                        else LazyEngine(self.url, engine=claim_view(shared, dialect))
                     )
         return self._engines_built
 
@@ -248,11 +252,11 @@ class ClaimSource:
     @property
     def engine(self) -> Engine:
         engine = self._engines.engine
-        if self.time.dialect == "sqlite" and not self._sqlite_hooked and not self.shared_engine:
+        if not self._own_hooked and not self.shared_engine:
             with self._engine_lock:
-                if not self._sqlite_hooked:
-                    begin_immediate(engine)
-                    self._sqlite_hooked = True
+                if not self._own_hooked:
+                    prepare_own_engine(engine, self.time.dialect, self._engine_kwargs)
+                    self._own_hooked = True
         return engine
 
     def close(self) -> None:

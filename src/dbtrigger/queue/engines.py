@@ -8,7 +8,8 @@ Every claim, extension and settlement is one short unit of work
 * SQLite: every transaction takes the write lock up front (``BEGIN
   IMMEDIATE``), or two claimers could read the same rows before either
   writes; claimers queue on the lock for up to :data:`LOCK_WAIT_SECONDS`
-  instead of failing;
+  instead of failing. Reads of the table's shape, status and dead rows
+  (:func:`reading`) begin deferred instead, beside a writer;
 * PostgreSQL and MariaDB/MySQL: a statement waits at most
   :data:`LOCK_WAIT_SECONDS` for a row lock another transaction holds (an
   application's transaction left open on a job row): at the databases'
@@ -172,7 +173,20 @@ def begin_immediate(engine: Engine, *, own_connections: bool = True) -> None:
 
     @sa.event.listens_for(engine, "begin")
     def _immediate(conn: Connection) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        reads = conn.get_execution_options().get(_READS_ONLY, False)
+        conn.exec_driver_sql("BEGIN" if reads else "BEGIN IMMEDIATE")
+
+
+def reading(engine: Engine) -> Connection:
+    """A connection of a queue's engine for reads only (the table's shape, status,
+    dead rows): on SQLite its transactions begin deferred, so they neither take
+    the write lock nor wait behind another connection's writer (a reader waits
+    only while a commit is being written). Elsewhere a plain connection."""
+    return engine.connect().execution_options(**{_READS_ONLY: True})
+
+
+#: Execution option of a :func:`reading` connection.
+_READS_ONLY = "dbtrigger_reads_only"
 
 
 __all__ = [
@@ -183,4 +197,5 @@ __all__ = [
     "engine_options",
     "mysql_lock_bound",
     "prepare_own_engine",
+    "reading",
 ]

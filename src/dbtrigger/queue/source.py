@@ -51,7 +51,7 @@ from dbtrigger.errors import (
 )
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.queue import operations, producer
-from dbtrigger.queue.engines import claim_view, engine_options, prepare_own_engine
+from dbtrigger.queue.engines import claim_view, engine_options, prepare_own_engine, reading
 from dbtrigger.queue.layout import Claim, ClaimedRow, ClaimLayout, ColumnsLayout, QueueTable
 from dbtrigger.queue.operations import QueueCounts
 from dbtrigger.queue.producer import RunAfter
@@ -289,7 +289,7 @@ class ClaimSource:
                 if self._target is None:
                     with (
                         failed_as(FetchError, f"could not inspect queue {self.name}"),
-                        self.engine.connect() as conn,
+                        reading(self.engine) as conn,
                     ):
                         self._target = self._resolve(conn)
         return self._target
@@ -349,7 +349,7 @@ class ClaimSource:
         if watch is None:
             return False
         try:
-            with self.engine.connect() as conn:
+            with reading(self.engine) as conn:
                 change = watch.check(conn, self._bare_table)
         except SQLAlchemyError:
             return False
@@ -510,8 +510,8 @@ class ClaimSource:
     # --- operator commands ----------------------------------------------------------
 
     def counts(self) -> QueueCounts:
-        target = self.target  # checked before a connection is taken (SQLite: one writer)
-        with failed_as(FetchError, f"status of {self.name} failed"), self.engine.connect() as conn:
+        target = self.target  # checked before a connection is taken
+        with failed_as(FetchError, f"status of {self.name} failed"), reading(self.engine) as conn:
             return operations.counts(target, conn)
 
     def redrive_dead(
@@ -543,7 +543,7 @@ class ClaimSource:
         target = self.target
         with (
             failed_as(FetchError, f"reading dead rows of {self.name} failed"),
-            self.engine.connect() as conn,
+            reading(self.engine) as conn,
         ):
             return operations.dead_rows(target, conn, limit=limit)
 

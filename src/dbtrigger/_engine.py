@@ -30,6 +30,12 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 
+from dbtrigger._lock_wait import (
+    DEFAULT_STORE_LOCK_TIMEOUT,
+    create_if_missing,
+    lock_timed_out,
+    table_exists,
+)
 from dbtrigger._once import Once
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.redaction import remember_url_secrets
@@ -344,19 +350,27 @@ class TableOnce(Once):
 
     ``ensure`` is safe from several threads, and another process creating the
     table between our check and our ``CREATE`` is no error (the table is there).
+    The ``CREATE`` waits at most ``lock_timeout`` seconds for a lock another session
+    holds (:func:`~dbtrigger._lock_wait.create_if_missing`); the driver's error is raised.
     """
 
-    def __init__(self, table: sa.Table, engine: Callable[[], Engine]) -> None:
+    def __init__(
+        self,
+        table: sa.Table,
+        engine: Callable[[], Engine],
+        lock_timeout: float = DEFAULT_STORE_LOCK_TIMEOUT,
+    ) -> None:
         super().__init__(self._create)
         self.table = table
         self._engine = engine
+        self.lock_timeout = lock_timeout
 
     def _create(self) -> None:
         engine = self._engine()
         try:
-            self.table.create(engine, checkfirst=True)
-        except sa.exc.SQLAlchemyError:
-            if not sa.inspect(engine).has_table(self.table.name, self.table.schema):
+            create_if_missing(engine, self.table, self.lock_timeout)
+        except sa.exc.SQLAlchemyError as exc:
+            if lock_timed_out(exc) or not table_exists(engine, self.table, self.lock_timeout):
                 raise
 
 

@@ -156,6 +156,28 @@ def bounded_transaction(engine: Engine, seconds: float) -> Iterator[Connection]:
         yield conn
 
 
+def create_if_missing(engine: Engine, table: sa.Table, seconds: float) -> None:
+    """Create ``table`` (with its indexes) unless it exists, waiting at most ``seconds``
+    for a lock; the driver's error is raised when that runs out (:func:`lock_timed_out`).
+
+    The tables dbtrigger creates at their first use (a SQL store's, history's or
+    quarantine's) are created inside a tick, and creating one waits for locks as a
+    write does: on PostgreSQL behind another transaction creating the same table
+    that is still open (for ever, ``lock_timeout = 0``), on MariaDB behind a backup's
+    ``BACKUP STAGE BLOCK_DDL`` or a ``FLUSH TABLES WITH READ LOCK`` (a day), on
+    SQLite behind another connection's write transaction (its busy timeout)."""
+    with bounded_transaction(engine, seconds) as conn:
+        table.create(conn, checkfirst=True)
+
+
+def table_exists(engine: Engine, table: sa.Table, seconds: float) -> bool:
+    """Is ``table`` there? Asked waiting at most ``seconds`` for a lock: on MariaDB the
+    question (``DESCRIBE``) waits behind another session's exclusive metadata lock on
+    the name (a ``CREATE TABLE ... SELECT`` of it still running), a day by default."""
+    with bounded_transaction(engine, seconds) as conn:
+        return sa.inspect(conn).has_table(table.name, schema=table.schema)
+
+
 def lock_timed_out(exc: BaseException) -> bool:
     """True when ``exc`` is a statement that gave up waiting for a lock."""
     orig = getattr(exc, "orig", None) or exc
@@ -258,10 +280,12 @@ __all__ = [
     "DEFAULT_WRITE_LOCK_TIMEOUT",
     "bounded_transaction",
     "check_lock_timeout",
+    "create_if_missing",
     "gave_up_waiting",
     "in_autocommit",
     "lock_holders",
     "lock_timed_out",
     "lock_wait_bounded",
+    "table_exists",
     "write_connection",
 ]

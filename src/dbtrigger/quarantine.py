@@ -305,7 +305,9 @@ class SqlQuarantineSink:
             )
             self._engines.engine  # noqa: B018 - created now: a bad URL fails here
         self.table = quarantine_table(table, schema)
-        self._creation = TableOnce(self.table, lambda: self._engine) if create_table else None
+        self._creation = (
+            TableOnce(self.table, lambda: self._engine, self.lock_timeout) if create_table else None
+        )
 
     @property
     def _engine(self) -> sa.Engine:

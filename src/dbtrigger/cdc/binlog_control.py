@@ -34,20 +34,60 @@ delivered.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pymysql
 
 from dbtrigger._driver_errors import short_error
+from dbtrigger._lock_wait import DEFAULT_STORE_LOCK_TIMEOUT, lock_timed_out
 from dbtrigger.cdc.binlog_setup import current_user, translated
 from dbtrigger.cdc.snapshots import Snapshot
-from dbtrigger.errors import ConfigurationError, DbTriggerError, SourcePermissionError
+from dbtrigger.errors import ConfigurationError, DbTriggerError, FetchError, SourcePermissionError
 
 TABLE = "dbtrigger_cdc_binlog"
 _NO_COLUMN = 1054  # ER_BAD_FIELD_ERROR: a control table of an earlier version
 CHUNKS = "dbtrigger_cdc_chunks"
+
+#: How long creating or altering the control tables waits for a metadata lock (a
+#: transaction open on the table elsewhere, a backup's BACKUP STAGE BLOCK_DDL): the
+#: server's lock_wait_timeout is a day by default, and the tick waited all of it.
+DDL_LOCK_WAIT_SECONDS = DEFAULT_STORE_LOCK_TIMEOUT
+
+
+@contextlib.contextmanager
+def _bounded_ddl(
+    conn: pymysql.connections.Connection[Any], database: str, table: str, doing: str
+) -> Iterator[pymysql.cursors.Cursor]:
+    """A cursor whose statements wait at most :data:`DDL_LOCK_WAIT_SECONDS` for a
+    metadata lock (the session's own bound is set back after); giving up is a
+    :class:`~dbtrigger.errors.FetchError` (the next tick tries again) naming the table."""
+    wait = max(1, round(DDL_LOCK_WAIT_SECONDS))
+    with conn.cursor() as cur:
+        cur.execute(
+            "SET @dbtrigger_table_wait = @@SESSION.lock_wait_timeout, "
+            "SESSION lock_wait_timeout = %s",
+            (wait,),
+        )
+        try:
+            yield cur
+        except pymysql.MySQLError as exc:
+            if not lock_timed_out(exc):
+                raise
+            raise FetchError(
+                f"{doing} {database}.{table} waited {wait} s for a metadata lock another "
+                "session holds (a transaction left open on the table, or a backup blocking "
+                "DDL) and gave up; nothing was changed, the next tick tries again. End that "
+                f"transaction or backup ({type(exc).__name__} {exc.args[0]})",
+                table=f"{database}.{table}",
+                seconds=wait,
+            ) from exc
+        finally:
+            with contextlib.suppress(pymysql.MySQLError):
+                cur.execute("SET SESSION lock_wait_timeout = @dbtrigger_table_wait")
 
 
 def create_sql(database: str) -> list[str]:
@@ -91,8 +131,11 @@ def ensure(conn: pymysql.connections.Connection[Any], database: str) -> bool:
         return False
     statements = create_sql(database)
     try:
-        with translated("creating the control tables"), conn.cursor() as cur:
-            for statement in statements:
+        for name, statement in zip((TABLE, CHUNKS), statements, strict=True):
+            with (
+                translated("creating the control tables"),
+                _bounded_ddl(conn, database, name, "creating") as cur,
+            ):
                 cur.execute(statement)
     except SourcePermissionError as exc:
         raise SourcePermissionError(
@@ -140,7 +183,10 @@ def upgrade(conn: pymysql.connections.Connection[Any], database: str) -> None:
     if statement is None:
         return
     try:
-        with translated("adding columns to the control table"), conn.cursor() as cur:
+        with (
+            translated("adding columns to the control table"),
+            _bounded_ddl(conn, database, TABLE, "adding columns to") as cur,
+        ):
             cur.execute(statement)
     except SourcePermissionError as exc:
         raise SourcePermissionError(

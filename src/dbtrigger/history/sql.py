@@ -36,7 +36,9 @@ from dbtrigger._driver_errors import short_error
 from dbtrigger._lock_wait import (
     DEFAULT_STORE_LOCK_TIMEOUT,
     bounded_transaction,
+    create_if_missing,
     lock_timed_out,
+    table_exists,
 )
 from dbtrigger.errors import (
     CasConflictError,
@@ -167,15 +169,15 @@ class SqlHistory:
         with self._lock:
             if self._ready:
                 return True
-            with self.engine.connect() as conn:
-                exists = sa.inspect(conn).has_table(self.table.name, schema=self.table.schema)
+            exists = table_exists(self.engine, self.table, self.lock_timeout)
             if not exists and self._create and writing:
                 try:
-                    self.table.create(self.engine, checkfirst=True)
-                except sa.exc.DBAPIError:
-                    with self.engine.connect() as conn:
-                        if not sa.inspect(conn).has_table(self.table.name, self.table.schema):
-                            raise
+                    create_if_missing(self.engine, self.table, self.lock_timeout)
+                except sa.exc.DBAPIError as exc:
+                    if lock_timed_out(exc) or not table_exists(
+                        self.engine, self.table, self.lock_timeout
+                    ):
+                        raise
                 exists = True
             self._ready = exists
             return exists

@@ -187,7 +187,7 @@ class SqlMarks:
             sa.Column("detail", sa.Text, nullable=False),
             schema=base.schema,
         )
-        self._creation = TableOnce(self.table, lambda: self.engine)
+        self._creation = TableOnce(self.table, lambda: self.engine, sink.lock_timeout)
 
     @property
     def engine(self) -> sa.Engine:

@@ -67,9 +67,11 @@ from dbtrigger._engine import LazyEngine, parse_database_url
 from dbtrigger._lock_wait import (
     DEFAULT_STORE_LOCK_TIMEOUT,
     check_lock_timeout,
+    create_if_missing,
     gave_up_waiting,
     lock_timed_out,
     lock_wait_bounded,
+    table_exists,
     write_connection,
 )
 from dbtrigger._once import Once
@@ -378,16 +380,19 @@ class SqlCheckpointStore:
         """Create the state table if it does not exist (safe to race)."""
         with self._edge("create table", self.table_name):
             try:
-                self._table.create(self._engine, checkfirst=True)
+                create_if_missing(self._engine, self._table, self.lock_timeout)
             except sa.exc.DBAPIError as exc:
                 # Another process created it between our check and our CREATE.
-                if classify_driver_error(exc) == "auth" or not self._table_exists():
+                if (
+                    lock_timed_out(exc)
+                    or classify_driver_error(exc) == "auth"
+                    or not self._table_exists()
+                ):
                     raise
         self._creation.done = True
 
     def _table_exists(self) -> bool:
-        with self._engine.connect() as conn:
-            return sa.inspect(conn).has_table(self._table.name, schema=self._table.schema)
+        return table_exists(self._engine, self._table, self.lock_timeout)
 
     def _ensure_table(self) -> None:
         self._creation.ensure()

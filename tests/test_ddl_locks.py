@@ -1,0 +1,243 @@
+"""DDL dbtrigger runs inside a tick gives up waiting for a lock, as its writes do.
+
+A SQL checkpoint store, the SQL history and a SQL quarantine create their table at
+its first write, and a BinlogSource creates (or adds columns to) its control tables
+when it sets up. Each ran that DDL, and the existence check before it, with the
+session's own lock wait: behind another session creating the same table (a
+transaction left open on PostgreSQL, a ``CREATE TABLE ... SELECT`` still running on
+MariaDB) or a transaction open on the table, PostgreSQL waited for ever
+(``lock_timeout = 0``) and MariaDB its ``lock_wait_timeout``, a day. The tick hung
+there and said nothing. Now each waits at most its lock bound (the store's
+``lock_timeout_seconds``, 10 s by default) and fails with a retryable error naming
+the table; the next try, once the lock is gone, creates it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from dbtrigger.cdc import binlog_control as control
+from dbtrigger.cdc.binlog_setup import connect
+from dbtrigger.errors import FetchError, QuarantineError, RetryableError, StoreUnavailableError
+from dbtrigger.history.derive import history_for
+from dbtrigger.quarantine import QuarantineRecord, SqlQuarantineSink
+from dbtrigger.state.stores.sql import SqlCheckpointStore
+from tests.databases import TestDatabase
+
+#: How long a test lets the call wait before it calls it hung (the bound is 1 s).
+GIVE_UP_WITHIN = 25.0
+
+
+@contextlib.contextmanager
+def ddl_blocked(db: TestDatabase, table: str) -> Iterator[None]:
+    """Another session holds what creating ``table`` needs: on PostgreSQL a
+    transaction that creates it too and stays open; on MariaDB (whose DDL commits at
+    once) a ``CREATE TABLE ... SELECT`` of it that is still running; on SQLite a
+    write transaction."""
+    if db.kind == "mariadb":
+        with creating_slowly(db, table):
+            yield
+        return
+    holder = db.engine.connect()
+    try:
+        if db.kind == "postgresql":
+            holder.begin()
+            holder.exec_driver_sql(f"CREATE TABLE {db.qualified(table)} (x int)")
+        else:
+            holder.exec_driver_sql("BEGIN IMMEDIATE")
+        yield
+    finally:
+        holder.rollback()
+        holder.close()
+
+
+@contextlib.contextmanager
+def creating_slowly(db: TestDatabase, table: str) -> Iterator[None]:
+    """MariaDB: another session's ``CREATE TABLE ... SELECT SLEEP(...)`` holds the
+    table name's exclusive metadata lock until it is killed at the end of the block."""
+    holder = db.engine.connect()
+    ident = holder.exec_driver_sql("SELECT CONNECTION_ID()").scalar()
+    statement = f"CREATE TABLE {db.qualified(table)} (x int) SELECT SLEEP(60) AS x"
+    thread = threading.Thread(target=_run_quietly, args=(holder, statement), daemon=True)
+    thread.start()
+    try:
+        with db.engine.connect() as watcher:
+            for _ in range(200):  # until it runs (bounded: 200 looks, 50 ms apart)
+                running = watcher.exec_driver_sql(
+                    f"SELECT STATE FROM information_schema.PROCESSLIST WHERE ID = {ident}"
+                ).scalar()
+                if running == "User sleep":
+                    break
+                thread.join(0.05)
+            assert running == "User sleep", running
+        yield
+    finally:
+        with db.engine.connect() as killer:
+            killer.exec_driver_sql(f"KILL QUERY {ident}")
+        thread.join(30)
+        holder.close()
+
+
+def _run_quietly(conn: sa.Connection, statement: str) -> None:
+    with contextlib.suppress(sa.exc.DBAPIError):  # killed at the end of the block
+        conn.exec_driver_sql(statement)
+
+
+def outcome(hold: contextlib.AbstractContextManager[Any], call: Callable[[], Any]) -> Any:
+    """What ``call`` returned or raised, run while ``hold`` is held; fails the test
+    when it was still waiting after :data:`GIVE_UP_WITHIN` seconds."""
+    result: list[Any] = []
+
+    def run() -> None:
+        try:
+            result.append(call())
+        except BaseException as exc:
+            result.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    with hold:
+        thread.start()
+        thread.join(GIVE_UP_WITHIN)
+        waited = thread.is_alive()
+    thread.join(60)
+    assert not waited, f"the DDL still waited for the lock after {GIVE_UP_WITHIN:g} s"
+    [value] = result
+    return value
+
+
+def gave_up(error: object, kind: type[BaseException], table: str) -> str:
+    assert isinstance(error, kind), repr(error)
+    assert isinstance(error, RetryableError), repr(error)
+    message = str(error)
+    assert table in message, message
+    assert "waited 1 s for a lock another transaction holds on the table" in message, message
+    return message
+
+
+def test_a_state_table_created_behind_a_lock_gives_up(db: TestDatabase) -> None:
+    store = SqlCheckpointStore(url=db.url, schema=db.schema, lock_timeout_seconds=1)
+    try:
+        error = outcome(
+            ddl_blocked(db, "dbtrigger_state"),
+            lambda: store.write("orders", b'{"v": 1}', if_match=None),
+        )
+        message = gave_up(error, StoreUnavailableError, "dbtrigger_state")
+        assert message.startswith("create table of '"), message
+        etag = store.write("orders", b'{"v": 1}', if_match=None)  # the next try creates it
+        found = store.read("orders")
+        assert found is not None
+        assert found.etag == etag
+    finally:
+        store.close()
+
+
+def test_a_history_table_created_behind_a_lock_gives_up(db: TestDatabase) -> None:
+    store = SqlCheckpointStore(url=db.url, schema=db.schema, lock_timeout_seconds=1)
+    history = history_for(store)
+    assert history is not None
+    record = {"type": "commit", "at": "2026-01-01T00:00:00Z", "batch_id": "b1", "id": "r1"}
+    try:
+        store.write("orders", b'{"v": 1}', if_match=None)  # the state table: there
+        error = outcome(
+            ddl_blocked(db, "dbtrigger_state_history"),
+            lambda: history.append("orders", [record], after_seq=0),
+        )
+        gave_up(error, StoreUnavailableError, "dbtrigger_state_history")
+        history.append("orders", [record], after_seq=0)
+        assert [r["seq"] for r in history.read("orders")] == [1]
+    finally:
+        store.close()
+
+
+def test_a_quarantine_table_created_behind_a_lock_gives_up(db: TestDatabase) -> None:
+    sink = SqlQuarantineSink(url=db.url, schema=db.schema, lock_timeout_seconds=1)
+    record = QuarantineRecord(
+        poller="orders",
+        event_id="e1",
+        source="test",
+        pk={"id": 1},
+        cursor=1,
+        row=None,
+        error="boom",
+        attempts=5,
+        checkpoint={},
+        batch_id="b1",
+        fencing_token=3,
+        owner_id="me",
+        quarantined_at=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc),
+    )
+    try:
+        error = outcome(ddl_blocked(db, "dbtrigger_quarantine"), lambda: sink.put([record]))
+        gave_up(error, QuarantineError, "dbtrigger_quarantine")
+        sink.put([record])
+        assert [r.event_id for r in sink.records("orders")] == ["e1"]
+    finally:
+        sink.close()
+
+
+@pytest.fixture
+def one_second(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(control, "DDL_LOCK_WAIT_SECONDS", 1.0, raising=False)
+
+
+@pytest.mark.mariadb
+@pytest.mark.usefixtures("one_second")
+def test_binlog_control_tables_created_behind_another_creation_give_up(
+    mariadb: TestDatabase,
+) -> None:
+    db = mariadb
+    assert db.schema is not None
+    conn = connect(sa.make_url(db.url), database=False)
+    try:
+        error = outcome(ddl_blocked(db, control.TABLE), lambda: control.ensure(conn, db.schema))
+        assert isinstance(error, FetchError), repr(error)
+        message = str(error)
+        assert f"creating {db.schema}.{control.TABLE} waited 1 s for a metadata lock" in message
+        assert "another session holds" in message, message
+        assert conn.open
+        assert control.ensure(conn, db.schema) is True  # the next tick creates them
+        with conn.cursor() as cur:
+            cur.execute("SELECT @@SESSION.lock_wait_timeout")
+            assert cur.fetchone()[0] == 86400  # the session's own bound, set back
+    finally:
+        conn.close()
+
+
+@pytest.mark.mariadb
+@pytest.mark.usefixtures("one_second")
+def test_binlog_control_upgrade_behind_an_open_transaction_gives_up(
+    mariadb: TestDatabase,
+) -> None:
+    db = mariadb
+    assert db.schema is not None
+    conn = connect(sa.make_url(db.url), database=False)
+    try:
+        control.ensure(conn, db.schema)
+        with conn.cursor() as cur:  # a table made by a version before the marks
+            cur.execute(f"ALTER TABLE `{db.schema}`.`{control.TABLE}` DROP COLUMN generation")
+
+        @contextlib.contextmanager
+        def reading() -> Iterator[None]:  # another worker's transaction, still open
+            holder = db.engine.connect()
+            try:
+                holder.begin()
+                holder.exec_driver_sql(f"SELECT * FROM `{db.schema}`.`{control.TABLE}`")
+                yield
+            finally:
+                holder.rollback()
+                holder.close()
+
+        error = outcome(reading(), lambda: control.ensure(conn, db.schema))
+        assert isinstance(error, FetchError), repr(error)
+        assert f"adding columns to {db.schema}.{control.TABLE} waited 1 s" in str(error)
+        assert control.ensure(conn, db.schema) is False
+        assert control.upgrade_sql(conn, db.schema) is None  # upgraded once it could
+    finally:
+        conn.close()

@@ -1,4 +1,5 @@
-"""Rows the application (or an operator) wrote into the claim columns by hand.
+"""Rows the application (or an operator) wrote into the claim columns by hand,
+and claim columns or schedules that cannot hold a queue's rows.
 
 A row ``claimed`` without a ``dbt_claim_token`` (an INSERT that set the status,
 an UPDATE that cleared the token of a claimed row to "release" it) led every
@@ -9,6 +10,8 @@ as claimable now - the whole queue stalled, silently.
 """
 
 from __future__ import annotations
+
+import datetime as dt
 
 import pytest
 
@@ -77,3 +80,30 @@ def test_claim_columns_that_allow_null_are_refused_when_the_queue_starts(
     for column in ("dbt_status", "dbt_attempts", "dbt_visible_at"):
         assert f"jobs.{column} allows NULL" in message
     assert "NOT NULL" in message
+
+
+@pytest.mark.parametrize(
+    "run_after",
+    [
+        1e12,
+        1e20,
+        dt.timedelta(days=3_000_000),
+        dt.datetime(9999, 12, 31, 23, 59, tzinfo=dt.timezone.utc),
+    ],
+)
+def test_a_job_scheduled_past_the_finished_rows_time_is_refused(
+    db: TestDatabase, run_after: float | dt.timedelta | dt.datetime
+) -> None:
+    """enqueue(run_after=) at or after year 9999 was stored on PostgreSQL (year 33715
+    for 1e12 s, which Python cannot read back) and reported by queue status as a
+    row made ready by hand (stranded: 'queue retry --stranded' would run it now);
+    MariaDB and SQLite refused it as a CommitError about an overflow or NOT NULL."""
+    make_jobs(db, 0)
+    source = ClaimSource(url=db.url, table="jobs", schema=db.schema, pk_columns=["id"])
+    try:
+        with pytest.raises(ConfigurationError, match="schedule it earlier"):
+            source.enqueue([{"id": 1, "payload": "later"}], run_after=run_after)
+        assert source.enqueue([{"id": 2, "payload": "soon"}], run_after=3600) == 1
+    finally:
+        source.close()
+    assert list(rows(db)) == [2]

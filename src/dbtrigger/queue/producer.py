@@ -166,6 +166,8 @@ def _due(source: Queue, run_after: RunAfter) -> tuple[Any, dict[str, Any]]:
                 f"run_after={run_after.isoformat()} has no time zone: give an aware datetime "
                 "(e.g. with tzinfo=datetime.timezone.utc), or a delay in seconds"
             )
+        if run_after >= _LATEST:
+            raise _too_late(run_after.isoformat())
         return time.at(run_after), {}
     if isinstance(run_after, dt.timedelta):
         seconds = run_after.total_seconds()
@@ -177,7 +179,22 @@ def _due(source: Queue, run_after: RunAfter) -> tuple[Any, dict[str, Any]]:
         )
     if not math.isfinite(seconds):
         raise ConfigurationError(f"run_after must be a finite delay, got {run_after!r}")
+    if seconds >= (_LATEST - dt.datetime.now(dt.timezone.utc)).total_seconds():
+        raise _too_late(f"{seconds:g} s from now")
     return time.plus(0), time.plus_params(seconds)
+
+
+#: The latest ``run_after``: finished rows carry 9999-12-31 in ``dbt_visible_at``, so
+#: a row due then is taken for one made ready by hand (stranded), and later ones
+#: overflow the column (MariaDB, SQLite) or Python's datetime (PostgreSQL).
+_LATEST = dt.datetime(9999, 1, 1, tzinfo=dt.timezone.utc)
+
+
+def _too_late(when: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"run_after={when} is due after {_LATEST:%Y-%m-%d}: a claim queue keeps "
+        "9999-12-31 for finished rows; schedule it earlier"
+    )
 
 
 def _priority(priority: Any) -> int:

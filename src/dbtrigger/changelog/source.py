@@ -37,6 +37,7 @@ from dbtrigger.changelog.events import log_events
 from dbtrigger.changelog.operations import log_table
 from dbtrigger.changelog.pruning import ChangeLogPruner
 from dbtrigger.changelog.readers import has_registry, record, registered
+from dbtrigger.changelog.renumbered import refuse_renumbered
 from dbtrigger.cursor import Position
 from dbtrigger.errors import (
     ChangeLogDriftError,
@@ -306,6 +307,7 @@ class ChangeLogSource:
         inner = self._inner()
         if time.monotonic() >= self._next_drift_check:
             self.check_drift()
+            refuse_renumbered(self.engine, self._table, self._schema, _seq(after))
         try:
             fetched = inner.fetch(self._log_position(after), limit)
         except SourceDefinitionError as exc:

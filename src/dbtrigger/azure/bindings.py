@@ -314,10 +314,14 @@ class DbBindings:
 
 
 def _quiet(poller: str, exc: ContentionError) -> None:
+    # Not always another instance: a handler given up by handler_timeout_seconds, or a
+    # store outage longer than the TTL, loses the lease too; the error says which.
     log.info(
-        "poller %s: another instance holds the lease (%s); this invocation does nothing",
+        "poller %s: the lease was lost during this invocation (%s: %s); what it did not "
+        "commit is delivered again",
         poller,
         type(exc).__name__,
+        exc,
         extra={"event": "lease_contention", "poller": poller},
     )
 

@@ -107,3 +107,28 @@ def test_a_job_scheduled_past_the_finished_rows_time_is_refused(
     finally:
         source.close()
     assert list(rows(db)) == [2]
+
+
+def test_a_row_deleted_under_its_claim_is_not_blamed_on_an_expiry(
+    db: TestDatabase, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The application deleting (or finishing) a row while a worker held it made the
+    settlement's WARNING say 'the claim expired': an operator raises the visibility
+    timeout for a cause that was never there."""
+    make_jobs(db, 2)
+    source = ClaimSource(url=db.url, table="jobs", schema=db.schema, pk_columns=["id"])
+    queue = QueueTrigger(name="jobs", source=source)
+
+    def handle(events: list[RowChange]) -> None:
+        db.execute(f"DELETE FROM {db.qualified('jobs')} WHERE id = 2")
+
+    try:
+        with caplog.at_level("WARNING", logger="dbtrigger.queue"):
+            result = queue.tick_result(handle)
+    finally:
+        queue.close()
+        source.close()
+    assert (result.claimed, result.claims_lost) == (2, 1)
+    lost = [r.getMessage() for r in caplog.records if "no longer held" in r.getMessage()]
+    assert len(lost) == 1
+    assert "deleted the row" in lost[0]

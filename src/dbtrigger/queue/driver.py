@@ -539,7 +539,8 @@ class _Tally:
             emit(
                 "queue_rows_lost",
                 "queue %s: %d row(s) of claim %s were no longer held by it (the claim "
-                "expired); their outcome here was not recorded: %s",
+                "expired, or someone else updated or deleted the row meanwhile); their "
+                "outcome here was not recorded: %s",
                 name,
                 len(lost),
                 token,

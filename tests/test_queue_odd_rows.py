@@ -17,6 +17,7 @@ import pytest
 
 from dbtrigger import ClaimSource, QueueTrigger, RowChange
 from dbtrigger.errors import ConfigurationError
+from dbtrigger.queue import ClaimContext
 from tests.databases import TestDatabase
 from tests.test_queue_columns import make_jobs, rows
 
@@ -132,3 +133,25 @@ def test_a_row_deleted_under_its_claim_is_not_blamed_on_an_expiry(
     lost = [r.getMessage() for r in caplog.records if "no longer held" in r.getMessage()]
     assert len(lost) == 1
     assert "deleted the row" in lost[0]
+
+
+def test_a_retry_delay_past_the_columns_range_is_refused_at_the_call(db: TestDatabase) -> None:
+    """ctx.retry(e, delay_seconds=1e12) (a timestamp or milliseconds passed as seconds)
+    failed the whole settlement on MariaDB and SQLite (a datetime overflow, a NOT NULL
+    constraint: a CommitError, the batch-mates' outcomes lost with it and the claim
+    left to expire, again and again), and on PostgreSQL left the row ready in year
+    33715, reported as stranded."""
+    make_jobs(db, 2)
+    source = ClaimSource(url=db.url, table="jobs", schema=db.schema, pk_columns=["id"])
+    queue = QueueTrigger(name="jobs", source=source)
+
+    def handle(events: list[RowChange], ctx: ClaimContext) -> None:
+        ctx.retry(events[0], "the mailer said later", delay_seconds=1e12)
+
+    try:
+        with pytest.raises(ConfigurationError, match="from 0 to 1000 years"):
+            queue.tick(handle)
+        assert source.counts().stranded == 0
+    finally:
+        queue.close()
+        source.close()

@@ -389,7 +389,7 @@ def test_a_queue_retry_waits_the_handlers_delay(sqlite_db: TestDatabase) -> None
     )
 
 
-@pytest.mark.parametrize("delay", [-1, float("nan"), True, "5"])
+@pytest.mark.parametrize("delay", [-1, float("nan"), True, "5", 1e12])
 def test_a_bad_delay_is_refused_by_both_contexts(
     sqlite_db: TestDatabase, tmp_path: Path, delay: Any
 ) -> None:
@@ -415,7 +415,7 @@ def test_a_bad_delay_is_refused_by_both_contexts(
     with pytest.raises(ConfigurationError, match="delay_seconds"):
         trigger.tick(handle)
     assert len(refused) == 2
-    assert all("give a number of seconds >= 0" in r for r in refused)
+    assert all("give a number of seconds from 0" in r for r in refused)
 
 
 def test_a_fan_out_subscriber_cannot_set_its_own_delay(

@@ -74,11 +74,17 @@ def reason_text(reason: str | BaseException) -> str:
     return redact(reason if isinstance(reason, str) else f"{type(reason).__name__}: {reason}")
 
 
+#: The longest ``delay_seconds``: 1000 years. Longer is a unit mistake (milliseconds,
+#: a timestamp), and overflows a claim queue's time column or a datetime.
+MAX_DELAY_SECONDS = 1000 * 365.25 * 86400
+
+
 def check_delay(delay_seconds: object, verb: str = "retry") -> float | None:
-    """``delay_seconds`` of ``ctx.retry``: None (the backoff decides) or seconds >= 0.
+    """``delay_seconds`` of ``ctx.retry``: None (the backoff decides) or seconds from 0
+    to :data:`MAX_DELAY_SECONDS`.
 
     Raises:
-        ConfigurationError: anything else (a bool, NaN, a negative number, text).
+        ConfigurationError: anything else (a bool, NaN, a negative or too long delay, text).
     """
     if delay_seconds is None:
         return None
@@ -86,12 +92,12 @@ def check_delay(delay_seconds: object, verb: str = "retry") -> float | None:
         isinstance(delay_seconds, (int, float))
         and not isinstance(delay_seconds, bool)
         and math.isfinite(delay_seconds)
-        and delay_seconds >= 0
+        and 0 <= delay_seconds <= MAX_DELAY_SECONDS
     ):
         return float(delay_seconds)
     raise ConfigurationError(
-        f"ctx.{verb}(..., delay_seconds={delay_seconds!r}): give a number of seconds >= 0, "
-        "or None for the backoff"
+        f"ctx.{verb}(..., delay_seconds={delay_seconds!r}): give a number of seconds from 0 "
+        "to 1000 years, or None for the backoff"
     )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,6 +26,11 @@ import sqlalchemy as sa
 
 from dbtrigger.cdc import binlog_control as control
 from dbtrigger.cdc.binlog_setup import connect
+from dbtrigger.changelog import operations as changelog_operations
+from dbtrigger.changelog import source as changelog_source
+from dbtrigger.changelog.readers import readers_table_name, registered
+from dbtrigger.changelog.source import ChangeLogSource
+from dbtrigger.cli.main import main as cli_main
 from dbtrigger.errors import FetchError, QuarantineError, RetryableError, StoreUnavailableError
 from dbtrigger.history.derive import history_for
 from dbtrigger.quarantine import QuarantineRecord, SqlQuarantineSink
@@ -241,3 +247,94 @@ def test_binlog_control_upgrade_behind_an_open_transaction_gives_up(
         assert control.upgrade_sql(conn, db.schema) is None  # upgraded once it could
     finally:
         conn.close()
+
+
+@pytest.fixture
+def install_waits_one_second(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(changelog_operations, "INSTALL_LOCK_TIMEOUT", 1.0, raising=False)
+
+
+@contextlib.contextmanager
+def transaction_on(db: TestDatabase, table: str) -> Iterator[None]:
+    """An application's transaction open on ``table`` (PostgreSQL: it wrote there,
+    MariaDB: it read it, SQLite: it holds the write lock)."""
+    holder = db.engine.connect()
+    try:
+        if db.kind == "postgresql":
+            holder.begin()
+            holder.exec_driver_sql(f"UPDATE {db.qualified(table)} SET v = v")
+        elif db.kind == "mariadb":
+            holder.begin()
+            holder.exec_driver_sql(f"SELECT * FROM {db.qualified(table)}").fetchall()
+        else:
+            holder.exec_driver_sql("BEGIN IMMEDIATE")
+        yield
+    finally:
+        holder.rollback()
+        holder.close()
+
+
+@pytest.mark.usefixtures("install_waits_one_second")
+def test_changelog_install_behind_an_open_transaction_gives_up(
+    db: TestDatabase, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``dbtrigger changelog install`` behind an application's open transaction on the
+    table: PostgreSQL's DROP/CREATE TRIGGER waited for ever (and every later reader
+    and writer of the table queued behind it), MariaDB's a day."""
+    db.execute(f"CREATE TABLE {db.qualified('orders')} (id INTEGER PRIMARY KEY, v INTEGER)")
+    where = ["--url", db.url, "--table", "orders", *(["--schema", db.schema] if db.schema else [])]
+    code = outcome(
+        transaction_on(db, "orders"), lambda: cli_main(["changelog", "install", *where, "--yes"])
+    )
+    assert code == 2, capsys.readouterr()
+    error = capsys.readouterr().err
+    assert "error: changing the change log triggers of orders waited 1 s for a lock" in error
+    assert cli_main(["changelog", "install", *where, "--yes"]) == 0  # once it ended
+    assert changelog_operations.is_installed(db.engine, "orders", schema=db.schema)
+
+
+@contextlib.contextmanager
+def row_locked(db: TestDatabase, table: str, where: str) -> Iterator[None]:
+    """Another transaction holds a row of ``table`` (SQLite: the write lock)."""
+    holder = db.engine.connect()
+    try:
+        if db.kind == "sqlite":
+            holder.exec_driver_sql("BEGIN IMMEDIATE")
+        else:
+            holder.begin()
+            holder.exec_driver_sql(f"UPDATE {db.qualified(table)} SET {where}")
+        yield
+    finally:
+        holder.rollback()
+        holder.close()
+
+
+def test_changelog_reader_registry_behind_a_row_lock_gives_up(
+    db: TestDatabase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A change log's reader records its position at its checkpoints: behind another
+    transaction holding its registry row that write waited for ever on PostgreSQL
+    (50 s on MariaDB), in the tick. Now it gives up after its bound and says so."""
+    monkeypatch.setattr(changelog_source, "REGISTER_LOCK_TIMEOUT", 1.0, raising=False)
+    db.execute(f"CREATE TABLE {db.qualified('orders')} (id INTEGER PRIMARY KEY, v INTEGER)")
+    changelog_operations.install(db.engine, "orders", schema=db.schema)
+    source = ChangeLogSource(url=db.url, table="orders", schema=db.schema)
+    try:
+        source.bind_poller("p")
+        registry = readers_table_name("orders")
+        source._register(1, first=True)
+        held = row_locked(db, registry, "seen_at = seen_at WHERE reader = 'p'")
+        with caplog.at_level(logging.WARNING, logger="dbtrigger.changelog"):
+            assert outcome(held, lambda: source._register(2, first=True)) is None  # no raise
+        [warning] = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert warning.__dict__["event"] == "changelog_reader_unregistered"
+        message = warning.getMessage()
+        assert "waited 1 s for a lock another transaction holds on the table" in message, message
+        assert "UPDATE" not in message, message  # no SQL text
+        source._register(2, first=True)  # once it ended
+        with db.engine.connect() as conn:
+            assert [(r.name, r.seq) for r in registered(conn, "orders", db.schema) or []] == [
+                ("p", 2)
+            ]
+    finally:
+        source.close()

@@ -26,6 +26,13 @@ from sqlalchemy.engine import Engine
 
 from dbtrigger._engine import Bind, connected
 from dbtrigger._engine import reflect_table as reflect_sa_table
+from dbtrigger._lock_wait import (
+    DEFAULT_WRITE_LOCK_TIMEOUT,
+    check_lock_timeout,
+    gave_up_waiting,
+    lock_timed_out,
+    lock_wait_bounded,
+)
 from dbtrigger.changelog.ddl import (
     TableInfo,
     existing_triggers,
@@ -42,11 +49,16 @@ from dbtrigger.changelog.ddl import (
 from dbtrigger.changelog.drift import Drift, find_drift, install_command, log_migration
 from dbtrigger.changelog.readers import Reader, mark_lost, readers_table_name, registered
 from dbtrigger.changelog.triggers import trigger_ddl
-from dbtrigger.errors import ConfigurationError
+from dbtrigger.errors import ConfigurationError, RetryableError
 from dbtrigger.names import validate_sql_identifier
 
 #: Rows one prune statement deletes; keeps each transaction (and its locks) short.
 DEFAULT_PRUNE_CHUNK = 5000
+
+
+#: How long a change log install or uninstall waits for a lock on the watched table
+#: (a transaction open on it) before it gives up.
+INSTALL_LOCK_TIMEOUT = DEFAULT_WRITE_LOCK_TIMEOUT
 
 
 @dataclass(frozen=True)
@@ -164,12 +176,38 @@ def _plan_uninstall_gone(
     return Plan(info, tuple(statements))
 
 
-def apply(bind: Bind, plan: Plan) -> None:
-    """Run a plan; in one transaction where the dialect allows."""
-    with connected(bind, begin=True) as conn:
-        ddl_transaction(conn)
-        for statement in plan.statements:
-            conn.exec_driver_sql(statement)
+def apply(bind: Bind, plan: Plan, *, lock_timeout_seconds: float | None = None) -> None:
+    """Run a plan; in one transaction where the dialect allows.
+
+    Its triggers are DDL on the watched table, which waits for every transaction
+    open on it (PostgreSQL: for ever, and every later reader and writer of the
+    table queues behind the waiting ``DROP TRIGGER``; MariaDB: ``lock_wait_timeout``,
+    a day). It waits at most ``lock_timeout_seconds`` (None:
+    :data:`INSTALL_LOCK_TIMEOUT`, 30 s), then fails as
+    :class:`~dbtrigger.errors.RetryableError` naming the table (PostgreSQL and
+    SQLite: nothing changed; MariaDB: the statements before it stay, and the plan
+    is idempotent, so running it again completes it).
+    """
+    given = INSTALL_LOCK_TIMEOUT if lock_timeout_seconds is None else lock_timeout_seconds
+    seconds = check_lock_timeout(given, "lock_timeout_seconds")
+    try:
+        with connected(bind, begin=True) as conn, lock_wait_bounded(conn, seconds):
+            ddl_transaction(conn)
+            for statement in plan.statements:
+                conn.exec_driver_sql(statement)
+    except sa.exc.DBAPIError as exc:
+        if not lock_timed_out(exc):
+            raise
+        info = plan.info
+        text, _ = gave_up_waiting(
+            bind.engine,
+            info.table,
+            info.schema,
+            seconds,
+            exc,
+            "run the command again once it ends, or end it",
+        )
+        raise RetryableError(f"changing the change log triggers of {info.table} {text}") from exc
 
 
 def ddl_transaction(conn: sa.Connection) -> None:
@@ -189,16 +227,30 @@ def ddl_transaction(conn: sa.Connection) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
-def install(bind: Bind, table: str, *, schema: str | None = None) -> Plan:
-    """Create the log table, its index and the triggers (idempotent; also re-installs)."""
+def install(
+    bind: Bind,
+    table: str,
+    *,
+    schema: str | None = None,
+    lock_timeout_seconds: float | None = None,
+) -> Plan:
+    """Create the log table, its index and the triggers (idempotent; also re-installs).
+    Waits at most ``lock_timeout_seconds`` for a lock (see :func:`apply`)."""
     plan = plan_install(bind, table, schema=schema)
-    apply(bind, plan)
+    apply(bind, plan, lock_timeout_seconds=lock_timeout_seconds)
     return plan
 
 
-def uninstall(bind: Bind, table: str, *, schema: str | None = None, drop_log: bool = False) -> Plan:
+def uninstall(
+    bind: Bind,
+    table: str,
+    *,
+    schema: str | None = None,
+    drop_log: bool = False,
+    lock_timeout_seconds: float | None = None,
+) -> Plan:
     plan = plan_uninstall(bind, table, schema=schema, drop_log=drop_log)
-    apply(bind, plan)
+    apply(bind, plan, lock_timeout_seconds=lock_timeout_seconds)
     return plan
 
 

@@ -29,7 +29,10 @@ from dataclasses import dataclass
 
 import sqlalchemy as sa
 
+from dbtrigger._driver_errors import short_error
+from dbtrigger._lock_wait import gave_up_waiting, lock_timed_out
 from dbtrigger.names import shortened
+from dbtrigger.redaction import redact
 
 #: Longest reader (poller) name the registry keeps.
 READER_NAME_WIDTH = 200
@@ -112,6 +115,16 @@ def record(conn: sa.Connection, table: str, schema: str | None, reader: str, seq
         conn.execute(sa.insert(reg).values(reader=reader, **values))
 
 
+def not_recorded(
+    engine: sa.Engine, table: str, schema: str | None, seconds: float, exc: BaseException
+) -> str:
+    """Why :func:`record` failed, in words fit for a log line (no SQL text, no values)."""
+    if lock_timed_out(exc):
+        registry = readers_table_name(table)
+        return gave_up_waiting(engine, registry, schema, seconds, exc, "its entry is unchanged")[0]
+    return redact(short_error(exc, None))
+
+
 def mark_lost(
     conn: sa.Connection, table: str, schema: str | None, readers: Sequence[str], seq: int
 ) -> None:
@@ -139,6 +152,7 @@ __all__ = [
     "forget",
     "has_registry",
     "mark_lost",
+    "not_recorded",
     "readers_ddl",
     "readers_table_name",
     "record",

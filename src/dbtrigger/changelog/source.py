@@ -31,12 +31,13 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from dbtrigger import options as opt
 from dbtrigger._engine import create_engine, parse_database_url
+from dbtrigger._lock_wait import bounded_transaction
 from dbtrigger.changelog.ddl import LOG_COLUMNS, log_table_name
 from dbtrigger.changelog.drift import Drift, find_drift, install_command, resync_command
 from dbtrigger.changelog.events import log_events
 from dbtrigger.changelog.operations import log_table
 from dbtrigger.changelog.pruning import ChangeLogPruner
-from dbtrigger.changelog.readers import has_registry, record, registered
+from dbtrigger.changelog.readers import has_registry, not_recorded, record, registered
 from dbtrigger.changelog.renumbered import refuse_renumbered
 from dbtrigger.cursor import Position
 from dbtrigger.errors import (
@@ -48,7 +49,6 @@ from dbtrigger.errors import (
 )
 from dbtrigger.events import RowChange
 from dbtrigger.names import validate_sql_identifier
-from dbtrigger.redaction import redact
 from dbtrigger.sources.base import SourceFinding
 from dbtrigger.sources.errors_map import source_error
 from dbtrigger.sources.rows import Rows
@@ -431,8 +431,8 @@ class ChangeLogSource:
             and since < REGISTER_BACKLOG_SECONDS
         ):
             return
-        try:
-            with self.engine.begin() as conn:
+        try:  # bounded: behind a row lock held elsewhere it waited for ever on PostgreSQL
+            with bounded_transaction(self.engine, REGISTER_LOCK_TIMEOUT) as conn:
                 if not has_registry(conn, self._table, self._schema):
                     if self._registered is None:
                         log.warning(
@@ -452,12 +452,13 @@ class ChangeLogSource:
         except IntegrityError:
             return  # another instance of this poller registered it a moment ago: next time
         except (SQLAlchemyError, DbTriggerError) as exc:
+            why = not_recorded(self.engine, self._table, self._schema, REGISTER_LOCK_TIMEOUT, exc)
             log.warning(
                 "could not record poller %s's position in the change log's reader registry of "
                 "%s (tried again at the next checkpoint): %s",
                 reader,
                 self._table,
-                redact(str(exc)),
+                why,
                 extra={"event": "changelog_reader_unregistered", "poller": reader},
             )
             return
@@ -560,6 +561,7 @@ def _truncate_alone(rows: Sequence[Mapping[str, Any]]) -> Sequence[Mapping[str, 
 REGISTER_EVERY_SECONDS = 300.0
 #: How often a reader draining a backlog records its position.
 REGISTER_BACKLOG_SECONDS = 2.0
+REGISTER_LOCK_TIMEOUT = 10.0  # how long recording it waits for another transaction's lock
 
 
 def _seq(position: Position) -> int:

@@ -85,12 +85,7 @@ def test_claim_columns_that_allow_null_are_refused_when_the_queue_starts(
 
 @pytest.mark.parametrize(
     "run_after",
-    [
-        1e12,
-        1e20,
-        dt.timedelta(days=3_000_000),
-        dt.datetime(9999, 12, 31, 23, 59, tzinfo=dt.timezone.utc),
-    ],
+    [1e12, dt.datetime(9999, 12, 31, 23, 59, tzinfo=dt.timezone.utc)],
 )
 def test_a_job_scheduled_past_the_finished_rows_time_is_refused(
     db: TestDatabase, run_after: float | dt.timedelta | dt.datetime

@@ -9,6 +9,7 @@ import datetime as dt
 import json
 import shlex
 import sys
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -334,3 +335,42 @@ def test_with_no_backup_the_history_names_the_reset_that_resumes_where_it_stood(
     assert code == 0, err
     app.tick()
     assert app.seen == list(range(1, 31))  # on from row 21: nothing lost, nothing twice
+
+
+def test_accepting_a_new_key_moves_the_checkpoint_or_is_refused(
+    app: App, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The key columns changed (pk_columns ["id"] -> ["id", "note"]): the mismatch error
+    prints `reset --accept-source ... --yes`, which kept the checkpoint with its old key,
+    and every tick after it failed with "checkpoint tiebreaker lacks primary-key column
+    'note'", naming no poller and no way out. accept-source alone is now refused, saying
+    to move the checkpoint in the same command; with --to-cursor and the new key it runs."""
+    app.tick()  # rows 1..10 committed: checkpoint (100, id=10)
+    app.db.execute("UPDATE events SET note = 'n'")  # type: ignore[attr-defined]
+    source = SqlAlchemySource(
+        url=app.db.url,  # type: ignore[attr-defined]
+        table="events",
+        schema=app.db.schema,  # type: ignore[attr-defined]
+        cursor_column="seq",
+        pk_columns=["id", "note"],
+        visibility="none",
+    )
+    rekeyed = PollTrigger(
+        name="orders", source=source, checkpoint_store=app.backend.store, batch_size=10
+    )
+    module = types.ModuleType(f"{app.module}_rekeyed")
+    module.trigger = rekeyed  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    with pytest.raises(FingerprintMismatchError, match="--accept-source"):
+        rekeyed.tick(app.handler)
+    accept = ["reset", "orders", "--accept-source", f"{module.__name__}:trigger"]
+    code, _, err = run(capsys, app.cli(*accept, "--reason", "new key", "--yes"))
+    assert code == 2
+    assert "the key columns changed (id -> id, note)" in err
+    assert "--to-cursor VALUE --pk id=VALUE --pk note=VALUE" in err
+    moved = ["--to-cursor", "100", "--pk", "id=10", "--pk", "note=n", "--reason", "r", "--yes"]
+    code, _, err = run(capsys, app.cli(*accept, *moved))
+    assert code == 0, err
+    assert rekeyed.tick(app.handler) == 10
+    assert app.seen == list(range(1, 21))  # on from row 11, nothing twice
+    source.close()

@@ -385,7 +385,7 @@ def cmd_reset(args: argparse.Namespace) -> int:
             args.to_cursor,
             args.pk,
             kind=args.kind,
-            like=doc,
+            like=doc if fingerprint is None else None,  # accepted: the new definition's key
             kinds=lambda: source_kinds(typed_by) if typed_by is not None else None,
         )
         if isinstance(typed_by, ValidatesDefinition):

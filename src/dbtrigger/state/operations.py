@@ -77,6 +77,28 @@ def current_position(doc: StateDocument) -> Position | None:
     return doc.checkpoint.position if doc.checkpoint is not None else None
 
 
+def _check_key_fits(doc: StateDocument, definition: Mapping[str, Any]) -> None:
+    """A checkpoint kept by ``accept_source`` must name a value for each key column of
+    the new definition that breaks ties (the key but the cursor column): kept without
+    one, every later fetch failed on it."""
+    keys = definition.get("pk_columns")
+    position = current_position(doc)
+    if not isinstance(keys, list) or position is None or position.is_beginning:
+        return
+    if {k for k in keys if k != definition.get("cursor_column")} <= set(position.pk):
+        return
+    had = ", ".join(position.pk) or "none"
+    stood = " ".join([str(position.cursor), *(f"{k}={v}" for k, v in position.pk.items())])
+    pks = " ".join(f"--pk {k}=VALUE" for k in keys)
+    raise ConfigurationError(
+        f"poller {doc.poller_name!r}: the key columns changed ({had} -> {', '.join(keys)}), so "
+        f"its checkpoint (after {stood}) cannot be kept as "
+        "it is: no fetch could start after it. Accept the definition and move the checkpoint "
+        f"in the same command: add --to-cursor VALUE {pks} (the row it stopped after, by its "
+        "new key; the rows after it are delivered), or --to-beginning (every row again)"
+    )
+
+
 def live_lease(doc: StateDocument, now: dt.datetime) -> Lease | None:
     """The lease if somebody holds it right now (not released, not expired)."""
     lease = doc.lease
@@ -290,13 +312,15 @@ def accept_source(
     recorded with the new fingerprint.
 
     Raises:
-        ConfigurationError: the fingerprint is already the stored one.
+        ConfigurationError: the fingerprint is already the stored one, or the new
+            definition has other key columns than the checkpoint names.
     """
     if fingerprint == doc.source_fingerprint:
         raise ConfigurationError(
             f"poller {doc.poller_name!r} already has this source definition "
             f"({fingerprint}); there is nothing to accept"
         )
+    _check_key_fits(doc, definition or {})
     details = _fingerprint_details(doc, fingerprint, who.get("details"))
     return _apply(
         doc,

@@ -345,8 +345,33 @@ def test_install_is_a_dry_run_until_yes(
     assert rows(db)[1]["dbt_status"] == "ready"
     assert cli("queue", "install", *table_args(db)) == 0
     assert "nothing to do" in capsys.readouterr().out
-    assert cli("queue", "uninstall", *table_args(db), "--yes") == 0
+    # three rows are still ready: dropping the columns would drop that work
+    assert cli("queue", "uninstall", *table_args(db), "--yes", "--discard-pending") == 0
     assert "dbt_status" not in rows(db)[1]
+
+
+def test_uninstall_refuses_while_work_is_not_done(
+    db: TestDatabase, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Dropping the claim columns drops the queue's record of which rows are
+    done: with rows still ready or claimed it refuses unless --discard-pending
+    (it applied before, as sidecar mode never did)."""
+    make_jobs(db, 3)
+    db.execute(f"UPDATE {db.qualified('jobs')} SET dbt_status = 'done' WHERE id <> 2")
+    capsys.readouterr()
+    assert cli("queue", "uninstall", *table_args(db)) == 0  # a dry run says it would refuse
+    out = capsys.readouterr().out
+    assert "refused with --yes as it stands: 1 row(s) of queue " in out
+    assert "jobs are not finished" in out
+    assert cli("queue", "uninstall", *table_args(db), "--yes") != 0
+    err = capsys.readouterr().err
+    assert "1 row(s) of queue " in err
+    assert "jobs are not finished (ready or claimed): stop the producers" in err
+    assert "--discard-pending" in err
+    assert rows(db)[2]["dbt_status"] == "ready"
+    db.execute(f"UPDATE {db.qualified('jobs')} SET dbt_status = 'done'")
+    assert cli("queue", "uninstall", *table_args(db), "--yes") == 0
+    assert "dbt_status" not in rows(db)[2]
 
 
 def test_install_existing_done(db: TestDatabase) -> None:

@@ -156,7 +156,7 @@ def test_install_priority_later_adds_only_the_column_and_index(
     assert main(["queue", "install", *args, "--priority", "--existing", "done", "--yes"]) == 0
     assert rows(db)[1]["dbt_status"] == "ready"  # --existing only applies to a fresh install
     assert rows(db)[1]["dbt_priority"] == 0
-    assert main(["queue", "uninstall", *args, "--yes"]) == 0
+    assert main(["queue", "uninstall", *args, "--yes", "--discard-pending"]) == 0
     assert "dbt_priority" not in rows(db)[1]
 
 

@@ -33,6 +33,7 @@ from dbtrigger.queue.cli_target import (
 )
 
 if TYPE_CHECKING:
+    import sqlalchemy as sa
     from sqlalchemy.engine import Connection
 
     from dbtrigger.queue.source import ClaimSource
@@ -52,6 +53,8 @@ def _ddl(args: argparse.Namespace, *, uninstall: bool) -> int:
             table = probe.reflect(conn, probe.table_name)
             if uninstall:
                 statements = ddl.uninstall_columns(conn, table)
+                if statements:
+                    _refuse_pending(args, probe, _pending_in_columns(conn, table), "the producers")
             else:
                 statements = probe.layout.install(
                     conn,
@@ -68,6 +71,35 @@ def _ddl(args: argparse.Namespace, *, uninstall: bool) -> int:
         probe.close()
     print(f"-- applied {len(statements)} statement(s) to {probe.name}")
     return 0
+
+
+def _pending_in_columns(conn: Connection, table: sa.Table) -> int:
+    """Rows of a columns-mode queue not finished yet (``ready`` or ``claimed``)."""
+    import sqlalchemy as sa  # noqa: PLC0415
+
+    if "dbt_status" not in table.c:
+        return 0
+    status = table.c.dbt_status
+    query = sa.select(sa.func.count()).where(status.in_(("ready", "claimed")))
+    return int(conn.execute(query).scalar_one())
+
+
+def _refuse_pending(
+    args: argparse.Namespace, probe: ClaimSource, pending: int, writers: str
+) -> None:
+    """Uninstall drops the queue's record of which rows are done: with work not
+    done yet it refuses to apply unless ``--discard-pending`` says to drop it
+    (a dry run says it would refuse)."""
+    if not pending or args.discard_pending:
+        return
+    message = (
+        f"{pending} row(s) of queue {probe.queue_name} are not finished (ready or "
+        f"claimed): stop {writers}, let the workers drain the queue "
+        "(`dbtrigger queue status`), or add --discard-pending to drop that work"
+    )
+    if args.yes:
+        raise ConfigurationError(message)
+    print(f"-- refused with --yes as it stands: {message}")
 
 
 def _print_then_run(args: argparse.Namespace, conn: Connection, statements: list[str]) -> bool:
@@ -109,15 +141,7 @@ def _uninstall_sidecar(args: argparse.Namespace, probe: ClaimSource) -> int:
             if plan.other_queues:
                 print(f"-- {where} is kept: {plan.other_queues} other queue(s) still use it")
             print("-- the table " + probe.queue_name + " itself is not touched")
-            if plan.pending and not args.discard_pending:
-                message = (
-                    f"{plan.pending} row(s) of queue {probe.queue_name} are not finished "
-                    "(ready or claimed): stop the feeder, let the workers drain the queue "
-                    "(`dbtrigger queue status`), or add --discard-pending to drop that work"
-                )
-                if args.yes:
-                    raise ConfigurationError(message)
-                print(f"-- refused with --yes as it stands: {message}")
+            _refuse_pending(args, probe, plan.pending, "the feeder")
             if not _print_then_run(args, conn, plan.statements):
                 return 0
     finally:
@@ -262,7 +286,7 @@ def add_queue_commands(sub: Any, load_object: Callable[[str], Any]) -> None:
     uninstall.add_argument(
         "--discard-pending",
         action="store_true",
-        help="sidecar mode: also drop claims rows not finished yet (ready/claimed)",
+        help="also drop work not finished yet (ready/claimed rows; sidecar: their claims rows)",
     )
     uninstall.set_defaults(func=cmd_uninstall)
 

@@ -35,6 +35,7 @@ from dbtrigger.errors import FetchError, QuarantineError, RetryableError, StoreU
 from dbtrigger.history.derive import history_for
 from dbtrigger.quarantine import QuarantineRecord, SqlQuarantineSink
 from dbtrigger.state.stores.sql import SqlCheckpointStore
+from dbtrigger.wakeup import ddl as wake_ddl
 from tests.databases import TestDatabase
 
 #: How long a test lets the call wait before it calls it hung (the bound is 1 s).
@@ -338,3 +339,24 @@ def test_changelog_reader_registry_behind_a_row_lock_gives_up(
             ]
     finally:
         source.close()
+
+
+@pytest.mark.postgresql
+def test_wake_install_behind_an_open_transaction_gives_up(
+    pg: TestDatabase, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``dbtrigger wake install`` behind an application's open transaction on the table:
+    its DROP TRIGGER waited for ever, and every later reader and writer of the table
+    queued behind it."""
+    monkeypatch.setattr(wake_ddl, "INSTALL_LOCK_TIMEOUT", 1.0, raising=False)
+    pg.execute(f"CREATE TABLE {pg.qualified('orders')} (id INTEGER PRIMARY KEY, v INTEGER)")
+    where = ["--url", pg.url, "--table", "orders", "--schema", str(pg.schema)]
+    code = outcome(
+        transaction_on(pg, "orders"), lambda: cli_main(["wake", "install", *where, "--yes"])
+    )
+    assert code == 2, capsys.readouterr()
+    error = capsys.readouterr().err
+    assert "error: changing the wake-up trigger of orders waited 1 s for a lock" in error, error
+    assert "held by backend pid" in error, error
+    assert cli_main(["wake", "install", *where, "--yes"]) == 0  # once it ended
+    assert wake_ddl.installed_channel(pg.engine, "orders", schema=pg.schema) is not None

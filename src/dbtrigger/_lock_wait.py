@@ -40,9 +40,9 @@ from collections.abc import Iterator
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
-from dbtrigger.errors import ConfigurationError
+from dbtrigger.errors import ConfigurationError, RetryableError
 
 #: How long a db.output / DbWriter write waits for a lock held by another
 #: transaction before it gives up (a quarter of the default lease TTL).
@@ -230,6 +230,25 @@ def gave_up_waiting(
     ), holders
 
 
+@contextlib.contextmanager
+def ddl_gives_up(
+    engine: Engine, table: str, schema: str | None, seconds: float, doing: str
+) -> Iterator[None]:
+    """For a command's DDL on ``table`` run inside (under :func:`lock_wait_bounded`):
+    a statement that gave up waiting for a lock becomes a
+    :class:`~dbtrigger.errors.RetryableError` that says ``doing`` (``changing the
+    triggers of orders``), how long it waited and who holds locks there."""
+    try:
+        yield
+    except DBAPIError as exc:
+        if not lock_timed_out(exc):
+            raise
+        text, _ = gave_up_waiting(
+            engine, table, schema, seconds, exc, "run the command again once it ends, or end it"
+        )
+        raise RetryableError(f"{doing} {text}") from exc
+
+
 def _pg_holders(conn: Connection, table: str, schema: str | None) -> str:
     conn.execute(sa.text("SELECT set_config('statement_timeout', '2s', true)"))
     name = f'"{schema}"."{table}"' if schema else f'"{table}"'
@@ -281,6 +300,7 @@ __all__ = [
     "bounded_transaction",
     "check_lock_timeout",
     "create_if_missing",
+    "ddl_gives_up",
     "gave_up_waiting",
     "in_autocommit",
     "lock_holders",

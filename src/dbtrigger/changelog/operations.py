@@ -29,8 +29,7 @@ from dbtrigger._engine import reflect_table as reflect_sa_table
 from dbtrigger._lock_wait import (
     DEFAULT_WRITE_LOCK_TIMEOUT,
     check_lock_timeout,
-    gave_up_waiting,
-    lock_timed_out,
+    ddl_gives_up,
     lock_wait_bounded,
 )
 from dbtrigger.changelog.ddl import (
@@ -49,7 +48,7 @@ from dbtrigger.changelog.ddl import (
 from dbtrigger.changelog.drift import Drift, find_drift, install_command, log_migration
 from dbtrigger.changelog.readers import Reader, mark_lost, readers_table_name, registered
 from dbtrigger.changelog.triggers import trigger_ddl
-from dbtrigger.errors import ConfigurationError, RetryableError
+from dbtrigger.errors import ConfigurationError
 from dbtrigger.names import validate_sql_identifier
 
 #: Rows one prune statement deletes; keeps each transaction (and its locks) short.
@@ -190,24 +189,16 @@ def apply(bind: Bind, plan: Plan, *, lock_timeout_seconds: float | None = None) 
     """
     given = INSTALL_LOCK_TIMEOUT if lock_timeout_seconds is None else lock_timeout_seconds
     seconds = check_lock_timeout(given, "lock_timeout_seconds")
-    try:
-        with connected(bind, begin=True) as conn, lock_wait_bounded(conn, seconds):
-            ddl_transaction(conn)
-            for statement in plan.statements:
-                conn.exec_driver_sql(statement)
-    except sa.exc.DBAPIError as exc:
-        if not lock_timed_out(exc):
-            raise
-        info = plan.info
-        text, _ = gave_up_waiting(
-            bind.engine,
-            info.table,
-            info.schema,
-            seconds,
-            exc,
-            "run the command again once it ends, or end it",
-        )
-        raise RetryableError(f"changing the change log triggers of {info.table} {text}") from exc
+    info = plan.info
+    doing = f"changing the change log triggers of {info.table}"
+    with (
+        ddl_gives_up(bind.engine, info.table, info.schema, seconds, doing),
+        connected(bind, begin=True) as conn,
+        lock_wait_bounded(conn, seconds),
+    ):
+        ddl_transaction(conn)
+        for statement in plan.statements:
+            conn.exec_driver_sql(statement)
 
 
 def ddl_transaction(conn: sa.Connection) -> None:

@@ -25,6 +25,12 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 
 from dbtrigger._engine import Bind, connected
+from dbtrigger._lock_wait import (
+    DEFAULT_WRITE_LOCK_TIMEOUT,
+    check_lock_timeout,
+    ddl_gives_up,
+    lock_wait_bounded,
+)
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.names import quoted_name, shortened, validate_sql_identifier
 
@@ -32,6 +38,8 @@ from dbtrigger.names import quoted_name, shortened, validate_sql_identifier
 TRIGGER_NAME = "dbt_wake"
 #: The shared trigger function, one per schema.
 FUNCTION_NAME = "dbt_wake_notify"
+#: How long installing or removing the trigger waits for a lock on the table.
+INSTALL_LOCK_TIMEOUT = DEFAULT_WRITE_LOCK_TIMEOUT
 #: PostgreSQL's limit on identifiers, channel names included.
 _MAX_IDENTIFIER = 63
 
@@ -149,26 +157,46 @@ def plan_uninstall(bind: Bind, table: str, *, schema: str | None = None) -> Wake
     return WakePlan(table, schema, channel, tuple(statements))
 
 
-def apply(bind: Bind, plan: WakePlan) -> None:
-    """Run a plan's statements in one transaction."""
-    with connected(bind, begin=True) as conn:
+def apply(bind: Bind, plan: WakePlan, *, lock_timeout_seconds: float | None = None) -> None:
+    """Run a plan's statements in one transaction.
+
+    ``DROP TRIGGER`` waits for every transaction open on the table, and while it
+    waits every later reader and writer of the table waits behind it: at most
+    ``lock_timeout_seconds`` (None: :data:`INSTALL_LOCK_TIMEOUT`, 30 s), then a
+    :class:`~dbtrigger.errors.RetryableError` naming the table; nothing changed.
+    """
+    given = INSTALL_LOCK_TIMEOUT if lock_timeout_seconds is None else lock_timeout_seconds
+    seconds = check_lock_timeout(given, "lock_timeout_seconds")
+    doing = f"changing the wake-up trigger of {plan.table}"
+    with (
+        ddl_gives_up(bind.engine, plan.table, plan.schema, seconds, doing),
+        connected(bind, begin=True) as conn,
+        lock_wait_bounded(conn, seconds),
+    ):
         for statement in plan.statements:
             conn.execute(sa.text(statement))
 
 
 def install(
-    bind: Bind, table: str, *, schema: str | None = None, channel: str | None = None
+    bind: Bind,
+    table: str,
+    *,
+    schema: str | None = None,
+    channel: str | None = None,
+    lock_timeout_seconds: float | None = None,
 ) -> WakePlan:
     """Install (or replace) the wake-up trigger on ``table``; returns what ran."""
     plan = plan_install(bind, table, schema=schema, channel=channel)
-    apply(bind, plan)
+    apply(bind, plan, lock_timeout_seconds=lock_timeout_seconds)
     return plan
 
 
-def uninstall(bind: Bind, table: str, *, schema: str | None = None) -> WakePlan:
+def uninstall(
+    bind: Bind, table: str, *, schema: str | None = None, lock_timeout_seconds: float | None = None
+) -> WakePlan:
     """Remove the wake-up trigger from ``table``; returns what ran."""
     plan = plan_uninstall(bind, table, schema=schema)
-    apply(bind, plan)
+    apply(bind, plan, lock_timeout_seconds=lock_timeout_seconds)
     return plan
 
 

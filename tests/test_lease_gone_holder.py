@@ -89,7 +89,10 @@ def test_the_worker_started_again_says_so_of_the_killed_ones_lease(dead_pid: int
 
 
 def test_the_command_it_prints_frees_the_killed_ones_lease(
-    dead_pid: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    dead_pid: int,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The hint was a bare `dbtrigger release-lease`: no poller, no store, and without
     --force a release of the still-unexpired lease is refused. The command printed now
@@ -125,6 +128,11 @@ def test_the_command_it_prints_frees_the_killed_ones_lease(
     line = again.last_result.summary(None)[0]
     command = re.search(r"`(dbtrigger release-lease [^`]+)`", line)
     assert command is not None, line
+    # dbtrigger status said "live, ... renewed 3s ago" of it, nothing more.
+    assert main(["status", "orders", "--store", str(tmp_path / "state")]) == 0
+    shown = capsys.readouterr().out
+    assert f"(pid {dead_pid} is not running on this host" in shown
+    assert "`dbtrigger release-lease orders --store STORE --force --reason R --yes`" in shown
     monkeypatch.chdir(tmp_path.parent)  # pasted elsewhere, it still finds the store
     assert main(shlex.split(command.group(1))[1:]) == 0
     seen: list[int] = []

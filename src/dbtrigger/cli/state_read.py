@@ -13,6 +13,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from dbtrigger._argparse import add_json_option
+from dbtrigger._paste import pasteable
 from dbtrigger.cli.common import (
     Console,
     LoadedSource,
@@ -33,6 +34,8 @@ from dbtrigger.partitions.inspect import group_state
 from dbtrigger.partitions.layout import Membership
 from dbtrigger.partitions.member import membership_key
 from dbtrigger.partitions.source import PartitionSource
+from dbtrigger.runtime.poller import PollTrigger
+from dbtrigger.runtime.trigger import gone_holder
 from dbtrigger.sources.base import ChecksItself, accepted_fingerprints, source_definition
 from dbtrigger.sources.lag import COLUMN
 from dbtrigger.sources.sqlalchemy import SqlAlchemySource
@@ -78,7 +81,9 @@ def poller_status(
         else None
     )
     lease = doc.lease
-    out["lease"] = _lease_status(lease, now) if lease is not None else None
+    trigger = source.trigger if source is not None else None
+    target = trigger.cli_target() if isinstance(trigger, PollTrigger) else f"{poller} --store STORE"
+    out["lease"] = _lease_status(lease, now, target) if lease is not None else None
     out["fingerprint"] = doc.source_fingerprint
     failure = doc.failure
     out["failure"] = (
@@ -136,8 +141,14 @@ def poller_status(
     return out
 
 
-def _lease_status(lease: Any, now: dt.datetime) -> dict[str, Any]:
+def _lease_status(lease: Any, now: dt.datetime, target: str) -> dict[str, Any]:
     state, age = lease_state(lease, now)
+    # A holder that was a process of this host and no longer runs: said as the
+    # worker started in its place says it, with the release that frees it now.
+    gone = ""
+    if not lease.released and state != "expired":
+        release = f"dbtrigger release-lease {target} --force --reason R --yes"
+        gone = gone_holder(lease.owner_id, pasteable(release))
     return {
         "state": state,
         "owner_id": lease.owner_id,
@@ -145,7 +156,7 @@ def _lease_status(lease: Any, now: dt.datetime) -> dict[str, Any]:
         "expires_at": docmod.format_time(lease.expires_at),
         "renewed_at": docmod.format_time(lease.heartbeat_at),
         "renewed_seconds_ago": round(age, 3),
-        "description": describe_lease(lease, now),
+        "description": describe_lease(lease, now) + gone,
     }
 
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import textwrap
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from dbtrigger.cdc import pg_admin
 from dbtrigger.cli import main
 from tests.cdc_servers import CdcDatabase, LogicalPostgres
 
@@ -239,3 +241,34 @@ def test_snapshot_and_accept_schema_commands(app: App, capsys: pytest.CaptureFix
     code, _, err = run(capsys, "run", app.spec, "--max-ticks", "3", "--interval", "0")
     assert code == 0, err
     assert [d["pk"]["id"] for d in app.delivered()[before:]] == [13]
+
+
+def test_install_full_images_behind_an_open_transaction_gives_up(
+    app: App, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``cdc install --full-images`` behind an application's transaction open on the
+    table: its ALTER TABLE ... REPLICA IDENTITY FULL waited for ever, and every later
+    reader and writer of the table queued behind it. Now it gives up after its bound."""
+    monkeypatch.setattr(pg_admin, "INSTALL_LOCK_TIMEOUT", 1.0, raising=False)
+    result: list[Any] = []
+    thread = threading.Thread(
+        target=lambda: result.append(
+            run(capsys, "cdc", "install", app.spec, "--full-images", "--yes")
+        ),
+        daemon=True,
+    )
+    with app.db.connect() as holder:
+        holder.execute("BEGIN")  # (an autocommit session) a transaction that stays open
+        holder.execute("UPDATE orders SET status = status")
+        thread.start()
+        thread.join(25)
+        waited = thread.is_alive()
+        holder.execute("ROLLBACK")
+    thread.join(60)
+    assert not waited, "cdc install still waited for the table's lock after 25 s"
+    [(code, _, err)] = result
+    assert code == 2, err
+    assert "REPLICA IDENTITY FULL on public.orders waited 1 s for a lock" in err, err
+    code, _, err = run(capsys, "cdc", "install", app.spec, "--full-images", "--yes")
+    assert code == 0, err
+    assert app.db.scalar("SELECT relreplident FROM pg_class WHERE relname = 'orders'") == "f"

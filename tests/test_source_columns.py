@@ -239,3 +239,33 @@ def test_a_cursor_retyped_under_a_running_poller_names_the_type_change(
     assert "its type changed under the checkpoint" in message
     assert "dbtrigger reset" in message
     assert "Fix the value in that row" not in message
+
+
+def test_a_timestamp_cursor_made_timestamptz_is_followed_not_refused(pg: TestDatabase) -> None:
+    """``timestamp`` to ``timestamptz`` while the poller runs: PostgreSQL compares the
+    old bound with the new column, so the read went on, and its aware values were
+    delivered and checkpointed in order. The next fetch then held that checkpoint
+    against the columns the source had read before the change and refused it
+    ('holds a timestamp (with time zone) value ... but the column is now TIMESTAMP
+    WITHOUT TIME ZONE'): dbtrigger run stopped on a checkpoint that fits the table.
+    Now a checkpoint that does not fit makes the source look at the columns first."""
+    db = pg
+    db.execute(f"CREATE TABLE {db.qualified('events')} (id INTEGER PRIMARY KEY, at TIMESTAMP)")
+    insert = f"INSERT INTO {db.qualified('events')} VALUES (:i, :at)"
+    db.execute(insert, [{"i": i, "at": f"2026-01-01 12:0{i}:00"} for i in (1, 2)])
+    source = SqlAlchemySource(
+        url=db.url, table="events", schema=db.schema, cursor_column="at", pk_columns=["id"]
+    )
+    trigger = PollTrigger(name="events", source=source, checkpoint_store=InMemoryCheckpointStore())
+    seen = Collect()
+    try:
+        assert trigger.drain(seen) == 2
+        db.execute(f"ALTER TABLE {db.qualified('events')} ALTER COLUMN at TYPE timestamptz")
+        db.execute(insert, {"i": 3, "at": "2026-01-01 12:03:00+00"})
+        assert trigger.drain(seen) == 1
+        db.execute(insert, {"i": 4, "at": "2026-01-01 12:04:00+00"})
+        assert trigger.drain(seen) == 1  # before: SourceDefinitionError
+    finally:
+        trigger.close()
+        source.close()
+    assert [a["id"] for a in seen.afters] == [1, 2, 3, 4]

@@ -43,7 +43,7 @@ from sqlalchemy.engine import Connection, Engine
 from dbtrigger._database_url import DatabaseUrl
 from dbtrigger._engine import LazyEngine
 from dbtrigger.cursor import Position
-from dbtrigger.errors import ConfigurationError, SerializationError
+from dbtrigger.errors import ConfigurationError, SerializationError, SourceDefinitionError
 from dbtrigger.events import RowChange
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.redaction import safe_url_text
@@ -417,9 +417,10 @@ class SqlAlchemySource(KeysetLookups):
 
     def _read(self, conn: Connection, after: Position, limit: int) -> Rows:
         """:meth:`_read_once` on the table's columns as they are now: compared every
-        ``CHECK_SECONDS`` (:mod:`dbtrigger._columns`), and when a read fails or returns
-        a value its column's type cannot give, which is then run again once if they
-        changed (a column dropped or retyped under the worker); a table
+        ``CHECK_SECONDS`` (:mod:`dbtrigger._columns`), and when a read fails, returns a
+        value its column's type cannot give or finds the checkpoint unfit for the
+        columns, which is then run again once if they changed (a column dropped or
+        retyped under the worker); a table
         dropped and created again is refused (:mod:`.table_identity`)."""
         shape = self._keyset.shape
         if shape.watch.due():
@@ -428,7 +429,7 @@ class SqlAlchemySource(KeysetLookups):
             shape.latest().check_table(conn, after)
         try:
             return self._read_once(conn, after, limit)
-        except (sa.exc.DBAPIError, SerializationError) as exc:  # (a value unfit: retyped?)
+        except (sa.exc.DBAPIError, SerializationError, SourceDefinitionError) as exc:
             if not shape.follow(conn, exc):
                 raise
         return self._read_once(conn, after, limit)

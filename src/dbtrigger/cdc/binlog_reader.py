@@ -196,6 +196,32 @@ def decode_value(value: Any) -> Any:
 
 
 _TRUNCATE = re.compile(r"^\s*truncate\s+(?:table\s+)?[`\"]?(\w+)[`\"]?(?:\.[`\"]?(\w+))?", re.I)
+_NAME = r"[`\"]?(?:\w+[`\"]?\.[`\"]?)?\w+[`\"]?"
+_COMMENTS = re.compile(r"/\*.*?\*/|--[^\n]*|#[^\n]*", re.S)
+_RENAMED = re.compile(rf"({_NAME})\s+to\s+({_NAME})", re.I)
+_ALTER_RENAME = re.compile(
+    rf"^alter\s+table\s+({_NAME})\s.*?\brename\s+(?:to\s+|as\s+)?({_NAME})\s*$", re.I | re.S
+)
+_DROP = re.compile(r"^drop\s+(?:temporary\s+)?tables?\s+(?:if\s+exists\s+)?(.*)$", re.I | re.S)
+
+
+def _bare(name: str) -> str:
+    return name.replace("`", "").replace('"', "")
+
+
+def gone_tables(text: str) -> list[tuple[str, str | None]]:
+    """The tables a ``RENAME TABLE``, ``ALTER TABLE ... RENAME`` or ``DROP TABLE`` takes
+    away from their names: (name, new name or None for a drop), names as written."""
+    sql = _COMMENTS.sub(" ", text).strip().rstrip(";")
+    if re.match(r"^rename\s+tables?\s", sql, re.I):
+        return [(_bare(a), _bare(b)) for a, b in _RENAMED.findall(sql)]
+    moved = _ALTER_RENAME.match(sql)
+    if moved is not None and not re.search(r"\brename\s+(column|index|key)\b", sql, re.I):
+        return [(_bare(moved.group(1)), _bare(moved.group(2)))]
+    dropped = _DROP.match(sql)
+    if dropped is not None:
+        return [(_bare(n.strip()), None) for n in dropped.group(1).split(",") if n.strip()]
+    return []
 
 
 class Assembler(Assembly[TableInfo, str]):
@@ -329,6 +355,7 @@ class Assembler(Assembly[TableInfo, str]):
                 self.keep((shape, "S", None, tuple(decode_value(v) for v in encoded)))
 
     def query(self, text: str) -> None:
+        self._gone(text)
         match = _TRUNCATE.match(text)
         current = self.delivering
         if match is None or self.on_truncate is None or current is None:
@@ -337,6 +364,27 @@ class Assembler(Assembly[TableInfo, str]):
         for table in self.watched:
             if table == name or table.endswith("." + name):
                 self.on_truncate(table, current.commit)
+
+    def _gone(self, text: str) -> None:
+        """Say so when a watched table leaves its name: the changes made under a new
+        name are not read, and a drop removes every row without a delete event."""
+        if not re.match(r"^\s*(?:/\*.*?\*/\s*)*(rename|alter|drop)\b", text, re.I | re.S):
+            return
+        for name, new in gone_tables(text):
+            for table in self.watched:
+                if table != name and not table.endswith("." + name):
+                    continue
+                what = "dropped" if new is None else f"renamed to {new}"
+                log.warning(
+                    "watched table %s was %s: its rows are gone from this source without a "
+                    "delete event each, and changes made under another name are not read. If "
+                    "it is created again under this name, its changes are read from then on; "
+                    "if it now lives under another name, point the source at it and read its "
+                    "rows again (`dbtrigger cdc snapshot TRIGGER --table TABLE --yes`)",
+                    table,
+                    what,
+                    extra={"event": "cdc_table_gone", "table": table, "renamed_to": new},
+                )
 
 
 def _utc(seconds: int) -> dt.datetime | None:

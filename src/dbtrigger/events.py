@@ -26,10 +26,10 @@ import datetime as dt
 import hashlib
 import math
 import uuid
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from operator import attrgetter, itemgetter, methodcaller
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from dbtrigger.cursor import (
     encode_value,
@@ -355,16 +355,23 @@ class _RowEvent(RowChange):
             value = self._event_id = self._shape.event_id(self._row)
         return value
 
+    if not TYPE_CHECKING:
+        # Made by calling the class (events_from_rows), as the views are: with
+        # object's own __init__ that is C all the way (type_call), about 250
+        # instructions less than object.__new__(cls), whose wrapper checks its
+        # arguments first.
+        __init__ = object.__init__
+
     @property
     def pk(self) -> Mapping[str, Any]:
-        view = _new(self._shape.view)
+        view = self._shape.view()
         view._row = self._row
         view._index = self._shape.pk_index
         return view
 
     @property
     def after(self) -> Mapping[str, Any]:
-        view = _new(self._shape.view)
+        view = self._shape.view()
         view._row = self._row
         view._index = self._shape.index
         return view
@@ -468,12 +475,11 @@ def events_from_rows(
         _check_column(shape, rows, index, key=True, types=known.get(index))
     index = shape.cursor_index
     _check_column(shape, rows, index, key=False, types=known.get(index))
-    new = object.__new__
-    cls = _RowEvent
+    cls = cast("Callable[[], _RowEvent]", _RowEvent)  # (object.__init__, see _RowEvent)
     events: list[RowChange] = []
     append = events.append
     for row in rows:
-        event = new(cls)
+        event = cls()
         event._row = row
         event._shape = shape
         event._event_id = None  # type: ignore[assignment]

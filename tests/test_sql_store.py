@@ -31,6 +31,7 @@ from dbtrigger.errors import (
     CasConflictError,
     ConfigurationError,
     StoreAuthError,
+    StoreRefusedError,
     StoreUnavailableError,
     UnsafeIdentifierError,
     UnsupportedDocumentError,
@@ -120,8 +121,11 @@ def test_without_create_table_a_missing_table_is_reported_then_created(
 ) -> None:
     store = SqlCheckpointStore(url=db.url, schema=db.schema, table="app_state", create_table=False)
     try:
-        with pytest.raises(StoreUnavailableError, match="app_state"):
+        # a person must act (create it): an operator error naming the table, not an outage
+        with pytest.raises(StoreRefusedError, match=r"there is no table .*app_state there"):
             store.read("orders")
+        with pytest.raises(StoreRefusedError, match="No poller has committed"):
+            store.list_keys()
         assert "CREATE TABLE" in store.ddl()
         store.create_table()
         store.create_table()  # idempotent

@@ -16,6 +16,7 @@ import sqlalchemy as sa
 from azure.data.tables import TableServiceClient
 
 from dbtrigger import SqlCheckpointStore, TableCheckpointStore
+from dbtrigger.cli import main
 from tests.azurite import Azurite
 from tests.databases import TestDatabase
 
@@ -40,6 +41,25 @@ def test_a_sql_store_read_creates_no_table(db: TestDatabase) -> None:
         assert store.list_keys() == ["orders"]
     finally:
         store.close()
+
+
+def test_the_cli_on_a_store_with_no_table_says_so(
+    db: TestDatabase, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The CLI opens SQL stores without creating tables: ``dbtrigger status`` against a
+    URL or schema with no state table printed the driver's words ('relation ... does
+    not exist', 1146, 'no such table') and nothing about why."""
+    assert not has_table(db, "never_made")  # (and SQLite's database file exists)
+    url = db.url + ("?" if "?" not in db.url else "&") + "state_table=never_made"
+    if db.schema:
+        url += f"&state_schema={db.schema}"
+    for argv in (["status", "--store", url], ["status", "orders", "--store", url]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "there is no table " in err, err
+        assert "never_made there" in err, err
+        assert "No poller has committed to this store yet" in err, err
+    assert not has_table(db, "never_made")
 
 
 @pytest.mark.azurite

@@ -351,6 +351,13 @@ class SqlCheckpointStore:
                     where, self._engine, self._table, self.lock_timeout, exc, "nothing was changed"
                 ) from exc
             kind = classify_driver_error(exc)
+            if action in ("read", "listing") and self._missing_without_create():
+                raise StoreRefusedError(
+                    f"{where} failed: there is no table {self.table_name} there. No poller "
+                    "has committed to this store yet (a poller's store creates it at the "
+                    "first commit; with create_table=False, create it from the store's "
+                    "ddl()), or the URL, schema or state_table names another place"
+                ) from exc
             if kind == "auth":
                 raise StoreAuthError(
                     f"{where} was refused: {short_error(exc)}; check the credentials "
@@ -393,6 +400,17 @@ class SqlCheckpointStore:
 
     def _table_exists(self) -> bool:
         return table_exists(self._engine, self._table, self.lock_timeout)
+
+    def _missing_without_create(self) -> bool:
+        """After a failed read of a store that does not create its table (the CLI's):
+        is the table missing? The driver's own words for that ("relation ... does not
+        exist", 1146) leave a person guessing. False when that cannot be told."""
+        if self._create:
+            return False
+        try:
+            return not self._table_exists()
+        except sa.exc.SQLAlchemyError:
+            return False
 
     def _ensure_table(self) -> None:
         self._creation.ensure()

@@ -19,7 +19,7 @@ objects the same way, which lives here once:
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -36,6 +36,15 @@ class SchemaBreak:
 
     commit: str
     problem: str
+
+
+def keyless(table: str, gone: Sequence[str]) -> str:
+    """The schema break of a table whose key columns ``gone`` the log no longer has."""
+    return (
+        f"key column {', '.join(gone)} of {table} is no longer in the table (renamed or "
+        "dropped), so its changes would be delivered without their key; a restarted worker "
+        "reads the primary key again (a table without one is refused)"
+    )
 
 
 class SchemaGuard(Generic[T]):

@@ -53,7 +53,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dbtrigger.cdc.assembly import Assembly, SchemaBreak, SchemaGuard
+from dbtrigger.cdc.assembly import Assembly, SchemaBreak, SchemaGuard, keyless
 from dbtrigger.cdc.binlog_setup import TableInfo
 from dbtrigger.cdc.buffer import Transaction
 from dbtrigger.cdc.changes import Change
@@ -295,6 +295,9 @@ class Assembler(Assembly[TableInfo, str]):
                 f"{len(info.columns)} in information_schema, and the log carries no column "
                 "names (binlog_row_metadata is not FULL), so they cannot be told apart"
             )
+        gone = [k for k in info.key_columns if k not in names]
+        if gone and problem is None:  # renamed or dropped: changes would come without a key
+            problem = keyless(table, gone)
         self.shapes[event.table_id] = RowShape(table, names, info.key_columns)
         self._signatures[event.table_id] = [
             (n, f"{c.type}{'u' if getattr(c, 'unsigned', False) else ''}")

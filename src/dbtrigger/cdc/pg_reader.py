@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dbtrigger.cdc import pgoutput as po
-from dbtrigger.cdc.assembly import Assembly, SchemaBreak, SchemaGuard
+from dbtrigger.cdc.assembly import Assembly, SchemaBreak, SchemaGuard, keyless
 from dbtrigger.cdc.buffer import Transaction
 from dbtrigger.cdc.changes import UNCHANGED, Change
 from dbtrigger.cdc.pg_setup import TableInfo
@@ -176,7 +176,11 @@ class Decoder(Assembly[TableInfo, int]):
         )
         self.relations[message.oid] = relation
         columns = zip(relation.names, relation.type_oids, strict=True)
-        self.note_problem(message.oid, self.guard.check(table, columns))
+        problem = self.guard.check(table, columns)
+        gone = [k for k in info.key_columns if k not in relation.names]
+        if gone:  # renamed or dropped: its changes would come without their key
+            problem = "; ".join(p for p in (problem, keyless(table, gone)) if p)
+        self.note_problem(message.oid, problem)
 
     def _message(self, message: po.Message) -> None:
         if message.prefix != self.snapshot_prefix or not message.transactional:

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from dbtrigger.errors import ReplayRefusedError
 from dbtrigger.events import RowChange, RowShape, event_ids, events_from_rows, key_dict
 from dbtrigger.history import records as rec
 from dbtrigger.history.recorder import MAX_RECORD_BYTES, HistoryRecorder
@@ -160,6 +161,28 @@ def test_records_of_the_first_format_are_still_read() -> None:
     key = {"id": ["int", 1]}
     record = {"detail": {"event_ids": "sha256:x", "events": [["e1", key, "0000abcd"]]}}
     assert rec.detail_lines(record) == [rec.EventLine(key=key, image="0000abcd", event_id="e1")]
+
+
+@pytest.mark.parametrize(
+    "detail",
+    [
+        {"format": 3, "rows": 2, "crcs": "packed", "keys": "packed"},  # read as "no lines"
+        {"format": 3, "rows": 1, "keys": [{"id": ["int", 1]}], "crcs": [1]},  # as format 2
+        {"format": "2", "rows": 1, "keys": [{"id": ["int", 1]}], "crcs": [1]},
+    ],
+)
+def test_a_detail_of_a_newer_format_is_refused_not_misread(detail: dict[str, Any]) -> None:
+    """A newer dbtrigger's history (packed columns, say) must not be read as a commit
+    with no lines, or as the second format: a replay would compare nothing, or the
+    wrong thing, and say the batch replayed."""
+    record = {"seq": 7, "at": "2026-11-27T06:00:00Z", "detail": detail}
+    with pytest.raises(ReplayRefusedError, match=r"record 7 .* upgrade dbtrigger") as info:
+        rec.detail_lines(record)
+    assert f"format {detail['format']!r}" in str(info.value)
+    # what this version writes is what it reads
+    assert rec.batch_detail(events_from_rows(_shape(("id",), ("id",), "id"), [(1,)]))[
+        "format"
+    ] == rec.DETAIL_FORMAT
 
 
 def test_a_record_too_large_keeps_its_digest_but_not_its_columns() -> None:

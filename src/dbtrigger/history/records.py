@@ -39,7 +39,7 @@ from operator import attrgetter, itemgetter
 from typing import Any
 
 from dbtrigger.cursor import Position, encoded_pk
-from dbtrigger.errors import SerializationError
+from dbtrigger.errors import ReplayRefusedError, SerializationError
 from dbtrigger.events import RowChange, event_ids
 from dbtrigger.history.store import EncodedRecord, encode_json
 from dbtrigger.state.document import JournalRecord, format_time, parse_time, position_to_json
@@ -108,6 +108,10 @@ def record_of(
     parts.append("}\n")
     return EncodedRecord(out, "".join(parts).encode("ascii"))
 
+
+#: The newest commit detail format this version reads: a newer one is refused, never
+#: read as "no lines" (a replay would take that as a batch with nothing to compare).
+DETAIL_FORMAT = 2
 
 #: The keys a record puts before and after its entry's.
 _RECORD_KEYS = frozenset(("seq", "id", "at", "detail"))
@@ -421,7 +425,7 @@ def encoded_detail(
     one ``%`` format each."""
     keys, crcs = _columns(events)
     detail = _detail(events, keys, crcs, rejected, retried, waiting, source)
-    parts = ['{"format":2,"rows":', str(len(events))]
+    parts = ['{"format":', str(DETAIL_FORMAT), ',"rows":', str(len(events))]
     if "values" in keys:
         kind = keys["kind"]
         values = keys["values"]
@@ -454,7 +458,7 @@ def _detail(
     waiting: Mapping[str, Any] | None,
     source: str | None,
 ) -> dict[str, Any]:
-    detail: dict[str, Any] = {"format": 2, "rows": len(events), **keys, "crcs": crcs}
+    detail: dict[str, Any] = {"format": DETAIL_FORMAT, "rows": len(events), **keys, "crcs": crcs}
     last = _last_position(events)
     if last is not None:
         detail["last"] = last
@@ -541,6 +545,13 @@ def detail_lines(record: Mapping[str, Any]) -> list[EventLine] | None:
     detail = record.get("detail")
     if not isinstance(detail, Mapping):
         return None
+    form = detail.get("format", 1)
+    if type(form) is not int or form > DETAIL_FORMAT:
+        raise ReplayRefusedError(
+            f"history record {record.get('seq')} ({record.get('at')}) holds its events in "
+            f"format {form!r}; this dbtrigger reads formats up to {DETAIL_FORMAT}: a newer "
+            "dbtrigger wrote it, upgrade dbtrigger to read or replay it"
+        )
     if isinstance(detail.get("events"), list):  # the first format: one list a line
         return [
             EventLine.from_json(e) for e in detail["events"] if isinstance(e, list) and len(e) >= 3

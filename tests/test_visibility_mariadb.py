@@ -541,34 +541,29 @@ def test_guard_configuration_is_validated(mariadb: TestDatabase) -> None:
         source(mariadb, "n", visibility=MariaDbHorizon()).fetch(BEGINNING, 10)
     with pytest.raises(ConfigurationError, match="precision"):
         MariaDbHorizon(precision=7)
-    # TransactionHorizon is the same promise on MariaDB: it delegates.
+    # TransactionHorizon is the same promise on MariaDB: it delegates, with the caller's
+    # settings (settle_seconds was dropped for MariaDbHorizon's own 2 s).
     create = f"CREATE TABLE {mariadb.qualified('ts')} (id BIGINT PRIMARY KEY, t DATETIME(6))"
     mariadb.execute(create)
-    src = SqlAlchemySource(
-        url=mariadb.url,
-        table="ts",
-        schema=mariadb.schema,
-        cursor_column="t",
-        pk_columns=["id"],
-        visibility=TransactionHorizon(),
-    )
-    assert src.fetch(BEGINNING, 10) == []
-    assert src.visibility_mode == "transaction-horizon"
-    src.close()
-    # ... with the caller's settings: settle_seconds was dropped for MariaDbHorizon's 2 s.
-    for given, kept in ((0.0, 0.0), (5.0, 5.0), (None, MariaDbHorizon().settle_seconds)):
+    default = MariaDbHorizon()
+    for guard, kept in (
+        (TransactionHorizon(), (default.settle_seconds, default.warn_after_seconds)),
+        (TransactionHorizon(settle_seconds=0.0, warn_after_seconds=7), (0.0, 7)),
+        (TransactionHorizon(settle_seconds=5.0), (5.0, default.warn_after_seconds)),
+    ):
         src = SqlAlchemySource(
             url=mariadb.url,
             table="ts",
             schema=mariadb.schema,
             cursor_column="t",
             pk_columns=["id"],
-            visibility=TransactionHorizon(settle_seconds=given, warn_after_seconds=7),
+            visibility=guard,
         )
-        src.fetch(BEGINNING, 10)
+        assert src.fetch(BEGINNING, 10) == []
+        assert src.visibility_mode == "transaction-horizon"
         active = src._guarding.active
         assert isinstance(active.guard, MariaDbHorizon), active
-        assert (active.guard.settle_seconds, active.guard.warn_after_seconds) == (kept, 7)
+        assert (active.guard.settle_seconds, active.guard.warn_after_seconds) == kept
         src.close()
 
 

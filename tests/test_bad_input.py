@@ -20,7 +20,7 @@ from dbtrigger import (
     SqlAlchemySource,
 )
 from dbtrigger.dbio import DbReader, DbWriter
-from dbtrigger.errors import ConfigurationError
+from dbtrigger.errors import ConfigurationError, UnsafeIdentifierError
 from tests.databases import TestDatabase
 
 
@@ -159,3 +159,25 @@ def test_the_reader_and_writer_name_a_wrong_kind_of_argument(
         call(sqlite_db)
     assert message in str(err.value), case
     assert sqlite_db.scalar("SELECT count(*) FROM t") == 0  # nothing written
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "told"),
+    [
+        ("table", "public.items", "schema='public' and 'items'"),
+        ("table", '"Items"', "without quotes, 'Items'"),
+        ("cursor_column", "`updated_at`", "without quotes, 'updated_at'"),
+        ("table", "order lines", "give the table a view with a plain name"),
+        ("cursor_column", "updated at", "its column an alias (AS) in query="),
+    ],
+)
+def test_a_name_that_is_not_an_identifier_says_what_was_meant(
+    option: str, value: str, told: str
+) -> None:
+    """A schema-qualified or quoted name, or one with a space: the refusal said only which
+    characters may be used, not how to name such a table or column."""
+    settings: dict[str, Any] = {"table": "items", "cursor_column": "v", "pk_columns": ["id"]}
+    settings[option] = value
+    with pytest.raises(UnsafeIdentifierError) as refused:
+        SqlAlchemySource(url="sqlite://", **settings)
+    assert told in str(refused.value)

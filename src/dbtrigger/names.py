@@ -33,10 +33,27 @@ def validate_sql_identifier(value: str, what: str) -> str:
     if not isinstance(value, str) or not _SQL_IDENTIFIER.match(value):
         raise UnsafeIdentifierError(
             f"{what} {value!r} is not a safe SQL identifier: use letters, digits, '_' or '$', "
-            "starting with a letter or '_'",
+            f"starting with a letter or '_'{_identifier_hint(value)}",
             name=what,
         )
     return value
+
+
+def _identifier_hint(value: object) -> str:
+    """What the person probably meant, for the names people write most often."""
+    if not isinstance(value, str):
+        return ""
+    bare = value.strip('"`[]')
+    if bare != value and _SQL_IDENTIFIER.match(bare):
+        return f" (give it without quotes, {bare!r}: names are quoted for you, capitals kept)"
+    parts = value.split(".")
+    if len(parts) == 2 and all(_SQL_IDENTIFIER.match(p.strip('"`')) for p in parts):
+        schema, name = (p.strip('"`') for p in parts)
+        return f" (a name in a schema is given in two parts: schema={schema!r} and {name!r})"
+    return (
+        "; a name that needs other characters (spaces, quotes, '-') cannot be used as it "
+        "is: give the table a view with a plain name, or its column an alias (AS) in query="
+    )
 
 
 def shortened(name: str, limit: int = 63) -> str:

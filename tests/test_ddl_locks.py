@@ -15,7 +15,6 @@ the table; the next try, once the lock is gone, creates it.
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -33,10 +32,11 @@ from dbtrigger.changelog.source import ChangeLogSource
 from dbtrigger.cli.main import main as cli_main
 from dbtrigger.errors import FetchError, QuarantineError, RetryableError, StoreUnavailableError
 from dbtrigger.history.derive import history_for
-from dbtrigger.quarantine import QuarantineRecord, SqlQuarantineSink
+from dbtrigger.quarantine import SqlQuarantineSink
 from dbtrigger.state.stores.sql import SqlCheckpointStore
 from dbtrigger.wakeup import ddl as wake_ddl
 from tests.databases import TestDatabase
+from tests.test_store_locks import quarantine_record
 
 #: How long a test lets the call wait before it calls it hung (the bound is 1 s).
 GIVE_UP_WITHIN = 25.0
@@ -165,21 +165,7 @@ def test_a_history_table_created_behind_a_lock_gives_up(db: TestDatabase) -> Non
 
 def test_a_quarantine_table_created_behind_a_lock_gives_up(db: TestDatabase) -> None:
     sink = SqlQuarantineSink(url=db.url, schema=db.schema, lock_timeout_seconds=1)
-    record = QuarantineRecord(
-        poller="orders",
-        event_id="e1",
-        source="test",
-        pk={"id": 1},
-        cursor=1,
-        row=None,
-        error="boom",
-        attempts=5,
-        checkpoint={},
-        batch_id="b1",
-        fencing_token=3,
-        owner_id="me",
-        quarantined_at=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc),
-    )
+    record = quarantine_record()
     try:
         error = outcome(ddl_blocked(db, "dbtrigger_quarantine"), lambda: sink.put([record]))
         gave_up(error, QuarantineError, "dbtrigger_quarantine")

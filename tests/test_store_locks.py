@@ -126,11 +126,9 @@ def test_the_default_bound_is_below_the_heartbeat(sqlite_db: TestDatabase) -> No
         store.close()
 
 
-def test_a_dead_letter_write_behind_an_uncommitted_one_gives_up(db: TestDatabase) -> None:
-    """Two instances setting the same event aside (a zombie and the new owner): the
-    second's insert waited for the first's transaction, for ever on PostgreSQL."""
-    sink = SqlQuarantineSink(url=db.url, schema=db.schema, lock_timeout_seconds=1)
-    record = QuarantineRecord(
+def quarantine_record() -> QuarantineRecord:
+    """One dead-lettered event of poller ``orders``, as a sink's write gets it."""
+    return QuarantineRecord(
         poller="orders",
         event_id="e1",
         source="test",
@@ -145,6 +143,13 @@ def test_a_dead_letter_write_behind_an_uncommitted_one_gives_up(db: TestDatabase
         owner_id="me",
         quarantined_at=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc),
     )
+
+
+def test_a_dead_letter_write_behind_an_uncommitted_one_gives_up(db: TestDatabase) -> None:
+    """Two instances setting the same event aside (a zombie and the new owner): the
+    second's insert waited for the first's transaction, for ever on PostgreSQL."""
+    sink = SqlQuarantineSink(url=db.url, schema=db.schema, lock_timeout_seconds=1)
+    record = quarantine_record()
     holder = db.engine.connect()
     try:
         sink.put([])  # nothing: no table yet

@@ -36,6 +36,52 @@ def make_trigger(db: TestDatabase, state: Path, rows: int, **kwargs: int) -> Pol
     )
 
 
+def test_a_second_signal_between_ticks_stops_the_run_cleanly(
+    sqlite_db: TestDatabase, tmp_path: Path
+) -> None:
+    """Two signals while the worker sleeps between ticks (``timeout -s INT`` sends one
+    to the process and one to its group): the second raised KeyboardInterrupt out of
+    run(), so ``dbtrigger run`` exited 130 with no summary and the demo printed no stop
+    line (about one run in three of the README's demo under ``timeout``). With no batch
+    in flight there is nothing to abandon: the run stops as after one signal."""
+    trigger = make_trigger(sqlite_db, tmp_path / "state", rows=5, batch_size=10)
+    seen: list[int] = []
+    runner = Runner(
+        trigger, lambda events: seen.extend(e.pk["id"] for e in events), interval_seconds=30
+    )
+
+    def two_signals(seconds: float, stop: object) -> None:
+        del seconds, stop
+        runner._on_signal(signal.SIGINT, None)
+        runner._on_signal(signal.SIGINT, None)
+
+    trigger.wait_for_work = two_signals  # type: ignore[method-assign]
+    stats = runner.run(install_signals=False)
+    assert seen == list(range(5))
+    assert (stats.rows, stats.ticks) == (5, 2)
+    state = trigger.read_state()
+    assert state is not None
+    assert state.position.pk == {"id": 4}
+
+
+def test_a_second_signal_during_a_batch_abandons_it(
+    sqlite_db: TestDatabase, tmp_path: Path
+) -> None:
+    trigger = make_trigger(sqlite_db, tmp_path / "state", rows=5, batch_size=10)
+    runner = Runner(trigger, lambda events: None, interval_seconds=30)
+
+    def handler(events: list[RowChange]) -> None:
+        runner._on_signal(signal.SIGINT, None)
+        runner._on_signal(signal.SIGINT, None)  # abandons the batch: not committed
+
+    runner.handler = handler
+    stats = runner.run(install_signals=False)
+    assert (stats.rows, stats.ticks) == (0, 1)
+    state = trigger.read_state()
+    assert state is None or not state.checkpoint
+    assert state is None or state.lease is None or state.lease.released
+
+
 def test_runner_polls_again_at_once_while_batches_are_full(
     sqlite_db: TestDatabase, tmp_path: Path
 ) -> None:

@@ -177,6 +177,8 @@ class Runner:
         self.stats = RunStats()
         self._stop = stop or threading.Event()
         self._signals = 0
+        #: A tick (a batch that a second signal abandons) is running.
+        self._in_tick = False
         self._failures = 0
         self._traced: str | None = None
         self._drain: Tracker | None = None
@@ -203,7 +205,11 @@ class Runner:
             self._stop.set()
             return
         # Second signal: abandon the in-flight batch; the tick releases the lease.
-        raise KeyboardInterrupt
+        # Between ticks there is none: raised there it ended run() with no summary
+        # and the trigger left open (`dbtrigger run` exit 130; timeout -s INT sends two).
+        self._stop.set()
+        if self._in_tick:
+            raise KeyboardInterrupt
 
     @contextlib.contextmanager
     def _signals_installed(self) -> Iterator[None]:
@@ -254,6 +260,7 @@ class Runner:
         self.stats.ticks += 1
         started = time.perf_counter()
         try:
+            self._in_tick = True
             result = self.trigger.tick_result(self.handler, should_stop=self._stop.is_set)
         except KeyboardInterrupt:
             self._stop.set()
@@ -277,6 +284,8 @@ class Runner:
             return self._failed(exc, started)
         except Exception as exc:  # noqa: BLE001 - a bug must not end the worker (see module doc)
             return self._failed(exc, started)
+        finally:
+            self._in_tick = False
         if self._failures:
             self._recovered()
         self._failures = 0

@@ -754,8 +754,10 @@ def wait_for_a_lock_wait(db: TestDatabase, table: str, thread: threading.Thread)
     (INNODB_TRX can stay stale for seconds on a server other sessions read it on)."""
     if db.kind == "postgresql":
         probe, params = (
+            # this worker's database only: the other binding's case, on another
+            # worker at the same moment, waits on a dl_sink of its own
             "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-            "AND strpos(query, :table) > 0",
+            "AND datname = current_database() AND strpos(query, :table) > 0",
             {"table": table},
         )
     else:

@@ -12,6 +12,7 @@ cause chain, secrets masked), 130 interrupted, 141 output pipe closed.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import re
@@ -21,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from dbtrigger.cli.logs import FORMATS, LEVELS, configure_logging
-from dbtrigger.cli.run import add_run_command
 from dbtrigger.errors import DbTriggerError
 from dbtrigger.redaction import redact
 from dbtrigger.settings import find_local_settings, load_local_settings
@@ -119,49 +119,31 @@ def _command_of(argv: Sequence[str]) -> str | None:
     return None
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The whole parser; with ``command="run"``, one that knows ``run`` only.
-
-    A worker process (``dbtrigger run``) parses its arguments with the second:
-    the other commands' modules (claim queues, change logs, replay, backfill,
-    the backlog endpoint...) are then never imported, which is about a quarter
-    of a cold worker's import time. It parses ``run`` exactly as the whole
-    parser does.
-    """
-    parser = argparse.ArgumentParser(
-        prog="dbtrigger",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--version", action="version", version=_version())
-    _add_global_options(parser, top=True)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    add_run_command(sub)
-    if command != "run":
-        _add_other_commands(sub)
-    for subparser in sub.choices.values():
-        _add_global_options(subparser, top=False)
-    return parser
+#: Every command, in the order ``dbtrigger --help`` lists them: the module that
+#: registers a group of commands, its function that does, and the group's names.
+COMMANDS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("dbtrigger.cli.run", "add_run_command", ("run",)),
+    (__name__, "add_demo_command", ("demo",)),
+    (
+        "dbtrigger.cli.state",
+        "add_state_commands",
+        ("status", "reset", "clone", "release-lease", "skip-batch"),
+    ),
+    ("dbtrigger.cli.history", "add_history_command", ("history",)),
+    ("dbtrigger.cli.replay", "add_replay_command", ("replay",)),
+    ("dbtrigger.cli.deadletter", "add_dead_letter_commands", ("dead-letter",)),
+    ("dbtrigger.cli.positions", "add_position_commands", ("rewind", "bookmark")),
+    ("dbtrigger.cli.backfill", "add_backfill_command", ("backfill",)),
+    ("dbtrigger.cli.changelog", "add_changelog_commands", ("changelog",)),
+    ("dbtrigger.cli.cdc", "add_cdc_commands", ("cdc",)),
+    ("dbtrigger.cli.partitions", "add_partition_commands", ("partitions",)),
+    ("dbtrigger.cli.queue", "add_queue_commands", ("queue",)),
+    ("dbtrigger.cli.wake", "add_wake_commands", ("wake",)),
+    ("dbtrigger.cli.check", "add_check_command", ("check",)),
+)
 
 
-def _add_other_commands(sub: Any) -> None:
-    # Imported here: a worker's parser (build_parser("run")) needs none of them.
-    from dbtrigger.cli.backfill import add_backfill_command  # noqa: PLC0415
-    from dbtrigger.cli.cdc import add_cdc_commands  # noqa: PLC0415
-    from dbtrigger.cli.changelog import add_changelog_commands  # noqa: PLC0415
-    from dbtrigger.cli.check import add_check_command  # noqa: PLC0415
-    from dbtrigger.cli.deadletter import add_dead_letter_commands  # noqa: PLC0415
-    from dbtrigger.cli.history import add_history_command  # noqa: PLC0415
-    from dbtrigger.cli.loading import load_object  # noqa: PLC0415
-    from dbtrigger.cli.partitions import add_partition_commands  # noqa: PLC0415
-    from dbtrigger.cli.positions import add_position_commands  # noqa: PLC0415
-    from dbtrigger.cli.replay import add_replay_command  # noqa: PLC0415
-    from dbtrigger.cli.state import add_state_commands  # noqa: PLC0415
-    from dbtrigger.cli.wake import add_wake_commands  # noqa: PLC0415
-    from dbtrigger.queue.cli import add_queue_commands  # noqa: PLC0415
-
+def add_demo_command(sub: Any) -> None:
     demo = sub.add_parser("demo", help="live SQLite orders table polled into the terminal")
     demo.add_argument("--dir", default="dbtrigger-demo", help="where the database and state go")
     demo.add_argument("--rate", type=float, default=8.0, help="writer changes per second")
@@ -171,18 +153,60 @@ def _add_other_commands(sub: Any) -> None:
     demo.add_argument("--seed", type=int, default=None, help="seed the writer's randomness")
     demo.set_defaults(func=cmd_demo)
 
-    add_state_commands(sub)
-    add_history_command(sub)
-    add_replay_command(sub)
-    add_dead_letter_commands(sub)
-    add_position_commands(sub)
-    add_backfill_command(sub)
-    add_changelog_commands(sub)
-    add_cdc_commands(sub)
-    add_partition_commands(sub)
-    add_queue_commands(sub, load_object)
-    add_wake_commands(sub)
-    add_check_command(sub)
+
+def _known(command: str | None) -> bool:
+    return any(command in names for _, _, names in COMMANDS)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; with a command's name, one that knows its group only.
+
+    Each process imports the module of the command it runs, not the others'
+    (``dbtrigger run`` never imports claim queues, change logs, replay,
+    backfill or the backlog endpoint; ``dbtrigger changelog`` not even the
+    runtime). A group's parser parses its commands exactly as the whole parser
+    does; ``None`` or a name no group has gives the whole parser, whose help
+    and "invalid choice" errors list every command.
+    """
+    return _build_parser(command, exit_on_error=True)
+
+
+def _build_parser(command: str | None, *, exit_on_error: bool) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dbtrigger",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        exit_on_error=exit_on_error,
+    )
+    parser.add_argument("--version", action="version", version=_version())
+    _add_global_options(parser, top=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    whole = not _known(command)
+    for module, function, names in COMMANDS:
+        if whole or command in names:
+            getattr(importlib.import_module(module), function)(sub)
+    for subparser in sub.choices.values():
+        _add_global_options(subparser, top=False)
+    return parser
+
+
+def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
+    """``argv`` parsed by the parser of the command it names (:func:`build_parser`).
+
+    The command word is found before parsing (:func:`_command_of`); should
+    argparse see another one (``--sett history status``: an abbreviated
+    option's value), the group's parser fails on it and the whole parser
+    parses ``argv`` again, so what is parsed, and every error, is the whole
+    parser's.
+    """
+    command = _command_of(argv)
+    if _known(command):
+        try:
+            return _build_parser(command, exit_on_error=False).parse_args(argv)
+        except argparse.ArgumentError:
+            pass
+    return build_parser().parse_args(argv)
 
 
 def _print_error(exc: BaseException) -> None:
@@ -234,9 +258,7 @@ def _silence_stdout() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    command = _command_of(argv)
-    parser = build_parser("run" if command == "run" else None)
-    args = parser.parse_args(argv)
+    args = parse_arguments(argv)
     configure_logging(_log_level(args), args.log_format)
     try:
         _read_settings(args)

@@ -10,7 +10,6 @@ leaking the password, and writers in separate processes racing one etag.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import socket
 import time
 import uuid
@@ -40,6 +39,7 @@ from dbtrigger.state.stores import CheckpointStore, SqlCheckpointStore, StoredDo
 from dbtrigger.state.stores.sql import classify_driver_error
 from dbtrigger.testing import CountingStore
 from tests.databases import TestDatabase, admin_engine
+from tests.race_processes import race_context
 
 SECRET = "Wr0ng-s3cret-pa55"  # noqa: S105 - a made-up password the errors must not echo
 
@@ -433,7 +433,7 @@ def _racing_process(url: str, schema: str | None, index: int, barrier: Barrier, 
 
 def test_processes_racing_one_etag_exactly_one_wins(db: TestDatabase) -> None:
     # No table yet: the processes also race to create it.
-    ctx = multiprocessing.get_context("spawn")
+    ctx = race_context()
     n = 4
     barrier = ctx.Barrier(n)
     out = ctx.Queue()

@@ -9,7 +9,6 @@ module; the file store's cross-process race and its key rules are here.
 
 from __future__ import annotations
 
-import multiprocessing
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +29,7 @@ from dbtrigger.testing import StoreContract
 from tests.azurite import Azurite
 from tests.contracts.nested import nested_failures
 from tests.databases import TestDatabase
+from tests.race_processes import race_context
 
 
 class TestInMemoryStore(StoreContract):
@@ -95,7 +95,7 @@ def _race_writer(directory: str, etag: str, index: int, barrier: Any, results: A
 
 
 def test_file_store_processes_racing_one_etag_exactly_one_wins(tmp_path: Path) -> None:
-    ctx = multiprocessing.get_context("spawn")
+    ctx = race_context()
     store = FileCheckpointStore(tmp_path / "state")
     for round_ in range(3):
         etag = (

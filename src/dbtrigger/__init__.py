@@ -17,7 +17,6 @@ here too. Names the root offered before are still found, with a
 
 from __future__ import annotations
 
-from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 from dbtrigger import _lazy
@@ -121,14 +120,26 @@ def _partitioned_member(**options: Any) -> Any:
 
 _deprecated.partitioned_member = _partitioned_member
 
-__getattr__, __dir__ = _lazy.exports(__name__, _NAMES, moved=_MOVED)
+_exported, _exported_dir = _lazy.exports(__name__, _NAMES, moved=_MOVED)
 
-try:
-    __version__ = metadata.version("dbtrigger")
-except metadata.PackageNotFoundError:  # a source tree that was never installed
-    __version__ = "0+unknown"
+if TYPE_CHECKING:
+    __version__: str
 
-del metadata, _redaction, _deprecated
+
+def __getattr__(name: str) -> Any:
+    # The version is read on first use: importlib.metadata and its scan of the
+    # installed distributions were about a tenth of `import dbtrigger`.
+    if name == "__version__":
+        version = globals()["__version__"] = _lazy.installed_version("dbtrigger")
+        return version
+    return _exported(name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*_exported_dir(), "__version__"})
+
+
+del _redaction, _deprecated
 
 __all__ = [
     "BatchContext",

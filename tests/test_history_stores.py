@@ -202,12 +202,6 @@ def test_pruning_while_a_writer_appends_loses_no_number(history: HistoryStore) -
             except BaseException as exc:
                 errors.append(exc)
                 return
-            else:
-                # A pause between prunes, as the runtime's are: SQLite's busy handler polls
-                # with growing sleeps, so a pruner that took the write lock again at once
-                # won every race and starved the appender for whole busy timeouts (5-85 s
-                # a run, sometimes past until_ok's minute).
-                stop.wait(0.05)
 
     thread = threading.Thread(target=pruner)
     thread.start()

@@ -9,6 +9,7 @@ the last record, and the file adapter survives a torn last line.
 from __future__ import annotations
 
 import datetime as dt
+import sqlite3
 import threading
 import time
 import uuid
@@ -326,3 +327,37 @@ def test_sql_reads_never_create_the_history_table(kind: str, tmp_path: Path) -> 
         history.append("orders", [rec(1)], after_seq=0)
         assert exists()
         assert seqs(history) == [1]
+
+
+def test_a_prune_by_size_holds_no_read_lock_through_its_deletes_on_sqlite(tmp_path: Path) -> None:
+    """SQLite: the size scan stops part-way (``break``); a statement left half-read keeps
+    its read lock until it is collected, so every other connection's commit waited behind
+    the prune's deletes for its whole lock timeout (an append racing a prune: 5-85 s)."""
+    path = tmp_path / "history.db"
+    engine = sa.create_engine(f"sqlite:///{path}")
+    history = SqlHistory(engine)
+    for n in range(1, 21):
+        history.append("orders", [rec(n)], after_seq=n - 1)
+    refused: list[str] = []
+
+    def commit_elsewhere(*args: Any) -> None:
+        if not str(args[2]).lstrip().upper().startswith("DELETE"):
+            return
+        other = sqlite3.connect(path, timeout=0.2, isolation_level=None)
+        try:
+            other.execute("BEGIN IMMEDIATE")
+            other.execute("CREATE TABLE IF NOT EXISTS probe (x INTEGER)")
+            other.execute("COMMIT")
+        except sqlite3.OperationalError as exc:
+            refused.append(str(exc))
+        finally:
+            other.close()
+
+    sa.event.listen(engine, "before_cursor_execute", commit_elsewhere)
+    try:
+        removed = history.prune("orders", Retention(max_age_days=None, max_bytes=1024), T0)
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", commit_elsewhere)
+        engine.dispose()
+    assert removed > 0
+    assert refused == []

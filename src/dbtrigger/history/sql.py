@@ -304,11 +304,15 @@ class SqlHistory:
                         .where(self._of(poller))
                         .order_by(t.c.seq.desc())
                     )
-                    for seq, size in sized:
-                        total += int(size)
-                        if total > retention.max_bytes:
-                            below = max(below or 0, int(seq) + 1)
-                            break
+                    # Closed, not left half-read: on SQLite an unfinished statement keeps
+                    # its read lock until it is collected, through the deletes below, and
+                    # every append's commit waited behind it for its whole lock timeout.
+                    with sized:
+                        for seq, size in sized:
+                            total += int(size)
+                            if total > retention.max_bytes:
+                                below = max(below or 0, int(seq) + 1)
+                                break
             if below is None:
                 return 0
             below = min(below, keep_from)

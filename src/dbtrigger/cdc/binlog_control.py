@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +90,42 @@ def _bounded_ddl(
                 cur.execute("SET SESSION lock_wait_timeout = @dbtrigger_table_wait")
 
 
+def _execute_or_explain(
+    conn: pymysql.connections.Connection[Any],
+    database: str,
+    statements: Sequence[tuple[str, str]],
+    *,
+    doing: str,
+    verb: str,
+    refused: str,
+    privileges: str,
+    or_instead: str | None = None,
+) -> None:
+    """Run DDL this user may lack the rights for: ``statements`` are (table, statement),
+    each run under :func:`_bounded_ddl` (``verb`` names its wait), in order.
+
+    A refusal is raised again as ``"{refused}: {the server's reason}. GRANT {privileges}
+    ON database TO this user, {or_instead}, or have an admin run: {the statements}"``,
+    as :func:`dbtrigger.cdc.pg_connection.execute_or_explain` words it for PostgreSQL:
+    the GRANT names the account the server sees, asked for only once refused.
+
+    Raises:
+        SourcePermissionError: the user may not run them (with the GRANT and the SQL).
+    """
+    try:
+        for table, statement in statements:
+            with translated(doing), _bounded_ddl(conn, database, table, verb) as cur:
+                cur.execute(statement)
+    except SourcePermissionError as exc:
+        instead = f"{or_instead}, " if or_instead else ""
+        raise SourcePermissionError(
+            f"{refused}: {short_error(exc.__cause__ or exc)}. GRANT {privileges} ON "
+            f"`{database}`.* TO {current_user(conn)}, {instead}or have an admin run: "
+            + "; ".join(statement for _, statement in statements),
+            **exc.fields,
+        ) from exc
+
+
 def create_sql(database: str) -> list[str]:
     return [
         f"CREATE TABLE IF NOT EXISTS `{database}`.`{TABLE}` ("
@@ -129,23 +165,17 @@ def ensure(conn: pymysql.connections.Connection[Any], database: str) -> bool:
     if exists(conn, database):
         upgrade(conn, database)
         return False
-    statements = create_sql(database)
-    try:
-        for name, statement in zip((TABLE, CHUNKS), statements, strict=True):
-            with (
-                translated("creating the control tables"),
-                _bounded_ddl(conn, database, name, "creating") as cur,
-            ):
-                cur.execute(statement)
-    except SourcePermissionError as exc:
-        raise SourcePermissionError(
-            f"cannot create {database}.{TABLE} (where BinlogSource keeps its position, accepted "
-            f"columns and snapshot progress): {short_error(exc.__cause__ or exc)}. "
-            f"GRANT CREATE, SELECT, INSERT, UPDATE, DELETE ON `{database}`.* TO "
-            f"{current_user(conn)}, pass control_database= naming one it may use, or have an "
-            f"admin run: {'; '.join(statements)}",
-            **exc.fields,
-        ) from exc
+    _execute_or_explain(
+        conn,
+        database,
+        list(zip((TABLE, CHUNKS), create_sql(database), strict=True)),
+        doing="creating the control tables",
+        verb="creating",
+        refused=f"cannot create {database}.{TABLE} (where BinlogSource keeps its position, "
+        "accepted columns and snapshot progress)",
+        privileges="CREATE, SELECT, INSERT, UPDATE, DELETE",
+        or_instead="pass control_database= naming one it may use",
+    )
     return True
 
 
@@ -182,19 +212,16 @@ def upgrade(conn: pymysql.connections.Connection[Any], database: str) -> None:
     statement = upgrade_sql(conn, database)
     if statement is None:
         return
-    try:
-        with (
-            translated("adding columns to the control table"),
-            _bounded_ddl(conn, database, TABLE, "adding columns to") as cur,
-        ):
-            cur.execute(statement)
-    except SourcePermissionError as exc:
-        raise SourcePermissionError(
-            f"{database}.{TABLE} was made by an earlier version and lacks columns this one "
-            f"keeps there: {short_error(exc.__cause__ or exc)}. GRANT ALTER ON `{database}`.* "
-            f"TO {current_user(conn)}, or have an admin run: {statement}",
-            **exc.fields,
-        ) from exc
+    _execute_or_explain(
+        conn,
+        database,
+        [(TABLE, statement)],
+        doing="adding columns to the control table",
+        verb="adding columns to",
+        refused=f"{database}.{TABLE} was made by an earlier version and lacks columns this one "
+        "keeps there",
+        privileges="ALTER",
+    )
 
 
 @dataclass

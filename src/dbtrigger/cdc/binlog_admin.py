@@ -114,13 +114,9 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
             infos = setup.table_infos(conn, source.tables)
             found: str | None = control.UNKNOWN  # the GTID state there (MariaDB)
             if row is not None and facts.mariadb:
-                at = (
-                    (row.through_file, row.through_pos or 0)
-                    if row.through_file is not None
-                    else (row.created_file, row.created_pos or 0)
-                )
-                if at[0] in dict(files):
-                    found = control.gtid_at(conn, str(at[0]), at[1])
+                at = row.last_recorded()
+                if at.file in dict(files):
+                    found = control.gtid_at(conn, str(at.file), at.pos)
         warnings = list(problems)
         position: dict[str, Any] | None = None
         if row is None:
@@ -128,14 +124,12 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
                 "the reader is not installed (created at the first read, or by cdc install)"
             )
         else:
-            recorded = (
-                (row.through_file, row.through_pos or 0)
-                if row.through_file is not None
-                else (row.created_file, row.created_pos or 0)
+            recorded = row.last_recorded()
+            name, offset = (
+                (recorded.file, recorded.pos) if recorded.file in dict(files) else (None, 0)
             )
-            name, offset = recorded if recorded[0] in dict(files) else (None, 0)
             other = None if name is None else other_log(source, row, files, name, offset)
-            gtid = row.through_gtid if row.through_file is not None else row.created_gtid
+            gtid = recorded.gtid
             if other is None and name is not None and not control.same_gtid(gtid, found):
                 other = (
                     f"the log at {name}:{offset} holds GTID {found or '(no event boundary)'}, "
@@ -310,7 +304,7 @@ def other_log(
     offset past the file's end, or the file's mark not the one recorded), or None."""
     if offset > dict(files)[name]:
         return f"the recorded position {name}:{offset} is beyond the end of that file"
-    mark = row.through_mark if row.through_file is not None else row.created_mark
+    mark = row.last_recorded().mark
     if mark is None:
         return None
     try:

@@ -38,7 +38,7 @@ import contextlib
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import pymysql
 
@@ -224,6 +224,16 @@ def upgrade(conn: pymysql.connections.Connection[Any], database: str) -> None:
     )
 
 
+class Recorded(NamedTuple):
+    """A position of the log a control row records (file None: none recorded)."""
+
+    file: str | None
+    pos: int
+    #: The file's mark and the GTID state there (None: not recorded, not checked).
+    mark: str | None
+    gtid: str | None
+
+
 @dataclass
 class ControlRow:
     reader: str
@@ -250,6 +260,17 @@ class ControlRow:
     #: :func:`gtid_at`; None: not known, not checked).
     created_gtid: str | None = None
     through_gtid: str | None = None
+
+    def last_recorded(self) -> Recorded:
+        """The read-through position when one is recorded, else where the reader was
+        created: how far the log is known read, with what identifies it there."""
+        if self.through_file is not None:
+            return Recorded(
+                self.through_file, self.through_pos or 0, self.through_mark, self.through_gtid
+            )
+        return Recorded(
+            self.created_file, self.created_pos or 0, self.created_mark, self.created_gtid
+        )
 
 
 def read(

@@ -61,6 +61,20 @@ DEFAULT_LOCK_TIMEOUT = 10.0
 _NO_WRITE = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
+@contextlib.contextmanager
+def _os_errors(doing: str, path: Path) -> Iterator[None]:
+    """The OS errors of reading, writing or deleting a document as the store's: a
+    refusal is :class:`~dbtrigger.errors.StoreAuthError` (permissions to fix); out of
+    space, a read-only remount, an I/O error or the directory removed under us is
+    :class:`~dbtrigger.errors.StoreUnavailableError`, which the next attempt may retry."""
+    try:
+        yield
+    except PermissionError as exc:
+        raise StoreAuthError(f"no permission to {doing} {path}") from exc
+    except OSError as exc:
+        raise StoreUnavailableError(f"cannot {doing} {path}: {exc.strerror}") from exc
+
+
 class FileCheckpointStore:
     """State documents as JSON files in one directory.
 
@@ -207,13 +221,8 @@ class FileCheckpointStore:
         doc_path, etag_path, lock_path = self._paths(key)
         if not self._dir.is_dir():
             raise StoreUnavailableError(f"state directory {self._dir} does not exist")
-        with self._locked(lock_path, exclusive=False):
-            try:
-                return self._read_unlocked(doc_path, etag_path)
-            except PermissionError as exc:
-                raise StoreAuthError(f"no permission to read {doc_path}") from exc
-            except OSError as exc:
-                raise StoreUnavailableError(f"cannot read {doc_path}: {exc.strerror}") from exc
+        with self._locked(lock_path, exclusive=False), _os_errors("read", doc_path):
+            return self._read_unlocked(doc_path, etag_path)
 
     def write(self, key: str, data: bytes, *, if_match: str | None) -> str:
         doc_path, etag_path, lock_path = self._paths(key)
@@ -225,17 +234,11 @@ class FileCheckpointStore:
                 raise CasConflictError(f"{doc_path} changed since it was read (etag mismatch)")
             self._remove_leftovers(doc_path, etag_path)
             etag = f'"{uuid.uuid4().hex}"'
-            try:
+            # Each file is replaced whole: a write that fails leaves nothing new visible.
+            with _os_errors("write", doc_path):
                 self._replace(etag_path, etag.encode())
                 self._replace(doc_path, bytes(data))
                 self._fsync_dir()
-            except PermissionError as exc:
-                raise StoreAuthError(f"no permission to write {doc_path}") from exc
-            except OSError as exc:
-                # Out of space, a read-only remount, an I/O error, the directory
-                # removed under us: nothing new is visible (each file is replaced
-                # whole), so the next attempt can simply try again.
-                raise StoreUnavailableError(f"cannot write {doc_path}: {exc.strerror}") from exc
             return etag
 
     def delete(self, key: str, *, if_match: str | None = None) -> None:
@@ -246,14 +249,10 @@ class FileCheckpointStore:
                 return
             if if_match is not None and current.etag != if_match:
                 raise CasConflictError(f"{doc_path} changed since it was read (etag mismatch)")
-            try:
+            with _os_errors("delete", doc_path):
                 doc_path.unlink()
                 with contextlib.suppress(FileNotFoundError):
                     etag_path.unlink()
-            except PermissionError as exc:
-                raise StoreAuthError(f"no permission to delete {doc_path}") from exc
-            except OSError as exc:
-                raise StoreUnavailableError(f"cannot delete {doc_path}: {exc.strerror}") from exc
 
     def list_keys(self) -> list[str]:
         if not self._dir.is_dir():

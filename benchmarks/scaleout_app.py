@@ -12,6 +12,9 @@ worker's idle interval), except what the environment names:
 * ``DBT_SCALEOUT_STORE`` (a store location, as ``--store`` takes) and
   ``DBT_SCALEOUT_APP`` (its app prefix);
 * ``DBT_SCALEOUT_PARTITIONS``: the partition count (default: dbtrigger's);
+* ``DBT_SCALEOUT_BALANCE_SECONDS``: the balance interval (default: dbtrigger's,
+  3 s); the member TTL stays its default multiple of it (10/3), so tests that
+  wait for a TTL to pass can provoke the same takeover in half the time;
 * ``DBT_SCALEOUT_HANDLER_MS``: what the handler waits per event (an I/O-bound
   stand-in);
 * ``DBT_SCALEOUT_OUT``: a directory; each process appends ``id,seq`` per
@@ -49,6 +52,9 @@ trigger = PartitionedPoller(
         _env.get("DBT_SCALEOUT_STORE", "./state"), app=_env.get("DBT_SCALEOUT_APP") or None
     ),
     partitions=int(_env.get("DBT_SCALEOUT_PARTITIONS", str(DEFAULT_PARTITIONS))),
+    balance_interval_seconds=float(_env["DBT_SCALEOUT_BALANCE_SECONDS"])
+    if _env.get("DBT_SCALEOUT_BALANCE_SECONDS")
+    else None,
 )
 
 

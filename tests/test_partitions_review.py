@@ -1,5 +1,6 @@
-"""Partitioned workers as a new user meets them: ``dbtrigger run`` at defaults, the
-cases people hit first (a paused member, a partition key that changes, skewed keys).
+"""Partitioned workers as a new user meets them: ``dbtrigger run`` at defaults (but
+a halved balance interval, see BALANCE_SECONDS), the cases people hit first (a paused
+member, a partition key that changes, skewed keys).
 
 Outcomes only, each waited for with a bound: every row's latest state is delivered,
 no partition's checkpoint moves back, per key the deliveries come in cursor order,
@@ -23,6 +24,7 @@ import sqlalchemy as sa
 from dbtrigger import FileCheckpointStore, PollTrigger, SqlAlchemySource
 from dbtrigger.errors import DbTriggerError
 from dbtrigger.partitions import PartitionedPoller
+from dbtrigger.partitions.cadence import default_ttl
 from tests.databases import TestDatabase
 from tests.test_partitions_processes import (
     ROOT,
@@ -32,6 +34,14 @@ from tests.test_partitions_processes import (
     wait_for,
     wait_latest_delivered,
 )
+
+#: The members' balance interval in these cases: half the default, so the member
+#: TTL (its default multiple of the interval) is 5 s instead of 10. The cases are
+#: about what happens once a member or the store was away past the TTL, not about
+#: its length: a shorter one provokes the same takeovers in half the wait.
+#: tests/test_partitions_processes.py runs every setting at its default.
+BALANCE_SECONDS = 1.5
+MEMBER_TTL = default_ttl(BALANCE_SECONDS)
 
 
 def per_key_in_order(workers: Workers) -> list[str]:
@@ -77,6 +87,7 @@ def test_a_member_paused_past_its_ttl_commits_nothing_after_the_others_took_over
     (tmp_path / "state").mkdir()
     workers = Workers(db, str(tmp_path / "state"), tmp_path)
     workers.env["DBT_SCALEOUT_HANDLER_MS"] = "3"
+    workers.env["DBT_SCALEOUT_BALANCE_SECONDS"] = str(BALANCE_SECONDS)
     regressions: list[str] = []
     done = threading.Event()
 
@@ -237,6 +248,7 @@ def test_ddl_an_unreachable_store_and_regroups_while_members_run_or_are_down(
     state.mkdir()
     workers = Workers(pg, str(state), tmp_path)
     workers.env["DBT_SCALEOUT_HANDLER_MS"] = "2"
+    workers.env["DBT_SCALEOUT_BALANCE_SECONDS"] = str(BALANCE_SECONDS)
     rows_writer = RowWriter(pg, table, rows, seed=3)
     latest = rows_writer.latest
     stop = rows_writer.stop
@@ -281,7 +293,7 @@ def test_ddl_an_unreachable_store_and_regroups_while_members_run_or_are_down(
         away = tmp_path / "away"
         state.rename(away)
         state.write_text("not a directory")
-        time.sleep(13)
+        time.sleep(MEMBER_TTL + 3)
         state.unlink()
         away.rename(state)
         assert all(p.poll() is None for p in workers.procs.values()), workers.show()
@@ -340,6 +352,7 @@ def test_blob_store_paused_then_a_member_paused_on_blob(pg: TestDatabase, tmp_pa
         )
         workers = Workers(pg, azurite.connection_string, tmp_path)
         workers.env["DBT_SCALEOUT_HANDLER_MS"] = "4"
+        workers.env["DBT_SCALEOUT_BALANCE_SECONDS"] = str(BALANCE_SECONDS)
         node = _pid_listening_for(azurite.blob_port)
         try:
             for name in ("w1", "w2", "w3"):
@@ -347,7 +360,7 @@ def test_blob_store_paused_then_a_member_paused_on_blob(pg: TestDatabase, tmp_pa
             wait_for("three fair shares", lambda: workers.shares() == fair(3), 90, workers.show)
             os.kill(node, signal.SIGSTOP)
             try:
-                time.sleep(13)  # the outage itself: longer than the 10 s member TTL
+                time.sleep(MEMBER_TTL + 3)  # the outage itself: longer than the member TTL
             finally:
                 os.kill(node, signal.SIGCONT)
             wait_for("three members again", lambda: workers.shares() == fair(3), 120, workers.show)

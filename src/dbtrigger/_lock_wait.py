@@ -232,20 +232,24 @@ def gave_up_waiting(
 
 @contextlib.contextmanager
 def ddl_gives_up(
-    engine: Engine, table: str, schema: str | None, seconds: float, doing: str
+    engine: Engine,
+    table: str,
+    schema: str | None,
+    seconds: float,
+    doing: str,
+    then: str = "run the command again once it ends, or end it",
 ) -> Iterator[None]:
-    """For a command's DDL on ``table`` run inside (under :func:`lock_wait_bounded`):
-    a statement that gave up waiting for a lock becomes a
-    :class:`~dbtrigger.errors.RetryableError` that says ``doing`` (``changing the
-    triggers of orders``), how long it waited and who holds locks there."""
+    """For statements on ``table`` run inside (under :func:`lock_wait_bounded`): one
+    that gave up waiting for a lock becomes a :class:`~dbtrigger.errors.RetryableError`
+    that says ``doing`` (``changing the triggers of orders``), how long it waited, who
+    holds locks there and ``then``: what was left as it was and what to do (by
+    default, for a command's DDL, to run it again)."""
     try:
         yield
     except DBAPIError as exc:
         if not lock_timed_out(exc):
             raise
-        text, _ = gave_up_waiting(
-            engine, table, schema, seconds, exc, "run the command again once it ends, or end it"
-        )
+        text, _ = gave_up_waiting(engine, table, schema, seconds, exc, then)
         raise RetryableError(f"{doing} {text}") from exc
 
 

@@ -28,6 +28,7 @@ from dbtrigger._engine import Bind, connected
 from dbtrigger._engine import reflect_table as reflect_sa_table
 from dbtrigger._lock_wait import (
     DEFAULT_WRITE_LOCK_TIMEOUT,
+    bounded_transaction,
     check_lock_timeout,
     ddl_gives_up,
     lock_wait_bounded,
@@ -322,6 +323,7 @@ def prune(
     drop_unread_of: Sequence[str] = (),
     readers_at: Mapping[str, int] | None = None,
     plan: PrunePlan | None = None,
+    lock_timeout_seconds: float | None = None,
 ) -> int:
     """Delete log rows older than ``older_than`` and/or at or below ``up_to_seq``,
     never a row a registered reader has not read (unless it is in ``drop_unread_of``).
@@ -329,7 +331,11 @@ def prune(
     Works in chunks of ``chunk`` rows, each its own short transaction, so a big
     prune never holds locks for long. Returns the rows deleted (with
     ``apply=False``: the rows that would be); :func:`plan_prune` says what it
-    keeps for which reader.
+    keeps for which reader. Each transaction waits at most
+    ``lock_timeout_seconds`` (None: 30 s) for a lock another transaction holds
+    on the log (a prune runs after a poller's commit, where an unbounded wait
+    would stall the poller without a word), then raises
+    :class:`~dbtrigger.errors.RetryableError` naming the holders.
 
     ``up_to_seq`` is how pruning stays safe for pollers whose state you can
     read: pass the lowest checkpoint of every poller reading the log
@@ -377,16 +383,37 @@ def prune(
     matched = log.c.dbt_seq <= plan.top
     if plan.cutoff is not None:
         matched = sa.and_(matched, log.c.dbt_changed_at < _db_time(engine, plan.cutoff))
+    seconds = check_lock_timeout(
+        INSTALL_LOCK_TIMEOUT if lock_timeout_seconds is None else lock_timeout_seconds
+    )
+    doing = f"pruning the change log of {table}"
+    registry = readers_table_name(table)
     lost = [name for name, count in plan.lost.items() if count]
     if lost:  # recorded first: an interrupted prune still tells the readers
-        with engine.begin() as conn:
+        with (
+            ddl_gives_up(
+                engine, registry, schema, seconds, f"{doing} ({registry})", _PRUNE_UNCHANGED
+            ),
+            bounded_transaction(engine, seconds) as conn,
+        ):
             mark_lost(conn, table, schema, lost, plan.top)
     deleted = 0
     # Never more than the plan counted: a transaction that took a sequence number
     # below ``top`` before the plan and committed after it matches too.
     while deleted < plan.rows:
         take = min(chunk, plan.rows - deleted)
-        with engine.begin() as conn:
+        kept = f"{deleted} row(s) deleted before stay deleted, the rest are kept"
+        with (
+            ddl_gives_up(
+                engine,
+                log.name,
+                log.schema,
+                seconds,
+                f"{doing} ({log.name})",
+                f"{kept}; {_PRUNE_NEXT}",
+            ),
+            bounded_transaction(engine, seconds) as conn,
+        ):
             # Read in the delete's transaction: a reader registered after the plan counts.
             ceiling = _slowest(registered(conn, table, schema), plan)
             where = matched if ceiling is None else sa.and_(matched, log.c.dbt_seq <= ceiling)
@@ -407,6 +434,11 @@ def prune(
         if bound is None or count == 0:
             break
     return deleted
+
+
+#: What a prune that gave up waiting for a lock says comes next.
+_PRUNE_NEXT = "the next prune goes on from there. End the transaction left open there"
+_PRUNE_UNCHANGED = f"nothing was deleted; {_PRUNE_NEXT}"
 
 
 def _slowest(readers: Sequence[Reader] | None, plan: PrunePlan) -> int | None:

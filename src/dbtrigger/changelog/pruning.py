@@ -24,6 +24,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from dbtrigger import options as opt
+from dbtrigger._lock_wait import DEFAULT_STORE_LOCK_TIMEOUT
 from dbtrigger.changelog.operations import lowest_checkpoint, prune
 from dbtrigger.errors import ConfigurationError, DbTriggerError
 from dbtrigger.redaction import redact
@@ -46,6 +47,11 @@ def stored_cursors(
         else:
             cursors.append(document.loads(stored.data).position.cursor)
     return cursors, missing
+
+
+#: How long a prune after a commit waits for a lock another transaction holds on the
+#: log (the poller's tick waits with it) before it gives up until the next interval.
+PRUNE_LOCK_TIMEOUT = DEFAULT_STORE_LOCK_TIMEOUT
 
 
 class ChangeLogPruner:
@@ -109,6 +115,7 @@ class ChangeLogPruner:
                 up_to_seq=up_to,
                 older_than=older,
                 readers_at=dict(zip(self.passed_by, cursors, strict=True)),  # type: ignore[arg-type]
+                lock_timeout_seconds=PRUNE_LOCK_TIMEOUT,
             )
         except (DbTriggerError, SQLAlchemyError) as exc:
             log.warning(

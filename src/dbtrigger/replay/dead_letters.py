@@ -37,6 +37,7 @@ import sqlalchemy as sa
 
 from dbtrigger._engine import TableOnce
 from dbtrigger._files import locked_lines, write_synced
+from dbtrigger._lock_wait import bounded_transaction, gave_up_waiting, lock_timed_out
 from dbtrigger.cursor import Position, decode_value
 from dbtrigger.errors import ConfigurationError, DbTriggerError, QuarantineError, SerializationError
 from dbtrigger.events import RowChange
@@ -223,17 +224,18 @@ class SqlMarks:
         ]
         try:
             self._creation.ensure()
-            with self.engine.begin() as conn:
+            with bounded_transaction(self.engine, self.sink.lock_timeout) as conn:
                 conn.execute(self.table.insert(), rows)
         except sa.exc.SQLAlchemyError as exc:
+            why = self._why(exc, self.table, "no mark was written")
             raise QuarantineError(
-                f"could not write marks of {self.sink.describe()}: {exc}"
+                f"could not write marks of {self.sink.describe()} to {self.table.name}: {why}"
             ) from exc
 
     def delete_records(self, poller: str, event_ids: set[str]) -> int:
         t = self.sink.table
         try:
-            with self.engine.begin() as conn:
+            with bounded_transaction(self.engine, self.sink.lock_timeout) as conn:
                 return int(
                     conn.execute(
                         sa.delete(t).where(
@@ -242,8 +244,25 @@ class SqlMarks:
                     ).rowcount
                 )
         except sa.exc.SQLAlchemyError as exc:
-            where = self.sink.describe()
-            raise QuarantineError(f"could not delete records of {where}: {exc}") from exc
+            why = self._why(exc, t, "no record was deleted")
+            raise QuarantineError(
+                f"could not delete records of {self.sink.describe()}: {why}"
+            ) from exc
+
+    def _why(self, exc: sa.exc.SQLAlchemyError, table: sa.Table, unchanged: str) -> str:
+        """A failed write in words: for one that gave up waiting for a lock (at most
+        the sink's ``lock_timeout_seconds``; a command must not hang behind a
+        transaction left open), how long it waited and who holds locks there."""
+        if not lock_timed_out(exc):
+            return str(exc)
+        return gave_up_waiting(
+            self.engine,
+            table.name,
+            table.schema,
+            self.sink.lock_timeout,
+            exc,
+            f"{unchanged}. Run the command again once it ends, or end it",
+        )[0]
 
 
 def _mark(raw: Mapping[str, Any]) -> Mark:

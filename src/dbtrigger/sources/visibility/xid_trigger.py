@@ -10,6 +10,12 @@ from collections.abc import Callable, Sequence
 
 from sqlalchemy.engine import Engine
 
+from dbtrigger._lock_wait import (
+    DEFAULT_WRITE_LOCK_TIMEOUT,
+    bounded_transaction,
+    check_lock_timeout,
+    ddl_gives_up,
+)
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.names import quoted_name, shortened, validate_sql_identifier
 from dbtrigger.sources.visibility.base import XID_COLUMN_MARKER
@@ -74,6 +80,7 @@ def install_visibility_trigger(
     schema: str | None = None,
     column: str = "dbtrigger_xid",
     index_columns: Sequence[str] = (),
+    lock_timeout_seconds: float = DEFAULT_WRITE_LOCK_TIMEOUT,
 ) -> str:
     """Add and maintain a transaction-id column on a PostgreSQL table; returns its name.
 
@@ -81,6 +88,12 @@ def install_visibility_trigger(
     ``auto`` then chooses :class:`SnapshotHorizon`. Runs
     :func:`visibility_trigger_ddl` in one transaction. Needs the privilege to
     alter the table and create a function.
+
+    ``ALTER TABLE`` waits for every transaction open on the table, and while it
+    waits every later reader and writer of the table waits behind it: at most
+    ``lock_timeout_seconds`` (30 s), then a
+    :class:`~dbtrigger.errors.RetryableError` naming who holds locks there;
+    nothing changed (the statements run in one transaction).
     """
     if engine.dialect.name != "postgresql":
         raise ConfigurationError(
@@ -90,7 +103,12 @@ def install_visibility_trigger(
     statements = visibility_trigger_ddl(
         table, schema=schema, column=column, index_columns=index_columns, quote=quote
     )
-    with engine.begin() as conn:
+    seconds = check_lock_timeout(lock_timeout_seconds)
+    doing = f"adding the transaction-id column to {table}"
+    with (
+        ddl_gives_up(engine, table, schema, seconds, doing),
+        bounded_transaction(engine, seconds) as conn,
+    ):
         for statement in statements:
             conn.exec_driver_sql(statement)
     return column

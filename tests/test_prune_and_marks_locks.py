@@ -1,5 +1,6 @@
-"""The change log's prune, the dead-letter marks and the transaction-id column give
-up waiting for a lock, as every other write of dbtrigger does.
+"""The change log's prune, snapshot and reader registry, the dead-letter marks and
+the transaction-id column give up waiting for a lock, as every other write of
+dbtrigger does.
 
 Each ran in a transaction with the session's own lock wait: unbounded on
 PostgreSQL (``lock_timeout = 0``), 50 s for a row on MariaDB. The prune runs after
@@ -26,14 +27,17 @@ from dbtrigger.changelog import operations as changelog_operations
 from dbtrigger.changelog import pruning
 from dbtrigger.changelog import source as changelog_source
 from dbtrigger.changelog.ddl import log_table_name
+from dbtrigger.changelog.readers import readers_table_name
+from dbtrigger.changelog.snapshot import snapshot
 from dbtrigger.changelog.source import ChangeLogSource
+from dbtrigger.cli.main import main as cli_main
 from dbtrigger.errors import QuarantineError, RetryableError
 from dbtrigger.quarantine import SqlQuarantineSink
 from dbtrigger.replay.dead_letters import Mark, SqlMarks
 from dbtrigger.sources.visibility import install_visibility_trigger
 from dbtrigger.state.stores.file import FileCheckpointStore
 from tests.databases import TestDatabase
-from tests.test_ddl_locks import gave_up, outcome
+from tests.test_ddl_locks import gave_up, outcome, row_locked
 from tests.test_store_locks import quarantine_record
 
 WAITED = "waited 1 s for a lock another transaction holds on the table"
@@ -190,3 +194,54 @@ def test_the_transaction_id_column_behind_an_open_transaction_gives_up(pg: TestD
     )
     assert columns == 0  # nothing changed
     assert install_visibility_trigger(pg.engine, "orders", schema=pg.schema) == "dbtrigger_xid"
+
+
+@pytest.fixture
+def commands_wait_one_second(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(changelog_operations, "INSTALL_LOCK_TIMEOUT", 1.0)
+
+
+@pytest.mark.usefixtures("commands_wait_one_second")
+def test_a_snapshot_behind_an_applications_row_lock_gives_up(db: TestDatabase) -> None:
+    """A chunk's ``INSERT ... SELECT`` share-locks the rows it reads: behind a row an
+    application is changing it waited for ever on PostgreSQL, holding the rows it
+    had locked so far (and their writers) behind it."""
+    orders = orders_with_log(db, 5)
+    log = db.qualified(log_table_name("orders"))
+    logged = f"SELECT count(*) FROM {log} WHERE dbt_before IS NULL AND dbt_op = 'upsert'"
+    inserts = db.scalar(logged)  # the triggers' own entries of the five inserts
+    error = outcome(
+        row_locked(db, "orders", "v = v WHERE id = 3"),
+        lambda: snapshot(db.engine, "orders", schema=db.schema),
+    )
+    message = gave_up(error, RetryableError, "orders")
+    assert message.startswith("snapshotting orders waited 1 s"), message
+    assert "0 row(s) in 0 chunk(s) written before stay in the log" in message, message
+    assert db.scalar(logged) == inserts  # nothing written
+    assert snapshot(db.engine, "orders", schema=db.schema).rows == 5  # once it ended
+    assert db.scalar(logged) == inserts + 5
+    assert db.scalar(f"SELECT count(*) FROM {orders}") == 5
+
+
+@pytest.mark.usefixtures("commands_wait_one_second")
+def test_forgetting_a_reader_behind_its_held_registry_row_gives_up(
+    db: TestDatabase, capsys: pytest.CaptureFixture[str]
+) -> None:
+    orders_with_log(db, 1)
+    source = ChangeLogSource(url=db.url, table="orders", schema=db.schema)
+    try:
+        source.bind_poller("p")
+        source._register(1, first=True)
+    finally:
+        source.close()
+    where = ["--url", db.url, "--table", "orders", *(["--schema", db.schema] if db.schema else [])]
+    forget = ["changelog", "readers", *where, "--forget", "p", "--yes"]
+    registry = readers_table_name("orders")
+    code = outcome(
+        row_locked(db, registry, "seen_at = seen_at WHERE reader = 'p'"), lambda: cli_main(forget)
+    )
+    assert code == 2, capsys.readouterr()
+    error = capsys.readouterr().err
+    assert "error: changing the reader registry of orders waited 1 s for a lock" in error, error
+    assert cli_main(forget) == 0  # once it ended
+    assert "forgot reader p" in capsys.readouterr().out

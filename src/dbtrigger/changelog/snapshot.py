@@ -31,6 +31,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from dbtrigger._engine import reflect_table as reflect_sa_table
+from dbtrigger._lock_wait import bounded_transaction, check_lock_timeout, ddl_gives_up
+from dbtrigger.changelog import operations
 from dbtrigger.changelog.ddl import LOG_COLUMNS, OP_WIDTH, reflect_table
 from dbtrigger.changelog.drift import install_command, op_width
 from dbtrigger.changelog.operations import log_table
@@ -67,10 +69,17 @@ def snapshot(
     chunk: int = DEFAULT_SNAPSHOT_CHUNK,
     apply: bool = True,
     progress: Callable[[int], None] | None = None,
+    lock_timeout_seconds: float | None = None,
 ) -> SnapshotResult:
     """Write the rows ``table`` holds now (matching ``where``) into its change log.
 
     With ``apply=False`` only counts them. Returns the rows written and chunks.
+    A chunk waits at most ``lock_timeout_seconds`` (None: 30 s) for a row another
+    transaction holds (its share locks would hold that table's writers behind it
+    meanwhile), then gives up with a
+    :class:`~dbtrigger.errors.RetryableError` naming the holders; the chunks
+    written before stay in the log (a second run logs those rows again:
+    duplicates, never a loss).
 
     Raises:
         ConfigurationError: the change log is not installed, or ``where`` is not
@@ -101,6 +110,7 @@ def snapshot(
     if info.dialect == "postgresql":
         columns.append("dbt_txid")
         values.append(sa.literal_column("pg_current_xact_id()::text::bigint"))
+    seconds = _seconds(lock_timeout_seconds)
     last: Sequence[Any] | None = None
     written = chunks = 0
     while True:
@@ -126,7 +136,13 @@ def snapshot(
             pick = pick.with_for_update(read=True)
         # SQLAlchemy keeps an INSERT's row count only when asked (psycopg's is -1 else).
         statement = sa.insert(log).from_select(columns, pick)
-        with engine.begin() as conn:
+        before = f"{written} row(s) in {chunks} chunk(s) written before stay in the log"
+        with (
+            ddl_gives_up(
+                engine, table, schema, seconds, f"snapshotting {table}", f"{before}; {_AGAIN}"
+            ),
+            bounded_transaction(engine, seconds) as conn,
+        ):
             inserted = conn.execute(statement.execution_options(preserve_rowcount=True)).rowcount
         written += int(inserted or 0)
         chunks += 1
@@ -166,6 +182,7 @@ def resync(
     schema: str | None = None,
     chunk: int = DEFAULT_SNAPSHOT_CHUNK,
     apply: bool = True,
+    lock_timeout_seconds: float | None = None,
 ) -> SnapshotResult:
     """Record that ``table`` was emptied, then write every row it holds into its log.
 
@@ -174,6 +191,8 @@ def resync(
     readers get a ``truncate`` event (drop everything you hold), then one
     ``upsert`` per row the table holds, then the changes made meanwhile, in log
     order; the result is the table as it is. With ``apply=False`` only counts.
+    Each write waits at most ``lock_timeout_seconds`` for a lock (see
+    :func:`snapshot`).
 
     Raises:
         ConfigurationError: the change log is not installed, or its layout
@@ -197,9 +216,22 @@ def resync(
         )
     if not apply:
         return snapshot(engine, table, schema=schema, apply=False)
-    with engine.begin() as conn:
+    seconds = _seconds(lock_timeout_seconds)
+    with (
+        ddl_gives_up(engine, log.name, log.schema, seconds, f"resyncing {table}", _AGAIN),
+        bounded_transaction(engine, seconds) as conn,
+    ):
         conn.execute(sa.insert(log).values(dbt_op="truncate"))
-    return snapshot(engine, table, schema=schema, chunk=chunk)
+    return snapshot(engine, table, schema=schema, chunk=chunk, lock_timeout_seconds=seconds)
+
+
+#: What a snapshot that gave up waiting for a lock says to do.
+_AGAIN = "run the command again once it ends, or end it"
+
+
+def _seconds(given: float | None) -> float:
+    """The lock bound of a snapshot's writes (None: the commands' 30 s)."""
+    return check_lock_timeout(operations.INSTALL_LOCK_TIMEOUT if given is None else given)
 
 
 __all__ = ["DEFAULT_SNAPSHOT_CHUNK", "SnapshotResult", "resync", "snapshot"]

@@ -181,9 +181,17 @@ def _tell_readers(found: PrunePlan) -> None:
 
 def cmd_readers(args: argparse.Namespace) -> int:
     """List the registered readers of a change log (``--forget NAME``: remove one)."""
-    from dbtrigger.changelog import readers  # noqa: PLC0415 - only for this command
+    from dbtrigger._lock_wait import bounded_transaction, ddl_gives_up  # noqa: PLC0415
+    from dbtrigger.changelog import operations, readers  # noqa: PLC0415 - only for this command
 
-    with open_url_engine(args) as engine, engine.begin() as conn:
+    seconds = operations.INSTALL_LOCK_TIMEOUT
+    registry = readers.readers_table_name(args.table)
+    doing = f"changing the reader registry of {args.table}"
+    with (
+        open_url_engine(args) as engine,
+        ddl_gives_up(engine, registry, args.schema, seconds, doing),
+        bounded_transaction(engine, seconds) as conn,
+    ):
         if args.forget:
             if not args.yes:
                 print(

@@ -19,6 +19,7 @@ transaction in any case.
 from __future__ import annotations
 
 import pytest
+import sqlalchemy as sa
 
 from dbtrigger import ClaimSource, QueueTrigger, RowChange
 from dbtrigger.errors import CommitError
@@ -131,3 +132,52 @@ def test_a_settlement_behind_a_row_lock_gives_up(
         holder.close()
         queue.close()
         source.close()
+
+
+def test_a_settlement_on_a_shared_engine_behind_a_row_lock_gives_up(
+    db: TestDatabase, bound: int
+) -> None:
+    """The application's own engine (``ClaimSource(engine=...)``) keeps its settings,
+    so the bound set at connect time was not there: the settlement waited for ever on
+    PostgreSQL and 50 s on MariaDB. Each unit of work now bounds its own lock waits."""
+    make_jobs(db, 1)
+    shared = sa.create_engine(db.url)
+    source = ClaimSource(engine=shared, table="jobs", schema=db.schema, pk_columns=["id"])
+    queue = QueueTrigger(
+        name="jobs",
+        source=source,
+        batch_size=1,
+        max_batches_per_tick=1,
+        visibility_timeout_seconds=300,
+        heartbeat_interval_seconds=120,
+    )
+    holder = db.engine.connect()
+
+    def handle(events: list[RowChange]) -> None:
+        holder.begin()
+        holder.exec_driver_sql(f"UPDATE {db.qualified('jobs')} SET payload = 'x' WHERE id = 1")
+
+    try:
+        thread, outcome, _ = outcome_of(lambda: queue.tick(handle))
+        thread.join(TICK_WITHIN)
+        alive = thread.is_alive()
+        holder.rollback()
+        thread.join(90)
+        assert not alive, f"the settlement still waited for the row lock after {TICK_WITHIN} s"
+        [error] = outcome
+        assert isinstance(error, CommitError), repr(error)
+        assert "claimed again" in str(error), error
+        db.execute(f"UPDATE {db.qualified('jobs')} SET dbt_visible_at = '2000-01-01 00:00:00.000'")
+        again: list[RowChange] = []
+        queue.tick(again.extend)
+        assert [e.pk for e in again] == [{"id": 1}]
+        with shared.connect() as conn:  # the application's sessions are as they were
+            if db.kind == "postgresql":
+                assert conn.exec_driver_sql("SHOW lock_timeout").scalar() == "0"
+            elif db.kind == "mariadb":
+                assert conn.exec_driver_sql("SELECT @@innodb_lock_wait_timeout").scalar() == 50
+    finally:
+        holder.close()
+        queue.close()
+        source.close()
+        shared.dispose()

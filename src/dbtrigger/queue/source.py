@@ -51,7 +51,13 @@ from dbtrigger.errors import (
 )
 from dbtrigger.names import validate_sql_identifier
 from dbtrigger.queue import operations, producer
-from dbtrigger.queue.engines import claim_view, engine_options, prepare_own_engine, reading
+from dbtrigger.queue.engines import (
+    claim_view,
+    engine_options,
+    prepare_own_engine,
+    reading,
+    unit_of_work,
+)
 from dbtrigger.queue.layout import Claim, ClaimedRow, ClaimLayout, ColumnsLayout, QueueTable
 from dbtrigger.queue.operations import QueueCounts
 from dbtrigger.queue.producer import RunAfter
@@ -270,14 +276,9 @@ class ClaimSource:
         statements on PostgreSQL (each claim/settle statement is atomic alone),
         there too a READ COMMITTED transaction with ``locking`` (row locks that
         must last from one statement to the next)."""
-        with self.engine.connect() as conn:
-            work = (
-                conn.execution_options(isolation_level="READ COMMITTED")
-                if self.time.dialect == "mysql" or (locking and self.time.dialect == "postgresql")
-                else conn
-            )
-            with work.begin():
-                yield work
+        shared = self.shared_engine is not None
+        with unit_of_work(self.engine, self.time.dialect, locking=locking, shared=shared) as work:
+            yield work
 
     # --- shape ----------------------------------------------------------------------
 

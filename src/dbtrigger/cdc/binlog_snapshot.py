@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import pymysql
@@ -83,9 +84,7 @@ class SnapshotWriter(ChunkWriter[BinlogSourceParts, control.ControlRow, "TableIn
             f"WHERE {condition} ORDER BY {', '.join(f'`{k}`' for k in keys)} "
             f"LIMIT {int(s.snapshot_chunk_size)} LOCK IN SHARE MODE"
         )
-        timeout = max(1, round(s.snapshot_lock_timeout))
-        with conn.cursor() as cur:
-            cur.execute(f"SET SESSION innodb_lock_wait_timeout = {timeout}")
+        with conn.cursor() as cur, _chunk_lock_waits(cur, s.snapshot_lock_timeout):
             cur.execute("SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ")
             conn.begin()
             fresh = s.read_control(conn, lock=True)  # held until the chunk commits
@@ -113,6 +112,33 @@ class SnapshotWriter(ChunkWriter[BinlogSourceParts, control.ControlRow, "TableIn
             s.save_snapshots(conn, fresh.snapshots)
             conn.commit()
         return bool(rows)
+
+
+@contextlib.contextmanager
+def _chunk_lock_waits(cur: Any, seconds: float) -> Iterator[None]:
+    """The chunk's statements wait at most ``seconds`` for a row lock and for the
+    table's metadata lock, then fail with ER_LOCK_WAIT_TIMEOUT (the chunk waits for
+    the next read); the session's own bounds are set back after it.
+
+    The metadata lock matters as much as the rows: behind another session holding
+    the table (``LOCK TABLES ... WRITE``, or an ``ALTER TABLE`` waiting for a long
+    transaction, which queues every later statement on the table behind it) the
+    chunk's ``SELECT`` waited ``lock_wait_timeout``, a day by default, in the tick."""
+    wait = max(1, round(seconds))
+    cur.execute(
+        "SET @dbtrigger_row_wait = @@SESSION.innodb_lock_wait_timeout, "
+        "@dbtrigger_table_wait = @@SESSION.lock_wait_timeout, "
+        "SESSION innodb_lock_wait_timeout = %s, SESSION lock_wait_timeout = %s",
+        (wait, wait),
+    )
+    try:
+        yield
+    finally:
+        with contextlib.suppress(pymysql.MySQLError, OSError):  # a lost session keeps nothing
+            cur.execute(
+                "SET SESSION innodb_lock_wait_timeout = @dbtrigger_row_wait, "
+                "SESSION lock_wait_timeout = @dbtrigger_table_wait"
+            )
 
 
 __all__ = ["SnapshotWriter"]

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from dbtrigger.cdc import pg_admin
+from dbtrigger.cdc import pg_admin, pg_connection
 from dbtrigger.cli import main
 from tests.cdc_servers import CdcDatabase, LogicalPostgres
 
@@ -272,3 +272,37 @@ def test_install_full_images_behind_an_open_transaction_gives_up(
     code, _, err = run(capsys, "cdc", "install", app.spec, "--full-images", "--yes")
     assert code == 0, err
     assert app.db.scalar("SELECT relreplident FROM pg_class WHERE relname = 'orders'") == "f"
+
+
+def test_install_behind_an_index_build_gives_up_creating_the_publication(
+    app: App, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``CREATE PUBLICATION ... FOR TABLE`` waits behind a ``CREATE INDEX`` (a SHARE
+    lock, held for the whole build), a ``VACUUM`` or an ``ALTER TABLE`` of the table:
+    ``cdc install`` waited there for ever and said nothing. Now it gives up after its
+    bound, naming who holds the lock, and creates nothing."""
+    monkeypatch.setattr(pg_connection, "DDL_LOCK_TIMEOUT", 1.0, raising=False)
+    result: list[Any] = []
+    thread = threading.Thread(
+        target=lambda: result.append(run(capsys, "cdc", "install", app.spec, "--yes")),
+        daemon=True,
+    )
+    with app.db.connect() as holder:
+        holder.execute("BEGIN")
+        holder.execute("LOCK TABLE orders IN SHARE MODE")  # as CREATE INDEX holds it
+        thread.start()
+        thread.join(25)
+        waited = thread.is_alive()
+        holder.execute("ROLLBACK")
+    thread.join(60)
+    assert not waited, "cdc install still waited for the table's lock after 25 s"
+    [(code, _, err)] = result
+    assert code == 2, err
+    assert "creating the publication waited 1 s for a lock another transaction holds" in err
+    assert "held by backend pid" in err, err
+    assert "nothing changed" in err, err
+    published = "SELECT count(*) FROM pg_publication WHERE pubname = %s"
+    assert app.db.scalar(published, (app.slot,)) == 0
+    code, _, err = run(capsys, "cdc", "install", app.spec, "--yes")  # once it ended
+    assert code == 0, err
+    assert app.db.scalar(published, (app.slot,)) == 1

@@ -15,6 +15,7 @@ timeout is the caller's to name).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,10 +25,12 @@ from psycopg import sql
 from sqlalchemy.engine import URL
 
 from dbtrigger._driver_errors import short_error
+from dbtrigger._lock_wait import DEFAULT_WRITE_LOCK_TIMEOUT, lock_timed_out
 from dbtrigger.errors import (
     ConfigurationError,
     DbTriggerError,
     FetchError,
+    RetryableError,
     SlotLostError,
     SourcePermissionError,
 )
@@ -115,6 +118,11 @@ def translated(what: str, *, refused: str | None = None) -> contextlib.AbstractC
     return driver_mapped(what, psycopg.Error, special)
 
 
+#: How long DDL run by :func:`execute_or_explain` (the control table, the publication)
+#: waits for a lock another transaction holds before it gives up (read at each call).
+DDL_LOCK_TIMEOUT = DEFAULT_WRITE_LOCK_TIMEOUT
+
+
 def execute_or_explain(
     conn: psycopg.Connection[Any],
     statements: Sequence[sql.Composed],
@@ -122,18 +130,32 @@ def execute_or_explain(
     doing: str,
     refused: str,
     advice: str,
+    tables: Sequence[str] = (),
 ) -> None:
-    """Run ``statements`` (DDL this role may lack the rights for), in order.
+    """Run ``statements`` (DDL this role may lack the rights for), in order, in one
+    transaction that waits at most :data:`DDL_LOCK_TIMEOUT` for a lock.
 
     A refusal is raised again as ``"{refused}: {the server's reason}. {advice}:
     {the statements}"``: what could not be done and why it is needed, then who
     may run the quoted SQL instead (never the general advice for a refused read).
 
+    The lock bound: ``CREATE PUBLICATION ... FOR TABLE`` waits behind a ``CREATE
+    INDEX``, a ``VACUUM`` or an ``ALTER TABLE`` of a watched table, ``ALTER TABLE``
+    of the control table behind any transaction open on it; with ``lock_timeout =
+    0`` (PostgreSQL's default) ``dbtrigger cdc install`` waited for ever there and
+    said nothing. ``tables`` (schema-qualified) are where the holders are looked for.
+
     Raises:
         SourcePermissionError: the role may not run them (with the SQL to run).
+        RetryableError: a lock was not granted in time; nothing changed.
     """
+    seconds = DDL_LOCK_TIMEOUT
     try:
-        with translated(doing):
+        with translated(doing), conn.transaction():
+            conn.execute(
+                "SELECT set_config('lock_timeout', %s, true)",
+                (f"{max(1, math.ceil(seconds * 1000))}ms",),
+            )
             for statement in statements:
                 conn.execute(statement)
     except SourcePermissionError as exc:
@@ -144,6 +166,45 @@ def execute_or_explain(
         raise SourcePermissionError(
             f"{refused}: {reason}. {advice}: {texts}", **exc.fields
         ) from exc
+    except DbTriggerError as exc:
+        if exc.__cause__ is None or not lock_timed_out(exc.__cause__):
+            raise
+        holders = _holders(conn, tables) or (
+            "a CREATE INDEX, VACUUM or ALTER TABLE of the table, or a transaction left open on it"
+        )
+        raise RetryableError(
+            f"{doing} waited {seconds:g} s for a lock another transaction holds and gave up: "
+            f"{holders}; nothing changed. It is tried again (the next read, or the command "
+            "run again) and goes on once that transaction ends, or end it"
+        ) from exc
+
+
+def _holders(conn: psycopg.Connection[Any], tables: Sequence[str]) -> str:
+    """Who holds locks on ``tables``, in a few words ("" when it cannot be told);
+    never their SQL, which can carry values. Best effort, never raises."""
+    if not tables:
+        return ""
+    try:
+        rows = conn.execute(
+            "SELECT DISTINCT a.pid, a.state, "
+            "floor(extract(epoch FROM now() - a.xact_start))::int AS open_for, "
+            "l.relation::regclass::text FROM pg_locks l "
+            "JOIN pg_stat_activity a ON a.pid = l.pid "
+            "WHERE l.relation = ANY(%s::regclass[]) AND l.granted "
+            "AND l.pid <> pg_backend_pid() ORDER BY open_for DESC NULLS LAST LIMIT 3",
+            (list(tables),),
+        ).fetchall()
+    except psycopg.Error:
+        return ""
+    parts = [
+        f"backend pid {pid} ({state}"
+        + (f" for {age} s" if age is not None else "")
+        + f", on {table})"
+        for pid, state, age, table in rows
+    ]
+    if not parts:
+        return ""
+    return "held by " + "; ".join(parts) + " (pg_terminate_backend(pid) ends one)"
 
 
 def _slot_error(exc: BaseException, what: str) -> DbTriggerError | None:
@@ -179,6 +240,7 @@ def sqlstate(exc: BaseException) -> str | None:
 
 
 __all__ = [
+    "DDL_LOCK_TIMEOUT",
     "SESSION_OPTIONS",
     "connect",
     "connect_kwargs",

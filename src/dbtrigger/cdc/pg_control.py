@@ -110,6 +110,7 @@ def ensure(conn: psycopg.Connection[Any], schema: str) -> bool:
                 refused=f"{schema}.{TABLE} was made by an earlier dbtrigger and lacks the column "
                 "released_lsn (how far the slot was let advance)",
                 advice="Have its owner run",
+                tables=[table_identifier(schema).as_string(conn)],
             )
         return False
     execute_or_explain(

@@ -362,6 +362,7 @@ def ensure_publication(
         statements,
         doing="creating the publication",
         refused=f"cannot create publication {name}",
+        tables=[t.identifier().as_string(conn) for t in tables],
         advice="Only a table's owner may publish it (and CREATE on the database is needed); "
         "have an owner run",
     )

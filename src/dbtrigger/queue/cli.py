@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from dbtrigger._argparse import add_apply_option, add_json_option, print_then_apply
@@ -49,7 +50,12 @@ def _ddl(args: argparse.Namespace, *, uninstall: bool) -> int:
     if probe.mode == "sidecar" and uninstall:
         return _uninstall_sidecar(args, probe)
     try:
-        with failed_as(CommitError, f"DDL on {probe.name} failed"), probe.transaction() as conn:
+        changing = "removing" if uninstall else "adding"
+        with (
+            failed_as(CommitError, f"DDL on {probe.name} failed"),
+            _gives_up(probe, probe.table_name, f"{changing} the claim columns of"),
+            probe.transaction() as conn,
+        ):
             table = probe.reflect(conn, probe.table_name)
             if uninstall:
                 statements = ddl.uninstall_columns(conn, table)
@@ -71,6 +77,25 @@ def _ddl(args: argparse.Namespace, *, uninstall: bool) -> int:
         probe.close()
     print(f"-- applied {len(statements)} statement(s) to {probe.name}")
     return 0
+
+
+def _gives_up(probe: ClaimSource, table: str, doing: str) -> AbstractContextManager[None]:
+    """A statement that gave up waiting for a lock (the queue engine's bound) as a
+    RetryableError saying ``doing`` ``table``, who holds locks there and what to do:
+    the statements before it stay (on PostgreSQL each commits alone, MariaDB's DDL
+    commits at once) and running the command again does what is still missing."""
+    from dbtrigger._lock_wait import ddl_gives_up  # noqa: PLC0415
+    from dbtrigger.queue import engines  # noqa: PLC0415
+
+    return ddl_gives_up(
+        probe.engine,
+        table,
+        probe.schema,
+        engines.LOCK_WAIT_SECONDS,
+        f"{doing} {table}",
+        "statements applied before it stay, and running it again does what is missing: "
+        "run the command again once it ends, or end it",
+    )
 
 
 def _pending_in_columns(conn: Connection, table: sa.Table) -> int:
@@ -125,7 +150,11 @@ def _uninstall_sidecar(args: argparse.Namespace, probe: ClaimSource) -> int:
     where = f"{schema}.{name}" if schema else name
     failed = f"uninstalling {probe.queue_name} failed"
     try:
-        with failed_as(CommitError, failed), probe.transaction() as conn:
+        with (
+            failed_as(CommitError, failed),
+            _gives_up(probe, name, f"removing {probe.queue_name} from"),
+            probe.transaction() as conn,
+        ):
             plan = uninstall_claims(conn, name, schema, probe.queue_name)
             if plan is None:
                 print(f"-- claims table {where} does not exist: nothing to do")

@@ -11,8 +11,11 @@ for the same cause; the first failure is the one to read).
 A worker the page starts (``dbtrigger run``, ``dbtrigger demo``) would run until
 stopped: the harness bounds it (``--max-ticks 2``, ``--duration 3``) and a
 ``--serve`` command listens on a free loopback port instead of the page's
-8080 (several test runs share a machine) and is stopped after a few seconds, as
-a person would press Ctrl-C. Nothing else in a command is changed.
+8080 (several test runs share a machine) and is stopped once it says it serves,
+as a person would press Ctrl-C. Nothing else in a command is changed. Every
+``dbtrigger`` command runs ``dbtrigger.cli:main`` as the console script does, in a
+process forked from one interpreter that imported the CLI once (tests/doc_cli.py:
+a fifth of a fresh process's CPU).
 """
 
 from __future__ import annotations
@@ -23,8 +26,13 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
+
+DOC_CLI = Path(__file__).resolve().parent / "doc_cli.py"
 
 PRELUDE = r"""
 dbtrigger() {
@@ -39,9 +47,26 @@ dbtrigger() {
             case "$arg" in *:8080) arg=127.0.0.1:0 ;; esac
             args+=("$arg")
           done
-          timeout -s INT 5 dbtrigger "${args[@]}"
+          # Until it says it serves (at most 60 s), then Ctrl-C until it has stopped.
+          out=$(mktemp) err=$(mktemp)
+          command dbtrigger "${args[@]}" >"$out" 2>"$err" &
+          pid=$!
+          for _ in $(seq 600); do
+            grep -q "^serving " "$out" && break
+            kill -0 "$pid" 2>/dev/null || break
+            sleep 0.1
+          done
+          for _ in $(seq 100); do
+            kill -INT "$pid" 2>/dev/null || break
+            sleep 0.1
+          done
+          kill -KILL "$pid" 2>/dev/null
+          wait "$pid"
           rc=$?
-          if [ "$rc" = 124 ] || [ "$rc" = 130 ]; then return 0; fi
+          cat "$out"
+          cat "$err" >&2
+          rm -f "$out" "$err"
+          if [ "$rc" = 130 ]; then return 0; fi
           return "$rc" ;;
         *) command dbtrigger "$@" ;;
       esac ;;
@@ -115,6 +140,35 @@ def run_shell(
     return True, "\n".join(transcript)
 
 
+@contextlib.contextmanager
+def forked_cli(blocks: list[dict[str, object]]) -> Iterator[str | None]:
+    """A directory whose ``dbtrigger`` runs each command forked from one interpreter
+    that imported the CLI once (tests/doc_cli.py); None when no shell block names it."""
+    if not any("dbtrigger" in str(b["commands"]) for b in blocks if b["kind"] == "shell"):
+        yield None
+        return
+    # A socket's path has at most 107 bytes; pytest's tmp_path can be longer.
+    with tempfile.TemporaryDirectory(prefix="dbt-doc-") as tmp:
+        socket_path = os.path.join(tmp, "cli.sock")
+        server = subprocess.Popen([sys.executable, str(DOC_CLI), "serve", socket_path])
+        try:
+            deadline = time.monotonic() + 120
+            while not os.path.exists(socket_path):
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the CLI fork server did not start ({server.returncode})")
+                time.sleep(0.02)
+            shim = Path(tmp, "dbtrigger")
+            shim.write_text(
+                f"#!/bin/sh\nexec '{sys.executable}' -IS '{DOC_CLI}' '{socket_path}' \"$@\"\n",
+                encoding="utf-8",
+            )
+            shim.chmod(0o755)
+            yield tmp
+        finally:
+            server.terminate()
+            server.wait(30)
+
+
 def main() -> None:
     blocks = json.loads(Path(sys.argv[1]).read_text(encoding="utf-8"))
     results_path = Path(sys.argv[2])
@@ -123,16 +177,19 @@ def main() -> None:
     os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     namespace: dict[str, object] = {"__name__": "__main__"}
     results = []
-    for block in blocks:
-        if block["save"]:
-            Path(block["save"]).write_text(block["code"], encoding="utf-8")
-            sys.modules.pop(Path(block["save"]).stem, None)
-        if block["kind"] == "python":
-            ok, output = run_python(block["code"], block["where"], namespace, block["expect"])
-        else:
-            ok, output = run_shell(block["commands"], block["exits"], block["shown"])
-        results.append({"where": block["where"], "ok": ok, "output": output})
-        results_path.write_text(json.dumps(results), encoding="utf-8")
+    with forked_cli(blocks) as shim_dir:
+        if shim_dir is not None:
+            os.environ["PATH"] = shim_dir + os.pathsep + os.environ["PATH"]
+        for block in blocks:
+            if block["save"]:
+                Path(block["save"]).write_text(block["code"], encoding="utf-8")
+                sys.modules.pop(Path(block["save"]).stem, None)
+            if block["kind"] == "python":
+                ok, output = run_python(block["code"], block["where"], namespace, block["expect"])
+            else:
+                ok, output = run_shell(block["commands"], block["exits"], block["shown"])
+            results.append({"where": block["where"], "ok": ok, "output": output})
+            results_path.write_text(json.dumps(results), encoding="utf-8")
 
 
 if __name__ == "__main__":

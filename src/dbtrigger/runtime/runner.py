@@ -34,7 +34,9 @@ Shutdown: the first SIGINT/SIGTERM asks the loop to stop. A tick in progress
 finishes the batch it is handling, commits it and releases the lease in the
 same write, and starts no further batch. A second signal abandons the
 in-flight batch: nothing partial is committed, the lease is released, and the
-batch is delivered again by whoever ticks next.
+batch is delivered again by whoever ticks next. The handlers take no lock (see
+:mod:`dbtrigger.runtime.stop_signals`), and a stop still going on 20 s after
+the signal is said at WARNING (``stop_overdue``) with every thread's stack.
 
 Several runners in one process: :mod:`dbtrigger.runtime.workers`.
 """
@@ -44,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -78,6 +79,7 @@ from dbtrigger.runtime.quiet import (
     QuietCadence,
     for_how_long,
 )
+from dbtrigger.runtime.stop_signals import SignalRelay, say_overdue, signals_routed_to
 from dbtrigger.runtime.trigger import TickReport, Trigger
 
 log = logging.getLogger("dbtrigger.runner")
@@ -177,6 +179,12 @@ class Runner:
         self.stats = RunStats()
         self._stop = stop or threading.Event()
         self._signals = 0
+        #: A signal asked to stop (set in the handler, which takes no lock; the relay
+        #: sets ``_stop`` a moment later: :mod:`dbtrigger.runtime.stop_signals`).
+        self._requested = False
+        #: The relay of the installed signal handler (None: ``_on_signal`` is called
+        #: directly, and sets ``_stop`` itself).
+        self._relay: SignalRelay | None = None
         #: A tick (a batch that a second signal abandons) is running.
         self._in_tick = False
         self._failures = 0
@@ -191,43 +199,63 @@ class Runner:
 
     @property
     def stopping(self) -> bool:
-        return self._stop.is_set()
+        return self._requested or self._stop.is_set()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """In the signal's context on the main thread: no lock taken here (see
+        :mod:`dbtrigger.runtime.stop_signals`); the relay logs and sets ``_stop``."""
         del frame
         self._signals += 1
-        if self._signals == 1:
+        self._requested = True
+        if self._relay is None:
+            self._stop_requested(signum)
+        # Second signal: abandon the in-flight batch; the tick releases the lease.
+        # Between ticks there is none: raised there it ended run() with no summary
+        # and the trigger left open (`dbtrigger run` exit 130; timeout -s INT sends two).
+        if self._signals > 1 and self._in_tick:
+            raise KeyboardInterrupt
+
+    def _stop_requested(self, signum: int) -> None:
+        """What a signal means, on the relay's thread (or the caller's)."""
+        if not self._stop.is_set():
             log.info(
                 "signal %s: finishing the current batch, then stopping",
                 signum,
                 extra={"event": "runner_stopping", "poller": self.trigger.name},
             )
-            self._stop.set()
-            return
-        # Second signal: abandon the in-flight batch; the tick releases the lease.
-        # Between ticks there is none: raised there it ended run() with no summary
-        # and the trigger left open (`dbtrigger run` exit 130; timeout -s INT sends two).
         self._stop.set()
-        if self._in_tick:
-            raise KeyboardInterrupt
 
     @contextlib.contextmanager
-    def _signals_installed(self) -> Iterator[None]:
-        with signals_routed_to(self._on_signal):
-            yield
+    def _relayed(self, install_signals: bool) -> Iterator[contextlib.AbstractContextManager[None]]:
+        """The relay for the whole run, closing included (a stop that is late is said
+        at WARNING then too), and the context that installs the signal handlers."""
+        if not install_signals or threading.current_thread() is not threading.main_thread():
+            yield contextlib.nullcontext()
+            return
+        relay = SignalRelay(
+            self._stop_requested,
+            name=f"dbtrigger-signals-{self.trigger.name}",
+            overdue=lambda seconds: say_overdue(seconds, self.trigger.name),
+        )
+        self._relay = relay
+        try:
+            yield signals_routed_to(self._on_signal, relay)
+        finally:
+            self._relay = None
+            relay.close()
 
     def run(self, *, max_ticks: int | None = None, install_signals: bool = True) -> RunStats:
-        context = self._signals_installed() if install_signals else contextlib.nullcontext()
-        with context:
-            while not self._stop.is_set():
-                if max_ticks is not None and self.stats.ticks >= max_ticks:
-                    break
-                wait = self._tick_once()
-                if wait > 0:
-                    self._idle(wait)
-        self.trigger.close()  # its lanes, heartbeat thread and wake-up listener
-        if self.wake is not None:
-            self.wake.close()
+        with self._relayed(install_signals) as signals:
+            with signals:
+                while not self.stopping:
+                    if max_ticks is not None and self.stats.ticks >= max_ticks:
+                        break
+                    wait = self._tick_once()
+                    if wait > 0:
+                        self._idle(wait)
+            self.trigger.close()  # its lanes, heartbeat thread and wake-up listener
+            if self.wake is not None:
+                self.wake.close()
         log.info(
             "%s: stopped after %s",
             self.trigger.name,
@@ -261,7 +289,7 @@ class Runner:
         started = time.perf_counter()
         try:
             self._in_tick = True
-            result = self.trigger.tick_result(self.handler, should_stop=self._stop.is_set)
+            result = self.trigger.tick_result(self.handler, should_stop=lambda: self.stopping)
         except KeyboardInterrupt:
             self._stop.set()
             log.warning(
@@ -452,25 +480,6 @@ class Runner:
                 return  # events still wait for a retry, or rows are held back: not caught up
             self._drain.finish()
             self._drain = None
-
-
-# --- signals ----------------------------------------------------------
-
-
-@contextlib.contextmanager
-def signals_routed_to(handler: Callable[[int, FrameType | None], None]) -> Iterator[None]:
-    """Route SIGINT and SIGTERM to ``handler`` while the block runs (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous: dict[signal.Signals, Any] = {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        previous[sig] = signal.signal(sig, handler)
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
 
 
 __all__ = [

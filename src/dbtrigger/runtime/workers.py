@@ -10,12 +10,14 @@ and is raised to the caller.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Sequence
 from types import FrameType
 
-from dbtrigger.runtime.runner import Runner, RunStats, signals_routed_to
+from dbtrigger.runtime.runner import Runner, RunStats
+from dbtrigger.runtime.stop_signals import SignalRelay, say_overdue, signals_routed_to
 
 log = logging.getLogger("dbtrigger.runner")
 
@@ -44,17 +46,20 @@ def run_pollers(runners: Sequence[Runner], *, max_ticks: int | None = None) -> d
     signals = {"n": 0}
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        del frame
+        """In the signal's context: no lock taken (the relay logs and sets ``stop``)."""
+        del signum, frame
         signals["n"] += 1
-        if signals["n"] == 1:
+        if signals["n"] > 1:
+            raise KeyboardInterrupt
+
+    def stop_requested(signum: int) -> None:
+        if not stop.is_set():
             log.info(
                 "signal %s: finishing the batches in flight, then stopping",
                 signum,
                 extra={"event": "runner_stopping"},
             )
-            stop.set()
-            return
-        raise KeyboardInterrupt
+        stop.set()
 
     def work(runner: Runner) -> None:
         try:
@@ -67,7 +72,8 @@ def run_pollers(runners: Sequence[Runner], *, max_ticks: int | None = None) -> d
         threading.Thread(target=work, args=(r,), name=f"dbtrigger-{r.trigger.name}", daemon=True)
         for r in runners
     ]
-    with signals_routed_to(on_signal):
+    relay = SignalRelay(stop_requested, overdue=say_overdue)
+    with contextlib.closing(relay), signals_routed_to(on_signal, relay):
         for thread in threads:
             thread.start()
         try:

@@ -1,0 +1,141 @@
+"""A SIGTERM stops a worker whatever its main thread was doing when it landed.
+
+A Python signal handler runs on the main thread between two bytecodes. The
+handler used to call ``stop.set()``, which takes the event's lock; a signal
+that landed while the main thread held that same lock inside ``stop.wait()``
+(the idle wait between ticks, on its way in or out) waited for its own thread:
+the worker never exited (test_cdc_chaos's PostgreSQL worker, under load). The
+tests below make the signal land exactly there: the handler runs inside
+``raise_signal`` (it checks for signals before returning), called while the
+main thread holds the stop event's lock, as ``Event.wait`` does. They run in
+a subprocess, since a main thread that hangs would hang pytest with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from dbtrigger.runtime.stop_signals import SignalRelay, say_overdue
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: The signal lands while the main thread holds the stop event's lock, as it does
+#: inside ``Event.wait`` (``Event`` keeps it in ``_cond``: CPython's threading.py).
+LANDS_IN_WAIT = """
+def idle(seconds, stop):
+    with stop._cond:
+        signal.raise_signal(signal.SIGTERM)  # its handler runs before this returns
+    stop.wait(seconds)
+    return False
+"""
+
+RUNNER = (
+    """
+import signal
+from dbtrigger import InMemoryCheckpointStore, PollTrigger
+from dbtrigger.runtime.runner import Runner
+from dbtrigger.testing import MemoryLogSource
+"""
+    + LANDS_IN_WAIT
+    + """
+source = MemoryLogSource()
+source.commit([{"op": "insert", "pk": {"id": 1}, "after": {"id": 1}}])
+trigger = PollTrigger(name="stop", source=source, checkpoint_store=InMemoryCheckpointStore())
+trigger.wait_for_work = idle
+stats = Runner(trigger, lambda events: None, interval_seconds=30).run()
+print("stopped", stats.rows, flush=True)
+"""
+)
+
+LOOP = (
+    """
+import signal, threading
+from dbtrigger.runtime.stop_signals import stop_on_signals
+"""
+    + LANDS_IN_WAIT
+    + """
+stop = threading.Event()
+with stop_on_signals(stop):
+    while not stop.is_set():
+        idle(30, stop)
+print("stopped", flush=True)
+"""
+)
+
+
+#: A script still running after this long writes every thread's stack and exits.
+DUMP = "import faulthandler; faulthandler.dump_traceback_later(20, exit=True)\n"
+
+
+def run_script(script: str) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DUMP + textwrap.dedent(script)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"the worker did not stop within 30 s of SIGTERM: {out}{err}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def test_sigterm_during_the_runners_idle_wait_stops_it() -> None:
+    done = run_script(RUNNER)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["stopped", "1"]
+
+
+def test_stop_on_signals_stops_a_loop_of_ones_own() -> None:
+    done = run_script(LOOP)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["stopped"]
+
+
+def test_a_stop_that_is_late_is_said_with_every_threads_stack(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    said = threading.Event()
+    late: list[float] = []
+
+    def overdue(seconds: float) -> None:
+        late.append(seconds)
+        say_overdue(seconds, "orders")
+        said.set()
+
+    acted: list[int] = []
+    relay = SignalRelay(acted.append, overdue=overdue, overdue_seconds=0.2)
+    try:
+        with caplog.at_level(logging.WARNING, logger="dbtrigger.runner"):
+            relay.post(15)
+            assert said.wait(30), "no stop_overdue within 30 s"
+    finally:
+        relay.close()
+    assert acted == [15]
+    assert late[0] >= 0.2
+    (record,) = [r for r in caplog.records if getattr(r, "event", None) == "stop_overdue"]
+    assert record.levelno == logging.WARNING
+    assert record.poller == "orders"  # type: ignore[attr-defined]
+    assert "test_a_stop_that_is_late_is_said_with_every_threads_stack" in record.getMessage()
+
+
+def test_a_relay_closed_before_it_is_late_says_nothing() -> None:
+    late: list[float] = []
+    acted = threading.Event()
+    relay = SignalRelay(lambda signum: acted.set(), overdue=late.append, overdue_seconds=600)
+    relay.post(15)
+    assert acted.wait(30)
+    relay.close()
+    assert not relay._thread.is_alive()
+    assert late == []

@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from tests.cdc.processes import stop_worker
 from tests.cdc_servers import BinlogDatabase
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,9 +85,9 @@ class Workers:
         self.process.wait()
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            self.process.wait(timeout=60)
+        """SIGTERM, bounded; a worker that outlives it is dumped, killed and reaped."""
+        if self.process is not None:
+            stop_worker(self.process, self.errors)
 
     def errors(self) -> str:
         return "\n".join(p.read_text() for p in self.logs if p.exists())

@@ -32,6 +32,7 @@ from typing import Any
 
 import pytest
 
+from tests.cdc.processes import stop_worker
 from tests.cdc_servers import CdcDatabase
 
 #: Slots are cluster-wide: another test (or a benchmark run) may hold one on this server.
@@ -100,9 +101,9 @@ class Workers:
         self.process.wait()
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            self.process.wait(timeout=60)
+        """SIGTERM, bounded; a worker that outlives it is dumped, killed and reaped."""
+        if self.process is not None:
+            stop_worker(self.process, self.errors)
 
     def errors(self) -> str:
         return "\n".join(p.read_text() for p in self.logs if p.exists())

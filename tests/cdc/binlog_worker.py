@@ -9,15 +9,16 @@ duplicate window the test measures.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import signal
 import sys
 import threading
-from types import FrameType
 
 import pymysql
 
 from dbtrigger import FileCheckpointStore, PollTrigger, RowChange
 from dbtrigger.cdc import BinlogSource
+from dbtrigger.runtime.stop_signals import stop_on_signals
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,12 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=500)
     args = parser.parse_args(argv)
 
+    # The harness sends SIGUSR1 to a worker that outlives its stop: every thread's stack.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     stop = threading.Event()
-
-    def on_term(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_term)
     sink = pymysql.connect(
         host="127.0.0.1", port=args.port, user="root", database=args.database, autocommit=True
     )
@@ -62,17 +60,20 @@ def main(argv: list[str] | None = None) -> int:
                 rows,
             )
 
-    while not stop.is_set():
-        try:
-            trigger.tick(handle)
-        except Exception as exc:
-            print(f"tick failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-            stop.wait(0.2)
-            continue
-        result = trigger.last_result
-        if result is None or not result.more:
-            stop.wait(0.05)
-    source.close()
+    # Not stop.set() in a handler of one's own: see tests/cdc/worker.py.
+    with stop_on_signals(stop):
+        while not stop.is_set():
+            try:
+                trigger.tick(handle)
+            except Exception as exc:
+                print(f"tick failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+                stop.wait(0.2)
+                continue
+            result = trigger.last_result
+            if result is None or not result.more:
+                stop.wait(0.05)
+        trigger.close()  # the history flushed (bounded)
+        source.close()
     return 0
 
 

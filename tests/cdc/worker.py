@@ -9,15 +9,16 @@ the duplicate window the test measures.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import signal
 import sys
 import threading
-from types import FrameType
 
 import psycopg
 
 from dbtrigger import FileCheckpointStore, PollTrigger, RowChange
 from dbtrigger.cdc import PgLogicalSource
+from dbtrigger.runtime.stop_signals import stop_on_signals
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,12 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--read-ahead", type=int, default=50_000)
     args = parser.parse_args(argv)
 
+    # The harness sends SIGUSR1 to a worker that outlives its stop: every thread's stack.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     stop = threading.Event()
-
-    def on_term(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_term)
     sink = psycopg.connect(args.conninfo, autocommit=True)
     source = PgLogicalSource(
         args.url, ["items"], snapshot="never", mode=args.mode, read_ahead=args.read_ahead
@@ -59,17 +57,22 @@ def main(argv: list[str] | None = None) -> int:
                 image = e.after if e.after is not None else e.before or {}
                 copy.write_row((e.cursor, e.op, e.pk["id"], image.get("version"), args.incarnation))
 
-    while not stop.is_set():
-        try:
-            trigger.tick(handle)
-        except Exception as exc:
-            print(f"tick failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-            stop.wait(0.2)
-            continue
-        result = trigger.last_result
-        if result is None or not result.more:
-            stop.wait(0.05)
-    source.close()
+    # Not stop.set() in a handler of one's own: a signal landing inside stop.wait(),
+    # which holds the event's lock, waited for that lock forever (under load, now and
+    # then: a worker that ignored SIGTERM). See dbtrigger.runtime.stop_signals.
+    with stop_on_signals(stop):
+        while not stop.is_set():
+            try:
+                trigger.tick(handle)
+            except Exception as exc:
+                print(f"tick failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+                stop.wait(0.2)
+                continue
+            result = trigger.last_result
+            if result is None or not result.more:
+                stop.wait(0.05)
+        trigger.close()  # the history flushed (bounded)
+        source.close()
     return 0
 
 

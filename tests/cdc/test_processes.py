@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -56,3 +60,31 @@ def test_a_worker_that_exits_is_simply_reaped(tmp_path: Path) -> None:
 def process_wait(process: subprocess.Popen[bytes], seconds: float) -> None:
     with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=seconds)
+
+
+def test_a_stream_thread_that_outlives_its_stop_is_said_at_warning(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stopping the stream waits a bounded time for its thread; one still running then
+    (stuck in a status message or a control-row write) is left, and said, not waited for."""
+    from dbtrigger.cdc import pg_stream  # noqa: PLC0415
+
+    monkeypatch.setattr(pg_stream, "STOP_SECONDS", 0.2)
+    source: Any = SimpleNamespace(lock=threading.RLock(), slot="s1", poller="orders")
+    reader = pg_stream.StreamReader(source)
+    stuck = threading.Event()
+    thread = threading.Thread(target=stuck.wait, args=(60,), daemon=True)
+    thread.start()
+    reader._thread = thread
+    try:
+        with caplog.at_level(logging.WARNING, logger="dbtrigger.cdc"), source.lock:
+            reader.stop()  # called under the source's lock, as fill() and close() do
+    finally:
+        stuck.set()
+        thread.join(60)
+    (record,) = [
+        r for r in caplog.records if getattr(r, "event", None) == "cdc_stream_stop_abandoned"
+    ]
+    assert record.levelno == logging.WARNING
+    assert "did not end within 0.2s" in record.getMessage()
+    assert reader._thread is None

@@ -68,6 +68,9 @@ NO_OWN_STATUS_SECONDS = 365 * 24 * 3600.0
 _UNBOUNDED = 1 << 62
 #: Seconds without a fetch after which the stream closes (see the module docstring).
 IDLE_SECONDS = 60.0
+#: How long stopping the stream waits for its thread (a status message or a bound
+#: recorded, each under the source's statement timeout, may be under way).
+STOP_SECONDS = 30.0
 
 
 def confirmable(target: int, last_start: int) -> int:
@@ -210,7 +213,7 @@ class StreamReader:
         self._decoder.start(_UNBOUNDED)
         self._stop = threading.Event()
         self._thread = threading.Thread(
-            target=self._run, name=f"dbtrigger-cdc-stream-{s.slot}", daemon=True
+            target=self._run, args=(self._stop,), name=f"dbtrigger-cdc-stream-{s.slot}", daemon=True
         )
         self._thread.start()
 
@@ -221,9 +224,17 @@ class StreamReader:
         self._stop.set()
         self._lock.release()  # the thread takes the lock to finish what it read
         try:
-            thread.join(timeout=30)
+            thread.join(timeout=STOP_SECONDS)
         finally:
             self._lock.acquire()
+        if thread.is_alive():  # a daemon: it ends with the process, or on its own
+            log.warning(
+                "slot %s: the stream thread did not end within %gs of being stopped (its "
+                "connection is closed when it does); left to end on its own",
+                self.source.slot,
+                STOP_SECONDS,
+                extra={"event": "cdc_stream_stop_abandoned", "poller": self.source.poller},
+            )
 
     # --- releasing ------------------------------------------------------------------------
 
@@ -245,7 +256,9 @@ class StreamReader:
 
     # --- the thread -------------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, stop: threading.Event) -> None:
+        """``stop``: this thread's own (a thread left running by a stop that timed out
+        must not take the next start's for its own)."""
         s = self.source
         psycopg2 = _psycopg2()
         conn = None
@@ -270,7 +283,7 @@ class StreamReader:
             sent = 0
             last_start = 0  # the start of the last data message (see confirmable)
             last_status = time.monotonic()
-            while not self._stop.is_set():
+            while not stop.is_set():
                 if time.monotonic() - self._last_fill > IDLE_SECONDS and self._let_go():
                     break
                 target = confirmable(self.flush_target, last_start)
@@ -282,7 +295,7 @@ class StreamReader:
                     sent = max(sent, target)
                     last_status = time.monotonic()
                 if s.buffer.changes >= s.read_ahead:  # back-pressure: let the handler catch up
-                    self._stop.wait(0.02)
+                    stop.wait(0.02)
                     continue
                 message = cursor.read_message()
                 if message is None:

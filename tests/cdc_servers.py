@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -65,13 +66,7 @@ class LogicalPostgres:
             for (slot,) in conn.execute(
                 "SELECT slot_name FROM pg_replication_slots WHERE database = %s", (name,)
             ).fetchall():
-                with contextlib.suppress(psycopg.Error):
-                    conn.execute(
-                        "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots "
-                        "WHERE slot_name = %s AND active_pid IS NOT NULL",
-                        (slot,),
-                    )
-                    conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+                drop_slot(conn, slot)
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
     def set_config(self, name: str, value: str | None) -> None:
@@ -82,6 +77,33 @@ class LogicalPostgres:
             else:
                 conn.execute(f"ALTER SYSTEM SET {name} = '{value}'")
             conn.execute("SELECT pg_reload_conf()")
+
+
+def drop_slot(conn: psycopg.Connection[Any], slot: str, timeout: float = 30.0) -> None:
+    """Drop ``slot``, ending the session that holds it first.
+
+    A walsender ends some time after ``pg_terminate_backend`` returns (or after a
+    stream's client closed its connection), and until then the slot is active:
+    the drop failed, and with the slot left DROP DATABASE failed too ("used by an
+    active logical replication slot", a teardown error of the stream contract
+    tests about one run in two). So the drop is retried until the slot is free.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            conn.execute(
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots "
+                "WHERE slot_name = %s AND active_pid IS NOT NULL",
+                (slot,),
+            )
+            conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+            return
+        except psycopg.errors.ObjectInUse:
+            if time.monotonic() > deadline:
+                return  # DROP DATABASE says so
+            time.sleep(0.05)
+        except psycopg.Error:
+            return  # gone already (or DROP DATABASE says what it is)
 
 
 def start_logical_postgres() -> Iterator[LogicalPostgres]:

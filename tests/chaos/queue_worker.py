@@ -16,18 +16,18 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
-import signal
 import sys
 import threading
 import time
 from pathlib import Path
-from types import FrameType
 
 import sqlalchemy as sa
 
 from dbtrigger import ClaimContext, ClaimSource, QueueTrigger, RowChange
+from dbtrigger.runtime.stop_signals import stop_on_signals
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,11 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     stop = threading.Event()
-
-    def on_term(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_term)
+    # SIGTERM sets stop from a thread of its own: a handler calling stop.set() on the
+    # main thread hangs when it lands inside this loop's stop.wait() (runtime.stop_signals).
+    signals = contextlib.ExitStack()
+    signals.enter_context(stop_on_signals(stop))
     rng = random.Random(f"{args.worker}/{args.incarnation}")
     log_engine = sa.create_engine(args.db_url, isolation_level="AUTOCOMMIT", pool_size=1)
     meta = sa.MetaData(schema=args.schema)
@@ -139,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             stop.wait(idle)
     source.close()
     log_engine.dispose()
+    signals.close()
     return 0
 
 

@@ -34,14 +34,13 @@ a FileCheckpointStore.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import random
-import signal
 import sys
 import threading
 import time
-from types import FrameType
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -58,6 +57,7 @@ from dbtrigger import (
 from dbtrigger.quarantine import SqlQuarantineSink
 from dbtrigger.runtime.context import BatchContext
 from dbtrigger.runtime.delivery import Handler
+from dbtrigger.runtime.stop_signals import stop_on_signals
 from dbtrigger.state.stores.base import CheckpointStore
 
 
@@ -119,11 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     stop = threading.Event()
-
-    def on_term(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_term)
+    # SIGTERM sets stop from a thread of its own: a handler calling stop.set() on the
+    # main thread hangs when it lands inside this loop's stop.wait() (runtime.stop_signals).
+    signals = contextlib.ExitStack()
+    signals.enter_context(stop_on_signals(stop))
     rng = random.Random(f"{args.worker}/{args.incarnation}")
     engine = sa.create_engine(
         args.db_url, pool_size=2, max_overflow=2 + args.max_concurrency, pool_pre_ping=True
@@ -267,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             stop.wait(0.02 + rng.random() * 0.08)
     source.close()
     engine.dispose()
+    signals.close()
     return 0
 
 

@@ -13,7 +13,10 @@ bash scripts/services.sh
 bash scripts/azurite.sh
 python3 -m ruff check src tests benchmarks examples
 python3 -m ruff format --check src
-python3 -m mypy
+# mypy's cache kept per user, as Azurite is (CI runs on a fresh clone): checked from scratch
+# it takes 12.6 s, from this cache 2 s. Entries are checked against the sources' hashes,
+# so another clone's or an older commit's entries are only ever reused when they fit.
+python3 -m mypy --cache-dir "${XDG_CACHE_HOME:-$HOME/.cache}/dbtrigger/mypy"
 # Three workers by default on this two-core machine class: most tests wait on a database,
 # a subprocess or Azurite rather than compute, and every MariaDB/horizon test runs on one
 # worker anyway (loadgroup, tests/conftest.py). Idle, 4,754 tests: 11 min 54 s on three

@@ -154,8 +154,13 @@ def serve(path: str) -> None:
     # (and so copy, page by page) every object imported here. 0.08 s of CPU a
     # command with it, 0.25 s without, 0.4 s as a fresh process.
     gc.freeze()
-    while True:
-        conn, _ = server.accept()
+    parent = os.getppid()
+    server.settimeout(1.0)
+    while os.getppid() == parent:  # the page's runner gone (killed at its timeout): so is this
+        try:
+            conn, _ = server.accept()
+        except TimeoutError:
+            continue
         if os.fork() == 0:
             _supervise(conn, server, bin_dir)
         conn.close()

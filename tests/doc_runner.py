@@ -150,12 +150,16 @@ def forked_cli(blocks: list[dict[str, object]]) -> Iterator[str | None]:
     # A socket's path has at most 107 bytes; pytest's tmp_path can be longer.
     with tempfile.TemporaryDirectory(prefix="dbt-doc-") as tmp:
         socket_path = os.path.join(tmp, "cli.sock")
-        server = subprocess.Popen([sys.executable, str(DOC_CLI), "serve", socket_path])
+        log = Path(tmp, "server.log")
+        with log.open("wb") as out:  # not the runner's pipes: the test reads them to EOF
+            server = subprocess.Popen(
+                [sys.executable, str(DOC_CLI), "serve", socket_path], stdout=out, stderr=out
+            )
         try:
             deadline = time.monotonic() + 120
             while not os.path.exists(socket_path):
                 if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the CLI fork server did not start ({server.returncode})")
+                    raise RuntimeError(f"the CLI fork server did not start: {log.read_text()}")
                 time.sleep(0.02)
             shim = Path(tmp, "dbtrigger")
             shim.write_text(

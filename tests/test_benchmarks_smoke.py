@@ -62,7 +62,7 @@ def table_rows(output: str, title: str) -> list[list[str]]:
 def test_catchup_prints_every_contender_and_the_ratios(pg: TestDatabase, tmp_path: Path) -> None:
     out = run_benchmark(
         "catchup",
-        ["--rows", "2000,3000", "--batch-sizes", "500", "--repeats", "1"],
+        ["--rows", "600,1000", "--batch-sizes", "500", "--repeats", "1"],
         pg,
         tmp_path,
     )
@@ -73,7 +73,7 @@ def test_catchup_prints_every_contender_and_the_ratios(pg: TestDatabase, tmp_pat
         (db, table, n, store)
         for db in ("postgresql", "sqlite")
         for table in ("wide", "narrow")
-        for n in ("2,000", "3,000")
+        for n in ("600", "1,000")
         for store in ("memory", "blob")
     }
     for row in rows:

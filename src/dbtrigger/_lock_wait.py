@@ -30,13 +30,20 @@ out, and :func:`lock_holders` says, as far as it is cheap to know, which other
 sessions hold locks on the table (their ids and how long their transactions
 have been open: never their SQL, which can carry values); :func:`gave_up_waiting`
 is the one wording of that error for every writer.
+
+An engine dbtrigger makes itself (a claim queue's, a source's) has its lock
+waits bounded once, at connect time, instead (:func:`bounded_connect_args`,
+:func:`bound_after_init_command`): no statement per transaction, and the bound
+holds for its reads too, which queue behind DDL waiting for the table.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
@@ -253,6 +260,84 @@ def ddl_gives_up(
         raise RetryableError(f"{doing} {text}") from exc
 
 
+def bounded_connect_args(
+    dialect: str, given: Mapping[str, Any], query: Mapping[str, Any], seconds: float
+) -> dict[str, Any]:
+    """The user's driver arguments (``given``, then the URL's ``query``) with a lock
+    bound of ``seconds`` added, for an engine dbtrigger creates (see the module doc).
+
+    The user's keys win, and a bound the user set is theirs:
+
+    * PostgreSQL: ``-c lock_timeout=...`` is appended to their ``options``
+      (``-c search_path=...``) unless those already set ``lock_timeout``;
+    * SQLite: ``timeout`` unless they gave one;
+    * MariaDB/MySQL: ``init_command`` is the bound, unless they gave one of
+      their own: theirs is kept, and :func:`bound_after_init_command` sets the
+      bound after it on each new connection (for the variables theirs leaves alone).
+    """
+    args = dict(given)
+    if dialect == "postgresql":
+        options = user_driver_arg(args, query, "options")
+        if options is None or not _PG_LOCK_TIMEOUT.search(options):
+            millis = max(1, math.ceil(seconds * 1000))
+            args["options"] = f"{options or ''} -c lock_timeout={millis}".strip()
+    elif dialect in ("mysql", "mariadb"):
+        if user_driver_arg(args, query, "init_command") is None:
+            args["init_command"] = mysql_lock_bound(MYSQL_LOCK_VARIABLES, seconds)
+    elif dialect == "sqlite" and user_driver_arg(args, query, "timeout") is None:
+        args["timeout"] = seconds
+    return args
+
+
+def bound_after_init_command(engine: Engine, given: Mapping[str, Any], seconds: float) -> None:
+    """On MariaDB/MySQL with the user's own ``init_command`` (in ``given``, their
+    ``connect_args``, or the URL): set the lock bound after it on each new
+    connection, for the variables theirs leaves alone (one statement at connect
+    time, none per transaction). Nothing elsewhere, or when the bound is the
+    ``init_command`` (:func:`bounded_connect_args`). Call it once, before the
+    engine's first connection."""
+    if engine.dialect.name not in ("mysql", "mariadb"):
+        return
+    theirs = user_driver_arg(given, engine.url.query, "init_command")
+    if theirs is None:
+        return
+    left = [v for v in MYSQL_LOCK_VARIABLES if not re.search(rf"\b{v}\b", theirs, re.I)]
+    if not left:
+        return
+    statement = mysql_lock_bound(left, seconds)
+
+    def bound_lock_waits(dbapi_connection: Any, record: Any) -> None:
+        del record
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(statement)
+        finally:
+            cursor.close()
+
+    sa.event.listen(engine, "connect", bound_lock_waits)
+
+
+def mysql_lock_bound(variables: Sequence[str], seconds: float) -> str:
+    """``SET SESSION`` of a lock bound of ``seconds`` (whole, at least one) for these
+    MariaDB/MySQL variables."""
+    wait = max(1, math.ceil(seconds))
+    return "SET " + ", ".join(f"SESSION {v} = {wait}" for v in variables)
+
+
+def user_driver_arg(args: Mapping[str, Any], query: Mapping[str, Any], key: str) -> str | None:
+    """A driver argument as the user gave it: ``connect_args`` win over the URL's
+    query string, as in SQLAlchemy (a repeated query key counts whole)."""
+    value = args[key] if key in args else query.get(key)
+    if value is None:
+        return None
+    return " ".join(value) if isinstance(value, tuple | list) else str(value)
+
+
+#: The MariaDB/MySQL variables bounding row locks (InnoDB) and metadata locks.
+MYSQL_LOCK_VARIABLES = ("innodb_lock_wait_timeout", "lock_wait_timeout")
+_PG_LOCK_TIMEOUT = re.compile(r"\block_timeout\b", re.I)
+
+
 def _pg_holders(conn: Connection, table: str, schema: str | None) -> str:
     conn.execute(sa.text("SELECT set_config('statement_timeout', '2s', true)"))
     name = f'"{schema}"."{table}"' if schema else f'"{table}"'
@@ -301,6 +386,9 @@ def _mysql_holders(conn: Connection) -> str:
 __all__ = [
     "DEFAULT_STORE_LOCK_TIMEOUT",
     "DEFAULT_WRITE_LOCK_TIMEOUT",
+    "MYSQL_LOCK_VARIABLES",
+    "bound_after_init_command",
+    "bounded_connect_args",
     "bounded_transaction",
     "check_lock_timeout",
     "create_if_missing",
@@ -310,6 +398,8 @@ __all__ = [
     "lock_holders",
     "lock_timed_out",
     "lock_wait_bounded",
+    "mysql_lock_bound",
     "table_exists",
+    "user_driver_arg",
     "write_connection",
 ]

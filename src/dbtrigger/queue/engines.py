@@ -33,13 +33,13 @@ of work on it is a transaction that bounds its own lock waits
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from dbtrigger import _lock_wait
 from dbtrigger._lock_wait import lock_wait_bounded
 from dbtrigger.errors import ConfigurationError
 
@@ -74,77 +74,27 @@ def bounded_connect_args(
     dialect: str, given: Mapping[str, Any], query: Mapping[str, Any]
 ) -> dict[str, Any]:
     """The user's driver arguments (``given``, then the URL's ``query``) with the
-    queue's lock bound (:data:`LOCK_WAIT_SECONDS`, read at each call) added.
-
-    The user's keys win, and a bound the user set is theirs:
-
-    * PostgreSQL: ``-c lock_timeout=...`` is appended to their ``options``
-      (``-c search_path=...``) unless those already set ``lock_timeout``;
-    * SQLite: ``timeout`` unless they gave one;
-    * MariaDB/MySQL: ``init_command`` is the bound, unless they gave one of
-      their own: theirs is kept, and :func:`prepare_own_engine` sets the bound
-      after it on each new connection (for the variables theirs leaves alone).
-    """
-    args = dict(given)
-    wait = LOCK_WAIT_SECONDS
-    if dialect == "postgresql":
-        options = _user_value(args, query, "options")
-        if options is None or not _PG_LOCK_TIMEOUT.search(options):
-            args["options"] = f"{options or ''} -c lock_timeout={wait * 1000}".strip()
-    elif dialect == "mysql":
-        if _user_value(args, query, "init_command") is None:
-            args["init_command"] = mysql_lock_bound(_MYSQL_LOCK_VARIABLES)
-    elif dialect == "sqlite" and _user_value(args, query, "timeout") is None:
-        args["timeout"] = wait
-    return args
+    queue's lock bound (:data:`LOCK_WAIT_SECONDS`, read at each call) added; the
+    user's keys, and a bound they set, win
+    (:func:`dbtrigger._lock_wait.bounded_connect_args`)."""
+    return _lock_wait.bounded_connect_args(dialect, given, query, LOCK_WAIT_SECONDS)
 
 
 def prepare_own_engine(engine: Engine, dialect: str, engine_kwargs: Mapping[str, Any]) -> None:
     """Events of a queue's own engine, once, before its first connection:
     ``BEGIN IMMEDIATE`` on SQLite; on MariaDB/MySQL with the user's own
     ``init_command``, the lock bound set after it on each new connection
-    (one statement at connect time, none per transaction)."""
+    (:func:`dbtrigger._lock_wait.bound_after_init_command`)."""
     if dialect == "sqlite":
         begin_immediate(engine)
         return
-    if dialect != "mysql":
-        return
-    theirs = _user_value(engine_kwargs.get("connect_args") or {}, engine.url.query, "init_command")
-    if theirs is None:
-        return  # the bound is the init_command (bounded_connect_args)
-    left = [v for v in _MYSQL_LOCK_VARIABLES if not re.search(rf"\b{v}\b", theirs, re.I)]
-    if not left:
-        return
-    statement = mysql_lock_bound(left)
-
-    @sa.event.listens_for(engine, "connect")
-    def _bound_lock_waits(dbapi_connection: Any, record: Any) -> None:
-        del record
-        cursor = dbapi_connection.cursor()
-        try:
-            cursor.execute(statement)
-        finally:
-            cursor.close()
+    given = engine_kwargs.get("connect_args") or {}
+    _lock_wait.bound_after_init_command(engine, given, LOCK_WAIT_SECONDS)
 
 
 def mysql_lock_bound(variables: Sequence[str]) -> str:
     """``SET SESSION`` of the lock bound for these MariaDB/MySQL variables."""
-    wait = LOCK_WAIT_SECONDS
-    return "SET " + ", ".join(f"SESSION {v} = {wait}" for v in variables)
-
-
-#: The MariaDB/MySQL variables bounding row locks (InnoDB) and metadata locks.
-_MYSQL_LOCK_VARIABLES = ("innodb_lock_wait_timeout", "lock_wait_timeout")
-_PG_LOCK_TIMEOUT = re.compile(r"\block_timeout\b", re.I)
-
-
-def _user_value(args: Mapping[str, Any], query: Mapping[str, Any], key: str) -> str | None:
-    """A driver argument as the user gave it: ``connect_args`` win over the URL's
-    query string, as in SQLAlchemy (a repeated query key counts whole)."""
-    value = args[key] if key in args else query.get(key)
-    if value is None:
-        return None
-    return " ".join(value) if isinstance(value, tuple | list) else str(value)
+    return _lock_wait.mysql_lock_bound(variables, LOCK_WAIT_SECONDS)
 
 
 def claim_view(shared: Engine, dialect: str) -> Engine:

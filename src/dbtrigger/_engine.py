@@ -15,7 +15,12 @@ place, with two invariants:
   it is; if the server went away in that moment the statement fails, the pool
   discards its connections, and the caller's retry gets a fresh one;
 * :meth:`LazyEngine.dispose` closes only a pool this object created. A shared
-  engine belongs to whoever passed it in and may still be serving others.
+  engine belongs to whoever passed it in and may still be serving others;
+* with ``lock_wait``, an engine made from the URL bounds every statement's wait
+  for a lock at connect time (:func:`~dbtrigger._lock_wait.bounded_connect_args`):
+  a source's read queues behind DDL on its table that waits for an open
+  transaction, for ever on PostgreSQL and a day on MariaDB at their defaults. A
+  shared engine keeps the settings its owner gave it.
 """
 
 from __future__ import annotations
@@ -32,8 +37,11 @@ from sqlalchemy.engine import URL, Connection, Engine, make_url
 
 from dbtrigger._lock_wait import (
     DEFAULT_STORE_LOCK_TIMEOUT,
+    bound_after_init_command,
+    bounded_connect_args,
     create_if_missing,
     lock_timed_out,
+    sets_own_lock_bound,
     table_exists,
 )
 from dbtrigger._once import Once
@@ -179,6 +187,9 @@ class LazyEngine:
             ``pool_pre_ping`` here (either way) replaces the ping-when-idle
             default with SQLAlchemy's own behaviour.
         engine: an existing engine to use as it is; never disposed here.
+        lock_wait: seconds a statement on an engine made here waits for a lock
+            before it fails (None: the database's own wait), unless the user's
+            driver arguments (``connect_args``, the URL's query) set their own.
     """
 
     def __init__(
@@ -186,6 +197,7 @@ class LazyEngine:
         url: URL | str | Callable[[], URL],
         engine_kwargs: Mapping[str, Any] | None = None,
         engine: Engine | None = None,
+        lock_wait: float | None = None,
     ) -> None:
         self._url = url
         if engine_kwargs is not None and not isinstance(engine_kwargs, Mapping):
@@ -197,6 +209,10 @@ class LazyEngine:
         self._engine = engine
         self._owned = False
         self._lock = threading.Lock()
+        self._lock_wait = lock_wait
+        #: The bound in force on the engine's connections once made here (None: not
+        #: ours; a shared engine, no ``lock_wait``, or the user's own bound).
+        self.lock_wait: float | None = None
 
     @property
     def engine(self) -> Engine:
@@ -206,13 +222,34 @@ class LazyEngine:
             with self._lock:
                 if self._engine is None:
                     url = self._url() if callable(self._url) else self._url
-                    created = create_engine(url, **self._kwargs)
+                    created = create_engine(url, **self._bounded(url))
                     if "pool_pre_ping" not in self._kwargs:
                         ping_when_idle(created)
+                    if self._lock_wait is not None:
+                        given = self._kwargs.get("connect_args") or {}
+                        bound_after_init_command(created, given, self._lock_wait)
                     self._engine = created
                     self._owned = True
                 engine = self._engine
         return engine
+
+    def _bounded(self, url: URL | str) -> dict[str, Any]:
+        """``engine_kwargs`` with the lock bound merged into their ``connect_args``."""
+        seconds = self._lock_wait
+        if seconds is None:
+            return self._kwargs
+        given = self._kwargs.get("connect_args") or {}
+        if not isinstance(given, Mapping):
+            raise ConfigurationError(
+                f"engine_kwargs connect_args must be a dict of driver arguments, not "
+                f"{type(given).__name__}"
+            )
+        parsed = make_url(url) if isinstance(url, str) else url
+        dialect = parsed.get_backend_name()
+        if not sets_own_lock_bound(dialect, given, parsed.query):
+            self.lock_wait = seconds
+        args = bounded_connect_args(dialect, given, parsed.query, seconds)
+        return {**self._kwargs, "connect_args": args}
 
     @property
     def holds_connections(self) -> bool:

@@ -324,6 +324,18 @@ def mysql_lock_bound(variables: Sequence[str], seconds: float) -> str:
     return "SET " + ", ".join(f"SESSION {v} = {wait}" for v in variables)
 
 
+def sets_own_lock_bound(dialect: str, given: Mapping[str, Any], query: Mapping[str, Any]) -> bool:
+    """Do the user's driver arguments bound a read's lock wait themselves (so that
+    :func:`bounded_connect_args` leaves it theirs)? On MariaDB/MySQL: an
+    ``init_command`` that sets ``lock_wait_timeout``, the table's metadata lock."""
+    if dialect == "postgresql":
+        return bool(_PG_LOCK_TIMEOUT.search(user_driver_arg(given, query, "options") or ""))
+    if dialect in ("mysql", "mariadb"):
+        theirs = user_driver_arg(given, query, "init_command") or ""
+        return re.search(r"\block_wait_timeout\b", theirs, re.I) is not None
+    return dialect == "sqlite" and user_driver_arg(given, query, "timeout") is not None
+
+
 def user_driver_arg(args: Mapping[str, Any], query: Mapping[str, Any], key: str) -> str | None:
     """A driver argument as the user gave it: ``connect_args`` win over the URL's
     query string, as in SQLAlchemy (a repeated query key counts whole)."""
@@ -399,6 +411,7 @@ __all__ = [
     "lock_timed_out",
     "lock_wait_bounded",
     "mysql_lock_bound",
+    "sets_own_lock_bound",
     "table_exists",
     "user_driver_arg",
     "write_connection",

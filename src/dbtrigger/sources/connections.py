@@ -10,6 +10,9 @@ reading 30 narrow rows, and nothing but the socket outlives the fetch. A short
 batch, any other statement of the source and its ``close()`` give it back; one
 that sat idle as long as a pooled connection may go unpinged is pinged first
 (:mod:`dbtrigger._engine`), and replaced if the server dropped it.
+
+A statement that gave up waiting for a lock is told apart from other driver
+errors (:mod:`dbtrigger.sources.lock_waits`): :meth:`SourceConnections.error`.
 """
 
 from __future__ import annotations
@@ -24,14 +27,19 @@ from sqlalchemy.engine import Connection, Engine
 
 from dbtrigger._driver_errors import encoding_problem
 from dbtrigger._engine import PING_AFTER_IDLE_SECONDS, ping
-from dbtrigger.errors import SourceDefinitionError
-from dbtrigger.sources.errors_map import mapped
+from dbtrigger.errors import DbTriggerError, SourceDefinitionError
+from dbtrigger.sources.errors_map import mapped_error
+
+#: The error for a driver error raised while ``what`` that only the source can word
+#: (a lock wait that ran out), or None.
+SpecialError = Callable[[BaseException, str], DbTriggerError | None]
 
 
 class SourceConnections:
     """A source's connections: ``engine`` and ``name`` are read when a statement
     runs (the URL may be an app setting resolved at first use), ``resolve``
-    readies the table's shape on a connection before its first statement.
+    readies the table's shape on a connection before its first statement,
+    ``special`` words the driver errors it knows better than :func:`mapped_error`.
     The kept connection is at most one, with when it was last used."""
 
     def __init__(
@@ -39,10 +47,12 @@ class SourceConnections:
         engine: Callable[[], Engine],
         name: Callable[[], str],
         resolve: Callable[[Connection], None],
+        special: SpecialError | None = None,
     ) -> None:
         self._engine = engine
         self._name = name
         self._resolve = resolve
+        self._special = special
         self._held: tuple[Connection, float] | None = None
         self._lock = threading.Lock()
         #: How many times :meth:`close` ran: a connection checked out before the
@@ -80,16 +90,24 @@ class SourceConnections:
         try:
             self.release()
             generation = self.generation
-            with mapped(what, diagnose=diagnose):
+            try:
                 conn = self.checkout(engine)
                 try:
                     self._resolve(conn)
                     yield conn
                 finally:
                     self.give_back(conn, generation)
+            except sa.exc.SQLAlchemyError as exc:
+                raise self.error(exc, what, diagnose=diagnose) from exc
         finally:
             with self._lock:
                 self._opening -= 1
+
+    def error(self, exc: BaseException, what: str, *, diagnose: bool = False) -> DbTriggerError:
+        """The dbtrigger error for a driver error raised while ``what``: the source's
+        own wording when it has one (``special``), else :func:`mapped_error`'s."""
+        special = self._special(exc, what) if self._special is not None else None
+        return special or mapped_error(exc, what, diagnose=diagnose)
 
     def take(self, engine: Engine) -> Connection | None:
         """The kept connection, if it is ``engine``'s and still usable (the caller

@@ -42,6 +42,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from dbtrigger._database_url import DatabaseUrl
 from dbtrigger._engine import LazyEngine
+from dbtrigger._lock_wait import DEFAULT_WRITE_LOCK_TIMEOUT, check_lock_timeout
 from dbtrigger.cursor import Position
 from dbtrigger.errors import ConfigurationError, SerializationError, SourceDefinitionError
 from dbtrigger.events import RowChange
@@ -49,7 +50,6 @@ from dbtrigger.names import validate_sql_identifier
 from dbtrigger.redaction import safe_url_text
 from dbtrigger.sources.clock import DatabaseClock
 from dbtrigger.sources.connections import SourceConnections
-from dbtrigger.sources.errors_map import mapped_error
 from dbtrigger.sources.fingerprint import (
     Definition,
     previous_fingerprints,
@@ -60,14 +60,9 @@ from dbtrigger.sources.guarding import Guarding
 from dbtrigger.sources.keyset import ROW_VALUE_DIALECTS, Keyset, RowFilter
 from dbtrigger.sources.lag import LagReading
 from dbtrigger.sources.lag_meter import LagMeter
+from dbtrigger.sources.lock_waits import lock_wait_error
 from dbtrigger.sources.lookups import KeysetLookups
-from dbtrigger.sources.rows import (
-    ResultProcessors,
-    Rows,
-    mark_deletes,
-    read_rows,
-    rows_to_events,
-)
+from dbtrigger.sources.rows import ResultProcessors, Rows, mark_deletes, read_rows, rows_to_events
 from dbtrigger.sources.shape import SourceSpec
 from dbtrigger.sources.visibility import (
     FetchCondition,
@@ -94,7 +89,11 @@ class SqlAlchemySource(KeysetLookups):
             input); ``:name`` placeholders are bound from ``parameters``.
         engine_kwargs: passed to :func:`sqlalchemy.create_engine`.
         engine: share an existing engine instead of creating one (``url`` is
-            then only used for the name and fingerprint, and may be omitted).
+            then only used for the name and fingerprint, and may be omitted);
+            its settings are the caller's (``lock_timeout_seconds`` is not applied).
+        lock_timeout_seconds: how long a statement on the engine made from ``url``
+            waits for a lock (a read queued behind DDL on the table) before the fetch
+            fails as a retryable ``FetchError``, unless the driver arguments set one.
         visibility: how to avoid skipping rows of transactions that commit out
             of cursor order: ``"auto"`` (default: the strongest guard the
             dialect and cursor support, see ``docs/visibility.md``), ``"none"``,
@@ -132,6 +131,7 @@ class SqlAlchemySource(KeysetLookups):
         deleted_column: str | None = None,
         deleted_value: Any = None,
         lag_column: str | None = None,
+        lock_timeout_seconds: float = DEFAULT_WRITE_LOCK_TIMEOUT,
     ) -> None:
         # Every constructor argument, so derive() can build a twin of this source.
         self._config = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
@@ -151,7 +151,8 @@ class SqlAlchemySource(KeysetLookups):
         self._deleted_value = deleted_value
         self._db_url = DatabaseUrl(url, engine)
         self._names: tuple[object, str, str] | None = None
-        self._engines = LazyEngine(lambda: self._db_url.value, engine_kwargs, engine)
+        lock_wait = check_lock_timeout(lock_timeout_seconds)
+        self._engines = LazyEngine(lambda: self._db_url.value, engine_kwargs, engine, lock_wait)
         self._guarding = Guarding(parse_visibility(visibility))
         window_column = getattr(self._guarding.request, "time_column", None)
         self._lag_column = (
@@ -172,6 +173,7 @@ class SqlAlchemySource(KeysetLookups):
             lambda: self.engine,
             lambda: self.name,
             lambda conn: self._keyset.shape.resolve(conn),  # noqa: PLW0108 - built on first use
+            lambda exc, what: lock_wait_error(exc, what, self._engines, self._spec),
         )
 
     @property
@@ -408,7 +410,7 @@ class SqlAlchemySource(KeysetLookups):
                 connections.give_back(conn, generation)
                 raise
         except sa.exc.SQLAlchemyError as exc:
-            raise mapped_error(exc, f"fetch from {self.name}", diagnose=True) from exc
+            raise connections.error(exc, f"fetch from {self.name}", diagnose=True) from exc
         if len(rows) >= limit:
             connections.keep(conn, generation)
         else:

@@ -16,6 +16,7 @@ not queue behind a writer (the tick reads on), and its busy timeout is the bound
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -210,3 +211,37 @@ def test_a_lock_wait_on_a_shared_engine_is_told_too(pg: TestDatabase) -> None:
     finally:
         source.close()
         engine.dispose()
+
+
+def test_a_pooler_that_refuses_the_bound_is_connected_to_without_it(
+    pg: TestDatabase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """PgBouncer (Azure's built-in pooler, Neon's) refuses ``-c lock_timeout`` in the
+    startup options: every connection of the source would fail, a stall of its own.
+    It connects without the bound instead, and says so once."""
+    import psycopg  # noqa: PLC0415 - PostgreSQL only
+    from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg  # noqa: PLC0415
+
+    orders(pg)
+    original = PGDialect_psycopg.connect
+    refused: list[str] = []
+
+    def pooler(self: Any, *cargs: Any, **cparams: Any) -> Any:
+        if "lock_timeout" in cparams.get("options", ""):
+            refused.append(cparams["options"])
+            raise psycopg.OperationalError("FATAL: unsupported startup parameter: options")
+        return original(self, *cargs, **cparams)
+
+    monkeypatch.setattr(PGDialect_psycopg, "connect", pooler)
+    source = source_on(pg, engine_kwargs={"connect_args": {"options": "-c search_path=public"}})
+    try:
+        with caplog.at_level(logging.WARNING, logger="dbtrigger"):
+            assert source.fetch(BEGINNING, 10) == []
+            with source.engine.connect() as one, source.engine.connect() as two:
+                seen = [c.exec_driver_sql("SHOW search_path").scalar() for c in (one, two)]
+        assert seen == ["public", "public"]  # their options kept
+        assert len(refused) == 1  # asked once, not at every connection
+        [warning] = [r for r in caplog.records if getattr(r, "event", "") == "lock_bound_refused"]
+        assert "ALTER ROLE" in warning.getMessage()
+    finally:
+        source.close()

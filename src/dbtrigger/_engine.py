@@ -20,11 +20,15 @@ place, with two invariants:
   for a lock at connect time (:func:`~dbtrigger._lock_wait.bounded_connect_args`):
   a source's read queues behind DDL on its table that waits for an open
   transaction, for ever on PostgreSQL and a day on MariaDB at their defaults. A
-  shared engine keeps the settings its owner gave it.
+  shared engine keeps the settings its owner gave it. A connection pooler in
+  front of PostgreSQL (PgBouncer, Azure's built-in one, Neon's) may refuse the
+  bound's startup ``options``: the engine then connects without it, and says so
+  once (:func:`unbounded_if_refused`), rather than fail every connection.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -43,11 +47,14 @@ from dbtrigger._lock_wait import (
     lock_timed_out,
     sets_own_lock_bound,
     table_exists,
+    user_driver_arg,
 )
 from dbtrigger._once import Once
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.redaction import remember_url_secrets
 from dbtrigger.settings import DeferredSettingError, resolve_setting, setting_name
+
+log = logging.getLogger(__name__)
 
 #: Drivers a URL's dialect commonly names, and how to install them.
 _DRIVER_HINTS = {
@@ -228,6 +235,8 @@ class LazyEngine:
                     if self._lock_wait is not None:
                         given = self._kwargs.get("connect_args") or {}
                         bound_after_init_command(created, given, self._lock_wait)
+                        theirs = user_driver_arg(given, created.url.query, "options")
+                        unbounded_if_refused(created, theirs, self._unbounded)
                     self._engine = created
                     self._owned = True
                 engine = self._engine
@@ -251,6 +260,9 @@ class LazyEngine:
         args = bounded_connect_args(dialect, given, parsed.query, seconds)
         return {**self._kwargs, "connect_args": args}
 
+    def _unbounded(self) -> None:
+        self.lock_wait = None
+
     @property
     def holds_connections(self) -> bool:
         """May a caller keep one of this pool's connections between statements of its
@@ -268,6 +280,49 @@ class LazyEngine:
             engine = self._engine if self._owned else None
         if engine is not None:
             engine.dispose()
+
+
+def unbounded_if_refused(engine: Engine, theirs: str | None, refused: Callable[[], None]) -> None:
+    """On PostgreSQL: when the server (a pooler in front of it) refuses the lock bound
+    in the startup ``options`` ("unsupported startup parameter"), connect with the
+    user's own ``options`` (``theirs``, None: none) instead, this time and from then
+    on; ``refused`` is called and a WARNING says what is lost, once. A session
+    ``SET`` instead would leak into other clients' sessions of a pooler in
+    transaction mode. Costs nothing until a connection is refused."""
+    if engine.dialect.name != "postgresql":
+        return
+    gave_up: list[bool] = []
+
+    def without_bound(cparams: dict[str, Any]) -> None:
+        if theirs is None:
+            cparams.pop("options", None)
+        else:
+            cparams["options"] = theirs
+
+    def connect(dialect: Any, record: Any, cargs: Any, cparams: dict[str, Any]) -> Any:
+        del record
+        if gave_up:
+            without_bound(cparams)
+            return None  # the dialect connects with what is left
+        try:
+            return dialect.connect(*cargs, **cparams)
+        except dialect.loaded_dbapi.OperationalError as exc:
+            if "unsupported startup parameter" not in str(exc):
+                raise
+        gave_up.append(True)
+        refused()
+        log.warning(
+            "%s refused the lock bound in the connection's startup options (a connection "
+            "pooler such as PgBouncer?): reads now wait for locks as long as the server "
+            "lets them; set one for the login role instead (ALTER ROLE ... SET "
+            "lock_timeout), or connect to the server directly",
+            engine.url.render_as_string(hide_password=True),
+            extra={"event": "lock_bound_refused"},
+        )
+        without_bound(cparams)
+        return dialect.connect(*cargs, **cparams)
+
+    sa.event.listen(engine, "do_connect", connect)
 
 
 def reflect_table(
@@ -419,4 +474,5 @@ __all__ = [
     "ping",
     "ping_when_idle",
     "reflect_table",
+    "unbounded_if_refused",
 ]

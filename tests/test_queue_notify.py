@@ -15,6 +15,7 @@ from dbtrigger import ClaimSource, QueueTrigger, RowChange
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.metrics import InMemoryMetrics
 from dbtrigger.runtime.runner import Runner
+from dbtrigger.wakeup import AdaptivePolling
 from tests.databases import TestDatabase
 from tests.test_queue_columns import make_jobs
 
@@ -64,9 +65,11 @@ def done(db: TestDatabase) -> set[int]:
 class Worker:
     """A runner in a thread, stopped (and its listener with it) on exit."""
 
-    def __init__(self, queue: QueueTrigger, interval: float) -> None:
+    def __init__(self, queue: QueueTrigger, interval: float, wake: Any = None) -> None:
         self.seen: list[int] = []
-        self.runner = Runner(queue, self.handle, interval_seconds=interval, progress=None)
+        self.runner = Runner(
+            queue, self.handle, interval_seconds=interval, progress=None, wake=wake
+        )
         self.thread = threading.Thread(target=self.runner.run, kwargs={"install_signals": False})
 
     def handle(self, events: list[RowChange]) -> None:
@@ -96,6 +99,21 @@ def test_a_notify_wakes_an_idle_worker(pg: TestDatabase, pg_source: ClaimSource)
     assert worker.seen == [1, 2]
     assert metrics.total("queue_notifications_total") >= 2
     assert not queue._listener.listening.is_set()  # the runner stopped the listener
+
+
+def test_adaptive_polling_keeps_the_queues_own_notify(
+    pg: TestDatabase, pg_source: ClaimSource
+) -> None:
+    """``--wake adaptive`` on a queue worker that listens: the hint shortens the
+    queue's own wait instead of replacing it (it used to sleep in its place, and
+    a NOTIFY waited for the interval, worse than no hint)."""
+    queue = QueueTrigger(name="jobs", source=pg_source, notify_channel=CHANNEL)
+    assert queue._listener is not None
+    with Worker(queue, LONG_INTERVAL, wake=AdaptivePolling()) as worker:
+        assert queue._listener.listening.wait(60), "the queue's listener never started"
+        insert(pg, 1, notify=True)
+        assert wait_until(lambda: done(pg) == {1}), "the NOTIFY did not wake the worker"
+    assert worker.seen == [1]
 
 
 def test_without_a_notify_the_interval_poll_still_finds_work(

@@ -8,6 +8,8 @@ pure rules are here, table-tested; the runner keeps the counts they take.
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 #: Default ceiling of the backoff between failing ticks.
 DEFAULT_MAX_BACKOFF_SECONDS = 300.0
 #: The first wait after a tick whose rows the visibility guard held back.
@@ -29,6 +31,26 @@ def held_back_delay(held_ticks: int, interval: float) -> float:
     return float(min(interval, HELD_BACK_FIRST_SECONDS * 2 ** min(held_ticks - 1, 30)))
 
 
+@runtime_checkable
+class ShortensWait(Protocol):
+    """A wake-up hint whose whole effect is a shorter idle sleep
+    (:class:`~dbtrigger.wakeup.AdaptivePolling`).
+
+    The runner asks it how long, then sleeps through the trigger's own
+    ``wait_for_work``: a hint that slept by itself instead skipped what ends
+    that wait early (a queue's ``LISTEN``, a partition member gaining
+    partitions or waiting out a handover), and so was worse than no hint.
+    """
+
+    def delay(self, seconds: float, idle_ticks: int | None) -> float: ...
+
+
+def shortened(hint: ShortensWait, seconds: float, idle_ticks: int | None) -> float:
+    """The hint's wait, never longer than ``seconds``: a hint may only end a sleep
+    sooner (what polling alone waits is the bound, whatever the hint says)."""
+    return float(min(seconds, max(0.0, hint.delay(seconds, idle_ticks))))
+
+
 def backoff_delay(failures: int, interval: float, cap: float) -> float:
     """Seconds to wait after ``failures`` failing ticks in a row: doubling, capped.
 
@@ -42,6 +64,8 @@ def backoff_delay(failures: int, interval: float, cap: float) -> float:
 __all__ = [
     "DEFAULT_MAX_BACKOFF_SECONDS",
     "HELD_BACK_FIRST_SECONDS",
+    "ShortensWait",
     "backoff_delay",
     "held_back_delay",
+    "shortened",
 ]

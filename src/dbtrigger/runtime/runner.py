@@ -64,8 +64,10 @@ from dbtrigger.runtime.kernel import Handler
 from dbtrigger.runtime.pacing import (
     DEFAULT_MAX_BACKOFF_SECONDS,
     HELD_BACK_FIRST_SECONDS,
+    ShortensWait,
     backoff_delay,
     held_back_delay,
+    shortened,
 )
 from dbtrigger.runtime.progress import (
     DEFAULT_PROGRESS_INTERVAL_SECONDS,
@@ -120,7 +122,8 @@ class WakeHint(Protocol):
     ``seconds`` at the latest (earlier when ``stop`` is set);
     ``idle_ticks`` is how many ticks in a row found nothing (1 right after
     activity), or None while the worker has delivered nothing since it
-    started. ``close`` stops whatever the hint runs (idempotent).
+    started. ``close`` stops whatever the hint runs (idempotent). A hint that
+    also has ``delay`` (:class:`ShortensWait`) is asked that instead of ``wait``.
     """
 
     def attach(self, trigger: Any) -> None: ...
@@ -272,14 +275,18 @@ class Runner:
 
     def _idle(self, seconds: float) -> None:
         """Sleep between ticks; a wake-up hint (the runner's, or a queue's own) may
-        end an idle sleep early (never a backoff after a failure)."""
-        if self.wake is not None and not self._failures:
+        end an idle sleep early (never a backoff after a failure). A hint that only
+        shortens the sleep (:class:`ShortensWait`) shortens the trigger's own wait,
+        whose wake-ups it would otherwise skip."""
+        if self._failures:
+            self._stop.wait(seconds)
+            return
+        if isinstance(self.wake, ShortensWait):
+            seconds = shortened(self.wake, seconds, self._idle_ticks)
+        elif self.wake is not None:
             self.wake.wait(seconds, self._stop, idle_ticks=self._idle_ticks)
             return
-        if not self._failures:
-            self.trigger.wait_for_work(seconds, self._stop)
-        else:
-            self._stop.wait(seconds)
+        self.trigger.wait_for_work(seconds, self._stop)
 
     # --- one tick -----------------------------------------------------------------
 

@@ -66,6 +66,9 @@ class AdaptivePolling:
         return float(min(seconds, self.fastest * self.factor**steps))
 
     def wait(self, seconds: float, stop: threading.Event, *, idle_ticks: int | None) -> bool:
+        """The sleep alone, for a caller other than the runner: the runner asks
+        :meth:`delay` and sleeps through the trigger's own wait (a queue's
+        ``LISTEN``, a partition member's handover still end it)."""
         stop.wait(self.delay(seconds, idle_ticks))
         return False
 

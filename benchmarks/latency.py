@@ -50,6 +50,15 @@ point of the worker's idle cycle (``--phase random``, the default; ``fixed``
 starts it right after the worker's first tick, as earlier runs did), and
 ``--repeats`` runs of a configuration are pooled: their rows together give
 the percentiles, and a note gives each run's p50.
+
+Run ``k`` of every hint of a (database, source, rate) gets the same phase,
+so the hints are compared over the same start (they once drew one phase
+each, and a hint's row could be worse than polling alone by its draw alone).
+That start is the same for every hint: before it has delivered anything, a
+worker sleeps the interval whatever the hint (the adaptive hint shortens the
+waits after activity only), and the writer's first rows wait out the rest of
+that sleep. ``asleep``: how long the writer committed into it, mean s a run,
+which is what sets p95 and above in a 10 s run.
 """
 
 from __future__ import annotations
@@ -77,6 +86,7 @@ from benchmarks.common import PG_URL, ROOT, fmt_rate, percentile, print_table, s
 from dbtrigger import InMemoryCheckpointStore, PollTrigger, SqlAlchemySource
 from dbtrigger.changelog import ChangeLogSource
 from dbtrigger.changelog import install as install_changelog
+from dbtrigger.runtime.pacing import ShortensWait, shortened
 from dbtrigger.runtime.runner import Runner
 from dbtrigger.wakeup import AdaptivePolling, NotifyHint, WakeHint
 from dbtrigger.wakeup import install as install_wake
@@ -95,7 +105,13 @@ PG_ONLY = ("notify", "notify-lost")
 
 
 def writer_main(
-    url: str, table: str, rate: float, seconds: float, out: str, connections: int = 1
+    url: str,
+    table: str,
+    rate: float,
+    seconds: float,
+    out: str,
+    connections: int = 1,
+    start_at: float = 0.0,
 ) -> None:
     """Insert one row per transaction at ``rate``/s; write each commit's wall clock to ``out``.
 
@@ -106,7 +122,8 @@ def writer_main(
     returned. Several sessions: MariaDB syncs its redo log at every commit
     (``innodb_flush_log_at_trx_commit=1``), so one session keeps only a few
     hundred commits a second on a shared disk, while concurrent ones share a
-    group commit.
+    group commit. ``start_at``: the wall clock of the first commit, if later
+    than the sessions are ready (the phase, free of the process's start-up).
     """
     parsed = sa.make_url(url)
     total = int(rate * seconds)
@@ -158,6 +175,7 @@ def writer_main(
             errors.append(exc)
 
     try:
+        time.sleep(max(0.0, start_at - time.time()))
         start = time.monotonic()
         wall_start = time.time()
         threads = [
@@ -266,6 +284,9 @@ class Result:
     run_p50s: list[float] = field(default_factory=list)
     #: How late the writer committed each row against its schedule, s.
     late: list[float] = field(default_factory=list)
+    #: Each run's time from the first commit to the end of the worker's sleep
+    #: that began before it (0: the worker was awake), s.
+    asleep: list[float] = field(default_factory=list)
 
     def pool(self, other: Result) -> None:
         """Add another run of the same configuration."""
@@ -281,22 +302,36 @@ class Result:
         self.note = "; ".join(n for n in (self.note, other.note) if n)
         self.run_p50s += other.run_p50s
         self.late += other.late
+        self.asleep += other.asleep
 
 
 class CountingRunner(Runner):
     """A Runner that counts its idle waits of the whole interval: what a row
     committed right after an empty tick waits for (polling alone), whatever the
-    worker's ticks per second."""
+    worker's ticks per second. A wait the hint shortened is not one."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         #: When each idle wait of the whole interval began (wall clock).
         self.full_sleeps: list[float] = []
+        #: (start, end) of every idle wait (wall clock).
+        self.sleeps: list[tuple[float, float]] = []
+        #: Set when the first idle wait begins (the writer's phase counts from it).
+        self.first_sleep = threading.Event()
+        self.first_sleep_at = 0.0
 
     def _idle(self, seconds: float) -> None:
-        if seconds >= self.interval:
-            self.full_sleeps.append(time.time())
+        started = time.time()
+        waits = seconds
+        if isinstance(self.wake, ShortensWait) and not self._failures:
+            waits = shortened(self.wake, seconds, self._idle_ticks)
+        if waits >= self.interval:
+            self.full_sleeps.append(started)
+        if not self.first_sleep.is_set():
+            self.first_sleep_at = started
+            self.first_sleep.set()
         super()._idle(seconds)
+        self.sleeps.append((started, time.time()))
 
 
 def make_hint(hint: str, interval: float) -> WakeHint | None:
@@ -308,8 +343,15 @@ def make_hint(hint: str, interval: float) -> WakeHint | None:
     return None
 
 
+def phase(args: argparse.Namespace, db: str, source: str, rate: float, run: int) -> float:
+    """Where run ``run`` of (``db``, ``source``, ``rate``) starts its writer in the
+    worker's idle cycle, s: the same for every hint (a paired comparison)."""
+    draw = random.Random(f"{args.seed}:{db}:{source}:{rate:g}:{run}")  # not a secret
+    return draw.uniform(0, args.interval)
+
+
 def measure(
-    db: Database, source_kind: str, hint: str, rate: float, args: argparse.Namespace
+    db: Database, source_kind: str, hint: str, rate: float, args: argparse.Namespace, run: int = 0
 ) -> Result:
     table = f"lat_{uuid.uuid4().hex[:8]}"
     create_table(db, table)
@@ -352,8 +394,11 @@ def measure(
                 time.sleep(0.01)
             if isinstance(wake, NotifyHint) and wake.listener is not None:
                 wake.listener.listening.wait(60)
-            if args.phase == "random":  # a random point of the worker's idle cycle
-                time.sleep(args.rng.uniform(0, args.interval))
+            start_at = 0.0
+            if args.phase == "random":  # a random point of the worker's first idle wait
+                runner.first_sleep.wait(60)
+                began = runner.first_sleep_at or time.time()
+                start_at = began + phase(args, db.kind, source_kind, rate, run)
             ticks_before = runner.stats.ticks
             started = time.monotonic()
             subprocess.run(  # noqa: S603 - this script, run again as the writer
@@ -363,7 +408,15 @@ def measure(
                     "benchmarks.latency",
                     "--writer",
                     json.dumps(
-                        [db.url, table, rate, args.seconds, out, writer_sessions(db.kind, args)]
+                        [
+                            db.url,
+                            table,
+                            rate,
+                            args.seconds,
+                            out,
+                            writer_sessions(db.kind, args),
+                            start_at,
+                        ]
                     ),
                 ],
                 cwd=ROOT,
@@ -389,6 +442,8 @@ def measure(
     if commits:  # the sleeps that began while the writer was committing
         first, last = min(commits), max(commits)
         result.sleeps = sum(1 for at in runner.full_sleeps if first <= at <= last)
+        into = [end - first for at, end in runner.sleeps if at < first]
+        result.asleep = [max(0.0, *into)]
     if result.seen < result.written:
         result.note = f"{result.written - result.seen} rows not delivered in time"
     result.run_p50s = [percentile(result.latencies, 0.5) * 1000]
@@ -493,6 +548,7 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
                 *(f"{v:,.0f}" for v in ms),
                 f"{r.ticks / r.seconds:,.1f}" if r.seconds else "-",
                 f"{r.sleeps / len(r.run_p50s):,.1f}",
+                f"{statistics.fmean(r.asleep):,.1f}" if r.asleep else "-",
                 target,
                 met,
             ]
@@ -501,7 +557,7 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
     print_table(
         f"Commit -> handler latency, ms (worker at default settings, interval "
         f"{args.interval:g} s; {args.seconds:g} s per run, {args.repeats} run(s) pooled, "
-        f"writer started at a {args.phase} phase; load average "
+        f"writer started at a {args.phase} phase, seed {args.seed}; load average "
         f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f} at the end)",
         [
             "db",
@@ -516,6 +572,7 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
             "max",
             "ticks/s",
             "sleeps",
+            "asleep",
             "target ms",
             "met",
         ],
@@ -541,7 +598,9 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
         "activity. achieved = rows/s the writer kept up. sleeps = idle waits of the whole "
         "interval per run while the writer committed (a tick found nothing): rows committed "
         "during one wait up to the interval, which is what sets polling's p50, however many "
-        "ticks drain the backlog after it (ticks/s)."
+        "ticks drain the backlog after it (ticks/s). asleep = s the writer committed into the "
+        "worker's sleep from before its first commit (mean a run; every hint of a row has the "
+        "same phases)."
     )
 
 
@@ -596,15 +655,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--repeats must be at least 1")
     if args.writer_connections is not None and args.writer_connections < 1:
         parser.error("--writer-connections must be at least 1")
-    args.rng = random.Random(args.seed)  # a phase, not a secret
+    if args.seed is None:
+        args.seed = random.randrange(10**6)  # printed: a run can be repeated
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.writer:
-        url, table, rate, seconds, out, connections = json.loads(args.writer)
-        writer_main(url, table, float(rate), float(seconds), out, int(connections))
+        url, table, rate, seconds, out, connections, start_at = json.loads(args.writer)
+        writer_main(url, table, float(rate), float(seconds), out, int(connections), float(start_at))
         return 0
     if args.model:
         model(args)
@@ -630,7 +690,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 f"run {run + 1}/{args.repeats}",
                                 flush=True,
                             )
-                            one = measure(db, source_kind, hint, rate, args)
+                            one = measure(db, source_kind, hint, rate, args, run)
                             if pooled is None:
                                 pooled = one
                             else:

@@ -1,4 +1,5 @@
-"""How long a worker waits after a tick (:class:`~dbtrigger.runtime.runner.Runner`).
+"""How long a worker waits after a tick (:class:`~dbtrigger.runtime.runner.Runner`),
+and what it asks of a wake-up hint that may end or shorten that wait.
 
 At once while batches come back full and after any tick that delivered rows;
 soon after a tick whose rows the visibility guard held back; after a failing
@@ -8,7 +9,8 @@ pure rules are here, table-tested; the runner keeps the counts they take.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+import threading
+from typing import Any, Protocol, runtime_checkable
 
 #: Default ceiling of the backoff between failing ticks.
 DEFAULT_MAX_BACKOFF_SECONDS = 300.0
@@ -29,6 +31,27 @@ def held_back_delay(held_ticks: int, interval: float) -> float:
     interval.
     """
     return float(min(interval, HELD_BACK_FIRST_SECONDS * 2 ** min(held_ticks - 1, 30)))
+
+
+@runtime_checkable
+class WakeHint(Protocol):
+    """What a :class:`Runner` asks of a wake-up hint (:mod:`dbtrigger.wakeup`).
+
+    ``attach`` is called once with the trigger the runner drives (a hint may
+    refuse it with a :class:`~dbtrigger.errors.ConfigurationError`); ``wait``
+    is the idle sleep after a tick that delivered nothing, and must return by
+    ``seconds`` at the latest (earlier when ``stop`` is set);
+    ``idle_ticks`` is how many ticks in a row found nothing (1 right after
+    activity), or None while the worker has delivered nothing since it
+    started. ``close`` stops whatever the hint runs (idempotent). A hint that
+    also has ``delay`` (:class:`ShortensWait`) is asked that instead of ``wait``.
+    """
+
+    def attach(self, trigger: Any) -> None: ...
+
+    def wait(self, seconds: float, stop: threading.Event, *, idle_ticks: int | None) -> bool: ...
+
+    def close(self) -> None: ...
 
 
 @runtime_checkable
@@ -65,6 +88,7 @@ __all__ = [
     "DEFAULT_MAX_BACKOFF_SECONDS",
     "HELD_BACK_FIRST_SECONDS",
     "ShortensWait",
+    "WakeHint",
     "backoff_delay",
     "held_back_delay",
     "shortened",

@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from dbtrigger.errors import (
     ContentionError,
@@ -65,6 +65,7 @@ from dbtrigger.runtime.pacing import (
     DEFAULT_MAX_BACKOFF_SECONDS,
     HELD_BACK_FIRST_SECONDS,
     ShortensWait,
+    WakeHint,
     backoff_delay,
     held_back_delay,
     shortened,
@@ -110,27 +111,6 @@ class RunStats:
 
 def _counted(n: int, noun: str) -> str:
     return f"{n:,} {noun}" + ("" if n == 1 else "s")
-
-
-@runtime_checkable
-class WakeHint(Protocol):
-    """What a :class:`Runner` asks of a wake-up hint (:mod:`dbtrigger.wakeup`).
-
-    ``attach`` is called once with the trigger the runner drives (a hint may
-    refuse it with a :class:`~dbtrigger.errors.ConfigurationError`); ``wait``
-    is the idle sleep after a tick that delivered nothing, and must return by
-    ``seconds`` at the latest (earlier when ``stop`` is set);
-    ``idle_ticks`` is how many ticks in a row found nothing (1 right after
-    activity), or None while the worker has delivered nothing since it
-    started. ``close`` stops whatever the hint runs (idempotent). A hint that
-    also has ``delay`` (:class:`ShortensWait`) is asked that instead of ``wait``.
-    """
-
-    def attach(self, trigger: Any) -> None: ...
-
-    def wait(self, seconds: float, stop: threading.Event, *, idle_ticks: int | None) -> bool: ...
-
-    def close(self) -> None: ...
 
 
 class Runner:

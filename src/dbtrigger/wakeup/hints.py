@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from dbtrigger import options as opt
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.queue.notify import Listener, ListenEvents, check_listen, idle_wait
-from dbtrigger.runtime.runner import WakeHint
+from dbtrigger.runtime.pacing import WakeHint
 from dbtrigger.wakeup.ddl import default_channel
 
 if TYPE_CHECKING:

@@ -13,13 +13,17 @@ settlement behind a lock with such arguments: ``test_queue_settle_locks``.
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import pytest
 import sqlalchemy as sa
 
-from dbtrigger import ClaimSource
+from dbtrigger import ClaimSource, QueueTrigger
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.queue.engines import engine_options
 from tests.databases import TestDatabase
+from tests.test_queue_columns import make_jobs
 
 
 def connect_args(dialect: str, given: object = None, url: str | None = None) -> object:
@@ -88,5 +92,50 @@ def test_a_mariadb_init_command_of_theirs_keeps_the_bound(
                 "SELECT @@innodb_lock_wait_timeout, @@lock_wait_timeout, @app"
             ).one()
         assert tuple(seen) == (7, 2, "jobs")  # their value; the bound they left alone
+    finally:
+        source.close()
+
+
+@pytest.mark.postgresql
+def test_a_pooler_that_refuses_the_bound_is_connected_to_without_it(
+    pg: TestDatabase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """PgBouncer (Azure's built-in pooler, Neon's) refuses ``-c lock_timeout`` in the
+    startup options: every claim of a queue behind one failed to connect. It connects
+    without the bound instead, keeps the user's own options, and says so once."""
+    import psycopg  # noqa: PLC0415 - PostgreSQL only
+    from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg  # noqa: PLC0415
+
+    make_jobs(pg, 2)
+    original = PGDialect_psycopg.connect
+    refused: list[str] = []
+
+    def pooler(self: Any, *cargs: Any, **cparams: Any) -> Any:
+        if "lock_timeout" in cparams.get("options", ""):
+            refused.append(cparams["options"])
+            raise psycopg.OperationalError("FATAL: unsupported startup parameter: options")
+        return original(self, *cargs, **cparams)
+
+    monkeypatch.setattr(PGDialect_psycopg, "connect", pooler)
+    source = ClaimSource(
+        url=pg.url,
+        table="jobs",
+        schema=pg.schema,
+        pk_columns=["id"],
+        engine_kwargs={"connect_args": {"application_name": "jobs-app"}},
+    )
+    seen: list[int] = []
+    try:
+        with caplog.at_level(logging.WARNING, logger="dbtrigger"):
+            trigger = QueueTrigger(name="jobs", source=source)
+            trigger.tick(lambda events: seen.extend(int(e.pk["id"]) for e in events))
+            with source.engine.connect() as conn:
+                name = conn.exec_driver_sql("SELECT current_setting('application_name')")
+                assert name.scalar() == "jobs-app"  # their own arguments kept
+        assert sorted(seen) == [1, 2]
+        assert len(refused) == 1  # asked once, not at every connection
+        [warning] = [r for r in caplog.records if getattr(r, "event", "") == "lock_bound_refused"]
+        assert "claims and settlements now wait" in warning.getMessage()
+        assert "ALTER ROLE" in warning.getMessage()
     finally:
         source.close()

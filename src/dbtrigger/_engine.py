@@ -282,13 +282,17 @@ class LazyEngine:
             engine.dispose()
 
 
-def unbounded_if_refused(engine: Engine, theirs: str | None, refused: Callable[[], None]) -> None:
+def unbounded_if_refused(
+    engine: Engine, theirs: str | None, refused: Callable[[], None], *, waits: str = "reads"
+) -> None:
     """On PostgreSQL: when the server (a pooler in front of it) refuses the lock bound
     in the startup ``options`` ("unsupported startup parameter"), connect with the
     user's own ``options`` (``theirs``, None: none) instead, this time and from then
     on; ``refused`` is called and a WARNING says what is lost, once. A session
     ``SET`` instead would leak into other clients' sessions of a pooler in
-    transaction mode. Costs nothing until a connection is refused."""
+    transaction mode. Costs nothing until a connection is refused. ``waits``: what
+    waits unbounded from then on, for the warning (a source's reads, a queue's
+    claims and settlements)."""
     if engine.dialect.name != "postgresql":
         return
     gave_up: list[bool] = []
@@ -313,10 +317,11 @@ def unbounded_if_refused(engine: Engine, theirs: str | None, refused: Callable[[
         refused()
         log.warning(
             "%s refused the lock bound in the connection's startup options (a connection "
-            "pooler such as PgBouncer?): reads now wait for locks as long as the server "
+            "pooler such as PgBouncer?): %s now wait for locks as long as the server "
             "lets them; set one for the login role instead (ALTER ROLE ... SET "
             "lock_timeout), or connect to the server directly",
             engine.url.render_as_string(hide_password=True),
+            waits,
             extra={"event": "lock_bound_refused"},
         )
         without_bound(cparams)

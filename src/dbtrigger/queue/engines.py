@@ -40,6 +40,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from dbtrigger import _lock_wait
+from dbtrigger._engine import unbounded_if_refused
 from dbtrigger._lock_wait import lock_wait_bounded
 from dbtrigger.errors import ConfigurationError
 
@@ -84,12 +85,23 @@ def prepare_own_engine(engine: Engine, dialect: str, engine_kwargs: Mapping[str,
     """Events of a queue's own engine, once, before its first connection:
     ``BEGIN IMMEDIATE`` on SQLite; on MariaDB/MySQL with the user's own
     ``init_command``, the lock bound set after it on each new connection
-    (:func:`dbtrigger._lock_wait.bound_after_init_command`)."""
+    (:func:`dbtrigger._lock_wait.bound_after_init_command`); on PostgreSQL, behind a
+    pooler that refuses the bound in the startup ``options`` (PgBouncer), a
+    connection without it and one WARNING instead of every connection failing
+    (:func:`dbtrigger._engine.unbounded_if_refused`)."""
     if dialect == "sqlite":
         begin_immediate(engine)
         return
     given = engine_kwargs.get("connect_args") or {}
     _lock_wait.bound_after_init_command(engine, given, LOCK_WAIT_SECONDS)
+    if dialect == "postgresql":
+        theirs = _lock_wait.user_driver_arg(given, engine.url.query, "options")
+        unbounded_if_refused(engine, theirs, _nothing, waits="claims and settlements")
+
+
+def _nothing() -> None:
+    """A refused bound leaves the queue nothing to take back (a source forgets its
+    bound, which its lock-wait messages quote)."""
 
 
 def mysql_lock_bound(variables: Sequence[str]) -> str:

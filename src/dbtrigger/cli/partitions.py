@@ -15,9 +15,7 @@ import argparse
 import datetime as dt
 import json
 import os
-import threading
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from dbtrigger._argparse import add_json_option, read_file_option
@@ -37,7 +35,7 @@ from dbtrigger.partitions.endpoint import (
 from dbtrigger.partitions.inspect import table
 from dbtrigger.partitions.member import PartitionedPoller, membership_key
 from dbtrigger.runtime.poller import PollTrigger
-from dbtrigger.runtime.runner import signals_routed_to
+from dbtrigger.runtime.stop_signals import SignalRelay, signals_routed_to
 
 
 def load_partitioned(spec: str) -> PartitionedPoller:
@@ -128,12 +126,15 @@ def _serve_backlog(poller: PartitionedPoller, args: argparse.Namespace) -> int:
         flush=True,
     )
 
-    def stop(signum: int, frame: FrameType | None) -> None:
-        del signum, frame
-        threading.Thread(target=server.shutdown, daemon=True).start()
-
-    with signals_routed_to(stop):
-        server.serve_forever(poll_interval=0.2)
+    # The signal's relay thread shuts the server down (shutdown() waits for the loop
+    # to end, so never from the handler on the loop's own thread; nor does the
+    # handler start a thread: that takes a lock the interrupted thread may hold).
+    relay = SignalRelay(lambda signum: server.shutdown(), name="dbtrigger-signals-backlog")
+    try:
+        with signals_routed_to(lambda signum, frame: None, relay):
+            server.serve_forever(poll_interval=0.2)
+    finally:
+        relay.close()
     server.server_close()
     return 0
 

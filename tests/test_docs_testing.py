@@ -9,6 +9,12 @@ from pathlib import Path
 
 import pytest
 
+# The suites, imported at collection: before pytester's snapshot of sys.modules. Looked
+# up inside the test (lazily imported), the modules they import, SQLAlchemy's PostgreSQL
+# dialect among them, were forgotten at pytester's teardown, and the next test on the
+# worker to use PostgreSQL imported the dialect again, which warns (an error here).
+from dbtrigger.testing import SinkContract, SourceContract, StoreContract
+
 pytest_plugins = ["pytester"]
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "testing.md"
@@ -39,10 +45,8 @@ def test_the_contract_example_passes_every_suite(pytester: pytest.Pytester) -> N
     # modules the inner run imported, and importing SQLAlchemy's dialects a second time
     # in one process warns (an error here).
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q")
-    counts = {"StoreContract": 14, "SourceContract": 18, "SinkContract": 10}
+    counts = {StoreContract: 14, SourceContract: 18, SinkContract: 10}
     result.assert_outcomes(passed=sum(counts.values()))
-    from dbtrigger import testing  # noqa: PLC0415
-
     for suite, n in counts.items():
-        tests = [name for name in dir(getattr(testing, suite)) if name.startswith("test_")]
-        assert len(tests) == n, suite
+        tests = [name for name in dir(suite) if name.startswith("test_")]
+        assert len(tests) == n, suite.__name__

@@ -54,7 +54,8 @@ from dbtrigger.errors import ConfigurationError
 from dbtrigger.redaction import remember_url_secrets
 from dbtrigger.settings import DeferredSettingError, resolve_setting, setting_name
 
-log = logging.getLogger(__name__)
+#: (The package's logger: the connection a source or a queue makes is not a part of either.)
+log = logging.getLogger("dbtrigger")
 
 #: Drivers a URL's dialect commonly names, and how to install them.
 _DRIVER_HINTS = {

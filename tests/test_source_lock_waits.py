@@ -59,6 +59,10 @@ def source_on(db: TestDatabase, **kwargs: Any) -> SqlAlchemySource:
     )
 
 
+#: The DDL each test queues behind an application's transaction.
+ADD_COLUMN = "ADD COLUMN extra INTEGER"
+
+
 @contextlib.contextmanager
 def ddl_queued(db: TestDatabase, table: str) -> Iterator[None]:
     """An application's transaction open on ``table`` and an ``ALTER TABLE ... ADD
@@ -69,35 +73,37 @@ def ddl_queued(db: TestDatabase, table: str) -> Iterator[None]:
     def alter() -> None:
         try:
             with db.engine.begin() as conn:
-                conn.exec_driver_sql(f"ALTER TABLE {db.qualified(table)} ADD COLUMN extra INTEGER")
+                conn.exec_driver_sql(f"ALTER TABLE {db.qualified(table)} {ADD_COLUMN}")
         except BaseException as exc:
             failed.append(exc)
 
     thread = threading.Thread(target=alter, daemon=True)
     with transaction_on(db, table):
         thread.start()
-        wait_until_queued(db)
+        wait_until_queued(db, table)
         yield
     thread.join(BOUNDED)
     assert not thread.is_alive(), "the ALTER TABLE did not finish once the transaction ended"
     assert not failed, failed
 
 
-def wait_until_queued(db: TestDatabase) -> None:
-    """Until the ALTER waits for its lock (bounded); SQLite cannot say, and its
-    readers do not queue behind it either way."""
+def wait_until_queued(db: TestDatabase, table: str) -> None:
+    """Until this test's ALTER waits for its lock (bounded); SQLite cannot say, and
+    its readers do not queue behind it either way. (Matched by its whole text: any
+    ALTER of another test waiting on the shared server said "queued" too early.)"""
     if db.kind == "sqlite":
         return
+    statement = f"ALTER TABLE {db.qualified(table)} {ADD_COLUMN}"
     query = (
         "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-        "AND query LIKE 'ALTER TABLE%'"
+        "AND query = :statement"
         if db.kind == "postgresql"
         else "SELECT count(*) FROM information_schema.PROCESSLIST "
-        "WHERE STATE LIKE 'Waiting for table metadata lock' AND INFO LIKE 'ALTER TABLE%'"
+        "WHERE STATE LIKE 'Waiting for table metadata lock' AND INFO = :statement"
     )
     ready = threading.Event()
     for _ in range(300):  # bounded: 300 looks, 50 ms apart
-        if db.scalar(query):
+        if db.scalar(query, {"statement": statement}):
             return
         ready.wait(0.05)
     pytest.fail("the ALTER TABLE never queued behind the open transaction")

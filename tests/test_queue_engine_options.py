@@ -14,7 +14,6 @@ settlement behind a lock with such arguments: ``test_queue_settle_locks``.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -24,6 +23,7 @@ from dbtrigger.errors import ConfigurationError
 from dbtrigger.queue.engines import engine_options
 from tests.databases import TestDatabase
 from tests.test_queue_columns import make_jobs
+from tests.test_source_lock_waits import refusing_pooler
 
 
 def connect_args(dialect: str, given: object = None, url: str | None = None) -> object:
@@ -103,20 +103,8 @@ def test_a_pooler_that_refuses_the_bound_is_connected_to_without_it(
     """PgBouncer (Azure's built-in pooler, Neon's) refuses ``-c lock_timeout`` in the
     startup options: every claim of a queue behind one failed to connect. It connects
     without the bound instead, keeps the user's own options, and says so once."""
-    import psycopg  # noqa: PLC0415 - PostgreSQL only
-    from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg  # noqa: PLC0415
-
     make_jobs(pg, 2)
-    original = PGDialect_psycopg.connect
-    refused: list[str] = []
-
-    def pooler(self: Any, *cargs: Any, **cparams: Any) -> Any:
-        if "lock_timeout" in cparams.get("options", ""):
-            refused.append(cparams["options"])
-            raise psycopg.OperationalError("FATAL: unsupported startup parameter: options")
-        return original(self, *cargs, **cparams)
-
-    monkeypatch.setattr(PGDialect_psycopg, "connect", pooler)
+    refused = refusing_pooler(monkeypatch)
     source = ClaimSource(
         url=pg.url,
         table="jobs",

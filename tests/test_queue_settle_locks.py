@@ -75,6 +75,48 @@ def settings(db: TestDatabase, source: ClaimSource) -> dict[str, object]:
     return dict(zip(("bound", "second", "theirs"), row, strict=False))
 
 
+def one_job_queue(source: ClaimSource) -> QueueTrigger:
+    """One row a claim, claims that do not expire during the test, and no extension
+    that would wait on the lock meanwhile."""
+    return QueueTrigger(
+        name="jobs",
+        source=source,
+        batch_size=1,
+        max_batches_per_tick=1,
+        visibility_timeout_seconds=300,
+        heartbeat_interval_seconds=120,
+    )
+
+
+def settles_behind_a_row_lock_then_redelivers(db: TestDatabase, queue: QueueTrigger) -> None:
+    """The handler leaves a transaction open on job 1 (SQLite: another connection's
+    write lock on the whole file): the settlement gives up within the test's bound as
+    a CommitError, and once the claim expires the row is delivered again."""
+    holder = db.engine.connect()
+
+    def handle(events: list[RowChange]) -> None:
+        holder.begin()
+        holder.exec_driver_sql(f"UPDATE {db.qualified('jobs')} SET payload = 'x' WHERE id = 1")
+
+    try:
+        thread, outcome, _ = outcome_of(lambda: queue.tick(handle))
+        thread.join(TICK_WITHIN)
+        alive = thread.is_alive()
+        holder.rollback()
+        thread.join(90)
+        assert not alive, f"the settlement still waited for the row lock after {TICK_WITHIN} s"
+    finally:
+        holder.close()
+    [error] = outcome
+    assert isinstance(error, CommitError), repr(error)
+    assert "claimed again" in str(error), error
+    # the claim expiring (visible again now), the row is delivered again
+    db.execute(f"UPDATE {db.qualified('jobs')} SET dbt_visible_at = '2000-01-01 00:00:00.000'")
+    again: list[RowChange] = []
+    queue.tick(again.extend)
+    assert [e.pk for e in again] == [{"id": 1}]
+
+
 @pytest.mark.parametrize("connect_args", ["none", "theirs"])
 def test_a_settlement_behind_a_row_lock_gives_up(
     db: TestDatabase, bound: int, connect_args: str
@@ -93,43 +135,15 @@ def test_a_settlement_behind_a_row_lock_gives_up(
         "mariadb": {"bound": bound, "second": bound, "theirs": "jobs" if theirs else None},
         "sqlite": {"bound": bound * 1000},
     }
-    queue = QueueTrigger(
-        name="jobs",
-        source=source,
-        batch_size=1,
-        max_batches_per_tick=1,
-        visibility_timeout_seconds=300,
-        heartbeat_interval_seconds=120,  # no extension waits on the lock meanwhile
-    )
-    holder = db.engine.connect()
-
-    def handle(events: list[RowChange]) -> None:
-        # SQLite: another connection's write lock on the whole file
-        holder.begin()
-        holder.exec_driver_sql(f"UPDATE {db.qualified('jobs')} SET payload = 'x' WHERE id = 1")
-
+    queue = one_job_queue(source)
     try:
-        thread, outcome, _ = outcome_of(lambda: queue.tick(handle))
-        thread.join(TICK_WITHIN)
-        alive = thread.is_alive()
-        holder.rollback()
-        thread.join(90)
-        assert not alive, f"the settlement still waited for the row lock after {TICK_WITHIN} s"
-        [error] = outcome
-        assert isinstance(error, CommitError), repr(error)
-        assert "claimed again" in str(error), error
-        # the claim expiring (visible again now), the row is delivered again
-        db.execute(f"UPDATE {db.qualified('jobs')} SET dbt_visible_at = '2000-01-01 00:00:00.000'")
-        again: list[RowChange] = []
-        queue.tick(again.extend)
-        assert [e.pk for e in again] == [{"id": 1}]
+        settles_behind_a_row_lock_then_redelivers(db, queue)
         seen = settings(db, source)
         if db.kind == "postgresql" and not theirs:
             seen.pop("theirs")  # the server's work_mem
             expected["postgresql"].pop("theirs")
         assert seen == expected[db.kind]
     finally:
-        holder.close()
         queue.close()
         source.close()
 
@@ -143,41 +157,15 @@ def test_a_settlement_on_a_shared_engine_behind_a_row_lock_gives_up(
     make_jobs(db, 1)
     shared = sa.create_engine(db.url)
     source = ClaimSource(engine=shared, table="jobs", schema=db.schema, pk_columns=["id"])
-    queue = QueueTrigger(
-        name="jobs",
-        source=source,
-        batch_size=1,
-        max_batches_per_tick=1,
-        visibility_timeout_seconds=300,
-        heartbeat_interval_seconds=120,
-    )
-    holder = db.engine.connect()
-
-    def handle(events: list[RowChange]) -> None:
-        holder.begin()
-        holder.exec_driver_sql(f"UPDATE {db.qualified('jobs')} SET payload = 'x' WHERE id = 1")
-
+    queue = one_job_queue(source)
     try:
-        thread, outcome, _ = outcome_of(lambda: queue.tick(handle))
-        thread.join(TICK_WITHIN)
-        alive = thread.is_alive()
-        holder.rollback()
-        thread.join(90)
-        assert not alive, f"the settlement still waited for the row lock after {TICK_WITHIN} s"
-        [error] = outcome
-        assert isinstance(error, CommitError), repr(error)
-        assert "claimed again" in str(error), error
-        db.execute(f"UPDATE {db.qualified('jobs')} SET dbt_visible_at = '2000-01-01 00:00:00.000'")
-        again: list[RowChange] = []
-        queue.tick(again.extend)
-        assert [e.pk for e in again] == [{"id": 1}]
+        settles_behind_a_row_lock_then_redelivers(db, queue)
         with shared.connect() as conn:  # the application's sessions are as they were
             if db.kind == "postgresql":
                 assert conn.exec_driver_sql("SHOW lock_timeout").scalar() == "0"
             elif db.kind == "mariadb":
                 assert conn.exec_driver_sql("SELECT @@innodb_lock_wait_timeout").scalar() == 50
     finally:
-        holder.close()
         queue.close()
         source.close()
         shared.dispose()

@@ -219,16 +219,12 @@ def test_a_lock_wait_on_a_shared_engine_is_told_too(pg: TestDatabase) -> None:
         engine.dispose()
 
 
-def test_a_pooler_that_refuses_the_bound_is_connected_to_without_it(
-    pg: TestDatabase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """PgBouncer (Azure's built-in pooler, Neon's) refuses ``-c lock_timeout`` in the
-    startup options: every connection of the source would fail, a stall of its own.
-    It connects without the bound instead, and says so once."""
+def refusing_pooler(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """PostgreSQL connections through a pooler that refuses a lock bound in the startup
+    options, as PgBouncer does; returns the options it refused, as they come."""
     import psycopg  # noqa: PLC0415 - PostgreSQL only
     from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg  # noqa: PLC0415
 
-    orders(pg)
     original = PGDialect_psycopg.connect
     refused: list[str] = []
 
@@ -239,6 +235,17 @@ def test_a_pooler_that_refuses_the_bound_is_connected_to_without_it(
         return original(self, *cargs, **cparams)
 
     monkeypatch.setattr(PGDialect_psycopg, "connect", pooler)
+    return refused
+
+
+def test_a_pooler_that_refuses_the_bound_is_connected_to_without_it(
+    pg: TestDatabase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """PgBouncer (Azure's built-in pooler, Neon's) refuses ``-c lock_timeout`` in the
+    startup options: every connection of the source would fail, a stall of its own.
+    It connects without the bound instead, and says so once."""
+    orders(pg)
+    refused = refusing_pooler(monkeypatch)
     source = source_on(pg, engine_kwargs={"connect_args": {"options": "-c search_path=public"}})
     try:
         with caplog.at_level(logging.WARNING, logger="dbtrigger"):

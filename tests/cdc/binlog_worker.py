@@ -18,7 +18,7 @@ import pymysql
 
 from dbtrigger import FileCheckpointStore, PollTrigger, RowChange
 from dbtrigger.cdc import BinlogSource
-from dbtrigger.runtime.stop_signals import stop_on_signals
+from tests.cdc.worker import run_until_stopped
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,20 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows,
             )
 
-    # Not stop.set() in a handler of one's own: see tests/cdc/worker.py.
-    with stop_on_signals(stop):
-        while not stop.is_set():
-            try:
-                trigger.tick(handle)
-            except Exception as exc:
-                print(f"tick failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-                stop.wait(0.2)
-                continue
-            result = trigger.last_result
-            if result is None or not result.more:
-                stop.wait(0.05)
-        trigger.close()  # the history flushed (bounded)
-        source.close()
+    run_until_stopped(trigger, source, handle, stop)
     return 0
 
 

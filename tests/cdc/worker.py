@@ -13,6 +13,8 @@ import faulthandler
 import signal
 import sys
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import psycopg
 
@@ -57,9 +59,20 @@ def main(argv: list[str] | None = None) -> int:
                 image = e.after if e.after is not None else e.before or {}
                 copy.write_row((e.cursor, e.op, e.pk["id"], image.get("version"), args.incarnation))
 
-    # Not stop.set() in a handler of one's own: a signal landing inside stop.wait(),
-    # which holds the event's lock, waited for that lock forever (under load, now and
-    # then: a worker that ignored SIGTERM). See dbtrigger.runtime.stop_signals.
+    run_until_stopped(trigger, source, handle, stop)
+    return 0
+
+
+def run_until_stopped(
+    trigger: PollTrigger, source: Any, handle: Callable[[list[RowChange]], None], stop: Any
+) -> None:
+    """Tick until SIGTERM/SIGINT, then close the trigger (its history flushed, bounded)
+    and the source. (Both CDC workers.)
+
+    Not stop.set() in a handler of one's own: a signal landing inside stop.wait(),
+    which holds the event's lock, waited for that lock forever (under load, now and
+    then: a worker that ignored SIGTERM). See dbtrigger.runtime.stop_signals.
+    """
     with stop_on_signals(stop):
         while not stop.is_set():
             try:
@@ -71,9 +84,8 @@ def main(argv: list[str] | None = None) -> int:
             result = trigger.last_result
             if result is None or not result.more:
                 stop.wait(0.05)
-        trigger.close()  # the history flushed (bounded)
+        trigger.close()
         source.close()
-    return 0
 
 
 if __name__ == "__main__":

@@ -312,7 +312,7 @@ def test_ddl_after_a_read_ahead_delivers_in_order_or_refuses_typed(
 # --- the visibility guard with a writer open across the read-ahead -----------------------
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 @pytest.mark.xdist_group("shared-horizons")  # it holds a writer open (PostgreSQL's xid horizon)
 @pytest.mark.parametrize("per_tick", [100, 1])
 def test_a_row_committed_late_below_a_read_ahead_is_not_skipped(
@@ -362,9 +362,13 @@ def test_a_row_committed_late_below_a_read_ahead_is_not_skipped(
     finally:
         blocker.close()
     # (MariaDB's guards read INNODB_TRX, a server-wide cache, in turns: other
-    # tests' guards on the shared server no longer keep it stale for long.)
-    wait_for(lambda: trigger.tick(handler) == 0 and len(seen) >= 27, 30)
-    assert sorted(seen) == list(range(1, 28)), seen
+    # tests' guards on the shared server no longer keep it stale for long.) The
+    # MariaDB guard also waits for every transaction open on the server when it
+    # looked, other tests' too: in full runs rows 26-27 waited 15-20 s behind them
+    # now and then, and once past a 30 s bound. A skipped row never comes, however
+    # long the wait; the last tick says whether the guard was still holding back.
+    wait_for(lambda: trigger.tick(handler) == 0 and len(seen) >= 27, 90)
+    assert sorted(seen) == list(range(1, 28)), (seen, trigger.last_result)
     assert len(seen) == len(set(seen))
     # The read after row 20 was made with the writer open (its rows 21-25, short:
     # a carried one is read again, a read in the tick is used).

@@ -82,7 +82,12 @@ from dbtrigger.runtime.quiet import (
     QuietCadence,
     for_how_long,
 )
-from dbtrigger.runtime.stop_signals import SignalRelay, say_overdue, signals_routed_to
+from dbtrigger.runtime.stop_signals import (
+    SignalRelay,
+    asked_to_stop,
+    say_overdue,
+    signals_routed_to,
+)
 from dbtrigger.runtime.trigger import TickReport, Trigger
 
 log = logging.getLogger("dbtrigger.runner")
@@ -200,13 +205,8 @@ class Runner:
 
     def _stop_requested(self, signum: int) -> None:
         """What a signal means, on the relay's thread (or the caller's)."""
-        if not self._stop.is_set():
-            log.info(
-                "signal %s: finishing the current batch, then stopping",
-                signum,
-                extra={"event": "runner_stopping", "poller": self.trigger.name},
-            )
-        self._stop.set()
+        doing = "finishing the current batch, then stopping"
+        asked_to_stop(self._stop, signum, doing, poller=self.trigger.name)
 
     @contextlib.contextmanager
     def _relayed(self, install_signals: bool) -> Iterator[contextlib.AbstractContextManager[None]]:

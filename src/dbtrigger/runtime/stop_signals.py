@@ -166,13 +166,7 @@ def stop_on_signals(
         return
 
     def act(signum: int) -> None:
-        if not stop.is_set():
-            log.info(
-                "signal %s: stopping",
-                signum,
-                extra={"event": "runner_stopping"},
-            )
-        stop.set()
+        asked_to_stop(stop, signum, "stopping")
 
     relay = SignalRelay(act, overdue=say_overdue, overdue_seconds=overdue_seconds)
     try:
@@ -180,6 +174,14 @@ def stop_on_signals(
             yield
     finally:
         relay.close()
+
+
+def asked_to_stop(stop: threading.Event, signum: int, doing: str, **fields: Any) -> None:
+    """What a signal means, on the relay's thread: said once at INFO (``signal 15:
+    <doing>``, ``runner_stopping``), then ``stop`` set."""
+    if not stop.is_set():
+        log.info("signal %s: %s", signum, doing, extra={"event": "runner_stopping", **fields})
+    stop.set()
 
 
 def say_overdue(seconds: float, poller: str | None = None) -> None:
@@ -198,6 +200,7 @@ def say_overdue(seconds: float, poller: str | None = None) -> None:
 __all__ = [
     "OVERDUE_SECONDS",
     "SignalRelay",
+    "asked_to_stop",
     "say_overdue",
     "signals_routed_to",
     "stop_on_signals",

@@ -17,7 +17,12 @@ from collections.abc import Sequence
 from types import FrameType
 
 from dbtrigger.runtime.runner import Runner, RunStats
-from dbtrigger.runtime.stop_signals import SignalRelay, say_overdue, signals_routed_to
+from dbtrigger.runtime.stop_signals import (
+    SignalRelay,
+    asked_to_stop,
+    say_overdue,
+    signals_routed_to,
+)
 
 log = logging.getLogger("dbtrigger.runner")
 
@@ -53,13 +58,7 @@ def run_pollers(runners: Sequence[Runner], *, max_ticks: int | None = None) -> d
             raise KeyboardInterrupt
 
     def stop_requested(signum: int) -> None:
-        if not stop.is_set():
-            log.info(
-                "signal %s: finishing the batches in flight, then stopping",
-                signum,
-                extra={"event": "runner_stopping"},
-            )
-        stop.set()
+        asked_to_stop(stop, signum, "finishing the batches in flight, then stopping")
 
     def work(runner: Runner) -> None:
         try:

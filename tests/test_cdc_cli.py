@@ -243,23 +243,17 @@ def test_snapshot_and_accept_schema_commands(app: App, capsys: pytest.CaptureFix
     assert [d["pk"]["id"] for d in app.delivered()[before:]] == [13]
 
 
-def test_install_full_images_behind_an_open_transaction_gives_up(
-    app: App, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``cdc install --full-images`` behind an application's transaction open on the
-    table: its ALTER TABLE ... REPLICA IDENTITY FULL waited for ever, and every later
-    reader and writer of the table queued behind it. Now it gives up after its bound."""
-    monkeypatch.setattr(pg_admin, "INSTALL_LOCK_TIMEOUT", 1.0, raising=False)
+def install_behind(
+    app: App, capsys: pytest.CaptureFixture[str], statement: str, argv: list[str]
+) -> tuple[int, str]:
+    """``dbtrigger <argv>`` run while another session's transaction, open after
+    ``statement``, holds a lock on ``orders``; its exit code and stderr. Fails the
+    test when it still waited after 25 s (the transaction ends in any case)."""
     result: list[Any] = []
-    thread = threading.Thread(
-        target=lambda: result.append(
-            run(capsys, "cdc", "install", app.spec, "--full-images", "--yes")
-        ),
-        daemon=True,
-    )
+    thread = threading.Thread(target=lambda: result.append(run(capsys, *argv)), daemon=True)
     with app.db.connect() as holder:
         holder.execute("BEGIN")  # (an autocommit session) a transaction that stays open
-        holder.execute("UPDATE orders SET status = status")
+        holder.execute(statement)
         thread.start()
         thread.join(25)
         waited = thread.is_alive()
@@ -267,6 +261,18 @@ def test_install_full_images_behind_an_open_transaction_gives_up(
     thread.join(60)
     assert not waited, "cdc install still waited for the table's lock after 25 s"
     [(code, _, err)] = result
+    return code, err
+
+
+def test_install_full_images_behind_an_open_transaction_gives_up(
+    app: App, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``cdc install --full-images`` behind an application's transaction open on the
+    table: its ALTER TABLE ... REPLICA IDENTITY FULL waited for ever, and every later
+    reader and writer of the table queued behind it. Now it gives up after its bound."""
+    monkeypatch.setattr(pg_admin, "INSTALL_LOCK_TIMEOUT", 1.0, raising=False)
+    install = ["cdc", "install", app.spec, "--full-images", "--yes"]
+    code, err = install_behind(app, capsys, "UPDATE orders SET status = status", install)
     assert code == 2, err
     assert "REPLICA IDENTITY FULL on public.orders waited 1 s for a lock" in err, err
     code, _, err = run(capsys, "cdc", "install", app.spec, "--full-images", "--yes")
@@ -282,21 +288,8 @@ def test_install_behind_an_index_build_gives_up_creating_the_publication(
     ``cdc install`` waited there for ever and said nothing. Now it gives up after its
     bound, naming who holds the lock, and creates nothing."""
     monkeypatch.setattr(pg_connection, "DDL_LOCK_TIMEOUT", 1.0, raising=False)
-    result: list[Any] = []
-    thread = threading.Thread(
-        target=lambda: result.append(run(capsys, "cdc", "install", app.spec, "--yes")),
-        daemon=True,
-    )
-    with app.db.connect() as holder:
-        holder.execute("BEGIN")
-        holder.execute("LOCK TABLE orders IN SHARE MODE")  # as CREATE INDEX holds it
-        thread.start()
-        thread.join(25)
-        waited = thread.is_alive()
-        holder.execute("ROLLBACK")
-    thread.join(60)
-    assert not waited, "cdc install still waited for the table's lock after 25 s"
-    [(code, _, err)] = result
+    shared = "LOCK TABLE orders IN SHARE MODE"  # as CREATE INDEX holds it
+    code, err = install_behind(app, capsys, shared, ["cdc", "install", app.spec, "--yes"])
     assert code == 2, err
     assert "creating the publication waited 1 s for a lock another transaction holds" in err
     assert "held by backend pid" in err, err

@@ -80,6 +80,26 @@ def check_lock_timeout(value: object, option: str = "lock_timeout_seconds") -> f
     return seconds
 
 
+def mysql_bound_for_now(seconds: float) -> str:
+    """MariaDB/MySQL: the ``SET`` that keeps the session's own row and metadata lock
+    bounds aside and bounds both to ``seconds`` (whole seconds, at least one);
+    :data:`MYSQL_BOUND_SET_BACK` puts them back. (The number is one we computed,
+    written into the text: no driver's parameter style to follow.)"""
+    wait = max(1, math.ceil(seconds))
+    return (
+        "SET @dbtrigger_row_wait = @@SESSION.innodb_lock_wait_timeout, "
+        "@dbtrigger_table_wait = @@SESSION.lock_wait_timeout, "
+        f"SESSION innodb_lock_wait_timeout = {wait}, SESSION lock_wait_timeout = {wait}"
+    )
+
+
+#: MariaDB/MySQL: the session's own lock bounds back, as :func:`mysql_bound_for_now` kept them.
+MYSQL_BOUND_SET_BACK = (
+    "SET SESSION innodb_lock_wait_timeout = @dbtrigger_row_wait, "
+    "SESSION lock_wait_timeout = @dbtrigger_table_wait"
+)
+
+
 @contextlib.contextmanager
 def lock_wait_bounded(conn: Connection, seconds: float) -> Iterator[None]:
     """Bound the lock waits of the statements run on ``conn`` inside this block,
@@ -92,24 +112,12 @@ def lock_wait_bounded(conn: Connection, seconds: float) -> Iterator[None]:
         )
         yield
     elif dialect in ("mysql", "mariadb"):
-        conn.execute(
-            sa.text(
-                "SET @dbtrigger_row_wait = @@SESSION.innodb_lock_wait_timeout, "
-                "@dbtrigger_table_wait = @@SESSION.lock_wait_timeout, "
-                "SESSION innodb_lock_wait_timeout = :wait, SESSION lock_wait_timeout = :wait"
-            ),
-            {"wait": max(1, math.ceil(seconds))},
-        )
+        conn.exec_driver_sql(mysql_bound_for_now(seconds))
         try:
             yield
         finally:
             with contextlib.suppress(SQLAlchemyError):  # a lost connection keeps nothing
-                conn.execute(
-                    sa.text(
-                        "SET SESSION innodb_lock_wait_timeout = @dbtrigger_row_wait, "
-                        "SESSION lock_wait_timeout = @dbtrigger_table_wait"
-                    )
-                )
+                conn.exec_driver_sql(MYSQL_BOUND_SET_BACK)
     elif dialect == "sqlite":
         previous = conn.exec_driver_sql("PRAGMA busy_timeout").scalar()
         # PRAGMA takes no bound value; both numbers are integers we made.
@@ -398,6 +406,7 @@ def _mysql_holders(conn: Connection) -> str:
 __all__ = [
     "DEFAULT_STORE_LOCK_TIMEOUT",
     "DEFAULT_WRITE_LOCK_TIMEOUT",
+    "MYSQL_BOUND_SET_BACK",
     "MYSQL_LOCK_VARIABLES",
     "bound_after_init_command",
     "bounded_connect_args",
@@ -410,6 +419,7 @@ __all__ = [
     "lock_holders",
     "lock_timed_out",
     "lock_wait_bounded",
+    "mysql_bound_for_now",
     "mysql_lock_bound",
     "sets_own_lock_bound",
     "table_exists",

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import pymysql
 
+from dbtrigger._lock_wait import MYSQL_BOUND_SET_BACK, mysql_bound_for_now
 from dbtrigger.cdc import binlog_control as control
 from dbtrigger.cdc.binlog_context import BinlogSourceParts
 from dbtrigger.cdc.binlog_reader import decode_value, encode_value
@@ -124,21 +125,12 @@ def _chunk_lock_waits(cur: Any, seconds: float) -> Iterator[None]:
     the table (``LOCK TABLES ... WRITE``, or an ``ALTER TABLE`` waiting for a long
     transaction, which queues every later statement on the table behind it) the
     chunk's ``SELECT`` waited ``lock_wait_timeout``, a day by default, in the tick."""
-    wait = max(1, round(seconds))
-    cur.execute(
-        "SET @dbtrigger_row_wait = @@SESSION.innodb_lock_wait_timeout, "
-        "@dbtrigger_table_wait = @@SESSION.lock_wait_timeout, "
-        "SESSION innodb_lock_wait_timeout = %s, SESSION lock_wait_timeout = %s",
-        (wait, wait),
-    )
+    cur.execute(mysql_bound_for_now(seconds))
     try:
         yield
     finally:
         with contextlib.suppress(pymysql.MySQLError, OSError):  # a lost session keeps nothing
-            cur.execute(
-                "SET SESSION innodb_lock_wait_timeout = @dbtrigger_row_wait, "
-                "SESSION lock_wait_timeout = @dbtrigger_table_wait"
-            )
+            cur.execute(MYSQL_BOUND_SET_BACK)
 
 
 __all__ = ["SnapshotWriter"]

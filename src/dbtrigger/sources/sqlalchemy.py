@@ -11,8 +11,8 @@ identity; each job behind it has its own room:
   lookups), values always bound and typed with the column's own SQL type;
 * :mod:`dbtrigger.sources.guarding` - which visibility guard is in force;
 * :mod:`dbtrigger.sources.lag_meter` - ``lag_seconds``;
-* :mod:`dbtrigger.sources.errors_map` - what a driver error means, applied to
-  every statement by one context manager (:func:`~dbtrigger.sources.errors_map.mapped`).
+* :mod:`dbtrigger.sources.errors_map` - what a driver error means (a lock wait that ran
+  out: :mod:`~dbtrigger.sources.lock_waits`), applied in ``SourceConnections.error``.
 
 NULL cursors: a row whose cursor is NULL has no place in cursor order, so the
 keyset cannot deliver it exactly once in order, and delivering it on every tick

@@ -33,6 +33,8 @@ from dbtrigger import (
     redaction,
 )
 from dbtrigger.cli import main
+from dbtrigger.dbio import DbWriter
+from dbtrigger.runtime.runner import Runner
 from dbtrigger.quarantine import JsonLinesQuarantineSink, QuarantineRecord
 from dbtrigger.redaction import LOGGER_NAMES, RedactingFilter, redact
 from dbtrigger.state import document as docmod
@@ -314,3 +316,34 @@ def test_a_failing_sinks_error_is_masked_before_it_is_cut() -> None:
     message = str(info.value)
     assert "Zq9kNwn" not in message
     assert "failed to store 1 record(s): RuntimeError: xxx" in message
+
+
+def test_a_failed_writes_row_values_stay_out_of_the_logged_traceback(
+    db: TestDatabase, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A handler's output write that fails (a duplicate key) is logged with its
+    traceback, chained SQLAlchemy error included: the row being written (here a
+    value no pattern can recognise as a credential) must not ride along in it."""
+    trigger, _ = _failing_poller(db, tmp_path)
+    db.execute(f"CREATE TABLE {db.qualified('notes')} (id INTEGER PRIMARY KEY, body VARCHAR(64))")
+    db.execute(f"INSERT INTO {db.qualified('notes')} (id, body) VALUES (1, 'first')")
+    personal = "card-" + uuid.uuid4().hex  # made here: no source line of the test shows it
+    writer = DbWriter(url=db.url, table="notes", schema=db.schema)
+
+    def handler(events: list[RowChange]) -> None:
+        writer.insert(data={"id": 1, "body": personal})
+
+    caplog.set_level(logging.DEBUG)
+    try:
+        stats = Runner(trigger, handler, interval_seconds=0, max_backoff_seconds=0).run(
+            max_ticks=1, install_signals=False
+        )
+    finally:
+        writer.close()
+    assert stats.failures == 1
+    traced = [r for r in caplog.records if r.exc_info or r.exc_text]
+    assert traced, "the failed tick's traceback is logged once"
+    for record in caplog.records:
+        text = logging.Formatter().format(record)
+        assert personal not in text
+    assert any("IntegrityError" in logging.Formatter().format(r) for r in traced)

@@ -75,7 +75,14 @@ def create_engine(url: URL | str, **kwargs: Any) -> Engine:
     Neither can fix itself by retrying, so both are
     :class:`~dbtrigger.errors.ConfigurationError` naming what to install,
     instead of an ``ImportError`` traceback or a fetch retried every tick.
+
+    ``hide_parameters`` is on unless the caller says otherwise: a failing
+    statement's bound values (an application row being written, a claimed
+    row's key, a cursor position) would otherwise ride in SQLAlchemy's error
+    text into every traceback a worker logs, where no pattern can tell a
+    password column from a name.
     """
+    kwargs.setdefault("hide_parameters", True)
     try:
         return sa.create_engine(url, **kwargs)
     except TypeError as exc:  # an option create_engine or the dialect does not take

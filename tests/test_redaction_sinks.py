@@ -29,12 +29,12 @@ from dbtrigger import (
     HandlerError,
     PollTrigger,
     RowChange,
+    Runner,
     SqlAlchemySource,
     redaction,
 )
 from dbtrigger.cli import main
 from dbtrigger.dbio import DbWriter
-from dbtrigger.runtime.runner import Runner
 from dbtrigger.quarantine import JsonLinesQuarantineSink, QuarantineRecord
 from dbtrigger.redaction import LOGGER_NAMES, RedactingFilter, redact
 from dbtrigger.state import document as docmod

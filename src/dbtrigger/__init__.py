@@ -6,8 +6,9 @@ from a :class:`SqlAlchemySource`, hands them to your handler as
 only after the handler succeeded.
 
 The root offers the names most code needs (``__all__``: triggers, sources,
-stores, contexts, bindings, sinks, health). Everything else has its public
-module (``docs/api.md`` lists them); errors are in :mod:`dbtrigger.errors`.
+stores, contexts, bindings, sinks, health, the worker's loop). Everything else
+has its public module (``docs/api.md`` lists them); errors are in
+:mod:`dbtrigger.errors`.
 ``DbTriggerError`` and the six errors the runtime contract names
 (``LeaseAcquireError``, ``FetchError``, ``SerializationError``,
 ``HandlerError``, ``LostLeaseError``, ``CommitError``) are importable from
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from dbtrigger.runtime.context import BatchContext
     from dbtrigger.runtime.poller import PollTrigger, TickResult
     from dbtrigger.runtime.retry import RetryPolicy
+    from dbtrigger.runtime.runner import Runner
     from dbtrigger.sources.sqlalchemy import SqlAlchemySource
     from dbtrigger.state.stores import (
         BlobCheckpointStore,
@@ -70,6 +72,7 @@ _NAMES = {
     "PollTrigger": "dbtrigger.runtime.poller",
     "TickResult": "dbtrigger.runtime.poller",
     "RetryPolicy": "dbtrigger.runtime.retry",
+    "Runner": "dbtrigger.runtime.runner",
     "BatchContext": "dbtrigger.runtime.context",
     "QueueTrigger": "dbtrigger.queue",
     "ClaimSource": "dbtrigger.queue",
@@ -157,6 +160,7 @@ __all__ = [
     "QueueTrigger",
     "RetryPolicy",
     "RowChange",
+    "Runner",
     "SqlAlchemySource",
     "SqlCheckpointStore",
     "SqlQuarantineSink",

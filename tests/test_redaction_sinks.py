@@ -150,7 +150,7 @@ def test_every_dbtrigger_logger_carries_the_redacting_filter() -> None:
 
 
 def _failing_poller(db: TestDatabase, tmp_path: Path) -> tuple[PollTrigger, FileCheckpointStore]:
-    metadata = sa.MetaData()
+    metadata = sa.MetaData(schema=db.schema)
     table = sa.Table(
         "events",
         metadata,
@@ -161,7 +161,9 @@ def _failing_poller(db: TestDatabase, tmp_path: Path) -> tuple[PollTrigger, File
     with db.engine.begin() as conn:
         conn.execute(table.insert(), [{"id": i, "seq": i} for i in range(1, 4)])
     store = FileCheckpointStore(tmp_path / "state")
-    source = SqlAlchemySource(url=db.url, table="events", cursor_column="seq", pk_columns=["id"])
+    source = SqlAlchemySource(
+        url=db.url, table="events", schema=db.schema, cursor_column="seq", pk_columns=["id"]
+    )
     return PollTrigger(name="orders", source=source, checkpoint_store=store), store
 
 

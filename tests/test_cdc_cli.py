@@ -8,6 +8,7 @@ would call it.
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 import threading
 import uuid
@@ -293,6 +294,8 @@ def test_install_behind_an_index_build_gives_up_creating_the_publication(
     assert code == 2, err
     assert "creating the publication waited 1 s for a lock another transaction holds" in err
     assert "held by backend pid" in err, err
+    # The message names no table, so each holder's lock is said with its table.
+    assert re.search(r"held by backend pid \d+ \([^)]*, on [\w.\"]*orders\)", err), err
     assert "nothing changed" in err, err
     published = "SELECT count(*) FROM pg_publication WHERE pubname = %s"
     assert app.db.scalar(published, (app.slot,)) == 0

@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -358,28 +358,41 @@ MYSQL_LOCK_VARIABLES = ("innodb_lock_wait_timeout", "lock_wait_timeout")
 _PG_LOCK_TIMEOUT = re.compile(r"\block_timeout\b", re.I)
 
 
-def _pg_holders(conn: Connection, table: str, schema: str | None) -> str:
-    conn.execute(sa.text("SELECT set_config('statement_timeout', '2s', true)"))
-    name = f'"{schema}"."{table}"' if schema else f'"{table}"'
-    rows = conn.execute(
-        sa.text(
-            "SELECT DISTINCT a.pid, a.state, a.application_name, "
-            "floor(extract(epoch FROM now() - a.xact_start))::int AS open_for "
-            "FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
-            "WHERE l.relation = to_regclass(:name) AND l.granted "
-            "AND l.pid <> pg_backend_pid() ORDER BY open_for DESC NULLS LAST LIMIT 3"
-        ),
-        {"name": name},
-    ).fetchall()
-    conn.rollback()
+#: PostgreSQL: the sessions holding a granted lock on one of the relations named in
+#: ``:names`` (a ``text[]`` of qualified, quoted names; one that is not there matches
+#: nothing), the longest-open transaction first: ids, states and ages, never their SQL
+#: (which can carry values). Read by :func:`lock_holders` and by the log-based
+#: source's DDL (:mod:`dbtrigger.cdc.pg_connection`, on a psycopg connection).
+PG_HOLDERS = sa.text(
+    "SELECT DISTINCT a.pid, a.state, a.application_name, "
+    "floor(extract(epoch FROM now() - a.xact_start))::int AS open_for, "
+    "l.relation::regclass::text AS relation "
+    "FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+    "WHERE l.relation IN (SELECT to_regclass(n) FROM unnest(CAST(:names AS text[])) AS n) "
+    "AND l.granted AND l.pid <> pg_backend_pid() ORDER BY open_for DESC NULLS LAST LIMIT 3"
+)
+
+
+def pg_holders_words(rows: Iterable[Sequence[Any]], *, name_table: bool = False) -> str:
+    """:data:`PG_HOLDERS`' ``rows`` in a few words ("" for none); ``name_table``: say
+    which table each holds a lock on (the words around do not name it)."""
     parts = []
-    for pid, state, application, open_for in rows:
-        app = f", application {application!r}" if application else ""
+    for pid, state, application, open_for, relation in rows:
         age = f" for {open_for} s" if open_for is not None else ""
-        parts.append(f"backend pid {pid} ({state}{age}{app})")
+        app = f", application {application!r}" if application else ""
+        on = f", on {relation}" if name_table else ""
+        parts.append(f"backend pid {pid} ({state}{age}{app}{on})")
     if not parts:
         return ""
     return "held by " + "; ".join(parts) + " (pg_terminate_backend(pid) ends one)"
+
+
+def _pg_holders(conn: Connection, table: str, schema: str | None) -> str:
+    conn.execute(sa.text("SELECT set_config('statement_timeout', '2s', true)"))
+    name = f'"{schema}"."{table}"' if schema else f'"{table}"'
+    rows = conn.execute(PG_HOLDERS, {"names": [name]}).fetchall()
+    conn.rollback()
+    return pg_holders_words(rows)
 
 
 def _mysql_holders(conn: Connection) -> str:
@@ -408,6 +421,7 @@ __all__ = [
     "DEFAULT_WRITE_LOCK_TIMEOUT",
     "MYSQL_BOUND_SET_BACK",
     "MYSQL_LOCK_VARIABLES",
+    "PG_HOLDERS",
     "bound_after_init_command",
     "bounded_connect_args",
     "bounded_transaction",
@@ -421,6 +435,7 @@ __all__ = [
     "lock_wait_bounded",
     "mysql_bound_for_now",
     "mysql_lock_bound",
+    "pg_holders_words",
     "sets_own_lock_bound",
     "table_exists",
     "user_driver_arg",

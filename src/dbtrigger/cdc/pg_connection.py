@@ -22,10 +22,15 @@ from typing import Any
 import psycopg
 from psycopg import errors as pg_errors
 from psycopg import sql
-from sqlalchemy.engine import URL
+from sqlalchemy.engine import URL, make_url
 
 from dbtrigger._driver_errors import short_error
-from dbtrigger._lock_wait import DEFAULT_WRITE_LOCK_TIMEOUT, lock_timed_out
+from dbtrigger._lock_wait import (
+    DEFAULT_WRITE_LOCK_TIMEOUT,
+    PG_HOLDERS,
+    lock_timed_out,
+    pg_holders_words,
+)
 from dbtrigger.errors import (
     ConfigurationError,
     DbTriggerError,
@@ -179,32 +184,20 @@ def execute_or_explain(
         ) from exc
 
 
+#: :data:`~dbtrigger._lock_wait.PG_HOLDERS` as psycopg takes it (``%(names)s``).
+_HOLDERS_SQL = str(PG_HOLDERS.compile(dialect=make_url("postgresql+psycopg://").get_dialect()()))
+
+
 def _holders(conn: psycopg.Connection[Any], tables: Sequence[str]) -> str:
     """Who holds locks on ``tables``, in a few words ("" when it cannot be told);
     never their SQL, which can carry values. Best effort, never raises."""
     if not tables:
         return ""
     try:
-        rows = conn.execute(
-            "SELECT DISTINCT a.pid, a.state, "
-            "floor(extract(epoch FROM now() - a.xact_start))::int AS open_for, "
-            "l.relation::regclass::text FROM pg_locks l "
-            "JOIN pg_stat_activity a ON a.pid = l.pid "
-            "WHERE l.relation = ANY(%s::regclass[]) AND l.granted "
-            "AND l.pid <> pg_backend_pid() ORDER BY open_for DESC NULLS LAST LIMIT 3",
-            (list(tables),),
-        ).fetchall()
+        rows = conn.execute(_HOLDERS_SQL, {"names": list(tables)}).fetchall()
     except psycopg.Error:
         return ""
-    parts = [
-        f"backend pid {pid} ({state}"
-        + (f" for {age} s" if age is not None else "")
-        + f", on {table})"
-        for pid, state, age, table in rows
-    ]
-    if not parts:
-        return ""
-    return "held by " + "; ".join(parts) + " (pg_terminate_backend(pid) ends one)"
+    return pg_holders_words(rows, name_table=True)
 
 
 def _slot_error(exc: BaseException, what: str) -> DbTriggerError | None:

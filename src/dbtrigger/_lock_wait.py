@@ -229,17 +229,31 @@ def lock_holders(engine: Engine, table: str, schema: str | None) -> str:
 
 
 def gave_up_waiting(
-    engine: Engine, table: str, schema: str | None, seconds: float, exc: BaseException, then: str
+    engine: Engine,
+    table: str | None,
+    schema: str | None,
+    seconds: float | None,
+    exc: BaseException,
+    then: str,
+    *,
+    lock: str = "a lock another transaction holds on the table",
 ) -> tuple[str, str]:
     """The words for a statement on ``table`` that gave up waiting for a lock (its
     transaction is rolled back by now), to follow what it was doing, and who holds
     locks there ("" when that cannot be told): ``waited 10 s for a lock another
     transaction holds on the table and gave up: <holders>; <then> (<driver error class>)``.
-    ``then`` says what was left unchanged, what happens next and what to do."""
-    holders = lock_holders(engine, table, schema)
+    ``then`` says what was left unchanged, what happens next and what to do; ``lock``
+    which lock it waited for. ``seconds`` None: the bound in force is not known (the
+    engine's own); ``table`` None: which table is not known, no holders are looked up."""
+    holders = lock_holders(engine, table, schema) if table else ""
     driver_error = type(getattr(exc, "orig", None) or exc).__name__
+    waited = (
+        f"waited {seconds:g} s"
+        if seconds is not None
+        else "gave up waiting (the engine's own lock timeout)"
+    )
     return (
-        f"waited {seconds:g} s for a lock another transaction holds on the table and gave up"
+        f"{waited} for {lock} and gave up"
         + (f": {holders}" if holders else "")
         + f"; {then} ({driver_error})"
     ), holders

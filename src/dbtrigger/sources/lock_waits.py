@@ -9,8 +9,9 @@ kept the lease, and nothing was logged. A source's own engine bounds that wait
 (``lock_wait_seconds``, :class:`~dbtrigger._engine.LazyEngine`); when it runs
 out, the driver's error becomes a retryable :class:`~dbtrigger.errors.FetchError`
 saying how long it waited, who holds locks on the table when that is cheap to
-know (:func:`~dbtrigger._lock_wait.lock_holders`: ids and ages, never SQL), why
-a read waits at all, and that the next tick tries again.
+know (ids and ages, never SQL), why a read waits at all, and that the next tick
+tries again: :func:`~dbtrigger._lock_wait.gave_up_waiting`'s words, as every
+writer's, with the lock a read waits for.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 from sqlalchemy.exc import DBAPIError
 
 from dbtrigger._engine import LazyEngine
-from dbtrigger._lock_wait import lock_holders, lock_timed_out
+from dbtrigger._lock_wait import gave_up_waiting, lock_timed_out
 from dbtrigger.errors import FetchError
 from dbtrigger.sources.shape import SourceSpec
 
@@ -40,21 +41,17 @@ def lock_wait_error(
     their own); no holders are looked up in query mode (which tables?)."""
     if not isinstance(exc, DBAPIError) or not lock_timed_out(exc):
         return None
-    table, seconds = spec.table, engines.lock_wait
-    holders = lock_holders(engines.engine, table, spec.schema) if table else ""
-    driver_error = type(exc.orig).__name__
-    waited = (
-        f"waited {seconds:g} s for a lock on"
-        if seconds is not None
-        else "gave up waiting (the engine's own lock timeout) for a lock on"
+    table = spec.table
+    text, _ = gave_up_waiting(
+        engines.engine,
+        table,
+        spec.schema,
+        engines.lock_wait,
+        exc,
+        f"{WHY}; nothing was read, and the next tick tries again",
+        lock="a lock on the table" if table else "a lock on a table its query reads",
     )
-    target = "the table" if table else "a table its query reads"
-    return FetchError(
-        f"{what} {waited} {target} and gave up"
-        + (f": {holders}" if holders else "")
-        + f"; {WHY}; nothing was read, and the next tick tries again ({driver_error})",
-        driver_error=driver_error,
-    )
+    return FetchError(f"{what} {text}", driver_error=type(exc.orig).__name__)
 
 
 __all__ = ["lock_wait_error"]

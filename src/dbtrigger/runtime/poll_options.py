@@ -19,16 +19,9 @@ from typing import Any
 from dbtrigger import options as opt
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.runtime.heartbeat import default_interval
+from dbtrigger.state.backoff import check_retry_delays
 
 __all__ = ["PollOptions", "check_retry_delays", "heartbeat_interval"]
-
-
-def check_retry_delays(delay: float, cap: float) -> None:
-    """``retry_delay_seconds`` (each checked alone) is at most ``retry_delay_max_seconds``."""
-    if cap < delay:
-        raise ConfigurationError(
-            f"need 0 <= retry_delay_seconds <= retry_delay_max_seconds, got {delay:g} and {cap:g}"
-        )
 
 
 def check_ports(source: object, store: object) -> None:

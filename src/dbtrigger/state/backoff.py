@@ -25,6 +25,15 @@ def backoff_seconds(attempts: int, *, base: float, cap: float, jitter: float) ->
     return raw * (0.5 + jitter / 2)
 
 
+def check_retry_delays(delay: float, cap: float) -> None:
+    """``retry_delay_seconds`` (each checked alone) is at most ``retry_delay_max_seconds``:
+    the rule of a poller's options and of a queue's :class:`Backoff`."""
+    if cap < delay:
+        raise ConfigurationError(
+            f"need 0 <= retry_delay_seconds <= retry_delay_max_seconds, got {delay:g} and {cap:g}"
+        )
+
+
 @dataclass(frozen=True)
 class Backoff:
     """:func:`backoff_seconds` with its bounds checked once."""
@@ -35,11 +44,7 @@ class Backoff:
     def __post_init__(self) -> None:
         opt.seconds("base_seconds", self.base_seconds, inclusive=True)
         opt.seconds("cap_seconds", self.cap_seconds, inclusive=True)
-        if self.cap_seconds < self.base_seconds:
-            raise ConfigurationError(
-                "need 0 <= retry_delay_seconds <= retry_delay_max_seconds, got "
-                f"{self.base_seconds:g} and {self.cap_seconds:g}"
-            )
+        check_retry_delays(self.base_seconds, self.cap_seconds)
 
     def bound(self, attempt: int) -> float:
         """The delay before jitter after failed attempt ``attempt``."""

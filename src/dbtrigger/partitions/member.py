@@ -53,7 +53,11 @@ from dbtrigger.partitions.report import GroupReport
 from dbtrigger.partitions.source import PartitionSource
 from dbtrigger.runtime.kernel import Handler
 from dbtrigger.runtime.poller import PollTrigger
-from dbtrigger.runtime.subscriber_options import SubscriberCall, check_fan_out
+from dbtrigger.runtime.subscriber_options import (
+    SubscriberCall,
+    check_fan_out,
+    refuse_registration,
+)
 from dbtrigger.runtime.trigger import TickResult, default_owner_id, utc_now
 from dbtrigger.sources.sqlalchemy import SqlAlchemySource
 from dbtrigger.state.stores.base import CheckpointStore
@@ -205,11 +209,7 @@ class PartitionedPoller(Balancing):
 
     def handler(self, fn: Handler) -> Handler:
         """Decorator: register ``fn`` as the handler ``dbtrigger run`` drives."""
-        if self.subscribers:
-            raise ConfigurationError(
-                f"poller {self.name!r} has subscribers=: its handlers are the subscribers; "
-                "add this one to subscribers= instead of @handler"
-            )
+        refuse_registration(self.name, self.subscribers)
         self.default_handler = fn
         return fn
 

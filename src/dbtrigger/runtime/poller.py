@@ -39,7 +39,6 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from dbtrigger import options as opt
-from dbtrigger.errors import ConfigurationError
 from dbtrigger.history.positions import StartFrom
 from dbtrigger.history.store import HistoryStore
 from dbtrigger.history.wiring import recorder_for
@@ -57,7 +56,12 @@ from dbtrigger.runtime.quiet import QuietCadence
 from dbtrigger.runtime.readahead import ReadAhead
 from dbtrigger.runtime.reading import BatchReader, TickSettings
 from dbtrigger.runtime.retry import DEFAULT_RETRY_POLICY, RetryPolicy
-from dbtrigger.runtime.subscriber_options import SubscriberCall, check_fan_out, handler_for
+from dbtrigger.runtime.subscriber_options import (
+    SubscriberCall,
+    check_fan_out,
+    handler_for,
+    refuse_registration,
+)
 from dbtrigger.runtime.subscribers import delivery_for
 from dbtrigger.runtime.telemetry import Telemetry
 from dbtrigger.runtime.tick import TickDriver
@@ -296,11 +300,7 @@ class PollTrigger(ClosesOnExit):
 
     def handler(self, fn: Handler) -> Handler:
         """Decorator: register ``fn`` as the handler ``dbtrigger run`` drives."""
-        if self.subscribers is not None:
-            raise ConfigurationError(
-                f"poller {self.name!r} has subscribers=: its handlers are the subscribers; "
-                "add this one to subscribers= instead of @handler"
-            )
+        refuse_registration(self.name, self.subscribers)
         self.default_handler = fn
         return fn
 

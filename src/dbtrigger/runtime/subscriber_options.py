@@ -96,6 +96,20 @@ def handler_for(
     return handler
 
 
+def refuse_registration(poller: str, subscribers: Mapping[str, Handler] | None) -> None:
+    """``@trigger.handler`` on a poller with ``subscribers=``: refused, its handlers
+    are the subscribers (``PollTrigger`` and ``PartitionedPoller`` alike).
+
+    Raises:
+        ConfigurationError: ``subscribers`` were given.
+    """
+    if subscribers is not None:
+        raise ConfigurationError(
+            f"poller {poller!r} has subscribers=: its handlers are the subscribers; "
+            "add this one to subscribers= instead of @handler"
+        )
+
+
 def validate_subscribers(raw: object) -> dict[str, Handler]:
     """Check ``subscribers=``: a mapping (or pairs) of safe, distinct names to callables.
 

@@ -191,6 +191,23 @@ def parse_database_url(url: str, what: str = "database URL") -> URL:
     return parsed
 
 
+def given_connect_args(engine_kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The driver arguments the user's ``engine_kwargs`` carry (``connect_args``;
+    none: empty), the mapping a lock bound is merged into (this module's engines
+    and a queue's own, :mod:`dbtrigger.queue.engines`).
+
+    Raises:
+        ConfigurationError: ``connect_args`` is not a mapping.
+    """
+    given = engine_kwargs.get("connect_args") or {}
+    if not isinstance(given, Mapping):
+        raise ConfigurationError(
+            f"engine_kwargs connect_args must be a dict of driver arguments, not "
+            f"{type(given).__name__}"
+        )
+    return given
+
+
 class LazyEngine:
     """An engine created from ``url`` when first asked for, unless ``engine`` is shared.
 
@@ -255,12 +272,7 @@ class LazyEngine:
         seconds = self._lock_wait
         if seconds is None:
             return self._kwargs
-        given = self._kwargs.get("connect_args") or {}
-        if not isinstance(given, Mapping):
-            raise ConfigurationError(
-                f"engine_kwargs connect_args must be a dict of driver arguments, not "
-                f"{type(given).__name__}"
-            )
+        given = given_connect_args(self._kwargs)
         parsed = make_url(url) if isinstance(url, str) else url
         dialect = parsed.get_backend_name()
         if not sets_own_lock_bound(dialect, given, parsed.query):
@@ -484,6 +496,7 @@ __all__ = [
     "LazyEngine",
     "TableOnce",
     "create_engine",
+    "given_connect_args",
     "ping",
     "ping_when_idle",
     "reflect_table",

@@ -40,9 +40,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from dbtrigger import _lock_wait
-from dbtrigger._engine import unbounded_if_refused
+from dbtrigger._engine import given_connect_args, unbounded_if_refused
 from dbtrigger._lock_wait import lock_wait_bounded
-from dbtrigger.errors import ConfigurationError
 
 #: How long a claim, extension or settlement on a queue's own engine waits for a
 #: lock another transaction holds (see the module doc). Read when the engine's
@@ -61,12 +60,7 @@ def engine_options(
     if dialect == "postgresql":
         kwargs["isolation_level"] = "AUTOCOMMIT"
     kwargs.update(engine_kwargs)
-    given = engine_kwargs.get("connect_args") or {}
-    if not isinstance(given, Mapping):
-        raise ConfigurationError(
-            f"engine_kwargs connect_args must be a dict of driver arguments, not "
-            f"{type(given).__name__}"
-        )
+    given = given_connect_args(engine_kwargs)
     kwargs["connect_args"] = bounded_connect_args(dialect, given, query or {})
     return kwargs
 

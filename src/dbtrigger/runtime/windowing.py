@@ -15,13 +15,15 @@ import dataclasses
 import datetime as dt
 from collections.abc import Callable, Collection, Mapping, Sequence, Set
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from dbtrigger.cursor import Position
 from dbtrigger.events import RowChange
 from dbtrigger.sources.base import position_of
 from dbtrigger.state import window as windowmod
 from dbtrigger.state.window import Bound, Settlement, Window
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -166,13 +168,7 @@ def attempts(events: Sequence[RowChange], window: Window) -> dict[str, int]:
     """Deliveries so far of the events waiting for a retry (event id -> count)."""
     if not window.pending:
         return {}
-    waiting = {windowmod.key_of(p.position): p.attempts for p in window.pending}
-    out = {}
-    for event in events:
-        count = waiting.get(windowmod.key_of(position_of(event)))
-        if count is not None:
-            out[event.event_id] = count
-    return out
+    return _by_event(events, {windowmod.key_of(p.position): p.attempts for p in window.pending})
 
 
 def owed(events: Sequence[RowChange], window: Window) -> dict[str, Mapping[str, int]]:
@@ -181,7 +177,13 @@ def owed(events: Sequence[RowChange], window: Window) -> dict[str, Mapping[str, 
     waiting = {windowmod.key_of(p.position): p.owed for p in window.pending if p.owed is not None}
     if not waiting:
         return {}
-    out: dict[str, Mapping[str, int]] = {}
+    return _by_event(events, waiting)
+
+
+def _by_event(events: Sequence[RowChange], waiting: Mapping[str, _T]) -> dict[str, _T]:
+    """``waiting`` (window key -> what its pending entry holds) for the events of
+    the batch that have an entry, by event id."""
+    out: dict[str, _T] = {}
     for event in events:
         found = waiting.get(windowmod.key_of(position_of(event)))
         if found is not None:

@@ -251,15 +251,20 @@ def _fresh(rows: Any, listed: Decimal) -> bool:
     return False
 
 
+def _lock_refused(exc: DBAPIError) -> bool:
+    """Is ``exc`` the server refusing GET_LOCK ("not supported yet", as Galera
+    nodes do)? Then the reader goes on without the turn."""
+    args: tuple[Any, ...] = getattr(exc.orig, "args", ())
+    return bool(args) and args[0] == _NOT_SUPPORTED
+
+
 def _take_turn(conn: Connection) -> tuple[bool, Decimal]:
     """Wait for the turn (up to ``TURN_WAIT_SECONDS``; False: read without it),
     and a server clock reading taken after the process-list read returned."""
     try:
         row = conn.execute(_TURN).one()
     except DBAPIError as exc:
-        # Galera nodes refuse GET_LOCK ("not supported yet"): read as before.
-        args = getattr(exc.orig, "args", ())
-        if not args or args[0] != _NOT_SUPPORTED:
+        if not _lock_refused(exc):  # (refused: read as before)
             raise
         conn.rollback()
         return False, Decimal(conn.execute(_CLOCK).scalar_one())
@@ -277,8 +282,7 @@ def try_turn(conn: Connection) -> bool | None:
     try:
         return bool(conn.execute(_TRY_TURN).scalar())
     except DBAPIError as exc:
-        args = getattr(exc.orig, "args", ())
-        if not args or args[0] != _NOT_SUPPORTED:
+        if not _lock_refused(exc):
             raise
         conn.rollback()
         return None

@@ -93,3 +93,62 @@ class Careless:
 def test_a_hint_may_only_shorten_the_wait(answer: float, expected: float) -> None:
     assert sleeps([IDLE], Careless(answer)) == [expected]
     assert pacing.shortened(Careless(answer), 5.0, 1) == expected
+
+
+class Notifying:
+    """A hint that notifies (as NotifyHint does): the runner ends the trigger's own
+    wait on its event, and never asks it to sleep by itself."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+    def attach(self, trigger: Any) -> None:
+        del trigger
+
+    def woken(self) -> threading.Event:
+        return self.event
+
+    def wait(self, seconds: float, stop: threading.Event, *, idle_ticks: int | None) -> bool:
+        raise AssertionError("the runner ends the trigger's wait on woken() instead")
+
+    def close(self) -> None:
+        return None
+
+
+class StopRecordingTrigger(SleepRecordingTrigger):
+    """Records whether the stop it was given was set when its wait began."""
+
+    def __init__(self, results: list[TickResult]) -> None:
+        super().__init__(results)
+        self.stopped: list[bool] = []
+
+    def wait_for_work(self, seconds: float, stop: threading.Event) -> bool:
+        self.stopped.append(stop.is_set())
+        return super().wait_for_work(seconds, stop)
+
+
+def test_a_notifying_hint_ends_the_triggers_own_wait() -> None:
+    hint, trigger = Notifying(), StopRecordingTrigger([IDLE, IDLE])
+    hint.event.set()  # a notification came while the first tick ran
+    Runner(trigger, lambda events: None, progress=None, wake=hint).run(
+        max_ticks=2, install_signals=False
+    )
+    # The trigger's own wait, for the whole interval, ended by the notification
+    # the first time; the notification spent, the second wait is not.
+    assert trigger.sleeps == [5.0, 5.0]
+    assert trigger.stopped == [True, False]
+    assert not hint.event.is_set()
+
+
+def test_stop_or_woken() -> None:
+    stop, woken = threading.Event(), threading.Event()
+    either = pacing.StopOrWoken(stop, woken)
+    assert not either.is_set()
+    assert either.wait(0) is False
+    woken.set()
+    assert either.is_set()
+    assert either.wait(60) is True  # at once: blocked on the hint's event
+    woken.clear()
+    either.set()  # setting it is a stop
+    assert stop.is_set()
+    assert either.wait(60) is True

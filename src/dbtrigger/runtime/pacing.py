@@ -10,6 +10,7 @@ pure rules are here, table-tested; the runner keeps the counts they take.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Protocol, runtime_checkable
 
 #: Default ceiling of the backoff between failing ticks.
@@ -44,7 +45,9 @@ class WakeHint(Protocol):
     ``idle_ticks`` is how many ticks in a row found nothing (1 right after
     activity), or None while the worker has delivered nothing since it
     started. ``close`` stops whatever the hint runs (idempotent). A hint that
-    also has ``delay`` (:class:`ShortensWait`) is asked that instead of ``wait``.
+    also has ``delay`` (:class:`ShortensWait`) is asked that instead of ``wait``,
+    one that has ``woken`` (:class:`EndsWait`) ends the trigger's own wait; a
+    hint with neither sleeps in the trigger's place.
     """
 
     def attach(self, trigger: Any) -> None: ...
@@ -68,6 +71,61 @@ class ShortensWait(Protocol):
     def delay(self, seconds: float, idle_ticks: int | None) -> float: ...
 
 
+@runtime_checkable
+class EndsWait(Protocol):
+    """A wake-up hint that ends the trigger's own wait early
+    (:class:`~dbtrigger.wakeup.NotifyHint`).
+
+    ``woken`` is the event the hint sets when work may be there (whatever
+    sets it started by the call). The runner sleeps through the trigger's
+    own ``wait_for_work`` with a stop that this event sets too
+    (:class:`StopOrWoken`), and clears it once the sleep is over. Sleeping in
+    the trigger's place instead skipped what ends the trigger's wait (a
+    queue's own ``LISTEN``, a partition member gaining partitions).
+    """
+
+    def woken(self) -> threading.Event: ...
+
+
+#: How often a wait that blocks on a hint's event looks at the stop event.
+STOP_POLL_SECONDS = 0.2
+
+
+class StopOrWoken(threading.Event):
+    """Set when ``stop`` is or when ``woken`` is: the one stop a trigger's
+    ``wait_for_work`` takes, while a hint (:class:`EndsWait`) may end it too.
+
+    ``threading`` waits on one event at a time, and ``stop`` is anyone's (a
+    shared stop of several runners, set by a signal relay). So :meth:`wait`
+    blocks on ``woken``, which the hint's listener sets (a notification ends
+    the wait at once), and looks at ``stop`` every :data:`STOP_POLL_SECONDS`,
+    as a listening wait always did: no thread, no spinning. :meth:`set` sets
+    ``stop`` (it is a stop); the flag of its own is never used.
+    """
+
+    def __init__(self, stop: threading.Event, woken: threading.Event) -> None:
+        super().__init__()
+        self.stop, self.woken = stop, woken
+
+    def is_set(self) -> bool:
+        return self.stop.is_set() or self.woken.is_set()
+
+    def set(self) -> None:
+        self.stop.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.stop.is_set():
+            left = STOP_POLL_SECONDS
+            if deadline is not None:
+                left = min(left, deadline - time.monotonic())
+                if left <= 0:
+                    return self.woken.is_set()
+            if self.woken.wait(left):
+                return True
+        return True
+
+
 def shortened(hint: ShortensWait, seconds: float, idle_ticks: int | None) -> float:
     """The hint's wait, never longer than ``seconds``: a hint may only end a sleep
     sooner (what polling alone waits is the bound, whatever the hint says)."""
@@ -87,7 +145,10 @@ def backoff_delay(failures: int, interval: float, cap: float) -> float:
 __all__ = [
     "DEFAULT_MAX_BACKOFF_SECONDS",
     "HELD_BACK_FIRST_SECONDS",
+    "STOP_POLL_SECONDS",
+    "EndsWait",
     "ShortensWait",
+    "StopOrWoken",
     "WakeHint",
     "backoff_delay",
     "held_back_delay",

@@ -64,7 +64,9 @@ from dbtrigger.runtime.kernel import Handler
 from dbtrigger.runtime.pacing import (
     DEFAULT_MAX_BACKOFF_SECONDS,
     HELD_BACK_FIRST_SECONDS,
+    EndsWait,
     ShortensWait,
+    StopOrWoken,
     WakeHint,
     backoff_delay,
     held_back_delay,
@@ -255,15 +257,22 @@ class Runner:
 
     def _idle(self, seconds: float) -> None:
         """Sleep between ticks; a wake-up hint (the runner's, or a queue's own) may
-        end an idle sleep early (never a backoff after a failure). A hint that only
-        shortens the sleep (:class:`ShortensWait`) shortens the trigger's own wait,
-        whose wake-ups it would otherwise skip."""
+        end an idle sleep early (never a backoff after a failure). The sleep is
+        the trigger's own wait, whose wake-ups (a queue's ``LISTEN``, a partition
+        member gaining partitions) a hint must not skip: one that only shortens
+        the sleep (:class:`ShortensWait`) shortens it, one that notifies
+        (:class:`EndsWait`) ends it too, whichever comes first."""
         if self._failures:
             self._stop.wait(seconds)
             return
         if isinstance(self.wake, ShortensWait):
             seconds = shortened(self.wake, seconds, self._idle_ticks)
-        elif self.wake is not None:
+        elif isinstance(self.wake, EndsWait):
+            woken = self.wake.woken()
+            self.trigger.wait_for_work(seconds, StopOrWoken(self._stop, woken))
+            woken.clear()  # this wake is spent: the tick that follows reads what it announced
+            return
+        elif self.wake is not None:  # a hint of one's own that only sleeps
             self.wake.wait(seconds, self._stop, idle_ticks=self._idle_ticks)
             return
         self.trigger.wait_for_work(seconds, self._stop)

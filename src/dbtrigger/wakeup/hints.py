@@ -23,16 +23,14 @@ a tick that found nothing; the backoff after a failed tick is never shortened.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dbtrigger import options as opt
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.queue.notify import Listener, ListenEvents, check_listen, idle_wait
 from dbtrigger.runtime.pacing import WakeHint
+from dbtrigger.runtime.telemetry import Telemetry
 from dbtrigger.wakeup.ddl import default_channel
-
-if TYPE_CHECKING:
-    from dbtrigger.runtime.telemetry import Telemetry
 
 #: The poller's listener events (``wake_*``; the metric ``wake_notifications_total``).
 POLLER_EVENTS = ListenEvents("wake_listening", "wake_listen_failed", "wake_notified", "poller")
@@ -89,7 +87,10 @@ class NotifyHint:
     (``wake_listen_failed``) while the interval poll goes on; each
     notification received counts in ``wake_notifications_total``. A
     notification that arrives while a tick runs ends the next wait at once,
-    so none is lost between a fetch and the sleep after it.
+    so none is lost between a fetch and the sleep after it. It ends the
+    trigger's own wait, not replaces it: what else ends that wait early (a
+    queue's ``notify_channel``, a partition member gaining partitions) still
+    does.
 
     Caveats (docs/operations.md): ``NOTIFY`` takes a database-wide lock at
     commit, which serialises committing transactions that notified; behind
@@ -115,10 +116,23 @@ class NotifyHint:
         self.channel = check_listen(
             engine.dialect.name, engine.dialect.driver, name, channel, "the notify wake-up hint"
         )
-        telemetry: Telemetry = trigger.telemetry
+        telemetry: Telemetry | None = getattr(trigger, "telemetry", None)
+        if telemetry is None:  # a partition member: its partitions' triggers have theirs
+            telemetry = Telemetry(trigger.name, trigger.metrics)
         self.listener = Listener(source, self.channel, telemetry, events=POLLER_EVENTS)
 
+    def woken(self) -> threading.Event:
+        """The event a notification sets, the listener started: the runner ends
+        the trigger's own wait on it too (:class:`~dbtrigger.runtime.pacing.EndsWait`),
+        so a queue's own ``LISTEN`` or a partition member gaining partitions still
+        wakes the worker."""
+        if self.listener is None:
+            raise ConfigurationError("NotifyHint.woken() before attach(): give it to a Runner")
+        self.listener.start()
+        return self.listener.wake
+
     def wait(self, seconds: float, stop: threading.Event, *, idle_ticks: int | None) -> bool:
+        """The sleep alone, for a caller other than the runner (which asks :meth:`woken`)."""
         del idle_ticks
         return idle_wait(self.listener, seconds, stop)
 

@@ -21,12 +21,27 @@ from __future__ import annotations
 
 from typing import NamedTuple, Protocol, runtime_checkable
 
-from dbtrigger.errors import UnsupportedDocumentError
+from dbtrigger.errors import CasConflictError, UnsupportedDocumentError
 
 
 class StoredDocument(NamedTuple):
     data: bytes
     etag: str
+
+
+def check_match(current: StoredDocument | None, if_match: str | None, what: str) -> None:
+    """The compare-and-swap rule, for a store that compares etags itself (the memory
+    and the file store): ``if_match=None`` only where nothing is stored, an etag
+    only while ``current`` still carries it.
+
+    Raises:
+        CasConflictError: the rule does not hold; the message names ``what``.
+    """
+    if if_match is None:
+        if current is not None:
+            raise CasConflictError(f"{what} already exists (create-only write)")
+    elif current is None or current.etag != if_match:
+        raise CasConflictError(f"{what} changed since it was read (etag mismatch)")
 
 
 def document_text(key: str, data: bytes, store: str) -> str:

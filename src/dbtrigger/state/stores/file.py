@@ -47,13 +47,12 @@ from pathlib import Path
 from dbtrigger import options as opt
 from dbtrigger._files import write_synced
 from dbtrigger.errors import (
-    CasConflictError,
     ConfigurationError,
     StoreAuthError,
     StoreUnavailableError,
 )
 from dbtrigger.names import validate_name
-from dbtrigger.state.stores.base import StoredDocument
+from dbtrigger.state.stores.base import StoredDocument, check_match
 
 #: Seconds a read or write waits for another process's lock before giving up.
 DEFAULT_LOCK_TIMEOUT = 10.0
@@ -228,10 +227,7 @@ class FileCheckpointStore:
         doc_path, etag_path, lock_path = self._paths(key)
         with self._locked(lock_path, exclusive=True):
             current = self._read_unlocked(doc_path, etag_path)
-            if if_match is None and current is not None:
-                raise CasConflictError(f"{doc_path} already exists (create-only write)")
-            if if_match is not None and (current is None or current.etag != if_match):
-                raise CasConflictError(f"{doc_path} changed since it was read (etag mismatch)")
+            check_match(current, if_match, str(doc_path))
             self._remove_leftovers(doc_path, etag_path)
             etag = f'"{uuid.uuid4().hex}"'
             # Each file is replaced whole: a write that fails leaves nothing new visible.
@@ -247,8 +243,8 @@ class FileCheckpointStore:
             current = self._read_unlocked(doc_path, etag_path)
             if current is None:
                 return
-            if if_match is not None and current.etag != if_match:
-                raise CasConflictError(f"{doc_path} changed since it was read (etag mismatch)")
+            if if_match is not None:
+                check_match(current, if_match, str(doc_path))
             with _os_errors("delete", doc_path):
                 doc_path.unlink()
                 with contextlib.suppress(FileNotFoundError):

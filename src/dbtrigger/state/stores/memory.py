@@ -9,8 +9,7 @@ from __future__ import annotations
 import itertools
 import threading
 
-from dbtrigger.errors import CasConflictError
-from dbtrigger.state.stores.base import StoredDocument
+from dbtrigger.state.stores.base import StoredDocument, check_match
 
 
 class InMemoryCheckpointStore:
@@ -28,10 +27,7 @@ class InMemoryCheckpointStore:
     def write(self, key: str, data: bytes, *, if_match: str | None) -> str:
         with self._lock:
             current = self._docs.get(key)
-            if if_match is None and current is not None:
-                raise CasConflictError(f"{key!r} already exists (create-only write)")
-            if if_match is not None and (current is None or current.etag != if_match):
-                raise CasConflictError(f"{key!r} changed since it was read (etag mismatch)")
+            check_match(current, if_match, repr(key))
             etag = f'"m{next(self._counter)}"'
             self._docs[key] = StoredDocument(bytes(data), etag)
             return etag
@@ -41,8 +37,8 @@ class InMemoryCheckpointStore:
             current = self._docs.get(key)
             if current is None:
                 return
-            if if_match is not None and current.etag != if_match:
-                raise CasConflictError(f"{key!r} changed since it was read (etag mismatch)")
+            if if_match is not None:
+                check_match(current, if_match, repr(key))
             del self._docs[key]
 
     def list_keys(self) -> list[str]:

@@ -5,8 +5,8 @@ operational guidelines: "use a separate poller name for backfill"). It creates
 a new state document starting at ``--from-beginning`` or ``--from-cursor``,
 then ticks a :class:`PollTrigger` of that name - same source, same handler -
 until a tick finds nothing, drawing progress on stderr. Stopped half-way
-(Ctrl-C, a crash), it resumes from its own checkpoint when run again without
-``--from-*``.
+(Ctrl-C or SIGTERM, a crash), it resumes from its own checkpoint when run
+again without ``--from-*``.
 
 Like the other state commands it is a dry run until ``--yes``, and the
 creation of its document is journaled with who and why.
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import logging
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -45,6 +44,12 @@ from dbtrigger.cursor import Position
 from dbtrigger.errors import ConfigurationError, DbTriggerError, HandlerError, OperatorError
 from dbtrigger.runtime.delivery import Handler
 from dbtrigger.runtime.poller import PollTrigger
+from dbtrigger.runtime.stop_signals import (
+    SignalRelay,
+    asked_to_stop,
+    say_overdue,
+    signals_routed_to,
+)
 from dbtrigger.sources.base import (
     CountsAfter,
     ValidatesDefinition,
@@ -133,22 +138,35 @@ class Progress:
 
 @contextmanager
 def graceful_sigint(stop: threading.Event) -> Iterator[None]:
-    """First Ctrl-C: finish and commit the batch in flight, then stop. Second: abandon it."""
+    """First Ctrl-C or SIGTERM: finish and commit the batch in flight, then stop.
+    Second: abandon it.
+
+    The handler takes no lock: the relay's thread sets ``stop`` (a handler that
+    set it itself could wait for ever for the lock of a ``stop.wait`` it
+    interrupted: :mod:`dbtrigger.runtime.stop_signals`); only the second
+    signal's :class:`KeyboardInterrupt` is raised in it.
+    """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    signals = 0
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
+        nonlocal signals
         del signum, frame
-        if stop.is_set():
+        signals += 1
+        if signals > 1:
             raise KeyboardInterrupt
-        stop.set()
 
-    previous = signal.signal(signal.SIGINT, on_signal)
+    def act(signum: int) -> None:
+        asked_to_stop(stop, signum, "finishing the batch in flight, then stopping")
+
+    relay = SignalRelay(act, name="dbtrigger-backfill-signals", overdue=say_overdue)
     try:
-        yield
+        with signals_routed_to(on_signal, relay):
+            yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        relay.close()
 
 
 def _load_trigger(args: argparse.Namespace) -> tuple[PollTrigger, Handler]:
@@ -244,7 +262,7 @@ def _drain(
                 if failures > args.max_retries:
                     raise
                 console.warn(f"tick failed ({exc}); retry {failures}/{args.max_retries}")
-                time.sleep(args.retry_delay)
+                stop.wait(args.retry_delay)
                 continue
             failures = 0
             if result.outcome in ("lease_busy", "lost_race"):

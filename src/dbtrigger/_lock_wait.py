@@ -80,12 +80,18 @@ def check_lock_timeout(value: object, option: str = "lock_timeout_seconds") -> f
     return seconds
 
 
+def mysql_whole_seconds(seconds: float) -> int:
+    """A MariaDB/MySQL lock bound of ``seconds``: its variables take whole seconds, so
+    rounded up, at least one (a bound never shorter than asked)."""
+    return max(1, math.ceil(seconds))
+
+
 def mysql_bound_for_now(seconds: float) -> str:
     """MariaDB/MySQL: the ``SET`` that keeps the session's own row and metadata lock
     bounds aside and bounds both to ``seconds`` (whole seconds, at least one);
     :data:`MYSQL_BOUND_SET_BACK` puts them back. (The number is one we computed,
     written into the text: no driver's parameter style to follow.)"""
-    wait = max(1, math.ceil(seconds))
+    wait = mysql_whole_seconds(seconds)
     return (
         "SET @dbtrigger_row_wait = @@SESSION.innodb_lock_wait_timeout, "
         "@dbtrigger_table_wait = @@SESSION.lock_wait_timeout, "
@@ -342,7 +348,7 @@ def bound_after_init_command(engine: Engine, given: Mapping[str, Any], seconds: 
 def mysql_lock_bound(variables: Sequence[str], seconds: float) -> str:
     """``SET SESSION`` of a lock bound of ``seconds`` (whole, at least one) for these
     MariaDB/MySQL variables."""
-    wait = max(1, math.ceil(seconds))
+    wait = mysql_whole_seconds(seconds)
     return "SET " + ", ".join(f"SESSION {v} = {wait}" for v in variables)
 
 
@@ -449,6 +455,7 @@ __all__ = [
     "lock_wait_bounded",
     "mysql_bound_for_now",
     "mysql_lock_bound",
+    "mysql_whole_seconds",
     "pg_holders_words",
     "sets_own_lock_bound",
     "table_exists",

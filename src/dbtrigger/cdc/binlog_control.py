@@ -43,7 +43,13 @@ from typing import Any, NamedTuple
 import pymysql
 
 from dbtrigger._driver_errors import short_error
-from dbtrigger._lock_wait import DEFAULT_STORE_LOCK_TIMEOUT, lock_timed_out
+from dbtrigger._lock_wait import (
+    DEFAULT_STORE_LOCK_TIMEOUT,
+    MYSQL_BOUND_SET_BACK,
+    lock_timed_out,
+    mysql_bound_for_now,
+    mysql_whole_seconds,
+)
 from dbtrigger.cdc.binlog_setup import current_user, translated
 from dbtrigger.cdc.snapshots import Snapshot
 from dbtrigger.errors import ConfigurationError, DbTriggerError, FetchError, SourcePermissionError
@@ -63,15 +69,11 @@ def _bounded_ddl(
     conn: pymysql.connections.Connection[Any], database: str, table: str, doing: str
 ) -> Iterator[pymysql.cursors.Cursor]:
     """A cursor whose statements wait at most :data:`DDL_LOCK_WAIT_SECONDS` for a
-    metadata lock (the session's own bound is set back after); giving up is a
+    metadata lock (the session's own bounds are set back after); giving up is a
     :class:`~dbtrigger.errors.FetchError` (the next tick tries again) naming the table."""
-    wait = max(1, round(DDL_LOCK_WAIT_SECONDS))
+    wait = mysql_whole_seconds(DDL_LOCK_WAIT_SECONDS)
     with conn.cursor() as cur:
-        cur.execute(
-            "SET @dbtrigger_table_wait = @@SESSION.lock_wait_timeout, "
-            "SESSION lock_wait_timeout = %s",
-            (wait,),
-        )
+        cur.execute(mysql_bound_for_now(DDL_LOCK_WAIT_SECONDS))
         try:
             yield cur
         except pymysql.MySQLError as exc:
@@ -87,7 +89,7 @@ def _bounded_ddl(
             ) from exc
         finally:
             with contextlib.suppress(pymysql.MySQLError):
-                cur.execute("SET SESSION lock_wait_timeout = @dbtrigger_table_wait")
+                cur.execute(MYSQL_BOUND_SET_BACK)
 
 
 def _execute_or_explain(

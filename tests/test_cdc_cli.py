@@ -276,6 +276,8 @@ def test_install_full_images_behind_an_open_transaction_gives_up(
     code, err = install_behind(app, capsys, "UPDATE orders SET status = status", install)
     assert code == 2, err
     assert "REPLICA IDENTITY FULL on public.orders waited 1 s for a lock" in err, err
+    assert "held by backend pid" in err, err  # who holds it, as the other DDL says
+    assert "its replica identity is unchanged" in err, err
     code, _, err = run(capsys, "cdc", "install", app.spec, "--full-images", "--yes")
     assert code == 0, err
     assert app.db.scalar("SELECT relreplident FROM pg_class WHERE relname = 'orders'") == "f"

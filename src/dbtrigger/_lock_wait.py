@@ -80,6 +80,12 @@ def check_lock_timeout(value: object, option: str = "lock_timeout_seconds") -> f
     return seconds
 
 
+def pg_lock_timeout(seconds: float) -> str:
+    """PostgreSQL's ``lock_timeout`` setting for a bound of ``seconds``: whole
+    milliseconds, rounded up, at least one (0 would be no bound at all)."""
+    return f"{max(1, math.ceil(seconds * 1000))}ms"
+
+
 def mysql_whole_seconds(seconds: float) -> int:
     """A MariaDB/MySQL lock bound of ``seconds``: its variables take whole seconds, so
     rounded up, at least one (a bound never shorter than asked)."""
@@ -112,9 +118,9 @@ def lock_wait_bounded(conn: Connection, seconds: float) -> Iterator[None]:
     which must be inside a transaction begun on ``conn`` (see the module doc)."""
     dialect = conn.dialect.name
     if dialect == "postgresql":
-        millis = max(1, math.ceil(seconds * 1000))
         conn.execute(
-            sa.text("SELECT set_config('lock_timeout', :value, true)"), {"value": f"{millis}ms"}
+            sa.text("SELECT set_config('lock_timeout', :value, true)"),
+            {"value": pg_lock_timeout(seconds)},
         )
         yield
     elif dialect in ("mysql", "mariadb"):
@@ -457,6 +463,7 @@ __all__ = [
     "mysql_lock_bound",
     "mysql_whole_seconds",
     "pg_holders_words",
+    "pg_lock_timeout",
     "sets_own_lock_bound",
     "table_exists",
     "user_driver_arg",

@@ -20,39 +20,36 @@ from typing import Any
 from psycopg import errors as pg_errors
 from psycopg import sql
 
-from dbtrigger._lock_wait import DEFAULT_WRITE_LOCK_TIMEOUT, lock_timed_out
+from dbtrigger._lock_wait import DEFAULT_WRITE_LOCK_TIMEOUT
 from dbtrigger.cdc import pg_control as control
 from dbtrigger.cdc import pg_setup as setup
 from dbtrigger.cdc.admin import Plan, SourceAdmin
-from dbtrigger.cdc.pg_connection import connect, translated
+from dbtrigger.cdc.pg_connection import connect, ddl_lock_bounded, translated
 from dbtrigger.cdc.pg_context import PgSourceParts
 from dbtrigger.cdc.pgoutput import lsn_text, parse_lsn
 from dbtrigger.cdc.snapshots import add_request, carry_over, watched
-from dbtrigger.errors import ConfigurationError, DbTriggerError, FetchError, RetryableError
+from dbtrigger.errors import ConfigurationError, FetchError
 
 #: How long ``cdc install --full-images`` waits for a lock on a watched table.
 INSTALL_LOCK_TIMEOUT = DEFAULT_WRITE_LOCK_TIMEOUT
 
 
-def set_full_identity(conn: Any, table: str, statement: sql.Composable) -> None:
-    """``ALTER TABLE ... REPLICA IDENTITY FULL``, waiting at most
+def set_full_identity(conn: Any, table: setup.TableName) -> str:
+    """``ALTER TABLE ... REPLICA IDENTITY FULL`` (the statement run), waiting at most
     :data:`INSTALL_LOCK_TIMEOUT` for the table's lock: behind an application's
     transaction open on the table it waited for ever, and every later reader and
     writer of the table queued behind it."""
-    millis = max(1, round(INSTALL_LOCK_TIMEOUT * 1000))
-    try:
-        with translated(f"setting REPLICA IDENTITY FULL on {table}"), conn.transaction():
-            conn.execute("SELECT set_config('lock_timeout', %s, true)", (f"{millis}ms",))
-            conn.execute(statement)
-    except DbTriggerError as exc:
-        if exc.__cause__ is None or not lock_timed_out(exc.__cause__):
-            raise
-        raise RetryableError(
-            f"setting REPLICA IDENTITY FULL on {table} waited {millis / 1000:g} s for a lock "
-            "another transaction holds on the table and gave up; its replica identity is "
-            "unchanged. Run the command again once that transaction ends (it completes what is "
-            "missing), or end it"
-        ) from exc
+    statement = sql.SQL("ALTER TABLE {} REPLICA IDENTITY FULL").format(table.identifier())
+    with ddl_lock_bounded(
+        conn,
+        INSTALL_LOCK_TIMEOUT,
+        f"setting REPLICA IDENTITY FULL on {table.qualified}",
+        "its replica identity is unchanged. Run the command again once that transaction "
+        "ends (it completes what is missing), or end it",
+        tables=[table.identifier().as_string(conn)],
+    ):
+        conn.execute(statement)
+    return statement.as_string(conn)
 
 
 #: Retained WAL above which ``status`` and ``dbtrigger check`` warn (bytes).
@@ -179,11 +176,7 @@ class PgAdmin(SourceAdmin[PgSourceParts]):
             if full_images:
                 for info in infos.values():
                     if info.replica_identity != "f":
-                        statement = sql.SQL("ALTER TABLE {} REPLICA IDENTITY FULL").format(
-                            info.table.identifier()
-                        )
-                        set_full_identity(conn, info.table.qualified, statement)
-                        done.append(statement.as_string(conn))
+                        done.append(set_full_identity(conn, info.table))
             if new_slot:
                 source.infos = infos
                 created = setup.create_slot(conn, source.slot, failover=source.failover)

@@ -15,8 +15,7 @@ timeout is the caller's to name).
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import psycopg
@@ -30,6 +29,7 @@ from dbtrigger._lock_wait import (
     PG_HOLDERS,
     lock_timed_out,
     pg_holders_words,
+    pg_lock_timeout,
 )
 from dbtrigger.errors import (
     ConfigurationError,
@@ -154,13 +154,17 @@ def execute_or_explain(
         SourcePermissionError: the role may not run them (with the SQL to run).
         RetryableError: a lock was not granted in time; nothing changed.
     """
-    seconds = DDL_LOCK_TIMEOUT
     try:
-        with translated(doing), conn.transaction():
-            conn.execute(
-                "SELECT set_config('lock_timeout', %s, true)",
-                (f"{max(1, math.ceil(seconds * 1000))}ms",),
-            )
+        with ddl_lock_bounded(
+            conn,
+            DDL_LOCK_TIMEOUT,
+            doing,
+            "nothing changed. It is tried again (the next read, or the command run again) "
+            "and goes on once that transaction ends, or end it",
+            tables=tables,
+            unknown="a CREATE INDEX, VACUUM or ALTER TABLE of the table, or a transaction "
+            "left open on it",
+        ):
             for statement in statements:
                 conn.execute(statement)
     except SourcePermissionError as exc:
@@ -171,16 +175,35 @@ def execute_or_explain(
         raise SourcePermissionError(
             f"{refused}: {reason}. {advice}: {texts}", **exc.fields
         ) from exc
+
+
+@contextlib.contextmanager
+def ddl_lock_bounded(
+    conn: psycopg.Connection[Any],
+    seconds: float,
+    doing: str,
+    then: str,
+    *,
+    tables: Sequence[str] = (),
+    unknown: str = "",
+) -> Iterator[None]:
+    """One transaction on ``conn`` (its errors translated as ``doing``) whose statements
+    wait at most ``seconds`` for a lock. One that gave up is a
+    :class:`~dbtrigger.errors.RetryableError`: ``{doing} waited {seconds} s for a lock
+    another transaction holds and gave up: {who holds locks on tables, else unknown};
+    {then}`` (what was left as it was, and what to do)."""
+    try:
+        with translated(doing), conn.transaction():
+            conn.execute("SELECT set_config('lock_timeout', %s, true)", (pg_lock_timeout(seconds),))
+            yield
     except DbTriggerError as exc:
         if exc.__cause__ is None or not lock_timed_out(exc.__cause__):
             raise
-        holders = _holders(conn, tables) or (
-            "a CREATE INDEX, VACUUM or ALTER TABLE of the table, or a transaction left open on it"
-        )
+        holders = _holders(conn, tables) or unknown
         raise RetryableError(
-            f"{doing} waited {seconds:g} s for a lock another transaction holds and gave up: "
-            f"{holders}; nothing changed. It is tried again (the next read, or the command "
-            "run again) and goes on once that transaction ends, or end it"
+            f"{doing} waited {seconds:g} s for a lock another transaction holds and gave up"
+            + (f": {holders}" if holders else "")
+            + f"; {then}"
         ) from exc
 
 
@@ -237,6 +260,7 @@ __all__ = [
     "SESSION_OPTIONS",
     "connect",
     "connect_kwargs",
+    "ddl_lock_bounded",
     "execute_or_explain",
     "sqlstate",
     "translated",

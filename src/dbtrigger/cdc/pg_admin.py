@@ -34,12 +34,18 @@ from dbtrigger.errors import ConfigurationError, FetchError
 INSTALL_LOCK_TIMEOUT = DEFAULT_WRITE_LOCK_TIMEOUT
 
 
+def full_identity_sql(table: setup.TableName) -> sql.Composed:
+    """The statement that gives ``table`` full before images: what the dry run
+    prints is what the install runs (names quoted as identifiers)."""
+    return sql.SQL("ALTER TABLE {} REPLICA IDENTITY FULL").format(table.identifier())
+
+
 def set_full_identity(conn: Any, table: setup.TableName) -> str:
     """``ALTER TABLE ... REPLICA IDENTITY FULL`` (the statement run), waiting at most
     :data:`INSTALL_LOCK_TIMEOUT` for the table's lock: behind an application's
     transaction open on the table it waited for ever, and every later reader and
     writer of the table queued behind it."""
-    statement = sql.SQL("ALTER TABLE {} REPLICA IDENTITY FULL").format(table.identifier())
+    statement = full_identity_sql(table)
     with ddl_lock_bounded(
         conn,
         INSTALL_LOCK_TIMEOUT,
@@ -148,7 +154,7 @@ class PgAdmin(SourceAdmin[PgSourceParts]):
                     continue
                 out.notes.append(f"{info.table.qualified}: {note}")
                 if info.replica_identity != "f":
-                    statement = f"ALTER TABLE {info.table.qualified} REPLICA IDENTITY FULL"
+                    statement = full_identity_sql(info.table).as_string(conn)
                     (out.statements if full_images else out.optional).append(statement)
             out.notes.extend(wal_keep_notes(facts))
             if source.failover and facts.version < 170000:

@@ -25,6 +25,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from dbtrigger._driver_errors import short_error
+from dbtrigger._lock_wait import lock_timed_out
 
 log = logging.getLogger("dbtrigger.sources")
 
@@ -51,10 +52,15 @@ def probe(conn: Connection, selectable: sa.FromClause) -> Layout:
 
 def probe_or_none(conn: Connection, selectable: sa.FromClause) -> Layout | None:
     """:func:`probe`, or None if the statement fails (rolled back): a table that
-    cannot be read is reported by what reads it next (a reflection says why)."""
+    cannot be read is reported by what reads it next (a reflection says why). A
+    probe that gave up waiting for a lock is raised: the table is there, and
+    what reads it next, after the rollback, would wait unbounded (a bound set
+    for the transaction ends with it)."""
     try:
         return probe(conn, selectable)
-    except sa.exc.DBAPIError:
+    except sa.exc.DBAPIError as exc:
+        if lock_timed_out(exc):
+            raise
         if conn.in_transaction() and not conn.invalidated:
             conn.rollback()
         return None

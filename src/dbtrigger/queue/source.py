@@ -55,10 +55,10 @@ from dbtrigger.queue.engines import (
     claim_view,
     engine_options,
     prepare_own_engine,
-    reading,
     unit_of_work,
 )
 from dbtrigger.queue.layout import Claim, ClaimedRow, ClaimLayout, ColumnsLayout, QueueTable
+from dbtrigger.queue.lock_waits import change_gives_up, reads
 from dbtrigger.queue.operations import QueueCounts
 from dbtrigger.queue.producer import RunAfter
 from dbtrigger.queue.schema import PREFIX, DialectTime, check_unique_key
@@ -290,7 +290,7 @@ class ClaimSource:
                 if self._target is None:
                     with (
                         failed_as(FetchError, f"could not inspect queue {self.name}"),
-                        reading(self.engine) as conn,
+                        reads(self, f"inspecting queue {self.name}", self._bare_table) as conn,
                     ):
                         self._target = self._resolve(conn)
         return self._target
@@ -350,7 +350,7 @@ class ClaimSource:
         if watch is None:
             return False
         try:
-            with reading(self.engine) as conn:
+            with reads(self) as conn:
                 change = watch.check(conn, self._bare_table)
         except SQLAlchemyError:
             return False
@@ -512,7 +512,8 @@ class ClaimSource:
 
     def counts(self) -> QueueCounts:
         target = self.target  # checked before a connection is taken
-        with failed_as(FetchError, f"status of {self.name} failed"), reading(self.engine) as conn:
+        what = f"status of {self.name}"
+        with failed_as(FetchError, f"{what} failed"), reads(self, what, target.table) as conn:
             return operations.counts(target, conn)
 
     def redrive_dead(
@@ -527,6 +528,7 @@ class ClaimSource:
         target = self.target
         with (
             failed_as(CommitError, f"re-driving dead rows of {self.name} failed"),
+            change_gives_up(self, f"re-driving dead rows of {self.name}", target.table),
             self.transaction() as conn,
         ):
             return operations.redrive_dead(
@@ -544,7 +546,7 @@ class ClaimSource:
         target = self.target
         with (
             failed_as(FetchError, f"reading dead rows of {self.name} failed"),
-            reading(self.engine) as conn,
+            reads(self, f"reading dead rows of {self.name}", target.table) as conn,
         ):
             return operations.dead_rows(target, conn, limit=limit)
 
@@ -553,6 +555,7 @@ class ClaimSource:
         target = self.target
         with (
             failed_as(CommitError, f"discarding dead rows of {self.name} failed"),
+            change_gives_up(self, f"discarding dead rows of {self.name}", target.table),
             self.transaction() as conn,
         ):
             return operations.discard_dead(target, conn, keys, note=note, delete=delete)

@@ -51,6 +51,7 @@ from dbtrigger.partitions.layout import BalanceDecision, Membership
 from dbtrigger.partitions.loop import BalanceLoop
 from dbtrigger.partitions.report import GroupReport
 from dbtrigger.partitions.source import PartitionSource
+from dbtrigger.runtime.drain import DEFAULT_HELD_WAIT_SECONDS, HeldWait
 from dbtrigger.runtime.kernel import Handler
 from dbtrigger.runtime.poller import PollTrigger
 from dbtrigger.runtime.subscriber_options import (
@@ -467,16 +468,27 @@ class PartitionedPoller(Balancing):
             written = trigger.flush_history() and written
         return written
 
-    def drain(self, handler: Handler | None = None, *, max_ticks: int | None = None) -> int:
-        """Tick the owned partitions until a round commits nothing."""
+    def drain(
+        self,
+        handler: Handler | None = None,
+        *,
+        max_ticks: int | None = None,
+        held_wait_seconds: float = DEFAULT_HELD_WAIT_SECONDS,
+    ) -> int:
+        """Tick the owned partitions until a round commits nothing; a round whose
+        rows the visibility guard held back is ticked again, as a poller's drain
+        (:class:`~dbtrigger.runtime.drain.HeldWait`)."""
         handler = self._handler_for(handler)
         total = ticks = 0
+        held = HeldWait(self.name, held_wait_seconds)
         try:
             while max_ticks is None or ticks < max_ticks:
                 result = self.tick_result(handler)
                 ticks += 1
                 total += result.rows
-                if result.rows == 0 and not result.more:
+                if result.rows == 0 and result.more:
+                    continue
+                if not held.wait_after(result, total):
                     break
         finally:
             self.flush_history()

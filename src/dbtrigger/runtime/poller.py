@@ -48,7 +48,7 @@ from dbtrigger.quarantine import QuarantineSink
 from dbtrigger.runtime import deprecated, kernel
 from dbtrigger.runtime.bulk import bulk_reads_for
 from dbtrigger.runtime.delivery import DeliveryOptions, cancelled_error
-from dbtrigger.runtime.drain import drain
+from dbtrigger.runtime.drain import DEFAULT_HELD_WAIT_SECONDS, drain
 from dbtrigger.runtime.kernel import Handler, KeepAlive
 from dbtrigger.runtime.null_probe import NullCursorProbe
 from dbtrigger.runtime.poll_options import PollOptions, check_ports
@@ -412,19 +412,19 @@ class PollTrigger(ClosesOnExit):
         max_ticks: int | None = None,
         progress: Callable[[int, TickResult], None] | None = None,
         lease_wait_seconds: float = 0.0,
+        held_wait_seconds: float = DEFAULT_HELD_WAIT_SECONDS,
     ) -> int:
         """Tick until a tick finds nothing to do; returns the rows committed.
 
-        ``progress(rows_so_far, result)`` is called after every tick, e.g. to
-        draw a progress bar or log "N rows, caught up" while a backlog drains.
-
-        A tick skipped because another instance holds the lease is not "nothing
-        to do": the drain waits for the lease, for at most ``lease_wait_seconds``
-        in all (see :mod:`dbtrigger.runtime.drain`).
+        ``progress(rows_so_far, result)`` is called after every tick (a
+        progress bar, a "caught up" line). An empty tick is not "nothing to
+        do" when another instance holds the lease (waited for, at most
+        ``lease_wait_seconds`` in all) or the visibility guard held rows back
+        (ticked again while one hold lasts up to ``held_wait_seconds``).
 
         Raises:
-            LeaseAcquireError: another instance held the lease for longer than
-                ``lease_wait_seconds``.
+            LeaseAcquireError: the lease stayed held past ``lease_wait_seconds``.
+            FetchError: rows stayed held back past ``held_wait_seconds``.
         """
         try:
             return drain(
@@ -433,6 +433,7 @@ class PollTrigger(ClosesOnExit):
                 max_ticks=max_ticks,
                 progress=progress,
                 lease_wait_seconds=lease_wait_seconds,
+                held_wait_seconds=held_wait_seconds,
             )
         finally:
             self.flush_history()

@@ -11,7 +11,9 @@ outlasts ``held_wait_seconds``.
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
+import io
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,6 +22,8 @@ import pytest
 import sqlalchemy as sa
 
 from dbtrigger import InMemoryCheckpointStore, PollTrigger, SqlAlchemySource
+from dbtrigger.cli import backfill
+from dbtrigger.cli.common import Console
 from dbtrigger.errors import FetchError
 from dbtrigger.runtime import drain as drain_module
 from dbtrigger.runtime.drain import drain
@@ -176,3 +180,29 @@ def test_drain_waits_out_an_open_transaction_and_delivers_every_row(
         source.close()
     assert outcome == [2]
     assert sorted(seen) == [1, 2]
+
+
+class ScriptedWorker(ScriptedTrigger):
+    """What ``dbtrigger backfill`` ticks: ``tick_result(handler, should_stop=...)``."""
+
+    def tick_result(  # type: ignore[override]
+        self,
+        handler: Callable[[Sequence[Any]], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> TickResult:
+        del should_stop
+        return super().tick_result(handler)
+
+
+def test_backfill_is_not_caught_up_while_rows_are_held_back(slept: list[float]) -> None:
+    """``dbtrigger backfill`` printed "caught up" at the first idle tick, held or not."""
+    worker = ScriptedWorker([ROWS, HELD, HELD, ROWS, IDLE])
+    progress = backfill.Progress(io.StringIO(), None, tty=False)
+    args = argparse.Namespace(max_retries=3, retry_delay=0.0)
+    finished = backfill._drain(
+        args, worker, lambda events: None, progress, Console(io.StringIO(), io.StringIO())
+    )
+    assert finished
+    assert progress.done == 10
+    assert worker.ticks == 5
+    assert slept == [HELD_BACK_FIRST_SECONDS, 2 * HELD_BACK_FIRST_SECONDS]

@@ -4,7 +4,8 @@ A backfill never touches the live poller's state (checkpoint/lease spec,
 operational guidelines: "use a separate poller name for backfill"). It creates
 a new state document starting at ``--from-beginning`` or ``--from-cursor``,
 then ticks a :class:`PollTrigger` of that name - same source, same handler -
-until a tick finds nothing, drawing progress on stderr. Stopped half-way
+until a tick finds nothing (rows the visibility guard holds back are waited
+for, as ``drain()`` does), drawing progress on stderr. Stopped half-way
 (Ctrl-C or SIGTERM, a crash), it resumes from its own checkpoint when run
 again without ``--from-*``.
 
@@ -43,6 +44,7 @@ from dbtrigger.cli.state_change import print_plan
 from dbtrigger.cursor import Position
 from dbtrigger.errors import ConfigurationError, DbTriggerError, HandlerError, OperatorError
 from dbtrigger.runtime.delivery import Handler
+from dbtrigger.runtime.drain import DEFAULT_HELD_WAIT_SECONDS, HeldWait
 from dbtrigger.runtime.poller import PollTrigger
 from dbtrigger.runtime.stop_signals import (
     SignalRelay,
@@ -250,6 +252,7 @@ def _drain(
     stop = threading.Event()
     failures = 0
     traced: set[tuple[str | None, str]] = set()
+    held = HeldWait(worker.name, DEFAULT_HELD_WAIT_SECONDS)
     with graceful_sigint(stop):
         while not stop.is_set():
             try:
@@ -271,7 +274,10 @@ def _drain(
                     "is this backfill already running?"
                 )
             progress.update(result.rows)
-            if result.outcome == "idle":
+            # Rows the visibility guard held back are not "caught up": tick again
+            # while the hold lasts (a FetchError naming the blocker past a minute).
+            again = held.wait_after(result, progress.done)
+            if result.outcome == "idle" and not again:
                 return True
     return False
 

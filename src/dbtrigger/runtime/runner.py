@@ -340,10 +340,12 @@ class Runner:
         if result.more or result.rows:
             self._held_ticks = 0
             return 0.0
-        # (A poller's TickResult says held_back; other triggers' reports need not.)
+        # (A poller's TickResult says held_back and for how long; other triggers'
+        # reports need not.)
         if getattr(result, "held_back", False):
             self._held_ticks += 1
-            return held_back_delay(self._held_ticks, self.interval)
+            held_for = getattr(result, "held_back_seconds", None)
+            return held_back_delay(self._held_ticks, self.interval, held_for)
         self._held_ticks = 0
         return self.interval
 

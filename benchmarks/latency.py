@@ -88,6 +88,7 @@ from dbtrigger.changelog import ChangeLogSource
 from dbtrigger.changelog import install as install_changelog
 from dbtrigger.runtime.pacing import ShortensWait, shortened
 from dbtrigger.runtime.runner import Runner
+from dbtrigger.sources.visibility import MariaDbHorizon
 from dbtrigger.wakeup import AdaptivePolling, NotifyHint, WakeHint
 from dbtrigger.wakeup import install as install_wake
 
@@ -366,8 +367,11 @@ def measure(
     if source_kind == "changelog":
         source: Any = ChangeLogSource(url=db.url, table=table)
     else:
+        guard: dict[str, Any] = {}
+        if db.kind == "mariadb" and args.precision is not None:
+            guard["visibility"] = MariaDbHorizon(precision=args.precision)
         source = SqlAlchemySource(
-            url=db.url, table=table, cursor_column="updated_at", pk_columns=["id"]
+            url=db.url, table=table, cursor_column="updated_at", pk_columns=["id"], **guard
         )
     trigger = PollTrigger(name=table, source=source, checkpoint_store=InMemoryCheckpointStore())
     received: dict[int, float] = {}
@@ -555,7 +559,9 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
         )
     load = os.getloadavg()
     print_table(
-        f"Commit -> handler latency, ms (worker at default settings, interval "
+        "Commit -> handler latency, ms (worker at default settings"
+        + ("" if args.precision is None else f", MariaDbHorizon(precision={args.precision})")
+        + f", interval "
         f"{args.interval:g} s; {args.seconds:g} s per run, {args.repeats} run(s) pooled, "
         f"writer started at a {args.phase} phase, seed {args.seed}; load average "
         f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f} at the end)",
@@ -644,6 +650,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=int,
         help="sessions the writer commits from, taking turns (default: 1 on PostgreSQL, "
         f"{MARIADB_WRITERS} on MariaDB, whose one session syncs the log at every commit)",
+    )
+    parser.add_argument(
+        "--precision",
+        type=int,
+        choices=range(7),
+        help="MariaDB polling source: MariaDbHorizon(precision=N) instead of auto (precision "
+        "0, which withholds a busy table's rows of the current second: every writer of "
+        "the table uses NOW(6) here, so 6 is safe)",
     )
     parser.add_argument("--writer", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

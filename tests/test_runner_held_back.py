@@ -111,6 +111,15 @@ def test_a_steady_writers_hold_is_not_waited_past_its_second() -> None:
     assert run([ROWS, *held, ROWS, IDLE]) == pytest.approx([0.05, 0.1, 0.2, 0.4, 0.25, 5.0])
 
 
+def test_a_hold_first_seen_after_an_idle_sleep_starts_short() -> None:
+    # The guard's bound last moved at its observation before the worker's idle
+    # sleep, so the first held tick after it reports the whole sleep (5.15 s):
+    # the writer's transaction seen open is milliseconds old. Taken for an old
+    # hold, the next wait was 4.15 s.
+    held = [TickResult(0, 0, "idle", held_back=True, held_back_seconds=s) for s in (5.15, 5.2)]
+    assert run([IDLE, *held, IDLE]) == pytest.approx([5.0, 0.05, 0.1, 5.0])
+
+
 def test_rows_delivered_reset_the_held_back_wait() -> None:
     # After rows, ticking again at once (no wait); a new hold starts short again.
     assert run([HELD, HELD, ROWS, HELD, IDLE]) == [
@@ -132,6 +141,8 @@ def test_rows_delivered_reset_the_held_back_wait() -> None:
         (4, 5, 0.1, 0.4),
         (5, 5, 0.75, 0.25),  # not past the hold's first second
         (6, 5, 0.99, 0.05),  # at least the first wait
+        (1, 5, 5.15, 0.05),  # the first held tick after an idle sleep: no old hold
+        (2, 5, 3.0, 0.1),
         (7, 5, 1.0, 0.05),  # an older hold: from the first wait again ...
         (7, 5, 2.6, 1.6),  # ... as long as it has lasted beyond its first second
         (30, 5, 60.0, 5),

@@ -28,18 +28,21 @@ SHORT_HOLD_SECONDS = 1.0
 
 def held_back_delay(held_ticks: int, interval: float, held_seconds: float | None = None) -> float:
     """Seconds to wait after the ``held_ticks``-th tick in a row whose rows the
-    visibility guard held back, for ``held_seconds`` (the guard's
-    ``held_back_seconds``; None: not reported), never more than the interval.
+    visibility guard held back: from :data:`HELD_BACK_FIRST_SECONDS`, doubling,
+    never more than the interval; and, given the guard's ``held_back_seconds``
+    (``held_seconds``), no longer than
 
-    * A hold younger than :data:`SHORT_HOLD_SECONDS`: from
-      :data:`HELD_BACK_FIRST_SECONDS`, doubling, but never past the moment it
-      turns that old. A steady writer on MariaDB keeps its rows held by the
-      truncated bound for up to that second; waits doubling 0.05 -> 0.8 s
-      overshot the second by 0.4 s on average (p50 about 1 s at 200 rows/s,
-      half of it this overshoot).
-    * An older hold (a long transaction): as long as it has lasted beyond
-      that second, from the first wait: doubling in time, up to the interval.
-    * No age reported: doubling by ticks, as before.
+    * the rest of the hold's first second (:data:`SHORT_HOLD_SECONDS`) while
+      it is younger: a steady writer on MariaDB keeps its rows held by the
+      truncated bound for up to that second, and the doubling alone woke 0.3-0.4 s
+      past it on average (half of the ~1 s p50 at 200 rows/s);
+    * as long as it has lasted beyond that second once older, so that its
+      waits grow from the first again rather than jumping to the count's
+      doubling (the ticks of the young second count too).
+
+    The age only ever shortens the doubling: a hold's first tick after an idle
+    sleep can report the whole sleep (the guard's bound last moved before it),
+    and is no old hold.
 
     Why not the interval: the rows are committed and only wait for transactions
     that were open at the guard's probe, which for a writer's own transaction
@@ -48,14 +51,13 @@ def held_back_delay(held_ticks: int, interval: float, held_seconds: float | None
     transaction costs a few more polls in its first seconds, then the ordinary
     interval.
     """
-    doubling = HELD_BACK_FIRST_SECONDS * 2 ** min(held_ticks - 1, 30)
-    if held_seconds is None:
-        wait = doubling
-    elif held_seconds < SHORT_HOLD_SECONDS:
-        wait = max(HELD_BACK_FIRST_SECONDS, min(doubling, SHORT_HOLD_SECONDS - held_seconds))
-    else:
-        wait = max(HELD_BACK_FIRST_SECONDS, held_seconds - SHORT_HOLD_SECONDS)
-    return float(min(interval, wait))
+    wait = HELD_BACK_FIRST_SECONDS * 2 ** min(held_ticks - 1, 30)
+    if held_seconds is not None:
+        if held_seconds < SHORT_HOLD_SECONDS:
+            wait = min(wait, SHORT_HOLD_SECONDS - held_seconds)
+        else:
+            wait = min(wait, held_seconds - SHORT_HOLD_SECONDS)
+    return float(min(interval, max(HELD_BACK_FIRST_SECONDS, wait)))
 
 
 @runtime_checkable

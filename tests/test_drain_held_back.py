@@ -106,6 +106,17 @@ def test_a_hold_that_outlasts_the_wait_raises_naming_the_blocker(slept: list[flo
     assert max(slept) == 1.0
 
 
+def test_a_young_hold_is_waited_for_no_longer_than_its_second(slept: list[float]) -> None:
+    """As the runner: a hold 0.9 s into its second (MariaDB's whole-second bound)
+    ends at the second's end, so the drain does not sleep the doubling past it."""
+    young = TickResult(0, 0, "idle", held_back=True, held_back_seconds=0.9)
+    trigger = ScriptedTrigger([HELD, HELD, HELD, HELD, young, ROWS, IDLE])
+    drain(trigger, lambda events: None, max_ticks=None, progress=None, lease_wait_seconds=0)
+    first = HELD_BACK_FIRST_SECONDS
+    assert slept[:4] == [first, 2 * first, 4 * first, 8 * first]
+    assert slept[4] == pytest.approx(0.1)  # not 16 * first: the rest of the second
+
+
 def test_an_idle_tick_without_a_hold_still_ends_the_drain(slept: list[float]) -> None:
     trigger = ScriptedTrigger([ROWS, ROWS, IDLE, ROWS])
     assert (

@@ -10,7 +10,8 @@ caller "drained" with rows still waiting:
 * the visibility guard held committed rows back behind a transaction that
   may still commit rows sorting before them: the drain ticks again after
   the runner's short held-back waits (50 ms, doubling up to a second) while
-  the hold lasts, for at most ``held_wait`` seconds of one hold without a
+  the hold lasts (and no later than a young hold's second ends), for at
+  most ``held_wait`` seconds of one hold without a
   row delivered, and otherwise raises :class:`~dbtrigger.errors.FetchError`
   naming the blocking session. A writer's own transactions end within
   milliseconds; a hold of a minute is a transaction someone left open.
@@ -113,7 +114,7 @@ class HeldWait:
                 "skipped, the rows wait after the checkpoint"
             )
         self._ticks += 1
-        time.sleep(held_back_delay(self._ticks, 1.0))
+        time.sleep(held_back_delay(self._ticks, 1.0, result.held_back_seconds))
         return True
 
 

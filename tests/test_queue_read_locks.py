@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import sys
 import textwrap
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from dbtrigger.queue import engines
 from tests.databases import TestDatabase
 from tests.test_ddl_locks import outcome
 from tests.test_queue_columns import make_jobs
-from tests.test_source_lock_waits import ADD_COLUMN, BOUNDED, wait_until_queued
+from tests.test_source_lock_waits import ddl_queued
 
 #: The queue's lock bound in these tests.
 BOUND = 2
@@ -45,33 +44,22 @@ def bound(monkeypatch: pytest.MonkeyPatch) -> int:
 
 
 @contextlib.contextmanager
-def ddl_queued_on_jobs(db: TestDatabase) -> Iterator[None]:
-    """An application's transaction that wrote a job row (row locks: its holder can
-    be named on both servers), and this test's ``ALTER TABLE jobs`` queued behind it.
-    Leaving the block ends the transaction and waits for the ALTER."""
-    failed: list[BaseException] = []
-
-    def alter() -> None:
-        try:
-            with db.engine.begin() as conn:
-                conn.exec_driver_sql(f"ALTER TABLE {db.qualified('jobs')} {ADD_COLUMN}")
-        except BaseException as exc:
-            failed.append(exc)
-
+def job_row_locked(db: TestDatabase) -> Iterator[None]:
+    """An application's transaction that wrote a job row: row locks, so its holder
+    can be named on both servers."""
     holder = db.engine.connect()
-    thread = threading.Thread(target=alter, daemon=True)
     try:
         holder.begin()
         holder.exec_driver_sql(f"UPDATE {db.qualified('jobs')} SET payload = payload")
-        thread.start()
-        wait_until_queued(db, "jobs")
         yield
     finally:
         holder.rollback()
         holder.close()
-    thread.join(BOUNDED)
-    assert not thread.is_alive(), "the ALTER TABLE did not finish once the transaction ended"
-    assert not failed, failed
+
+
+def ddl_queued_on_jobs(db: TestDatabase) -> contextlib.AbstractContextManager[None]:
+    """That transaction, and this test's ``ALTER TABLE jobs`` queued behind it."""
+    return ddl_queued(db, "jobs", job_row_locked(db))
 
 
 def kill_one_job(db: TestDatabase) -> None:

@@ -64,10 +64,15 @@ ADD_COLUMN = "ADD COLUMN extra INTEGER"
 
 
 @contextlib.contextmanager
-def ddl_queued(db: TestDatabase, table: str) -> Iterator[None]:
-    """An application's transaction open on ``table`` and an ``ALTER TABLE ... ADD
-    COLUMN`` of it queued behind that transaction (on SQLite: started, waiting for
-    the write lock). Leaving the block ends the transaction and waits for the ALTER."""
+def ddl_queued(
+    db: TestDatabase,
+    table: str,
+    holding: contextlib.AbstractContextManager[None] | None = None,
+) -> Iterator[None]:
+    """An application's transaction open on ``table`` (``holding``; by default
+    :func:`transaction_on`) and an ``ALTER TABLE ... ADD COLUMN`` of it queued
+    behind that transaction (on SQLite: started, waiting for the write lock).
+    Leaving the block ends the transaction and waits for the ALTER."""
     failed: list[BaseException] = []
 
     def alter() -> None:
@@ -78,7 +83,7 @@ def ddl_queued(db: TestDatabase, table: str) -> Iterator[None]:
             failed.append(exc)
 
     thread = threading.Thread(target=alter, daemon=True)
-    with transaction_on(db, table):
+    with holding if holding is not None else transaction_on(db, table):
         thread.start()
         wait_until_queued(db, table)
         yield

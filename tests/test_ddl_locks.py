@@ -216,18 +216,9 @@ def test_binlog_control_upgrade_behind_an_open_transaction_gives_up(
         with conn.cursor() as cur:  # a table made by a version before the marks
             cur.execute(f"ALTER TABLE `{db.schema}`.`{control.TABLE}` DROP COLUMN generation")
 
-        @contextlib.contextmanager
-        def reading() -> Iterator[None]:  # another worker's transaction, still open
-            holder = db.engine.connect()
-            try:
-                holder.begin()
-                holder.exec_driver_sql(f"SELECT * FROM `{db.schema}`.`{control.TABLE}`")
-                yield
-            finally:
-                holder.rollback()
-                holder.close()
-
-        error = outcome(reading(), lambda: control.ensure(conn, db.schema))
+        # Another worker's transaction that read the table, still open.
+        reading = holding(db, f"SELECT * FROM `{db.schema}`.`{control.TABLE}`")
+        error = outcome(reading, lambda: control.ensure(conn, db.schema))
         assert isinstance(error, FetchError), repr(error)
         assert f"adding columns to {db.schema}.{control.TABLE} waited 1 s" in str(error)
         assert control.ensure(conn, db.schema) is False
@@ -239,6 +230,22 @@ def test_binlog_control_upgrade_behind_an_open_transaction_gives_up(
 @pytest.fixture
 def install_waits_one_second(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(changelog_operations, "INSTALL_LOCK_TIMEOUT", 1.0, raising=False)
+
+
+@contextlib.contextmanager
+def holding(db: TestDatabase, statement: str) -> Iterator[None]:
+    """An application's transaction that ran ``statement`` and stays open: the
+    locks that statement took are held until the block ends (rolled back)."""
+    holder = db.engine.connect()
+    try:
+        holder.begin()
+        result = holder.exec_driver_sql(statement)
+        if result.returns_rows:
+            result.fetchall()
+        yield
+    finally:
+        holder.rollback()
+        holder.close()
 
 
 @contextlib.contextmanager

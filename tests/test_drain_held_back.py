@@ -30,6 +30,7 @@ from dbtrigger.runtime.drain import drain
 from dbtrigger.runtime.pacing import HELD_BACK_FIRST_SECONDS
 from dbtrigger.runtime.trigger import TickResult
 from tests.databases import TestDatabase
+from tests.test_readahead_real import events_table
 
 HELD = TickResult(0, 0, "idle", held_back=True, held_back_seconds=75.0, blocking_pid=4711)
 IDLE = TickResult(0, 0, "idle")
@@ -126,30 +127,13 @@ def test_an_idle_tick_without_a_hold_still_ends_the_drain(slept: list[float]) ->
     assert slept == []
 
 
-def _events_table(db: TestDatabase) -> tuple[str, str]:
-    """The table and the INSERT of one row, its cursor given by the database."""
-    table = db.qualified("events")
-    if db.kind == "postgresql":
-        db.execute(
-            f"CREATE TABLE {table} (id bigserial PRIMARY KEY, "
-            "updated_at timestamptz NOT NULL DEFAULT clock_timestamp(), note text)"
-        )
-    else:
-        db.execute(
-            f"CREATE TABLE {table} (id BIGINT AUTO_INCREMENT PRIMARY KEY, "
-            "updated_at DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6), note TEXT, "
-            "KEY ix_events_updated_at_id (updated_at, id))"
-        )
-    return table, f"INSERT INTO {table} (note) VALUES (:note)"
-
-
 def test_drain_waits_out_an_open_transaction_and_delivers_every_row(
     server_db: TestDatabase,
 ) -> None:
     """Real guard, real hold: a writer's transaction open across the drain's start
     holds the committed row back; the drain keeps ticking and returns both rows
     once the writer commits (before: it returned 0 at once)."""
-    _, insert = _events_table(server_db)
+    _, insert = events_table(server_db)
     source = SqlAlchemySource(
         url=server_db.url,
         table="events",

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from dbtrigger.cli import main
 from dbtrigger.errors import CommitError, DbTriggerError, FetchError
 from dbtrigger.queue import engines
 from tests.databases import TestDatabase
-from tests.test_ddl_locks import outcome
+from tests.test_ddl_locks import holding, outcome
 from tests.test_queue_columns import make_jobs
 from tests.test_source_lock_waits import ddl_queued
 
@@ -43,23 +43,13 @@ def bound(monkeypatch: pytest.MonkeyPatch) -> int:
     return BOUND
 
 
-@contextlib.contextmanager
-def job_row_locked(db: TestDatabase) -> Iterator[None]:
-    """An application's transaction that wrote a job row: row locks, so its holder
-    can be named on both servers."""
-    holder = db.engine.connect()
-    try:
-        holder.begin()
-        holder.exec_driver_sql(f"UPDATE {db.qualified('jobs')} SET payload = payload")
-        yield
-    finally:
-        holder.rollback()
-        holder.close()
-
-
 def ddl_queued_on_jobs(db: TestDatabase) -> contextlib.AbstractContextManager[None]:
-    """That transaction, and this test's ``ALTER TABLE jobs`` queued behind it."""
-    return ddl_queued(db, "jobs", job_row_locked(db))
+    """An application's transaction that wrote a job row (row locks: its holder
+    can be named on both servers), and this test's ``ALTER TABLE jobs`` queued
+    behind it."""
+    return ddl_queued(
+        db, "jobs", holding(db, f"UPDATE {db.qualified('jobs')} SET payload = payload")
+    )
 
 
 def kill_one_job(db: TestDatabase) -> None:

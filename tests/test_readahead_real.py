@@ -312,6 +312,24 @@ def test_ddl_after_a_read_ahead_delivers_in_order_or_refuses_typed(
 # --- the visibility guard with a writer open across the read-ahead -----------------------
 
 
+def events_table(db: TestDatabase) -> tuple[str, str]:
+    """``events`` with its cursor (``updated_at``) and key given by the database, on
+    PostgreSQL or MariaDB; its name and the INSERT of one row (``:note``)."""
+    table = db.qualified("events")
+    if db.kind == "postgresql":
+        db.execute(
+            f"CREATE TABLE {table} (id bigserial PRIMARY KEY, "
+            "updated_at timestamptz NOT NULL DEFAULT clock_timestamp(), note text)"
+        )
+    else:
+        db.execute(
+            f"CREATE TABLE {table} (id BIGINT AUTO_INCREMENT PRIMARY KEY, "
+            "updated_at DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6), note VARCHAR(20), "
+            "KEY ix_events_updated_at_id (updated_at, id))"
+        )
+    return table, f"INSERT INTO {table} (note) VALUES (:note)"
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.xdist_group("shared-horizons")  # it holds a writer open (PostgreSQL's xid horizon)
 @pytest.mark.parametrize("per_tick", [100, 1])
@@ -322,18 +340,7 @@ def test_a_row_committed_late_below_a_read_ahead_is_not_skipped(
     the tick, or carried to the next one): the read holds back what follows it,
     and the row it commits afterwards is delivered. Default guard (``auto``)."""
     pg = server_db
-    table = pg.qualified("events")
-    if pg.kind == "postgresql":
-        pg.execute(
-            f"CREATE TABLE {table} (id bigserial PRIMARY KEY, "
-            "updated_at timestamptz NOT NULL DEFAULT clock_timestamp(), note text)"
-        )
-    else:
-        pg.execute(
-            f"CREATE TABLE {table} (id BIGINT AUTO_INCREMENT PRIMARY KEY, "
-            "updated_at DATETIME(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6), note VARCHAR(20), "
-            "KEY ix_events_updated_at_id (updated_at, id))"
-        )
+    table, _ = events_table(pg)
     for _ in range(25):
         pg.execute(f"INSERT INTO {table} (note) VALUES ('old')")
     source = SqlAlchemySource(

@@ -9,12 +9,12 @@ caller "drained" with rows still waiting:
   :class:`~dbtrigger.errors.LeaseAcquireError` naming the holder;
 * the visibility guard held committed rows back behind a transaction that
   may still commit rows sorting before them: the drain ticks again after
-  the runner's short held-back waits (50 ms, doubling up to a second) while
-  the hold lasts (and no later than a young hold's second ends), for at
-  most ``held_wait`` seconds of one hold without a
-  row delivered, and otherwise raises :class:`~dbtrigger.errors.FetchError`
-  naming the blocking session. A writer's own transactions end within
-  milliseconds; a hold of a minute is a transaction someone left open.
+  the runner's short held-back waits (50 ms, doubling up to a second, none
+  past the end of a young hold's second) while the hold lasts, for at most
+  ``held_wait`` seconds of one hold without a row delivered, and otherwise
+  raises :class:`~dbtrigger.errors.FetchError` naming the blocking session.
+  A writer's own transactions end within milliseconds; a hold of a minute is
+  a transaction someone left open.
 
 :meth:`PollTrigger.drain <dbtrigger.runtime.poller.PollTrigger.drain>` is
 the public face.

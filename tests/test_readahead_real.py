@@ -12,6 +12,7 @@ import random
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -374,8 +375,35 @@ def test_a_row_committed_late_below_a_read_ahead_is_not_skipped(
     # looked, other tests' too: in full runs rows 26-27 waited 15-20 s behind them
     # now and then, and once past a 30 s bound. A skipped row never comes, however
     # long the wait; the last tick says whether the guard was still holding back.
-    wait_for(lambda: trigger.tick(handler) == 0 and len(seen) >= 27, 90)
-    assert sorted(seen) == list(range(1, 28)), (seen, trigger.last_result)
+    if not wait_for(lambda: trigger.tick(handler) == 0 and len(seen) >= 27, 90):
+        last = trigger.last_result
+        assert last is not None
+        assert last.held_back, f"rows 26-27 neither delivered nor held back: {last}"
+        # Still held after 90 s (a full run's shared server once held them past
+        # it, blocker not named in the message): no skip so long as every row not
+        # delivered is still after the checkpoint, where the guard releases it.
+        probe = SqlAlchemySource(
+            url=pg.url,
+            table="events",
+            schema=pg.schema,
+            cursor_column="updated_at",
+            pk_columns=["id"],
+            visibility="none",
+        )
+        try:
+            state = trigger.read_state()
+            assert state is not None
+            pending = [int(r["id"]) for r in probe.fetch(state.position, 100)]
+        finally:
+            probe.close()
+        assert sorted(seen + pending) == list(range(1, 28)), (seen, pending, last)
+        warnings.warn(
+            f"rows {pending} still held back after 90 s ({last.held_back_seconds:.0f}s, "
+            f"session {last.blocking_pid}); none skipped",
+            stacklevel=1,
+        )
+    else:
+        assert sorted(seen) == list(range(1, 28)), (seen, trigger.last_result)
     assert len(seen) == len(set(seen))
     # The read after row 20 was made with the writer open (its rows 21-25, short:
     # a carried one is read again, a read in the tick is used).

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from dbtrigger.sources.visibility.base import (
@@ -114,18 +114,58 @@ class HeldBackWarner:
 
 class HorizonActive(ActiveGuard):
     """Base of the horizon guards bound to a source: what a fetch reports goes
-    through :meth:`_reported`, which warns about a hold that lasts."""
+    through :meth:`_reported`, which bounds the hold's age by what the guard
+    saw and warns about a hold that lasts."""
 
     def __init__(self, guard: HorizonGuard, target: GuardTarget) -> None:
         super().__init__(guard, target)
         self._warner = HeldBackWarner(target, self.mode, guard.warn_after_seconds)
+        #: When the last report that found nothing held back was made (the guard's
+        #: start before the first): a hold seen now began after it.
+        self._clear_at = time.monotonic()
 
-    def _reported(self, info: FetchInfo) -> FetchInfo:
-        """``info`` as this fetch's report: logged when rows have been held back
-        too long (or no longer are), and kept as :attr:`last_info`."""
+    def _reported(
+        self, info: FetchInfo, *, blocker_age_bounds: bool = True, measured: bool = False
+    ) -> FetchInfo:
+        """``info`` as this fetch's report, its ``held_back_seconds`` no more than
+        the hold can have lasted (:func:`hold_age`); logged when rows have been held
+        back too long (or no longer are), and kept as :attr:`last_info`.
+        ``blocker_age_bounds``: ``blocking_xact_age_seconds`` is the blocking
+        transaction's whole age (not, say, the time since a two-phase one was
+        prepared), so no hold it causes is older. ``measured``: the guard's own
+        ``held_back_seconds`` counts no time it did not look (MariaDB's bound
+        truncated to the current second, which the runner's waits are timed by)."""
+        now = time.monotonic()
+        if info.held_back:
+            age = info.blocking_xact_age_seconds if blocker_age_bounds else None
+            since_clear = math.inf if measured else now - self._clear_at
+            seconds = hold_age(info.held_back_seconds, since_clear, age)
+            if seconds != info.held_back_seconds:
+                info = replace(info, held_back_seconds=seconds)
+        else:
+            self._clear_at = now
         self._warner.observe(info)
         self.last_info = info
         return info
+
+
+def hold_age(staleness: float, since_clear: float, blocker_age: float | None) -> float:
+    """How long rows have been held back, as a horizon guard reports it.
+
+    ``staleness`` is what the guard measured (how long its bound has not moved
+    past the withheld rows); it counts time the guard did not look, so the
+    first held-back fetch after an idle sleep reported the whole sleep
+    (``held back for 300s`` of a writer's transaction a few milliseconds old),
+    reaching ``status``, the ``visibility_held_back_seconds`` metric, the
+    held-back WARNING and the runner's held-back waits. A hold began after the
+    last report that found nothing held back (``since_clear`` ago), and no
+    earlier than the transaction that causes it (``blocker_age``, when known):
+    the age reported is the least of the three, never negative.
+    """
+    bound = min(staleness, since_clear)
+    if blocker_age is not None:
+        bound = min(bound, blocker_age)
+    return max(0.0, bound)
 
 
 def greater(a: Any, b: Any) -> bool:
@@ -146,4 +186,5 @@ __all__ = [
     "HorizonActive",
     "HorizonGuard",
     "greater",
+    "hold_age",
 ]

@@ -233,6 +233,11 @@ class _SnapshotActive(HorizonActive):
                 if found.gid is not None:
                     detail = f"prepared transaction {found.gid!r}"
         conn.rollback()
+        # The xmin does not move while nothing runs: after an idle sleep a new
+        # writer's transaction takes the very id it stood at, and the time since
+        # it last moved is the whole sleep. _reported bounds it by the last report
+        # that found nothing held and by the blocking transaction's age (a
+        # prepared one's counts from its PREPARE only: no bound).
         info = FetchInfo(
             mode=self.mode,
             horizon=xmin,
@@ -242,7 +247,7 @@ class _SnapshotActive(HorizonActive):
             blocking_xact_age_seconds=age,
             blocking_detail=detail,
         )
-        return self._reported(info)
+        return self._reported(info, blocker_age_bounds=detail is None)
 
 
 # --- transaction horizon (pg_stat_activity) -----------------------------------
@@ -412,7 +417,8 @@ class _ActivityActive(HorizonActive):
         if self._next_info is None:  # the cached bound: nothing new to report
             return self.last_info
         info = self._next_info
-        return self._reported(info)
+        # A prepared transaction's age counts from its PREPARE only: no bound.
+        return self._reported(info, blocker_age_bounds=info.blocking_detail is None)
 
 
 def _value(probe: _Probe | None) -> Any:

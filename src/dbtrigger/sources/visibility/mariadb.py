@@ -207,6 +207,7 @@ class _State:
     blocker: Any = None
     stale_cache: bool = False
     first_seen: float = field(default_factory=time.monotonic)
+    held_since: Decimal | None = None  # the first observation of the current hold (epoch)
     last_attempt: float = -math.inf
     observations: int = 0  # fresh ones
     stale_reads: int = 0  # reads of INNODB_TRX that found it not refilled
@@ -416,7 +417,11 @@ class _InnoDbActive(HorizonActive):
         with self._lock:
             self._state.stale = True
             info = self._info(self._state, position, newest)
-        return self._reported(info)
+        # A timestamp bound that nothing open holds is this second's start (the
+        # precision's step): the time into it is all the guard measured, and the
+        # runner's next wait ends with it (pacing.held_back_delay).
+        unblocked = info.blocking_pid is None and info.blocking_detail is None
+        return self._reported(info, measured=bool(self._timestamp) and unblocked)
 
     def _info(
         self, state: _State, position: Position, newest: tuple[Any, Decimal | None] | None = None
@@ -459,7 +464,10 @@ class _InnoDbActive(HorizonActive):
             beyond = newest is not None and greater(newest, state.bound)
         held = beyond and (position.is_beginning or greater(newest, position.cursor))
         if not held:
+            state.held_since = None
             return FetchInfo(self.mode, horizon)
+        if state.held_since is None:
+            state.held_since = observation.at
         since = state.bound_at
         waited = (
             float(observation.at - since)
@@ -471,6 +479,12 @@ class _InnoDbActive(HorizonActive):
         trx: str | None = None
         detail: str | None = None
         blocker = state.blocker
+        if blocker is None and not self._timestamp:
+            # Nothing was open at the observation: the rows wait only for the next
+            # sample of an AUTO_INCREMENT cursor (one observation), not for a
+            # transaction. The bound's sample can be from before an idle sleep;
+            # the hold is as old as the first observation that saw it.
+            waited = min(waited, float(observation.at - state.held_since))
         if isinstance(blocker, Writer):
             pid, trx = blocker.thread_id, blocker.trx_id
             if blocker.started is not None:

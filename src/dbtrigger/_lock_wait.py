@@ -49,6 +49,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
+from dbtrigger._mysql_holders import mysql_holders_words
 from dbtrigger.errors import ConfigurationError, RetryableError
 
 #: How long a db.output / DbWriter write waits for a lock held by another
@@ -234,7 +235,7 @@ def lock_holders(engine: Engine, table: str, schema: str | None) -> str:
             if dialect == "postgresql":
                 return _pg_holders(conn, table, schema)
             if dialect in ("mysql", "mariadb"):
-                return _mysql_holders(conn)
+                return _mysql_holders(conn, table, schema)
     except SQLAlchemyError:
         return ""
     return ""
@@ -421,25 +422,14 @@ def _pg_holders(conn: Connection, table: str, schema: str | None) -> str:
     return pg_holders_words(rows)
 
 
-def _mysql_holders(conn: Connection) -> str:
-    rows = conn.execute(
-        sa.text(
-            "SELECT t.trx_mysql_thread_id, TIMESTAMPDIFF(SECOND, t.trx_started, NOW()), "
-            "t.trx_rows_locked, p.COMMAND FROM information_schema.INNODB_TRX t "
-            "LEFT JOIN information_schema.PROCESSLIST p ON p.ID = t.trx_mysql_thread_id "
-            "WHERE t.trx_mysql_thread_id <> CONNECTION_ID() "
-            "AND (t.trx_rows_locked > 0 OR t.trx_tables_locked > 0) "
-            "ORDER BY t.trx_started LIMIT 3"
-        )
-    ).fetchall()
-    parts = [
-        f"connection {thread} ({command or 'unknown'}, transaction open for {age} s, "
-        f"{locked} row(s) locked)"
-        for thread, age, locked, command in rows
-    ]
-    if not parts:
-        return ""
-    return "probably held by " + "; ".join(parts) + " (KILL <connection> ends one)"
+def _mysql_holders(conn: Connection, table: str, schema: str | None) -> str:
+    def run(sql: str, params: Mapping[str, Any]) -> Sequence[Sequence[Any]]:
+        try:
+            return conn.exec_driver_sql(sql, dict(params)).fetchall()
+        finally:
+            conn.rollback()
+
+    return mysql_holders_words(run, table, schema)
 
 
 __all__ = [

@@ -264,15 +264,18 @@ def drift(bind: Bind, table: str, *, schema: str | None = None) -> Drift:
         return find_drift(conn, table, schema)
 
 
-def log_table(engine: Engine, table: str, schema: str | None) -> sa.Table:
-    """The reflected log table of ``table``.
+def log_table(bind: Engine | sa.Connection, table: str, schema: str | None) -> sa.Table:
+    """The reflected log table of ``table`` (on ``bind``, a connection of its own of an
+    engine).
 
     Raises:
         ConfigurationError: the change log is not installed (names the command).
     """
     name = log_table_name(table)
     try:
-        with engine.connect() as conn:
+        if isinstance(bind, sa.Connection):
+            return reflect_sa_table(bind, name, schema)
+        with bind.connect() as conn:
             return reflect_sa_table(conn, name, schema)
     except ConfigurationError:
         raise ConfigurationError(
@@ -372,6 +375,7 @@ def prune(
             now=now,
             drop_unread_of=drop_unread_of,
             readers_at=readers_at,
+            lock_timeout_seconds=lock_timeout_seconds,
         )
     if not apply:
         return plan.rows
@@ -379,14 +383,19 @@ def prune(
         raise ConfigurationError(f"chunk must be >= 1, got {chunk}")
     if plan.top is None:
         return 0
-    log = log_table(engine, table, schema)
-    matched = log.c.dbt_seq <= plan.top
-    if plan.cutoff is not None:
-        matched = sa.and_(matched, log.c.dbt_changed_at < _db_time(engine, plan.cutoff))
     seconds = check_lock_timeout(
         INSTALL_LOCK_TIMEOUT if lock_timeout_seconds is None else lock_timeout_seconds
     )
     doing = f"pruning the change log of {table}"
+    name = log_table_name(table)
+    with (
+        ddl_gives_up(engine, name, schema, seconds, f"{doing} ({name})", _PRUNE_UNCHANGED),
+        bounded_transaction(engine, seconds) as conn,
+    ):
+        log = log_table(conn, table, schema)
+    matched = log.c.dbt_seq <= plan.top
+    if plan.cutoff is not None:
+        matched = sa.and_(matched, log.c.dbt_changed_at < _db_time(engine, plan.cutoff))
     registry = readers_table_name(table)
     lost = [name for name, count in plan.lost.items() if count]
     if lost:  # recorded first: an interrupted prune still tells the readers
@@ -460,22 +469,39 @@ def plan_prune(
     now: dt.datetime | None = None,
     drop_unread_of: Sequence[str] = (),
     readers_at: Mapping[str, int] | None = None,
+    lock_timeout_seconds: float | None = None,
 ) -> PrunePlan:
-    """What :func:`prune` with the same arguments would delete, keep and take (counted)."""
+    """What :func:`prune` with the same arguments would delete, keep and take (counted).
+
+    Its reads wait at most ``lock_timeout_seconds`` (None: 30 s) for a lock, as the
+    prune's deletes do: behind an ``ALTER TABLE`` of the log queued behind an open
+    transaction they waited for ever on PostgreSQL, and a day on MariaDB, on an
+    engine with no bound of its own (an application's, the CLI's). Giving up is a
+    :class:`~dbtrigger.errors.RetryableError` naming who holds locks on the log.
+    """
     if older_than is None and up_to_seq is None:
         raise ConfigurationError("prune needs older_than and/or up_to_seq (refusing to delete all)")
     if isinstance(drop_unread_of, str):
         raise ConfigurationError("drop_unread_of must be a list of reader names")
-    log = log_table(engine, table, schema)
-    conditions: list[sa.ColumnElement[bool]] = []
-    cutoff = None
-    if older_than is not None:
-        cutoff = (now or dt.datetime.now(dt.timezone.utc)) - older_than
-        conditions.append(log.c.dbt_changed_at < _db_time(engine, cutoff))
-    if up_to_seq is not None:
-        conditions.append(log.c.dbt_seq <= up_to_seq)
-    matched = sa.and_(*conditions)
-    with engine.connect() as conn:
+    seconds = check_lock_timeout(
+        INSTALL_LOCK_TIMEOUT if lock_timeout_seconds is None else lock_timeout_seconds
+    )
+    name = log_table_name(table)
+    doing = f"pruning the change log of {table} (reading {name})"
+    with (
+        ddl_gives_up(engine, name, schema, seconds, doing, _PRUNE_UNCHANGED),
+        bounded_transaction(engine, seconds) as conn,
+    ):
+        # (PostgreSQL's reflection waits behind a queued ALTER of the log too.)
+        log = log_table(conn, table, schema)
+        conditions: list[sa.ColumnElement[bool]] = []
+        cutoff = None
+        if older_than is not None:
+            cutoff = (now or dt.datetime.now(dt.timezone.utc)) - older_than
+            conditions.append(log.c.dbt_changed_at < _db_time(engine, cutoff))
+        if up_to_seq is not None:
+            conditions.append(log.c.dbt_seq <= up_to_seq)
+        matched = sa.and_(*conditions)
         readers = registered(conn, table, schema)
         if readers is None and up_to_seq is None:
             raise ConfigurationError(

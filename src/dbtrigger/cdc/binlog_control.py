@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -50,6 +50,7 @@ from dbtrigger._lock_wait import (
     mysql_bound_for_now,
     mysql_whole_seconds,
 )
+from dbtrigger._mysql_holders import Run, mysql_holders_words
 from dbtrigger.cdc.binlog_setup import current_user, translated
 from dbtrigger.cdc.snapshots import Snapshot
 from dbtrigger.errors import ConfigurationError, DbTriggerError, FetchError, SourcePermissionError
@@ -70,7 +71,8 @@ def _bounded_ddl(
 ) -> Iterator[pymysql.cursors.Cursor]:
     """A cursor whose statements wait at most :data:`DDL_LOCK_WAIT_SECONDS` for a
     metadata lock (the session's own bounds are set back after); giving up is a
-    :class:`~dbtrigger.errors.FetchError` (the next tick tries again) naming the table."""
+    :class:`~dbtrigger.errors.FetchError` (the next tick tries again) naming the table
+    and who may hold the lock (:func:`~dbtrigger._mysql_holders.mysql_holders_words`)."""
     wait = mysql_whole_seconds(DDL_LOCK_WAIT_SECONDS)
     with conn.cursor() as cur:
         cur.execute(mysql_bound_for_now(DDL_LOCK_WAIT_SECONDS))
@@ -79,10 +81,13 @@ def _bounded_ddl(
         except pymysql.MySQLError as exc:
             if not lock_timed_out(exc):
                 raise
+            holders = mysql_holders_words(_runner(conn), table, database)
             raise FetchError(
                 f"{doing} {database}.{table} waited {wait} s for a metadata lock another "
                 "session holds (a transaction left open on the table, or a backup blocking "
-                "DDL) and gave up; nothing was changed, the next tick tries again. End that "
+                "DDL) and gave up"
+                + (f": {holders}" if holders else "")
+                + "; nothing was changed, the next tick tries again. End that "
                 f"transaction or backup ({type(exc).__name__} {exc.args[0]})",
                 table=f"{database}.{table}",
                 seconds=wait,
@@ -90,6 +95,17 @@ def _bounded_ddl(
         finally:
             with contextlib.suppress(pymysql.MySQLError):
                 cur.execute(MYSQL_BOUND_SET_BACK)
+
+
+def _runner(conn: pymysql.connections.Connection[Any]) -> Run:
+    """:data:`~dbtrigger._mysql_holders.Run` on a PyMySQL connection."""
+
+    def run(sql: str, params: Mapping[str, Any]) -> Sequence[Sequence[Any]]:
+        with conn.cursor() as cur:
+            cur.execute(sql, dict(params))
+            return list(cur.fetchall())
+
+    return run
 
 
 def _execute_or_explain(

@@ -152,7 +152,10 @@ def execute_or_explain(
 
     Raises:
         SourcePermissionError: the role may not run them (with the SQL to run).
-        RetryableError: a lock was not granted in time; nothing changed.
+        FetchError: a lock was not granted in time; nothing changed. The source's
+            own objects are made at its first read, so this is the contract's
+            failed read (a :class:`~dbtrigger.errors.RetryableError`), as on MariaDB
+            (:mod:`dbtrigger.cdc.binlog_control`).
     """
     try:
         with ddl_lock_bounded(
@@ -164,6 +167,7 @@ def execute_or_explain(
             tables=tables,
             unknown="a CREATE INDEX, VACUUM or ALTER TABLE of the table, or a transaction "
             "left open on it",
+            error=FetchError,
         ):
             for statement in statements:
                 conn.execute(statement)
@@ -186,10 +190,11 @@ def ddl_lock_bounded(
     *,
     tables: Sequence[str] = (),
     unknown: str = "",
+    error: type[RetryableError] = RetryableError,
 ) -> Iterator[None]:
     """One transaction on ``conn`` (its errors translated as ``doing``) whose statements
-    wait at most ``seconds`` for a lock. One that gave up is a
-    :class:`~dbtrigger.errors.RetryableError`: ``{doing} waited {seconds} s for a lock
+    wait at most ``seconds`` for a lock. One that gave up is an ``error`` (a
+    :class:`~dbtrigger.errors.RetryableError`): ``{doing} waited {seconds} s for a lock
     another transaction holds and gave up: {who holds locks on tables, else unknown};
     {then}`` (what was left as it was, and what to do)."""
     try:
@@ -200,7 +205,7 @@ def ddl_lock_bounded(
         if exc.__cause__ is None or not lock_timed_out(exc.__cause__):
             raise
         holders = _holders(conn, tables) or unknown
-        raise RetryableError(
+        raise error(
             f"{doing} waited {seconds:g} s for a lock another transaction holds and gave up"
             + (f": {holders}" if holders else "")
             + f"; {then}"

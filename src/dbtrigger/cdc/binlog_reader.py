@@ -53,6 +53,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dbtrigger.cdc import binlog_values
 from dbtrigger.cdc.assembly import Assembly, SchemaBreak, SchemaGuard, keyless
 from dbtrigger.cdc.binlog_setup import TableInfo
 from dbtrigger.cdc.buffer import Transaction
@@ -243,6 +244,7 @@ class Assembler(Assembly[TableInfo, str]):
         self.names_from_log = names_from_log
         self.shapes: dict[int, RowShape | None] = {}
         self._signatures: dict[int, list[tuple[str, str]]] = {}
+        self._converters: dict[int, tuple[binlog_values.Converter | None, ...] | None] = {}
         self._checked: set[int] = set()
         self._explicit = False
         self.first_commit: str | None = None
@@ -299,6 +301,9 @@ class Assembler(Assembly[TableInfo, str]):
         if gone and problem is None:  # renamed or dropped: changes would come without a key
             problem = keyless(table, gone)
         self.shapes[event.table_id] = RowShape(table, names, info.key_columns)
+        self._converters[event.table_id] = binlog_values.converters(
+            columns, names, dict(info.columns)
+        )
         self._signatures[event.table_id] = [
             (n, f"{c.type}{'u' if getattr(c, 'unsigned', False) else ''}")
             for n, c in zip(names, columns, strict=True)
@@ -336,13 +341,21 @@ class Assembler(Assembly[TableInfo, str]):
             if problem is not None:
                 self.schema_break = SchemaBreak(current.commit, problem)
                 return
+            convert = self._converters.get(event.table_id)
             if kind == "U":
-                before = tuple(row["before_values"].values())
-                self.keep((shape, "U", before, tuple(row["after_values"].values())))
-            elif kind == "I":
-                self.keep((shape, "I", None, tuple(row["values"].values())))
+                before = binlog_values.values(
+                    row["before_values"], row.get("before_none_sources"), convert
+                )
+                after = binlog_values.values(
+                    row["after_values"], row.get("after_none_sources"), convert
+                )
+                self.keep((shape, "U", before, after))
             else:
-                self.keep((shape, "D", tuple(row["values"].values()), None))
+                image = binlog_values.values(row["values"], row.get("none_sources"), convert)
+                if kind == "I":
+                    self.keep((shape, "I", None, image))
+                else:
+                    self.keep((shape, "D", image, None))
 
     def _chunk(self, event: Any, kind: str) -> None:
         for row in event.rows:

@@ -1,0 +1,142 @@
+"""Binlog row values made the values a query of the same row gives.
+
+The replication package decodes a few column types differently from PyMySQL,
+which reads the table for a snapshot chunk (and for cursor polling): a ``SET``
+comes as a Python ``set`` (and an empty one as None, as if NULL), a ``BIT(n)``
+as a text of ``0``/``1`` digits, MariaDB's ``UUID`` and ``INET6`` as their 16
+stored bytes, a ``BINARY(n)`` (those two included) without the zero bytes it
+ends with (the log stores it so), and an empty binary value as the text
+``''``. One row would then have one value (and for a ``UUID`` key, one
+key) in its snapshot event and another in every change after it: a consumer
+keyed by ``pk`` saw two rows, and a set's ``repr`` (its image's CRC in the
+history) changed from process to process. So each table map gets a converter
+per column that turns the decoded value into what the query returns:
+``'a,c'`` (members in definition order, ``''`` when empty), ``bytes`` of the
+column's width, and the canonical text of the UUID or address.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+Converter = Callable[[Any, str | None], Any]
+"""(decoded value, the package's reason for a None or None) -> the query's value."""
+
+_SET = 248  # pymysqlreplication.constants.FIELD_TYPE.SET
+_BIT = 16  # FIELD_TYPE.BIT
+EMPTY_SET = "empty set"  # pymysqlreplication.constants.NONE_SOURCE.EMPTY_SET
+
+
+def _set(members: Sequence[str]) -> Converter:
+    def convert(value: Any, none_source: str | None) -> Any:
+        if value is None:
+            return "" if none_source == EMPTY_SET else None
+        if isinstance(value, (set, frozenset)):
+            return ",".join(m for m in members if m in value)
+        return value
+
+    return convert
+
+
+def _bit(width: int) -> Converter:
+    def convert(value: Any, none_source: str | None) -> Any:
+        if isinstance(value, str) and value and set(value) <= {"0", "1"}:
+            return int(value, 2).to_bytes(width, "big")
+        return value
+
+    return convert
+
+
+def _binary(width: int) -> Converter:
+    """Bytes (``''`` when empty), padded with the zero bytes the log left off to ``width``."""
+
+    def convert(value: Any, none_source: str | None) -> Any:
+        if value == "":
+            value = b""
+        if isinstance(value, (bytes, bytearray)) and len(value) < width:
+            return bytes(value).ljust(width, b"\0")
+        return value
+
+    return convert
+
+
+_VARBINARY = _binary(0)
+_BYTES16 = _binary(16)
+
+
+def _uuid(value: Any, none_source: str | None) -> Any:
+    value = _BYTES16(value, none_source)
+    if isinstance(value, (bytes, bytearray)) and len(value) == 16:
+        return str(uuid.UUID(bytes=bytes(value)))
+    return value
+
+
+def inet6_text(raw: bytes) -> str:
+    """An ``INET6`` value as MariaDB prints it (IPv4-mapped and -compatible in dotted form)."""
+    address = ipaddress.IPv6Address(raw)
+    mapped = address.ipv4_mapped
+    if mapped is not None:
+        return f"::ffff:{mapped}"
+    if raw[:12] == bytes(12) and int.from_bytes(raw[12:], "big") > 1:
+        return f"::{ipaddress.IPv4Address(raw[12:])}"
+    return address.compressed
+
+
+def _inet6(value: Any, none_source: str | None) -> Any:
+    value = _BYTES16(value, none_source)
+    if isinstance(value, (bytes, bytearray)) and len(value) == 16:
+        return inet6_text(bytes(value))
+    return value
+
+
+_BY_CATALOG_TYPE: Mapping[str, Converter] = {
+    "uuid": _uuid,
+    "inet6": _inet6,
+    **dict.fromkeys(("varbinary", "tinyblob", "blob", "mediumblob", "longblob"), _VARBINARY),
+}
+
+
+def converters(
+    columns: Sequence[Any], names: Sequence[str], catalog: Mapping[str, str]
+) -> tuple[Converter | None, ...] | None:
+    """One converter (or None) per column of a table map; None when no column needs one.
+
+    ``columns`` are the table map's columns, ``names`` their names, ``catalog``
+    each column's ``information_schema`` ``DATA_TYPE`` now (``UUID``, ``INET6``
+    and binary strings are strings in the log, told apart only by the catalog).
+    """
+    out: list[Converter | None] = []
+    for column, name in zip(columns, names, strict=False):
+        kind = getattr(column, "type", None)
+        if kind == _SET and getattr(column, "set_values", None):
+            out.append(_set(tuple(column.set_values)))
+        elif kind == _BIT:
+            out.append(_bit(int(getattr(column, "bytes", 0)) or 1))
+        elif catalog.get(name) == "binary":
+            out.append(_binary(int(getattr(column, "max_length", 0) or 0)))
+        else:
+            out.append(_BY_CATALOG_TYPE.get(catalog.get(name, "")))
+    return tuple(out) if any(c is not None for c in out) else None
+
+
+def values(
+    image: Mapping[str, Any],
+    none_sources: Mapping[str, str] | None,
+    convert: Sequence[Converter | None] | None,
+) -> tuple[Any, ...]:
+    """A decoded row image as the value tuple the query of the row gives."""
+    raw = tuple(image.values())
+    if convert is None:
+        return raw
+    sources = none_sources or {}
+    names = tuple(image.keys())
+    return tuple(
+        v if c is None else c(v, sources.get(n))
+        for v, c, n in zip(raw, convert, names, strict=False)
+    )
+
+
+__all__ = ["Converter", "converters", "inet6_text", "values"]

@@ -1,0 +1,101 @@
+"""BinlogSource: a row's values are the same in its snapshot event, in every change read
+from the binary log, and in a query of the table.
+
+The replication package decoded ``SET`` as a Python set (an empty one as None), ``BIT``
+as a text of digits and MariaDB's ``UUID``/``INET6`` as their stored bytes, while the
+snapshot (a query) gave ``'a,c'``, bytes and text: a ``UUID`` key named one row twice.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pymysql
+import pytest
+
+from dbtrigger import InMemoryCheckpointStore, PollTrigger, RowChange
+from dbtrigger.cdc import BinlogSource
+from dbtrigger.cdc.binlog_values import inet6_text
+from tests.cdc_servers import BinlogDatabase
+
+pytestmark = pytest.mark.timeout(120)
+
+ADDRESSES = [
+    "::ffff:1.2.3.4",
+    "::1.2.3.4",
+    "::1",
+    "::",
+    "2001:db8::1",
+    "2001:db8::",
+    "1:0:0:1::1",
+    "fe80::1:0:0:1",
+    "1:2:3:4:5:6:7:8",
+]
+
+
+def test_snapshot_and_log_events_carry_the_values_a_query_gives(
+    binlog_db: BinlogDatabase,
+) -> None:
+    binlog_db.execute(
+        "CREATE TABLE t (id UUID PRIMARY KEY, n INT, flags SET('a','b','c'), "
+        "b1 BIT(1), b10 BIT(10), b64 BIT(64), addr INET6, bin BINARY(4), vb VARBINARY(8))"
+    )
+    values = [
+        (str(uuid.uuid4()), "c,a", "b'1'", "b'1000000001'", "b'1'", ADDRESSES[0]),
+        (str(uuid.uuid1()), "", "b'0'", "b'0'", "b'1111111111111111'", ADDRESSES[1]),
+        (str(uuid.uuid4()), "b", "NULL", "b'11'", "NULL", ADDRESSES[2]),
+        ("a0eebc99-9c0b-4ef8-bb6d-6bb9bd380000", None, "b'1'", "b'0'", "b'0'", None),
+    ] + [(str(uuid.uuid4()), "a,b,c", "b'1'", "b'10'", "b'101'", a) for a in ADDRESSES[3:]]
+    binary = [(b"\x01\0\0\0", b""), (b"\0\0\0\0", b"\0\0"), (None, None), (b"ab\0\0", b"x\0")]
+    conn = binlog_db.connect(cursorclass=pymysql.cursors.DictCursor)
+    with conn.cursor() as cur:
+        for i, (key, flags, b1, b10, b64, addr) in enumerate(values):
+            cur.execute(
+                f"INSERT INTO t VALUES (%s, 1, %s, {b1}, {b10}, {b64}, %s, %s, %s)",
+                (key, flags, addr, *binary[i % len(binary)]),
+            )
+    conn.commit()
+    got: list[RowChange] = []
+    trigger = PollTrigger(
+        name=f"p_{uuid.uuid4().hex[:8]}",
+        source=BinlogSource(binlog_db.url, ["t"]),
+        checkpoint_store=InMemoryCheckpointStore(),
+        batch_size=50,
+    )
+    trigger.drain(got.extend)  # the snapshot
+    binlog_db.execute("UPDATE t SET n = 2")
+    trigger.drain(got.extend)
+    with conn.cursor() as cur:
+        cur.execute("SELECT * FROM t")
+        table: dict[str, dict[str, Any]] = {r["id"]: dict(r) for r in cur.fetchall()}
+    binlog_db.execute("DELETE FROM t")
+    trigger.drain(got.extend)
+    conn.close()
+
+    rows = len(values)
+    assert [e.op for e in got] == ["upsert"] * rows + ["update"] * rows + ["delete"] * rows
+    for event in got:
+        key = event.pk["id"]
+        assert isinstance(key, str)
+        assert key in table, event.pk  # one key for the row in every event
+        images = [event.after] if event.op == "upsert" else []
+        images += [event.before] if event.op == "delete" else []
+        images += [event.before, event.after] if event.op == "update" else []
+        for image in images:
+            assert image is not None
+            assert {**image, "n": 0} == {**table[key], "n": 0}, event.op
+    assert all(event.op != "update" or event.after["n"] == 2 for event in got)  # type: ignore[index]
+
+
+@pytest.mark.parametrize("text", ADDRESSES)
+def test_inet6_text_is_the_server_s(binlog_db: BinlogDatabase, text: str) -> None:
+    conn = binlog_db.connect()
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT CAST(CAST(%s AS INET6) AS BINARY(16)), CAST(CAST(%s AS INET6) AS CHAR)",
+            (text, text),
+        )
+        stored, printed = cur.fetchone()
+    conn.close()
+    assert inet6_text(bytes(stored)) == printed == text

@@ -40,9 +40,10 @@ def held_back_delay(held_ticks: int, interval: float, held_seconds: float | None
       waits grow from the first again rather than jumping to the count's
       doubling (the ticks of the young second count too).
 
-    The age only ever shortens the doubling: a hold's first tick after an idle
-    sleep can report the whole sleep (the guard's bound last moved before it),
-    and is no old hold.
+    The age only ever shortens the doubling: it is an upper bound (the guards
+    bound it by their last report that found nothing held and by the blocking
+    transaction's age, :func:`~dbtrigger.sources.visibility.held_back.hold_age`),
+    so a hold reported old may still end at once.
 
     Why not the interval: the rows are committed and only wait for transactions
     that were open at the guard's probe, which for a writer's own transaction

@@ -2,8 +2,10 @@
 from the binary log, and in a query of the table.
 
 The replication package decoded ``SET`` as a Python set (an empty one as None), ``BIT``
-as a text of digits and MariaDB's ``UUID``/``INET6`` as their stored bytes, while the
-snapshot (a query) gave ``'a,c'``, bytes and text: a ``UUID`` key named one row twice.
+as a text of digits, MariaDB's ``UUID``/``INET6`` as their stored bytes, ``BINARY(n)``
+without its trailing zero bytes, ``FLOAT`` as the float32's exact double and the year
+0000 as 1900, while the snapshot (a query) gave ``'a,c'``, bytes, text, ``0.1`` and 0:
+a ``UUID`` key named one row twice.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ def test_snapshot_and_log_events_carry_the_values_a_query_gives(
 ) -> None:
     binlog_db.execute(
         "CREATE TABLE t (id UUID PRIMARY KEY, n INT, flags SET('a','b','c'), "
-        "b1 BIT(1), b10 BIT(10), b64 BIT(64), addr INET6, bin BINARY(4), vb VARBINARY(8))"
+        "b1 BIT(1), b10 BIT(10), b64 BIT(64), addr INET6, bin BINARY(4), vb VARBINARY(8), "
+        "f FLOAT, y YEAR)"
     )
     values = [
         (str(uuid.uuid4()), "c,a", "b'1'", "b'1000000001'", "b'1'", ADDRESSES[0]),
@@ -47,13 +50,14 @@ def test_snapshot_and_log_events_carry_the_values_a_query_gives(
         (str(uuid.uuid4()), "b", "NULL", "b'11'", "NULL", ADDRESSES[2]),
         ("a0eebc99-9c0b-4ef8-bb6d-6bb9bd380000", None, "b'1'", "b'0'", "b'0'", None),
     ] + [(str(uuid.uuid4()), "a,b,c", "b'1'", "b'10'", "b'101'", a) for a in ADDRESSES[3:]]
+    floats = [(0.1, 2026), (123456.7, 0), (None, None), (12345.678, 1901), (3.4e38, 2155)]
     binary = [(b"\x01\0\0\0", b""), (b"\0\0\0\0", b"\0\0"), (None, None), (b"ab\0\0", b"x\0")]
     conn = binlog_db.connect(cursorclass=pymysql.cursors.DictCursor)
     with conn.cursor() as cur:
         for i, (key, flags, b1, b10, b64, addr) in enumerate(values):
             cur.execute(
-                f"INSERT INTO t VALUES (%s, 1, %s, {b1}, {b10}, {b64}, %s, %s, %s)",
-                (key, flags, addr, *binary[i % len(binary)]),
+                f"INSERT INTO t VALUES (%s, 1, %s, {b1}, {b10}, {b64}, %s, %s, %s, %s, %s)",
+                (key, flags, addr, *binary[i % len(binary)], *floats[i % len(floats)]),
             )
     conn.commit()
     got: list[RowChange] = []

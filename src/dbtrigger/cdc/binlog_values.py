@@ -5,14 +5,18 @@ which reads the table for a snapshot chunk (and for cursor polling): a ``SET``
 comes as a Python ``set`` (and an empty one as None, as if NULL), a ``BIT(n)``
 as a text of ``0``/``1`` digits, MariaDB's ``UUID`` and ``INET6`` as their 16
 stored bytes, a ``BINARY(n)`` (those two included) without the zero bytes it
-ends with (the log stores it so), and an empty binary value as the text
-``''``. One row would then have one value (and for a ``UUID`` key, one
+ends with (the log stores it so), an empty binary value as the text ``''``, a
+``FLOAT`` as the single-precision number's exact double (``0.10000000149011612``
+where the query gives ``0.1``, printed with 6 significant digits) and the
+year ``0000`` as 1900. One row would then have one value (and for a ``UUID`` key, one
 key) in its snapshot event and another in every change after it: a consumer
 keyed by ``pk`` saw two rows, and a set's ``repr`` (its image's CRC in the
 history) changed from process to process. So each table map gets a converter
 per column that turns the decoded value into what the query returns:
 ``'a,c'`` (members in definition order, ``''`` when empty), ``bytes`` of the
-column's width, and the canonical text of the UUID or address.
+column's width, the canonical text of the UUID or address, the float rounded
+as the server prints it, and 0. (``FLOAT(M,D)``, printed with ``D`` decimals,
+still differs.)
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ Converter = Callable[[Any, str | None], Any]
 
 _SET = 248  # pymysqlreplication.constants.FIELD_TYPE.SET
 _BIT = 16  # FIELD_TYPE.BIT
+_FLOAT = 4  # FIELD_TYPE.FLOAT
+_YEAR = 13  # FIELD_TYPE.YEAR
+_YEAR_ZERO = 1900  # the package's YEAR is the stored byte + 1900; 0 is the year 0000
 EMPTY_SET = "empty set"  # pymysqlreplication.constants.NONE_SOURCE.EMPTY_SET
 
 
@@ -61,6 +68,17 @@ def _binary(width: int) -> Converter:
         return value
 
     return convert
+
+
+def _float(value: Any, none_source: str | None) -> Any:
+    """A ``FLOAT`` as the server prints it (6 significant digits), not the float32's double."""
+    if isinstance(value, float):
+        return float(f"{value:.6g}")
+    return value
+
+
+def _year(value: Any, none_source: str | None) -> Any:
+    return 0 if value == _YEAR_ZERO else value
 
 
 _VARBINARY = _binary(0)
@@ -115,6 +133,10 @@ def converters(
             out.append(_set(tuple(column.set_values)))
         elif kind == _BIT:
             out.append(_bit(int(getattr(column, "bytes", 0)) or 1))
+        elif kind == _FLOAT:
+            out.append(_float)
+        elif kind == _YEAR:
+            out.append(_year)
         elif catalog.get(name) == "binary":
             out.append(_binary(int(getattr(column, "max_length", 0) or 0)))
         else:

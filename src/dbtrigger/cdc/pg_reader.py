@@ -166,6 +166,14 @@ class Decoder(Assembly[TableInfo, int]):
         table = f"{message.namespace}.{message.name}"
         info = self.watched.get(table)
         if info is None:
+            # A change made before the table was renamed (ALTER TABLE ... RENAME) carries
+            # the name it had then; the OID stays. Matched by name only, the changes a
+            # source re-pointed at the new name still had to read were skipped silently.
+            table, info = next(
+                ((t, i) for t, i in self.watched.items() if i.oid == message.oid),
+                (table, None),
+            )
+        if info is None:
             self.relations.pop(message.oid, None)  # a table we do not watch (shared publication)
             return
         relation = RelationInfo.build(

@@ -422,7 +422,13 @@ class PgLogicalSource(LogSource):
         and set up again at the next read: a table created again has new columns; the
         snapshot the error asks for is looked for at once)."""
         try:
-            setup.check_still_published(conn, self.publication, self.tables, poller=self.poller)
+            setup.check_still_published(
+                conn,
+                self.publication,
+                self.tables,
+                poller=self.poller,
+                oids={q: info.oid for q, info in self.infos.items()},
+            )
         except SourceDefinitionError:
             self._ready = False
             self.drop_reader()

@@ -237,8 +237,13 @@ class Assembler(Assembly[TableInfo, str]):
         reader: str,
         names_from_log: bool,
         on_truncate: Callable[[str, str], None] | None = None,
+        column_types: Callable[[str], Mapping[str, str] | None] | None = None,
     ) -> None:
         super().__init__(watched, guard, on_truncate)
+        #: A table's column types read again (a column added since ``watched`` was read).
+        self.column_types = column_types
+        self._catalogs: dict[str, Mapping[str, str]] = {}
+        self._asked: dict[str, set[str]] = {}
         self.chunks_table = chunks_table
         self.reader = reader
         self.names_from_log = names_from_log
@@ -302,7 +307,7 @@ class Assembler(Assembly[TableInfo, str]):
             problem = keyless(table, gone)
         self.shapes[event.table_id] = RowShape(table, names, info.key_columns)
         self._converters[event.table_id] = binlog_values.converters(
-            columns, names, dict(info.columns)
+            columns, names, self._catalog(table, info, names)
         )
         self._signatures[event.table_id] = [
             (n, f"{c.type}{'u' if getattr(c, 'unsigned', False) else ''}")
@@ -310,6 +315,17 @@ class Assembler(Assembly[TableInfo, str]):
         ]
         self._checked.discard(event.table_id)
         self.note_problem(event.table_id, problem)
+
+    def _catalog(self, table: str, info: TableInfo, names: Sequence[str]) -> Mapping[str, str]:
+        """Each column's ``DATA_TYPE``, read again when the log has a column the last
+        reading lacked (its values need the type: ``UUID``, binary)."""
+        known = self._catalogs.get(table) or dict(info.columns)
+        new = {n for n in names if n not in known} - self._asked.get(table, set())
+        if self.column_types is not None and new:  # once per name: a dropped one stays unknown
+            known = self.column_types(table) or known
+            self._asked.setdefault(table, set()).update(new)
+        self._catalogs[table] = known
+        return known
 
     def _problem(self, table_id: int, table: str) -> str | None:
         """The type change this table map shows, checked when its first row is kept (a

@@ -47,7 +47,7 @@ from dbtrigger.cdc.binlog_snapshot import SnapshotWriter
 from dbtrigger.cdc.log_source import SNAPSHOTS, LogReader, LogSource, log
 from dbtrigger.cdc.position import LogPosition
 from dbtrigger.cdc.snapshots import Snapshot
-from dbtrigger.errors import ConfigurationError, FetchError, SlotLostError
+from dbtrigger.errors import ConfigurationError, DbTriggerError, FetchError, SlotLostError
 from dbtrigger.sources.base import SourceFinding
 
 #: How long a worker waits for another worker of its poller to finish setting up.
@@ -300,8 +300,18 @@ class BinlogSource(LogSource):
             reader=self.reader,
             names_from_log=facts.names_from_log,
             on_truncate=self.truncated,
+            column_types=self._column_types,
         )
         self.health.retention_warning(after, files)
+
+    def _column_types(self, table: str) -> dict[str, str] | None:
+        """``table``'s column types now (None when they cannot be read: a read goes on)."""
+        database, _, name = table.partition(".")
+        try:
+            infos = setup.table_infos(self.connection(), [setup.TableName(database, name)])
+        except (DbTriggerError, pymysql.MySQLError, OSError):
+            return None
+        return dict(infos[table].columns) if table in infos else None
 
     def new_control_row(
         self,

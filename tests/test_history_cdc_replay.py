@@ -61,3 +61,38 @@ def test_replay_after_the_binary_log_was_purged_is_refused_with_the_reason(
     assert code == 2, out + err
     assert "purged the binary log files" in err
     assert sys.modules[name].seen == []  # nothing was delivered
+
+
+@pytest.mark.binlog
+def test_replay_of_a_batch_from_before_cdc_recreate_names_the_recreate_not_a_purge(
+    binlog_db: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The log still holds the batch, but its positions are of the reader generation
+    # before `cdc recreate`, which reads pass over: the refusal said the server had
+    # purged the binary log files, sending the operator after a retention setting.
+    binlog_db.execute("CREATE TABLE orders (id INT PRIMARY KEY, status VARCHAR(20))")
+    name = f"binlog_gen_{uuid.uuid4().hex[:8]}"
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    spec = _cdc_module(
+        tmp_path, name, f"BinlogSource({binlog_db.url!r}, ['orders'], snapshot='never')", "og"
+    )
+    module = importlib.import_module(name)
+    module.trigger.drain(module.handle)
+    binlog_db.execute("INSERT INTO orders VALUES (1, 'new'), (2, 'new')")
+    module.trigger.drain(module.handle)
+    module.trigger.source.close()
+    history = history_for(module.trigger.store)
+    assert history is not None
+    first = next(r for r in history.read("og") if r["type"] == "commit")["batch_id"]
+    assert main(["cdc", "recreate", spec, "--no-snapshot", "--yes"]) == 0
+    monkeypatch.delitem(sys.modules, name)
+    capsys.readouterr()
+    code = main(["replay", "og", "--batch", first, "--trigger", spec, "--verify"])
+    out, err = capsys.readouterr()
+    assert code != 0, out + err
+    assert "created again (dbtrigger cdc recreate) after this batch" in out + err
+    assert "purged" not in out + err

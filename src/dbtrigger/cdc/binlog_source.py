@@ -47,6 +47,7 @@ from dbtrigger.cdc.binlog_snapshot import SnapshotWriter
 from dbtrigger.cdc.log_source import SNAPSHOTS, LogReader, LogSource, log
 from dbtrigger.cdc.position import LogPosition
 from dbtrigger.cdc.snapshots import Snapshot
+from dbtrigger.cursor import Position
 from dbtrigger.errors import ConfigurationError, DbTriggerError, FetchError, SlotLostError
 from dbtrigger.sources.base import SourceFinding
 
@@ -303,6 +304,24 @@ class BinlogSource(LogSource):
             column_types=self._column_types,
         )
         self.health.retention_warning(after, files)
+
+    def replay_hint(self, position: Position) -> str | None:
+        """Why a recorded range ending at ``position`` is not read again, when retention
+        is not the reason: it is of an earlier reader generation (before ``cdc recreate``),
+        which every read passes over."""
+        where = LogPosition.of(position)
+        row = self.control_row
+        if where is None or row is None or row.generation is None:
+            return None
+        generation = Where.parse(where.commit).generation
+        if generation is not None and generation >= row.generation:
+            return None
+        return (
+            f"the reader was created again (dbtrigger cdc recreate) after this batch: its "
+            f"positions are of reader generation {generation}, and reads go on from where "
+            f"generation {row.generation} starts, so the batch cannot be read as it was "
+            "(the history keeps its keys and image CRCs)"
+        )
 
     def _column_types(self, table: str) -> dict[str, str] | None:
         """``table``'s column types now (None when they cannot be read: a read goes on)."""

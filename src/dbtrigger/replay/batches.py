@@ -172,6 +172,9 @@ def plan(
                 batch = compare(record, events, source, trigger.name, elsewhere)
         if exact and batch.identical and not batch.compared:
             batch = BatchReplay(dict(record), list(events), [], compared=True, identical=True)
+        replay_hint = getattr(source, "replay_hint", None)
+        if exact and not batch.identical and callable(replay_hint):
+            batch.hint = replay_hint(end) or ""
         batches.append(batch)
     return ReplayPlan(trigger.name, "exact" if exact else "reread", batches, retention_hint(source))
 

@@ -56,6 +56,8 @@ class BatchReplay:
     compared: bool = True
     #: The events' id and image digests match the recorded ones.
     identical: bool = False
+    #: Why the source cannot give this batch back, when it says (else the plan's hint).
+    hint: str = ""
 
     @property
     def recovered(self) -> bool:
@@ -115,7 +117,7 @@ class ReplayPlan:
                 f"batch {b.batch_id} cannot be replayed as it was: the log gives back "
                 f"{len(b.events)} of its {b.record.get('rows')} recorded event(s)"
                 + (f" ({gone} no longer in the log)" if gone else "")
-                + f" and they differ from the record: {hint}"
+                + f" and they differ from the record: {b.hint or hint}"
             )
         return out
 

@@ -84,6 +84,38 @@ def test_lanes_keep_a_key_together_in_batch_order() -> None:
     assert sorted(len(p) for p in split(odd, 4)) == [3, 3]
 
 
+def test_an_update_that_moved_a_row_to_another_key_keeps_both_keys_in_one_lane() -> None:
+    # A log source's `UPDATE t SET id = 40 WHERE id = 4` is one update event keyed 40 with
+    # the old key in `before`; a new row 4 inserted after it was keyed 4. In two lanes the
+    # insert could be handled before the update, whose handler removes row 4.
+    def change(i: int, op: str, key: int, before: dict[str, int] | None) -> RowChange:
+        after = {"id": key, "v": i}
+        return RowChange(
+            event_id=f"k{i}",
+            op=op,
+            source="s",
+            cursor=i,
+            pk={"id": key},
+            before=before,
+            after=after,
+        )
+
+    events = [
+        change(0, "insert", 4, None),
+        change(1, "update", 40, {"id": 4}),  # PostgreSQL's default replica identity: the key
+        change(2, "insert", 4, None),
+        change(3, "update", 400, {"id": 40, "v": 1}),  # a whole before image (MariaDB)
+        change(4, "update", 7, {"id": 7, "v": 0}),  # the key unchanged
+        *(change(5 + i, "insert", 100 + i, None) for i in range(6)),
+    ]
+    parts = split(events, 4)
+    lane = {e.event_id: n for n, part in enumerate(parts) for e in part}
+    assert lane["k0"] == lane["k1"] == lane["k2"] == lane["k3"]
+    together = next(part for part in parts if events[0] in part)
+    assert [e.event_id for e in together] == ["k0", "k1", "k2", "k3"]  # batch order
+    assert len(parts) == 4  # the other keys still spread
+
+
 def test_lanes_are_near_equal() -> None:
     """The batch waits for its slowest lane: distinct keys split evenly, and a
     key with many events is balanced against the others."""

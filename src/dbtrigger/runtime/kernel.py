@@ -174,24 +174,37 @@ def on_loop(
 # --- lanes ---------------------------------------------------------------------------
 
 
-def _key(event: RowChange) -> Hashable:
-    """The event's key as a dict key: its values (one source, one column
+def _key(event: RowChange, pk: Mapping[str, Any] | None = None) -> Hashable:
+    """The event's key (or ``pk``) as a dict key: its values (one source, one column
     order), or their canonical JSON when a value is not hashable. The split
     runs before any lane starts, so it must be cheap (the JSON form for every
     event was 5 ms of a 500-row batch)."""
-    values = tuple(event.pk.values())
+    pk = event.pk if pk is None else pk
+    values = tuple(pk.values())
     try:
         hash(values)
     except TypeError:
-        return pk_json(event.pk)
+        return pk_json(pk)
     return values
+
+
+def _moved_from(event: RowChange) -> Mapping[str, Any] | None:
+    """The key an update moved its row away from (a log's ``UPDATE ... SET id = 40
+    WHERE id = 4``: ``pk`` is the new key, ``before`` holds the old one), else None."""
+    before = event.before
+    if event.op != "update" or not before or any(name not in before for name in event.pk):
+        return None
+    old = {name: before[name] for name in event.pk}
+    return None if old == dict(event.pk) else old
 
 
 def split(events: Sequence[RowChange], lanes: int) -> list[list[RowChange]]:
     """The non-empty lanes of a batch, each in batch (cursor) order.
 
     All events of one key land in one lane, so one key is never handled by
-    two calls at once and its events arrive in order. Keys are dealt largest
+    two calls at once and its events arrive in order; an update that moved a
+    row to another key ties both keys to one lane (the old key's next change,
+    a new row under it, must not overtake the update that freed it). Keys are dealt largest
     group first to the least-loaded lane (ties: the lower lane), so lane sizes
     differ by at most the largest key's event count: the batch waits for its
     slowest lane (a hash of the key modulo N leaves the largest of 16 lanes of
@@ -200,6 +213,19 @@ def split(events: Sequence[RowChange], lanes: int) -> list[list[RowChange]]:
     if lanes <= 1 or len(events) <= 1:
         return [list(events)] if events else []
     keys = [_key(e) for e in events]
+    joined: dict[Hashable, Hashable] = {}  # key -> the key it shares a lane with
+
+    def root(key: Hashable) -> Hashable:
+        while key in joined:
+            key = joined[key]
+        return key
+
+    for event, key in zip(events, keys, strict=True):
+        old = _moved_from(event)
+        if old is not None and (a := root(key)) != (b := root(_key(event, old))):
+            joined[b] = a
+    if joined:
+        keys = [root(key) for key in keys]
     counts: dict[Hashable, int] = {}
     for key in keys:
         counts[key] = counts.get(key, 0) + 1

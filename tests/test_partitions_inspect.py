@@ -140,6 +140,25 @@ def test_status_shows_the_group_instead_of_its_documents(
     assert sum(p["lag_rows"] for p in one["partitions"]) == 70
 
 
+def test_status_with_only_source_uses_the_partitioned_pollers_own_store(
+    group: tuple[str, PartitionedPoller, PartitionedPoller],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``dbtrigger status --source app:orders`` naming a PartitionedPoller failed with
+    "no state store given: ... or name the poller's trigger with --source" - what it
+    had just been given - while a PollTrigger's --source brings its own store."""
+    module, _, _ = group
+    monkeypatch.delenv("DBTRIGGER_STORE", raising=False)
+    assert main(["status", "--source", f"{module}:trigger"]) == 0
+    assert "partitioned poller orders: 4 partitions, 2 member(s)" in capsys.readouterr().out
+    assert main(["status", "orders", "--source", f"{module}:trigger", "--json"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert sum(p["lag_rows"] for p in one["partitions"]) == 70
+    argv = ["history", "orders.p000-064", "--source", f"{module}:trigger"]
+    assert main(argv) == 0
+
+
 def test_reset_naming_a_partitioned_poller_says_its_partitions_change_one_by_one() -> None:
     """``dbtrigger reset orders`` on a partitioned poller said only that there was no
     state for 'orders' and that the store holds 'orders (partitioned)'."""

@@ -137,8 +137,8 @@ def store_from_args(args: argparse.Namespace) -> CheckpointStore:
             # `reset --accept-source MODULE:ATTR` names the trigger already:
             # the command the fingerprint error prints needs nothing else.
             loaded = load_source(args.accept_source)
-        if loaded is not None and loaded.trigger is not None:
-            return loaded.trigger.store
+        if loaded is not None and loaded.store is not None:
+            return loaded.store
         raise ConfigurationError(
             f"no state store given: pass --store, set {ENV_STORE}, or name the poller's "
             "trigger with --source MODULE:ATTR (its own store is used)"
@@ -185,6 +185,13 @@ def state_store(args: argparse.Namespace) -> Iterator[CheckpointStore]:
 class LoadedSource:
     source: SourceAdapter
     trigger: PollTrigger | None
+    #: The store of the trigger or partitioned poller named, which the state commands
+    #: read when no ``--store`` is given (None for a bare source adapter).
+    own_store: CheckpointStore | None = None
+
+    @property
+    def store(self) -> CheckpointStore | None:
+        return self.trigger.store if self.trigger is not None else self.own_store
 
     @property
     def batch_size(self) -> int | None:
@@ -200,7 +207,7 @@ def load_source(spec: str) -> LoadedSource:
     if loaded is not None and isinstance(loaded.trigger, PollTrigger):
         return LoadedSource(loaded.trigger.source, loaded.trigger)
     if loaded is not None and isinstance(loaded.trigger, PartitionedPoller):
-        return LoadedSource(loaded.trigger.source, None)
+        return LoadedSource(loaded.trigger.source, None, own_store=loaded.trigger.store)
     if isinstance(target, SourceAdapter):
         return LoadedSource(target, None)
     if claim_source_of(target) is not None:

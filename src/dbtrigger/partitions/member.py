@@ -46,6 +46,7 @@ from dbtrigger.names import validate_name
 from dbtrigger.partitions import cadence, layout
 from dbtrigger.partitions.balancing import Balancing, membership_key, partition_poller
 from dbtrigger.partitions.buckets import BUCKETS
+from dbtrigger.partitions.failures import PartitionBackoff
 from dbtrigger.partitions.inspect import GroupState, PartitionState, group_state
 from dbtrigger.partitions.layout import BalanceDecision, Membership
 from dbtrigger.partitions.loop import BalanceLoop
@@ -178,6 +179,7 @@ class PartitionedPoller(Balancing):
         self._joined = False  # claimed for the first time (the join window is over)
         self._was_joining = False  # the last cycle was one of the join window
         self._turn = 0
+        self._backoff = PartitionBackoff(self.name, monotonic)
         self._loop = BalanceLoop(
             self._cycle,
             self.leave,
@@ -278,7 +280,9 @@ class PartitionedPoller(Balancing):
         """Balance if due, then one tick of every owned partition (in rotating order).
 
         A partition that fails does not stop the others; the first error (an
-        operator error before any other) is raised after all had their turn.
+        operator error before any other) is raised after all had their turn,
+        and that partition sits out the rounds until its own backoff ends
+        (:mod:`~dbtrigger.partitions.failures`).
         A partition's tick stops after its batch in flight as soon as this
         member no longer owns it (a balance cycle gave it up or learnt it was
         stolen), so no further batch of it starts here. With ``subscribers=``
@@ -311,17 +315,9 @@ class PartitionedPoller(Balancing):
             if not self.background and self._loop.due():
                 self.balance()
             self.confirm_ownership(self._view_max_age)
-            trigger = self._triggers.get(pid)
-            if trigger is None or pid not in self.owned:
-                continue  # given up, stolen or regrouped since the round began
-            self._in_flight = (pid, self.monotonic())
-            try:
-                result = trigger.tick_result(handler, should_stop=self._stop_for(pid, should_stop))
-            except DbTriggerError as exc:
-                errors.append(exc)
+            result = self._tick_partition(pid, handler, should_stop, errors, len(owned))
+            if result is None:
                 continue
-            finally:
-                self._in_flight = None
             results.append(result)
             rows += result.rows
             batches += result.batches
@@ -329,11 +325,10 @@ class PartitionedPoller(Balancing):
             outcomes.add(result.outcome)
             handover = handover or self._handing_over(result)
         self._handover = handover
-        if errors:
-            raise next((e for e in errors if isinstance(e, OperatorError)), errors[0])
-        outcome = (
-            "committed" if rows else ("idle" if "idle" in outcomes or not owned else "lease_busy")
-        )
+        self._backoff.forget(set(self.owned))
+        failing = self._backoff.failing
+        idle = "idle" in outcomes or not owned or not (outcomes or set(owned) - set(failing))
+        outcome = "failed" if errors else "committed" if rows else "idle" if idle else "lease_busy"
         self.last_result = TickResult(
             rows,
             batches,
@@ -345,8 +340,37 @@ class PartitionedPoller(Balancing):
             waiting_retries=sum(r.waiting_retries for r in results),
             next_retry_at=min((r.next_retry_at for r in results if r.next_retry_at), default=None),
             window_withheld=sum(r.window_withheld for r in results),
+            failing_partitions=failing,
         )
+        if errors:
+            raise next((e for e in errors if isinstance(e, OperatorError)), errors[0])
         return self.last_result
+
+    def _tick_partition(
+        self,
+        pid: str,
+        handler: Handler | None,
+        should_stop: Callable[[], bool] | None,
+        errors: list[DbTriggerError],
+        owned: int,
+    ) -> TickResult | None:
+        """One partition's tick in a round; None when it was skipped or failed
+        (its error appended to ``errors``, its own backoff started)."""
+        trigger = self._triggers.get(pid)
+        if trigger is None or pid not in self.owned or self._backoff.waiting(pid):
+            return None  # given up, stolen or regrouped since the round began; failing
+        self._in_flight = (pid, self.monotonic())
+        try:
+            result = trigger.tick_result(handler, should_stop=self._stop_for(pid, should_stop))
+        except DbTriggerError as exc:
+            errors.append(exc)
+            if not isinstance(exc, OperatorError):
+                self._backoff.failed(pid, exc, owned - 1)
+            return None
+        finally:
+            self._in_flight = None
+        self._backoff.succeeded(pid)
+        return result
 
     def _stop_for(self, pid: str, should_stop: Callable[[], bool] | None) -> Callable[[], bool]:
         """Asked between a partition's batches: stop, or the partition is no longer ours."""

@@ -169,6 +169,15 @@ def backoff_delay(failures: int, interval: float, cap: float) -> float:
     return float(min(cap, base * 2 ** min(failures - 1, 30)))
 
 
+def isolated_failure(last: Any) -> bool:
+    """A failed tick of a partitioned member whose other partitions work: the
+    failing partitions back off on their own (``TickResult.failing_partitions``),
+    so the worker's next round comes at its usual pace, not after its backoff."""
+    if last is None or last.outcome != "failed":
+        return False
+    return 0 < len(getattr(last, "failing_partitions", ())) < (last.partitions or 0)
+
+
 __all__ = [
     "DEFAULT_MAX_BACKOFF_SECONDS",
     "HELD_BACK_FIRST_SECONDS",
@@ -180,5 +189,6 @@ __all__ = [
     "WakeHint",
     "backoff_delay",
     "held_back_delay",
+    "isolated_failure",
     "shortened",
 ]

@@ -70,6 +70,7 @@ from dbtrigger.runtime.pacing import (
     WakeHint,
     backoff_delay,
     held_back_delay,
+    isolated_failure,
     shortened,
 )
 from dbtrigger.runtime.progress import (
@@ -310,10 +311,10 @@ class Runner:
             return self._failed(exc, started)
         finally:
             self._in_tick = False
-        if self._failures:
+        if self._failures and not getattr(result, "failing_partitions", ()):
             self._recovered()
-        self._failures = 0
-        self._traced = None
+            self._failures = 0
+            self._traced = None
         self.stats.rows += result.rows
         self._idle_ticks = (
             0 if result.rows else (None if self._idle_ticks is None else self._idle_ticks + 1)
@@ -369,7 +370,9 @@ class Runner:
         last = self.trigger.last_result
         committed = last.rows if last is not None and last.outcome == "failed" else 0
         self.stats.rows += committed
-        delay = backoff_delay(self._failures, self.interval, self.max_backoff)
+        # A member whose other partitions work: the failing ones back off on their own.
+        failures = 1 if isolated_failure(last) else self._failures
+        delay = backoff_delay(failures, self.interval, self.max_backoff)
         next_at = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=delay)
         known = isinstance(exc, DbTriggerError)
         traced: BaseException | None = exc if not known else None

@@ -216,6 +216,9 @@ class TickResult:
     #: A partitioned member's tick: how many partitions it owned, each with a
     #: checkpoint of its own (None: a poller with one checkpoint, ``checkpoint``).
     partitions: int | None = None
+    #: A partitioned member's partitions whose last tick failed: each backs off on
+    #: its own, so the member's next round is due at the usual pace.
+    failing_partitions: tuple[str, ...] = ()
 
     @property
     def caught_up(self) -> bool:
@@ -225,6 +228,7 @@ class TickResult:
             and not self.held_back
             and not self.waiting_retries
             and not self.window_withheld
+            and not self.failing_partitions
         )
 
     def where(self) -> str:

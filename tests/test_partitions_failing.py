@@ -1,0 +1,72 @@
+"""A partition that keeps failing (a poison row, no dead-letter sink) holds back its
+own rows only: it backs off on its own while the member's other partitions go on.
+
+Before, the member's round raised and the worker backed the whole member off
+(doubling up to five minutes), so every healthy partition it owned waited as
+long, and the rows those partitions committed in the failing round were not
+counted in the worker's totals.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dbtrigger import FileCheckpointStore, RowChange
+from dbtrigger.errors import HandlerError
+from dbtrigger.partitions import PartitionedPoller, bucket_of
+from dbtrigger.runtime.runner import Runner
+from tests.databases import TestDatabase
+from tests.test_partitions_poller import Clock, insert, make_table, member
+
+POISON = 7
+
+
+def partition_of(poller: PartitionedPoller, key: int) -> str:
+    bucket = bucket_of([key])
+    assert poller.membership is not None
+    (pid,) = [p.id for p in poller.membership.partitions if p.lo <= bucket < p.hi]
+    return pid
+
+
+def test_a_failing_partition_backs_off_alone(sqlite_db: TestDatabase, tmp_path: Path) -> None:
+    make_table(sqlite_db, 40)
+    clock = Clock()
+    poller = member(sqlite_db, FileCheckpointStore(tmp_path / "state"), "a", clock)
+    seen: list[int] = []
+    poison_calls: list[int] = []
+
+    def handle(events: list[RowChange]) -> None:
+        if any(e.pk["id"] == POISON for e in events):
+            poison_calls.append(1)
+            raise ValueError("poison row")
+        seen.extend(e.pk["id"] for e in events)
+
+    runner = Runner(poller, handle, interval_seconds=5, progress=None)
+    poller.balance()
+    bad = partition_of(poller, POISON)
+    for _ in range(3):  # three rounds, the poison partition failing in each
+        runner._tick_once()
+        clock.now += 60  # past any partition backoff: the poison partition is tried again
+    assert len(poison_calls) == 3
+    assert poller.last_result is not None
+    assert poller.last_result.failing_partitions == (bad,)
+    healthy = {i for i in range(1, 41) if partition_of(poller, i) != bad}
+    assert set(seen) == healthy
+    # The worker counted the rows the healthy partitions committed in the failing
+    # rounds, and its next round is due at its interval, not after a doubled backoff.
+    assert runner.stats.rows == len(healthy)
+    assert runner._tick_once() == 5
+    # New rows in the healthy partitions are delivered by the very next round, while
+    # the poison partition, still backing off, is not tried (the clock stood still).
+    insert(sqlite_db, range(100, 120))
+    calls = len(poison_calls)
+    runner._tick_once()
+    fresh = {i for i in range(100, 120) if partition_of(poller, i) != bad}
+    assert fresh <= set(seen)
+    assert len(poison_calls) == calls
+    clock.now += 600
+    with pytest.raises(HandlerError):
+        poller.tick(handle)
+    assert len(poison_calls) == calls + 1  # due again: tried again

@@ -77,7 +77,12 @@ class SnapshotWriter(ChunkWriter[BinlogSourceParts, control.ControlRow, "TableIn
             condition = "({}) > ({})".format(
                 ", ".join(f"`{k}`" for k in keys), ", ".join(["%s"] * len(keys))
             )
-            params.extend(decode_value(v) for v in request.last_key)
+            types = dict(info.columns)
+            for key, encoded in zip(keys, request.last_key, strict=True):
+                value = decode_value(encoded)
+                if types.get(key) == "bit" and isinstance(value, bytes):
+                    value = int.from_bytes(value, "big")  # compared as bytes it re-read rows
+                params.append(value)
         if request.where:
             condition = f"{condition} AND ({request.where})"  # the operator's own SQL
         query = (

@@ -10,6 +10,7 @@ without the batch committed or a word said.
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 from dbtrigger import FileCheckpointStore
@@ -46,3 +47,45 @@ def test_sigterm_stops_a_running_backfill_after_its_batch(
     assert stored is not None
     position = docmod.loads(stored.data).position
     assert position.pk == {"id": stopped - 1}
+
+
+def test_sigterm_ends_a_backfill_waiting_for_a_retry(
+    sqlite_db: TestDatabase, tmp_path: Path
+) -> None:
+    """A backfill whose last event waits for a retry (50 s) waits for it rather than
+    saying "caught up" (before: it exited 0 at once, the event undelivered); SIGTERM
+    ends the wait at once (bounded: ``run_until`` gives the process 30 s to exit),
+    exit 130 with the resume hint."""
+    table = orders_table(sqlite_db)
+    insert(sqlite_db, table, [{"id": i, "updated_at": naive(i)} for i in range(3)])
+    (tmp_path / "retry_app.py").write_text(
+        textwrap.dedent(
+            f"""
+            from dbtrigger import FileCheckpointStore, PollTrigger, SqlAlchemySource
+
+            orders = PollTrigger(
+                name="orders",
+                source=SqlAlchemySource(url={sqlite_db.url!r}, table="orders",
+                                        cursor_column="updated_at", pk_columns=["id"]),
+                checkpoint_store=FileCheckpointStore({str(tmp_path / "state")!r}),
+            )
+
+            @orders.handler
+            def handle(events, ctx):
+                for e in events:
+                    if e.pk["id"] == 2 and ctx.attempts(e) == 1:
+                        ctx.retry(e, "busy", delay_seconds=50)
+            """
+        )
+    )
+    args = [
+        "backfill", "orders-replay", "--trigger", "retry_app:orders",
+        "--from-beginning", "--reason", "r", "--yes",
+    ]  # fmt: skip
+    code, out, err = run_until(
+        args, tmp_path, lambda lines: any("wait for a retry" in x for x in lines)
+    )
+    assert "1 event(s) wait for a retry" in err, (out, err)
+    assert code == 130, (out, err)
+    assert "run the same command without --from-* to resume" in out, (out, err)
+    assert "caught up" not in out

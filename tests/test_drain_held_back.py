@@ -61,11 +61,13 @@ def slept(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     pauses: list[float] = []
     now = [1000.0]
 
-    def sleep(seconds: float) -> None:
+    def pause(self: drain_module.DrainWait, seconds: float) -> bool:
+        del self
         pauses.append(seconds)
         now[0] += seconds
+        return True
 
-    monkeypatch.setattr(drain_module.time, "sleep", sleep)
+    monkeypatch.setattr(drain_module.DrainWait, "pause", pause)
     monkeypatch.setattr(drain_module.time, "monotonic", lambda: now[0])
     return pauses
 

@@ -4,10 +4,11 @@ A backfill never touches the live poller's state (checkpoint/lease spec,
 operational guidelines: "use a separate poller name for backfill"). It creates
 a new state document starting at ``--from-beginning`` or ``--from-cursor``,
 then ticks a :class:`PollTrigger` of that name - same source, same handler -
-until a tick finds nothing (rows the visibility guard holds back are waited
-for, as ``drain()`` does), drawing progress on stderr. Stopped half-way
-(Ctrl-C or SIGTERM, a crash), it resumes from its own checkpoint when run
-again without ``--from-*``.
+until nothing is left to deliver (rows the visibility guard holds back and
+events waiting for a retry are waited for, as ``drain()`` does), drawing
+progress on stderr. Stopped half-way (Ctrl-C or SIGTERM, which also end a
+wait at once, or a crash), it resumes from its own checkpoint when run again
+without ``--from-*``.
 
 Like the other state commands it is a dry run until ``--yes``, and the
 creation of its document is journaled with who and why.
@@ -44,7 +45,7 @@ from dbtrigger.cli.state_change import print_plan
 from dbtrigger.cursor import Position
 from dbtrigger.errors import ConfigurationError, DbTriggerError, HandlerError, OperatorError
 from dbtrigger.runtime.delivery import Handler
-from dbtrigger.runtime.drain import DEFAULT_HELD_WAIT_SECONDS, HeldWait
+from dbtrigger.runtime.drain import DrainWait
 from dbtrigger.runtime.poller import PollTrigger
 from dbtrigger.runtime.stop_signals import (
     SignalRelay,
@@ -252,7 +253,7 @@ def _drain(
     stop = threading.Event()
     failures = 0
     traced: set[tuple[str | None, str]] = set()
-    held = HeldWait(worker.name, DEFAULT_HELD_WAIT_SECONDS)
+    waits = DrainWait(worker.name, clock=worker.clock, stop=stop, say=console.warn)
     with graceful_sigint(stop):
         while not stop.is_set():
             try:
@@ -274,11 +275,11 @@ def _drain(
                     "is this backfill already running?"
                 )
             progress.update(result.rows)
-            # Rows the visibility guard held back are not "caught up": tick again
-            # while the hold lasts (a FetchError naming the blocker past a minute).
-            again = held.wait_after(result, progress.done)
-            if result.outcome == "idle" and not again:
-                return True
+            # Rows the visibility guard held back and events waiting for a retry
+            # are not "caught up": tick again once they can come (a FetchError or
+            # HandlerError past the drain's waits); a stop ends the wait at once.
+            if not waits.wait_after(result, progress.done):
+                return not stop.is_set()
     return False
 
 

@@ -52,7 +52,11 @@ from dbtrigger.partitions.layout import BalanceDecision, Membership
 from dbtrigger.partitions.loop import BalanceLoop
 from dbtrigger.partitions.report import GroupReport
 from dbtrigger.partitions.source import PartitionSource
-from dbtrigger.runtime.drain import DEFAULT_HELD_WAIT_SECONDS, HeldWait
+from dbtrigger.runtime.drain import (
+    DEFAULT_HELD_WAIT_SECONDS,
+    DEFAULT_RETRY_WAIT_SECONDS,
+    DrainWait,
+)
 from dbtrigger.runtime.kernel import Handler
 from dbtrigger.runtime.poller import PollTrigger
 from dbtrigger.runtime.subscriber_options import (
@@ -498,21 +502,32 @@ class PartitionedPoller(Balancing):
         *,
         max_ticks: int | None = None,
         held_wait_seconds: float = DEFAULT_HELD_WAIT_SECONDS,
+        retry_wait_seconds: float = DEFAULT_RETRY_WAIT_SECONDS,
+        stop: threading.Event | None = None,
     ) -> int:
-        """Tick the owned partitions until a round commits nothing; a round whose
-        rows the visibility guard held back is ticked again, as a poller's drain
-        (:class:`~dbtrigger.runtime.drain.HeldWait`)."""
+        """Tick the owned partitions until nothing is left to deliver, as a
+        poller's drain (:mod:`dbtrigger.runtime.drain`): a round whose rows the
+        visibility guard held back is ticked again, one whose events wait for a
+        retry after the retry is due (or raises
+        :class:`~dbtrigger.errors.HandlerError` when that is past
+        ``retry_wait_seconds``); ``stop`` ends a wait and the drain."""
         handler = self._handler_for(handler)
         total = ticks = 0
-        held = HeldWait(self.name, held_wait_seconds)
+        waits = DrainWait(
+            self.name,
+            held_seconds=held_wait_seconds,
+            retry_seconds=retry_wait_seconds,
+            clock=self.clock,
+            stop=stop,
+        )
         try:
-            while max_ticks is None or ticks < max_ticks:
+            while (max_ticks is None or ticks < max_ticks) and not waits.stopped:
                 result = self.tick_result(handler)
                 ticks += 1
                 total += result.rows
                 if result.rows == 0 and result.more:
                     continue
-                if not held.wait_after(result, total):
+                if not waits.wait_after(result, total):
                     break
         finally:
             self.flush_history()

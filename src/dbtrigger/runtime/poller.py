@@ -46,9 +46,9 @@ from dbtrigger.metrics import MetricsCollector, SafeMetrics
 from dbtrigger.names import import_path_of, validate_name
 from dbtrigger.quarantine import QuarantineSink
 from dbtrigger.runtime import deprecated, kernel
+from dbtrigger.runtime import drain as draining
 from dbtrigger.runtime.bulk import bulk_reads_for
 from dbtrigger.runtime.delivery import DeliveryOptions, cancelled_error
-from dbtrigger.runtime.drain import DEFAULT_HELD_WAIT_SECONDS, drain
 from dbtrigger.runtime.kernel import Handler, KeepAlive
 from dbtrigger.runtime.null_probe import NullCursorProbe
 from dbtrigger.runtime.poll_options import PollOptions, check_ports
@@ -412,28 +412,28 @@ class PollTrigger(ClosesOnExit):
         max_ticks: int | None = None,
         progress: Callable[[int, TickResult], None] | None = None,
         lease_wait_seconds: float = 0.0,
-        held_wait_seconds: float = DEFAULT_HELD_WAIT_SECONDS,
+        held_wait_seconds: float = draining.DEFAULT_HELD_WAIT_SECONDS,
+        retry_wait_seconds: float = draining.DEFAULT_RETRY_WAIT_SECONDS,
+        stop: threading.Event | None = None,
     ) -> int:
-        """Tick until a tick finds nothing to do; returns the rows committed.
-
-        ``progress(rows_so_far, result)`` is called after every tick (a
-        progress bar, a "caught up" line). An empty tick is not "nothing to
-        do" when another instance holds the lease (waited for, at most
-        ``lease_wait_seconds`` in all) or the visibility guard held rows back
-        (ticked again while one hold lasts up to ``held_wait_seconds``).
-
-        Raises:
-            LeaseAcquireError: the lease stayed held past ``lease_wait_seconds``.
-            FetchError: rows stayed held back past ``held_wait_seconds``.
-        """
+        """Tick until nothing is left to deliver; the rows committed (see
+        :mod:`dbtrigger.runtime.drain`). On return no row after the checkpoint
+        waits, held back or for a retry. It waits for a lease held elsewhere (up
+        to ``lease_wait_seconds``), a hold (``held_wait_seconds``) and a retry due
+        within ``retry_wait_seconds`` of the last row, and raises
+        LeaseAcquireError / FetchError / HandlerError past them (nothing skipped);
+        ``stop`` ends a wait and the drain; ``progress(rows_so_far, result)`` is
+        called after every tick."""
         try:
-            return drain(
+            return draining.drain(
                 self,
                 self._handler_for(handler),
                 max_ticks=max_ticks,
                 progress=progress,
                 lease_wait_seconds=lease_wait_seconds,
                 held_wait_seconds=held_wait_seconds,
+                retry_wait_seconds=retry_wait_seconds,
+                stop=stop,
             )
         finally:
             self.flush_history()

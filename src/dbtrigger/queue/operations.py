@@ -105,6 +105,22 @@ def counts(table: ClaimTable, conn: Connection) -> QueueCounts:
     )
 
 
+def retries_waiting(table: ClaimTable, conn: Connection) -> tuple[int, float | None]:
+    """Rows waiting for a retry (``ready``, tried, not due yet, as ``counts``'s
+    ``delayed``) and the seconds until the first is due (None: none waits)."""
+    c = table.table.c
+    tried = sa.or_(c[ATTEMPTS] > 0, c[CLAIM_TOKEN].is_not(None))
+    later = table.filtered(
+        c[STATUS] == READY,
+        c[VISIBLE_AT] > table.time.now(),
+        c[VISIBLE_AT] < table.time.far_future(),
+        tried,
+    )
+    age = table.time.age_seconds(c[VISIBLE_AT])  # negative: the time still to wait
+    waiting, oldest = conn.execute(sa.select(sa.func.count(), sa.func.max(age)).where(later)).one()
+    return int(waiting), None if oldest is None else max(0.0, -float(oldest))
+
+
 def dead_rows(table: ClaimTable, conn: Connection, *, limit: int | None) -> list[dict[str, Any]]:
     """Dead rows in key order: their key, attempts, last error and when they died."""
     c = table.table.c

@@ -29,24 +29,29 @@ from typing import Any
 
 from dbtrigger import options as opt
 from dbtrigger._deprecation import DeprecatedAlias
-from dbtrigger.errors import ConfigurationError
+from dbtrigger._driver_errors import failed_as
+from dbtrigger.errors import ConfigurationError, FetchError
 from dbtrigger.health import HealthReport
 from dbtrigger.metrics import MetricsCollector, SafeMetrics
 from dbtrigger.names import validate_name
 from dbtrigger.quarantine import QuarantineSink
+from dbtrigger.queue import operations
 from dbtrigger.queue.driver import ClaimDriver, ClaimSettings, QueueTickResult
 from dbtrigger.queue.health import claims_health
+from dbtrigger.queue.lock_waits import reads
 from dbtrigger.queue.notify import Listener, check_channel, idle_wait
 from dbtrigger.queue.operations import QueueCounts
 from dbtrigger.queue.schema import WORKER_ID_LIMIT
 from dbtrigger.queue.source import ClaimSource
 from dbtrigger.runtime import kernel
+from dbtrigger.runtime.drain import DEFAULT_RETRY_WAIT_SECONDS, DrainWait
 from dbtrigger.runtime.kernel import Handler, KeepAlive, Lanes
 from dbtrigger.runtime.telemetry import Telemetry
 from dbtrigger.runtime.trigger import (
     DEFAULT_MAX_BATCHES_PER_TICK,
     ClosesOnExit,
     default_owner_id,
+    utc_now,
 )
 from dbtrigger.state.backoff import Backoff
 
@@ -276,17 +281,53 @@ class QueueTrigger(ClosesOnExit):
         self.last_result = result
         return result
 
-    def drain(self, handler: Handler, *, max_ticks: int | None = None) -> int:
-        """Tick until a claim comes back short of a full batch; rows completed."""
-        total = 0
-        ticks = 0
-        while max_ticks is None or ticks < max_ticks:
-            result = self.tick_result(handler)
+    def drain(
+        self,
+        handler: Handler,
+        *,
+        max_ticks: int | None = None,
+        retry_wait_seconds: float = DEFAULT_RETRY_WAIT_SECONDS,
+        stop: threading.Event | None = None,
+    ) -> int:
+        """Tick until nothing is claimable and no row waits for a retry; rows completed.
+
+        A row a handler (this worker's or another's) retried is ``ready`` but not
+        due: the drain sleeps until the first is due and claims it, as long as
+        that is within ``retry_wait_seconds`` of the last claim, and otherwise
+        raises :class:`~dbtrigger.errors.HandlerError` saying how many wait and
+        until when (nothing was skipped). Not waited for: rows another worker
+        holds a live claim on (it settles them; if it dies they are claimable
+        when the claim expires) and rows enqueued to run later. ``stop`` ends a
+        wait at once, and the drain after the claim in flight.
+        """
+        waits = DrainWait(
+            self.name,
+            retry_seconds=retry_wait_seconds,
+            stop=stop,
+            where="they stay ready in the table, claimable when due",
+        )
+        total = ticks = 0
+        while (max_ticks is None or ticks < max_ticks) and not waits.stopped:
+            result = self.tick_result(handler, should_stop=waits.stop.is_set)
             ticks += 1
             total += result.rows
-            if not result.more:
+            if result.claimed:
+                waits.delivered()
+            if result.more:
+                continue
+            waiting, due_in = self._retries_waiting()
+            if not waiting:
+                break
+            due = utc_now() + dt.timedelta(seconds=due_in or 0.0)
+            if not waits.wait_for_retry(waiting, due, total):
                 break
         return total
+
+    def _retries_waiting(self) -> tuple[int, float | None]:
+        target = self.source.target
+        what = f"retries waiting in {self.source.name}"
+        with failed_as(FetchError, f"{what}: read failed"), reads(self.source, what) as conn:
+            return operations.retries_waiting(target, conn)
 
     async def tick_async(self, handler: Handler) -> int:
         """One tick for async code: the SQL runs in a worker thread, an async

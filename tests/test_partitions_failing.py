@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dbtrigger import FileCheckpointStore, RowChange
-from dbtrigger.errors import HandlerError
+from dbtrigger.errors import HandlerError, LostLeaseError
 from dbtrigger.partitions import PartitionedPoller, bucket_of
 from dbtrigger.runtime.runner import Runner
 from tests.databases import TestDatabase
@@ -70,3 +70,25 @@ def test_a_failing_partition_backs_off_alone(sqlite_db: TestDatabase, tmp_path: 
     with pytest.raises(HandlerError):
         poller.tick(handle)
     assert len(poison_calls) == calls + 1  # due again: tried again
+
+
+def test_a_partition_lost_to_another_member_is_not_backed_off(
+    sqlite_db: TestDatabase, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another member's lease on a partition is the protocol working, not a failure:
+    the partition is not benched (nor reported as failing) for it."""
+    make_table(sqlite_db, 10)
+    clock = Clock()
+    poller = member(sqlite_db, FileCheckpointStore(tmp_path / "state"), "a", clock)
+    poller.balance()
+    taken = poller.owned[0]
+
+    def lost(*args: object, **kwargs: object) -> None:
+        raise LostLeaseError("another member took the partition over")
+
+    monkeypatch.setattr(poller._triggers[taken], "tick_result", lost)
+    with pytest.raises(LostLeaseError):
+        poller.tick(lambda events: None)
+    assert poller.last_result is not None
+    assert poller.last_result.failing_partitions == ()
+    assert not poller._backoff.waiting(taken)

@@ -38,6 +38,7 @@ from dbtrigger.cursor import BEGINNING
 from dbtrigger.errors import (
     CasConflictError,
     ConfigurationError,
+    ContentionError,
     DbTriggerError,
     OperatorError,
 )
@@ -368,7 +369,7 @@ class PartitionedPoller(Balancing):
             result = trigger.tick_result(handler, should_stop=self._stop_for(pid, should_stop))
         except DbTriggerError as exc:
             errors.append(exc)
-            if not isinstance(exc, OperatorError):
+            if not isinstance(exc, (OperatorError, ContentionError)):  # not another's lease
                 self._backoff.failed(pid, exc, owned - 1)
             return None
         finally:

@@ -53,11 +53,7 @@ from dbtrigger.partitions.layout import BalanceDecision, Membership
 from dbtrigger.partitions.loop import BalanceLoop
 from dbtrigger.partitions.report import GroupReport
 from dbtrigger.partitions.source import PartitionSource
-from dbtrigger.runtime.drain import (
-    DEFAULT_HELD_WAIT_SECONDS,
-    DEFAULT_RETRY_WAIT_SECONDS,
-    DrainWait,
-)
+from dbtrigger.runtime import drain as draining
 from dbtrigger.runtime.kernel import Handler
 from dbtrigger.runtime.poller import PollTrigger
 from dbtrigger.runtime.subscriber_options import (
@@ -502,19 +498,16 @@ class PartitionedPoller(Balancing):
         handler: Handler | None = None,
         *,
         max_ticks: int | None = None,
-        held_wait_seconds: float = DEFAULT_HELD_WAIT_SECONDS,
-        retry_wait_seconds: float = DEFAULT_RETRY_WAIT_SECONDS,
+        held_wait_seconds: float = draining.DEFAULT_HELD_WAIT_SECONDS,
+        retry_wait_seconds: float = draining.DEFAULT_RETRY_WAIT_SECONDS,
         stop: threading.Event | None = None,
     ) -> int:
-        """Tick the owned partitions until nothing is left to deliver, as a
-        poller's drain (:mod:`dbtrigger.runtime.drain`): a round whose rows the
-        visibility guard held back is ticked again, one whose events wait for a
-        retry after the retry is due (or raises
-        :class:`~dbtrigger.errors.HandlerError` when that is past
-        ``retry_wait_seconds``); ``stop`` ends a wait and the drain."""
+        """Tick the owned partitions until nothing is left to deliver, waiting for
+        held-back rows and due retries as a poller's drain does
+        (:mod:`dbtrigger.runtime.drain`); ``stop`` ends a wait and the drain."""
         handler = self._handler_for(handler)
         total = ticks = 0
-        waits = DrainWait(
+        waits = draining.DrainWait(
             self.name,
             held_seconds=held_wait_seconds,
             retry_seconds=retry_wait_seconds,

@@ -289,7 +289,11 @@ class PgLogicalSource(LogSource):
                 setup.check_still_published(conn, self.publication, known, poller=self.poller)
             setup.ensure_publication(conn, self.publication, self.tables, create=self.create)
             if row is None:
-                row = self.new_control_row(state.confirmed_flush, snapshots=False)
+                # No row: a slot made elsewhere, or ours from a first start that failed
+                # before writing it. Without a checkpoint nothing was read from it yet, so
+                # the initial snapshot is still owed (duplicates at worst, never the backlog
+                # left out).
+                row = self.new_control_row(state.confirmed_flush, snapshots=after is None)
                 row.created_lsn = None  # not created by this source: where it was is unknown
                 self.write_control(conn, row)
         assert row is not None  # noqa: S101 - written just above when missing

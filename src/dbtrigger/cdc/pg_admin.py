@@ -28,7 +28,7 @@ from dbtrigger.cdc.pg_connection import connect, ddl_lock_bounded, translated
 from dbtrigger.cdc.pg_context import PgSourceParts
 from dbtrigger.cdc.pgoutput import lsn_text, parse_lsn
 from dbtrigger.cdc.snapshots import add_request, carry_over, watched
-from dbtrigger.errors import ConfigurationError, FetchError
+from dbtrigger.errors import ConfigurationError, FetchError, SlotLostError
 
 #: How long ``cdc install --full-images`` waits for a lock on a watched table.
 INSTALL_LOCK_TIMEOUT = DEFAULT_WRITE_LOCK_TIMEOUT
@@ -184,6 +184,8 @@ class PgAdmin(SourceAdmin[PgSourceParts]):
                     if info.replica_identity != "f":
                         done.append(set_full_identity(conn, info.table))
             if new_slot:
+                if control.read_installed(conn, source.control_schema, source.slot):
+                    raise SlotLostError(lost_slot_text(source), poller=source.poller)
                 source.infos = infos
                 created = setup.create_slot(conn, source.slot, failover=source.failover)
                 source.write_control(conn, source.new_control_row(created))
@@ -335,4 +337,22 @@ def _drop_slot(conn: Any, source: PgSourceParts, command: str) -> bool:
         ) from exc
 
 
-__all__ = ["RETAINED_WARNING", "PgAdmin", "made_again", "slot_warnings", "wal_keep_notes"]
+def lost_slot_text(source: PgSourceParts) -> str:
+    """A slot created for this poller (its control row says so) that is gone now."""
+    return (
+        f"replication slot {source.slot} does not exist, but it was created for this poller "
+        f"({source.control_schema}.{control.TABLE} has its row): the changes it held are gone, "
+        "and a new slot would hide that. Recreate it and read the tables again: dbtrigger cdc "
+        "recreate MODULE:TRIGGER --snapshot --yes (or, to start afresh, dbtrigger cdc drop "
+        "MODULE:TRIGGER --yes)"
+    )
+
+
+__all__ = [
+    "RETAINED_WARNING",
+    "PgAdmin",
+    "lost_slot_text",
+    "made_again",
+    "slot_warnings",
+    "wal_keep_notes",
+]

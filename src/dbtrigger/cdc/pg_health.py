@@ -15,6 +15,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from dbtrigger.cdc import pg_admin as admin
+from dbtrigger.cdc import pg_control as control
 from dbtrigger.cdc import pg_setup as setup
 from dbtrigger.cdc.health import ERROR, OK, WARNING, HealthReporter
 from dbtrigger.cdc.pg_connection import connect
@@ -77,6 +78,7 @@ def self_check(source: PgSourceParts) -> list[SourceFinding]:
             infos = setup.table_infos(conn, source.tables)
             state = setup.slot_state(conn, source.slot)
             published = setup.publication_tables(conn, source.publication)
+            installed = control.read_installed(conn, source.control_schema, source.slot)
     except OperatorError as exc:
         return [*findings, SourceFinding("source_access", ERROR, str(exc))]
     except DbTriggerError as exc:
@@ -108,7 +110,16 @@ def self_check(source: PgSourceParts) -> list[SourceFinding]:
             None if not missing else "dbtrigger cdc install MODULE:TRIGGER --yes",
         )
     )
-    if state is None:
+    if state is None and installed:  # created for this poller, then dropped
+        findings.append(
+            SourceFinding(
+                "slot",
+                ERROR,
+                admin.lost_slot_text(source),
+                "dbtrigger cdc recreate MODULE:TRIGGER --snapshot --yes",
+            )
+        )
+    elif state is None:
         findings.append(
             SourceFinding(
                 "slot",

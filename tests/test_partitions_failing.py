@@ -9,6 +9,7 @@ counted in the worker's totals.
 
 from __future__ import annotations
 
+import datetime as dt
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from dbtrigger import FileCheckpointStore, RowChange
 from dbtrigger.errors import HandlerError, LostLeaseError
 from dbtrigger.partitions import PartitionedPoller, bucket_of
 from dbtrigger.runtime.runner import Runner
+from dbtrigger.runtime.trigger import TickResult
 from tests.databases import TestDatabase
 from tests.test_partitions_poller import Clock, insert, make_table, member
 
@@ -92,3 +94,19 @@ def test_a_partition_lost_to_another_member_is_not_backed_off(
     assert poller.last_result is not None
     assert poller.last_result.failing_partitions == ()
     assert not poller._backoff.waiting(taken)
+
+
+def test_an_idle_line_with_rows_waiting_never_says_nothing_after_or_lag_0() -> None:
+    """A worker's idle line said "nothing after the checkpoint ...; lag 0 rows" while an
+    event waited for a retry (or a partition was failing), and `dbtrigger status`
+    counted those rows behind the checkpoint at the same moment."""
+    due = dt.datetime(2026, 11, 27, 17, 39, 6, tzinfo=dt.timezone.utc)
+    waiting = TickResult(0, 0, "idle", waiting_retries=1, next_retry_at=due)
+    failing = TickResult(0, 0, "idle", partitions=4, failing_partitions=("p064-128",))
+    for result in (waiting, failing):
+        text, _ = result.summary(5)
+        assert "nothing after" not in text, text
+        assert "lag 0 rows" not in text, text
+    assert "1 event(s) waiting for a retry, the next due at 17:39:06Z" in waiting.summary(5)[0]
+    assert "partition(s) p064-128 failing" in failing.summary(5)[0]
+    assert "nothing after the checkpoint" in TickResult(0, 0, "idle").summary(5)[0]

@@ -274,6 +274,15 @@ class TickResult:
             text = (
                 f"idle: nothing after the {self.where()}; lag 0 rows{ago}{self.retries_text()}{nxt}"
             )
+            if self.waiting_retries or self.failing_partitions:
+                # Rows after the checkpoint wait for their turn: never "nothing after"
+                # nor "lag 0 rows" (`dbtrigger status` counts them behind).
+                failing = ", ".join(self.failing_partitions)
+                text = (
+                    f"idle: nothing due after the {self.where()}{ago}{self.retries_text()}"
+                    + (f"; partition(s) {failing} failing, backing off" if failing else "")
+                    + nxt
+                )
             if self.partitions == 0:
                 text = f"standby: this member owns no partition (each has an owner){nxt}"
             if self.window_withheld:

@@ -149,6 +149,15 @@ def _mutated(path: list[str], value: object) -> bytes:
         (_mutated(["lease", "owner_id"], KeyError), "owner_id is missing"),
         (_mutated(["lease", "expires_at"], None), "expires_at must be an ISO-8601"),
         (_mutated(["lease"], 7), "lease must be an object"),
+        # A required field set to null (a hand edit) is refused like a missing one: it used
+        # to pass as None, so a tick met a bare TypeError (fencing_token), took a lease with
+        # no owner (owner_id) and `dbtrigger status POLLER` crashed (source_fingerprint).
+        (_mutated(["version"], None), "version is null; it must be an integer"),
+        (_mutated(["poller_name"], None), "poller_name is null; it must be a string"),
+        (_mutated(["source_fingerprint"], None), "source_fingerprint is null"),
+        (_mutated(["checkpoint", "cursor"], None), "checkpoint.cursor is null"),
+        (_mutated(["lease", "owner_id"], None), "lease.owner_id is null; it must be a string"),
+        (_mutated(["lease", "fencing_token"], None), "lease.fencing_token is null"),
     ],
 )
 def test_malformed_documents_raise_corrupt_state_naming_the_field(

@@ -392,7 +392,15 @@ _written = WrittenTexts()
 def _require(raw: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
     if key not in raw:
         raise CorruptStateError(f"{where}.{key} is missing")
+    if raw[key] is None:  # a required field has no null form (a hand edit, a damaged write)
+        raise CorruptStateError(f"{where}.{key} is null; it must be {_kind_words(kind)}")
     return _typed(raw, key, kind, where)
+
+
+def _kind_words(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    words = {int: "an integer", str: "a string"}
+    return " or ".join(words.get(k, "an object") for k in kinds)
 
 
 def _typed(

@@ -374,3 +374,35 @@ def test_accepting_a_new_key_moves_the_checkpoint_or_is_refused(
     assert rekeyed.tick(app.handler) == 10
     assert app.seen == list(range(1, 21))  # on from row 11, nothing twice
     source.close()
+
+
+def test_a_hand_edited_key_in_the_checkpoint_is_named_and_repaired_by_the_command_it_prints(
+    app: App, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A checkpoint whose tiebreaker lost the key column (edited by hand: "id" -> "idx")
+    failed every tick with "checkpoint tiebreaker lacks primary-key column 'id'", naming
+    no poller, store or way out, and the reset --to-cursor that would repair it was refused
+    ("the checkpoint's key is ['idx'], got --pk for ['id']"). The tick's error now names
+    the poller and the reset; with --source that reset takes the source's key, and the
+    poller carries on after the row it names, nothing lost, nothing twice."""
+    app.tick()  # rows 1..10 committed: checkpoint (100, id=10)
+    data, etag = app.raw()
+    raw = json.loads(data)
+    raw["checkpoint"]["cursor"]["tiebreaker"] = {"idx": 10}
+    raw["checkpoint"]["cursor"]["tiebreaker_kinds"] = {"idx": "int"}
+    app.backend.store.write("orders", json.dumps(raw).encode(), if_match=etag)
+    with pytest.raises(CorruptStateError) as caught:
+        app.tick()
+    message = str(caught.value)
+    assert "the checkpoint of poller 'orders' in " in message
+    assert "lacks primary-key column 'id'; it has ['idx']" in message
+    assert (
+        f"dbtrigger reset orders --to-cursor VALUE --pk NAME=VALUE --source {app.module}:trigger"
+        in message
+    )
+    repair = ["--to-cursor", "100", "--pk", "id=10", "--source", f"{app.module}:trigger"]
+    code, _, err = run(capsys, app.cli("reset", "orders", *repair, "--reason", "r", "--yes"))
+    assert code == 0, err
+    assert app.doc().position == Position(100, {"id": 10})
+    app.tick()
+    assert app.seen == list(range(1, 21))  # on from row 11: nothing lost, nothing twice

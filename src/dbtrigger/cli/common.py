@@ -335,6 +335,16 @@ def source_kinds(source: Any) -> SourceKinds | None:
     return (kinds.get(cursor_column) if cursor_column else None), kinds
 
 
+def stored_key_fits(doc: StateDocument, source: Any) -> bool:
+    """False when the checkpoint's key columns are not ``source``'s (a tiebreaker edited
+    by hand): ``--to-cursor`` then takes its key and types from the source, so the reset
+    that repairs such a checkpoint is not refused for naming the source's key."""
+    keys = getattr(source, "pk_columns", None)
+    if keys is None or doc.checkpoint is None:
+        return True
+    return set(doc.checkpoint.position.pk) == set(keys)
+
+
 def parse_position(
     cursor: str,
     pks: Sequence[str],

@@ -41,6 +41,7 @@ from dbtrigger.cli.common import (
     source_from_args,
     source_kinds,
     state_store,
+    stored_key_fits,
     utc_now,
 )
 from dbtrigger.cli.history import history_to_record, named_trigger
@@ -385,7 +386,8 @@ def cmd_reset(args: argparse.Namespace) -> int:
             args.to_cursor,
             args.pk,
             kind=args.kind,
-            like=doc if fingerprint is None else None,  # accepted: the new definition's key
+            # accepted, or a key edited by hand: the source's key and types
+            like=doc if fingerprint is None and stored_key_fits(doc, typed_by) else None,
             kinds=lambda: source_kinds(typed_by) if typed_by is not None else None,
         )
         if isinstance(typed_by, ValidatesDefinition):

@@ -56,7 +56,7 @@ from dbtrigger.state import lease as leasemod
 from dbtrigger.state import window as windowmod
 from dbtrigger.state.document import StateDocument
 from dbtrigger.state.stores.base import CheckpointStore
-from dbtrigger.state.unreadable import load_state, unreadable_state
+from dbtrigger.state.unreadable import checkpoint_misfit, load_state, unreadable_state
 from dbtrigger.state.window import Window
 
 DEFAULT_BOUND = windowmod.Bound()
@@ -242,6 +242,8 @@ class BatchReader:
         except FetchError:
             self.emit("fetch_error")
             raise
+        except CorruptStateError as exc:  # a hand-edited tiebreaker without the key columns
+            raise checkpoint_misfit(self.store, self.name, exc, self.cli_source()) from exc
         self.emit("fetched", values={"seconds": time.perf_counter() - started})
         self._report_visibility()
         return rows

@@ -53,6 +53,24 @@ def unreadable_state(
     return error
 
 
+def checkpoint_misfit(
+    store: CheckpointStore, poller: str, exc: CorruptStateError, spec: str | None = None
+) -> CorruptStateError:
+    """``exc`` (a checkpoint the source cannot place: a tiebreaker without the key
+    columns, edited by hand) again, naming the poller, the store and the reset
+    that moves the checkpoint to a position the source can read."""
+    source = f"--source {shlex.quote(spec) if spec else 'MODULE:ATTR'}"
+    return CorruptStateError(
+        f"the checkpoint of poller {poller!r} in {redact(store.describe())} does not fit its "
+        f"source: {exc}. Nothing was changed. Move it to the last row delivered with "
+        f"`{pasteable(f'dbtrigger reset {poller} --to-cursor VALUE --pk NAME=VALUE {source}')} "
+        f"--reason R --yes` (`dbtrigger history {poller} {source}` shows the last position "
+        f"committed), or deliver every row again with `dbtrigger reset {poller} "
+        f"--to-beginning {source} --reason R --yes`",
+        poller=poller,
+    )
+
+
 def load_state(
     store: CheckpointStore, poller: str, stored: StoredDocument, spec: str | None = None
 ) -> StateDocument:
@@ -67,4 +85,4 @@ def load_state(
     return doc
 
 
-__all__ = ["load_state", "unreadable_state"]
+__all__ = ["checkpoint_misfit", "load_state", "unreadable_state"]

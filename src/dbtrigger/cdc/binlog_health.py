@@ -66,17 +66,22 @@ def behind_bytes(files: Sequence[tuple[str, int]], name: str, offset: int) -> in
     return total
 
 
+#: The position's log is gone: an error for ``dbtrigger check`` (the worker stops with
+#: SlotLostError), never a warning to read past.
+LOST = (
+    "the binary log file the position needs was purged, or the log was reset (RESET "
+    "MASTER, another server): changes are lost; run dbtrigger cdc recreate "
+    "MODULE:TRIGGER --snapshot --yes"
+)
+
+
 def retention_notes(
     source: BinlogSourceParts, after: LogPosition | None, files: Sequence[tuple[str, int]]
 ) -> list[str]:
     """What an operator must know about the log the position needs, loudest first."""
     name, _offset = resume_file(source, after, files)
     if name is None:
-        return [
-            "the binary log file the position needs was purged, or the log was reset (RESET "
-            "MASTER, another server): changes are lost; run dbtrigger cdc recreate "
-            "MODULE:TRIGGER --snapshot --yes"
-        ]
+        return [LOST]
     out: list[str] = []
     if len(files) > 1 and files[0][0] == name:
         out.append(
@@ -183,7 +188,8 @@ def self_check(source: BinlogSourceParts) -> list[SourceFinding]:
             else:
                 source.control_row = source.control_row or row
                 for note in retention_notes(source, source.acked, files):
-                    findings.append(SourceFinding("retention", WARNING, note))
+                    level = ERROR if note == LOST else WARNING
+                    findings.append(SourceFinding("retention", level, note))
         if not facts.expire_seconds:
             findings.append(
                 SourceFinding(

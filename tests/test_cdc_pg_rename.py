@@ -66,3 +66,34 @@ def test_changes_from_before_a_rename_are_read_after_the_source_follows_it(
         (2, "public.t2"),  # before the fix: skipped
         (3, "public.t2"),
     ]
+
+
+def test_a_rename_during_the_initial_snapshot_names_the_snapshot_to_run_again(
+    cdc_db: CdcDatabase,
+) -> None:
+    # The snapshot request names the old table: after the source follows the new name it
+    # is skipped (logged), so the error, which said "none skipped", names the re-read.
+    cdc_db.execute(
+        "CREATE TABLE t (id int PRIMARY KEY); INSERT INTO t SELECT generate_series(1, 30)"
+    )
+    source = PgLogicalSource(cdc_db.url, ["t"], snapshot_chunk_size=10)
+    trigger = PollTrigger(
+        name=f"p_{uuid.uuid4().hex[:8]}",
+        source=source,
+        checkpoint_store=InMemoryCheckpointStore(),
+        retry=RetryPolicy.none(),
+    )
+    got: list[RowChange] = []
+    while not got:
+        trigger.tick(got.extend)
+    cdc_db.execute("ALTER TABLE t RENAME TO t2")
+
+    def read_on() -> None:
+        for _ in range(5):  # a read-ahead may answer first
+            trigger.tick(got.extend)
+
+    with pytest.raises(SourceDefinitionError) as caught:
+        read_on()
+    source.close()
+    assert len({e.pk["id"] for e in got}) < 30  # the snapshot was not finished
+    assert "dbtrigger cdc snapshot MODULE:TRIGGER --table public.t2 --yes" in str(caught.value)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -367,63 +367,6 @@ def ensure_publication(
         "have an owner run",
     )
     return texts
-
-
-def check_still_published(
-    conn: psycopg.Connection[Any],
-    name: str,
-    tables: Sequence[TableName],
-    *,
-    poller: str | None,
-    oids: Mapping[str, int] | None = None,
-) -> None:
-    """Refuse to read on when a watched table is no longer in the publication.
-
-    ``DROP TABLE`` takes a table out of its publications, and a table created
-    again under its name is in none: ``pgoutput`` then sends nothing for it, so
-    a poller that read on would advance the slot past its changes without a word.
-
-    A renamed table stays published under its new name (found by ``oids``): named.
-
-    Raises:
-        SourceDefinitionError: naming the tables and what to run.
-    """
-    listed = publication_tables(conn, name)
-    missing = [t.qualified for t in tables if listed is None or t.qualified not in listed]
-    if not missing:
-        return
-    renamed = {t: _name_of(conn, oids[t]) for t in missing if oids and t in oids}
-    renamed = {t: now for t, now in renamed.items() if now is not None and now in (listed or ())}
-    if renamed:
-        moves = ", ".join(f"{t} was renamed to {now}" for t, now in renamed.items())
-        raise SourceDefinitionError(
-            f"watched table {moves} (ALTER TABLE ... RENAME); publication "
-            f"{name} follows it under the new name, and the slot holds its changes. Point "
-            "tables= at the new name and accept the changed source: dbtrigger reset "
-            f"{poller or 'POLLER'} --accept-source MODULE:TRIGGER --reason 'table renamed' "
-            "--yes; the changes from before the rename are read then, none skipped",
-            poller=poller,
-        )
-    what = ", ".join(missing)
-    raise SourceDefinitionError(
-        f"watched table {what} is no longer in publication {name} (dropped and created "
-        "again, or removed from it): the log carries none of its changes since then for "
-        "this poller. Publish it again: dbtrigger cdc install MODULE:TRIGGER --yes, then read "
-        "its rows again: "
-        + "; ".join(f"dbtrigger cdc snapshot MODULE:TRIGGER --table {t} --yes" for t in missing),
-        poller=poller,
-    )
-
-
-def _name_of(conn: psycopg.Connection[Any], oid: int) -> str | None:
-    """The qualified name the table with ``oid`` has now (None: there is none)."""
-    with translated("reading the catalog"):
-        row = conn.execute(
-            "SELECT n.nspname || '.' || c.relname FROM pg_class c, pg_namespace n "
-            "WHERE c.oid = %s AND n.oid = c.relnamespace",
-            (oid,),
-        ).fetchone()
-    return None if row is None else str(row[0])
 
 
 def check_partition_root(

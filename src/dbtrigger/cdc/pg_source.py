@@ -34,6 +34,7 @@ import psycopg
 
 from dbtrigger import options as opt
 from dbtrigger.cdc import pg_control as control
+from dbtrigger.cdc import pg_published as published
 from dbtrigger.cdc import pg_setup as setup
 from dbtrigger.cdc.assembly import SchemaGuard
 from dbtrigger.cdc.buffer import TransactionBuffer
@@ -286,7 +287,7 @@ class PgLogicalSource(LogSource):
         else:
             if row is not None:  # a table the slot was publishing must still be published
                 known = [t for t in self.tables if t.qualified in row.tables]
-                setup.check_still_published(conn, self.publication, known, poller=self.poller)
+                published.check_still_published(conn, self.publication, known, poller=self.poller)
             setup.ensure_publication(conn, self.publication, self.tables, create=self.create)
             if row is None:
                 # No row: a slot made elsewhere, or ours from a first start that failed
@@ -426,12 +427,15 @@ class PgLogicalSource(LogSource):
         and set up again at the next read: a table created again has new columns; the
         snapshot the error asks for is looked for at once)."""
         try:
-            setup.check_still_published(
+            published.check_still_published(
                 conn,
                 self.publication,
                 self.tables,
                 poller=self.poller,
                 oids={q: info.oid for q, info in self.infos.items()},
+                unfinished=lambda: {
+                    r.table for r in getattr(self.read_control(conn), "snapshots", []) if not r.done
+                },
             )
         except SourceDefinitionError:
             self._ready = False

@@ -406,3 +406,35 @@ def test_a_hand_edited_key_in_the_checkpoint_is_named_and_repaired_by_the_comman
     assert app.doc().position == Position(100, {"id": 10})
     app.tick()
     assert app.seen == list(range(1, 21))  # on from row 11: nothing lost, nothing twice
+
+
+def test_another_pollers_document_under_this_name_is_named_by_status_and_replaced(
+    app: App, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A document copied under this poller's name (its poller_name says 'invoices'): every
+    tick refuses it, but `dbtrigger status` showed it as healthy (exit 0), and the reset
+    the tick's error prints applied to it (a reset keeps the document's poller name) while
+    every tick after it kept failing. The CLI now refuses it as the ticks do, so the reset
+    with --force replaces it and the poller runs again."""
+    app.tick()  # rows 1..10 committed
+    data, etag = app.raw()
+    raw = json.loads(data)
+    raw["poller_name"] = "invoices"
+    app.backend.store.write("orders", json.dumps(raw).encode(), if_match=etag)
+    with pytest.raises(CorruptStateError, match="belongs to poller 'invoices'"):
+        app.tick()
+    code, out, err = run(capsys, app.cli("status", "orders"))
+    assert code != 0
+    assert "belongs to poller 'invoices'" in out + err
+    resume = ["--to-cursor", "100", "--pk", "id=10", "--source", f"{app.module}:trigger"]
+    code, out, err = run(capsys, app.cli("reset", "orders", *resume, "--reason", "r", "--yes"))
+    assert code == 2  # not without --force: nothing in it can be checked
+    assert "belongs to poller 'invoices'" in err
+    code, out, err = run(
+        capsys, app.cli("reset", "orders", *resume, "--force", "--reason", "r", "--yes")
+    )
+    assert code == 0, err
+    assert "replacing an unreadable state document" in out
+    assert app.doc().poller_name == "orders"
+    app.tick()
+    assert app.seen == list(range(1, 21))  # on from row 11: nothing lost, nothing twice

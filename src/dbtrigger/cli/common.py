@@ -254,6 +254,8 @@ def read_state(store: CheckpointStore, poller: str) -> tuple[StateDocument, str,
         )
     try:
         doc = docmod.loads(stored.data)
+        if doc.poller_name != poller:  # copied under this name: every tick refuses it too
+            raise CorruptStateError(f"the document belongs to poller {doc.poller_name!r}")
     except CorruptStateError as exc:
         raise _unreadable(store, poller, exc, stored) from exc
     return doc, stored.etag, stored.data

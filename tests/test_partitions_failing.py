@@ -10,19 +10,29 @@ counted in the worker's totals.
 from __future__ import annotations
 
 import datetime as dt
+import sys
+import types
+import uuid
 from pathlib import Path
 
 import pytest
 
 from dbtrigger import FileCheckpointStore, RowChange
+from dbtrigger.cli import main
+from dbtrigger.cli.common import read_state
 from dbtrigger.errors import HandlerError, LostLeaseError
 from dbtrigger.partitions import PartitionedPoller, bucket_of
 from dbtrigger.runtime.runner import Runner
 from dbtrigger.runtime.trigger import TickResult
+from dbtrigger.state.document import StateDocument
 from tests.databases import TestDatabase
 from tests.test_partitions_poller import Clock, insert, make_table, member
 
 POISON = 7
+
+
+def store_state(store: FileCheckpointStore, key: str) -> StateDocument:
+    return read_state(store, key)[0]
 
 
 def partition_of(poller: PartitionedPoller, key: int) -> str:
@@ -110,3 +120,38 @@ def test_an_idle_line_with_rows_waiting_never_says_nothing_after_or_lag_0() -> N
     assert "1 event(s) waiting for a retry, the next due at 17:39:06Z" in waiting.summary(5)[0]
     assert "partition(s) p064-128 failing" in failing.summary(5)[0]
     assert "nothing after the checkpoint" in TickResult(0, 0, "idle").summary(5)[0]
+
+
+def test_skip_batch_of_a_partition_checks_it_against_the_partitions_own_rows(
+    sqlite_db: TestDatabase,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The poison_batch ERROR of a partition prints `dbtrigger skip-batch orders.pXXX
+    --source MODULE:ATTR ...`; with the PartitionedPoller as MODULE:ATTR it was refused
+    ("the --source definition differs from this poller's (fingerprint)"): the check
+    read the whole table, while the partition's document was written from its range."""
+    make_table(sqlite_db, 40)
+    store = FileCheckpointStore(tmp_path / "state")
+    poller = member(sqlite_db, store, "a", Clock())
+    poller.balance()
+    bad = partition_of(poller, POISON)
+
+    def handle(events: list[RowChange]) -> None:
+        if any(e.pk["id"] == POISON for e in events):
+            raise ValueError("poison row")
+
+    with pytest.raises(HandlerError):
+        poller.tick(handle)
+    module = f"failing_app_{uuid.uuid4().hex[:8]}"
+    mod = types.ModuleType(module)
+    mod.orders = member(sqlite_db, store, "cli", Clock())  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module, mod)
+    monkeypatch.chdir(tmp_path)
+    argv = ["skip-batch", f"orders.{bad}", "--source", f"{module}:orders", "--reason", "poison"]
+    assert main([*argv, "--yes"]) == 0, capsys.readouterr().err
+    doc = store_state(store, f"orders.{bad}")
+    skipped = doc.journal[-1]["skipped_keys"]
+    assert {"id": POISON} in skipped
+    assert all(partition_of(poller, k["id"]) == bad for k in skipped)

@@ -28,12 +28,15 @@ from dbtrigger._argparse import add_apply_option
 from dbtrigger.cli.loading import as_trigger, load_object
 from dbtrigger.cursor import Position, encode_value
 from dbtrigger.errors import ConfigurationError, CorruptStateError, DbTriggerError
+from dbtrigger.partitions import layout as membership_layout
 from dbtrigger.partitions.member import PartitionedPoller
 from dbtrigger.partitions.recovery import unreadable_key
+from dbtrigger.partitions.source import PartitionSource
 from dbtrigger.queue.cli import claim_source_of
 from dbtrigger.runtime.poller import PollTrigger
 from dbtrigger.settings import variable
 from dbtrigger.sources.base import KnowsCursorKind, SourceAdapter
+from dbtrigger.sources.sqlalchemy import SqlAlchemySource
 from dbtrigger.state import document as docmod
 from dbtrigger.state import operations as ops
 from dbtrigger.state.document import StateDocument
@@ -188,6 +191,8 @@ class LoadedSource:
     #: The store of the trigger or partitioned poller named, which the state commands
     #: read when no ``--store`` is given (None for a bare source adapter).
     own_store: CheckpointStore | None = None
+    #: The name of the PartitionedPoller named (its partitions are ``<group>.pXXX-YYY``).
+    group: str | None = None
 
     @property
     def store(self) -> CheckpointStore | None:
@@ -207,7 +212,8 @@ def load_source(spec: str) -> LoadedSource:
     if loaded is not None and isinstance(loaded.trigger, PollTrigger):
         return LoadedSource(loaded.trigger.source, loaded.trigger)
     if loaded is not None and isinstance(loaded.trigger, PartitionedPoller):
-        return LoadedSource(loaded.trigger.source, None, own_store=loaded.trigger.store)
+        poller = loaded.trigger
+        return LoadedSource(poller.source, None, own_store=poller.store, group=poller.name)
     if isinstance(target, SourceAdapter):
         return LoadedSource(target, None)
     if claim_source_of(target) is not None:
@@ -221,6 +227,23 @@ def load_source(spec: str) -> LoadedSource:
         f"{spec} is a {type(target).__name__}, not a PollTrigger, a @db.trigger function "
         "or a source adapter"
     )
+
+
+def source_for(loaded: LoadedSource, store: CheckpointStore, poller: str) -> SourceAdapter:
+    """The source ``poller``'s document was written from: one partition of the
+    PartitionedPoller ``--source`` names reads its own bucket range (and its
+    fingerprint says so); anything else reads ``loaded.source``."""
+    group, _, pid = poller.rpartition(".")
+    base = loaded.source
+    if loaded.group is None or group != loaded.group or not isinstance(base, SqlAlchemySource):
+        return base
+    stored = store.read(f"{group}.members")
+    try:
+        members = membership_layout.loads(stored.data) if stored is not None else None
+    except CorruptStateError:
+        return base
+    part = next((p for p in members.partitions if p.id == pid), None) if members else None
+    return base if part is None else PartitionSource(base, part, poller=group)
 
 
 def queue_from_args(args: argparse.Namespace) -> ClaimSource | None:

@@ -24,7 +24,6 @@ from dbtrigger._paste import pasteable
 from dbtrigger.cli.common import (
     ENV_STORE,
     Console,
-    LoadedSource,
     actor_from_args,
     add_change_options,
     add_cursor_options,
@@ -38,6 +37,7 @@ from dbtrigger.cli.common import (
     read_state,
     reason_from_args,
     show_position,
+    source_for,
     source_from_args,
     source_kinds,
     state_store,
@@ -50,6 +50,7 @@ from dbtrigger.errors import CasConflictError, ConfigurationError, CorruptStateE
 from dbtrigger.history.wiring import record_write
 from dbtrigger.partitions.floors import drop_floors
 from dbtrigger.sources.base import (
+    SourceAdapter,
     ValidatesDefinition,
     accepted_fingerprints,
     check_reachable,
@@ -429,7 +430,9 @@ def cmd_skip(args: argparse.Namespace) -> int:
         else:
             assert loaded is not None  # noqa: S101 - checked above
             position, count, digest = _failed_batch(doc)
-            keys = _check_failed_batch(loaded, doc, position, count, digest)
+            with state_store(args) as store:  # a partition is checked on its own range
+                source = source_for(loaded, store, doc.poller_name)
+            keys = _check_failed_batch(source, doc, position, count, digest)
         return ops.skip_batch(
             doc,
             position=position,
@@ -467,20 +470,20 @@ def _failed_batch(doc: StateDocument) -> tuple[Position, int, str | None]:
 
 
 def _check_failed_batch(
-    loaded: LoadedSource, doc: StateDocument, end: Position, count: int, digest: str | None
+    source: SourceAdapter, doc: StateDocument, end: Position, count: int, digest: str | None
 ) -> list[dict[str, Any]]:
     """Re-read the failed batch's rows; refuse if the source no longer holds exactly them
     (same count, same last row, and - when recorded - the same event ids).
 
     Returns the keys of (at most 20 of) the rows that will be skipped, for the journal.
     """
-    if doc.source_fingerprint not in accepted_fingerprints(loaded.source):
+    if doc.source_fingerprint not in accepted_fingerprints(source):
         raise ConfigurationError(
             "the --source definition differs from this poller's (fingerprint); "
             "refusing to check a skip against a different source"
         )
-    rows = loaded.source.fetch(doc.position, count) if count else []
-    events = loaded.source.to_events(rows, poller=doc.poller_name, batch_id="skip")
+    rows = source.fetch(doc.position, count) if count else []
+    events = source.to_events(rows, poller=doc.poller_name, batch_id="skip")
     same = (
         len(events) == count
         and bool(events)

@@ -10,6 +10,7 @@ counted in the worker's totals.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import sys
 import types
 import uuid
@@ -149,6 +150,12 @@ def test_skip_batch_of_a_partition_checks_it_against_the_partitions_own_rows(
     mod.orders = member(sqlite_db, store, "cli", Clock())  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, module, mod)
     monkeypatch.chdir(tmp_path)
+    # `status` of that partition with the same --source said its fingerprint DIFFERS
+    # and its lag was unknown, for the same reason.
+    assert main(["status", f"orders.{bad}", "--source", f"{module}:orders", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["fingerprint_matches_source"] is True, shown
+    assert shown["lag"]["rows"] == sum(1 for i in range(1, 41) if partition_of(poller, i) == bad)
     argv = ["skip-batch", f"orders.{bad}", "--source", f"{module}:orders", "--reason", "poison"]
     assert main([*argv, "--yes"]) == 0, capsys.readouterr().err
     doc = store_state(store, f"orders.{bad}")

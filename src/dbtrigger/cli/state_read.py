@@ -7,6 +7,7 @@ lag behind the checkpoint.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import re
 from collections.abc import Collection, Mapping, Sequence
@@ -21,6 +22,7 @@ from dbtrigger.cli.common import (
     queue_from_args,
     read_state,
     show_position,
+    source_for,
     source_from_args,
     state_store,
     text_table,
@@ -462,7 +464,10 @@ def _status(args: argparse.Namespace, store: CheckpointStore) -> int:
         docs = [d for d in (_membership(store, name) for name in names) if d is not None]
         # A group's members document and partition documents are shown with the group.
         names = [n for n in names if not any(_in_group(n, d.poller) for d in docs)]
-    statuses = [poller_status(store, name, source=source, now=now) for name in names]
+    statuses = [
+        poller_status(store, name, source=_partition_of(source, store, name), now=now)
+        for name in names
+    ]
     groups = [
         group_state(store, doc, now=now, sources=_partition_sources(doc, source)) for doc in docs
     ]
@@ -482,6 +487,16 @@ def _status(args: argparse.Namespace, store: CheckpointStore) -> int:
         if source is None:
             console.print("  (rows behind: pass --source MODULE:ATTR naming the poller)")
     return 1 if any("error" in s for s in statuses) else 0
+
+
+def _partition_of(
+    loaded: LoadedSource | None, store: CheckpointStore, name: str
+) -> LoadedSource | None:
+    """``--source`` as the poller ``name`` reads it: one partition of the named
+    PartitionedPoller reads its own bucket range (its fingerprint and lag are its own)."""
+    if loaded is None or loaded.group is None:
+        return loaded
+    return dataclasses.replace(loaded, source=source_for(loaded, store, name))
 
 
 def _in_group(key: str, poller: str) -> bool:

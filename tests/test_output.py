@@ -682,6 +682,39 @@ def test_an_upsert_row_with_a_null_conflict_column_is_refused(db: TestDatabase) 
         assert conn.execute(sa.select(sa.func.count()).select_from(table)).scalar() == 0
 
 
+def test_an_upsert_row_that_leaves_out_a_conflict_column_is_refused(db: TestDatabase) -> None:
+    """A row without a conflict column at all (`out.set([{"amount": 1}])` keyed on `id`)
+    was sent: the database filled the key in (NULL, or a new autoincrement value), so
+    every redelivery inserted the row once more (3 writes, 3 rows), as a None did before
+    it was refused. Refused the same way, by name, on db.output and DbWriter."""
+    meta = sa.MetaData(schema=db.schema)
+    table = sa.Table(
+        "processed_orders",
+        meta,
+        sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+        sa.Column("amount", sa.Integer),
+    )
+    meta.create_all(db.engine)
+
+    @bind(db, action="upsert", conflict_columns=["id"])
+    def handler(rows: list[dict[str, Any]], out: DbOut) -> None:
+        out.set(rows)
+
+    rows = [{"amount": 1}]
+    for _ in range(3):
+        with pytest.raises(OutputValueError, match=r"row 0 .*has no conflict column 'id'") as err:
+            handler(rows=rows)
+    assert err.value.fields["column"] == "id"
+    writer = DbWriter(url=db.url, table="processed_orders", schema=db.schema)
+    try:
+        with pytest.raises(OutputValueError, match=r"row 0 .*'id'"):
+            writer.upsert_many(rows=rows, conflict_columns=["id"])
+    finally:
+        writer.close()
+    with db.engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(table)).scalar() == 0
+
+
 @pytest.mark.parametrize("binding", ["db.output", "DbWriter"])
 def test_a_write_chosen_as_deadlock_victim_is_written_again(
     server_db: TestDatabase, binding: str, caplog: pytest.LogCaptureFixture

@@ -352,7 +352,8 @@ class TableHandle:
     def refuse_null_keys(
         self, rows: Sequence[Mapping[str, Any]], conflict_columns: Sequence[str]
     ) -> None:
-        """Refuse an upsert row whose conflict column is None, before anything is sent.
+        """Refuse an upsert row whose conflict column is None or left out, before
+        anything is sent.
 
         NULLs are never equal in a unique key, on any database: such a row can
         never be matched, so each redelivery of it would add one more row (the
@@ -363,11 +364,15 @@ class TableHandle:
         """
         for index, row in enumerate(rows):
             for column in conflict_columns:
-                if column in row and row[column] is None:
+                if row.get(column) is None:
+                    # Left out, the database fills it (NULL, or a new AUTO_INCREMENT /
+                    # identity value on each write): no upsert matches it either.
+                    what = "no value (None) in" if column in row else "no"
                     raise OutputValueError(
-                        f"row {index} to upsert into {self.name} has no value (None) in "
+                        f"row {index} to upsert into {self.name} has {what} "
                         f"conflict column {column!r}: an upsert can never match it (NULLs "
-                        "are never equal in a unique key), so each redelivery would add "
+                        "are never equal in a unique key, and a value the database fills "
+                        "in may be new on every write), so each redelivery would add "
                         f"the row again; give every row a value for "
                         f"({', '.join(conflict_columns)})",
                         table=self.name,

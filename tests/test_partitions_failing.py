@@ -156,6 +156,13 @@ def test_skip_batch_of_a_partition_checks_it_against_the_partitions_own_rows(
     shown = json.loads(capsys.readouterr().out)
     assert shown["fingerprint_matches_source"] is True, shown
     assert shown["lag"]["rows"] == sum(1 for i in range(1, 41) if partition_of(poller, i) == bad)
+    # `reset --accept-source` with the PartitionedPoller stamped the whole table's
+    # fingerprint on the partition's document (whose next tick then refused it).
+    before = store_state(store, f"orders.{bad}").source_fingerprint
+    accept = ["reset", f"orders.{bad}", "--accept-source", f"{module}:orders", "--reason", "r"]
+    main([*accept, "--yes"])
+    assert store_state(store, f"orders.{bad}").source_fingerprint == before
+    capsys.readouterr()
     argv = ["skip-batch", f"orders.{bad}", "--source", f"{module}:orders", "--reason", "poison"]
     assert main([*argv, "--yes"]) == 0, capsys.readouterr().err
     doc = store_state(store, f"orders.{bad}")

@@ -246,6 +246,15 @@ def source_for(loaded: LoadedSource, store: CheckpointStore, poller: str) -> Sou
     return base if part is None else PartitionSource(base, part, poller=group)
 
 
+def own_source(args: argparse.Namespace, loaded: LoadedSource) -> SourceAdapter:
+    """``loaded.source``, or, when ``args.poller`` is a partition of the
+    PartitionedPoller ``loaded`` names, that partition's own (:func:`source_for`)."""
+    if loaded.group is None:
+        return loaded.source
+    with state_store(args) as store:
+        return source_for(loaded, store, args.poller)
+
+
 def queue_from_args(args: argparse.Namespace) -> ClaimSource | None:
     """The claim queue ``--source`` names (a QueueTrigger, ClaimSource or
     ``@db.queue_trigger`` function), or None; a SidecarFeeder is a poller here."""

@@ -33,11 +33,11 @@ from dbtrigger.cli.common import (
     by_hand,
     dry_run_note,
     load_source,
+    own_source,
     parse_position,
     read_state,
     reason_from_args,
     show_position,
-    source_for,
     source_from_args,
     source_kinds,
     state_store,
@@ -332,9 +332,9 @@ def cmd_reset(args: argparse.Namespace) -> int:
     fingerprint: str | None = None
     definition: dict[str, Any] | None = None
     named = source_from_args(args)
-    typed_by = named.source if named is not None else None  # gives --to-cursor its types
+    typed_by = own_source(args, named) if named is not None else None  # --to-cursor's types
     if args.accept_source:
-        accepted = load_source(args.accept_source).source
+        accepted = own_source(args, load_source(args.accept_source))  # a partition's own
         typed_by = accepted
         # Never tie a checkpoint to an endpoint that does not answer: a typo'd
         # port or host changes the fingerprint just like a deliberate move.
@@ -430,8 +430,7 @@ def cmd_skip(args: argparse.Namespace) -> int:
         else:
             assert loaded is not None  # noqa: S101 - checked above
             position, count, digest = _failed_batch(doc)
-            with state_store(args) as store:  # a partition is checked on its own range
-                source = source_for(loaded, store, doc.poller_name)
+            source = own_source(args, loaded)  # a partition is checked on its own range
             keys = _check_failed_batch(source, doc, position, count, digest)
         return ops.skip_batch(
             doc,

@@ -26,13 +26,11 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
-import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
-DOC_CLI = Path(__file__).resolve().parent / "doc_cli.py"
+from doc_cli import fork_server
 
 PRELUDE = r"""
 dbtrigger() {
@@ -147,30 +145,8 @@ def forked_cli(blocks: list[dict[str, object]]) -> Iterator[str | None]:
     if not any("dbtrigger" in str(b["commands"]) for b in blocks if b["kind"] == "shell"):
         yield None
         return
-    # A socket's path has at most 107 bytes; pytest's tmp_path can be longer.
-    with tempfile.TemporaryDirectory(prefix="dbt-doc-") as tmp:
-        socket_path = os.path.join(tmp, "cli.sock")
-        log = Path(tmp, "server.log")
-        with log.open("wb") as out:  # not the runner's pipes: the test reads them to EOF
-            server = subprocess.Popen(
-                [sys.executable, str(DOC_CLI), "serve", socket_path], stdout=out, stderr=out
-            )
-        try:
-            deadline = time.monotonic() + 120
-            while not os.path.exists(socket_path):
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the CLI fork server did not start: {log.read_text()}")
-                time.sleep(0.02)
-            shim = Path(tmp, "dbtrigger")
-            shim.write_text(
-                f"#!/bin/sh\nexec '{sys.executable}' -IS '{DOC_CLI}' '{socket_path}' \"$@\"\n",
-                encoding="utf-8",
-            )
-            shim.chmod(0o755)
-            yield tmp
-        finally:
-            server.terminate()
-            server.wait(30)
+    with fork_server() as shim_dir:
+        yield shim_dir
 
 
 def main() -> None:

@@ -19,7 +19,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ import sqlalchemy as sa
 
 from dbtrigger.state import document as docmod
 from tests.databases import TestDatabase
+from tests.doc_cli import dbtrigger_command
 from tests.test_source_sqlalchemy import (
     insert,
     make_table,
@@ -35,7 +35,6 @@ from tests.test_source_sqlalchemy import (
     precise_datetime,
 )
 
-DBTRIGGER = str(Path(sys.executable).with_name("dbtrigger"))
 SECRET = "Acc3ptS3cret"  # noqa: S105 - a test password (trust auth ignores it)
 
 APP = """
@@ -97,7 +96,7 @@ class App:
 
     def cli(self, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [DBTRIGGER, *args],
+            [dbtrigger_command(), *args],
             capture_output=True,
             text=True,
             cwd=self.dir,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime as dt
 import re
-import shutil
 import subprocess
 import time
 from decimal import Decimal
@@ -28,6 +27,7 @@ from dbtrigger.changelog import (
 from dbtrigger.cursor import BEGINNING
 from dbtrigger.errors import ConfigurationError, SerializationError
 from tests.databases import TestDatabase
+from tests.doc_cli import dbtrigger_command
 
 
 def make_orders(db: TestDatabase) -> str:
@@ -261,9 +261,9 @@ def test_table_without_primary_key_is_refused(sqlite_db: TestDatabase) -> None:
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    exe = shutil.which("dbtrigger")
-    assert exe is not None, "the dbtrigger console script is not installed"
-    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(
+        [dbtrigger_command(), *args], capture_output=True, text=True, timeout=120, check=False
+    )
 
 
 def test_cli_install_dry_run_then_apply_then_prune(db: TestDatabase, tmp_path: Path) -> None:

@@ -12,7 +12,6 @@ import datetime as dt
 import json
 import logging
 import subprocess
-import sys
 import textwrap
 import uuid
 from pathlib import Path
@@ -33,8 +32,7 @@ from dbtrigger.state import document as docmod
 from dbtrigger.state.document import Checkpoint, StateDocument
 from dbtrigger.state.stores.factory import redact
 from tests.databases import TestDatabase
-
-DBTRIGGER = str(Path(sys.executable).parent / "dbtrigger")
+from tests.doc_cli import dbtrigger_command
 
 
 def write_module(
@@ -66,7 +64,7 @@ def write_module(
 
 def run_check(tmp_path: Path, spec: str, *extra: str) -> tuple[int, dict[str, Any]]:
     proc = subprocess.run(
-        [DBTRIGGER, "check", spec, "--json", *extra],
+        [dbtrigger_command(), "check", spec, "--json", *extra],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -292,7 +290,11 @@ def test_text_output_and_secret_redaction(
     good_table(sqlite_db)
     spec = write_module(tmp_path, sqlite_db, "orders")
     proc = subprocess.run(
-        [DBTRIGGER, "check", spec], cwd=tmp_path, capture_output=True, text=True, check=False
+        [dbtrigger_command(), "check", spec],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("check orders (sqlite:orders)")

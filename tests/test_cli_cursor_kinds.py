@@ -13,13 +13,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 from tests.databases import TestDatabase
+from tests.doc_cli import dbtrigger_command
 from tests.test_source_sqlalchemy import insert, naive, orders_table
-
-DBTRIGGER = str(Path(sys.executable).with_name("dbtrigger"))
 
 APP = """
 import os
@@ -61,7 +59,7 @@ class Cli:
     def __call__(self, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
         clean = {k: v for k, v in os.environ.items() if not k.startswith("DBTRIGGER_")}
         return subprocess.run(
-            [DBTRIGGER, *args],
+            [dbtrigger_command(), *args],
             capture_output=True,
             text=True,
             cwd=self.dir,

@@ -14,7 +14,6 @@ import json
 import os
 import shlex
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -24,9 +23,9 @@ import sqlalchemy as sa
 from dbtrigger.cli.common import store_from_args
 from dbtrigger.cli.main import build_parser
 from tests.databases import TestDatabase
+from tests.doc_cli import dbtrigger_command
 from tests.test_source_sqlalchemy import insert, naive, orders_table
 
-DBTRIGGER = str(Path(sys.executable).with_name("dbtrigger"))
 ROWS = 12
 
 
@@ -82,7 +81,7 @@ def project(sqlite_db: TestDatabase, tmp_path: Path) -> Path:
 def cli(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DBTRIGGER_")}
     return subprocess.run(
-        [DBTRIGGER, *args],
+        [dbtrigger_command(), *args],
         capture_output=True,
         text=True,
         cwd=root,

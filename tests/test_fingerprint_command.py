@@ -20,9 +20,8 @@ import textwrap
 from pathlib import Path
 
 from tests.databases import TestDatabase
+from tests.doc_cli import dbtrigger_command
 from tests.test_source_sqlalchemy import insert, naive, orders_table
-
-DBTRIGGER = str(Path(sys.executable).with_name("dbtrigger"))
 
 TRIGGER = """
 import os
@@ -50,6 +49,9 @@ def clean_env(**extra: str) -> dict[str, str]:
 def run(
     argv: list[str], cwd: Path, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
+    """``argv`` run; a leading ``dbtrigger`` is the CLI (tests/doc_cli.py)."""
+    if argv[0] == "dbtrigger":
+        argv = [dbtrigger_command(), *argv[1:]]
     return subprocess.run(
         argv,
         capture_output=True,
@@ -68,7 +70,7 @@ def printed_command(text: str) -> list[str]:
     assert found is not None, text
     argv = shlex.split(found.group(1))
     assert argv[0] == "dbtrigger"
-    return [DBTRIGGER, *argv[1:]]
+    return ["dbtrigger", *argv[1:]]
 
 
 def test_worker_error_prints_a_command_that_works(sqlite_db: TestDatabase, tmp_path: Path) -> None:
@@ -77,10 +79,10 @@ def test_worker_error_prints_a_command_that_works(sqlite_db: TestDatabase, tmp_p
     (tmp_path / "fp_app.py").write_text(
         TRIGGER.format(url=sqlite_db.url, state=str(tmp_path / "state"))
     )
-    first = run([DBTRIGGER, "run", "fp_app:orders", "--max-ticks", "1"], tmp_path)
+    first = run(["dbtrigger", "run", "fp_app:orders", "--max-ticks", "1"], tmp_path)
     assert first.returncode == 0, first.stderr
     changed = clean_env(ORDERS_WHERE="id >= 0")  # a redeployed definition
-    refused = run([DBTRIGGER, "run", "fp_app:orders", "--max-ticks", "1"], tmp_path, changed)
+    refused = run(["dbtrigger", "run", "fp_app:orders", "--max-ticks", "1"], tmp_path, changed)
     assert refused.returncode == 2, refused.stderr
     assert "--accept-source fp_app:orders" in refused.stderr
     assert f"`cd {tmp_path} && dbtrigger reset orders" in refused.stderr  # fp_app is here
@@ -88,7 +90,7 @@ def test_worker_error_prints_a_command_that_works(sqlite_db: TestDatabase, tmp_p
     pasted = run(printed_command(refused.stderr), tmp_path, changed)
     assert pasted.returncode == 0, pasted.stdout + pasted.stderr
     assert "applied" in pasted.stdout
-    again = run([DBTRIGGER, "run", "fp_app:orders", "--max-ticks", "1"], tmp_path, changed)
+    again = run(["dbtrigger", "run", "fp_app:orders", "--max-ticks", "1"], tmp_path, changed)
     assert again.returncode == 0, again.stderr
     assert "orders: committed 2 rows" in again.stderr  # rows 0-4 before, 5 and 6 now
 
@@ -164,7 +166,7 @@ def test_functions_function_error_names_the_function(
     values = {"ORDERS_DB_URL": sqlite_db.url, "ORDERS_WHERE": "id >= 0"}
     (tmp_path / "local.settings.json").write_text(json.dumps({"Values": values}))
     (tmp_path / "function_app.py").write_text(FUNCTION_APP.format(state=str(tmp_path / "state")))
-    first = run([DBTRIGGER, "run", "function_app:orders_poll", "--max-ticks", "1"], tmp_path)
+    first = run(["dbtrigger", "run", "function_app:orders_poll", "--max-ticks", "1"], tmp_path)
     assert first.returncode == 0, first.stderr
     values["ORDERS_WHERE"] = "id >= 1"
     (tmp_path / "local.settings.json").write_text(json.dumps({"Values": values}))
@@ -184,5 +186,5 @@ def test_functions_function_error_names_the_function(
     assert "--accept-source function_app:orders_poll" in refused.stderr
     pasted = run(printed_command(refused.stderr), tmp_path)
     assert pasted.returncode == 0, pasted.stdout + pasted.stderr
-    again = run([DBTRIGGER, "run", "function_app:orders_poll", "--max-ticks", "1"], tmp_path)
+    again = run(["dbtrigger", "run", "function_app:orders_poll", "--max-ticks", "1"], tmp_path)
     assert again.returncode == 0, again.stderr

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -22,6 +21,7 @@ from dbtrigger.partitions import PartitionedPoller, bucket_of, regroup
 from dbtrigger.partitions.source import PartitionSource
 from dbtrigger.state.stores.base import CheckpointStore
 from tests.databases import TestDatabase
+from tests.doc_cli import dbtrigger_command
 from tests.test_partitions_poller import insert, make_table, source
 
 _MADE: list[PartitionedPoller] = []
@@ -185,8 +185,7 @@ def test_cli_show_split_and_merge(sqlite_db: TestDatabase, tmp_path: Path) -> No
             """
         )
     )
-    exe = shutil.which("dbtrigger")
-    assert exe is not None
+    exe = dbtrigger_command()
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

@@ -438,3 +438,20 @@ def test_another_pollers_document_under_this_name_is_named_by_status_and_replace
     assert app.doc().poller_name == "orders"
     app.tick()
     assert app.seen == list(range(1, 21))  # on from row 11: nothing lost, nothing twice
+
+
+def test_status_with_the_trigger_named_prints_the_ways_out_ready_to_paste(
+    app: App, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`dbtrigger status --source app:trigger` on an unreadable document printed the ways
+    out with `--source MODULE:ATTR` to fill in, while the tick's own error names the
+    trigger; the status now names it too (only for that trigger's own poller)."""
+    app.tick()
+    good, etag = app.raw()
+    app.backend.store.write("orders", good[: len(good) // 2], if_match=etag)
+    spec = f"{app.module}:trigger"
+    for argv in (["status"], ["status", "orders"]):
+        code, out, err = run(capsys, app.cli(*argv, "--source", spec))
+        assert code == 1
+        assert f"dbtrigger reset orders --to-beginning --source {spec} --force" in out + err
+        assert "MODULE:ATTR" not in out + err

@@ -267,12 +267,15 @@ def queue_from_args(args: argparse.Namespace) -> ClaimSource | None:
     return None if isinstance(target, SidecarFeeder) else claim_source_of(target)
 
 
-def read_state(store: CheckpointStore, poller: str) -> tuple[StateDocument, str, bytes]:
-    """The document, its etag (for the conditional write) and raw bytes (for the backup)."""
+def read_state(
+    store: CheckpointStore, poller: str, spec: str | None = None
+) -> tuple[StateDocument, str, bytes]:
+    """The document, its etag (for the conditional write) and raw bytes (for the backup);
+    ``spec``, the poller's ``--source``, fills the commands an unreadable one prints."""
     try:
         stored = store.read(poller)
     except CorruptStateError as exc:  # a store that cannot even decode what it holds
-        raise _unreadable(store, poller, exc, getattr(exc, "stored", None)) from exc
+        raise _unreadable(store, poller, exc, getattr(exc, "stored", None), spec) from exc
     if stored is None and store.read(f"{poller}.members") is not None:
         raise ConfigurationError(
             f"{poller!r} is a partitioned poller: it has one state document per partition "
@@ -289,17 +292,17 @@ def read_state(store: CheckpointStore, poller: str) -> tuple[StateDocument, str,
         if doc.poller_name != poller:  # copied under this name: every tick refuses it too
             raise CorruptStateError(f"the document belongs to poller {doc.poller_name!r}")
     except CorruptStateError as exc:
-        raise _unreadable(store, poller, exc, stored) from exc
+        raise _unreadable(store, poller, exc, stored, spec) from exc
     return doc, stored.etag, stored.data
 
 
 def _unreadable(
-    store: CheckpointStore, key: str, exc: CorruptStateError, stored: object
+    store: CheckpointStore, key: str, exc: CorruptStateError, stored: object, spec: str | None
 ) -> CorruptStateError:
     """A state document's way out, or a partitioned poller's membership document's."""
     if key.endswith(".members"):
         return unreadable_key(store, key, exc, stored)
-    return unreadable_state(store, key, exc, stored)
+    return unreadable_state(store, key, exc, stored, spec)
 
 
 def _held_by(store: CheckpointStore) -> str:

@@ -65,8 +65,10 @@ def poller_status(
 ) -> dict[str, Any]:
     """Everything ``status`` shows about one poller, as JSON-able data."""
     out: dict[str, Any] = {"poller": poller}
+    trigger = source.trigger if source is not None else None
+    spec = trigger.operator_spec() if trigger is not None and trigger.name == poller else None
     try:
-        doc, _, _ = read_state(store, poller)
+        doc, _, _ = read_state(store, poller, spec)
     except DbTriggerError as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
         return out

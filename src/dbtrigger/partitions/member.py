@@ -45,6 +45,7 @@ from dbtrigger.errors import (
 from dbtrigger.metrics import MetricsCollector, SafeMetrics
 from dbtrigger.names import validate_name
 from dbtrigger.partitions import cadence, layout
+from dbtrigger.partitions import draining as member_drain
 from dbtrigger.partitions.balancing import Balancing, membership_key, partition_poller
 from dbtrigger.partitions.buckets import BUCKETS
 from dbtrigger.partitions.failures import PartitionBackoff
@@ -505,27 +506,14 @@ class PartitionedPoller(Balancing):
         """Tick the owned partitions until nothing is left to deliver, waiting for
         held-back rows and due retries as a poller's drain does
         (:mod:`dbtrigger.runtime.drain`); ``stop`` ends a wait and the drain."""
-        handler = self._handler_for(handler)
-        total = ticks = 0
-        waits = draining.DrainWait(
-            self.name,
-            held_seconds=held_wait_seconds,
-            retry_seconds=retry_wait_seconds,
-            clock=self.clock,
+        return member_drain.drain(
+            self,
+            self._handler_for(handler),
+            max_ticks=max_ticks,
+            held_wait_seconds=held_wait_seconds,
+            retry_wait_seconds=retry_wait_seconds,
             stop=stop,
         )
-        try:
-            while (max_ticks is None or ticks < max_ticks) and not waits.stopped:
-                result = self.tick_result(handler)
-                ticks += 1
-                total += result.rows
-                if result.rows == 0 and result.more:
-                    continue
-                if not waits.wait_after(result, total):
-                    break
-        finally:
-            self.flush_history()
-        return total
 
     def rows_behind(self) -> int | None:
         """About how many rows wait in the partitions this member owns (the

@@ -10,6 +10,10 @@ worker's cap), is skipped until it is due, and is named at WARNING each time
 it fails; the round still raises the error, so the worker says the tick failed
 as before, and it is told (``TickResult.failing_partitions``) that the member's
 next round is due at the usual pace.
+
+A partition taken over mid-tick (its lease fenced by a member that declared
+this one dead, or by an operator) is no failure: it is said at WARNING and
+neither backs off nor fails the round.
 """
 
 from __future__ import annotations
@@ -74,6 +78,25 @@ class PartitionBackoff:
                 "partition": pid,
                 "failures_in_a_row": count,
                 "retry_in_seconds": delay,
+            },
+        )
+
+    def taken_over(self, pid: str, exc: DbTriggerError, member: str) -> None:
+        """Say that ``pid`` was taken over mid-tick: not a failure, so no backoff."""
+        log.warning(
+            "poller %s: partition %s was taken over while member %s ticked it (%s: %s); "
+            "its batch in flight is not committed here and its new owner delivers it "
+            "again, and this member goes on with the partitions it still owns",
+            self.poller,
+            pid,
+            member,
+            type(exc).__name__,
+            exc,
+            extra={
+                "event": "partition_taken_over",
+                "poller": self.poller,
+                "partition": pid,
+                "member": member,
             },
         )
 

@@ -284,7 +284,10 @@ class PartitionedPoller(Balancing):
         A partition that fails does not stop the others; the first error (an
         operator error before any other) is raised after all had their turn,
         and that partition sits out the rounds until its own backoff ends
-        (:mod:`~dbtrigger.partitions.failures`).
+        (:mod:`~dbtrigger.partitions.failures`). One taken over mid-tick
+        (another member declared this one dead, or an operator fenced its lease:
+        a ``ContentionError``) raises nothing: the new owner delivers its batch
+        again, so the round says it at WARNING, re-reads ownership and goes on.
         A partition's tick stops after its batch in flight as soon as this
         member no longer owns it (a balance cycle gave it up or learnt it was
         stolen), so no further batch of it starts here. With ``subscribers=``
@@ -357,16 +360,21 @@ class PartitionedPoller(Balancing):
         owned: int,
     ) -> TickResult | None:
         """One partition's tick in a round; None when it was skipped or failed
-        (its error appended to ``errors``, its own backoff started)."""
+        (its error appended to ``errors``, its own backoff started). Taken over
+        mid-tick, it is a ``lost_race`` with ``more``: no failure of this member's."""
         trigger = self._triggers.get(pid)
         if trigger is None or pid not in self.owned or self._backoff.waiting(pid):
             return None  # given up, stolen or regrouped since the round began; failing
         self._in_flight = (pid, self.monotonic())
         try:
             result = trigger.tick_result(handler, should_stop=self._stop_for(pid, should_stop))
+        except ContentionError as exc:  # another member or an operator took its lease
+            self._backoff.taken_over(pid, exc, self.member_id)
+            self._view_at = -float("inf")  # the next partition's turn re-reads ownership
+            return TickResult(0, 0, "lost_race", more=True)  # its batch comes again
         except DbTriggerError as exc:
             errors.append(exc)
-            if not isinstance(exc, (OperatorError, ContentionError)):  # not another's lease
+            if not isinstance(exc, OperatorError):
                 self._backoff.failed(pid, exc, owned - 1)
             return None
         finally:

@@ -45,7 +45,10 @@ def members(db: TestDatabase, store: CheckpointStore, count: int) -> list[Partit
             checkpoint_store=store,
             partitions=4,
             balance_interval_seconds=0.2,
-            member_ttl_seconds=1.0,
+            # No member is ever declared dead here: under heavy machine load (load
+            # average 14 on 2 cores) a batch took 1.5 s, past a 1 s TTL, and the other
+            # member took the partitions over (delivering that batch again).
+            member_ttl_seconds=60.0,
             min_hold_cycles=1,
             join_window_seconds=0,  # the test balances by hand
             member_id=f"m{i}",
@@ -107,13 +110,14 @@ def test_split_and_merge_under_load_lose_and_repeat_nothing(
         for t in threads:
             t.join(timeout=30)
     assert not errors, errors
-    for member in group:
-        member.balance()
-    for member in group:
-        member.drain(handle)
-    for member in group:  # ownership may have moved during the drains: once more
-        member.drain(handle)
     inserted = next_id[0] - 1
+    for _ in range(20):  # ownership may move while they drain: again, until all is in
+        for member in group:
+            member.balance()
+        for member in group:
+            member.drain(handle)
+        if set(delivered) >= set(range(1, inserted + 1)):
+            break
     counts = Counter(delivered)
     assert sorted(counts) == list(range(1, inserted + 1)), "a row was lost"
     assert counts.most_common(1)[0][1] == 1, f"delivered twice: {counts.most_common(3)}"

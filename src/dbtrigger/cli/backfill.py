@@ -3,12 +3,13 @@
 A backfill never touches the live poller's state (checkpoint/lease spec,
 operational guidelines: "use a separate poller name for backfill"). It creates
 a new state document starting at ``--from-beginning`` or ``--from-cursor``,
-then ticks a :class:`PollTrigger` of that name - same source, same handler -
-until nothing is left to deliver (rows the visibility guard holds back and
-events waiting for a retry are waited for, as ``drain()`` does), drawing
-progress on stderr. Stopped half-way (Ctrl-C or SIGTERM, which also end a
-wait at once, or a crash), it resumes from its own checkpoint when run again
-without ``--from-*``.
+then ticks a :class:`PollTrigger` of that name - the trigger's own, every
+option as given but the few :data:`OVERRIDDEN` (its dead-letter sink,
+attempts and retry backoff included), with the same handler - until nothing
+is left to deliver (rows the visibility guard holds back and events waiting
+for a retry are waited for, as ``drain()`` does), drawing progress on stderr.
+Stopped half-way (Ctrl-C or SIGTERM, which also end a wait at once, or a
+crash), it resumes from its own checkpoint when run again without ``--from-*``.
 
 Like the other state commands it is a dry run until ``--yes``, and the
 creation of its document is journaled with who and why.
@@ -242,6 +243,56 @@ def _starting_point(
     return start, created
 
 
+#: The ``PollTrigger`` options a backfill replaces; it takes every other one from
+#: the trigger as given (its dead-letter sink, attempts, retry backoff, window
+#: bounds, lanes, timeouts, history, metrics, read-ahead: docs/operations.md).
+#: A new option is carried unless listed here (tests/test_backfill_settings.py
+#: makes whoever adds one say which).
+OVERRIDDEN = frozenset(
+    {
+        # Its own state document, in the store --store names (default the trigger's).
+        "name",
+        "checkpoint_store",
+        # --batch-size (default the trigger's) and --batches-per-tick.
+        "batch_size",
+        "max_batches_per_tick",
+        # A fresh lease owner per process: a fixed owner_id of the trigger would let
+        # a second backfill of the same name take the first one's lease as its own.
+        "owner_id",
+        # Its start is --from-beginning / --from-cursor, in the document it creates.
+        "start_from",
+        # One handler (--handler for a fan-out trigger), not the subscribers.
+        "subscribers",
+        "ack_timeout_seconds",
+        # One process, one state document: not partitioned (deprecated options).
+        "partitions",
+        "balance_interval_seconds",
+        "member_ttl_seconds",
+    }
+)
+
+
+def backfill_trigger(
+    trigger: PollTrigger, args: argparse.Namespace, store: CheckpointStore
+) -> PollTrigger:
+    """The trigger a backfill ticks: ``trigger``'s options, :data:`OVERRIDDEN` replaced."""
+    overrides: dict[str, Any] = {
+        "name": args.new_poller,
+        "checkpoint_store": store,
+        "batch_size": args.batch_size or trigger.batch_size,
+        "max_batches_per_tick": args.batches_per_tick,
+        "owner_id": None,
+        "start_from": None,
+        "subscribers": None,
+        "ack_timeout_seconds": None,
+        "partitions": None,
+        "balance_interval_seconds": None,
+        "member_ttl_seconds": None,
+    }
+    assert overrides.keys() == OVERRIDDEN  # noqa: S101 - the list and the code say the same
+    return PollTrigger(**{**trigger.options, **overrides})
+
+
 def _drain(
     args: argparse.Namespace,
     worker: PollTrigger,
@@ -340,15 +391,7 @@ def _backfill(
         return 0
     if created is not None:
         store.write(args.new_poller, docmod.dumps(created), if_match=None)
-    worker = PollTrigger(
-        name=args.new_poller,
-        source=trigger.source,
-        checkpoint_store=store,
-        batch_size=args.batch_size or trigger.batch_size,
-        max_batches_per_tick=args.batches_per_tick,
-        lease_ttl_seconds=trigger.lease_ttl.total_seconds(),
-        journal_limit=trigger.journal_limit,
-    )
+    worker = backfill_trigger(trigger, args, store)
     progress = Progress(console.err, total)
     try:
         try:
@@ -426,4 +469,11 @@ def add_backfill_command(sub: Any) -> None:
     backfill.set_defaults(func=cmd_backfill)
 
 
-__all__ = ["Progress", "add_backfill_command", "cmd_backfill", "graceful_sigint"]
+__all__ = [
+    "OVERRIDDEN",
+    "Progress",
+    "add_backfill_command",
+    "backfill_trigger",
+    "cmd_backfill",
+    "graceful_sigint",
+]

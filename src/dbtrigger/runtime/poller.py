@@ -191,7 +191,8 @@ class PollTrigger(ClosesOnExit):
         read_ahead: bool | str = True,
         bulk_reads: bool = True,
     ) -> None:
-        options = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        #: The arguments as given: ``dbtrigger backfill`` derives its trigger from them.
+        self.options = options = {k: v for k, v in locals().items() if k != "self"}
         self.name = validate_name(name, "poller name")
         # Every numeric option's type and range, then how they relate (poll_options).
         checked = PollOptions.check(options)
@@ -288,9 +289,8 @@ class PollTrigger(ClosesOnExit):
         #: Deprecated ``partitions=``: the PartitionedPoller every tick is delegated to.
         self.partitioned: Any = None
         if partitions is not None:
-            options.update(name=self.name, source=source, checkpoint_store=checkpoint_store)
             self.partitioned = deprecated.delegate_partitions(
-                options, partitions=partitions, owner_id=self.owner_id
+                {**options, "name": self.name}, partitions=partitions, owner_id=self.owner_id
             )
 
     def _handler_for(self, handler: Handler | None) -> Handler:

@@ -19,6 +19,7 @@ import pytest
 import sqlalchemy as sa
 
 from dbtrigger import FileCheckpointStore, HandlerError, PollTrigger, RowChange
+from dbtrigger.cli.main import _print_error as print_error
 from dbtrigger.errors import ConfigurationError, PartialBatchError
 from dbtrigger.metrics import InMemoryMetrics
 from dbtrigger.quarantine import JsonLinesQuarantineSink
@@ -165,6 +166,36 @@ def test_reject_without_a_sink_is_a_configuration_error_at_the_first_call(
     assert doc.checkpoint is None  # nothing settled, nothing skipped
     assert doc.lease is not None
     assert doc.lease.released
+
+
+def test_a_misuse_the_handler_lets_through_is_not_its_own_cause(
+    sqlite_db: TestDatabase, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The misuse was raised ``from`` the handler's exception, which was the misuse
+    itself: a cause chain with a cycle, and the CLI's error printer (which walks
+    the chain) looped for ever at 100% CPU (``dbtrigger backfill`` of a handler
+    calling ctx.reject with no dead-letter sink never exited)."""
+    table = items_table(sqlite_db)
+    add_items(sqlite_db, table, [1])
+    trigger, _ = trigger_for(
+        sqlite_db, FileCheckpointStore(tmp_path / "state"), Clock(), tmp_path, quarantine=None
+    )
+
+    def handler(events: list[RowChange], ctx: BatchContext) -> None:
+        ctx.reject(events[0], "nope")
+
+    with pytest.raises(ConfigurationError, match="dead-letter sink") as raised:
+        trigger.tick(handler)
+    assert raised.value.__cause__ is not raised.value
+    # And the printer stops at a cycle it meets anyway.
+    looped = ConfigurationError("outer")
+    inner = ValueError("inner")
+    looped.__cause__, inner.__cause__ = inner, looped
+    print_error(looped)
+    assert capsys.readouterr().err.splitlines() == [
+        "error: outer",
+        "  caused by ValueError: inner",
+    ]
 
 
 @pytest.mark.parametrize("kind", ["reject", "retry"])

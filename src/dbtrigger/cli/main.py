@@ -217,7 +217,9 @@ def _print_error(exc: BaseException) -> None:
     """
     shown = [f"error: {exc}"]
     cause = exc.__cause__
-    while cause is not None:
+    seen = {id(exc)}
+    while cause is not None and id(cause) not in seen:  # (a chain may loop)
+        seen.add(id(cause))
         first = (str(cause).strip().splitlines() or [""])[0]
         core = re.sub(r"^\([\w.]+\) ", "", first)[:80]  # SQLAlchemy's "(driver.Error) "
         if core and not any(core in line for line in shown):

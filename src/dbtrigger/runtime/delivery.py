@@ -175,6 +175,8 @@ class Delivery:
                 except LostLeaseError:
                     raise
                 except Exception as exc:  # handler failures are sorted out by _failed
+                    if marks is not None and marks.misuse is exc:
+                        raise  # the misuse itself, let through: not its own cause
                     if marks is not None and marks.misuse is not None:
                         raise marks.misuse from exc
                     error = exc

@@ -11,12 +11,16 @@ with each database's own clock arithmetic.
 
 from __future__ import annotations
 
+import dataclasses
+import datetime as dt
 from typing import Any
 
 import pytest
 
 from dbtrigger import ClaimSource, QueueTrigger
 from dbtrigger.errors import HandlerError
+from dbtrigger.runtime.progress import DrainProgress
+from dbtrigger.runtime.runner import Runner
 from tests.databases import TestDatabase
 from tests.test_queue_columns import make_jobs
 
@@ -70,3 +74,48 @@ def test_a_queue_drain_raises_for_a_retry_past_its_wait(db: TestDatabase) -> Non
     assert 590 < float(text.split("(in ")[1].split("s)", maxsplit=1)[0]) <= 600
     assert raised.value.fields["waiting_retries"] == 1
     assert (counts.by_status["done"], counts.delayed) == (2, 1)
+
+
+def test_a_queue_worker_is_not_caught_up_while_a_retried_row_waits(db: TestDatabase) -> None:
+    """``dbtrigger run`` on a queue said "caught up" at the end of a drain while a
+    row its handler retried still waited: the runner read ``caught_up`` with a
+    default of True, and a queue's tick result had none. Now the idle tick
+    counts the rows waiting for a retry and says so; the drain is not over."""
+    source, queue = _queue(db)
+    # A full first claim (2 of 3 rows): the runner's drain starts.
+    queue._driver.settings = dataclasses.replace(queue._driver.settings, batch_size=2)
+    reports: list[DrainProgress] = []
+    results: list[Any] = []
+
+    def handle(events: Any, ctx: Any) -> None:
+        for e in events:
+            if e.pk["id"] == 2:
+                ctx.retry(e, "429 from the mailer", delay_seconds=600)
+
+    runner = Runner(
+        queue, handle, interval_seconds=0, progress=reports.append, on_tick=results.append
+    )
+    try:
+        runner.run(max_ticks=4, install_signals=False)
+    finally:
+        source.close()
+    assert [r.claimed for r in results] == [2, 1, 0, 0]
+    assert not any(r.caught_up for r in reports)
+    idle = results[-1]
+    assert (idle.outcome, idle.waiting_retries, idle.caught_up) == ("idle", 1, False)
+    assert idle.next_retry_at is not None
+    assert 590 < (idle.next_retry_at - dt.datetime.now(dt.timezone.utc)).total_seconds() <= 600
+    assert "1 row(s) waiting for a retry" in idle.summary(0)[0]
+
+
+def test_a_queue_worker_is_caught_up_when_nothing_waits(db: TestDatabase) -> None:
+    source, queue = _queue(db)
+    queue._driver.settings = dataclasses.replace(queue._driver.settings, batch_size=2)
+    reports: list[DrainProgress] = []
+    runner = Runner(queue, lambda events: None, interval_seconds=0, progress=reports.append)
+    try:
+        runner.run(max_ticks=4, install_signals=False)
+    finally:
+        source.close()
+    assert [r.caught_up for r in reports][-1:] == [True]
+    assert reports[-1].delivered == 3

@@ -83,18 +83,48 @@ class QueueTickResult:
     claims_lost: int = 0
     token: str | None = None
     settled: tuple[tuple[Key, str], ...] = field(default=(), repr=False)
+    #: Rows waiting for a retry (``ready``, tried, not due yet; any worker's) and
+    #: when the first is due: counted when the tick leaves nothing claimable
+    #: (see :meth:`QueueTrigger.tick_result <dbtrigger.QueueTrigger.tick_result>`).
+    waiting_retries: int = 0
+    next_retry_at: dt.datetime | None = None
+
+    @property
+    def caught_up(self) -> bool:
+        """Nothing claimable now and no row waiting for a retry: a drain is over."""
+        return self.outcome == "idle" and not self.more and not self.waiting_retries
+
+    # A queue has no visibility guard and no partitions (the runner asks every trigger).
+    @property
+    def held_back(self) -> bool:
+        return False
+
+    @property
+    def held_back_seconds(self) -> float:
+        return 0.0
+
+    @property
+    def failing_partitions(self) -> tuple[str, ...]:
+        return ()
 
     def summary(self, interval: float | None) -> tuple[str, dict[str, object]]:
         del interval  # a queue's line says what it settled, not when it looks again
         more = "; more claimable, claiming again at once" if self.more else ""
         fields: dict[str, object] = {"rows": self.rows, "batches": self.batches}
+        waiting = ""
+        if self.waiting_retries:
+            fields["waiting_retries"] = self.waiting_retries
+            due = self.next_retry_at
+            waiting = f"; {self.waiting_retries:,} row(s) waiting for a retry" + (
+                f", the first due at {due:%H:%M:%S}Z" if due is not None else ""
+            )
         if self.outcome == "idle" and not (self.rows or self.retried or self.dead):
-            return "idle: nothing claimable", fields
+            return f"idle: nothing claimable{waiting}", fields
         # "dead", not "dead-lettered": without a dead-letter sink a dead row stays
         # in the table (dbt_status 'dead'), written nowhere else.
         return (
             f"{self.outcome}: {self.rows:,} row{'s' if self.rows != 1 else ''} done, "
-            f"{self.retried} retried, {self.dead} dead{more}",
+            f"{self.retried} retried, {self.dead} dead{waiting}{more}",
             fields,
         )
 
@@ -111,6 +141,8 @@ class QueueTickResult:
             claims_lost=self.claims_lost + later.claims_lost,
             token=later.token,
             settled=self.settled + later.settled,
+            waiting_retries=later.waiting_retries,
+            next_retry_at=later.next_retry_at,
         )
 
 

@@ -25,6 +25,7 @@ import logging
 import threading
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from dbtrigger import options as opt
@@ -217,6 +218,8 @@ class QueueTrigger(ClosesOnExit):
         #: The last tick's result; a tick that raised leaves one with outcome
         #: ``"failed"`` counting the rows its earlier claims completed.
         self.last_result: QueueTickResult | None = None
+        #: Whether a tick that leaves nothing claimable counts the retries waiting.
+        self._count_retries = True
         self._keepalive = KeepAlive(self.name)
         self._lanes = Lanes(max_concurrency, name=self.name) if max_concurrency > 1 else None
         self._driver = ClaimDriver(
@@ -265,7 +268,15 @@ class QueueTrigger(ClosesOnExit):
         self, handler: Handler, *, should_stop: Callable[[], bool] | None = None
     ) -> QueueTickResult:
         """Up to ``max_batches_per_tick`` claims, each delivered and settled; stops
-        when a claim comes back short or ``should_stop()`` says so."""
+        when a claim comes back short or ``should_stop()`` says so.
+
+        A tick that leaves nothing claimable counts the rows waiting for a retry
+        (one query), so its result says whether a drain is over (``caught_up``):
+        on this trigger's first such tick, after any tick that claimed rows, and
+        while rows wait. An idle worker that found none waiting does not count
+        again until it claims (a million rows scheduled for later would make
+        every idle tick read them).
+        """
         result: QueueTickResult | None = None
         try:
             for _ in range(self.max_batches_per_tick):
@@ -273,11 +284,18 @@ class QueueTrigger(ClosesOnExit):
                 result = claim if result is None else result.then(claim)
                 if not claim.more or (should_stop is not None and should_stop()):
                     break
+            assert result is not None  # noqa: S101 - max_batches_per_tick >= 1
+            self._count_retries = self._count_retries or result.claimed > 0
+            if not result.more and self._count_retries:
+                waiting, due_in = self._retries_waiting()
+                self._count_retries = waiting > 0
+                if waiting:
+                    due = utc_now() + dt.timedelta(seconds=due_in or 0.0)
+                    result = replace(result, waiting_retries=waiting, next_retry_at=due)
         except BaseException:
             rows = result.rows if result is not None else 0
             self.last_result = QueueTickResult(rows, 0, "failed")
             raise
-        assert result is not None  # noqa: S101 - max_batches_per_tick >= 1
         self.last_result = result
         return result
 

@@ -311,7 +311,7 @@ class Runner:
             return self._failed(exc, started)
         finally:
             self._in_tick = False
-        if self._failures and not getattr(result, "failing_partitions", ()):
+        if self._failures and not result.failing_partitions:
             self._recovered()
             self._failures = 0
             self._traced = None
@@ -341,12 +341,9 @@ class Runner:
         if result.more or result.rows:
             self._held_ticks = 0
             return 0.0
-        # (A poller's TickResult says held_back and for how long; other triggers'
-        # reports need not.)
-        if getattr(result, "held_back", False):
+        if result.held_back:
             self._held_ticks += 1
-            held_for = getattr(result, "held_back_seconds", None)
-            return held_back_delay(self._held_ticks, self.interval, held_for)
+            return held_back_delay(self._held_ticks, self.interval, result.held_back_seconds)
         self._held_ticks = 0
         return self.interval
 
@@ -477,8 +474,8 @@ class Runner:
             return
         self._drain.add(result.rows)
         if not result.more:
-            if not getattr(result, "caught_up", True):
-                return  # events still wait for a retry, or rows are held back: not caught up
+            if not result.caught_up:
+                return  # events or rows still wait for a retry, or rows are held back
             self._drain.finish()
             self._drain = None
 

@@ -114,6 +114,27 @@ class TickReport(Protocol):
         """Rows are likely pending: tick again at once instead of sleeping."""
         ...
 
+    @property
+    def caught_up(self) -> bool:
+        """Nothing left to deliver: no row pending, none held back, none waiting
+        for a retry (a worker's drain is over; its "caught up" line says so)."""
+        ...
+
+    @property
+    def held_back(self) -> bool:
+        """The visibility guard withheld rows (a queue never does)."""
+        ...
+
+    @property
+    def held_back_seconds(self) -> float:
+        """How long the guard has held them."""
+        ...
+
+    @property
+    def failing_partitions(self) -> tuple[str, ...]:
+        """A partitioned member's partitions whose last tick failed (else none)."""
+        ...
+
     def summary(self, interval: float | None) -> tuple[str, dict[str, Any]]:
         """The text of the worker's log line for this tick (``interval``: the
         sleep that follows an idle tick; None for a timer firing) and its
@@ -225,6 +246,7 @@ class TickResult:
         """Nothing left to deliver now: idle, no event waits for a retry, no row held back."""
         return (
             self.outcome == "idle"
+            and not self.more  # (a member's round with a partition taken over mid-tick)
             and not self.held_back
             and not self.waiting_retries
             and not self.window_withheld

@@ -463,22 +463,6 @@ def test_a_late_commit_that_a_safety_window_loses_is_delivered_from_the_binlog(
     logged_source.close()
 
 
-def test_truncate_is_warned_about(
-    binlog_db: BinlogDatabase, caplog: pytest.LogCaptureFixture
-) -> None:
-    table = make_table(binlog_db)
-    source = BinlogSource(binlog_db.url, [table], snapshot="never")
-    t = trigger(source)
-    seen = Collector()
-    t.tick(seen)
-    binlog_db.execute(f"INSERT INTO {table} VALUES (1, 'a', 1)")
-    binlog_db.execute(f"TRUNCATE TABLE {table}")
-    with caplog.at_level(logging.WARNING, logger="dbtrigger.cdc"):
-        t.drain(seen)
-    assert any(getattr(r, "event", None) == "cdc_truncate" for r in caplog.records)
-    source.close()
-
-
 @pytest.mark.mariadb
 def test_a_position_in_the_oldest_binary_log_the_server_keeps_is_warned_about(
     binlog_db: BinlogDatabase, caplog: pytest.LogCaptureFixture

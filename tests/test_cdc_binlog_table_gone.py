@@ -4,8 +4,8 @@ The binary log names tables, and the source reads the changes of the names it
 watches. After ``RENAME TABLE items TO gone`` the application's writes carry
 the new name, and the poller went quiet without a word: every tick idle, the
 changes under the new name never read. A ``DROP TABLE`` removed every row
-without a delete event, also without a word (a ``TRUNCATE`` is logged at
-WARNING, ``cdc_truncate``). Both are now logged at WARNING
+without a delete event, also without a word (a ``TRUNCATE`` is a ``truncate``
+event: tests/test_cdc_truncate_binlog.py). Both are now logged at WARNING
 (``cdc_table_gone``) naming the table and what to do; a table created again
 under the watched name is read on as before.
 """

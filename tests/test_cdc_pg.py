@@ -365,20 +365,6 @@ def test_each_read_writes_a_heartbeat(cdc_db: CdcDatabase) -> None:
     wait_for(beats, "the heartbeat message in the log")
 
 
-def test_a_truncate_is_reported(cdc_db: CdcDatabase, caplog: pytest.LogCaptureFixture) -> None:
-    cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY)")
-    trigger, source = poller(cdc_db, ["t"])
-    drain(trigger)
-    cdc_db.execute("INSERT INTO t VALUES (1)")
-    cdc_db.execute("TRUNCATE t")
-    with caplog.at_level(logging.WARNING, logger="dbtrigger.cdc"):
-        assert [e.op for e in drain(trigger)] == ["insert"]
-    truncates = [r for r in caplog.records if getattr(r, "event", None) == "cdc_truncate"]
-    assert len(truncates) == 1
-    assert "TRUNCATE of public.t" in truncates[0].getMessage()
-    source.close()
-
-
 def test_a_connection_is_set_up_for_utc_text(cdc_db: CdcDatabase) -> None:
     cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY, at timestamptz, raw bytea)")
     trigger, source = poller(cdc_db, ["t"])

@@ -83,18 +83,13 @@ class Assembly(Generic[I, T]):
     """The transaction one read is assembling, and the room the read has left.
 
     ``watched`` describes the watched tables (by qualified name), ``guard`` holds
-    their accepted columns; ``on_truncate(table, where)`` hears of a ``TRUNCATE``.
+    their accepted columns. A ``TRUNCATE`` of a watched table is kept as a change
+    of its own (delivered as a ``truncate``), in its place in its transaction.
     """
 
-    def __init__(
-        self,
-        watched: Mapping[str, I],
-        guard: SchemaGuard[T],
-        on_truncate: Callable[[str, str], None] | None = None,
-    ) -> None:
+    def __init__(self, watched: Mapping[str, I], guard: SchemaGuard[T]) -> None:
         self.watched = watched
         self.guard = guard
-        self.on_truncate = on_truncate
         #: The log's id of a table (relation OID, table map id) -> the type change its
         #: latest description in the log showed.
         self._problems: dict[int, str] = {}

@@ -411,7 +411,7 @@ class BinlogPoller:
                     token = commit_token(state.index, start, None, self.generation)
                     asm.begin(token, None, event.timestamp, after, explicit=True)
                 return
-            asm.query(text)
+            asm.query(text, getattr(event, "schema", None))
             if word == "COMMIT" or (asm.current is not None and not asm.explicit):
                 self._committed(asm.commit(event.timestamp), buffer, state, end)
         elif kind is ev.XidEvent:

@@ -57,7 +57,7 @@ from dbtrigger.cdc import binlog_values
 from dbtrigger.cdc.assembly import Assembly, SchemaBreak, SchemaGuard, keyless
 from dbtrigger.cdc.binlog_setup import TableInfo
 from dbtrigger.cdc.buffer import Transaction
-from dbtrigger.cdc.changes import Change
+from dbtrigger.cdc.changes import Change, truncate_change
 from dbtrigger.cdc.position import LogPosition
 from dbtrigger.errors import CorruptStateError, SerializationError
 
@@ -236,10 +236,9 @@ class Assembler(Assembly[TableInfo, str]):
         chunks_table: str,
         reader: str,
         names_from_log: bool,
-        on_truncate: Callable[[str, str], None] | None = None,
         column_types: Callable[[str], Mapping[str, str] | None] | None = None,
     ) -> None:
-        super().__init__(watched, guard, on_truncate)
+        super().__init__(watched, guard)
         #: A table's column types read again (a column added since ``watched`` was read).
         self.column_types = column_types
         self._catalogs: dict[str, Mapping[str, str]] = {}
@@ -386,16 +385,21 @@ class Assembler(Assembly[TableInfo, str]):
             for encoded in chunk["rows"]:
                 self.keep((shape, "S", None, tuple(decode_value(v) for v in encoded)))
 
-    def query(self, text: str) -> None:
+    def query(self, text: str, schema: str | bytes | None = None) -> None:
+        """A statement in the log: a ``TRUNCATE`` of a watched table is kept as its
+        ``truncate`` change (an unqualified name is in ``schema``, the statement's
+        default database, when the log says which)."""
         self._gone(text)
         match = _TRUNCATE.match(text)
-        current = self.delivering
-        if match is None or self.on_truncate is None or current is None:
+        if match is None or self.delivering is None or self.schema_break is not None:
             return
-        name = ".".join(p for p in match.groups() if p)
-        for table in self.watched:
-            if table == name or table.endswith("." + name):
-                self.on_truncate(table, current.commit)
+        first, second = match.groups()
+        if isinstance(schema, bytes):
+            schema = schema.decode(errors="replace")
+        name = f"{first}.{second}" if second else f"{schema}.{first}" if schema else first
+        for table, info in self.watched.items():
+            if table == name or (not second and not schema and table.endswith("." + name)):
+                self.keep((RowShape(table, info.names, info.key_columns), "T", None, None))
 
     def _gone(self, text: str) -> None:
         """Say so when a watched table leaves its name: the changes made under a new
@@ -428,6 +432,15 @@ def _utc(seconds: int) -> dt.datetime | None:
 def materialise(txn: Transaction[Any], ordinal: int, raw: tuple[Any, ...]) -> Change:
     """The change at ``ordinal`` of ``txn`` (raw: shape, kind, before and after values)."""
     shape, kind, before_values, after_values = raw
+    if kind == "T":
+        return truncate_change(
+            LogPosition(txn.commit, ordinal),
+            shape.table,
+            shape.keys,
+            commit_time=txn.commit_time,
+            transaction_id=txn.transaction_id,
+            last_in_transaction=txn.whole and ordinal == txn.last_ordinal,
+        )
     before = None if before_values is None else shape.image(before_values)
     after = None if after_values is None else shape.image(after_values)
     keyed = after if after is not None else before

@@ -300,7 +300,6 @@ class BinlogSource(LogSource):
             chunks_table=f"{self.control_database}.{control.CHUNKS}",
             reader=self.reader,
             names_from_log=facts.names_from_log,
-            on_truncate=self.truncated,
             column_types=self._column_types,
         )
         self.health.retention_warning(after, files)

@@ -7,7 +7,10 @@ the same fields, so handlers, lanes, fan-out, quarantine and the CLI treat both
 alike:
 
 * ``op``: ``insert``, ``update`` or ``delete``; rows read by a snapshot are
-  ``upsert`` (the row as it is now, not a change) with ``metadata["snapshot"]``.
+  ``upsert`` (the row as it is now, not a change) with ``metadata["snapshot"]``;
+  a ``TRUNCATE`` of a watched table is one ``truncate`` (every row gone: no
+  images, every key value None), as a change log delivers it
+  (:func:`truncate_change`).
 * ``before``: the row before the change, as much of it as the log carries
   (``metadata["before_image"]`` says ``"full"`` or ``"key"``; None when the
   log carried nothing, e.g. a PostgreSQL update under ``REPLICA IDENTITY
@@ -42,8 +45,9 @@ from dbtrigger.errors import SerializationError
 from dbtrigger.event_identity import make_event_id
 from dbtrigger.events import RowChange
 
-#: Operations a log change may carry (a snapshot row is an ``upsert``).
-LOG_OPS = frozenset({"insert", "update", "delete", "upsert"})
+#: Operations a log change may carry (a snapshot row is an ``upsert``; a ``TRUNCATE``
+#: of a watched table is a ``truncate``).
+LOG_OPS = frozenset({"insert", "update", "delete", "upsert", "truncate"})
 
 
 class Unchanged:
@@ -138,6 +142,45 @@ class Change(dict[str, Any]):
 
     def __repr__(self) -> str:
         return f"Change({self['op']} {self['table']} {self['pk']} at {self['position']})"
+
+
+def truncate_change(
+    position: LogPosition,
+    table: str,
+    keys: Sequence[str],
+    *,
+    commit_time: dt.datetime | None,
+    transaction_id: Any,
+    last_in_transaction: bool,
+) -> Change:
+    """The ``truncate`` of ``table`` at ``position``: no images, every key value None.
+
+    The shape a change log gives a ``TRUNCATE`` (docs/changes.md, "TRUNCATE"), so
+    a handler, the history, replay and dead letters treat both sources' alike.
+    """
+    return Change(
+        position=position,
+        op="truncate",
+        table=table,
+        pk=dict.fromkeys(keys),
+        before=None,
+        after=None,
+        commit_time=commit_time,
+        transaction_id=transaction_id,
+        last_in_transaction=last_in_transaction,
+    )
+
+
+def truncate_alone(changes: list[Change]) -> list[Change]:
+    """The changes up to the first ``truncate``, or that ``truncate`` alone when it is first.
+
+    A truncate concerns every key of its table: in a batch of its own it is
+    handled after every change before it and before every change after it,
+    whatever lanes (``max_concurrency``) do with the keys of one batch, as a
+    change log's truncate is (:func:`dbtrigger.changelog.source._truncate_alone`).
+    """
+    at = next((i for i, c in enumerate(changes) if c["op"] == "truncate"), None)
+    return changes if at is None else changes[: max(at, 1)]
 
 
 class _LogEvent(RowChange):
@@ -261,4 +304,13 @@ def transactions(events: Sequence[RowChange]) -> list[list[RowChange]]:
     return groups
 
 
-__all__ = ["LOG_OPS", "UNCHANGED", "Change", "Unchanged", "to_events", "transactions"]
+__all__ = [
+    "LOG_OPS",
+    "UNCHANGED",
+    "Change",
+    "Unchanged",
+    "to_events",
+    "transactions",
+    "truncate_alone",
+    "truncate_change",
+]

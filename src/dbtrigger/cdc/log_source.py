@@ -10,7 +10,7 @@ read different logs but face the runtime alike, and that face lives here once:
   (:class:`~dbtrigger.cdc.buffer.TransactionBuffer`), which the source's
   reader fills when it holds too little; a column type change holds delivery
   back with :class:`~dbtrigger.errors.SchemaChangedError` once everything
-  before it was delivered;
+  before it was delivered; a ``truncate`` comes in a batch of its own;
 * **acknowledge**: after the runtime's checkpoint is durable, the reader
   releases the log behind it (a slot advanced; a binlog read-through noted);
   a release that fails is retried after the next commit, never raised;
@@ -37,7 +37,7 @@ from dbtrigger import options as opt
 from dbtrigger._engine import parse_database_url
 from dbtrigger.cdc.assembly import SchemaBreak, SchemaGuard
 from dbtrigger.cdc.buffer import Materialise, TransactionBuffer
-from dbtrigger.cdc.changes import to_events
+from dbtrigger.cdc.changes import to_events, truncate_alone
 from dbtrigger.cdc.health import HealthReporter
 from dbtrigger.cdc.position import LogPosition
 from dbtrigger.cdc.snapshots import ChunkWriter, Snapshot
@@ -90,8 +90,6 @@ class LogSourceParts(Protocol):
     def url(self) -> URL: ...
 
     def table_names(self) -> list[str]: ...
-
-    def truncated(self, table: str, commit: str) -> None: ...
 
     def close(self) -> None: ...
 
@@ -315,15 +313,6 @@ class LogSource(ABC):
         if reader is not None:
             reader.close()
 
-    def truncated(self, table: str, commit: str) -> None:
-        log.warning(
-            "TRUNCATE of %s at %s: its rows are gone without a delete event each; "
-            "consumers holding copies must be told another way",
-            table,
-            commit,
-            extra={"event": "cdc_truncate", "table": table, "poller": self.poller},
-        )
-
     def save_added_columns(self) -> None:
         """Persist columns first seen in the log (best effort: re-learnt if lost)."""
         guard = self.guard
@@ -350,6 +339,7 @@ class LogSource(ABC):
             changes = self.buffer.take(position, limit)
             if self.schema_break is not None:
                 changes = self.schema_break_seen(position, limit, changes)
+            changes = truncate_alone(changes)  # a barrier for every key of its table
             self.save_added_columns()
             self.health.maybe_report(position)
             brk = self.schema_break

@@ -31,7 +31,7 @@ from typing import Any
 from dbtrigger.cdc import pgoutput as po
 from dbtrigger.cdc.assembly import Assembly, SchemaBreak, SchemaGuard, keyless
 from dbtrigger.cdc.buffer import Transaction
-from dbtrigger.cdc.changes import UNCHANGED, Change
+from dbtrigger.cdc.changes import UNCHANGED, Change, truncate_change
 from dbtrigger.cdc.pg_setup import TableInfo
 from dbtrigger.cdc.position import LogPosition
 from dbtrigger.errors import SerializationError
@@ -112,9 +112,8 @@ class Decoder(Assembly[TableInfo, int]):
         guard: SchemaGuard[int],
         *,
         slot: str,
-        on_truncate: Callable[[str, str], None] | None = None,
     ) -> None:
-        super().__init__(watched, guard, on_truncate)
+        super().__init__(watched, guard)
         self.snapshot_prefix = SNAPSHOT_PREFIX + slot
         self.relations: dict[int, RelationInfo] = {}
         self.last_end: int | None = None
@@ -213,13 +212,18 @@ class Decoder(Assembly[TableInfo, int]):
             self.keep((relation, tuple(None if v is None else v.encode() for v in row)))
 
     def _truncate(self, message: po.Truncate) -> None:
-        current = self.delivering
-        if current is None:
+        """One ``truncate`` change per watched table it empties, in its place in the
+        transaction (``TRUNCATE a, b`` is one message; each table gets its own)."""
+        if self.delivering is None or self.schema_break is not None:
             return
         for oid in message.relation_oids:
             relation = self.relations.get(oid)
-            if relation is not None and self.on_truncate is not None:
-                self.on_truncate(relation.table, po.lsn_text(current.start))
+            if relation is not None:
+                self.keep((relation, TRUNCATED))
+
+
+#: The raw payload of a kept ``TRUNCATE`` (beside its relation): compared by identity.
+TRUNCATED = object()
 
 
 def materialise(txn: Transaction[Any], ordinal: int, raw: tuple[RelationInfo, Any]) -> Change:
@@ -238,6 +242,15 @@ def materialise(txn: Transaction[Any], ordinal: int, raw: tuple[RelationInfo, An
         "transaction_id": txn.transaction_id,
         "last_in_transaction": txn.whole and ordinal == txn.last_ordinal,
     }
+    if payload is TRUNCATED:
+        return truncate_change(
+            position,
+            relation.table,
+            [name for name, _ in relation.key_index],
+            commit_time=txn.commit_time,
+            transaction_id=txn.transaction_id,
+            last_in_transaction=common["last_in_transaction"],
+        )
     if isinstance(payload, tuple):  # a snapshot row
         after = relation.image(payload)
         return Change(

@@ -360,7 +360,7 @@ class PgLogicalSource(LogSource):
     def accept(self, columns: dict[str, dict[str, int]]) -> None:
         """Read on with these accepted columns (a new decoder, which checks against them)."""
         self.guard = SchemaGuard(columns, _oid)
-        self._decoder = Decoder(self.infos, self.guard, slot=self.slot, on_truncate=self.truncated)
+        self._decoder = Decoder(self.infos, self.guard, slot=self.slot)
 
     def new_control_row(self, created: int | None, *, snapshots: bool = True) -> control.ControlRow:
         columns = {

@@ -209,7 +209,7 @@ class StreamReader:
         self._open = None
         s.schema_break = None
         self.received_through = 0
-        self._decoder = Decoder(s.infos, s.guard, slot=s.slot, on_truncate=s.truncated)
+        self._decoder = Decoder(s.infos, s.guard, slot=s.slot)
         self._decoder.start(_UNBOUNDED)
         self._stop = threading.Event()
         self._thread = threading.Thread(

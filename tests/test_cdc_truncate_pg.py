@@ -20,8 +20,10 @@ from typing import Any
 import pytest
 
 from dbtrigger import FileCheckpointStore, InMemoryCheckpointStore, PollTrigger, RowChange
-from dbtrigger.cdc import PgLogicalSource
+from dbtrigger.cdc import PgLogicalSource, pg_control
 from dbtrigger.cli import main
+from dbtrigger.cursor import BEGINNING
+from dbtrigger.errors import ConfigurationError
 from dbtrigger.history import history_for
 from tests.cdc_servers import CdcDatabase
 
@@ -161,4 +163,27 @@ def test_a_truncate_is_recorded_by_the_history(
     )
     assert code == 1
     assert "a slot cannot be rewound" in capsys.readouterr().out
+    source.close()
+
+
+def test_a_publication_without_truncate_is_named_then_extended(cdc_db: CdcDatabase) -> None:
+    cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY)")
+    cdc_db.execute("CREATE PUBLICATION pub_t FOR TABLE t WITH (publish = 'insert, update, delete')")
+    cdc_db.execute("SELECT pg_create_logical_replication_slot('s_t', 'pgoutput')")
+    with cdc_db.connect() as conn:
+        pg_control.ensure(conn, "public")
+    strict = PgLogicalSource(
+        cdc_db.url, ["t"], slot="s_t", publication="pub_t", snapshot="never", create=False
+    )
+    findings = {f.check: f for f in strict.self_check()}
+    assert findings["publication"].severity == "warning"
+    assert "truncate" in findings["publication"].message
+    with pytest.raises(ConfigurationError, match="publish = 'insert, update, delete, truncate'"):
+        strict.fetch(BEGINNING, 1)
+    strict.close()
+    source = PgLogicalSource(cdc_db.url, ["t"], slot="s_t", publication="pub_t", snapshot="never")
+    source.fetch(BEGINNING, 1)
+    assert cdc_db.scalar("SELECT pubtruncate FROM pg_publication WHERE pubname = 'pub_t'")
+    findings = {f.check: f for f in source.self_check()}
+    assert findings["publication"].severity == "ok", findings["publication"]
     source.close()

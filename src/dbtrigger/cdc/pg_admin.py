@@ -138,6 +138,7 @@ class PgAdmin(SourceAdmin[PgSourceParts]):
                     source.publication,
                     source.tables,
                     setup.publication_tables(conn, source.publication),
+                    setup.publication_actions(conn, source.publication),
                 )
             )
             if setup.slot_state(conn, source.slot) is None:

@@ -78,6 +78,7 @@ def self_check(source: PgSourceParts) -> list[SourceFinding]:
             infos = setup.table_infos(conn, source.tables)
             state = setup.slot_state(conn, source.slot)
             published = setup.publication_tables(conn, source.publication)
+            actions = setup.publication_actions(conn, source.publication)
             installed = control.read_installed(conn, source.control_schema, source.slot)
     except OperatorError as exc:
         return [*findings, SourceFinding("source_access", ERROR, str(exc))]
@@ -99,15 +100,21 @@ def self_check(source: PgSourceParts) -> list[SourceFinding]:
     missing = [
         t.qualified for t in source.tables if published is None or t.qualified not in published
     ]
+    lacks = [f"lacks {', '.join(missing)}"] if missing else []
+    if actions is not None:  # made by hand without truncate: a TRUNCATE would be lost
+        lacks.append(
+            f"publishes {', '.join(actions) or 'nothing'} but not truncate, so a TRUNCATE "
+            "of a watched table would reach no consumer"
+        )
     findings.append(
         SourceFinding(
             "publication",
-            OK if not missing else WARNING,
-            f"publication {source.publication} lists every table"
-            if not missing
-            else f"publication {source.publication} lacks {', '.join(missing)} (created or "
-            "extended at the first read if this role owns the tables)",
-            None if not missing else "dbtrigger cdc install MODULE:TRIGGER --yes",
+            OK if not lacks else WARNING,
+            f"publication {source.publication} lists every table and publishes truncates"
+            if not lacks
+            else f"publication {source.publication} {'; '.join(lacks)} (created or extended "
+            "at the first read if this role owns the tables, or refused with create=False)",
+            None if not lacks else "dbtrigger cdc install MODULE:TRIGGER --yes",
         )
     )
     if state is None and installed:  # created for this poller, then dropped

@@ -313,10 +313,40 @@ def publication_tables(conn: psycopg.Connection[Any], name: str) -> set[str] | N
     return {r[0] for r in rows}
 
 
+def publication_actions(conn: psycopg.Connection[Any], name: str) -> tuple[str, ...] | None:
+    """What an existing publication publishes, as ``WITH (publish = ...)`` names it, when
+    that leaves out ``truncate`` (None: it publishes truncates, or does not exist)."""
+    with translated("reading the publication"):
+        row = conn.execute(
+            "SELECT pubinsert, pubupdate, pubdelete, pubtruncate FROM pg_publication "
+            "WHERE pubname = %s",
+            (name,),
+        ).fetchone()
+    if row is None or row[3]:
+        return None
+    return tuple(op for op, on in zip(("insert", "update", "delete"), row, strict=False) if on)
+
+
+def truncate_sql(name: str, actions: Sequence[str]) -> sql.Composed:
+    """The statement that makes publication ``name`` publish truncates too."""
+    publish = ", ".join((*actions, "truncate"))
+    return sql.SQL("ALTER PUBLICATION {} SET (publish = {})").format(
+        sql.Identifier(name), sql.Literal(publish)
+    )
+
+
 def publication_sql(
-    name: str, tables: Sequence[TableName], existing: set[str] | None
+    name: str,
+    tables: Sequence[TableName],
+    existing: set[str] | None,
+    actions: Sequence[str] | None = None,
 ) -> list[sql.Composed]:
-    """The statements that make publication ``name`` list ``tables`` (none: nothing to do)."""
+    """The statements that make publication ``name`` list ``tables`` and publish
+    truncates (``actions``: what it publishes when that lacks them; none: nothing to do).
+
+    A publication made by hand ``WITH (publish = 'insert, update, delete')`` sends no
+    ``TRUNCATE``: its readers would keep every truncated row, so it is extended too.
+    """
     if existing is None:
         # Changes of a partitioned table's partitions are published under the
         # table's own name (as they would otherwise come under names no one watches).
@@ -326,19 +356,21 @@ def publication_sql(
             ).format(sql.Identifier(name), sql.SQL(", ").join(t.identifier() for t in tables))
         ]
     missing = [t for t in tables if t.qualified not in existing]
-    if not missing:
-        return []
-    return [
-        sql.SQL("ALTER PUBLICATION {} ADD TABLE {}").format(
-            sql.Identifier(name), sql.SQL(", ").join(t.identifier() for t in missing)
+    statements = [truncate_sql(name, actions)] if actions is not None else []
+    if missing:
+        statements.append(
+            sql.SQL("ALTER PUBLICATION {} ADD TABLE {}").format(
+                sql.Identifier(name), sql.SQL(", ").join(t.identifier() for t in missing)
+            )
         )
-    ]
+    return statements
 
 
 def ensure_publication(
     conn: psycopg.Connection[Any], name: str, tables: Sequence[TableName], *, create: bool
 ) -> list[str]:
-    """Make the publication list every watched table; the statements run (or due).
+    """Make the publication list every watched table and publish truncates; the
+    statements run (or due).
 
     With ``create`` False a missing or incomplete publication is an error that
     quotes the SQL to run.
@@ -347,15 +379,18 @@ def ensure_publication(
         ConfigurationError / SourcePermissionError: as explained in the message.
     """
     existing = publication_tables(conn, name)
+    actions = None
     if existing is not None:
         check_partition_root(conn, name, tables)
-    statements = publication_sql(name, tables, existing)
+        actions = publication_actions(conn, name)
+    statements = publication_sql(name, tables, existing, actions)
     texts = [s.as_string(conn) for s in statements]
     if not statements:
         return []
     if not create:
+        lacks = "every watched table" if actions is None else "truncates (a TRUNCATE would be lost)"
         raise ConfigurationError(
-            f"publication {name} does not list every watched table; run: {'; '.join(texts)}"
+            f"publication {name} does not publish {lacks}; run: {'; '.join(texts)}"
         )
     execute_or_explain(
         conn,

@@ -65,6 +65,7 @@ from dbtrigger.errors import CorruptStateError
 from dbtrigger.state.codec import format_time, parse_time, position_from_json, position_to_json
 from dbtrigger.state.kept_texts import JournalRecord, journal_text, static_text
 from dbtrigger.state.kept_texts import encode_json as _encode
+from dbtrigger.state.raw_fields import count, require, typed
 from dbtrigger.state.window import Window
 
 # The encodings of times and positions live below the document (the window
@@ -389,47 +390,6 @@ def dumps(doc: StateDocument) -> bytes:
 _written = WrittenTexts()
 
 
-def _require(raw: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
-    if key not in raw:
-        raise CorruptStateError(f"{where}.{key} is missing")
-    if raw[key] is None:  # a required field has no null form (a hand edit, a damaged write)
-        raise CorruptStateError(f"{where}.{key} is null; it must be {_kind_words(kind)}")
-    return _typed(raw, key, kind, where)
-
-
-def _kind_words(kind: type | tuple[type, ...]) -> str:
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    words = {int: "an integer", str: "a string"}
-    return " or ".join(words.get(k, "an object") for k in kinds)
-
-
-def _typed(
-    raw: Mapping[str, Any],
-    key: str,
-    kind: type | tuple[type, ...],
-    where: str,
-    default: Any = None,
-) -> Any:
-    """``raw[key]`` if it has type ``kind`` (absent or null: ``default``); bools are not ints."""
-    value = raw.get(key)
-    if value is None:
-        return default
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise CorruptStateError(f"{where}.{key} has the wrong type: {value!r}")
-    return value
-
-
-def _count(
-    raw: Mapping[str, Any], key: str, where: str, default: int | None, *, required: bool = False
-) -> int | None:
-    """A non-negative integer field (``required``: it must be present)."""
-    value = _require(raw, key, int, where) if required else _typed(raw, key, int, where, default)
-    if value is not None and value < 0:
-        raise CorruptStateError(f"{where}.{key} must not be negative: {value!r}")
-    return value  # type: ignore[no-any-return]
-
-
 def _checkpoint_from_json(raw_cp: Any) -> Checkpoint:
     if not isinstance(raw_cp, Mapping):
         raise CorruptStateError("checkpoint must be an object or null")
@@ -443,10 +403,10 @@ def _checkpoint_from_json(raw_cp: Any) -> Checkpoint:
     if meta_extra:
         extra["metadata"] = meta_extra
     return Checkpoint(
-        position=position_from_json(_require(raw_cp, "cursor", Mapping, "checkpoint")),
-        last_successful_batch_id=_typed(raw_cp, "last_successful_batch_id", str, "checkpoint"),
+        position=position_from_json(require(raw_cp, "cursor", Mapping, "checkpoint")),
+        last_successful_batch_id=typed(raw_cp, "last_successful_batch_id", str, "checkpoint"),
         updated_at=parse_time(raw_cp.get("updated_at"), "checkpoint.updated_at"),
-        row_count=_count(meta, "row_count", "checkpoint.metadata", 0) or 0,
+        row_count=count(meta, "row_count", "checkpoint.metadata", 0) or 0,
         extra=extra,
     )
 
@@ -455,12 +415,12 @@ def _lease_from_json(raw_lease: Any) -> Lease:
     if not isinstance(raw_lease, Mapping):
         raise CorruptStateError("lease must be an object or null")
     return Lease(
-        owner_id=_require(raw_lease, "owner_id", str, "lease"),
-        fencing_token=_require(raw_lease, "fencing_token", int, "lease"),
+        owner_id=require(raw_lease, "owner_id", str, "lease"),
+        fencing_token=require(raw_lease, "fencing_token", int, "lease"),
         acquired_at=parse_time(raw_lease.get("acquired_at"), "lease.acquired_at"),
         heartbeat_at=parse_time(raw_lease.get("heartbeat_at"), "lease.heartbeat_at"),
         expires_at=parse_time(raw_lease.get("expires_at"), "lease.expires_at"),
-        released=_typed(raw_lease, "released", bool, "lease", False),
+        released=typed(raw_lease, "released", bool, "lease", False),
         extra=_unknown(raw_lease, _LEASE_KEYS),
     )
 
@@ -474,19 +434,19 @@ def _failure_from_json(raw_failure: Any) -> FailureRecord:
         return None if value is None else position_from_json(value, f"failure.{key}")
 
     done = _done_ids(raw_failure.get("done_event_ids"))
-    done_total = _count(raw_failure, "done_total", "failure", len(done)) or 0
+    done_total = count(raw_failure, "done_total", "failure", len(done)) or 0
     return FailureRecord(
-        attempts=_count(raw_failure, "attempts", "failure", None, required=True) or 0,
+        attempts=count(raw_failure, "attempts", "failure", None, required=True) or 0,
         first_failed_at=parse_time(raw_failure.get("first_failed_at"), "failure.first_failed_at"),
         last_failed_at=parse_time(raw_failure.get("last_failed_at"), "failure.last_failed_at"),
-        last_error=_typed(raw_failure, "last_error", str, "failure", ""),
-        batch_id=_typed(raw_failure, "batch_id", str, "failure"),
+        last_error=typed(raw_failure, "last_error", str, "failure", ""),
+        batch_id=typed(raw_failure, "batch_id", str, "failure"),
         from_position=position("checkpoint"),
         done=done,
         done_total=max(done_total, len(done)),
         batch_end=position("batch_end"),
-        batch_rows=_count(raw_failure, "batch_rows", "failure", None),
-        batch_digest=_typed(raw_failure, "batch_digest", str, "failure"),
+        batch_rows=count(raw_failure, "batch_rows", "failure", None),
+        batch_digest=typed(raw_failure, "batch_digest", str, "failure"),
         extra=_unknown(raw_failure, _FAILURE_KEYS),
     )
 
@@ -499,7 +459,7 @@ def from_json(raw: Any) -> StateDocument:
     """
     if not isinstance(raw, Mapping):
         raise CorruptStateError("state document must be a JSON object")
-    version = _require(raw, "version", int, "document")
+    version = require(raw, "version", int, "document")
     if version != VERSION:
         raise CorruptStateError(
             f"state document version {version} is not supported (this dbtrigger reads {VERSION})"
@@ -511,8 +471,8 @@ def from_json(raw: Any) -> StateDocument:
     if not isinstance(journal_raw, list) or not all(isinstance(e, Mapping) for e in journal_raw):
         raise CorruptStateError("journal must be a list of objects")
     return StateDocument(
-        poller_name=_require(raw, "poller_name", str, "document"),
-        source_fingerprint=_require(raw, "source_fingerprint", str, "document"),
+        poller_name=require(raw, "poller_name", str, "document"),
+        source_fingerprint=require(raw, "source_fingerprint", str, "document"),
         checkpoint=None if raw_cp is None else _checkpoint_from_json(raw_cp),
         lease=None if raw_lease is None else _lease_from_json(raw_lease),
         failure=None if raw_failure is None else _failure_from_json(raw_failure),

@@ -44,7 +44,7 @@ from dbtrigger.queue.notify import Listener, check_channel, idle_wait
 from dbtrigger.queue.operations import QueueCounts
 from dbtrigger.queue.schema import WORKER_ID_LIMIT
 from dbtrigger.queue.source import ClaimSource
-from dbtrigger.runtime import kernel
+from dbtrigger.runtime import kernel, let_go
 from dbtrigger.runtime.drain import DEFAULT_RETRY_WAIT_SECONDS, DrainWait
 from dbtrigger.runtime.kernel import Handler, KeepAlive, Lanes
 from dbtrigger.runtime.telemetry import Telemetry
@@ -278,12 +278,15 @@ class QueueTrigger(ClosesOnExit):
         every idle tick read them).
         """
         result: QueueTickResult | None = None
+        # A call given up at the handler timeout is not waited for once should_stop().
+        stop = should_stop if self.handler_timeout is not None else None
         try:
-            for _ in range(self.max_batches_per_tick):
-                claim = self._driver.claim(handler)
-                result = claim if result is None else result.then(claim)
-                if not claim.more or (should_stop is not None and should_stop()):
-                    break
+            with let_go.stop_waiting_when(stop):
+                for _ in range(self.max_batches_per_tick):
+                    claim = self._driver.claim(handler)
+                    result = claim if result is None else result.then(claim)
+                    if not claim.more or (should_stop is not None and should_stop()):
+                        break
             assert result is not None  # noqa: S101 - max_batches_per_tick >= 1
             self._count_retries = self._count_retries or result.claimed > 0
             if not result.more and self._count_retries:

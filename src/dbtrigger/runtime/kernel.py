@@ -47,6 +47,7 @@ from dbtrigger.cursor import Position, pk_json
 from dbtrigger.errors import ConfigurationError, LostLeaseError, PartialBatchError
 from dbtrigger.events import RowChange
 from dbtrigger.quarantine import QuarantineRecord
+from dbtrigger.runtime import let_go
 from dbtrigger.runtime.context import EventContext
 
 log = logging.getLogger("dbtrigger.runtime")
@@ -110,10 +111,15 @@ def _names_context(param: inspect.Parameter) -> bool:
 def call(
     handler: Handler, events: list[RowChange], ctx: C, wants_ctx: bool, stopped: Stopped[C]
 ) -> None:
-    """Call ``handler`` on ``events`` in its shape; run an async one to completion."""
-    result = handler(events, ctx) if wants_ctx else handler(events)
-    if inspect.isawaitable(result):
-        run_awaitable(result, ctx, stopped)
+    """Call ``handler`` on ``events`` in its shape; run an async one to completion.
+    A call given up is let go when a stop is asked for (:mod:`dbtrigger.runtime.let_go`)."""
+
+    def once() -> None:
+        result = handler(events, ctx) if wants_ctx else handler(events)
+        if inspect.isawaitable(result):
+            run_awaitable(result, ctx, stopped)
+
+    let_go.run_call(once, ctx, len(events))
 
 
 async def guarded(awaitable: Awaitable[T], ctx: C, stopped: Stopped[C]) -> T | None:
@@ -272,6 +278,7 @@ class Lanes:
         ``meanwhile`` runs on the calling thread while the lanes run; the lanes
         are waited for even if it raises (no handler call outlives this).
         """
+        fn = let_go.carried(fn)  # (a lane's call is let go as the caller's would be)
         futures: list[Future[None]] = [self._executor().submit(fn, part) for part in parts]
         try:
             if meanwhile is not None:

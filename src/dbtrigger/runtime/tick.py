@@ -51,6 +51,7 @@ from dbtrigger._gc import older_objects_frozen
 from dbtrigger._paste import pasteable
 from dbtrigger.cursor import BEGINNING, Position
 from dbtrigger.errors import DbTriggerError
+from dbtrigger.runtime import let_go
 from dbtrigger.runtime.batches import BatchSequence
 from dbtrigger.runtime.heartbeat import Heartbeat
 from dbtrigger.runtime.kernel import Handler, KeepAlive, wants_context
@@ -119,8 +120,11 @@ class TickDriver(BatchSequence):
     # --- the tick, top-down -------------------------------------------------------------
 
     def run(self, handler: Handler, should_stop: Callable[[], bool] | None = None) -> TickResult:
+        # A call given up at the handler timeout is not waited for once should_stop().
+        stop = should_stop if self.handler_timeout is not None else None
         try:
-            return self._run(handler, should_stop)
+            with let_go.stop_waiting_when(stop):
+                return self._run(handler, should_stop)
         except BaseException as exc:
             read_ahead = self.reader.read_ahead
             if read_ahead is not None:

@@ -11,7 +11,7 @@ second signal did not help either: the interpreter joins a thread pool's
 threads at exit.
 
 So while a trigger with a handler timeout ticks under a ``should_stop`` (the
-runner's, ``dbtrigger backfill``'s, a partition round's deadline:
+runner's, a partition round's deadline:
 :func:`stop_waiting_when`), each synchronous call runs on a daemon thread of
 its own and the tick's thread waits for it. Once the call is given up
 (``ctx.cancelled``) *and* ``should_stop()`` says so, the tick stops waiting:
@@ -100,8 +100,9 @@ def run_call(fn: Callable[[], None], ctx: EventContext, rows: int) -> None:
 def _let_go(ctx: EventContext, rows: int, thread: str) -> LostLeaseError:
     text = (
         f"{ctx.poller_name}: stopping without waiting for the handler call on "
-        f"{ctx.batch_id} ({rows} rows): it was given up (handler_timeout_seconds, or "
-        f"its lease or claim was lost) and has not returned; it is left running on "
+        f"{ctx.batch_id} ({rows} row{'' if rows == 1 else 's'}): it was given up "
+        "(handler_timeout_seconds, or its lease or claim was lost) and has not returned; "
+        f"it is left running on "
         f"daemon thread {thread}, nothing it does is recorded, its rows are delivered again"
     )
     log.warning(

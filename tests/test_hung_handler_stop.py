@@ -124,7 +124,7 @@ class Worker:
         assert self.proc.stderr is not None
         self.proc.stderr.close()
         err = "\n".join(self.lines)
-        assert code is not None, f"still running {EXIT_BOUND:g} s after one SIGTERM:\n{err}"
+        assert code is not None, f"still running {EXIT_BOUND:g} s after the SIGTERM:\n{err}"
         return code, out, err
 
 
@@ -208,3 +208,24 @@ def test_sigterm_before_the_timeout_waits_for_it_then_stops(
         for text in ("signal 15", "past handler_timeout_seconds=3", "stopping without waiting")
     ]
     assert order == sorted(order), err
+
+
+def test_a_second_sigterm_ends_a_worker_whose_lanes_hang(
+    sqlite_db: TestDatabase, tmp_path: Path
+) -> None:
+    """No handler timeout: the first signal waits for the batch in flight, the second
+    abandons it (documented) - and the process exits. The lanes' threads were a
+    thread pool's, which the interpreter joins at exit: it never did."""
+    add_items(sqlite_db, items_table(sqlite_db), [1, 2, 3])
+    text = APP.format(
+        url=sqlite_db.url, schema=None, lanes=2, timeout=None, state=str(tmp_path / "state")
+    )
+    (tmp_path / "app.py").write_text(textwrap.dedent(text))
+    worker = Worker(tmp_path, "poller")
+    worker.wait_for_line("handler entered")
+    worker.proc.send_signal(signal.SIGTERM)
+    worker.wait_for_line("signal 15")
+    code, _, err = worker.stop()
+    assert "items: in-flight batch abandoned" in err
+    assert code == 0, err
+    assert read_doc(FileCheckpointStore(str(tmp_path / "state"))).checkpoint is None

@@ -14,7 +14,7 @@ module, so a handler behaves the same under each:
   the task *and waits for it to stop* (:func:`guarded`), so no side effect
   runs after the trigger gave the batch up;
 * **lanes** - ``max_concurrency > 1`` splits a batch by key and runs the
-  parts at once on one thread pool per trigger, closed with it
+  parts at once on one pool of daemon threads per trigger, closed with it
   (:class:`Lanes`);
 * **the heartbeat thread** - one daemon thread per trigger keeps its lease
   or its claims alive while handlers run (:class:`KeepAlive`); what one beat
@@ -40,7 +40,7 @@ import math
 import threading
 import time
 from collections.abc import Awaitable, Callable, Hashable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from typing import Any, TypeVar
 
 from dbtrigger.cursor import Position, pk_json
@@ -49,6 +49,7 @@ from dbtrigger.events import RowChange
 from dbtrigger.quarantine import QuarantineRecord
 from dbtrigger.runtime import let_go
 from dbtrigger.runtime.context import EventContext
+from dbtrigger.runtime.daemon_pool import DaemonPool
 
 log = logging.getLogger("dbtrigger.runtime")
 
@@ -259,15 +260,13 @@ class Lanes:
     def __init__(self, size: int, *, name: str) -> None:
         self.size = size
         self.name = name
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: DaemonPool | None = None
         self._lock = threading.Lock()
 
-    def _executor(self) -> ThreadPoolExecutor:
+    def _executor(self) -> DaemonPool:
         with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    max_workers=self.size, thread_name_prefix=f"dbtrigger-lane-{self.name}"
-                )
+            if self._pool is None:  # (daemons: an abandoned call never holds the exit up)
+                self._pool = DaemonPool(self.size, name=f"dbtrigger-lane-{self.name}")
             return self._pool
 
     def each(
@@ -338,7 +337,7 @@ class Lanes:
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
-            pool.shutdown(wait=True)
+            pool.shutdown()
 
 
 # --- the heartbeat thread ------------------------------------------------------------

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import importlib
 import logging
-import threading
 import uuid
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -25,6 +23,7 @@ from dbtrigger.history import history_for
 from dbtrigger.history.records import image_text
 from tests.cdc_servers import BinlogDatabase
 from tests.test_cdc_binlog import make_table, trigger
+from tests.test_cdc_truncate_pg import assert_truncate_is_a_barrier
 from tests.test_history_replay import _cdc_module
 
 pytestmark = [pytest.mark.binlog, pytest.mark.timeout(120)]
@@ -79,19 +78,7 @@ def test_lanes_never_run_a_truncate_beside_or_after_a_later_change(
     binlog_db.execute(f"INSERT INTO {table} VALUES {values}")
     binlog_db.execute(f"TRUNCATE {table}")
     binlog_db.execute(f"INSERT INTO {table} VALUES {values.replace(', 0)', ', 1)')}")
-    calls: list[list[tuple[str, Any]]] = []
-    lock = threading.Lock()
-
-    def handler(events: list[RowChange]) -> None:
-        with lock:  # the order the lanes' calls finished in
-            calls.append([(e.op, None if e.after is None else e.after["n"]) for e in events])
-
-    t.drain(handler)
-    at = next(i for i, c in enumerate(calls) if ("truncate", None) in c)
-    assert calls[at] == [("truncate", None)]
-    assert {n for c in calls[:at] for _, n in c} == {0}
-    assert {n for c in calls[at + 1 :] for _, n in c} == {1}
-    assert sum(len(c) for c in calls) == 25
+    assert_truncate_is_a_barrier(t, "n")
     source.close()
 
 

@@ -110,12 +110,20 @@ def test_lanes_never_run_a_truncate_beside_or_after_a_later_change(cdc_db: CdcDa
     cdc_db.execute("INSERT INTO t SELECT g, 0 FROM generate_series(1, 12) g")
     cdc_db.execute("TRUNCATE t")
     cdc_db.execute("INSERT INTO t SELECT g, 1 FROM generate_series(1, 12) g")
+    assert_truncate_is_a_barrier(trigger, "v")
+    source.close()
+
+
+def assert_truncate_is_a_barrier(trigger: PollTrigger, column: str) -> None:
+    """Drained with lanes: 12 rows at 0, the truncate, 12 rows at 1 in ``column``;
+    the truncate's call ran alone, after every call of a row before it and before
+    every call of a row after it (the order the lanes' calls finished in)."""
     calls: list[list[tuple[str, Any]]] = []
     lock = threading.Lock()
 
     def handler(events: list[RowChange]) -> None:
-        with lock:  # the order the lanes' calls finished in
-            calls.append([(e.op, None if e.after is None else e.after["v"]) for e in events])
+        with lock:
+            calls.append([(e.op, None if e.after is None else e.after[column]) for e in events])
 
     trigger.drain(handler)
     at = next(i for i, c in enumerate(calls) if ("truncate", None) in c)
@@ -123,7 +131,6 @@ def test_lanes_never_run_a_truncate_beside_or_after_a_later_change(cdc_db: CdcDa
     assert {v for c in calls[:at] for _, v in c} == {0}
     assert {v for c in calls[at + 1 :] for _, v in c} == {1}
     assert sum(len(c) for c in calls) == 25
-    source.close()
 
 
 def test_a_truncate_is_recorded_by_the_history(

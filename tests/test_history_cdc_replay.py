@@ -22,15 +22,14 @@ from tests.test_cdc_binlog import purge_all_but_newest
 from tests.test_history_replay import _cdc_module
 
 
-@pytest.mark.binlog
-def test_replay_after_the_binary_log_was_purged_is_refused_with_the_reason(
-    binlog_db: Any,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-) -> None:
+def _first_batch_replayable(
+    binlog_db: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tag: str, rows: int
+) -> tuple[str, str, str]:
+    """A poller module on a new ``orders`` table (history on, source closed) that
+    delivered ``rows`` inserts: its module name, its ``--trigger`` spec and the id of
+    its first committed batch."""
     binlog_db.execute("CREATE TABLE orders (id INT PRIMARY KEY, status VARCHAR(20))")
-    name = f"binlog_gone_{uuid.uuid4().hex[:8]}"
+    name = f"binlog_{tag}_{uuid.uuid4().hex[:8]}"
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.chdir(tmp_path)
     spec = _cdc_module(
@@ -38,11 +37,24 @@ def test_replay_after_the_binary_log_was_purged_is_refused_with_the_reason(
     )
     module = importlib.import_module(name)
     module.trigger.drain(module.handle)
-    binlog_db.execute("INSERT INTO orders VALUES (1, 'new'), (2, 'new'), (3, 'new'), (4, 'new')")
+    values = ", ".join(f"({i}, 'new')" for i in range(1, rows + 1))
+    binlog_db.execute(f"INSERT INTO orders VALUES {values}")
     module.trigger.drain(module.handle)
+    module.trigger.source.close()
     history = history_for(module.trigger.store)
     assert history is not None
     first = next(r for r in history.read("og") if r["type"] == "commit")["batch_id"]
+    return name, spec, first
+
+
+@pytest.mark.binlog
+def test_replay_after_the_binary_log_was_purged_is_refused_with_the_reason(
+    binlog_db: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    name, spec, first = _first_batch_replayable(binlog_db, tmp_path, monkeypatch, "gone", 4)
     argv = ["replay", "og", "--batch", first, "--trigger", spec]
     capsys.readouterr()
     assert main([*argv, "--verify"]) == 0  # held: exact
@@ -73,21 +85,7 @@ def test_replay_of_a_batch_from_before_cdc_recreate_names_the_recreate_not_a_pur
     # The log still holds the batch, but its positions are of the reader generation
     # before `cdc recreate`, which reads pass over: the refusal said the server had
     # purged the binary log files, sending the operator after a retention setting.
-    binlog_db.execute("CREATE TABLE orders (id INT PRIMARY KEY, status VARCHAR(20))")
-    name = f"binlog_gen_{uuid.uuid4().hex[:8]}"
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.chdir(tmp_path)
-    spec = _cdc_module(
-        tmp_path, name, f"BinlogSource({binlog_db.url!r}, ['orders'], snapshot='never')", "og"
-    )
-    module = importlib.import_module(name)
-    module.trigger.drain(module.handle)
-    binlog_db.execute("INSERT INTO orders VALUES (1, 'new'), (2, 'new')")
-    module.trigger.drain(module.handle)
-    module.trigger.source.close()
-    history = history_for(module.trigger.store)
-    assert history is not None
-    first = next(r for r in history.read("og") if r["type"] == "commit")["batch_id"]
+    name, spec, first = _first_batch_replayable(binlog_db, tmp_path, monkeypatch, "gen", 2)
     assert main(["cdc", "recreate", spec, "--no-snapshot", "--yes"]) == 0
     monkeypatch.delitem(sys.modules, name)
     capsys.readouterr()

@@ -4,6 +4,7 @@ a failing lane, and the storage cost (SQLite and PostgreSQL, file store)."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from dbtrigger import (
 from dbtrigger.cursor import Position
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.runtime.context import BatchContext
-from dbtrigger.runtime.kernel import split
+from dbtrigger.runtime.kernel import Lanes, split
 from dbtrigger.sources.rows import Rows
 from dbtrigger.testing import CountingStore, StoreCounts
 from tests.databases import TestDatabase
@@ -531,3 +532,27 @@ def test_subscribers_overlap_the_next_read_too(sqlite_db: TestDatabase, tmp_path
     assert source.reads == 3
     assert sorted(got["billing"]) == sorted(got["search"]) == list(range(1, 31))
     assert checkpoint_id(store) == 30
+
+
+def test_a_signal_a_lane_thread_receives_is_handled_while_the_lanes_hang() -> None:
+    """The kernel hands a process's signal to any thread; one that lands on a lane's
+    thread wakes no wait without a timeout, and Python runs handlers on the main
+    thread only. The lanes' caller waited so: SIGTERM went unheard while a handler
+    hung (the first of `dbtrigger run`'s two signals, now and then under load)."""
+    heard = threading.Event()
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: heard.set())
+    lanes = Lanes(2, name="signal-test")
+    in_time: list[bool] = []
+
+    def part(index: int) -> None:
+        if index == 0:
+            signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)
+        in_time.append(heard.wait(10))  # a hung handler, until the signal was handled
+
+    try:
+        errors = lanes.each([0, 1], part, None)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        lanes.close()
+    assert errors == [None, None]
+    assert in_time == [True, True]

@@ -178,6 +178,10 @@ def on_loop(
     return shim
 
 
+#: How long the lanes' caller waits at a time, so a signal's handler gets to run.
+_SIGNAL_SLICE_SECONDS = 0.2
+
+
 # --- lanes ---------------------------------------------------------------------------
 
 
@@ -283,7 +287,11 @@ class Lanes:
             if meanwhile is not None:
                 meanwhile()
         finally:
-            wait(futures)
+            # In slices: a signal the kernel hands to a lane's thread does not wake a
+            # wait without a timeout, and Python runs its handler on this (main) thread
+            # only between slices; SIGTERM went unheard while a lane hung.
+            while wait(futures, timeout=_SIGNAL_SLICE_SECONDS).not_done:
+                pass
         return [future.exception() for future in futures]
 
     def run(

@@ -23,7 +23,7 @@ from dbtrigger.history import history_for
 from dbtrigger.history.records import image_text
 from tests.cdc_servers import BinlogDatabase
 from tests.test_cdc_binlog import make_table, trigger
-from tests.test_cdc_truncate_pg import assert_truncate_is_a_barrier
+from tests.test_cdc_truncate_pg import assert_truncate_is_a_barrier, assert_truncated_between
 from tests.test_history_replay import _cdc_module
 
 pytestmark = [pytest.mark.binlog, pytest.mark.timeout(120)]
@@ -45,18 +45,7 @@ def test_a_truncate_is_delivered_in_order_as_a_truncate_event(
     got: list[RowChange] = []
     with caplog.at_level(logging.WARNING, logger="dbtrigger"):
         t.drain(got.extend)
-    assert [(e.op, e.pk["id"]) for e in got] == [
-        ("insert", 1),
-        ("insert", 2),
-        ("truncate", None),
-        ("insert", 3),
-    ]
-    truncate = got[2]
-    assert truncate.before is None
-    assert truncate.after is None
-    assert dict(truncate.pk) == {"id": None}
-    assert truncate.metadata["table"] == f"{binlog_db.name}.{table}"
-    assert truncate.to_cloudevent().get_type() == "dbtrigger.row.truncate"
+    assert_truncated_between(got, f"{binlog_db.name}.{table}")
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     source.close()
 

@@ -54,21 +54,9 @@ def test_a_truncate_is_delivered_in_order_as_a_truncate_event(
     got: list[RowChange] = []
     with caplog.at_level(logging.WARNING, logger="dbtrigger"):
         trigger.drain(got.extend)
-    assert [(e.op, e.pk["id"]) for e in got] == [
-        ("insert", 1),
-        ("insert", 2),
-        ("truncate", None),
-        ("insert", 3),
-    ]
-    truncate = got[2]
-    assert truncate.before is None
-    assert truncate.after is None
-    assert dict(truncate.pk) == {"id": None}
-    assert truncate.metadata["table"] == "public.t"
+    truncate = assert_truncated_between(got, "public.t")
     assert truncate.metadata["last_in_transaction"] is True
-    cloud = truncate.to_cloudevent()
-    assert cloud.get_type() == "dbtrigger.row.truncate"
-    assert cloud.get_subject() is None
+    assert truncate.to_cloudevent().get_subject() is None
     warned = [
         r.getMessage()
         for r in caplog.records
@@ -113,6 +101,23 @@ def test_lanes_never_run_a_truncate_beside_or_after_a_later_change(cdc_db: CdcDa
     assert_truncate_is_a_barrier(trigger, "v")
     source.close()
 
+
+def assert_truncated_between(got: list[RowChange], table: str) -> RowChange:
+    """``got``: inserts 1 and 2, the truncate of ``table``, insert 3; the truncate
+    event, shaped as the change log's (no images, every key value None)."""
+    assert [(e.op, e.pk["id"]) for e in got] == [
+        ("insert", 1),
+        ("insert", 2),
+        ("truncate", None),
+        ("insert", 3),
+    ]
+    truncate = got[2]
+    assert truncate.before is None
+    assert truncate.after is None
+    assert dict(truncate.pk) == {"id": None}
+    assert truncate.metadata["table"] == table
+    assert truncate.to_cloudevent().get_type() == "dbtrigger.row.truncate"
+    return truncate
 
 def assert_truncate_is_a_barrier(trigger: PollTrigger, column: str) -> None:
     """Drained with lanes: 12 rows at 0, the truncate, 12 rows at 1 in ``column``;

@@ -9,6 +9,7 @@ and the only repeats are what the docs allow (a stalled member's batch in flight
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import signal
@@ -58,6 +59,34 @@ def per_key_in_order(workers: Workers) -> list[str]:
                 bad.append(f"{path.name}: key {k} {last[k]} then {s}")
             last[k] = s
     return bad
+
+
+def pause_outside_store_locks(proc: subprocess.Popen[bytes], state: Path) -> None:
+    """SIGSTOP ``proc`` at a moment it holds none of the file store's locks.
+
+    A member frozen inside a store write keeps its ``flock`` and everyone's reads
+    and writes of that document fail (StoreUnavailableError, as documented): a
+    different case from a member paused between writes, which this test is about.
+    Paused at random, it froze inside the membership write now and then.
+    """
+    for _ in range(200):
+        proc.send_signal(signal.SIGSTOP)
+        if not any(_locked(lock) for lock in state.glob("*.lock")):
+            return
+        proc.send_signal(signal.SIGCONT)
+        time.sleep(0.02)
+    pytest.fail("the member held a store lock at every one of 200 tries to pause it")
+
+
+def _locked(lock: Path) -> bool:
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops a lock taken here
+    return False
 
 
 #: Where the paused-member case runs: PostgreSQL by default (CI time; the
@@ -111,7 +140,7 @@ def test_a_member_paused_past_its_ttl_commits_nothing_after_the_others_took_over
             workers.start(name)
         wait_for("three fair shares", lambda: workers.shares() == fair(3), 90, workers.show)
         wait_for("w1 to deliver", lambda: workers.got_work("w1"), 60, workers.show)
-        workers.procs["w1"].send_signal(signal.SIGSTOP)
+        pause_outside_store_locks(workers.procs["w1"], tmp_path / "state")
         try:
             wait_for(
                 "the paused member's partitions owned by the others",

@@ -27,7 +27,7 @@ from dbtrigger.errors import (
     SourcePermissionError,
 )
 from dbtrigger.sources.base import position_of
-from tests.cdc_servers import CdcDatabase, LogicalPostgres
+from tests.cdc_servers import CdcDatabase, LogicalPostgres, drop_slot
 from tests.databases import TestDatabase
 
 #: Slots are cluster-wide: another test (or a benchmark run) may hold one on this server.
@@ -572,21 +572,7 @@ def test_a_slot_lost_while_the_poller_runs_is_a_slot_lost_error(
     cdc_db.execute("INSERT INTO t VALUES (2)")
     if how == "dropped":
         with cdc_db.connect() as conn:
-            conn.execute(
-                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots "
-                "WHERE slot_name = %s AND active_pid IS NOT NULL",
-                (source.slot,),
-            )
-            wait_for(
-                lambda: (
-                    not conn.execute(
-                        "SELECT active FROM pg_replication_slots WHERE slot_name = %s",
-                        (source.slot,),
-                    ).fetchone()[0]
-                ),
-                "the stream to let go of the slot",
-            )
-            conn.execute("SELECT pg_drop_replication_slot(%s)", (source.slot,))
+            drop_slot(conn, source.slot)
     else:
         logical_pg.set_config("max_slot_wal_keep_size", "1MB")
         try:

@@ -17,7 +17,7 @@ from dbtrigger import PollTrigger, RowChange
 from dbtrigger.cdc import PgLogicalSource
 from dbtrigger.cdc.pgoutput import parse_lsn
 from dbtrigger.errors import ConfigurationError, SlotLostError
-from tests.cdc_servers import CdcDatabase
+from tests.cdc_servers import CdcDatabase, drop_slot
 from tests.test_cdc_pg import poller as cdc_poller
 from tests.test_cdc_pg import wait_for
 
@@ -35,12 +35,8 @@ def drain(trigger: PollTrigger) -> list[int]:
 
 def recreate_by_hand(db: CdcDatabase, slot: str, skipped: int = 2) -> None:
     with db.connect() as conn:
-        conn.execute(
-            "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots "
-            "WHERE slot_name = %s AND active_pid IS NOT NULL",
-            (slot,),
-        )
-        conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+        # A stream's walsender outlives its closed connection for a moment: drop when free.
+        drop_slot(conn, slot)
         conn.execute("INSERT INTO t VALUES (%s)", (skipped,))  # in no slot: the one skipped
         conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
 

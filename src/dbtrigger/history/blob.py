@@ -45,8 +45,8 @@ from dbtrigger.history.store import (
     last_records,
     newest_records,
     numbered,
-    prunable_segments,
-    pruned_while_read,
+    prune_segments,
+    read_segments,
     segment_name,
     segment_seq,
 )
@@ -77,6 +77,11 @@ class _Segment:
     blocks: int
     #: The number of the last record in it (0: not known).
     last_seq: int = 0
+
+
+def _first_seq(segment: _Segment) -> int:
+    """The number of a segment's first record, from its name."""
+    return segment_seq(segment.name) or 0
 
 
 class BlobHistory:
@@ -178,26 +183,15 @@ class BlobHistory:
         return newest_records(reversed(self._segments(poller)), last, count)
 
     def read(self, poller: str, *, since_seq: int = 0) -> Iterator[dict[str, Any]]:
-        segments = self._segments(poller)
-        given: int | None = None  # the last record this read gave
-        for i, segment in enumerate(segments):
-            if i + 1 < len(segments):
-                following = segment_seq(segments[i + 1].name.rsplit("/", 1)[1]) or 0
-                if following <= since_seq + 1:
-                    continue
+        def load(segment: _Segment) -> bytes | None:
             if segment.size == 0:
-                continue
+                return b""
             try:
-                data = self._read_range(segment.name, 0, segment.size)
+                return self._read_range(segment.name, 0, segment.size)
             except SegmentGoneError:
-                if given is None:
-                    continue  # pruned before this read gave anything: it starts later
-                raise pruned_while_read(poller, given) from None
-            for record in decode_lines(data):
-                seq = int(record.get("seq") or 0)
-                if seq > since_seq:
-                    given = seq
-                    yield record
+                return None
+
+        return read_segments(poller, self._segments(poller), _first_seq, load, since_seq)
 
     def _active_segment(self, poller: str) -> tuple[_Segment | None, int]:
         """The segment to append to and the history's last number, read now.
@@ -217,7 +211,7 @@ class BlobHistory:
                 continue
             segment.last_seq = int(last[-1].get("seq") or 0)
             if empty is not None:
-                if segment_seq(empty.name.rsplit("/", 1)[1]) == segment.last_seq + 1:
+                if _first_seq(empty) == segment.last_seq + 1:
                     empty.last_seq = segment.last_seq
                     return empty, segment.last_seq
                 self._delete(empty.name)
@@ -294,23 +288,17 @@ class BlobHistory:
 
     def prune(self, poller: str, retention: Retention, now: dt.datetime) -> int:
         segments = self._segments(poller)
-        described: list[tuple[str, int, dt.datetime | None]] = []
+        described: list[tuple[_Segment, int, dt.datetime | None]] = []
         for segment in segments:
             if segment.size == 0:
-                described.append((segment.name, 0, None))
+                described.append((segment, 0, None))
                 continue
             head = self._read_range(segment.name, 0, min(segment.size, TAIL_CHUNK))
             first = decode_lines(head)
-            described.append((segment.name, segment.size, record_time(first[0]) if first else None))
-        removed = 0
-        names = [s.name for s in segments]
-        for name in prunable_segments(described, retention, now):
-            index = names.index(name)
-            first_here = segment_seq(name.rsplit("/", 1)[1]) or 0
-            first_next = segment_seq(names[index + 1].rsplit("/", 1)[1]) or first_here
-            self._delete(name)
-            removed += first_next - first_here
-        return removed
+            described.append((segment, segment.size, record_time(first[0]) if first else None))
+        return prune_segments(
+            segments, described, _first_seq, lambda s: self._delete(s.name), retention, now
+        )
 
 
 __all__ = ["HISTORY_BLOB", "BlobHistory"]

@@ -41,8 +41,8 @@ from dbtrigger.history.store import (
     last_records,
     newest_records,
     numbered,
-    prunable_segments,
-    pruned_while_read,
+    prune_segments,
+    read_segments,
     segment_name,
     segment_seq,
 )
@@ -158,24 +158,15 @@ class FileHistory:
         )
 
     def read(self, poller: str, *, since_seq: int = 0) -> Iterator[dict[str, Any]]:
-        segments = self._segments(poller)
-        given: int | None = None  # the last record this read gave
-        for i, path in enumerate(segments):
-            if i + 1 < len(segments) and self._first_seq(segments[i + 1]) <= since_seq + 1:
-                continue  # every record of this segment is at or below since_seq
+        def load(path: Path) -> bytes | None:
             try:
-                data = path.read_bytes()
+                return path.read_bytes()
             except FileNotFoundError:
-                if given is None:
-                    continue  # pruned before this read gave anything: it starts later
-                raise pruned_while_read(poller, given) from None
+                return None
             except OSError as exc:
                 raise StoreUnavailableError(f"cannot read {path}: {exc.strerror}") from exc
-            for record in decode_lines(data):
-                seq = int(record.get("seq") or 0)
-                if seq > since_seq:
-                    given = seq
-                    yield record
+
+        return read_segments(poller, self._segments(poller), self._first_seq, load, since_seq)
 
     def append(self, poller: str, records: Sequence[Mapping[str, Any]], *, after_seq: int) -> None:
         if not records:
@@ -248,24 +239,21 @@ class FileHistory:
                         first = decode_lines(fh.readline())
                 except FileNotFoundError:
                     continue
-                described.append((str(path), size, record_time(first[0]) if first else None))
-            removed = 0
-            for name in prunable_segments(described, retention, now):
-                path = Path(name)
-                following = [s for s in segments if s.name > path.name]
-                first_here = self._first_seq(path)
-                first_next = self._first_seq(following[0]) if following else first_here
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
-                removed += first_next - first_here
-            return removed
+                described.append((path, size, record_time(first[0]) if first else None))
+            return prune_segments(
+                segments,
+                described,
+                self._first_seq,
+                lambda path: path.unlink(missing_ok=True),
+                retention,
+                now,
+            )
 
     def delete(self, poller: str) -> None:
         """Remove the whole history of ``poller`` (tests; a poller removed for good)."""
         with self._locked(poller):
             for path in self._segments(poller):
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
+                path.unlink(missing_ok=True)
 
 
 __all__ = ["DEFAULT_SEGMENT_BYTES", "FileHistory"]

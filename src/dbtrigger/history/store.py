@@ -228,11 +228,62 @@ def pruned_while_read(poller: str, last: int) -> HistoryPrunedError:
     )
 
 
-def prunable_segments(
-    segments: Sequence[tuple[str, int, dt.datetime | None]],
+def read_segments(
+    poller: str,
+    segments: Sequence[S],
+    first_seq: Callable[[S], int],
+    load: Callable[[S], bytes | None],
+    since_seq: int,
+) -> Iterator[dict[str, Any]]:
+    """The records after ``since_seq`` in a history's ``segments`` (oldest first), in
+    order (a history's ``read``). A segment whose successor starts at or below
+    ``since_seq + 1`` holds none of them and is not read. ``load(segment)`` reads
+    one whole; None: it is gone, pruned since it was listed. Before a record was
+    given that only means the history starts later; after one, the read stops
+    with :func:`pruned_while_read` rather than go on past a hole."""
+    given: int | None = None  # the last record this read gave
+    for i, segment in enumerate(segments):
+        if i + 1 < len(segments) and first_seq(segments[i + 1]) <= since_seq + 1:
+            continue
+        data = load(segment)
+        if data is None:
+            if given is None:
+                continue
+            raise pruned_while_read(poller, given)
+        for record in decode_lines(data):
+            seq = int(record.get("seq") or 0)
+            if seq > since_seq:
+                given = seq
+                yield record
+
+
+def prune_segments(
+    segments: Sequence[S],
+    described: Sequence[tuple[S, int, dt.datetime | None]],
+    first_seq: Callable[[S], int],
+    delete: Callable[[S], None],
     retention: Retention,
     now: dt.datetime,
-) -> list[str]:
+) -> int:
+    """Delete the segments :func:`prunable_segments` picks among ``described`` (those
+    of the listed ``segments`` whose size and first record's time were read);
+    the number of records removed: a segment holds those up to the first of the
+    segment listed after it (a history's ``prune``)."""
+    removed = 0
+    for segment in prunable_segments(described, retention, now):
+        i = segments.index(segment)
+        first_here = first_seq(segment)
+        first_next = first_seq(segments[i + 1]) if i + 1 < len(segments) else first_here
+        delete(segment)
+        removed += first_next - first_here
+    return removed
+
+
+def prunable_segments(
+    segments: Sequence[tuple[S, int, dt.datetime | None]],
+    retention: Retention,
+    now: dt.datetime,
+) -> list[S]:
     """Which whole segments may go: ``segments`` are ``(name, bytes, first record's
     time)`` oldest first. A segment goes when the one after it starts before the
     age cutoff (so every record in it is older), or while the segments after it
@@ -264,7 +315,9 @@ __all__ = [
     "newest_records",
     "numbered",
     "prunable_segments",
+    "prune_segments",
     "pruned_while_read",
+    "read_segments",
     "segment_name",
     "segment_seq",
 ]

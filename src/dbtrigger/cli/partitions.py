@@ -248,34 +248,37 @@ def cmd_ddl(args: argparse.Namespace) -> int:
     return 0
 
 
-def _trigger_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trigger", required=True, help="MODULE:ATTR naming the poller")
-
-
 def add_partition_commands(sub: Any) -> None:
     """Register ``partitions`` and its subcommands on the CLI's subparsers."""
-    parser = sub.add_parser(
+    group = sub.add_parser(
         "partitions",
         help="inspect or change a partitioned poller's partitions",
         description="Partitions of a PollTrigger(partitions=N): owners, lag, split and merge.",
     )
-    commands = parser.add_subparsers(dest="action", required=True)
+    commands = group.add_subparsers(dest="action", required=True)
 
-    show = commands.add_parser(
-        "show", help="members, and each partition's owner, lease, checkpoint, lag and retries"
+    def command(name: str, func: Any, **texts: str) -> argparse.ArgumentParser:
+        """A subcommand on ``--trigger`` that runs ``func`` (``texts``: its help and
+        description)."""
+        parser: argparse.ArgumentParser = commands.add_parser(name, **texts)
+        parser.add_argument("--trigger", required=True, help="MODULE:ATTR naming the poller")
+        parser.set_defaults(func=func)
+        return parser
+
+    show = command(
+        "show",
+        cmd_show,
+        help="members, and each partition's owner, lease, checkpoint, lag and retries",
     )
-    _trigger_option(show)
     add_json_option(show)
     show.add_argument("--no-lag", action="store_true", help="skip the per-partition row count")
-    show.set_defaults(func=cmd_show)
 
     for action, text in (
         ("set", "regroup into --count partitions (only splits or merges ranges)"),
         ("split", "double the partitions: every range splits in two"),
         ("merge", "halve the partitions: neighbouring ranges merge"),
     ):
-        change = commands.add_parser(action, help=text)
-        _trigger_option(change)
+        change = command(action, cmd_change, help=text)
         if action == "set":
             change.add_argument("--count", type=int, help="the new number of partitions")
         add_change_options(
@@ -285,17 +288,16 @@ def add_partition_commands(sub: Any) -> None:
         change.add_argument(
             "--wait", type=float, default=30.0, help="seconds to wait for batches in flight"
         )
-        change.set_defaults(func=cmd_change)
 
-    backlog = commands.add_parser(
+    backlog = command(
         "backlog",
+        cmd_backlog,
         help="the scale signal: rows behind per partition, desired replicas (--serve: HTTP)",
         description="Rows after each partition's checkpoint and the age of the oldest, the "
         "total, and desired replicas = min(partitions, ceil(rows / --target)). With --serve, "
         "an HTTP endpoint KEDA's metrics-api scaler reads (GET /backlog; /metrics for "
         "Prometheus).",
     )
-    _trigger_option(backlog)
     add_json_option(backlog)
     backlog.add_argument(
         "--target",
@@ -312,24 +314,20 @@ def add_partition_commands(sub: Any) -> None:
         help="--serve: measure at most this often; requests in between get the last "
         f"measurement (default {DEFAULT_MIN_INTERVAL_SECONDS:g})",
     )
-    backlog.set_defaults(func=cmd_backlog)
 
-    reset = commands.add_parser(
+    reset = command(
         "reset-layout",
+        cmd_reset_layout,
         help="replace an unreadable membership document (--from-state or --from-file)",
         description="Replace a partitions membership document that cannot be read: rebuilt "
         "from the partitions' own state documents (--from-state; merge floors are dropped, "
         "so rows may be delivered again, none skipped) or from a saved one (--from-file).",
     )
-    _trigger_option(reset)
     how = reset.add_mutually_exclusive_group()
     how.add_argument(
         "--from-state", action="store_true", help="rebuild it from the partition documents"
     )
     how.add_argument("--from-file", metavar="BACKUP", help="a saved membership document")
     add_change_options(reset, force_help="required: the document replaced cannot be checked")
-    reset.set_defaults(func=cmd_reset_layout)
 
-    ddl = commands.add_parser("ddl", help="print DDL for an indexed bucket column")
-    _trigger_option(ddl)
-    ddl.set_defaults(func=cmd_ddl)
+    command("ddl", cmd_ddl, help="print DDL for an indexed bucket column")

@@ -82,8 +82,11 @@ DEFAULT_CLIENT_OPTIONS: dict[str, Any] = {
 }
 
 
-def _default_retry() -> LinearRetry:
-    return LinearRetry(backoff=1, retry_total=2, random_jitter_range=1)
+def _client_options(client_options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options the store's client is built with: a short linear retry and
+    :data:`DEFAULT_CLIENT_OPTIONS`, each overridden by the caller's ``client_options``."""
+    retry = LinearRetry(backoff=1, retry_total=2, random_jitter_range=1)
+    return {"retry_policy": retry, **DEFAULT_CLIENT_OPTIONS, **client_options}
 
 
 def validate_container_name(value: str) -> str:
@@ -234,7 +237,7 @@ class BlobCheckpointStore(SdkClientHolder[ContainerClient]):
         """
         env = environment(environ)
         validate_container_name(container)
-        options = {"retry_policy": _default_retry(), **DEFAULT_CLIENT_OPTIONS, **client_options}
+        options = _client_options(client_options)
 
         def build() -> ContainerClient:
             return cls._connect(connection, env, container, options)
@@ -305,7 +308,7 @@ class BlobCheckpointStore(SdkClientHolder[ContainerClient]):
         ``%SETTING%`` in ``account_url`` is read at first use.
         """
         validate_container_name(container)
-        options = {"retry_policy": _default_retry(), **DEFAULT_CLIENT_OPTIONS, **client_options}
+        options = _client_options(client_options)
 
         def build() -> ContainerClient:
             return _account_client(resolve_setting(account_url), container, credential, options)

@@ -36,6 +36,9 @@ class SchemaBreak:
 
     commit: str
     problem: str
+    #: Not a type change: a watched table renamed away, dropped or replaced by another
+    #: table (:mod:`dbtrigger.cdc.binlog_ddl`), a :class:`~dbtrigger.errors.SourceDefinitionError`.
+    table_gone: bool = False
 
 
 def keyless(table: str, gone: Sequence[str]) -> str:
@@ -170,6 +173,12 @@ class Assembly(Generic[I, T]):
         """The read goes on (inside the open transaction, if any) with ``room`` more changes."""
         self.room = room
         self.full = False
+
+    @property
+    def resumed_inside(self) -> bool:
+        """The read started inside the open transaction, and changes of it are still to
+        be passed over (delivered before the checkpoint)."""
+        return self._to_skip > 0
 
     def delivered_already(self) -> bool:
         """True for a change the read started after (inside the checkpoint's transaction)."""

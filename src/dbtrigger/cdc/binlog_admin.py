@@ -23,7 +23,7 @@ from dbtrigger.cdc.binlog_health import behind_bytes
 from dbtrigger.cdc.binlog_poll import file_mark, mark_text
 from dbtrigger.cdc.binlog_setup import current_position
 from dbtrigger.cdc.snapshots import add_request, carry_over, watched
-from dbtrigger.errors import ConfigurationError, DbTriggerError
+from dbtrigger.errors import ConfigurationError, DbTriggerError, SourceDefinitionError
 
 
 class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
@@ -111,7 +111,12 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
             problems = setup.setting_problems(facts)
             row = control.read_installed(conn, source.control_database, source.reader)
             files = setup.binary_logs(conn)  # after the row: a position in it is within them
-            infos = setup.table_infos(conn, source.tables)
+            try:
+                infos = setup.table_infos(conn, source.tables)
+            except SourceDefinitionError:
+                if row is None or not control.is_table_gone(row.schema_break):
+                    raise
+                infos = {}  # renamed away or dropped: the recorded stop says so below
             found: str | None = control.UNKNOWN  # the GTID state there (MariaDB)
             if row is not None and facts.mariadb:
                 at = row.last_recorded()
@@ -162,7 +167,9 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
                     f"the last recorded position is in {name}, the oldest binary log the server "
                     "keeps: the next purge removes it; the poller must catch up now"
                 )
-            if row.schema_break:
+            if control.is_table_gone(row.schema_break):
+                warnings.append(f"delivery is held: {row.schema_break}")
+            elif row.schema_break:
                 warnings.append(
                     f"delivery is held at a column type change: {row.schema_break}; accept it "
                     "with dbtrigger cdc accept-schema MODULE:TRIGGER --yes"
@@ -269,7 +276,8 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
         source = self.source
         with setup.connect(source.url, database=False) as conn:
             row = control.read_installed(conn, source.control_database, source.reader)
-        return [row.schema_break] if row is not None and row.schema_break else []
+        held = None if row is None else row.schema_break
+        return [held] if held and not control.is_table_gone(held) else []
 
     def accept_schema(self) -> list[str]:
         """Accept the new column types: forget the accepted types of the tables that changed."""
@@ -280,10 +288,13 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
                 raise ConfigurationError(
                     f"reader {source.reader} has no control row: nothing accepted yet to change"
                 )
-            changes = [row.schema_break] if row.schema_break else []
-            changed = [
-                t for t in row.columns if row.schema_break and f" of {t} " in row.schema_break
-            ]
+            held = None if control.is_table_gone(row.schema_break) else row.schema_break
+            if control.is_table_gone(row.schema_break):
+                raise ConfigurationError(
+                    f"delivery is held by no column type change but: {row.schema_break}"
+                )
+            changes = [held] if held else []
+            changed = [t for t in row.columns if held and f" of {t} " in held]
             for table in changed or list(row.columns):
                 row.columns.pop(table, None)  # the next read accepts what the log has now
             control.update(

@@ -265,7 +265,8 @@ class ControlRow:
     through_after: str | None = None
     through_file: str | None = None
     through_pos: int | None = None
-    #: A column type change the reader stopped at, in words (until accepted).
+    #: A column type change the reader stopped at, in words (until accepted), or a
+    #: watched table moved off its name (:func:`is_table_gone`; until passed).
     schema_break: str | None = None
     #: The mark (:func:`~dbtrigger.cdc.binlog_poll.file_mark`) of ``created_file``.
     created_mark: str | None = None
@@ -435,6 +436,16 @@ def next_generation(previous: ControlRow | None, now: float) -> int:
     return generation
 
 
+#: How the stop at a watched table moved off its name begins, as kept in ``schema_break``
+#: (:func:`dbtrigger.cdc.binlog_ddl.refusal`): not a type change ``accept-schema`` accepts.
+GONE_PREFIX = "watched table "
+
+
+def is_table_gone(held: str | None) -> bool:
+    """Is the recorded stop ``held`` one at a watched table moved off its name?"""
+    return bool(held) and str(held).startswith(GONE_PREFIX)
+
+
 _PLAIN = (
     "through_after",
     "through_file",
@@ -458,6 +469,9 @@ def update(
         elif name == "snapshots":
             sets.append("snapshots_json = %s")
             params.append(json.dumps([s.to_json() for s in value]))
+        elif name == "tables":
+            sets.append("tables_json = %s")
+            params.append(json.dumps(value))
         elif name in _PLAIN:
             sets.append(f"{name} = %s")
             params.append(value)
@@ -483,6 +497,7 @@ def delete(conn: pymysql.connections.Connection[Any], database: str, reader: str
 __all__ = [
     "ADDED_COLUMNS",
     "CHUNKS",
+    "GONE_PREFIX",
     "TABLE",
     "UNKNOWN",
     "ControlRow",
@@ -491,6 +506,7 @@ __all__ = [
     "ensure",
     "exists",
     "gtid_at",
+    "is_table_gone",
     "next_generation",
     "read",
     "read_installed",

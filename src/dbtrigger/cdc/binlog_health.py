@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dbtrigger.cdc import binlog_control as control
 from dbtrigger.cdc import binlog_setup as setup
@@ -124,6 +124,17 @@ class RetentionReporter(HealthReporter[BinlogSourceParts]):
         self.retention_warning(after, files)
 
 
+def held_stop(source: BinlogSourceParts, conn: Any) -> str | None:
+    """The stop a reader recorded at a watched table moved off its name (renamed away,
+    dropped: :mod:`dbtrigger.cdc.binlog_ddl`), or None."""
+    try:
+        row = control.read_installed(conn, source.control_database, source.reader)
+    except DbTriggerError:
+        return None
+    held = None if row is None else row.schema_break
+    return held if control.is_table_gone(held) else None
+
+
 def self_check(source: BinlogSourceParts) -> list[SourceFinding]:
     """What ``dbtrigger check`` reports for a BinlogSource (never raises for a finding)."""
     findings: list[SourceFinding] = []
@@ -164,11 +175,15 @@ def self_check(source: BinlogSourceParts) -> list[SourceFinding]:
                     "pass server_id= with another value",
                 )
             )
+        held = held_stop(source, conn)
+        if held is not None:  # a watched table renamed away or dropped: the worker stopped
+            findings.append(SourceFinding("delivery", ERROR, held))
         try:
             files = setup.binary_logs(conn)
             infos = setup.table_infos(conn, source.tables)
         except DbTriggerError as exc:
-            findings.append(SourceFinding("privileges", ERROR, str(exc)))
+            if held is None:
+                findings.append(SourceFinding("privileges", ERROR, str(exc)))
             return findings
         findings.append(
             SourceFinding(
@@ -205,4 +220,11 @@ def self_check(source: BinlogSourceParts) -> list[SourceFinding]:
     return findings
 
 
-__all__ = ["RetentionReporter", "behind_bytes", "resume_file", "retention_notes", "self_check"]
+__all__ = [
+    "RetentionReporter",
+    "behind_bytes",
+    "held_stop",
+    "resume_file",
+    "retention_notes",
+    "self_check",
+]

@@ -412,7 +412,7 @@ class BinlogPoller:
                     asm.begin(token, None, event.timestamp, after, explicit=True)
                 return
             asm.query(text, getattr(event, "schema", None))
-            if word == "COMMIT" or (asm.current is not None and not asm.explicit):
+            if asm.commits(word):
                 self._committed(asm.commit(event.timestamp), buffer, state, end)
         elif kind is ev.XidEvent:
             self._committed(asm.commit(event.timestamp), buffer, state, end)

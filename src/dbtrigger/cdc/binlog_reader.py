@@ -49,10 +49,11 @@ import decimal
 import json
 import logging
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dbtrigger.cdc import binlog_ddl as ddl
 from dbtrigger.cdc import binlog_values
 from dbtrigger.cdc.assembly import Assembly, SchemaBreak, SchemaGuard, keyless
 from dbtrigger.cdc.binlog_setup import TableInfo
@@ -197,32 +198,6 @@ def decode_value(value: Any) -> Any:
 
 
 _TRUNCATE = re.compile(r"^\s*truncate\s+(?:table\s+)?[`\"]?(\w+)[`\"]?(?:\.[`\"]?(\w+))?", re.I)
-_NAME = r"[`\"]?(?:\w+[`\"]?\.[`\"]?)?\w+[`\"]?"
-_COMMENTS = re.compile(r"/\*.*?\*/|--[^\n]*|#[^\n]*", re.S)
-_RENAMED = re.compile(rf"({_NAME})\s+to\s+({_NAME})", re.I)
-_ALTER_RENAME = re.compile(
-    rf"^alter\s+table\s+({_NAME})\s.*?\brename\s+(?:to\s+|as\s+)?({_NAME})\s*$", re.I | re.S
-)
-_DROP = re.compile(r"^drop\s+(?:temporary\s+)?tables?\s+(?:if\s+exists\s+)?(.*)$", re.I | re.S)
-
-
-def _bare(name: str) -> str:
-    return name.replace("`", "").replace('"', "")
-
-
-def gone_tables(text: str) -> list[tuple[str, str | None]]:
-    """The tables a ``RENAME TABLE``, ``ALTER TABLE ... RENAME`` or ``DROP TABLE`` takes
-    away from their names: (name, new name or None for a drop), names as written."""
-    sql = _COMMENTS.sub(" ", text).strip().rstrip(";")
-    if re.match(r"^rename\s+tables?\s", sql, re.I):
-        return [(_bare(a), _bare(b)) for a, b in _RENAMED.findall(sql)]
-    moved = _ALTER_RENAME.match(sql)
-    if moved is not None and not re.search(r"\brename\s+(column|index|key)\b", sql, re.I):
-        return [(_bare(moved.group(1)), _bare(moved.group(2)))]
-    dropped = _DROP.match(sql)
-    if dropped is not None:
-        return [(_bare(n.strip()), None) for n in dropped.group(1).split(",") if n.strip()]
-    return []
 
 
 class Assembler(Assembly[TableInfo, str]):
@@ -237,8 +212,21 @@ class Assembler(Assembly[TableInfo, str]):
         reader: str,
         names_from_log: bool,
         column_types: Callable[[str], Mapping[str, str] | None] | None = None,
+        poller: str | None = None,
+        followed: Collection[str] = (),
+        exists: Callable[[str], bool] = lambda table: True,
+        acked: Callable[[str, dt.datetime | None], bool] = lambda table, when: False,
     ) -> None:
         super().__init__(watched, guard)
+        #: For the statements that move a watched table off its name (see
+        #: :mod:`dbtrigger.cdc.binlog_ddl`): the poller (named in the error), the tables
+        #: this reader watched before (a table renamed from one is the table it read),
+        #: whether a table is under a name now, and whether its snapshot was asked for
+        #: since a time.
+        self.poller = poller
+        self.followed = followed
+        self.exists = exists
+        self.acked = acked
         #: A table's column types read again (a column added since ``watched`` was read).
         self.column_types = column_types
         self._catalogs: dict[str, Mapping[str, str]] = {}
@@ -278,6 +266,14 @@ class Assembler(Assembly[TableInfo, str]):
     @property
     def explicit(self) -> bool:
         return self._explicit
+
+    def commits(self, word: str) -> bool:
+        """Does the statement just read (its first word ``word``) commit its transaction?
+        A ``COMMIT`` does, and a statement outside ``BEGIN`` (DDL) - unless it stopped the
+        read (a watched table moved off its name): its transaction stays open, unread."""
+        if self.schema_break is not None:
+            return False
+        return word == "COMMIT" or (self.current is not None and not self._explicit)
 
     # -- events --
 
@@ -388,10 +384,14 @@ class Assembler(Assembly[TableInfo, str]):
     def query(self, text: str, schema: str | bytes | None = None) -> None:
         """A statement in the log: a ``TRUNCATE`` of a watched table is kept as its
         ``truncate`` change (an unqualified name is in ``schema``, the statement's
-        default database, when the log says which)."""
-        self._gone(text)
+        default database, when the log says which); one that moves a watched table off
+        its name stops the read before it, or is kept as its ``truncate`` (:meth:`_moved`)."""
+        current = self.delivering
+        if current is None or self.schema_break is not None:
+            return
+        self._moved(text, schema, current)
         match = _TRUNCATE.match(text)
-        if match is None or self.delivering is None or self.schema_break is not None:
+        if match is None or self.schema_break is not None:
             return
         first, second = match.groups()
         if isinstance(schema, bytes):
@@ -401,26 +401,35 @@ class Assembler(Assembly[TableInfo, str]):
             if table == name or (not second and not schema and table.endswith("." + name)):
                 self.keep((RowShape(table, info.names, info.key_columns), "T", None, None))
 
-    def _gone(self, text: str) -> None:
-        """Say so when a watched table leaves its name: the changes made under a new
-        name are not read, and a drop removes every row without a delete event."""
-        if not re.match(r"^\s*(?:/\*.*?\*/\s*)*(rename|alter|drop)\b", text, re.I | re.S):
+    def _moved(self, text: str, schema: str | bytes | None, current: Transaction[Any]) -> None:
+        """A statement that renames a watched table away, drops it, or puts another table
+        under its name: read on only when that loses no row (:func:`binlog_ddl.passes`),
+        the watched table's leaving kept as a ``truncate`` of its name; else stop before
+        the statement (:attr:`schema_break`, ``table_gone``) with what to run."""
+        found = ddl.effects(text, schema, list(self.watched), self.followed)
+        if not found:
             return
-        for name, new in gone_tables(text):
-            for table in self.watched:
-                if table != name and not table.endswith("." + name):
-                    continue
-                what = "dropped" if new is None else f"renamed to {new}"
-                log.warning(
-                    "watched table %s was %s: its rows are gone from this source without a "
-                    "delete event each, and changes made under another name are not read. If "
-                    "it is created again under this name, its changes are read from then on; "
-                    "if it now lives under another name, point the source at it and read its "
-                    "rows again (`dbtrigger cdc snapshot TRIGGER --table TABLE --yes`)",
-                    table,
-                    what,
-                    extra={"event": "cdc_table_gone", "table": table, "renamed_to": new},
-                )
+        if not self.resumed_inside:  # passed before: its truncate was delivered
+            stops = [
+                e
+                for e in found
+                if not ddl.passes(e, self.exists, lambda t: self.acked(t, current.commit_time))
+            ]
+            if stops:
+                problem = "; ".join(ddl.refusal(e, current.commit, self.poller) for e in stops)
+                self.schema_break = SchemaBreak(current.commit, problem, table_gone=True)
+                return
+        for effect in found:
+            log.info(
+                "watched table %s was %s: read on (%s)",
+                effect.table,
+                ddl.statement_words(effect),
+                "delivered as a truncate event" if effect.left else "its snapshot was asked for",
+                extra={"event": "cdc_table_gone", "table": effect.table, "poller": self.poller},
+            )
+            if effect.left:
+                info = self.watched[effect.table]
+                self.keep((RowShape(effect.table, info.names, info.key_columns), "T", None, None))
 
 
 def _utc(seconds: int) -> dt.datetime | None:

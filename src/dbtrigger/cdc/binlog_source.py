@@ -28,6 +28,7 @@ type; ``dbtrigger cdc accept-schema``).
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import importlib.util
 import time
 from collections.abc import Sequence
@@ -292,6 +293,10 @@ class BinlogSource(LogSource):
                 ", snapshot queued" if row.snapshots else "",
                 extra={"event": "cdc_reader_created", "poller": self.poller},
             )
+        new_tables = [t for t in self.table_names() if t not in row.tables]
+        if new_tables:  # tables= pointed at a renamed table: it reads on from the old name
+            row.tables = [*row.tables, *new_tables]
+            control.update(conn, self.control_database, self.reader, tables=row.tables)
         self.control_row = row
         self.guard = SchemaGuard(row.columns, type_name)
         self._assembler = Assembler(
@@ -301,6 +306,10 @@ class BinlogSource(LogSource):
             reader=self.reader,
             names_from_log=facts.names_from_log,
             column_types=self._column_types,
+            poller=self.poller,
+            followed=frozenset(row.tables),
+            exists=self._exists,
+            acked=self._snapshot_asked,
         )
         self.health.retention_warning(after, files)
 
@@ -330,6 +339,35 @@ class BinlogSource(LogSource):
         except (DbTriggerError, pymysql.MySQLError, OSError):
             return None
         return dict(infos[table].columns) if table in infos else None
+
+    def _exists(self, table: str) -> bool:
+        """Is a table under the name ``table`` now (a watched one dropped in the log)?"""
+        database, _, name = table.partition(".")
+        with setup.translated(f"looking for table {table}"), self.connection().cursor() as cur:
+            cur.execute(
+                "SELECT COUNT(*) FROM information_schema.TABLES WHERE TABLE_SCHEMA = %s "
+                "AND TABLE_NAME = %s",
+                (database, name),
+            )
+            found = cur.fetchone()
+        return bool(found and int(found[0]))
+
+    def _snapshot_asked(self, table: str, since: dt.datetime | None) -> bool:
+        """Was a snapshot of ``table`` asked for (``cdc snapshot``) at or after ``since``?
+        How a person chose to read a watched name on after a statement that put another
+        table, or none, under it (:mod:`dbtrigger.cdc.binlog_ddl`)."""
+        if since is None:
+            return False
+        row = self.read_control(self.connection())
+        for request in row.snapshots if row is not None else []:
+            if request.table != table or request.requested_at is None:
+                continue
+            asked = dt.datetime.fromisoformat(request.requested_at)
+            if asked.tzinfo is None:
+                asked = asked.replace(tzinfo=dt.timezone.utc)
+            if asked >= since:
+                return True
+        return False
 
     def new_control_row(
         self,
@@ -389,6 +427,8 @@ class BinlogSource(LogSource):
         brk, row = self.schema_break, self.control_row
         if brk is None or row is None or row.schema_break == brk.problem:
             return changes
+        if brk.table_gone and changes:
+            return changes  # recorded once delivery reaches it, not while it is ahead
         try:
             control.update(
                 self.connection(), self.control_database, self.reader, schema_break=brk.problem
@@ -397,6 +437,19 @@ class BinlogSource(LogSource):
         except Exception as exc:  # noqa: BLE001 - the error raised next says it anyway
             log.warning("could not record the schema change: %s", exc)
         return changes
+
+    def read_on_seen(self) -> None:
+        """A read found no stop: forget one at a watched table moved off its name (passed
+        since: ``tables=`` pointed at the new name, the table created again, its
+        snapshot asked for), so ``cdc status`` no longer shows it."""
+        row = self.control_row
+        if row is None or not control.is_table_gone(row.schema_break):
+            return
+        try:
+            control.update(self.connection(), self.control_database, self.reader, schema_break=None)
+            row.schema_break = None
+        except Exception as exc:  # noqa: BLE001 - shown a little longer, tried again
+            log.warning("could not clear the recorded stop: %s", exc)
 
     def save_columns(self, accepted: dict[str, dict[str, Any]]) -> None:
         control.update(self.connection(), self.control_database, self.reader, columns=accepted)

@@ -10,7 +10,9 @@ read different logs but face the runtime alike, and that face lives here once:
   (:class:`~dbtrigger.cdc.buffer.TransactionBuffer`), which the source's
   reader fills when it holds too little; a column type change holds delivery
   back with :class:`~dbtrigger.errors.SchemaChangedError` once everything
-  before it was delivered; a ``truncate`` comes in a batch of its own;
+  before it was delivered (a watched table moved off its name, likewise with
+  :class:`~dbtrigger.errors.SourceDefinitionError`); a ``truncate`` comes in a
+  batch of its own;
 * **acknowledge**: after the runtime's checkpoint is durable, the reader
   releases the log behind it (a slot advanced; a binlog read-through noted);
   a release that fails is retried after the next commit, never raised;
@@ -42,7 +44,12 @@ from dbtrigger.cdc.health import HealthReporter
 from dbtrigger.cdc.position import LogPosition
 from dbtrigger.cdc.snapshots import ChunkWriter, Snapshot
 from dbtrigger.cursor import Position, canonical_json
-from dbtrigger.errors import ConfigurationError, CorruptStateError, SchemaChangedError
+from dbtrigger.errors import (
+    ConfigurationError,
+    CorruptStateError,
+    SchemaChangedError,
+    SourceDefinitionError,
+)
 from dbtrigger.events import RowChange
 from dbtrigger.metrics import MetricsCollector
 from dbtrigger.redaction import safe_url_text
@@ -203,6 +210,10 @@ class LogSource(ABC):
         to deliver now. A subclass may look for an acceptance made elsewhere."""
         return changes
 
+    def read_on_seen(self) -> None:  # noqa: B027 - most sources record no stop
+        """A read reached the end of the log with no stop in it (a stop recorded for
+        ``cdc status`` may be forgotten)."""
+
     def close_parts(self) -> None:  # noqa: B027 - most sources have nothing more
         """Forget per-process state beyond the reader, connection and buffer."""
 
@@ -339,10 +350,14 @@ class LogSource(ABC):
             changes = self.buffer.take(position, limit)
             if self.schema_break is not None:
                 changes = self.schema_break_seen(position, limit, changes)
+            elif self.buffer.complete:
+                self.read_on_seen()
             changes = truncate_alone(changes)  # a barrier for every key of its table
             self.save_added_columns()
             self.health.maybe_report(position)
             brk = self.schema_break
+            if not changes and brk is not None and brk.table_gone:
+                raise SourceDefinitionError(brk.problem, poller=self.poller)
             if not changes and brk is not None:
                 raise SchemaChangedError(
                     f"{brk.problem} (in the transaction committed at {brk.commit}); events of "

@@ -22,7 +22,10 @@ What a user can hit is typed: :class:`~dbtrigger.errors.ServerSettingError`
 GRANT), :class:`~dbtrigger.errors.SlotLostError` (the binlog file the
 checkpoint needs was purged, or the log was reset: ``dbtrigger cdc recreate
 --snapshot``), :class:`~dbtrigger.errors.SchemaChangedError` (a column changed
-type; ``dbtrigger cdc accept-schema``).
+type; ``dbtrigger cdc accept-schema``),
+:class:`~dbtrigger.errors.SourceDefinitionError` (a watched table renamed away
+or dropped: delivery stops before the statement, see
+:mod:`dbtrigger.cdc.binlog_ddl`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from dbtrigger.cdc.binlog_ddl import Effect, effects, moves, passes, refusal
+from dbtrigger.cdc.binlog_ddl import Effect, Followed, effects, moves, passes, refusal
 
 W = ["db.items"]
 
@@ -25,6 +25,8 @@ W = ["db.items"]
         ("RENAME TABLE a TO tmp, b TO a, tmp TO b", "db", {"db.a": "db.b", "db.b": "db.a"}),
         ("RENAME TABLE items TO tmp, tmp TO items", "db", {}),
         ("RENAME TABLE items WAIT 5 TO gone", "db", {"db.items": "db.gone"}),
+        ("RENAME TABLE IF EXISTS items TO gone", "db", {"db.items": "db.gone"}),
+        ("ALTER TABLE IF EXISTS items RENAME TO gone", "db", {"db.items": "db.gone"}),
         ("ALTER TABLE items RENAME TO gone", "db", {"db.items": "db.gone"}),
         ("ALTER TABLE items ADD COLUMN x INT, RENAME AS gone", "db", {"db.items": "db.gone"}),
         ("ALTER TABLE items RENAME COLUMN note TO memo", "db", {}),
@@ -121,3 +123,29 @@ def test_what_passes_and_what_the_refusal_says() -> None:
     said = refusal(arrived, "C1", "p")
     assert "renamed to db.old, and its name given to the table that was db.new" in said
     assert "never read as db.items's" in said
+
+
+def test_a_followed_tables_rows_scan_for_its_rename_and_alias_it_up_to_there() -> None:
+    followed = Followed({"db.items", "db.gone", "db.old"}, ["db.gone"])
+    assert followed.unwatched == {"db.items", "db.old"}
+    followed.rows_of("db.unrelated")  # never watched: nothing to look for
+    assert followed.scanning is None
+    followed.rows_of("db.items")
+    assert followed.scanning == "db.items"
+    followed.statement("RENAME TABLE other TO x", "db", "C5")
+    assert followed.scanning == "db.items"
+    followed.statement("RENAME TABLE items TO tmp, tmp TO gone", "db", "C7")
+    assert followed.found
+    assert followed.read_ended()  # read again from the checkpoint
+    assert followed.alias("db.items", "C6") == "db.gone"
+    assert followed.alias("db.items", "C7") is None  # a table created under the old name
+    followed.restart()
+    followed.rows_of("db.items")  # found already: no scan again
+    assert followed.scanning is None
+    followed.rows_of("db.old")  # taken out of tables= and living on: the log ends
+    assert followed.read_ended()
+    assert "db.old" in followed.cleared
+    followed.restart()
+    followed.rows_of("db.old")
+    assert followed.scanning is None
+    assert not followed.read_ended()

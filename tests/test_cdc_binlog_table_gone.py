@@ -235,3 +235,46 @@ def test_statements_that_move_nothing_watched_do_not_stop(
     ]
     assert [r for r in caplog.records if getattr(r, "event", "") == "cdc_table_gone"] == []
     t.source.close()  # type: ignore[attr-defined]
+
+
+def test_changes_before_a_rename_the_reader_had_not_reached_are_read_under_the_new_name(
+    binlog_db: BinlogDatabase,
+) -> None:
+    # The migration and the new tables= deployed together: the poller never read up to
+    # the rename, and its checkpoint is before changes the log names by the old name.
+    # Before, those were skipped without a word once the source watched the new name.
+    make_table(binlog_db)
+    make_table(binlog_db, "other")  # a watched table that lives on, in the same transaction
+    db = binlog_db.name
+    store, name = InMemoryCheckpointStore(), f"p_{uuid.uuid4().hex[:8]}"
+    got: list[RowChange] = []
+    before = poller(binlog_db, ["items", "other"], store, name)
+    before.drain(got.extend)
+    binlog_db.execute("INSERT INTO items VALUES (1, 'a', 1)")
+    before.drain(got.extend)
+    before.source.close()  # type: ignore[attr-defined]
+    binlog_db.execute("INSERT INTO items VALUES (2, 'b', 2)")
+    binlog_db.execute(
+        "BEGIN NOT ATOMIC START TRANSACTION; UPDATE items SET n = 20 WHERE id = 2; "
+        "INSERT INTO other VALUES (7, 'o', 7); COMMIT; END"
+    )
+    binlog_db.execute("RENAME TABLE items TO gone")
+    binlog_db.execute("INSERT INTO gone VALUES (3, 'c', 3)")
+
+    restarted = poller(binlog_db, ["items", "other"], store, name)  # a worker restarted
+    said = stopped(restarted, got.extend)
+    assert f"table {db}.items does not exist" in said
+    assert "point tables= at its new name" in said
+    restarted.source.close()  # type: ignore[attr-defined]
+
+    after = poller(binlog_db, ["gone", "other"], store, name)
+    accept(store, name, after)
+    after.drain(got.extend)
+    assert seen(got) == [
+        ("insert", 1, f"{db}.items"),
+        ("insert", 2, f"{db}.gone"),  # before the fix: skipped, and the update too
+        ("update", 2, f"{db}.gone"),
+        ("insert", 7, f"{db}.other"),
+        ("insert", 3, f"{db}.gone"),
+    ]
+    after.source.close()  # type: ignore[attr-defined]

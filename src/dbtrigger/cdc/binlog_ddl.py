@@ -190,6 +190,72 @@ def statement_words(effect: Effect) -> str:
     return ", and its name ".join(parts) if len(parts) > 1 else parts[0]
 
 
+class Followed:
+    """Tables this reader watched before ``tables=`` was pointed elsewhere, and where
+    their changes went.
+
+    A source pointed at a renamed table's new name (``reset --accept-source``) reads
+    from a checkpoint that may be before the rename: the log names the changes made
+    before it by the old name, which is not watched any more. Rows of such a table
+    after the checkpoint start a **scan** (:meth:`rows_of`): the read goes on keeping
+    nothing until the statement that moved the table (:meth:`statement`), then is read
+    again from the checkpoint with the old name read as the watched one up to that
+    statement (:meth:`alias`), as PostgreSQL's OIDs give them; none is skipped. No
+    such statement (a table taken out of ``tables=`` while it lives on): it is
+    cleared, and the read again keeps what it kept before.
+    """
+
+    def __init__(self, followed: Collection[str], watched: Collection[str]) -> None:
+        self.unwatched = frozenset(followed) - frozenset(watched)
+        self.watched = list(watched)
+        #: old name -> (watched name, commit token of the statement that moved it)
+        self.aliases: dict[str, tuple[str, str]] = {}
+        self.cleared: set[str] = set()
+        self.scanning: str | None = None
+        #: The scan ended: the read stops, and is made again from the checkpoint.
+        self.found = False
+
+    def restart(self) -> None:
+        self.scanning, self.found = None, False
+
+    def alias(self, table: str, commit: str) -> str | None:
+        """The watched name a change of ``table`` in the transaction at ``commit`` has."""
+        hit = self.aliases.get(table)
+        return hit[0] if hit is not None and commit < hit[1] else None
+
+    def rows_of(self, table: str) -> None:
+        """Rows of ``table`` (not watched) after the checkpoint: scan when it was followed."""
+        if (
+            self.scanning is None
+            and table in self.unwatched
+            and table not in self.cleared
+            and table not in self.aliases
+        ):
+            self.scanning = table
+
+    def statement(self, text: str, schema: str | bytes | None, commit: str) -> None:
+        """A statement read while scanning: the one that moved the scanned table ends it."""
+        scanned = self.scanning
+        if scanned is None:
+            return
+        for old, new in moves(text, schema).items():
+            if _matches(old, scanned):
+                to = next((w for w in self.watched if new is not None and _matches(new, w)), None)
+                if to is not None:
+                    self.aliases[scanned] = (to, commit)
+                else:
+                    self.cleared.add(scanned)
+                self.scanning, self.found = None, True
+                return
+
+    def read_ended(self) -> bool:
+        """The read ended: must it be made again from the checkpoint (a scan ended)?"""
+        if self.scanning is not None:  # the log says nothing of where it went
+            self.cleared.add(self.scanning)
+            self.scanning, self.found = None, True
+        return self.found
+
+
 def passes(effect: Effect, exists: Callable[[str], bool], acked: Callable[[str], bool]) -> bool:
     """May the reader read on past ``effect`` without losing a row?
 
@@ -252,4 +318,13 @@ def refusal(effect: Effect, commit: str, poller: str | None) -> str:
     )
 
 
-__all__ = ["EVERY", "Effect", "effects", "moves", "passes", "refusal", "statement_words"]
+__all__ = [
+    "EVERY",
+    "Effect",
+    "Followed",
+    "effects",
+    "moves",
+    "passes",
+    "refusal",
+    "statement_words",
+]

@@ -65,11 +65,14 @@ import pymysql
 from dbtrigger.cdc import binlog_control as control
 from dbtrigger.cdc.binlog_reader import Assembler, Where, commit_token
 from dbtrigger.cdc.binlog_setup import (
+    beyond_end,
     binary_logs,
     connect_kwargs,
     current_user,
     default_server_id,
+    event_mark,
     file_index,
+    mark_text,
     replica_connect,
     replication_refused,
 )
@@ -278,6 +281,8 @@ class BinlogPoller:
         if buffer.pending(after) == 0:
             s.snapshots.emit()  # caught up: a chunk written now is in this very read
         self.read(name, offset, after, room, expect, mark)
+        if s.assembler.renames.found:  # a followed table's rename found: read again
+            self.fill(after, limit)
 
     def read(
         self,
@@ -329,7 +334,7 @@ class BinlogPoller:
                 # fetched; a 100k-row transaction then held every parsed row until the read
                 # ended (94 MB). Cut the cycle so each event is freed as soon as it is read.
                 event.packet = None
-                if asm.current is not None and asm.schema_break is not None:
+                if asm.current is not None and asm.stopped:
                     asm.partial()  # a type change: stop before it, nothing of the new shape
                     stopped, state.boundary = True, None
                     break
@@ -340,7 +345,9 @@ class BinlogPoller:
                     stopped = held = True
                     state.boundary = None
                     break
-                if asm.current is None and (asm.full or time.monotonic() >= deadline):
+                if asm.current is None and (  # a scan (binlog_ddl.Followed) reads on
+                    asm.full or (time.monotonic() >= deadline and not asm.renames.scanning)
+                ):
                     stopped = True
                     break
         except DbTriggerError:
@@ -357,6 +364,8 @@ class BinlogPoller:
             self._held = dump
         else:
             dump.close()
+        if asm.renames.read_ended():  # a scan ended: read again from the checkpoint
+            stopped, state.boundary = True, None
         boundary = state.boundary
         self.continue_from = (
             None
@@ -540,28 +549,6 @@ class BinlogPoller:
         held, self._held = self._held, None
         if held is not None:
             held.close()
-
-
-def beyond_end(files: list[tuple[str, int]], index: int, offset: int) -> bool:
-    """Is file ``index`` offset ``offset`` past the end of the log ``files`` lists? Never
-    in the log a position was read from: it was reset, or is another server's."""
-    if not files:
-        return False
-    for name, size in files:
-        if file_index(name) == index:
-            return offset > size
-    return index > file_index(files[-1][0])
-
-
-def event_mark(event: Any) -> str:
-    """A format description event's mark: ``server_id:created`` (epoch seconds)."""
-    return f"{int(event.packet.server_id)}:{int(event.timestamp)}"
-
-
-def mark_text(mark: str) -> str:
-    server, _, seconds = mark.partition(":")
-    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(int(seconds or 0)))
-    return f"created {when} by server_id {server}"
 
 
 def file_mark(source: BinlogSourceParts, name: str) -> str:

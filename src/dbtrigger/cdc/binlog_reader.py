@@ -225,6 +225,8 @@ class Assembler(Assembly[TableInfo, str]):
         #: since a time.
         self.poller = poller
         self.followed = followed
+        self.renames = ddl.Followed(followed, list(watched))
+        self._followed_ids: dict[int, str] = {}
         self.exists = exists
         self.acked = acked
         #: A table's column types read again (a column added since ``watched`` was read).
@@ -243,6 +245,7 @@ class Assembler(Assembly[TableInfo, str]):
 
     def start(self, room: int) -> None:
         self.restart(room)
+        self.renames.restart()
         self._explicit = False
         self.first_commit = None
 
@@ -259,6 +262,8 @@ class Assembler(Assembly[TableInfo, str]):
     def commit(self, when: int) -> Transaction[Any] | None:
         self._explicit = False
         txn = self.close()
+        if self.renames.scanning is not None:
+            return None  # read again once the scan ends
         if txn is not None:
             txn.commit_time = _utc(when)
         return txn
@@ -267,11 +272,17 @@ class Assembler(Assembly[TableInfo, str]):
     def explicit(self) -> bool:
         return self._explicit
 
+    @property
+    def stopped(self) -> bool:
+        """The read stops before the open transaction: a type change, a watched table
+        moved off its name, or a scan ended (:class:`~dbtrigger.cdc.binlog_ddl.Followed`)."""
+        return self.schema_break is not None or self.renames.found
+
     def commits(self, word: str) -> bool:
         """Does the statement just read (its first word ``word``) commit its transaction?
         A ``COMMIT`` does, and a statement outside ``BEGIN`` (DDL) - unless it stopped the
         read (a watched table moved off its name): its transaction stays open, unread."""
-        if self.schema_break is not None:
+        if self.stopped:
             return False
         return word == "COMMIT" or (self.current is not None and not self._explicit)
 
@@ -280,8 +291,12 @@ class Assembler(Assembly[TableInfo, str]):
     def table_map(self, event: Any) -> None:
         table = f"{event.schema}.{event.table}"
         info = self.watched.get(table)
+        alias = None if self.current is None else self.renames.alias(table, self.current.commit)
+        if info is None and alias is not None:  # before its rename to a watched name
+            table, info = alias, self.watched[alias]
         if info is None:
             self.shapes[event.table_id] = None
+            self._followed_ids[event.table_id] = table
             return
         columns = event.columns
         if self.names_from_log and all(c.name for c in columns):
@@ -336,7 +351,7 @@ class Assembler(Assembly[TableInfo, str]):
     def rows(self, event: Any, kind: str) -> None:
         """A rows event: keep its watched rows (or expand our snapshot chunk)."""
         current = self.delivering
-        if current is None or self.schema_break is not None:
+        if current is None or self.schema_break is not None or self.renames.scanning:
             return
         table = f"{event.schema}.{event.table}"
         if table == self.chunks_table:
@@ -344,6 +359,7 @@ class Assembler(Assembly[TableInfo, str]):
             return
         shape = self.shapes.get(event.table_id)
         if shape is None:
+            self.renames.rows_of(self._followed_ids.get(event.table_id, ""))
             return
         for row in event.rows:
             if self.delivered_already():  # the read started inside this transaction
@@ -388,6 +404,9 @@ class Assembler(Assembly[TableInfo, str]):
         its name stops the read before it, or is kept as its ``truncate`` (:meth:`_moved`)."""
         current = self.delivering
         if current is None or self.schema_break is not None:
+            return
+        if self.renames.scanning is not None:
+            self.renames.statement(text, schema, current.commit)
             return
         self._moved(text, schema, current)
         match = _TRUNCATE.match(text)

@@ -32,6 +32,7 @@ import contextlib
 import functools
 import hashlib
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -426,10 +427,36 @@ def replication_refused(conn_user: str) -> str:
     )
 
 
+# --- positions in the log ------------------------------------------------------------------
+
+
+def beyond_end(files: list[tuple[str, int]], index: int, offset: int) -> bool:
+    """Is file ``index`` offset ``offset`` past the end of the log ``files`` lists? Never
+    in the log a position was read from: it was reset, or is another server's."""
+    if not files:
+        return False
+    for name, size in files:
+        if file_index(name) == index:
+            return offset > size
+    return index > file_index(files[-1][0])
+
+
+def event_mark(event: Any) -> str:
+    """A format description event's mark: ``server_id:created`` (epoch seconds)."""
+    return f"{int(event.packet.server_id)}:{int(event.timestamp)}"
+
+
+def mark_text(mark: str) -> str:
+    server, _, seconds = mark.partition(":")
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(int(seconds or 0)))
+    return f"created {when} by server_id {server}"
+
+
 __all__ = [
     "ServerFacts",
     "TableInfo",
     "TableName",
+    "beyond_end",
     "binary_logs",
     "check_server",
     "connect",
@@ -438,7 +465,9 @@ __all__ = [
     "current_user",
     "default_reader_name",
     "default_server_id",
+    "event_mark",
     "file_index",
+    "mark_text",
     "parse_tables",
     "replica_connect",
     "server_facts",

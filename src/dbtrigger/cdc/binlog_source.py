@@ -52,7 +52,13 @@ from dbtrigger.cdc.log_source import SNAPSHOTS, LogReader, LogSource, log
 from dbtrigger.cdc.position import LogPosition
 from dbtrigger.cdc.snapshots import Snapshot
 from dbtrigger.cursor import Position
-from dbtrigger.errors import ConfigurationError, DbTriggerError, FetchError, SlotLostError
+from dbtrigger.errors import (
+    ConfigurationError,
+    DbTriggerError,
+    FetchError,
+    SlotLostError,
+    SourceDefinitionError,
+)
 from dbtrigger.sources.base import SourceFinding
 
 #: How long a worker waits for another worker of its poller to finish setting up.
@@ -255,7 +261,7 @@ class BinlogSource(LogSource):
             )
         self.facts = facts
         files = setup.binary_logs(conn)  # REPLICATION CLIENT, checked before anything else
-        self.infos = setup.table_infos(conn, self.tables)
+        self.infos = self._table_infos(conn, after)
         if self.create:
             control.ensure(conn, self.control_database)
         elif not control.exists(conn, self.control_database):
@@ -315,6 +321,26 @@ class BinlogSource(LogSource):
             acked=self._snapshot_asked,
         )
         self.health.retention_warning(after, files)
+
+    def _table_infos(
+        self, conn: pymysql.connections.Connection[Any], after: LogPosition | None
+    ) -> dict[str, setup.TableInfo]:
+        """The watched tables now; a missing one after a checkpoint says the way on."""
+        try:
+            return setup.table_infos(conn, self.tables)
+        except SourceDefinitionError as exc:
+            if after is None or "does not exist" not in str(exc):
+                raise
+            poller = self.poller or "POLLER"
+            raise SourceDefinitionError(
+                f"{exc}. If it was renamed or dropped after the checkpoint, nothing after the "
+                "checkpoint is lost yet. Renamed: point tables= at its new name and accept the "
+                f"changed source, dbtrigger reset {poller} --accept-source MODULE:TRIGGER "
+                "--reason 'table renamed' --yes; the changes written before the rename are "
+                "read under the new name, none skipped. Dropped: create it again (the drop is "
+                "then a truncate event), or take it out of tables= and accept the changed source",
+                poller=self.poller,
+            ) from exc
 
     def replay_hint(self, position: Position) -> str | None:
         """Why a recorded range ending at ``position`` is not read again, when retention

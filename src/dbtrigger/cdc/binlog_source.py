@@ -389,8 +389,8 @@ class BinlogSource(LogSource):
             return False
         row = self.read_control(self.connection())
         for request in row.snapshots if row is not None else []:
-            if request.table != table or request.requested_at is None:
-                continue
+            if request.table != table or request.requested_at is None or request.where:
+                continue  # a snapshot of some rows (--where) does not bring them all
             asked = dt.datetime.fromisoformat(request.requested_at)
             if asked.tzinfo is None:
                 asked = asked.replace(tzinfo=dt.timezone.utc)

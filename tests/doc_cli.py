@@ -23,6 +23,7 @@ import contextlib
 import gc
 import json
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -220,6 +221,11 @@ def serve(path: str) -> None:
         if os.fork() == 0:
             _supervise(conn, server, bin_dir)
         conn.close()
+    # The test process is gone without its atexit (an xdist worker ends by os._exit):
+    # its temporary directory, the socket and the shim in it, would stay behind.
+    directory = os.path.dirname(path)
+    if os.path.basename(directory).startswith("dbt-cli-"):
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 if __name__ == "__main__":

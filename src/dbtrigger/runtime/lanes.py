@@ -116,7 +116,8 @@ class Lanes:
     def each(
         self, parts: Sequence[T], fn: Callable[[T], None], meanwhile: Callable[[], None] | None
     ) -> list[BaseException | None]:
-        """Run ``fn`` on every part at once; each part's error (None: it returned).
+        """Run ``fn`` on every part at once; each part's error (None: it returned;
+        a part not started because :meth:`close` came first: LostLeaseError).
 
         ``meanwhile`` runs on the calling thread while the lanes run; the lanes
         are waited for even if it raises (no handler call outlives this).
@@ -132,7 +133,20 @@ class Lanes:
             # only between slices; SIGTERM went unheard while a lane hung.
             while wait(futures, timeout=_SIGNAL_SLICE_SECONDS).not_done:
                 pass
-        return [future.exception() for future in futures]
+        return [self._outcome(future) for future in futures]
+
+    def _outcome(self, future: Future[None]) -> BaseException | None:
+        """A part's error; a part the pool cancelled (closed before it started) did
+        not run: :class:`LostLeaseError`, as for a batch abandoned (nothing of it
+        is recorded, its rows are delivered again)."""
+        if not future.cancelled():
+            return future.exception()
+        return LostLeaseError(
+            f"{self.name}: a lane's part of the batch never started: the trigger was "
+            "closed while the batch ran; nothing of the batch is recorded and its rows "
+            "are delivered again (close a trigger after its tick returns)",
+            poller=self.name,
+        )
 
     def run(
         self,

@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+import logging
+import threading
+import weakref
+from collections.abc import Awaitable, Callable, Coroutine
+from contextvars import ContextVar
+from typing import Any, ParamSpec, TypeVar
 
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.events import RowChange
@@ -23,7 +28,19 @@ Handler = Callable[..., Any]
 #: How often an async handler's guard looks at its context's ``cancelled`` flag.
 CANCEL_POLL_SECONDS = 0.05
 
+#: How long a cancelled async handler is waited for before it is let go.
+CANCEL_GRACE_SECONDS = 5.0
+
+#: Tasks let go by :func:`guarded` (not cancelled, nor waited for, again at the end).
+_ABANDONED: weakref.WeakSet[asyncio.Future[Any]] = weakref.WeakSet()
+
+#: Set by :func:`lingering`.
+_LINGER: ContextVar[bool] = ContextVar("dbtrigger_linger", default=False)
+
+log = logging.getLogger("dbtrigger.runtime")
+
 T = TypeVar("T")
+P = ParamSpec("P")
 
 #: A handler's context: a poller's BatchContext or a queue's ClaimContext.
 C = TypeVar("C", bound=EventContext)
@@ -36,17 +53,25 @@ Stopped = Callable[[C], BaseException | None]
 async def guarded(awaitable: Awaitable[T], ctx: C, stopped: Stopped[C]) -> T | None:
     """Await an async handler, cancelling it as soon as ``ctx.cancelled``.
 
-    The task is cancelled *and awaited*, so when the trigger reports the batch
-    given up the handler has really stopped; then ``stopped(ctx)`` is raised
-    (or None returned when it gives no error).
+    The task is cancelled *and awaited*, up to :data:`CANCEL_GRACE_SECONDS`, so
+    when the trigger reports the batch given up the handler has really stopped;
+    then ``stopped(ctx)`` is raised (or None returned when it gives no error).
+    A handler that swallows its cancellation (``except CancelledError:`` and
+    carries on) is let go after that grace, with an ERROR
+    (``handler_ignored_cancel``), and the batch given up all the same: waiting
+    for it held the tick (and a stop) for ever.
     """
     task = asyncio.ensure_future(awaitable)
     try:
         while not task.done():
             if ctx.cancelled:
                 task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
+                await asyncio.wait({task}, timeout=CANCEL_GRACE_SECONDS)
+                if task.done():
+                    if not task.cancelled():
+                        task.exception()  # (retrieved: no "never retrieved" report)
+                else:
+                    _let_go(task, ctx)
                 error = stopped(ctx)
                 if error is not None:
                     raise error
@@ -58,12 +83,32 @@ async def guarded(awaitable: Awaitable[T], ctx: C, stopped: Stopped[C]) -> T | N
     return task.result()
 
 
+def _let_go(task: asyncio.Future[Any], ctx: EventContext) -> None:
+    _ABANDONED.add(task)
+    log.error(
+        "%s: the async handler call on %s ignored its cancellation: it still runs "
+        "%g s after it was cancelled (the batch was given up: handler_timeout_seconds, "
+        "a lost lease or claim, an ack timeout, a stop); it is let go, left running on "
+        "its event loop, nothing it does is recorded and its rows are delivered again. "
+        "Let asyncio.CancelledError propagate out of the handler (re-raise it after "
+        "any cleanup)",
+        ctx.poller_name,
+        ctx.batch_id,
+        CANCEL_GRACE_SECONDS,
+        extra={
+            "event": "handler_ignored_cancel",
+            "poller": ctx.poller_name,
+            "batch_id": ctx.batch_id,
+        },
+    )
+
+
 def run_awaitable(awaitable: Awaitable[T], ctx: C, stopped: Stopped[C]) -> T | None:
     """Run an async handler's awaitable from a synchronous tick."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(guarded(awaitable, ctx, stopped))
+        return _run(guarded(awaitable, ctx, stopped))
     with contextlib.suppress(Exception):
         close = getattr(awaitable, "close", None)
         if close:
@@ -71,6 +116,71 @@ def run_awaitable(awaitable: Awaitable[T], ctx: C, stopped: Stopped[C]) -> T | N
     raise ConfigurationError(
         "an async handler was called from a running event loop; use `await trigger.tick_async(...)`"
     )
+
+
+def _run(main: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run(main)``, except that tasks still running at the end are waited
+    for a bounded time only: ``asyncio.run`` cancels them and waits for ever, so
+    one that ignores its cancellation (after a second SIGTERM's KeyboardInterrupt,
+    say) held the thread - and the exit - for good."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)  # (as asyncio.run: for this thread, while it runs)
+    try:
+        return loop.run_until_complete(main)
+    finally:
+        asyncio.set_event_loop(None)
+        _close(loop)
+
+
+def _close(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel what still runs on ``loop``, wait up to the grace, close it; what
+    outlives that is left to finish on a daemon thread of its own (or on this
+    thread, under :func:`lingering`)."""
+    left = {t for t in asyncio.all_tasks(loop) if not t.done()}
+    fresh = {t for t in left if t not in _ABANDONED}
+    for task in fresh:
+        task.cancel()
+    if fresh:
+        loop.run_until_complete(asyncio.wait(fresh, timeout=CANCEL_GRACE_SECONDS))
+    left = {t for t in left if not t.done()}
+    if left and not _LINGER.get():
+        if fresh & left:
+            log.error(
+                "%d asyncio task(s) of an async handler ignored their cancellation when "
+                "its call ended; they are left running on a daemon thread",
+                len(fresh & left),
+                extra={"event": "handler_ignored_cancel"},
+            )
+        name = f"dbtrigger-abandoned-loop-{id(loop):x}"
+        threading.Thread(target=_finish, args=(loop, left), name=name, daemon=True).start()
+        return
+    _finish(loop, left)
+
+
+def _finish(loop: asyncio.AbstractEventLoop, left: set[asyncio.Task[Any]]) -> None:
+    try:
+        if left:
+            loop.run_until_complete(asyncio.wait(left))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.run_until_complete(loop.shutdown_default_executor())
+    finally:
+        loop.close()
+
+
+def lingering(fn: Callable[P, T]) -> Callable[P, T]:
+    """``fn``, during which an async handler let go on its thread keeps the thread
+    until the handler ends (a fan-out subscriber's thread: it stays busy, handed
+    nothing new, as a hung synchronous subscriber does)."""
+
+    @functools.wraps(fn)
+    def run(*args: P.args, **kwargs: P.kwargs) -> T:
+        token = _LINGER.set(True)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _LINGER.reset(token)
+
+    return run
 
 
 def on_loop(
@@ -88,4 +198,11 @@ def on_loop(
     return shim
 
 
-__all__ = ["CANCEL_POLL_SECONDS", "guarded", "on_loop", "run_awaitable"]
+__all__ = [
+    "CANCEL_GRACE_SECONDS",
+    "CANCEL_POLL_SECONDS",
+    "guarded",
+    "lingering",
+    "on_loop",
+    "run_awaitable",
+]

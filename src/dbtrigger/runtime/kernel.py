@@ -50,6 +50,7 @@ from dbtrigger.runtime.async_calls import (
     Handler,
     Stopped,
     guarded,
+    lingering,
     on_loop,
     run_awaitable,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "call",
     "dead_letter_records",
     "guarded",
+    "lingering",
     "on_loop",
     "run_awaitable",
     "split",

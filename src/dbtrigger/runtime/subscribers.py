@@ -53,7 +53,7 @@ from dbtrigger.runtime.context import BatchContext, EventMarks
 from dbtrigger.runtime.dead_letters import EventRejected, RetriesExhausted
 from dbtrigger.runtime.delivery import Delivery, DeliveryOptions
 from dbtrigger.runtime.held_report import ALL_BUSY, HeldReport
-from dbtrigger.runtime.kernel import CANCEL_POLL_SECONDS, Handler, wants_context
+from dbtrigger.runtime.kernel import CANCEL_POLL_SECONDS, Handler, lingering, wants_context
 from dbtrigger.runtime.subscriber_options import SubscriberCall, Wrap
 from dbtrigger.runtime.subscriber_poison import failed_resolutions, isolate_share
 from dbtrigger.state import fanout
@@ -286,6 +286,7 @@ class FanOut(Delivery):
             running[0].join(min(left, CANCEL_POLL_SECONDS))
             running = [thread for thread in running if thread.is_alive()]
 
+    @lingering  # (an async call let go keeps its thread: the subscriber stays busy)
     def _call_one(self, call: _Call, fn: Handler, wants: bool) -> None:
         try:
             # Its own list: a subscriber may sort or pop its batch, the others run on.

@@ -454,9 +454,10 @@ class BatchReader:
                 rows = self.fetch(position, read)
             if read > limit and self.bulk is not None:
                 rows = self.bulk.keep(rows, limit, tag)
-        positions = None
+        positions = groups = None
         if (window or self.reserve) and rows:
-            positions = [position_of(e) for e in self.normalise(rows, "plan", 0)]
+            planned = self.normalise(rows, "plan", 0)
+            positions, groups = [position_of(e) for e in planned], windowing.groups(planned)
         selection, view = windowing.choose(
             rows,
             positions,
@@ -468,6 +469,7 @@ class BatchReader:
             locate=self._locate if self._locates else None,
             hold=held,
             reserve=self.reserve,
+            groups=groups,
         )
         self.window_report.report(view)
         return selection

@@ -17,8 +17,9 @@ from collections.abc import Callable, Collection, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from dbtrigger.cursor import Position
+from dbtrigger.cursor import Position, pk_json
 from dbtrigger.events import RowChange
+from dbtrigger.runtime.lanes import moved_from
 from dbtrigger.sources.base import position_of
 from dbtrigger.state import window as windowmod
 from dbtrigger.state.window import Bound, Settlement, Window
@@ -82,11 +83,13 @@ def choose(
     locate: Locate | None = None,
     hold: Set[str] = frozenset(),
     reserve: bool = False,
+    groups: Sequence[tuple[str, ...]] | None = None,
 ) -> tuple[Selection | None, WindowView]:
     """The next batch among ``rows`` (read with ``limit``; ``positions`` are
     theirs, needed only with a window), and what the window did. None: nothing
     to do, an idle tick. ``hold``: window keys of waiting events not to hand
-    out now (fan-out: nobody can take them).
+    out now (fan-out: nobody can take them). ``groups``: each row's
+    :func:`row_keys` (default: its key alone, from ``positions``).
 
     Entries the read proves gone are dropped first (:func:`windowmod.gone`).
     If the window then still blocks progress while it holds entries the read
@@ -111,7 +114,8 @@ def choose(
     positions = list(positions or ())
     keys = [windowmod.key_of(p) for p in positions]
     sizes = [windowmod.entry_size(p) for p in positions]
-    groups = [windowmod.row_key(p) for p in positions]
+    if groups is None:
+        groups = [(windowmod.row_key(p),) for p in positions]
     current = window.without(windowmod.gone(window, positions, complete=complete))
 
     def decide(w: Window) -> windowmod.Plan:
@@ -238,14 +242,15 @@ def settle_delivered(
     for event in events:
         where = position_of(event)
         key = windowmod.key_of(where)
-        group = windowmod.row_key(where)
+        group = row_keys(event)
         reason = retried.get(event.event_id)
         # A dead-lettered event is settled for good, held back or not.
-        held = group in blocking and event.event_id not in terminal
+        found = [blocking[k] for k in group if k in blocking]
+        held = bool(found) and event.event_id not in terminal
         if reason is None and not held:
             settled.add(key)
             continue
-        earlier = blocking.get(group)
+        earlier = _owed_by(found)
         if reason is None:
             if earlier is not None:  # fan-out: owed again to who owes the earlier event
                 waiting[key] = windowmod.held_entry(where, pending.get(key), earlier, now=now)
@@ -268,11 +273,12 @@ def settle_delivered(
             owes = {name: counts.get(name, 0) for name in earlier}
             entry = dataclasses.replace(entry, owed={**owes, **entry.owed})
         waiting[key] = entry
-        blocking[group] = (
-            None
-            if entry.owed is None or (held and earlier is None)
-            else (earlier or set()) | set(entry.owed)
-        )
+        for k in group:
+            blocking[k] = (
+                None
+                if entry.owed is None or (held and earlier is None)
+                else (earlier or set()) | set(entry.owed)
+            )
     return windowmod.settle(
         fetched(selection, events),
         complete=selection.complete,
@@ -290,12 +296,38 @@ def in_key_order(events: Sequence[RowChange], settled: frozenset[str]) -> frozen
     blocked: set[str] = set()
     out = set(settled)
     for event in events:
-        group = windowmod.row_key(position_of(event))
-        if group in blocked:
+        group = row_keys(event)
+        if any(k in blocked for k in group):
             out.discard(event.event_id)
         elif event.event_id not in settled:
-            blocked.add(group)
+            blocked.update(group)
     return frozenset(out)
+
+
+def row_keys(event: RowChange) -> tuple[str, ...]:
+    """The row keys ``event`` orders against (:func:`windowmod.row_key`): its own,
+    and for an update that moved its row to another key (a log's ``UPDATE ... SET
+    id = 40 WHERE id = 4``) the old one too - a later change of key 4 must not
+    overtake the move that freed it, nor a move overtake a waiting change of 4."""
+    own = windowmod.row_key(position_of(event))
+    old = moved_from(event)
+    return (own,) if old is None else (own, pk_json(old))
+
+
+def groups(events: Sequence[RowChange]) -> list[tuple[str, ...]] | None:
+    """Each event's :func:`row_keys`, for :func:`choose`; None when no event moved
+    its row to another key (then each orders by its own key, from its position)."""
+    if all(moved_from(e) is None for e in events):
+        return None
+    return [row_keys(e) for e in events]
+
+
+def _owed_by(found: Sequence[set[str] | None]) -> set[str] | None:
+    """Who the earlier waiting events of an event's keys are owed to (None: the
+    single handler, or none waits)."""
+    if not found or any(f is None for f in found):
+        return None
+    return set().union(*(f for f in found if f is not None))
 
 
 def settle_failed(

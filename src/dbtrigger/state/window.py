@@ -313,7 +313,7 @@ def plan(
     now: dt.datetime,
     batch_size: int,
     bound: Bound,
-    groups: Sequence[str] | None = None,
+    groups: Sequence[str | Sequence[str]] | None = None,
     hold: Set[str] = frozenset(),
     reserve: bool = False,
 ) -> Plan:
@@ -328,7 +328,8 @@ def plan(
     Rows kept back that way are counted (:attr:`Plan.withheld`); due retries
     after them are still handed out (they need no new room).
 
-    **Per-key order.** ``groups`` are the rows' :func:`row_key`. A row that
+    **Per-key order.** ``groups`` are the rows' :func:`row_key` (or several: an
+    update that moved its row to another key orders against both). A row that
     is not settled and not handed out - a retry not yet due, a row the bound
     keeps back - holds back every later row of its key in the read
     (:attr:`Plan.held`): one key's events are handed out in source order, and
@@ -359,16 +360,21 @@ def plan(
     withheld = new = held = 0
     blocked: set[str] = set()  # row keys with an earlier row that waits
 
+    def group(i: int) -> Sequence[str]:
+        assert groups is not None  # noqa: S101 - called only with groups
+        g = groups[i]
+        return (g,) if isinstance(g, str) else g
+
     def wait(i: int) -> None:
         if groups is not None:
-            blocked.add(groups[i])
+            blocked.update(group(i))
 
     for i, key in enumerate(keys):
         if len(chosen) >= batch_size:
             break
         if key in settled:
             continue
-        if groups is not None and groups[i] in blocked:
+        if groups is not None and any(k in blocked for k in group(i)):
             held += 1
             continue
         waiting = pending.get(key)

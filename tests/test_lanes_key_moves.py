@@ -20,6 +20,7 @@ import pytest
 from dbtrigger import InMemoryCheckpointStore, PollTrigger, RowChange
 from dbtrigger.runtime.context import BatchContext
 from dbtrigger.sources.memory import MemorySource
+from dbtrigger.testing import MemoryLogSource
 
 
 class MovingSource(MemorySource):
@@ -136,4 +137,38 @@ def test_a_waiting_change_of_the_old_key_holds_back_the_move(lanes: int) -> None
     for _ in range(5):
         poller.tick(handler)
     assert seen == ["upsert 4"]  # the move waits behind key 4's earlier change
+    poller.close()
+
+
+@pytest.mark.parametrize("lanes", [1, 4])
+def test_the_log_source_path_holds_the_old_key_behind_a_retried_move(lanes: int) -> None:
+    """The same through a log source (MemoryLogSource: the LogSource machinery the
+    PostgreSQL and MariaDB sources share), a move delivered as one update."""
+    log = MemoryLogSource()
+    log.commit([{"op": "insert", "pk": {"id": 4}, "after": {"id": 4, "s": "a"}}])
+    log.commit([{"op": "update", "pk": {"id": 40}, "before": {"id": 4}, "after": {"id": 40}}])
+    log.commit([{"op": "insert", "pk": {"id": 4}, "after": {"id": 4, "s": "again"}}])
+    log.commit([{"op": "insert", "pk": {"id": n}, "after": {"id": n}} for n in (7, 8, 9)])
+    poller = PollTrigger(
+        name=f"log-moves-{lanes}",
+        source=log,
+        checkpoint_store=InMemoryCheckpointStore(),
+        batch_size=10,
+        max_concurrency=lanes,
+        retry_delay_seconds=0,
+        retry_delay_max_seconds=0,
+    )
+    ticks: list[list[str]] = []
+
+    def handler(events: list[RowChange], ctx: BatchContext) -> None:
+        ticks[-1].extend(label(e) for e in events)
+        for e in events:
+            if e.op == "update" and len(ticks) == 1:
+                ctx.retry(e, "not yet")
+
+    for _ in range(3):
+        ticks.append([])
+        poller.tick(handler)
+    assert ticks[1] == ["update 40", "insert 4"]  # before: ["update 40"]
+    assert ticks[2] == []
     poller.close()

@@ -12,6 +12,7 @@ are delivered again. Every wait here is for an outcome, with a bound.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import threading
@@ -163,6 +164,18 @@ async def stubborn(events):
 """
 
 
+@contextlib.contextmanager
+def running(worker: Worker) -> Iterator[Worker]:
+    """``worker``, killed if the test fails before it stopped (a worker stuck in a
+    hung tick ignores one SIGTERM: it must not outlive the test)."""
+    try:
+        yield worker
+    finally:
+        if worker.proc.poll() is None:
+            worker.proc.kill()
+            worker.proc.wait()
+
+
 def write_async_app(db: TestDatabase, tmp_path: Path, timeout: float | None) -> None:
     text = APP.format(
         url=db.url, schema=None, lanes=1, timeout=timeout, state=str(tmp_path / "state")
@@ -180,10 +193,10 @@ def test_the_worker_goes_on_past_a_timed_out_handler_that_ignores_cancel_and_sto
     the tick for ever, saying nothing); one SIGTERM then stops it."""
     add_items(sqlite_db, items_table(sqlite_db), [1, 2, 3])
     write_async_app(sqlite_db, tmp_path, timeout=0.5)
-    worker = Worker(tmp_path, "poller")
-    worker.wait_for_line("cancellation ignored")
-    worker.wait_for_line("ignored its cancellation")
-    code, _, err = worker.stop()
+    with running(Worker(tmp_path, "poller")) as worker:
+        worker.wait_for_line("cancellation ignored")
+        worker.wait_for_line("ignored its cancellation")
+        code, _, err = worker.stop()
     assert code == 0, err
 
 
@@ -194,10 +207,10 @@ def test_two_sigterms_end_a_worker_whose_async_handler_ignores_cancel(
     abandons it - and the process exits (a guard: this one passed before too)."""
     add_items(sqlite_db, items_table(sqlite_db), [1, 2, 3])
     write_async_app(sqlite_db, tmp_path, timeout=None)
-    worker = Worker(tmp_path, "poller")
-    worker.wait_for_line("handler entered")
-    worker.proc.send_signal(signal.SIGTERM)
-    worker.wait_for_line("signal 15")
-    code, _, err = worker.stop()
+    with running(Worker(tmp_path, "poller")) as worker:
+        worker.wait_for_line("handler entered")
+        worker.proc.send_signal(signal.SIGTERM)
+        worker.wait_for_line("signal 15")
+        code, _, err = worker.stop()
     assert "items: in-flight batch abandoned" in err
     assert code == 0, err

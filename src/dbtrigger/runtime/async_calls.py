@@ -121,8 +121,8 @@ def run_awaitable(awaitable: Awaitable[T], ctx: C, stopped: Stopped[C]) -> T | N
 def _run(main: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run(main)``, except that tasks still running at the end are waited
     for a bounded time only: ``asyncio.run`` cancels them and waits for ever, so
-    one that ignores its cancellation (after a second SIGTERM's KeyboardInterrupt,
-    say) held the thread - and the exit - for good."""
+    one that ignores its cancellation (the handler let go by :func:`guarded`, a
+    task it started and left behind) held the thread for good."""
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)  # (as asyncio.run: for this thread, while it runs)
     try:

@@ -516,6 +516,16 @@ def batch_shape(events: Sequence[RowChange]) -> RowShape | None:
     return shape
 
 
+def row_event(shape: RowShape, row: Sequence[Any]) -> RowChange:
+    """The event :func:`events_from_rows` made over ``row`` (already checked with
+    its batch): equal in every field, its id computed again when read."""
+    event = cast("Callable[[], _RowEvent]", _RowEvent)()
+    event._row = row
+    event._shape = shape
+    event._event_id = None  # type: ignore[assignment]
+    return event
+
+
 def _encoded_column(values: list[Any]) -> tuple[str, list[Any]]:
     """How to write ``encoded_json`` of each value of a column into a ``%`` format:
     a pattern and its arguments. An exact ``int`` column (most keys and many
@@ -567,4 +577,5 @@ __all__ = [
     "events_from_rows",
     "key_dict",
     "make_event_id",
+    "row_event",
 ]

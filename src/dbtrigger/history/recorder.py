@@ -66,6 +66,7 @@ from dbtrigger.errors import CasConflictError
 from dbtrigger.events import RowChange
 from dbtrigger.history import records as rec
 from dbtrigger.history.chains import Detail, Pending, chains_of
+from dbtrigger.history.kept_rows import kept
 from dbtrigger.history.store import (
     DEFAULT_RETENTION,
     SEQ_PREFIX,
@@ -357,9 +358,10 @@ class HistoryRecorder:
     ) -> Callable[[], Detail]:
         """What makes the detail of a commit of ``events`` later (what it reads of
         the document and the outcome is taken now)."""
-        batch = tuple(events)
         rejected = outcome.rejected if outcome is not None else None
         retried = outcome.retried if outcome is not None else None
+        # (A batch with marked events keeps them: its detail reads every id.)
+        batch = tuple(events) if rejected or retried else kept(events)
         waiting = rec.waiting_of(doc.window)
         source = self.source
 

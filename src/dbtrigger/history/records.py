@@ -41,6 +41,7 @@ from typing import Any
 from dbtrigger.cursor import Position, encoded_pk
 from dbtrigger.errors import ReplayRefusedError, SerializationError
 from dbtrigger.events import RowChange, event_ids
+from dbtrigger.history.kept_rows import KeptRows
 from dbtrigger.history.store import EncodedRecord, encode_json
 from dbtrigger.state.document import JournalRecord, format_time, parse_time, position_to_json
 
@@ -63,8 +64,7 @@ def entry_id(entry: Mapping[str, Any]) -> str:
 
 @functools.lru_cache(maxsize=256)
 def _text_id(text: str) -> str:
-    # Every append looks up the ids of the whole journal (20 entries by
-    # default), of which one is new: the others' digests are remembered.
+    # An append looks up the ids of a whole journal; one is new, the rest remembered.
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:24]
 
 
@@ -291,8 +291,10 @@ class EventLine:
 
 
 def _row_batch(events: Sequence[RowChange]) -> tuple[Any, list[Any]] | None:
-    """The shape and row tuples when every event is a fetched row of one shape (or
-    of shapes alike: a replay reads a recorded range in several fetches)."""
+    """The shape and row tuples when every event is a fetched row of one shape (or of
+    shapes alike: a replay reads a recorded range in several fetches)."""
+    if type(events) is KeptRows:
+        return events.shape, events.rows
     batch_shape = getattr(events[0], "_shape", None) if events else None
     if batch_shape is None:
         return None
@@ -311,8 +313,7 @@ def _likeness(shape: Any) -> tuple[Any, ...]:
     return (shape.op, tuple(shape.columns), shape.single_index, tuple(shape.pk_names))
 
 
-_shape_of = attrgetter("_shape")
-_row_of = attrgetter("_row")
+_shape_of, _row_of = attrgetter("_shape"), attrgetter("_row")
 
 
 def _row_text(row: Any) -> bytes:

@@ -298,7 +298,10 @@ class Runner:
         except OperatorError:
             raise
         except ContentionError as exc:
-            # Another instance took the lease over mid-tick: the protocol working.
+            # Another instance took the lease (protocol), or a stop let a call go (let_go).
+            if self.stopping:
+                self._log_outcome("stopped", "stopped; its batch is delivered again", started)
+                return 0.0
             self._log_outcome(
                 "lease_lost",
                 f"lease taken over by another instance ({exc}); next tick in {self.interval:g}s",

@@ -100,7 +100,7 @@ def test_install_is_a_dry_run_that_offers_full_images_then_status_check_and_drop
     # The dry run prints the statement the install runs: names quoted, so a
     # pasted copy means the same table as the install would alter.
     assert 'ALTER TABLE "public"."orders" REPLICA IDENTITY FULL' in out
-    assert "max_slot_wal_keep_size is unlimited" in out
+    assert "-- WARNING: max_slot_wal_keep_size is unlimited" in out
     assert "dry run" in out
     assert app.slot_status() is None
 
@@ -113,6 +113,7 @@ def test_install_is_a_dry_run_that_offers_full_images_then_status_check_and_drop
     assert code == 0
     assert "wal_status reserved" in out
     assert "REPLICA IDENTITY FULL" in out
+    assert "WARNING      max_slot_wal_keep_size is unlimited" in out  # said once, not twice
     code, out, _ = run(capsys, "cdc", "status", app.spec, "--json")
     assert json.loads(out)["healthy"] is True
 

@@ -65,7 +65,7 @@ RETAINED_WARNING = 1024**3
 def wal_keep_notes(facts: setup.ServerFacts) -> list[str]:
     if facts.max_slot_wal_keep_size_mb < 0:
         return [
-            "WARNING: max_slot_wal_keep_size is unlimited (-1): a poller that stops reading "
+            "max_slot_wal_keep_size is unlimited (-1): a poller that stops reading "
             "makes the server keep WAL until its disk is full. Set a bound, e.g. ALTER SYSTEM "
             "SET max_slot_wal_keep_size = '50GB'; SELECT pg_reload_conf(); (a slot that falls "
             "further behind is invalidated instead, and dbtrigger reports it)"
@@ -157,7 +157,7 @@ class PgAdmin(SourceAdmin[PgSourceParts]):
                 if info.replica_identity != "f":
                     statement = full_identity_sql(info.table).as_string(conn)
                     (out.statements if full_images else out.optional).append(statement)
-            out.notes.extend(wal_keep_notes(facts))
+            out.notes.extend(f"WARNING: {note}" for note in wal_keep_notes(facts))
             if source.failover and facts.version < 170000:
                 out.notes.append(
                     "failover=True needs PostgreSQL 17: on this server the slot is not "

@@ -39,7 +39,10 @@ from tests.azurite import Azurite
 from tests.databases import TestDatabase
 
 #: Kills per chaos run (DBTRIGGER_HISTORY_CHAOS_KILLS for a longer run) and rows.
-KILLS = int(os.environ.get("DBTRIGGER_HISTORY_CHAOS_KILLS", "4"))
+#: Random kills after the exact deaths (DEATHS); 4 until the suite outgrew its budget:
+#: each is a process start (~1 s of CPU with the Blob SDK), the exact points are the ones
+#: that provoke the phantom and the gap. Set it higher for a soak.
+KILLS = int(os.environ.get("DBTRIGGER_HISTORY_CHAOS_KILLS", "2"))
 ROWS = int(os.environ.get("DBTRIGGER_HISTORY_CHAOS_ROWS", "300"))
 
 
@@ -350,7 +353,7 @@ def _wait(condition: Any, timeout: float = 60.0) -> None:
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError("timed out waiting for the workers")
-        time.sleep(0.05)
+        time.sleep(0.1)  # each check reads the store (a Blob request, say)
 
 
 @pytest.fixture(

@@ -10,9 +10,11 @@ flight. The times are printed (``-s``), a join split into the newcomer's
 process start (until its first heartbeat) and what the group takes after it;
 ``benchmarks/scaleout.py`` measures them without a writer.
 
-CI-sized: about 30 s per store. ``DBTRIGGER_SCALEOUT_ROWS`` (backlog, default
-1,500) and ``DBTRIGGER_SCALEOUT_SECONDS`` (the writer's soak after the kill,
-default 2) make a longer run.
+CI-sized: about 30 s, on the Blob store only (Azurite): the store operators run
+in production. ``DBTRIGGER_SCALEOUT_STORES=file,blob`` runs the file store too;
+``DBTRIGGER_SCALEOUT_ROWS`` (backlog, default 1,500) and
+``DBTRIGGER_SCALEOUT_SECONDS`` (the writer's soak after the kill, default 2) make a
+longer run.
 """
 
 from __future__ import annotations
@@ -42,6 +44,13 @@ from tests.databases import TestDatabase
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = int(os.environ.get("DBTRIGGER_SCALEOUT_ROWS", "1500"))
 SOAK = float(os.environ.get("DBTRIGGER_SCALEOUT_SECONDS", "2"))
+#: The stores the operator's scenario below runs on: Blob by default (CI time; it
+#: was both, ~17 s of CPU for the file store's case). Members as processes on the
+#: file store stay covered: tests/test_partitions_review.py pauses one past its TTL
+#: and regroups them with the store away, the scale-out benchmark's smoke test
+#: below starts them at defaults; the store's compare-and-swap is the contract
+#: suite's (tests/test_store_contract.py), the same for both.
+STORES = os.environ.get("DBTRIGGER_SCALEOUT_STORES", "blob").split(",")
 P = DEFAULT_PARTITIONS
 
 pytestmark = [pytest.mark.postgresql, pytest.mark.slow]
@@ -54,11 +63,13 @@ def wait_for(
     while time.monotonic() - started < timeout:
         if check():
             return time.monotonic() - started
-        time.sleep(0.1)
+        # Each check reads the membership document (a Blob request) or every
+        # output line so far; the waits are for seconds (a TTL, a rebalance).
+        time.sleep(0.25)
     pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}: {show()}")
 
 
-@pytest.fixture(params=["file", "blob"])
+@pytest.fixture(params=STORES)
 def store_spec(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "file":
         (tmp_path / "state").mkdir()

@@ -28,20 +28,19 @@ import collections
 import os
 import random
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import sqlalchemy as sa
 
+from tests.chaos.forked import ForkedProcess, Forker
 from tests.databases import TestDatabase
 from tests.test_queue_columns import make_jobs
 
-ROOT = Path(__file__).resolve().parent.parent
-#: 5 s until the suite outgrew its budget: every kill restarts a Python process
-#: (~0.5 s of CPU), and the kills and freezes asserted are waited for below anyway.
+WORKER = "tests.chaos.queue_worker"
+#: 5 s until the suite outgrew its budget: the kills and freezes asserted are waited
+#: for below anyway.
 CHAOS_SECONDS = float(os.environ.get("DBTRIGGER_QUEUE_CHAOS_SECONDS", "2.5"))
 ROWS = int(os.environ.get("DBTRIGGER_QUEUE_CHAOS_ROWS", "500"))
 #: Share of chaos events that freeze a worker instead of killing it.
@@ -56,12 +55,17 @@ def ready_file(logs: Path, worker: int, incarnation: int) -> Path:
 
 
 def start(
-    db: TestDatabase, worker: int, incarnation: int, logs: Path, *extra: str, vt: float = VT
-) -> subprocess.Popen[bytes]:
+    forker: Forker,
+    db: TestDatabase,
+    worker: int,
+    incarnation: int,
+    logs: Path,
+    *extra: str,
+    vt: float = VT,
+) -> ForkedProcess:
+    """``python -m tests.chaos.queue_worker``, forked from the test's fork server
+    (tests/chaos/forked.py): a restart after a kill costs no new interpreter."""
     argv = [
-        sys.executable,
-        "-m",
-        "tests.chaos.queue_worker",
         "--db-url",
         db.url,
         "--worker",
@@ -77,8 +81,7 @@ def start(
     if db.schema:
         argv += ["--schema", db.schema]
     argv += ["--ready-file", str(ready_file(logs, worker, incarnation))]
-    with (logs / f"w{worker}.{incarnation}.log").open("wb") as log:
-        return subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    return forker.start(argv, logs / f"w{worker}.{incarnation}.log")
 
 
 def make_logs(db: TestDatabase) -> None:
@@ -101,14 +104,19 @@ def test_competing_workers_survive_kills_and_freezes(db: TestDatabase, tmp_path:
     # replays that interleaving deterministically.
     make_jobs(db, ROWS)
     make_logs(db)
+    with Forker(WORKER) as forker:
+        competing_workers(forker, db, tmp_path)
+
+
+def competing_workers(forker: Forker, db: TestDatabase, tmp_path: Path) -> None:
     rng = random.Random(12)
     incarnations = [0] * WORKERS
-    procs = [start(db, w, 0, tmp_path) for w in range(WORKERS)]
+    procs = [start(forker, db, w, 0, tmp_path) for w in range(WORKERS)]
     kills = freezes = 0
     frozen: set[int] = set()
     lock = threading.Lock()
 
-    def freeze(w: int, proc: subprocess.Popen[bytes]) -> None:
+    def freeze(w: int, proc: ForkedProcess) -> None:
         proc.send_signal(signal.SIGSTOP)
         time.sleep(VT * 1.6)
         proc.send_signal(signal.SIGCONT)
@@ -125,9 +133,7 @@ def test_competing_workers_survive_kills_and_freezes(db: TestDatabase, tmp_path:
     cap = deadline + 60
     # Chaos for CHAOS_SECONDS and until three workers were killed and one frozen
     # (bounded): a loaded machine restarts workers more slowly, so fewer fit in the time.
-    while time.monotonic() < deadline or (
-        (kills < 3 or freezes < 1) and time.monotonic() < cap
-    ):
+    while time.monotonic() < deadline or ((kills < 3 or freezes < 1) and time.monotonic() < cap):
         time.sleep(rng.uniform(0.15, 0.45))
         w = rng.randrange(WORKERS)
         with lock:
@@ -144,7 +150,7 @@ def test_competing_workers_survive_kills_and_freezes(db: TestDatabase, tmp_path:
         procs[w].kill()
         procs[w].wait()
         incarnations[w] += 1
-        procs[w] = start(db, w, incarnations[w], tmp_path)
+        procs[w] = start(forker, db, w, incarnations[w], tmp_path)
         kills += 1
     for thread in thaws:
         thread.join()
@@ -221,30 +227,9 @@ def test_a_row_that_kills_its_worker_ends_dead_alone(db: TestDatabase, tmp_path:
         "--crash-on", str(POISON), "--max-attempts", "3", "--batch-size", str(POISON_ROWS),
         "--fail-probability", "0", "--slow-probability", "0",
     )  # fmt: skip
-    incarnations = [0, 0]
-    procs = [start(db, w, 0, tmp_path, *extra, vt=POISON_VT) for w in range(2)]
+    with Forker(WORKER) as forker:
+        crashes, settled = poison_workers(forker, db, tmp_path, extra)
     jobs = db.qualified("jobs")
-    crashes = 0
-    settled = 0
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            settled = int(
-                db.scalar(f"SELECT count(*) FROM {jobs} WHERE dbt_status IN ('done', 'dead')")
-            )
-            if settled == POISON_ROWS:
-                break
-            for w, proc in enumerate(procs):
-                if proc.poll() is not None:
-                    crashes += 1
-                    incarnations[w] += 1
-                    procs[w] = start(db, w, incarnations[w], tmp_path, *extra, vt=POISON_VT)
-            time.sleep(0.2)  # a claim takes POISON_VT to expire: no hurry
-    finally:
-        for proc in procs:
-            proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            proc.wait(timeout=30)
     with db.engine.connect() as conn:
         final = {
             int(r.id): r
@@ -263,3 +248,35 @@ def test_a_row_that_kills_its_worker_ends_dead_alone(db: TestDatabase, tmp_path:
     assert "isolated as a single row" in error, error
     assert called == set(final)
     assert crashes >= 3  # the poison row's worker died on every delivery
+
+
+def poison_workers(
+    forker: Forker, db: TestDatabase, tmp_path: Path, extra: tuple[str, ...]
+) -> tuple[int, int]:
+    """Two workers, each restarted whenever it died, until every row settled (bounded):
+    (crashes, rows settled)."""
+    incarnations = [0, 0]
+    procs = [start(forker, db, w, 0, tmp_path, *extra, vt=POISON_VT) for w in range(2)]
+    jobs = db.qualified("jobs")
+    crashes = 0
+    settled = 0
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            settled = int(
+                db.scalar(f"SELECT count(*) FROM {jobs} WHERE dbt_status IN ('done', 'dead')")
+            )
+            if settled == POISON_ROWS:
+                break
+            for w, proc in enumerate(procs):
+                if proc.poll() is not None:
+                    crashes += 1
+                    incarnations[w] += 1
+                    procs[w] = start(forker, db, w, incarnations[w], tmp_path, *extra, vt=POISON_VT)
+            time.sleep(0.2)  # a claim takes POISON_VT to expire: no hurry
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            proc.wait(timeout=30)
+    return crashes, settled

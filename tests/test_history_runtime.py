@@ -13,8 +13,6 @@ import logging
 import os
 import random
 import shutil
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -36,6 +34,7 @@ from dbtrigger.state.document import format_time, position_from_json, position_t
 from dbtrigger.state.stores.base import CheckpointStore
 from dbtrigger.state.stores.memory import InMemoryCheckpointStore
 from tests.azurite import Azurite
+from tests.chaos.forked import ForkedProcess, Forker
 from tests.databases import TestDatabase
 
 #: Kills per chaos run (DBTRIGGER_HISTORY_CHAOS_KILLS for a longer run) and rows.
@@ -315,12 +314,17 @@ def _items(db: TestDatabase, rows: int) -> None:
 
 
 def _worker(
-    db: TestDatabase, kind: str, where: str, container: str | None, die_at: str | None = None
-) -> subprocess.Popen[bytes]:
+    forker: Forker,
+    log: Path,
+    db: TestDatabase,
+    kind: str,
+    where: str,
+    container: str | None,
+    die_at: str | None = None,
+) -> ForkedProcess:
+    """``python -m tests.chaos.history_worker``, forked from the test's fork server
+    (tests/chaos/forked.py): a restart after a kill costs no new interpreter."""
     argv = [
-        sys.executable,
-        "-m",
-        "tests.chaos.history_worker",
         "--db-url",
         db.url,
         "--store-kind",
@@ -334,8 +338,8 @@ def _worker(
         argv += ["--container", container]
     if die_at:
         argv += ["--die-at", die_at]
-    root = Path(__file__).resolve().parent.parent
-    return subprocess.Popen(argv, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log.unlink(missing_ok=True)
+    return forker.start(argv, log)
 
 
 def _committed(store: CheckpointStore) -> int:
@@ -428,33 +432,14 @@ def test_kill_and_restart_leave_exactly_the_committed_batches(
     phantom), between a commit and its append (a gap unless the journal fills it
     in), half way through a history line (file) - and at random moments, with a
     restart after each: the history ends with exactly the committed batches."""
-    kind, where, container, store = chaos_store
+    kind, _, _, store = chaos_store
     _items(sqlite_db, ROWS)
     history = history_for(store)
     assert history is not None
     rng = random.Random(ROWS * 7 + KILLS)
     deaths: list[str | None] = [*DEATHS, *(["torn:2"] if kind == "file" else []), *[None] * KILLS]
-    for die_at in deaths:
-        before = _committed(store)
-        proc = _worker(sqlite_db, kind, where, container, die_at)
-        try:
-            if die_at is None:
-                # Let it commit something, then kill it wherever it is.
-                _wait(lambda p=proc, b=before: _committed(store) > b or p.poll() is not None)
-                time.sleep(rng.uniform(0.0, 0.3))
-            else:
-                _wait(lambda p=proc: p.poll() is not None)  # it kills itself
-        finally:
-            proc.kill()
-            _, err = proc.communicate(timeout=30)
-        assert proc.returncode == -9, err.decode()[-2000:]
-        _no_phantom_so_far(store, history)
-    proc = _worker(sqlite_db, kind, where, container)
-    try:
-        _wait(lambda: _committed(store) == ROWS, timeout=120)
-    finally:
-        proc.kill()
-        proc.communicate(timeout=30)
+    with Forker("tests.chaos.history_worker") as forker:
+        kill_and_restart(forker, sqlite_db, chaos_store, history, deaths, rng)
     # The last process may have died between its last commit and that commit's
     # append: an idle tick a while later (another instance, or a restart) fills it in.
     source = SqlAlchemySource(
@@ -470,6 +455,41 @@ def test_kill_and_restart_leave_exactly_the_committed_batches(
     )
     assert_chain(list(history.read("items")), ROWS, store_position_of(store, "items"))
     source.close()
+
+
+def kill_and_restart(
+    forker: Forker,
+    sqlite_db: TestDatabase,
+    chaos_store: tuple[str, str, str | None, CheckpointStore],
+    history: HistoryStore,
+    deaths: list[str | None],
+    rng: random.Random,
+) -> None:
+    """A worker per death (each one killed, or killing itself, and checked right
+    after), then one that drains the rest."""
+    kind, where, container, store = chaos_store
+    log = Path(forker.socket).parent / "worker.log"  # the last one's, for the assertion
+    for die_at in deaths:
+        before = _committed(store)
+        proc = _worker(forker, log, sqlite_db, kind, where, container, die_at)
+        try:
+            if die_at is None:
+                # Let it commit something, then kill it wherever it is.
+                _wait(lambda p=proc, b=before: _committed(store) > b or p.poll() is not None)
+                time.sleep(rng.uniform(0.0, 0.3))
+            else:
+                _wait(lambda p=proc: p.poll() is not None)  # it kills itself
+        finally:
+            proc.kill()
+            proc.wait(timeout=30)
+        assert proc.returncode == -9, log.read_text(errors="replace")[-2000:]
+        _no_phantom_so_far(store, history)
+    proc = _worker(forker, log, sqlite_db, kind, where, container)
+    try:
+        _wait(lambda: _committed(store) == ROWS, timeout=120)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
 
 
 def store_position_of(store: CheckpointStore, name: str) -> Any:

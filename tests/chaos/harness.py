@@ -32,6 +32,7 @@ import sqlalchemy as sa
 from dbtrigger.state import document as docmod
 from dbtrigger.state.document import StateDocument
 from dbtrigger.state.stores.base import CheckpointStore
+from tests.chaos.forked import ForkedProcess, Forker
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 POLLER = "chaos"
@@ -191,7 +192,10 @@ class Chaos:
         env: dict[str, str],
         workers: int,
         seed: int,
+        forker: Forker,
     ) -> None:
+        self.forker = forker
+        self.extra_env = env
         self.db_url = db_url
         self.schema = schema
         self.workdir = workdir
@@ -199,21 +203,17 @@ class Chaos:
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
         self.names = [f"w{i + 1}" for i in range(workers)]
         self.rng = random.Random(seed)
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.procs: dict[str, ForkedProcess] = {}
         self.incarnation: dict[str, int] = collections.Counter()
         self.killed: set[tuple[str, int]] = set()
         self.paused: set[tuple[str, int]] = set()
         self.restarts = 0
 
-    def _log(self, name: str) -> Any:
-        return (self.workdir / f"{name}.log").open("ab")
-
     def start(self, name: str) -> None:
+        """``python -m tests.chaos.worker``, forked from the run's fork server
+        (tests/chaos/forked.py): a restart after a kill costs no new interpreter."""
         self.incarnation[name] += 1
         cmd = [
-            sys.executable,
-            "-m",
-            "tests.chaos.worker",
             "--db-url",
             self.db_url,
             "--schema",
@@ -224,10 +224,9 @@ class Chaos:
             str(self.incarnation[name]),
             *self.worker_args,
         ]
-        with self._log(name) as log:
-            self.procs[name] = subprocess.Popen(
-                cmd, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT
-            )
+        self.procs[name] = self.forker.start(
+            cmd, self.workdir / f"{name}.log", {"PYTHONPATH": str(ROOT), **self.extra_env}
+        )
 
     def start_all(self) -> None:
         for name in self.names:
@@ -319,7 +318,9 @@ def run_chaos(
     """
     create_tables(engine, schema)
     grace = min(ttl / 2, 5.0)
+    forker = Forker("tests.chaos.worker")
     chaos = Chaos(
+        forker=forker,
         db_url=db_url,
         schema=schema,
         workdir=workdir,
@@ -409,6 +410,7 @@ def run_chaos(
         drain_seconds = time.monotonic() - drain_started
     finally:
         chaos.stop_all()
+        forker.close()
         monitor.stop()
     if not drained:
         raise AssertionError(

@@ -19,8 +19,6 @@ from __future__ import annotations
 import collections
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +27,7 @@ import pytest
 
 from tests.cdc.processes import stop_worker
 from tests.cdc_servers import BinlogDatabase
+from tests.chaos.forked import ForkedProcess, Forker
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCH = 500
@@ -45,40 +44,37 @@ def wait_for(condition: Any, what: str, timeout: float = 180.0, step: float = 0.
 
 
 class Workers:
-    def __init__(self, db: BinlogDatabase, state_dir: Path) -> None:
+    def __init__(self, db: BinlogDatabase, state_dir: Path, forker: Forker) -> None:
+        self.forker = forker
         self.db = db
         self.state_dir = state_dir
         self.incarnation = 0
-        self.process: subprocess.Popen[bytes] | None = None
+        self.process: ForkedProcess | None = None
         self.logs: list[Path] = []
 
     def start(self) -> None:
         self.incarnation += 1
         log = self.state_dir.parent / f"worker-{self.incarnation}.log"
         self.logs.append(log)
-        with log.open("wb") as stderr:
-            self.process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "tests.cdc.binlog_worker",
-                    "--url",
-                    self.db.url,
-                    "--port",
-                    str(self.db.server.port),
-                    "--database",
-                    self.db.name,
-                    "--state-dir",
-                    str(self.state_dir),
-                    "--incarnation",
-                    str(self.incarnation),
-                    "--batch-size",
-                    str(BATCH),
-                ],
-                cwd=ROOT,
-                stdout=subprocess.DEVNULL,
-                stderr=stderr,
-            )
+        # Forked from the test's server (tests/chaos/forked.py): a restart after a
+        # kill costs no new interpreter; the pid killed is the worker's own.
+        self.process = self.forker.start(
+            [
+                "--url",
+                self.db.url,
+                "--port",
+                str(self.db.server.port),
+                "--database",
+                self.db.name,
+                "--state-dir",
+                str(self.state_dir),
+                "--incarnation",
+                str(self.incarnation),
+                "--batch-size",
+                str(BATCH),
+            ],
+            log,
+        )
 
     def kill(self) -> None:
         assert self.process is not None
@@ -164,7 +160,8 @@ def test_kill_restart_loses_nothing_and_repeats_only_the_batch_in_flight(
         "incarnation INT NOT NULL)"
     )
     state = tmp_path / "state"
-    workers = Workers(binlog_db, state)
+    forker = Forker("tests.cdc.binlog_worker")
+    workers = Workers(binlog_db, state, forker)
     workers.start()
     try:
         wait_for(
@@ -195,7 +192,10 @@ def test_kill_restart_loses_nothing_and_repeats_only_the_batch_in_flight(
             step=0.25,  # no kill to place: the rest of the backlog, seconds of it
         )
     finally:
-        workers.stop()
+        try:
+            workers.stop()
+        finally:
+            forker.close()
     conn = binlog_db.connect()
     try:
         with conn.cursor() as cur:

@@ -24,8 +24,6 @@ import collections
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +32,7 @@ import pytest
 
 from tests.cdc.processes import stop_worker
 from tests.cdc_servers import CdcDatabase
+from tests.chaos.forked import ForkedProcess, Forker
 
 #: Slots are cluster-wide: another test (or a benchmark run) may hold one on this server.
 OWN_SLOTS_COUNT = "SELECT count(*) FROM pg_replication_slots WHERE database = current_database()"
@@ -57,27 +56,23 @@ def wait_for(condition: Any, what: str, timeout: float = 120.0, step: float = 0.
 
 
 class Workers:
-    def __init__(self, db: CdcDatabase, state_dir: Path, mode: str) -> None:
+    def __init__(self, db: CdcDatabase, state_dir: Path, mode: str, forker: Forker) -> None:
+        self.forker = forker
         self.db = db
         self.mode = mode
         self.state_dir = state_dir
         self.incarnation = 0
-        self.process: subprocess.Popen[bytes] | None = None
+        self.process: ForkedProcess | None = None
         self.logs: list[Path] = []
 
     def start(self) -> None:
         self.incarnation += 1
         log = self.state_dir.parent / f"worker-{self.incarnation}.log"
         self.logs.append(log)
-        with log.open("wb") as stderr:
-            self.process = self._spawn(stderr)
-
-    def _spawn(self, stderr: Any) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
+        # Forked from the test's server (tests/chaos/forked.py): a restart after a
+        # kill costs no new interpreter; the pid killed is the worker's own.
+        self.process = self.forker.start(
             [
-                sys.executable,
-                "-m",
-                "tests.cdc.worker",
                 "--url",
                 self.db.url,
                 "--conninfo",
@@ -91,9 +86,7 @@ class Workers:
                 "--mode",
                 self.mode,
             ],
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
+            log,
         )
 
     def kill(self) -> None:
@@ -167,7 +160,8 @@ def test_kill_restart_loses_nothing_and_repeats_only_the_batch_in_flight(
         " item_id bigint NOT NULL, version integer, incarnation integer NOT NULL)"
     )
     state = tmp_path / "state"
-    workers = Workers(cdc_db, state, mode)
+    forker = Forker("tests.cdc.worker")
+    workers = Workers(cdc_db, state, mode, forker)
     workers.start()
     try:
         wait_for(
@@ -192,7 +186,10 @@ def test_kill_restart_loses_nothing_and_repeats_only_the_batch_in_flight(
             step=0.25,  # no kill to place: the rest of the backlog, seconds of it
         )
     finally:
-        workers.stop()
+        try:
+            workers.stop()
+        finally:
+            forker.close()
     with cdc_db.connect() as conn:
         seen = conn.execute(
             "SELECT position, op, item_id, version, incarnation FROM seen ORDER BY n"

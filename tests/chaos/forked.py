@@ -146,6 +146,7 @@ class Forker:
         for proc in self._procs:
             if proc.poll() is None:
                 proc.kill()
+                proc.wait(60)
         self._server.terminate()
         try:
             self._server.wait(60)

@@ -184,7 +184,8 @@ def _run(module: str, argv: list[str], log: str, env: dict[str, str]) -> None:
     os.close(fd)
     os.environ.update(env)
     sys.argv = [module, *argv]
-    gc.unfreeze()
+    # The imported modules stay frozen (gc.freeze in serve): a collection in the worker
+    # would otherwise walk them, and so copy every page they are on.
     code: int = 0
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)

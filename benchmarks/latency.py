@@ -98,106 +98,10 @@ MARIADB_URL = os.environ.get(
     "DBTRIGGER_BENCH_MARIADB_URL", "mysql+pymysql://root@127.0.0.1:3306/test"
 )
 HINTS = ("none", "notify", "notify-lost", "adaptive")
-#: The writer's sessions on MariaDB (see :func:`writer_main`).
+#: The writer's sessions on MariaDB (see :func:`benchmarks.latency_writer.writer_main`).
 MARIADB_WRITERS = 8
 #: Hints that need PostgreSQL notifications.
 PG_ONLY = ("notify", "notify-lost")
-
-
-# --- the writer (a process of its own, so it never competes with the worker's GIL) ----------
-
-
-def writer_main(
-    url: str,
-    table: str,
-    rate: float,
-    seconds: float,
-    out: str,
-    connections: int = 1,
-    start_at: float = 0.0,
-) -> None:
-    """Insert one row per transaction at ``rate``/s; write each commit's wall clock to ``out``.
-
-    Row ``i`` carries ``payload = str(i)`` and is due at ``i / rate`` seconds;
-    ``connections`` sessions take turns (row ``i`` on session ``i %
-    connections``), each committing its rows on schedule. ``out`` gets a JSON
-    list whose item ``i`` is ``time.time()`` right after row ``i``'s commit
-    returned. Several sessions: MariaDB syncs its redo log at every commit
-    (``innodb_flush_log_at_trx_commit=1``), so one session keeps only a few
-    hundred commits a second on a shared disk, while concurrent ones share a
-    group commit. ``start_at``: the wall clock of the first commit, if later
-    than the sessions are ready (the phase, free of the process's start-up).
-    """
-    parsed = sa.make_url(url)
-    total = int(rate * seconds)
-    committed = [0.0] * total
-    sql = f"INSERT INTO {table} (payload) VALUES (%s)"
-
-    def connect() -> Any:
-        if parsed.get_backend_name() == "postgresql":
-            import psycopg  # noqa: PLC0415
-
-            conn: Any = psycopg.connect(
-                host=parsed.host,
-                port=parsed.port,
-                user=parsed.username,
-                password=parsed.password,
-                dbname=parsed.database,
-                autocommit=True,
-            )
-            # Commits that do not wait for the WAL flush: the writer can keep 2,000/s on a
-            # shared disk; what a reader sees, and when, is the same.
-            conn.execute("SET synchronous_commit = off")
-            return conn
-        import pymysql  # noqa: PLC0415
-
-        return pymysql.connect(
-            host=parsed.host,
-            port=parsed.port or 3306,
-            user=parsed.username,
-            password=parsed.password or "",
-            database=parsed.database,
-            autocommit=True,
-        )
-
-    sessions = [connect() for _ in range(connections)]
-    errors: list[BaseException] = []
-
-    def write(k: int, start: float) -> None:
-        conn = sessions[k]
-        cursor = conn.cursor()
-        try:
-            for i in range(k, total, connections):
-                due = start + i / rate
-                now = time.monotonic()
-                if due > now:
-                    time.sleep(due - now)
-                cursor.execute(sql, (str(i),))
-                committed[i] = time.time()
-        except BaseException as exc:  # reported by the main thread
-            errors.append(exc)
-
-    try:
-        time.sleep(max(0.0, start_at - time.time()))
-        start = time.monotonic()
-        wall_start = time.time()
-        threads = [
-            threading.Thread(target=write, args=(k, start), daemon=True) for k in range(connections)
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        elapsed = time.monotonic() - start
-    finally:
-        for conn in sessions:
-            conn.close()
-    if errors:
-        raise errors[0]
-    # How late each commit was against its schedule (a writer starved of CPU commits
-    # in a burst afterwards).
-    late = [at - (wall_start + i / rate) for i, at in enumerate(committed)]
-    Path(out).write_text(json.dumps({"commits": committed, "seconds": elapsed, "late": late}))
 
 
 # --- databases and tables ------------------------------------------------------------------
@@ -415,8 +319,7 @@ def measure(
                 [
                     sys.executable,
                     "-m",
-                    "benchmarks.latency",
-                    "--writer",
+                    "benchmarks.latency_writer",
                     json.dumps(
                         [
                             db.url,
@@ -672,7 +575,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "0, which withholds a busy table's rows of the current second: every writer of "
         "the table uses NOW(6) here, so 6 is safe)",
     )
-    parser.add_argument("--writer", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     quick = args.quick
     args.rates = args.rates or ("200" if quick else "200,2000")
@@ -689,10 +591,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.writer:
-        url, table, rate, seconds, out, connections, start_at = json.loads(args.writer)
-        writer_main(url, table, float(rate), float(seconds), out, int(connections), float(start_at))
-        return 0
     if args.model:
         model(args)
         return 0

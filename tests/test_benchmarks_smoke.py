@@ -6,7 +6,8 @@ checks that the scripts work end to end (data set build, every contender,
 Azurite, azure-functions-db, the table output, the exit code) - not how fast
 anything is: no timing is asserted.
 
-Data sets go to this test's own PostgreSQL schema and temp directory.
+Data sets go to this test's own PostgreSQL schema and temp directory; blob
+stores to the session's Azurite (``DBTRIGGER_BENCH_AZURITE``).
 """
 
 from __future__ import annotations
@@ -19,12 +20,19 @@ from pathlib import Path
 
 import pytest
 
+from tests.azurite import Azurite
 from tests.databases import TestDatabase
 
 ROOT = Path(__file__).resolve().parent.parent
 NUMBER = r"[\d,]+(?:\.\d+)?"
 
 pytestmark = [pytest.mark.postgresql, pytest.mark.azurite]
+
+
+@pytest.fixture(autouse=True)
+def _shared_azurite(azurite: Azurite, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scripts' blob stores on the session's Azurite, not one started per script."""
+    monkeypatch.setenv("DBTRIGGER_BENCH_AZURITE", azurite.connection_string)
 
 
 def run_benchmark(module: str, args: list[str], pg: TestDatabase, tmp_path: Path) -> str:
@@ -198,7 +206,10 @@ def test_stages_prints_every_stage(pg: TestDatabase, tmp_path: Path, table: str)
 def test_coldstart_imports_nothing_heavy_and_times_a_first_invocation(
     pg: TestDatabase, tmp_path: Path
 ) -> None:
-    out = run_benchmark("coldstart", ["--quick", "--rows", "3000"], pg, tmp_path)
+    # --quick's in-memory store, one round instead of its two: every child (each import
+    # row, the invocation) still runs and prints; a second round only gave medians.
+    args = ["--store", "memory", "--repeats", "1", "--rows", "1000"]
+    out = run_benchmark("coldstart", args, pg, tmp_path)
     imports = {r[0]: r for r in table_rows(out, "Imports in a fresh interpreter")}
     assert set(imports) == {"python -c pass", "import dbtrigger", "function_app imports"}
     assert imports["import dbtrigger"][4] == "-", imports  # no heavy package at all
@@ -296,7 +307,10 @@ def test_claim_mix_reads_the_same_with_many_rows_scheduled(
 
 
 def test_history_prints_the_cost_beside_the_baseline(pg: TestDatabase, tmp_path: Path) -> None:
-    out = run_benchmark("history", ["--quick", "--stores", "memory,file"], pg, tmp_path)
+    # Two batches of 1,000 and twenty of 100, once each: --quick's 5,000 rows twice cost
+    # three times the CPU for the same rows of the table.
+    args = ["--rows", "2000", "--repeats", "1", "--stores", "memory,file"]
+    out = run_benchmark("history", args, pg, tmp_path)
     rows = table_rows(out, "durable history:")
     assert {(r[0], r[2]) for r in rows} == {
         (s, b) for s in ("memory", "file") for b in ("100", "1000")

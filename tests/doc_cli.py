@@ -88,6 +88,9 @@ def dbtrigger_command() -> str:
     0.08 s of CPU instead of a fresh process's 0.4. A test about the console script
     itself, or one that signals or kills the command, runs the installed script
     (the client forwards SIGINT/SIGTERM, but SIGKILL would only kill the client).
+    The docs test hands its directory to every page's runner (``DOCTEST_CLI_DIR``,
+    tests/doc_runner.py): one server for all the pages a test process runs, as the
+    server imports no page module and opens no connection.
     """
     if not _SHARED:
         server = fork_server()

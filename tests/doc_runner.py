@@ -139,11 +139,18 @@ def run_shell(
 
 
 @contextlib.contextmanager
-def forked_cli(blocks: list[dict[str, object]]) -> Iterator[str | None]:
+def forked_cli(blocks: list[dict[str, object]], shared: str | None) -> Iterator[str | None]:
     """A directory whose ``dbtrigger`` runs each command forked from one interpreter
-    that imported the CLI once (tests/doc_cli.py); None when no shell block names it."""
+    that imported the CLI once (tests/doc_cli.py); None when no shell block names it.
+
+    ``shared``: the directory of a server already running (the test process's, so
+    its imports are paid once for all the pages, not once a page); else one is
+    started for this page."""
     if not any("dbtrigger" in str(b["commands"]) for b in blocks if b["kind"] == "shell"):
         yield None
+        return
+    if shared:
+        yield shared
         return
     with fork_server() as shim_dir:
         yield shim_dir
@@ -157,7 +164,8 @@ def main() -> None:
     os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     namespace: dict[str, object] = {"__name__": "__main__"}
     results = []
-    with forked_cli(blocks) as shim_dir:
+    shared = os.environ.pop("DOCTEST_CLI_DIR", None)  # not the page's to see
+    with forked_cli(blocks, shared) as shim_dir:
         if shim_dir is not None:
             os.environ["PATH"] = shim_dir + os.pathsep + os.environ["PATH"]
         for block in blocks:

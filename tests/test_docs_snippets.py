@@ -43,6 +43,7 @@ from dbtrigger.state import document as docmod
 from dbtrigger.testing import MemorySource
 from tests.azurite import Azurite
 from tests.databases import TestDatabase, admin_engine
+from tests.doc_cli import dbtrigger_command
 from tests.doc_snippets import (
     PAGES,
     PYTHON,
@@ -162,6 +163,9 @@ def test_every_command_the_docs_and_messages_name_exists() -> None:
 @pytest.fixture
 def page_env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, str]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DBTRIGGER_", "DOCTEST_"))}
+    # The pages' `dbtrigger` commands forked from this process's CLI server (started
+    # once, tests/doc_cli.py), not from one server a page: its imports cost 2.5 s of CPU.
+    env["DOCTEST_CLI_DIR"] = os.path.dirname(dbtrigger_command())
     text = (ROOT / request.node.callspec.params["page"]).read_text(encoding="utf-8")
     if "DOCTEST_CDC_URL" in text:
         env["DOCTEST_CDC_URL"] = request.getfixturevalue("cdc_db").url

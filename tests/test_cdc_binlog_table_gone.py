@@ -40,6 +40,18 @@ def poller(db: BinlogDatabase, tables: list[str], store: InMemoryCheckpointStore
     return PollTrigger(name=name, source=source, checkpoint_store=store, retry=RetryPolicy.none())
 
 
+def watching(
+    db: BinlogDatabase, tables: list[str]
+) -> tuple[PollTrigger, InMemoryCheckpointStore, str, list[RowChange]]:
+    """A poller on ``tables`` that has read the log once (its start before the test's
+    statements); its store, its name and the list its deliveries are gathered in."""
+    store, name = InMemoryCheckpointStore(), f"p_{uuid.uuid4().hex[:8]}"
+    got: list[RowChange] = []
+    trigger = poller(db, tables, store, name)
+    trigger.drain(got.extend)
+    return trigger, store, name, got
+
+
 def accept(store: InMemoryCheckpointStore, name: str, trigger: PollTrigger) -> None:
     """What ``dbtrigger reset NAME --accept-source MODULE:TRIGGER --yes`` does."""
     stored = store.read(name)
@@ -81,10 +93,7 @@ def test_a_rename_stops_before_it_and_the_source_pointed_at_the_new_name_reads_o
 ) -> None:
     make_table(binlog_db)
     db = binlog_db.name
-    store, name = InMemoryCheckpointStore(), f"p_{uuid.uuid4().hex[:8]}"
-    got: list[RowChange] = []
-    before = poller(binlog_db, ["items"], store, name)
-    before.drain(got.extend)
+    before, store, name, got = watching(binlog_db, ["items"])
     binlog_db.execute("INSERT INTO items VALUES (1, 'a', 1)")
     before.drain(got.extend)
     binlog_db.execute("INSERT INTO items VALUES (2, 'b', 2)")
@@ -126,10 +135,7 @@ def test_a_drop_stops_while_nothing_is_under_the_name_then_reads_on_as_a_truncat
 ) -> None:
     make_table(binlog_db)
     db = binlog_db.name
-    store, name = InMemoryCheckpointStore(), f"p_{uuid.uuid4().hex[:8]}"
-    got: list[RowChange] = []
-    t = poller(binlog_db, ["items"], store, name)
-    t.drain(got.extend)
+    t, store, name, got = watching(binlog_db, ["items"])
     binlog_db.execute("INSERT INTO items VALUES (1, 'a', 1), (2, 'b', 2)")
     binlog_db.execute("DROP TABLE items")
     said = stopped(t, got.extend)
@@ -149,10 +155,7 @@ def test_a_drop_stops_while_nothing_is_under_the_name_then_reads_on_as_a_truncat
 def test_create_or_replace_table_is_a_truncate_and_reads_on(binlog_db: BinlogDatabase) -> None:
     make_table(binlog_db)
     db = binlog_db.name
-    store, name = InMemoryCheckpointStore(), f"p_{uuid.uuid4().hex[:8]}"
-    got: list[RowChange] = []
-    t = poller(binlog_db, ["items"], store, name)
-    t.drain(got.extend)
+    t, _, _, got = watching(binlog_db, ["items"])
     binlog_db.execute("INSERT INTO items VALUES (1, 'a', 1)")
     binlog_db.execute(
         "CREATE OR REPLACE TABLE items (id INT PRIMARY KEY, note VARCHAR(100), n INT)"
@@ -172,10 +175,7 @@ def test_a_cut_over_renaming_another_table_to_the_watched_name_stops_until_its_s
 ) -> None:
     make_table(binlog_db)
     db = binlog_db.name
-    store, name = InMemoryCheckpointStore(), f"p_{uuid.uuid4().hex[:8]}"
-    got: list[RowChange] = []
-    t = poller(binlog_db, ["items"], store, name)
-    t.drain(got.extend)
+    t, _, _, got = watching(binlog_db, ["items"])
     binlog_db.execute("INSERT INTO items VALUES (1, 'a', 1)")
     make_table(binlog_db, "items_new")  # an online schema change's copy, not watched
     binlog_db.execute("INSERT INTO items_new VALUES (1, 'a', 1), (2, 'b', 2)")
@@ -211,10 +211,7 @@ def test_statements_that_move_nothing_watched_do_not_stop(
     db = binlog_db.name
     other = binlog_db.server.create_database()  # a table of the same name elsewhere
     binlog_db.server.execute("CREATE TABLE items (id INT PRIMARY KEY)", None, other)
-    store, name = InMemoryCheckpointStore(), f"p_{uuid.uuid4().hex[:8]}"
-    got: list[RowChange] = []
-    t = poller(binlog_db, ["a", "b", "items"], store, name)
-    t.drain(got.extend)
+    t, _, _, got = watching(binlog_db, ["a", "b", "items"])
     binlog_db.execute("INSERT INTO a VALUES (1, 'a', 1)")
     binlog_db.execute("INSERT INTO b VALUES (2, 'b', 2)")
     binlog_db.execute("RENAME TABLE a TO tmp, b TO a, tmp TO b")  # a swap of two watched
@@ -248,10 +245,7 @@ def test_changes_before_a_rename_the_reader_had_not_reached_are_read_under_the_n
     make_table(binlog_db)
     make_table(binlog_db, "other")  # a watched table that lives on, in the same transaction
     db = binlog_db.name
-    store, name = InMemoryCheckpointStore(), f"p_{uuid.uuid4().hex[:8]}"
-    got: list[RowChange] = []
-    before = poller(binlog_db, ["items", "other"], store, name)
-    before.drain(got.extend)
+    before, store, name, got = watching(binlog_db, ["items", "other"])
     binlog_db.execute("INSERT INTO items VALUES (1, 'a', 1)")
     before.drain(got.extend)
     before.source.close()  # type: ignore[attr-defined]

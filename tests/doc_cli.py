@@ -99,7 +99,7 @@ def dbtrigger_command() -> str:
     return _SHARED[0]
 
 
-def _recv_exact(conn: socket.socket, size: int) -> bytes:
+def recv_exact(conn: socket.socket, size: int) -> bytes:
     data = b""
     while len(data) < size:
         chunk = conn.recv(size - len(data))
@@ -128,10 +128,10 @@ def client(path: str, argv: list[str]) -> int:
     request = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
     socket.send_fds(conn, [_LEN.pack(len(request))], [0, 1, 2])
     conn.sendall(request)
-    command.append(_LEN.unpack(_recv_exact(conn, _LEN.size))[0])
+    command.append(_LEN.unpack(recv_exact(conn, _LEN.size))[0])
     for signum in pending:
         forward(signum, None)
-    code = os.waitstatus_to_exitcode(_LEN.unpack(_recv_exact(conn, _LEN.size))[0])
+    code = os.waitstatus_to_exitcode(_LEN.unpack(recv_exact(conn, _LEN.size))[0])
     if code < 0:  # killed by a signal: so is this process, as the shell would see it
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
@@ -169,8 +169,8 @@ def _supervise(conn: socket.socket, server: socket.socket, bin_dir: str) -> None
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     head, fds, _flags, _addr = socket.recv_fds(conn, _LEN.size, 3)
     if len(head) < _LEN.size:
-        head += _recv_exact(conn, _LEN.size - len(head))
-    request = json.loads(_recv_exact(conn, _LEN.unpack(head)[0]))
+        head += recv_exact(conn, _LEN.size - len(head))
+    request = json.loads(recv_exact(conn, _LEN.unpack(head)[0]))
     pid = os.fork()
     if pid == 0:
         _run(conn, fds, request, bin_dir)
@@ -182,7 +182,17 @@ def _supervise(conn: socket.socket, server: socket.socket, bin_dir: str) -> None
     os._exit(0)
 
 
-def _reap(signum: int, frame: object) -> None:
+def listen(path: str) -> socket.socket:
+    """A Unix socket listening at ``path``, which exists only once it accepts."""
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path + ".tmp")
+    server.listen(16)
+    os.rename(path + ".tmp", path)
+    return server
+
+
+def reap(signum: int, frame: object) -> None:
+    """SIGCHLD: wait for every child that ended (their CPU then counts in this process's)."""
     del signum, frame
     with contextlib.suppress(ChildProcessError):
         while os.waitpid(-1, os.WNOHANG)[0]:
@@ -203,11 +213,8 @@ def serve(path: str) -> None:
     bin_dir = os.path.dirname(sys.executable)
     # Reaped, not ignored: their CPU then counts in this process's children, and so
     # in the test's (a run's CPU time stays comparable with the fresh processes').
-    signal.signal(signal.SIGCHLD, _reap)
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(path + ".tmp")
-    server.listen(16)
-    os.rename(path + ".tmp", path)  # exists once it accepts
+    signal.signal(signal.SIGCHLD, reap)
+    server = listen(path)
     sys.stdout.flush()
     sys.stderr.flush()
     # Out of the collector's sight: a collection in a command would otherwise walk

@@ -39,6 +39,8 @@ import traceback
 from pathlib import Path
 from types import TracebackType
 
+from tests.doc_cli import listen, reap, recv_exact
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 _STATUS = struct.Struct("!i")
 #: What the workers' engines import on first connect: imported once here.
@@ -57,7 +59,7 @@ class ForkedProcess:
 
     def __init__(self, conn: socket.socket) -> None:
         self._conn = conn
-        self.pid = _STATUS.unpack(_recv(conn, _STATUS.size))[0]
+        self.pid = _STATUS.unpack(recv_exact(conn, _STATUS.size))[0]
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
@@ -87,7 +89,7 @@ class ForkedProcess:
         return self.returncode
 
     def _finish(self) -> None:
-        status = _STATUS.unpack(_recv(self._conn, _STATUS.size))[0]
+        status = _STATUS.unpack(recv_exact(self._conn, _STATUS.size))[0]
         self._conn.close()
         self.returncode = os.waitstatus_to_exitcode(status)
 
@@ -164,16 +166,6 @@ class Forker:
         self.close()
 
 
-def _recv(conn: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = conn.recv(size - len(data))
-        if not chunk:
-            raise EOFError("the fork server closed the connection")
-        data += chunk
-    return data
-
-
 def _run(module: str, argv: list[str], log: str, env: dict[str, str]) -> None:
     """In the forked worker: become ``python -m MODULE ARGV...`` and exit with its status."""
     for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -211,7 +203,7 @@ def _supervise(conn: socket.socket, server: socket.socket, module: str) -> None:
     server.close()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    request = json.loads(_recv(conn, _STATUS.unpack(_recv(conn, _STATUS.size))[0]))
+    request = json.loads(recv_exact(conn, _STATUS.unpack(recv_exact(conn, _STATUS.size))[0]))
     pid = os.fork()
     if pid == 0:
         conn.close()
@@ -221,13 +213,6 @@ def _supervise(conn: socket.socket, server: socket.socket, module: str) -> None:
     with contextlib.suppress(OSError):  # the test may have gone
         conn.sendall(_STATUS.pack(status))
     os._exit(0)
-
-
-def _reap(signum: int, frame: object) -> None:
-    del signum, frame
-    with contextlib.suppress(ChildProcessError):
-        while os.waitpid(-1, os.WNOHANG)[0]:
-            pass
 
 
 def serve(path: str, module: str) -> None:
@@ -243,11 +228,8 @@ def serve(path: str, module: str) -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))
     # Reaped, not ignored: their CPU then counts in this process's children, and so,
     # once the test waited for this process, in the test's.
-    signal.signal(signal.SIGCHLD, _reap)
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(path + ".tmp")
-    server.listen(16)
-    os.rename(path + ".tmp", path)  # exists once it accepts
+    signal.signal(signal.SIGCHLD, reap)
+    server = listen(path)
     sys.stdout.flush()
     sys.stderr.flush()
     gc.freeze()  # a collection in a worker would otherwise copy every imported object

@@ -17,6 +17,7 @@ from dbtrigger import FileCheckpointStore, PollTrigger, SqlAlchemySource
 from dbtrigger.history import history_for
 from dbtrigger.history.records import detail_lines
 from dbtrigger.replay.batches import plan
+from tests.chaos.forked import Forker
 from tests.databases import TestDatabase
 from tests.test_history_runtime import (
     ROWS,
@@ -38,25 +39,27 @@ def test_two_workers_killed_mid_write_and_mid_batch_leave_exactly_the_committed_
     history = history_for(store)
     assert history is not None
     # Whichever leads first dies at its point; the other takes over and dies at its own.
-    dying = [
-        _worker(sqlite_db, "file", where, None, "torn:2"),
-        _worker(sqlite_db, "file", where, None, "append:2"),
-    ]
-    try:
-        for proc in dying:
-            _wait(lambda p=proc: p.poll() is not None)
-    finally:
-        for proc in dying:
-            proc.kill()
-            proc.communicate(timeout=30)
-    assert [proc.returncode for proc in dying] == [-9, -9]
-    assert 0 < _committed(store) < ROWS
-    last = _worker(sqlite_db, "file", where, None)
-    try:
-        _wait(lambda: _committed(store) == ROWS, timeout=120)
-    finally:
-        last.kill()
-        last.communicate(timeout=30)
+    logs = [tmp_path / f"worker{n}.log" for n in range(3)]
+    with Forker("tests.chaos.history_worker") as forker:
+        dying = [
+            _worker(forker, logs[0], sqlite_db, "file", where, None, "torn:2"),
+            _worker(forker, logs[1], sqlite_db, "file", where, None, "append:2"),
+        ]
+        try:
+            for proc in dying:
+                _wait(lambda p=proc: p.poll() is not None)
+        finally:
+            for proc in dying:
+                proc.kill()
+                proc.wait(timeout=30)
+        assert [proc.returncode for proc in dying] == [-9, -9]
+        assert 0 < _committed(store) < ROWS
+        last = _worker(forker, logs[2], sqlite_db, "file", where, None)
+        try:
+            _wait(lambda: _committed(store) == ROWS, timeout=120)
+        finally:
+            last.kill()
+            last.wait(timeout=30)
     source = SqlAlchemySource(
         url=sqlite_db.url,
         table="items",

@@ -280,3 +280,12 @@ def test_a_snapshot_request_names_a_watched_table_of_an_installed_source() -> No
     assert source.saved == [[done, request]]
     assert (request.table, request.where, request.done) == ("public.orders", "id < 10", False)
     assert request.requested_at is not None
+    assert request.log_position is None  # none asked for: not known to be after anything
+
+    def position(row: ControlRow) -> str:
+        assert row is source.row  # the row read under the lock, in the request's transaction
+        return "0000000003:000000005001"
+
+    placed = add_request(source, None, "public.orders", None, reader="s1", position=position)
+    assert placed.log_position == "0000000003:000000005001"
+    assert Snapshot.from_json(placed.to_json()) == placed

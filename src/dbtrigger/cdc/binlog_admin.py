@@ -22,6 +22,7 @@ from dbtrigger.cdc.binlog_context import BinlogSourceParts
 from dbtrigger.cdc.binlog_health import behind_bytes
 from dbtrigger.cdc.binlog_poll import file_mark, mark_text
 from dbtrigger.cdc.binlog_setup import current_position
+from dbtrigger.cdc.binlog_snapshot import log_position
 from dbtrigger.cdc.snapshots import add_request, carry_over, watched
 from dbtrigger.errors import ConfigurationError, DbTriggerError, SourceDefinitionError
 
@@ -266,7 +267,14 @@ class BinlogAdmin(SourceAdmin[BinlogSourceParts]):
         with setup.connect(source.url, database=False) as conn:
             conn.begin()
             # No control row: refused, and closing the connection rolls back.
-            request = add_request(source, conn, name, where, reader=f"reader {source.reader}")
+            request = add_request(
+                source,
+                conn,
+                name,
+                where,
+                reader=f"reader {source.reader}",
+                position=lambda row: log_position(conn, row),
+            )
             conn.commit()
         source.snapshots.poke()
         return request.to_json()

@@ -264,7 +264,9 @@ def passes(effect: Effect, exists: Callable[[str], bool], acked: Callable[[str],
     * a drop: once a table is under the name again (created again: its rows come as
       it gets them; one renamed to it is an effect of its own, read on its own);
     * a table renamed away, or one renamed to the name: once the person chose to read
-      the name on by asking for its snapshot after the statement (``acked``).
+      the name on by asking for its snapshot after the statement was written to the
+      log (``acked``; decided by log positions, never clocks: see
+      :func:`dbtrigger.cdc.binlog_snapshot.asked_after`).
     """
     if effect.replaced:
         return True
@@ -284,7 +286,11 @@ def refusal(effect: Effect, commit: str, poller: str | None) -> str:
         f"accept the changed source: dbtrigger reset {poller or 'POLLER'} --accept-source "
         "MODULE:TRIGGER --reason '{why}' --yes"
     )
-    snapshot = f"dbtrigger cdc snapshot MODULE:TRIGGER --table {w} --yes"
+    snapshot = (
+        f"dbtrigger cdc snapshot MODULE:TRIGGER --table {w} --yes (a request made before "
+        "the statement was written does not count, nor one recorded by an earlier version "
+        "without the log's position: ask again)"
+    )
     if effect.dropped and effect.arrived_from is None:
         return (
             f"{head}. Its rows are gone without a delete event each, and no table is under "

@@ -215,14 +215,14 @@ class Assembler(Assembly[TableInfo, str]):
         poller: str | None = None,
         followed: Collection[str] = (),
         exists: Callable[[str], bool] = lambda table: True,
-        acked: Callable[[str, dt.datetime | None], bool] = lambda table, when: False,
+        acked: Callable[[str, str], bool] = lambda table, commit: False,
     ) -> None:
         super().__init__(watched, guard)
         #: For the statements that move a watched table off its name (see
         #: :mod:`dbtrigger.cdc.binlog_ddl`): the poller (named in the error), the tables
         #: this reader watched before (a table renamed from one is the table it read),
         #: whether a table is under a name now, and whether its snapshot was asked for
-        #: since a time.
+        #: after the statement at a commit token.
         self.poller = poller
         self.followed = followed
         self.renames = ddl.Followed(followed, list(watched))
@@ -432,7 +432,7 @@ class Assembler(Assembly[TableInfo, str]):
             stops = [
                 e
                 for e in found
-                if not ddl.passes(e, self.exists, lambda t: self.acked(t, current.commit_time))
+                if not ddl.passes(e, self.exists, lambda t: self.acked(t, current.commit))
             ]
             if stops:
                 problem = "; ".join(ddl.refusal(e, current.commit, self.poller) for e in stops)

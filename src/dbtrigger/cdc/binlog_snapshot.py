@@ -17,6 +17,10 @@ writes a transaction to the binary log before it releases its locks.) A chunk
 whose locks are not granted within ``snapshot_lock_timeout_seconds`` is tried
 again at the next read.
 
+A request records where the log ended when it was made (:func:`log_position`),
+which says exactly whether it came after a statement of the log
+(:func:`asked_after`): the reader's way on past a table put under a watched name.
+
 Cost: the chunk's rows are written to the log once more (twice from the
 second chunk on: an update of the reader's chunk row carries the previous
 chunk as its before image under ``binlog_row_image=FULL``).
@@ -26,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import pymysql
@@ -34,10 +38,10 @@ import pymysql
 from dbtrigger._lock_wait import MYSQL_BOUND_SET_BACK, mysql_bound_for_now
 from dbtrigger.cdc import binlog_control as control
 from dbtrigger.cdc.binlog_context import BinlogSourceParts
-from dbtrigger.cdc.binlog_reader import decode_value, encode_value
-from dbtrigger.cdc.binlog_setup import translated
+from dbtrigger.cdc.binlog_reader import Where, commit_token, decode_value, encode_value
+from dbtrigger.cdc.binlog_setup import current_position, file_index, translated
 from dbtrigger.cdc.snapshots import ChunkWriter, Snapshot, still_pending
-from dbtrigger.errors import SourceDefinitionError
+from dbtrigger.errors import CorruptStateError, SourceDefinitionError
 
 if TYPE_CHECKING:
     from dbtrigger.cdc.binlog_setup import TableInfo
@@ -120,6 +124,51 @@ class SnapshotWriter(ChunkWriter[BinlogSourceParts, control.ControlRow, "TableIn
         return bool(rows)
 
 
+def log_position(conn: pymysql.connections.Connection[Any], row: control.ControlRow) -> str:
+    """Where the server writes its next transaction now, as a commit token of the
+    reader ``row`` (its generation): a snapshot request's ``log_position``, read in
+    the request's transaction, so every chunk of it is read after what the log held
+    then (the server writes a statement to the log once it is done, and a request
+    seen from the next write's place was made after every write before it).
+
+    Raises:
+        ConfigurationError / SourcePermissionError: the server reports no position.
+    """
+    with translated("reading the binary log position"):
+        name, offset = current_position(conn, ())
+    return commit_token(file_index(name), offset, None, row.generation)
+
+
+def asked_after(snapshots: Iterable[Snapshot], table: str, commit: str) -> bool:
+    """Was a snapshot of the whole of ``table`` asked for after the statement whose
+    transaction begins at commit token ``commit`` was written to the log?
+
+    Decided by the log's positions alone: the request's ``log_position`` (where the
+    log ended when it was made) past the statement's start. Never by clocks: the
+    log's times are the server's, in whole seconds, and ``requested_at`` the
+    client's, so a request made before a statement of the same second, or on a
+    client whose clock runs ahead, would count, and its chunks may have read the
+    table that left the name. A request of some rows (``--where``), of another
+    reader generation (``cdc recreate``), or with no position (one made by an
+    earlier version; a reader's first snapshot, which is before every statement it
+    reads) does not count.
+    """
+    statement = Where.parse(commit)
+    for request in snapshots:
+        if request.table != table or request.where or request.log_position is None:
+            continue
+        try:
+            asked = Where.parse(request.log_position)
+        except CorruptStateError:
+            continue  # edited by hand: not known to be after
+        if asked.generation == statement.generation and (asked.file_index, asked.offset) > (
+            statement.file_index,
+            statement.offset,
+        ):
+            return True
+    return False
+
+
 @contextlib.contextmanager
 def _chunk_lock_waits(cur: Any, seconds: float) -> Iterator[None]:
     """The chunk's statements wait at most ``seconds`` for a row lock and for the
@@ -138,4 +187,4 @@ def _chunk_lock_waits(cur: Any, seconds: float) -> Iterator[None]:
             cur.execute(MYSQL_BOUND_SET_BACK)
 
 
-__all__ = ["SnapshotWriter"]
+__all__ = ["SnapshotWriter", "asked_after", "log_position"]

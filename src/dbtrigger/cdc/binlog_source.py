@@ -31,7 +31,6 @@ or dropped: delivery stops before the statement, see
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import importlib.util
 import time
 from collections.abc import Sequence
@@ -47,7 +46,7 @@ from dbtrigger.cdc.binlog_health import RetentionReporter, self_check
 from dbtrigger.cdc.binlog_poll import BinlogPoller, file_mark
 from dbtrigger.cdc.binlog_reader import Assembler, Where, materialise, type_name
 from dbtrigger.cdc.binlog_setup import current_position
-from dbtrigger.cdc.binlog_snapshot import SnapshotWriter
+from dbtrigger.cdc.binlog_snapshot import SnapshotWriter, asked_after
 from dbtrigger.cdc.log_source import SNAPSHOTS, LogReader, LogSource, log
 from dbtrigger.cdc.position import LogPosition
 from dbtrigger.cdc.snapshots import Snapshot
@@ -381,22 +380,13 @@ class BinlogSource(LogSource):
             found = cur.fetchone()
         return bool(found and int(found[0]))
 
-    def _snapshot_asked(self, table: str, since: dt.datetime | None) -> bool:
-        """Was a snapshot of ``table`` asked for (``cdc snapshot``) at or after ``since``?
-        How a person chose to read a watched name on after a statement that put another
-        table, or none, under it (:mod:`dbtrigger.cdc.binlog_ddl`)."""
-        if since is None:
-            return False
+    def _snapshot_asked(self, table: str, commit: str) -> bool:
+        """Was a snapshot of ``table`` asked for (``cdc snapshot``) after the statement at
+        ``commit`` was written (:func:`~dbtrigger.cdc.binlog_snapshot.asked_after`)? How a
+        person chose to read a watched name on after a statement that put another table,
+        or none, under it (:mod:`dbtrigger.cdc.binlog_ddl`)."""
         row = self.read_control(self.connection())
-        for request in row.snapshots if row is not None else []:
-            if request.table != table or request.requested_at is None or request.where:
-                continue  # a snapshot of some rows (--where) does not bring them all
-            asked = dt.datetime.fromisoformat(request.requested_at)
-            if asked.tzinfo is None:
-                asked = asked.replace(tzinfo=dt.timezone.utc)
-            if asked >= since:
-                return True
-        return False
+        return row is not None and asked_after(row.snapshots, table, commit)
 
     def new_control_row(
         self,

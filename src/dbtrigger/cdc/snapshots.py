@@ -20,7 +20,7 @@ import datetime as dt
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -39,6 +39,15 @@ class Snapshot:
     ``where`` is an optional SQL condition (``dbtrigger cdc snapshot --where``),
     ``done`` is set once a chunk came back short. The JSON shape is the same
     for every database.
+
+    ``log_position`` is where the source's log ended when the request was made,
+    read in the request's own transaction (in the source's position text; None:
+    not recorded, as for a reader's first snapshot or a request of an earlier
+    version). It says exactly whether a request came after a statement of the
+    log, which a binlog reader must know before it reads on past a table put
+    under a watched name (:func:`dbtrigger.cdc.binlog_snapshot.asked_after`).
+    ``requested_at`` is the client's clock, for people only: the log's times are
+    the server's, in whole seconds, and cannot order the two.
     """
 
     table: str
@@ -48,6 +57,7 @@ class Snapshot:
     rows: int = 0
     done: bool = False
     requested_at: str | None = None
+    log_position: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -62,12 +72,20 @@ class Snapshot:
             int(raw.get("rows", 0)),
             bool(raw.get("done", False)),
             raw.get("requested_at"),
+            raw.get("log_position"),
         )
 
     @classmethod
-    def request(cls, table: str, where: str | None = None) -> Snapshot:
-        """A new request, stamped now."""
-        return cls(table, where=where, requested_at=dt.datetime.now(dt.timezone.utc).isoformat())
+    def request(
+        cls, table: str, where: str | None = None, log_position: str | None = None
+    ) -> Snapshot:
+        """A new request, stamped now (and with the log's position, when given)."""
+        return cls(
+            table,
+            where=where,
+            requested_at=dt.datetime.now(dt.timezone.utc).isoformat(),
+            log_position=log_position,
+        )
 
     def advance(self, rows: int, last_key: list[Any] | None, chunk_size: int) -> None:
         """A chunk of ``rows`` rows was written: it ends at ``last_key``."""
@@ -170,10 +188,18 @@ def watched(table: str, tables: Sequence[str]) -> str:
 
 
 def add_request(
-    source: SnapshotSource, conn: Any, table: str, where: str | None, *, reader: str
+    source: SnapshotSource,
+    conn: Any,
+    table: str,
+    where: str | None,
+    *,
+    reader: str,
+    position: Callable[[Any], str | None] | None = None,
 ) -> Snapshot:
     """Queue a snapshot request of ``table`` in the source's control row, read under a
-    lock and saved in the caller's transaction on ``conn``.
+    lock and saved in the caller's transaction on ``conn``. ``position`` gives the
+    source's log position now, of the locked row (its ``log_position``): read before
+    the request commits, so every chunk of it is read after what the log held then.
 
     Raises:
         ConfigurationError: ``reader`` (``slot s``, ``reader r``) has no control row yet.
@@ -183,7 +209,7 @@ def add_request(
         raise ConfigurationError(
             f"{reader} is not installed yet: run the poller or dbtrigger cdc install"
         )
-    request = Snapshot.request(table, where)
+    request = Snapshot.request(table, where, None if position is None else position(row))
     row.snapshots.append(request)
     source.save_snapshots(conn, row.snapshots)
     return request

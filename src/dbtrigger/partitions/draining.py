@@ -11,17 +11,21 @@ is that member's to deliver.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from dbtrigger.runtime import drain as draining
 from dbtrigger.runtime.kernel import Handler
 
-if TYPE_CHECKING:
-    from dbtrigger.partitions.member import PartitionedPoller
+
+class Member(draining.Ticks, Protocol):
+    """What a member's drain asks of it (a :class:`~dbtrigger.partitions.member.PartitionedPoller`):
+    a poller's drain's ticks, and its history written before the drain returns."""
+
+    def flush_history(self) -> bool: ...
 
 
 def drain(
-    member: PartitionedPoller,
+    member: Member,
     handler: Handler,
     *,
     max_ticks: int | None,
@@ -53,4 +57,4 @@ def drain(
     return total
 
 
-__all__ = ["drain"]
+__all__ = ["Member", "drain"]

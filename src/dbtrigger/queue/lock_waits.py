@@ -28,21 +28,31 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from dbtrigger._engine import given_connect_args
 from dbtrigger._lock_wait import gave_up_waiting, lock_timed_out, lock_wait_bounded
-from dbtrigger._lock_wait import sets_own_lock_bound as _sets_own_bound
 from dbtrigger.errors import CommitError, FetchError
 from dbtrigger.queue import engines
 from dbtrigger.sources.lock_waits import WHY
 
-if TYPE_CHECKING:
-    from dbtrigger.queue.source import ClaimSource
+
+class Claims(Protocol):
+    """What these reads ask of a claim source (:class:`~dbtrigger.queue.source.ClaimSource`)."""
+
+    shared_engine: Engine | None
+
+    @property
+    def engine(self) -> Engine: ...
+    @property
+    def dialect_name(self) -> str: ...
+    def sets_own_lock_bound(self) -> bool:
+        """Does the source's own engine get its lock bound from the user's settings?"""
+        ...
+
 
 #: What a read that gave up left, and what to do.
 READ_THEN = f"{WHY}; nothing was read: try again once that transaction and the DDL end, or end them"
@@ -52,13 +62,13 @@ WRITE_THEN = "nothing was changed: run the command again once the transaction en
 
 @contextlib.contextmanager
 def reads(
-    source: ClaimSource, what: str | None = None, table: sa.TableClause | None = None
+    source: Claims, what: str | None = None, table: sa.TableClause | None = None
 ) -> Iterator[Connection]:
     """A connection of ``source``'s engine for reads (the table's shape, status, dead
     rows), its lock waits bounded on a shared engine too. With ``what`` (``status of
     postgresql:app.jobs``), a read that gave up waiting for a lock on ``table`` is a
     :class:`FetchError` saying so (:func:`gives_up`)."""
-    engine, dialect = source.engine, source.time.dialect
+    engine, dialect = source.engine, source.dialect_name
     mapped = gives_up(source, what, table) if what else contextlib.nullcontext()
     with mapped, engines.reading(engine) as conn:
         if source.shared_engine is None or dialect not in ("postgresql", "mysql"):
@@ -72,7 +82,7 @@ def reads(
 
 @contextlib.contextmanager
 def gives_up(
-    source: ClaimSource,
+    source: Claims,
     what: str | None,
     table: sa.TableClause | None,
     error: Callable[[str], Exception] = FetchError,
@@ -100,21 +110,20 @@ def gives_up(
 
 
 def change_gives_up(
-    source: ClaimSource, what: str, table: sa.TableClause
+    source: Claims, what: str, table: sa.TableClause
 ) -> contextlib.AbstractContextManager[None]:
     """:func:`gives_up` for a re-drive or discard of dead rows: a :class:`CommitError`."""
     return gives_up(source, what, table, CommitError, WRITE_THEN)
 
 
-def _bound(source: ClaimSource) -> float | None:
+def _bound(source: Claims) -> float | None:
     """The lock bound in force on ``source``'s connections (None: the user's own)."""
     if source.shared_engine is None:
-        given = given_connect_args(source._engine_kwargs)
-        if _sets_own_bound(source.engine.dialect.name, given, source.url.query):
+        if source.sets_own_lock_bound():
             return None
-    elif source.time.dialect == "sqlite":
+    elif source.dialect_name == "sqlite":
         return None  # the application's busy timeout
     return float(engines.LOCK_WAIT_SECONDS)
 
 
-__all__ = ["READ_THEN", "WRITE_THEN", "change_gives_up", "gives_up", "reads"]
+__all__ = ["READ_THEN", "WRITE_THEN", "Claims", "change_gives_up", "gives_up", "reads"]

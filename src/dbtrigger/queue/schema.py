@@ -375,3 +375,22 @@ def index_name(table: str, what: str = "claimable") -> str:
     shortened to fit 63 characters."""
     name = f"ix_{table}_dbt_{what}"
     return name if len(name) <= 63 else f"ix_{table[:40]}_dbt_{what}"
+
+
+def check_skip_locked(conn: sa.Connection, dialect: str) -> None:
+    """Refuse a MariaDB/MySQL without ``FOR UPDATE SKIP LOCKED``: there competing
+    workers would queue behind each other's claims instead of passing them."""
+    if dialect != "mysql":
+        return
+    version = tuple(conn.dialect.server_version_info or ())
+    mariadb = bool(getattr(conn.dialect, "is_mariadb", False))
+    needed = (10, 6) if mariadb else (8, 0, 1)
+    if version < needed:
+        product = "MariaDB" if mariadb else "MySQL"
+        have = ".".join(str(v) for v in version)
+        want = ".".join(str(v) for v in needed)
+        raise ConfigurationError(
+            f"{product} {have} has no FOR UPDATE SKIP LOCKED (needs {want} or later): "
+            "competing workers would wait on each other's claims. Upgrade the server, "
+            "or use the keyset poller (PollTrigger) with a single lease owner"
+        )

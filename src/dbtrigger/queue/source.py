@@ -42,7 +42,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from dbtrigger._columns import ColumnWatch, probe_or_none
 from dbtrigger._database_url import DatabaseUrl
 from dbtrigger._driver_errors import failed_as, short_error
-from dbtrigger._engine import LazyEngine, reflect_table
+from dbtrigger._engine import LazyEngine, given_connect_args, reflect_table
+from dbtrigger._lock_wait import sets_own_lock_bound
 from dbtrigger._paste import absolute_sqlite_url
 from dbtrigger.errors import (
     CommitError,
@@ -61,7 +62,7 @@ from dbtrigger.queue.layout import Claim, ClaimedRow, ClaimLayout, ColumnsLayout
 from dbtrigger.queue.lock_waits import change_gives_up, reads
 from dbtrigger.queue.operations import QueueCounts
 from dbtrigger.queue.producer import RunAfter
-from dbtrigger.queue.schema import PREFIX, DialectTime, check_unique_key
+from dbtrigger.queue.schema import PREFIX, DialectTime, check_skip_locked, check_unique_key
 from dbtrigger.queue.sidecar_table import SidecarLayout
 from dbtrigger.queue.statements import (
     ClaimBatch,
@@ -265,6 +266,12 @@ class ClaimSource:
                     self._own_hooked = True
         return engine
 
+    def sets_own_lock_bound(self) -> bool:
+        """Do the user's connect arguments or URL set the lock-wait bound of the source's
+        own engine (then they are kept, :func:`~dbtrigger._lock_wait.sets_own_lock_bound`)?"""
+        given = given_connect_args(self._engine_kwargs)
+        return sets_own_lock_bound(self.engine.dialect.name, given, self.url.query)
+
     def close(self) -> None:
         if self._engines_built is not None:
             self._engines_built.dispose()
@@ -302,27 +309,11 @@ class ClaimSource:
         assert self._queue is not None  # noqa: S101 - resolved with the target
         return self._queue
 
-    def _check_server(self, conn: Connection) -> None:
-        if self.time.dialect != "mysql":
-            return
-        version = tuple(conn.dialect.server_version_info or ())
-        mariadb = bool(getattr(conn.dialect, "is_mariadb", False))
-        needed = (10, 6) if mariadb else (8, 0, 1)
-        if version < needed:
-            product = "MariaDB" if mariadb else "MySQL"
-            have = ".".join(str(v) for v in version)
-            want = ".".join(str(v) for v in needed)
-            raise ConfigurationError(
-                f"{product} {have} has no FOR UPDATE SKIP LOCKED (needs {want} or later): "
-                "competing workers would wait on each other's claims. Upgrade the server, "
-                "or use the keyset poller (PollTrigger) with a single lease owner"
-            )
-
     def reflect(self, conn: Connection, name: str) -> sa.Table:
         return reflect_table(conn, name, self.schema)
 
     def _resolve(self, conn: Connection) -> ClaimTable:
-        self._check_server(conn)
+        check_skip_locked(conn, self.time.dialect)
         # Probed first: a change before the reflection is seen by the next check.
         self._columns = ColumnWatch(probe_or_none(conn, self._bare_table))
         user = self.reflect(conn, self.table_name)

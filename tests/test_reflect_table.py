@@ -16,7 +16,11 @@ from dbtrigger.dbio import DbReader, DbWriter
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.output import OutputTarget
 
-MISSING = re.escape("does not exist (or is not visible to this user)")
+#: The diagnosis, then what to do (create it, correct the name, grant access).
+MISSING = re.escape(
+    "does not exist (or is not visible to this user); create it, or correct the name given "
+    "(table=, schema=, the URL's database), or grant this user SELECT on it"
+)
 
 
 def test_reflect_table_reads_a_table_and_names_a_missing_one(tmp_path: Path) -> None:

@@ -367,8 +367,8 @@ def reflect_table(
 
     A table that is not there, or that this user cannot see, is a
     :class:`ConfigurationError` naming it (``noun`` and ``shown``, e.g. ``table
-    sqlite:jobs``, or ``schema.name``): a person must create it or grant access;
-    retrying cannot help.
+    sqlite:jobs``, or ``schema.name``) and saying what to do: a person must
+    create it, correct the name or grant access; retrying cannot help.
     """
     try:
         if keys_only:
@@ -379,8 +379,9 @@ def reflect_table(
     except sa.exc.NoSuchTableError:
         where = shown or (f"{schema}.{name}" if schema else name)
         raise ConfigurationError(
-            f"{noun} {where} does not exist (or is not visible to this user)"
-            + _relative_sqlite(conn)
+            f"{noun} {where} does not exist (or is not visible to this user); create it, or "
+            "correct the name given (table=, schema=, the URL's database), or grant this user "
+            "SELECT on it" + _relative_sqlite(conn)
         ) from None
 
 

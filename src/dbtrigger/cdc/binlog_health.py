@@ -22,7 +22,7 @@ from dbtrigger.cdc import binlog_setup as setup
 from dbtrigger.cdc.binlog_context import BinlogSourceParts
 from dbtrigger.cdc.binlog_reader import Where
 from dbtrigger.cdc.health import ERROR, OK, WARNING, HealthReporter
-from dbtrigger.errors import DbTriggerError
+from dbtrigger.errors import DbTriggerError, SourceDefinitionError
 from dbtrigger.sources.base import SourceFinding
 
 if TYPE_CHECKING:
@@ -181,6 +181,10 @@ def self_check(source: BinlogSourceParts) -> list[SourceFinding]:
         try:
             files = setup.binary_logs(conn)
             infos = setup.table_infos(conn, source.tables)
+        except SourceDefinitionError as exc:  # a watched table that is not there
+            if held is None:
+                findings.append(SourceFinding("tables", ERROR, str(exc)))
+            return findings
         except DbTriggerError as exc:
             if held is None:
                 findings.append(SourceFinding("privileges", ERROR, str(exc)))

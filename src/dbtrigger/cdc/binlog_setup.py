@@ -211,7 +211,7 @@ def table_infos(
     """Columns and primary key of each table; a missing or unreadable table is refused.
 
     Raises:
-        SourceDefinitionError: a table does not exist.
+        SourceDefinitionError: a table does not exist (create it, or correct ``tables=``).
         SourcePermissionError: a table cannot be read (with the GRANT to run).
     """
     out: dict[str, TableInfo] = {}
@@ -231,12 +231,9 @@ def table_infos(
                     (table.database, table.name),
                 )
                 keys = tuple(str(r[0]) for r in cur.fetchall())
-            if not columns:
-                raise SourceDefinitionError(
-                    f"table {table.qualified} does not exist (or this user cannot see it: "
-                    f"GRANT SELECT ON {table.quoted} TO {current_user(conn)})"
-                )
             try:
+                # Also what tells a table that is not there (1146) from one this
+                # account may not see (1142), which information_schema hides alike.
                 with translated(f"reading {table.qualified}"):
                     cur.execute(f"SELECT 1 FROM {table.quoted} LIMIT 0")  # noqa: S608 - validated
             except SourcePermissionError as exc:
@@ -244,6 +241,16 @@ def table_infos(
                     f"cannot read {table.qualified} (its initial snapshot and schema checks "
                     f"need SELECT): GRANT SELECT ON {table.quoted} TO {current_user(conn)}"
                 ) from exc
+            except SourceDefinitionError as exc:
+                raise SourceDefinitionError(
+                    f"table {table.qualified} does not exist: create it, or correct tables= "
+                    "(DATABASE.TABLE, or a name in the URL's database)"
+                ) from exc
+            if not columns:  # readable, yet no column listed: not a base table's
+                raise SourceDefinitionError(
+                    f"{table.qualified} has no columns in information_schema (not a table?): "
+                    "name a table in tables="
+                )
             out[table.qualified] = TableInfo(table, columns, keys)
     return out
 

@@ -20,7 +20,7 @@ from dbtrigger.cdc import pg_setup as setup
 from dbtrigger.cdc.health import ERROR, OK, WARNING, HealthReporter
 from dbtrigger.cdc.pg_connection import connect
 from dbtrigger.cdc.pg_context import PgSourceParts
-from dbtrigger.errors import DbTriggerError, OperatorError
+from dbtrigger.errors import DbTriggerError, OperatorError, SourceDefinitionError
 from dbtrigger.sources.base import SourceFinding
 
 if TYPE_CHECKING:
@@ -75,7 +75,10 @@ def self_check(source: PgSourceParts) -> list[SourceFinding]:
                 )
             except OperatorError as exc:
                 return [SourceFinding("server", ERROR, str(exc))]
-            infos = setup.table_infos(conn, source.tables)
+            try:
+                infos = setup.table_infos(conn, source.tables)
+            except SourceDefinitionError as exc:  # a watched table that is not there
+                return [*findings, SourceFinding("tables", ERROR, str(exc))]
             state = setup.slot_state(conn, source.slot)
             published = setup.publication_tables(conn, source.publication)
             actions = setup.publication_actions(conn, source.publication)

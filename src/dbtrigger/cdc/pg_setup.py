@@ -285,7 +285,7 @@ def table_infos(conn: psycopg.Connection[Any], tables: Sequence[TableName]) -> d
             if row is None:
                 raise SourceDefinitionError(
                     f"table {table.qualified} does not exist (or is not a table) in this "
-                    "database; check tables= and the URL's database"
+                    "database: create it, or correct tables= (SCHEMA.TABLE) or the URL's database"
                 )
             columns = {
                 name: (type_oid, type_name)

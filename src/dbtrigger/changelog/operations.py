@@ -16,6 +16,7 @@ unlogged in between (docs/changes.md, 'When the table changes').
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 from collections.abc import Mapping, Sequence
@@ -269,20 +270,27 @@ def log_table(bind: Engine | sa.Connection, table: str, schema: str | None) -> s
     engine).
 
     Raises:
-        ConfigurationError: the change log is not installed (names the command).
+        ConfigurationError: the change log is not installed (names the command),
+            or the watched table is not there either (says so first: installing
+            cannot help until it is created or the name corrected).
     """
     name = log_table_name(table)
-    try:
-        if isinstance(bind, sa.Connection):
-            return reflect_sa_table(bind, name, schema)
-        with bind.connect() as conn:
+    install = (
+        f"`dbtrigger changelog install --url URL --table {table}"
+        + (f" --schema {schema}" if schema else "")
+        + " --yes`"
+    )
+    with contextlib.ExitStack() as stack:
+        conn = bind if isinstance(bind, sa.Connection) else stack.enter_context(bind.connect())
+        with contextlib.suppress(ConfigurationError):
             return reflect_sa_table(conn, name, schema)
-    except ConfigurationError:
+        try:  # "install it" cannot help while the watched table itself is not there
+            reflect_sa_table(conn, table, schema)
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"{exc}; then install its change log with {install}") from None
         raise ConfigurationError(
             f"no change log for table {table!r} (table {name} is missing); install it with "
-            f"`dbtrigger changelog install --url URL --table {table}"
-            + (f" --schema {schema}" if schema else "")
-            + " --yes`"
+            f"{install}"
         ) from None
 
 

@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import sys
@@ -29,6 +31,7 @@ import pytest
 from dbtrigger import FileCheckpointStore, LostLeaseError, PollTrigger, RowChange
 from dbtrigger.cli import main
 from dbtrigger.quarantine import JsonLinesQuarantineSink
+from dbtrigger.runtime import async_calls
 from dbtrigger.runtime.context import BatchContext
 from dbtrigger.state.fanout import ACCEPT, BUSY, GONE, Fate, decide, defer, fail, held, reject
 from dbtrigger.state.stores.base import CheckpointStore
@@ -224,6 +227,68 @@ def test_a_busy_subscriber_is_not_charged_for_events_it_never_received(
     assert checkpoint_id(store) == 20
     assert read_doc(store).window is None
     assert len(events_logged(caplog, RELEASED)) == 1
+
+
+def test_an_async_subscriber_ignoring_its_cancel_stays_busy_under_tick_async(
+    sqlite_db: TestDatabase, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """Under ``tick_async`` an async subscriber runs on the caller's loop. One
+    that swallows its cancellation is let go after the grace (ERROR naming the
+    subscriber), but it still runs: it must stay busy, as a hung synchronous
+    one does, or it is handed its events again while its first call still
+    works on them (two calls of one subscriber on one key at once)."""
+    monkeypatch.setattr(async_calls, "CANCEL_GRACE_SECONDS", 0.2)
+    table = items_table(sqlite_db)
+    add_items(sqlite_db, table, [1, 2])
+    clock = Clock()
+    release = threading.Event()
+    calls: list[list[int]] = []
+    billing = Sub("billing")
+
+    async def stubborn(events: list[RowChange]) -> None:
+        calls.append([int(e.pk["id"]) for e in events])
+        while len(calls) == 1 and not release.is_set():
+            with contextlib.suppress(asyncio.CancelledError):  # it carries on
+                await asyncio.sleep(0.01)
+
+    trigger = make_trigger(
+        items_source(sqlite_db),
+        FileCheckpointStore(tmp_path / "state"),
+        clock=clock,
+        subscribers={"billing": billing, "stubborn": stubborn},
+        ack_timeout_seconds=0.3,
+        retry_delay_seconds=1,
+    )
+
+    def let_go() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if getattr(r, "event", "") == "handler_ignored_cancel"]
+
+    async def until(predicate: Any) -> None:
+        for _ in range(1000):  # bounded: 10 s
+            if predicate():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("condition not reached in time")
+
+    async def scenario() -> None:
+        assert await trigger.tick_async() == 2
+        await until(lambda: bool(let_go()))  # the loop must run for the grace to end
+        add_items(sqlite_db, table, [3])
+        clock.advance(5)
+        assert await trigger.tick_async() == 1  # billing takes 3; stubborn still runs
+        assert calls == [[1, 2]]
+        release.set()
+        await until(lambda: not any(t.name.endswith("-stubborn") for t in threading.enumerate()))
+        clock.advance(30)
+        assert await trigger.tick_async() == 3
+        assert calls[-1] == [1, 2, 3]
+
+    with caplog.at_level(logging.ERROR, logger="dbtrigger.runtime"):
+        asyncio.run(scenario())
+    (record,) = let_go()
+    assert getattr(record, "subscriber", None) == "stubborn"
+    assert "subscriber 'stubborn'" in record.getMessage()
+    assert billing.seen == [1, 2, 3]
 
 
 def test_a_lost_lease_ends_the_wait_for_a_hung_subscriber_at_once(

@@ -50,7 +50,12 @@ C = TypeVar("C", bound=EventContext)
 Stopped = Callable[[C], BaseException | None]
 
 
-async def guarded(awaitable: Awaitable[T], ctx: C, stopped: Stopped[C]) -> T | None:
+async def guarded(
+    awaitable: Awaitable[T],
+    ctx: C,
+    stopped: Stopped[C],
+    on_let_go: Callable[[asyncio.Future[Any]], None] | None = None,
+) -> T | None:
     """Await an async handler, cancelling it as soon as ``ctx.cancelled``.
 
     The task is cancelled *and awaited*, up to :data:`CANCEL_GRACE_SECONDS`, so
@@ -59,7 +64,9 @@ async def guarded(awaitable: Awaitable[T], ctx: C, stopped: Stopped[C]) -> T | N
     A handler that swallows its cancellation (``except CancelledError:`` and
     carries on) is let go after that grace, with an ERROR
     (``handler_ignored_cancel``), and the batch given up all the same: waiting
-    for it held the tick (and a stop) for ever.
+    for it held the tick (and a stop) for ever. ``on_let_go`` is told of a task
+    let go (:func:`on_loop`: a fan-out subscriber's thread then waits for it,
+    so the subscriber stays busy).
     """
     task = asyncio.ensure_future(awaitable)
     try:
@@ -72,6 +79,8 @@ async def guarded(awaitable: Awaitable[T], ctx: C, stopped: Stopped[C]) -> T | N
                         task.exception()  # (retrieved: no "never retrieved" report)
                 else:
                     _let_go(task, ctx)
+                    if on_let_go is not None:
+                        on_let_go(task)
                 error = stopped(ctx)
                 if error is not None:
                     raise error
@@ -85,20 +94,27 @@ async def guarded(awaitable: Awaitable[T], ctx: C, stopped: Stopped[C]) -> T | N
 
 def _let_go(task: asyncio.Future[Any], ctx: EventContext) -> None:
     _ABANDONED.add(task)
+    subscriber = getattr(ctx, "subscriber", None)
+    who = f" of subscriber {subscriber!r}" if subscriber is not None else ""
     log.error(
-        "%s: the async handler call on %s ignored its cancellation: it still runs "
+        "%s: the async handler call%s on %s ignored its cancellation: it still runs "
         "%g s after it was cancelled (the batch was given up: handler_timeout_seconds, "
         "a lost lease or claim, an ack timeout, a stop); it is let go, left running on "
-        "its event loop, nothing it does is recorded and its rows are delivered again. "
+        "its event loop, nothing it does is recorded and its rows are delivered again%s. "
         "Let asyncio.CancelledError propagate out of the handler (re-raise it after "
         "any cleanup)",
         ctx.poller_name,
+        who,
         ctx.batch_id,
         CANCEL_GRACE_SECONDS,
+        " (to that subscriber once the call ends: until then it is busy, handed nothing new)"
+        if subscriber is not None
+        else "",
         extra={
             "event": "handler_ignored_cancel",
             "poller": ctx.poller_name,
             "batch_id": ctx.batch_id,
+            **({"subscriber": subscriber} if subscriber is not None else {}),
         },
     )
 
@@ -193,9 +209,38 @@ def on_loop(
         result = handler(events, ctx) if wants_ctx else handler(events)
         if not inspect.isawaitable(result):
             return result
-        return asyncio.run_coroutine_threadsafe(guarded(result, ctx, stopped), loop).result()
+        let_go: list[asyncio.Future[Any]] = []
+        keep = let_go.append if _LINGER.get() else None
+        try:
+            return asyncio.run_coroutine_threadsafe(
+                guarded(result, ctx, stopped, keep), loop
+            ).result()
+        finally:
+            for task in let_go:
+                _outlive(task, loop)
 
     return shim
+
+
+#: How often a thread waiting for a task let go looks whether its loop closed.
+_OUTLIVE_POLL_SECONDS = 1.0
+
+
+def _outlive(task: asyncio.Future[Any], loop: asyncio.AbstractEventLoop) -> None:
+    """Hold this thread until ``task``, let go on ``loop``, ends (or the loop
+    closes: it never runs again). Under :func:`lingering` - a fan-out
+    subscriber's thread - this keeps the subscriber busy while its call still
+    runs on the caller's loop, as :func:`_close` does for a call on a loop of
+    its own; otherwise it is handed its events again while the call it was
+    let go from still works on them."""
+    ended = threading.Event()
+    try:
+        loop.call_soon_threadsafe(task.add_done_callback, lambda _task: ended.set())
+    except RuntimeError:  # the loop is closed
+        return
+    while not ended.wait(_OUTLIVE_POLL_SECONDS):
+        if loop.is_closed():
+            return
 
 
 __all__ = [

@@ -42,14 +42,11 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from benchmarks.afdb import AfdbMemoryStateStore, afdb_blob_store, afdb_drain, afdb_version
 from benchmarks.common import (
     HANDLERS,
     LAYOUTS,
-    AfdbMemoryStateStore,
     Dataset,
-    afdb_blob_store,
-    afdb_drain,
-    afdb_version,
     azurite,
     blob_store_class,
     dataset,

@@ -57,7 +57,8 @@ def private_server(port: int) -> Iterator[str]:
     directory = tempfile.mkdtemp(prefix="dbtrigger-bench-binlog-")
     bash = shutil.which("bash") or "/bin/bash"
     subprocess.run(  # noqa: S603 - our own script
-        [bash, str(SCRIPT), "start", "mariadb", directory, str(port)], check=True,
+        [bash, str(SCRIPT), "start", "mariadb", directory, str(port)],
+        check=True,
         stdout=subprocess.DEVNULL,
     )
     try:
@@ -70,8 +71,12 @@ def private_server(port: int) -> Iterator[str]:
 def connect(url: str) -> pymysql.connections.Connection[Any]:
     u = make_url(url)
     return pymysql.connect(
-        host=u.host, port=u.port or 3306, user=u.username or "root", password=u.password or "",
-        database=u.database, autocommit=True,
+        host=u.host,
+        port=u.port or 3306,
+        user=u.username or "root",
+        password=u.password or "",
+        database=u.database,
+        autocommit=True,
     )
 
 
@@ -141,8 +146,11 @@ def latency(url: str, kind: str, interval: float, seconds: float, rate: float) -
     )
     source = make_source(kind, db, table)
     trigger = PollTrigger(
-        name=unique(f"lat_{kind}"), source=source, checkpoint_store=InMemoryCheckpointStore(),
-        batch_size=500, max_batches_per_tick=10,
+        name=unique(f"lat_{kind}"),
+        source=source,
+        checkpoint_store=InMemoryCheckpointStore(),
+        batch_size=500,
+        max_batches_per_tick=10,
     )
     trigger.tick(lambda events: None)  # set up (the reader's row) before the clock starts
     samples: list[float] = []
@@ -187,8 +195,11 @@ def replay(url: str, kind: str, rows: int, batch: int) -> dict[str, Any]:
     )
     source = make_source(kind, db, table)
     trigger = PollTrigger(
-        name=unique(f"replay_{kind}"), source=source, checkpoint_store=InMemoryCheckpointStore(),
-        batch_size=batch, max_batches_per_tick=100,
+        name=unique(f"replay_{kind}"),
+        source=source,
+        checkpoint_store=InMemoryCheckpointStore(),
+        batch_size=batch,
+        max_batches_per_tick=100,
     )
     trigger.tick(lambda events: None)
     for first in range(0, rows, 1000):
@@ -225,8 +236,12 @@ def memory_child(url: str, rows: int, history: bool = True) -> dict[str, Any]:
     execute(db, "CREATE TABLE big (id BIGINT PRIMARY KEY, v INT NOT NULL, payload TEXT)")
     source = BinlogSource(db, ["big"], snapshot="never")
     trigger = PollTrigger(
-        name=unique("big"), source=source, checkpoint_store=InMemoryCheckpointStore(),
-        batch_size=1000, max_batches_per_tick=100, history=history,
+        name=unique("big"),
+        source=source,
+        checkpoint_store=InMemoryCheckpointStore(),
+        batch_size=1000,
+        max_batches_per_tick=100,
+        history=history,
     )
     trigger.tick(lambda events: None)
     execute(db, f"INSERT INTO big SELECT seq, seq, REPEAT('p', 40) FROM seq_1_to_{rows}")
@@ -247,9 +262,21 @@ def memory_child(url: str, rows: int, history: bool = True) -> dict[str, Any]:
 
 def memory(url: str, rows: int, history: bool = True) -> dict[str, Any]:
     done = subprocess.run(  # noqa: S603 - this very script, as a child
-        [sys.executable, "-m", "benchmarks.cdc_binlog", "--child", "--url", url,
-         "--big", str(rows), *([] if history else ["--no-history"])],
-        cwd=ROOT, capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.cdc_binlog",
+            "--child",
+            "--url",
+            url,
+            "--big",
+            str(rows),
+            *([] if history else ["--no-history"]),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 

@@ -39,10 +39,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.afdb import AfdbMemoryStateStore, afdb_version
 from benchmarks.common import (
-    AfdbMemoryStateStore,
     TimingStore,
-    afdb_version,
     azurite,
     blob_store_class,
     dbtrigger_blob_store,

@@ -41,7 +41,7 @@ from dbtrigger.cli.common import (
     store_from_environment,
     utc_now,
 )
-from dbtrigger.cli.loading import load_trigger
+from dbtrigger.cli.loading import LoadedTrigger, load_trigger, partitioned_of
 from dbtrigger.cli.state_change import print_plan
 from dbtrigger.cursor import Position
 from dbtrigger.errors import ConfigurationError, DbTriggerError, HandlerError, OperatorError
@@ -54,6 +54,7 @@ from dbtrigger.runtime.stop_signals import (
     say_overdue,
     signals_routed_to,
 )
+from dbtrigger.runtime.subscriber_options import SubscriberCall
 from dbtrigger.sources.base import (
     CountsAfter,
     ValidatesDefinition,
@@ -180,6 +181,18 @@ def _load_trigger(args: argparse.Namespace) -> tuple[PollTrigger, Handler]:
             "whose source and handler the backfill uses"
         )
     loaded = load_trigger(args.source, args.handler)
+    group = partitioned_of(loaded.trigger)
+    if group is not None and args.new_poller.startswith(f"{group.name}."):
+        raise ConfigurationError(
+            f"{args.new_poller!r} is a name of partitioned poller {group.name!r} (its partitions "
+            "and membership are <name>.*): a backfill needs its own poller name"
+        )
+    if group is not None and group is loaded.trigger:  # one backfill poller over the table
+        whole = PollTrigger(
+            name=group.name, source=group.source, checkpoint_store=group.store, **group.options
+        )
+        handler = None if isinstance(loaded.handler, SubscriberCall) else loaded.handler
+        loaded = LoadedTrigger(loaded.spec, whole, handler, loaded.function)
     if not isinstance(loaded.trigger, PollTrigger):
         raise ConfigurationError(f"{args.source} is a claim queue: there is nothing to backfill")
     if args.new_poller == loaded.trigger.name:

@@ -6,6 +6,9 @@ with them is marked beside the sink (:mod:`dbtrigger.replay.dead_letters`),
 and journaled in the poller's state document and history. A claim queue
 (``--trigger`` naming a ``QueueTrigger``) answers the same verbs with its
 dead rows: ``replay`` makes them ready again, ``discard`` settles them done.
+A partitioned poller's partitions each dead-letter under their own name
+(``orders.p000-064``): given the group's name, the verbs act on every
+partition's records (each named), given one partition's name on its own.
 
 Guardrails as for the state commands: ``replay`` and ``discard`` are dry runs
 until ``--yes`` and need ``--reason``; nothing is deleted unless ``--delete``.
@@ -31,8 +34,15 @@ from dbtrigger.cli.common import (
     utc_now,
 )
 from dbtrigger.cli.history import history_to_record
-from dbtrigger.cli.loading import as_trigger, load_object, load_trigger
+from dbtrigger.cli.loading import (
+    as_partition,
+    as_trigger,
+    load_object,
+    load_trigger,
+    partitioned_of,
+)
 from dbtrigger.errors import ConfigurationError
+from dbtrigger.partitions.balancing import partition_of
 from dbtrigger.quarantine import JsonLinesQuarantineSink, SqlQuarantineSink
 from dbtrigger.queue.cli import claim_source_of
 from dbtrigger.replay import dead_letters as dl
@@ -55,6 +65,14 @@ def _sink(args: argparse.Namespace, trigger: Any) -> Any:
                 url=spec, table=args.sink_table, schema=args.sink_schema, create_table=False
             )
         return JsonLinesQuarantineSink(spec)
+    group = partitioned_of(trigger)
+    if group is not None:  # every partition's trigger gets the group's quarantine=
+        if group.options.get("quarantine") is None:
+            raise ConfigurationError(
+                f"partitioned poller {group.name!r} has no dead-letter sink (quarantine=): "
+                "nothing was set aside"
+            )
+        return group.options["quarantine"]
     if trigger is not None and isinstance(trigger, PollTrigger):
         if trigger.quarantine is None:
             raise ConfigurationError(
@@ -90,15 +108,16 @@ def _trigger(args: argparse.Namespace, *, handler: bool = False) -> Any:
 def _journal(
     args: argparse.Namespace,
     store: CheckpointStore | None,
-    poller: str,
+    trigger: PollTrigger | None,
     operation: str,
     event_ids: Sequence[str],
     details: dict[str, Any],
     console: Console,
 ) -> dict[str, Any] | None:
-    """Journal the operation in the poller's document and its own history (the
-    ``--trigger``'s; see :func:`~dbtrigger.cli.history.history_to_record`); the entry
-    written."""
+    """Journal the operation in the poller's document and its own history (``trigger``'s,
+    the ``--trigger`` or its partition's; see
+    :func:`~dbtrigger.cli.history.history_to_record`); the entry written."""
+    poller = args.poller
     if store is None:
         console.warn(
             "note: not journaled (no state store: give --trigger or --store to journal it)"
@@ -118,11 +137,7 @@ def _journal(
             **details,
         },
     )
-    loaded = _trigger(args)
-    trigger = getattr(loaded, "trigger", loaded)
-    history, note = history_to_record(
-        store, poller, trigger if isinstance(trigger, PollTrigger) else None
-    )
+    history, note = history_to_record(store, poller, trigger)
     if note is not None:
         console.warn(note)
     problem = journal_live(store, poller, entry, history)
@@ -154,45 +169,78 @@ def cmd_dead_letter(args: argparse.Namespace) -> int:
             return _queue(args, queue)  # a claim queue's dead rows
     target = _trigger(args, handler=args.verb == "replay")
     trigger = getattr(target, "trigger", target)
-    if args.verb == "replay" and not isinstance(trigger, PollTrigger):
+    group = partitioned_of(trigger)
+    if args.verb == "replay" and not isinstance(trigger, PollTrigger) and group is None:
         raise ConfigurationError("dead-letter replay needs --trigger MODULE:ATTR: its handler runs")
     sink = _sink(args, trigger)
     if args.store:
         with state_store(args) as store:
-            return _sinked(args, target, sink, store)
+            return _sinked(args, target, sink, store, group)
     own = trigger.store if isinstance(trigger, PollTrigger) else None
-    return _sinked(args, target, sink, own)
+    if group is not None:  # its partitions' documents are in the group's store
+        own = group.store
+    return _sinked(args, target, sink, own, group)
 
 
-def _sinked(args: argparse.Namespace, target: Any, sink: Any, store: CheckpointStore | None) -> int:
+def _partition_pollers(args: argparse.Namespace, group: Any, sink: Any) -> list[str]:
+    """The pollers whose dead letters ``args.poller`` names for the partitioned poller
+    ``group``: one partition's, or, given the group's name, every partition's that has
+    records in the sink (those of an earlier layout too, before a split or merge)."""
+    if partition_of(group.name, args.poller) is not None:
+        return [args.poller]
+    if args.poller != group.name:
+        raise ConfigurationError(
+            f"{args.poller!r} is not the partitioned poller {group.name!r} the trigger names, "
+            f"nor one of its partitions: give {group.name!r} for the dead letters of every "
+            f"partition, or one partition's poller name ({group.name}.p000-064 ...; `dbtrigger "
+            "partitions show --trigger MODULE:ATTR` lists them)"
+        )
+    return sorted({r.poller for r in sink.records(None) if partition_of(group.name, r.poller)})
+
+
+def _sinked(
+    args: argparse.Namespace,
+    target: Any,
+    sink: Any,
+    store: CheckpointStore | None,
+    group: Any = None,
+) -> int:
+    """The verb on the dead letters of ``args.poller``, or, for a partitioned poller
+    (``group``), of each partition it names: listed together, each record with its
+    partition; replayed and discarded partition by partition, each under its own
+    replay lease and journaled in its own state document."""
     console = Console()
     ids = list(args.id or [])
     if args.verb == "show" and not ids:
         raise ConfigurationError("show needs --id EVENT_ID (the first 8+ characters will do)")
     again = args.verb == "replay" and args.again
-    letters = dl.dead_letters(
-        sink,
-        args.poller,
-        ids=ids,
-        since=_since(args),
-        include_settled=getattr(args, "all", False) or args.verb == "show" or again,
-    )
-    if again and not ids:  # --again brings back the replayed ones, not the discarded
-        letters = [letter for letter in letters if letter.state != "discarded"]
+    pollers = [args.poller] if group is None else _partition_pollers(args, group, sink)
+    found: dict[str, list[dl.DeadLetter]] = {}
+    for poller in pollers:
+        letters = dl.dead_letters(
+            sink,
+            poller,
+            ids=ids,
+            since=_since(args),
+            include_settled=getattr(args, "all", False) or args.verb == "show" or again,
+        )
+        if again and not ids:  # --again brings back the replayed ones, not the discarded
+            letters = [letter for letter in letters if letter.state != "discarded"]
+        if letters:
+            found[poller] = letters
+    letters = [letter for each in found.values() for letter in each]
     if args.verb == "list":
         if args.json:
             console.json([{**letter.record.to_json(), "state": letter.state} for letter in letters])
         elif not letters:
             console.print(f"no dead letters of {args.poller!r} in {sink.describe()} to show")
         else:
-            console.print(
-                text_table(
-                    [
-                        ["EVENT", "KEY", "DEAD SINCE", "ATTEMPTS", "STATE", "ERROR"],
-                        *map(_row, letters),
-                    ]
-                )
-            )
+            heading = ["EVENT", "KEY", "DEAD SINCE", "ATTEMPTS", "STATE", "ERROR"]
+            rows = [
+                ([letter.record.poller] if group is not None else []) + _row(letter)
+                for letter in letters
+            ]
+            console.print(text_table([(["POLLER"] if group is not None else []) + heading, *rows]))
         return 0
     if args.verb == "show":
         shown = [
@@ -209,9 +257,17 @@ def _sinked(args: argparse.Namespace, target: Any, sink: Any, store: CheckpointS
         console.print(f"no dead letters of {args.poller!r} match; nothing to do")
         return 0
     args.reason = reason_from_args(args)  # required with --yes only
-    if args.verb == "replay":
-        return _replay(args, target, sink, store, letters, console)
-    return _discard(args, sink, store, letters, console)
+    code = 0
+    for poller, each in found.items():
+        one = args if group is None else argparse.Namespace(**{**vars(args), "poller": poller})
+        loaded = target if group is None else as_partition(target, poller, "dead-letter replay")
+        if args.verb == "replay":
+            code = max(code, _replay(one, loaded, sink, store, each, console))
+        else:
+            trigger = getattr(loaded, "trigger", None)
+            own = trigger if isinstance(trigger, PollTrigger) else None
+            code = max(code, _discard(one, sink, store, each, console, own))
+    return code
 
 
 def _replay(
@@ -309,7 +365,7 @@ def _replay(
         entry = _journal(
             args,
             store,
-            args.poller,
+            trigger,
             "dead_letter_replay",
             [o.event_id for o in outcomes],
             {"outcomes": counts, "sink": sink.describe()},
@@ -364,6 +420,7 @@ def _discard(
     store: CheckpointStore | None,
     letters: list[dl.DeadLetter],
     console: Console,
+    trigger: PollTrigger | None,
 ) -> int:
     what = "delete" if args.delete else "discard (kept, marked)"
     heading = f"{what} {len(letters)} dead letter(s) of {args.poller!r} in {sink.describe()}"
@@ -385,7 +442,7 @@ def _discard(
     _journal(
         args,
         store,
-        args.poller,
+        trigger,
         "dead_letter_discard",
         ids,
         {"deleted": bool(args.delete), "sink": sink.describe()},

@@ -11,12 +11,15 @@ from __future__ import annotations
 import importlib
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dbtrigger.errors import ConfigurationError, DbTriggerError
 from dbtrigger.runtime.kernel import Handler
 from dbtrigger.runtime.poller import PollTrigger
 from dbtrigger.runtime.trigger import Trigger
+
+if TYPE_CHECKING:
+    from dbtrigger.partitions.member import PartitionedPoller
 
 
 def load_object(spec: str) -> Any:
@@ -81,6 +84,47 @@ def as_trigger(target: Any, spec: str) -> LoadedTrigger | None:
     if isinstance(poll, PollTrigger):
         poll.cli_source = spec
     return LoadedTrigger(spec, poll, function_handler(target), function=True)
+
+
+def partitioned_of(trigger: Any) -> PartitionedPoller | None:
+    """The PartitionedPoller ``trigger`` is (or a deprecated ``PollTrigger(partitions=N)``
+    delegates to), or None: a command then acts on its partitions' pollers."""
+    from dbtrigger.partitions.member import PartitionedPoller  # noqa: PLC0415 - SQLAlchemy
+
+    if isinstance(trigger, PartitionedPoller):
+        return trigger
+    delegate = getattr(trigger, "partitioned", None) if isinstance(trigger, PollTrigger) else None
+    return delegate if isinstance(delegate, PartitionedPoller) else None
+
+
+def as_partition(loaded: LoadedTrigger, poller: str, command: str) -> LoadedTrigger:
+    """``loaded`` as the one partition ``poller`` of the partitioned poller it names
+    (``orders.p000-064``): that partition's own trigger (its name, bucket range, state
+    document and history) with the group's handler; ``loaded`` itself otherwise.
+
+    A fan-out group's handler is the subscribers' marker, not a handler: it is
+    dropped, so the command picks a subscriber as it does for a fan-out poller.
+
+    Raises:
+        ConfigurationError: ``poller`` is not one of the group's partitions
+            (``command`` is how the message shows the command to run on one).
+    """
+    group = partitioned_of(loaded.trigger)
+    if group is None:
+        return loaded
+    from dbtrigger.partitions.balancing import partition_of  # noqa: PLC0415 - SQLAlchemy
+    from dbtrigger.runtime.subscriber_options import SubscriberCall  # noqa: PLC0415
+
+    partition = partition_of(group.name, poller)
+    if partition is None:
+        raise ConfigurationError(
+            f"{loaded.spec} is the partitioned poller {group.name!r}: each partition keeps its "
+            f"own state and history under its own name; name one, e.g. `dbtrigger {command} "
+            f"{group.name}.p000-064 ...` (`dbtrigger partitions show --trigger {loaded.spec}` "
+            "lists them)"
+        )
+    handler = None if isinstance(loaded.handler, SubscriberCall) else loaded.handler
+    return LoadedTrigger(loaded.spec, group.partition_trigger(partition), handler, loaded.function)
 
 
 def load_trigger(spec: str, handler_spec: str | None = None) -> LoadedTrigger:

@@ -27,7 +27,7 @@ from dbtrigger.cli.common import (
     utc_now,
 )
 from dbtrigger.cli.history import history_of
-from dbtrigger.cli.loading import load_trigger
+from dbtrigger.cli.loading import as_partition, load_trigger
 from dbtrigger.errors import ConfigurationError, HandlerError, ReplayRefusedError
 from dbtrigger.history import view
 from dbtrigger.history.store import HistoryStore
@@ -126,7 +126,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         raise ConfigurationError(
             "replay needs --trigger MODULE:ATTR: its source is read again and its handler called"
         )
-    loaded = load_trigger(args.source, args.handler)
+    loaded = as_partition(load_trigger(args.source, args.handler), args.poller, "replay")
     trigger = loaded.trigger
     if not isinstance(trigger, PollTrigger):
         raise ConfigurationError(f"{args.source} is a claim queue: it keeps no history to replay")

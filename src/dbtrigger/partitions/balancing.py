@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import re
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +39,23 @@ def membership_key(poller: str) -> str:
 
 def partition_poller(poller: str, partition_id: str) -> str:
     return f"{poller}.{partition_id}"
+
+
+_PARTITION_ID = re.compile(r"p(\d{3})-(\d{3})")
+
+
+def partition_of(poller: str, name: str) -> Partition | None:
+    """The partition whose poller ``name`` is (``orders.p000-064`` of ``orders``), or None.
+
+    Read from the name alone, so a partition of an earlier layout (before a
+    split or merge) is found too: what it dead-lettered or journaled outlives it.
+    """
+    group, dot, pid = name.rpartition(".")
+    match = _PARTITION_ID.fullmatch(pid)
+    if not dot or group != poller or match is None:
+        return None
+    lo, hi = int(match[1]), int(match[2])
+    return Partition(lo, hi) if lo < hi else None
 
 
 class Balancing:
@@ -235,22 +253,34 @@ class Balancing:
 
         return floors
 
+    def partition_trigger(self, partition: Partition) -> PollTrigger:
+        """The PollTrigger of one partition, as a member ticks it: its own name,
+        bucket range, state document and the group's options.
+
+        Also for a partition that is not in the current layout any more (the
+        dead-letter commands replay what one dead-lettered before a split).
+        """
+        return PollTrigger(
+            name=partition_poller(self.name, partition.id),
+            source=PartitionSource(
+                self.source, partition, poller=self.name, floors_now=self._floors_of(partition)
+            ),
+            checkpoint_store=self.store,
+            owner_id=self.member_id,
+            metrics=self._metrics_inner,
+            clock=self.clock,
+            **self.options,
+        )
+
     def _rebuild(self, doc: Membership) -> None:
         """One PollTrigger per partition of the current layout."""
-        self._triggers = {
-            p.id: PollTrigger(
-                name=partition_poller(self.name, p.id),
-                source=PartitionSource(
-                    self.source, p, poller=self.name, floors_now=self._floors_of(p)
-                ),
-                checkpoint_store=self.store,
-                owner_id=self.member_id,
-                metrics=self._metrics_inner,
-                clock=self.clock,
-                **self.options,
-            )
-            for p in doc.partitions
-        }
+        self._triggers = {p.id: self.partition_trigger(p) for p in doc.partitions}
 
 
-__all__ = ["MAX_BALANCE_ROUNDS", "Balancing", "membership_key", "partition_poller"]
+__all__ = [
+    "MAX_BALANCE_ROUNDS",
+    "Balancing",
+    "membership_key",
+    "partition_of",
+    "partition_poller",
+]

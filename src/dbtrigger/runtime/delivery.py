@@ -124,6 +124,10 @@ class Delivery:
         the next batch meanwhile (``deliver(..., meanwhile=)``)?"""
         return self.lanes is not None
 
+    def fan_out_set(self) -> tuple[str, ...] | None:
+        """The subscribers' names, sorted (fan-out); None for one handler."""
+        return None
+
     def holding(self, window: Window) -> frozenset[str] | None:
         """Window keys of waiting events to leave out of the next batch (None:
         hand out nothing now). None held for a handler; fan-out holds events

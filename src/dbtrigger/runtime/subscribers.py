@@ -43,10 +43,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dbtrigger.errors import (
-    LostLeaseError,
-    QuarantineError,
-)
+from dbtrigger.errors import LostLeaseError, QuarantineError
 from dbtrigger.events import RowChange
 from dbtrigger.runtime.batch_outcome import Delivered, Outcome, Undelivered, batch_fields
 from dbtrigger.runtime.context import BatchContext, EventMarks
@@ -121,6 +118,9 @@ class FanOut(Delivery):
     def overlaps(self) -> bool:
         """Subscribers always run on threads of their own."""
         return True
+
+    def fan_out_set(self) -> tuple[str, ...]:
+        return tuple(sorted(self.subscribers))
 
     def busy(self) -> frozenset[str]:
         """Subscribers still inside a call that outlived its ack timeout."""

@@ -227,6 +227,9 @@ EVENTS: dict[str, EventSpec] = {
     "subscriber_busy": EventSpec(INFO),
     "subscriber_gone": EventSpec(W),
     "checkpoint_held": EventSpec(W),
+    # Fan-out: the subscribers differ from the set the state document recorded.
+    "subscriber_joined": EventSpec(W),
+    "subscriber_left": EventSpec(INFO),
     "checkpoint_released": EventSpec(INFO),
     "window_changed": EventSpec(
         None, (Gauge("window_events", "events"), Gauge("window_bytes", "bytes"))

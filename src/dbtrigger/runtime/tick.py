@@ -59,6 +59,8 @@ from dbtrigger.runtime.lease_clocks import LeaseClocks
 from dbtrigger.runtime.readahead import CARRY_SECONDS
 from dbtrigger.runtime.reading import BatchReader, TickSettings
 from dbtrigger.runtime.session import LeaseSession
+from dbtrigger.runtime.set_report import SetReport
+from dbtrigger.runtime.subscribers import FanOut
 from dbtrigger.runtime.trigger import TickResult, gone_holder
 from dbtrigger.runtime.writes import StateWriter
 from dbtrigger.sources.base import (
@@ -93,7 +95,18 @@ class TickDriver(BatchSequence):
         self.fingerprint = reader.fingerprint
         self.telemetry = telemetry = reader.telemetry
         self.emit = telemetry.emit
-        self.delivery = reader.delivery
+        self.delivery = delivery = reader.delivery
+        #: Fan-out: says once who joined or left since the document's last run.
+        self.set_report = (
+            SetReport(
+                telemetry,
+                poller=self.name,
+                subscribers=delivery.subscribers,
+                cli_target=delivery.cli_target,
+            )
+            if isinstance(delivery, FanOut)
+            else None
+        )
         #: The source holds data until told it is checkpointed (a replication slot).
         self.acknowledges = isinstance(source, AcknowledgesCheckpoints)
         self.writer = StateWriter(
@@ -162,6 +175,7 @@ class TickDriver(BatchSequence):
             ttl=s.lease_ttl,
             first_seen=self.lease_clocks.first_seen(etag, started_at),
             definition=self.reader.definition(),
+            subscribers=self.delivery.fan_out_set(),
         )
         if isinstance(decision, leasemod.Busy):
             if self.reader.read_ahead is not None:
@@ -185,6 +199,8 @@ class TickDriver(BatchSequence):
                 release_command=self.release_command(decision.holder),
             )
 
+        if self.set_report is not None:
+            self.set_report(doc)  # (by the instance that hands the events out)
         position = doc.position if doc else BEGINNING
         window = (doc.window if doc is not None else None) or Window()
         try:

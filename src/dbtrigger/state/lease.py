@@ -52,6 +52,7 @@ from dbtrigger.state.document import (
     format_time,
     known_definition,
 )
+from dbtrigger.state.fanout_set import recording
 from dbtrigger.state.journal import JournalEntry, encode
 from dbtrigger.state.window import Window
 
@@ -233,11 +234,13 @@ def decide_acquire(
     ttl: dt.timedelta,
     first_seen: dt.datetime | None = None,
     definition: Mapping[str, Any] | None = None,
+    subscribers: Collection[str] | None = None,
 ) -> Acquired | Busy:
     """Take the lease, or say who holds it until when.
 
     ``definition`` (the source's readable definition) is recorded in the
-    acquired document when it is of ``fingerprint`` (see :func:`with_definition`).
+    acquired document when it is of ``fingerprint`` (see :func:`with_definition`),
+    and so are a fan-out poller's ``subscribers`` (:mod:`dbtrigger.state.fanout_set`).
 
     ``first_seen`` is when the caller first read this lease unchanged (same
     etag); it only matters for a lease written by a clock running ahead (see
@@ -262,7 +265,8 @@ def decide_acquire(
         expires_at=now + ttl,
         extra=lease.extra if lease is not None else {},
     )
-    return Acquired(replace(with_definition(base, fingerprint, definition), lease=new_lease), token)
+    base = recording(with_definition(base, fingerprint, definition), subscribers)
+    return Acquired(replace(base, lease=new_lease), token)
 
 
 def believed_expiry(

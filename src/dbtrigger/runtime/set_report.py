@@ -1,0 +1,116 @@
+"""Subscribers that joined or left a fan-out poller since its last run, said once.
+
+The fan-out set is frozen when an event is handed out, so a subscriber added
+between two runs starts with the events after the checkpoint: everything
+before it went to the others only. That is the contract
+(:mod:`dbtrigger.state.fanout`), but done silently it looks like lost rows to
+whoever added a consumer to a poller far ahead. The state document records
+the set each lease ran with (:mod:`dbtrigger.state.fanout_set`); on its first
+tick that sees a different one, the poller says what it means and what to do:
+
+* ``subscriber_joined`` (WARNING) - who joined, from which checkpoint, and the
+  ``dbtrigger backfill`` that hands it the earlier rows under a poller name of
+  its own (the live checkpoint is not touched);
+* ``subscriber_left`` (INFO) - who left: it is handed nothing more; events
+  it still owed are dead-lettered with a sink, or hold the checkpoint
+  (``checkpoint_held`` says so);
+* both at once may be a rename, which to dbtrigger is one subscriber leaving
+  and another joining: both messages say so.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Callable, Mapping
+
+from dbtrigger._paste import pasteable
+from dbtrigger.names import import_path_of
+from dbtrigger.runtime.kernel import Handler
+from dbtrigger.runtime.telemetry import Telemetry
+from dbtrigger.state import fanout_set
+from dbtrigger.state.document import StateDocument
+
+
+class SetReport:
+    """Says once per change how a fan-out poller's subscribers differ from the
+    set its state document recorded; see the module docstring."""
+
+    def __init__(
+        self,
+        telemetry: Telemetry,
+        *,
+        poller: str,
+        subscribers: Mapping[str, Handler],
+        cli_target: Callable[[], str],
+    ) -> None:
+        self.telemetry = telemetry
+        self.poller = poller
+        self.subscribers = subscribers
+        self.cli_target = cli_target
+        #: The last (recorded, configured) pair looked at: said once.
+        self._seen: tuple[tuple[str, ...] | None, tuple[str, ...]] | None = None
+
+    def __call__(self, doc: StateDocument | None) -> None:
+        now = tuple(sorted(self.subscribers))
+        before = fanout_set.recorded(doc)
+        if (before, now) == self._seen:
+            return
+        self._seen = (before, now)
+        joined, left = fanout_set.change(before, now)
+        renamed = (
+            "; if this is a rename: to dbtrigger a rename is one subscriber leaving and "
+            "another joining, and the new name is not handed what the old one owed"
+            if joined and left
+            else ""
+        )
+        position = doc.checkpoint.position if doc is not None and doc.checkpoint else None
+        if joined and position is not None:
+            commands = [self._backfill(name) for name in joined]
+            self.telemetry.emit(
+                "subscriber_joined",
+                "poller %s: subscriber(s) %s joined (the poller last ran with %s): handed "
+                "the events after the checkpoint (cursor %s) only; the rows before it went "
+                "to the others and are not delivered to them%s. To hand them the earlier "
+                "rows, backfill them under a poller name of their own (the live checkpoint "
+                "is not touched; the rows after it then come twice: be idempotent): %s",
+                self.poller,
+                ", ".join(joined),
+                ", ".join(before or ()) or "no subscriber",
+                position.cursor,
+                renamed,
+                " ; ".join(commands),
+                subscribers=list(joined),
+                commands=commands,
+                left=list(left),
+                cursor=str(position.cursor),
+            )
+        if left:
+            self.telemetry.emit(
+                "subscriber_left",
+                "poller %s: subscriber(s) %s left (the poller last ran with %s): nothing more is "
+                "handed to them; events they still owe are dead-lettered with a sink, "
+                "otherwise they hold the checkpoint (checkpoint_held)%s",
+                self.poller,
+                ", ".join(left),
+                ", ".join(before or ()),
+                renamed,
+                subscribers=list(left),
+                joined=list(joined),
+            )
+
+    def _backfill(self, name: str) -> str:
+        """The ``dbtrigger backfill`` of every row so far to subscriber ``name``."""
+        target = self.cli_target()
+        trigger = target.split("--source ", 1)[1] if "--source " in target else "MODULE:ATTR"
+        fn = self.subscribers[name]
+        module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+        handler = import_path_of(fn) or (
+            f"{module}:{qualname}" if module and qualname and "<" not in qualname else None
+        )
+        handler = handler or "MODULE:FUNCTION"
+        reason = shlex.quote(f"new subscriber {name}")
+        return pasteable(
+            f"dbtrigger backfill {shlex.quote(f'{self.poller}-{name}-backfill')} "
+            f"--trigger {trigger} --from-beginning --handler {handler} "
+            f"--reason {reason} --yes"
+        )

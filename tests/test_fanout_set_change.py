@@ -1,0 +1,160 @@
+"""Subscribers added to, removed from or renamed in a fan-out poller between runs.
+
+The fan-out set is frozen when an event is handed out: a subscriber added
+later starts with the events after the checkpoint. What is tested here is
+that this never happens silently - the state document records the set each
+lease ran with, and the next run with another set says at WARNING who joined,
+from which checkpoint, and the ``dbtrigger backfill`` that hands it the
+earlier rows (run here as printed), and at INFO who left - and that a removed
+subscriber leaves no trace in the recorded set.
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import sys
+import types
+import uuid
+from pathlib import Path
+
+import pytest
+
+from dbtrigger import FileCheckpointStore, PollTrigger, RowChange
+from dbtrigger.cli import main
+from dbtrigger.errors import CorruptStateError
+from dbtrigger.state import fanout_set
+from dbtrigger.state.document import StateDocument
+from tests.databases import TestDatabase
+from tests.reliability_support import add_items, items_source, items_table, make_trigger, read_doc
+from tests.test_fanout import Sub
+
+JOINED, LEFT = "subscriber_joined", "subscriber_left"
+
+
+def said(caplog: pytest.LogCaptureFixture, event: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if getattr(r, "event", None) == event]
+
+
+@pytest.mark.parametrize(
+    ("before", "now", "joined", "left"),
+    [
+        (None, ["a"], (), ()),  # nothing recorded: a new poller, or one from before
+        (["a"], ["a"], (), ()),
+        (["a"], ["a", "b"], ("b",), ()),
+        (["a", "b"], ["a"], (), ("b",)),
+        (["a", "b"], ["a", "c"], ("c",), ("b",)),  # a rename is one of each
+    ],
+)
+def test_change(
+    before: list[str] | None, now: list[str], joined: tuple[str, ...], left: tuple[str, ...]
+) -> None:
+    assert fanout_set.change(before, now) == (joined, left)
+
+
+def test_the_recorded_set_is_replaced_and_checked() -> None:
+    doc = StateDocument(poller_name="p", source_fingerprint="f")
+    assert fanout_set.recorded(doc) is None
+    assert fanout_set.recording(doc, None) is doc  # a single handler records nothing
+    two = fanout_set.recording(doc, ["search", "billing"])
+    assert fanout_set.recorded(two) == ("billing", "search")
+    assert fanout_set.recording(two, ["billing", "search"]) is two
+    assert fanout_set.recorded(fanout_set.recording(two, ["billing"])) == ("billing",)
+    bad = StateDocument(poller_name="p", source_fingerprint="f", extra={"subscribers": "billing"})
+    with pytest.raises(CorruptStateError, match="subscribers must be a list"):
+        fanout_set.recorded(bad)
+
+
+def test_a_subscriber_added_later_is_told_where_it_starts_and_the_backfill_gives_it_the_rest(
+    sqlite_db: TestDatabase,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    table = items_table(sqlite_db)
+    add_items(sqlite_db, table, [1, 2, 3, 4, 5])
+    state = FileCheckpointStore(tmp_path / "state")
+    billing = Sub("billing")
+    caplog.set_level(logging.INFO, logger="dbtrigger")
+    assert make_trigger(items_source(sqlite_db), state, subscribers={"billing": billing}).drain()
+    assert not said(caplog, JOINED)  # a first run has nothing to compare with
+    assert read_doc(state).extra["subscribers"] == ["billing"]
+
+    # The app gains a subscriber; the checkpoint is at 5 already.
+    add_items(sqlite_db, table, [6, 7])
+    got: list[int] = []
+
+    def search(events: list[RowChange]) -> None:
+        got.extend(int(e.pk["id"]) for e in events)
+
+    module = f"fanout_set_{uuid.uuid4().hex[:8]}"
+    app = types.ModuleType(module)
+    search.__module__, search.__qualname__ = module, "search"
+    trigger = make_trigger(
+        items_source(sqlite_db), state, subscribers={"billing": billing, "search": search}
+    )
+    app.search, app.trigger = search, trigger  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module, app)
+    assert trigger.drain() == 2
+    assert got == [6, 7]  # the contract: it starts with the events after the checkpoint
+    (joined,) = said(caplog, JOINED)
+    assert joined.levelno == logging.WARNING
+    message = joined.getMessage()
+    assert "subscriber(s) search joined (the poller last ran with billing)" in message
+    assert "checkpoint (cursor 50)" in message  # (version = id * 10)
+    assert read_doc(state).extra["subscribers"] == ["billing", "search"]
+
+    # Said once: another instance (or a restart) with the same set says nothing.
+    add_items(sqlite_db, table, [8])
+    again = make_trigger(
+        items_source(sqlite_db), state, subscribers={"billing": billing, "search": search}
+    )
+    assert again.drain() == 1
+    assert len(said(caplog, JOINED)) == 1
+    assert not said(caplog, LEFT)
+
+    # The command it printed hands search the rows it never had.
+    (command,) = joined.commands  # type: ignore[attr-defined]
+    assert command in message
+    words = shlex.split(command)
+    assert words[:2] == ["dbtrigger", "backfill"], command
+    assert f"{module}:search" in words, command
+    assert f"{module}:trigger" in words, command
+    assert main(words[1:]) == 0
+    assert sorted(set(got)) == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert billing.seen == [1, 2, 3, 4, 5, 6, 7, 8]  # the backfill went to search only
+
+
+def test_a_removed_or_renamed_subscriber_is_said_and_leaves_nothing_recorded(
+    sqlite_db: TestDatabase, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    table = items_table(sqlite_db)
+    add_items(sqlite_db, table, [1, 2])
+    state = FileCheckpointStore(tmp_path / "state")
+    billing, search, index = Sub("billing"), Sub("search"), Sub("index")
+    caplog.set_level(logging.INFO, logger="dbtrigger")
+
+    def run(**subscribers: Sub) -> PollTrigger:
+        trigger = make_trigger(items_source(sqlite_db), state, subscribers=subscribers)
+        trigger.drain()
+        return trigger
+
+    run(billing=billing, search=search)
+    add_items(sqlite_db, table, [3])
+    run(billing=billing, index=index)  # search renamed to index
+    (left,) = said(caplog, LEFT)
+    (joined,) = said(caplog, JOINED)
+    assert left.levelno == logging.INFO
+    assert "subscriber(s) search left" in left.getMessage()
+    for record in (left, joined):
+        assert "if this is a rename" in record.getMessage()
+    assert "subscriber(s) index joined" in joined.getMessage()
+    assert index.seen == [3]
+    assert read_doc(state).extra["subscribers"] == ["billing", "index"]
+
+    add_items(sqlite_db, table, [4])
+    run(billing=billing)  # index removed
+    assert "subscriber(s) index left" in said(caplog, LEFT)[-1].getMessage()
+    assert len(said(caplog, JOINED)) == 1
+    assert read_doc(state).extra["subscribers"] == ["billing"]  # no trace of search, index
+    assert billing.seen == [1, 2, 3, 4]

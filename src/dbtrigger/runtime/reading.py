@@ -454,13 +454,10 @@ class BatchReader:
                 rows = self.fetch(position, read)
             if read > limit and self.bulk is not None:
                 rows = self.bulk.keep(rows, limit, tag)
-        positions = groups = None
-        if (window or self.reserve) and rows:
-            planned = self.normalise(rows, "plan", 0)
-            positions, groups = [position_of(e) for e in planned], windowing.groups(planned)
-        selection, view = windowing.choose(
+        selection, view = windowing.widening(
             rows,
-            positions,
+            lambda wider: self.fetch(position, wider),
+            lambda rows: self.normalise(rows, "plan", 0),
             window,
             limit=limit,
             batch_size=s.batch_size,
@@ -469,7 +466,6 @@ class BatchReader:
             locate=self._locate if self._locates else None,
             hold=held,
             reserve=self.reserve,
-            groups=groups,
         )
         self.window_report.report(view)
         return selection

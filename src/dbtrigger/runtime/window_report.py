@@ -11,7 +11,9 @@ order), says that instead - ``window_unblocked`` at
 INFO says when rows flow again, and the ``window_withheld_rows`` gauge follows
 every read. A poller that stays blocked for hours logs one line, not one per
 tick; a new oldest pinned event, or a change from "at pressure" to "full", is
-a new state and is said again.
+a new state and is said again. Rows held that way are read past, up to
+``window_max_events`` of them (:func:`dbtrigger.runtime.windowing.widening`);
+more than that stop every key ("crowded"), and the warning says how to get out.
 """
 
 from __future__ import annotations
@@ -59,7 +61,9 @@ class WindowReport:
         state = None
         if view.blocked:
             state = (
-                "full" if view.full else ("pressure" if view.withheld else "held"),
+                "full"
+                if view.full
+                else ("pressure" if view.withheld else ("crowded" if view.crowded else "held")),
                 None if oldest is None else key_of(oldest.position),
             )
         if state == self.state:
@@ -74,6 +78,10 @@ class WindowReport:
             "go out)",
             "held": "each waits behind an earlier event of its key that waits for a retry "
             "(per-key order)",
+            "crowded": "each waits behind an earlier event of its key that waits for a retry "
+            "(per-key order), and there are more of them than the read goes past "
+            f"(window_max_events={self.bound.max_events}), so rows of other keys after them "
+            "are not read either: let the pinned events settle, or raise window_max_events",
         }[state[0]]
         pinned = "no event is waiting for a retry"
         fields: dict[str, Any] = {}

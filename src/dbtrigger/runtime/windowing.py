@@ -65,6 +65,9 @@ class WindowView:
     """Rows wait and not one new row goes out (:attr:`windowmod.Plan.blocked`)."""
     dropped: int = 0
     """Entries of the stored window whose rows are gone."""
+    crowded: bool = False
+    """Held rows fill even the widest read (:func:`widening`): rows of other keys
+    after them are not read until the events they wait behind settle."""
 
 
 #: Looks up exact positions in the source: those that still hold a row.
@@ -166,6 +169,73 @@ def choose(
     more = not complete and not chosen.pressure
     picked = [rows[i] for i in chosen.deliver]
     return Selection(picked, current, tuple(positions), complete, more, fresh=chosen.new), view
+
+
+def widening(
+    rows: Sequence[Mapping[str, Any]],
+    fetch: Callable[[int], Sequence[Mapping[str, Any]]],
+    events: Callable[[Sequence[Mapping[str, Any]]], Sequence[RowChange]],
+    window: Window,
+    *,
+    limit: int,
+    batch_size: int,
+    bound: Bound,
+    now: dt.datetime,
+    locate: Locate | None = None,
+    hold: Set[str] = frozenset(),
+    reserve: bool = False,
+) -> tuple[Selection | None, WindowView]:
+    """:func:`choose` over ``rows`` (read with ``limit``; ``events`` turns rows
+    into events, for their positions and keys), reading further with ``fetch``
+    while rows held back by per-key order take the batch's room.
+
+    A read of ``limit`` rows (``batch_size`` and the window's entries) has room
+    for a batch only if the rows it returns are new or in the window. Rows held
+    back behind a waiting event of their key (:attr:`WindowView.held`) are
+    neither, and a key with more later changes than that filled the read: with
+    ``batch_size=1``, one retried change and one more change of its key, no
+    row of any other key was read again until the retry settled (never, while
+    the handler failed it and no dead-letter sink took it), and the log said
+    only that rows wait behind it. So the read widens - to ``limit`` and twice
+    the held rows it returned - until the batch fills, the read returns
+    every row, or it reaches ``bound.max_events`` rows past ``limit``. A read is
+    a prefix of the source, so a wider one never lets a held row out first.
+    Held rows still blocking the widest read are :attr:`WindowView.crowded`.
+    Under the window's pressure, or with it full, no new row may go out and
+    the read stays as it is.
+    """
+
+    def pick(rows: Sequence[Mapping[str, Any]], limit: int) -> tuple[Selection | None, WindowView]:
+        positions = keys = None
+        if (window or reserve) and rows:
+            planned = events(rows)
+            positions, keys = [position_of(e) for e in planned], groups(planned)
+        return choose(
+            rows,
+            positions,
+            window,
+            limit=limit,
+            batch_size=batch_size,
+            bound=bound,
+            now=now,
+            locate=locate,
+            hold=hold,
+            reserve=reserve,
+            groups=keys,
+        )
+
+    base, widest = limit, limit + bound.max_events
+    selection, view = pick(rows, limit)
+    while view.held and not (view.pressure or view.full) and len(rows) >= limit:
+        wider = min(widest, base + 2 * view.held)
+        if wider <= limit or (selection is not None and len(selection.rows) >= batch_size):
+            break
+        limit = wider
+        rows = fetch(limit)
+        selection, view = pick(rows, limit)
+    if view.blocked and view.held and len(rows) >= limit >= widest:
+        view = dataclasses.replace(view, crowded=True)
+    return selection, view
 
 
 def attempts(events: Sequence[RowChange], window: Window) -> dict[str, int]:

@@ -195,6 +195,7 @@ def _load_trigger(args: argparse.Namespace) -> tuple[PollTrigger, Handler]:
         loaded = LoadedTrigger(loaded.spec, whole, handler, loaded.function)
     if not isinstance(loaded.trigger, PollTrigger):
         raise ConfigurationError(f"{args.source} is a claim queue: there is nothing to backfill")
+    _refuse_log_source(args.source, loaded.trigger)
     if args.new_poller == loaded.trigger.name:
         raise ConfigurationError(
             "a backfill needs its own poller name; the live poller's state is never touched"
@@ -205,6 +206,23 @@ def _load_trigger(args: argparse.Namespace) -> tuple[PollTrigger, Handler]:
             "pass --handler MODULE:FUNCTION (e.g. the subscriber that needs the backfill)"
         )
     return loaded.trigger, loaded.handler
+
+
+def _refuse_log_source(spec: str, trigger: PollTrigger) -> None:
+    """A log-based source serves one poller (its slot or binlog reader is that
+    poller's): the backfill's trigger would be refused only after the dry run had
+    promised it and its document was written. Refused first, naming the way to
+    read rows again: a snapshot the live poller delivers."""
+    from dbtrigger.cdc.log_source import LogSource  # noqa: PLC0415 - only for this check
+
+    if isinstance(trigger.source, LogSource):
+        kind = type(trigger.source).__name__
+        raise ConfigurationError(
+            f"{spec} reads a database log ({kind}), which serves one poller: a backfill "
+            f"under another name would need a source ({trigger.source.OWN}) of its own. To "
+            f"deliver a table's rows again, queue a snapshot the live poller reads: `dbtrigger "
+            f"cdc snapshot {spec} --table TABLE [--where CONDITION] --yes` (docs/cdc.md)"
+        )
 
 
 def _starting_point(
@@ -402,9 +420,15 @@ def _backfill(
             f"dry run: nothing was written and no handler ran; add{missing} --yes to start"
         )
         return 0
-    if created is not None:
-        store.write(args.new_poller, docmod.dumps(created), if_match=None)
+    # Built before its document is written: a trigger the options refuse leaves no
+    # document behind that a second try with --from-* would be refused for.
     worker = backfill_trigger(trigger, args, store)
+    if created is not None:
+        try:  # create-only: another backfill of this name that won is left alone
+            store.write(args.new_poller, docmod.dumps(created), if_match=None)
+        except BaseException:
+            worker.close()
+            raise
     progress = Progress(console.err, total)
     try:
         try:
@@ -423,7 +447,28 @@ def _backfill(
         )
         return 130
     console.print(f"backfill {args.new_poller!r} caught up: {progress.done:,} rows delivered")
+    note = _reader_note(trigger.source, args.new_poller)
+    if note is not None:
+        console.print(note)
     return 0
+
+
+def _reader_note(source: Any, name: str) -> str | None:
+    """A change log keeps every row a registered reader has not read, and the backfill
+    registered under its own name as the live poller does: said once it is done, with
+    the command that lets prunes go on (it stays registered, so a resumed backfill
+    never finds rows pruned under it)."""
+    from dbtrigger.changelog.source import ChangeLogSource  # noqa: PLC0415 - only for this note
+
+    if not isinstance(source, ChangeLogSource):
+        return None
+    info = source.describe()
+    schema = f" --schema {info['schema']}" if info.get("schema") else ""
+    return (
+        f"note: {name!r} is a registered reader of the change log of {info['watched_table']}: "
+        "prunes keep every row it has not read. Once it is done with: `dbtrigger changelog "
+        f"readers --url URL --table {info['watched_table']}{schema} --forget {name} --yes`"
+    )
 
 
 def _remove_unstarted(

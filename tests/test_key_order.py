@@ -471,3 +471,53 @@ def test_the_per_key_order_example_in_the_docs_runs_as_written(
     exec(compile(code, "reliability.md", "exec"), {})  # noqa: S102 - our own docs
     out = capsys.readouterr().out.splitlines()
     assert out == ["['insert', 'update', 'delete', 'update', 'delete']", "{}"]
+
+
+def test_fan_out_on_a_table_an_update_supersedes_the_waiting_event_per_subscriber(
+    db: TestDatabase, tmp_path: Path
+) -> None:
+    """Default settings, two subscribers: search retries key 1 at version 10,
+    billing accepted it; the row is updated meanwhile, and search retries the
+    new state once more. Each subscriber sees each key's states in order, the
+    old state never after the new one, billing never twice, and nothing is left
+    waiting."""
+    table = versions_table(db)
+    clock = Clock()
+    seen: dict[str, list[tuple[int, int]]] = {"billing": [], "search": []}
+
+    def billing(events: list[RowChange]) -> None:
+        seen["billing"].extend((int(e.pk["id"]), int(e.cursor)) for e in events)
+
+    def search(events: list[RowChange], ctx: BatchContext) -> None:
+        for e in events:
+            seen["search"].append((int(e.pk["id"]), int(e.cursor)))
+            if int(e.pk["id"]) == 1 and seen["search"].count((1, int(e.cursor))) == 1:
+                ctx.retry(e, "index busy")  # each state of key 1, the first time
+
+    trigger = PollTrigger(
+        name="items",
+        source=SqlAlchemySource(
+            url=db.url, table="items", schema=db.schema, cursor_column="version", pk_columns=["id"]
+        ),
+        checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+        subscribers={"billing": billing, "search": search},
+        clock=clock,
+    )
+    with db.engine.begin() as conn:
+        conn.execute(
+            table.insert(), [{"id": k, "version": 10 * k, "status": "new"} for k in range(1, 6)]
+        )
+    assert trigger.tick() == 5
+    with db.engine.begin() as conn:  # key 1's waiting state is gone
+        conn.execute(table.update().where(table.c.id == 1).values(version=60, status="paid"))
+    for _ in range(4):
+        clock.advance()
+        trigger.tick()
+    assert [v for k, v in seen["billing"] if k == 1] == [10, 60]
+    assert [v for k, v in seen["search"] if k == 1] == [10, 60, 60]
+    for name, changes in seen.items():
+        assert sorted({k for k, _ in changes}) == [1, 2, 3, 4, 5], name
+    state = trigger.read_state()
+    assert state is not None
+    assert state.window is None
+    assert state.position.cursor == 60

@@ -10,6 +10,7 @@ the event once, a raising or hung subscriber fails its own events only.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -400,7 +401,7 @@ def test_a_whole_raise_fails_every_event_of_that_subscriber_and_exhaustion_dead_
 
 
 def test_a_hung_subscriber_times_out_alone_and_gets_nothing_new_until_it_returns(
-    sqlite_db: TestDatabase, tmp_path: Path
+    sqlite_db: TestDatabase, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Threads of other tests in this process (a hung subscriber of theirs may
     # still be finishing) are not this trigger's.
@@ -439,6 +440,10 @@ def test_a_hung_subscriber_times_out_alone_and_gets_nothing_new_until_it_returns
         owed = [p.owed for p in (read_doc(store).window or Window()).pending]
         assert owed == [{"slow": 1}, {"slow": 1}]
         assert metrics.total("ack_timeouts_total", subscriber="slow") == 1
+        (said,) = [r for r in caplog.records if getattr(r, "event", "") == "subscriber_timed_out"]
+        assert (said.levelno, getattr(said, "subscriber", None)) == (logging.WARNING, "slow")
+        for what_to_do in ("ctx.cancelled", "ack_timeout_seconds", "batch_size"):
+            assert what_to_do in said.getMessage()
 
         add_items(sqlite_db, table, [3])
         clock.advance(5)

@@ -26,12 +26,11 @@ share of later batches waits for it, uncounted, and is handed to it once it
 is free (:func:`dbtrigger.state.fanout.held`; the window's pressure rule
 bounds how far the others run ahead). A lost lease ends the wait at once.
 
-When subscribers that cannot take their events (busy, or removed with no sink)
-hold the checkpoint, the poller says so once per change (``checkpoint_held``).
+Said once per change: what holds the checkpoint (``checkpoint_held``), and who
+joined or left since the last run (``subscriber_joined``, :mod:`dbtrigger.runtime.set_report`).
 
-Cost: one fetch and one commit per batch however many subscribers; the window
-rides on the commit. This class extends :class:`~dbtrigger.runtime.delivery.Delivery`
-(the handler call, lanes, the dead-letter write) and, like it, never writes state.
+Cost: one fetch and one commit per batch however many subscribers (the window
+rides on the commit). Like :class:`~dbtrigger.runtime.delivery.Delivery`, never writes state.
 """
 
 from __future__ import annotations
@@ -351,22 +350,23 @@ class FanOut(Delivery):
                 for event in call.events:
                     mine[event.event_id] = waiting
                 continue
-            failed_all: str | None = None
             if call.timed_out:
-                failed_all = f"no resolution within ack_timeout_seconds={self.ack_timeout:g}"
                 emit(
                     "subscriber_timed_out",
                     "subscriber %s did not finish %d event(s) of batch %s within %gs: they "
-                    "count as failed for it and come again; the other subscribers go on",
+                    "count as failed for it and come again; the other subscribers go on. "
+                    "Until the call returns it is busy and handed nothing new: a synchronous "
+                    "subscriber should stop when ctx.cancelled turns true; one that is only "
+                    "slow needs a longer ack_timeout_seconds or a smaller batch_size",
                     call.name,
                     len(call.events),
                     ctx.batch_id,
                     self.ack_timeout,
                     **fields,
                 )
-            if failed_all is not None:
+                late = fanout.fail(f"no resolution within ack_timeout_seconds={self.ack_timeout:g}")
                 for event in call.events:
-                    mine[event.event_id] = fanout.fail(failed_all)
+                    mine[event.event_id] = late
                 continue
             error = call.error
             named = failed_resolutions(call.events, error, call.marks.attempts, self.max_attempts)

@@ -252,3 +252,19 @@ def test_the_state_commands_take_one_partition_and_say_so(
     assert code == 2
     assert "'orders' is a partitioned poller" in err
     assert "dbtrigger reset orders.p000-064 ..." in err
+
+
+def test_rewind_of_a_partition_checks_its_source(
+    app: App, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It said "the source was not checked (name the trigger with --trigger to check
+    it)" with the trigger named; now the partition's own source is checked."""
+    partition = partition_of_row(7)
+    history = history_for(app.poller.store)
+    assert history is not None
+    [batch] = [r["batch_id"] for r in history.read(partition) if r.get("batch_id")]
+    argv = ["--to-batch", batch, "--reason", "again"]
+    code, out, err = app.cli(capsys, "rewind", partition, "--source", app.spec, *argv)
+    assert code == 0, out + err
+    assert "a polled table: the rows are delivered again as they are now" in out
+    assert "not checked" not in out

@@ -23,6 +23,7 @@ from dbtrigger.cli.common import (
     add_poller_argument,
     add_store_options,
     by_hand,
+    own_source,
     parse_value,
     read_state,
     show_position,
@@ -45,13 +46,16 @@ from dbtrigger.state.document import StateDocument
 def _check_source(args: argparse.Namespace, doc: StateDocument, first: dict[str, Any]) -> str:
     """Refuse a rewind the source cannot serve; say what the replayed rows will be."""
     loaded = source_from_args(args)
-    if loaded is None or loaded.trigger is None:
+    if loaded is None or (loaded.trigger is None and loaded.group is None):
         return "the source was not checked (name the trigger with --trigger to check it)"
-    trigger = loaded.trigger
-    if doc.source_fingerprint not in accepted_fingerprints(trigger.source):
+    # A partitioned poller's partition: its own bucket range, which its fingerprint names.
+    source = loaded.trigger.source if loaded.trigger is not None else own_source(args, loaded)
+    if doc.source_fingerprint not in accepted_fingerprints(source):
         raise ConfigurationError("the --trigger source differs from this poller's (fingerprint)")
-    if not keeps_images(trigger.source):
+    if not keeps_images(source):
         return "a polled table: the rows are delivered again as they are now"
+    trigger = loaded.trigger
+    assert trigger is not None  # noqa: S101 - a partitioned poller polls a table
     replayed = plan(trigger, [first])
     refusals = replayed.refusals()
     if refusals:

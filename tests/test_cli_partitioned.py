@@ -22,6 +22,7 @@ import types
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -63,7 +64,9 @@ class App:
         return code, out, err
 
 
-def build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sink: QuarantineSink | None) -> App:
+def build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sink: QuarantineSink | None, **options: Any
+) -> App:
     url = f"sqlite:///{tmp_path / 'shop.db'}"
     engine = sa.create_engine(url)
     with engine.begin() as conn:
@@ -80,8 +83,10 @@ def build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sink: QuarantineSink 
         background=False,
         join_window_seconds=0,
         **({"quarantine": sink} if sink is not None else {}),
+        **options,
     )
-    poller.handler(handler)
+    if "subscribers" not in options:
+        poller.handler(handler)
     module = f"dead_parts_{uuid.uuid4().hex[:8]}"
     mod = types.ModuleType(module)
     mod.orders = poller  # type: ignore[attr-defined]
@@ -268,3 +273,31 @@ def test_rewind_of_a_partition_checks_its_source(
     assert code == 0, out + err
     assert "a polled table: the rows are delivered again as they are now" in out
     assert "not checked" not in out
+
+
+def test_a_fan_out_group_replays_to_the_named_subscriber(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    billing, search = Handler(reject=set()), Handler(reject={7})
+    subscribers = {"billing": billing, "search": search}
+    sink = JsonLinesQuarantineSink(tmp_path / "dead.jsonl")
+    app = build(tmp_path, monkeypatch, sink, subscribers=subscribers)
+    app.poller.balance()
+    app.poller.drain()
+    app.poller.leave()
+    app.poller.close()
+    [letter] = json.loads(app.cli(capsys, "dead-letter", "list", "orders", "--json")[1])
+    assert (letter["pk"], letter["poller"]) == ({"id": 7}, partition_of_row(7))
+
+    code, _, err = app.cli(capsys, "dead-letter", "replay", "orders", "--reason", "r", "--yes")
+    assert code == 2
+    assert "--subscriber" in err
+    billing.seen.clear()
+    search.seen.clear()
+    search.reject.clear()
+    argv = ["--subscriber", "search", "--reason", "reindexed", "--yes"]
+    code, out, err = app.cli(capsys, "dead-letter", "replay", "orders", *argv)
+    assert code == 0, out + err
+    [(event, ctx)] = search.seen
+    assert (event.event_id, ctx.subscriber, ctx.replay) == (letter["event_id"], "search", True)
+    assert billing.seen == []

@@ -301,3 +301,16 @@ def test_a_fan_out_group_replays_to_the_named_subscriber(
     [(event, ctx)] = search.seen
     assert (event.event_id, ctx.subscriber, ctx.replay) == (letter["event_id"], "search", True)
     assert billing.seen == []
+
+
+def test_check_verifies_the_table_and_store_of_a_partitioned_poller(
+    app: App, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It said "app:orders is a PartitionedPoller, not a PollTrigger, ..." (exit 2)."""
+    capsys.readouterr()
+    code = main(["check", app.spec, "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0, report
+    found = {f["check"]: f["severity"] for f in report["findings"]}
+    assert (found["definition"], found["store_writable"]) == ("ok", "ok")
+    assert report["poller"] == "orders"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from dbtrigger.cli.loading import as_trigger, load_object
+from dbtrigger.cli.loading import as_trigger, load_object, partitioned_of
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.runtime.poller import PollTrigger
 from dbtrigger.state.stores.factory import redact
@@ -25,7 +25,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     target = load_object(args.trigger)
     loaded = as_trigger(target, args.trigger)
     reports = []
-    if loaded is not None and isinstance(loaded.trigger, PollTrigger):
+    group = partitioned_of(loaded.trigger) if loaded is not None else None
+    if group is not None:  # its table and store: every partition reads and writes them
+        reports.append(check_trigger(group, probe_store=not args.no_store_probe))
+    elif loaded is not None and isinstance(loaded.trigger, PollTrigger):
         reports.append(check_trigger(loaded.trigger, probe_store=not args.no_store_probe))
     queue = claim_source_of(target)
     if queue is not None:  # a queue, or a sidecar feeder's queue too
@@ -33,8 +36,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         reports.append(check_queue(queue, getattr(name, "name", None)))
     if not reports:
         raise ConfigurationError(
-            f"{args.trigger} is a {type(target).__name__}, not a PollTrigger, a @db.trigger "
-            "function, a QueueTrigger, ClaimSource or SidecarFeeder"
+            f"{args.trigger} is a {type(target).__name__}, not a PollTrigger, a "
+            "PartitionedPoller, a @db.trigger function, a QueueTrigger, ClaimSource or "
+            "SidecarFeeder"
         )
     if args.json:
         text = reports[0].to_json() if len(reports) == 1 else _json_list(reports)
@@ -54,8 +58,8 @@ def add_check_command(sub: Any) -> None:
     )
     check.add_argument(
         "trigger",
-        help="MODULE:ATTRIBUTE naming a PollTrigger, a @db.trigger function, a QueueTrigger "
-        "(or its ClaimSource) or a SidecarFeeder",
+        help="MODULE:ATTRIBUTE naming a PollTrigger, a PartitionedPoller, a @db.trigger "
+        "function, a QueueTrigger (or its ClaimSource) or a SidecarFeeder",
     )
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     check.add_argument(

@@ -319,6 +319,7 @@ def test_a_fan_out_replay_goes_to_the_named_subscriber_only(
     code, _, err = cli("replay", "--reason", "index fixed", "--yes")
     assert code == 2
     assert "--subscriber" in err
+    assert "of these 1 dead letter(s): --subscriber search for 1" in err  # who rejected it
     billing.seen.clear()
     search.seen.clear()
     search.reject.clear()

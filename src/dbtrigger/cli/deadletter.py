@@ -296,9 +296,12 @@ def _replay(
     elif loaded.handler is not None:
         handler = loaded.handler
     else:
+        named = dl.blamed(letters, trigger.subscribers or {})
+        said = ", ".join(f"--subscriber {name} for {n}" for name, n in named.items())
+        said = f"; by their errors, of these {len(letters)} dead letter(s): {said}" if said else ""
         raise ConfigurationError(
             f"{trigger.name!r} fans out: replay to one subscriber (--subscriber NAME), the one "
-            "that rejected the event"
+            "that rejected the event" + said
         )
     heading = f"replay {len(letters)} dead letter(s) of {args.poller!r} from {sink.describe()}"
     if not _listed(args, console, heading, letters, "no handler ran and nothing was marked"):

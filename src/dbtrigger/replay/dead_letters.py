@@ -27,7 +27,7 @@ import datetime as dt
 import fcntl
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -352,6 +352,19 @@ class ReplayOutcome:
     detail: str = ""
 
 
+def blamed(letters: Sequence[DeadLetter], subscribers: Collection[str]) -> dict[str, int]:
+    """Subscriber -> how many of ``letters`` it rejected or gave up on, as their
+    errors name it (a fan-out dead letter's ``EventRejected: billing: ...; search:
+    ...`` or ``RetriesExhausted: search: ...``): which ``--subscriber`` a replay is for."""
+    out: dict[str, int] = {}
+    for letter in letters:
+        segments = letter.record.error.partition(": ")[2].split("; ")
+        for name in subscribers:
+            if any(segment.startswith(f"{name}: ") for segment in segments):
+                out[name] = out.get(name, 0) + 1
+    return dict(sorted(out.items()))
+
+
 def replay_one(
     letter: DeadLetter,
     handler: Callable[..., Any],
@@ -425,6 +438,7 @@ __all__ = [
     "Mark",
     "ReplayOutcome",
     "SqlMarks",
+    "blamed",
     "dead_letters",
     "decode_json_value",
     "event_of",

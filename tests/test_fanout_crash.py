@@ -45,8 +45,9 @@ def finished(proc: ForkedProcess, timeout: float = 120) -> int:
 
 @pytest.mark.timeout(240)
 def test_a_subscriber_that_ends_the_process_mid_batch_loses_nothing_and_floods_no_one(
-    sqlite_db: TestDatabase, tmp_path: Path
+    sqlite_db: TestDatabase, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.chdir(tmp_path)  # release-lease keeps its backup in ./dbtrigger-backups
     add_items(sqlite_db, items_table(sqlite_db), list(range(1, ROWS + 1)))
     work = tmp_path / "work"
     work.mkdir()

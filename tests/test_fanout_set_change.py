@@ -101,7 +101,7 @@ def test_a_subscriber_added_later_is_told_where_it_starts_and_the_backfill_gives
     assert joined.levelno == logging.WARNING
     message = joined.getMessage()
     assert "subscriber(s) search joined (the poller last ran with billing)" in message
-    assert "checkpoint (cursor 50)" in message  # (version = id * 10)
+    assert "checkpoint (cursor 50) and the 0 event(s)" in message  # (version = id * 10)
     assert read_doc(state).extra["subscribers"] == ["billing", "search"]
 
     # Said once: another instance (or a restart) with the same set says nothing.
@@ -131,7 +131,7 @@ def test_a_removed_or_renamed_subscriber_is_said_and_leaves_nothing_recorded(
     table = items_table(sqlite_db)
     add_items(sqlite_db, table, [1, 2])
     state = FileCheckpointStore(tmp_path / "state")
-    billing, search, index = Sub("billing"), Sub("search"), Sub("index")
+    billing, search, index = Sub("billing"), Sub("search", {2: ["retry"]}), Sub("index")
     caplog.set_level(logging.INFO, logger="dbtrigger")
 
     def run(**subscribers: Sub) -> PollTrigger:
@@ -149,6 +149,8 @@ def test_a_removed_or_renamed_subscriber_is_said_and_leaves_nothing_recorded(
     for record in (left, joined):
         assert "if this is a rename" in record.getMessage()
     assert "subscriber(s) index joined" in joined.getMessage()
+    # 2 was handed out and waits for search's retry: not index's either.
+    assert "and the 1 event(s) already handed out and waiting" in joined.getMessage()
     assert index.seen == [3]
     assert read_doc(state).extra["subscribers"] == ["billing", "index"]
 

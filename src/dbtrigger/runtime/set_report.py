@@ -64,25 +64,30 @@ class SetReport:
             else ""
         )
         position = doc.checkpoint.position if doc is not None and doc.checkpoint else None
-        if joined and position is not None:
+        waiting = len(doc.window.pending) if doc is not None and doc.window is not None else 0
+        if joined and (position is not None or waiting):
+            cursor = str(position.cursor) if position is not None else "none yet"
             commands = [self._backfill(name) for name in joined]
             self.telemetry.emit(
                 "subscriber_joined",
                 "poller %s: subscriber(s) %s joined (the poller last ran with %s): handed "
-                "the events after the checkpoint (cursor %s) only; the rows before it went "
-                "to the others and are not delivered to them%s. To hand them the earlier "
-                "rows, backfill them under a poller name of their own (the live checkpoint "
-                "is not touched; the rows after it then come twice: be idempotent): %s",
+                "the events read from now on only; the rows up to the checkpoint (cursor %s) "
+                "and the %d event(s) already handed out and waiting for a retry went to the "
+                "others and are not delivered to them%s. To hand them the earlier rows, "
+                "backfill them under a poller name of their own (the live checkpoint is not "
+                "touched; the rows after it then come twice: be idempotent): %s",
                 self.poller,
                 ", ".join(joined),
                 ", ".join(before or ()) or "no subscriber",
-                position.cursor,
+                cursor,
+                waiting,
                 renamed,
                 " ; ".join(commands),
                 subscribers=list(joined),
                 commands=commands,
                 left=list(left),
-                cursor=str(position.cursor),
+                cursor=cursor,
+                waiting=waiting,
             )
         if left:
             self.telemetry.emit(

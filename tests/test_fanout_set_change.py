@@ -27,6 +27,7 @@ from dbtrigger.state import fanout_set
 from dbtrigger.state.document import StateDocument
 from tests.databases import TestDatabase
 from tests.reliability_support import add_items, items_source, items_table, make_trigger, read_doc
+from tests.test_event_outcomes import Clock
 from tests.test_fanout import Sub
 
 JOINED, LEFT = "subscriber_joined", "subscriber_left"
@@ -133,9 +134,10 @@ def test_a_removed_or_renamed_subscriber_is_said_and_leaves_nothing_recorded(
     state = FileCheckpointStore(tmp_path / "state")
     billing, search, index = Sub("billing"), Sub("search", {2: ["retry"]}), Sub("index")
     caplog.set_level(logging.INFO, logger="dbtrigger")
+    clock = Clock()  # never advanced: search's retry of 2 never falls due
 
     def run(**subscribers: Sub) -> PollTrigger:
-        trigger = make_trigger(items_source(sqlite_db), state, subscribers=subscribers)
+        trigger = make_trigger(items_source(sqlite_db), state, subscribers=subscribers, clock=clock)
         for _ in range(5):  # (not drain: search's retry of 2 is left waiting)
             if trigger.tick_result().outcome == "idle":
                 break

@@ -138,3 +138,79 @@ def test_a_column_added_under_a_running_worker_is_in_the_next_claims(
         source.close()
     assert set(seen.seen[0]) == {"id", "payload"}
     assert seen.seen[2]["note"] == "hi"  # before: no "note" until a restart
+
+
+def _sidecar(db: TestDatabase, tmp_path: Path) -> tuple[ClaimSource, SidecarFeeder]:
+    make_jobs(db, 4, install=False)
+    source = ClaimSource(
+        url=db.url,
+        table="jobs",
+        schema=db.schema,
+        pk_columns=["id"],
+        mode="sidecar",
+        cursor_column="id",
+    )
+    schema = ["--schema", db.schema] if db.schema else []
+    argv = ["queue", "install", "--url", db.url, "--table", "jobs", *schema]
+    assert main([*argv, "--mode", "sidecar", "--yes"]) == 0
+    feeder = SidecarFeeder(
+        name="jobs-feeder", source=source, checkpoint_store=FileCheckpointStore(tmp_path)
+    )
+    assert feeder.drain() == 4
+    return source, feeder
+
+
+def _jobs(db: TestDatabase) -> dict[str, tuple[str, int]]:
+    with db.engine.connect() as conn:
+        claims = db.qualified("dbtrigger_claims")
+        result = conn.execute(sa.text(f"SELECT item_key, dbt_status, dbt_attempts FROM {claims}"))
+        return {str(k): (str(s), int(a)) for k, s, a in result}
+
+
+def test_a_column_dropped_under_a_running_sidecar_worker(
+    db: TestDatabase, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In sidecar mode a claim takes claims rows, then reads the user rows by key.
+    On PostgreSQL the two were separate statements, the first committed alone: after
+    ``DROP COLUMN payload`` the read failed, the claim ran again on the new columns
+    and found nothing (its own rows were held by the failed one), so the tick said
+    idle, and the rows waited a visibility timeout (60 s by default) to come back,
+    bisected as an expired claim. Now the claim and the read commit together."""
+    monkeypatch.setattr("dbtrigger._columns.CHECK_SECONDS", 3600.0)  # the failure path alone
+    source, feeder = _sidecar(db, tmp_path)
+    queue = QueueTrigger(name="jobs", source=source, batch_size=2)
+    seen = Afters()
+    try:
+        assert queue.tick(seen) == 2
+        db.execute(f"ALTER TABLE {db.qualified('jobs')} DROP COLUMN payload")
+        assert queue.tick(seen) == 2  # before, on PostgreSQL: 0 (idle)
+    finally:
+        queue.close()
+        feeder.close()
+        source.close()
+    assert [set(after) for after in seen.seen[2:]] == [{"id"}] * 2
+    assert set(_jobs(db).values()) == {("done", 1)}
+
+
+def test_a_sidecar_claim_that_cannot_read_the_user_table_claims_nothing(
+    db: TestDatabase, tmp_path: Path
+) -> None:
+    """The user table renamed under the workers: the claim fails (typed) and leaves
+    every job ready, no attempt counted (before, on PostgreSQL, it had taken its
+    rows: claimed until the visibility timeout, one attempt spent)."""
+    source, feeder = _sidecar(db, tmp_path)
+    queue = QueueTrigger(name="jobs", source=source, batch_size=2)
+    jobs = db.qualified("jobs")
+    try:
+        assert queue.tick(Afters()) == 2
+        if db.kind == "mariadb":
+            db.execute(f"RENAME TABLE {jobs} TO {db.qualified('jobs_gone')}")
+        else:
+            db.execute(f"ALTER TABLE {jobs} RENAME TO jobs_gone")
+        with pytest.raises(FetchError, match="reads the table's definition again"):
+            queue.tick(Afters())
+    finally:
+        queue.close()
+        feeder.close()
+        source.close()
+    assert sorted(_jobs(db).values()) == [("done", 1), ("done", 1), ("ready", 0), ("ready", 0)]

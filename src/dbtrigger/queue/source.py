@@ -412,7 +412,9 @@ class ClaimSource:
                 if batch.lead is None:
                     return self._claimed(conn, batch)
         else:
-            with self.transaction() as conn:
+            # Sidecar: the user rows are read by a second statement, which may fail
+            # (DDL); the claim commits with it, never alone (PostgreSQL autocommits).
+            with self.transaction(locking=self.layout.claims_table is not None) as conn:
                 first = target.claim(conn, **claim)
                 if first is not None and first.lead is None:
                     return self._claimed(conn, first)

@@ -11,6 +11,7 @@ subscriber leaves no trace in the recorded set.
 
 from __future__ import annotations
 
+import json
 import logging
 import shlex
 import sys
@@ -127,7 +128,11 @@ def test_a_subscriber_added_later_is_told_where_it_starts_and_the_backfill_gives
 
 
 def test_a_removed_or_renamed_subscriber_is_said_and_leaves_nothing_recorded(
-    sqlite_db: TestDatabase, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    sqlite_db: TestDatabase,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     table = items_table(sqlite_db)
     add_items(sqlite_db, table, [1, 2])
@@ -145,6 +150,27 @@ def test_a_removed_or_renamed_subscriber_is_said_and_leaves_nothing_recorded(
 
     run(billing=billing, search=search)
     add_items(sqlite_db, table, [3])
+
+    # Before the new version runs, `dbtrigger status` with it says what will change.
+    module = f"fanout_set_{uuid.uuid4().hex[:8]}"
+    app = types.ModuleType(module)
+    app.trigger = make_trigger(  # type: ignore[attr-defined]
+        items_source(sqlite_db), state, subscribers={"billing": billing, "index": index}
+    )
+    monkeypatch.setitem(sys.modules, module, app)
+    argv = ["status", "items", "--store", str(tmp_path / "state"), "--source", f"{module}:trigger"]
+    capsys.readouterr()
+    main(argv)
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("subscribers"))
+    assert "billing, search (the last run's); joining with the trigger: index" in line
+    assert line.endswith("leaving: search")
+    main([*argv, "--json"])
+    assert json.loads(capsys.readouterr().out)["subscribers"] == {
+        "last_run": ["billing", "search"],
+        "trigger": ["billing", "index"],
+        "joining": ["index"],
+        "leaving": ["search"],
+    }
     run(billing=billing, index=index)  # search renamed to index
     (left,) = said(caplog, LEFT)
     (joined,) = said(caplog, JOINED)

@@ -42,7 +42,7 @@ from dbtrigger.sources.base import ChecksItself, accepted_fingerprints, source_d
 from dbtrigger.sources.lag import COLUMN
 from dbtrigger.sources.sqlalchemy import SqlAlchemySource
 from dbtrigger.state import document as docmod
-from dbtrigger.state import fanout, journal
+from dbtrigger.state import fanout, fanout_set, journal
 from dbtrigger.state import lease as leasemod
 from dbtrigger.state.lease import describe_lease, lease_state
 from dbtrigger.state.stores.base import CheckpointStore
@@ -132,6 +132,7 @@ def poller_status(
     out["owed"] = _owed(doc.window, source)
     gone = {e["subscriber"] for e in out["owed"] if e.get("holds_checkpoint")}
     try:
+        out["subscribers"] = _subscribers(doc, source)
         out["window"] = window_status(doc.window, now, gone=gone)
     except CorruptStateError as exc:  # every tick fails on it too: that is the news
         return {"poller": poller, "error": f"{type(exc).__name__}: {exc}"}
@@ -314,6 +315,34 @@ def _owed(window: Window | None, source: LoadedSource | None) -> list[dict[str, 
     return out
 
 
+def _subscribers(doc: docmod.StateDocument, source: LoadedSource | None) -> dict[str, Any] | None:
+    """Fan-out: the subscribers the last run took the lease with and, with
+    ``--source``, who joins (starting at the checkpoint) or leaves with the
+    trigger as it is now (see dbtrigger.state.fanout_set)."""
+    last = fanout_set.recorded(doc)
+    if last is None:
+        return None
+    out: dict[str, Any] = {"last_run": list(last)}
+    names = getattr(source.trigger, "subscribers", None) if source is not None else None
+    if names is not None:
+        joining, leaving = fanout_set.change(last, names)
+        out |= {"trigger": sorted(names), "joining": list(joining), "leaving": list(leaving)}
+    return out
+
+
+def _subscribers_text(subscribers: Mapping[str, Any]) -> str:
+    text = f"{', '.join(subscribers['last_run'])} (the last run's)"
+    if subscribers.get("joining"):
+        text += (
+            f"; joining with the trigger: {', '.join(subscribers['joining'])} - handed the "
+            "events read from then on only, not the rows up to the checkpoint (backfill "
+            "them: dbtrigger backfill --handler)"
+        )
+    if subscribers.get("leaving"):
+        text += f"; leaving: {', '.join(subscribers['leaving'])}"
+    return text
+
+
 def _owed_text(owed: Sequence[Mapping[str, Any]], spec: str) -> str:
     parts = []
     for entry in owed:
@@ -392,6 +421,8 @@ def _render_one(status: Mapping[str, Any], store: str, now: dt.datetime | None =
     visibility = status.get("visibility")
     if visibility is not None:
         lines.append(("visibility", _visibility_text(visibility)))
+    if status.get("subscribers"):
+        lines.append(("subscribers", _subscribers_text(status["subscribers"])))
     if status.get("owed"):
         lines.append(("owed", _owed_text(status["owed"], "the trigger")))
     manual = status["last_manual_change"]

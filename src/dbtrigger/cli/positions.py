@@ -74,7 +74,7 @@ def cmd_rewind(args: argparse.Namespace) -> int:
         value = parse_value(args.to_time, "timestamp")
         assert isinstance(value, dt.datetime)  # noqa: S101 - parse_value of a timestamp
         to_time = value
-    rewind = pos.plan_rewind(records, to_time=to_time, to_batch=args.to_batch)
+    rewind = pos.plan_rewind(records, to_time=to_time, to_batch=args.to_batch, poller=args.poller)
     note = _check_source(args, doc, rewind.batches[0])
     console = Console()
     console.print(

@@ -191,7 +191,10 @@ class BlobHistory:
             except SegmentGoneError:
                 return None
 
-        return read_segments(poller, self._segments(poller), _first_seq, load, since_seq)
+        def where(segment: _Segment) -> str:
+            return f"blob {self.client.container_name}/{segment.name}"
+
+        return read_segments(poller, self._segments(poller), _first_seq, load, since_seq, where)
 
     def _active_segment(self, poller: str) -> tuple[_Segment | None, int]:
         """The segment to append to and the history's last number, read now.

@@ -24,6 +24,7 @@ gap) and what the source can no longer serve (a change log pruned past it).
 from __future__ import annotations
 
 import datetime as dt
+import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -210,6 +211,7 @@ def plan_rewind(
     *,
     to_time: dt.datetime | None = None,
     to_batch: str | None = None,
+    poller: str = "POLLER",
 ) -> Rewind:
     """The position before the first batch to deliver again, from the history.
 
@@ -246,16 +248,35 @@ def plan_rewind(
     if to_time is not None:
         settled = [i for i, r in enumerate(records) if (rec.record_time(r) or to_time) <= to_time]
         low = settled[-1] + 1 if settled else 0
-    if any(r.get("type") == rec.GAP for r in records[low:]):
+    gaps = [r for r in records[low:] if r.get("type") == rec.GAP]
+    if gaps:
+        why = (
+            str(gaps[0].get("note"))
+            if gaps[0].get("missing")
+            else "it could not be written for a while"
+        )
         raise ReplayRefusedError(
-            "the history has a gap after that point (it could not be written for a while): "
-            "batches committed then are not recorded, so a rewind could not name them all"
+            f"the history has a gap after that point ({why}): batches committed then are not "
+            "recorded, so a rewind could not name them all. To go back there all the same, "
+            f"reset the checkpoint to where batch {target.get('batch_id')} began: "
+            f"{_reset_command(poller, target.get('from'))}"
         )
     raw = target.get("from")
     position = position_from_json(raw, "from") if raw else None
     if position is not None and position.is_beginning:
         position = None
     return Rewind(position, after, why)
+
+
+def _reset_command(poller: str, where: Any) -> str:
+    """The ``dbtrigger reset`` that moves ``poller`` to ``where`` (a record's position)."""
+    tiebreaker = where.get("tiebreaker") if isinstance(where, Mapping) else None
+    if not isinstance(where, Mapping) or (where.get("value") is None and not tiebreaker):
+        to = "--to-beginning"
+    else:
+        keys = "".join(f" --pk {shlex.quote(f'{k}={v}')}" for k, v in (tiebreaker or {}).items())
+        to = f"--to-cursor {shlex.quote(str(where.get('value')))}{keys}"
+    return f"dbtrigger reset {shlex.quote(poller)} {to} --reason TEXT"
 
 
 # --- bookmarks -------------------------------------------------------------------------------

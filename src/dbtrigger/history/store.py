@@ -135,21 +135,39 @@ def encode_line(record: Mapping[str, Any]) -> bytes:
 
 def decode_lines(data: bytes, *, complete_only: bool = True) -> list[dict[str, Any]]:
     """The records in ``data``; a last line without its newline (a torn write) is
-    skipped when ``complete_only``, as is any line that is not a JSON object."""
+    skipped when ``complete_only``, as is any line that is not a JSON object (a
+    read says so: :func:`numbered_lines`)."""
+    return [record for _, record in numbered_lines(data, complete_only) if record is not None]
+
+
+def numbered_lines(
+    data: bytes, complete_only: bool = True
+) -> Iterator[tuple[int, dict[str, Any] | None]]:
+    """``(line number, record)`` of each non-blank line of ``data`` (from 1); the
+    record is None for a line that is not a JSON object: damaged (a disk that
+    filled, a machine that died before its write reached the disk, an edit)."""
     lines = data.split(b"\n")
     if complete_only:
         lines = lines[:-1]  # after the last newline: empty, or a torn line
-    out = []
-    for line in lines:
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             value = json.loads(line)
         except ValueError:
-            continue
-        if isinstance(value, dict):
-            out.append(value)
-    return out
+            value = None
+        yield number, value if isinstance(value, dict) else None
+
+
+#: The type of what a read gives for a damaged line (:func:`damaged_line`).
+DAMAGED = "damaged_line"
+
+
+def damaged_line(where: str) -> dict[str, Any]:
+    """What a read gives in place of a line that is not a record: not a record
+    either (no number), so that the reader of the whole history can say which
+    numbers it lost and where (:func:`dbtrigger.history.view.load`)."""
+    return {"seq": None, "id": f"{DAMAGED}:{where}", "type": DAMAGED, "where": where}
 
 
 def numbered(records: Sequence[Mapping[str, Any]], after_seq: int) -> list[dict[str, Any]]:
@@ -234,13 +252,16 @@ def read_segments(
     first_seq: Callable[[S], int],
     load: Callable[[S], bytes | None],
     since_seq: int,
+    where: Callable[[S], str] = str,
 ) -> Iterator[dict[str, Any]]:
     """The records after ``since_seq`` in a history's ``segments`` (oldest first), in
     order (a history's ``read``). A segment whose successor starts at or below
     ``since_seq + 1`` holds none of them and is not read. ``load(segment)`` reads
     one whole; None: it is gone, pruned since it was listed. Before a record was
     given that only means the history starts later; after one, the read stops
-    with :func:`pruned_while_read` rather than go on past a hole."""
+    with :func:`pruned_while_read` rather than go on past a hole. A damaged line
+    gives :func:`damaged_line` naming ``where(segment)`` and its line number
+    (unless the read starts later and has given nothing yet: it may lie before)."""
     given: int | None = None  # the last record this read gave
     for i, segment in enumerate(segments):
         if i + 1 < len(segments) and first_seq(segments[i + 1]) <= since_seq + 1:
@@ -250,7 +271,11 @@ def read_segments(
             if given is None:
                 continue
             raise pruned_while_read(poller, given)
-        for record in decode_lines(data):
+        for number, record in numbered_lines(data):
+            if record is None:
+                if given is not None or not since_seq:
+                    yield damaged_line(f"{where(segment)} line {number}")
+                continue
             seq = int(record.get("seq") or 0)
             if seq > since_seq:
                 given = seq
@@ -303,17 +328,20 @@ def prunable_segments(
 
 
 __all__ = [
+    "DAMAGED",
     "DEFAULT_RETENTION",
     "TAIL_CHUNK",
     "EncodedRecord",
     "HistoryStore",
     "Retention",
+    "damaged_line",
     "decode_lines",
     "encode_json",
     "encode_line",
     "last_records",
     "newest_records",
     "numbered",
+    "numbered_lines",
     "prunable_segments",
     "prune_segments",
     "pruned_while_read",

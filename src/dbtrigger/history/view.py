@@ -11,13 +11,16 @@ misses a committed batch.
 from __future__ import annotations
 
 import datetime as dt
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from dbtrigger.errors import ConfigurationError, ReplayRefusedError
 from dbtrigger.history import records as rec
-from dbtrigger.history.store import HistoryStore
+from dbtrigger.history.store import DAMAGED, HistoryStore
 from dbtrigger.state.document import StateDocument
+
+_log = logging.getLogger(__name__)
 
 
 def load(
@@ -25,9 +28,74 @@ def load(
     poller: str,
     doc: StateDocument | None = None,
 ) -> list[dict[str, Any]]:
-    """Every record of ``poller``, oldest first, each once, with the journal's newer entries."""
-    stored = rec.unique(history.read(poller)) if history is not None else []
+    """Every record of ``poller``, oldest first, each once, with the journal's newer
+    entries; numbers missing between two records are a ``gap`` record (:func:`holes_marked`)."""
+    stored = rec.unique(holes_marked(poller, history.read(poller))) if history is not None else []
     return merged(stored, doc.journal if doc is not None else ())
+
+
+def holes_marked(poller: str, records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``records`` (a history's ``read``) with a ``gap`` record where numbers are
+    missing between two of them, naming the damaged lines found there.
+
+    Appends number the records without a hole and retention removes only the
+    oldest, so a number missing in the middle is a record lost: a damaged line
+    of a file or blob (a disk that filled, a machine that died before the write
+    reached the disk), or a record removed by hand. Read past silently, a replay
+    or rewind of a range across it would take the records on either side for
+    adjacent; as a gap it is refused, naming where. A damaged line with no number
+    missing (a last line the journal repair wrote again after it) loses nothing
+    and is logged at WARNING (``history_line_damaged``)."""
+    out: list[dict[str, Any]] = []
+    damaged: list[str] = []
+    last: dict[str, Any] | None = None
+    for record in records:
+        if record.get("type") == DAMAGED:
+            damaged.append(str(record.get("where")))
+            continue
+        seq = record.get("seq")
+        if isinstance(seq, int) and seq > 0:
+            if last is not None and seq > int(last["seq"]) + 1:
+                out.append(_hole(poller, last, seq, damaged))
+            elif damaged:
+                _said_damaged(poller, damaged)
+            damaged, last = [], dict(record)
+        out.append(dict(record))
+    if damaged:
+        _said_damaged(poller, damaged)
+    return out
+
+
+def _hole(poller: str, before: Mapping[str, Any], seq: int, damaged: list[str]) -> dict[str, Any]:
+    first, last = int(before["seq"]) + 1, seq - 1
+    numbers = f"record {first}" if first == last else f"records {first}-{last}"
+    if damaged:
+        why = (
+            f"{', '.join(damaged)} is not a record (damaged: a disk that filled, a machine "
+            "that died before the write reached the disk, an edit)"
+        )
+    else:
+        why = "not in the store (removed by hand?)"
+    return {
+        "seq": first,
+        "id": f"hole:{poller}:{first}-{last}",
+        "at": before.get("at"),
+        "type": rec.GAP,
+        "missing": [first, last],
+        "damaged": list(damaged),
+        "note": f"{numbers} of the history lost: {why}; the batches or operations recorded "
+        "there are unknown. Restore the history from a backup to replay across it",
+    }
+
+
+def _said_damaged(poller: str, damaged: list[str]) -> None:
+    _log.warning(
+        "the history of %s has a line that is not a record, %s; no record number is "
+        "missing around it (it was written again after), so nothing was lost",
+        poller,
+        ", ".join(damaged),
+        extra={"event": "history_line_damaged", "poller": poller, "where": damaged},
+    )
 
 
 def merged(
@@ -113,10 +181,15 @@ def _no_gap_between(
             continue
         before = [c for c in chosen if ids.index(c.get("id")) < k]
         after = [c for c in chosen if ids.index(c.get("id")) > k]
+        why = (
+            f"{gap.get('note')}"
+            if gap.get("missing")
+            else f"it could not be written for longer than the state document's journal "
+            f"reaches back, until {gap.get('at')}"
+        )
         raise ReplayRefusedError(
             f"the history has a gap between batch {before[-1].get('batch_id')} and batch "
-            f"{after[0].get('batch_id')} (it could not be written for longer than the state "
-            f"document's journal reaches back, until {gap.get('at')}): the batches committed "
+            f"{after[0].get('batch_id')} ({why}): the batches committed "
             "then are not recorded, so this range cannot be replayed as it was delivered. "
             f"Replay the recorded batches on either side of it: --from-batch "
             f"{chosen[0].get('batch_id')} --to-batch {before[-1].get('batch_id')}, and "
@@ -124,4 +197,4 @@ def _no_gap_between(
         )
 
 
-__all__ = ["batch_range", "find_batch", "load", "merged", "since"]
+__all__ = ["batch_range", "find_batch", "holes_marked", "load", "merged", "since"]

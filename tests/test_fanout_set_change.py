@@ -24,6 +24,7 @@ import pytest
 from dbtrigger import FileCheckpointStore, PollTrigger, RowChange
 from dbtrigger.cli import main
 from dbtrigger.errors import CorruptStateError
+from dbtrigger.partitions import PartitionedPoller
 from dbtrigger.state import fanout_set
 from dbtrigger.state.document import StateDocument
 from tests.databases import TestDatabase
@@ -190,3 +191,44 @@ def test_a_removed_or_renamed_subscriber_is_said_and_leaves_nothing_recorded(
     assert len(said(caplog, JOINED)) == 1
     assert read_doc(state).extra["subscribers"] == ["billing"]  # no trace of search, index
     assert billing.seen == [1, 2, 3, 4]
+
+
+def test_a_subscriber_added_to_a_partitioned_poller_is_said_once_for_the_group(
+    sqlite_db: TestDatabase, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each partition has a document of its own and records the set, but the
+    change is the group's: one WARNING naming the group, and one backfill."""
+    table = items_table(sqlite_db)
+    add_items(sqlite_db, table, list(range(1, 41)))
+    store = FileCheckpointStore(tmp_path / "state")
+    caplog.set_level(logging.INFO, logger="dbtrigger")
+
+    def group(**subscribers: Sub) -> PartitionedPoller:
+        return PartitionedPoller(
+            name="items",
+            source=items_source(sqlite_db),
+            checkpoint_store=store,
+            partitions=4,
+            join_window_seconds=0,
+            background=False,
+            subscribers=subscribers,
+        )
+
+    first = group(billing=Sub("billing"))
+    assert first.drain() == 40
+    first.leave()
+    first.close()
+    add_items(sqlite_db, table, [41, 42])
+    search = Sub("search")
+    second = group(billing=Sub("billing"), search=search)
+    try:
+        assert second.drain() == 2
+    finally:
+        second.leave()
+        second.close()
+    assert sorted(search.seen) == [41, 42]
+    (joined,) = said(caplog, JOINED)
+    message = joined.getMessage()
+    assert message.startswith("poller items: subscriber(s) search joined")
+    assert "the rows up to each partition's checkpoint" in message
+    assert joined.commands[0].startswith("dbtrigger backfill items-search-backfill ")  # type: ignore[attr-defined]

@@ -16,11 +16,16 @@ tick that sees a different one, the poller says what it means and what to do:
   (``checkpoint_held`` says so);
 * both at once may be a rename, which to dbtrigger is one subscriber leaving
   and another joining: both messages say so.
+
+A partition of a :class:`~dbtrigger.partitions.PartitionedPoller` (its source
+a ``PartitionSource``) has a document of its own, but the change is the
+group's: said once a process for the group, with one backfill for all of it.
 """
 
 from __future__ import annotations
 
 import shlex
+import sys
 from collections.abc import Callable, Mapping
 
 from dbtrigger._paste import pasteable
@@ -29,6 +34,9 @@ from dbtrigger.runtime.kernel import Handler
 from dbtrigger.runtime.telemetry import Telemetry
 from dbtrigger.state import fanout_set
 from dbtrigger.state.document import StateDocument
+
+#: (group, its source's id, recorded, configured) said in this process, for partitions.
+_GROUPS_SAID: set[tuple[str, int, tuple[str, ...] | None, tuple[str, ...]]] = set()
 
 
 class SetReport:
@@ -42,11 +50,13 @@ class SetReport:
         poller: str,
         subscribers: Mapping[str, Handler],
         cli_target: Callable[[], str],
+        source: object = None,
     ) -> None:
         self.telemetry = telemetry
         self.poller = poller
         self.subscribers = subscribers
         self.cli_target = cli_target
+        self.source = source
         #: The last (recorded, configured) pair looked at: said once.
         self._seen: tuple[tuple[str, ...] | None, tuple[str, ...]] | None = None
 
@@ -57,6 +67,13 @@ class SetReport:
             return
         self._seen = (before, now)
         joined, left = fanout_set.change(before, now)
+        group = self._group()
+        if group is not None and (joined or left):
+            key = (group, id(getattr(self.source, "base", None)), before, now)
+            if key in _GROUPS_SAID:
+                return  # another partition of the group said it
+            _GROUPS_SAID.add(key)
+        poller = group or self.poller
         renamed = (
             "; if this is a rename: to dbtrigger a rename is one subscriber leaving and "
             "another joining, and the new name is not handed what the old one owed"
@@ -67,20 +84,25 @@ class SetReport:
         waiting = len(doc.window.pending) if doc is not None and doc.window is not None else 0
         if joined and (position is not None or waiting):
             cursor = str(position.cursor) if position is not None else "none yet"
-            commands = [self._backfill(name) for name in joined]
+            earlier = (
+                f"the rows up to the checkpoint (cursor {cursor}) and the {waiting} event(s) "
+                "already handed out and waiting for a retry"
+                if group is None
+                else "the rows up to each partition's checkpoint and the events already "
+                "handed out and waiting for a retry"
+            )
+            commands = [self._backfill(poller, name) for name in joined]
             self.telemetry.emit(
                 "subscriber_joined",
                 "poller %s: subscriber(s) %s joined (the poller last ran with %s): handed "
-                "the events read from now on only; the rows up to the checkpoint (cursor %s) "
-                "and the %d event(s) already handed out and waiting for a retry went to the "
-                "others and are not delivered to them%s. To hand them the earlier rows, "
-                "backfill them under a poller name of their own (the live checkpoint is not "
-                "touched; the rows after it then come twice: be idempotent): %s",
-                self.poller,
+                "the events read from now on only; %s went to the others and are not "
+                "delivered to them%s. To hand them the earlier rows, backfill them under a "
+                "poller name of their own (the live checkpoint is not touched; the rows "
+                "after it then come twice: be idempotent): %s",
+                poller,
                 ", ".join(joined),
                 ", ".join(before or ()) or "no subscriber",
-                cursor,
-                waiting,
+                earlier,
                 renamed,
                 " ; ".join(commands),
                 subscribers=list(joined),
@@ -95,7 +117,7 @@ class SetReport:
                 "poller %s: subscriber(s) %s left (the poller last ran with %s): nothing more is "
                 "handed to them; events they still owe are dead-lettered with a sink, "
                 "otherwise they hold the checkpoint (checkpoint_held)%s",
-                self.poller,
+                poller,
                 ", ".join(left),
                 ", ".join(before or ()),
                 renamed,
@@ -103,7 +125,15 @@ class SetReport:
                 joined=list(joined),
             )
 
-    def _backfill(self, name: str) -> str:
+    def _group(self) -> str | None:
+        """The PartitionedPoller group this poller is a partition of, or None (not
+        imported: nothing can be one; importing it would load SQLAlchemy)."""
+        module = sys.modules.get("dbtrigger.partitions.source")
+        if module is None or not isinstance(self.source, module.PartitionSource):
+            return None
+        return str(self.source.poller)
+
+    def _backfill(self, poller: str, name: str) -> str:
         """The ``dbtrigger backfill`` of every row so far to subscriber ``name``."""
         target = self.cli_target()
         trigger = target.split("--source ", 1)[1] if "--source " in target else "MODULE:ATTR"
@@ -115,7 +145,7 @@ class SetReport:
         handler = handler or "MODULE:FUNCTION"
         reason = shlex.quote(f"new subscriber {name}")
         return pasteable(
-            f"dbtrigger backfill {shlex.quote(f'{self.poller}-{name}-backfill')} "
+            f"dbtrigger backfill {shlex.quote(f'{poller}-{name}-backfill')} "
             f"--trigger {trigger} --from-beginning --handler {handler} "
             f"--reason {reason} --yes"
         )

@@ -103,6 +103,7 @@ class TickDriver(BatchSequence):
                 poller=self.name,
                 subscribers=delivery.subscribers,
                 cli_target=delivery.cli_target,
+                source=source,
             )
             if isinstance(delivery, FanOut)
             else None

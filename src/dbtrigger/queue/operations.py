@@ -56,50 +56,62 @@ UNDATED_AGE_SECONDS = 25 * 365 * 86400
 
 
 def counts(table: ClaimTable, conn: Connection) -> QueueCounts:
+    """The numbers of ``queue status``, from one statement: one snapshot, so they add
+    up while workers claim (four statements, each its own snapshot on PostgreSQL,
+    showed rows ``ready`` and, a claim later, gone from ``claimable now``)."""
     c = table.table.c
-    by_status = {
-        str(status): int(n)
-        for status, n in conn.execute(
-            sa.select(c[STATUS], sa.func.count())
-            .where(table.filtered(sa.true()))
-            .group_by(c[STATUS])
-        )
-    }
     now = table.time.now()
-    ready_now = conn.execute(
-        sa.select(sa.func.count(), sa.func.max(table.time.age_seconds(c[VISIBLE_AT]))).where(
-            table.claimable()
-        )
-    ).one()
+
+    def number(condition: sa.ColumnElement[bool]) -> Any:
+        return sa.func.sum(sa.case((condition, 1), else_=0))
+
+    claimable = sa.and_(c[STATUS].in_((READY, CLAIMED)), c[VISIBLE_AT] <= now)
+    later = sa.and_(c[STATUS] == READY, c[VISIBLE_AT] > now)
     # Tried: attempts counted, or waiting as a group (a failure shared by several
     # rows gives its attempt back, see queue/outcome.py).
     tried = sa.or_(c[ATTEMPTS] > 0, c[CLAIM_TOKEN].is_not(None))
     stuck = c[VISIBLE_AT] >= table.time.far_future()
-    later = conn.execute(
+    age = table.time.age_seconds(c[VISIBLE_AT])
+    stmt = (
         sa.select(
+            c[STATUS],
             sa.func.count(),
-            sa.func.sum(sa.case((stuck, 0), (tried, 1), else_=0)),
-            sa.func.sum(sa.case((stuck, 1), else_=0)),
-        ).where(table.filtered(c[STATUS] == READY, c[VISIBLE_AT] > now))
-    ).one()
-    delayed = int(later[1] or 0)
-    stranded = int(later[2] or 0)
-    expired = conn.execute(
-        sa.select(sa.func.count()).where(table.filtered(c[STATUS] == CLAIMED, c[VISIBLE_AT] <= now))
-    ).scalar_one()
-    age = ready_now[1]
-    undated = age is not None and float(age) > UNDATED_AGE_SECONDS
+            number(claimable),
+            sa.func.max(sa.case((claimable, age))),
+            number(later),
+            number(sa.and_(later, sa.not_(stuck), tried)),
+            number(sa.and_(later, stuck)),
+            number(sa.and_(c[STATUS] == CLAIMED, c[VISIBLE_AT] <= now)),
+        )
+        .where(table.filtered(sa.true()))
+        .group_by(c[STATUS])
+    )
+    by_status: dict[str, int] = {}
+    ready_now = scheduled = delayed = stranded = expired = 0
+    oldest: float | None = None
+    for status, n, claimable_n, age_max, later_n, delayed_n, stuck_n, expired_n in conn.execute(
+        stmt
+    ):
+        by_status[str(status)] = int(n)
+        ready_now += int(claimable_n or 0)
+        scheduled += int(later_n or 0) - int(delayed_n or 0) - int(stuck_n or 0)
+        delayed += int(delayed_n or 0)
+        stranded += int(stuck_n or 0)
+        expired += int(expired_n or 0)
+        if age_max is not None and (oldest is None or float(age_max) > oldest):
+            oldest = float(age_max)
+    undated = oldest is not None and oldest > UNDATED_AGE_SECONDS
     if undated:
-        age = None
+        oldest = None
     shown = (READY, CLAIMED, DONE, DEAD)
     return QueueCounts(
         by_status={s: by_status.get(s, 0) for s in shown}
         | {k: v for k, v in by_status.items() if k not in shown},
-        claimable_now=int(ready_now[0]),
+        claimable_now=ready_now,
         delayed=delayed,
-        expired_claims=int(expired),
-        oldest_ready_age_seconds=None if age is None else max(0.0, float(age)),
-        scheduled=int(later[0]) - delayed - stranded,
+        expired_claims=expired,
+        oldest_ready_age_seconds=None if oldest is None else max(0.0, oldest),
+        scheduled=scheduled,
         stranded=stranded,
         undated=undated,
     )

@@ -16,7 +16,7 @@ import pytest
 from dbtrigger import ClaimSource, QueueTrigger, RowChange
 from dbtrigger.cli import main
 from tests.databases import TestDatabase
-from tests.test_queue_columns import make_jobs
+from tests.test_queue_columns import make_jobs, rows
 
 
 def test_a_row_made_ready_by_hand_is_reported_stranded_and_re_driven(
@@ -56,3 +56,53 @@ def test_a_row_made_ready_by_hand_is_reported_stranded_and_re_driven(
         source.close()
     assert seen[2:] == [(2, "again")]
     assert source.counts().stranded == 0
+
+
+#: The database's UTC now, in the form each dialect's ``dbt_visible_at`` holds.
+NOW = {
+    "sqlite": "strftime('%Y-%m-%d %H:%M:%f', 'now')",
+    "postgresql": "now()",
+    "mariadb": "UTC_TIMESTAMP(6)",
+}
+
+
+@pytest.mark.parametrize("on_done", ["mark", "delete"])
+def test_a_row_made_ready_while_it_runs_is_delivered_again_with_its_new_values(
+    db: TestDatabase, on_done: str
+) -> None:
+    """The documented way to run a row again, done while a worker holds it: that
+    worker's settlement is fenced off (lost, not done, not deleted) and the row
+    comes again with the new values. A settlement that ignored the status would
+    have marked (or deleted) the new version unseen."""
+    make_jobs(db, 2)
+    source = ClaimSource(
+        url=db.url, table="jobs", schema=db.schema, pk_columns=["id"], on_done=on_done
+    )
+    queue = QueueTrigger(name="jobs", source=source)
+    seen: list[tuple[int, str]] = []
+
+    def handle(events: list[RowChange]) -> None:
+        seen.extend((int(e.pk["id"]), str((e.after or {})["payload"])) for e in events)
+        if len(seen) == 2:  # the producer re-enqueues row 1 while its first run is going on
+            db.execute(
+                f"UPDATE {db.qualified('jobs')} SET payload = 'v2', dbt_status = 'ready', "
+                f"dbt_visible_at = {NOW[db.kind]}, dbt_claim_token = NULL, dbt_attempts = 0 "
+                "WHERE id = 1"
+            )
+
+    try:
+        first = queue.tick_result(handle)
+        assert (first.rows, first.claims_lost) == (1, 1)
+        assert queue.drain(handle) == 1
+    finally:
+        queue.close()
+        source.close()
+    assert seen == [(1, "job 1"), (2, "job 2"), (1, "v2")]
+    left = {int(r["id"]): r for r in rows(db).values()}
+    if on_done == "delete":
+        assert left == {}
+    else:
+        assert {(i, r["payload"], r["dbt_status"]) for i, r in left.items()} == {
+            (1, "v2", "done"),
+            (2, "job 2", "done"),
+        }

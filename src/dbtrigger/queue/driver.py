@@ -522,8 +522,9 @@ class ClaimDriver:
                 lost.set()
                 self.telemetry.emit(
                     "queue_claim_lost",
-                    "queue %s: claim %s holds no row any more (it expired); "
-                    "the handler's results will not be recorded",
+                    "queue %s: claim %s holds no row any more (it expired, or its rows were "
+                    "made ready, finished or deleted by someone else); the handler's results "
+                    "will not be recorded",
                     self.name,
                     token,
                     batch_id=token,

@@ -105,6 +105,10 @@ def test_a_damaged_line_in_the_middle_is_a_gap_naming_the_file_and_line(
     assert f"{path} line 3" in out, out
     assert "dbtrigger reset orders --to-cursor 5 --pk id=5 " in out, out
 
+    code, out = _cli(capsys, "history", "orders", "--batch", ids[2], "--trigger", spec)
+    assert code == 2, out
+    assert f"or it was on a record lost since: record 3 of the history lost: {path} line 3" in out
+
     # Nothing else is lost: each side replays, and the poller goes on appending.
     code, out = _cli(capsys, "replay", "orders", "--from-batch", ids[3], "--to-batch", ids[4],
                      "--trigger", spec, "--verify")  # fmt: skip

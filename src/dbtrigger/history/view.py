@@ -138,10 +138,12 @@ def find_batch(records: Sequence[Mapping[str, Any]], batch_id: str) -> dict[str,
     commits = [r for r in records if r.get("type") in ("commit", "partial_commit")]
     if not commits:
         raise ConfigurationError(f"batch {batch_id!r} is not in the history: it holds no commits")
+    lost = [str(r.get("note")) for r in records if r.get("type") == rec.GAP and r.get("missing")]
     raise ConfigurationError(
         f"batch {batch_id!r} is not in the history, which holds {len(commits)} commit(s) from "
         f"{commits[0].get('batch_id')} ({commits[0].get('at')}) to {commits[-1].get('batch_id')} "
         f"({commits[-1].get('at')}); older batches were pruned by retention or predate it"
+        + "".join(f"; or it was on a record lost since: {note}" for note in lost)
     )
 
 

@@ -18,11 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from azure.core.exceptions import ServiceRequestError
+from azure.data.tables import TableClient
 from azure.storage.blob import BlobServiceClient
 
 from dbtrigger.errors import DbTriggerError, StoreUnavailableError
 from dbtrigger.history import FileHistory, HistoryStore, Retention, SqlHistory
 from dbtrigger.history.blob import BlobHistory
+from dbtrigger.history.table import TableHistory
 from dbtrigger.state.document import format_time
 from tests.azurite import Azurite
 from tests.databases import make_database
@@ -101,3 +104,38 @@ def test_file_tail_gives_up_on_a_segment_it_cannot_open(tmp_path: Path) -> None:
     (tmp_path / segment.name).symlink_to(tmp_path / "gone.jsonl")  # listed, never opens
     with pytest.raises(StoreUnavailableError, match="cannot be opened"):
         history.tail("orders", 5)
+
+
+@pytest.mark.azurite
+def test_a_table_prune_that_fails_half_way_removes_the_oldest_records_only(
+    azurite: Azurite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Table storage deletes a hundred entities a transaction; a prune whose second
+    transaction fails (throttled, the process killed) has removed the first hundred.
+    It took them newest first, so the history kept records 1-150 and 251 around a
+    hole; it takes them oldest first now, and what it leaves is whole."""
+    name = f"h{uuid.uuid4().hex[:20]}"
+    client = TableClient.from_connection_string(azurite.connection_string, name)
+    client.create_table()
+    try:
+        history = TableHistory(client, app="s")
+        history.append("orders", [rec(n) for n in range(1, 252)], after_seq=0)
+        calls = []
+        submit = client.submit_transaction
+
+        def second_fails(operations: Any, **kwargs: Any) -> Any:
+            calls.append(len(operations))
+            if len(calls) == 2:
+                raise ServiceRequestError("connection reset by peer")
+            return submit(operations, **kwargs)
+
+        monkeypatch.setattr(client, "submit_transaction", second_fails)
+        now = T0 + dt.timedelta(days=1, minutes=251)  # every record but the last is old
+        with pytest.raises(StoreUnavailableError):
+            history.prune("orders", Retention(max_age_days=1, max_bytes=None), now)
+        assert calls == [100, 100]
+        kept = [int(r["seq"]) for r in history.read("orders")]
+        assert kept == list(range(101, 252))
+    finally:
+        client.delete_table()
+        client.close()

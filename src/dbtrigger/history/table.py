@@ -160,6 +160,10 @@ class TableHistory:
                     doomed.append(
                         {"PartitionKey": entity["PartitionKey"], "RowKey": entity["RowKey"]}
                     )
+        # Oldest first: a prune that stops half way (a failed transaction, a process
+        # killed) has then removed the oldest records only, never a stretch in the
+        # middle that readers would read across.
+        doomed.reverse()
         with self._mapped("prune", poller, write=True):
             for start in range(0, len(doomed), _BATCH):
                 self.client.submit_transaction(

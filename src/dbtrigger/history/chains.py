@@ -6,6 +6,7 @@ Nothing here performs I/O.
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -122,4 +123,25 @@ def chains_of(
     return chains
 
 
-__all__ = ["Chain", "Detail", "Pending", "chains_of", "made", "since"]
+def _made(record: Mapping[str, Any]) -> tuple[int, dt.datetime] | None:
+    """The fencing token a commit was made under and its time (None: not a commit)."""
+    token, at = record.get("fencing_token"), rec.record_time({"at": rec.entry_time(record)})
+    return (token, at) if type(token) is int and at is not None else None
+
+
+def overtaken(tail: Sequence[Mapping[str, Any]], entries: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether the history's ``tail`` holds a commit of a later lease than every one of
+    ``entries`` (a writer's journal), made after them: that lease's holder read a
+    document that holds them all, so it has recorded them (or a gap where it could
+    not) before its own commit. Appended now, they would go after newer records:
+    copies out of order, the first copy of any it marked by a gap read after commits
+    made later. (Both, token and time: a state document made anew - removed by hand -
+    starts its tokens again below the history's older records.)"""
+    ours = [m for m in map(_made, entries) if m is not None]
+    if not ours:
+        return False
+    token, at = max(t for t, _ in ours), max(a for _, a in ours)
+    return any(m[0] > token and m[1] > at for m in map(_made, tail) if m is not None)
+
+
+__all__ = ["Chain", "Detail", "Pending", "chains_of", "made", "overtaken", "since"]

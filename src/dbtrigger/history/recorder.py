@@ -65,7 +65,7 @@ from typing import Any, Protocol
 from dbtrigger.errors import CasConflictError
 from dbtrigger.events import RowChange
 from dbtrigger.history import records as rec
-from dbtrigger.history.chains import Detail, Pending, chains_of
+from dbtrigger.history.chains import Detail, Pending, chains_of, overtaken
 from dbtrigger.history.kept_rows import kept
 from dbtrigger.history.store import (
     DEFAULT_RETENTION,
@@ -498,6 +498,16 @@ class HistoryRecorder:
             return 0, known[1], None  # no journal to repair from: just append
         tail = self.store.tail(self.poller, len(entries) + 1)
         after = int(tail[-1].get("seq") or 0) if tail else 0
+        if overtaken(tail, entries):  # (a paused process's late append): nothing to add
+            self.emit(
+                "history_overtaken",
+                "the history of %s was written on under a later lease while %d of this "
+                "writer's record(s) waited; that writer recorded them, so they are not "
+                "appended again",
+                self.poller,
+                len(entries),
+            )
+            return len(entries), after, None
         present = {str(r.get("id")) for r in tail}
         found = [i for i, rid in enumerate(ids) if rid in present]
         if found:

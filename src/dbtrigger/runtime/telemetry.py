@@ -248,6 +248,7 @@ EVENTS: dict[str, EventSpec] = {
     "history_append_failed_again": EventSpec(D, (_HISTORY_FAILED,), log_as="history_append_failed"),
     "history_append_recovered": EventSpec(INFO),
     "history_gap": EventSpec(W),
+    "history_overtaken": EventSpec(INFO),
     "history_queue_overflow": EventSpec(W, (_HISTORY_OVERFLOW,)),
     "history_queue_overflow_again": EventSpec(
         D, (_HISTORY_OVERFLOW,), log_as="history_queue_overflow"

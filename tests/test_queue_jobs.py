@@ -22,7 +22,7 @@ import sqlalchemy as sa
 
 from dbtrigger import ClaimSource, FileCheckpointStore, QueueTrigger, RowChange
 from dbtrigger.cli import main
-from dbtrigger.errors import ConfigurationError
+from dbtrigger.errors import ConfigurationError, OutputConstraintError, RetryableError
 from dbtrigger.queue import SidecarFeeder, ddl
 from dbtrigger.queue.layout import Claim
 from tests.databases import TestDatabase
@@ -99,6 +99,27 @@ def test_enqueue_refuses_what_it_cannot_mean(db: TestDatabase, source: ClaimSour
     with pytest.raises(ConfigurationError, match=r"queue install .*--priority --yes"):
         source.enqueue([job(1)], priority=3)
     assert rows(db) == {}
+
+
+def test_enqueueing_a_key_already_in_the_table_says_how_to_run_it_again(
+    db: TestDatabase, source: ClaimSource, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A producer re-enqueues a finished job by its key. It was a ``CommitError``
+    (retryable: a worker's retry loop would insert it again for ever) that said
+    only the driver's words; the row is a data problem, and a queue row is its
+    job: the error says how to run the row that is there again."""
+    source.enqueue([job(1), job(2)])
+    QueueTrigger(name="jobs", source=source).drain(lambda events: None)
+    with pytest.raises(OutputConstraintError, match="already in") as caught:
+        source.enqueue([job(3), job(2)])
+    assert not isinstance(caught.value, RetryableError)
+    assert "dbt_status = 'ready'" in str(caught.value)
+    assert "queues.md#running-a-row-again" in str(caught.value)
+    assert sorted(rows(db)) == [1, 2]  # nothing inserted, job 3 neither
+    where = ["--url", db.url, "--table", "jobs", *(["--schema", db.schema] if db.schema else [])]
+    capsys.readouterr()
+    assert main(["queue", "add", *where, "--row", json.dumps(job(1))]) != 0
+    assert "already in" in capsys.readouterr().err
 
 
 # --- priority -----------------------------------------------------------------------------

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any, Protocol, Union
 
 import sqlalchemy as sa
 
-from dbtrigger._driver_errors import failed_as
-from dbtrigger.errors import CommitError, ConfigurationError
+from dbtrigger._driver_errors import failed_as, short_error
+from dbtrigger.errors import CommitError, ConfigurationError, OutputConstraintError
 from dbtrigger.queue.schema import (
     CANCELED,
     CLAIM_TOKEN,
@@ -49,6 +49,7 @@ from dbtrigger.queue.schema import (
     STATUS,
     VISIBLE_AT,
 )
+from dbtrigger.state.stores.sql import is_duplicate_key
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -105,7 +106,9 @@ def enqueue(
             ``priority`` is not a whole number or the table has no
             ``dbt_priority``, or the queue is in sidecar mode and scheduling or
             a priority was asked for (the feeder decides when its rows are due).
-        CommitError: the insert failed (nothing was inserted).
+        OutputConstraintError: a row's key is in the table already (nothing was
+            inserted; the message says how to run that row again).
+        CommitError: the insert failed otherwise (nothing was inserted).
     """
     items = [dict(row) for row in rows]
     queue = source.queue_table  # the table is checked first
@@ -149,12 +152,35 @@ def enqueue(
         return 0
     statement = sa.insert(user).values(values) if values else sa.insert(user)
     failed = f"enqueueing {len(items)} row(s) into {source.name} failed"
-    with failed_as(CommitError, failed, "; nothing was inserted"), source.transaction() as conn:
-        if params:
-            conn.execute(statement, [{**row, **params} for row in items])
-        else:
-            conn.execute(statement, items)
+    try:
+        with failed_as(CommitError, failed, "; nothing was inserted"), source.transaction() as conn:
+            if params:
+                conn.execute(statement, [{**row, **params} for row in items])
+            else:
+                conn.execute(statement, items)
+    except CommitError as exc:
+        cause = exc.__cause__
+        if isinstance(cause, sa.exc.IntegrityError) and is_duplicate_key(cause):
+            raise _already_queued(failed, cause, columns_mode) from cause
+        raise
     return len(items)
+
+
+def _already_queued(failed: str, cause: Exception, columns_mode: bool) -> OutputConstraintError:
+    """A key that is in the table already: not retryable (inserting it again fails
+    again), and a queue row is its job, so say how to run that row again."""
+    again = (
+        "make that row ready again instead (UPDATE it with dbt_status = 'ready', "
+        "dbt_visible_at = the database's UTC now, dbt_claim_token = NULL, dbt_attempts = 0)"
+        if columns_mode
+        else "update that row instead, moving its cursor column (a new version is a new job)"
+    )
+    return OutputConstraintError(
+        f"{failed}: a row with one of these keys is already in the table "
+        f"({short_error(cause)}); nothing was inserted. To run a job again, {again}: "
+        "see docs/queues.md#running-a-row-again",
+        kind="unique",
+    )
 
 
 def _due(source: Queue, run_after: RunAfter) -> tuple[Any, dict[str, Any]]:

@@ -15,6 +15,7 @@ write) and check the settlement's report against the table.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -23,6 +24,7 @@ import pytest
 import sqlalchemy as sa
 
 from dbtrigger import ClaimSource
+from dbtrigger.errors import FetchError
 from dbtrigger.queue.statements import ClaimTable, DeadItem, RetryItem
 from tests.databases import TestDatabase
 from tests.test_queue_columns import make_jobs, rows, trigger
@@ -159,3 +161,43 @@ def test_extension_of_an_expired_claim_holds_nothing(db: TestDatabase) -> None:
         assert (len(first), len(second)) == (1, 1)  # the expired claim, halved
     finally:
         source.close()
+
+
+def test_a_claim_whose_extensions_fail_past_the_visibility_timeout_is_cancelled(
+    sqlite_db: TestDatabase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The heartbeat cannot reach the database (this worker's connection is cut, its
+    database user locked out) while the handler runs. Once no extension has landed
+    for the visibility timeout, the claim has expired whatever the database says, and
+    another worker may be running its rows: ``ctx.cancelled`` turns true, as when an
+    extension finds the claim holding no row. Before, it stayed false for as long as
+    the extensions failed: the handler ran on beside the other worker, not told."""
+    make_jobs(sqlite_db, 2)
+    source = ClaimSource(url=sqlite_db.url, table="jobs", pk_columns=["id"])
+    queue = trigger(
+        source, batch_size=2, visibility_timeout_seconds=1.0, heartbeat_interval_seconds=0.2
+    )
+
+    def cut_off(**_: Any) -> int:
+        raise FetchError("claim extension on jobs failed: connection refused")
+
+    monkeypatch.setattr(source, "extend", cut_off)
+    told: list[bool] = []
+
+    def handle(events: list[Any], ctx: Any) -> None:
+        deadline = time.monotonic() + 10  # bounded: told within a visibility timeout or two
+        while not ctx.cancelled and time.monotonic() < deadline:
+            time.sleep(0.02)
+        told.append(bool(ctx.cancelled))
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="dbtrigger"):
+            result = queue.tick_result(handle)
+    finally:
+        queue.close()
+        source.close()
+    assert told == [True]  # before: False, after the 10 s bound
+    assert result.claims_lost == 2  # the expired claim records nothing
+    [lost] = [r for r in caplog.records if getattr(r, "event", "") == "queue_claim_lost"]
+    assert "no extension" in lost.getMessage()
+    assert {r["dbt_status"] for r in rows(sqlite_db).values()} == {"claimed"}  # claimable again

@@ -9,9 +9,10 @@
    ``max_attempts`` attempts goes dead here, without a handler call.
 2. While the handler works, the trigger's heartbeat thread
    (:class:`~dbtrigger.runtime.kernel.KeepAlive`) pushes the claim's expiry
-   on every ``heartbeat_interval_seconds``. If it finds the claim holds no row
-   any more (it expired and others took them), ``ctx.cancelled`` turns true
-   and an async handler is cancelled.
+   on every ``heartbeat_interval_seconds``. Once the claim is lost (it holds no
+   row any more, or no extension landed for the visibility timeout:
+   :mod:`dbtrigger.queue.heartbeat`), ``ctx.cancelled`` turns true and an async
+   handler is cancelled.
 3. **Settle**: :func:`~dbtrigger.queue.outcome.decide` turns the handler's
    result and marks into done / retry / dead; dead rows are written to the
    ``quarantine`` (dead-letter) sink first (durably), then every outcome is
@@ -49,6 +50,7 @@ from dbtrigger.events import RowChange
 from dbtrigger.quarantine import QuarantineSink, put_records
 from dbtrigger.queue.context import ClaimContext
 from dbtrigger.queue.health import InFlight
+from dbtrigger.queue.heartbeat import ClaimBeat
 from dbtrigger.queue.layout import ClaimedRow
 from dbtrigger.queue.outcome import EXPIRED_ERROR, Plan, decide, expired_too_often
 from dbtrigger.queue.source import ClaimSource
@@ -245,7 +247,18 @@ class ClaimDriver:
             try:
                 with (
                     self.keepalive.holding(
-                        token, self._beat(token, lost, given_up), first_in=s.heartbeat_interval
+                        token,
+                        ClaimBeat(
+                            name=self.name,
+                            token=token,
+                            source=self.source,
+                            telemetry=self.telemetry,
+                            interval=s.heartbeat_interval,
+                            visibility=s.visibility_timeout,
+                            lost=lost,
+                            given_up=given_up,
+                        ),
+                        first_in=s.heartbeat_interval,
                     ),
                     self.keepalive.holding(f"call-{token}", watch.beat, first_in=watch.next_in()),
                 ):
@@ -491,47 +504,6 @@ class ClaimDriver:
             time_out,
             {"claim_held": True},
         )
-
-    def _beat(
-        self, token: str, lost: threading.Event, given_up: threading.Event
-    ) -> Callable[[], float | None]:
-        """One heartbeat of claim ``token`` (on the heartbeat thread): extend it,
-        and set ``lost`` once it holds no row any more; nothing once the handler
-        call was given up (``handler_timeout_seconds``): the claim lapses."""
-        interval = self.settings.heartbeat_interval
-
-        def beat() -> float | None:
-            if given_up.is_set():
-                return None
-            started = time.monotonic()
-            try:
-                held = self.source.extend(token=token, visibility=self.settings.visibility_timeout)
-            except DbTriggerError as exc:
-                self.telemetry.emit(
-                    "queue_claim_extend_failed",
-                    "queue %s: extending claim %s failed (%s); retrying in %.1fs",
-                    self.name,
-                    token,
-                    exc,
-                    interval,
-                    batch_id=token,
-                )
-                return max(0.0, interval - (time.monotonic() - started))
-            self.telemetry.emit("queue_claim_extended")
-            if held == 0 and not lost.is_set():
-                lost.set()
-                self.telemetry.emit(
-                    "queue_claim_lost",
-                    "queue %s: claim %s holds no row any more (it expired, or its rows were "
-                    "made ready, finished or deleted by someone else); the handler's results "
-                    "will not be recorded",
-                    self.name,
-                    token,
-                    batch_id=token,
-                )
-            return max(0.0, interval - (time.monotonic() - started))
-
-        return beat
 
 
 class _Tally:

@@ -263,7 +263,13 @@ def cmd_history(args: argparse.Namespace) -> int:
         except CorruptStateError as exc:  # the history is what tells where it stood
             doc, unreadable = None, exc
         history = history_of(args, store)
-        records = view.load(history, args.poller, doc)
+        earlier = 0
+        if args.batch or args.all or args.since:
+            records = view.load(history, args.poller, doc)
+        else:  # the last N: only the newest records are read
+            records, earlier = view.load_last(
+                history, args.poller, doc, args.limit or DEFAULT_SHOWN
+            )
     if args.batch:
         record = view.find_batch(records, args.batch)
         if args.json:
@@ -295,8 +301,9 @@ def cmd_history(args: argparse.Namespace) -> int:
             "NOTE",
         ]
         console.print(text_table([header, *(_row(r) for r in shown)]))
-        if len(shown) < len(records):
-            console.print(f"({len(records) - len(shown)} earlier record(s): --all, --since T)")
+        if len(shown) < len(records) or earlier:
+            count = len(records) - len(shown) + earlier
+            console.print(f"({count} earlier record(s): --all, --since T)")
         console.print(f"kept in {where}")
     if doc is None or unreadable is not None:
         console.print(resume_command(args, records))

@@ -34,6 +34,39 @@ def load(
     return merged(stored, doc.journal if doc is not None else ())
 
 
+def load_last(
+    history: HistoryStore | None,
+    poller: str,
+    doc: StateDocument | None,
+    count: int,
+) -> tuple[list[dict[str, Any]], int]:
+    """The last ``count`` records of :func:`load` (at least; the caller cuts), and
+    how many the history keeps before them, reading only the newest ones.
+
+    ``dbtrigger history`` shows the last 20 records by default: reading the whole
+    history for them (up to its retention, 256 MiB by default) took 10 s and 1.8 GB
+    of memory at 128 MiB."""
+    journal = doc.journal if doc is not None else ()
+    if history is None:
+        return merged([], journal)[-count:], 0
+    newest = history.tail(poller, 1)
+    if not newest:
+        return merged([], journal)[-count:], 0
+    # Twice as many as asked for: an entry appended twice takes two numbers.
+    since = max(0, int(newest[-1].get("seq") or 0) - 2 * count)
+    stored = rec.unique(holes_marked(poller, history.read(poller, since_seq=since)))
+    out = merged(stored, journal)[-count:]
+    earlier = 0
+    if since > 0:
+        first = next(iter(history.read(poller)), None)
+        held = [r for r in out if isinstance(r.get("seq"), int)]
+        if first is not None and held:
+            earlier = max(0, int(held[0]["seq"]) - int(first.get("seq") or 0))
+    else:
+        earlier = len(merged(stored, journal)) - len(out)
+    return out, earlier
+
+
 def holes_marked(poller: str, records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """``records`` (a history's ``read``) with a ``gap`` record where numbers are
     missing between two of them, naming the damaged lines found there.
@@ -199,4 +232,4 @@ def _no_gap_between(
         )
 
 
-__all__ = ["batch_range", "find_batch", "holes_marked", "load", "merged", "since"]
+__all__ = ["batch_range", "find_batch", "holes_marked", "load", "load_last", "merged", "since"]

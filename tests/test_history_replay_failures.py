@@ -241,3 +241,46 @@ def test_a_replay_is_recorded_in_the_trigger_s_own_history_or_in_none(
     code, out = _cli(capsys, spec, "replay", "orders", "--batch", first, "--yes", "--reason", "r")
     assert code == 0, out
     assert not list((tmp_path / "state").glob("*.history.*"))
+
+
+def test_a_replay_across_a_source_definition_change_says_so(
+    sqlite_db: TestDatabase,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The poller's source changed (evens only): the replay is refused, naming the
+    reset --accept-source that adopts it; once adopted, a replay of the batches
+    recorded before says they are read under today's definition (the odd rows gone)."""
+    trigger = _polled(sqlite_db, tmp_path)
+    calls = Calls()
+    register(trigger, calls, monkeypatch, tmp_path)
+    trigger.drain(calls.handler)
+    ids = _ids(trigger)
+    evens = _polled_again(sqlite_db, tmp_path, where="MOD(id, 2) = 0")
+    spec = register(evens, calls, monkeypatch, tmp_path)
+    argv = ["replay", "orders", "--from-batch", ids[0], "--to-batch", ids[1], "--verify"]
+    code, out = _cli(capsys, spec, *argv)
+    assert code == 2, out
+    assert f"dbtrigger reset orders --accept-source {spec} --reason TEXT" in out, out
+    code, out = _cli(capsys, spec, "reset", "orders", "--accept-source", spec,
+                     "--reason", "evens only", "--yes")  # fmt: skip
+    assert code == 0, out
+    code, out = _cli(capsys, spec, *argv)
+    assert code == 1, out
+    assert f"note: the source definition changed after batch {ids[1]} (accept_source" in out
+    assert "'evens only'): 2 batch(es) recorded under the old one" in out, out
+    assert "drift gone     id=1:" in out, out
+
+
+def _polled_again(db: TestDatabase, tmp_path: Path, **options: Any) -> PollTrigger:
+    source = SqlAlchemySource(
+        url=db.url, table="orders", cursor_column="seq", pk_columns=["id"], visibility="none",
+        **options,
+    )  # fmt: skip
+    return PollTrigger(
+        name="orders",
+        source=source,
+        checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+        batch_size=5,
+    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -136,6 +136,28 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return _replay(args, trigger, loaded.handler, trigger.store)
 
 
+def _said_source_changes(
+    console: Console, records: Sequence[Mapping[str, Any]], chosen: Sequence[Mapping[str, Any]]
+) -> None:
+    """Say each source definition the poller adopted (``reset --accept-source``) after
+    the first batch replayed: the batches before it were read under the old one, and
+    are read again under today's (a row the new definition no longer matches is
+    ``gone``)."""
+    ids = [r.get("id") for r in records]
+    first = ids.index(chosen[0].get("id")) if chosen and chosen[0].get("id") in ids else 0
+    for record in records[first:]:
+        if not record.get("fingerprint_after") or record.get("type") != "manual":
+            continue
+        before = [c for c in chosen if ids.index(c.get("id")) < ids.index(record.get("id"))]
+        if before:
+            console.print(
+                f"note: the source definition changed after batch {before[-1].get('batch_id')} "
+                f"({record.get('operation')} at {record.get('at')} by {record.get('actor')}: "
+                f"{record.get('reason')!r}): {len(before)} batch(es) recorded under the old one "
+                "are read under the definition as it is now"
+            )
+
+
 def _replay(
     args: argparse.Namespace,
     trigger: PollTrigger,
@@ -153,12 +175,16 @@ def _replay(
     if doc.source_fingerprint not in accepted_fingerprints(trigger.source):
         raise ConfigurationError(
             "the --trigger source definition differs from the one this poller recorded "
-            "(fingerprint); a replay reads the recorded ranges from the same source"
+            "(fingerprint); a replay reads the recorded ranges from the same source. Name the "
+            "trigger as the poller runs now; if the change is meant, the poller adopts it with "
+            f"dbtrigger reset {poller} --accept-source {args.source} --reason TEXT (a replay "
+            "then reads the ranges under the new definition, and says so)"
         )
     records = view.load(history_of(args, store), poller, doc)
     chosen = _records(args, records)
     plan = rp.plan(trigger, chosen, records)
     print_plan(console, plan)
+    _said_source_changes(console, records, chosen)
     for batch in plan.batches:
         for kind in ("changed", "gone", "added"):
             count = sum(1 for row in batch.drift if row.kind == kind)

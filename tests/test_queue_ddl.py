@@ -214,3 +214,32 @@ def test_a_sidecar_claim_that_cannot_read_the_user_table_claims_nothing(
         feeder.close()
         source.close()
     assert sorted(_jobs(db).values()) == [("done", 1), ("done", 1), ("ready", 0), ("ready", 0)]
+
+
+def test_a_column_retyped_under_a_running_worker_on_postgresql(
+    pg: TestDatabase, caplog: pytest.LogCaptureFixture
+) -> None:
+    """psycopg prepares a statement on the server once a connection has run it five
+    times, and a prepared claim returns the rows' columns: after another session's
+    ``ALTER COLUMN payload TYPE text`` PostgreSQL refuses it ("cached plan must not
+    change result type") on every connection that prepared it. The claim failed on
+    every tick, for good, saying the next claim reads the definition again (it did,
+    and the same prepared statement failed again). Now such a connection is
+    dropped with the pool, and the claim runs again on the new column type."""
+    make_jobs(pg, 30)
+    source = ClaimSource(url=pg.url, table="jobs", schema=pg.schema, pk_columns=["id"])
+    queue = QueueTrigger(name="jobs", source=source, batch_size=2)
+    seen = Afters()
+    try:
+        for _ in range(6):  # past psycopg's prepare_threshold (5) on the pooled connection
+            assert queue.tick(seen) == 2
+        pg.execute(f"ALTER TABLE {pg.qualified('jobs')} ALTER COLUMN payload TYPE text")
+        with caplog.at_level(logging.INFO, logger="dbtrigger"):
+            assert queue.tick(seen) == 2  # before: FetchError, on this tick and every later one
+            assert queue.tick(seen) == 2
+    finally:
+        queue.close()
+        source.close()
+    assert len(seen.seen) == 16
+    [said] = [r for r in caplog.records if getattr(r, "event", "") == "source_columns_changed"]
+    assert "type changed: payload" in said.getMessage()

@@ -269,7 +269,7 @@ def test_a_replay_across_a_source_definition_change_says_so(
     code, out = _cli(capsys, spec, *argv)
     assert code == 1, out
     assert f"note: the source definition changed after batch {ids[1]} (accept_source" in out
-    assert "'evens only'): 2 batch(es) recorded under the old one" in out, out
+    assert "('evens only')): 2 batch(es) recorded under the old one" in out, out
     assert "drift gone     id=1:" in out, out
 
 
@@ -284,3 +284,28 @@ def _polled_again(db: TestDatabase, tmp_path: Path, **options: Any) -> PollTrigg
         checkpoint_store=FileCheckpointStore(tmp_path / "state"),
         batch_size=5,
     )
+
+
+def test_a_replay_across_a_skip_batch_says_the_checkpoint_was_moved(
+    sqlite_db: TestDatabase,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Rows 11-15 were skipped live (skip-batch): the replay of the range hands over the
+    recorded batches only, as delivered, and says what moved the checkpoint between."""
+    trigger = _polled(sqlite_db, tmp_path)
+    calls = Calls()
+    spec = register(trigger, calls, monkeypatch, tmp_path)
+    trigger.tick(calls.handler)
+    trigger.tick(calls.handler)
+    code, out = _cli(capsys, spec, "skip-batch", "orders", "--to-cursor", "15", "--pk", "id=15",
+                     "--reason", "rows 11-15 bad", "--yes")  # fmt: skip
+    assert code == 0, out
+    trigger.drain(calls.handler)
+    ids = _ids(trigger)
+    argv = ["replay", "orders", "--from-batch", ids[0], "--to-batch", ids[-1], "--verify"]
+    code, out = _cli(capsys, spec, *argv)
+    assert code == 0, out
+    assert f"note: after batch {ids[1]}, skip_batch at " in out, out
+    assert "('rows 11-15 bad') moved the checkpoint 10 id=10 -> 15 id=15" in out, out

@@ -136,25 +136,39 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return _replay(args, trigger, loaded.handler, trigger.store)
 
 
-def _said_source_changes(
+def _said_operations(
     console: Console, records: Sequence[Mapping[str, Any]], chosen: Sequence[Mapping[str, Any]]
 ) -> None:
-    """Say each source definition the poller adopted (``reset --accept-source``) after
-    the first batch replayed: the batches before it were read under the old one, and
-    are read again under today's (a row the new definition no longer matches is
-    ``gone``)."""
+    """Say what operators did to the poller inside the range (``skip-batch``, ``reset``,
+    ``rewind``, ...: rows skipped or delivered twice live are so in the replay, which
+    hands over the recorded batches as they were delivered) and each source definition
+    it adopted (``reset --accept-source``) after the first batch replayed: the batches
+    before it were read under the old one and are read again under today's (a row the
+    new definition no longer matches is ``gone``)."""
     ids = [r.get("id") for r in records]
-    first = ids.index(chosen[0].get("id")) if chosen and chosen[0].get("id") in ids else 0
-    for record in records[first:]:
-        if not record.get("fingerprint_after") or record.get("type") != "manual":
+    at = [ids.index(c.get("id")) for c in chosen if c.get("id") in ids]
+    if not at:
+        return
+    for index in range(at[0] + 1, len(records)):
+        record = records[index]
+        if record.get("type") != "manual" or not record.get("after"):
             continue
-        before = [c for c in chosen if ids.index(c.get("id")) < ids.index(record.get("id"))]
-        if before:
+        before = [c for c, i in zip(chosen, at, strict=False) if i < index]
+        what = (
+            f"{record.get('operation')} at {record.get('at')} by {record.get('actor')} "
+            f"({record.get('reason')!r})"
+        )
+        if record.get("fingerprint_after"):
             console.print(
                 f"note: the source definition changed after batch {before[-1].get('batch_id')} "
-                f"({record.get('operation')} at {record.get('at')} by {record.get('actor')}: "
-                f"{record.get('reason')!r}): {len(before)} batch(es) recorded under the old one "
-                "are read under the definition as it is now"
+                f"({what}): {len(before)} batch(es) recorded under the old one are read under "
+                "the definition as it is now"
+            )
+        elif index < at[-1] and record.get("before") != record.get("after"):
+            console.print(
+                f"note: after batch {before[-1].get('batch_id')}, {what} moved the checkpoint "
+                f"{show_position(record.get('before'))} -> {show_position(record.get('after'))}: "
+                "the replay hands over the recorded batches as they were delivered"
             )
 
 
@@ -184,7 +198,7 @@ def _replay(
     chosen = _records(args, records)
     plan = rp.plan(trigger, chosen, records)
     print_plan(console, plan)
-    _said_source_changes(console, records, chosen)
+    _said_operations(console, records, chosen)
     for batch in plan.batches:
         for kind in ("changed", "gone", "added"):
             count = sum(1 for row in batch.drift if row.kind == kind)

@@ -269,3 +269,28 @@ def test_a_timestamp_cursor_made_timestamptz_is_followed_not_refused(pg: TestDat
         trigger.close()
         source.close()
     assert [a["id"] for a in seen.afters] == [1, 2, 3, 4]
+
+
+def test_a_column_retyped_under_a_running_poller_on_postgresql(pg: TestDatabase) -> None:
+    """psycopg prepares the fetch on the server once a connection has run it five
+    times; after another session's ``ALTER COLUMN payload TYPE text`` PostgreSQL
+    refuses it ("cached plan must not change result type"). Every later fetch failed
+    that way, for good, until a restart; now the pool's connections are replaced and
+    the fetch runs again (``dbtrigger._engine.renew_stale_plans``)."""
+    table = items_table(pg)
+    add_items(pg, table, range(1, 23))
+    source = source_for(pg)
+    trigger = PollTrigger(
+        name="items", source=source, checkpoint_store=InMemoryCheckpointStore(), batch_size=2
+    )
+    seen = Collect()
+    try:
+        for _ in range(8):  # past psycopg's prepare_threshold (5) for the same fetch
+            assert trigger.tick(seen) == 2
+        alter(pg, "ALTER TABLE {t} ALTER COLUMN payload TYPE text")
+        assert trigger.tick(seen) == 2  # before: FetchError, on this tick and every later one
+        assert trigger.tick(seen) == 2
+    finally:
+        trigger.close()
+        source.close()
+    assert [a["id"] for a in seen.afters] == list(range(1, 21))

@@ -257,6 +257,7 @@ class LazyEngine:
                     created = create_engine(url, **self._bounded(url))
                     if "pool_pre_ping" not in self._kwargs:
                         ping_when_idle(created)
+                    renew_stale_plans(created)
                     if self._lock_wait is not None:
                         given = self._kwargs.get("connect_args") or {}
                         bound_after_init_command(created, given, self._lock_wait)
@@ -300,6 +301,28 @@ class LazyEngine:
             engine = self._engine if self._owned else None
         if engine is not None:
             engine.dispose()
+
+
+#: PostgreSQL's refusal of a prepared statement whose result columns changed type.
+STALE_PLAN = "cached plan must not change result type"
+
+
+def renew_stale_plans(engine: Engine) -> None:
+    """Drop the pool's connections when PostgreSQL refuses a prepared statement
+    because its table's columns changed type under it (``ALTER COLUMN ... TYPE`` in
+    another session). psycopg prepares a statement on the server once a connection
+    has run it five times, and forgets it only when that connection runs DDL
+    itself: every later run of a claim or a fetch on such a connection failed the
+    same way, for good, whatever the source read of the table again. Taken as a
+    disconnect, the failing connection and the pool's others (which may hold the
+    same statement) are replaced, and the statement prepares afresh. Other
+    dialects and errors pass untouched."""
+
+    @sa.event.listens_for(engine, "handle_error")
+    def _stale_plan(context: sa.engine.ExceptionContext) -> None:
+        failure = context.original_exception
+        if getattr(failure, "sqlstate", None) == "0A000" and STALE_PLAN in str(failure):
+            context.is_disconnect = True
 
 
 def unbounded_if_refused(
@@ -501,5 +524,6 @@ __all__ = [
     "ping",
     "ping_when_idle",
     "reflect_table",
+    "renew_stale_plans",
     "unbounded_if_refused",
 ]

@@ -40,7 +40,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from dbtrigger import _lock_wait
-from dbtrigger._engine import given_connect_args, unbounded_if_refused
+from dbtrigger._engine import given_connect_args, renew_stale_plans, unbounded_if_refused
 from dbtrigger._lock_wait import lock_wait_bounded
 
 #: How long a claim, extension or settlement on a queue's own engine waits for a
@@ -91,28 +91,6 @@ def prepare_own_engine(engine: Engine, dialect: str, engine_kwargs: Mapping[str,
     if dialect == "postgresql":
         theirs = _lock_wait.user_driver_arg(given, engine.url.query, "options")
         unbounded_if_refused(engine, theirs, _nothing, waits="claims and settlements")
-        renew_stale_plans(engine)
-
-
-#: PostgreSQL's refusal of a prepared statement whose result columns changed type.
-STALE_PLAN = "cached plan must not change result type"
-
-
-def renew_stale_plans(engine: Engine) -> None:
-    """Drop the pool's connections when PostgreSQL refuses a prepared statement
-    because its table's columns changed type under it (``ALTER COLUMN ... TYPE`` in
-    another session). psycopg prepares a statement on the server once a connection
-    has run it five times, and forgets it only when that connection runs DDL
-    itself: every later run of the claim on such a connection failed the same way,
-    for good. Taken as a disconnect, the failing connection and the pool's others
-    (which may hold the same statement) are replaced, and the claim, run again on
-    the table's new definition, prepares afresh."""
-
-    @sa.event.listens_for(engine, "handle_error")
-    def _stale_plan(context: sa.engine.ExceptionContext) -> None:
-        failure = context.original_exception
-        if getattr(failure, "sqlstate", None) == "0A000" and STALE_PLAN in str(failure):
-            context.is_disconnect = True
 
 
 def _nothing() -> None:
@@ -214,6 +192,5 @@ __all__ = [
     "mysql_lock_bound",
     "prepare_own_engine",
     "reading",
-    "renew_stale_plans",
     "unit_of_work",
 ]

@@ -243,3 +243,38 @@ def test_a_column_retyped_under_a_running_worker_on_postgresql(
     assert len(seen.seen) == 16
     [said] = [r for r in caplog.records if getattr(r, "event", "") == "source_columns_changed"]
     assert "type changed: payload" in said.getMessage()
+
+
+def test_install_on_a_new_table_whose_index_name_a_renamed_queue_kept(
+    db: TestDatabase, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The queue table renamed under its workers (``jobs`` to ``jobs_old``) and a new
+    ``jobs`` made in its place: the renamed table keeps its index's name
+    (``ix_jobs_dbt_claimable``), which PostgreSQL and SQLite want unique in the
+    schema. ``queue install`` added the claim columns, then failed on the index in
+    the driver's words (every run again the same), leaving a queue with no claim
+    index. Now it refuses before changing anything, naming the table that holds the
+    name and what to do. MariaDB's index names are per table: no conflict there."""
+    make_jobs(db, 0)
+    old = db.qualified("jobs_old")
+    if db.kind == "mariadb":
+        db.execute(f"RENAME TABLE {db.qualified('jobs')} TO {old}")
+    else:
+        db.execute(f"ALTER TABLE {db.qualified('jobs')} RENAME TO jobs_old")
+    make_jobs(db, 0, install=False)
+    schema = ["--schema", db.schema] if db.schema else []
+    argv = ["queue", "install", "--url", db.url, "--table", "jobs", *schema, "--yes"]
+    capsys.readouterr()
+    code = main(argv)
+    err = capsys.readouterr().err
+    with db.engine.connect() as conn:
+        columns = {c["name"] for c in sa.inspect(conn).get_columns("jobs", schema=db.schema)}
+    if db.kind == "mariadb":
+        assert code == 0
+        assert "dbt_status" in columns
+        return
+    assert code != 0
+    assert "ix_jobs_dbt_claimable" in err
+    assert "jobs_old" in err  # the table that holds the name
+    assert "Free the name" in err  # what to do
+    assert columns == {"id", "payload"}  # before: the columns added, the index missing

@@ -43,6 +43,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Dialect
 from sqlalchemy.schema import CreateColumn, CreateIndex, DropIndex
 
+from dbtrigger.errors import ConfigurationError
 from dbtrigger.queue.schema import (
     CLAIM_COLUMNS,
     DONE,
@@ -99,11 +100,13 @@ def install_columns(
     name = index_name(table.name)
     existing_claim_index = [index for index in table.indexes if index.name == name]
     if not priority and not existing_claim_index:
+        _refuse_taken(conn, table, name)
         statements.append(
             str(CreateIndex(time.claimable_index(shadow, name)).compile(dialect=dialect))
         )
     ranked = index_name(table.name, "priority")
     if priority and not any(index.name == ranked for index in table.indexes):
+        _refuse_taken(conn, table, ranked)
         statements.append(
             str(CreateIndex(time.priority_index(shadow, ranked)).compile(dialect=dialect))
         )
@@ -117,6 +120,51 @@ def install_columns(
             str(update.compile(dialect=dialect, compile_kwargs={"literal_binds": True}))
         )
     return statements
+
+
+def _refuse_taken(conn: Connection, table: sa.Table, name: str) -> None:
+    """Refuse, before anything runs, an index name another table's index holds.
+
+    PostgreSQL and SQLite want index names unique in the schema, and a table
+    renamed keeps its indexes' names: after ``jobs`` became ``jobs_old`` and a new
+    ``jobs`` was made, install added the claim columns to it and then failed on
+    ``CREATE INDEX ix_jobs_dbt_claimable`` in the driver's words, on every run,
+    leaving a queue without its claim index. MariaDB/MySQL name indexes per table.
+    """
+    dialect = conn.dialect.name
+    if dialect == "postgresql":
+        found = conn.execute(
+            sa.text(
+                "SELECT t.relname FROM pg_class i "
+                "JOIN pg_namespace n ON n.oid = i.relnamespace "
+                "LEFT JOIN pg_index x ON x.indexrelid = i.oid "
+                "LEFT JOIN pg_class t ON t.oid = x.indrelid "
+                "WHERE i.relname = :name AND n.nspname = coalesce(:schema, current_schema())"
+            ),
+            {"name": name, "schema": table.schema},
+        ).first()
+        rename = f"ALTER INDEX {_qualified(table.schema, name)} RENAME TO <another name>"
+    elif dialect == "sqlite" and table.schema is None:
+        found = conn.execute(
+            sa.text("SELECT tbl_name FROM sqlite_master WHERE name = :name"), {"name": name}
+        ).first()
+        rename = f"DROP INDEX {name} and create it again under another name"
+    else:
+        return
+    if found is None or found[0] == table.name:
+        return
+    holder = f"an index of table {found[0]}" if found[0] else "another object"
+    raise ConfigurationError(
+        f"cannot install the queue on {table.name}: the claim index's name {name} is "
+        f"taken by {holder} in the same schema (a queue table renamed keeps its indexes' "
+        f"names, and this database wants them unique in the schema); nothing was changed. "
+        f"Free the name ({rename}), or drop {found[0] or 'that object'}, then run "
+        "install again"
+    )
+
+
+def _qualified(schema: str | None, name: str) -> str:
+    return f"{schema}.{name}" if schema else name
 
 
 def uninstall_columns(conn: Connection, table: sa.Table) -> list[str]:

@@ -1,8 +1,11 @@
-"""``dbtrigger history`` without --all, --since or --batch shows the last 20
+"""What a long history costs the commands that read it.
+
+``dbtrigger history`` without --all, --since or --batch shows the last 20
 records, and reads only the newest ones for them: at 128 MiB of history (half
 the default retention) reading it all took 10 s and 1.8 GB of memory, for 20
 lines. What it shows, the earlier count it prints and the gaps it marks are
-those of reading everything.
+those of reading everything. A rewind's plan looked each commit up in the list
+of commits: its dry run took 77 s at 39,000 records (3 s now).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dbtrigger.history import FileHistory, load
+from dbtrigger.history.positions import plan_rewind
 from dbtrigger.history.view import load_last
 
 
@@ -50,3 +54,34 @@ def test_a_short_history_is_read_whole(tmp_path: Path) -> None:
     assert load_last(history, "orders", None, 20) == (load(history, "orders"), 0)
     assert load_last(history, "orders", None, 3) == (load(history, "orders")[-3:], 2)
     assert load_last(history, "nobody", None, 20) == ([], 0)
+
+
+class Probe:
+    """A value that counts how often records holding it are compared."""
+
+    compared = 0
+
+    def __eq__(self, other: object) -> bool:
+        Probe.compared += 1
+        return True
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _position(n: int) -> dict[str, Any]:
+    kinds = {"id": "int"}
+    return {"kind": "int+pk", "value": n, "tiebreaker": {"id": n}, "tiebreaker_kinds": kinds}
+
+
+def test_a_rewind_plan_compares_each_commit_a_bounded_number_of_times() -> None:
+    count = 2000
+    records = [
+        {"probe": Probe(), "seq": n, "id": f"r{n}", "type": "commit", "batch_id": f"b{n}",
+         "at": f"2026-01-01T00:00:{n % 60:02d}Z", "from": _position(n - 1), "to": _position(n),
+         "rows": 1}
+        for n in range(1, count + 1)
+    ]  # fmt: skip
+    Probe.compared = 0
+    rewind = plan_rewind(records, to_batch="b10")
+    assert len(rewind.batches) == count - 9
+    assert Probe.compared < 4 * count

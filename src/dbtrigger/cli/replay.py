@@ -145,8 +145,8 @@ def _said_operations(
     it adopted (``reset --accept-source``) after the first batch replayed: the batches
     before it were read under the old one and are read again under today's (a row the
     new definition no longer matches is ``gone``)."""
-    ids = [r.get("id") for r in records]
-    at = [ids.index(c.get("id")) for c in chosen if c.get("id") in ids]
+    where = view.positions_of(records)
+    at = [where[c.get("id")] for c in chosen if c.get("id") in where]
     if not at:
         return
     for index in range(at[0] + 1, len(records)):

@@ -224,7 +224,7 @@ def plan_rewind(
         from dbtrigger.history.view import find_batch  # noqa: PLC0415
 
         target = find_batch(records, to_batch)
-        after = [c for c in commits if commits.index(c) >= commits.index(target)]
+        after = commits[commits.index(target) :]
         why = f"back to where batch {to_batch} began"
     else:
         assert to_time is not None  # noqa: S101 - one of the two is given

@@ -170,16 +170,22 @@ def test_a_claim_whose_extensions_fail_past_the_visibility_timeout_is_cancelled(
     database user locked out) while the handler runs. Once no extension has landed
     for the visibility timeout, the claim has expired whatever the database says, and
     another worker may be running its rows: ``ctx.cancelled`` turns true, as when an
-    extension finds the claim holding no row. Before, it stayed false for as long as
-    the extensions failed: the handler ran on beside the other worker, not told."""
+    extension finds the claim holding no row, and nothing the call returns is
+    recorded (here the extensions landed and only their answers were lost: a
+    settlement would have passed the fence and marked the rows done although the
+    handler stopped when told). Before, ``ctx.cancelled`` stayed false for as long
+    as the extensions failed: the handler ran on beside the other worker, not told."""
     make_jobs(sqlite_db, 2)
     source = ClaimSource(url=sqlite_db.url, table="jobs", pk_columns=["id"])
     queue = trigger(
         source, batch_size=2, visibility_timeout_seconds=1.0, heartbeat_interval_seconds=0.2
     )
 
-    def cut_off(**_: Any) -> int:
-        raise FetchError("claim extension on jobs failed: connection refused")
+    extend = source.extend
+
+    def cut_off(**claim: Any) -> int:
+        extend(**claim)  # it lands, but its answer is lost: the claim is still held
+        raise FetchError("claim extension on jobs failed: connection lost")
 
     monkeypatch.setattr(source, "extend", cut_off)
     told: list[bool] = []
@@ -197,7 +203,8 @@ def test_a_claim_whose_extensions_fail_past_the_visibility_timeout_is_cancelled(
         queue.close()
         source.close()
     assert told == [True]  # before: False, after the 10 s bound
-    assert result.claims_lost == 2  # the expired claim records nothing
+    # Nothing recorded: the handler stopped when told, so done would lose its rows.
+    assert (result.rows, result.claims_lost) == (0, 2)
     [lost] = [r for r in caplog.records if getattr(r, "event", "") == "queue_claim_lost"]
     assert "no extension" in lost.getMessage()
     assert {r["dbt_status"] for r in rows(sqlite_db).values()} == {"claimed"}  # claimable again

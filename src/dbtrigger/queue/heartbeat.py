@@ -17,7 +17,11 @@ cancelled - when either
 
 The second is judged on this process's monotonic clock from the moment the claim
 or the last extension *returned*, which is no earlier than the database's time the
-expiry was set from: the claim is certainly expired then, never too early.
+expiry was set from: the claim is expired then, unless an extension landed whose
+answer was lost. So that call is treated as given up (``given_up``): the heartbeat
+stops, and nothing it returns is recorded (its rows count as lost and come again),
+or a call that stopped on ``ctx.cancelled`` could be settled as done by a claim that
+still held its rows.
 Once a call was given up (``handler_timeout_seconds``) the heartbeat stops and the
 claim lapses.
 """
@@ -71,11 +75,17 @@ class ClaimBeat:
                 batch_id=self.token,
             )
             if time.monotonic() >= self.held_until:
+                # As a call given up: nothing it returns is recorded, and the claim
+                # lapses. An extension whose answer was lost may have landed, and a
+                # settlement would then pass the fence and mark done rows a call
+                # told to stop never finished.
+                self.given_up.set()
                 self._lost(
                     f"no extension landed for visibility_timeout_seconds={self.visibility:g} "
                     f"(the last failure: {exc}), so it has expired and another worker may "
                     "be delivering its rows"
                 )
+                return None
             return self._next(started)
         self.telemetry.emit("queue_claim_extended")
         if held:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -121,3 +122,47 @@ def test_a_state_document_made_anew_still_records_after_the_older_records(
     commits = [r for r in records if r["type"] == "commit"]
     assert [r["fencing_token"] for r in commits] == [*range(1, 31), *range(1, 31)]
     assert [r["seq"] for r in records] == list(range(1, len(records) + 1))
+
+
+def test_a_hanging_history_store_is_waited_for_once_and_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An append that never returns (a network partition to the history's database):
+    every tick() waited its flush's 10 s for it, and nothing was logged - it had not
+    failed. Now one flush waits, says so (history_append_hung), and the next ones
+    return at once until the append returns; then everything is recorded."""
+    caplog.set_level(logging.INFO, logger="dbtrigger")
+    held = HeldHistory(tmp_path)
+    trigger = PollTrigger(
+        name="orders",
+        source=memory_source(30),
+        checkpoint_store=FileCheckpointStore(tmp_path),
+        batch_size=10,
+        history=held,
+    )
+    trigger.tick(lambda events: None)
+    held.hold = True
+    trigger.tick_result(lambda events: None)
+    assert held.entered.wait(timeout=30)
+    recorder = trigger._driver.writer.history  # (its flush bound, shortened)
+    assert recorder.flush(0.05) is False
+    trigger.tick_result(lambda events: None)
+    # If the next flush waited for the held append, the watchdog would let it go.
+    watchdog = threading.Timer(5, held.release.set)
+    watchdog.start()
+    try:
+        assert trigger.flush_history() is False
+        assert not held.release.is_set()
+    finally:
+        watchdog.cancel()
+    said = [r for r in caplog.records if getattr(r, "event", None) == "history_append_hung"]
+    assert len(said) == 1
+    assert said[0].levelno == logging.WARNING
+    held.release.set()
+    deadline = time.monotonic() + 30  # until the held append returns: then flushes wait
+    while not recorder.flush(1):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    trigger.close()
+    assert [r["rows"] for r in held.inner.read("orders")] == [10, 10, 10]
+    assert [r for r in caplog.records if getattr(r, "event", None) == "history_append_returned"]

@@ -162,6 +162,7 @@ class HistoryRecorder:
         self._tried = 0
         self._written = True  # whether the last round was
         self._flushing = 0  # callers waiting in flush()
+        self._hung: int | None = None  # _tried when a flush gave up waiting for a round
         self._round_at = 0.0  # when the last round started (monotonic)
         #: Rounds start at most this often (see ROUND_SECONDS).
         self.round_seconds = ROUND_SECONDS
@@ -216,13 +217,26 @@ class HistoryRecorder:
         was counted and logged, and the journal holds what it could not write."""
         with self._cond:
             target = self._queued
+            if self._hung is not None and self._tried == self._hung:
+                return False  # still in the round a flush gave up on: not waited for again
             self._flushing += 1
             self._cond.notify_all()
             try:
-                self._cond.wait_for(lambda: self._tried >= target, timeout)
+                done = self._cond.wait_for(lambda: self._tried >= target, timeout)
             finally:
                 self._flushing -= 1
-            return self._tried >= target and self._written
+            if done:
+                return self._written
+            self._hung = self._tried
+        self.emit(
+            "history_append_hung",
+            "the history append of %s has not returned for %g s (its store hangs: a network "
+            "partition, a lock held); ticks no longer wait for it until it returns (said "
+            "once). The commits stand; what it misses is recorded from the journal",
+            self.poller,
+            timeout,
+        )
+        return False
 
     def close(self, timeout: float = FLUSH_SECONDS) -> bool:
         """:meth:`flush`, then stop the appender thread (it starts again with the
@@ -324,7 +338,12 @@ class HistoryRecorder:
             with self._cond:
                 self._written = written
                 self._tried = upto
+                hung, self._hung = self._hung, None
                 self._cond.notify_all()
+            if hung is not None:
+                self.emit(
+                    "history_append_returned", "the history append of %s returned", self.poller
+                )
 
     def _said_overflow(self, records: int, details: int) -> None:
         if not (records or details):

@@ -249,6 +249,8 @@ EVENTS: dict[str, EventSpec] = {
     "history_append_recovered": EventSpec(INFO),
     "history_gap": EventSpec(W),
     "history_overtaken": EventSpec(INFO),
+    "history_append_hung": EventSpec(W),
+    "history_append_returned": EventSpec(INFO),
     "history_queue_overflow": EventSpec(W, (_HISTORY_OVERFLOW,)),
     "history_queue_overflow_again": EventSpec(
         D, (_HISTORY_OVERFLOW,), log_as="history_queue_overflow"

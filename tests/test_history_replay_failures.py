@@ -249,8 +249,8 @@ def test_a_replay_across_a_source_definition_change_says_so(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """The poller's source changed (evens only): the replay is refused, naming the
-    reset --accept-source that adopts it; once adopted, a replay of the batches
+    """The poller's source changed (evens only): the replay (and a rewind) is refused,
+    naming the reset --accept-source that adopts it; once adopted, a replay of the batches
     recorded before says they are read under today's definition (the odd rows gone)."""
     trigger = _polled(sqlite_db, tmp_path)
     calls = Calls()
@@ -261,6 +261,9 @@ def test_a_replay_across_a_source_definition_change_says_so(
     spec = register(evens, calls, monkeypatch, tmp_path)
     argv = ["replay", "orders", "--from-batch", ids[0], "--to-batch", ids[1], "--verify"]
     code, out = _cli(capsys, spec, *argv)
+    assert code == 2, out
+    assert f"dbtrigger reset orders --accept-source {spec} --reason TEXT" in out, out
+    code, out = _cli(capsys, spec, "rewind", "orders", "--to-batch", ids[1], "--reason", "r")
     assert code == 2, out
     assert f"dbtrigger reset orders --accept-source {spec} --reason TEXT" in out, out
     code, out = _cli(capsys, spec, "reset", "orders", "--accept-source", spec,

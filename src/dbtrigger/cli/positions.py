@@ -51,7 +51,11 @@ def _check_source(args: argparse.Namespace, doc: StateDocument, first: dict[str,
     # A partitioned poller's partition: its own bucket range, which its fingerprint names.
     source = loaded.trigger.source if loaded.trigger is not None else own_source(args, loaded)
     if doc.source_fingerprint not in accepted_fingerprints(source):
-        raise ConfigurationError("the --trigger source differs from this poller's (fingerprint)")
+        raise ConfigurationError(
+            "the --trigger source differs from this poller's (fingerprint): name the trigger "
+            "as the poller runs now; if the change is meant, the poller adopts it with "
+            f"dbtrigger reset {args.poller} --accept-source {args.source} --reason TEXT"
+        )
     if not keeps_images(source):
         return "a polled table: the rows are delivered again as they are now"
     trigger = loaded.trigger

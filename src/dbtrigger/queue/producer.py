@@ -161,12 +161,14 @@ def enqueue(
     except CommitError as exc:
         cause = exc.__cause__
         if isinstance(cause, sa.exc.IntegrityError) and is_duplicate_key(cause):
-            raise _already_queued(failed, cause, columns_mode) from cause
+            raise _already_queued(failed, cause, columns_mode, user.name) from cause
         raise
     return len(items)
 
 
-def _already_queued(failed: str, cause: Exception, columns_mode: bool) -> OutputConstraintError:
+def _already_queued(
+    failed: str, cause: Exception, columns_mode: bool, table: str
+) -> OutputConstraintError:
     """A key that is in the table already: not retryable (inserting it again fails
     again), and a queue row is its job, so say how to run that row again."""
     again = (
@@ -179,6 +181,7 @@ def _already_queued(failed: str, cause: Exception, columns_mode: bool) -> Output
         f"{failed}: a row with one of these keys is already in the table "
         f"({short_error(cause)}); nothing was inserted. To run a job again, {again}: "
         "see docs/queues.md#running-a-row-again",
+        table=table,
         kind="unique",
     )
 

@@ -70,16 +70,22 @@ def _check_source(args: argparse.Namespace, doc: StateDocument, first: dict[str,
 def cmd_rewind(args: argparse.Namespace) -> int:
     if bool(args.to_time) == bool(args.to_batch):
         raise ConfigurationError("rewind needs one of --to-time TIME or --to-batch BATCH_ID")
-    with state_store(args) as store:
-        doc, _, _ = read_state(store, args.poller)
-        records = view.load(history_of(args, store), args.poller, doc)
     to_time: dt.datetime | None = None
     if args.to_time:
         value = parse_value(args.to_time, "timestamp")
         assert isinstance(value, dt.datetime)  # noqa: S101 - parse_value of a timestamp
         to_time = value
-    rewind = pos.plan_rewind(records, to_time=to_time, to_batch=args.to_batch, poller=args.poller)
-    note = _check_source(args, doc, rewind.batches[0])
+    with state_store(args) as store:
+        doc, _, _ = read_state(store, args.poller)
+        history = history_of(args, store)
+        # The ranges only (a long history's details are most of its memory), and the
+        # first batch's detail, which a log-based source's check compares.
+        records = view.load(history, args.poller, doc, details=False)
+        rewind = pos.plan_rewind(
+            records, to_time=to_time, to_batch=args.to_batch, poller=args.poller
+        )
+        first = view.with_detail(history, args.poller, rewind.batches[0])
+    note = _check_source(args, doc, first)
     console = Console()
     console.print(
         f"rewind {args.poller!r} {rewind.why}: {len(rewind.batches)} recorded batch(es) "

@@ -27,11 +27,47 @@ def load(
     history: HistoryStore | None,
     poller: str,
     doc: StateDocument | None = None,
+    *,
+    details: bool = True,
 ) -> list[dict[str, Any]]:
     """Every record of ``poller``, oldest first, each once, with the journal's newer
-    entries; numbers missing between two records are a ``gap`` record (:func:`holes_marked`)."""
-    stored = rec.unique(holes_marked(poller, history.read(poller))) if history is not None else []
+    entries; numbers missing between two records are a ``gap`` record (:func:`holes_marked`).
+
+    ``details=False`` leaves out the commits' per-event detail (``detail_unread``
+    True instead; :func:`with_detail` reads one back): what a rewind's plan needs
+    of a long history is its ranges, and the details are most of its memory."""
+    if history is None:
+        return merged([], doc.journal if doc is not None else ())
+    read = history.read(poller)
+    if not details:
+        read = (_without_detail(r) for r in read)
+    stored = rec.unique(holes_marked(poller, read))
     return merged(stored, doc.journal if doc is not None else ())
+
+
+def _without_detail(record: dict[str, Any]) -> dict[str, Any]:
+    if "detail" not in record:
+        return record
+    out = {k: v for k, v in record.items() if k != "detail"}
+    out["detail_unread"] = True
+    return out
+
+
+def with_detail(
+    history: HistoryStore | None, poller: str, record: Mapping[str, Any]
+) -> dict[str, Any]:
+    """``record`` (of :func:`load` with ``details=False``) with its detail, read again."""
+    seq = record.get("seq")
+    if history is None or not record.get("detail_unread") or not isinstance(seq, int):
+        return dict(record)
+    for found in history.read(poller, since_seq=seq - 1):
+        if found.get("id") == record.get("id"):
+            return dict(found)
+        break
+    raise ReplayRefusedError(
+        f"record {seq} of the history of {poller!r} (batch {record.get('batch_id')}) is gone "
+        "since it was read (pruned by retention?): run the command again"
+    )
 
 
 def load_last(
@@ -250,4 +286,5 @@ __all__ = [
     "merged",
     "positions_of",
     "since",
+    "with_detail",
 ]

@@ -16,6 +16,7 @@ write) and check the settlement's report against the table.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -208,3 +209,44 @@ def test_a_claim_whose_extensions_fail_past_the_visibility_timeout_is_cancelled(
     [lost] = [r for r in caplog.records if getattr(r, "event", "") == "queue_claim_lost"]
     assert "no extension" in lost.getMessage()
     assert {r["dbt_status"] for r in rows(sqlite_db).values()} == {"claimed"}  # claimable again
+
+
+def test_a_heartbeat_after_the_claims_own_settlement_reports_nothing_lost(
+    sqlite_db: TestDatabase, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A heartbeat that falls between the settlement of the claim's last rows and the
+    end of the tick finds the claim holding no row: its own settlement finished
+    them. It logged ``queue_claim_lost`` at WARNING ("the handler's results will not
+    be recorded") about a claim whose results had just been recorded. Here the
+    settlement waits for such a beat (bounded)."""
+    make_jobs(sqlite_db, 2)
+    source = ClaimSource(url=sqlite_db.url, table="jobs", pk_columns=["id"])
+    queue = trigger(
+        source, batch_size=2, visibility_timeout_seconds=1.0, heartbeat_interval_seconds=0.1
+    )
+    settle, extend = source.settle, source.extend
+    beat_after = threading.Event()
+    settled = threading.Event()
+
+    def late_beat(**claim: Any) -> int:
+        held = extend(**claim)
+        if settled.is_set():
+            beat_after.set()
+        return held
+
+    def settle_then_wait(**outcome: Any) -> Any:
+        result = settle(**outcome)
+        settled.set()
+        assert beat_after.wait(30)  # a beat lands after the settlement (bounded)
+        return result
+
+    monkeypatch.setattr(source, "extend", late_beat)
+    monkeypatch.setattr(source, "settle", settle_then_wait)
+    try:
+        with caplog.at_level(logging.WARNING, logger="dbtrigger"):
+            result = queue.tick_result(lambda events: None)
+    finally:
+        queue.close()
+        source.close()
+    assert (result.rows, result.claims_lost) == (2, 0)
+    assert not [r for r in caplog.records if getattr(r, "event", "") == "queue_claim_lost"]

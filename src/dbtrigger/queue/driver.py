@@ -242,6 +242,7 @@ class ClaimDriver:
         if live:
             lost = threading.Event()
             given_up = threading.Event()
+            tally.unsettled = len(live)
             watch = CallWatch(self._watched(token, lost, given_up), token, len(live))
             self.in_flight[token] = InFlight(token, len(live), self.clock())
             try:
@@ -257,6 +258,7 @@ class ClaimDriver:
                             visibility=s.visibility_timeout,
                             lost=lost,
                             given_up=given_up,
+                            settling=tally.settling,
                         ),
                         first_in=s.heartbeat_interval,
                     ),
@@ -404,6 +406,7 @@ class ClaimDriver:
             backoff=self.settings.backoff,
             rng=self._rng,
         )
+        tally.to_settle(len(rows))
         self._perform(token, rows, plan, tally, errors)
 
     def _perform(
@@ -515,6 +518,17 @@ class _Tally:
         self.done = self.retried = self.dead = self.lost = 0
         self.settled: list[tuple[Key, str]] = []
         self._lock = threading.Lock()
+        #: Live rows whose settlement has not begun; ``settling`` is set once none.
+        self.unsettled = 0
+        self.settling = threading.Event()
+
+    def to_settle(self, rows: int) -> None:
+        """A lane's ``rows`` go to their settlement (the heartbeat then knows that a
+        claim found holding no row was finished by it, not lost)."""
+        with self._lock:
+            self.unsettled -= rows
+            if self.unsettled <= 0:
+                self.settling.set()
 
     def add(self, token: str, plan: Plan, dead: Sequence[DeadItem], settled: Settled) -> None:
         wanted = [*plan.done, *(r.key for r in plan.retry), *(d.key for d in dead)]

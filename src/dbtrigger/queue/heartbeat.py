@@ -23,7 +23,10 @@ stops, and nothing it returns is recorded (its rows count as lost and come again
 or a call that stopped on ``ctx.cancelled`` could be settled as done by a claim that
 still held its rows.
 Once a call was given up (``handler_timeout_seconds``) the heartbeat stops and the
-claim lapses.
+claim lapses. A claim found holding no row after its last rows went to their own
+settlement (``settling``) was finished, not lost: a beat landing between that
+settlement and the end of the tick logged ``queue_claim_lost`` about results that
+had just been recorded.
 """
 
 from __future__ import annotations
@@ -51,10 +54,11 @@ class ClaimBeat:
         visibility: float,
         lost: threading.Event,
         given_up: threading.Event,
+        settling: threading.Event,
     ) -> None:
         self.name, self.token, self.source, self.telemetry = name, token, source, telemetry
         self.interval, self.visibility = interval, visibility
-        self.lost, self.given_up = lost, given_up
+        self.lost, self.given_up, self.settling = lost, given_up, settling
         #: When the claim certainly expires unless an extension lands (monotonic).
         self.held_until = time.monotonic() + visibility
 
@@ -90,6 +94,8 @@ class ClaimBeat:
         self.telemetry.emit("queue_claim_extended")
         if held:
             self.held_until = time.monotonic() + self.visibility
+        elif self.settling.is_set():
+            return None  # its own settlement finished the rows: nothing left to hold
         else:
             self._lost(
                 "it holds no row any more (it expired, or its rows were made ready, "

@@ -52,6 +52,7 @@ from dbtrigger._lock_wait import (
     lock_timed_out,
 )
 from dbtrigger._write_refusals import refusal, refusal_error
+from dbtrigger._write_values import mark_json_columns, refuse_values
 from dbtrigger.errors import (
     ConfigurationError,
     OutputLockTimeoutError,
@@ -160,9 +161,11 @@ class TableHandle:
         if self._table is None:
             with self._lock:
                 if self._table is None:
-                    self._table = reflect_table(
+                    table = reflect_table(
                         conn, self.table_name, self.schema, shown=self.name, noun=self.noun
                     )
+                    mark_json_columns(conn, table)
+                    self._table = table
         return self._table
 
     def columns(self, conn: Connection, names: Sequence[str]) -> sa.Table:
@@ -216,6 +219,7 @@ class TableHandle:
                         numeric and value is not None and not isinstance(value, _NUMBER_LIKE)
                     ):
                         raise self._unwritable(index, column, value, column_type, "")
+        refuse_values(conn.dialect.name, table, rows, self.name)
         try:
             if not each:
                 return conn.execute(statement)

@@ -1,0 +1,167 @@
+"""Values a write refuses before the driver sees them, and MariaDB's JSON columns (internal).
+
+Some values reach the table changed, silently, or fail in a way that reads as
+the database being unwell (retried for ever); both are refused here, naming
+the row and the column, as :class:`~dbtrigger.errors.OutputValueError`:
+
+* a **time-zone-aware datetime in a column without a time zone** (SQLite,
+  MariaDB/MySQL ``DATETIME``/``TIMESTAMP``, PostgreSQL ``timestamp``): SQLite
+  and PyMySQL drop the offset (10:00+02:00 is stored as 10:00), PostgreSQL
+  converts to the session's time zone (08:00 under UTC): the same row would
+  hold another instant on each database. dbtrigger never guesses a zone
+  (docs/sources.md), so the caller says which wall clock the column keeps;
+* a **NaN or infinity** on MariaDB/MySQL, which cannot store one (PyMySQL
+  refuses it as a ProgrammingError);
+* a **NUL character** in a string on PostgreSQL, whose text cannot hold one
+  (psycopg refuses it as a DataError).
+
+MariaDB has no JSON type of its own: ``JSON`` is ``LONGTEXT`` with a
+``CHECK (json_valid(col))``, reflected as ``LONGTEXT``. A dict given to it was
+refused ("give the column a type that holds it (JSON)" - it was one).
+:func:`mark_json_columns` gives such columns :class:`MariaDbJson`: a dict, a
+list, a number or a bool is sent as its JSON text; a string is sent as it is,
+JSON text already (what the earlier refusal told people to send:
+``json.dumps(...)``), so it is not encoded twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import math
+from collections.abc import Mapping, Sequence
+from decimal import Decimal
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Dialect
+from sqlalchemy.exc import SQLAlchemyError
+
+from dbtrigger.errors import OutputValueError
+
+
+class MariaDbJson(sa.TypeDecorator[Any]):
+    """A MariaDB ``JSON`` column (``LONGTEXT`` checked by ``json_valid``): values other
+    than strings are sent as JSON text; strings, JSON text already, as they are. Read
+    back as text, as before (a reader's rows do not change type)."""
+
+    impl = sa.Text
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: Dialect) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        return json.dumps(value)
+
+
+def mark_json_columns(conn: Connection, table: sa.Table) -> None:
+    """On MariaDB, give each ``LONGTEXT`` column checked by ``json_valid`` (what
+    ``CREATE TABLE ... (c JSON)`` made) the type :class:`MariaDbJson`. A server
+    without ``information_schema.CHECK_CONSTRAINTS`` (before 10.2) has no such check."""
+    if not getattr(conn.dialect, "is_mariadb", False):
+        return
+    clauses: list[Any] = []
+    with contextlib.suppress(SQLAlchemyError):
+        clauses = list(
+            conn.execute(
+                sa.text(
+                    "SELECT CHECK_CLAUSE FROM information_schema.CHECK_CONSTRAINTS WHERE "
+                    "CONSTRAINT_SCHEMA = COALESCE(:schema, DATABASE()) AND TABLE_NAME = :name"
+                ),
+                {"schema": table.schema, "name": table.name},
+            )
+        )
+    for (clause,) in clauses:
+        text = str(clause).strip()
+        if not (text.startswith("json_valid(`") and text.endswith("`)")):
+            continue
+        name = text[len("json_valid(`") : -2].replace("``", "`")
+        if name in table.c and isinstance(table.c[name].type, sa.String):
+            table.c[name].type = MariaDbJson()
+
+
+def refuse_values(
+    dialect: str, table: sa.Table, rows: Sequence[Mapping[str, Any]], where: str
+) -> None:
+    """Refuse the first value of ``rows`` its column would not store as given (the
+    module doc).
+
+    Raises:
+        OutputValueError: names the row, the column and what to do; never the value.
+    """
+    mysql = dialect in ("mysql", "mariadb")
+    columns = list(rows[0]) if rows else []
+    for column in columns:
+        kind = table.c[column].type
+        naive_column = isinstance(kind, sa.DateTime) and not getattr(kind, "timezone", False)
+        text_column = isinstance(kind, sa.String)
+        for index, row in enumerate(rows):
+            value = row.get(column)
+            if value is None:
+                continue
+            if naive_column and isinstance(value, dt.datetime) and value.tzinfo is not None:
+                raise _refused(
+                    where,
+                    index,
+                    column,
+                    kind,
+                    value,
+                    "is time-zone aware and the column keeps no time zone (stored as it is, "
+                    "the offset would be dropped on SQLite and MariaDB/MySQL, converted to "
+                    "the session's zone on PostgreSQL). Give the wall-clock time the column "
+                    "keeps: value.astimezone(datetime.timezone.utc).replace(tzinfo=None) for "
+                    "UTC, or make it a column with a time zone (PostgreSQL timestamptz)",
+                )
+            if mysql and _not_finite(value):
+                raise _refused(
+                    where,
+                    index,
+                    column,
+                    kind,
+                    value,
+                    "is NaN or infinite, which MariaDB/MySQL cannot store. Write None "
+                    "(NULL) or a number instead",
+                )
+            if dialect == "postgresql" and text_column and _holds_nul(value):
+                raise _refused(
+                    where,
+                    index,
+                    column,
+                    kind,
+                    value,
+                    "holds a NUL character ('\\x00'), which PostgreSQL text cannot store. "
+                    "Remove it (value.replace('\\x00', '')) or write bytes to a bytea column",
+                )
+
+
+def _not_finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, Decimal):
+        return not value.is_finite()
+    return False
+
+
+def _holds_nul(value: Any) -> bool:
+    return isinstance(value, str) and "\x00" in value
+
+
+def _refused(
+    where: str, index: int, column: str, kind: Any, value: Any, why: str
+) -> OutputValueError:
+    try:
+        shown = str(kind)
+    except Exception:  # noqa: BLE001 - a type that cannot render itself is still a type
+        shown = type(kind).__name__
+    return OutputValueError(
+        f"cannot write row {index} to {where}: the value of column {column!r} ({shown}) "
+        f"{why}. Writing it again cannot help",
+        table=where,
+        column=column,
+        value_type=type(value).__name__,
+        row=index,
+    )
+
+
+__all__ = ["MariaDbJson", "mark_json_columns", "refuse_values"]

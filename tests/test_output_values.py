@@ -1,0 +1,128 @@
+"""db.output values that reached the table changed, or failed as if the database were
+unwell; live on SQLite, PostgreSQL and MariaDB (``dbtrigger._write_values``)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from dbtrigger.errors import OutputValueError, RetryableError
+from dbtrigger.output import OutputTarget
+from tests.databases import TestDatabase
+
+PLUS_TWO = dt.timezone(dt.timedelta(hours=2))
+
+
+@pytest.fixture
+def targets() -> Iterator[list[OutputTarget]]:
+    """Targets made by a test, closed with it (no stray connections)."""
+    made: list[OutputTarget] = []
+    yield made
+    for target in made:
+        target.close()
+
+
+def make_table(db: TestDatabase, name: str, *columns: sa.Column[Any]) -> sa.Table:
+    meta = sa.MetaData(schema=db.schema)
+    table = sa.Table(name, meta, sa.Column("id", sa.Integer, primary_key=True), *columns)
+    meta.create_all(db.engine)
+    return table
+
+
+def alter(db: TestDatabase, table: sa.Table, change: str) -> None:
+    name = db.engine.dialect.identifier_preparer.format_table(table)
+    with db.engine.begin() as conn:
+        conn.execute(sa.text(f"ALTER TABLE {name} {change}"))
+
+
+def test_an_aware_datetime_in_a_column_without_a_time_zone_is_refused(
+    db: TestDatabase, targets: list[OutputTarget]
+) -> None:
+    """10:00+02:00 was stored as 10:00 on SQLite and MariaDB (the offset dropped) and
+    as 08:00 on PostgreSQL (the session's zone): another instant on each database,
+    silently. It is refused naming the row and the column, and nothing is written;
+    the conversion the message gives is stored as that wall clock on all three."""
+    table = make_table(db, "stamps", sa.Column("at", sa.DateTime))
+    target = OutputTarget(url=db.url, table="stamps", schema=db.schema)
+    targets.append(target)
+    aware = dt.datetime(2026, 1, 1, 10, 0, tzinfo=PLUS_TWO)
+    rows = [{"id": 1, "at": dt.datetime(2026, 1, 1, 9, 0)}, {"id": 2, "at": aware}]
+
+    with pytest.raises(OutputValueError) as err:
+        target.write(rows)
+    assert err.value.fields["column"] == "at"
+    assert err.value.fields["row"] == 1
+    assert "time-zone aware" in str(err.value)
+    assert "astimezone(datetime.timezone.utc)" in str(err.value)
+    assert not isinstance(err.value, RetryableError)
+    with db.engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(table)).scalar() == 0
+
+    rows[1]["at"] = aware.astimezone(dt.timezone.utc).replace(tzinfo=None)
+    target.write(rows)
+    with db.engine.connect() as conn:
+        stored = conn.execute(sa.select(table.c.at).order_by(table.c.id)).scalars().all()
+    assert stored == [dt.datetime(2026, 1, 1, 9, 0), dt.datetime(2026, 1, 1, 8, 0)]
+
+
+def test_a_mariadb_json_column_takes_a_dict(
+    mariadb: TestDatabase, targets: list[OutputTarget]
+) -> None:
+    """MariaDB's JSON is LONGTEXT with CHECK (json_valid(...)): a dict was refused,
+    telling the user to give the column a type that holds it (JSON, which it was).
+    A dict or a list is now sent as JSON text; a string, JSON text already (the
+    json.dumps(...) the refusal asked for), is sent as it is, not encoded twice."""
+    table = make_table(mariadb, "docs", sa.Column("body", sa.JSON), sa.Column("note", sa.Text))
+    target = OutputTarget(url=mariadb.url, table="docs", schema=mariadb.schema)
+    targets.append(target)
+
+    target.write(
+        [
+            {"id": 1, "body": {"k": ["v", 1, None]}, "note": "{}"},
+            {"id": 2, "body": json.dumps({"k": 2}), "note": "x"},
+            {"id": 3, "body": [1, 2], "note": None},
+            {"id": 4, "body": None, "note": None},
+        ]
+    )
+    with mariadb.engine.connect() as conn:
+        stored = conn.execute(sa.select(table.c.body, table.c.note).order_by(table.c.id)).all()
+    assert [tuple(r) for r in stored] == [
+        ({"k": ["v", 1, None]}, "{}"),
+        ({"k": 2}, "x"),
+        ([1, 2], None),
+        (None, None),
+    ]
+    with pytest.raises(OutputValueError, match="column 'note'"):  # a plain text column
+        target.write([{"id": 5, "body": None, "note": {"k": 1}}])
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "mariadb"])
+def test_a_value_the_database_cannot_hold_is_refused_not_retried(
+    kind: str, request: pytest.FixtureRequest, targets: list[OutputTarget]
+) -> None:
+    """A NUL in a PostgreSQL text column (psycopg's DataError) and a NaN on MariaDB
+    (PyMySQL's ProgrammingError) failed as OutputWriteError, retryable: a batch
+    delivered again and again, failing the same way, with no column named."""
+    db: TestDatabase = request.getfixturevalue("pg" if kind == "postgresql" else "mariadb")
+    make_table(db, "vals", sa.Column("txt", sa.Text), sa.Column("f", sa.Float))
+    target = OutputTarget(url=db.url, table="vals", schema=db.schema)
+    targets.append(target)
+    row = (
+        {"id": 1, "txt": "a\x00b", "f": 1.5}
+        if kind == "postgresql"
+        else {"id": 1, "txt": "a", "f": math.nan}
+    )
+    column = "txt" if kind == "postgresql" else "f"
+
+    with pytest.raises(OutputValueError) as err:
+        target.write([{"id": 0, "txt": "fine", "f": 0.0}, row])
+    assert not isinstance(err.value, RetryableError)
+    assert err.value.fields["column"] == column
+    assert err.value.fields["row"] == 1
+    assert "a\x00b" not in str(err.value)

@@ -1,5 +1,6 @@
 """db.output values that reached the table changed, or failed as if the database were
-unwell; live on SQLite, PostgreSQL and MariaDB (``dbtrigger._write_values``)."""
+unwell, and an output table altered under a running function; live on SQLite,
+PostgreSQL and MariaDB (``dbtrigger._write_values``, ``TableHandle.forget``)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,21 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
+import azure.functions as func
 import pytest
 import sqlalchemy as sa
+from azure.functions.timer import TimerRequest
 
-from dbtrigger.errors import OutputValueError, RetryableError
+from dbtrigger import (
+    DbBindings,
+    DbOut,
+    HandlerError,
+    InMemoryCheckpointStore,
+    RowChange,
+    SqlAlchemySource,
+)
+from dbtrigger.azure import binding_of
+from dbtrigger.errors import ConfigurationError, OutputValueError, RetryableError
 from dbtrigger.output import OutputTarget
 from tests.databases import TestDatabase
 
@@ -126,3 +138,76 @@ def test_a_value_the_database_cannot_hold_is_refused_not_retried(
     assert err.value.fields["column"] == column
     assert err.value.fields["row"] == 1
     assert "a\x00b" not in str(err.value)
+
+
+def timer() -> TimerRequest:
+    return TimerRequest(past_due=False, schedule_status={}, schedule={"AdjustForDST": True})
+
+
+def test_a_column_added_under_a_running_function_app_is_written(
+    db: TestDatabase, request: pytest.FixtureRequest
+) -> None:
+    """A function writing a column the table does not have yet fails (typed, the
+    batch not committed); the operator adds the column; the next timer tick wrote
+    nothing still: the table had been read once, and every delivery was refused
+    against that copy until the host restarted."""
+    orders = make_table(db, "orders", sa.Column("seq", sa.Integer, nullable=False))
+    sink = make_table(db, "sink", sa.Column("amount", sa.Integer))
+    with db.engine.begin() as conn:
+        conn.execute(orders.insert(), [{"id": 1, "seq": 1}, {"id": 2, "seq": 2}])
+    source = SqlAlchemySource(
+        url=db.url, table="orders", schema=db.schema, cursor_column="seq", pk_columns=["id"]
+    )
+    request.addfinalizer(source.close)
+    app = func.FunctionApp()
+    bindings = DbBindings()
+
+    @app.schedule(schedule="0 */5 * * * *", arg_name="timer")
+    @bindings.trigger(arg_name="events", source=source, checkpoint_store=InMemoryCheckpointStore())
+    @bindings.output(
+        "out", url=db.url, table="sink", schema=db.schema, action="upsert", conflict_columns=["id"]
+    )
+    def orders_poll(timer: func.TimerRequest, events: list[RowChange], out: DbOut) -> None:
+        out.set([{"id": e.pk["id"], "amount": 10, "note": "new"} for e in events])
+
+    (function,) = app.get_functions()
+    invoke = function.get_user_function()
+    request.addfinalizer(binding_of(invoke).output.close)
+
+    with pytest.raises(HandlerError) as err:
+        invoke(timer=timer())
+    assert isinstance(err.value.__cause__, ConfigurationError)
+    assert "no column(s) note" in str(err.value)
+
+    alter(db, sink, "ADD COLUMN note VARCHAR(20)")
+    invoke(timer=timer())
+    with db.engine.connect() as conn:
+        rows = conn.execute(sa.text(f"SELECT id, amount, note FROM {db.qualified('sink')}")).all()
+    assert sorted(tuple(r) for r in rows) == [(1, 10, "new"), (2, 10, "new")]
+
+
+def test_a_dropped_column_or_table_is_named_and_a_table_made_anew_is_written(
+    db: TestDatabase, targets: list[OutputTarget]
+) -> None:
+    """A column dropped, then the table, since the first write: each write failed as
+    OutputWriteError in the driver's words, retryable, against the copy read at the
+    first write, even after the table was made again as it was."""
+    table = make_table(db, "sink", sa.Column("amount", sa.Integer), sa.Column("note", sa.Text))
+    target = OutputTarget(
+        url=db.url, table="sink", schema=db.schema, action="upsert", conflict_columns=["id"]
+    )
+    targets.append(target)
+    target.write([{"id": 1, "amount": 1, "note": "a"}])
+
+    alter(db, table, "DROP COLUMN note")
+    with pytest.raises(ConfigurationError, match=r"has no column\(s\) note"):
+        target.write([{"id": 2, "amount": 2, "note": "b"}])
+
+    table.drop(db.engine)
+    with pytest.raises(ConfigurationError, match="does not exist"):
+        target.write([{"id": 3, "amount": 3}])
+
+    table.create(db.engine)
+    target.write([{"id": 4, "amount": 4, "note": "d"}])
+    with db.engine.connect() as conn:
+        assert [tuple(r) for r in conn.execute(sa.select(table))] == [(4, 4, "d")]

@@ -17,7 +17,7 @@ import contextlib
 import traceback
 from collections.abc import Callable, Iterator
 
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import NoSuchTableError, SQLAlchemyError
 
 
 def short_error(exc: BaseException, limit: int | None = 300) -> str:
@@ -43,6 +43,29 @@ def lost_to_another_transaction(exc: BaseException) -> bool:
     args = getattr(orig, "args", ())
     code = args[0] if args and isinstance(args[0], int) else None
     return sqlstate in PG_CONFLICT_SQLSTATES or code in MYSQL_CONFLICT_CODES
+
+
+#: The table or a column a statement names is not there (any more).
+PG_MISSING_SQLSTATES = frozenset({"42P01", "42703"})
+MYSQL_MISSING_CODES = frozenset({1146, 1054})
+SQLITE_MISSING = ("no such table", "no such column", "has no column named")
+
+
+def names_a_missing_object(exc: BaseException) -> bool:
+    """True when a statement failed because its table or one of its columns is not
+    there (dropped or renamed since it was read): PostgreSQL, MariaDB/MySQL, SQLite,
+    or SQLAlchemy's catalogue reads (``NoSuchTableError``)."""
+    if isinstance(exc, NoSuchTableError):
+        return True
+    orig = getattr(exc, "orig", None) or exc
+    sqlstate = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    args = getattr(orig, "args", ())
+    code = args[0] if args and isinstance(args[0], int) else None
+    if sqlstate in PG_MISSING_SQLSTATES or code in MYSQL_MISSING_CODES:
+        return True
+    return type(orig).__module__.startswith("sqlite3") and any(
+        text in str(orig) for text in SQLITE_MISSING
+    )
 
 
 @contextlib.contextmanager

@@ -42,7 +42,11 @@ from sqlalchemy.engine import URL, Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from dbtrigger._database_url import DatabaseUrl
-from dbtrigger._driver_errors import lost_to_another_transaction, short_error
+from dbtrigger._driver_errors import (
+    lost_to_another_transaction,
+    names_a_missing_object,
+    short_error,
+)
 from dbtrigger._engine import LazyEngine, reflect_table
 from dbtrigger._lock_wait import (
     DEFAULT_WRITE_LOCK_TIMEOUT,
@@ -168,10 +172,21 @@ class TableHandle:
                     self._table = table
         return self._table
 
+    def forget(self) -> None:
+        """Reflect the table again at the next use (it was altered, dropped or made anew)."""
+        with self._lock:
+            self._table = None
+            self._keys_checked = set()
+
     def columns(self, conn: Connection, names: Sequence[str]) -> sa.Table:
-        """The table, after checking that it has every column of ``names``."""
+        """The table, after checking that it has every column of ``names``: a column
+        not in the table as reflected makes it read again (one added since)."""
         table = self.table(conn)
         unknown = [c for c in names if c not in table.c]
+        if unknown:
+            self.forget()
+            table = self.table(conn)
+            unknown = [c for c in names if c not in table.c]
         if unknown:
             raise ConfigurationError(
                 f"{self.noun} {self.name} has no column(s) {', '.join(sorted(unknown))}"
@@ -262,6 +277,7 @@ class TableHandle:
                 error, never the row values).
         """
         attempt = 1
+        reflected_again = False
         while True:
             try:
                 if conn is not None:
@@ -271,6 +287,14 @@ class TableHandle:
             except SQLAlchemyError as exc:
                 if lock_timed_out(exc):
                     raise self._lock_timeout(what, rows, attempt, exc) from exc
+                if names_a_missing_object(exc):
+                    # The table or a column went since it was reflected: read it again,
+                    # so that the write fails naming what is missing (ConfigurationError)
+                    # or succeeds on the table made anew, not on a stale copy for ever.
+                    self.forget()
+                    if conn is None and not reflected_again:
+                        reflected_again = True
+                        continue
                 found = refusal(exc, None, ())
                 if found is not None:
                     raise refusal_error(found, self.name, None, (), conflict_columns) from exc

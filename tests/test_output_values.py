@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
+import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -211,3 +212,32 @@ def test_a_dropped_column_or_table_is_named_and_a_table_made_anew_is_written(
     target.write([{"id": 4, "amount": 4, "note": "d"}])
     with db.engine.connect() as conn:
         assert [tuple(r) for r in conn.execute(sa.select(table))] == [(4, 4, "d")]
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql+psycopg://app:Sup3r@Secret@127.0.0.1:5432/db",
+        "mysql+pymysql://app:Sup3r@Secret@127.0.0.1:3306/db",
+    ],
+)
+def test_a_password_with_a_bare_at_sign_is_refused_without_showing_it(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A password holding an '@' not written as %40 ended at that '@': the rest of it
+    was read as the host, and every write failed with OutputWriteError "failed to
+    resolve host 'Secret@127.0.0.1'", the password's tail in the message and the
+    traceback (the mask knew only the part before the '@')."""
+    monkeypatch.setenv("DEST_DB_URL", url)
+    target = OutputTarget(url="%DEST_DB_URL%", table="sink")  # the app still imports
+
+    with pytest.raises(ConfigurationError) as err:
+        target.write([{"id": 1}])
+    shown = "".join(traceback.format_exception(err.value))
+    assert "Secret" not in shown
+    assert "Sup3r" not in shown
+    assert "'DEST_DB_URL'" in str(err.value)
+    assert "%40" in str(err.value)
+    with pytest.raises(ConfigurationError, match="%40"):  # a literal URL: at once
+        OutputTarget(url=url, table="sink")
+    target.close()

@@ -172,11 +172,23 @@ def parse_database_url(url: str, what: str = "database URL") -> URL:
             f"{what}: expected a URL or a %SETTING% reference, got {type(url).__name__}"
         )
     text = resolve_setting(url)  # a MissingSettingError names the setting
+    form = "dialect+driver://user:password@host:port/database"
+    parsed: URL | None = None
     try:
         parsed = make_url(text)
     except (sa.exc.ArgumentError, ValueError) as exc:
         problem = "the port is not a number" if isinstance(exc, ValueError) else "unparsable"
-        form = "dialect+driver://user:password@host:port/database"
+    else:
+        # A password holding an '@' that is not percent-encoded ends at that '@': the
+        # rest of it is read as the host, which every "cannot resolve host" error
+        # then quotes (and no mask knows). No host name holds an '@'.
+        problem = (
+            "an '@' in the password (or the user name) is not percent-encoded; write it "
+            "as %40 (urllib.parse.quote_plus(password))"
+            if "@" in (parsed.host or "")
+            else ""
+        )
+    if parsed is None or problem:
         setting = setting_name(url)
         if setting is not None:  # the person must know which of the app's settings to fix
             raise DeferredSettingError(

@@ -241,3 +241,27 @@ def test_a_password_with_a_bare_at_sign_is_refused_without_showing_it(
     with pytest.raises(ConfigurationError, match="%40"):  # a literal URL: at once
         OutputTarget(url=url, table="sink")
     target.close()
+
+
+def test_a_row_past_max_allowed_packet_is_named_not_retried(
+    mariadb: TestDatabase, targets: list[OutputTarget]
+) -> None:
+    """MariaDB drops the connection on a statement larger than max_allowed_packet:
+    the write failed as OutputWriteError "server has gone away", retryable, a batch
+    failing so for ever with nothing saying which row or what to change."""
+    table = make_table(mariadb, "docs", sa.Column("body", sa.Text(2**32 - 1)))
+    target = OutputTarget(url=mariadb.url, table="docs", schema=mariadb.schema)
+    targets.append(target)
+    with mariadb.engine.connect() as conn:
+        limit = int(conn.execute(sa.text("SELECT @@max_allowed_packet")).scalar_one())
+
+    with pytest.raises(OutputValueError) as err:
+        target.write([{"id": 1, "body": "small"}, {"id": 2, "body": "x" * limit}])
+    assert not isinstance(err.value, RetryableError)
+    assert err.value.fields["row"] == 1
+    assert err.value.fields["column"] == "body"
+    assert "max_allowed_packet" in str(err.value)
+
+    target.write([{"id": 3, "body": "x" * (limit // 4)}])  # the pool recovers
+    with mariadb.engine.connect() as conn:
+        assert conn.execute(sa.select(table.c.id)).scalars().all() == [3]

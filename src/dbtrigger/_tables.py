@@ -56,7 +56,7 @@ from dbtrigger._lock_wait import (
     lock_timed_out,
 )
 from dbtrigger._write_refusals import refusal, refusal_error
-from dbtrigger._write_values import mark_json_columns, refuse_values
+from dbtrigger._write_values import mark_json_columns, packet_misfit, refuse_values
 from dbtrigger.errors import (
     ConfigurationError,
     OutputLockTimeoutError,
@@ -246,6 +246,7 @@ class TableHandle:
             raise refusal_error(found, self.name, table, rows, conflict_columns) from exc
         except SQLAlchemyError as exc:
             problem = self._refused_value(exc, conn, table, rows, columns)
+            problem = problem or packet_misfit(self.engine, exc, rows, self.name)
             if problem is not None:
                 raise problem from exc
             found = refusal(exc, table, rows)

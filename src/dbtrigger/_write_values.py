@@ -13,7 +13,11 @@ the row and the column, as :class:`~dbtrigger.errors.OutputValueError`:
 * a **NaN or infinity** on MariaDB/MySQL, which cannot store one (PyMySQL
   refuses it as a ProgrammingError);
 * a **NUL character** in a string on PostgreSQL, whose text cannot hold one
-  (psycopg refuses it as a DataError).
+  (psycopg refuses it as a DataError);
+* a **row larger than MariaDB/MySQL's** ``max_allowed_packet``: the server
+  drops the connection on such a statement, which reads as "server has gone
+  away" (a network hiccup, retried for ever); :func:`packet_misfit` tells it
+  from one after the fact.
 
 MariaDB has no JSON type of its own: ``JSON`` is ``LONGTEXT`` with a
 ``CHECK (json_valid(col))``, reflected as ``LONGTEXT``. A dict given to it was
@@ -35,7 +39,7 @@ from decimal import Decimal
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection, Dialect
+from sqlalchemy.engine import Connection, Dialect, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from dbtrigger.errors import OutputValueError
@@ -135,6 +139,60 @@ def refuse_values(
                 )
 
 
+#: What MariaDB/MySQL (and PyMySQL) say when the server dropped a statement too large
+#: for ``max_allowed_packet``: gone away, lost during the query, packet too large.
+_PACKET_CODES = frozenset({2006, 2013, 1153})
+
+
+def packet_misfit(
+    engine: Engine, exc: BaseException, rows: Sequence[Mapping[str, Any]], where: str
+) -> OutputValueError | None:
+    """The error of a MariaDB/MySQL write that lost its connection because a row alone
+    is larger than the server's ``max_allowed_packet`` (None: not that).
+
+    Only a row whose values' own bytes reach the limit counts (the statement that
+    carries it is larger still), so a connection lost for another reason stays a
+    retryable failure. The limit is read on another connection of the pool.
+    """
+    orig = getattr(exc, "orig", None) or exc
+    args = getattr(orig, "args", ())
+    if not (args and args[0] in _PACKET_CODES and type(orig).__module__.startswith("pymysql")):
+        return None
+    sizes = [
+        {c: len(v.encode()) if isinstance(v, str) else len(v) for c, v in row.items() if _sized(v)}
+        for row in rows
+    ]
+    largest = max((sum(s.values()) for s in sizes), default=0)
+    if largest == 0:
+        return None
+    try:
+        with engine.connect() as conn:
+            limit = int(conn.execute(sa.text("SELECT @@max_allowed_packet")).scalar() or 0)
+    except SQLAlchemyError:
+        return None
+    for index, size in enumerate(sizes):
+        total = sum(size.values())
+        if limit and total >= limit:
+            column = max(size, key=lambda c: size[c])
+            return OutputValueError(
+                f"cannot write row {index} to {where}: its values are {total} bytes "
+                f"(column {column!r} {size[column]}), more than the server's "
+                f"max_allowed_packet ({limit} bytes), so the server dropped the connection "
+                f"({args[0]}, not a network failure). Writing it again cannot help: raise "
+                "max_allowed_packet on the server (SET GLOBAL and its configuration file) "
+                "or write a smaller value",
+                table=where,
+                column=column,
+                value_type=type(rows[index][column]).__name__,
+                row=index,
+            )
+    return None
+
+
+def _sized(value: Any) -> bool:
+    return isinstance(value, (str, bytes, bytearray))
+
+
 def _not_finite(value: Any) -> bool:
     if isinstance(value, float):
         return not math.isfinite(value)
@@ -164,4 +222,4 @@ def _refused(
     )
 
 
-__all__ = ["MariaDbJson", "mark_json_columns", "refuse_values"]
+__all__ = ["MariaDbJson", "mark_json_columns", "packet_misfit", "refuse_values"]

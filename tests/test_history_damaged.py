@@ -21,12 +21,13 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from dbtrigger import FileCheckpointStore, PollTrigger, SqlAlchemySource
+from dbtrigger import FileCheckpointStore, PollTrigger, SqlAlchemySource, SqlCheckpointStore
 from dbtrigger.cli import main
 from dbtrigger.history import SqlHistory, history_for, load
 from tests.azurite import Azurite
 from tests.databases import TestDatabase
 from tests.test_history_replay import Calls, orders_table, register
+from tests.test_history_runtime import memory_source
 from tests.test_history_stores import _blob
 
 
@@ -183,3 +184,45 @@ def test_a_record_removed_from_a_sql_history_is_a_gap(sqlite_db: TestDatabase) -
     records = load(history, "orders")
     assert [(r["seq"], r["type"]) for r in records] == [(1, "manual"), (2, "gap"), (3, "manual")]
     assert "record 2 of the history lost: not in the store" in records[1]["note"]
+
+
+def test_a_damaged_sql_row_is_said_and_the_poller_goes_on_recording(
+    sqlite_db: TestDatabase, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A history row edited by hand into text that is not a record: a read failed
+    with a JSONDecodeError, and so did every append of the next process (the recorder
+    reads the history's tail first), for good. Now the row reads as a damaged record
+    naming the table and row: the newest one is written again from the journal after
+    it (said, nothing lost); one in the middle that breaks the chain of commits is a
+    gap naming it."""
+    store = SqlCheckpointStore(url=sqlite_db.url, schema=sqlite_db.schema)
+    source = memory_source(30)
+    trigger = PollTrigger(name="orders", source=source, checkpoint_store=store, batch_size=10)
+    trigger.tick(lambda events: None)
+    trigger.tick(lambda events: None)
+    trigger.close()
+    history = history_for(store)
+    assert isinstance(history, SqlHistory)
+
+    def damage(seq: int) -> None:
+        with sqlite_db.engine.begin() as conn:
+            conn.execute(
+                sa.update(history.table).where(history.table.c.seq == seq).values(record="{")
+            )
+
+    damage(2)
+    # The next process reads the history's tail before its first append.
+    trigger = PollTrigger(name="orders", source=source, checkpoint_store=store, batch_size=10)
+    with caplog.at_level(logging.WARNING, logger="dbtrigger"):
+        trigger.tick(lambda events: None)
+        records = load(history, "orders", trigger.read_state())
+    assert [r["seq"] for r in records] == [1, 3, 4]
+    assert [r["to"]["value"] for r in records] == [10, 20, 30]
+    assert not [r for r in caplog.records if getattr(r, "event", None) == "history_append_failed"]
+    said = [r for r in caplog.records if getattr(r, "event", None) == "history_line_damaged"]
+    assert f"{history.describe()} row 2" in said[0].getMessage()
+
+    damage(3)  # batch 2's only record now: the commits around it no longer chain
+    records = load(history, "orders", trigger.read_state())
+    assert [(r["seq"], r["type"]) for r in records] == [(1, "commit"), (2, "gap"), (4, "commit")]
+    assert f"{history.describe()} row 2, {history.describe()} row 3 are not" in records[1]["note"]

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import json
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -50,6 +49,7 @@ from dbtrigger.history.records import record_time
 from dbtrigger.history.store import (
     DEFAULT_RETENTION,
     Retention,
+    decoded_row,
     encode_line,
     numbered,
     pruned_while_read,
@@ -231,11 +231,14 @@ class SqlHistory:
             if not self._ensure(writing=False):
                 return []
             stmt = (
-                sa.select(t.c.record).where(self._of(poller)).order_by(t.c.seq.desc()).limit(count)
+                sa.select(t.c.seq, t.c.record)
+                .where(self._of(poller))
+                .order_by(t.c.seq.desc())
+                .limit(count)
             )
             with self.engine.connect() as conn:
-                texts = list(conn.execute(stmt).scalars())
-        return [json.loads(text) for text in reversed(texts)]
+                rows = list(conn.execute(stmt))
+        return [decoded_row(text, int(seq), self.describe) for seq, text in reversed(rows)]
 
     def read(self, poller: str, *, since_seq: int = 0) -> Iterator[dict[str, Any]]:
         t = self.table
@@ -256,7 +259,7 @@ class SqlHistory:
                         self._not_pruned_since(conn, poller, last)
             for seq, text in page:
                 last = int(seq)
-                yield json.loads(text)
+                yield decoded_row(text, last, self.describe)
             if len(page) < 1000:
                 return
 

@@ -163,6 +163,20 @@ def numbered_lines(
 DAMAGED = "damaged_line"
 
 
+def decoded_row(text: Any, seq: int, where: Callable[[], str]) -> dict[str, Any]:
+    """A record stored as one row or entity (SQL, Table storage), numbered ``seq``; a
+    text that is not one (edited by hand) is :func:`damaged_line` naming
+    ``where()`` and the row, with its number: the number is taken, so that the
+    next append goes after it rather than conflict with it forever."""
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError):
+        value = None
+    if isinstance(value, dict):
+        return value
+    return {**damaged_line(f"{where()} row {seq}"), "seq": seq}
+
+
 def damaged_line(where: str) -> dict[str, Any]:
     """What a read gives in place of a line that is not a record: not a record
     either (no number), so that the reader of the whole history can say which
@@ -336,6 +350,7 @@ __all__ = [
     "Retention",
     "damaged_line",
     "decode_lines",
+    "decoded_row",
     "encode_json",
     "encode_line",
     "last_records",

@@ -21,7 +21,13 @@ from azure.data.tables import TableClient
 
 from dbtrigger import _azure_errors as azure_errors
 from dbtrigger.errors import CasConflictError
-from dbtrigger.history.store import DEFAULT_RETENTION, Retention, encode_line, numbered
+from dbtrigger.history.store import (
+    DEFAULT_RETENTION,
+    Retention,
+    decoded_row,
+    encode_line,
+    numbered,
+)
 from dbtrigger.names import validate_name
 from dbtrigger.state.document import format_time
 from dbtrigger.state.stores.table import split_text
@@ -72,13 +78,10 @@ class TableHistory:
             write=write,
         )
 
-    @staticmethod
-    def _record(entity: Mapping[str, Any]) -> dict[str, Any]:
-        import json  # noqa: PLC0415 - kept beside its only use
-
+    def _record(self, entity: Mapping[str, Any]) -> dict[str, Any]:
         parts = int(entity.get("rec_parts") or 0)
         text = "".join(str(entity.get(f"rec_{i}") or "") for i in range(parts))
-        return dict(json.loads(text))
+        return decoded_row(text, int(entity.get("seq") or 0), self.describe)
 
     def _query(
         self, poller: str, *, below_key: str | None = None, top: int | None = None

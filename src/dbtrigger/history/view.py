@@ -110,25 +110,35 @@ def holes_marked(poller: str, records: Iterable[Mapping[str, Any]]) -> list[dict
     Appends number the records without a hole and retention removes only the
     oldest, so a number missing in the middle is a record lost: a damaged line
     of a file or blob (a disk that filled, a machine that died before the write
-    reached the disk), or a record removed by hand. Read past silently, a replay
-    or rewind of a range across it would take the records on either side for
-    adjacent; as a gap it is refused, naming where. A damaged line with no number
-    missing (a last line the journal repair wrote again after it) loses nothing
-    and is logged at WARNING (``history_line_damaged``)."""
+    reached the disk), a row edited or removed by hand. Read past silently, a
+    replay or rewind of a range across it would take the records on either side
+    for adjacent; as a gap it is refused, naming where. When the commit after
+    the hole begins where the one before it ended, nothing a replay needs was
+    lost there (a batch or a checkpoint move breaks that chain; a damaged last
+    record is written again from the journal after its number): then, as for a
+    damaged line with no number missing, it is logged at WARNING
+    (``history_line_damaged``) and no gap is marked."""
     out: list[dict[str, Any]] = []
     damaged: list[str] = []
     last: dict[str, Any] | None = None
+    reached: Any = None  # where the last commit read ended (its ``to``)
     for record in records:
         if record.get("type") == DAMAGED:
             damaged.append(str(record.get("where")))
             continue
         seq = record.get("seq")
+        commit = record.get("type") in ("commit", "partial_commit")
         if isinstance(seq, int) and seq > 0:
             if last is not None and seq > int(last["seq"]) + 1:
-                out.append(_hole(poller, last, seq, damaged))
+                if commit and reached is not None and record.get("from") == reached:
+                    _said_damaged(poller, [*damaged] or [f"records {last['seq'] + 1}-{seq - 1}"])
+                else:
+                    out.append(_hole(poller, last, seq, damaged))
             elif damaged:
                 _said_damaged(poller, damaged)
             damaged, last = [], dict(record)
+        if commit:
+            reached = record.get("to")
         out.append(dict(record))
     if damaged:
         _said_damaged(poller, damaged)
@@ -140,8 +150,9 @@ def _hole(poller: str, before: Mapping[str, Any], seq: int, damaged: list[str]) 
     numbers = f"record {first}" if first == last else f"records {first}-{last}"
     if damaged:
         why = (
-            f"{', '.join(damaged)} is not a record (damaged: a disk that filled, a machine "
-            "that died before the write reached the disk, an edit)"
+            f"{', '.join(damaged)} {'is not a record' if len(damaged) == 1 else 'are not records'}"
+            " (damaged: a disk that filled, a machine that died before the write reached the "
+            "disk, an edit)"
         )
     else:
         why = "not in the store (removed by hand?)"
@@ -159,8 +170,9 @@ def _hole(poller: str, before: Mapping[str, Any], seq: int, damaged: list[str]) 
 
 def _said_damaged(poller: str, damaged: list[str]) -> None:
     _log.warning(
-        "the history of %s has a line that is not a record, %s; no record number is "
-        "missing around it (it was written again after), so nothing was lost",
+        "the history of %s has lost a record, %s; the records around it continue "
+        "without a hole in what was committed (it was written again after, or it moved "
+        "no checkpoint), so replays across it are as recorded",
         poller,
         ", ".join(damaged),
         extra={"event": "history_line_damaged", "poller": poller, "where": damaged},

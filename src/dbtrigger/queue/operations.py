@@ -241,8 +241,17 @@ def prune_keys(
 
 
 def delete_finished(
-    table: ClaimTable, conn: Connection, keys: Sequence[Key], statuses: Sequence[str]
+    table: ClaimTable,
+    conn: Connection,
+    keys: Sequence[Key],
+    statuses: Sequence[str],
+    cutoff: Any,
 ) -> int:
+    """Delete the rows of ``keys`` :func:`prune_keys` picked, if they are still
+    finished before ``cutoff``: one made ready and run again since the pick (its
+    producer re-enqueued it) keeps its fresh outcome."""
     c = table.table.c
-    stmt = sa.delete(table.table).where(table.key_in(keys), c[STATUS].in_(list(statuses)))
+    stmt = sa.delete(table.table).where(
+        table.key_in(keys), c[STATUS].in_(list(statuses)), c[DONE_AT] < cutoff
+    )
     return int(conn.execute(stmt).rowcount)

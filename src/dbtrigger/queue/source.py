@@ -579,7 +579,7 @@ class ClaimSource:
                         target, conn, cutoff=cutoff, after=after, limit=chunk, statuses=statuses
                     )
                     if keys and not dry_run:
-                        total += operations.delete_finished(target, conn, keys, statuses)
+                        total += operations.delete_finished(target, conn, keys, statuses, cutoff)
                     elif dry_run:
                         total += len(keys)
                 if len(keys) < chunk:

@@ -2,8 +2,8 @@
 
 Status: its numbers are of one instant.
 
-The counts were four statements, each its own snapshot on PostgreSQL and
-MariaDB (the queue's reads autocommit): a claim landing between them showed
+The counts were four statements, each its own snapshot on PostgreSQL (the
+queue's reads autocommit there): a claim landing between them showed
 rows both ``ready`` (read first) and gone from ``claimable now`` (read
 next), so the numbers did not add up. Here a worker claims every row right
 after the first statement of the count: before, ``ready 6`` beside

@@ -78,7 +78,8 @@ class ClaimBeat:
                 self.interval,
                 batch_id=self.token,
             )
-            if time.monotonic() >= self.held_until:
+            if time.monotonic() >= self.held_until and not self.settling.is_set():
+                # (Once its rows went to their settlement, the fence judges them.)
                 # As a call given up: nothing it returns is recorded, and the claim
                 # lapses. An extension whose answer was lost may have landed, and a
                 # settlement would then pass the fence and mark done rows a call

@@ -293,3 +293,40 @@ def test_poll_trigger_with_partitions_is_a_member(sqlite_db: TestDatabase, tmp_p
     assert trigger.partitioned.owned == ("p000-064", "p064-128", "p128-192", "p192-256")
     assert trigger.last_result is not None
     assert trigger.last_result.outcome == "idle"
+
+
+@pytest.mark.parametrize("stored", [False, True], ids=["hashed", "dbt_bucket"])
+def test_a_postgresql_char_key_is_delivered_once(
+    pg: TestDatabase, tmp_path: Path, stored: bool
+) -> None:
+    """A ``char(n)`` key reaches Python padded to n, while PostgreSQL's text of
+    it (what the bucket is the hash of) drops the padding: every partition
+    refused its first such row ('the database put key ... in buckets'), the
+    poller stuck on a supported key type. The padding is not part of a char(n)
+    value, so the check hashes the key without it."""
+    table = pg.qualified("codes")
+    pg.execute(f"CREATE TABLE {table} (code char(8) PRIMARY KEY, seq integer NOT NULL)")
+    codes = ["ab", "abcdefgh", "ü", "x y", *(f"k{i}" for i in range(60))]
+    with pg.engine.begin() as conn:
+        conn.execute(
+            sa.text(f"INSERT INTO {table} (code, seq) VALUES (:code, :seq)"),
+            [{"code": c, "seq": i} for i, c in enumerate(codes)],
+        )
+    if stored:
+        quote = pg.engine.dialect.identifier_preparer.quote
+        for statement in partition_ddl(
+            "postgresql", "codes", ["code"], "seq", quote, schema=pg.schema
+        ):
+            pg.execute(statement)
+    poller = PartitionedPoller(
+        name="codes",
+        source=SqlAlchemySource(
+            url=pg.url, table="codes", schema=pg.schema, cursor_column="seq", pk_columns=["code"]
+        ),
+        checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+        join_window_seconds=0,
+        background=False,
+    )
+    seen: list[str] = []
+    assert poller.drain(lambda events: seen.extend(e.pk["code"] for e in events)) == len(codes)
+    assert sorted(seen) == sorted(c.ljust(8) for c in codes)

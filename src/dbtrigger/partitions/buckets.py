@@ -14,6 +14,10 @@ computes that in SQL, so a partition's fetch filters by bucket on the server;
 the poller recomputes it in Python for each fetched row and refuses to go on if
 the two ever disagree (see :func:`check_rows`).
 
+A PostgreSQL ``char(n)`` value reaches Python padded with spaces to n, while
+its text in SQL drops them (padding is not part of a ``char(n)`` value there):
+for those columns the check hashes the value without its trailing spaces.
+
 Key types: integers, strings and UUIDs. Other types (decimals, timestamps,
 floats, binary) render as text differently per database and driver, so they
 are refused when partitioning is configured.
@@ -23,8 +27,10 @@ from __future__ import annotations
 
 import hashlib
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
+
+import sqlalchemy as sa
 
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.names import quoted_name, validate_sql_identifier
@@ -134,19 +140,49 @@ def partition_ddl(
     )
 
 
+def padded_columns(
+    dialect: str, columns: Mapping[str, Any], pk_columns: Sequence[str]
+) -> frozenset[str]:
+    """The key columns whose values Python gets padded but SQL hashes unpadded.
+
+    PostgreSQL's ``char(n)``: ``c::text`` (the bucket's input, also in the stored
+    ``dbt_bucket``) drops the trailing spaces the driver returns. MariaDB/MySQL
+    return ``CHAR`` values unpadded already, and SQLite does not pad at all.
+    """
+    if dialect != "postgresql":
+        return frozenset()
+    return frozenset(
+        name
+        for name in pk_columns
+        if name in columns and isinstance(getattr(columns[name], "type", None), sa.CHAR)
+    )
+
+
 def check_rows(
-    rows: Sequence[Mapping[str, Any]], pk_columns: Sequence[str], lo: int, hi: int, where: str
+    rows: Sequence[Mapping[str, Any]],
+    pk_columns: Sequence[str],
+    lo: int,
+    hi: int,
+    where: str,
+    *,
+    padded: Collection[str] = (),
 ) -> None:
     """Refuse rows whose bucket, recomputed here, is outside ``[lo, hi)``.
 
     The database and Python disagreeing on a bucket would mean a row belongs
     to no partition (never delivered) or to two; that is a configuration the
-    poller must not run with.
+    poller must not run with. ``padded`` names the columns whose trailing
+    spaces are not part of the value (:func:`padded_columns`).
     """
     for row in rows:
         values = [row[c] for c in pk_columns]
         if any(v is None for v in values):
             continue  # a NULL key: refused by to_events, as the plain poller refuses it
+        if padded:
+            values = [
+                v.rstrip(" ") if c in padded and isinstance(v, str) else v
+                for c, v in zip(pk_columns, values, strict=True)
+            ]
         bucket = bucket_of(values)
         if not lo <= bucket < hi:
             raise ConfigurationError(

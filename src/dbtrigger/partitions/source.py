@@ -28,6 +28,7 @@ from dbtrigger.partitions.buckets import (
     BUCKET_COLUMN,
     SQLITE_FUNCTION,
     check_rows,
+    padded_columns,
     sql_bucket,
     sqlite_bucket,
 )
@@ -78,6 +79,7 @@ class PartitionSource:
         self._floors_now = floors_now if partition.floors else None
         self._inner = base.derive(self._condition)
         self._fingerprint: str | None = None
+        self._padded: frozenset[str] = frozenset()  # learnt with the table's shape
         if base.dialect_name == "sqlite":
             # Before any statement of ours runs, not when the first one is built.
             _register_sqlite_function(base.engine)
@@ -92,6 +94,7 @@ class PartitionSource:
         return sa.literal_column(sql_bucket(keyset.dialect, self.pk_columns, quote))
 
     def _condition(self, keyset: Keyset) -> ColumnElement[bool]:
+        self._padded = padded_columns(keyset.dialect, keyset.columns, self.pk_columns)
         bucket = self._bucket(keyset)
         part = self.partition
         condition = sa.and_(bucket >= part.lo, bucket < part.hi)
@@ -184,7 +187,14 @@ class PartitionSource:
     def fetch(self, after: Position, limit: int) -> Sequence[Mapping[str, Any]]:
         self._current_floors(after)
         rows = self._inner.fetch(after, limit)
-        check_rows(rows, self.pk_columns, self.partition.lo, self.partition.hi, self.name)
+        check_rows(
+            rows,
+            self.pk_columns,
+            self.partition.lo,
+            self.partition.hi,
+            self.name,
+            padded=self._padded,
+        )
         return rows
 
     def to_events(

@@ -23,7 +23,7 @@ from dbtrigger.partitions import PartitionedPoller, bucket_of, partition_ddl
 from dbtrigger.partitions.buckets import sql_bucket
 from dbtrigger.partitions.source import _register_sqlite_function
 from dbtrigger.state.stores.base import CheckpointStore
-from tests.databases import TestDatabase
+from tests.databases import TestDatabase, admin_engine
 
 
 class Clock:
@@ -330,3 +330,46 @@ def test_a_postgresql_char_key_is_delivered_once(
     seen: list[str] = []
     assert poller.drain(lambda events: seen.extend(e.pk["code"] for e in events)) == len(codes)
     assert sorted(seen) == sorted(c.ljust(8) for c in codes)
+
+
+def test_text_keys_of_a_latin1_postgresql_database_are_delivered(tmp_path: Path) -> None:
+    """PostgreSQL's md5(text) hashes the bytes of the database's encoding and
+    Python hashes UTF-8: on a LATIN1 database every partition refused its first
+    key with a non-ASCII character ('the key's text differs'), the group stuck.
+    The fetch hashes the key's UTF-8 form there."""
+    admin = admin_engine("postgresql")
+    name = f"dbtrigger_latin1_{uuid.uuid4().hex[:8]}"
+    with admin.connect() as conn:
+        conn.execute(
+            sa.text(
+                f"CREATE DATABASE {name} ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' "
+                "TEMPLATE template0"
+            )
+        )
+    url = admin.url.set(database=name).render_as_string(hide_password=False)
+    engine = sa.create_engine(url)
+    try:
+        keys = ["é", "Ünïcode", "abc", "ß", *(f"k{i}ä" for i in range(40))]
+        with engine.begin() as conn:
+            conn.execute(sa.text("CREATE TABLE codes (code text PRIMARY KEY, seq int NOT NULL)"))
+            conn.execute(
+                sa.text("INSERT INTO codes (code, seq) VALUES (:code, :seq)"),
+                [{"code": k, "seq": i} for i, k in enumerate(keys)],
+            )
+        poller = PartitionedPoller(
+            name="codes",
+            source=SqlAlchemySource(
+                url=url, table="codes", cursor_column="seq", pk_columns=["code"]
+            ),
+            checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+            join_window_seconds=0,
+            background=False,
+        )
+        seen: list[str] = []
+        assert poller.drain(lambda events: seen.extend(e.pk["code"] for e in events)) == len(keys)
+        assert sorted(seen) == sorted(keys)
+        poller.source.close()
+    finally:
+        engine.dispose()
+        with admin.connect() as conn:
+            conn.execute(sa.text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))

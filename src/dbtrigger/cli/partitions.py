@@ -15,8 +15,11 @@ import argparse
 import datetime as dt
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
+
+import sqlalchemy as sa
 
 from dbtrigger._argparse import add_json_option, read_file_option
 from dbtrigger.cli.common import actor_from_args, add_change_options, backup_dir
@@ -25,7 +28,7 @@ from dbtrigger.durations import human_duration
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.partitions import recovery, regroup
 from dbtrigger.partitions.backlog import DEFAULT_TARGET_ROWS, Backlog, measure_backlog
-from dbtrigger.partitions.buckets import partition_ddl
+from dbtrigger.partitions.buckets import is_utf8, partition_ddl, server_encoding
 from dbtrigger.partitions.endpoint import (
     DEFAULT_MIN_INTERVAL_SECONDS,
     BacklogCache,
@@ -245,6 +248,19 @@ def cmd_ddl(args: argparse.Namespace) -> int:
         schema=described.get("schema"),
     ):
         print(statement + ";")
+    try:
+        encoding = server_encoding(source.engine)
+    except sa.exc.SQLAlchemyError:  # the DDL is printed; the note needs the database
+        encoding = None
+    if not is_utf8(encoding):
+        print(
+            f"note: this database's encoding is {encoding}: the stored column hashes a key's "
+            f"{encoding} bytes, and the poller checks every row's bucket against the UTF-8 "
+            "hash, so a text key with a character outside ASCII would be refused at its fetch. "
+            "With integer or UUID keys (or ASCII-only text) the column is exact; otherwise "
+            "run without it (each fetch then hashes the key's UTF-8 form).",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -72,9 +72,19 @@ def bucket_of(values: Sequence[Any]) -> int:
     return bucket_of_text(key_text(values))
 
 
-def sql_bucket(dialect: str, pk_columns: Sequence[str], quote: Callable[[str], str]) -> str:
+def sql_bucket(
+    dialect: str,
+    pk_columns: Sequence[str],
+    quote: Callable[[str], str],
+    *,
+    encoding: str | None = None,
+) -> str:
     """A SQL expression for the bucket of each row (an integer 0..255).
 
+    ``encoding`` is a PostgreSQL database's ``server_encoding``: ``md5(text)``
+    hashes the text's bytes in it, so a database that is not UTF8 hashes the
+    key's UTF-8 form instead (``convert_to``, which is not immutable: the stored
+    ``dbt_bucket`` column cannot use it, see :func:`partition_ddl`).
     Identifiers are validated and quoted; the expression contains no values.
     """
     for name in pk_columns:
@@ -82,6 +92,8 @@ def sql_bucket(dialect: str, pk_columns: Sequence[str], quote: Callable[[str], s
     cols = [quote(c) for c in pk_columns]
     if dialect == "postgresql":
         text = " || '|' || ".join(f"{c}::text" for c in cols)
+        if not is_utf8(encoding):
+            text = f"convert_to({text}, 'UTF8')"
         return f"get_byte(decode(md5({text}), 'hex'), 0)"
     if dialect in ("mysql", "mariadb"):
         text = "CONCAT_WS('|', " + ", ".join(f"CAST({c} AS CHAR)" for c in cols) + ")"
@@ -92,6 +104,23 @@ def sql_bucket(dialect: str, pk_columns: Sequence[str], quote: Callable[[str], s
     raise ConfigurationError(
         f"partitioning supports PostgreSQL, MariaDB/MySQL and SQLite, not {dialect!r}"
     )
+
+
+def is_utf8(encoding: str | None) -> bool:
+    """A PostgreSQL ``server_encoding`` whose text bytes are UTF-8 (None: not known)."""
+    return encoding is None or encoding.upper().replace("-", "") in ("UTF8", "UNICODE")
+
+
+def server_encoding(engine: sa.Engine) -> str | None:
+    """A PostgreSQL database's ``server_encoding``, read once per engine (None elsewhere)."""
+    if engine.dialect.name != "postgresql":
+        return None
+    if "_dbt_server_encoding" not in engine.__dict__:
+        with engine.connect() as conn:
+            value = conn.exec_driver_sql("SHOW server_encoding").scalar()
+        engine.__dict__["_dbt_server_encoding"] = str(value) if value is not None else None
+    encoding: str | None = engine.__dict__["_dbt_server_encoding"]
+    return encoding
 
 
 def sqlite_bucket(text: str | None) -> int | None:
@@ -124,6 +153,9 @@ def partition_ddl(
     index = quote(f"ix_{table}_{BUCKET_COLUMN}"[:63])
     columns = ", ".join([BUCKET_COLUMN, quote(cursor_column), *(quote(c) for c in pk_columns)])
     if dialect == "postgresql":
+        # Always md5 of the text in the database's encoding (immutable, as a generated
+        # column needs): on a database that is not UTF8 the caller says so (cmd_ddl).
+        expr = sql_bucket(dialect, pk_columns, quote, encoding="UTF8")
         return [
             f"ALTER TABLE {target} ADD COLUMN IF NOT EXISTS {BUCKET_COLUMN} smallint "
             f"GENERATED ALWAYS AS ({expr}) STORED",

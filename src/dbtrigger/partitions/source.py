@@ -29,6 +29,7 @@ from dbtrigger.partitions.buckets import (
     SQLITE_FUNCTION,
     check_rows,
     padded_columns,
+    server_encoding,
     sql_bucket,
     sqlite_bucket,
 )
@@ -91,7 +92,10 @@ class PartitionSource:
         engine = self.base.engine
         _register_sqlite_function(engine)
         quote = engine.dialect.identifier_preparer.quote
-        return sa.literal_column(sql_bucket(keyset.dialect, self.pk_columns, quote))
+        encoding = server_encoding(engine) if keyset.dialect == "postgresql" else None
+        return sa.literal_column(
+            sql_bucket(keyset.dialect, self.pk_columns, quote, encoding=encoding)
+        )
 
     def _condition(self, keyset: Keyset) -> ColumnElement[bool]:
         self._padded = padded_columns(keyset.dialect, keyset.columns, self.pk_columns)

@@ -373,3 +373,29 @@ def test_text_keys_of_a_latin1_postgresql_database_are_delivered(tmp_path: Path)
         engine.dispose()
         with admin.connect() as conn:
             conn.execute(sa.text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "mariadb"])
+def test_the_bucket_index_of_a_key_that_is_its_own_cursor_is_created(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    """``cursor_column="id", pk_columns=["id"]`` (an AUTO_INCREMENT key as the
+    cursor): the index listed ``id`` twice, which MariaDB refuses ('Duplicate
+    column name'), so the printed DDL failed halfway, the column added and no index."""
+    db: TestDatabase = request.getfixturevalue("pg" if kind == "postgresql" else "mariadb")
+    make_table(db, 50)
+    quote = db.engine.dialect.identifier_preparer.quote
+    for statement in partition_ddl(db.kind, "orders", ["id"], "id", quote, schema=db.schema):
+        db.execute(statement)
+    poller = PartitionedPoller(
+        name="orders",
+        source=SqlAlchemySource(
+            url=db.url, table="orders", schema=db.schema, cursor_column="id", pk_columns=["id"]
+        ),
+        checkpoint_store=InMemoryCheckpointStore(),
+        join_window_seconds=0,
+        background=False,
+    )
+    seen: list[int] = []
+    assert poller.drain(lambda events: seen.extend(e.pk["id"] for e in events)) == 50
+    assert sorted(seen) == list(range(1, 51))

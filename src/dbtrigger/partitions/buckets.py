@@ -151,7 +151,10 @@ def partition_ddl(
     target = quoted_name(quote, table, schema)
     expr = sql_bucket(dialect, pk_columns, quote)
     index = quote(f"ix_{table}_{BUCKET_COLUMN}"[:63])
-    columns = ", ".join([BUCKET_COLUMN, quote(cursor_column), *(quote(c) for c in pk_columns)])
+    # A key that is its own cursor (an AUTO_INCREMENT id) is listed once: MariaDB
+    # refuses a column named twice in an index.
+    ordered = dict.fromkeys([cursor_column, *pk_columns])
+    columns = ", ".join([BUCKET_COLUMN, *(quote(c) for c in ordered)])
     if dialect == "postgresql":
         # Always md5 of the text in the database's encoding (immutable, as a generated
         # column needs): on a database that is not UTF8 the caller says so (cmd_ddl).

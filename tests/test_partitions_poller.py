@@ -399,3 +399,43 @@ def test_the_bucket_index_of_a_key_that_is_its_own_cursor_is_created(
     seen: list[int] = []
     assert poller.drain(lambda events: seen.extend(e.pk["id"] for e in events)) == 50
     assert sorted(seen) == list(range(1, 51))
+
+
+@pytest.mark.parametrize("stored", [False, True], ids=["hashed", "dbt_bucket"])
+def test_a_zerofill_key_on_mariadb_is_delivered_once(
+    mariadb: TestDatabase, tmp_path: Path, stored: bool
+) -> None:
+    """``INT(6) ZEROFILL``: MariaDB's text of 42 is '000042' while Python gets 42,
+    so every partition refused its first row ('the key's text differs'). The
+    bucket is taken of the number's own digits, in the fetch and in the DDL."""
+    table = mariadb.qualified("codes")
+    mariadb.execute(
+        f"CREATE TABLE {table} (id INT(6) UNSIGNED ZEROFILL PRIMARY KEY, seq INT NOT NULL)"
+    )
+    with mariadb.engine.begin() as conn:
+        conn.execute(
+            sa.text(f"INSERT INTO {table} (id, seq) VALUES (:id, :id)"),
+            [{"id": i} for i in range(1, 61)],
+        )
+    if stored:
+        quote = mariadb.engine.dialect.identifier_preparer.quote
+        for statement in partition_ddl(
+            "mysql", "codes", ["id"], "seq", quote, schema=mariadb.schema, zerofill=["id"]
+        ):
+            mariadb.execute(statement)
+    poller = PartitionedPoller(
+        name="codes",
+        source=SqlAlchemySource(
+            url=mariadb.url,
+            table="codes",
+            schema=mariadb.schema,
+            cursor_column="seq",
+            pk_columns=["id"],
+        ),
+        checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+        join_window_seconds=0,
+        background=False,
+    )
+    seen: list[int] = []
+    assert poller.drain(lambda events: seen.extend(e.pk["id"] for e in events)) == 60
+    assert sorted(seen) == list(range(1, 61))

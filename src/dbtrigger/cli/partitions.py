@@ -28,7 +28,12 @@ from dbtrigger.durations import human_duration
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.partitions import recovery, regroup
 from dbtrigger.partitions.backlog import DEFAULT_TARGET_ROWS, Backlog, measure_backlog
-from dbtrigger.partitions.buckets import is_utf8, partition_ddl, server_encoding
+from dbtrigger.partitions.buckets import (
+    is_utf8,
+    partition_ddl,
+    server_encoding,
+    zerofill_columns,
+)
 from dbtrigger.partitions.endpoint import (
     DEFAULT_MIN_INTERVAL_SECONDS,
     BacklogCache,
@@ -39,6 +44,7 @@ from dbtrigger.partitions.inspect import table
 from dbtrigger.partitions.member import PartitionedPoller, membership_key
 from dbtrigger.runtime.poller import PollTrigger
 from dbtrigger.runtime.stop_signals import SignalRelay, signals_routed_to
+from dbtrigger.sources.errors_map import mapped
 
 
 def load_partitioned(spec: str) -> PartitionedPoller:
@@ -246,6 +252,7 @@ def cmd_ddl(args: argparse.Namespace) -> int:
         source.cursor_column,
         quote,
         schema=described.get("schema"),
+        zerofill=_zerofill(source, described["table"], described.get("schema")),
     ):
         print(statement + ";")
     try:
@@ -262,6 +269,16 @@ def cmd_ddl(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _zerofill(source: Any, table: str, schema: str | None) -> frozenset[str]:
+    """The key columns declared ``ZEROFILL`` (MariaDB/MySQL), whose bucket is
+    taken of the number's own digits (:func:`~dbtrigger.partitions.buckets.sql_bucket`)."""
+    if source.dialect_name not in ("mysql", "mariadb"):
+        return frozenset()
+    with mapped(f"read the columns of {table}"):
+        columns = sa.inspect(source.engine).get_columns(table, schema=schema)
+    return zerofill_columns(source.dialect_name, {c["name"]: c for c in columns}, source.pk_columns)
 
 
 def add_partition_commands(sub: Any) -> None:

@@ -78,6 +78,7 @@ def sql_bucket(
     quote: Callable[[str], str],
     *,
     encoding: str | None = None,
+    zerofill: Collection[str] = (),
 ) -> str:
     """A SQL expression for the bucket of each row (an integer 0..255).
 
@@ -85,6 +86,9 @@ def sql_bucket(
     hashes the text's bytes in it, so a database that is not UTF8 hashes the
     key's UTF-8 form instead (``convert_to``, which is not immutable: the stored
     ``dbt_bucket`` column cannot use it, see :func:`partition_ddl`).
+    ``zerofill`` names MariaDB/MySQL ``ZEROFILL`` integer columns, whose text is
+    padded with zeros (42 as '000042') while the driver returns the number: their
+    bucket is taken of ``c + 0``, the number's own digits.
     Identifiers are validated and quoted; the expression contains no values.
     """
     for name in pk_columns:
@@ -96,7 +100,12 @@ def sql_bucket(
             text = f"convert_to({text}, 'UTF8')"
         return f"get_byte(decode(md5({text}), 'hex'), 0)"
     if dialect in ("mysql", "mariadb"):
-        text = "CONCAT_WS('|', " + ", ".join(f"CAST({c} AS CHAR)" for c in cols) + ")"
+        padded = {quote(c) for c in zerofill}
+        text = (
+            "CONCAT_WS('|', "
+            + ", ".join(f"CAST({c}{' + 0' if c in padded else ''} AS CHAR)" for c in cols)
+            + ")"
+        )
         return f"CAST(CONV(LEFT(MD5(CONVERT({text} USING utf8mb4)), 2), 16, 10) AS UNSIGNED)"
     if dialect == "sqlite":
         text = " || '|' || ".join(f"CAST({c} AS TEXT)" for c in cols)
@@ -123,6 +132,24 @@ def server_encoding(engine: sa.Engine) -> str | None:
     return encoding
 
 
+def zerofill_columns(
+    dialect: str, columns: Mapping[str, Any], pk_columns: Sequence[str]
+) -> frozenset[str]:
+    """The MariaDB/MySQL key columns declared ``ZEROFILL`` (``columns``: name ->
+    a column or reflected column dict with its SQLAlchemy type)."""
+    if dialect not in ("mysql", "mariadb"):
+        return frozenset()
+
+    def type_of(column: Any) -> Any:
+        return column.get("type") if isinstance(column, Mapping) else getattr(column, "type", None)
+
+    return frozenset(
+        name
+        for name in pk_columns
+        if name in columns and getattr(type_of(columns[name]), "zerofill", False)
+    )
+
+
 def sqlite_bucket(text: str | None) -> int | None:
     """The SQLite function behind :func:`sql_bucket` (registered per connection)."""
     return None if text is None else bucket_of_text(text)
@@ -136,6 +163,7 @@ def partition_ddl(
     quote: Callable[[str], str],
     *,
     schema: str | None = None,
+    zerofill: Collection[str] = (),
 ) -> list[str]:
     """DDL for a stored, indexed bucket column, so a partition's fetch stays O(batch).
 
@@ -149,7 +177,7 @@ def partition_ddl(
     if schema:
         validate_sql_identifier(schema, "schema")
     target = quoted_name(quote, table, schema)
-    expr = sql_bucket(dialect, pk_columns, quote)
+    expr = sql_bucket(dialect, pk_columns, quote, zerofill=zerofill)
     index = quote(f"ix_{table}_{BUCKET_COLUMN}"[:63])
     # A key that is its own cursor (an AUTO_INCREMENT id) is listed once: MariaDB
     # refuses a column named twice in an index.

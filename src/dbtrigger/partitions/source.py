@@ -32,6 +32,7 @@ from dbtrigger.partitions.buckets import (
     server_encoding,
     sql_bucket,
     sqlite_bucket,
+    zerofill_columns,
 )
 from dbtrigger.partitions.layout import Floor, Partition
 from dbtrigger.sources.keyset import Keyset
@@ -94,7 +95,13 @@ class PartitionSource:
         quote = engine.dialect.identifier_preparer.quote
         encoding = server_encoding(engine) if keyset.dialect == "postgresql" else None
         return sa.literal_column(
-            sql_bucket(keyset.dialect, self.pk_columns, quote, encoding=encoding)
+            sql_bucket(
+                keyset.dialect,
+                self.pk_columns,
+                quote,
+                encoding=encoding,
+                zerofill=zerofill_columns(keyset.dialect, keyset.columns, self.pk_columns),
+            )
         )
 
     def _condition(self, keyset: Keyset) -> ColumnElement[bool]:

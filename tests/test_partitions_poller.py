@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import uuid
 from collections import Counter
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ from dbtrigger import (
 from dbtrigger.cursor import BEGINNING
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.partitions import PartitionedPoller, bucket_of, partition_ddl
-from dbtrigger.partitions.buckets import sql_bucket
+from dbtrigger.partitions.buckets import key_text, sql_bucket
 from dbtrigger.partitions.source import _register_sqlite_function
 from dbtrigger.state.stores.base import CheckpointStore
 from tests.databases import TestDatabase, admin_engine
@@ -439,3 +441,41 @@ def test_a_zerofill_key_on_mariadb_is_delivered_once(
     seen: list[int] = []
     assert poller.drain(lambda events: seen.extend(e.pk["id"] for e in events)) == 60
     assert sorted(seen) == list(range(1, 61))
+
+
+def test_a_numeric_key_is_delivered_once(server_db: TestDatabase, tmp_path: Path) -> None:
+    """A ``NUMERIC``/``DECIMAL`` key (a NUMBER(10) carried over from Oracle) reaches
+    Python as a Decimal: partitioning refused every row of it, and str() of a small
+    one is '1E-7' where the database's text is '0.0000001'. A decimal is hashed by
+    its plain digits, as PostgreSQL and MariaDB write it."""
+    table = server_db.qualified("codes")
+    server_db.execute(f"CREATE TABLE {table} (id NUMERIC(20, 7) PRIMARY KEY, seq INT NOT NULL)")
+    keys = ["1", "42", "0.0000001", "-3.5", "12345678.5", *(str(i * 7) for i in range(40))]
+    with server_db.engine.begin() as conn:
+        conn.execute(
+            sa.text(f"INSERT INTO {table} (id, seq) VALUES (CAST(:id AS DECIMAL(20, 7)), :seq)"),
+            [{"id": k, "seq": i} for i, k in enumerate(dict.fromkeys(keys))],
+        )
+    poller = PartitionedPoller(
+        name="codes",
+        source=SqlAlchemySource(
+            url=server_db.url,
+            table="codes",
+            schema=server_db.schema,
+            cursor_column="seq",
+            pk_columns=["id"],
+        ),
+        checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+        join_window_seconds=0,
+        background=False,
+    )
+    seen: list[Decimal] = []
+    expected = len(dict.fromkeys(keys))
+    assert poller.drain(lambda events: seen.extend(e.pk["id"] for e in events)) == expected
+    assert sorted(seen) == sorted(Decimal(k) for k in dict.fromkeys(keys))
+
+
+def test_key_types_whose_text_differs_are_refused_saying_what_to_do() -> None:
+    with pytest.raises(ConfigurationError, match=r"datetime key value .*max_concurrency="):
+        bucket_of([dt.datetime(2020, 1, 1)])
+    assert key_text([Decimal("0.0000001"), 1]) == "0.0000001|1"

@@ -18,13 +18,14 @@ A PostgreSQL ``char(n)`` value reaches Python padded with spaces to n, while
 its text in SQL drops them (padding is not part of a ``char(n)`` value there):
 for those columns the check hashes the value without its trailing spaces.
 
-Key types: integers, strings and UUIDs. Other types (decimals, timestamps,
-floats, binary) render as text differently per database and driver, so they
-are refused when partitioning is configured.
+Key types: integers, decimals (in plain digits), strings and UUIDs. Other
+types (timestamps, floats, binary) render as text differently per database,
+driver and session, so a fetched row with such a key is refused.
 """
 
 from __future__ import annotations
 
+import decimal
 import hashlib
 import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -48,16 +49,26 @@ SQLITE_FUNCTION = "dbt_bucket"
 def key_text(values: Sequence[Any]) -> str:
     """The text the bucket hash is taken of.
 
+    A decimal is written in plain digits (``0.0000001``, as PostgreSQL and
+    MariaDB write a ``NUMERIC``/``DECIMAL``; ``str()`` would say ``1E-7``).
+
     Raises:
         ConfigurationError: a key value of a type that is not an integer,
-            string or UUID.
+            decimal, string or UUID.
     """
     parts = []
     for value in values:
+        if isinstance(value, decimal.Decimal) and value.is_finite():
+            parts.append(format(value, "f"))
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, str, uuid.UUID)):
             raise ConfigurationError(
-                f"partitioning needs integer, text or UUID key columns; got a "
-                f"{type(value).__name__} key value {value!r}"
+                f"partitioning needs integer, decimal, text or UUID key columns; got a "
+                f"{type(value).__name__} key value {value!r}, whose text differs between "
+                "databases, drivers and session settings (a bucket computed in SQL and in "
+                "Python could disagree, and a row be delivered by no partition). Poll this "
+                "table with one PollTrigger (max_concurrency= handles keys side by side), "
+                "or partition by an integer, text or UUID key"
             )
         parts.append(str(value))
     return "|".join(parts)

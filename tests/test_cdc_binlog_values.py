@@ -10,6 +10,7 @@ a ``UUID`` key named one row twice.
 
 from __future__ import annotations
 
+import datetime as dt
 import uuid
 from typing import Any
 
@@ -17,7 +18,7 @@ import pymysql
 import pytest
 
 from dbtrigger import InMemoryCheckpointStore, PollTrigger, RowChange
-from dbtrigger.cdc import BinlogSource
+from dbtrigger.cdc import BinlogSource, binlog_setup
 from dbtrigger.cdc.binlog_values import inet6_text
 from tests.cdc_servers import BinlogDatabase
 
@@ -144,3 +145,84 @@ def test_a_snapshot_by_a_bit_key_reads_each_row_once(binlog_db: BinlogDatabase) 
     trigger.source.close()
     keys = [int.from_bytes(e.pk["id"], "big") for e in got]
     assert keys == list(range(1, 201))
+
+
+def _snapshot_update_delete(binlog_db: BinlogDatabase, rows: int) -> list[RowChange]:
+    """Every image of table ``t`` (a ``n`` column is set to 2): snapshot, update, delete."""
+    got: list[RowChange] = []
+    trigger = PollTrigger(
+        name=f"p_{uuid.uuid4().hex[:8]}",
+        source=BinlogSource(binlog_db.url, ["t"]),
+        checkpoint_store=InMemoryCheckpointStore(),
+        batch_size=50,
+    )
+    trigger.drain(got.extend)
+    binlog_db.execute("UPDATE t SET n = 2")
+    trigger.drain(got.extend)
+    binlog_db.execute("DELETE FROM t")
+    trigger.drain(got.extend)
+    trigger.source.close()
+    assert [e.op for e in got] == ["upsert"] * rows + ["update"] * rows + ["delete"] * rows
+    return got
+
+
+TIMES = ["-838:59:59.999999", "-00:00:01.25", "-10:00:59.9", "-00:00:00.000001", "-12:34:56"]
+
+
+def test_negative_times_with_fractions_and_zero_dates_are_the_query_s(
+    binlog_db: BinlogDatabase,
+) -> None:
+    # The package negated a negative TIME's whole seconds and fraction apart (-1.25 s
+    # came as -1.75 s), made a zero DATE or DATETIME None (a NULL) and a zero TIMESTAMP
+    # 1970-01-01: the row's changes disagreed with its snapshot and with a query.
+    binlog_db.execute(
+        "CREATE TABLE t (id INT PRIMARY KEY, n INT, t2 TIME(2), t6 TIME(6), d DATE, "
+        "dt DATETIME, dt3 DATETIME(3), ts TIMESTAMP NULL, ts6 TIMESTAMP(6) NULL)"
+    )
+    conn = binlog_db.connect(cursorclass=pymysql.cursors.DictCursor)
+    with conn.cursor() as cur:
+        cur.execute("SET sql_mode = ''")  # zero dates into TIMESTAMP too
+        for i, time in enumerate(TIMES):
+            zero = "0000-00-00 00:00:00"
+            cur.execute(
+                "INSERT INTO t VALUES (%s, 1, %s, %s, %s, %s, %s, %s, %s)",
+                (i, time, time, zero[:10], zero, zero, zero, zero),
+            )
+        cur.execute(
+            "INSERT INTO t VALUES (9, 1, '01:00:00.5', '-00:00:00', '2026-01-02', "
+            "'2026-01-02 03:04:05', NULL, '2026-01-02 03:04:05', NULL)"
+        )
+        cur.execute("SET time_zone = '+00:00'")
+        cur.execute("SELECT * FROM t")
+        table = {r["id"]: {**r, "n": 0} for r in cur.fetchall()}
+    conn.commit()
+    conn.close()
+    assert table[1]["t2"] == -dt.timedelta(seconds=1.25)  # the query's value, for the reader
+    for event in _snapshot_update_delete(binlog_db, len(table)):
+        for image in (event.before, event.after):
+            if image is not None:
+                assert {**image, "n": 0} == table[event.pk["id"]], event.op
+
+
+def test_a_timestamp_is_utc_in_the_snapshot_and_the_log_whatever_the_server_s_zone(
+    binlog_db: BinlogDatabase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The log holds a TIMESTAMP in UTC; a snapshot chunk read it in the server's time
+    # zone (time_zone = SYSTEM on a host outside UTC): the row moved by the offset.
+    authenticate = binlog_setup.Connection._request_authentication
+
+    def server_in_india(self: Any) -> None:  # as if the server's time_zone were +05:30
+        authenticate(self)
+        self.query("SET time_zone = '+05:30'")
+
+    monkeypatch.setattr(binlog_setup.Connection, "_request_authentication", server_in_india)
+    binlog_db.execute("CREATE TABLE t (id INT PRIMARY KEY, n INT, ts TIMESTAMP(3) NULL)")
+    conn = binlog_db.connect()
+    with conn.cursor() as cur:
+        cur.execute("SET time_zone = '+00:00'")
+        cur.execute("INSERT INTO t VALUES (1, 1, '2026-01-02 03:04:05.678')")
+    conn.commit()
+    conn.close()
+    utc = dt.datetime(2026, 1, 2, 3, 4, 5, 678000)  # the query's naive value
+    got = _snapshot_update_delete(binlog_db, 1)
+    assert [(e.after or e.before or {})["ts"] for e in got] == [utc, utc, utc]

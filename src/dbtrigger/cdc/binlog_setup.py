@@ -88,6 +88,10 @@ def connect_kwargs(url: URL) -> dict[str, Any]:
         "charset": "utf8mb4",
         "autocommit": True,
         "connect_timeout": 10,
+        # A TIMESTAMP is read in the session's time zone; the log holds it in UTC (the
+        # package's naive UTC). On a server whose time_zone is not UTC a snapshot chunk
+        # (a query) otherwise gave another value for the row than its changes.
+        "init_command": "SET time_zone = '+00:00'",
     }
     socket = url.query.get("unix_socket")
     if isinstance(socket, str):

@@ -17,10 +17,23 @@ per column that turns the decoded value into what the query returns:
 column's width, the canonical text of the UUID or address, the float rounded
 as the server prints it, and 0. (``FLOAT(M,D)``, printed with ``D`` decimals,
 still differs.)
+
+Dates and times the package gets wrong are put right too. A negative ``TIME``
+with a fraction is stored as one negative packed number (whole seconds one
+lower, fraction counted back from the next second); the package negates the
+two parts apart, so ``-00:00:01.25`` came as ``-00:00:01.75``. A zero date
+(``0000-00-00``, which MariaDB accepts by default) is text in a query
+(PyMySQL cannot make it a date), but the package makes a ``DATE`` or
+``DATETIME`` one None, a real NULL, and a ``TIMESTAMP`` one 1970-01-01 00:00:00,
+a moment no ``TIMESTAMP`` can hold (its range starts a second later): each is
+now the query's zero text. A date with a zero part only (``2026-00-00``,
+refused under ``NO_ZERO_IN_DATE``) is None in the log too and cannot be told
+from the zero date: it arrives as the zero date.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import ipaddress
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -34,6 +47,11 @@ _BIT = 16  # FIELD_TYPE.BIT
 _FLOAT = 4  # FIELD_TYPE.FLOAT
 _YEAR = 13  # FIELD_TYPE.YEAR
 _YEAR_ZERO = 1900  # the package's YEAR is the stored byte + 1900; 0 is the year 0000
+_TIMESTAMP, _TIMESTAMP2 = 7, 17  # FIELD_TYPE.TIMESTAMP, TIMESTAMP2
+_DATE, _NEWDATE, _DATETIME, _DATETIME2 = 10, 14, 12, 18
+_TIME2 = 19  # FIELD_TYPE.TIME2: TIME with fractional seconds (MySQL 5.6+, MariaDB 10.1+)
+_EPOCH = dt.datetime(1970, 1, 1)  # the package's naive UTC
+_SECOND = dt.timedelta(seconds=1)
 EMPTY_SET = "empty set"  # pymysqlreplication.constants.NONE_SOURCE.EMPTY_SET
 
 
@@ -79,6 +97,50 @@ def _float(value: Any, none_source: str | None) -> Any:
 
 def _year(value: Any, none_source: str | None) -> Any:
     return 0 if value == _YEAR_ZERO else value
+
+
+def _zero_text(fsp: int, *, date_only: bool = False) -> str:
+    """The zero date as the server prints it (``0000-00-00 00:00:00.000`` for ``(3)``)."""
+    if date_only:
+        return "0000-00-00"
+    return "0000-00-00 00:00:00" + (f".{'0' * fsp}" if fsp else "")
+
+
+def _zero_date(fsp: int, *, date_only: bool = False) -> Converter:
+    """A ``DATE``/``DATETIME`` the package made None for being out of range: the zero date."""
+    zero = _zero_text(fsp, date_only=date_only)
+
+    def convert(value: Any, none_source: str | None) -> Any:
+        if value is None and none_source is not None and none_source.startswith("out of date"):
+            return zero
+        return value
+
+    return convert
+
+
+def _zero_timestamp(fsp: int) -> Converter:
+    """A ``TIMESTAMP`` stored as 0 (the zero date), which the package made the epoch."""
+    zero = _zero_text(fsp)
+
+    def convert(value: Any, none_source: str | None) -> Any:
+        return zero if value == _EPOCH else value
+
+    return convert
+
+
+def _time2(value: Any, none_source: str | None) -> Any:
+    """A negative ``TIME`` with a fraction as stored: ``-(s + f)``, not ``-(s + 1 - f)``.
+
+    The package reads ``-(whole + 1 - fraction)`` (the stored whole part is one
+    lower, the stored fraction counts back from it) and negates them apart;
+    whole values and positive ones it reads right.
+    """
+    if isinstance(value, dt.timedelta) and value < dt.timedelta(0):
+        back = -value
+        fraction = back % _SECOND
+        if fraction:
+            return -(back - fraction + (_SECOND - fraction))
+    return value
 
 
 _VARBINARY = _binary(0)
@@ -137,6 +199,14 @@ def converters(
             out.append(_float)
         elif kind == _YEAR:
             out.append(_year)
+        elif kind == _TIME2:
+            out.append(_time2)
+        elif kind in (_TIMESTAMP, _TIMESTAMP2):
+            out.append(_zero_timestamp(int(getattr(column, "fsp", 0) or 0)))
+        elif kind in (_DATE, _NEWDATE):
+            out.append(_zero_date(0, date_only=True))
+        elif kind in (_DATETIME, _DATETIME2):
+            out.append(_zero_date(int(getattr(column, "fsp", 0) or 0)))
         elif catalog.get(name) == "binary":
             out.append(_binary(int(getattr(column, "max_length", 0) or 0)))
         else:

@@ -279,6 +279,8 @@ def materialise(txn: Transaction[Any], ordinal: int, raw: tuple[RelationInfo, An
             elif tag != 0x4E:
                 raise po.DecodeError("update: expected new tuple 'N'")
             after_image = relation.image(po.read_tuple(payload, pos)[0])
+            if image_kind == "full" and before is not None:
+                _fill_unchanged(after_image, before)
         elif kind == 0x44 and tag in (0x4B, 0x4F):  # 'D', 'K'/'O'
             op = "delete"
             key_only = tag == 0x4B
@@ -303,6 +305,18 @@ def materialise(txn: Transaction[Any], ordinal: int, raw: tuple[RelationInfo, An
         unchanged=unchanged,
         **common,
     )
+
+
+def _fill_unchanged(after: dict[str, Any], before: Mapping[str, Any]) -> None:
+    """Under ``REPLICA IDENTITY FULL``, an unchanged TOASTed value from the old row.
+
+    The new row carries such a value as "unchanged", but the old row (written
+    whole, its TOASTed values read out) has it, and the update left it as it
+    was: ``after`` then holds the real value, never the marker.
+    """
+    for name, value in after.items():
+        if value is UNCHANGED and name in before and before[name] is not UNCHANGED:
+            after[name] = before[name]
 
 
 __all__ = [

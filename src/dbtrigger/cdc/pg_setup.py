@@ -240,7 +240,8 @@ class TableInfo:
             )
         return (
             f"REPLICA IDENTITY {self.identity_label}: a delete's before image has only "
-            f"{', '.join(self.key_columns)}, and an update has none unless the key changed; "
+            f"{', '.join(self.key_columns)}, and an update has none unless the key changed "
+            "(and its after image holds UNCHANGED for a large, TOASTed value it left alone); "
             f"ALTER TABLE {self.table.qualified} REPLICA IDENTITY FULL gives whole rows "
             "(more WAL per update and delete)"
         )

@@ -335,3 +335,44 @@ def test_a_merged_partition_past_its_floors_stops_reading_the_layout(
     assert not reads, f"{len(reads)} layout reads past the floors"
     expected = sorted(i for i in range(300, 500) if bucket_of([i]) < 128)
     assert sorted(delivered) == expected
+
+
+def test_a_fenced_sink_accepts_a_partition_made_again_by_a_regroup(
+    sqlite_db: TestDatabase, tmp_path: Path
+) -> None:
+    """The sink reliability.md describes (the highest ``ctx.fencing_token`` per
+    poller, lower ones refused), keyed by ``ctx.poller_name``: a regroup wrote each
+    new partition's document afresh, so a partition made again (split, merge, split
+    back) restarted at token 1 below what the sink had accepted from it, and the
+    sink refused every batch of it for good. A regrouped partition's first token is
+    above its own earlier ones and its parents'."""
+    make_table(sqlite_db, 120)
+    store = FileCheckpointStore(tmp_path / "state")
+    (member,) = members(sqlite_db, store, 1)
+    highest: dict[str, int] = {}
+    refused: list[tuple[str, int, int]] = []
+
+    def fenced_sink(events: list[RowChange], ctx: Any) -> None:
+        seen = highest.get(ctx.poller_name, 0)
+        if ctx.fencing_token < seen:
+            refused.append((ctx.poller_name, ctx.fencing_token, seen))
+            raise RuntimeError("stale writer")
+        highest[ctx.poller_name] = ctx.fencing_token
+
+    def drain() -> None:
+        member.balance()
+        with contextlib.suppress(Exception):
+            member.drain(fenced_sink, max_ticks=20)
+
+    drain()
+    next_id = 1000
+    for count in (8, 4, 8):
+        for _ in range(3):  # every tick with rows takes the lease again: tokens climb
+            insert(sqlite_db, range(next_id, next_id + 40))
+            next_id += 40
+            drain()
+        regroup.apply(member, count, actor="t", reason="r", wait_seconds=5)
+    insert(sqlite_db, range(next_id, next_id + 40))
+    drain()
+    assert refused == []
+    assert set(highest) >= {f"orders.{p}" for p in ("p000-032", "p000-064")}

@@ -135,7 +135,13 @@ def _candidates(poller: Any) -> list[_Candidate]:
         if state.source_fingerprint != expected:
             continue  # another source definition's: not this poller's layout
         lease = state.lease
-        retired = lease is not None and lease.owner_id.startswith(ops.OPERATOR_PREFIX)
+        # A regroup's lock (an operator's lease never released); a regrouped partition's
+        # first document carries its token in a released one, and is current.
+        retired = (
+            lease is not None
+            and lease.owner_id.startswith(ops.OPERATOR_PREFIX)
+            and not lease.released
+        )
         updated = docmod.format_time(state.checkpoint.updated_at) if state.checkpoint else ""
         checkpoint = str(state.position) if state.checkpoint else "the beginning"
         found.append(_Candidate(part, retired, updated, checkpoint))

@@ -39,7 +39,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dbtrigger.cursor import Position
-from dbtrigger.errors import CasConflictError, ConfigurationError, LiveLeaseError
+from dbtrigger.errors import (
+    CasConflictError,
+    ConfigurationError,
+    DbTriggerError,
+    LiveLeaseError,
+)
 from dbtrigger.partitions import layout
 from dbtrigger.partitions.layout import Floor, Membership, Partition
 from dbtrigger.partitions.member import PartitionedPoller, membership_key, partition_poller
@@ -196,7 +201,11 @@ def _delete_retired(poller: PartitionedPoller, *, keep: set[str], now: dt.dateti
         if stored is None:
             continue
         lease = docmod.loads(stored.data).lease
-        retired = lease is not None and lease.owner_id.startswith(ops.OPERATOR_PREFIX)
+        retired = (  # a regroup's lock, never released (a new child's lease is)
+            lease is not None
+            and lease.owner_id.startswith(ops.OPERATOR_PREFIX)
+            and not lease.released
+        )
         if retired and lease is not None and lease.expires_at < now:
             with contextlib.suppress(CasConflictError):
                 poller.store.delete(key, if_match=stored.etag)
@@ -298,15 +307,42 @@ def _write_child(
         if start is not None
         else None
     )
-    fresh = StateDocument(poller_name=key, source_fingerprint=fingerprint, checkpoint=checkpoint)
-    data = docmod.dumps(fresh.with_journal_entry(entry))
+    parent_tokens = [_token(poller, partition_poller(poller.name, p.id)) for p in parents]
     while True:
         existing = poller.store.read(key)
+        # The fencing token goes on from the highest this key and its parents had
+        # (a released lease carries it; the first owner takes token + 1): a sink that
+        # keeps the highest token per ctx.poller_name refused every batch of a
+        # partition made again (split, merge, split back) restarting at token 1.
+        token = max([*parent_tokens, _token_of(existing.data if existing else None)])
+        lease = None
+        if token:
+            lease = replace(_operator_lease(actor, token, now), expires_at=now, released=True)
+        fresh = StateDocument(
+            poller_name=key, source_fingerprint=fingerprint, checkpoint=checkpoint, lease=lease
+        )
+        data = docmod.dumps(fresh.with_journal_entry(entry))
         try:
             poller.store.write(key, data, if_match=existing.etag if existing else None)
             return
         except CasConflictError:
             continue
+
+
+def _token(poller: PartitionedPoller, key: str) -> int:
+    stored = poller.store.read(key)
+    return _token_of(stored.data if stored else None)
+
+
+def _token_of(data: bytes | None) -> int:
+    """The fencing token of a partition's document (0: none, or not readable)."""
+    if data is None:
+        return 0
+    try:
+        lease = docmod.loads(data).lease
+    except DbTriggerError:  # an unreadable document is replaced; its tokens are lost
+        return 0
+    return lease.fencing_token if lease is not None else 0
 
 
 def _switch(

@@ -61,7 +61,10 @@ class RelationInfo:
         table: str,
         columns: Sequence[tuple[str, int, bool]],
         key_columns: Sequence[str],
+        domains: Mapping[int, int] | None = None,
     ) -> RelationInfo:
+        """``domains`` maps a domain's type OID to its base type's: a domain column is
+        converted as its base type (a query gives its base type's value)."""
         names = tuple(c[0] for c in columns)
         where = {name: i for i, name in enumerate(names)}
         return cls(
@@ -71,7 +74,7 @@ class RelationInfo:
             tuple(c[1] for c in columns),
             tuple(c[2] for c in columns),
             tuple((k, where[k]) for k in key_columns if k in where),
-            tuple(po.converter(c[1]) for c in columns),
+            tuple(po.converter((domains or {}).get(c[1], c[1])) for c in columns),
         )
 
     def image(self, values: Sequence[po.Value], *, key_only: bool = False) -> dict[str, Any]:
@@ -180,6 +183,7 @@ class Decoder(Assembly[TableInfo, int]):
             table,
             [(c.name, c.type_oid, c.is_key) for c in message.columns],
             info.key_columns,
+            info.domains,
         )
         self.relations[message.oid] = relation
         columns = zip(relation.names, relation.type_oids, strict=True)
@@ -207,6 +211,7 @@ class Decoder(Assembly[TableInfo, int]):
                 for n, t in zip(chunk["columns"], chunk["types"], strict=True)
             ],
             info.key_columns,
+            info.domains,
         )
         for row in chunk["rows"]:
             self.keep((relation, tuple(None if v is None else v.encode() for v in row)))

@@ -209,6 +209,8 @@ class TableInfo:
     columns: dict[str, tuple[int, str]] = field(default_factory=dict)
     owner: str = ""
     can_lock: bool = True
+    #: a domain column's type OID -> its base type's (a domain over a domain: the last)
+    domains: dict[int, int] = field(default_factory=dict)
 
     @property
     def key_columns(self) -> tuple[str, ...]:
@@ -255,6 +257,9 @@ def table_infos(conn: psycopg.Connection[Any], tables: Sequence[TableName]) -> d
     """
     out: dict[str, TableInfo] = {}
     with translated("reading the watched tables from the catalog"):
+        bases = dict(
+            conn.execute("SELECT oid::int, typbasetype::int FROM pg_type WHERE typtype = 'd'")
+        )
         for table in tables:
             row = conn.execute(
                 """
@@ -292,8 +297,22 @@ def table_infos(conn: psycopg.Connection[Any], tables: Sequence[TableName]) -> d
                 name: (type_oid, type_name)
                 for name, type_oid, type_name in zip(row[5], row[6], row[7], strict=True)
             }
+            domains = {}
+            for type_oid in set(row[6]) & bases.keys():
+                base = type_oid
+                while base in bases:
+                    base = bases[base]
+                domains[type_oid] = base
             out[table.qualified] = TableInfo(
-                table, row[0], row[1], tuple(row[3]), tuple(row[4]), columns, row[2], row[8]
+                table,
+                row[0],
+                row[1],
+                tuple(row[3]),
+                tuple(row[4]),
+                columns,
+                row[2],
+                row[8],
+                domains,
             )
     return out
 

@@ -113,7 +113,9 @@ class SnapshotWriter(ChunkWriter[PgSourceParts, control.ControlRow, "TableInfo"]
                 return False  # changed meanwhile (cdc recreate): the next read reads it again
             conn.execute(sql.SQL("LOCK TABLE {} IN SHARE MODE").format(info.table.identifier()))
             cursor = conn.cursor()
-            for oid in set(types):
+            # A domain column comes typed as its base type: loaded as text too, never as
+            # a Python value (a numeric domain came as a Decimal and failed the chunk).
+            for oid in {*types, *info.domains.values()}:
                 cursor.adapters.register_loader(oid, _RawText)
             rows = cursor.execute(query, params).fetchall()
             texts = [[None if v is None else v.decode() for v in r] for r in rows]

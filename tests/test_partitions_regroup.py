@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from dbtrigger import FileCheckpointStore, RowChange
+from dbtrigger import FileCheckpointStore, RowChange, SqlAlchemySource
 from dbtrigger.errors import ConfigurationError, LiveLeaseError
 from dbtrigger.partitions import PartitionedPoller, bucket_of, regroup
 from dbtrigger.partitions.source import PartitionSource
@@ -376,3 +376,56 @@ def test_a_fenced_sink_accepts_a_partition_made_again_by_a_regroup(
     drain()
     assert refused == []
     assert set(highest) >= {f"orders.{p}" for p in ("p000-032", "p000-064")}
+
+
+def test_a_split_right_after_a_merge_keeps_the_floors(
+    sqlite_db: TestDatabase, tmp_path: Path
+) -> None:
+    """Text keys: a merge starts its partitions from the beginning with a floor per
+    parent (only the database knows the order). Split again before any tick, the
+    children get those floors clipped to their ranges: nothing the first layout
+    delivered comes again, and rows updated since (a higher cursor) come once."""
+    table = sqlite_db.qualified("orders")
+    sqlite_db.execute(f"CREATE TABLE {table} (id VARCHAR(10) PRIMARY KEY, seq INTEGER NOT NULL)")
+
+    def write(keys: list[str], seq0: int) -> None:
+        with sqlite_db.engine.begin() as conn:
+            conn.exec_driver_sql(
+                f"INSERT OR REPLACE INTO {table} (id, seq) VALUES (?, ?)",
+                [(k, seq0 + i) for i, k in enumerate(keys)],
+            )
+
+    keys = [f"k{i:03d}" for i in range(120)]
+    write(keys, 1)
+    member = PartitionedPoller(
+        name="orders",
+        source=SqlAlchemySource(
+            url=sqlite_db.url, table="orders", cursor_column="seq", pk_columns=["id"]
+        ),
+        checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+        partitions=4,
+        join_window_seconds=0,
+        background=False,
+        batch_size=7,
+    )
+    _MADE.append(member)
+    delivered: list[tuple[str, int]] = []
+
+    def handle(events: list[RowChange]) -> None:
+        delivered.extend((e.pk["id"], e.after["seq"]) for e in events)  # type: ignore[index]
+
+    member.drain(handle)
+    assert len(delivered) == 120
+    write(keys[:30], 500)  # the parents' checkpoints now differ from one another
+    member.drain(handle)
+    delivered.clear()
+    regroup.apply(member, 2, actor="t", reason="r", wait_seconds=5)
+    regroup.apply(member, 4, actor="t", reason="r", wait_seconds=5)
+    doc, _ = member.load_membership()
+    assert all(p.floors for p in doc.partitions), "no floors: the test proves nothing"
+    write(keys[100:110], 900)  # updated after the regroups
+    write(["new1", "new2"], 950)
+    member.balance()
+    member.drain(handle)
+    expected = [(k, 900 + i) for i, k in enumerate(keys[100:110])] + [("new1", 950), ("new2", 951)]
+    assert sorted(delivered) == sorted(expected)

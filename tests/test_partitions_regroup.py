@@ -429,3 +429,55 @@ def test_a_split_right_after_a_merge_keeps_the_floors(
     member.drain(handle)
     expected = [(k, 900 + i) for i, k in enumerate(keys[100:110])] + [("new1", 950), ("new2", 951)]
     assert sorted(delivered) == sorted(expected)
+
+
+@pytest.mark.parametrize("count", [8, 2], ids=["split", "merge"])
+def test_a_regroup_keeps_the_partitions_retries_and_rejections(
+    sqlite_db: TestDatabase, tmp_path: Path, count: int
+) -> None:
+    """A partition's window (events settled above its checkpoint while an earlier
+    one waits for a retry, and the retries with their attempts) lives in its state
+    document. A regroup wrote the new partitions without it: a rejected event,
+    dead-lettered and 'never delivered again', was delivered again, and a retry
+    started over at attempt 1 at once, past its backoff."""
+    from dbtrigger.quarantine import JsonLinesQuarantineSink  # noqa: PLC0415
+
+    make_table(sqlite_db, 80)
+    by_partition: dict[int, list[int]] = {}
+    for i in range(1, 81):
+        by_partition.setdefault(bucket_of([i]) // 64, []).append(i)
+    retried, rejected = by_partition[0][1], by_partition[0][3]  # one partition, in order
+    member = PartitionedPoller(
+        name="orders",
+        source=source(sqlite_db),
+        checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+        partitions=4,
+        join_window_seconds=0,
+        background=False,
+        quarantine=JsonLinesQuarantineSink(tmp_path / "dead.jsonl"),
+    )
+    _MADE.append(member)
+    seen: list[tuple[int, int]] = []
+
+    def handle(events: list[RowChange], ctx: Any) -> None:
+        for event in events:
+            key = int(event.pk["id"])
+            seen.append((key, ctx.attempt))
+            if key == rejected:
+                ctx.reject(event, "refused downstream")
+            elif key == retried and len([k for k, _ in seen if k == retried]) == 1:
+                ctx.retry(event, "later", delay_seconds=3600)
+
+    def tick_all() -> None:  # drain() would wait for the retry, an hour away
+        for _ in range(50):
+            if member.tick(handle) == 0:
+                return
+        pytest.fail("the member never caught up")
+
+    tick_all()
+    assert sorted(k for k, _ in seen) == list(range(1, 81))
+    seen.clear()
+    regroup.apply(member, count, actor="t", reason="r", wait_seconds=5)
+    member.balance()
+    tick_all()
+    assert seen == [], "the regroup delivered again what the window had settled or held"

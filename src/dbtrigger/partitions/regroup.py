@@ -45,7 +45,7 @@ from dbtrigger.errors import (
     DbTriggerError,
     LiveLeaseError,
 )
-from dbtrigger.partitions import layout
+from dbtrigger.partitions import inherit, layout
 from dbtrigger.partitions.layout import Floor, Membership, Partition
 from dbtrigger.partitions.member import PartitionedPoller, membership_key, partition_poller
 from dbtrigger.partitions.source import PartitionSource
@@ -307,19 +307,22 @@ def _write_child(
         if start is not None
         else None
     )
-    parent_tokens = [_token(poller, partition_poller(poller.name, p.id)) for p in parents]
+    parent_docs = [_read(poller, partition_poller(poller.name, p.id)) for p in parents]
+    held = inherit.window(
+        child, [d for d in parent_docs if d is not None], poller.source.pk_columns
+    )
     while True:
         existing = poller.store.read(key)
-        # The fencing token goes on from the highest this key and its parents had
-        # (a released lease carries it; the first owner takes token + 1): a sink that
-        # keeps the highest token per ctx.poller_name refused every batch of a
-        # partition made again (split, merge, split back) restarting at token 1.
-        token = max([*parent_tokens, _token_of(existing.data if existing else None)])
+        token = inherit.token([*parent_docs, _read_stored(existing.data if existing else None)])
         lease = None
-        if token:
+        if token:  # a released lease carries it: the first owner takes token + 1
             lease = replace(_operator_lease(actor, token, now), expires_at=now, released=True)
         fresh = StateDocument(
-            poller_name=key, source_fingerprint=fingerprint, checkpoint=checkpoint, lease=lease
+            poller_name=key,
+            source_fingerprint=fingerprint,
+            checkpoint=checkpoint,
+            lease=lease,
+            window=held,
         )
         data = docmod.dumps(fresh.with_journal_entry(entry))
         try:
@@ -329,20 +332,20 @@ def _write_child(
             continue
 
 
-def _token(poller: PartitionedPoller, key: str) -> int:
+def _read(poller: PartitionedPoller, key: str) -> StateDocument | None:
     stored = poller.store.read(key)
-    return _token_of(stored.data if stored else None)
+    return _read_stored(stored.data if stored else None)
 
 
-def _token_of(data: bytes | None) -> int:
-    """The fencing token of a partition's document (0: none, or not readable)."""
+def _read_stored(data: bytes | None) -> StateDocument | None:
+    """A partition's document (None: none, or unreadable: it is replaced, its
+    window and tokens are lost, as a reset from a backup would lose them)."""
     if data is None:
-        return 0
+        return None
     try:
-        lease = docmod.loads(data).lease
-    except DbTriggerError:  # an unreadable document is replaced; its tokens are lost
-        return 0
-    return lease.fencing_token if lease is not None else 0
+        return docmod.loads(data)
+    except DbTriggerError:
+        return None
 
 
 def _switch(

@@ -1,0 +1,66 @@
+"""What a partition made by a regroup takes over from its parents' state documents.
+
+A child starts at its parent's checkpoint (a merged one at the lowest of its
+parents', with floors), but a checkpoint is not all a partition has settled:
+
+* its **window** (:mod:`dbtrigger.state.window`): events settled above the
+  checkpoint while an earlier one waits for a retry (accepted, or rejected and
+  dead-lettered: never to be delivered again), and the retries themselves with
+  their attempts and backoff. Each entry goes to the child whose buckets hold
+  its key, so a regroup delivers none of them again and no retry starts over;
+* its **fencing token**: a child's first owner takes a token above its
+  parents' and above any earlier partition of the same name (split, merge,
+  split back), so a sink that keeps the highest ``ctx.fencing_token`` per
+  ``ctx.poller_name`` never refuses it.
+
+Pure functions of the parents' documents; :mod:`dbtrigger.partitions.regroup`
+reads and writes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dbtrigger.cursor import Position
+from dbtrigger.errors import DbTriggerError
+from dbtrigger.partitions.buckets import bucket_of
+from dbtrigger.partitions.layout import Partition
+from dbtrigger.state.document import StateDocument
+from dbtrigger.state.window import Window
+
+
+def token(docs: Sequence[StateDocument | None]) -> int:
+    """The highest fencing token of ``docs`` (0: none has had a lease)."""
+    return max((d.lease.fencing_token for d in docs if d is not None and d.lease), default=0)
+
+
+def window(
+    child: Partition, parents: Sequence[StateDocument], pk_columns: Sequence[str]
+) -> Window | None:
+    """The parents' window entries whose key lies in ``child``'s buckets (None: none)."""
+    windows = [d.window for d in parents if d.window is not None]
+    settled = tuple(p for w in windows for p in w.settled if _holds(child, p, pk_columns))
+    pending = tuple(e for w in windows for e in w.pending if _holds(child, e.position, pk_columns))
+    if not settled and not pending:
+        return None
+    bound = next((w.bound for w in windows if w.bound is not None), None)
+    return Window(settled, pending, bound)
+
+
+def _holds(child: Partition, position: Position, pk_columns: Sequence[str]) -> bool:
+    """The key of ``position`` is in ``child``'s buckets, or may be.
+
+    A PostgreSQL ``char(n)`` key is stored padded and hashed without the padding,
+    so a text key is tried both ways; a key whose bucket cannot be computed goes
+    to every child. An entry in a child that does not hold its row is found gone
+    by that child's tick (:func:`dbtrigger.state.window.gone`) and dropped: at
+    worst room in the window for a while, never a row skipped.
+    """
+    values = [position.pk.get(c) for c in pk_columns]
+    if any(v is None for v in values):
+        return True
+    variants = [values, [v.rstrip(" ") if isinstance(v, str) else v for v in values]]
+    try:
+        return any(child.lo <= bucket_of(v) < child.hi for v in variants)
+    except DbTriggerError:
+        return True

@@ -24,7 +24,7 @@ import pytest
 from dbtrigger import FileCheckpointStore, PollTrigger, RowChange
 from dbtrigger.cli import main
 from dbtrigger.errors import CorruptStateError
-from dbtrigger.partitions import PartitionedPoller
+from dbtrigger.partitions import PartitionedPoller, regroup
 from dbtrigger.state import fanout_set
 from dbtrigger.state.document import StateDocument
 from tests.databases import TestDatabase
@@ -193,11 +193,15 @@ def test_a_removed_or_renamed_subscriber_is_said_and_leaves_nothing_recorded(
     assert billing.seen == [1, 2, 3, 4]
 
 
+@pytest.mark.parametrize("regrouped", [False, True], ids=["same-layout", "after-a-split"])
 def test_a_subscriber_added_to_a_partitioned_poller_is_said_once_for_the_group(
-    sqlite_db: TestDatabase, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    sqlite_db: TestDatabase, tmp_path: Path, caplog: pytest.LogCaptureFixture, regrouped: bool
 ) -> None:
     """Each partition has a document of its own and records the set, but the
-    change is the group's: one WARNING naming the group, and one backfill."""
+    change is the group's: one WARNING naming the group, and one backfill. A
+    split in between wrote the new partitions without the set, so the subscriber
+    added after it was handed the rows after the checkpoints with nothing said;
+    the new partitions take the set their parents recorded."""
     table = items_table(sqlite_db)
     add_items(sqlite_db, table, list(range(1, 41)))
     store = FileCheckpointStore(tmp_path / "state")
@@ -216,6 +220,8 @@ def test_a_subscriber_added_to_a_partitioned_poller_is_said_once_for_the_group(
 
     first = group(billing=Sub("billing"))
     assert first.drain() == 40
+    if regrouped:
+        regroup.apply(first, 8, actor="t", reason="r", wait_seconds=5)
     first.leave()
     first.close()
     add_items(sqlite_db, table, [41, 42])

@@ -8,6 +8,9 @@ parents', with floors), but a checkpoint is not all a partition has settled:
   dead-lettered: never to be delivered again), and the retries themselves with
   their attempts and backoff. Each entry goes to the child whose buckets hold
   its key, so a regroup delivers none of them again and no retry starts over;
+* its **fan-out set** (:mod:`dbtrigger.state.fanout_set`): the subscribers it
+  last ran with, so a subscriber added after the regroup is said to start at
+  the checkpoints (``subscriber_joined``) as it is without one;
 * its **fencing token**: a child's first owner takes a token above its
   parents' and above any earlier partition of the same name (split, merge,
   split back), so a sink that keeps the highest ``ctx.fencing_token`` per
@@ -25,6 +28,7 @@ from dbtrigger.cursor import Position
 from dbtrigger.errors import DbTriggerError
 from dbtrigger.partitions.buckets import bucket_of
 from dbtrigger.partitions.layout import Partition
+from dbtrigger.state import fanout_set
 from dbtrigger.state.document import StateDocument
 from dbtrigger.state.window import Window
 
@@ -32,6 +36,16 @@ from dbtrigger.state.window import Window
 def token(docs: Sequence[StateDocument | None]) -> int:
     """The highest fencing token of ``docs`` (0: none has had a lease)."""
     return max((d.lease.fencing_token for d in docs if d is not None and d.lease), default=0)
+
+
+def subscribers(parents: Sequence[StateDocument]) -> tuple[str, ...] | None:
+    """The fan-out set the parents recorded (None: none did). Parents that ran with
+    different sets give the subscribers all of them had: one missing from any is
+    said to join, the side that repeats nothing silently."""
+    sets = [names for d in parents if (names := fanout_set.recorded(d)) is not None]
+    if not sets:
+        return None
+    return tuple(sorted(set(sets[0]).intersection(*sets[1:])))
 
 
 def window(

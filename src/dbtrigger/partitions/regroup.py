@@ -50,7 +50,7 @@ from dbtrigger.partitions.layout import Floor, Membership, Partition
 from dbtrigger.partitions.member import PartitionedPoller, membership_key, partition_poller
 from dbtrigger.partitions.source import PartitionSource
 from dbtrigger.state import document as docmod
-from dbtrigger.state import journal
+from dbtrigger.state import fanout_set, journal
 from dbtrigger.state import operations as ops
 from dbtrigger.state.document import Checkpoint, Lease, StateDocument
 
@@ -308,9 +308,8 @@ def _write_child(
         else None
     )
     parent_docs = [_read(poller, partition_poller(poller.name, p.id)) for p in parents]
-    held = inherit.window(
-        child, [d for d in parent_docs if d is not None], poller.source.pk_columns
-    )
+    parents_read = [d for d in parent_docs if d is not None]
+    held = inherit.window(child, parents_read, poller.source.pk_columns)
     while True:
         existing = poller.store.read(key)
         token = inherit.token([*parent_docs, _read_stored(existing.data if existing else None)])
@@ -324,6 +323,7 @@ def _write_child(
             lease=lease,
             window=held,
         )
+        fresh = fanout_set.recording(fresh, inherit.subscribers(parents_read))
         data = docmod.dumps(fresh.with_journal_entry(entry))
         try:
             poller.store.write(key, data, if_match=existing.etag if existing else None)

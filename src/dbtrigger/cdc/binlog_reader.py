@@ -43,9 +43,7 @@ has it (:attr:`Assembler.schema_break`).
 
 from __future__ import annotations
 
-import base64
 import datetime as dt
-import decimal
 import json
 import logging
 import re
@@ -60,7 +58,7 @@ from dbtrigger.cdc.binlog_setup import TableInfo
 from dbtrigger.cdc.buffer import Transaction
 from dbtrigger.cdc.changes import Change, truncate_change
 from dbtrigger.cdc.position import LogPosition
-from dbtrigger.errors import CorruptStateError, SerializationError
+from dbtrigger.errors import CorruptStateError
 
 log = logging.getLogger("dbtrigger.cdc")
 
@@ -153,47 +151,6 @@ def type_name(signature: str) -> str:
     return name + (" UNSIGNED" if signature.endswith("u") else "")
 
 
-# --- snapshot chunk values ------------------------------------------------------------------
-
-
-def encode_value(value: Any) -> Any:
-    """A column value as JSON that :func:`decode_value` turns back into the same type."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, decimal.Decimal):
-        return {"$dec": str(value)}
-    if isinstance(value, dt.datetime):
-        return {"$dt": value.isoformat()}
-    if isinstance(value, dt.date):
-        return {"$date": value.isoformat()}
-    if isinstance(value, dt.timedelta):
-        return {"$td": value.total_seconds()}
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return {"$b": base64.b64encode(bytes(value)).decode()}
-    if isinstance(value, (set, frozenset)):
-        return {"$set": sorted(str(v) for v in value)}
-    return str(value)
-
-
-def decode_value(value: Any) -> Any:
-    if not isinstance(value, dict):
-        return value
-    ((tag, raw),) = value.items()
-    if tag == "$dec":
-        return decimal.Decimal(raw)
-    if tag == "$dt":
-        return dt.datetime.fromisoformat(raw)
-    if tag == "$date":
-        return dt.date.fromisoformat(raw)
-    if tag == "$td":
-        return dt.timedelta(seconds=raw)
-    if tag == "$b":
-        return base64.b64decode(raw)
-    if tag == "$set":
-        return set(raw)
-    raise SerializationError(f"snapshot chunk value with unknown tag {tag!r}")
-
-
 # --- assembling transactions --------------------------------------------------------------
 
 
@@ -232,6 +189,10 @@ class Assembler(Assembly[TableInfo, str]):
         #: A table's column types read again (a column added since ``watched`` was read).
         self.column_types = column_types
         self._catalogs: dict[str, Mapping[str, str]] = {}
+        #: Without names in the log: a table map id -> (its table, the names it was given),
+        #: and each table's latest id (see :meth:`_catalog_names`).
+        self._names_by_id: dict[int, tuple[str, tuple[str, ...]]] = {}
+        self._last_id: dict[str, int] = {}
         self._asked: dict[str, set[str]] = {}
         self.chunks_table = chunks_table
         self.reader = reader
@@ -302,14 +263,14 @@ class Assembler(Assembly[TableInfo, str]):
         if self.names_from_log and all(c.name for c in columns):
             names = tuple(str(c.name) for c in columns)
             problem = None
-        elif len(columns) == len(info.columns):
-            names = info.names
+        elif len(columns) == len(catalog := self._catalog_names(table, event.table_id, info)):
+            names = catalog
             problem = None
         else:
             names = tuple(f"col{i}" for i in range(len(columns)))
             problem = (
                 f"{table} has {len(columns)} columns in the binary log but "
-                f"{len(info.columns)} in information_schema, and the log carries no column "
+                f"{len(catalog)} in information_schema, and the log carries no column "
                 "names (binlog_row_metadata is not FULL), so they cannot be told apart"
             )
         gone = [k for k in info.key_columns if k not in names]
@@ -325,6 +286,27 @@ class Assembler(Assembly[TableInfo, str]):
         ]
         self._checked.discard(event.table_id)
         self.note_problem(event.table_id, problem)
+
+    def _catalog_names(self, table: str, table_id: int, info: TableInfo) -> tuple[str, ...]:
+        """The column names of a table map without them (``binlog_row_metadata`` not FULL).
+
+        The server gives a table a new map id when it loads its definition again, as
+        after every ``ALTER TABLE``: the first id of a table this reader meets is named
+        by the catalog read at the start, each later one by the catalog read when it
+        first appears. Names kept for the start's definition would name every change
+        after ``DROP COLUMN b, ADD COLUMN c INT`` (same count, same types) ``b``.
+        Still wrong: a change read after a later ``ALTER`` already ran (a reader
+        behind the log), named by the catalog as it is now.
+        """
+        known = self._names_by_id.get(table_id)
+        if known is not None and known[0] == table:
+            return known[1]
+        names = info.names
+        if table in self._last_id and self.column_types is not None:
+            names = tuple(self.column_types(table) or names)
+        self._names_by_id[table_id] = (table, names)
+        self._last_id[table] = table_id
+        return names
 
     def _catalog(self, table: str, info: TableInfo, names: Sequence[str]) -> Mapping[str, str]:
         """Each column's ``DATA_TYPE``, read again when the log has a column the last
@@ -395,7 +377,7 @@ class Assembler(Assembly[TableInfo, str]):
                 continue
             shape = RowShape(chunk["table"], tuple(chunk["columns"]), info.key_columns)
             for encoded in chunk["rows"]:
-                self.keep((shape, "S", None, tuple(decode_value(v) for v in encoded)))
+                self.keep((shape, "S", None, tuple(binlog_values.decode_value(v) for v in encoded)))
 
     def query(self, text: str, schema: str | bytes | None = None) -> None:
         """A statement in the log: a ``TRUNCATE`` of a watched table is kept as its
@@ -493,8 +475,6 @@ __all__ = [
     "RowShape",
     "Where",
     "commit_token",
-    "decode_value",
-    "encode_value",
     "materialise",
     "type_name",
 ]

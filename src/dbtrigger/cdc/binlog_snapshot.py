@@ -38,8 +38,9 @@ import pymysql
 from dbtrigger._lock_wait import MYSQL_BOUND_SET_BACK, mysql_bound_for_now
 from dbtrigger.cdc import binlog_control as control
 from dbtrigger.cdc.binlog_context import BinlogSourceParts
-from dbtrigger.cdc.binlog_reader import Where, commit_token, decode_value, encode_value
+from dbtrigger.cdc.binlog_reader import Where, commit_token
 from dbtrigger.cdc.binlog_setup import current_position, file_index, translated
+from dbtrigger.cdc.binlog_values import decode_value, encode_value
 from dbtrigger.cdc.snapshots import ChunkWriter, Snapshot, still_pending
 from dbtrigger.errors import CorruptStateError, SourceDefinitionError
 

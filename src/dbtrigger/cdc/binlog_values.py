@@ -29,15 +29,22 @@ a moment no ``TIMESTAMP`` can hold (its range starts a second later): each is
 now the query's zero text. A date with a zero part only (``2026-00-00``,
 refused under ``NO_ZERO_IN_DATE``) is None in the log too and cannot be told
 from the zero date: it arrives as the zero date.
+
+A snapshot chunk's values travel as JSON (:func:`encode_value`, tagged for the
+types JSON lacks) and come back as the same Python values.
 """
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
+import decimal
 import ipaddress
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from dbtrigger.errors import SerializationError
 
 Converter = Callable[[Any, str | None], Any]
 """(decoded value, the package's reason for a None or None) -> the query's value."""
@@ -231,4 +238,45 @@ def values(
     )
 
 
-__all__ = ["Converter", "converters", "inet6_text", "values"]
+# --- snapshot chunk values ------------------------------------------------------------------
+
+
+def encode_value(value: Any) -> Any:
+    """A column value as JSON that :func:`decode_value` turns back into the same type."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, decimal.Decimal):
+        return {"$dec": str(value)}
+    if isinstance(value, dt.datetime):
+        return {"$dt": value.isoformat()}
+    if isinstance(value, dt.date):
+        return {"$date": value.isoformat()}
+    if isinstance(value, dt.timedelta):
+        return {"$td": value.total_seconds()}
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return {"$b": base64.b64encode(bytes(value)).decode()}
+    if isinstance(value, (set, frozenset)):
+        return {"$set": sorted(str(v) for v in value)}
+    return str(value)
+
+
+def decode_value(value: Any) -> Any:
+    if not isinstance(value, dict):
+        return value
+    ((tag, raw),) = value.items()
+    if tag == "$dec":
+        return decimal.Decimal(raw)
+    if tag == "$dt":
+        return dt.datetime.fromisoformat(raw)
+    if tag == "$date":
+        return dt.date.fromisoformat(raw)
+    if tag == "$td":
+        return dt.timedelta(seconds=raw)
+    if tag == "$b":
+        return base64.b64decode(raw)
+    if tag == "$set":
+        return set(raw)
+    raise SerializationError(f"snapshot chunk value with unknown tag {tag!r}")
+
+
+__all__ = ["Converter", "converters", "decode_value", "encode_value", "inet6_text", "values"]

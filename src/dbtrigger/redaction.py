@@ -372,6 +372,7 @@ LOGGER_NAMES = (
     "dbtrigger.changelog",
     "dbtrigger.output",
     "dbtrigger.cdc",
+    "dbtrigger.history",
 )
 
 

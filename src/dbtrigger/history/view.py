@@ -20,7 +20,7 @@ from dbtrigger.history import records as rec
 from dbtrigger.history.store import DAMAGED, HistoryStore
 from dbtrigger.state.document import StateDocument
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("dbtrigger.history")
 
 
 def load(

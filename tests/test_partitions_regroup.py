@@ -481,3 +481,33 @@ def test_a_regroup_keeps_the_partitions_retries_and_rejections(
     member.balance()
     tick_all()
     assert seen == [], "the regroup delivered again what the window had settled or held"
+
+
+def test_a_merge_of_decimal_keys_starts_at_the_lowest_parent_checkpoint(
+    pg: TestDatabase, tmp_path: Path
+) -> None:
+    """Decimals order in Python as in the database, like integers: a merged
+    partition starts at its lowest parent's checkpoint, not from the beginning
+    (a scan of everything its parents delivered, only for the floors to skip it)."""
+    table = pg.qualified("orders")
+    pg.execute(f"CREATE TABLE {table} (id NUMERIC(12, 2) PRIMARY KEY, seq INT NOT NULL)")
+    pg.execute(f"INSERT INTO {table} SELECT g + 0.5, g FROM generate_series(1, 60) g")
+    member = PartitionedPoller(
+        name="orders",
+        source=SqlAlchemySource(
+            url=pg.url, table="orders", schema=pg.schema, cursor_column="seq", pk_columns=["id"]
+        ),
+        checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+        partitions=4,
+        join_window_seconds=0,
+        background=False,
+    )
+    _MADE.append(member)
+    assert member.drain(lambda events: None) == 60
+    merged = regroup.apply(member, 2, actor="t", reason="r", wait_seconds=5)
+    assert all(start is not None for start in merged.starts.values()), merged.starts
+    pg.execute(f"INSERT INTO {table} VALUES (100.25, 100)")
+    seen: list[Any] = []
+    member.balance()
+    assert member.drain(lambda events: seen.extend(e.pk["id"] for e in events)) == 1
+    assert [str(k) for k in seen] == ["100.25"]

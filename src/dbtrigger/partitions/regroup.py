@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import decimal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -102,7 +103,8 @@ def plan(poller: PartitionedPoller, count: int) -> tuple[RegroupPlan, Membership
 def _comparable(position: Position) -> bool:
     """Values whose Python order is the database's (no collation can disagree)."""
     values = [position.cursor, *position.pk.values()]
-    return all(isinstance(v, (int, float, dt.datetime, dt.date)) for v in values) and not any(
+    kinds = (int, float, decimal.Decimal, dt.datetime, dt.date)
+    return all(isinstance(v, kinds) for v in values) and not any(
         isinstance(v, bool) for v in values
     )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import subprocess
 import sys
 import textwrap
@@ -511,3 +512,38 @@ def test_a_merge_of_decimal_keys_starts_at_the_lowest_parent_checkpoint(
     member.balance()
     assert member.drain(lambda events: seen.extend(e.pk["id"] for e in events)) == 1
     assert [str(k) for k in seen] == ["100.25"]
+
+
+def test_a_regroup_deletes_only_its_own_retired_partitions(
+    sqlite_db: TestDatabase, tmp_path: Path
+) -> None:
+    """The cleanup matched every key starting with '<name>.p': a regroup of
+    'orders' deleted the retired partition documents of a group named 'orders.pay'
+    (its own next regroup, or a rebuild of its layout from them, needs them)."""
+    make_table(sqlite_db, 20)
+    store = FileCheckpointStore(tmp_path / "state")
+
+    def group(name: str) -> PartitionedPoller:
+        made = PartitionedPoller(
+            name=name,
+            source=source(sqlite_db),
+            checkpoint_store=store,
+            partitions=4,
+            join_window_seconds=0,
+            background=False,
+        )
+        _MADE.append(made)
+        made.drain(lambda events: None)
+        return made
+
+    pay, orders = group("orders.pay"), group("orders")
+    start = dt.datetime.now(dt.timezone.utc)
+    regroup.apply(pay, 8, actor="t", reason="r", wait_seconds=5, now=lambda: start)
+    retired = {k for k in store.list_keys() if k.startswith("orders.pay.p")} - {
+        f"orders.pay.{p.id}" for p in pay.load_membership()[0].partitions
+    }
+    assert len(retired) == 4
+    later = start + dt.timedelta(seconds=regroup.LOCK_SECONDS + 60)
+    regroup.apply(orders, 8, actor="t", reason="r", wait_seconds=5, now=lambda: later)
+    assert retired <= set(store.list_keys())
+    assert all("pay" not in pid for pid in orders.group_state(lag=False).retired)

@@ -22,7 +22,7 @@ from dbtrigger.cursor import Position
 from dbtrigger.durations import human_duration
 from dbtrigger.errors import CorruptStateError, DbTriggerError
 from dbtrigger.health import measure_lag
-from dbtrigger.partitions.layout import Membership, shares
+from dbtrigger.partitions.layout import PARTITION_ID, Membership, shares
 from dbtrigger.partitions.source import PartitionSource
 from dbtrigger.state import document as docmod
 from dbtrigger.state.document import Lease
@@ -228,12 +228,14 @@ def group_state(
         for name, m in sorted(doc.members.items())
     )
     current = {partition_key(doc.poller, p.id) for p in doc.partitions}
-    prefix = f"{doc.poller}.p"
-    retired = tuple(
+    prefix = f"{doc.poller}."
+    retired = tuple(  # exactly '<poller>.pLLL-HHH': not a group named '<poller>.pay'
         sorted(
-            key[len(doc.poller) + 1 :]
+            key[len(prefix) :]
             for key in store.list_keys()
-            if key.startswith(prefix) and key not in current
+            if key.startswith(prefix)
+            and PARTITION_ID.fullmatch(key[len(prefix) :])
+            and key not in current
         )
     )
     return GroupState(doc.poller, doc.generation, now, members, partitions, retired)

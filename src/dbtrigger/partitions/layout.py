@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -36,6 +37,11 @@ from dbtrigger.partitions.buckets import BUCKETS
 from dbtrigger.state.document import format_time, parse_time, position_from_json, position_to_json
 
 KIND = "dbtrigger-membership"
+
+#: A partition id (:attr:`Partition.id`), as the suffix of its state document's key
+#: (``orders.p000-064``): matched whole, never as a prefix (a group may be named
+#: ``orders.pay``).
+PARTITION_ID = re.compile(r"p\d{3,}-\d{3,}")
 VERSION = 1
 
 

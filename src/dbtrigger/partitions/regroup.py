@@ -195,9 +195,13 @@ def apply(
 
 def _delete_retired(poller: PartitionedPoller, *, keep: set[str], now: dt.datetime) -> None:
     """Delete partition documents of earlier layouts whose operator lease expired."""
-    prefix = f"{poller.name}.p"
+    prefix = f"{poller.name}."
     for key in poller.store.list_keys():
-        if not key.startswith(prefix) or key[len(poller.name) + 1 :] in keep:
+        # Exactly '<name>.pLLL-HHH': a group named 'orders.pay' shares the prefix
+        # 'orders.p' (its membership document failed this loop as a corrupt state
+        # document, its retired partitions were deleted as if they were ours).
+        pid = key[len(prefix) :] if key.startswith(prefix) else ""
+        if not layout.PARTITION_ID.fullmatch(pid) or pid in keep:
             continue
         stored = poller.store.read(key)
         if stored is None:

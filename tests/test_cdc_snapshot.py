@@ -140,7 +140,11 @@ def test_a_table_or_key_range_can_be_read_again_while_streaming(
 def test_a_table_without_a_key_cannot_be_snapshotted_in_chunks(
     cdc_db: CdcDatabase, tmp_path: Any
 ) -> None:
-    cdc_db.execute("CREATE TABLE t (id int, v int); INSERT INTO t VALUES (1, 1)")
+    # FULL: publishable without a key (one without FULL is refused before it is published)
+    cdc_db.execute(
+        "CREATE TABLE t (id int, v int); ALTER TABLE t REPLICA IDENTITY FULL;"
+        "INSERT INTO t VALUES (1, 1)"
+    )
     trigger, source = make(cdc_db, tmp_path, f"snap_{uuid.uuid4().hex[:6]}")
     with pytest.raises(SourceDefinitionError, match=r"no primary key.*snapshot='never'"):
         trigger.tick(lambda events: None)

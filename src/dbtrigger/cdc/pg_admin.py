@@ -176,14 +176,14 @@ class PgAdmin(SourceAdmin[PgSourceParts]):
             setup.check_server(facts, stream=source.mode == "stream", new_slot=new_slot)
             if control.ensure(conn, source.control_schema):
                 done.append(f"created {source.control_schema}.{control.TABLE}")
-            done.extend(
-                setup.ensure_publication(conn, source.publication, source.tables, create=True)
-            )
             infos = setup.table_infos(conn, source.tables)
-            if full_images:
+            if full_images:  # first: a table without a key can be published only then
                 for info in infos.values():
                     if info.replica_identity != "f":
                         done.append(set_full_identity(conn, info.table))
+            done.extend(
+                setup.ensure_publication(conn, source.publication, source.tables, create=True)
+            )
             if new_slot:
                 if control.read_installed(conn, source.control_schema, source.slot):
                     raise SlotLostError(lost_slot_text(source), poller=source.poller)

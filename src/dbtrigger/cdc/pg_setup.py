@@ -28,6 +28,7 @@ import psycopg
 from psycopg import sql
 
 from dbtrigger.cdc.pg_connection import execute_or_explain, translated
+from dbtrigger.cdc.pg_identity import refuse_without_identity
 from dbtrigger.cdc.pgoutput import lsn_text, parse_lsn
 from dbtrigger.errors import (
     ConfigurationError,
@@ -297,12 +298,9 @@ def table_infos(conn: psycopg.Connection[Any], tables: Sequence[TableName]) -> d
                 name: (type_oid, type_name)
                 for name, type_oid, type_name in zip(row[5], row[6], row[7], strict=True)
             }
-            domains = {}
-            for type_oid in set(row[6]) & bases.keys():
-                base = type_oid
-                while base in bases:
-                    base = bases[base]
-                domains[type_oid] = base
+            domains = {t: t for t in set(row[6]) & bases.keys()}
+            while any(b in bases for b in domains.values()):  # a domain over a domain
+                domains = {t: bases.get(b, b) for t, b in domains.items()}
             out[table.qualified] = TableInfo(
                 table,
                 row[0],
@@ -397,6 +395,7 @@ def ensure_publication(
 
     Raises:
         ConfigurationError / SourcePermissionError: as explained in the message.
+        SourceDefinitionError: a table to publish has no replica identity.
     """
     existing = publication_tables(conn, name)
     actions = None
@@ -407,6 +406,8 @@ def ensure_publication(
     texts = [s.as_string(conn) for s in statements]
     if not statements:
         return []
+    new = [t for t in tables if existing is None or t.qualified not in existing]
+    refuse_without_identity(conn, new)  # updates of the table would fail once published
     if not create:
         lacks = "every watched table" if actions is None else "truncates (a TRUNCATE would be lost)"
         raise ConfigurationError(

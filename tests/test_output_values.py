@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
+import threading
 import traceback
 from collections.abc import Iterator
 from typing import Any
@@ -28,6 +29,7 @@ from dbtrigger.azure import binding_of
 from dbtrigger.errors import ConfigurationError, OutputValueError, RetryableError
 from dbtrigger.output import OutputTarget
 from tests.databases import TestDatabase
+from tests.test_output import wait_for_a_lock_wait
 
 PLUS_TWO = dt.timezone(dt.timedelta(hours=2))
 
@@ -265,3 +267,48 @@ def test_a_row_past_max_allowed_packet_is_named_not_retried(
     target.write([{"id": 3, "body": "x" * (limit // 4)}])  # the pool recovers
     with mariadb.engine.connect() as conn:
         assert conn.execute(sa.select(table.c.id)).scalars().all() == [3]
+
+
+def test_rows_are_written_in_key_order_so_two_writers_wait_instead_of_deadlocking(
+    pg: TestDatabase, caplog: pytest.LogCaptureFixture, targets: list[OutputTarget]
+) -> None:
+    """Rows were written in the order given: a write of keys [2, 1] took row 2 and
+    waited for row 1, which another transaction held and then asked for row 2, a
+    deadlock (one of them rolled back, a second of deadlock_timeout each; 20 threads
+    upserting 10 of 40 keys in random order spent minutes so). In key order the
+    write waits for row 1 holding nothing the other wants."""
+    sink = pg.qualified("ko_sink")
+    pg.execute(f"CREATE TABLE {sink} (id INTEGER PRIMARY KEY, v INTEGER)")
+    pg.execute(f"INSERT INTO {sink} VALUES (1, 0), (2, 0)")
+    target = OutputTarget(
+        url=pg.url, table="ko_sink", schema=pg.schema, action="upsert", conflict_columns=["id"]
+    )
+    targets.append(target)
+    outcome: list[Any] = []
+    other = pg.engine.connect()
+    try:
+        tx = other.begin()
+        other.exec_driver_sql("SET LOCAL deadlock_timeout = '60s'")  # the write's check decides
+        other.exec_driver_sql(f"UPDATE {sink} SET v = 10 WHERE id = 1")
+
+        def write() -> None:
+            try:
+                outcome.append(target.write([{"id": 2, "v": 2}, {"id": 1, "v": 1}]))
+            except Exception as exc:
+                outcome.append(exc)
+
+        with caplog.at_level("INFO", logger="dbtrigger"):
+            thread = threading.Thread(target=write)
+            thread.start()
+            wait_for_a_lock_wait(pg, "ko_sink", thread)
+            other.exec_driver_sql(f"UPDATE {sink} SET v = 20 WHERE id = 2")
+            tx.commit()
+            thread.join(60)
+    finally:
+        other.close()
+    assert outcome == [2], outcome
+    events = [r.__dict__.get("event") for r in caplog.records]
+    assert "output_write_retried" not in events, events  # no deadlock victim
+    with pg.engine.connect() as conn:
+        rows = conn.exec_driver_sql(f"SELECT id, v FROM {sink} ORDER BY id").fetchall()
+    assert [tuple(r) for r in rows] == [(1, 1), (2, 2)]

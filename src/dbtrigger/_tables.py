@@ -56,7 +56,12 @@ from dbtrigger._lock_wait import (
     lock_timed_out,
 )
 from dbtrigger._write_refusals import refusal, refusal_error
-from dbtrigger._write_values import mark_json_columns, packet_misfit, refuse_values
+from dbtrigger._write_values import (
+    in_key_order,
+    mark_json_columns,
+    packet_misfit,
+    refuse_values,
+)
 from dbtrigger.errors import (
     ConfigurationError,
     OutputLockTimeoutError,
@@ -238,7 +243,7 @@ class TableHandle:
         try:
             if not each:
                 return conn.execute(statement)
-            return conn.execute(statement, [dict(r) for r in rows])
+            return conn.execute(statement, in_key_order(table, rows, conflict_columns))
         except OverflowError as exc:  # pysqlite, an int past 64 bits: outside the DB-API
             found = refusal(exc, table, rows)
             if found is None:

@@ -32,11 +32,33 @@ log = logging.getLogger("dbtrigger.cdc")
 
 class SlotReporter(HealthReporter[PgSourceParts]):
     """Sets ``cdc_slot_lost``, ``cdc_retained_bytes`` and ``cdc_safe_wal_bytes``; warns
-    once when ``max_slot_wal_keep_size`` is unlimited."""
+    once when ``max_slot_wal_keep_size`` is unlimited, and in the worker's log when
+    the slot retains more than :data:`~dbtrigger.cdc.pg_admin.RETAINED_WARNING` or
+    is ``unreserved`` (about to be invalidated): once each, again after it cleared.
+    Those were told by ``dbtrigger check`` and the gauges only, so a worker that
+    came back after a long stop, or fell behind, said nothing until the slot was lost."""
 
     def __init__(self, source: PgSourceParts) -> None:
         super().__init__(source)
         self._warned_unlimited = False
+        self._warned: set[str] = set()
+
+    def _warn_slot(self, state: setup.SlotState, facts: setup.ServerFacts) -> None:
+        found = {
+            "cdc_slot_unreserved": state.wal_status == "unreserved",
+            "cdc_wal_retained": (state.retained_bytes or 0) > admin.RETAINED_WARNING,
+        }
+        self._warned &= {kind for kind, now in found.items() if now}
+        for kind in [k for k, now in found.items() if now and k not in self._warned]:
+            self._warned.add(kind)
+            keep = admin.wal_keep_notes(facts)  # warned about on their own
+            notes = [n for n in admin.slot_warnings(state, facts) if n not in keep]
+            log.warning(
+                "replication slot %s: %s",
+                self.source.slot,
+                "; ".join(notes),
+                extra={"event": kind, "poller": self.source.poller, "slot": self.source.slot},
+            )
 
     def measure(self, metrics: MetricsCollector, after: LogPosition | None) -> None:
         s = self.source
@@ -48,6 +70,8 @@ class SlotReporter(HealthReporter[PgSourceParts]):
             metrics.set_gauge("cdc_retained_bytes", float(state.retained_bytes))
         if state is not None and state.safe_wal_size is not None:
             metrics.set_gauge("cdc_safe_wal_bytes", float(state.safe_wal_size))
+        if state is not None and not state.lost:
+            self._warn_slot(state, facts)
         if facts.max_slot_wal_keep_size_mb < 0 and not self._warned_unlimited:
             self._warned_unlimited = True
             log.warning(

@@ -26,10 +26,16 @@ from dbtrigger import (
     SqlAlchemySource,
 )
 from dbtrigger.azure import binding_of
-from dbtrigger.errors import ConfigurationError, OutputValueError, RetryableError
+from dbtrigger.errors import (
+    CommitError,
+    ConfigurationError,
+    OutputConstraintError,
+    OutputValueError,
+    RetryableError,
+)
 from dbtrigger.output import OutputTarget
 from tests.databases import TestDatabase
-from tests.test_output import wait_for_a_lock_wait
+from tests.test_output import Clock, FailingCommits, wait_for_a_lock_wait
 
 PLUS_TWO = dt.timezone(dt.timedelta(hours=2))
 
@@ -312,3 +318,46 @@ def test_rows_are_written_in_key_order_so_two_writers_wait_instead_of_deadlockin
     with pg.engine.connect() as conn:
         rows = conn.exec_driver_sql(f"SELECT id, v FROM {sink} ORDER BY id").fetchall()
     assert [tuple(r) for r in rows] == [(1, 1), (2, 2)]
+
+
+@pytest.mark.parametrize("keyed", [True, False])
+def test_the_default_insert_writes_a_redelivered_batch_again(
+    sqlite_db: TestDatabase, keyed: bool, request: pytest.FixtureRequest
+) -> None:
+    """docs/azure.md: after a commit that failed once the handler had written, the
+    redelivery's insert finds its rows there: refused on a keyed sink (pointing at
+    action='upsert'), written twice on one without a key."""
+    db = sqlite_db
+    make_table(db, "orders", sa.Column("seq", sa.Integer, nullable=False))
+    db.execute("INSERT INTO orders VALUES (1, 1), (2, 2)")
+    key = "PRIMARY KEY" if keyed else ""
+    db.execute(f"CREATE TABLE sink (order_id INTEGER {key}, amount INTEGER)")
+    source = SqlAlchemySource(url=db.url, table="orders", cursor_column="seq", pk_columns=["id"])
+    request.addfinalizer(source.close)
+    store = FailingCommits(InMemoryCheckpointStore())
+    clock = Clock()
+    bindings = DbBindings()
+
+    @bindings.trigger(
+        arg_name="events", source=source, checkpoint_store=store, name="o", clock=clock
+    )
+    @bindings.output("out", url=db.url, table="sink")
+    def poll(timer: object, events: list[RowChange], out: DbOut) -> None:
+        out.set([{"order_id": e.pk["id"], "amount": 1} for e in events])
+
+    request.addfinalizer(binding_of(poll).output.close)
+    store.armed = True
+    with pytest.raises(CommitError):
+        poll(timer=None)
+    store.armed = False
+    clock.now += dt.timedelta(minutes=10)  # the lease lapsed
+    if keyed:
+        with pytest.raises(HandlerError) as err:
+            poll(timer=None)
+        assert isinstance(err.value.__cause__, OutputConstraintError)
+        assert "action='upsert'" in str(err.value)
+    else:
+        poll(timer=None)
+    with db.engine.connect() as conn:
+        ids = conn.execute(sa.text("SELECT order_id FROM sink ORDER BY order_id")).scalars()
+        assert list(ids) == ([1, 2] if keyed else [1, 1, 2, 2])

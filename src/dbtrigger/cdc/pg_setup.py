@@ -233,13 +233,13 @@ class TableInfo:
             return None
         if self.replica_identity == "n":
             return (
-                "REPLICA IDENTITY NOTHING: updates and deletes cannot even be written while the "
-                "table is published; set REPLICA IDENTITY DEFAULT (with a primary key) or FULL"
+                "REPLICA IDENTITY NOTHING: updates and deletes fail while the table is published, "
+                "so it is not; set REPLICA IDENTITY DEFAULT or FULL (cdc install --full-images)"
             )
         if not self.key_columns:
             return (
-                "no primary key: updates and deletes fail while the table is published; add a "
-                "primary key or set REPLICA IDENTITY FULL"
+                "no primary key: updates and deletes fail while the table is published, so it is "
+                "not; add a primary key or set REPLICA IDENTITY FULL (cdc install --full-images)"
             )
         return (
             f"REPLICA IDENTITY {self.identity_label}: a delete's before image has only "

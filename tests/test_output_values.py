@@ -361,3 +361,18 @@ def test_the_default_insert_writes_a_redelivered_batch_again(
     with db.engine.connect() as conn:
         ids = conn.execute(sa.text("SELECT order_id FROM sink ORDER BY order_id")).scalars()
         assert list(ids) == ([1, 2] if keyed else [1, 1, 2, 2])
+
+
+def test_rows_of_a_table_referring_to_itself_keep_their_order(
+    pg: TestDatabase, targets: list[OutputTarget]
+) -> None:
+    """A parent given before the row referring to it is written first, whatever
+    their keys: sorted by key, the child (id 1) would come before its parent (id 2)
+    and break the foreign key."""
+    tree = pg.qualified("tree")
+    pg.execute(f"CREATE TABLE {tree} (id INTEGER PRIMARY KEY, parent INTEGER REFERENCES {tree})")
+    target = OutputTarget(
+        url=pg.url, table="tree", schema=pg.schema, action="upsert", conflict_columns=["id"]
+    )
+    targets.append(target)
+    assert target.write([{"id": 2, "parent": None}, {"id": 1, "parent": 2}]) == 2

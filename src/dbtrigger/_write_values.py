@@ -153,10 +153,14 @@ def in_key_order(
     alike and only wait. The sort is stable: a key given twice in one write keeps
     its rows' order (the last one wins an upsert, as before). Errors still name a
     row by its place in ``rows``, since they are told from the rows as given.
+    A table with a foreign key to itself keeps the order given: a parent row
+    must come before the rows that refer to it, whatever their keys.
     """
     copies = [dict(r) for r in rows]
     keys = list(conflict_columns) or [c.name for c in table.primary_key.columns]
     if len(copies) < 2 or not keys or any(k not in copies[0] for k in keys):
+        return copies
+    if any(fk.column.table is table for fk in table.foreign_keys):
         return copies
     try:
         return sorted(copies, key=lambda r: tuple((r[k] is None, r[k]) for k in keys))

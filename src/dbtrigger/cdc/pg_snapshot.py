@@ -56,6 +56,22 @@ class _RawText(Loader):
         return bytes(data)
 
 
+def generated_columns(conn: psycopg.Connection[Any], table_oid: int) -> set[str]:
+    """The table's generated columns, which a snapshot chunk leaves out.
+
+    pgoutput does not publish them (before PostgreSQL 18, and there only with the
+    publication's ``publish_generated_columns``, which the source does not set): a
+    row's snapshot event had the column, every change of it after lacked the key.
+    """
+    with translated("reading the table's generated columns"):
+        rows = conn.execute(
+            "SELECT attname::text FROM pg_attribute WHERE attrelid = %s AND attnum > 0 "
+            "AND NOT attisdropped AND attgenerated <> ''",
+            (table_oid,),
+        ).fetchall()
+    return {r[0] for r in rows}
+
+
 class SnapshotWriter(ChunkWriter[PgSourceParts, control.ControlRow, "TableInfo"]):
     """Writes the next chunk of the oldest pending request into the log."""
 
@@ -78,7 +94,8 @@ class SnapshotWriter(ChunkWriter[PgSourceParts, control.ControlRow, "TableInfo"]
                 f"cannot snapshot {info.table.qualified}: it has no primary key (or replica "
                 "identity index) to read it in chunks by; add one, or use snapshot='never'"
             )
-        columns = list(info.columns)
+        generated = generated_columns(conn, info.oid) - set(keys)
+        columns = [c for c in info.columns if c not in generated]
         types = [info.columns[c][0] for c in columns]
         condition: sql.Composable = sql.SQL("TRUE")
         params: list[Any] = []
@@ -138,4 +155,4 @@ class SnapshotWriter(ChunkWriter[PgSourceParts, control.ControlRow, "TableInfo"]
         return bool(texts)
 
 
-__all__ = ["SnapshotWriter"]
+__all__ = ["SnapshotWriter", "generated_columns"]

@@ -345,6 +345,9 @@ class SqlCheckpointStore:
             raise StoreRefusedError(
                 f"{where} violated a constraint of the state table: {short_error(exc)}"
             ) from exc
+        except sa.exc.DataError as exc:  # a value the column refuses: the same again
+            misfit = self._misfit(short_error(exc))
+            raise StoreRefusedError(f"{where} was refused: {misfit}") from exc
         except sa.exc.DBAPIError as exc:
             if lock_timed_out(exc):
                 raise lock_timeout_error(
@@ -447,6 +450,32 @@ class SqlCheckpointStore:
                 f"would drop the connection: {sizes.explain(data)}; or raise max_allowed_packet"
             )
 
+    def _misfit(self, what: str) -> str:
+        """A document the state table's ``document`` column does not hold as written
+        (someone altered it): what happened and the ALTER that restores it."""
+        t, name = self._table, self.table_name
+        if self._engine.dialect.name in ("mysql", "mariadb"):
+            fix = f"ALTER TABLE {name} MODIFY document LONGTEXT CHARACTER SET utf8mb4 "
+            fix += "COLLATE utf8mb4_bin NOT NULL"
+        else:
+            fix = f"ALTER TABLE {name} ALTER COLUMN document TYPE {t.c.document.type}"
+        return (
+            f"the document column of {name} cannot hold this state document ({what}); nothing "
+            f"was changed. Was the table altered? Restore the column with `{fix}` "
+            "(the store's ddl() shows the table it expects)"
+        )
+
+    def _check_kept(self, conn: Connection, key: str, etag: str, size: int) -> None:
+        """MariaDB/MySQL without a strict ``sql_mode`` cut a value too long for its
+        column and only warn: read back the length written, in the same transaction,
+        so a document cut short is rolled back and refused, never committed."""
+        t = self._table
+        kept = conn.execute(
+            sa.select(sa.func.length(t.c.document)).where(self._where_key(key), t.c.etag == etag)
+        ).scalar()
+        if kept != size:
+            raise StoreRefusedError(self._misfit(f"{size} bytes, {kept} kept"))
+
     def _where_key(self, key: str) -> sa.ColumnElement[bool]:
         t = self._table
         return sa.and_(t.c.namespace == self._namespace, t.c.poller_name == key)
@@ -500,11 +529,16 @@ class SqlCheckpointStore:
             self._edge("write", key, create=if_match is None) as attempt,
             write_connection(self._engine) as conn,
         ):
-            self._execute_one(conn, stmt, key, attempt)
+            self._execute_one(conn, stmt, key, attempt, (etag, len(data)))
         return etag
 
     def _execute_one(
-        self, conn: Connection, stmt: sa.Executable, key: str, attempt: _Attempt
+        self,
+        conn: Connection,
+        stmt: sa.Executable,
+        key: str,
+        attempt: _Attempt,
+        written: tuple[str, int],
     ) -> None:
         trans = conn.begin()
         try:
@@ -516,6 +550,8 @@ class SqlCheckpointStore:
                 raise CasConflictError(
                     f"{key!r} in {self.table_name} changed since it was read (etag mismatch)"
                 )
+            if self._engine.dialect.name in ("mysql", "mariadb"):
+                self._check_kept(conn, key, *written)
         except BaseException:
             trans.rollback()
             raise

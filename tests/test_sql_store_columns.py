@@ -1,0 +1,69 @@
+"""SqlCheckpointStore on a state table someone altered: a document the columns
+cannot hold is refused, whole, never stored cut short.
+
+A DBA "tidying" the schema (``document`` to ``TEXT`` on MariaDB, which stops at
+64 KB, or to ``varchar(n)``) must not turn a growing document into an outage
+retried for ever (a strict server's "data too long" read as unavailable) nor,
+on a MariaDB/MySQL server without a strict ``sql_mode``, into a document stored
+cut short that the next read finds corrupt, the poller stopped until a reset.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dbtrigger.errors import StoreRefusedError
+from dbtrigger.state.stores import SqlCheckpointStore, StoredDocument
+from tests.databases import TestDatabase
+
+SMALL = b'{"a": 1}'
+LARGE = json.dumps({"a": "x" * 300}).encode()
+
+
+def _narrow_document_column(db: TestDatabase) -> None:
+    table = db.qualified("dbtrigger_state")
+    if db.kind == "postgresql":
+        db.execute(f"ALTER TABLE {table} ALTER COLUMN document TYPE varchar(100)")
+    else:
+        db.execute(
+            f"ALTER TABLE {table} MODIFY document VARCHAR(100) "
+            "CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL"
+        )
+
+
+def test_a_document_the_altered_column_cannot_hold_is_refused_and_nothing_changes(
+    server_db: TestDatabase,
+) -> None:
+    store = SqlCheckpointStore(url=server_db.url, schema=server_db.schema)
+    try:
+        etag = store.write("orders", SMALL, if_match=None)
+        _narrow_document_column(server_db)
+        # a refusal a person must act on (not an outage the runtime retries for ever)
+        with pytest.raises(StoreRefusedError, match=r"document column .*ALTER TABLE") as caught:
+            store.write("orders", LARGE, if_match=etag)
+        assert "x" * 50 not in str(caught.value)  # the document is not echoed
+        assert store.read("orders") == StoredDocument(SMALL, etag)
+    finally:
+        store.close()
+
+
+def test_a_non_strict_mariadb_never_stores_a_document_cut_short(mariadb: TestDatabase) -> None:
+    store = SqlCheckpointStore(
+        url=mariadb.url,
+        schema=mariadb.schema,
+        # a server (or a session) without STRICT_TRANS_TABLES truncates with a warning
+        engine_kwargs={"connect_args": {"init_command": "SET SESSION sql_mode=''"}},
+    )
+    try:
+        etag = store.write("orders", SMALL, if_match=None)
+        _narrow_document_column(mariadb)
+        with pytest.raises(StoreRefusedError, match=r"document column .*ALTER TABLE"):
+            store.write("orders", LARGE, if_match=etag)
+        assert store.read("orders") == StoredDocument(SMALL, etag)
+        with pytest.raises(StoreRefusedError, match="document column"):
+            store.write("other", LARGE, if_match=None)  # a create is checked the same way
+        assert store.read("other") is None
+    finally:
+        store.close()

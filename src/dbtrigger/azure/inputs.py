@@ -25,7 +25,6 @@ above the function (with ``@db.output``), so they run for each batch.
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
@@ -33,6 +32,7 @@ from typing import Any, Literal
 from sqlalchemy.engine import Engine
 
 from dbtrigger._lock_wait import DEFAULT_WRITE_LOCK_TIMEOUT
+from dbtrigger.azure.blocking import off_loop
 from dbtrigger.azure.host import host_signature, host_wrapper
 from dbtrigger.azure.record import binding_of
 from dbtrigger.dbio import DbReader, DbWriter
@@ -93,7 +93,7 @@ def _inject(
             return fn(**call, **{arg_name: make(call)})
 
         async def run_async(call: dict[str, Any]) -> Any:
-            value = await asyncio.to_thread(make, call)  # the read leaves the loop
+            value = await off_loop(make, call)  # the read leaves the loop (blocking.py)
             return await fn(**call, **{arg_name: value})
 
         return host_wrapper(fn, host_sig, run, run_async)

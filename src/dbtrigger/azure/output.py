@@ -11,13 +11,13 @@ the batch, so that order is refused.
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy.engine import Engine
 
+from dbtrigger.azure.blocking import off_loop
 from dbtrigger.azure.host import host_signature, host_wrapper
 from dbtrigger.azure.record import attach, binding_of
 from dbtrigger.errors import ConfigurationError
@@ -85,7 +85,7 @@ def output_binding(
             out = DbOut(target)
             result = await fn(**call, **{arg_name: out})
             if out.get():
-                await asyncio.to_thread(out.flush)
+                await off_loop(out.flush)
             return result
 
         wrapper = host_wrapper(fn, host_sig, run, run_async)

@@ -23,7 +23,7 @@ from dbtrigger.cdc.pg_connection import translated
 from dbtrigger.errors import SourceDefinitionError
 
 if TYPE_CHECKING:
-    from dbtrigger.cdc.pg_setup import TableName
+    from dbtrigger.cdc.pg_names import TableName
 
 _IDENTITY = """
 SELECT c.relreplident::text,

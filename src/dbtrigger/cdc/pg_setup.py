@@ -29,6 +29,7 @@ from psycopg import sql
 
 from dbtrigger.cdc.pg_connection import execute_or_explain, translated
 from dbtrigger.cdc.pg_identity import refuse_without_identity
+from dbtrigger.cdc.pg_names import TableName, parse_tables
 from dbtrigger.cdc.pgoutput import lsn_text, parse_lsn
 from dbtrigger.errors import (
     ConfigurationError,
@@ -36,7 +37,6 @@ from dbtrigger.errors import (
     SourceDefinitionError,
     SourcePermissionError,
 )
-from dbtrigger.names import validate_sql_identifier
 
 #: The oldest server this source supports: pgoutput's ``messages`` option (the
 #: snapshot chunks travel as logical messages) arrived in 14.
@@ -65,40 +65,6 @@ def validate_slot_name(name: str, what: str = "slot") -> str:
             f"{what} name {name!r} is not valid: use 1-63 lowercase letters, digits or '_'"
         )
     return name
-
-
-@dataclass(frozen=True, order=True)
-class TableName:
-    schema: str
-    name: str
-
-    @property
-    def qualified(self) -> str:
-        return f"{self.schema}.{self.name}"
-
-    def identifier(self) -> sql.Identifier:
-        return sql.Identifier(self.schema, self.name)
-
-    @classmethod
-    def parse(cls, text: str) -> TableName:
-        if not isinstance(text, str):
-            raise ConfigurationError(f"a table must be named by a string, got {text!r}")
-        schema, _, name = text.rpartition(".")
-        schema = schema or "public"
-        return cls(
-            validate_sql_identifier(schema, "schema"), validate_sql_identifier(name, "table")
-        )
-
-
-def parse_tables(tables: Sequence[str]) -> tuple[TableName, ...]:
-    if isinstance(tables, str) or not tables:
-        raise ConfigurationError(
-            "tables= must be a non-empty list of table names (e.g. ['public.orders'])"
-        )
-    parsed = tuple(TableName.parse(t) for t in tables)
-    if len(set(parsed)) != len(parsed):
-        raise ConfigurationError(f"tables= names a table twice: {list(tables)}")
-    return parsed
 
 
 # --- the server -------------------------------------------------------------------------

@@ -32,10 +32,12 @@ can echo request URLs, and with SAS authentication those carry a signature).
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 from azure.core.exceptions import (
     AzureError,
@@ -130,6 +132,32 @@ def short(exc: BaseException) -> str:
     return redact(f"{type(exc).__name__}: {first}")[:300]
 
 
+#: How a refusal names the credential when nothing more is known of it.
+CREDENTIAL = "the credential (key, SAS or identity)"
+
+
+def sas_validity(url: str, now: dt.datetime) -> str:
+    """What the SAS in ``url``'s query says of its own validity at ``now``: when it
+    expired (``se``) or when it starts (``st``, a clock behind), as words ending in
+    ``"; "``, or ``""``. Only those two fields are read; the signature never is."""
+    query = parse_qs(urlsplit(url).query)
+    notes = []
+    for field_name, passed, words in (
+        ("se", True, "the SAS expired at {}: issue a new one"),
+        ("st", False, "the SAS is valid only from {} (is this machine's clock behind?)"),
+    ):
+        text = (query.get(field_name) or [""])[0]
+        try:
+            when = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+        except ValueError:
+            continue
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=dt.timezone.utc)
+        if (now >= when) == passed:
+            notes.append(words.format(text) + "; ")
+    return "".join(notes)
+
+
 def _detail(exc: BaseException, status: int | None, code: str | None) -> str:
     if status is None:
         return short(exc)
@@ -143,19 +171,22 @@ def translate(
     where: str,
     write: bool,
     missing: Mapping[str, str] | None = None,
+    credential: str = CREDENTIAL,
 ) -> StoreError:
     """The store error for ``exc``, raised while ``where`` (see the module docstring).
 
     ``write``: the request changes something (a write, a delete, a send), so
     an answer that went missing is ambiguous. ``missing``: error codes of a
     container (table, queue) that does not exist, and what to say about each.
+    ``credential``: the words a refusal names the credential with (the app
+    setting it comes from, its SAS expired...).
     """
     status, code = status_of(exc), error_code(exc)
     detail = _detail(exc, status, code)
     fields: dict[str, Any] = {"status": status, "error_code": code}
     if isinstance(exc, ClientAuthenticationError) or status in (401, 403):
         return StoreAuthError(
-            f"{where} was refused ({detail}): check the credential (key, SAS or identity), "
+            f"{where} was refused ({detail}): check {credential}, "
             f"and that an identity has the '{service.role}' role",
             **fields,
         )
@@ -217,21 +248,28 @@ def mapped(
     *,
     write: bool = False,
     missing: Mapping[str, str] | None = None,
+    credential: Callable[[], str] | None = None,
 ) -> Iterator[None]:
-    """Raise an Azure SDK failure inside the block as :func:`translate` sorts it, cause chained."""
+    """Raise an Azure SDK failure inside the block as :func:`translate` sorts it, cause
+    chained; ``credential`` (called only on a failure) gives its words for the credential."""
     try:
         yield
     except AzureError as exc:
-        raise translate(exc, service=service, where=where, write=write, missing=missing) from exc
+        words = credential() if credential is not None else CREDENTIAL
+        raise translate(
+            exc, service=service, where=where, write=write, missing=missing, credential=words
+        ) from exc
 
 
 __all__ = [
     "BLOB",
+    "CREDENTIAL",
     "QUEUE",
     "TABLE",
     "StorageService",
     "error_code",
     "mapped",
+    "sas_validity",
     "short",
     "status_of",
     "translate",

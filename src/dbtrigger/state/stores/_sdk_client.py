@@ -11,8 +11,10 @@ and closing it only if it was.
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Generic, Protocol, TypeVar
 
+from dbtrigger import _azure_errors as azure_errors
 from dbtrigger.settings import Deferred, peek, resolve
 
 
@@ -41,6 +43,18 @@ class SdkClientHolder(Generic[C]):
         """Where the client comes from, in words and without a secret, for a
         description made while its app settings cannot be read."""
         return str(getattr(self._client_source, "what", "app settings"))
+
+    def _credential(self) -> str:
+        """The credential as a refusal names it: the app setting it was read from
+        (a store built from one) and what its SAS says of its validity now; never
+        a secret. In a Function App with several storage settings, "check the
+        credential" alone leaves a person guessing which one ran out."""
+        words = azure_errors.CREDENTIAL
+        what = getattr(self._client_source, "what", None)
+        if what:
+            words += f" in {what}"
+        url = str(getattr(peek(self._client_source), "url", "") or "")
+        return azure_errors.sas_validity(url, dt.datetime.now(dt.timezone.utc)) + words
 
     def close(self) -> None:
         """Close the client, if it was built (one never built holds nothing open)."""

@@ -380,6 +380,7 @@ class BlobCheckpointStore(SdkClientHolder[ContainerClient]):
             self._where(op, blob),
             write=op in ("write", "delete"),
             missing={"ContainerNotFound": missing},
+            credential=self._credential,
         )
 
     def _account(self) -> str:

@@ -316,7 +316,12 @@ class TableCheckpointStore(SdkClientHolder[TableClient]):
             return UnsupportedDocumentError(f"{where}: {azure_errors.short(exc)}")
         missing = {"TableNotFound": f"table {self._table_name!r} does not exist"}
         return azure_errors.translate(
-            exc, service=azure_errors.TABLE, where=where, write=write, missing=missing
+            exc,
+            service=azure_errors.TABLE,
+            where=where,
+            write=write,
+            missing=missing,
+            credential=self._credential(),
         )
 
     def _ensure_table(self) -> None:

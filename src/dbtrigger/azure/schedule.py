@@ -27,14 +27,35 @@ class LeaseScheduleWarning(UserWarning):
     """``lease_ttl_seconds`` is shorter than the timer interval (runtime contract, section 7)."""
 
 
+#: Full English names, in order: the host's NCrontab takes any leading part of one,
+#: in any case ("Mon", "Monday", "thurs"), the first name it begins wins.
 _MONTH_NAMES = {
     m: i + 1
     for i, m in enumerate(
-        ["jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"]
+        [
+            "january",
+            "february",
+            "march",
+            "april",
+            "may",
+            "june",
+            "july",
+            "august",
+            "september",
+            "october",
+            "november",
+            "december",
+        ]
     )
 }
-_DAY_NAMES = {d: i for i, d in enumerate(["sun", "mon", "tue", "wed", "thu", "fri", "sat"])}
-#: (name, lowest, highest, names) of the six NCRONTAB fields.
+_DAY_NAMES = {
+    d: i
+    for i, d in enumerate(
+        ["sunday", "monday", "tuesday", "wednesday", "thursday", "friday", "saturday"]
+    )
+}
+#: (name, lowest, highest, names) of the six NCRONTAB fields. Day-of-week takes 7
+#: for Sunday too, but ``*`` and ``n/step`` end at Saturday (6), as the host's do.
 _FIELDS: tuple[tuple[str, int, int, Mapping[str, int]], ...] = (
     ("second", 0, 59, {}),
     ("minute", 0, 59, {}),
@@ -43,6 +64,7 @@ _FIELDS: tuple[tuple[str, int, int, Mapping[str, int]], ...] = (
     ("month", 1, 12, _MONTH_NAMES),
     ("day-of-week", 0, 7, _DAY_NAMES),
 )
+_OPEN_END = {"day-of-week": 6}
 #: ``hh:mm:ss``, ``d.hh:mm:ss`` and ``d:hh:mm:ss`` (seconds may carry a fraction),
 #: and ``dd:hh:mm`` (three numbers, the first 24 or more), as .NET's TimeSpan
 #: parses them for the host. ASCII digits only, as NCRONTAB's.
@@ -55,26 +77,30 @@ _SAMPLE_YEARS = 5
 def _field_values(text: str, name: str, lo: int, hi: int, names: Mapping[str, int]) -> set[int]:
     def number(token: str) -> int:
         key = token.strip().lower()
-        if key in names:
-            return names[key]
+        if names and key.isascii() and key.isalpha():
+            for full, value in names.items():
+                if full.startswith(key):
+                    return value
         if not (key.isascii() and key.isdigit()):
-            raise ConfigurationError(f"schedule {name} field: {token!r} is not a number")
+            what = "a number or the start of an English name" if names else "a number"
+            raise ConfigurationError(f"schedule {name} field: {token!r} is not {what}")
         return int(key)
 
     values: set[int] = set()
     for part in text.split(","):
-        body, _, step_text = part.partition("/")
-        step = number(step_text) if step_text else 1
+        body, slash, step_text = part.partition("/")
+        step = number(step_text) if slash else 1
         if step < 1:
             raise ConfigurationError(f"schedule {name} field: step must be >= 1 in {part!r}")
+        open_end = _OPEN_END.get(name, hi)
         if body in ("*", "?"):
-            start, end = lo, hi
+            start, end = lo, open_end
         elif "-" in body:
             first, _, last = body.partition("-")
             start, end = number(first), number(last)
         else:
             start = number(body)
-            end = hi if step_text else start
+            end = open_end if slash else start
         if not lo <= start <= end <= hi:
             raise ConfigurationError(
                 f"schedule {name} field: {part!r} is outside {lo}-{hi} or reversed"
@@ -100,7 +126,7 @@ def _firings(fields: list[set[int]], start: dt.datetime) -> Iterator[dt.datetime
 
 #: The most days each month has (February 29 in a leap year).
 _MONTH_DAYS = (31, 29, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31)
-_MONTH_TITLES = [name.title() for name in _MONTH_NAMES]
+_MONTH_TITLES = [name[:3].title() for name in _MONTH_NAMES]
 
 
 def _check_some_date(schedule: str, days: set[int], months: set[int]) -> None:

@@ -245,7 +245,13 @@ class LeaseSession:
         except CasConflictError as exc:
             if not resolve_conflict:
                 return _Conflict(exc)
-            return _Conflict(exc, self._reread(translate, stage="re-read"))
+            current = self._reread(translate, stage="re-read")
+            if current is not None and current.data == data:
+                # Our own bytes: an earlier attempt of this write, reported as not
+                # landed, was applied late (a PUT the service finished after its
+                # answer was lost and the re-read); this one lost to it.
+                return _Landed(current.etag)
+            return _Conflict(exc, current)
         except AmbiguousWriteError as exc:
             current = self._reread(translate, stage="re-read after an unanswered write")
             if current is not None and current.data == data:

@@ -226,7 +226,8 @@ class FileCheckpointStore:
     def write(self, key: str, data: bytes, *, if_match: str | None) -> str:
         doc_path, etag_path, lock_path = self._paths(key)
         with self._locked(lock_path, exclusive=True):
-            current = self._read_unlocked(doc_path, etag_path)
+            with _os_errors("read", doc_path):
+                current = self._read_unlocked(doc_path, etag_path)
             check_match(current, if_match, str(doc_path))
             self._remove_leftovers(doc_path, etag_path)
             etag = f'"{uuid.uuid4().hex}"'
@@ -240,7 +241,8 @@ class FileCheckpointStore:
     def delete(self, key: str, *, if_match: str | None = None) -> None:
         doc_path, etag_path, lock_path = self._paths(key)
         with self._locked(lock_path, exclusive=True):
-            current = self._read_unlocked(doc_path, etag_path)
+            with _os_errors("read", doc_path):
+                current = self._read_unlocked(doc_path, etag_path)
             if current is None:
                 return
             if if_match is not None:

@@ -1,0 +1,42 @@
+"""The file store over files a person changed by hand: typed errors naming the file.
+
+A directory where a document belongs (an unpacked backup, a mistyped ``mkdir``)
+made a write or a delete fail with a bare ``IsADirectoryError`` out of the
+store, which the runtime does not sort as a store error; a read already said
+which file it could not read. A document saved with a byte-order mark (Windows
+editors) is still a state document.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dbtrigger import FileCheckpointStore
+from dbtrigger.errors import StoreError
+from dbtrigger.state import document as docmod
+from dbtrigger.state.lease import new_document
+
+
+def test_a_directory_in_place_of_the_document_is_a_store_error_naming_it(tmp_path: Path) -> None:
+    store = FileCheckpointStore(tmp_path)
+    (tmp_path / "orders.json").mkdir()
+    for op in (
+        lambda: store.read("orders"),
+        lambda: store.write("orders", b"{}", if_match=None),
+        lambda: store.write("orders", b"{}", if_match='"x"'),
+        lambda: store.delete("orders"),
+    ):
+        with pytest.raises(StoreError, match=r"orders\.json"):
+            op()
+    assert (tmp_path / "orders.json").is_dir()  # nothing replaced or removed
+
+
+def test_a_document_saved_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
+    store = FileCheckpointStore(tmp_path)
+    text = docmod.dumps(new_document("orders", "sha256:x"))
+    (tmp_path / "orders.json").write_bytes(b"\xef\xbb\xbf" + text)
+    stored = store.read("orders")
+    assert stored is not None
+    assert docmod.loads(stored.data).poller_name == "orders"

@@ -134,6 +134,8 @@ EVENTS: dict[str, EventSpec] = {
     "acknowledge_failed": EventSpec(W),
     "null_cursor_probe": EventSpec(None, (Gauge("null_cursor_rows", "count"),)),
     "null_cursor_rows": EventSpec(W),
+    # an SQLite date/time cursor holding numbers beside text (numbers sort first)
+    "cursor_numbers_before_text": EventSpec(W),
     "serialization_failed": EventSpec(
         E, (Count("failures_total", labels={"error_type": "SerializationError"}),)
     ),

@@ -205,6 +205,28 @@ class Keyset:
         base = self.base_filter()
         return stmt.where(base) if base is not None else stmt
 
+    def numbers_among_text_probe(self, limit: int) -> Select[Any] | None:
+        """Keys of rows whose SQLite date/time cursor holds a number while others hold text.
+
+        SQLite keeps a number written to a ``DATETIME`` column as a number and
+        sorts every number before every text: once the checkpoint is text, such
+        a row is behind it and no fetch reads it. ``< ''`` selects exactly the
+        numbers through the cursor's index. None: not such a column (a column of
+        numbers only is ordered like any number).
+        """
+        if self.dialect != "sqlite" or self.spec.cursor_column not in self.shape.text_typed:
+            return None
+        text = self.select().with_only_columns(sa.literal(1)).where(self.cursor >= "")
+        stmt = (
+            sa.select(*self.key_order())
+            .select_from(self.shape.selectable)  # type: ignore[arg-type]
+            .where(self.cursor < "", text.exists())
+            .order_by(*self.key_order())
+            .limit(limit)
+        )
+        base = self.base_filter()
+        return stmt.where(base) if base is not None else stmt
+
     def lookups(self, positions: Sequence[Position]) -> list[Select[Any]]:
         """Statements returning which of ``positions`` still hold a row, in chunks.
 

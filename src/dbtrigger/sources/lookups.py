@@ -104,3 +104,12 @@ class KeysetLookups(ABC):
         """Keys of rows whose cursor is NULL: they have no place in cursor order."""
         with self._connections.open(f"NULL-cursor probe on {self.name}") as conn:
             return [dict(r) for r in conn.execute(self._keyset.null_probe(limit)).mappings()]
+
+    def numbers_before_text_keys(self, limit: int = 10) -> list[dict[str, Any]]:
+        """Keys of rows an SQLite date/time cursor holds as numbers beside text
+        (sorted before every text: behind a text checkpoint, never fetched)."""
+        stmt = self._keyset.numbers_among_text_probe(limit)
+        if stmt is None:
+            return []
+        with self._connections.open(f"number-cursor probe on {self.name}") as conn:
+            return [dict(r) for r in conn.execute(stmt).mappings()]

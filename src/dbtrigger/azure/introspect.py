@@ -13,7 +13,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from dbtrigger.azure.record import binding_of
+from dbtrigger.azure.record import FunctionBinding, binding_of
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.partitions.member import PartitionedPoller
 from dbtrigger.runtime.poller import PollTrigger
@@ -47,6 +47,12 @@ def _user_function(obj: Any) -> tuple[Any, str | None]:
             timer_arg = getattr(trigger, "name", None)
         return get_user_function(), timer_arg
     return obj, None
+
+
+def function_record(obj: Any) -> FunctionBinding:
+    """What dbtrigger's decorators recorded on ``obj`` (a function, or what
+    ``@app.schedule`` made of it); an empty record for anything else. Builds nothing."""
+    return binding_of(_user_function(obj)[0])
 
 
 def function_trigger(obj: Any) -> PollTrigger | PartitionedPoller | None:

@@ -127,6 +127,34 @@ def as_partition(loaded: LoadedTrigger, poller: str, command: str) -> LoadedTrig
     return LoadedTrigger(loaded.spec, group.partition_trigger(partition), handler, loaded.function)
 
 
+def _triggers_hint(module_name: str) -> str:
+    """``; name one of its triggers instead: m:orders, m:refunds``, or nothing.
+
+    A new user names the Function App (``function_app:app``) or its
+    ``DbBindings`` where a function is wanted: the app is not one poller, and
+    the worker runs each function it is given by name. Looked up without
+    building anything (a trigger whose app settings are missing is listed too).
+    """
+    from dbtrigger.azure.introspect import function_record  # noqa: PLC0415 - error path
+
+    def is_trigger(value: object) -> bool:
+        try:
+            return isinstance(value, Trigger) or function_record(value).is_trigger
+        except Exception:  # noqa: BLE001 - an odd module attribute is simply not listed
+            return False
+
+    module = sys.modules.get(module_name)
+    found = [
+        f"{module_name}:{attr}"
+        for attr, value in list(vars(module).items() if module else [])
+        if not attr.startswith("_") and is_trigger(value)
+    ]
+    if not found:
+        return ""
+    several = " (`dbtrigger run` takes several: one worker runs them all)" if len(found) > 1 else ""
+    return f"; name one of its triggers instead: {', '.join(found)}{several}"
+
+
 def load_trigger(spec: str, handler_spec: str | None = None) -> LoadedTrigger:
     """``MODULE:ATTR`` naming a PollTrigger or a Functions function, and its handler.
 
@@ -139,7 +167,7 @@ def load_trigger(spec: str, handler_spec: str | None = None) -> LoadedTrigger:
     if loaded is None:
         raise ConfigurationError(
             f"{spec} is a {type(target).__name__}, not a PollTrigger, a QueueTrigger or a "
-            "@db.trigger function"
+            f"@db.trigger function{_triggers_hint(spec.partition(':')[0])}"
         )
     if handler_spec:
         loaded = LoadedTrigger(spec, loaded.trigger, load_object(handler_spec), loaded.function)

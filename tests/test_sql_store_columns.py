@@ -67,3 +67,28 @@ def test_a_non_strict_mariadb_never_stores_a_document_cut_short(mariadb: TestDat
         assert store.read("other") is None
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("change", ["drop", "rename etag"])
+def test_a_state_table_dropped_or_altered_while_running_is_refused_not_an_outage(
+    db: TestDatabase, change: str
+) -> None:
+    """A running store made its table once; dropped or altered since, every read and
+    write failed as StoreUnavailableError, an outage the runtime retried quietly for
+    ever, while a restarted process finds no table and starts over from the beginning."""
+    store = SqlCheckpointStore(url=db.url, schema=db.schema)
+    try:
+        etag = store.write("orders", SMALL, if_match=None)
+        table = db.qualified("dbtrigger_state")
+        if change == "drop":
+            db.execute(f"DROP TABLE {table}")
+        else:
+            db.execute(f"ALTER TABLE {table} RENAME COLUMN etag TO etag_old")
+        ops = [lambda: store.read("orders"), lambda: store.write("orders", LARGE, if_match=etag)]
+        if change == "drop":
+            ops.append(store.list_keys)  # (a listing reads no etag)
+        for op in ops:
+            with pytest.raises(StoreRefusedError, match=r"dropped or altered.*ddl\(\)"):
+                op()
+    finally:
+        store.close()

@@ -61,6 +61,7 @@ from dbtrigger._driver_errors import (
     MYSQL_CONFLICT_CODES,
     PG_CONFLICT_SQLSTATES,
     encoding_problem,
+    names_a_missing_object,
     short_error,
 )
 from dbtrigger._engine import LazyEngine, parse_database_url
@@ -89,6 +90,7 @@ from dbtrigger.names import validate_name, validate_sql_identifier
 from dbtrigger.redaction import safe_url_text
 from dbtrigger.settings import references_setting
 from dbtrigger.state import sizes
+from dbtrigger.state.stores import _sql_words as _words
 from dbtrigger.state.stores.base import StoredDocument, document_text
 
 #: Bytes a state write's statement carries besides the document (key, etag, SQL text).
@@ -354,6 +356,10 @@ class SqlCheckpointStore:
                     where, self._engine, self._table, self.lock_timeout, exc, "nothing was changed"
                 ) from exc
             kind = classify_driver_error(exc)
+            if self._create and self._creation.done and names_a_missing_object(exc):
+                raise StoreRefusedError(
+                    f"{where}: {_words.table_gone(self.table_name, short_error(exc))}"
+                ) from exc
             if action in ("read", "listing") and self._missing_without_create():
                 raise StoreRefusedError(
                     f"{where} failed: there is no table {self.table_name} there. No poller "
@@ -451,18 +457,9 @@ class SqlCheckpointStore:
             )
 
     def _misfit(self, what: str) -> str:
-        """A document the state table's ``document`` column does not hold as written
-        (someone altered it): what happened and the ALTER that restores it."""
-        t, name = self._table, self.table_name
-        if self._engine.dialect.name in ("mysql", "mariadb"):
-            fix = f"ALTER TABLE {name} MODIFY document LONGTEXT CHARACTER SET utf8mb4 "
-            fix += "COLLATE utf8mb4_bin NOT NULL"
-        else:
-            fix = f"ALTER TABLE {name} ALTER COLUMN document TYPE {t.c.document.type}"
-        return (
-            f"the document column of {name} cannot hold this state document ({what}); nothing "
-            f"was changed. Was the table altered? Restore the column with `{fix}` "
-            "(the store's ddl() shows the table it expects)"
+        t = self._table
+        return _words.column_misfit(
+            self._engine.dialect.name, self.table_name, str(t.c.document.type), what
         )
 
     def _check_kept(self, conn: Connection, key: str, etag: str, size: int) -> None:

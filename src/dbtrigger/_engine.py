@@ -50,6 +50,7 @@ from dbtrigger._lock_wait import (
     user_driver_arg,
 )
 from dbtrigger._once import Once
+from dbtrigger._sqlite_file import follow_file
 from dbtrigger.errors import ConfigurationError
 from dbtrigger.redaction import remember_url_secrets
 from dbtrigger.settings import DeferredSettingError, resolve_setting, setting_name
@@ -270,6 +271,7 @@ class LazyEngine:
                     if "pool_pre_ping" not in self._kwargs:
                         ping_when_idle(created)
                     renew_stale_plans(created)
+                    follow_file(created)
                     if self._lock_wait is not None:
                         given = self._kwargs.get("connect_args") or {}
                         bound_after_init_command(created, given, self._lock_wait)

@@ -332,6 +332,7 @@ def test_handler_and_operator_errors_fail_the_invocation(
     changed = SqlAlchemySource(
         url=orders.url, table="orders", cursor_column="updated_at", pk_columns=["id", "status"]
     )
+    del db  # redeployed: the app before is gone (a live one would refuse the name)
     try:
         other_db = DbBindings()
 

@@ -44,6 +44,7 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from dbtrigger.azure.claims import claim
 from dbtrigger.azure.deferred import Lazy
 from dbtrigger.azure.host import (
     bind_handler,
@@ -157,6 +158,8 @@ class DbBindings:
                     f"two triggers are named {poller_name!r}: they would share one state "
                     "document; give each a distinct name="
                 )
+            if "owner_id" not in trigger_options:  # an explicit owner: another instance, on purpose
+                claim(self, checkpoint_store, poller_name, getattr(fn, "__qualname__", poller_name))
             options: dict[str, Any] = dict(
                 name=poller_name,
                 source=source,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dbtrigger import FileCheckpointStore
-from dbtrigger.errors import StoreError
+from dbtrigger.errors import CasConflictError, StoreError
 from dbtrigger.state import document as docmod
 from dbtrigger.state.lease import new_document
 
@@ -40,3 +40,19 @@ def test_a_document_saved_with_a_byte_order_mark_is_read(tmp_path: Path) -> None
     stored = store.read("orders")
     assert stored is not None
     assert docmod.loads(stored.data).poller_name == "orders"
+
+
+def test_a_document_copied_over_by_hand_is_never_overwritten_unseen(tmp_path: Path) -> None:
+    """``cp backup.json orders.json`` (a restore by hand, the etag file left as it
+    was) while a poller holds the etag it read: its compare-and-swap must lose, as
+    against any other write, not overwrite the restored document unseen."""
+    store = FileCheckpointStore(tmp_path)
+    etag = store.write("orders", b'{"v": 1}', if_match=None)
+    (tmp_path / "orders.json").write_bytes(b'{"v": "restored"}')  # in place, as cp does
+    with pytest.raises(CasConflictError):
+        store.write("orders", b'{"v": 2}', if_match=etag)
+    stored = store.read("orders")
+    assert stored is not None
+    assert stored.data == b'{"v": "restored"}'
+    assert stored.etag != etag
+    assert store.write("orders", b'{"v": 3}', if_match=stored.etag)  # seen, then replaced

@@ -3,12 +3,16 @@
 Layout under ``directory``::
 
     orders.json        the state document (compact JSON; `dbtrigger status` shows it)
-    .orders.etag       the document's current etag (a random token)
+    .orders.etag       the document's current etag (a random token) and its digest
     .orders.lock       flock target; never replaced, so locks stay meaningful
 
 Why an etag file rather than a hash or the file's mtime: the etag must change
 on every write, including a write of identical bytes, and mtimes are too coarse
-(and inodes are reused) to guarantee that between two quick writes. Writers hold
+(and inodes are reused) to guarantee that between two quick writes. The etag file
+also records the SHA-256 of the document written with it: a document replaced
+outside the store (``cp backup.json orders.json``) no longer matches it, and is
+given an etag of its own, so a writer holding the old etag loses its
+compare-and-swap instead of overwriting the copy unseen. Writers hold
 an exclusive ``flock`` on the lock file across compare-and-replace; readers
 hold a shared one, so a read never pairs a new document with an old etag.
 
@@ -58,6 +62,12 @@ from dbtrigger.state.stores.base import StoredDocument, check_match
 DEFAULT_LOCK_TIMEOUT = 10.0
 
 _NO_WRITE = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def _digest(data: bytes) -> str:
+    """What the etag file records of the document written with it (a document
+    found not matching it was replaced by someone else than this store)."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 @contextlib.contextmanager
@@ -190,11 +200,12 @@ class FileCheckpointStore:
         except FileNotFoundError:
             return None
         try:
-            etag = etag_path.read_text().strip()
+            etag, _, digest = etag_path.read_text().strip().partition(" ")
         except FileNotFoundError:
-            etag = ""
-        if not etag:
-            # A document placed by hand (a restored backup): derive a stable etag.
+            etag, digest = "", ""
+        if not etag or (digest and digest != _digest(data)):
+            # A document placed by hand (a restored backup, ``cp`` over it): an etag
+            # of its own, so that no writer holding the old one overwrites it unseen.
             etag = '"h' + hashlib.sha256(data).hexdigest()[:24] + '"'
         return StoredDocument(data, etag)
 
@@ -233,7 +244,7 @@ class FileCheckpointStore:
             etag = f'"{uuid.uuid4().hex}"'
             # Each file is replaced whole: a write that fails leaves nothing new visible.
             with _os_errors("write", doc_path):
-                self._replace(etag_path, etag.encode())
+                self._replace(etag_path, f"{etag} {_digest(data)}".encode())
                 self._replace(doc_path, bytes(data))
                 self._fsync_dir()
             return etag

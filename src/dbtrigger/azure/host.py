@@ -46,6 +46,8 @@ def bind_handler(
             f"has no parameter {arg_name!r}"
         )
     wants_context = CONTEXT_PARAM in sig.parameters and arg_name != CONTEXT_PARAM
+    if wants_context:
+        _refuse_host_context(fn, sig.parameters[CONTEXT_PARAM].annotation, what)
     hidden = {arg_name, CONTEXT_PARAM} if wants_context else {arg_name}
     host_sig = host_signature(fn, hidden, what).replace(return_annotation=None)
 
@@ -60,6 +62,34 @@ def bind_handler(
         return handler
 
     return host_sig, make_handler
+
+
+def _refuse_host_context(fn: Callable[..., Any], annotation: Any, what: str) -> None:
+    """Refuse ``context: func.Context``: dbtrigger's ``context`` is the BatchContext.
+
+    Every Functions sample writes ``context: func.Context`` for the invocation
+    context; here the host never passes it (the parameter is hidden from it),
+    so ``context.invocation_id`` would fail each invocation as a handler error
+    and redeliver the batch for ever. Read as text, so a string annotation
+    (``from __future__ import annotations``) is seen too and ``azure.functions``
+    is not imported.
+    """
+    if isinstance(annotation, str):
+        text = annotation
+    else:
+        module = getattr(annotation, "__module__", "") or ""
+        text = f"{module}.{getattr(annotation, '__qualname__', '')}"
+    if text.rsplit(".", 1)[-1] != "Context" or (
+        not isinstance(annotation, str) and not text.startswith("azure.functions")
+    ):
+        return
+    raise ConfigurationError(
+        f"{what}: parameter 'context' of {getattr(fn, '__name__', fn)!r} is annotated "
+        f"{text if isinstance(annotation, str) else 'func.Context'}, but under {what} it "
+        "receives dbtrigger's BatchContext (batch id, fencing token, checkpoints), not the "
+        "host's func.Context, which is not passed: annotate it `context: BatchContext` "
+        "(from dbtrigger import BatchContext), or drop it"
+    )
 
 
 def host_signature(fn: Callable[..., Any], hidden: set[str], what: str) -> inspect.Signature:

@@ -24,6 +24,7 @@ reader logs it at its next fetch.
 from __future__ import annotations
 
 import datetime as dt
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,6 +34,8 @@ from dbtrigger._driver_errors import short_error
 from dbtrigger._lock_wait import gave_up_waiting, lock_timed_out
 from dbtrigger.names import shortened
 from dbtrigger.redaction import redact
+
+log = logging.getLogger("dbtrigger.changelog")
 
 #: Longest reader (poller) name the registry keeps.
 READER_NAME_WIDTH = 200
@@ -101,8 +104,9 @@ def now_text() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def record(conn: sa.Connection, table: str, schema: str | None, reader: str, seq: int) -> None:
-    """Set ``reader``'s position to ``seq`` (insert it when new), in the caller's transaction."""
+def record(conn: sa.Connection, table: str, schema: str | None, reader: str, seq: int) -> bool:
+    """Set ``reader``'s position to ``seq`` (insert it when new), in the caller's
+    transaction; whether it was inserted (it was not registered)."""
     reg = _registry(table, schema)
     values = {"dbt_seq": seq, "seen_at": now_text()}
     updated = conn.execute(
@@ -113,6 +117,28 @@ def record(conn: sa.Connection, table: str, schema: str | None, reader: str, seq
     ).rowcount
     if not updated:
         conn.execute(sa.insert(reg).values(reader=reader, **values))
+    return not updated
+
+
+def say_forgotten(reader: str, table: str, seq: int) -> None:
+    """Log that ``reader``, registered earlier by this process, was missing from the
+    registry and was registered again: it was forgotten (``--forget``) while it ran.
+
+    Until now a prune (``--older-than``) could take rows above its position, and
+    nothing marks them lost: the operator is the one who can tell whether a prune ran.
+    """
+    log.warning(
+        "poller %s was removed from the reader registry of %s's change log while it ran "
+        "(`dbtrigger changelog readers --forget`) and has registered again at sequence %d. "
+        "If a prune ran in between, it may have deleted changes after that sequence that "
+        "this poller had not read: compare with `dbtrigger changelog readers` and the "
+        "prune's output, and re-sync the poller's consumer if so. Forget only a reader "
+        "whose poller is stopped for good",
+        reader,
+        table,
+        seq,
+        extra={"event": "changelog_reader_forgotten", "poller": reader, "seq": seq},
+    )
 
 
 def not_recorded(
@@ -157,4 +183,5 @@ __all__ = [
     "readers_table_name",
     "record",
     "registered",
+    "say_forgotten",
 ]

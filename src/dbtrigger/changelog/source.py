@@ -37,7 +37,13 @@ from dbtrigger.changelog.drift import Drift, find_drift, install_command, resync
 from dbtrigger.changelog.events import log_events
 from dbtrigger.changelog.operations import log_table
 from dbtrigger.changelog.pruning import ChangeLogPruner
-from dbtrigger.changelog.readers import has_registry, not_recorded, record, registered
+from dbtrigger.changelog.readers import (
+    has_registry,
+    not_recorded,
+    record,
+    registered,
+    say_forgotten,
+)
 from dbtrigger.changelog.renumbered import refuse_renumbered
 from dbtrigger.cursor import Position
 from dbtrigger.errors import (
@@ -448,7 +454,9 @@ class ChangeLogSource:
                     return
                 if first:
                     self._tell_lost(conn, reader, seq)
-                record(conn, self._table, self._schema, reader, seq)
+                inserted = record(conn, self._table, self._schema, reader, seq)
+                if inserted and self._registered is not None and self._registered >= 0:
+                    say_forgotten(reader, self._table, seq)
         except IntegrityError:
             return  # another instance of this poller registered it a moment ago: next time
         except (SQLAlchemyError, DbTriggerError) as exc:

@@ -193,6 +193,16 @@ def cmd_readers(args: argparse.Namespace) -> int:
         bounded_transaction(engine, seconds) as conn,
     ):
         if args.forget:
+            seen = readers.registered(conn, args.table, args.schema) or []
+            seen_at = next((r.seen_at for r in seen if r.name == args.forget), None)
+            if seen_at is not None:
+                # A poller still running registers again within minutes, and a prune
+                # before that takes its unread rows without marking them lost.
+                print(
+                    f"{args.forget} was last seen {seen_at}: forget it only once its poller "
+                    "is stopped for good (a running one registers again at its next "
+                    "checkpoint, and a prune in between takes rows it has not read)"
+                )
             if not args.yes:
                 print(
                     f"would forget reader {args.forget} (a prune no longer waits for it); "

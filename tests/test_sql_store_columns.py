@@ -11,12 +11,14 @@ cut short that the next read finds corrupt, the poller stopped until a reset.
 from __future__ import annotations
 
 import json
+import uuid
 
 import pytest
+import sqlalchemy as sa
 
 from dbtrigger.errors import StoreRefusedError
 from dbtrigger.state.stores import SqlCheckpointStore, StoredDocument
-from tests.databases import TestDatabase
+from tests.databases import TestDatabase, admin_engine
 
 SMALL = b'{"a": 1}'
 LARGE = json.dumps({"a": "x" * 300}).encode()
@@ -90,5 +92,62 @@ def test_a_state_table_dropped_or_altered_while_running_is_refused_not_an_outage
         for op in ops:
             with pytest.raises(StoreRefusedError, match=r"dropped or altered.*ddl\(\)"):
                 op()
+    finally:
+        store.close()
+
+
+WIDE = '{"k": "漢字"}'.encode()  # characters LATIN1 has no place for
+
+
+def test_a_latin1_postgresql_database_refuses_a_character_it_cannot_hold(
+    pg: TestDatabase,
+) -> None:
+    """psycopg encodes text for the database's encoding on the client: a checkpoint
+    holding a character LATIN1 lacks escaped the store as a bare UnicodeEncodeError."""
+    admin = admin_engine("postgresql")
+    name = f"dbtrigger_latin1_{uuid.uuid4().hex[:8]}"
+    with admin.connect() as conn:
+        conn.execute(
+            sa.text(
+                f"CREATE DATABASE {name} ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' "
+                "TEMPLATE template0"
+            )
+        )
+    url = admin.url.set(database=name)
+    store = SqlCheckpointStore(url=url.render_as_string(False))
+    # ...and with client_encoding=utf8 the server refuses it (22P05), not the client
+    utf8 = SqlCheckpointStore(
+        url=url.update_query_dict({"client_encoding": "utf8"}).render_as_string(False)
+    )
+    try:
+        etag = store.write("orders", SMALL, if_match=None)
+        for each in (store, utf8):
+            with pytest.raises(StoreRefusedError, match=r"encoding.*UTF8"):
+                each.write("orders", WIDE, if_match=etag)
+        assert store.read("orders") == StoredDocument(SMALL, etag)
+    finally:
+        store.close()
+        utf8.close()
+        with admin.connect() as conn:
+            conn.execute(sa.text(f"DROP DATABASE {name} WITH (FORCE)"))
+
+
+@pytest.mark.parametrize("sql_mode", [None, ""])
+def test_a_latin1_document_column_on_mariadb_refuses_what_it_cannot_hold(
+    mariadb: TestDatabase, sql_mode: str | None
+) -> None:
+    connect = {} if sql_mode is None else {"init_command": f"SET SESSION sql_mode='{sql_mode}'"}
+    store = SqlCheckpointStore(
+        url=mariadb.url, schema=mariadb.schema, engine_kwargs={"connect_args": connect}
+    )
+    try:
+        etag = store.write("orders", SMALL, if_match=None)
+        mariadb.execute(
+            f"ALTER TABLE {mariadb.qualified('dbtrigger_state')} MODIFY document LONGTEXT "
+            "CHARACTER SET latin1 NOT NULL"
+        )
+        with pytest.raises(StoreRefusedError, match="document column"):
+            store.write("orders", WIDE, if_match=etag)  # strict: 1366; else stored as '??'
+        assert store.read("orders") == StoredDocument(SMALL, etag)
     finally:
         store.close()

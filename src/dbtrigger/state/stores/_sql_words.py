@@ -32,3 +32,13 @@ def table_gone(table: str, what: str) -> str:
         "shows; a table dropped for good is created empty at the next start, and its "
         "pollers then deliver every row again"
     )
+
+
+def not_encodable(what: str) -> str:
+    """A state document holding a character the database's encoding lacks (a text
+    key's checkpoint in a LATIN1 PostgreSQL database)."""
+    return (
+        f"the database's encoding cannot hold a character of this state document ({what}); "
+        "nothing was changed. Keep the state in a UTF8 database (SqlCheckpointStore(url=...) "
+        "of another database) or in another store"
+    )

@@ -348,8 +348,13 @@ class SqlCheckpointStore:
                 f"{where} violated a constraint of the state table: {short_error(exc)}"
             ) from exc
         except sa.exc.DataError as exc:  # a value the column refuses: the same again
-            misfit = self._misfit(short_error(exc))
-            raise StoreRefusedError(f"{where} was refused: {misfit}") from exc
+            code = getattr(exc.orig, "sqlstate", None)
+            words = _words.not_encodable if code in ("22P05", "22021") else self._misfit
+            raise StoreRefusedError(f"{where} was refused: {words(short_error(exc))}") from exc
+        except UnicodeEncodeError as exc:  # psycopg encodes for the database's encoding
+            raise StoreRefusedError(
+                f"{where} was refused: {_words.not_encodable(str(exc))}"
+            ) from exc
         except sa.exc.DBAPIError as exc:
             if lock_timed_out(exc):
                 raise lock_timeout_error(

@@ -9,14 +9,18 @@ editors) is still a state document.
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from dbtrigger import FileCheckpointStore
-from dbtrigger.errors import CasConflictError, StoreError
+from dbtrigger._files import write_synced as real_write_synced
+from dbtrigger.errors import CasConflictError, StoreError, StoreUnavailableError
 from dbtrigger.state import document as docmod
 from dbtrigger.state.lease import new_document
+from dbtrigger.state.stores import file as file_store
 
 
 def test_a_directory_in_place_of_the_document_is_a_store_error_naming_it(tmp_path: Path) -> None:
@@ -56,3 +60,32 @@ def test_a_document_copied_over_by_hand_is_never_overwritten_unseen(tmp_path: Pa
     assert stored.data == b'{"v": "restored"}'
     assert stored.etag != etag
     assert store.write("orders", b'{"v": 3}', if_match=stored.etag)  # seen, then replaced
+
+
+@pytest.mark.parametrize("failing", [1, 2])
+def test_a_full_disk_mid_write_leaves_the_old_document_and_no_temp_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: int
+) -> None:
+    """Out of space at the etag (1) or at the document (2) of a write: the write is
+    StoreUnavailableError, the document read is the old one, no temporary file stays,
+    and a writer that re-reads gets through once there is room again."""
+    store = FileCheckpointStore(tmp_path)
+    etag = store.write("orders", b'{"v": 1}', if_match=None)
+    calls = []
+
+    def full(fh: Any, data: bytes) -> None:
+        calls.append(data)
+        if len(calls) == failing:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write_synced(fh, data)
+
+    monkeypatch.setattr(file_store, "write_synced", full)
+    with pytest.raises(StoreUnavailableError, match="No space left"):
+        store.write("orders", b'{"v": 2}', if_match=etag)
+    monkeypatch.undo()
+    stored = store.read("orders")
+    assert stored is not None
+    assert stored.data == b'{"v": 1}'
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+    store.write("orders", b'{"v": 3}', if_match=stored.etag)
+    assert store.read("orders").data == b'{"v": 3}'  # type: ignore[union-attr]

@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from dbtrigger import FileCheckpointStore, PollTrigger
 from dbtrigger.changelog import ChangeLogSource
 from dbtrigger.cli import main
+from dbtrigger.errors import ChangeLogDriftError
 
 
 def test_a_running_reader_forgotten_says_so_when_it_registers_again(
@@ -55,6 +56,39 @@ def test_a_running_reader_forgotten_says_so_when_it_registers_again(
         assert "registered again at sequence 2" in said[0].getMessage()
         assert main(["changelog", "readers", "--url", url, "--table", "orders"]) == 0
         assert "p: at sequence 2" in capsys.readouterr().out
+    finally:
+        source.close()
+        engine.dispose()
+
+
+def test_uninstall_names_the_pollers_it_leaves_without_changes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before, ``changelog uninstall`` printed only its DROP statements while pollers
+    still read the log: the changes written until a re-install reached none of them."""
+    url = f"sqlite:///{tmp_path / 'shop.db'}"
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE orders (id INTEGER PRIMARY KEY, v INT)")
+    assert main(["changelog", "install", "--url", url, "--table", "orders", "--yes"]) == 0
+    source = ChangeLogSource(url=url, table="orders")
+    trigger = PollTrigger(
+        name="p", source=source, checkpoint_store=FileCheckpointStore(tmp_path / "state")
+    )
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql("INSERT INTO orders VALUES (1, 1)")
+        assert trigger.drain(lambda events: None) == 1
+        capsys.readouterr()
+        uninstall = ["changelog", "uninstall", "--url", url, "--table", "orders"]
+        assert main(uninstall) == 0
+        dry = capsys.readouterr().out
+        assert "1 poller(s) read this change log: p (at sequence 1, seen 20" in dry
+        assert "stops with ChangeLogDriftError" in dry
+        assert main([*uninstall, "--yes"]) == 0
+        source._next_drift_check = 0.0  # the next drift check is due (60 s later, at worst)
+        with pytest.raises(ChangeLogDriftError):
+            trigger.tick(lambda events: None)
     finally:
         source.close()
         engine.dispose()

@@ -95,10 +95,32 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_uninstall(args: argparse.Namespace) -> int:
     with open_url_engine(args) as engine:
         plan = plan_uninstall(engine, args.table, schema=args.schema, drop_log=args.drop_log)
+        _readers_left_behind(engine, args)
         if not print_then_apply(args, plan.statements, lambda: apply(engine, plan)):
             return 0
         print(f"-- uninstalled the change log triggers of {args.table}")
         return 0
+
+
+def _readers_left_behind(engine: Engine, args: argparse.Namespace) -> None:
+    """Say which registered pollers an uninstall leaves without changes: from then on
+    nothing is logged for them, so they stop at their next drift check, and what is
+    written before a re-install reaches none of them."""
+    from dbtrigger.changelog import readers  # noqa: PLC0415 - only for this command
+
+    with engine.connect() as conn:
+        found = readers.registered(conn, args.table, args.schema) or []
+    if not found:
+        return
+    names = ", ".join(f"{r.name} (at sequence {r.seq}, seen {r.seen_at})" for r in found)
+    print(
+        f"-- {len(found)} poller(s) read this change log: {names}. Once the triggers are gone "
+        "no change is logged: each stops with ChangeLogDriftError at its next drift check "
+        "(drift_check_seconds, 60 s by default), and changes written before "
+        f"`{install_command(args.table, args.schema)}` runs again reach none of them. To "
+        "change the table without losing changes, uninstall and install in one transaction "
+        "(docs/changes.md, When the table changes)"
+    )
 
 
 def _passed_by(args: argparse.Namespace) -> tuple[int | None, dict[str, int]]:

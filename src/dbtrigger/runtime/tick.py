@@ -198,6 +198,7 @@ class TickDriver(BatchSequence):
                 holder=decision.holder,
                 lease_until=decision.free_at,
                 release_command=self.release_command(decision.holder),
+                own_tick=decision.holder == s.owner_id,
             )
 
         if self.set_report is not None:

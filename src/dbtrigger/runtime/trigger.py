@@ -219,6 +219,10 @@ class TickResult:
     #: ``dbtrigger release-lease ...`` for this poller, when ``holder`` is a process
     #: of this host that no longer runs (``lease_busy``).
     release_command: str | None = None
+    #: ``holder`` is this very trigger (its owner id): an earlier tick of it still
+    #: runs in this process, as when a Functions timer fires again before the
+    #: invocation before it ended (``lease_busy``).
+    own_tick: bool = False
     held_back: bool = False
     held_back_seconds: float = 0.0
     blocking_pid: int | None = None
@@ -328,9 +332,11 @@ class TickResult:
                 else ""
             )
             gone = gone_holder(self.holder, self.release_command)
+            if self.own_tick:
+                holder += " (this trigger's own tick, still running in this process)"
             text = f"lease held by {holder}{until}{gone}{nxt}"
         elif self.outcome == "lost_race":
-            text = f"another instance took the lease first{nxt}"
+            text = f"another instance, or an overlapping tick of this one, took the lease{nxt}"
         else:
             text = f"{self.outcome}: {self.rows} rows"
         fields: dict[str, Any] = {"rows": self.rows, "batches": self.batches}

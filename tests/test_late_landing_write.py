@@ -96,3 +96,22 @@ def test_a_commit_that_keeps_the_lease_landing_late_is_journaled_once(
     doc = docmod.loads(stored.data)
     commits = [e["batch_id"] for e in doc.journal if e["type"] == "commit"]
     assert len(commits) == len(set(commits)) == 2  # each batch once
+
+
+def test_an_acquire_landing_after_its_reread_is_taken_as_acquired(
+    sqlite_db: TestDatabase, tmp_path: Path
+) -> None:
+    """The late write is the lease acquisition: taken as a lost race, the tick
+    delivered nothing and left its own lease to block the poller for a whole TTL
+    (a live lease is taken over by nobody, its owner included)."""
+    store = LateLandingStore(FileCheckpointStore(tmp_path), late=1)
+    trigger = PollTrigger(name="orders", source=make_events(sqlite_db, 3), checkpoint_store=store)
+    seen: list[RowChange] = []
+    trigger.tick(seen.extend)
+    assert [r.pk["id"] for r in seen] == [1, 2, 3]
+    stored = store.read("orders")
+    assert stored is not None
+    lease = docmod.loads(stored.data).lease
+    assert lease is not None
+    assert lease.released
+    assert lease.fencing_token == 1

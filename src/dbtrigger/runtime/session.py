@@ -159,13 +159,22 @@ class LeaseSession:
                 f"could not {what} the lease of poller {key!r}{tail}: {exc}", poller=key
             )
 
+        sent_before = False
         for _ in range(MAX_ACQUIRE_ROUNDS):
-            outcome = session._cas(data, etag, "lease acquire", translate, resolve_conflict=False)
+            outcome = session._cas(
+                data,
+                etag,
+                "lease acquire",
+                translate,
+                resolve_conflict=False,
+                sent_before=sent_before,
+            )
             if isinstance(outcome, _Landed):
                 session._landed(decision.document, outcome.etag)
                 return session
             if isinstance(outcome, _Conflict):
                 return None
+            sent_before = True  # unanswered, not there yet: it may still land
         return None
 
     def idle_seconds(self) -> float:
@@ -224,18 +233,28 @@ class LeaseSession:
         translate: _Translate,
         *,
         resolve_conflict: bool,
+        sent_before: bool = False,
     ) -> _Outcome:
         """One conditional write of ``data`` over ``etag``, its outcome resolved.
 
         An ambiguous write (timeout) is always resolved by re-reading: our
-        bytes there mean it landed. A plain conflict is re-read only when the
-        caller will decide again on the current document (``resolve_conflict``).
+        bytes there mean it landed. A plain conflict is re-read when the
+        caller will decide again on the current document (``resolve_conflict``),
+        or when these bytes were sent before (``sent_before``, or a retry here)
+        and may be what the write lost to.
         """
+        sent = 0
+
+        def write() -> str:
+            nonlocal sent
+            sent += 1
+            return self.store.write(self.key, data, if_match=etag)
+
         try:
             self.writes += 1
             return _Landed(
                 self.retry.call(
-                    lambda: self.store.write(self.key, data, if_match=etag),
+                    write,
                     operation=operation,
                     kinds=(StoreUnavailableError,),
                     on_retry=self.on_retry,
@@ -243,7 +262,7 @@ class LeaseSession:
                 )
             )
         except CasConflictError as exc:
-            if not resolve_conflict:
+            if not (resolve_conflict or sent_before or sent > 1):
                 return _Conflict(exc)
             current = self._reread(translate, stage="re-read")
             if current is not None and current.data == data:

@@ -49,8 +49,7 @@ class Lazy(Generic[T]):
         if self.built is None:
             with self._lock:
                 if self.built is None:
-                    numbers = {o: _read(o, spec) for o, spec in self._numbers.items()}
-                    self.built = self._build(numbers)
+                    self.built = self._build(_read_all(self._numbers))
         return self.built
 
     def prepared(self) -> T | None:
@@ -67,6 +66,28 @@ def check_written(numbers: Mapping[str, NumberSpec]) -> None:
     for option, spec in numbers.items():
         with contextlib.suppress(DeferredSettingError):
             _read(option, spec)
+
+
+def _read_all(numbers: Mapping[str, NumberSpec]) -> dict[str, int | float]:
+    """Every option read; every setting missing or malformed named in one error.
+
+    In Azure each change to the app settings restarts the app: naming only the
+    first would cost a person a restart and a timer firing per setting.
+    """
+    read: dict[str, int | float] = {}
+    problems: list[str] = []
+    for option, spec in numbers.items():
+        try:
+            read[option] = _read(option, spec)
+        except DeferredSettingError as exc:
+            problems.append(str(exc))
+    if len(problems) == 1:
+        raise DeferredSettingError(problems[0])
+    if problems:
+        raise DeferredSettingError(
+            f"{len(problems)} app settings need fixing: " + "; ".join(problems)
+        )
+    return read
 
 
 def _read(option: str, spec: NumberSpec) -> int | float:

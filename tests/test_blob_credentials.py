@@ -10,9 +10,12 @@ secret), never the signature itself. Against Azurite, which checks SAS expiry.
 from __future__ import annotations
 
 import datetime as dt
+import uuid
 from collections.abc import Iterator
 
 import pytest
+from azure.core.credentials import AzureNamedKeyCredential
+from azure.data.tables import TableSasPermissions, TableServiceClient, generate_table_sas
 from azure.storage.blob import ContainerSasPermissions, generate_container_sas
 
 from dbtrigger.errors import StoreAuthError
@@ -95,3 +98,26 @@ def test_the_table_store_names_the_setting_of_a_refused_key(
     store = TableCheckpointStore(connection_setting="TABLE_CONN", app_name="app")
     with pytest.raises(StoreAuthError, match="app setting 'TABLE_CONN'"):
         store.read("p")
+
+
+def test_the_table_store_names_an_expired_sas(
+    azurite: Azurite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table = f"t{uuid.uuid4().hex[:20]}"
+    with TableServiceClient.from_connection_string(azurite.connection_string) as service:
+        service.create_table(table)
+    expired = NOW - dt.timedelta(hours=1)
+    sas = generate_table_sas(
+        AzureNamedKeyCredential(ACCOUNT, KEY),
+        table,
+        permission=TableSasPermissions(read=True, add=True, update=True, delete=True),
+        start=NOW - dt.timedelta(hours=3),
+        expiry=expired,
+    )
+    conn = f"TableEndpoint={azurite.table_endpoint};SharedAccessSignature={sas}"
+    monkeypatch.setenv("TABLE_SAS", conn)
+    store = TableCheckpointStore(connection_setting="TABLE_SAS", app_name="app", table=table)
+    with pytest.raises(StoreAuthError) as caught:
+        store.read("p")
+    assert f"the SAS expired at {expired:%Y-%m-%dT%H:%M:%SZ}" in str(caught.value)
+    assert "app setting 'TABLE_SAS'" in str(caught.value)

@@ -53,8 +53,13 @@ class SdkClientHolder(Generic[C]):
         what = getattr(self._client_source, "what", None)
         if what:
             words += f" in {what}"
-        url = str(getattr(peek(self._client_source), "url", "") or "")
-        return azure_errors.sas_validity(url, dt.datetime.now(dt.timezone.utc)) + words
+        client = peek(self._client_source)
+        now = dt.datetime.now(dt.timezone.utc)
+        # Blob clients keep a SAS in their URL, Table clients as an AzureSasCredential.
+        sas = str(getattr(getattr(client, "credential", None), "signature", "") or "")
+        url = str(getattr(client, "url", "") or "")
+        notes = azure_errors.sas_validity(url, now) or azure_errors.sas_validity(f"?{sas}", now)
+        return notes + words
 
     def close(self) -> None:
         """Close the client, if it was built (one never built holds nothing open)."""

@@ -30,6 +30,16 @@ WHY = (
     "behind it"
 )
 
+#: Why a read waits on SQLite: no DDL queue there, but in the rollback-journal mode
+#: (SQLite's default) a writer holds the file's exclusive lock while it commits, and
+#: from the moment its transaction outgrows the page cache until it ends.
+SQLITE_WHY = (
+    "in SQLite's default rollback-journal mode a writer whose transaction outgrew its "
+    "page cache (a bulk load, a long batch) shuts every reader out until it commits; "
+    "in WAL mode reads go on beside a writer: run PRAGMA journal_mode=WAL once on the "
+    "database file (it stays set)"
+)
+
 
 def lock_wait_error(
     exc: BaseException, what: str, engines: LazyEngine, spec: SourceSpec
@@ -42,13 +52,15 @@ def lock_wait_error(
     if not isinstance(exc, DBAPIError) or not lock_timed_out(exc):
         return None
     table = spec.table
+    engine = engines.engine
+    why = SQLITE_WHY if engine.dialect.name == "sqlite" else WHY
     text, _ = gave_up_waiting(
-        engines.engine,
+        engine,
         table,
         spec.schema,
         engines.lock_wait,
         exc,
-        f"{WHY}; nothing was read, and the next tick tries again",
+        f"{why}; nothing was read, and the next tick tries again",
         lock="a lock on the table" if table else "a lock on a table its query reads",
     )
     return FetchError(f"{what} {text}", driver_error=type(exc.orig).__name__)

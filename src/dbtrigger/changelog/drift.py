@@ -232,6 +232,7 @@ def _trigger_problems(
             f"trigger(s) {', '.join(missing)} missing (changes are not being logged; a table "
             "dropped and re-created, or rebuilt by a migration, loses its triggers)"
         )
+    _disabled_problems(conn, info, list(found), problems)
     for name, text in sorted(found.items()):
         marker = read_marker(text) if ours(text) else None
         if marker is None:
@@ -250,6 +251,35 @@ def _trigger_problems(
         elif spec is not None:
             specs.append(spec)
     return specs
+
+
+def _disabled_problems(
+    conn: sa.Connection, info: TableInfo, names: list[str], problems: list[str]
+) -> None:
+    """PostgreSQL triggers switched off (``ALTER TABLE ... DISABLE TRIGGER``, as
+    ``DISABLE TRIGGER ALL`` around a bulk load does) or firing only for replicas: each
+    write then goes unlogged, and the trigger looks installed."""
+    if info.dialect != "postgresql" or not names:
+        return
+    rows = conn.execute(
+        sa.text(
+            "SELECT t.tgname FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid "
+            "JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE NOT t.tgisinternal AND t.tgname = ANY(:names) AND t.tgenabled IN ('D', 'R') "
+            "AND c.relname = :table AND n.nspname = coalesce(:schema, current_schema())"
+        ),
+        {"names": names, "table": info.table, "schema": info.schema},
+    )
+    off = sorted(str(name) for (name,) in rows)
+    if off:
+        target = f"{info.schema}.{info.table}" if info.schema else info.table
+        enable = "; ".join(f"ALTER TABLE {target} ENABLE ALWAYS TRIGGER {n}" for n in off)
+        problems.append(
+            f"trigger(s) {', '.join(off)} disabled (ALTER TABLE ... DISABLE TRIGGER): changes "
+            f"are not being logged. Enable them: `{enable}`; the changes written while they "
+            f"were off are in no log row (`{resync_command(info.table, info.schema)}` "
+            "re-sends the table to every reader)"
+        )
 
 
 def _key_problems(

@@ -176,6 +176,12 @@ def _postgresql(info: TableInfo, quote: Quote) -> list[str]:
         f"DROP TRIGGER IF EXISTS {quote(truncate_trigger)} ON {target}",
         f"CREATE TRIGGER {quote(truncate_trigger)} AFTER TRUNCATE ON {target} "
         f"FOR EACH STATEMENT EXECUTE FUNCTION {function}()",
+        # Fire in every session: with session_replication_role = replica (a logical
+        # replication subscriber's apply worker, pg_restore --disable-triggers, bulk
+        # loaders skipping foreign keys) an ordinary trigger is silent, and the change
+        # was never logged.
+        f"ALTER TABLE {target} ENABLE ALWAYS TRIGGER {quote(trigger)}",
+        f"ALTER TABLE {target} ENABLE ALWAYS TRIGGER {quote(truncate_trigger)}",
     ]
 
 

@@ -1,0 +1,74 @@
+"""PostgreSQL change-log triggers that look installed but do not fire.
+
+* ``session_replication_role = replica`` (a logical-replication subscriber's
+  apply worker, ``pg_restore --disable-triggers``, bulk loaders that skip
+  foreign keys) silences every ordinary trigger: the writes of such a session
+  were never logged. The triggers are now installed ``ENABLE ALWAYS``.
+* ``ALTER TABLE ... DISABLE TRIGGER`` (``ALL`` / ``USER`` around a bulk load)
+  left the triggers in place but off: no drift was reported and every change
+  went unlogged. The drift check now names them and the statements that enable
+  them again.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dbtrigger import FileCheckpointStore, PollTrigger
+from dbtrigger.changelog import ChangeLogSource, install
+from dbtrigger.errors import ChangeLogDriftError
+from tests.databases import TestDatabase
+
+
+def orders(db: TestDatabase) -> str:
+    table = db.qualified("orders")
+    db.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, status text)")
+    install(db.engine, "orders", schema=db.schema)
+    return table
+
+
+def poller(db: TestDatabase, tmp_path: Path) -> PollTrigger:
+    source = ChangeLogSource(url=db.url, table="orders", schema=db.schema)
+    return PollTrigger(
+        name="orders", source=source, checkpoint_store=FileCheckpointStore(tmp_path / "state")
+    )
+
+
+@pytest.mark.postgresql
+def test_a_replica_role_session_is_logged(pg: TestDatabase, tmp_path: Path) -> None:
+    table = orders(pg)
+    with pg.engine.begin() as conn:
+        conn.exec_driver_sql("SET LOCAL session_replication_role = replica")
+        conn.exec_driver_sql(f"INSERT INTO {table} VALUES (1, 'restored')")
+    trigger = poller(pg, tmp_path)
+    got: list[int] = []
+    try:
+        trigger.drain(lambda events: got.extend(e.pk["id"] for e in events))
+        assert got == [1]
+    finally:
+        trigger.source.close()  # type: ignore[attr-defined]
+
+
+@pytest.mark.postgresql
+def test_disabled_triggers_are_drift_naming_the_statements_that_enable_them(
+    pg: TestDatabase, tmp_path: Path
+) -> None:
+    table = orders(pg)
+    pg.execute(f"ALTER TABLE {table} DISABLE TRIGGER USER")
+    trigger = poller(pg, tmp_path)
+    try:
+        with pytest.raises(ChangeLogDriftError) as caught:
+            trigger.drain(lambda events: None)
+        message = str(caught.value)
+        assert "dbt_cl_orders, dbt_cl_orders_trunc disabled" in message
+        assert f"ALTER TABLE {pg.schema}.orders ENABLE ALWAYS TRIGGER dbt_cl_orders;" in message
+        for statement in message.split("`")[1].split("; "):
+            pg.execute(statement)
+        pg.execute(f"INSERT INTO {table} VALUES (1, 'new')")
+        trigger.source.close()  # type: ignore[attr-defined]
+        trigger = poller(pg, tmp_path)
+        assert trigger.drain(lambda events: None) == 1
+    finally:
+        trigger.source.close()  # type: ignore[attr-defined]

@@ -326,3 +326,36 @@ def _write_elsewhere(db: TestDatabase, orders: str, key: int) -> None:
             conn.exec_driver_sql(f"INSERT INTO {orders} (id, status) VALUES ({key}, 'new')")
     finally:
         engine.dispose()
+
+
+def test_sqlite_replace_removing_a_row_is_reported_naming_the_cause(
+    sqlite_db: TestDatabase, tmp_path: Path
+) -> None:
+    """``INSERT OR REPLACE`` deletes the rows in its way without firing their delete
+    triggers (SQLite's rule while ``recursive_triggers`` is off). The vanished check
+    found the lost delete but blamed "triggers missing or disabled", which they were
+    not; it now names REPLACE and the two ways to have it logged."""
+    sqlite_db.execute("CREATE TABLE users (id INTEGER PRIMARY KEY, email TEXT UNIQUE)")
+    install(sqlite_db.engine, "users")
+    sqlite_db.execute("INSERT INTO users VALUES (1, 'a@x')")
+    sqlite_db.execute("INSERT OR REPLACE INTO users VALUES (2, 'a@x')")  # row 1 goes unlogged
+    source = ChangeLogSource(url=sqlite_db.url, table="users")
+    try:
+        with pytest.raises(ChangeLogDriftError) as caught:
+            source.check_drift()
+        message = str(caught.value)
+        assert "(key 1)" in message
+        assert "INSERT OR REPLACE" in message
+        assert "PRAGMA recursive_triggers = ON" in message
+        # With recursive triggers on, the same REPLACE logs its delete.
+        with sqlite_db.engine.begin() as conn:
+            conn.exec_driver_sql("PRAGMA recursive_triggers = ON")
+            conn.exec_driver_sql("INSERT OR REPLACE INTO users VALUES (3, 'b@x')")
+            conn.exec_driver_sql("INSERT OR REPLACE INTO users VALUES (4, 'b@x')")
+            conn.exec_driver_sql("PRAGMA recursive_triggers = OFF")
+        logged = sqlite_db.scalar(
+            "SELECT count(*) FROM dbt_changelog_users WHERE dbt_op = 'delete' AND id = 3"
+        )
+        assert logged == 1
+    finally:
+        source.close()

@@ -172,6 +172,18 @@ def find_drift(conn: sa.Connection, table: str, schema: str | None) -> Drift:
     )
 
 
+#: How rows leave an SQLite table unlogged: REPLACE removes the rows in its way without
+#: firing their delete triggers unless the writing connection turned recursive
+#: triggers on (SQLite's documented rule), and no trigger can tell it from an IGNORE.
+_SQLITE_REPLACE = (
+    "an INSERT OR REPLACE / REPLACE INTO that removed the rows in its way (SQLite fires "
+    "no delete trigger for them unless the writing connection ran PRAGMA "
+    "recursive_triggers = ON: do that in the application, or write INSERT ... ON "
+    "CONFLICT DO UPDATE, which is logged), or a delete while the change log's triggers "
+    "were missing"
+)
+
+
 def _vanished_problem(info: TableInfo, gone: list[tuple[Any, ...]]) -> str:
     shown = ", ".join(
         str(k[0]) if len(k) == 1 else "(" + ", ".join(map(str, k)) + ")" for k in gone[:5]
@@ -181,6 +193,8 @@ def _vanished_problem(info: TableInfo, gone: list[tuple[Any, ...]]) -> str:
         "a TRUNCATE TABLE (which fires no trigger on MariaDB/MySQL) or a foreign key's "
         "ON DELETE CASCADE (which fires none either)"
         if info.dialect in ("mysql", "mariadb")
+        else _SQLITE_REPLACE
+        if info.dialect == "sqlite"
         else "a delete while the change log's triggers were missing or disabled"
     )
     return (

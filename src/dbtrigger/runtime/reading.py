@@ -38,7 +38,7 @@ from dbtrigger.runtime.delivery import Delivery
 from dbtrigger.runtime.null_probe import NullCursorProbe
 from dbtrigger.runtime.readahead import ReadAhead, reads_ahead
 from dbtrigger.runtime.retry import RetryPolicy
-from dbtrigger.runtime.telemetry import Telemetry
+from dbtrigger.runtime.telemetry import STATE_VANISHED, Telemetry
 from dbtrigger.runtime.window_report import WindowReport
 from dbtrigger.runtime.windowing import Selection
 from dbtrigger.runtime.writes import WriterSettings
@@ -174,6 +174,7 @@ class BatchReader:
         #: One read for several batches of a catch-up (None: off); see dbtrigger.runtime.bulk.
         self.bulk: BulkReads | None = None
         self._reads_ahead: bool | None = None
+        self._had_document = False  # read one before: a missing one now vanished
 
     def definition(self) -> dict[str, Any] | None:
         """The source's readable definition (kept in the document), computed once."""
@@ -201,7 +202,10 @@ class BatchReader:
                 f"could not read the state of poller {self.name!r}: {exc}", poller=self.name
             ) from exc
         if stored is None:
+            if self._had_document:
+                self.emit("state_vanished", STATE_VANISHED, self.name)
             return None, None
+        self._had_document = True
         doc = load_state(self.store, self.name, stored, self.cli_source())
         if doc.source_fingerprint != self.fingerprint():
             # Only on a mismatch: older fingerprints of the same definition

@@ -90,6 +90,19 @@ _HISTORY_FAILED = Count("history_append_failures_total", label_keys=("error_type
 
 D, INFO, W, E = logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR
 
+#: A poller's state document read before in this process is gone: none of dbtrigger's
+#: commands deletes one (a reset writes it), so a hand, a script or a store now
+#: pointing elsewhere did. Without it the poller is a new one and starts over; rows
+#: are delivered again, none is lost - but a person should know, and may restore it.
+STATE_VANISHED = (
+    "the state document of poller %s is gone from its store (this process read it "
+    "before): it was deleted by hand, or the store now points elsewhere. The poller "
+    "starts over as a new one, so rows it delivered before are delivered again (none "
+    "is lost). To go on from the old checkpoint instead, stop the workers and put the "
+    "document back: dbtrigger reset POLLER --from-file FILE (the copy a backup or a "
+    "command's dbtrigger-backups/ holds)"
+)
+
 #: event name -> (log level or None for metrics-only, metric updates).
 _HISTORY_OVERFLOW = Count("history_queue_overflow_total", "count")
 
@@ -100,6 +113,7 @@ EVENTS: dict[str, EventSpec] = {
         None, (Count("failures_total", labels={"error_type": "FetchError"}),)
     ),
     "state_read_failed": EventSpec(E),
+    "state_vanished": EventSpec(E),
     "clock_skew_suspected": EventSpec(W),
     "lease_busy": EventSpec(
         D,

@@ -72,3 +72,36 @@ def test_disabled_triggers_are_drift_naming_the_statements_that_enable_them(
         assert trigger.drain(lambda events: None) == 1
     finally:
         trigger.source.close()  # type: ignore[attr-defined]
+
+
+@pytest.mark.postgresql
+def test_rows_leaving_with_a_partition_are_reported_naming_the_partition(
+    pg: TestDatabase, tmp_path: Path
+) -> None:
+    """A partition's own TRUNCATE and a DETACH PARTITION remove rows from the
+    partitioned table without firing any of its triggers. The vanished check found
+    them but blamed triggers "missing or disabled"; it now names the partition."""
+    table = pg.qualified("orders")
+    pg.execute(
+        f"CREATE TABLE {table} (id int, region text, PRIMARY KEY (id, region)) "
+        "PARTITION BY LIST (region)"
+    )
+    for region in ("eu", "us"):
+        pg.execute(
+            f"CREATE TABLE {pg.qualified('orders_' + region)} PARTITION OF {table} "
+            f"FOR VALUES IN ('{region.upper()}')"
+        )
+    install(pg.engine, "orders", schema=pg.schema)
+    pg.execute(f"INSERT INTO {table} VALUES (1, 'EU'), (2, 'US')")
+    pg.execute(f"TRUNCATE {pg.qualified('orders_eu')}")
+    pg.execute(f"ALTER TABLE {table} DETACH PARTITION {pg.qualified('orders_us')}")
+    trigger = poller(pg, tmp_path)
+    try:
+        with pytest.raises(ChangeLogDriftError) as caught:
+            trigger.drain(lambda events: None)
+        message = str(caught.value)
+        assert "(1, EU)" in message
+        assert "(2, US)" in message
+        assert "a TRUNCATE of one partition, or a partition detached or dropped" in message
+    finally:
+        trigger.source.close()  # type: ignore[attr-defined]

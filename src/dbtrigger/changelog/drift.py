@@ -183,6 +183,15 @@ _SQLITE_REPLACE = (
     "were missing"
 )
 
+#: How rows leave a PostgreSQL table unlogged: a partition's own TRUNCATE, or a
+#: partition detached or dropped, fires no trigger of the partitioned table.
+_PG_PARTITIONS = (
+    "on a partitioned table, a TRUNCATE of one partition, or a partition detached or "
+    "dropped (no trigger fires for those: TRUNCATE the partitioned table, or delete the "
+    "rows, to have them logged), or a delete while the change log's triggers were "
+    "missing or disabled"
+)
+
 
 def _vanished_problem(info: TableInfo, gone: list[tuple[Any, ...]]) -> str:
     shown = ", ".join(
@@ -195,6 +204,8 @@ def _vanished_problem(info: TableInfo, gone: list[tuple[Any, ...]]) -> str:
         if info.dialect in ("mysql", "mariadb")
         else _SQLITE_REPLACE
         if info.dialect == "sqlite"
+        else _PG_PARTITIONS
+        if info.dialect == "postgresql"
         else "a delete while the change log's triggers were missing or disabled"
     )
     return (

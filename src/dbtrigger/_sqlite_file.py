@@ -26,7 +26,7 @@ from sqlalchemy.engine import Engine
 
 from dbtrigger.errors import FetchError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dbtrigger.sources")
 
 _OPENED = "dbtrigger_sqlite_file"
 

@@ -158,6 +158,19 @@ def sas_validity(url: str, now: dt.datetime) -> str:
     return "".join(notes)
 
 
+def credential_words(client: Any, what: str | None) -> str:
+    """The credential of ``client`` as a refusal names it: the app setting it was
+    read from (``what``, when known) and what its SAS says of its validity now;
+    never a secret. In a Function App with several storage settings, "check the
+    credential" alone leaves a person guessing which one ran out."""
+    words = CREDENTIAL + (f" in {what}" if what else "")
+    now = dt.datetime.now(dt.timezone.utc)
+    # Blob and queue clients keep a SAS in their URL, Table clients as an AzureSasCredential.
+    sas = str(getattr(getattr(client, "credential", None), "signature", "") or "")
+    url = str(getattr(client, "url", "") or "")
+    return (sas_validity(url, now) or sas_validity(f"?{sas}", now)) + words
+
+
 def _detail(exc: BaseException, status: int | None, code: str | None) -> str:
     if status is None:
         return short(exc)
@@ -267,6 +280,7 @@ __all__ = [
     "QUEUE",
     "TABLE",
     "StorageService",
+    "credential_words",
     "error_code",
     "mapped",
     "sas_validity",

@@ -156,6 +156,10 @@ def storage_queue(connection: str, queue_name: str) -> Enqueue:
             raise ConfigurationError(
                 'partitioned Functions need azure-storage-queue: pip install "dbtrigger[azure]"'
             ) from exc
+
+        def credential() -> str:  # a refusal names the setting and its SAS's expiry
+            return azure_errors.credential_words(client, f"app setting {connection!r}")
+
         if client is None:
             client = QueueClient.from_connection_string(
                 resolve_setting(f"%{connection}%"),
@@ -163,12 +167,14 @@ def storage_queue(connection: str, queue_name: str) -> Enqueue:
                 message_encode_policy=TextBase64EncodePolicy(),
             )
             with (
-                azure_errors.mapped(azure_errors.QUEUE, f"creating queue {queue_name}"),
+                azure_errors.mapped(
+                    azure_errors.QUEUE, f"creating queue {queue_name}", credential=credential
+                ),
                 contextlib.suppress(ResourceExistsError),
             ):
                 client.create_queue()
         where = f"sending a message to queue {queue_name}"
-        with azure_errors.mapped(azure_errors.QUEUE, where, write=True):
+        with azure_errors.mapped(azure_errors.QUEUE, where, write=True, credential=credential):
             client.send_message(body)
 
     return enqueue

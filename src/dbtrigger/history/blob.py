@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,7 +89,9 @@ class BlobHistory:
 
     ``container`` and ``app`` may be callables (resolved at first use), so a
     history derived from a state store whose settings are read lazily reads
-    them just as lazily.
+    them just as lazily. ``credential`` gives a refusal's words for the
+    credential (the state store's: the app setting it was read from, its SAS's
+    expiry); by default they are read from the client.
     """
 
     def __init__(
@@ -100,11 +102,13 @@ class BlobHistory:
         prefix: str = "state",
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         retention: Retention = DEFAULT_RETENTION,
+        credential: Callable[[], str] | None = None,
     ) -> None:
         #: How long the runtime keeps records here (it prunes after its appends).
         self.retention = retention
         self._container = container
         self._app = app
+        self._credential = credential or (lambda: azure_errors.credential_words(self.client, None))
         self.prefix = prefix
         self.segment_bytes = opt.whole("segment_bytes", segment_bytes, minimum=1024)
         #: poller -> the active segment as this writer last saw it.
@@ -134,7 +138,12 @@ class BlobHistory:
     def _mapped(
         self, op: str, name: str, *, write: bool = False
     ) -> contextlib.AbstractContextManager[None]:
-        return azure_errors.mapped(HISTORY_BLOB, f"{op} of history blob {name}", write=write)
+        return azure_errors.mapped(
+            HISTORY_BLOB,
+            f"{op} of history blob {name}",
+            write=write,
+            credential=self._credential,
+        )
 
     # --- segments -----------------------------------------------------------------------
 

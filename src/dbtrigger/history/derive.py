@@ -56,12 +56,17 @@ def history_for(store: Any) -> HistoryStore | None:
         from dbtrigger.history.blob import BlobHistory  # noqa: PLC0415
 
         return BlobHistory(
-            lambda: store.container_client, app=lambda: store.app_name, prefix=store.prefix
+            lambda: store.container_client,
+            app=lambda: store.app_name,
+            prefix=store.prefix,
+            credential=store.credential_words,
         )
     if kind == "TableCheckpointStore":
         from dbtrigger.history.table import TableHistory  # noqa: PLC0415
 
-        return TableHistory(lambda: store.table_client, app=store.app_name)
+        return TableHistory(
+            lambda: store.table_client, app=store.app_name, credential=store.credential_words
+        )
     return None
 
 

@@ -42,7 +42,12 @@ def row_key(seq: int) -> str:
 
 
 class TableHistory:
-    """History entities beside the state entities of one table."""
+    """History entities beside the state entities of one table.
+
+    ``credential`` gives a refusal's words for the credential (the state
+    store's: the app setting it was read from, its SAS's expiry); by default
+    they are read from the client.
+    """
 
     def __init__(
         self,
@@ -50,11 +55,13 @@ class TableHistory:
         *,
         app: str,
         retention: Retention = DEFAULT_RETENTION,
+        credential: Callable[[], str] | None = None,
     ) -> None:
         #: How long the runtime keeps records here (it prunes after its appends).
         self.retention = retention
         self._client = client
         self.app = validate_name(app, "app name")
+        self._credential = credential or (lambda: azure_errors.credential_words(self.client, None))
 
     @property
     def client(self) -> TableClient:
@@ -76,6 +83,7 @@ class TableHistory:
             azure_errors.TABLE,
             f"{op} of the history of {poller!r} in {self.describe()}",
             write=write,
+            credential=self._credential,
         )
 
     def _record(self, entity: Mapping[str, Any]) -> dict[str, Any]:

@@ -11,7 +11,6 @@ and closing it only if it was.
 
 from __future__ import annotations
 
-import datetime as dt
 from typing import Generic, Protocol, TypeVar
 
 from dbtrigger import _azure_errors as azure_errors
@@ -44,22 +43,12 @@ class SdkClientHolder(Generic[C]):
         description made while its app settings cannot be read."""
         return str(getattr(self._client_source, "what", "app settings"))
 
-    def _credential(self) -> str:
-        """The credential as a refusal names it: the app setting it was read from
-        (a store built from one) and what its SAS says of its validity now; never
-        a secret. In a Function App with several storage settings, "check the
-        credential" alone leaves a person guessing which one ran out."""
-        words = azure_errors.CREDENTIAL
+    def credential_words(self) -> str:
+        """The credential as a refusal names it (see ``_azure_errors.credential_words``):
+        the app setting the client is read from and its SAS's validity. Public so a
+        history kept beside the store names the same credential."""
         what = getattr(self._client_source, "what", None)
-        if what:
-            words += f" in {what}"
-        client = peek(self._client_source)
-        now = dt.datetime.now(dt.timezone.utc)
-        # Blob clients keep a SAS in their URL, Table clients as an AzureSasCredential.
-        sas = str(getattr(getattr(client, "credential", None), "signature", "") or "")
-        url = str(getattr(client, "url", "") or "")
-        notes = azure_errors.sas_validity(url, now) or azure_errors.sas_validity(f"?{sas}", now)
-        return notes + words
+        return azure_errors.credential_words(peek(self._client_source), what)
 
     def close(self) -> None:
         """Close the client, if it was built (one never built holds nothing open)."""

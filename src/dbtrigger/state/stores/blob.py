@@ -380,7 +380,7 @@ class BlobCheckpointStore(SdkClientHolder[ContainerClient]):
             self._where(op, blob),
             write=op in ("write", "delete"),
             missing={"ContainerNotFound": missing},
-            credential=self._credential,
+            credential=self.credential_words,
         )
 
     def _account(self) -> str:

@@ -321,7 +321,7 @@ class TableCheckpointStore(SdkClientHolder[TableClient]):
             where=where,
             write=write,
             missing=missing,
-            credential=self._credential(),
+            credential=self.credential_words(),
         )
 
     def _ensure_table(self) -> None:

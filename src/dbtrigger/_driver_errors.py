@@ -107,11 +107,38 @@ def encoding_problem(exc: BaseException) -> str | None:
     )
 
 
+#: SQLSTATEs of a character the database's encoding lacks (22P05) or bytes invalid in it.
+UNENCODABLE_SQLSTATES = frozenset({"22P05", "22021"})
+
+
+def unencodable(exc: BaseException) -> bool:
+    """A value holding a character the database's encoding lacks (a LATIN1
+    PostgreSQL database): psycopg encodes text for that encoding on the client
+    and raises a bare ``UnicodeEncodeError``; with ``client_encoding=utf8`` the
+    server refuses it (22P05). Either way every retry is refused the same."""
+    if isinstance(exc, UnicodeEncodeError):
+        return True
+    return getattr(getattr(exc, "orig", None), "sqlstate", None) in UNENCODABLE_SQLSTATES
+
+
+def not_encodable(what: str, detail: str, kept: str, option: str) -> str:
+    """The words for :func:`unencodable`: a character of ``what`` could not be
+    stored; keep ``kept`` in a UTF8 database (``option`` points there) instead."""
+    return (
+        f"the database's encoding cannot hold a character of {what} ({detail}); "
+        f"nothing was changed. Keep {kept} in a UTF8 database ({option} of another "
+        "database) or in another store"
+    )
+
+
 __all__ = [
     "MYSQL_CONFLICT_CODES",
     "PG_CONFLICT_SQLSTATES",
+    "UNENCODABLE_SQLSTATES",
     "encoding_problem",
     "failed_as",
     "lost_to_another_transaction",
+    "not_encodable",
     "short_error",
+    "unencodable",
 ]

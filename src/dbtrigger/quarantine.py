@@ -53,7 +53,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from dbtrigger._driver_errors import short_error
+from dbtrigger._driver_errors import not_encodable, short_error, unencodable
 from dbtrigger._engine import LazyEngine, TableOnce, parse_database_url
 from dbtrigger._files import locked_lines, write_synced
 from dbtrigger._lock_wait import (
@@ -380,7 +380,15 @@ class SqlQuarantineSink:
             self._ensure_table()
             with bounded_transaction(self._engine, self.lock_timeout) as conn:
                 self._insert_ignoring_duplicates(conn, [self._row(r) for r in records])
-        except SQLAlchemyError as exc:
+        except (SQLAlchemyError, UnicodeEncodeError) as exc:
+            if unencodable(exc):  # a LATIN1 database: every retry is refused the same
+                words = not_encodable(
+                    "these rows", _short(exc), "the quarantine", "SqlQuarantineSink(url=...)"
+                )
+                raise QuarantineError(
+                    f"could not write {len(records)} row(s) to quarantine {self.describe()}: "
+                    + words
+                ) from exc
             if lock_timed_out(exc):
                 text, _ = gave_up_waiting(
                     self._engine,

@@ -31,7 +31,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 
-from dbtrigger._driver_errors import short_error
+from dbtrigger._driver_errors import not_encodable, short_error, unencodable
 from dbtrigger._lock_wait import (
     DEFAULT_STORE_LOCK_TIMEOUT,
     bounded_transaction,
@@ -43,6 +43,7 @@ from dbtrigger.errors import (
     CasConflictError,
     DbTriggerError,
     StoreAuthError,
+    StoreRefusedError,
     StoreUnavailableError,
 )
 from dbtrigger.history.records import record_time
@@ -87,6 +88,15 @@ def history_table(name: str, schema: str | None) -> sa.Table:
         sa.Column("record", _TEXT, nullable=False),
         schema=validate_sql_identifier(schema, "schema") if schema else None,
     )
+
+
+def _unencodable(where: str, exc: BaseException) -> StoreRefusedError:
+    """A record holding a character the database's encoding lacks (a LATIN1
+    PostgreSQL database): every retry is refused the same, so not an outage."""
+    words = not_encodable(
+        "these records", short_error(exc), "the history", "PollTrigger(history=SqlHistory(...))"
+    )
+    return StoreRefusedError(f"{where} was refused: {words}")
 
 
 class SqlHistory:
@@ -147,7 +157,11 @@ class SqlHistory:
             if is_duplicate_key(exc):
                 raise CasConflictError(f"{where}: another writer appended first") from exc
             raise StoreUnavailableError(f"{where} failed: {short_error(exc)}") from exc
+        except UnicodeEncodeError as exc:  # psycopg encodes for the database's encoding
+            raise _unencodable(where, exc) from exc
         except sa.exc.DBAPIError as exc:
+            if unencodable(exc):  # the server's 22P05, with client_encoding=utf8
+                raise _unencodable(where, exc) from exc
             if lock_timed_out(exc):
                 raise lock_timeout_error(
                     where, self.engine, self.table, self.lock_timeout, exc, "nothing was written"

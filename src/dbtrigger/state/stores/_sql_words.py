@@ -7,6 +7,8 @@ pollers ran. Neither is an outage a retry outlives: each is a
 
 from __future__ import annotations
 
+from dbtrigger import _driver_errors
+
 
 def column_misfit(dialect: str, table: str, column_type: str, what: str) -> str:
     """A document the ``document`` column does not hold as written (``what``: the
@@ -37,8 +39,6 @@ def table_gone(table: str, what: str) -> str:
 def not_encodable(what: str) -> str:
     """A state document holding a character the database's encoding lacks (a text
     key's checkpoint in a LATIN1 PostgreSQL database)."""
-    return (
-        f"the database's encoding cannot hold a character of this state document ({what}); "
-        "nothing was changed. Keep the state in a UTF8 database (SqlCheckpointStore(url=...) "
-        "of another database) or in another store"
+    return _driver_errors.not_encodable(
+        "this state document", what, "the state", "SqlCheckpointStore(url=...)"
     )

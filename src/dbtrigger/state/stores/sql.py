@@ -63,6 +63,7 @@ from dbtrigger._driver_errors import (
     encoding_problem,
     names_a_missing_object,
     short_error,
+    unencodable,
 )
 from dbtrigger._engine import LazyEngine, parse_database_url
 from dbtrigger._lock_wait import (
@@ -348,8 +349,7 @@ class SqlCheckpointStore:
                 f"{where} violated a constraint of the state table: {short_error(exc)}"
             ) from exc
         except sa.exc.DataError as exc:  # a value the column refuses: the same again
-            code = getattr(exc.orig, "sqlstate", None)
-            words = _words.not_encodable if code in ("22P05", "22021") else self._misfit
+            words = _words.not_encodable if unencodable(exc) else self._misfit
             raise StoreRefusedError(f"{where} was refused: {words(short_error(exc))}") from exc
         except UnicodeEncodeError as exc:  # psycopg encodes for the database's encoding
             raise StoreRefusedError(

@@ -30,7 +30,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dbtrigger.cursor import Position
-from dbtrigger.errors import CasConflictError, ConfigurationError, ReplayRefusedError
+from dbtrigger.errors import (
+    CasConflictError,
+    ConfigurationError,
+    ReplayRefusedError,
+    StoreError,
+)
 from dbtrigger.history import records as rec
 from dbtrigger.names import validate_name
 from dbtrigger.state import document as docmod
@@ -122,6 +127,8 @@ class StartFrom:
                 self._ignored(trigger, doc, recorded)
                 self.done = True
                 return
+        else:
+            _refuse_if_recorded(trigger, spec["spec"])
         now = trigger.clock()
         position = resolve(self.value, trigger.source)
         created = ops.create(
@@ -182,6 +189,41 @@ class StartFrom:
             first,
             start_from=spec_of(self.value)["spec"],
         )
+
+
+def _refuse_if_recorded(trigger: Any, spec: str) -> None:
+    """A poller without a state document whose history records batches is not new:
+    its document was deleted or lost. Creating it at ``start_from`` (``"now"``) would
+    start after rows it never delivered, so refuse and say how to go on.
+
+    Raises:
+        ConfigurationError: naming the history's last record and the ways on.
+    """
+    history = getattr(trigger, "history", None)
+    if history is None:
+        return
+    try:
+        last = history.tail(trigger.name, 1)
+    except StoreError as exc:  # the history cannot say: start as configured, said
+        trigger.telemetry.emit(
+            "start_from_unchecked",
+            "%s: start_from=%s applied without looking at the history (%s): if the "
+            "poller's state document was deleted, rows after its checkpoint are skipped",
+            trigger.name,
+            spec,
+            exc,
+        )
+        return
+    if not last:
+        return
+    raise ConfigurationError(
+        f"poller {trigger.name!r} has no state document, but its history holds records "
+        f"(the last, #{last[-1].get('seq')}, at {last[-1].get('at')}): the document was "
+        f"deleted or lost, and start_from={spec} would start it after rows it has not "
+        "delivered. Restore the document from a backup and start again; or remove "
+        "start_from= to deliver every row again; or, to start at start_from anyway, "
+        "delete the poller's history first (docs/history.md, 'Where a new poller starts')"
+    )
 
 
 def _definition(source: Any) -> Mapping[str, Any] | None:

@@ -207,6 +207,9 @@ def test_the_page_runs_as_written(page: str, page_env: dict[str, str], tmp_path:
     jobs = [_job(b) for b in parsed.blocks if b.runnable and not b.skip]
     work = tmp_path / "work"
     work.mkdir()
+    # The pages' own temporary folders (tempfile.mkdtemp() in a snippet) go with the test's.
+    (tmp_path / "tmp").mkdir()
+    page_env = {**page_env, "TMPDIR": str(tmp_path / "tmp")}
     (tmp_path / "blocks.json").write_text(json.dumps(jobs), encoding="utf-8")
     results_path = tmp_path / "results.json"
     done = subprocess.run(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,10 +21,14 @@ from dbtrigger.queue.statements import DeadItem, Key, RetryItem, Settled
 from tests.contracts.claim_harnesses import ColumnsHarness
 from tests.databases import TestDatabase
 
+#: Where the queues' files go: one folder, removed when the process ends (a folder
+#: per queue was left in the system's temporary directory by every run).
+_FILES = tempfile.TemporaryDirectory(prefix="dbt-claims-")
+
 
 def sqlite_queue() -> ColumnsHarness:
     """A columns-mode queue in a new SQLite file (the nested session has no ``db``)."""
-    url = f"sqlite:///{Path(tempfile.mkdtemp()) / 'queue.db'}"
+    url = f"sqlite:///{Path(_FILES.name) / f'queue-{uuid.uuid4().hex}.db'}"
     return ColumnsHarness(TestDatabase("sqlite", url, None, sa.create_engine(url)))
 
 

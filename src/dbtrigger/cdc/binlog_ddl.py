@@ -42,6 +42,7 @@ _DROP = re.compile(
 _DROP_DATABASE = re.compile(r"^drop\s+(?:database|schema)\s+(?:if\s+exists\s+)?(\S+)$", re.I)
 _REPLACE = re.compile(rf"^create\s+or\s+replace\s+table\s+({_NAME})", re.I)
 _WAIT = re.compile(r"\s+(?:wait\s+\d+|nowait)\b", re.I)
+_ALTER = re.compile(rf"^alter\s+(?:online\s+|ignore\s+)*table\s+(?:if\s+exists\s+)?({_NAME})", re.I)
 
 #: ``moves`` of ``DROP DATABASE d``: every table of ``d`` (``d.*``) is dropped.
 EVERY = "*"
@@ -86,6 +87,22 @@ def moves(text: str, schema: str | bytes | None = None) -> dict[str, str | None]
     if replaced is not None:
         return {_qualified(replaced.group(1), schema): None}
     return {}
+
+
+def redefines(text: str, schema: str | bytes | None, table: str) -> bool:
+    """Does the statement ``text`` change the definition of the table ``table``
+    (qualified): an ``ALTER TABLE`` of it, or one that moves it off its name or puts
+    another table under it (:func:`effects`)? Any ``ALTER`` counts, one of indexes
+    only too: without names in the log the columns' are not known to be the same.
+    """
+    if not _STARTS.match(text):
+        return False
+    if isinstance(schema, bytes):
+        schema = schema.decode(errors="replace")
+    altered = _ALTER.match(_WAIT.sub(" ", _COMMENTS.sub(" ", text)).strip())
+    if altered is not None and _matches(_qualified(altered.group(1), schema), table):
+        return True
+    return bool(effects(text, schema, [table]))
 
 
 def _net(pairs: Iterable[tuple[str, str]]) -> dict[str, str | None]:
@@ -331,6 +348,7 @@ __all__ = [
     "effects",
     "moves",
     "passes",
+    "redefines",
     "refusal",
     "statement_words",
 ]

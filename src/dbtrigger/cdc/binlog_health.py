@@ -162,9 +162,9 @@ def self_check(source: BinlogSourceParts) -> list[SourceFinding]:
                     WARNING,
                     "binlog_row_metadata is not FULL: column names are read from "
                     "information_schema; a table whose column count differs from the log's "
-                    "stops delivery, and a change written before a column was renamed, "
-                    "moved, or dropped and another added, but read after, gets the new "
-                    "names (c for b)",
+                    "stops delivery, and so does a change written before an ALTER TABLE "
+                    "of its table but read after it (its names are not knowable; a "
+                    "snapshot of the table is then needed)",
                     "SET GLOBAL binlog_row_metadata = 'FULL' (MariaDB 10.5+), and in my.cnf",
                 )
             )

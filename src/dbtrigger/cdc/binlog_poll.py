@@ -426,7 +426,7 @@ class BinlogPoller:
         elif kind is ev.XidEvent:
             self._committed(asm.commit(event.timestamp), buffer, state, end)
         elif kind is rev.TableMapEvent:
-            asm.table_map(event)
+            asm.table_map(event, (state.file, end))
         elif kind is rev.WriteRowsEvent:
             asm.rows(event, "I")
         elif kind is rev.UpdateRowsEvent:

@@ -35,7 +35,8 @@ out). Snapshot chunks (rows of ``dbtrigger_cdc_chunks``, see
 transaction's place in the log.
 
 **Columns.** From the table map's metadata (``binlog_row_metadata=FULL``),
-else from ``information_schema`` checked against the table map (column count).
+else from ``information_schema`` checked against the table map (column count) and
+looked ahead for a later change of the table (:mod:`~dbtrigger.cdc.binlog_lookahead`).
 :class:`~dbtrigger.cdc.assembly.SchemaGuard` holds the accepted column types per table: a new column
 just appears, a changed type stops the read before the transaction that first
 has it (:attr:`Assembler.schema_break`).
@@ -52,6 +53,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dbtrigger.cdc import binlog_ddl as ddl
+from dbtrigger.cdc import binlog_lookahead as lookahead
 from dbtrigger.cdc import binlog_values
 from dbtrigger.cdc.assembly import Assembly, SchemaBreak, SchemaGuard, keyless
 from dbtrigger.cdc.binlog_setup import TableInfo
@@ -173,6 +175,7 @@ class Assembler(Assembly[TableInfo, str]):
         followed: Collection[str] = (),
         exists: Callable[[str], bool] = lambda table: True,
         acked: Callable[[str, str], bool] = lambda table, commit: False,
+        later: Callable[[str, str, int], lookahead.Later | None] | None = None,
     ) -> None:
         super().__init__(watched, guard)
         #: For the statements that move a watched table off its name (see
@@ -190,9 +193,10 @@ class Assembler(Assembly[TableInfo, str]):
         self.column_types = column_types
         self._catalogs: dict[str, Mapping[str, str]] = {}
         #: Without names in the log: a table map id -> (its table, the names it was given),
-        #: and each table's latest id (see :meth:`_catalog_names`).
+        #: each table's latest id (see :meth:`_catalog_names`), and the statements after.
         self._names_by_id: dict[int, tuple[str, tuple[str, ...]]] = {}
         self._last_id: dict[str, int] = {}
+        self.ahead = lookahead.Lookahead(later)
         self._asked: dict[str, set[str]] = {}
         self.chunks_table = chunks_table
         self.reader = reader
@@ -218,6 +222,7 @@ class Assembler(Assembly[TableInfo, str]):
         if self.first_commit is None:
             self.first_commit = token
         self._explicit = explicit
+        self.ahead.truncated.clear()
         self.open(token, 0, _utc(when), gtid, after)
 
     def commit(self, when: int) -> Transaction[Any] | None:
@@ -249,7 +254,7 @@ class Assembler(Assembly[TableInfo, str]):
 
     # -- events --
 
-    def table_map(self, event: Any) -> None:
+    def table_map(self, event: Any, where: tuple[str, int] | None = None) -> None:
         table = f"{event.schema}.{event.table}"
         info = self.watched.get(table)
         alias = None if self.current is None else self.renames.alias(table, self.current.commit)
@@ -263,9 +268,11 @@ class Assembler(Assembly[TableInfo, str]):
         if self.names_from_log and all(c.name for c in columns):
             names = tuple(str(c.name) for c in columns)
             problem = None
+            self.ahead.named_by_log(event.table_id)
         elif len(columns) == len(catalog := self._catalog_names(table, event.table_id, info)):
             names = catalog
             problem = None
+            self.ahead.table_map(event.table_id, table, where)  # the catalog read first
         else:
             names = tuple(f"col{i}" for i in range(len(columns)))
             problem = (
@@ -290,14 +297,11 @@ class Assembler(Assembly[TableInfo, str]):
     def _catalog_names(self, table: str, table_id: int, info: TableInfo) -> tuple[str, ...]:
         """The column names of a table map without them (``binlog_row_metadata`` not FULL).
 
-        The server gives a table a new map id when it loads its definition again, as
-        after every ``ALTER TABLE``: the first id of a table this reader meets is named
-        by the catalog read at the start, each later one by the catalog read when it
-        first appears. Names kept for the start's definition would name every change
-        after ``DROP COLUMN b, ADD COLUMN c INT`` (same count, same types) ``b``.
-        Still wrong: a change read after a later ``ALTER`` already ran (a reader
-        behind the log), named by the catalog as it is now.
-        """
+        The server gives a table a new map id when it loads its definition again (every
+        ``ALTER TABLE``): the first id met is named by the catalog read at the start, each
+        later one by the catalog read when it first appears (names kept would name every
+        change after ``DROP COLUMN b, ADD COLUMN c INT`` ``b``). Whether a statement changed
+        the table since the id was written: :mod:`~dbtrigger.cdc.binlog_lookahead`."""
         known = self._names_by_id.get(table_id)
         if known is not None and known[0] == table:
             return known[1]
@@ -343,6 +347,10 @@ class Assembler(Assembly[TableInfo, str]):
         if shape is None:
             self.renames.rows_of(self._followed_ids.get(event.table_id, ""))
             return
+        later = self.ahead.later(event.table_id)
+        if later is not None:
+            self._unnamed(later, current)
+            return
         for row in event.rows:
             if self.delivered_already():  # the read started inside this transaction
                 continue
@@ -365,6 +373,17 @@ class Assembler(Assembly[TableInfo, str]):
                     self.keep((shape, "I", None, image))
                 else:
                     self.keep((shape, "D", image, None))
+
+    def _unnamed(self, later: lookahead.Later, current: Transaction[Any]) -> None:
+        """Changes whose names are not knowable: stop before them, or once a snapshot was
+        asked for after ``later`` (or passed before: resumed inside) pass them as a truncate."""
+        if not self.resumed_inside and not self.ahead.passes(later, current.commit, self.acked):
+            problem = lookahead.refusal(later, current.commit, self.poller)
+            self.schema_break = SchemaBreak(current.commit, problem, table_gone=True)
+        elif later.table not in self.ahead.truncated:
+            self.ahead.truncated.add(later.table)
+            info = self.watched[later.table]
+            self.keep((RowShape(later.table, info.names, info.key_columns), "T", None, None))
 
     def _chunk(self, event: Any, kind: str) -> None:
         for row in event.rows:

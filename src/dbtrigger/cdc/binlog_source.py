@@ -39,6 +39,7 @@ from typing import Any
 import pymysql
 
 from dbtrigger.cdc import binlog_control as control
+from dbtrigger.cdc import binlog_lookahead as lookahead
 from dbtrigger.cdc import binlog_setup as setup
 from dbtrigger.cdc.assembly import SchemaGuard
 from dbtrigger.cdc.binlog_admin import BinlogAdmin
@@ -318,6 +319,7 @@ class BinlogSource(LogSource):
             followed=frozenset(row.tables),
             exists=self._exists,
             acked=self._snapshot_asked,
+            later=lambda t, file, pos: lookahead.later_statement(self.connection(), t, file, pos),
         )
         self.health.retention_warning(after, files)
 

@@ -33,6 +33,7 @@ import pymysql
 
 from dbtrigger.cdc import binlog_ddl as ddl
 from dbtrigger.cdc.binlog_setup import binary_logs, file_index, translated
+from dbtrigger.cdc.binlog_tokens import Where, commit_token
 
 #: Events read per ``SHOW BINLOG EVENTS`` page (each page starts where the last ended).
 PAGE = 2000
@@ -52,7 +53,6 @@ class Later:
     def token(self, commit: str) -> str:
         """The statement's place as a commit token of the reader generation of ``commit``
         (for ``asked_after``: a snapshot asked for after it lets the reader pass it)."""
-        from dbtrigger.cdc.binlog_reader import Where, commit_token  # noqa: PLC0415 - a cycle
 
         generation = Where.parse(commit).generation
         return commit_token(file_index(self.file), self.pos, None, generation)

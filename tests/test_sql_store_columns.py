@@ -71,6 +71,31 @@ def test_a_non_strict_mariadb_never_stores_a_document_cut_short(mariadb: TestDat
         store.close()
 
 
+@pytest.mark.parametrize("sql_mode", [None, ""])
+def test_the_read_back_of_a_write_is_only_for_a_session_that_is_not_strict(
+    mariadb: TestDatabase, sql_mode: str | None
+) -> None:
+    """A strict session (the servers' default) refuses what does not fit by itself:
+    its commits pay no read-back, one question of the session's mode a connection."""
+    connect = {} if sql_mode is None else {"init_command": f"SET SESSION sql_mode='{sql_mode}'"}
+    store = SqlCheckpointStore(
+        url=mariadb.url, schema=mariadb.schema, engine_kwargs={"connect_args": connect}
+    )
+    statements: list[str] = []
+    try:
+        etag = store.write("orders", SMALL, if_match=None)
+        sa.event.listen(
+            store._engine, "before_cursor_execute", lambda *a: statements.append(str(a[2]))
+        )
+        for _ in range(3):
+            etag = store.write("orders", SMALL, if_match=etag)
+    finally:
+        store.close()
+    read_backs = [s for s in statements if "length(" in s.lower()]
+    assert len(read_backs) == (0 if sql_mode is None else 3)
+    assert not [s for s in statements if "sql_mode" in s.lower()]  # asked once, before
+
+
 @pytest.mark.parametrize("change", ["drop", "rename etag"])
 def test_a_state_table_dropped_or_altered_while_running_is_refused_not_an_outage(
     db: TestDatabase, change: str

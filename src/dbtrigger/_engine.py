@@ -529,6 +529,21 @@ class TableOnce(Once):
                 raise
 
 
+def strict_session(conn: Connection) -> bool:
+    """Does this MariaDB/MySQL session refuse a value too long for its column (a strict
+    ``sql_mode``, the servers' default) rather than cut it and warn? Read once per
+    database connection (its session's mode is set at connect: ``init_command``, the
+    server's default), so a write that must not be cut short asks the server only
+    when the session is not strict."""
+    info = conn.connection.info
+    mode = info.get("dbtrigger_sql_mode")
+    if mode is None:
+        mode = info["dbtrigger_sql_mode"] = str(
+            conn.exec_driver_sql("SELECT @@SESSION.sql_mode").scalar() or ""
+        )
+    return "STRICT_TRANS_TABLES" in mode or "STRICT_ALL_TABLES" in mode
+
+
 __all__ = [
     "PING_AFTER_IDLE_SECONDS",
     "LazyEngine",
@@ -539,5 +554,6 @@ __all__ = [
     "ping_when_idle",
     "reflect_table",
     "renew_stale_plans",
+    "strict_session",
     "unbounded_if_refused",
 ]

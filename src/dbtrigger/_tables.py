@@ -61,6 +61,7 @@ from dbtrigger._write_values import (
     mark_json_columns,
     packet_misfit,
     refuse_values,
+    type_text,
 )
 from dbtrigger.errors import (
     ConfigurationError,
@@ -463,12 +464,9 @@ class TableHandle:
         self, index: int, column: str, value: Any, column_type: Any, why: str
     ) -> OutputValueError:
         kind = type(value).__name__
-        try:
-            shown = str(column_type)
-        except Exception:  # noqa: BLE001 - a type that cannot render itself is still a type
-            shown = type(column_type).__name__
         return OutputValueError(
-            f"cannot write row {index} to {self.name}: column {column!r} ({shown}) cannot "
+            f"cannot write row {index} to {self.name}: column {column!r} "
+            f"({type_text(column_type)}) cannot "
             f"store a {kind} value" + (f" ({why})" if why else "") + ". Writing it again "
             "cannot help: convert the value first (json.dumps(...) for a dict or a list, "
             "str(...) or a number for an object) or give the column a type that holds it "

@@ -105,38 +105,26 @@ def refuse_values(
             if value is None:
                 continue
             if naive_column and isinstance(value, dt.datetime) and value.tzinfo is not None:
-                raise _refused(
-                    where,
-                    index,
-                    column,
-                    kind,
-                    value,
+                why = (
                     "is time-zone aware and the column keeps no time zone (stored as it is, "
                     "the offset would be dropped on SQLite and MariaDB/MySQL, converted to "
                     "the session's zone on PostgreSQL). Give the wall-clock time the column "
                     "keeps: value.astimezone(datetime.timezone.utc).replace(tzinfo=None) for "
-                    "UTC, or make it a column with a time zone (PostgreSQL timestamptz)",
+                    "UTC, or make it a column with a time zone (PostgreSQL timestamptz)"
                 )
-            if mysql and _not_finite(value):
-                raise _refused(
-                    where,
-                    index,
-                    column,
-                    kind,
-                    value,
+            elif mysql and _not_finite(value):
+                why = (
                     "is NaN or infinite, which MariaDB/MySQL cannot store. Write None "
-                    "(NULL) or a number instead",
+                    "(NULL) or a number instead"
                 )
-            if dialect == "postgresql" and text_column and _holds_nul(value):
-                raise _refused(
-                    where,
-                    index,
-                    column,
-                    kind,
-                    value,
+            elif dialect == "postgresql" and text_column and _holds_nul(value):
+                why = (
                     "holds a NUL character ('\\x00'), which PostgreSQL text cannot store. "
-                    "Remove it (value.replace('\\x00', '')) or write bytes to a bytea column",
+                    "Remove it (value.replace('\\x00', '')) or write bytes to a bytea column"
                 )
+            else:
+                continue
+            raise _refused(where, index, column, kind, value, why)
 
 
 def in_key_order(
@@ -234,13 +222,19 @@ def _holds_nul(value: Any) -> bool:
     return isinstance(value, str) and "\x00" in value
 
 
+def type_text(kind: Any) -> str:
+    """How an error names a column's type: ``VARCHAR(20)``, or the name of its
+    class when it cannot render itself."""
+    try:
+        return str(kind)
+    except Exception:  # noqa: BLE001 - a type that cannot render itself is still a type
+        return type(kind).__name__
+
+
 def _refused(
     where: str, index: int, column: str, kind: Any, value: Any, why: str
 ) -> OutputValueError:
-    try:
-        shown = str(kind)
-    except Exception:  # noqa: BLE001 - a type that cannot render itself is still a type
-        shown = type(kind).__name__
+    shown = type_text(kind)
     return OutputValueError(
         f"cannot write row {index} to {where}: the value of column {column!r} ({shown}) "
         f"{why}. Writing it again cannot help",
@@ -251,4 +245,11 @@ def _refused(
     )
 
 
-__all__ = ["MariaDbJson", "in_key_order", "mark_json_columns", "packet_misfit", "refuse_values"]
+__all__ = [
+    "MariaDbJson",
+    "in_key_order",
+    "mark_json_columns",
+    "packet_misfit",
+    "refuse_values",
+    "type_text",
+]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import shlex
 import sys
 from collections.abc import Callable, Mapping
+from dataclasses import KW_ONLY, dataclass, field
 
 from dbtrigger._paste import pasteable
 from dbtrigger.names import import_path_of
@@ -39,26 +40,19 @@ from dbtrigger.state.document import StateDocument
 _GROUPS_SAID: set[tuple[str, int, tuple[str, ...] | None, tuple[str, ...]]] = set()
 
 
+@dataclass(eq=False, repr=False)
 class SetReport:
     """Says once per change how a fan-out poller's subscribers differ from the
     set its state document recorded; see the module docstring."""
 
-    def __init__(
-        self,
-        telemetry: Telemetry,
-        *,
-        poller: str,
-        subscribers: Mapping[str, Handler],
-        cli_target: Callable[[], str],
-        source: object = None,
-    ) -> None:
-        self.telemetry = telemetry
-        self.poller = poller
-        self.subscribers = subscribers
-        self.cli_target = cli_target
-        self.source = source
-        #: The last (recorded, configured) pair looked at: said once.
-        self._seen: tuple[tuple[str, ...] | None, tuple[str, ...]] | None = None
+    telemetry: Telemetry
+    _: KW_ONLY
+    poller: str
+    subscribers: Mapping[str, Handler]
+    cli_target: Callable[[], str]
+    source: object = None
+    #: The last (recorded, configured) pair looked at: said once.
+    _seen: tuple[tuple[str, ...] | None, tuple[str, ...]] | None = field(default=None, init=False)
 
     def __call__(self, doc: StateDocument | None) -> None:
         now = tuple(sorted(self.subscribers))

@@ -12,7 +12,7 @@ python3 -m pip install -q -e ".[test]"
 bash scripts/services.sh
 bash scripts/azurite.sh
 python3 -m ruff check src tests benchmarks examples
-python3 -m ruff format --check src
+python3 -m ruff format --check src tests benchmarks examples
 # mypy's cache kept per user, as Azurite is (CI runs on a fresh clone): checked from scratch
 # it takes 12.6 s, from this cache 2 s. Entries are checked against the sources' hashes,
 # so another clone's or an older commit's entries are only ever reused when they fit.

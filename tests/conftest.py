@@ -26,9 +26,7 @@ DB_KINDS = ["sqlite", "postgresql", "mariadb"]
 # Property tests count examples, never time: no per-example deadline and no "too slow"
 # health check, which a loaded machine (a CI run beside other work) fails on its own.
 # A test's own @settings(...) keeps these for what it does not set.
-settings.register_profile(
-    "dbtrigger", deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+settings.register_profile("dbtrigger", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("dbtrigger")
 
 

@@ -119,6 +119,7 @@ def assert_truncated_between(got: list[RowChange], table: str) -> RowChange:
     assert truncate.to_cloudevent().get_type() == "dbtrigger.row.truncate"
     return truncate
 
+
 def assert_truncate_is_a_barrier(trigger: PollTrigger, column: str) -> None:
     """Drained with lanes: 12 rows at 0, the truncate, 12 rows at 1 in ``column``;
     the truncate's call ran alone, after every call of a row before it and before

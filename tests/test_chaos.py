@@ -51,9 +51,7 @@ LANES_SECONDS = float(
 #: The fan-out variant likewise: it re-proves the same invariants with the
 #: subscribers' threads in the mix (DBTRIGGER_CHAOS_FANOUT_SECONDS for longer).
 FANOUT_SECONDS = float(
-    os.environ.get(
-        "DBTRIGGER_CHAOS_FANOUT_SECONDS", os.environ.get("DBTRIGGER_CHAOS_SECONDS", "5")
-    )
+    os.environ.get("DBTRIGGER_CHAOS_FANOUT_SECONDS", os.environ.get("DBTRIGGER_CHAOS_SECONDS", "5"))
 )
 #: The per-event retries variant likewise (DBTRIGGER_CHAOS_RETRY_SECONDS).
 RETRY_SECONDS = float(

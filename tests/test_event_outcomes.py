@@ -240,7 +240,7 @@ def test_retry_pins_the_checkpoint_while_later_events_flow(
     # Batch 1..4: 2 asks for a retry; 3, 4 are settled into the window.
     assert trigger.tick(handler) == 4
     assert checkpoint_id(store) == 1
-    window = (read_doc(store).window or Window())
+    window = read_doc(store).window or Window()
     assert [int(p.pk["id"]) for p in window.settled] == [3, 4]
     [pending] = window.pending
     assert (int(pending.position.pk["id"]), pending.attempts) == (2, 1)
@@ -365,7 +365,7 @@ def test_the_window_stops_fetching_at_75_percent_and_drains(
         for _ in range(6):
             trigger.tick(handler)
     doc = read_doc(store)
-    window = (doc.window or Window())
+    window = doc.window or Window()
     assert len(window) <= 8
     assert len(window) >= 6  # it filled up to the pressure mark, then stopped
     assert max(handler.seen) < 10

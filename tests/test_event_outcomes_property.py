@@ -167,7 +167,7 @@ class World:
         stored = self.store.inner.read("items")
         if stored is None:
             return []
-        window = (docmod.loads(stored.data).window or Window())
+        window = docmod.loads(stored.data).window or Window()
         return [int(p.pk["id"]) for p in window.settled]
 
     def rows(self) -> set[tuple[int, int]]:
@@ -187,7 +187,7 @@ class World:
             upto = (int(doc.position.cursor), int(doc.position.pk["id"]))
             missing = {(i, v) for i, v in self.rows() if (v, i) <= upto} - settled
             assert not missing, f"checkpoint {upto} passed unsettled rows {sorted(missing)}"
-        window = (doc.window or Window())
+        window = doc.window or Window()
         remembered = {(int(p.pk["id"]), int(p.cursor)) for p in window.settled}
         assert remembered <= settled, f"window settled {sorted(remembered - settled)}"
         assert len(window) <= 6

@@ -180,9 +180,10 @@ def test_a_detail_of_a_newer_format_is_refused_not_misread(detail: dict[str, Any
         rec.detail_lines(record)
     assert f"format {detail['format']!r}" in str(info.value)
     # what this version writes is what it reads
-    assert rec.batch_detail(events_from_rows(_shape(("id",), ("id",), "id"), [(1,)]))[
-        "format"
-    ] == rec.DETAIL_FORMAT
+    assert (
+        rec.batch_detail(events_from_rows(_shape(("id",), ("id",), "id"), [(1,)]))["format"]
+        == rec.DETAIL_FORMAT
+    )
 
 
 def test_a_record_too_large_keeps_its_digest_but_not_its_columns() -> None:

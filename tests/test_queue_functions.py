@@ -110,7 +110,5 @@ def test_the_old_decorator_spellings_still_work_and_warn(
     send(None)
     assert len(seen) == 20  # ten batches of two in one firing, as before
     with pytest.raises(ConfigurationError, match="both dead_letter= and quarantine="):
-        db.queue_trigger(
-            arg_name="events", source=source, dead_letter=sink, quarantine=sink
-        )
+        db.queue_trigger(arg_name="events", source=source, dead_letter=sink, quarantine=sink)
     source.close()

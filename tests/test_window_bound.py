@@ -111,7 +111,7 @@ def test_a_batch_of_retries_larger_than_the_window_stays_within_its_bound(
             stored = store.read("items")
             assert stored is not None
             doc = docmod.loads(stored.data)
-            window = (doc.window or Window())
+            window = doc.window or Window()
             assert window.encoded_size() <= BOUND, sizes.explain(stored.data)
             assert len(stored.data) < 2 * BOUND  # the rest of the document is small
             if len(handler.accepted) == rows and doc.window is None:

@@ -115,7 +115,7 @@ def stall_scenario(
         assert [r.levelno for r in blocked] == [logging.WARNING]
         assert "billing answers 429" in blocked[0].getMessage()
 
-        window = (read_doc(store).window or Window())
+        window = read_doc(store).window or Window()
         settled = [int(p.pk["id"]) for p in window.settled]
         waiting = rows - len(handler.seen)
         assert waiting > trigger.batch_size + len(window)  # more than one read returns
@@ -174,7 +174,7 @@ def text_scenario(trigger: PollTrigger, update: Any, caplog: pytest.LogCaptureFi
     handler = Pinned(first="k0000")
     with caplog.at_level(logging.INFO, logger="dbtrigger"):
         tick_until_blocked(trigger, handler)
-        window = (trigger.read_state().window or Window())  # type: ignore[union-attr]
+        window = trigger.read_state().window or Window()  # type: ignore[union-attr]
         update([str(p.pk["code"]) for p in window.settled])
         before = len(handler.seen)
         trigger.tick(handler)

@@ -8,7 +8,9 @@ worth asserting in tests, for this library and for applications that wrap it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from dbtrigger.state.stores.base import CheckpointStore, StoredDocument
@@ -81,44 +83,35 @@ class CountingStore:
             self._calls.clear()
         return counts
 
+    @contextlib.contextmanager
+    def _counted(self, op: str, key: str | None) -> Iterator[None]:
+        """Record one ``op`` call of the block inside, whether it returns or raises."""
+        try:
+            yield
+        except BaseException as exc:
+            self._record(op, key, exc)
+            raise
+        self._record(op, key, None)
+
     def _record(self, op: str, key: str | None, error: BaseException | None) -> None:
         with self._lock:
             self._calls.append(StoreCall(op, key, type(error).__name__ if error else None))
 
     def read(self, key: str) -> StoredDocument | None:
-        try:
-            result = self.inner.read(key)
-        except BaseException as exc:
-            self._record("read", key, exc)
-            raise
-        self._record("read", key, None)
-        return result
+        with self._counted("read", key):
+            return self.inner.read(key)
 
     def write(self, key: str, data: bytes, *, if_match: str | None) -> str:
-        try:
-            etag = self.inner.write(key, data, if_match=if_match)
-        except BaseException as exc:
-            self._record("write", key, exc)
-            raise
-        self._record("write", key, None)
-        return etag
+        with self._counted("write", key):
+            return self.inner.write(key, data, if_match=if_match)
 
     def delete(self, key: str, *, if_match: str | None = None) -> None:
-        try:
+        with self._counted("delete", key):
             self.inner.delete(key, if_match=if_match)
-        except BaseException as exc:
-            self._record("delete", key, exc)
-            raise
-        self._record("delete", key, None)
 
     def list_keys(self) -> list[str]:
-        try:
-            keys = self.inner.list_keys()
-        except BaseException as exc:
-            self._record("list", None, exc)
-            raise
-        self._record("list", None, None)
-        return keys
+        with self._counted("list", None):
+            return self.inner.list_keys()
 
     def describe(self) -> str:
         return self.inner.describe()

@@ -127,3 +127,27 @@ def test_which_statements_change_a_watched_table(
     text: str, schema: str | bytes | None, changes: bool
 ) -> None:
     assert binlog_ddl.redefines(text, schema, "db.t") is changes
+
+
+def test_the_way_on_works_in_the_worker_that_was_running_before_the_alter(
+    binlog_db: BinlogDatabase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The worker read the table's definition when it started, before the ALTER; its
+    # snapshot read the dropped column ("Unknown column 'b'") until it was restarted.
+    monkeypatch.setattr(binlog_setup.ServerFacts, "names_from_log", property(lambda _: False))
+    binlog_db.execute("CREATE TABLE t (id INT PRIMARY KEY, a INT, b INT)")
+    trigger, _store, _name, got = gone.watching(binlog_db, ["t"])
+    t = f"{binlog_db.name}.t"
+    binlog_db.execute("INSERT INTO t VALUES (1, 10, 20)")
+    binlog_db.execute("ALTER TABLE t DROP COLUMN b, ADD COLUMN c INT")
+    binlog_db.execute("INSERT INTO t VALUES (2, 11, 30)")
+    with pytest.raises(SourceDefinitionError, match="was changed by a statement"):
+        trigger.drain(got.extend)
+    source = trigger.source
+    assert isinstance(source, BinlogSource)
+    source.admin().request_snapshot("t")  # the way on, in the same process
+    trigger.drain(got.extend)
+    assert seen(got)[:2] == [("truncate", None, t), ("insert", 2, t)]
+    snapshot = {e.pk["id"]: dict(e.after or {}) for e in got if e.op == "upsert"}
+    assert snapshot == {1: {"id": 1, "a": 10, "c": None}, 2: {"id": 2, "a": 11, "c": 30}}
+    source.close()

@@ -39,10 +39,10 @@ from dbtrigger._lock_wait import MYSQL_BOUND_SET_BACK, mysql_bound_for_now
 from dbtrigger.cdc import binlog_control as control
 from dbtrigger.cdc.binlog_context import BinlogSourceParts
 from dbtrigger.cdc.binlog_reader import Where, commit_token
-from dbtrigger.cdc.binlog_setup import current_position, file_index, translated
+from dbtrigger.cdc.binlog_setup import current_position, file_index, table_infos, translated
 from dbtrigger.cdc.binlog_values import decode_value, encode_value
 from dbtrigger.cdc.snapshots import ChunkWriter, Snapshot, still_pending
-from dbtrigger.errors import CorruptStateError, SourceDefinitionError
+from dbtrigger.errors import CorruptStateError, DbTriggerError, SourceDefinitionError
 
 if TYPE_CHECKING:
     from dbtrigger.cdc.binlog_setup import TableInfo
@@ -69,32 +69,6 @@ class SnapshotWriter(ChunkWriter[BinlogSourceParts, control.ControlRow, "TableIn
     def chunk(self, row: control.ControlRow, request: Snapshot, info: TableInfo) -> bool:
         s = self.source
         conn = s.connection()
-        keys = list(info.key_columns)
-        if not keys:
-            raise SourceDefinitionError(
-                f"cannot snapshot {info.table.qualified}: it has no primary key to read it in "
-                "chunks by; add one, or use snapshot='never'"
-            )
-        columns = list(info.names)
-        condition = "TRUE"
-        params: list[Any] = []
-        if request.last_key is not None:
-            condition = "({}) > ({})".format(
-                ", ".join(f"`{k}`" for k in keys), ", ".join(["%s"] * len(keys))
-            )
-            types = dict(info.columns)
-            for key, encoded in zip(keys, request.last_key, strict=True):
-                value = decode_value(encoded)
-                if types.get(key) == "bit" and isinstance(value, bytes):
-                    value = int.from_bytes(value, "big")  # compared as bytes it re-read rows
-                params.append(value)
-        if request.where:
-            condition = f"{condition} AND ({request.where})"  # the operator's own SQL
-        query = (
-            f"SELECT {', '.join(f'`{c}`' for c in columns)} FROM {info.table.quoted} "  # noqa: S608
-            f"WHERE {condition} ORDER BY {', '.join(f'`{k}`' for k in keys)} "
-            f"LIMIT {int(s.snapshot_chunk_size)} LOCK IN SHARE MODE"
-        )
         with conn.cursor() as cur, _chunk_lock_waits(cur, s.snapshot_lock_timeout):
             cur.execute("SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ")
             conn.begin()
@@ -103,6 +77,13 @@ class SnapshotWriter(ChunkWriter[BinlogSourceParts, control.ControlRow, "TableIn
             if fresh is None or mine is None:
                 conn.rollback()
                 return False  # changed meanwhile (cdc recreate): the next read reads it again
+            try:
+                info = _now(cur, info)
+                query, params = _chunk_query(info, request, s.snapshot_chunk_size)
+            except DbTriggerError:
+                conn.rollback()  # the control row's lock with it
+                raise
+            columns, keys = list(info.names), list(info.key_columns)
             cur.execute(query, params)
             rows = cur.fetchall()
             encoded = [[encode_value(v) for v in r] for r in rows]
@@ -123,6 +104,52 @@ class SnapshotWriter(ChunkWriter[BinlogSourceParts, control.ControlRow, "TableIn
             s.save_snapshots(conn, fresh.snapshots)
             conn.commit()
         return bool(rows)
+
+
+def _now(cur: Any, info: TableInfo) -> TableInfo:
+    """``info``'s table as the catalog describes it now, in the chunk's transaction.
+
+    What the source read when it started is stale after an ``ALTER TABLE``: a chunk
+    that selected a dropped column failed (``Unknown column``) in every worker started
+    before the statement, until it was restarted, and the snapshot the reader asks for
+    after such a statement could not be taken. The table is touched first, so its
+    metadata lock (held until the chunk commits) keeps a later ``ALTER`` out between
+    the catalog read and the chunk's ``SELECT``.
+    """
+    # Not translated: a lock wait here is the chunk's to wait out (SnapshotWriter.waits).
+    cur.execute(f"SELECT 1 FROM {info.table.quoted} LIMIT 0")  # noqa: S608 - validated
+    cur.fetchall()
+    return table_infos(cur.connection, [info.table])[info.table.qualified]
+
+
+def _chunk_query(info: TableInfo, request: Snapshot, size: int) -> tuple[str, list[Any]]:
+    """The ``SELECT`` of ``request``'s next chunk of at most ``size`` rows of ``info``."""
+    keys = list(info.key_columns)
+    if not keys:
+        raise SourceDefinitionError(
+            f"cannot snapshot {info.table.qualified}: it has no primary key to read it in "
+            "chunks by; add one, or use snapshot='never'"
+        )
+    condition = "TRUE"
+    params: list[Any] = []
+    if request.last_key is not None:
+        condition = "({}) > ({})".format(
+            ", ".join(f"`{k}`" for k in keys), ", ".join(["%s"] * len(keys))
+        )
+        types = dict(info.columns)
+        for key, encoded in zip(keys, request.last_key, strict=True):
+            value = decode_value(encoded)
+            if types.get(key) == "bit" and isinstance(value, bytes):
+                value = int.from_bytes(value, "big")  # compared as bytes it re-read rows
+            params.append(value)
+    if request.where:
+        condition = f"{condition} AND ({request.where})"  # the operator's own SQL
+    query = (
+        f"SELECT {', '.join(f'`{c}`' for c in info.names)} FROM {info.table.quoted} "  # noqa: S608
+        f"WHERE {condition} ORDER BY {', '.join(f'`{k}`' for k in keys)} "
+        f"LIMIT {int(size)} LOCK IN SHARE MODE"
+    )
+    return query, params
 
 
 def log_position(conn: pymysql.connections.Connection[Any], row: control.ControlRow) -> str:

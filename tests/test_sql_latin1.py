@@ -1,6 +1,7 @@
-"""The SQL history and the SQL dead-letter sink in a LATIN1 PostgreSQL database: a
-value holding a character LATIN1 lacks is refused with a typed error saying to keep
-them in a UTF8 database, as the SQL state store does (fc64648).
+"""The SQL history and the SQL dead-letter sink in a LATIN1 database. The history
+refuses a value holding a character LATIN1 lacks with a typed error saying to keep
+it in a UTF8 database, as the SQL state store does (fc64648); the sink stores such a
+dead letter with those characters escaped (a refusal was retried at every tick).
 
 psycopg encodes text for the database's encoding on the client, so a handler's
 error message in Chinese (the dead letter's ``error``) escaped the sink as a bare
@@ -11,15 +12,19 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import logging
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
-from dbtrigger.errors import QuarantineError, StoreRefusedError
+from dbtrigger import FileCheckpointStore, PollTrigger, RowChange, SqlAlchemySource
+from dbtrigger.errors import StoreRefusedError
 from dbtrigger.history import SqlHistory
 from dbtrigger.quarantine import SqlQuarantineSink
+from dbtrigger.runtime.context import BatchContext
 from tests.databases import admin_engine
 from tests.test_store_locks import quarantine_record
 
@@ -65,9 +70,11 @@ def test_the_sql_history_refuses_a_record_latin1_cannot_hold(latin1_urls: list[s
             engine.dispose()
 
 
-def test_the_sql_dead_letter_sink_refuses_a_row_latin1_cannot_hold(
-    latin1_urls: list[str],
+def test_the_sql_dead_letter_sink_escapes_what_latin1_cannot_hold(
+    latin1_urls: list[str], caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Refused, the dead letter was retried at every tick for ever: it is stored with
+    the characters the database lacks as backslash escapes, said at WARNING."""
     for poller, url in zip(("orders", "orders_utf8"), latin1_urls, strict=True):
         sink = SqlQuarantineSink(url=url)
         try:
@@ -75,8 +82,66 @@ def test_the_sql_dead_letter_sink_refuses_a_row_latin1_cannot_hold(
             wide = dataclasses.replace(
                 quarantine_record(), poller=poller, event_id="e2", error=f"boom {WIDE}"
             )
-            with pytest.raises(QuarantineError, match=r"encoding.*UTF8"):
+            with caplog.at_level(logging.WARNING, logger="dbtrigger"):
                 sink.put([wide])
-            assert [r.event_id for r in sink.records(poller)] == ["e1"]
+            stored = {r.event_id: r.error for r in sink.records(poller)}
+            assert stored == {"e1": "boom", "e2": "boom \\u6f22\\u5b57"}
+            assert "dead_letter_escaped" in {getattr(r, "event", None) for r in caplog.records}
+            caplog.clear()
         finally:
             sink.close()
+
+
+@pytest.fixture
+def mariadb_latin1_url() -> Iterator[str]:
+    """A MariaDB database whose default character set is latin1 (so is a table
+    created in it), in the server's default strict sql_mode; dropped after the test."""
+    admin = admin_engine("mariadb")
+    name = f"t_latin1_{uuid.uuid4().hex[:8]}"
+    with admin.connect() as conn:
+        conn.execute(sa.text(f"CREATE DATABASE `{name}` CHARACTER SET latin1"))
+    try:
+        yield admin.url.set(database=name).render_as_string(False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f"DROP DATABASE `{name}`"))
+
+
+def test_a_dead_letter_latin1_cannot_hold_does_not_stall_the_poller_on_mariadb(
+    mariadb_latin1_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rejection in Chinese on a MariaDB LATIN1 dead-letter table (default settings):
+    the sink's QuarantineError (1366 Incorrect string value) failed every tick, the
+    batch never committed. Now it is set aside with escapes and the poller goes on."""
+    url = mariadb_latin1_url
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE orders (id INT PRIMARY KEY, seq INT NOT NULL)"))
+        conn.execute(sa.text("INSERT INTO orders VALUES (1, 1), (2, 2)"))
+    sink = SqlQuarantineSink(url=url)
+    trigger = PollTrigger(
+        name="orders",
+        source=SqlAlchemySource(url=url, table="orders", cursor_column="seq", pk_columns=["id"]),
+        checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+        quarantine=sink,
+    )
+
+    def handler(events: list[RowChange], ctx: BatchContext) -> None:
+        for event in events:
+            if event.pk["id"] == 1:
+                ctx.reject(event, f"no customer {WIDE}")
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="dbtrigger"):
+            assert trigger.tick(handler) == 2
+        assert [r.error for r in sink.records("orders")] == [
+            "EventRejected: no customer \\u6f22\\u5b57"
+        ]
+        assert trigger.read_state().checkpoint is not None
+        escaped = [r for r in caplog.records if getattr(r, "event", None) == "dead_letter_escaped"]
+        assert len(escaped) == 1
+        assert "UTF8" in escaped[0].getMessage()
+    finally:
+        trigger.close()
+        sink.close()
+        engine.dispose()

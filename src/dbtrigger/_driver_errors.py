@@ -109,6 +109,8 @@ def encoding_problem(exc: BaseException) -> str | None:
 
 #: SQLSTATEs of a character the database's encoding lacks (22P05) or bytes invalid in it.
 UNENCODABLE_SQLSTATES = frozenset({"22P05", "22021"})
+#: MariaDB/MySQL's "Incorrect ... value" (a string: a character the column's charset lacks).
+MYSQL_INCORRECT_VALUE = 1366
 
 
 def unencodable(exc: BaseException) -> bool:
@@ -119,6 +121,21 @@ def unencodable(exc: BaseException) -> bool:
     if isinstance(exc, UnicodeEncodeError):
         return True
     return getattr(getattr(exc, "orig", None), "sqlstate", None) in UNENCODABLE_SQLSTATES
+
+
+def cannot_hold(exc: BaseException) -> bool:
+    """:func:`unencodable`, or MariaDB/MySQL refusing a character a LATIN1 table or
+    column lacks (1366 "Incorrect string value", in a strict sql_mode, the default)."""
+    args = getattr(getattr(exc, "orig", None), "args", ())
+    if args and args[0] == MYSQL_INCORRECT_VALUE and "Incorrect string value" in str(args[-1]):
+        return True
+    return unencodable(exc)
+
+
+def ascii_text(text: str) -> str:
+    """``text`` with every character past ASCII written as a backslash escape
+    (``\\u6f22``): what any database encoding can hold, and readable back."""
+    return text.encode("ascii", "backslashreplace").decode("ascii")
 
 
 def not_encodable(what: str, detail: str, kept: str, option: str) -> str:
@@ -133,8 +150,11 @@ def not_encodable(what: str, detail: str, kept: str, option: str) -> str:
 
 __all__ = [
     "MYSQL_CONFLICT_CODES",
+    "MYSQL_INCORRECT_VALUE",
     "PG_CONFLICT_SQLSTATES",
     "UNENCODABLE_SQLSTATES",
+    "ascii_text",
+    "cannot_hold",
     "encoding_problem",
     "failed_as",
     "lost_to_another_transaction",

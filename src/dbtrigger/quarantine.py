@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -50,10 +51,9 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import mysql
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from dbtrigger._driver_errors import not_encodable, short_error, unencodable
+from dbtrigger._driver_errors import ascii_text, cannot_hold, not_encodable, short_error
 from dbtrigger._engine import LazyEngine, TableOnce, parse_database_url
 from dbtrigger._files import locked_lines, write_synced
 from dbtrigger._lock_wait import (
@@ -63,6 +63,7 @@ from dbtrigger._lock_wait import (
     gave_up_waiting,
     lock_timed_out,
 )
+from dbtrigger._quarantine_table import quarantine_table
 from dbtrigger.cursor import Position, canonical_json, encode_value, encoded_pk
 from dbtrigger.errors import (
     ConfigurationError,
@@ -73,10 +74,11 @@ from dbtrigger.errors import (
     SerializationError,
 )
 from dbtrigger.events import RowChange
-from dbtrigger.names import validate_sql_identifier
 from dbtrigger.redaction import redact
 from dbtrigger.settings import references_setting
 from dbtrigger.state.document import format_time, parse_time, position_to_json
+
+log = logging.getLogger("dbtrigger")
 
 # --- row encoding ---------------------------------------------------------------
 
@@ -232,37 +234,6 @@ def put_records(sink: QuarantineSink, records: Sequence[QuarantineRecord]) -> No
 # --- SQL table ------------------------------------------------------------------
 
 
-#: JSON text columns. MySQL/MariaDB ``TEXT`` stops at 64 KB, and poison rows are
-#: often the big ones: a row that cannot be recorded can never be set aside.
-_JSON_TEXT = sa.Text().with_variant(mysql.LONGTEXT(), "mysql", "mariadb")
-
-
-def quarantine_table(
-    name: str = "dbtrigger_quarantine",
-    schema: str | None = None,
-    metadata: sa.MetaData | None = None,
-) -> sa.Table:
-    """The quarantine table's definition; primary key (poller, event_id)."""
-    return sa.Table(
-        validate_sql_identifier(name, "quarantine table"),
-        metadata or sa.MetaData(),
-        sa.Column("poller", sa.String(128), primary_key=True),
-        sa.Column("event_id", sa.String(64), primary_key=True),
-        sa.Column("source", sa.String(255), nullable=False),
-        sa.Column("pk_json", _JSON_TEXT, nullable=False),
-        sa.Column("cursor_json", _JSON_TEXT, nullable=False),
-        sa.Column("row_json", _JSON_TEXT, nullable=True),
-        sa.Column("error", sa.Text, nullable=False),
-        sa.Column("attempts", sa.Integer, nullable=False),
-        sa.Column("checkpoint_json", _JSON_TEXT, nullable=False),
-        sa.Column("batch_id", sa.String(128), nullable=False),
-        sa.Column("fencing_token", sa.BigInteger, nullable=False),
-        sa.Column("owner_id", sa.String(255), nullable=False),
-        sa.Column("quarantined_at", sa.DateTime, nullable=False),  # UTC, naive
-        schema=validate_sql_identifier(schema, "schema") if schema else None,
-    )
-
-
 def _short(exc: BaseException) -> str:
     """:func:`short_error`, masked before it is cut (a secret at the cut is masked whole)."""
     return redact(short_error(exc, limit=None))[:300]
@@ -331,20 +302,23 @@ class SqlQuarantineSink:
             self._creation.ensure()
 
     @staticmethod
-    def _row(record: QuarantineRecord) -> dict[str, Any]:
+    def _row(record: QuarantineRecord, *, escaped: bool = False) -> dict[str, Any]:
+        """The table row; ``escaped``: its text past ASCII as backslash escapes (the
+        JSON columns are ASCII already)."""
+        text = ascii_text if escaped else str
         return {
             "poller": record.poller,
             "event_id": record.event_id,
-            "source": record.source[:255],
+            "source": text(record.source)[:255],
             "pk_json": canonical_json(dict(record.pk)),
             "cursor_json": canonical_json(record.cursor),
             "row_json": canonical_json(dict(record.row)) if record.row is not None else None,
-            "error": record.error,
+            "error": text(record.error),
             "attempts": record.attempts,
             "checkpoint_json": canonical_json(dict(record.checkpoint)),
-            "batch_id": record.batch_id[:128],
+            "batch_id": text(record.batch_id)[:128],
             "fencing_token": record.fencing_token,
-            "owner_id": record.owner_id[:255],
+            "owner_id": text(record.owner_id)[:255],
             "quarantined_at": record.quarantined_at.astimezone(dt.timezone.utc).replace(
                 tzinfo=None
             ),
@@ -376,36 +350,55 @@ class SqlQuarantineSink:
     def put(self, records: Sequence[QuarantineRecord]) -> None:
         if not records:
             return
+        rows = [self._row(r) for r in records]
         try:
-            self._ensure_table()
-            with bounded_transaction(self._engine, self.lock_timeout) as conn:
-                self._insert_ignoring_duplicates(conn, [self._row(r) for r in records])
+            self._insert(rows)
         except (SQLAlchemyError, UnicodeEncodeError) as exc:
-            if unencodable(exc):  # a LATIN1 database: every retry is refused the same
-                words = not_encodable(
-                    "these rows", _short(exc), "the quarantine", "SqlQuarantineSink(url=...)"
-                )
-                raise QuarantineError(
-                    f"could not write {len(records)} row(s) to quarantine {self.describe()}: "
-                    + words
-                ) from exc
-            if lock_timed_out(exc):
-                text, _ = gave_up_waiting(
-                    self._engine,
-                    self.table.name,
-                    self.table.schema,
-                    self.lock_timeout,
-                    exc,
-                    "nothing was written. End the transaction left open there",
-                )
-                raise QuarantineError(
-                    f"could not write {len(records)} row(s) to quarantine {self.describe()}: "
-                    + text
-                ) from exc
-            raise QuarantineError(
-                f"could not write {len(records)} row(s) to quarantine {self.describe()}: "
-                f"{_short(exc)}"
-            ) from exc
+            if not cannot_hold(exc):
+                raise self._failed(len(records), exc) from exc
+            # A LATIN1 database or column: every retry would be refused the same (a
+            # stall), so the characters it cannot hold are written as escapes, said.
+            escaped = [self._row(r, escaped=True) for r in records]
+            try:
+                self._insert(escaped)
+            except (SQLAlchemyError, UnicodeEncodeError) as again:
+                raise self._failed(len(records), again) from again
+            changed = sorted(
+                {k for a, b in zip(rows, escaped, strict=True) for k in a if a[k] != b[k]}
+            )
+            log.warning(
+                "%d dead letter(s) written to %s with the characters its encoding cannot "
+                "hold (in %s) as backslash escapes (\\uXXXX): keep the quarantine in a UTF8 "
+                "database (or utf8mb4 table) to store them as they are",
+                len(records),
+                self.describe(),
+                ", ".join(changed),
+                extra={"event": "dead_letter_escaped", "sink": self.describe(), "fields": changed},
+            )
+
+    def _insert(self, rows: list[dict[str, Any]]) -> None:
+        self._ensure_table()
+        with bounded_transaction(self._engine, self.lock_timeout) as conn:
+            self._insert_ignoring_duplicates(conn, rows)
+
+    def _failed(self, count: int, exc: BaseException) -> QuarantineError:
+        """The typed error for a failed ``put`` (raise it from ``exc``)."""
+        what = f"could not write {count} row(s) to quarantine {self.describe()}: "
+        if cannot_hold(exc):
+            return QuarantineError(
+                what + not_encodable("these rows", _short(exc), "the quarantine", "url=")
+            )
+        if lock_timed_out(exc):
+            text, _ = gave_up_waiting(
+                self._engine,
+                self.table.name,
+                self.table.schema,
+                self.lock_timeout,
+                exc,
+                "nothing was written. End the transaction left open there",
+            )
+            return QuarantineError(what + text)
+        return QuarantineError(what + _short(exc))
 
     def records(self, poller: str | None = None) -> list[QuarantineRecord]:
         """Read quarantined rows back (oldest first), e.g. to replay them."""

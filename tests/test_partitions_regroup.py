@@ -547,3 +547,59 @@ def test_a_regroup_deletes_only_its_own_retired_partitions(
     regroup.apply(orders, 8, actor="t", reason="r", wait_seconds=5, now=lambda: later)
     assert retired <= set(store.list_keys())
     assert all("pay" not in pid for pid in orders.group_state(lag=False).retired)
+
+
+@pytest.mark.parametrize("count", [8, 2], ids=["split", "merge"])
+def test_a_regroup_keeps_a_failing_batchs_attempts(
+    sqlite_db: TestDatabase, tmp_path: Path, count: int
+) -> None:
+    """A partition's failing batch counts its attempts in its state document. A
+    regroup wrote the new partitions without that count: a poison row had
+    max_attempts deliveries again after every regroup before it was set aside
+    (with regroups often enough, never)."""
+    from dbtrigger.errors import DbTriggerError  # noqa: PLC0415
+    from dbtrigger.quarantine import JsonLinesQuarantineSink  # noqa: PLC0415
+    from tests.test_partitions_poller import Clock  # noqa: PLC0415
+
+    make_table(sqlite_db, 80)
+    first = sorted(i for i in range(1, 81) if bucket_of([i]) // 64 == 0)
+    poison = first[2]
+    clock = Clock()
+    sink = JsonLinesQuarantineSink(tmp_path / "dead.jsonl")
+    member = PartitionedPoller(
+        name="orders",
+        source=source(sqlite_db),
+        checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+        partitions=4,
+        join_window_seconds=0,
+        background=False,
+        quarantine=sink,
+        max_attempts=3,
+        monotonic=clock,
+    )
+    _MADE.append(member)
+    attempts: list[int] = []
+
+    def handle(events: list[RowChange], ctx: Any) -> None:
+        for event in events:
+            if int(event.pk["id"]) == poison:
+                attempts.append(ctx.attempt)
+                raise RuntimeError("poison")
+
+    def tick() -> None:
+        clock.now += 3600  # past the failing partition's backoff
+        with contextlib.suppress(DbTriggerError):
+            member.tick(handle)
+
+    while len(attempts) < 2:
+        tick()
+    assert attempts == [1, 2]
+    regroup.apply(member, count, actor="t", reason="r", wait_seconds=5)
+    member.balance()
+    for _ in range(20):
+        if sink.records():
+            break
+        tick()
+    assert [r.pk for r in sink.records()] == [{"id": poison}]
+    assert attempts[2] == 3, f"the regroup started the attempts over: {attempts}"
+    assert attempts == sorted(attempts)

@@ -8,6 +8,16 @@ parents', with floors), but a checkpoint is not all a partition has settled:
   dead-lettered: never to be delivered again), and the retries themselves with
   their attempts and backoff. Each entry goes to the child whose buckets hold
   its key, so a regroup delivers none of them again and no retry starts over;
+* its **failing batch's record** (``failure``): the attempts of the batch that
+  keeps failing at its checkpoint. Every child that starts where that batch
+  starts goes on counting (which of them holds the failing row is not known;
+  one whose batch passes drops the record at its commit), so a poison row is
+  set aside after ``max_attempts`` deliveries in all, not ``max_attempts`` more
+  after every regroup (with regroups often enough, never); its rows already
+  processed are skipped there as before. The failing batch's id and extent
+  (its last row, count and digest) are the parent batch's, not the child's,
+  and are left out: the child's next failure records its own, which
+  ``skip-batch`` then checks;
 * its **fan-out set** (:mod:`dbtrigger.state.fanout_set`): the subscribers it
   last ran with, so a subscriber added after the regroup is said to start at
   the checkpoints (``subscriber_joined``) as it is without one;
@@ -23,13 +33,15 @@ reads and writes them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from dbtrigger.cursor import Position
 from dbtrigger.errors import DbTriggerError
 from dbtrigger.partitions.buckets import bucket_of
 from dbtrigger.partitions.layout import Partition
 from dbtrigger.state import fanout_set
-from dbtrigger.state.document import StateDocument
+from dbtrigger.state.document import FailureRecord, StateDocument
+from dbtrigger.state.lease import MAX_DONE_IDS, failure_at
 from dbtrigger.state.window import Window
 
 
@@ -46,6 +58,32 @@ def subscribers(parents: Sequence[StateDocument]) -> tuple[str, ...] | None:
     if not sets:
         return None
     return tuple(sorted(set(sets[0]).intersection(*sets[1:])))
+
+
+def failure(start: Position | None, parents: Sequence[StateDocument]) -> FailureRecord | None:
+    """The record of a batch failing at ``start`` (None: the beginning), where the
+    child's first batch starts, from the parents failing there (the most attempts
+    when several are); None when none is."""
+    at = start if start is not None else Position()
+    records = [
+        record
+        for d in parents
+        if d.position == at and (record := failure_at(d, d.position)) is not None
+    ]
+    if not records:
+        return None
+    most = max(records, key=lambda r: r.attempts)
+    done = tuple(dict.fromkeys(i for r in records for i in r.done))
+    return replace(
+        most,
+        batch_id=None,  # the child's batch is other rows: it is named anew
+        from_position=at,
+        done=done[:MAX_DONE_IDS],
+        done_total=max(len(done), sum(r.done_total for r in records)),
+        batch_end=None,
+        batch_rows=None,
+        batch_digest=None,
+    )
 
 
 def window(

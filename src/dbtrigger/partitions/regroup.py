@@ -328,6 +328,7 @@ def _write_child(
             checkpoint=checkpoint,
             lease=lease,
             window=held,
+            failure=inherit.failure(start, parents_read),
         )
         fresh = fanout_set.recording(fresh, inherit.subscribers(parents_read))
         data = docmod.dumps(fresh.with_journal_entry(entry))

@@ -21,10 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from dbtrigger import FileCheckpointStore, PollTrigger, RowChange
+from dbtrigger import FileCheckpointStore, JsonLinesQuarantineSink, PollTrigger, RowChange, renamed
 from dbtrigger.cli import main
-from dbtrigger.errors import CorruptStateError
+from dbtrigger.errors import ConfigurationError, CorruptStateError
 from dbtrigger.partitions import PartitionedPoller, regroup
+from dbtrigger.runtime.subscriber_options import validate_subscribers
 from dbtrigger.state import fanout_set
 from dbtrigger.state.document import StateDocument
 from tests.databases import TestDatabase
@@ -175,7 +176,7 @@ def test_a_removed_or_renamed_subscriber_is_said_and_leaves_nothing_recorded(
     run(billing=billing, index=index)  # search renamed to index
     (left,) = said(caplog, LEFT)
     (joined,) = said(caplog, JOINED)
-    assert left.levelno == logging.INFO
+    assert left.levelno == logging.WARNING  # (another joined: perhaps a rename)
     assert "subscriber(s) search left" in left.getMessage()
     for record in (left, joined):
         assert "if this is a rename" in record.getMessage()
@@ -238,3 +239,97 @@ def test_a_subscriber_added_to_a_partitioned_poller_is_said_once_for_the_group(
     assert message.startswith("poller items: subscriber(s) search joined")
     assert "the rows up to each partition's checkpoint" in message
     assert joined.commands[0].startswith("dbtrigger backfill items-search-backfill ")  # type: ignore[attr-defined]
+
+
+def _renaming_run(
+    sqlite_db: TestDatabase, state: FileCheckpointStore, sink: object, clock: Clock, **subs: object
+) -> PollTrigger:
+    trigger = make_trigger(
+        items_source(sqlite_db),
+        state,
+        subscribers=subs,
+        clock=clock,
+        quarantine=sink,
+        retry_delay_seconds=1,
+    )
+    for _ in range(5):  # (not drain: a retry not due yet is left waiting)
+        if trigger.tick_result().outcome == "idle":
+            break
+    return trigger
+
+
+def test_a_declared_rename_takes_over_what_the_old_name_owed(
+    sqlite_db: TestDatabase, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``renamed(handler, formerly="search")``: the event search still owed
+    (waiting for its retry) goes to index, with search's attempt count; nothing
+    is dead-lettered, nothing said joined or left, billing is not handed it again."""
+    table = items_table(sqlite_db)
+    add_items(sqlite_db, table, [1, 2])
+    state = FileCheckpointStore(tmp_path / "state")
+    sink = JsonLinesQuarantineSink(tmp_path / "dead.jsonl")
+    billing, search, index = Sub("billing"), Sub("search", {2: ["retry"]}), Sub("index")
+    caplog.set_level(logging.INFO, logger="dbtrigger")
+    clock = Clock()
+    _renaming_run(sqlite_db, state, sink, clock, billing=billing, search=search)
+    assert search.seen == [1, 2]
+    (waiting,) = read_doc(state).window.pending
+    assert waiting.owed == {"search": 1}
+
+    add_items(sqlite_db, table, [3])
+    clock.advance(60)  # search's retry of 2 is due
+    trigger = _renaming_run(
+        sqlite_db, state, sink, clock, billing=billing, index=renamed(index, formerly="search")
+    )
+    assert sorted(index.seen) == [2, 3]
+    assert search.attempts[2] == [1]
+    assert index.attempts[2] == [2]  # search's delivery counts: the rename is one subscriber
+    assert billing.seen == [1, 2, 3]
+    assert sink.records() == []
+    assert not said(caplog, JOINED)
+    assert not said(caplog, LEFT)
+    (told,) = said(caplog, "subscriber_renamed")
+    assert "subscriber search is now index" in told.getMessage()
+    doc = read_doc(state)
+    assert doc.extra["subscribers"] == ["billing", "index"]
+    assert doc.window is None or not doc.window.pending
+    assert trigger.drain() == 0  # nothing left for anyone
+
+
+def test_an_undeclared_rename_is_a_warning_naming_the_way_to_declare_it(
+    sqlite_db: TestDatabase, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without ``renamed()``, a subscriber leaving while another joins may be a
+    rename: what the old name owed is dead-lettered (a sink) in its name, never
+    handed to the new one. That is said at WARNING, with the way to declare the
+    rename and the replay for what was dead-lettered."""
+    table = items_table(sqlite_db)
+    add_items(sqlite_db, table, [1, 2])
+    state = FileCheckpointStore(tmp_path / "state")
+    sink = JsonLinesQuarantineSink(tmp_path / "dead.jsonl")
+    billing, search, index = Sub("billing"), Sub("search", {2: ["retry"]}), Sub("index")
+    caplog.set_level(logging.INFO, logger="dbtrigger")
+    clock = Clock()
+    _renaming_run(sqlite_db, state, sink, clock, billing=billing, search=search)
+    clock.advance(60)
+    _renaming_run(sqlite_db, state, sink, clock, billing=billing, index=index)
+    (left,) = said(caplog, LEFT)
+    assert left.levelno == logging.WARNING
+    for record in (left, *said(caplog, JOINED)):
+        assert "dbtrigger.renamed(handler, formerly='OLD')" in record.getMessage()
+        assert "dead-letter replay --subscriber NEW" in record.getMessage()
+    assert index.seen == []
+    (record,) = sink.records()
+    assert record.pk == {"id": 2}
+    assert "search: unsubscribed" in record.error
+
+
+def test_renamed_is_checked() -> None:
+    with pytest.raises(ConfigurationError, match="is a subscriber too"):
+        validate_subscribers({"a": Sub("a"), "b": renamed(Sub("b"), formerly="a")})
+    with pytest.raises(ConfigurationError, match="both say they were 'x'"):
+        validate_subscribers(
+            {"a": renamed(Sub("a"), formerly="x"), "b": renamed(Sub("b"), formerly=["x"])}
+        )
+    with pytest.raises(ConfigurationError, match="former name"):
+        renamed(Sub("a"), formerly=[])

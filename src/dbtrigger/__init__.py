@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from dbtrigger.runtime.poller import PollTrigger, TickResult
     from dbtrigger.runtime.retry import RetryPolicy
     from dbtrigger.runtime.runner import Runner
+    from dbtrigger.runtime.subscriber_options import renamed
     from dbtrigger.sources.sqlalchemy import SqlAlchemySource
     from dbtrigger.state.stores import (
         BlobCheckpointStore,
@@ -73,6 +74,7 @@ _NAMES = {
     "TickResult": "dbtrigger.runtime.poller",
     "RetryPolicy": "dbtrigger.runtime.retry",
     "Runner": "dbtrigger.runtime.runner",
+    "renamed": "dbtrigger.runtime.subscriber_options",
     "BatchContext": "dbtrigger.runtime.context",
     "QueueTrigger": "dbtrigger.queue",
     "ClaimSource": "dbtrigger.queue",
@@ -167,4 +169,5 @@ __all__ = [
     "TableCheckpointStore",
     "TickResult",
     "check_health",
+    "renamed",
 ]

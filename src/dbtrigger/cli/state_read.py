@@ -37,6 +37,7 @@ from dbtrigger.partitions.layout import Membership
 from dbtrigger.partitions.member import membership_key
 from dbtrigger.partitions.source import PartitionSource
 from dbtrigger.runtime.poller import PollTrigger
+from dbtrigger.runtime.subscriber_options import renames_of
 from dbtrigger.runtime.trigger import gone_holder
 from dbtrigger.sources.base import ChecksItself, accepted_fingerprints, source_definition
 from dbtrigger.sources.lag import COLUMN
@@ -325,7 +326,8 @@ def _subscribers(doc: docmod.StateDocument, source: LoadedSource | None) -> dict
     out: dict[str, Any] = {"last_run": list(last)}
     names = getattr(source.trigger, "subscribers", None) if source is not None else None
     if names is not None:
-        joining, leaving = fanout_set.change(last, names)
+        renames = renames_of(names)  # declared renamed(formerly=): neither joins nor leaves
+        joining, leaving = fanout_set.change([renames.get(n, n) for n in last], names)
         out |= {"trigger": sorted(names), "joining": list(joining), "leaving": list(leaving)}
     return out
 

@@ -87,7 +87,9 @@ class HeldReport:
                     "checkpoint held: %d event(s) are owed only to subscriber(s) %s, which "
                     "poller %s no longer has, and there is no dead-letter sink to write them "
                     "to: they are not delivered and the checkpoint cannot pass them (new rows "
-                    "stop at the window's 75%% mark). Add %s back to subscribers=, or pass "
+                    "stop at the window's 75%% mark). Add %s back to subscribers= (renamed: "
+                    "declare it, subscribers={'NEW': dbtrigger.renamed(handler, formerly="
+                    "'OLD')}, and the new name takes them over), or pass "
                     "quarantine=... (they are then dead-lettered as 'unsubscribed before "
                     "resolving it'), or move the checkpoint past them by hand (data loss, "
                     "journaled): %s, then dbtrigger reset",

@@ -15,7 +15,11 @@ tick that sees a different one, the poller says what it means and what to do:
   it still owed are dead-lettered with a sink, or hold the checkpoint
   (``checkpoint_held`` says so);
 * both at once may be a rename, which to dbtrigger is one subscriber leaving
-  and another joining: both messages say so.
+  and another joining: both say so at WARNING, with the way to declare it
+  (``renamed(handler, formerly=OLD)``);
+* ``subscriber_renamed`` (INFO) - a rename declared that way: what the old
+  name owed moved to the new one (:meth:`SetReport.renaming`, before the
+  lease is taken, so the tick's first commit stores it).
 
 A partition of a :class:`~dbtrigger.partitions.PartitionedPoller` (its source
 a ``PartitionSource``) has a document of its own, but the change is the
@@ -32,6 +36,7 @@ from dataclasses import KW_ONLY, dataclass, field
 from dbtrigger._paste import pasteable
 from dbtrigger.names import import_path_of
 from dbtrigger.runtime.kernel import Handler
+from dbtrigger.runtime.subscriber_options import Renamed, renames_of
 from dbtrigger.runtime.telemetry import Telemetry
 from dbtrigger.state import fanout_set
 from dbtrigger.state.document import StateDocument
@@ -53,6 +58,38 @@ class SetReport:
     source: object = None
     #: The last (recorded, configured) pair looked at: said once.
     _seen: tuple[tuple[str, ...] | None, tuple[str, ...]] | None = field(default=None, init=False)
+    #: The renames said (old, new, events moved): said once each.
+    _renamed: set[tuple[str, str, int]] = field(default_factory=set, init=False)
+
+    def renaming(self, doc: StateDocument | None) -> StateDocument | None:
+        """``doc`` with the subscribers declared ``renamed(..., formerly=)`` under
+        their new names (:func:`~dbtrigger.state.fanout_set.renaming`); said once."""
+        renames = renames_of(self.subscribers)
+        before = fanout_set.recorded(doc)
+        out, moved = fanout_set.renaming(doc, renames)
+        for old, new in renames.items():
+            if old not in moved and old not in (before or ()):
+                continue
+            key = (old, new, moved.get(old, 0))
+            if key in self._renamed:
+                continue
+            self._renamed.add(key)
+            self.telemetry.emit(
+                "subscriber_renamed",
+                "poller %s: subscriber %s is now %s (renamed(formerly=%r)): the %d waiting "
+                "event(s) %s owed are owed to %s, with their attempts; nothing to backfill",
+                self.poller,
+                old,
+                new,
+                old,
+                moved.get(old, 0),
+                old,
+                new,
+                subscriber=new,
+                formerly=old,
+                events=moved.get(old, 0),
+            )
+        return out
 
     def __call__(self, doc: StateDocument | None) -> None:
         now = tuple(sorted(self.subscribers))
@@ -70,7 +107,11 @@ class SetReport:
         poller = group or self.poller
         renamed = (
             "; if this is a rename: to dbtrigger a rename is one subscriber leaving and "
-            "another joining, and the new name is not handed what the old one owed"
+            "another joining, and the new name is not handed what the old one owed "
+            "unless the rename is declared: subscribers={'NEW': "
+            "dbtrigger.renamed(handler, formerly='OLD')} takes over what OLD still owes "
+            "(with a sink, what it owed is dead-lettered at the next tick: replay it with "
+            "dbtrigger dead-letter replay --subscriber NEW)"
             if joined and left
             else ""
         )
@@ -107,7 +148,7 @@ class SetReport:
             )
         if left:
             self.telemetry.emit(
-                "subscriber_left",
+                "subscriber_left_joined" if joined else "subscriber_left",
                 "poller %s: subscriber(s) %s left (the poller last ran with %s): nothing more is "
                 "handed to them; events they still owe are dead-lettered with a sink, "
                 "otherwise they hold the checkpoint (checkpoint_held)%s",
@@ -132,6 +173,7 @@ class SetReport:
         target = self.cli_target()
         trigger = target.split("--source ", 1)[1] if "--source " in target else "MODULE:ATTR"
         fn = self.subscribers[name]
+        fn = fn.handler if isinstance(fn, Renamed) else fn
         module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
         handler = import_path_of(fn) or (
             f"{module}:{qualname}" if module and qualname and "<" not in qualname else None

@@ -5,7 +5,10 @@
 every name safe (it is a metric label and a key in the state document) and
 distinct, every handler callable. :class:`SubscriberCall` is what a fan-out
 tick passes where a single-handler tick passes its handler
-(:func:`handler_for` chooses a poller's).
+(:func:`handler_for` chooses a poller's). :func:`renamed` declares a
+subscriber's former name: it takes over what the old name still owed
+(:func:`dbtrigger.state.fanout_set.renaming`) instead of the old name leaving
+and a new one joining.
 """
 
 from __future__ import annotations
@@ -39,6 +42,52 @@ class SubscriberCall:
 
     def __call__(self, *args: Any) -> None:
         raise ConfigurationError("the fan-out marker was called as a handler; this is a bug")
+
+
+@dataclass(frozen=True)
+class Renamed:
+    """A subscriber declared with its former names (:func:`renamed`); called, it
+    calls ``handler`` (whose signature it shows)."""
+
+    handler: Handler
+    formerly: tuple[str, ...]
+
+    def __call__(self, *args: Any) -> Any:
+        return self.handler(*args)
+
+    @property
+    def __wrapped__(self) -> Handler:  # inspect.signature reads the handler's
+        return self.handler
+
+
+def renamed(handler: Handler, *, formerly: str | Iterable[str]) -> Renamed:
+    """``handler`` as the subscriber that used to be called ``formerly``.
+
+    ``subscribers={"index": renamed(handle_index, formerly="search")}``: the
+    events the state document still owes ``search`` (waiting for its retry)
+    are owed to ``index`` from the first tick on, with their attempt counts,
+    and the recorded fan-out set names ``index`` - no ``subscriber_joined`` /
+    ``subscriber_left``, no backfill to run. Without it a rename is one
+    subscriber leaving (what it owed is dead-lettered with a sink, or holds
+    the checkpoint) and another joining at the checkpoint. Harmless to keep
+    once every instance runs with it; remove it when convenient.
+    """
+    names = (formerly,) if isinstance(formerly, str) else tuple(formerly)
+    if not names:
+        raise ConfigurationError("renamed(..., formerly=) needs the subscriber's former name")
+    for name in names:
+        validate_name(name, "former subscriber name")
+    return Renamed(handler, names)
+
+
+def renames_of(subscribers: Mapping[str, Handler] | None) -> dict[str, str]:
+    """Former name -> current name, for the subscribers declared with :func:`renamed`."""
+    return {
+        old: name
+        for name, fn in (subscribers or {}).items()
+        if isinstance(fn, Renamed)
+        for old in fn.formerly
+    }
 
 
 def check_fan_out(
@@ -156,4 +205,18 @@ def validate_subscribers(raw: object) -> dict[str, Handler]:
             )
         folded[name.lower()] = name
         out[name] = fn
+    formerly: dict[str, str] = {}
+    for name, fn in out.items():
+        for old in fn.formerly if isinstance(fn, Renamed) else ():
+            if old in out:
+                raise ConfigurationError(
+                    f"subscriber {name!r} is renamed(formerly={old!r}), but {old!r} is a "
+                    "subscriber too: drop one of them (a rename cannot keep the old name)"
+                )
+            if old in formerly:
+                raise ConfigurationError(
+                    f"subscribers {formerly[old]!r} and {name!r} both say they were {old!r}: "
+                    "what it owed can go to one of them only"
+                )
+            formerly[old] = name
     return out

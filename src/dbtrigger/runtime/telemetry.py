@@ -247,6 +247,9 @@ EVENTS: dict[str, EventSpec] = {
     # Fan-out: the subscribers differ from the set the state document recorded.
     "subscriber_joined": EventSpec(W),
     "subscriber_left": EventSpec(INFO),
+    # Left while another joined: perhaps an undeclared rename, whose owed events go.
+    "subscriber_left_joined": EventSpec(W, log_as="subscriber_left"),
+    "subscriber_renamed": EventSpec(INFO),
     "checkpoint_released": EventSpec(INFO),
     "window_changed": EventSpec(
         None, (Gauge("window_events", "events"), Gauge("window_bytes", "bytes"))

@@ -69,6 +69,7 @@ from dbtrigger.sources.base import (
     MeasuresLag,
 )
 from dbtrigger.state import lease as leasemod
+from dbtrigger.state.document import StateDocument
 from dbtrigger.state.window import Window
 
 __all__ = ["TickDriver", "TickResult", "TickSettings", "wants_context"]
@@ -161,11 +162,7 @@ class TickDriver(BatchSequence):
         self.reader.visibility = None
         self.committed = (0, 0)
         self.emit("tick_start", "tick start")
-        try:
-            doc, etag = self.reader.read()
-        except DbTriggerError as exc:
-            self.emit("state_read_failed", "state read failed: %s", exc)
-            raise
+        doc, etag = self._read_state()
 
         decision = leasemod.decide_acquire(
             doc,
@@ -283,6 +280,18 @@ class TickDriver(BatchSequence):
                 self.writer.release(session)
 
     # --- the I/O steps ----------------------------------------------------------------
+
+    def _read_state(self) -> tuple[StateDocument | None, str | None]:
+        """The state document and its etag, with the subscribers declared
+        ``renamed(formerly=)`` under their new names (committed with the first write)."""
+        try:
+            doc, etag = self.reader.read()
+        except DbTriggerError as exc:
+            self.emit("state_read_failed", "state read failed: %s", exc)
+            raise
+        if self.set_report is not None:
+            doc = self.set_report.renaming(doc)
+        return doc, etag
 
     def acknowledge(self, position: Position) -> None:
         """Tell a source that holds data until it is checkpointed that ``position`` is durable.

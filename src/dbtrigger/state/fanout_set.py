@@ -17,11 +17,17 @@ document codec keeps as they are: a dbtrigger that does not know it writes
 it back unchanged, a single-handler poller leaves it (its run does not
 change what the last fan-out ran with), and it is replaced, never appended
 to, so a removed subscriber leaves nothing behind in it.
+
+A subscriber declared with its former name
+(:func:`dbtrigger.runtime.subscriber_options.renamed`) is a rename, not a
+leave and a join: :func:`renaming` moves what the document owes the old name
+(its waiting events' ``owed`` entries, with their counts) and its place in
+the recorded set to the new name, before anything else reads the document.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -76,4 +82,40 @@ def change(
     )
 
 
-__all__ = ["FIELD", "change", "recorded", "recording"]
+def renaming(
+    doc: StateDocument | None, renames: Mapping[str, str]
+) -> tuple[StateDocument | None, dict[str, int]]:
+    """``doc`` with each former name of ``renames`` (old -> new) replaced by the
+    new one - in the recorded set and in every waiting event's ``owed`` (the
+    counts kept; an event owed to both keeps the larger) - and, per former
+    name, how many waiting events moved. ``doc`` itself when nothing changes.
+    Pure: the tick commits the result with its first write.
+    """
+    if doc is None or not renames:
+        return doc, {}
+    moved: dict[str, int] = {}
+    window = doc.window
+    if window is not None and any(set(p.owed or ()) & renames.keys() for p in window.pending):
+        pending = []
+        for entry in window.pending:
+            if entry.owed is None or not set(entry.owed) & renames.keys():
+                pending.append(entry)
+                continue
+            owed: dict[str, int] = {}
+            for name, count in entry.owed.items():
+                new = renames.get(name, name)
+                if new != name:
+                    moved[name] = moved.get(name, 0) + 1
+                owed[new] = max(count, owed.get(new, count))
+            pending.append(replace(entry, owed=owed))
+        window = replace(window, pending=tuple(pending))
+    before = recorded(doc)
+    extra = doc.extra
+    if before is not None and set(before) & renames.keys():
+        extra = {**extra, FIELD: sorted({renames.get(name, name) for name in before})}
+    if window is doc.window and extra is doc.extra:
+        return doc, moved
+    return replace(doc, window=window, extra=extra), moved
+
+
+__all__ = ["FIELD", "change", "recorded", "recording", "renaming"]

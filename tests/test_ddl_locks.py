@@ -26,7 +26,7 @@ import sqlalchemy as sa
 from dbtrigger.cdc import binlog_control as control
 from dbtrigger.cdc.binlog_setup import connect
 from dbtrigger.changelog import operations as changelog_operations
-from dbtrigger.changelog import source as changelog_source
+from dbtrigger.changelog import registration
 from dbtrigger.changelog.readers import readers_table_name, registered
 from dbtrigger.changelog.source import ChangeLogSource
 from dbtrigger.cli.main import main as cli_main
@@ -309,7 +309,7 @@ def test_changelog_reader_registry_behind_a_row_lock_gives_up(
     """A change log's reader records its position at its checkpoints: behind another
     transaction holding its registry row that write waited for ever on PostgreSQL
     (50 s on MariaDB), in the tick. Now it gives up after its bound and says so."""
-    monkeypatch.setattr(changelog_source, "REGISTER_LOCK_TIMEOUT", 1.0, raising=False)
+    monkeypatch.setattr(registration, "LOCK_TIMEOUT", 1.0)
     db.execute(f"CREATE TABLE {db.qualified('orders')} (id INTEGER PRIMARY KEY, v INTEGER)")
     changelog_operations.install(db.engine, "orders", schema=db.schema)
     source = ChangeLogSource(url=db.url, table="orders", schema=db.schema)
@@ -320,8 +320,9 @@ def test_changelog_reader_registry_behind_a_row_lock_gives_up(
         held = row_locked(db, registry, "seen_at = seen_at WHERE reader = 'p'")
         with caplog.at_level(logging.WARNING, logger="dbtrigger.changelog"):
             assert outcome(held, lambda: source._register(2, first=True)) is None  # no raise
-        [warning] = [r for r in caplog.records if r.levelno >= logging.WARNING]
-        assert warning.__dict__["event"] == "changelog_reader_unregistered"
+        events = [r.__dict__.get("event") for r in caplog.records if r.levelno >= logging.WARNING]
+        assert events == ["changelog_reader_waiting", "changelog_reader_unregistered"], events
+        warning = caplog.records[-1]
         message = warning.getMessage()
         assert "waited 1 s for a lock another transaction holds on the table" in message, message
         assert "UPDATE" not in message, message  # no SQL text

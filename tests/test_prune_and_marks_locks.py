@@ -26,8 +26,7 @@ import pytest
 
 from dbtrigger import PollTrigger
 from dbtrigger.changelog import operations as changelog_operations
-from dbtrigger.changelog import pruning
-from dbtrigger.changelog import source as changelog_source
+from dbtrigger.changelog import pruning, registration
 from dbtrigger.changelog.ddl import log_table_name
 from dbtrigger.changelog.readers import readers_table_name
 from dbtrigger.changelog.snapshot import snapshot
@@ -97,7 +96,7 @@ def test_a_prune_after_a_commit_behind_held_log_rows_gives_up_and_the_tick_retur
     transaction holding the passed rows its tick returns after the bound, with a
     warning; once that transaction ended, the next tick prunes."""
     monkeypatch.setattr(pruning, "PRUNE_LOCK_TIMEOUT", 1.0)
-    monkeypatch.setattr(changelog_source, "REGISTER_LOCK_TIMEOUT", 1.0)  # SQLite: one lock
+    monkeypatch.setattr(registration, "LOCK_TIMEOUT", 1.0)  # SQLite: one lock
     orders_with_log(db, 5)
     log = db.qualified(log_table_name("orders"))
     store = FileCheckpointStore(tmp_path / "state")

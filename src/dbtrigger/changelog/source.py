@@ -27,23 +27,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 
 from dbtrigger import options as opt
 from dbtrigger._engine import create_engine, parse_database_url
-from dbtrigger._lock_wait import bounded_transaction
 from dbtrigger.changelog.ddl import LOG_COLUMNS, log_table_name
 from dbtrigger.changelog.drift import Drift, find_drift, install_command, resync_command
 from dbtrigger.changelog.events import log_events
 from dbtrigger.changelog.operations import log_table
 from dbtrigger.changelog.pruning import ChangeLogPruner
-from dbtrigger.changelog.readers import (
-    has_registry,
-    not_recorded,
-    record,
-    registered,
-    say_forgotten,
-)
+from dbtrigger.changelog.registration import Registration
 from dbtrigger.changelog.renumbered import refuse_renumbered
 from dbtrigger.cursor import Position
 from dbtrigger.errors import (
@@ -159,10 +152,8 @@ class ChangeLogSource:
         self._engine = engine
         self._engine_kwargs = engine_kwargs
         self._visibility = visibility
-        #: The poller this source serves (``bind_poller``): its name in the readers' registry.
-        self._reader: str | None = None
-        self._registered: int | None = None
-        self._registered_at = 0.0
+        #: The poller this source serves (``bind_poller``), as a reader in the registry.
+        self._registration = Registration(self._table, self._schema)
         #: The last fetch came back short: caught up, so a position is recorded at once.
         self._caught_up = True
         self._inner_source: SqlAlchemySource | None = None
@@ -320,7 +311,7 @@ class ChangeLogSource:
             raise self._explained(exc) from exc
         self._caught_up = len(fetched) < limit
         rows = _truncate_alone(fetched)
-        if self._registered is None and self._reader is not None:
+        if self._registration.recorded is None and self._registration.reader is not None:
             # The first fetch starts from the checkpoint just loaded: durable.
             self._register(_seq(after), first=True)
         unkeyed = _unkeyed(rows, self.pk_columns)
@@ -405,7 +396,7 @@ class ChangeLogSource:
         """The runtime's word that this poller's checkpoint is durable up to ``position``:
         the moment to record it in the readers' registry, and to prune what every
         reader passed, when due (``prune_passed_by``)."""
-        if self._reader is not None:
+        if self._registration.reader is not None:
             self._register(_seq(position))
         if self.pruner is not None and self.pruner.due():
             self.prune_passed()
@@ -414,84 +405,13 @@ class ChangeLogSource:
         """The poller this source serves: it registers under this name as a reader of the
         log (:mod:`dbtrigger.changelog.readers`), so that no prune takes its unread rows."""
         del metrics
-        self._reader = name
+        self._registration.reader = name
 
     def _register(self, seq: int, *, first: bool = False) -> None:
-        """Record this reader's durable position.
-
-        When it moved: at once when caught up, at most every
-        :data:`REGISTER_BACKLOG_SECONDS` while a backlog drains (a recorded position
-        may lag, which only keeps rows longer; one write per batch cost SQLite a
-        synced commit each). When it did not: every :data:`REGISTER_EVERY_SECONDS`
-        (``seen_at``). Never raises: a failure is logged at WARNING
-        (``changelog_reader_unregistered``), and the next acknowledgement tries again.
-        """
-        reader = self._reader
-        since = time.monotonic() - self._registered_at
-        if reader is None or (seq == self._registered and since < REGISTER_EVERY_SECONDS):
-            return
-        if (
-            not first
-            and self._registered is not None
-            and not self._caught_up
-            and since < REGISTER_BACKLOG_SECONDS
-        ):
-            return
-        try:  # bounded: behind a row lock held elsewhere it waited for ever on PostgreSQL
-            with bounded_transaction(self.engine, REGISTER_LOCK_TIMEOUT) as conn:
-                if not has_registry(conn, self._table, self._schema):
-                    if self._registered is None:
-                        log.warning(
-                            "the change log of %s has no reader registry (installed by an older "
-                            "dbtrigger): a prune by age cannot see that poller %s has not read "
-                            "every row. Upgrade it in place: `%s`",
-                            self._table,
-                            reader,
-                            install_command(self._table, self._schema),
-                            extra={"event": "changelog_reader_unregistered", "poller": reader},
-                        )
-                    self._registered = -1
-                    return
-                if first:
-                    self._tell_lost(conn, reader, seq)
-                inserted = record(conn, self._table, self._schema, reader, seq)
-                if inserted and self._registered is not None and self._registered >= 0:
-                    say_forgotten(reader, self._table, seq)
-        except IntegrityError:
-            return  # another instance of this poller registered it a moment ago: next time
-        except (SQLAlchemyError, DbTriggerError) as exc:
-            why = not_recorded(self.engine, self._table, self._schema, REGISTER_LOCK_TIMEOUT, exc)
-            log.warning(
-                "could not record poller %s's position in the change log's reader registry of "
-                "%s (tried again at the next checkpoint): %s",
-                reader,
-                self._table,
-                why,
-                extra={"event": "changelog_reader_unregistered", "poller": reader},
-            )
-            return
-        self._registered = seq
-        self._registered_at = time.monotonic()
-
-    def _tell_lost(self, conn: Any, reader: str, seq: int) -> None:
-        """Log, once per start, the rows an operator pruned before this reader read them."""
-        mine = [r for r in registered(conn, self._table, self._schema) or () if r.name == reader]
-        if mine and mine[0].lost_seq is not None and mine[0].lost_seq > seq:
-            log.warning(
-                "change log rows of %s after sequence %s up to %s were pruned before poller %s "
-                "read them (`changelog prune --drop-unread-of %s`): the changes they held were "
-                "not delivered; resync what this poller feeds (docs/changes.md, Pruning)",
-                self._table,
-                seq,
-                mine[0].lost_seq,
-                reader,
-                reader,
-                extra={
-                    "event": "changelog_rows_lost",
-                    "poller": reader,
-                    "through": mine[0].lost_seq,
-                },
-            )
+        """Record this reader's durable position when due; never raises, never waits in
+        silence (:mod:`dbtrigger.changelog.registration`)."""
+        if self._registration.due(seq, first=first, caught_up=self._caught_up):
+            self._registration.write(self.engine, seq, first=first)
 
     def prune_passed(self) -> int:
         """Delete log rows every ``prune_passed_by`` poller has committed past; how many."""
@@ -563,13 +483,6 @@ def _truncate_alone(rows: Sequence[Mapping[str, Any]]) -> Sequence[Mapping[str, 
         return Rows(columns, tuples[: max(at, 1)], plain=bool(getattr(rows, "plain", False)))
     at = next((i for i, r in enumerate(rows) if r.get("dbt_op") == "truncate"), None)
     return rows if at is None else list(rows)[: max(at, 1)]
-
-
-#: How often an idle reader refreshes its registry entry (``seen_at``).
-REGISTER_EVERY_SECONDS = 300.0
-#: How often a reader draining a backlog records its position.
-REGISTER_BACKLOG_SECONDS = 2.0
-REGISTER_LOCK_TIMEOUT = 10.0  # how long recording it waits for another transaction's lock
 
 
 def _seq(position: Position) -> int:

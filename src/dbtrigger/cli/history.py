@@ -31,7 +31,7 @@ from dbtrigger.cli.common import (
     state_store,
     text_table,
 )
-from dbtrigger.errors import CorruptStateError
+from dbtrigger.errors import ConfigurationError, CorruptStateError
 from dbtrigger.history import view
 from dbtrigger.history.derive import history_for
 from dbtrigger.history.records import detail_lines, waiting_of
@@ -228,10 +228,13 @@ def _since(text: str) -> dt.datetime:
     return value
 
 
-def resume_command(args: argparse.Namespace, records: list[dict[str, Any]]) -> str:
-    """What replaces an unreadable state document without delivering a row twice: a
-    ``reset --to-cursor`` after the last position the history recorded (a commit's
-    ``to``, an operator's ``after``), or ``--to-beginning`` when it recorded none."""
+def resume_command(
+    args: argparse.Namespace, records: list[dict[str, Any]], *, missing: bool = False
+) -> str:
+    """What replaces an unreadable state document (``missing``: writes a deleted one
+    again) without delivering a row twice: a ``reset --to-cursor`` after the last
+    position the history recorded (a commit's ``to``, an operator's ``after``), or
+    ``--to-beginning`` when it recorded none."""
     spec = getattr(args, "source", None) or "MODULE:ATTR"
     last = next(
         (r.get("to") or r.get("after") for r in reversed(records) if r.get("to") or r.get("after")),
@@ -244,13 +247,24 @@ def resume_command(args: argparse.Namespace, records: list[dict[str, Any]]) -> s
         keys = " ".join(f"--pk {shlex.quote(f'{k}={v}')}" for k, v in tiebreaker.items())
         where = f"--to-cursor {shlex.quote(str(last.get('value')))} {keys}".rstrip()
         said = f"after {show_position(last)}, the last position recorded"
+    then = (
+        "--reason 'state document lost'"
+        if missing
+        else "--force --reason 'state document unreadable'"
+    )
     command = pasteable(
         f"dbtrigger reset {shlex.quote(args.poller)} {where} --source {shlex.quote(spec)} "
-        "--force --reason 'state document unreadable' --yes"
+        f"{then} --yes"
+    )
+    state = (
+        "MISSING (deleted or lost: the poller's next tick starts over from the beginning, "
+        "delivering every row again; stop the workers before writing it again)"
+        if missing
+        else "UNREADABLE (nothing was changed; see dbtrigger status)"
     )
     return (
-        "state        UNREADABLE (nothing was changed; see dbtrigger status): the records "
-        f"above are what the history holds\nresume       {said}:\n  {command}"
+        f"state        {state}: the records above are what the history holds\n"
+        f"resume       {said}:\n  {command}"
     )
 
 
@@ -258,11 +272,18 @@ def cmd_history(args: argparse.Namespace) -> int:
     console = Console()
     unreadable: CorruptStateError | None = None
     with state_store(args) as store:
+        history = history_of(args, store)
+        missing = False
         try:
             doc: StateDocument | None = read_state(store, args.poller)[0]
         except CorruptStateError as exc:  # the history is what tells where it stood
             doc, unreadable = None, exc
-        history = history_of(args, store)
+        except ConfigurationError:  # no document: deleted or lost, if the history has records
+            if store.read(args.poller) is not None or history is None:
+                raise
+            if not history.tail(args.poller, 1):
+                raise
+            doc, missing = None, True
         earlier = 0
         if args.batch or args.all or args.since:
             records = view.load(history, args.poller, doc)
@@ -306,8 +327,8 @@ def cmd_history(args: argparse.Namespace) -> int:
             console.print(f"({count} earlier record(s): --all, --since T)")
         console.print(f"kept in {where}")
     if doc is None or unreadable is not None:
-        console.print(resume_command(args, records))
-        console.warn(f"error: {unreadable}")
+        console.print(resume_command(args, records, missing=missing))
+        console.warn(f"error: {unreadable or f'poller {args.poller!r} has no state document'}")
         return 2
     console.print(f"waiting now: {waiting_text(waiting_of(doc.window))}")
     return 0

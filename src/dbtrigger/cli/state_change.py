@@ -395,7 +395,10 @@ def cmd_reset(args: argparse.Namespace) -> int:
             typed_by.validate(position)  # a value its column cannot hold is refused now
         return ops.reset(doc, position=position, **accepted, **who)
 
-    return _apply_change(args, "reset", decide)
+    from dbtrigger.cli.recreate import recreate_lost  # noqa: PLC0415 - it imports this module
+
+    lost = recreate_lost(args, lambda: getattr(args, "replacement", None), decide)
+    return lost if lost is not None else _apply_change(args, "reset", decide)
 
 
 def cmd_release(args: argparse.Namespace) -> int:

@@ -220,9 +220,69 @@ def _refuse_if_recorded(trigger: Any, spec: str) -> None:
         f"poller {trigger.name!r} has no state document, but its history holds records "
         f"(the last, #{last[-1].get('seq')}, at {last[-1].get('at')}): the document was "
         f"deleted or lost, and start_from={spec} would start it after rows it has not "
-        "delivered. Restore the document from a backup and start again; or remove "
-        "start_from= to deliver every row again; or, to start at start_from anyway, "
-        "delete the poller's history first (docs/history.md, 'Where a new poller starts')"
+        "delivered. Restore the document from a backup and start again, or write it again "
+        "at the last position the history recorded: "
+        f"{recreate_command(trigger.name, last, trigger.operator_spec() or 'MODULE:ATTR')}; "
+        "or remove start_from= to deliver every row again; or, to start at start_from "
+        "anyway, delete the poller's history first (docs/history.md, 'Where a new poller "
+        "starts')"
+    )
+
+
+def warn_if_recorded(trigger: Any) -> None:
+    """Say at WARNING, before its first batch, that a poller without a state document
+    whose history holds records is not new: its document was deleted or lost, and it
+    starts over from the beginning (every row again: at least once, said), with the
+    command that writes the document again at the history's last position instead.
+
+    Returns None: the reader asks once a process.
+    """
+    history = getattr(trigger, "history", None)
+    try:
+        last = history.tail(trigger.name, 20) if history is not None else []
+    except StoreError:  # the history cannot say now: the poller starts as a new one
+        return
+    if not last:
+        return
+    spec = trigger.operator_spec() or "MODULE:ATTR"
+    record = last[-1]
+    trigger.telemetry.emit(
+        "state_missing",
+        "%s: the poller has no state document, but its history holds records (the last, "
+        "#%s, %s at %s): the document was deleted or lost. The poller starts over from "
+        "the beginning and delivers every row again (none is lost). To go on from the "
+        "position the history recorded last instead, stop the workers and write the "
+        "document again: %s (or put a backup back: dbtrigger reset %s --from-file FILE "
+        "--source %s --reason TEXT --yes); dbtrigger history %s --source %s shows the records",
+        trigger.name,
+        record.get("seq"),
+        record.get("operation") or record.get("type"),
+        record.get("at"),
+        recreate_command(trigger.name, last, spec),
+        trigger.name,
+        spec,
+        trigger.name,
+        spec,
+        seq=record.get("seq"),
+    )
+
+
+def last_recorded_position(records: Sequence[Mapping[str, Any]]) -> Any:
+    """The last position ``records`` hold (a commit's ``to``, an operator's ``after``;
+    None: none, the beginning)."""
+    return next(
+        (r.get("to") or r.get("after") for r in reversed(records) if r.get("to") or r.get("after")),
+        None,
+    )
+
+
+def recreate_command(poller: str, records: Sequence[Mapping[str, Any]], spec: str) -> str:
+    """The ``dbtrigger reset`` that writes ``poller``'s document again at the last
+    position ``records`` hold (it reads the source definition from ``spec``)."""
+    where = last_recorded_position(records)
+    return _reset_command(poller, where).replace(
+        " --reason TEXT",
+        f" --source {shlex.quote(spec)} --reason 'state document lost' --yes",
     )
 
 
@@ -449,10 +509,13 @@ __all__ = [
     "bookmark_position",
     "bookmarks_of",
     "check_start",
+    "last_recorded_position",
     "plan_rewind",
+    "recreate_command",
     "resolve",
     "spec_of",
     "update_with_retry",
+    "warn_if_recorded",
     "with_bookmark",
     "without_bookmark",
 ]

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from dbtrigger import options as opt
-from dbtrigger.history.positions import StartFrom
+from dbtrigger.history.positions import StartFrom, warn_if_recorded
 from dbtrigger.history.store import HistoryStore
 from dbtrigger.history.wiring import recorder_for
 from dbtrigger.metrics import MetricsCollector, SafeMetrics
@@ -286,6 +286,7 @@ class PollTrigger(ClosesOnExit):
         #: ``start_from``, applied before this process's first tick.
         self.history, self._driver.writer.history = recorder_for(history, self)
         self._start = StartFrom.of(start_from, source, partitioned=partitions is not None)
+        reader.missing = lambda: warn_if_recorded(self)  # a deleted document, said
         #: Deprecated ``partitions=``: the PartitionedPoller every tick is delegated to.
         self.partitioned: Any = None
         if partitions is not None:

@@ -64,8 +64,7 @@ DEFAULT_BOUND = windowmod.Bound()
 
 @dataclass(frozen=True, kw_only=True)
 class TickSettings(WriterSettings):
-    """The trigger's configuration, as the driver needs it (the state writer
-    takes it as its :class:`~dbtrigger.runtime.writes.WriterSettings`)."""
+    """The trigger's configuration for the driver (and its state writer's settings)."""
 
     batch_size: int
     max_batches_per_tick: int
@@ -175,6 +174,7 @@ class BatchReader:
         self.bulk: BulkReads | None = None
         self._reads_ahead: bool | None = None
         self._had_document = False  # read one before: a missing one now vanished
+        self.missing: Callable[[], None] | None = None  # else: none at the first read
 
     def definition(self) -> dict[str, Any] | None:
         """The source's readable definition (kept in the document), computed once."""
@@ -204,6 +204,8 @@ class BatchReader:
         if stored is None:
             if self._had_document:
                 self.emit("state_vanished", STATE_VANISHED, self.name)
+            elif self.missing is not None:  # once: is a poller with a history new?
+                self.missing = self.missing()
             return None, None
         self._had_document = True
         doc = load_state(self.store, self.name, stored, self.cli_source())

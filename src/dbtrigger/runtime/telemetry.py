@@ -114,6 +114,7 @@ EVENTS: dict[str, EventSpec] = {
     ),
     "state_read_failed": EventSpec(E),
     "state_vanished": EventSpec(E),
+    "state_missing": EventSpec(W),
     "start_from_unchecked": EventSpec(W),
     "clock_skew_suspected": EventSpec(W),
     "lease_busy": EventSpec(

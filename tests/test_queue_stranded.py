@@ -106,3 +106,32 @@ def test_a_row_made_ready_while_it_runs_is_delivered_again_with_its_new_values(
             (1, "v2", "done"),
             (2, "job 2", "done"),
         }
+
+
+def test_a_handler_writing_its_result_on_its_row_keeps_it_done_and_runs_it_once(
+    db: TestDatabase,
+) -> None:
+    """By design (docs/queues.md, 'Running a row again'): an UPDATE of a claimed
+    row's own columns alone is not new work, so a handler's own write of its
+    result stays on the row, marked done, and the row is not delivered again."""
+    make_jobs(db, 1)
+    source = ClaimSource(url=db.url, table="jobs", schema=db.schema, pk_columns=["id"])
+    queue = QueueTrigger(name="jobs", source=source)
+    seen: list[int] = []
+
+    def handle(events: list[RowChange]) -> None:
+        for e in events:
+            seen.append(int(e.pk["id"]))
+            db.execute(
+                f"UPDATE {db.qualified('jobs')} SET payload = 'sent' WHERE id = :id",
+                {"id": e.pk["id"]},
+            )
+
+    try:
+        assert queue.drain(handle) == 1
+        assert queue.drain(handle) == 0
+    finally:
+        queue.close()
+        source.close()
+    assert seen == [1]
+    assert {(r["payload"], r["dbt_status"]) for r in rows(db).values()} == {("sent", "done")}

@@ -8,6 +8,7 @@ evidence unless ``--delete``.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import threading
 import types
@@ -374,3 +375,144 @@ def test_two_replays_at_once_hand_a_dead_letter_over_once(
     assert sorted(handed) == sorted(
         {e.event_id for e, _ in app.handler.seen if e.pk["id"] in (3, 7)}
     )
+
+
+@dataclass
+class Retrying(Handler):
+    """Also asks for a retry of the ids in ``retry``."""
+
+    retry: set[int] = field(default_factory=set)
+
+    def __call__(self, events: list[RowChange], ctx: BatchContext) -> None:
+        super().__call__(events, ctx)
+        for event in events:
+            if int(event.pk["id"]) in self.retry:
+                ctx.retry(event, "index busy")
+
+
+@pytest.mark.parametrize("kind", ["file", "sqlite"])
+def test_a_fan_out_dead_letter_names_its_subscribers_and_a_replay_settles_only_theirs(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    kind: str,
+) -> None:
+    """Billing rejects 3 and 4; search asked for a retry of 3 and took 4. Both
+    dead letters name who did not take them, as a field of the record. A replay
+    to search hands it 3 only (it took 4: no second copy), and 3 stays dead for
+    billing, whose share a replay to search must not settle; a replay to billing
+    then hands it both."""
+    billing = Handler(reject={3, 4})
+    search = Retrying(retry={3})
+    sink: QuarantineSink = (
+        JsonLinesQuarantineSink(tmp_path / "dead.jsonl")
+        if kind == "file"
+        else SqlQuarantineSink(url=f"sqlite:///{tmp_path / 'dead.db'}")
+    )
+    trigger = PollTrigger(
+        name="orders",
+        source=MemorySource(
+            [{"id": i, "seq": i, "v": f"row {i}"} for i in range(1, 6)],
+            cursor_column="seq",
+            pk_columns=["id"],
+        ),
+        checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+        quarantine=sink,
+        subscribers={"billing": billing, "search": search},
+    )
+    module = f"dead_fan_{uuid.uuid4().hex[:8]}"
+    mod = types.ModuleType(module)
+    mod.trigger = trigger  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module, mod)
+    monkeypatch.chdir(tmp_path)
+    trigger.tick()
+    records = {int(r.pk["id"]): r for r in sink.records("orders")}  # type: ignore[attr-defined]
+    assert sorted(records) == [3, 4]
+    assert records[3].subscribers == {
+        "billing": "downstream refused it",
+        "search": "index busy",
+    }
+    assert records[4].subscribers == {"billing": "downstream refused it"}
+
+    def cli(*argv: str) -> tuple[int, str]:
+        capsys.readouterr()
+        code = main(["dead-letter", argv[0], "orders", "--trigger", f"{module}:trigger", *argv[1:]])
+        return code, capsys.readouterr().out
+
+    def listed(*argv: str) -> list[int]:
+        return sorted(int(x["pk"]["id"]) for x in json.loads(cli("list", "--json", *argv)[1]))
+
+    assert listed("--subscriber", "search") == [3]
+    assert listed("--subscriber", "billing") == [3, 4]
+    billing.seen.clear()
+    search.seen.clear()
+    search.retry.clear()
+    code, out = cli("replay", "--subscriber", "search", "--reason", "index fixed", "--yes")
+    assert code == 0, out
+    assert [int(e.pk["id"]) for e, _ in search.seen] == [3]  # not 4: it took 4
+    assert billing.seen == []
+    assert listed() == [3, 4]  # 3 still waits for billing
+    assert listed("--subscriber", "search") == []
+    code, out = cli("list")
+    assert "SUBSCRIBERS" in out.splitlines()[0]
+    assert [line.split()[5] for line in out.splitlines()[1:]] == ["billing", "billing"]
+    billing.reject.clear()
+    code, out = cli("replay", "--subscriber", "billing", "--reason", "billing fixed", "--yes")
+    assert code == 0, out
+    assert sorted(int(e.pk["id"]) for e, _ in billing.seen) == [3, 4]
+    assert listed() == []
+    assert [int(e.pk["id"]) for e, _ in search.seen] == [3]
+
+
+def test_dead_letters_written_before_the_subscribers_field_still_read(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A JSON line without ``subscribers`` and a SQL table without its column: the
+    records read back (their subscribers from the error text, given the names);
+    a sink that may create tables adds the column, one that may not says so."""
+    from dbtrigger import replay  # noqa: PLC0415
+    from dbtrigger.quarantine import QuarantineRecord  # noqa: PLC0415
+
+    old = {
+        "poller": "orders",
+        "event_id": "e" * 16,
+        "source": "s",
+        "pk": {"id": 3},
+        "cursor": 3,
+        "row": {"id": 3},
+        "error": "EventRejected: billing: refused; search: busy",
+        "attempts": 1,
+        "checkpoint": {},
+        "batch_id": "b",
+        "fencing_token": 1,
+        "owner_id": "o",
+        "quarantined_at": "2026-11-27T10:00:00Z",
+    }
+    path = tmp_path / "dead.jsonl"
+    path.write_text(json.dumps(old) + "\n", encoding="utf-8")
+    file_sink = JsonLinesQuarantineSink(path)
+    (record,) = file_sink.records()
+    assert record.subscribers is None
+    (letter,) = replay.dead_letters.dead_letters(file_sink, "orders", known=["billing", "search"])
+    assert letter.owed == ("billing", "search")
+    url = f"sqlite:///{tmp_path / 'dead.db'}"
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:  # the table as dbtrigger created it before the column
+        columns = ", ".join(
+            f"{c.name} TEXT" for c in SqlQuarantineSink(url=url, create_table=False).table.c
+        ).replace(", subscribers_json TEXT", "")
+        conn.exec_driver_sql(f"CREATE TABLE dbtrigger_quarantine ({columns})")
+    engine.dispose()
+    fixed = QuarantineRecord.from_json({**old, "subscribers": {"billing": "refused"}})
+    caplog.set_level(logging.WARNING, logger="dbtrigger")
+    kept = SqlQuarantineSink(url=url, create_table=False)
+    kept.put([fixed])
+    assert [r.subscribers for r in kept.records()] == [None]
+    assert "ALTER TABLE dbtrigger_quarantine ADD COLUMN subscribers_json" in caplog.text
+    added = SqlQuarantineSink(url=url)
+    added.put(
+        [QuarantineRecord.from_json({**old, "event_id": "f" * 16, "subscribers": {"a": "x"}})]
+    )
+    assert [r.subscribers for r in added.records()] == [None, {"a": "x"}]
+    kept.close()
+    added.close()

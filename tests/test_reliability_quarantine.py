@@ -14,6 +14,7 @@ import sqlalchemy as sa
 
 from dbtrigger import HandlerError, InMemoryCheckpointStore, RowChange
 from dbtrigger.errors import PartialBatchError, QuarantineError
+from dbtrigger.isolation import isolate
 from dbtrigger.metrics import InMemoryMetrics
 from dbtrigger.quarantine import (
     JsonLinesQuarantineSink,
@@ -21,7 +22,6 @@ from dbtrigger.quarantine import (
     QuarantineSink,
     SqlQuarantineSink,
     encode_json_value,
-    isolate,
 )
 from dbtrigger.runtime.context import BatchContext
 from dbtrigger.state import document as docmod

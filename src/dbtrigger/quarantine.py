@@ -45,8 +45,8 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -63,13 +63,12 @@ from dbtrigger._lock_wait import (
     gave_up_waiting,
     lock_timed_out,
 )
-from dbtrigger._quarantine_table import quarantine_table
-from dbtrigger.cursor import Position, canonical_json, encode_value, encoded_pk
+from dbtrigger._once import Once
+from dbtrigger._quarantine_table import SUBSCRIBERS_COLUMN, add_column, quarantine_table
+from dbtrigger.cursor import Position, canonical_json, encode_value
 from dbtrigger.errors import (
     ConfigurationError,
     DbTriggerError,
-    LostLeaseError,
-    PartialBatchError,
     QuarantineError,
     SerializationError,
 )
@@ -126,6 +125,10 @@ class QuarantineRecord:
     fencing_token: int
     owner_id: str
     quarantined_at: dt.datetime
+    #: Fan-out: the subscribers that did not take the event (rejected it, gave up
+    #: on it, still owed it), each with its reason - the ones a replay is for.
+    #: None: a single handler's record, or one written before this field.
+    subscribers: Mapping[str, str] | None = None
 
     @classmethod
     def from_event(
@@ -140,6 +143,7 @@ class QuarantineRecord:
         fencing_token: int,
         owner_id: str,
         now: dt.datetime,
+        subscribers: Mapping[str, str] | None = None,
     ) -> QuarantineRecord:
         return cls(
             poller=poller,
@@ -159,6 +163,7 @@ class QuarantineRecord:
             fencing_token=fencing_token,
             owner_id=owner_id,
             quarantined_at=now,
+            subscribers=dict(subscribers) if subscribers is not None else None,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -176,7 +181,7 @@ class QuarantineRecord:
             "fencing_token": self.fencing_token,
             "owner_id": self.owner_id,
             "quarantined_at": format_time(self.quarantined_at),
-        }
+        } | ({"subscribers": dict(self.subscribers)} if self.subscribers is not None else {})
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> QuarantineRecord:
@@ -194,7 +199,19 @@ class QuarantineRecord:
             fencing_token=int(raw.get("fencing_token", 0)),
             owner_id=str(raw.get("owner_id", "")),
             quarantined_at=parse_time(raw.get("quarantined_at"), "quarantined_at"),
+            subscribers=subscribers_from(raw.get("subscribers")),
         )
+
+
+def subscribers_from(raw: Any) -> dict[str, str] | None:
+    """A record's ``subscribers`` as read (None: absent, an older record)."""
+    if raw is None:
+        return None
+    if isinstance(raw, str):  # the SQL sink's column holds it as JSON text
+        raw = json.loads(raw)
+    if not isinstance(raw, Mapping):
+        raise QuarantineError(f"a dead letter's subscribers must be an object, got {raw!r}")
+    return {str(name): str(why) for name, why in raw.items()}
 
 
 @runtime_checkable
@@ -279,6 +296,9 @@ class SqlQuarantineSink:
         self._creation = (
             TableOnce(self.table, lambda: self._engine, self.lock_timeout) if create_table else None
         )
+        #: Has the table the subscribers column (checked at first use, added if it may)?
+        self._subscribers = True
+        self._columns = Once(self._check_columns)
 
     @property
     def _engine(self) -> sa.Engine:
@@ -300,6 +320,30 @@ class SqlQuarantineSink:
     def _ensure_table(self) -> None:
         if self._creation is not None:
             self._creation.ensure()
+        self._columns.ensure()
+
+    def _check_columns(self) -> None:
+        """A table from before the subscribers column gets it when this sink may
+        create tables; otherwise, or if that is refused, records are written and
+        read without it (a fan-out record then names its subscribers in its error
+        text only), said once at WARNING."""
+        self._subscribers, ddl = add_column(
+            self._engine,
+            self.table,
+            SUBSCRIBERS_COLUMN,
+            self.lock_timeout,
+            may_alter=self._creation is not None,
+        )
+        if not self._subscribers:
+            log.warning(
+                "dead-letter sink %s has no %s column: fan-out dead letters name their "
+                "subscribers in their error text only (dbtrigger dead-letter --subscriber "
+                "reads them from there). Add it: %s",
+                self.describe(),
+                SUBSCRIBERS_COLUMN,
+                redact(ddl),
+                extra={"event": "dead_letter_sink_old_table", "sink": self.describe()},
+            )
 
     @staticmethod
     def _row(record: QuarantineRecord, *, escaped: bool = False) -> dict[str, Any]:
@@ -322,6 +366,9 @@ class SqlQuarantineSink:
             "quarantined_at": record.quarantined_at.astimezone(dt.timezone.utc).replace(
                 tzinfo=None
             ),
+            SUBSCRIBERS_COLUMN: canonical_json(dict(record.subscribers))
+            if record.subscribers is not None
+            else None,
         }
 
     def _insert_ignoring_duplicates(self, conn: sa.Connection, rows: list[dict[str, Any]]) -> None:
@@ -378,6 +425,8 @@ class SqlQuarantineSink:
 
     def _insert(self, rows: list[dict[str, Any]]) -> None:
         self._ensure_table()
+        if not self._subscribers:  # a table from before the column
+            rows = [{k: v for k, v in row.items() if k != SUBSCRIBERS_COLUMN} for row in rows]
         with bounded_transaction(self._engine, self.lock_timeout) as conn:
             self._insert_ignoring_duplicates(conn, rows)
 
@@ -402,13 +451,13 @@ class SqlQuarantineSink:
 
     def records(self, poller: str | None = None) -> list[QuarantineRecord]:
         """Read quarantined rows back (oldest first), e.g. to replay them."""
-        stmt = sa.select(self.table).order_by(
-            self.table.c.quarantined_at, self.table.c.poller, self.table.c.event_id
-        )
-        if poller is not None:
-            stmt = stmt.where(self.table.c.poller == poller)
         try:
             self._ensure_table()
+            t = self.table
+            cols = [c for c in t.c if self._subscribers or c.name != SUBSCRIBERS_COLUMN]
+            stmt = sa.select(*cols).order_by(t.c.quarantined_at, t.c.poller, t.c.event_id)
+            if poller is not None:
+                stmt = stmt.where(t.c.poller == poller)
             with self._engine.connect() as conn:
                 rows = conn.execute(stmt).mappings().all()
         except SQLAlchemyError as exc:
@@ -430,6 +479,7 @@ class SqlQuarantineSink:
                 fencing_token=int(r["fencing_token"]),
                 owner_id=r["owner_id"],
                 quarantined_at=r["quarantined_at"].replace(tzinfo=dt.timezone.utc),
+                subscribers=subscribers_from(r.get(SUBSCRIBERS_COLUMN)),
             )
             for r in rows
         ]
@@ -476,106 +526,3 @@ class JsonLinesQuarantineSink:
         with locked_lines(self.path, append=False) as fh:
             out = [QuarantineRecord.from_json(json.loads(line)) for line in fh if line.strip()]
         return [r for r in out if poller is None or r.poller == poller]
-
-
-# --- isolating the failing rows ---------------------------------------------------
-
-
-def _pk_key(pk: Mapping[str, Any]) -> str:
-    try:
-        return canonical_json(encoded_pk(pk))
-    except SerializationError:
-        return repr(sorted(pk.items()))
-
-
-def match_failed(
-    events: Sequence[RowChange], error: PartialBatchError
-) -> list[tuple[RowChange, BaseException]]:
-    """The events a :class:`PartialBatchError` names, each with its cause.
-
-    Keys are compared through the state document's value encoding, so a key
-    named with an ``int`` matches the event's ``int`` however the driver built
-    it. Named keys that are not in ``events`` are ignored.
-    """
-    wanted: dict[str, BaseException] = {}
-    for index, pk in enumerate(error.failed_pks):
-        wanted.setdefault(_pk_key(pk), error.causes.get(index, error))
-    return [(e, wanted[_pk_key(e.pk)]) for e in events if _pk_key(e.pk) in wanted]
-
-
-@dataclass
-class Isolation:
-    """What bisecting a failing batch found.
-
-    ``ok`` rows passed in some half (they were processed); ``bad`` rows failed
-    alone. ``aborted`` is True when more than the limit of rows failed alone
-    and the search stopped: the failure is treated as an outage.
-    """
-
-    ok: list[RowChange] = field(default_factory=list)
-    bad: list[tuple[RowChange, BaseException]] = field(default_factory=list)
-    calls: int = 0
-    aborted: bool = False
-
-
-class _LimitReached(Exception):
-    pass
-
-
-def isolate(
-    events: Sequence[RowChange],
-    call: Callable[[list[RowChange]], None],
-    *,
-    first_error: BaseException,
-    limit: int,
-    check: Callable[[], None] | None = None,
-) -> Isolation:
-    """Bisect ``events`` (which just failed with ``first_error``) down to the rows
-    that fail alone.
-
-    ``call`` runs the handler on a sub-batch and raises when it fails;
-    ``check`` runs before every call and may raise (the lease was lost) to end
-    the search. A handler that answers a half with
-    :class:`~dbtrigger.errors.PartialBatchError` has named its bad rows, and
-    that half is not split further. Costs about ``2 * bad * log2(len(events))``
-    handler calls.
-    """
-    out = Isolation()
-
-    def add_bad(event: RowChange, exc: BaseException) -> None:
-        out.bad.append((event, exc))
-        if len(out.bad) > limit:
-            raise _LimitReached
-
-    def split(chunk: list[RowChange], error: BaseException) -> None:
-        if len(chunk) == 1:
-            add_bad(chunk[0], error)
-            return
-        mid = len(chunk) // 2
-        for half in (chunk[:mid], chunk[mid:]):
-            if check is not None:
-                check()
-            out.calls += 1
-            try:
-                call(half)
-            except LostLeaseError:
-                raise
-            except PartialBatchError as partial:
-                named = match_failed(half, partial)
-                if not named:
-                    split(half, partial)
-                    continue
-                named_ids = {e.event_id for e, _ in named}
-                out.ok.extend(e for e in half if e.event_id not in named_ids)
-                for event, exc in named:
-                    add_bad(event, exc)
-            except Exception as exc:  # noqa: BLE001 - any handler failure is data here
-                split(half, exc)
-            else:
-                out.ok.extend(half)
-
-    try:
-        split(list(events), first_error)
-    except _LimitReached:
-        out.aborted = True
-    return out

@@ -216,6 +216,15 @@ def _sinked(
     again = args.verb == "replay" and args.again
     pollers = [args.poller] if group is None else _partition_pollers(args, group, sink)
     found: dict[str, list[dl.DeadLetter]] = {}
+    trigger = getattr(target, "trigger", target)
+    known = getattr(trigger, "subscribers", None) or (
+        group.subscribers if group is not None else None
+    )
+    if args.verb == "replay" and args.subscriber and args.subscriber not in (known or {}):
+        raise ConfigurationError(
+            f"{args.poller!r} has no subscriber {args.subscriber!r} to replay to"
+            + (f" (it has {', '.join(known)})" if known else "")
+        )
     for poller in pollers:
         letters = dl.dead_letters(
             sink,
@@ -223,6 +232,8 @@ def _sinked(
             ids=ids,
             since=_since(args),
             include_settled=getattr(args, "all", False) or args.verb == "show" or again,
+            known=list(known or ()),
+            subscriber=getattr(args, "subscriber", None),
         )
         if again and not ids:  # --again brings back the replayed ones, not the discarded
             letters = [letter for letter in letters if letter.state != "discarded"]
@@ -236,10 +247,15 @@ def _sinked(
             console.print(f"no dead letters of {args.poller!r} in {sink.describe()} to show")
         else:
             heading = ["EVENT", "KEY", "DEAD SINCE", "ATTEMPTS", "STATE", "ERROR"]
+            fan = any(letter.owed for letter in letters)  # SUBSCRIBERS: those still to take it
             rows = [
-                ([letter.record.poller] if group is not None else []) + _row(letter)
+                ([letter.record.poller] if group is not None else [])
+                + _row(letter)[:-1]
+                + ([", ".join(letter.waiting_for()) or "-"] if fan else [])
+                + _row(letter)[-1:]
                 for letter in letters
             ]
+            heading = heading[:-1] + (["SUBSCRIBERS"] if fan else []) + heading[-1:]
             console.print(text_table([(["POLLER"] if group is not None else []) + heading, *rows]))
         return 0
     if args.verb == "show":
@@ -279,20 +295,23 @@ def _replay(
     console: Console,
 ) -> int:
     trigger: PollTrigger = loaded.trigger
-    already = [letter for letter in letters if letter.state == dl.SETTLED]
+    sub = args.subscriber
+    already = [
+        letter
+        for letter in letters
+        if (letter.settled_for(sub) if sub else letter.state == dl.SETTLED)
+        and letter.state != "discarded"
+    ]
     if already and not args.again:
         console.print(
             f"{len(already)} of them were replayed already (settled); add --again to replay "
             "them once more"
         )
-        letters = [letter for letter in letters if letter.state != dl.SETTLED]
+        letters = [letter for letter in letters if letter not in already]
         if not letters:
             return 0
-    if args.subscriber:
-        subs = trigger.subscribers or {}
-        if args.subscriber not in subs:
-            raise ConfigurationError(f"{trigger.name!r} has no subscriber {args.subscriber!r}")
-        handler = subs[args.subscriber]
+    if args.subscriber:  # (checked by _sinked: one of its subscribers)
+        handler = (trigger.subscribers or {})[args.subscriber]
     elif loaded.handler is not None:
         handler = loaded.handler
     else:
@@ -315,7 +334,7 @@ def _replay(
     entry: dict[str, Any] | None = None
     try:
         if not args.again:
-            letters = _still_unsettled(sink, args.poller, letters, console)
+            letters = _still_unsettled(sink, args.poller, letters, console, trigger, sub)
             if not letters:
                 return 0
         outcomes = [
@@ -341,8 +360,10 @@ def _replay(
                     actor,
                     args.reason,
                     o.detail,
+                    # Fan-out: this subscriber took (or not) its share; the others' stays.
+                    sub if sub and letter.owed else "",
                 )
-                for o in outcomes
+                for o, letter in zip(outcomes, letters, strict=True)
             ]
         )
         counts = {
@@ -381,23 +402,35 @@ def _replay(
 
 
 def _still_unsettled(
-    sink: Any, poller: str, letters: list[dl.DeadLetter], console: Console
+    sink: Any,
+    poller: str,
+    letters: list[dl.DeadLetter],
+    console: Console,
+    trigger: PollTrigger,
+    subscriber: str | None,
 ) -> list[dl.DeadLetter]:
     """``letters`` as their marks say now (read under the lease): those another
-    replay settled since they were listed are left out, and said so."""
+    replay settled (for ``subscriber``) since they were listed are left out, and
+    said so."""
     fresh = {
         letter.record.event_id: letter
         for letter in dl.dead_letters(
-            sink, poller, ids=[x.record.event_id for x in letters], include_settled=True
+            sink,
+            poller,
+            ids=[x.record.event_id for x in letters],
+            include_settled=True,
+            known=list(trigger.subscribers or ()),
         )
     }
     now = [fresh.get(x.record.event_id, x) for x in letters]
-    settled = [x for x in now if x.state == dl.SETTLED]
+    settled = [
+        x for x in now if (x.settled_for(subscriber) if subscriber else x.state == dl.SETTLED)
+    ]
     if settled:
         console.print(
             f"{len(settled)} of them were settled meanwhile by another replay; left alone"
         )
-    return [x for x in now if x.state != dl.SETTLED]
+    return [x for x in now if x not in settled]
 
 
 def _listed(
@@ -532,6 +565,9 @@ def add_dead_letter_commands(sub: Any) -> None:
     _common(listing)
     listing.add_argument("--all", action="store_true", help="replayed and discarded ones too")
     listing.add_argument("--json", action="store_true", help="print the records as JSON")
+    listing.add_argument(
+        "--subscriber", help="fan-out: only those this subscriber did not take (yet)"
+    )
     show = verbs.add_parser("show", help="records in full, with what was done to them")
     _common(show)
     show.add_argument("--json", action="store_true", help="print the record as JSON")
@@ -542,7 +578,11 @@ def add_dead_letter_commands(sub: Any) -> None:
     replay.add_argument(
         "--handler", metavar="MODULE:FUNCTION", help="another handler than the trigger's"
     )
-    replay.add_argument("--subscriber", help="fan-out: the one subscriber to replay to")
+    replay.add_argument(
+        "--subscriber",
+        help="fan-out: the one subscriber to replay to; only the dead letters it did not "
+        "take, marked for it alone (the others' share stays dead until replayed to them)",
+    )
     replay.add_argument("--again", action="store_true", help="also those replayed already")
     discard = verbs.add_parser("discard", help="let them go: marked, kept (dry run unless --yes)")
     _common(discard)

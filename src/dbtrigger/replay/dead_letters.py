@@ -14,6 +14,13 @@ event: settled), ``replay_rejected`` (it rejected it again), ``replay_failed``
 record's state is its last mark; without one it is ``dead``. Records are
 only deleted when told (``discard --delete``).
 
+A fan-out dead letter names the subscribers that did not take its event
+(the record's ``subscribers``; for a record written before that field, the
+names its error text starts segments with, given the trigger's subscribers).
+A replay to one subscriber marks the letter for that subscriber only
+(``Mark.subscriber``): the letter is settled once every subscriber it names
+took it, so replaying it to one never lets the others' share go unseen.
+
 A replay rebuilds the event from the record - the same event id, key, cursor
 and row image (``op`` is ``upsert``, or ``delete`` when the record holds no
 row, or ``truncate`` when it holds neither a row nor a key value: a change log's
@@ -38,6 +45,7 @@ import sqlalchemy as sa
 from dbtrigger._engine import TableOnce
 from dbtrigger._files import locked_lines, write_synced
 from dbtrigger._lock_wait import bounded_transaction, gave_up_waiting, lock_timed_out
+from dbtrigger._quarantine_table import add_column
 from dbtrigger.cursor import Position, decode_value
 from dbtrigger.errors import ConfigurationError, DbTriggerError, QuarantineError, SerializationError
 from dbtrigger.events import RowChange
@@ -59,6 +67,8 @@ class Mark:
     actor: str
     reason: str
     detail: str = ""
+    #: Fan-out: the subscriber a replay was for ("": the whole letter).
+    subscriber: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "at": format_time(self.at)}
@@ -66,18 +76,55 @@ class Mark:
 
 @dataclass(frozen=True)
 class DeadLetter:
-    """A record and what was done with it (its marks, oldest first)."""
+    """A record and what was done with it (its marks, oldest first); ``owed``:
+    the fan-out subscribers it names (None: a single handler's, or not known)."""
 
     record: QuarantineRecord
     marks: tuple[Mark, ...] = ()
+    owed: tuple[str, ...] | None = None
+
+    def _last(self, subscriber: str) -> str | None:
+        mine = [m.action for m in self.marks if m.subscriber == subscriber]
+        return mine[-1] if mine else None
+
+    def waiting_for(self) -> tuple[str, ...]:
+        """The subscribers it names that have not taken it in a replay yet."""
+        if not self.owed or self._last("") in (SETTLED, "discarded"):
+            return ()
+        return tuple(name for name in self.owed if self._last(name) != SETTLED)
+
+    def settled_for(self, subscriber: str) -> bool:
+        """Nothing more to replay to ``subscriber``: it took it, it is not named, or
+        the whole letter is settled."""
+        if self.owed is None:
+            return self.settled
+        return self.settled or subscriber not in self.waiting_for()
 
     @property
     def state(self) -> str:
+        whole = self._last("")
+        if self.owed and whole not in (SETTLED, "discarded"):
+            waiting = self.waiting_for()
+            if not waiting:
+                return SETTLED
+            later = [m.action for m in self.marks if m.subscriber in waiting]
+            return later[-1] if later else (whole or "dead")
         return self.marks[-1].action if self.marks else "dead"
 
     @property
     def settled(self) -> bool:
         return self.state in (SETTLED, "discarded")
+
+
+def subscribers_of(record: QuarantineRecord, known: Collection[str] = ()) -> tuple[str, ...] | None:
+    """The fan-out subscribers a dead letter names: its ``subscribers`` field, or,
+    for a record from before it, those of ``known`` its error text gives a reason
+    for (``EventRejected: billing: ...; search: ...``). None: neither says."""
+    if record.subscribers is not None:
+        return tuple(sorted(record.subscribers))
+    segments = record.error.partition(": ")[2].split("; ")
+    named = [n for n in known if any(seg.startswith(f"{n}: ") for seg in segments)]
+    return tuple(sorted(named)) or None
 
 
 # --- values -----------------------------------------------------------------------------
@@ -186,9 +233,19 @@ class SqlMarks:
             sa.Column("actor", sa.String(255), nullable=False),
             sa.Column("reason", sa.Text, nullable=False),
             sa.Column("detail", sa.Text, nullable=False),
+            sa.Column("subscriber", sa.String(128), nullable=True),  # added later
             schema=base.schema,
         )
         self._creation = TableOnce(self.table, lambda: self.engine, sink.lock_timeout)
+        #: Has the marks table the subscriber column (it is dbtrigger's: added at first use)?
+        self._subscriber: bool | None = None
+
+    def _has_subscriber(self) -> bool:
+        if self._subscriber is None:
+            self._subscriber, _ = add_column(
+                self.engine, self.table, "subscriber", self.sink.lock_timeout, may_alter=True
+            )
+        return self._subscriber
 
     @property
     def engine(self) -> sa.Engine:
@@ -199,9 +256,10 @@ class SqlMarks:
             with self.engine.connect() as conn:
                 if not sa.inspect(conn).has_table(self.table.name, schema=self.table.schema):
                     return []
-                rows = (
-                    conn.execute(sa.select(self.table).order_by(self.table.c.id)).mappings().all()
-                )
+            t = self.table
+            cols = [c for c in t.c if c.name != "subscriber" or self._has_subscriber()]
+            with self.engine.connect() as conn:
+                rows = conn.execute(sa.select(*cols).order_by(t.c.id)).mappings().all()
         except sa.exc.SQLAlchemyError as exc:
             raise QuarantineError(f"could not read marks of {self.sink.describe()}: {exc}") from exc
         return [
@@ -213,6 +271,7 @@ class SqlMarks:
                 r["actor"],
                 r["reason"],
                 r["detail"],
+                r.get("subscriber") or "",
             )
             for r in rows
         ]
@@ -224,6 +283,8 @@ class SqlMarks:
         ]
         try:
             self._creation.ensure()
+            if not self._has_subscriber():  # refused: the whole letter is marked
+                rows = [{k: v for k, v in r.items() if k != "subscriber"} for r in rows]
             with bounded_transaction(self.engine, self.sink.lock_timeout) as conn:
                 conn.execute(self.table.insert(), rows)
         except sa.exc.SQLAlchemyError as exc:
@@ -274,6 +335,7 @@ def _mark(raw: Mapping[str, Any]) -> Mark:
         str(raw.get("actor", "")),
         str(raw.get("reason", "")),
         str(raw.get("detail", "")),
+        str(raw.get("subscriber") or ""),
     )
 
 
@@ -301,11 +363,15 @@ def dead_letters(
     ids: Sequence[str] = (),
     since: dt.datetime | None = None,
     include_settled: bool = False,
+    known: Collection[str] = (),
+    subscriber: str | None = None,
 ) -> list[DeadLetter]:
     """The poller's records, each with its marks, filtered.
 
     ``ids`` match an event id or its first 8+ characters; ``since`` keeps
-    records dead-lettered at or after it.
+    records dead-lettered at or after it; ``known``: the fan-out trigger's
+    subscribers (to read older records' errors); ``subscriber``: only the
+    letters naming it (and, unless ``include_settled``, not yet replayed to it).
     """
     records = sorted(sink.records(poller), key=_order)
     marks: dict[str, list[Mark]] = {}
@@ -322,8 +388,14 @@ def dead_letters(
             continue
         if since is not None and record.quarantined_at < since:
             continue
-        letter = DeadLetter(record, tuple(marks.get(record.event_id, ())))
-        if letter.settled and not include_settled and not ids:
+        owed = subscribers_of(record, known)
+        letter = DeadLetter(record, tuple(marks.get(record.event_id, ())), owed)
+        if subscriber is not None:
+            if owed is not None and subscriber not in owed:
+                continue  # it took the event: nothing of it is this subscriber's
+            if letter.settled_for(subscriber) and not include_settled and not ids:
+                continue
+        elif letter.settled and not include_settled and not ids:
             continue
         out.append(letter)
     return out
@@ -358,9 +430,8 @@ def blamed(letters: Sequence[DeadLetter], subscribers: Collection[str]) -> dict[
     ...`` or ``RetriesExhausted: search: ...``): which ``--subscriber`` a replay is for."""
     out: dict[str, int] = {}
     for letter in letters:
-        segments = letter.record.error.partition(": ")[2].split("; ")
-        for name in subscribers:
-            if any(segment.startswith(f"{name}: ") for segment in segments):
+        for name in letter.waiting_for() or subscribers_of(letter.record, subscribers) or ():
+            if name in subscribers:
                 out[name] = out.get(name, 0) + 1
     return dict(sorted(out.items()))
 
@@ -445,4 +516,5 @@ __all__ = [
     "marks_for",
     "record_proxy",
     "replay_one",
+    "subscribers_of",
 ]

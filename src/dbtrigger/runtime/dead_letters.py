@@ -66,9 +66,11 @@ class DeadLetters:
         ctx: BatchContext,
         failed: list[tuple[RowChange, BaseException]],
         attempts: Mapping[str, int] | int,
+        subscribers: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
         """Write ``failed`` (event, why) to the sink in one ``put``, then report each;
         nothing without a sink or events, and never once the lease is lost.
+        ``subscribers`` (fan-out): event id -> who did not take it, and why.
 
         Raises:
             LostLeaseError: the lease was lost; nothing may be written.
@@ -87,6 +89,7 @@ class DeadLetters:
             fencing_token=ctx.fencing_token,
             owner_id=self.owner_id,
             now=self.clock(),
+            subscribers=subscribers,
         )
         self.retry.call(
             lambda: put_records(sink, records),
@@ -111,6 +114,7 @@ class DeadLetters:
                 cursor=record.cursor,
                 sink=sink.describe(),
                 attempt=record.attempts,
+                subscribers=sorted(record.subscribers) if record.subscribers else None,
             )
 
 

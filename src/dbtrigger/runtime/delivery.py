@@ -38,7 +38,8 @@ from dbtrigger.errors import (
     QuarantineError,
 )
 from dbtrigger.events import RowChange
-from dbtrigger.quarantine import QuarantineSink, isolate, match_failed
+from dbtrigger.isolation import isolate, match_failed
+from dbtrigger.quarantine import QuarantineSink
 from dbtrigger.runtime import kernel
 from dbtrigger.runtime.batch_outcome import Delivered, Outcome, Undelivered, batch_fields
 from dbtrigger.runtime.context import BatchContext, EventMarks

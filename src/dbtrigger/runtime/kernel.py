@@ -249,12 +249,14 @@ def dead_letter_records(
     fencing_token: int,
     owner_id: str,
     now: dt.datetime,
+    subscribers: Mapping[str, Mapping[str, str]] | None = None,
 ) -> list[QuarantineRecord]:
     """One record per event that goes to the dead-letter (quarantine) sink.
 
     ``attempts`` is an event id -> attempts map, or one number for every
     event; ``checkpoint`` is where the trigger stood (a
-    poller's checkpoint, a queue's claim).
+    poller's checkpoint, a queue's claim); ``subscribers`` (fan-out): event id ->
+    the subscribers that did not take it, each with its reason.
     """
     return [
         QuarantineRecord.from_event(
@@ -267,6 +269,7 @@ def dead_letter_records(
             fencing_token=fencing_token,
             owner_id=owner_id,
             now=now,
+            subscribers=subscribers.get(event.event_id) if subscribers is not None else None,
         )
         for event, error in failed
     ]

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from dbtrigger.errors import LostLeaseError, PartialBatchError
 from dbtrigger.events import RowChange
-from dbtrigger.quarantine import isolate, match_failed
+from dbtrigger.isolation import isolate, match_failed
 from dbtrigger.runtime.context import BatchContext
 from dbtrigger.runtime.telemetry import Telemetry
 from dbtrigger.state import fanout

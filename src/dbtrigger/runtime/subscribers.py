@@ -440,13 +440,13 @@ class FanOut(Delivery):
             attempts[i] = max([n + 1 for n in handed[i].values()] + earlier, default=1)
         if doomed:
             try:
-                self.dead_letters.write(ctx, doomed, attempts)
+                owing = {e.event_id: dict(decisions[e.event_id].reasons) for e, _ in doomed}
+                self.dead_letters.write(ctx, doomed, attempts, owing)
             except QuarantineError as exc:
                 settled = frozenset(done) | {
                     i for i, d in decisions.items() if d.fate is Fate.SETTLED
                 }
                 return Undelivered(exc, settled, exc)
-        del events
         return Delivered(
             rejected={
                 i: d.reason

@@ -45,7 +45,6 @@ from dbtrigger.errors import (
 from dbtrigger.metrics import MetricsCollector, SafeMetrics
 from dbtrigger.names import validate_name
 from dbtrigger.partitions import cadence, layout
-from dbtrigger.partitions import draining as member_drain
 from dbtrigger.partitions.balancing import Balancing, membership_key, partition_poller
 from dbtrigger.partitions.buckets import BUCKETS
 from dbtrigger.partitions.failures import PartitionBackoff
@@ -513,15 +512,22 @@ class PartitionedPoller(Balancing):
     ) -> int:
         """Tick the owned partitions until nothing is left to deliver, waiting for
         held-back rows and due retries as a poller's drain does
-        (:mod:`dbtrigger.runtime.drain`); ``stop`` ends a wait and the drain."""
-        return member_drain.drain(
-            self,
-            self._handler_for(handler),
-            max_ticks=max_ticks,
-            held_wait_seconds=held_wait_seconds,
-            retry_wait_seconds=retry_wait_seconds,
-            stop=stop,
-        )
+        (:mod:`dbtrigger.runtime.drain`); ``stop`` ends a wait and the drain. A
+        partition that moved to another member meanwhile is that member's to
+        deliver. History is flushed on the way out."""
+        try:
+            return draining.drain(
+                self,
+                self._handler_for(handler),
+                max_ticks=max_ticks,
+                progress=None,
+                lease_wait_seconds=None,  # no lease of its own: one per partition
+                held_wait_seconds=held_wait_seconds,
+                retry_wait_seconds=retry_wait_seconds,
+                stop=stop,
+            )
+        finally:
+            self.flush_history()
 
     def rows_behind(self) -> int | None:
         """About how many rows wait in the partitions this member owns (the

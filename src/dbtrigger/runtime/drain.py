@@ -27,8 +27,13 @@ returned on them would tell its caller "drained" with rows still waiting:
 A ``stop`` event ends every wait at once (and the drain after the tick in
 flight): ``dbtrigger backfill``'s Ctrl-C / SIGTERM, a caller's own thread.
 
-:meth:`PollTrigger.drain <dbtrigger.runtime.poller.PollTrigger.drain>` is
-the public face.
+One loop, :func:`tick_until_drained`, drains every trigger; what differs is
+said by its arguments: :meth:`PollTrigger.drain
+<dbtrigger.runtime.poller.PollTrigger.drain>` waits for its lease (a
+:class:`LeaseWait`) and reports progress; a partitioned member's rounds have no
+lease of their own; a queue counts rows claimed as delivered and takes a claim
+that came back short for the end (it has no visibility guard). The faces flush
+their history on the way out.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import datetime as dt
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from dbtrigger.errors import FetchError, HandlerError, LeaseAcquireError
 from dbtrigger.runtime.kernel import Handler
@@ -53,8 +58,88 @@ DEFAULT_RETRY_WAIT_SECONDS = 60.0
 _PAST_DUE_SECONDS = 0.02
 
 
+class DrainTick(Protocol):
+    """What the drain loop reads of a tick's result (a poller's, a member's round,
+    a queue's claims)."""
+
+    @property
+    def rows(self) -> int: ...
+
+    @property
+    def more(self) -> bool: ...
+
+    @property
+    def held_back(self) -> bool: ...
+
+    @property
+    def held_back_seconds(self) -> float: ...
+
+    @property
+    def blocking_pid(self) -> int | None: ...
+
+    @property
+    def waiting_retries(self) -> int: ...
+
+    @property
+    def next_retry_at(self) -> dt.datetime | None: ...
+
+
+R = TypeVar("R", bound=DrainTick)
+
+
+def rows_delivered(result: DrainTick) -> bool:
+    """A poller's tick delivered when it committed rows."""
+    return result.rows > 0
+
+
+def more_or_delivered(result: DrainTick) -> bool:
+    """A poller ticks again at once after rows (only an empty tick says nothing is
+    left) and after a round that says ``more`` (a partition taken over mid-tick)."""
+    return result.more or result.rows > 0
+
+
+def tick_until_drained(
+    tick: Callable[[], R],
+    waits: DrainWait,
+    *,
+    max_ticks: int | None = None,
+    progress: Callable[[int, R], None] | None = None,
+    busy: Callable[[R, int], bool] | None = None,
+    delivered: Callable[[R], bool] = rows_delivered,
+    again: Callable[[R], bool] = more_or_delivered,
+) -> int:
+    """The drain loop of every trigger: ``tick()`` until nothing is left to deliver
+    (or ``max_ticks``, or ``waits.stop``); the rows completed.
+
+    After each tick: ``progress(rows_so_far, result)``; ``busy(result, rows)``
+    True when the tick found the lease held elsewhere and waited for it (a
+    poller's :class:`LeaseWait`); ``delivered(result)`` ends a hold and starts
+    the retry budget again; ``again(result)`` ticks again at once. Otherwise
+    ``waits`` pauses for rows held back or a retry coming due, or the drain is
+    done. A poller reads its ticks with the defaults; a queue passes its own
+    (rows claimed are delivered; a claim that came back short is the end).
+    """
+    total = ticks = 0
+    while (max_ticks is None or ticks < max_ticks) and not waits.stopped:
+        result = tick()
+        ticks += 1
+        total += result.rows
+        if progress is not None:
+            progress(total, result)
+        if busy is not None and busy(result, total):
+            continue
+        if delivered(result):
+            waits.delivered()
+        if again(result):
+            continue
+        if not waits.wait_for_rows(result, total):
+            break
+    return total
+
+
 class Ticks(Protocol):
-    """What a drain asks of the trigger it drives (a :class:`PollTrigger`)."""
+    """What :func:`drain` asks of the trigger it drives (a :class:`PollTrigger`,
+    a partitioned member)."""
 
     name: str
     clock: Callable[[], dt.datetime]
@@ -68,17 +153,15 @@ def drain(
     *,
     max_ticks: int | None,
     progress: Callable[[int, TickResult], None] | None,
-    lease_wait_seconds: float,
+    lease_wait_seconds: float | None,
     held_wait_seconds: float = DEFAULT_HELD_WAIT_SECONDS,
     retry_wait_seconds: float = DEFAULT_RETRY_WAIT_SECONDS,
     stop: threading.Event | None = None,
 ) -> int:
     """Tick ``trigger`` until nothing is left to deliver (or ``max_ticks``, or
     ``stop``); the rows committed. ``progress(rows_so_far, result)`` is called
-    after every tick."""
-    total = 0
-    ticks = 0
-    deadline = time.monotonic() + lease_wait_seconds
+    after every tick. ``lease_wait_seconds`` None: the trigger has no lease of its
+    own to wait for (a member's partitions are leased one by one in its rounds)."""
     waits = DrainWait(
         trigger.name,
         held_seconds=held_wait_seconds,
@@ -86,18 +169,46 @@ def drain(
         clock=trigger.clock,
         stop=stop,
     )
-    while (max_ticks is None or ticks < max_ticks) and not waits.stopped:
-        result = trigger.tick_result(handler)
-        ticks += 1
-        total += result.rows
-        if progress is not None:
-            progress(total, result)
-        if result.outcome in ("lease_busy", "lost_race"):
-            _wait_for_lease(trigger, result, deadline, total, waits)
-            continue
-        if not waits.wait_after(result, total):
-            break
-    return total
+    busy = LeaseWait(trigger, lease_wait_seconds, waits) if lease_wait_seconds is not None else None
+    return tick_until_drained(
+        lambda: trigger.tick_result(handler),
+        waits,
+        max_ticks=max_ticks,
+        progress=progress,
+        busy=busy,
+    )
+
+
+class LeaseWait:
+    """A poller's drain waits for its lease held by another instance: until the
+    holder's lease ends, for at most ``seconds`` in all since the drain began,
+    and otherwise raises :class:`~dbtrigger.errors.LeaseAcquireError` naming it."""
+
+    def __init__(self, trigger: Ticks, seconds: float, waits: DrainWait) -> None:
+        self.trigger = trigger
+        self.waits = waits
+        self.deadline = time.monotonic() + seconds
+
+    def __call__(self, result: TickResult, total: int) -> bool:
+        """True: the tick found the lease held elsewhere and the wait is over."""
+        if result.outcome not in ("lease_busy", "lost_race"):
+            return False
+        name = self.trigger.name
+        now = self.trigger.clock()
+        wait = (result.lease_until - now).total_seconds() if result.lease_until else 0.05
+        wait = max(wait, 0.0) + 0.01
+        if time.monotonic() + wait > self.deadline:
+            holder = result.holder or "another instance"
+            until = f" until {docmod.format_time(result.lease_until)}" if result.lease_until else ""
+            raise LeaseAcquireError(
+                f"drain of poller {name!r} stopped after {total} row(s): the lease is "
+                f"held by {holder}{until}, which is draining it; pass lease_wait_seconds= "
+                "to wait for it",
+                poller=name,
+                holder=result.holder,
+            )
+        self.waits.pause(wait)
+        return True
 
 
 class DrainWait:
@@ -147,14 +258,21 @@ class DrainWait:
         """Sleep ``seconds`` unless stopped first; False when stopped."""
         return not self.stop.wait(max(seconds, 0.0))
 
-    def wait_after(self, result: TickResult, total: int) -> bool:
-        """True: tick again (after the pause, taken here); False: the drain is
-        done, or stopped."""
+    def wait_after(self, result: DrainTick, total: int) -> bool:
+        """One tick read alone, as a poller's drain reads it: True: tick again
+        (after the pause, taken here); False: the drain is done, or stopped."""
         if self.stopped:
             return False
         if result.rows:
             self.delivered()
             return True
+        return self.wait_for_rows(result, total)
+
+    def wait_for_rows(self, result: DrainTick, total: int) -> bool:
+        """A tick that delivered nothing: pause while rows wait for the drain (held
+        back, a retry coming due) and True; False: nothing waits, or stopped."""
+        if self.stopped:
+            return False
         if result.held_back:
             return self._held(result, total)
         self._held_since, self._held_ticks = None, 0
@@ -167,7 +285,7 @@ class DrainWait:
         self._held_since, self._held_ticks = None, 0
         self._delivered_at, self._waited_from = time.monotonic(), None
 
-    def _held(self, result: TickResult, total: int) -> bool:
+    def _held(self, result: DrainTick, total: int) -> bool:
         now = time.monotonic()
         if self._held_since is None:
             self._held_since = now
@@ -244,30 +362,16 @@ def retries_pending(
     )
 
 
-def _wait_for_lease(
-    trigger: Ticks, result: TickResult, deadline: float, total: int, waits: DrainWait
-) -> None:
-    now = trigger.clock()
-    wait = (result.lease_until - now).total_seconds() if result.lease_until else 0.05
-    wait = max(wait, 0.0) + 0.01
-    if time.monotonic() + wait > deadline:
-        holder = result.holder or "another instance"
-        until = f" until {docmod.format_time(result.lease_until)}" if result.lease_until else ""
-        raise LeaseAcquireError(
-            f"drain of poller {trigger.name!r} stopped after {total} row(s): the lease is "
-            f"held by {holder}{until}, which is draining it; pass lease_wait_seconds= "
-            "to wait for it",
-            poller=trigger.name,
-            holder=result.holder,
-        )
-    waits.pause(wait)
-
-
 __all__ = [
     "DEFAULT_HELD_WAIT_SECONDS",
     "DEFAULT_RETRY_WAIT_SECONDS",
+    "DrainTick",
     "DrainWait",
+    "LeaseWait",
     "Ticks",
     "drain",
+    "more_or_delivered",
     "retries_pending",
+    "rows_delivered",
+    "tick_until_drained",
 ]

@@ -106,6 +106,10 @@ class QueueTickResult:
         return 0.0
 
     @property
+    def blocking_pid(self) -> int | None:
+        return None
+
+    @property
     def failing_partitions(self) -> tuple[str, ...]:
         return ()
 

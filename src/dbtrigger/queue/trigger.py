@@ -45,7 +45,7 @@ from dbtrigger.queue.operations import QueueCounts
 from dbtrigger.queue.schema import WORKER_ID_LIMIT
 from dbtrigger.queue.source import ClaimSource
 from dbtrigger.runtime import kernel, let_go
-from dbtrigger.runtime.drain import DEFAULT_RETRY_WAIT_SECONDS, DrainWait
+from dbtrigger.runtime.drain import DEFAULT_RETRY_WAIT_SECONDS, DrainWait, tick_until_drained
 from dbtrigger.runtime.kernel import Handler, KeepAlive, Lanes
 from dbtrigger.runtime.telemetry import Telemetry
 from dbtrigger.runtime.trigger import (
@@ -327,22 +327,14 @@ class QueueTrigger(ClosesOnExit):
             stop=stop,
             where="they stay ready in the table, claimable when due",
         )
-        total = ticks = 0
-        while (max_ticks is None or ticks < max_ticks) and not waits.stopped:
-            result = self.tick_result(handler, should_stop=waits.stop.is_set)
-            ticks += 1
-            total += result.rows
-            if result.claimed:
-                waits.delivered()
-            if result.more:
-                continue
-            waiting, due_in = self._retries_waiting()
-            if not waiting:
-                break
-            due = utc_now() + dt.timedelta(seconds=due_in or 0.0)
-            if not waits.wait_for_retry(waiting, due, total):
-                break
-        return total
+        self._count_retries = True  # every tick that leaves nothing claimable counts them
+        return tick_until_drained(
+            lambda: self.tick_result(handler, should_stop=waits.stop.is_set),
+            waits,
+            max_ticks=max_ticks,
+            delivered=lambda result: result.claimed > 0,
+            again=lambda result: result.more,
+        )
 
     def _retries_waiting(self) -> tuple[int, float | None]:
         target = self.source.target

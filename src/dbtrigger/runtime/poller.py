@@ -419,19 +419,19 @@ class PollTrigger(ClosesOnExit):
     ) -> int:
         """Tick until nothing is left to deliver; the rows committed (see
         :mod:`dbtrigger.runtime.drain`). On return no row after the checkpoint
-        waits, held back or for a retry. It waits for a lease held elsewhere (up
-        to ``lease_wait_seconds``), a hold (``held_wait_seconds``) and a retry due
-        within ``retry_wait_seconds`` of the last row, and raises
-        LeaseAcquireError / FetchError / HandlerError past them (nothing skipped);
-        ``stop`` ends a wait and the drain; ``progress(rows_so_far, result)`` is
-        called after every tick."""
+        waits, held back or for a retry. It waits for a lease held elsewhere (up to
+        ``lease_wait_seconds``; a partitioned member's rounds have no lease of their
+        own), a hold (``held_wait_seconds``) and a retry due within
+        ``retry_wait_seconds`` of the last row, and raises LeaseAcquireError /
+        FetchError / HandlerError past them (nothing skipped); ``stop`` ends a wait
+        and the drain; ``progress(rows_so_far, result)`` is called after every tick."""
         try:
             return draining.drain(
                 self,
                 self._handler_for(handler),
                 max_ticks=max_ticks,
                 progress=progress,
-                lease_wait_seconds=lease_wait_seconds,
+                lease_wait_seconds=lease_wait_seconds if self.partitioned is None else None,
                 held_wait_seconds=held_wait_seconds,
                 retry_wait_seconds=retry_wait_seconds,
                 stop=stop,

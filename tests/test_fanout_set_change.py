@@ -259,7 +259,11 @@ def _renaming_run(
 
 
 def test_a_declared_rename_takes_over_what_the_old_name_owed(
-    sqlite_db: TestDatabase, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    sqlite_db: TestDatabase,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``renamed(handler, formerly="search")``: the event search still owed
     (waiting for its retry) goes to index, with search's attempt count; nothing
@@ -275,6 +279,32 @@ def test_a_declared_rename_takes_over_what_the_old_name_owed(
     assert search.seen == [1, 2]
     (waiting,) = read_doc(state).window.pending
     assert waiting.owed == {"search": 1}
+
+    # `dbtrigger status` with the renaming version: nothing joins or leaves, and
+    # what search owes is index's, not holding the checkpoint.
+    module = f"fanout_rename_{uuid.uuid4().hex[:8]}"
+    app = types.ModuleType(module)
+    app.trigger = make_trigger(  # type: ignore[attr-defined]
+        items_source(sqlite_db),
+        state,
+        subscribers={"billing": billing, "index": renamed(index, formerly="search")},
+    )
+    monkeypatch.setitem(sys.modules, module, app)
+    argv = ["status", "items", "--store", str(tmp_path / "state"), "--source", f"{module}:trigger"]
+    capsys.readouterr()
+    main([*argv, "--json"])
+    status = json.loads(capsys.readouterr().out)
+    assert status["subscribers"]["joining"] == []
+    assert status["subscribers"]["leaving"] == []
+    assert status["owed"] == [
+        {
+            "subscriber": "search",
+            "events": 1,
+            "renamed_to": "index",
+            "configured": True,
+            "holds_checkpoint": False,
+        }
+    ]
 
     add_items(sqlite_db, table, [3])
     clock.advance(60)  # search's retry of 2 is due

@@ -306,11 +306,14 @@ def _owed(window: Window | None, source: LoadedSource | None) -> list[dict[str, 
     pending = window.pending if window is not None else ()
     trigger = source.trigger if source is not None else None
     names = getattr(trigger, "subscribers", None) if trigger is not None else None
+    renames = renames_of(names)  # a former name is the subscriber that took it over
     out = []
     for name, count in fanout.owed_by(pending).items():
         entry: dict[str, Any] = {"subscriber": name, "events": count}
+        if name in renames:
+            entry["renamed_to"] = renames[name]
         if trigger is not None:
-            entry["configured"] = names is not None and name in names
+            entry["configured"] = names is not None and renames.get(name, name) in names
             entry["holds_checkpoint"] = not entry["configured"] and trigger.quarantine is None
         out.append(entry)
     return out
@@ -356,6 +359,8 @@ def _owed_text(owed: Sequence[Mapping[str, Any]], spec: str) -> str:
                 "are then dead-lettered), or move the checkpoint past them with dbtrigger "
                 "reset (data loss, journaled)"
             )
+        elif entry.get("renamed_to"):
+            text += f" (renamed: {entry['renamed_to']} takes them over at its next tick)"
         elif entry.get("configured") is False:
             text += " (no such subscriber any more: dead-lettered when next due)"
         parts.append(text)

@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, TextIO
 
@@ -46,7 +47,7 @@ from dbtrigger.cli.state_change import print_plan
 from dbtrigger.cursor import Position
 from dbtrigger.errors import ConfigurationError, DbTriggerError, HandlerError, OperatorError
 from dbtrigger.runtime.delivery import Handler
-from dbtrigger.runtime.drain import DrainWait
+from dbtrigger.runtime.drain import DrainWait, tick_until_drained
 from dbtrigger.runtime.poller import PollTrigger
 from dbtrigger.runtime.stop_signals import (
     SignalRelay,
@@ -55,6 +56,7 @@ from dbtrigger.runtime.stop_signals import (
     signals_routed_to,
 )
 from dbtrigger.runtime.subscriber_options import SubscriberCall
+from dbtrigger.runtime.trigger import TickResult
 from dbtrigger.sources.base import (
     CountsAfter,
     ValidatesDefinition,
@@ -331,38 +333,53 @@ def _drain(
     progress: Progress,
     console: Console,
 ) -> bool:
-    """Tick until idle; retry transient failures. Returns False when stopped early."""
+    """Tick until idle (the drain loop of :mod:`dbtrigger.runtime.drain`: rows the
+    visibility guard held back and events waiting for a retry are waited for, a
+    FetchError or HandlerError past the waits); retry transient failures. Returns
+    False when stopped early (a stop ends a wait at once)."""
     stop = threading.Event()
-    failures = 0
-    traced: set[tuple[str | None, str]] = set()
     waits = DrainWait(worker.name, clock=worker.clock, stop=stop, say=console.warn)
+    ticks = _Ticks(args, worker, handler, stop, console)
     with graceful_sigint(stop):
-        while not stop.is_set():
+        tick_until_drained(ticks, waits, progress=lambda _, result: progress.update(result.rows))
+    return not stop.is_set()
+
+
+@dataclass
+class _Ticks:
+    """A backfill's ticks: a failed one is tried again (``--max-retries`` in a row,
+    ``--retry-delay`` apart), a lease held elsewhere is refused."""
+
+    args: argparse.Namespace
+    worker: PollTrigger
+    handler: Handler
+    stop: threading.Event
+    console: Console
+    traced: set[tuple[str | None, str]] = field(default_factory=set)
+
+    def __call__(self) -> TickResult:
+        failures = 0
+        while True:
             try:
-                result = worker.tick_result(handler, should_stop=stop.is_set)
+                result = self.worker.tick_result(self.handler, should_stop=self.stop.is_set)
             except OperatorError:
                 raise
             except DbTriggerError as exc:
-                _trace_handler_failure(exc, traced)
+                _trace_handler_failure(exc, self.traced)
                 failures += 1
-                if failures > args.max_retries:
+                if failures > self.args.max_retries:
                     raise
-                console.warn(f"tick failed ({exc}); retry {failures}/{args.max_retries}")
-                stop.wait(args.retry_delay)
+                self.console.warn(f"tick failed ({exc}); retry {failures}/{self.args.max_retries}")
+                self.stop.wait(self.args.retry_delay)
+                if self.stop.is_set():  # the failed tick's report: the drain sees the stop
+                    return TickResult(0, 0, "failed", error=type(exc).__name__)
                 continue
-            failures = 0
             if result.outcome in ("lease_busy", "lost_race"):
                 raise ConfigurationError(
-                    f"another process holds the lease of {worker.name!r}; "
+                    f"another process holds the lease of {self.worker.name!r}; "
                     "is this backfill already running?"
                 )
-            progress.update(result.rows)
-            # Rows the visibility guard held back and events waiting for a retry
-            # are not "caught up": tick again once they can come (a FetchError or
-            # HandlerError past the drain's waits); a stop ends the wait at once.
-            if not waits.wait_after(result, progress.done):
-                return not stop.is_set()
-    return False
+            return result
 
 
 def _trace_handler_failure(exc: DbTriggerError, traced: set[tuple[str | None, str]]) -> None:

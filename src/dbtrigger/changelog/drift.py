@@ -133,8 +133,12 @@ class Drift:
         )
 
 
-def find_drift(conn: sa.Connection, table: str, schema: str | None) -> Drift:
-    """Compare the installed triggers and log with ``table`` as it is now."""
+def find_drift(
+    conn: sa.Connection, table: str, schema: str | None, *, whole_log: bool = True
+) -> Drift:
+    """Compare the installed triggers and log with ``table`` as it is now; ``whole_log``
+    False looks for rows gone unlogged among the keys of the newest log rows only
+    (:mod:`dbtrigger.changelog.vanished`)."""
     keys = log_keys(conn, table, schema)
     if keys is None:
         return Drift(table, schema, missing=True)
@@ -159,7 +163,8 @@ def find_drift(conn: sa.Connection, table: str, schema: str | None) -> Drift:
     for spec in specs[:1]:  # the triggers are generated together: one describes them all
         _column_problems(info, spec, problems)
     # Only for a log that fits the table: otherwise install again first, then compare.
-    gone = [] if problems else vanished_keys(conn, info, [k.name for k in keys])
+    log_key_names = [k.name for k in keys]
+    gone = [] if problems else vanished_keys(conn, info, log_key_names, whole_log=whole_log)
     if gone:
         problems.append(_vanished_problem(info, gone))
     return Drift(

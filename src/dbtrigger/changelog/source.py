@@ -38,6 +38,7 @@ from dbtrigger.changelog.operations import log_table
 from dbtrigger.changelog.pruning import ChangeLogPruner
 from dbtrigger.changelog.registration import Registration
 from dbtrigger.changelog.renumbered import refuse_renumbered
+from dbtrigger.changelog.vanished import WHOLE_LOG_SHARE
 from dbtrigger.cursor import Position
 from dbtrigger.errors import (
     ChangeLogDriftError,
@@ -139,6 +140,8 @@ class ChangeLogSource:
         )
         self._drift_every = drift_check_seconds
         self._next_drift_check = 0.0
+        #: When the drift check next compares every key of the log with the table.
+        self._next_whole_check = 0.0
         self._table = validate_sql_identifier(table, "table")
         self._schema = validate_sql_identifier(schema, "schema") if schema else None
         if isinstance(pk_columns, str):
@@ -327,17 +330,28 @@ class ChangeLogSource:
         compared (MariaDB/MySQL triggers are invisible without the TRIGGER
         privilege).
 
+        Rows gone with no delete logged are looked for among the newest log rows at
+        every check, and among all of them at the first and then as often as
+        :data:`~dbtrigger.changelog.vanished.WHOLE_LOG_SHARE` of the time allows.
+
         Raises:
             ChangeLogDriftError: what differs and the install command that repairs it.
         """
-        self._next_drift_check = time.monotonic() + self._drift_every
+        started = time.monotonic()
+        self._next_drift_check = started + self._drift_every
+        whole = started >= self._next_whole_check
         try:
             with self.engine.connect() as conn:
-                found = find_drift(conn, self._table, self._schema)
+                found = find_drift(conn, self._table, self._schema, whole_log=whole)
         except SQLAlchemyError as exc:
             raise source_error(exc, f"checking the change log triggers of {self.name}") from exc
         if found:
             raise found.error()
+        if whole:
+            ended = time.monotonic()
+            self._next_whole_check = ended + max(
+                self._drift_every, (ended - started) / WHOLE_LOG_SHARE
+            )
         return found
 
     def self_check(self) -> list[SourceFinding]:
@@ -360,7 +374,7 @@ class ChangeLogSource:
         the log or its triggers are the reason (dropped while the poller ran)."""
         try:
             with self.engine.connect() as conn:
-                found = find_drift(conn, self._table, self._schema)
+                found = find_drift(conn, self._table, self._schema, whole_log=False)
         except SQLAlchemyError:
             return exc
         if found:

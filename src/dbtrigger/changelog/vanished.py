@@ -2,19 +2,30 @@
 
 A ``TRUNCATE`` fires no row trigger. PostgreSQL logs it with a statement
 trigger; MariaDB/MySQL have none, and there a foreign key's ``ON DELETE
-CASCADE`` fires no trigger either. The log's readers then keep those rows for
-ever. What can be found cheaply is found here: the latest change of each key
-among the last :data:`WINDOW` log rows (back to the last ``truncate`` marker,
-or to a row logged without its key, which ``ChangeLogGapError`` reports)
-says whether the key should be in the table; a key that should be and is not
-has vanished. Two reads by key, bounded by the window, as often as the drift
-check runs (``drift_check_seconds``).
+CASCADE`` fires no trigger either (nor, on SQLite, the rows an ``INSERT OR
+REPLACE`` removes). The log's readers then keep those rows for ever. Two checks
+find them, each keyed by the latest change of each key the log holds (back to
+the last ``truncate`` marker, or to a row logged without its key, which
+``ChangeLogGapError`` reports): a key whose latest change left it in the table,
+but which the table no longer holds, has vanished.
 
-A delete that commits between the two reads is not taken for a vanished row:
-the keys found missing are read again in the log after the window began, and
-a later change of the key explains it. Rows deleted unlogged further back
-than the window, or a truncate followed by more than :data:`WINDOW` changes,
-are not found: the check makes a silent loss loud, it does not audit the log.
+* :func:`vanished_keys` without ``whole_log``: the newest :data:`WINDOW` log rows,
+  two reads by key, cheap enough for every drift check.
+* with ``whole_log``: every key the log holds, in one statement (the log's latest
+  change per key, joined with the table by its key), one pass over the log. The
+  window alone missed a ``TRUNCATE`` followed by more than :data:`WINDOW`
+  changes (a reload), and rows whose last change was further back: a truncated
+  table of 1,000 rows reloaded with 600 of them kept the other 400 in every
+  reader, silently. The source runs it at its first drift check and then as
+  often as :data:`WHOLE_LOG_SHARE` of the time allows; ``changelog check`` and
+  ``dbtrigger check`` always.
+
+A delete that commits between the window's two reads is not taken for a
+vanished row: the keys found missing are read again in the log after the window
+began, and a later change of the key explains it (the whole-log check is one
+statement, so one snapshot). What no check can find is a key whose log rows are
+all gone: pruned (``changelog prune``), or logged before the log was installed
+and never snapshot.
 
 ``dbtrigger changelog resync`` (:func:`dbtrigger.changelog.snapshot.resync`)
 is the repair: a ``truncate`` marker (readers drop what they hold) followed by
@@ -37,21 +48,39 @@ WINDOW = 500
 #: Keys one existence query asks for.
 _CHUNK = 200
 
+#: The share of a source's time the whole-log check may take: after a check that
+#: took d seconds, the next waits at least 1/share times d (and a drift interval).
+WHOLE_LOG_SHARE = 0.01
+
 
 def vanished_keys(
-    conn: sa.Connection, info: TableInfo, log_keys: Sequence[str]
+    conn: sa.Connection, info: TableInfo, log_keys: Sequence[str], *, whole_log: bool = False
 ) -> list[tuple[Any, ...]]:
-    """Keys the log's newest rows leave in the table that the table no longer holds."""
+    """Keys the log's newest rows (``whole_log``: any of its rows) leave in the table
+    that the table no longer holds."""
     key_names = [c.name for c in info.pk]
     if list(log_keys) != key_names:
         return []  # the key drifted: reported as such, not compared
-    log = sa.table(
+    gone = _in_window(conn, info, key_names)
+    if gone or not whole_log:
+        return gone
+    return _in_whole_log(conn, info, key_names)
+
+
+def _log(info: TableInfo, key_names: Sequence[str]) -> sa.TableClause:
+    return sa.table(
         info.log_table,
         sa.column("dbt_seq", sa.BigInteger()),
         sa.column("dbt_op"),
         *(sa.column(k) for k in key_names),
         schema=info.schema,
     )
+
+
+def _in_window(
+    conn: sa.Connection, info: TableInfo, key_names: Sequence[str]
+) -> list[tuple[Any, ...]]:
+    log = _log(info, key_names)
     keys = [log.c[k] for k in key_names]
     rows = conn.execute(
         sa.select(log.c.dbt_seq, log.c.dbt_op, *keys).order_by(log.c.dbt_seq.desc()).limit(WINDOW)
@@ -92,4 +121,40 @@ def vanished_keys(
     return [k for k in missing if k not in changed]
 
 
-__all__ = ["WINDOW", "vanished_keys"]
+def _in_whole_log(
+    conn: sa.Connection, info: TableInfo, key_names: Sequence[str]
+) -> list[tuple[Any, ...]]:
+    """Up to :data:`WINDOW` keys whose latest change in the log (after its last
+    ``truncate`` or unkeyed row) is not a delete and that the table does not hold:
+    one statement, so the log and the table are read in one snapshot."""
+    log = _log(info, key_names)
+    keys = [log.c[k] for k in key_names]
+    # Everything at or before the last truncate marker was gone already; a row logged
+    # without its key may be any key's delete (ChangeLogGapError reports it).
+    marks = _log(info, key_names).alias("marks")
+    floor = (
+        sa.select(sa.func.coalesce(sa.func.max(marks.c.dbt_seq), 0))
+        .where(sa.or_(marks.c.dbt_op == "truncate", *(marks.c[k].is_(None) for k in key_names)))
+        .scalar_subquery()
+    )
+    latest = (
+        sa.select(sa.func.max(log.c.dbt_seq).label("seq"))
+        .where(log.c.dbt_seq > floor)
+        .group_by(*keys)
+        .subquery("latest")
+    )
+    last = _log(info, key_names).alias("last_change")
+    table = reflect_table(conn, info.table, info.schema)
+    held = sa.and_(*(table.c[k] == last.c[k] for k in key_names))
+    rows = conn.execute(
+        sa.select(*(last.c[k] for k in key_names))
+        .select_from(last.join(latest, last.c.dbt_seq == latest.c.seq))
+        .where(last.c.dbt_op != "delete")
+        .where(~sa.exists().where(held))
+        .order_by(last.c.dbt_seq)
+        .limit(WINDOW)
+    ).all()
+    return [tuple(r) for r in rows]
+
+
+__all__ = ["WHOLE_LOG_SHARE", "WINDOW", "vanished_keys"]

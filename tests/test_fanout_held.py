@@ -491,3 +491,57 @@ def test_a_subscriber_failing_everything_without_a_sink_stops_the_others_loudly(
     failed = events_logged(caplog, "subscriber_failed")
     assert failed
     assert all(r.levelno == logging.WARNING and "bad" in r.getMessage() for r in failed)
+
+
+@pytest.mark.parametrize("how", ["run", "run_async"])
+def test_under_a_timer_a_hung_subscriber_is_given_up_within_the_invocation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """``run(timer=...)`` is a Functions invocation, which the host ends (restarting
+    the worker) at ``functionTimeout``, 5 minutes by default. Waiting the default
+    ack timeout (300 s) for a hung subscriber, nothing committed before that, and
+    every firing handed the same batch to every subscriber again. Under a timer
+    the default is cut (to TIMER_ACK_TIMEOUT, made short here): the hung one is
+    given up and the others' outcomes commit in the invocation. One given stays."""
+    from dbtrigger.runtime import subscribers  # noqa: PLC0415
+    from dbtrigger.testing import MemorySource  # noqa: PLC0415
+
+    monkeypatch.setattr(subscribers, "TIMER_ACK_TIMEOUT", 0.2, raising=False)
+    release = threading.Event()
+    took: list[int] = []
+
+    def hung(events: list[RowChange]) -> None:
+        release.wait(30)  # (bounded: without the cut the tick waits for this)
+
+    def billing(events: list[RowChange]) -> None:
+        took.extend(int(e.pk["id"]) for e in events)
+
+    def make(**options: Any) -> PollTrigger:
+        return PollTrigger(
+            name="orders",
+            source=MemorySource(
+                [{"id": i, "seq": i} for i in range(1, 4)], cursor_column="seq", pk_columns=["id"]
+            ),
+            checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+            subscribers={"billing": billing, "hung": hung},
+            **options,
+        )
+
+    trigger = make()
+    try:
+        if how == "run":
+            assert trigger.run(timer=object()) == 3
+        else:
+            assert asyncio.run(trigger.run_async(timer=object())) == 3
+        assert took == [1, 2, 3]
+        doc = trigger.read_state()
+        assert doc.window is not None
+        assert [p.owed for p in doc.window.pending] == [{"hung": 1}] * 3
+        assert not release.is_set()  # given up while still hung
+    finally:
+        release.set()
+    given = make(ack_timeout_seconds=300)
+    given.run(timer=object())
+    assert given._driver.reader.delivery.ack_timeout == 300
+    plain = make()
+    assert plain._driver.reader.delivery.ack_timeout == 300  # no timer: kept

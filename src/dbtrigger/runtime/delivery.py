@@ -137,6 +137,10 @@ class Delivery:
         del window
         return frozenset()
 
+    def under_timer(self) -> None:
+        """A timer firing drives the ticks (a Functions invocation); nothing changes
+        for one handler (fan-out: :meth:`~dbtrigger.runtime.subscribers.FanOut.under_timer`)."""
+
     def deliver(
         self,
         handler: Handler,

@@ -7,10 +7,9 @@ It validates the configuration (each option as
 :meth:`~PollTrigger.run` (a timer firing) and :meth:`~PollTrigger.tick_async`.
 What a tick does, in order, is in :mod:`dbtrigger.runtime.tick`; what becomes
 of a batch in :mod:`dbtrigger.runtime.delivery`, and how the handler is called
-(the same for every trigger) in :mod:`dbtrigger.runtime.kernel`; every write to
-the state document goes through
-:class:`~dbtrigger.runtime.session.LeaseSession`; what is logged and counted is
-declared in :mod:`dbtrigger.runtime.telemetry`.
+(the same for every trigger) in :mod:`dbtrigger.runtime.kernel`; every write to the
+state document goes through :class:`~dbtrigger.runtime.session.LeaseSession`;
+what is logged and counted is declared in :mod:`dbtrigger.runtime.telemetry`.
 
 Reliability (see ``docs/reliability.md``):
 
@@ -23,9 +22,8 @@ Reliability (see ``docs/reliability.md``):
 * A handler may raise :class:`~dbtrigger.errors.PartialBatchError`: the
   checkpoint advances over the leading processed rows, and processed rows after
   the first failed one are remembered in the failure record and skipped when
-  the batch comes back. With a quarantine sink, a batch that failed
-  ``max_attempts`` times is bisected and rows that fail alone are set aside
-  (:mod:`dbtrigger.quarantine`) so the poller moves on.
+  the batch comes back. With a quarantine sink, a batch that failed ``max_attempts``
+  times is bisected, rows that fail alone set aside: the poller moves on.
 """
 
 from __future__ import annotations
@@ -317,7 +315,8 @@ class PollTrigger(ClosesOnExit):
         Logs the tick's one INFO line (:meth:`report`): a timer firing is the
         driver of the tick, as ``dbtrigger run`` is for a worker.
         """
-        del timer  # the schedule is the host's business; the tick is the same
+        if timer is not None and self.options["ack_timeout_seconds"] is None:
+            self._driver.reader.delivery.under_timer()  # (fan-out: a Functions budget)
         try:
             return self.report(self.tick_result(handler)).rows
         finally:
@@ -441,7 +440,8 @@ class PollTrigger(ClosesOnExit):
 
     async def run_async(self, *, timer: Any = None, handler: Handler | None = None) -> int:
         """:meth:`run` for async code (a Functions ``async def`` timer function)."""
-        del timer
+        if timer is not None and self.options["ack_timeout_seconds"] is None:
+            self._driver.reader.delivery.under_timer()
         rows = await self.tick_async(handler)  # (flushed: a host may freeze on return)
         if self.last_result is not None:
             self.report(self.last_result)

@@ -25,6 +25,13 @@ from dbtrigger.runtime.kernel import Handler
 #: Airflow's shared-stream ack timeout).
 DEFAULT_ACK_TIMEOUT = 300.0
 
+#: The default when a timer firing drives the ticks (``run(timer=...)``: a
+#: Functions invocation). The host restarts the worker at ``functionTimeout`` (5
+#: minutes by default on the Consumption plan): waiting the default 300 s for a hung
+#: subscriber, the invocation was killed before the others' outcomes committed, and
+#: every firing handed the same batch to every subscriber again (never a word).
+TIMER_ACK_TIMEOUT = 120.0
+
 #: Wraps a subscriber for the way the tick is run (``tick_async``); gets the
 #: subscriber and whether it takes a context, returns an ``(events, ctx)`` callable.
 Wrap = Callable[[Handler, bool], Handler]

@@ -1,11 +1,10 @@
 """Fan-out: one read, several subscribers, each resolving every event for itself.
 
 ``PollTrigger(..., subscribers={"billing": handle_billing, "search": handle_search})``
-fetches each batch once and hands it to every subscriber - each in its own
-thread, at the same time, with its own :class:`~dbtrigger.runtime.context.BatchContext`
-(``ctx.subscriber`` is its name; ``ctx.reject`` / ``ctx.retry`` / ``ctx.attempts``
-are its own). What each event then becomes is the pure decision of
-:mod:`dbtrigger.state.fanout`:
+fetches each batch once and hands it to every subscriber, each in its own thread
+with its own :class:`~dbtrigger.runtime.context.BatchContext` (``ctx.subscriber``,
+``ctx.reject`` / ``retry`` / ``attempts`` are its own). What each event then
+becomes is the pure decision of :mod:`dbtrigger.state.fanout`:
 
 * settled when every subscriber it was handed to accepted it, or when one
   rejected it - or used up ``max_attempts`` and no other still owes it - and
@@ -20,17 +19,14 @@ are its own). What each event then becomes is the pure decision of
 
 A subscriber that raises or hangs fails its own events only; the others'
 outcomes stand and commit. A hung synchronous subscriber cannot be stopped
-from outside (``ctx.cancelled`` says it was given up; an async one is
-cancelled): until its call returns it is *busy*, handed nothing new, and its
-share of later batches waits for it, uncounted, and is handed to it once it
-is free (:func:`dbtrigger.state.fanout.held`; the window's pressure rule
+(``ctx.cancelled`` says it was given up; an async one is cancelled): until its
+call returns it is *busy*, and its share of later batches waits for it,
+uncounted (:func:`dbtrigger.state.fanout.held`; the window's pressure rule
 bounds how far the others run ahead). A lost lease ends the wait at once.
 
 Said once per change: what holds the checkpoint (``checkpoint_held``), and who
-joined or left since the last run (``subscriber_joined``, :mod:`dbtrigger.runtime.set_report`).
-
-Cost: one fetch and one commit per batch however many subscribers (the window
-rides on the commit). Like :class:`~dbtrigger.runtime.delivery.Delivery`, never writes state.
+joined or left (``subscriber_joined``, :mod:`dbtrigger.runtime.set_report`). Cost: one
+fetch and one commit per batch however many subscribers; never writes state itself.
 """
 
 from __future__ import annotations
@@ -50,7 +46,7 @@ from dbtrigger.runtime.dead_letters import EventRejected, RetriesExhausted
 from dbtrigger.runtime.delivery import Delivery, DeliveryOptions
 from dbtrigger.runtime.held_report import ALL_BUSY, HeldReport
 from dbtrigger.runtime.kernel import CANCEL_POLL_SECONDS, Handler, lingering, wants_context
-from dbtrigger.runtime.subscriber_options import SubscriberCall, Wrap
+from dbtrigger.runtime.subscriber_options import TIMER_ACK_TIMEOUT, SubscriberCall, Wrap
 from dbtrigger.runtime.subscriber_poison import failed_resolutions, isolate_share
 from dbtrigger.state import fanout
 from dbtrigger.state.fanout import Decision, Fate, Resolution
@@ -112,6 +108,11 @@ class FanOut(Delivery):
         self._report_held = HeldReport(
             self.telemetry, poller=self.poller, ack_timeout=ack_timeout, cli_target=self.cli_target
         )
+
+    def under_timer(self) -> None:
+        """A timer drives the ticks (a Functions invocation): a default ack timeout
+        is cut to :data:`~dbtrigger.runtime.subscriber_options.TIMER_ACK_TIMEOUT`."""
+        self.ack_timeout = self._report_held.ack_timeout = min(self.ack_timeout, TIMER_ACK_TIMEOUT)
 
     @property
     def overlaps(self) -> bool:

@@ -24,8 +24,9 @@ returned on them would tell its caller "drained" with rows still waiting:
   delivery dead-lettered) fits in the default minute: a drain ends with every
   event settled, the checkpoint past the last row.
 
-A ``stop`` event ends every wait at once (and the drain after the tick in
-flight): ``dbtrigger backfill``'s Ctrl-C / SIGTERM, a caller's own thread.
+A ``stop`` event ends every wait at once, and the drain after the batch in
+flight (a call given up at the handler timeout is let go): ``dbtrigger
+backfill``'s Ctrl-C / SIGTERM, a caller's own thread.
 
 One loop, :func:`tick_until_drained`, drains every trigger; what differs is
 said by its arguments: :meth:`PollTrigger.drain
@@ -144,7 +145,9 @@ class Ticks(Protocol):
     name: str
     clock: Callable[[], dt.datetime]
 
-    def tick_result(self, handler: Handler | None = None) -> TickResult: ...
+    def tick_result(
+        self, handler: Handler | None = None, *, should_stop: Callable[[], bool] | None = None
+    ) -> TickResult: ...
 
 
 def drain(
@@ -161,7 +164,10 @@ def drain(
     """Tick ``trigger`` until nothing is left to deliver (or ``max_ticks``, or
     ``stop``); the rows committed. ``progress(rows_so_far, result)`` is called
     after every tick. ``lease_wait_seconds`` None: the trigger has no lease of its
-    own to wait for (a member's partitions are leased one by one in its rounds)."""
+    own to wait for (a member's partitions are leased one by one in its rounds).
+    With a ``stop``, each tick asks it between batches, and a call given up at the
+    handler timeout is let go once it is set (:mod:`dbtrigger.runtime.let_go`);
+    without one, calls run inline on the caller's thread as a plain tick's do."""
     waits = DrainWait(
         trigger.name,
         held_seconds=held_wait_seconds,
@@ -170,8 +176,14 @@ def drain(
         stop=stop,
     )
     busy = LeaseWait(trigger, lease_wait_seconds, waits) if lease_wait_seconds is not None else None
+
+    def tick() -> TickResult:
+        if stop is None:
+            return trigger.tick_result(handler)
+        return trigger.tick_result(handler, should_stop=stop.is_set)
+
     return tick_until_drained(
-        lambda: trigger.tick_result(handler),
+        tick,
         waits,
         max_ticks=max_ticks,
         progress=progress,

@@ -145,3 +145,24 @@ def test_a_dead_letter_latin1_cannot_hold_does_not_stall_the_poller_on_mariadb(
         trigger.close()
         sink.close()
         engine.dispose()
+
+
+@pytest.mark.parametrize("sql_mode", [None, ""], ids=["strict", "not-strict"])
+def test_the_sql_dead_letter_sink_never_stores_a_question_mark_unsaid_on_mariadb(
+    mariadb_latin1_url: str, sql_mode: str | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Strict, MariaDB refuses the character (1366, an error); without a strict
+    sql_mode it stored '?' for it with only a warning: the reason was lost unsaid.
+    Both are stored escaped now, and said."""
+    connect = {} if sql_mode is None else {"init_command": f"SET SESSION sql_mode='{sql_mode}'"}
+    engine = sa.create_engine(mariadb_latin1_url, connect_args=connect)
+    sink = SqlQuarantineSink(engine=engine)
+    try:
+        wide = dataclasses.replace(quarantine_record(), error=f"boom {WIDE}")
+        with caplog.at_level(logging.WARNING, logger="dbtrigger"):
+            sink.put([wide])
+        assert [r.error for r in sink.records()] == ["boom \\u6f22\\u5b57"]
+        assert "dead_letter_escaped" in {getattr(r, "event", None) for r in caplog.records}
+    finally:
+        sink.close()
+        engine.dispose()

@@ -53,7 +53,13 @@ from typing import Any, Protocol, runtime_checkable
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from dbtrigger._driver_errors import ascii_text, cannot_hold, not_encodable, short_error
+from dbtrigger._driver_errors import (
+    MYSQL_INCORRECT_VALUE,
+    ascii_text,
+    cannot_hold,
+    not_encodable,
+    short_error,
+)
 from dbtrigger._engine import LazyEngine, TableOnce, parse_database_url
 from dbtrigger._files import locked_lines, write_synced
 from dbtrigger._lock_wait import (
@@ -251,6 +257,15 @@ def put_records(sink: QuarantineSink, records: Sequence[QuarantineRecord]) -> No
 # --- SQL table ------------------------------------------------------------------
 
 
+class _Replaced(Exception):
+    """MariaDB/MySQL replaced characters a column lacks with '?' (a warning, 1366)."""
+
+
+def _lacks(exc: BaseException) -> bool:
+    """The table cannot hold a character of the rows (refused, or replaced by '?')."""
+    return isinstance(exc, _Replaced) or cannot_hold(exc)
+
+
 def _short(exc: BaseException) -> str:
     """:func:`short_error`, masked before it is cut (a secret at the cut is masked whole)."""
     return redact(short_error(exc, limit=None))[:300]
@@ -386,6 +401,10 @@ class SqlQuarantineSink:
 
             stmt = mysql_insert(self.table)
             conn.execute(stmt.on_duplicate_key_update(poller=stmt.inserted.poller), rows)
+            # Not strict, the server stores '?' for what a column lacks: undone, escaped.
+            warned = conn.exec_driver_sql("SHOW WARNINGS").all()
+            if any(w[1] == MYSQL_INCORRECT_VALUE for w in warned):
+                raise _Replaced(next(str(w[2]) for w in warned if w[1] == MYSQL_INCORRECT_VALUE))
         else:
             for row in rows:
                 try:
@@ -400,15 +419,15 @@ class SqlQuarantineSink:
         rows = [self._row(r) for r in records]
         try:
             self._insert(rows)
-        except (SQLAlchemyError, UnicodeEncodeError) as exc:
-            if not cannot_hold(exc):
+        except (SQLAlchemyError, UnicodeEncodeError, _Replaced) as exc:
+            if not _lacks(exc):
                 raise self._failed(len(records), exc) from exc
             # A LATIN1 database or column: every retry would be refused the same (a
             # stall), so the characters it cannot hold are written as escapes, said.
             escaped = [self._row(r, escaped=True) for r in records]
             try:
                 self._insert(escaped)
-            except (SQLAlchemyError, UnicodeEncodeError) as again:
+            except (SQLAlchemyError, UnicodeEncodeError, _Replaced) as again:
                 raise self._failed(len(records), again) from again
             changed = sorted(
                 {k for a, b in zip(rows, escaped, strict=True) for k in a if a[k] != b[k]}
@@ -433,7 +452,7 @@ class SqlQuarantineSink:
     def _failed(self, count: int, exc: BaseException) -> QuarantineError:
         """The typed error for a failed ``put`` (raise it from ``exc``)."""
         what = f"could not write {count} row(s) to quarantine {self.describe()}: "
-        if cannot_hold(exc):
+        if _lacks(exc):
             return QuarantineError(
                 what + not_encodable("these rows", _short(exc), "the quarantine", "url=")
             )

@@ -1,4 +1,4 @@
-"""Draining a poller: tick until nothing is left to deliver.
+"""Draining a trigger: tick until nothing is left to deliver.
 
 "Nothing left" means the source had no rows after the checkpoint and no event
 waits for a retry. Three kinds of empty tick are not that, and a drain that
@@ -33,8 +33,9 @@ said by its arguments: :meth:`PollTrigger.drain
 <dbtrigger.runtime.poller.PollTrigger.drain>` waits for its lease (a
 :class:`LeaseWait`) and reports progress; a partitioned member's rounds have no
 lease of their own; a queue counts rows claimed as delivered and takes a claim
-that came back short for the end (it has no visibility guard). The faces flush
-their history on the way out.
+that came back short for the end (it has no visibility guard); ``dbtrigger
+backfill`` ticks with retries of its own. The faces flush their history on the
+way out.
 """
 
 from __future__ import annotations

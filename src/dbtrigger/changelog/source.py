@@ -38,7 +38,7 @@ from dbtrigger.changelog.operations import log_table
 from dbtrigger.changelog.pruning import ChangeLogPruner
 from dbtrigger.changelog.registration import Registration
 from dbtrigger.changelog.renumbered import refuse_renumbered
-from dbtrigger.changelog.vanished import WHOLE_LOG_SHARE
+from dbtrigger.changelog.vanished import AT_ONCE_ROWS, WHOLE_LOG_SHARE, log_span
 from dbtrigger.cursor import Position
 from dbtrigger.errors import (
     ChangeLogDriftError,
@@ -141,7 +141,7 @@ class ChangeLogSource:
         self._drift_every = drift_check_seconds
         self._next_drift_check = 0.0
         #: When the drift check next compares every key of the log with the table.
-        self._next_whole_check = 0.0
+        self._next_whole_check: float | None = None
         self._table = validate_sql_identifier(table, "table")
         self._schema = validate_sql_identifier(schema, "schema") if schema else None
         if isinstance(pk_columns, str):
@@ -339,9 +339,9 @@ class ChangeLogSource:
         """
         started = time.monotonic()
         self._next_drift_check = started + self._drift_every
-        whole = started >= self._next_whole_check
         try:
             with self.engine.connect() as conn:
+                whole = self._whole_log_due(conn, started)
                 found = find_drift(conn, self._table, self._schema, whole_log=whole)
         except SQLAlchemyError as exc:
             raise source_error(exc, f"checking the change log triggers of {self.name}") from exc
@@ -353,6 +353,15 @@ class ChangeLogSource:
                 self._drift_every, (ended - started) / WHOLE_LOG_SHARE
             )
         return found
+
+    def _whole_log_due(self, conn: Any, now: float) -> bool:
+        """Is the whole-log check due? At the first drift check when the log is small
+        enough to pass over at once (:data:`~dbtrigger.changelog.vanished.AT_ONCE_ROWS`:
+        a cold start stays quick), else one drift interval later; then as the share allows."""
+        if self._next_whole_check is None:
+            rows = log_span(conn, self._table, self._schema)
+            self._next_whole_check = now if rows <= AT_ONCE_ROWS else now + self._drift_every
+        return now >= self._next_whole_check
 
     def self_check(self) -> list[SourceFinding]:
         """The drift check as findings, for ``dbtrigger status --source``: triggers of an

@@ -16,8 +16,9 @@ but which the table no longer holds, has vanished.
   window alone missed a ``TRUNCATE`` followed by more than :data:`WINDOW`
   changes (a reload), and rows whose last change was further back: a truncated
   table of 1,000 rows reloaded with 600 of them kept the other 400 in every
-  reader, silently. The source runs it at its first drift check and then as
-  often as :data:`WHOLE_LOG_SHARE` of the time allows; ``changelog check`` and
+  reader, silently. The source runs it at its first drift check (one interval
+  later for a log of more than :data:`AT_ONCE_ROWS`) and then as often as
+  :data:`WHOLE_LOG_SHARE` of the time allows; ``changelog check`` and
   ``dbtrigger check`` always.
 
 A delete that commits between the window's two reads is not taken for a
@@ -40,7 +41,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from dbtrigger._engine import reflect_table
-from dbtrigger.changelog.ddl import TableInfo
+from dbtrigger.changelog.ddl import TableInfo, log_table_name
 
 #: Log rows (the newest) whose keys are checked against the table.
 WINDOW = 500
@@ -51,6 +52,24 @@ _CHUNK = 200
 #: The share of a source's time the whole-log check may take: after a check that
 #: took d seconds, the next waits at least 1/share times d (and a drift interval).
 WHOLE_LOG_SHARE = 0.01
+
+#: A log of at most this many rows is checked whole at a poller's first drift check
+#: (measured: 460,000 rows took 2.6 s on PostgreSQL, 2.2 s on MariaDB); a larger one
+#: one drift interval later, so that a cold start does not wait for it.
+AT_ONCE_ROWS = 100_000
+
+
+def log_span(conn: sa.Connection, table: str, schema: str | None) -> int:
+    """How many rows the log of ``table`` spans at most (its highest sequence number
+    less its lowest): two reads of its primary key's index."""
+    log = sa.table(log_table_name(table), sa.column("dbt_seq", sa.BigInteger()), schema=schema)
+    seq = log.c.dbt_seq
+    try:
+        low, high = conn.execute(sa.select(sa.func.min(seq), sa.func.max(seq))).one()
+    except sa.exc.DBAPIError:  # no log: the drift check that follows says so
+        conn.rollback()
+        return 0
+    return 0 if low is None else int(high) - int(low) + 1
 
 
 def vanished_keys(
@@ -157,4 +176,4 @@ def _in_whole_log(
     return [tuple(r) for r in rows]
 
 
-__all__ = ["WHOLE_LOG_SHARE", "WINDOW", "vanished_keys"]
+__all__ = ["AT_ONCE_ROWS", "WHOLE_LOG_SHARE", "WINDOW", "log_span", "vanished_keys"]

@@ -12,6 +12,7 @@ import datetime as dt
 import decimal
 import hashlib
 import json
+import marshal
 import uuid
 import zlib
 from typing import Any
@@ -20,6 +21,7 @@ import pytest
 
 from dbtrigger.errors import ReplayRefusedError
 from dbtrigger.events import RowChange, RowShape, event_ids, events_from_rows, key_dict
+from dbtrigger.history import images
 from dbtrigger.history import records as rec
 from dbtrigger.history.recorder import MAX_RECORD_BYTES, HistoryRecorder
 from dbtrigger.history.records import _RECORD_KEYS
@@ -98,7 +100,8 @@ def test_the_batch_columns_equal_what_each_event_says(
     lines = rec.detail_lines({"detail": json.loads(json.dumps(detail))})
     assert lines is not None
     assert [line.key for line in lines] == [rec._key(e) for e in events]
-    assert [line.image for line in lines] == [f"{rec.image_crc(e):08x}" for e in events]
+    form = detail["format"]
+    assert [line.image for line in lines] == [f"{rec.image_crc(e, form):08x}" for e in events]
     assert all(e._event_id is None for e in events)  # no id was computed for them
     # A row changed in any column (cursor included) changes its CRC.
     changed = events_from_rows(shape, [(*rows[0][:-1], "changed"), *rows[1:]])
@@ -166,14 +169,14 @@ def test_records_of_the_first_format_are_still_read() -> None:
 @pytest.mark.parametrize(
     "detail",
     [
-        {"format": 3, "rows": 2, "crcs": "packed", "keys": "packed"},  # read as "no lines"
-        {"format": 3, "rows": 1, "keys": [{"id": ["int", 1]}], "crcs": [1]},  # as format 2
+        {"format": 4, "rows": 2, "crcs": "packed", "keys": "packed"},  # read as "no lines"
+        {"format": 4, "rows": 1, "keys": [{"id": ["int", 1]}], "crcs": [1]},  # as format 3
         {"format": "2", "rows": 1, "keys": [{"id": ["int", 1]}], "crcs": [1]},
     ],
 )
 def test_a_detail_of_a_newer_format_is_refused_not_misread(detail: dict[str, Any]) -> None:
     """A newer dbtrigger's history (packed columns, say) must not be read as a commit
-    with no lines, or as the second format: a replay would compare nothing, or the
+    with no lines, or as an older format: a replay would compare nothing, or the
     wrong thing, and say the batch replayed."""
     record = {"seq": 7, "at": "2026-11-27T06:00:00Z", "detail": detail}
     with pytest.raises(ReplayRefusedError, match=r"record 7 .* upgrade dbtrigger") as info:
@@ -269,8 +272,8 @@ def test_the_rows_texts_made_for_the_batch_are_each_rows_repr(
     def row_by_row(row: Any) -> bytes:
         raise AssertionError("a batch of value reprs was made row by row")
 
-    monkeypatch.setattr(rec, "_row_text", row_by_row)
-    texts, joined = rec._row_texts(shape, rows)
+    monkeypatch.setattr(images, "_row_text", row_by_row)
+    texts, joined = images._row_texts(shape, rows)
     assert texts == expected
     assert joined == b"".join(t + b"\n" for t in expected)
 
@@ -302,10 +305,25 @@ def test_the_batch_crcs_equal_the_reference_with_every_kind_of_value() -> None:
     rows = [(i, i, VALUES[i % len(VALUES)], VALUES[-1 - i % len(VALUES)]) for i in range(60)]
     rows.append((60, 60, _Plain(), "x"))  # hashed from its JSON, as image_crc does
     events = events_from_rows(shape, rows)
-    detail = rec.batch_detail(events)
-    assert detail["crcs"] == [rec.image_crc(e) for e in events]
-    assert detail["crcs"][:-1] == [
+    # Format 2 (records written before format 3, made again to replay them): each
+    # row's repr.
+    old = rec.batch_detail(events, form=2)
+    assert old["format"] == 2
+    assert old["crcs"] == [rec.image_crc(e, 2) for e in events]
+    assert old["crcs"][:-1] == [
         zlib.crc32(repr(r).encode("utf-8", "surrogatepass"), rec._seed(shape)) for r in rows[:-1]
+    ]
+    # Format 3 (what a live batch writes): a row of marshalled kinds is its marshal
+    # bytes, any other row as in format 2.
+    detail = rec.batch_detail(events)
+    assert detail["format"] == 3
+    assert detail["crcs"] == [rec.image_crc(e, 3) for e in events]
+    marshalled = {int, str, float, bytes, bool, type(None)}
+    assert detail["crcs"] == [
+        zlib.crc32(marshal.dumps(r, 2), rec._seed(shape))
+        if {type(v) for v in r} <= marshalled
+        else crc
+        for r, crc in zip(rows, old["crcs"], strict=True)
     ]
 
 

@@ -28,20 +28,27 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import hashlib
-import itertools
 import json
-import math
-import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from decimal import Decimal
-from operator import attrgetter, itemgetter
+from operator import itemgetter
 from typing import Any
 
 from dbtrigger.cursor import Position, encoded_pk
 from dbtrigger.errors import ReplayRefusedError, SerializationError
 from dbtrigger.events import RowChange, event_ids
-from dbtrigger.history.kept_rows import KeptRows
+from dbtrigger.history import images
+from dbtrigger.history.images import (
+    _image_bytes,  # noqa: F401 - kept importable from here
+    _row_texts,  # noqa: F401 - kept importable from here
+    _seed,  # noqa: F401 - kept importable from here
+    digest_images,
+    image_crc,
+    image_digest,
+    image_text,
+    row_batch,
+    row_crcs,
+)
 from dbtrigger.history.store import EncodedRecord, encode_json
 from dbtrigger.state.document import JournalRecord, format_time, parse_time, position_to_json
 
@@ -109,9 +116,10 @@ def record_of(
     return EncodedRecord(out, "".join(parts).encode("ascii"))
 
 
-#: The newest commit detail format this version reads: a newer one is refused, never
-#: read as "no lines" (a replay would take that as a batch with nothing to compare).
-DETAIL_FORMAT = 2
+#: The newest commit detail format this version reads (and writes, for a batch that
+#: needs it: :mod:`dbtrigger.history.images`): a newer one is refused, never read
+#: as "no lines" (a replay would take that as a batch with nothing to compare).
+DETAIL_FORMAT = images.MARSHAL_IMAGES
 
 #: The keys a record puts before and after its entry's.
 _RECORD_KEYS = frozenset(("seq", "id", "at", "detail"))
@@ -166,90 +174,6 @@ def record_time(record: Mapping[str, Any]) -> dt.datetime | None:
         return None
 
 
-# --- images ---------------------------------------------------------------------------
-
-
-def _plain(value: Any) -> Any:
-    """A JSON-able stand-in for a row value, the same for the same value in any process."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else repr(value)
-    if isinstance(value, (dt.datetime, dt.date, dt.time)):
-        return value.isoformat()
-    if isinstance(value, Decimal):
-        return str(value)
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return bytes(value).hex()
-    if isinstance(value, Mapping):
-        return {str(k): v for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return list(value)
-    return str(value)
-
-
-def image_text(event: RowChange) -> str:
-    """The event's image as canonical JSON: operation, before and after.
-
-    Two reads of an unchanged row (or of an immutable change-log row) give the
-    same text; any change to a column changes it.
-    """
-    before = event.before
-    after = event.after
-    return json.dumps(
-        [
-            event.op,
-            None if before is None else dict(before),
-            None if after is None else dict(after),
-        ],
-        sort_keys=True,
-        separators=(",", ":"),
-        ensure_ascii=True,
-        default=_plain,
-    )
-
-
-def _image_key(event: RowChange) -> str:
-    """What the image digest hashes: the same text for the same image, in any
-    process reading the source the same way, and cheap (this runs for every
-    delivered event). An event over a fetched row tuple hashes the tuple's
-    ``repr`` with the column names; any other, its images' items. Values whose
-    ``repr`` would name a memory address fall back to :func:`image_text`.
-    """
-    row = getattr(event, "_row", None)
-    shape = getattr(event, "_shape", None)
-    if row is not None and shape is not None:
-        text = repr((shape.op, shape.columns, tuple(row)))
-    else:
-        before, after = event.before, event.after
-        text = repr(
-            (
-                event.op,
-                None if before is None else tuple(before.items()),
-                None if after is None else tuple(after.items()),
-            )
-        )
-    return image_text(event) if " at 0x" in text else text
-
-
-def _image_bytes(event: RowChange) -> bytes:
-    return _image_key(event).encode("utf-8", "surrogatepass")
-
-
-def image_digest(event: RowChange) -> str:
-    """The image's CRC-32, 8 hex digits: tells a changed row (a changed row keeps
-    its digest once in four billion times; the batch's ``images`` digest, a
-    SHA-256 over the images themselves, has no such chance)."""
-    return f"{zlib.crc32(_image_bytes(event)):08x}"
-
-
-def digest_images(events: Iterable[RowChange]) -> str:
-    """``sha256:...`` over the events' images, in order."""
-    h = hashlib.sha256()
-    for event in events:
-        h.update(_image_bytes(event))
-        h.update(b"\n")
-    return "sha256:" + h.hexdigest()
-
-
 def _key(event: RowChange) -> Any:
     """The event's key as ``{name: [kind, value]}`` (the state document's encoding),
     with the common one-column int or text key done without the general encoder."""
@@ -290,107 +214,33 @@ class EventLine:
         )
 
 
-def _row_batch(events: Sequence[RowChange]) -> tuple[Any, list[Any]] | None:
-    """The shape and row tuples when every event is a fetched row of one shape (or of
-    shapes alike: a replay reads a recorded range in several fetches)."""
-    if type(events) is KeptRows:
-        return events.shape, events.rows
-    batch_shape = getattr(events[0], "_shape", None) if events else None
-    if batch_shape is None:
-        return None
-    try:
-        shapes = set(map(_shape_of, events))
-        rows = list(map(_row_of, events))
-    except AttributeError:  # an event of another kind among them
-        return None
-    if shapes != {batch_shape} and {_likeness(s) for s in shapes} != {_likeness(batch_shape)}:
-        return None
-    return batch_shape, rows
-
-
-def _likeness(shape: Any) -> tuple[Any, ...]:
-    """What a batch's lines depend on of its rows' shape."""
-    return (shape.op, tuple(shape.columns), shape.single_index, tuple(shape.pk_names))
-
-
-_shape_of, _row_of = attrgetter("_shape"), attrgetter("_row")
-
-
-def _row_text(row: Any) -> bytes:
-    return repr(row if type(row) is tuple else tuple(row)).encode("utf-8", "surrogatepass")
-
-
-def _seed(shape: Any) -> int:
-    """The CRC of what every row of a shape shares (operation and column names)."""
-    return _seed_of(shape.op, tuple(shape.columns))
-
-
-@functools.lru_cache(maxsize=64)
-def _seed_of(op: str, columns: tuple[str, ...]) -> int:
-    # (a shape is a batch's; its source's next batches have the same columns)
-    return zlib.crc32(repr((op, columns)).encode("utf-8", "surrogatepass"))
-
-
-def _columns(events: Sequence[RowChange]) -> tuple[dict[str, Any], list[int]]:
+def _columns(
+    events: Sequence[RowChange], form: int, *, remake: bool = False
+) -> tuple[dict[str, Any], list[int], int]:
     """The batch's keys (one column of values for the common one-column int or text
-    key, else one encoded key a row) and one image CRC-32 a row.
+    key, else one encoded key a row), one image CRC-32 a row, and the detail format
+    they are in (see :mod:`dbtrigger.history.images`: the newest up to ``form``, or
+    ``form`` itself when a replay makes a record's images again, ``remake``).
 
     This runs for every delivered batch, so the common case makes no Python call
-    per row: the rows' texts come from ONE ``%`` format over the batch's values
-    (:func:`_row_texts`), then one CRC-32 a text mapped at C speed. A row whose
-    ``repr`` names a memory address (an object without a value ``repr``) is
-    hashed from its canonical JSON instead, as :func:`image_crc` does.
+    per row (:func:`~dbtrigger.history.images.row_crcs`).
     """
-    batch = _row_batch(events)
+    batch = row_batch(events)
     if batch is None:
-        return {"keys": [_key(e) for e in events]}, [image_crc(e) for e in events]
+        if form >= images.MARSHAL_IMAGES and not remake:
+            form = images.REPR_IMAGES  # (no row tuple to marshal: its images are format 2's)
+        keys = {"keys": [_key(e) for e in events]}
+        return keys, [image_crc(e, form) for e in events], form
     shape, rows = batch
-    texts, joined = _row_texts(shape, rows)
-    crcs = list(map(zlib.crc32, texts, itertools.repeat(_seed(shape))))
-    if b" at 0x" in joined:
-        for i, text in enumerate(texts):
-            if b" at 0x" in text:
-                crcs[i] = zlib.crc32(_image_bytes(events[i]))
+    crcs, form = row_crcs(events, shape, rows, form, remake=remake)
     index = shape.single_index
     if index >= 0:
         values = list(map(itemgetter(index), rows))
         kinds = set(map(type, values))
         if kinds in ({int}, {str}):
             kind = "int" if int in kinds else "str"
-            return {"column": shape.pk_names[0], "kind": kind, "values": values}, crcs
-    return {"keys": [_key(e) for e in events]}, crcs
-
-
-@functools.lru_cache(maxsize=64)
-def _row_format(width: int) -> str:
-    """A ``%`` format that writes a row of ``width`` values as its tuple's ``repr``,
-    then a newline: ``tuple.__repr__`` is ``(``, the items' ``repr`` joined by
-    ``, ``, ``)``, with a ``,`` before the ``)`` for one item."""
-    return "(" + ", ".join(["%r"] * width) + ("," if width == 1 else "") + ")\n"
-
-
-def _row_texts(shape: Any, rows: list[Any]) -> tuple[list[bytes], bytes]:
-    """Each row's ``repr`` (that of ``tuple(row)``), UTF-8 with surrogates passed,
-    and all of them joined by newlines.
-
-    The same bytes as ``repr(tuple(row)).encode(...)`` row by row, made in three C
-    calls for the batch: the batch's values flattened, one ``%`` format of them
-    (``%r`` is ``repr``), one encode, one split at the newlines. A split is exact
-    when the text has one newline a row: ``repr`` of a ``str``, number, date or
-    ``bytes`` never writes one (it escapes it), and a batch whose values'
-    ``repr`` does (a foreign object's) has more, and is made row by row.
-    """
-    count = len(rows)
-    width = len(shape.columns)
-    if count and set(map(len, rows)) == {width}:
-        flat = tuple(itertools.chain.from_iterable(rows))
-        joined = (_row_format(width) * count % flat).encode("utf-8", "surrogatepass")
-        if joined.count(b"\n") == count:
-            texts = joined.split(b"\n")
-            texts.pop()  # after the last newline: empty
-            return texts, joined
-    texts = [_row_text(row) for row in rows]
-    return texts, b"\n".join(texts)
+            return {"column": shape.pk_names[0], "kind": kind, "values": values}, crcs, form
+    return {"keys": [_key(e) for e in events]}, crcs, form
 
 
 def batch_detail(
@@ -400,16 +250,19 @@ def batch_detail(
     retried: Mapping[str, str] | None = None,
     waiting: Mapping[str, Any] | None = None,
     source: str | None = None,
+    form: int | None = None,
 ) -> dict[str, Any]:
     """A live commit's ``detail``: the batch's keys and image CRCs as columns, where
     its last event is (``last``), the outcome of each event that was not
     accepted, the retries waiting after it.
 
     Event ids are computed only for a batch that marked events (the outcomes
-    name them): a batch delivered once pays for no id.
+    name them): a batch delivered once pays for no id. ``form``: the images made
+    again in that detail format (a replay comparing with a record), else in the
+    newest the batch needs.
     """
-    keys, crcs = _columns(events)
-    return _detail(events, keys, crcs, rejected, retried, waiting, source)
+    keys, crcs, made = _columns(events, form or DETAIL_FORMAT, remake=form is not None)
+    return _detail(events, keys, crcs, made, rejected, retried, waiting, source)
 
 
 def encoded_detail(
@@ -424,9 +277,9 @@ def encoded_detail(
     text), written from what is known of the columns instead of encoded value by
     value: the CRCs and an ``int`` key column are exact ``int`` lists, written by
     one ``%`` format each."""
-    keys, crcs = _columns(events)
-    detail = _detail(events, keys, crcs, rejected, retried, waiting, source)
-    parts = ['{"format":', str(DETAIL_FORMAT), ',"rows":', str(len(events))]
+    keys, crcs, form = _columns(events, DETAIL_FORMAT)
+    detail = _detail(events, keys, crcs, form, rejected, retried, waiting, source)
+    parts = ['{"format":', str(form), ',"rows":', str(len(events))]
     if "values" in keys:
         kind = keys["kind"]
         values = keys["values"]
@@ -454,12 +307,13 @@ def _detail(
     events: Sequence[RowChange],
     keys: Mapping[str, Any],
     crcs: list[int],
+    form: int,
     rejected: Mapping[str, str] | None,
     retried: Mapping[str, str] | None,
     waiting: Mapping[str, Any] | None,
     source: str | None,
 ) -> dict[str, Any]:
-    detail: dict[str, Any] = {"format": DETAIL_FORMAT, "rows": len(events), **keys, "crcs": crcs}
+    detail: dict[str, Any] = {"format": form, "rows": len(events), **keys, "crcs": crcs}
     last = _last_position(events)
     if last is not None:
         detail["last"] = last
@@ -499,17 +353,6 @@ def columns_digest(detail: Mapping[str, Any]) -> str:
     part = {k: detail.get(k) for k in ("column", "kind", "values", "keys", "crcs") if k in detail}
     text = json.dumps(part, sort_keys=True, separators=(",", ":"), default=str)
     return "sha256:" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def image_crc(event: RowChange) -> int:
-    """What :func:`batch_detail` records as an event's image CRC-32."""
-    shape = getattr(event, "_shape", None)
-    row = getattr(event, "_row", None)
-    if shape is not None and row is not None:
-        text = _row_text(row)
-        if b" at 0x" not in text:
-            return zlib.crc32(text, _seed(shape))
-    return zlib.crc32(_image_bytes(event))
 
 
 def waiting_of(window: Any) -> dict[str, Any] | None:

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from dbtrigger.cursor import Position, canonical_json, decode_value, encoded_pk
 from dbtrigger.events import RowChange
+from dbtrigger.history import images as images_mod
 from dbtrigger.history import records as rec
 from dbtrigger.sources.base import position_of
 from dbtrigger.state import document as docmod
@@ -192,7 +193,7 @@ def reach(
         if not rows:
             break
         events = source.to_events(rows, poller=poller, batch_id=batch_id)
-        crcs = rec.batch_detail(events)["crcs"]
+        crcs = rec.batch_detail(events, form=_form(record))["crcs"]
         for event, crc in zip(events, crcs, strict=True):
             key = (_event_key(event), f"{crc:08x}")
             if key in wanted:
@@ -230,7 +231,7 @@ def compare(
             "event_ids"
         ) and rec.digest_images(events) == detail.get("images")
     else:
-        now = rec.batch_detail(events)
+        now = rec.batch_detail(events, form=_form(record))
         now_images = [f"{crc:08x}" for crc in now["crcs"]]
         recorded = _recorded_digest(detail)
         identical = recorded is not None and rec.columns_digest(now) == recorded
@@ -252,18 +253,21 @@ def compare(
                 drift.append(DriftRow("gone", line.key, line.event_id, None))
                 continue
             event = elsewhere_now
-            image = rec.image_digest(event) if first_format else f"{rec.image_crc(event):08x}"
+            image = (
+                rec.image_digest(event)
+                if first_format
+                else f"{rec.image_crc(event, _form(record)):08x}"
+            )
         if image != line.image or line.event_id not in (None, event.event_id):
             drift.append(DriftRow("changed", line.key, line.event_id, event.event_id))
         deliver.append(event)
-    drift += _added(events, now_images, taken, elsewhere)
+    drift += _added(events, now_images, taken, elsewhere, None if first_format else _form(record))
     if not first_format:
         # The batch as it would be delivered is the batch recorded (rows of the
         # range other batches delivered are not part of it).
         recorded = _recorded_digest(detail)
-        identical = recorded is not None and rec.columns_digest(rec.batch_detail(deliver)) == (
-            recorded
-        )
+        remade = rec.batch_detail(deliver, form=_form(record))
+        identical = recorded is not None and rec.columns_digest(remade) == recorded
     return BatchReplay(dict(record), deliver, drift, compared=True, identical=identical)
 
 
@@ -293,8 +297,14 @@ def _added(
     images: Sequence[str],
     taken: set[int],
     elsewhere: Callable[[], set[tuple[str, str]]] | None,
+    form: int | None,
 ) -> list[DriftRow]:
-    """The range's rows the batch did not deliver, nor another recorded batch as they are."""
+    """The range's rows the batch did not deliver, nor another recorded batch as they are.
+
+    ``images`` are in the detail format ``form`` of the record compared (None:
+    the first format); another batch's record may be in the other of formats 2
+    and 3 (written before and after an upgrade), so a row not found there by its
+    image in ``form`` is looked for by its image in that one too."""
     out: list[DriftRow] = []
     others: set[tuple[str, str]] | None = None
     for e, img in zip(events, images, strict=True):
@@ -302,9 +312,32 @@ def _added(
             continue
         if others is None:
             others = elsewhere() if elsewhere is not None else set()
-        if (_event_key(e), img) not in others:
-            out.append(DriftRow("added", encoded_pk(e.pk), None, e.event_id))
+        key = _event_key(e)
+        if (key, img) in others:
+            continue
+        if form is not None and any(
+            (key, f"{rec.image_crc(e, other):08x}") in others
+            for other in _OTHER_FORMS.get(form, ())
+        ):
+            continue
+        out.append(DriftRow("added", encoded_pk(e.pk), None, e.event_id))
     return out
+
+
+#: The image formats a row may have been recorded in by another batch (format 3
+#: only where this Python makes its images: images.MARSHAL_STABLE).
+_OTHER_FORMS = {
+    images_mod.REPR_IMAGES: (images_mod.MARSHAL_IMAGES,) if images_mod.MARSHAL_STABLE else (),
+    images_mod.MARSHAL_IMAGES: (images_mod.REPR_IMAGES,),
+}
+
+
+def _form(record: Mapping[str, Any]) -> int:
+    """The detail format of a (second format or later) commit record: how its images
+    are made again (:mod:`dbtrigger.history.images`)."""
+    detail = record.get("detail")
+    form = detail.get("format") if isinstance(detail, Mapping) else None
+    return form if type(form) is int and form >= images_mod.REPR_IMAGES else images_mod.REPR_IMAGES
 
 
 def _recorded_digest(detail: Mapping[str, Any]) -> str | None:

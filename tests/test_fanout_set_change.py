@@ -327,7 +327,11 @@ def test_a_declared_rename_takes_over_what_the_old_name_owed(
 
 
 def test_an_undeclared_rename_is_a_warning_naming_the_way_to_declare_it(
-    sqlite_db: TestDatabase, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    sqlite_db: TestDatabase,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Without ``renamed()``, a subscriber leaving while another joins may be a
     rename: what the old name owed is dead-lettered (a sink) in its name, never
@@ -352,6 +356,24 @@ def test_an_undeclared_rename_is_a_warning_naming_the_way_to_declare_it(
     (record,) = sink.records()
     assert record.pk == {"id": 2}
     assert "search: unsubscribed" in record.error
+    assert record.subscribers == {"search": "unsubscribed before resolving it"}
+
+    # Declared afterwards, the rename lets the replay to index take search's letter.
+    module = f"fanout_rename_{uuid.uuid4().hex[:8]}"
+    app = types.ModuleType(module)
+    app.trigger = make_trigger(  # type: ignore[attr-defined]
+        items_source(sqlite_db),
+        state,
+        quarantine=sink,
+        subscribers={"billing": billing, "index": renamed(index, formerly="search")},
+    )
+    monkeypatch.setitem(sys.modules, module, app)
+    argv = ["items", "--trigger", f"{module}:trigger", "--subscriber", "index"]
+    assert main(["dead-letter", "replay", *argv, "--reason", "renamed", "--yes"]) == 0
+    assert index.seen == [2]
+    assert billing.seen == [1, 2]
+    assert main(["dead-letter", "list", *argv[:3]]) == 0
+    assert "no dead letters" in capsys.readouterr().out
 
 
 def test_renamed_is_checked() -> None:

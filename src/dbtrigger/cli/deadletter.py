@@ -48,6 +48,7 @@ from dbtrigger.queue.cli import claim_source_of
 from dbtrigger.replay import dead_letters as dl
 from dbtrigger.replay.batches import ReplayLease, journal_live
 from dbtrigger.runtime.poller import PollTrigger, default_owner_id
+from dbtrigger.runtime.subscriber_options import renames_of
 from dbtrigger.state.document import format_time
 from dbtrigger.state.stores.base import CheckpointStore
 
@@ -234,6 +235,7 @@ def _sinked(
             include_settled=getattr(args, "all", False) or args.verb == "show" or again,
             known=list(known or ()),
             subscriber=getattr(args, "subscriber", None),
+            renames=renames_of(known),
         )
         if again and not ids:  # --again brings back the replayed ones, not the discarded
             letters = [letter for letter in letters if letter.state != "discarded"]
@@ -420,6 +422,7 @@ def _still_unsettled(
             ids=[x.record.event_id for x in letters],
             include_settled=True,
             known=list(trigger.subscribers or ()),
+            renames=renames_of(trigger.subscribers),
         )
     }
     now = [fresh.get(x.record.event_id, x) for x in letters]

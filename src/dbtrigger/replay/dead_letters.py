@@ -365,13 +365,16 @@ def dead_letters(
     include_settled: bool = False,
     known: Collection[str] = (),
     subscriber: str | None = None,
+    renames: Mapping[str, str] | None = None,
 ) -> list[DeadLetter]:
     """The poller's records, each with its marks, filtered.
 
     ``ids`` match an event id or its first 8+ characters; ``since`` keeps
     records dead-lettered at or after it; ``known``: the fan-out trigger's
     subscribers (to read older records' errors); ``subscriber``: only the
-    letters naming it (and, unless ``include_settled``, not yet replayed to it).
+    letters naming it (and, unless ``include_settled``, not yet replayed to it);
+    ``renames``: former subscriber name -> the one that took it over
+    (``renamed(formerly=)``): a letter naming the former names the new one.
     """
     records = sorted(sink.records(poller), key=_order)
     marks: dict[str, list[Mark]] = {}
@@ -388,7 +391,9 @@ def dead_letters(
             continue
         if since is not None and record.quarantined_at < since:
             continue
-        owed = subscribers_of(record, known)
+        owed = subscribers_of(record, [*known, *(renames or {})])
+        if owed is not None and renames:
+            owed = tuple(sorted({renames.get(name, name) for name in owed}))
         letter = DeadLetter(record, tuple(marks.get(record.event_id, ())), owed)
         if subscriber is not None:
             if owed is not None and subscriber not in owed:

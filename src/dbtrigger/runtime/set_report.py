@@ -110,8 +110,9 @@ class SetReport:
             "another joining, and the new name is not handed what the old one owed "
             "unless the rename is declared: subscribers={'NEW': "
             "dbtrigger.renamed(handler, formerly='OLD')} takes over what OLD still owes "
-            "(with a sink, what it owed is dead-lettered at the next tick: replay it with "
-            "dbtrigger dead-letter replay --subscriber NEW)"
+            "(with a sink, what OLD owed is dead-lettered in its name when next due: with "
+            "the rename declared, dbtrigger dead-letter replay --subscriber NEW hands it "
+            "to NEW)"
             if joined and left
             else ""
         )

@@ -27,6 +27,8 @@ import re
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
+from dbtrigger.cdc import binlog_alter
+
 _NAME = r"[`\"]?(?:\w+[`\"]?\.[`\"]?)?\w+[`\"]?"
 _COMMENTS = re.compile(r"/\*.*?\*/|--[^\n]*|#[^\n]*", re.S)
 _STARTS = re.compile(r"^\s*(?:/\*.*?\*/\s*)*(rename|alter|drop|create)\b", re.I | re.S)
@@ -42,7 +44,6 @@ _DROP = re.compile(
 _DROP_DATABASE = re.compile(r"^drop\s+(?:database|schema)\s+(?:if\s+exists\s+)?(\S+)$", re.I)
 _REPLACE = re.compile(rf"^create\s+or\s+replace\s+table\s+({_NAME})", re.I)
 _WAIT = re.compile(r"\s+(?:wait\s+\d+|nowait)\b", re.I)
-_ALTER = re.compile(rf"^alter\s+(?:online\s+|ignore\s+)*table\s+(?:if\s+exists\s+)?({_NAME})", re.I)
 
 #: ``moves`` of ``DROP DATABASE d``: every table of ``d`` (``d.*``) is dropped.
 EVERY = "*"
@@ -90,17 +91,18 @@ def moves(text: str, schema: str | bytes | None = None) -> dict[str, str | None]
 
 
 def redefines(text: str, schema: str | bytes | None, table: str) -> bool:
-    """Does the statement ``text`` change the definition of the table ``table``
-    (qualified): an ``ALTER TABLE`` of it, or one that moves it off its name or puts
-    another table under it (:func:`effects`)? Any ``ALTER`` counts, one of indexes
-    only too: without names in the log the columns' are not known to be the same.
+    """Does the statement ``text`` change what the table ``table`` (qualified) names its
+    values by: an ``ALTER TABLE`` of it that may change its column list
+    (:func:`~dbtrigger.cdc.binlog_alter.altered`: not one of indexes, constraints,
+    table options, defaults or partitions only), or one that moves it off its name or
+    puts another table under it (:func:`effects`)?
     """
     if not _STARTS.match(text):
         return False
     if isinstance(schema, bytes):
         schema = schema.decode(errors="replace")
-    altered = _ALTER.match(_WAIT.sub(" ", _COMMENTS.sub(" ", text)).strip())
-    if altered is not None and _matches(_qualified(altered.group(1), schema), table):
+    alter = binlog_alter.altered(text)
+    if alter is not None and alter[1] and _matches(_qualified(alter[0], schema), table):
         return True
     return bool(effects(text, schema, [table]))
 

@@ -163,8 +163,8 @@ def self_check(source: BinlogSourceParts) -> list[SourceFinding]:
                     "binlog_row_metadata is not FULL: column names are read from "
                     "information_schema; a table whose column count differs from the log's "
                     "stops delivery, and so does a change written before an ALTER TABLE "
-                    "of its table but read after it (its names are not knowable; a "
-                    "snapshot of the table is then needed)",
+                    "that changed its table's columns but read by a worker started after "
+                    "it (its names are not knowable; a snapshot of the table is then needed)",
                     "SET GLOBAL binlog_row_metadata = 'FULL' (MariaDB 10.5+), and in my.cnf",
                 )
             )

@@ -1,32 +1,38 @@
-"""BinlogSource without column names in the log: is the catalog the table map's?
+"""BinlogSource without column names in the log: is a catalog reading the table map's?
 
 With ``binlog_row_metadata`` not FULL (MariaDB's default) a table map carries no
-column names, and the reader names its values from ``information_schema``, which
-describes the table as it is *now*. That is the table map's definition only if
-no statement changed the table between the table map's place in the log and now.
-A reader behind the log that read the catalog after ``ALTER TABLE t DROP COLUMN
-b, ADD COLUMN c INT`` (same count, same types) named ``b``'s values ``c``: data
-silently wrong.
+column names, and the reader names its values from ``information_schema``
+(:class:`Reading`: the names and types, and where the log ended when they were
+read). That is the table map's definition exactly when no statement changed the
+table's column list between the table map's place in the log and the reading's
+end: between them either way round, since a reading may be older than the table
+map (the one taken at the start) or newer (a reader behind the log).
+:func:`dbtrigger.cdc.binlog_ddl.redefines` says which statements change it
+(an ``ALTER TABLE`` of the table's columns, a rename, drop or ``CREATE OR
+REPLACE``; not an index, a comment, a table option, a statement of another table).
 
 So, once per table map id (the server gives a table a new id whenever it loads
-its definition again, as after every ``ALTER``), the reader looks ahead in the
-log from the table map to its current end (:func:`later_statement`:
-``SHOW BINLOG EVENTS``, server side, paged) for a statement that changes the
-watched table (:func:`dbtrigger.cdc.binlog_ddl.redefines`). None: the catalog,
-read before the look-ahead began, is the table map's, and any later ``ALTER``
-gives later changes another id, looked at in turn. One: the names of the table
-map's changes are not knowable, and delivery stops before them
-(:func:`refusal`), until a snapshot of the table is asked for after that
-statement; the changes of that table map are then passed over as a ``truncate``
-of the table, and the snapshot brings the rows it holds. With names in the log
-none of this runs.
+its definition again, as after every ``ALTER``), the reader takes the latest
+reading of the table; if such a statement lies between, and the reading is
+older than the table map, it reads the catalog again (a reader that keeps up
+names the changes after an ``ALTER`` by it). A statement still between the table
+map and the reading (:class:`Later`): the names are not knowable, and delivery
+stops before that id's changes (:func:`refusal`) until a snapshot of the table is
+asked for after that statement; those changes are then passed over as a
+``truncate`` of the table, and the snapshot brings the rows it holds. A statement
+written after the reading does not count: the names were read before it.
+
+The log is read once per stretch (:class:`Statements`, ``SHOW BINLOG EVENTS``,
+server side, paged): each id asks only about the stretch between its table map
+and its reading, and what was read is kept (the statements of the watched tables
+only). With names in the log none of this runs.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import pymysql
@@ -41,9 +47,34 @@ PAGE = 2000
 _USE = re.compile(r"^\s*use\s+`((?:[^`]|``)+)`\s*;\s*(.*)$", re.I | re.S)
 
 
+@dataclass(frozen=True, order=True)
+class Mark:
+    """A place in the binary log: file (by its number) and offset; ordered as the log."""
+
+    index: int
+    pos: int
+    file: str = field(compare=False)
+
+    @classmethod
+    def of(cls, where: tuple[str, int]) -> Mark:
+        return cls(file_index(where[0]), where[1], where[0])
+
+
+@dataclass(frozen=True)
+class Reading:
+    """A table's columns as ``information_schema`` gave them (names in order, each one's
+    ``DATA_TYPE``), and where the log ended when they had been read (``end``, read
+    after them: a statement that changed what they show was in the log by then)."""
+
+    names: tuple[str, ...]
+    types: Mapping[str, str]
+    end: Mark
+
+
 @dataclass(frozen=True)
 class Later:
-    """A statement that changed a watched table after a table map of it was written."""
+    """A statement that changed a watched table between a table map of it and the reading
+    its values would be named by."""
 
     table: str
     file: str
@@ -58,6 +89,15 @@ class Later:
         return commit_token(file_index(self.file), self.pos, None, generation)
 
 
+@dataclass(frozen=True)
+class Statement:
+    """A statement of the log that changes one of the watched tables (see :class:`Statements`)."""
+
+    at: Mark
+    text: str
+    schema: str | None
+
+
 def _statement(info: str) -> tuple[str, str | None]:
     """``SHOW BINLOG EVENTS``' ``Info`` of a query (``use `db`; ALTER ...``): the text and
     its default database."""
@@ -67,31 +107,72 @@ def _statement(info: str) -> tuple[str, str | None]:
     return used.group(2), used.group(1).replace("``", "`")
 
 
-def later_statement(
-    conn: pymysql.connections.Connection[Any], table: str, file: str, pos: int
-) -> Later | None:
-    """The first statement in the log from ``file``:``pos`` to its end that changes
-    ``table``'s definition (None: there is none now)."""
-    index = file_index(file)
-    files = [name for name, _ in binary_logs(conn) if file_index(name) >= index]
-    start = pos
+def read_statements(
+    conn: pymysql.connections.Connection[Any], tables: Collection[str], start: Mark, end: Mark
+) -> tuple[list[Statement], int]:
+    """The statements from ``start`` up to ``end`` (not included) that change one of
+    ``tables``' definitions, and the bytes of log read."""
+    found: list[Statement] = []
+    read = 0
     with translated("looking ahead in the binary log (SHOW BINLOG EVENTS)"):
-        for name in files or [file]:
-            while True:
+        files = [n for n, _ in binary_logs(conn) if start.index <= file_index(n) <= end.index]
+        for name in files:
+            index = file_index(name)
+            at = start.pos if index == start.index else 4
+            while index < end.index or at < end.pos:
                 with conn.cursor() as cur:
-                    cur.execute("SHOW BINLOG EVENTS IN %s FROM %s LIMIT %s", (name, start, PAGE))
+                    cur.execute("SHOW BINLOG EVENTS IN %s FROM %s LIMIT %s", (name, at, PAGE))
                     rows = cur.fetchall()
                 for row in rows:
+                    if index == end.index and int(row[1]) >= end.pos:
+                        return found, read
+                    read += max(0, int(row[4]) - int(row[1]))
                     if str(row[2]) != "Query":
                         continue
                     text, schema = _statement(str(row[5] or ""))
-                    if ddl.redefines(text, schema, table):
-                        return Later(table, name, int(row[1]), text)
+                    if any(ddl.redefines(text, schema, t) for t in tables):
+                        found.append(Statement(Mark(index, int(row[1]), name), text, schema))
                 if len(rows) < PAGE:
                     break
-                start = int(rows[-1][4])  # End_log_pos: where the next event starts
-            start = 4
-    return None
+                at = int(rows[-1][4])  # End_log_pos: where the next event starts
+    return found, read
+
+
+class Statements:
+    """The watched tables' statements of the stretch of the log read so far, which
+    grows as it is asked about: each byte of the log is read once (per source set-up),
+    however many table map ids ask about it."""
+
+    def __init__(self, read: Callable[[Mark, Mark], tuple[list[Statement], int]]) -> None:
+        self._read = read
+        self._lo: Mark | None = None
+        self._hi: Mark | None = None
+        self._found: list[Statement] = []
+        #: Bytes of log read (``cdc_binlog`` benchmark, tests).
+        self.bytes_read = 0
+
+    def first(self, table: str, a: Mark, b: Mark) -> Statement | None:
+        """The first statement from ``a`` to ``b`` (either way round; ``b``'s place not
+        included) that changes ``table``."""
+        lo, hi = min(a, b), max(a, b)
+        if lo == hi:
+            return None
+        if self._lo is None or self._hi is None or hi < self._lo or lo > self._hi:
+            self._found, self._lo, self._hi = self._fetch(lo, hi), lo, hi  # not adjoining
+        else:
+            if lo < self._lo:
+                self._found, self._lo = self._fetch(lo, self._lo) + self._found, lo
+            if hi > self._hi:
+                self._found, self._hi = self._found + self._fetch(self._hi, hi), hi
+        return next(
+            (s for s in self._found if lo <= s.at < hi and ddl.redefines(s.text, s.schema, table)),
+            None,
+        )
+
+    def _fetch(self, lo: Mark, hi: Mark) -> list[Statement]:
+        found, read = self._read(lo, hi)
+        self.bytes_read += read
+        return found
 
 
 def refusal(later: Later, commit: str, poller: str | None) -> str:
@@ -116,27 +197,65 @@ def refusal(later: Later, commit: str, poller: str | None) -> str:
 
 
 class Lookahead:
-    """Per table map id (without names in the log): the later statement, if any.
+    """Per table map id named from the catalog: the reading it is named by, and the
+    statement between them, if any (see the module docstring).
 
-    Looked for once per id (a table map precedes every transaction's rows of the
-    table: the scan must not run per row event); each id's answer holds, since a
-    statement after the scan gives the table a new id.
+    Decided once per id (a table map precedes every transaction's rows of the table:
+    the look-ahead must not run per row event) and kept: the id's names are kept too.
     """
 
-    def __init__(self, scan: Callable[[str, str, int], Later | None] | None) -> None:
-        self.scan = scan
-        self._found: dict[int, tuple[str, Later | None]] = {}
+    def __init__(
+        self,
+        statements: Statements | None,
+        catalog: Callable[[str], Reading | None] | None = None,
+    ) -> None:
+        self.statements = statements
+        self.catalog = catalog
+        #: Each table's readings, oldest first (the start's first, seeded by the source).
+        self.readings: dict[str, list[Reading]] = {}
+        self._found: dict[int, tuple[str, Reading, Later | None]] = {}
         #: Tables a truncate was kept for in the open transaction, passing a statement.
         self.truncated: set[str] = set()
         #: Statements a snapshot was asked for after (the answer holds: not asked again).
         self.passed: set[Later] = set()
 
-    def table_map(self, table_id: int, table: str, where: tuple[str, int] | None) -> None:
-        """A table map named from the catalog (read before this, at ``where`` in the log)."""
+    def reading(self, table_id: int, table: str, where: tuple[str, int]) -> Reading | None:
+        """The reading the table map ``table_id`` of ``table`` at ``where`` is named by
+        (None: no reading of the table yet, and the catalog cannot be read now)."""
         known = self._found.get(table_id)
-        if self.scan is None or where is None or (known is not None and known[0] == table):
-            return
-        self._found[table_id] = (table, self.scan(table, *where))
+        if known is not None and known[0] == table:
+            return known[1]
+        readings = self.readings.setdefault(table, [])
+        if self.statements is None:
+            return readings[-1] if readings else None
+        at, statements = Mark.of(where), self.statements
+        newer = [r for r in readings if r.end > at]
+        if not newer and self.catalog is not None:
+            fresh = self.catalog(table)  # newer than the table map: read up to now
+            if fresh is not None:
+                readings.append(fresh)
+                newer = [fresh]
+        # The newer reading nearest the table map (the shortest stretch), then the older
+        # ones, newest first (a statement between the table map and now, none before).
+        candidates = sorted(newer, key=lambda r: r.end)[:1]
+        candidates += sorted((r for r in readings if r.end <= at), key=lambda r: r.end)[::-1]
+        for reading in candidates:
+            if statements.first(table, at, reading.end) is None:
+                self._found[table_id] = (table, reading, None)
+                return reading
+        if not candidates:
+            return None
+        reading = candidates[0]
+        between = statements.first(table, at, reading.end)
+        assert between is not None  # noqa: S101 - none fitted
+        later = Later(table, between.at.file, between.at.pos, between.text)
+        self._found[table_id] = (table, reading, later)
+        return reading
+
+    def named(self, table_id: int, table: str) -> Reading | None:
+        """The reading :meth:`reading` gave the id (None: none, or named otherwise)."""
+        known = self._found.get(table_id)
+        return known[1] if known is not None and known[0] == table else None
 
     def named_by_log(self, table_id: int) -> None:
         self._found.pop(table_id, None)
@@ -150,7 +269,17 @@ class Lookahead:
 
     def later(self, table_id: int) -> Later | None:
         known = self._found.get(table_id)
-        return None if known is None else known[1]
+        return None if known is None else known[2]
 
 
-__all__ = ["PAGE", "Later", "Lookahead", "later_statement", "refusal"]
+__all__ = [
+    "PAGE",
+    "Later",
+    "Lookahead",
+    "Mark",
+    "Reading",
+    "Statement",
+    "Statements",
+    "read_statements",
+    "refusal",
+]

@@ -119,7 +119,7 @@ class Assembler(Assembly[TableInfo, str]):
         followed: Collection[str] = (),
         exists: Callable[[str], bool] = lambda table: True,
         acked: Callable[[str, str], bool] = lambda table, commit: False,
-        later: Callable[[str, str, int], lookahead.Later | None] | None = None,
+        ahead: lookahead.Lookahead | None = None,
     ) -> None:
         super().__init__(watched, guard)
         #: For the statements that move a watched table off its name (see
@@ -136,11 +136,12 @@ class Assembler(Assembly[TableInfo, str]):
         #: A table's column types read again (a column added since ``watched`` was read).
         self.column_types = column_types
         self._catalogs: dict[str, Mapping[str, str]] = {}
-        #: Without names in the log: a table map id -> (its table, the names it was given),
-        #: each table's latest id (see :meth:`_catalog_names`), and the statements after.
+        #: Without names in the log: which reading of the catalog names a table map id
+        #: (:mod:`~dbtrigger.cdc.binlog_lookahead`); without a look-ahead, a table map id ->
+        #: (its table, the names it was given) and each table's latest id.
+        self.ahead = ahead if ahead is not None else lookahead.Lookahead(None)
         self._names_by_id: dict[int, tuple[str, tuple[str, ...]]] = {}
         self._last_id: dict[str, int] = {}
-        self.ahead = lookahead.Lookahead(later)
         self._asked: dict[str, set[str]] = {}
         self.chunks_table = chunks_table
         self.reader = reader
@@ -213,10 +214,9 @@ class Assembler(Assembly[TableInfo, str]):
             names = tuple(str(c.name) for c in columns)
             problem = None
             self.ahead.named_by_log(event.table_id)
-        elif len(columns) == len(catalog := self._catalog_names(table, event.table_id, info)):
+        elif len(columns) == len(catalog := self._catalog_names(event.table_id, info, where)):
             names = catalog
             problem = None
-            self.ahead.table_map(event.table_id, table, where)  # the catalog read first
         else:
             names = tuple(f"col{i}" for i in range(len(columns)))
             problem = (
@@ -228,9 +228,9 @@ class Assembler(Assembly[TableInfo, str]):
         if gone and problem is None:  # renamed or dropped: changes would come without a key
             problem = keyless(table, gone)
         self.shapes[event.table_id] = RowShape(table, names, info.key_columns)
-        self._converters[event.table_id] = binlog_values.converters(
-            columns, names, self._catalog(table, info, names)
-        )
+        reading = self.ahead.named(event.table_id, table)
+        types = reading.types if reading is not None else self._catalog(table, info, names)
+        self._converters[event.table_id] = binlog_values.converters(columns, names, types)
         self._signatures[event.table_id] = [
             (n, f"{c.type}{'u' if getattr(c, 'unsigned', False) else ''}")
             for n, c in zip(names, columns, strict=True)
@@ -238,14 +238,21 @@ class Assembler(Assembly[TableInfo, str]):
         self._checked.discard(event.table_id)
         self.note_problem(event.table_id, problem)
 
-    def _catalog_names(self, table: str, table_id: int, info: TableInfo) -> tuple[str, ...]:
-        """The column names of a table map without them (``binlog_row_metadata`` not FULL).
+    def _catalog_names(
+        self, table_id: int, info: TableInfo, where: tuple[str, int] | None
+    ) -> tuple[str, ...]:
+        """The column names of a table map without them (``binlog_row_metadata`` not FULL),
+        at ``where`` in the log: from the reading of the catalog that fits it, and whether
+        one does (:meth:`~dbtrigger.cdc.binlog_lookahead.Lookahead.reading`).
 
-        The server gives a table a new map id when it loads its definition again (every
-        ``ALTER TABLE``): the first id met is named by the catalog read at the start, each
-        later one by the catalog read when it first appears (names kept would name every
-        change after ``DROP COLUMN b, ADD COLUMN c INT`` ``b``). Whether a statement changed
-        the table since the id was written: :mod:`~dbtrigger.cdc.binlog_lookahead`."""
+        Without a look-ahead: the first id met is named by the catalog read at the start,
+        each later one (the server gives a table a new id when it loads its definition
+        again, as after every ``ALTER TABLE``) by the catalog read when it first appears."""
+        table = info.table.qualified
+        if where is not None and self.ahead.statements is not None:
+            reading = self.ahead.reading(table_id, table, where)
+            if reading is not None:
+                return reading.names
         known = self._names_by_id.get(table_id)
         if known is not None and known[0] == table:
             return known[1]

@@ -319,9 +319,37 @@ class BinlogSource(LogSource):
             followed=frozenset(row.tables),
             exists=self._exists,
             acked=self._snapshot_asked,
-            later=lambda t, file, pos: lookahead.later_statement(self.connection(), t, file, pos),
+            ahead=None if facts.names_from_log else self._lookahead(conn, files),
         )
         self.health.retention_warning(after, files)
+
+    def _lookahead(
+        self, conn: pymysql.connections.Connection[Any], files: Sequence[tuple[str, int]]
+    ) -> lookahead.Lookahead:
+        """Without names in the log: the readings of the catalog the reader names values
+        by, the start's first (``self.infos``, read before this), and the log between
+        them and the table maps (:mod:`~dbtrigger.cdc.binlog_lookahead`)."""
+        end = lookahead.Mark.of(current_position(conn, files))  # after the catalog's reading
+        tables = list(self.infos)
+        ahead = lookahead.Lookahead(
+            lookahead.Statements(
+                lambda a, b: lookahead.read_statements(self.connection(), tables, a, b)
+            ),
+            self._reading,
+        )
+        for name, info in self.infos.items():
+            ahead.readings[name] = [lookahead.Reading(info.names, dict(info.columns), end)]
+        return ahead
+
+    def _reading(self, table: str) -> lookahead.Reading | None:
+        """``table``'s columns now, and where the log ends after they were read (None when
+        they cannot be read: the reader keeps the readings it has)."""
+        types = self._column_types(table)
+        if types is None:
+            return None
+        with setup.translated("reading the binary log position"):
+            end = current_position(self.connection(), ())
+        return lookahead.Reading(tuple(types), types, lookahead.Mark.of(end))
 
     def _table_infos(
         self, conn: pymysql.connections.Connection[Any], after: LogPosition | None

@@ -48,6 +48,7 @@ from benchmarks.cdc_pg import run_worker, unique
 from benchmarks.common import ROOT, int_list, percentile, print_table, rss_mb
 from dbtrigger import InMemoryCheckpointStore, PollTrigger, RowChange, SqlAlchemySource
 from dbtrigger.cdc import BinlogSource
+from dbtrigger.cdc import binlog_setup as setup
 
 SCRIPT = ROOT / "scripts" / "cdc-servers.sh"
 
@@ -228,6 +229,123 @@ def replay(url: str, kind: str, rows: int, batch: int) -> dict[str, Any]:
     return {"events_per_s": rows / elapsed, "seconds": elapsed}
 
 
+# --- the look-ahead without names in the log -------------------------------------------------
+
+
+def log_end(url: str) -> tuple[str, int]:
+    conn = connect(url)
+    with conn.cursor() as cur:
+        cur.execute("SHOW MASTER STATUS")
+        row = cur.fetchone()
+    conn.close()
+    assert row is not None
+    return str(row[0]), int(row[1])
+
+
+@contextmanager
+def names_from_catalog(on: bool) -> Iterator[None]:
+    """The source takes the server for one without names in the log (as with
+    ``binlog_row_metadata`` MINIMAL, MariaDB's default): it names values from the
+    catalog and runs the look-ahead; the log read is the same."""
+    facts = setup.ServerFacts
+    saved = facts.__dict__["names_from_log"]
+    if on:
+        facts.names_from_log = property(lambda _: False)  # type: ignore[assignment,method-assign]
+    try:
+        yield
+    finally:
+        facts.names_from_log = saved  # type: ignore[method-assign]
+
+
+def lookahead(url: str, rows: int, flushes: int, batch: int, txn_rows: int) -> list[dict[str, Any]]:
+    """Drain one backlog of ``rows`` (``txn_rows``-row transactions, a ``FLUSH TABLES`` every
+    ``rows / flushes`` rows: each gives the table a new map id, which the look-ahead
+    is asked about) twice: with names from the log, then from the catalog."""
+    db = fresh_database(url)
+    table = "ahead"
+    execute(db, f"CREATE TABLE {table} (id BIGINT PRIMARY KEY, v INT NOT NULL, p TEXT NOT NULL)")
+    triggers = {}
+    for catalog in (False, True):
+        with names_from_catalog(catalog):
+            source = BinlogSource(db, [table], snapshot="never")
+            triggers[catalog] = PollTrigger(
+                name=unique(f"ahead_{int(catalog)}"),
+                source=source,
+                checkpoint_store=InMemoryCheckpointStore(),
+                batch_size=batch,
+                max_batches_per_tick=100,
+            )
+            triggers[catalog].tick(lambda events: None)  # set up before the backlog
+    start = log_end(url)
+    every = max(txn_rows, rows // max(1, flushes))
+    conn = connect(db)
+    with conn.cursor() as cur:
+        for first in range(0, rows, txn_rows):  # autocommit: a transaction each
+            last = min(rows, first + txn_rows)
+            cur.execute(
+                f"INSERT INTO {table} SELECT seq, seq % 97, REPEAT('x', 200) "
+                f"FROM seq_{first + 1}_to_{last}",
+            )
+            if last // every != first // every and last < rows:
+                cur.execute(f"FLUSH TABLES {table}")
+    conn.close()
+    end = log_end(url)
+    size = end[1] - start[1] if end[0] == start[0] else float("nan")
+    out = []
+    for catalog, trigger in triggers.items():
+        seen = 0
+
+        def handle(events: list[RowChange]) -> None:
+            nonlocal seen
+            seen += len(events)
+
+        with names_from_catalog(catalog):
+            started = time.perf_counter()
+            while seen < rows:
+                trigger.tick(handle)
+            elapsed = time.perf_counter() - started
+        done = trigger.source
+        ahead = getattr(getattr(done, "_assembler", None), "ahead", None)
+        scanned = getattr(getattr(ahead, "statements", None), "bytes_read", None)
+        done.close()
+        out.append(
+            {
+                "catalog": catalog,
+                "events_per_s": rows / elapsed,
+                "seconds": elapsed,
+                "log_mb": size / 2**20,
+                "scanned_mb": None if scanned is None else scanned / 2**20,
+            }
+        )
+    drop_database(db)
+    return out
+
+
+def report_lookahead(args: argparse.Namespace, url: str) -> None:
+    table_rows = []
+    for rows in args.rows:
+        for result in lookahead(url, rows, args.flushes, 1000, args.txn_rows):
+            scanned = result["scanned_mb"]
+            table_rows.append(
+                [
+                    "catalog + look-ahead" if result["catalog"] else "names in the log",
+                    rows,
+                    f"{result['log_mb']:.1f}",
+                    args.flushes,
+                    f"{result['events_per_s']:,.0f}",
+                    f"{result['seconds']:.1f}",
+                    "-" if scanned is None else f"{scanned:.1f}",
+                ]
+            )
+    print_table(
+        f"backlog drain without names in the log ({args.txn_rows}-row transactions, "
+        "batch_size 1000, a FLUSH TABLES every rows/flushes rows: a new table map id each)",
+        ["names", "events", "log MB", "flushes", "events/s", "seconds", "looked-ahead MB"],
+        table_rows,
+        left=1,
+    )
+
+
 # --- memory during one large transaction ------------------------------------------------------
 
 
@@ -297,6 +415,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=[1.0, 0.1],
         help="worker intervals of the latency runs (default 1,0.1)",
     )
+    parser.add_argument(
+        "--lookahead",
+        action="store_true",
+        help="only the backlog drain without names in the log, with and without the look-ahead",
+    )
+    parser.add_argument(
+        "--flushes", type=int, default=20, help="new table map ids in the --lookahead backlog"
+    )
+    parser.add_argument(
+        "--txn-rows", type=int, default=10, help="rows per transaction of the --lookahead backlog"
+    )
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-history", action="store_true", help=argparse.SUPPRESS)
@@ -321,6 +450,9 @@ def label(kind: str) -> str:
 
 
 def report(args: argparse.Namespace, url: str) -> None:
+    if args.lookahead:
+        report_lookahead(args, url)
+        return
     lat_rows = []
     for kind in ("binlog", "polling"):
         for interval in args.intervals:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import sys
+import threading
 import types
 import uuid
 from collections import Counter
@@ -142,3 +143,55 @@ def test_poll_trigger_with_partitions_and_subscribers_runs_under_the_cli(
     monkeypatch.chdir(tmp_path)
     assert main(["run", f"{module}:trigger", "--max-ticks", "2", "--interval", "0"]) == 0
     assert got == {"a": 60, "b": 60}
+
+
+def test_a_subscriber_hung_in_one_partition_is_busy_in_every_partition(
+    sqlite_db: TestDatabase,
+) -> None:
+    """A hung synchronous subscriber was called again, and waited for its whole
+    ack timeout, in each partition the member ticks: one more hung thread and one
+    more ack timeout (300 s by default) per partition before the round ended.
+    It is now busy for the whole member once one call outlived its timeout:
+    called once, the other partitions' events wait for it, and it gets them all
+    once that call returns."""
+    make_table(sqlite_db, 40)
+    release = threading.Event()
+    calls: list[int] = []
+    hung_got: list[int] = []
+    audit_got: list[int] = []
+
+    def hung(events: list[RowChange]) -> None:
+        calls.append(len(events))
+        if len(calls) == 1:
+            release.wait(30)  # (bounded; released below)
+        else:
+            hung_got.extend(int(e.pk["id"]) for e in events)
+
+    def audit(events: list[RowChange]) -> None:
+        audit_got.extend(int(e.pk["id"]) for e in events)
+
+    poller = PartitionedPoller(
+        name="orders",
+        source=source(sqlite_db),
+        checkpoint_store=InMemoryCheckpointStore(),
+        partitions=4,
+        join_window_seconds=0,
+        background=False,
+        retry_delay_seconds=0,
+        subscribers={"audit": audit, "hung": hung},
+        ack_timeout_seconds=0.3,
+    )
+    try:
+        poller.tick_result()
+        assert sorted(audit_got) == list(range(1, 41))
+        assert len(calls) == 1  # not once a partition
+    finally:
+        release.set()
+    for _ in range(200):  # until the released call has ended and every partition handed over
+        poller.tick_result()
+        if sorted(set(hung_got)) == list(range(1, 41)):
+            break
+    assert sorted(set(hung_got)) == list(range(1, 41))
+    assert sorted(audit_got) == list(range(1, 41))  # never twice to audit
+    poller.leave()
+    poller.close()

@@ -24,6 +24,7 @@ from dbtrigger.partitions.recovery import read_membership
 from dbtrigger.partitions.report import GroupReport
 from dbtrigger.partitions.source import PartitionSource
 from dbtrigger.runtime.poller import PollTrigger
+from dbtrigger.runtime.subscribers import FanOut
 from dbtrigger.sources.sqlalchemy import SqlAlchemySource
 from dbtrigger.state.stores.base import CheckpointStore
 
@@ -260,7 +261,7 @@ class Balancing:
         Also for a partition that is not in the current layout any more (the
         dead-letter commands replay what one dead-lettered before a split).
         """
-        return PollTrigger(
+        trigger = PollTrigger(
             name=partition_poller(self.name, partition.id),
             source=PartitionSource(
                 self.source, partition, poller=self.name, floors_now=self._floors_of(partition)
@@ -271,6 +272,12 @@ class Balancing:
             clock=self.clock,
             **self.options,
         )
+        delivery = trigger._driver.reader.delivery
+        if isinstance(delivery, FanOut):
+            # A subscriber whose call hung in one partition is busy in all of them: it
+            # was called again (one more hung thread) and waited for in each partition.
+            delivery.abandoned = self.__dict__.setdefault("_hung_calls", {})
+        return trigger
 
     def _rebuild(self, doc: Membership) -> None:
         """One PollTrigger per partition of the current layout."""

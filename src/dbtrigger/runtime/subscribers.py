@@ -100,8 +100,9 @@ class FanOut(Delivery):
         self.subscribers = dict(subscribers)
         self.wants = {name: wants_context(fn) for name, fn in self.subscribers.items()}
         self.ack_timeout = ack_timeout
-        #: Calls that outlived their ack timeout (or a lost lease) and are still running.
-        self._abandoned: dict[str, threading.Thread] = {}
+        #: Calls that outlived their ack timeout (or a lost lease) and are still running
+        #: (one registry for every partition of a PartitionedPoller member).
+        self.abandoned: dict[str, threading.Thread] = {}
         sink = self.quarantine is not None
         self._limits: dict[str, Any] = {"max_attempts": self.max_attempts, "has_sink": sink}
         #: Says what holds the checkpoint, once per change.
@@ -124,10 +125,10 @@ class FanOut(Delivery):
 
     def busy(self) -> frozenset[str]:
         """Subscribers still inside a call that outlived its ack timeout."""
-        for name, thread in list(self._abandoned.items()):
+        for name, thread in list(self.abandoned.items()):
             if not thread.is_alive():
-                del self._abandoned[name]
-        return frozenset(self._abandoned)
+                self.abandoned.pop(name, None)
+        return frozenset(self.abandoned)
 
     def holding(self, window: Window) -> frozenset[str] | None:
         """The window keys of waiting events no subscriber can take now (see
@@ -264,7 +265,7 @@ class FanOut(Delivery):
             if call.thread is not None and call.thread.is_alive():
                 # Still running: handed nothing new until it returns. After a
                 # lost lease its context says cancelled already; nothing commits.
-                self._abandoned[call.name] = call.thread
+                self.abandoned[call.name] = call.thread
                 call.marks.close()
                 if not lost:
                     call.timed_out = True

@@ -236,3 +236,20 @@ def test_a_snapshot_requested_while_a_chunk_is_saved_is_not_lost(
     ]
     source.close()
     operator.close()
+
+
+def test_a_snapshot_after_a_column_was_dropped_in_the_worker_started_before(
+    cdc_db: CdcDatabase, tmp_path: Any
+) -> None:
+    # The worker read the table's columns when it started; its snapshot chunks selected
+    # the dropped column ("column w does not exist") until the process restarted.
+    cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY, v int NOT NULL, w int)")
+    trigger, source = make(cdc_db, tmp_path, f"snap_{uuid.uuid4().hex[:6]}", snapshot="never")
+    got: list[RowChange] = []
+    trigger.drain(got.extend)
+    cdc_db.execute("INSERT INTO t VALUES (1, 10, 100); ALTER TABLE t DROP COLUMN w")
+    source.admin().request_snapshot("public.t")
+    trigger.drain(got.extend)
+    snapshot = {e.pk["id"]: dict(e.after or {}) for e in got if e.op == "upsert"}
+    assert snapshot == {1: {"id": 1, "v": 10}}
+    source.close()

@@ -39,6 +39,7 @@ from psycopg import sql
 from psycopg.adapt import Loader
 
 from dbtrigger.cdc import pg_control as control
+from dbtrigger.cdc import pg_setup as setup
 from dbtrigger.cdc.pg_connection import translated
 from dbtrigger.cdc.pg_context import PgSourceParts
 from dbtrigger.cdc.pg_reader import SNAPSHOT_PREFIX
@@ -88,35 +89,6 @@ class SnapshotWriter(ChunkWriter[PgSourceParts, control.ControlRow, "TableInfo"]
     def chunk(self, row: control.ControlRow, request: Snapshot, info: TableInfo) -> bool:
         s = self.source
         conn: psycopg.Connection[Any] = s.connection()
-        keys = info.key_columns
-        if not keys:
-            raise SourceDefinitionError(
-                f"cannot snapshot {info.table.qualified}: it has no primary key (or replica "
-                "identity index) to read it in chunks by; add one, or use snapshot='never'"
-            )
-        generated = generated_columns(conn, info.oid) - set(keys)
-        columns = [c for c in info.columns if c not in generated]
-        types = [info.columns[c][0] for c in columns]
-        condition: sql.Composable = sql.SQL("TRUE")
-        params: list[Any] = []
-        if request.last_key is not None:
-            condition = sql.SQL("({}) > ({})").format(
-                sql.SQL(", ").join(sql.Identifier(k) for k in keys),
-                sql.SQL(", ").join(
-                    sql.SQL("%s::{}").format(sql.SQL(info.columns[k][1])) for k in keys
-                ),
-            )
-            params.extend(request.last_key)
-        if request.where:
-            where = sql.SQL(request.where)  # the operator's own SQL (cdc snapshot --where)
-            condition = sql.SQL("{} AND ({})").format(condition, where)
-        query = sql.SQL("SELECT {} FROM {} WHERE {} ORDER BY {} LIMIT {}").format(
-            sql.SQL(", ").join(sql.Identifier(c) for c in columns),
-            info.table.identifier(),
-            condition,
-            sql.SQL(", ").join(sql.Identifier(k) for k in keys),
-            sql.Literal(s.snapshot_chunk_size),
-        )
         with translated(f"reading a snapshot chunk of {info.table.qualified}"), conn.transaction():
             conn.execute(
                 sql.SQL("SET LOCAL lock_timeout = {}").format(
@@ -129,6 +101,11 @@ class SnapshotWriter(ChunkWriter[PgSourceParts, control.ControlRow, "TableInfo"]
             if fresh is None or mine is None:
                 return False  # changed meanwhile (cdc recreate): the next read reads it again
             conn.execute(sql.SQL("LOCK TABLE {} IN SHARE MODE").format(info.table.identifier()))
+            # The table as it is now, under the lock (no ALTER until the chunk commits):
+            # what the source read at its start selected a dropped column ("column ... does
+            # not exist") in every worker started before the ALTER, until it restarted.
+            info = setup.table_infos(conn, [info.table])[info.table.qualified]
+            query, params, columns, types = _chunk_query(conn, info, request, s.snapshot_chunk_size)
             cursor = conn.cursor()
             # A domain column comes typed as its base type: loaded as text too, never as
             # a Python value (a numeric domain came as a Decimal and failed the chunk).
@@ -148,11 +125,46 @@ class SnapshotWriter(ChunkWriter[PgSourceParts, control.ControlRow, "TableInfo"]
                     (SNAPSHOT_PREFIX + s.slot, json.dumps(payload)),
                 )
             index = {c: i for i, c in enumerate(columns)}
-            last_key = [texts[-1][index[k]] for k in keys] if texts else None
+            last_key = [texts[-1][index[k]] for k in info.key_columns] if texts else None
             for advanced in (mine, request):
                 advanced.advance(len(texts), last_key, s.snapshot_chunk_size)
             s.save_snapshots(conn, fresh.snapshots)
         return bool(texts)
+
+
+def _chunk_query(
+    conn: psycopg.Connection[Any], info: TableInfo, request: Snapshot, size: int
+) -> tuple[sql.Composed, list[Any], list[str], list[int]]:
+    """The ``SELECT`` of ``request``'s next chunk of at most ``size`` rows of ``info``, its
+    parameters, and the columns it reads with their type oids."""
+    keys = info.key_columns
+    if not keys:
+        raise SourceDefinitionError(
+            f"cannot snapshot {info.table.qualified}: it has no primary key (or replica "
+            "identity index) to read it in chunks by; add one, or use snapshot='never'"
+        )
+    generated = generated_columns(conn, info.oid) - set(keys)
+    columns = [c for c in info.columns if c not in generated]
+    types = [info.columns[c][0] for c in columns]
+    condition: sql.Composable = sql.SQL("TRUE")
+    params: list[Any] = []
+    if request.last_key is not None:
+        condition = sql.SQL("({}) > ({})").format(
+            sql.SQL(", ").join(sql.Identifier(k) for k in keys),
+            sql.SQL(", ").join(sql.SQL("%s::{}").format(sql.SQL(info.columns[k][1])) for k in keys),
+        )
+        params.extend(request.last_key)
+    if request.where:
+        where = sql.SQL(request.where)  # the operator's own SQL (cdc snapshot --where)
+        condition = sql.SQL("{} AND ({})").format(condition, where)
+    query = sql.SQL("SELECT {} FROM {} WHERE {} ORDER BY {} LIMIT {}").format(
+        sql.SQL(", ").join(sql.Identifier(c) for c in columns),
+        info.table.identifier(),
+        condition,
+        sql.SQL(", ").join(sql.Identifier(k) for k in keys),
+        sql.Literal(size),
+    )
+    return query, params, columns, types
 
 
 __all__ = ["SnapshotWriter", "generated_columns"]

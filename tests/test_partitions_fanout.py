@@ -195,3 +195,42 @@ def test_a_subscriber_hung_in_one_partition_is_busy_in_every_partition(
     assert sorted(audit_got) == list(range(1, 41))  # never twice to audit
     poller.leave()
     poller.close()
+
+
+def test_under_a_timer_every_partitions_default_ack_timeout_is_cut(
+    sqlite_db: TestDatabase,
+) -> None:
+    """``run(timer=...)`` on a partitioned poller cuts a default ack timeout in
+    every partition, as a poller's run does (a Functions invocation is ended at
+    functionTimeout); one given is kept."""
+    from dbtrigger.runtime.subscriber_options import TIMER_ACK_TIMEOUT  # noqa: PLC0415
+
+    make_table(sqlite_db, 8)
+
+    def timeouts(poller: PartitionedPoller) -> set[float]:
+        return {
+            poller.trigger(pid)._driver.reader.delivery.ack_timeout  # type: ignore[attr-defined]
+            for pid in poller.owned
+        }
+
+    def make(**options: Any) -> PartitionedPoller:
+        return PartitionedPoller(
+            name="orders",
+            source=source(sqlite_db),
+            checkpoint_store=InMemoryCheckpointStore(),
+            partitions=4,
+            join_window_seconds=0,
+            background=False,
+            subscribers={"audit": lambda events: None},
+            **options,
+        )
+
+    poller = make()
+    assert poller.run(timer=object()) == 8
+    assert timeouts(poller) == {TIMER_ACK_TIMEOUT}
+    given = make(ack_timeout_seconds=300)
+    given.run(timer=object())
+    assert timeouts(given) == {300}
+    for each in (poller, given):
+        each.leave()
+        each.close()

@@ -277,7 +277,19 @@ class Balancing:
             # A subscriber whose call hung in one partition is busy in all of them: it
             # was called again (one more hung thread) and waited for in each partition.
             delivery.abandoned = self.__dict__.setdefault("_hung_calls", {})
+            if self.__dict__.get("_under_timer"):
+                delivery.under_timer()
         return trigger
+
+    def timer_fired(self, timer: object) -> None:
+        """``run(timer=...)``: a Functions invocation drives the rounds. A fan-out
+        ack timeout left at its default is cut for every partition, as a poller's is
+        (:meth:`dbtrigger.runtime.subscribers.FanOut.under_timer`)."""
+        if timer is None or self.options.get("ack_timeout_seconds") is not None:
+            return
+        self.__dict__["_under_timer"] = True
+        for trigger in list(self._triggers.values()):
+            trigger._driver.reader.delivery.under_timer()
 
     def _rebuild(self, doc: Membership) -> None:
         """One PollTrigger per partition of the current layout."""

@@ -491,7 +491,7 @@ class PartitionedPoller(Balancing):
             self.flush_history()
 
     def run(self, *, timer: Any = None, handler: Handler | None = None) -> int:
-        del timer
+        self.timer_fired(timer)
         return self.tick(handler)
 
     def flush_history(self) -> bool:

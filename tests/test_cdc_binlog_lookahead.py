@@ -264,3 +264,17 @@ def test_the_reading_a_table_map_is_named_by(
     assert "".join(got.names) == named
     later = ahead.later(7)
     assert (None if later is None else later.pos) == stops_at
+
+
+def test_a_stretch_the_server_no_longer_has_counts_as_a_change(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # binlog.000002 purged while the reader was behind: its statements are not known.
+    monkeypatch.setattr(lookahead, "binary_logs", lambda conn: [("binlog.000003", 900)])
+    statements = lookahead.Statements(
+        lambda a, b: lookahead.read_statements(None, ["db.t"], a, b)  # type: ignore[arg-type]
+    )
+    found = statements.first("db.t", mark(500, 2), mark(50, 3))
+    assert found is not None
+    assert found.at == mark(500, 2)
+    assert "binlog.000002, no longer on the server" in found.text

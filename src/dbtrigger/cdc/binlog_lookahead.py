@@ -96,6 +96,12 @@ class Statement:
     at: Mark
     text: str
     schema: str | None
+    #: A stretch of the log the server no longer has: what it held is not known, so it
+    #: counts as a change of every table.
+    unknown: bool = False
+
+    def changes(self, table: str) -> bool:
+        return self.unknown or ddl.redefines(self.text, self.schema, table)
 
 
 def _statement(info: str) -> tuple[str, str | None]:
@@ -116,6 +122,13 @@ def read_statements(
     read = 0
     with translated("looking ahead in the binary log (SHOW BINLOG EVENTS)"):
         files = [n for n, _ in binary_logs(conn) if start.index <= file_index(n) <= end.index]
+        have = {file_index(n) for n in files}
+        gone = [i for i in range(start.index, end.index + 1) if i not in have]
+        if gone:  # purged while the reader was behind: the statements there cannot be read
+            name = f"{start.file.rpartition('.')[0]}.{gone[0]:06d}"
+            text = f"(binary log {name}, no longer on the server: its statements are not known)"
+            at = max(start, Mark(gone[0], 4, name))
+            return [Statement(at, text, None, unknown=True)], read
         for name in files:
             index = file_index(name)
             at = start.pos if index == start.index else 4
@@ -165,7 +178,7 @@ class Statements:
             if hi > self._hi:
                 self._found, self._hi = self._found + self._fetch(self._hi, hi), hi
         return next(
-            (s for s in self._found if lo <= s.at < hi and ddl.redefines(s.text, s.schema, table)),
+            (s for s in self._found if lo <= s.at < hi and s.changes(table)),
             None,
         )
 

@@ -80,3 +80,32 @@ def test_a_log_numbered_again_is_refused_not_read_past(
     )
     assert fresh.drain(replica) == 2
     assert sorted(k[0] for k in replica.rows) == [1, 2, 3, 4, 5, 6, 7]
+
+
+def test_a_log_numbered_again_past_the_checkpoint_is_refused_by_its_keys(
+    db: TestDatabase, tmp_path: Path
+) -> None:
+    """The new log's numbers passed the old checkpoint before any poller looked (the
+    workers were stopped while the log was installed again and written to). Its
+    highest number says nothing then, and a restarted worker delivered the changes
+    after the checkpoint's number and skipped those before it, without a word. The
+    row at the checkpoint's number now names another key than the checkpoint does:
+    refused, checkpoint unchanged."""
+    make_orders(db)
+    install(db.engine, "orders", schema=db.schema)
+    add(db, range(1, 6))
+    replica = Replica()
+    assert poller(db, tmp_path).drain(replica) == 5
+    checkpoint = stored_seq(poller(db, tmp_path))
+    uninstall(db.engine, "orders", schema=db.schema, drop_log=True)
+    install(db.engine, "orders", schema=db.schema)
+    add(db, range(6, 14))  # eight changes, numbered 1 to 8: past the checkpoint at 5
+    restarted = PollTrigger(
+        name="orders-log",
+        source=ChangeLogSource(url=db.url, table="orders", schema=db.schema),
+        checkpoint_store=FileCheckpointStore(tmp_path / "state"),
+    )
+    with pytest.raises(SourceDefinitionError, match="--to-beginning"):
+        restarted.tick(replica)  # before: delivered keys 11 to 13, never 6 to 10
+    assert stored_seq(restarted) == checkpoint
+    assert sorted(k[0] for k in replica.rows) == [1, 2, 3, 4, 5]

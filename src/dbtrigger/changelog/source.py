@@ -307,7 +307,10 @@ class ChangeLogSource:
         inner = self._inner()
         if time.monotonic() >= self._next_drift_check:
             self.check_drift()
-            refuse_renumbered(self.engine, self._table, self._schema, _seq(after))
+            key = list(after.pk.values()) if after.pk else []
+            refuse_renumbered(
+                self.engine, self._table, self._schema, _seq(after), key, self.pk_columns
+            )
         try:
             fetched = inner.fetch(self._log_position(after), limit)
         except SourceDefinitionError as exc:

@@ -516,3 +516,26 @@ def test_dead_letters_written_before_the_subscribers_field_still_read(
     assert [r.subscribers for r in added.records()] == [None, {"a": "x"}]
     kept.close()
     added.close()
+
+
+def test_a_marks_table_that_cannot_name_the_subscriber_refuses_a_subscribers_mark(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replay to one subscriber is marked for it alone. If the SQL sink's marks
+    table lacks the subscriber column and it cannot be added, such a mark is
+    refused (QuarantineError with the ALTER TABLE to run) rather than written as
+    the whole letter's, which would settle the other subscribers' share unseen."""
+    import datetime as dt  # noqa: PLC0415
+
+    from dbtrigger.errors import QuarantineError  # noqa: PLC0415
+    from dbtrigger.replay import dead_letters as dl  # noqa: PLC0415
+
+    sink = SqlQuarantineSink(url=f"sqlite:///{tmp_path / 'dead.db'}")
+    monkeypatch.setattr(dl, "add_column", lambda *a, **k: (False, "ALTER TABLE x ADD ..."))
+    marks = dl.SqlMarks(sink)
+    at = dt.datetime(2026, 11, 27, tzinfo=dt.timezone.utc)
+    marks.add([dl.Mark("orders", "e" * 16, "discarded", at, "me", "why")])  # a whole mark
+    with pytest.raises(QuarantineError, match="ALTER TABLE x ADD"):
+        marks.add([dl.Mark("orders", "e" * 16, "replayed", at, "me", "why", "", "search")])
+    assert [m.action for m in marks.read()] == ["discarded"]
+    sink.close()

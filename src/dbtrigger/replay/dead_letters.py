@@ -239,10 +239,11 @@ class SqlMarks:
         self._creation = TableOnce(self.table, lambda: self.engine, sink.lock_timeout)
         #: Has the marks table the subscriber column (it is dbtrigger's: added at first use)?
         self._subscriber: bool | None = None
+        self._adds = ""  # the ALTER TABLE that adds it, when it could not be added
 
     def _has_subscriber(self) -> bool:
         if self._subscriber is None:
-            self._subscriber, _ = add_column(
+            self._subscriber, self._adds = add_column(
                 self.engine, self.table, "subscriber", self.sink.lock_timeout, may_alter=True
             )
         return self._subscriber
@@ -283,7 +284,14 @@ class SqlMarks:
         ]
         try:
             self._creation.ensure()
-            if not self._has_subscriber():  # refused: the whole letter is marked
+            if not self._has_subscriber():
+                if any(m.subscriber for m in marks):  # a whole mark would settle the others'
+                    raise QuarantineError(
+                        f"the marks table of {self.sink.describe()} has no subscriber column, "
+                        "so a replay to one subscriber cannot be marked as its alone (the "
+                        "letters stay dead; what was replayed comes again next time): run "
+                        f"{self._adds}"
+                    )
                 rows = [{k: v for k, v in r.items() if k != "subscriber"} for r in rows]
             with bounded_transaction(self.engine, self.sink.lock_timeout) as conn:
                 conn.execute(self.table.insert(), rows)

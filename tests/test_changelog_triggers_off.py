@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from dbtrigger import FileCheckpointStore, PollTrigger
+from dbtrigger import FileCheckpointStore, PollTrigger, RowChange
 from dbtrigger.changelog import ChangeLogSource, install
+from dbtrigger.cli import main
 from dbtrigger.errors import ChangeLogDriftError
 from tests.databases import TestDatabase
 
@@ -105,3 +106,36 @@ def test_rows_leaving_with_a_partition_are_reported_naming_the_partition(
         assert "a TRUNCATE of one partition, or a partition detached or dropped" in message
     finally:
         trigger.source.close()  # type: ignore[attr-defined]
+
+
+def test_a_dropped_trigger_names_the_resync_that_sends_what_it_missed(
+    sqlite_db: TestDatabase, tmp_path: Path
+) -> None:
+    """A migration dropped the insert trigger (a rebuild, a DROP TRIGGER): the drift
+    error named only the install, after which the poller went on and the rows
+    inserted meanwhile never reached it, with nothing more said. It now names the
+    resync too, and following it delivers them."""
+    table = orders(sqlite_db)
+    sqlite_db.execute(f"INSERT INTO {table} VALUES (1, 'new')")
+    trigger = poller(sqlite_db, tmp_path)
+    rows: dict[int, str] = {}
+
+    def replica(events: list[RowChange]) -> None:
+        for e in events:
+            if e.op == "truncate":
+                rows.clear()
+            elif e.after is not None:
+                rows[e.pk["id"]] = e.after["status"]
+
+    assert trigger.drain(replica) == 1
+    sqlite_db.execute("DROP TRIGGER dbt_cl_orders_ins")
+    sqlite_db.execute(f"INSERT INTO {table} VALUES (2, 'unlogged')")
+    with pytest.raises(ChangeLogDriftError) as refused:
+        poller(sqlite_db, tmp_path).tick(replica)
+    message = str(refused.value)
+    assert "changelog install" in message
+    assert "dbtrigger changelog resync --url URL --table orders --yes" in message, message
+    install(sqlite_db.engine, "orders")
+    assert main(["changelog", "resync", "--url", sqlite_db.url, "--table", "orders", "--yes"]) == 0
+    poller(sqlite_db, tmp_path).drain(replica)
+    assert rows == {1: "new", 2: "unlogged"}

@@ -260,7 +260,9 @@ def _trigger_problems(
     if missing:
         problems.append(
             f"trigger(s) {', '.join(missing)} missing (changes are not being logged; a table "
-            "dropped and re-created, or rebuilt by a migration, loses its triggers)"
+            "dropped and re-created, or rebuilt by a migration, loses its triggers). What "
+            "was written while they were missing is in no log row: after the install, "
+            f"`{resync_command(info.table, info.schema)}` re-sends the table to every reader"
         )
     _disabled_problems(conn, info, list(found), problems)
     for name, text in sorted(found.items()):

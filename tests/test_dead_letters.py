@@ -452,6 +452,7 @@ def test_a_fan_out_dead_letter_names_its_subscribers_and_a_replay_settles_only_t
     assert [int(e.pk["id"]) for e, _ in search.seen] == [3]  # not 4: it took 4
     assert billing.seen == []
     assert listed() == [3, 4]  # 3 still waits for billing
+    assert {x["waiting_for"][0] for x in json.loads(cli("list", "--json")[1])} == {"billing"}
     assert listed("--subscriber", "search") == []
     code, out = cli("list")
     assert "SUBSCRIBERS" in out.splitlines()[0]

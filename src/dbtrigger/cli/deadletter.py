@@ -244,7 +244,7 @@ def _sinked(
     letters = [letter for each in found.values() for letter in each]
     if args.verb == "list":
         if args.json:
-            console.json([{**letter.record.to_json(), "state": letter.state} for letter in letters])
+            console.json([letter.to_json() for letter in letters])
         elif not letters:
             console.print(f"no dead letters of {args.poller!r} in {sink.describe()} to show")
         else:

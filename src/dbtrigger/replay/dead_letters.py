@@ -115,6 +115,12 @@ class DeadLetter:
     def settled(self) -> bool:
         return self.state in (SETTLED, "discarded")
 
+    def to_json(self) -> dict[str, Any]:
+        """The record with its state (``list --json``) and, for a fan-out letter,
+        the subscribers still to take it."""
+        waiting = {"waiting_for": list(self.waiting_for())} if self.owed else {}
+        return {**self.record.to_json(), "state": self.state, **waiting}
+
 
 def subscribers_of(record: QuarantineRecord, known: Collection[str] = ()) -> tuple[str, ...] | None:
     """The fan-out subscribers a dead letter names: its ``subscribers`` field, or,

@@ -127,8 +127,8 @@ def read_statements(
         if gone:  # purged while the reader was behind: the statements there cannot be read
             name = f"{start.file.rpartition('.')[0]}.{gone[0]:06d}"
             text = f"(binary log {name}, no longer on the server: its statements are not known)"
-            at = max(start, Mark(gone[0], 4, name))
-            return [Statement(at, text, None, unknown=True)], read
+            first = max(start, Mark(gone[0], 4, name))
+            return [Statement(first, text, None, unknown=True)], read
         for name in files:
             index = file_index(name)
             at = start.pos if index == start.index else 4

@@ -5,8 +5,8 @@ it serves in ``dbt_clreaders_<table>`` (:mod:`dbtrigger.changelog.readers`) at
 its first fetch and when the runtime acknowledges a durable checkpoint: both in
 the tick. The write is bookkeeping for prunes; the tick's events do not need it.
 
-So it never waits in silence. It first tries without waiting
-(:data:`TRY_SECONDS`). Behind another transaction's lock (on SQLite: any other
+So it never waits long in silence. It first tries waiting at most
+:data:`TRY_SECONDS`. Behind another transaction's lock (on SQLite: any other
 connection's write transaction, an application's, a ``changelog install``'s, a
 snapshot's, which lock the whole file) it says at WARNING what it waits for and
 how long at most (``changelog_reader_waiting``), then waits at most
@@ -44,9 +44,10 @@ log = logging.getLogger("dbtrigger.changelog")
 EVERY_SECONDS = 300.0
 #: How often a reader draining a backlog records its position.
 BACKLOG_SECONDS = 2.0
-#: The first try's bound: no wait (the smallest each database takes; whole seconds,
-#: so one, on MariaDB/MySQL).
-TRY_SECONDS = 0.001
+#: The first try's bound, in silence: long enough for an application's ordinary short
+#: write on SQLite to end (a busy application would otherwise have every other tick
+#: warn), short enough not to hold a tick (MariaDB/MySQL bound in whole seconds: one).
+TRY_SECONDS = 0.1
 #: How long recording waits for another transaction's lock once it said so.
 LOCK_TIMEOUT = 2.0
 

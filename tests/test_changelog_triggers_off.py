@@ -139,3 +139,42 @@ def test_a_dropped_trigger_names_the_resync_that_sends_what_it_missed(
     assert main(["changelog", "resync", "--url", sqlite_db.url, "--table", "orders", "--yes"]) == 0
     poller(sqlite_db, tmp_path).drain(replica)
     assert rows == {1: "new", 2: "unlogged"}
+
+
+@pytest.mark.postgresql
+def test_triggers_enabled_again_for_ordinary_sessions_only_are_drift(
+    pg: TestDatabase, tmp_path: Path
+) -> None:
+    """``DISABLE TRIGGER ALL`` then ``ENABLE TRIGGER ALL`` around a bulk load (what
+    ``pg_restore --disable-triggers`` runs) leaves the triggers firing in ordinary
+    sessions only, no longer ``ALWAYS``: a replica-role session's writes (a logical
+    replication subscriber) went unlogged again, and the drift check said nothing.
+    It now names the statements that make them ``ALWAYS`` again."""
+    table = orders(pg)
+    pg.execute(f"ALTER TABLE {table} DISABLE TRIGGER ALL")
+    pg.execute(f"ALTER TABLE {table} ENABLE TRIGGER ALL")
+    with pg.engine.begin() as conn:
+        conn.exec_driver_sql("SET LOCAL session_replication_role = replica")
+        conn.exec_driver_sql(f"INSERT INTO {table} VALUES (1, 'replicated')")
+    log = pg.qualified("dbt_changelog_orders")
+    assert pg.scalar(f"SELECT count(*) FROM {log}") == 0  # what it costs: not logged
+    trigger = poller(pg, tmp_path)
+    try:
+        with pytest.raises(ChangeLogDriftError) as caught:
+            trigger.drain(lambda events: None)
+        message = str(caught.value)
+        assert "ordinary sessions only" in message, message
+        assert "dbtrigger changelog resync" in message, message
+        assert f"ALTER TABLE {pg.schema}.orders ENABLE ALWAYS TRIGGER dbt_cl_orders;" in message
+        for statement in message.split("`")[1].split("; "):
+            pg.execute(statement)
+        with pg.engine.begin() as conn:
+            conn.exec_driver_sql("SET LOCAL session_replication_role = replica")
+            conn.exec_driver_sql(f"INSERT INTO {table} VALUES (2, 'replicated')")
+        trigger.source.close()  # type: ignore[attr-defined]
+        trigger = poller(pg, tmp_path)
+        got: list[int] = []
+        trigger.drain(lambda events: got.extend(e.pk["id"] for e in events))
+        assert got == [2]  # row 1 comes with the resync the message names
+    finally:
+        trigger.source.close()  # type: ignore[attr-defined]

@@ -264,7 +264,8 @@ def _trigger_problems(
             "was written while they were missing is in no log row: after the install, "
             f"`{resync_command(info.table, info.schema)}` re-sends the table to every reader"
         )
-    _disabled_problems(conn, info, list(found), problems)
+    current = {n for n, text in found.items() if (read_marker(text) or (0,))[0] >= VERSION}
+    _disabled_problems(conn, info, list(found), problems, current)
     for name, text in sorted(found.items()):
         marker = read_marker(text) if ours(text) else None
         if marker is None:
@@ -286,31 +287,52 @@ def _trigger_problems(
 
 
 def _disabled_problems(
-    conn: sa.Connection, info: TableInfo, names: list[str], problems: list[str]
+    conn: sa.Connection,
+    info: TableInfo,
+    names: list[str],
+    problems: list[str],
+    current: set[str],
 ) -> None:
     """PostgreSQL triggers switched off (``ALTER TABLE ... DISABLE TRIGGER``, as
     ``DISABLE TRIGGER ALL`` around a bulk load does) or firing only for replicas: each
-    write then goes unlogged, and the trigger looks installed."""
+    write then goes unlogged, and the trigger looks installed. Triggers of this
+    release (``current``; older ones are reported as such) enabled for ordinary
+    sessions only, as ``ENABLE TRIGGER ALL`` leaves them: a replica-role session's
+    writes go unlogged."""
     if info.dialect != "postgresql" or not names:
         return
     rows = conn.execute(
         sa.text(
-            "SELECT t.tgname FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid "
+            "SELECT t.tgname, t.tgenabled FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid "
             "JOIN pg_namespace n ON n.oid = c.relnamespace "
-            "WHERE NOT t.tgisinternal AND t.tgname = ANY(:names) AND t.tgenabled IN ('D', 'R') "
+            "WHERE NOT t.tgisinternal AND t.tgname = ANY(:names) "
+            "AND t.tgenabled IN ('D', 'R', 'O') "
             "AND c.relname = :table AND n.nspname = coalesce(:schema, current_schema())"
         ),
         {"names": names, "table": info.table, "schema": info.schema},
     )
-    off = sorted(str(name) for (name,) in rows)
+    states = {str(name): str(state) for name, state in rows}
+    off = sorted(n for n, state in states.items() if state in ("D", "R"))
+    # ENABLE TRIGGER (not ALWAYS), as after DISABLE/ENABLE TRIGGER ALL around a bulk
+    # load: they fire in ordinary sessions only. Since v3 they are installed ALWAYS.
+    ordinary = sorted(n for n, state in states.items() if state == "O" and n in current)
+    target = f"{info.schema}.{info.table}" if info.schema else info.table
+    resync = f"`{resync_command(info.table, info.schema)}` re-sends the table to every reader"
     if off:
-        target = f"{info.schema}.{info.table}" if info.schema else info.table
         enable = "; ".join(f"ALTER TABLE {target} ENABLE ALWAYS TRIGGER {n}" for n in off)
         problems.append(
             f"trigger(s) {', '.join(off)} disabled (ALTER TABLE ... DISABLE TRIGGER): changes "
             f"are not being logged. Enable them: `{enable}`; the changes written while they "
-            f"were off are in no log row (`{resync_command(info.table, info.schema)}` "
-            "re-sends the table to every reader)"
+            f"were off are in no log row ({resync})"
+        )
+    if ordinary:
+        enable = "; ".join(f"ALTER TABLE {target} ENABLE ALWAYS TRIGGER {n}" for n in ordinary)
+        problems.append(
+            f"trigger(s) {', '.join(ordinary)} enabled for ordinary sessions only (ALTER "
+            "TABLE ... ENABLE TRIGGER, as after a DISABLE TRIGGER ALL around a bulk load): "
+            "the writes of a session with session_replication_role = replica (a logical "
+            f"replication subscriber, pg_restore) are not being logged. Enable them always: "
+            f"`{enable}`; such writes made meanwhile are in no log row ({resync})"
         )
 
 

@@ -1,6 +1,6 @@
 """PgLogicalSource next to cursor polling on the same tables: latency, replay rate, memory.
 
-Three measurements, each printed beside the polling source (``SqlAlchemySource``
+Four measurements, the first two printed beside the polling source (``SqlAlchemySource``
 on an ``updated_at`` cursor, visibility guard ``auto``) measured in the same run:
 
 * **commit -> handler latency** at a steady 200 events/s (one row per
@@ -15,12 +15,19 @@ on an ``updated_at`` cursor, visibility guard ``auto``) measured in the same run
 * **client memory during one large transaction** (``--big`` rows in a single
   ``INSERT``), in a fresh interpreter per mode: peak RSS (``VmHWM``) and its
   growth over the process's size once set up. Target <= 80 MB.
+* **one large transaction at the defaults** (``--txn`` rows in a single
+  ``INSERT``, batch_size 100, read_ahead 50,000), in a fresh interpreter per
+  mode: rows/s, client CPU, peak RSS, and how many times the server decoded
+  the transaction (``pg_stat_replication_slots.total_bytes`` over the bytes of
+  one decode, made by hand first). A transaction larger than ``read_ahead``
+  used to be decoded once per read in poll mode (quadratic in its size).
 
 A private PostgreSQL with ``wal_level=logical`` is started from the installed
 server binaries (``scripts/cdc-servers.sh``) and stopped at the end, unless
 ``--url`` names one.
 
     python -m benchmarks.cdc_pg           # 15 s latency runs, 200k-row replay, 100k-row transaction
+    python -m benchmarks.cdc_pg --only txn --txn 1000000   # one 1M-row transaction only
     python -m benchmarks.cdc_pg --quick   # a short smoke run
 """
 
@@ -269,28 +276,83 @@ def memory_child(url: str, mode: str, rows: int, history: bool = True) -> dict[s
     return {"before": before, "peak": peak}
 
 
-def memory(url: str, mode: str, rows: int, history: bool = True) -> dict[str, Any]:
+def decoded_bytes(conn: psycopg.Connection[Any], slot: str) -> tuple[int, int]:
+    """What the server decoded for ``slot`` so far, and spilled to disk doing so
+    (``pg_stat_replication_slots``)."""
+    row = conn.execute(
+        "SELECT total_bytes, spill_bytes FROM pg_stat_replication_slots WHERE slot_name = %s",
+        (slot,),
+    ).fetchone()
+    return (int(row[0] or 0), int(row[1] or 0)) if row is not None else (0, 0)
+
+
+def big_transaction_child(url: str, mode: str, rows: int) -> dict[str, Any]:
+    """One ``rows``-row transaction delivered at the defaults (batch_size 100,
+    read_ahead 50,000): rows/s, how many times the server decoded it, peak RSS."""
+    db = fresh_database(url)
+    with psycopg.connect(conninfo(db), autocommit=True) as conn:
+        conn.execute("CREATE TABLE big (id bigint PRIMARY KEY, v int NOT NULL, payload text)")
+    name = unique("bigtx")
+    source = PgLogicalSource(db, ["big"], snapshot="never", mode=mode)
+    trigger = PollTrigger(name=name, source=source, checkpoint_store=InMemoryCheckpointStore())
+    try:
+        trigger.tick(lambda events: None)
+        source.close()  # a stream lets go of the slot: the decode by hand below needs it
+        with psycopg.connect(conninfo(db), autocommit=True) as conn:
+            conn.execute(
+                "INSERT INTO big SELECT g, g, repeat('p', 40) FROM generate_series(1, %s) g",
+                (rows,),
+            )
+            start = decoded_bytes(conn, source.slot)
+            conn.execute(  # one decode by hand: what a decode of the transaction costs
+                "SELECT count(*) FROM pg_logical_slot_peek_binary_changes(%s, NULL, NULL, "
+                "'proto_version', '1', 'publication_names', %s)",
+                (source.slot, source.publication),
+            )
+            one = decoded_bytes(conn, source.slot)
+        seen = 0
+
+        def handle(events: list[RowChange]) -> None:
+            nonlocal seen
+            seen += len(events)
+
+        cpu, started = time.process_time(), time.perf_counter()
+        while seen < rows:
+            trigger.tick(handle)
+        elapsed = time.perf_counter() - started
+        cpu = time.process_time() - cpu
+        with psycopg.connect(conninfo(db), autocommit=True) as conn:
+            total, spilled = decoded_bytes(conn, source.slot)
+        decodes = (total - one[0]) / max(1, one[0] - start[0])
+        spilled_mb = (spilled - one[1]) / 2**20
+        _, peak = rss_mb()
+    finally:
+        source.close()
+        drop_database(db)
+    return {"rows_per_s": rows / elapsed, "seconds": elapsed, "client_cpu": cpu,
+            "decodes": decodes, "spilled_mb": spilled_mb, "peak": peak}  # fmt: skip
+
+
+def child(url: str, what: str, *extra: str) -> dict[str, Any]:
+    """Run one measurement in a fresh interpreter (its peak RSS is its own)."""
     done = subprocess.run(  # noqa: S603 - this very script, as a child
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.cdc_pg",
-            "--child",
-            mode,
-            "--url",
-            url,
-            "--big",
-            str(rows),
-            *([] if history else ["--no-history"]),
-        ],
+        [sys.executable, "-m", "benchmarks.cdc_pg", "--child", what, "--url", url, *extra],
         cwd=ROOT,
         capture_output=True,
         text=True,
         check=False,
     )
     if done.returncode != 0:  # say why: CalledProcessError alone hid the child's traceback
-        raise RuntimeError(f"the {mode} memory run failed:\n{done.stderr[-4000:]}")
+        raise RuntimeError(f"the {what} run failed:\n{done.stderr[-4000:]}")
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def memory(url: str, mode: str, rows: int, history: bool = True) -> dict[str, Any]:
+    return child(url, mode, "--big", str(rows), *([] if history else ["--no-history"]))
+
+
+def big_transaction(url: str, mode: str, rows: int) -> dict[str, Any]:
+    return child(url, f"txn-{mode}", "--txn", str(rows))
 
 
 # --- the report -------------------------------------------------------------------------------
@@ -306,21 +368,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rows", type=int_list, default=[200_000], help="backlog size")
     parser.add_argument("--big", type=int, default=100_000, help="rows of the large transaction")
     parser.add_argument(
+        "--txn", type=int, default=200_000, help="rows of the transaction delivered at defaults"
+    )
+    parser.add_argument(
         "--intervals",
         type=lambda text: [float(v) for v in text.split(",")],
         default=[1.0, 0.1],
         help="worker intervals of the poll-mode latency runs (default 1,0.1)",
     )
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument(
+        "--only",
+        choices=("latency", "replay", "memory", "txn"),
+        help="run one of the measurements (default: all)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--no-history", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     logging.getLogger("dbtrigger").setLevel(logging.ERROR)  # the tables are the output
+    if args.child and args.child.startswith("txn-"):
+        print(json.dumps(big_transaction_child(args.url, args.child[4:], args.txn)))
+        return 0
     if args.child:
         print(json.dumps(memory_child(args.url, args.child, args.big, not args.no_history)))
         return 0
     if args.quick:
-        args.seconds, args.rows, args.big = 3.0, [20_000], 20_000
+        args.seconds, args.rows, args.big, args.txn = 3.0, [20_000], 20_000, 20_000
     if args.url:
         report(args, args.url)
         return 0
@@ -331,6 +404,46 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def report(args: argparse.Namespace, url: str) -> None:
+    parts = {
+        "latency": report_latency,
+        "replay": report_replay,
+        "memory": report_memory,
+        "txn": report_transaction,
+    }
+    for name, part in parts.items():
+        if args.only in (None, name):
+            part(args, url)
+
+
+TXN_COLUMNS = ["source", "rows", "rows/s", "seconds", "client CPU s", "decodes"]
+TXN_COLUMNS += ["server spilled MB", "peak RSS MiB"]
+
+
+def report_transaction(args: argparse.Namespace, url: str) -> None:
+    rows = []
+    for mode in ("poll", "stream"):
+        result = big_transaction(url, mode, args.txn)
+        rows.append(
+            [
+                f"PgLogicalSource {mode}",
+                args.txn,
+                f"{result['rows_per_s']:,.0f}",
+                f"{result['seconds']:.1f}",
+                f"{result['client_cpu']:.1f}",
+                f"{result['decodes']:.1f}",
+                f"{result['spilled_mb']:,.0f}",
+                f"{result['peak']:.0f}",
+            ]
+        )
+    print_table(
+        "one transaction of N rows delivered at the defaults (batch_size 100, read_ahead "
+        "50,000; decodes: how many times the server decoded it, from pg_stat_replication_slots)",
+        TXN_COLUMNS,
+        rows,
+    )
+
+
+def report_latency(args: argparse.Namespace, url: str) -> None:
     lat_rows = []
     configs = [("stream", 0.0, "defaults (stream_wait_seconds 1.0), worker interval 0")]
     for kind in ("poll", "polling"):
@@ -355,6 +468,9 @@ def report(args: argparse.Namespace, url: str) -> None:
         lat_rows,
         left=2,
     )
+
+
+def report_replay(args: argparse.Namespace, url: str) -> None:
     replay_rows = []
     for rows in args.rows:
         for batch, note in ((100, "default batch_size 100"), (1000, "batch_size 1000 (tuned)")):
@@ -376,6 +492,9 @@ def report(args: argparse.Namespace, url: str) -> None:
         replay_rows,
         left=2,
     )
+
+
+def report_memory(args: argparse.Namespace, url: str) -> None:
     memory_rows = []
     for mode, history in (("poll", True), ("stream", True), ("poll", False), ("stream", False)):
         result = memory(url, mode, args.big, history)

@@ -1,4 +1,4 @@
-"""benchmarks/cdc_pg.py still runs and prints its three tables (no timing is asserted)."""
+"""benchmarks/cdc_pg.py still runs and prints its four tables (no timing is asserted)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ def test_the_cdc_benchmark_runs_on_tiny_data(logical_pg: LogicalPostgres) -> Non
             "1000",
             "--big",
             "1000",
+            "--txn",
+            "1000",
             "--intervals",
             "0.05",
         ],
@@ -39,4 +41,5 @@ def test_the_cdc_benchmark_runs_on_tiny_data(logical_pg: LogicalPostgres) -> Non
     assert "commit -> handler latency" in out
     assert "backlog replay" in out
     assert "client memory while one transaction" in out
-    assert out.count("PgLogicalSource stream") == 5  # latency, 2 replays, 2 memory
+    assert "one transaction of N rows delivered at the defaults" in out
+    assert out.count("PgLogicalSource stream") == 6  # latency, 2 replays, 2 memory, 1 txn

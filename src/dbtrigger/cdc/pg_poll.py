@@ -7,7 +7,11 @@ while every run reports success (dlt-hub verified-sources #702):
 1. an **end LSN** taken when the read starts (the server's flush position:
    everything committed before it is decoded, nothing after it is waited for);
 2. a **change count** (``read_ahead`` plus slack), and the client keeps at most
-   ``read_ahead`` changes, stopping inside a transaction if it must;
+   ``read_ahead`` changes, stopping inside a transaction if it must. The read's
+   rows stay on the server (a cursor ``WITH HOLD``, :class:`HeldRead`) and the
+   next read takes the rest of them: a transaction larger than ``read_ahead``
+   is decoded once, not once per read (the slot cannot pass a transaction
+   delivered in part, so every peek would decode it from its start again);
 3. a **statement timeout**. A read that hits it is not a success that consumed
    nothing: it raises :class:`~dbtrigger.errors.DecodeBacklogError`, and the
    next reads go forward in windows (``backlog_step_mb`` of WAL, doubling while
@@ -30,8 +34,11 @@ from its new start, and what was committed before that skipped.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -44,7 +51,9 @@ from dbtrigger.cdc.position import LogPosition
 from dbtrigger.errors import DbTriggerError, DecodeBacklogError, SlotLostError
 
 if TYPE_CHECKING:
+    from dbtrigger.cdc.buffer import TransactionBuffer
     from dbtrigger.cdc.pg_context import PgSourceParts
+    from dbtrigger.cdc.pg_reader import Decoder
 
 log = logging.getLogger("dbtrigger.cdc")
 
@@ -63,6 +72,60 @@ RELEASE_SECONDS = 5.0
 #: Rows the server may return beyond what the client keeps (Begin, Commit,
 #: Relation and message rows, and changes the read skips as delivered).
 ROW_SLACK = 10_000
+#: Rows fetched from a read's cursor at a time (what the client holds beyond the buffer).
+FETCH_ROWS = 2_000
+
+
+@dataclass(eq=False)
+class HeldRead:
+    """One decode of the slot, its rows kept on the server by a cursor ``WITH HOLD``.
+
+    A read that ran out of room inside a transaction is held (its cursor, and the
+    decoder that is inside that transaction) so the next read takes the rest of
+    the rows: the slot cannot pass a transaction delivered only in part, so a new
+    peek would decode all of it again, once per ``read_ahead`` changes.
+    """
+
+    conn: psycopg.Connection[Any]
+    cursor: psycopg.ServerCursor[Any]
+    decoder: Decoder
+    buffer: TransactionBuffer[Any]
+    upto: int
+    max_rows: int
+    #: Rows fetched from the server so far.
+    rows: int = 0
+    _left: list[bytes] = field(default_factory=list)
+
+    def fits(self, conn: Any, decoder: Decoder, buffer: TransactionBuffer[Any]) -> bool:
+        """Still the read of this session, decoder and buffer (none was replaced)?"""
+        return (
+            self.conn is conn
+            and self.decoder is decoder
+            and self.buffer is buffer
+            and not (conn.closed or conn.broken)
+        )
+
+    def next_rows(self) -> Iterator[bytes] | None:
+        """The rows not fed yet (each leaves as it is taken); None when the read ended."""
+        if not self._left:
+            self.put(self.cursor.fetchmany(FETCH_ROWS))
+            if not self._left:
+                return None
+        return self._drain()
+
+    def put(self, fetched: list[Any]) -> None:
+        self.rows += len(fetched)
+        self._left = [row[0] for row in reversed(fetched)]
+
+    def _drain(self) -> Iterator[bytes]:
+        left = self._left
+        while left:
+            yield left.pop()
+
+    def close(self) -> None:
+        if not (self.conn.closed or self.conn.broken):
+            with contextlib.suppress(psycopg.Error):
+                self.cursor.close()
 
 
 class PollReader:
@@ -77,6 +140,9 @@ class PollReader:
         #: How far durable checkpoints allow the slot to advance (not done yet).
         self.pending = 0
         self._last_release = time.monotonic()
+        #: The read stopped inside a transaction for room, its rest still on the server.
+        self._held: HeldRead | None = None
+        self._reads = 0
 
     # --- reading ------------------------------------------------------------------------
 
@@ -102,6 +168,8 @@ class PollReader:
         s.check_published(conn)  # a table dropped and created again is in no publication
         self.release_pending(conn)  # a read decodes from the slot: start it as late as allowed
         self.heartbeat(conn)
+        if self.go_on(conn, after, limit):
+            return
         if s.buffer.pending(after) == 0:
             s.snapshots.emit()  # caught up: a chunk written now is read by this very read
         end = self.flush_lsn(conn)
@@ -128,7 +196,7 @@ class PollReader:
                 return
             if time.monotonic() - started < s.read_timeout / 4:
                 self.step *= 2
-            if s.buffer.pending(after) > 0 or not self.durable(after):
+            if s.buffer.pending(after) > 0 or self._held is not None or not self.durable(after):
                 return
             self.advance(conn, upto)  # nothing for us in this window: step past it now
             if time.monotonic() >= deadline:
@@ -142,44 +210,130 @@ class PollReader:
     def read(
         self, conn: psycopg.Connection[Any], after: LogPosition | None, upto: int, keep: int
     ) -> None:
+        """One decode of the slot up to ``upto``, taken up to ``keep`` changes.
+
+        The peek is a cursor ``WITH HOLD``, fetched in chunks, in a transaction
+        of its own; the decode runs at its first fetch, under the read's
+        timeout. A read out of room inside a transaction is held there
+        (:class:`HeldRead`): the commit keeps the rest of its rows on the
+        server, outside any transaction (a copy of decoded rows, not timed),
+        and the next read takes them instead of asking the server to decode
+        the transaction again.
+        """
         s = self.source
+        self.drop_held()
         decoder, buffer = s.decoder, s.buffer
         decoder.start(keep)
         buffer.reset(after)
-        rows = 0
-        stopped = False
         max_rows = keep + ROW_SLACK
+        self._reads += 1
+        decoded = False
         try:
             with translated(f"reading replication slot {s.slot}"):
-                s.set_timeout(conn, s.read_timeout)  # the read alone (see standing_timeout)
+                cursor = conn.cursor(
+                    f"dbtrigger_read_{self._reads}", withhold=True, scrollable=False
+                )
+                s.set_timeout(conn, s.read_timeout)  # the decode alone (see standing_timeout)
                 try:
-                    cursor = conn.cursor()
-                    for (data,) in cursor.stream(
-                        PEEK, (s.slot, lsn_text(upto), max_rows, s.publication), size=2000
-                    ):
-                        rows += 1
-                        txn = decoder.feed(data, after)
-                        if (decoder.full or decoder.schema_break is not None) and txn is None:
-                            txn = decoder.partial()  # stop inside it: out of room, or a type change
-                            stopped = True
-                        if txn is not None:
-                            buffer.append(txn)
-                        if stopped:
-                            break
+                    with conn.transaction():
+                        cursor.execute(
+                            PEEK, (s.slot, lsn_text(upto), max_rows, s.publication), binary=True
+                        )
+                        first = cursor.fetchmany(FETCH_ROWS)
+                        decoded = True
+                        s.set_timeout(conn, s.standing_timeout)
+                        held = HeldRead(conn, cursor, decoder, buffer, upto, max_rows)
+                        held.put(first)
+                        # In the transaction: a session shared by transactions (a pooler)
+                        # still reads this much whole.
+                        self.take(held, after)
                 finally:
                     if not (conn.closed or conn.broken):
                         s.set_timeout(conn, s.standing_timeout)
-        except DecodeBacklogError:
-            raise
         except Exception as exc:
+            self.drop_held()
             buffer.reset(after)
             buffer.loaded = False
-            if isinstance(exc.__cause__, pg_errors.QueryCanceled):
+            if not decoded and isinstance(exc.__cause__, pg_errors.QueryCanceled):
                 raise self.backlog(conn, upto) from exc
             raise
-        complete = not stopped and rows < max_rows
-        buffer.finish(complete=complete, through=upto if complete else None)
+
+    def go_on(self, conn: psycopg.Connection[Any], after: LogPosition | None, limit: int) -> bool:
+        """Take more of the read held inside a transaction; True when that was enough.
+
+        Held only while it is still the read of this session, decoder and
+        buffer, and the buffer still answers for ``after``; otherwise (or when
+        its cursor is gone: a session reset by a pooler) it is let go and the
+        next read starts from ``after`` again.
+        """
+        held, self._held = self._held, None
+        if held is None:
+            return False
+        s = self.source
+        if not held.fits(conn, s.decoder, s.buffer) or not s.buffer.covers(after):
+            held.close()
+            return False
+        held.decoder.more(max(1, max(s.read_ahead, limit) - s.buffer.pending(after)))
+        try:
+            self.take(held, after)
+        except DbTriggerError as exc:
+            log.info(
+                "slot %s: the read held inside a transaction could not go on (%s); reading "
+                "again from the checkpoint",
+                s.slot,
+                exc,
+                extra={"event": "cdc_held_read_lost", "poller": s.poller},
+            )
+            self.drop_held()
+            return False
+        s.check_identity(conn, self.confirmed_flush(conn))
+        return self._held is not None or s.buffer.pending(after) >= limit
+
+    def take(self, held: HeldRead, after: LogPosition | None) -> None:
+        """Feed the held read's rows to the decoder until they end or the room does."""
+        s = self.source
+        decoder, buffer = held.decoder, held.buffer
+        stopped = paused = False
+        try:
+            with translated(f"reading replication slot {s.slot}"):
+                while not (stopped or paused):
+                    rows = held.next_rows()
+                    if rows is None:
+                        break
+                    for data in rows:
+                        txn = decoder.feed(data, after)
+                        if txn is not None:
+                            buffer.append(txn)
+                        elif decoder.schema_break is not None:
+                            part = decoder.partial()  # stop before the new shape
+                            if part is not None:
+                                buffer.append(part)
+                            stopped = True
+                            break
+                        elif decoder.full:
+                            part = decoder.split()  # out of room: hold the read here
+                            if part is not None:
+                                buffer.append(part)
+                            paused = True
+                            break
+        except Exception:
+            held.close()
+            buffer.reset(after)
+            buffer.loaded = False
+            raise
+        if paused:
+            self._held = held
+            buffer.finish(complete=False, through=None)
+        else:
+            held.close()
+            complete = not stopped and held.rows < held.max_rows
+            buffer.finish(complete=complete, through=held.upto if complete else None)
         s.schema_break = decoder.schema_break
+
+    def drop_held(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            held.close()
 
     def backlog(self, conn: psycopg.Connection[Any], upto: int) -> DecodeBacklogError:
         """The error for a read that timed out; the next reads step in smaller windows."""
@@ -313,7 +467,7 @@ class PollReader:
         self._last_release = time.monotonic()
 
     def close(self) -> None:
-        return None
+        self.drop_held()
 
 
 __all__ = ["PEEK", "PollReader"]

@@ -66,6 +66,16 @@ def test_a_batch_with_no_marshalled_row_is_written_in_format_2() -> None:
     assert detail["crcs"] == [zlib.crc32(repr(r).encode(), rec._seed(shape)) for r in rows]
 
 
+def test_json_values_are_marshalled_and_one_timestamp_makes_the_batch_format_2() -> None:
+    shape = _shape(("id", "updated_at", "doc"))
+    rows = [(i, i, {"k": [i, "v", None, 1.5]}) for i in range(5)]
+    assert rec.batch_detail(events_from_rows(shape, rows))["format"] == 3
+    rows.append((5, 5, dt.datetime(2026, 1, 1, tzinfo=UTC)))
+    detail = rec.batch_detail(events_from_rows(shape, rows))
+    assert detail["format"] == 2
+    assert detail["crcs"] == [zlib.crc32(repr(r).encode(), rec._seed(shape)) for r in rows]
+
+
 def _record(detail: dict[str, Any]) -> dict[str, Any]:
     return {"seq": 1, "type": "commit", "batch_id": "b", "detail": detail}
 

@@ -7,23 +7,25 @@ reads the row again tells a changed row from an unchanged one. The detail's
 
 * **2**: the ``repr`` of the row's tuple, UTF-8 with surrogates passed (a value
   whose ``repr`` names a memory address: the event's canonical JSON).
-* **3**: a row whose every value is an ``int``, ``str``, ``float``, ``bytes``,
-  ``bool`` or ``None`` is hashed as ``marshal.dumps(row, 2)``; any other row as
-  in format 2. Marshal's version 2 writes these values with no references and
-  no interning flags, so the bytes are a function of the values alone (the same
-  from Python 3.6 to 3.13, checked at import against a known answer:
-  :data:`MARSHAL_STABLE`), and it makes them in a third of the time the
-  ``repr`` takes: the detail is most of what the history costs a narrow row.
+* **3**: ``marshal.dumps(row, 2)``, for a batch whose every value marshal
+  writes: ``int``, ``str``, ``float``, ``bytes``, ``bool``, ``None``, and lists
+  and dicts of them (what a driver returns for numbers, text, binary and JSON).
+  Marshal's version 2 writes them with no references and no interning flags,
+  so the bytes are a function of the values alone (the same from Python 3.6
+  to 3.13, checked at import against a known answer: :data:`MARSHAL_STABLE`),
+  and makes them in a third of the time the ``repr`` takes: the detail is
+  most of what the history costs a narrow row.
 
-A live batch is written in the newest format it can be: 3, or 2 when none of
-its rows is marshalled (a table with a timestamp or decimal column), which any
-earlier dbtrigger reads too. A replay makes the images again in the format of
-the record it compares with. Format 1 (``events`` lines, ``images`` digest) is
-:func:`image_digest` and :func:`digest_images`.
+A live batch is written in format 3 when it can be, else (a timestamp or a
+decimal column) in format 2, which any earlier dbtrigger reads too. A replay
+makes the images again in the format of the record it compares with.
+Format 1 (``events`` lines, ``images`` digest) is :func:`image_digest` and
+:func:`digest_images`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import functools
 import hashlib
@@ -45,8 +47,7 @@ from dbtrigger.history.kept_rows import KeptRows
 REPR_IMAGES = 2
 MARSHAL_IMAGES = 3
 
-#: Value types whose marshal bytes (version 2) depend on the value alone.
-_MARSHALLED = frozenset({int, str, float, bytes, bool, type(None)})
+#: Marshal's format version 2: no references, no interning flags.
 _VERSION = 2
 
 #: A known answer: what marshal's version 2 has written for these values since
@@ -57,11 +58,14 @@ _KNOWN = (
     *(0, -2, 2**31, -(2**40), 2**70),
     *("a", "\u00e9\udc80", "", b"x"),
     *(None, True, False, 1.5, -0.0),
+    [1, "b"],
+    {"k": [None, 2.5]},
 )
 _KNOWN_BYTES = bytes.fromhex(
-    "280e000000690000000069feffffff6c030000000000000002006cfdffffff0000000000046c05000000"
-    "000000000000000000047501000000617505000000c3a9edb28075000000007301000000784e5446670000"
-    "00000000f83f670000000000000080"
+    "2810000000690000000069feffffff6c030000000000000002006cfdffffff0000000000046c05000000"
+    "000000000000000000047501000000617505000000c3a9edb28075000000007301000000784e54466700"
+    "0000000000f83f6700000000000000805b0200000069010000007501000000627b75010000006b5b0200"
+    "00004e67000000000000044030"
 )
 MARSHAL_STABLE = marshal.dumps(_KNOWN, _VERSION) == _KNOWN_BYTES
 
@@ -239,22 +243,33 @@ def row_crcs(
     """The image CRC-32 of each of a batch's ``rows`` (over ``shape``; ``events``
     are their events) and the format they are in: ``form`` when ``remake`` (a
     replay making a record's images again), else the newest format up to
-    ``form`` that the batch needs (see the module docstring).
+    ``form`` that the batch can be written in (see the module docstring).
 
-    The common case makes no Python call a row: a batch of marshalled values
-    is one marshal and one CRC-32 a row, each mapped at C speed."""
-    if form < MARSHAL_IMAGES or not _marshal_stable(remake):
-        return _repr_crcs(events, shape, rows), REPR_IMAGES
-    seed = _seed(shape)
-    tuples = rows if set(map(type, rows)) <= {tuple} else list(map(tuple, rows))
-    if set(map(type, itertools.chain.from_iterable(tuples))) <= _MARSHALLED:
-        texts = map(marshal.dumps, tuples, itertools.repeat(_VERSION))
-        return list(map(zlib.crc32, texts, itertools.repeat(seed))), MARSHAL_IMAGES
+    The common case makes no Python call a row: one marshal and one CRC-32 a
+    row, mapped at C speed. A batch holding a value marshal cannot write (a
+    timestamp, a decimal) stops at the first such row, and is format 2."""
+    if form >= MARSHAL_IMAGES and _marshal_stable(remake):
+        seed = _seed(shape)
+        tuples = rows if set(map(type, rows)) <= {tuple} else list(map(tuple, rows))
+        try:
+            texts = map(marshal.dumps, tuples, itertools.repeat(_VERSION))
+            return list(map(zlib.crc32, texts, itertools.repeat(seed))), MARSHAL_IMAGES
+        except ValueError:  # ("unmarshallable object")
+            if remake:
+                return _remade(events, shape, rows, tuples, seed), MARSHAL_IMAGES
+    return _repr_crcs(events, shape, rows), REPR_IMAGES
+
+
+def _remade(
+    events: Sequence[RowChange], shape: Any, rows: list[Any], tuples: list[Any], seed: int
+) -> list[int]:
+    """Format 3 made again for rows some of which marshal cannot write (every row of
+    a format-3 record could be): those are hashed as in format 2, and read as changed."""
     crcs = _repr_crcs(events, shape, rows)
-    marshalled = [i for i, row in enumerate(tuples) if set(map(type, row)) <= _MARSHALLED]
-    for i in marshalled:
-        crcs[i] = zlib.crc32(marshal.dumps(tuples[i], _VERSION), seed)
-    return crcs, MARSHAL_IMAGES if marshalled or remake else REPR_IMAGES
+    for i, row in enumerate(tuples):
+        with contextlib.suppress(ValueError):
+            crcs[i] = zlib.crc32(marshal.dumps(row, _VERSION), seed)
+    return crcs
 
 
 def _repr_crcs(events: Sequence[RowChange], shape: Any, rows: list[Any]) -> list[int]:
@@ -272,13 +287,13 @@ def _repr_crcs(events: Sequence[RowChange], shape: Any, rows: list[Any]) -> list
 
 def image_crc(event: RowChange, form: int = MARSHAL_IMAGES) -> int:
     """What a detail of format ``form`` records as an event's image CRC-32 (a
-    batch of this one event written or made again in that format)."""
+    batch of this one event made again in that format)."""
     shape = getattr(event, "_shape", None)
     row = getattr(event, "_row", None)
     if shape is not None and row is not None:
         if form >= MARSHAL_IMAGES and _marshal_stable(remake=True):
-            values = row if type(row) is tuple else tuple(row)
-            if set(map(type, values)) <= _MARSHALLED:
+            with contextlib.suppress(ValueError):
+                values = row if type(row) is tuple else tuple(row)
                 return zlib.crc32(marshal.dumps(values, _VERSION), _seed(shape))
         text = _row_text(row)
         if b" at 0x" not in text:

@@ -21,7 +21,13 @@ from typing import Any
 
 from dbtrigger.cli.common import Console, dry_run_note, state_store, utc_now
 from dbtrigger.cli.history import history_of
-from dbtrigger.errors import CasConflictError, ConfigurationError, StoreError
+from dbtrigger.errors import (
+    CasConflictError,
+    ConfigurationError,
+    CorruptStateError,
+    StoreError,
+    UnsupportedDocumentError,
+)
 from dbtrigger.state import document as docmod
 from dbtrigger.state.document import StateDocument
 from dbtrigger.state.stores.base import CheckpointStore
@@ -31,8 +37,14 @@ Decide = Callable[[StateDocument, dt.datetime, dict[str, Any]], StateDocument]
 
 def last_record(args: argparse.Namespace, store: CheckpointStore) -> dict[str, Any] | None:
     """The last record of a poller whose document is missing (None: the document
-    is there, or the history holds no record of it, or cannot be read)."""
-    if store.read(args.poller) is not None or store.read(f"{args.poller}.members") is not None:
+    is there, even unreadable, or the history holds no record of it, or cannot be read).
+
+    A document the store holds but cannot read is there: the usual reset replaces
+    it (``--from-file ... --force``), so it is not taken for a missing one."""
+    try:
+        if store.read(args.poller) is not None or store.read(f"{args.poller}.members") is not None:
+            return None
+    except (CorruptStateError, UnsupportedDocumentError):
         return None
     history = history_of(args, store)
     try:

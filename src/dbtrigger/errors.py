@@ -227,6 +227,14 @@ class FailureRecordError(OperatorError):
     """A failed attempt could not be recorded; attempts are not counted until this is fixed."""
 
 
+class CrashLoopError(OperatorError):
+    """A batch killed the process delivering it on every attempt; it is not handed over again.
+
+    Raised before the handler is called, so the worker stops instead of dying
+    again; the message names the batch's first and last row and the ways on.
+    """
+
+
 class LiveLeaseError(ContentionError):
     """A live lease is held; the manual change was refused (``--force`` fences the holder out)."""
 
@@ -310,6 +318,7 @@ __all__ = [
     "ConfigurationError",
     "ContentionError",
     "CorruptStateError",
+    "CrashLoopError",
     "DbTriggerError",
     "DecodeBacklogError",
     "FailureRecordError",

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from dbtrigger.cursor import Position
 from dbtrigger.errors import DbTriggerError, LostLeaseError
 from dbtrigger.events import RowChange
-from dbtrigger.runtime import windowing
+from dbtrigger.runtime import crash_loop, windowing
 from dbtrigger.runtime.context import BatchContext, EventMarks
 from dbtrigger.runtime.delivery import Delivered, Delivery, Undelivered
 from dbtrigger.runtime.heartbeat import Heartbeat
@@ -32,9 +32,10 @@ from dbtrigger.runtime.trigger import Outcome, TickResult
 from dbtrigger.runtime.windowing import Selection
 from dbtrigger.runtime.writes import StateWriter
 from dbtrigger.sources.base import SourceAdapter, position_of
+from dbtrigger.state import crashes
 from dbtrigger.state import lease as leasemod
 from dbtrigger.state import window as windowmod
-from dbtrigger.state.document import StateDocument
+from dbtrigger.state.document import FailureRecord, StateDocument
 from dbtrigger.state.journal import JournalEntry
 from dbtrigger.state.window import Window
 
@@ -140,6 +141,8 @@ class BatchSequence:
             settlement = selection.tidy
             if settlement is None:
                 events = self.reader.normalise(selection.rows, batch_id, session.token)
+                if failure is not None and failure.crashes:
+                    self.refuse_if_deadly(failure, events, position, batch_id, session.token)
                 ctx = BatchContext(
                     poller_name=self.name,
                     batch_id=batch_id,
@@ -209,6 +212,31 @@ class BatchSequence:
                 )
             selection = following
             index += 1
+
+    def refuse_if_deadly(
+        self,
+        failure: FailureRecord,
+        events: list[RowChange],
+        position: Position,
+        batch_id: str,
+        token: int,
+    ) -> None:
+        """Raise :class:`~dbtrigger.errors.CrashLoopError` rather than hand over a
+        batch that killed its process on the last of ``max_attempts`` attempts."""
+        limit = self.delivery.max_attempts
+        if crashes.after_deaths(failure, max_attempts=limit) is crashes.AfterDeaths.REFUSE:
+            raise crash_loop.refuse(
+                self.emit,
+                poller=self.name,
+                target=self.delivery.cli_target(),
+                failure=failure,
+                events=events,
+                position=position,
+                batch_id=batch_id,
+                fencing_token=token,
+                max_attempts=limit,
+                has_sink=self.delivery.quarantine is not None,
+            )
 
     def commit(
         self,

@@ -186,6 +186,10 @@ EVENTS: dict[str, EventSpec] = {
         ),
     ),
     "poison_batch": EventSpec(E),
+    # a lease taken over that its holder neither released nor renewed: the process
+    # delivering the batch died (state/crashes.py); and a batch refused for it
+    "delivery_died": EventSpec(W, (Count("failures_total", labels={"error_type": "ProcessDied"}),)),
+    "crash_loop": EventSpec(E),
     "batch_bisected": EventSpec(W),
     "rows_quarantined": EventSpec(None, (Count("quarantined_total", "count"),)),
     "row_quarantined": EventSpec(W),

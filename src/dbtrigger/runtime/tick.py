@@ -51,7 +51,7 @@ from dbtrigger._gc import older_objects_frozen
 from dbtrigger._paste import pasteable
 from dbtrigger.cursor import BEGINNING, Position
 from dbtrigger.errors import DbTriggerError
-from dbtrigger.runtime import let_go
+from dbtrigger.runtime import crash_loop, let_go
 from dbtrigger.runtime.batches import BatchSequence
 from dbtrigger.runtime.heartbeat import Heartbeat
 from dbtrigger.runtime.kernel import Handler, KeepAlive, wants_context
@@ -174,6 +174,7 @@ class TickDriver(BatchSequence):
             first_seen=self.lease_clocks.first_seen(etag, started_at),
             definition=self.reader.definition(),
             subscribers=self.delivery.fan_out_set(),
+            count_deaths=True,
         )
         if isinstance(decision, leasemod.Busy):
             if self.reader.read_ahead is not None:
@@ -261,6 +262,14 @@ class TickDriver(BatchSequence):
             decision.fencing_token,
             fencing_token=decision.fencing_token,
         )
+        if decision.abandoned is not None:  # its holder died mid-batch: one attempt more
+            crash_loop.say_died(
+                self.emit,
+                decision.abandoned,
+                decision.document.failure,
+                position,
+                self.delivery.max_attempts,
+            )
         try:
             # See dbtrigger._gc: full collections during the tick skip older objects.
             with older_objects_frozen(), heartbeat:
@@ -270,7 +279,7 @@ class TickDriver(BatchSequence):
                     selection,
                     position,
                     started_at,
-                    doc,
+                    decision.document,  # (with the attempt a dead holder's lease counted)
                     should_stop,
                     lost,
                     carry=follows,

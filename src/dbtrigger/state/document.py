@@ -145,6 +145,12 @@ class FailureRecord:
     batch_rows: int | None = None
     #: :func:`digest_event_ids` of those rows, to check a skip drops exactly them.
     batch_digest: str | None = None
+    #: How many of the latest ``attempts`` ended with the process delivering the
+    #: batch gone (killed, crashed, hung past its lease): counted when the next
+    #: owner takes over a lease left neither released nor renewed
+    #: (:mod:`dbtrigger.state.crashes`); an attempt that failed with an
+    #: exception sets it back to 0.
+    crashes: int = 0
     #: Fields this version does not know, written back as they were read.
     extra: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
@@ -231,6 +237,7 @@ _LEASE_KEYS = frozenset(
 _FAILURE_KEYS = frozenset(
     {
         "attempts",
+        "crashes",
         "first_failed_at",
         "last_failed_at",
         "last_error",
@@ -292,6 +299,8 @@ def _failure_to_json(failure: FailureRecord) -> dict[str, Any]:
         out["batch_rows"] = failure.batch_rows
     if failure.batch_digest is not None:
         out["batch_digest"] = failure.batch_digest
+    if failure.crashes:
+        out["crashes"] = failure.crashes
     return out
 
 
@@ -447,6 +456,7 @@ def _failure_from_json(raw_failure: Any) -> FailureRecord:
         batch_end=position("batch_end"),
         batch_rows=count(raw_failure, "batch_rows", "failure", None),
         batch_digest=typed(raw_failure, "batch_digest", str, "failure"),
+        crashes=count(raw_failure, "crashes", "failure", 0) or 0,
         extra=_unknown(raw_failure, _FAILURE_KEYS),
     )
 

@@ -41,6 +41,7 @@ from dbtrigger.cursor import Position, canonical_json
 from dbtrigger.durations import human_duration
 from dbtrigger.errors import FingerprintMismatchError, LostLeaseError
 from dbtrigger.redaction import redact
+from dbtrigger.state import crashes
 from dbtrigger.state.definition import definition_changes, show_changes
 from dbtrigger.state.document import (
     DEFAULT_JOURNAL_LIMIT,
@@ -116,6 +117,10 @@ class Acquired:
 
     document: StateDocument
     fencing_token: int
+    #: The lease taken over that its holder neither released nor renewed (it
+    #: died or hung mid-tick), when it was counted as a failed attempt
+    #: (``decide_acquire(count_deaths=True)``, :mod:`dbtrigger.state.crashes`).
+    abandoned: Lease | None = None
 
 
 @dataclass(frozen=True)
@@ -235,8 +240,13 @@ def decide_acquire(
     first_seen: dt.datetime | None = None,
     definition: Mapping[str, Any] | None = None,
     subscribers: Collection[str] | None = None,
+    count_deaths: bool = False,
 ) -> Acquired | Busy:
     """Take the lease, or say who holds it until when.
+
+    With ``count_deaths`` (a poller's tick), a lease taken over that its holder
+    neither released nor renewed counts as a failed attempt of the batch at the
+    checkpoint, in the document written to take it (:mod:`dbtrigger.state.crashes`).
 
     ``definition`` (the source's readable definition) is recorded in the
     acquired document when it is of ``fingerprint`` (see :func:`with_definition`),
@@ -266,7 +276,10 @@ def decide_acquire(
         extra=lease.extra if lease is not None else {},
     )
     base = recording(with_definition(base, fingerprint, definition), subscribers)
-    return Acquired(replace(base, lease=new_lease), token)
+    dead = crashes.abandoned(base) if count_deaths else None
+    if dead is not None:
+        base = crashes.count_death(base, dead, now)
+    return Acquired(replace(base, lease=new_lease), token, dead)
 
 
 def believed_expiry(

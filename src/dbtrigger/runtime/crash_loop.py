@@ -1,0 +1,117 @@
+"""What a tick says about a batch whose delivering process died, and its refusal.
+
+The decisions are :mod:`dbtrigger.state.crashes` (pure): a lease taken over
+that its holder neither released nor renewed counts as a failed attempt of
+the batch at the checkpoint, and once ``max_attempts`` are counted with the
+latest one dead the batch is not handed over whole again. This module says
+so: ``delivery_died`` (WARNING) on each such takeover, and ``crash_loop``
+(ERROR) with a :class:`~dbtrigger.errors.CrashLoopError` naming the batch's
+first and last row and the ways on, instead of handing the batch to a
+handler that would kill this process too.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Callable
+from typing import Any
+
+from dbtrigger._paste import pasteable
+from dbtrigger.cursor import Position
+from dbtrigger.errors import CrashLoopError
+from dbtrigger.events import RowChange
+from dbtrigger.sources.base import position_of
+from dbtrigger.state.codec import format_time
+from dbtrigger.state.document import FailureRecord, Lease
+
+
+def _at(position: Position) -> str:
+    if position.is_beginning:
+        return "the beginning"
+    return f"{dict(position.pk)!r} at cursor {position.cursor!r}"
+
+
+def say_died(
+    emit: Callable[..., None],
+    dead: Lease,
+    failure: FailureRecord | None,
+    position: Position,
+    max_attempts: int,
+) -> None:
+    """``delivery_died`` at WARNING: the takeover of ``dead``, counted as an attempt."""
+    attempts = failure.attempts if failure is not None else 1
+    emit(
+        "delivery_died",
+        "the process delivering the batch after %s (%s, token %s) stopped without releasing "
+        "its lease (expired at %s): killed, crashed or hung; counted as failed attempt %d "
+        "of max_attempts=%d of that batch",
+        _at(position),
+        dead.owner_id,
+        dead.fencing_token,
+        format_time(dead.expires_at),
+        attempts,
+        max_attempts,
+        dead_owner=dead.owner_id,
+        dead_fencing_token=dead.fencing_token,
+        attempt=attempts,
+        checkpoint=None if position.is_beginning else repr(position.cursor),
+    )
+
+
+def _reset(target: str, position: Position) -> str:
+    if position.is_beginning:
+        return f"dbtrigger reset {target} --to-beginning"
+    keys = "".join(f" --pk {shlex.quote(f'{k}={v}')}" for k, v in position.pk.items())
+    return f"dbtrigger reset {target} --to-cursor {shlex.quote(str(position.cursor))}{keys}"
+
+
+def refuse(
+    emit: Callable[..., None],
+    *,
+    poller: str,
+    target: str,
+    failure: FailureRecord,
+    events: list[RowChange],
+    position: Position,
+    batch_id: str,
+    fencing_token: int,
+    max_attempts: int,
+    has_sink: bool,
+) -> CrashLoopError:
+    """``crash_loop`` at ERROR, and the error the tick raises instead of delivering.
+
+    ``target`` is the poller as the CLI names it (with ``--source`` when known).
+    """
+    first, last = position_of(events[0]), position_of(events[-1])
+    sink = (
+        "a dead-letter sink cannot set aside a row that kills the process (it is never "
+        "seen failing alone)"
+        if has_sink
+        else "configuring a dead-letter sink (quarantine=) does not help either: the row "
+        "kills the process, it never fails alone"
+    )
+    why = (
+        f"batch {batch_id} of poller {poller!r}, {len(events)} row(s) from {_at(first)} to "
+        f"{_at(last)} (after the checkpoint at {_at(position)}), killed the process "
+        f"delivering it on its last {failure.crashes} attempt(s) ({failure.attempts} failed "
+        f"in all, max_attempts={max_attempts}); it is not handed over again, as the handler "
+        f"would kill this process too ({sink}). Ways on: fix the handler (or the row) and "
+        "deliver the batch again with the count cleared: "
+        f"{pasteable(_reset(target, position) + ' --reason TEXT --yes')} (the checkpoint "
+        "where it stands); or step over the batch, its rows not delivered (data loss, "
+        f"journaled): {pasteable(_reset(target, last) + ' --reason TEXT --yes')}; or over "
+        "the rows up to one of them (--to-cursor/--pk of the row before the one at fault)"
+    )
+    fields: dict[str, Any] = {
+        "batch_id": batch_id,
+        "fencing_token": fencing_token,
+        "attempt": failure.attempts,
+        "crashes": failure.crashes,
+        "rows": len(events),
+    }
+    error = CrashLoopError(why, poller=poller, **fields)
+    emit("crash_loop", "%s", error, **fields)
+    return error
+
+
+__all__ = ["refuse", "say_died"]

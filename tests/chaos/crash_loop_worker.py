@@ -1,0 +1,79 @@
+"""A worker whose handler kills its own process on one row, every time.
+
+Started again and again by ``tests/test_crash_loop.py``, as a supervisor
+(systemd, Kubernetes, the Functions host) restarts a worker that died. Each
+run ticks the ``items`` poller until nothing is left (exit 0), or until a
+tick refuses with a dbtrigger error (exit 3, the error's type and message
+printed on stderr). The handler appends every row it handled to ``--log``
+(fsynced) and calls ``os._exit(1)`` when it reaches the row ``--poison``:
+the crash of a segfault or an OOM kill, with no exception, no ``finally``
+and no lease released.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from dbtrigger import FileCheckpointStore, PollTrigger, RowChange, SqlAlchemySource
+from dbtrigger.errors import DbTriggerError
+from dbtrigger.quarantine import JsonLinesQuarantineSink
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--db-url", required=True)
+    parser.add_argument("--state", required=True)
+    parser.add_argument("--log", required=True)
+    parser.add_argument("--poison", type=int, required=True)
+    parser.add_argument("--owner", required=True)
+    parser.add_argument("--ttl", type=float, default=1.0)
+    parser.add_argument("--batch-size", type=int, default=5)
+    parser.add_argument("--max-attempts", type=int, default=3)
+    parser.add_argument("--sink")
+    args = parser.parse_args(argv)
+
+    trigger = PollTrigger(
+        name="items",
+        source=SqlAlchemySource(
+            url=args.db_url,
+            table="items",
+            cursor_column="version",
+            pk_columns=["id"],
+            visibility="none",  # rows are written before the worker starts
+        ),
+        checkpoint_store=FileCheckpointStore(args.state),
+        batch_size=args.batch_size,
+        lease_ttl_seconds=args.ttl,
+        owner_id=args.owner,
+        max_attempts=args.max_attempts,
+        quarantine=JsonLinesQuarantineSink(args.sink) if args.sink else None,
+    )
+    log = open(args.log, "a", encoding="utf-8")  # noqa: SIM115 - lives until the process ends
+
+    def handler(events: list[RowChange]) -> None:
+        for event in events:
+            if event.pk["id"] == args.poison:
+                os._exit(1)
+            log.write(f"{event.pk['id']}\n")
+            log.flush()
+            os.fsync(log.fileno())
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            result = trigger.tick_result(handler)
+        except DbTriggerError as exc:
+            print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+            return 3
+        if result.outcome == "idle":
+            return 0
+        if result.outcome in ("lease_busy", "lost_race"):
+            time.sleep(0.05)  # the dead owner's lease has not expired yet
+    return 4
+
+
+if __name__ == "__main__":
+    sys.exit(main())

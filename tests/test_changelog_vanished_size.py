@@ -20,6 +20,7 @@ import pytest
 
 from dbtrigger import FileCheckpointStore, PollTrigger, RowChange
 from dbtrigger.changelog import ChangeLogSource, drift, install
+from dbtrigger.changelog.snapshot import snapshot
 from dbtrigger.cli.main import main as cli_main
 from dbtrigger.errors import ChangeLogDriftError
 from tests.databases import TestDatabase
@@ -117,3 +118,29 @@ def test_a_row_replaced_away_long_before_the_newest_changes_is_reported(
             source.check_drift()
     finally:
         source.close()
+
+
+def test_a_resync_that_stopped_part_way_is_reported(db: TestDatabase, tmp_path: Path) -> None:
+    """``changelog resync`` commits its ``truncate`` row, then the table chunk by chunk.
+    Stopped part-way (killed, or a chunk that gave up waiting for a lock), the readers
+    dropped every row at the truncate and got back only the chunks written: the rest
+    was gone from every reader, and no check said so. Every row the table holds has a
+    change logged after the last truncate; one that has none is now drift naming the
+    resync again."""
+    orders = db.qualified("orders")
+    db.execute(f"CREATE TABLE {orders} (id INTEGER PRIMARY KEY, status VARCHAR(20))")
+    install(db.engine, "orders", schema=db.schema)
+    rows = ", ".join(f"({i}, 'new')" for i in range(1, 11))
+    db.execute(f"INSERT INTO {orders} (id, status) VALUES {rows}")
+    replica = Replica()
+    trigger = poller(db, tmp_path)
+    drain_until(trigger, replica, 10)
+    # What a resync killed after its first chunk of 5 rows left in the log.
+    db.execute(f"INSERT INTO {db.qualified('dbt_changelog_orders')} (dbt_op) VALUES ('truncate')")
+    snapshot(db.engine, "orders", schema=db.schema, where="id <= 5")
+    with pytest.raises(ChangeLogDriftError, match="changelog resync") as refused:
+        poller(db, tmp_path).tick(replica)
+    assert "no change logged since the last truncate" in str(refused.value)
+    assert cli_main(["changelog", "resync", *where(db), "--yes"]) == 0
+    drain_until(poller(db, tmp_path), replica, 10 + 1 + 5 + 1 + 10)
+    assert replica.rows == dict.fromkeys(range(1, 11), "new")

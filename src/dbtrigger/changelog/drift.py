@@ -41,7 +41,7 @@ from dbtrigger.changelog.ddl import (
     read_marker,
     reflect_table,
 )
-from dbtrigger.changelog.vanished import vanished_keys
+from dbtrigger.changelog.vanished import unlogged_since_truncate, vanished_keys
 from dbtrigger.errors import ChangeLogDriftError, ConfigurationError
 
 
@@ -110,7 +110,7 @@ class Drift:
         fix = self.fix
         if fix != install_command(self.table, self.schema):
             return ChangeLogDriftError(
-                f"the change log of {self.table} missed rows leaving the table: "
+                f"the change log of {self.table} no longer tells its readers what the table holds: "
                 + "; ".join(self.problems)
                 + f". The application's writes go on; record it and re-send every row to the "
                 f"log's readers: `{fix}` (docs/changes.md, 'TRUNCATE')",
@@ -167,6 +167,10 @@ def find_drift(
     gone = [] if problems else vanished_keys(conn, info, log_key_names, whole_log=whole_log)
     if gone:
         problems.append(_vanished_problem(info, gone))
+    elif whole_log and not problems:
+        gone = unlogged_since_truncate(conn, info, log_key_names)
+        if gone:
+            problems.append(_unlogged_problem(info, gone))
     return Drift(
         table,
         schema,
@@ -216,6 +220,19 @@ def _vanished_problem(info: TableInfo, gone: list[tuple[Any, ...]]) -> str:
     return (
         f"{len(gone)} row(s) the change log holds as present are gone from {info.table} with "
         f"no delete logged (key {shown}{more}): {how}; the log's readers still hold them"
+    )
+
+
+def _unlogged_problem(info: TableInfo, keys: list[tuple[Any, ...]]) -> str:
+    shown = ", ".join(
+        str(k[0]) if len(k) == 1 else "(" + ", ".join(map(str, k)) + ")" for k in keys[:5]
+    )
+    more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+    return (
+        f"{len(keys)} row(s) {info.table} holds have no change logged since the last truncate "
+        f"in its change log (key {shown}{more}), so its readers dropped them there and never "
+        "got them back: a `changelog resync` that stopped part-way (it logs the truncate, "
+        "then the table chunk by chunk), or rows written while the triggers were missing"
     )
 
 

@@ -176,4 +176,48 @@ def _in_whole_log(
     return [tuple(r) for r in rows]
 
 
-__all__ = ["AT_ONCE_ROWS", "WHOLE_LOG_SHARE", "WINDOW", "log_span", "vanished_keys"]
+def unlogged_since_truncate(
+    conn: sa.Connection, info: TableInfo, log_keys: Sequence[str]
+) -> list[tuple[Any, ...]]:
+    """Up to :data:`WINDOW` keys the table holds with no change logged after the log's
+    last ``truncate`` row (none: no truncate row, or rows logged without a key after it).
+
+    Readers drop every row at a truncate, so each row the table holds must have been
+    logged after it: inserted since (PostgreSQL's ``TRUNCATE``), or written by the
+    snapshot of ``changelog resync``. A row that was not is gone from every reader: a
+    resync that stopped part-way (it commits its truncate row, then the table chunk
+    by chunk), or a row written while the triggers were missing."""
+    key_names = [c.name for c in info.pk]
+    if list(log_keys) != key_names:
+        return []
+    log = _log(info, key_names)
+    floor = conn.execute(
+        sa.select(sa.func.max(log.c.dbt_seq)).where(log.c.dbt_op == "truncate")
+    ).scalar()
+    if floor is None:
+        return []
+    after = log.c.dbt_seq > floor
+    if conn.execute(
+        sa.select(log.c.dbt_seq).where(after, sa.or_(*(log.c[k].is_(None) for k in key_names)))
+    ).first():
+        return []  # a change the trigger could not key: ChangeLogGapError's
+    logged = sa.select(*(log.c[k] for k in key_names)).where(after).distinct().subquery("logged")
+    table = reflect_table(conn, info.table, info.schema)
+    found = sa.and_(*(logged.c[k] == table.c[k] for k in key_names))
+    rows = conn.execute(
+        sa.select(*(table.c[k] for k in key_names))
+        .where(~sa.exists().where(found))
+        .order_by(*(table.c[k] for k in key_names))
+        .limit(WINDOW)
+    ).all()
+    return [tuple(r) for r in rows]
+
+
+__all__ = [
+    "AT_ONCE_ROWS",
+    "WHOLE_LOG_SHARE",
+    "WINDOW",
+    "log_span",
+    "unlogged_since_truncate",
+    "vanished_keys",
+]

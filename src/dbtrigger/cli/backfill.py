@@ -43,7 +43,7 @@ from dbtrigger.cli.common import (
     utc_now,
 )
 from dbtrigger.cli.loading import LoadedTrigger, load_trigger, partitioned_of
-from dbtrigger.cli.state_change import print_plan
+from dbtrigger.cli.plan import print_plan
 from dbtrigger.cursor import Position
 from dbtrigger.errors import ConfigurationError, DbTriggerError, HandlerError, OperatorError
 from dbtrigger.runtime.delivery import Handler

@@ -32,7 +32,8 @@ from dbtrigger.cli.common import (
     utc_now,
 )
 from dbtrigger.cli.history import history_of
-from dbtrigger.cli.state_change import _apply_change, note_history
+from dbtrigger.cli.plan import note_history
+from dbtrigger.cli.state_change import _apply_change
 from dbtrigger.errors import ConfigurationError, ReplayRefusedError
 from dbtrigger.history import positions as pos
 from dbtrigger.history import view

@@ -21,6 +21,7 @@ from typing import Any
 
 from dbtrigger.cli.common import Console, dry_run_note, state_store, utc_now
 from dbtrigger.cli.history import history_of
+from dbtrigger.cli.plan import note_history, print_plan
 from dbtrigger.errors import (
     CasConflictError,
     ConfigurationError,
@@ -101,8 +102,6 @@ def recreate_lost(
         console = Console()
         now = utc_now()
         after = decide(doc, now, {"recreated": f"history #{record.get('seq')}"})
-        from dbtrigger.cli.state_change import note_history, print_plan  # noqa: PLC0415 - it imports this
-
         print_plan(console, "reset", store, None, after, now)
         if not args.yes:
             console.print(dry_run_note(args))

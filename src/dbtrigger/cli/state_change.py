@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import shlex
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +43,10 @@ from dbtrigger.cli.common import (
     stored_key_fits,
     utc_now,
 )
-from dbtrigger.cli.history import history_to_record, named_trigger
+from dbtrigger.cli.plan import note_history, print_plan
+from dbtrigger.cli.recreate import recreate_lost
 from dbtrigger.cursor import Position, encode_value
 from dbtrigger.errors import CasConflictError, ConfigurationError, CorruptStateError
-from dbtrigger.history.wiring import record_write
 from dbtrigger.partitions.floors import drop_floors
 from dbtrigger.sources.base import (
     SourceAdapter,
@@ -60,108 +59,11 @@ from dbtrigger.sources.base import (
 from dbtrigger.state import document as docmod
 from dbtrigger.state import lease as leasemod
 from dbtrigger.state import operations as ops
-from dbtrigger.state.definition import definition_changes
-from dbtrigger.state.document import StateDocument, known_definition
-from dbtrigger.state.lease import describe_lease
+from dbtrigger.state.document import StateDocument
 from dbtrigger.state.stores.base import CheckpointStore
-from dbtrigger.state.stores.factory import describe_store, redact
+from dbtrigger.state.stores.factory import redact
 
 # --- changes: plan, backup, write ----------------------------------------------------------
-
-
-def _lease_text(doc: StateDocument | None, now: dt.datetime) -> str:
-    return describe_lease(doc.lease, now) if doc is not None else "-"
-
-
-def _failure_text(doc: StateDocument | None) -> str:
-    if doc is None or doc.failure is None:
-        return "none"
-    return f"batch {doc.failure.batch_id} failed {doc.failure.attempts} time(s)"
-
-
-def print_plan(
-    console: Console,
-    operation: str,
-    store: CheckpointStore,
-    before: StateDocument | None,
-    after: StateDocument,
-    now: dt.datetime,
-) -> None:
-    console.print(f"{operation} poller {after.poller_name!r} in {describe_store(store)}")
-    pairs = [
-        (
-            "checkpoint",
-            show_position(before.position) if before else "(no document)",
-            show_position(after.position),
-        ),
-        ("lease", _lease_text(before, now), _lease_text(after, now)),
-        ("failing", _failure_text(before), _failure_text(after)),
-        (
-            "fingerprint",
-            before.source_fingerprint if before else "-",
-            after.source_fingerprint,
-        ),
-    ]
-    for name, old, new in pairs:
-        if old == new:
-            console.print(f"  {name:<12} {old}  (unchanged)")
-        else:
-            console.print(f"  {name:<12} {old}\n  {'':<12} -> {new}")
-    if before is not None and before.source_fingerprint != after.source_fingerprint:
-        for line in definition_lines(before, after):
-            console.print(line)
-    entry = after.journal[-1] if after.journal else {}
-    extras = {
-        k: v
-        for k, v in entry.items()
-        if k not in ("type", "operation", "actor", "reason", "at", "before", "after")
-    }
-    console.print(
-        f"  {'journal':<12} + {entry.get('operation')} by {entry.get('actor')}: "
-        f"{entry.get('reason')!r} {json.dumps(extras, sort_keys=True, default=str)}"
-    )
-
-
-def _show(value: Any) -> str:
-    text = json.dumps(value, sort_keys=True, default=str)
-    return text if len(text) <= 100 else text[:97] + "..."
-
-
-def _where(definition: Mapping[str, Any]) -> str:
-    port = f":{definition['port']}" if definition.get("port") else ""
-    schema = f"{definition['schema']}." if definition.get("schema") else ""
-    what = definition.get("table") or "(query)"
-    return (
-        f"{schema}{what} at {definition.get('dialect')}://{definition.get('host') or ''}{port}/"
-        f"{definition.get('database') or ''}, cursor {definition.get('cursor_column')}, "
-        f"key ({', '.join(definition.get('pk_columns') or [])})"
-    )
-
-
-def definition_lines(before: StateDocument, after: StateDocument) -> list[str]:
-    """What changed in the source definition between two documents, one line per field.
-
-    A fingerprint is a hash: the lines say what it stands for (table, columns,
-    key, cursor, database and how it is reached). A document written before
-    definitions were recorded (or by a source that cannot describe itself)
-    only has its hash; the lines then say so and show the new definition.
-    """
-    old, new = known_definition(before), known_definition(after)
-    label = f"  {'definition':<12}"
-    if new is None:
-        return [f"{label} not described by this source (only the fingerprints can be compared)"]
-    if old is None:
-        return [
-            f"{label} the stored document does not record which definition its fingerprint "
-            "stands for (written before dbtrigger recorded it); the new one:",
-            f"  {'':<12} {_where(new)}",
-        ]
-    changes = definition_changes(old, new)
-    if not changes:
-        return [f"{label} the same fields (only the fingerprint algorithm differs)"]
-    lines = [f"{label} {len(changes)} field(s) changed:"]
-    lines += [f"  {'':<12} {name}: {_show(was)} -> {_show(now)}" for name, was, now in changes]
-    return lines
 
 
 def _backup_path(args: argparse.Namespace, poller: str, operation: str, now: dt.datetime) -> Path:
@@ -254,20 +156,6 @@ def _apply_change_on(
         console.print(f"to undo: {undo_command(args, backup, operation, now)}")
     note_history(console, store, after, args)
     return 0
-
-
-def note_history(
-    console: Console, store: CheckpointStore, doc: StateDocument, args: argparse.Namespace
-) -> None:
-    """Append the change to the poller's own history (the named trigger's; see
-    :func:`~dbtrigger.cli.history.history_to_record`); say so if that failed or
-    it is recorded in none (the change stands)."""
-    history, note = history_to_record(store, doc.poller_name, named_trigger(args))
-    if note is not None:
-        console.warn(note)
-    problem = record_write(store, doc, history=history)
-    if problem is not None:
-        console.warn(f"warning: {problem}")
 
 
 def _store_arguments(args: argparse.Namespace) -> list[str]:
@@ -394,8 +282,6 @@ def cmd_reset(args: argparse.Namespace) -> int:
         if isinstance(typed_by, ValidatesDefinition):
             typed_by.validate(position)  # a value its column cannot hold is refused now
         return ops.reset(doc, position=position, **accepted, **who)
-
-    from dbtrigger.cli.recreate import recreate_lost  # noqa: PLC0415 - it imports this module
 
     lost = recreate_lost(args, lambda: getattr(args, "replacement", None), decide)
     return lost if lost is not None else _apply_change(args, "reset", decide)

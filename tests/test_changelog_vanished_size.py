@@ -138,6 +138,15 @@ def test_a_resync_that_stopped_part_way_is_reported(db: TestDatabase, tmp_path: 
     # What a resync killed after its first chunk of 5 rows left in the log.
     db.execute(f"INSERT INTO {db.qualified('dbt_changelog_orders')} (dbt_op) VALUES ('truncate')")
     snapshot(db.engine, "orders", schema=db.schema, where="id <= 5")
+    # While it may still be running (its rows are recent), it is not reported.
+    assert not drift(db.engine, "orders", schema=db.schema)
+    log = db.qualified("dbt_changelog_orders")
+    ago = {
+        "sqlite": "strftime('%Y-%m-%d %H:%M:%f', 'now', '-10 minutes')",
+        "postgresql": "clock_timestamp() - interval '10 minutes'",
+        "mariadb": "CURRENT_TIMESTAMP(6) - INTERVAL 10 MINUTE",
+    }[db.kind]
+    db.execute(f"UPDATE {log} SET dbt_changed_at = {ago}")  # it stopped ten minutes ago
     with pytest.raises(ChangeLogDriftError, match="changelog resync") as refused:
         poller(db, tmp_path).tick(replica)
     assert "no change logged since the last truncate" in str(refused.value)

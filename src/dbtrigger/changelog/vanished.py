@@ -91,6 +91,7 @@ def _log(info: TableInfo, key_names: Sequence[str]) -> sa.TableClause:
         info.log_table,
         sa.column("dbt_seq", sa.BigInteger()),
         sa.column("dbt_op"),
+        sa.column("dbt_changed_at"),
         *(sa.column(k) for k in key_names),
         schema=info.schema,
     )
@@ -210,7 +211,33 @@ def unlogged_since_truncate(
         .order_by(*(table.c[k] for k in key_names))
         .limit(WINDOW)
     ).all()
+    if rows and _resync_may_run(conn, log, floor):
+        return []  # a resync still writing its chunks: not stopped (yet)
     return [tuple(r) for r in rows]
+
+
+#: A resync whose truncate row or latest snapshot row is younger than this may still be
+#: writing its chunks (a chunk waits at most 30 s for a lock): its rows are not missing yet.
+RESYNC_GRACE_SECONDS = 120
+
+
+def _resync_may_run(conn: sa.Connection, log: sa.TableClause, floor: int) -> bool:
+    """Was the truncate row at ``floor``, or a snapshot row after it, written within
+    :data:`RESYNC_GRACE_SECONDS`, by the database's clock?"""
+    newest = (
+        sa.select(sa.func.max(log.c.dbt_changed_at))
+        .where(log.c.dbt_seq >= floor, log.c.dbt_op.in_(("truncate", "upsert")))
+        .scalar_subquery()
+    )
+    grace = int(RESYNC_GRACE_SECONDS)
+    dialect = conn.dialect.name
+    if dialect == "postgresql":
+        cutoff: Any = sa.literal_column(f"clock_timestamp() - interval '{grace} seconds'")
+    elif dialect == "sqlite":
+        cutoff = sa.func.strftime("%Y-%m-%d %H:%M:%f", "now", f"-{grace} seconds")
+    else:
+        cutoff = sa.literal_column(f"CURRENT_TIMESTAMP(6) - INTERVAL {grace} SECOND")
+    return bool(conn.execute(sa.select(newest > cutoff)).scalar())
 
 
 __all__ = [

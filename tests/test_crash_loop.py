@@ -25,12 +25,12 @@ from pathlib import Path
 
 import pytest
 
-from dbtrigger import FileCheckpointStore
+from dbtrigger import FileCheckpointStore, LostLeaseError
 from dbtrigger.cursor import Position
 from dbtrigger.state import crashes as C
 from dbtrigger.state import document as docmod
 from dbtrigger.state import lease as L
-from dbtrigger.state.document import Checkpoint, FailureRecord, Lease, StateDocument
+from dbtrigger.state.document import Checkpoint, FailureRecord, Lease, StateDocument, evolve
 from tests.databases import TestDatabase
 from tests.reliability_support import add_items, checkpoint_id, items_table, read_doc
 
@@ -113,6 +113,27 @@ def test_a_handler_that_kills_its_process_every_time_is_refused_without_a_sink(
     assert warned.count("stopped without releasing its lease") == MAX_ATTEMPTS, warned
 
 
+def test_with_a_sink_the_row_that_kills_the_process_is_dead_lettered_and_the_rest_delivered(
+    sqlite_db: TestDatabase, tmp_path: Path
+) -> None:
+    add_items(sqlite_db, items_table(sqlite_db), ROWS)
+    sink = tmp_path / "dead-letters.jsonl"
+    runs = _restart_until_settled(sqlite_db, tmp_path, restarts=MAX_ATTEMPTS + 5, sink=sink)
+    codes = [run.returncode for run in runs]
+    assert codes[-1] == 0, f"the worker never got past the row: {codes}"
+    # max_attempts deaths of the whole batch, then one more of row 7 handed alone
+    # (its id written to the document first): the run after it dead-letters it.
+    assert codes == [1] * (MAX_ATTEMPTS + 1) + [0], codes
+    assert "killed the process delivering it alone" in runs[-1].stderr, runs[-1].stderr
+    letters = [json.loads(line) for line in sink.read_text().splitlines()]
+    assert [letter["pk"] for letter in letters] == [{"id": POISON}]
+    assert letters[0]["error"].startswith("ProcessDied: "), letters[0]["error"]
+    assert _handled(tmp_path) == set(ROWS) - {POISON}, "every other row is delivered"
+    store = FileCheckpointStore(tmp_path / "state")
+    assert checkpoint_id(store) == ROWS[-1]
+    assert read_doc(store).failure is None
+
+
 def test_the_state_document_keeps_the_count_across_a_write_by_an_older_reader(
     tmp_path: Path,
 ) -> None:
@@ -125,6 +146,7 @@ def test_the_state_document_keeps_the_count_across_a_write_by_an_older_reader(
         "failure": {
             "attempts": 2,
             "crashes": 2,
+            "probing": "ev-7",
             "first_failed_at": "2026-11-28T01:00:00.000000Z",
             "last_failed_at": "2026-11-28T01:00:05.000000Z",
             "last_error": "x",
@@ -135,7 +157,9 @@ def test_the_state_document_keeps_the_count_across_a_write_by_an_older_reader(
     doc = docmod.loads(json.dumps(raw))
     assert doc.failure is not None
     assert doc.failure.crashes == 2
-    assert json.loads(docmod.dumps(doc))["failure"]["crashes"] == 2
+    assert doc.failure.probing == "ev-7"
+    written = json.loads(docmod.dumps(doc))["failure"]
+    assert (written["crashes"], written["probing"]) == (2, "ev-7")
 
 
 # --- the pure rules (dbtrigger.state.crashes through decide_acquire), table by table ---
@@ -248,3 +272,42 @@ def test_a_batch_is_refused_once_max_attempts_are_counted_and_the_latest_died(
     failure: FailureRecord | None, limit: int, verdict: C.AfterDeaths
 ) -> None:
     assert C.after_deaths(failure, max_attempts=limit) is verdict
+
+
+def test_with_a_sink_a_batch_that_killed_its_process_is_isolated_not_refused() -> None:
+    assert C.after_deaths(_record(3, 1), max_attempts=3, can_isolate=True) is C.AfterDeaths.ISOLATE
+    assert C.after_deaths(_record(2, 2), max_attempts=3, can_isolate=True) is C.AfterDeaths.DELIVER
+    assert C.after_deaths(_record(4, 0), max_attempts=3, can_isolate=True) is C.AfterDeaths.DELIVER
+
+
+def test_each_isolation_step_is_recorded_under_the_lease_before_its_call() -> None:
+    doc = _doc(Lease("b", 5, T0, T0, T0 + TTL), _record(3, 3))
+    later = T0 + dt.timedelta(seconds=4)
+    step = L.decide_probe(
+        doc, owner="b", token=5, now=later, ttl=TTL, event_id="ev-7", done=("ev-6",)
+    )
+    assert step.failure is not None
+    assert (step.failure.probing, step.failure.done, step.failure.attempts) == (
+        "ev-7",
+        ("ev-6",),
+        3,
+    )
+    assert step.lease is not None
+    assert step.lease.expires_at == later + TTL, "the step renews the lease"
+    with pytest.raises(LostLeaseError):
+        L.decide_probe(doc, owner="b", token=4, now=later, ttl=TTL, event_id="x", done=())
+    # The death during that call is counted by the next owner, the row still named.
+    now = later + TTL + dt.timedelta(seconds=6)
+    taken = L.decide_acquire(
+        evolve(step, lease=Lease("b", 5, T0, later, later + TTL)),
+        poller="p",
+        fingerprint="fp",
+        owner="c",
+        now=now,
+        ttl=TTL,
+        count_deaths=True,
+    )
+    assert isinstance(taken, L.Acquired)
+    failure = taken.document.failure
+    assert failure is not None
+    assert (failure.attempts, failure.crashes, failure.probing) == (4, 4, "ev-7")

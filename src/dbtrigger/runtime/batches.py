@@ -22,7 +22,8 @@ from dbtrigger.errors import DbTriggerError, LostLeaseError
 from dbtrigger.events import RowChange
 from dbtrigger.runtime import crash_loop, windowing
 from dbtrigger.runtime.context import BatchContext, EventMarks
-from dbtrigger.runtime.delivery import Delivered, Delivery, Undelivered
+from dbtrigger.runtime.crash_isolation import OneByOne
+from dbtrigger.runtime.delivery import Delivered, Delivery, Undelivered, cancelled_error
 from dbtrigger.runtime.heartbeat import Heartbeat
 from dbtrigger.runtime.kernel import Handler, wants_context
 from dbtrigger.runtime.readahead import ReadAhead
@@ -141,8 +142,11 @@ class BatchSequence:
             settlement = selection.tidy
             if settlement is None:
                 events = self.reader.normalise(selection.rows, batch_id, session.token)
-                if failure is not None and failure.crashes:
-                    self.refuse_if_deadly(failure, events, position, batch_id, session.token)
+                call, call_ctx = handler, wants_ctx
+                if failure is not None and failure.crashes:  # it killed its process last time
+                    call, call_ctx = self.after_deaths(
+                        failure, events, position, batch_id, session, handler, wants_ctx
+                    )
                 ctx = BatchContext(
                     poller_name=self.name,
                     batch_id=batch_id,
@@ -167,7 +171,7 @@ class BatchSequence:
                     selection, events, position, index, started_at, tag, carry=carry
                 )
                 outcome = self.hand_over(
-                    session, handler, wants_ctx, events, done, ctx, selection, prefetch
+                    session, call, call_ctx, events, done, ctx, selection, prefetch
                 )
                 settlement = self.settle(selection, events, outcome)
             failure = None
@@ -213,30 +217,50 @@ class BatchSequence:
             selection = following
             index += 1
 
-    def refuse_if_deadly(
+    def after_deaths(
         self,
         failure: FailureRecord,
         events: list[RowChange],
         position: Position,
         batch_id: str,
-        token: int,
-    ) -> None:
-        """Raise :class:`~dbtrigger.errors.CrashLoopError` rather than hand over a
-        batch that killed its process on the last of ``max_attempts`` attempts."""
+        session: LeaseSession,
+        handler: Handler,
+        wants_ctx: bool,
+    ) -> tuple[Handler, bool]:
+        """The handler (and its shape) for a batch whose delivery killed its process:
+        itself; or each row alone (:mod:`~dbtrigger.runtime.crash_isolation`) once it
+        did so on the last of ``max_attempts`` attempts, with a dead-letter sink and
+        one handler on one lane; else :class:`~dbtrigger.errors.CrashLoopError`."""
         limit = self.delivery.max_attempts
-        if crashes.after_deaths(failure, max_attempts=limit) is crashes.AfterDeaths.REFUSE:
-            raise crash_loop.refuse(
-                self.emit,
-                poller=self.name,
-                target=self.delivery.cli_target(),
+        d = self.delivery
+        alone = d.quarantine is not None and d.lanes is None and d.fan_out_set() is None
+        verdict = crashes.after_deaths(failure, max_attempts=limit, can_isolate=alone)
+        if verdict is crashes.AfterDeaths.DELIVER:
+            return handler, wants_ctx
+        if verdict is crashes.AfterDeaths.ISOLATE:
+            one_by_one = OneByOne(
+                handler,
+                wants_ctx,
+                session=session,
                 failure=failure,
-                events=events,
-                position=position,
-                batch_id=batch_id,
-                fencing_token=token,
-                max_attempts=limit,
-                has_sink=self.delivery.quarantine is not None,
+                clock=self.clock,
+                ttl=self.settings.lease_ttl,
+                stopped=cancelled_error,
+                emit=self.emit,
             )
+            return one_by_one, True
+        raise crash_loop.refuse(
+            self.emit,
+            poller=self.name,
+            target=d.cli_target(),
+            failure=failure,
+            events=events,
+            position=position,
+            batch_id=batch_id,
+            fencing_token=session.token,
+            max_attempts=limit,
+            has_sink=d.quarantine is not None,
+        )
 
     def commit(
         self,

@@ -84,11 +84,11 @@ def refuse(
     """
     first, last = position_of(events[0]), position_of(events[-1])
     sink = (
-        "a dead-letter sink cannot set aside a row that kills the process (it is never "
-        "seen failing alone)"
+        "its dead-letter sink finds such a row, one row at a time, only for a single "
+        "handler on one lane: not with subscribers= or max_concurrency > 1"
         if has_sink
-        else "configuring a dead-letter sink (quarantine=) does not help either: the row "
-        "kills the process, it never fails alone"
+        else "with a dead-letter sink (quarantine=) the poller would hand it over one row "
+        "at a time and set the row at fault aside"
     )
     why = (
         f"batch {batch_id} of poller {poller!r}, {len(events)} row(s) from {_at(first)} to "

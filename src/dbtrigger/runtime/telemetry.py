@@ -190,6 +190,7 @@ EVENTS: dict[str, EventSpec] = {
     # delivering the batch died (state/crashes.py); and a batch refused for it
     "delivery_died": EventSpec(W, (Count("failures_total", labels={"error_type": "ProcessDied"}),)),
     "crash_loop": EventSpec(E),
+    "crash_isolated": EventSpec(W),
     "batch_bisected": EventSpec(W),
     "rows_quarantined": EventSpec(None, (Count("quarantined_total", "count"),)),
     "row_quarantined": EventSpec(W),

@@ -77,17 +77,44 @@ class AfterDeaths(enum.Enum):
     """What to do with the batch at the checkpoint before handing it over."""
 
     DELIVER = "deliver"
-    #: ``max_attempts`` attempts are counted and the latest died: not again.
+    #: ``max_attempts`` attempts are counted and the latest died: not again whole.
     REFUSE = "refuse"
+    #: The same, with a dead-letter sink: hand it over one row at a time, each
+    #: row's id written to the record (``probing``) before its call; the row a
+    #: death names is dead-lettered without being handed over again.
+    ISOLATE = "isolate"
 
 
-def after_deaths(failure: FailureRecord | None, *, max_attempts: int) -> AfterDeaths:
-    """Hand the batch over, or refuse: it failed ``max_attempts`` times and the
-    latest attempt killed its process (a failure with an exception is still
-    handed over, to be retried or bisected as before)."""
+def after_deaths(
+    failure: FailureRecord | None, *, max_attempts: int, can_isolate: bool = False
+) -> AfterDeaths:
+    """Hand the batch over, isolate its rows one by one (``can_isolate``: a
+    dead-letter sink takes the row at fault), or refuse: it failed
+    ``max_attempts`` times and the latest attempt killed its process (a failure
+    with an exception is still handed over, to be retried or bisected as before)."""
     if failure is None or failure.crashes == 0 or failure.attempts < max_attempts:
         return AfterDeaths.DELIVER
-    return AfterDeaths.REFUSE
+    return AfterDeaths.ISOLATE if can_isolate else AfterDeaths.REFUSE
 
 
-__all__ = ["AfterDeaths", "abandoned", "after_deaths", "count_death", "died_text"]
+def probing(
+    doc: StateDocument, *, now: dt.datetime, event_id: str, done: tuple[str, ...]
+) -> StateDocument:
+    """``doc`` saying that row ``event_id`` of the failing batch is handed alone
+    now, and that the rows ``done`` passed (skipped when the batch comes again)."""
+    record = doc.failure
+    if record is None or record.from_position not in (None, doc.position):
+        record = FailureRecord(
+            attempts=1, first_failed_at=now, last_failed_at=now, last_error="", crashes=1
+        )
+    capped = done[:MAX_DONE_IDS]
+    record = evolve(
+        record, probing=event_id, done=capped, done_total=len(done), from_position=doc.position
+    )
+    return evolve(doc, failure=record)
+
+
+#: As many done rows as a failure record keeps (dbtrigger.state.lease.MAX_DONE_IDS).
+MAX_DONE_IDS = 1000
+
+__all__ = ["AfterDeaths", "abandoned", "after_deaths", "count_death", "died_text", "probing"]

@@ -151,6 +151,10 @@ class FailureRecord:
     #: (:mod:`dbtrigger.state.crashes`); an attempt that failed with an
     #: exception sets it back to 0.
     crashes: int = 0
+    #: While such a batch is handed over one row at a time to find the row at
+    #: fault (with a dead-letter sink), the event id of the row handed alone
+    #: right now: written before the call, so a death during it names the row.
+    probing: str | None = None
     #: Fields this version does not know, written back as they were read.
     extra: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
@@ -238,6 +242,7 @@ _FAILURE_KEYS = frozenset(
     {
         "attempts",
         "crashes",
+        "probing",
         "first_failed_at",
         "last_failed_at",
         "last_error",
@@ -301,6 +306,8 @@ def _failure_to_json(failure: FailureRecord) -> dict[str, Any]:
         out["batch_digest"] = failure.batch_digest
     if failure.crashes:
         out["crashes"] = failure.crashes
+    if failure.probing is not None:
+        out["probing"] = failure.probing
     return out
 
 
@@ -457,6 +464,7 @@ def _failure_from_json(raw_failure: Any) -> FailureRecord:
         batch_rows=count(raw_failure, "batch_rows", "failure", None),
         batch_digest=typed(raw_failure, "batch_digest", str, "failure"),
         crashes=count(raw_failure, "crashes", "failure", 0) or 0,
+        probing=typed(raw_failure, "probing", str, "failure"),
         extra=_unknown(raw_failure, _FAILURE_KEYS),
     )
 

@@ -373,6 +373,28 @@ def decide_heartbeat(
     return replace(doc, lease=replace(lease, heartbeat_at=now, expires_at=now + ttl))
 
 
+def decide_probe(
+    doc: StateDocument,
+    *,
+    owner: str,
+    token: int,
+    now: dt.datetime,
+    ttl: dt.timedelta,
+    event_id: str,
+    done: tuple[str, ...],
+) -> StateDocument:
+    """Renew the lease and record that row ``event_id`` of a batch that killed its
+    process is about to be handed over alone (:func:`crashes.probing`): written
+    before the call, so that the next owner knows the row if this process dies.
+
+    Raises:
+        LostLeaseError: the document's lease is not ``owner``/``token`` any more.
+    """
+    lease = _require_holder(doc, owner, token, "isolation step")
+    renewed = replace(lease, heartbeat_at=now, expires_at=now + ttl)
+    return crashes.probing(replace(doc, lease=renewed), now=now, event_id=event_id, done=done)
+
+
 def decide_release(
     doc: StateDocument, *, owner: str, token: int, now: dt.datetime
 ) -> StateDocument | None:

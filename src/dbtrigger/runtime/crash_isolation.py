@@ -1,0 +1,110 @@
+"""Finding the row that kills the process, one row at a time, with a dead-letter sink.
+
+Bisection (:mod:`dbtrigger.isolation`) finds rows that *fail* alone; a row
+that ends the process never fails, it takes the bisection down with it. Once
+a batch killed its process on the last of ``max_attempts`` attempts
+(:func:`dbtrigger.state.crashes.after_deaths` says ``ISOLATE``), the tick
+hands it over through :class:`OneByOne` instead of the handler: each row
+alone, its event id written to the state document's failure record
+(``probing``, with the rows that passed so far as done) *before* its call.
+If the process dies during a call, the next owner's takeover counts the
+death and finds the row named there: that row is not handed over again but
+named as failed (``ProcessDied``), as a row that raised alone is, in one
+:class:`~dbtrigger.errors.PartialBatchError`, so the ordinary verdict writes
+it to the dead-letter sink and the checkpoint passes the batch. One death per
+such row, one store write per row of the batch: a rare path, kept simple.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from dbtrigger.errors import LostLeaseError, PartialBatchError
+from dbtrigger.events import RowChange
+from dbtrigger.runtime.async_calls import run_awaitable
+from dbtrigger.runtime.context import BatchContext
+from dbtrigger.runtime.kernel import Handler
+from dbtrigger.runtime.session import LeaseSession
+from dbtrigger.state import lease as leasemod
+from dbtrigger.state.document import FailureRecord
+
+
+class ProcessDied(Exception):
+    """The row's delivery ended its process (what its dead letter says)."""
+
+
+class OneByOne:
+    """A handler that hands ``handler`` each row alone, recording each step first."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        wants_ctx: bool,
+        *,
+        session: LeaseSession,
+        failure: FailureRecord,
+        clock: Callable[[], dt.datetime],
+        ttl: dt.timedelta,
+        stopped: Callable[[BatchContext], Exception],
+        emit: Callable[..., None],
+    ) -> None:
+        self.handler, self.wants_ctx = handler, wants_ctx
+        self.session, self.failure = session, failure
+        self.clock, self.ttl, self.stopped, self.emit = clock, ttl, stopped, emit
+
+    def _call(self, event: RowChange, ctx: BatchContext) -> None:
+        result = self.handler([event], ctx) if self.wants_ctx else self.handler([event])
+        if inspect.isawaitable(result):
+            run_awaitable(result, ctx, self.stopped)
+
+    def __call__(self, events: list[RowChange], ctx: BatchContext) -> None:
+        done = list(self.failure.done)
+        failed: list[dict[str, Any]] = []
+        causes: dict[int, BaseException] = {}
+        owner, token = self.session.owner, self.session.token
+        for event in events:
+            if event.event_id == self.failure.probing:
+                causes[len(failed)] = ProcessDied(self.failure.last_error)
+                failed.append(dict(event.pk))
+                self.emit(
+                    "crash_isolated",
+                    "row %r (cursor %r) killed the process delivering it alone: it is not "
+                    "handed over again but dead-lettered",
+                    dict(event.pk),
+                    event.cursor,
+                    batch_id=ctx.batch_id,
+                    event_id=event.event_id,
+                )
+                continue
+            self.session.update(
+                functools.partial(
+                    leasemod.decide_probe,
+                    owner=owner,
+                    token=token,
+                    now=self.clock(),
+                    ttl=self.ttl,
+                    event_id=event.event_id,
+                    done=tuple(done),
+                ),
+                what="isolation step",
+            )
+            try:
+                self._call(event, ctx)
+            except LostLeaseError:
+                raise
+            except Exception as exc:  # it fails alone: poison, as bisection finds it
+                if ctx.lease_lost.is_set():
+                    raise
+                causes[len(failed)] = exc
+                failed.append(dict(event.pk))
+                continue
+            done.append(event.event_id)
+        if failed:
+            raise PartialBatchError(failed, f"{len(failed)} row(s) failed alone", causes=causes)
+
+
+__all__ = ["OneByOne", "ProcessDied"]

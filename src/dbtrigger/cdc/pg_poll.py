@@ -123,9 +123,11 @@ class HeldRead:
             yield left.pop()
 
     def close(self) -> None:
-        if not (self.conn.closed or self.conn.broken):
-            with contextlib.suppress(psycopg.Error):
-                self.cursor.close()
+        try:
+            self.cursor.close()
+        except psycopg.Error:  # the session broke, or its transaction failed: the cursor
+            with contextlib.suppress(Exception):  # is gone with it; forget it here too
+                psycopg.Cursor.close(self.cursor)
 
 
 class PollReader:

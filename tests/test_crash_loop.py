@@ -41,7 +41,12 @@ MAX_ATTEMPTS = 3
 
 
 def _restart_until_settled(
-    db: TestDatabase, tmp_path: Path, *, restarts: int, sink: Path | None = None
+    db: TestDatabase,
+    tmp_path: Path,
+    *,
+    restarts: int,
+    sink: Path | None = None,
+    fanout: bool = False,
 ) -> list[subprocess.CompletedProcess[str]]:
     """Run the worker again each time it dies, at most ``restarts`` times; the
     runs made, the last one having ended on its own (exit 0 or 3) unless the
@@ -65,6 +70,7 @@ def _restart_until_settled(
             "--max-attempts",
             str(MAX_ATTEMPTS),
             *(["--sink", str(sink)] if sink is not None else []),
+            *(["--fanout"] if fanout else []),
         ]
         run = subprocess.run(
             cmd,
@@ -111,6 +117,19 @@ def test_a_handler_that_kills_its_process_every_time_is_refused_without_a_sink(
     assert _handled(tmp_path) == {1, 2, 3, 4, 5, 6}, "nothing past the poison row was handled"
     warned = "".join(run.stderr for run in runs)  # (WARNING and up reach stderr)
     assert warned.count("stopped without releasing its lease") == MAX_ATTEMPTS, warned
+
+
+def test_a_fan_out_subscriber_that_kills_its_process_every_time_is_refused(
+    sqlite_db: TestDatabase, tmp_path: Path
+) -> None:
+    add_items(sqlite_db, items_table(sqlite_db), ROWS)
+    runs = _restart_until_settled(sqlite_db, tmp_path, restarts=MAX_ATTEMPTS + 4, fanout=True)
+    codes = [run.returncode for run in runs]
+    assert codes == [1] * MAX_ATTEMPTS + [3], codes
+    assert "CrashLoopError" in runs[-1].stderr, runs[-1].stderr
+    assert checkpoint_id(FileCheckpointStore(tmp_path / "state")) == 5
+    billing = (tmp_path / "handled.log.billing").read_text().split()
+    assert {int(i) for i in billing} <= set(range(1, 11)), "nothing past the refused batch"
 
 
 def test_with_a_sink_the_row_that_kills_the_process_is_dead_lettered_and_the_rest_delivered(
@@ -296,6 +315,12 @@ def test_each_isolation_step_is_recorded_under_the_lease_before_its_call() -> No
     assert step.lease.expires_at == later + TTL, "the step renews the lease"
     with pytest.raises(LostLeaseError):
         L.decide_probe(doc, owner="b", token=4, now=later, ttl=TTL, event_id="x", done=())
+    # After the last row passed, no row is named: a death before the commit blames none.
+    passed = L.decide_probe(
+        step, owner="b", token=5, now=later, ttl=TTL, event_id=None, done=("ev-6", "ev-7")
+    )
+    assert passed.failure is not None
+    assert (passed.failure.probing, passed.failure.done) == (None, ("ev-6", "ev-7"))
     # The death during that call is counted by the next owner, the row still named.
     now = later + TTL + dt.timedelta(seconds=6)
     taken = L.decide_acquire(

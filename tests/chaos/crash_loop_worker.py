@@ -33,7 +33,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=5)
     parser.add_argument("--max-attempts", type=int, default=3)
     parser.add_argument("--sink")
+    parser.add_argument(
+        "--fanout", action="store_true", help="the handler as subscriber 'crashy' beside 'billing'"
+    )
     args = parser.parse_args(argv)
+
+    log = open(args.log, "a", encoding="utf-8")  # noqa: SIM115 - lives until the process ends
+
+    def handler(events: list[RowChange]) -> None:
+        for event in events:
+            if event.pk["id"] == args.poison:
+                os._exit(1)
+            log.write(f"{event.pk['id']}\n")
+            log.flush()
+            os.fsync(log.fileno())
+
+    def billing(events: list[RowChange]) -> None:
+        with open(f"{args.log}.billing", "a", encoding="utf-8") as out:
+            out.writelines(f"{event.pk['id']}\n" for event in events)
 
     trigger = PollTrigger(
         name="items",
@@ -50,21 +67,14 @@ def main(argv: list[str] | None = None) -> int:
         owner_id=args.owner,
         max_attempts=args.max_attempts,
         quarantine=JsonLinesQuarantineSink(args.sink) if args.sink else None,
+        subscribers={"billing": billing, "crashy": handler} if args.fanout else None,
     )
-    log = open(args.log, "a", encoding="utf-8")  # noqa: SIM115 - lives until the process ends
-
-    def handler(events: list[RowChange]) -> None:
-        for event in events:
-            if event.pk["id"] == args.poison:
-                os._exit(1)
-            log.write(f"{event.pk['id']}\n")
-            log.flush()
-            os.fsync(log.fileno())
+    call = None if args.fanout else handler
 
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
-            result = trigger.tick_result(handler)
+            result = trigger.tick_result(call)
         except DbTriggerError as exc:
             print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
             return 3

@@ -61,11 +61,26 @@ class OneByOne:
         if inspect.isawaitable(result):
             run_awaitable(result, ctx, self.stopped)
 
+    def _step(self, event_id: str | None, done: list[str]) -> None:
+        """Write (under the lease, renewing it) which row is handed alone next."""
+        self.session.update(
+            functools.partial(
+                leasemod.decide_probe,
+                owner=self.session.owner,
+                token=self.session.token,
+                now=self.clock(),
+                ttl=self.ttl,
+                event_id=event_id,
+                done=tuple(done),
+            ),
+            what="isolation step",
+        )
+
     def __call__(self, events: list[RowChange], ctx: BatchContext) -> None:
         done = list(self.failure.done)
         failed: list[dict[str, Any]] = []
         causes: dict[int, BaseException] = {}
-        owner, token = self.session.owner, self.session.token
+        last_passed = False
         for event in events:
             if event.event_id == self.failure.probing:
                 causes[len(failed)] = ProcessDied(self.failure.last_error)
@@ -80,18 +95,7 @@ class OneByOne:
                     event_id=event.event_id,
                 )
                 continue
-            self.session.update(
-                functools.partial(
-                    leasemod.decide_probe,
-                    owner=owner,
-                    token=token,
-                    now=self.clock(),
-                    ttl=self.ttl,
-                    event_id=event.event_id,
-                    done=tuple(done),
-                ),
-                what="isolation step",
-            )
+            self._step(event.event_id, done)
             try:
                 self._call(event, ctx)
             except LostLeaseError:
@@ -101,8 +105,12 @@ class OneByOne:
                     raise
                 causes[len(failed)] = exc
                 failed.append(dict(event.pk))
+                last_passed = False
                 continue
             done.append(event.event_id)
+            last_passed = True
+        if last_passed:  # (a death before the commit must not name a row that passed)
+            self._step(None, done)
         if failed:
             raise PartialBatchError(failed, f"{len(failed)} row(s) failed alone", causes=causes)
 

@@ -98,7 +98,7 @@ def after_deaths(
 
 
 def probing(
-    doc: StateDocument, *, now: dt.datetime, event_id: str, done: tuple[str, ...]
+    doc: StateDocument, *, now: dt.datetime, event_id: str | None, done: tuple[str, ...]
 ) -> StateDocument:
     """``doc`` saying that row ``event_id`` of the failing batch is handed alone
     now, and that the rows ``done`` passed (skipped when the batch comes again)."""

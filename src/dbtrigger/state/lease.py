@@ -380,12 +380,13 @@ def decide_probe(
     token: int,
     now: dt.datetime,
     ttl: dt.timedelta,
-    event_id: str,
+    event_id: str | None,
     done: tuple[str, ...],
 ) -> StateDocument:
     """Renew the lease and record that row ``event_id`` of a batch that killed its
     process is about to be handed over alone (:func:`crashes.probing`): written
-    before the call, so that the next owner knows the row if this process dies.
+    before the call, so that the next owner knows the row if this process dies
+    (None: no row is handed over now, the last one passed).
 
     Raises:
         LostLeaseError: the document's lease is not ``owner``/``token`` any more.

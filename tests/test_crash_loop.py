@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from dbtrigger import FileCheckpointStore, LostLeaseError
+from dbtrigger.cli import main as cli_main
 from dbtrigger.cursor import Position
 from dbtrigger.state import crashes as C
 from dbtrigger.state import document as docmod
@@ -93,7 +95,7 @@ def _handled(tmp_path: Path) -> set[int]:
 
 
 def test_a_handler_that_kills_its_process_every_time_is_refused_without_a_sink(
-    sqlite_db: TestDatabase, tmp_path: Path
+    sqlite_db: TestDatabase, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     add_items(sqlite_db, items_table(sqlite_db), ROWS)
     runs = _restart_until_settled(sqlite_db, tmp_path, restarts=MAX_ATTEMPTS + 4)
@@ -117,6 +119,17 @@ def test_a_handler_that_kills_its_process_every_time_is_refused_without_a_sink(
     assert _handled(tmp_path) == {1, 2, 3, 4, 5, 6}, "nothing past the poison row was handled"
     warned = "".join(run.stderr for run in runs)  # (WARNING and up reach stderr)
     assert warned.count("stopped without releasing its lease") == MAX_ATTEMPTS, warned
+    state = f"file:{tmp_path / 'state'}"
+    assert cli_main(["status", "items", "--store", state]) == 0
+    shown = capsys.readouterr().out
+    assert f"{MAX_ATTEMPTS} attempt(s)" in shown, shown
+    assert f"({MAX_ATTEMPTS} ended with its process dead)" in shown, shown
+    # The first way on, as printed (the handler fixed: no poison any more): the
+    # reset at the checkpoint clears the count, and the batch is delivered again.
+    reset = refusal.split("count cleared: ")[1].split(" (the checkpoint")[0]
+    argv = shlex.split(reset)[1:]
+    assert cli_main(argv) == 0, reset
+    assert read_doc(store).failure is None
 
 
 def test_a_fan_out_subscriber_that_kills_its_process_every_time_is_refused(

@@ -98,6 +98,7 @@ def poller_status(
             "first_failed_at": docmod.format_time(failure.first_failed_at),
             "last_failed_at": docmod.format_time(failure.last_failed_at),
             "last_error": failure.last_error,
+            "crashes": failure.crashes,
         }
         if failure is not None
         else None
@@ -413,8 +414,14 @@ def _render_one(status: Mapping[str, Any], store: str, now: dt.datetime | None =
         lines.append(
             (
                 "failing",
-                f"batch {failure['batch_id']}: {failure['attempts']} attempt(s) since "
-                f"{failure['first_failed_at']}; last error: {failure['last_error']}",
+                f"batch {failure['batch_id'] or 'at the checkpoint'}: {failure['attempts']} "
+                f"attempt(s) since {failure['first_failed_at']}"
+                + (
+                    f" ({failure['crashes']} ended with its process dead)"
+                    if failure.get("crashes")
+                    else ""
+                )
+                + f"; last error: {failure['last_error']}",
             )
         )
     else:

@@ -17,6 +17,8 @@ from typing import Any
 
 from dbtrigger import InMemoryCheckpointStore, PollTrigger, RetryPolicy, RowChange
 from dbtrigger.cdc import PgLogicalSource
+from dbtrigger.cursor import BEGINNING
+from dbtrigger.errors import DecodeBacklogError
 from tests.cdc_servers import CdcDatabase
 
 ROWS = 10_000
@@ -150,4 +152,34 @@ def test_a_read_held_inside_it_survives_a_lost_session_or_cursor(cdc_db: CdcData
             break
         trigger.tick(handle)
     assert got == list(range(1, ROWS + 1))
+    source.close()
+
+
+def test_a_transaction_too_large_to_decode_in_time_says_to_raise_the_read_timeout(
+    cdc_db: CdcDatabase,
+) -> None:
+    """Windows of WAL cannot split a transaction: once the smallest window with its
+    commit still times out, every read would, and the error says what to change
+    (before, it kept pointing at transactions left open, and nothing moved)."""
+    cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY, note text)")
+    source = PgLogicalSource(
+        cdc_db.url, ["t"], slot=f"slow_{uuid.uuid4().hex[:8]}", snapshot="never",
+        read_timeout_seconds=0.001, backlog_step_mb=1, heartbeat_interval_seconds=0,
+    )  # fmt: skip
+    assert source.fetch(BEGINNING, 10) == []
+    cdc_db.execute("INSERT INTO t SELECT g, repeat('x', 40) FROM generate_series(1, 50000) g")
+    said: list[str] = []
+    for _ in range(200):  # windows step through the transaction's WAL to its commit
+        try:
+            source.fetch(BEGINNING, 10)
+        except DecodeBacklogError as exc:
+            said.append(str(exc))
+            if "Raise read_timeout_seconds" in said[-1]:
+                break
+    assert said, "the reads never timed out"
+    assert "Raise read_timeout_seconds" in said[-1], said[-1]
+    assert "0.001 now" in said[-1]
+    source.read_timeout = 60.0  # what the error says to do
+    rows = source.fetch(BEGINNING, 10)
+    assert [r["pk"]["id"] for r in rows] == list(range(1, 11))
     source.close()

@@ -230,6 +230,7 @@ class PollReader:
         max_rows = keep + ROW_SLACK
         self._reads += 1
         decoded = False
+        started = time.monotonic()
         try:
             with translated(f"reading replication slot {s.slot}"):
                 cursor = conn.cursor(
@@ -256,7 +257,11 @@ class PollReader:
             self.drop_held()
             buffer.reset(after)
             buffer.loaded = False
-            if not decoded and isinstance(exc.__cause__, pg_errors.QueryCanceled):
+            # A timeout that fires as the decode's rows are sent comes after them, and the
+            # driver reports two results ("received 2 results"), not the cancel: the time
+            # the decode took says it too.
+            late = time.monotonic() - started >= s.read_timeout
+            if not decoded and (isinstance(exc.__cause__, pg_errors.QueryCanceled) or late):
                 raise self.backlog(conn, upto) from exc
             raise
 
@@ -340,6 +345,7 @@ class PollReader:
     def backlog(self, conn: psycopg.Connection[Any], upto: int) -> DecodeBacklogError:
         """The error for a read that timed out; the next reads step in smaller windows."""
         s = self.source
+        whole = self.step is not None and self.step <= MIN_STEP  # no smaller window to try
         self.step = (
             MIN_STEP
             if self.step is None and s.backlog_step < MIN_STEP
@@ -354,6 +360,18 @@ class PollReader:
                 retained = f"{state.retained_bytes / 2**20:.0f} MB"
         except Exception:  # noqa: BLE001, S110 - the error below says what matters
             pass
+        if whole:
+            return DecodeBacklogError(
+                f"reading replication slot {s.slot} up to {lsn_text(upto)} did not finish "
+                f"within {s.read_timeout:g}s (read_timeout_seconds) in a window of "
+                f"{MIN_STEP // 2**20} MB of WAL: a transaction that commits there takes longer "
+                "than that to decode (a transaction is decoded whole, at its commit; no window "
+                "splits it), and nothing after it is delivered until it is. Raise "
+                f"read_timeout_seconds (PgLogicalSource(read_timeout_seconds=...), "
+                f"{s.read_timeout:g} now; the slot retains {retained} of WAL), or read with "
+                'mode="stream", whose decoding has no statement timeout',
+                poller=s.poller,
+            )
         return DecodeBacklogError(
             f"reading replication slot {s.slot} up to {lsn_text(upto)} did not finish within "
             f"{s.read_timeout:g}s (read_timeout_seconds); the slot retains {retained} of WAL. "

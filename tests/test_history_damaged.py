@@ -15,6 +15,7 @@ refused, and the damaged line is logged.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import sqlalchemy as sa
 
 from dbtrigger import FileCheckpointStore, PollTrigger, SqlAlchemySource, SqlCheckpointStore
 from dbtrigger.cli import main
-from dbtrigger.history import SqlHistory, history_for, load
+from dbtrigger.history import BlobHistory, FileHistory, SqlHistory, history_for, load
 from tests.azurite import Azurite
 from tests.databases import TestDatabase
 from tests.test_history_replay import Calls, orders_table, register
@@ -226,3 +227,130 @@ def test_a_damaged_sql_row_is_said_and_the_poller_goes_on_recording(
     records = load(history, "orders", trigger.read_state())
     assert [(r["seq"], r["type"]) for r in records] == [(1, "commit"), (2, "gap"), (4, "commit")]
     assert f"{history.describe()} row 2, {history.describe()} row 3 are not" in records[1]["note"]
+
+
+# --- a whole segment damaged -------------------------------------------------------------
+#
+# An append found the newest segment without a line it could read and removed it, as
+# it does a segment holding only a torn line: every record in it was gone, unsaid, and
+# the next records took their numbers. It is kept now, the records go on after its
+# lines, and readers report each of its lines as damaged.
+
+
+def _segments_of(history: Any) -> list[tuple[str, Callable[[], bytes], Callable[[bytes], None]]]:
+    """(name, read, write) of each segment of ``orders``, oldest first."""
+    if isinstance(history, FileHistory):
+        return [
+            (str(p), p.read_bytes, p.write_bytes)
+            for p in sorted(history.directory.glob("orders.history.*.jsonl"))
+        ]
+    out = []
+    for blob in sorted(b.name for b in history.client.list_blobs(name_starts_with="state/")):
+        client = history.client.get_blob_client(blob)
+
+        def write(data: bytes, client: Any = client) -> None:
+            client.delete_blob()
+            client.create_append_blob()
+            client.append_block(data)
+
+        name = f"blob {history.client.container_name}/{blob}"
+        out.append((name, lambda c=client: bytes(c.download_blob().readall()), write))
+    return out
+
+
+def _nul(data: bytes) -> bytes:
+    """Every line NUL bytes, the newlines kept (a machine that died before its writes
+    reached the disk)."""
+    return b"\n".join(b"\x00" * len(line) for line in data.split(b"\n"))
+
+
+def _whole_segments_damaged(history: Any, caplog: pytest.LogCaptureFixture) -> None:
+    big = "x" * 600  # two records a segment of 1 KiB
+    for seq in range(6):
+        history.append("orders", [{"id": f"r{seq + 1}", "type": "manual", "p": big}], after_seq=seq)
+    segments = _segments_of(history)
+    assert len(segments) == 3  # 1-2, 3-4, 5-6
+    damaged = []
+    for name, read, write in segments[1:]:
+        data = _nul(read())
+        write(data)
+        damaged.append((name, data))
+    if isinstance(history, BlobHistory):  # another process's writer: nothing cached
+        history = BlobHistory(history.client, app="shop", segment_bytes=1024)
+    (stand_in,) = history.tail("orders", 1)  # the numbers the damaged lines had are taken
+    assert (stand_in["seq"], stand_in["type"]) == (6, "damaged_line")
+    with caplog.at_level(logging.WARNING, logger="dbtrigger"):
+        history.append("orders", [{"id": "r7", "type": "manual"}], after_seq=6)
+    said = [r for r in caplog.records if getattr(r, "event", None) == "history_segment_damaged"]
+    assert len(said) == 1
+    assert damaged[-1][0] in said[0].getMessage()
+    now = {name: read() for name, read, _ in _segments_of(history)}
+    for name, data in damaged:
+        assert now[name].startswith(data), f"{name} was not kept"
+    records = list(history.read("orders"))
+    assert [r["seq"] for r in records] == [1, 2, None, None, None, None, 7]
+    lines = [f"{name} line {n}" for name, _ in damaged for n in (1, 2)]
+    assert [r["where"] for r in records[2:6]] == lines
+    (gap,) = [r for r in load(history, "orders") if r["type"] == "gap"]
+    assert (gap["missing"], gap["damaged"]) == ([3, 6], lines)
+    history.append("orders", [{"id": "r8", "type": "manual"}], after_seq=7)  # and goes on
+    assert [r["id"] for r in history.tail("orders", 2)] == ["r7", "r8"]
+
+
+def test_a_file_segment_damaged_in_every_line_is_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _whole_segments_damaged(FileHistory(tmp_path, segment_bytes=1024), caplog)
+
+
+@pytest.mark.azurite
+def test_a_blob_segment_damaged_in_every_line_is_kept(
+    azurite: Azurite, caplog: pytest.LogCaptureFixture
+) -> None:
+    for history in _blob(azurite, segment_bytes=1024):
+        _whole_segments_damaged(history, caplog)
+
+
+def calls_last(trigger: PollTrigger) -> str:
+    state = trigger.read_state()
+    assert state is not None
+    return str(state.journal[-1]["batch_id"])
+
+
+def test_a_history_damaged_in_every_line_is_kept_and_its_numbers_are_a_gap(
+    sqlite_db: TestDatabase,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The poller's whole history (one segment) damaged in every line: kept, the next
+    commit recorded after the numbers its lines had, and those a gap that ``dbtrigger
+    history`` shows and a replay across refuses, naming the lines (it was removed by
+    the next append, and the history started again at 1 as if nothing had been)."""
+    trigger = _trigger(sqlite_db, tmp_path)
+    calls = Calls()
+    spec = register(trigger, calls, monkeypatch, tmp_path)
+    trigger.drain(calls.handler)
+    ids = [str(c["batch_id"]) for c in _commits(trigger)]
+    path = _segment(tmp_path)
+    before = _nul(path.read_bytes())
+    path.write_bytes(before)
+    with sqlite_db.engine.begin() as conn:
+        conn.exec_driver_sql("INSERT INTO orders VALUES (26, 26, 'new', 1)")
+    with caplog.at_level(logging.WARNING, logger="dbtrigger"):
+        trigger.tick(calls.handler)
+    assert _segment(tmp_path) == path
+    assert path.read_bytes().startswith(before)
+    said = [r for r in caplog.records if getattr(r, "event", None) == "history_segment_damaged"]
+    assert str(path) in said[0].getMessage()
+
+    code, out = _cli(capsys, "history", "orders", "--store", str(tmp_path / "state"))
+    assert code == 0, out
+    assert "gap" in out, out
+    assert f"{path} line 1" in out, out
+    whole = ["replay", "orders", "--from-batch", ids[0], "--to-batch", ids[4], "--trigger", spec]
+    code, out = _cli(capsys, *whole, "--verify")
+    assert code == 2, out
+    assert f"records 1-5 of the history lost: {path} line 1" in out, out
+    assert [(c["seq"], c["batch_id"]) for c in _commits(trigger)] == [(6, calls_last(trigger))]

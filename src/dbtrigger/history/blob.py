@@ -42,6 +42,8 @@ from dbtrigger.history.store import (
     Retention,
     decode_lines,
     encode_line,
+    is_damaged,
+    kept_unreadable,
     last_records,
     newest_records,
     numbered,
@@ -174,11 +176,15 @@ class BlobHistory:
                 pass
         raise SegmentGoneError(f"history blob {name} is gone (pruned since it was listed)")
 
+    def _where(self, segment: _Segment) -> str:
+        return f"blob {self.client.container_name}/{segment.name}"
+
     def _last_records(self, segment: _Segment, count: int) -> list[dict[str, Any]]:
         def read(start: int, length: int) -> bytes:
             return self._read_range(segment.name, start, length)
 
-        return last_records(read, segment.size, count)[0]
+        first = _first_seq(segment)
+        return last_records(read, segment.size, count, first, self._where(segment))[0]
 
     # --- the port -----------------------------------------------------------------------
 
@@ -200,17 +206,18 @@ class BlobHistory:
             except SegmentGoneError:
                 return None
 
-        def where(segment: _Segment) -> str:
-            return f"blob {self.client.container_name}/{segment.name}"
-
-        return read_segments(poller, self._segments(poller), _first_seq, load, since_seq, where)
+        return read_segments(
+            poller, self._segments(poller), _first_seq, load, since_seq, self._where
+        )
 
     def _active_segment(self, poller: str) -> tuple[_Segment | None, int]:
         """The segment to append to and the history's last number, read now.
 
         An empty newest segment (its creator died before appending) is the
         one to append to when it is named for the next number; otherwise it
-        is left over from a conflict and removed."""
+        is left over from a conflict and removed. One damaged in every line is
+        appended to, after the numbers its lines had (kept: readers report
+        them as a gap)."""
         empty: _Segment | None = None
         for listed in reversed(self._segments(poller)):
             # The size the records are read up to is the position appended at:
@@ -222,6 +229,8 @@ class BlobHistory:
                     empty = segment
                 continue
             segment.last_seq = int(last[-1].get("seq") or 0)
+            if is_damaged(last[-1]):
+                kept_unreadable(poller, self._where(segment), segment.last_seq)
             if empty is not None:
                 if _first_seq(empty) == segment.last_seq + 1:
                     empty.last_seq = segment.last_seq

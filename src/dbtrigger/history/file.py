@@ -38,6 +38,8 @@ from dbtrigger.history.store import (
     Retention,
     decode_lines,
     encode_line,
+    is_damaged,
+    kept_unreadable,
     last_records,
     newest_records,
     numbered,
@@ -124,17 +126,19 @@ class FileHistory:
         finally:
             os.close(fd)
 
-    @staticmethod
-    def _last_records(path: Path, count: int) -> tuple[list[dict[str, Any]], int]:
+    @classmethod
+    def _last_records(cls, path: Path, count: int) -> tuple[list[dict[str, Any]], int]:
         """The last ``count`` complete records of one segment, and where its complete
-        lines end (bytes): anything after that is a torn write."""
+        lines end (bytes): anything after that is a torn write. (A segment damaged in
+        every line: :func:`~dbtrigger.history.store.last_records`.)"""
         with path.open("rb") as fh:
 
             def read(start: int, length: int) -> bytes:
                 fh.seek(start)
                 return fh.read(length)
 
-            return last_records(read, fh.seek(0, os.SEEK_END), count)
+            size = fh.seek(0, os.SEEK_END)
+            return last_records(read, size, count, cls._first_seq(path), str(path))
 
     # --- the port ------------------------------------------------------------------
 
@@ -177,6 +181,8 @@ class FileHistory:
                 found, end = self._last_records(candidate, 1)
                 if found:
                     last_seq, path = int(found[-1].get("seq") or 0), candidate
+                    if is_damaged(found[-1]):  # damaged in every line: kept, numbers taken
+                        kept_unreadable(poller, str(candidate), last_seq)
                     break
                 candidate.unlink()  # only a torn line of a killed writer: nothing in it
             if last_seq != after_seq:

@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol, TypeVar, runtime_checkable
 
 from dbtrigger import options as opt
 from dbtrigger.errors import HistoryPrunedError
+
+_log = logging.getLogger("dbtrigger.history")
 
 #: Records are kept for this many days by default.
 DEFAULT_MAX_AGE_DAYS = 30.0
@@ -184,6 +187,23 @@ def damaged_line(where: str) -> dict[str, Any]:
     return {"seq": None, "id": f"{DAMAGED}:{where}", "type": DAMAGED, "where": where}
 
 
+def kept_unreadable(poller: str, where: str, last: int) -> None:
+    """Say that an append found the newest segment ``where`` damaged in every line
+    and kept it (it used to be removed, as if it held only a torn line, and every
+    record in it with it, unsaid). Its lines keep their numbers, up to ``last``
+    (:func:`last_records`); readers report them as a gap."""
+    _log.warning(
+        "the history of %s: segment %s holds no line that can be read (damaged: a disk "
+        "that filled, a machine that died before the write reached the disk, an edit); it "
+        "is kept as it is, the records it held (up to number %d) are a gap in the history, "
+        "and new records go on after it. Restore it from a backup to replay across it",
+        poller,
+        where,
+        last,
+        extra={"event": "history_segment_damaged", "poller": poller, "segment": where},
+    )
+
+
 def numbered(records: Sequence[Mapping[str, Any]], after_seq: int) -> list[dict[str, Any]]:
     """``records`` with ``seq`` set to ``after_seq + 1``, ``+ 2``, ..."""
     out: list[dict[str, Any]] = []
@@ -212,13 +232,24 @@ TAIL_CHUNK = 64 * 1024
 
 
 def last_records(
-    read: Callable[[int, int], bytes], size: int, count: int
+    read: Callable[[int, int], bytes],
+    size: int,
+    count: int,
+    first_seq: int = 0,
+    where: str = "",
 ) -> tuple[list[dict[str, Any]], int]:
     """The last ``count`` complete records of a segment of ``size`` bytes, and where
     its complete lines end (bytes; anything after that is a torn write).
 
     ``read(start, length)`` reads the segment: its end is read in a chunk that
-    grows fourfold until it holds ``count`` records or the whole segment."""
+    grows fourfold until it holds ``count`` records or the whole segment.
+
+    A segment of whole lines none of which is a record (damaged in every line)
+    gives one :func:`damaged_line` for its last line, numbered as the record
+    there was: ``first_seq`` (its name's) plus its lines, less one. The numbers
+    are taken, as a damaged row's are (:func:`decoded_row`): the next append goes
+    after them, and readers find them missing - a gap naming the lines - rather
+    than given again to other records, or the segment taken for a torn one."""
     if size == 0:
         return [], 0
     chunk = TAIL_CHUNK
@@ -231,8 +262,18 @@ def last_records(
             body = body[body.find(b"\n") + 1 :]  # the first line may be cut
         records = decode_lines(body)
         if len(records) >= count or start == 0:
+            if not records and first_seq and count:
+                lines = [number for number, _ in numbered_lines(body)]
+                if lines:
+                    seq = first_seq + len(lines) - 1
+                    return [{**damaged_line(f"{where} line {lines[-1]}"), "seq": seq}], end
             return records[-count:] if count else [], start + end
         chunk *= 4
+
+
+def is_damaged(record: Mapping[str, Any]) -> bool:
+    """Is ``record`` a damaged line's stand-in (:func:`damaged_line`)?"""
+    return record.get("type") == DAMAGED
 
 
 def newest_records(
@@ -353,6 +394,8 @@ __all__ = [
     "decoded_row",
     "encode_json",
     "encode_line",
+    "is_damaged",
+    "kept_unreadable",
     "last_records",
     "newest_records",
     "numbered",

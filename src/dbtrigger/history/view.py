@@ -129,7 +129,12 @@ def holes_marked(poller: str, records: Iterable[Mapping[str, Any]]) -> list[dict
         seq = record.get("seq")
         commit = record.get("type") in ("commit", "partial_commit")
         if isinstance(seq, int) and seq > 0:
-            if last is not None and seq > int(last["seq"]) + 1:
+            if last is None and damaged and seq > len(damaged):
+                # Damaged lines before the first record (a first segment damaged in
+                # every line keeps their numbers): the records just before it, lost.
+                start = {"seq": seq - len(damaged) - 1, "at": record.get("at")}
+                out.append(_hole(poller, start, seq, damaged))
+            elif last is not None and seq > int(last["seq"]) + 1:
                 if commit and reached is not None and record.get("from") == reached:
                     _said_damaged(poller, [*damaged] or [f"records {last['seq'] + 1}-{seq - 1}"])
                 else:

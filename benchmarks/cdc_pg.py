@@ -304,11 +304,19 @@ def big_transaction_child(url: str, mode: str, rows: int) -> dict[str, Any]:
                 (rows,),
             )
             start = decoded_bytes(conn, source.slot)
-            conn.execute(  # one decode by hand: what a decode of the transaction costs
-                "SELECT count(*) FROM pg_logical_slot_peek_binary_changes(%s, NULL, NULL, "
-                "'proto_version', '1', 'publication_names', %s)",
-                (source.slot, source.publication),
-            )
+            deadline = time.monotonic() + 30
+            while True:  # a closed stream's server process lets the slot go soon after
+                try:
+                    conn.execute(  # one decode by hand: what a decode of the transaction costs
+                        "SELECT count(*) FROM pg_logical_slot_peek_binary_changes(%s, NULL, "
+                        "NULL, 'proto_version', '1', 'publication_names', %s)",
+                        (source.slot, source.publication),
+                    )
+                    break
+                except psycopg.errors.ObjectInUse:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
             one = decoded_bytes(conn, source.slot)
         seen = 0
 

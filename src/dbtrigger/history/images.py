@@ -248,7 +248,7 @@ def row_crcs(
     The common case makes no Python call a row: one marshal and one CRC-32 a
     row, mapped at C speed. A batch holding a value marshal cannot write (a
     timestamp, a decimal) stops at the first such row, and is format 2."""
-    if form >= MARSHAL_IMAGES and _marshal_stable(remake):
+    if form >= MARSHAL_IMAGES and _marshal_stable(remake) and (remake or _marshals(rows[:1])):
         seed = _seed(shape)
         tuples = rows if set(map(type, rows)) <= {tuple} else list(map(tuple, rows))
         try:
@@ -258,6 +258,16 @@ def row_crcs(
             if remake:
                 return _remade(events, shape, rows, tuples, seed), MARSHAL_IMAGES
     return _repr_crcs(events, shape, rows), REPR_IMAGES
+
+
+def _marshals(rows: list[Any]) -> bool:
+    """Whether marshal writes the first row (a table with a timestamp or decimal
+    column fails there: its batches go to format 2 without a look at every row)."""
+    try:
+        marshal.dumps(tuple(rows[0]) if rows else (), _VERSION)
+    except ValueError:
+        return False
+    return True
 
 
 def _remade(

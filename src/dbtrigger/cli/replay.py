@@ -34,6 +34,7 @@ from dbtrigger.history.store import HistoryStore
 from dbtrigger.replay import batches as rp
 from dbtrigger.runtime.poller import PollTrigger, default_owner_id
 from dbtrigger.sources.base import accepted_fingerprints
+from dbtrigger.state.document import StateDocument
 from dbtrigger.state.stores.base import CheckpointStore
 
 
@@ -136,6 +137,37 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return _replay(args, trigger, loaded.handler, trigger.store)
 
 
+def _plan(
+    args: argparse.Namespace, trigger: PollTrigger, store: CheckpointStore, doc: StateDocument
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], rp.ReplayPlan]:
+    """The history's records, those chosen and their plan. The whole history is read
+    without the commits' per-event detail (most of its size: with it, 1.9 GB of
+    memory at the default retention's 256 MiB for one batch), then the detail of
+    the batches chosen, and of the commits before them that the comparison looks
+    at, again."""
+    history = history_of(args, store)
+    records = view.load(history, args.poller, doc, details=False)
+    chosen = view.with_details(history, args.poller, _records(args, records))
+    return records, chosen, rp.plan(trigger, chosen, records, _detail_reader(history, args.poller))
+
+
+def _detail_reader(
+    history: HistoryStore | None, poller: str
+) -> Callable[[Mapping[str, Any]], Mapping[str, Any]]:
+    """A record with its detail, read again once (a commit before a batch replayed)."""
+    read: dict[str, dict[str, Any]] = {}
+
+    def detail(record: Mapping[str, Any]) -> Mapping[str, Any]:
+        if not record.get("detail_unread"):
+            return record
+        key = str(record.get("id"))
+        if key not in read:
+            read[key] = view.with_detail(history, poller, record)
+        return read[key]
+
+    return detail
+
+
 def _said_operations(
     console: Console, records: Sequence[Mapping[str, Any]], chosen: Sequence[Mapping[str, Any]]
 ) -> None:
@@ -194,9 +226,7 @@ def _replay(
             f"dbtrigger reset {poller} --accept-source {args.source} --reason TEXT (a replay "
             "then reads the ranges under the new definition, and says so)"
         )
-    records = view.load(history_of(args, store), poller, doc)
-    chosen = _records(args, records)
-    plan = rp.plan(trigger, chosen, records)
+    records, chosen, plan = _plan(args, trigger, store, doc)
     print_plan(console, plan)
     _said_operations(console, records, chosen)
     for batch in plan.batches:

@@ -70,6 +70,35 @@ def with_detail(
     )
 
 
+def with_details(
+    history: HistoryStore | None, poller: str, records: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """``records`` (of :func:`load` with ``details=False``, oldest first) with their
+    details, read again in one pass over the stretch of history they span (a
+    replay's chosen batches: not one read of a whole segment each)."""
+    unread = {
+        str(r.get("id")): int(r["seq"])
+        for r in records
+        if r.get("detail_unread") and isinstance(r.get("seq"), int)
+    }
+    found: dict[str, dict[str, Any]] = {}
+    if history is not None and unread:
+        last = max(unread.values())
+        for stored in history.read(poller, since_seq=min(unread.values()) - 1):
+            rid = str(stored.get("id"))
+            if unread.get(rid) == stored.get("seq"):
+                found[rid] = dict(stored)
+            if int(stored.get("seq") or 0) >= last:
+                break
+    out = []
+    for record in records:
+        rid = str(record.get("id"))
+        if rid in unread and rid not in found:
+            return [with_detail(history, poller, r) for r in records]  # (raises: gone)
+        out.append(found.get(rid) or dict(record))
+    return out
+
+
 def load_last(
     history: HistoryStore | None,
     poller: str,
@@ -304,4 +333,5 @@ __all__ = [
     "positions_of",
     "since",
     "with_detail",
+    "with_details",
 ]

@@ -105,10 +105,14 @@ def plan(
     trigger: PollTrigger,
     records: Sequence[Mapping[str, Any]],
     history: Sequence[Mapping[str, Any]] | None = None,
+    read_detail: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
 ) -> ReplayPlan:
     """Read each recorded batch's range again and compare it with the record
     (``history``: every record kept, whose commits before a batch tell a row of
     its range they delivered from one the batch missed; by default ``records``).
+    ``read_detail`` reads the detail of a record of ``history`` loaded without details
+    (:func:`~dbtrigger.history.view.load`, ``details=False``), for the few
+    commits before a batch that are looked at: ``records`` come with theirs.
 
     A source that keeps images but no longer gives a range back as recorded
     makes a plan whose :meth:`ReplayPlan.refusals` say so (``--verify``
@@ -131,7 +135,7 @@ def plan(
         index = index_of.get(str(record.get("id")), 0)
 
         def elsewhere(index: int = index, start: Position = start) -> set[tuple[str, str]]:
-            return earlier_lines(kept, index, start)
+            return earlier_lines(kept, index, start, read_detail)
 
         batch_id = str(record.get("batch_id"))
         try:

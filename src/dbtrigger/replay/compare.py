@@ -376,16 +376,22 @@ EARLIER_MAX = 10_000
 
 
 def earlier_lines(
-    history: Sequence[Mapping[str, Any]], index: int, start: Position
+    history: Sequence[Mapping[str, Any]],
+    index: int,
+    start: Position,
+    read_detail: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
 ) -> set[tuple[str, str]]:
     """The events the commits before ``history[index]`` delivered that may lie in its
     range (after ``start``): back to the first commit whose range ends at or
     before ``start`` (the rows of a range were settled by its own batch or by
-    those before it, while the checkpoint stayed below them)."""
+    those before it, while the checkpoint stayed below them). ``read_detail`` reads a
+    record's detail when ``history`` was loaded without (only those walked)."""
     chosen: list[Mapping[str, Any]] = []
     for record in reversed(history[max(0, index - EARLIER_MAX) : index]):
         if record.get("type") not in ("commit", "partial_commit"):
             continue
+        if read_detail is not None:
+            record = read_detail(record)  # noqa: PLW2901 - the same record, its detail read
         chosen.append(record)
         detail = record.get("detail")
         if isinstance(detail, Mapping) and "crcs" in detail and "last" not in detail:

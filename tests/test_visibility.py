@@ -659,9 +659,12 @@ def sqlite_pollers(db: TestDatabase, window: float) -> tuple[Poller, Poller]:
 
 
 def test_sqlite_window_waits_for_a_late_application_timestamp(sqlite_db: TestDatabase) -> None:
-    """A writer that stamped its row before waiting for the write lock commits late."""
+    """A writer that stamped its row before waiting for the write lock commits late.
+
+    The window is 5 s, not 1 s: the first tick must come while row 2 is inside it,
+    and a loaded machine took longer than 1 s between the insert and the tick."""
     table = sqlite_events(sqlite_db)
-    guarded, unguarded = sqlite_pollers(sqlite_db, window=1.0)
+    guarded, unguarded = sqlite_pollers(sqlite_db, window=5.0)
     late_stamp = utcnow()  # taken, then the writer waits for the lock
     time.sleep(0.01)
     with sqlite_db.engine.begin() as conn:
@@ -672,9 +675,9 @@ def test_sqlite_window_waits_for_a_late_application_timestamp(sqlite_db: TestDat
     assert not guarded.delivered  # row 2 is inside the window
     with sqlite_db.engine.begin() as conn:
         conn.execute(table.insert(), {"id": 1, "updated_at": late_stamp})
-    time.sleep(1.1)
-    guarded.tick()
     unguarded.tick()
+    # Both rows once they age past the window (bounded wait, not a sleep and a tick).
+    assert wait_until(lambda: (guarded.tick(), len(guarded.delivered) >= 2)[1], timeout=30)
     assert sorted(pk for pk, _ in guarded.delivered) == [1, 2]
     assert sorted(pk for pk, _ in unguarded.delivered) == [2]  # row 1 fell behind the checkpoint
     with sqlite_db.engine.connect() as conn:  # as stored text, as the source reads it

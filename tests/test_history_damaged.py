@@ -354,3 +354,25 @@ def test_a_history_damaged_in_every_line_is_kept_and_its_numbers_are_a_gap(
     assert code == 2, out
     assert f"records 1-5 of the history lost: {path} line 1" in out, out
     assert [(c["seq"], c["batch_id"]) for c in _commits(trigger)] == [(6, calls_last(trigger))]
+
+
+@pytest.mark.azurite
+def test_a_blob_segment_ending_in_a_cut_line_keeps_the_next_record_whole(
+    azurite: Azurite,
+) -> None:
+    """A segment written again by hand (a restore cut short) ends inside a line: an
+    append blob cannot be cut back as a file is, so the next record starts on a
+    line of its own rather than run on from the cut one and be lost with it."""
+    for history in _blob(azurite):
+        _three(history)
+        (segment,) = history.client.list_blobs(name_starts_with="state/shop/orders.history/")
+        blob = history.client.get_blob_client(segment.name)
+        data = bytes(blob.download_blob().readall())
+        blob.delete_blob()
+        blob.create_append_blob()
+        blob.append_block(data + b'{"seq":4,"id":"r4","ty')
+        fresh = BlobHistory(history.client, app="shop")  # another process: nothing cached
+        fresh.append("orders", [{"id": "r4", "type": "manual"}], after_seq=3)
+        assert [r["id"] for r in fresh.tail("orders", 2)] == ["r3", "r4"]
+        records = list(fresh.read("orders"))
+        assert [r["seq"] for r in records] == [1, 2, 3, None, 4]

@@ -79,6 +79,9 @@ class _Segment:
     blocks: int
     #: The number of the last record in it (0: not known).
     last_seq: int = 0
+    #: It ends inside a line (damaged: a blob written again by hand and cut short):
+    #: the next append starts with a newline, as a file's is cut back to its lines.
+    cut: bool = False
 
 
 def _first_seq(segment: _Segment) -> int:
@@ -180,11 +183,14 @@ class BlobHistory:
         return f"blob {self.client.container_name}/{segment.name}"
 
     def _last_records(self, segment: _Segment, count: int) -> list[dict[str, Any]]:
+        return self._last_and_end(segment, count)[0]
+
+    def _last_and_end(self, segment: _Segment, count: int) -> tuple[list[dict[str, Any]], int]:
         def read(start: int, length: int) -> bytes:
             return self._read_range(segment.name, start, length)
 
         first = _first_seq(segment)
-        return last_records(read, segment.size, count, first, self._where(segment))[0]
+        return last_records(read, segment.size, count, first, self._where(segment))
 
     # --- the port -----------------------------------------------------------------------
 
@@ -223,7 +229,8 @@ class BlobHistory:
             # The size the records are read up to is the position appended at:
             # a block landing in between moves it, and our append then conflicts.
             segment = self._props(listed.name, 0)
-            last = self._last_records(segment, 1)
+            last, end = self._last_and_end(segment, 1)
+            segment.cut = end < segment.size
             if not last:
                 if empty is None:
                     empty = segment
@@ -272,6 +279,8 @@ class BlobHistory:
             )
             if active is None or full:
                 active = self._new_segment(poller, after_seq + 1)
+            elif active.cut:
+                data = b"\n" + data
             result = self._append_block(active, data)
         except CasConflictError:
             with self._lock:

@@ -342,8 +342,14 @@ def test_a_row_committed_late_below_a_read_ahead_is_not_skipped(
     and the row it commits afterwards is delivered. Default guard (``auto``)."""
     pg = server_db
     table, _ = events_table(pg)
-    for _ in range(25):
-        pg.execute(f"INSERT INTO {table} (note) VALUES ('old')")
+    # One statement: the 25 rows are in the table, visible, before the first read,
+    # and on MariaDB share one cursor value (NOW(6) is the statement's start), so
+    # the guard's bound (whole seconds there) passes all of them or none, and the
+    # handler sees exactly 10, then 20. Inserted one by one under load they could
+    # straddle a second: the first reads stopped at it, the handler saw 7, 17, 25,
+    # never 20, no late row was written, and the wait below found rows 26-27
+    # neither delivered nor held back (they did not exist).
+    pg.execute(f"INSERT INTO {table} (note) VALUES " + ", ".join(["('old')"] * 25))
     source = SqlAlchemySource(
         url=pg.url, table="events", schema=pg.schema, cursor_column="updated_at", pk_columns=["id"]
     )
@@ -364,6 +370,7 @@ def test_a_row_committed_late_below_a_read_ahead_is_not_skipped(
     try:
         while len(seen) < 20:
             trigger.tick(handler)
+        assert go.is_set(), f"the handler never had exactly 20 rows, no writer was opened: {seen}"
         read_ahead = read_ahead_of(trigger)
         assert wait_for(lambda: read_ahead.pending is None or read_ahead.pending.done.is_set())
         blocker.commit()

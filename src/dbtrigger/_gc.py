@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -49,6 +50,15 @@ def gc_paused() -> Iterator[None]:
 _freeze_lock = threading.Lock()
 _freeze_holders = 0
 _froze = False
+#: The process's allocated memory blocks after the last full collection this
+#: module ran (0: none yet). See :func:`_freeze_collecting`.
+_collected_at = 0
+#: When to run a full collection before a freeze: after the process's allocated
+#: blocks grew by a quarter since the last one (the share by which CPython's own
+#: rule lets its oldest generation grow), and by at least FLOOR blocks, so that
+#: a small process does not collect at every tick.
+GROWTH = 0.25
+FLOOR = 50_000
 
 
 @contextlib.contextmanager
@@ -63,7 +73,7 @@ def older_objects_frozen() -> Iterator[None]:
         if _freeze_holders == 0:
             _froze = gc.isenabled() and gc.get_freeze_count() == 0
             if _froze:
-                gc.freeze()
+                _freeze_collecting()
         _freeze_holders += 1
     try:
         yield
@@ -73,3 +83,28 @@ def older_objects_frozen() -> Iterator[None]:
             if _freeze_holders == 0 and _froze:
                 _froze = False
                 gc.unfreeze()
+
+
+def _freeze_collecting() -> None:
+    """``gc.freeze()``, after a full collection when the process has grown enough
+    to call for one.
+
+    A freeze takes every tracked object out of the collector's view, garbage
+    included: cycles a tick let go of as it ended (a heartbeat and its watcher, a
+    batch's events) are frozen with the rest at the next tick. Ticks that follow
+    each other with hardly an allocation between them (a drain, a busy worker)
+    then run every full collection inside a freeze, and that garbage is never
+    found: a 10,000-tick drain grew from 50k to 870k objects (450 MB RSS).
+
+    The measure of growth is ``sys.getallocatedblocks()`` (a walk of the
+    allocator's arenas: about 10 us for a small process, 0.2 ms at six million
+    blocks); ``gc.get_freeze_count()`` would count the frozen objects one by one.
+    """
+    global _collected_at  # noqa: PLW0603 - one process-wide collector
+    blocks = sys.getallocatedblocks()
+    if _collected_at == 0:
+        _collected_at = blocks
+    elif blocks > max(_collected_at * (1 + GROWTH), _collected_at + FLOOR):
+        gc.collect()
+        _collected_at = sys.getallocatedblocks()
+    gc.freeze()

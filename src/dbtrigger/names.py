@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import shlex
 from collections.abc import Callable
 
 from dbtrigger.errors import UnsafeIdentifierError
@@ -98,3 +99,10 @@ def import_path_of(obj: object) -> str | None:
             if value is obj and not attr.startswith("_"):
                 return f"{module_name}:{attr}"
     return None
+
+
+def command_target(name: str, spec: str | None, store: str) -> str:
+    """``NAME --source MODULE:ATTR`` for a pasteable command, or ``NAME --store
+    STORE`` when the trigger cannot be named by an import path."""
+    where = f"--source {shlex.quote(spec)}" if spec else f"--store {shlex.quote(store)}"
+    return f"{name} {where}"

@@ -26,8 +26,9 @@ from dbtrigger.runtime.crash_isolation import OneByOne
 from dbtrigger.runtime.delivery import Delivered, Delivery, Undelivered, cancelled_error
 from dbtrigger.runtime.heartbeat import Heartbeat
 from dbtrigger.runtime.kernel import Handler, wants_context
+from dbtrigger.runtime.prefetch import Prefetch
 from dbtrigger.runtime.readahead import ReadAhead
-from dbtrigger.runtime.reading import BatchReader, Prefetch, TickSettings, landing
+from dbtrigger.runtime.reading import BatchReader, TickSettings, landing
 from dbtrigger.runtime.session import LeaseSession
 from dbtrigger.runtime.trigger import Outcome, TickResult
 from dbtrigger.runtime.windowing import Selection

@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
-import shlex
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -41,7 +40,7 @@ from dbtrigger.history.positions import StartFrom, warn_if_recorded
 from dbtrigger.history.store import HistoryStore
 from dbtrigger.history.wiring import recorder_for
 from dbtrigger.metrics import MetricsCollector, SafeMetrics
-from dbtrigger.names import import_path_of, validate_name
+from dbtrigger.names import command_target, import_path_of, validate_name
 from dbtrigger.quarantine import QuarantineSink
 from dbtrigger.runtime import deprecated, kernel
 from dbtrigger.runtime import drain as draining
@@ -397,13 +396,7 @@ class PollTrigger(ClosesOnExit):
 
     def cli_target(self) -> str:
         """``POLLER --source MODULE:ATTR`` (or ``--store ...``) for a pasteable command."""
-        spec = self.operator_spec()
-        where = (
-            f"--source {shlex.quote(spec)}"
-            if spec
-            else f"--store {shlex.quote(self.store.describe())}"
-        )
-        return f"{self.name} {where}"
+        return command_target(self.name, self.operator_spec(), self.store.describe())
 
     def drain(
         self,

@@ -24,7 +24,6 @@ from typing import Any
 from dbtrigger.cursor import Position
 from dbtrigger.errors import (
     CorruptStateError,
-    DbTriggerError,
     FetchError,
     OperatorError,
     SerializationError,
@@ -36,6 +35,7 @@ from dbtrigger.runtime import windowing
 from dbtrigger.runtime.bulk import BulkReads
 from dbtrigger.runtime.delivery import Delivery
 from dbtrigger.runtime.null_probe import NullCursorProbe
+from dbtrigger.runtime.prefetch import Prefetch
 from dbtrigger.runtime.readahead import ReadAhead, reads_ahead
 from dbtrigger.runtime.retry import RetryPolicy
 from dbtrigger.runtime.telemetry import STATE_VANISHED, Telemetry
@@ -75,41 +75,6 @@ class TickSettings(WriterSettings):
     retry_delay: float = 5.0
     retry_delay_max: float = 300.0
     jitter: Callable[[], float] = random.random
-
-
-@dataclass
-class Prefetch:
-    """The next batch, read on the tick's thread while the current batch's lanes run.
-
-    ``after`` and ``window`` are where the current batch leaves the checkpoint
-    and the settled window if all of its events are accepted; the read is of
-    the batch that follows from there. Any error is kept, not raised: the
-    lanes are still running, and the read may turn out not to be needed.
-    """
-
-    read: Callable[[], Selection | None]
-    after: Position
-    window: Window
-    ran: bool = False
-    selection: Selection | None = None
-    error: Exception | None = None
-
-    def run(self) -> None:
-        self.ran = True
-        try:
-            self.selection = self.read()
-        except Exception as exc:  # noqa: BLE001 - kept for take(), raised if the read is used
-            self.error = exc
-
-    def matches(self, after: Position, window: Window) -> bool:
-        """Did it run, from where the batch really left the checkpoint and window?"""
-        return self.ran and self.after == after and self.window == window
-
-    def take(self) -> tuple[Selection | None, DbTriggerError | None]:
-        """The selection, or the read's error (deferred like any fetch error)."""
-        if self.error is not None and not isinstance(self.error, DbTriggerError):
-            raise self.error
-        return self.selection, self.error
 
 
 def landing(

@@ -309,7 +309,8 @@ class PartitionedPoller(Balancing):
             self._turn = (self._turn + 1) % len(owned)
             owned = owned[self._turn :] + owned[: self._turn]
         rows = batches = 0
-        more = handover = False
+        more = False
+        handover: list[str] = []  # owned, still leased by their previous owner
         outcomes: set[str] = set()
         results: list[TickResult] = []
         errors: list[DbTriggerError] = []
@@ -327,8 +328,9 @@ class PartitionedPoller(Balancing):
             batches += result.batches
             more = more or result.more
             outcomes.add(result.outcome)
-            handover = handover or self._handing_over(result)
-        self._handover = handover
+            if self._handing_over(result):
+                handover.append(pid)
+        self._handover = bool(handover)
         self._backoff.forget(set(self.owned))
         failing = self._backoff.failing
         idle = "idle" in outcomes or not owned or not (outcomes or set(owned) - set(failing))
@@ -345,6 +347,7 @@ class PartitionedPoller(Balancing):
             next_retry_at=min((r.next_retry_at for r in results if r.next_retry_at), default=None),
             window_withheld=sum(r.window_withheld for r in results),
             failing_partitions=failing,
+            handover=tuple(sorted(handover)),
         )
         if errors:
             raise next((e for e in errors if isinstance(e, OperatorError)), errors[0])
@@ -399,10 +402,8 @@ class PartitionedPoller(Balancing):
         self._report_waiting()
 
     def _report_waiting(self) -> None:
-        """WARNING once a batch has run past its partition's lease TTL while this
-        member owns other partitions: the round ticks them only after it, and the
-        others take none of them while this member heartbeats, so their rows wait
-        too (the partition's own ``handler_slow`` line names only its batch)."""
+        """Say once (:meth:`GroupReport.batch_stuck`) that a batch has run past its
+        partition's lease TTL while this member owns other partitions."""
         flight = self._in_flight
         if flight is None or flight == self._stuck_said:
             return
@@ -413,24 +414,7 @@ class PartitionedPoller(Balancing):
         if trigger is None or not waiting or ran < trigger.lease_ttl.total_seconds():
             return
         self._stuck_said = flight
-        log.warning(
-            "member %s: a batch of partition %s has run %.0fs (over its lease TTL of %gs) and "
-            "not returned; the member's other partition(s) %s are not ticked until it does, "
-            "and no other member takes them over while this one heartbeats; set "
-            "handler_timeout_seconds to give such a call up",
-            self.member_id,
-            pid,
-            ran,
-            trigger.lease_ttl.total_seconds(),
-            ", ".join(waiting),
-            extra={
-                "event": "partitions_waiting",
-                "poller": self.name,
-                "partition": pid,
-                "partitions": tuple(waiting),
-                "seconds": round(ran, 1),
-            },
-        )
+        self._report.batch_stuck(pid, ran, trigger.lease_ttl.total_seconds(), waiting)
 
     def _handing_over(self, result: TickResult) -> bool:
         """The partition's lease is held by another live member: it is finishing a batch."""
@@ -509,12 +493,15 @@ class PartitionedPoller(Balancing):
         held_wait_seconds: float = draining.DEFAULT_HELD_WAIT_SECONDS,
         retry_wait_seconds: float = draining.DEFAULT_RETRY_WAIT_SECONDS,
         stop: threading.Event | None = None,
+        handover_wait_seconds: float = draining.DEFAULT_HANDOVER_WAIT_SECONDS,
     ) -> int:
         """Tick the owned partitions until nothing is left to deliver, waiting for
         held-back rows and due retries as a poller's drain does
         (:mod:`dbtrigger.runtime.drain`); ``stop`` ends a wait and the drain. A
         partition that moved to another member meanwhile is that member's to
-        deliver. History is flushed on the way out."""
+        deliver; one that moved here while its previous owner still runs a batch
+        of it is waited for, up to ``handover_wait_seconds`` (LeaseAcquireError
+        naming it past that). History is flushed on the way out."""
         try:
             return draining.drain(
                 self,
@@ -525,6 +512,7 @@ class PartitionedPoller(Balancing):
                 held_wait_seconds=held_wait_seconds,
                 retry_wait_seconds=retry_wait_seconds,
                 stop=stop,
+                handover_wait_seconds=handover_wait_seconds,
             )
         finally:
             self.flush_history()

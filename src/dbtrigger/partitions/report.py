@@ -134,3 +134,28 @@ class GroupReport:
                 why,
                 extra={"event": "member_idle", "poller": self.poller, "share": share},
             )
+
+    def batch_stuck(self, pid: str, ran: float, lease_ttl: float, waiting: list[str]) -> None:
+        """WARNING: a batch of ``pid`` has run ``ran`` seconds, past its lease TTL,
+        while this member owns the ``waiting`` partitions too: the round ticks them
+        only after it, and the others take none of them while this member
+        heartbeats, so their rows wait too (the partition's own ``handler_slow``
+        line names only its batch)."""
+        log.warning(
+            "member %s: a batch of partition %s has run %.0fs (over its lease TTL of %gs) and "
+            "not returned; the member's other partition(s) %s are not ticked until it does, "
+            "and no other member takes them over while this one heartbeats; set "
+            "handler_timeout_seconds to give such a call up",
+            self.member_id,
+            pid,
+            ran,
+            lease_ttl,
+            ", ".join(waiting),
+            extra={
+                "event": "partitions_waiting",
+                "poller": self.poller,
+                "partition": pid,
+                "partitions": tuple(waiting),
+                "seconds": round(ran, 1),
+            },
+        )

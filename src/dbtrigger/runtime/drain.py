@@ -1,12 +1,17 @@
 """Draining a trigger: tick until nothing is left to deliver.
 
 "Nothing left" means the source had no rows after the checkpoint and no event
-waits for a retry. Three kinds of empty tick are not that, and a drain that
+waits for a retry. Four kinds of empty tick are not that, and a drain that
 returned on them would tell its caller "drained" with rows still waiting:
 
 * another instance holds the lease: the drain waits for the lease to come
   free (for at most its ``lease_wait`` budget in all) and otherwise raises
   :class:`~dbtrigger.errors.LeaseAcquireError` naming the holder;
+* a partitioned member's round found a partition it now owns still leased by
+  its previous owner, a live member finishing its batch in flight (a
+  handover): the drain ticks again every 0.1 s until that lease is released,
+  for at most ``handover_wait`` seconds of one handover, and otherwise raises
+  :class:`~dbtrigger.errors.LeaseAcquireError` naming the partitions;
 * the visibility guard held committed rows back behind a transaction that
   may still commit rows sorting before them: the drain ticks again after
   the runner's short held-back waits (50 ms, doubling up to a second, none
@@ -32,10 +37,10 @@ One loop, :func:`tick_until_drained`, drains every trigger; what differs is
 said by its arguments: :meth:`PollTrigger.drain
 <dbtrigger.runtime.poller.PollTrigger.drain>` waits for its lease (a
 :class:`LeaseWait`) and reports progress; a partitioned member's rounds have no
-lease of their own; a queue counts rows claimed as delivered and takes a claim
-that came back short for the end (it has no visibility guard); ``dbtrigger
-backfill`` ticks with retries of its own. The faces flush their history on the
-way out.
+lease of their own (a :class:`HandoverWait` waits for its partitions'); a
+queue counts rows claimed as delivered and takes a claim that came back short
+for the end (it has no visibility guard); ``dbtrigger backfill`` ticks with
+retries of its own. The faces flush their history on the way out.
 """
 
 from __future__ import annotations
@@ -56,8 +61,14 @@ from dbtrigger.state import document as docmod
 DEFAULT_HELD_WAIT_SECONDS = 60.0
 #: How long after its last row a drain waits for an event's retry to come due.
 DEFAULT_RETRY_WAIT_SECONDS = 60.0
+#: How long a member's drain waits for a previous owner's batch in flight on a
+#: partition it now owns (a handover) before it raises.
+DEFAULT_HANDOVER_WAIT_SECONDS = 60.0
 #: Slept past a retry's due time, so the tick after it finds the event due.
 _PAST_DUE_SECONDS = 0.02
+#: Between a member's rounds while a handover lasts (its holder releases the lease
+#: as its batch ends, long before the lease's own end).
+_HANDOVER_POLL_SECONDS = 0.1
 
 
 class DrainTick(Protocol):
@@ -161,11 +172,13 @@ def drain(
     held_wait_seconds: float = DEFAULT_HELD_WAIT_SECONDS,
     retry_wait_seconds: float = DEFAULT_RETRY_WAIT_SECONDS,
     stop: threading.Event | None = None,
+    handover_wait_seconds: float = DEFAULT_HANDOVER_WAIT_SECONDS,
 ) -> int:
     """Tick ``trigger`` until nothing is left to deliver (or ``max_ticks``, or
     ``stop``); the rows committed. ``progress(rows_so_far, result)`` is called
     after every tick. ``lease_wait_seconds`` None: the trigger has no lease of its
-    own to wait for (a member's partitions are leased one by one in its rounds).
+    own to wait for (a member's partitions are leased one by one in its rounds,
+    and ``handover_wait_seconds`` bounds its :class:`HandoverWait`).
     With a ``stop``, each tick asks it between batches, and a call given up at the
     handler timeout is let go once it is set (:mod:`dbtrigger.runtime.let_go`);
     without one, calls run inline on the caller's thread as a plain tick's do."""
@@ -176,7 +189,11 @@ def drain(
         clock=trigger.clock,
         stop=stop,
     )
-    busy = LeaseWait(trigger, lease_wait_seconds, waits) if lease_wait_seconds is not None else None
+    busy: Callable[[TickResult, int], bool] = (
+        LeaseWait(trigger, lease_wait_seconds, waits)
+        if lease_wait_seconds is not None
+        else HandoverWait(trigger.name, handover_wait_seconds, waits)
+    )
 
     def tick() -> TickResult:
         if stop is None:
@@ -221,6 +238,45 @@ class LeaseWait:
                 holder=result.holder,
             )
         self.waits.pause(wait)
+        return True
+
+
+class HandoverWait:
+    """A member's drain waits for the partitions it owns whose lease is still held
+    by their previous owner, a live member finishing its batch in flight (it
+    releases the lease as the batch ends): a round delivering nothing then is not
+    the end. The drain ticks again every :data:`_HANDOVER_POLL_SECONDS` for at
+    most ``seconds`` of one handover, and otherwise raises
+    :class:`~dbtrigger.errors.LeaseAcquireError` naming the partitions, rather
+    than return "drained" with their rows waiting."""
+
+    def __init__(self, poller: str, seconds: float, waits: DrainWait) -> None:
+        self.poller = poller
+        self.seconds = seconds
+        self.waits = waits
+        self._since: float | None = None  # when (monotonic) this handover was first seen
+
+    def __call__(self, result: TickResult, total: int) -> bool:
+        """True: the round found only partitions handed over still busy, and paused."""
+        if not result.handover:
+            self._since = None
+            return False
+        if result.rows or result.more:
+            return False  # ticked again at once anyway
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+        if now - self._since + _HANDOVER_POLL_SECONDS > self.seconds:
+            raise LeaseAcquireError(
+                f"drain of poller {self.poller!r} stopped after {total} row(s): partition(s) "
+                f"{', '.join(result.handover)}, which this member now owns, are still leased "
+                f"by their previous owner after {now - self._since:.1f}s, finishing a batch "
+                "(a slow handler; the partition moved to this member meanwhile). Nothing was "
+                "skipped: their rows wait after their checkpoints; drain again once that "
+                "batch ends, or pass handover_wait_seconds= to wait longer",
+                poller=self.poller,
+            )
+        self.waits.pause(_HANDOVER_POLL_SECONDS)
         return True
 
 
@@ -376,10 +432,12 @@ def retries_pending(
 
 
 __all__ = [
+    "DEFAULT_HANDOVER_WAIT_SECONDS",
     "DEFAULT_HELD_WAIT_SECONDS",
     "DEFAULT_RETRY_WAIT_SECONDS",
     "DrainTick",
     "DrainWait",
+    "HandoverWait",
     "LeaseWait",
     "Ticks",
     "drain",

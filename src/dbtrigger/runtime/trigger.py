@@ -244,10 +244,14 @@ class TickResult:
     #: A partitioned member's partitions whose last tick failed: each backs off on
     #: its own, so the member's next round is due at the usual pace.
     failing_partitions: tuple[str, ...] = ()
+    #: A partitioned member's partitions whose lease is still held by their previous
+    #: owner (a live member finishing its batch in flight): their rows wait for it.
+    handover: tuple[str, ...] = ()
 
     @property
     def caught_up(self) -> bool:
-        """Nothing left to deliver now: idle, no event waits for a retry, no row held back."""
+        """Nothing left to deliver now: idle, no event waits for a retry, no row held
+        back, no partition waiting for its previous owner's batch."""
         return (
             self.outcome == "idle"
             and not self.more  # (a member's round with a partition taken over mid-tick)
@@ -255,6 +259,7 @@ class TickResult:
             and not self.waiting_retries
             and not self.window_withheld
             and not self.failing_partitions
+            and not self.handover
         )
 
     def where(self) -> str:
@@ -300,13 +305,20 @@ class TickResult:
             text = (
                 f"idle: nothing after the {self.where()}; lag 0 rows{ago}{self.retries_text()}{nxt}"
             )
-            if self.waiting_retries or self.failing_partitions:
+            if self.waiting_retries or self.failing_partitions or self.handover:
                 # Rows after the checkpoint wait for their turn: never "nothing after"
                 # nor "lag 0 rows" (`dbtrigger status` counts them behind).
                 failing = ", ".join(self.failing_partitions)
+                handover = ", ".join(self.handover)
                 text = (
                     f"idle: nothing due after the {self.where()}{ago}{self.retries_text()}"
                     + (f"; partition(s) {failing} failing, backing off" if failing else "")
+                    + (
+                        f"; partition(s) {handover} still leased by their previous owner, "
+                        "finishing a batch"
+                        if handover
+                        else ""
+                    )
                     + nxt
                 )
             if self.partitions == 0:

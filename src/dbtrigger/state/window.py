@@ -297,6 +297,8 @@ class Plan:
     """Rows handed out that were not waiting for a retry."""
     held: int = 0
     """Rows kept back behind an earlier event of their row key that waits."""
+    skipped: int = 0
+    """Due retries left for a later batch: the room was kept for new rows."""
 
     @property
     def blocked(self) -> bool:
@@ -341,47 +343,74 @@ def plan(
     ``reserve``: reserve room for every new row even when the window is empty
     (after a batch whose retries did not all fit, :attr:`Settlement.unremembered`):
     no more rows go out than the window can hold as waiting.
+
+    **Due retries take at most half the batch while new rows wait** (the rest when fewer
+    can go): due at every read (``retry_delay_seconds=0``), they filled every batch.
     """
     if not window and not reserve:
         return Plan(tuple(range(min(batch_size, len(keys)))))
+    args = (keys, sizes, window, now, batch_size, bound, groups, hold)
+    first = _pick(*args, None)
+    if first.skipped and len(first.deliver) < batch_size:  # room the new rows left: retries
+        return _pick(*args, batch_size - first.new)
+    return first
+
+
+def _group(groups: Sequence[str | Sequence[str]], i: int) -> Sequence[str]:
+    g = groups[i]
+    return (g,) if isinstance(g, str) else g
+
+
+def _pick(
+    keys: Sequence[str],
+    sizes: Sequence[int],
+    window: Window,
+    now: dt.datetime,
+    batch_size: int,
+    bound: Bound,
+    groups: Sequence[str | Sequence[str]] | None,
+    hold: Set[str],
+    retry_room: int | None,
+) -> Plan:
+    """:func:`plan`, due retries handed out up to ``retry_room`` of the batch."""
     settled = {key_of(p) for p in window.settled}
     pending = {key_of(p.position): p for p in window.pending}
-    span_end = max(
-        (i for i, k in enumerate(keys) if k in settled or k in pending),
-        default=-1,
-    )
+    span_end = max((i for i, k in enumerate(keys) if k in settled or k in pending), default=-1)
     size = window.encoded_size()
     pressure = bound.under_pressure(window, size)
+    if retry_room is None:  # all but the room for the new rows, up to half the batch
+        fresh = sum(
+            k not in settled and k not in pending
+            for k in keys[: span_end + 1 if pressure else None]
+        )
+        retry_room = batch_size - min(batch_size // 2, fresh)
     room_events = bound.max_events - len(window)
     room_bytes = bound.max_bytes - size
     chosen: list[int] = []
     new_rows = True  # may a row that needs new room still be handed out?
     full = False
-    withheld = new = held = 0
+    withheld = new = held = skipped = 0
     blocked: set[str] = set()  # row keys with an earlier row that waits
-
-    def group(i: int) -> Sequence[str]:
-        assert groups is not None  # noqa: S101 - called only with groups
-        g = groups[i]
-        return (g,) if isinstance(g, str) else g
 
     def wait(i: int) -> None:
         if groups is not None:
-            blocked.update(group(i))
+            blocked.update(_group(groups, i))
 
     for i, key in enumerate(keys):
         if len(chosen) >= batch_size:
             break
         if key in settled:
             continue
-        if groups is not None and any(k in blocked for k in group(i)):
+        if groups is not None and any(k in blocked for k in _group(groups, i)):
             held += 1
             continue
         waiting = pending.get(key)
         if waiting is not None:
-            if waiting.not_before <= now and key not in hold:
+            due = waiting.not_before <= now and key not in hold
+            if due and len(chosen) - new < retry_room:
                 chosen.append(i)  # its entry exists already: no new room needed
             else:
+                skipped += due
                 wait(i)
             continue
         if new_rows and pressure and i > span_end:
@@ -397,7 +426,9 @@ def plan(
         room_bytes -= cost
         chosen.append(i)
         new += 1
-    return Plan(tuple(chosen), pressure, withheld, full, new, held)
+    if pressure:  # rows after the window, the batch's end kept from the loop: withheld too
+        withheld = max(withheld, len(keys) - 1 - span_end)
+    return Plan(tuple(chosen), pressure, withheld, full, new, held, skipped)
 
 
 @dataclass(frozen=True)

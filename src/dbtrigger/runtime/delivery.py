@@ -51,6 +51,7 @@ from dbtrigger.runtime.dead_letters import (
     lease_lost,
 )
 from dbtrigger.runtime.kernel import Handler, Lanes
+from dbtrigger.runtime.poison_report import PoisonReport
 from dbtrigger.runtime.retry import RetryPolicy
 from dbtrigger.runtime.telemetry import Telemetry
 from dbtrigger.state.verdict import Verdict, judge, should_isolate, transient
@@ -113,6 +114,8 @@ class Delivery:
         #: Parallel lanes (``max_concurrency > 1``): see :mod:`dbtrigger.runtime.kernel`.
         concurrency = options.max_concurrency
         self.lanes = Lanes(concurrency, name=poller) if concurrency > 1 else None
+        #: Says that events cannot settle (``poison_event``), once and then now and then.
+        self.poison = PoisonReport(options.telemetry, options.clock, options.max_attempts)
 
     def close(self) -> None:
         """Shut the lane pool down (it starts again on the next batch)."""
@@ -362,7 +365,11 @@ class Delivery:
                 for i in sorted(exhausted, key=list(by_id).index)
             ]
         else:
-            for i in exhausted:
+            again = [
+                i for i in by_id if i in exhausted and marks.attempts.get(i, 0) >= self.max_attempts
+            ]
+            self.poison.again(ctx, again)
+            for i in exhausted.difference(again):
                 self.telemetry.emit(
                     "poison_event",
                     "event %s was retried on all %d attempts (%s); configure a dead-letter "

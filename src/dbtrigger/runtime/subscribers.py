@@ -428,7 +428,7 @@ class FanOut(Delivery):
                 spent=spent.get(i),
             )
         by_id = {e.event_id: e for e in pending}
-        self._report(ctx, by_id, decisions)
+        self.poison.fanout(ctx, by_id, decisions)
         doomed: list[tuple[RowChange, BaseException]] = []
         attempts: dict[str, int] = {}
         for i, d in decisions.items():
@@ -469,33 +469,3 @@ class FanOut(Delivery):
                 if c.accepted or c.rejected or c.failed
             },
         )
-
-    def _report(
-        self, ctx: BatchContext, by_id: Mapping[str, RowChange], decisions: Mapping[str, Decision]
-    ) -> None:
-        emit = self.telemetry.emit
-        for i, d in decisions.items():
-            if d.gone:
-                emit(
-                    "subscriber_gone",
-                    "event %s was owed to subscriber(s) %s, which are no longer configured: "
-                    "they count as unsubscribed",
-                    i,
-                    ", ".join(d.gone),
-                    batch_id=ctx.batch_id,
-                    event_id=i,
-                )
-            if d.fate is Fate.PENDING and (d.stuck or not d.tally.accepted + d.tally.failed):
-                who = ", ".join(d.stuck or d.gone)
-                emit(
-                    "poison_event",
-                    "event %s (pk %s) cannot settle: %s; configure a dead-letter (quarantine) "
-                    "sink or settle it by hand: it holds the checkpoint back",
-                    i,
-                    dict(by_id[i].pk),
-                    f"subscriber(s) {who} failed it on all {self.max_attempts} attempts"
-                    if d.stuck
-                    else f"every subscriber it is owed to ({who}) is gone",
-                    batch_id=ctx.batch_id,
-                    event_id=i,
-                )

@@ -229,6 +229,7 @@ EVENTS: dict[str, EventSpec] = {
         ),
     ),
     "poison_event": EventSpec(E),
+    "poison_event_again": EventSpec(W, log_as="poison_event"),
     # fan-out (subscribers=): each subscriber's outcomes, its failures and timeouts
     "subscriber_outcomes": EventSpec(
         None,

@@ -527,7 +527,14 @@ def test_window_with_process_names_a_write_transaction_older_than_it(
     try:
         time.sleep(WINDOW + 1.1)
         with caplog.at_level(logging.WARNING, logger="dbtrigger.sources.visibility"):
-            assert wait_until(lambda: _overrun(src), timeout=30)
+
+            def names_it() -> bool:
+                # The oldest writer of another session is named: on the shared server
+                # another test's writer, open longer than this one, until it ends.
+                info = src.last_fetch_info if _overrun(src) else None
+                return info is not None and info.blocking_pid == thread
+
+            assert wait_until(names_it, timeout=30)
         info = src.last_fetch_info
         assert info is not None
         assert info.blocking_pid == thread

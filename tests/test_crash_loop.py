@@ -95,8 +95,12 @@ def _handled(tmp_path: Path) -> set[int]:
 
 
 def test_a_handler_that_kills_its_process_every_time_is_refused_without_a_sink(
-    sqlite_db: TestDatabase, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    sqlite_db: TestDatabase,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.chdir(tmp_path)  # the reset below writes its backup under the working folder
     add_items(sqlite_db, items_table(sqlite_db), ROWS)
     runs = _restart_until_settled(sqlite_db, tmp_path, restarts=MAX_ATTEMPTS + 4)
     codes = [run.returncode for run in runs]

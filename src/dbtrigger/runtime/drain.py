@@ -55,6 +55,7 @@ from dbtrigger.errors import FetchError, HandlerError, LeaseAcquireError
 from dbtrigger.runtime.kernel import Handler
 from dbtrigger.runtime.pacing import held_back_delay
 from dbtrigger.runtime.trigger import TickResult, utc_now
+from dbtrigger.sources.base import VisibilityReport
 from dbtrigger.state import document as docmod
 
 #: How long one hold of the visibility guard may stop a drain before it raises.
@@ -71,24 +72,15 @@ _PAST_DUE_SECONDS = 0.02
 _HANDOVER_POLL_SECONDS = 0.1
 
 
-class DrainTick(Protocol):
+class DrainTick(VisibilityReport, Protocol):
     """What the drain loop reads of a tick's result (a poller's, a member's round,
-    a queue's claims)."""
+    a queue's claims): what its fetch's visibility guard did, and these."""
 
     @property
     def rows(self) -> int: ...
 
     @property
     def more(self) -> bool: ...
-
-    @property
-    def held_back(self) -> bool: ...
-
-    @property
-    def held_back_seconds(self) -> float: ...
-
-    @property
-    def blocking_pid(self) -> int | None: ...
 
     @property
     def waiting_retries(self) -> int: ...

@@ -35,23 +35,8 @@ from azure.storage.blob import ContainerClient
 from dbtrigger import _azure_errors as azure_errors
 from dbtrigger import options as opt
 from dbtrigger.errors import CasConflictError, StoreUnavailableError
+from dbtrigger.history import store as storemod
 from dbtrigger.history.records import record_time
-from dbtrigger.history.store import (
-    DEFAULT_RETENTION,
-    TAIL_CHUNK,
-    Retention,
-    decode_lines,
-    encode_line,
-    is_damaged,
-    kept_unreadable,
-    last_records,
-    newest_records,
-    numbered,
-    prune_segments,
-    read_segments,
-    segment_name,
-    segment_seq,
-)
 from dbtrigger.names import validate_name
 
 HISTORY_BLOB = azure_errors.StorageService(
@@ -86,7 +71,7 @@ class _Segment:
 
 def _first_seq(segment: _Segment) -> int:
     """The number of a segment's first record, from its name."""
-    return segment_seq(segment.name) or 0
+    return storemod.segment_seq(segment.name) or 0
 
 
 class BlobHistory:
@@ -106,7 +91,7 @@ class BlobHistory:
         app: str | Any,
         prefix: str = "state",
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-        retention: Retention = DEFAULT_RETENTION,
+        retention: storemod.Retention = storemod.DEFAULT_RETENTION,
         credential: Callable[[], str] | None = None,
     ) -> None:
         #: How long the runtime keeps records here (it prunes after its appends).
@@ -162,7 +147,7 @@ class BlobHistory:
         found = []
         for blob in blobs:
             rest = blob.name[len(folder) :]
-            if "/" in rest or segment_seq(rest) is None:
+            if "/" in rest or storemod.segment_seq(rest) is None:
                 continue
             found.append(_Segment(blob.name, int(blob.size or 0), 0))
         return sorted(found, key=lambda s: s.name)
@@ -190,7 +175,7 @@ class BlobHistory:
             return self._read_range(segment.name, start, length)
 
         first = _first_seq(segment)
-        return last_records(read, segment.size, count, first, self._where(segment))
+        return storemod.last_records(read, segment.size, count, first, self._where(segment))
 
     # --- the port -----------------------------------------------------------------------
 
@@ -201,7 +186,7 @@ class BlobHistory:
             except SegmentGoneError:
                 return []  # pruned meanwhile, with every older one
 
-        return newest_records(reversed(self._segments(poller)), last, count)
+        return storemod.newest_records(reversed(self._segments(poller)), last, count)
 
     def read(self, poller: str, *, since_seq: int = 0) -> Iterator[dict[str, Any]]:
         def load(segment: _Segment) -> bytes | None:
@@ -212,7 +197,7 @@ class BlobHistory:
             except SegmentGoneError:
                 return None
 
-        return read_segments(
+        return storemod.read_segments(
             poller, self._segments(poller), _first_seq, load, since_seq, self._where
         )
 
@@ -235,9 +220,7 @@ class BlobHistory:
                 if empty is None:
                     empty = segment
                 continue
-            segment.last_seq = int(last[-1].get("seq") or 0)
-            if is_damaged(last[-1]):
-                kept_unreadable(poller, self._where(segment), segment.last_seq)
+            segment.last_seq = storemod.last_number(poller, self._where(segment), last[-1])
             if empty is not None:
                 if _first_seq(empty) == segment.last_seq + 1:
                     empty.last_seq = segment.last_seq
@@ -260,15 +243,12 @@ class BlobHistory:
     def append(self, poller: str, records: Sequence[Mapping[str, Any]], *, after_seq: int) -> None:
         if not records:
             return
-        data = b"".join(encode_line(r) for r in numbered(records, after_seq))
+        data = b"".join(storemod.encode_line(r) for r in storemod.numbered(records, after_seq))
         with self._lock:
             active = self._active.get(poller)
         if active is None or active.last_seq != after_seq:
             active, last = self._active_segment(poller)
-            if last != after_seq:
-                raise CasConflictError(
-                    f"the history of {poller!r} ends at record {last}, not {after_seq}"
-                )
+            storemod.expect_end(poller, last, after_seq)
         try:
             # Full is a fact of the segment, never of this append's size: a writer
             # that rolled over because its records would not fit, and another still
@@ -294,7 +274,7 @@ class BlobHistory:
             )
 
     def _new_segment(self, poller: str, first_seq: int) -> _Segment:
-        name = self._folder(poller) + segment_name(first_seq)
+        name = self._folder(poller) + storemod.segment_name(first_seq)
         client = self.client.get_blob_client(name)
         with self._mapped("create", name, write=True):
             try:
@@ -316,17 +296,17 @@ class BlobHistory:
             )
         return result
 
-    def prune(self, poller: str, retention: Retention, now: dt.datetime) -> int:
+    def prune(self, poller: str, retention: storemod.Retention, now: dt.datetime) -> int:
         segments = self._segments(poller)
         described: list[tuple[_Segment, int, dt.datetime | None]] = []
         for segment in segments:
             if segment.size == 0:
                 described.append((segment, 0, None))
                 continue
-            head = self._read_range(segment.name, 0, min(segment.size, TAIL_CHUNK))
-            first = decode_lines(head)
+            head = self._read_range(segment.name, 0, min(segment.size, storemod.TAIL_CHUNK))
+            first = storemod.decode_lines(head)
             described.append((segment, segment.size, record_time(first[0]) if first else None))
-        return prune_segments(
+        return storemod.prune_segments(
             segments, described, _first_seq, lambda s: self._delete(s.name), retention, now
         )
 

@@ -31,23 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from dbtrigger import options as opt
-from dbtrigger.errors import CasConflictError, StoreAuthError, StoreUnavailableError
+from dbtrigger.errors import StoreAuthError, StoreUnavailableError
+from dbtrigger.history import store as storemod
 from dbtrigger.history.records import record_time
-from dbtrigger.history.store import (
-    DEFAULT_RETENTION,
-    Retention,
-    decode_lines,
-    encode_line,
-    is_damaged,
-    kept_unreadable,
-    last_records,
-    newest_records,
-    numbered,
-    prune_segments,
-    read_segments,
-    segment_name,
-    segment_seq,
-)
 from dbtrigger.names import validate_name
 
 #: A segment rolls over past this size.
@@ -65,7 +51,7 @@ class FileHistory:
         *,
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         lock_timeout: float = 10.0,
-        retention: Retention = DEFAULT_RETENTION,
+        retention: storemod.Retention = storemod.DEFAULT_RETENTION,
     ) -> None:
         self.directory = Path(directory)
         #: How long the runtime keeps records here (it prunes after its appends).
@@ -91,13 +77,13 @@ class FileHistory:
             return []
         except OSError as exc:
             raise StoreUnavailableError(f"cannot list {self.directory}: {exc.strerror}") from exc
-        found = [(segment_seq(n[len(prefix) :]), n) for n in names]
+        found = [(storemod.segment_seq(n[len(prefix) :]), n) for n in names]
         return [self.directory / n for _, n in sorted((s, n) for s, n in found if s is not None)]
 
     @staticmethod
     def _first_seq(path: Path) -> int:
         """The number of a segment's first record, from its name."""
-        return segment_seq(path.name.split(".history.", 1)[1]) or 0
+        return storemod.segment_seq(path.name.split(".history.", 1)[1]) or 0
 
     @contextlib.contextmanager
     def _locked(self, poller: str) -> Iterator[None]:
@@ -138,7 +124,7 @@ class FileHistory:
                 return fh.read(length)
 
             size = fh.seek(0, os.SEEK_END)
-            return last_records(read, size, count, cls._first_seq(path), str(path))
+            return storemod.last_records(read, size, count, cls._first_seq(path), str(path))
 
     # --- the port ------------------------------------------------------------------
 
@@ -149,7 +135,7 @@ class FileHistory:
         missing = ""
         for _ in range(TAIL_ATTEMPTS):
             try:
-                return newest_records(reversed(self._segments(poller)), last, count)
+                return storemod.newest_records(reversed(self._segments(poller)), last, count)
             except FileNotFoundError as exc:
                 missing = str(exc.filename)  # pruned under us: list again
             except OSError as exc:
@@ -170,7 +156,9 @@ class FileHistory:
             except OSError as exc:
                 raise StoreUnavailableError(f"cannot read {path}: {exc.strerror}") from exc
 
-        return read_segments(poller, self._segments(poller), self._first_seq, load, since_seq)
+        return storemod.read_segments(
+            poller, self._segments(poller), self._first_seq, load, since_seq
+        )
 
     def append(self, poller: str, records: Sequence[Mapping[str, Any]], *, after_seq: int) -> None:
         if not records:
@@ -180,16 +168,12 @@ class FileHistory:
             for candidate in reversed(self._segments(poller)):
                 found, end = self._last_records(candidate, 1)
                 if found:
-                    last_seq, path = int(found[-1].get("seq") or 0), candidate
-                    if is_damaged(found[-1]):  # damaged in every line: kept, numbers taken
-                        kept_unreadable(poller, str(candidate), last_seq)
+                    last_seq = storemod.last_number(poller, str(candidate), found[-1])
+                    path = candidate
                     break
                 candidate.unlink()  # only a torn line of a killed writer: nothing in it
-            if last_seq != after_seq:
-                raise CasConflictError(
-                    f"the history of {poller!r} ends at record {last_seq}, not {after_seq}"
-                )
-            lines = [encode_line(r) for r in numbered(records, after_seq)]
+            storemod.expect_end(poller, last_seq, after_seq)
+            lines = [storemod.encode_line(r) for r in storemod.numbered(records, after_seq)]
             try:
                 # Several records (the appender's round) roll over where one at a
                 # time would have: a segment stays about segment_bytes, which is
@@ -197,7 +181,7 @@ class FileHistory:
                 first = after_seq + 1
                 while lines:
                     if path is None or (end > 0 and end >= self.segment_bytes):
-                        path = self.directory / f"{poller}.history.{segment_name(first)}"
+                        path = self.directory / f"{poller}.history.{storemod.segment_name(first)}"
                         end = 0
                     take = 1
                     size = end + len(lines[0])
@@ -234,7 +218,7 @@ class FileHistory:
             finally:
                 os.close(dir_fd)
 
-    def prune(self, poller: str, retention: Retention, now: dt.datetime) -> int:
+    def prune(self, poller: str, retention: storemod.Retention, now: dt.datetime) -> int:
         with self._locked(poller):
             segments = self._segments(poller)
             described = []
@@ -242,11 +226,11 @@ class FileHistory:
                 try:
                     size = path.stat().st_size
                     with path.open("rb") as fh:
-                        first = decode_lines(fh.readline())
+                        first = storemod.decode_lines(fh.readline())
                 except FileNotFoundError:
                     continue
                 described.append((path, size, record_time(first[0]) if first else None))
-            return prune_segments(
+            return storemod.prune_segments(
                 segments,
                 described,
                 self._first_seq,

@@ -12,9 +12,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from dbtrigger import options as opt
-from dbtrigger.errors import CasConflictError
 from dbtrigger.history.records import record_time
-from dbtrigger.history.store import DEFAULT_RETENTION, Retention, encode_line, numbered
+from dbtrigger.history.store import DEFAULT_RETENTION, Retention, encode_line, expect_end, numbered
 
 #: The most records an in-process history keeps per poller: the process's own
 #: memory is its store, and a record holds its batch's keys and image CRCs (a
@@ -49,10 +48,7 @@ class MemoryHistory:
         with self._lock:
             held = self._records.setdefault(poller, [])
             last = held[-1][0] if held else 0
-            if last != after_seq:
-                raise CasConflictError(
-                    f"the history of {poller!r} ends at record {last}, not {after_seq}"
-                )
+            expect_end(poller, last, after_seq)
             held.extend(lines)
             if len(held) > self.max_records:
                 del held[: len(held) - self.max_records]

@@ -51,9 +51,9 @@ from dbtrigger.history.store import (
     DEFAULT_RETENTION,
     Retention,
     decoded_row,
-    encode_line,
-    numbered,
+    expect_end,
     pruned_while_read,
+    row_texts,
 )
 from dbtrigger.names import validate_name, validate_sql_identifier
 from dbtrigger.state.stores.sql import (
@@ -208,8 +208,7 @@ class SqlHistory:
         validate_name(poller, "poller name")
         t = self.table
         rows = []
-        for record in numbered(records, after_seq):
-            text = encode_line(record).decode("ascii").rstrip("\n")
+        for record, text in row_texts(records, after_seq):
             when = record_time(record)
             rows.append(
                 {
@@ -230,11 +229,7 @@ class SqlHistory:
                 last = conn.execute(
                     sa.select(sa.func.max(t.c.seq)).where(self._of(poller))
                 ).scalar()
-                if int(last or 0) != after_seq:
-                    raise CasConflictError(
-                        f"the history of {poller!r} ends at record {int(last or 0)}, "
-                        f"not {after_seq}"
-                    )
+                expect_end(poller, int(last or 0), after_seq)
                 conn.execute(t.insert(), rows)
 
     def tail(self, poller: str, count: int) -> list[dict[str, Any]]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol, TypeVar, runtime_checkable
 
 from dbtrigger import options as opt
-from dbtrigger.errors import HistoryPrunedError
+from dbtrigger.errors import CasConflictError, HistoryPrunedError
 
 _log = logging.getLogger("dbtrigger.history")
 
@@ -180,11 +180,31 @@ def decoded_row(text: Any, seq: int, where: Callable[[], str]) -> dict[str, Any]
     return {**damaged_line(f"{where()} row {seq}"), "seq": seq}
 
 
+def row_texts(
+    records: Sequence[Mapping[str, Any]], after_seq: int
+) -> Iterator[tuple[dict[str, Any], str]]:
+    """``records`` numbered from ``after_seq + 1`` (:func:`numbered`), each with its
+    text as one row or entity stores it (SQL, Table storage: :func:`decoded_row`
+    reads it back)."""
+    for record in numbered(records, after_seq):
+        yield record, encode_line(record).decode("ascii").rstrip("\n")
+
+
 def damaged_line(where: str) -> dict[str, Any]:
     """What a read gives in place of a line that is not a record: not a record
     either (no number), so that the reader of the whole history can say which
     numbers it lost and where (:func:`dbtrigger.history.view.load`)."""
     return {"seq": None, "id": f"{DAMAGED}:{where}", "type": DAMAGED, "where": where}
+
+
+def last_number(poller: str, where: str, record: Mapping[str, Any]) -> int:
+    """The number of ``record``, the last an append found in the newest segment
+    ``where``; the segment is kept when it is damaged in every line
+    (:func:`kept_unreadable`)."""
+    last = int(record.get("seq") or 0)
+    if is_damaged(record):
+        kept_unreadable(poller, where, last)
+    return last
 
 
 def kept_unreadable(poller: str, where: str, last: int) -> None:
@@ -202,6 +222,17 @@ def kept_unreadable(poller: str, where: str, last: int) -> None:
         last,
         extra={"event": "history_segment_damaged", "poller": poller, "segment": where},
     )
+
+
+def expect_end(poller: str, last: int, after_seq: int) -> None:
+    """An append's compare-and-swap: the history of ``poller`` ends at record
+    ``last``, and records may go on after it only if that is ``after_seq``.
+
+    Raises:
+        CasConflictError: another writer appended first (or the caller's count is off).
+    """
+    if last != after_seq:
+        raise CasConflictError(f"the history of {poller!r} ends at record {last}, not {after_seq}")
 
 
 def numbered(records: Sequence[Mapping[str, Any]], after_seq: int) -> list[dict[str, Any]]:
@@ -394,8 +425,10 @@ __all__ = [
     "decoded_row",
     "encode_json",
     "encode_line",
+    "expect_end",
     "is_damaged",
     "kept_unreadable",
+    "last_number",
     "last_records",
     "newest_records",
     "numbered",
@@ -404,6 +437,7 @@ __all__ = [
     "prune_segments",
     "pruned_while_read",
     "read_segments",
+    "row_texts",
     "segment_name",
     "segment_seq",
 ]

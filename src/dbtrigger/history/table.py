@@ -20,13 +20,12 @@ from typing import Any
 from azure.data.tables import TableClient
 
 from dbtrigger import _azure_errors as azure_errors
-from dbtrigger.errors import CasConflictError
 from dbtrigger.history.store import (
     DEFAULT_RETENTION,
     Retention,
     decoded_row,
-    encode_line,
-    numbered,
+    expect_end,
+    row_texts,
 )
 from dbtrigger.names import validate_name
 from dbtrigger.state.document import format_time
@@ -123,13 +122,9 @@ class TableHistory:
             return
         last = self.tail(poller, 1)
         last_seq = int(last[0].get("seq") or 0) if last else 0
-        if last_seq != after_seq:
-            raise CasConflictError(
-                f"the history of {poller!r} ends at record {last_seq}, not {after_seq}"
-            )
+        expect_end(poller, last_seq, after_seq)
         operations = []
-        for record in numbered(records, after_seq):
-            text = encode_line(record).decode("ascii").rstrip("\n")
+        for record, text in row_texts(records, after_seq):
             parts = split_text(text)
             entity: dict[str, Any] = {
                 "PartitionKey": self._partition(poller),

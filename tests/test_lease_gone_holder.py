@@ -10,6 +10,9 @@ of this host that no longer runs, and nothing more of a live or foreign holder.
 
 from __future__ import annotations
 
+import dataclasses
+import datetime as dt
+import logging
 import os
 import re
 import shlex
@@ -24,7 +27,9 @@ import pytest
 from dbtrigger import FileCheckpointStore, InMemoryCheckpointStore, PollTrigger, RowChange
 from dbtrigger.cli import main
 from dbtrigger.errors import LostLeaseError
+from dbtrigger.runtime.quiet import QuietCadence
 from dbtrigger.runtime.trigger import TickResult, gone_holder
+from dbtrigger.state import document as docmod
 from dbtrigger.testing import MemorySource
 
 
@@ -141,3 +146,70 @@ def test_the_command_it_prints_frees_the_killed_ones_lease(
     let_go.set()
     worker.join(30)
     assert [type(exc) for exc in outcome] == [LostLeaseError]
+
+
+def _level(cadence: QuietCadence, result: TickResult) -> tuple[int, str]:
+    level, text, _ = cadence.line(result, 5)
+    return level, text
+
+
+def test_a_holder_killed_while_the_worker_waits_is_said_at_info() -> None:
+    """Three workers on a backlog, the lease holder killed mid-batch: the two others had
+    said "lease held by ..." once at INFO while it was alive, and every tick after it
+    died repeated that at DEBUG, so for the two minutes until the lease lapsed their
+    logs said nothing at all. Its death is a new state: said at INFO, with the hint."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        holder = f"{socket.gethostname()}/{child.pid}/532c0e66"
+        cadence = QuietCadence()
+        busy = TickResult(0, 0, "lease_busy", holder=holder)
+        assert _level(cadence, busy)[0] == logging.INFO
+        assert _level(cadence, busy)[0] == logging.DEBUG  # alive: a repeat
+    finally:
+        child.kill()
+        child.wait()
+    level, text = _level(cadence, busy)
+    assert (level, f"pid {child.pid} is not running on this host" in text) == (logging.INFO, True)
+    assert _level(cadence, busy)[0] == logging.DEBUG  # said once
+
+
+def test_a_holder_of_another_host_that_stopped_renewing_is_said_at_info() -> None:
+    """A holder on another host (a container, a VM) cannot be looked up by pid; that it
+    missed its renewals (as `dbtrigger status` says NOT RENEWED) is said by the waiting
+    worker too, once, at INFO, instead of DEBUG repeats of "lease held by" until it lapses."""
+    store = InMemoryCheckpointStore()
+    source = MemorySource([{"id": 1, "seq": 1}], cursor_column="seq", pk_columns=["id"])
+    trigger = PollTrigger(name="orders", source=source, checkpoint_store=store)
+    trigger.tick(lambda events: None)
+    source.put({"id": 2, "seq": 2})
+
+    def held(renewed_ago: float) -> TickResult:
+        stored = store.read("orders")
+        assert stored is not None
+        doc = docmod.loads(stored.data)
+        assert doc.lease is not None
+        now = dt.datetime.now(dt.timezone.utc)
+        renewed = now - dt.timedelta(seconds=renewed_ago)
+        lease = dataclasses.replace(
+            doc.lease,
+            owner_id="web-2/311/9f1c2d3e",
+            released=False,
+            heartbeat_at=renewed,
+            expires_at=renewed + dt.timedelta(seconds=120),
+        )
+        store.write(
+            "orders", docmod.dumps(dataclasses.replace(doc, lease=lease)), if_match=stored.etag
+        )
+        assert trigger.tick_result(lambda events: None).outcome == "lease_busy"
+        assert trigger.last_result is not None
+        return trigger.last_result
+
+    cadence = QuietCadence()
+    assert _level(cadence, held(5))[0] == logging.INFO
+    assert _level(cadence, held(10))[0] == logging.DEBUG  # renewed: still the same news
+    stale = held(70)
+    level, text = _level(cadence, stale)
+    assert level == logging.INFO
+    assert "(NOT RENEWED for 1m 1" in text, text
+    assert "takes the lease over once it lapses" in text
+    assert _level(cadence, held(75))[0] == logging.DEBUG

@@ -82,7 +82,12 @@ def quiet_key(result: object) -> Hashable | None:
             bool(getattr(result, "window_withheld", 0)),
         )
     if outcome in ("lease_busy", "lost_race"):
-        return ("lease", getattr(result, "holder", None))
+        # A holder that dies while this worker waits is news: it is said at INFO
+        # (pid gone from this host, or the lease no longer renewed), not left to
+        # the DEBUG repeats of "lease held by" until the lease lapses.
+        holder_gone = getattr(result, "holder_gone", False)
+        stale = getattr(result, "not_renewed_seconds", None) is not None
+        return ("lease", getattr(result, "holder", None), bool(holder_gone), stale)
     return None
 
 

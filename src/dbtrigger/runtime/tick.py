@@ -42,6 +42,7 @@ a broken source definition) always propagate.
 
 from __future__ import annotations
 
+import datetime as dt
 import shlex
 import threading
 import time
@@ -197,6 +198,7 @@ class TickDriver(BatchSequence):
                 lease_until=decision.free_at,
                 release_command=self.release_command(decision.holder),
                 own_tick=decision.holder == s.owner_id,
+                not_renewed_seconds=not_renewed(doc, started_at),
             )
 
         if self.set_report is not None:
@@ -336,3 +338,13 @@ class TickDriver(BatchSequence):
             f"dbtrigger release-lease {shlex.quote(self.name)} {prefix} {shlex.quote(value)} "
             "--force --reason 'its worker stopped without releasing it' --yes"
         )
+
+
+def not_renewed(doc: StateDocument | None, now: dt.datetime) -> float | None:
+    """Seconds since the lease in ``doc`` was last renewed, when its holder has
+    missed a renewal (:func:`dbtrigger.state.lease.lease_state`), else None."""
+    lease = doc.lease if doc is not None else None
+    if lease is None:
+        return None
+    state, age = leasemod.lease_state(lease, now)
+    return age if state in ("not_renewed", "expired") else None

@@ -223,6 +223,10 @@ class TickResult:
     #: runs in this process, as when a Functions timer fires again before the
     #: invocation before it ended (``lease_busy``).
     own_tick: bool = False
+    #: Seconds since ``holder`` last renewed the lease, when it has missed a
+    #: renewal (not renewed for half its TTL: killed, hung or cut off from the
+    #: store), else None (``lease_busy``).
+    not_renewed_seconds: float | None = None
     held_back: bool = False
     held_back_seconds: float = 0.0
     blocking_pid: int | None = None
@@ -247,6 +251,11 @@ class TickResult:
     #: A partitioned member's partitions whose lease is still held by their previous
     #: owner (a live member finishing its batch in flight): their rows wait for it.
     handover: tuple[str, ...] = ()
+
+    @property
+    def holder_gone(self) -> bool:
+        """``holder`` was a process of this host that no longer runs (``lease_busy``)."""
+        return self.outcome == "lease_busy" and bool(gone_holder(self.holder))
 
     @property
     def caught_up(self) -> bool:
@@ -286,6 +295,24 @@ class TickResult:
             else ""
         )
         return f"; {self.waiting_retries} event(s) waiting for a retry{due}"
+
+    def _busy_text(self, nxt: str) -> str:
+        """Who holds the lease until when, and whether it is still renewed."""
+        holder = self.holder or "another owner"
+        until = (
+            f" until {self.lease_until:%Y-%m-%dT%H:%M:%SZ}" if self.lease_until is not None else ""
+        )
+        gone = gone_holder(self.holder, self.release_command)
+        if self.own_tick:
+            holder += " (this trigger's own tick, still running in this process)"
+        stale = ""
+        if self.not_renewed_seconds is not None and not gone:
+            stale = (
+                f" (NOT RENEWED for {_for_how_long(self.not_renewed_seconds)}: its holder "
+                "was killed, hangs or lost the store; this worker takes the lease over "
+                "once it lapses)"
+            )
+        return f"lease held by {holder}{until}{gone}{stale}{nxt}"
 
     def summary(self, interval: float | None) -> tuple[str, dict[str, Any]]:
         """The line for this tick; ``interval`` None (a timer firing): no "next tick"."""
@@ -337,16 +364,7 @@ class TickResult:
                     f"still open){nxt}"
                 )
         elif self.outcome == "lease_busy":
-            holder = self.holder or "another owner"
-            until = (
-                f" until {self.lease_until:%Y-%m-%dT%H:%M:%SZ}"
-                if self.lease_until is not None
-                else ""
-            )
-            gone = gone_holder(self.holder, self.release_command)
-            if self.own_tick:
-                holder += " (this trigger's own tick, still running in this process)"
-            text = f"lease held by {holder}{until}{gone}{nxt}"
+            text = self._busy_text(nxt)
         elif self.outcome == "lost_race":
             text = f"another instance, or an overlapping tick of this one, took the lease{nxt}"
         else:
@@ -362,6 +380,8 @@ class TickResult:
             fields["holder"] = self.holder
         if self.lease_until is not None:
             fields["lease_until"] = self.lease_until.isoformat()
+        if self.not_renewed_seconds is not None:
+            fields["not_renewed_seconds"] = round(self.not_renewed_seconds, 1)
         if self.window_withheld:
             fields["window_withheld"] = self.window_withheld
         if self.held_back:

@@ -14,9 +14,11 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from dbtrigger.cli.common import Console, show_position
+from dbtrigger.cli.common import Console, dry_run_note, show_position
 from dbtrigger.cli.history import history_to_record, named_trigger
+from dbtrigger.errors import CasConflictError
 from dbtrigger.history.wiring import record_write
+from dbtrigger.state import document as docmod
 from dbtrigger.state.definition import definition_changes
 from dbtrigger.state.document import StateDocument, known_definition
 from dbtrigger.state.lease import describe_lease
@@ -77,6 +79,38 @@ def print_plan(
     )
 
 
+def planned(
+    console: Console,
+    args: argparse.Namespace,
+    operation: str,
+    store: CheckpointStore,
+    before: StateDocument | None,
+    after: StateDocument,
+    now: dt.datetime,
+) -> bool:
+    """Print the plan (:func:`print_plan`) and say whether to carry it out: only
+    with ``--yes``; without it the dry run's last line says how to apply it."""
+    print_plan(console, operation, store, before, after, now)
+    if not args.yes:
+        console.print(dry_run_note(args))
+    return bool(args.yes)
+
+
+def write_planned(
+    store: CheckpointStore, poller: str, doc: StateDocument, etag: str | None, conflict: str
+) -> None:
+    """Write the planned document ``doc`` of ``poller`` over the one read as ``etag``
+    (None: where there is none).
+
+    Raises:
+        CasConflictError: saying ``conflict``: the document was written meanwhile.
+    """
+    try:
+        store.write(poller, docmod.dumps(doc), if_match=etag)
+    except CasConflictError as exc:
+        raise CasConflictError(conflict, poller=poller) from exc
+
+
 def _show(value: Any) -> str:
     text = json.dumps(value, sort_keys=True, default=str)
     return text if len(text) <= 100 else text[:97] + "..."
@@ -133,4 +167,4 @@ def note_history(
         console.warn(f"warning: {problem}")
 
 
-__all__ = ["definition_lines", "note_history", "print_plan"]
+__all__ = ["definition_lines", "note_history", "planned", "print_plan", "write_planned"]

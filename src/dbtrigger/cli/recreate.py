@@ -19,17 +19,15 @@ import datetime as dt
 from collections.abc import Callable
 from typing import Any
 
-from dbtrigger.cli.common import Console, dry_run_note, state_store, utc_now
+from dbtrigger.cli.common import Console, state_store, utc_now
 from dbtrigger.cli.history import history_of
-from dbtrigger.cli.plan import note_history, print_plan
+from dbtrigger.cli.plan import note_history, planned, write_planned
 from dbtrigger.errors import (
-    CasConflictError,
     ConfigurationError,
     CorruptStateError,
     StoreError,
     UnsupportedDocumentError,
 )
-from dbtrigger.state import document as docmod
 from dbtrigger.state.document import StateDocument
 from dbtrigger.state.stores.base import CheckpointStore
 
@@ -102,19 +100,14 @@ def recreate_lost(
         console = Console()
         now = utc_now()
         after = decide(doc, now, {"recreated": f"history #{record.get('seq')}"})
-        print_plan(console, "reset", store, None, after, now)
-        if not args.yes:
-            console.print(dry_run_note(args))
+        if not planned(console, args, "reset", store, None, after, now):
             return 0
-        try:
-            store.write(args.poller, docmod.dumps(after), if_match=None)
-        except CasConflictError as exc:
-            raise CasConflictError(
-                f"a state document of {args.poller!r} was written while this command ran "
-                "(a worker started?); nothing was written. Stop the workers and run it "
-                "again to move that one",
-                poller=args.poller,
-            ) from exc
+        meanwhile = (
+            f"a state document of {args.poller!r} was written while this command ran "
+            "(a worker started?); nothing was written. Stop the workers and run it "
+            "again to move that one"
+        )
+        write_planned(store, args.poller, after, None, meanwhile)
         console.print("applied: the state document is written again (there was none to back up)")
         note_history(console, store, after, args)
         return 0

@@ -30,7 +30,6 @@ from dbtrigger.cli.common import (
     add_store_options,
     backup_dir,
     by_hand,
-    dry_run_note,
     load_source,
     own_source,
     parse_position,
@@ -43,10 +42,10 @@ from dbtrigger.cli.common import (
     stored_key_fits,
     utc_now,
 )
-from dbtrigger.cli.plan import note_history, print_plan
+from dbtrigger.cli.plan import note_history, planned, write_planned
 from dbtrigger.cli.recreate import recreate_lost
 from dbtrigger.cursor import Position, encode_value
-from dbtrigger.errors import CasConflictError, ConfigurationError, CorruptStateError
+from dbtrigger.errors import ConfigurationError, CorruptStateError
 from dbtrigger.partitions.floors import drop_floors
 from dbtrigger.sources.base import (
     SourceAdapter,
@@ -133,9 +132,7 @@ def _apply_change_on(
     after = decide(before, now, {"backup": backup.name})
     if unreadable is not None:
         console.print(f"replacing an unreadable state document ({unreadable.__cause__})")
-    print_plan(console, operation, store, before, after, now)
-    if not args.yes:
-        console.print(dry_run_note(args))
+    if not planned(console, args, operation, store, before, after, now):
         return 0
     _write_backup(backup, raw)
     if operation in MOVES_BACK:
@@ -143,14 +140,14 @@ def _apply_change_on(
         entry = {"actor": actor_from_args(args), "reason": args.reason, "at": now.isoformat()}
         if dropped := drop_floors(store, args.poller, {**entry, "by": operation}):
             console.print(f"dropped the {dropped} merge floor(s) of {args.poller}")
-    try:
-        store.write(args.poller, docmod.dumps(after), if_match=etag)
-    except CasConflictError as exc:
-        raise CasConflictError(
-            f"the state of {args.poller!r} changed while this command ran; nothing was written. "
-            "Run it again to see the new state.",
-            poller=args.poller,
-        ) from exc
+    write_planned(
+        store,
+        args.poller,
+        after,
+        etag,
+        f"the state of {args.poller!r} changed while this command ran; nothing was written. "
+        "Run it again to see the new state.",
+    )
     console.print(f"applied. previous document saved to {backup.resolve()}")
     if unreadable is None:  # an unreadable document cannot be restored
         console.print(f"to undo: {undo_command(args, backup, operation, now)}")
@@ -412,17 +409,15 @@ def _clone(args: argparse.Namespace, store: CheckpointStore) -> int:
             f"poller {args.new_poller!r} already exists; pick another name, "
             f"or `reset {args.new_poller} --from-file` to overwrite it deliberately"
         )
-    print_plan(console, "clone", store, None, new, now)
-    if not args.yes:
-        console.print(dry_run_note(args))
+    if not planned(console, args, "clone", store, None, new, now):
         return 0
-    try:
-        store.write(args.new_poller, docmod.dumps(new), if_match=None)
-    except CasConflictError as exc:
-        raise CasConflictError(
-            f"poller {args.new_poller!r} was created by someone else meanwhile; nothing written",
-            poller=args.new_poller,
-        ) from exc
+    write_planned(
+        store,
+        args.new_poller,
+        new,
+        None,
+        f"poller {args.new_poller!r} was created by someone else meanwhile; nothing written",
+    )
     console.print(f"applied: {args.new_poller!r} starts at {show_position(new.position)}")
     note_history(console, store, new, args)
     return 0

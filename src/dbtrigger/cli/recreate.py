@@ -100,13 +100,13 @@ def recreate_lost(
         console = Console()
         now = utc_now()
         after = decide(doc, now, {"recreated": f"history #{record.get('seq')}"})
-        if not planned(console, args, "reset", store, None, after, now):
-            return 0
         meanwhile = (
             f"a state document of {args.poller!r} was written while this command ran "
             "(a worker started?); nothing was written. Stop the workers and run it "
             "again to move that one"
         )
+        if not planned(console, args, "reset", store, None, after, now):
+            return 0
         write_planned(store, args.poller, after, None, meanwhile)
         console.print("applied: the state document is written again (there was none to back up)")
         note_history(console, store, after, args)

@@ -14,6 +14,19 @@ the row and the column, as :class:`~dbtrigger.errors.OutputValueError`:
   refuses it as a ProgrammingError);
 * a **NUL character** in a string on PostgreSQL, whose text cannot hold one
   (psycopg refuses it as a DataError);
+* a **naive datetime in a column with a time zone** (PostgreSQL
+  ``timestamptz``): read in the session's ``TimeZone``, so the instant stored
+  depends on the server's setting;
+* **finer than the column keeps**: microseconds in a ``timestamp(0)``,
+  ``DATETIME`` or ``TIME`` (PostgreSQL rounds them, 10:00:00.999999 becoming
+  10:00:01; MariaDB cuts them off), more digits after the point than a
+  ``NUMERIC(p, s)`` keeps (rounded on all three), a fraction in an integer
+  column (rounded on PostgreSQL and MariaDB), a Decimal or int a binary float
+  column cannot hold as written, and on SQLite a Decimal its ``NUMERIC``
+  (a binary float there) would round;
+* **bytes in a text column** (PostgreSQL stores their hex escape as the text),
+  and on SQLite a Decimal or UUID its driver cannot send to the column (it
+  failed as the database's error, retried);
 * a **row larger than MariaDB/MySQL's** ``max_allowed_packet``: the server
   drops the connection on such a statement, which reads as "server has gone
   away" (a network hiccup, retried for ever); :func:`packet_misfit` tells it
@@ -37,6 +50,7 @@ import math
 from collections.abc import Mapping, Sequence
 from decimal import Decimal
 from typing import Any
+from uuid import UUID
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Dialect, Engine
@@ -123,8 +137,131 @@ def refuse_values(
                     "Remove it (value.replace('\\x00', '')) or write bytes to a bytea column"
                 )
             else:
-                continue
+                found = misfit(dialect, kind, value)
+                if found is None:
+                    continue
+                why = found
             raise _refused(where, index, column, kind, value, why)
+
+
+def misfit(dialect: str, kind: Any, value: Any) -> str | None:
+    """Why ``value`` would reach a column of type ``kind`` changed (None: it would not):
+    the rest of the list in the module doc. The reason reads after "the value of
+    column 'c' (TYPE)"."""
+    if isinstance(value, dt.datetime) and isinstance(kind, sa.DateTime):
+        if value.tzinfo is None and getattr(kind, "timezone", False) is True:
+            return (
+                "is a naive datetime and the column keeps an instant (timestamp with time "
+                "zone): the database would read it in the session's time zone, whatever "
+                "that is on the server the row reaches. Say which zone it is in: "
+                "value.replace(tzinfo=datetime.timezone.utc) for a UTC wall clock"
+            )
+        return _finer_than(dialect, kind, value)
+    if isinstance(value, dt.time) and isinstance(kind, sa.Time):
+        return _finer_than(dialect, kind, value)
+    if isinstance(value, bool) or not isinstance(value, (int, float, Decimal)):
+        if isinstance(value, (bytes, bytearray, memoryview)) and isinstance(kind, sa.String):
+            return (
+                "is bytes and the column keeps text (PostgreSQL would store the bytes' hex "
+                "escape as the text, MariaDB/MySQL decode them, SQLite keeps a blob). "
+                "Decode them (value.decode('utf-8')) or write them to a binary column "
+                "(bytea, BLOB)"
+            )
+        if dialect == "sqlite" and isinstance(value, UUID) and not isinstance(kind, sa.Uuid):
+            return (
+                "is a UUID, which SQLite's driver cannot send to a column of this type. "
+                "Write str(value) (or value.hex)"
+            )
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # NaN/infinity: left to the database (refused on MariaDB above)
+    if isinstance(value, Decimal) and not value.is_finite():
+        return None
+    exact = value if isinstance(value, Decimal) else Decimal(repr(value))
+    if isinstance(kind, sa.Integer):
+        if exact != exact.to_integral_value():
+            return (
+                "has a fraction and the column keeps whole numbers: the database would "
+                "round it (or keep it on SQLite only). Round it yourself (int(value), "
+                "round(value)) or make the column NUMERIC/DECIMAL"
+            )
+        if dialect == "sqlite" and isinstance(value, Decimal):
+            return "is a Decimal, which SQLite's driver cannot send. Write int(value)"
+        return None
+    if isinstance(kind, sa.Float):
+        if isinstance(value, float):
+            return None  # a binary float into a binary float column: the caller's choice
+        if _float_holds(exact, single=_single_float(dialect, kind)):
+            return None
+        return (
+            "has more significant digits than the column's binary floating point holds: "
+            "it would be stored rounded. Round it (float(value) is what would be stored) "
+            "or make the column NUMERIC/DECIMAL"
+        )
+    if isinstance(kind, sa.Numeric):
+        scale = getattr(kind, "scale", None)
+        places = max(0, -int(exact.normalize().as_tuple().exponent))
+        if scale is not None and places > scale:
+            return (
+                f"has {places} digits after the decimal point and the column keeps {scale}: "
+                "the database would round it. Round it first "
+                f"(value.quantize(Decimal('1e-{scale}'))) or give the column a larger scale"
+            )
+        if dialect == "sqlite" and not _float_holds(exact, single=False):
+            return (
+                "has more significant digits than SQLite keeps in a NUMERIC column, which it "
+                "stores as a binary float (about 15): it would be stored rounded. Store it as "
+                "text (str(value)) in a TEXT column, or round it"
+            )
+    return None
+
+
+def _finer_than(dialect: str, kind: Any, value: dt.datetime | dt.time) -> str | None:
+    """The reason a time of day with microseconds finer than the column's fractional
+    seconds is refused: PostgreSQL rounds them (10:00:00.9999995 to the next second),
+    MariaDB/MySQL truncate them."""
+    if dialect == "postgresql":
+        digits = getattr(kind, "precision", None)
+        digits = 6 if digits is None else digits
+    elif dialect in ("mysql", "mariadb"):
+        digits = getattr(kind, "fsp", None) or 0
+    else:
+        return None  # SQLite keeps the text SQLAlchemy writes, all six digits
+    if digits >= 6 or value.microsecond % 10 ** (6 - digits) == 0:
+        return None
+    kept = value.microsecond - value.microsecond % 10 ** (6 - digits)
+    return (
+        f"has microseconds ({value.microsecond:06d}) and the column keeps {digits} digit(s) "
+        "of a second: the database would round or cut them off. Drop them first "
+        f"(value.replace(microsecond={kept})) or widen the column "
+        "(timestamp(6), DATETIME(6), TIME(6))"
+    )
+
+
+def _single_float(dialect: str, kind: Any) -> bool:
+    """Is ``kind`` a 4-byte float (PostgreSQL ``real``, MariaDB/MySQL ``FLOAT``)?"""
+    if dialect == "postgresql":
+        return isinstance(kind, sa.REAL)
+    if dialect in ("mysql", "mariadb"):
+        return type(kind).__name__ == "FLOAT"
+    return False
+
+
+def _float_holds(exact: Decimal, *, single: bool) -> bool:
+    """Does a binary float (8-byte, or 4-byte when ``single``) keep ``exact`` as written?"""
+    try:
+        as_float = float(exact)
+    except OverflowError:
+        return False
+    if not math.isfinite(as_float):
+        return False
+    if single:
+        # 6 significant digits always survive a 4-byte float (FLT_DIG), and
+        # MariaDB/MySQL show a FLOAT with 6.
+        digits = len(exact.normalize().as_tuple().digits)
+        return digits <= 6 and abs(as_float) < 3.4e38
+    # Exactly that binary value (2**70), or the one its shortest text reads back as (0.1).
+    return Decimal(as_float) == exact or Decimal(repr(as_float)) == exact
 
 
 def in_key_order(
@@ -249,6 +386,7 @@ __all__ = [
     "MariaDbJson",
     "in_key_order",
     "mark_json_columns",
+    "misfit",
     "packet_misfit",
     "refuse_values",
     "type_text",

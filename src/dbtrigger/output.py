@@ -168,8 +168,9 @@ class OutputTarget:
         """Write ``rows`` in one transaction; returns how many were sent.
 
         Raises:
-            ConfigurationError: the table or a column does not exist, or the
-                conflict columns are not a key of the table.
+            ConfigurationError: the table or a column does not exist, the rows do
+                not all have the same columns, or the conflict columns are not a key
+                of the table.
             OutputValueError: a value its column cannot store (a dict in a text
                 column, an object the driver cannot send), or an upsert row with
                 None in a conflict column; nothing is written.
@@ -187,6 +188,14 @@ class OutputTarget:
         if not rows:
             return 0
         columns = list(rows[0])
+        for index, row in enumerate(rows):
+            if set(row) != set(columns):
+                # A column only a later row names would be left out of the statement
+                # (its values dropped, silently); one it lacks failed as a retryable error.
+                raise ConfigurationError(
+                    f"row {index} to write to {self.name} has columns {sorted(row)}, row 0 "
+                    f"has {sorted(columns)}; give every row the same columns (None for NULL)"
+                )
         if self.action == "upsert":
             self._db.refuse_null_keys(rows, self.conflict_columns)
 

@@ -14,6 +14,7 @@ a subprocess, since a main thread that hangs would hang pytest with it.
 from __future__ import annotations
 
 import logging
+import signal
 import subprocess
 import sys
 import textwrap
@@ -139,3 +140,56 @@ def test_a_relay_closed_before_it_is_late_says_nothing() -> None:
     relay.close()
     assert not relay._thread.is_alive()
     assert late == []
+
+
+HANGS = """
+import logging, signal, sys, time
+from dbtrigger import InMemoryCheckpointStore, PollTrigger
+from dbtrigger.runtime import stop_signals
+from dbtrigger.runtime.runner import Runner
+from dbtrigger.testing import MemoryLogSource
+
+stop_signals.SignalRelay.__init__.__kwdefaults__["overdue_seconds"] = 0.5  # not 20 s
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+source = MemoryLogSource()
+source.commit([{"op": "insert", "pk": {"id": 1}, "after": {"id": 1}}])
+trigger = PollTrigger(name="orders", source=source, checkpoint_store=InMemoryCheckpointStore())
+
+def hangs(events):
+    print("in handler", flush=True)
+    time.sleep(60)
+
+stats = Runner(trigger, hangs, interval_seconds=30).run()
+print("stopped", stats.rows, flush=True)
+"""
+
+
+def test_a_late_stop_says_that_a_second_signal_abandons_the_batch() -> None:
+    """Ctrl-C on a worker whose handler hangs: 'finishing the current batch, then
+    stopping', and 20 s later a WARNING that spoke of a SIGKILL after the grace period
+    only; the person at the terminal was not told that Ctrl-C again abandons the batch
+    (and that it is delivered again), which is what ends the wait."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DUMP + textwrap.dedent(HANGS)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stderr is not None
+        assert proc.stdout.readline().strip() == "in handler"
+        proc.send_signal(signal.SIGINT)
+        late = ""
+        for line in proc.stderr:  # bounded by the script's own 20 s dump-and-exit
+            if "still stopping" in line:
+                late = line
+                break
+        assert "press Ctrl-C again or send another SIGTERM to abandon it now" in late, late
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert out.split() == ["stopped", "0"]

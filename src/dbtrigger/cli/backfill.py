@@ -50,6 +50,7 @@ from dbtrigger.runtime.delivery import Handler
 from dbtrigger.runtime.drain import DrainWait, tick_until_drained
 from dbtrigger.runtime.poller import PollTrigger
 from dbtrigger.runtime.stop_signals import (
+    SECOND_SIGNAL_ABANDONS,
     SignalRelay,
     asked_to_stop,
     say_overdue,
@@ -168,7 +169,11 @@ def graceful_sigint(stop: threading.Event) -> Iterator[None]:
     def act(signum: int) -> None:
         asked_to_stop(stop, signum, "finishing the batch in flight, then stopping")
 
-    relay = SignalRelay(act, name="dbtrigger-backfill-signals", overdue=say_overdue)
+    relay = SignalRelay(
+        act,
+        name="dbtrigger-backfill-signals",
+        overdue=lambda seconds: say_overdue(seconds, again=SECOND_SIGNAL_ABANDONS),
+    )
     try:
         with signals_routed_to(on_signal, relay):
             yield

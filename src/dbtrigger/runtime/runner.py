@@ -86,6 +86,7 @@ from dbtrigger.runtime.quiet import (
     for_how_long,
 )
 from dbtrigger.runtime.stop_signals import (
+    SECOND_SIGNAL_ABANDONS,
     SignalRelay,
     asked_to_stop,
     say_overdue,
@@ -221,7 +222,9 @@ class Runner:
         relay = SignalRelay(
             self._stop_requested,
             name=f"dbtrigger-signals-{self.trigger.name}",
-            overdue=lambda seconds: say_overdue(seconds, self.trigger.name),
+            overdue=lambda seconds: say_overdue(
+                seconds, self.trigger.name, again=SECOND_SIGNAL_ABANDONS
+            ),
         )
         self._relay = relay
         try:

@@ -184,14 +184,24 @@ def asked_to_stop(stop: threading.Event, signum: int, doing: str, **fields: Any)
     stop.set()
 
 
-def say_overdue(seconds: float, poller: str | None = None) -> None:
-    """The WARNING of a stop still going on ``seconds`` after its signal."""
+#: What a second signal does where one abandons the batch in flight (``dbtrigger
+#: run``, ``dbtrigger backfill``): the one thing a person at the terminal can do.
+SECOND_SIGNAL_ABANDONS = (
+    "press Ctrl-C again or send another SIGTERM to abandon it now, to be delivered again; "
+)
+
+
+def say_overdue(seconds: float, poller: str | None = None, *, again: str = "") -> None:
+    """The WARNING of a stop still going on ``seconds`` after its signal; ``again``
+    says what a second signal does, where it does something
+    (:data:`SECOND_SIGNAL_ABANDONS`)."""
     log.warning(
-        "%sstill stopping %.0f s after the signal (a SIGKILL after the grace period "
-        "abandons what is in flight: it is delivered again, the lease expires on its own); "
-        "where each thread is:\n%s",
+        "%sstill stopping %.0f s after the signal, waiting for the batch in flight "
+        "(%sa SIGKILL after the grace period abandons it: it is delivered again, the lease "
+        "expiring on its own); where each thread is:\n%s",
         f"{poller}: " if poller else "",
         seconds,
+        again,
         thread_stacks(),
         extra={"event": "stop_overdue", "poller": poller, "seconds": round(seconds, 1)},
     )
@@ -199,6 +209,7 @@ def say_overdue(seconds: float, poller: str | None = None) -> None:
 
 __all__ = [
     "OVERDUE_SECONDS",
+    "SECOND_SIGNAL_ABANDONS",
     "SignalRelay",
     "asked_to_stop",
     "say_overdue",

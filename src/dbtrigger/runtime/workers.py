@@ -18,6 +18,7 @@ from types import FrameType
 
 from dbtrigger.runtime.runner import Runner, RunStats
 from dbtrigger.runtime.stop_signals import (
+    SECOND_SIGNAL_ABANDONS,
     SignalRelay,
     asked_to_stop,
     say_overdue,
@@ -71,7 +72,10 @@ def run_pollers(runners: Sequence[Runner], *, max_ticks: int | None = None) -> d
         threading.Thread(target=work, args=(r,), name=f"dbtrigger-{r.trigger.name}", daemon=True)
         for r in runners
     ]
-    relay = SignalRelay(stop_requested, overdue=say_overdue)
+    relay = SignalRelay(
+        stop_requested,
+        overdue=lambda seconds: say_overdue(seconds, again=SECOND_SIGNAL_ABANDONS),
+    )
     with contextlib.closing(relay), signals_routed_to(on_signal, relay):
         for thread in threads:
             thread.start()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import random
 import sys
@@ -45,6 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ready-file", help="created once the first claim ran")
     parser.add_argument("--crash-on", type=int, help="os._exit when a batch holds this row")
     args = parser.parse_args(argv)
+    # What an operator's log would show: each record's level and event name.
+    said = logging.StreamHandler()
+    said.setFormatter(
+        logging.Formatter("%(levelname)s %(event)s %(message)s", defaults={"event": "-"})
+    )
+    logging.basicConfig(level=logging.WARNING, handlers=[said])
 
     stop = threading.Event()
     # SIGTERM sets stop from a thread of its own: a handler calling stop.set() on the

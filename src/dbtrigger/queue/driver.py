@@ -49,6 +49,7 @@ from dbtrigger.event_identity import EventIds
 from dbtrigger.events import RowChange
 from dbtrigger.quarantine import QuarantineSink, put_records
 from dbtrigger.queue.context import ClaimContext
+from dbtrigger.queue.expiries import say_expired
 from dbtrigger.queue.health import InFlight
 from dbtrigger.queue.heartbeat import ClaimBeat
 from dbtrigger.queue.layout import ClaimedRow
@@ -223,22 +224,10 @@ class ClaimDriver:
             rows=len(claimed),
             values={"seconds": seconds},
         )
-        if claim.bisected is not None:
-            emit(
-                "queue_claim_bisected",
-                "queue %s: a claim of %d row(s) expired without an outcome (its worker "
-                "crashed or hung); claiming %d of them as %s and the rest next, halving "
-                "again until the row that kills its worker is alone",
-                self.name,
-                claim.bisected[0],
-                claim.bisected[1],
-                token,
-                batch_id=token,
-                rows=claim.bisected[1],
-            )
         tally = _Tally(self, token)
         expired = [r for r in claimed if self._expired(r)]
         live = [r for r in claimed if not self._expired(r)]
+        say_expired(emit, self.name, token, claim, expired, s.max_attempts)
         errors: list[DbTriggerError] = []
         if expired:
             dead = [DeadItem(r.key, EXPIRED_ERROR.format(expired=r.attempt - 1)) for r in expired]

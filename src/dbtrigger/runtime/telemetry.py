@@ -328,6 +328,8 @@ EVENTS: dict[str, EventSpec] = {
     ),
     "queue_claim_lost": EventSpec(W),
     "queue_claim_bisected": EventSpec(W),
+    "queue_claim_expired": EventSpec(W),
+    "queue_crash_loop": EventSpec(E),
     "queue_dead_letter_failed": EventSpec(
         E, (Count("failures_total", labels={"error_type": "QuarantineError"}),)
     ),

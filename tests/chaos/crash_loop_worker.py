@@ -5,9 +5,12 @@ Started again and again by ``tests/test_crash_loop.py``, as a supervisor
 run ticks the ``items`` poller until nothing is left (exit 0), or until a
 tick refuses with a dbtrigger error (exit 3, the error's type and message
 printed on stderr). The handler appends every row it handled to ``--log``
-(fsynced) and calls ``os._exit(1)`` when it reaches the row ``--poison``:
-the crash of a segfault or an OOM kill, with no exception, no ``finally``
-and no lease released.
+(fsynced) and calls ``os._exit(1)`` when it reaches a row of ``--poison``
+(one id, or several separated by commas): the crash of a segfault or an OOM
+kill, with no exception, no ``finally`` and no lease released. ``--lanes N``
+runs it on N parallel lanes (``max_concurrency``); ``--fanout`` makes it the
+subscriber ``crashy`` beside ``billing``, which logs each call's rows (with
+the call's size) to ``--log`` + ``.billing``.
 """
 
 from __future__ import annotations
@@ -27,22 +30,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--db-url", required=True)
     parser.add_argument("--state", required=True)
     parser.add_argument("--log", required=True)
-    parser.add_argument("--poison", type=int, required=True)
+    parser.add_argument("--poison", required=True)
     parser.add_argument("--owner", required=True)
     parser.add_argument("--ttl", type=float, default=1.0)
     parser.add_argument("--batch-size", type=int, default=5)
     parser.add_argument("--max-attempts", type=int, default=3)
     parser.add_argument("--sink")
+    parser.add_argument("--lanes", type=int, default=1)
     parser.add_argument(
         "--fanout", action="store_true", help="the handler as subscriber 'crashy' beside 'billing'"
     )
     args = parser.parse_args(argv)
+    poison = {int(i) for i in args.poison.split(",")}
 
     log = open(args.log, "a", encoding="utf-8")  # noqa: SIM115 - lives until the process ends
 
     def handler(events: list[RowChange]) -> None:
         for event in events:
-            if event.pk["id"] == args.poison:
+            if event.pk["id"] in poison:
                 os._exit(1)
             log.write(f"{event.pk['id']}\n")
             log.flush()
@@ -50,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def billing(events: list[RowChange]) -> None:
         with open(f"{args.log}.billing", "a", encoding="utf-8") as out:
-            out.writelines(f"{event.pk['id']}\n" for event in events)
+            out.writelines(f"{event.pk['id']} {len(events)}\n" for event in events)
 
     trigger = PollTrigger(
         name="items",
@@ -68,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         max_attempts=args.max_attempts,
         quarantine=JsonLinesQuarantineSink(args.sink) if args.sink else None,
         subscribers={"billing": billing, "crashy": handler} if args.fanout else None,
+        max_concurrency=args.lanes,
     )
     call = None if args.fanout else handler
 

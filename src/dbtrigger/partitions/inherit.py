@@ -80,6 +80,7 @@ def failure(start: Position | None, parents: Sequence[StateDocument]) -> Failure
         from_position=at,
         done=done[:MAX_DONE_IDS],
         done_total=max(len(done), sum(r.done_total for r in records)),
+        killed=tuple(dict.fromkeys(k for r in records for k in r.killed)),
         batch_end=None,
         batch_rows=None,
         batch_digest=None,

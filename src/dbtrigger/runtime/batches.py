@@ -229,12 +229,13 @@ class BatchSequence:
         wants_ctx: bool,
     ) -> tuple[Handler, bool]:
         """The handler (and its shape) for a batch whose delivery killed its process:
-        itself; or each row alone (:mod:`~dbtrigger.runtime.crash_isolation`) once it
-        did so on the last of ``max_attempts`` attempts, with a dead-letter sink and
-        one handler on one lane; else :class:`~dbtrigger.errors.CrashLoopError`."""
+        itself; or each row alone (:mod:`~dbtrigger.runtime.crash_isolation`; with
+        fan-out to each subscriber alone, with lanes one after another) once it did so
+        on the last of ``max_attempts`` attempts, with a dead-letter sink; else
+        :class:`~dbtrigger.errors.CrashLoopError`."""
         limit = self.delivery.max_attempts
         d = self.delivery
-        alone = d.quarantine is not None and d.lanes is None and d.fan_out_set() is None
+        alone = d.quarantine is not None
         verdict = crashes.after_deaths(failure, max_attempts=limit, can_isolate=alone)
         if verdict is crashes.AfterDeaths.DELIVER:
             return handler, wants_ctx
@@ -260,7 +261,6 @@ class BatchSequence:
             batch_id=batch_id,
             fencing_token=session.token,
             max_attempts=limit,
-            has_sink=d.quarantine is not None,
         )
 
     def commit(

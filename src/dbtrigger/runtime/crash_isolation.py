@@ -13,6 +13,14 @@ named as failed (``ProcessDied``), as a row that raised alone is, in one
 :class:`~dbtrigger.errors.PartialBatchError`, so the ordinary verdict writes
 it to the dead-letter sink and the checkpoint passes the batch. One death per
 such row, one store write per row of the batch: a rare path, kept simple.
+
+Every row found so stays named (``killed``, added by the takeover that counted
+its death), so a batch holding several such rows costs one death each.
+With lanes (``max_concurrency > 1``) the rows go one after another on the
+tick's thread (:attr:`OneByOne.alone`). With fan-out each row goes to each
+subscriber alone, under the key :func:`probe_key` of (subscriber, row), so a
+death names the subscriber too: only it gives the row up
+(:meth:`dbtrigger.runtime.subscribers.FanOut.deliver` runs those steps).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import inspect
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -37,8 +46,17 @@ class ProcessDied(Exception):
     """The row's delivery ended its process (what its dead letter says)."""
 
 
+def probe_key(event_id: str, subscriber: str | None = None) -> str:
+    """What a step writes as ``probing`` for a row handed alone: its event id, or
+    (fan-out) its subscriber's name with it."""
+    return event_id if subscriber is None else json.dumps([subscriber, event_id])
+
+
 class OneByOne:
     """A handler that hands ``handler`` each row alone, recording each step first."""
+
+    #: Never split over lanes: one row at a time, on the tick's thread.
+    alone = True
 
     def __init__(
         self,
@@ -61,7 +79,28 @@ class OneByOne:
         if inspect.isawaitable(result):
             run_awaitable(result, ctx, self.stopped)
 
-    def _step(self, event_id: str | None, done: list[str]) -> None:
+    def killed(self, key: str) -> bool:
+        """Did the row (``probe_key``) kill the process when handed alone before?"""
+        return key in self.failure.killed or key == self.failure.probing
+
+    def say_killed(
+        self, event: RowChange, ctx: BatchContext, subscriber: str | None = None
+    ) -> None:
+        """``crash_isolated`` at WARNING: the row is dead-lettered, not handed again."""
+        self.emit(
+            "crash_isolated",
+            "row %r (cursor %r) killed the process delivering it alone%s: it is not "
+            "handed over again but dead-lettered%s",
+            dict(event.pk),
+            event.cursor,
+            "" if subscriber is None else f" to subscriber {subscriber!r}",
+            "" if subscriber is None else " for that subscriber",
+            batch_id=ctx.batch_id,
+            event_id=event.event_id,
+            **({} if subscriber is None else {"subscriber": subscriber}),
+        )
+
+    def step(self, event_id: str | None, done: list[str]) -> None:
         """Write (under the lease, renewing it) which row is handed alone next."""
         self.session.update(
             functools.partial(
@@ -82,20 +121,12 @@ class OneByOne:
         causes: dict[int, BaseException] = {}
         last_passed = False
         for event in events:
-            if event.event_id == self.failure.probing:
+            if self.killed(event.event_id):
                 causes[len(failed)] = ProcessDied(self.failure.last_error)
                 failed.append(dict(event.pk))
-                self.emit(
-                    "crash_isolated",
-                    "row %r (cursor %r) killed the process delivering it alone: it is not "
-                    "handed over again but dead-lettered",
-                    dict(event.pk),
-                    event.cursor,
-                    batch_id=ctx.batch_id,
-                    event_id=event.event_id,
-                )
+                self.say_killed(event, ctx)
                 continue
-            self._step(event.event_id, done)
+            self.step(event.event_id, done)
             try:
                 self._call(event, ctx)
             except LostLeaseError:
@@ -110,9 +141,9 @@ class OneByOne:
             done.append(event.event_id)
             last_passed = True
         if last_passed:  # (a death before the commit must not name a row that passed)
-            self._step(None, done)
+            self.step(None, done)
         if failed:
             raise PartialBatchError(failed, f"{len(failed)} row(s) failed alone", causes=causes)
 
 
-__all__ = ["OneByOne", "ProcessDied"]
+__all__ = ["OneByOne", "ProcessDied", "probe_key"]

@@ -76,7 +76,6 @@ def refuse(
     batch_id: str,
     fencing_token: int,
     max_attempts: int,
-    has_sink: bool,
 ) -> CrashLoopError:
     """``crash_loop`` at ERROR, and the error the tick raises instead of delivering.
 
@@ -84,10 +83,7 @@ def refuse(
     """
     first, last = position_of(events[0]), position_of(events[-1])
     sink = (
-        "its dead-letter sink finds such a row, one row at a time, only for a single "
-        "handler on one lane: not with subscribers= or max_concurrency > 1"
-        if has_sink
-        else "with a dead-letter sink (quarantine=) the poller would hand it over one row "
+        "with a dead-letter sink (quarantine=) the poller would hand it over one row "
         "at a time and set the row at fault aside"
     )
     why = (

@@ -319,8 +319,8 @@ class Delivery:
 
         with ctx.marks.undone_on_failure() if ctx.marks is not None else nullcontext():
             try:
-                if self.lanes is None:
-                    one(events)
+                if self.lanes is None or getattr(handler, "alone", False):
+                    one(events)  # (rows handed alone to find a killer: one after another)
                 else:
                     self.lanes.run(events, one, meanwhile)
             except LostLeaseError:

@@ -42,10 +42,12 @@ from dbtrigger.errors import LostLeaseError, QuarantineError
 from dbtrigger.events import RowChange
 from dbtrigger.runtime.batch_outcome import Delivered, Outcome, Undelivered, batch_fields
 from dbtrigger.runtime.context import BatchContext, EventMarks
+from dbtrigger.runtime.crash_isolation import OneByOne, ProcessDied
 from dbtrigger.runtime.dead_letters import EventRejected, RetriesExhausted
 from dbtrigger.runtime.delivery import Delivery, DeliveryOptions
 from dbtrigger.runtime.held_report import ALL_BUSY, HeldReport
 from dbtrigger.runtime.kernel import CANCEL_POLL_SECONDS, Handler, lingering, wants_context
+from dbtrigger.runtime.subscriber_crashes import deliver_alone
 from dbtrigger.runtime.subscriber_options import TIMER_ACK_TIMEOUT, SubscriberCall, Wrap
 from dbtrigger.runtime.subscriber_poison import failed_resolutions, isolate_share
 from dbtrigger.state import fanout
@@ -176,7 +178,8 @@ class FanOut(Delivery):
             ConfigurationError: a subscriber misused ``ctx.reject`` / ``ctx.retry``.
         """
         del wants_ctx  # each subscriber has its own
-        wrap = handler.wrap if isinstance(handler, SubscriberCall) else None
+        inner = handler.handler if isinstance(handler, OneByOne) else handler
+        wrap = inner.wrap if isinstance(inner, SubscriberCall) else None
         marks = ctx.marks
         event_attempts = dict(marks.attempts) if marks is not None else {}
         owed = dict(marks.owed) if marks is not None else {}
@@ -206,6 +209,11 @@ class FanOut(Delivery):
                 spent[event.event_id] = gave_up
             for name in fan:
                 parts[name].append(event)
+        if isinstance(handler, OneByOne):  # it killed its process: each row to each alone
+            if uniform:
+                handed = {e.event_id: dict.fromkeys(names, 0) for e in pending}
+            results, died = deliver_alone(self, handler, wrap, parts, handed, pending, ctx)
+            return self._fold(ctx, events, pending, handed, gone, results, done, spent, died)
         calls = self._run(wrap, parts, handed, ctx, meanwhile)
         self._check(calls, ctx)
         if uniform and all(call.clean for call in calls):
@@ -410,6 +418,7 @@ class FanOut(Delivery):
         results: Mapping[str, Mapping[str, Resolution]],
         done: frozenset[str],
         spent: Mapping[str, Mapping[str, int]],
+        died: frozenset[str] = frozenset(),
     ) -> Outcome:
         counts = {name: fanout.SubscriberCounts() for name in self.subscribers}
         decisions: dict[str, Decision] = {}
@@ -435,7 +444,11 @@ class FanOut(Delivery):
             if d.fate is not Fate.DEAD_LETTER:
                 continue
             error: BaseException = (
-                RetriesExhausted(d.reason) if d.exhausted else EventRejected(d.reason)
+                ProcessDied(d.reason)
+                if i in died
+                else RetriesExhausted(d.reason)
+                if d.exhausted
+                else EventRejected(d.reason)
             )
             doomed.append((by_id[i], error))
             earlier = [*spent.get(i, {}).values()]

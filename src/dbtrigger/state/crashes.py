@@ -47,7 +47,8 @@ def died_text(lease: Lease) -> str:
 
 def count_death(doc: StateDocument, lease: Lease, now: dt.datetime) -> StateDocument:
     """``doc`` with one more failed attempt, ended by its process's death, at its
-    checkpoint; the rows a partial failure recorded as done stay done."""
+    checkpoint; the rows a partial failure recorded as done stay done, and the
+    row handed alone when it died (``probing``) joins the rows that killed it."""
     record = doc.failure
     if record is not None and record.from_position not in (None, doc.position):
         record = None  # written for another checkpoint: another batch
@@ -62,6 +63,11 @@ def count_death(doc: StateDocument, lease: Lease, now: dt.datetime) -> StateDocu
             crashes=1,
         )
     else:
+        killed = record.killed
+        if record.probing is not None and record.probing not in killed:
+            # The row handed alone when it died: named for good, not only until the
+            # next step names another (two such rows would each be handed again).
+            killed = (*killed, record.probing)
         record = evolve(
             record,
             attempts=record.attempts + 1,
@@ -69,6 +75,7 @@ def count_death(doc: StateDocument, lease: Lease, now: dt.datetime) -> StateDocu
             last_failed_at=now,
             last_error=text,
             from_position=doc.position,
+            killed=killed,
         )
     return evolve(doc, failure=record)
 

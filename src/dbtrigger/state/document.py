@@ -155,6 +155,10 @@ class FailureRecord:
     #: fault (with a dead-letter sink), the event id of the row handed alone
     #: right now: written before the call, so a death during it names the row.
     probing: str | None = None
+    #: The rows (their ``probing`` keys) that killed the process while handed
+    #: alone: each added by the takeover that counted that death, so a row
+    #: found once is never handed over again though later steps name others.
+    killed: tuple[str, ...] = ()
     #: Fields this version does not know, written back as they were read.
     extra: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
@@ -243,6 +247,7 @@ _FAILURE_KEYS = frozenset(
         "attempts",
         "crashes",
         "probing",
+        "killed",
         "first_failed_at",
         "last_failed_at",
         "last_error",
@@ -308,6 +313,8 @@ def _failure_to_json(failure: FailureRecord) -> dict[str, Any]:
         out["crashes"] = failure.crashes
     if failure.probing is not None:
         out["probing"] = failure.probing
+    if failure.killed:
+        out["killed"] = list(failure.killed)
     return out
 
 
@@ -465,6 +472,7 @@ def _failure_from_json(raw_failure: Any) -> FailureRecord:
         batch_digest=typed(raw_failure, "batch_digest", str, "failure"),
         crashes=count(raw_failure, "crashes", "failure", 0) or 0,
         probing=typed(raw_failure, "probing", str, "failure"),
+        killed=_done_ids(raw_failure.get("killed"), "failure.killed"),
         extra=_unknown(raw_failure, _FAILURE_KEYS),
     )
 
@@ -532,11 +540,11 @@ def _window(raw: Any) -> Window | None:
     return window if window or window.extra else None
 
 
-def _done_ids(raw: Any) -> tuple[str, ...]:
+def _done_ids(raw: Any, what: str = "failure.done_event_ids") -> tuple[str, ...]:
     if raw is None:
         return ()
     if not isinstance(raw, list) or not all(isinstance(e, str) for e in raw):
-        raise CorruptStateError("failure.done_event_ids must be a list of strings")
+        raise CorruptStateError(f"{what} must be a list of strings")
     return tuple(raw)
 
 

@@ -136,3 +136,21 @@ def test_history_shows_a_missing_document_and_reset_writes_it_again(
     finally:
         trigger.close()
     assert seen == [7]  # on from where the history ended
+
+
+def test_status_says_the_document_is_missing_and_how_to_write_it_again(
+    app: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`dbtrigger status` is what an operator runs first; it said only "no state for
+    poller 'orders' ...; it holds no poller", as of a name never used, while history
+    and the poller's warning said MISSING and printed the reset that writes it again."""
+    assert main(["status", "orders", "--source", app]) == 1
+    out = capsys.readouterr().out
+    assert "MISSING (deleted or lost" in out
+    command = f"dbtrigger reset orders --to-cursor 6 --pk id=6 --source {app}"
+    assert command in out
+    assert main(["status", "orders", "--source", app, "--json"]) == 1
+    assert command in json.loads(capsys.readouterr().out)["resume"]
+    # A name nothing knows says nothing of the kind.
+    assert main(["status", "orderz", "--source", app]) == 1
+    assert "MISSING" not in capsys.readouterr().out

@@ -20,11 +20,12 @@ from collections.abc import Callable
 from typing import Any
 
 from dbtrigger.cli.common import Console, state_store, utc_now
-from dbtrigger.cli.history import history_of
+from dbtrigger.cli.history import history_of, resume_command
 from dbtrigger.cli.plan import note_history, planned, write_planned
 from dbtrigger.errors import (
     ConfigurationError,
     CorruptStateError,
+    DbTriggerError,
     StoreError,
     UnsupportedDocumentError,
 )
@@ -51,6 +52,25 @@ def last_record(args: argparse.Namespace, store: CheckpointStore) -> dict[str, A
     except StoreError:
         return None
     return dict(last[-1]) if last else None
+
+
+def missing_note(args: argparse.Namespace, store: CheckpointStore) -> str | None:
+    """What ``dbtrigger status POLLER`` adds for a poller whose document is missing
+    while its history holds records: that it is missing, what its next tick does,
+    and the ``reset`` that writes it again at the last position recorded (as
+    ``dbtrigger history`` prints it). None: not that case, or the history cannot
+    be read."""
+    try:  # (status is showing an error: one that reading again would raise is it)
+        if last_record(args, store) is None:
+            return None
+        history = history_of(args, store)
+        records = [dict(r) for r in history.tail(args.poller, 20)] if history else []
+    except DbTriggerError:
+        return None
+    return resume_command(args, records, missing=True).replace(
+        "the records above are what the history holds",
+        "its history holds records (dbtrigger history " + args.poller + ")",
+    )
 
 
 def recreate_lost(
@@ -113,4 +133,4 @@ def recreate_lost(
         return 0
 
 
-__all__ = ["last_record", "recreate_lost"]
+__all__ = ["last_record", "missing_note", "recreate_lost"]

@@ -28,6 +28,7 @@ from dbtrigger.cli.common import (
     text_table,
     utc_now,
 )
+from dbtrigger.cli.recreate import missing_note
 from dbtrigger.durations import human_duration
 from dbtrigger.errors import CorruptStateError, DbTriggerError
 from dbtrigger.health import measure_lag
@@ -371,7 +372,8 @@ def _owed_text(owed: Sequence[Mapping[str, Any]], spec: str) -> str:
 def _render_one(status: Mapping[str, Any], store: str, now: dt.datetime | None = None) -> str:
     now = now or utc_now()
     if "error" in status:
-        return f"poller       {status['poller']}\nerror        {status['error']}"
+        resume = f"\n{status['resume']}" if status.get("resume") else ""
+        return f"poller       {status['poller']}\nerror        {status['error']}{resume}"
     cp = status["checkpoint"]
     lease = status["lease"]
     failure = status["failure"]
@@ -515,6 +517,8 @@ def _status(args: argparse.Namespace, store: CheckpointStore) -> int:
         poller_status(store, name, source=_partition_of(source, store, name), now=now)
         for name in names
     ]
+    if args.poller and statuses and "error" in statuses[0]:  # a deleted document?
+        statuses[0]["resume"] = missing_note(args, store)
     groups = [
         group_state(store, doc, now=now, sources=_partition_sources(doc, source)) for doc in docs
     ]

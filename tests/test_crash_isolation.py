@@ -110,6 +110,42 @@ def test_fan_out_dead_letters_the_row_for_the_subscriber_that_died_on_it_only(
     _passed_the_batch(tmp_path)
 
 
+def test_fan_out_the_others_settle_the_killer_row_by_their_own_outcome(
+    sqlite_db: TestDatabase, tmp_path: Path
+) -> None:
+    """billing asks for a retry of row 7 the first two times it is handed it
+    alone: in the run that crashy then kills, and in the run after, which finds
+    the row killed the process in crashy. The row then waits for billing only
+    (crashy gave it up, as if it had used its max_attempts), billing is handed
+    it once more and accepts it, and only then is it dead-lettered, in crashy's
+    name alone."""
+    add_items(sqlite_db, items_table(sqlite_db), ROWS)
+    sink = tmp_path / "dead-letters.jsonl"
+    runs = _restart_until_settled(
+        sqlite_db,
+        tmp_path,
+        restarts=MAX_ATTEMPTS + 5,
+        sink=sink,
+        fanout=True,
+        extra=("--billing-retries", "7"),
+    )
+    codes = [run.returncode for run in runs]
+    assert codes == [1] * (MAX_ATTEMPTS + 1) + [0], (codes, runs[-1].stderr[-2000:])
+    calls = (tmp_path / "handled.log.billing").read_text().splitlines()
+    sevens = [line for line in calls if line.split()[0] == "7"]
+    alone = sevens[sevens.index("7 1 retry") :]
+    assert alone[:2] == ["7 1 retry", "7 1 retry"], sevens
+    assert len(alone) == 3, sevens  # then once more, accepted
+    assert "retry" not in alone[2], sevens
+    letters = _letters(sink)
+    assert [letter["pk"] for letter in letters] == [{"id": 7}]
+    # Dead-lettered on the tick billing accepted it: crashy had given it up.
+    assert str(letters[0]["error"]).startswith("RetriesExhausted: crashy: "), letters[0]
+    assert "billing" not in str(letters[0]["error"]), letters[0]["error"]
+    assert _handled(tmp_path) == set(ROWS) - {7}
+    _passed_the_batch(tmp_path)
+
+
 def test_each_row_that_killed_the_process_stays_named_across_later_steps() -> None:
     """The pure rule behind the first test: the takeover that counts a death adds
     the row then handed alone to ``killed``; a later step naming another row

@@ -19,8 +19,9 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
-from dbtrigger import FileCheckpointStore, PollTrigger, RowChange, SqlAlchemySource
+from dbtrigger import BatchContext, FileCheckpointStore, PollTrigger, RowChange, SqlAlchemySource
 from dbtrigger.errors import DbTriggerError
 from dbtrigger.quarantine import JsonLinesQuarantineSink
 
@@ -40,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fanout", action="store_true", help="the handler as subscriber 'crashy' beside 'billing'"
     )
+    parser.add_argument(
+        "--billing-retries",
+        type=int,
+        help="billing asks for a retry (ctx.retry) the first two times it is handed this row alone",
+    )
     args = parser.parse_args(argv)
     poison = {int(i) for i in args.poison.split(",")}
 
@@ -53,9 +59,20 @@ def main(argv: list[str] | None = None) -> int:
             log.flush()
             os.fsync(log.fileno())
 
-    def billing(events: list[RowChange]) -> None:
+    def billing(events: list[RowChange], ctx: BatchContext) -> None:
+        retried = Path(f"{args.log}.billing-retried")
+        lines = []
+        for event in events:
+            retry = len(events) == 1 and event.pk["id"] == args.billing_retries
+            if retry and len(retried.read_text() if retried.exists() else "") < 2:
+                with retried.open("a") as mark:
+                    mark.write("r")
+                ctx.retry(event, "billing: not yet")
+                lines.append(f"{event.pk['id']} {len(events)} retry\n")
+            else:
+                lines.append(f"{event.pk['id']} {len(events)}\n")
         with open(f"{args.log}.billing", "a", encoding="utf-8") as out:
-            out.writelines(f"{event.pk['id']} {len(events)}\n" for event in events)
+            out.writelines(lines)
 
     trigger = PollTrigger(
         name="items",
@@ -74,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         quarantine=JsonLinesQuarantineSink(args.sink) if args.sink else None,
         subscribers={"billing": billing, "crashy": handler} if args.fanout else None,
         max_concurrency=args.lanes,
+        retry_delay_seconds=0,  # a retry is handed again on the next tick
     )
     call = None if args.fanout else handler
 

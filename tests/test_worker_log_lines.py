@@ -10,6 +10,7 @@ import logging
 import re
 import sys
 import textwrap
+import threading
 import uuid
 from pathlib import Path
 
@@ -251,3 +252,22 @@ def test_a_partitioned_poller_says_its_guard_once(
     said = [r for r in caplog.records if getattr(r, "event", None) == "visibility_mode"]
     assert len(said) >= 4  # every partition decides
     assert [r.levelno for r in said].count(logging.INFO) == 1  # and it is said once
+
+
+def test_the_line_of_the_tick_a_stop_let_finish_does_not_promise_another(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Ctrl-C during a batch of a backlog: its line said "more pending, ticking again
+    at once", and the next line said the worker had stopped."""
+    source = MemorySource(rows(300), cursor_column="seq", pk_columns=["id"])
+    trigger = PollTrigger(
+        name="orders", source=source, checkpoint_store=InMemoryCheckpointStore(), batch_size=100
+    )
+    stop = threading.Event()
+    runner = Runner(trigger, lambda events: stop.set(), interval_seconds=5, stop=stop)
+    with caplog.at_level(logging.INFO, logger="dbtrigger"):
+        stats = runner.run(install_signals=False)
+    assert stats.rows == 100  # the batch in flight, committed
+    (line,) = [r.getMessage() for r in info_lines(caplog) if getattr(r, "event", None) == "tick"]
+    assert "ticking again" not in line, line
+    assert "; more pending, left for the next start: stopping" in line, line

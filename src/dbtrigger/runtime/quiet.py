@@ -13,11 +13,17 @@ lasted. Any change (rows delivered, another holder, a failure) starts over.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
 from dbtrigger.durations import human_duration
+
+#: A worker's committed line when batches came back full (``dbtrigger run``), and
+#: what it says instead on the tick a stop let finish.
+MORE_AT_ONCE = "; more pending, ticking again at once"
+MORE_ON_STOP = "; more pending, left for the next start: stopping"
 
 #: Default time between two "still idle" lines.
 DEFAULT_STILL_QUIET_SECONDS = 300.0
@@ -59,11 +65,18 @@ class QuietCadence:
             return logging.INFO, now - self._since
         return logging.DEBUG, None
 
-    def line(self, result: Summarised, interval: float | None) -> tuple[int, str, dict[str, Any]]:
+    def line(
+        self, result: Summarised, interval: float | None, *, stopping: bool = False
+    ) -> tuple[int, str, dict[str, Any]]:
         """``(level, text, fields)`` of a tick's line: the result's own words
         (``interval``: the sleep that follows, None for a timer firing), said
-        as ``still ... (for 12m)`` when a quiet state is repeated at INFO."""
+        as ``still ... (for 12m)`` when a quiet state is repeated at INFO.
+        ``stopping``: a stop was asked for, so no tick follows, whatever the
+        words said would come next ("ticking again at once", "next tick in 5s")."""
         text, fields = result.summary(interval)
+        if stopping:
+            text = text.replace(MORE_AT_ONCE, MORE_ON_STOP)
+            text = re.sub(r"; next tick in [0-9.e+-]+s", "; stopping", text)
         level, quiet_for = self.level(quiet_key(result))
         if quiet_for is not None:
             text = f"still {text} (for {for_how_long(quiet_for)})"
@@ -98,4 +111,11 @@ def for_how_long(seconds: float) -> str:
     return human_duration(seconds)
 
 
-__all__ = ["DEFAULT_STILL_QUIET_SECONDS", "QuietCadence", "for_how_long", "quiet_key"]
+__all__ = [
+    "DEFAULT_STILL_QUIET_SECONDS",
+    "MORE_AT_ONCE",
+    "MORE_ON_STOP",
+    "QuietCadence",
+    "for_how_long",
+    "quiet_key",
+]

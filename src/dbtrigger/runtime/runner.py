@@ -419,7 +419,7 @@ class Runner:
         """One line per tick, in the tick result's own words; a quiet state at INFO
         when it begins and every few minutes, at DEBUG in between. ``wait``: the
         sleep that follows an idle tick."""
-        level, text, fields = self._quiet.line(result, wait)
+        level, text, fields = self._quiet.line(result, wait, stopping=self.stopping)
         self._log_outcome(result.outcome, text, started, level=level, **fields)
 
     def _recovered(self) -> None:

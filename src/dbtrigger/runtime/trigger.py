@@ -93,7 +93,9 @@ def _more_text(interval: float | None) -> str:
     its rows wait for the next firing, and the line in Application Insights says so."""
     if interval is None:
         return "; more pending, left for the next tick (raise max_batches_per_tick to take more)"
-    return "; more pending, ticking again at once"
+    from dbtrigger.runtime.quiet import MORE_AT_ONCE  # noqa: PLC0415 - a tiny leaf module
+
+    return MORE_AT_ONCE
 
 
 @runtime_checkable

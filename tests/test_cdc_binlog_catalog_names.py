@@ -139,8 +139,11 @@ def test_the_way_on_works_in_the_worker_that_was_running_before_the_alter(
     trigger, _store, _name, got = gone.watching(binlog_db, ["t"])
     t = f"{binlog_db.name}.t"
     binlog_db.execute("INSERT INTO t VALUES (1, 10, 20)")
-    binlog_db.execute("ALTER TABLE t DROP COLUMN b, ADD COLUMN c INT")
-    binlog_db.execute("INSERT INTO t VALUES (2, 11, 30)")  # named by neither reading
+    # c a string: how its values read depends on its type, which the statement gives
+    # but the catalog no longer has (an INT c is named by replaying the first ALTER on
+    # the start's reading: tests/test_cdc_binlog_replay.py)
+    binlog_db.execute("ALTER TABLE t DROP COLUMN b, ADD COLUMN c VARCHAR(10)")
+    binlog_db.execute("INSERT INTO t VALUES (2, 11, 'x')")  # named by neither reading
     binlog_db.execute("ALTER TABLE t DROP COLUMN c, ADD COLUMN d INT")
     binlog_db.execute("INSERT INTO t VALUES (3, 12, 40)")
     with pytest.raises(SourceDefinitionError, match="DROP COLUMN c, ADD COLUMN d INT"):

@@ -5,7 +5,9 @@ map's values are named by position from ``information_schema``; a statement
 between the table map and that reading that adds, drops, renames, moves or
 retypes a column makes the names (or the reading of the values) wrong. Most
 ``ALTER TABLE`` statements do none of that: indexes, constraints, table options,
-a column's default, partitions, a rebuild. Those must not stop delivery.
+a column's default, partitions, a rebuild. Those must not stop delivery. Adding
+or dropping the primary key counts as a change too: the reading also gives the
+key each change is delivered with.
 
 Each clause (the statement's top-level comma-separated parts) is checked against
 the clauses known to leave every column as it was; anything else, a clause this
@@ -14,11 +16,16 @@ name is wrong data). ``MODIFY`` and ``CHANGE`` count even without a new name or
 place: they may change the column's type, and the reading of a value whose type
 the log does not tell (UUID, INET6, binary strings) comes from the catalog; the
 type before is not in the statement.
+
+:func:`column_ops` reads what each clause does (added, dropped, renamed, changed
+columns, the key), for the statements whose effect can be undone from their text
+(:mod:`dbtrigger.cdc.binlog_replay`).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 _IDENT = r"(?:`(?:[^`]|``)+`|\"(?:[^\"]|\"\")+\"|[\w$]+)"
 #: ``ALTER [ONLINE] [IGNORE] TABLE [IF EXISTS] name <clauses>`` (comments and literals gone).
@@ -39,11 +46,16 @@ _PARTITION = (
     r"(?:add|drop|coalesce|reorganize|exchange|truncate|analyze|check|optimize|rebuild|"
     r"repair|discard|import)\s+partition|remove\s+partitioning|partition\s+by"
 )
-#: Clauses that leave every column's name, place and type as they were.
+#: A clause that adds or drops the primary key: it changes what names an event's row.
+_PRIMARY = re.compile(
+    rf"^(?:add\s+(?:constraint\s+(?:{_IDENT}\s+)?)?primary\s+key|drop\s+primary\s+key)\b",
+    re.I | re.S,
+)
+#: Clauses that leave every column's name, place and type, and the primary key, as they were.
 _KEEPS = re.compile(
-    r"^(?:"
-    r"add\s+(?:constraint|unique|index|key|fulltext|spatial|primary\s+key|foreign\s+key|check)\b"
-    r"|drop\s+(?:index|key|primary\s+key|foreign\s+key|constraint|check)\b"
+    r"^(?!add\s+(?:constraint\s+(?:\S+\s+)?)?primary\s+key\b)(?:"
+    r"add\s+(?:constraint|unique|index|key|fulltext|spatial|foreign\s+key|check)\b"
+    r"|drop\s+(?:index|key|foreign\s+key|constraint|check)\b"
     r"|rename\s+(?:index|key)\b"
     r"|alter\s+(?:index|key)\b"
     rf"|alter\s+(?:column\s+)?{_IDENT}\s+(?:set\s+default\b|drop\s+default\b)"
@@ -143,4 +155,122 @@ def altered(text: str) -> tuple[str, bool] | None:
     return name, any(_KEEPS.match(c) is None for c in clauses(found.group(2)))
 
 
-__all__ = ["altered", "clauses", "cleaned"]
+# --- what a statement does to the column list, clause by clause ---------------------------
+
+
+@dataclass(frozen=True)
+class ColumnOp:
+    """One clause of an ``ALTER TABLE``, as far as it changes the column list or the key.
+
+    ``kind``: ``add`` (``name``, placed ``place``: None at the end, ``""`` first, else
+    after that column), ``drop`` (``name``), ``rename`` (``name`` to ``new``, type and
+    place kept), ``change`` (``CHANGE``/``MODIFY``: ``name`` to ``new``, its type may
+    differ, moved when ``place`` is not None), ``key`` (the primary key made ``keys``;
+    ``keys`` empty: dropped). ``keyed``: the column's definition makes it (part of) a key.
+    """
+
+    kind: str
+    name: str = ""
+    new: str = ""
+    place: str | None = None
+    keys: tuple[str, ...] = ()
+    keyed: bool = False
+
+
+_NAME = r"`(?:[^`]|``)+`|[\w$]+"
+_PLACE = re.compile(rf"\s(first|after\s+({_NAME}))\s*$", re.I | re.S)
+_ADD_MANY = re.compile(r"^add\s+(?:column\s+)?\((.*)\)$", re.I | re.S)
+_ADD = re.compile(rf"^add\s+(?:column\s+)?(?!if\s)({_NAME})\s+(.+)$", re.I | re.S)
+_DROP_COLUMN = re.compile(
+    rf"^drop\s+(?:column\s+)?(?!if\s)({_NAME})(?:\s+(?:restrict|cascade))?$", re.I
+)
+_RENAME_COLUMN = re.compile(rf"^rename\s+column\s+({_NAME})\s+to\s+({_NAME})$", re.I)
+_CHANGE = re.compile(rf"^change\s+(?:column\s+)?(?!if\s)({_NAME})\s+({_NAME})\s+(.+)$", re.I | re.S)
+_MODIFY = re.compile(rf"^modify\s+(?:column\s+)?(?!if\s)({_NAME})\s+(.+)$", re.I | re.S)
+_KEY_COLUMNS = re.compile(r"\((.*)\)", re.S)
+_KEY_PART = re.compile(rf"^({_NAME})\s*(?:\(\s*\d+\s*\))?(?:\s+(?:asc|desc))?$", re.I)
+_IF = re.compile(r"^(?:add|drop|change|modify)\s+(?:column\s+)?if\s", re.I)
+_IN_DEFINITION = re.compile(r"\bkey\b", re.I)
+
+
+def _name(written: str) -> str:
+    return written[1:-1].replace("``", "`") if written.startswith("`") else written
+
+
+def _place(definition: str) -> str | None:
+    found = _PLACE.search(definition)
+    if found is None:
+        return None
+    return "" if found.group(1).lower() == "first" else _name(found.group(2))
+
+
+def _clause_ops(clause: str) -> list[ColumnOp] | None:
+    """The clause's :class:`ColumnOp` (none for one that keeps every column and the key);
+    None for one not understood (``IF [NOT] EXISTS`` included: whether it did anything
+    is not in the log)."""
+    if _PRIMARY.match(clause):
+        if clause.lower().startswith("drop"):
+            return [ColumnOp("key")]
+        inside = _KEY_COLUMNS.search(clause)
+        parts = [] if inside is None else clauses(inside.group(1))
+        names = [_KEY_PART.match(p) for p in parts]
+        if not names or any(n is None for n in names):
+            return None
+        return [ColumnOp("key", keys=tuple(_name(n.group(1)) for n in names if n is not None))]
+    if _KEEPS.match(clause):
+        return []
+    if _IF.match(clause):
+        return None
+    many = _ADD_MANY.match(clause)
+    if many is not None:
+        ops = []
+        for part in clauses(many.group(1)):
+            one = re.match(rf"^({_NAME})\s+(.+)$", part, re.S)
+            if one is None or _PLACE.search(part):
+                return None
+            keyed = bool(_IN_DEFINITION.search(one.group(2)))
+            ops.append(ColumnOp("add", _name(one.group(1)), keyed=keyed))
+        return ops
+    if (found := _ADD.match(clause)) is not None:
+        definition = found.group(2)
+        keyed = bool(_IN_DEFINITION.search(definition))
+        return [ColumnOp("add", _name(found.group(1)), place=_place(definition), keyed=keyed)]
+    if (found := _DROP_COLUMN.match(clause)) is not None:
+        return [ColumnOp("drop", _name(found.group(1)))]
+    if (found := _RENAME_COLUMN.match(clause)) is not None:
+        return [ColumnOp("rename", _name(found.group(1)), _name(found.group(2)))]
+    if (found := _CHANGE.match(clause)) is not None:
+        old, new, definition = _name(found.group(1)), _name(found.group(2)), found.group(3)
+    elif (found := _MODIFY.match(clause)) is not None:
+        old, definition = _name(found.group(1)), found.group(2)
+        new = old
+    else:
+        return None
+    keyed = bool(_IN_DEFINITION.search(definition))
+    return [ColumnOp("change", old, new, place=_place(definition), keyed=keyed)]
+
+
+def column_ops(text: str) -> list[ColumnOp] | None:
+    """What an ``ALTER TABLE`` does to its table's column list and primary key, clause by
+    clause in the order written; None when that is not known for certain: another
+    statement, a clause not understood, or one column named by two clauses (the server
+    does not apply such clauses one after the other as written)."""
+    sql = cleaned(text).strip().rstrip(";").strip()
+    found = _ALTER.match(sql)
+    if found is None or '"' in found.group(2):  # ANSI_QUOTES identifiers: not read here
+        return None
+    ops: list[ColumnOp] = []
+    for clause in clauses(found.group(2)):
+        done = _clause_ops(clause)
+        if done is None:
+            return None
+        ops.extend(done)
+    named = [n.lower() for op in ops for n in {op.name, op.new, op.place or ""} if n]
+    if len(named) != len(set(named)):
+        return None
+    if sum(op.kind == "key" for op in ops) > 2:
+        return None
+    return ops
+
+
+__all__ = ["ColumnOp", "altered", "clauses", "cleaned", "column_ops"]

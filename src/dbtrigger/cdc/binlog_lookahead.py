@@ -31,13 +31,14 @@ only). With names in the log none of this runs.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import pymysql
 
 from dbtrigger.cdc import binlog_ddl as ddl
+from dbtrigger.cdc import binlog_replay as replay
 from dbtrigger.cdc.binlog_setup import binary_logs, file_index, translated
 from dbtrigger.cdc.binlog_tokens import Where, commit_token
 
@@ -69,6 +70,11 @@ class Reading:
     names: tuple[str, ...]
     types: Mapping[str, str]
     end: Mark
+    #: The primary key's columns, in key order (empty: the table has none).
+    keys: tuple[str, ...]
+    #: Statements between the reading and the table map it names were replayed
+    #: (:mod:`~dbtrigger.cdc.binlog_replay`): how many, for the log line.
+    replayed: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -167,9 +173,15 @@ class Statements:
     def first(self, table: str, a: Mark, b: Mark) -> Statement | None:
         """The first statement from ``a`` to ``b`` (either way round; ``b``'s place not
         included) that changes ``table``."""
+        found = self.between(table, a, b)
+        return found[0] if found else None
+
+    def between(self, table: str, a: Mark, b: Mark) -> list[Statement]:
+        """The statements from ``a`` to ``b`` (either way round; ``b``'s place not
+        included) that change ``table``, in log order."""
         lo, hi = min(a, b), max(a, b)
         if lo == hi:
-            return None
+            return []
         if self._lo is None or self._hi is None or hi < self._lo or lo > self._hi:
             self._found, self._lo, self._hi = self._fetch(lo, hi), lo, hi  # not adjoining
         else:
@@ -177,10 +189,7 @@ class Statements:
                 self._found, self._lo = self._fetch(lo, self._lo) + self._found, lo
             if hi > self._hi:
                 self._found, self._hi = self._found + self._fetch(self._hi, hi), hi
-        return next(
-            (s for s in self._found if lo <= s.at < hi and s.changes(table)),
-            None,
-        )
+        return [s for s in self._found if lo <= s.at < hi and s.changes(table)]
 
     def _fetch(self, lo: Mark, hi: Mark) -> list[Statement]:
         found, read = self._read(lo, hi)
@@ -209,6 +218,22 @@ def refusal(later: Later, commit: str, poller: str | None) -> str:
     )
 
 
+def _replayed(
+    reading: Reading, between: Sequence[Statement], at: Mark, columns: Sequence[Any]
+) -> Reading | None:
+    """The columns of a table map at ``at`` from a ``reading`` with the statements
+    ``between`` them, when those are known for certain and fit the table map's
+    ``columns`` (:mod:`~dbtrigger.cdc.binlog_replay`); None otherwise."""
+    if not columns or any(s.unknown for s in between):
+        return None
+    known = replay.Columns(reading.names, dict(reading.types), reading.keys)
+    derived = replay.across([s.text for s in between], known, backward=reading.end > at)
+    types = None if derived is None else replay.fitted(derived, columns)
+    if derived is None or types is None:
+        return None
+    return Reading(derived.names, types, reading.end, derived.keys, replayed=len(between))
+
+
 class Lookahead:
     """Per table map id named from the catalog: the reading it is named by, and the
     statement between them, if any (see the module docstring).
@@ -232,9 +257,16 @@ class Lookahead:
         #: Statements a snapshot was asked for after (the answer holds: not asked again).
         self.passed: set[Later] = set()
 
-    def reading(self, table_id: int, table: str, where: tuple[str, int]) -> Reading | None:
-        """The reading the table map ``table_id`` of ``table`` at ``where`` is named by
-        (None: no reading of the table yet, and the catalog cannot be read now)."""
+    def reading(
+        self,
+        table_id: int,
+        table: str,
+        where: tuple[str, int],
+        columns: Sequence[Any] = (),
+    ) -> Reading | None:
+        """The reading the table map ``table_id`` of ``table`` at ``where`` (its
+        ``columns``: the log's, each with a type code) is named by (None: no reading of
+        the table yet, and the catalog cannot be read now)."""
         known = self._found.get(table_id)
         if known is not None and known[0] == table:
             return known[1]
@@ -256,6 +288,11 @@ class Lookahead:
             if statements.first(table, at, reading.end) is None:
                 self._found[table_id] = (table, reading, None)
                 return reading
+        for reading in candidates:  # statements between: replayed where they are known
+            derived = _replayed(reading, statements.between(table, at, reading.end), at, columns)
+            if derived is not None:
+                self._found[table_id] = (table, derived, None)
+                return derived
         if not candidates:
             return None
         reading = candidates[0]

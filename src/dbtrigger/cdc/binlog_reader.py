@@ -87,6 +87,16 @@ class RowShape:
         return {k: image[k] for k in self.keys if k in image}
 
 
+def log_keys(event: Any, names: Sequence[str]) -> tuple[str, ...]:
+    """The primary key of a table map that carries its column names (``binlog_row_metadata
+    = FULL``, which writes the key too), in key order: the key of the table as that change
+    was written, where the catalog read at the start may hold an older one."""
+    meta = getattr(event, "optional_metadata", None)
+    simple = list(getattr(meta, "simple_primary_key_list", None) or [])
+    prefixed = list(dict(getattr(meta, "primary_keys_with_prefix", None) or {}))
+    return tuple(names[i] for i in (simple or prefixed) if 0 <= i < len(names))
+
+
 def type_name(signature: str) -> str:
     """``3u`` -> ``LONG UNSIGNED`` (binlog field type names)."""
     from pymysqlreplication.constants import FIELD_TYPE  # noqa: PLC0415
@@ -210,11 +220,15 @@ class Assembler(Assembly[TableInfo, str]):
             self._followed_ids[event.table_id] = table
             return
         columns = event.columns
+        keys = info.key_columns
         if self.names_from_log and all(c.name for c in columns):
             names = tuple(str(c.name) for c in columns)
+            keys = log_keys(event, names)
             problem = None
             self.ahead.named_by_log(event.table_id)
-        elif len(columns) == len(catalog := self._catalog_names(event.table_id, info, where)):
+        elif len(columns) == len(
+            catalog := self._catalog_names(event.table_id, info, where, columns)
+        ):
             names = catalog
             problem = None
         else:
@@ -224,11 +238,24 @@ class Assembler(Assembly[TableInfo, str]):
                 f"{len(catalog)} in information_schema, and the log carries no column "
                 "names (binlog_row_metadata is not FULL), so they cannot be told apart"
             )
-        gone = [k for k in info.key_columns if k not in names]
-        if gone and problem is None:  # renamed or dropped: changes would come without a key
-            problem = keyless(table, gone)
-        self.shapes[event.table_id] = RowShape(table, names, info.key_columns)
         reading = self.ahead.named(event.table_id, table)
+        if reading is not None:
+            keys = reading.keys
+            if reading.replayed:
+                log.info(
+                    "%s: a table map written before %d statement(s) that changed its columns "
+                    "is named by them replayed on the catalog (%s)",
+                    table,
+                    reading.replayed,
+                    ", ".join(names),
+                    extra={"event": "cdc_columns_replayed", "table": table, "poller": self.poller},
+                )
+        gone = [k for k in keys if k not in names]
+        if not keys and info.key_columns:  # the key dropped (with its column, or alone)
+            gone = [k for k in info.key_columns if k not in names] or list(info.key_columns)
+        if gone and problem is None:  # changes would come without a key
+            problem = keyless(table, gone)
+        self.shapes[event.table_id] = RowShape(table, names, keys)
         types = reading.types if reading is not None else self._catalog(table, info, names)
         self._converters[event.table_id] = binlog_values.converters(columns, names, types)
         self._signatures[event.table_id] = [
@@ -239,7 +266,11 @@ class Assembler(Assembly[TableInfo, str]):
         self.note_problem(event.table_id, problem)
 
     def _catalog_names(
-        self, table_id: int, info: TableInfo, where: tuple[str, int] | None
+        self,
+        table_id: int,
+        info: TableInfo,
+        where: tuple[str, int] | None,
+        columns: Sequence[Any] = (),
     ) -> tuple[str, ...]:
         """The column names of a table map without them (``binlog_row_metadata`` not FULL),
         at ``where`` in the log: from the reading of the catalog that fits it, and whether
@@ -250,7 +281,7 @@ class Assembler(Assembly[TableInfo, str]):
         again, as after every ``ALTER TABLE``) by the catalog read when it first appears."""
         table = info.table.qualified
         if where is not None and self.ahead.statements is not None:
-            reading = self.ahead.reading(table_id, table, where)
+            reading = self.ahead.reading(table_id, table, where, columns)
             if reading is not None:
                 return reading.names
         known = self._names_by_id.get(table_id)
@@ -339,13 +370,16 @@ class Assembler(Assembly[TableInfo, str]):
     def _chunk(self, event: Any, kind: str) -> None:
         for row in event.rows:
             values = row["after_values"] if kind == "U" else row.get("values")
-            if kind == "D" or values is None or values.get("reader") != self.reader:
+            reader, payload = chunk_row(values)
+            if kind == "D" or reader != self.reader or payload is None:
                 continue
-            chunk = json.loads(values["payload"])
+            chunk = json.loads(payload)
             info = self.watched.get(chunk["table"])
             if info is None:
                 continue
-            shape = RowShape(chunk["table"], tuple(chunk["columns"]), info.key_columns)
+            # the key the chunk was read by (an earlier version's chunk names none)
+            keys = tuple(chunk["keys"]) if "keys" in chunk else info.key_columns
+            shape = RowShape(chunk["table"], tuple(chunk["columns"]), keys)
             for encoded in chunk["rows"]:
                 self.keep((shape, "S", None, tuple(binlog_values.decode_value(v) for v in encoded)))
 
@@ -401,6 +435,22 @@ class Assembler(Assembly[TableInfo, str]):
             if effect.left:
                 info = self.watched[effect.table]
                 self.keep((RowShape(effect.table, info.names, info.key_columns), "T", None, None))
+
+
+def chunk_row(values: Mapping[str, Any] | None) -> tuple[Any, Any]:
+    """A ``dbtrigger_cdc_chunks`` row's reader and payload. Without column names in the
+    log (``binlog_row_metadata`` not FULL) the replication package names its values
+    ``UNKNOWN_COL0``...: they are then taken by place, as the table was created
+    (``reader, seq, payload``). Read by name only, every chunk was passed over as
+    another reader's, and a snapshot delivered nothing."""
+    if values is None:
+        return None, None
+    if "reader" in values:
+        return values.get("reader"), values.get("payload")
+    ordered = list(values.values())
+    if len(ordered) == 3 and all(str(k).startswith("UNKNOWN_COL") for k in values):
+        return ordered[0], ordered[2]
+    return None, None
 
 
 def _utc(seconds: int) -> dt.datetime | None:

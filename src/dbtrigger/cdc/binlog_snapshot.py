@@ -89,7 +89,8 @@ class SnapshotWriter(ChunkWriter[BinlogSourceParts, control.ControlRow, "TableIn
             encoded = [[encode_value(v) for v in r] for r in rows]
             if encoded:
                 payload = json.dumps(
-                    {"table": info.table.qualified, "columns": columns, "rows": encoded}
+                    {"table": info.table.qualified, "columns": columns, "keys": keys}
+                    | {"rows": encoded}
                 )
                 cur.execute(
                     f"INSERT INTO `{s.control_database}`.`{control.CHUNKS}` (reader, seq, payload) "  # noqa: S608

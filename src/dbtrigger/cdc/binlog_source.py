@@ -338,18 +338,21 @@ class BinlogSource(LogSource):
             self._reading,
         )
         for name, info in self.infos.items():
-            ahead.readings[name] = [lookahead.Reading(info.names, dict(info.columns), end)]
+            ahead.readings[name] = [
+                lookahead.Reading(info.names, dict(info.columns), end, info.key_columns)
+            ]
         return ahead
 
     def _reading(self, table: str) -> lookahead.Reading | None:
         """``table``'s columns now, and where the log ends after they were read (None when
         they cannot be read: the reader keeps the readings it has)."""
-        types = self._column_types(table)
-        if types is None:
+        info = self._catalog_info(table)
+        if info is None:
             return None
         with setup.translated("reading the binary log position"):
             end = current_position(self.connection(), ())
-        return lookahead.Reading(tuple(types), types, lookahead.Mark.of(end))
+        types = dict(info.columns)
+        return lookahead.Reading(tuple(types), types, lookahead.Mark.of(end), info.key_columns)
 
     def _table_infos(
         self, conn: pymysql.connections.Connection[Any], after: LogPosition | None
@@ -391,12 +394,17 @@ class BinlogSource(LogSource):
 
     def _column_types(self, table: str) -> dict[str, str] | None:
         """``table``'s column types now (None when they cannot be read: a read goes on)."""
+        info = self._catalog_info(table)
+        return None if info is None else dict(info.columns)
+
+    def _catalog_info(self, table: str) -> setup.TableInfo | None:
+        """``table``'s columns and primary key now (None when they cannot be read)."""
         database, _, name = table.partition(".")
         try:
             infos = setup.table_infos(self.connection(), [setup.TableName(database, name)])
         except (DbTriggerError, pymysql.MySQLError, OSError):
             return None
-        return dict(infos[table].columns) if table in infos else None
+        return infos.get(table)
 
     def _exists(self, table: str) -> bool:
         """Is a table under the name ``table`` now (a watched one dropped in the log)?"""

@@ -106,6 +106,24 @@ class RelationInfo:
         return {name: image[name] for name, _ in self.key_index if name in image}
 
 
+def relation_keys(message: po.Relation, known: Sequence[str]) -> tuple[str, ...]:
+    """The key columns of the changes a Relation message describes.
+
+    Under ``REPLICA IDENTITY DEFAULT`` (the primary key) or ``USING INDEX`` the message
+    flags the identity's columns as the table was when those changes were written, so
+    a key changed under a running reader (``DROP CONSTRAINT t_pkey, ADD PRIMARY KEY (a,
+    id)``, a key column renamed) keys them anew; ``known`` (the catalog's, read at the
+    start) gives the order when it has the same columns. Under ``FULL`` every column is
+    flagged, and ``known`` is kept.
+    """
+    if message.replica_identity not in ("d", "i"):
+        return tuple(known)
+    flagged = [c.name for c in message.columns if c.is_key]
+    if sorted(flagged) == sorted(known):
+        return tuple(known)
+    return tuple(flagged)
+
+
 class Decoder(Assembly[TableInfo, int]):
     """Turns the messages of one read into committed transactions of watched changes."""
 
@@ -178,17 +196,20 @@ class Decoder(Assembly[TableInfo, int]):
         if info is None:
             self.relations.pop(message.oid, None)  # a table we do not watch (shared publication)
             return
+        keys = relation_keys(message, info.key_columns)
         relation = RelationInfo.build(
             message.oid,
             table,
             [(c.name, c.type_oid, c.is_key) for c in message.columns],
-            info.key_columns,
+            keys,
             info.domains,
         )
         self.relations[message.oid] = relation
         columns = zip(relation.names, relation.type_oids, strict=True)
         problem = self.guard.check(table, columns)
-        gone = [k for k in info.key_columns if k not in relation.names]
+        gone = [k for k in keys if k not in relation.names] or (
+            list(info.key_columns) if not keys else []
+        )
         if gone:  # renamed or dropped: its changes would come without their key
             problem = "; ".join(p for p in (problem, keyless(table, gone)) if p)
         self.note_problem(message.oid, problem)

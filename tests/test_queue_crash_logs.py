@@ -14,6 +14,7 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 import sqlalchemy as sa
 
 from tests.chaos.forked import ForkedProcess, Forker
@@ -28,12 +29,13 @@ VT = 0.6
 
 
 def _run_until_settled(
-    forker: Forker, db: TestDatabase, logs: Path
+    forker: Forker, db: TestDatabase, logs: Path, poison: tuple[int, ...], lanes: int
 ) -> tuple[list[ForkedProcess], dict[int, tuple[str, str | None]]]:
     """Restart the worker whenever it died, until every row is done or dead (bounded)."""
     extra = (
-        "--crash-on", str(POISON), "--max-attempts", str(MAX_ATTEMPTS),
+        "--crash-on", ",".join(map(str, poison)), "--max-attempts", str(MAX_ATTEMPTS),
         "--batch-size", str(ROWS), "--fail-probability", "0", "--slow-probability", "0",
+        "--lanes", str(lanes),
     )  # fmt: skip
     jobs = db.qualified("jobs")
     runs = [start(forker, db, 0, 0, logs, *extra, vt=VT)]
@@ -60,15 +62,20 @@ def _run_until_settled(
     return runs, final
 
 
+@pytest.mark.parametrize(
+    ("poison", "lanes"),
+    [((POISON,), 1), ((POISON, 6), 1), ((POISON,), 3)],
+    ids=["one row", "two rows", "one row on 3 lanes"],
+)
 def test_each_death_is_a_warning_and_the_row_given_up_an_error(
-    sqlite_db: TestDatabase, tmp_path: Path
+    sqlite_db: TestDatabase, tmp_path: Path, poison: tuple[int, ...], lanes: int
 ) -> None:
     make_jobs(sqlite_db, ROWS)
     make_logs(sqlite_db)
     with Forker(WORKER) as forker:
-        runs, final = _run_until_settled(forker, sqlite_db, tmp_path)
+        runs, final = _run_until_settled(forker, sqlite_db, tmp_path, poison, lanes)
     statuses = {i: status for i, (status, _) in final.items()}
-    assert statuses == {i: "dead" if i == POISON else "done" for i in range(1, ROWS + 1)}
+    assert statuses == {i: "dead" if i in poison else "done" for i in range(1, ROWS + 1)}
     deaths = sum(1 for run in runs if run.returncode == 3)
     assert deaths == len(runs) - 1, [run.returncode for run in runs]
     lines = [
@@ -77,17 +84,18 @@ def test_each_death_is_a_warning_and_the_row_given_up_an_error(
         for line in (tmp_path / f"w0.{i}.log").read_text().splitlines()
         if line.startswith(("WARNING ", "ERROR "))
     ]
-    # Each death is found by the next claim of its rows: every one but the last
-    # at WARNING (the claim halved, or its one row claimed alone again), the last
-    # one at ERROR, with the row made dead for it.
+    # Each death is found by the next claim of its rows: at WARNING (the claim
+    # halved, or its one row claimed alone again), but for the last death of each
+    # poison row: at ERROR, with the row made dead for it.
     said = [
         line
         for line in lines
         if line.startswith(("WARNING queue_claim_bisected ", "WARNING queue_claim_expired "))
     ]
-    assert len(said) == deaths - 1, "\n".join(lines)
-    errors = [line for line in lines if line.startswith("ERROR ")]
-    assert len(errors) == 1, "\n".join(lines)
-    assert errors[0].startswith("ERROR queue_crash_loop "), errors[0]
-    assert f"row ({POISON},) is dead" in errors[0], errors[0]
-    assert "dbtrigger queue retry --dead" in errors[0], errors[0]
+    assert len(said) == deaths - len(poison), "\n".join(lines)
+    errors = sorted(line for line in lines if line.startswith("ERROR "))
+    assert len(errors) == len(poison), "\n".join(lines)
+    for row, error in zip(sorted(poison), errors, strict=True):
+        assert error.startswith("ERROR queue_crash_loop "), error
+        assert f"row ({row},) is dead" in error, error
+        assert "dbtrigger queue retry --dead" in error, error

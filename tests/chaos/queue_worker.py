@@ -5,7 +5,7 @@
   whose worker is killed right after it still counts;
 * some batches fail (an exception: every row is retried) and some are slow
   (longer than the visibility timeout: only the heartbeat keeps the claim);
-* with ``--crash-on ID`` a batch holding row ``ID`` kills the worker
+* with ``--crash-on ID`` (or ``ID,ID,...``) a batch holding such a row kills the worker
   (``os._exit``, as an out-of-memory kill would) right after its calls were
   recorded: a poison row that takes its worker down on every delivery;
 * after each tick, what the settlement did to each row (done / retry / dead /
@@ -44,8 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slow-probability", type=float, default=0.05)
     parser.add_argument("--max-attempts", type=int, default=50)
     parser.add_argument("--ready-file", help="created once the first claim ran")
-    parser.add_argument("--crash-on", type=int, help="os._exit when a batch holds this row")
+    parser.add_argument("--crash-on", help="os._exit when a batch holds one of these rows")
+    parser.add_argument("--lanes", type=int, default=1, help="max_concurrency")
     args = parser.parse_args(argv)
+    crash_on = {int(i) for i in args.crash_on.split(",")} if args.crash_on else set()
     # What an operator's log would show: each record's level and event name.
     said = logging.StreamHandler()
     said.setFormatter(
@@ -89,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         retry_delay_seconds=0.05,
         retry_delay_max_seconds=0.2,
         owner_id=f"{args.worker}.{args.incarnation}",
+        max_concurrency=args.lanes,
     )
 
     def handle(events: list[RowChange], ctx: ClaimContext) -> None:
@@ -106,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                     for e in events
                 ],
             )
-        if args.crash_on is not None and any(e.pk["id"] == args.crash_on for e in events):
+        if crash_on and any(e.pk["id"] in crash_on for e in events):
             os._exit(3)
         roll = rng.random()
         if roll < args.slow_probability:

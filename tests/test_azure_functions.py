@@ -40,6 +40,7 @@ from dbtrigger.azure import (
     schedule_interval,
 )
 from dbtrigger.errors import ConfigurationError, FingerprintMismatchError
+from dbtrigger.settings import DeferredSettingError
 from dbtrigger.state import document as docmod
 from dbtrigger.state import lease as leasemod
 from dbtrigger.state.stores.blob import BlobCheckpointStore
@@ -558,21 +559,36 @@ def test_a_schedule_that_never_fires_is_refused(schedule: str, why: str) -> None
 def test_a_trigger_with_a_schedule_that_never_fires_is_refused_at_import(
     source: SqlAlchemySource, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    db = DbBindings()
+    with pytest.raises(ConfigurationError, match="never fires"):
+
+        @db.trigger(
+            arg_name="events",
+            source=source,
+            checkpoint_store=InMemoryCheckpointStore(),
+            schedule="0 0 0 31 2 *",
+            lease_ttl_seconds=300,
+        )
+        def never(timer: object, events: list[RowChange]) -> None:
+            return None
+
+    # From an app setting it is configuration: the import goes on, the function fails
+    # (tests/test_azure_schedule_settings.py), whether the lease TTL is known or not.
     monkeypatch.setenv("DBT_NEVER", "0 0 0 31 2 *")
     monkeypatch.delenv("DBT_UNSET_TTL", raising=False)
-    for schedule, ttl in (("0 0 0 31 2 *", 300), ("%DBT_NEVER%", "%DBT_UNSET_TTL%")):
-        db = DbBindings()
-        with pytest.raises(ConfigurationError, match="never fires"):
 
-            @db.trigger(
-                arg_name="events",
-                source=source,
-                checkpoint_store=InMemoryCheckpointStore(),
-                schedule=schedule,
-                lease_ttl_seconds=ttl,  # type: ignore[arg-type]
-            )
-            def never(timer: object, events: list[RowChange]) -> None:
-                return None
+    @DbBindings().trigger(
+        arg_name="events",
+        source=source,
+        checkpoint_store=InMemoryCheckpointStore(),
+        schedule="%DBT_NEVER%",
+        lease_ttl_seconds="%DBT_UNSET_TTL%",
+    )
+    def from_setting(timer: object, events: list[RowChange]) -> None:
+        return None
+
+    with pytest.raises(DeferredSettingError, match=r"'DBT_NEVER'.*never fires"):
+        from_setting(timer=None)
 
     app = func.FunctionApp()
     with pytest.raises(ConfigurationError, match="never fires"):

@@ -54,7 +54,7 @@ from dbtrigger.azure.host import (
 from dbtrigger.azure.inputs import input_binding, reader_binding, writer_binding
 from dbtrigger.azure.output import output_binding
 from dbtrigger.azure.record import attach, binding_of
-from dbtrigger.azure.schedule import check_schedule
+from dbtrigger.azure.schedule import check_schedule, checked_schedule
 from dbtrigger.errors import ConfigurationError, ContentionError
 from dbtrigger.metrics import MetricsCollector
 from dbtrigger.partitions.member import PartitionedPoller
@@ -124,7 +124,11 @@ class DbBindings:
                 ``@app.schedule`` above is applied after this decorator, so its
                 schedule is not visible yet). A contradiction emits
                 :class:`LeaseScheduleWarning`; a schedule that can never fire
-                (``0 0 0 31 2 *``) is a :class:`ConfigurationError`.
+                (``0 0 0 31 2 *``) is a :class:`ConfigurationError`. Given as a
+                ``%SETTING%`` (as ``@app.schedule`` takes it), a missing or
+                malformed setting fails only this function's invocations (a
+                ``DeferredSettingError`` naming it), not the import. Measured on
+                the wall clock of ``WEBSITE_TIME_ZONE`` when that is set.
             max_concurrency: parallel lanes per batch, as for ``PollTrigger``: the
                 function is called on up to this many parts of a batch at once
                 (each call with its own ``@db.output`` rows); keep batches x
@@ -191,14 +195,17 @@ class DbBindings:
             )
             prepared = lazy.prepared()
             ttl = prepared.lease_ttl.total_seconds() if prepared is not None else None
-            check_schedule(ttl, schedule)
+            schedule_setting = check_schedule(ttl, schedule)
             output = binding_of(fn).output
             if output is not None and ttl is not None:
                 output.fit_lease(ttl)  # a lock wait longer than that is refused now
 
             def ready() -> PollTrigger:
                 """The poller, after the output binding's settings resolved: a missing
-                one fails the invocation before anything is fetched or handled."""
+                one fails the invocation before anything is fetched or handled (so
+                does a schedule setting that is missing or malformed)."""
+                if schedule_setting:
+                    checked_schedule(schedule_setting)
                 if output is None:
                     return lazy.get()
                 output.dialect  # noqa: B018 - resolves the URL's %SETTING% now

@@ -30,13 +30,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from dbtrigger.azure.schedule import checked_schedule
 from dbtrigger.cursor import BEGINNING
 from dbtrigger.errors import ConfigurationError, ContentionError
 from dbtrigger.partitions.member import PartitionedPoller
 from dbtrigger.partitions.source import PartitionSource
 from dbtrigger.runtime.kernel import wants_context
 from dbtrigger.runtime.poller import PollTrigger
-from dbtrigger.settings import resolve_setting
+from dbtrigger.settings import resolve_setting, setting_name
 from dbtrigger.state import operations as ops
 
 log = logging.getLogger("dbtrigger.partitions")
@@ -203,6 +204,8 @@ def register_partitioned(
 
     def coordinator(timer: Any) -> None:
         del timer
+        if setting_name(schedule):  # missing or malformed: this function fails, not the app
+            checked_schedule(schedule)
         coordinate(poller, send)
 
     def worker(msg: Any) -> int:

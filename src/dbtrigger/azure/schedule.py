@@ -7,18 +7,43 @@ say so when the module is imported, the interval is computed here from the
 schedule, in either form the Functions host accepts: six-field NCRONTAB
 (``{second} {minute} {hour} {day} {month} {day-of-week}``) or an
 ``hh:mm:ss`` TimeSpan. Pure functions of text; no clock is read.
+
+A schedule given as a ``%SETTING%`` is the app's configuration, not code: a
+setting that is missing or malformed must not fail the import of
+``function_app.py`` (the host would then index no function of the app at
+all). It is reported when the module is imported (a warning naming the
+setting) and fails each invocation of the function that uses it, as a
+:class:`~dbtrigger.settings.DeferredSettingError` naming the setting and what
+to set, until it is fixed (:func:`checked_schedule`). A literal schedule in
+code that is malformed is refused at import, as any other mistake in code.
+
+``WEBSITE_TIME_ZONE`` makes the host fire NCRONTAB schedules on that zone's
+wall clock (TimeSpans are not affected). Across a daylight-saving change a
+daily ``0 30 2 * * *`` is then 23 hours from one firing to the next, so the
+interval is measured in that zone, between the instants the local firings
+are. As the host's ``CronSchedule`` does, a local time the change skips is
+read with the offset before it (02:30 the night clocks go from 02:00 to 03:00
+is 03:30), and a repeated one as its first occurrence; the host also fires an
+interval schedule (``*``, ``/`` or ``-`` in its time fields) in the repeated
+hour, at the same spacing, which makes no gap shorter. A zone this machine
+does not know (a Windows name such as ``W. Europe Standard Time``, which only
+Windows plans read, or a typo) is reported with a warning naming the setting,
+and the interval is measured in UTC, as a Linux host runs the timer then.
 """
 
 from __future__ import annotations
 
+import bisect
 import datetime as dt
+import functools
 import logging
 import re
 import warnings
+import zoneinfo
 from collections.abc import Iterator, Mapping
 
 from dbtrigger.errors import ConfigurationError, MissingSettingError
-from dbtrigger.settings import resolve_setting
+from dbtrigger.settings import DeferredSettingError, environment, resolve_setting, setting_name
 
 log = logging.getLogger("dbtrigger.azure")
 
@@ -71,6 +96,9 @@ _OPEN_END = {"day-of-week": 6}
 _TIMESPAN = re.compile(r"^(?:(\d+)[.:])?(\d+):(\d{2}):(\d{2})(?:\.(\d{1,7}))?$", re.ASCII)
 #: Firings enumerated to find the shortest gap; plenty for any real schedule.
 _SAMPLE_FIRINGS = 500
+#: Firings looked at around each change of a zone's offset (WEBSITE_TIME_ZONE): the
+#: wall-clock times it skips or repeats (an hour, mostly), one a second at most.
+_ZONE_CHANGE_FIRINGS = 3 * 3600
 _SAMPLE_YEARS = 5
 
 
@@ -109,19 +137,56 @@ def _field_values(text: str, name: str, lo: int, hi: int, names: Mapping[str, in
     return values
 
 
-def _firings(fields: list[set[int]], start: dt.datetime) -> Iterator[dt.datetime]:
-    seconds, minutes, hours, days, months, weekdays = (sorted(f) for f in fields)
+def _firings(
+    fields: list[set[int]], start: dt.datetime, end: dt.datetime | None = None
+) -> Iterator[dt.datetime]:
+    """The firings (naive, local) from ``start`` (a day: from its midnight; a moment:
+    from it on) to ``end`` (default: the sampled years)."""
+    seconds, minutes, hours = (sorted(f) for f in fields[:3])
+    days, months, weekdays = fields[3:]
     dow = {d % 7 for d in weekdays}  # 7 is Sunday too
-    day = start
-    end = start.replace(year=start.year + _SAMPLE_YEARS)
+    day = start.replace(hour=0, minute=0, second=0, microsecond=0)
+    end = end or day.replace(year=day.year + _SAMPLE_YEARS)
+    after: tuple[int, int, int] | None = (start.hour, start.minute, start.second)
     while day < end:
         # NCRONTAB requires day-of-month AND day-of-week to match.
         if day.month in months and day.day in days and (day.weekday() + 1) % 7 in dow:
-            for h in hours:
-                for m in minutes:
-                    for s in seconds:
-                        yield day.replace(hour=h, minute=m, second=s)
+            for h, m, s in _times_from(hours, minutes, seconds, after or (0, 0, 0)):
+                yield day.replace(hour=h, minute=m, second=s)
         day += dt.timedelta(days=1)
+        after = None
+
+
+def _times_from(
+    hours: list[int], minutes: list[int], seconds: list[int], after: tuple[int, int, int]
+) -> Iterator[tuple[int, int, int]]:
+    """The times of day of the fields, in order, from ``after`` (h, m, s) on."""
+    for h in hours[bisect.bisect_left(hours, after[0]) :]:
+        m_from = after[1] if h == after[0] else 0
+        for m in minutes[bisect.bisect_left(minutes, m_from) :]:
+            s_from = after[2] if (h, m) == after[:2] else 0
+            for s in seconds[bisect.bisect_left(seconds, s_from) :]:
+                yield h, m, s
+
+
+def _last_before(fields: list[set[int]], moment: dt.datetime) -> dt.datetime | None:
+    """The last firing (naive, local) before ``moment``, within the sampled years."""
+    seconds, minutes, hours = (sorted(f) for f in fields[:3])
+    days, months, weekdays = fields[3:]
+    dow = {d % 7 for d in weekdays}
+    day = moment.replace(hour=0, minute=0, second=0, microsecond=0)
+    cut = (moment.hour, moment.minute, moment.second)
+    for _ in range(366 * _SAMPLE_YEARS):
+        if day.month in months and day.day in days and (day.weekday() + 1) % 7 in dow:
+            found = [(h, m, s) for h in hours for m in minutes for s in (seconds[0], seconds[-1])]
+            earlier = [t for t in found if t < cut]
+            if earlier:  # the last one before the cut: its second is the last below it
+                h, m, _s = max(earlier)
+                below = [s for s in seconds if (h, m, s) < cut]
+                return day.replace(hour=h, minute=m, second=below[-1])
+        day -= dt.timedelta(days=1)
+        cut = (24, 0, 0)
+    return None
 
 
 #: The most days each month has (February 29 in a leap year).
@@ -147,13 +212,88 @@ def _check_some_date(schedule: str, days: set[int], months: set[int]) -> None:
     )
 
 
-def schedule_interval(schedule: str) -> dt.timedelta | None:
+def _shortest_gap(
+    firings: Iterator[dt.datetime], zone: dt.tzinfo | None, limit: int
+) -> dt.timedelta | None:
+    """The shortest time between the first ``limit`` of ``firings`` (local wall-clock
+    times), measured between the instants they are in ``zone`` (None: as given).
+    Two local times that are one instant (a skipped hour) are one firing."""
+    shortest: dt.timedelta | None = None
+    previous: dt.datetime | None = None
+    for count, firing in enumerate(firings):
+        instant = firing.replace(tzinfo=zone).astimezone(dt.timezone.utc) if zone else firing
+        if previous is not None and instant > previous:
+            gap = instant - previous
+            shortest = gap if shortest is None else min(shortest, gap)
+        previous = instant if previous is None else max(previous, instant)
+        if count >= limit:
+            break
+    return shortest
+
+
+def _zone_changes(zone: dt.tzinfo, start: dt.datetime) -> list[tuple[dt.datetime, dt.datetime]]:
+    """Each change of ``zone``'s offset in the sampled years, as the wall-clock times
+    (naive) it goes from and to: (02:00, 03:00) when clocks go forward an hour,
+    (03:00, 02:00) when they go back."""
+    changes = []
+    day = start
+    end = start.replace(year=start.year + _SAMPLE_YEARS)
+    offset = day.replace(tzinfo=zone).utcoffset()
+    while day < end:
+        following = day + dt.timedelta(days=1)
+        next_offset = following.replace(tzinfo=zone).utcoffset()
+        if next_offset != offset:
+            changes.append(_change_on(zone, day, following))
+        day, offset = following, next_offset
+    return changes
+
+
+def _change_on(
+    zone: dt.tzinfo, day: dt.datetime, following: dt.datetime
+) -> tuple[dt.datetime, dt.datetime]:
+    low = day.replace(tzinfo=zone).astimezone(dt.timezone.utc)
+    high = following.replace(tzinfo=zone).astimezone(dt.timezone.utc)
+    before = low.astimezone(zone).utcoffset()
+    while high - low > dt.timedelta(seconds=1):  # the instant of the change, to the second
+        middle = low + (high - low) / 2
+        if middle.astimezone(zone).utcoffset() == before:
+            low = middle
+        else:
+            high = middle
+    old = (high + (before or dt.timedelta(0))).replace(tzinfo=None, microsecond=0)
+    new = high.astimezone(zone).replace(tzinfo=None, microsecond=0)
+    return old, new
+
+
+def _gap_across_change(
+    fields: list[set[int]], zone: dt.tzinfo, old: dt.datetime, new: dt.datetime
+) -> dt.timedelta | None:
+    """The shortest time between two firings around a change of ``zone``'s offset from
+    wall-clock time ``old`` to ``new``: from the last firing before the wall-clock
+    times the change skips or repeats to the first after them. Every other pair of
+    firings is as far apart as on the wall clock."""
+    first, last = min(old, new), max(old, new)
+    start = _last_before(fields, first) or first
+
+    def near() -> Iterator[dt.datetime]:
+        for firing in _firings(fields, start, last + dt.timedelta(days=366)):
+            yield firing
+            if firing > last:
+                return
+
+    return _shortest_gap(near(), zone, _ZONE_CHANGE_FIRINGS)
+
+
+def schedule_interval(schedule: str, zone: dt.tzinfo | None = None) -> dt.timedelta | None:
     """The shortest time between two firings of a Functions timer schedule.
 
     Accepts the six-field NCRONTAB form (``{second} {minute} {hour} {day}
     {month} {day-of-week}``, with ``*``, ranges, lists, steps and English month
     and day names) and the ``hh:mm:ss`` TimeSpan form. Returns None when the
     schedule fires fewer than twice in five years (``0 0 0 29 2 Mon``).
+    ``zone``: the zone whose wall clock an NCRONTAB schedule follows
+    (``WEBSITE_TIME_ZONE``); the gaps are measured between real instants, so
+    across a daylight-saving change a daily schedule is 23 hours apart.
 
     Raises:
         ConfigurationError: the schedule is not in either form, or it can never
@@ -187,20 +327,22 @@ def schedule_interval(schedule: str) -> dt.timedelta | None:
         for part, (name, lo, hi, names) in zip(parts, _FIELDS, strict=True)
     ]
     _check_some_date(schedule, fields[3], fields[4])
-    shortest: dt.timedelta | None = None
-    previous: dt.datetime | None = None
     start = dt.datetime(2024, 1, 1)  # naive on purpose: calendar arithmetic, no real instant
-    for count, firing in enumerate(_firings(fields, start)):
-        if previous is not None:
-            gap = firing - previous
-            shortest = gap if shortest is None else min(shortest, gap)
-        previous = firing
-        if count >= _SAMPLE_FIRINGS:
-            break
+    shortest = _shortest_gap(_firings(fields, start), zone, _SAMPLE_FIRINGS)
+    if zone is None or (shortest is not None and shortest <= dt.timedelta(seconds=1)):
+        return shortest  # a second apart: no change of offset makes it shorter
+    # The sample may end long before the first change of the zone's offset: look at
+    # the firings around each change too (the day before it to the day after).
+    for old, new in _zone_changes(zone, start):
+        gap = _gap_across_change(fields, zone, old, new)
+        if gap is not None and (shortest is None or gap < shortest):
+            shortest = gap
     return shortest
 
 
-def lease_schedule_conflict(lease_ttl_seconds: float, schedule: str) -> str | None:
+def lease_schedule_conflict(
+    lease_ttl_seconds: float, schedule: str, zone: dt.tzinfo | None = None
+) -> str | None:
     """Why ``lease_ttl_seconds`` does not suit ``schedule``, or None when it does.
 
     A tick may run until the timer fires again, and every commit renews the
@@ -210,7 +352,7 @@ def lease_schedule_conflict(lease_ttl_seconds: float, schedule: str) -> str | No
     A timer faster than the TTL is harmless: overlapping firings find the lease
     taken and return after one read.
     """
-    interval = schedule_interval(schedule)
+    interval = schedule_interval(schedule, zone)
     if interval is None or lease_ttl_seconds >= interval.total_seconds():
         return None
     return (
@@ -221,24 +363,109 @@ def lease_schedule_conflict(lease_ttl_seconds: float, schedule: str) -> str | No
     )
 
 
-def check_schedule(lease_ttl_seconds: float | None, schedule: str | None) -> None:
-    """Refuse a schedule that is malformed or never fires; warn when the lease is
-    shorter than its interval (not checked when the TTL is not known yet, None)."""
-    if schedule is None:
-        return
+#: The app setting that makes the host fire NCRONTAB schedules on a zone's wall clock.
+TIME_ZONE_SETTING = "WEBSITE_TIME_ZONE"
+
+
+def host_time_zone(environ: Mapping[str, str] | None = None) -> dt.tzinfo | None:
+    """The zone of ``WEBSITE_TIME_ZONE`` (None: not set, or UTC). A name this machine
+    does not know is logged as a warning, once per name, and read as UTC."""
+    name = environment(environ).get(TIME_ZONE_SETTING, "").strip()
+    return _zone(name) if name else None
+
+
+@functools.lru_cache(maxsize=8)
+def _zone(name: str) -> dt.tzinfo | None:
     try:
-        resolved = resolve_setting(schedule)
-    except MissingSettingError:
-        # The host resolves %SETTING% schedules too and reports a missing one itself.
-        log.debug("schedule %s is not resolvable here; not checked against the lease", schedule)
-        return
-    if lease_ttl_seconds is None:
-        schedule_interval(resolved)
-        return
-    problem = lease_schedule_conflict(lease_ttl_seconds, resolved)
-    if problem:
-        # stacklevel: warn -> check_schedule -> decorator -> the user's module
-        warnings.warn(problem, LeaseScheduleWarning, stacklevel=3)
+        return zoneinfo.ZoneInfo(name)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError, OSError):
+        log.warning(
+            "app setting %s is %r, which is not a time zone this machine knows: the timer "
+            "schedule's interval is measured in UTC. A Linux Function App needs an IANA "
+            "name such as Europe/Berlin (Windows names like 'W. Europe Standard Time' are "
+            "read on Windows plans only)",
+            TIME_ZONE_SETTING,
+            name,
+            extra={"event": "time_zone_unknown", "setting": TIME_ZONE_SETTING},
+        )
+        return None
 
 
-__all__ = ["LeaseScheduleWarning", "check_schedule", "lease_schedule_conflict", "schedule_interval"]
+@functools.lru_cache(maxsize=64)
+def _interval(schedule: str, zone: dt.tzinfo | None) -> dt.timedelta | None:
+    return schedule_interval(schedule, zone)
+
+
+def checked_schedule(schedule: str, environ: Mapping[str, str] | None = None) -> str:
+    """``schedule``, its ``%SETTING%`` resolved and checked (malformed, never fires).
+
+    Raises:
+        DeferredSettingError: ``schedule`` is a ``%SETTING%`` that is missing or
+            holds no schedule the host accepts; names the setting and what to set.
+        ConfigurationError: a literal ``schedule`` is malformed or never fires.
+    """
+    name = setting_name(schedule)
+    forms = (
+        "a six-field NCRONTAB expression ('{second} {minute} {hour} {day} {month} "
+        "{day-of-week}', e.g. '0 */5 * * * *') or an hh:mm:ss TimeSpan"
+    )
+    try:
+        resolved = resolve_setting(schedule, environ)
+    except MissingSettingError as exc:
+        raise DeferredSettingError(
+            f"the timer schedule {schedule} reads app setting {name!r}, which is not set: "
+            f"set {name} to {forms}",
+            setting=name,
+        ) from exc
+    try:
+        _interval(resolved, host_time_zone(environ))
+    except ConfigurationError as exc:
+        if name is None:
+            raise
+        raise DeferredSettingError(
+            f"the timer schedule {schedule}: app setting {name!r} holds no schedule the "
+            f"Functions host runs: {exc}. Fix {name} (e.g. '0 */5 * * * *' for every "
+            "five minutes)",
+            setting=name,
+        ) from exc
+    return resolved
+
+
+def check_schedule(lease_ttl_seconds: float | None, schedule: str | None) -> str | None:
+    """Refuse a literal schedule that is malformed or never fires; warn when the lease
+    is shorter than its interval (not checked when the TTL is not known yet, None).
+
+    A ``%SETTING%`` schedule that is missing or malformed is only logged here (a
+    warning naming the setting): the app still imports and indexes every other
+    function. Returns the ``%SETTING%`` reference the function's invocations must
+    check again (:func:`checked_schedule`: they fail until it is right), or None.
+    """
+    if schedule is None:
+        return None
+    again = schedule if setting_name(schedule) else None
+    try:
+        resolved = checked_schedule(schedule)
+    except DeferredSettingError as exc:
+        log.warning(
+            "%s; this function fails each invocation until it is fixed",
+            exc,
+            extra={"event": "schedule_setting_unusable", "setting": setting_name(schedule)},
+        )
+        return again
+    if lease_ttl_seconds is not None:
+        problem = lease_schedule_conflict(lease_ttl_seconds, resolved, host_time_zone())
+        if problem:
+            # stacklevel: warn -> check_schedule -> decorator -> the user's module
+            warnings.warn(problem, LeaseScheduleWarning, stacklevel=3)
+    return again
+
+
+__all__ = [
+    "TIME_ZONE_SETTING",
+    "LeaseScheduleWarning",
+    "check_schedule",
+    "checked_schedule",
+    "host_time_zone",
+    "lease_schedule_conflict",
+    "schedule_interval",
+]

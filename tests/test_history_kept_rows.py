@@ -12,7 +12,7 @@ import pytest
 
 from dbtrigger import PollTrigger
 from dbtrigger.cursor import Position
-from dbtrigger.events import RowChange, event_ids, events_from_rows
+from dbtrigger.events import RowChange, batch_shape, event_ids, events_from_rows
 from dbtrigger.history import records as rec
 from dbtrigger.history.kept_rows import KeptRows, kept
 from dbtrigger.sources.rows import Rows, rows_to_events
@@ -62,6 +62,57 @@ def test_events_of_several_kinds_are_kept_as_they_are() -> None:
     ]
     assert kept(events) == tuple(events)
     assert kept([]) == ()
+
+
+def _changes() -> list[Any]:
+    """Every way a list's own methods change its items (each takes the list and
+    an event of another shape)."""
+    return [
+        lambda lst, e: lst.__setitem__(1, e),
+        lambda lst, e: lst.__setitem__(slice(0, 1), [e]),
+        lambda lst, e: lst.__delitem__(0),
+        lambda lst, e: lst.__iadd__([e]),
+        lambda lst, e: lst.__imul__(2),
+        lambda lst, e: lst.append(e),
+        lambda lst, e: lst.extend([e]),
+        lambda lst, e: lst.insert(0, e),
+        lambda lst, e: lst.pop(),
+        lambda lst, e: lst.remove(lst[0]),
+        lambda lst, e: lst.clear(),
+        lambda lst, e: lst.reverse(),
+        lambda lst, e: lst.sort(key=lambda event: -event.cursor),
+    ]
+
+
+@pytest.mark.parametrize("change", range(len(_changes())))
+def test_a_batch_changed_after_it_was_made_is_walked_again(change: int) -> None:
+    """events_from_rows' list says its one shape (batch_shape then does not walk
+    it); once changed it says nothing, and the batch is proven item by item: an
+    event of another shape put in is found, and the kept batch is the list as it
+    is now, never the rows it was made from."""
+    shape = _shape(("id", "ts"), ("id",), "ts")
+    events = events_from_rows(shape, [(1, 1), (2, 2), (3, 3)])
+    assert batch_shape(events) is shape
+    assert batch_shape(events[:2]) is shape  # (a slice is a plain list: walked, same answer)
+    other = events_from_rows(_shape(("id", "ts", "x"), ("id",), "ts"), [(9, 9, 9)])[0]
+    _changes()[change](events, other)
+    held = kept(events)
+    assert [e.pk for e in held] == [e.pk for e in events]
+    assert [e.after for e in held] == [e.after for e in events]
+    if other in events:
+        assert batch_shape(events) is None
+        assert held == tuple(events)
+    elif events:
+        assert batch_shape(events) is shape
+
+
+def test_an_event_of_another_kind_put_in_is_found() -> None:
+    shape = _shape(("id", "ts"), ("id",), "ts")
+    events = events_from_rows(shape, [(1, 1), (2, 2)])
+    events[0] = RowChange("e2", "upsert", "s", 2, {"id": 2}, None, {"id": 2, "ts": 2})
+    assert batch_shape(events) is None
+    assert kept(events) == tuple(events)
+    assert event_ids(events)[0] == "e2"
 
 
 class TupleSource:

@@ -31,6 +31,7 @@ from operator import attrgetter, itemgetter, methodcaller
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, cast
 
+from dbtrigger._row_events import RowEvents
 from dbtrigger.cursor import (
     encode_value,
     encoded_json,
@@ -476,8 +477,8 @@ def events_from_rows(
     index = shape.cursor_index
     _check_column(shape, rows, index, key=False, types=known.get(index))
     cls = cast("Callable[[], _RowEvent]", _RowEvent)  # (object.__init__, see _RowEvent)
-    events: list[RowChange] = []
-    append = events.append
+    events = RowEvents(shape)  # (it says their shape: batch_shape need not walk them)
+    append = list.append.__get__(events)  # (list's own: RowEvents.append forgets the shape)
     for row in rows:
         event = cls()
         event._row = row
@@ -507,6 +508,8 @@ def batch_shape(events: Sequence[RowChange]) -> RowShape | None:
     :func:`events_from_rows` (None: any other event, or several shapes)."""
     if not events:
         return None
+    if type(events) is RowEvents and events.shape is not None:
+        return events.shape  # (made by events_from_rows and not changed since)
     first = events[0]
     if type(first) is not _RowEvent:
         return None

@@ -129,3 +129,55 @@ def test_waiting_retries_window_use_and_the_guard_in_force(
     assert report["window"]["retries"]["owed"] == {"billing": 1}
     assert 0 < report["window"]["use"] < 1
     assert report["visibility"]["mode"] == "none"
+
+
+def test_a_holder_renewing_a_batch_held_past_its_ttl_is_said_so(
+    sqlite_db: TestDatabase,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A handler hung at default settings: its heartbeat renews the lease, so status
+    said "live, ... renewed 27s ago" for as long as it hung, and every other worker
+    waits. A lease held past its TTL with no commit under it is said so."""
+    spec, trigger = make_module(sqlite_db, tmp_path, monkeypatch, batch_size=1)
+    trigger.tick(lambda events: None)
+    store = FileCheckpointStore(tmp_path / "state")
+    stored = store.read("orders")
+    assert stored is not None
+    doc = docmod.loads(stored.data)
+    assert doc.lease is not None
+    assert doc.checkpoint is not None
+    now = dt.datetime.now(dt.timezone.utc)
+
+    def held(for_seconds: float) -> dict[str, object]:
+        """The lease as a holder whose batch began ``for_seconds`` ago renews it."""
+        lease = dataclasses.replace(
+            doc.lease,  # type: ignore[arg-type]
+            owner_id="web-2/311/9f1c2d3e",
+            released=False,
+            acquired_at=now - dt.timedelta(seconds=for_seconds),
+            heartbeat_at=now - dt.timedelta(seconds=10),
+            expires_at=now + dt.timedelta(seconds=110),
+        )
+        checkpoint = dataclasses.replace(
+            doc.checkpoint,  # type: ignore[arg-type]
+            updated_at=now - dt.timedelta(seconds=for_seconds + 1),
+        )
+        current = store.read("orders")
+        assert current is not None
+        store.write(
+            "orders",
+            docmod.dumps(dataclasses.replace(doc, lease=lease, checkpoint=checkpoint)),
+            if_match=current.etag,
+        )
+        return json.loads(status(capsys, spec, "--json"))["lease"]  # type: ignore[no-any-return]
+
+    assert held(60)["held_without_commit_seconds"] is None  # within its TTL: a batch
+    assert "nothing committed" not in status(capsys, spec)
+    lease = held(300)
+    assert lease["state"] == "live"
+    assert 299 <= lease["held_without_commit_seconds"] <= 360  # type: ignore[operator]
+    out = status(capsys, spec)
+    assert re.search(r"renewed \d+s ago; nothing committed under it for 5m( \d+s)?: one batch", out)
+    assert "handler_slow" in out

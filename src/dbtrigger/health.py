@@ -186,6 +186,18 @@ def _held_without_commit(
     return (now - since).total_seconds()
 
 
+def held_past_ttl(doc: docmod.StateDocument, now: dt.datetime) -> float | None:
+    """Seconds a live lease has been held with no commit under it, when that is longer
+    than its TTL (one batch past what the lease was sized for: a slow or hung
+    handler, kept alive by its heartbeat), else None (``dbtrigger status``)."""
+    cp = doc.checkpoint
+    held = _held_without_commit(doc, cp.updated_at if cp is not None else None, now)
+    lease = doc.lease
+    if held is None or lease is None:
+        return None
+    return held if held > (lease.expires_at - lease.heartbeat_at).total_seconds() else None
+
+
 def check_health(
     store: CheckpointStore,
     poller: str,

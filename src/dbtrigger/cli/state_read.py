@@ -31,7 +31,7 @@ from dbtrigger.cli.common import (
 from dbtrigger.cli.recreate import missing_note
 from dbtrigger.durations import human_duration
 from dbtrigger.errors import CorruptStateError, DbTriggerError
-from dbtrigger.health import measure_lag
+from dbtrigger.health import held_past_ttl, measure_lag
 from dbtrigger.partitions import layout as membership_layout
 from dbtrigger.partitions.inspect import group_state
 from dbtrigger.partitions.layout import Membership
@@ -89,7 +89,7 @@ def poller_status(
     lease = doc.lease
     trigger = source.trigger if source is not None else None
     target = trigger.cli_target() if isinstance(trigger, PollTrigger) else f"{poller} --store STORE"
-    out["lease"] = _lease_status(lease, now, target) if lease is not None else None
+    out["lease"] = _lease_status(lease, now, target, doc) if lease is not None else None
     out["fingerprint"] = doc.source_fingerprint
     failure = doc.failure
     out["failure"] = (
@@ -149,8 +149,9 @@ def poller_status(
     return out
 
 
-def _lease_status(lease: Any, now: dt.datetime, target: str) -> dict[str, Any]:
+def _lease_status(lease: Any, now: dt.datetime, target: str, doc: Any) -> dict[str, Any]:
     state, age = lease_state(lease, now)
+    held = held_past_ttl(doc, now)  # renewed, but one batch longer than its TTL: hung?
     # A holder that was a process of this host and no longer runs: said as the
     # worker started in its place says it, with the release that frees it now.
     gone = ""
@@ -164,7 +165,15 @@ def _lease_status(lease: Any, now: dt.datetime, target: str) -> dict[str, Any]:
         "expires_at": docmod.format_time(lease.expires_at),
         "renewed_at": docmod.format_time(lease.heartbeat_at),
         "renewed_seconds_ago": round(age, 3),
-        "description": describe_lease(lease, now) + gone,
+        "held_without_commit_seconds": None if held is None else round(held, 1),
+        "description": describe_lease(lease, now)
+        + gone
+        + (
+            f"; nothing committed under it for {human_duration(held)}: one batch longer "
+            "than the lease TTL (a slow or hung handler: its worker logs handler_slow)"
+            if held is not None
+            else ""
+        ),
     }
 
 

@@ -17,9 +17,10 @@ import json
 from pathlib import Path
 
 from dbtrigger import FileCheckpointStore
+from dbtrigger.state import crashes as C
 from dbtrigger.state import document as docmod
 from dbtrigger.state import lease as L
-from dbtrigger.state.document import Lease, StateDocument
+from dbtrigger.state.document import FailureRecord, Lease, StateDocument, evolve
 from tests.databases import TestDatabase
 from tests.reliability_support import add_items, checkpoint_id, items_table, read_doc
 from tests.test_crash_loop import (
@@ -146,6 +147,32 @@ def test_fan_out_the_others_settle_the_killer_row_by_their_own_outcome(
     _passed_the_batch(tmp_path)
 
 
+def test_deaths_outside_the_handler_calls_end_in_a_refusal_not_a_loop(
+    sqlite_db: TestDatabase, tmp_path: Path
+) -> None:
+    """Row 7 kills the process when handed alone, and so does the dead-letter
+    sink's write of it (a row too big for memory: handling it and serialising it
+    both run out). Each run found row 7 named, wrote it to the sink and died
+    there, with no row handed alone at the time: before, that went on for ever;
+    now, once max_attempts deaths in a row named no row, the tick refuses with
+    CrashLoopError saying the deaths came outside the handler calls."""
+    add_items(sqlite_db, items_table(sqlite_db), ROWS)
+    sink = tmp_path / "dead-letters.jsonl"
+    runs = _restart_until_settled(
+        sqlite_db, tmp_path, restarts=3 * MAX_ATTEMPTS + 3, sink=sink, extra=("--die-in-sink",)
+    )
+    codes = [run.returncode for run in runs]
+    # max_attempts deaths of the whole batch, one of row 7 alone, then max_attempts
+    # in the sink's write, each run handing 8-10 over no more (written as done).
+    assert codes == [1] * (2 * MAX_ATTEMPTS + 1) + [3], codes
+    refusal = runs[-1].stderr
+    assert "CrashLoopError" in refusal, refusal
+    assert "outside every handler call" in refusal, refusal
+    assert "of which 1 named the row handed alone" in refusal, refusal
+    assert checkpoint_id(FileCheckpointStore(tmp_path / "state")) == 5
+    assert _handled(tmp_path) == set(range(1, 11)) - {7}
+
+
 def test_each_row_that_killed_the_process_stays_named_across_later_steps() -> None:
     """The pure rule behind the first test: the takeover that counts a death adds
     the row then handed alone to ``killed``; a later step naming another row
@@ -179,3 +206,27 @@ def test_each_row_that_killed_the_process_stays_named_across_later_steps() -> No
     read = docmod.loads(docmod.dumps(twice))
     assert read.failure is not None
     assert read.failure.killed == ("ev-7", "ev-9")
+
+
+def test_isolating_stops_once_max_attempts_deaths_name_no_row() -> None:
+    """The pure rule: while rows are handed alone each death should name one
+    (``killed``); max_attempts deaths beyond the first max_attempts that did not
+    end the isolation with a refusal instead of another round."""
+    ids = ("ev-7",)
+    outside = C.AfterDeaths.OUTSIDE
+    assert (
+        C.after_deaths(_killed(5, ids), max_attempts=3, can_isolate=True) is C.AfterDeaths.ISOLATE
+    )
+    assert C.after_deaths(_killed(6, ()), max_attempts=3, can_isolate=True) is outside
+    assert C.after_deaths(_killed(7, ids), max_attempts=3, can_isolate=True) is outside
+    # Several rows that each killed it alone: one death each, never "outside".
+    many = tuple(f"ev-{i}" for i in range(5))
+    assert (
+        C.after_deaths(_killed(8, many), max_attempts=3, can_isolate=True) is C.AfterDeaths.ISOLATE
+    )
+    # Without a sink nothing is isolated: refused as before.
+    assert C.after_deaths(_killed(7, ids), max_attempts=3) is C.AfterDeaths.REFUSE
+
+
+def _killed(crashes: int, killed: tuple[str, ...]) -> FailureRecord:
+    return evolve(_record(crashes, crashes), killed=killed)

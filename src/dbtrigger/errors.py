@@ -232,8 +232,9 @@ class CrashLoopError(OperatorError):
 
     Raised before the handler is called, so the worker stops instead of dying
     again; the message names the batch's first and last row and the ways on.
-    Only without a dead-letter sink: with one, the batch's rows are handed over
-    one at a time and the row at fault is set aside (docs/reliability.md).
+    Without a dead-letter sink; with one, the batch's rows are handed over one
+    at a time and the row at fault is set aside (docs/reliability.md), unless
+    the process keeps dying outside the handler calls.
     """
 
 

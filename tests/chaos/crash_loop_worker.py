@@ -19,11 +19,12 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from dbtrigger import BatchContext, FileCheckpointStore, PollTrigger, RowChange, SqlAlchemySource
 from dbtrigger.errors import DbTriggerError
-from dbtrigger.quarantine import JsonLinesQuarantineSink
+from dbtrigger.quarantine import JsonLinesQuarantineSink, QuarantineRecord
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
         "--billing-retries",
         type=int,
         help="billing asks for a retry (ctx.retry) the first two times it is handed this row alone",
+    )
+    parser.add_argument(
+        "--die-in-sink",
+        action="store_true",
+        help="the dead-letter sink's write kills the process (an OOM on a huge row)",
     )
     args = parser.parse_args(argv)
     poison = {int(i) for i in args.poison.split(",")}
@@ -74,6 +80,12 @@ def main(argv: list[str] | None = None) -> int:
         with open(f"{args.log}.billing", "a", encoding="utf-8") as out:
             out.writelines(lines)
 
+    class Sink(JsonLinesQuarantineSink):
+        def put(self, records: Sequence[QuarantineRecord]) -> None:
+            if args.die_in_sink:
+                os._exit(1)
+            super().put(records)
+
     trigger = PollTrigger(
         name="items",
         source=SqlAlchemySource(
@@ -88,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         lease_ttl_seconds=args.ttl,
         owner_id=args.owner,
         max_attempts=args.max_attempts,
-        quarantine=JsonLinesQuarantineSink(args.sink) if args.sink else None,
+        quarantine=Sink(args.sink) if args.sink else None,
         subscribers={"billing": billing, "crashy": handler} if args.fanout else None,
         max_concurrency=args.lanes,
         retry_delay_seconds=0,  # a retry is handed again on the next tick

@@ -261,6 +261,7 @@ class BatchSequence:
             batch_id=batch_id,
             fencing_token=session.token,
             max_attempts=limit,
+            outside=verdict is crashes.AfterDeaths.OUTSIDE,
         )
 
     def commit(

@@ -76,6 +76,7 @@ def refuse(
     batch_id: str,
     fencing_token: int,
     max_attempts: int,
+    outside: bool = False,
 ) -> CrashLoopError:
     """``crash_loop`` at ERROR, and the error the tick raises instead of delivering.
 
@@ -86,12 +87,28 @@ def refuse(
         "with a dead-letter sink (quarantine=) the poller would hand it over one row "
         "at a time and set the row at fault aside"
     )
-    why = (
+    rows = (
         f"batch {batch_id} of poller {poller!r}, {len(events)} row(s) from {_at(first)} to "
-        f"{_at(last)} (after the checkpoint at {_at(position)}), killed the process "
-        f"delivering it on its last {failure.crashes} attempt(s) ({failure.attempts} failed "
-        f"in all, max_attempts={max_attempts}); it is not handed over again, as the handler "
-        f"would kill this process too ({sink}). Ways on: fix the handler (or the row) and "
+        f"{_at(last)} (after the checkpoint at {_at(position)})"
+    )
+    why = (
+        f"{rows}, killed the process delivering it on its last {failure.crashes} attempt(s) "
+        f"({failure.attempts} failed in all, max_attempts={max_attempts}); it is not handed "
+        f"over again, as the handler would kill this process too ({sink})."
+    )
+    if outside:
+        why = (
+            f"{rows}: the process delivering it died on its last {failure.crashes} "
+            f"attempt(s), {failure.crashes - max_attempts} of them while its rows were "
+            f"handed over one at a time, of which {len(failure.killed)} named the row "
+            "handed alone (failure.killed); the others came outside every handler call - "
+            "reading the batch after it (a row too big for memory: try a smaller "
+            "batch_size; a crash in the database driver), writing the dead-letter sink or "
+            "the state - which no sink can set aside. Find how the worker ended (OOM kill, "
+            "segfault: the platform's log) before going on."
+        )
+    why += (
+        " Ways on: fix the handler (or the row) and "
         "deliver the batch again with the count cleared: "
         f"{pasteable(_reset(target, position) + ' --reason TEXT --yes')} (the checkpoint "
         "where it stands); or step over the batch, its rows not delivered (data loss, "

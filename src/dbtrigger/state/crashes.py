@@ -90,6 +90,10 @@ class AfterDeaths(enum.Enum):
     #: row's id written to the record (``probing``) before its call; the row a
     #: death names is dead-lettered without being handed over again.
     ISOLATE = "isolate"
+    #: With a sink, but handing rows alone stopped finding rows: ``max_attempts``
+    #: more deaths named none (the process dies outside the handler calls: reading
+    #: the next batch, the commit). Refused as without a sink, saying so.
+    OUTSIDE = "outside"
 
 
 def after_deaths(
@@ -98,10 +102,17 @@ def after_deaths(
     """Hand the batch over, isolate its rows one by one (``can_isolate``: a
     dead-letter sink takes the row at fault), or refuse: it failed
     ``max_attempts`` times and the latest attempt killed its process (a failure
-    with an exception is still handed over, to be retried or bisected as before)."""
+    with an exception is still handed over, to be retried or bisected as before);
+    or, isolating, ``max_attempts`` further deaths named no row (``OUTSIDE``)."""
     if failure is None or failure.crashes == 0 or failure.attempts < max_attempts:
         return AfterDeaths.DELIVER
-    return AfterDeaths.ISOLATE if can_isolate else AfterDeaths.REFUSE
+    if not can_isolate:
+        return AfterDeaths.REFUSE
+    # Each death while rows are handed alone names a row (``killed``), unless it
+    # came outside their calls: max_attempts of those, and isolating is no way on.
+    if failure.crashes - len(failure.killed) >= 2 * max_attempts:
+        return AfterDeaths.OUTSIDE
+    return AfterDeaths.ISOLATE
 
 
 def probing(

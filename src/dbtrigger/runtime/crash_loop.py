@@ -4,7 +4,9 @@ The decisions are :mod:`dbtrigger.state.crashes` (pure): a lease taken over
 that its holder neither released nor renewed counts as a failed attempt of
 the batch at the checkpoint, and once ``max_attempts`` are counted with the
 latest one dead the batch is not handed over whole again. This module says
-so: ``delivery_died`` (WARNING) on each such takeover, and ``crash_loop``
+so: ``lease_holder_gone`` (WARNING) when the holder's process was found gone
+before its lease expired (taken over at once, :mod:`dbtrigger._process`),
+``delivery_died`` (WARNING) on each such takeover, and ``crash_loop``
 (ERROR) with a :class:`~dbtrigger.errors.CrashLoopError` naming the batch's
 first and last row and the ways on, instead of handing the batch to a
 handler that would kill this process too.
@@ -37,17 +39,21 @@ def say_died(
     failure: FailureRecord | None,
     position: Position,
     max_attempts: int,
+    *,
+    early: bool = False,
 ) -> None:
-    """``delivery_died`` at WARNING: the takeover of ``dead``, counted as an attempt."""
+    """``delivery_died`` at WARNING: the takeover of ``dead``, counted as an attempt
+    (``early``: its process was found gone before the lease expired)."""
     attempts = failure.attempts if failure is not None else 1
     emit(
         "delivery_died",
         "the process delivering the batch after %s (%s, token %s) stopped without releasing "
-        "its lease (expired at %s): killed, crashed or hung; counted as failed attempt %d "
+        "its lease (%s %s): killed, crashed or hung; counted as failed attempt %d "
         "of max_attempts=%d of that batch",
         _at(position),
         dead.owner_id,
         dead.fencing_token,
+        "found gone, lease until" if early else "expired at",
         format_time(dead.expires_at),
         attempts,
         max_attempts,
@@ -55,6 +61,27 @@ def say_died(
         dead_fencing_token=dead.fencing_token,
         attempt=attempts,
         checkpoint=None if position.is_beginning else repr(position.cursor),
+    )
+
+
+def say_gone(emit: Callable[..., None], dead: Lease, why: str, token: int) -> None:
+    """``lease_holder_gone`` at WARNING: ``dead``'s lease, unexpired, taken over at
+    once because its process provably no longer runs (``why``)."""
+    process = dead.process or {}
+    emit(
+        "lease_holder_gone",
+        "the lease holder %s (token %s, pid %s on this host) is no longer running (%s): "
+        "its lease, valid until %s, taken over at once with token %s",
+        dead.owner_id,
+        dead.fencing_token,
+        process.get("pid"),
+        why,
+        format_time(dead.expires_at),
+        token,
+        dead_owner=dead.owner_id,
+        dead_fencing_token=dead.fencing_token,
+        dead_pid=process.get("pid"),
+        fencing_token=token,
     )
 
 
@@ -127,4 +154,4 @@ def refuse(
     return error
 
 
-__all__ = ["refuse", "say_died"]
+__all__ = ["refuse", "say_died", "say_gone"]

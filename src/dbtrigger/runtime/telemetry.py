@@ -186,6 +186,8 @@ EVENTS: dict[str, EventSpec] = {
         ),
     ),
     "poison_batch": EventSpec(E),
+    # a lease taken over before it expired, its holder's process found gone (_process.py)
+    "lease_holder_gone": EventSpec(W),
     # a lease taken over that its holder neither released nor renewed: the process
     # delivering the batch died (state/crashes.py); and a batch refused for it
     "delivery_died": EventSpec(W, (Count("failures_total", labels={"error_type": "ProcessDied"}),)),

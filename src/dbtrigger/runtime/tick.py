@@ -48,6 +48,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from dbtrigger import _process
 from dbtrigger._gc import older_objects_frozen
 from dbtrigger._paste import pasteable
 from dbtrigger.cursor import BEGINNING, Position
@@ -164,6 +165,9 @@ class TickDriver(BatchSequence):
         self.committed = (0, 0)
         self.emit("tick_start", "tick start")
         doc, etag = self._read_state()
+        # A holder of this host whose process provably died (killed mid-batch,
+        # restarted by a supervisor) leaves a lease nobody can renew: taken at once.
+        gone = _process.gone(doc.lease if doc is not None else None)
 
         decision = leasemod.decide_acquire(
             doc,
@@ -176,6 +180,8 @@ class TickDriver(BatchSequence):
             definition=self.reader.definition(),
             subscribers=self.delivery.fan_out_set(),
             count_deaths=True,
+            holder_gone=gone is not None,
+            process=_process.this_process(),
         )
         if isinstance(decision, leasemod.Busy):
             if self.reader.read_ahead is not None:
@@ -264,14 +270,7 @@ class TickDriver(BatchSequence):
             decision.fencing_token,
             fencing_token=decision.fencing_token,
         )
-        if decision.abandoned is not None:  # its holder died mid-batch: one attempt more
-            crash_loop.say_died(
-                self.emit,
-                decision.abandoned,
-                decision.document.failure,
-                position,
-                self.delivery.max_attempts,
-            )
+        self._say_taken_over(decision, gone, position)
         try:
             # See dbtrigger._gc: full collections during the tick skip older objects.
             with older_objects_frozen(), heartbeat:
@@ -289,6 +288,23 @@ class TickDriver(BatchSequence):
         finally:
             if not session.released and not session.lost:
                 self.writer.release(session)
+
+    def _say_taken_over(
+        self, decision: leasemod.Acquired, gone: str | None, position: Position
+    ) -> None:
+        """Name the holder whose lease was taken over early (its process gone) and
+        count a death (a lease left neither released nor renewed)."""
+        if decision.taken_early is not None:
+            crash_loop.say_gone(self.emit, decision.taken_early, gone or "", decision.fencing_token)
+        if decision.abandoned is not None:  # its holder died mid-batch: one attempt more
+            crash_loop.say_died(
+                self.emit,
+                decision.abandoned,
+                decision.document.failure,
+                position,
+                self.delivery.max_attempts,
+                early=decision.taken_early is not None,
+            )
 
     # --- the I/O steps ----------------------------------------------------------------
 

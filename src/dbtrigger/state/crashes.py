@@ -36,8 +36,16 @@ def abandoned(doc: StateDocument | None) -> Lease | None:
     return lease if lease is not None and not lease.released else None
 
 
-def died_text(lease: Lease) -> str:
-    """The failure record's ``last_error`` for a delivery whose process died."""
+def died_text(lease: Lease, *, early: bool = False) -> str:
+    """The failure record's ``last_error`` for a delivery whose process died
+    (``early``: found no longer running before its lease expired)."""
+    if early:
+        return (
+            f"ProcessDied: the process delivering it ({lease.owner_id}, token "
+            f"{lease.fencing_token}) stopped without releasing its lease and was found no "
+            "longer running on this host (killed or crashed); its lease was taken over "
+            f"before it expired at {format_time(lease.expires_at)}"
+        )
     return (
         f"ProcessDied: the process delivering it ({lease.owner_id}, token "
         f"{lease.fencing_token}) stopped without releasing its lease, which expired at "
@@ -45,14 +53,17 @@ def died_text(lease: Lease) -> str:
     )
 
 
-def count_death(doc: StateDocument, lease: Lease, now: dt.datetime) -> StateDocument:
+def count_death(
+    doc: StateDocument, lease: Lease, now: dt.datetime, *, early: bool = False
+) -> StateDocument:
     """``doc`` with one more failed attempt, ended by its process's death, at its
     checkpoint; the rows a partial failure recorded as done stay done, and the
-    row handed alone when it died (``probing``) joins the rows that killed it."""
+    row handed alone when it died (``probing``) joins the rows that killed it.
+    ``early``: the holder was found dead before its lease expired."""
     record = doc.failure
     if record is not None and record.from_position not in (None, doc.position):
         record = None  # written for another checkpoint: another batch
-    text = died_text(lease)
+    text = died_text(lease, early=early)
     if record is None:
         record = FailureRecord(
             attempts=1,

@@ -93,6 +93,8 @@ class Lease:
     heartbeat_at: dt.datetime
     expires_at: dt.datetime
     released: bool = False
+    #: The process that took the lease (:mod:`dbtrigger._process`), or None.
+    process: Mapping[str, Any] | None = field(default=None, hash=False)
     #: Fields this version does not know, written back as they were read.
     extra: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
@@ -327,6 +329,7 @@ def _lease_json(lease: Lease) -> dict[str, Any]:
         "heartbeat_at": format_time(lease.heartbeat_at),
         "expires_at": format_time(lease.expires_at),
         "released": lease.released,
+        **({"process": dict(lease.process)} if lease.process is not None else {}),
     }
 
 
@@ -437,6 +440,10 @@ def _checkpoint_from_json(raw_cp: Any) -> Checkpoint:
 def _lease_from_json(raw_lease: Any) -> Lease:
     if not isinstance(raw_lease, Mapping):
         raise CorruptStateError("lease must be an object or null")
+    # Only a hint (a lease taken over early when its holder provably died): one
+    # that is not an object is kept as an unknown field and never believed.
+    process = raw_lease.get("process")
+    known = _LEASE_KEYS | {"process"} if isinstance(process, Mapping) else _LEASE_KEYS
     return Lease(
         owner_id=require(raw_lease, "owner_id", str, "lease"),
         fencing_token=require(raw_lease, "fencing_token", int, "lease"),
@@ -444,7 +451,8 @@ def _lease_from_json(raw_lease: Any) -> Lease:
         heartbeat_at=parse_time(raw_lease.get("heartbeat_at"), "lease.heartbeat_at"),
         expires_at=parse_time(raw_lease.get("expires_at"), "lease.expires_at"),
         released=typed(raw_lease, "released", bool, "lease", False),
-        extra=_unknown(raw_lease, _LEASE_KEYS),
+        process=dict(process) if isinstance(process, Mapping) else None,
+        extra=_unknown(raw_lease, known),
     )
 
 

@@ -21,6 +21,11 @@ Rules (checkpoint/lease spec, sections 6-8):
   heartbeat_at``) from when the caller first saw it unchanged (``first_seen``,
   which the runtime keeps per etag). A live owner heartbeats, which changes
   the etag and restarts that count, so it is never taken over.
+* A lease whose holder the caller has proven dead (``holder_gone``: the
+  process recorded in ``lease.process`` is of this host, boot and PID
+  namespace and no longer runs, see :mod:`dbtrigger._process`) is free at
+  once: nobody can heartbeat or commit under it any more, and the
+  conditional write still lets only one taker win.
 * Every acquisition increments the fencing token; commits, heartbeats and
   releases must present the token they acquired with.
 * A commit by the current owner/token succeeds even after the lease expired:
@@ -121,6 +126,9 @@ class Acquired:
     #: died or hung mid-tick), when it was counted as a failed attempt
     #: (``decide_acquire(count_deaths=True)``, :mod:`dbtrigger.state.crashes`).
     abandoned: Lease | None = None
+    #: The lease of a holder proven dead, taken over at once (before its expiry
+    #: and grace window would have freed it).
+    taken_early: Lease | None = None
 
 
 @dataclass(frozen=True)
@@ -241,6 +249,8 @@ def decide_acquire(
     definition: Mapping[str, Any] | None = None,
     subscribers: Collection[str] | None = None,
     count_deaths: bool = False,
+    holder_gone: bool = False,
+    process: Mapping[str, Any] | None = None,
 ) -> Acquired | Busy:
     """Take the lease, or say who holds it until when.
 
@@ -255,16 +265,25 @@ def decide_acquire(
     ``first_seen`` is when the caller first read this lease unchanged (same
     etag); it only matters for a lease written by a clock running ahead (see
     the module rules). Without it such a lease counts from ``now``.
+
+    ``holder_gone``: the caller proved that the process holding ``doc``'s lease
+    no longer runs (:func:`dbtrigger._process.gone`), so its lease is taken at
+    once, expired or not. ``process`` is the caller's own record (without the
+    token, which is added here), stored in the new lease so that the next
+    taker can tell the same of it; None stores none.
     """
     base = doc if doc is not None else new_document(poller, fingerprint, definition)
     lease = base.lease
+    early = None
     if lease is not None and not lease.released:
         expires_at, skew = believed_expiry(lease, now, first_seen)
-        if now < expires_at:
+        free_at = expires_at if lease.owner_id == owner else expires_at + grace_window(ttl)
+        if holder_gone:
+            early = lease if now < free_at else None  # (else free anyway)
+        elif now < expires_at:
             reason = "lease is live" if skew is None else "lease is live (holder's clock ahead)"
             return Busy(lease.owner_id, lease.fencing_token, expires_at, reason, skew)
-        free_at = expires_at if lease.owner_id == owner else expires_at + grace_window(ttl)
-        if now < free_at:
+        elif now < free_at:
             return Busy(lease.owner_id, lease.fencing_token, free_at, "lease in grace window", skew)
     token = (lease.fencing_token if lease is not None else 0) + 1
     new_lease = Lease(
@@ -273,13 +292,14 @@ def decide_acquire(
         acquired_at=now,
         heartbeat_at=now,
         expires_at=now + ttl,
+        process={**process, "fencing_token": token} if process is not None else None,
         extra=lease.extra if lease is not None else {},
     )
     base = recording(with_definition(base, fingerprint, definition), subscribers)
     dead = crashes.abandoned(base) if count_deaths else None
     if dead is not None:
-        base = crashes.count_death(base, dead, now)
-    return Acquired(replace(base, lease=new_lease), token, dead)
+        base = crashes.count_death(base, dead, now, early=early is not None)
+    return Acquired(replace(base, lease=new_lease), token, dead, early)
 
 
 def believed_expiry(

@@ -40,10 +40,13 @@ def no_names(binlog_db: BinlogDatabase) -> Iterator[None]:
         binlog_db.server.execute("SET GLOBAL binlog_row_metadata = 'FULL'")
 
 
-def behind(db: BinlogDatabase, *statements: str) -> tuple[list[RowChange], BinlogSource]:
+def behind(
+    db: BinlogDatabase, *statements: str, spec: str | None = None
+) -> tuple[list[RowChange], BinlogSource]:
     """A worker stopped before ``statements`` ran and started again after them; what it
     delivered in a bounded drain (it raises if delivery stops). Row 1 is written
-    before the statements, row 2 after them."""
+    before the statements, row 2 after them. ``spec``: where the trigger is defined,
+    as ``dbtrigger run`` tells it."""
     db.execute("CREATE TABLE t (id INT PRIMARY KEY, a INT, b INT, s VARCHAR(20))")
     first, store, name, got = gone.watching(db, ["t"])
     first.source.close()  # type: ignore[attr-defined]
@@ -52,6 +55,7 @@ def behind(db: BinlogDatabase, *statements: str) -> tuple[list[RowChange], Binlo
         db.execute(statement)
     db.execute("INSERT INTO t (id, a) VALUES (2, 11)")
     trigger = gone.poller(db, ["t"], store, name)
+    trigger.cli_source = spec
     trigger.drain(got.extend)
     assert isinstance(trigger.source, BinlogSource)
     return got, trigger.source
@@ -112,10 +116,11 @@ def test_an_alter_whose_names_or_key_are_not_certain_still_stops_before_them(
     binlog_db: BinlogDatabase, statement: str, shown: str
 ) -> None:
     with pytest.raises(Exception, match="was changed by a statement") as stop:
-        behind(binlog_db, statement)
+        behind(binlog_db, statement, spec="orders_app:trigger")
     said = str(stop.value)
     assert shown in said
-    assert f"dbtrigger cdc snapshot MODULE:TRIGGER --table {binlog_db.name}.t --yes" in said
+    # the command ready to paste (before: MODULE:TRIGGER, to be filled in by hand)
+    assert f"dbtrigger cdc snapshot orders_app:trigger --table {binlog_db.name}.t --yes" in said
 
 
 @pytest.mark.usefixtures("no_names")

@@ -100,7 +100,8 @@ def test_renamed_run_stops_status_and_check_say_why_reset_accept_source_reads_on
     code, err = tick(capsys, app)
     assert code == 2, err
     assert "orders was renamed to" in err
-    assert f"dbtrigger reset {app.poller} --accept-source MODULE:TRIGGER" in err
+    # the command as it is to be run (the worker knows where its trigger is defined)
+    assert f"dbtrigger reset {app.poller} --accept-source {app.spec}" in err
     assert app.delivered() == [["insert", 1, "orders"]]
     code, out, _ = run(capsys, "cdc", "status", app.spec)
     assert "delivery is held: watched table" in out
@@ -150,7 +151,7 @@ def test_a_name_another_table_was_renamed_to_reads_on_after_cdc_snapshot(
     code, err = tick(capsys, app)
     assert code == 2
     assert "given to the table that was" in err
-    assert "dbtrigger cdc snapshot MODULE:TRIGGER --table" in err
+    assert f"dbtrigger cdc snapshot {app.spec} --table" in err
     # the drop is passed now (a table is under the name), the rename is not yet
     assert app.delivered() == [["truncate", None, "orders"]]
 

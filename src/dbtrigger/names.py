@@ -12,7 +12,7 @@ import re
 import shlex
 from collections.abc import Callable
 
-from dbtrigger.errors import UnsafeIdentifierError
+from dbtrigger.errors import DbTriggerError, UnsafeIdentifierError
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _SQL_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]{0,127}$")
@@ -99,6 +99,21 @@ def import_path_of(obj: object) -> str | None:
             if value is obj and not attr.startswith("_"):
                 return f"{module_name}:{attr}"
     return None
+
+
+#: What a source's error names its trigger by in a command (``dbtrigger cdc snapshot
+#: MODULE:TRIGGER ...``): a source does not know where its trigger is defined.
+TRIGGER_PLACEHOLDER = "MODULE:TRIGGER"
+
+
+def name_trigger(exc: DbTriggerError, spec: str | None) -> DbTriggerError:
+    """``exc`` with the commands in its message naming the trigger by ``spec`` (its
+    ``module:attribute``, when known) instead of :data:`TRIGGER_PLACEHOLDER`, so that
+    they can be pasted as they are."""
+    if spec and TRIGGER_PLACEHOLDER in exc.message:
+        exc.message = exc.message.replace(TRIGGER_PLACEHOLDER, shlex.quote(spec))
+        exc.args = (exc.message, *exc.args[1:])
+    return exc
 
 
 def command_target(name: str, spec: str | None, store: str) -> str:

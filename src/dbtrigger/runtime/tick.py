@@ -53,6 +53,7 @@ from dbtrigger._gc import older_objects_frozen
 from dbtrigger._paste import pasteable
 from dbtrigger.cursor import BEGINNING, Position
 from dbtrigger.errors import DbTriggerError
+from dbtrigger.names import name_trigger
 from dbtrigger.runtime import crash_loop, let_go
 from dbtrigger.runtime.batches import BatchSequence
 from dbtrigger.runtime.heartbeat import Heartbeat
@@ -216,6 +217,7 @@ class TickDriver(BatchSequence):
                 position, window, tag=("etag", etag), max_age=CARRY_SECONDS, full_only=True
             )
         except DbTriggerError as exc:
+            name_trigger(exc, self.reader.cli_source())  # its commands ready to paste
             self.emit("fetch_failed", "fetch failed: %s", exc)
             raise
         # After the fetch: a source that cannot be read is reported once, by the fetch.

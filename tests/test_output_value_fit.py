@@ -43,6 +43,8 @@ TYPES = {
         "txt": "TEXT",
         "bin": "BYTEA",
         "flag": "BOOLEAN",
+        "day": "DATE",
+        "tod": "TIME",
     },
     "mariadb": {
         "ts": "DATETIME(6)",
@@ -59,6 +61,8 @@ TYPES = {
         "txt": "TEXT",
         "bin": "BLOB",
         "flag": "BOOLEAN",
+        "day": "DATE",
+        "tod": "TIME(6)",
     },
     "sqlite": {
         "ts": "DATETIME",
@@ -75,6 +79,8 @@ TYPES = {
         "txt": "TEXT",
         "bin": "BLOB",
         "flag": "BOOLEAN",
+        "day": "DATE",
+        "tod": "TIME",
     },
 }
 FIXTURES = {"postgresql": "pg", "mariadb": "mariadb", "sqlite": "sqlite_db"}
@@ -114,6 +120,8 @@ KEPT: dict[str, list[tuple[str, Any]]] = {
         ("txt", None),
         ("bin", b"\x00\xff"),
         ("flag", True),
+        ("day", dt.date(2026, 2, 28)),
+        ("tod", dt.time(10, 0, 0, 123456)),
     ],
     "postgresql": [
         ("tstz", dt.datetime(2026, 1, 1, 10, 0, tzinfo=PLUS_TWO)),
@@ -177,9 +185,18 @@ REFUSED = [
     ("sqlite", "big", Decimal("12345678901234567890.123456789012345678"), "SQLite keeps"),
     # PostgreSQL stored the hex escape '\x627974...' as the text.
     *((kind, "txt", b"bytes", "is bytes") for kind in TYPES),
+    # The time of day cut off (10:30 stored as the date alone), the offset dropped.
+    *((kind, "day", dt.datetime(2026, 1, 1, 10, 30), "time of day") for kind in TYPES),
+    *((kind, "tod", dt.time(10, 0, tzinfo=PLUS_TWO), "time zone") for kind in TYPES),
+    # psycopg raised a TypeError of its own (not a DbTriggerError) for text in bytea.
+    *((kind, "bin", "text", "is text") for kind in TYPES),
     # pysqlite cannot send them: a retryable OutputWriteError, for ever, before.
     ("sqlite", "i4", Decimal("2"), "SQLite's driver cannot send"),
     ("sqlite", "u", uuid.UUID(int=1), "SQLite's driver cannot send"),
+    ("sqlite", "txt", Decimal("1.10"), "SQLite's driver cannot send"),
+    ("sqlite", "txt", dt.timedelta(hours=30), "SQLite's driver cannot send"),
+    # SQLAlchemy's SQLite DATETIME refuses text: read as the database failing, before.
+    ("sqlite", "ts", "2026-01-01 10:00", "cannot store a str value"),
 ]
 
 

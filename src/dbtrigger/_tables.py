@@ -430,7 +430,9 @@ class TableHandle:
         cannot adapt (its message quotes the value's type, or the value)."""
         if isinstance(exc, sa.exc.StatementError) and not isinstance(exc, sa.exc.DBAPIError):
             for column in columns:
-                process = table.c[column].type.bind_processor(conn.dialect)
+                # The dialect's own type converts (a reflected DATETIME is SQLite's there).
+                kind = table.c[column].type.dialect_impl(conn.dialect)
+                process = kind.bind_processor(conn.dialect)
                 if process is None:
                     continue
                 for index, row in enumerate(rows):
@@ -474,6 +476,7 @@ class TableHandle:
             table=self.name,
             column=column,
             value_type=kind,
+            row=index,
         )
 
 

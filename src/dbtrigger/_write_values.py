@@ -25,8 +25,11 @@ the row and the column, as :class:`~dbtrigger.errors.OutputValueError`:
   column cannot hold as written, and on SQLite a Decimal its ``NUMERIC``
   (a binary float there) would round;
 * **bytes in a text column** (PostgreSQL stores their hex escape as the text),
-  and on SQLite a Decimal or UUID its driver cannot send to the column (it
-  failed as the database's error, retried);
+  text in a binary column (psycopg raised a TypeError of its own), a datetime
+  with a time of day in a ``DATE`` column (the time cut off), a time with a
+  zone in a ``TIME`` column (the offset dropped), and on SQLite a Decimal,
+  UUID, timedelta or time its driver cannot send to the column (it failed as
+  the database's error, retried);
 * a **row larger than MariaDB/MySQL's** ``max_allowed_packet``: the server
   drops the connection on such a statement, which reads as "server has gone
   away" (a network hiccup, retried for ever); :func:`packet_misfit` tells it
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -145,9 +149,37 @@ def refuse_values(
 
 
 def misfit(dialect: str, kind: Any, value: Any) -> str | None:
-    """Why ``value`` would reach a column of type ``kind`` changed (None: it would not):
-    the rest of the list in the module doc. The reason reads after "the value of
-    column 'c' (TYPE)"."""
+    """Why ``value`` would reach a column of type ``kind`` changed, or not at all
+    (None: it reaches it as given): the rest of the list in the module doc. The
+    reason reads after "the value of column 'c' (TYPE)"."""
+    why = _changed(dialect, kind, value)
+    if why is None and dialect == "sqlite":
+        why = _unsendable_on_sqlite(kind, value)
+    return why
+
+
+def _changed(dialect: str, kind: Any, value: Any) -> str | None:
+    if isinstance(value, dt.datetime) and isinstance(kind, sa.Date):
+        if value.tzinfo is not None or value.time() != dt.time(0):
+            return (
+                "is a datetime with a time of day (or a time zone) and the column keeps "
+                "a date: the time would be cut off. Write value.date() if the date is "
+                "what you mean, or make the column a timestamp/DATETIME"
+            )
+        return None
+    if isinstance(value, dt.time) and isinstance(kind, sa.Time):
+        if value.tzinfo is not None and not getattr(kind, "timezone", False):
+            return (
+                "is a time with a time zone and the column keeps none: the offset would "
+                "be dropped. Write the wall-clock time the column keeps "
+                "(value.replace(tzinfo=None))"
+            )
+        return _finer_than(dialect, kind, value)
+    if isinstance(value, str) and isinstance(kind, sa.LargeBinary):
+        return (
+            "is text and the column keeps bytes. Encode it (value.encode('utf-8')) or "
+            "write it to a text column"
+        )
     if isinstance(value, dt.datetime) and isinstance(kind, sa.DateTime):
         if value.tzinfo is None and getattr(kind, "timezone", False) is True:
             return (
@@ -157,8 +189,6 @@ def misfit(dialect: str, kind: Any, value: Any) -> str | None:
                 "value.replace(tzinfo=datetime.timezone.utc) for a UTC wall clock"
             )
         return _finer_than(dialect, kind, value)
-    if isinstance(value, dt.time) and isinstance(kind, sa.Time):
-        return _finer_than(dialect, kind, value)
     if isinstance(value, bool) or not isinstance(value, (int, float, Decimal)):
         if isinstance(value, (bytes, bytearray, memoryview)) and isinstance(kind, sa.String):
             return (
@@ -166,11 +196,6 @@ def misfit(dialect: str, kind: Any, value: Any) -> str | None:
                 "escape as the text, MariaDB/MySQL decode them, SQLite keeps a blob). "
                 "Decode them (value.decode('utf-8')) or write them to a binary column "
                 "(bytea, BLOB)"
-            )
-        if dialect == "sqlite" and isinstance(value, UUID) and not isinstance(kind, sa.Uuid):
-            return (
-                "is a UUID, which SQLite's driver cannot send to a column of this type. "
-                "Write str(value) (or value.hex)"
             )
         return None
     if isinstance(value, float) and not math.isfinite(value):
@@ -185,8 +210,6 @@ def misfit(dialect: str, kind: Any, value: Any) -> str | None:
                 "round it (or keep it on SQLite only). Round it yourself (int(value), "
                 "round(value)) or make the column NUMERIC/DECIMAL"
             )
-        if dialect == "sqlite" and isinstance(value, Decimal):
-            return "is a Decimal, which SQLite's driver cannot send. Write int(value)"
         return None
     if isinstance(kind, sa.Float):
         if isinstance(value, float):
@@ -212,6 +235,37 @@ def misfit(dialect: str, kind: Any, value: Any) -> str | None:
                 "has more significant digits than SQLite keeps in a NUMERIC column, which it "
                 "stores as a binary float (about 15): it would be stored rounded. Store it as "
                 "text (str(value)) in a TEXT column, or round it"
+            )
+    return None
+
+
+#: What sqlite3 cannot send itself (it raises "type ... is not supported", which read as
+#: the database failing), with what to write instead; SQLAlchemy converts them for some
+#: column types (a Decimal for NUMERIC, a UUID for Uuid), never for one reflected as text.
+_SQLITE_UNSENDABLE: tuple[tuple[type[Any], str], ...] = (
+    (Decimal, "str(value), or int(value) / float(value) for a number column"),
+    (UUID, "str(value)"),
+    (dt.timedelta, "value.total_seconds()"),
+    (dt.time, "value.isoformat()"),
+)
+
+
+@functools.cache
+def _sqlite_dialect() -> Dialect:
+    from sqlalchemy.dialects.sqlite import pysqlite  # noqa: PLC0415
+
+    return pysqlite.dialect()
+
+
+def _unsendable_on_sqlite(kind: Any, value: Any) -> str | None:
+    for python_type, instead in _SQLITE_UNSENDABLE:
+        if isinstance(value, python_type) and not isinstance(value, dt.datetime):
+            dialect = _sqlite_dialect()
+            if kind.dialect_impl(dialect).bind_processor(dialect) is not None:
+                return None  # the column type converts it (NUMERIC, TIME, Uuid)
+            return (
+                f"is a {python_type.__name__}, which SQLite's driver cannot send to a "
+                f"column of this type. Write {instead}"
             )
     return None
 

@@ -173,7 +173,7 @@ class BatchReader:
                 self.missing = self.missing()
             return None, None
         self._had_document = True
-        doc = load_state(self.store, self.name, stored, self.cli_source())
+        doc = load_state(self.store, self.name, stored, self.cli_source)  # (called if unreadable)
         if doc.source_fingerprint != self.fingerprint():
             # Only on a mismatch: older fingerprints of the same definition
             # (an earlier algorithm) still name this source.

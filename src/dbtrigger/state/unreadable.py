@@ -11,6 +11,7 @@ checked in a document that cannot be read.
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable
 
 from dbtrigger._paste import pasteable
 from dbtrigger.errors import CorruptStateError
@@ -72,16 +73,24 @@ def checkpoint_misfit(
 
 
 def load_state(
-    store: CheckpointStore, poller: str, stored: StoredDocument, spec: str | None = None
+    store: CheckpointStore,
+    poller: str,
+    stored: StoredDocument,
+    spec: str | Callable[[], str | None] | None = None,
 ) -> StateDocument:
     """The document ``store`` holds for ``poller``, parsed; :func:`unreadable_state`
-    if it is corrupt or is another poller's (copied under this name by hand)."""
+    if it is corrupt or is another poller's (copied under this name by hand).
+
+    ``spec`` may be a function that finds it: it is called only for that error
+    (a trigger's import path is found by walking every imported module's
+    globals, milliseconds that a tick reading a good document must not pay)."""
     try:
         doc = docmod.loads(stored.data)
         if doc.poller_name != poller:
             raise CorruptStateError(f"the document belongs to poller {doc.poller_name!r}")
     except CorruptStateError as exc:
-        raise unreadable_state(store, poller, exc, stored, spec) from exc
+        named = spec() if callable(spec) else spec
+        raise unreadable_state(store, poller, exc, stored, named) from exc
     return doc
 
 

@@ -213,3 +213,47 @@ def test_a_holder_of_another_host_that_stopped_renewing_is_said_at_info() -> Non
     assert "(NOT RENEWED for 1m 1" in text, text
     assert "takes the lease over once it lapses" in text
     assert _level(cadence, held(75))[0] == logging.DEBUG
+
+
+def test_a_holder_renewing_a_hung_batch_is_said_at_info_by_the_waiting_workers() -> None:
+    """A handler hung at default settings: its heartbeat renews the lease, so the other
+    workers said "lease held by ..." once and nothing after it, however long it hung
+    (its own worker says handler_slow at the TTL, in its own log only). Once the batch
+    has run past the lease TTL with no commit, a waiting worker says so once, at INFO."""
+    store = InMemoryCheckpointStore()
+    source = MemorySource([{"id": 1, "seq": 1}], cursor_column="seq", pk_columns=["id"])
+    trigger = PollTrigger(name="orders", source=source, checkpoint_store=store)
+    trigger.tick(lambda events: None)
+    source.put({"id": 2, "seq": 2})
+
+    def held(batch_began_ago: float) -> TickResult:
+        stored = store.read("orders")
+        assert stored is not None
+        doc = docmod.loads(stored.data)
+        assert doc.lease is not None
+        assert doc.checkpoint is not None
+        now = dt.datetime.now(dt.timezone.utc)
+        began = now - dt.timedelta(seconds=batch_began_ago)
+        lease = dataclasses.replace(
+            doc.lease,
+            owner_id="web-2/311/9f1c2d3e",
+            released=False,
+            acquired_at=began,
+            heartbeat_at=now - dt.timedelta(seconds=5),
+            expires_at=now + dt.timedelta(seconds=115),
+        )
+        checkpoint = dataclasses.replace(doc.checkpoint, updated_at=began)
+        changed = dataclasses.replace(doc, lease=lease, checkpoint=checkpoint)
+        store.write("orders", docmod.dumps(changed), if_match=stored.etag)
+        assert trigger.tick_result(lambda events: None).outcome == "lease_busy"
+        assert trigger.last_result is not None
+        return trigger.last_result
+
+    cadence = QuietCadence()
+    assert _level(cadence, held(30))[0] == logging.INFO
+    assert _level(cadence, held(90))[0] == logging.DEBUG  # a batch within its TTL
+    level, text = _level(cadence, held(150))
+    assert level == logging.INFO
+    assert "(renewed, but nothing committed under it for 2m 30s" in text, text
+    assert "handler_slow" in text
+    assert _level(cadence, held(160))[0] == logging.DEBUG

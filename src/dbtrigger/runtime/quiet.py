@@ -100,7 +100,8 @@ def quiet_key(result: object) -> Hashable | None:
         # the DEBUG repeats of "lease held by" until the lease lapses.
         holder_gone = getattr(result, "holder_gone", False)
         stale = getattr(result, "not_renewed_seconds", None) is not None
-        return ("lease", getattr(result, "holder", None), bool(holder_gone), stale)
+        hung = getattr(result, "held_past_ttl_seconds", None) is not None
+        return ("lease", getattr(result, "holder", None), bool(holder_gone), stale, hung)
     return None
 
 

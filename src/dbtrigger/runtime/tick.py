@@ -53,6 +53,7 @@ from dbtrigger._gc import older_objects_frozen
 from dbtrigger._paste import pasteable
 from dbtrigger.cursor import BEGINNING, Position
 from dbtrigger.errors import DbTriggerError
+from dbtrigger.health import held_past_ttl
 from dbtrigger.names import name_trigger
 from dbtrigger.runtime import crash_loop, let_go
 from dbtrigger.runtime.batches import BatchSequence
@@ -206,6 +207,7 @@ class TickDriver(BatchSequence):
                 release_command=self.release_command(decision.holder),
                 own_tick=decision.holder == s.owner_id,
                 not_renewed_seconds=not_renewed(doc, started_at),
+                held_past_ttl_seconds=held_past_ttl(doc, started_at) if doc else None,
             )
 
         if self.set_report is not None:

@@ -229,6 +229,10 @@ class TickResult:
     #: renewal (not renewed for half its TTL: killed, hung or cut off from the
     #: store), else None (``lease_busy``).
     not_renewed_seconds: float | None = None
+    #: Seconds ``holder`` has held the lease, renewed, with no commit under it, when
+    #: that is longer than its TTL (one batch past it: a slow or hung handler), else
+    #: None (``lease_busy``).
+    held_past_ttl_seconds: float | None = None
     held_back: bool = False
     held_back_seconds: float = 0.0
     blocking_pid: int | None = None
@@ -314,6 +318,13 @@ class TickResult:
                 "was killed, hangs or lost the store; this worker takes the lease over "
                 "once it lapses)"
             )
+        if self.held_past_ttl_seconds is not None and not stale:
+            stale = (
+                f" (renewed, but nothing committed under it for "
+                f"{_for_how_long(self.held_past_ttl_seconds)}: one batch longer than the lease "
+                "TTL, a slow or hung handler; its worker logs handler_slow, and the lease is "
+                "not taken over while it is renewed)"
+            )
         return f"lease held by {holder}{until}{gone}{stale}{nxt}"
 
     def summary(self, interval: float | None) -> tuple[str, dict[str, Any]]:
@@ -384,6 +395,8 @@ class TickResult:
             fields["lease_until"] = self.lease_until.isoformat()
         if self.not_renewed_seconds is not None:
             fields["not_renewed_seconds"] = round(self.not_renewed_seconds, 1)
+        if self.held_past_ttl_seconds is not None:
+            fields["held_past_ttl_seconds"] = round(self.held_past_ttl_seconds, 1)
         if self.window_withheld:
             fields["window_withheld"] = self.window_withheld
         if self.held_back:

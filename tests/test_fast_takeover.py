@@ -35,11 +35,14 @@ import pytest
 from azure.storage.blob import BlobServiceClient
 
 from dbtrigger import FileCheckpointStore, _process
+from dbtrigger.errors import ReplayRefusedError
+from dbtrigger.replay.batches import ReplayLease
 from dbtrigger.state import document as docmod
 from dbtrigger.state import lease as L
 from dbtrigger.state.document import Lease, StateDocument
 from dbtrigger.state.stores import BlobCheckpointStore, SqlCheckpointStore
 from dbtrigger.state.stores.base import CheckpointStore
+from tests import test_crash_loop as loop
 from tests.azurite import Azurite
 from tests.databases import TestDatabase, make_database
 from tests.reliability_support import (
@@ -204,6 +207,25 @@ def test_each_death_is_counted_once_when_a_restarted_worker_takes_over_at_once(
     assert f"lease holder second (token 3, pid {second} on this host)" in err, err
     assert "counted as failed attempt 2 of max_attempts=5" in err, err
     assert read_doc(state).failure is None, "the commit cleared the count"
+
+
+def test_a_crash_loop_is_recognised_without_waiting_a_ttl_per_death(
+    sqlite_db: TestDatabase, tmp_path: Path
+) -> None:
+    # The handler calls os._exit on row 7 every time (tests/chaos/crash_loop_worker.py),
+    # with the default TTL: each restart ticks for at most 60 s, under one TTL.
+    add_items(sqlite_db, items_table(sqlite_db), loop.ROWS)
+    runs = loop._restart_until_settled(
+        sqlite_db, tmp_path, restarts=loop.MAX_ATTEMPTS + 2, extra=("--ttl", "120")
+    )
+    codes = [run.returncode for run in runs]
+    assert codes == [1] * loop.MAX_ATTEMPTS + [3], (codes, runs[-1].stderr)
+    assert "CrashLoopError" in runs[-1].stderr, runs[-1].stderr
+    taken = "".join(run.stderr for run in runs).count("is no longer running")
+    assert taken == loop.MAX_ATTEMPTS, "each restart took the dead one's lease at once"
+    doc = read_doc(FileCheckpointStore(tmp_path / "state"))
+    assert doc.failure is not None
+    assert (doc.failure.attempts, doc.failure.crashes) == (loop.MAX_ATTEMPTS, loop.MAX_ATTEMPTS)
 
 
 def test_a_live_holder_in_another_process_of_this_host_is_not_taken_over(
@@ -404,6 +426,39 @@ def _lease_with(recorded: dict[str, Any]) -> Lease:
     return Lease(
         "w", 9, now, now, now + dt.timedelta(minutes=2), process={**recorded, "fencing_token": 9}
     )
+
+
+def _recorded_as(store: CheckpointStore, key: str, process: dict[str, Any]) -> None:
+    """Rewrite the record of ``key``'s lease to name ``process`` (same token)."""
+    stored = store.read(key)
+    assert stored is not None
+    doc = docmod.loads(stored.data)
+    assert doc.lease is not None
+    recorded = {**process, "fencing_token": doc.lease.fencing_token}
+    changed = replace(doc, lease=replace(doc.lease, process=recorded))
+    store.write(key, docmod.dumps(changed), if_match=stored.etag)
+
+
+def test_a_replay_killed_half_way_leaves_a_lease_the_next_replay_takes_at_once(
+    sqlite_db: TestDatabase, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = FileCheckpointStore(tmp_path / "state")
+    trigger, _ = _first_batch(sqlite_db, store)
+    now = dt.datetime.now(UTC)
+    ReplayLease.take(store, trigger, "replay:first", now)
+    live = _sleeper()
+    try:
+        _recorded_as(store, "items.replay", _record_of(live))
+        with pytest.raises(ReplayRefusedError, match="another replay of 'items' holds"):
+            ReplayLease.take(store, trigger, "replay:second", now)
+    finally:
+        live.kill()
+        live.wait()
+    _recorded_as(store, "items.replay", _dead_process())
+    with caplog.at_level("WARNING", logger="dbtrigger"):
+        taken = ReplayLease.take(store, trigger, "replay:second", now)
+    assert taken.token == 2
+    assert "the replay of 'items' by replay:first (token 1) is no longer running" in caplog.text
 
 
 # --- the pure rule and the document -----------------------------------------------------

@@ -39,11 +39,13 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import inspect
+import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from dbtrigger import _process
 from dbtrigger.cursor import Position, canonical_json
 from dbtrigger.errors import CasConflictError, ReplayRefusedError
 from dbtrigger.events import RowChange
@@ -69,6 +71,8 @@ from dbtrigger.state import lease as leasemod
 from dbtrigger.state import operations as ops
 from dbtrigger.state.document import StateDocument, parse_time, position_from_json
 from dbtrigger.state.stores.base import CheckpointStore
+
+log = logging.getLogger(__name__)
 
 #: Log-based sources replay their log's own images while the log holds them;
 #: what makes a log stop holding a range, per source, for a refusal to say.
@@ -260,6 +264,8 @@ class ReplayLease:
         key = replay_key(trigger.name)
         stored = store.read(key)
         doc = docmod.loads(stored.data) if stored is not None else None
+        # A replay killed mid-way (its process gone, on this machine) holds nothing.
+        gone = _process.gone(doc.lease if doc is not None else None)
         decision = leasemod.decide_acquire(
             doc,
             poller=key,
@@ -267,6 +273,8 @@ class ReplayLease:
             owner=owner,
             now=now,
             ttl=max(trigger.lease_ttl, dt.timedelta(minutes=10)),
+            holder_gone=gone is not None,
+            process=_process.this_process(),
         )
         if isinstance(decision, leasemod.Busy):
             raise ReplayRefusedError(
@@ -285,6 +293,19 @@ class ReplayLease:
             raise ReplayRefusedError(
                 f"another replay of {trigger.name!r} started just now"
             ) from exc
+        dead = decision.taken_early
+        if dead is not None:
+            log.warning(
+                "the replay of %r by %s (token %s) is no longer running (%s): its lease on %r, "
+                "valid until %s, taken over at once",
+                trigger.name,
+                dead.owner_id,
+                dead.fencing_token,
+                gone,
+                key,
+                docmod.format_time(dead.expires_at),
+                extra={"event": "lease_holder_gone", "poller": key, "dead_owner": dead.owner_id},
+            )
         return cls(store, key, decision.document, etag, decision.fencing_token, owner)
 
     def release(self, entry: Mapping[str, Any] | None, now: dt.datetime) -> None:

@@ -180,3 +180,28 @@ def test_a_time_zone_this_machine_does_not_know_is_named_and_read_as_utc(
     assert "WEBSITE_TIME_ZONE" in record.getMessage()
     assert repr(name) in record.getMessage()
     assert "IANA" in record.getMessage()
+
+
+@pytest.mark.parametrize("sku", ["Dynamic", "FlexConsumption"])
+def test_a_plan_that_ignores_website_time_zone_is_named_and_read_as_utc(
+    sku: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    forget_zones: None,
+) -> None:
+    """Linux Consumption and Flex Consumption hosts do not read WEBSITE_TIME_ZONE and
+    fire in UTC: the interval is the UTC one, and a warning says the setting does
+    nothing there."""
+    monkeypatch.setenv("WEBSITE_TIME_ZONE", "America/New_York")
+    monkeypatch.setenv("WEBSITE_SKU", sku)
+    caplog.set_level(logging.WARNING, logger="dbtrigger")
+    with pytest.warns(LeaseScheduleWarning, match="7200 s"):
+        check_schedule(1.5 * HOUR, "0 0 1,3 * * *")
+    (record,) = [r for r in caplog.records if r.__dict__.get("event") == "time_zone_ignored"]
+    assert "WEBSITE_TIME_ZONE" in record.getMessage()
+    assert f"WEBSITE_SKU={sku}" in record.getMessage()
+
+    monkeypatch.setenv("WEBSITE_SKU", "ElasticPremium")  # Premium reads it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LeaseScheduleWarning)
+        check_schedule(1.5 * HOUR, "0 0 1,3 * * *")

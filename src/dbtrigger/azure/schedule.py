@@ -28,7 +28,9 @@ interval schedule (``*``, ``/`` or ``-`` in its time fields) in the repeated
 hour, at the same spacing, which makes no gap shorter. A zone this machine
 does not know (a Windows name such as ``W. Europe Standard Time``, which only
 Windows plans read, or a typo) is reported with a warning naming the setting,
-and the interval is measured in UTC, as a Linux host runs the timer then.
+and the interval is measured in UTC, as a Linux host runs the timer then. So
+is the setting on a Consumption or Flex Consumption plan (``WEBSITE_SKU``
+``Dynamic`` or ``FlexConsumption``), whose Linux hosts do not read it.
 """
 
 from __future__ import annotations
@@ -367,15 +369,36 @@ def lease_schedule_conflict(
 TIME_ZONE_SETTING = "WEBSITE_TIME_ZONE"
 
 
+#: The plans (``WEBSITE_SKU``, set by the platform) whose Linux hosts ignore
+#: ``WEBSITE_TIME_ZONE``: Consumption and Flex Consumption fire schedules in UTC.
+_UTC_ONLY_SKUS = frozenset({"dynamic", "flexconsumption"})
+
+
 def host_time_zone(environ: Mapping[str, str] | None = None) -> dt.tzinfo | None:
     """The zone of ``WEBSITE_TIME_ZONE`` (None: not set, or UTC). A name this machine
-    does not know is logged as a warning, once per name, and read as UTC."""
-    name = environment(environ).get(TIME_ZONE_SETTING, "").strip()
-    return _zone(name) if name else None
+    does not know, or a plan that ignores the setting, is logged as a warning, once,
+    and read as UTC, as the host then fires the schedule."""
+    env = environment(environ)
+    name = env.get(TIME_ZONE_SETTING, "").strip()
+    if not name:
+        return None
+    return _zone(name, env.get("WEBSITE_SKU", "").strip())
 
 
 @functools.lru_cache(maxsize=8)
-def _zone(name: str) -> dt.tzinfo | None:
+def _zone(name: str, sku: str) -> dt.tzinfo | None:
+    if sku.lower() in _UTC_ONLY_SKUS:
+        log.warning(
+            "app setting %s is %r, but this plan (WEBSITE_SKU=%s: Consumption or Flex "
+            "Consumption on Linux) does not read it: the host fires timer schedules in "
+            "UTC, and their intervals are measured in UTC. Write the schedule in UTC, or "
+            "move to a Premium or Dedicated plan to use a time zone",
+            TIME_ZONE_SETTING,
+            name,
+            sku,
+            extra={"event": "time_zone_ignored", "setting": TIME_ZONE_SETTING},
+        )
+        return None
     try:
         return zoneinfo.ZoneInfo(name)
     except (zoneinfo.ZoneInfoNotFoundError, ValueError, OSError):

@@ -449,6 +449,10 @@ def test_a_fan_out_dead_letter_names_its_subscribers_and_a_replay_settles_only_t
     search.retry.clear()
     code, out = cli("replay", "--subscriber", "search", "--reason", "index fixed", "--yes")
     assert code == 0, out
+    # Settled for search alone: the line says billing still owes it (it said "settled").
+    assert "settled for search; still dead for billing" in out, out
+    assert "1 settled for search, 0 rejected again, 0 failed; 1 of them still dead" in out, out
+    assert "replay again once fixed" not in out  # nothing failed
     assert [int(e.pk["id"]) for e, _ in search.seen] == [3]  # not 4: it took 4
     assert billing.seen == []
     assert listed() == [3, 4]  # 3 still waits for billing

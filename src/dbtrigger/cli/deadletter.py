@@ -382,12 +382,8 @@ def _replay(
                     result=result,
                     values={"count": count},
                 )
-        for o in outcomes:
-            console.print(f"  {o.event_id}  {o.result}{': ' + o.detail if o.detail else ''}")
-        console.print(
-            f"{counts['settled']} settled, {counts['rejected']} rejected again, "
-            f"{counts['failed']} failed (still dead; replay again once fixed)"
-        )
+        for line in dl.replay_report(outcomes, letters, sub, counts):
+            console.print(line)
         entry = _journal(
             args,
             store,

@@ -515,6 +515,34 @@ def replay_one(
 ACTION_OF = {"settled": "replayed", "rejected": "replay_rejected", "failed": "replay_failed"}
 
 
+def replay_report(
+    outcomes: Sequence[ReplayOutcome],
+    letters: Sequence[DeadLetter],
+    subscriber: str | None,
+    counts: Mapping[str, int],
+) -> list[str]:
+    """What ``dead-letter replay`` prints: a line per event, then the counts. A fan-out
+    letter ``subscriber`` took is settled for it alone: the line names who still owes
+    it (it stays dead, listed, for them), rather than "settled" as if it were gone."""
+    lines, owed = [], 0
+    for o, letter in zip(outcomes, letters, strict=True):
+        others = [n for n in letter.waiting_for() if n != subscriber] if subscriber else []
+        result = o.result
+        if o.result == "settled" and others:
+            owed += 1
+            result = f"settled for {subscriber}; still dead for {', '.join(others)}"
+        lines.append(f"  {o.event_id}  {result}{': ' + o.detail if o.detail else ''}")
+    still = (
+        " (still dead; replay again once fixed)" if counts["rejected"] + counts["failed"] else ""
+    )
+    lines.append(
+        f"{counts['settled']} settled{f' for {subscriber}' if subscriber else ''}, "
+        f"{counts['rejected']} rejected again, {counts['failed']} failed{still}"
+        + (f"; {owed} of them still dead for other subscribers (replay to each)" if owed else "")
+    )
+    return lines
+
+
 def record_proxy(record: QuarantineRecord) -> Mapping[str, Any]:
     """A record as JSON for ``show``, values decoded for reading."""
     return MappingProxyType(record.to_json())

@@ -35,6 +35,7 @@ import pytest
 from azure.storage.blob import BlobServiceClient
 
 from dbtrigger import FileCheckpointStore, _process
+from dbtrigger.cli import main as cli_main
 from dbtrigger.errors import ReplayRefusedError
 from dbtrigger.replay.batches import ReplayLease
 from dbtrigger.state import document as docmod
@@ -173,7 +174,7 @@ def test_a_worker_restarted_after_a_sigkill_mid_batch_resumes_without_waiting_th
 
 
 def test_each_death_is_counted_once_when_a_restarted_worker_takes_over_at_once(
-    sqlite_db: TestDatabase, tmp_path: Path
+    sqlite_db: TestDatabase, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     add_items(sqlite_db, items_table(sqlite_db), ROWS)
     state = FileCheckpointStore(tmp_path / "state")
@@ -199,6 +200,11 @@ def test_each_death_is_counted_once_when_a_restarted_worker_takes_over_at_once(
         "fencing_token",
     }, "no command line, user or environment"
     assert checkpoint_id(state) == 5
+    # What an operator sees meanwhile, before any worker was started again.
+    assert cli_main(["status", "items", "--store", f"file:{tmp_path / 'state'}"]) == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert f"(its process, pid {second} on this host, is gone: pid {second} no longer" in shown
+    assert "a worker started on this machine takes the lease over at once" in shown
     code, out, err = _run(sqlite_db, tmp_path, store, "third")
     assert code == 0, err
     assert "first_delivery_s=" in out, out

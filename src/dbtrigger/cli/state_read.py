@@ -157,7 +157,7 @@ def _lease_status(lease: Any, now: dt.datetime, target: str, doc: Any) -> dict[s
     gone = ""
     if not lease.released and state != "expired":
         release = f"dbtrigger release-lease {target} --force --reason R --yes"
-        gone = gone_holder(lease.owner_id, pasteable(release))
+        gone = gone_holder(lease.owner_id, pasteable(release), lease)
     return {
         "state": state,
         "owner_id": lease.owner_id,

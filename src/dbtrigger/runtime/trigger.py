@@ -26,10 +26,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
+from dbtrigger import _process
 from dbtrigger.runtime.kernel import Handler
 
 if TYPE_CHECKING:
     from typing_extensions import Self
+
+    from dbtrigger.state.document import Lease
 
 
 #: Batches per tick unless configured: one. A tick is then short and its
@@ -51,15 +54,26 @@ def default_owner_id() -> str:
     return f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
 
 
-def gone_holder(owner: str | None, release: str | None = None) -> str:
+def gone_holder(owner: str | None, release: str | None = None, lease: Lease | None = None) -> str:
     """What to say of a lease holder that was a process of this host no longer running.
 
-    A worker killed (``kill -9``, a crash, a closed terminal) leaves its lease to
-    lapse a TTL later; the one started in its place waits that long, told only
-    "lease held by ... until ...". It cannot take the lease itself: the pid may
-    be another container's (a shared host name), so it says what it sees, and
-    ``release``, the command that frees the lease (its poller and store filled in).
+    A worker killed (``kill -9``, a crash, a closed terminal) leaves its lease
+    unreleased. When ``lease`` records a process of this machine that provably
+    died (:mod:`dbtrigger._process`), a worker started here takes it over at
+    once, and this says so. Otherwise the lease lapses a TTL later and the one
+    started in its place waits that long, told only "lease held by ... until
+    ...": going by the owner id alone, the pid may be another container's (a
+    shared host name), so it says what it sees, and ``release``, the command
+    that frees the lease (its poller and store filled in).
     """
+    command = release or "dbtrigger release-lease POLLER --force --reason R --yes"
+    why = _process.gone(lease) if lease is not None else None
+    if why is not None and lease is not None and lease.process is not None:
+        return (
+            f" (its process, pid {lease.process.get('pid')} on this host, is gone: {why}; "
+            f"a worker started on this machine takes the lease over at once, or `{command}` "
+            "frees it now)"
+        )
     host, _, rest = (owner or "").partition("/")
     pid_text = rest.partition("/")[0]
     ours = os.name == "posix" and host == socket.gethostname()
@@ -68,7 +82,6 @@ def gone_holder(owner: str | None, release: str | None = None) -> str:
     try:
         os.kill(int(pid_text), 0)  # signal 0: only asks whether it exists (POSIX)
     except ProcessLookupError:
-        command = release or "dbtrigger release-lease POLLER --force --reason R --yes"
         return (
             f" (pid {pid_text} is not running on this host: a worker that stopped without "
             f"releasing its lease; it lapses then, or `{command}` frees it now)"

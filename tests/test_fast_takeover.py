@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from azure.data.tables import TableClient
 from azure.storage.blob import BlobServiceClient
 
 from dbtrigger import FileCheckpointStore, _process
@@ -41,7 +42,7 @@ from dbtrigger.replay.batches import ReplayLease
 from dbtrigger.state import document as docmod
 from dbtrigger.state import lease as L
 from dbtrigger.state.document import Lease, StateDocument
-from dbtrigger.state.stores import BlobCheckpointStore, SqlCheckpointStore
+from dbtrigger.state.stores import BlobCheckpointStore, SqlCheckpointStore, TableCheckpointStore
 from dbtrigger.state.stores.base import CheckpointStore
 from tests import test_crash_loop as loop
 from tests.azurite import Azurite
@@ -321,7 +322,9 @@ STORES = [
     "file",
     "sql-sqlite",
     pytest.param("sql-postgresql", marks=pytest.mark.postgresql),
+    pytest.param("sql-mariadb", marks=pytest.mark.mariadb),
     pytest.param("blob", marks=pytest.mark.azurite),
+    pytest.param("table", marks=pytest.mark.azurite),
 ]
 
 
@@ -338,6 +341,16 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Checkpoint
                 yield sql
             finally:
                 sql.close()
+    elif kind == "table":
+        azurite_: Azurite = request.getfixturevalue("azurite")
+        name = f"t{uuid.uuid4().hex[:20]}"
+        table = TableCheckpointStore(connection_string=azurite_.connection_string, table=name)
+        try:
+            yield table
+        finally:
+            table.close()
+            with TableClient.from_connection_string(azurite_.connection_string, name) as client:
+                client.delete_table()
     else:
         azurite: Azurite = request.getfixturevalue("azurite")
         container = f"t{uuid.uuid4().hex[:20]}"

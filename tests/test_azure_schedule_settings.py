@@ -205,3 +205,44 @@ def test_a_plan_that_ignores_website_time_zone_is_named_and_read_as_utc(
     with warnings.catch_warnings():
         warnings.simplefilter("error", LeaseScheduleWarning)
         check_schedule(1.5 * HOUR, "0 0 1,3 * * *")
+
+
+@pytest.mark.parametrize("late", ["ttl", "schedule"])
+def test_a_lease_too_short_for_the_schedule_is_named_at_the_first_invocation(
+    late: str,
+    sqlite_db: TestDatabase,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A TTL given as a %SETTING% is not known at import, and a schedule setting set
+    only after it: the lease was then never checked against the schedule (a 60 s
+    lease under a 5 minute timer passed without a word). It is checked at the first
+    invocation that has both, and logged once."""
+    table = orders_table(sqlite_db)
+    insert(sqlite_db, table, [{"id": 1, "updated_at": naive(1)}])
+    tag = uuid.uuid4().hex[:8]
+    app = APP.replace("lease_ttl_seconds=600", f'lease_ttl_seconds="%TTL_{tag}%"')
+    # One of the two settings is set only after the import.
+    monkeypatch.setenv(
+        f"ORDERS_SCHEDULE_{tag}" if late == "ttl" else f"TTL_{tag}",
+        ("0 */5 * * * *" if late == "ttl" else "60"),
+    )
+    path = tmp_path / f"function_app_{tag}.py"
+    path.write_text(textwrap.dedent(app.format(tag=tag, url=sqlite_db.url)))
+    caplog.set_level(logging.WARNING, logger="dbtrigger")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LeaseScheduleWarning)  # nothing to say at import
+        module = load(path, f"function_app_{tag}")
+    orders = {f.get_function_name(): f for f in module.app.get_functions()}["orders"]
+    monkeypatch.setenv(f"ORDERS_SCHEDULE_{tag}", "0 */5 * * * *")
+    monkeypatch.setenv(f"TTL_{tag}", "60")
+
+    for _ in range(2):
+        orders.get_user_function()(timer=TimerRequest(past_due=False))
+    assert module.SEEN == [1]
+    named = [r for r in caplog.records if r.__dict__.get("event") == "lease_schedule_conflict"]
+    assert len(named) == 1, [r.getMessage() for r in named]
+    assert "lease_ttl_seconds=60" in named[0].getMessage()
+    assert "300 s" in named[0].getMessage()
+    assert named[0].__dict__["poller"] == "orders"

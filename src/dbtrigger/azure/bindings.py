@@ -54,7 +54,7 @@ from dbtrigger.azure.host import (
 from dbtrigger.azure.inputs import input_binding, reader_binding, writer_binding
 from dbtrigger.azure.output import output_binding
 from dbtrigger.azure.record import attach, binding_of
-from dbtrigger.azure.schedule import check_schedule, checked_schedule
+from dbtrigger.azure.schedule import ScheduleCheck, check_schedule
 from dbtrigger.errors import ConfigurationError, ContentionError
 from dbtrigger.metrics import MetricsCollector
 from dbtrigger.partitions.member import PartitionedPoller
@@ -63,6 +63,7 @@ from dbtrigger.sources.base import SourceAdapter
 from dbtrigger.state.stores.base import CheckpointStore
 
 if TYPE_CHECKING:
+    from dbtrigger.output import OutputTarget
     from dbtrigger.queue.source import ClaimSource
     from dbtrigger.queue.trigger import QueueTrigger
 
@@ -195,23 +196,13 @@ class DbBindings:
             )
             prepared = lazy.prepared()
             ttl = prepared.lease_ttl.total_seconds() if prepared is not None else None
-            schedule_setting = check_schedule(ttl, schedule)
+            schedule_check = check_schedule(ttl, schedule)
             output = binding_of(fn).output
             if output is not None and ttl is not None:
                 output.fit_lease(ttl)  # a lock wait longer than that is refused now
 
             def ready() -> PollTrigger:
-                """The poller, after the output binding's settings resolved: a missing
-                one fails the invocation before anything is fetched or handled (so
-                does a schedule setting that is missing or malformed)."""
-                if schedule_setting:
-                    checked_schedule(schedule_setting)
-                if output is None:
-                    return lazy.get()
-                output.dialect  # noqa: B018 - resolves the URL's %SETTING% now
-                poll = lazy.get()
-                output.fit_lease(poll.lease_ttl.total_seconds())
-                return poll
+                return _ready(lazy, output, schedule_check, poller_name)
 
             def run(call: dict[str, Any]) -> None:
                 handler = make_handler(call)
@@ -321,6 +312,26 @@ class DbBindings:
             return fn
 
         return decorator
+
+
+def _ready(
+    lazy: Lazy[PollTrigger],
+    output: OutputTarget | None,
+    schedule_check: ScheduleCheck | None,
+    poller: str,
+) -> PollTrigger:
+    """The poller, after the output binding's settings resolved: a missing one fails
+    the invocation before anything is fetched or handled (so does a schedule setting
+    that is missing or malformed; a lease too short for the schedule is logged once)."""
+    schedule = schedule_check.resolved() if schedule_check is not None else None
+    if output is not None:
+        output.dialect  # noqa: B018 - resolves the URL's %SETTING% now
+    poll = lazy.get()
+    if schedule_check is not None and schedule is not None:
+        schedule_check.check_lease(poller, poll.lease_ttl.total_seconds(), schedule)
+    if output is not None:
+        output.fit_lease(poll.lease_ttl.total_seconds())
+    return poll
 
 
 def _quiet(poller: str, exc: ContentionError) -> None:

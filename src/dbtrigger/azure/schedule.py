@@ -454,18 +454,54 @@ def checked_schedule(schedule: str, environ: Mapping[str, str] | None = None) ->
     return resolved
 
 
-def check_schedule(lease_ttl_seconds: float | None, schedule: str | None) -> str | None:
+class ScheduleCheck:
+    """What each invocation of a function checks of its ``schedule=``: a ``%SETTING%``
+    resolved again (the invocation fails until it is right, :func:`checked_schedule`),
+    and, once, the lease against the interval when the import could not (the TTL a
+    ``%SETTING%`` of its own, or the schedule's setting not usable yet): a conflict
+    is then a warning in the log (``lease_schedule_conflict``), naming the poller."""
+
+    def __init__(self, schedule: str, *, lease_checked: bool) -> None:
+        self.schedule = schedule
+        self.setting = setting_name(schedule) is not None
+        self.lease_checked = lease_checked
+
+    def resolved(self) -> str:
+        """The schedule, its setting read again.
+
+        Raises:
+            DeferredSettingError: the schedule's setting is missing or malformed.
+        """
+        return checked_schedule(self.schedule) if self.setting else self.schedule
+
+    def check_lease(self, poller: str, lease_ttl_seconds: float, resolved: str) -> None:
+        """Log a lease shorter than the interval of ``resolved``, once, when the import
+        could not tell."""
+        if self.lease_checked:
+            return
+        self.lease_checked = True
+        problem = lease_schedule_conflict(lease_ttl_seconds, resolved, host_time_zone())
+        if problem:
+            log.warning(
+                "poller %s: %s",
+                poller,
+                problem,
+                extra={"event": "lease_schedule_conflict", "poller": poller},
+            )
+
+
+def check_schedule(lease_ttl_seconds: float | None, schedule: str | None) -> ScheduleCheck | None:
     """Refuse a literal schedule that is malformed or never fires; warn when the lease
-    is shorter than its interval (not checked when the TTL is not known yet, None).
+    is shorter than its interval (checked at the first invocation instead when the TTL
+    is not known yet, None).
 
     A ``%SETTING%`` schedule that is missing or malformed is only logged here (a
     warning naming the setting): the app still imports and indexes every other
-    function. Returns the ``%SETTING%`` reference the function's invocations must
-    check again (:func:`checked_schedule`: they fail until it is right), or None.
+    function. Returns what the function's invocations check (:class:`ScheduleCheck`),
+    None without a schedule.
     """
     if schedule is None:
         return None
-    again = schedule if setting_name(schedule) else None
     try:
         resolved = checked_schedule(schedule)
     except DeferredSettingError as exc:
@@ -474,18 +510,20 @@ def check_schedule(lease_ttl_seconds: float | None, schedule: str | None) -> str
             exc,
             extra={"event": "schedule_setting_unusable", "setting": setting_name(schedule)},
         )
-        return again
-    if lease_ttl_seconds is not None:
-        problem = lease_schedule_conflict(lease_ttl_seconds, resolved, host_time_zone())
-        if problem:
-            # stacklevel: warn -> check_schedule -> decorator -> the user's module
-            warnings.warn(problem, LeaseScheduleWarning, stacklevel=3)
-    return again
+        return ScheduleCheck(schedule, lease_checked=False)
+    if lease_ttl_seconds is None:
+        return ScheduleCheck(schedule, lease_checked=False)
+    problem = lease_schedule_conflict(lease_ttl_seconds, resolved, host_time_zone())
+    if problem:
+        # stacklevel: warn -> check_schedule -> decorator -> the user's module
+        warnings.warn(problem, LeaseScheduleWarning, stacklevel=3)
+    return ScheduleCheck(schedule, lease_checked=True)
 
 
 __all__ = [
     "TIME_ZONE_SETTING",
     "LeaseScheduleWarning",
+    "ScheduleCheck",
     "check_schedule",
     "checked_schedule",
     "host_time_zone",

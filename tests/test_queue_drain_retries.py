@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import threading
 from typing import Any
 
 import pytest
@@ -119,3 +120,40 @@ def test_a_queue_worker_is_caught_up_when_nothing_waits(db: TestDatabase) -> Non
         source.close()
     assert [r.caught_up for r in reports][-1:] == [True]
     assert reports[-1].delivered == 3
+
+
+def test_a_queue_worker_says_which_rows_another_claim_holds(db: TestDatabase) -> None:
+    """Three workers on a queue, one killed mid-claim: the others said "caught up" and
+    "idle: nothing claimable" for the minute until its claim expired, nothing about
+    the rows it held. The tick that counts retries counts the rows under a live claim
+    too, and its line says when the first such claim expires."""
+    source, busy = _queue(db)
+    busy._driver.settings = dataclasses.replace(busy._driver.settings, batch_size=2)
+    other = ClaimSource(url=db.url, table="jobs", schema=db.schema, pk_columns=["id"])
+    worker = QueueTrigger(name="jobs", source=other, batch_size=10)
+    inside, let_go = threading.Event(), threading.Event()
+
+    def holds(events: Any) -> None:
+        inside.set()
+        let_go.wait(30)
+
+    thread = threading.Thread(target=busy.tick_result, args=(holds,), daemon=True)
+    thread.start()
+    try:
+        assert inside.wait(30)
+        result = worker.tick_result(lambda events: None)
+        assert (result.claimed, result.claimed_elsewhere) == (1, 2)
+        assert result.claim_expires_at is not None
+        left = (result.claim_expires_at - dt.datetime.now(dt.timezone.utc)).total_seconds()
+        assert 50 < left <= 60  # the busy worker's visibility timeout
+        assert (
+            "2 row(s) under another claim (a worker at work, or one that stopped"
+            in (result.summary(0)[0])
+        )
+    finally:
+        let_go.set()
+        thread.join(30)
+        worker.close()
+        other.close()
+        busy.close()
+        source.close()

@@ -91,6 +91,10 @@ class QueueTickResult:
     #: (see :meth:`QueueTrigger.tick_result <dbtrigger.QueueTrigger.tick_result>`).
     waiting_retries: int = 0
     next_retry_at: dt.datetime | None = None
+    #: Rows under another live claim then, and when the first claim expires (a
+    #: worker at work, or one killed mid-claim: claimable again once it expires).
+    claimed_elsewhere: int = 0
+    claim_expires_at: dt.datetime | None = None
 
     @property
     def caught_up(self) -> bool:
@@ -125,6 +129,13 @@ class QueueTickResult:
             waiting = f"; {self.waiting_retries:,} row(s) waiting for a retry" + (
                 f", the first due at {due:%H:%M:%S}Z" if due is not None else ""
             )
+        if self.claimed_elsewhere and self.claim_expires_at is not None:
+            fields["claimed_elsewhere"] = self.claimed_elsewhere
+            waiting += (
+                f"; {self.claimed_elsewhere:,} row(s) under another claim (a worker at work, or "
+                f"one that stopped: claimable again when it expires, the first at "
+                f"{self.claim_expires_at:%H:%M:%S}Z)"
+            )
         if self.outcome == "idle" and not (self.rows or self.retried or self.dead):
             return f"idle: nothing claimable{waiting}", fields
         # "dead", not "dead-lettered": without a dead-letter sink a dead row stays
@@ -150,6 +161,8 @@ class QueueTickResult:
             settled=self.settled + later.settled,
             waiting_retries=later.waiting_retries,
             next_retry_at=later.next_retry_at,
+            claimed_elsewhere=later.claimed_elsewhere,
+            claim_expires_at=later.claim_expires_at,
         )
 
 

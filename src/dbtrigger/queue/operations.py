@@ -133,6 +133,16 @@ def retries_waiting(table: ClaimTable, conn: Connection) -> tuple[int, float | N
     return int(waiting), None if oldest is None else max(0.0, -float(oldest))
 
 
+def claims_held(table: ClaimTable, conn: Connection) -> tuple[int, float | None]:
+    """Rows under a live claim (any worker's: one at work, or one that died and
+    whose claim has not expired yet) and the seconds until the first claim expires."""
+    c = table.table.c
+    held = table.filtered(c[STATUS] == CLAIMED, c[VISIBLE_AT] > table.time.now())
+    age = table.time.age_seconds(c[VISIBLE_AT])  # negative: the time the claim has left
+    count, first = conn.execute(sa.select(sa.func.count(), sa.func.max(age)).where(held)).one()
+    return int(count), None if first is None else max(0.0, -float(first))
+
+
 def dead_rows(table: ClaimTable, conn: Connection, *, limit: int | None) -> list[dict[str, Any]]:
     """Dead rows in key order: their key, attempts, last error and when they died."""
     c = table.table.c

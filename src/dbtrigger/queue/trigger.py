@@ -290,11 +290,14 @@ class QueueTrigger(ClosesOnExit):
             assert result is not None  # noqa: S101 - max_batches_per_tick >= 1
             self._count_retries = self._count_retries or result.claimed > 0
             if not result.more and self._count_retries:
-                waiting, due_in = self._retries_waiting()
+                waiting, due_in, held, expires_in = self._retries_waiting()
                 self._count_retries = waiting > 0
                 if waiting:
                     due = utc_now() + dt.timedelta(seconds=due_in or 0.0)
                     result = replace(result, waiting_retries=waiting, next_retry_at=due)
+                if held:  # (a worker killed mid-claim holds them until its claim expires)
+                    expires = utc_now() + dt.timedelta(seconds=expires_in or 0.0)
+                    result = replace(result, claimed_elsewhere=held, claim_expires_at=expires)
         except BaseException:
             rows = result.rows if result is not None else 0
             self.last_result = QueueTickResult(rows, 0, "failed")
@@ -336,11 +339,16 @@ class QueueTrigger(ClosesOnExit):
             again=lambda result: result.more,
         )
 
-    def _retries_waiting(self) -> tuple[int, float | None]:
+    def _retries_waiting(self) -> tuple[int, float | None, int, float | None]:
+        """Rows waiting for a retry and when the first is due, rows under a live
+        claim and when the first claim expires."""
         target = self.source.target
         what = f"retries waiting in {self.source.name}"
         with failed_as(FetchError, f"{what}: read failed"), reads(self.source, what) as conn:
-            return operations.retries_waiting(target, conn)
+            return (
+                *operations.retries_waiting(target, conn),
+                *operations.claims_held(target, conn),
+            )
 
     async def tick_async(self, handler: Handler) -> int:
         """One tick for async code: the SQL runs in a worker thread, an async

@@ -72,7 +72,7 @@ from dbtrigger.state import operations as ops
 from dbtrigger.state.document import StateDocument, parse_time, position_from_json
 from dbtrigger.state.stores.base import CheckpointStore
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dbtrigger.history")  # a logger the redacting filter is on
 
 #: Log-based sources replay their log's own images while the log holds them;
 #: what makes a log stop holding a range, per source, for a refusal to say.

@@ -62,6 +62,7 @@ from dbtrigger._write_values import (
     packet_misfit,
     refuse_values,
     type_text,
+    unserializable_json,
 )
 from dbtrigger.errors import (
     ConfigurationError,
@@ -250,6 +251,13 @@ class TableHandle:
             if found is None:
                 raise
             raise refusal_error(found, self.name, table, rows, conflict_columns) from exc
+        except (TypeError, ValueError) as exc:
+            # psycopg serialises a JSON column's value itself, when the statement runs,
+            # and its json.dumps error comes out of execute() as it is.
+            problem = unserializable_json(conn.dialect, table, rows, self.name)
+            if problem is None:
+                raise
+            raise problem from exc
         except SQLAlchemyError as exc:
             problem = self._refused_value(exc, conn, table, rows, columns)
             problem = problem or packet_misfit(self.engine, exc, rows, self.name)

@@ -318,6 +318,29 @@ def _float_holds(exact: Decimal, *, single: bool) -> bool:
     return Decimal(as_float) == exact or Decimal(repr(as_float)) == exact
 
 
+def unserializable_json(
+    dialect: Dialect, table: sa.Table, rows: Sequence[Mapping[str, Any]], where: str
+) -> OutputValueError | None:
+    """The error of the first value of a JSON column that the engine's JSON serializer
+    (``json_serializer=``, else ``json.dumps``) cannot write (None: none)."""
+    serialize = getattr(dialect, "_json_serializer", None) or json.dumps
+    columns = [c for c in (rows[0] if rows else ()) if isinstance(table.c[c].type, sa.JSON)]
+    for index, row in enumerate(rows):
+        for column in columns:
+            value = row.get(column)
+            try:
+                serialize(value)
+            except (TypeError, ValueError) as exc:
+                first = (str(exc).splitlines() or [""])[0][:200]
+                why = (
+                    f"holds something JSON cannot hold ({first}). Convert it first "
+                    "(value.isoformat() for a datetime, str(...) for a Decimal or a UUID), "
+                    "or give the engine a json_serializer that does"
+                )
+                return _refused(where, index, column, table.c[column].type, value, why)
+    return None
+
+
 def in_key_order(
     table: sa.Table, rows: Sequence[Mapping[str, Any]], conflict_columns: Sequence[str]
 ) -> list[dict[str, Any]]:
@@ -444,4 +467,5 @@ __all__ = [
     "packet_misfit",
     "refuse_values",
     "type_text",
+    "unserializable_json",
 ]

@@ -12,8 +12,8 @@ back), checked against the table map's column count and types. And the primary k
 was the one read at the start: after ``DROP PRIMARY KEY, ADD PRIMARY KEY (id, a)``
 each change came keyed ``{"id": ...}`` until a restart.
 
-The server here runs with ``binlog_row_metadata = NO_LOG`` for these tests (a real
-log without names, not a flag of the source), or FULL where the test says so.
+The server here runs with ``binlog_row_metadata`` NO_LOG or MINIMAL for these tests
+(a real log without names, not a flag of the source), or FULL where the test says so.
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ from tests.cdc_servers import BinlogDatabase
 pytestmark = [pytest.mark.binlog, pytest.mark.timeout(120)]
 
 
-@pytest.fixture
-def no_names(binlog_db: BinlogDatabase) -> Iterator[None]:
-    """The private server (this test's alone while it runs) logs no column names."""
-    binlog_db.server.execute("SET GLOBAL binlog_row_metadata = 'NO_LOG'")
+@pytest.fixture(params=["NO_LOG", "MINIMAL"])
+def no_names(binlog_db: BinlogDatabase, request: pytest.FixtureRequest) -> Iterator[None]:
+    """The private server (this test's alone while it runs) logs no column names: none
+    of the table map's metadata (MariaDB's default), or types' only (MINIMAL)."""
+    binlog_db.server.execute(f"SET GLOBAL binlog_row_metadata = '{request.param}'")
     try:
         yield
     finally:

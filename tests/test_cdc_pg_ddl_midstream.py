@@ -85,4 +85,4 @@ def test_the_key_a_relation_message_gives() -> None:
     assert keys(relation("d", ("id", True), ("a", True)), ["id"]) == ("id", "a")  # anew
     assert keys(relation("d", ("id", False), ("k", True)), ["id"]) == ("k",)  # renamed
     assert keys(relation("f", ("id", True), ("a", True)), ["id"]) == ("id",)  # all flagged
-    assert keys(relation("d", ("id", False)), ["id"]) == ()  # dropped: refused by the reader
+    assert keys(relation("d", ("id", False)), ["id"]) == ("id",)  # none then: the start's

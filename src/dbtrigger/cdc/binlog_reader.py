@@ -250,9 +250,9 @@ class Assembler(Assembly[TableInfo, str]):
                     ", ".join(names),
                     extra={"event": "cdc_columns_replayed", "table": table, "poller": self.poller},
                 )
+        if not keys:  # written while the table had no primary key: the start's, as before
+            keys = info.key_columns
         gone = [k for k in keys if k not in names]
-        if not keys and info.key_columns:  # the key dropped (with its column, or alone)
-            gone = [k for k in info.key_columns if k not in names] or list(info.key_columns)
         if gone and problem is None:  # changes would come without a key
             problem = keyless(table, gone)
         self.shapes[event.table_id] = RowShape(table, names, keys)

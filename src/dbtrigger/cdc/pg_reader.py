@@ -114,13 +114,14 @@ def relation_keys(message: po.Relation, known: Sequence[str]) -> tuple[str, ...]
     a key changed under a running reader (``DROP CONSTRAINT t_pkey, ADD PRIMARY KEY (a,
     id)``, a key column renamed) keys them anew; ``known`` (the catalog's, read at the
     start) gives the order when it has the same columns. Under ``FULL`` every column is
-    flagged, and ``known`` is kept.
+    flagged, and ``known`` is kept; so it is when none is flagged (a change written
+    while the table had no primary key: a key chosen now would hold back no better).
     """
     if message.replica_identity not in ("d", "i"):
         return tuple(known)
     flagged = [c.name for c in message.columns if c.is_key]
-    if sorted(flagged) == sorted(known):
-        return tuple(known)
+    if not flagged or sorted(flagged) == sorted(known):
+        return tuple(known)  # none: written while the table had no key (the start's, as before)
     return tuple(flagged)
 
 
@@ -207,9 +208,7 @@ class Decoder(Assembly[TableInfo, int]):
         self.relations[message.oid] = relation
         columns = zip(relation.names, relation.type_oids, strict=True)
         problem = self.guard.check(table, columns)
-        gone = [k for k in keys if k not in relation.names] or (
-            list(info.key_columns) if not keys else []
-        )
+        gone = [k for k in keys if k not in relation.names]
         if gone:  # renamed or dropped: its changes would come without their key
             problem = "; ".join(p for p in (problem, keyless(table, gone)) if p)
         self.note_problem(message.oid, problem)

@@ -46,12 +46,14 @@ def test_columns_added_dropped_and_renamed_under_a_running_poller(cdc_db: CdcDat
     source.close()
 
 
-@pytest.mark.parametrize("ticks_between", [True, False])
+@pytest.mark.parametrize(
+    ("ticks_between", "mode"), [(True, "poll"), (False, "poll"), (True, "stream")]
+)
 def test_a_primary_key_changed_under_a_running_poller_keys_the_changes_after_it_anew(
-    cdc_db: CdcDatabase, ticks_between: bool
+    cdc_db: CdcDatabase, ticks_between: bool, mode: str
 ) -> None:
     cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY, a int NOT NULL, b int)")
-    trigger, source = poller(cdc_db, ["t"])
+    trigger, source = poller(cdc_db, ["t"], mode=mode, stream_wait_seconds=0)
     drain(trigger)
     got = []
     cdc_db.execute("INSERT INTO t VALUES (1, 10, 20)")

@@ -257,3 +257,42 @@ def test_a_holder_renewing_a_hung_batch_is_said_at_info_by_the_waiting_workers()
     assert "(renewed, but nothing committed under it for 2m 30s" in text, text
     assert "handler_slow" in text
     assert _level(cadence, held(160))[0] == logging.DEBUG
+
+
+def test_the_list_view_says_a_holder_gone_from_this_host_not_live(
+    tmp_path: Path, dead_pid: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Three `dbtrigger run` on a change log, the lease holder kill -9'd mid-batch: the
+    list view (`dbtrigger status --source app:trigger`, what an operator types first)
+    said `live t11` of the dead worker's lease 3 s later, while the one-poller view said
+    its pid was not running here. The LEASE column and --json now say so too."""
+    store = FileCheckpointStore(str(tmp_path / "state"))
+    source = MemorySource([{"id": 1, "seq": 1}], cursor_column="seq", pk_columns=["id"])
+    killed = PollTrigger(
+        name="orders",
+        source=source,
+        checkpoint_store=store,
+        owner_id=f"{socket.gethostname()}/{dead_pid}/532c0e66",
+    )
+    in_handler, let_go = threading.Event(), threading.Event()
+
+    def hangs(events: list[RowChange]) -> None:  # its lease is left behind, live
+        in_handler.set()
+        let_go.wait(30)
+
+    worker = threading.Thread(
+        target=lambda: killed.tick_result(hangs), daemon=True
+    )  # fenced out by nothing: let go below, it commits
+    worker.start()
+    try:
+        assert in_handler.wait(30)
+        assert main(["status", "--store", str(tmp_path / "state")]) == 0
+        row = next(line for line in capsys.readouterr().out.splitlines() if "orders" in line)
+        assert "live" not in row, row
+        assert "HOLDER GONE t" in row, row
+        assert main(["status", "--json", "--store", str(tmp_path / "state")]) == 0
+        shown = capsys.readouterr().out
+        assert '"holder_gone": true' in shown, shown
+    finally:
+        let_go.set()
+        worker.join(30)

@@ -166,6 +166,7 @@ def _lease_status(lease: Any, now: dt.datetime, target: str, doc: Any) -> dict[s
         "renewed_at": docmod.format_time(lease.heartbeat_at),
         "renewed_seconds_ago": round(age, 3),
         "held_without_commit_seconds": None if held is None else round(held, 1),
+        "holder_gone": bool(gone),
         "description": describe_lease(lease, now)
         + gone
         + (
@@ -478,8 +479,9 @@ def _render_many(statuses: Sequence[Mapping[str, Any]]) -> str:
         cp, lease, failure = s["checkpoint"], s["lease"], s["failure"]
         lease_text = "-"
         if lease:
-            lease_text = f"{lease['state']} t{lease['fencing_token']}"
-            if lease["state"] == "not_renewed":
+            gone = lease.get("holder_gone")  # its process is gone from this host: not "live"
+            lease_text = f"{'HOLDER GONE' if gone else lease['state']} t{lease['fencing_token']}"
+            if lease["state"] == "not_renewed" and not gone:
                 lease_text = (
                     f"NOT RENEWED {human_duration(lease['renewed_seconds_ago'])} "
                     f"t{lease['fencing_token']}"

@@ -24,6 +24,8 @@ import pytest
 
 from dbtrigger import InMemoryCheckpointStore, PollTrigger, RowChange
 from dbtrigger.cdc import BinlogSource
+from dbtrigger.checks import check_trigger
+from dbtrigger.errors import SourceDefinitionError
 from tests import test_cdc_binlog_table_gone as gone
 from tests.cdc_servers import BinlogDatabase
 
@@ -57,10 +59,14 @@ def behind(
     db.execute("INSERT INTO t (id, a) VALUES (2, 11)")
     trigger = gone.poller(db, ["t"], store, name)
     trigger.cli_source = spec
+    LAST[:] = [trigger]
     trigger.drain(got.extend)
     assert isinstance(trigger.source, BinlogSource)
     return got, trigger.source
 
+
+#: The trigger :func:`behind` started last (it raises when delivery stops).
+LAST: list[PollTrigger] = []
 
 ROW_1 = {"id": 1, "a": 10, "b": 20, "s": "x"}
 
@@ -122,6 +128,24 @@ def test_an_alter_whose_names_or_key_are_not_certain_still_stops_before_them(
     assert shown in said
     # the command ready to paste (before: MODULE:TRIGGER, to be filled in by hand)
     assert f"dbtrigger cdc snapshot orders_app:trigger --table {binlog_db.name}.t --yes" in said
+
+
+def test_check_names_the_trigger_in_the_commands_of_a_held_delivery(
+    binlog_db: BinlogDatabase,
+) -> None:
+    # `dbtrigger check app:trigger` (and a starting worker) said MODULE:TRIGGER there too.
+    binlog_db.server.execute("SET GLOBAL binlog_row_metadata = 'NO_LOG'")
+    try:
+        with pytest.raises(SourceDefinitionError):
+            behind(binlog_db, "ALTER TABLE t DROP COLUMN b", spec="orders_app:trigger")
+    finally:
+        binlog_db.server.execute("SET GLOBAL binlog_row_metadata = 'FULL'")
+    trigger = LAST[0]
+    [held] = [
+        f for f in check_trigger(trigger, probe_store=False).findings if f.check == "delivery"
+    ]
+    assert f"dbtrigger cdc snapshot orders_app:trigger --table {binlog_db.name}.t" in held.message
+    trigger.source.close()  # type: ignore[attr-defined]
 
 
 @pytest.mark.usefixtures("no_names")

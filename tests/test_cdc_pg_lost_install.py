@@ -52,7 +52,7 @@ def test_check_and_install_name_recreate_for_a_slot_dropped_under_the_poller(
     assert main(["check", spec]) != 0
     out = capsys.readouterr().out
     assert "ERROR" in out
-    assert "dbtrigger cdc recreate MODULE:TRIGGER --snapshot --yes" in out
+    assert f"dbtrigger cdc recreate {spec} --snapshot --yes" in out  # ready to paste
 
     assert main(["cdc", "install", spec, "--yes"]) != 0
     out, err = capsys.readouterr()
@@ -87,4 +87,4 @@ def test_check_calls_a_purged_binlog_position_an_error(
     assert main(["check", spec]) != 0
     out = capsys.readouterr().out
     assert "ERROR    retention" in out, out
-    assert "dbtrigger cdc recreate MODULE:TRIGGER --snapshot --yes" in out
+    assert f"dbtrigger cdc recreate {spec} --snapshot --yes" in out  # ready to paste

@@ -21,6 +21,7 @@ worker that is starting, logs every finding that is not ``ok`` and never raises.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import logging
@@ -38,7 +39,7 @@ from dbtrigger.errors import (
     FetchError,
     OperatorError,
 )
-from dbtrigger.names import quoted_name
+from dbtrigger.names import quoted_name, trigger_named
 from dbtrigger.sources.base import ChecksItself
 from dbtrigger.sources.sqlalchemy import SqlAlchemySource
 from dbtrigger.sources.visibility import TransactionHorizon
@@ -444,7 +445,10 @@ def check_trigger(trigger: Any, *, probe_store: bool = True) -> CheckReport:
     source = trigger.source
     position, state_problem = _stored_position(trigger.store, trigger.name)
     findings: list[Finding] = [state_problem] if state_problem else []
-    findings.extend(check_source(source, position))
+    spec = trigger.operator_spec() if hasattr(trigger, "operator_spec") else None
+    for f in check_source(source, position):  # a source's commands name MODULE:TRIGGER
+        fix = None if f.fix is None else trigger_named(f.fix, spec)
+        findings.append(dataclasses.replace(f, message=trigger_named(f.message, spec), fix=fix))
     if probe_store:
         findings.append(check_store(trigger.store, trigger.name))
     return CheckReport(trigger.name, source.name, tuple(findings))

@@ -106,12 +106,16 @@ def import_path_of(obj: object) -> str | None:
 TRIGGER_PLACEHOLDER = "MODULE:TRIGGER"
 
 
+def trigger_named(text: str, spec: str | None) -> str:
+    """``text`` with its commands naming the trigger by ``spec`` (its ``module:attribute``,
+    when known) instead of :data:`TRIGGER_PLACEHOLDER`, so that they can be pasted."""
+    return text.replace(TRIGGER_PLACEHOLDER, shlex.quote(spec)) if spec else text
+
+
 def name_trigger(exc: DbTriggerError, spec: str | None) -> DbTriggerError:
-    """``exc`` with the commands in its message naming the trigger by ``spec`` (its
-    ``module:attribute``, when known) instead of :data:`TRIGGER_PLACEHOLDER`, so that
-    they can be pasted as they are."""
+    """``exc`` with its message's commands naming the trigger (:func:`trigger_named`)."""
     if spec and TRIGGER_PLACEHOLDER in exc.message:
-        exc.message = exc.message.replace(TRIGGER_PLACEHOLDER, shlex.quote(spec))
+        exc.message = trigger_named(exc.message, spec)
         exc.args = (exc.message, *exc.args[1:])
     return exc
 

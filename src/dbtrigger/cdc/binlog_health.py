@@ -164,7 +164,9 @@ def self_check(source: BinlogSourceParts) -> list[SourceFinding]:
                     "information_schema; a table whose column count differs from the log's "
                     "stops delivery, and so does a change written before an ALTER TABLE "
                     "that changed its table's columns but read by a worker started after "
-                    "it (its names are not knowable; a snapshot of the table is then needed)",
+                    "it, unless the statement's text makes its names certain (ADD COLUMN, "
+                    "RENAME COLUMN, MODIFY/CHANGE in place of a column that is not a "
+                    "string); otherwise a snapshot of the table is then needed",
                     "SET GLOBAL binlog_row_metadata = 'FULL' (MariaDB 10.5+), and in my.cnf",
                 )
             )

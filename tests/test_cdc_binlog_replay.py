@@ -32,11 +32,13 @@ from tests.cdc_servers import BinlogDatabase
 pytestmark = [pytest.mark.binlog, pytest.mark.timeout(120)]
 
 
-@pytest.fixture(params=["NO_LOG", "MINIMAL"])
+@pytest.fixture
 def no_names(binlog_db: BinlogDatabase, request: pytest.FixtureRequest) -> Iterator[None]:
     """The private server (this test's alone while it runs) logs no column names: none
-    of the table map's metadata (MariaDB's default), or types' only (MINIMAL)."""
-    binlog_db.server.execute(f"SET GLOBAL binlog_row_metadata = '{request.param}'")
+    of the table map's metadata (NO_LOG, MariaDB's default; or ``request.param``:
+    MINIMAL, types' only)."""
+    metadata = getattr(request, "param", "NO_LOG")
+    binlog_db.server.execute(f"SET GLOBAL binlog_row_metadata = '{metadata}'")
     try:
         yield
     finally:
@@ -72,6 +74,7 @@ ROW_1 = {"id": 1, "a": 10, "b": 20, "s": "x"}
 
 
 @pytest.mark.usefixtures("no_names")
+@pytest.mark.parametrize("no_names", ["NO_LOG", "MINIMAL"], indirect=True)
 @pytest.mark.parametrize(
     ("statements", "second"),
     [

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from dbtrigger import (
     FileCheckpointStore,
@@ -300,3 +301,47 @@ def test_text_output_and_secret_redaction(
     assert proc.stdout.startswith("check orders (sqlite:orders)")
     assert "no problem found" in proc.stdout
     assert redact(proc.stdout) == proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("declared", "severity"),
+    [
+        ("INTEGER PRIMARY KEY", "ok"),
+        ("INTEGER PRIMARY KEY AUTOINCREMENT", "ok"),
+        ("INT PRIMARY KEY", "warning"),
+    ],
+)
+def test_a_sqlite_rowid_cursor_is_never_null(tmp_path: Path, declared: str, severity: str) -> None:
+    """Three `dbtrigger run` on a SQLite change log each logged, at start, `WARNING ...
+    cursor_nullable: dbt_seq allows NULL: such rows are not delivered until they get a
+    value`. The log's dbt_seq is an INTEGER PRIMARY KEY: SQLite's rowid, which gives a
+    NULL its next number, so no row is ever without one. Any other PRIMARY KEY column
+    of SQLite can hold NULL (INT PRIMARY KEY included): still said."""
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f"CREATE TABLE log (seq {declared}, note TEXT)")
+    engine.dispose()
+    source = SqlAlchemySource(url=url, table="log", cursor_column="seq", pk_columns=["seq"])
+    try:
+        findings = {f.check: f for f in check_source(source)}
+    finally:
+        source.close()
+    assert findings["cursor_nullable"].severity == severity, findings["cursor_nullable"]
+
+
+def test_a_sqlite_change_log_says_no_null_cursor(tmp_path: Path) -> None:
+    from dbtrigger.changelog import ChangeLogSource, install  # noqa: PLC0415
+
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE items (id INTEGER PRIMARY KEY, version INT)")
+    install(engine, "items")
+    engine.dispose()
+    source = ChangeLogSource(url=url, table="items")
+    try:
+        findings = {f.check: f for f in check_source(source)}
+    finally:
+        source.close()
+    assert findings["cursor_nullable"].severity == "ok", findings["cursor_nullable"]

@@ -190,10 +190,12 @@ def _index_finding(source: SqlAlchemySource, table: sa.Table) -> Finding:
     )
 
 
-def _nullable_finding(source: SqlAlchemySource, table: sa.Table) -> Finding:
+def _nullable_finding(conn: sa.Connection, source: SqlAlchemySource, table: sa.Table) -> Finding:
     column = table.c[source.cursor_column]
     if not column.nullable:
         return Finding("cursor_nullable", OK, f"{column.name} is NOT NULL")
+    if source.dialect_name == "sqlite" and _sqlite_rowid(conn, table, column.name):
+        return Finding("cursor_nullable", OK, f"{column.name} is the rowid (never NULL)")
     return Finding(
         "cursor_nullable",
         WARNING,
@@ -202,6 +204,17 @@ def _nullable_finding(source: SqlAlchemySource, table: sa.Table) -> Finding:
         f"ALTER the column to NOT NULL with a default, or poll COALESCE({column.name}, ...) "
         "in query mode",
     )
+
+
+def _sqlite_rowid(conn: sa.Connection, table: sa.Table, name: str) -> bool:
+    """Whether ``name`` is SQLite's rowid: the table's one ``INTEGER PRIMARY KEY``
+    column (declared so exactly), which turns a NULL into the next number. Any other
+    key column of SQLite takes NULL; SQLAlchemy reflects both as nullable."""
+    quote = conn.dialect.identifier_preparer.quote
+    pragma = f"PRAGMA {quote(table.schema) + '.' if table.schema else ''}table_info"
+    rows = conn.exec_driver_sql(f"{pragma}({quote(table.name)})")
+    keys = [(row[1], str(row[2]).upper()) for row in rows if row[5]]
+    return keys == [(name, "INTEGER")]
 
 
 def _trigger_texts(conn: sa.Connection, source: SqlAlchemySource, table: sa.Table) -> list[str]:
@@ -384,7 +397,7 @@ def check_source(source: Any, position: Any = None) -> list[Finding]:
         with source.engine.connect() as conn:
             if table is not None:
                 findings.append(_index_finding(source, table))
-                findings.append(_nullable_finding(source, table))
+                findings.append(_nullable_finding(conn, source, table))
                 findings.append(_filled_by(conn, source, table))
             privilege = _privilege_finding(conn, source)
             if privilege is not None:

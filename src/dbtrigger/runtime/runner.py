@@ -49,7 +49,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
@@ -85,6 +84,7 @@ from dbtrigger.runtime.quiet import (
     QuietCadence,
     for_how_long,
 )
+from dbtrigger.runtime.run_stats import RunStats
 from dbtrigger.runtime.stop_signals import (
     SECOND_SIGNAL_ABANDONS,
     SignalRelay,
@@ -95,31 +95,6 @@ from dbtrigger.runtime.stop_signals import (
 from dbtrigger.runtime.trigger import TickReport, Trigger
 
 log = logging.getLogger("dbtrigger.runner")
-
-
-@dataclass
-class RunStats:
-    ticks: int = 0
-    rows: int = 0
-    failures: int = 0
-
-    def summary(self) -> str:
-        """``7 ticks, 30 rows (0 failed ticks)``: the stop line's words."""
-        return (
-            f"{_counted(self.ticks, 'tick')}, {_counted(self.rows, 'row')} "
-            f"({_counted(self.failures, 'failed tick')})"
-        )
-
-    def totals(self) -> str:
-        """``30 rows in 7 ticks (0 failed ticks)``: what ``dbtrigger run`` prints at exit."""
-        return (
-            f"{_counted(self.rows, 'row')} in {_counted(self.ticks, 'tick')} "
-            f"({_counted(self.failures, 'failed tick')})"
-        )
-
-
-def _counted(n: int, noun: str) -> str:
-    return f"{n:,} {noun}" + ("" if n == 1 else "s")
 
 
 class Runner:

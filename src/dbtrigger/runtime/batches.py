@@ -159,6 +159,7 @@ class BatchSequence:
                     checkpoint_after=position_of(events[-1]),
                     tick_started_at=started_at,
                     attempt=attempt,
+                    failed_digest=failure.batch_digest if failure is not None else None,
                     lease_lost=lost,
                     marks=EventMarks(
                         events,

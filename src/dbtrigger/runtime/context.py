@@ -265,6 +265,10 @@ class BatchContext:
     replay: bool = False
     #: A replay's recorded commit time (what :attr:`now` gives during one).
     recorded_at: dt.datetime | None = None
+    #: The failure record's digest of the rows its last failed attempt held (None:
+    #: no earlier failed attempt recorded one): a poison batch whose rows differ
+    #: from them is news (:mod:`dbtrigger.runtime.poison_report`).
+    failed_digest: str | None = field(default=None, compare=False, repr=False)
 
     @property
     def now(self) -> dt.datetime:

@@ -114,7 +114,8 @@ class Delivery:
         #: Parallel lanes (``max_concurrency > 1``): see :mod:`dbtrigger.runtime.kernel`.
         concurrency = options.max_concurrency
         self.lanes = Lanes(concurrency, name=poller) if concurrency > 1 else None
-        #: Says that events cannot settle (``poison_event``), once and then now and then.
+        #: Says that events (``poison_event``) or a batch (``poison_batch``) cannot
+        #: settle, once and then now and then.
         self.poison = PoisonReport(options.telemetry, options.clock, options.max_attempts)
 
     def close(self) -> None:
@@ -436,8 +437,11 @@ class Delivery:
             # (a trigger with no import path) it refuses, so the command asks for one.
             skip = target if " --source " in target else f"{self.poller} --source MODULE:ATTR"
             start = ctx.checkpoint_before
-            self.telemetry.emit(
-                "poison_batch",
+            # ERROR once per poison batch, then a reminder now and then (poison_report).
+            self.poison.batch(
+                ctx,
+                events,
+                verdict.value,
                 "batch starting at %s has failed %d times%s",
                 "the beginning" if start.is_beginning else start.cursor,
                 ctx.attempt,

@@ -186,6 +186,8 @@ EVENTS: dict[str, EventSpec] = {
         ),
     ),
     "poison_batch": EventSpec(E),
+    # the same batch failing again (runtime/poison_report.py): a reminder now and then
+    "poison_batch_again": EventSpec(W, log_as="poison_batch"),
     # a lease taken over before it expired, its holder's process found gone (_process.py)
     "lease_holder_gone": EventSpec(W),
     # a lease taken over that its holder neither released nor renewed: the process

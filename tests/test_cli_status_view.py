@@ -173,11 +173,20 @@ def test_a_holder_renewing_a_batch_held_past_its_ttl_is_said_so(
         )
         return json.loads(status(capsys, spec, "--json"))["lease"]  # type: ignore[no-any-return]
 
+    def listed() -> str:
+        """The poller's row of the list view (every poller of the store)."""
+        capsys.readouterr()
+        assert main(["status", "--store", str(tmp_path / "state")]) == 0
+        return next(x for x in capsys.readouterr().out.splitlines() if x.startswith("orders"))
+
     assert held(60)["held_without_commit_seconds"] is None  # within its TTL: a batch
     assert "nothing committed" not in status(capsys, spec)
+    assert re.search(r" live t\d+ ", listed())
     lease = held(300)
     assert lease["state"] == "live"
     assert 299 <= lease["held_without_commit_seconds"] <= 360  # type: ignore[operator]
     out = status(capsys, spec)
     assert re.search(r"renewed \d+s ago; nothing committed under it for 5m( \d+s)?: one batch", out)
     assert "handler_slow" in out
+    # The list view said "live t2" of it, as of a holder committing batch after batch.
+    assert re.search(r" live, HUNG 5m( \d+s)? t\d+ ", listed())

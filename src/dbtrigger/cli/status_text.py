@@ -193,6 +193,9 @@ def render_many(statuses: Sequence[Mapping[str, Any]]) -> str:
                     f"NOT RENEWED {human_duration(lease['renewed_seconds_ago'])} "
                     f"t{lease['fencing_token']}"
                 )
+            hung = lease.get("held_without_commit_seconds")  # renewed, no commit past its TTL
+            if lease["state"] == "live" and not gone and hung is not None:
+                lease_text = f"live, HUNG {human_duration(hung)} t{lease['fencing_token']}"
         rows.append(
             [
                 s["poller"],

@@ -48,6 +48,12 @@ _pause = float(os.environ.get("DBT_LOGW_EVENT_MS", "0")) / 1000
 def handle(events: list[RowChange]) -> None:
     for e in events:
         image = e.after if e.after is not None else (e.before or {})
-        record = {"pid": os.getpid(), "op": e.op, "id": e.pk.get("id"), "v": image.get("version")}
+        record = {
+            "pid": os.getpid(),
+            "op": e.op,
+            "id": e.pk.get("id"),
+            "v": image.get("version"),
+            "cursor": str(e.cursor),
+        }
         os.write(_out, (json.dumps(record) + "\n").encode())
         time.sleep(_pause)

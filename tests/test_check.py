@@ -330,7 +330,7 @@ def test_a_sqlite_rowid_cursor_is_never_null(tmp_path: Path, declared: str, seve
     assert findings["cursor_nullable"].severity == severity, findings["cursor_nullable"]
 
 
-def test_a_sqlite_change_log_says_no_null_cursor(tmp_path: Path) -> None:
+def test_a_sqlite_change_log_says_no_null_cursor_and_no_w7(tmp_path: Path) -> None:
     from dbtrigger.changelog import ChangeLogSource, install  # noqa: PLC0415
 
     url = f"sqlite:///{tmp_path / 'app.db'}"
@@ -345,3 +345,9 @@ def test_a_sqlite_change_log_says_no_null_cursor(tmp_path: Path) -> None:
     finally:
         source.close()
     assert findings["cursor_nullable"].severity == "ok", findings["cursor_nullable"]
+    # Every logged change is a row of its own: no update goes unseen (W7 is the
+    # table poller's), and the advice to poll an updated_at instead is not for it.
+    filled = findings["cursor_filled_by_db"]
+    assert filled.severity == "ok", filled
+    assert "W7" not in filled.message, filled
+    assert "every insert, update and delete" in filled.message, filled

@@ -17,22 +17,18 @@ from __future__ import annotations
 
 import socket
 import threading
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 from azure.core.credentials import AzureNamedKeyCredential
-from azure.data.tables import TableClient
-from azure.storage.blob import BlobServiceClient
 
 from dbtrigger import (
     CommitError,
     FetchError,
     FileCheckpointStore,
     HandlerError,
-    InMemoryCheckpointStore,
     LostLeaseError,
     RowChange,
     SerializationError,
@@ -47,8 +43,8 @@ from dbtrigger.state.stores import (
     TableCheckpointStore,
 )
 from dbtrigger.state.stores.base import CheckpointStore
-from tests.azurite import ACCOUNT, KEY, Azurite
-from tests.databases import TestDatabase, make_database
+from tests.azurite import ACCOUNT, KEY
+from tests.databases import TestDatabase
 from tests.reliability_support import (
     Clock,
     Recorder,
@@ -62,6 +58,7 @@ from tests.reliability_support import (
     steal_lease,
     wait_for,
 )
+from tests.store_kinds import open_store
 
 #: Bound on every wait for an outcome.
 BOUND = 30.0
@@ -75,50 +72,9 @@ _MARKS = {
 }
 
 
-def _blob_store(azurite: Azurite) -> Iterator[CheckpointStore]:
-    container = f"t{uuid.uuid4().hex[:20]}"
-    service = BlobServiceClient.from_connection_string(azurite.connection_string)
-    service.create_container(container)
-    store = BlobCheckpointStore.from_connection_string(
-        azurite.connection_string, app_name="app", container=container
-    )
-    try:
-        yield store
-    finally:
-        store.close()
-        service.delete_container(container)
-        service.close()
-
-
-def _table_store(azurite: Azurite) -> Iterator[CheckpointStore]:
-    table = f"t{uuid.uuid4().hex[:20]}"
-    store = TableCheckpointStore(connection_string=azurite.connection_string, table=table)
-    try:
-        yield store
-    finally:
-        store.close()
-        with TableClient.from_connection_string(azurite.connection_string, table) as client:
-            client.delete_table()
-
-
 @pytest.fixture(params=[pytest.param(s, marks=_MARKS.get(s, [])) for s in STORES])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[CheckpointStore]:
-    kind: str = request.param
-    if kind == "memory":
-        yield InMemoryCheckpointStore()
-    elif kind == "file":
-        yield FileCheckpointStore(tmp_path / "state")
-    elif kind.startswith("sql-"):
-        (tmp_path / "state-db").mkdir()
-        for db in make_database(kind.removeprefix("sql-"), tmp_path / "state-db"):
-            sql = SqlCheckpointStore(url=db.url, schema=db.schema)
-            try:
-                yield sql
-            finally:
-                sql.close()
-    else:
-        azurite: Azurite = request.getfixturevalue("azurite")
-        yield from (_blob_store if kind == "blob" else _table_store)(azurite)
+    yield from open_store(request.param, request, tmp_path)
 
 
 @pytest.fixture

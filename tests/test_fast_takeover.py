@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from azure.data.tables import TableClient
 from azure.storage.blob import BlobServiceClient
 
 from dbtrigger import FileCheckpointStore, _process
@@ -42,7 +41,6 @@ from dbtrigger.replay.batches import ReplayLease
 from dbtrigger.state import document as docmod
 from dbtrigger.state import lease as L
 from dbtrigger.state.document import Lease, StateDocument
-from dbtrigger.state.stores import BlobCheckpointStore, SqlCheckpointStore, TableCheckpointStore
 from dbtrigger.state.stores.base import CheckpointStore
 from tests import test_crash_loop as loop
 from tests.azurite import Azurite
@@ -56,6 +54,7 @@ from tests.reliability_support import (
     make_trigger,
     read_doc,
 )
+from tests.store_kinds import open_store
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = range(1, 21)  # batches of 5: row 7 is in the second
@@ -330,41 +329,7 @@ STORES = [
 
 @pytest.fixture(params=STORES)
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[CheckpointStore]:
-    kind: str = request.param
-    if kind == "file":
-        yield FileCheckpointStore(tmp_path / "state")
-    elif kind.startswith("sql-"):
-        (tmp_path / "state-db").mkdir()
-        for db in make_database(kind.removeprefix("sql-"), tmp_path / "state-db"):
-            sql = SqlCheckpointStore(url=db.url, schema=db.schema)
-            try:
-                yield sql
-            finally:
-                sql.close()
-    elif kind == "table":
-        azurite_: Azurite = request.getfixturevalue("azurite")
-        name = f"t{uuid.uuid4().hex[:20]}"
-        table = TableCheckpointStore(connection_string=azurite_.connection_string, table=name)
-        try:
-            yield table
-        finally:
-            table.close()
-            with TableClient.from_connection_string(azurite_.connection_string, name) as client:
-                client.delete_table()
-    else:
-        azurite: Azurite = request.getfixturevalue("azurite")
-        container = f"t{uuid.uuid4().hex[:20]}"
-        service = BlobServiceClient.from_connection_string(azurite.connection_string)
-        service.create_container(container)
-        blob = BlobCheckpointStore.from_connection_string(
-            azurite.connection_string, app_name="app", container=container
-        )
-        try:
-            yield blob
-        finally:
-            blob.close()
-            service.delete_container(container)
-            service.close()
+    yield from open_store(request.param, request, tmp_path)
 
 
 def test_every_store_keeps_the_record_and_a_gone_holder_is_taken_over_at_once(

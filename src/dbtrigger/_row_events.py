@@ -15,18 +15,21 @@ plain list) are the list's own, at C speed.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, SupportsIndex
+from typing import Any, Generic, SupportsIndex, TypeVar
 
-if TYPE_CHECKING:
-    from dbtrigger.events import RowChange, RowShape
+#: The events (a :class:`~dbtrigger.events._Event`) and the shape they were
+#: made over (a :class:`~dbtrigger.events.RowShape`), named by
+#: :mod:`dbtrigger.events`, which this module sits below.
+_Event = TypeVar("_Event")
+_Shape = TypeVar("_Shape")
 
 
-class RowEvents(list["RowChange"]):
+class RowEvents(list[_Event], Generic[_Event, _Shape]):
     """Events made over ``shape`` (None: changed since, or never said)."""
 
     __slots__ = ("shape",)
 
-    def __init__(self, shape: RowShape | None = None) -> None:
+    def __init__(self, shape: _Shape | None = None) -> None:
         super().__init__()
         self.shape = shape
 
@@ -40,31 +43,31 @@ class RowEvents(list["RowChange"]):
         self.shape = None
         super().__delitem__(index)
 
-    def __iadd__(self, other: Iterable[RowChange]) -> RowEvents:  # type: ignore[override,misc]
+    def __iadd__(self, other: Iterable[_Event]) -> RowEvents[_Event, _Shape]:  # type: ignore[override,misc]
         self.shape = None
         return super().__iadd__(other)
 
-    def __imul__(self, count: SupportsIndex) -> RowEvents:
+    def __imul__(self, count: SupportsIndex) -> RowEvents[_Event, _Shape]:
         self.shape = None
         return super().__imul__(count)
 
-    def append(self, item: RowChange) -> None:
+    def append(self, item: _Event) -> None:
         self.shape = None
         super().append(item)
 
-    def extend(self, items: Iterable[RowChange]) -> None:
+    def extend(self, items: Iterable[_Event]) -> None:
         self.shape = None
         super().extend(items)
 
-    def insert(self, index: SupportsIndex, item: RowChange) -> None:
+    def insert(self, index: SupportsIndex, item: _Event) -> None:
         self.shape = None
         super().insert(index, item)
 
-    def pop(self, index: SupportsIndex = -1) -> RowChange:
+    def pop(self, index: SupportsIndex = -1) -> _Event:
         self.shape = None
         return super().pop(index)
 
-    def remove(self, item: RowChange) -> None:
+    def remove(self, item: _Event) -> None:
         self.shape = None
         super().remove(item)
 

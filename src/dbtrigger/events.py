@@ -477,7 +477,8 @@ def events_from_rows(
     index = shape.cursor_index
     _check_column(shape, rows, index, key=False, types=known.get(index))
     cls = cast("Callable[[], _RowEvent]", _RowEvent)  # (object.__init__, see _RowEvent)
-    events = RowEvents(shape)  # (it says their shape: batch_shape need not walk them)
+    # The list says their shape: batch_shape need not walk them.
+    events: RowEvents[RowChange, RowShape] = RowEvents(shape)
     append = list.append.__get__(events)  # (list's own: RowEvents.append forgets the shape)
     for row in rows:
         event = cls()
@@ -509,7 +510,7 @@ def batch_shape(events: Sequence[RowChange]) -> RowShape | None:
     if not events:
         return None
     if type(events) is RowEvents and events.shape is not None:
-        return events.shape  # (made by events_from_rows and not changed since)
+        return cast("RowShape", events.shape)  # (made by events_from_rows, not changed since)
     first = events[0]
     if type(first) is not _RowEvent:
         return None

@@ -25,7 +25,7 @@ thread, ``ack_timeout_seconds``, ``ctx.reject`` / ``ctx.retry``).
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
 from dbtrigger.events import RowChange
 from dbtrigger.runtime.context import BatchContext
@@ -34,12 +34,37 @@ from dbtrigger.runtime.subscriber_options import Wrap
 from dbtrigger.state import fanout
 from dbtrigger.state.fanout import Resolution
 
-if TYPE_CHECKING:
-    from dbtrigger.runtime.subscribers import FanOut
+
+class _Call(Protocol):
+    @property
+    def clean(self) -> bool: ...
+
+
+_C = TypeVar("_C", bound=_Call)
+
+
+class _Subscribers(Protocol[_C]):
+    """What of :class:`~dbtrigger.runtime.subscribers.FanOut` (the module above
+    this one, which calls it) a row handed alone needs: its calls, run as any."""
+
+    @property
+    def max_attempts(self) -> int: ...
+
+    def _run(
+        self,
+        wrap: Wrap | None,
+        parts: Mapping[str, list[RowChange]],
+        handed: Mapping[str, Mapping[str, int]],
+        ctx: BatchContext,
+    ) -> list[_C]: ...
+
+    def _check(self, calls: list[_C], ctx: BatchContext) -> None: ...
+
+    def _results(self, calls: list[_C], ctx: BatchContext) -> dict[str, dict[str, Resolution]]: ...
 
 
 def deliver_alone(
-    fan: FanOut,
+    fan: _Subscribers[_C],
     one: OneByOne,
     wrap: Wrap | None,
     parts: Mapping[str, list[RowChange]],

@@ -38,15 +38,15 @@ def open_store(
                 sql.close()
     else:
         azurite: Azurite = request.getfixturevalue("azurite")
-        yield from (_blob_store if kind == "blob" else _table_store)(azurite)
+        yield from (blob_store(azurite) if kind == "blob" else table_store(azurite))
 
 
-def _blob_store(azurite: Azurite) -> Iterator[CheckpointStore]:
+def blob_store(azurite: Azurite, app_name: str = "app") -> Iterator[BlobCheckpointStore]:
     container = f"t{uuid.uuid4().hex[:20]}"
     service = BlobServiceClient.from_connection_string(azurite.connection_string)
     service.create_container(container)
     store = BlobCheckpointStore.from_connection_string(
-        azurite.connection_string, app_name="app", container=container
+        azurite.connection_string, app_name=app_name, container=container
     )
     try:
         yield store
@@ -56,7 +56,7 @@ def _blob_store(azurite: Azurite) -> Iterator[CheckpointStore]:
         service.close()
 
 
-def _table_store(azurite: Azurite) -> Iterator[CheckpointStore]:
+def table_store(azurite: Azurite) -> Iterator[TableCheckpointStore]:
     table = f"t{uuid.uuid4().hex[:20]}"
     store = TableCheckpointStore(connection_string=azurite.connection_string, table=table)
     try:

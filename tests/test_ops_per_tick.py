@@ -13,12 +13,10 @@ not there is work, so the cost of a tick is part of the contract:
 from __future__ import annotations
 
 import datetime as dt
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from azure.storage.blob import BlobServiceClient
 
 from dbtrigger import (
     HandlerError,
@@ -32,10 +30,10 @@ from dbtrigger.runtime.context import BatchContext
 from dbtrigger.state import document as docmod
 from dbtrigger.state import lease as leasemod
 from dbtrigger.state.stores.base import CheckpointStore
-from dbtrigger.state.stores.blob import BlobCheckpointStore
 from dbtrigger.testing import CountingStore, StoreCall, StoreCounts
 from tests.azurite import Azurite
 from tests.databases import TestDatabase
+from tests.store_kinds import blob_store
 
 BATCH = 5
 
@@ -46,18 +44,7 @@ def inner_store(request: pytest.FixtureRequest) -> Iterator[CheckpointStore]:
         yield InMemoryCheckpointStore()
         return
     azurite: Azurite = request.getfixturevalue("azurite")
-    container = f"t{uuid.uuid4().hex[:20]}"
-    service = BlobServiceClient.from_connection_string(azurite.connection_string)
-    service.create_container(container)
-    store = BlobCheckpointStore.from_connection_string(
-        azurite.connection_string, app_name="ops", container=container
-    )
-    try:
-        yield store
-    finally:
-        store.close()
-        service.delete_container(container)
-        service.close()
+    yield from blob_store(azurite, app_name="ops")
 
 
 @pytest.fixture

@@ -9,14 +9,11 @@ module; the file store's cross-process race and its key rules are here.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from azure.data.tables import TableClient
-from azure.storage.blob import BlobServiceClient
 
 from dbtrigger import FileCheckpointStore, InMemoryCheckpointStore
 from dbtrigger.errors import CasConflictError, StoreUnavailableError, UnsafeIdentifierError
@@ -30,6 +27,7 @@ from tests.azurite import Azurite
 from tests.contracts.nested import nested_failures
 from tests.databases import TestDatabase
 from tests.race_processes import race_context
+from tests.store_kinds import blob_store, table_store
 
 
 class TestInMemoryStore(StoreContract):
@@ -56,32 +54,14 @@ class TestSqlStore(StoreContract):
 class TestBlobStore(StoreContract):
     @pytest.fixture
     def store(self, azurite: Azurite) -> Iterator[BlobCheckpointStore]:
-        container = f"t{uuid.uuid4().hex[:20]}"
-        service = BlobServiceClient.from_connection_string(azurite.connection_string)
-        service.create_container(container)
-        store = BlobCheckpointStore.from_connection_string(
-            azurite.connection_string, app_name="app", container=container
-        )
-        try:
-            yield store
-        finally:
-            store.close()
-            service.delete_container(container)
-            service.close()
+        yield from blob_store(azurite)
 
 
 @pytest.mark.azurite
 class TestTableStore(StoreContract):
     @pytest.fixture
     def store(self, azurite: Azurite) -> Iterator[TableCheckpointStore]:
-        table = f"t{uuid.uuid4().hex[:20]}"
-        store = TableCheckpointStore(connection_string=azurite.connection_string, table=table)
-        try:
-            yield store
-        finally:
-            store.close()
-            with TableClient.from_connection_string(azurite.connection_string, table) as client:
-                client.delete_table()
+        yield from table_store(azurite)
 
 
 def _race_writer(directory: str, etag: str, index: int, barrier: Any, results: Any) -> None:

@@ -356,3 +356,19 @@ def test_each_isolation_step_is_recorded_under_the_lease_before_its_call() -> No
     failure = taken.document.failure
     assert failure is not None
     assert (failure.attempts, failure.crashes, failure.probing) == (4, 4, "ev-7")
+
+
+def test_status_counts_the_rows_that_killed_the_process_when_handed_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """While a batch is handed over one row at a time, the rows found killing the
+    process (``failure.killed``) are said by status, in words and in --json."""
+    store = FileCheckpointStore(tmp_path / "state")
+    failure = evolve(_record(4, 4), killed=("ev-7", "ev-9"), probing="ev-10")
+    store.write("p", docmod.dumps(_doc(_lease(), failure)), if_match=None)
+    assert cli_main(["status", "p", "--store", f"file:{tmp_path / 'state'}"]) == 0
+    shown = capsys.readouterr().out
+    assert "(4 ended with its process dead)" in shown, shown
+    assert "2 row(s) of it killed the process when handed alone" in shown, shown
+    assert cli_main(["status", "p", "--store", f"file:{tmp_path / 'state'}", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["failure"]["killed"] == 2

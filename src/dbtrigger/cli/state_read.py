@@ -100,6 +100,7 @@ def poller_status(
             "last_failed_at": docmod.format_time(failure.last_failed_at),
             "last_error": failure.last_error,
             "crashes": failure.crashes,
+            "killed": len(failure.killed),
         }
         if failure is not None
         else None

@@ -140,6 +140,12 @@ def render_one(status: Mapping[str, Any], store: str, now: dt.datetime | None = 
                     if failure.get("crashes")
                     else ""
                 )
+                + (
+                    f"; {failure['killed']} row(s) of it killed the process when handed alone "
+                    "(dead-lettered as ProcessDied, never handed over again)"
+                    if failure.get("killed")
+                    else ""
+                )
                 + f"; last error: {failure['last_error']}",
             )
         )

@@ -164,9 +164,12 @@ def test_a_transaction_too_large_to_decode_in_time_says_to_raise_the_read_timeou
     cdc_db.execute("CREATE TABLE t (id int PRIMARY KEY, note text)")
     source = PgLogicalSource(
         cdc_db.url, ["t"], slot=f"slow_{uuid.uuid4().hex[:8]}", snapshot="never",
-        read_timeout_seconds=0.001, backlog_step_mb=1, heartbeat_interval_seconds=0,
+        read_timeout_seconds=60.0, backlog_step_mb=1, heartbeat_interval_seconds=0,
     )  # fmt: skip
+    # The slot is made, and its first (empty) read decoded, under a timeout no load
+    # can break; only the reads of the big transaction run under 1 ms.
     assert source.fetch(BEGINNING, 10) == []
+    source.read_timeout = 0.001
     cdc_db.execute("INSERT INTO t SELECT g, repeat('x', 40) FROM generate_series(1, 50000) g")
     said: list[str] = []
     for _ in range(200):  # windows step through the transaction's WAL to its commit

@@ -153,6 +153,43 @@ def _level(cadence: QuietCadence, result: TickResult) -> tuple[int, str]:
     return level, text
 
 
+def _held_elsewhere(
+    store: InMemoryCheckpointStore,
+    trigger: PollTrigger,
+    *,
+    renewed_ago: float = 5.0,
+    batch_began_ago: float | None = None,
+) -> TickResult:
+    """Write the poller's lease as held by a worker of another host, renewed
+    ``renewed_ago`` seconds ago for 120 s (and, with ``batch_began_ago``, taken
+    then with nothing committed since); tick, and return the lease_busy result."""
+    stored = store.read("orders")
+    assert stored is not None
+    doc = docmod.loads(stored.data)
+    assert doc.lease is not None
+    now = dt.datetime.now(dt.timezone.utc)
+    renewed = now - dt.timedelta(seconds=renewed_ago)
+    lease = dataclasses.replace(
+        doc.lease,
+        owner_id="web-2/311/9f1c2d3e",
+        released=False,
+        heartbeat_at=renewed,
+        expires_at=renewed + dt.timedelta(seconds=120),
+    )
+    changed = dataclasses.replace(doc, lease=lease)
+    if batch_began_ago is not None:
+        assert doc.checkpoint is not None
+        began = now - dt.timedelta(seconds=batch_began_ago)
+        checkpoint = dataclasses.replace(doc.checkpoint, updated_at=began)
+        changed = dataclasses.replace(
+            changed, lease=dataclasses.replace(lease, acquired_at=began), checkpoint=checkpoint
+        )
+    store.write("orders", docmod.dumps(changed), if_match=stored.etag)
+    assert trigger.tick_result(lambda events: None).outcome == "lease_busy"
+    assert trigger.last_result is not None
+    return trigger.last_result
+
+
 def test_a_holder_killed_while_the_worker_waits_is_said_at_info() -> None:
     """Three workers on a backlog, the lease holder killed mid-batch: the two others had
     said "lease held by ..." once at INFO while it was alive, and every tick after it
@@ -184,25 +221,7 @@ def test_a_holder_of_another_host_that_stopped_renewing_is_said_at_info() -> Non
     source.put({"id": 2, "seq": 2})
 
     def held(renewed_ago: float) -> TickResult:
-        stored = store.read("orders")
-        assert stored is not None
-        doc = docmod.loads(stored.data)
-        assert doc.lease is not None
-        now = dt.datetime.now(dt.timezone.utc)
-        renewed = now - dt.timedelta(seconds=renewed_ago)
-        lease = dataclasses.replace(
-            doc.lease,
-            owner_id="web-2/311/9f1c2d3e",
-            released=False,
-            heartbeat_at=renewed,
-            expires_at=renewed + dt.timedelta(seconds=120),
-        )
-        store.write(
-            "orders", docmod.dumps(dataclasses.replace(doc, lease=lease)), if_match=stored.etag
-        )
-        assert trigger.tick_result(lambda events: None).outcome == "lease_busy"
-        assert trigger.last_result is not None
-        return trigger.last_result
+        return _held_elsewhere(store, trigger, renewed_ago=renewed_ago)
 
     cadence = QuietCadence()
     assert _level(cadence, held(5))[0] == logging.INFO
@@ -227,27 +246,7 @@ def test_a_holder_renewing_a_hung_batch_is_said_at_info_by_the_waiting_workers()
     source.put({"id": 2, "seq": 2})
 
     def held(batch_began_ago: float) -> TickResult:
-        stored = store.read("orders")
-        assert stored is not None
-        doc = docmod.loads(stored.data)
-        assert doc.lease is not None
-        assert doc.checkpoint is not None
-        now = dt.datetime.now(dt.timezone.utc)
-        began = now - dt.timedelta(seconds=batch_began_ago)
-        lease = dataclasses.replace(
-            doc.lease,
-            owner_id="web-2/311/9f1c2d3e",
-            released=False,
-            acquired_at=began,
-            heartbeat_at=now - dt.timedelta(seconds=5),
-            expires_at=now + dt.timedelta(seconds=115),
-        )
-        checkpoint = dataclasses.replace(doc.checkpoint, updated_at=began)
-        changed = dataclasses.replace(doc, lease=lease, checkpoint=checkpoint)
-        store.write("orders", docmod.dumps(changed), if_match=stored.etag)
-        assert trigger.tick_result(lambda events: None).outcome == "lease_busy"
-        assert trigger.last_result is not None
-        return trigger.last_result
+        return _held_elsewhere(store, trigger, batch_began_ago=batch_began_ago)
 
     cadence = QuietCadence()
     assert _level(cadence, held(30))[0] == logging.INFO
